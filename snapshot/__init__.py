@@ -1,0 +1,48 @@
+"""statesnap: snapshots of a PyTorch application's whole state, to local disk or object storage.
+
+Public API: :class:`Snapshot`, :class:`StateDict`, :class:`RNGState`, :class:`Stateful` and the
+errors below :class:`SnapshotError`.
+"""
+
+from snapshot.errors import (
+    CorruptSnapshotError,
+    EntryNotFoundError,
+    IncompatibleSnapshotError,
+    IncompleteSnapshotError,
+    NotStatefulError,
+    ShapeMismatchError,
+    SnapshotError,
+    SnapshotExistsError,
+    SnapshotNotFoundError,
+    StatefulError,
+    StateMismatchError,
+    StorageError,
+    UnsafeObjectError,
+    UnsupportedValueError,
+)
+from snapshot.snapshot import Snapshot
+from snapshot.stateful import RNGState, StateDict, Stateful
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CorruptSnapshotError",
+    "EntryNotFoundError",
+    "IncompatibleSnapshotError",
+    "IncompleteSnapshotError",
+    "NotStatefulError",
+    "RNGState",
+    "ShapeMismatchError",
+    "Snapshot",
+    "SnapshotError",
+    "SnapshotExistsError",
+    "SnapshotNotFoundError",
+    "StateDict",
+    "StateMismatchError",
+    "Stateful",
+    "StatefulError",
+    "StorageError",
+    "UnsafeObjectError",
+    "UnsupportedValueError",
+    "__version__",
+]

@@ -1,0 +1,60 @@
+"""The library's errors: one root, ``SnapshotError``, and a few precise kinds below it."""
+
+from __future__ import annotations
+
+
+class SnapshotError(Exception):
+    """Root of every error the library raises on purpose."""
+
+
+class SnapshotNotFoundError(SnapshotError):
+    """No committed snapshot exists at the path."""
+
+
+class IncompleteSnapshotError(SnapshotNotFoundError):
+    """The path holds the debris of a take that never committed (it was interrupted or failed)."""
+
+
+class SnapshotExistsError(SnapshotError):
+    """``take`` was pointed at a path that already holds a committed snapshot."""
+
+
+class CorruptSnapshotError(SnapshotError):
+    """The snapshot's bytes are not what its manifest says: unreadable manifest, missing or
+    wrongly sized blob, undecodable object."""
+
+
+class IncompatibleSnapshotError(SnapshotError):
+    """The snapshot was written in a format this version of the library cannot read."""
+
+
+class UnsafeObjectError(SnapshotError):
+    """An object in the snapshot would need code execution, or a type not allowed, to load."""
+
+
+class StateMismatchError(SnapshotError):
+    """The state being restored does not fit the snapshot (a key or path the snapshot lacks)."""
+
+
+class ShapeMismatchError(StateMismatchError):
+    """A tensor in the snapshot and its restore target differ in shape."""
+
+
+class EntryNotFoundError(StateMismatchError):
+    """``read_object`` was asked for a path the manifest does not have."""
+
+
+class NotStatefulError(SnapshotError):
+    """An ``app_state`` value lacks ``state_dict()`` / ``load_state_dict()``."""
+
+
+class StatefulError(SnapshotError):
+    """A user object's ``state_dict()`` or ``load_state_dict()`` raised."""
+
+
+class UnsupportedValueError(SnapshotError):
+    """A value cannot be snapshotted (a tensor without data, on a device that cannot be read...)."""
+
+
+class StorageError(SnapshotError):
+    """The storage failed to write or read a blob; the original error is chained."""

@@ -1,0 +1,409 @@
+"""The steps of take, restore and read_object, in order; the Snapshot facade calls these."""
+
+from __future__ import annotations
+
+import difflib
+import logging
+import os
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+import manifest as mf
+from manifest import Entry, Manifest, ObjectEntry, PrimitiveEntry, TensorEntry
+from snapshot import knobs
+from snapshot.dist import Coordinator
+from snapshot.errors import (
+    CorruptSnapshotError,
+    EntryNotFoundError,
+    IncompatibleSnapshotError,
+    IncompleteSnapshotError,
+    NotStatefulError,
+    SnapshotError,
+    SnapshotExistsError,
+    SnapshotNotFoundError,
+    StatefulError,
+    StateMismatchError,
+    StorageError,
+)
+from snapshot.flatten import Leaf, escape_key, flatten, inflate, subtree
+from snapshot.planner import (
+    PrepareFunc,
+    TakePlan,
+    is_dense_tensor,
+    plan_object_read,
+    plan_take,
+    plan_tensor_read,
+)
+from snapshot.scheduler import (
+    IOStats,
+    ReadRequest,
+    WritePipeline,
+    call,
+    open_storage,
+    read_all,
+    run,
+)
+from snapshot.stateful import RNGState, Stateful
+from storage_plugins import StoragePlugin
+
+logger = logging.getLogger("snapshot")
+
+MANIFEST_NAME = "manifest.yaml"
+# Written before the first blob and deleted after the commit: its presence without a manifest
+# means a take was interrupted.
+PENDING_NAME = ".statesnap-pending"
+
+LIBRARY_VERSION = "0.1.0"
+
+
+def _ordered_keys(app_state: Mapping[str, Any]) -> list[str]:
+    """app_state keys with RNGState values last, so capturing or restoring the other objects
+    cannot move the generators after their state is taken or set."""
+    keys = list(app_state)
+    return [k for k in keys if not isinstance(app_state[k], RNGState)] + [
+        k for k in keys if isinstance(app_state[k], RNGState)
+    ]
+
+
+def check_app_state(app_state: Any) -> None:
+    if not isinstance(app_state, Mapping):
+        raise NotStatefulError(
+            f"app_state must be a dict of name -> Stateful, got {type(app_state).__name__}"
+        )
+    for key, value in app_state.items():
+        if type(key) is not str:
+            raise NotStatefulError(f"app_state key {key!r} is not a str")
+        if not isinstance(value, Stateful):
+            raise NotStatefulError(
+                f"app_state[{key!r}] is a {type(value).__name__}, which has no state_dict() and "
+                "load_state_dict(); wrap plain values in snapshot.StateDict"
+            )
+
+
+def _state_dict(key: str, value: Stateful) -> Any:
+    try:
+        return value.state_dict()
+    except Exception as e:
+        raise StatefulError(
+            f"app_state[{key!r}].state_dict() raised {type(e).__name__}: {e}"
+        ) from e
+
+
+def _describe(plugin: StoragePlugin) -> str:
+    return plugin.describe("").rstrip("/")
+
+
+# ---------------------------------------------------------------------------------------------
+# Take.
+
+
+def take(
+    path: str,
+    app_state: Mapping[str, Any],
+    *,
+    coordinator: Coordinator,
+    replicated: Sequence[str],
+    storage_options: dict[str, Any] | None,
+    prepare: PrepareFunc | None,
+) -> Manifest:
+    """Writes every blob of ``app_state``, then commits the manifest. Returns the manifest."""
+    check_app_state(app_state)
+    if isinstance(replicated, str) or not all(isinstance(g, str) for g in replicated):
+        raise SnapshotError(f"replicated must be a list of glob strings, got {replicated!r}")
+    t0 = time.perf_counter()
+    states = [(k, _state_dict(k, app_state[k])) for k in _ordered_keys(app_state)]
+    plan = plan_take(
+        ((escape_key(k), sd) for k, sd in states),
+        rank=coordinator.rank,
+        prepare=prepare,
+        replicated=replicated,
+        inline_max_bytes=knobs.inline_max_bytes(),
+    )
+    t_plan = time.perf_counter()
+    with open_storage(path, storage_options) as plugin:
+        where = _describe(plugin)
+        if run(call(plugin, "check", MANIFEST_NAME, where, plugin.exists(MANIFEST_NAME))):
+            raise SnapshotExistsError(
+                f"{where} already holds a snapshot; take a new one at another path, "
+                "or delete this one first"
+            )
+        marker = f"pid {os.getpid()} started {time.time():.3f}\n".encode()
+        run(call(plugin, "write", PENDING_NAME, where, plugin.write(PENDING_NAME, [marker])))
+        stats = _write_blobs(plugin, plan)
+        t_write = time.perf_counter()
+        result = Manifest(
+            world_size=coordinator.world_size,
+            entries=plan.entries,
+            metadata={
+                "library": f"statesnap {LIBRARY_VERSION}",
+                "torch": str(torch.__version__),
+                "created_unix": round(time.time(), 3),
+            },
+        )
+        try:
+            run(_commit(plugin, mf.dumps(result)))
+        except BaseException:
+            _discard(plugin, [w.blob for w in plan.writes])
+            raise
+    t_end = time.perf_counter()
+    logger.info(
+        "took snapshot %s: %d entries, %d blobs, %.1f MB in %.3f s (%.2f GB/s)",
+        where, len(plan.entries), stats.blobs, stats.nbytes / 1e6, t_end - t0,
+        stats.nbytes / max(t_end - t0, 1e-9) / 1e9,
+    )  # fmt: skip
+    logger.debug(
+        "take %s phases: state_dict+plan %.3f s, write %.3f s (%.2f GB/s, peak staged %d B), "
+        "commit %.3f s",
+        where, t_plan - t0, t_write - t_plan, stats.gbps, stats.peak_budget_bytes, t_end - t_write,
+    )  # fmt: skip
+    return result
+
+
+def _write_blobs(plugin: StoragePlugin, plan: TakePlan) -> IOStats:
+    pipeline = WritePipeline(
+        plugin,
+        budget_bytes=knobs.memory_budget_bytes(),
+        max_concurrency=knobs.max_concurrent_io(),
+        batch_bytes=knobs.write_batch_bytes(),
+    )
+    try:
+        for request in plan.writes:
+            pipeline.submit(request)
+    except BaseException as e:
+        pipeline.abort(e)
+        _discard(plugin, [w.blob for w in plan.writes])
+        raise
+    try:
+        return pipeline.finish()
+    except BaseException:
+        _discard(plugin, [w.blob for w in plan.writes])
+        raise
+
+
+def _discard(plugin: StoragePlugin, blobs: Iterable[str]) -> None:
+    """Best effort: removes what a failed take wrote, then its pending marker."""
+
+    async def remove(blob: str) -> None:
+        try:
+            await plugin.delete(blob)
+        except FileNotFoundError:
+            pass
+
+    async def remove_all() -> None:
+        for blob in blobs:
+            await remove(blob)
+        await remove(PENDING_NAME)
+
+    try:
+        run(remove_all())
+    except Exception:
+        logger.warning("could not remove the blobs of a failed take", exc_info=True)
+
+
+async def _commit(plugin: StoragePlugin, manifest_bytes: bytes) -> None:
+    """Makes the snapshot visible: blobs durable, then the manifest, then the manifest durable.
+
+    Nothing before the manifest's write makes the snapshot visible; a crash at any point leaves
+    either no manifest (an incomplete snapshot) or a complete one.
+    """
+    where = _describe(plugin)
+    await call(plugin, "sync", "", where, plugin.sync())
+    await call(plugin, "write", MANIFEST_NAME, where, plugin.write(MANIFEST_NAME, [manifest_bytes]))
+    await call(plugin, "sync", "", where, plugin.sync())
+    try:
+        await plugin.delete(PENDING_NAME)
+    except FileNotFoundError:
+        pass
+    except OSError:
+        logger.warning("snapshot %s committed, but its pending marker could not be removed", where)
+
+
+# ---------------------------------------------------------------------------------------------
+# Opening a snapshot.
+
+
+def load_manifest(path: str, storage_options: dict[str, Any] | None) -> Manifest:
+    """Reads and decodes the committed manifest at ``path``."""
+    with open_storage(path, storage_options) as plugin:
+        where = _describe(plugin)
+
+        async def fetch() -> bytes | None:
+            try:
+                return await plugin.read(MANIFEST_NAME)
+            except FileNotFoundError:
+                if await plugin.exists(PENDING_NAME):
+                    raise IncompleteSnapshotError(
+                        f"{where} holds an incomplete snapshot: a take started there but never "
+                        "committed (it was interrupted or failed). Its blobs are not usable; "
+                        "taking a new snapshot at this path replaces them."
+                    ) from None
+                return None
+
+        try:
+            data = run(fetch())
+        except SnapshotError:
+            raise
+        except Exception as e:
+            raise StorageError(f"cannot read the manifest of {where}: {e}") from e
+        if data is None:
+            raise SnapshotNotFoundError(f"no snapshot at {where} (no {MANIFEST_NAME} there)")
+    try:
+        return mf.loads(data, source=f"{where}/{MANIFEST_NAME}")
+    except mf.UnsupportedFormatError as e:
+        raise IncompatibleSnapshotError(str(e)) from None
+    except mf.ManifestDecodeError as e:
+        raise CorruptSnapshotError(str(e)) from None
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading.
+
+
+class _Loader:
+    """Collects the reads that rebuild a set of manifest entries, runs them, and inflates."""
+
+    def __init__(self, entries: Mapping[str, Entry], tile_bytes: int) -> None:
+        self.entries = entries
+        self.tile_bytes = tile_bytes
+        self.requests: list[ReadRequest] = []
+        self.tensors: dict[str, Any] = {}
+        self.objects: dict[str, Any] = {}
+
+    def add(self, path: str, target: Any = None) -> None:
+        """Plans the read of leaf entry ``path``; a tensor ``target`` is filled in place."""
+        entry = self.entries[path]
+        if isinstance(entry, TensorEntry):
+            t = target if isinstance(target, torch.Tensor) and is_dense_tensor(target) else None
+            read = plan_tensor_read(path, entry, t, self.tile_bytes)
+            self.requests.extend(read.requests)
+            self.tensors[path] = read.result
+        elif isinstance(entry, ObjectEntry):
+            self.requests.append(plan_object_read(path, entry, self.objects))
+
+    def add_subtree(self, root: str, targets: Mapping[str, Any]) -> None:
+        for p in subtree(self.entries, root):
+            entry = self.entries.get(p)
+            if entry is None:
+                raise CorruptSnapshotError(
+                    f"{p}: listed by its parent but missing from the manifest"
+                )
+            if not mf.is_container(entry):
+                self.add(p, targets.get(p))
+
+    def execute(self, plugin: StoragePlugin, budget_bytes: int) -> IOStats:
+        return run(
+            read_all(
+                plugin,
+                self.requests,
+                budget_bytes=budget_bytes,
+                max_concurrency=knobs.max_concurrent_io(),
+            )
+        )
+
+    def value(self, path: str, entry: Entry) -> Any:
+        if isinstance(entry, PrimitiveEntry):
+            return entry.value
+        if isinstance(entry, TensorEntry):
+            return self.tensors[path]()
+        return self.objects[path]
+
+    def inflate(self, root: str) -> Any:
+        try:
+            return inflate(self.entries, root, self.value)
+        except KeyError as e:
+            raise CorruptSnapshotError(f"{root}: entry {e} is missing from the manifest") from None
+        except RecursionError:
+            raise CorruptSnapshotError(f"{root}: containers nested too deeply to rebuild") from None
+
+
+def restore(
+    manifest: Manifest,
+    app_state: Mapping[str, Any],
+    *,
+    path: str,
+    coordinator: Coordinator,
+    storage_options: dict[str, Any] | None,
+) -> None:
+    """Loads each app_state value's entries in place, then calls its ``load_state_dict``."""
+    check_app_state(app_state)
+    t0 = time.perf_counter()
+    entries = manifest.entries
+    rank_prefix = f"{coordinator.rank}/"
+    keys = _ordered_keys(app_state)
+    roots = {k: rank_prefix + escape_key(k) for k in keys}
+    missing = [k for k in keys if roots[k] not in entries]
+    if missing:
+        available = sorted(
+            {p[len(rank_prefix) :].split("/", 1)[0] for p in entries if p.startswith(rank_prefix)}
+        )
+        raise StateMismatchError(
+            f"snapshot {path} has no app_state key(s) {missing}; it holds {available}"
+        )
+    budget = knobs.memory_budget_bytes()
+    loader = _Loader(entries, tile_bytes=_tile_bytes(budget))
+    for key in keys:
+        targets = {
+            p: node.value
+            for p, node in flatten(_state_dict(key, app_state[key]), roots[key])
+            if isinstance(node, Leaf)
+        }
+        loader.add_subtree(roots[key], targets)
+    t_plan = time.perf_counter()
+    with open_storage(path, storage_options) as plugin:
+        stats = loader.execute(plugin, budget)
+    t_read = time.perf_counter()
+    for key in keys:
+        value = loader.inflate(roots[key])
+        try:
+            app_state[key].load_state_dict(value)
+        except Exception as e:
+            raise StatefulError(
+                f"app_state[{key!r}].load_state_dict() raised {type(e).__name__}: {e}"
+            ) from e
+    t_end = time.perf_counter()
+    logger.info(
+        "restored %s from %s: %.1f MB in %.3f s (%.2f GB/s)",
+        keys, path, stats.nbytes / 1e6, t_end - t0, stats.nbytes / max(t_end - t0, 1e-9) / 1e9,
+    )  # fmt: skip
+    logger.debug(
+        "restore %s phases: state_dict+plan %.3f s, read %.3f s (%d blobs, %.2f GB/s, peak "
+        "scratch %d B), load_state_dict %.3f s",
+        path, t_plan - t0, t_read - t_plan, stats.blobs, stats.gbps, stats.peak_budget_bytes,
+        t_end - t_read,
+    )  # fmt: skip
+
+
+def _tile_bytes(budget: int) -> int:
+    # Two tiles per worker can be in flight; keep their sum within the budget.
+    return max(1, budget // (2 * knobs.max_concurrent_io()))
+
+
+def read_object(
+    manifest: Manifest,
+    logical_path: str,
+    obj_out: Any,
+    memory_budget_bytes: int | None,
+    *,
+    path: str,
+    storage_options: dict[str, Any] | None,
+) -> Any:
+    """Reads the entry at ``logical_path`` (and everything below it, for a container)."""
+    entries = manifest.entries
+    entry = entries.get(logical_path)
+    if entry is None:
+        close = difflib.get_close_matches(logical_path, list(entries), n=3)
+        hint = f"; did you mean {close}?" if close else "; see get_manifest() for the paths"
+        raise EntryNotFoundError(f"snapshot {path} has no entry {logical_path!r}{hint}")
+    if memory_budget_bytes is not None and memory_budget_bytes < 1:
+        raise ValueError(f"memory_budget_bytes must be positive, got {memory_budget_bytes}")
+    budget = memory_budget_bytes or knobs.memory_budget_bytes()
+    tile = memory_budget_bytes or _tile_bytes(budget)
+    loader = _Loader(entries, tile_bytes=tile)
+    loader.add_subtree(logical_path, {logical_path: obj_out})
+    if loader.requests:
+        with open_storage(path, storage_options) as plugin:
+            loader.execute(plugin, budget)
+    return loader.inflate(logical_path)

@@ -1,0 +1,450 @@
+"""The one path to storage: a byte-budgeted, pipelined stage -> write and read -> consume engine.
+
+Every blob the library writes or reads goes through this module. It owns the event loop (one
+background thread per process, "statesnap-io"), so that callers need no loop of their own and can
+call the library from inside one (a notebook, say).
+
+Writes are a pipeline across two threads: the caller's thread stages each request (a zero-copy
+view of CPU memory, or a copy when one is needed) under a byte budget, and hands staged batches to
+the I/O loop, whose workers write them while the caller stages the next ones. Reads run on the I/O
+loop: workers read straight into destination memory, or into budgeted scratch memory that a
+callback consumes (a dtype cast, an object decode).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import threading
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from snapshot.errors import CorruptSnapshotError, SnapshotError, StorageError
+from storage_plugins import Buffer, StoragePlugin, url_to_storage_plugin
+
+logger = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
+
+# ---------------------------------------------------------------------------------------------
+# The I/O loop.
+
+
+class _LoopThread:
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self._run, name="statesnap-io", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.run_forever()
+
+
+_loop_thread: _LoopThread | None = None
+_loop_lock = threading.Lock()
+
+
+def io_loop() -> asyncio.AbstractEventLoop:
+    """The library's event loop, started on first use (and again in a forked child)."""
+    global _loop_thread
+    with _loop_lock:
+        if _loop_thread is None or _loop_thread.pid != os.getpid():
+            _loop_thread = _LoopThread()
+        return _loop_thread.loop
+
+
+def run(coro: Coroutine[Any, Any, _T]) -> _T:
+    """Runs ``coro`` on the I/O loop and waits for its result, from any thread but the loop's."""
+    loop = io_loop()
+    if _loop_thread is not None and threading.current_thread() is _loop_thread.thread:
+        coro.close()
+        raise RuntimeError("snapshot I/O called from the I/O loop itself; this would deadlock")
+    future = asyncio.run_coroutine_threadsafe(coro, loop)
+    try:
+        return future.result()
+    except BaseException:
+        future.cancel()  # KeyboardInterrupt in the caller: stop the work, don't leave it running
+        raise
+
+
+@contextmanager
+def open_storage(url: str, storage_options: dict[str, Any] | None) -> Iterator[StoragePlugin]:
+    """A storage plugin for ``url``, built on the I/O loop and closed on exit."""
+
+    async def make() -> StoragePlugin:
+        return url_to_storage_plugin(url, storage_options)
+
+    try:
+        plugin = run(make())
+    except (ValueError, TypeError, ImportError) as e:
+        raise StorageError(f"cannot open storage for {url!r}: {e}") from e
+    try:
+        yield plugin
+    finally:
+        run(plugin.close())
+
+
+# ---------------------------------------------------------------------------------------------
+# The byte budget.
+
+
+class ByteBudget:
+    """Bytes of memory that may be held at once, shared by the caller's thread and the I/O loop.
+
+    A request larger than the whole budget is admitted when nothing else is held, so it runs
+    alone rather than never. ``abort`` wakes every waiter with an error.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = max(1, capacity)
+        self._used = 0
+        self._peak = 0
+        self._cond = threading.Condition()
+        self._async_waiters: deque[tuple[int, asyncio.AbstractEventLoop, asyncio.Future[None]]] = (
+            deque()
+        )
+        self._error: BaseException | None = None
+
+    @property
+    def peak(self) -> int:
+        """The most bytes held at once so far."""
+        return self._peak
+
+    def _fits(self, n: int) -> bool:
+        return self._used == 0 or self._used + n <= self.capacity
+
+    def _take(self, n: int) -> None:
+        self._used += n
+        self._peak = max(self._peak, self._used)
+
+    def try_acquire(self, n: int) -> bool:
+        with self._cond:
+            if self._error is not None:
+                raise self._error
+            if n == 0 or (not self._async_waiters and self._fits(n)):
+                self._take(n)
+                return True
+            return False
+
+    def acquire(self, n: int) -> None:
+        """Blocks the calling thread until ``n`` bytes fit."""
+        with self._cond:
+            while self._error is None and not (n == 0 or self._fits(n)):
+                self._cond.wait()
+            if self._error is not None:
+                raise self._error
+            self._take(n)
+
+    async def acquire_async(self, n: int) -> None:
+        """Waits on the running loop until ``n`` bytes fit."""
+        if self.try_acquire(n):
+            return
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[None] = loop.create_future()
+        with self._cond:
+            if self._error is not None:
+                raise self._error
+            if self._fits(n) and not self._async_waiters:
+                self._take(n)
+                return
+            self._async_waiters.append((n, loop, future))
+        await future
+
+    def release(self, n: int) -> None:
+        with self._cond:
+            self._used -= n
+            self._cond.notify_all()
+            while self._async_waiters and self._fits(self._async_waiters[0][0]):
+                want, loop, future = self._async_waiters.popleft()
+                self._take(want)
+                loop.call_soon_threadsafe(self._grant, future, want)
+
+    def _grant(self, future: asyncio.Future[None], n: int) -> None:
+        if future.cancelled():
+            self.release(n)  # the waiter gave up after being granted: hand the bytes back
+        else:
+            future.set_result(None)
+
+    def abort(self, error: BaseException) -> None:
+        with self._cond:
+            if self._error is None:
+                self._error = error
+            self._cond.notify_all()
+            waiters, self._async_waiters = self._async_waiters, deque()
+        for _, loop, future in waiters:
+            loop.call_soon_threadsafe(_fail_future, future, error)
+
+
+def _fail_future(future: asyncio.Future[None], error: BaseException) -> None:
+    if not future.done():
+        future.set_exception(error)
+
+
+# ---------------------------------------------------------------------------------------------
+# Requests.
+
+
+@dataclass(slots=True)
+class WriteRequest:
+    """One blob to write.
+
+    ``stage`` runs on the caller's thread and returns the buffers to write (their concatenation
+    is the blob, ``nbytes`` long) and an object to keep alive until the write is done (the tensor
+    the buffers view). ``staging_bytes`` is the memory ``stage`` allocates, held against the
+    budget until the write completes: 0 for zero-copy views.
+    """
+
+    blob: str
+    nbytes: int
+    staging_bytes: int
+    stage: Callable[[], tuple[Sequence[Buffer], object]]
+    label: str
+
+
+@dataclass(frozen=True, slots=True)
+class Piece:
+    """``nbytes`` bytes at ``offset`` of ``blob``, landing at ``dest_offset`` of a destination."""
+
+    blob: str
+    offset: int
+    nbytes: int
+    dest_offset: int
+
+
+@dataclass(slots=True)
+class ReadRequest:
+    """Byte ranges to read into one destination, then consume.
+
+    ``into`` returns the destination, at least as long as the pieces reach; each piece lands at
+    its ``dest_offset``; ``done`` runs after every piece has landed. ``scratch_bytes`` is the
+    memory ``into`` allocates that ``done`` frees (0 when reading straight into a destination
+    tensor). Both callbacks run on the I/O loop.
+    """
+
+    pieces: tuple[Piece, ...]
+    scratch_bytes: int
+    into: Callable[[], memoryview]
+    done: Callable[[], None] | None
+    label: str
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.pieces)
+
+
+@dataclass(frozen=True, slots=True)
+class IOStats:
+    """What a batch of requests moved."""
+
+    blobs: int
+    nbytes: int
+    seconds: float
+    peak_budget_bytes: int
+
+    @property
+    def gbps(self) -> float:
+        return self.nbytes / self.seconds / 1e9 if self.seconds > 0 else float("inf")
+
+
+def _storage_error(
+    plugin: StoragePlugin, verb: str, blob: str, label: str, e: Exception
+) -> Exception:
+    where = plugin.describe(blob)
+    if isinstance(e, SnapshotError):
+        return e
+    if verb == "read" and isinstance(e, FileNotFoundError):
+        return CorruptSnapshotError(f"{label}: blob {where} is missing")
+    if verb == "read" and isinstance(e, EOFError):
+        return CorruptSnapshotError(
+            f"{label}: blob {where} is shorter than the manifest says ({e})"
+        )
+    return StorageError(f"{label}: failed to {verb} blob {where}: {type(e).__name__}: {e}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Writes.
+
+
+class WritePipeline:
+    """Stages write requests on the caller's thread and writes them on the I/O loop.
+
+    Call sequence (caller's thread): ``submit`` any number of times, then ``finish`` once (or
+    ``abort`` on failure). ``submit`` blocks only while the staging budget is full.
+    """
+
+    _BATCH_ITEMS = 256
+
+    def __init__(
+        self,
+        plugin: StoragePlugin,
+        *,
+        budget_bytes: int,
+        max_concurrency: int,
+        batch_bytes: int,
+    ) -> None:
+        self._plugin = plugin
+        self._loop = io_loop()
+        self.budget = ByteBudget(budget_bytes)
+        self._batch: list[tuple[WriteRequest, Sequence[Buffer], object]] = []
+        self._batch_bytes = 0
+        self._batch_limit = batch_bytes
+        self._error: BaseException | None = None
+        self._nbytes = 0
+        self._blobs = 0
+        self._start = time.perf_counter()
+        self._queue: asyncio.Queue[tuple[WriteRequest, Sequence[Buffer], object] | None]
+        self._workers: list[asyncio.Task[None]] = []
+        self._concurrency = max_concurrency
+        run(self._start_workers())
+
+    async def _start_workers(self) -> None:
+        self._queue = asyncio.Queue()
+        self._workers = [asyncio.create_task(self._worker()) for _ in range(self._concurrency)]
+
+    async def _worker(self) -> None:
+        while True:
+            item = await self._queue.get()
+            if item is None:
+                return
+            req, buffers, _keepalive = item
+            try:
+                if self._error is None:
+                    await self._plugin.write(req.blob, buffers)
+                    self._nbytes += req.nbytes
+                    self._blobs += 1
+            except Exception as e:
+                self._fail(_storage_error(self._plugin, "write", req.blob, req.label, e))
+            finally:
+                self.budget.release(req.staging_bytes)
+
+    def _fail(self, error: BaseException) -> None:
+        if self._error is None:
+            self._error = error
+        self.budget.abort(self._error)
+
+    def _enqueue(self, batch: list[tuple[WriteRequest, Sequence[Buffer], object]]) -> None:
+        for item in batch:
+            self._queue.put_nowait(item)
+
+    def _flush(self) -> None:
+        if self._batch:
+            batch, self._batch, self._batch_bytes = self._batch, [], 0
+            self._loop.call_soon_threadsafe(self._enqueue, batch)
+
+    def submit(self, req: WriteRequest) -> None:
+        """Stages ``req`` (waiting for budget if needed) and queues its write."""
+        if self._error is not None:
+            raise self._error
+        if not self.budget.try_acquire(req.staging_bytes):
+            self._flush()  # what is staged must start writing, or the budget never frees
+            self.budget.acquire(req.staging_bytes)
+        try:
+            buffers, keepalive = req.stage()
+        except BaseException:
+            self.budget.release(req.staging_bytes)
+            raise
+        self._batch.append((req, buffers, keepalive))
+        self._batch_bytes += req.nbytes
+        if self._batch_bytes >= self._batch_limit or len(self._batch) >= self._BATCH_ITEMS:
+            self._flush()
+
+    async def _drain(self) -> None:
+        for _ in self._workers:
+            self._queue.put_nowait(None)
+        await asyncio.gather(*self._workers)
+
+    def finish(self) -> IOStats:
+        """Waits until every queued write is done; raises the first error any of them met."""
+        self._flush()
+        run(self._drain())
+        if self._error is not None:
+            raise self._error
+        return IOStats(
+            blobs=self._blobs,
+            nbytes=self._nbytes,
+            seconds=time.perf_counter() - self._start,
+            peak_budget_bytes=self.budget.peak,
+        )
+
+    def abort(self, error: BaseException) -> None:
+        """Stops writing (what is queued is dropped) and waits for the workers to stop."""
+        self._batch = []
+        self._loop.call_soon_threadsafe(self._fail, error)
+        try:
+            run(self._drain())
+        except Exception:  # the workers record errors; nothing more to report here
+            logger.debug("error while draining aborted writes", exc_info=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Reads.
+
+
+async def read_all(
+    plugin: StoragePlugin,
+    requests: Iterable[ReadRequest],
+    *,
+    budget_bytes: int,
+    max_concurrency: int,
+) -> IOStats:
+    """Performs every read request on the running loop; the first error stops the rest."""
+    budget = ByteBudget(budget_bytes)
+    pending = iter(requests)
+    totals = [0, 0]
+    error: list[BaseException] = []
+    start = time.perf_counter()
+
+    async def worker() -> None:
+        for req in pending:
+            if error:
+                return
+            try:
+                await budget.acquire_async(req.scratch_bytes)
+            except BaseException as e:  # the budget was aborted by another worker's error
+                if not error:
+                    error.append(e)
+                return
+            try:
+                out = req.into()
+                for piece in req.pieces:
+                    dest = out[piece.dest_offset : piece.dest_offset + piece.nbytes]
+                    try:
+                        await plugin.read_into(piece.blob, piece.offset, dest)
+                    except Exception as e:
+                        raise _storage_error(plugin, "read", piece.blob, req.label, e) from e
+                if req.done is not None:
+                    req.done()
+                totals[0] += 1
+                totals[1] += req.nbytes
+            except BaseException as e:
+                if not error:
+                    error.append(e)
+                budget.abort(e)
+                return
+            finally:
+                budget.release(req.scratch_bytes)
+
+    await asyncio.gather(*(worker() for _ in range(max_concurrency)))
+    if error:
+        raise error[0]
+    return IOStats(
+        blobs=totals[0],
+        nbytes=totals[1],
+        seconds=time.perf_counter() - start,
+        peak_budget_bytes=budget.peak,
+    )
+
+
+async def call(plugin: StoragePlugin, verb: str, blob: str, label: str, op: Awaitable[_T]) -> _T:
+    """Awaits one plugin call, turning its errors into the library's."""
+    try:
+        return await op
+    except Exception as e:
+        raise _storage_error(plugin, verb, blob, label, e) from e

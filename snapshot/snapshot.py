@@ -1,0 +1,163 @@
+"""The public face: Snapshot.take / restore / read_object / get_manifest."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+
+from manifest import Entry, Manifest
+from snapshot import dist, operations
+
+T = TypeVar("T")
+
+
+class Snapshot:
+    """A committed snapshot of an application's state.
+
+    Create one with :meth:`Snapshot.take`, or reference an existing one with
+    ``Snapshot(path)``, which reads its manifest at once.
+
+    Args:
+        path: where the snapshot is: a local path, or a URL whose prefix (``memory://``,
+            ``s3://``, any fsspec protocol) picks the storage plugin.
+        pg: the process group restoring the snapshot; None for the default group when
+            ``torch.distributed`` is initialized, else this process alone.
+        storage_options: options for the storage plugin (credentials, endpoints, ``fsync``...).
+
+    Raises:
+        SnapshotNotFoundError: no committed snapshot at ``path``
+            (:class:`IncompleteSnapshotError` when a take started there but never committed).
+        CorruptSnapshotError: the manifest cannot be decoded.
+        IncompatibleSnapshotError: the manifest is of a newer format.
+    """
+
+    def __init__(
+        self,
+        path: str,
+        pg: Any | None = None,
+        storage_options: dict[str, Any] | None = None,
+        *,
+        _manifest: Manifest | None = None,
+    ) -> None:
+        self.path = path
+        self.pg = pg
+        self.storage_options = storage_options
+        self._manifest = (
+            _manifest if _manifest is not None else operations.load_manifest(path, storage_options)
+        )
+
+    def __repr__(self) -> str:
+        return f"Snapshot(path={self.path!r})"
+
+    @classmethod
+    def take(
+        cls,
+        path: str,
+        app_state: dict[str, Any],
+        pg: Any | None = None,
+        replicated: list[str] | None = None,
+        storage_options: dict[str, Any] | None = None,
+        _custom_tensor_prepare_func: Callable[[str, torch.Tensor, bool], torch.Tensor]
+        | None = None,
+    ) -> Snapshot:
+        """Takes a snapshot of ``app_state`` at ``path`` and returns it once committed.
+
+        Args:
+            path: where to write (see the class); must not hold a committed snapshot already.
+            app_state: name -> Stateful (``nn.Module``, optimizer, LR scheduler,
+                :class:`StateDict`, :class:`RNGState`, anything with ``state_dict()`` and
+                ``load_state_dict()``).
+            pg: the participating process group (see the class).
+            replicated: glob patterns of logical paths (``"model/**"``) whose values are the
+                same on every rank; their entries are marked replicated.
+            storage_options: options for the storage plugin.
+            _custom_tensor_prepare_func: ``f(logical_path, tensor, tracing) -> tensor`` applied
+                to each tensor before it is written (to cast to bf16, say). It is called once
+                with ``tracing=True`` while planning (only the result's dtype and shape are
+                used) and once with ``tracing=False`` when writing; both must agree. The
+                manifest records the prepared tensor's dtype and shape.
+
+        Raises:
+            NotStatefulError: an app_state value is not Stateful.
+            SnapshotExistsError: ``path`` already holds a committed snapshot.
+            StatefulError: a ``state_dict()`` raised.
+            UnsupportedValueError: a value cannot be stored (a tensor on the meta device...).
+            StorageError: the storage failed; nothing was committed.
+        """
+        coordinator = dist.resolve(pg)
+        manifest = operations.take(
+            path,
+            app_state,
+            coordinator=coordinator,
+            replicated=replicated or [],
+            storage_options=storage_options,
+            prepare=_custom_tensor_prepare_func,
+        )
+        return cls(path, pg, storage_options, _manifest=manifest)
+
+    def restore(self, app_state: dict[str, Any]) -> None:
+        """Restores ``app_state`` (the one taken, or a subset of its keys) from the snapshot.
+
+        Tensors are loaded in place into the tensors that each value's ``state_dict()`` returns
+        (cast like ``Tensor.copy_`` when dtypes differ); then each value's ``load_state_dict`` is
+        called with the restored state, :class:`RNGState` values last. Only the entries of the
+        given keys are read.
+
+        Raises:
+            StateMismatchError: a key is not in the snapshot;
+                :class:`ShapeMismatchError` when a tensor's shape differs (nothing is read then).
+            CorruptSnapshotError: a blob is missing, short, or undecodable.
+            UnsafeObjectError: an object would need a type that is not allowed to load.
+            StatefulError: a ``state_dict()`` or ``load_state_dict()`` raised.
+        """
+        operations.restore(
+            self._manifest,
+            app_state,
+            path=self.path,
+            coordinator=dist.resolve(self.pg),
+            storage_options=self.storage_options,
+        )
+
+    def read_object(
+        self,
+        path: str,
+        obj_out: T | None = None,
+        memory_budget_bytes: int | None = None,
+    ) -> T:
+        """Reads one object of the snapshot by its manifest path (``"0/model/layer.weight"``).
+
+        Args:
+            path: a key of :meth:`get_manifest`; a container's path returns the whole container.
+            obj_out: a tensor to load into in place (cast if its dtype differs; its shape must
+                match). Ignored for values that cannot be loaded in place.
+            memory_budget_bytes: most bytes of scratch memory to hold at once; reads into
+                ``obj_out`` that need a cast go in tiles of at most this size.
+
+        Raises:
+            EntryNotFoundError: no entry at ``path``.
+            ShapeMismatchError: ``obj_out``'s shape differs from the stored tensor's.
+        """
+        return operations.read_object(
+            self._manifest,
+            path,
+            obj_out,
+            memory_budget_bytes,
+            path=self.path,
+            storage_options=self.storage_options,
+        )
+
+    def get_manifest(self) -> dict[str, Entry]:
+        """Logical path -> entry for everything in the snapshot (every rank's entries).
+
+        Entries are frozen dataclasses (:mod:`manifest.entries`): ``TensorEntry`` (dtype, shape,
+        chunks, ``nbytes``), ``ObjectEntry``, ``PrimitiveEntry`` (the value itself), and
+        ``DictEntry`` / ``ListEntry`` / ``TupleEntry`` for containers.
+        """
+        return dict(self._manifest.entries)
+
+    @property
+    def metadata(self) -> dict[str, Any]:
+        """Facts recorded at take time: library and torch versions, creation time."""
+        return dict(self._manifest.metadata)

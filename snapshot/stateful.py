@@ -1,0 +1,101 @@
+"""What can be snapshotted: the Stateful protocol, StateDict, and RNGState."""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections import UserDict
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+@runtime_checkable
+class Stateful(Protocol):
+    """Anything with ``state_dict()`` and ``load_state_dict()``: modules, optimizers, LR
+    schedulers, :class:`StateDict`, :class:`RNGState`, and your own classes."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
+
+
+class StateDict(UserDict):  # type: ignore[type-arg]
+    """A dict that is :class:`Stateful`, for tensors and plain values in ``app_state``.
+
+    ``state_dict()`` returns the live contents, so restoring loads tensors in place into the
+    tensors this dict holds; ``load_state_dict`` then updates the dict with the restored values.
+    """
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.data
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.data.update(state_dict)
+
+
+def _numpy() -> Any:
+    try:
+        import numpy
+    except ImportError:
+        return None
+    return numpy
+
+
+class RNGState:
+    """The process's global random number generators, as one :class:`Stateful`.
+
+    Covers Python's ``random``, NumPy's global generator (when NumPy is importable), torch's CPU
+    generator and every CUDA device's generator (when CUDA is available). Capturing does not
+    advance any of them, and a snapshot restores them after every other ``app_state`` entry, so
+    that random numbers drawn after ``restore`` equal those drawn after ``take``.
+    """
+
+    def state_dict(self) -> dict[str, Any]:
+        version, internal, gauss_next = random.getstate()
+        state: dict[str, Any] = {
+            "torch": torch.get_rng_state(),
+            "python": {
+                "version": version,
+                "state": torch.tensor(internal, dtype=torch.int64),
+                "gauss_next": gauss_next,
+            },
+        }
+        np = _numpy()
+        if np is not None:
+            name, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
+            state["numpy"] = {
+                "bit_generator": name,
+                "keys": torch.from_numpy(keys.astype(np.int64)),
+                "pos": int(pos),
+                "has_gauss": int(has_gauss),
+                "cached_gaussian": float(cached),
+            }
+        if torch.cuda.is_available():
+            # Only a machine with a GPU runs this branch.
+            state["cuda"] = torch.cuda.get_rng_state_all()
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        torch.set_rng_state(state_dict["torch"])
+        py = state_dict["python"]
+        internal = tuple(int(x) for x in py["state"].tolist())
+        random.setstate((py["version"], internal, py["gauss_next"]))
+        if "numpy" in state_dict:
+            np = _numpy()
+            if np is None:
+                logger.warning("snapshot holds NumPy's RNG state, but NumPy is not importable")
+            else:
+                s = state_dict["numpy"]
+                keys = s["keys"].numpy().astype(np.uint32)
+                np.random.set_state(
+                    (s["bit_generator"], keys, s["pos"], s["has_gauss"], s["cached_gaussian"])
+                )
+        if "cuda" in state_dict:
+            if torch.cuda.is_available():
+                # Only a machine with a GPU runs this branch.
+                torch.cuda.set_rng_state_all(state_dict["cuda"])
+            else:
+                logger.warning("snapshot holds CUDA RNG states, but CUDA is not available here")

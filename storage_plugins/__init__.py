@@ -1,0 +1,18 @@
+"""Storage plugins: bytes in, bytes out, under a root that a URL names."""
+
+from storage_plugins.base import Buffer, StoragePlugin
+from storage_plugins.registry import (
+    ENTRY_POINT_GROUP,
+    register_storage_plugin,
+    unregister_storage_plugin,
+    url_to_storage_plugin,
+)
+
+__all__ = [
+    "ENTRY_POINT_GROUP",
+    "Buffer",
+    "StoragePlugin",
+    "register_storage_plugin",
+    "unregister_storage_plugin",
+    "url_to_storage_plugin",
+]

@@ -1,0 +1,74 @@
+"""The storage-plugin contract: named blobs of bytes under one root, nothing more."""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+
+# Anything exposing the buffer protocol as contiguous bytes: bytes, bytearray, memoryview.
+Buffer = bytes | bytearray | memoryview
+
+
+class StoragePlugin(abc.ABC):
+    """Stores and fetches blobs addressed by relative paths under one root.
+
+    A plugin knows nothing of tensors or manifests. The caller (the library's scheduler) owns the
+    event loop; every coroutine of a plugin runs on that loop, and the plugin is constructed on it
+    too, so a plugin may create loop-bound resources (an aiohttp session, say) in ``__init__``.
+
+    Call sequence: construct with the root and the user's ``storage_options``; any number of
+    concurrent ``write`` / ``read`` / ``read_into`` / ``exists`` / ``delete`` calls; ``sync()``
+    whenever what was written must become durable; ``close()`` once, after which the plugin is not
+    used again.
+
+    Errors are builtins a caller already knows: ``FileNotFoundError`` for a missing blob,
+    ``EOFError`` when a blob ends before the requested range does, ``OSError`` (or a subclass) for
+    everything the storage itself reports.
+
+    Paths are relative, ``/``-separated, and were produced by the library (never ``..`` or
+    absolute); a plugin maps them under its root however it likes.
+    """
+
+    @abc.abstractmethod
+    async def write(self, path: str, buffers: Sequence[Buffer]) -> None:
+        """Stores the concatenation of ``buffers`` as the blob ``path``, replacing any old one.
+
+        When this returns, the blob holds exactly these bytes, and no reader ever sees a
+        partially written blob at ``path``. The plugin must not keep references to ``buffers``
+        after returning: the caller may reuse their memory at once.
+        """
+
+    @abc.abstractmethod
+    async def read(self, path: str) -> bytes:
+        """Returns the whole blob ``path``."""
+
+    @abc.abstractmethod
+    async def read_into(self, path: str, offset: int, out: memoryview) -> None:
+        """Fills ``out`` with the bytes ``[offset, offset + len(out))`` of blob ``path``.
+
+        Raises:
+            FileNotFoundError: no blob at ``path``.
+            EOFError: the blob ends before ``offset + len(out)``.
+        """
+
+    @abc.abstractmethod
+    async def exists(self, path: str) -> bool:
+        """Whether a blob ``path`` exists."""
+
+    @abc.abstractmethod
+    async def delete(self, path: str) -> None:
+        """Deletes blob ``path``; ``FileNotFoundError`` if there is none."""
+
+    async def sync(self) -> None:  # noqa: B027 - optional hook, most stores are durable on write
+        """Makes every blob written so far durable (survives a crash of the machine).
+
+        The library calls this before and after writing a snapshot's commit marker. Stores whose
+        writes are durable when ``write`` returns (object stores) need not override it.
+        """
+
+    async def close(self) -> None:  # noqa: B027 - optional hook, most plugins hold nothing
+        """Releases what the plugin holds (sessions, threads). Called once, last."""
+
+    def describe(self, path: str) -> str:
+        """A human-readable location of blob ``path``, for error messages."""
+        return path

@@ -1,0 +1,93 @@
+"""Any fsspec file system (gcs://, az://, hdfs://, ...) as a storage plugin."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from typing import Any
+
+import fsspec
+from fsspec.asyn import AsyncFileSystem
+
+from storage_plugins.base import Buffer, StoragePlugin
+
+
+class FSSpecStoragePlugin(StoragePlugin):
+    """Blobs are files of an fsspec file system.
+
+    Asynchronous file systems (s3fs, gcsfs, ...) are created in asynchronous mode on the library's
+    event loop and awaited directly; synchronous ones run on the loop's default thread pool.
+
+    Args:
+        root: ``protocol://location`` of the snapshot.
+        storage_options: passed unchanged to the file system's constructor.
+    """
+
+    def __init__(self, root: str, storage_options: dict[str, Any] | None = None) -> None:
+        protocol, _, location = root.partition("://")
+        if not location:
+            raise ValueError(f"expected protocol://location, got {root!r}")
+        self.protocol = protocol
+        self.root = location.rstrip("/")
+        cls = fsspec.get_filesystem_class(protocol)
+        options = dict(storage_options or {})
+        self._async = issubclass(cls, AsyncFileSystem)
+        if self._async:
+            options.setdefault("asynchronous", True)
+            options.setdefault("loop", asyncio.get_running_loop())
+            # A cached instance could belong to another loop; ours must belong to this one.
+            options.setdefault("skip_instance_cache", True)
+        self.fs = cls(**options)
+
+    def _full(self, path: str) -> str:
+        return f"{self.root}/{path}"
+
+    def describe(self, path: str) -> str:
+        return f"{self.protocol}://{self._full(path)}"
+
+    async def _call(self, name: str, *args: Any, **kwargs: Any) -> Any:
+        if self._async:
+            return await getattr(self.fs, f"_{name}")(*args, **kwargs)
+        return await asyncio.to_thread(getattr(self.fs, name), *args, **kwargs)
+
+    async def write(self, path: str, buffers: Sequence[Buffer]) -> None:
+        data = buffers[0] if len(buffers) == 1 else b"".join(buffers)
+        full = self._full(path)
+        parent = full.rpartition("/")[0]
+        if not self._async and parent:
+            await self._call("makedirs", parent, exist_ok=True)
+        await self._call("pipe_file", full, bytes(data))
+
+    async def read(self, path: str) -> bytes:
+        return await self._call("cat_file", self._full(path))
+
+    async def read_into(self, path: str, offset: int, out: memoryview) -> None:
+        if len(out) == 0:
+            if not await self.exists(path):
+                raise FileNotFoundError(f"no blob {self.describe(path)}")
+            return
+        data = await self._call("cat_file", self._full(path), start=offset, end=offset + len(out))
+        if len(data) != len(out):
+            raise EOFError(
+                f"{self.describe(path)} ends at byte {offset + len(data)}, "
+                f"but bytes up to {offset + len(out)} were requested"
+            )
+        out[:] = data
+
+    async def exists(self, path: str) -> bool:
+        return bool(await self._call("exists", self._full(path)))
+
+    async def delete(self, path: str) -> None:
+        full = self._full(path)
+        if not await self._call("exists", full):
+            raise FileNotFoundError(f"no blob {self.describe(path)}")
+        await self._call("rm_file", full)
+
+    async def close(self) -> None:
+        if self._async:
+            session = getattr(self.fs, "_session", None)
+            close = getattr(session, "close", None)
+            if close is not None:
+                result = close()
+                if asyncio.iscoroutine(result):
+                    await result

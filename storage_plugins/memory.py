@@ -1,0 +1,81 @@
+"""In-process storage (``memory://name``): blobs live in a dict shared by the whole process."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+from storage_plugins.base import Buffer, StoragePlugin
+
+# One store per process, so that a snapshot taken to memory://x can be opened again by path.
+_STORE: dict[str, bytes] = {}
+_LOCK = threading.Lock()
+
+
+def clear(root: str | None = None) -> None:
+    """Forgets every in-memory blob, or those under ``root`` (``memory://`` prefix optional)."""
+    with _LOCK:
+        if root is None:
+            _STORE.clear()
+            return
+        prefix = _key(root.removeprefix("memory://"), "")
+        for key in [k for k in _STORE if k.startswith(prefix)]:
+            del _STORE[key]
+
+
+def _key(root: str, path: str) -> str:
+    return f"{root.strip('/')}/{path}"
+
+
+class MemoryStoragePlugin(StoragePlugin):
+    """Keeps blobs as immutable ``bytes`` in the process's memory; for tests and scratch state.
+
+    storage_options: none.
+    """
+
+    def __init__(self, root: str, storage_options: dict[str, Any] | None = None) -> None:
+        if storage_options:
+            raise TypeError(
+                f"memory storage takes no storage_options, got {sorted(storage_options)}"
+            )
+        self.root = root.removeprefix("memory://").strip("/")
+
+    def describe(self, path: str) -> str:
+        return f"memory://{_key(self.root, path)}"
+
+    async def write(self, path: str, buffers: Sequence[Buffer]) -> None:
+        data = b"".join(buffers)
+        with _LOCK:
+            _STORE[_key(self.root, path)] = data
+
+    def _get(self, path: str) -> bytes:
+        with _LOCK:
+            try:
+                return _STORE[_key(self.root, path)]
+            except KeyError:
+                raise FileNotFoundError(f"no blob {self.describe(path)}") from None
+
+    async def read(self, path: str) -> bytes:
+        return self._get(path)
+
+    async def read_into(self, path: str, offset: int, out: memoryview) -> None:
+        data = self._get(path)
+        end = offset + len(out)
+        if end > len(data):
+            raise EOFError(
+                f"{self.describe(path)} holds {len(data)} bytes, "
+                f"but bytes up to {end} were requested"
+            )
+        out[:] = memoryview(data)[offset:end]
+
+    async def exists(self, path: str) -> bool:
+        with _LOCK:
+            return _key(self.root, path) in _STORE
+
+    async def delete(self, path: str) -> None:
+        with _LOCK:
+            try:
+                del _STORE[_key(self.root, path)]
+            except KeyError:
+                raise FileNotFoundError(f"no blob {self.describe(path)}") from None

@@ -1,0 +1,101 @@
+"""URI prefix -> storage plugin, with lazy imports and an entry-point group for third parties."""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from importlib.metadata import entry_points
+from typing import Any
+
+from storage_plugins.base import StoragePlugin
+
+# A factory takes (url, storage_options) and returns a plugin; a plugin class is one. The url is
+# the snapshot's path as the user wrote it, prefix included (none for a plain local path).
+PluginFactory = Callable[[str, "dict[str, Any] | None"], StoragePlugin]
+
+ENTRY_POINT_GROUP = "statesnap.storage_plugins"
+
+# protocol -> ("module:attribute", what to install when the import fails)
+_BUILTIN: dict[str, tuple[str, str | None]] = {
+    "fs": ("storage_plugins.fs:FSStoragePlugin", None),
+    "file": ("storage_plugins.fs:FSStoragePlugin", None),
+    "memory": ("storage_plugins.memory:MemoryStoragePlugin", None),
+    "s3": ("storage_plugins.fsspec_plugin:FSSpecStoragePlugin", "pip install 'statesnap[s3]'"),
+}
+_FSSPEC = ("storage_plugins.fsspec_plugin:FSSpecStoragePlugin", None)
+
+_registered: dict[str, PluginFactory] = {}
+
+
+def register_storage_plugin(protocol: str, factory: PluginFactory) -> None:
+    """Makes ``protocol://...`` paths use ``factory``; takes precedence over every other source."""
+    _registered[protocol] = factory
+
+
+def unregister_storage_plugin(protocol: str) -> None:
+    """Undoes :func:`register_storage_plugin`."""
+    _registered.pop(protocol, None)
+
+
+def split_url(url: str) -> tuple[str, str]:
+    """``"s3://b/p"`` -> ``("s3", "b/p")``; a path without a prefix is ``("fs", path)``."""
+    protocol, sep, rest = url.partition("://")
+    if not sep:
+        return "fs", url
+    if not protocol or not rest:
+        raise ValueError(f"malformed storage path {url!r}: expected protocol://location")
+    return protocol, rest
+
+
+def _load(target: str) -> Any:
+    module, _, attr = target.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+def _entry_point(protocol: str) -> PluginFactory | None:
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        if ep.name == protocol:
+            return ep.load()
+    return None
+
+
+def _fsspec_knows(protocol: str) -> bool:
+    try:
+        from fsspec.registry import known_implementations, registry
+    except ImportError:
+        return False
+    return protocol in registry or protocol in known_implementations
+
+
+def resolve_factory(protocol: str) -> tuple[PluginFactory, str]:
+    """Finds the factory for ``protocol`` and says where it came from.
+
+    Order: plugins registered in this process, then installed entry points (group
+    ``statesnap.storage_plugins``), then the built-in ones, then any protocol fsspec knows.
+    """
+    if protocol in _registered:
+        return _registered[protocol], "registered"
+    ep = _entry_point(protocol)
+    if ep is not None:
+        return ep, "entry point"
+    target, hint = _BUILTIN.get(protocol, (None, None))
+    if target is None and _fsspec_knows(protocol):
+        target, hint = _FSSPEC
+    if target is None:
+        known = sorted({*_BUILTIN, *_registered})
+        raise ValueError(
+            f"no storage plugin for {protocol}://; built-in and registered: {', '.join(known)}. "
+            f"Third-party plugins register under the entry-point group {ENTRY_POINT_GROUP!r}."
+        )
+    try:
+        return _load(target), "built-in"
+    except ImportError as e:
+        fix = f" ({hint})" if hint else ""
+        raise ImportError(f"the storage plugin for {protocol}:// needs {e.name}{fix}") from e
+
+
+def url_to_storage_plugin(url: str, storage_options: dict[str, Any] | None = None) -> StoragePlugin:
+    """Builds the plugin for ``url``; call it on the event loop that will use the plugin."""
+    protocol, _ = split_url(url)
+    factory, _ = resolve_factory(protocol)
+    return factory(url, storage_options)
