@@ -97,13 +97,13 @@ def inflate(entries: Mapping[str, Entry], path: str, leaf: Callable[[str, Entry]
 
 
 def subtree(entries: Mapping[str, Entry], path: str) -> Iterator[str]:
-    """Paths of ``path`` and every entry below it, following container entries."""
+    """Paths of ``path`` and every entry below it, following container entries, in preorder."""
     stack = [path]
     while stack:
         p = stack.pop()
         yield p
         entry = entries.get(p)
         if isinstance(entry, DictEntry):
-            stack.extend(join(p, k) for k in entry.keys)
+            stack.extend(join(p, k) for k in reversed(entry.keys))
         elif isinstance(entry, (ListEntry, TupleEntry)):
-            stack.extend(join(p, i) for i in range(entry.length))
+            stack.extend(join(p, i) for i in reversed(range(entry.length)))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import logging
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,6 +43,8 @@ from snapshot.serialization import (
 from storage_plugins import Buffer
 
 # (logical_path, tensor, tracing) -> tensor to write; see Snapshot.take.
+logger = logging.getLogger(__name__)
+
 PrepareFunc = Callable[[str, torch.Tensor, bool], torch.Tensor]
 
 _INLINE_TYPES = (bool, int, float, type(None))
@@ -140,6 +143,12 @@ class _TakePlanner:
             raise UnsupportedValueError(
                 f"{path}: cannot serialize a {_type_name(value)}: {type(e).__name__}: {e}"
             ) from e
+        try:
+            decode_object(data, path)
+        except SnapshotError as e:
+            # Found out now rather than at restore time, perhaps months later.
+            logger.warning("%s: a %s will need an explicit opt-in to restore: %s",
+                           path, _type_name(value), e)  # fmt: skip
         return self._blob_entry(path, "torch_save", _type_name(value), data)
 
     def _blob_entry(self, path: str, serializer: str, obj_type: str, data: bytes) -> ObjectEntry:

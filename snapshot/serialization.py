@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import io
 import pickle
+import re
 
 import torch
 
@@ -50,7 +51,7 @@ def tensor_memoryview(t: torch.Tensor) -> memoryview:
         raise ValueError("tensor_memoryview needs a contiguous CPU tensor")
     nbytes = t.numel() * t.element_size()
     if nbytes == 0:
-        return memoryview(b"")
+        return memoryview(bytearray())
     return memoryview((ctypes.c_ubyte * nbytes).from_address(t.data_ptr())).cast("B")
 
 
@@ -70,10 +71,16 @@ def decode_object(data: bytes, where: str) -> object:
     try:
         return torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
     except pickle.UnpicklingError as e:
+        if not re.search(r"GLOBAL|allowlist|unrecognized function|Can only", str(e)):
+            raise CorruptSnapshotError(f"{where}: object bytes cannot be decoded: {e}") from e
+        found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(e))
+        name = found.group(1) if found else "YourType"
+        what = f"it names {name}, which" if found else "it names a function or class that"
         raise UnsafeObjectError(
-            f"{where}: refused to load this object, since loading it would run code that the "
-            "snapshot names. If you trust the snapshot and the type is yours, allow it with "
-            f"torch.serialization.add_safe_globals([YourType]) before restoring. Loader said: {e}"
+            f"{where}: refused to load this object: {what} the safe loader does not allow "
+            "(loading it could run code carried by the snapshot). If you trust this snapshot, "
+            f"allow the type with torch.serialization.add_safe_globals([{name}]) before "
+            "restoring."
         ) from e
     except Exception as e:
         raise CorruptSnapshotError(f"{where}: object bytes cannot be decoded: {e}") from e

@@ -1,0 +1,54 @@
+"""Assertions shared by tests: exact equality of restored values, bit for bit."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from snapshot.serialization import tensor_memoryview
+
+
+def raw_bytes(t: torch.Tensor) -> bytes:
+    """A tensor's bytes in row-major order (works for dtypes without copy kernels when
+    contiguous)."""
+    t = t.detach().resolve_conj().resolve_neg()
+    if not t.is_contiguous():
+        t = t.contiguous()
+    return bytes(tensor_memoryview(t))
+
+
+def random_tensor(dtype: torch.dtype, shape: tuple[int, ...], seed: int = 0) -> torch.Tensor:
+    """A tensor of ``dtype`` whose bytes are random (so NaNs and odd bit patterns occur)."""
+    t = torch.empty(shape, dtype=dtype)
+    view = tensor_memoryview(t)
+    g = torch.Generator().manual_seed(seed)
+    view[:] = bytes(torch.randint(0, 256, (len(view),), dtype=torch.uint8, generator=g).tolist())
+    if dtype == torch.bool:
+        t.view(torch.uint8).bitwise_and_(1)
+    return t
+
+
+def assert_same(a: Any, b: Any, path: str = "") -> None:
+    """Same types, same structure and key order, tensors bitwise equal, floats equal incl. NaN
+    and the sign of zero."""
+    assert type(a) is type(b), f"{path}: {type(a).__name__} != {type(b).__name__}"
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype, f"{path}: {a.dtype} != {b.dtype}"
+        assert a.shape == b.shape, f"{path}: {a.shape} != {b.shape}"
+        assert raw_bytes(a) == raw_bytes(b), f"{path}: tensor bytes differ"
+    elif isinstance(a, dict):
+        assert list(a) == list(b), f"{path}: keys {list(a)} != {list(b)}"
+        for k in a:
+            assert_same(a[k], b[k], f"{path}/{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), f"{path}: length {len(a)} != {len(b)}"
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, f"{path}/{i}")
+    elif isinstance(a, float):
+        assert (math.isnan(a) and math.isnan(b)) or (
+            a == b and math.copysign(1, a) == math.copysign(1, b)
+        ), f"{path}: {a!r} != {b!r}"
+    else:
+        assert a == b, f"{path}: {a!r} != {b!r}"

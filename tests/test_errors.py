@@ -1,0 +1,272 @@
+"""Every way a call can go wrong raises a SnapshotError subclass naming the path and the key."""
+
+from __future__ import annotations
+
+import errno
+import os
+import re
+
+import pytest
+import torch
+import yaml
+
+from snapshot import (
+    CorruptSnapshotError,
+    EntryNotFoundError,
+    IncompatibleSnapshotError,
+    IncompleteSnapshotError,
+    NotStatefulError,
+    ShapeMismatchError,
+    Snapshot,
+    SnapshotError,
+    SnapshotExistsError,
+    SnapshotNotFoundError,
+    StateDict,
+    StatefulError,
+    StateMismatchError,
+    StorageError,
+    UnsupportedValueError,
+)
+from tests.plugins import FAULTS
+
+
+class Broken:
+    def __init__(self, fail_save: bool = False, fail_load: bool = False) -> None:
+        self.fail_save, self.fail_load = fail_save, fail_load
+
+    def state_dict(self):
+        if self.fail_save:
+            raise RuntimeError("cannot save me")
+        return {"x": torch.ones(3)}
+
+    def load_state_dict(self, sd):
+        if self.fail_load:
+            raise ValueError("cannot load me")
+
+
+def files_under(path) -> list[str]:
+    return sorted(
+        os.path.relpath(os.path.join(d, f), path) for d, _, fs in os.walk(path) for f in fs
+    )
+
+
+def test_non_stateful_value_names_its_key(tmp_path):
+    with pytest.raises(NotStatefulError, match=r"app_state\['weights'\].*Tensor.*StateDict"):
+        Snapshot.take(str(tmp_path / "s"), {"ok": StateDict(), "weights": torch.ones(2)})
+    with pytest.raises(NotStatefulError, match="dict of name"):
+        Snapshot.take(str(tmp_path / "s"), [StateDict()])
+    assert not (tmp_path / "s").exists()  # nothing was written
+
+
+def test_take_refuses_an_existing_snapshot(snapshot_url):
+    Snapshot.take(snapshot_url, {"a": StateDict(x=1)})
+    with pytest.raises(SnapshotExistsError, match=re.escape(snapshot_url.split("://")[-1])):
+        Snapshot.take(snapshot_url, {"a": StateDict(x=2)})
+    assert Snapshot(snapshot_url).read_object("0/a/x") == 1  # untouched
+
+
+def test_missing_snapshot(snapshot_url):
+    with pytest.raises(SnapshotNotFoundError, match="no snapshot at .*snap"):
+        Snapshot(snapshot_url)
+
+
+def test_interrupted_take_is_incomplete_and_can_be_retaken(faulty):
+    url, inner = faulty
+    FAULTS[inner] = lambda verb, path: OSError(errno.EIO, "disk on fire") if (
+        verb == "write" and path == "manifest.yaml") else None  # fmt: skip
+    with pytest.raises(StorageError, match="manifest.yaml.*disk on fire"):
+        Snapshot.take(url, {"a": StateDict(t=torch.arange(10))})
+    assert files_under(inner) == []  # the failed take removed its blobs and its marker
+
+    # A take killed outright leaves its marker and blobs: that is an incomplete snapshot.
+    FAULTS[inner] = lambda verb, path: None
+    Snapshot.take(inner, {"a": StateDict(t=torch.arange(10))})
+    os.remove(os.path.join(inner, "manifest.yaml"))
+    with open(os.path.join(inner, ".statesnap-pending"), "w") as f:
+        f.write("pid 1\n")
+    with pytest.raises(IncompleteSnapshotError, match="incomplete snapshot.*replaces them"):
+        Snapshot(inner)
+    Snapshot.take(inner, {"a": StateDict(t=torch.arange(5))})
+    assert torch.equal(Snapshot(inner).read_object("0/a/t"), torch.arange(5))
+    assert ".statesnap-pending" not in files_under(inner)
+
+
+def test_shape_mismatch_names_the_path_and_reads_nothing(recorded):
+    url, log = recorded
+    Snapshot.take(url, {"m": torch.nn.Linear(4, 3)})
+    target = torch.nn.Linear(4, 5)
+    before = target.weight.detach().clone()
+    snap = Snapshot(url)
+    log.clear()
+    with pytest.raises(ShapeMismatchError, match=r"0/m/weight.*\[3, 4\].*\[5, 4\]"):
+        snap.restore({"m": target})
+    assert log.reads == [] and torch.equal(target.weight, before)
+    with pytest.raises(ShapeMismatchError, match="0/m/bias"):
+        snap.read_object("0/m/bias", obj_out=torch.empty(7))
+
+
+def test_key_absent_from_snapshot(snapshot_url):
+    Snapshot.take(snapshot_url, {"model": StateDict(a=1), "optim": StateDict(b=2)})
+    with pytest.raises(StateMismatchError, match=r"no app_state key\(s\) \['sched'\].*model"):
+        Snapshot(snapshot_url).restore({"model": StateDict(), "sched": StateDict()})
+
+
+def test_read_object_of_a_missing_path_suggests_close_ones(snapshot_url):
+    Snapshot.take(snapshot_url, {"model": StateDict(weight=torch.ones(1))})
+    with pytest.raises(EntryNotFoundError, match=r"'0/model/wieght'.*0/model/weight"):
+        Snapshot(snapshot_url).read_object("0/model/wieght")
+    with pytest.raises(EntryNotFoundError, match="get_manifest"):
+        Snapshot(snapshot_url).read_object("nothing-like-it")
+
+
+def test_state_dict_that_raises_commits_nothing(tmp_path):
+    path = tmp_path / "s"
+    with pytest.raises(StatefulError, match=r"app_state\['bad'\]\.state_dict\(\).*cannot save me"):
+        Snapshot.take(str(path), {"good": StateDict(x=1), "bad": Broken(fail_save=True)})
+    with pytest.raises(SnapshotNotFoundError):
+        Snapshot(str(path))
+
+
+def test_load_state_dict_that_raises(snapshot_url):
+    Snapshot.take(snapshot_url, {"obj": Broken()})
+    with pytest.raises(StatefulError, match=r"app_state\['obj'\]\.load_state_dict\(\).*load me"):
+        Snapshot(snapshot_url).restore({"obj": Broken(fail_load=True)})
+
+
+def test_tensor_without_data(snapshot_url):
+    with pytest.raises(UnsupportedValueError, match="0/s/w.*meta device"):
+        Snapshot.take(snapshot_url, {"s": StateDict(w=torch.empty(3, device="meta"))})
+    Snapshot.take(snapshot_url, {"s": StateDict(w=torch.ones(3))})
+    with pytest.raises(UnsupportedValueError, match="0/s/w.*meta"):
+        Snapshot(snapshot_url).restore({"s": StateDict(w=torch.empty(3, device="meta"))})
+
+
+def test_prepare_func_errors_name_the_path(snapshot_url):
+    def bad(path, t, tracing):
+        raise ValueError("nope")
+
+    with pytest.raises(SnapshotError, match="0/s/w.*_custom_tensor_prepare_func raised.*nope"):
+        Snapshot.take(snapshot_url, {"s": StateDict(w=torch.ones(3))},
+                      _custom_tensor_prepare_func=bad)  # fmt: skip
+
+    def inconsistent(path, t, tracing):
+        return t if tracing else t.double()
+
+    with pytest.raises(UnsupportedValueError, match="0/s/w.*both calls must agree"):
+        Snapshot.take(snapshot_url, {"s": StateDict(w=torch.ones(3))},
+                      _custom_tensor_prepare_func=inconsistent)  # fmt: skip
+
+
+def test_storage_errors_on_open(tmp_path):
+    with pytest.raises(StorageError, match=r"no storage plugin for nosuch://"):
+        Snapshot.take("nosuch://bucket/x", {"s": StateDict()})
+    with pytest.raises(StorageError, match="unknown storage_options.*colour"):
+        Snapshot.take(str(tmp_path / "s"), {"s": StateDict()}, storage_options={"colour": 1})
+    (tmp_path / "file").write_text("a file, not a directory")
+    with pytest.raises(StorageError, match="file: failed to write .*File exists"):
+        Snapshot.take(str(tmp_path / "file"), {"s": StateDict(t=torch.ones(2))})
+
+
+def test_write_failure_commits_nothing_and_cleans_up(faulty):
+    url, inner = faulty
+    FAULTS[inner] = lambda verb, path: OSError(errno.ENOSPC, "No space left on device") if (
+        verb == "write" and path == "0/3") else None  # fmt: skip
+    state = StateDict({f"t{i}": torch.full((100,), i) for i in range(8)})
+    with pytest.raises(StorageError, match=r"0/s/t3.*0/3.*No space left"):
+        Snapshot.take(url, {"s": state})
+    with pytest.raises(SnapshotNotFoundError):
+        Snapshot(inner)
+    assert files_under(inner) == []
+
+
+# ---------------------------------------------------------------------------------------------
+# Damaged snapshots.
+
+
+def _take_simple(path: str) -> None:
+    Snapshot.take(path, {"s": StateDict(t=torch.arange(8.0), o={1, 2}, n=3)})
+
+
+def _edit_manifest(path: str, edit) -> None:
+    file = os.path.join(path, "manifest.yaml")
+    with open(file) as f:
+        doc = yaml.safe_load(f)
+    edit(doc)
+    with open(file, "w") as f:
+        yaml.safe_dump(doc, f)
+
+
+@pytest.mark.parametrize(
+    "damage, error, pattern",
+    [
+        (lambda d: d.update(format_version=99), IncompatibleSnapshotError, "version 99.*upgrade"),
+        (lambda d: d["entries"]["0/s/t"].update(type="hologram"), CorruptSnapshotError,
+         "0/s/t: unknown entry type 'hologram'"),
+        (lambda d: d["entries"]["0/s/t"].update(shape="big"), CorruptSnapshotError,
+         "0/s/t: shape must be a list"),
+        (lambda d: d["entries"]["0/s/t"].pop("dtype"), CorruptSnapshotError,
+         r"0/s/t: tensor entry: missing fields \['dtype'\]"),
+        (lambda d: d["entries"]["0/s/t"].update(chunks=[["../../etc/passwd", 0, 32]]),
+         CorruptSnapshotError, "0/s/t: unsafe blob path '../../etc/passwd'"),
+        (lambda d: d["entries"]["0/s/t"].update(chunks=[["/etc/passwd", 0, 32]]),
+         CorruptSnapshotError, "unsafe blob path"),
+        (lambda d: d["entries"]["0/s/n"].update(value="three"), CorruptSnapshotError,
+         "0/s/n: value 'three' is not of type int"),
+        (lambda d: d.pop("entries"), CorruptSnapshotError, "entries missing"),
+        (lambda d: d["entries"].pop("0/s/t"), CorruptSnapshotError, "0/s/t: listed by its parent but missing"),
+    ],
+    ids=["future-version", "unknown-type", "bad-shape", "missing-field", "path-escape",
+         "absolute-path", "bad-primitive", "no-entries", "missing-child"],
+)  # fmt: skip
+def test_damaged_manifest(tmp_path, damage, error, pattern):
+    path = str(tmp_path / "s")
+    _take_simple(path)
+    _edit_manifest(path, damage)
+    with pytest.raises(error, match=pattern):
+        Snapshot(path).restore({"s": StateDict()})
+
+
+@pytest.mark.parametrize(
+    "content, pattern",
+    [(b"\x00\xff garbage {[", "not valid YAML"), (b"", "not a statesnap manifest"),
+     (b"format: statesnap\nformat_version: 1\nworld_size: 1\nentries:\n  0/s: {type: di",
+      "not valid YAML")],
+    ids=["garbage", "empty", "truncated"],
+)  # fmt: skip
+def test_garbled_manifest(tmp_path, content, pattern):
+    path = str(tmp_path / "s")
+    _take_simple(path)
+    with open(os.path.join(path, "manifest.yaml"), "wb") as f:
+        f.write(content)
+    with pytest.raises(CorruptSnapshotError, match=f"manifest.yaml.*{pattern}"):
+        Snapshot(path)
+
+
+def test_unknown_dtype_and_inconsistent_sizes(tmp_path):
+    path = str(tmp_path / "s")
+    _take_simple(path)
+    _edit_manifest(path, lambda d: d["entries"]["0/s/t"].update(dtype="float128"))
+    with pytest.raises(IncompatibleSnapshotError, match="0/s/t: dtype 'float128' is unknown"):
+        Snapshot(path).read_object("0/s/t")
+    _edit_manifest(path, lambda d: d["entries"]["0/s/t"].update(dtype="float64"))
+    with pytest.raises(CorruptSnapshotError, match=r"0/s/t: manifest records 32 bytes.*needs 64"):
+        Snapshot(path).read_object("0/s/t")
+
+
+def test_missing_and_short_blobs(tmp_path):
+    path = str(tmp_path / "s")
+    _take_simple(path)
+    entry = Snapshot(path).get_manifest()["0/s/t"]
+    blob = os.path.join(path, entry.chunks[0].blob)
+    with open(blob, "r+b") as f:
+        f.truncate(10)
+    with pytest.raises(CorruptSnapshotError, match=r"0/s/t: blob .*0/0 is shorter"):
+        Snapshot(path).restore({"s": StateDict()})
+    os.remove(blob)
+    with pytest.raises(CorruptSnapshotError, match=r"0/s/t: blob .*0/0 is missing"):
+        Snapshot(path).read_object("0/s/t")
+    obj = Snapshot(path).get_manifest()["0/s/o"]
+    with open(os.path.join(path, obj.location.blob), "wb") as f:
+        f.write(b"x" * obj.nbytes)
+    with pytest.raises(CorruptSnapshotError, match="0/s/o: object bytes cannot be decoded"):
+        Snapshot(path).read_object("0/s/o")
