@@ -63,14 +63,21 @@ def run_demo(path: str, steps: int = 5) -> int:
     progress2 = StateDict(step=0)
     t0 = time.perf_counter()
     Snapshot(path).restore(
-        {"model": model2, "optim": optimizer2, "sched": scheduler2, "progress": progress2,
-         "rng": RNGState()}
-    )  # fmt: skip
-    print(f"restored into fresh objects in {(time.perf_counter() - t0) * 1e3:.1f} ms "
-          f"(step {progress2['step']})")  # fmt: skip
+        {
+            "model": model2,
+            "optim": optimizer2,
+            "sched": scheduler2,
+            "progress": progress2,
+            "rng": RNGState(),
+        }
+    )
+    print(
+        f"restored into fresh objects in {(time.perf_counter() - t0) * 1e3:.1f} ms "
+        f"(step {progress2['step']})"
+    )
     resumed = _train(model2, optimizer2, scheduler2, progress2, steps)
 
-    for i, (a, b) in enumerate(zip(expected, resumed)):
+    for i, (a, b) in enumerate(zip(expected, resumed, strict=True)):
         print(f"step {steps + i + 1}: uninterrupted loss {a:.6f}   restored loss {b:.6f}")
     if expected != resumed:
         print("FAILED: training after restore differs from uninterrupted training")

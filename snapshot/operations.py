@@ -151,14 +151,23 @@ def take(
     t_end = time.perf_counter()
     logger.info(
         "took snapshot %s: %d entries, %d blobs, %.1f MB in %.3f s (%.2f GB/s)",
-        where, len(plan.entries), stats.blobs, stats.nbytes / 1e6, t_end - t0,
+        where,
+        len(plan.entries),
+        stats.blobs,
+        stats.nbytes / 1e6,
+        t_end - t0,
         stats.nbytes / max(t_end - t0, 1e-9) / 1e9,
-    )  # fmt: skip
+    )
     logger.debug(
         "take %s phases: state_dict+plan %.3f s, write %.3f s (%.2f GB/s, peak staged %d B), "
         "commit %.3f s",
-        where, t_plan - t0, t_write - t_plan, stats.gbps, stats.peak_budget_bytes, t_end - t_write,
-    )  # fmt: skip
+        where,
+        t_plan - t0,
+        t_write - t_plan,
+        stats.gbps,
+        stats.peak_budget_bytes,
+        t_end - t_write,
+    )
     return result
 
 
@@ -366,14 +375,23 @@ def restore(
     t_end = time.perf_counter()
     logger.info(
         "restored %s from %s: %.1f MB in %.3f s (%.2f GB/s)",
-        keys, path, stats.nbytes / 1e6, t_end - t0, stats.nbytes / max(t_end - t0, 1e-9) / 1e9,
-    )  # fmt: skip
+        keys,
+        path,
+        stats.nbytes / 1e6,
+        t_end - t0,
+        stats.nbytes / max(t_end - t0, 1e-9) / 1e9,
+    )
     logger.debug(
         "restore %s phases: state_dict+plan %.3f s, read %.3f s (%d blobs, %.2f GB/s, peak "
         "scratch %d B), load_state_dict %.3f s",
-        path, t_plan - t0, t_read - t_plan, stats.blobs, stats.gbps, stats.peak_budget_bytes,
+        path,
+        t_plan - t0,
+        t_read - t_plan,
+        stats.blobs,
+        stats.gbps,
+        stats.peak_budget_bytes,
         t_end - t_read,
-    )  # fmt: skip
+    )
 
 
 def _tile_bytes(budget: int) -> int:

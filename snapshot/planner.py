@@ -147,8 +147,9 @@ class _TakePlanner:
             decode_object(data, path)
         except SnapshotError as e:
             # Found out now rather than at restore time, perhaps months later.
-            logger.warning("%s: a %s will need an explicit opt-in to restore: %s",
-                           path, _type_name(value), e)  # fmt: skip
+            logger.warning(
+                "%s: a %s will need an explicit opt-in to restore: %s", path, _type_name(value), e
+            )
         return self._blob_entry(path, "torch_save", _type_name(value), data)
 
     def _blob_entry(self, path: str, serializer: str, obj_type: str, data: bytes) -> ObjectEntry:

@@ -72,8 +72,11 @@ def test_missing_snapshot(snapshot_url):
 
 def test_interrupted_take_is_incomplete_and_can_be_retaken(faulty):
     url, inner = faulty
-    FAULTS[inner] = lambda verb, path: OSError(errno.EIO, "disk on fire") if (
-        verb == "write" and path == "manifest.yaml") else None  # fmt: skip
+    FAULTS[inner] = lambda verb, path: (
+        OSError(errno.EIO, "disk on fire")
+        if (verb == "write" and path == "manifest.yaml")
+        else None
+    )
     with pytest.raises(StorageError, match="manifest.yaml.*disk on fire"):
         Snapshot.take(url, {"a": StateDict(t=torch.arange(10))})
     assert files_under(inner) == []  # the failed take removed its blobs and its marker
@@ -146,15 +149,19 @@ def test_prepare_func_errors_name_the_path(snapshot_url):
         raise ValueError("nope")
 
     with pytest.raises(SnapshotError, match="0/s/w.*_custom_tensor_prepare_func raised.*nope"):
-        Snapshot.take(snapshot_url, {"s": StateDict(w=torch.ones(3))},
-                      _custom_tensor_prepare_func=bad)  # fmt: skip
+        Snapshot.take(
+            snapshot_url, {"s": StateDict(w=torch.ones(3))}, _custom_tensor_prepare_func=bad
+        )
 
     def inconsistent(path, t, tracing):
         return t if tracing else t.double()
 
     with pytest.raises(UnsupportedValueError, match="0/s/w.*both calls must agree"):
-        Snapshot.take(snapshot_url, {"s": StateDict(w=torch.ones(3))},
-                      _custom_tensor_prepare_func=inconsistent)  # fmt: skip
+        Snapshot.take(
+            snapshot_url,
+            {"s": StateDict(w=torch.ones(3))},
+            _custom_tensor_prepare_func=inconsistent,
+        )
 
 
 def test_storage_errors_on_open(tmp_path):
@@ -169,8 +176,11 @@ def test_storage_errors_on_open(tmp_path):
 
 def test_write_failure_commits_nothing_and_cleans_up(faulty):
     url, inner = faulty
-    FAULTS[inner] = lambda verb, path: OSError(errno.ENOSPC, "No space left on device") if (
-        verb == "write" and path == "0/3") else None  # fmt: skip
+    FAULTS[inner] = lambda verb, path: (
+        OSError(errno.ENOSPC, "No space left on device")
+        if (verb == "write" and path == "0/3")
+        else None
+    )
     state = StateDict({f"t{i}": torch.full((100,), i) for i in range(8)})
     with pytest.raises(StorageError, match=r"0/s/t3.*0/3.*No space left"):
         Snapshot.take(url, {"s": state})
@@ -200,24 +210,55 @@ def _edit_manifest(path: str, edit) -> None:
     "damage, error, pattern",
     [
         (lambda d: d.update(format_version=99), IncompatibleSnapshotError, "version 99.*upgrade"),
-        (lambda d: d["entries"]["0/s/t"].update(type="hologram"), CorruptSnapshotError,
-         "0/s/t: unknown entry type 'hologram'"),
-        (lambda d: d["entries"]["0/s/t"].update(shape="big"), CorruptSnapshotError,
-         "0/s/t: shape must be a list"),
-        (lambda d: d["entries"]["0/s/t"].pop("dtype"), CorruptSnapshotError,
-         r"0/s/t: tensor entry: missing fields \['dtype'\]"),
-        (lambda d: d["entries"]["0/s/t"].update(chunks=[["../../etc/passwd", 0, 32]]),
-         CorruptSnapshotError, "0/s/t: unsafe blob path '../../etc/passwd'"),
-        (lambda d: d["entries"]["0/s/t"].update(chunks=[["/etc/passwd", 0, 32]]),
-         CorruptSnapshotError, "unsafe blob path"),
-        (lambda d: d["entries"]["0/s/n"].update(value="three"), CorruptSnapshotError,
-         "0/s/n: value 'three' is not of type int"),
+        (
+            lambda d: d["entries"]["0/s/t"].update(type="hologram"),
+            CorruptSnapshotError,
+            "0/s/t: unknown entry type 'hologram'",
+        ),
+        (
+            lambda d: d["entries"]["0/s/t"].update(shape="big"),
+            CorruptSnapshotError,
+            "0/s/t: shape must be a list",
+        ),
+        (
+            lambda d: d["entries"]["0/s/t"].pop("dtype"),
+            CorruptSnapshotError,
+            r"0/s/t: tensor entry: missing fields \['dtype'\]",
+        ),
+        (
+            lambda d: d["entries"]["0/s/t"].update(chunks=[["../../etc/passwd", 0, 32]]),
+            CorruptSnapshotError,
+            "0/s/t: unsafe blob path '../../etc/passwd'",
+        ),
+        (
+            lambda d: d["entries"]["0/s/t"].update(chunks=[["/etc/passwd", 0, 32]]),
+            CorruptSnapshotError,
+            "unsafe blob path",
+        ),
+        (
+            lambda d: d["entries"]["0/s/n"].update(value="three"),
+            CorruptSnapshotError,
+            "0/s/n: value 'three' is not of type int",
+        ),
         (lambda d: d.pop("entries"), CorruptSnapshotError, "entries missing"),
-        (lambda d: d["entries"].pop("0/s/t"), CorruptSnapshotError, "0/s/t: listed by its parent but missing"),
+        (
+            lambda d: d["entries"].pop("0/s/t"),
+            CorruptSnapshotError,
+            "0/s/t: listed by its parent but missing",
+        ),
     ],
-    ids=["future-version", "unknown-type", "bad-shape", "missing-field", "path-escape",
-         "absolute-path", "bad-primitive", "no-entries", "missing-child"],
-)  # fmt: skip
+    ids=[
+        "future-version",
+        "unknown-type",
+        "bad-shape",
+        "missing-field",
+        "path-escape",
+        "absolute-path",
+        "bad-primitive",
+        "no-entries",
+        "missing-child",
+    ],
+)
 def test_damaged_manifest(tmp_path, damage, error, pattern):
     path = str(tmp_path / "s")
     _take_simple(path)
@@ -228,11 +269,16 @@ def test_damaged_manifest(tmp_path, damage, error, pattern):
 
 @pytest.mark.parametrize(
     "content, pattern",
-    [(b"\x00\xff garbage {[", "not valid YAML"), (b"", "not a statesnap manifest"),
-     (b"format: statesnap\nformat_version: 1\nworld_size: 1\nentries:\n  0/s: {type: di",
-      "not valid YAML")],
+    [
+        (b"\x00\xff garbage {[", "not valid YAML"),
+        (b"", "not a statesnap manifest"),
+        (
+            b"format: statesnap\nformat_version: 1\nworld_size: 1\nentries:\n  0/s: {type: di",
+            "not valid YAML",
+        ),
+    ],
     ids=["garbage", "empty", "truncated"],
-)  # fmt: skip
+)
 def test_garbled_manifest(tmp_path, content, pattern):
     path = str(tmp_path / "s")
     _take_simple(path)

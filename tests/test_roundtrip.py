@@ -17,8 +17,9 @@ from snapshot import RNGState, Snapshot, StateDict
 
 def build(seed: int):
     torch.manual_seed(seed)
-    model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Dropout(0.2),
-                          nn.Linear(16, 1))  # fmt: skip
+    model = nn.Sequential(
+        nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Dropout(0.2), nn.Linear(16, 1)
+    )
     optim = torch.optim.Adam(model.parameters(), lr=0.01)
     sched = torch.optim.lr_scheduler.StepLR(optim, step_size=2, gamma=0.5)
     return model, optim, sched
@@ -67,9 +68,9 @@ def test_training_resumes_bitwise_identically(snapshot_url):
     assert sched2.state_dict() == sched_at_take
     resumed = train(model2, optim2, sched2, extra2, 4)
     assert [loss.item() for loss in resumed] == [loss.item() for loss in expected]
-    for a, b in zip(resumed, expected):
+    for a, b in zip(resumed, expected, strict=True):
         assert torch.equal(a, b)
-    for (name, p), p2 in zip(model.state_dict().items(), model2.state_dict().values()):
+    for (name, p), p2 in zip(model.state_dict().items(), model2.state_dict().values(), strict=True):
         assert torch.equal(p, p2), name
 
 
@@ -92,8 +93,9 @@ print(repr([l.item() for l in train(model, optim, sched, extra, 3)]))
 """
     take = subprocess.run([sys.executable, "-c", script, "take"], capture_output=True, text=True)
     assert take.returncode == 0, take.stderr
-    restore = subprocess.run([sys.executable, "-c", script, "restore"], capture_output=True,
-                             text=True)  # fmt: skip
+    restore = subprocess.run(
+        [sys.executable, "-c", script, "restore"], capture_output=True, text=True
+    )
     assert restore.returncode == 0, restore.stderr
     assert take.stdout == restore.stdout and take.stdout.startswith("[")
 

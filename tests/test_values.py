@@ -86,7 +86,7 @@ def test_quantized_and_sparse_tensors_round_trip(snapshot_url):
         "conj",
         "as_strided",
         "parameter",
-    ],  # fmt: skip
+    ],
 )
 def test_tensor_layouts(snapshot_url, make):
     t = make()
@@ -225,8 +225,11 @@ def test_prepare_func_writes_what_it_returns(snapshot_url):
         return t.to(torch.bfloat16) if t.is_floating_point() else t
 
     model = torch.nn.Linear(64, 32)
-    snap = Snapshot.take(snapshot_url, {"m": model, "s": StateDict(i=torch.arange(4))},
-                         _custom_tensor_prepare_func=to_bf16)  # fmt: skip
+    snap = Snapshot.take(
+        snapshot_url,
+        {"m": model, "s": StateDict(i=torch.arange(4))},
+        _custom_tensor_prepare_func=to_bf16,
+    )
     assert ("m/weight", True) in calls and ("m/weight", False) in calls
     entry = snap.get_manifest()["0/m/weight"]
     assert entry.dtype == "bfloat16" and entry.nbytes == 64 * 32 * 2
