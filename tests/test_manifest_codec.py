@@ -1,0 +1,150 @@
+"""The manifest file format: byte-exact golden output, strict decoding, round trips."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import yaml
+from hypothesis import given
+from hypothesis import strategies as st
+
+import manifest as mf
+from manifest import (
+    DictEntry,
+    ListEntry,
+    Location,
+    Manifest,
+    ObjectEntry,
+    PrimitiveEntry,
+    TensorEntry,
+    TupleEntry,
+    codec,
+)
+
+GOLDEN = Manifest(
+    world_size=1,
+    metadata={"library": "statesnap 0.1.0"},
+    entries={
+        "0/m": DictEntry(keys=("w", 3, "a b"), ordered=True),
+        "0/m/w": TensorEntry(
+            dtype="bfloat16", shape=(2, 3), chunks=(Location(blob="0/0", offset=0, nbytes=12),)
+        ),
+        "0/m/3": ListEntry(length=1, replicated=True),
+        "0/m/3/0": PrimitiveEntry(value=float("-inf")),
+        "0/m/a b": TupleEntry(length=2),
+        "0/m/a b/0": PrimitiveEntry(value=b"\x00\x01"),
+        "0/m/a b/1": ObjectEntry(
+            serializer="torch_save",
+            obj_type="set",
+            location=Location(blob="0/1", offset=8, nbytes=100),
+        ),
+    },
+)
+
+GOLDEN_TEXT = """\
+format: statesnap
+format_version: 1
+world_size: 1
+metadata:
+  library: statesnap 0.1.0
+entries:
+  0/m: {type: dict, keys: [w, 3, a b], ordered: true}
+  0/m/w: {type: tensor, dtype: bfloat16, shape: [2, 3], chunks: [[0/0, 0, 12]]}
+  0/m/3: {type: list, length: 1, replicated: true}
+  0/m/3/0: {type: primitive, value_type: float, value: -.inf}
+  0/m/a b: {type: tuple, length: 2}
+  0/m/a b/0: {type: primitive, value_type: bytes, value: AAE=}
+  0/m/a b/1: {type: object, serializer: torch_save, obj_type: set, location: [0/1, 8, 100]}
+"""
+
+
+def test_golden_bytes():
+    assert mf.dumps(GOLDEN).decode() == GOLDEN_TEXT
+    assert mf.loads(GOLDEN_TEXT.encode()) == GOLDEN
+
+
+def test_uses_libyaml_when_present():
+    if not yaml.__with_libyaml__:
+        pytest.skip("PyYAML was built without libyaml here; the pure-Python classes are used")
+    assert codec._Loader is yaml.CSafeLoader and issubclass(codec._ManifestDumper, yaml.CSafeDumper)
+
+
+def test_safe_loader_refuses_python_tags():
+    text = GOLDEN_TEXT.replace(
+        "library: statesnap 0.1.0", "library: !!python/object/apply:os.system [echo hi]"
+    )
+    with pytest.raises(mf.ManifestDecodeError, match="not valid YAML"):
+        mf.loads(text.encode())
+
+
+@pytest.mark.parametrize(
+    "blob", ["../x", "a/../../b", "/abs", "a//b", "", "./a", "c:\\x", "a\\b", "s3://b/k"]
+)
+def test_unsafe_blob_paths(blob):
+    with pytest.raises(mf.ManifestDecodeError, match="unsafe blob path"):
+        mf.check_blob_path(blob)
+
+
+def test_safe_blob_paths():
+    for blob in ["0/1", "rank_3/slab.12", "a/b/c"]:
+        assert mf.check_blob_path(blob) == blob
+
+
+_locations = st.builds(
+    Location,
+    blob=st.from_regex(r"[0-9a-z]{1,4}(/[0-9a-z_.]{1,6}){0,2}", fullmatch=True).filter(
+        lambda b: all(p not in (".", "..") for p in b.split("/"))
+    ),
+    offset=st.integers(0, 2**40),
+    nbytes=st.integers(0, 2**40),
+)
+_entries = st.one_of(
+    st.builds(
+        TensorEntry,
+        dtype=st.sampled_from(["float32", "int8", "bool"]),
+        shape=st.lists(st.integers(0, 10**6), max_size=4).map(tuple),
+        chunks=st.lists(_locations, max_size=3).map(tuple),
+        replicated=st.booleans(),
+    ),
+    st.builds(
+        ObjectEntry,
+        serializer=st.sampled_from(["torch_save", "bytes", "utf8"]),
+        obj_type=st.text(min_size=1, max_size=10),
+        location=_locations,
+    ),
+    st.builds(
+        PrimitiveEntry,
+        value=st.one_of(
+            st.none(),
+            st.booleans(),
+            st.integers(),
+            st.floats(allow_nan=False),
+            st.text(),
+            st.binary(),
+        ),
+    ),
+    st.builds(
+        DictEntry,
+        keys=st.lists(st.one_of(st.text(max_size=5), st.integers()), unique=True).map(tuple),
+        ordered=st.booleans(),
+    ),
+    st.builds(ListEntry, length=st.integers(0, 100)),
+    st.builds(TupleEntry, length=st.integers(0, 100)),
+)
+
+
+@given(
+    entries=st.dictionaries(st.text(min_size=1, max_size=30), _entries, max_size=8),
+    world_size=st.integers(1, 1024),
+)
+def test_any_manifest_round_trips(entries, world_size):
+    m = Manifest(world_size=world_size, entries=entries, metadata={"k": [1, "v"]})
+    back = mf.loads(mf.dumps(m))
+    assert back == m
+    assert list(back.entries) == list(entries)
+
+
+def test_nan_primitive_round_trips():
+    m = Manifest(entries={"p": PrimitiveEntry(value=float("nan"))})
+    assert math.isnan(mf.loads(mf.dumps(m)).entries["p"].value)

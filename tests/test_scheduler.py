@@ -1,0 +1,208 @@
+"""The scheduler: byte budgets, the stage->write pipeline, reads, and their errors."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import threading
+import uuid
+
+import pytest
+import torch
+
+from snapshot import CorruptSnapshotError, Snapshot, StateDict, StorageError
+from snapshot.scheduler import (
+    ByteBudget,
+    Piece,
+    ReadRequest,
+    WritePipeline,
+    WriteRequest,
+    io_loop,
+    read_all,
+    run,
+)
+from storage_plugins.memory import MemoryStoragePlugin
+
+
+def test_budget_admits_an_oversized_request_alone():
+    budget = ByteBudget(100)
+    assert budget.try_acquire(60)
+    assert not budget.try_acquire(500)  # does not fit beside the 60 held
+    budget.release(60)
+    assert budget.try_acquire(500)  # alone, it runs rather than never
+    assert not budget.try_acquire(1)
+    budget.release(500)
+    assert budget.peak == 500
+
+
+def test_budget_blocks_a_thread_until_release():
+    budget = ByteBudget(100)
+    budget.acquire(80)
+    acquired = threading.Event()
+    t = threading.Thread(target=lambda: (budget.acquire(50), acquired.set()))
+    t.start()
+    assert not acquired.wait(0.2)
+    budget.release(80)
+    assert acquired.wait(5)
+    t.join()
+
+
+def test_budget_async_waiters_and_abort():
+    budget = ByteBudget(10)
+
+    async def scenario():
+        budget.acquire(10)
+        waiter = asyncio.ensure_future(budget.acquire_async(5))
+        await asyncio.sleep(0.05)
+        assert not waiter.done()
+        threading.Thread(target=budget.release, args=(10,)).start()  # released from elsewhere
+        await asyncio.wait_for(waiter, 5)
+        second = asyncio.ensure_future(budget.acquire_async(10))
+        await asyncio.sleep(0.05)
+        budget.abort(RuntimeError("stop"))
+        with pytest.raises(RuntimeError, match="stop"):
+            await asyncio.wait_for(second, 5)
+
+    asyncio.run(scenario())
+    with pytest.raises(RuntimeError, match="stop"):
+        budget.acquire(1)
+
+
+def _plugin() -> MemoryStoragePlugin:
+    async def make():
+        return MemoryStoragePlugin(f"memory://{uuid.uuid4().hex}")
+
+    return run(make())
+
+
+def test_pipeline_keeps_staged_bytes_within_budget():
+    plugin = _plugin()
+    staged_now = [0]
+    high_water = [0]
+    lock = threading.Lock()
+
+    class SlowPlugin(MemoryStoragePlugin):
+        async def write(self, path, buffers):
+            await asyncio.sleep(0.002)
+            await super().write(path, buffers)
+            with lock:
+                staged_now[0] -= len(buffers[0])
+
+    slow = SlowPlugin(plugin.root)
+
+    def stager(n: int):
+        def stage():
+            with lock:
+                staged_now[0] += n
+                high_water[0] = max(high_water[0], staged_now[0])
+            return [bytes(n)], None
+
+        return stage
+
+    pipeline = WritePipeline(slow, budget_bytes=10_000, max_concurrency=8, batch_bytes=1)
+    for i in range(100):
+        pipeline.submit(
+            WriteRequest(
+                blob=f"b{i}", nbytes=3000, staging_bytes=3000, stage=stager(3000), label=f"t{i}"
+            )
+        )
+    stats = pipeline.finish()
+    assert stats.blobs == 100 and stats.nbytes == 300_000
+    assert stats.peak_budget_bytes <= 10_000 and high_water[0] <= 10_000
+    assert run(slow.read("b99")) == bytes(3000)
+
+
+def test_pipeline_error_stops_the_caller_and_names_the_path():
+    class Failing(MemoryStoragePlugin):
+        async def write(self, path, buffers):
+            if path == "b3":
+                raise OSError(28, "No space left on device")
+            await asyncio.sleep(0.001)
+            await super().write(path, buffers)
+
+    failing = Failing(f"memory://{uuid.uuid4().hex}")
+    pipeline = WritePipeline(failing, budget_bytes=1000, max_concurrency=2, batch_bytes=1)
+    with pytest.raises(StorageError, match="0/x/t3: failed to write blob .*b3.*No space"):
+        for i in range(1000):  # the budget forces the caller to wait; the error wakes it
+            pipeline.submit(
+                WriteRequest(
+                    blob=f"b{i}",
+                    nbytes=600,
+                    staging_bytes=600,
+                    stage=lambda: ([bytes(600)], None),
+                    label=f"0/x/t{i}",
+                )
+            )
+        pipeline.finish()
+    pipeline.abort(RuntimeError("cleanup"))
+
+
+def test_reads_respect_the_budget_and_report_the_first_error():
+    plugin = _plugin()
+    run(plugin.write("data", [bytes(range(256)) * 64]))
+    in_use = [0, 0]
+
+    def request(i: int) -> ReadRequest:
+        buf = bytearray(1024)
+
+        def into():
+            in_use[0] += 1024
+            in_use[1] = max(in_use[1], in_use[0])
+            return memoryview(buf)
+
+        def done():
+            in_use[0] -= 1024
+
+        return ReadRequest(
+            pieces=(Piece(blob="data", offset=i * 1024, nbytes=1024, dest_offset=0),),
+            scratch_bytes=1024,
+            into=into,
+            done=done,
+            label=f"r{i}",
+        )
+
+    stats = run(
+        read_all(plugin, [request(i) for i in range(16)], budget_bytes=4096, max_concurrency=8)
+    )
+    assert stats.nbytes == 16 * 1024 and in_use[1] <= 4096
+    bad = ReadRequest(
+        pieces=(Piece(blob="absent", offset=0, nbytes=1, dest_offset=0),),
+        scratch_bytes=0,
+        into=lambda: memoryview(bytearray(1)),
+        done=None,
+        label="0/k/missing",
+    )
+    with pytest.raises(CorruptSnapshotError, match="0/k/missing: blob .*absent is missing"):
+        run(read_all(plugin, [request(0), bad, request(1)], budget_bytes=4096, max_concurrency=2))
+
+
+def test_calls_from_inside_a_running_loop_work():
+    """A notebook runs its own event loop; the library's I/O loop is separate."""
+
+    async def inside():
+        url = f"memory://{uuid.uuid4().hex}"
+        Snapshot.take(url, {"s": StateDict(x=torch.ones(3))})
+        return Snapshot(url).read_object("0/s/x")
+
+    assert torch.equal(asyncio.run(inside()), torch.ones(3))
+
+
+def test_run_refuses_to_deadlock_on_the_io_loop():
+    async def nested():
+        coro = asyncio.sleep(0)
+        return run(coro)
+
+    future = asyncio.run_coroutine_threadsafe(nested(), io_loop())
+    with pytest.raises(RuntimeError, match="deadlock"):
+        future.result(5)
+
+
+def test_take_stages_within_the_memory_budget(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("STATESNAP_MEMORY_BUDGET_BYTES", str(1 << 20))
+    state = StateDict({f"t{i}": torch.randn(512, 256).t() for i in range(8)})  # 512 KiB each
+    caplog.set_level("DEBUG", logger="snapshot")
+    Snapshot.take(str(tmp_path / "s"), {"s": state})
+    peaks = [int(m) for m in re.findall(r"peak staged (\d+) B", caplog.text)]
+    assert len(peaks) == 1 and 512 * 1024 <= peaks[0] <= 1 << 20  # two 512 KiB copies at most
+    out = Snapshot(str(tmp_path / "s")).read_object("0/s/t5")
+    assert torch.equal(out, state["t5"])

@@ -1,0 +1,137 @@
+"""One suite, every storage plugin: the StoragePlugin contract, checked the same way for each."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator, Callable
+
+import pytest
+import pytest_asyncio
+
+from storage_plugins import StoragePlugin
+from storage_plugins.fs import FSStoragePlugin
+from storage_plugins.fsspec_plugin import FSSpecStoragePlugin
+from storage_plugins.memory import MemoryStoragePlugin
+
+PluginMaker = Callable[[], StoragePlugin]
+
+
+def _makers(tmp_path) -> dict[str, PluginMaker]:
+    return {
+        "fs": lambda: FSStoragePlugin(str(tmp_path / "fs")),
+        "fs-nofsync": lambda: FSStoragePlugin(str(tmp_path / "fs2"), {"fsync": False}),
+        "memory": lambda: MemoryStoragePlugin(f"memory://{uuid.uuid4().hex}"),
+        "fsspec-memory": lambda: FSSpecStoragePlugin(f"memory://{uuid.uuid4().hex}/root"),
+        "fsspec-file": lambda: FSSpecStoragePlugin(f"file://{tmp_path}/fsspec"),
+    }
+
+
+PLUGINS = ["fs", "fs-nofsync", "memory", "fsspec-memory", "fsspec-file"]
+
+
+@pytest_asyncio.fixture(params=PLUGINS)
+async def plugin(request, tmp_path) -> AsyncIterator[StoragePlugin]:
+    p = _makers(tmp_path)[request.param]()
+    try:
+        yield p
+    finally:
+        await p.close()
+
+
+async def read_range(p: StoragePlugin, path: str, offset: int, n: int) -> bytes:
+    out = bytearray(n)
+    await p.read_into(path, offset, memoryview(out))
+    return bytes(out)
+
+
+@pytest.mark.asyncio
+async def test_write_then_read(plugin):
+    await plugin.write("a", [b"hello ", bytearray(b"big "), memoryview(b"world")])
+    assert await plugin.read("a") == b"hello big world"
+    assert await plugin.exists("a")
+    assert not await plugin.exists("b")
+
+
+@pytest.mark.asyncio
+async def test_empty_blob_and_nested_paths(plugin):
+    await plugin.write("x/y/z/empty", [])
+    assert await plugin.read("x/y/z/empty") == b""
+    assert await plugin.exists("x/y/z/empty")
+    await plugin.read_into("x/y/z/empty", 0, memoryview(bytearray()))
+
+
+@pytest.mark.asyncio
+async def test_ranged_reads(plugin):
+    data = bytes(range(256)) * 40
+    await plugin.write("r", [data])
+    assert await read_range(plugin, "r", 0, 10) == data[:10]
+    assert await read_range(plugin, "r", 1000, 500) == data[1000:1500]
+    assert await read_range(plugin, "r", len(data) - 3, 3) == data[-3:]
+    assert await read_range(plugin, "r", 0, len(data)) == data
+
+
+@pytest.mark.asyncio
+async def test_reading_past_the_end_is_eof(plugin):
+    await plugin.write("short", [b"12345"])
+    with pytest.raises(EOFError):
+        await read_range(plugin, "short", 3, 5)
+    with pytest.raises(EOFError):
+        await read_range(plugin, "short", 10, 1)
+
+
+@pytest.mark.asyncio
+async def test_missing_blob_is_file_not_found(plugin):
+    with pytest.raises(FileNotFoundError):
+        await plugin.read("nope")
+    with pytest.raises(FileNotFoundError):
+        await read_range(plugin, "nope", 0, 1)
+    with pytest.raises(FileNotFoundError):
+        await plugin.delete("nope")
+
+
+@pytest.mark.asyncio
+async def test_overwrite_replaces(plugin):
+    await plugin.write("o", [b"first version, long"])
+    await plugin.write("o", [b"second"])
+    assert await plugin.read("o") == b"second"
+
+
+@pytest.mark.asyncio
+async def test_delete(plugin):
+    await plugin.write("d/1", [b"x"])
+    await plugin.delete("d/1")
+    assert not await plugin.exists("d/1")
+    with pytest.raises(FileNotFoundError):
+        await plugin.read("d/1")
+
+
+@pytest.mark.asyncio
+async def test_concurrent_writes_and_reads(plugin):
+    blobs = {f"c/{i}": bytes([i]) * (1000 + i) for i in range(64)}
+    await asyncio.gather(*(plugin.write(k, [v]) for k, v in blobs.items()))
+    got = await asyncio.gather(*(plugin.read(k) for k in blobs))
+    assert got == list(blobs.values())
+
+
+@pytest.mark.asyncio
+async def test_buffers_may_be_reused_after_write(plugin):
+    buf = bytearray(b"A" * 4096)
+    await plugin.write("reuse", [memoryview(buf)])
+    buf[:] = b"B" * 4096
+    assert await plugin.read("reuse") == b"A" * 4096
+
+
+@pytest.mark.asyncio
+async def test_large_blob_from_many_buffers(plugin):
+    parts = [bytes([i % 251]) * (1 << 16) for i in range(128)]  # 8 MiB
+    await plugin.write("large", [memoryview(p) for p in parts])
+    assert await read_range(plugin, "large", 5 << 16, 1 << 16) == parts[5]
+    assert await plugin.read("large") == b"".join(parts)
+
+
+@pytest.mark.asyncio
+async def test_sync_and_describe(plugin):
+    await plugin.write("s/1", [b"x"])
+    await plugin.sync()
+    assert "s/1" in plugin.describe("s/1")
