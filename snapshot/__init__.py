@@ -1,7 +1,7 @@
 """statesnap: snapshots of a PyTorch application's whole state, to local disk or object storage.
 
-Public API: :class:`Snapshot`, :class:`StateDict`, :class:`RNGState`, :class:`Stateful` and the
-errors below :class:`SnapshotError`.
+Public API: :class:`Snapshot`, :class:`PendingSnapshot`, :class:`StateDict`, :class:`RNGState`,
+:class:`Stateful` and the errors below :class:`SnapshotError`.
 """
 
 from snapshot.errors import (
@@ -20,6 +20,7 @@ from snapshot.errors import (
     UnsafeObjectError,
     UnsupportedValueError,
 )
+from snapshot.pending import PendingSnapshot
 from snapshot.snapshot import Snapshot
 from snapshot.stateful import RNGState, StateDict, Stateful
 
@@ -31,6 +32,7 @@ __all__ = [
     "IncompatibleSnapshotError",
     "IncompleteSnapshotError",
     "NotStatefulError",
+    "PendingSnapshot",
     "RNGState",
     "ShapeMismatchError",
     "Snapshot",

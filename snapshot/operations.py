@@ -6,7 +6,7 @@ import difflib
 import logging
 import os
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -31,7 +31,6 @@ from snapshot.errors import (
 from snapshot.flatten import Leaf, escape_key, flatten, inflate, subtree
 from snapshot.planner import (
     PrepareFunc,
-    TakePlan,
     is_dense_tensor,
     plan_object_read,
     plan_take,
@@ -42,6 +41,7 @@ from snapshot.scheduler import (
     ReadRequest,
     WritePipeline,
     call,
+    open_plugin,
     open_storage,
     read_all,
     run,
@@ -100,116 +100,151 @@ def _describe(plugin: StoragePlugin) -> str:
 # Take.
 
 
-def take(
-    path: str,
-    app_state: Mapping[str, Any],
-    *,
-    coordinator: Coordinator,
-    replicated: Sequence[str],
-    storage_options: dict[str, Any] | None,
-    prepare: PrepareFunc | None,
-) -> Manifest:
-    """Writes every blob of ``app_state``, then commits the manifest. Returns the manifest."""
-    check_app_state(app_state)
-    if isinstance(replicated, str) or not all(isinstance(g, str) for g in replicated):
-        raise SnapshotError(f"replicated must be a list of glob strings, got {replicated!r}")
-    t0 = time.perf_counter()
-    states = [(k, _state_dict(k, app_state[k])) for k in _ordered_keys(app_state)]
-    plan = plan_take(
-        ((escape_key(k), sd) for k, sd in states),
-        rank=coordinator.rank,
-        prepare=prepare,
-        replicated=replicated,
-        inline_max_bytes=knobs.inline_max_bytes(),
-    )
-    t_plan = time.perf_counter()
-    with open_storage(path, storage_options) as plugin:
-        where = _describe(plugin)
-        if run(call(plugin, "check", MANIFEST_NAME, where, plugin.exists(MANIFEST_NAME))):
+class TakeJob:
+    """One take, in two halves.
+
+    ``start`` runs on the caller's thread: it captures every value (state_dict calls, planning,
+    staging) and queues the writes; when it returns, later changes to the application's tensors
+    cannot reach the snapshot if ``copy_tensors`` was set (async take), and the caller must not
+    change them until ``complete`` is done otherwise (sync take). ``complete`` runs on the I/O loop:
+    it waits for the writes, commits the manifest, and closes the storage. Either half cleans up
+    after itself when it fails: nothing is committed and the planned blobs are deleted.
+    """
+
+    def __init__(
+        self,
+        path: str,
+        app_state: Mapping[str, Any],
+        *,
+        coordinator: Coordinator,
+        replicated: Sequence[str],
+        storage_options: dict[str, Any] | None,
+        prepare: PrepareFunc | None,
+        copy_tensors: bool,
+    ) -> None:
+        check_app_state(app_state)
+        if isinstance(replicated, str) or not all(isinstance(g, str) for g in replicated):
+            raise SnapshotError(f"replicated must be a list of glob strings, got {replicated!r}")
+        self.path = path
+        self.app_state = app_state
+        self.coordinator = coordinator
+        self.replicated = replicated
+        self.storage_options = storage_options
+        self.prepare = prepare
+        self.copy_tensors = copy_tensors
+        self._times: dict[str, float] = {}
+
+    def start(self) -> None:
+        t0 = self._times["start"] = time.perf_counter()
+        states = [(k, _state_dict(k, self.app_state[k])) for k in _ordered_keys(self.app_state)]
+        self.plan = plan_take(
+            ((escape_key(k), sd) for k, sd in states),
+            rank=self.coordinator.rank,
+            prepare=self.prepare,
+            replicated=self.replicated,
+            inline_max_bytes=knobs.inline_max_bytes(),
+            copy_tensors=self.copy_tensors,
+        )
+        self._times["plan"] = time.perf_counter() - t0
+        self.plugin = open_plugin(self.path, self.storage_options)
+        self.where = _describe(self.plugin)
+        try:
+            run(self._begin())
+            self.pipeline = WritePipeline(
+                self.plugin,
+                budget_bytes=knobs.memory_budget_bytes(),
+                max_concurrency=knobs.max_concurrent_io(),
+                batch_bytes=knobs.write_batch_bytes(),
+            )
+        except BaseException:
+            run(self.plugin.close())
+            raise
+        try:
+            for request in self.plan.writes:
+                self.pipeline.submit(request)
+            self.pipeline.flush()
+        except BaseException as e:
+            self.pipeline.abort(e)
+            run(self._cleanup())
+            raise
+        self._times["staged"] = time.perf_counter() - t0
+
+    async def _begin(self) -> None:
+        plugin, where = self.plugin, self.where
+        if await call(plugin, "check", MANIFEST_NAME, where, plugin.exists(MANIFEST_NAME)):
             raise SnapshotExistsError(
                 f"{where} already holds a snapshot; take a new one at another path, "
                 "or delete this one first"
             )
         marker = f"pid {os.getpid()} started {time.time():.3f}\n".encode()
-        run(call(plugin, "write", PENDING_NAME, where, plugin.write(PENDING_NAME, [marker])))
-        stats = _write_blobs(plugin, plan)
-        t_write = time.perf_counter()
-        result = Manifest(
-            world_size=coordinator.world_size,
-            entries=plan.entries,
-            metadata={
-                "library": f"statesnap {LIBRARY_VERSION}",
-                "torch": str(torch.__version__),
-                "created_unix": round(time.time(), 3),
-            },
-        )
+        await call(plugin, "write", PENDING_NAME, where, plugin.write(PENDING_NAME, [marker]))
+
+    async def _cleanup(self) -> None:
+        """After a failure: best effort removal of what this take wrote, then storage closed."""
         try:
-            run(_commit(plugin, mf.dumps(result)))
+            for blob in [w.blob for w in self.plan.writes] + [PENDING_NAME]:
+                try:
+                    await self.plugin.delete(blob)
+                except FileNotFoundError:
+                    pass
+        except Exception:
+            logger.warning(
+                "could not remove the blobs of a failed take at %s", self.where, exc_info=True
+            )
+        finally:
+            await self.plugin.close()
+
+    async def complete(self) -> Manifest:
+        try:
+            stats = await self.pipeline.wait()
+            t_written = time.perf_counter()
+            result = Manifest(
+                world_size=self.coordinator.world_size,
+                entries=self.plan.entries,
+                metadata={
+                    "library": f"statesnap {LIBRARY_VERSION}",
+                    "torch": str(torch.__version__),
+                    "created_unix": round(time.time(), 3),
+                },
+            )
+            await _commit(self.plugin, mf.dumps(result))
         except BaseException:
-            _discard(plugin, [w.blob for w in plan.writes])
+            await self._cleanup()
             raise
-    t_end = time.perf_counter()
-    logger.info(
-        "took snapshot %s: %d entries, %d blobs, %.1f MB in %.3f s (%.2f GB/s)",
-        where,
-        len(plan.entries),
-        stats.blobs,
-        stats.nbytes / 1e6,
-        t_end - t0,
-        stats.nbytes / max(t_end - t0, 1e-9) / 1e9,
-    )
-    logger.debug(
-        "take %s phases: state_dict+plan %.3f s, write %.3f s (%.2f GB/s, peak staged %d B), "
-        "commit %.3f s",
-        where,
-        t_plan - t0,
-        t_write - t_plan,
-        stats.gbps,
-        stats.peak_budget_bytes,
-        t_end - t_write,
-    )
-    return result
+        await self.plugin.close()
+        self._log(stats, t_written)
+        return result
+
+    def _log(self, stats: IOStats, t_written: float) -> None:
+        t0 = self._times["start"]
+        total = time.perf_counter() - t0
+        logger.info(
+            "took snapshot %s: %d entries, %d blobs, %.1f MB in %.3f s (%.2f GB/s)",
+            self.where,
+            len(self.plan.entries),
+            stats.blobs,
+            stats.nbytes / 1e6,
+            total,
+            stats.nbytes / max(total, 1e-9) / 1e9,
+        )
+        logger.debug(
+            "take %s phases: state_dict+plan %.3f s, staged by %.3f s, written by %.3f s "
+            "(%.2f GB/s, peak staged %d B), committed by %.3f s",
+            self.where,
+            self._times["plan"],
+            self._times["staged"],
+            t_written - t0,
+            stats.gbps,
+            stats.peak_budget_bytes,
+            total,
+        )
 
 
-def _write_blobs(plugin: StoragePlugin, plan: TakePlan) -> IOStats:
-    pipeline = WritePipeline(
-        plugin,
-        budget_bytes=knobs.memory_budget_bytes(),
-        max_concurrency=knobs.max_concurrent_io(),
-        batch_bytes=knobs.write_batch_bytes(),
-    )
-    try:
-        for request in plan.writes:
-            pipeline.submit(request)
-    except BaseException as e:
-        pipeline.abort(e)
-        _discard(plugin, [w.blob for w in plan.writes])
-        raise
-    try:
-        return pipeline.finish()
-    except BaseException:
-        _discard(plugin, [w.blob for w in plan.writes])
-        raise
-
-
-def _discard(plugin: StoragePlugin, blobs: Iterable[str]) -> None:
-    """Best effort: removes what a failed take wrote, then its pending marker."""
-
-    async def remove(blob: str) -> None:
-        try:
-            await plugin.delete(blob)
-        except FileNotFoundError:
-            pass
-
-    async def remove_all() -> None:
-        for blob in blobs:
-            await remove(blob)
-        await remove(PENDING_NAME)
-
-    try:
-        run(remove_all())
-    except Exception:
-        logger.warning("could not remove the blobs of a failed take", exc_info=True)
+def take(path: str, app_state: Mapping[str, Any], **options: Any) -> Manifest:
+    """Writes every blob of ``app_state``, then commits the manifest. Returns the manifest."""
+    job = TakeJob(path, app_state, copy_tensors=False, **options)
+    job.start()
+    return run(job.complete())
 
 
 async def _commit(plugin: StoragePlugin, manifest_bytes: bytes) -> None:

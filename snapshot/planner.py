@@ -87,7 +87,9 @@ class _TakePlanner:
         prepare: PrepareFunc | None,
         replicated: Sequence[str],
         inline_max_bytes: int,
+        copy_tensors: bool,
     ) -> None:
+        self.copy_tensors = copy_tensors
         self.rank = rank
         self.prepare = prepare
         self.replicated = tuple(replicated)
@@ -189,6 +191,7 @@ class _TakePlanner:
                 return TensorEntry(dtype=dtype_name(dtype), shape=shape, chunks=self._written[key])
         zero_copy = (
             prepare is None
+            and not self.copy_tensors
             and tensor.device.type == "cpu"
             and tensor.is_contiguous()
             and not tensor.is_conj()
@@ -200,7 +203,9 @@ class _TakePlanner:
                 blob=blob,
                 nbytes=nbytes,
                 staging_bytes=0 if zero_copy else nbytes,
-                stage=_tensor_stager(path, logical, tensor, prepare, dtype, shape),
+                stage=_tensor_stager(
+                    path, logical, tensor, prepare, dtype, shape, self.copy_tensors
+                ),
                 label=path,
             )
         )
@@ -237,7 +242,14 @@ def _tensor_stager(
     prepare: PrepareFunc | None,
     dtype: torch.dtype,
     shape: tuple[int, ...],
+    copy: bool,
 ) -> Callable[[], tuple[Sequence[Buffer], object]]:
+    """The stage step of a tensor's write: its bytes as a contiguous CPU buffer.
+
+    With ``copy``, the buffer never aliases the application's memory, so the application may
+    change the tensor as soon as staging returns.
+    """
+
     def stage() -> tuple[Sequence[Buffer], object]:
         t = tensor
         if prepare is not None:
@@ -263,9 +275,18 @@ def _tensor_stager(
             raise UnsupportedValueError(
                 f"{path}: cannot read this {dtype_name(t.dtype)} tensor on {t.device}: {e}"
             ) from e
-        return [tensor_memoryview(t)], t
+        view = tensor_memoryview(t)
+        if copy and _shares_memory(t, tensor):
+            owned = bytearray(len(view))
+            owned[:] = view
+            return [owned], None
+        return [view], t
 
     return stage
+
+
+def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.device == b.device and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
 def plan_take(
@@ -275,13 +296,15 @@ def plan_take(
     prepare: PrepareFunc | None,
     replicated: Sequence[str],
     inline_max_bytes: int,
+    copy_tensors: bool = False,
 ) -> TakePlan:
     """Plans a take of ``(key_path, state_dict)`` pairs for process ``rank``.
 
     Manifest paths are ``"<rank>/<key_path>/..."``; ``prepare`` and the ``replicated`` globs see
-    the logical path without the rank.
+    the logical path without the rank. With ``copy_tensors``, staging copies every tensor that
+    would otherwise be written from the application's own memory.
     """
-    planner = _TakePlanner(rank, prepare, replicated, inline_max_bytes)
+    planner = _TakePlanner(rank, prepare, replicated, inline_max_bytes, copy_tensors)
     for key_path, state in states:
         planner.add(key_path, state)
     return planner.plan

@@ -74,17 +74,22 @@ def run(coro: Coroutine[Any, Any, _T]) -> _T:
         raise
 
 
-@contextmanager
-def open_storage(url: str, storage_options: dict[str, Any] | None) -> Iterator[StoragePlugin]:
-    """A storage plugin for ``url``, built on the I/O loop and closed on exit."""
+def open_plugin(url: str, storage_options: dict[str, Any] | None) -> StoragePlugin:
+    """The storage plugin for ``url``, built on the I/O loop; the caller closes it."""
 
     async def make() -> StoragePlugin:
         return url_to_storage_plugin(url, storage_options)
 
     try:
-        plugin = run(make())
+        return run(make())
     except (ValueError, TypeError, ImportError) as e:
         raise StorageError(f"cannot open storage for {url!r}: {e}") from e
+
+
+@contextmanager
+def open_storage(url: str, storage_options: dict[str, Any] | None) -> Iterator[StoragePlugin]:
+    """A storage plugin for ``url``, built on the I/O loop and closed on exit."""
+    plugin = open_plugin(url, storage_options)
     try:
         yield plugin
     finally:
@@ -256,16 +261,21 @@ class IOStats:
 def _storage_error(
     plugin: StoragePlugin, verb: str, blob: str, label: str, e: Exception
 ) -> Exception:
-    where = plugin.describe(blob)
+    """The library's error for a failed plugin call, with ``e`` as its cause."""
     if isinstance(e, SnapshotError):
         return e
+    where = plugin.describe(blob)
+    error: SnapshotError
     if verb == "read" and isinstance(e, FileNotFoundError):
-        return CorruptSnapshotError(f"{label}: blob {where} is missing")
-    if verb == "read" and isinstance(e, EOFError):
-        return CorruptSnapshotError(
+        error = CorruptSnapshotError(f"{label}: blob {where} is missing")
+    elif verb == "read" and isinstance(e, EOFError):
+        error = CorruptSnapshotError(
             f"{label}: blob {where} is shorter than the manifest says ({e})"
         )
-    return StorageError(f"{label}: failed to {verb} blob {where}: {type(e).__name__}: {e}")
+    else:
+        error = StorageError(f"{label}: failed to {verb} blob {where}: {type(e).__name__}: {e}")
+    error.__cause__ = e
+    return error
 
 
 # ---------------------------------------------------------------------------------------------
@@ -275,8 +285,9 @@ def _storage_error(
 class WritePipeline:
     """Stages write requests on the caller's thread and writes them on the I/O loop.
 
-    Call sequence (caller's thread): ``submit`` any number of times, then ``finish`` once (or
-    ``abort`` on failure). ``submit`` blocks only while the staging budget is full.
+    Call sequence: ``submit`` any number of times on the caller's thread, then either ``finish``
+    on that thread, or ``flush`` there and ``await wait()`` on the I/O loop; ``abort`` on
+    failure. ``submit`` blocks only while the staging budget is full.
     """
 
     _BATCH_ITEMS = 256
@@ -333,7 +344,8 @@ class WritePipeline:
         for item in batch:
             self._queue.put_nowait(item)
 
-    def _flush(self) -> None:
+    def flush(self) -> None:
+        """Hands what is staged to the I/O loop."""
         if self._batch:
             batch, self._batch, self._batch_bytes = self._batch, [], 0
             self._loop.call_soon_threadsafe(self._enqueue, batch)
@@ -343,7 +355,7 @@ class WritePipeline:
         if self._error is not None:
             raise self._error
         if not self.budget.try_acquire(req.staging_bytes):
-            self._flush()  # what is staged must start writing, or the budget never frees
+            self.flush()  # what is staged must start writing, or the budget never frees
             self.budget.acquire(req.staging_bytes)
         try:
             buffers, keepalive = req.stage()
@@ -353,17 +365,17 @@ class WritePipeline:
         self._batch.append((req, buffers, keepalive))
         self._batch_bytes += req.nbytes
         if self._batch_bytes >= self._batch_limit or len(self._batch) >= self._BATCH_ITEMS:
-            self._flush()
+            self.flush()
 
     async def _drain(self) -> None:
         for _ in self._workers:
             self._queue.put_nowait(None)
         await asyncio.gather(*self._workers)
 
-    def finish(self) -> IOStats:
-        """Waits until every queued write is done; raises the first error any of them met."""
-        self._flush()
-        run(self._drain())
+    async def wait(self) -> IOStats:
+        """On the I/O loop, after the last ``submit``: waits until every queued write is done,
+        and raises the first error any of them met."""
+        await self._drain()
         if self._error is not None:
             raise self._error
         return IOStats(
@@ -372,6 +384,11 @@ class WritePipeline:
             seconds=time.perf_counter() - self._start,
             peak_budget_bytes=self.budget.peak,
         )
+
+    def finish(self) -> IOStats:
+        """From the caller's thread: hands over what is staged, then ``wait``."""
+        self.flush()
+        return run(self.wait())
 
     def abort(self, error: BaseException) -> None:
         """Stops writing (what is queued is dropped) and waits for the workers to stop."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -9,6 +10,8 @@ import torch
 
 from manifest import Entry, Manifest
 from snapshot import dist, operations
+from snapshot.pending import PendingSnapshot
+from snapshot.scheduler import io_loop
 
 T = TypeVar("T")
 
@@ -86,16 +89,48 @@ class Snapshot:
             UnsupportedValueError: a value cannot be stored (a tensor on the meta device...).
             StorageError: the storage failed; nothing was committed.
         """
-        coordinator = dist.resolve(pg)
         manifest = operations.take(
             path,
             app_state,
-            coordinator=coordinator,
+            coordinator=dist.resolve(pg),
             replicated=replicated or [],
             storage_options=storage_options,
             prepare=_custom_tensor_prepare_func,
         )
         return cls(path, pg, storage_options, _manifest=manifest)
+
+    @classmethod
+    def async_take(
+        cls,
+        path: str,
+        app_state: dict[str, Any],
+        pg: Any | None = None,
+        replicated: list[str] | None = None,
+        storage_options: dict[str, Any] | None = None,
+        _custom_tensor_prepare_func: Callable[[str, torch.Tensor, bool], torch.Tensor]
+        | None = None,
+    ) -> PendingSnapshot:
+        """Like :meth:`take`, but returns once the state is captured; writes go on in the
+        background.
+
+        When this returns, the snapshot's content is fixed: every tensor has been copied (within
+        the memory budget, ``STATESNAP_MEMORY_BUDGET_BYTES``; a state larger than the budget
+        makes this call wait until enough writes have finished), so the caller may change or
+        free its tensors at once. Errors found while capturing are raised here; errors of the
+        background work are raised by :meth:`PendingSnapshot.wait`.
+        """
+        job = operations.TakeJob(
+            path,
+            app_state,
+            coordinator=dist.resolve(pg),
+            replicated=replicated or [],
+            storage_options=storage_options,
+            prepare=_custom_tensor_prepare_func,
+            copy_tensors=True,
+        )
+        job.start()
+        future = asyncio.run_coroutine_threadsafe(job.complete(), io_loop())
+        return PendingSnapshot(path, pg, storage_options, future)
 
     def restore(self, app_state: dict[str, Any]) -> None:
         """Restores ``app_state`` (the one taken, or a subset of its keys) from the snapshot.

@@ -1,0 +1,125 @@
+"""async_take: the content is fixed when the call returns; writes and the commit go on after."""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import threading
+
+import pytest
+import torch
+
+from snapshot import (
+    NotStatefulError,
+    PendingSnapshot,
+    Snapshot,
+    SnapshotNotFoundError,
+    StateDict,
+    StorageError,
+)
+from storage_plugins import register_storage_plugin, unregister_storage_plugin
+from storage_plugins.fs import FSStoragePlugin
+from tests.plugins import FAULTS
+
+GATE = threading.Event()
+
+
+class GatedPlugin(FSStoragePlugin):
+    """``gated://<path>``: blob writes wait until the test opens GATE."""
+
+    def __init__(self, url, storage_options=None):
+        super().__init__(url.removeprefix("gated://"), storage_options)
+
+    async def write(self, path, buffers):
+        if path != ".statesnap-pending":
+            while not GATE.is_set():
+                await asyncio.sleep(0.005)
+        await super().write(path, buffers)
+
+
+@pytest.fixture
+def gated(tmp_path):
+    GATE.clear()
+    register_storage_plugin("gated", GatedPlugin)
+    try:
+        yield f"gated://{tmp_path / 'snap'}", str(tmp_path / "snap")
+    finally:
+        GATE.set()
+        unregister_storage_plugin("gated")
+
+
+def test_content_is_fixed_when_the_call_returns(gated):
+    url, path = gated
+    model = torch.nn.Linear(32, 16)
+    optim = torch.optim.Adam(model.parameters())
+    model(torch.randn(4, 32)).sum().backward()
+    optim.step()
+    extra = StateDict(t=torch.arange(10.0), nested={"v": torch.ones(3, 3).t()}, n=[1, 2])
+    expected = {
+        "model": {k: v.clone() for k, v in model.state_dict().items()},
+        "exp_avg": optim.state_dict()["state"][0]["exp_avg"].clone(),
+    }
+    pending = Snapshot.async_take(url, {"model": model, "optim": optim, "extra": extra})
+    assert isinstance(pending, PendingSnapshot) and not pending.done()
+    # Training goes on: every tensor changes in place, and Python values change too.
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(100.0)
+    for state in optim.state.values():
+        for v in state.values():
+            v.add_(7)
+    extra["t"].mul_(-1)
+    extra["nested"]["v"].zero_()
+    extra["n"].append(3)
+    GATE.set()
+    snap = pending.wait(timeout=60)
+    assert pending.done()
+    for k, v in expected["model"].items():
+        assert torch.equal(snap.read_object(f"0/model/{k}"), v), k
+    assert torch.equal(snap.read_object("0/optim/state/0/exp_avg"), expected["exp_avg"])
+    assert torch.equal(snap.read_object("0/extra/t"), torch.arange(10.0))
+    assert torch.equal(snap.read_object("0/extra/nested/v"), torch.ones(3, 3))
+    assert snap.read_object("0/extra/n") == [1, 2]
+    assert Snapshot(path).get_manifest() == snap.get_manifest()
+
+
+def test_done_never_blocks_and_wait_times_out(gated):
+    url, path = gated
+    pending = Snapshot.async_take(url, {"s": StateDict(t=torch.ones(100))})
+    assert pending.done() is False
+    with pytest.raises(TimeoutError, match="still pending"):
+        pending.wait(timeout=0.05)
+    with pytest.raises(SnapshotNotFoundError):
+        Snapshot(path)  # nothing is visible before the commit
+    GATE.set()
+    assert torch.equal(pending.wait().read_object("0/s/t"), torch.ones(100))
+
+
+def test_background_failure_is_raised_by_wait_and_nothing_is_committed(faulty):
+    url, inner = faulty
+    FAULTS[inner] = lambda verb, path: (
+        OSError(errno.EIO, "I/O error") if (verb == "write" and path == "0/1") else None
+    )
+    pending = Snapshot.async_take(url, {"s": StateDict(a=torch.ones(4), b=torch.zeros(4))})
+    with pytest.raises(StorageError, match="0/s/b.*I/O error") as info:
+        pending.wait(timeout=60)
+    assert isinstance(info.value.__cause__, OSError)
+    assert pending.done()
+    with pytest.raises(SnapshotNotFoundError):
+        Snapshot(inner)
+
+
+def test_capture_errors_are_raised_by_the_call(tmp_path):
+    with pytest.raises(NotStatefulError, match="'x'"):
+        Snapshot.async_take(str(tmp_path / "s"), {"x": 3})
+
+
+def test_state_larger_than_the_budget(tmp_path, monkeypatch):
+    monkeypatch.setenv("STATESNAP_MEMORY_BUDGET_BYTES", str(256 * 1024))
+    state = StateDict({f"t{i}": torch.full((64, 1024), float(i)) for i in range(8)})  # 2 MiB
+    pending = Snapshot.async_take(str(tmp_path / "s"), {"s": state})
+    for t in state.values():
+        t.fill_(-1)
+    snap = pending.wait(timeout=60)
+    for i in range(8):
+        assert torch.equal(snap.read_object(f"0/s/t{i}"), torch.full((64, 1024), float(i)))
