@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from manifest import DictEntry, Entry, ListEntry, TupleEntry
+from snapshot.errors import UnsupportedValueError
 
 _KEY_TYPES = (str, int, float, bool, type(None))
 
@@ -47,7 +48,7 @@ def flatten(obj: Any, path: str) -> Iterator[tuple[str, DictEntry | ListEntry | 
     is a leaf: stored whole as an object rather than split.
 
     Raises:
-        ValueError: ``obj`` contains itself.
+        UnsupportedValueError: ``obj`` contains itself.
     """
     stack: list[tuple[str, Any, bool]] = [(path, obj, False)]
     on_path: set[int] = set()
@@ -72,7 +73,7 @@ def flatten(obj: Any, path: str) -> Iterator[tuple[str, DictEntry | ListEntry | 
             yield p, Leaf(value)
             continue
         if id(value) in on_path:
-            raise ValueError(f"{p}: the structure contains itself")
+            raise UnsupportedValueError(f"{p}: the structure contains itself")
         on_path.add(id(value))
         yield p, node
         stack.append((p, value, True))

@@ -68,27 +68,29 @@ def _ordered_keys(app_state: Mapping[str, Any]) -> list[str]:
     ]
 
 
-def check_app_state(app_state: Any) -> None:
+def check_app_state(app_state: Any, path: str) -> None:
+    """Refuses an app_state that is not a mapping of str -> Stateful; ``path`` is the snapshot's."""
     if not isinstance(app_state, Mapping):
         raise NotStatefulError(
-            f"app_state must be a dict of name -> Stateful, got {type(app_state).__name__}"
+            f"snapshot {path}: app_state must be a dict of name -> Stateful, "
+            f"got {type(app_state).__name__}"
         )
     for key, value in app_state.items():
         if type(key) is not str:
-            raise NotStatefulError(f"app_state key {key!r} is not a str")
+            raise NotStatefulError(f"snapshot {path}: app_state key {key!r} is not a str")
         if not isinstance(value, Stateful):
             raise NotStatefulError(
-                f"app_state[{key!r}] is a {type(value).__name__}, which has no state_dict() and "
-                "load_state_dict(); wrap plain values in snapshot.StateDict"
+                f"snapshot {path}: app_state[{key!r}] is a {type(value).__name__}, which has no "
+                "state_dict() and load_state_dict(); wrap plain values in snapshot.StateDict"
             )
 
 
-def _state_dict(key: str, value: Stateful) -> Any:
+def _state_dict(key: str, value: Stateful, path: str) -> Any:
     try:
         return value.state_dict()
     except Exception as e:
         raise StatefulError(
-            f"app_state[{key!r}].state_dict() raised {type(e).__name__}: {e}"
+            f"snapshot {path}: app_state[{key!r}].state_dict() raised {type(e).__name__}: {e}"
         ) from e
 
 
@@ -122,7 +124,7 @@ class TakeJob:
         prepare: PrepareFunc | None,
         copy_tensors: bool,
     ) -> None:
-        check_app_state(app_state)
+        check_app_state(app_state, path)
         if isinstance(replicated, str) or not all(isinstance(g, str) for g in replicated):
             raise SnapshotError(f"replicated must be a list of glob strings, got {replicated!r}")
         self.path = path
@@ -136,7 +138,9 @@ class TakeJob:
 
     def start(self) -> None:
         t0 = self._times["start"] = time.perf_counter()
-        states = [(k, _state_dict(k, self.app_state[k])) for k in _ordered_keys(self.app_state)]
+        states = [
+            (k, _state_dict(k, self.app_state[k], self.path)) for k in _ordered_keys(self.app_state)
+        ]
         self.plan = plan_take(
             ((escape_key(k), sd) for k, sd in states),
             rank=self.coordinator.rank,
@@ -309,8 +313,9 @@ def load_manifest(path: str, storage_options: dict[str, Any] | None) -> Manifest
 class _Loader:
     """Collects the reads that rebuild a set of manifest entries, runs them, and inflates."""
 
-    def __init__(self, entries: Mapping[str, Entry], tile_bytes: int) -> None:
+    def __init__(self, entries: Mapping[str, Entry], tile_bytes: int, where: str) -> None:
         self.entries = entries
+        self.where = where
         self.tile_bytes = tile_bytes
         self.requests: list[ReadRequest] = []
         self.tensors: dict[str, Any] = {}
@@ -321,7 +326,10 @@ class _Loader:
         entry = self.entries[path]
         if isinstance(entry, TensorEntry):
             t = target if isinstance(target, torch.Tensor) and is_dense_tensor(target) else None
-            read = plan_tensor_read(path, entry, t, self.tile_bytes)
+            try:
+                read = plan_tensor_read(path, entry, t, self.tile_bytes)
+            except SnapshotError as e:
+                raise type(e)(f"snapshot {self.where}: {e}") from None
             self.requests.extend(read.requests)
             self.tensors[path] = read.result
         elif isinstance(entry, ObjectEntry):
@@ -372,7 +380,7 @@ def restore(
     storage_options: dict[str, Any] | None,
 ) -> None:
     """Loads each app_state value's entries in place, then calls its ``load_state_dict``."""
-    check_app_state(app_state)
+    check_app_state(app_state, path)
     t0 = time.perf_counter()
     entries = manifest.entries
     rank_prefix = f"{coordinator.rank}/"
@@ -387,11 +395,11 @@ def restore(
             f"snapshot {path} has no app_state key(s) {missing}; it holds {available}"
         )
     budget = knobs.memory_budget_bytes()
-    loader = _Loader(entries, tile_bytes=_tile_bytes(budget))
+    loader = _Loader(entries, tile_bytes=_tile_bytes(budget), where=path)
     for key in keys:
         targets = {
             p: node.value
-            for p, node in flatten(_state_dict(key, app_state[key]), roots[key])
+            for p, node in flatten(_state_dict(key, app_state[key], path), roots[key])
             if isinstance(node, Leaf)
         }
         loader.add_subtree(roots[key], targets)
@@ -405,7 +413,8 @@ def restore(
             app_state[key].load_state_dict(value)
         except Exception as e:
             raise StatefulError(
-                f"app_state[{key!r}].load_state_dict() raised {type(e).__name__}: {e}"
+                f"snapshot {path}: app_state[{key!r}].load_state_dict() raised "
+                f"{type(e).__name__}: {e}"
             ) from e
     t_end = time.perf_counter()
     logger.info(
@@ -454,7 +463,7 @@ def read_object(
         raise ValueError(f"memory_budget_bytes must be positive, got {memory_budget_bytes}")
     budget = memory_budget_bytes or knobs.memory_budget_bytes()
     tile = memory_budget_bytes or _tile_bytes(budget)
-    loader = _Loader(entries, tile_bytes=tile)
+    loader = _Loader(entries, tile_bytes=tile, where=path)
     loader.add_subtree(logical_path, {logical_path: obj_out})
     if loader.requests:
         with open_storage(path, storage_options) as plugin:

@@ -51,7 +51,7 @@ def files_under(path) -> list[str]:
 
 
 def test_non_stateful_value_names_its_key(tmp_path):
-    with pytest.raises(NotStatefulError, match=r"app_state\['weights'\].*Tensor.*StateDict"):
+    with pytest.raises(NotStatefulError, match=r"s: app_state\['weights'\].*Tensor.*StateDict"):
         Snapshot.take(str(tmp_path / "s"), {"ok": StateDict(), "weights": torch.ones(2)})
     with pytest.raises(NotStatefulError, match="dict of name"):
         Snapshot.take(str(tmp_path / "s"), [StateDict()])
@@ -136,11 +136,18 @@ def test_load_state_dict_that_raises(snapshot_url):
         Snapshot(snapshot_url).restore({"obj": Broken(fail_load=True)})
 
 
+def test_structure_that_contains_itself(snapshot_url):
+    loop = [1]
+    loop.append(loop)
+    with pytest.raises(UnsupportedValueError, match="0/s/x/1: the structure contains itself"):
+        Snapshot.take(snapshot_url, {"s": StateDict(x=loop)})
+
+
 def test_tensor_without_data(snapshot_url):
     with pytest.raises(UnsupportedValueError, match="0/s/w.*meta device"):
         Snapshot.take(snapshot_url, {"s": StateDict(w=torch.empty(3, device="meta"))})
     Snapshot.take(snapshot_url, {"s": StateDict(w=torch.ones(3))})
-    with pytest.raises(UnsupportedValueError, match="0/s/w.*meta"):
+    with pytest.raises(UnsupportedValueError, match=r"snapshot .*snap: 0/s/w.*meta"):
         Snapshot(snapshot_url).restore({"s": StateDict(w=torch.empty(3, device="meta"))})
 
 
