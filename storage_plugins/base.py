@@ -17,9 +17,9 @@ class StoragePlugin(abc.ABC):
     too, so a plugin may create loop-bound resources (an aiohttp session, say) in ``__init__``.
 
     Call sequence: construct with the root and the user's ``storage_options``; any number of
-    concurrent ``write`` / ``read`` / ``read_into`` / ``exists`` / ``delete`` calls; ``sync()``
-    whenever what was written must become durable; ``close()`` once, after which the plugin is not
-    used again.
+    concurrent ``write`` / ``read`` / ``read_into`` / ``readv`` / ``exists`` / ``delete``
+    calls; ``sync()`` whenever what was written must become durable; ``close()`` once, after
+    which the plugin is not used again.
 
     Errors are builtins a caller already knows: ``FileNotFoundError`` for a missing blob,
     ``EOFError`` when a blob ends before the requested range does, ``OSError`` (or a subclass) for
@@ -50,6 +50,28 @@ class StoragePlugin(abc.ABC):
             FileNotFoundError: no blob at ``path``.
             EOFError: the blob ends before ``offset + len(out)``.
         """
+
+    async def readv(self, path: str, offset: int, outs: Sequence[memoryview]) -> None:
+        """Fills the buffers in ``outs``, in order, from consecutive bytes starting at ``offset``
+        (a scatter read: one ranged request, several destinations).
+
+        The default reads the whole range into one temporary buffer and copies it out; plugins
+        that can scatter without the copy (``preadv``) override it.
+
+        Raises:
+            FileNotFoundError: no blob at ``path``.
+            EOFError: the blob ends before the last buffer is filled.
+        """
+        if len(outs) == 1:
+            await self.read_into(path, offset, outs[0])
+            return
+        total = sum(len(o) for o in outs)
+        staging = memoryview(bytearray(total))
+        await self.read_into(path, offset, staging)
+        pos = 0
+        for out in outs:
+            out[:] = staging[pos : pos + len(out)]
+            pos += len(out)
 
     @abc.abstractmethod
     async def exists(self, path: str) -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import uuid
+from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -13,8 +14,9 @@ from storage_plugins.base import Buffer, StoragePlugin
 
 _T = TypeVar("_T")
 
-# Linux moves at most this many bytes per read/write system call.
+# Linux moves at most this many bytes per read/write system call, in at most IOV_MAX buffers.
 _MAX_SYSCALL_BYTES = 0x7FFFF000
+_MAX_IOV = 1024
 _DEFAULT_IO_THREADS = 8
 
 
@@ -91,24 +93,18 @@ class FSStoragePlugin(StoragePlugin):
     async def read(self, path: str) -> bytes:
         return await self._run(self._read_sync, path)
 
-    def _read_into_sync(self, path: str, offset: int, out: memoryview) -> None:
+    def _readv_sync(self, path: str, offset: int, outs: Sequence[memoryview]) -> None:
         fd = os.open(self._abs(path), os.O_RDONLY | os.O_CLOEXEC)
         try:
-            done = 0
-            total = len(out)
-            while done < total:
-                n = os.preadv(fd, [out[done : done + _MAX_SYSCALL_BYTES]], offset + done)
-                if n == 0:
-                    raise EOFError(
-                        f"{self._abs(path)} ends at byte {offset + done}, "
-                        f"but bytes up to {offset + total} were requested"
-                    )
-                done += n
+            _read_all(fd, offset, outs, self._abs(path))
         finally:
             os.close(fd)
 
     async def read_into(self, path: str, offset: int, out: memoryview) -> None:
-        await self._run(self._read_into_sync, path, offset, out)
+        await self._run(self._readv_sync, path, offset, (out,))
+
+    async def readv(self, path: str, offset: int, outs: Sequence[memoryview]) -> None:
+        await self._run(self._readv_sync, path, offset, outs)
 
     async def exists(self, path: str) -> bool:
         return await self._run(os.path.isfile, self._abs(path))
@@ -133,28 +129,49 @@ class FSStoragePlugin(StoragePlugin):
         self._executor.shutdown(wait=True)
 
 
+def _next_batch(pending: deque[memoryview]) -> list[memoryview]:
+    """The leading buffers of ``pending`` that one vectored system call can take."""
+    batch: list[memoryview] = []
+    size = 0
+    for view in pending:
+        if size + len(view) > _MAX_SYSCALL_BYTES:
+            if not batch:
+                batch.append(view[:_MAX_SYSCALL_BYTES])
+            break
+        batch.append(view)
+        size += len(view)
+        if len(batch) >= _MAX_IOV:
+            break
+    return batch
+
+
+def _consume(pending: deque[memoryview], n: int) -> None:
+    """Drops the first ``n`` bytes from ``pending`` (after a short or complete transfer)."""
+    while n:
+        head = pending[0]
+        if n >= len(head):
+            n -= len(head)
+            pending.popleft()
+        else:
+            pending[0] = head[n:]
+            n = 0
+
+
 def _write_all(fd: int, buffers: Sequence[Buffer]) -> None:
     """Writes every buffer in order, resuming after short writes."""
-    pending = [memoryview(b).cast("B") for b in buffers if len(b)]
+    pending = deque(memoryview(b).cast("B") for b in buffers if len(b))
     while pending:
-        # Keep each call under the kernel's per-call limit.
-        batch: list[memoryview] = []
-        size = 0
-        for view in pending:
-            if size + len(view) > _MAX_SYSCALL_BYTES:
-                if not batch:
-                    batch.append(view[:_MAX_SYSCALL_BYTES])
-                break
-            batch.append(view)
-            size += len(view)
-            if len(batch) >= 512:  # well below IOV_MAX (1024)
-                break
-        written = os.writev(fd, batch)
-        while written:
-            head = pending[0]
-            if written >= len(head):
-                written -= len(head)
-                pending.pop(0)
-            else:
-                pending[0] = head[written:]
-                written = 0
+        _consume(pending, os.writev(fd, _next_batch(pending)))
+
+
+def _read_all(fd: int, offset: int, outs: Sequence[memoryview], name: str) -> None:
+    """Fills every buffer in order from ``offset`` on, resuming after short reads."""
+    pending = deque(o for o in outs if len(o))
+    total = offset + sum(len(o) for o in pending)
+    pos = offset
+    while pending:
+        n = os.preadv(fd, _next_batch(pending), pos)
+        if n == 0:
+            raise EOFError(f"{name} ends at byte {pos}, but bytes up to {total} were requested")
+        _consume(pending, n)
+        pos += n

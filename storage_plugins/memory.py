@@ -60,14 +60,19 @@ class MemoryStoragePlugin(StoragePlugin):
         return self._get(path)
 
     async def read_into(self, path: str, offset: int, out: memoryview) -> None:
-        data = self._get(path)
-        end = offset + len(out)
+        await self.readv(path, offset, (out,))
+
+    async def readv(self, path: str, offset: int, outs: Sequence[memoryview]) -> None:
+        data = memoryview(self._get(path))
+        end = offset + sum(len(o) for o in outs)
         if end > len(data):
             raise EOFError(
                 f"{self.describe(path)} holds {len(data)} bytes, "
                 f"but bytes up to {end} were requested"
             )
-        out[:] = memoryview(data)[offset:end]
+        for out in outs:
+            out[:] = data[offset : offset + len(out)]
+            offset += len(out)
 
     async def exists(self, path: str) -> bool:
         with _LOCK:

@@ -135,3 +135,22 @@ async def test_sync_and_describe(plugin):
     await plugin.write("s/1", [b"x"])
     await plugin.sync()
     assert "s/1" in plugin.describe("s/1")
+
+
+@pytest.mark.asyncio
+async def test_scatter_reads(plugin):
+    data = bytes(range(256)) * 16
+    await plugin.write("v", [data])
+    outs = [bytearray(n) for n in (10, 0, 1, 300, 2000)]
+    await plugin.readv("v", 7, [memoryview(o) for o in outs])
+    pos = 7
+    for o in outs:
+        assert bytes(o) == data[pos : pos + len(o)]
+        pos += len(o)
+    many = [bytearray(2) for _ in range(1500)]  # more buffers than one system call takes
+    await plugin.readv("v", 0, [memoryview(o) for o in many])
+    assert b"".join(many) == data[:3000]
+    with pytest.raises(EOFError):
+        await plugin.readv("v", len(data) - 4, [memoryview(bytearray(2)), memoryview(bytearray(3))])
+    with pytest.raises(FileNotFoundError):
+        await plugin.readv("absent", 0, [memoryview(bytearray(1))])
