@@ -56,3 +56,32 @@ def write_batch_bytes() -> int:
     """Staged bytes handed from the caller's thread to the I/O loop at a time
     (STATESNAP_WRITE_BATCH_BYTES, default 64 MiB): smaller starts writing sooner."""
     return _env_int("WRITE_BATCH_BYTES", 64 * _MIB, 1)
+
+
+def chunk_bytes() -> int:
+    """Tensors larger than this are split into chunks of about this size, each its own blob,
+    written and read concurrently (STATESNAP_CHUNK_BYTES, default 128 MiB)."""
+    return _env_int("CHUNK_BYTES", 128 * _MIB, 1)
+
+
+def slab_threshold_bytes() -> int:
+    """Payloads up to this size are packed into shared slab blobs
+    (STATESNAP_SLAB_THRESHOLD_BYTES, default 1 MiB; 0 turns slabs off)."""
+    return _env_int("SLAB_THRESHOLD_BYTES", _MIB, 0)
+
+
+def slab_bytes() -> int:
+    """Size a slab is filled to before another is started (STATESNAP_SLAB_BYTES, default 32 MiB)."""
+    return _env_int("SLAB_BYTES", 32 * _MIB, 1)
+
+
+def read_gap_bytes() -> int:
+    """Unwanted bytes between two wanted ranges of a blob that are read (and dropped) rather than
+    asked for separately (STATESNAP_READ_GAP_BYTES, default 64 KiB)."""
+    return _env_int("READ_GAP_BYTES", 64 * 1024, 0)
+
+
+def read_request_bytes() -> int:
+    """Largest single read: merged ranges and pieces of one large tensor stop growing here
+    (STATESNAP_READ_REQUEST_BYTES, default 32 MiB)."""
+    return _env_int("READ_REQUEST_BYTES", 32 * _MIB, 1)

@@ -30,7 +30,10 @@ from snapshot.errors import (
 )
 from snapshot.flatten import Leaf, escape_key, flatten, inflate, subtree
 from snapshot.planner import (
+    Layout,
+    Need,
     PrepareFunc,
+    coalesce,
     is_dense_tensor,
     plan_object_read,
     plan_take,
@@ -38,7 +41,6 @@ from snapshot.planner import (
 )
 from snapshot.scheduler import (
     IOStats,
-    ReadRequest,
     WritePipeline,
     call,
     open_plugin,
@@ -147,6 +149,12 @@ class TakeJob:
             prepare=self.prepare,
             replicated=self.replicated,
             inline_max_bytes=knobs.inline_max_bytes(),
+            layout=Layout(
+                chunk_bytes=knobs.chunk_bytes(),
+                slab_threshold_bytes=knobs.slab_threshold_bytes(),
+                # A slab is staged whole: keep it to a quarter of the budget.
+                slab_bytes=max(1, min(knobs.slab_bytes(), knobs.memory_budget_bytes() // 4)),
+            ),
             copy_tensors=self.copy_tensors,
         )
         self._times["plan"] = time.perf_counter() - t0
@@ -317,7 +325,7 @@ class _Loader:
         self.entries = entries
         self.where = where
         self.tile_bytes = tile_bytes
-        self.requests: list[ReadRequest] = []
+        self.needs: list[Need] = []
         self.tensors: dict[str, Any] = {}
         self.objects: dict[str, Any] = {}
 
@@ -327,13 +335,13 @@ class _Loader:
         if isinstance(entry, TensorEntry):
             t = target if isinstance(target, torch.Tensor) and is_dense_tensor(target) else None
             try:
-                read = plan_tensor_read(path, entry, t, self.tile_bytes)
+                read = plan_tensor_read(path, entry, t, self.tile_bytes, knobs.read_request_bytes())
             except SnapshotError as e:
                 raise type(e)(f"snapshot {self.where}: {e}") from None
-            self.requests.extend(read.requests)
+            self.needs.extend(read.needs)
             self.tensors[path] = read.result
         elif isinstance(entry, ObjectEntry):
-            self.requests.append(plan_object_read(path, entry, self.objects))
+            self.needs.append(plan_object_read(path, entry, self.objects))
 
     def add_subtree(self, root: str, targets: Mapping[str, Any]) -> None:
         for p in subtree(self.entries, root):
@@ -349,7 +357,12 @@ class _Loader:
         return run(
             read_all(
                 plugin,
-                self.requests,
+                coalesce(
+                    self.needs,
+                    max_gap_bytes=knobs.read_gap_bytes(),
+                    max_request_bytes=knobs.read_request_bytes(),
+                    max_scratch_bytes=self.tile_bytes,
+                ),
                 budget_bytes=budget_bytes,
                 max_concurrency=knobs.max_concurrent_io(),
             )
@@ -465,7 +478,7 @@ def read_object(
     tile = memory_budget_bytes or _tile_bytes(budget)
     loader = _Loader(entries, tile_bytes=tile, where=path)
     loader.add_subtree(logical_path, {logical_path: obj_out})
-    if loader.requests:
+    if loader.needs:
         with open_storage(path, storage_options) as plugin:
             loader.execute(plugin, budget)
     return loader.inflate(logical_path)

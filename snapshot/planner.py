@@ -1,18 +1,24 @@
 """From flattened state to manifest entries and I/O requests (and back), without doing any I/O.
 
-Take: each leaf of each ``state_dict()`` becomes an entry; tensors and large values also become
-write requests whose ``stage`` step runs later, on the caller's thread, under the scheduler's
-budget. Restore and ``read_object``: each entry to load becomes read requests that land in the
-target tensor's memory when dtype and layout agree, or in budget-sized scratch tiles otherwise.
+Take: each leaf of each ``state_dict()`` becomes an entry. Tensors and long values become byte
+payloads placed in blobs: a large tensor is split into chunks of its own; small payloads are packed
+into slabs, so thousands of biases make a few files. Each blob is one write request whose
+``stage`` step runs later, on the caller's thread, under the scheduler's budget.
+
+Restore and ``read_object``: each entry to load becomes byte-range needs that land in the target
+tensor's memory when dtype and layout agree, or in budget-sized scratch tiles otherwise; needs
+in the same blob that lie close together are merged into one scatter read.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import functools
 import logging
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import Any
 
 import torch
@@ -31,20 +37,23 @@ from snapshot.errors import (
     UnsupportedValueError,
 )
 from snapshot.flatten import Leaf, flatten
-from snapshot.scheduler import Piece, ReadRequest, WriteRequest
+from snapshot.scheduler import ReadRequest, Segment, WriteRequest
 from snapshot.serialization import (
+    copy_bytes,
+    copy_elements,
     decode_object,
     dtype_from_name,
     dtype_name,
     encode_object,
+    gather_elements,
     tensor_memoryview,
     tensor_nbytes,
 )
 from storage_plugins import Buffer
 
-# (logical_path, tensor, tracing) -> tensor to write; see Snapshot.take.
 logger = logging.getLogger(__name__)
 
+# (logical_path, tensor, tracing) -> tensor to write; see Snapshot.take.
 PrepareFunc = Callable[[str, torch.Tensor, bool], torch.Tensor]
 
 _INLINE_TYPES = (bool, int, float, type(None))
@@ -67,6 +76,19 @@ def _type_name(value: object) -> str:
 # ---------------------------------------------------------------------------------------------
 # Take.
 
+Staged = tuple[Sequence[Buffer], object]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where payloads go: tensors above ``chunk_bytes`` are split into chunks of about that
+    size, each a blob; payloads up to ``slab_threshold_bytes`` are packed into slabs of about
+    ``slab_bytes``; the rest get a blob each."""
+
+    chunk_bytes: int
+    slab_threshold_bytes: int
+    slab_bytes: int
+
 
 @dataclass
 class TakePlan:
@@ -80,6 +102,28 @@ class TakePlan:
         return sum(w.nbytes for w in self.writes)
 
 
+@dataclass
+class _Slab:
+    blob: str
+    stages: list[Callable[[], Staged]] = field(default_factory=list)
+    labels: list[str] = field(default_factory=list)
+    nbytes: int = 0
+    staging_bytes: int = 0
+
+    def stage(self) -> Staged:
+        buffers: list[Buffer] = []
+        keep = []
+        for stage in self.stages:
+            bufs, keepalive = stage()
+            buffers.extend(bufs)
+            keep.append(keepalive)
+        return buffers, keep
+
+    def label(self) -> str:
+        more = f" and {len(self.labels) - 1} more" if len(self.labels) > 1 else ""
+        return f"{self.labels[0]}{more} (slab {self.blob})"
+
+
 class _TakePlanner:
     def __init__(
         self,
@@ -88,20 +132,61 @@ class _TakePlanner:
         replicated: Sequence[str],
         inline_max_bytes: int,
         copy_tensors: bool,
+        layout: Layout,
     ) -> None:
-        self.copy_tensors = copy_tensors
         self.rank = rank
         self.prepare = prepare
         self.replicated = tuple(replicated)
         self.inline_max = inline_max_bytes
+        self.copy_tensors = copy_tensors
+        self.layout = layout
         self.plan = TakePlan()
         self._next_blob = 0
+        self._slab: _Slab | None = None
         self._written: dict[tuple[Any, ...], tuple[Location, ...]] = {}
 
-    def _blob(self) -> str:
-        name = f"{self.rank}/{self._next_blob}"
+    def _blob(self, kind: str = "") -> str:
+        name = f"{self.rank}/{kind}{self._next_blob}"
         self._next_blob += 1
         return name
+
+    def _place(
+        self, nbytes: int, staging_bytes: int, stage: Callable[[], Staged], label: str
+    ) -> Location:
+        """Gives a payload its place: in the open slab when small, else in a blob of its own."""
+        if nbytes <= self.layout.slab_threshold_bytes:
+            slab = self._slab
+            if slab is not None and slab.nbytes + nbytes > self.layout.slab_bytes:
+                self._close_slab()
+                slab = None
+            if slab is None:
+                slab = self._slab = _Slab(blob=self._blob("s"))
+            location = Location(blob=slab.blob, offset=slab.nbytes, nbytes=nbytes)
+            slab.stages.append(stage)
+            slab.labels.append(label)
+            slab.nbytes += nbytes
+            slab.staging_bytes += staging_bytes
+            return location
+        blob = self._blob()
+        self.plan.writes.append(
+            WriteRequest(
+                blob=blob, nbytes=nbytes, staging_bytes=staging_bytes, stage=stage, label=label
+            )
+        )
+        return Location(blob=blob, offset=0, nbytes=nbytes)
+
+    def _close_slab(self) -> None:
+        slab, self._slab = self._slab, None
+        if slab is not None and slab.stages:
+            self.plan.writes.append(
+                WriteRequest(
+                    blob=slab.blob,
+                    nbytes=slab.nbytes,
+                    staging_bytes=slab.staging_bytes,
+                    stage=slab.stage,
+                    label=slab.label(),
+                )
+            )
 
     def _is_replicated(self, logical: str) -> bool:
         return any(fnmatch.fnmatchcase(logical, g) for g in self.replicated)
@@ -110,13 +195,14 @@ class _TakePlanner:
         rank_prefix = f"{self.rank}/"
         for path, node in flatten(state, rank_prefix + key_path):
             logical = path[len(rank_prefix) :]
-            if isinstance(node, Leaf):
-                entry = self._leaf(path, logical, node.value)
-            else:
-                entry = node
+            entry = self._leaf(path, logical, node.value) if isinstance(node, Leaf) else node
             if self.replicated and self._is_replicated(logical):
-                entry = _with_replicated(entry)
+                entry = dataclasses.replace(entry, replicated=True)
             self.plan.entries[path] = entry
+
+    def finish(self) -> TakePlan:
+        self._close_slab()
+        return self.plan
 
     def _leaf(self, path: str, logical: str, value: Any) -> Entry:
         if isinstance(value, torch.Tensor) and is_dense_tensor(value):
@@ -131,11 +217,11 @@ class _TakePlanner:
                 return self._object(path, value)
             if len(data) <= self.inline_max:
                 return PrimitiveEntry(value=value)
-            return self._blob_entry(path, "utf8", "str", data)
+            return self._bytes_entry(path, "utf8", "str", data)
         if kind is bytes:
             if len(value) <= self.inline_max:
                 return PrimitiveEntry(value=value)
-            return self._blob_entry(path, "bytes", "bytes", value)
+            return self._bytes_entry(path, "bytes", "bytes", value)
         return self._object(path, value)
 
     def _object(self, path: str, value: Any) -> Entry:
@@ -152,20 +238,10 @@ class _TakePlanner:
             logger.warning(
                 "%s: a %s will need an explicit opt-in to restore: %s", path, _type_name(value), e
             )
-        return self._blob_entry(path, "torch_save", _type_name(value), data)
+        return self._bytes_entry(path, "torch_save", _type_name(value), data)
 
-    def _blob_entry(self, path: str, serializer: str, obj_type: str, data: bytes) -> ObjectEntry:
-        blob = self._blob()
-        self.plan.writes.append(
-            WriteRequest(
-                blob=blob,
-                nbytes=len(data),
-                staging_bytes=0,
-                stage=lambda: ([data], None),
-                label=path,
-            )
-        )
-        location = Location(blob=blob, offset=0, nbytes=len(data))
+    def _bytes_entry(self, path: str, serializer: str, obj_type: str, data: bytes) -> ObjectEntry:
+        location = self._place(len(data), 0, lambda: ([data], None), path)
         return ObjectEntry(serializer=serializer, obj_type=obj_type, location=location)
 
     def _tensor(self, path: str, logical: str, tensor: torch.Tensor) -> TensorEntry:
@@ -187,36 +263,28 @@ class _TakePlanner:
         key = None
         if prepare is None:
             key = (tensor.device, tensor.data_ptr(), dtype, shape, tuple(tensor.stride()))
-            if key in self._written:
-                return TensorEntry(dtype=dtype_name(dtype), shape=shape, chunks=self._written[key])
-        zero_copy = (
-            prepare is None
-            and not self.copy_tensors
-            and tensor.device.type == "cpu"
-            and tensor.is_contiguous()
-            and not tensor.is_conj()
-            and not tensor.is_neg()
+            chunks = self._written.get(key)
+            if chunks is not None:
+                return TensorEntry(dtype=dtype_name(dtype), shape=shape, chunks=chunks)
+        itemsize = dtype.itemsize
+        numel = nbytes // itemsize
+        per_chunk = max(1, self.layout.chunk_bytes // itemsize)
+        bounds = [(e, min(numel, e + per_chunk)) for e in range(0, numel, per_chunk)]
+        source = _TensorSource(
+            path, logical, tensor, prepare, dtype, shape, self.copy_tensors, parts=len(bounds)
         )
-        blob = self._blob()
-        self.plan.writes.append(
-            WriteRequest(
-                blob=blob,
-                nbytes=nbytes,
-                staging_bytes=0 if zero_copy else nbytes,
-                stage=_tensor_stager(
-                    path, logical, tensor, prepare, dtype, shape, self.copy_tensors
-                ),
-                label=path,
+        chunks = tuple(
+            self._place(
+                (stop - start) * itemsize,
+                0 if source.zero_copy else (stop - start) * itemsize,
+                functools.partial(source.piece, start, stop),
+                path,
             )
+            for start, stop in bounds
         )
-        chunks = (Location(blob=blob, offset=0, nbytes=nbytes),)
         if key is not None:
             self._written[key] = chunks
         return TensorEntry(dtype=dtype_name(dtype), shape=shape, chunks=chunks)
-
-
-def _with_replicated(entry: Entry) -> Entry:
-    return dataclasses.replace(entry, replicated=True)
 
 
 def _call_prepare(
@@ -235,54 +303,84 @@ def _call_prepare(
     return out
 
 
-def _tensor_stager(
-    path: str,
-    logical: str,
-    tensor: torch.Tensor,
-    prepare: PrepareFunc | None,
-    dtype: torch.dtype,
-    shape: tuple[int, ...],
-    copy: bool,
-) -> Callable[[], tuple[Sequence[Buffer], object]]:
-    """The stage step of a tensor's write: its bytes as a contiguous CPU buffer.
+class _TensorSource:
+    """The bytes of one tensor, handed out piece by piece (element ranges) at staging time.
 
-    With ``copy``, the buffer never aliases the application's memory, so the application may
-    change the tensor as soon as staging returns.
+    A piece of a contiguous CPU tensor is a view of its memory, unless ``copy`` asks that no
+    staged buffer alias the application's memory (async take). Pieces of other tensors
+    (non-contiguous, on a device) are gathered into new memory. What needs the whole tensor first
+    (the prepare function, resolving a lazy conjugate or negation) is done once, at the first
+    piece, and kept until the last piece is staged.
     """
 
-    def stage() -> tuple[Sequence[Buffer], object]:
-        t = tensor
-        if prepare is not None:
-            t = _call_prepare(prepare, path, logical, t, tracing=False)
-            if t.dtype != dtype or tuple(t.shape) != shape:
+    def __init__(
+        self,
+        path: str,
+        logical: str,
+        tensor: torch.Tensor,
+        prepare: PrepareFunc | None,
+        dtype: torch.dtype,
+        shape: tuple[int, ...],
+        copy: bool,
+        parts: int,
+    ) -> None:
+        self.path = path
+        self.logical = logical
+        self.tensor = tensor
+        self.prepare = prepare
+        self.dtype = dtype
+        self.shape = shape
+        self.copy = copy
+        self.remaining = parts
+        self._base: torch.Tensor | None = None
+        self.zero_copy = (
+            prepare is None
+            and not copy
+            and tensor.device.type == "cpu"
+            and tensor.is_contiguous()
+            and not tensor.is_conj()
+            and not tensor.is_neg()
+        )
+
+    def _resolve(self) -> torch.Tensor:
+        if self._base is not None:
+            return self._base
+        t = self.tensor
+        if self.prepare is not None:
+            t = _call_prepare(self.prepare, self.path, self.logical, t, tracing=False)
+            if t.dtype != self.dtype or tuple(t.shape) != self.shape:
                 raise UnsupportedValueError(
-                    f"{path}: _custom_tensor_prepare_func returned {dtype_name(t.dtype)}"
-                    f"{list(t.shape)} when tracing but {dtype_name(dtype)}{list(shape)} when "
-                    "preparing; both calls must agree"
+                    f"{self.path}: _custom_tensor_prepare_func returned {dtype_name(t.dtype)}"
+                    f"{list(t.shape)} when tracing but {dtype_name(self.dtype)}"
+                    f"{list(self.shape)} when preparing; both calls must agree"
                 )
+        t = t.detach()
+        if t.is_conj():
+            t = t.resolve_conj()
+        if t.is_neg():
+            t = t.resolve_neg()
+        self._base = t
+        return t
+
+    def piece(self, start: int, stop: int) -> Staged:
         try:
-            t = t.detach()
-            if t.is_conj():
-                t = t.resolve_conj()
-            if t.is_neg():
-                t = t.resolve_neg()
-            if t.device.type != "cpu":
-                # Only a machine with an accelerator runs this line.
-                t = t.to("cpu")
-            if not t.is_contiguous():
-                t = t.contiguous()
+            base = self._resolve()
+            if base.device.type == "cpu" and base.is_contiguous():
+                part = base.view(-1)[start:stop]
+                if self.copy and _shares_memory(base, self.tensor):
+                    part = copy_bytes(part)
+            else:
+                part = gather_elements(base, start, stop)
         except RuntimeError as e:
             raise UnsupportedValueError(
-                f"{path}: cannot read this {dtype_name(t.dtype)} tensor on {t.device}: {e}"
+                f"{self.path}: cannot read this {dtype_name(self.dtype)} tensor on "
+                f"{self.tensor.device}: {e}"
             ) from e
-        view = tensor_memoryview(t)
-        if copy and _shares_memory(t, tensor):
-            owned = bytearray(len(view))
-            owned[:] = view
-            return [owned], None
-        return [view], t
-
-    return stage
+        finally:
+            self.remaining -= 1
+            if self.remaining == 0:
+                self._base = None
+        return [tensor_memoryview(part)], part
 
 
 def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -296,6 +394,7 @@ def plan_take(
     prepare: PrepareFunc | None,
     replicated: Sequence[str],
     inline_max_bytes: int,
+    layout: Layout,
     copy_tensors: bool = False,
 ) -> TakePlan:
     """Plans a take of ``(key_path, state_dict)`` pairs for process ``rank``.
@@ -304,46 +403,38 @@ def plan_take(
     the logical path without the rank. With ``copy_tensors``, staging copies every tensor that
     would otherwise be written from the application's own memory.
     """
-    planner = _TakePlanner(rank, prepare, replicated, inline_max_bytes, copy_tensors)
+    planner = _TakePlanner(rank, prepare, replicated, inline_max_bytes, copy_tensors, layout)
     for key_path, state in states:
         planner.add(key_path, state)
-    return planner.plan
+    return planner.finish()
 
 
 # ---------------------------------------------------------------------------------------------
 # Restore and read_object.
 
 
-def _pieces(chunks: Sequence[Location], start: int, end: int, path: str) -> tuple[Piece, ...]:
-    """The blob ranges holding bytes ``[start, end)`` of a tensor stored as ``chunks``."""
-    pieces = []
-    chunk_start = 0
+@dataclass(slots=True)
+class Need:
+    """``nbytes`` bytes at ``offset`` of ``blob``, to land in ``dest()``; ``done`` then consumes
+    them. ``scratch_bytes`` is the memory ``dest`` allocates and ``done`` frees."""
+
+    blob: str
+    offset: int
+    nbytes: int
+    dest: Callable[[], memoryview]
+    done: Callable[[], None] | None
+    scratch_bytes: int
+    label: str
+
+
+def _chunk_spans(chunks: Sequence[Location]) -> list[tuple[int, Location]]:
+    """(byte offset in the tensor, chunk) for each chunk."""
+    spans = []
+    pos = 0
     for c in chunks:
-        chunk_end = chunk_start + c.nbytes
-        lo, hi = max(start, chunk_start), min(end, chunk_end)
-        if lo < hi:
-            pieces.append(
-                Piece(
-                    blob=c.blob,
-                    offset=c.offset + lo - chunk_start,
-                    nbytes=hi - lo,
-                    dest_offset=lo - start,
-                )
-            )
-        chunk_start = chunk_end
-        if chunk_start >= end:
-            break
-    if sum(p.nbytes for p in pieces) != end - start:
-        raise CorruptSnapshotError(f"{path}: chunks do not cover bytes {start}..{end}")
-    return tuple(pieces)
-
-
-@dataclass
-class TensorRead:
-    """Read requests for one tensor entry, and the tensor they fill."""
-
-    requests: list[ReadRequest]
-    result: Callable[[], torch.Tensor]
+        spans.append((pos, c))
+        pos += c.nbytes
+    return spans
 
 
 def check_tensor_entry(path: str, entry: TensorEntry) -> torch.dtype:
@@ -355,6 +446,8 @@ def check_tensor_entry(path: str, entry: TensorEntry) -> torch.dtype:
             f"{path}: manifest records {entry.nbytes} bytes for a {entry.dtype}{list(entry.shape)} "
             f"tensor, which needs {expected}"
         )
+    if any(c.nbytes % dtype.itemsize for c in entry.chunks):
+        raise CorruptSnapshotError(f"{path}: a chunk does not hold whole {entry.dtype} elements")
     return dtype
 
 
@@ -379,114 +472,126 @@ def _direct(target: torch.Tensor, dtype: torch.dtype) -> bool:
     )
 
 
+@dataclass
+class TensorRead:
+    """The needs that fill one tensor, and a function giving the filled tensor afterwards."""
+
+    needs: list[Need]
+    result: Callable[[], torch.Tensor]
+
+
 def plan_tensor_read(
-    path: str, entry: TensorEntry, target: torch.Tensor | None, tile_bytes: int
+    path: str, entry: TensorEntry, target: torch.Tensor | None, tile_bytes: int, piece_bytes: int
 ) -> TensorRead:
-    """Reads for ``entry``: into ``target`` in place when given (cast like ``copy_``), else into a
-    new tensor.
+    """Needs for ``entry``: into ``target`` in place when given (cast like ``copy_``), else into
+    a new tensor.
 
     Bytes land directly in the destination's memory when it is a contiguous CPU tensor of the
-    stored dtype; otherwise they go through scratch tiles of at most ``tile_bytes`` (rounded to
-    whole elements, or whole rows when the target is not contiguous) copied into the target.
+    stored dtype, in pieces of at most ``piece_bytes`` (so one large tensor is read by several
+    workers); otherwise they go through scratch tiles of at most ``tile_bytes`` (whole elements,
+    never across chunks) copied into the target, whatever its layout or device.
     """
     dtype = check_tensor_entry(path, entry)
     if target is not None:
         check_target(path, entry, target)
-    if entry.nbytes == 0:
-        out = target if target is not None else torch.empty(entry.shape, dtype=dtype)
-        return TensorRead(requests=[], result=lambda: out)
+    itemsize = dtype.itemsize
+    needs: list[Need] = []
 
     if target is None or _direct(target, dtype):
         holder: list[torch.Tensor] = [target] if target is not None else []
         views: list[memoryview] = []
 
-        def into_direct() -> memoryview:
+        def whole() -> memoryview:
             if not views:
                 if not holder:
                     holder.append(torch.empty(entry.shape, dtype=dtype))
                 views.append(tensor_memoryview(holder[0]))
             return views[0]
 
-        requests = [
-            ReadRequest(pieces=(piece,), scratch_bytes=0, into=into_direct, done=None, label=path)
-            for piece in _pieces(entry.chunks, 0, entry.nbytes, path)
-        ]
+        step = max(itemsize, piece_bytes - piece_bytes % itemsize)
+        for base, chunk in _chunk_spans(entry.chunks):
+            for lo in range(0, chunk.nbytes, step):
+                n = min(step, chunk.nbytes - lo)
+                start = base + lo
+                needs.append(
+                    Need(
+                        blob=chunk.blob,
+                        offset=chunk.offset + lo,
+                        nbytes=n,
+                        dest=lambda a=start, b=start + n: whole()[a:b],
+                        done=None,
+                        scratch_bytes=0,
+                        label=path,
+                    )
+                )
 
-        def result_direct() -> torch.Tensor:
-            into_direct()  # allocates the tensor if no read did (cannot happen when nbytes > 0)
+        def result() -> torch.Tensor:
+            whole()  # allocates the tensor when no bytes were read (an empty tensor)
             return holder[0]
 
-        return TensorRead(requests=requests, result=result_direct)
+        return TensorRead(needs=needs, result=result)
 
-    # Through scratch tiles: a dtype cast, a device copy, or a non-contiguous target.
-    # Tiles are whole elements of a contiguous target, whole rows (along dim 0) of another.
-    unit = 1
-    flat = target.view(-1) if target.is_contiguous() else None
-    if flat is None:
-        for s in entry.shape[1:]:
-            unit *= s
-    unit_bytes = unit * dtype.itemsize
-    units_total = entry.nbytes // unit_bytes
-    units_per_tile = max(1, tile_bytes // unit_bytes)
-    requests = []
-    for first in range(0, units_total, units_per_tile):
-        last = min(units_total, first + units_per_tile)
-        requests.append(_tile_request(path, entry, dtype, target, flat, unit, first, last))
-    return TensorRead(requests=requests, result=lambda: target)
+    step = max(itemsize, tile_bytes - tile_bytes % itemsize)
+    for base, chunk in _chunk_spans(entry.chunks):
+        for lo in range(0, chunk.nbytes, step):
+            n = min(step, chunk.nbytes - lo)
+            needs.append(_tile_need(path, chunk, lo, n, (base + lo) // itemsize, dtype, target))
+    return TensorRead(needs=needs, result=lambda: target)
 
 
-def _tile_request(
+def _tile_need(
     path: str,
-    entry: TensorEntry,
+    chunk: Location,
+    lo: int,
+    nbytes: int,
+    first: int,
     dtype: torch.dtype,
     target: torch.Tensor,
-    flat: torch.Tensor | None,
-    unit: int,
-    first: int,
-    last: int,
-) -> ReadRequest:
-    count = (last - first) * unit
-    nbytes = count * dtype.itemsize
-    start = first * unit * dtype.itemsize
+) -> Need:
+    count = nbytes // dtype.itemsize
     scratch: list[torch.Tensor] = []
 
-    def into() -> memoryview:
+    def dest() -> memoryview:
         scratch.append(torch.empty(count, dtype=dtype))
         return tensor_memoryview(scratch[0])
 
     def done() -> None:
         tile = scratch.pop()
         with torch.no_grad():
-            if flat is not None:
-                flat[first * unit : last * unit].copy_(tile)
-            else:
-                target[first:last].copy_(tile.view(last - first, *entry.shape[1:]))
+            copy_elements(target, first, first + count, tile)
 
-    return ReadRequest(
-        pieces=_pieces(entry.chunks, start, start + nbytes, path),
-        scratch_bytes=nbytes,
-        into=into,
+    return Need(
+        blob=chunk.blob,
+        offset=chunk.offset + lo,
+        nbytes=nbytes,
+        dest=dest,
         done=done,
+        scratch_bytes=nbytes,
         label=path,
     )
 
 
-def plan_object_read(path: str, entry: ObjectEntry, results: dict[str, Any]) -> ReadRequest:
-    """A read of an object blob; ``done`` decodes it into ``results[path]``."""
+def plan_object_read(path: str, entry: ObjectEntry, results: dict[str, Any]) -> Need:
+    """The need of an object's bytes; ``done`` decodes them into ``results[path]``."""
     nbytes = entry.location.nbytes
     buf: list[bytearray] = []
 
-    def into() -> memoryview:
+    def dest() -> memoryview:
         buf.append(bytearray(nbytes))
         return memoryview(buf[0])
 
     def done() -> None:
         results[path] = decode_value(path, entry, bytes(buf.pop()))
 
-    piece = Piece(
-        blob=entry.location.blob, offset=entry.location.offset, nbytes=nbytes, dest_offset=0
+    return Need(
+        blob=entry.location.blob,
+        offset=entry.location.offset,
+        nbytes=nbytes,
+        dest=dest,
+        done=done,
+        scratch_bytes=nbytes,
+        label=path,
     )
-    return ReadRequest(pieces=(piece,), scratch_bytes=nbytes, into=into, done=done, label=path)
 
 
 def decode_value(path: str, entry: ObjectEntry, data: bytes) -> Any:
@@ -502,4 +607,71 @@ def decode_value(path: str, entry: ObjectEntry, data: bytes) -> Any:
         return decode_object(data, path)
     raise CorruptSnapshotError(
         f"{path}: unknown serializer {entry.serializer!r}; known: torch_save, bytes, utf8"
+    )
+
+
+def coalesce(
+    needs: Sequence[Need], *, max_gap_bytes: int, max_request_bytes: int, max_scratch_bytes: int
+) -> list[ReadRequest]:
+    """Merges needs of the same blob into few scatter reads.
+
+    Needs are sorted by position; a need joins the read before it when it starts at most
+    ``max_gap_bytes`` after that read ends (the gap is read and dropped), the read stays within
+    ``max_request_bytes`` and its scratch memory within ``max_scratch_bytes``. Overlapping needs
+    (one blob range restored into two targets) start a new read, so every read is one
+    sequential pass.
+    """
+    requests: list[ReadRequest] = []
+    by_blob: dict[str, list[Need]] = {}
+    for need in needs:
+        by_blob.setdefault(need.blob, []).append(need)
+    for blob, group in by_blob.items():
+        group.sort(key=attrgetter("offset"))
+        current: list[Need] = []
+        end = size = scratch = 0
+        for need in group:
+            gap = need.offset - end
+            if (
+                current
+                and 0 <= gap <= max_gap_bytes
+                and size + gap + need.nbytes <= max_request_bytes
+                and scratch + need.scratch_bytes <= max_scratch_bytes
+            ):
+                current.append(need)
+                size += gap + need.nbytes
+                scratch += need.scratch_bytes
+            else:
+                if current:
+                    requests.append(_request(blob, current))
+                current = [need]
+                size, scratch = need.nbytes, need.scratch_bytes
+            end = need.offset + need.nbytes
+        if current:
+            requests.append(_request(blob, current))
+    return requests
+
+
+def _request(blob: str, needs: list[Need]) -> ReadRequest:
+    segments = []
+    pos = needs[0].offset
+    for need in needs:
+        if need.offset > pos:
+            segments.append(Segment(nbytes=need.offset - pos, dest=None))
+        segments.append(Segment(nbytes=need.nbytes, dest=need.dest))
+        pos = need.offset + need.nbytes
+    dones = [n.done for n in needs if n.done is not None]
+    labels = sorted({n.label for n in needs})
+    label = labels[0] if len(labels) == 1 else f"{labels[0]} and {len(labels) - 1} more"
+
+    def done() -> None:
+        for d in dones:
+            d()
+
+    return ReadRequest(
+        blob=blob,
+        offset=needs[0].offset,
+        segments=segments,
+        scratch_bytes=sum(n.scratch_bytes for n in needs),
+        done=done if dones else None,
+        label=label,
     )

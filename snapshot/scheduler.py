@@ -213,35 +213,35 @@ class WriteRequest:
     label: str
 
 
-@dataclass(frozen=True, slots=True)
-class Piece:
-    """``nbytes`` bytes at ``offset`` of ``blob``, landing at ``dest_offset`` of a destination."""
+@dataclass(slots=True)
+class Segment:
+    """``nbytes`` consecutive bytes of a read: into ``dest()``, or skipped when ``dest`` is None
+    (a gap between two wanted ranges, cheaper to read than to ask for separately)."""
 
-    blob: str
-    offset: int
     nbytes: int
-    dest_offset: int
+    dest: Callable[[], memoryview] | None
 
 
 @dataclass(slots=True)
 class ReadRequest:
-    """Byte ranges to read into one destination, then consume.
+    """One scatter read: the bytes of ``blob`` from ``offset`` on, into ``segments`` in order.
 
-    ``into`` returns the destination, at least as long as the pieces reach; each piece lands at
-    its ``dest_offset``; ``done`` runs after every piece has landed. ``scratch_bytes`` is the
-    memory ``into`` allocates that ``done`` frees (0 when reading straight into a destination
-    tensor). Both callbacks run on the I/O loop.
+    Each segment's ``dest`` is called on the I/O loop just before the read (so memory is
+    allocated only when the budget allows); ``done`` runs after the bytes have landed.
+    ``scratch_bytes`` is the memory the ``dest`` calls allocate that ``done`` frees (0 when
+    reading straight into destination tensors).
     """
 
-    pieces: tuple[Piece, ...]
+    blob: str
+    offset: int
+    segments: list[Segment]
     scratch_bytes: int
-    into: Callable[[], memoryview]
     done: Callable[[], None] | None
     label: str
 
     @property
     def nbytes(self) -> int:
-        return sum(p.nbytes for p in self.pieces)
+        return sum(s.nbytes for s in self.segments)
 
 
 @dataclass(frozen=True, slots=True)
@@ -419,6 +419,7 @@ async def read_all(
     start = time.perf_counter()
 
     async def worker() -> None:
+        junk = memoryview(bytearray(0))  # where skipped gaps land; grows to the largest gap
         for req in pending:
             if error:
                 return
@@ -429,13 +430,18 @@ async def read_all(
                     error.append(e)
                 return
             try:
-                out = req.into()
-                for piece in req.pieces:
-                    dest = out[piece.dest_offset : piece.dest_offset + piece.nbytes]
-                    try:
-                        await plugin.read_into(piece.blob, piece.offset, dest)
-                    except Exception as e:
-                        raise _storage_error(plugin, "read", piece.blob, req.label, e) from e
+                outs = []
+                for seg in req.segments:
+                    if seg.dest is not None:
+                        outs.append(seg.dest())
+                    else:
+                        if len(junk) < seg.nbytes:
+                            junk = memoryview(bytearray(seg.nbytes))
+                        outs.append(junk[: seg.nbytes])
+                try:
+                    await plugin.readv(req.blob, req.offset, outs)
+                except Exception as e:
+                    raise _storage_error(plugin, "read", req.blob, req.label, e) from e
                 if req.done is not None:
                     req.done()
                 totals[0] += 1

@@ -55,6 +55,70 @@ def tensor_memoryview(t: torch.Tensor) -> memoryview:
     return memoryview((ctypes.c_ubyte * nbytes).from_address(t.data_ptr())).cast("B")
 
 
+def range_views(t: torch.Tensor, start: int, stop: int) -> list[torch.Tensor]:
+    """Views of ``t`` that together are its elements ``[start, stop)`` in row-major order.
+
+    One view for a contiguous tensor; for another, at most two partial rows per dimension plus
+    one block of whole rows, so a range never needs a copy of more than itself.
+    """
+    if start >= stop:
+        return []
+    if t.is_contiguous():
+        return [t.view(-1)[start:stop]]
+    if t.dim() == 1:
+        return [t[start:stop]]
+    row = t[0].numel()
+    first, last = start // row, (stop - 1) // row
+    if first == last:
+        return range_views(t[first], start - first * row, stop - first * row)
+    views: list[torch.Tensor] = []
+    if start % row:
+        views += range_views(t[first], start % row, row)
+        first += 1
+    whole_end = stop // row
+    if whole_end > first:
+        views.append(t[first:whole_end])
+    if stop % row:
+        views += range_views(t[whole_end], 0, stop % row)
+    return views
+
+
+def gather_elements(t: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+    """A new contiguous CPU tensor holding elements ``[start, stop)`` of ``t`` (any layout or
+    device); the device-to-host copy is the only line here that needs an accelerator to run."""
+    out = torch.empty(stop - start, dtype=t.dtype)
+    scatter_into_flat(out, range_views(t, start, stop))
+    return out
+
+
+def scatter_into_flat(flat: torch.Tensor, views: list[torch.Tensor]) -> None:
+    """Copies ``views`` one after another into the 1-d tensor ``flat``."""
+    pos = 0
+    for v in views:
+        n = v.numel()
+        flat[pos : pos + n].view(v.shape).copy_(v)
+        pos += n
+
+
+def copy_elements(target: torch.Tensor, start: int, stop: int, flat: torch.Tensor) -> None:
+    """Copies the 1-d tensor ``flat`` into elements ``[start, stop)`` of ``target`` (any layout,
+    device or dtype: ``copy_`` casts as ``load_state_dict`` would)."""
+    pos = 0
+    for v in range_views(target, start, stop):
+        n = v.numel()
+        v.copy_(flat[pos : pos + n].view(v.shape))
+        pos += n
+
+
+def copy_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A new contiguous CPU tensor with the same bytes as the contiguous CPU tensor ``t``, copied
+    as raw bytes (which works for dtypes torch has no copy kernel for)."""
+    out = torch.empty(t.shape, dtype=t.dtype)
+    if t.numel():
+        out.view(-1).view(torch.uint8).copy_(t.reshape(-1).view(torch.uint8))
+    return out
+
+
 def encode_object(obj: object) -> bytes:
     """Serializes a non-tensor, non-primitive value with ``torch.save``."""
     buf = io.BytesIO()

@@ -185,11 +185,11 @@ def test_write_failure_commits_nothing_and_cleans_up(faulty):
     url, inner = faulty
     FAULTS[inner] = lambda verb, path: (
         OSError(errno.ENOSPC, "No space left on device")
-        if (verb == "write" and path == "0/3")
+        if (verb == "write" and path == "0/s0")
         else None
     )
     state = StateDict({f"t{i}": torch.full((100,), i) for i in range(8)})
-    with pytest.raises(StorageError, match=r"0/s/t3.*0/3.*No space left"):
+    with pytest.raises(StorageError, match=r"0/s/t0 and 7 more \(slab 0/s0\).*0/s0.*No space left"):
         Snapshot.take(url, {"s": state})
     with pytest.raises(SnapshotNotFoundError):
         Snapshot(inner)
@@ -313,13 +313,13 @@ def test_missing_and_short_blobs(tmp_path):
     blob = os.path.join(path, entry.chunks[0].blob)
     with open(blob, "r+b") as f:
         f.truncate(10)
-    with pytest.raises(CorruptSnapshotError, match=r"0/s/t: blob .*0/0 is shorter"):
+    with pytest.raises(CorruptSnapshotError, match=r"0/s/o and 1 more: blob .*0/s0 is shorter"):
         Snapshot(path).restore({"s": StateDict()})
     os.remove(blob)
-    with pytest.raises(CorruptSnapshotError, match=r"0/s/t: blob .*0/0 is missing"):
+    with pytest.raises(CorruptSnapshotError, match=r"0/s/t: blob .*0/s0 is missing"):
         Snapshot(path).read_object("0/s/t")
     obj = Snapshot(path).get_manifest()["0/s/o"]
     with open(os.path.join(path, obj.location.blob), "wb") as f:
-        f.write(b"x" * obj.nbytes)
+        f.write(b"x" * (obj.location.offset + obj.nbytes))
     with pytest.raises(CorruptSnapshotError, match="0/s/o: object bytes cannot be decoded"):
         Snapshot(path).read_object("0/s/o")

@@ -13,8 +13,8 @@ import torch
 from snapshot import CorruptSnapshotError, Snapshot, StateDict, StorageError
 from snapshot.scheduler import (
     ByteBudget,
-    Piece,
     ReadRequest,
+    Segment,
     WritePipeline,
     WriteRequest,
     io_loop,
@@ -154,9 +154,10 @@ def test_reads_respect_the_budget_and_report_the_first_error():
             in_use[0] -= 1024
 
         return ReadRequest(
-            pieces=(Piece(blob="data", offset=i * 1024, nbytes=1024, dest_offset=0),),
+            blob="data",
+            offset=i * 1024,
+            segments=[Segment(nbytes=1024, dest=into)],
             scratch_bytes=1024,
-            into=into,
             done=done,
             label=f"r{i}",
         )
@@ -166,9 +167,10 @@ def test_reads_respect_the_budget_and_report_the_first_error():
     )
     assert stats.nbytes == 16 * 1024 and in_use[1] <= 4096
     bad = ReadRequest(
-        pieces=(Piece(blob="absent", offset=0, nbytes=1, dest_offset=0),),
+        blob="absent",
+        offset=0,
+        segments=[Segment(nbytes=1, dest=lambda: memoryview(bytearray(1)))],
         scratch_bytes=0,
-        into=lambda: memoryview(bytearray(1)),
         done=None,
         label="0/k/missing",
     )

@@ -1,0 +1,123 @@
+"""Where bytes go: chunked large tensors, slabs of small ones, and merged reads."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from snapshot import Snapshot, StateDict
+from snapshot.planner import Need, coalesce
+from tests.helpers import assert_same
+
+
+@pytest.fixture
+def small_layout(monkeypatch):
+    monkeypatch.setenv("STATESNAP_CHUNK_BYTES", str(64 * 1024))
+    monkeypatch.setenv("STATESNAP_SLAB_THRESHOLD_BYTES", str(4096))
+    monkeypatch.setenv("STATESNAP_SLAB_BYTES", str(32 * 1024))
+
+
+def blobs_of(snap: Snapshot, path: str) -> list[str]:
+    return [c.blob for c in snap.get_manifest()[path].locations]
+
+
+def test_large_tensors_are_chunked(snapshot_url, small_layout):
+    big = torch.randn(100, 700)  # 280,000 bytes -> 5 chunks of at most 64 KiB
+    odd = torch.randn(3, 50_000, dtype=torch.float64).t()  # non-contiguous, chunked too
+    snap = Snapshot.take(snapshot_url, {"s": StateDict(big=big, odd=odd)})
+    chunks = snap.get_manifest()["0/s/big"].chunks
+    assert len(chunks) == 5 and len(set(blobs_of(snap, "0/s/big"))) == 5
+    assert all(c.nbytes <= 64 * 1024 and c.nbytes % 4 == 0 for c in chunks)
+    assert sum(c.nbytes for c in chunks) == big.nbytes
+    out = StateDict(big=torch.empty(100, 700), odd=torch.empty(50_000, 3, dtype=torch.float64))
+    Snapshot(snapshot_url).restore({"s": out})
+    assert torch.equal(out["big"], big) and torch.equal(out["odd"], odd)
+    # A chunked tensor restores into another dtype and layout through tiles.
+    target = torch.empty(700, 100, dtype=torch.float64).t()
+    Snapshot(snapshot_url).read_object("0/s/big", obj_out=target, memory_budget_bytes=10_000)
+    assert torch.equal(target, big.double())
+
+
+def test_small_payloads_share_slabs(tmp_path, small_layout):
+    path = tmp_path / "s"
+    state = StateDict({f"b{i}": torch.full((100,), i, dtype=torch.int32) for i in range(200)})
+    state["text"] = "x" * 3000  # an object payload rides in a slab too
+    snap = Snapshot.take(str(path), {"s": state})
+    blobs = {b for p in snap.get_manifest() if p.startswith("0/s/") for b in blobs_of(snap, p)}
+    assert len(blobs) == 3  # 80,000 + 3,000 bytes in slabs of at most 32 KiB
+    files = [f for _, _, fs in os.walk(path / "0") for f in fs]
+    assert sorted(files) == sorted(b.split("/")[1] for b in blobs)
+    out = StateDict()
+    snap.restore({"s": out})
+    assert_same(dict(out), dict(state))
+
+
+def test_reading_slab_members_merges_ranges(recorded, small_layout):
+    url, log = recorded
+    state = StateDict({f"b{i:03d}": torch.full((256,), i, dtype=torch.int32) for i in range(64)})
+    Snapshot.take(url, {"s": state})
+    snap = Snapshot(url)
+    target = StateDict({k: torch.empty_like(v) for k, v in state.items()})
+    log.clear()
+    snap.restore({"s": target})
+    assert_same(dict(target), dict(state))
+    slabs = {b for p in snap.get_manifest() if p.startswith("0/s/") for b in blobs_of(snap, p)}
+    assert len(log.reads) == len(slabs) == 2  # one scatter read per slab, not one per tensor
+
+
+def test_read_object_of_a_slab_member_reads_only_its_bytes(recorded):
+    url, log = recorded
+    state = StateDict({f"t{i}": torch.randn(1024) for i in range(100)})  # one 400 KiB slab
+    snap = Snapshot.take(url, {"s": state})
+    log.clear()
+    assert torch.equal(snap.read_object("0/s/t42"), state["t42"])
+    assert log.reads == [(snap.get_manifest()["0/s/t42"].chunks[0].blob, 42 * 4096, 4096)]
+
+
+def _need(blob: str, offset: int, nbytes: int, scratch: int = 0) -> Need:
+    return Need(
+        blob=blob,
+        offset=offset,
+        nbytes=nbytes,
+        dest=lambda: memoryview(bytearray()),
+        done=None,
+        scratch_bytes=scratch,
+        label=f"{blob}@{offset}",
+    )
+
+
+def test_coalesce_rules():
+    needs = [
+        _need("a", 0, 10),
+        _need("a", 10, 10),
+        _need("a", 25, 5),
+        _need("a", 100, 5),
+        _need("b", 0, 4),
+        _need("a", 25, 5),
+    ]
+    requests = coalesce(needs, max_gap_bytes=8, max_request_bytes=1000, max_scratch_bytes=1000)
+    shape = sorted(
+        (r.blob, r.offset, [(s.nbytes, s.dest is None) for s in r.segments]) for r in requests
+    )
+    assert shape == [
+        ("a", 0, [(10, False), (10, False), (5, True), (5, False)]),  # a 5-byte gap read through
+        ("a", 25, [(5, False)]),  # the same range wanted twice: a second pass
+        ("a", 100, [(5, False)]),  # too far
+        ("b", 0, [(4, False)]),
+    ]
+    capped = coalesce(
+        [_need("a", i * 10, 10, scratch=10) for i in range(10)],
+        max_gap_bytes=0,
+        max_request_bytes=1000,
+        max_scratch_bytes=30,
+    )
+    assert [r.nbytes for r in capped] == [30, 30, 30, 10]
+    sized = coalesce(
+        [_need("a", i * 10, 10) for i in range(10)],
+        max_gap_bytes=0,
+        max_request_bytes=25,
+        max_scratch_bytes=0,
+    )
+    assert [r.nbytes for r in sized] == [20, 20, 20, 20, 20]
