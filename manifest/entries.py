@@ -8,7 +8,7 @@ from typing import Any, ClassVar
 # The values a manifest stores inline. bytes are stored base64-encoded.
 Primitive = int | float | str | bool | None | bytes
 # The key types a dict entry can record (others make the dict an opaque object).
-DictKey = str | int | float | bool | None
+DictKey = str | int | bool | None
 
 FORMAT_VERSION = 1
 

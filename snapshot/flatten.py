@@ -10,7 +10,7 @@ from typing import Any
 from manifest import DictEntry, Entry, ListEntry, TupleEntry
 from snapshot.errors import UnsupportedValueError
 
-_KEY_TYPES = (str, int, float, bool, type(None))
+_KEY_TYPES = (str, int, bool, type(None))
 
 
 def escape_key(key: object) -> str:
@@ -36,16 +36,26 @@ def _dict_keys_ok(d: Mapping[Any, Any]) -> bool:
     for k in d:
         if type(k) not in _KEY_TYPES:
             return False
+        if type(k) is str and not _encodable(k):
+            return False
         names.add(escape_key(k))
     return len(names) == len(d)
+
+
+def _encodable(s: str) -> bool:
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:  # lone surrogates
+        return False
+    return True
 
 
 def flatten(obj: Any, path: str) -> Iterator[tuple[str, DictEntry | ListEntry | TupleEntry | Leaf]]:
     """Yields ``(path, node)`` for ``obj`` and everything below it, parents before children.
 
     dict, OrderedDict, list and tuple (exact types) are containers. A dict whose keys are not all
-    str/int/float/bool/None, or whose keys collide once made into path components (1 and "1"),
-    is a leaf: stored whole as an object rather than split.
+    str/int/bool/None, or whose keys collide once made into path components (1 and "1"), is a
+    leaf: stored whole as an object rather than split.
 
     Raises:
         UnsupportedValueError: ``obj`` contains itself.

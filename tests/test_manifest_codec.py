@@ -46,16 +46,15 @@ GOLDEN_TEXT = """\
 format: statesnap
 format_version: 1
 world_size: 1
-metadata:
-  library: statesnap 0.1.0
+metadata: {"library": "statesnap 0.1.0"}
 entries:
-  0/m: {type: dict, keys: [w, 3, a b], ordered: true}
-  0/m/w: {type: tensor, dtype: bfloat16, shape: [2, 3], chunks: [[0/0, 0, 12]]}
-  0/m/3: {type: list, length: 1, replicated: true}
-  0/m/3/0: {type: primitive, value_type: float, value: -.inf}
-  0/m/a b: {type: tuple, length: 2}
-  0/m/a b/0: {type: primitive, value_type: bytes, value: AAE=}
-  0/m/a b/1: {type: object, serializer: torch_save, obj_type: set, location: [0/1, 8, 100]}
+  "0/m": {"type": "dict", "keys": ["w", 3, "a b"], "ordered": true}
+  "0/m/w": {"type": "tensor", "dtype": "bfloat16", "shape": [2, 3], "chunks": [["0/0", 0, 12]]}
+  "0/m/3": {"type": "list", "length": 1, "replicated": true}
+  "0/m/3/0": {"type": "primitive", "value_type": "float", "value": "-inf"}
+  "0/m/a b": {"type": "tuple", "length": 2}
+  "0/m/a b/0": {"type": "primitive", "value_type": "bytes", "value": "AAE="}
+  "0/m/a b/1": {"type": "object", "serializer": "torch_save", "obj_type": "set", "location": ["0/1", 8, 100]}
 """
 
 
@@ -64,18 +63,33 @@ def test_golden_bytes():
     assert mf.loads(GOLDEN_TEXT.encode()) == GOLDEN
 
 
+def test_the_file_is_yaml_and_yaml_readers_agree(monkeypatch):
+    """Any YAML reader gets the same document; a hand-edited file goes through the YAML path."""
+    doc = yaml.safe_load(GOLDEN_TEXT)
+    assert doc["entries"]["0/m/w"]["chunks"] == [["0/0", 0, 12]]
+    assert codec._parse_fast(GOLDEN_TEXT) == doc
+    edited = GOLDEN_TEXT.replace('  "0/m/3": {', '  # a comment\n  "0/m/3": {')
+    assert codec._parse_fast(edited) is None
+    assert mf.loads(edited.encode()) == GOLDEN
+    reformatted = yaml.safe_dump(doc)  # block style, unquoted: still the same manifest
+    assert mf.loads(reformatted.encode()) == GOLDEN
+
+
 def test_uses_libyaml_when_present():
     if not yaml.__with_libyaml__:
         pytest.skip("PyYAML was built without libyaml here; the pure-Python classes are used")
-    assert codec._Loader is yaml.CSafeLoader and issubclass(codec._ManifestDumper, yaml.CSafeDumper)
+    assert codec._Loader is yaml.CSafeLoader
 
 
 def test_safe_loader_refuses_python_tags():
-    text = GOLDEN_TEXT.replace(
-        "library: statesnap 0.1.0", "library: !!python/object/apply:os.system [echo hi]"
-    )
-    with pytest.raises(mf.ManifestDecodeError, match="not valid YAML"):
-        mf.loads(text.encode())
+    for old in [
+        '{"library": "statesnap 0.1.0"}',
+        '{"type": "list", "length": 1, "replicated": true}',
+    ]:
+        text = GOLDEN_TEXT.replace(old, "!!python/object/apply:os.system [echo hi]")
+        assert text != GOLDEN_TEXT
+        with pytest.raises(mf.ManifestDecodeError, match="not valid YAML"):
+            mf.loads(text.encode())
 
 
 @pytest.mark.parametrize(
@@ -140,9 +154,14 @@ _entries = st.one_of(
 )
 def test_any_manifest_round_trips(entries, world_size):
     m = Manifest(world_size=world_size, entries=entries, metadata={"k": [1, "v"]})
-    back = mf.loads(mf.dumps(m))
+    data = mf.dumps(m)
+    back = mf.loads(data)
     assert back == m
     assert list(back.entries) == list(entries)
+    # The YAML reading of the same bytes agrees with the fast one.
+    fast = codec._parse_fast(data.decode())
+    assert fast is not None or not entries  # "entries: {}" goes through YAML
+    assert fast is None or fast == yaml.load(data, Loader=codec._Loader)
 
 
 def test_nan_primitive_round_trips():
