@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 from manifest import DictEntry, Entry, ListEntry, TupleEntry
@@ -21,13 +20,6 @@ def escape_key(key: object) -> str:
 def join(parent: str, key: object) -> str:
     """The path of child ``key`` under ``parent``."""
     return f"{parent}/{escape_key(key)}" if parent else escape_key(key)
-
-
-@dataclass(frozen=True, slots=True)
-class Leaf:
-    """A value that flatten does not descend into (tensor, primitive or opaque object)."""
-
-    value: Any
 
 
 def _dict_keys_ok(d: Mapping[Any, Any]) -> bool:
@@ -50,8 +42,12 @@ def _encodable(s: str) -> bool:
     return True
 
 
-def flatten(obj: Any, path: str) -> Iterator[tuple[str, DictEntry | ListEntry | TupleEntry | Leaf]]:
-    """Yields ``(path, node)`` for ``obj`` and everything below it, parents before children.
+def flatten(
+    obj: Any, path: str
+) -> Iterator[tuple[str, DictEntry | ListEntry | TupleEntry | None, Any]]:
+    """Yields ``(path, container entry, value)`` for ``obj`` and everything below it, parents
+    before children; the entry is None for a leaf (a value flatten does not descend into:
+    tensor, primitive or opaque object).
 
     dict, OrderedDict, list and tuple (exact types) are containers. A dict whose keys are not all
     str/int/bool/None, or whose keys collide once made into path components (1 and "1"), is a
@@ -80,12 +76,12 @@ def flatten(obj: Any, path: str) -> Iterator[tuple[str, DictEntry | ListEntry | 
             node = TupleEntry(length=len(value))
             children = [(join(p, i), v) for i, v in enumerate(value)]
         else:
-            yield p, Leaf(value)
+            yield p, None, value
             continue
         if id(value) in on_path:
             raise UnsupportedValueError(f"{p}: the structure contains itself")
         on_path.add(id(value))
-        yield p, node
+        yield p, node, value
         stack.append((p, value, True))
         stack.extend((cp, cv, False) for cp, cv in reversed(children))
 

@@ -16,6 +16,7 @@ import dataclasses
 import fnmatch
 import functools
 import logging
+import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from operator import attrgetter
@@ -36,7 +37,7 @@ from snapshot.errors import (
     SnapshotError,
     UnsupportedValueError,
 )
-from snapshot.flatten import Leaf, flatten
+from snapshot.flatten import flatten
 from snapshot.scheduler import ReadRequest, Segment, WriteRequest
 from snapshot.serialization import (
     copy_bytes,
@@ -46,8 +47,8 @@ from snapshot.serialization import (
     dtype_name,
     encode_object,
     gather_elements,
+    raw_memoryview,
     tensor_memoryview,
-    tensor_nbytes,
 )
 from storage_plugins import Buffer
 
@@ -193,12 +194,13 @@ class _TakePlanner:
 
     def add(self, key_path: str, state: Any) -> None:
         rank_prefix = f"{self.rank}/"
-        for path, node in flatten(state, rank_prefix + key_path):
-            logical = path[len(rank_prefix) :]
-            entry = self._leaf(path, logical, node.value) if isinstance(node, Leaf) else node
-            if self.replicated and self._is_replicated(logical):
+        entries = self.plan.entries
+        cut = len(rank_prefix)
+        for path, node, value in flatten(state, rank_prefix + key_path):
+            entry = node if node is not None else self._leaf(path, path[cut:], value)
+            if self.replicated and self._is_replicated(path[cut:]):
                 entry = dataclasses.replace(entry, replicated=True)
-            self.plan.entries[path] = entry
+            entries[path] = entry
 
     def finish(self) -> TakePlan:
         self._close_slab()
@@ -245,7 +247,7 @@ class _TakePlanner:
         return ObjectEntry(serializer=serializer, obj_type=obj_type, location=location)
 
     def _tensor(self, path: str, logical: str, tensor: torch.Tensor) -> TensorEntry:
-        if tensor.device.type == "meta":
+        if tensor.is_meta:
             raise UnsupportedValueError(
                 f"{path}: tensor is on the meta device and holds no data to snapshot"
             )
@@ -256,35 +258,63 @@ class _TakePlanner:
             del traced
         else:
             dtype, shape = tensor.dtype, tuple(tensor.shape)
-        nbytes = tensor_nbytes(dtype, shape)
-        if nbytes == 0:
-            return TensorEntry(dtype=dtype_name(dtype), shape=shape, chunks=())
+        name = dtype_name(dtype)
+        itemsize = dtype.itemsize
+        numel = math.prod(shape)
+        if numel == 0:
+            return TensorEntry(dtype=name, shape=shape, chunks=())
         # The same memory under two paths (tied weights) is written once.
         key = None
         if prepare is None:
-            key = (tensor.device, tensor.data_ptr(), dtype, shape, tuple(tensor.stride()))
+            key = (tensor.data_ptr(), tensor.get_device(), dtype, shape, tensor.stride())
             chunks = self._written.get(key)
             if chunks is not None:
-                return TensorEntry(dtype=dtype_name(dtype), shape=shape, chunks=chunks)
-        itemsize = dtype.itemsize
-        numel = nbytes // itemsize
+                return TensorEntry(dtype=name, shape=shape, chunks=chunks)
         per_chunk = max(1, self.layout.chunk_bytes // itemsize)
-        bounds = [(e, min(numel, e + per_chunk)) for e in range(0, numel, per_chunk)]
-        source = _TensorSource(
-            path, logical, tensor, prepare, dtype, shape, self.copy_tensors, parts=len(bounds)
+        if numel <= per_chunk:
+            bounds: Sequence[tuple[int, int]] = ((0, numel),)
+        else:
+            bounds = [(e, min(numel, e + per_chunk)) for e in range(0, numel, per_chunk)]
+        zero_copy = (
+            key is not None
+            and not self.copy_tensors
+            and tensor.is_cpu
+            and tensor.is_contiguous()
+            and not tensor.is_conj()
+            and not tensor.is_neg()
         )
-        chunks = tuple(
-            self._place(
-                (stop - start) * itemsize,
-                0 if source.zero_copy else (stop - start) * itemsize,
-                functools.partial(source.piece, start, stop),
-                path,
+        if zero_copy:
+            # The common case, kept lean: each piece is a view of the tensor's own memory.
+            chunks = tuple(
+                self._place(
+                    (stop - start) * itemsize,
+                    0,
+                    _view_stager(tensor, start * itemsize, (stop - start) * itemsize),
+                    path,
+                )
+                for start, stop in bounds
             )
-            for start, stop in bounds
-        )
+        else:
+            source = _TensorSource(
+                path, logical, tensor, prepare, dtype, shape, self.copy_tensors, parts=len(bounds)
+            )
+            chunks = tuple(
+                self._place(
+                    (stop - start) * itemsize,
+                    (stop - start) * itemsize,
+                    functools.partial(source.piece, start, stop),
+                    path,
+                )
+                for start, stop in bounds
+            )
         if key is not None:
             self._written[key] = chunks
-        return TensorEntry(dtype=dtype_name(dtype), shape=shape, chunks=chunks)
+        return TensorEntry(dtype=name, shape=shape, chunks=chunks)
+
+
+def _view_stager(tensor: torch.Tensor, offset: int, nbytes: int) -> Callable[[], Staged]:
+    """Staging of a contiguous CPU tensor's bytes: a view of its memory, no copy."""
+    return lambda: ([raw_memoryview(tensor.data_ptr() + offset, nbytes)], tensor)
 
 
 def _call_prepare(
@@ -306,8 +336,9 @@ def _call_prepare(
 class _TensorSource:
     """The bytes of one tensor, handed out piece by piece (element ranges) at staging time.
 
-    A piece of a contiguous CPU tensor is a view of its memory, unless ``copy`` asks that no
-    staged buffer alias the application's memory (async take). Pieces of other tensors
+    Used for tensors that cannot simply be viewed (those go through ``_view_stager``). A piece of a
+    contiguous CPU tensor is a view of its memory, unless ``copy`` asks that no staged buffer alias
+    the application's memory (async take). Pieces of other tensors
     (non-contiguous, on a device) are gathered into new memory. What needs the whole tensor first
     (the prepare function, resolving a lazy conjugate or negation) is done once, at the first
     piece, and kept until the last piece is staged.
@@ -333,14 +364,6 @@ class _TensorSource:
         self.copy = copy
         self.remaining = parts
         self._base: torch.Tensor | None = None
-        self.zero_copy = (
-            prepare is None
-            and not copy
-            and tensor.device.type == "cpu"
-            and tensor.is_contiguous()
-            and not tensor.is_conj()
-            and not tensor.is_neg()
-        )
 
     def _resolve(self) -> torch.Tensor:
         if self._base is not None:
@@ -440,31 +463,33 @@ def _chunk_spans(chunks: Sequence[Location]) -> list[tuple[int, Location]]:
 def check_tensor_entry(path: str, entry: TensorEntry) -> torch.dtype:
     """The entry's dtype, after checking its bytes add up to its dtype and shape."""
     dtype = dtype_from_name(entry.dtype, path)
-    expected = tensor_nbytes(dtype, entry.shape)
-    if entry.nbytes != expected:
+    expected = math.prod(entry.shape) * dtype.itemsize
+    chunks = entry.chunks
+    stored = chunks[0].nbytes if len(chunks) == 1 else sum(c.nbytes for c in chunks)
+    if stored != expected:
         raise CorruptSnapshotError(
-            f"{path}: manifest records {entry.nbytes} bytes for a {entry.dtype}{list(entry.shape)} "
+            f"{path}: manifest records {stored} bytes for a {entry.dtype}{list(entry.shape)} "
             f"tensor, which needs {expected}"
         )
-    if any(c.nbytes % dtype.itemsize for c in entry.chunks):
+    if len(chunks) > 1 and any(c.nbytes % dtype.itemsize for c in chunks):
         raise CorruptSnapshotError(f"{path}: a chunk does not hold whole {entry.dtype} elements")
     return dtype
 
 
 def check_target(path: str, entry: TensorEntry, target: torch.Tensor) -> None:
     """Refuses a restore target that cannot receive this entry."""
-    if tuple(target.shape) != entry.shape:
+    if target.shape != entry.shape:
         raise ShapeMismatchError(
             f"{path}: the snapshot holds shape {list(entry.shape)} ({entry.dtype}), "
             f"the object being restored has shape {list(target.shape)} ({dtype_name(target.dtype)})"
         )
-    if target.device.type == "meta":
+    if target.is_meta:
         raise UnsupportedValueError(f"{path}: cannot restore into a tensor on the meta device")
 
 
 def _direct(target: torch.Tensor, dtype: torch.dtype) -> bool:
     return (
-        target.device.type == "cpu"
+        target.is_cpu
         and target.dtype == dtype
         and target.is_contiguous()
         and not target.is_conj()

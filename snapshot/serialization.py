@@ -17,9 +17,12 @@ _DTYPES: dict[str, torch.dtype] = {
 }
 
 
+_NAMES: dict[torch.dtype, str] = {v: k for k, v in _DTYPES.items()}
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     """The manifest's name of ``dtype``."""
-    return str(dtype).removeprefix("torch.")
+    return _NAMES.get(dtype) or str(dtype).removeprefix("torch.")
 
 
 def dtype_from_name(name: str, where: str) -> torch.dtype:
@@ -33,12 +36,18 @@ def dtype_from_name(name: str, where: str) -> torch.dtype:
         ) from None
 
 
-def tensor_nbytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
-    """Bytes of a dense tensor of this dtype and shape."""
-    n = dtype.itemsize
-    for s in shape:
-        n *= s
-    return n
+_memory_view = ctypes.pythonapi.PyMemoryView_FromMemory
+_memory_view.argtypes = (ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int)
+_memory_view.restype = ctypes.py_object
+_PYBUF_WRITE = 0x200
+
+
+def raw_memoryview(address: int, nbytes: int) -> memoryview:
+    """A writable byte view of ``nbytes`` of memory at ``address``; the caller keeps the memory
+    alive (and valid) for as long as the view is used."""
+    if nbytes == 0:
+        return memoryview(bytearray())
+    return _memory_view(address, nbytes, _PYBUF_WRITE)
 
 
 def tensor_memoryview(t: torch.Tensor) -> memoryview:
@@ -47,12 +56,9 @@ def tensor_memoryview(t: torch.Tensor) -> memoryview:
     The view does not keep ``t`` alive: the caller must hold ``t`` as long as it uses the view.
     Works for every dtype, including those torch has no copy kernel for (int4, uint3...).
     """
-    if t.device.type != "cpu" or not t.is_contiguous():
+    if not t.is_cpu or not t.is_contiguous():
         raise ValueError("tensor_memoryview needs a contiguous CPU tensor")
-    nbytes = t.numel() * t.element_size()
-    if nbytes == 0:
-        return memoryview(bytearray())
-    return memoryview((ctypes.c_ubyte * nbytes).from_address(t.data_ptr())).cast("B")
+    return raw_memoryview(t.data_ptr(), t.numel() * t.element_size())
 
 
 def range_views(t: torch.Tensor, start: int, stop: int) -> list[torch.Tensor]:
