@@ -208,3 +208,35 @@ def test_take_stages_within_the_memory_budget(tmp_path, monkeypatch, caplog):
     assert len(peaks) == 1 and 512 * 1024 <= peaks[0] <= 1 << 20  # two 512 KiB copies at most
     out = Snapshot(str(tmp_path / "s")).read_object("0/s/t5")
     assert torch.equal(out, state["t5"])
+
+
+def test_collector_pause_nests_across_threads():
+    import gc
+
+    from snapshot.operations import _gc_paused
+
+    assert gc.isenabled()
+    inner_done = threading.Event()
+    release = threading.Event()
+
+    def other_phase():
+        with _gc_paused():
+            inner_done.set()
+            release.wait(5)
+
+    with _gc_paused():
+        assert not gc.isenabled()
+        t = threading.Thread(target=other_phase)
+        t.start()
+        assert inner_done.wait(5)
+    assert not gc.isenabled()  # the other thread's phase is still running
+    release.set()
+    t.join()
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with _gc_paused():
+            pass
+        assert not gc.isenabled()  # a collector the application turned off stays off
+    finally:
+        gc.enable()
