@@ -365,6 +365,7 @@ class _Loader:
         self.entries = entries
         self.where = where
         self.tile_bytes = tile_bytes
+        self.piece_bytes = knobs.read_request_bytes()
         self.needs: list[Need] = []
         self.tensors: dict[str, Any] = {}
         self.objects: dict[str, Any] = {}
@@ -375,7 +376,7 @@ class _Loader:
         if isinstance(entry, TensorEntry):
             t = target if isinstance(target, torch.Tensor) and is_dense_tensor(target) else None
             try:
-                read = plan_tensor_read(path, entry, t, self.tile_bytes, knobs.read_request_bytes())
+                read = plan_tensor_read(path, entry, t, self.tile_bytes, self.piece_bytes)
             except SnapshotError as e:
                 raise type(e)(f"snapshot {self.where}: {e}") from None
             self.needs.extend(read.needs)
@@ -400,7 +401,7 @@ class _Loader:
                 coalesce(
                     self.needs,
                     max_gap_bytes=knobs.read_gap_bytes(),
-                    max_request_bytes=knobs.read_request_bytes(),
+                    max_request_bytes=self.piece_bytes,
                     max_scratch_bytes=self.tile_bytes,
                 ),
                 budget_bytes=budget_bytes,
@@ -412,7 +413,7 @@ class _Loader:
         if isinstance(entry, PrimitiveEntry):
             return entry.value
         if isinstance(entry, TensorEntry):
-            return self.tensors[path]()
+            return self.tensors[path]
         return self.objects[path]
 
     def inflate(self, root: str) -> Any:

@@ -436,28 +436,17 @@ def plan_take(
 # Restore and read_object.
 
 
-@dataclass(slots=True)
-class Need:
+@dataclass(slots=True, kw_only=True)
+class Need(Segment):
     """``nbytes`` bytes at ``offset`` of ``blob``, to land in ``dest()``; ``done`` then consumes
-    them. ``scratch_bytes`` is the memory ``dest`` allocates and ``done`` frees."""
+    them. ``scratch_bytes`` is the memory ``dest`` allocates and ``done`` frees. A need is the
+    segment of the read that serves it."""
 
     blob: str
     offset: int
-    nbytes: int
-    dest: Callable[[], memoryview]
     done: Callable[[], None] | None
     scratch_bytes: int
     label: str
-
-
-def _chunk_spans(chunks: Sequence[Location]) -> list[tuple[int, Location]]:
-    """(byte offset in the tensor, chunk) for each chunk."""
-    spans = []
-    pos = 0
-    for c in chunks:
-        spans.append((pos, c))
-        pos += c.nbytes
-    return spans
 
 
 def check_tensor_entry(path: str, entry: TensorEntry) -> torch.dtype:
@@ -499,10 +488,10 @@ def _direct(target: torch.Tensor, dtype: torch.dtype) -> bool:
 
 @dataclass
 class TensorRead:
-    """The needs that fill one tensor, and a function giving the filled tensor afterwards."""
+    """The needs that fill one tensor, and that tensor (the target, or a new one)."""
 
     needs: list[Need]
-    result: Callable[[], torch.Tensor]
+    result: torch.Tensor
 
 
 def plan_tensor_read(
@@ -517,51 +506,36 @@ def plan_tensor_read(
     never across chunks) copied into the target, whatever its layout or device.
     """
     dtype = check_tensor_entry(path, entry)
-    if target is not None:
+    if target is None:
+        target = torch.empty(entry.shape, dtype=dtype)
+    else:
         check_target(path, entry, target)
     itemsize = dtype.itemsize
     needs: list[Need] = []
-
-    if target is None or _direct(target, dtype):
-        holder: list[torch.Tensor] = [target] if target is not None else []
-        views: list[memoryview] = []
-
-        def whole() -> memoryview:
-            if not views:
-                if not holder:
-                    holder.append(torch.empty(entry.shape, dtype=dtype))
-                views.append(tensor_memoryview(holder[0]))
-            return views[0]
-
-        step = max(itemsize, piece_bytes - piece_bytes % itemsize)
-        for base, chunk in _chunk_spans(entry.chunks):
-            for lo in range(0, chunk.nbytes, step):
-                n = min(step, chunk.nbytes - lo)
-                start = base + lo
+    direct = _direct(target, dtype)
+    step = piece_bytes if direct else tile_bytes
+    step = max(itemsize, step - step % itemsize)
+    address = target.data_ptr() if direct else 0
+    base = 0
+    for chunk in entry.chunks:
+        for lo in range(0, chunk.nbytes, step):
+            n = min(step, chunk.nbytes - lo)
+            if direct:
                 needs.append(
                     Need(
                         blob=chunk.blob,
                         offset=chunk.offset + lo,
                         nbytes=n,
-                        dest=lambda a=start, b=start + n: whole()[a:b],
+                        dest=functools.partial(raw_memoryview, address + base + lo, n),
                         done=None,
                         scratch_bytes=0,
                         label=path,
                     )
                 )
-
-        def result() -> torch.Tensor:
-            whole()  # allocates the tensor when no bytes were read (an empty tensor)
-            return holder[0]
-
-        return TensorRead(needs=needs, result=result)
-
-    step = max(itemsize, tile_bytes - tile_bytes % itemsize)
-    for base, chunk in _chunk_spans(entry.chunks):
-        for lo in range(0, chunk.nbytes, step):
-            n = min(step, chunk.nbytes - lo)
-            needs.append(_tile_need(path, chunk, lo, n, (base + lo) // itemsize, dtype, target))
-    return TensorRead(needs=needs, result=lambda: target)
+            else:
+                needs.append(_tile_need(path, chunk, lo, n, (base + lo) // itemsize, dtype, target))
+        base += chunk.nbytes
+    return TensorRead(needs=needs, result=target)
 
 
 def _tile_need(
@@ -677,12 +651,12 @@ def coalesce(
 
 
 def _request(blob: str, needs: list[Need]) -> ReadRequest:
-    segments = []
+    segments: list[Segment] = []
     pos = needs[0].offset
     for need in needs:
         if need.offset > pos:
             segments.append(Segment(nbytes=need.offset - pos, dest=None))
-        segments.append(Segment(nbytes=need.nbytes, dest=need.dest))
+        segments.append(need)
         pos = need.offset + need.nbytes
     dones = [n.done for n in needs if n.done is not None]
     labels = sorted({n.label for n in needs})
