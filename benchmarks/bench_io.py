@@ -1,0 +1,945 @@
+"""Save/restore benchmarks of statesnap against raw file I/O, torch.save, DCP, safetensors and
+torchsnapshot. Prints paste-ready markdown tables; see benchmarks/README.md.
+
+Every measured operation runs in a fresh process (``benchmarks.worker``); methods are
+interleaved in rounds (A B C ... A B C ...), and tables give medians over the rounds together
+with each round's ratio to the ``raw`` method and to statesnap.
+
+Cases (``--case``):
+  main            the generated model+optimizer state at each ``--size``: take to the page cache
+                  and fsync'd, restore warm (files cached) and cold (dropped from the cache).
+  many-small      20,000 tensors totalling 200 MiB vs one 200 MiB tensor; ratio many / single.
+  restore-memory  peak RSS above baseline of an in-place statesnap restore of the 2 GiB state
+                  with STATESNAP_MEMORY_BUDGET_BYTES=64MiB, against torch.load and raw reads.
+  read-object     one 4 KiB tensor out of a 2 GiB snapshot: bytes read and time, separately
+                  for Snapshot(path) (reads the manifest) and read_object.
+  scaling         10,000 vs 100,000 leaves: take, restore, Snapshot(path)+get_manifest.
+
+Example: ``python -m benchmarks.bench_io --case main --size 512MiB --reps 1``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from benchmarks.common import (
+    GIB,
+    MIB,
+    READ_OBJECT_TARGET,
+    build_spec,
+    check_restored,
+    describe_spec,
+    drop_page_cache,
+    fmt_size,
+    fsync_tree,
+    library_commit,
+    machine_description,
+    parse_size,
+    resident_fraction,
+)
+from benchmarks.methods import READERS, WRITERS, readers_of
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEFAULT_METHODS = ["raw", "torch.save", "dcp", "safetensors", "torchsnapshot", "statesnap"]
+MODE_TITLES = {
+    "cache": "Take, to the page cache (no fsync)",
+    "fsync": "Take, fsync'd (methods that do not fsync get their files fsync'd by the harness, "
+    "timed)",
+    "warm": "Restore, warm (files in the page cache)",
+    "cold": "Restore, cold (files dropped from the page cache first)",
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# What to run.
+
+
+@dataclass
+class Variant:
+    """A row family: one writer, the readers that load its files, and env for its workers."""
+
+    label: str
+    writer: str
+    readers: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class StateCase:
+    """A generated state to run the variants on."""
+
+    label: str
+    args: dict[str, Any]
+
+
+@dataclass
+class Row:
+    """One measured operation."""
+
+    case: str
+    state: str
+    round: int
+    variant: str
+    writer: str  # the variant's writer
+    op: str  # take | restore | read-object
+    mode: str  # cache | fsync | warm | cold
+    method: str  # writer or reader name
+    ok: bool
+    seconds: float | None = None
+    payload_bytes: int = 0
+    peak_rss: int | None = None
+    baseline_rss: int | None = None
+    disk: dict[str, int] | None = None
+    check: str = ""
+    in_place: bool | None = None
+    error: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def label(self) -> str:
+        """Table label: the reader's name, or the variant's for its main reader/writer."""
+        return self.variant if self.method == self.writer else self.method
+
+
+# A case's measurements and the markdown lines it prints.
+CaseResult = tuple[list[Row], list[str]]
+
+# ---------------------------------------------------------------------------------------------
+# Running workers.
+
+
+class Runner:
+    """Starts one worker process per job, each in its own session, and never leaves one behind.
+
+    Data lives in ``<dir>/run-<pid>/``, removed on exit (also on Ctrl-C and SIGTERM).
+    """
+
+    def __init__(self, directory: str, timeout: float, base_env: dict[str, str]) -> None:
+        self.created_dir = not os.path.isdir(directory)
+        os.makedirs(directory, exist_ok=True)
+        self.directory = directory
+        self.run_dir = os.path.join(directory, f"run-{os.getpid()}")
+        os.makedirs(self.run_dir)
+        self.timeout = timeout
+        self.base_env = base_env
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.n = 0
+
+    def data_dir(self, name: str) -> str:
+        return os.path.join(self.run_dir, re.sub(r"[^A-Za-z0-9.]+", "-", name))
+
+    def job(self, job: dict[str, Any], env: dict[str, str]) -> dict[str, Any]:
+        self.n += 1
+        stem = os.path.join(self.run_dir, f"job{self.n}")
+        job = {**job, "result": stem + ".result.json"}
+        with open(stem + ".json", "w") as f:
+            json.dump(job, f)
+        child_env = {**os.environ, **self.base_env, **env}
+        with open(stem + ".log", "wb") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "benchmarks.worker", stem + ".json"],
+                cwd=REPO,
+                env=child_env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+            try:
+                rc = self.proc.wait(timeout=self.timeout)
+            except subprocess.TimeoutExpired:
+                self.kill()
+                rc = None
+            except BaseException:  # Ctrl-C or SIGTERM: the worker is in its own session
+                self.kill()
+                raise
+            finally:
+                self.proc = None
+        try:
+            with open(job["result"]) as f:
+                result: dict[str, Any] = json.load(f)
+        except (OSError, ValueError):
+            with open(stem + ".log", "rb") as f:
+                tail = f.read()[-600:].decode(errors="replace").strip().splitlines()
+            why = f"timed out after {self.timeout:.0f} s" if rc is None else f"exit code {rc}"
+            result = {"ok": False, "error": f"worker {why}: {' | '.join(tail[-3:])}"}
+        for suffix in (".json", ".result.json", ".log"):
+            if os.path.exists(stem + suffix):
+                os.remove(stem + suffix)
+        return result
+
+    def kill(self) -> None:
+        """Kills the running worker's process group (by its id) and reaps it."""
+        proc = self.proc
+        if proc is not None and proc.poll() is None:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait()
+
+    def close(self) -> None:
+        self.kill()
+        shutil.rmtree(self.run_dir, ignore_errors=True)
+        if self.created_dir:
+            try:
+                os.rmdir(self.directory)
+            except OSError:
+                pass
+
+
+def _log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def _row(
+    case: str,
+    state: StateCase,
+    rnd: int,
+    variant: Variant,
+    op: str,
+    mode: str,
+    method: str,
+    result: dict[str, Any],
+    extra: dict[str, Any] | None = None,
+) -> Row:
+    check = result.get("check") or {}
+    ok = bool(result.get("ok")) and bool(check.get("ok", True))
+    row = Row(
+        case=case,
+        state=state.label,
+        round=rnd,
+        variant=variant.label,
+        writer=variant.writer,
+        op=op,
+        mode=mode,
+        method=method,
+        ok=ok,
+        seconds=result.get("seconds"),
+        payload_bytes=result.get("payload_bytes", 0),
+        peak_rss=result.get("peak_rss_above_baseline"),
+        baseline_rss=result.get("baseline_rss"),
+        disk=result.get("disk"),
+        check=check.get("detail", ""),
+        in_place=result.get("in_place"),
+        error=result.get("error", "") or ("" if check.get("ok", True) else check.get("detail")),
+        extra={
+            k: v
+            for k, v in result.items()
+            if k in ("io", "phases", "manifest_bytes", "snapshot_bytes", "rss_method")
+        }
+        | (extra or {}),
+    )
+    speed = (
+        f"{row.seconds:.3f} s ({row.payload_bytes / row.seconds / 1e9:.2f} GB/s)"
+        if row.ok and row.seconds
+        else ""
+    )
+    _log(
+        f"  [{state.label} round {rnd + 1}] {row.label} {op} {mode}: "
+        f"{speed if row.ok else 'FAILED ' + row.error}"
+    )
+    return row
+
+
+def run_rounds(
+    runner: Runner,
+    case: str,
+    states: Sequence[StateCase],
+    variants: Sequence[Variant],
+    modes: Sequence[str],
+    temps: Sequence[str],
+    reps: int,
+) -> list[Row]:
+    """For each round, each state and each variant: a take in every mode (the last one's files
+    stay), then every reader warm, then every reader cold; then the files are removed."""
+    rows: list[Row] = []
+    for rnd in range(reps):
+        _log(f"round {rnd + 1}/{reps}")
+        for state in states:
+            for v in variants:
+                path = runner.data_dir(v.label)
+                take: dict[str, Any] = {"ok": False, "error": "no take ran"}
+                try:
+                    for mode in modes:
+                        shutil.rmtree(path, ignore_errors=True)
+                        take = runner.job(
+                            {
+                                "op": "take",
+                                "method": v.writer,
+                                "mode": mode,
+                                "state": state.args,
+                                "path": path,
+                            },
+                            v.env,
+                        )
+                        rows.append(_row(case, state, rnd, v, "take", mode, v.writer, take))
+                    if not v.readers or not temps:
+                        continue
+                    if take.get("ok"):
+                        fsync_tree(path)  # untimed: no dirty pages of the take linger
+                    for temp in temps:
+                        for reader in v.readers:
+                            if not take.get("ok"):
+                                failed = {"ok": False, "error": "its take failed"}
+                                rows.append(
+                                    _row(case, state, rnd, v, "restore", temp, reader, failed)
+                                )
+                                continue
+                            if temp == "cold":
+                                drop_page_cache(path)
+                            cached = resident_fraction(path)
+                            result = runner.job(
+                                {
+                                    "op": "restore",
+                                    "method": reader,
+                                    "mode": temp,
+                                    "state": state.args,
+                                    "path": path,
+                                },
+                                v.env,
+                            )
+                            rows.append(
+                                _row(
+                                    case,
+                                    state,
+                                    rnd,
+                                    v,
+                                    "restore",
+                                    temp,
+                                    reader,
+                                    result,
+                                    {"cached_before": cached},
+                                )
+                            )
+                finally:
+                    shutil.rmtree(path, ignore_errors=True)
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------
+# Tables.
+
+
+def fmt_s(seconds: float | None) -> str:
+    """Seconds with about three significant digits."""
+    if seconds is None:
+        return "—"
+    if seconds < 0.1:
+        return f"{seconds:.4f}"
+    return f"{seconds:.3f}" if seconds < 10 else f"{seconds:.2f}"
+
+
+def _median(values: Iterable[float]) -> float | None:
+    vals = list(values)
+    return statistics.median(vals) if vals else None
+
+
+def _fmt_ratio(ratios: Sequence[float]) -> str:
+    if not ratios:
+        return "—"
+    med = statistics.median(ratios)
+    if len(ratios) == 1:
+        return f"{med:.2f}"
+    return f"{med:.2f} ({', '.join(f'{r:.2f}' for r in ratios)})"
+
+
+def _round_ratios(mine: Sequence[Row], ref: Sequence[Row]) -> list[float]:
+    by_round = {r.round: r for r in ref if r.ok and r.seconds}
+    return [
+        m.seconds / by_round[m.round].seconds
+        for m in mine
+        if m.ok and m.seconds and m.round in by_round
+    ]
+
+
+def _group(rows: Iterable[Row]) -> dict[str, list[Row]]:
+    out: dict[str, list[Row]] = {}
+    for r in rows:
+        out.setdefault(r.label, []).append(r)
+    return out
+
+
+def _status(rows: Sequence[Row], op: str) -> str:
+    bad = [r for r in rows if not r.ok]
+    good = [r for r in rows if r.ok]
+    text = ""
+    if good:
+        text = "ok" if op == "take" else good[0].check.removeprefix("ok ").strip("()")
+        text = "ok" if op == "take" else f"ok, {text}"
+    if bad:
+        err = bad[0].error.replace("|", "\\|").replace("\n", " ")[:200]
+        text = f"FAILED {len(bad)}/{len(rows)}: {err}" + (f"; otherwise {text}" if text else "")
+    return text
+
+
+def _loads_into(rows: Sequence[Row]) -> str:
+    if rows and rows[0].method in READERS and READERS[rows[0].method].verify is not check_restored:
+        return "n/a"
+    flags = {r.in_place for r in rows if r.ok}
+    if flags == {True}:
+        return "preallocated"
+    if flags == {None}:
+        return "new tensors"
+    if flags == {False}:
+        return "new tensors (targets replaced)"
+    return "—"
+
+
+def op_table(
+    rows: Sequence[Row],
+    op: str,
+    mode: str,
+    refs: Sequence[str] = ("raw", "statesnap"),
+) -> list[str]:
+    """Markdown table of one op/mode of one state: medians, ratios per round, RSS, disk, check."""
+    rows = [r for r in rows if r.op == op and r.mode == mode]
+    if not rows:
+        return []
+    groups = _group(rows)
+    refs = [ref for ref in refs if ref in groups]
+    head = ["method", "median s", "GB/s"] + [f"time ÷ {ref}" for ref in refs]
+    head += ["per round s", "peak RSS above baseline"]
+    head += ["on disk"] if op == "take" else ["loads into"]
+    head += ["check"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for label, mine in groups.items():
+        ok = [r for r in mine if r.ok and r.seconds is not None]
+        med = _median(r.seconds for r in ok)  # type: ignore[misc]
+        payload = mine[0].payload_bytes
+        cells = [label, fmt_s(med), f"{payload / med / 1e9:.2f}" if med else "—"]
+        cells += [_fmt_ratio(_round_ratios(mine, groups[ref])) for ref in refs]
+        cells.append(", ".join(fmt_s(r.seconds) if r.ok and r.seconds else "✗" for r in mine))
+        rss = _median(r.peak_rss for r in ok if r.peak_rss is not None)
+        cells.append(fmt_size(rss) if rss is not None else "—")
+        if op == "take":
+            disk = next((r.disk for r in reversed(ok) if r.disk), None)
+            cells.append(f"{fmt_size(disk['apparent'])} in {disk['files']} files" if disk else "—")
+        else:
+            cells.append(_loads_into(mine))
+        cells.append(_status(mine, op))
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def state_tables(
+    rows: Sequence[Row], state: str, modes: Sequence[str], temps: Sequence[str]
+) -> list[str]:
+    out: list[str] = []
+    mine = [r for r in rows if r.state == state]
+    for op, mode in [("take", m) for m in modes] + [("restore", t) for t in temps]:
+        table = op_table(mine, op, mode)
+        if table:
+            out += ["", f"**{MODE_TITLES[mode]}**", "", *table]
+    return out
+
+
+def ratio_table(rows: Sequence[Row], numerator: str, denominator: str, title: str) -> list[str]:
+    """Per method and op/mode: median seconds of two states and their per-round ratio."""
+    keys: dict[tuple[str, str, str], None] = {}
+    for r in rows:
+        keys.setdefault((r.label, r.op, r.mode), None)
+    head = ["method", "op", denominator + " s", numerator + " s", title]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for label, op, mode in keys:
+        sel = [r for r in rows if (r.label, r.op, r.mode) == (label, op, mode)]
+        num = [r for r in sel if r.state == numerator]
+        den = [r for r in sel if r.state == denominator]
+        mn = _median(r.seconds for r in num if r.ok and r.seconds)
+        md = _median(r.seconds for r in den if r.ok and r.seconds)
+        ratios = _round_ratios(num, den)
+        fail = [r for r in num + den if not r.ok]
+        lines.append(
+            "| "
+            + " | ".join(
+                [
+                    label,
+                    f"{op} {mode}",
+                    fmt_s(md),
+                    fmt_s(mn),
+                    _fmt_ratio(ratios) + (f" — FAILED: {fail[0].error[:120]}" if fail else ""),
+                ]
+            )
+            + " |"
+        )
+    return lines
+
+
+# ---------------------------------------------------------------------------------------------
+# Cases.
+
+
+def _variants(
+    methods: Sequence[str], env: dict[str, str], readers: dict[str, list[str]] | None = None
+) -> list[Variant]:
+    out = []
+    for m in methods:
+        if m not in WRITERS:
+            raise SystemExit(f"unknown method {m!r}; known: {', '.join(WRITERS)}")
+        rs = readers.get(m, readers_of(m)) if readers is not None else readers_of(m)
+        out.append(Variant(m, m, rs, dict(env) if m == "statesnap" else {}))
+    return out
+
+
+def case_main(args: argparse.Namespace, runner: Runner, env: dict[str, str]) -> CaseResult:
+    sizes = args.size or [512 * MIB, 2 * GIB]
+    states = [
+        StateCase(fmt_size(s), {"kind": "model", "size": s, "seed": args.seed}) for s in sizes
+    ]
+    variants = _variants(args.methods or DEFAULT_METHODS, env)
+    rows = run_rounds(runner, "main", states, variants, args.modes, args.temps, args.reps)
+    out: list[str] = []
+    for s in states:
+        out += ["", f"#### {describe_spec(build_spec(s.args))}"]
+        out += state_tables(rows, s.label, args.modes, args.temps)
+    out += ["", _method_notes(variants)]
+    return rows, out
+
+
+def case_many_small(args: argparse.Namespace, runner: Runner, env: dict[str, str]) -> CaseResult:
+    total = (args.size or [200 * MIB])[0]
+    many = StateCase(
+        "many", {"kind": "tensors", "size": total, "count": args.count, "seed": args.seed}
+    )
+    single = StateCase("single", {"kind": "tensors", "size": total, "count": 1, "seed": args.seed})
+    methods = args.methods or ["raw", "torch.save", "statesnap"]
+    variants = _variants(methods, env, {"raw": ["raw"], "torch.save": ["torch.load"]})
+    rows = run_rounds(
+        runner, "many-small", [many, single], variants, args.modes, args.temps, args.reps
+    )
+    out = [
+        "",
+        f"many = {describe_spec(build_spec(many.args))}; "
+        f"single = {describe_spec(build_spec(single.args))}",
+        "",
+        "**Ratio many / single (time of the many-tensor state ÷ time of the single tensor; "
+        "per round in parentheses)**",
+        "",
+    ]
+    out += ratio_table(rows, "many", "single", "many ÷ single")
+    for s in (many, single):
+        out += ["", f"#### {s.label}: {describe_spec(build_spec(s.args))}"]
+        out += state_tables(rows, s.label, args.modes, args.temps)
+    return rows, out
+
+
+def case_restore_memory(
+    args: argparse.Namespace, runner: Runner, env: dict[str, str]
+) -> CaseResult:
+    size = (args.size or [2 * GIB])[0]
+    state = StateCase(fmt_size(size), {"kind": "model", "size": size, "seed": args.seed})
+    budget = args.budget
+    low = f"statesnap (budget {fmt_size(budget)})"
+    variants = [
+        Variant(
+            low, "statesnap", ["statesnap"], {**env, "STATESNAP_MEMORY_BUDGET_BYTES": str(budget)}
+        ),
+        Variant("statesnap (default budget)", "statesnap", ["statesnap"], dict(env)),
+        Variant("torch.save", "torch.save", ["torch.load", "torch.load mmap"]),
+        Variant("raw", "raw", ["raw", "raw fresh"]),
+    ]
+    rows = run_rounds(
+        runner, "restore-memory", [state], variants, args.modes, args.temps, args.reps
+    )
+    head = [
+        "method",
+        "op",
+        "peak RSS above baseline (median)",
+        "per round",
+        "baseline RSS",
+        "median s",
+        "check",
+    ]
+    out = [
+        "",
+        f"#### {describe_spec(build_spec(state.args))}",
+        "",
+        "| " + " | ".join(head) + " |",
+        "|" + "---|" * len(head),
+    ]
+    for (label, op, mode), sel in _group_by(rows, lambda r: (r.label, r.op, r.mode)).items():
+        ok = [r for r in sel if r.ok]
+        rss = _median(r.peak_rss for r in ok if r.peak_rss is not None)
+        base = _median(r.baseline_rss for r in ok if r.baseline_rss is not None)
+        med = _median(r.seconds for r in ok if r.seconds)
+        out.append(
+            "| "
+            + " | ".join(
+                [
+                    label,
+                    f"{op} {mode}",
+                    fmt_size(rss) if rss is not None else "—",
+                    ", ".join(
+                        fmt_size(r.peak_rss) if r.ok and r.peak_rss is not None else "✗"
+                        for r in sel
+                    ),
+                    fmt_size(base) if base is not None else "—",
+                    fmt_s(med),
+                    _status(sel, op),
+                ]
+            )
+            + " |"
+        )
+    out += [
+        "",
+        "Baseline RSS is the worker's RSS right before the operation: the generated "
+        "state for a take, the preallocated targets (if any) for a restore.",
+    ]
+    out += state_tables(rows, state.label, args.modes, args.temps)
+    return rows, out
+
+
+def _group_by(rows: Iterable[Row], key: Any) -> dict[Any, list[Row]]:
+    out: dict[Any, list[Row]] = {}
+    for r in rows:
+        out.setdefault(key(r), []).append(r)
+    return out
+
+
+def case_read_object(args: argparse.Namespace, runner: Runner, env: dict[str, str]) -> CaseResult:
+    size = (args.size or [2 * GIB])[0]
+    state = StateCase(fmt_size(size), {"kind": "model", "size": size, "seed": args.seed})
+    variant = Variant("statesnap", "statesnap", [], dict(env))
+    path = runner.data_dir("read-object")
+    rows: list[Row] = []
+    try:
+        take = runner.job(
+            {
+                "op": "take",
+                "method": "statesnap",
+                "mode": "fsync",
+                "state": state.args,
+                "path": path,
+            },
+            env,
+        )
+        rows.append(_row("read-object", state, 0, variant, "take", "fsync", "statesnap", take))
+        if take.get("ok"):
+            for rnd in range(args.reps):
+                for temp in args.temps:
+                    if temp == "cold":
+                        drop_page_cache(path)
+                    result = runner.job(
+                        {
+                            "op": "read-object",
+                            "object": list(READ_OBJECT_TARGET),
+                            "state": state.args,
+                            "path": path,
+                        },
+                        env,
+                    )
+                    rows.append(
+                        _row(
+                            "read-object",
+                            state,
+                            rnd,
+                            variant,
+                            "read-object",
+                            temp,
+                            "statesnap",
+                            result,
+                        )
+                    )
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+    reads = [r for r in rows if r.op == "read-object"]
+    ok = [r for r in reads if r.ok]
+    out = ["", f"#### {describe_spec(build_spec(state.args))}", ""]
+    if ok:
+        total = ok[0].extra.get("snapshot_bytes")
+        man = ok[0].extra.get("manifest_bytes")
+        out.append(
+            f"Snapshot: {fmt_size(total or 0)} on disk, manifest.yaml "
+            f"{fmt_size(man or 0)} ({man} bytes). Object read: "
+            f"`0/{READ_OBJECT_TARGET[0]}/{READ_OBJECT_TARGET[1]}` "
+            f"({ok[0].payload_bytes} bytes)."
+        )
+        out.append("")
+    head = [
+        "step",
+        "cache",
+        "median ms",
+        "per round ms",
+        "rchar (bytes through read calls)",
+        "read_bytes (from the block device)",
+    ]
+    out += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    phases: dict[str, None] = {}
+    for r in ok:
+        for p in r.extra.get("phases", {}):
+            phases.setdefault(p, None)
+    for temp in args.temps:
+        sel = [r for r in ok if r.mode == temp]
+        for p in phases:
+            vals = [r.extra["phases"][p] for r in sel if p in r.extra.get("phases", {})]
+            if not vals:
+                continue
+            med = statistics.median(v["seconds"] for v in vals)
+            out.append(
+                "| "
+                + " | ".join(
+                    [
+                        f"`{p}`" if not p.startswith("(") else p,
+                        temp,
+                        f"{med * 1000:.2f}",
+                        ", ".join(f"{v['seconds'] * 1000:.2f}" for v in vals),
+                        ", ".join(f"{v['rchar']:,}" for v in vals),
+                        ", ".join(f"{v['read_bytes']:,}" for v in vals),
+                    ]
+                )
+                + " |"
+            )
+    out += [
+        "",
+        "Each run is a fresh process; the two read_object calls read the same bytes, so the "
+        "second one finds them in the page cache even in a cold run.",
+    ]
+    bad = [r for r in rows if not r.ok]
+    if bad:
+        out += ["", f"FAILED: {bad[0].op} {bad[0].mode}: {bad[0].error}"]
+    elif ok:
+        out += ["", f"check: {ok[0].check}"]
+    return rows, out
+
+
+def case_scaling(args: argparse.Namespace, runner: Runner, env: dict[str, str]) -> CaseResult:
+    leaves = args.leaves
+    states = [
+        StateCase(f"{n:,} leaves", {"kind": "leaves", "leaves": n, "seed": args.seed})
+        for n in leaves
+    ]
+    methods = args.methods or ["statesnap"]
+    readers = {
+        "statesnap": ["statesnap", "statesnap get_manifest"],
+        "raw": ["raw"],
+        "torch.save": ["torch.load"],
+    }
+    variants = _variants(methods, env, readers)
+    rows = run_rounds(runner, "scaling", states, variants, args.modes, args.temps, args.reps)
+    out: list[str] = []
+    if len(states) >= 2:
+        lo, hi = states[0].label, states[-1].label
+        out += [
+            "",
+            f"**Ratio {hi} ÷ {lo}** ({leaves[-1] / leaves[0]:.0f}x the leaves; linear "
+            f"scaling gives ~{leaves[-1] / leaves[0]:.0f}; per round in parentheses)",
+            "",
+        ]
+        out += ratio_table(rows, hi, lo, f"{hi} ÷ {lo}")
+    for s in states:
+        out += ["", f"#### {describe_spec(build_spec(s.args))}"]
+        out += state_tables(rows, s.label, args.modes, args.temps)
+    return rows, out
+
+
+def _method_notes(variants: Sequence[Variant]) -> str:
+    notes = []
+    for v in variants:
+        w = WRITERS[v.writer]
+        notes.append(
+            f"- {v.writer} take: {w.note}" + ("" if w.objects else "; Python objects not stored")
+        )
+        for r in v.readers:
+            notes.append(f"- {r} restore: {READERS[r].note}")
+    return "Methods:\n" + "\n".join(notes)
+
+
+CASES = {
+    "main": case_main,
+    "many-small": case_many_small,
+    "restore-memory": case_restore_memory,
+    "read-object": case_read_object,
+    "scaling": case_scaling,
+}
+
+CASE_DEFAULTS: dict[str, dict[str, Any]] = {
+    "main": {"modes": ["cache", "fsync"], "temps": ["warm", "cold"]},
+    "many-small": {"modes": ["cache", "fsync"], "temps": ["warm", "cold"]},
+    "restore-memory": {"modes": ["cache"], "temps": ["warm"]},
+    "read-object": {"modes": ["fsync"], "temps": ["cold", "warm"]},
+    "scaling": {"modes": ["cache"], "temps": ["warm"]},
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# Command line.
+
+
+def _csv(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
+def _sizes(values: list[str] | None) -> list[int]:
+    return [parse_size(x) for v in values or [] for x in _csv(v)]
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog="Each case prints markdown to stdout (progress goes to stderr).",
+    )
+    p.add_argument("--case", choices=list(CASES), default="main")
+    p.add_argument(
+        "--size",
+        action="append",
+        metavar="SIZE",
+        help="state size(s), e.g. 512MiB,2GiB (repeatable). main: 512MiB,2GiB; "
+        "many-small: total 200MiB; restore-memory, read-object: 2GiB",
+    )
+    p.add_argument("--reps", type=int, default=3, help="rounds (median over them); default 3")
+    p.add_argument(
+        "--methods",
+        type=_csv,
+        help=f"comma-separated writers: {','.join(WRITERS)} (their readers follow)",
+    )
+    p.add_argument(
+        "--modes", type=_csv, help="take modes: cache (no fsync), fsync; default per case"
+    )
+    p.add_argument("--temps", type=_csv, help="restore page-cache states: warm, cold")
+    p.add_argument(
+        "--dir",
+        default="/tmp/statesnap-bench",
+        help="scratch directory (a run-<pid> subdirectory is made and removed)",
+    )
+    p.add_argument(
+        "--env",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="STATESNAP_* variable for the statesnap workers (repeatable)",
+    )
+    p.add_argument("--json", metavar="PATH", help="save every measurement as JSON")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--count", type=int, default=20_000, help="many-small: number of tensors")
+    p.add_argument(
+        "--leaves",
+        type=lambda s: [int(x) for x in _csv(s)],
+        default=[10_000, 100_000],
+        help="scaling: leaf counts, e.g. 10000,100000",
+    )
+    p.add_argument(
+        "--budget",
+        type=parse_size,
+        default=64 * MIB,
+        help="restore-memory: STATESNAP_MEMORY_BUDGET_BYTES for the low-budget run",
+    )
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=1800.0,
+        help="seconds before a worker is killed and its op reported failed",
+    )
+    args = p.parse_args(argv)
+    args.size = _sizes(args.size)
+    defaults = CASE_DEFAULTS[args.case]
+    args.modes = args.modes or defaults["modes"]
+    args.temps = args.temps if args.temps is not None else defaults["temps"]
+    for m in args.modes:
+        if m not in ("cache", "fsync"):
+            p.error(f"unknown mode {m!r}")
+    for t in args.temps:
+        if t not in ("warm", "cold"):
+            p.error(f"unknown restore temperature {t!r}")
+    return args
+
+
+def _parse_env(items: Sequence[str]) -> dict[str, str]:
+    env = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.startswith("STATESNAP_"):
+            raise SystemExit(f"--env wants STATESNAP_NAME=VALUE, got {item!r}")
+        # The library parses plain integers; accept sizes like 64MiB for convenience.
+        if value and not value.isdigit() and re.fullmatch(r"[0-9.]+\s*[A-Za-z]+", value):
+            value = str(parse_size(value))
+        env[key] = value
+    return env
+
+
+def _needed_bytes(args: argparse.Namespace) -> int:
+    sizes = args.size or ([2 * GIB] if args.case != "many-small" else [200 * MIB])
+    return int(max(sizes) * 1.2) + GIB
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
+    env = _parse_env(args.env)
+    inherited = sorted(k for k in os.environ if k.startswith("STATESNAP_"))
+    if inherited:
+        _log(
+            f"note: the harness's own environment sets {', '.join(inherited)}; every worker "
+            "inherits them"
+        )
+    free = shutil.disk_usage(
+        args.dir if os.path.isdir(args.dir) else os.path.dirname(os.path.abspath(args.dir))
+    ).free
+    if free < _needed_bytes(args):
+        raise SystemExit(
+            f"{args.dir}: {fmt_size(free)} free, this case needs about "
+            f"{fmt_size(_needed_bytes(args))}"
+        )
+    runner = Runner(args.dir, args.timeout, {})
+    machine = machine_description(runner.run_dir)
+    commit = library_commit(REPO)
+
+    def on_term(signum: int, frame: Any) -> None:
+        raise SystemExit(f"stopped by signal {signum}")
+
+    previous = signal.signal(signal.SIGTERM, on_term)
+    started = time.time()
+    try:
+        rows, body = CASES[args.case](args, runner, env)
+    finally:
+        runner.close()
+        signal.signal(signal.SIGTERM, previous)
+    when = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
+    commit_after = library_commit(REPO)
+    if commit_after != commit:
+        commit = f"{commit} at the start, {commit_after} at the end (it changed during the run)"
+    argv_used = list(sys.argv[1:] if argv is None else argv)
+    header = [
+        f"### {args.case} — {when}, library commit {commit}",
+        "",
+        "Command: `python -m benchmarks.bench_io " + " ".join(argv_used) + "`",
+        "",
+        f"Reps: {args.reps} (rounds, methods interleaved; medians, with each round in "
+        f"parentheses); statesnap env: {env or 'library defaults'}; wall time "
+        f"{(time.time() - started) / 60:.1f} min.",
+        "",
+        "Machine:",
+        "",
+        *machine,
+    ]
+    print("\n".join(header + body))
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(
+                {
+                    "case": args.case,
+                    "date": when,
+                    "commit": commit,
+                    "argv": argv_used,
+                    "env": env,
+                    "machine": machine,
+                    "rows": [asdict(r) for r in rows],
+                },
+                f,
+                indent=1,
+            )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,425 @@
+"""The methods compared: how each one saves a generated state and loads it back.
+
+A :class:`Writer` saves ``state`` (group -> name -> tensor or object) under a directory of its
+own; a :class:`Reader` loads what a writer saved, either into preallocated targets (in place) or
+into tensors it allocates itself. Each call here is what the harness times; everything else
+(imports, generating the state, allocating targets, checking) happens outside the timed region.
+
+Writers: ``raw``, ``torch.save``, ``dcp``, ``safetensors``, ``torchsnapshot``, ``statesnap``.
+Readers: ``raw`` (readinto preallocated), ``raw fresh`` (readinto new tensors), ``torch.load``,
+``torch.load mmap`` (mmap'd, then ``copy_`` into preallocated targets, so every byte is read),
+``dcp`` (into preallocated), ``safetensors`` (``load_file``, whose tensors are mmap-backed and
+read lazily, then ``copy_`` into preallocated targets), ``torchsnapshot``
+(into preallocated), ``statesnap`` (in place), and ``statesnap get_manifest`` (``Snapshot(path)``
+plus ``get_manifest()``; the scaling case).
+
+Python objects go only to the methods that store them: statesnap, torchsnapshot, torch.save and
+DCP. ``raw`` stores tensor bytes only (the reader knows the layout from the spec) and
+safetensors stores tensors only (its metadata is str -> str).
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from benchmarks.common import (
+    CheckResult,
+    StateSpec,
+    check_restored,
+    flatten_state,
+    unflatten_state,
+    writable_buffer,
+)
+
+State = dict[str, dict[str, Any]]
+
+
+def _quiet() -> None:
+    """DCP warns that it runs without a process group; torchsnapshot about TypedStorage."""
+    warnings.filterwarnings("ignore", category=UserWarning)
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", category=DeprecationWarning)
+
+
+def _nothing() -> None:
+    return None
+
+
+@dataclass(frozen=True)
+class Writer:
+    """One way of saving a state.
+
+    ``self_fsync``: in the "fsync'd" mode the method makes its own files durable; otherwise the
+    harness fsyncs every file and directory it wrote, inside the timed region.
+    """
+
+    name: str
+    objects: bool
+    self_fsync: bool
+    save: Callable[[StateSpec, State, str, bool], None]
+    prepare: Callable[[], None] = _nothing
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class Reader:
+    """One way of loading what ``writer`` saved.
+
+    ``into_targets``: loads into preallocated, already-touched tensors (the worker allocates
+    them before the timed region); else the reader allocates what it returns.
+    """
+
+    name: str
+    writer: str
+    objects: bool
+    into_targets: bool
+    load: Callable[[StateSpec, str, State | None], Any]
+    prepare: Callable[[], None] = _nothing
+    verify: Callable[[StateSpec, Any, bool], CheckResult] = check_restored
+    note: str = ""
+
+
+# ---------------------------------------------------------------------------------------------
+# raw: the tensor bytes, one after another, in one file.
+
+
+def _raw_file(path: str) -> str:
+    return os.path.join(path, "raw.bin")
+
+
+def _raw_save(spec: StateSpec, state: State, path: str, fsync: bool) -> None:
+    with open(_raw_file(path), "wb") as f:
+        for t in spec.tensors:
+            f.write(writable_buffer(state[t.group][t.name]))
+
+
+def _readinto_full(f: Any, buf: memoryview, name: str) -> None:
+    pos = 0
+    while pos < len(buf):
+        n = f.readinto(buf[pos:])
+        if not n:
+            raise EOFError(f"{name}: file ended {len(buf) - pos} bytes short")
+        pos += n
+
+
+def _raw_load(spec: StateSpec, path: str, targets: State | None) -> State:
+    assert targets is not None
+    with open(_raw_file(path), "rb", buffering=0) as f:
+        for t in spec.tensors:
+            _readinto_full(f, writable_buffer(targets[t.group][t.name]), t.flat_key)
+    return targets
+
+
+def _raw_load_fresh(spec: StateSpec, path: str, targets: State | None) -> State:
+    out: State = {g: {} for g in spec.groups}
+    with open(_raw_file(path), "rb", buffering=0) as f:
+        for t in spec.tensors:
+            tensor = torch.empty(t.shape, dtype=t.dtype)
+            _readinto_full(f, writable_buffer(tensor), t.flat_key)
+            out[t.group][t.name] = tensor
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# torch.save / torch.load.
+
+
+def _pt_file(path: str) -> str:
+    return os.path.join(path, "state.pt")
+
+
+def _torch_save(spec: StateSpec, state: State, path: str, fsync: bool) -> None:
+    torch.save(flatten_state(state), _pt_file(path))
+
+
+def _torch_load(spec: StateSpec, path: str, targets: State | None) -> State:
+    return unflatten_state(torch.load(_pt_file(path), weights_only=True), spec)
+
+
+def _torch_load_mmap(spec: StateSpec, path: str, targets: State | None) -> State:
+    assert targets is not None
+    loaded = torch.load(_pt_file(path), mmap=True, weights_only=True)
+    for t in spec.tensors:
+        targets[t.group][t.name].copy_(loaded[t.flat_key])
+    for key, _value in spec.flat_objects().items():
+        group, _, name = key.partition(".")
+        targets[group][name] = loaded[key]
+    return targets
+
+
+# ---------------------------------------------------------------------------------------------
+# torch.distributed.checkpoint, single process, no process group.
+
+
+def _dcp_prepare() -> None:
+    _quiet()
+    import torch.distributed.checkpoint  # noqa: F401
+
+
+def _dcp_save(spec: StateSpec, state: State, path: str, fsync: bool) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(flatten_state(state), storage_writer=dcp.FileSystemWriter(path, sync_files=fsync))
+
+
+def _dcp_load(spec: StateSpec, path: str, targets: State | None) -> State:
+    import torch.distributed.checkpoint as dcp
+
+    assert targets is not None
+    flat = flatten_state(targets)
+    dcp.load(flat, checkpoint_id=path)
+    return unflatten_state(flat, spec)
+
+
+# ---------------------------------------------------------------------------------------------
+# safetensors.
+
+
+def _st_file(path: str) -> str:
+    return os.path.join(path, "state.safetensors")
+
+
+def _st_prepare() -> None:
+    import safetensors.torch  # noqa: F401
+
+
+def _st_save(spec: StateSpec, state: State, path: str, fsync: bool) -> None:
+    from safetensors.torch import save_file
+
+    save_file({t.flat_key: state[t.group][t.name] for t in spec.tensors}, _st_file(path))
+
+
+def _st_load(spec: StateSpec, path: str, targets: State | None) -> State:
+    from safetensors.torch import load_file
+
+    # load_file returns tensors backed by an mmap of the file (nothing is read until touched),
+    # so copy them into the targets, as load_state_dict would: every byte is read.
+    assert targets is not None
+    loaded = load_file(_st_file(path))
+    for t in spec.tensors:
+        targets[t.group][t.name].copy_(loaded[t.flat_key])
+    return targets
+
+
+# ---------------------------------------------------------------------------------------------
+# torchsnapshot 0.1.0.
+
+
+def _ts_prepare() -> None:
+    _quiet()
+    import torchsnapshot  # noqa: F401
+
+
+def _ts_path(path: str) -> str:
+    return os.path.join(path, "torchsnapshot")
+
+
+def _ts_save(spec: StateSpec, state: State, path: str, fsync: bool) -> None:
+    import torchsnapshot
+
+    app = {g: torchsnapshot.StateDict(**d) for g, d in state.items()}
+    torchsnapshot.Snapshot.take(path=_ts_path(path), app_state=app)
+
+
+def _ts_load(spec: StateSpec, path: str, targets: State | None) -> State:
+    import torchsnapshot
+
+    assert targets is not None
+    app = {g: torchsnapshot.StateDict(**d) for g, d in targets.items()}
+    torchsnapshot.Snapshot(path=_ts_path(path)).restore(app_state=app)
+    return {g: dict(app[g]) for g in app}
+
+
+# ---------------------------------------------------------------------------------------------
+# statesnap.
+
+
+def _ss_prepare() -> None:
+    import snapshot  # noqa: F401
+
+
+def statesnap_path(path: str) -> str:
+    return os.path.join(path, "statesnap")
+
+
+def _ss_save(spec: StateSpec, state: State, path: str, fsync: bool) -> None:
+    from snapshot import Snapshot, StateDict
+
+    app = {g: StateDict(d) for g, d in state.items()}
+    Snapshot.take(statesnap_path(path), app, storage_options=None if fsync else {"fsync": False})
+
+
+def _ss_load(spec: StateSpec, path: str, targets: State | None) -> State:
+    from snapshot import Snapshot, StateDict
+
+    assert targets is not None
+    app = {g: StateDict(d) for g, d in targets.items()}
+    Snapshot(statesnap_path(path)).restore(app)
+    return {g: dict(app[g].data) for g in app}
+
+
+def _ss_manifest(spec: StateSpec, path: str, targets: State | None) -> dict[str, Any]:
+    from snapshot import Snapshot
+
+    return Snapshot(statesnap_path(path)).get_manifest()
+
+
+def _ss_verify_manifest(spec: StateSpec, manifest: Any, with_objects: bool) -> CheckResult:
+    missing = [
+        key
+        for key in (
+            [f"0/{t.group}/{t.name}" for t in spec.tensors]
+            + [f"0/{g}/{k}" for g, objs in spec.objects.items() for k in objs]
+        )
+        if key not in manifest
+    ]
+    if missing:
+        return CheckResult(False, f"MISMATCH: {len(missing)} leaves missing, e.g. {missing[0]}")
+    return CheckResult(True, f"ok ({len(manifest)} entries, every leaf present)")
+
+
+# ---------------------------------------------------------------------------------------------
+# The tables.
+
+WRITERS: dict[str, Writer] = {
+    w.name: w
+    for w in (
+        Writer(
+            "raw",
+            objects=False,
+            self_fsync=False,
+            save=_raw_save,
+            note="tensor bytes in one file, one f.write(memoryview) per tensor",
+        ),
+        Writer(
+            "torch.save", objects=True, self_fsync=False, save=_torch_save, note="one flat dict"
+        ),
+        Writer(
+            "dcp",
+            objects=True,
+            self_fsync=True,
+            save=_dcp_save,
+            prepare=_dcp_prepare,
+            note="FileSystemWriter(sync_files=<mode>), thread_count=1 (default)",
+        ),
+        Writer(
+            "safetensors",
+            objects=False,
+            self_fsync=False,
+            save=_st_save,
+            prepare=_st_prepare,
+            note="save_file, tensors only",
+        ),
+        Writer(
+            "torchsnapshot",
+            objects=True,
+            self_fsync=False,
+            save=_ts_save,
+            prepare=_ts_prepare,
+            note="Snapshot.take; 0.1.0 never fsyncs",
+        ),
+        Writer(
+            "statesnap",
+            objects=True,
+            self_fsync=True,
+            save=_ss_save,
+            prepare=_ss_prepare,
+            note='Snapshot.take; storage_options={"fsync": False} in the page-cache mode',
+        ),
+    )
+}
+
+READERS: dict[str, Reader] = {
+    r.name: r
+    for r in (
+        Reader(
+            "raw",
+            "raw",
+            objects=False,
+            into_targets=True,
+            load=_raw_load,
+            note="readinto preallocated tensors",
+        ),
+        Reader(
+            "raw fresh",
+            "raw",
+            objects=False,
+            into_targets=False,
+            load=_raw_load_fresh,
+            note="readinto new torch.empty tensors",
+        ),
+        Reader(
+            "torch.load",
+            "torch.save",
+            objects=True,
+            into_targets=False,
+            load=_torch_load,
+            note="weights_only=True; new tensors",
+        ),
+        Reader(
+            "torch.load mmap",
+            "torch.save",
+            objects=True,
+            into_targets=True,
+            load=_torch_load_mmap,
+            note="mmap=True, then copy_ into preallocated targets (every byte read)",
+        ),
+        Reader(
+            "dcp",
+            "dcp",
+            objects=True,
+            into_targets=True,
+            load=_dcp_load,
+            prepare=_dcp_prepare,
+            note="dcp.load into preallocated targets",
+        ),
+        Reader(
+            "safetensors",
+            "safetensors",
+            objects=False,
+            into_targets=True,
+            load=_st_load,
+            prepare=_st_prepare,
+            note="load_file (mmap-backed tensors), then copy_ into preallocated targets",
+        ),
+        Reader(
+            "torchsnapshot",
+            "torchsnapshot",
+            objects=True,
+            into_targets=True,
+            load=_ts_load,
+            prepare=_ts_prepare,
+            note="restore into preallocated targets",
+        ),
+        Reader(
+            "statesnap",
+            "statesnap",
+            objects=True,
+            into_targets=True,
+            load=_ss_load,
+            prepare=_ss_prepare,
+            note="Snapshot(path) (reads the manifest) + restore, in place",
+        ),
+        Reader(
+            "statesnap get_manifest",
+            "statesnap",
+            objects=True,
+            into_targets=False,
+            load=_ss_manifest,
+            prepare=_ss_prepare,
+            verify=_ss_verify_manifest,
+            note="Snapshot(path) + get_manifest()",
+        ),
+    )
+}
+
+
+def readers_of(writer: str) -> list[str]:
+    """Readers that load what ``writer`` saved (without the manifest-only reader)."""
+    return [r.name for r in READERS.values() if r.writer == writer and "manifest" not in r.name]
