@@ -13,7 +13,7 @@ DictKey = str | int | bool | None
 FORMAT_VERSION = 1
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class Location:
     """A byte range of a blob: ``nbytes`` bytes starting at ``offset`` of blob ``blob``.
 
@@ -25,7 +25,7 @@ class Location:
     nbytes: int
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class Entry:
     """Base of every entry; ``type`` tags the kind in the manifest file."""
 
@@ -43,7 +43,7 @@ class Entry:
         return ()
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class TensorEntry(Entry):
     """A dense tensor, stored as its raw bytes in row-major (C) order.
 
@@ -64,7 +64,7 @@ class TensorEntry(Entry):
         return self.chunks
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class ObjectEntry(Entry):
     """A value serialized into a blob.
 
@@ -87,7 +87,7 @@ class ObjectEntry(Entry):
         return (self.location,)
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class PrimitiveEntry(Entry):
     """An int, float, str, bool, None or bytes value stored in the manifest itself."""
 
@@ -99,7 +99,7 @@ class PrimitiveEntry(Entry):
         return type(self.value).__name__ if self.value is not None else "None"
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class DictEntry(Entry):
     """A dict (or OrderedDict when ``ordered``); children live at ``<path>/<escaped key>``."""
 
@@ -108,7 +108,7 @@ class DictEntry(Entry):
     ordered: bool = False
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class ListEntry(Entry):
     """A list of ``length`` items; children live at ``<path>/0`` ... ``<path>/<length-1>``."""
 
@@ -116,7 +116,7 @@ class ListEntry(Entry):
     length: int
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class TupleEntry(Entry):
     """A tuple of ``length`` items; children live at ``<path>/0`` ...."""
 

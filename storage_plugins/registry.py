@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import sys
 from collections.abc import Callable
 from importlib.metadata import entry_points
 from typing import Any
@@ -52,11 +53,18 @@ def _load(target: str) -> Any:
     return getattr(importlib.import_module(module), attr)
 
 
+# Scanning entry points reads every installed distribution's metadata (milliseconds): done once
+# per process, again only when sys.path changes.
+_scanned: tuple[tuple[str, ...], dict[str, Any]] | None = None
+
+
 def _entry_point(protocol: str) -> PluginFactory | None:
-    for ep in entry_points(group=ENTRY_POINT_GROUP):
-        if ep.name == protocol:
-            return ep.load()
-    return None
+    global _scanned
+    key = tuple(sys.path)
+    if _scanned is None or _scanned[0] != key:
+        _scanned = (key, {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP)})
+    ep = _scanned[1].get(protocol)
+    return ep.load() if ep is not None else None
 
 
 def _fsspec_knows(protocol: str) -> bool:
