@@ -1,32 +1,125 @@
-"""Who takes part in a snapshot: this process alone, or the ranks of a process group."""
+"""Who takes part in a snapshot, and how they agree: this process alone, or a process group.
+
+The library's own coordination uses object collectives on a gloo group (the caller's group when
+it is gloo, else a gloo group over the same ranks, created once per group), so it never needs
+NCCL. Every collective carries each rank's outcome, so that a rank that failed still takes part
+and every rank learns of the failure: nobody waits for a rank that will never arrive.
+"""
 
 from __future__ import annotations
 
+import datetime
 from dataclasses import dataclass
 from typing import Any
 
 import torch.distributed as dist
 
-from snapshot.errors import SnapshotError
+from snapshot import knobs
+from snapshot.errors import RankFailedError
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """What one rank contributes to a collective: its result, or the error it met."""
+
+    value: Any = None
+    error: str | None = None  # "TypeName: message"
+
+
 class Coordinator:
-    """This process's rank among ``world_size`` participants."""
+    """This process's rank among ``world_size`` participants, and collectives among them.
+
+    The base class is the single-process case: every collective returns this rank's value.
+    """
 
     rank: int = 0
     world_size: int = 1
 
+    def all_gather(self, value: Any) -> list[Any]:
+        """Every rank's ``value``, indexed by rank."""
+        return [value]
+
+    def gather(self, value: Any) -> list[Any] | None:
+        """Every rank's ``value`` on rank 0 (None elsewhere)."""
+        return [value]
+
+    def agree(self, what: str, value: Any = None, error: BaseException | None = None) -> list[Any]:
+        """All-gathers each rank's outcome of step ``what``; raises on every rank if any failed.
+
+        Returns every rank's ``value`` when all succeeded.
+
+        Raises:
+            RankFailedError: naming each failed rank and its error (with this rank's own error
+                chained when it was one of them).
+        """
+        outcome = Outcome(
+            value=None if error else value,
+            error=None if error is None else f"{type(error).__name__}: {error}",
+        )
+        outcomes = self.all_gather(outcome)
+        failures = {r: o.error for r, o in enumerate(outcomes) if o.error is not None}
+        if failures:
+            if self.world_size == 1 and error is not None:
+                raise error
+            detail = "; ".join(f"rank {r}: {msg}" for r, msg in sorted(failures.items()))
+            raise RankFailedError(
+                f"{what} failed on rank(s) {sorted(failures)} of {self.world_size}: {detail}",
+                failures,
+            ) from error
+        return [o.value for o in outcomes]
+
+
+class GroupCoordinator(Coordinator):
+    """The ranks of a ``torch.distributed`` process group."""
+
+    def __init__(self, pg: Any | None) -> None:
+        self.pg = pg
+        self.rank = dist.get_rank(pg)
+        self.world_size = dist.get_world_size(pg)
+        self.group = _gloo_group(pg)
+
+    def all_gather(self, value: Any) -> list[Any]:
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, value, group=self.group)
+        return out
+
+    def gather(self, value: Any) -> list[Any] | None:
+        out: list[Any] | None = [None] * self.world_size if self.rank == 0 else None
+        dist.gather_object(value, out, dst=self._global_rank(0), group=self.group)
+        return out
+
+    def _global_rank(self, group_rank: int) -> int:
+        if self.group is None or self.group is dist.group.WORLD:
+            return group_rank
+        return dist.get_global_rank(self.group, group_rank)
+
+
+# Per caller group (by id, holding the group so the id stays its own), the gloo group the library
+# coordinates on.
+_gloo_groups: dict[int, tuple[Any, Any]] = {}
+
+
+def _gloo_group(pg: Any | None) -> Any:
+    group = pg if pg is not None else dist.group.WORLD
+    if dist.get_backend(group) == "gloo":
+        return group
+    cached = _gloo_groups.get(id(group))
+    if cached is None:
+        # A collective over the group's ranks: every rank is in take/restore, so all call it.
+        gloo = dist.new_group(
+            ranks=dist.get_process_group_ranks(group),
+            backend="gloo",
+            timeout=datetime.timedelta(seconds=knobs.collective_timeout_secs()),
+        )
+        cached = _gloo_groups[id(group)] = (group, gloo)
+    return cached[1]
+
 
 def resolve(pg: Any | None) -> Coordinator:
     """The participants for ``pg``: the default group when ``torch.distributed`` is initialized
-    and ``pg`` is None, else this process alone."""
+    and ``pg`` is None, else this process alone. A group of one rank is this process alone."""
     if pg is None and not (dist.is_available() and dist.is_initialized()):
         return Coordinator()
-    world_size = dist.get_world_size(pg)
-    if world_size == 1:
+    if dist.get_world_size(pg) == 1:
         return Coordinator()
-    raise SnapshotError(
-        f"snapshots across a process group of {world_size} ranks are not supported by this "
-        "version of statesnap; pass a group of one rank or call from a single process"
-    )
+    return GroupCoordinator(pg)

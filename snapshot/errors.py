@@ -58,3 +58,14 @@ class UnsupportedValueError(SnapshotError):
 
 class StorageError(SnapshotError):
     """The storage failed to write or read a blob; the original error is chained."""
+
+
+class RankFailedError(SnapshotError):
+    """A take or restore failed on one or more ranks of a process group; raised on every rank.
+
+    ``failures`` maps each failed rank to its error (``"TypeName: message"``).
+    """
+
+    def __init__(self, message: str, failures: dict[int, str]) -> None:
+        super().__init__(message)
+        self.failures = failures

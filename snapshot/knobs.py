@@ -85,3 +85,10 @@ def read_request_bytes() -> int:
     """Largest single read: merged ranges and pieces of one large tensor stop growing here
     (STATESNAP_READ_REQUEST_BYTES, default 32 MiB)."""
     return _env_int("READ_REQUEST_BYTES", 32 * _MIB, 1)
+
+
+def collective_timeout_secs() -> int:
+    """How long a rank waits in one of the library's own collectives for the others (on the gloo
+    group it creates when the caller's group is not gloo) before failing
+    (STATESNAP_COLLECTIVE_TIMEOUT_SECS, default 600)."""
+    return _env_int("COLLECTIVE_TIMEOUT_SECS", 600, 1)

@@ -36,10 +36,13 @@ from snapshot.planner import (
     Layout,
     Need,
     PrepareFunc,
+    TakePlan,
+    assign_writers,
     coalesce,
+    collect,
     is_dense_tensor,
+    place,
     plan_object_read,
-    plan_take,
     plan_tensor_read,
 )
 from snapshot.scheduler import (
@@ -138,14 +141,21 @@ def _describe(plugin: StoragePlugin) -> str:
 
 
 class TakeJob:
-    """One take, in two halves.
+    """One take.
 
     ``start`` runs on the caller's thread: it captures every value (state_dict calls, planning,
-    staging) and queues the writes; when it returns, later changes to the application's tensors
-    cannot reach the snapshot if ``copy_tensors`` was set (async take), and the caller must not
-    change them until ``complete`` is done otherwise (sync take). ``complete`` runs on the I/O loop:
-    it waits for the writes, commits the manifest, and closes the storage. Either half cleans up
-    after itself when it fails: nothing is committed and the planned blobs are deleted.
+    staging) and queues the writes. When it returns, later changes to the application's tensors
+    cannot reach the snapshot if ``copy_tensors`` was set (async take); otherwise the caller must
+    not change them until the take is done.
+
+    Then either ``finish`` (caller's thread; any number of ranks) or ``complete`` (on the I/O
+    loop; one process, for async take) waits for the writes and commits the manifest.
+
+    Across ranks, three agreement points carry each rank's outcome (``Coordinator.agree``):
+    after capture (rank 0's path, existence check and layout; every rank's replicated entries),
+    after writing, and after rank 0's commit. A rank that fails still reaches the next point, so
+    every rank raises the same error and none waits for a rank that will not come. Whatever
+    fails, nothing is committed and each rank deletes what it wrote.
     """
 
     def __init__(
@@ -165,61 +175,126 @@ class TakeJob:
         self.path = path
         self.app_state = app_state
         self.coordinator = coordinator
-        self.replicated = replicated
+        # A module wrapped in DistributedDataParallel is the same on every rank.
+        self.replicated = list(replicated) + [
+            f"{escape_key(k)}/**"
+            for k, v in app_state.items()
+            if isinstance(v, torch.nn.parallel.DistributedDataParallel)
+        ]
         self.storage_options = storage_options
         self.prepare = prepare
         self.copy_tensors = copy_tensors
+        self.plugin: StoragePlugin | None = None
+        self.where = path
+        self.plan: TakePlan | None = None
+        self.pipeline: WritePipeline | None = None
+        self._error: BaseException | None = None  # met while staging, reported when agreeing
+        self._marker = False  # whether this rank wrote the pending marker
         self._times: dict[str, float] = {}
+
+    # -- capture ----------------------------------------------------------------------------
 
     def start(self) -> None:
         with _gc_paused():
             self._start()
 
     def _start(self) -> None:
+        coord = self.coordinator
         t0 = self._times["start"] = time.perf_counter()
-        states = [
-            (k, _state_dict(k, self.app_state[k], self.path)) for k in _ordered_keys(self.app_state)
-        ]
-        self.plan = plan_take(
-            ((escape_key(k), sd) for k, sd in states),
-            rank=self.coordinator.rank,
-            prepare=self.prepare,
-            replicated=self.replicated,
-            inline_max_bytes=knobs.inline_max_bytes(),
-            layout=Layout(
-                chunk_bytes=knobs.chunk_bytes(),
-                slab_threshold_bytes=knobs.slab_threshold_bytes(),
-                # A slab is staged whole: keep it to a quarter of the budget.
-                slab_bytes=max(1, min(knobs.slab_bytes(), knobs.memory_budget_bytes() // 4)),
-            ),
-            copy_tensors=self.copy_tensors,
-        )
-        self._times["plan"] = time.perf_counter() - t0
-        self.plugin = open_plugin(self.path, self.storage_options)
-        self.where = _describe(self.plugin)
+        info = error = None
         try:
-            run(self._begin())
+            info = self._capture()
+        except Exception as e:
+            error = e
+        try:
+            infos = coord.agree("take", info, error)
+            path, layout, writers = self._agree_layout(infos)
+        except BaseException:
+            self._close_after_failure()
+            raise
+        self._times["plan"] = time.perf_counter() - t0
+        self.plan = place(self.collected, rank=coord.rank, layout=layout, writer_of=writers)
+        try:
+            if self.plugin is None:
+                self.path = path  # rank 0's path wins
+                self.plugin = open_plugin(path, self.storage_options)
+                self.where = _describe(self.plugin)
             self.pipeline = WritePipeline(
                 self.plugin,
                 budget_bytes=knobs.memory_budget_bytes(),
                 max_concurrency=knobs.max_concurrent_io(),
                 batch_bytes=knobs.write_batch_bytes(),
             )
-        except BaseException:
-            run(self.plugin.close())
-            raise
-        try:
             for request in self.plan.writes:
                 self.pipeline.submit(request)
             self.pipeline.flush()
-        except BaseException as e:
-            self.pipeline.abort(e)
-            run(self._cleanup())
-            raise
+        except Exception as e:
+            if self.pipeline is not None:
+                self.pipeline.abort(e)
+            if coord.world_size == 1:
+                self._close_after_failure()
+                raise
+            self._error = e  # the others learn of it at the next agreement
         self._times["staged"] = time.perf_counter() - t0
+
+    def _capture(self) -> dict[str, Any]:
+        """This rank's part before the first agreement: state dicts, entries, payloads; on rank
+        0 also the existence check and the pending marker."""
+        coord = self.coordinator
+        states = [
+            (k, _state_dict(k, self.app_state[k], self.path)) for k in _ordered_keys(self.app_state)
+        ]
+        layout = Layout(
+            chunk_bytes=knobs.chunk_bytes(),
+            slab_threshold_bytes=knobs.slab_threshold_bytes(),
+            # A slab is staged whole: keep it to a quarter of the budget.
+            slab_bytes=max(1, min(knobs.slab_bytes(), knobs.memory_budget_bytes() // 4)),
+        )
+        self.collected = collect(
+            ((escape_key(k), sd) for k, sd in states),
+            rank=coord.rank,
+            prepare=self.prepare,
+            replicated=self.replicated,
+            inline_max_bytes=knobs.inline_max_bytes(),
+            chunk_bytes=layout.chunk_bytes,
+            copy_tensors=self.copy_tensors,
+        )
+        if coord.rank == 0:
+            self.plugin = open_plugin(self.path, self.storage_options)
+            self.where = _describe(self.plugin)
+            run(self._begin())
+        return {
+            "path": self.path,
+            "layout": layout,
+            "signature": self.collected.replicated_signature(),
+            "local_bytes": self.collected.local_bytes(),
+        }
+
+    def _agree_layout(
+        self, infos: list[dict[str, Any]]
+    ) -> tuple[str, Layout, dict[tuple[str, int], int]]:
+        """Rank 0's path and layout; who writes each replicated payload. Every rank computes
+        the same answer from the same gathered facts, so checks fail on all ranks alike."""
+        first = infos[0]
+        for rank, info in enumerate(infos[1:], start=1):
+            if info["layout"] != first["layout"]:
+                raise SnapshotError(
+                    f"snapshot {first['path']}: rank {rank} has layout settings "
+                    f"{info['layout']} but rank 0 has {first['layout']}; set the same "
+                    "STATESNAP_CHUNK_BYTES / STATESNAP_SLAB_* / memory budget on every rank"
+                )
+            if info["signature"] != first["signature"]:
+                raise SnapshotError(
+                    f"snapshot {first['path']}: replicated entries differ between rank 0 and "
+                    f"rank {rank}: {_first_difference(first['signature'], info['signature'])}; "
+                    "values marked replicated must have the same dtype and shape on every rank"
+                )
+        writers = assign_writers(first["signature"], [i["local_bytes"] for i in infos])
+        return first["path"], first["layout"], writers
 
     async def _begin(self) -> None:
         plugin, where = self.plugin, self.where
+        assert plugin is not None
         if await call(plugin, "check", MANIFEST_NAME, where, plugin.exists(MANIFEST_NAME)):
             raise SnapshotExistsError(
                 f"{where} already holds a snapshot; take a new one at another path, "
@@ -227,13 +302,104 @@ class TakeJob:
             )
         marker = f"pid {os.getpid()} started {time.time():.3f}\n".encode()
         await call(plugin, "write", PENDING_NAME, where, plugin.write(PENDING_NAME, [marker]))
+        self._marker = True
+
+    # -- writing and commit -----------------------------------------------------------------
+
+    def finish(self) -> Manifest | None:
+        """Waits for this rank's writes, agrees with the others, and commits (rank 0).
+
+        Returns the committed manifest on rank 0, None on the other ranks (which read it from
+        storage when they need it).
+        """
+        coord = self.coordinator
+        assert self.plan is not None
+        stats = None
+        error = self._error
+        if error is None and self.pipeline is not None:
+            try:
+                stats = run(self.pipeline.wait())
+            except Exception as e:
+                error = e
+        elif self.pipeline is not None:
+            run(self.pipeline.wait_quietly())
+        t_written = time.perf_counter()
+        try:
+            coord.agree("take: writing", error=error)
+            with _gc_paused():
+                parts = coord.gather(self.plan.entries)
+        except BaseException:
+            self._close_after_failure()
+            raise
+        result = error = None
+        if parts is not None:  # rank 0: write the manifest of every rank's entries
+            try:
+                with _gc_paused():
+                    result = self._manifest(parts)
+                    data = mf.dumps(result)
+                run(_commit(self.plugin, data))
+            except Exception as e:
+                error = e
+        try:
+            coord.agree("take: commit", error=error)
+        except BaseException:
+            self._close_after_failure()
+            raise
+        run(self.plugin.close())
+        assert stats is not None
+        self._log(stats, t_written, len(result.entries) if result else len(self.plan.entries))
+        return result
+
+    async def complete(self) -> Manifest:
+        """``finish`` for one process, on the I/O loop (no collectives: async take)."""
+        assert self.pipeline is not None and self.plan is not None and self.plugin is not None
+        try:
+            if self._error is not None:
+                raise self._error
+            stats = await self.pipeline.wait()
+            t_written = time.perf_counter()
+            with _gc_paused():
+                result = self._manifest([self.plan.entries])
+                data = mf.dumps(result)
+            await _commit(self.plugin, data)
+        except BaseException:
+            await self._cleanup()
+            raise
+        await self.plugin.close()
+        self._log(stats, t_written, len(result.entries))
+        return result
+
+    def _manifest(self, parts: Sequence[Mapping[str, Entry]]) -> Manifest:
+        entries: dict[str, Entry] = {}
+        for part in parts:
+            entries.update(part)
+        return Manifest(
+            world_size=self.coordinator.world_size,
+            entries=entries,
+            metadata={
+                "library": f"statesnap {LIBRARY_VERSION}",
+                "torch": str(torch.__version__),
+                "created_unix": round(time.time(), 3),
+            },
+        )
+
+    # -- failure ----------------------------------------------------------------------------
+
+    def _close_after_failure(self) -> None:
+        if self.plugin is not None:
+            run(self._cleanup())
 
     async def _cleanup(self) -> None:
-        """After a failure: best effort removal of what this take wrote, then storage closed."""
+        """After a failure: best effort removal of what this rank wrote, then storage closed."""
+        plugin = self.plugin
+        assert plugin is not None
+        blobs = [w.blob for w in self.plan.writes] if self.plan is not None else []
+        if self._marker:
+            blobs.append(PENDING_NAME)
         try:
-            for blob in [w.blob for w in self.plan.writes] + [PENDING_NAME]:
+            for blob in blobs:
                 try:
-                    await self.plugin.delete(blob)
+                    await plugin.delete(blob)
                 except FileNotFoundError:
                     pass
         except Exception:
@@ -241,38 +407,17 @@ class TakeJob:
                 "could not remove the blobs of a failed take at %s", self.where, exc_info=True
             )
         finally:
-            await self.plugin.close()
+            await plugin.close()
 
-    async def complete(self) -> Manifest:
-        try:
-            stats = await self.pipeline.wait()
-            t_written = time.perf_counter()
-            result = Manifest(
-                world_size=self.coordinator.world_size,
-                entries=self.plan.entries,
-                metadata={
-                    "library": f"statesnap {LIBRARY_VERSION}",
-                    "torch": str(torch.__version__),
-                    "created_unix": round(time.time(), 3),
-                },
-            )
-            with _gc_paused():
-                data = mf.dumps(result)
-            await _commit(self.plugin, data)
-        except BaseException:
-            await self._cleanup()
-            raise
-        await self.plugin.close()
-        self._log(stats, t_written)
-        return result
-
-    def _log(self, stats: IOStats, t_written: float) -> None:
+    def _log(self, stats: IOStats, t_written: float, entries: int) -> None:
         t0 = self._times["start"]
         total = time.perf_counter() - t0
         logger.info(
-            "took snapshot %s: %d entries, %d blobs, %.1f MB in %.3f s (%.2f GB/s)",
+            "took snapshot %s (rank %d of %d): %d entries, %d blobs, %.1f MB in %.3f s (%.2f GB/s)",
             self.where,
-            len(self.plan.entries),
+            self.coordinator.rank,
+            self.coordinator.world_size,
+            entries,
             stats.blobs,
             stats.nbytes / 1e6,
             total,
@@ -291,11 +436,21 @@ class TakeJob:
         )
 
 
-def take(path: str, app_state: Mapping[str, Any], **options: Any) -> Manifest:
-    """Writes every blob of ``app_state``, then commits the manifest. Returns the manifest."""
+def _first_difference(a: Sequence[Any], b: Sequence[Any]) -> str:
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            return f"{x[0]} is {x[3]} ({x[2]} bytes) on rank 0 but {y[0]} is {y[3]} ({y[2]} bytes)"
+    longer, which = (a, "rank 0") if len(a) > len(b) else (b, "the other rank")
+    extra = longer[min(len(a), len(b))]
+    return f"{extra[0]} is replicated on {which} only"
+
+
+def take(path: str, app_state: Mapping[str, Any], **options: Any) -> tuple[str, Manifest | None]:
+    """Writes every blob of ``app_state``, then commits the manifest. Returns the path used
+    (rank 0's) and, on rank 0, the manifest."""
     job = TakeJob(path, app_state, copy_tensors=False, **options)
     job.start()
-    return run(job.complete())
+    return job.path, job.finish()
 
 
 async def _commit(plugin: StoragePlugin, manifest_bytes: bytes) -> None:
@@ -433,9 +588,24 @@ def restore(
     coordinator: Coordinator,
     storage_options: dict[str, Any] | None,
 ) -> None:
-    """Loads each app_state value's entries in place, then calls its ``load_state_dict``."""
-    with _gc_paused():
-        _restore(manifest, app_state, path, coordinator, storage_options)
+    """Loads each app_state value's entries in place, then calls its ``load_state_dict``.
+
+    Each rank restores independently; the ranks then agree, so that when one fails every rank
+    raises (naming it) rather than some carrying on with a half-restored group.
+    """
+    error = None
+    try:
+        with _gc_paused():
+            _restore(manifest, app_state, path, coordinator, storage_options)
+    except Exception as e:
+        error = e
+    coordinator.agree("restore", error=error)
+
+
+def _namespace(manifest: Manifest, rank: int) -> str:
+    """The rank whose entries ``rank`` restores: its own, or rank 0's for a rank the snapshot
+    did not have (a larger world), which may then use replicated entries only."""
+    return f"{rank if rank < manifest.world_size else 0}/"
 
 
 def _restore(
@@ -448,7 +618,7 @@ def _restore(
     check_app_state(app_state, path)
     t0 = time.perf_counter()
     entries = manifest.entries
-    rank_prefix = f"{coordinator.rank}/"
+    rank_prefix = _namespace(manifest, coordinator.rank)
     keys = _ordered_keys(app_state)
     roots = {k: rank_prefix + escape_key(k) for k in keys}
     missing = [k for k in keys if roots[k] not in entries]
@@ -459,6 +629,16 @@ def _restore(
         raise StateMismatchError(
             f"snapshot {path} has no app_state key(s) {missing}; it holds {available}"
         )
+    if rank_prefix != f"{coordinator.rank}/":
+        for key in keys:
+            for p in subtree(entries, roots[key]):
+                entry = entries.get(p)
+                if entry is not None and not mf.is_container(entry) and not entry.replicated:
+                    raise StateMismatchError(
+                        f"snapshot {path} was taken by {manifest.world_size} ranks; rank "
+                        f"{coordinator.rank} has no state of its own there, and {p} is rank 0's "
+                        "own (not replicated), so it cannot be restored on another rank"
+                    )
     budget = knobs.memory_budget_bytes()
     loader = _Loader(entries, tile_bytes=_tile_bytes(budget), where=path)
     for key in keys:

@@ -17,7 +17,7 @@ import fnmatch
 import functools
 import logging
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from operator import attrgetter
 from typing import Any
@@ -91,16 +91,296 @@ class Layout:
     slab_bytes: int
 
 
+@dataclass(slots=True, eq=False)
+class Payload:
+    """Bytes that need a place in a blob: a tensor chunk, or an object's serialized bytes.
+
+    ``logical`` and ``index`` (the chunk's position in its tensor) identify a replicated payload
+    across ranks; ``stage`` gives its buffers on the caller's thread, allocating
+    ``staging_bytes``."""
+
+    logical: str
+    index: int
+    nbytes: int
+    staging_bytes: int
+    stage: Callable[[], Staged]
+    label: str
+    replicated: bool
+    source: _TensorSource | None = None
+    location: Location | None = None
+
+
+@dataclass(slots=True)
+class _TensorDraft:
+    dtype: str
+    shape: tuple[int, ...]
+    payloads: list[Payload]
+    replicated: bool
+
+    def build(self) -> TensorEntry:
+        chunks = tuple(p.location for p in self.payloads)  # type: ignore[misc]
+        return TensorEntry(
+            dtype=self.dtype, shape=self.shape, chunks=chunks, replicated=self.replicated
+        )
+
+
+@dataclass(slots=True)
+class _ObjectDraft:
+    serializer: str
+    obj_type: str
+    payload: Payload
+    replicated: bool
+
+    def build(self) -> ObjectEntry:
+        assert self.payload.location is not None
+        return ObjectEntry(
+            serializer=self.serializer,
+            obj_type=self.obj_type,
+            location=self.payload.location,
+            replicated=self.replicated,
+        )
+
+
+@dataclass
+class Collected:
+    """A rank's state, flattened: entries (or drafts awaiting their payloads' locations) in
+    flatten order, and every payload, in the same order."""
+
+    entries: dict[str, Entry | _TensorDraft | _ObjectDraft] = field(default_factory=dict)
+    payloads: list[Payload] = field(default_factory=list)
+
+    def replicated_signature(self) -> list[tuple[str, int, int, str]]:
+        """(logical path, chunk index, bytes, kind) of each replicated payload, in order: what
+        every rank must agree on for replicated entries to be written once."""
+        return [
+            (p.logical, p.index, p.nbytes, _kind(self.entries, p))
+            for p in self.payloads
+            if p.replicated
+        ]
+
+    def local_bytes(self) -> int:
+        return sum(p.nbytes for p in self.payloads if not p.replicated)
+
+
+def _kind(entries: dict[str, Any], payload: Payload) -> str:
+    draft = entries.get(payload.label)
+    if isinstance(draft, _TensorDraft):
+        return f"{draft.dtype}{list(draft.shape)}"
+    return "object"
+
+
 @dataclass
 class TakePlan:
-    """Entries for the manifest (in flatten order) and the writes that fill their blobs."""
+    """Entries for the manifest (in flatten order) and the writes this rank performs."""
 
     entries: dict[str, Entry] = field(default_factory=dict)
     writes: list[WriteRequest] = field(default_factory=list)
 
-    @property
-    def nbytes(self) -> int:
-        return sum(w.nbytes for w in self.writes)
+
+class _Collector:
+    """Flattens state dicts into entries and payloads (no placement yet)."""
+
+    def __init__(
+        self,
+        rank: int,
+        prepare: PrepareFunc | None,
+        replicated: Sequence[str],
+        inline_max_bytes: int,
+        copy_tensors: bool,
+        chunk_bytes: int,
+    ) -> None:
+        self.rank = rank
+        self.prepare = prepare
+        self.replicated = tuple(replicated)
+        self.inline_max = inline_max_bytes
+        self.copy_tensors = copy_tensors
+        self.chunk_bytes = chunk_bytes
+        self.out = Collected()
+        self._written: dict[tuple[Any, ...], _TensorDraft] = {}
+
+    def _is_replicated(self, logical: str) -> bool:
+        return any(fnmatch.fnmatchcase(logical, g) for g in self.replicated)
+
+    def add(self, key_path: str, state: Any) -> None:
+        rank_prefix = f"{self.rank}/"
+        entries = self.out.entries
+        cut = len(rank_prefix)
+        check = bool(self.replicated)
+        for path, node, value in flatten(state, rank_prefix + key_path):
+            replicated = check and self._is_replicated(path[cut:])
+            if node is None:
+                entries[path] = self._leaf(path, path[cut:], value, replicated)
+            elif replicated:
+                entries[path] = dataclasses.replace(node, replicated=True)
+            else:
+                entries[path] = node
+
+    def _payload(
+        self,
+        logical: str,
+        index: int,
+        nbytes: int,
+        staging: int,
+        stage: Callable[[], Staged],
+        label: str,
+        replicated: bool,
+        source: _TensorSource | None = None,
+    ) -> Payload:
+        payload = Payload(
+            logical=logical,
+            index=index,
+            nbytes=nbytes,
+            staging_bytes=staging,
+            stage=stage,
+            label=label,
+            replicated=replicated,
+            source=source,
+        )
+        self.out.payloads.append(payload)
+        return payload
+
+    def _leaf(
+        self, path: str, logical: str, value: Any, replicated: bool
+    ) -> Entry | _TensorDraft | _ObjectDraft:
+        if isinstance(value, torch.Tensor) and is_dense_tensor(value):
+            return self._tensor(path, logical, value, replicated)
+        kind = type(value)
+        if kind in _INLINE_TYPES:
+            return PrimitiveEntry(value=value, replicated=replicated)
+        if kind is str:
+            try:
+                data = value.encode("utf-8")
+            except UnicodeEncodeError:  # lone surrogates: only pickle keeps them
+                return self._object(path, logical, value, replicated)
+            if len(data) <= self.inline_max:
+                return PrimitiveEntry(value=value, replicated=replicated)
+            return self._bytes_draft(path, logical, "utf8", "str", data, replicated)
+        if kind is bytes:
+            if len(value) <= self.inline_max:
+                return PrimitiveEntry(value=value, replicated=replicated)
+            return self._bytes_draft(path, logical, "bytes", "bytes", value, replicated)
+        return self._object(path, logical, value, replicated)
+
+    def _object(self, path: str, logical: str, value: Any, replicated: bool) -> _ObjectDraft:
+        try:
+            data = encode_object(value)
+        except Exception as e:
+            raise UnsupportedValueError(
+                f"{path}: cannot serialize a {_type_name(value)}: {type(e).__name__}: {e}"
+            ) from e
+        try:
+            decode_object(data, path)
+        except SnapshotError as e:
+            # Found out now rather than at restore time, perhaps months later.
+            logger.warning(
+                "%s: a %s will need an explicit opt-in to restore: %s", path, _type_name(value), e
+            )
+        return self._bytes_draft(path, logical, "torch_save", _type_name(value), data, replicated)
+
+    def _bytes_draft(
+        self, path: str, logical: str, serializer: str, obj_type: str, data: bytes, replicated: bool
+    ) -> _ObjectDraft:
+        payload = self._payload(logical, 0, len(data), 0, lambda: ([data], None), path, replicated)
+        return _ObjectDraft(
+            serializer=serializer, obj_type=obj_type, payload=payload, replicated=replicated
+        )
+
+    def _tensor(
+        self, path: str, logical: str, tensor: torch.Tensor, replicated: bool
+    ) -> Entry | _TensorDraft:
+        if tensor.is_meta:
+            raise UnsupportedValueError(
+                f"{path}: tensor is on the meta device and holds no data to snapshot"
+            )
+        prepare = self.prepare
+        if prepare is not None:
+            traced = _call_prepare(prepare, path, logical, tensor, tracing=True)
+            dtype, shape = traced.dtype, tuple(traced.shape)
+            del traced
+        else:
+            dtype, shape = tensor.dtype, tuple(tensor.shape)
+        name = dtype_name(dtype)
+        itemsize = dtype.itemsize
+        numel = math.prod(shape)
+        if numel == 0:
+            return TensorEntry(dtype=name, shape=shape, chunks=(), replicated=replicated)
+        # The same memory under two paths (tied weights) is written once.
+        key = None
+        if prepare is None:
+            key = (tensor.data_ptr(), tensor.get_device(), dtype, shape, tensor.stride())
+            earlier = self._written.get(key)
+            if earlier is not None and earlier.replicated == replicated:
+                return _TensorDraft(
+                    dtype=name, shape=shape, payloads=earlier.payloads, replicated=replicated
+                )
+        per_chunk = max(1, self.chunk_bytes // itemsize)
+        if numel <= per_chunk:
+            bounds: Sequence[tuple[int, int]] = ((0, numel),)
+        else:
+            bounds = [(e, min(numel, e + per_chunk)) for e in range(0, numel, per_chunk)]
+        zero_copy = (
+            key is not None
+            and not self.copy_tensors
+            and tensor.is_cpu
+            and tensor.is_contiguous()
+            and not tensor.is_conj()
+            and not tensor.is_neg()
+        )
+        if zero_copy:
+            # The common case, kept lean: each piece is a view of the tensor's own memory.
+            payloads = [
+                self._payload(
+                    logical,
+                    i,
+                    (stop - start) * itemsize,
+                    0,
+                    _view_stager(tensor, start * itemsize, (stop - start) * itemsize),
+                    path,
+                    replicated,
+                )
+                for i, (start, stop) in enumerate(bounds)
+            ]
+        else:
+            source = _TensorSource(path, logical, tensor, prepare, dtype, shape, self.copy_tensors)
+            payloads = [
+                self._payload(
+                    logical,
+                    i,
+                    (stop - start) * itemsize,
+                    (stop - start) * itemsize,
+                    functools.partial(source.piece, start, stop),
+                    path,
+                    replicated,
+                    source,
+                )
+                for i, (start, stop) in enumerate(bounds)
+            ]
+        draft = _TensorDraft(dtype=name, shape=shape, payloads=payloads, replicated=replicated)
+        if key is not None:
+            self._written[key] = draft
+        return draft
+
+
+def collect(
+    states: Iterable[tuple[str, Any]],
+    *,
+    rank: int,
+    prepare: PrepareFunc | None,
+    replicated: Sequence[str],
+    inline_max_bytes: int,
+    chunk_bytes: int,
+    copy_tensors: bool = False,
+) -> Collected:
+    """Flattens ``(key_path, state_dict)`` pairs of process ``rank`` into entries and payloads.
+
+    Manifest paths are ``"<rank>/<key_path>/..."``; ``prepare`` and the ``replicated`` globs see
+    the logical path without the rank. With ``copy_tensors``, staging copies every tensor that
+    would otherwise be written from the application's own memory.
+    """
+    collector = _Collector(rank, prepare, replicated, inline_max_bytes, copy_tensors, chunk_bytes)
+    for key_path, state in states:
+        collector.add(key_path, state)
+    return collector.out
 
 
 @dataclass
@@ -125,61 +405,56 @@ class _Slab:
         return f"{self.labels[0]}{more} (slab {self.blob})"
 
 
-class _TakePlanner:
-    def __init__(
-        self,
-        rank: int,
-        prepare: PrepareFunc | None,
-        replicated: Sequence[str],
-        inline_max_bytes: int,
-        copy_tensors: bool,
-        layout: Layout,
-    ) -> None:
-        self.rank = rank
-        self.prepare = prepare
-        self.replicated = tuple(replicated)
-        self.inline_max = inline_max_bytes
-        self.copy_tensors = copy_tensors
+class _Placer:
+    """Gives payloads their blobs under one name prefix; collects the writes when ``mine``."""
+
+    def __init__(self, prefix: str, layout: Layout, mine: bool) -> None:
+        self.prefix = prefix
         self.layout = layout
-        self.plan = TakePlan()
-        self._next_blob = 0
+        self.mine = mine
+        self.writes: list[WriteRequest] = []
+        self._next = 0
         self._slab: _Slab | None = None
-        self._written: dict[tuple[Any, ...], tuple[Location, ...]] = {}
 
     def _blob(self, kind: str = "") -> str:
-        name = f"{self.rank}/{kind}{self._next_blob}"
-        self._next_blob += 1
+        name = f"{self.prefix}{kind}{self._next}"
+        self._next += 1
         return name
 
-    def _place(
-        self, nbytes: int, staging_bytes: int, stage: Callable[[], Staged], label: str
-    ) -> Location:
-        """Gives a payload its place: in the open slab when small, else in a blob of its own."""
-        if nbytes <= self.layout.slab_threshold_bytes:
+    def place(self, p: Payload) -> None:
+        """In the open slab when small, else in a blob of its own."""
+        if p.nbytes <= self.layout.slab_threshold_bytes:
             slab = self._slab
-            if slab is not None and slab.nbytes + nbytes > self.layout.slab_bytes:
-                self._close_slab()
+            if slab is not None and slab.nbytes + p.nbytes > self.layout.slab_bytes:
+                self.close()
                 slab = None
             if slab is None:
                 slab = self._slab = _Slab(blob=self._blob("s"))
-            location = Location(blob=slab.blob, offset=slab.nbytes, nbytes=nbytes)
-            slab.stages.append(stage)
-            slab.labels.append(label)
-            slab.nbytes += nbytes
-            slab.staging_bytes += staging_bytes
-            return location
-        blob = self._blob()
-        self.plan.writes.append(
-            WriteRequest(
-                blob=blob, nbytes=nbytes, staging_bytes=staging_bytes, stage=stage, label=label
-            )
-        )
-        return Location(blob=blob, offset=0, nbytes=nbytes)
+            p.location = Location(blob=slab.blob, offset=slab.nbytes, nbytes=p.nbytes)
+            slab.stages.append(p.stage)
+            slab.labels.append(p.label)
+            slab.nbytes += p.nbytes
+            slab.staging_bytes += p.staging_bytes
+        else:
+            blob = self._blob()
+            p.location = Location(blob=blob, offset=0, nbytes=p.nbytes)
+            if self.mine:
+                self.writes.append(
+                    WriteRequest(
+                        blob=blob,
+                        nbytes=p.nbytes,
+                        staging_bytes=p.staging_bytes,
+                        stage=p.stage,
+                        label=p.label,
+                    )
+                )
+        if self.mine and p.source is not None:
+            p.source.remaining += 1
 
-    def _close_slab(self) -> None:
+    def close(self) -> None:
         slab, self._slab = self._slab, None
-        if slab is not None and slab.stages:
-            self.plan.writes.append(
+        if slab is not None and slab.stages and self.mine:
+            self.writes.append(
                 WriteRequest(
                     blob=slab.blob,
                     nbytes=slab.nbytes,
@@ -189,127 +464,55 @@ class _TakePlanner:
                 )
             )
 
-    def _is_replicated(self, logical: str) -> bool:
-        return any(fnmatch.fnmatchcase(logical, g) for g in self.replicated)
 
-    def add(self, key_path: str, state: Any) -> None:
-        rank_prefix = f"{self.rank}/"
-        entries = self.plan.entries
-        cut = len(rank_prefix)
-        for path, node, value in flatten(state, rank_prefix + key_path):
-            entry = node if node is not None else self._leaf(path, path[cut:], value)
-            if self.replicated and self._is_replicated(path[cut:]):
-                entry = dataclasses.replace(entry, replicated=True)
-            entries[path] = entry
+def place(
+    collected: Collected, *, rank: int, layout: Layout, writer_of: Mapping[tuple[str, int], int]
+) -> TakePlan:
+    """Places every payload and builds the entries; the writes are the ones ``rank`` performs.
 
-    def finish(self) -> TakePlan:
-        self._close_slab()
-        return self.plan
-
-    def _leaf(self, path: str, logical: str, value: Any) -> Entry:
-        if isinstance(value, torch.Tensor) and is_dense_tensor(value):
-            return self._tensor(path, logical, value)
-        kind = type(value)
-        if kind in _INLINE_TYPES:
-            return PrimitiveEntry(value=value)
-        if kind is str:
-            try:
-                data = value.encode("utf-8")
-            except UnicodeEncodeError:  # lone surrogates: only pickle keeps them
-                return self._object(path, value)
-            if len(data) <= self.inline_max:
-                return PrimitiveEntry(value=value)
-            return self._bytes_entry(path, "utf8", "str", data)
-        if kind is bytes:
-            if len(value) <= self.inline_max:
-                return PrimitiveEntry(value=value)
-            return self._bytes_entry(path, "bytes", "bytes", value)
-        return self._object(path, value)
-
-    def _object(self, path: str, value: Any) -> Entry:
-        try:
-            data = encode_object(value)
-        except Exception as e:
-            raise UnsupportedValueError(
-                f"{path}: cannot serialize a {_type_name(value)}: {type(e).__name__}: {e}"
-            ) from e
-        try:
-            decode_object(data, path)
-        except SnapshotError as e:
-            # Found out now rather than at restore time, perhaps months later.
-            logger.warning(
-                "%s: a %s will need an explicit opt-in to restore: %s", path, _type_name(value), e
-            )
-        return self._bytes_entry(path, "torch_save", _type_name(value), data)
-
-    def _bytes_entry(self, path: str, serializer: str, obj_type: str, data: bytes) -> ObjectEntry:
-        location = self._place(len(data), 0, lambda: ([data], None), path)
-        return ObjectEntry(serializer=serializer, obj_type=obj_type, location=location)
-
-    def _tensor(self, path: str, logical: str, tensor: torch.Tensor) -> TensorEntry:
-        if tensor.is_meta:
-            raise UnsupportedValueError(
-                f"{path}: tensor is on the meta device and holds no data to snapshot"
-            )
-        prepare = self.prepare
-        if prepare is not None:
-            traced = _call_prepare(prepare, path, logical, tensor, tracing=True)
-            dtype, shape = traced.dtype, tuple(traced.shape)
-            del traced
+    A rank's own payloads go to blobs ``<rank>/<n>`` and slabs ``<rank>/s<n>``. A replicated
+    payload is written once, by ``writer_of[(logical, index)]``, into that writer's blobs
+    ``<writer>/r<n>`` and ``<writer>/rs<n>``: every rank places all replicated payloads the same
+    way (in sorted order, with the same layout), so every rank knows every location without
+    asking.
+    """
+    own = _Placer(f"{rank}/", layout, mine=True)
+    seen: set[int] = set()
+    replicated: dict[int, list[Payload]] = {}
+    for p in collected.payloads:
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        if p.replicated:
+            replicated.setdefault(writer_of[(p.logical, p.index)], []).append(p)
         else:
-            dtype, shape = tensor.dtype, tuple(tensor.shape)
-        name = dtype_name(dtype)
-        itemsize = dtype.itemsize
-        numel = math.prod(shape)
-        if numel == 0:
-            return TensorEntry(dtype=name, shape=shape, chunks=())
-        # The same memory under two paths (tied weights) is written once.
-        key = None
-        if prepare is None:
-            key = (tensor.data_ptr(), tensor.get_device(), dtype, shape, tensor.stride())
-            chunks = self._written.get(key)
-            if chunks is not None:
-                return TensorEntry(dtype=name, shape=shape, chunks=chunks)
-        per_chunk = max(1, self.layout.chunk_bytes // itemsize)
-        if numel <= per_chunk:
-            bounds: Sequence[tuple[int, int]] = ((0, numel),)
-        else:
-            bounds = [(e, min(numel, e + per_chunk)) for e in range(0, numel, per_chunk)]
-        zero_copy = (
-            key is not None
-            and not self.copy_tensors
-            and tensor.is_cpu
-            and tensor.is_contiguous()
-            and not tensor.is_conj()
-            and not tensor.is_neg()
-        )
-        if zero_copy:
-            # The common case, kept lean: each piece is a view of the tensor's own memory.
-            chunks = tuple(
-                self._place(
-                    (stop - start) * itemsize,
-                    0,
-                    _view_stager(tensor, start * itemsize, (stop - start) * itemsize),
-                    path,
-                )
-                for start, stop in bounds
-            )
-        else:
-            source = _TensorSource(
-                path, logical, tensor, prepare, dtype, shape, self.copy_tensors, parts=len(bounds)
-            )
-            chunks = tuple(
-                self._place(
-                    (stop - start) * itemsize,
-                    (stop - start) * itemsize,
-                    functools.partial(source.piece, start, stop),
-                    path,
-                )
-                for start, stop in bounds
-            )
-        if key is not None:
-            self._written[key] = chunks
-        return TensorEntry(dtype=name, shape=shape, chunks=chunks)
+            own.place(p)
+    own.close()
+    writes = own.writes
+    for writer in sorted(replicated):
+        shared = _Placer(f"{writer}/r", layout, mine=writer == rank)
+        for p in sorted(replicated[writer], key=lambda q: (q.logical, q.index)):
+            shared.place(p)
+        shared.close()
+        writes.extend(shared.writes)
+    entries: dict[str, Entry] = {
+        path: e if isinstance(e, Entry) else e.build() for path, e in collected.entries.items()
+    }
+    return TakePlan(entries=entries, writes=writes)
+
+
+def assign_writers(
+    signature: Sequence[tuple[str, int, int, str]], local_bytes: Sequence[int]
+) -> dict[tuple[str, int], int]:
+    """Which rank writes each replicated payload: greedily, largest first, to the rank that has
+    the fewest bytes to write so far (its own payloads included; ties go to the lower rank)."""
+    load = list(local_bytes)
+    writers: dict[tuple[str, int], int] = {}
+    for logical, index, nbytes, _ in sorted(signature, key=lambda s: (-s[2], s[0], s[1])):
+        rank = min(range(len(load)), key=lambda r: (load[r], r))
+        writers[(logical, index)] = rank
+        load[rank] += nbytes
+    return writers
 
 
 def _view_stager(tensor: torch.Tensor, offset: int, nbytes: int) -> Callable[[], Staged]:
@@ -353,7 +556,6 @@ class _TensorSource:
         dtype: torch.dtype,
         shape: tuple[int, ...],
         copy: bool,
-        parts: int,
     ) -> None:
         self.path = path
         self.logical = logical
@@ -362,7 +564,7 @@ class _TensorSource:
         self.dtype = dtype
         self.shape = shape
         self.copy = copy
-        self.remaining = parts
+        self.remaining = 0  # pieces this rank will stage; counted as they are placed
         self._base: torch.Tensor | None = None
 
     def _resolve(self) -> torch.Tensor:
@@ -420,16 +622,18 @@ def plan_take(
     layout: Layout,
     copy_tensors: bool = False,
 ) -> TakePlan:
-    """Plans a take of ``(key_path, state_dict)`` pairs for process ``rank``.
-
-    Manifest paths are ``"<rank>/<key_path>/..."``; ``prepare`` and the ``replicated`` globs see
-    the logical path without the rank. With ``copy_tensors``, staging copies every tensor that
-    would otherwise be written from the application's own memory.
-    """
-    planner = _TakePlanner(rank, prepare, replicated, inline_max_bytes, copy_tensors, layout)
-    for key_path, state in states:
-        planner.add(key_path, state)
-    return planner.finish()
+    """``collect`` then ``place`` for one process: every replicated payload is its own."""
+    collected = collect(
+        states,
+        rank=rank,
+        prepare=prepare,
+        replicated=replicated,
+        inline_max_bytes=inline_max_bytes,
+        chunk_bytes=layout.chunk_bytes,
+        copy_tensors=copy_tensors,
+    )
+    writers = {(p.logical, p.index): rank for p in collected.payloads if p.replicated}
+    return place(collected, rank=rank, layout=layout, writer_of=writers)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -385,6 +385,13 @@ class WritePipeline:
             peak_budget_bytes=self.budget.peak,
         )
 
+    async def wait_quietly(self) -> None:
+        """Waits for the workers to stop, ignoring errors (after ``abort``)."""
+        try:
+            await self._drain()
+        except Exception:
+            logger.debug("error while draining aborted writes", exc_info=True)
+
     def finish(self) -> IOStats:
         """From the caller's thread: hands over what is staged, then ``wait``."""
         self.flush()

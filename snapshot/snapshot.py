@@ -10,6 +10,7 @@ import torch
 
 from manifest import Entry, Manifest
 from snapshot import dist, operations
+from snapshot.errors import SnapshotError
 from snapshot.pending import PendingSnapshot
 from snapshot.scheduler import io_loop
 
@@ -89,7 +90,7 @@ class Snapshot:
             UnsupportedValueError: a value cannot be stored (a tensor on the meta device...).
             StorageError: the storage failed; nothing was committed.
         """
-        manifest = operations.take(
+        path, manifest = operations.take(
             path,
             app_state,
             coordinator=dist.resolve(pg),
@@ -119,10 +120,16 @@ class Snapshot:
         free its tensors at once. Errors found while capturing are raised here; errors of the
         background work are raised by :meth:`PendingSnapshot.wait`.
         """
+        coordinator = dist.resolve(pg)
+        if coordinator.world_size > 1:
+            raise SnapshotError(
+                f"snapshot {path}: async_take across a process group of "
+                f"{coordinator.world_size} ranks is not supported yet; use Snapshot.take"
+            )
         job = operations.TakeJob(
             path,
             app_state,
-            coordinator=dist.resolve(pg),
+            coordinator=coordinator,
             replicated=replicated or [],
             storage_options=storage_options,
             prepare=_custom_tensor_prepare_func,

@@ -169,10 +169,18 @@ def test_nan_primitive_round_trips():
     assert math.isnan(mf.loads(mf.dumps(m)).entries["p"].value)
 
 
-@given(entries=st.lists(st.builds(TensorEntry, dtype=st.sampled_from(["float32", "uint4"]),
-                                  shape=st.lists(st.integers(0, 10**9), max_size=4).map(tuple),
-                                  chunks=st.lists(_locations, max_size=3).map(tuple)), max_size=5),
-       path=st.text(max_size=12))
+@given(
+    entries=st.lists(
+        st.builds(
+            TensorEntry,
+            dtype=st.sampled_from(["float32", "uint4"]),
+            shape=st.lists(st.integers(0, 10**9), max_size=4).map(tuple),
+            chunks=st.lists(_locations, max_size=3).map(tuple),
+        ),
+        max_size=5,
+    ),
+    path=st.text(max_size=12),
+)
 def test_fast_tensor_lines_match_the_encoder(entries, path):
     for entry in entries:
         generic = "  " + codec._ENCODER.encode({path: mf.entry_to_dict(entry)})[1:-1]

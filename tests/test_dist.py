@@ -1,0 +1,252 @@
+"""Snapshots across a process group: real processes, gloo on the CPU, world sizes 1, 2 and 4."""
+
+from __future__ import annotations
+
+import errno
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from snapshot import RankFailedError, Snapshot, SnapshotError, SnapshotNotFoundError, StateDict
+from tests.multirank import run_ranks
+
+
+def model(seed: int = 0, width: int = 64) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.Linear(width, 4))
+
+
+def files_by_rank(path: str) -> dict[str, int]:
+    """Bytes on disk under each top-level directory (one per writing rank)."""
+    out: dict[str, int] = {}
+    for d, _, fs in os.walk(path):
+        top = os.path.relpath(d, path).split(os.sep)[0]
+        if top != ".":
+            out[top] = out.get(top, 0) + sum(os.path.getsize(os.path.join(d, f)) for f in fs)
+    return out
+
+
+# -- per-rank state ------------------------------------------------------------------------
+
+
+def _per_rank(rank: int, world: int, path: str) -> list[str]:
+    state = StateDict(rank=rank, t=torch.full((1000,), float(rank)), name=f"rank-{rank}")
+    snap = Snapshot.take(path, {"s": state})
+    out = StateDict(t=torch.zeros(1000))
+    Snapshot(path).restore({"s": out})
+    assert out["rank"] == rank and out["name"] == f"rank-{rank}"
+    assert torch.equal(out["t"], torch.full((1000,), float(rank)))
+    return sorted(snap.get_manifest())
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_each_rank_keeps_its_own_state(tmp_path, world):
+    path = str(tmp_path / "snap")
+    manifests = run_ranks(world, _per_rank, path)
+    assert all(m == manifests[0] for m in manifests)  # every rank sees every rank's entries
+    assert {p.split("/")[0] for p in manifests[0]} == {str(r) for r in range(world)}
+    assert Snapshot(path).get_manifest()["3/s/rank" if world == 4 else "0/s/rank"].value in (0, 3)
+
+
+# -- replicated ----------------------------------------------------------------------------
+
+
+def _replicated(rank: int, world: int, path: str) -> None:
+    m = model(seed=0)  # the same on every rank
+    Snapshot.take(path, {"model": m, "extra": StateDict(rank=rank)}, replicated=["model/**"])
+    fresh = model(seed=99)
+    Snapshot(path).restore({"model": fresh, "extra": StateDict()})
+    for a, b in zip(fresh.parameters(), m.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_replicated_entries_are_written_once(tmp_path, world):
+    path = str(tmp_path / "snap")
+    run_ranks(world, _replicated, path)
+    manifest = Snapshot(path).get_manifest()
+    for r in range(world):
+        entry = manifest[f"{r}/model/0.weight"]
+        assert entry.replicated and entry.chunks == manifest["0/model/0.weight"].chunks
+        assert not manifest[f"{r}/extra/rank"].replicated
+    model_bytes = sum(t.nbytes for t in model().state_dict().values())
+    on_disk = sum(files_by_rank(path).values())
+    assert model_bytes <= on_disk < model_bytes + 64 * 1024
+
+
+def _balanced(rank: int, world: int, path: str) -> None:
+    torch.manual_seed(0)
+    big = StateDict({f"w{i}": torch.randn(1024, 1024) for i in range(16)})  # 64 MiB, same on all
+    Snapshot.take(path, {"model": big}, replicated=["**"])
+
+
+def test_replicated_bytes_are_spread_evenly(tmp_path):
+    path = str(tmp_path / "snap")
+    run_ranks(4, _balanced, path)
+    per_rank = files_by_rank(path)
+    assert sorted(per_rank) == ["0", "1", "2", "3"]
+    total = sum(per_rank.values())
+    assert 64 << 20 <= total < (64 << 20) + 64 * 1024  # once, not four times
+    mean = total / 4
+    assert max(abs(b - mean) for b in per_rank.values()) <= 0.1 * mean
+
+
+def _ddp(rank: int, world: int, path: str) -> None:
+    torch.manual_seed(0)
+    ddp = torch.nn.parallel.DistributedDataParallel(model(seed=0))
+    optim = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    ddp(torch.randn(8, 64) + rank).sum().backward()  # different data, averaged gradients
+    optim.step()
+    Snapshot.take(path, {"model": ddp, "optim": optim})
+    fresh = torch.nn.parallel.DistributedDataParallel(model(seed=5))
+    Snapshot(path).restore({"model": fresh})
+    for a, b in zip(fresh.parameters(), ddp.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_ddp_modules_are_replicated_without_globs(tmp_path):
+    path = str(tmp_path / "snap")
+    run_ranks(2, _ddp, path)
+    manifest = Snapshot(path).get_manifest()
+    assert manifest["0/model/module.0.weight"].replicated
+    assert manifest["1/model/module.0.weight"].chunks == manifest["0/model/module.0.weight"].chunks
+    assert not manifest["1/optim/param_groups/0/lr"].replicated
+
+
+# -- world size changes --------------------------------------------------------------------
+
+
+def _take_for_elastic(rank: int, world: int, path: str) -> None:
+    Snapshot.take(
+        path, {"model": model(seed=0), "own": StateDict(rank=rank)}, replicated=["model/**"]
+    )
+
+
+def _restore_elastic(rank: int, world: int, path: str) -> None:
+    fresh, own = model(seed=3), StateDict()
+    Snapshot(path).restore({"model": fresh, "own": own})
+    for a, b in zip(fresh.parameters(), model(seed=0).parameters(), strict=True):
+        assert torch.equal(a, b)
+    assert own["rank"] == rank
+
+
+def test_restore_on_fewer_ranks_and_without_a_group(tmp_path):
+    path = str(tmp_path / "snap")
+    run_ranks(4, _take_for_elastic, path)
+    run_ranks(2, _restore_elastic, path)
+    fresh, own = model(seed=7), StateDict()
+    Snapshot(path).restore({"model": fresh, "own": own})  # no process group: rank 0's view
+    assert own["rank"] == 0
+    assert torch.equal(fresh[0].weight, model(seed=0)[0].weight)
+
+
+def _restore_on_more(rank: int, world: int, path: str) -> str:
+    fresh = model(seed=3)
+    Snapshot(path).restore({"model": fresh})  # replicated: every rank, new ones too
+    assert torch.equal(fresh[0].weight, model(seed=0)[0].weight)
+    try:
+        Snapshot(path).restore({"own": StateDict()})
+    except RankFailedError as e:
+        return str(e)
+    return "restored"
+
+
+def test_restore_on_more_ranks_uses_replicated_entries_only(tmp_path):
+    path = str(tmp_path / "snap")
+    run_ranks(2, _take_for_elastic, path)
+    messages = run_ranks(4, _restore_on_more, path)
+    # Ranks 2 and 3 have no per-rank state: every rank hears which ranks failed, and why.
+    for message in messages:
+        assert "rank(s) [2, 3]" in message and "0/own/rank is rank 0's own" in message
+
+
+# -- failures ------------------------------------------------------------------------------
+
+
+class FailsOnRank:
+    def __init__(self, bad_rank: int) -> None:
+        self.bad_rank = bad_rank
+
+    def state_dict(self):
+        if dist.get_rank() == self.bad_rank:
+            raise RuntimeError("this rank's state is broken")
+        return {"x": torch.ones(3)}
+
+    def load_state_dict(self, sd):
+        pass
+
+
+def _fails_mid_take(rank: int, world: int, path: str) -> str:
+    try:
+        Snapshot.take(path, {"good": StateDict(t=torch.ones(10)), "bad": FailsOnRank(1)})
+    except RankFailedError as e:
+        assert e.failures.keys() == {1}
+        return str(e)
+    raise AssertionError("take did not fail")
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_rank_that_raises_fails_every_rank(tmp_path, world):
+    path = str(tmp_path / "snap")
+    messages = run_ranks(world, _fails_mid_take, path)
+    for message in messages:
+        assert "failed on rank(s) [1]" in message and "this rank's state is broken" in message
+    with pytest.raises(SnapshotNotFoundError):
+        Snapshot(path)
+    assert not os.path.exists(os.path.join(path, ".statesnap-pending"))
+
+
+def _disagrees(rank: int, world: int, path: str) -> str:
+    shape = (4, 4) if rank == 0 else (4, 5)
+    try:
+        Snapshot.take(path, {"m": StateDict(w=torch.zeros(shape))}, replicated=["m/**"])
+    except SnapshotError as e:  # every rank compares the same gathered facts, and refuses
+        return str(e)
+    raise AssertionError("take did not fail")
+
+
+def test_replicated_tensors_that_disagree_are_refused(tmp_path):
+    messages = run_ranks(2, _disagrees, str(tmp_path / "snap"))
+    assert messages[0] == messages[1]
+    for message in messages:
+        assert "replicated entries differ between rank 0 and rank 1" in message
+        assert "m/w is float32[4, 4] (64 bytes) on rank 0 but m/w is float32[4, 5]" in message
+
+
+def _write_fails_on_one_rank(rank: int, world: int, inner: str) -> str:
+    from storage_plugins import register_storage_plugin
+    from tests.plugins import FAULTS, FaultyPlugin
+
+    register_storage_plugin("faulty", FaultyPlugin)
+    if rank == 1:
+        FAULTS[inner] = lambda verb, p: (
+            OSError(errno.EIO, "I/O error") if (verb == "write" and p.startswith("1/")) else None
+        )
+    try:
+        Snapshot.take(f"faulty://{inner}", {"s": StateDict(t=torch.full((100,), rank))})
+    except RankFailedError as e:
+        return str(e)
+    raise AssertionError("take did not fail")
+
+
+def test_a_storage_error_on_one_rank_commits_nothing(tmp_path):
+    inner = str(tmp_path / "snap")
+    messages = run_ranks(2, _write_fails_on_one_rank, inner)
+    for message in messages:
+        assert "take: writing failed on rank(s) [1]" in message and "I/O error" in message
+    with pytest.raises(SnapshotNotFoundError):
+        Snapshot(inner)
+    assert [f for _, _, fs in os.walk(inner) for f in fs] == []  # every rank removed its blobs
+
+
+def _paths_differ(rank: int, world: int, base: str) -> str:
+    snap = Snapshot.take(os.path.join(base, f"snap-of-rank-{rank}"), {"s": StateDict(r=rank)})
+    return snap.path
+
+
+def test_rank_zeros_path_wins(tmp_path):
+    paths = run_ranks(2, _paths_differ, str(tmp_path))
+    assert paths == [str(tmp_path / "snap-of-rank-0")] * 2
+    assert sorted(os.listdir(tmp_path)) == ["snap-of-rank-0"]
