@@ -250,3 +250,18 @@ def test_rank_zeros_path_wins(tmp_path):
     paths = run_ranks(2, _paths_differ, str(tmp_path))
     assert paths == [str(tmp_path / "snap-of-rank-0")] * 2
     assert sorted(os.listdir(tmp_path)) == ["snap-of-rank-0"]
+
+
+def _async_across_ranks(rank: int, world: int, path: str) -> str:
+    try:
+        Snapshot.async_take(path, {"s": StateDict(r=rank)})
+    except SnapshotError as e:
+        return str(e)
+    raise AssertionError("async_take across ranks did not refuse")
+
+
+def test_async_take_across_ranks_is_refused_clearly(tmp_path):
+    messages = run_ranks(2, _async_across_ranks, str(tmp_path / "snap"))
+    assert all(
+        "async_take across a process group of 2 ranks is not supported" in m for m in messages
+    )
