@@ -56,6 +56,11 @@ class UnsupportedValueError(SnapshotError):
     """A value cannot be snapshotted (a tensor without data, on a device that cannot be read...)."""
 
 
+class HollowStateError(SnapshotError):
+    """A tensor-aware state dict was called out of turn: an operation that needs its tensors
+    found it hollow (they were popped), or one that needs placeholders found it full."""
+
+
 class StorageError(SnapshotError):
     """The storage failed to write or read a blob; the original error is chained."""
 

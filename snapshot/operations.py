@@ -54,6 +54,7 @@ from snapshot.scheduler import (
     read_all,
     run,
 )
+from snapshot.staging import StagingPool
 from snapshot.stateful import RNGState, Stateful
 from storage_plugins import StoragePlugin
 
@@ -145,8 +146,9 @@ class TakeJob:
 
     ``start`` runs on the caller's thread: it captures every value (state_dict calls, planning,
     staging) and queues the writes. When it returns, later changes to the application's tensors
-    cannot reach the snapshot if ``copy_tensors`` was set (async take); otherwise the caller must
-    not change them until the take is done.
+    cannot reach the snapshot if a staging ``pool`` was given (async take: every payload is
+    copied into pooled buffers); otherwise the caller must not change them until the take is
+    done.
 
     Then either ``finish`` (caller's thread; any number of ranks) or ``complete`` (on the I/O
     loop; one process, for async take) waits for the writes and commits the manifest.
@@ -167,7 +169,7 @@ class TakeJob:
         replicated: Sequence[str],
         storage_options: dict[str, Any] | None,
         prepare: PrepareFunc | None,
-        copy_tensors: bool,
+        pool: StagingPool | None,
     ) -> None:
         check_app_state(app_state, path)
         if isinstance(replicated, str) or not all(isinstance(g, str) for g in replicated):
@@ -183,7 +185,7 @@ class TakeJob:
         ]
         self.storage_options = storage_options
         self.prepare = prepare
-        self.copy_tensors = copy_tensors
+        self.pool = pool
         self.plugin: StoragePlugin | None = None
         self.where = path
         self.plan: TakePlan | None = None
@@ -213,7 +215,9 @@ class TakeJob:
             self._close_after_failure()
             raise
         self._times["plan"] = time.perf_counter() - t0
-        self.plan = place(self.collected, rank=coord.rank, layout=layout, writer_of=writers)
+        self.plan = place(
+            self.collected, rank=coord.rank, layout=layout, writer_of=writers, pool=self.pool
+        )
         try:
             if self.plugin is None:
                 self.path = path  # rank 0's path wins
@@ -257,7 +261,6 @@ class TakeJob:
             replicated=self.replicated,
             inline_max_bytes=knobs.inline_max_bytes(),
             chunk_bytes=layout.chunk_bytes,
-            copy_tensors=self.copy_tensors,
         )
         if coord.rank == 0:
             self.plugin = open_plugin(self.path, self.storage_options)
@@ -448,7 +451,7 @@ def _first_difference(a: Sequence[Any], b: Sequence[Any]) -> str:
 def take(path: str, app_state: Mapping[str, Any], **options: Any) -> tuple[str, Manifest | None]:
     """Writes every blob of ``app_state``, then commits the manifest. Returns the path used
     (rank 0's) and, on rank 0, the manifest."""
-    job = TakeJob(path, app_state, copy_tensors=False, **options)
+    job = TakeJob(path, app_state, pool=None, **options)
     job.start()
     return job.path, job.finish()
 

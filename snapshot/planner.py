@@ -40,16 +40,18 @@ from snapshot.errors import (
 from snapshot.flatten import flatten
 from snapshot.scheduler import ReadRequest, Segment, WriteRequest
 from snapshot.serialization import (
-    copy_bytes,
     copy_elements,
     decode_object,
     dtype_from_name,
     dtype_name,
     encode_object,
     gather_elements,
+    range_views,
     raw_memoryview,
+    scatter_into_flat,
     tensor_memoryview,
 )
+from snapshot.staging import StagingPool
 from storage_plugins import Buffer
 
 logger = logging.getLogger(__name__)
@@ -96,14 +98,17 @@ class Payload:
     """Bytes that need a place in a blob: a tensor chunk, or an object's serialized bytes.
 
     ``logical`` and ``index`` (the chunk's position in its tensor) identify a replicated payload
-    across ranks; ``stage`` gives its buffers on the caller's thread, allocating
-    ``staging_bytes``."""
+    across ranks. Two ways to stage it, on the caller's thread: ``stage`` gives buffers to write
+    from (views of the application's memory where possible; ``staging_bytes`` is what it
+    allocates otherwise), ``copy_into`` copies the bytes into a given staging buffer (a 1-d
+    uint8 CPU tensor of ``nbytes``), for async take."""
 
     logical: str
     index: int
     nbytes: int
     staging_bytes: int
     stage: Callable[[], Staged]
+    copy_into: Callable[[torch.Tensor], None]
     label: str
     replicated: bool
     source: _TensorSource | None = None
@@ -186,14 +191,12 @@ class _Collector:
         prepare: PrepareFunc | None,
         replicated: Sequence[str],
         inline_max_bytes: int,
-        copy_tensors: bool,
         chunk_bytes: int,
     ) -> None:
         self.rank = rank
         self.prepare = prepare
         self.replicated = tuple(replicated)
         self.inline_max = inline_max_bytes
-        self.copy_tensors = copy_tensors
         self.chunk_bytes = chunk_bytes
         self.out = Collected()
         self._written: dict[tuple[Any, ...], _TensorDraft] = {}
@@ -222,6 +225,7 @@ class _Collector:
         nbytes: int,
         staging: int,
         stage: Callable[[], Staged],
+        copy_into: Callable[[torch.Tensor], None],
         label: str,
         replicated: bool,
         source: _TensorSource | None = None,
@@ -232,6 +236,7 @@ class _Collector:
             nbytes=nbytes,
             staging_bytes=staging,
             stage=stage,
+            copy_into=copy_into,
             label=label,
             replicated=replicated,
             source=source,
@@ -280,7 +285,9 @@ class _Collector:
     def _bytes_draft(
         self, path: str, logical: str, serializer: str, obj_type: str, data: bytes, replicated: bool
     ) -> _ObjectDraft:
-        payload = self._payload(logical, 0, len(data), 0, lambda: ([data], None), path, replicated)
+        payload = self._payload(
+            logical, 0, len(data), 0, lambda: ([data], None), _bytes_copier(data), path, replicated
+        )
         return _ObjectDraft(
             serializer=serializer, obj_type=obj_type, payload=payload, replicated=replicated
         )
@@ -318,15 +325,14 @@ class _Collector:
             bounds: Sequence[tuple[int, int]] = ((0, numel),)
         else:
             bounds = [(e, min(numel, e + per_chunk)) for e in range(0, numel, per_chunk)]
-        zero_copy = (
+        viewable = (
             key is not None
-            and not self.copy_tensors
             and tensor.is_cpu
             and tensor.is_contiguous()
             and not tensor.is_conj()
             and not tensor.is_neg()
         )
-        if zero_copy:
+        if viewable:
             # The common case, kept lean: each piece is a view of the tensor's own memory.
             payloads = [
                 self._payload(
@@ -335,13 +341,14 @@ class _Collector:
                     (stop - start) * itemsize,
                     0,
                     _view_stager(tensor, start * itemsize, (stop - start) * itemsize),
+                    _view_copier(tensor, start * itemsize, (stop - start) * itemsize),
                     path,
                     replicated,
                 )
                 for i, (start, stop) in enumerate(bounds)
             ]
         else:
-            source = _TensorSource(path, logical, tensor, prepare, dtype, shape, self.copy_tensors)
+            source = _TensorSource(path, logical, tensor, prepare, dtype, shape)
             payloads = [
                 self._payload(
                     logical,
@@ -349,6 +356,7 @@ class _Collector:
                     (stop - start) * itemsize,
                     (stop - start) * itemsize,
                     functools.partial(source.piece, start, stop),
+                    functools.partial(source.copy_into, start, stop),
                     path,
                     replicated,
                     source,
@@ -369,49 +377,68 @@ def collect(
     replicated: Sequence[str],
     inline_max_bytes: int,
     chunk_bytes: int,
-    copy_tensors: bool = False,
 ) -> Collected:
     """Flattens ``(key_path, state_dict)`` pairs of process ``rank`` into entries and payloads.
 
     Manifest paths are ``"<rank>/<key_path>/..."``; ``prepare`` and the ``replicated`` globs see
-    the logical path without the rank. With ``copy_tensors``, staging copies every tensor that
-    would otherwise be written from the application's own memory.
+    the logical path without the rank.
     """
-    collector = _Collector(rank, prepare, replicated, inline_max_bytes, copy_tensors, chunk_bytes)
+    collector = _Collector(rank, prepare, replicated, inline_max_bytes, chunk_bytes)
     for key_path, state in states:
         collector.add(key_path, state)
     return collector.out
 
 
+# Slab members start at multiples of this, so a staging buffer's slice for any member can be
+# viewed as the member's dtype (complex128, the widest, is 16 bytes).
+_ALIGN = 16
+_ZEROS = memoryview(bytes(_ALIGN))
+
+
 @dataclass
 class _Slab:
     blob: str
-    stages: list[Callable[[], Staged]] = field(default_factory=list)
-    labels: list[str] = field(default_factory=list)
+    members: list[tuple[int, Payload]] = field(default_factory=list)  # (padding before, payload)
     nbytes: int = 0
     staging_bytes: int = 0
+
+    def add(self, p: Payload, staging_bytes: int) -> Location:
+        pad = -self.nbytes % _ALIGN
+        self.members.append((pad, p))
+        location = Location(blob=self.blob, offset=self.nbytes + pad, nbytes=p.nbytes)
+        self.nbytes += pad + p.nbytes
+        self.staging_bytes += staging_bytes
+        return location
 
     def stage(self) -> Staged:
         buffers: list[Buffer] = []
         keep = []
-        for stage in self.stages:
-            bufs, keepalive = stage()
+        for pad, p in self.members:
+            if pad:
+                buffers.append(_ZEROS[:pad])
+            bufs, keepalive = p.stage()
             buffers.extend(bufs)
             keep.append(keepalive)
         return buffers, keep
 
     def label(self) -> str:
-        more = f" and {len(self.labels) - 1} more" if len(self.labels) > 1 else ""
-        return f"{self.labels[0]}{more} (slab {self.blob})"
+        first = self.members[0][1].label
+        more = f" and {len(self.members) - 1} more" if len(self.members) > 1 else ""
+        return f"{first}{more} (slab {self.blob})"
 
 
 class _Placer:
-    """Gives payloads their blobs under one name prefix; collects the writes when ``mine``."""
+    """Gives payloads their blobs under one name prefix; collects the writes when ``mine``.
 
-    def __init__(self, prefix: str, layout: Layout, mine: bool) -> None:
+    With a staging ``pool`` (async take), each write's payloads are copied into one pooled
+    buffer when staged, so the write never reads the application's memory.
+    """
+
+    def __init__(self, prefix: str, layout: Layout, mine: bool, pool: StagingPool | None) -> None:
         self.prefix = prefix
         self.layout = layout
         self.mine = mine
+        self.pool = pool
         self.writes: list[WriteRequest] = []
         self._next = 0
         self._slab: _Slab | None = None
@@ -423,28 +450,27 @@ class _Placer:
 
     def place(self, p: Payload) -> None:
         """In the open slab when small, else in a blob of its own."""
+        staging = p.nbytes if self.pool is not None else p.staging_bytes
         if p.nbytes <= self.layout.slab_threshold_bytes:
             slab = self._slab
-            if slab is not None and slab.nbytes + p.nbytes > self.layout.slab_bytes:
+            pad = -slab.nbytes % _ALIGN if slab is not None else 0
+            if slab is not None and slab.nbytes + pad + p.nbytes > self.layout.slab_bytes:
                 self.close()
                 slab = None
             if slab is None:
                 slab = self._slab = _Slab(blob=self._blob("s"))
-            p.location = Location(blob=slab.blob, offset=slab.nbytes, nbytes=p.nbytes)
-            slab.stages.append(p.stage)
-            slab.labels.append(p.label)
-            slab.nbytes += p.nbytes
-            slab.staging_bytes += p.staging_bytes
+            p.location = slab.add(p, staging)
         else:
             blob = self._blob()
             p.location = Location(blob=blob, offset=0, nbytes=p.nbytes)
             if self.mine:
+                stage = p.stage if self.pool is None else self._pooled([(0, p)], p.nbytes)
                 self.writes.append(
                     WriteRequest(
                         blob=blob,
                         nbytes=p.nbytes,
-                        staging_bytes=p.staging_bytes,
-                        stage=p.stage,
+                        staging_bytes=staging,
+                        stage=stage,
                         label=p.label,
                     )
                 )
@@ -453,20 +479,49 @@ class _Placer:
 
     def close(self) -> None:
         slab, self._slab = self._slab, None
-        if slab is not None and slab.stages and self.mine:
+        if slab is not None and slab.members and self.mine:
+            stage = slab.stage if self.pool is None else self._pooled(slab.members, slab.nbytes)
             self.writes.append(
                 WriteRequest(
                     blob=slab.blob,
                     nbytes=slab.nbytes,
                     staging_bytes=slab.staging_bytes,
-                    stage=slab.stage,
+                    stage=stage,
                     label=slab.label(),
                 )
             )
 
+    def _pooled(self, members: list[tuple[int, Payload]], nbytes: int) -> Callable[[], Staged]:
+        pool = self.pool
+        assert pool is not None
+
+        def stage() -> Staged:
+            lease = pool.acquire(nbytes)
+            try:
+                buf = lease.tensor
+                pos = 0
+                for pad, p in members:
+                    if pad:
+                        buf[pos : pos + pad].zero_()
+                        pos += pad
+                    p.copy_into(buf[pos : pos + p.nbytes])
+                    pos += p.nbytes
+                lease.ready()
+            except BaseException:
+                lease.release()
+                raise
+            return [lease.view], lease
+
+        return stage
+
 
 def place(
-    collected: Collected, *, rank: int, layout: Layout, writer_of: Mapping[tuple[str, int], int]
+    collected: Collected,
+    *,
+    rank: int,
+    layout: Layout,
+    writer_of: Mapping[tuple[str, int], int],
+    pool: StagingPool | None = None,
 ) -> TakePlan:
     """Places every payload and builds the entries; the writes are the ones ``rank`` performs.
 
@@ -474,9 +529,9 @@ def place(
     payload is written once, by ``writer_of[(logical, index)]``, into that writer's blobs
     ``<writer>/r<n>`` and ``<writer>/rs<n>``: every rank places all replicated payloads the same
     way (in sorted order, with the same layout), so every rank knows every location without
-    asking.
+    asking. With a staging ``pool``, staging copies every payload into pooled buffers.
     """
-    own = _Placer(f"{rank}/", layout, mine=True)
+    own = _Placer(f"{rank}/", layout, mine=True, pool=pool)
     seen: set[int] = set()
     replicated: dict[int, list[Payload]] = {}
     for p in collected.payloads:
@@ -490,7 +545,7 @@ def place(
     own.close()
     writes = own.writes
     for writer in sorted(replicated):
-        shared = _Placer(f"{writer}/r", layout, mine=writer == rank)
+        shared = _Placer(f"{writer}/r", layout, mine=writer == rank, pool=pool)
         for p in sorted(replicated[writer], key=lambda q: (q.logical, q.index)):
             shared.place(p)
         shared.close()
@@ -520,6 +575,25 @@ def _view_stager(tensor: torch.Tensor, offset: int, nbytes: int) -> Callable[[],
     return lambda: ([raw_memoryview(tensor.data_ptr() + offset, nbytes)], tensor)
 
 
+def _view_copier(tensor: torch.Tensor, offset: int, nbytes: int) -> Callable[[torch.Tensor], None]:
+    """Copying a contiguous CPU tensor's bytes into a staging buffer (one memcpy by torch)."""
+
+    def copy_into(dst: torch.Tensor) -> None:
+        src = torch.frombuffer(
+            raw_memoryview(tensor.data_ptr() + offset, nbytes), dtype=torch.uint8
+        )
+        dst.copy_(src)
+
+    return copy_into
+
+
+def _bytes_copier(data: bytes) -> Callable[[torch.Tensor], None]:
+    def copy_into(dst: torch.Tensor) -> None:
+        tensor_memoryview(dst)[:] = data
+
+    return copy_into
+
+
 def _call_prepare(
     prepare: PrepareFunc, path: str, logical: str, tensor: torch.Tensor, *, tracing: bool
 ) -> torch.Tensor:
@@ -539,12 +613,11 @@ def _call_prepare(
 class _TensorSource:
     """The bytes of one tensor, handed out piece by piece (element ranges) at staging time.
 
-    Used for tensors that cannot simply be viewed (those go through ``_view_stager``). A piece of a
-    contiguous CPU tensor is a view of its memory, unless ``copy`` asks that no staged buffer alias
-    the application's memory (async take). Pieces of other tensors
-    (non-contiguous, on a device) are gathered into new memory. What needs the whole tensor first
+    Used for tensors that cannot simply be viewed (those go through ``_view_stager``): prepared,
+    conjugate or negated views, non-contiguous, on a device. ``piece`` gathers a piece into new
+    memory; ``copy_into`` copies it into a given staging buffer. What needs the whole tensor first
     (the prepare function, resolving a lazy conjugate or negation) is done once, at the first
-    piece, and kept until the last piece is staged.
+    piece, and kept until the last piece this rank stages.
     """
 
     def __init__(
@@ -555,7 +628,6 @@ class _TensorSource:
         prepare: PrepareFunc | None,
         dtype: torch.dtype,
         shape: tuple[int, ...],
-        copy: bool,
     ) -> None:
         self.path = path
         self.logical = logical
@@ -563,7 +635,6 @@ class _TensorSource:
         self.prepare = prepare
         self.dtype = dtype
         self.shape = shape
-        self.copy = copy
         self.remaining = 0  # pieces this rank will stage; counted as they are placed
         self._base: torch.Tensor | None = None
 
@@ -588,52 +659,46 @@ class _TensorSource:
         return t
 
     def piece(self, start: int, stop: int) -> Staged:
+        """Elements ``[start, stop)`` as a new contiguous CPU tensor's bytes (a view when the
+        resolved tensor already is one)."""
         try:
             base = self._resolve()
-            if base.device.type == "cpu" and base.is_contiguous():
+            if base.is_cpu and base.is_contiguous():
                 part = base.view(-1)[start:stop]
-                if self.copy and _shares_memory(base, self.tensor):
-                    part = copy_bytes(part)
             else:
                 part = gather_elements(base, start, stop)
         except RuntimeError as e:
-            raise UnsupportedValueError(
-                f"{self.path}: cannot read this {dtype_name(self.dtype)} tensor on "
-                f"{self.tensor.device}: {e}"
-            ) from e
+            raise self._unreadable(e) from e
         finally:
-            self.remaining -= 1
-            if self.remaining == 0:
-                self._base = None
+            self._staged_one()
         return [tensor_memoryview(part)], part
 
+    def copy_into(self, start: int, stop: int, dst: torch.Tensor) -> None:
+        """Copies elements ``[start, stop)`` into the uint8 staging buffer ``dst``."""
+        try:
+            base = self._resolve()
+            if base.is_cpu and base.is_contiguous():
+                # As raw bytes: works for dtypes torch has no copy kernel for.
+                dst.copy_(base.view(-1)[start:stop].view(torch.uint8))
+            else:
+                # From a device this is an asynchronous copy into pinned memory; only a machine
+                # with an accelerator runs that case (the pool synchronizes before writing).
+                scatter_into_flat(dst.view(base.dtype), range_views(base, start, stop))
+        except RuntimeError as e:
+            raise self._unreadable(e) from e
+        finally:
+            self._staged_one()
 
-def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.device == b.device and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+    def _unreadable(self, e: Exception) -> UnsupportedValueError:
+        return UnsupportedValueError(
+            f"{self.path}: cannot read this {dtype_name(self.dtype)} tensor on "
+            f"{self.tensor.device}: {e}"
+        )
 
-
-def plan_take(
-    states: Iterable[tuple[str, Any]],
-    *,
-    rank: int,
-    prepare: PrepareFunc | None,
-    replicated: Sequence[str],
-    inline_max_bytes: int,
-    layout: Layout,
-    copy_tensors: bool = False,
-) -> TakePlan:
-    """``collect`` then ``place`` for one process: every replicated payload is its own."""
-    collected = collect(
-        states,
-        rank=rank,
-        prepare=prepare,
-        replicated=replicated,
-        inline_max_bytes=inline_max_bytes,
-        chunk_bytes=layout.chunk_bytes,
-        copy_tensors=copy_tensors,
-    )
-    writers = {(p.logical, p.index): rank for p in collected.payloads if p.replicated}
-    return place(collected, rank=rank, layout=layout, writer_of=writers)
+    def _staged_one(self) -> None:
+        self.remaining -= 1
+        if self.remaining == 0:
+            self._base = None
 
 
 # ---------------------------------------------------------------------------------------------

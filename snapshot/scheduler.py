@@ -202,8 +202,9 @@ class WriteRequest:
 
     ``stage`` runs on the caller's thread and returns the buffers to write (their concatenation
     is the blob, ``nbytes`` long) and an object to keep alive until the write is done (the tensor
-    the buffers view). ``staging_bytes`` is the memory ``stage`` allocates, held against the
-    budget until the write completes: 0 for zero-copy views.
+    the buffers view, or a pooled buffer's lease, released when the write is done).
+    ``staging_bytes`` is the memory ``stage`` allocates, held against the budget until the
+    write completes: 0 for zero-copy views.
     """
 
     blob: str
@@ -324,7 +325,7 @@ class WritePipeline:
             item = await self._queue.get()
             if item is None:
                 return
-            req, buffers, _keepalive = item
+            req, buffers, keepalive = item
             try:
                 if self._error is None:
                     await self._plugin.write(req.blob, buffers)
@@ -333,6 +334,8 @@ class WritePipeline:
             except Exception as e:
                 self._fail(_storage_error(self._plugin, "write", req.blob, req.label, e))
             finally:
+                del buffers
+                _release(keepalive)
                 self.budget.release(req.staging_bytes)
 
     def _fail(self, error: BaseException) -> None:
@@ -399,12 +402,21 @@ class WritePipeline:
 
     def abort(self, error: BaseException) -> None:
         """Stops writing (what is queued is dropped) and waits for the workers to stop."""
+        for _, _, keepalive in self._batch:
+            _release(keepalive)
         self._batch = []
         self._loop.call_soon_threadsafe(self._fail, error)
         try:
             run(self._drain())
         except Exception:  # the workers record errors; nothing more to report here
             logger.debug("error while draining aborted writes", exc_info=True)
+
+
+def _release(keepalive: object) -> None:
+    """Gives back a staged write's pooled buffer (a ``Lease``), if it has one."""
+    release = getattr(keepalive, "release", None)
+    if release is not None:
+        release()
 
 
 # ---------------------------------------------------------------------------------------------

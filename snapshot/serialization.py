@@ -116,15 +116,6 @@ def copy_elements(target: torch.Tensor, start: int, stop: int, flat: torch.Tenso
         pos += n
 
 
-def copy_bytes(t: torch.Tensor) -> torch.Tensor:
-    """A new contiguous CPU tensor with the same bytes as the contiguous CPU tensor ``t``, copied
-    as raw bytes (which works for dtypes torch has no copy kernel for)."""
-    out = torch.empty(t.shape, dtype=t.dtype)
-    if t.numel():
-        out.view(-1).view(torch.uint8).copy_(t.reshape(-1).view(torch.uint8))
-    return out
-
-
 def encode_object(obj: object) -> bytes:
     """Serializes a non-tensor, non-primitive value with ``torch.save``."""
     buf = io.BytesIO()

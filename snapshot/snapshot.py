@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -11,8 +10,9 @@ import torch
 from manifest import Entry, Manifest
 from snapshot import dist, operations
 from snapshot.errors import SnapshotError
-from snapshot.pending import PendingSnapshot
-from snapshot.scheduler import io_loop
+from snapshot.pending import AsyncRequest, PendingSnapshot, default_queue
+from snapshot.scheduler import run
+from snapshot.staging import default_pool
 
 T = TypeVar("T")
 
@@ -133,11 +133,14 @@ class Snapshot:
             replicated=replicated or [],
             storage_options=storage_options,
             prepare=_custom_tensor_prepare_func,
-            copy_tensors=True,
+            pool=default_pool(),
         )
         job.start()
-        future = asyncio.run_coroutine_threadsafe(job.complete(), io_loop())
-        return PendingSnapshot(path, pg, storage_options, future)
+        queue = default_queue()
+        # The queue's one thread runs the commits in order; each waits on the I/O loop, where
+        # this snapshot's writes are already under way.
+        index = queue.schedule_async_request(AsyncRequest(async_fn=lambda: run(job.complete())))
+        return PendingSnapshot(job.path, pg, storage_options, queue, index)
 
     def restore(self, app_state: dict[str, Any]) -> None:
         """Restores ``app_state`` (the one taken, or a subset of its keys) from the snapshot.

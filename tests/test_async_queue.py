@@ -1,0 +1,174 @@
+"""AsyncRequest, AsyncCallsQueue and the staging pool under async take."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+from snapshot import Snapshot, SnapshotError, StateDict
+from snapshot.pending import AsyncCallsQueue, AsyncRequest
+from snapshot.staging import StagingPool, default_pool
+
+
+def test_requests_run_in_order_and_finalize_in_order():
+    queue = AsyncCallsQueue()
+    log: list[str] = []
+    gate = threading.Event()
+
+    def work(name: str, wait: bool) -> None:
+        if wait:
+            assert gate.wait(10)
+        log.append(f"run {name}")
+
+    first = queue.schedule_async_request(
+        AsyncRequest(work, ("a", True), finalize_fns=(lambda: log.append("fin a"),))
+    )
+    second = queue.schedule_async_request(
+        AsyncRequest(work, ("b", False)).add_finalize_fn(lambda: log.append("fin b"))
+    )
+    assert (first, second) == (0, 1)
+    assert queue.maybe_finalize_async_calls(blocking=False) == []  # "a" is still running
+    assert log == [] and queue.get_num_unfinalized_calls() == 2
+    gate.set()
+    assert queue.maybe_finalize_async_calls(blocking=True, up_to=0) == [0]
+    assert queue.maybe_finalize_async_calls(blocking=True) == [1]
+    assert log == ["run a", "run b", "fin a", "fin b"]  # one at a time, in order
+    queue.close()
+
+
+def test_a_failed_call_raises_once_and_skips_its_finalizers():
+    queue = AsyncCallsQueue()
+    ran = []
+
+    def boom() -> None:
+        raise OSError("disk gone")
+
+    queue.schedule_async_request(AsyncRequest(boom, finalize_fns=(lambda: ran.append("no"),)))
+    queue.schedule_async_request(AsyncRequest(None, finalize_fns=(lambda: ran.append("yes"),)))
+    with pytest.raises(SnapshotError, match="async call 0 failed: OSError: disk gone") as info:
+        queue.maybe_finalize_async_calls(blocking=True)
+    assert isinstance(info.value.__cause__, OSError)
+    assert queue.maybe_finalize_async_calls(blocking=True) == [1]
+    assert ran == ["yes"]
+    queue.close()
+
+
+def test_requests_are_frozen_once_scheduled_and_can_run_synchronously():
+    calls = []
+    request = AsyncRequest(lambda x: calls.append(x), (1,), (lambda: calls.append("fin"),))
+    assert request.execute_sync() is None and calls == [1, "fin"]
+    frozen = request.freeze()
+    with pytest.raises(SnapshotError, match="already scheduled"):
+        frozen.add_finalize_fn(lambda: None)
+
+
+def test_pool_size_classes_and_reuse():
+    pool = StagingPool(keep_bytes=1 << 20, pin=False)
+    assert [StagingPool.size_class(n) for n in (1, 65536, 65537, 100_000, 3 << 20)] == [
+        65536,
+        65536,
+        98304,
+        131072,
+        3 << 20,
+    ]
+    lease = pool.acquire(70_000)
+    assert lease.tensor.numel() == 70_000 and len(lease.view) == 70_000
+    block = lease.tensor.data_ptr()
+    lease.release()
+    lease.release()  # twice is harmless
+    again = pool.acquire(90_000)  # same size class: the same memory comes back
+    assert again.tensor.data_ptr() == block and pool.allocated_bytes == 98304
+    again.release()
+    big = pool.acquire(2 << 20)
+    big.release()  # more than the pool keeps: handed back to the allocator
+    assert pool.free_bytes == 98304
+
+
+def _state(seed: int) -> StateDict:
+    g = torch.Generator().manual_seed(seed)
+    return StateDict(
+        {f"w{i}": torch.randn(256, 256, generator=g) for i in range(4)}
+        | {f"b{i}": torch.randn(64, generator=g) for i in range(50)}
+    )
+
+
+def test_later_async_snapshots_reuse_the_staging_buffers(tmp_path):
+    pool = default_pool()
+    pool.clear()
+    state = _state(0)
+    allocated = []
+    for i in range(10):
+        for t in state.values():
+            t.add_(1)
+        Snapshot.async_take(str(tmp_path / f"s{i}"), {"s": state}).wait()
+        allocated.append(pool.allocated_bytes)
+    assert allocated[0] > 0 and allocated[-1] == allocated[0]  # nothing new after the first
+    out = Snapshot(str(tmp_path / "s9")).read_object("0/s/w3")
+    assert torch.equal(out, state["w3"])
+
+
+def test_pending_snapshots_commit_in_order(tmp_path, monkeypatch):
+    from storage_plugins import register_storage_plugin, unregister_storage_plugin
+    from tests.test_async_take import GATE, GatedPlugin
+
+    GATE.clear()
+    register_storage_plugin("gated", GatedPlugin)
+    try:
+        slow = Snapshot.async_take(f"gated://{tmp_path / 'first'}", {"s": _state(1)})
+        fast = Snapshot.async_take(str(tmp_path / "second"), {"s": _state(2)})
+        deadline = time.monotonic() + 30
+        while not list((tmp_path / "second").glob("0/*")) and time.monotonic() < deadline:
+            time.sleep(0.01)  # the second snapshot's blobs are written meanwhile...
+        assert list((tmp_path / "second").glob("0/*"))
+        time.sleep(0.2)
+        assert not (tmp_path / "second" / "manifest.yaml").exists()  # ...but it commits second
+        assert not fast.done() and not slow.done()
+    finally:
+        GATE.set()
+        unregister_storage_plugin("gated")
+    slow.wait(timeout=60)
+    fast.wait(timeout=60)
+    first_commit = (tmp_path / "first" / "manifest.yaml").stat().st_mtime_ns
+    assert first_commit <= (tmp_path / "second" / "manifest.yaml").stat().st_mtime_ns
+
+
+def test_dropping_an_unfinished_handle_warns(tmp_path, caplog):
+    from storage_plugins import register_storage_plugin, unregister_storage_plugin
+    from tests.test_async_take import GATE, GatedPlugin
+
+    GATE.clear()
+    register_storage_plugin("gated", GatedPlugin)
+    try:
+        pending = Snapshot.async_take(f"gated://{tmp_path / 's'}", {"s": _state(3)})
+        with caplog.at_level(logging.WARNING, logger="snapshot.pending"):
+            del pending
+        assert "garbage-collected before it finished" in caplog.text
+    finally:
+        GATE.set()
+        unregister_storage_plugin("gated")
+    deadline = time.monotonic() + 30
+    while not (tmp_path / "s" / "manifest.yaml").exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert Snapshot(str(tmp_path / "s")).get_manifest()  # committed all the same
+
+
+def test_process_exit_waits_for_a_pending_snapshot(tmp_path):
+    path = tmp_path / "s"
+    script = f"""
+import torch
+from snapshot import Snapshot, StateDict
+Snapshot.async_take({str(path)!r}, {{"s": StateDict(t=torch.arange(1_000_000))}})
+print("returned")
+"""
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "returned"
+    assert torch.equal(Snapshot(str(path)).read_object("0/s/t"), torch.arange(1_000_000))
