@@ -72,11 +72,11 @@ class Coordinator:
 class GroupCoordinator(Coordinator):
     """The ranks of a ``torch.distributed`` process group."""
 
-    def __init__(self, pg: Any | None) -> None:
+    def __init__(self, pg: Any | None, *, background: bool = False) -> None:
         self.pg = pg
         self.rank = dist.get_rank(pg)
         self.world_size = dist.get_world_size(pg)
-        self.group = _gloo_group(pg)
+        self.group = _gloo_group(pg, background=background)
 
     def all_gather(self, value: Any) -> list[Any]:
         out: list[Any] = [None] * self.world_size
@@ -94,16 +94,18 @@ class GroupCoordinator(Coordinator):
         return dist.get_global_rank(self.group, group_rank)
 
 
-# Per caller group (by id, holding the group so the id stays its own), the gloo group the library
-# coordinates on.
-_gloo_groups: dict[int, tuple[Any, Any]] = {}
+# Per caller group (by id, holding the group so the id stays its own) and use, the gloo group the
+# library coordinates on.
+_gloo_groups: dict[tuple[int, bool], tuple[Any, Any]] = {}
 
 
-def _gloo_group(pg: Any | None) -> Any:
+def _gloo_group(pg: Any | None, *, background: bool) -> Any:
+    """The caller's group when it is gloo (and not for background use), else a gloo group over
+    the same ranks made for the library, once per caller group and use."""
     group = pg if pg is not None else dist.group.WORLD
-    if dist.get_backend(group) == "gloo":
+    if not background and dist.get_backend(group) == "gloo":
         return group
-    cached = _gloo_groups.get(id(group))
+    cached = _gloo_groups.get((id(group), background))
     if cached is None:
         # A collective over the group's ranks: every rank is in take/restore, so all call it.
         gloo = dist.new_group(
@@ -111,8 +113,19 @@ def _gloo_group(pg: Any | None) -> Any:
             backend="gloo",
             timeout=datetime.timedelta(seconds=knobs.collective_timeout_secs()),
         )
-        cached = _gloo_groups[id(group)] = (group, gloo)
+        cached = _gloo_groups[(id(group), background)] = (group, gloo)
     return cached[1]
+
+
+def resolve_background(pg: Any | None) -> Coordinator:
+    """Like ``resolve``, but on a gloo group used by nothing else: the one background work
+    (async take's commit) agrees on, while the caller's thread goes on using its own group.
+
+    Creating that group is itself a collective, so call this on the caller's thread, on every
+    rank, at the same point (async take does, when it is called).
+    """
+    coord = resolve(pg)
+    return GroupCoordinator(pg, background=True) if coord.world_size > 1 else coord
 
 
 def resolve(pg: Any | None) -> Coordinator:

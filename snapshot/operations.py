@@ -150,8 +150,8 @@ class TakeJob:
     copied into pooled buffers); otherwise the caller must not change them until the take is
     done.
 
-    Then either ``finish`` (caller's thread; any number of ranks) or ``complete`` (on the I/O
-    loop; one process, for async take) waits for the writes and commits the manifest.
+    Then ``finish`` (on the caller's thread for take, on a background thread for async take)
+    waits for the writes and commits the manifest.
 
     Across ranks, three agreement points carry each rank's outcome (``Coordinator.agree``):
     after capture (rank 0's path, existence check and layout; every rank's replicated entries),
@@ -309,13 +309,17 @@ class TakeJob:
 
     # -- writing and commit -----------------------------------------------------------------
 
-    def finish(self) -> Manifest | None:
+    def finish(self, coordinator: Coordinator | None = None) -> Manifest | None:
         """Waits for this rank's writes, agrees with the others, and commits (rank 0).
+
+        ``coordinator`` is whom to agree with: by default the one of ``start``; async take
+        passes one on a group of its own, so that this (on a background thread) never runs a
+        collective on a group the caller's thread may be using.
 
         Returns the committed manifest on rank 0, None on the other ranks (which read it from
         storage when they need it).
         """
-        coord = self.coordinator
+        coord = coordinator or self.coordinator
         assert self.plan is not None
         stats = None
         error = self._error
@@ -351,25 +355,6 @@ class TakeJob:
         run(self.plugin.close())
         assert stats is not None
         self._log(stats, t_written, len(result.entries) if result else len(self.plan.entries))
-        return result
-
-    async def complete(self) -> Manifest:
-        """``finish`` for one process, on the I/O loop (no collectives: async take)."""
-        assert self.pipeline is not None and self.plan is not None and self.plugin is not None
-        try:
-            if self._error is not None:
-                raise self._error
-            stats = await self.pipeline.wait()
-            t_written = time.perf_counter()
-            with _gc_paused():
-                result = self._manifest([self.plan.entries])
-                data = mf.dumps(result)
-            await _commit(self.plugin, data)
-        except BaseException:
-            await self._cleanup()
-            raise
-        await self.plugin.close()
-        self._log(stats, t_written, len(result.entries))
         return result
 
     def _manifest(self, parts: Sequence[Mapping[str, Entry]]) -> Manifest:

@@ -9,9 +9,7 @@ import torch
 
 from manifest import Entry, Manifest
 from snapshot import dist, operations
-from snapshot.errors import SnapshotError
 from snapshot.pending import AsyncRequest, PendingSnapshot, default_queue
-from snapshot.scheduler import run
 from snapshot.staging import default_pool
 
 T = TypeVar("T")
@@ -121,11 +119,7 @@ class Snapshot:
         background work are raised by :meth:`PendingSnapshot.wait`.
         """
         coordinator = dist.resolve(pg)
-        if coordinator.world_size > 1:
-            raise SnapshotError(
-                f"snapshot {path}: async_take across a process group of "
-                f"{coordinator.world_size} ranks is not supported yet; use Snapshot.take"
-            )
+        background = dist.resolve_background(pg)
         job = operations.TakeJob(
             path,
             app_state,
@@ -137,9 +131,12 @@ class Snapshot:
         )
         job.start()
         queue = default_queue()
-        # The queue's one thread runs the commits in order; each waits on the I/O loop, where
-        # this snapshot's writes are already under way.
-        index = queue.schedule_async_request(AsyncRequest(async_fn=lambda: run(job.complete())))
+        # The queue's one thread runs the commits in order; each waits for this snapshot's
+        # writes (already under way on the I/O loop), then agrees with the other ranks on a
+        # group of its own, and commits.
+        index = queue.schedule_async_request(
+            AsyncRequest(async_fn=job.finish, async_fn_args=(background,))
+        )
         return PendingSnapshot(job.path, pg, storage_options, queue, index)
 
     def restore(self, app_state: dict[str, Any]) -> None:

@@ -252,16 +252,62 @@ def test_rank_zeros_path_wins(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["snap-of-rank-0"]
 
 
-def _async_across_ranks(rank: int, world: int, path: str) -> str:
+# -- async take across ranks ------------------------------------------------------------------
+
+
+def _async_consistent(rank: int, world: int, base: str) -> None:
+    m = model(seed=0)
+    own = StateDict(t=torch.full((1000,), float(rank)), step=rank)
+    expected = {k: v.clone() for k, v in m.state_dict().items()}
+    first = Snapshot.async_take(f"{base}/a", {"model": m, "own": own}, replicated=["model/**"])
+    # Training goes on at once, collectives on the default group included.
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(1.0)
+    own["t"].mul_(-1)
+    own["step"] = -1
+    x = torch.ones(4)
+    dist.all_reduce(x)
+    assert torch.equal(x, torch.full((4,), float(world)))
+    second = Snapshot.async_take(f"{base}/b", {"model": m, "own": own}, replicated=["model/**"])
+    snap_a, snap_b = first.wait(timeout=120), second.wait(timeout=120)
+    restored, out = model(seed=7), StateDict()
+    snap_a.restore({"model": restored, "own": out})
+    for k, v in restored.state_dict().items():
+        assert torch.equal(v, expected[k]), k
+    assert out["step"] == rank and torch.equal(out["t"], torch.full((1000,), float(rank)))
+    assert snap_b.get_manifest()[f"{rank}/own/step"].value == -1
+
+
+def test_async_take_across_ranks(tmp_path):
+    run_ranks(2, _async_consistent, str(tmp_path))
+    manifest = Snapshot(str(tmp_path / "a")).get_manifest()
+    assert manifest["1/model/0.weight"].chunks == manifest["0/model/0.weight"].chunks
+    first = (tmp_path / "a" / "manifest.yaml").stat().st_mtime_ns
+    assert first <= (tmp_path / "b" / "manifest.yaml").stat().st_mtime_ns
+
+
+def _async_fails_on_one_rank(rank: int, world: int, inner: str) -> str:
+    from storage_plugins import register_storage_plugin
+    from tests.plugins import FAULTS, FaultyPlugin
+
+    register_storage_plugin("faulty", FaultyPlugin)
+    if rank == 1:
+        FAULTS[inner] = lambda verb, p: (
+            OSError(errno.EIO, "I/O error") if (verb == "write" and p.startswith("1/")) else None
+        )
+    pending = Snapshot.async_take(f"faulty://{inner}", {"s": StateDict(t=torch.full((9,), rank))})
     try:
-        Snapshot.async_take(path, {"s": StateDict(r=rank)})
-    except SnapshotError as e:
+        pending.wait(timeout=120)
+    except RankFailedError as e:
         return str(e)
-    raise AssertionError("async_take across ranks did not refuse")
+    raise AssertionError("async take did not fail")
 
 
-def test_async_take_across_ranks_is_refused_clearly(tmp_path):
-    messages = run_ranks(2, _async_across_ranks, str(tmp_path / "snap"))
-    assert all(
-        "async_take across a process group of 2 ranks is not supported" in m for m in messages
-    )
+def test_async_take_error_on_one_rank_fails_every_rank(tmp_path):
+    inner = str(tmp_path / "snap")
+    messages = run_ranks(2, _async_fails_on_one_rank, inner)
+    for message in messages:
+        assert "take: writing failed on rank(s) [1]" in message and "I/O error" in message
+    with pytest.raises(SnapshotNotFoundError):
+        Snapshot(inner)
