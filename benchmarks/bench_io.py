@@ -1,5 +1,6 @@
 """Save/restore benchmarks of statesnap against raw file I/O, torch.save, DCP, safetensors and
-torchsnapshot. Prints paste-ready markdown tables; see benchmarks/README.md.
+torchsnapshot, in one process or across a process group. Prints paste-ready markdown tables;
+see benchmarks/README.md.
 
 Every measured operation runs in a fresh process (``benchmarks.worker``); methods are
 interleaved in rounds (A B C ... A B C ...), and tables give medians over the rounds together
@@ -14,6 +15,9 @@ Cases (``--case``):
   read-object     one 4 KiB tensor out of a 2 GiB snapshot: bytes read and time, separately
                   for Snapshot(path) (reads the manifest) and read_object.
   scaling         10,000 vs 100,000 leaves: take, restore, Snapshot(path)+get_manifest.
+  dist            a process group of 1, 2 and 4 ranks (gloo, CPU, real processes): statesnap
+                  take/restore with the model marked replicated against DCP save/load, which
+                  also writes keys that every rank has once; time statesnap ÷ DCP per world size.
 
 Example: ``python -m benchmarks.bench_io --case main --size 512MiB --reps 1``.
 """
@@ -21,6 +25,7 @@ Example: ``python -m benchmarks.bench_io --case main --size 512MiB --reps 1``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -50,7 +55,16 @@ from benchmarks.common import (
     parse_size,
     resident_fraction,
 )
-from benchmarks.methods import READERS, WRITERS, readers_of
+from benchmarks.methods import (
+    GROUP_READERS,
+    GROUP_WRITERS,
+    READERS,
+    REPLICATED,
+    WRITERS,
+    Reader,
+    Writer,
+    readers_of,
+)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_METHODS = ["raw", "torch.save", "dcp", "safetensors", "torchsnapshot", "statesnap"]
@@ -122,58 +136,117 @@ CaseResult = tuple[list[Row], list[str]]
 
 
 class Runner:
-    """Starts one worker process per job, each in its own session, and never leaves one behind.
+    """Starts one worker process per job (or, for a job of a process group, one per rank), each
+    in its own session, and never leaves one behind.
 
     Data lives in ``<dir>/run-<pid>/``, removed on exit (also on Ctrl-C and SIGTERM).
     """
 
-    def __init__(self, directory: str, timeout: float, base_env: dict[str, str]) -> None:
+    def __init__(
+        self, directory: str, timeout: float, base_env: dict[str, str], group_grace: float = 120.0
+    ) -> None:
         self.created_dir = not os.path.isdir(directory)
         os.makedirs(directory, exist_ok=True)
         self.directory = directory
         self.run_dir = os.path.join(directory, f"run-{os.getpid()}")
         os.makedirs(self.run_dir)
         self.timeout = timeout
+        self.group_grace = group_grace
         self.base_env = base_env
-        self.proc: subprocess.Popen[bytes] | None = None
+        self.procs: list[subprocess.Popen[bytes]] = []
         self.n = 0
 
     def data_dir(self, name: str) -> str:
         return os.path.join(self.run_dir, re.sub(r"[^A-Za-z0-9.]+", "-", name))
 
     def job(self, job: dict[str, Any], env: dict[str, str]) -> dict[str, Any]:
-        self.n += 1
-        stem = os.path.join(self.run_dir, f"job{self.n}")
-        job = {**job, "result": stem + ".result.json"}
-        with open(stem + ".json", "w") as f:
-            json.dump(job, f)
+        """Runs one measured operation and returns its result.
+
+        When the job's state names a ``world_size``, that many workers run it as the ranks of
+        one gloo process group (a FileStore in the run directory, new for every operation), and
+        their results are merged by :func:`merge_ranks`.
+        """
+        world_size = int(job.get("state", {}).get("world_size") or 0)
+        if not world_size:
+            return self._run([job], env)[0]
+        store = os.path.join(self.run_dir, f"store{self.n + 1}")
+        ranks = [
+            {**job, "rank": r, "world_size": world_size, "store": store} for r in range(world_size)
+        ]
+        try:
+            return merge_ranks(self._run(ranks, env))
+        finally:
+            if os.path.exists(store):
+                os.remove(store)
+
+    def _run(self, jobs: Sequence[dict[str, Any]], env: dict[str, str]) -> list[dict[str, Any]]:
+        """Starts a worker per job, all at once, waits for all of them; their results in order."""
+        stems = []
+        for job in jobs:
+            self.n += 1
+            stem = os.path.join(self.run_dir, f"job{self.n}")
+            with open(stem + ".json", "w") as f:
+                json.dump({**job, "result": stem + ".result.json"}, f)
+            stems.append(stem)
         child_env = {**os.environ, **self.base_env, **env}
-        with open(stem + ".log", "wb") as log:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "benchmarks.worker", stem + ".json"],
-                cwd=REPO,
-                env=child_env,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
+        with contextlib.ExitStack() as logs:
             try:
-                rc = self.proc.wait(timeout=self.timeout)
-            except subprocess.TimeoutExpired:
-                self.kill()
-                rc = None
-            except BaseException:  # Ctrl-C or SIGTERM: the worker is in its own session
+                for stem in stems:
+                    log = logs.enter_context(open(stem + ".log", "wb"))
+                    self.procs.append(
+                        subprocess.Popen(
+                            [sys.executable, "-m", "benchmarks.worker", stem + ".json"],
+                            cwd=REPO,
+                            env=child_env,
+                            stdout=log,
+                            stderr=subprocess.STDOUT,
+                            start_new_session=True,
+                        )
+                    )
+                killed = self._wait()
+                codes = [p.returncode for p in self.procs]
+            except BaseException:  # Ctrl-C or SIGTERM: each worker is in its own session
                 self.kill()
                 raise
             finally:
-                self.proc = None
+                self.procs = []
+        return [
+            self._result(stem, why or f"exit code {code}")
+            for stem, why, code in zip(stems, killed, codes, strict=True)
+        ]
+
+    def _wait(self) -> list[str | None]:
+        """Waits for every running worker. Kills those still running after ``timeout``, or
+        ``group_grace`` seconds after another worker of the same operation exited (a rank that
+        died leaves the others waiting in a collective). Per worker: why it was killed, or
+        None."""
+        start = time.monotonic()
+        first_exit: float | None = None
+        while True:
+            codes = [p.poll() for p in self.procs]
+            if all(c is not None for c in codes):
+                return [None] * len(codes)
+            now = time.monotonic()
+            if first_exit is None and any(c is not None for c in codes):
+                first_exit = now
+            why = None
+            if now - start > self.timeout:
+                why = f"timed out after {self.timeout:.0f} s"
+            elif first_exit is not None and now - first_exit > self.group_grace:
+                why = f"still running {self.group_grace:.0f} s after another rank exited"
+            if why is not None:
+                self.kill()
+                return [why if c is None else None for c in codes]
+            time.sleep(0.02)
+
+    def _result(self, stem: str, why: str) -> dict[str, Any]:
+        """The worker's result file, or a failure built from its log; removes its files."""
         try:
-            with open(job["result"]) as f:
+            with open(stem + ".result.json") as f:
                 result: dict[str, Any] = json.load(f)
         except (OSError, ValueError):
             with open(stem + ".log", "rb") as f:
                 tail = f.read()[-600:].decode(errors="replace").strip().splitlines()
-            why = f"timed out after {self.timeout:.0f} s" if rc is None else f"exit code {rc}"
             result = {"ok": False, "error": f"worker {why}: {' | '.join(tail[-3:])}"}
         for suffix in (".json", ".result.json", ".log"):
             if os.path.exists(stem + suffix):
@@ -181,14 +254,14 @@ class Runner:
         return result
 
     def kill(self) -> None:
-        """Kills the running worker's process group (by its id) and reaps it."""
-        proc = self.proc
-        if proc is not None and proc.poll() is None:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            proc.wait()
+        """Kills each running worker's process group (by its id) and reaps it."""
+        for proc in self.procs:
+            if proc.poll() is None:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                proc.wait()
 
     def close(self) -> None:
         self.kill()
@@ -198,6 +271,79 @@ class Runner:
                 os.rmdir(self.directory)
             except OSError:
                 pass
+
+
+def merge_ranks(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """One result for an operation of a process group, from each rank's.
+
+    It is ok when every rank's is; seconds, peak RSS and baseline RSS are the largest of any
+    rank, bytes on disk and the payload rank 0's, I/O counters the sum over ranks; each rank's
+    own figures (and any error with its traceback) are kept under ``ranks``.
+    """
+    per_rank = [
+        {
+            "rank": r,
+            **{
+                k: res.get(k)
+                for k in (
+                    "ok",
+                    "seconds",
+                    "own_seconds",
+                    "peak_rss_above_baseline",
+                    "io",
+                    "check",
+                    "in_place",
+                    "error",
+                    "traceback",
+                )
+                if k in res
+            },
+        }
+        for r, res in enumerate(results)
+    ]
+    failed = [(r, res) for r, res in enumerate(results) if not res.get("ok")]
+    if failed:
+        # A rank that died or was killed first: the others' errors are usually its echo.
+        r, res = min(failed, key=lambda f: not str(f[1].get("error", "")).startswith("worker "))
+        others = f" (ranks {[f[0] for f in failed]} of {len(results)} failed)"
+        return {
+            "ok": False,
+            "error": f"rank {r}: {res.get('error', 'no result')}{others}",
+            "ranks": per_rank,
+        }
+    checks = [res.get("check") or {"ok": True, "detail": ""} for res in results]
+    bad = [(r, c) for r, c in enumerate(checks) if not c.get("ok")]
+    if bad:
+        check = {"ok": False, "detail": f"rank {bad[0][0]}: {bad[0][1].get('detail')}"}
+    elif all(c.get("detail") == checks[0].get("detail") for c in checks):
+        inner = str(checks[0].get("detail", "")).removeprefix("ok ").strip("()")
+        who = f"each of {len(results)} ranks" if len(results) > 1 else "1 rank"
+        check = {"ok": True, "detail": f"ok ({who}: {inner})"}
+    else:
+        check = {
+            "ok": True,
+            "detail": "ok ("
+            + "; ".join(
+                f"rank {r}: {str(c.get('detail')).removeprefix('ok ').strip('()')}"
+                for r, c in enumerate(checks)
+            )
+            + ")",
+        }
+    flags = {res.get("in_place") for res in results}
+    ios = [res["io"] for res in results if res.get("io")]
+    return {
+        "ok": True,
+        "seconds": max(res["seconds"] for res in results),
+        "payload_bytes": results[0].get("payload_bytes", 0),
+        "peak_rss_above_baseline": max(res["peak_rss_above_baseline"] for res in results),
+        "baseline_rss": max(res["baseline_rss"] for res in results),
+        "rss_method": results[0].get("rss_method"),
+        "disk": results[0].get("disk"),
+        "io": {k: sum(io[k] for io in ios) for k in ios[0]} if ios else None,
+        "check": check,
+        "in_place": flags.pop() if len(flags) == 1 else False,
+        "ranks": per_rank,
+    }
 
 
 def _log(message: str) -> None:
@@ -238,7 +384,16 @@ def _row(
         extra={
             k: v
             for k, v in result.items()
-            if k in ("io", "phases", "manifest_bytes", "snapshot_bytes", "rss_method")
+            if k
+            in (
+                "io",
+                "phases",
+                "manifest_bytes",
+                "snapshot_bytes",
+                "rss_method",
+                "ranks",
+                "traceback",
+            )
         }
         | (extra or {}),
     )
@@ -435,12 +590,16 @@ def op_table(
 
 
 def state_tables(
-    rows: Sequence[Row], state: str, modes: Sequence[str], temps: Sequence[str]
+    rows: Sequence[Row],
+    state: str,
+    modes: Sequence[str],
+    temps: Sequence[str],
+    refs: Sequence[str] = ("raw", "statesnap"),
 ) -> list[str]:
     out: list[str] = []
     mine = [r for r in rows if r.state == state]
     for op, mode in [("take", m) for m in modes] + [("restore", t) for t in temps]:
-        table = op_table(mine, op, mode)
+        table = op_table(mine, op, mode, refs)
         if table:
             out += ["", f"**{MODE_TITLES[mode]}**", "", *table]
     return out
@@ -744,15 +903,176 @@ def case_scaling(args: argparse.Namespace, runner: Runner, env: dict[str, str]) 
     return rows, out
 
 
-def _method_notes(variants: Sequence[Variant]) -> str:
+# ---------------------------------------------------------------------------------------------
+# dist: a process group of world_size ranks on this machine.
+
+
+SHORT_TITLES = {
+    "cache": "take to page cache",
+    "fsync": "take fsync'd",
+    "warm": "restore warm",
+    "cold": "restore cold",
+}
+
+
+def _mib(nbytes: float) -> str:
+    """MiB with one decimal, for byte counts compared across methods."""
+    return f"{nbytes / MIB:,.1f} MiB"
+
+
+def _per_rank(rows: Sequence[Row], key: Any) -> list[float]:
+    """Median over the rounds that worked of ``key(one rank's figures)``, per rank, rank 0
+    first."""
+    by_rank: dict[int, list[float]] = {}
+    for r in rows:
+        for fig in r.extra.get("ranks", []):
+            value = key(fig)
+            if r.ok and value is not None:
+                by_rank.setdefault(fig["rank"], []).append(value)
+    return [statistics.median(by_rank[k]) for k in sorted(by_rank)]
+
+
+def dist_tables(
+    rows: Sequence[Row],
+    states: Sequence[StateCase],
+    num: str,
+    den: str,
+    ops: Sequence[tuple[str, str]],
+) -> list[str]:
+    """The dist case's summary: time ``num`` ÷ ``den`` per world size and op, bytes on disk
+    against the expected (model once, each rank's own state once per rank), and per-rank
+    figures."""
+    out = [
+        "",
+        f"**{num} ÷ {den}** (median of the per-round ratios, each round in parentheses; below 1 "
+        f"means {num} is faster; seconds are the medians, each the slowest rank's time from a "
+        "barrier before the call to a barrier after it)",
+        "",
+        f"| world size | op | {num} s | {den} s | {num} ÷ {den} |",
+        "|---|---|---|---|---|",
+    ]
+    for st in states:
+        for op, mode in ops:
+            sel = [r for r in rows if r.state == st.label and (r.op, r.mode) == (op, mode)]
+            mine = [r for r in sel if r.label == num]
+            ref = [r for r in sel if r.label == den]
+            fails = [r for r in mine + ref if not r.ok]
+            note = f" — {_status(fails, op)} ({fails[0].label})" if fails else ""
+            med_num = _median(r.seconds for r in mine if r.ok and r.seconds)
+            med_den = _median(r.seconds for r in ref if r.ok and r.seconds)
+            out.append(
+                f"| {st.args['world_size']} | {SHORT_TITLES[mode]} | {fmt_s(med_num)} | "
+                f"{fmt_s(med_den)} | {_fmt_ratio(_round_ratios(mine, ref))}{note} |"
+            )
+    labels = list(_group(rows))
+    out += [
+        "",
+        "**Bytes on disk** after the take (every file under the snapshot directory; expected = "
+        "the model's tensors once + each rank's own tensors x world size, so a method that "
+        "wrote the model once per rank would show about world size x the model)",
+        "",
+        "| world size | expected | " + " | ".join(labels) + " |",
+        "|---|---|" + "---|" * len(labels),
+    ]
+    for st in states:
+        spec = build_spec(st.args)
+        model = spec.group_nbytes("model")
+        expected = model + st.args["world_size"] * (spec.nbytes - model)
+        cells = [str(st.args["world_size"]), _mib(expected)]
+        for label in labels:
+            takes = [r for r in rows if r.state == st.label and r.label == label and r.op == "take"]
+            disk = next((r.disk for r in reversed(takes) if r.ok and r.disk), None)
+            cells.append(
+                f"{_mib(disk['apparent'])} in {disk['files']} files "
+                f"({disk['apparent'] / expected:.3f}x expected)"
+                if disk
+                else "—"
+            )
+        out.append("| " + " | ".join(cells) + " |")
+    out += [
+        "",
+        "**Per rank** (medians over rounds, rank 0 first): how long each rank's own call took "
+        "(to its return, before the closing barrier), and what each rank wrote (take: `wchar`, "
+        "bytes through write calls) or read (restore: `rchar`, bytes through read calls, page "
+        "cache included)",
+        "",
+        "| world size | method | op | own call s per rank | bytes per rank |",
+        "|---|---|---|---|---|",
+    ]
+    for st in states:
+        if st.args["world_size"] < 2:
+            continue
+        for label in labels:
+            for op, mode in ops:
+                sel = [
+                    r
+                    for r in rows
+                    if r.state == st.label and r.label == label and (r.op, r.mode) == (op, mode)
+                ]
+                counter = "wchar" if op == "take" else "rchar"
+                secs = _per_rank(sel, lambda f: f.get("own_seconds"))
+                nbytes = _per_rank(sel, lambda f, c=counter: (f.get("io") or {}).get(c))
+                out.append(
+                    f"| {st.args['world_size']} | {label} | {op} {mode} | "
+                    f"{', '.join(fmt_s(x) for x in secs) or '—'} | "
+                    f"{counter} {', '.join(_mib(x) for x in nbytes) or '—'} |"
+                )
+    return out
+
+
+def case_dist(args: argparse.Namespace, runner: Runner, env: dict[str, str]) -> CaseResult:
+    size = (args.size or [GIB])[0]
+    states = [
+        StateCase(
+            f"world size {w}", {"kind": "dp", "size": size, "seed": args.seed, "world_size": w}
+        )
+        for w in args.worlds
+    ]
+    methods = args.methods or ["statesnap", "dcp"]
+    for m in methods:
+        if m not in GROUP_WRITERS:
+            raise SystemExit(
+                f"--case dist: unknown method {m!r}; known: {', '.join(GROUP_WRITERS)}"
+            )
+    variants = [Variant(m, m, [m], dict(env) if m == "statesnap" else {}) for m in methods]
+    rows = run_rounds(runner, "dist", states, variants, args.modes, args.temps, args.reps)
+    spec0 = build_spec({**states[0].args, "rank": 0})
+    model = spec0.group_nbytes("model")
+    own = spec0.nbytes - model
+    out = [
+        "",
+        f"World sizes {', '.join(str(w) for w in args.worlds)}: one gloo process group of "
+        "that many processes on this machine (CPU), new for every operation. Each rank holds "
+        f"the same model ({fmt_size(model)}, replicated: statesnap is told "
+        f"`replicated={REPLICATED}`) and its own state ({fmt_size(own)}, different on every "
+        f"rank). Rank 0: {describe_spec(spec0)}.",
+        "",
+        "GB/s: takes count the bytes the group must write (the model once, each rank's own "
+        "state once); restores the bytes loaded into every rank's tensors.",
+    ]
+    ops = [("take", m) for m in args.modes] + [("restore", t) for t in args.temps]
+    if "statesnap" in methods and "dcp" in methods:
+        out += dist_tables(rows, states, "statesnap", "dcp", ops)
+    for st in states:
+        out += ["", f"#### {st.label}"]
+        out += state_tables(rows, st.label, args.modes, args.temps, refs=("dcp", "statesnap"))
+    out += ["", _method_notes(variants, GROUP_WRITERS, GROUP_READERS)]
+    return rows, out
+
+
+def _method_notes(
+    variants: Sequence[Variant],
+    writers: dict[str, Writer] = WRITERS,
+    readers: dict[str, Reader] = READERS,
+) -> str:
     notes = []
     for v in variants:
-        w = WRITERS[v.writer]
+        w = writers[v.writer]
         notes.append(
             f"- {v.writer} take: {w.note}" + ("" if w.objects else "; Python objects not stored")
         )
         for r in v.readers:
-            notes.append(f"- {r} restore: {READERS[r].note}")
+            notes.append(f"- {r} restore: {readers[r].note}")
     return "Methods:\n" + "\n".join(notes)
 
 
@@ -762,6 +1082,7 @@ CASES = {
     "restore-memory": case_restore_memory,
     "read-object": case_read_object,
     "scaling": case_scaling,
+    "dist": case_dist,
 }
 
 CASE_DEFAULTS: dict[str, dict[str, Any]] = {
@@ -770,6 +1091,7 @@ CASE_DEFAULTS: dict[str, dict[str, Any]] = {
     "restore-memory": {"modes": ["cache"], "temps": ["warm"]},
     "read-object": {"modes": ["fsync"], "temps": ["cold", "warm"]},
     "scaling": {"modes": ["cache"], "temps": ["warm"]},
+    "dist": {"modes": ["cache", "fsync"], "temps": ["warm"]},
 }
 
 
@@ -796,7 +1118,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         action="append",
         metavar="SIZE",
         help="state size(s), e.g. 512MiB,2GiB (repeatable). main: 512MiB,2GiB; "
-        "many-small: total 200MiB; restore-memory, read-object: 2GiB",
+        "many-small: total 200MiB; restore-memory, read-object: 2GiB; dist: 1GiB (the model; "
+        "each rank's own state is a tenth of it)",
     )
     p.add_argument("--reps", type=int, default=3, help="rounds (median over them); default 3")
     p.add_argument(
@@ -828,6 +1151,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         type=lambda s: [int(x) for x in _csv(s)],
         default=[10_000, 100_000],
         help="scaling: leaf counts, e.g. 10000,100000",
+    )
+    p.add_argument(
+        "--worlds",
+        type=lambda s: [int(x) for x in _csv(s)],
+        default=[1, 2, 4],
+        help="dist: world sizes, e.g. 1,2,4 (that many processes per operation)",
     )
     p.add_argument(
         "--budget",

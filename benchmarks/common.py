@@ -15,6 +15,11 @@ States
                   strings, lists) in the optimizer group.
       ``tensors`` ``count`` fp32 tensors of equal size (``many-small``: 20,000; ``single``: 1).
       ``leaves``  ``leaves`` leaves: 90 % tiny fp32 tensors (16-256 elements), 10 % primitives.
+      ``dp``      one rank of a data-parallel job (the ``dist`` case): a ``model`` group that is the
+                  same on every rank (large fp32 weights and small fp32 norms/biases, seeded by
+                  ``seed`` only) and an ``optim`` group of about a tenth of its size that differs
+                  per rank (seeded by ``seed`` and ``rank``): two fp32 moment shards, a uint8 RNG
+                  state, int64 counters, and Python objects.
 
     Python objects only reach the methods that can store them (statesnap, torchsnapshot,
     torch.save, DCP); ``raw`` and safetensors store tensors only.
@@ -137,6 +142,10 @@ class StateSpec:
     def nbytes(self) -> int:
         """Tensor payload in bytes (what GB/s figures are computed from)."""
         return sum(t.nbytes for t in self.tensors)
+
+    def group_nbytes(self, group: str) -> int:
+        """Tensor payload of one group in bytes."""
+        return sum(t.nbytes for t in self.tensors if t.group == group)
 
     @property
     def groups(self) -> list[str]:
@@ -268,12 +277,72 @@ def _leaves_spec(leaves: int, seed: int) -> StateSpec:
     )
 
 
+# Share of the model's bytes that each rank's own state has in the ``dp`` kind.
+DP_RANK_SHARE = 0.10
+
+
+def _dp_spec(total: int, seed: int, rank: int, n_small: int) -> StateSpec:
+    rng = random.Random(seed)
+    model_seeds = iter(range(seed * 1_000_003 + 1, seed * 1_000_003 + 1_000_000))
+    # Per-rank seeds in a range of their own, so no rank shares a seed with the model.
+    rank_base = seed * 1_000_003 + 1_000_000 * (rank + 2)
+    rank_seeds = iter(range(rank_base, rank_base + 1_000_000))
+    cols = 1024
+    small: list[TensorSpec] = []
+    small_bytes = 0
+    for i in range(n_small):
+        # 4..64 KiB each (norm weights and biases); at most 1/64 of the model in all.
+        numel = rng.randint(1024, 16 * 1024)
+        if small_bytes + numel * 4 > total // 64:
+            break
+        kind = "norm.weight" if i % 2 == 0 else "bias"
+        small.append(
+            TensorSpec(
+                "model", f"layers.{i // 2}.{kind}", (numel,), torch.float32, next(model_seeds)
+            )
+        )
+        small_bytes += numel * 4
+    n_large = 8
+    rows = max(1, (total - small_bytes) // n_large // (cols * 4))
+    large = [
+        TensorSpec("model", f"layers.{i}.weight", (rows, cols), torch.float32, next(model_seeds))
+        for i in range(n_large)
+    ]
+    model_bytes = small_bytes + n_large * rows * cols * 4
+    moment_rows = max(1, int(model_bytes * DP_RANK_SHARE) // 2 // (cols * 4))
+    optim = [
+        TensorSpec("optim", f"state.{name}", (moment_rows, cols), torch.float32, next(rank_seeds))
+        for name in ("exp_avg_shard", "exp_avg_sq_shard")
+    ]
+    # torch.get_rng_state() is a 5056-byte uint8 tensor.
+    optim.append(TensorSpec("optim", "rng_state", (5056,), torch.uint8, next(rank_seeds)))
+    optim.append(TensorSpec("optim", "counters", (16,), torch.int64, next(rank_seeds)))
+    objects = {
+        "optim": {
+            "step": 12000 + seed,
+            "rank": rank,
+            "samples_seen": 3_072_000 + 17 * rank,
+            "lr": 3.0e-4,
+            "loader_position": [3, rank, 40_960 + rank],
+        }
+    }
+    tensors = tuple(large[:1] + small + large[1:] + optim)
+    return StateSpec(
+        f"data-parallel rank {rank}: model {fmt_size(model_bytes)} (replicated), own state "
+        f"{fmt_size(sum(t.nbytes for t in optim))}",
+        tensors,
+        objects,
+    )
+
+
 def build_spec(args: Mapping[str, Any]) -> StateSpec:
     """The state described by ``args`` (JSON-able, passed to workers):
 
     ``{"kind": "model", "size": bytes, "seed": 0, "n_small": 2000}``,
     ``{"kind": "tensors", "size": bytes, "count": 20000, "seed": 0}``,
-    ``{"kind": "leaves", "leaves": 10000, "seed": 0}``.
+    ``{"kind": "leaves", "leaves": 10000, "seed": 0}``,
+    ``{"kind": "dp", "size": bytes, "seed": 0, "rank": 0, "n_small": 192}`` (``size`` is the
+    model's; other keys, such as the ``world_size`` the harness adds, are ignored).
     """
     kind = args["kind"]
     seed = int(args.get("seed", 0))
@@ -283,6 +352,10 @@ def build_spec(args: Mapping[str, Any]) -> StateSpec:
         return _tensors_spec(int(args["size"]), int(args["count"]), seed)
     if kind == "leaves":
         return _leaves_spec(int(args["leaves"]), seed)
+    if kind == "dp":
+        return _dp_spec(
+            int(args["size"]), seed, int(args.get("rank", 0)), int(args.get("n_small", 192))
+        )
     raise ValueError(f"unknown state kind {kind!r}")
 
 
@@ -303,6 +376,8 @@ def make_tensor(spec: TensorSpec) -> torch.Tensor:
     n = flat.numel()
     if spec.dtype == torch.int64:
         flat.copy_(torch.randint(0, 50_257, (n,), generator=g, dtype=torch.int64))
+    elif spec.dtype == torch.uint8:
+        flat.copy_(torch.randint(0, 256, (n,), generator=g, dtype=torch.uint8))
     elif n <= _POOL:
         if spec.dtype == torch.float32:
             flat.normal_(generator=g)

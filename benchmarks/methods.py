@@ -16,6 +16,13 @@ plus ``get_manifest()``; the scaling case).
 Python objects go only to the methods that store them: statesnap, torchsnapshot, torch.save and
 DCP. ``raw`` stores tensor bytes only (the reader knows the layout from the spec) and
 safetensors stores tensors only (its metadata is str -> str).
+
+``GROUP_WRITERS`` / ``GROUP_READERS`` are the same calls made by every rank of a process group
+(the ``dist`` case; the worker has initialized the group): statesnap with
+``replicated=["model/**"]``, and DCP with its default planner, which writes a key that every rank
+has only once. DCP decides that by key alone, so each rank's own state goes under a key of its
+own (``optim.rank<r>...``): under one shared key, DCP would keep one rank's values and drop the
+others'.
 """
 
 from __future__ import annotations
@@ -285,6 +292,49 @@ def _ss_verify_manifest(spec: StateSpec, manifest: Any, with_objects: bool) -> C
 
 
 # ---------------------------------------------------------------------------------------------
+# Every rank of a process group (the dist case): the model is the same on every rank.
+
+# What statesnap is told is the same on every rank.
+REPLICATED = ["model/**"]
+
+
+def _dcp_group_state(state: State) -> dict[str, Any]:
+    """``{"model": {...}, "optim": {"rank<r>": {...}}}``: the model under the same keys on every
+    rank (DCP writes it once), each rank's own state under keys no other rank has."""
+    import torch.distributed as dist
+
+    return {"model": state["model"], "optim": {f"rank{dist.get_rank()}": state["optim"]}}
+
+
+def _dcp_group_save(spec: StateSpec, state: State, path: str, fsync: bool) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(_dcp_group_state(state), storage_writer=dcp.FileSystemWriter(path, sync_files=fsync))
+
+
+def _dcp_group_load(spec: StateSpec, path: str, targets: State | None) -> State:
+    import torch.distributed.checkpoint as dcp
+
+    assert targets is not None
+    nested = _dcp_group_state(targets)
+    dcp.load(nested, checkpoint_id=path)
+    (own,) = nested["optim"].values()
+    return {"model": nested["model"], "optim": own}
+
+
+def _ss_group_save(spec: StateSpec, state: State, path: str, fsync: bool) -> None:
+    from snapshot import Snapshot, StateDict
+
+    app = {g: StateDict(d) for g, d in state.items()}
+    Snapshot.take(
+        statesnap_path(path),
+        app,
+        replicated=REPLICATED,
+        storage_options=None if fsync else {"fsync": False},
+    )
+
+
+# ---------------------------------------------------------------------------------------------
 # The tables.
 
 WRITERS: dict[str, Writer] = {
@@ -415,6 +465,57 @@ READERS: dict[str, Reader] = {
             prepare=_ss_prepare,
             verify=_ss_verify_manifest,
             note="Snapshot(path) + get_manifest()",
+        ),
+    )
+}
+
+
+GROUP_WRITERS: dict[str, Writer] = {
+    w.name: w
+    for w in (
+        Writer(
+            "statesnap",
+            objects=True,
+            self_fsync=True,
+            save=_ss_group_save,
+            prepare=_ss_prepare,
+            note='Snapshot.take(path, app_state, replicated=["model/**"]) on every rank; '
+            'storage_options={"fsync": False} in the page-cache mode',
+        ),
+        Writer(
+            "dcp",
+            objects=True,
+            self_fsync=True,
+            save=_dcp_group_save,
+            prepare=_dcp_prepare,
+            note="dcp.save on every rank, default planner (dedups keys every rank has), "
+            "FileSystemWriter(sync_files=<mode>), thread_count=1 (default); each rank's own "
+            "state under optim.rank<r>",
+        ),
+    )
+}
+
+GROUP_READERS: dict[str, Reader] = {
+    r.name: r
+    for r in (
+        Reader(
+            "statesnap",
+            "statesnap",
+            objects=True,
+            into_targets=True,
+            load=_ss_load,
+            prepare=_ss_prepare,
+            note="Snapshot(path) (every rank reads the manifest) + restore, in place, on every "
+            "rank",
+        ),
+        Reader(
+            "dcp",
+            "dcp",
+            objects=True,
+            into_targets=True,
+            load=_dcp_group_load,
+            prepare=_dcp_prepare,
+            note="dcp.load(state_dict, checkpoint_id=dir) into preallocated targets on every rank",
         ),
     )
 }

@@ -11,21 +11,31 @@ path (stdout and stderr stay free for whatever the libraries print). Ops:
                  separately, with the ``/proc/self/io`` counters around each.
 
 Peak RSS is measured above the RSS right before the timed region (see ``common.PeakRSS``).
+
+A job with ``rank``, ``world_size`` and ``store`` is one rank of a process group (the ``dist``
+case; the harness starts ``world_size`` workers for it): the worker joins a gloo group through
+the FileStore at ``store``, generates its rank's state (the spec gets ``rank``), uses the
+methods' group flavors (``GROUP_WRITERS`` / ``GROUP_READERS``) and times the call between two
+barriers, so ``seconds`` runs until the slowest rank is done (``own_seconds`` stops when this
+rank's call returns). Rank 0 measures the bytes on disk after the second barrier.
 """
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import sys
 import time
 import traceback
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from benchmarks.common import (
     PeakRSS,
+    StateSpec,
     build_spec,
     check_restored,
     fsync_tree,
@@ -35,76 +45,167 @@ from benchmarks.common import (
     proc_io,
     tree_size,
 )
-from benchmarks.methods import READERS, WRITERS, statesnap_path
+from benchmarks.methods import (
+    GROUP_READERS,
+    GROUP_WRITERS,
+    READERS,
+    WRITERS,
+    Reader,
+    Writer,
+    statesnap_path,
+)
 
 
-def _take(job: dict[str, Any]) -> dict[str, Any]:
-    writer = WRITERS[job["method"]]
+@dataclass(frozen=True)
+class RankGroup:
+    """The process group this worker is a rank of; ``world_size == 0`` for a job run alone
+    (then ``barrier`` does nothing and the single-process methods are used)."""
+
+    rank: int = 0
+    world_size: int = 0
+
+    @classmethod
+    def join(cls, job: dict[str, Any]) -> RankGroup:
+        if "rank" not in job:
+            return cls()
+        import torch.distributed as dist
+
+        rank, world_size = int(job["rank"]), int(job["world_size"])
+        dist.init_process_group(
+            "gloo",
+            store=dist.FileStore(job["store"], world_size),
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=float(job.get("group_timeout", 600))),
+        )
+        return cls(rank, world_size)
+
+    def leave(self) -> None:
+        if self.world_size:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+
+    def barrier(self) -> None:
+        if self.world_size:
+            import torch.distributed as dist
+
+            dist.barrier()
+
+    def spec(self, job: dict[str, Any]) -> StateSpec:
+        """This rank's state (the spec of a grouped job depends on the rank)."""
+        return build_spec({**job["state"], "rank": self.rank} if self.world_size else job["state"])
+
+    def writer(self, name: str) -> Writer:
+        return (GROUP_WRITERS if self.world_size else WRITERS)[name]
+
+    def reader(self, name: str) -> Reader:
+        return (GROUP_READERS if self.world_size else READERS)[name]
+
+    def take_bytes(self, spec: StateSpec) -> int:
+        """Bytes the group has to write: the replicated model once, every rank's own state."""
+        if not self.world_size:
+            return spec.nbytes
+        return spec.group_nbytes("model") + self.world_size * (
+            spec.nbytes - spec.group_nbytes("model")
+        )
+
+    def restore_bytes(self, spec: StateSpec) -> int:
+        """Bytes loaded into the group's tensors: every rank's whole state."""
+        return spec.nbytes * max(1, self.world_size)
+
+    def fields(self) -> dict[str, Any]:
+        return {"rank": self.rank} if self.world_size else {}
+
+
+def _take(job: dict[str, Any], ranks: RankGroup) -> dict[str, Any]:
+    writer = ranks.writer(job["method"])
     writer.prepare()
-    spec = build_spec(job["state"])
+    spec = ranks.spec(job)
     fsync = job["mode"] == "fsync"
     path = job["path"]
     os.makedirs(path, exist_ok=True)
     state = generate_state(spec, with_objects=writer.objects)
+    ranks.barrier()  # every rank has its state and its library imported
     io0 = proc_io()
     with PeakRSS() as mem:
+        ranks.barrier()
         t0 = time.perf_counter()
         writer.save(spec, state, path, fsync)
         if fsync and not writer.self_fsync:
             fsync_tree(path)
+        own_seconds = time.perf_counter() - t0
+        ranks.barrier()
         seconds = time.perf_counter() - t0
     io = io_delta(io0, proc_io())
     return {
         "ok": True,
         "seconds": seconds,
-        "payload_bytes": spec.nbytes,
+        "own_seconds": own_seconds,
+        "payload_bytes": ranks.take_bytes(spec),
         "peak_rss_above_baseline": mem.above_baseline,
         "baseline_rss": mem.baseline,
         "rss_method": mem.method,
-        "disk": tree_size(path),
+        "disk": tree_size(path) if ranks.rank == 0 else None,
         "io": io,
         "check": {"ok": True, "detail": "n/a (take)"},
+        **ranks.fields(),
     }
 
 
-def _restore(job: dict[str, Any]) -> dict[str, Any]:
-    reader = READERS[job["method"]]
-    reader.prepare()
-    spec = build_spec(job["state"])
-    targets = make_targets(spec, with_objects=reader.objects) if reader.into_targets else None
-    pointers = (
-        {(t.group, t.name): targets[t.group][t.name].data_ptr() for t in spec.tensors}
-        if targets is not None
-        else {}
+Pointers = dict[tuple[str, str], int]
+
+
+def _target_pointers(spec: StateSpec, targets: dict[str, dict[str, Any]] | None) -> Pointers:
+    """(group, name) -> data_ptr of each preallocated target tensor."""
+    if targets is None:
+        return {}
+    return {(t.group, t.name): targets[t.group][t.name].data_ptr() for t in spec.tensors}
+
+
+def _kept_targets(restored: Any, pointers: Pointers) -> bool | None:
+    """Whether every restored tensor is still the preallocated target (None: no targets)."""
+    if not pointers or not isinstance(restored, dict):
+        return None
+    return all(
+        isinstance(restored.get(g, {}).get(n), torch.Tensor) and restored[g][n].data_ptr() == ptr
+        for (g, n), ptr in pointers.items()
     )
+
+
+def _restore(job: dict[str, Any], ranks: RankGroup) -> dict[str, Any]:
+    reader = ranks.reader(job["method"])
+    reader.prepare()
+    spec = ranks.spec(job)
+    targets = make_targets(spec, with_objects=reader.objects) if reader.into_targets else None
+    pointers = _target_pointers(spec, targets)
+    ranks.barrier()
     io0 = proc_io()
     with PeakRSS() as mem:
+        ranks.barrier()
         t0 = time.perf_counter()
         restored = reader.load(spec, job["path"], targets)
+        own_seconds = time.perf_counter() - t0
+        ranks.barrier()
         seconds = time.perf_counter() - t0
     io = io_delta(io0, proc_io())
     check = reader.verify(spec, restored, reader.objects)
-    in_place = None
-    if pointers and isinstance(restored, dict):
-        in_place = all(
-            isinstance(restored.get(g, {}).get(n), torch.Tensor)
-            and restored[g][n].data_ptr() == ptr
-            for (g, n), ptr in pointers.items()
-        )
     return {
         "ok": True,
         "seconds": seconds,
-        "payload_bytes": spec.nbytes,
+        "own_seconds": own_seconds,
+        "payload_bytes": ranks.restore_bytes(spec),
         "peak_rss_above_baseline": mem.above_baseline,
         "baseline_rss": mem.baseline,
         "rss_method": mem.method,
         "io": io,
         "check": check.as_dict(),
-        "in_place": in_place,
+        "in_place": _kept_targets(restored, pointers),
+        **ranks.fields(),
     }
 
 
-def _read_object(job: dict[str, Any]) -> dict[str, Any]:
+def _read_object(job: dict[str, Any], ranks: RankGroup) -> dict[str, Any]:
     from snapshot import Snapshot
 
     spec = build_spec(job["state"])
@@ -150,12 +251,17 @@ def main() -> None:
     with open(sys.argv[1]) as f:
         job = json.load(f)
     try:
-        result = OPS[job["op"]](job)
+        ranks = RankGroup.join(job)
+        try:
+            result = OPS[job["op"]](job, ranks)
+        finally:
+            ranks.leave()
     except BaseException as e:  # reported to the harness, which shows it in the table
         result = {
             "ok": False,
             "error": f"{type(e).__name__}: {e}".strip()[:500],
             "traceback": traceback.format_exc()[-4000:],
+            **({"rank": job["rank"]} if "rank" in job else {}),
         }
     with open(job["result"], "w") as f:
         json.dump(result, f)
