@@ -500,12 +500,13 @@ class _Placer:
             try:
                 buf = lease.tensor
                 pos = 0
-                for pad, p in members:
-                    if pad:
-                        buf[pos : pos + pad].zero_()
-                        pos += pad
-                    p.copy_into(buf[pos : pos + p.nbytes])
-                    pos += p.nbytes
+                with pool.copying():
+                    for pad, p in members:
+                        if pad:
+                            buf[pos : pos + pad].zero_()
+                            pos += pad
+                        p.copy_into(buf[pos : pos + p.nbytes])
+                        pos += p.nbytes
                 lease.ready()
             except BaseException:
                 lease.release()
@@ -681,9 +682,13 @@ class _TensorSource:
                 # As raw bytes: works for dtypes torch has no copy kernel for.
                 dst.copy_(base.view(-1)[start:stop].view(torch.uint8))
             else:
-                # From a device this is an asynchronous copy into pinned memory; only a machine
-                # with an accelerator runs that case (the pool synchronizes before writing).
-                scatter_into_flat(dst.view(base.dtype), range_views(base, start, stop))
+                # From a device into pinned memory the copies are asynchronous (the pool
+                # synchronizes before the write); only a machine with a GPU runs that case.
+                scatter_into_flat(
+                    dst.view(base.dtype),
+                    range_views(base, start, stop),
+                    non_blocking=dst.is_pinned(),
+                )
         except RuntimeError as e:
             raise self._unreadable(e) from e
         finally:

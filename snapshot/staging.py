@@ -4,8 +4,9 @@ tensors and stage them on CPU."""
 from __future__ import annotations
 
 import abc
+import contextlib
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -460,10 +461,12 @@ class Lease:
 
     def ready(self) -> None:
         """Makes the copies into the buffer complete before anyone reads it."""
-        if self._block.is_pinned() and torch.cuda.is_available():
-            # Only a machine with a GPU runs this line: copies from device tensors into pinned
-            # memory were issued non_blocking; one synchronization per staged write.
-            torch.cuda.current_stream().synchronize()
+        stream = self._pool.stream if self._pool is not None else None
+        if stream is not None:
+            # Only a machine with a GPU runs this line: the device-to-host copies into this
+            # pinned buffer were issued non_blocking on the side stream; one synchronization per
+            # staged write.
+            stream.synchronize()
 
     def release(self) -> None:
         pool, self._pool = self._pool, None
@@ -491,6 +494,9 @@ class StagingPool:
     def __init__(self, keep_bytes: int, pin: bool | None = None) -> None:
         self.keep_bytes = keep_bytes
         self.pin = torch.cuda.is_available() if pin is None else pin
+        # Device-to-host copies run on a stream of their own, so training kernels queued on the
+        # current stream are not held up behind them. Only a GPU run creates or uses it.
+        self.stream = torch.cuda.Stream() if self.pin and torch.cuda.is_available() else None
         self._free: dict[int, list[torch.Tensor]] = {}
         self._free_bytes = 0
         self._lock = threading.Lock()
@@ -502,6 +508,19 @@ class StagingPool:
         power = 1 << (size - 1).bit_length()
         three_quarters = power // 4 * 3
         return three_quarters if size <= three_quarters else power
+
+    @contextlib.contextmanager
+    def copying(self) -> Iterator[None]:
+        """The context to issue copies into leased buffers in: on CPU, nothing; with CUDA, the
+        side stream, after the work already queued on the current stream (the kernels that
+        computed the tensors being copied)."""
+        if self.stream is None:
+            yield
+            return
+        # Only a machine with a GPU runs the lines below.
+        self.stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.stream):
+            yield
 
     def acquire(self, nbytes: int) -> Lease:
         """A buffer of at least ``nbytes``: a free block of its size class, or a new one."""

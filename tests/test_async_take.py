@@ -123,3 +123,36 @@ def test_state_larger_than_the_budget(tmp_path, monkeypatch):
     snap = pending.wait(timeout=60)
     for i in range(8):
         assert torch.equal(snap.read_object(f"0/s/t{i}"), torch.full((64, 1024), float(i)))
+
+
+def test_async_staging_handles_every_kind_of_tensor(tmp_path):
+    from tests.helpers import assert_same, random_tensor
+
+    value = {
+        "odd": b"abc" * 500,  # an object payload that leaves the next member misaligned...
+        "f64": torch.arange(10, dtype=torch.float64),  # ...so slab members are aligned
+        "transposed": torch.arange(30.0).reshape(5, 6).t(),
+        "conj": torch.randn(4, 3, dtype=torch.complex64).conj(),
+        "uint4": random_tensor(torch.uint4, (7,)),
+        "bool": torch.tensor([True, False, True]),
+        "big": torch.randn(300, 300),  # a blob of its own
+    }
+    expected = {
+        k: (v.clone() if isinstance(v, torch.Tensor) and k != "uint4" else v)
+        for k, v in value.items()
+    }
+    expected["uint4"] = value["uint4"]
+    pending = Snapshot.async_take(
+        str(tmp_path / "s"),
+        {"s": StateDict(value), "m": torch.nn.Linear(8, 8)},
+        _custom_tensor_prepare_func=lambda p, t, tracing: (
+            t.to(torch.float16) if p == "m/weight" else t
+        ),
+    )
+    snap = pending.wait(timeout=60)
+    out = StateDict()
+    snap.restore({"s": out})
+    assert_same({k: out[k] for k in expected}, expected)
+    assert snap.read_object("0/m/weight").dtype == torch.float16
+    offsets = [snap.get_manifest()[f"0/s/{k}"].locations[0].offset for k in ("f64", "bool")]
+    assert all(o % 16 == 0 for o in offsets)
