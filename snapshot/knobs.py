@@ -21,6 +21,16 @@ def _env_int(name: str, default: int, minimum: int) -> int:
 
 
 def _available_memory_bytes() -> int | None:
+    """Memory the system can give without swapping: Linux's MemAvailable (free memory plus
+    the page cache it can drop; a snapshot just written sits in the page cache, and must not
+    shrink the next one's budget), else the free pages."""
+    try:
+        with open("/proc/meminfo", "rb") as f:
+            for line in f:
+                if line.startswith(b"MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
     try:
         pages = os.sysconf("SC_AVPHYS_PAGES")
         page_size = os.sysconf("SC_PAGE_SIZE")
@@ -34,14 +44,15 @@ def max_concurrent_io() -> int:
     return _env_int("MAX_CONCURRENT_IO", 16, 1)
 
 
-def memory_budget_bytes() -> int:
+def memory_budget_bytes(reclaimable_bytes: int = 0) -> int:
     """Bytes of staging/scratch memory one take or restore may hold at once, per process.
 
-    STATESNAP_MEMORY_BUDGET_BYTES; by default a quarter of the memory available when asked,
-    clamped to [64 MiB, 4 GiB].
+    STATESNAP_MEMORY_BUDGET_BYTES; by default a quarter of the memory available when asked
+    (counting ``reclaimable_bytes`` the caller holds and may reuse, such as the staging pool's
+    free blocks), clamped to [64 MiB, 4 GiB].
     """
     available = _available_memory_bytes()
-    default = 1024 * _MIB if available is None else available // 4
+    default = 1024 * _MIB if available is None else (available + reclaimable_bytes) // 4
     default = max(64 * _MIB, min(default, 4096 * _MIB))
     return _env_int("MEMORY_BUDGET_BYTES", default, 1)
 

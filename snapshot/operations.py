@@ -145,10 +145,11 @@ class TakeJob:
     """One take.
 
     ``start`` runs on the caller's thread: it captures every value (state_dict calls, planning,
-    staging) and queues the writes. When it returns, later changes to the application's tensors
-    cannot reach the snapshot if a staging ``pool`` was given (async take: every payload is
-    copied into pooled buffers); otherwise the caller must not change them until the take is
-    done.
+    staging) and queues the writes: a take's start writing while it stages. When it returns,
+    later changes to the application's tensors cannot reach the snapshot if a staging ``pool``
+    was given (async take: every payload is copied into pooled buffers, and the writes are held
+    until ``release_writes``, unless the budget is full); otherwise the caller must not change
+    them until the take is done.
 
     Then ``finish`` (on the caller's thread for take, on a background thread for async take)
     waits for the writes and commits the manifest.
@@ -192,6 +193,7 @@ class TakeJob:
         self.pipeline: WritePipeline | None = None
         self._error: BaseException | None = None  # met while staging, reported when agreeing
         self._marker = False  # whether this rank wrote the pending marker
+        self._released = threading.Event()  # set once the caller handed every staged write over
         self._times: dict[str, float] = {}
 
     # -- capture ----------------------------------------------------------------------------
@@ -225,13 +227,19 @@ class TakeJob:
                 self.where = _describe(self.plugin)
             self.pipeline = WritePipeline(
                 self.plugin,
-                budget_bytes=knobs.memory_budget_bytes(),
+                # The pool's free blocks are memory this take reuses, not memory it takes.
+                budget_bytes=knobs.memory_budget_bytes(
+                    self.pool.free_bytes if self.pool is not None else 0
+                ),
                 max_concurrency=knobs.max_concurrent_io(),
-                batch_bytes=knobs.write_batch_bytes(),
+                # Async take holds its writes until everything is staged (``release_writes``
+                # starts them): while the caller waits, they would only slow its copies down.
+                batch_bytes=knobs.write_batch_bytes() if self.pool is None else None,
             )
             for request in self.plan.writes:
                 self.pipeline.submit(request)
-            self.pipeline.flush()
+            if self.pool is None:
+                self.release_writes()
         except Exception as e:
             if self.pipeline is not None:
                 self.pipeline.abort(e)
@@ -239,6 +247,7 @@ class TakeJob:
                 self._close_after_failure()
                 raise
             self._error = e  # the others learn of it at the next agreement
+            self._released.set()  # nothing left to hand over
         self._times["staged"] = time.perf_counter() - t0
 
     def _capture(self) -> dict[str, Any]:
@@ -309,6 +318,13 @@ class TakeJob:
 
     # -- writing and commit -----------------------------------------------------------------
 
+    def release_writes(self) -> None:
+        """On the caller's thread, after ``start``: hands the staged writes to the I/O loop
+        (take does it at the end of ``start``; async take as the last step of its call)."""
+        if self.pipeline is not None:
+            self.pipeline.flush()
+        self._released.set()
+
     def finish(self, coordinator: Coordinator | None = None) -> Manifest | None:
         """Waits for this rank's writes, agrees with the others, and commits (rank 0).
 
@@ -323,6 +339,8 @@ class TakeJob:
         assert self.plan is not None
         stats = None
         error = self._error
+        # Until the caller has handed over what it staged, the pipeline may not be drained.
+        self._released.wait()
         if error is None and self.pipeline is not None:
             try:
                 stats = run(self.pipeline.wait())

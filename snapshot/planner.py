@@ -12,6 +12,7 @@ in the same blob that lie close together are merged into one scatter read.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import fnmatch
 import functools
@@ -100,15 +101,15 @@ class Payload:
     ``logical`` and ``index`` (the chunk's position in its tensor) identify a replicated payload
     across ranks. Two ways to stage it, on the caller's thread: ``stage`` gives buffers to write
     from (views of the application's memory where possible; ``staging_bytes`` is what it
-    allocates otherwise), ``copy_into`` copies the bytes into a given staging buffer (a 1-d
-    uint8 CPU tensor of ``nbytes``), for async take."""
+    allocates otherwise), ``copy_into(buf, pos)`` copies the bytes into ``buf[pos : pos +
+    nbytes]`` of a staging buffer ``buf`` (a 1-d uint8 CPU tensor), for async take."""
 
     logical: str
     index: int
     nbytes: int
     staging_bytes: int
     stage: Callable[[], Staged]
-    copy_into: Callable[[torch.Tensor], None]
+    copy_into: Callable[[torch.Tensor, int], None]
     label: str
     replicated: bool
     source: _TensorSource | None = None
@@ -225,7 +226,7 @@ class _Collector:
         nbytes: int,
         staging: int,
         stage: Callable[[], Staged],
-        copy_into: Callable[[torch.Tensor], None],
+        copy_into: Callable[[torch.Tensor, int], None],
         label: str,
         replicated: bool,
         source: _TensorSource | None = None,
@@ -503,9 +504,9 @@ class _Placer:
                 with pool.copying():
                     for pad, p in members:
                         if pad:
-                            buf[pos : pos + pad].zero_()
+                            lease.view[pos : pos + pad] = _ZEROS[:pad]
                             pos += pad
-                        p.copy_into(buf[pos : pos + p.nbytes])
+                        p.copy_into(buf, pos)
                         pos += p.nbytes
                 lease.ready()
             except BaseException:
@@ -576,21 +577,36 @@ def _view_stager(tensor: torch.Tensor, offset: int, nbytes: int) -> Callable[[],
     return lambda: ([raw_memoryview(tensor.data_ptr() + offset, nbytes)], tensor)
 
 
-def _view_copier(tensor: torch.Tensor, offset: int, nbytes: int) -> Callable[[torch.Tensor], None]:
-    """Copying a contiguous CPU tensor's bytes into a staging buffer (one memcpy by torch)."""
+# Below this size a member is copied by one memmove call (about a microsecond of overhead);
+# above it, torch's copy spreads the bytes over its threads.
+_MEMMOVE_MAX = 1 << 20
 
-    def copy_into(dst: torch.Tensor) -> None:
+
+def _view_copier(
+    tensor: torch.Tensor, offset: int, nbytes: int
+) -> Callable[[torch.Tensor, int], None]:
+    """Copying a contiguous CPU tensor's bytes into a staging buffer: one memmove for a small
+    tensor (slabs hold thousands, and a torch copy costs several microseconds each), torch's
+    parallel copy for a large one."""
+    if nbytes <= _MEMMOVE_MAX:
+
+        def copy_small(buf: torch.Tensor, pos: int) -> None:
+            ctypes.memmove(buf.data_ptr() + pos, tensor.data_ptr() + offset, nbytes)
+
+        return copy_small
+
+    def copy_large(buf: torch.Tensor, pos: int) -> None:
         src = torch.frombuffer(
             raw_memoryview(tensor.data_ptr() + offset, nbytes), dtype=torch.uint8
         )
-        dst.copy_(src)
+        buf[pos : pos + nbytes].copy_(src)
 
-    return copy_into
+    return copy_large
 
 
-def _bytes_copier(data: bytes) -> Callable[[torch.Tensor], None]:
-    def copy_into(dst: torch.Tensor) -> None:
-        tensor_memoryview(dst)[:] = data
+def _bytes_copier(data: bytes) -> Callable[[torch.Tensor, int], None]:
+    def copy_into(buf: torch.Tensor, pos: int) -> None:
+        ctypes.memmove(buf.data_ptr() + pos, data, len(data))
 
     return copy_into
 
@@ -674,8 +690,9 @@ class _TensorSource:
             self._staged_one()
         return [tensor_memoryview(part)], part
 
-    def copy_into(self, start: int, stop: int, dst: torch.Tensor) -> None:
-        """Copies elements ``[start, stop)`` into the uint8 staging buffer ``dst``."""
+    def copy_into(self, start: int, stop: int, buf: torch.Tensor, pos: int) -> None:
+        """Copies elements ``[start, stop)`` into the uint8 staging buffer ``buf`` at ``pos``."""
+        dst = buf[pos : pos + (stop - start) * self.dtype.itemsize]
         try:
             base = self._resolve()
             if base.is_cpu and base.is_contiguous():

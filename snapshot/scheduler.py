@@ -287,8 +287,15 @@ class WritePipeline:
     """Stages write requests on the caller's thread and writes them on the I/O loop.
 
     Call sequence: ``submit`` any number of times on the caller's thread, then either ``finish``
-    on that thread, or ``flush`` there and ``await wait()`` on the I/O loop; ``abort`` on
-    failure. ``submit`` blocks only while the staging budget is full.
+    on that thread, or ``flush`` (on that thread or, once the caller is done submitting, on any
+    one thread) and ``await wait()`` on the I/O loop; ``abort`` on failure. ``submit`` blocks
+    only while the staging budget is full.
+
+    Staged writes are handed to the I/O loop in batches of ``batch_bytes``, so writing overlaps
+    staging. With ``batch_bytes=None`` they are held until ``flush`` (or until the budget is full
+    and writes must start to free it): async take stages everything first, so that its writes,
+    which compete with the caller for memory bandwidth and cores, start only once the caller is
+    free to go.
     """
 
     _BATCH_ITEMS = 256
@@ -299,7 +306,7 @@ class WritePipeline:
         *,
         budget_bytes: int,
         max_concurrency: int,
-        batch_bytes: int,
+        batch_bytes: int | None,
     ) -> None:
         self._plugin = plugin
         self._loop = io_loop()
@@ -367,7 +374,10 @@ class WritePipeline:
             raise
         self._batch.append((req, buffers, keepalive))
         self._batch_bytes += req.nbytes
-        if self._batch_bytes >= self._batch_limit or len(self._batch) >= self._BATCH_ITEMS:
+        limit = self._batch_limit
+        if limit is not None and (
+            self._batch_bytes >= limit or len(self._batch) >= self._BATCH_ITEMS
+        ):
             self.flush()
 
     async def _drain(self) -> None:

@@ -130,14 +130,19 @@ class Snapshot:
             pool=default_pool(),
         )
         job.start()
-        queue = default_queue()
-        # The queue's one thread runs the commits in order; each waits for this snapshot's
-        # writes (already under way on the I/O loop), then agrees with the other ranks on a
-        # group of its own, and commits.
-        index = queue.schedule_async_request(
-            AsyncRequest(async_fn=job.finish, async_fn_args=(background,))
-        )
-        return PendingSnapshot(job.path, pg, storage_options, queue, index)
+        try:
+            queue = default_queue()
+            # The queue's one thread runs the commits in order; each waits for this snapshot's
+            # writes, then agrees with the other ranks on a group of its own, and commits.
+            index = queue.schedule_async_request(
+                AsyncRequest(async_fn=job.finish, async_fn_args=(background,))
+            )
+            pending = PendingSnapshot(job.path, pg, storage_options, queue, index)
+        finally:
+            # Last: from here the writes compete with the caller for cores and memory
+            # bandwidth; they start while earlier snapshots are still being committed.
+            job.release_writes()
+        return pending
 
     def restore(self, app_state: dict[str, Any]) -> None:
         """Restores ``app_state`` (the one taken, or a subset of its keys) from the snapshot.

@@ -78,15 +78,18 @@ def _fsspec_knows(protocol: str) -> bool:
 def resolve_factory(protocol: str) -> tuple[PluginFactory, str]:
     """Finds the factory for ``protocol`` and says where it came from.
 
-    Order: plugins registered in this process, then installed entry points (group
-    ``statesnap.storage_plugins``), then the built-in ones, then any protocol fsspec knows.
+    Order: plugins registered in this process, then the built-in ones, then installed entry
+    points (group ``statesnap.storage_plugins``), then any protocol fsspec knows. Built-ins come
+    before entry points, so an installed package cannot take over local paths unasked (and a
+    local path never pays for the entry-point scan); ``register_storage_plugin`` still can.
     """
     if protocol in _registered:
         return _registered[protocol], "registered"
-    ep = _entry_point(protocol)
-    if ep is not None:
-        return ep, "entry point"
     target, hint = _BUILTIN.get(protocol, (None, None))
+    if target is None:
+        ep = _entry_point(protocol)
+        if ep is not None:
+            return ep, "entry point"
     if target is None and _fsspec_knows(protocol):
         target, hint = _FSSPEC
     if target is None:

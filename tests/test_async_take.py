@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import threading
+import time
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ from snapshot import (
     StateDict,
     StorageError,
 )
+from snapshot.operations import TakeJob
 from storage_plugins import register_storage_plugin, unregister_storage_plugin
 from storage_plugins.fs import FSStoragePlugin
 from tests.plugins import FAULTS
@@ -123,6 +125,55 @@ def test_state_larger_than_the_budget(tmp_path, monkeypatch):
     snap = pending.wait(timeout=60)
     for i in range(8):
         assert torch.equal(snap.read_object(f"0/s/t{i}"), torch.full((64, 1024), float(i)))
+
+
+class TimedPlugin(FSStoragePlugin):
+    """``timed://<path>``: records when each blob write starts."""
+
+    starts: list[tuple[str, float]] = []
+
+    def __init__(self, url, storage_options=None):
+        super().__init__(url.removeprefix("timed://"), storage_options)
+
+    async def write(self, path, buffers):
+        TimedPlugin.starts.append((path, time.monotonic()))
+        await super().write(path, buffers)
+
+
+@pytest.mark.parametrize("budget", [None, 3 * 1024 * 1024])
+def test_writes_start_once_everything_is_staged_unless_the_budget_is_full(
+    tmp_path, monkeypatch, budget
+):
+    """Writes held back while the caller copies (they would compete with its copies); with a
+    budget smaller than the state, the first writes start during the call to free it."""
+    monkeypatch.setenv("STATESNAP_WRITE_BATCH_BYTES", str(1024 * 1024))  # a take's batches
+    if budget is not None:
+        monkeypatch.setenv("STATESNAP_MEMORY_BUDGET_BYTES", str(budget))
+    staged: list[float] = []
+    original = TakeJob.start
+
+    def start(job):
+        original(job)
+        staged.append(time.monotonic())
+
+    monkeypatch.setattr(TakeJob, "start", start)
+    TimedPlugin.starts = []
+    register_storage_plugin("timed", TimedPlugin)
+    try:
+        state = StateDict({f"t{i}": torch.full((512, 1024), float(i)) for i in range(8)})  # 16 MiB
+        snap = Snapshot.async_take(f"timed://{tmp_path / 's'}", {"s": state}).wait(timeout=60)
+    finally:
+        unregister_storage_plugin("timed")
+    blobs = [(path, t) for path, t in TimedPlugin.starts if path.startswith("0/")]
+    assert len(blobs) == 8 and len(staged) == 1
+    during_call = [path for path, t in blobs if t < staged[0]]
+    if budget is None:
+        assert during_call == []
+    else:
+        assert 0 < len(during_call) < 8
+    assert snap.get_manifest() == Snapshot(str(tmp_path / "s")).get_manifest()
+    t7 = Snapshot(str(tmp_path / "s")).read_object("0/s/t7")
+    assert torch.equal(t7, torch.full((512, 1024), 7.0))
 
 
 def test_async_staging_handles_every_kind_of_tensor(tmp_path):

@@ -108,3 +108,18 @@ def test_third_party_plugin_through_entry_point(tmp_path, monkeypatch):
     Snapshot.take("thirdparty://snap", {"s": StateDict(v=3)})
     assert Snapshot("thirdparty://snap").read_object("0/s/v") == 3
     assert Snapshot("memory://tp-snap").read_object("0/s/v") == 3
+
+
+def test_entry_point_cannot_take_over_a_builtin_protocol(tmp_path, monkeypatch):
+    (tmp_path / "hijack_store.py").write_text("def Hijack(url, storage_options=None):\n    1 / 0\n")
+    dist = tmp_path / "hijack_store-1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: hijack-store\nVersion: 1.0\n")
+    (dist / "entry_points.txt").write_text(
+        "[statesnap.storage_plugins]\nfs = hijack_store:Hijack\nmemory = hijack_store:Hijack\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert resolve_factory("fs") == (FSStoragePlugin, "built-in")
+    assert resolve_factory("memory")[1] == "built-in"
+    Snapshot.take(str(tmp_path / "snap"), {"s": StateDict(v=4)})
+    assert Snapshot(str(tmp_path / "snap")).read_object("0/s/v") == 4
