@@ -18,6 +18,13 @@ Cases (``--case``):
   dist            a process group of 1, 2 and 4 ranks (gloo, CPU, real processes): statesnap
                   take/restore with the model marked replicated against DCP save/load, which
                   also writes keys that every rank has once; time statesnap ÷ DCP per world size.
+  async           how long statesnap's async_take blocks the caller (first call in a process,
+                  later calls), against its take, plain CPU copies of the state, torchsnapshot's
+                  async_take and DCP's async_save; totals to completion; whether each wrote the
+                  state as it was at call time while the caller changed every tensor; RSS and
+                  staging-pool bytes over a series of async takes in one process.
+  async-loop      a small MLP trained on CPU: steps/s without snapshots, with a take and with
+                  an async_take every N steps.
 
 Example: ``python -m benchmarks.bench_io --case main --size 512MiB --reps 1``.
 """
@@ -56,11 +63,13 @@ from benchmarks.common import (
     resident_fraction,
 )
 from benchmarks.methods import (
+    ASYNC_METHODS,
     GROUP_READERS,
     GROUP_WRITERS,
     READERS,
     REPLICATED,
     WRITERS,
+    AsyncMethod,
     Reader,
     Writer,
     readers_of,
@@ -1076,6 +1085,548 @@ def _method_notes(
     return "Methods:\n" + "\n".join(notes)
 
 
+# ---------------------------------------------------------------------------------------------
+# async: how long an async snapshot blocks the caller, what it captured, and its memory.
+
+DEFAULT_ASYNC_METHODS = [
+    "statesnap-async",
+    "statesnap-async-budget",
+    "statesnap-take",
+    "copy-fresh",
+    "copy-prealloc",
+    "torchsnapshot-async",
+    "dcp-async",
+]
+# Modes do not apply to the plain copies (they write nothing): they run once per round.
+MEMORY = "memory"
+ASYNC_MODE_TITLES = {
+    "fsync": "fsync'd (every library's default: statesnap fsyncs, DCP `sync_files=True`; "
+    "torchsnapshot's files are fsync'd by the harness after its wait, timed)",
+    "cache": 'to the page cache (statesnap `storage_options={"fsync": False}`, DCP '
+    "`sync_files=False`, torchsnapshot as it is)",
+}
+
+
+def _async_rows(
+    state: StateCase, rnd: int, method: AsyncMethod, mode: str, result: dict[str, Any]
+) -> list[Row]:
+    """One row per call of an async worker (``seconds`` is the stall), and one failed row for
+    the call that raised or the worker that died. A call whose check failed keeps ``ok``
+    (its timings are valid); its check verdict is in ``extra["check_ok"]``."""
+    rows: list[Row] = []
+    common = {
+        "case": "async",
+        "state": state.label,
+        "round": rnd,
+        "variant": method.label,
+        "writer": method.name,
+        "op": "async",
+        "mode": mode,
+        "method": method.name,
+        "payload_bytes": result.get("payload_bytes", 0),
+        "baseline_rss": result.get("baseline_rss"),
+    }
+    for c in result.get("calls", []):
+        check = c.get("check") or {"ok": False, "detail": "no check"}
+        rows.append(
+            Row(
+                **common,
+                ok=True,
+                seconds=c["stall"],
+                peak_rss=c.get("peak_rss_above_call"),
+                check=check["detail"],
+                extra={k: v for k, v in c.items() if k != "check"} | {"check_ok": check["ok"]},
+            )
+        )
+        _log(
+            f"  [{state.label} {mode} round {rnd + 1}] {method.label} call {c['call'] + 1}: "
+            f"stall {c['stall']:.3f} s, total {c['total']:.3f} s, check {check['detail']}"
+        )
+    if not result.get("ok"):
+        n = len(result.get("calls", []))
+        rows.append(
+            Row(
+                **common,
+                ok=False,
+                error=result.get("error", "no result"),
+                extra={"call": n, "traceback": result.get("traceback", "")},
+            )
+        )
+        _log(
+            f"  [{state.label} {mode} round {rnd + 1}] {method.label} call {n + 1}: FAILED "
+            f"{result.get('error')}\n{result.get('traceback', '')}"
+        )
+    return rows
+
+
+def run_async_rounds(
+    runner: Runner,
+    states: Sequence[StateCase],
+    methods: Sequence[AsyncMethod],
+    modes: Sequence[str],
+    calls: int,
+    series: int,
+    reps: int,
+    env: dict[str, str],
+) -> list[Row]:
+    """Per round, state and mode, each method in a fresh worker (statesnap's async take makes
+    ``series`` calls, the others ``calls``); the plain copies only in the first mode."""
+    rows: list[Row] = []
+    for rnd in range(reps):
+        _log(f"round {rnd + 1}/{reps}")
+        for state in states:
+            for i, mode in enumerate(modes):
+                for m in methods:
+                    if not m.files and i > 0:
+                        continue
+                    path = runner.data_dir(f"{m.name}-{mode}")
+                    shutil.rmtree(path, ignore_errors=True)
+                    try:
+                        result = runner.job(
+                            {
+                                "op": "async",
+                                "method": m.name,
+                                "mode": mode,
+                                "state": state.args,
+                                "path": path,
+                                "calls": series if m.name == "statesnap-async" else calls,
+                            },
+                            env if m.name.startswith("statesnap") else {},
+                        )
+                    finally:
+                        shutil.rmtree(path, ignore_errors=True)
+                    rows += _async_rows(state, rnd, m, mode if m.files else MEMORY, result)
+    return rows
+
+
+def _first(rows: Iterable[Row], key: str = "") -> dict[int, float]:
+    """Round -> the first call's stall (or ``extra[key]``)."""
+    return {
+        r.round: (r.extra[key] if key else r.seconds)
+        for r in rows
+        if r.ok and r.extra.get("call") == 0 and r.seconds is not None
+    }
+
+
+def _later(rows: Iterable[Row], key: str = "") -> dict[int, float]:
+    """Round -> median over the later calls (2nd on) of the stall (or ``extra[key]``)."""
+    by_round: dict[int, list[float]] = {}
+    for r in rows:
+        if r.ok and (r.extra.get("call") or 0) >= 1 and r.seconds is not None:
+            by_round.setdefault(r.round, []).append(r.extra[key] if key else r.seconds)
+    return {k: statistics.median(v) for k, v in by_round.items()}
+
+
+def _fmt_rounds(values: dict[int, float], fmt: Any = fmt_s) -> str:
+    """Median of per-round values, each round in parentheses."""
+    if not values:
+        return "—"
+    med = fmt(statistics.median(values.values()))
+    if len(values) == 1:
+        return med
+    return f"{med} ({', '.join(fmt(values[k]) for k in sorted(values))})"
+
+
+def _ratios(num: dict[int, float], den: dict[int, float]) -> list[float]:
+    return [num[k] / den[k] for k in sorted(num) if den.get(k)]
+
+
+def _async_check(rows: Sequence[Row]) -> str:
+    """Check column: calls whose written state equals the state at call time; failures."""
+    done = [r for r in rows if r.ok]
+    bad = [r for r in done if not r.extra.get("check_ok")]
+    text = ""
+    if done and not bad:
+        text = f"ok: {len(done)}/{len(done)} calls bitwise equal to the state at call time"
+    elif bad:
+        details = list(dict.fromkeys(r.check.replace("|", "\\|")[:200] for r in bad))
+        text = f"**INCONSISTENT in {len(bad)}/{len(done)} calls**: " + "; ".join(details[:3])
+    failed = [r for r in rows if not r.ok]
+    if failed:
+        err = failed[0].error.replace("|", "\\|").replace("\n", " ")[:200]
+        text = f"FAILED {len(failed)} worker(s): {err}" + (f"; otherwise {text}" if text else "")
+    return text
+
+
+def async_stall_table(rows: Sequence[Row], labels: Sequence[str]) -> list[str]:
+    """The stall table of one state and mode: each method's first and later stalls, ratios to
+    the CPU copies and to statesnap's async take (per round), totals, peak RSS, check."""
+    groups = _group(rows)
+    fresh = groups.get(ASYNC_METHODS["copy-fresh"].label, [])
+    prealloc = groups.get(ASYNC_METHODS["copy-prealloc"].label, [])
+    ss = groups.get(ASYNC_METHODS["statesnap-async"].label, [])
+    head = [
+        "method",
+        "stall, 1st call s",
+        "stall, later calls s",
+        "1st ÷ copy into fresh (1st)",
+        "later ÷ copy into preallocated (later)",
+        "÷ statesnap async_take (1st; later)",
+        "total (call + wait), 1st s",
+        "total, later s",
+        "peak RSS above RSS at call (1st; later)",
+        "check: what the call wrote, after the caller changed every tensor",
+    ]
+    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for label in labels:
+        mine = groups.get(label)
+        if not mine:
+            continue
+        first, later = _first(mine), _later(mine)
+        rss_first = {r.round: float(r.peak_rss) for r in mine if r.ok and r.extra.get("call") == 0}
+        rss_later = _later(mine, "peak_rss_above_call")
+        vs_ss = (
+            f"{_fmt_ratio(_ratios(first, _first(ss)))}; {_fmt_ratio(_ratios(later, _later(ss)))}"
+        )
+        out.append(
+            "| "
+            + " | ".join(
+                [
+                    label,
+                    _fmt_rounds(first),
+                    _fmt_rounds(later),
+                    _fmt_ratio(_ratios(first, _first(fresh))),
+                    _fmt_ratio(_ratios(later, _later(prealloc))),
+                    vs_ss,
+                    _fmt_rounds(_first(mine, "total")),
+                    _fmt_rounds(_later(mine, "total")),
+                    f"{_fmt_median_size(rss_first)}; {_fmt_median_size(rss_later)}",
+                    _async_check(mine),
+                ]
+            )
+            + " |"
+        )
+    return out
+
+
+def _fmt_median_size(values: dict[int, float]) -> str:
+    return fmt_size(statistics.median(values.values())) if values else "—"
+
+
+def async_targets(rows: Sequence[Row]) -> list[str]:
+    """The two targets, per round: statesnap's first stall ≤ 1.3x the copy into fresh tensors,
+    its later stalls ≤ 2x the copy into preallocated ones."""
+    groups = _group(rows)
+    ss = groups.get(ASYNC_METHODS["statesnap-async"].label, [])
+    fresh = groups.get(ASYNC_METHODS["copy-fresh"].label, [])
+    prealloc = groups.get(ASYNC_METHODS["copy-prealloc"].label, [])
+    out = []
+    for what, mine, ref, limit, name in (
+        ("first", _first(ss), _first(fresh), 1.3, "the copy into fresh tensors"),
+        ("later", _later(ss), _later(prealloc), 2.0, "the copy into preallocated tensors"),
+    ):
+        ratios = _ratios(mine, ref)
+        if not ratios:
+            out.append(f"- statesnap {what} stall ÷ {name}: not measured (a run failed)")
+            continue
+        med = statistics.median(ratios)
+        verdict = "met" if med <= limit else "**NOT met**"
+        out.append(
+            f"- statesnap async_take, {what} stall ÷ {name}: {_fmt_ratio(ratios)} "
+            f"(target ≤ {limit}: {verdict}; {fmt_s(statistics.median(mine.values()))} s vs "
+            f"{fmt_s(statistics.median(ref.values()))} s)"
+        )
+    return out
+
+
+def async_series_table(rows: Sequence[Row]) -> list[str]:
+    """statesnap's async take, call by call in one process: stall, peak RSS and RSS after the
+    wait above the RSS before the first call, and the staging pool's bytes (every round)."""
+    mine = [r for r in rows if r.method == "statesnap-async" and r.ok]
+    if not mine:
+        return []
+    calls = sorted({r.extra["call"] for r in mine})
+    rounds = sorted({r.round for r in mine})
+
+    def cells(call: int, key: str, fmt: Any) -> str:
+        vals = {r.round: r.extra[key] for r in mine if r.extra["call"] == call and key in r.extra}
+        if not vals:
+            return "—"
+        if len(set(vals.values())) == 1 and len(vals) > 1:
+            return f"{fmt(next(iter(vals.values())))} (every round)"
+        return ", ".join(fmt(vals[k]) for k in sorted(vals))
+
+    head = [
+        "call",
+        "stall s (per round)",
+        "total s (per round)",
+        "peak RSS above the RSS before call 1 (per round)",
+        "RSS after the wait, above it (per round)",
+        "pool `allocated_bytes` (per round)",
+        "pool `free_bytes` (per round)",
+        "memory budget before the call (per round)",
+    ]
+    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for c in calls:
+        out.append(
+            "| "
+            + " | ".join(
+                [
+                    str(c + 1),
+                    cells(c, "stall", fmt_s),
+                    cells(c, "total", fmt_s),
+                    cells(c, "peak_rss_above_start", fmt_size),
+                    cells(c, "rss_after_above_start", fmt_size),
+                    cells(c, "pool_allocated", _mib),
+                    cells(c, "pool_free", _mib),
+                    cells(c, "budget_before", _mib),
+                ]
+            )
+            + " |"
+        )
+    verdicts = []
+    for rnd in rounds:
+        series = [
+            r.extra["pool_allocated"]
+            for r in sorted(mine, key=lambda r: r.extra["call"])
+            if r.round == rnd and "pool_allocated" in r.extra
+        ]
+        peaks = [
+            r.extra["peak_rss_above_start"]
+            for r in sorted(mine, key=lambda r: r.extra["call"])
+            if r.round == rnd
+        ]
+        if len(series) < 2:
+            continue
+        grew = max(series[1:]) - series[0]
+        verdicts.append(
+            f"round {rnd + 1}: allocated {_mib(series[0])} after call 1, "
+            f"{_mib(max(series[1:]))} at most after calls 2-{len(series)} "
+            + ("(**grew** by " + _mib(grew) + ")" if grew > 0 else "(no growth)")
+            + f"; peak RSS above the start {fmt_size(peaks[0])} after call 1, "
+            f"{fmt_size(max(peaks[1:]))} at most after"
+        )
+    out += ["", "Growth after the first call: " + "; ".join(verdicts) + "."] if verdicts else []
+    return out
+
+
+def case_async(args: argparse.Namespace, runner: Runner, env: dict[str, str]) -> CaseResult:
+    sizes = args.size or [512 * MIB]
+    states = [
+        StateCase(fmt_size(s), {"kind": "model", "size": s, "seed": args.seed}) for s in sizes
+    ]
+    names = args.methods or DEFAULT_ASYNC_METHODS
+    for n in names:
+        if n not in ASYNC_METHODS:
+            raise SystemExit(
+                f"--case async: unknown method {n!r}; known: {', '.join(ASYNC_METHODS)}"
+            )
+    methods = [ASYNC_METHODS[n] for n in names]
+    rows = run_async_rounds(
+        runner, states, methods, args.modes, args.calls, args.series, args.reps, env
+    )
+    labels = [m.label for m in methods]
+    out = [
+        "",
+        f"Calls per worker: statesnap async_take {args.series}, the others {args.calls} "
+        "(call 1 in a fresh process; *later* = the median of calls 2 on, per round). Stall = "
+        "the call's duration; total = stall + wait (the caller flips every tensor between "
+        "them, timed apart: see the JSON's `mutate`).",
+    ]
+    for s in states:
+        out += ["", f"#### {describe_spec(build_spec(s.args))}"]
+        for mode in args.modes:
+            sel = [r for r in rows if r.state == s.label and r.mode in (mode, MEMORY)]
+            out += ["", f"**Stall and total, {ASYNC_MODE_TITLES[mode]}**", ""]
+            out += async_stall_table(sel, labels)
+            out += ["", *async_targets(sel)]
+            budgets = [
+                r.extra["budget_before"]
+                for r in sel
+                if "budget_before" in r.extra and r.method == "statesnap-async"
+            ]
+            if budgets:
+                out.append(
+                    "- statesnap async_take's memory budget (`STATESNAP_MEMORY_BUDGET_BYTES` "
+                    "unset: a quarter of the available memory, the staging pool's free blocks "
+                    "included, clamped to [64 MiB, 4 GiB]) right before its calls: "
+                    f"{_mib(min(budgets))} to {_mib(max(budgets))}"
+                )
+        for mode in args.modes:
+            sel = [r for r in rows if r.state == s.label and r.mode == mode]
+            table = async_series_table(sel)
+            if table:
+                out += [
+                    "",
+                    f"**statesnap async_take, {args.series} calls in one process, each waited "
+                    f"for ({mode})**: RSS above the RSS before the first call (state, check "
+                    "targets and libraries already resident; the harness trims the C heap "
+                    "after each check), and the staging pool "
+                    "(`snapshot.staging.default_pool()`) after each wait",
+                    "",
+                    *table,
+                ]
+    notes = [f"- {m.label}: {m.note}" for m in methods]
+    out += ["", "Methods:", *notes]
+    return rows, out
+
+
+# ---------------------------------------------------------------------------------------------
+# async-loop: a small training loop with snapshots every N steps.
+
+LOOP_LABELS = {
+    "none": "no snapshots",
+    "take": "statesnap take",
+    "async_take": "statesnap async_take",
+}
+
+
+def case_async_loop(args: argparse.Namespace, runner: Runner, env: dict[str, str]) -> CaseResult:
+    from benchmarks.train_loop import METHODS as LOOP_METHODS
+    from benchmarks.train_loop import LoopConfig
+
+    methods = args.methods or list(LOOP_METHODS)
+    for m in methods:
+        if m not in LOOP_METHODS:
+            raise SystemExit(f"--case async-loop: unknown method {m!r}; known: {LOOP_METHODS}")
+    rows: list[Row] = []
+    for mode in args.modes:
+        cfg = LoopConfig(
+            steps=args.steps,
+            interval=args.interval,
+            batch=args.batch,
+            dims=tuple(args.dims),
+            seed=args.seed,
+            fsync=mode == "fsync",
+        )
+        state = StateCase(f"loop {mode}", {"kind": "loop"})
+        for rnd in range(args.reps):
+            _log(f"round {rnd + 1}/{args.reps} ({mode})")
+            for m in methods:
+                path = runner.data_dir(f"loop-{m}")
+                shutil.rmtree(path, ignore_errors=True)
+                os.makedirs(path)
+                try:
+                    result = runner.job(
+                        {"op": "train", "method": m, "loop": asdict(cfg), "path": path}, env
+                    )
+                finally:
+                    shutil.rmtree(path, ignore_errors=True)
+                check = result.get("check") or {}
+                row = Row(
+                    case="async-loop",
+                    state=state.label,
+                    round=rnd,
+                    variant=LOOP_LABELS[m],
+                    writer=m,
+                    op="train",
+                    mode=mode,
+                    method=m,
+                    ok=bool(result.get("ok")) and bool(check.get("ok", True)),
+                    seconds=result.get("seconds"),
+                    check=check.get("detail", ""),
+                    error=result.get("error", ""),
+                    extra={
+                        k: result[k]
+                        for k in (
+                            "steps",
+                            "steps_per_s",
+                            "step_median",
+                            "state_bytes",
+                            "snapshots",
+                            "traceback",
+                        )
+                        if k in result
+                    },
+                )
+                _log(
+                    f"  [loop {mode} round {rnd + 1}] {LOOP_LABELS[m]}: "
+                    + (
+                        f"{result['steps_per_s']:.2f} steps/s, {len(result['snapshots'])} snapshots"
+                        if row.ok
+                        else f"FAILED {row.error}\n{result.get('traceback', '')}"
+                    )
+                )
+                rows.append(row)
+    out = [
+        "",
+        f"MLP {'-'.join(str(d) for d in args.dims)} (Linear + GELU), Adam, batch {args.batch}, "
+        f"synthetic data, CPU; {args.steps} timed steps after 10 untimed; a snapshot before "
+        f"every {args.interval}th step ({(args.steps - 1) // args.interval} per run).",
+    ]
+    for mode in args.modes:
+        sel = [r for r in rows if r.mode == mode]
+        out += ["", f"**{ASYNC_MODE_TITLES[mode].split(' (')[0].capitalize()}**", ""]
+        out += loop_table(sel, args.interval)
+    return rows, out
+
+
+def loop_table(rows: Sequence[Row], interval: int) -> list[str]:
+    """Steps per second of each loop, its ratio to the loop without snapshots (per round), and
+    what the snapshots cost it."""
+    groups = _group(rows)
+    ref = groups.get(LOOP_LABELS["none"], [])
+    ref_rate = {r.round: r.extra["steps_per_s"] for r in ref if r.ok}
+    ref_step = {r.round: r.extra["step_median"] for r in ref if r.ok}
+    head = [
+        "loop",
+        "steps/s",
+        "÷ no snapshots (per round)",
+        "loop s",
+        "median step ms",
+        "median step ÷ no snapshots (per round)",
+        "loop blocked by snapshots (calls + waits), % of loop time",
+        "call blocks per snapshot s (median, max)",
+        "blocked in wait per snapshot s (median, max)",
+        "snapshot write time s (median)",
+        "check",
+    ]
+    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    state_bytes = None
+    for label, mine in groups.items():
+        ok = [r for r in mine if r.ok]
+        rate = {r.round: r.extra["steps_per_s"] for r in ok}
+        step = {r.round: r.extra["step_median"] for r in ok}
+        blocked = {
+            r.round: 100
+            * sum(s["call"] + s["blocked_in_wait"] for s in r.extra.get("snapshots", []))
+            / r.seconds
+            for r in ok
+            if r.seconds
+        }
+        snaps = [s for r in ok for s in r.extra.get("snapshots", [])]
+        state_bytes = state_bytes or next((r.extra.get("state_bytes") for r in ok), None)
+
+        def med_max(key: str, snaps: list[dict[str, Any]] = snaps) -> str:
+            vals = [s[key] for s in snaps if s.get(key) is not None]
+            return f"{fmt_s(statistics.median(vals))}, {fmt_s(max(vals))}" if vals else "—"
+
+        if mine[0].method == "take":
+            write = [s["call"] for s in snaps]
+        else:
+            write = [s["seen_done"] for s in snaps if s.get("seen_done") is not None]
+        out.append(
+            "| "
+            + " | ".join(
+                [
+                    label,
+                    _fmt_rounds(rate, lambda v: f"{v:.2f}"),
+                    _fmt_ratio([rate[k] / ref_rate[k] for k in sorted(rate) if k in ref_rate]),
+                    fmt_s(_median(r.seconds for r in ok if r.seconds)),
+                    _fmt_rounds(step, lambda v: f"{v * 1000:.1f}"),
+                    _fmt_ratio([step[k] / ref_step[k] for k in sorted(step) if k in ref_step]),
+                    _fmt_rounds(blocked, lambda v: f"{v:.1f}") if snaps else "—",
+                    med_max("call"),
+                    med_max("blocked_in_wait") if mine[0].method == "async_take" else "—",
+                    fmt_s(statistics.median(write)) if write else "—",
+                    _status(mine, "train"),
+                ]
+            )
+            + " |"
+        )
+    step = _median(r.extra["step_median"] for r in ref if r.ok)
+    if step is not None:
+        out += [
+            "",
+            f"Compute per interval: {interval} steps x {step * 1000:.1f} ms (median step of the "
+            f"loop without snapshots) = {interval * step:.2f} s. State: "
+            f"{fmt_size(state_bytes or 0)} (model + Adam). Snapshot write time: the whole call "
+            "for take; for async_take, from the call until `done()` was first seen true (polled "
+            "after every step, so up to one step late).",
+        ]
+    return out
+
+
 CASES = {
     "main": case_main,
     "many-small": case_many_small,
@@ -1083,6 +1634,8 @@ CASES = {
     "read-object": case_read_object,
     "scaling": case_scaling,
     "dist": case_dist,
+    "async": case_async,
+    "async-loop": case_async_loop,
 }
 
 CASE_DEFAULTS: dict[str, dict[str, Any]] = {
@@ -1092,6 +1645,8 @@ CASE_DEFAULTS: dict[str, dict[str, Any]] = {
     "read-object": {"modes": ["fsync"], "temps": ["cold", "warm"]},
     "scaling": {"modes": ["cache"], "temps": ["warm"]},
     "dist": {"modes": ["cache", "fsync"], "temps": ["warm"]},
+    "async": {"modes": ["fsync", "cache"], "temps": []},
+    "async-loop": {"modes": ["fsync"], "temps": []},
 }
 
 
@@ -1119,13 +1674,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         metavar="SIZE",
         help="state size(s), e.g. 512MiB,2GiB (repeatable). main: 512MiB,2GiB; "
         "many-small: total 200MiB; restore-memory, read-object: 2GiB; dist: 1GiB (the model; "
-        "each rank's own state is a tenth of it)",
+        "each rank's own state is a tenth of it); async: 512MiB",
     )
     p.add_argument("--reps", type=int, default=3, help="rounds (median over them); default 3")
     p.add_argument(
         "--methods",
         type=_csv,
-        help=f"comma-separated writers: {','.join(WRITERS)} (their readers follow)",
+        help=f"comma-separated writers: {','.join(WRITERS)} (their readers follow); "
+        f"async: {','.join(ASYNC_METHODS)}; async-loop: none,take,async_take",
     )
     p.add_argument(
         "--modes", type=_csv, help="take modes: cache (no fsync), fsync; default per case"
@@ -1157,6 +1713,27 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         type=lambda s: [int(x) for x in _csv(s)],
         default=[1, 2, 4],
         help="dist: world sizes, e.g. 1,2,4 (that many processes per operation)",
+    )
+    p.add_argument(
+        "--calls",
+        type=int,
+        default=3,
+        help="async: calls per worker (the first in a fresh process, then later ones)",
+    )
+    p.add_argument(
+        "--series",
+        type=int,
+        default=10,
+        help="async: calls of statesnap's async_take per worker (its RSS and pool series)",
+    )
+    p.add_argument("--steps", type=int, default=300, help="async-loop: timed training steps")
+    p.add_argument("--interval", type=int, default=25, help="async-loop: steps between snapshots")
+    p.add_argument("--batch", type=int, default=64, help="async-loop: batch size")
+    p.add_argument(
+        "--dims",
+        type=lambda s: [int(x) for x in _csv(s)],
+        default=[512, 1536, 1536, 512],
+        help="async-loop: MLP layer widths, e.g. 512,1536,1536,512",
     )
     p.add_argument(
         "--budget",

@@ -29,7 +29,9 @@ Measurements
     the peak resident set above the RSS right before the operation, falling back to sampling
     when the reset does not work. :func:`proc_io` reads ``/proc/self/io``. :func:`tree_size`
     gives bytes on disk. :func:`check_restored` compares restored tensors with the generated
-    ones bitwise (raw bytes, so bf16 and NaN payloads compare exactly).
+    ones bitwise (raw bytes, so bf16 and NaN payloads compare exactly); :func:`flip_bits`
+    changes every byte of a state in place (the async case's caller mutating its tensors), and
+    flipping twice gives the generated state back.
 
 Page cache
     :func:`fsync_tree` fsyncs every file and directory under a path; :func:`drop_page_cache`
@@ -470,13 +472,17 @@ def check_restored(
     restored: Mapping[str, Mapping[str, Any]],
     with_objects: bool,
     tensors: Iterator[TensorSpec] | None = None,
+    count_all: bool = False,
 ) -> CheckResult:
     """Compares ``restored`` (group -> name -> value) with the generated state, bitwise.
 
     Each expected tensor is regenerated, compared as raw bytes, and dropped, so the check holds
     at most one extra tensor in memory. ``tensors`` limits the check to some tensors.
+    ``count_all``: go on past tensors whose bytes differ and say how many (and how many bytes)
+    differ, instead of stopping at the first.
     """
     n_tensors = n_objects = 0
+    differ: list[TensorSpec] = []
     for t in spec.tensors if tensors is None else tensors:
         got = restored.get(t.group, {}).get(t.name)
         where = f"{t.group}.{t.name}"
@@ -488,8 +494,17 @@ def check_restored(
             )
         expected = make_tensor(t)
         if not torch.equal(tensor_bytes(got.contiguous()), tensor_bytes(expected)):
-            return CheckResult(False, f"MISMATCH {where}: bytes differ")
+            if not count_all:
+                return CheckResult(False, f"MISMATCH {where}: bytes differ")
+            differ.append(t)
         n_tensors += 1
+    if differ:
+        nbytes = sum(t.nbytes for t in differ)
+        return CheckResult(
+            False,
+            f"MISMATCH: {len(differ)} of {n_tensors} tensors ({fmt_size(nbytes)} of "
+            f"{fmt_size(spec.nbytes)}) differ, e.g. {differ[0].flat_key}",
+        )
     if with_objects and tensors is None:
         for g, objs in spec.objects.items():
             for k, v in objs.items():
@@ -499,6 +514,17 @@ def check_restored(
                 n_objects += 1
     objects = f" + {n_objects} objects" if with_objects and spec.objects else ""
     return CheckResult(True, f"ok ({n_tensors} tensors{objects} bitwise equal)")
+
+
+def flip_bits(state: Mapping[str, Mapping[str, Any]]) -> None:
+    """Inverts every bit of every tensor of ``state`` in place (its Python objects are left as
+    they are): a change of every byte that a second call undoes, so a state flipped an even
+    number of times is the generated one again, and the check needs no second copy."""
+    with torch.no_grad():
+        for group in state.values():
+            for value in group.values():
+                if isinstance(value, torch.Tensor):
+                    tensor_bytes(value).bitwise_not_()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -576,6 +602,17 @@ class PeakRSS:
     @property
     def above_baseline(self) -> int:
         return max(0, self.peak - self.baseline)
+
+
+def trim_heap() -> None:
+    """Collects garbage and returns the C heap's free memory to the kernel (glibc's
+    ``malloc_trim(0)``), so that RSS measured next counts live memory, not what an earlier,
+    untimed step (the async case's check) freed but the allocator kept."""
+    gc.collect()
+    try:
+        ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to trim with
+        pass
 
 
 def proc_io() -> dict[str, int]:

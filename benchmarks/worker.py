@@ -9,6 +9,15 @@ path (stdout and stderr stay free for whatever the libraries print). Ops:
                  ``Reader.load``; afterwards compare the result bitwise with the generated state.
 ``read-object``  statesnap only: time ``Snapshot(path)`` and ``read_object`` of one tensor
                  separately, with the ``/proc/self/io`` counters around each.
+``async``        generate the state, then ``calls`` times in a row: time an ``AsyncMethod``'s call
+                 (the stall), flip every bit of every tensor at once (the caller changing its
+                 state; timed apart), time the wait; afterwards (untimed) read back what the call
+                 wrote and compare it bitwise with the state at call time, delete it, and trim
+                 the heap (``common.trim_heap``). Peak and current RSS are also given above the
+                 RSS before the first call, statesnap's staging pool after each call, and the
+                 memory budget statesnap computed right before each call.
+``train``        a small MLP trained on CPU, snapshotting every ``interval`` steps in one of the
+                 ways of ``benchmarks.train_loop`` (none, take, async_take).
 
 Peak RSS is measured above the RSS right before the timed region (see ``common.PeakRSS``).
 
@@ -25,6 +34,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import shutil
 import sys
 import time
 import traceback
@@ -38,14 +48,18 @@ from benchmarks.common import (
     StateSpec,
     build_spec,
     check_restored,
+    current_rss,
+    flip_bits,
     fsync_tree,
     generate_state,
     io_delta,
     make_targets,
     proc_io,
     tree_size,
+    trim_heap,
 )
 from benchmarks.methods import (
+    ASYNC_METHODS,
     GROUP_READERS,
     GROUP_WRITERS,
     READERS,
@@ -244,7 +258,100 @@ def _read_object(job: dict[str, Any], ranks: RankGroup) -> dict[str, Any]:
     }
 
 
-OPS = {"take": _take, "restore": _restore, "read-object": _read_object}
+def _async(job: dict[str, Any], ranks: RankGroup) -> dict[str, Any]:
+    """``calls`` async calls in a row, each waited for and checked; see the module docstring.
+
+    A call that raises ends the job: the calls before it are kept in the result, with the
+    error and its traceback."""
+    method = ASYNC_METHODS[job["method"]]
+    method.prepare()
+    reader = READERS[method.reader] if method.reader is not None else None
+    if reader is not None:
+        reader.prepare()
+    spec = build_spec(job["state"])
+    fsync = job["mode"] == "fsync"
+    state = generate_state(spec, with_objects=method.objects)
+    ctx = method.setup(spec, state)
+    # Where the check reads each call's files back to (allocated once, before the baseline).
+    targets = (
+        make_targets(spec, with_objects=reader.objects)
+        if reader is not None and reader.into_targets
+        else None
+    )
+    trim_heap()
+    baseline = current_rss()
+    calls: list[dict[str, Any]] = []
+    result: dict[str, Any] = {
+        "ok": True,
+        "payload_bytes": spec.nbytes,
+        "baseline_rss": baseline,
+        "calls": calls,
+    }
+    for k in range(int(job["calls"])):
+        path = os.path.join(job["path"], f"call{k}")
+        os.makedirs(path, exist_ok=True)
+        try:
+            # The staging budget statesnap derives from the available memory (outside the timing).
+            budget_before = method.budget() if method.budget is not None else None
+            with PeakRSS() as mem:
+                t0 = time.perf_counter()
+                handle = method.start(spec, state, path, fsync, ctx)
+                t1 = time.perf_counter()
+                flip_bits(state)  # the caller changes every tensor as soon as the call returns
+                t2 = time.perf_counter()
+                method.wait(handle)
+                if fsync and method.files and not method.self_fsync:
+                    fsync_tree(path)
+                t3 = time.perf_counter()
+            record: dict[str, Any] = {
+                "call": k,
+                "stall": t1 - t0,
+                "mutate": t2 - t1,
+                "wait": t3 - t2,
+                "total": (t1 - t0) + (t3 - t2),
+                "peak_rss_above_start": max(0, mem.peak - baseline),
+                "peak_rss_above_call": mem.above_baseline,
+                "rss_after_above_start": current_rss() - baseline,
+            }
+            if method.pool_stats is not None:
+                record["pool_allocated"], record["pool_free"] = method.pool_stats()
+            if budget_before is not None:
+                record["budget_before"] = budget_before
+            # Untimed: what the call wrote must be the state as it was when the call was made,
+            # i.e. the generated state flipped k times (flipping twice is the identity).
+            written = reader.load(spec, path, targets) if reader is not None else handle
+            if k % 2:
+                flip_bits(written)
+            check = check_restored(spec, written, method.objects, count_all=True)
+            record["check"] = check.as_dict()
+            del handle, written
+            trim_heap()  # what the check allocated must not count in the next call's RSS
+        except BaseException as e:
+            result.update(
+                ok=False,
+                error=f"call {k + 1}: {type(e).__name__}: {e}".strip()[:500],
+                traceback=traceback.format_exc()[-4000:],
+            )
+            break
+        finally:
+            shutil.rmtree(path, ignore_errors=True)
+        calls.append(record)
+    return result
+
+
+def _train(job: dict[str, Any], ranks: RankGroup) -> dict[str, Any]:
+    from benchmarks.train_loop import LoopConfig, run_loop
+
+    return {"ok": True, **run_loop(LoopConfig(**job["loop"]), job["method"], job["path"])}
+
+
+OPS = {
+    "take": _take,
+    "restore": _restore,
+    "read-object": _read_object,
+    "async": _async,
+    "train": _train,
+}
 
 
 def main() -> None:
