@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import difflib
 import gc
 import logging
@@ -9,7 +11,6 @@ import os
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -108,7 +109,7 @@ _gc_depth = 0
 _gc_was_enabled = False
 
 
-@contextmanager
+@contextlib.contextmanager
 def _gc_paused() -> Iterator[None]:
     """Pauses the cyclic garbage collector while a phase builds many small acyclic objects.
 
@@ -193,6 +194,7 @@ class TakeJob:
         self.pipeline: WritePipeline | None = None
         self._error: BaseException | None = None  # met while staging, reported when agreeing
         self._marker = False  # whether this rank wrote the pending marker
+        self._marker_write: asyncio.Future[None] | None = None
         self._released = threading.Event()  # set once the caller handed every staged write over
         self._times: dict[str, float] = {}
 
@@ -313,8 +315,18 @@ class TakeJob:
                 "or delete this one first"
             )
         marker = f"pid {os.getpid()} started {time.time():.3f}\n".encode()
-        await call(plugin, "write", PENDING_NAME, where, plugin.write(PENDING_NAME, [marker]))
+        # Written in the background, alongside the blobs; the commit waits for it. On local
+        # disk the write is fsync'd, and an fsync may wait for the file system's journal to
+        # commit whatever else is pending (such as the deletion of an older snapshot): up to
+        # a few hundred milliseconds that the caller need not wait for.
+        self._marker_write = asyncio.ensure_future(
+            call(plugin, "write", PENDING_NAME, where, plugin.write(PENDING_NAME, [marker]))
+        )
         self._marker = True
+
+    async def _marker_written(self) -> None:
+        if self._marker_write is not None:
+            await self._marker_write
 
     # -- writing and commit -----------------------------------------------------------------
 
@@ -344,6 +356,7 @@ class TakeJob:
         if error is None and self.pipeline is not None:
             try:
                 stats = run(self.pipeline.wait())
+                run(self._marker_written())
             except Exception as e:
                 error = e
         elif self.pipeline is not None:
@@ -401,13 +414,15 @@ class TakeJob:
         assert plugin is not None
         blobs = [w.blob for w in self.plan.writes] if self.plan is not None else []
         if self._marker:
+            with contextlib.suppress(Exception):
+                await self._marker_written()  # so that it cannot land after its deletion
             blobs.append(PENDING_NAME)
         try:
             for blob in blobs:
                 try:
                     await plugin.delete(blob)
-                except FileNotFoundError:
-                    pass
+                except (FileNotFoundError, NotADirectoryError):
+                    pass  # never written
         except Exception:
             logger.warning(
                 "could not remove the blobs of a failed take at %s", self.where, exc_info=True

@@ -238,9 +238,12 @@ class PendingSnapshot:
             manifest = self._future.result(timeout)
         except concurrent.futures.TimeoutError:
             raise TimeoutError(f"snapshot {self.path} still pending after {timeout} s") from None
-        except SnapshotError:
-            raise
         except Exception as e:
+            # The error is raised here, to its owner: the queue forgets the call (so that it
+            # is not reported again at exit).
+            self._finalize_through_me()
+            if isinstance(e, SnapshotError):
+                raise
             raise SnapshotError(
                 f"async snapshot {self.path} failed: {type(e).__name__}: {e}"
             ) from e

@@ -499,6 +499,8 @@ class _Placer:
         def stage() -> Staged:
             lease = pool.acquire(nbytes)
             try:
+                if len(members) > 1:
+                    lease.touch()
                 buf = lease.tensor
                 pos = 0
                 with pool.copying():

@@ -341,8 +341,10 @@ class WritePipeline:
             except Exception as e:
                 self._fail(_storage_error(self._plugin, "write", req.blob, req.label, e))
             finally:
-                del buffers
+                # Nothing of the item may outlive its write: an idle worker would otherwise keep
+                # its last buffer alive, beyond the budget.
                 _release(keepalive)
+                del buffers, item, keepalive
                 self.budget.release(req.staging_bytes)
 
     def _fail(self, error: BaseException) -> None:

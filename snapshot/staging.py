@@ -451,13 +451,23 @@ class Lease:
     buffer back to the pool once the write is done with it.
     """
 
-    __slots__ = ("_block", "_pool", "tensor", "view")
+    __slots__ = ("_block", "_pool", "fresh", "tensor", "view")
 
-    def __init__(self, pool: StagingPool, block: torch.Tensor, nbytes: int) -> None:
+    def __init__(self, pool: StagingPool, block: torch.Tensor, nbytes: int, fresh: bool) -> None:
         self._pool: StagingPool | None = pool
         self._block = block
+        self.fresh = fresh  # newly allocated: its pages are not yet touched
         self.tensor = block[:nbytes]
         self.view = tensor_memoryview(self.tensor)
+
+    def touch(self) -> None:
+        """Faults a fresh buffer's pages in with torch's multi-threaded fill, before it is
+        filled by many small single-threaded copies (which would each take their page faults
+        one core at a time: about 1.5x slower in all on 2 cores). Pinned memory is resident
+        already."""
+        if self.fresh and not self.tensor.is_pinned():
+            self.tensor.zero_()
+        self.fresh = False
 
     def ready(self) -> None:
         """Makes the copies into the buffer complete before anyone reads it."""
@@ -469,9 +479,12 @@ class Lease:
             stream.synchronize()
 
     def release(self) -> None:
+        """Gives the buffer back; the lease then holds no memory, even if it is kept around."""
         pool, self._pool = self._pool, None
         if pool is not None:
-            pool._give_back(self._block)
+            block = self._block
+            self._block = self.tensor = self.view = None  # type: ignore[assignment]
+            pool._give_back(block)
 
 
 class StagingPool:
@@ -530,11 +543,12 @@ class StagingPool:
             block = blocks.pop() if blocks else None
             if block is not None:
                 self._free_bytes -= size
+        fresh = block is None
         if block is None:
             # pin_memory needs CUDA; only a machine with a GPU allocates pinned blocks.
             block = torch.empty(size, dtype=torch.uint8, pin_memory=self.pin)
             self.allocated_bytes += size
-        return Lease(self, block, nbytes)
+        return Lease(self, block, nbytes, fresh)
 
     def _give_back(self, block: torch.Tensor) -> None:
         size = block.numel()

@@ -94,6 +94,21 @@ def test_interrupted_take_is_incomplete_and_can_be_retaken(faulty):
     assert ".statesnap-pending" not in files_under(inner)
 
 
+def test_failed_pending_marker_write_fails_the_take(faulty):
+    url, inner = faulty
+    FAULTS[inner] = lambda verb, path: (
+        OSError(errno.EROFS, "read-only file system")
+        if (verb == "write" and path == ".statesnap-pending")
+        else None
+    )
+    with pytest.raises(StorageError, match=r"\.statesnap-pending.*read-only file system"):
+        Snapshot.take(url, {"a": StateDict(t=torch.arange(10))})
+    pending = Snapshot.async_take(url, {"a": StateDict(t=torch.arange(10))})
+    with pytest.raises(StorageError, match=r"\.statesnap-pending.*read-only file system"):
+        pending.wait(timeout=60)
+    assert files_under(inner) == []  # both removed their blobs; nothing committed
+
+
 def test_shape_mismatch_names_the_path_and_reads_nothing(recorded):
     url, log = recorded
     Snapshot.take(url, {"m": torch.nn.Linear(4, 3)})
@@ -177,7 +192,8 @@ def test_storage_errors_on_open(tmp_path):
     with pytest.raises(StorageError, match="unknown storage_options.*colour"):
         Snapshot.take(str(tmp_path / "s"), {"s": StateDict()}, storage_options={"colour": 1})
     (tmp_path / "file").write_text("a file, not a directory")
-    with pytest.raises(StorageError, match="file: failed to write .*File exists"):
+    # The marker and the blobs are written at once: whichever fails first is reported.
+    with pytest.raises(StorageError, match="failed to write .*file.*(File exists|Not a dir)"):
         Snapshot.take(str(tmp_path / "file"), {"s": StateDict(t=torch.ones(2))})
 
 

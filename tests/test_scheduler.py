@@ -5,7 +5,9 @@ from __future__ import annotations
 import asyncio
 import re
 import threading
+import time
 import uuid
+import weakref
 
 import pytest
 import torch
@@ -21,6 +23,7 @@ from snapshot.scheduler import (
     read_all,
     run,
 )
+from snapshot.staging import StagingPool
 from storage_plugins.memory import MemoryStoragePlugin
 
 
@@ -110,6 +113,64 @@ def test_pipeline_keeps_staged_bytes_within_budget():
     assert stats.blobs == 100 and stats.nbytes == 300_000
     assert stats.peak_budget_bytes <= 10_000 and high_water[0] <= 10_000
     assert run(slow.read("b99")) == bytes(3000)
+
+
+def test_an_idle_pipeline_holds_no_written_buffer():
+    """Once written, a staged buffer is released and dropped, while the workers still wait for
+    more: memory beyond the budget must not stay alive in idle workers."""
+    plugin = _plugin()
+
+    class Keepalive:
+        released = 0
+
+        def release(self):
+            Keepalive.released += 1
+
+    refs: list[weakref.ref] = []
+
+    def stage():
+        keep = Keepalive()
+        refs.append(weakref.ref(keep))
+        return [bytearray(1000)], keep
+
+    pipeline = WritePipeline(plugin, budget_bytes=100_000, max_concurrency=4, batch_bytes=None)
+    for i in range(10):
+        pipeline.submit(
+            WriteRequest(blob=f"b{i}", nbytes=1000, staging_bytes=1000, stage=stage, label=f"t{i}")
+        )
+    pipeline.flush()
+    deadline = time.monotonic() + 10
+    while Keepalive.released < 10 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert Keepalive.released == 10
+    assert [r for r in refs if r() is not None] == []  # the 4 idle workers hold none of them
+    assert pipeline.finish().blobs == 10
+
+
+def test_a_released_lease_holds_no_memory():
+    pool = StagingPool(keep_bytes=0)  # keeps nothing: a released block goes back to torch
+    lease = pool.acquire(1 << 20)
+    block = weakref.ref(lease._block)
+    lease.view[:3] = b"abc"
+    lease.release()
+    assert lease.tensor is None and lease.view is None and block() is None
+    lease.release()  # a second release is harmless
+    assert pool.free_bytes == 0
+
+
+def test_only_a_new_block_is_fresh_and_touching_it_faults_it_in():
+    pool = StagingPool(keep_bytes=1 << 30)
+    lease = pool.acquire(1 << 20)
+    assert lease.fresh
+    lease.touch()
+    assert not lease.fresh and not lease.tensor.any()
+    lease.view[:4] = b"\x01\x02\x03\x04"
+    lease.release()
+    again = pool.acquire(1 << 20)  # the same size class: the kept block, not a new one
+    assert not again.fresh and pool.allocated_bytes == StagingPool.size_class(1 << 20)
+    again.touch()  # a reused block is left as it is
+    assert bytes(again.view[:4]) == b"\x01\x02\x03\x04"
+    again.release()
 
 
 def test_pipeline_error_stops_the_caller_and_names_the_path():
