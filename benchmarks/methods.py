@@ -32,6 +32,7 @@ tensors, into preallocated ones) that bound how short such a call can be on the 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import warnings
 from collections.abc import Callable
@@ -681,33 +682,30 @@ def _dcp_async_wait(handle: Any) -> None:
             handle.stager.close()
 
 
+_SS_ASYNC = AsyncMethod(
+    "statesnap-async",
+    "statesnap async_take",
+    objects=True,
+    start=_ss_async_start,
+    wait=_pending_wait,
+    reader="statesnap",
+    prepare=_ss_prepare,
+    pool_stats=_ss_pool_stats,
+    budget=_ss_budget,
+    note="Snapshot.async_take(path, app_state) then pending.wait(); "
+    'storage_options={"fsync": False} in the page-cache mode',
+)
+
+
 ASYNC_METHODS: dict[str, AsyncMethod] = {
     m.name: m
     for m in (
-        AsyncMethod(
-            "statesnap-async",
-            "statesnap async_take",
-            objects=True,
-            start=_ss_async_start,
-            wait=_pending_wait,
-            reader="statesnap",
-            prepare=_ss_prepare,
-            pool_stats=_ss_pool_stats,
-            budget=_ss_budget,
-            note="Snapshot.async_take(path, app_state) then pending.wait(); "
-            'storage_options={"fsync": False} in the page-cache mode',
-        ),
-        AsyncMethod(
-            "statesnap-async-budget",
-            "statesnap async_take, budget ¼ of the state",
-            objects=True,
-            start=_ss_async_start,
-            wait=_pending_wait,
-            reader="statesnap",
-            prepare=_ss_prepare,
+        _SS_ASYNC,
+        dataclasses.replace(
+            _SS_ASYNC,
+            name="statesnap-async-budget",
+            label="statesnap async_take, budget ¼ of the state",
             setup=_small_budget_setup,
-            pool_stats=_ss_pool_stats,
-            budget=_ss_budget,
             note="the same with STATESNAP_MEMORY_BUDGET_BYTES set to a quarter of the state's "
             "bytes: the call stages what fits, starts writing it, and stages the rest as writes "
             "free buffers",
