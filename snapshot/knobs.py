@@ -103,3 +103,11 @@ def collective_timeout_secs() -> int:
     group it creates when the caller's group is not gloo) before failing
     (STATESNAP_COLLECTIVE_TIMEOUT_SECS, default 600)."""
     return _env_int("COLLECTIVE_TIMEOUT_SECS", 600, 1)
+
+
+def io_retries() -> int:
+    """How many times a storage call that failed with a transient error (a timeout, a dropped
+    connection, "busy, try again": see ``StoragePlugin.is_transient``) is made again, with
+    exponential backoff from 50 ms up to 2 s, before the operation fails
+    (STATESNAP_IO_RETRIES, default 4; 0 disables retries)."""
+    return _env_int("IO_RETRIES", 4, 0)

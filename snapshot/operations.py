@@ -309,7 +309,7 @@ class TakeJob:
     async def _begin(self) -> None:
         plugin, where = self.plugin, self.where
         assert plugin is not None
-        if await call(plugin, "check", MANIFEST_NAME, where, plugin.exists(MANIFEST_NAME)):
+        if await call(plugin, "check", MANIFEST_NAME, where, lambda: plugin.exists(MANIFEST_NAME)):
             raise SnapshotExistsError(
                 f"{where} already holds a snapshot; take a new one at another path, "
                 "or delete this one first"
@@ -320,7 +320,7 @@ class TakeJob:
         # commit whatever else is pending (such as the deletion of an older snapshot): up to
         # a few hundred milliseconds that the caller need not wait for.
         self._marker_write = asyncio.ensure_future(
-            call(plugin, "write", PENDING_NAME, where, plugin.write(PENDING_NAME, [marker]))
+            call(plugin, "write", PENDING_NAME, where, lambda: plugin.write(PENDING_NAME, [marker]))
         )
         self._marker = True
 
@@ -481,9 +481,11 @@ async def _commit(plugin: StoragePlugin, manifest_bytes: bytes) -> None:
     either no manifest (an incomplete snapshot) or a complete one.
     """
     where = _describe(plugin)
-    await call(plugin, "sync", "", where, plugin.sync())
-    await call(plugin, "write", MANIFEST_NAME, where, plugin.write(MANIFEST_NAME, [manifest_bytes]))
-    await call(plugin, "sync", "", where, plugin.sync())
+    await call(plugin, "sync", "", where, plugin.sync)
+    await call(
+        plugin, "write", MANIFEST_NAME, where, lambda: plugin.write(MANIFEST_NAME, [manifest_bytes])
+    )
+    await call(plugin, "sync", "", where, plugin.sync)
     try:
         await plugin.delete(PENDING_NAME)
     except FileNotFoundError:
@@ -503,9 +505,17 @@ def load_manifest(path: str, storage_options: dict[str, Any] | None) -> Manifest
 
         async def fetch() -> bytes | None:
             try:
-                return await plugin.read(MANIFEST_NAME)
+                return await call(
+                    plugin,
+                    "read",
+                    MANIFEST_NAME,
+                    where,
+                    lambda: plugin.read(MANIFEST_NAME),
+                    convert=False,
+                )
             except FileNotFoundError:
-                if await plugin.exists(PENDING_NAME):
+                exists = lambda: plugin.exists(PENDING_NAME)  # noqa: E731
+                if await call(plugin, "check", PENDING_NAME, where, exists, convert=False):
                     raise IncompleteSnapshotError(
                         f"{where} holds an incomplete snapshot: a take started there but never "
                         "committed (it was interrupted or failed). Its blobs are not usable; "

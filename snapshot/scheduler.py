@@ -14,8 +14,10 @@ callback consumes (a dtype cast, an object decode).
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
+import random
 import threading
 import time
 from collections import deque
@@ -24,6 +26,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from snapshot import knobs
 from snapshot.errors import CorruptSnapshotError, SnapshotError, StorageError
 from storage_plugins import Buffer, StoragePlugin, url_to_storage_plugin
 
@@ -260,7 +263,7 @@ class IOStats:
 
 
 def _storage_error(
-    plugin: StoragePlugin, verb: str, blob: str, label: str, e: Exception
+    plugin: StoragePlugin, verb: str, blob: str, label: str, e: Exception, attempts: int = 1
 ) -> Exception:
     """The library's error for a failed plugin call, with ``e`` as its cause."""
     if isinstance(e, SnapshotError):
@@ -274,9 +277,61 @@ def _storage_error(
             f"{label}: blob {where} is shorter than the manifest says ({e})"
         )
     else:
-        error = StorageError(f"{label}: failed to {verb} blob {where}: {type(e).__name__}: {e}")
+        tries = f" ({attempts} attempts)" if attempts > 1 else ""
+        error = StorageError(
+            f"{label}: failed to {verb} blob {where}{tries}: {type(e).__name__}: {e}"
+        )
     error.__cause__ = e
     return error
+
+
+_FIRST_BACKOFF_SECS = 0.05
+_MAX_BACKOFF_SECS = 2.0
+
+
+async def call(
+    plugin: StoragePlugin,
+    verb: str,
+    blob: str,
+    label: str,
+    op: Callable[[], Awaitable[_T]],
+    *,
+    convert: bool = True,
+) -> _T:
+    """Awaits ``op()``, one plugin call, and turns its errors into the library's (or, with
+    ``convert=False``, raises the plugin's own error once retries are spent).
+
+    A transient error (``plugin.is_transient``) makes the call again, up to
+    ``STATESNAP_IO_RETRIES`` times, after a backoff that doubles from 50 ms (with jitter, so
+    that many workers do not retry in step) up to 2 s; each retry is logged. Every plugin call
+    can be repeated: a write replaces the whole blob, a read fills the whole range again.
+    """
+    retries = knobs.io_retries()
+    delay = _FIRST_BACKOFF_SECS
+    attempt = 1
+    while True:
+        try:
+            return await op()
+        except Exception as e:
+            if attempt > retries or not plugin.is_transient(e):
+                if not convert:
+                    raise
+                raise _storage_error(plugin, verb, blob, label, e, attempt) from e
+            pause = delay * random.uniform(0.5, 1.0)
+            logger.warning(
+                "%s: %s of blob %s failed (%s: %s); retrying in %.2f s (retry %d of %d)",
+                label,
+                verb,
+                plugin.describe(blob),
+                type(e).__name__,
+                e,
+                pause,
+                attempt,
+                retries,
+            )
+            await asyncio.sleep(pause)
+            delay = min(delay * 2, _MAX_BACKOFF_SECS)
+            attempt += 1
 
 
 # ---------------------------------------------------------------------------------------------
@@ -335,7 +390,14 @@ class WritePipeline:
             req, buffers, keepalive = item
             try:
                 if self._error is None:
-                    await self._plugin.write(req.blob, buffers)
+                    plugin = self._plugin
+                    await call(
+                        plugin,
+                        "write",
+                        req.blob,
+                        req.label,
+                        functools.partial(plugin.write, req.blob, buffers),
+                    )
                     self._nbytes += req.nbytes
                     self._blobs += 1
             except Exception as e:
@@ -469,10 +531,13 @@ async def read_all(
                         if len(junk) < seg.nbytes:
                             junk = memoryview(bytearray(seg.nbytes))
                         outs.append(junk[: seg.nbytes])
-                try:
-                    await plugin.readv(req.blob, req.offset, outs)
-                except Exception as e:
-                    raise _storage_error(plugin, "read", req.blob, req.label, e) from e
+                await call(
+                    plugin,
+                    "read",
+                    req.blob,
+                    req.label,
+                    functools.partial(plugin.readv, req.blob, req.offset, outs),
+                )
                 if req.done is not None:
                     req.done()
                 totals[0] += 1
@@ -494,11 +559,3 @@ async def read_all(
         seconds=time.perf_counter() - start,
         peak_budget_bytes=budget.peak,
     )
-
-
-async def call(plugin: StoragePlugin, verb: str, blob: str, label: str, op: Awaitable[_T]) -> _T:
-    """Awaits one plugin call, turning its errors into the library's."""
-    try:
-        return await op
-    except Exception as e:
-        raise _storage_error(plugin, verb, blob, label, e) from e

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import abc
+import errno
 from collections.abc import Sequence
 
 # Anything exposing the buffer protocol as contiguous bytes: bytes, bytearray, memoryview.
@@ -23,7 +24,8 @@ class StoragePlugin(abc.ABC):
 
     Errors are builtins a caller already knows: ``FileNotFoundError`` for a missing blob,
     ``EOFError`` when a blob ends before the requested range does, ``OSError`` (or a subclass) for
-    everything the storage itself reports.
+    everything the storage itself reports. The library makes a call again when ``is_transient``
+    says its error may pass, so every call must be safe to repeat.
 
     Paths are relative, ``/``-separated, and were produced by the library (never ``..`` or
     absolute); a plugin maps them under its root however it likes.
@@ -94,3 +96,30 @@ class StoragePlugin(abc.ABC):
     def describe(self, path: str) -> str:
         """A human-readable location of blob ``path``, for error messages."""
         return path
+
+    def is_transient(self, error: BaseException) -> bool:
+        """Whether ``error`` may go away if the same call is simply made again (the library then
+        retries it, with backoff). By default: timeouts, dropped or refused connections, and
+        the errnos that say "busy, try again". A missing blob, a permission error, a full disk
+        or an I/O error of the device are not. Plugins for remote stores may add their own.
+        """
+        if isinstance(error, (ConnectionError, TimeoutError)):
+            return True
+        return isinstance(error, OSError) and error.errno in _TRANSIENT_ERRNOS
+
+
+_TRANSIENT_ERRNOS = frozenset(
+    {
+        errno.EAGAIN,
+        errno.EBUSY,
+        errno.EINTR,
+        errno.ETIMEDOUT,
+        errno.ECONNRESET,
+        errno.ECONNABORTED,
+        errno.ECONNREFUSED,
+        errno.EPIPE,
+        errno.ENETUNREACH,
+        errno.ENETDOWN,
+        errno.EHOSTUNREACH,
+    }
+)

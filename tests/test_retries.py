@@ -1,0 +1,115 @@
+"""Transient storage errors are retried with backoff; permanent ones fail at once."""
+
+from __future__ import annotations
+
+import errno
+import logging
+from collections import Counter
+
+import pytest
+import torch
+
+from snapshot import Snapshot, SnapshotNotFoundError, StateDict, StorageError
+from storage_plugins.memory import MemoryStoragePlugin
+from tests.plugins import FAULTS
+
+
+def _failing(first: int, error: Exception, verb: str, path: str, counts: Counter):
+    """A fault that raises ``error`` on the first ``first`` calls ``verb`` of ``path``."""
+
+    def fault(v: str, p: str) -> Exception | None:
+        if v == verb and p == path:
+            counts[(v, p)] += 1
+            if counts[(v, p)] <= first:
+                return error
+        return None
+
+    return fault
+
+
+def _state() -> dict[str, StateDict]:
+    return {"s": StateDict(a=torch.arange(6.0), b=torch.ones(3, dtype=torch.int64))}
+
+
+def test_transient_write_errors_are_retried(faulty, caplog):
+    url, inner = faulty
+    counts: Counter = Counter()
+    FAULTS[inner] = _failing(
+        2, ConnectionResetError("connection reset by peer"), "write", "0/s0", counts
+    )
+    with caplog.at_level(logging.WARNING, logger="snapshot"):
+        snap = Snapshot.take(url, _state())
+    assert counts[("write", "0/s0")] == 3  # two failures, then the write that went through
+    retries = [r.getMessage() for r in caplog.records if "retrying" in r.getMessage()]
+    assert len(retries) == 2 and "0/s/a and 1 more" in retries[0] and "retry 1 of 4" in retries[0]
+    assert torch.equal(snap.read_object("0/s/a"), torch.arange(6.0))
+
+
+def test_transient_read_errors_are_retried(faulty):
+    url, inner = faulty
+    Snapshot.take(url, _state())
+    counts: Counter = Counter()
+    FAULTS[inner] = _failing(1, TimeoutError("read timed out"), "read", "0/s0", counts)
+    out = StateDict(a=torch.zeros(6), b=torch.zeros(3, dtype=torch.int64))
+    Snapshot(url).restore({"s": out})
+    assert counts[("read", "0/s0")] == 2
+    assert torch.equal(out["a"], torch.arange(6.0)) and torch.equal(out["b"], torch.ones(3).long())
+
+
+def test_reading_the_manifest_is_retried(faulty):
+    url, inner = faulty
+    Snapshot.take(url, _state())
+    counts: Counter = Counter()
+    FAULTS[inner] = _failing(
+        2, OSError(errno.EAGAIN, "resource busy"), "read", "manifest.yaml", counts
+    )
+    assert Snapshot(url).read_object("0/s/b").tolist() == [1, 1, 1]
+    assert counts[("read", "manifest.yaml")] == 3
+
+
+def test_a_transient_error_that_persists_fails_the_take(faulty, monkeypatch):
+    monkeypatch.setenv("STATESNAP_IO_RETRIES", "2")
+    url, inner = faulty
+    counts: Counter = Counter()
+    FAULTS[inner] = _failing(99, ConnectionResetError("reset"), "write", "0/s0", counts)
+    with pytest.raises(StorageError, match=r"failed to write blob .*0/s0 \(3 attempts\).*reset"):
+        Snapshot.take(url, _state())
+    assert counts[("write", "0/s0")] == 3
+    with pytest.raises(SnapshotNotFoundError):
+        Snapshot(inner)  # nothing committed
+
+
+@pytest.mark.parametrize("retries", [None, "0"])
+def test_permanent_errors_and_disabled_retries_fail_at_once(faulty, monkeypatch, retries):
+    url, inner = faulty
+    counts: Counter = Counter()
+    if retries is None:  # an I/O error of the device is not retried
+        error: Exception = OSError(errno.EIO, "I/O error")
+    else:  # STATESNAP_IO_RETRIES=0: not even a transient one
+        monkeypatch.setenv("STATESNAP_IO_RETRIES", retries)
+        error = ConnectionResetError("reset")
+    FAULTS[inner] = _failing(1, error, "write", "0/s0", counts)
+    with pytest.raises(StorageError, match=r"failed to write blob .*0/s0: ") as info:
+        Snapshot.take(url, _state())
+    assert info.value.__cause__ is error
+    assert counts[("write", "0/s0")] == 1
+
+
+@pytest.mark.parametrize(
+    ("error", "transient"),
+    [
+        (ConnectionResetError("reset"), True),
+        (ConnectionRefusedError("refused"), True),
+        (TimeoutError("timed out"), True),
+        (OSError(errno.EAGAIN, "try again"), True),
+        (OSError(errno.EBUSY, "busy"), True),
+        (OSError(errno.EIO, "I/O error"), False),
+        (OSError(errno.ENOSPC, "no space"), False),
+        (FileNotFoundError("gone"), False),
+        (PermissionError("denied"), False),
+        (EOFError("short"), False),
+        (ValueError("bug"), False),
+    ],
+)
+def test_what_counts_as_transient(error, transient):
+    assert MemoryStoragePlugin("memory://x").is_transient(error) is transient
