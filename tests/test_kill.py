@@ -1,0 +1,121 @@
+"""A take killed with SIGKILL at any moment leaves no snapshot or a complete one, never half.
+
+Each trial runs a 200 MiB take in a child process and kills it at a random moment of the take
+(the moments spread over the take's measured duration, commit included). Then: the path holds
+either no committed snapshot (``Snapshot(path)`` raises ``SnapshotNotFoundError``, or its
+subclass ``IncompleteSnapshotError`` when the pending marker was written) or one whose every
+tensor is bitwise what the child took; a snapshot in a sibling path is untouched; and a new take
+at the path works.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from snapshot import (
+    IncompleteSnapshotError,
+    Snapshot,
+    SnapshotExistsError,
+    SnapshotNotFoundError,
+    StateDict,
+)
+
+TRIALS = 20
+TENSORS = 50
+NUMEL = 1 << 20  # 50 int32 tensors of 4 MiB: 200 MiB, plus 400 small ones for slabs
+
+CHILD = """
+import sys, time, torch
+from snapshot import Snapshot, StateDict
+sys.path.insert(0, {root!r})
+from tests.test_kill import state
+s = state()
+print("taking", flush=True)
+t0 = time.perf_counter()
+Snapshot.take(sys.argv[1], {{"s": s}})
+print(f"done {{time.perf_counter() - t0:.3f}}", flush=True)
+"""
+
+
+def state() -> StateDict:
+    """The child's state: every value derived from its name, so the parent can check it."""
+    big = {f"big{i}": torch.arange(NUMEL, dtype=torch.int32) * 7 + i for i in range(TENSORS)}
+    small = {f"small{i}": torch.full((100,), float(i)) for i in range(400)}
+    return StateDict({**big, **small, "step": 1234})
+
+
+def _spawn(path: str) -> subprocess.Popen[str]:
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.Popen(
+        [sys.executable, "-c", CHILD.format(root=root), path],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=root,
+    )
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    assert line.strip() == "taking", f"child did not start its take: {line!r}"
+    return proc
+
+
+def _check_complete(path: str) -> None:
+    expected = state()
+    out = StateDict(
+        {k: torch.empty_like(v) if isinstance(v, torch.Tensor) else v for k, v in expected.items()}
+    )
+    out["step"] = 0
+    Snapshot(path).restore({"s": out})
+    for key, value in expected.items():
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(out[key], value), key
+    assert out["step"] == 1234
+
+
+@pytest.mark.timeout(600)
+def test_sigkill_at_any_moment_never_leaves_half_a_snapshot(tmp_path):
+    sibling = str(tmp_path / "earlier")
+    Snapshot.take(sibling, {"s": StateDict(t=torch.arange(1000), note="earlier")})
+
+    # How long a whole take runs in a child, to spread the kills over it.
+    proc = _spawn(str(tmp_path / "calibration"))
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0 and out.startswith("done"), out
+    duration = float(out.split()[1])
+    _check_complete(str(tmp_path / "calibration"))
+
+    rng = random.Random(20261122)
+    outcomes = {"none": 0, "incomplete": 0, "complete": 0}
+    for trial in range(TRIALS):
+        path = str(tmp_path / f"trial{trial}")
+        proc = _spawn(path)
+        time.sleep(rng.uniform(0.0, duration * 1.1))
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=60)
+        try:
+            Snapshot(path)
+        except IncompleteSnapshotError:
+            outcomes["incomplete"] += 1
+        except SnapshotNotFoundError:
+            outcomes["none"] += 1
+        else:
+            outcomes["complete"] += 1
+            _check_complete(path)
+            with pytest.raises(SnapshotExistsError):
+                Snapshot.take(path, {"s": StateDict(x=1)})
+            continue
+        # Debris of a killed take: a new take at the path replaces it.
+        Snapshot.take(path, {"s": StateDict(x=trial)})
+        assert Snapshot(path).read_object("0/s/x") == trial
+    assert sum(outcomes.values()) == TRIALS
+    earlier = Snapshot(sibling)
+    assert torch.equal(earlier.read_object("0/s/t"), torch.arange(1000))
+    assert earlier.read_object("0/s/note") == "earlier"
+    print(f"kill trials: {outcomes}, take {duration:.2f} s")
