@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from manifest import DictEntry, Entry, ListEntry, TupleEntry
-from snapshot.errors import UnsupportedValueError
+from snapshot.errors import CorruptSnapshotError, UnsupportedValueError
 
 _KEY_TYPES = (str, int, bool, type(None))
 
@@ -97,10 +97,20 @@ def inflate(entries: Mapping[str, Entry], path: str, leaf: Callable[[str, Entry]
         items = [(k, inflate(entries, join(path, k), leaf)) for k in entry.keys]
         return OrderedDict(items) if entry.ordered else dict(items)
     if isinstance(entry, ListEntry):
-        return [inflate(entries, join(path, i), leaf) for i in range(entry.length)]
+        return [inflate(entries, join(path, i), leaf) for i in _indices(entries, path, entry)]
     if isinstance(entry, TupleEntry):
-        return tuple(inflate(entries, join(path, i), leaf) for i in range(entry.length))
+        return tuple(inflate(entries, join(path, i), leaf) for i in _indices(entries, path, entry))
     return leaf(path, entry)
+
+
+def _indices(entries: Mapping[str, Entry], path: str, entry: ListEntry | TupleEntry) -> range:
+    """The item indices of a list or tuple entry, once its length is known to be possible."""
+    if entry.length > len(entries):  # a damaged length: never build or walk that many paths
+        raise CorruptSnapshotError(
+            f"{path}: a {entry.type} of {entry.length:,} items, but the manifest holds only "
+            f"{len(entries):,} entries"
+        )
+    return range(entry.length)
 
 
 def subtree(entries: Mapping[str, Entry], path: str) -> Iterator[str]:
@@ -113,4 +123,4 @@ def subtree(entries: Mapping[str, Entry], path: str) -> Iterator[str]:
         if isinstance(entry, DictEntry):
             stack.extend(join(p, k) for k in reversed(entry.keys))
         elif isinstance(entry, (ListEntry, TupleEntry)):
-            stack.extend(join(p, i) for i in reversed(range(entry.length)))
+            stack.extend(join(p, i) for i in reversed(_indices(entries, p, entry)))

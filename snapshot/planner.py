@@ -21,7 +21,7 @@ import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from operator import attrgetter
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -59,6 +59,8 @@ logger = logging.getLogger(__name__)
 
 # (logical_path, tensor, tracing) -> tensor to write; see Snapshot.take.
 PrepareFunc = Callable[[str, torch.Tensor, bool], torch.Tensor]
+
+_T = TypeVar("_T")
 
 _INLINE_TYPES = (bool, int, float, type(None))
 
@@ -800,7 +802,7 @@ def plan_tensor_read(
     """
     dtype = check_tensor_entry(path, entry)
     if target is None:
-        target = torch.empty(entry.shape, dtype=dtype)
+        target = _allocate(path, entry.nbytes, lambda: torch.empty(entry.shape, dtype=dtype))
     else:
         check_target(path, entry, target)
     itemsize = dtype.itemsize
@@ -869,7 +871,7 @@ def plan_object_read(path: str, entry: ObjectEntry, results: dict[str, Any]) -> 
     buf: list[bytearray] = []
 
     def dest() -> memoryview:
-        buf.append(bytearray(nbytes))
+        buf.append(_allocate(path, nbytes, lambda: bytearray(nbytes)))
         return memoryview(buf[0])
 
     def done() -> None:
@@ -884,6 +886,18 @@ def plan_object_read(path: str, entry: ObjectEntry, results: dict[str, Any]) -> 
         scratch_bytes=nbytes,
         label=path,
     )
+
+
+def _allocate(path: str, nbytes: int, make: Callable[[], _T]) -> _T:
+    """``make()``, the memory a manifest entry asks for; an allocation that fails (a damaged
+    manifest can claim any size) is reported as what it most likely is."""
+    try:
+        return make()
+    except (MemoryError, RuntimeError) as e:
+        raise CorruptSnapshotError(
+            f"{path}: cannot allocate the {nbytes:,} bytes the manifest says it holds "
+            f"({type(e).__name__}); the manifest is damaged, or this machine lacks the memory"
+        ) from e
 
 
 def decode_value(path: str, entry: ObjectEntry, data: bytes) -> Any:
