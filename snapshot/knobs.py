@@ -65,7 +65,8 @@ def inline_max_bytes() -> int:
 
 def write_batch_bytes() -> int:
     """Staged bytes handed from the caller's thread to the I/O loop at a time
-    (STATESNAP_WRITE_BATCH_BYTES, default 64 MiB): smaller starts writing sooner."""
+    (STATESNAP_WRITE_BATCH_BYTES, default 64 MiB): smaller starts writing sooner. Take only:
+    async take holds its writes until its call returns."""
     return _env_int("WRITE_BATCH_BYTES", 64 * _MIB, 1)
 
 
