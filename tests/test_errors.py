@@ -197,8 +197,10 @@ def test_storage_errors_on_open(tmp_path):
         Snapshot.take(str(tmp_path / "file"), {"s": StateDict(t=torch.ones(2))})
 
 
-def test_write_failure_commits_nothing_and_cleans_up(faulty):
+def test_write_failure_commits_nothing_and_cleans_up(faulty, tmp_path):
     url, inner = faulty
+    earlier = str(tmp_path / "earlier")  # on the same disk, taken before the disk "fills up"
+    Snapshot.take(earlier, {"s": StateDict(t=torch.arange(7))})
     FAULTS[inner] = lambda verb, path: (
         OSError(errno.ENOSPC, "No space left on device")
         if (verb == "write" and path == "0/s0")
@@ -210,6 +212,7 @@ def test_write_failure_commits_nothing_and_cleans_up(faulty):
     with pytest.raises(SnapshotNotFoundError):
         Snapshot(inner)
     assert files_under(inner) == []
+    assert torch.equal(Snapshot(earlier).read_object("0/s/t"), torch.arange(7))
 
 
 # ---------------------------------------------------------------------------------------------
