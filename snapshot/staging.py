@@ -498,8 +498,8 @@ class StagingPool:
     here: the pool never blocks.
 
     Why a pool: fresh memory costs far more than copying into memory already touched (on the
-    machine the benchmarks ran on, a copy into new memory ran at 1-2 GB/s and into reused memory
-    at about 13 GB/s), and an async take's stall is exactly that copy.
+    machine the benchmarks ran on, a copy into new memory ran at 2-3 GB/s, page faults included,
+    and into reused memory at 7-10 GB/s), and an async take's stall is mostly that copy.
     """
 
     _MIN_BLOCK = 64 * 1024
