@@ -197,6 +197,7 @@ class TakeJob:
         self._marker_write: asyncio.Future[None] | None = None
         self._released = threading.Event()  # set once the caller handed every staged write over
         self._times: dict[str, float] = {}
+        self._budget = 0  # bytes of staging this take may hold, fixed when it captures
 
     # -- capture ----------------------------------------------------------------------------
 
@@ -229,10 +230,7 @@ class TakeJob:
                 self.where = _describe(self.plugin)
             self.pipeline = WritePipeline(
                 self.plugin,
-                # The pool's free blocks are memory this take reuses, not memory it takes.
-                budget_bytes=knobs.memory_budget_bytes(
-                    self.pool.free_bytes if self.pool is not None else 0
-                ),
+                budget_bytes=self._budget,
                 max_concurrency=knobs.max_concurrent_io(),
                 # Async take holds its writes until everything is staged (``release_writes``
                 # starts them): while the caller waits, they would only slow its copies down.
@@ -259,11 +257,16 @@ class TakeJob:
         states = [
             (k, _state_dict(k, self.app_state[k], self.path)) for k in _ordered_keys(self.app_state)
         ]
+        # One budget for the whole take. The pool's free blocks are memory this take reuses,
+        # not memory it takes.
+        self._budget = knobs.memory_budget_bytes(
+            self.pool.free_bytes if self.pool is not None else 0
+        )
         layout = Layout(
             chunk_bytes=knobs.chunk_bytes(),
             slab_threshold_bytes=knobs.slab_threshold_bytes(),
             # A slab is staged whole: keep it to a quarter of the budget.
-            slab_bytes=max(1, min(knobs.slab_bytes(), knobs.memory_budget_bytes() // 4)),
+            slab_bytes=max(1, min(knobs.slab_bytes(), self._budget // 4)),
         )
         self.collected = collect(
             ((escape_key(k), sd) for k, sd in states),

@@ -306,13 +306,13 @@ async def call(
     that many workers do not retry in step) up to 2 s; each retry is logged. Every plugin call
     can be repeated: a write replaces the whole blob, a read fills the whole range again.
     """
-    retries = knobs.io_retries()
     delay = _FIRST_BACKOFF_SECS
     attempt = 1
     while True:
         try:
             return await op()
         except Exception as e:
+            retries = knobs.io_retries()  # read on failure only: calls that succeed pay nothing
             if attempt > retries or not plugin.is_transient(e):
                 if not convert:
                     raise
@@ -400,8 +400,8 @@ class WritePipeline:
                     )
                     self._nbytes += req.nbytes
                     self._blobs += 1
-            except Exception as e:
-                self._fail(_storage_error(self._plugin, "write", req.blob, req.label, e))
+            except Exception as e:  # already the library's error (``call`` converts)
+                self._fail(e)
             finally:
                 # Nothing of the item may outlive its write: an idle worker would otherwise keep
                 # its last buffer alive, beyond the budget.
