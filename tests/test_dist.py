@@ -215,7 +215,7 @@ def test_replicated_tensors_that_disagree_are_refused(tmp_path):
         assert "m/w is float32[4, 4] (64 bytes) on rank 0 but m/w is float32[4, 5]" in message
 
 
-def _write_fails_on_one_rank(rank: int, world: int, inner: str) -> str:
+def _write_fails_on_one_rank(rank: int, world: int, inner: str, use_async: bool) -> str:
     from storage_plugins import register_storage_plugin
     from tests.plugins import FAULTS, FaultyPlugin
 
@@ -224,16 +224,21 @@ def _write_fails_on_one_rank(rank: int, world: int, inner: str) -> str:
         FAULTS[inner] = lambda verb, p: (
             OSError(errno.EIO, "I/O error") if (verb == "write" and p.startswith("1/")) else None
         )
+    state = {"s": StateDict(t=torch.full((100,), rank))}
     try:
-        Snapshot.take(f"faulty://{inner}", {"s": StateDict(t=torch.full((100,), rank))})
+        if use_async:
+            Snapshot.async_take(f"faulty://{inner}", state).wait(timeout=120)
+        else:
+            Snapshot.take(f"faulty://{inner}", state)
     except RankFailedError as e:
         return str(e)
     raise AssertionError("take did not fail")
 
 
-def test_a_storage_error_on_one_rank_commits_nothing(tmp_path):
+@pytest.mark.parametrize("use_async", [False, True], ids=["take", "async_take"])
+def test_a_storage_error_on_one_rank_commits_nothing(tmp_path, use_async):
     inner = str(tmp_path / "snap")
-    messages = run_ranks(2, _write_fails_on_one_rank, inner)
+    messages = run_ranks(2, _write_fails_on_one_rank, inner, use_async)
     for message in messages:
         assert "take: writing failed on rank(s) [1]" in message and "I/O error" in message
     with pytest.raises(SnapshotNotFoundError):
@@ -285,29 +290,3 @@ def test_async_take_across_ranks(tmp_path):
     assert manifest["1/model/0.weight"].chunks == manifest["0/model/0.weight"].chunks
     first = (tmp_path / "a" / "manifest.yaml").stat().st_mtime_ns
     assert first <= (tmp_path / "b" / "manifest.yaml").stat().st_mtime_ns
-
-
-def _async_fails_on_one_rank(rank: int, world: int, inner: str) -> str:
-    from storage_plugins import register_storage_plugin
-    from tests.plugins import FAULTS, FaultyPlugin
-
-    register_storage_plugin("faulty", FaultyPlugin)
-    if rank == 1:
-        FAULTS[inner] = lambda verb, p: (
-            OSError(errno.EIO, "I/O error") if (verb == "write" and p.startswith("1/")) else None
-        )
-    pending = Snapshot.async_take(f"faulty://{inner}", {"s": StateDict(t=torch.full((9,), rank))})
-    try:
-        pending.wait(timeout=120)
-    except RankFailedError as e:
-        return str(e)
-    raise AssertionError("async take did not fail")
-
-
-def test_async_take_error_on_one_rank_fails_every_rank(tmp_path):
-    inner = str(tmp_path / "snap")
-    messages = run_ranks(2, _async_fails_on_one_rank, inner)
-    for message in messages:
-        assert "take: writing failed on rank(s) [1]" in message and "I/O error" in message
-    with pytest.raises(SnapshotNotFoundError):
-        Snapshot(inner)
