@@ -661,18 +661,18 @@ def fsync_tree(path: str) -> None:
         for root, _d, _f in os.walk(path):
             dirs.append(root)
     for p in _files(path):
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        _fsync(p)
     dirs.append(os.path.dirname(os.path.abspath(path)))
     for d in reversed(dirs):
-        fd = os.open(d, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        _fsync(d)
+
+
+def _fsync(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def drop_page_cache(path: str) -> None:
