@@ -25,6 +25,7 @@ from snapshot.errors import (
     IncompatibleSnapshotError,
     IncompleteSnapshotError,
     NotStatefulError,
+    RankFailedError,
     SnapshotError,
     SnapshotExistsError,
     SnapshotNotFoundError,
@@ -559,31 +560,47 @@ class _Loader:
         self.tensors: dict[str, Any] = {}
         self.objects: dict[str, Any] = {}
 
+    @contextlib.contextmanager
+    def _located(self) -> Iterator[None]:
+        """Errors about an entry also name the snapshot they were met in."""
+        try:
+            yield
+        except SnapshotError as e:
+            if self.where in str(e) or isinstance(e, RankFailedError):
+                raise
+            raise type(e)(f"snapshot {self.where}: {e}") from e.__cause__
+
     def add(self, path: str, target: Any = None) -> None:
         """Plans the read of leaf entry ``path``; a tensor ``target`` is filled in place."""
+        with self._located():
+            self._add(path, target)
+
+    def _add(self, path: str, target: Any) -> None:
         entry = self.entries[path]
         if isinstance(entry, TensorEntry):
             t = target if isinstance(target, torch.Tensor) and is_dense_tensor(target) else None
-            try:
-                read = plan_tensor_read(path, entry, t, self.tile_bytes, self.piece_bytes)
-            except SnapshotError as e:
-                raise type(e)(f"snapshot {self.where}: {e}") from None
+            read = plan_tensor_read(path, entry, t, self.tile_bytes, self.piece_bytes)
             self.needs.extend(read.needs)
             self.tensors[path] = read.result
         elif isinstance(entry, ObjectEntry):
             self.needs.append(plan_object_read(path, entry, self.objects))
 
     def add_subtree(self, root: str, targets: Mapping[str, Any]) -> None:
-        for p in subtree(self.entries, root):
-            entry = self.entries.get(p)
-            if entry is None:
-                raise CorruptSnapshotError(
-                    f"{p}: listed by its parent but missing from the manifest"
-                )
-            if not mf.is_container(entry):
-                self.add(p, targets.get(p))
+        with self._located():
+            for p in subtree(self.entries, root):
+                entry = self.entries.get(p)
+                if entry is None:
+                    raise CorruptSnapshotError(
+                        f"{p}: listed by its parent but missing from the manifest"
+                    )
+                if not mf.is_container(entry):
+                    self._add(p, targets.get(p))
 
     def execute(self, plugin: StoragePlugin, budget_bytes: int) -> IOStats:
+        with self._located():
+            return self._execute(plugin, budget_bytes)
+
+    def _execute(self, plugin: StoragePlugin, budget_bytes: int) -> IOStats:
         return run(
             read_all(
                 plugin,
@@ -606,6 +623,10 @@ class _Loader:
         return self.objects[path]
 
     def inflate(self, root: str) -> Any:
+        with self._located():
+            return self._inflate(root)
+
+    def _inflate(self, root: str) -> Any:
         try:
             return inflate(self.entries, root, self.value)
         except KeyError as e:
