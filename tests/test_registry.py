@@ -84,6 +84,17 @@ def test_registered_plugin_takes_precedence(tmp_path):
     assert type(build("memory://x")) is MemoryStoragePlugin
 
 
+def _install(tmp_path, monkeypatch, module: str, entry_points: str) -> None:
+    """Makes ``module`` (already written under ``tmp_path``) an installed distribution with
+    these lines in the ``statesnap.storage_plugins`` entry-point group."""
+    dist = tmp_path / f"{module}-1.0.dist-info"
+    dist.mkdir()
+    name = module.replace("_", "-")
+    (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n")
+    (dist / "entry_points.txt").write_text(f"[statesnap.storage_plugins]\n{entry_points}\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+
 def test_third_party_plugin_through_entry_point(tmp_path, monkeypatch):
     (tmp_path / "thirdparty_store.py").write_text(
         textwrap.dedent(
@@ -96,13 +107,7 @@ def test_third_party_plugin_through_entry_point(tmp_path, monkeypatch):
             """
         )
     )
-    dist = tmp_path / "thirdparty_store-1.0.dist-info"
-    dist.mkdir()
-    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: thirdparty-store\nVersion: 1.0\n")
-    (dist / "entry_points.txt").write_text(
-        "[statesnap.storage_plugins]\nthirdparty = thirdparty_store:ThirdParty\n"
-    )
-    monkeypatch.syspath_prepend(str(tmp_path))
+    _install(tmp_path, monkeypatch, "thirdparty_store", "thirdparty = thirdparty_store:ThirdParty")
     factory, source = resolve_factory("thirdparty")
     assert source == "entry point" and factory.__name__ == "ThirdParty"
     Snapshot.take("thirdparty://snap", {"s": StateDict(v=3)})
@@ -112,13 +117,12 @@ def test_third_party_plugin_through_entry_point(tmp_path, monkeypatch):
 
 def test_entry_point_cannot_take_over_a_builtin_protocol(tmp_path, monkeypatch):
     (tmp_path / "hijack_store.py").write_text("def Hijack(url, storage_options=None):\n    1 / 0\n")
-    dist = tmp_path / "hijack_store-1.0.dist-info"
-    dist.mkdir()
-    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: hijack-store\nVersion: 1.0\n")
-    (dist / "entry_points.txt").write_text(
-        "[statesnap.storage_plugins]\nfs = hijack_store:Hijack\nmemory = hijack_store:Hijack\n"
+    _install(
+        tmp_path,
+        monkeypatch,
+        "hijack_store",
+        "fs = hijack_store:Hijack\nmemory = hijack_store:Hijack",
     )
-    monkeypatch.syspath_prepend(str(tmp_path))
     assert resolve_factory("fs") == (FSStoragePlugin, "built-in")
     assert resolve_factory("memory")[1] == "built-in"
     Snapshot.take(str(tmp_path / "snap"), {"s": StateDict(v=4)})
