@@ -1,6 +1,8 @@
-"""The snapshot manifest: pure data (entries) and its YAML codec; no I/O, no torch."""
+"""The snapshot manifest: pure data (entries) and its YAML codec (with its checksum); no I/O,
+no torch."""
 
 from manifest.codec import (
+    ManifestChecksumError,
     ManifestDecodeError,
     UnsupportedFormatError,
     check_blob_path,
@@ -29,6 +31,7 @@ __all__ = [
     "ListEntry",
     "Location",
     "Manifest",
+    "ManifestChecksumError",
     "ManifestDecodeError",
     "ObjectEntry",
     "PrimitiveEntry",

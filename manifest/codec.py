@@ -17,6 +17,7 @@ import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import crc32c
 import yaml
 
 from manifest.entries import (
@@ -48,6 +49,40 @@ class UnsupportedFormatError(ManifestDecodeError):
     """The manifest was written in a newer format version."""
 
 
+class ManifestChecksumError(ManifestDecodeError):
+    """The manifest's bytes do not have the CRC-32C its last line records, or it has no such
+    line (it was cut short)."""
+
+
+# The last line of a manifest: a YAML comment (so any YAML reader ignores it) holding the
+# CRC-32C of every byte before it.
+_TRAILER = b"# crc32c %08x\n"
+_TRAILER_RE = re.compile(rb"# crc32c ([0-9a-f]{8})\n\Z")
+
+
+def _split_trailer(data: bytes, source: str, verify: bool) -> bytes:
+    """The manifest's bytes before its checksum line, after checking them against it (when
+    ``verify``)."""
+    start = data.rfind(b"\n", 0, len(data) - 1) + 1
+    match = _TRAILER_RE.match(data, start)
+    if match is None:
+        if verify:
+            raise ManifestChecksumError(
+                f"{source} does not end with its checksum line: it was cut short or edited"
+            )
+        return data
+    body = data[:start]
+    if verify:
+        expected = int(match.group(1), 16)
+        actual = crc32c.crc32c(body)
+        if actual != expected:
+            raise ManifestChecksumError(
+                f"{source} is damaged: its bytes have crc32c {actual:#010x}, its last line "
+                f"records {expected:#010x}"
+            )
+    return body
+
+
 # JSON leaves these characters raw, but YAML reads them as line breaks or does not allow them
 # unescaped; \uXXXX escapes mean the same character to both.
 _NOT_YAML_PRINTABLE = re.compile("[\x7f-\x9f\u2028\u2029\ufeff\ufffe\uffff]")
@@ -63,7 +98,14 @@ def _yaml_printable(text: str) -> str:
 
 
 def _location_to_list(loc: Location) -> list[Any]:
-    return [loc.blob, loc.offset, loc.nbytes]
+    if loc.crc32c is None:
+        return [loc.blob, loc.offset, loc.nbytes]
+    return [loc.blob, loc.offset, loc.nbytes, loc.crc32c]
+
+
+def _location_json(loc: Location) -> str:
+    crc = "" if loc.crc32c is None else f", {loc.crc32c}"
+    return f'["{loc.blob}", {loc.offset}, {loc.nbytes}{crc}]'
 
 
 def entry_to_dict(entry: Entry) -> dict[str, Any]:
@@ -116,7 +158,7 @@ def _entry_line(path: str, entry: Entry) -> str:
     ):
         # Most lines: formatted directly, exactly as the encoder would write them.
         shape = ", ".join(map(str, entry.shape))
-        chunks = ", ".join(f'["{c.blob}", {c.offset}, {c.nbytes}]' for c in entry.chunks)
+        chunks = ", ".join(map(_location_json, entry.chunks))
         return (
             f'  "{path}": {{"type": "tensor", "dtype": "{entry.dtype}", "shape": [{shape}], '
             f'"chunks": [{chunks}]}}'
@@ -140,7 +182,8 @@ def dumps(manifest: Manifest) -> bytes:
     else:
         lines.append(f"{_ENTRIES_LINE} {{}}")
     lines.append("")
-    return _yaml_printable("\n".join(lines)).encode("utf-8")
+    body = _yaml_printable("\n".join(lines)).encode("utf-8")
+    return body + _TRAILER % crc32c.crc32c(body)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -190,12 +233,21 @@ def check_blob_path(blob: str, where: str = "blob") -> str:
 
 
 def _location(value: Any, where: str) -> Location:
-    if type(value) is not list or len(value) != 3:
-        raise _fail(where, f"expected [blob, offset, nbytes], got {value!r}")
-    blob, offset, nbytes = value
-    if type(offset) is not int or type(nbytes) is not int or offset < 0 or nbytes < 0:
-        raise _fail(where, f"expected [blob, offset, nbytes], got {value!r}")
-    return Location(blob=check_blob_path(_str(blob, where), where), offset=offset, nbytes=nbytes)
+    if type(value) is not list or len(value) not in (3, 4):
+        raise _fail(where, f"expected [blob, offset, nbytes, crc32c], got {value!r}")
+    blob, offset, nbytes = value[:3]
+    crc = value[3] if len(value) == 4 else None
+    if (
+        type(offset) is not int
+        or type(nbytes) is not int
+        or offset < 0
+        or nbytes < 0
+        or not (crc is None or (type(crc) is int and 0 <= crc <= 0xFFFFFFFF))
+    ):
+        raise _fail(where, f"expected [blob, offset, nbytes, crc32c], got {value!r}")
+    return Location(
+        blob=check_blob_path(_str(blob, where), where), offset=offset, nbytes=nbytes, crc32c=crc
+    )
 
 
 def _decode_tensor(d: Mapping[str, Any], where: str) -> dict[str, Any]:
@@ -345,14 +397,18 @@ def _parse_fast(text: str) -> dict[str, Any] | None:
     return doc
 
 
-def loads(data: bytes, source: str = "manifest") -> Manifest:
+def loads(data: bytes, source: str = "manifest", *, verify: bool = True) -> Manifest:
     """Parses manifest bytes; ``source`` names the file in error messages.
 
+    With ``verify``, the bytes must end with the checksum line ``dumps`` writes, and match it.
+
     Raises:
+        ManifestChecksumError: (with ``verify``) the checksum line is missing or does not match.
         ManifestDecodeError: the bytes are not valid UTF-8 YAML of a manifest, or any field is
             missing, of the wrong type, unsafe (a blob path leaving the root) or unknown.
         UnsupportedFormatError: the manifest's format version is newer than this library's.
     """
+    data = _split_trailer(data, source, verify)
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:

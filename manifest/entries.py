@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -17,12 +18,14 @@ FORMAT_VERSION = 1
 class Location:
     """A byte range of a blob: ``nbytes`` bytes starting at ``offset`` of blob ``blob``.
 
-    ``blob`` is relative to the snapshot's root, ``/``-separated.
+    ``blob`` is relative to the snapshot's root, ``/``-separated. ``crc32c`` is the CRC-32C of
+    the range's bytes (None when the snapshot was taken without checksums).
     """
 
     blob: str
     offset: int
     nbytes: int
+    crc32c: int | None = None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -149,3 +152,15 @@ class Manifest:
     world_size: int = 1
     entries: dict[str, Entry]
     metadata: dict[str, Any] = field(default_factory=dict)
+
+    @functools.cached_property
+    def blob_sizes(self) -> dict[str, int]:
+        """The length each blob must have: the end of the last range the manifest records in
+        it (a blob holds nothing beyond its last location)."""
+        sizes: dict[str, int] = {}
+        for entry in self.entries.values():
+            for loc in entry.locations:
+                end = loc.offset + loc.nbytes
+                if end > sizes.get(loc.blob, -1):
+                    sizes[loc.blob] = end
+        return sizes

@@ -5,6 +5,7 @@ Public API: :class:`Snapshot`, :class:`PendingSnapshot`, :class:`StateDict`, :cl
 """
 
 from snapshot.errors import (
+    ChecksumError,
     CorruptSnapshotError,
     EntryNotFoundError,
     IncompatibleSnapshotError,
@@ -28,6 +29,7 @@ from snapshot.stateful import RNGState, StateDict, Stateful
 __version__ = "0.1.0"
 
 __all__ = [
+    "ChecksumError",
     "CorruptSnapshotError",
     "EntryNotFoundError",
     "IncompatibleSnapshotError",

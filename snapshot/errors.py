@@ -24,6 +24,11 @@ class CorruptSnapshotError(SnapshotError):
     wrongly sized blob, undecodable object."""
 
 
+class ChecksumError(CorruptSnapshotError):
+    """Bytes read from a blob (or the manifest) do not have the CRC-32C the snapshot recorded:
+    they were damaged after the take."""
+
+
 class IncompatibleSnapshotError(SnapshotError):
     """The snapshot was written in a format this version of the library cannot read."""
 

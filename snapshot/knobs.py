@@ -39,6 +39,14 @@ def _available_memory_bytes() -> int | None:
     return pages * page_size if pages > 0 and page_size > 0 else None
 
 
+def checksums() -> bool:
+    """Whether take records a CRC-32C of every stored range (and of the manifest), and restore
+    and read_object verify what they read against them (STATESNAP_CHECKSUMS, default 1; 0 turns
+    both off: a take then records none, and reads check none, not even a snapshot's that has
+    them)."""
+    return _env_int("CHECKSUMS", 1, 0) != 0
+
+
 def max_concurrent_io() -> int:
     """Blob reads/writes in flight at once (STATESNAP_MAX_CONCURRENT_IO, default 16)."""
     return _env_int("MAX_CONCURRENT_IO", 16, 1)

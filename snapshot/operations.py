@@ -20,6 +20,7 @@ from manifest import Entry, Manifest, ObjectEntry, PrimitiveEntry, TensorEntry
 from snapshot import knobs
 from snapshot.dist import Coordinator
 from snapshot.errors import (
+    ChecksumError,
     CorruptSnapshotError,
     EntryNotFoundError,
     IncompatibleSnapshotError,
@@ -43,6 +44,7 @@ from snapshot.planner import (
     coalesce,
     collect,
     is_dense_tensor,
+    needs_label,
     place,
     plan_object_read,
     plan_tensor_read,
@@ -268,6 +270,7 @@ class TakeJob:
             slab_threshold_bytes=knobs.slab_threshold_bytes(),
             # A slab is staged whole: keep it to a quarter of the budget.
             slab_bytes=max(1, min(knobs.slab_bytes(), self._budget // 4)),
+            checksums=knobs.checksums(),
         )
         self.collected = collect(
             ((escape_key(k), sd) for k, sd in states),
@@ -299,7 +302,8 @@ class TakeJob:
                 raise SnapshotError(
                     f"snapshot {first['path']}: rank {rank} has layout settings "
                     f"{info['layout']} but rank 0 has {first['layout']}; set the same "
-                    "STATESNAP_CHUNK_BYTES / STATESNAP_SLAB_* / memory budget on every rank"
+                    "STATESNAP_CHUNK_BYTES / STATESNAP_SLAB_* / STATESNAP_CHECKSUMS / memory "
+                    "budget on every rank"
                 )
             if info["signature"] != first["signature"]:
                 raise SnapshotError(
@@ -366,10 +370,16 @@ class TakeJob:
         elif self.pipeline is not None:
             run(self.pipeline.wait_quietly())
         t_written = time.perf_counter()
+        checksums = self.pipeline.checksums if self.pipeline is not None else {}
         try:
-            coord.agree("take: writing", error=error)
+            # Every rank's entries of a replicated value point at the blob one rank wrote: that
+            # rank shares the checksums of what it wrote for the others.
+            shared = {k: v for k, v in checksums.items() if k[0] in self.plan.shared_blobs}
+            for part in coord.agree("take: writing", value=shared, error=error):
+                checksums.update(part)
             with _gc_paused():
-                parts = coord.gather(self.plan.entries)
+                entries = self.plan.entries(checksums)
+                parts = coord.gather(entries)
         except BaseException:
             self._close_after_failure()
             raise
@@ -389,7 +399,7 @@ class TakeJob:
             raise
         run(self.plugin.close())
         assert stats is not None
-        self._log(stats, t_written, len(result.entries) if result else len(self.plan.entries))
+        self._log(stats, t_written, len(result.entries) if result else len(entries))
         return result
 
     def _manifest(self, parts: Sequence[Mapping[str, Entry]]) -> Manifest:
@@ -537,9 +547,11 @@ def load_manifest(path: str, storage_options: dict[str, Any] | None) -> Manifest
             raise SnapshotNotFoundError(f"no snapshot at {where} (no {MANIFEST_NAME} there)")
     try:
         with _gc_paused():
-            return mf.loads(data, source=f"{where}/{MANIFEST_NAME}")
+            return mf.loads(data, source=f"{where}/{MANIFEST_NAME}", verify=knobs.checksums())
     except mf.UnsupportedFormatError as e:
         raise IncompatibleSnapshotError(str(e)) from None
+    except mf.ManifestChecksumError as e:
+        raise ChecksumError(f"{e} (STATESNAP_CHECKSUMS=0 reads it unchecked)") from None
     except mf.ManifestDecodeError as e:
         raise CorruptSnapshotError(str(e)) from None
 
@@ -551,11 +563,13 @@ def load_manifest(path: str, storage_options: dict[str, Any] | None) -> Manifest
 class _Loader:
     """Collects the reads that rebuild a set of manifest entries, runs them, and inflates."""
 
-    def __init__(self, entries: Mapping[str, Entry], tile_bytes: int, where: str) -> None:
-        self.entries = entries
+    def __init__(self, manifest: Manifest, tile_bytes: int, where: str) -> None:
+        self.manifest = manifest
+        self.entries = manifest.entries
         self.where = where
         self.tile_bytes = tile_bytes
         self.piece_bytes = knobs.read_request_bytes()
+        self.verify = knobs.checksums()
         self.needs: list[Need] = []
         self.tensors: dict[str, Any] = {}
         self.objects: dict[str, Any] = {}
@@ -579,11 +593,13 @@ class _Loader:
         entry = self.entries[path]
         if isinstance(entry, TensorEntry):
             t = target if isinstance(target, torch.Tensor) and is_dense_tensor(target) else None
-            read = plan_tensor_read(path, entry, t, self.tile_bytes, self.piece_bytes)
+            read = plan_tensor_read(
+                path, entry, t, self.tile_bytes, self.piece_bytes, verify=self.verify
+            )
             self.needs.extend(read.needs)
             self.tensors[path] = read.result
         elif isinstance(entry, ObjectEntry):
-            self.needs.append(plan_object_read(path, entry, self.objects))
+            self.needs.append(plan_object_read(path, entry, self.objects, verify=self.verify))
 
     def add_subtree(self, root: str, targets: Mapping[str, Any]) -> None:
         with self._located():
@@ -601,8 +617,15 @@ class _Loader:
             return self._execute(plugin, budget_bytes)
 
     def _execute(self, plugin: StoragePlugin, budget_bytes: int) -> IOStats:
-        return run(
-            read_all(
+        return run(self._read(plugin, budget_bytes))
+
+    async def _read(self, plugin: StoragePlugin, budget_bytes: int) -> IOStats:
+        concurrency = knobs.max_concurrent_io()
+        sizes = (
+            asyncio.ensure_future(self._check_sizes(plugin, concurrency)) if self.verify else None
+        )
+        try:
+            stats = await read_all(
                 plugin,
                 coalesce(
                     self.needs,
@@ -611,9 +634,42 @@ class _Loader:
                     max_scratch_bytes=self.tile_bytes,
                 ),
                 budget_bytes=budget_bytes,
-                max_concurrency=knobs.max_concurrent_io(),
+                max_concurrency=concurrency,
             )
-        )
+        except BaseException:
+            if sizes is not None:  # the read's error is the one to report
+                sizes.cancel()
+                await asyncio.wait([sizes])
+                if not sizes.cancelled():
+                    sizes.exception()  # retrieved, so that asyncio does not log it
+            raise
+        if sizes is not None:
+            await sizes
+        return stats
+
+    async def _check_sizes(self, plugin: StoragePlugin, concurrency: int) -> None:
+        """Each blob read must be as long as the manifest says: not shorter (cut), and not
+        longer (bytes appended after the take, or a blob of another snapshot). Runs beside the
+        reads, one size query per blob."""
+        by_blob: dict[str, list[Need]] = {}
+        for need in self.needs:
+            by_blob.setdefault(need.blob, []).append(need)
+        expected = self.manifest.blob_sizes
+        blobs = iter(by_blob.items())
+
+        async def worker() -> None:
+            for blob, needs in blobs:
+                label = needs_label(needs)
+                size = await call(plugin, "read", blob, label, lambda b=blob: plugin.size(b))
+                want = expected[blob]
+                if size is not None and size != want:
+                    how = "longer" if size > want else "shorter"
+                    raise CorruptSnapshotError(
+                        f"{label}: blob {plugin.describe(blob)} is {how} than the manifest says "
+                        f"({size:,} bytes; the manifest's last range in it ends at {want:,})"
+                    )
+
+        await asyncio.gather(*(worker() for _ in range(min(concurrency, len(by_blob)))))
 
     def value(self, path: str, entry: Entry) -> Any:
         if isinstance(entry, PrimitiveEntry):
@@ -695,7 +751,7 @@ def _restore(
                         "own (not replicated), so it cannot be restored on another rank"
                     )
     budget = knobs.memory_budget_bytes()
-    loader = _Loader(entries, tile_bytes=_tile_bytes(budget), where=path)
+    loader = _Loader(manifest, tile_bytes=_tile_bytes(budget), where=path)
     for key in keys:
         targets = {
             p: value
@@ -764,7 +820,7 @@ def read_object(
     budget = memory_budget_bytes or knobs.memory_budget_bytes()
     tile = memory_budget_bytes or _tile_bytes(budget)
     with _gc_paused():
-        loader = _Loader(entries, tile_bytes=tile, where=path)
+        loader = _Loader(manifest, tile_bytes=tile, where=path)
         loader.add_subtree(logical_path, {logical_path: obj_out})
         if loader.needs:
             with open_storage(path, storage_options) as plugin:

@@ -32,6 +32,7 @@ from manifest import (
     PrimitiveEntry,
     TensorEntry,
 )
+from snapshot.checksum import LocationCheck
 from snapshot.errors import (
     CorruptSnapshotError,
     ShapeMismatchError,
@@ -89,11 +90,13 @@ Staged = tuple[Sequence[Buffer], object]
 class Layout:
     """Where payloads go: tensors above ``chunk_bytes`` are split into chunks of about that
     size, each a blob; payloads up to ``slab_threshold_bytes`` are packed into slabs of about
-    ``slab_bytes``; the rest get a blob each."""
+    ``slab_bytes``; the rest get a blob each. With ``checksums``, every location's CRC-32C is
+    computed as it is written."""
 
     chunk_bytes: int
     slab_threshold_bytes: int
     slab_bytes: int
+    checksums: bool = True
 
 
 @dataclass(slots=True, eq=False)
@@ -125,8 +128,8 @@ class _TensorDraft:
     payloads: list[Payload]
     replicated: bool
 
-    def build(self) -> TensorEntry:
-        chunks = tuple(p.location for p in self.payloads)  # type: ignore[misc]
+    def build(self, checksums: Mapping[tuple[str, int], int] | None) -> TensorEntry:
+        chunks = tuple(_final(p, checksums) for p in self.payloads)
         return TensorEntry(
             dtype=self.dtype, shape=self.shape, chunks=chunks, replicated=self.replicated
         )
@@ -139,14 +142,28 @@ class _ObjectDraft:
     payload: Payload
     replicated: bool
 
-    def build(self) -> ObjectEntry:
-        assert self.payload.location is not None
+    def build(self, checksums: Mapping[tuple[str, int], int] | None) -> ObjectEntry:
         return ObjectEntry(
             serializer=self.serializer,
             obj_type=self.obj_type,
-            location=self.payload.location,
+            location=_final(self.payload, checksums),
             replicated=self.replicated,
         )
+
+
+def _final(p: Payload, checksums: Mapping[tuple[str, int], int] | None) -> Location:
+    """A placed payload's location as the manifest records it: with its bytes' CRC-32C when
+    the take computes checksums (a write that never reported one is a bug: KeyError)."""
+    loc = p.location
+    assert loc is not None
+    if checksums is None:
+        return loc
+    return Location(
+        blob=loc.blob,
+        offset=loc.offset,
+        nbytes=loc.nbytes,
+        crc32c=checksums[(loc.blob, loc.offset)],
+    )
 
 
 @dataclass
@@ -179,10 +196,25 @@ def _kind(entries: dict[str, Any], payload: Payload) -> str:
 
 @dataclass
 class TakePlan:
-    """Entries for the manifest (in flatten order) and the writes this rank performs."""
+    """The writes this rank performs, and the entries for the manifest (in flatten order), to be
+    built once the writes have reported their checksums (``entries``).
 
-    entries: dict[str, Entry] = field(default_factory=dict)
-    writes: list[WriteRequest] = field(default_factory=list)
+    ``shared_blobs`` are the blobs of replicated payloads this rank writes: the other ranks' entries
+    point into them too, so their checksums are shared with every rank.
+    """
+
+    drafts: dict[str, Entry | _TensorDraft | _ObjectDraft]
+    writes: list[WriteRequest]
+    shared_blobs: set[str]
+    checksums: bool
+
+    def entries(self, checksums: Mapping[tuple[str, int], int]) -> dict[str, Entry]:
+        """The manifest's entries; ``checksums`` maps each written range ``(blob, offset)`` to
+        its CRC-32C (ignored when the take records none)."""
+        sums = checksums if self.checksums else None
+        return {
+            path: e if isinstance(e, Entry) else e.build(sums) for path, e in self.drafts.items()
+        }
 
 
 class _Collector:
@@ -424,6 +456,15 @@ class _Slab:
             keep.append(keepalive)
         return buffers, keep
 
+    def ranges(self) -> list[tuple[int, int]]:
+        """Each member's ``(offset, nbytes)`` in the slab."""
+        out = []
+        pos = 0
+        for pad, p in self.members:
+            out.append((pos + pad, p.nbytes))
+            pos += pad + p.nbytes
+        return out
+
     def label(self) -> str:
         first = self.members[0][1].label
         more = f" and {len(self.members) - 1} more" if len(self.members) > 1 else ""
@@ -475,6 +516,7 @@ class _Placer:
                         staging_bytes=staging,
                         stage=stage,
                         label=p.label,
+                        checksum_ranges=((0, p.nbytes),) if self.layout.checksums else (),
                     )
                 )
         if self.mine and p.source is not None:
@@ -491,6 +533,7 @@ class _Placer:
                     staging_bytes=slab.staging_bytes,
                     stage=stage,
                     label=slab.label(),
+                    checksum_ranges=slab.ranges() if self.layout.checksums else (),
                 )
             )
 
@@ -550,16 +593,20 @@ def place(
             own.place(p)
     own.close()
     writes = own.writes
+    shared_blobs: set[str] = set()
     for writer in sorted(replicated):
         shared = _Placer(f"{writer}/r", layout, mine=writer == rank, pool=pool)
         for p in sorted(replicated[writer], key=lambda q: (q.logical, q.index)):
             shared.place(p)
         shared.close()
         writes.extend(shared.writes)
-    entries: dict[str, Entry] = {
-        path: e if isinstance(e, Entry) else e.build() for path, e in collected.entries.items()
-    }
-    return TakePlan(entries=entries, writes=writes)
+        shared_blobs.update(w.blob for w in shared.writes)
+    return TakePlan(
+        drafts=collected.entries,
+        writes=writes,
+        shared_blobs=shared_blobs,
+        checksums=layout.checksums,
+    )
 
 
 def assign_writers(
@@ -789,8 +836,25 @@ class TensorRead:
     result: torch.Tensor
 
 
+def _verifier(
+    path: str, loc: Location, pieces: int, verify: bool
+) -> Callable[[int, int], Callable[[int], None]] | None:
+    """With ``verify`` and a recorded checksum: for the piece ``(lo, n)`` of ``loc``, the
+    callback a read gives the piece's CRC-32C; once every piece has reported, their combined
+    CRC must be the location's."""
+    if not verify or loc.crc32c is None:
+        return None
+    check = LocationCheck(path, loc, pieces)
+    return lambda lo, n: functools.partial(check.add, lo, n)
+
+
 def plan_tensor_read(
-    path: str, entry: TensorEntry, target: torch.Tensor | None, tile_bytes: int, piece_bytes: int
+    path: str,
+    entry: TensorEntry,
+    target: torch.Tensor | None,
+    tile_bytes: int,
+    piece_bytes: int,
+    verify: bool = True,
 ) -> TensorRead:
     """Needs for ``entry``: into ``target`` in place when given (cast like ``copy_``), else into
     a new tensor.
@@ -798,7 +862,8 @@ def plan_tensor_read(
     Bytes land directly in the destination's memory when it is a contiguous CPU tensor of the
     stored dtype, in pieces of at most ``piece_bytes`` (so one large tensor is read by several
     workers); otherwise they go through scratch tiles of at most ``tile_bytes`` (whole elements,
-    never across chunks) copied into the target, whatever its layout or device.
+    never across chunks) copied into the target, whatever its layout or device. With
+    ``verify``, each chunk's bytes are checked against its recorded CRC-32C as they land.
     """
     dtype = check_tensor_entry(path, entry)
     if target is None:
@@ -813,22 +878,24 @@ def plan_tensor_read(
     address = target.data_ptr() if direct else 0
     base = 0
     for chunk in entry.chunks:
+        checker = _verifier(path, chunk, -(-chunk.nbytes // step), verify)
         for lo in range(0, chunk.nbytes, step):
             n = min(step, chunk.nbytes - lo)
             if direct:
-                needs.append(
-                    Need(
-                        blob=chunk.blob,
-                        offset=chunk.offset + lo,
-                        nbytes=n,
-                        dest=functools.partial(raw_memoryview, address + base + lo, n),
-                        done=None,
-                        scratch_bytes=0,
-                        label=path,
-                    )
+                need = Need(
+                    blob=chunk.blob,
+                    offset=chunk.offset + lo,
+                    nbytes=n,
+                    dest=functools.partial(raw_memoryview, address + base + lo, n),
+                    done=None,
+                    scratch_bytes=0,
+                    label=path,
                 )
             else:
-                needs.append(_tile_need(path, chunk, lo, n, (base + lo) // itemsize, dtype, target))
+                need = _tile_need(path, chunk, lo, n, (base + lo) // itemsize, dtype, target)
+            if checker is not None:
+                need.verify = checker(lo, n)
+            needs.append(need)
         base += chunk.nbytes
     return TensorRead(needs=needs, result=target)
 
@@ -865,9 +932,13 @@ def _tile_need(
     )
 
 
-def plan_object_read(path: str, entry: ObjectEntry, results: dict[str, Any]) -> Need:
-    """The need of an object's bytes; ``done`` decodes them into ``results[path]``."""
+def plan_object_read(
+    path: str, entry: ObjectEntry, results: dict[str, Any], verify: bool = True
+) -> Need:
+    """The need of an object's bytes; ``done`` decodes them into ``results[path]`` (after, with
+    ``verify``, their CRC-32C was checked)."""
     nbytes = entry.location.nbytes
+    checker = _verifier(path, entry.location, 1, verify)
     buf: list[bytearray] = []
 
     def dest() -> memoryview:
@@ -885,6 +956,7 @@ def plan_object_read(path: str, entry: ObjectEntry, results: dict[str, Any]) -> 
         done=done,
         scratch_bytes=nbytes,
         label=path,
+        verify=checker(0, nbytes) if checker is not None else None,
     )
 
 
@@ -957,6 +1029,12 @@ def coalesce(
     return requests
 
 
+def needs_label(needs: Iterable[Need]) -> str:
+    """Names the entries some needs serve, for messages: ``"a"``, ``"a and 3 more"``."""
+    labels = sorted({n.label for n in needs})
+    return labels[0] if len(labels) == 1 else f"{labels[0]} and {len(labels) - 1} more"
+
+
 def _request(blob: str, needs: list[Need]) -> ReadRequest:
     segments: list[Segment] = []
     pos = needs[0].offset
@@ -966,8 +1044,7 @@ def _request(blob: str, needs: list[Need]) -> ReadRequest:
         segments.append(need)
         pos = need.offset + need.nbytes
     dones = [n.done for n in needs if n.done is not None]
-    labels = sorted({n.label for n in needs})
-    label = labels[0] if len(labels) == 1 else f"{labels[0]} and {len(labels) - 1} more"
+    label = needs_label(needs)
 
     def done() -> None:
         for d in dones:

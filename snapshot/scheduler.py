@@ -26,7 +26,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from snapshot import knobs
+from snapshot import checksum, knobs
 from snapshot.errors import CorruptSnapshotError, SnapshotError, StorageError
 from storage_plugins import Buffer, StoragePlugin, url_to_storage_plugin
 
@@ -207,7 +207,9 @@ class WriteRequest:
     is the blob, ``nbytes`` long) and an object to keep alive until the write is done (the tensor
     the buffers view, or a pooled buffer's lease, released when the write is done).
     ``staging_bytes`` is the memory ``stage`` allocates, held against the budget until the
-    write completes: 0 for zero-copy views.
+    write completes: 0 for zero-copy views. The CRC-32C of each ``(offset, nbytes)`` range of
+    ``checksum_ranges`` is computed from the staged buffers while they are written, and kept in
+    the pipeline's ``checksums`` under ``(blob, offset)``.
     """
 
     blob: str
@@ -215,15 +217,19 @@ class WriteRequest:
     staging_bytes: int
     stage: Callable[[], tuple[Sequence[Buffer], object]]
     label: str
+    checksum_ranges: Sequence[tuple[int, int]] = ()
 
 
 @dataclass(slots=True)
 class Segment:
     """``nbytes`` consecutive bytes of a read: into ``dest()``, or skipped when ``dest`` is None
-    (a gap between two wanted ranges, cheaper to read than to ask for separately)."""
+    (a gap between two wanted ranges, cheaper to read than to ask for separately). When
+    ``verify`` is set, it is given the CRC-32C of the bytes that landed, before the read's
+    ``done`` runs; it raises if they are not the bytes expected."""
 
     nbytes: int
     dest: Callable[[], memoryview] | None
+    verify: Callable[[int], None] | None = None
 
 
 @dataclass(slots=True)
@@ -334,6 +340,21 @@ async def call(
             attempt += 1
 
 
+def in_thread_if_large(nbytes: int, fn: Callable[..., _T], *args: Any) -> asyncio.Future[_T]:
+    """``fn(*args)``, work over ``nbytes`` bytes of memory, as a future of the running loop: run
+    at once when small, else on a worker thread (the GIL-free checksum code runs beside the
+    I/O there, and the loop stays responsive)."""
+    loop = asyncio.get_running_loop()
+    if nbytes > checksum.INLINE_MAX_BYTES:
+        return loop.run_in_executor(None, fn, *args)
+    future: asyncio.Future[_T] = loop.create_future()
+    try:
+        future.set_result(fn(*args))
+    except Exception as e:
+        future.set_exception(e)
+    return future
+
+
 # ---------------------------------------------------------------------------------------------
 # Writes.
 
@@ -372,6 +393,8 @@ class WritePipeline:
         self._error: BaseException | None = None
         self._nbytes = 0
         self._blobs = 0
+        # (blob, offset) -> CRC-32C of each range of ``checksum_ranges`` written so far.
+        self.checksums: dict[tuple[str, int], int] = {}
         self._start = time.perf_counter()
         self._queue: asyncio.Queue[tuple[WriteRequest, Sequence[Buffer], object] | None]
         self._workers: list[asyncio.Task[None]] = []
@@ -390,16 +413,7 @@ class WritePipeline:
             req, buffers, keepalive = item
             try:
                 if self._error is None:
-                    plugin = self._plugin
-                    await call(
-                        plugin,
-                        "write",
-                        req.blob,
-                        req.label,
-                        functools.partial(plugin.write, req.blob, buffers),
-                    )
-                    self._nbytes += req.nbytes
-                    self._blobs += 1
+                    await self._write(req, buffers)
             except Exception as e:  # already the library's error (``call`` converts)
                 self._fail(e)
             finally:
@@ -408,6 +422,33 @@ class WritePipeline:
                 _release(keepalive)
                 del buffers, item, keepalive
                 self.budget.release(req.staging_bytes)
+
+    async def _write(self, req: WriteRequest, buffers: Sequence[Buffer]) -> None:
+        """Writes one staged request, computing its checksums beside the write."""
+        ranges = req.checksum_ranges
+        sums: asyncio.Future[list[int]] | None = None
+        if ranges:
+            sums = in_thread_if_large(req.nbytes, checksum.crc32c_ranges, buffers, ranges)
+        plugin = self._plugin
+        try:
+            await call(
+                plugin,
+                "write",
+                req.blob,
+                req.label,
+                functools.partial(plugin.write, req.blob, buffers),
+            )
+        finally:
+            if sums is not None:
+                # Even when the write failed: the thread reads ``buffers``, which must stay
+                # alive (the caller releases them after this returns) until it is done.
+                await asyncio.wait([sums])
+                sums.exception()  # retrieved here; ``result()`` below raises it
+        if sums is not None:
+            for (offset, _), value in zip(ranges, sums.result(), strict=True):
+                self.checksums[(req.blob, offset)] = value
+        self._nbytes += req.nbytes
+        self._blobs += 1
 
     def _fail(self, error: BaseException) -> None:
         if self._error is None:
@@ -538,6 +579,16 @@ async def read_all(
                     req.label,
                     functools.partial(plugin.readv, req.blob, req.offset, outs),
                 )
+                checked = [
+                    (seg.verify, out)
+                    for seg, out in zip(req.segments, outs, strict=True)
+                    if seg.verify is not None
+                ]
+                if checked:
+                    views = [out for _, out in checked]
+                    sums = await in_thread_if_large(req.nbytes, _crc32c_each, views)
+                    for (verify, _), value in zip(checked, sums, strict=True):
+                        verify(value)
                 if req.done is not None:
                     req.done()
                 totals[0] += 1
@@ -559,3 +610,7 @@ async def read_all(
         seconds=time.perf_counter() - start,
         peak_budget_bytes=budget.peak,
     )
+
+
+def _crc32c_each(views: Sequence[memoryview]) -> list[int]:
+    return [checksum.crc32c(v) for v in views]

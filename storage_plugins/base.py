@@ -18,9 +18,9 @@ class StoragePlugin(abc.ABC):
     too, so a plugin may create loop-bound resources (an aiohttp session, say) in ``__init__``.
 
     Call sequence: construct with the root and the user's ``storage_options``; any number of
-    concurrent ``write`` / ``read`` / ``read_into`` / ``readv`` / ``exists`` / ``delete``
-    calls; ``sync()`` whenever what was written must become durable; ``close()`` once, after
-    which the plugin is not used again.
+    concurrent ``write`` / ``read`` / ``read_into`` / ``readv`` / ``size`` / ``exists`` /
+    ``delete`` calls; ``sync()`` whenever what was written must become durable; ``close()``
+    once, after which the plugin is not used again.
 
     Errors are builtins a caller already knows: ``FileNotFoundError`` for a missing blob,
     ``EOFError`` when a blob ends before the requested range does, ``OSError`` (or a subclass) for
@@ -74,6 +74,16 @@ class StoragePlugin(abc.ABC):
         for out in outs:
             out[:] = staging[pos : pos + len(out)]
             pos += len(out)
+
+    async def size(self, path: str) -> int | None:
+        """The length of blob ``path`` in bytes, or None when this store cannot tell cheaply
+        (the default). The library compares it with what the manifest records, so that a blob
+        that grew after the take is noticed.
+
+        Raises:
+            FileNotFoundError: no blob at ``path``.
+        """
+        return None
 
     @abc.abstractmethod
     async def exists(self, path: str) -> bool:

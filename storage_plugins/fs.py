@@ -106,6 +106,9 @@ class FSStoragePlugin(StoragePlugin):
     async def readv(self, path: str, offset: int, outs: Sequence[memoryview]) -> None:
         await self._run(self._readv_sync, path, offset, outs)
 
+    async def size(self, path: str) -> int:
+        return await self._run(os.path.getsize, self._abs(path))
+
     async def exists(self, path: str) -> bool:
         return await self._run(os.path.isfile, self._abs(path))
 

@@ -74,6 +74,10 @@ class FSSpecStoragePlugin(StoragePlugin):
             )
         out[:] = data
 
+    async def size(self, path: str) -> int | None:
+        size = await self._call("size", self._full(path))
+        return None if size is None else int(size)  # None: a store that does not know
+
     async def exists(self, path: str) -> bool:
         return bool(await self._call("exists", self._full(path)))
 

@@ -74,6 +74,9 @@ class MemoryStoragePlugin(StoragePlugin):
             out[:] = data[offset : offset + len(out)]
             offset += len(out)
 
+    async def size(self, path: str) -> int:
+        return len(self._get(path))
+
     async def exists(self, path: str) -> bool:
         with _LOCK:
             return _key(self.root, path) in _STORE

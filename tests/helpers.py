@@ -1,13 +1,24 @@
-"""Assertions shared by tests: exact equality of restored values, bit for bit."""
+"""Helpers shared by tests: exact equality of restored values, bit for bit; manifests edited by
+hand."""
 
 from __future__ import annotations
 
 import math
 from typing import Any
 
+import crc32c
 import torch
 
 from snapshot.serialization import tensor_memoryview
+
+
+def seal_manifest(body: bytes) -> bytes:
+    """Manifest bytes ending with the checksum line of ``body`` (what a manifest edited by hand,
+    or forged, would carry to pass the checksum), so that the decoder's own checks are what a
+    test exercises. The line starts a line of its own."""
+    if body and not body.endswith(b"\n"):
+        body += b"\n"
+    return body + b"# crc32c %08x\n" % crc32c.crc32c(body)
 
 
 def raw_bytes(t: torch.Tensor) -> bytes:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import os
 
+import crc32c
 import pytest
 import torch
 import torch.distributed as dist
@@ -71,6 +72,12 @@ def test_replicated_entries_are_written_once(tmp_path, world):
         entry = manifest[f"{r}/model/0.weight"]
         assert entry.replicated and entry.chunks == manifest["0/model/0.weight"].chunks
         assert not manifest[f"{r}/extra/rank"].replicated
+    # Every rank's entries carry the checksums of the bytes one rank wrote.
+    for logical, entry in manifest.items():
+        for loc in entry.locations:
+            with open(os.path.join(path, loc.blob), "rb") as f:
+                f.seek(loc.offset)
+                assert loc.crc32c == crc32c.crc32c(f.read(loc.nbytes)), logical
     model_bytes = sum(t.nbytes for t in model().state_dict().values())
     on_disk = sum(files_by_rank(path).values())
     assert model_bytes <= on_disk < model_bytes + 64 * 1024

@@ -11,6 +11,7 @@ import torch
 import yaml
 
 from snapshot import (
+    ChecksumError,
     CorruptSnapshotError,
     EntryNotFoundError,
     IncompatibleSnapshotError,
@@ -27,6 +28,7 @@ from snapshot import (
     StorageError,
     UnsupportedValueError,
 )
+from tests.helpers import seal_manifest
 from tests.plugins import FAULTS
 
 
@@ -224,12 +226,14 @@ def _take_simple(path: str) -> None:
 
 
 def _edit_manifest(path: str, edit) -> None:
+    """Edits the manifest as a document and writes it back with a matching checksum line (as a
+    forger would), so that the decoder's checks are what is tested."""
     file = os.path.join(path, "manifest.yaml")
     with open(file) as f:
         doc = yaml.safe_load(f)
     edit(doc)
-    with open(file, "w") as f:
-        yaml.safe_dump(doc, f)
+    with open(file, "wb") as f:
+        f.write(seal_manifest(yaml.safe_dump(doc).encode()))
 
 
 @pytest.mark.parametrize(
@@ -309,7 +313,7 @@ def test_garbled_manifest(tmp_path, content, pattern):
     path = str(tmp_path / "s")
     _take_simple(path)
     with open(os.path.join(path, "manifest.yaml"), "wb") as f:
-        f.write(content)
+        f.write(seal_manifest(content))
     with pytest.raises(CorruptSnapshotError, match=f"manifest.yaml.*{pattern}"):
         Snapshot(path)
 
@@ -325,7 +329,7 @@ def test_unknown_dtype_and_inconsistent_sizes(tmp_path):
         Snapshot(path).read_object("0/s/t")
 
 
-def test_missing_and_short_blobs(tmp_path):
+def test_missing_and_short_blobs(tmp_path, monkeypatch):
     path = str(tmp_path / "s")
     _take_simple(path)
     entry = Snapshot(path).get_manifest()["0/s/t"]
@@ -340,5 +344,9 @@ def test_missing_and_short_blobs(tmp_path):
     obj = Snapshot(path).get_manifest()["0/s/o"]
     with open(os.path.join(path, obj.location.blob), "wb") as f:
         f.write(b"x" * (obj.location.offset + obj.nbytes))
+    with pytest.raises(ChecksumError, match="0/s/o: checksum mismatch"):
+        Snapshot(path).read_object("0/s/o")
+    # Unchecked, the decoder itself refuses the bytes.
+    monkeypatch.setenv("STATESNAP_CHECKSUMS", "0")
     with pytest.raises(CorruptSnapshotError, match="0/s/o: object bytes cannot be decoded"):
         Snapshot(path).read_object("0/s/o")

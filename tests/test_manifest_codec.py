@@ -21,6 +21,7 @@ from manifest import (
     TupleEntry,
     codec,
 )
+from tests.helpers import seal_manifest
 
 GOLDEN = Manifest(
     world_size=1,
@@ -28,7 +29,9 @@ GOLDEN = Manifest(
     entries={
         "0/m": DictEntry(keys=("w", 3, "a b"), ordered=True),
         "0/m/w": TensorEntry(
-            dtype="bfloat16", shape=(2, 3), chunks=(Location(blob="0/0", offset=0, nbytes=12),)
+            dtype="bfloat16",
+            shape=(2, 3),
+            chunks=(Location(blob="0/0", offset=0, nbytes=12, crc32c=0xDEADBEEF),),
         ),
         "0/m/3": ListEntry(length=1, replicated=True),
         "0/m/3/0": PrimitiveEntry(value=float("-inf")),
@@ -49,7 +52,7 @@ world_size: 1
 metadata: {"library": "statesnap 0.1.0"}
 entries:
   "0/m": {"type": "dict", "keys": ["w", 3, "a b"], "ordered": true}
-  "0/m/w": {"type": "tensor", "dtype": "bfloat16", "shape": [2, 3], "chunks": [["0/0", 0, 12]]}
+  "0/m/w": {"type": "tensor", "dtype": "bfloat16", "shape": [2, 3], "chunks": [["0/0", 0, 12, 3735928559]]}
   "0/m/3": {"type": "list", "length": 1, "replicated": true}
   "0/m/3/0": {"type": "primitive", "value_type": "float", "value": "-inf"}
   "0/m/a b": {"type": "tuple", "length": 2}
@@ -58,21 +61,52 @@ entries:
 """
 
 
+# The CRC-32C of GOLDEN_TEXT, as its last line records it.
+GOLDEN_BYTES = GOLDEN_TEXT.encode() + b"# crc32c 13eea14a\n"
+
+
 def test_golden_bytes():
-    assert mf.dumps(GOLDEN).decode() == GOLDEN_TEXT
-    assert mf.loads(GOLDEN_TEXT.encode()) == GOLDEN
+    assert mf.dumps(GOLDEN) == GOLDEN_BYTES
+    assert mf.loads(GOLDEN_BYTES) == GOLDEN
+    assert seal_manifest(GOLDEN_TEXT.encode()) == GOLDEN_BYTES
+
+
+def test_the_checksum_line_is_checked():
+    body = GOLDEN_TEXT.encode()
+    for damaged in [
+        body.replace(b'"length": 2', b'"length": 3') + GOLDEN_BYTES[len(body) :],  # edited
+        GOLDEN_BYTES[:-3] + b"0\n",  # the line itself changed
+        body,  # no checksum line (a manifest cut short at a line's end looks like this)
+        GOLDEN_BYTES[:-1],  # the line cut short
+        b"",
+    ]:
+        with pytest.raises(mf.ManifestChecksumError):
+            mf.loads(damaged)
+    # Unverified, an edit is read as written; a missing line is no error.
+    edited = body.replace(b'"length": 2', b'"length": 3') + GOLDEN_BYTES[len(body) :]
+    assert mf.loads(edited, verify=False).entries["0/m/a b"] == TupleEntry(length=3)
+    assert mf.loads(body, verify=False) == GOLDEN
+
+
+def test_location_checksums_are_checked_integers():
+    line = '["0/0", 0, 12, 3735928559]'
+    for bad in ['["0/0", 0, 12, -1]', '["0/0", 0, 12, 4294967296]', '["0/0", 0, 12, "x"]',
+                '["0/0", 0, 12, 1, 2]', '["0/0", 0, 12, 1.5]']:  # fmt: skip
+        text = seal_manifest(GOLDEN_TEXT.replace(line, bad).encode())
+        with pytest.raises(mf.ManifestDecodeError, match=r"0/m/w: expected \[blob, offset"):
+            mf.loads(text)
 
 
 def test_the_file_is_yaml_and_yaml_readers_agree(monkeypatch):
     """Any YAML reader gets the same document; a hand-edited file goes through the YAML path."""
-    doc = yaml.safe_load(GOLDEN_TEXT)
-    assert doc["entries"]["0/m/w"]["chunks"] == [["0/0", 0, 12]]
+    doc = yaml.safe_load(GOLDEN_BYTES)  # the checksum line is a YAML comment
+    assert doc["entries"]["0/m/w"]["chunks"] == [["0/0", 0, 12, 0xDEADBEEF]]
     assert codec._parse_fast(GOLDEN_TEXT) == doc
     edited = GOLDEN_TEXT.replace('  "0/m/3": {', '  # a comment\n  "0/m/3": {')
     assert codec._parse_fast(edited) is None
-    assert mf.loads(edited.encode()) == GOLDEN
+    assert mf.loads(seal_manifest(edited.encode())) == GOLDEN
     reformatted = yaml.safe_dump(doc)  # block style, unquoted: still the same manifest
-    assert mf.loads(reformatted.encode()) == GOLDEN
+    assert mf.loads(seal_manifest(reformatted.encode())) == GOLDEN
 
 
 def test_uses_libyaml_when_present():
@@ -89,7 +123,7 @@ def test_safe_loader_refuses_python_tags():
         text = GOLDEN_TEXT.replace(old, "!!python/object/apply:os.system [echo hi]")
         assert text != GOLDEN_TEXT
         with pytest.raises(mf.ManifestDecodeError, match="not valid YAML"):
-            mf.loads(text.encode())
+            mf.loads(seal_manifest(text.encode()))
 
 
 @pytest.mark.parametrize(
@@ -112,6 +146,7 @@ _locations = st.builds(
     ),
     offset=st.integers(0, 2**40),
     nbytes=st.integers(0, 2**40),
+    crc32c=st.one_of(st.none(), st.integers(0, 2**32 - 1)),
 )
 _entries = st.one_of(
     st.builds(
@@ -159,7 +194,7 @@ def test_any_manifest_round_trips(entries, world_size):
     assert back == m
     assert list(back.entries) == list(entries)
     # The YAML reading of the same bytes agrees with the fast one.
-    fast = codec._parse_fast(data.decode())
+    fast = codec._parse_fast(codec._split_trailer(data, "m", verify=True).decode())
     assert fast is not None or not entries  # "entries: {}" goes through YAML
     assert fast is None or fast == yaml.load(data, Loader=codec._Loader)
 

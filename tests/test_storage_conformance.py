@@ -91,6 +91,19 @@ async def test_missing_blob_is_file_not_found(plugin):
 
 
 @pytest.mark.asyncio
+async def test_size(plugin):
+    await plugin.write("sized", [b"12345", b"678"])
+    await plugin.write("d/empty", [])
+    # Every built-in plugin knows sizes (None would mean "cannot tell").
+    assert await plugin.size("sized") == 8
+    assert await plugin.size("d/empty") == 0
+    await plugin.write("sized", [b"1"])
+    assert await plugin.size("sized") == 1
+    with pytest.raises(FileNotFoundError):
+        await plugin.size("nope")
+
+
+@pytest.mark.asyncio
 async def test_overwrite_replaces(plugin):
     await plugin.write("o", [b"first version, long"])
     await plugin.write("o", [b"second"])

@@ -1,0 +1,274 @@
+"""Integrity: every stored range carries a CRC-32C, verified on restore and read_object.
+
+A byte flipped anywhere in any blob raises ``ChecksumError`` naming the logical path and the
+blob, whichever way the bytes are read (in place, in pieces, through scratch tiles, as an
+object, in budget-sized tiles); a blob longer or shorter than recorded is an error; the manifest
+carries a checksum of its own; ``STATESNAP_CHECKSUMS=0`` turns all of it off.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import random
+import re
+
+import crc32c
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from manifest import ObjectEntry, TensorEntry
+from snapshot import ChecksumError, CorruptSnapshotError, Snapshot, StateDict
+from snapshot.checksum import LocationCheck, combine, crc32c_ranges
+from snapshot.checksum import crc32c as snap_crc32c
+from tests.helpers import assert_same
+
+# ---------------------------------------------------------------------------------------------
+# The arithmetic.
+
+
+def test_crc32c_check_value():
+    # The standard check value of CRC-32C (Castagnoli): the CRC of the ASCII digits 1 to 9.
+    assert snap_crc32c(b"123456789") == 0xE3069283
+
+
+@given(a=st.binary(max_size=300), b=st.binary(max_size=300))
+def test_combine_is_the_crc_of_the_concatenation(a, b):
+    assert combine(crc32c.crc32c(a), crc32c.crc32c(b), len(b)) == crc32c.crc32c(a + b)
+
+
+def test_combine_over_long_lengths():
+    # Lengths whose bit patterns exercise many of the precomputed powers (up to 2^27 bytes).
+    rng = random.Random(0)
+    for n in [1, 7, 4096, 65_537, (1 << 27) + 12_345]:
+        b = rng.randbytes(n)
+        a = rng.randbytes(13)
+        assert combine(crc32c.crc32c(a), crc32c.crc32c(b), n) == crc32c.crc32c(a + b)
+
+
+@given(
+    data=st.binary(min_size=1, max_size=400),
+    cuts=st.lists(st.integers(0, 400), max_size=6),
+    picks=st.lists(st.tuples(st.integers(0, 400), st.integers(0, 400)), max_size=5),
+)
+def test_ranges_across_buffers(data, cuts, picks):
+    bounds = sorted({0, len(data), *(c % (len(data) + 1) for c in cuts)})
+    buffers = [data[x:y] for x, y in itertools.pairwise(bounds)]
+    # Non-overlapping ascending ranges, from the picks.
+    ranges, pos = [], 0
+    for gap, n in picks:
+        start = pos + gap % 50
+        n = min(n % 120, len(data) - start) if start <= len(data) else -1
+        if n < 0:
+            break
+        ranges.append((start, n))
+        pos = start + n
+    got = crc32c_ranges([memoryview(b) for b in buffers], ranges)
+    assert got == [crc32c.crc32c(data[o : o + n]) for o, n in ranges]
+
+
+def test_location_check_accepts_pieces_in_any_order():
+    from manifest import Location
+
+    data = random.Random(1).randbytes(1000)
+    loc = Location(blob="0/0", offset=0, nbytes=1000, crc32c=crc32c.crc32c(data))
+    pieces = [(0, 300), (300, 300), (600, 400)]
+    for order in ([2, 0, 1], [1, 2, 0], [0, 1, 2]):
+        check = LocationCheck("0/x", loc, 3)
+        for i in order:
+            lo, n = pieces[i]
+            check.add(lo, n, crc32c.crc32c(data[lo : lo + n]))
+    bad = LocationCheck("0/x", loc, 3)
+    bad.add(0, 300, crc32c.crc32c(data[:300]))
+    bad.add(600, 400, crc32c.crc32c(data[600:]))
+    with pytest.raises(
+        ChecksumError, match=r"0/x: checksum mismatch in blob 0/0, bytes \[0, 1000\)"
+    ):
+        bad.add(300, 300, crc32c.crc32c(b"\0" + data[301:600]))
+
+
+# ---------------------------------------------------------------------------------------------
+# A real snapshot: chunks, slab members, objects.
+
+
+def _state() -> dict[str, StateDict]:
+    return {
+        "m": StateDict(
+            big=torch.arange(40_000, dtype=torch.float32),  # chunked (CHUNK_BYTES below)
+            bias=torch.arange(10, dtype=torch.float64),  # slab member
+            half=torch.linspace(0, 1, 300, dtype=torch.bfloat16),  # slab member
+            obj={"a", "b"},  # object, serialized
+            text="x" * 5000,  # long string: an object blob of its own
+        )
+    }
+
+
+def _targets() -> dict[str, StateDict]:
+    return {
+        "m": StateDict(
+            big=torch.zeros(40_000),
+            bias=torch.zeros(10, dtype=torch.float64),
+            half=torch.zeros(300, dtype=torch.bfloat16),
+        )
+    }
+
+
+@pytest.fixture
+def layout(monkeypatch):
+    monkeypatch.setenv("STATESNAP_CHUNK_BYTES", "65536")  # big: 3 chunks
+    monkeypatch.setenv("STATESNAP_SLAB_THRESHOLD_BYTES", "4096")
+
+
+def _take(path: str) -> Snapshot:
+    return Snapshot.take(path, _state())
+
+
+def _blob_bytes(path: str, blob: str) -> bytes:
+    with open(os.path.join(path, blob), "rb") as f:
+        return f.read()
+
+
+def _flip(path: str, blob: str, offset: int) -> None:
+    with open(os.path.join(path, blob), "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0x10]))
+
+
+def test_every_location_records_the_crc_of_its_bytes(tmp_path, layout):
+    path = str(tmp_path / "s")
+    manifest = _take(path).get_manifest()
+    locations = [(p, loc) for p, e in manifest.items() for loc in e.locations]
+    assert len(locations) == 3 + 2 + 2  # 3 chunks, 2 slab members, 2 objects
+    for logical, loc in locations:
+        data = _blob_bytes(path, loc.blob)[loc.offset : loc.offset + loc.nbytes]
+        assert loc.crc32c == crc32c.crc32c(data), logical
+
+
+def _locations(path: str) -> list[tuple[str, str, int, int]]:
+    manifest = Snapshot(path).get_manifest()
+    return [
+        (p, loc.blob, loc.offset, loc.nbytes)
+        for p, e in manifest.items()
+        if isinstance(e, (TensorEntry, ObjectEntry))
+        for loc in e.locations
+    ]
+
+
+@pytest.mark.parametrize("where", ["first", "middle", "last"])
+def test_a_flipped_byte_in_any_location_is_a_checksum_error(tmp_path, layout, monkeypatch, where):
+    """Every location, read every way: restore in place (in pieces: READ_REQUEST_BYTES is
+    smaller than a chunk), restore through a dtype cast (scratch tiles), read_object, and
+    read_object in tiles of a small memory budget."""
+    monkeypatch.setenv("STATESNAP_READ_REQUEST_BYTES", "20000")
+    path = str(tmp_path / "s")
+    _take(path)
+    for logical, blob, offset, nbytes in _locations(path):
+        at = {"first": offset, "middle": offset + nbytes // 2, "last": offset + nbytes - 1}[where]
+        _flip(path, blob, at)
+        name = re.escape(logical)
+        pattern = rf"{re.escape(path)}.*{name}: checksum mismatch in blob {re.escape(blob)}"
+        snap = Snapshot(path)
+        with pytest.raises(ChecksumError, match=pattern):
+            snap.read_object(logical)
+        with pytest.raises(ChecksumError, match=pattern):
+            snap.read_object(logical, memory_budget_bytes=4096)
+        if logical != "0/m/obj" and logical != "0/m/text":
+            with pytest.raises(ChecksumError, match=pattern):
+                snap.restore(_targets())
+            cast = _targets()
+            cast["m"]["big"] = torch.zeros(40_000, dtype=torch.float64)
+            cast["m"]["half"] = torch.zeros(300, dtype=torch.float32)
+            with pytest.raises(ChecksumError, match=pattern):
+                snap.restore(cast)
+        else:
+            with pytest.raises(ChecksumError, match=pattern):
+                snap.restore({"m": StateDict()})
+        _flip(path, blob, at)  # back as it was
+    out = _targets()
+    Snapshot(path).restore(out)
+    assert_same(out["m"]["big"], _state()["m"]["big"])
+
+
+def test_a_blob_longer_than_recorded_is_an_error(tmp_path, layout):
+    path = str(tmp_path / "s")
+    _take(path)
+    for logical, blob, _, _ in _locations(path):
+        with open(os.path.join(path, blob), "ab") as f:
+            f.write(b"extra")
+        with pytest.raises(CorruptSnapshotError, match=rf"blob .*{blob} is longer than"):
+            Snapshot(path).read_object(logical)
+        with pytest.raises(CorruptSnapshotError, match=rf"blob .*{blob} is longer than"):
+            Snapshot(path).restore({"m": StateDict()})
+        with open(os.path.join(path, blob), "r+b") as f:
+            f.truncate(os.path.getsize(os.path.join(path, blob)) - 5)
+    Snapshot(path).restore({"m": StateDict()})
+
+
+def test_a_blob_cut_after_the_bytes_read_is_still_an_error(tmp_path, layout):
+    """read_object of the first member of a slab whose end was cut: the read itself succeeds,
+    the size check does not."""
+    path = str(tmp_path / "s")
+    _take(path)
+    manifest = Snapshot(path).get_manifest()
+    members = sorted(
+        (e.chunks[0].offset, p, e.chunks[0].blob)
+        for p, e in manifest.items()
+        if isinstance(e, TensorEntry) and e.chunks and e.chunks[0].blob.startswith("0/s")
+    )
+    _, first, slab = members[0]
+    full = os.path.join(path, slab)
+    with open(full, "r+b") as f:
+        f.truncate(os.path.getsize(full) - 1)
+    with pytest.raises(CorruptSnapshotError, match=rf"{first}.*blob .*{slab} is shorter than"):
+        Snapshot(path).read_object(first)
+
+
+def test_manifest_damage_is_a_checksum_error(tmp_path, layout):
+    path = str(tmp_path / "s")
+    _take(path)
+    file = os.path.join(path, "manifest.yaml")
+    with open(file, "rb") as f:
+        original = f.read()
+    # A number changed that still decodes: a shape with the same number of bytes.
+    edited = original.replace(b'"shape": [40000]', b'"shape": [20000, 2]')
+    assert edited != original
+    for damaged in [edited, original[: original.rindex(b"\n", 0, -1) + 1], original[:-2]]:
+        with open(file, "wb") as f:
+            f.write(damaged)
+        with pytest.raises(ChecksumError, match=rf"{re.escape(file)}.*STATESNAP_CHECKSUMS=0"):
+            Snapshot(path)
+
+
+def test_checksums_off(tmp_path, layout, monkeypatch):
+    """STATESNAP_CHECKSUMS=0: a take records none; reads verify none, so a flipped byte is read
+    as it is (this is what the checksums protect against)."""
+    monkeypatch.setenv("STATESNAP_CHECKSUMS", "0")
+    path = str(tmp_path / "s")
+    manifest = _take(path).get_manifest()
+    assert all(loc.crc32c is None for e in manifest.values() for loc in e.locations)
+    monkeypatch.delenv("STATESNAP_CHECKSUMS")
+    checked = str(tmp_path / "checked")
+    _take(checked)
+    _flip(checked, Snapshot(checked).get_manifest()["0/m/bias"].chunks[0].blob, 0)
+    with pytest.raises(ChecksumError):
+        Snapshot(checked).read_object("0/m/bias")
+    monkeypatch.setenv("STATESNAP_CHECKSUMS", "0")
+    damaged = Snapshot(checked).read_object("0/m/bias")
+    assert not torch.equal(damaged, _state()["m"]["bias"])
+    with open(os.path.join(checked, "manifest.yaml"), "ab") as f:
+        f.write(b"# an edit by hand\n")
+    Snapshot(checked).read_object("0/m/big")  # the manifest is not checked either
+
+
+def test_async_take_records_checksums(tmp_path, layout):
+    path = str(tmp_path / "s")
+    Snapshot.async_take(path, _state()).wait()
+    for logical, loc in (
+        (p, loc) for p, e in Snapshot(path).get_manifest().items() for loc in e.locations
+    ):
+        data = _blob_bytes(path, loc.blob)[loc.offset : loc.offset + loc.nbytes]
+        assert loc.crc32c == crc32c.crc32c(data), logical
