@@ -25,6 +25,8 @@ Cases (``--case``):
                   staging-pool bytes over a series of async takes in one process.
   async-loop      a small MLP trained on CPU: steps/s without snapshots, with a take and with
                   an async_take every N steps.
+  checksums       the 2 GiB state taken and restored by statesnap with and without checksums
+                  (STATESNAP_CHECKSUMS=0), and raw: what computing and verifying them costs.
 
 Example: ``python -m benchmarks.bench_io --case main --size 512MiB --reps 1``.
 """
@@ -766,6 +768,31 @@ def case_restore_memory(
         "state for a take, the preallocated targets (if any) for a restore.",
     ]
     out += state_tables(rows, state.label, args.modes, args.temps)
+    return rows, out
+
+
+NO_CHECKSUMS = "statesnap (STATESNAP_CHECKSUMS=0)"
+
+
+def case_checksums(args: argparse.Namespace, runner: Runner, env: dict[str, str]) -> CaseResult:
+    """What checksums cost: statesnap with and without them, on the same state, in one run."""
+    size = (args.size or [2 * GIB])[0]
+    state = StateCase(fmt_size(size), {"kind": "model", "size": size, "seed": args.seed})
+    variants = [
+        Variant("statesnap", "statesnap", ["statesnap"], dict(env)),
+        Variant(NO_CHECKSUMS, "statesnap", ["statesnap"], {**env, "STATESNAP_CHECKSUMS": "0"}),
+        Variant("raw", "raw", ["raw"]),
+    ]
+    rows = run_rounds(runner, "checksums", [state], variants, args.modes, args.temps, args.reps)
+    out = [
+        "",
+        f"#### {describe_spec(build_spec(state.args))}",
+        "",
+        f"The cost of checksums is the column `time ÷ {NO_CHECKSUMS}` of the statesnap row: "
+        "computing a CRC-32C of every range as it is written (take), verifying every range "
+        "as it is read (restore).",
+    ]
+    out += state_tables(rows, state.label, args.modes, args.temps, refs=(NO_CHECKSUMS, "raw"))
     return rows, out
 
 
@@ -1636,6 +1663,7 @@ CASES = {
     "dist": case_dist,
     "async": case_async,
     "async-loop": case_async_loop,
+    "checksums": case_checksums,
 }
 
 CASE_DEFAULTS: dict[str, dict[str, Any]] = {
@@ -1647,6 +1675,7 @@ CASE_DEFAULTS: dict[str, dict[str, Any]] = {
     "dist": {"modes": ["cache", "fsync"], "temps": ["warm"]},
     "async": {"modes": ["fsync", "cache"], "temps": []},
     "async-loop": {"modes": ["fsync"], "temps": []},
+    "checksums": {"modes": ["cache", "fsync"], "temps": ["warm", "cold"]},
 }
 
 
@@ -1673,8 +1702,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         action="append",
         metavar="SIZE",
         help="state size(s), e.g. 512MiB,2GiB (repeatable). main: 512MiB,2GiB; "
-        "many-small: total 200MiB; restore-memory, read-object: 2GiB; dist: 1GiB (the model; "
-        "each rank's own state is a tenth of it); async: 512MiB",
+        "many-small: total 200MiB; restore-memory, read-object, checksums: 2GiB; dist: 1GiB "
+        "(the model; each rank's own state is a tenth of it); async: 512MiB",
     )
     p.add_argument("--reps", type=int, default=3, help="rounds (median over them); default 3")
     p.add_argument(
