@@ -789,7 +789,7 @@ def case_checksums(args: argparse.Namespace, runner: Runner, env: dict[str, str]
         f"#### {describe_spec(build_spec(state.args))}",
         "",
         f"The cost of checksums is the column `time ÷ {NO_CHECKSUMS}` of the statesnap row: "
-        "computing a CRC-32C of every range as it is written (take), verifying every range "
+        "computing a CRC-32 of every range as it is written (take), verifying every range "
         "as it is read (restore).",
     ]
     out += state_tables(rows, state.label, args.modes, args.temps, refs=(NO_CHECKSUMS, "raw"))

@@ -17,8 +17,8 @@ import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
-import crc32c
 import yaml
+from isal import isal_zlib
 
 from manifest.entries import (
     ENTRY_TYPES,
@@ -50,14 +50,14 @@ class UnsupportedFormatError(ManifestDecodeError):
 
 
 class ManifestChecksumError(ManifestDecodeError):
-    """The manifest's bytes do not have the CRC-32C its last line records, or it has no such
+    """The manifest's bytes do not have the CRC-32 its last line records, or it has no such
     line (it was cut short)."""
 
 
 # The last line of a manifest: a YAML comment (so any YAML reader ignores it) holding the
-# CRC-32C of every byte before it.
-_TRAILER = b"# crc32c %08x\n"
-_TRAILER_RE = re.compile(rb"# crc32c ([0-9a-f]{8})\n\Z")
+# CRC-32 of every byte before it.
+_TRAILER = b"# crc32 %08x\n"
+_TRAILER_RE = re.compile(rb"# crc32 ([0-9a-f]{8})\n\Z")
 
 
 def _split_trailer(data: bytes, source: str, verify: bool) -> bytes:
@@ -74,10 +74,10 @@ def _split_trailer(data: bytes, source: str, verify: bool) -> bytes:
     body = data[:start]
     if verify:
         expected = int(match.group(1), 16)
-        actual = crc32c.crc32c(body)
+        actual = isal_zlib.crc32(body)
         if actual != expected:
             raise ManifestChecksumError(
-                f"{source} is damaged: its bytes have crc32c {actual:#010x}, its last line "
+                f"{source} is damaged: its bytes have crc32 {actual:#010x}, its last line "
                 f"records {expected:#010x}"
             )
     return body
@@ -98,13 +98,13 @@ def _yaml_printable(text: str) -> str:
 
 
 def _location_to_list(loc: Location) -> list[Any]:
-    if loc.crc32c is None:
+    if loc.crc32 is None:
         return [loc.blob, loc.offset, loc.nbytes]
-    return [loc.blob, loc.offset, loc.nbytes, loc.crc32c]
+    return [loc.blob, loc.offset, loc.nbytes, loc.crc32]
 
 
 def _location_json(loc: Location) -> str:
-    crc = "" if loc.crc32c is None else f", {loc.crc32c}"
+    crc = "" if loc.crc32 is None else f", {loc.crc32}"
     return f'["{loc.blob}", {loc.offset}, {loc.nbytes}{crc}]'
 
 
@@ -183,7 +183,7 @@ def dumps(manifest: Manifest) -> bytes:
         lines.append(f"{_ENTRIES_LINE} {{}}")
     lines.append("")
     body = _yaml_printable("\n".join(lines)).encode("utf-8")
-    return body + _TRAILER % crc32c.crc32c(body)
+    return body + _TRAILER % isal_zlib.crc32(body)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -234,7 +234,7 @@ def check_blob_path(blob: str, where: str = "blob") -> str:
 
 def _location(value: Any, where: str) -> Location:
     if type(value) is not list or len(value) not in (3, 4):
-        raise _fail(where, f"expected [blob, offset, nbytes, crc32c], got {value!r}")
+        raise _fail(where, f"expected [blob, offset, nbytes, crc32], got {value!r}")
     blob, offset, nbytes = value[:3]
     crc = value[3] if len(value) == 4 else None
     if (
@@ -244,9 +244,9 @@ def _location(value: Any, where: str) -> Location:
         or nbytes < 0
         or not (crc is None or (type(crc) is int and 0 <= crc <= 0xFFFFFFFF))
     ):
-        raise _fail(where, f"expected [blob, offset, nbytes, crc32c], got {value!r}")
+        raise _fail(where, f"expected [blob, offset, nbytes, crc32], got {value!r}")
     return Location(
-        blob=check_blob_path(_str(blob, where), where), offset=offset, nbytes=nbytes, crc32c=crc
+        blob=check_blob_path(_str(blob, where), where), offset=offset, nbytes=nbytes, crc32=crc
     )
 
 

@@ -18,14 +18,14 @@ FORMAT_VERSION = 1
 class Location:
     """A byte range of a blob: ``nbytes`` bytes starting at ``offset`` of blob ``blob``.
 
-    ``blob`` is relative to the snapshot's root, ``/``-separated. ``crc32c`` is the CRC-32C of
+    ``blob`` is relative to the snapshot's root, ``/``-separated. ``crc32`` is the CRC-32 of
     the range's bytes (None when the snapshot was taken without checksums).
     """
 
     blob: str
     offset: int
     nbytes: int
-    crc32c: int | None = None
+    crc32: int | None = None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -25,7 +25,7 @@ class CorruptSnapshotError(SnapshotError):
 
 
 class ChecksumError(CorruptSnapshotError):
-    """Bytes read from a blob (or the manifest) do not have the CRC-32C the snapshot recorded:
+    """Bytes read from a blob (or the manifest) do not have the CRC-32 the snapshot recorded:
     they were damaged after the take."""
 
 

@@ -40,7 +40,7 @@ def _available_memory_bytes() -> int | None:
 
 
 def checksums() -> bool:
-    """Whether take records a CRC-32C of every stored range (and of the manifest), and restore
+    """Whether take records a CRC-32 of every stored range (and of the manifest), and restore
     and read_object verify what they read against them (STATESNAP_CHECKSUMS, default 1; 0 turns
     both off: a take then records none, and reads check none, not even a snapshot's that has
     them)."""

@@ -90,7 +90,7 @@ Staged = tuple[Sequence[Buffer], object]
 class Layout:
     """Where payloads go: tensors above ``chunk_bytes`` are split into chunks of about that
     size, each a blob; payloads up to ``slab_threshold_bytes`` are packed into slabs of about
-    ``slab_bytes``; the rest get a blob each. With ``checksums``, every location's CRC-32C is
+    ``slab_bytes``; the rest get a blob each. With ``checksums``, every location's CRC-32 is
     computed as it is written."""
 
     chunk_bytes: int
@@ -152,7 +152,7 @@ class _ObjectDraft:
 
 
 def _final(p: Payload, checksums: Mapping[tuple[str, int], int] | None) -> Location:
-    """A placed payload's location as the manifest records it: with its bytes' CRC-32C when
+    """A placed payload's location as the manifest records it: with its bytes' CRC-32 when
     the take computes checksums (a write that never reported one is a bug: KeyError)."""
     loc = p.location
     assert loc is not None
@@ -162,7 +162,7 @@ def _final(p: Payload, checksums: Mapping[tuple[str, int], int] | None) -> Locat
         blob=loc.blob,
         offset=loc.offset,
         nbytes=loc.nbytes,
-        crc32c=checksums[(loc.blob, loc.offset)],
+        crc32=checksums[(loc.blob, loc.offset)],
     )
 
 
@@ -210,7 +210,7 @@ class TakePlan:
 
     def entries(self, checksums: Mapping[tuple[str, int], int]) -> dict[str, Entry]:
         """The manifest's entries; ``checksums`` maps each written range ``(blob, offset)`` to
-        its CRC-32C (ignored when the take records none)."""
+        its CRC-32 (ignored when the take records none)."""
         sums = checksums if self.checksums else None
         return {
             path: e if isinstance(e, Entry) else e.build(sums) for path, e in self.drafts.items()
@@ -840,9 +840,9 @@ def _verifier(
     path: str, loc: Location, pieces: int, verify: bool
 ) -> Callable[[int, int], Callable[[int], None]] | None:
     """With ``verify`` and a recorded checksum: for the piece ``(lo, n)`` of ``loc``, the
-    callback a read gives the piece's CRC-32C; once every piece has reported, their combined
+    callback a read gives the piece's CRC-32; once every piece has reported, their combined
     CRC must be the location's."""
-    if not verify or loc.crc32c is None:
+    if not verify or loc.crc32 is None:
         return None
     check = LocationCheck(path, loc, pieces)
     return lambda lo, n: functools.partial(check.add, lo, n)
@@ -863,7 +863,7 @@ def plan_tensor_read(
     stored dtype, in pieces of at most ``piece_bytes`` (so one large tensor is read by several
     workers); otherwise they go through scratch tiles of at most ``tile_bytes`` (whole elements,
     never across chunks) copied into the target, whatever its layout or device. With
-    ``verify``, each chunk's bytes are checked against its recorded CRC-32C as they land.
+    ``verify``, each chunk's bytes are checked against its recorded CRC-32 as they land.
     """
     dtype = check_tensor_entry(path, entry)
     if target is None:
@@ -936,7 +936,7 @@ def plan_object_read(
     path: str, entry: ObjectEntry, results: dict[str, Any], verify: bool = True
 ) -> Need:
     """The need of an object's bytes; ``done`` decodes them into ``results[path]`` (after, with
-    ``verify``, their CRC-32C was checked)."""
+    ``verify``, their CRC-32 was checked)."""
     nbytes = entry.location.nbytes
     checker = _verifier(path, entry.location, 1, verify)
     buf: list[bytearray] = []

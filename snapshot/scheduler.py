@@ -207,9 +207,9 @@ class WriteRequest:
     is the blob, ``nbytes`` long) and an object to keep alive until the write is done (the tensor
     the buffers view, or a pooled buffer's lease, released when the write is done).
     ``staging_bytes`` is the memory ``stage`` allocates, held against the budget until the
-    write completes: 0 for zero-copy views. The CRC-32C of each ``(offset, nbytes)`` range of
-    ``checksum_ranges`` is computed from the staged buffers while they are written, and kept in
-    the pipeline's ``checksums`` under ``(blob, offset)``.
+    write completes: 0 for zero-copy views. The CRC-32 of each ``(offset, nbytes)`` range of
+    ``checksum_ranges`` is computed by the plugin as it writes (``write_observed``), and kept
+    in the pipeline's ``checksums`` under ``(blob, offset)``.
     """
 
     blob: str
@@ -224,8 +224,9 @@ class WriteRequest:
 class Segment:
     """``nbytes`` consecutive bytes of a read: into ``dest()``, or skipped when ``dest`` is None
     (a gap between two wanted ranges, cheaper to read than to ask for separately). When
-    ``verify`` is set, it is given the CRC-32C of the bytes that landed, before the read's
-    ``done`` runs; it raises if they are not the bytes expected."""
+    ``verify`` is set, it is given the CRC-32 of the bytes that landed (computed by the plugin as
+    it reads: ``readv_observed``), before the read's ``done`` runs; it raises if they are not
+    the bytes expected."""
 
     nbytes: int
     dest: Callable[[], memoryview] | None
@@ -340,21 +341,6 @@ async def call(
             attempt += 1
 
 
-def in_thread_if_large(nbytes: int, fn: Callable[..., _T], *args: Any) -> asyncio.Future[_T]:
-    """``fn(*args)``, work over ``nbytes`` bytes of memory, as a future of the running loop: run
-    at once when small, else on a worker thread (the GIL-free checksum code runs beside the
-    I/O there, and the loop stays responsive)."""
-    loop = asyncio.get_running_loop()
-    if nbytes > checksum.INLINE_MAX_BYTES:
-        return loop.run_in_executor(None, fn, *args)
-    future: asyncio.Future[_T] = loop.create_future()
-    try:
-        future.set_result(fn(*args))
-    except Exception as e:
-        future.set_exception(e)
-    return future
-
-
 # ---------------------------------------------------------------------------------------------
 # Writes.
 
@@ -393,7 +379,7 @@ class WritePipeline:
         self._error: BaseException | None = None
         self._nbytes = 0
         self._blobs = 0
-        # (blob, offset) -> CRC-32C of each range of ``checksum_ranges`` written so far.
+        # (blob, offset) -> CRC-32 of each range of ``checksum_ranges`` written so far.
         self.checksums: dict[tuple[str, int], int] = {}
         self._start = time.perf_counter()
         self._queue: asyncio.Queue[tuple[WriteRequest, Sequence[Buffer], object] | None]
@@ -424,28 +410,21 @@ class WritePipeline:
                 self.budget.release(req.staging_bytes)
 
     async def _write(self, req: WriteRequest, buffers: Sequence[Buffer]) -> None:
-        """Writes one staged request, computing its checksums beside the write."""
-        ranges = req.checksum_ranges
-        sums: asyncio.Future[list[int]] | None = None
-        if ranges:
-            sums = in_thread_if_large(req.nbytes, checksum.crc32c_ranges, buffers, ranges)
+        """Writes one staged request, with the checksums of its ranges when it asks for them."""
         plugin = self._plugin
-        try:
-            await call(
-                plugin,
-                "write",
-                req.blob,
-                req.label,
-                functools.partial(plugin.write, req.blob, buffers),
-            )
-        finally:
-            if sums is not None:
-                # Even when the write failed: the thread reads ``buffers``, which must stay
-                # alive (the caller releases them after this returns) until it is done.
-                await asyncio.wait([sums])
-                sums.exception()  # retrieved here; ``result()`` below raises it
-        if sums is not None:
-            for (offset, _), value in zip(ranges, sums.result(), strict=True):
+        ranges = req.checksum_ranges
+        if not ranges:
+            op = functools.partial(plugin.write, req.blob, buffers)
+            await call(plugin, "write", req.blob, req.label, op)
+        else:
+            digests: list[checksum.RangeDigest] = []
+
+            def observed_write() -> Awaitable[None]:
+                digests.append(checksum.RangeDigest(ranges))  # afresh for every attempt
+                return plugin.write_observed(req.blob, buffers, digests[-1])
+
+            await call(plugin, "write", req.blob, req.label, observed_write)
+            for (offset, _), value in zip(ranges, digests[-1].values, strict=True):
                 self.checksums[(req.blob, offset)] = value
         self._nbytes += req.nbytes
         self._blobs += 1
@@ -572,23 +551,7 @@ async def read_all(
                         if len(junk) < seg.nbytes:
                             junk = memoryview(bytearray(seg.nbytes))
                         outs.append(junk[: seg.nbytes])
-                await call(
-                    plugin,
-                    "read",
-                    req.blob,
-                    req.label,
-                    functools.partial(plugin.readv, req.blob, req.offset, outs),
-                )
-                checked = [
-                    (seg.verify, out)
-                    for seg, out in zip(req.segments, outs, strict=True)
-                    if seg.verify is not None
-                ]
-                if checked:
-                    views = [out for _, out in checked]
-                    sums = await in_thread_if_large(req.nbytes, _crc32c_each, views)
-                    for (verify, _), value in zip(checked, sums, strict=True):
-                        verify(value)
+                await _read(plugin, req, outs)
                 if req.done is not None:
                     req.done()
                 totals[0] += 1
@@ -612,5 +575,27 @@ async def read_all(
     )
 
 
-def _crc32c_each(views: Sequence[memoryview]) -> list[int]:
-    return [checksum.crc32c(v) for v in views]
+async def _read(plugin: StoragePlugin, req: ReadRequest, outs: list[memoryview]) -> None:
+    """One read request into ``outs`` (one per segment), then each segment's ``verify`` with
+    the CRC-32 of what landed in it."""
+    ranges: list[tuple[int, int]] = []
+    verifiers = []
+    pos = 0
+    for seg in req.segments:
+        if seg.verify is not None:
+            ranges.append((pos, seg.nbytes))
+            verifiers.append(seg.verify)
+        pos += seg.nbytes
+    if not ranges:
+        op = functools.partial(plugin.readv, req.blob, req.offset, outs)
+        await call(plugin, "read", req.blob, req.label, op)
+        return
+    digests: list[checksum.RangeDigest] = []
+
+    def observed_read() -> Awaitable[None]:
+        digests.append(checksum.RangeDigest(ranges))  # afresh for every attempt
+        return plugin.readv_observed(req.blob, req.offset, outs, digests[-1])
+
+    await call(plugin, "read", req.blob, req.label, observed_read)
+    for verify, value in zip(verifiers, digests[-1].values, strict=True):
+        verify(value)

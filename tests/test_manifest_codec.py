@@ -31,7 +31,7 @@ GOLDEN = Manifest(
         "0/m/w": TensorEntry(
             dtype="bfloat16",
             shape=(2, 3),
-            chunks=(Location(blob="0/0", offset=0, nbytes=12, crc32c=0xDEADBEEF),),
+            chunks=(Location(blob="0/0", offset=0, nbytes=12, crc32=0xDEADBEEF),),
         ),
         "0/m/3": ListEntry(length=1, replicated=True),
         "0/m/3/0": PrimitiveEntry(value=float("-inf")),
@@ -61,8 +61,8 @@ entries:
 """
 
 
-# The CRC-32C of GOLDEN_TEXT, as its last line records it.
-GOLDEN_BYTES = GOLDEN_TEXT.encode() + b"# crc32c 13eea14a\n"
+# The CRC-32 of GOLDEN_TEXT, as its last line records it.
+GOLDEN_BYTES = GOLDEN_TEXT.encode() + b"# crc32 8d4ea127\n"
 
 
 def test_golden_bytes():
@@ -146,7 +146,7 @@ _locations = st.builds(
     ),
     offset=st.integers(0, 2**40),
     nbytes=st.integers(0, 2**40),
-    crc32c=st.one_of(st.none(), st.integers(0, 2**32 - 1)),
+    crc32=st.one_of(st.none(), st.integers(0, 2**32 - 1)),
 )
 _entries = st.one_of(
     st.builds(

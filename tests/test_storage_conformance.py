@@ -104,6 +104,22 @@ async def test_size(plugin):
 
 
 @pytest.mark.asyncio
+async def test_observed_writes_and_reads_see_every_byte_once_in_order(plugin):
+    # Large enough to be written and read in several pieces by plugins that slice.
+    parts = [bytes(range(256)) * 4096 * 3, b"", b"tail", bytes(3 << 20)]
+    data = b"".join(parts)
+    seen: list[bytes] = []
+    await plugin.write_observed(
+        "obs", [memoryview(p) for p in parts], lambda v: seen.append(bytes(v))
+    )
+    assert b"".join(seen) == data and await plugin.read("obs") == data
+    seen.clear()
+    outs = [memoryview(bytearray(n)) for n in (5, 1 << 20, len(data) - 15 - (1 << 20))]
+    await plugin.readv_observed("obs", 10, outs, lambda v: seen.append(bytes(v)))
+    assert b"".join(seen) == data[10:] == b"".join(bytes(o) for o in outs)
+
+
+@pytest.mark.asyncio
 async def test_overwrite_replaces(plugin):
     await plugin.write("o", [b"first version, long"])
     await plugin.write("o", [b"second"])
