@@ -19,9 +19,13 @@ _T = TypeVar("_T")
 # Linux moves at most this many bytes per read/write system call, in at most IOV_MAX buffers.
 _MAX_SYSCALL_BYTES = 0x7FFFF000
 _MAX_IOV = 1024
-# With an observer, bytes move in system calls of at most this size, each observed right after it,
-# while the bytes are still in the CPU's cache (a few hundred KiB to a few MiB measured alike).
-_OBSERVED_SYSCALL_BYTES = 1 << 20
+# With an observer, bytes move in system calls of at most these sizes, each observed right after
+# it, while the bytes are still in the CPU's cache. Measured on a 2 GiB state (take to the page
+# cache, restore warm): reads in calls of 256 KiB to 4 MiB cost alike; writes in calls of 1 MiB
+# took 40% longer than unsliced ones even with nothing observed, and with checksums 8 MiB calls
+# cost the least (+16% over no checksums, where 1 MiB calls cost +100%).
+_OBSERVED_READ_BYTES = 1 << 20
+_OBSERVED_WRITE_BYTES = 8 << 20
 _DEFAULT_IO_THREADS = 8
 
 
@@ -198,7 +202,7 @@ def _write_all(fd: int, buffers: Sequence[Buffer], observe: Observer | None = No
     """Writes every buffer in order, resuming after short writes; ``observe`` sees each piece
     written, in order, right after its system call."""
     pending = deque(memoryview(b).cast("B") for b in buffers if len(b))
-    limit = _MAX_SYSCALL_BYTES if observe is None else _OBSERVED_SYSCALL_BYTES
+    limit = _MAX_SYSCALL_BYTES if observe is None else _OBSERVED_WRITE_BYTES
     while pending:
         batch = _next_batch(pending, limit)
         n = os.writev(fd, batch)
@@ -214,7 +218,7 @@ def _read_all(
     sees each piece read, in order, right after its system call."""
     pending = deque(o for o in outs if len(o))
     total = offset + sum(len(o) for o in pending)
-    limit = _MAX_SYSCALL_BYTES if observe is None else _OBSERVED_SYSCALL_BYTES
+    limit = _MAX_SYSCALL_BYTES if observe is None else _OBSERVED_READ_BYTES
     pos = offset
     while pending:
         batch = _next_batch(pending, limit)
