@@ -37,6 +37,7 @@ from snapshot.errors import (
     CorruptSnapshotError,
     ShapeMismatchError,
     SnapshotError,
+    StateMismatchError,
     UnsupportedValueError,
 )
 from snapshot.flatten import flatten
@@ -807,8 +808,10 @@ def check_tensor_entry(path: str, entry: TensorEntry) -> torch.dtype:
     return dtype
 
 
-def check_target(path: str, entry: TensorEntry, target: torch.Tensor) -> None:
-    """Refuses a restore target that cannot receive this entry."""
+def check_target(path: str, entry: TensorEntry, target: torch.Tensor, dtype: torch.dtype) -> None:
+    """Refuses a restore target that cannot receive this entry: another shape, the meta device,
+    or a dtype that the stored one does not cast to (a target of another dtype is filled by
+    ``copy_``, which casts as ``load_state_dict`` does; some pairs it refuses)."""
     if target.shape != entry.shape:
         raise ShapeMismatchError(
             f"{path}: the snapshot holds shape {list(entry.shape)} ({entry.dtype}), "
@@ -816,6 +819,21 @@ def check_target(path: str, entry: TensorEntry, target: torch.Tensor) -> None:
         )
     if target.is_meta:
         raise UnsupportedValueError(f"{path}: cannot restore into a tensor on the meta device")
+    if target.dtype != dtype and not _casts(dtype, target.dtype):
+        raise StateMismatchError(
+            f"{path}: the snapshot holds {entry.dtype}, the object being restored is "
+            f"{dtype_name(target.dtype)}, and torch cannot copy the one into the other"
+        )
+
+
+@functools.cache
+def _casts(src: torch.dtype, dst: torch.dtype) -> bool:
+    """Whether ``copy_`` fills a ``dst`` tensor from a ``src`` one (tried on one element)."""
+    try:
+        torch.zeros(1, dtype=dst).copy_(torch.zeros(1, dtype=src))
+    except (RuntimeError, TypeError):
+        return False
+    return True
 
 
 def _direct(target: torch.Tensor, dtype: torch.dtype) -> bool:
@@ -869,7 +887,7 @@ def plan_tensor_read(
     if target is None:
         target = _allocate(path, entry.nbytes, lambda: torch.empty(entry.shape, dtype=dtype))
     else:
-        check_target(path, entry, target)
+        check_target(path, entry, target, dtype)
     itemsize = dtype.itemsize
     needs: list[Need] = []
     direct = _direct(target, dtype)

@@ -125,6 +125,21 @@ def test_shape_mismatch_names_the_path_and_reads_nothing(recorded):
         snap.read_object("0/m/bias", obj_out=torch.empty(7))
 
 
+def test_a_dtype_torch_cannot_cast_into_is_refused_before_reading(recorded):
+    """Another dtype is cast into, as load_state_dict does; one copy_ refuses is an error."""
+    url, log = recorded
+    Snapshot.take(url, {"s": StateDict(t=torch.arange(6.0), q=torch.ones(3))})
+    snap = Snapshot(url)
+    cast = StateDict(t=torch.zeros(6, dtype=torch.float16), q=torch.zeros(3))
+    snap.restore({"s": cast})
+    assert torch.equal(cast["t"], torch.arange(6.0).half())
+    target = StateDict(t=torch.zeros(6, dtype=torch.bits8), q=torch.zeros(3))
+    log.clear()
+    with pytest.raises(StateMismatchError, match=r"0/s/t: the snapshot holds float32.*bits8"):
+        snap.restore({"s": target})
+    assert log.reads == [] and torch.equal(target["q"], torch.zeros(3))
+
+
 def test_key_absent_from_snapshot(snapshot_url):
     Snapshot.take(snapshot_url, {"model": StateDict(a=1), "optim": StateDict(b=2)})
     with pytest.raises(StateMismatchError, match=r"no app_state key\(s\) \['sched'\].*model"):
