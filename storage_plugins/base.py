@@ -19,8 +19,8 @@ class StoragePlugin(abc.ABC):
     too, so a plugin may create loop-bound resources (an aiohttp session, say) in ``__init__``.
 
     Call sequence: construct with the root and the user's ``storage_options``; any number of
-    concurrent ``write`` / ``read`` / ``read_into`` / ``readv`` / ``size`` / ``exists`` /
-    ``delete`` calls; ``sync()`` whenever what was written must become durable; ``close()``
+    concurrent ``write`` / ``read`` / ``read_into`` / ``readv`` / ``write_observed`` /
+    ``readv_observed`` / ``size`` / ``exists`` / ``delete`` calls; ``sync()`` whenever what was written must become durable; ``close()``
     once, after which the plugin is not used again.
 
     Errors are builtins a caller already knows: ``FileNotFoundError`` for a missing blob,
