@@ -23,7 +23,7 @@ from snapshot.scheduler import (
     read_all,
     run,
 )
-from snapshot.staging import StagingPool
+from snapshot.staging import StagingPool, advise_huge_pages
 from storage_plugins.memory import MemoryStoragePlugin
 
 
@@ -171,6 +171,42 @@ def test_only_a_new_block_is_fresh_and_touching_it_faults_it_in():
     again.touch()  # a reused block is left as it is
     assert bytes(again.view[:4]) == b"\x01\x02\x03\x04"
     again.release()
+
+
+def _thp_mode() -> str | None:
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return re.search(r"\[(\w+)\]", f.read()).group(1)
+    except (OSError, AttributeError):
+        return None
+
+
+def _vm_flags(address: int) -> list[str]:
+    """The VmFlags of the mapping of this process that holds ``address`` (Linux's smaps)."""
+    with open("/proc/self/smaps") as f:
+        inside = False
+        for line in f:
+            m = re.match(r"([0-9a-f]+)-([0-9a-f]+) ", line)
+            if m:
+                inside = int(m.group(1), 16) <= address < int(m.group(2), 16)
+            elif inside and line.startswith("VmFlags:"):
+                return line.split()[1:]
+    return []
+
+
+@pytest.mark.skipif(
+    _thp_mode() not in ("always", "madvise"),
+    reason="needs Linux with transparent huge pages in 'always' or 'madvise' mode",
+)
+def test_large_fresh_blocks_are_advised_to_use_huge_pages():
+    pool = StagingPool(keep_bytes=0, pin=False)
+    lease = pool.acquire(16 << 20)
+    middle = lease.tensor.data_ptr() + (8 << 20)
+    assert "hg" in _vm_flags(middle)  # MADV_HUGEPAGE taken for the block's interior
+    small = pool.acquire(64 << 10)  # below two huge pages: left alone
+    assert not advise_huge_pages(small.tensor)
+    lease.release()
+    small.release()
 
 
 def test_pipeline_error_stops_the_caller_and_names_the_path():
