@@ -20,8 +20,8 @@ class StoragePlugin(abc.ABC):
 
     Call sequence: construct with the root and the user's ``storage_options``; any number of
     concurrent ``write`` / ``read`` / ``read_into`` / ``readv`` / ``write_observed`` /
-    ``readv_observed`` / ``size`` / ``exists`` / ``delete`` calls; ``sync()`` whenever what was written must become durable; ``close()``
-    once, after which the plugin is not used again.
+    ``readv_observed`` / ``size`` / ``exists`` / ``delete`` calls; ``sync()`` whenever what was
+    written must become durable; ``close()`` once, after which the plugin is not used again.
 
     Errors are builtins a caller already knows: ``FileNotFoundError`` for a missing blob,
     ``EOFError`` when a blob ends before the requested range does, ``OSError`` (or a subclass) for

@@ -20,10 +20,10 @@ _T = TypeVar("_T")
 _MAX_SYSCALL_BYTES = 0x7FFFF000
 _MAX_IOV = 1024
 # With an observer, bytes move in system calls of at most these sizes, each observed right after
-# it, while the bytes are still in the CPU's cache. Measured on a 2 GiB state (take to the page
-# cache, restore warm): reads in calls of 256 KiB to 4 MiB cost alike; writes in calls of 1 MiB
-# took 40% longer than unsliced ones even with nothing observed, and with checksums 8 MiB calls
-# cost the least (+16% over no checksums, where 1 MiB calls cost +100%).
+# it, while the bytes are likely still in the CPU's caches. Measured on a 2 GiB state (take to
+# the page cache, restore warm): reads in calls of 256 KiB to 4 MiB cost alike; writes in calls
+# of 1 MiB took 40% longer than unsliced ones even with nothing observed, and with checksums
+# 8 MiB calls cost the least (+16% over no checksums, where 1 MiB calls cost +100%).
 _OBSERVED_READ_BYTES = 1 << 20
 _OBSERVED_WRITE_BYTES = 8 << 20
 _DEFAULT_IO_THREADS = 8
