@@ -94,7 +94,7 @@ def _state() -> dict[str, StateDict]:
             big=torch.arange(40_000, dtype=torch.float32),  # chunked (CHUNK_BYTES below)
             bias=torch.arange(10, dtype=torch.float64),  # slab member
             half=torch.linspace(0, 1, 300, dtype=torch.bfloat16),  # slab member
-            obj={"a", "b"},  # object, serialized
+            obj={"a", "b"},  # object, serialized (small: a slab member too)
             text="x" * 5000,  # long string: an object blob of its own
         )
     }
@@ -137,7 +137,8 @@ def test_every_location_records_the_crc_of_its_bytes(tmp_path, layout):
     path = str(tmp_path / "s")
     manifest = _take(path).get_manifest()
     locations = [(p, loc) for p, e in manifest.items() for loc in e.locations]
-    assert len(locations) == 3 + 2 + 2  # 3 chunks, 2 slab members, 2 objects
+    # 3 chunks; bias, half and obj in a slab; the long text in a blob of its own.
+    assert len(locations) == 3 + 3 + 1
     for logical, loc in locations:
         data = _blob_bytes(path, loc.blob)[loc.offset : loc.offset + loc.nbytes]
         assert loc.crc32 == zlib.crc32(data), logical
