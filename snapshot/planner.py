@@ -459,12 +459,7 @@ class _Slab:
 
     def ranges(self) -> list[tuple[int, int]]:
         """Each member's ``(offset, nbytes)`` in the slab."""
-        out = []
-        pos = 0
-        for pad, p in self.members:
-            out.append((pos + pad, p.nbytes))
-            pos += pad + p.nbytes
-        return out
+        return [(p.location.offset, p.nbytes) for _, p in self.members]  # type: ignore[union-attr]
 
     def label(self) -> str:
         first = self.members[0][1].label
@@ -854,16 +849,10 @@ class TensorRead:
     result: torch.Tensor
 
 
-def _verifier(
-    path: str, loc: Location, pieces: int, verify: bool
-) -> Callable[[int, int], Callable[[int], None]] | None:
-    """With ``verify`` and a recorded checksum: for the piece ``(lo, n)`` of ``loc``, the
-    callback a read gives the piece's CRC-32; once every piece has reported, their combined
-    CRC must be the location's."""
-    if not verify or loc.crc32 is None:
-        return None
-    check = LocationCheck(path, loc, pieces)
-    return lambda lo, n: functools.partial(check.add, lo, n)
+def _check(path: str, loc: Location, pieces: int, verify: bool) -> LocationCheck | None:
+    """The check of ``loc``'s bytes, read in ``pieces`` needs (each gets ``check.add`` for its
+    offset and length as its ``verify``): with ``verify`` and a recorded checksum only."""
+    return LocationCheck(path, loc, pieces) if verify and loc.crc32 is not None else None
 
 
 def plan_tensor_read(
@@ -896,7 +885,7 @@ def plan_tensor_read(
     address = target.data_ptr() if direct else 0
     base = 0
     for chunk in entry.chunks:
-        checker = _verifier(path, chunk, -(-chunk.nbytes // step), verify)
+        check = _check(path, chunk, -(-chunk.nbytes // step), verify)
         for lo in range(0, chunk.nbytes, step):
             n = min(step, chunk.nbytes - lo)
             if direct:
@@ -911,8 +900,8 @@ def plan_tensor_read(
                 )
             else:
                 need = _tile_need(path, chunk, lo, n, (base + lo) // itemsize, dtype, target)
-            if checker is not None:
-                need.verify = checker(lo, n)
+            if check is not None:
+                need.verify = functools.partial(check.add, lo, n)
             needs.append(need)
         base += chunk.nbytes
     return TensorRead(needs=needs, result=target)
@@ -956,7 +945,7 @@ def plan_object_read(
     """The need of an object's bytes; ``done`` decodes them into ``results[path]`` (after, with
     ``verify``, their CRC-32 was checked)."""
     nbytes = entry.location.nbytes
-    checker = _verifier(path, entry.location, 1, verify)
+    check = _check(path, entry.location, 1, verify)
     buf: list[bytearray] = []
 
     def dest() -> memoryview:
@@ -974,7 +963,7 @@ def plan_object_read(
         done=done,
         scratch_bytes=nbytes,
         label=path,
-        verify=checker(0, nbytes) if checker is not None else None,
+        verify=functools.partial(check.add, 0, nbytes) if check is not None else None,
     )
 
 

@@ -417,14 +417,15 @@ class WritePipeline:
             op = functools.partial(plugin.write, req.blob, buffers)
             await call(plugin, "write", req.blob, req.label, op)
         else:
-            digests: list[checksum.RangeDigest] = []
-
-            def observed_write() -> Awaitable[None]:
-                digests.append(checksum.RangeDigest(ranges))  # afresh for every attempt
-                return plugin.write_observed(req.blob, buffers, digests[-1])
-
-            await call(plugin, "write", req.blob, req.label, observed_write)
-            for (offset, _), value in zip(ranges, digests[-1].values, strict=True):
+            values = await _call_digesting(
+                plugin,
+                "write",
+                req.blob,
+                req.label,
+                ranges,
+                lambda digest: plugin.write_observed(req.blob, buffers, digest),
+            )
+            for (offset, _), value in zip(ranges, values, strict=True):
                 self.checksums[(req.blob, offset)] = value
         self._nbytes += req.nbytes
         self._blobs += 1
@@ -590,12 +591,33 @@ async def _read(plugin: StoragePlugin, req: ReadRequest, outs: list[memoryview])
         op = functools.partial(plugin.readv, req.blob, req.offset, outs)
         await call(plugin, "read", req.blob, req.label, op)
         return
+    values = await _call_digesting(
+        plugin,
+        "read",
+        req.blob,
+        req.label,
+        ranges,
+        lambda digest: plugin.readv_observed(req.blob, req.offset, outs, digest),
+    )
+    for verify, value in zip(verifiers, values, strict=True):
+        verify(value)
+
+
+async def _call_digesting(
+    plugin: StoragePlugin,
+    verb: str,
+    blob: str,
+    label: str,
+    ranges: Sequence[tuple[int, int]],
+    op: Callable[[checksum.RangeDigest], Awaitable[None]],
+) -> list[int]:
+    """``call`` of a plugin operation that shows its bytes to a digest of ``ranges`` (a new
+    one for every attempt, so that a retry starts over); the ranges' CRC-32s."""
     digests: list[checksum.RangeDigest] = []
 
-    def observed_read() -> Awaitable[None]:
-        digests.append(checksum.RangeDigest(ranges))  # afresh for every attempt
-        return plugin.readv_observed(req.blob, req.offset, outs, digests[-1])
+    def attempt() -> Awaitable[None]:
+        digests.append(checksum.RangeDigest(ranges))
+        return op(digests[-1])
 
-    await call(plugin, "read", req.blob, req.label, observed_read)
-    for verify, value in zip(verifiers, digests[-1].values, strict=True):
-        verify(value)
+    await call(plugin, verb, blob, label, attempt)
+    return digests[-1].values
