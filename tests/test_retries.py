@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import errno
 import logging
+import uuid
+import zlib
 from collections import Counter
 
 import pytest
 import torch
 
 from snapshot import Snapshot, SnapshotNotFoundError, StateDict, StorageError
+from storage_plugins import register_storage_plugin, unregister_storage_plugin
 from storage_plugins.memory import MemoryStoragePlugin
+from tests.helpers import raw_bytes
 from tests.plugins import FAULTS
 
 
@@ -43,6 +47,52 @@ def test_transient_write_errors_are_retried(faulty, caplog):
     retries = [r.getMessage() for r in caplog.records if "retrying" in r.getMessage()]
     assert len(retries) == 2 and "0/s/a and 1 more" in retries[0] and "retry 1 of 4" in retries[0]
     assert torch.equal(snap.read_object("0/s/a"), torch.arange(6.0))
+
+
+class CutOff(MemoryStoragePlugin):
+    """``cutoff://name``: the first observed write and read of each blob shows part of its
+    bytes to the observer, then fails as a dropped connection does."""
+
+    seen: set[tuple[str, str]] = set()
+
+    def _first(self, verb: str, path: str) -> bool:
+        key = (verb, path)
+        first = key not in CutOff.seen
+        CutOff.seen.add(key)
+        return first
+
+    async def write_observed(self, path, buffers, observe):
+        if self._first("write", path):
+            head = memoryview(buffers[0]).cast("B")
+            observe(head[: len(head) // 2])
+            raise ConnectionResetError("connection reset by peer")
+        await super().write_observed(path, buffers, observe)
+
+    async def readv_observed(self, path, offset, outs, observe):
+        if self._first("read", path):
+            await self.readv(path, offset, outs)
+            observe(outs[0][: len(outs[0]) // 2])
+            raise ConnectionResetError("connection reset by peer")
+        await super().readv_observed(path, offset, outs, observe)
+
+
+def test_a_retry_after_bytes_were_observed_checksums_them_once():
+    """Each attempt gets a new digest: the bytes a failed attempt showed are not counted twice
+    (they would make every checksum wrong, at take or at restore)."""
+    CutOff.seen = set()
+    register_storage_plugin("cutoff", CutOff)
+    try:
+        url = f"cutoff://{uuid.uuid4().hex}"
+        state = _state()
+        manifest = Snapshot.take(url, state).get_manifest()
+        for key in ("a", "b"):  # what the write recorded: the CRC of the tensor's bytes
+            assert manifest[f"0/s/{key}"].chunks[0].crc32 == zlib.crc32(raw_bytes(state["s"][key]))
+        out = {"s": StateDict(a=torch.zeros(6), b=torch.zeros(3, dtype=torch.int64))}
+        Snapshot(url).restore(out)  # verifies every checksum
+        assert torch.equal(out["s"]["a"], torch.arange(6.0))
+        assert ("write", "0/s0") in CutOff.seen and ("read", "0/s0") in CutOff.seen
+    finally:
+        unregister_storage_plugin("cutoff")
 
 
 def test_transient_read_errors_are_retried(faulty):
