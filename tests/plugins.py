@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -67,6 +67,14 @@ class RecordingPlugin(StoragePlugin):
 
 # inner url -> fault(verb, path) returning an exception to raise, or None to go ahead
 FAULTS: dict[str, Any] = {}
+
+
+def fail_writes(inner: str, error_number: int, message: str, where: Callable[[str], bool]) -> None:
+    """Makes ``faulty://<inner>`` fail every write of a blob ``where(path)`` selects with
+    ``OSError(error_number, message)``."""
+    FAULTS[inner] = lambda verb, path: (
+        OSError(error_number, message) if verb == "write" and where(path) else None
+    )
 
 
 class FaultyPlugin(RecordingPlugin):

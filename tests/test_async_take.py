@@ -22,7 +22,7 @@ from snapshot.operations import TakeJob
 from snapshot.pending import default_queue
 from storage_plugins import register_storage_plugin, unregister_storage_plugin
 from storage_plugins.fs import FSStoragePlugin
-from tests.plugins import FAULTS
+from tests.plugins import fail_writes
 
 GATE = threading.Event()
 
@@ -136,9 +136,7 @@ def test_done_never_blocks_and_wait_times_out(gated):
 
 def test_background_failure_is_raised_by_wait_and_nothing_is_committed(faulty):
     url, inner = faulty
-    FAULTS[inner] = lambda verb, path: (
-        OSError(errno.EIO, "I/O error") if (verb == "write" and path.startswith("0/")) else None
-    )
+    fail_writes(inner, errno.EIO, "I/O error", lambda path: path.startswith("0/"))
     queued = default_queue().get_num_unfinalized_calls()
     pending = Snapshot.async_take(url, {"s": StateDict(a=torch.ones(4), b=torch.zeros(4))})
     with pytest.raises(StorageError, match=r"0/s/a and 1 more \(slab 0/s0\).*I/O error") as info:

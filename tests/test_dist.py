@@ -224,13 +224,11 @@ def test_replicated_tensors_that_disagree_are_refused(tmp_path):
 
 def _write_fails_on_one_rank(rank: int, world: int, inner: str, use_async: bool) -> str:
     from storage_plugins import register_storage_plugin
-    from tests.plugins import FAULTS, FaultyPlugin
+    from tests.plugins import FaultyPlugin, fail_writes
 
     register_storage_plugin("faulty", FaultyPlugin)
     if rank == 1:
-        FAULTS[inner] = lambda verb, p: (
-            OSError(errno.EIO, "I/O error") if (verb == "write" and p.startswith("1/")) else None
-        )
+        fail_writes(inner, errno.EIO, "I/O error", lambda p: p.startswith("1/"))
     state = {"s": StateDict(t=torch.full((100,), rank))}
     try:
         if use_async:

@@ -29,7 +29,7 @@ from snapshot import (
     UnsupportedValueError,
 )
 from tests.helpers import seal_manifest
-from tests.plugins import FAULTS
+from tests.plugins import FAULTS, fail_writes
 
 
 class Broken:
@@ -74,17 +74,13 @@ def test_missing_snapshot(snapshot_url):
 
 def test_interrupted_take_is_incomplete_and_can_be_retaken(faulty):
     url, inner = faulty
-    FAULTS[inner] = lambda verb, path: (
-        OSError(errno.EIO, "disk on fire")
-        if (verb == "write" and path == "manifest.yaml")
-        else None
-    )
+    fail_writes(inner, errno.EIO, "disk on fire", lambda path: path == "manifest.yaml")
     with pytest.raises(StorageError, match="manifest.yaml.*disk on fire"):
         Snapshot.take(url, {"a": StateDict(t=torch.arange(10))})
     assert files_under(inner) == []  # the failed take removed its blobs and its marker
 
     # A take killed outright leaves its marker and blobs: that is an incomplete snapshot.
-    FAULTS[inner] = lambda verb, path: None
+    FAULTS.pop(inner)  # the disk works again
     Snapshot.take(inner, {"a": StateDict(t=torch.arange(10))})
     os.remove(os.path.join(inner, "manifest.yaml"))
     with open(os.path.join(inner, ".statesnap-pending"), "w") as f:
@@ -98,11 +94,7 @@ def test_interrupted_take_is_incomplete_and_can_be_retaken(faulty):
 
 def test_failed_pending_marker_write_fails_the_take(faulty):
     url, inner = faulty
-    FAULTS[inner] = lambda verb, path: (
-        OSError(errno.EROFS, "read-only file system")
-        if (verb == "write" and path == ".statesnap-pending")
-        else None
-    )
+    fail_writes(inner, errno.EROFS, "read-only file system", lambda p: p == ".statesnap-pending")
     with pytest.raises(StorageError, match=r"\.statesnap-pending.*read-only file system"):
         Snapshot.take(url, {"a": StateDict(t=torch.arange(10))})
     pending = Snapshot.async_take(url, {"a": StateDict(t=torch.arange(10))})
@@ -218,11 +210,7 @@ def test_write_failure_commits_nothing_and_cleans_up(faulty, tmp_path):
     url, inner = faulty
     earlier = str(tmp_path / "earlier")  # on the same disk, taken before the disk "fills up"
     Snapshot.take(earlier, {"s": StateDict(t=torch.arange(7))})
-    FAULTS[inner] = lambda verb, path: (
-        OSError(errno.ENOSPC, "No space left on device")
-        if (verb == "write" and path == "0/s0")
-        else None
-    )
+    fail_writes(inner, errno.ENOSPC, "No space left on device", lambda path: path == "0/s0")
     state = StateDict({f"t{i}": torch.full((100,), i) for i in range(8)})
     with pytest.raises(StorageError, match=r"0/s/t0 and 7 more \(slab 0/s0\).*0/s0.*No space left"):
         Snapshot.take(url, {"s": state})
