@@ -120,3 +120,10 @@ def io_retries() -> int:
     exponential backoff from 50 ms up to 2 s, before the operation fails
     (STATESNAP_IO_RETRIES, default 4; 0 disables retries)."""
     return _env_int("IO_RETRIES", 4, 0)
+
+
+def io_timeout_secs() -> float:
+    """Longest one storage call may take, its retries included, before the operation fails with
+    an error naming the blob: a stalled upload must not hang a training job
+    (STATESNAP_IO_TIMEOUT_SECS, default 900)."""
+    return float(_env_int("IO_TIMEOUT_SECS", 900, 1))

@@ -312,13 +312,32 @@ async def call(
     ``STATESNAP_IO_RETRIES`` times, after a backoff that doubles from 50 ms (with jitter, so
     that many workers do not retry in step) up to 2 s; each retry is logged. Every plugin call
     can be repeated: a write replaces the whole blob, a read fills the whole range again.
+
+    The call, retries included, must end within ``STATESNAP_IO_TIMEOUT_SECS``: a stalled
+    upload fails the operation, naming the blob, instead of hanging it. (An attempt running on
+    a worker thread cannot be stopped; it is abandoned, and the operation fails.)
     """
+    loop = asyncio.get_running_loop()
+    timeout = knobs.io_timeout_secs()
+    deadline = loop.time() + timeout
     delay = _FIRST_BACKOFF_SECS
     attempt = 1
     while True:
         try:
-            return await op()
+            try:
+                return await asyncio.wait_for(op(), max(deadline - loop.time(), 0))
+            except asyncio.TimeoutError:
+                if loop.time() < deadline:
+                    raise  # the plugin's own timeout, not the deadline
+                raise TimeoutError(
+                    f"no answer within {timeout} s (STATESNAP_IO_TIMEOUT_SECS) after "
+                    f"{attempt} attempt(s)"
+                ) from None
         except Exception as e:
+            if loop.time() >= deadline:
+                if not convert:
+                    raise
+                raise _storage_error(plugin, verb, blob, label, e, attempt) from e
             retries = knobs.io_retries()  # read on failure only: calls that succeed pay nothing
             if attempt > retries or not plugin.is_transient(e):
                 if not convert:
@@ -336,7 +355,7 @@ async def call(
                 attempt,
                 retries,
             )
-            await asyncio.sleep(pause)
+            await asyncio.sleep(min(pause, max(deadline - loop.time(), 0)))
             delay = min(delay * 2, _MAX_BACKOFF_SECS)
             attempt += 1
 

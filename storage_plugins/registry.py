@@ -21,7 +21,8 @@ _BUILTIN: dict[str, tuple[str, str | None]] = {
     "fs": ("storage_plugins.fs:FSStoragePlugin", None),
     "file": ("storage_plugins.fs:FSStoragePlugin", None),
     "memory": ("storage_plugins.memory:MemoryStoragePlugin", None),
-    "s3": ("storage_plugins.fsspec_plugin:FSSpecStoragePlugin", "pip install 'statesnap[s3]'"),
+    "s3": ("storage_plugins.s3:S3StoragePlugin", "pip install 'statesnap[s3]'"),
+    "s3a": ("storage_plugins.s3:S3StoragePlugin", "pip install 'statesnap[s3]'"),
 }
 _FSSPEC = ("storage_plugins.fsspec_plugin:FSSpecStoragePlugin", None)
 

@@ -9,6 +9,7 @@ import pytest
 
 from storage_plugins import memory, register_storage_plugin, unregister_storage_plugin
 from tests.plugins import FAULTS, LOGS, FaultyPlugin, IOLog, RecordingPlugin
+from tests.s3server import S3Bucket, S3Server
 
 
 @pytest.fixture(autouse=True)
@@ -49,3 +50,23 @@ def faulty(tmp_path) -> Iterator[tuple[str, str]]:
         FAULTS.pop(inner, None)
         LOGS.pop(inner, None)
         unregister_storage_plugin("faulty")
+
+
+@pytest.fixture(scope="session")
+def s3_server() -> Iterator[S3Server]:
+    """moto's S3 server on 127.0.0.1 at a free port, for the whole session (tests/s3server.py)."""
+    server = S3Server()
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def s3_bucket(s3_server: S3Server) -> Iterator[S3Bucket]:
+    """A fresh bucket on the session's S3 server; faults injected by the test end with it."""
+    try:
+        yield S3Bucket(s3_server, s3_server.new_bucket())
+    finally:
+        s3_server.clear_faults()

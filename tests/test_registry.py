@@ -15,6 +15,7 @@ from storage_plugins.fs import FSStoragePlugin
 from storage_plugins.fsspec_plugin import FSSpecStoragePlugin
 from storage_plugins.memory import MemoryStoragePlugin
 from storage_plugins.registry import resolve_factory, split_url, url_to_storage_plugin
+from storage_plugins.s3 import S3StoragePlugin
 
 
 def build(url: str, options=None):
@@ -39,7 +40,8 @@ def test_builtin_plugins_by_prefix(tmp_path):
     assert isinstance(build(str(tmp_path)), FSStoragePlugin)
     assert build(f"file://{tmp_path}").root == str(tmp_path)
     assert isinstance(build("memory://abc"), MemoryStoragePlugin)
-    assert resolve_factory("s3")[0] is FSSpecStoragePlugin
+    assert resolve_factory("s3")[0] is S3StoragePlugin
+    assert resolve_factory("s3a")[0] is S3StoragePlugin
     # Any protocol fsspec knows works through the generic plugin.
     assert resolve_factory("ftp") == (FSSpecStoragePlugin, "built-in")
 

@@ -13,12 +13,21 @@ from storage_plugins import StoragePlugin
 from storage_plugins.fs import FSStoragePlugin
 from storage_plugins.fsspec_plugin import FSSpecStoragePlugin
 from storage_plugins.memory import MemoryStoragePlugin
+from storage_plugins.s3 import S3StoragePlugin
 
 PluginMaker = Callable[[], StoragePlugin]
 
 
-def _makers(tmp_path) -> dict[str, PluginMaker]:
+def _makers(tmp_path, request: pytest.FixtureRequest) -> dict[str, PluginMaker]:
+    def s3(**options: object) -> StoragePlugin:
+        bucket = request.getfixturevalue("s3_bucket")  # starts the S3 server on first use
+        return S3StoragePlugin(bucket.url("root"), {**bucket.storage_options, **options})
+
     return {
+        # A real S3 endpoint (moto's server on loopback); with 5 MiB parts, the blobs of a few
+        # MiB below go through multipart uploads.
+        "s3": s3,
+        "s3-multipart": lambda: s3(part_bytes=5 << 20),
         "fs": lambda: FSStoragePlugin(str(tmp_path / "fs")),
         "fs-nofsync": lambda: FSStoragePlugin(str(tmp_path / "fs2"), {"fsync": False}),
         "memory": lambda: MemoryStoragePlugin(f"memory://{uuid.uuid4().hex}"),
@@ -27,12 +36,12 @@ def _makers(tmp_path) -> dict[str, PluginMaker]:
     }
 
 
-PLUGINS = ["fs", "fs-nofsync", "memory", "fsspec-memory", "fsspec-file"]
+PLUGINS = ["fs", "fs-nofsync", "memory", "fsspec-memory", "fsspec-file", "s3", "s3-multipart"]
 
 
 @pytest_asyncio.fixture(params=PLUGINS)
 async def plugin(request, tmp_path) -> AsyncIterator[StoragePlugin]:
-    p = _makers(tmp_path)[request.param]()
+    p = _makers(tmp_path, request)[request.param]()
     try:
         yield p
     finally:

@@ -1,0 +1,316 @@
+"""Amazon S3 (and S3-compatible stores) through s3fs: ``s3://bucket/prefix`` paths."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import logging
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from storage_plugins.base import Buffer, StoragePlugin
+
+logger = logging.getLogger(__name__)
+
+_MIB = 1 << 20
+# S3's smallest part (all but the last) and most parts of one multipart upload.
+_MIN_PART_BYTES = 5 * _MIB
+_MAX_PARTS = 10_000
+
+# Error codes S3 documents as worth retrying (besides every 5xx status).
+_TRANSIENT_CODES = frozenset(
+    {
+        "SlowDown",
+        "Throttling",
+        "ThrottlingException",
+        "RequestThrottled",
+        "RequestLimitExceeded",
+        "RequestTimeout",
+        "InternalError",
+        "ServiceUnavailable",
+        "BandwidthLimitExceeded",
+    }
+)
+_NOT_FOUND_CODES = frozenset({"404", "NoSuchKey", "NotFound", "NoSuchBucket"})
+
+
+class S3StoragePlugin(StoragePlugin):
+    """Blobs are objects of one bucket, under a key prefix.
+
+    One asynchronous ``s3fs.S3FileSystem`` per plugin, created on the library's event loop; its
+    HTTP session is closed by ``close()``. Every option s3fs takes goes through
+    ``storage_options`` unchanged (``endpoint_url``, ``key``/``secret``/``token``, ``profile``,
+    ``client_kwargs``, ``config_kwargs``, ...), and so do the AWS_* environment variables that
+    botocore reads. The plugin's own options:
+
+    Args:
+        root: ``s3://bucket[/prefix]``.
+        storage_options: s3fs's options plus
+            ``max_concurrent_requests`` (int, default 16): requests in flight at once through
+            this plugin (uploads, parts of multipart uploads, ranged reads, and the small ones);
+            ``part_bytes`` (int, default 32 MiB): blobs larger than this are uploaded as a
+            multipart upload in parts of this size, uploaded concurrently.
+
+    Retries: the library retries every call whose error ``is_transient`` accepts (5xx statuses,
+    throttling, dropped connections, timeouts), with backoff, logged, within the total time
+    ``STATESNAP_IO_TIMEOUT_SECS``. So that there is one retry policy, not three stacked, s3fs's
+    own retry loop is set to one attempt, and botocore's too unless ``config_kwargs`` sets
+    ``retries``.
+
+    Writes are atomic as S3 makes them: a ``PutObject`` or a completed multipart upload
+    replaces the whole object at once; a failed multipart upload is aborted.
+    """
+
+    def __init__(self, root: str, storage_options: dict[str, Any] | None = None) -> None:
+        protocol, sep, location = root.partition("://")
+        bucket, _, prefix = location.partition("/")
+        if not sep or protocol not in ("s3", "s3a") or not bucket:
+            raise ValueError(f"expected s3://bucket[/prefix], got {root!r}")
+        options = dict(storage_options or {})
+        self._concurrency = int(options.pop("max_concurrent_requests", 16))
+        self._part_bytes = int(options.pop("part_bytes", 32 * _MIB))
+        if self._concurrency < 1:
+            raise ValueError(f"max_concurrent_requests must be >= 1, got {self._concurrency}")
+        if self._part_bytes < _MIN_PART_BYTES:
+            raise ValueError(
+                f"part_bytes must be >= 5 MiB (S3's smallest part), got {self._part_bytes}"
+            )
+        self.bucket = bucket
+        self.prefix = prefix.strip("/")
+        try:
+            import s3fs
+        except ImportError as e:  # pragma: no cover - the registry names the extra to install
+            raise ImportError(
+                "s3:// paths need s3fs (pip install 'statesnap[s3]')", name="s3fs"
+            ) from e
+        config = dict(options.pop("config_kwargs", None) or {})
+        config.setdefault("retries", {"total_max_attempts": 1})
+        options.setdefault("skip_instance_cache", True)  # a cached instance may be another loop's
+        self.fs = s3fs.S3FileSystem(
+            asynchronous=True, loop=asyncio.get_running_loop(), config_kwargs=config, **options
+        )
+        self.fs.retries = 1  # one attempt per call in s3fs: the library retries, with a deadline
+        self._slots = asyncio.Semaphore(self._concurrency)
+
+    # -- naming ----------------------------------------------------------------------------------
+
+    def _key(self, path: str) -> str:
+        return f"{self.prefix}/{path}" if self.prefix else path
+
+    def describe(self, path: str) -> str:
+        return f"s3://{self.bucket}/{self._key(path)}"
+
+    # -- one request ---------------------------------------------------------------------------
+
+    async def _call(self, method: str, path: str, **kwargs: Any) -> Any:
+        """One S3 API call on the object ``path`` (a request slot held while it runs), its error
+        made one a caller knows."""
+        async with self._slots:
+            return await self._call_in_slot(method, path, **kwargs)
+
+    async def _call_in_slot(self, method: str, path: str, **kwargs: Any) -> Any:
+        """``_call``, for a caller that holds a request slot already (to read a response's
+        body within it)."""
+        try:
+            return await self.fs._call_s3(method, Bucket=self.bucket, Key=self._key(path), **kwargs)
+        except Exception as e:
+            translated = self._translate(e, path)
+            if translated is e:
+                raise  # keeps the chain (s3fs's OSError caused by botocore's ClientError)
+            raise translated from e
+
+    def _translate(self, error: Exception, path: str) -> Exception:
+        status, code = _status_and_code(error)
+        where = self.describe(path)
+        if code in _NOT_FOUND_CODES or status == 404:
+            return FileNotFoundError(errno.ENOENT, f"no object {where} ({code or status})")
+        if code == "InvalidRange" or status == 416:
+            return EOFError(f"{where}: the requested range starts beyond the object's end")
+        if isinstance(error, OSError):
+            if code is None:
+                return error
+            # s3fs's error says what kind of failure it is; add what S3 answered.
+            return type(error)(error.errno, f"{code} (HTTP {status}): {error.strerror or error}")
+        return error
+
+    def is_transient(self, error: BaseException) -> bool:
+        for e in _chain(error):
+            status, code = _status_and_code(e)
+            if (status is not None and status >= 500) or code in _TRANSIENT_CODES:
+                return True
+            if _is_connection_error(e) or super().is_transient(e):
+                return True
+        return False
+
+    # -- writes ----------------------------------------------------------------------------------
+
+    async def write(self, path: str, buffers: Sequence[Buffer]) -> None:
+        views = [memoryview(b).cast("B") for b in buffers if len(b)]
+        total = sum(len(v) for v in views)
+        if total <= self._part_bytes:
+            body = bytes(views[0]) if len(views) == 1 else b"".join(views)
+            await self._call("put_object", path, Body=body)
+            return
+        await self._multipart(path, views, total)
+
+    async def _multipart(self, path: str, views: list[memoryview], total: int) -> None:
+        part_bytes = max(self._part_bytes, -(-total // _MAX_PARTS))
+        created = await self._call("create_multipart_upload", path)
+        upload_id = created["UploadId"]
+
+        async def upload(number: int, pieces: list[memoryview]) -> dict[str, Any]:
+            done = await self._call(
+                "upload_part", path, UploadId=upload_id, PartNumber=number, Body=b"".join(pieces)
+            )
+            return {"PartNumber": number, "ETag": done["ETag"]}
+
+        tasks = [
+            asyncio.ensure_future(upload(number, pieces))
+            for number, pieces in enumerate(_parts(views, part_bytes), start=1)
+        ]
+        try:
+            parts = await asyncio.gather(*tasks)
+            await self._call(
+                "complete_multipart_upload",
+                path,
+                UploadId=upload_id,
+                MultipartUpload={"Parts": list(parts)},
+            )
+        except BaseException:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            # Best effort, and shielded: an upload left behind costs storage, not correctness.
+            with contextlib.suppress(Exception):
+                await asyncio.shield(self._call("abort_multipart_upload", path, UploadId=upload_id))
+            raise
+
+    # -- reads -----------------------------------------------------------------------------------
+
+    async def read(self, path: str) -> bytes:
+        async with self._slots:
+            response = await self._call_in_slot("get_object", path)
+            async with response["Body"] as body:
+                return await body.read()
+
+    async def read_into(self, path: str, offset: int, out: memoryview) -> None:
+        await self.readv(path, offset, [out])
+
+    async def readv(self, path: str, offset: int, outs: Sequence[memoryview]) -> None:
+        total = sum(len(o) for o in outs)
+        if total == 0:
+            if not await self.exists(path):
+                raise FileNotFoundError(errno.ENOENT, f"no object {self.describe(path)}")
+            return
+        async with self._slots:
+            response = await self._call_in_slot(
+                "get_object", path, Range=f"bytes={offset}-{offset + total - 1}"
+            )
+            async with response["Body"] as body:
+                got = 0
+                for out in outs:
+                    out = out.cast("B") if out.format != "B" else out
+                    filled = 0
+                    while filled < len(out):
+                        data = await body.read(len(out) - filled)
+                        if not data:
+                            break
+                        out[filled : filled + len(data)] = data
+                        filled += len(data)
+                    got += filled
+                    if filled < len(out):
+                        break
+        if got < total:
+            raise EOFError(
+                f"{self.describe(path)} ends at byte {offset + got}, "
+                f"but bytes up to {offset + total} were requested"
+            )
+
+    # -- metadata --------------------------------------------------------------------------------
+
+    async def size(self, path: str) -> int | None:
+        head = await self._call("head_object", path)
+        return int(head["ContentLength"])
+
+    async def exists(self, path: str) -> bool:
+        try:
+            await self._call("head_object", path)
+        except FileNotFoundError:
+            return False
+        return True
+
+    async def delete(self, path: str) -> None:
+        # S3 deletes a missing key without complaint; the contract asks for FileNotFoundError.
+        await self._call("head_object", path)
+        await self._call("delete_object", path)
+
+    async def close(self) -> None:
+        creator = getattr(self.fs, "_s3creator", None)
+        if creator is None:
+            return
+        self.fs._s3 = None
+        self.fs._s3creator = None
+        if hasattr(creator, "__aexit__"):
+            await creator.__aexit__(None, None, None)
+        elif hasattr(creator, "clear"):  # s3fs's per-region client cache
+            await creator.clear()
+
+
+def _parts(views: list[memoryview], part_bytes: int) -> Iterator[list[memoryview]]:
+    """Cuts the concatenation of ``views`` into consecutive parts of ``part_bytes`` (the last
+    one shorter), each a list of slices of the views: nothing is copied here."""
+    part: list[memoryview] = []
+    room = part_bytes
+    for v in views:
+        while len(v):
+            take = v[:room]
+            part.append(take)
+            v = v[len(take) :]
+            room -= len(take)
+            if room == 0:
+                yield part
+                part, room = [], part_bytes
+    if part:
+        yield part
+
+
+def _chain(error: BaseException) -> Iterator[BaseException]:
+    """``error`` and the errors it was raised from, outermost first."""
+    seen: set[int] = set()
+    e: BaseException | None = error
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        yield e
+        e = e.__cause__ or e.__context__
+
+
+def _status_and_code(error: BaseException) -> tuple[int | None, str | None]:
+    """The HTTP status and S3 error code of a botocore ``ClientError`` in ``error``'s chain."""
+    for e in _chain(error):
+        response = getattr(e, "response", None)
+        if isinstance(response, dict) and "Error" in response:
+            status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            return status, response["Error"].get("Code")
+    return None, None
+
+
+def _is_connection_error(error: BaseException) -> bool:
+    """Dropped, refused or timed-out connections and cut-off responses, as botocore and aiohttp
+    report them."""
+    try:
+        from botocore.exceptions import HTTPClientError, ResponseStreamingError
+    except ImportError:  # pragma: no cover - s3fs depends on botocore
+        return False
+    kinds: tuple[type[BaseException], ...] = (
+        HTTPClientError,
+        ResponseStreamingError,
+        asyncio.TimeoutError,
+    )
+    try:
+        import aiohttp
+
+        kinds += (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError)
+    except ImportError:  # pragma: no cover - aiobotocore depends on aiohttp
+        pass
+    return isinstance(error, kinds)

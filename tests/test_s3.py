@@ -1,0 +1,220 @@
+"""Snapshots on S3: a real S3 endpoint (moto's server on loopback, tests/s3server.py), reached
+through s3fs as users reach AWS, with requests counted and faults injected at the server."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import pytest
+import torch
+
+from snapshot import (
+    IncompleteSnapshotError,
+    Snapshot,
+    SnapshotError,
+    SnapshotNotFoundError,
+    StateDict,
+    StorageError,
+)
+from snapshot.operations import MANIFEST_NAME, PENDING_NAME
+from tests.helpers import assert_same
+from tests.multirank import run_ranks
+from tests.s3server import S3Bucket, S3Request
+
+MIB = 1 << 20
+
+
+def mixed_state(seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "model": StateDict(
+            weight=torch.randn(3 * MIB, generator=g),  # 12 MiB: a multipart upload with 5 MiB parts
+            bias=torch.randn(16, generator=g),
+            half=torch.randn(64, 32, generator=g).to(torch.bfloat16),
+            steps=torch.arange(100),
+        ),
+        "extra": StateDict(epoch=3, name="run-7", history=[0.5, 0.25], blob=b"\x00\x01" * 700),
+    }
+
+
+def empty_like(state: dict) -> dict:
+    return {
+        k: StateDict(
+            {n: torch.zeros_like(v) if isinstance(v, torch.Tensor) else None for n, v in sd.items()}
+        )
+        for k, sd in state.items()
+    }
+
+
+def same(a: dict, b: dict) -> None:
+    """The two app states hold bitwise-equal values (StateDicts compared as dicts)."""
+    assert_same({k: dict(v) for k, v in a.items()}, {k: dict(v) for k, v in b.items()})
+
+
+def data_put(r: S3Request) -> bool:
+    """A request that stores snapshot data: a PUT or a part of a multipart upload, not the
+    commit marker and not the pending marker."""
+    return r.method in ("PUT", "POST") and not r.key.endswith((MANIFEST_NAME, PENDING_NAME))
+
+
+def test_take_and_restore_through_storage_options(s3_bucket: S3Bucket):
+    state = mixed_state()
+    options = {**s3_bucket.storage_options, "part_bytes": 5 * MIB}
+    Snapshot.take(s3_bucket.url(), state, storage_options=options)
+    restored = empty_like(state)
+    Snapshot(s3_bucket.url(), storage_options=options).restore(restored)
+    same(restored, state)
+    # The 12 MiB tensor went up in parts of 5 MiB: 5 + 5 + 2.
+    parts = [r for r in s3_bucket.log() if r.method == "PUT" and "partNumber=" in r.query]
+    assert sorted(r.bytes_in for r in parts)[-3:] == [2 * MIB, 5 * MIB, 5 * MIB]
+
+
+def test_endpoint_and_credentials_from_the_environment(s3_bucket: S3Bucket, monkeypatch):
+    for name, value in s3_bucket.environ().items():
+        monkeypatch.setenv(name, value)
+    state = mixed_state(1)
+    Snapshot.take(s3_bucket.url("env"), state)  # no storage_options at all
+    restored = empty_like(state)
+    Snapshot(s3_bucket.url("env")).restore(restored)
+    same(restored, state)
+    assert any(r.key.endswith(MANIFEST_NAME) for r in s3_bucket.log())
+
+
+def test_commit_marker_is_written_after_every_data_object(s3_bucket: S3Bucket):
+    Snapshot.take(
+        s3_bucket.url(),
+        mixed_state(),
+        storage_options={**s3_bucket.storage_options, "part_bytes": 5 * MIB},
+    )
+    log = s3_bucket.log()
+    manifest_puts = [r for r in log if r.method == "PUT" and r.key.endswith(MANIFEST_NAME)]
+    data = [r for r in log if data_put(r)]
+    assert len(manifest_puts) == 1 and len(data) >= 4
+    assert manifest_puts[0].started >= max(r.ended for r in data)
+
+
+def test_concurrent_requests_are_bounded(s3_bucket: S3Bucket):
+    # 16 tensors of 6 MiB: 16 blobs (slabs take only tensors under 1 MiB), 32 parts.
+    state = {"m": StateDict({f"t{i}": torch.full((3 * MIB // 2,), float(i)) for i in range(16)})}
+    server, name = s3_bucket.server, s3_bucket.name
+    for limit in (8, 2):
+        options = {**s3_bucket.storage_options, "part_bytes": 5 * MIB}
+        options["max_concurrent_requests"] = limit
+        server.max_in_flight[name] = 0
+        Snapshot.take(s3_bucket.url(f"limit{limit}"), state, storage_options=options)
+        took = server.max_in_flight[name]
+        restored = {"m": StateDict({k: torch.zeros_like(v) for k, v in state["m"].items()})}
+        Snapshot(s3_bucket.url(f"limit{limit}"), storage_options=options).restore(restored)
+        same(restored, state)
+        if limit == 8:  # the server does see concurrent requests when the plugin allows them
+            assert took > 2
+        else:
+            assert took <= 2 and server.max_in_flight[name] <= 2
+    assert sum(1 for r in s3_bucket.log() if "partNumber=" in r.query) == 2 * 32
+
+
+def test_read_object_of_a_1_gib_snapshot_transfers_only_its_bytes(s3_bucket: S3Bucket):
+    big = torch.empty(256 * MIB, dtype=torch.float32)  # 1 GiB
+    big[:: 1 << 16] = torch.arange(big.numel() >> 16, dtype=torch.float32)
+    bias = torch.linspace(-1, 1, 1024)  # 4 KiB, in a slab with the other small tensors
+    state = {
+        "model": StateDict(
+            big=big, bias=bias, **{f"small{i}": torch.full((1000,), float(i)) for i in range(50)}
+        )
+    }
+    options = s3_bucket.storage_options
+    Snapshot.take(s3_bucket.url(), state, storage_options=options)
+    del state, big
+    assert sum(r.bytes_in for r in s3_bucket.log() if data_put(r)) >= 1 << 30
+
+    start = len(s3_bucket.log())
+    got = Snapshot(s3_bucket.url(), storage_options=options).read_object("0/model/bias")
+    assert torch.equal(got, bias)
+    reads = s3_bucket.log()[start:]
+    manifest = [r for r in reads if r.key.endswith(MANIFEST_NAME)]
+    others = [r for r in reads if not r.key.endswith(MANIFEST_NAME)]
+    assert len(manifest) == 1 and manifest[0].bytes_out < MIB
+    assert all(r.range is not None for r in others if r.method == "GET")
+    assert 4096 <= sum(r.bytes_out for r in others) < MIB
+
+
+def test_transient_errors_are_retried(s3_bucket: S3Bucket, caplog):
+    # The first two data uploads are throttled, the first ranged read fails inside the server.
+    s3_bucket.fail(data_put, status=503, code="SlowDown", times=2)
+    s3_bucket.fail(
+        lambda r: r.method == "GET" and r.range is not None,
+        status=500,
+        code="InternalError",
+        times=1,
+    )
+    state = mixed_state(2)
+    options = s3_bucket.storage_options
+    with caplog.at_level(logging.WARNING, logger="snapshot"):
+        Snapshot.take(s3_bucket.url(), state, storage_options=options)
+        restored = empty_like(state)
+        Snapshot(s3_bucket.url(), storage_options=options).restore(restored)
+    same(restored, state)
+    statuses = [r.status for r in s3_bucket.log()]
+    assert statuses.count(503) == 2 and statuses.count(500) == 1
+    retries = [r.getMessage() for r in caplog.records if "retrying" in r.getMessage()]
+    assert len(retries) == 3 and all(f"s3://{s3_bucket.name}/snap/" in m for m in retries)
+
+
+def test_a_permanent_fault_leaves_no_committed_snapshot(s3_bucket: S3Bucket, monkeypatch):
+    monkeypatch.setenv("STATESNAP_IO_RETRIES", "2")
+    fault = s3_bucket.fail(data_put, status=500, code="InternalError", times=None)
+    options = s3_bucket.storage_options
+    with pytest.raises(StorageError, match=rf"s3://{s3_bucket.name}/snap/\S+ \(3 attempts\)"):
+        Snapshot.take(s3_bucket.url(), mixed_state(), storage_options=options)
+    assert fault.hits >= 3
+    with pytest.raises((SnapshotNotFoundError, IncompleteSnapshotError)):
+        Snapshot(s3_bucket.url(), storage_options=options)
+    assert not any(r.key.endswith(MANIFEST_NAME) and r.method == "PUT" for r in s3_bucket.log())
+
+
+def test_a_refused_request_is_not_retried(s3_bucket: S3Bucket):
+    s3_bucket.fail(data_put, status=403, code="AccessDenied", times=None)
+    with pytest.raises(StorageError, match="AccessDenied|Forbidden|denied"):
+        Snapshot.take(s3_bucket.url(), mixed_state(), storage_options=s3_bucket.storage_options)
+    refused = [r.key for r in s3_bucket.log() if r.status == 403]
+    assert refused and len(refused) == len(set(refused))  # no blob was asked twice
+
+
+def test_a_stalled_upload_fails_the_take_within_the_timeout(s3_bucket: S3Bucket, monkeypatch):
+    monkeypatch.setenv("STATESNAP_IO_TIMEOUT_SECS", "2")
+    stall = 40.0  # far longer than the timeout: the take must not wait for it
+    s3_bucket.fail(data_put, status=0, delay=stall, times=1)
+    t0 = time.monotonic()
+    with pytest.raises(StorageError, match=r"STATESNAP_IO_TIMEOUT_SECS") as caught:
+        Snapshot.take(s3_bucket.url(), mixed_state(), storage_options=s3_bucket.storage_options)
+    assert time.monotonic() - t0 < stall / 2
+    assert f"s3://{s3_bucket.name}/snap/" in str(caught.value)
+    with pytest.raises(SnapshotError):
+        Snapshot(s3_bucket.url(), storage_options=s3_bucket.storage_options)
+
+
+def _two_ranks(rank: int, world: int, url: str, options: dict) -> list[str]:
+    model = torch.nn.Linear(64, 32)
+    with torch.no_grad():  # the same on every rank: stored once
+        model.weight.copy_(torch.linspace(-1, 1, 64 * 32).view(32, 64))
+        model.bias.fill_(0.25)
+    own = StateDict(rank=rank, data=torch.full((1000,), float(rank)))
+    Snapshot.take(
+        url, {"model": model, "own": own}, replicated=["model/**"], storage_options=options
+    )
+    fresh, mine = torch.nn.Linear(64, 32), StateDict(rank=-1, data=torch.zeros(1000))
+    snap = Snapshot(url, storage_options=options)
+    snap.restore({"model": fresh, "own": mine})
+    assert torch.equal(fresh.weight, model.weight) and torch.equal(fresh.bias, model.bias)
+    assert mine["rank"] == rank and torch.equal(mine["data"], own["data"])
+    return sorted(snap.get_manifest())
+
+
+def test_two_ranks_take_and_restore(s3_bucket: S3Bucket):
+    manifests = run_ranks(2, _two_ranks, s3_bucket.url(), s3_bucket.storage_options)
+    assert manifests[0] == manifests[1]
+    snap = Snapshot(s3_bucket.url(), storage_options=s3_bucket.storage_options)
+    manifest = snap.get_manifest()
+    assert manifest["0/model/weight"].chunks == manifest["1/model/weight"].chunks
+    assert torch.equal(snap.read_object("1/own/data"), torch.full((1000,), 1.0))
