@@ -1,12 +1,44 @@
-"""Command line: ``python -m snapshot demo`` (and the ``statesnap`` console script)."""
+"""Command line: ``python -m snapshot`` (and the ``statesnap`` console script).
+
+``demo`` runs the demonstration; ``ls``, ``show``, ``verify``, ``du`` and ``diff`` look into an
+existing snapshot without restoring it (their logic is :mod:`snapshot.inspection`; this module
+parses arguments and formats what it returns). Exit codes: 0 success; 1 the snapshot is
+damaged (``verify``, or a damaged manifest or blob met by any command) or the snapshots differ
+(``diff``); 2 a usage error, no snapshot or no entry at the path given, or any other error.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
+import math
 import sys
 import tempfile
+import time
+import traceback
 from collections.abc import Sequence
+from typing import Any, TextIO
+
+import torch
+
+from snapshot import __version__
+from snapshot.errors import CorruptSnapshotError, SnapshotError
+from snapshot.inspection import (
+    diff,
+    disk_usage,
+    format_shape,
+    human_bytes,
+    list_entries,
+    read_entry,
+    summarize_tensor,
+    summarize_value,
+    verify,
+)
+from snapshot.operations import load_manifest
+
+# ---------------------------------------------------------------------------------------------
+# demo
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -18,22 +50,525 @@ def _demo(args: argparse.Namespace) -> int:
         return run_demo(f"{tmp}/snapshot", steps=args.steps)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="statesnap", description=__doc__)
-    parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging")
-    sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser(
+# ---------------------------------------------------------------------------------------------
+# --storage-option
+
+
+def _storage_option(text: str) -> tuple[tuple[str, ...], Any]:
+    """``"a.b=1"`` -> ``(("a", "b"), 1)``: the value is JSON when it parses as JSON (numbers,
+    true / false / null, quoted strings, lists, objects), else the string itself."""
+    key, sep, raw = text.partition("=")
+    parts = tuple(key.split("."))
+    if not sep or not key or not all(parts):
+        raise argparse.ArgumentTypeError(
+            f"expected KEY=VALUE (KEY may be dotted, as in client_kwargs.region_name=x), "
+            f"got {text!r}"
+        )
+    try:
+        value = json.loads(raw)
+    except ValueError:
+        value = raw
+    return parts, value
+
+
+def storage_options_from(pairs: Sequence[tuple[tuple[str, ...], Any]]) -> dict[str, Any] | None:
+    """Nested ``storage_options`` from parsed ``--storage-option`` pairs (a later value of the
+    same key wins); None when there are none.
+
+    Raises:
+        ValueError: a key is both a value and a parent of other keys (``a=1`` and ``a.b=2``).
+    """
+    if not pairs:
+        return None
+    options: dict[str, Any] = {}
+    for parts, value in pairs:
+        node = options
+        for i, part in enumerate(parts[:-1]):
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ValueError(
+                    f"storage option {'.'.join(parts[: i + 1])} is given a value and also "
+                    f"the sub-key {'.'.join(parts)}"
+                )
+            node = child
+        last = parts[-1]
+        if isinstance(node.get(last), dict) and not isinstance(value, dict):
+            raise ValueError(f"storage option {'.'.join(parts)} is given a value and also sub-keys")
+        node[last] = value
+    return options
+
+
+# ---------------------------------------------------------------------------------------------
+# Output helpers
+
+
+class _ProgressLine:
+    """One line on a terminal, rewritten as a long operation advances; nothing at all when the
+    stream is not a terminal (a pipe, a file, a CI log)."""
+
+    _INTERVAL_SECS = 0.1
+
+    def __init__(self, stream: TextIO, label: str, unit: str) -> None:
+        self.stream = stream
+        self.label = label
+        self.unit = unit
+        try:
+            self.enabled = bool(stream.isatty())
+        except (AttributeError, ValueError, OSError):
+            self.enabled = False
+        self._last = -math.inf
+        self._shown = False
+
+    def __call__(self, done: int, total: int, done_bytes: int, total_bytes: int) -> None:
+        if not self.enabled:
+            return
+        now = time.monotonic()
+        if done < total and now - self._last < self._INTERVAL_SECS:
+            return
+        self._last = now
+        self.stream.write(
+            f"\r{self.label}: {done}/{total} {self.unit}, "
+            f"{human_bytes(done_bytes)} / {human_bytes(total_bytes)}\x1b[K"
+        )
+        self.stream.flush()
+        self._shown = True
+
+    def clear(self) -> None:
+        if self._shown:
+            self.stream.write("\r\x1b[K")
+            self.stream.flush()
+            self._shown = False
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[str]], right: set[int]) -> list[str]:
+    """Aligned text columns; column indices in ``right`` are right-aligned. Lines carry no
+    trailing spaces."""
+    widths = [max([len(h), *(len(row[i]) for row in rows)]) for i, h in enumerate(header)]
+    template = "  ".join(f"{{:{'>' if i in right else '<'}{w}}}" for i, w in enumerate(widths))
+    fmt = template.format
+    return [fmt(*header).rstrip(), *(fmt(*row).rstrip() for row in rows)]
+
+
+def _count(n: int, noun: str) -> str:
+    """``"1 entry"``, ``"3 entries"``, ``"2 blobs"``."""
+    if n == 1:
+        return f"1 {noun}"
+    return f"{n:,} {noun[:-1] + 'ies' if noun.endswith('y') else noun + 's'}"
+
+
+def _size(n: int, exact: bool) -> str:
+    return str(n) if exact else human_bytes(n)
+
+
+def _write_lines(lines: Sequence[str]) -> None:
+    """Writes ``lines`` to stdout in one call (fast for 100,000 of them)."""
+    if lines:
+        sys.stdout.write("\n".join(lines) + "\n")
+
+
+# ---------------------------------------------------------------------------------------------
+# ls
+
+
+def _ls(args: argparse.Namespace) -> int:
+    listing = list_entries(load_manifest(args.path, args.storage_options), prefix=args.prefix)
+    exact = args.bytes
+    header = ["PATH", "KIND", "DTYPE", "SHAPE", "SIZE"]
+    replicated = listing.any_replicated
+    if replicated:
+        header.append("REPLICATED")
+    rows = []
+    for r in listing.rows:
+        row = [
+            r.path,
+            r.kind,
+            r.dtype or "-",
+            format_shape(r.shape) if r.shape is not None else "-",
+            _size(r.nbytes, exact) if r.nbytes or r.kind in ("tensor", "object") else "-",
+        ]
+        if replicated:
+            row.append("yes" if r.replicated else "")
+        rows.append(row)
+    lines = _table(header, rows, right={4})
+    total = (
+        f"total: {_count(listing.entries, 'entry')}, {_count(listing.tensors, 'tensor')}, "
+        f"{_size(listing.nbytes, exact)}"
+    )
+    if not exact:
+        total += f" ({listing.nbytes:,} bytes)"
+    if listing.stored_bytes != listing.nbytes:
+        total += (
+            f"; {_size(listing.stored_bytes, exact)} stored "
+            "(shared and replicated ranges counted once)"
+        )
+    lines.append(total)
+    _write_lines(lines)
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# show
+
+
+def _number(value: Any) -> str:
+    if value is None:
+        return "n/a"
+    if isinstance(value, bool):
+        return str(value)
+    if isinstance(value, float):
+        text = f"{value:.6g}"
+        # 1.0, not 1: say it is a float
+        return text if any(c in text for c in ".enia") else text + ".0"
+    if isinstance(value, complex):
+        return f"({value.real:.6g}{value.imag:+.6g}j)"
+    return str(value)
+
+
+def _show(args: argparse.Namespace) -> int:
+    entry, value = read_entry(args.path, args.key, args.storage_options)
+    lines = []
+    if isinstance(value, torch.Tensor):
+        s = summarize_tensor(value, values=args.values)
+        lines.append(f"{args.key}: tensor")
+        lines.append(f"  dtype   {s.dtype}")
+        lines.append(f"  shape   {format_shape(s.shape)}")
+        lines.append(f"  numel   {s.numel:,}")
+        lines.append(f"  size    {human_bytes(s.nbytes)} ({s.nbytes:,} bytes)")
+        lines.append(f"  min     {_number(s.min)}")
+        lines.append(f"  max     {_number(s.max)}")
+        lines.append(f"  mean    {_number(s.mean)}")
+        if s.nonfinite:
+            lines.append(f"  nan/inf {s.nonfinite:,} (min, max and mean are of the finite values)")
+        if s.values is None:
+            lines.append("  values  n/a")
+        else:
+            shown = ", ".join(_number(v) for v in s.values)
+            more = f", ... ({s.numel - len(s.values):,} more)" if s.numel > len(s.values) else ""
+            lines.append(f"  values  [{shown}{more}]")
+    else:
+        v = summarize_value(value, max_chars=args.max_chars)
+        about = [v.type_name] if v.type_name != entry.type else []
+        if v.length is not None:
+            about.append(f"length {v.length:,}")
+        if entry.nbytes:
+            about.append(f"{human_bytes(entry.nbytes)} stored")
+        lines.append(f"{args.key}: {entry.type} ({', '.join(about)})")
+        lines.append(
+            v.text + (f"... ({v.omitted_chars:,} more characters)" if v.omitted_chars else "")
+        )
+    _write_lines(lines)
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# verify
+
+
+def _verify(args: argparse.Namespace) -> int:
+    progress = _ProgressLine(sys.stderr, "verify", "blobs")
+    try:
+        report = verify(args.path, args.storage_options, jobs=args.jobs, progress=progress)
+    finally:
+        progress.clear()
+    lines = []
+    for p in report.problems:
+        who = ", ".join(p.paths) + ": " if p.paths else ""
+        lines.append(f"{who}blob {p.blob}, bytes [{p.start}, {p.end}): {p.what}")
+    unknown = report.sizes_unknown
+    if unknown:
+        names = ", ".join(unknown[:5]) + (
+            f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""
+        )
+        lines.append(
+            f"note: size not checked for {_count(len(unknown), 'blob')} ({names}): the store "
+            "cannot tell their size, so bytes added after the take go unnoticed"
+        )
+    if report.checksums_missing:
+        lines.append(
+            f"note: checksums were not recorded for {report.checksums_missing:,} of "
+            f"{report.ranges:,} byte ranges (taken with STATESNAP_CHECKSUMS=0): those were "
+            "checked for size and readability only"
+        )
+    summary = (
+        f"{_count(report.entries, 'entry')}, {_count(report.blobs, 'blob')}, "
+        f"{human_bytes(report.bytes_read)} read, "
+        f"{_count(report.checksums_checked, 'checksum')} checked"
+    )
+    if report.ok:
+        lines.append(f"verify: OK: {summary}")
+    else:
+        problems = _count(len(report.problems), "problem")
+        blobs = _count(len({p.blob for p in report.problems}), "blob")
+        affected = _count(len({path for p in report.problems for path in p.paths}), "entry")
+        lines.append(f"verify: FAILED: {problems} in {blobs}, {affected} affected; {summary}")
+    _write_lines(lines)
+    return 0 if report.ok else 1
+
+
+# ---------------------------------------------------------------------------------------------
+# du
+
+
+def _du(args: argparse.Namespace) -> int:
+    usage = disk_usage(load_manifest(args.path, args.storage_options))
+    exact = args.bytes
+    header = ["RANK", "KEY", "ENTRIES", "SIZE", "REPLICATED", "SHARE"]
+    rows = [
+        [
+            r.rank,
+            r.key,
+            f"{r.entries:,}",
+            _size(r.nbytes, exact),
+            _size(r.replicated_bytes, exact) if r.replicated_bytes else "-",
+            f"{100 * r.nbytes / usage.nbytes:.1f}%" if usage.nbytes else "-",
+        ]
+        for r in usage.rows
+    ]
+    lines = _table(header, rows, right={2, 3, 4, 5})
+    if len(usage.rank_bytes) > 1:
+        lines.append(
+            "per rank: "
+            + ", ".join(f"rank {k} {_size(v, exact)}" for k, v in usage.rank_bytes.items())
+        )
+    total = f"total: {_count(usage.entries, 'entry')}, {_size(usage.nbytes, exact)}"
+    if not exact:
+        total += f" ({usage.nbytes:,} bytes)"
+    if usage.stored_bytes != usage.nbytes:
+        total += (
+            f"; {_size(usage.stored_bytes, exact)} stored "
+            "(replicated entries and shared tensors counted once)"
+        )
+    lines.append(total)
+    _write_lines(lines)
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# diff
+
+
+def _diff(args: argparse.Namespace) -> int:
+    progress = _ProgressLine(sys.stderr, "diff", "entries")
+    try:
+        report = diff(
+            args.path_a, args.path_b, args.storage_options, jobs=args.jobs, progress=progress
+        )
+    finally:
+        progress.clear()
+    lines = [f"A: {report.path_a}", f"B: {report.path_b}"]
+    width = max((len(d.what) for d in report.differences), default=0)
+    for d in report.differences:
+        detail = f": {d.detail}" if d.detail and not d.what.startswith("only") else ""
+        lines.append(f"{d.what.ljust(width)}  {d.path}{detail}")
+    read = (
+        f"; {_count(report.compared_by_reading, 'entry')} compared by reading their bytes "
+        "(no checksums recorded)"
+        if report.compared_by_reading
+        else ""
+    )
+    if report.identical:
+        lines.append(f"identical: {_count(report.entries_a, 'entry')}{read}")
+    else:
+        a, b = _count(report.entries_a, "entry"), _count(report.entries_b, "entry")
+        lines.append(f"{_count(len(report.differences), 'difference')} (A: {a}, B: {b}){read}")
+    _write_lines(lines)
+    return 0 if report.identical else 1
+
+
+# ---------------------------------------------------------------------------------------------
+# main
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="statesnap",
+        description="Take a look into statesnap snapshots (or run the demo).",
+        epilog="exit codes: 0 ok; 1 damaged snapshot (verify) or snapshots differ (diff); "
+        "2 usage error, no snapshot or entry at the path, or another error",
+    )
+    parser.add_argument(
+        "-v", "--verbose", action="count", default=0, help="more logging, and tracebacks of errors"
+    )
+    parser.add_argument(
+        "--storage-option",
+        dest="storage_option",
+        metavar="KEY=VALUE",
+        action="append",
+        type=_storage_option,
+        default=[],
+        help="an option for the storage plugin (repeatable); VALUE is parsed as JSON when it "
+        "can be, else kept as a string; a dotted KEY (client_kwargs.region_name=us-east-1) "
+        "makes nested options",
+    )
+    parser.add_argument("--version", action="version", version=f"statesnap {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    # The storage option is accepted after the command too (``statesnap ls PATH --storage-option
+    # ...``), under another name: a sub-parser's default would overwrite the main parser's value.
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
+        "--storage-option",
+        dest="sub_storage_option",
+        metavar="KEY=VALUE",
+        action="append",
+        type=_storage_option,
+        default=[],
+        help="as before the command",
+    )
+
+    p_demo = sub.add_parser(
         "demo", help="train a small model, snapshot it, restore it, check training continues"
     )
-    demo.add_argument("--path", help="where to take the snapshot (default: a temporary directory)")
-    demo.add_argument("--steps", type=int, default=5, help="training steps before and after")
-    demo.set_defaults(func=_demo)
-    args = parser.parse_args(argv)
+    p_demo.add_argument(
+        "--path", help="where to take the snapshot (default: a temporary directory)"
+    )
+    p_demo.add_argument("--steps", type=int, default=5, help="training steps before and after")
+    p_demo.set_defaults(func=_demo)
+
+    p_ls = sub.add_parser(
+        "ls",
+        parents=[common],
+        help="list the entries of a snapshot (from its manifest; reads no blob)",
+        description="One row per manifest entry: logical path, kind, dtype (or the type of an "
+        "object or primitive), shape, bytes stored; totals at the end.",
+    )
+    p_ls.add_argument("path", metavar="PATH", help="the snapshot (local path or URL)")
+    p_ls.add_argument(
+        "--prefix", metavar="LOGICAL_PATH", help="only this entry and those below it (0/model)"
+    )
+    p_ls.add_argument("--bytes", action="store_true", help="sizes as exact byte counts")
+    p_ls.set_defaults(func=_ls)
+
+    p_show = sub.add_parser(
+        "show",
+        parents=[common],
+        help="show one entry: a tensor's summary, any other value's repr",
+        description="Reads one entry (a container: everything below it) and shows it: for a "
+        "tensor its dtype, shape, min/max/mean where the dtype allows them and its first "
+        "values; for anything else its repr, cut when long.",
+    )
+    p_show.add_argument("path", metavar="PATH", help="the snapshot (local path or URL)")
+    p_show.add_argument("key", metavar="KEY", help="the entry's logical path, as ls shows it")
+    p_show.add_argument(
+        "--values", type=_positive, default=8, help="tensor elements to show (default 8)"
+    )
+    p_show.add_argument(
+        "--max-chars",
+        type=_positive,
+        default=2000,
+        help="cut a repr after this many characters (default 2000)",
+    )
+    p_show.set_defaults(func=_show)
+
+    p_verify = sub.add_parser(
+        "verify",
+        parents=[common],
+        help="read every blob and check sizes and checksums against the manifest",
+        description="Reads every blob in pieces of at most 16 MiB and checks its length and "
+        "every byte range's CRC-32 against the manifest, naming each damaged entry. Exit code "
+        "0 when all is well, 1 on any problem.",
+    )
+    p_verify.add_argument("path", metavar="PATH", help="the snapshot (local path or URL)")
+    p_verify.add_argument(
+        "--jobs", type=_positive, default=4, help="blobs read at once (default 4)"
+    )
+    p_verify.set_defaults(func=_verify)
+
+    p_du = sub.add_parser(
+        "du",
+        parents=[common],
+        help="bytes per app_state key and rank, largest first",
+        description="Bytes per top-level key per rank, largest first, with the total. "
+        "Replicated entries count for every rank that restores them, and once in 'stored'.",
+    )
+    p_du.add_argument("path", metavar="PATH", help="the snapshot (local path or URL)")
+    p_du.add_argument("--bytes", action="store_true", help="sizes as exact byte counts")
+    p_du.set_defaults(func=_du)
+
+    p_diff = sub.add_parser(
+        "diff",
+        parents=[common],
+        help="which entries of two snapshots differ",
+        description="Compares two snapshots entry by entry: paths only in one, kind, dtype, "
+        "shape, primitive values, and bytes (through the recorded CRC-32s; entries without "
+        "them are read and compared). Exit code 0 when identical, 1 when they differ.",
+    )
+    p_diff.add_argument("path_a", metavar="PATH_A", help="the first snapshot (A)")
+    p_diff.add_argument("path_b", metavar="PATH_B", help="the second snapshot (B)")
+    p_diff.add_argument(
+        "--jobs", type=_positive, default=4, help="entries read at once when needed (default 4)"
+    )
+    p_diff.set_defaults(func=_diff)
+    return parser
+
+
+def _message(error: BaseException) -> str:
+    """The library's errors say what happened on their own; others get their type's name."""
+    text = str(error)
+    if isinstance(error, SnapshotError) and text:
+        return text
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__
+
+
+def _exit_code(error: BaseException) -> int:
+    """1 for a damaged snapshot, 2 for everything else that stops a command."""
+    return 1 if isinstance(error, CorruptSnapshotError) else 2
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Runs the command line with ``argv`` (default: ``sys.argv[1:]``); returns the exit
+    code."""
+    parser = _parser()
+    try:
+        args = parser.parse_args(argv)
+        pairs = args.storage_option + getattr(args, "sub_storage_option", [])
+        try:
+            args.storage_options = storage_options_from(pairs)
+        except ValueError as e:
+            parser.error(str(e))
+    except SystemExit as e:  # --help, --version, usage errors (argparse printed them)
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
     logging.basicConfig(
         level=logging.WARNING - 10 * min(args.verbose, 2),
         format="%(asctime)s %(name)s %(levelname)s %(message)s",
     )
-    return int(args.func(args))
+    if args.command == "demo":
+        return int(args.func(args))
+    try:
+        return int(args.func(args))
+    except KeyboardInterrupt:
+        print("statesnap: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        # The reader went away (``statesnap ls ... | head``): stop quietly. Further writes to
+        # stdout, including the interpreter's flush at exit, go nowhere.
+        _silence_stdout()
+        return 0
+    except Exception as e:
+        if args.verbose:
+            traceback.print_exc()
+        print(f"statesnap: error: {_message(e)}", file=sys.stderr)
+        return _exit_code(e)
+
+
+def _silence_stdout() -> None:
+    import os
+
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):
+        pass
 
 
 if __name__ == "__main__":

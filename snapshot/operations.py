@@ -113,7 +113,7 @@ _gc_was_enabled = False
 
 
 @contextlib.contextmanager
-def _gc_paused() -> Iterator[None]:
+def gc_paused() -> Iterator[None]:
     """Pauses the cyclic garbage collector while a phase builds many small acyclic objects.
 
     Planning or decoding 100,000 entries allocates several objects per entry; each allocation
@@ -205,7 +205,7 @@ class TakeJob:
     # -- capture ----------------------------------------------------------------------------
 
     def start(self) -> None:
-        with _gc_paused():
+        with gc_paused():
             self._start()
 
     def _start(self) -> None:
@@ -377,7 +377,7 @@ class TakeJob:
             shared = {k: v for k, v in checksums.items() if k[0] in self.plan.shared_blobs}
             for part in coord.agree("take: writing", value=shared, error=error):
                 checksums.update(part)
-            with _gc_paused():
+            with gc_paused():
                 entries = self.plan.entries(checksums)
                 parts = coord.gather(entries)
         except BaseException:
@@ -386,7 +386,7 @@ class TakeJob:
         result = error = None
         if parts is not None:  # rank 0: write the manifest of every rank's entries
             try:
-                with _gc_paused():
+                with gc_paused():
                     result = self._manifest(parts)
                     data = mf.dumps(result)
                 run(_commit(self.plugin, data))
@@ -546,7 +546,7 @@ def load_manifest(path: str, storage_options: dict[str, Any] | None) -> Manifest
         if data is None:
             raise SnapshotNotFoundError(f"no snapshot at {where} (no {MANIFEST_NAME} there)")
     try:
-        with _gc_paused():
+        with gc_paused():
             return mf.loads(data, source=f"{where}/{MANIFEST_NAME}", verify=knobs.checksums())
     except mf.UnsupportedFormatError as e:
         raise IncompatibleSnapshotError(str(e)) from None
@@ -706,7 +706,7 @@ def restore(
     """
     error = None
     try:
-        with _gc_paused():
+        with gc_paused():
             _restore(manifest, app_state, path, coordinator, storage_options)
     except Exception as e:
         error = e
@@ -819,7 +819,7 @@ def read_object(
         raise ValueError(f"memory_budget_bytes must be positive, got {memory_budget_bytes}")
     budget = memory_budget_bytes or knobs.memory_budget_bytes()
     tile = memory_budget_bytes or _tile_bytes(budget)
-    with _gc_paused():
+    with gc_paused():
         loader = _Loader(manifest, tile_bytes=tile, where=path)
         loader.add_subtree(logical_path, {logical_path: obj_out})
         if loader.needs:

@@ -310,18 +310,18 @@ def test_take_stages_within_the_memory_budget(tmp_path, monkeypatch, caplog):
 def test_collector_pause_nests_across_threads():
     import gc
 
-    from snapshot.operations import _gc_paused
+    from snapshot.operations import gc_paused
 
     assert gc.isenabled()
     inner_done = threading.Event()
     release = threading.Event()
 
     def other_phase():
-        with _gc_paused():
+        with gc_paused():
             inner_done.set()
             release.wait(5)
 
-    with _gc_paused():
+    with gc_paused():
         assert not gc.isenabled()
         t = threading.Thread(target=other_phase)
         t.start()
@@ -332,7 +332,7 @@ def test_collector_pause_nests_across_threads():
     assert gc.isenabled()
     gc.disable()
     try:
-        with _gc_paused():
+        with gc_paused():
             pass
         assert not gc.isenabled()  # a collector the application turned off stays off
     finally:
