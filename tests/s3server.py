@@ -44,13 +44,16 @@ class S3Request:
 class Fault:
     """Makes requests for which ``match(request)`` holds fail with ``status`` (an S3 error
     document with ``code``), after sleeping ``delay`` seconds; ``times`` such requests fail
-    (None: every one). ``delay`` alone (status 0) stalls a request, then serves it."""
+    (None: every one). With status 0 the request is served, after the ``delay``, and
+    ``cut_after`` drops the connection part-way through the answer's body."""
 
     match: Callable[[S3Request], bool]
     status: int = 503
     code: str = "SlowDown"
     times: int | None = 1
     delay: float = 0.0
+    cut_after: int | None = None  # with status 0: serve, but drop the connection after this
+    # many bytes of the response body
     hits: int = field(default=0, init=False)
 
 
@@ -197,7 +200,8 @@ class S3Server:
             self._done(request)
             return start_response(status, headers, *exc)
 
-        return self._counted(self._app(environ, recording_start), request)
+        cut_after = fault.cut_after if fault is not None else None
+        return self._counted(self._app(environ, recording_start), request, cut_after)
 
     def _done(self, request: S3Request) -> None:
         """The server has answered ``request`` (its status is decided; the body, if any, may
@@ -208,9 +212,17 @@ class S3Server:
             request.ended = time.monotonic()
             self._in_flight[request.bucket] -= 1
 
-    def _counted(self, body: Iterable[bytes], request: S3Request) -> Iterator[bytes]:
+    def _counted(
+        self, body: Iterable[bytes], request: S3Request, cut_after: int | None = None
+    ) -> Iterator[bytes]:
         try:
             for piece in body:
+                if cut_after is not None and request.bytes_out + len(piece) > cut_after:
+                    yield piece[: cut_after - request.bytes_out]
+                    request.bytes_out = cut_after
+                    # werkzeug drops the connection on this error: the client sees a body cut
+                    # short of its Content-Length, as when a connection is reset.
+                    raise ConnectionResetError("injected: connection dropped mid-answer")
                 request.bytes_out += len(piece)
                 yield piece
         finally:

@@ -161,6 +161,23 @@ def test_transient_errors_are_retried(s3_bucket: S3Bucket, caplog):
     assert len(retries) == 3 and all(f"s3://{s3_bucket.name}/snap/" in m for m in retries)
 
 
+def test_a_connection_dropped_mid_read_is_retried(s3_bucket: S3Bucket, caplog):
+    state = mixed_state(3)
+    options = s3_bucket.storage_options
+    Snapshot.take(s3_bucket.url(), state, storage_options=options)
+    cut = s3_bucket.fail(
+        lambda r: r.method == "GET" and r.range is not None and "/0/0" in r.key,
+        status=0,
+        cut_after=100_000,
+    )
+    restored = empty_like(state)
+    with caplog.at_level(logging.WARNING, logger="snapshot"):
+        Snapshot(s3_bucket.url(), storage_options=options).restore(restored)
+    same(restored, state)
+    assert cut.hits == 1
+    assert any("retrying" in r.getMessage() for r in caplog.records)
+
+
 def test_a_permanent_fault_leaves_no_committed_snapshot(s3_bucket: S3Bucket, monkeypatch):
     monkeypatch.setenv("STATESNAP_IO_RETRIES", "2")
     fault = s3_bucket.fail(data_put, status=500, code="InternalError", times=None)
