@@ -3,8 +3,11 @@ through s3fs as users reach AWS, with requests counted and faults injected at th
 
 from __future__ import annotations
 
+import asyncio
+import gc
 import logging
 import time
+import warnings
 
 import pytest
 import torch
@@ -18,6 +21,7 @@ from snapshot import (
     StorageError,
 )
 from snapshot.operations import MANIFEST_NAME, PENDING_NAME
+from storage_plugins.s3 import S3StoragePlugin
 from tests.helpers import assert_same
 from tests.multirank import run_ranks
 from tests.s3server import S3Bucket, S3Request
@@ -235,3 +239,30 @@ def test_two_ranks_take_and_restore(s3_bucket: S3Bucket):
     manifest = snap.get_manifest()
     assert manifest["0/model/weight"].chunks == manifest["1/model/weight"].chunks
     assert torch.equal(snap.read_object("1/own/data"), torch.full((1000,), 1.0))
+
+
+def _unclosed_session_reports(bucket: S3Bucket, close: bool) -> list[str]:
+    """What aiohttp reports about unclosed sessions once a plugin that wrote one blob is gone,
+    on a loop of its own, after ``close()`` or without it."""
+
+    async def use() -> None:
+        plugin = S3StoragePlugin(bucket.url("closing"), bucket.storage_options)
+        await plugin.write("blob", [b"bytes"])
+        if close:
+            await plugin.close()
+
+    reports: list[str] = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loop = asyncio.new_event_loop()
+        loop.set_exception_handler(lambda _, context: reports.append(context["message"]))
+        loop.run_until_complete(use())
+        loop.close()
+        gc.collect()
+    return reports + [str(w.message) for w in caught if "nclosed" in str(w.message)]
+
+
+def test_close_closes_the_plugins_http_session(s3_bucket: S3Bucket):
+    assert _unclosed_session_reports(s3_bucket, close=True) == []
+    # The check can fail: without close(), aiohttp reports the session left open.
+    assert any("Unclosed client session" in m for m in _unclosed_session_reports(s3_bucket, False))
