@@ -30,6 +30,9 @@ from manifest.entries import (
     Manifest,
     ObjectEntry,
     PrimitiveEntry,
+    Shard,
+    ShardedObjectEntry,
+    ShardedTensorEntry,
     TensorEntry,
     TupleEntry,
 )
@@ -137,6 +140,23 @@ def entry_to_dict(entry: Entry) -> dict[str, Any]:
             out["ordered"] = True
     elif isinstance(entry, (ListEntry, TupleEntry)):
         out["length"] = entry.length
+    elif isinstance(entry, ShardedTensorEntry):
+        out["key"] = entry.key
+        out["dtype"] = entry.dtype
+        out["shape"] = list(entry.shape)
+        out["shards"] = [
+            {
+                "offsets": list(s.offsets),
+                "sizes": list(s.sizes),
+                "chunks": [_location_to_list(c) for c in s.chunks],
+            }
+            for s in entry.shards
+        ]
+    elif isinstance(entry, ShardedObjectEntry):
+        out["key"] = entry.key
+        out["serializer"] = entry.serializer
+        out["obj_type"] = entry.obj_type
+        out["location"] = _location_to_list(entry.location)
     else:  # pragma: no cover - every entry type is listed above
         raise TypeError(f"unknown entry class {type(entry).__name__}")
     if entry.replicated:
@@ -317,6 +337,48 @@ def _decode_sequence(d: Mapping[str, Any], where: str) -> dict[str, Any]:
     return {"length": _int(d["length"], where)}
 
 
+def _ints(value: Any, where: str, what: str) -> tuple[int, ...]:
+    if not isinstance(value, list):
+        raise _fail(where, f"{what} must be a list, got {value!r}")
+    return tuple(_int(x, where) for x in value)
+
+
+def _decode_sharded_tensor(d: Mapping[str, Any], where: str) -> dict[str, Any]:
+    shape = _ints(d["shape"], where, "shape")
+    shards = d["shards"]
+    if not isinstance(shards, list):
+        raise _fail(where, f"shards must be a list, got {shards!r}")
+    decoded = []
+    for s in shards:
+        if type(s) is not dict or s.keys() != {"offsets", "sizes", "chunks"}:
+            raise _fail(where, f"expected a shard {{offsets, sizes, chunks}}, got {s!r}")
+        offsets = _ints(s["offsets"], where, "a shard's offsets")
+        sizes = _ints(s["sizes"], where, "a shard's sizes")
+        if len(offsets) != len(shape) or len(sizes) != len(shape):
+            raise _fail(where, f"a shard of a {len(shape)}-d tensor has offsets {list(offsets)}")
+        if any(o + n > g for o, n, g in zip(offsets, sizes, shape, strict=True)):
+            raise _fail(
+                where,
+                f"shard at {list(offsets)} of size {list(sizes)} exceeds the shape {list(shape)}",
+            )
+        chunks = s["chunks"]
+        if not isinstance(chunks, list):
+            raise _fail(where, f"a shard's chunks must be a list, got {chunks!r}")
+        decoded.append(
+            Shard(offsets=offsets, sizes=sizes, chunks=tuple(_location(c, where) for c in chunks))
+        )
+    return {
+        "key": _str(d["key"], where),
+        "dtype": _str(d["dtype"], where),
+        "shape": shape,
+        "shards": tuple(decoded),
+    }
+
+
+def _decode_sharded_object(d: Mapping[str, Any], where: str) -> dict[str, Any]:
+    return {"key": _str(d["key"], where), **_decode_object(d, where)}
+
+
 _DECODERS: dict[
     type[Entry], tuple[Callable[[Mapping[str, Any], str], dict[str, Any]], set[str]]
 ] = {
@@ -326,6 +388,8 @@ _DECODERS: dict[
     DictEntry: (_decode_dict, {"keys", "ordered"}),
     ListEntry: (_decode_sequence, {"length"}),
     TupleEntry: (_decode_sequence, {"length"}),
+    ShardedTensorEntry: (_decode_sharded_tensor, {"key", "dtype", "shape", "shards"}),
+    ShardedObjectEntry: (_decode_sharded_object, {"key", "serializer", "obj_type", "location"}),
 }
 _OPTIONAL_FIELDS = {"ordered", "replicated"}
 

@@ -11,7 +11,9 @@ Primitive = int | float | str | bool | None | bytes
 # The key types a dict entry can record (others make the dict an opaque object).
 DictKey = str | int | bool | None
 
-FORMAT_VERSION = 1
+# 1: dense tensors, objects, primitives, containers. 2: also sharded tensors and sharded
+# objects (a manifest without them is still written as version 1, readable by older readers).
+FORMAT_VERSION = 2
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -65,6 +67,40 @@ class TensorEntry(Entry):
     @property
     def locations(self) -> tuple[Location, ...]:
         return self.chunks
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Shard:
+    """One stored piece of a sharded tensor: the box ``offsets`` .. ``offsets + sizes`` of the
+    global tensor (one number per axis), its bytes in row-major order across ``chunks``."""
+
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    chunks: tuple[Location, ...]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ShardedTensorEntry(Entry):
+    """A global tensor stored as shards written by the ranks that held them.
+
+    ``key`` names the global tensor (the same on every rank, whatever logical path each rank
+    holds its piece under); ``shape`` is the global shape; ``shards`` cover it exactly once.
+    Every rank's entry for the tensor lists every shard, so any rank can read any region.
+    """
+
+    type: ClassVar[str] = "sharded_tensor"
+    key: str
+    dtype: str
+    shape: tuple[int, ...]
+    shards: tuple[Shard, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(c.nbytes for s in self.shards for c in s.chunks)
+
+    @property
+    def locations(self) -> tuple[Location, ...]:
+        return tuple(c for s in self.shards for c in s.chunks)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -127,11 +163,41 @@ class TupleEntry(Entry):
     length: int
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ShardedObjectEntry(Entry):
+    """One piece of a sharded object: a value serialized like an ``ObjectEntry``, written once
+    (by the rank holding its main replica) and found by ``key``, its unique key (the object's
+    key with its offset in the global grid), by every rank that holds a replica of it."""
+
+    type: ClassVar[str] = "sharded_object"
+    key: str
+    serializer: str
+    obj_type: str
+    location: Location
+
+    @property
+    def nbytes(self) -> int:
+        return self.location.nbytes
+
+    @property
+    def locations(self) -> tuple[Location, ...]:
+        return (self.location,)
+
+
 ContainerEntry = DictEntry | ListEntry | TupleEntry
 
 ENTRY_TYPES: dict[str, type[Entry]] = {
     cls.type: cls
-    for cls in (TensorEntry, ObjectEntry, PrimitiveEntry, DictEntry, ListEntry, TupleEntry)
+    for cls in (
+        TensorEntry,
+        ObjectEntry,
+        PrimitiveEntry,
+        DictEntry,
+        ListEntry,
+        TupleEntry,
+        ShardedTensorEntry,
+        ShardedObjectEntry,
+    )
 }
 
 
@@ -148,7 +214,7 @@ class Manifest:
     processes that took it. ``metadata`` holds free-form facts (library version, time taken).
     """
 
-    format_version: int = FORMAT_VERSION
+    format_version: int = 1  # what the writer needs; FORMAT_VERSION is the newest readable
     world_size: int = 1
     entries: dict[str, Entry]
     metadata: dict[str, Any] = field(default_factory=dict)

@@ -16,7 +16,15 @@ from typing import Any
 import torch
 
 import manifest as mf
-from manifest import Entry, Manifest, ObjectEntry, PrimitiveEntry, TensorEntry
+from manifest import (
+    Entry,
+    Manifest,
+    ObjectEntry,
+    PrimitiveEntry,
+    ShardedObjectEntry,
+    ShardedTensorEntry,
+    TensorEntry,
+)
 from snapshot import knobs
 from snapshot.dist import Coordinator
 from snapshot.errors import (
@@ -47,6 +55,7 @@ from snapshot.planner import (
     needs_label,
     place,
     plan_object_read,
+    plan_sharded_read,
     plan_tensor_read,
 )
 from snapshot.scheduler import (
@@ -58,8 +67,14 @@ from snapshot.scheduler import (
     read_all,
     run,
 )
+from snapshot.sharding.mapping import (
+    LocalNonpersistentObject,
+    ShardedTensorFactory,
+    apply_factory_merges,
+)
 from snapshot.staging import StagingPool
 from snapshot.stateful import RNGState, Stateful
+from snapshot.strategies import sharded
 from storage_plugins import StoragePlugin
 
 logger = logging.getLogger("snapshot")
@@ -175,6 +190,7 @@ class TakeJob:
         storage_options: dict[str, Any] | None,
         prepare: PrepareFunc | None,
         pool: StagingPool | None,
+        strategies: dict[str, list[Any]] | None = None,
     ) -> None:
         check_app_state(app_state, path)
         if isinstance(replicated, str) or not all(isinstance(g, str) for g in replicated):
@@ -191,6 +207,8 @@ class TakeJob:
         self.storage_options = storage_options
         self.prepare = prepare
         self.pool = pool
+        # Which backend and version write each part (recorded in the manifest for restore).
+        self.strategies = strategies
         self.plugin: StoragePlugin | None = None
         self.where = path
         self.plan: TakePlan | None = None
@@ -289,6 +307,8 @@ class TakeJob:
             "layout": layout,
             "signature": self.collected.replicated_signature(),
             "local_bytes": self.collected.local_bytes(),
+            "pieces": self.collected.pieces,
+            "objects": self.collected.objects,
         }
 
     def _agree_layout(
@@ -311,6 +331,10 @@ class TakeJob:
                     f"rank {rank}: {_first_difference(first['signature'], info['signature'])}; "
                     "values marked replicated must have the same dtype and shape on every rank"
                 )
+        if any(info["pieces"] for info in infos):
+            sharded.check_coverage([info["pieces"] for info in infos])
+        if any(info["objects"] for info in infos):
+            sharded.check_objects([info["objects"] for info in infos])
         writers = assign_writers(first["signature"], [i["local_bytes"] for i in infos])
         return first["path"], first["layout"], writers
 
@@ -403,16 +427,20 @@ class TakeJob:
         return result
 
     def _manifest(self, parts: Sequence[Mapping[str, Entry]]) -> Manifest:
-        entries: dict[str, Entry] = {}
-        for part in parts:
-            entries.update(part)
+        entries = sharded.merge_entries(parts)
+        # Version 2 adds sharded entries; a manifest without any stays readable by version 1.
+        with_shards = any(
+            type(e) in (ShardedTensorEntry, ShardedObjectEntry) for e in entries.values()
+        )
         return Manifest(
+            format_version=2 if with_shards else 1,
             world_size=self.coordinator.world_size,
             entries=entries,
             metadata={
                 "library": f"statesnap {LIBRARY_VERSION}",
                 "torch": str(torch.__version__),
                 "created_unix": round(time.time(), 3),
+                **({"strategies": self.strategies} if self.strategies else {}),
             },
         )
 
@@ -478,14 +506,6 @@ def _first_difference(a: Sequence[Any], b: Sequence[Any]) -> str:
     longer, which = (a, "rank 0") if len(a) > len(b) else (b, "the other rank")
     extra = longer[min(len(a), len(b))]
     return f"{extra[0]} is replicated on {which} only"
-
-
-def take(path: str, app_state: Mapping[str, Any], **options: Any) -> tuple[str, Manifest | None]:
-    """Writes every blob of ``app_state``, then commits the manifest. Returns the path used
-    (rank 0's) and, on rank 0, the manifest."""
-    job = TakeJob(path, app_state, pool=None, **options)
-    job.start()
-    return job.path, job.finish()
 
 
 async def _commit(plugin: StoragePlugin, manifest_bytes: bytes) -> None:
@@ -573,6 +593,7 @@ class _Loader:
         self.needs: list[Need] = []
         self.tensors: dict[str, Any] = {}
         self.objects: dict[str, Any] = {}
+        self.local: dict[str, Any] = {}  # LocalNonpersistentObject values, by path
 
     @contextlib.contextmanager
     def _located(self) -> Iterator[None]:
@@ -591,15 +612,24 @@ class _Loader:
 
     def _add(self, path: str, target: Any) -> None:
         entry = self.entries[path]
-        if isinstance(entry, TensorEntry):
+        if isinstance(entry, TensorEntry):  # first: by far the most common
+            if isinstance(target, LocalNonpersistentObject):
+                self.local[path] = target.unwrap()
+                return
             t = target if isinstance(target, torch.Tensor) and is_dense_tensor(target) else None
             read = plan_tensor_read(
                 path, entry, t, self.tile_bytes, self.piece_bytes, verify=self.verify
             )
             self.needs.extend(read.needs)
             self.tensors[path] = read.result
-        elif isinstance(entry, ObjectEntry):
+        elif isinstance(target, LocalNonpersistentObject):
+            self.local[path] = target.unwrap()  # this rank's own, never read from storage
+        elif isinstance(entry, (ObjectEntry, ShardedObjectEntry)):
             self.needs.append(plan_object_read(path, entry, self.objects, verify=self.verify))
+        elif isinstance(entry, ShardedTensorEntry):
+            read = plan_sharded_read(path, entry, target, self.piece_bytes, verify=self.verify)
+            self.needs.extend(read.needs)
+            self.tensors[path] = read.result
 
     def add_subtree(self, root: str, targets: Mapping[str, Any]) -> None:
         with self._located():
@@ -672,9 +702,11 @@ class _Loader:
         await asyncio.gather(*(worker() for _ in range(min(concurrency, len(by_blob)))))
 
     def value(self, path: str, entry: Entry) -> Any:
+        if path in self.local:
+            return self.local[path]
         if isinstance(entry, PrimitiveEntry):
             return entry.value
-        if isinstance(entry, TensorEntry):
+        if isinstance(entry, (TensorEntry, ShardedTensorEntry)):
             return self.tensors[path]
         return self.objects[path]
 
@@ -752,12 +784,12 @@ def _restore(
                     )
     budget = knobs.memory_budget_bytes()
     loader = _Loader(manifest, tile_bytes=_tile_bytes(budget), where=path)
+    states = {key: _state_dict(key, app_state[key], path) for key in keys}
+    with_factories = set()
     for key in keys:
-        targets = {
-            p: value
-            for p, node, value in flatten(_state_dict(key, app_state[key], path), roots[key])
-            if node is None
-        }
+        targets, factories = _targets(states[key], roots[key])
+        if factories:
+            with_factories.add(key)
         loader.add_subtree(roots[key], targets)
     t_plan = time.perf_counter()
     with open_storage(path, storage_options) as plugin:
@@ -765,6 +797,8 @@ def _restore(
     t_read = time.perf_counter()
     for key in keys:
         value = loader.inflate(roots[key])
+        if key in with_factories:  # what they built goes back through their merge_fn
+            value = apply_factory_merges(value, states[key])
         try:
             app_state[key].load_state_dict(value)
         except Exception as e:
@@ -792,6 +826,24 @@ def _restore(
         stats.peak_budget_bytes,
         t_end - t_read,
     )
+
+
+def _targets(state: Any, root: str) -> tuple[dict[str, Any], bool]:
+    """The leaves of a state to restore, by path (what a ``ShardedTensorFactory`` builds
+    stands in for it), and whether there was a factory."""
+    targets: dict[str, Any] = {}
+    factories = False
+    for p, node, value in flatten(state, root):
+        if node is not None:
+            continue
+        if isinstance(value, ShardedTensorFactory):
+            factories = True
+            for q, inner, built in flatten(value.build(), p):
+                if inner is None:
+                    targets[q] = built
+        else:
+            targets[p] = value
+    return targets, factories
 
 
 def _tile_bytes(budget: int) -> int:

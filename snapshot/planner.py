@@ -30,6 +30,9 @@ from manifest import (
     Location,
     ObjectEntry,
     PrimitiveEntry,
+    Shard,
+    ShardedObjectEntry,
+    ShardedTensorEntry,
     TensorEntry,
 )
 from snapshot.checksum import LocationCheck
@@ -54,7 +57,14 @@ from snapshot.serialization import (
     scatter_into_flat,
     tensor_memoryview,
 )
+from snapshot.sharding.mapping import (
+    LocalNonpersistentObject,
+    ShardedObject,
+    ShardedTensorFactory,
+    is_main_replica,
+)
 from snapshot.staging import StagingPool
+from snapshot.strategies import sharded
 from storage_plugins import Buffer
 
 logger = logging.getLogger(__name__)
@@ -167,13 +177,54 @@ def _final(p: Payload, checksums: Mapping[tuple[str, int], int] | None) -> Locat
     )
 
 
+@dataclass(slots=True)
+class _ShardDraft:
+    """A rank's piece of a global tensor: its entry lists the one shard this rank wrote (none
+    for a replica that is not the main one); the commit merges every rank's shards."""
+
+    piece: sharded.LocalPiece
+    tensor: TensorEntry | _TensorDraft | None
+
+    def build(self, checksums: Mapping[tuple[str, int], int] | None) -> ShardedTensorEntry:
+        p = self.piece
+        shards: tuple[Shard, ...] = ()
+        t = self.tensor
+        if t is not None:
+            if not isinstance(t, TensorEntry):
+                t = t.build(checksums)
+            shards = (Shard(offsets=p.offsets, sizes=p.sizes, chunks=t.chunks),)
+        return ShardedTensorEntry(
+            key=p.key, dtype=dtype_name(p.dtype), shape=p.shape, shards=shards
+        )
+
+
+@dataclass(slots=True)
+class _ShardedObjectDraft:
+    """A sharded object this rank writes (its main replica)."""
+
+    key: str
+    draft: _ObjectDraft
+
+    def build(self, checksums: Mapping[tuple[str, int], int] | None) -> ShardedObjectEntry:
+        obj = self.draft.build(checksums)
+        return ShardedObjectEntry(
+            key=self.key, serializer=obj.serializer, obj_type=obj.obj_type, location=obj.location
+        )
+
+
 @dataclass
 class Collected:
     """A rank's state, flattened: entries (or drafts awaiting their payloads' locations) in
     flatten order, and every payload, in the same order."""
 
-    entries: dict[str, Entry | _TensorDraft | _ObjectDraft] = field(default_factory=dict)
+    entries: dict[str, Entry | _TensorDraft | _ObjectDraft | _ShardDraft] = field(
+        default_factory=dict
+    )
     payloads: list[Payload] = field(default_factory=list)
+    # (key, dtype, global shape, offsets, sizes, main, path) of each piece of a global tensor
+    pieces: list[tuple[Any, ...]] = field(default_factory=list)
+    # (unique key, main, path) of each sharded object
+    objects: list[tuple[str, bool, str]] = field(default_factory=list)
 
     def replicated_signature(self) -> list[tuple[str, int, int, str]]:
         """(logical path, chunk index, bytes, kind) of each replicated payload, in order: what
@@ -204,7 +255,7 @@ class TakePlan:
     point into them too, so their checksums are shared with every rank.
     """
 
-    drafts: dict[str, Entry | _TensorDraft | _ObjectDraft]
+    drafts: dict[str, Entry | _TensorDraft | _ObjectDraft | _ShardDraft]
     writes: list[WriteRequest]
     shared_blobs: set[str]
     checksums: bool
@@ -214,7 +265,8 @@ class TakePlan:
         its CRC-32 (ignored when the take records none)."""
         sums = checksums if self.checksums else None
         return {
-            path: e if isinstance(e, Entry) else e.build(sums) for path, e in self.drafts.items()
+            path: e if isinstance(e, (Entry, sharded.ObjectReplica)) else e.build(sums)
+            for path, e in self.drafts.items()
         }
 
 
@@ -282,9 +334,19 @@ class _Collector:
 
     def _leaf(
         self, path: str, logical: str, value: Any, replicated: bool
-    ) -> Entry | _TensorDraft | _ObjectDraft:
+    ) -> Entry | _TensorDraft | _ObjectDraft | _ShardDraft:
         if isinstance(value, torch.Tensor) and is_dense_tensor(value):
             return self._tensor(path, logical, value, replicated)
+        if sharded.is_sharded(value):
+            return self._sharded(path, logical, value)
+        if isinstance(value, ShardedObject):
+            return self._sharded_object(path, logical, value)
+        if isinstance(value, ShardedTensorFactory):
+            return self._expand(path, logical, value.build())
+        if isinstance(value, LocalNonpersistentObject):
+            # Kept on its rank, never saved: its place in the state is recorded as None, and a
+            # restore puts the restoring rank's own object back there.
+            return PrimitiveEntry(value=None)
         kind = type(value)
         if kind in _INLINE_TYPES:
             return PrimitiveEntry(value=value, replicated=replicated)
@@ -301,6 +363,53 @@ class _Collector:
                 return PrimitiveEntry(value=value, replicated=replicated)
             return self._bytes_draft(path, logical, "bytes", "bytes", value, replicated)
         return self._object(path, logical, value, replicated)
+
+    def _sharded(self, path: str, logical: str, value: Any) -> _ShardDraft:
+        """A piece of a global tensor: written by this rank when it holds the main replica,
+        as a tensor of its own (never deduplicated against other ranks: each writes its piece)."""
+        piece = sharded.local_piece(path, logical, value)
+        if piece.data.dtype != piece.dtype or tuple(piece.data.shape) != piece.sizes:
+            raise UnsupportedValueError(
+                f"{path}: the piece of {piece.key!r} holds a {dtype_name(piece.data.dtype)}"
+                f"{list(piece.data.shape)} tensor where {dtype_name(piece.dtype)}"
+                f"{list(piece.sizes)} was declared"
+            )
+        self.out.pieces.append(
+            (
+                piece.key,
+                dtype_name(piece.dtype),
+                piece.shape,
+                piece.offsets,
+                piece.sizes,
+                piece.main,
+                path,
+            )
+        )
+        draft = self._tensor(path, logical, piece.data, False) if piece.main else None
+        return _ShardDraft(piece=piece, tensor=draft)
+
+    def _sharded_object(self, path: str, logical: str, value: ShardedObject) -> Any:
+        """Written by the rank holding its main replica; the others' entries are filled in
+        from that rank's at the commit."""
+        key = value.unique_key
+        main = is_main_replica(value.replica_id)
+        self.out.objects.append((key, main, path))
+        if not main:
+            return sharded.ObjectReplica(key)
+        return _ShardedObjectDraft(key=key, draft=self._object(path, logical, value.data, False))
+
+    def _expand(self, path: str, logical: str, built: Any) -> Any:
+        """What a factory built, in place of the factory: its leaves and containers under
+        ``path``; returns the entry at ``path`` itself."""
+        entries = self.out.entries
+        cut = len(path) - len(logical)
+        root = None
+        for p, node, value in flatten(built, path):
+            entry = node if node is not None else self._leaf(p, p[cut:], value, False)
+            if p == path:
+                root = entry
+            entries[p] = entry
+        return root
 
     def _object(self, path: str, logical: str, value: Any, replicated: bool) -> _ObjectDraft:
         try:
@@ -905,6 +1014,73 @@ def plan_tensor_read(
             needs.append(need)
         base += chunk.nbytes
     return TensorRead(needs=needs, result=target)
+
+
+def plan_sharded_read(
+    path: str,
+    entry: ShardedTensorEntry,
+    target: Any,
+    piece_bytes: int,
+    verify: bool = True,
+) -> TensorRead:
+    """Needs for a target's region of a sharded tensor: the target's own piece when it is a
+    ``ShardedTensor`` or ``DTensor`` (filled in place; resharded from whatever shards were
+    stored), the whole tensor into a plain tensor target (in place, cast like ``copy_``) or a
+    new one.
+
+    Only the bytes of the stored shards that overlap the region are asked for. They land in
+    the destination's memory when it is a contiguous CPU tensor of the stored dtype, else in a
+    scratch tensor of the region's size copied into it once all have landed. Chunks read whole
+    are checked against their CRC-32s; a chunk read in part cannot be.
+    """
+    dtype = dtype_from_name(entry.dtype, path)
+    sharded.check_entry(path, entry, dtype)
+    whole = ((0,) * len(entry.shape), tuple(entry.shape))
+    if sharded.is_sharded(target):
+        region, dest, result = sharded.target_region(path, entry, target)
+    elif isinstance(target, torch.Tensor) and is_dense_tensor(target):
+        region, dest, result = whole, target, target
+    else:
+        region = whole
+        dest = result = _allocate(path, entry.nbytes, lambda: torch.empty(entry.shape, dtype=dtype))
+    sharded.check_region(path, entry, region, dest)
+    if dest.dtype != dtype and not _casts(dtype, dest.dtype):
+        raise StateMismatchError(
+            f"{path}: the snapshot holds {entry.dtype}, the object being restored is "
+            f"{dtype_name(dest.dtype)}, and torch cannot copy the one into the other"
+        )
+    direct = _direct(dest, dtype)
+    buffer = dest
+    if not direct:
+        nbytes = math.prod(region[1]) * dtype.itemsize
+        buffer = _allocate(path, nbytes, lambda: torch.empty(region[1], dtype=dtype))
+    planned = list(sharded.pieces(entry, region, dtype.itemsize, piece_bytes))
+    checks = sharded.checks_for(path, planned, verify)
+    address = buffer.data_ptr()
+    done = None
+    if not direct and planned:
+        remaining = [len(planned)]
+
+        def done() -> None:
+            remaining[0] -= 1
+            if remaining[0] == 0:
+                with torch.no_grad():
+                    dest.copy_(buffer)
+
+    needs = [
+        Need(
+            blob=p.chunk.blob,
+            offset=p.chunk.offset + p.lo,
+            nbytes=p.nbytes,
+            dest=functools.partial(raw_memoryview, address + p.dest, p.nbytes),
+            done=done,
+            scratch_bytes=0,
+            label=path,
+            verify=sharded.verifier(checks, p),
+        )
+        for p in planned
+    ]
+    return TensorRead(needs=needs, result=result)
 
 
 def _tile_need(

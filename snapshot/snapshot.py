@@ -11,6 +11,7 @@ from manifest import Entry, Manifest
 from snapshot import dist, operations
 from snapshot.pending import AsyncRequest, PendingSnapshot, default_queue
 from snapshot.staging import default_pool
+from snapshot.strategies.default import load_strategy, save_strategy
 
 T = TypeVar("T")
 
@@ -88,15 +89,18 @@ class Snapshot:
             UnsupportedValueError: a value cannot be stored (a tensor on the meta device...).
             StorageError: the storage failed; nothing was committed.
         """
-        path, manifest = operations.take(
+        job = save_strategy().job(
             path,
             app_state,
             coordinator=dist.resolve(pg),
             replicated=replicated or [],
             storage_options=storage_options,
             prepare=_custom_tensor_prepare_func,
+            pool=None,
         )
-        return cls(path, pg, storage_options, _manifest=manifest)
+        job.start()
+        manifest = job.finish()
+        return cls(job.path, pg, storage_options, _manifest=manifest)
 
     @classmethod
     def async_take(
@@ -120,7 +124,7 @@ class Snapshot:
         """
         coordinator = dist.resolve(pg)
         background = dist.resolve_background(pg)
-        job = operations.TakeJob(
+        job = save_strategy().job(
             path,
             app_state,
             coordinator=coordinator,
@@ -159,7 +163,7 @@ class Snapshot:
             UnsafeObjectError: an object would need a type that is not allowed to load.
             StatefulError: a ``state_dict()`` or ``load_state_dict()`` raised.
         """
-        operations.restore(
+        load_strategy(self._manifest, self.path).restore(
             self._manifest,
             app_state,
             path=self.path,

@@ -1,0 +1,384 @@
+"""Helpers for sharded state dicts: splitting them by kind of leaf, renaming shard keys,
+shard ids, and scoped debug logging/timing.
+
+The split functions (``extract_*``) walk dicts and lists only; tuples and every other value
+are leaves. All of them return ``(matching, rest)`` with the nesting of the input, so that a
+part of the state can be handled separately (saved as shards, kept local...) and put back
+where it was.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import logging
+import time
+from collections.abc import Callable, Iterable, Iterator, Sized
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from snapshot.sharding.mapping import (
+    LocalNonpersistentObject,
+    ShardedBase,
+    ShardedObject,
+    ShardedStateDict,
+    ShardedTensor,
+    ShardedTensorFactory,
+    StateDict,
+    _map_leaves_inplace,
+)
+
+ShardId = tuple[str, tuple[int, ...]]
+"""Identifies a shard's data across ranks: ``(key, global_offset)``."""
+
+_ShardId = ShardId
+
+
+def zip_strict(*args: Iterable[Any]) -> Iterator[tuple[Any, ...]]:
+    """``zip(*args, strict=True)`` whose error names the length of every iterable.
+
+    When all arguments have a length, unequal lengths raise at the call; otherwise the check
+    happens while iterating, when the first iterable runs out (the others are then drained to
+    count their elements, so none may be infinite).
+
+    Raises:
+        ValueError: the iterables have different lengths, e.g. "lengths [3, 2]".
+    """
+    if all(isinstance(a, Sized) for a in args):
+        lengths = [len(a) for a in args]  # type: ignore[arg-type]
+        if len(set(lengths)) > 1:
+            raise ValueError(f"zip_strict: iterables of unequal lengths {lengths}")
+        return zip(*args, strict=True)
+    return _zip_strict_lazy(args)
+
+
+def _zip_strict_lazy(args: tuple[Iterable[Any], ...]) -> Iterator[tuple[Any, ...]]:
+    iterators = [iter(a) for a in args]
+    count = 0
+    done = object()
+    while True:
+        items = [next(it, done) for it in iterators]
+        finished = [item is done for item in items]
+        if all(finished):
+            return
+        if any(finished):
+            lengths = [
+                count + (0 if fin else 1 + sum(1 for _ in it))
+                for fin, it in zip(finished, iterators, strict=True)
+            ]
+            raise ValueError(f"zip_strict: iterables of unequal lengths {lengths}")
+        yield tuple(items)
+        count += 1
+
+
+def sharded_tensor_shard_id(sharded_tensor: ShardedTensor) -> ShardId:
+    """Id of the tensor block ``sharded_tensor`` describes: ``(key, global_offset)``, the same
+    on every rank holding a replica of that block (neither replica id nor data enter it)."""
+    return sharded_tensor.key, tuple(sharded_tensor.global_offset)
+
+
+def sharded_object_id(sharded_object: ShardedObject) -> ShardId:
+    """Id of the object piece ``sharded_object`` describes: ``(key, global_offset)``, the same
+    on every rank holding a replica of that piece (neither replica id nor data enter it)."""
+    return sharded_object.key, tuple(sharded_object.global_offset)
+
+
+_sharded_tensor_shard_id = sharded_tensor_shard_id
+_sharded_object_id = sharded_object_id
+
+
+def extract_matching(
+    sharded_state_dict: ShardedStateDict | list[Any],
+    predicate: Callable[[Any], bool],
+) -> tuple[Any, Any]:
+    """Splits the leaves of a nested dict/list state into ``(matching, rest)`` by
+    ``predicate``, both keeping the input's nesting; the input is not changed (leaves are
+    shared, containers are new).
+
+    - A dict key appears in an output if that output gets something below it: a dict or list
+      that holds only matching leaves is absent from ``rest``, one that holds none is absent
+      from ``matching``.
+    - A container that is empty in the input goes to ``rest`` (as a new empty container of
+      its type): it is a value of the state, and merging the outputs gives the input back.
+    - A list keeps the order of its elements, but each output's list holds only that output's
+      elements: in a list mixing both kinds, indices differ from the input's.
+
+    Raises:
+        TypeError: ``sharded_state_dict`` is neither a dict nor a list.
+    """
+    if not isinstance(sharded_state_dict, (dict, list)):
+        raise TypeError(
+            f"extract_matching expects a dict or a list, got {type(sharded_state_dict).__name__}"
+        )
+    return _split(sharded_state_dict, predicate)
+
+
+def _split(x: dict[Any, Any] | list[Any], predicate: Callable[[Any], bool]) -> tuple[Any, Any]:
+    matching: dict[Any, Any] | list[Any]
+    rest: dict[Any, Any] | list[Any]
+    if isinstance(x, dict):
+        matching, rest = {}, {}
+        items: Iterable[tuple[Any, Any]] = x.items()
+    else:
+        matching, rest = [], []
+        items = enumerate(x)
+
+    def put(target: dict[Any, Any] | list[Any], k: Any, v: Any) -> None:
+        if isinstance(target, dict):
+            target[k] = v
+        else:
+            target.append(v)
+
+    for k, v in items:
+        if isinstance(v, (dict, list)) and v:
+            sub_matching, sub_rest = _split(v, predicate)
+            if sub_matching:
+                put(matching, k, sub_matching)
+            if sub_rest:
+                put(rest, k, sub_rest)
+        elif isinstance(v, (dict, list)):
+            put(rest, k, type(v)())
+        elif predicate(v):
+            put(matching, k, v)
+        else:
+            put(rest, k, v)
+    return matching, rest
+
+
+def extract_sharded_tensors(
+    sharded_state_dict: ShardedStateDict,
+) -> tuple[ShardedStateDict, StateDict]:
+    """``(ShardedTensors, everything else)``, each keeping the nesting (:func:`extract_matching`
+    says how)."""
+    return extract_matching(sharded_state_dict, lambda v: isinstance(v, ShardedTensor))
+
+
+def extract_sharded_tensors_and_factories(
+    sharded_state_dict: ShardedStateDict,
+) -> tuple[ShardedStateDict, StateDict]:
+    """``(ShardedTensors and ShardedTensorFactories, everything else)``, each keeping the
+    nesting."""
+    return extract_matching(
+        sharded_state_dict, lambda v: isinstance(v, (ShardedTensor, ShardedTensorFactory))
+    )
+
+
+def extract_sharded_tensors_or_nonpersistent(
+    sharded_state_dict: ShardedStateDict,
+) -> tuple[ShardedStateDict, StateDict]:
+    """``(ShardedTensors, ShardedTensorFactories and LocalNonpersistentObjects, everything
+    else)``, each keeping the nesting."""
+    return extract_matching(
+        sharded_state_dict,
+        lambda v: isinstance(v, (ShardedTensor, ShardedTensorFactory, LocalNonpersistentObject)),
+    )
+
+
+def extract_sharded_base(
+    sharded_state_dict: ShardedStateDict,
+) -> tuple[ShardedStateDict, StateDict]:
+    """``(every ShardedBase: tensors, objects, factories, everything else)``, each keeping the
+    nesting."""
+    return extract_matching(sharded_state_dict, lambda v: isinstance(v, ShardedBase))
+
+
+def extract_nonpersistent(
+    sharded_state_dict: ShardedStateDict,
+) -> tuple[ShardedStateDict, StateDict]:
+    """``(LocalNonpersistentObjects, everything else)``, each keeping the nesting."""
+    return extract_matching(sharded_state_dict, lambda v: isinstance(v, LocalNonpersistentObject))
+
+
+def add_prefix_for_sharding(sharded_state_dict: ShardedStateDict, prefix: str) -> None:
+    """Prepends ``prefix`` to the key of every :class:`ShardedBase` in the state, in place (e.g.
+    to nest a submodule's shards under the module's name)."""
+
+    def add(x: Any) -> Any:
+        if isinstance(x, ShardedBase):
+            x.key = f"{prefix}{x.key}"
+        return x
+
+    _map_leaves_inplace(add, sharded_state_dict)
+
+
+def replace_prefix_for_sharding(
+    sharded_state_dict: ShardedStateDict, old_prefix: str, new_prefix: str
+) -> None:
+    """Replaces ``old_prefix`` by ``new_prefix`` in the key of every :class:`ShardedBase` in the
+    state, in place.
+
+    Raises:
+        ValueError: a key does not start with ``old_prefix`` (the message names it); keys
+            visited before it have already been changed.
+    """
+
+    def replace(x: Any) -> Any:
+        if isinstance(x, ShardedBase):
+            if not x.key.startswith(old_prefix):
+                raise ValueError(
+                    f"replace_prefix_for_sharding: key {x.key!r} does not start with prefix "
+                    f"{old_prefix!r}"
+                )
+            x.key = f"{new_prefix}{x.key[len(old_prefix) :]}"
+        return x
+
+    _map_leaves_inplace(replace, sharded_state_dict)
+
+
+def apply_prefix_mapping(sharded_state_dict: ShardedStateDict, prefix_map: dict[str, str]) -> None:
+    """Renames, in place, the key of every :class:`ShardedBase` (factories included) that starts
+    with a prefix of ``prefix_map`` (old -> new): the first matching prefix in the map's order
+    is replaced; keys matching none are left unchanged."""
+
+    def remap(x: Any) -> Any:
+        if isinstance(x, ShardedBase):
+            for old_prefix, new_prefix in prefix_map.items():
+                if x.key.startswith(old_prefix):
+                    x.key = f"{new_prefix}{x.key[len(old_prefix) :]}"
+                    break
+        return x
+
+    _map_leaves_inplace(remap, sharded_state_dict)
+
+
+def _fp8_dtypes() -> frozenset[torch.dtype]:
+    names = ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
+    return frozenset(getattr(torch, n) for n in names if hasattr(torch, n))
+
+
+_FP8_DTYPES = _fp8_dtypes()
+
+
+def _is_fp8(x: Any) -> bool:
+    return getattr(x, "dtype", None) in _FP8_DTYPES
+
+
+def _to_high_precision(x: Any) -> Any:
+    # A quantized wrapper brings its own dequantize(); torch.Tensor's own is for torch's
+    # quantized tensors, so a plain fp8 tensor is upcast with float().
+    dequantize = getattr(type(x), "dequantize", None)
+    if dequantize is not None and dequantize is not torch.Tensor.dequantize:
+        return x.dequantize()
+    return x.float()
+
+
+def force_all_tensors_to_non_fp8(sharded_state_dict: ShardedStateDict) -> None:
+    """Replaces, in place, every fp8 tensor of the state (float8 dtypes) by its high-precision
+    value, e.g. to save a state that readers without fp8 support can load.
+
+    A :class:`ShardedTensor` or :class:`ShardedTensorFactory` gets new ``data`` (and the
+    ShardedTensor the new ``dtype``); a plain tensor leaf is replaced. A quantized wrapper
+    with its own ``dequantize()`` is dequantized; a plain fp8 tensor becomes float32.
+    """
+
+    def convert(x: Any) -> Any:
+        if isinstance(x, ShardedTensor):
+            if _is_fp8(x.data):
+                x.data = _to_high_precision(x.data)
+                x.dtype = x.data.dtype
+        elif isinstance(x, ShardedTensorFactory):
+            if _is_fp8(x.data):
+                x.data = _to_high_precision(x.data)
+        elif isinstance(x, torch.Tensor) and _is_fp8(x):
+            return _to_high_precision(x)
+        return x
+
+    _map_leaves_inplace(convert, sharded_state_dict)
+
+
+fallback_logger = logging.getLogger(__name__)
+"""Where :func:`logger_stack` users log when no logger was pushed."""
+
+# Context variables rather than module lists: each thread (and asyncio task) sees its own
+# stack, so concurrent takes do not interleave their scopes.
+_NAME_STACK: contextvars.ContextVar[tuple[str, ...]] = contextvars.ContextVar(
+    "statesnap_sharding_name_stack", default=()
+)
+_LOGGER_STACK: contextvars.ContextVar[tuple[logging.Logger, ...]] = contextvars.ContextVar(
+    "statesnap_sharding_logger_stack", default=()
+)
+
+
+@contextmanager
+def logger_stack(
+    name: str | None = None, current_logger: logging.Logger | None = None
+) -> Iterator[tuple[str, logging.Logger]]:
+    """Enters a named logging scope: pushes ``name`` (if given) on the name stack and
+    ``current_logger`` (if given) on the logger stack for the duration of the block.
+
+    Yields ``(names, logger)``: the names of the enclosing scopes joined with ``"."`` (e.g.
+    ``"take.write"``), and ``current_logger``, else the innermost pushed logger, else
+    :data:`fallback_logger`. Both stacks are restored on exit, also on an exception.
+    """
+    name_token = _NAME_STACK.set((*_NAME_STACK.get(), name)) if name else None
+    logger_token = (
+        _LOGGER_STACK.set((*_LOGGER_STACK.get(), current_logger)) if current_logger else None
+    )
+    loggers = _LOGGER_STACK.get()
+    try:
+        yield ".".join(_NAME_STACK.get()), loggers[-1] if loggers else fallback_logger
+    finally:
+        if logger_token is not None:
+            _LOGGER_STACK.reset(logger_token)
+        if name_token is not None:
+            _NAME_STACK.reset(name_token)
+
+
+@contextmanager
+def debug_time(
+    name: str,
+    logger: logging.Logger | None = None,
+    threshold: float = float("-inf"),
+    level: int | None = None,
+) -> Iterator[None]:
+    """Times the block, in a :func:`logger_stack` scope ``name`` (and ``logger``), and logs
+    ``"<names> took X.XXXs"`` to the scope's logger.
+
+    Without ``threshold`` every duration is logged, at DEBUG; with one, only durations of at
+    least ``threshold`` seconds are, at WARNING (a slow step is worth a warning). ``level``
+    overrides the level. The duration is logged also when the block raises (the error
+    propagates).
+    """
+    with logger_stack(name, logger) as (names, scope_logger):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            elapsed = time.perf_counter() - start
+            if elapsed >= threshold:
+                if level is None:
+                    level = logging.DEBUG if threshold == float("-inf") else logging.WARNING
+                scope_logger.log(level, "%s took %.3fs", names, elapsed)
+
+
+def debug_msg(msg: str) -> None:
+    """Logs ``msg`` at DEBUG to the current scope's logger, prefixed by the scope's names
+    (``"take.write msg"``; just ``msg`` outside any named scope)."""
+    with logger_stack() as (names, scope_logger):
+        if names:
+            scope_logger.debug("%s %s", names, msg)
+        else:
+            scope_logger.debug("%s", msg)
+
+
+__all__ = [
+    "ShardId",
+    "add_prefix_for_sharding",
+    "apply_prefix_mapping",
+    "debug_msg",
+    "debug_time",
+    "extract_matching",
+    "extract_nonpersistent",
+    "extract_sharded_base",
+    "extract_sharded_tensors",
+    "extract_sharded_tensors_and_factories",
+    "extract_sharded_tensors_or_nonpersistent",
+    "fallback_logger",
+    "force_all_tensors_to_non_fp8",
+    "logger_stack",
+    "replace_prefix_for_sharding",
+    "sharded_object_id",
+    "sharded_tensor_shard_id",
+    "zip_strict",
+]

@@ -1,0 +1,262 @@
+"""The library's own strategies, backend ``"statesnap"``, version 1: what ``Snapshot.take`` /
+``async_take`` / ``restore`` run, and the same engine behind the strategy API
+(``save(sharded_state_dict, checkpoint_dir)``, ``load(...)``, ...).
+
+One snapshot holds both parts of a state: the sharded part (``ShardedTensorEntry`` /
+``ShardedObjectEntry`` entries) and the common part (everything else). Its manifest records,
+under ``metadata["strategies"]``, the backend and version that wrote each part; a restore gets
+the load strategy registered for each pair and lets it refuse what it cannot read.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from manifest import Manifest, ShardedObjectEntry, ShardedTensorEntry
+from snapshot import dist, operations
+from snapshot.errors import IncompatibleSnapshotError, SnapshotError
+from snapshot.pending import AsyncRequest
+from snapshot.serialization import dtype_from_name
+from snapshot.sharding.mapping import ShardedObject, ShardedTensor
+from snapshot.staging import default_pool
+from snapshot.stateful import StateDict
+from snapshot.strategies.base import (
+    AsyncSaveShardedStrategy,
+    LoadCommonStrategy,
+    LoadShardedStrategy,
+    SaveCommonStrategy,
+    StrategyAction,
+    check_compatible,
+    get_default_strategy,
+    register_default_strategy,
+)
+
+BACKEND = "statesnap"
+VERSION = 1
+# What Snapshot.take uses: the save strategy registered for this pair.
+DEFAULT_SAVE = (BACKEND, VERSION)
+# Manifests written before strategies were recorded were written by this pair.
+_UNRECORDED = {"sharded": [BACKEND, 1], "common": [BACKEND, 1]}
+
+# The app_state key under which the strategy API keeps a plain (sharded) state dict.
+_STATE = "state"
+
+
+class SnapshotSaveStrategy(AsyncSaveShardedStrategy):
+    """Takes a snapshot of a whole state, both parts, in one pass."""
+
+    def __init__(self, backend: str = BACKEND, version: int = VERSION) -> None:
+        super().__init__(backend, version)
+
+    @property
+    def can_handle_sharded_objects(self) -> bool:
+        return True
+
+    def job(self, path: str, app_state: Any, **options: Any) -> operations.TakeJob:
+        """The take of ``app_state`` at ``path`` (``options`` as ``TakeJob`` takes them),
+        recording this strategy as the writer of both parts."""
+        recorded = [self.backend, self.version]
+        return operations.TakeJob(
+            path, app_state, strategies={"sharded": recorded, "common": recorded}, **options
+        )
+
+    def async_save(self, sharded_state_dict: Any, checkpoint_dir: str | Path) -> AsyncRequest:
+        job = self.job(
+            str(checkpoint_dir),
+            {_STATE: StateDict(sharded_state_dict)},
+            coordinator=dist.resolve(None),
+            replicated=[],
+            storage_options=None,
+            prepare=None,
+            pool=default_pool(),
+        )
+        job.start()
+        job.release_writes()
+        return AsyncRequest(async_fn=job.finish, async_fn_args=(dist.resolve_background(None),))
+
+
+class SnapshotLoadStrategy(LoadShardedStrategy, LoadCommonStrategy):
+    """Loads snapshots whose parts were written by ``backend`` in one of ``versions``."""
+
+    def __init__(self, backend: str = BACKEND, versions: tuple[int, ...] = (VERSION,)) -> None:
+        self.backend = backend
+        self.versions = versions
+
+    def __str__(self) -> str:
+        return f"{type(self).__name__}({self.backend}, versions {list(self.versions)})"
+
+    @property
+    def can_handle_sharded_objects(self) -> bool:
+        return True
+
+    def check_backend_compatibility(self, loaded_backend: str) -> None:
+        if loaded_backend != self.backend:
+            raise IncompatibleSnapshotError(
+                f"{self} loads data saved by backend {self.backend!r}, not {loaded_backend!r}"
+            )
+
+    def check_version_compatibility(self, loaded_version: int) -> None:
+        if loaded_version not in self.versions:
+            raise IncompatibleSnapshotError(
+                f"{self} cannot load version {loaded_version} of {self.backend!r}"
+            )
+
+    # -- what Snapshot.restore runs ---------------------------------------------------------
+
+    def restore(self, manifest: Manifest, app_state: Any, **options: Any) -> None:
+        operations.restore(manifest, app_state, **options)
+
+    # -- the strategy API -------------------------------------------------------------------
+
+    def load(self, sharded_state_dict: Any, checkpoint_dir: str | Path) -> Any:
+        from snapshot.snapshot import Snapshot
+
+        state = StateDict(sharded_state_dict)
+        Snapshot(str(checkpoint_dir)).restore({_STATE: state})
+        return dict(state)
+
+    def load_tensors_metadata(self, checkpoint_dir: str | Path) -> dict[str, Any]:
+        found: dict[str, Any] = {}
+        for path, entry in _manifest(checkpoint_dir).entries.items():
+            if isinstance(entry, ShardedTensorEntry) and entry.key not in found:
+                shape = tuple(entry.shape)
+                found[entry.key] = ShardedTensor(
+                    key=entry.key,
+                    data=None,
+                    dtype=dtype_from_name(entry.dtype, path),
+                    local_shape=shape,
+                    global_shape=shape,
+                    global_offset=(0,) * len(shape),
+                    axis_fragmentations=(1,) * len(shape),
+                )
+        return found
+
+    def load_sharded_metadata(self, checkpoint_dir: str | Path) -> dict[str, Any]:
+        found = self.load_tensors_metadata(checkpoint_dir)
+        for entry in _manifest(checkpoint_dir).entries.values():
+            if isinstance(entry, ShardedObjectEntry):
+                found.setdefault(entry.key, ShardedObject.empty_from_unique_key(entry.key))
+        return found
+
+    def remove_sharded_tensors(self, checkpoint_dir: str | Path, key_prefix: str) -> None:
+        raise SnapshotError(
+            f"{checkpoint_dir}: a committed snapshot is never changed in place; take a new one "
+            f"without the tensors under {key_prefix!r}"
+        )
+
+    def load_common(self, checkpoint_dir: str | Path) -> Any:
+        from snapshot.snapshot import Snapshot
+
+        return Snapshot(_common_dir(checkpoint_dir)).read_object(f"0/{_STATE}")
+
+    def load_sharded_objects(self, sharded_objects_state_dict: Any, checkpoint_dir: str | Path):
+        return self.load(sharded_objects_state_dict, _objects_dir(checkpoint_dir))
+
+
+class SnapshotSaveCommonStrategy(SaveCommonStrategy):
+    """The common part and the sharded objects, each in a snapshot of its own under the
+    checkpoint directory (``common``, ``sharded_objects``), for callers that save the parts
+    separately."""
+
+    def __init__(self, backend: str = BACKEND, version: int = VERSION) -> None:
+        super().__init__(backend, version)
+
+    @property
+    def can_handle_sharded_objects(self) -> bool:
+        return True
+
+    def save_common(self, common_state_dict: Any, checkpoint_dir: str | Path) -> None:
+        SnapshotSaveStrategy(self.backend, self.version).save(
+            common_state_dict, _common_dir(checkpoint_dir)
+        )
+
+    def save_sharded_objects(self, sharded_objects_state_dict: Any, checkpoint_dir: str | Path):
+        SnapshotSaveStrategy(self.backend, self.version).save(
+            sharded_objects_state_dict, _objects_dir(checkpoint_dir)
+        )
+
+
+def _common_dir(checkpoint_dir: str | Path) -> str:
+    return f"{str(checkpoint_dir).rstrip('/')}/common"
+
+
+def _objects_dir(checkpoint_dir: str | Path) -> str:
+    return f"{str(checkpoint_dir).rstrip('/')}/sharded_objects"
+
+
+def _manifest(checkpoint_dir: str | Path) -> Manifest:
+    return operations.load_manifest(str(checkpoint_dir), None)
+
+
+def register() -> None:
+    """Registers the library's strategies for (``statesnap``, 1)."""
+    loader = SnapshotLoadStrategy()
+    register_default_strategy(StrategyAction.SAVE_SHARDED, BACKEND, VERSION, SnapshotSaveStrategy())
+    register_default_strategy(
+        StrategyAction.SAVE_COMMON, BACKEND, VERSION, SnapshotSaveCommonStrategy()
+    )
+    register_default_strategy(StrategyAction.LOAD_SHARDED, BACKEND, VERSION, loader)
+    register_default_strategy(StrategyAction.LOAD_COMMON, BACKEND, VERSION, loader)
+
+
+def save_strategy() -> SnapshotSaveStrategy:
+    """The strategy ``Snapshot.take`` and ``async_take`` run."""
+    strategy = get_default_strategy(StrategyAction.SAVE_SHARDED, *DEFAULT_SAVE)
+    if not isinstance(strategy, SnapshotSaveStrategy):
+        raise SnapshotError(
+            f"the save strategy registered for {DEFAULT_SAVE} is {strategy}, which Snapshot.take "
+            "cannot run (it needs a SnapshotSaveStrategy)"
+        )
+    return strategy
+
+
+def load_strategy(manifest: Manifest, where: str) -> SnapshotLoadStrategy:
+    """The strategy that restores ``manifest``: for each part, the load strategy registered
+    for the backend and version that wrote it, which must accept them.
+
+    Raises:
+        IncompatibleSnapshotError: no strategy is registered for a part's writer, or the one
+            registered refuses it.
+    """
+    recorded = manifest.metadata.get("strategies", _UNRECORDED)
+    chosen: SnapshotLoadStrategy | None = None
+    parts = (("common", StrategyAction.LOAD_COMMON), ("sharded", StrategyAction.LOAD_SHARDED))
+    for part, action in parts:
+        writer = recorded.get(part) if isinstance(recorded, dict) else None
+        if (
+            not isinstance(writer, list)
+            or len(writer) != 2
+            or not isinstance(writer[0], str)
+            or type(writer[1]) is not int
+        ):
+            raise IncompatibleSnapshotError(
+                f"snapshot {where}: the manifest does not say which backend and version wrote its "
+                f"{part} part (metadata.strategies.{part}: {writer!r})"
+            )
+        backend, version = writer
+        try:
+            strategy = get_default_strategy(action, backend, version)
+            check_compatible(strategy, backend, version)
+        except IncompatibleSnapshotError as e:
+            raise IncompatibleSnapshotError(f"snapshot {where}, {part} part: {e}") from None
+        if part == "sharded":
+            chosen = strategy
+    if not isinstance(chosen, SnapshotLoadStrategy):
+        raise SnapshotError(
+            f"snapshot {where}: the load strategy {chosen} cannot restore an app_state (it "
+            "needs a SnapshotLoadStrategy)"
+        )
+    return chosen
+
+
+__all__ = [
+    "BACKEND",
+    "VERSION",
+    "SnapshotLoadStrategy",
+    "SnapshotSaveCommonStrategy",
+    "SnapshotSaveStrategy",
+    "load_strategy",
+    "register",
+    "save_strategy",
+]

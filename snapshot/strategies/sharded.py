@@ -1,0 +1,396 @@
+"""Sharded tensors: pieces of one global tensor held by several ranks (``ShardedTensor``, or a
+``DTensor`` with Shard / Replicate placements), stored once, and read back into any sharding.
+
+Take: each rank holding the main replica of a piece writes it like a tensor of its own (its
+bytes in row-major order, chunked like any tensor); the ranks check together, before anything is
+written, that the main replicas cover every global tensor exactly once; at the commit, the
+pieces of each global tensor are gathered into one ``ShardedTensorEntry`` that every rank's
+entry for it becomes.
+
+Restore and ``read_object``: the region a target needs (its piece of the global tensor, or all
+of it) is intersected with every stored shard; each overlap is read as the runs of consecutive
+bytes it makes in the stored shard, straight into the target's memory when the target is a
+contiguous CPU tensor of the stored dtype. Only overlapping bytes are asked for (the read
+planner may still read through small gaps between runs, up to ``STATESNAP_READ_GAP_BYTES``).
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import math
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from manifest import Entry, Location, Shard, ShardedObjectEntry, ShardedTensorEntry
+from snapshot.checksum import LocationCheck
+from snapshot.errors import (
+    CorruptSnapshotError,
+    ShapeMismatchError,
+    SnapshotError,
+    UnsupportedValueError,
+)
+from snapshot.sharding.mapping import ShardedTensor, is_main_replica
+
+Region = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes) per global axis
+
+
+@dataclass(frozen=True)
+class LocalPiece:
+    """What a rank holds of a global tensor: the box ``offsets`` .. ``offsets + sizes``, its
+    values ``data`` (shaped ``sizes``), and whether this rank's copy is the one written."""
+
+    key: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    data: torch.Tensor
+    main: bool
+
+
+def _dtensor_type() -> type | None:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - a torch built without distributed
+        return None
+    return DTensor
+
+
+def is_sharded(value: object) -> bool:
+    """Whether ``value`` is stored as a piece of a global tensor."""
+    if isinstance(value, ShardedTensor):
+        return True
+    dtensor = _dtensor_type()
+    return dtensor is not None and isinstance(value, dtensor)
+
+
+def local_piece(path: str, logical: str, value: Any) -> LocalPiece:
+    """The piece a ``ShardedTensor`` or ``DTensor`` holds. A DTensor's global tensor is named by
+    its logical path (without the rank), a ShardedTensor's by its key."""
+    if isinstance(value, ShardedTensor):
+        if value.data is None:
+            raise UnsupportedValueError(f"{path}: the ShardedTensor {value.key!r} holds no data")
+        offsets, sizes = value.global_region()
+        return LocalPiece(
+            key=value.key,
+            dtype=value.dtype,
+            shape=tuple(value.global_shape),
+            offsets=tuple(offsets),
+            sizes=tuple(sizes),
+            data=value.data.reshape(sizes) if value.prepend_axis_num else value.data,
+            main=is_main_replica(value.replica_id),
+        )
+    return _dtensor_piece(path, logical, value)
+
+
+def _dtensor_piece(path: str, logical: str, value: Any) -> LocalPiece:
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    mesh, placements = value.device_mesh, value.placements
+    for p in placements:
+        if not isinstance(p, (Shard, Replicate)):
+            raise UnsupportedValueError(
+                f"{path}: a DTensor with placement {p} cannot be stored as it is; only Shard and "
+                "Replicate placements are (reduce a Partial one first, e.g. with redistribute)"
+            )
+    shape = tuple(value.shape)
+    sizes, offsets = compute_local_shape_and_global_offset(shape, mesh, placements)
+    coords = mesh.get_coordinate()
+    main = coords is not None and all(
+        coords[dim] == 0 for dim, p in enumerate(placements) if isinstance(p, Replicate)
+    )
+    return LocalPiece(
+        key=logical,
+        dtype=value.dtype,
+        shape=shape,
+        offsets=tuple(offsets),
+        sizes=tuple(sizes),
+        data=value.to_local(),
+        main=main,
+    )
+
+
+def target_region(
+    path: str, entry: ShardedTensorEntry, target: Any
+) -> tuple[Region, torch.Tensor, Any]:
+    """Where a restore target's bytes belong: its region of the global tensor, the tensor to
+    fill (shaped like the region), and the value the restored state gets back.
+
+    Raises:
+        ShapeMismatchError: the target is a piece of a global tensor of another shape.
+    """
+    piece = local_piece(path, path, target)
+    if piece.shape != tuple(entry.shape):
+        raise ShapeMismatchError(
+            f"{path}: the snapshot holds {entry.key!r} of global shape {list(entry.shape)} "
+            f"({entry.dtype}); the object being restored is a piece of a global tensor of shape "
+            f"{list(piece.shape)}"
+        )
+    return (piece.offsets, piece.sizes), piece.data, _restored_value(target)
+
+
+def _restored_value(target: Any) -> Any:
+    # A ShardedTensor gives back its (filled) data, a DTensor itself.
+    return target.data if isinstance(target, ShardedTensor) else target
+
+
+# ---------------------------------------------------------------------------------------------
+# Take: who covers what.
+
+
+def check_coverage(pieces: Sequence[Sequence[tuple[Any, ...]]]) -> None:
+    """``pieces[rank]`` lists ``(key, dtype, shape, offsets, sizes, main, path)`` for each
+    piece that rank holds. Every rank computes the same verdict: each global tensor has the
+    same dtype and shape everywhere, and its main replicas cover it exactly once.
+
+    Raises:
+        SnapshotError: naming the tensor and the ranks at fault.
+    """
+    by_key: dict[str, list[tuple[int, tuple[Any, ...]]]] = {}
+    for rank, held in enumerate(pieces):
+        for piece in held:
+            by_key.setdefault(piece[0], []).append((rank, piece))
+    for key, found in by_key.items():
+        _, first = found[0]
+        for rank, piece in found:
+            if piece[1] != first[1] or piece[2] != first[2]:
+                raise SnapshotError(
+                    f"sharded tensor {key!r}: rank {found[0][0]} holds a piece of a "
+                    f"{first[1]}{list(first[2])} tensor, rank {rank} of a "
+                    f"{piece[1]}{list(piece[2])} one"
+                )
+        shape = first[2]
+        mains = [(rank, piece[3], piece[4]) for rank, piece in found if piece[5]]
+        for (ra, oa, sa), (rb, ob, sb) in itertools.combinations(mains, 2):
+            if _overlap((oa, sa), (ob, sb)) is not None:
+                raise SnapshotError(
+                    f"sharded tensor {key!r}: the main replicas of ranks {ra} and {rb} overlap "
+                    f"(at {list(oa)} size {list(sa)}, and at {list(ob)} size {list(sb)}); give "
+                    "all but one of the copies of a piece a nonzero replica_id"
+                )
+        covered = sum(math.prod(s) for _, _, s in mains)
+        if covered != math.prod(shape):
+            holders = sorted({rank for rank, _ in found})
+            raise SnapshotError(
+                f"sharded tensor {key!r} of shape {list(shape)}: the main replicas held by "
+                f"ranks {holders} cover {covered} of its {math.prod(shape)} elements; every "
+                "element must be in exactly one main replica (replica_id 0)"
+            )
+
+
+def _overlap(a: Region, b: Region) -> Region | None:
+    """The box two boxes share, or None."""
+    lo = tuple(max(x, y) for x, y in zip(a[0], b[0], strict=True))
+    hi = tuple(min(x + n, y + m) for x, n, y, m in zip(a[0], a[1], b[0], b[1], strict=True))
+    if any(h <= low for low, h in zip(lo, hi, strict=True)):
+        return None
+    return lo, tuple(h - low for low, h in zip(lo, hi, strict=True))
+
+
+@dataclass(frozen=True)
+class ObjectReplica:
+    """In a rank's entries, a sharded object whose main replica another rank wrote: the
+    commit replaces it with that rank's entry for ``key`` (its unique key)."""
+
+    key: str
+    replicated: bool = True
+
+
+def check_objects(objects: Sequence[Sequence[tuple[str, bool, str]]]) -> None:
+    """``objects[rank]`` lists ``(unique key, main, path)`` for each sharded object that rank
+    holds: each unique key must have exactly one main replica."""
+    mains: dict[str, list[int]] = {}
+    for rank, held in enumerate(objects):
+        for key, main, _ in held:
+            mains.setdefault(key, [])
+            if main:
+                mains[key].append(rank)
+    for key, ranks in mains.items():
+        if len(ranks) != 1:
+            raise SnapshotError(
+                f"sharded object {key!r} has {len(ranks)} main replicas (on ranks {ranks}); "
+                "exactly one rank must hold it with replica_id 0"
+            )
+
+
+def merge_entries(parts: Iterable[Mapping[str, Any]]) -> dict[str, Entry]:
+    """Every rank's entries in one mapping, each rank's ``ShardedTensorEntry`` (the shards that
+    rank wrote) replaced by one listing every rank's shards of that tensor, and each
+    ``ObjectReplica`` by the entry of the rank that wrote the object."""
+    merged: dict[str, Any] = {}
+    shards: dict[str, list[Shard]] = {}
+    objects: dict[str, ShardedObjectEntry] = {}
+    replicas = False
+    for part in parts:
+        for path, entry in part.items():
+            merged[path] = entry
+            if isinstance(entry, ShardedTensorEntry):
+                shards.setdefault(entry.key, []).extend(entry.shards)
+            elif isinstance(entry, ShardedObjectEntry):
+                objects[entry.key] = entry
+            elif isinstance(entry, ObjectReplica):
+                replicas = True
+    if replicas:
+        for path, entry in merged.items():
+            if isinstance(entry, ObjectReplica):
+                merged[path] = objects[entry.key]
+    if not shards:
+        return merged
+    full = {key: tuple(sorted(found, key=lambda s: s.offsets)) for key, found in shards.items()}
+    for path, entry in merged.items():
+        if isinstance(entry, ShardedTensorEntry):
+            merged[path] = ShardedTensorEntry(
+                key=entry.key,
+                dtype=entry.dtype,
+                shape=entry.shape,
+                shards=full[entry.key],
+                replicated=True,  # the same on every rank
+            )
+    return merged
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading a region.
+
+
+def _strides(sizes: Sequence[int]) -> tuple[int, ...]:
+    out = [1] * len(sizes)
+    for d in range(len(sizes) - 2, -1, -1):
+        out[d] = out[d + 1] * sizes[d + 1]
+    return tuple(out)
+
+
+def runs(stored: Region, wanted: Region) -> Iterator[tuple[int, int, int]]:
+    """``(source, dest, count)`` in elements, for each run of consecutive elements the overlap
+    of the ``stored`` box and the ``wanted`` box makes: ``source`` counts from the start of the
+    stored box, ``dest`` from the start of the wanted box, both in row-major order. Trailing
+    axes that the overlap spans whole in both boxes merge into longer runs."""
+    box = _overlap(stored, wanted)
+    if box is None:
+        return
+    (so, ss), (wo, ws) = stored, wanted
+    lo, n = box
+    ndim = len(n)
+    if ndim == 0:
+        yield 0, 0, 1
+        return
+    s_str, w_str = _strides(ss), _strides(ws)
+    # The run: the innermost axis, and the ones outside it while the overlap spans them whole.
+    d = ndim - 1
+    count = n[d]
+    while d > 0 and n[d] == ss[d] == ws[d]:
+        d -= 1
+        count *= n[d]
+    base_s = sum((lo[k] - so[k]) * s_str[k] for k in range(ndim))
+    base_w = sum((lo[k] - wo[k]) * w_str[k] for k in range(ndim))
+    for index in itertools.product(*(range(n[k]) for k in range(d))):
+        s = base_s + sum(i * s_str[k] for k, i in enumerate(index))
+        w = base_w + sum(i * w_str[k] for k, i in enumerate(index))
+        yield s, w, count
+
+
+def check_entry(path: str, entry: ShardedTensorEntry, dtype: torch.dtype) -> None:
+    """The shards cover the global shape exactly once, and each shard's chunks hold its
+    bytes."""
+    total = 0
+    for shard in entry.shards:
+        expected = math.prod(shard.sizes) * dtype.itemsize
+        stored = sum(c.nbytes for c in shard.chunks)
+        if stored != expected or any(c.nbytes % dtype.itemsize for c in shard.chunks):
+            raise CorruptSnapshotError(
+                f"{path}: the shard at {list(shard.offsets)} of {entry.key!r} records {stored} "
+                f"bytes in chunks of whole elements, which must be {expected}"
+            )
+        total += math.prod(shard.sizes)
+    if total != math.prod(entry.shape) or any(
+        _overlap((a.offsets, a.sizes), (b.offsets, b.sizes)) is not None
+        for a, b in itertools.combinations(entry.shards, 2)
+    ):
+        raise CorruptSnapshotError(
+            f"{path}: the shards of {entry.key!r} do not cover its shape {list(entry.shape)} "
+            "exactly once"
+        )
+
+
+def check_region(path: str, entry: ShardedTensorEntry, region: Region, dest: torch.Tensor) -> None:
+    """Refuses a region outside the stored tensor, or a destination of another shape."""
+    offsets, sizes = region
+    if len(offsets) != len(entry.shape) or any(
+        o + n > g for o, n, g in zip(offsets, sizes, entry.shape, strict=True)
+    ):
+        raise ShapeMismatchError(
+            f"{path}: the snapshot holds {entry.key!r} of global shape {list(entry.shape)} "
+            f"({entry.dtype}); the object being restored wants its region at {list(offsets)} "
+            f"of size {list(sizes)}"
+        )
+    if tuple(dest.shape) != tuple(sizes):
+        raise ShapeMismatchError(
+            f"{path}: a region of size {list(sizes)} cannot fill a tensor of shape "
+            f"{list(dest.shape)}"
+        )
+    if dest.is_meta:
+        raise UnsupportedValueError(f"{path}: cannot restore into a tensor on the meta device")
+
+
+@dataclass
+class Piece:
+    """``nbytes`` bytes at ``offset`` of ``chunk``'s blob, landing at byte ``dest`` of the
+    destination; ``lo`` is the offset within the chunk."""
+
+    chunk: Location
+    lo: int
+    nbytes: int
+    dest: int
+
+
+def pieces(
+    entry: ShardedTensorEntry, region: Region, itemsize: int, piece_bytes: int
+) -> Iterator[Piece]:
+    """The byte ranges to read for ``region``: each run of each overlapping shard, cut at the
+    shard's chunk boundaries and into pieces of at most ``piece_bytes``."""
+    step = max(itemsize, piece_bytes - piece_bytes % itemsize)
+    for shard in entry.shards:
+        ends = list(itertools.accumulate(c.nbytes for c in shard.chunks))
+        for src, dst, count in runs((shard.offsets, shard.sizes), region):
+            start, stop = src * itemsize, (src + count) * itemsize
+            dest = dst * itemsize
+            i = 0
+            while start < stop:
+                while ends[i] <= start:
+                    i += 1
+                chunk = shard.chunks[i]
+                lo = start - (ends[i] - chunk.nbytes)
+                n = min(stop, ends[i]) - start
+                for cut in range(0, n, step):
+                    m = min(step, n - cut)
+                    yield Piece(chunk, lo + cut, m, dest + cut)
+                start += n
+                dest += n
+
+
+def checks_for(
+    path: str, planned: Sequence[Piece], verify: bool
+) -> dict[tuple[str, int], LocationCheck]:
+    """One check per chunk that ``planned`` reads whole (in however many pieces): a chunk
+    read in part cannot be checked against its recorded CRC-32."""
+    if not verify:
+        return {}
+    covered: dict[tuple[str, int], list[Piece]] = {}
+    for p in planned:
+        covered.setdefault((p.chunk.blob, p.chunk.offset), []).append(p)
+    checks = {}
+    for key, found in covered.items():
+        chunk = found[0].chunk
+        if chunk.crc32 is not None and sum(p.nbytes for p in found) == chunk.nbytes:
+            checks[key] = LocationCheck(path, chunk, len(found))
+    return checks
+
+
+def verifier(checks: Mapping[tuple[str, int], LocationCheck], p: Piece) -> Any:
+    check = checks.get((p.chunk.blob, p.chunk.offset))
+    return functools.partial(check.add, p.lo, p.nbytes) if check is not None else None

@@ -1,0 +1,301 @@
+"""Sharded tensors and objects: stored once as pieces of one global value, restored into any
+sharding (real processes, gloo on CPU), and the strategy layer that writes and reads them."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from manifest import ShardedObjectEntry, ShardedTensorEntry
+from snapshot import IncompatibleSnapshotError, Snapshot, SnapshotError, StateDict
+from snapshot.sharding import (
+    LocalNonpersistentObject,
+    ShardedObject,
+    ShardedTensor,
+    ShardedTensorFactory,
+)
+from snapshot.strategies import base
+from snapshot.strategies.base import StrategyAction, get_default_strategy
+from snapshot.strategies.default import (
+    SnapshotLoadStrategy,
+    SnapshotSaveCommonStrategy,
+    SnapshotSaveStrategy,
+)
+from snapshot.strategies.sharded import runs
+from storage_plugins import register_storage_plugin
+from tests.multirank import run_ranks
+from tests.plugins import LOGS, RecordingPlugin
+
+ROWS, COLS = 16, 12
+G = torch.arange(ROWS * COLS, dtype=torch.float32).reshape(ROWS, COLS)
+R = torch.linspace(-1, 1, 40).reshape(8, 5)  # replicated on every rank
+
+
+def _by_rows(rank: int, world: int, data: torch.Tensor | None = None) -> ShardedTensor:
+    n = ROWS // world
+    piece = G[rank * n : (rank + 1) * n].clone() if data is None else data
+    return ShardedTensor.from_rank_offsets("w", piece, (0, rank, world))
+
+
+def _by_cols(rank: int, world: int) -> ShardedTensor:
+    n = COLS // world
+    return ShardedTensor.from_rank_offsets("w", torch.zeros(ROWS, n), (1, rank, world))
+
+
+def _take(rank: int, world: int, path: str) -> None:
+    os.environ["STATESNAP_CHUNK_BYTES"] = "64"  # several chunks per shard: runs cross them
+    replicated = ShardedTensor.from_rank_offsets("r", R.clone(), replica_id=rank)
+    state = StateDict(w=_by_rows(rank, world), r=replicated, step=7)
+    # step is the same on every rank: restorable on ranks the snapshot did not have.
+    Snapshot.take(path, {"m": state}, replicated=["m/step"])
+
+
+def _restore(rank: int, world: int, path: str, layout: str) -> int:
+    """Restores into ``layout`` ("rows" or "cols"); returns the data bytes this rank read."""
+    os.environ["STATESNAP_READ_GAP_BYTES"] = "0"  # ask for exactly the overlapping bytes
+    register_storage_plugin("recording", RecordingPlugin)
+    target = (
+        _by_cols(rank, world)
+        if layout == "cols"
+        else _by_rows(rank, world, torch.zeros(ROWS // world, COLS))
+    )
+    replicated = ShardedTensor.from_rank_offsets("r", torch.zeros(8, 5), replica_id=rank)
+    state = StateDict(w=target, r=replicated, step=0)
+    Snapshot(f"recording://{path}").restore({"m": state})
+    region = target.global_slice()
+    assert torch.equal(state["w"], G[region]), f"rank {rank}: {state['w']} != {G[region]}"
+    assert torch.equal(state["r"], R) and state["step"] == 7
+    log = LOGS[path]
+    return sum(n for blob, _, n in log.reads if blob != "manifest.yaml")
+
+
+@pytest.mark.parametrize(
+    ("saved", "restored", "layout"),
+    [(4, 2, "rows"), (4, 4, "cols"), (2, 4, "rows"), (2, 2, "cols")],
+    ids=["4to2-dim0", "dim0-to-dim1", "2to4-dim0", "2-dim0-to-dim1"],
+)
+def test_resharding_matrix(tmp_path, saved, restored, layout):
+    path = str(tmp_path / "snap")
+    run_ranks(saved, _take, path)
+    entry = Snapshot(path).get_manifest()["0/m/w"]
+    assert isinstance(entry, ShardedTensorEntry) and entry.shape == (ROWS, COLS)
+    assert [s.offsets for s in entry.shards] == [(i * ROWS // saved, 0) for i in range(saved)]
+    read = run_ranks(restored, _restore, path, layout)
+    # Each rank read its region's bytes, and the replicated tensor (stored once), nothing more.
+    region_bytes = G.numel() * 4 // restored
+    assert read == [region_bytes + R.numel() * 4] * restored
+
+
+def test_one_full_tensor_from_four_shards(tmp_path):
+    path = str(tmp_path / "snap")
+    run_ranks(4, _take, path)
+    snap = Snapshot(path)
+    assert torch.equal(snap.read_object("0/m/w"), G)
+    out = torch.full((ROWS, COLS), -1.0, dtype=torch.float64)  # another dtype: cast on the way
+    assert snap.read_object("3/m/w", obj_out=out) is out
+    assert torch.equal(out, G.double())
+    strided = torch.zeros(COLS, ROWS).t()  # not contiguous: read through a scratch tensor
+    snap.read_object("1/m/w", obj_out=strided)
+    assert torch.equal(strided, G)
+    with pytest.raises(SnapshotError, match="global shape"):
+        snap.restore({"m": StateDict(w=ShardedTensor.from_rank_offsets("w", torch.zeros(3, 3)))})
+
+
+def test_runs_of_an_overlap():
+    # A 4x6 box stored at (0, 0); the wanted box is columns 2..5 of rows 1..3.
+    assert list(runs(((0, 0), (4, 6)), ((1, 2), (2, 3)))) == [(8, 0, 3), (14, 3, 3)]
+    # Whole rows in both: one run.
+    assert list(runs(((0, 0), (4, 6)), ((2, 0), (2, 6)))) == [(12, 0, 12)]
+    assert list(runs(((0, 0), (4, 6)), ((4, 0), (2, 6)))) == []
+    assert list(runs(((), ()), ((), ()))) == [(0, 0, 1)]
+
+
+def _bad_cover(rank: int, world: int, path: str, how: str) -> str:
+    if how == "overlap":  # both ranks claim the first half as main replicas
+        st = ShardedTensor.from_rank_offsets("w", G[: ROWS // 2].clone(), (0, 0, 2))
+    else:  # two thirds of the rows only
+        n = ROWS // 4
+        st = ShardedTensor.from_rank_offsets(
+            "w", G[rank * n : (rank + 1) * n].clone(), (0, rank, 4)
+        )
+    with pytest.raises(SnapshotError) as caught:
+        Snapshot.take(path, {"m": StateDict(w=st)})
+    return str(caught.value)
+
+
+@pytest.mark.parametrize("how", ["overlap", "gap"])
+def test_main_replicas_must_cover_each_tensor_once(tmp_path, how):
+    path = str(tmp_path / "snap")
+    messages = run_ranks(2, _bad_cover, path, how)
+    assert messages[0] == messages[1]
+    assert "sharded tensor 'w'" in messages[0]
+    expected = (
+        "the main replicas of ranks 0 and 1 overlap"
+        if how == "overlap"
+        else "the main replicas held by ranks [0, 1] cover 96 of its 192 elements"
+    )
+    assert expected in messages[0]
+    with pytest.raises(SnapshotError):
+        Snapshot(path)  # nothing was committed
+
+
+def _dtensors(rank: int, world: int, path: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    Snapshot.take(
+        path,
+        {
+            "m": StateDict(
+                w=distribute_tensor(G, mesh, [Shard(0)]),
+                r=distribute_tensor(R, mesh, [Replicate()]),
+            )
+        },
+    )
+    w = distribute_tensor(torch.zeros(ROWS, COLS), mesh, [Shard(1)])
+    r = distribute_tensor(torch.zeros(8, 5), mesh, [Replicate()])
+    state = StateDict(w=w, r=r)
+    Snapshot(path).restore({"m": state})
+    assert state["w"] is w and torch.equal(w.full_tensor(), G)
+    assert torch.equal(w.to_local(), G[:, rank * 3 : (rank + 1) * 3])
+    assert torch.equal(r.to_local(), R)
+
+
+def test_dtensor_round_trip_into_another_placement(tmp_path):
+    path = str(tmp_path / "snap")
+    run_ranks(4, _dtensors, path)
+    manifest = Snapshot(path).get_manifest()
+    entry = manifest["2/m/w"]
+    assert isinstance(entry, ShardedTensorEntry) and entry.key == "m/w"
+    assert len(entry.shards) == 4
+    assert len(manifest["0/m/r"].shards) == 1  # replicated: written by one rank only
+    assert torch.equal(Snapshot(path).read_object("0/m/w"), G)
+
+
+def _objects(rank: int, world: int, path: str) -> None:
+    own = ShardedObject("cfg", {"rank": rank}, (world,), (rank,))
+    shared = ShardedObject("vocab", ["a", "b"], (1,), (0,), replica_id=rank)
+    Snapshot.take(path, {"m": StateDict(own=own, shared=shared)})
+    state = StateDict(
+        own=ShardedObject("cfg", None, (world,), (rank,)),
+        shared=ShardedObject("vocab", None, (1,), (0,), replica_id=rank),
+    )
+    Snapshot(path).restore({"m": state})
+    assert state["own"] == {"rank": rank} and state["shared"] == ["a", "b"]
+
+
+def test_sharded_objects_are_written_once_and_found_by_every_replica(tmp_path):
+    path = str(tmp_path / "snap")
+    run_ranks(2, _objects, path)
+    manifest = Snapshot(path).get_manifest()
+    shared = {manifest[f"{r}/m/shared"] for r in range(2)}
+    assert len(shared) == 1 and isinstance(next(iter(shared)), ShardedObjectEntry)
+    assert manifest["1/m/own"].key == "cfg/shard_1_2"
+
+
+def test_factories_and_nonpersistent_values(tmp_path):
+    def build(key, data, replica_id, flattened_range):
+        half = data.shape[0] // 2
+        return {
+            "lo": ShardedTensor.from_rank_offsets(f"{key}.lo", data[:half]),
+            "hi": ShardedTensor.from_rank_offsets(f"{key}.hi", data[half:]),
+        }
+
+    def merge(parts):
+        return torch.cat([parts["lo"], parts["hi"]])
+
+    data = torch.arange(10.0)
+    state = StateDict(
+        f=ShardedTensorFactory("split", data, build, merge),
+        tmp=LocalNonpersistentObject("taken"),
+    )
+    path = str(tmp_path / "snap")
+    Snapshot.take(path, {"m": state})
+    manifest = Snapshot(path).get_manifest()
+    assert manifest["0/m/f/lo"].key == "split.lo" and manifest["0/m/tmp"].value is None
+    target = StateDict(
+        f=ShardedTensorFactory("split", torch.zeros(10), build, merge),
+        tmp=LocalNonpersistentObject("mine"),
+    )
+    Snapshot(path).restore({"m": target})
+    assert torch.equal(target["f"], data) and target["tmp"] == "mine"
+
+
+# ---------------------------------------------------------------------------------------------
+# The strategy layer.
+
+
+def test_snapshots_record_and_check_their_strategies(tmp_path, monkeypatch):
+    path = str(tmp_path / "snap")
+    Snapshot.take(path, {"m": StateDict(w=ShardedTensor.from_rank_offsets("w", G.clone()))})
+    snap = Snapshot(path)
+    assert snap.metadata["strategies"] == {"sharded": ["statesnap", 1], "common": ["statesnap", 1]}
+    loaders = base.default_strategies[StrategyAction.LOAD_SHARDED.value]
+    # A library whose loader reads version 2 only, registered for what this snapshot records.
+    monkeypatch.setitem(loaders, ("statesnap", 1), SnapshotLoadStrategy(versions=(2,)))
+    with pytest.raises(IncompatibleSnapshotError, match="cannot load version 1"):
+        snap.restore({"m": StateDict(w=torch.zeros(ROWS, COLS))})
+    # ... or none registered for it at all.
+    monkeypatch.delitem(loaders, ("statesnap", 1))
+    monkeypatch.setitem(loaders, ("statesnap", 2), SnapshotLoadStrategy(versions=(2,)))
+    with pytest.raises(IncompatibleSnapshotError, match="registered: statesnap v2"):
+        snap.restore({"m": StateDict(w=torch.zeros(ROWS, COLS))})
+
+
+def test_registry(monkeypatch):
+    get_default_strategy(StrategyAction.SAVE_SHARDED, "statesnap", 1)  # built-ins registered
+    monkeypatch.setattr(base, "default_strategies", base.defaultdict(dict))
+    monkeypatch.setattr(base, "_builtins_registered", True)
+    saver = SnapshotSaveStrategy("mine", 3)
+    base.register_default_strategy(StrategyAction.SAVE_SHARDED, "mine", 3, saver)
+    assert get_default_strategy(StrategyAction.SAVE_SHARDED, "mine", 3) is saver
+    assert str(saver) == "SnapshotSaveStrategy(mine, 3)" and saver.can_handle_sharded_objects
+    with pytest.raises(IncompatibleSnapshotError, match="registered: mine v3"):
+        get_default_strategy(StrategyAction.SAVE_SHARDED, "mine", 4)
+    with pytest.raises(TypeError, match="LoadStrategyBase"):
+        base.register_default_strategy(StrategyAction.LOAD_SHARDED, "mine", 3, saver)
+    with pytest.raises(TypeError, match="StrategyAction"):
+        base.register_default_strategy("save_sharded", "mine", 3, saver)  # type: ignore[arg-type]
+    assert [a.value for a in StrategyAction] == [
+        "load_common",
+        "load_sharded",
+        "save_common",
+        "save_sharded",
+    ]
+
+
+def test_the_strategy_api(tmp_path):
+    loader = SnapshotLoadStrategy()
+    sd = {"w": ShardedTensor.from_rank_offsets("w", G.clone()), "step": 3}
+    request = SnapshotSaveStrategy().async_save(sd, tmp_path / "a")
+    sd["w"].data.zero_()  # captured at the call: the snapshot holds G
+    request.execute_sync()
+    SnapshotSaveStrategy().save({"x": torch.ones(2)}, tmp_path / "b")
+    loaded = loader.load(
+        {"w": ShardedTensor.from_rank_offsets("w", torch.zeros(ROWS, COLS)), "step": 0},
+        tmp_path / "a",
+    )
+    assert torch.equal(loaded["w"], G) and loaded["step"] == 3
+    meta = loader.load_tensors_metadata(tmp_path / "a")
+    assert list(meta) == ["w"] and meta["w"].global_shape == (ROWS, COLS)
+    assert meta["w"].data is None and meta["w"].dtype == torch.float32
+    assert loader.load_sharded_metadata(tmp_path / "b") == {}
+    with pytest.raises(SnapshotError, match="never changed in place"):
+        loader.remove_sharded_tensors(tmp_path / "a", "w")
+    loader.check_backend_compatibility("statesnap")
+    with pytest.raises(IncompatibleSnapshotError):
+        loader.check_backend_compatibility("torch_dist")
+
+    common = SnapshotSaveCommonStrategy()
+    common.save_common({"lr": 0.1, "names": ["a"]}, tmp_path / "c")
+    assert loader.load_common(tmp_path / "c") == {"lr": 0.1, "names": ["a"]}
+    common.save_sharded_objects({"o": ShardedObject("o", [1, 2], (1,), (0,))}, tmp_path / "c")
+    objects = loader.load_sharded_objects(
+        {"o": ShardedObject("o", None, (1,), (0,))}, tmp_path / "c"
+    )
+    assert objects == {"o": [1, 2]}
+    meta = loader.load_sharded_metadata(tmp_path / "c" / "sharded_objects")
+    assert list(meta) == ["o/shard_0_1"]
