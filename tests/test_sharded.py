@@ -299,3 +299,19 @@ def test_the_strategy_api(tmp_path):
     assert objects == {"o": [1, 2]}
     meta = loader.load_sharded_metadata(tmp_path / "c" / "sharded_objects")
     assert list(meta) == ["o/shard_0_1"]
+
+
+def test_a_take_without_dtensors_does_not_import_their_module(tmp_path):
+    # Importing torch.distributed.tensor costs about half a second: only states holding
+    # DTensors (which imported it already) may pay for it.
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, torch\n"
+        "from snapshot import Snapshot, StateDict\n"
+        f"Snapshot.take({str(tmp_path / 'snap')!r}, {{'m': StateDict(w=torch.ones(3), o={{1}})}})\n"
+        "print('torch.distributed.tensor' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
