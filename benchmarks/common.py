@@ -746,6 +746,25 @@ def resident_fraction(path: str) -> float:
 
 
 # ---------------------------------------------------------------------------------------------
+# Processes.
+
+
+def reap(proc: subprocess.Popen[Any], timeout: float = 5.0) -> None:
+    """Waits for ``proc``, which was killed or told to exit. A signal handler that raises inside
+    ``Popen.poll()`` (Ctrl-C, or SIGTERM turned into SystemExit) can leave ``Popen``'s internal
+    wait lock held, after which ``proc.wait()`` blocks for ever; so after ``timeout`` seconds
+    the process is reaped with ``os.waitpid`` directly."""
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        try:
+            _pid, status = os.waitpid(proc.pid, 0)
+        except ChildProcessError:  # reaped meanwhile
+            return
+        proc.returncode = os.waitstatus_to_exitcode(status)
+
+
+# ---------------------------------------------------------------------------------------------
 # Machine description.
 
 

@@ -27,6 +27,11 @@ the FileStore at ``store``, generates its rank's state (the spec gets ``rank``),
 methods' group flavors (``GROUP_WRITERS`` / ``GROUP_READERS``) and times the call between two
 barriers, so ``seconds`` runs until the slowest rank is done (``own_seconds`` stops when this
 rank's call returns). Rank 0 measures the bytes on disk after the second barrier.
+
+A job with ``s3`` (the ``s3`` case) uses the S3 methods (``S3_WRITERS`` / ``S3_READERS``) on the
+endpoint it names, its ``path`` an ``s3://bucket/prefix`` URL; the worker reads the S3 server
+process's CPU time (``s3["server_pid"]``, utime + stime from ``/proc/PID/stat``) right before
+and right after the timed call and reports the difference as ``server_cpu_seconds``.
 """
 
 from __future__ import annotations
@@ -63,11 +68,15 @@ from benchmarks.methods import (
     GROUP_READERS,
     GROUP_WRITERS,
     READERS,
+    S3_READERS,
+    S3_WRITERS,
     WRITERS,
     Reader,
     Writer,
+    configure_s3,
     statesnap_path,
 )
+from benchmarks.s3server import process_cpu_seconds
 
 
 @dataclass(frozen=True)
@@ -110,10 +119,14 @@ class RankGroup:
         """This rank's state (the spec of a grouped job depends on the rank)."""
         return build_spec({**job["state"], "rank": self.rank} if self.world_size else job["state"])
 
-    def writer(self, name: str) -> Writer:
+    def writer(self, name: str, s3: bool = False) -> Writer:
+        if s3:
+            return S3_WRITERS[name]
         return (GROUP_WRITERS if self.world_size else WRITERS)[name]
 
-    def reader(self, name: str) -> Reader:
+    def reader(self, name: str, s3: bool = False) -> Reader:
+        if s3:
+            return S3_READERS[name]
         return (GROUP_READERS if self.world_size else READERS)[name]
 
     def take_bytes(self, spec: StateSpec) -> int:
@@ -132,18 +145,40 @@ class RankGroup:
         return {"rank": self.rank} if self.world_size else {}
 
 
+class ServerClock:
+    """CPU seconds the S3 server process spent between ``start()`` and ``stop()`` (nothing
+    when the job has no S3 server)."""
+
+    def __init__(self, job: dict[str, Any]) -> None:
+        self.pid = (job.get("s3") or {}).get("server_pid")
+        self.cpu0 = 0.0
+
+    def start(self) -> None:
+        if self.pid:
+            self.cpu0 = process_cpu_seconds(self.pid)
+
+    def stop(self) -> dict[str, Any]:
+        if not self.pid:
+            return {}
+        return {"server_cpu_seconds": process_cpu_seconds(self.pid) - self.cpu0}
+
+
 def _take(job: dict[str, Any], ranks: RankGroup) -> dict[str, Any]:
-    writer = ranks.writer(job["method"])
+    s3 = "s3" in job
+    writer = ranks.writer(job["method"], s3)
     writer.prepare()
     spec = ranks.spec(job)
     fsync = job["mode"] == "fsync"
     path = job["path"]
-    os.makedirs(path, exist_ok=True)
+    if not s3:
+        os.makedirs(path, exist_ok=True)
     state = generate_state(spec, with_objects=writer.objects)
+    server = ServerClock(job)
     ranks.barrier()  # every rank has its state and its library imported
     io0 = proc_io()
     with PeakRSS() as mem:
         ranks.barrier()
+        server.start()
         t0 = time.perf_counter()
         writer.save(spec, state, path, fsync)
         if fsync and not writer.self_fsync:
@@ -151,6 +186,7 @@ def _take(job: dict[str, Any], ranks: RankGroup) -> dict[str, Any]:
         own_seconds = time.perf_counter() - t0
         ranks.barrier()
         seconds = time.perf_counter() - t0
+        server_cpu = server.stop()
     io = io_delta(io0, proc_io())
     return {
         "ok": True,
@@ -160,9 +196,10 @@ def _take(job: dict[str, Any], ranks: RankGroup) -> dict[str, Any]:
         "peak_rss_above_baseline": mem.above_baseline,
         "baseline_rss": mem.baseline,
         "rss_method": mem.method,
-        "disk": tree_size(path) if ranks.rank == 0 else None,
+        "disk": tree_size(path) if ranks.rank == 0 and not s3 else None,
         "io": io,
         "check": {"ok": True, "detail": "n/a (take)"},
+        **server_cpu,
         **ranks.fields(),
     }
 
@@ -188,20 +225,23 @@ def _kept_targets(restored: Any, pointers: Pointers) -> bool | None:
 
 
 def _restore(job: dict[str, Any], ranks: RankGroup) -> dict[str, Any]:
-    reader = ranks.reader(job["method"])
+    reader = ranks.reader(job["method"], "s3" in job)
     reader.prepare()
     spec = ranks.spec(job)
     targets = make_targets(spec, with_objects=reader.objects) if reader.into_targets else None
     pointers = _target_pointers(spec, targets)
+    server = ServerClock(job)
     ranks.barrier()
     io0 = proc_io()
     with PeakRSS() as mem:
         ranks.barrier()
+        server.start()
         t0 = time.perf_counter()
         restored = reader.load(spec, job["path"], targets)
         own_seconds = time.perf_counter() - t0
         ranks.barrier()
         seconds = time.perf_counter() - t0
+        server_cpu = server.stop()
     io = io_delta(io0, proc_io())
     check = reader.verify(spec, restored, reader.objects)
     return {
@@ -215,6 +255,7 @@ def _restore(job: dict[str, Any], ranks: RankGroup) -> dict[str, Any]:
         "io": io,
         "check": check.as_dict(),
         "in_place": _kept_targets(restored, pointers),
+        **server_cpu,
         **ranks.fields(),
     }
 
@@ -358,6 +399,8 @@ def main() -> None:
     with open(sys.argv[1]) as f:
         job = json.load(f)
     try:
+        if "s3" in job:
+            configure_s3(job["s3"])
         ranks = RankGroup.join(job)
         try:
             result = OPS[job["op"]](job, ranks)

@@ -5,7 +5,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import functools
 import logging
+import os
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -86,7 +88,25 @@ class S3StoragePlugin(StoragePlugin):
             ) from e
         config = dict(options.pop("config_kwargs", None) or {})
         config.setdefault("retries", {"total_max_attempts": 1})
+        # The library checks every byte it reads against the CRC-32 it recorded when taking
+        # (computed from the application's memory): the SDK's own per-request checksums, and
+        # signing each payload's SHA-256 (which botocore does over plain http), would hash every
+        # byte once or twice more. Over https botocore leaves the payload unsigned anyway.
+        config.setdefault("request_checksum_calculation", "when_required")
+        config.setdefault("response_checksum_validation", "when_required")
+        s3_config = dict(config.get("s3") or {})
+        s3_config.setdefault("payload_signing_enabled", False)
+        config["s3"] = s3_config
         options.setdefault("skip_instance_cache", True)  # a cached instance may be another loop's
+        endpoint = str(options.get("endpoint_url") or "")
+        if endpoint.startswith("http://"):
+            # Plain http has no certificate to verify: skip loading the CA bundle (tens of ms
+            # for every client).
+            client_kwargs = dict(options.get("client_kwargs") or {})
+            client_kwargs.setdefault("verify", False)
+            options["client_kwargs"] = client_kwargs
+        if "session" not in options and _session_kwargs(options, s3fs.S3FileSystem) == {}:
+            options["session"] = _shared_session()
         self.fs = s3fs.S3FileSystem(
             asynchronous=True, loop=asyncio.get_running_loop(), config_kwargs=config, **options
         )
@@ -149,8 +169,7 @@ class S3StoragePlugin(StoragePlugin):
         views = [memoryview(b).cast("B") for b in buffers if len(b)]
         total = sum(len(v) for v in views)
         if total <= self._part_bytes:
-            body = bytes(views[0]) if len(views) == 1 else b"".join(views)
-            await self._call("put_object", path, Body=body)
+            await self._call("put_object", path, Body=_body(views))
             return
         await self._multipart(path, views, total)
 
@@ -161,7 +180,7 @@ class S3StoragePlugin(StoragePlugin):
 
         async def upload(number: int, pieces: list[memoryview]) -> dict[str, Any]:
             done = await self._call(
-                "upload_part", path, UploadId=upload_id, PartNumber=number, Body=b"".join(pieces)
+                "upload_part", path, UploadId=upload_id, PartNumber=number, Body=_body(pieces)
             )
             return {"PartNumber": number, "ETag": done["ETag"]}
 
@@ -255,6 +274,52 @@ class S3StoragePlugin(StoragePlugin):
             await creator.__aexit__(None, None, None)
         elif hasattr(creator, "clear"):  # s3fs's per-region client cache
             await creator.clear()
+
+
+# botocore sessions by the AWS_* environment they were made in: a session caches what it loaded
+# (the S3 service model: a tenth of a second to read for every new one) and the credentials it
+# resolved from that environment. A client is still made, and closed, by each plugin.
+_SESSIONS: dict[tuple[tuple[str, str], ...], Any] = {}
+
+
+def _shared_session() -> Any:
+    from aiobotocore.session import AioSession
+
+    key = tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("AWS_")))
+    session = _SESSIONS.get(key)
+    if session is None:
+        session = _SESSIONS[key] = AioSession()
+    return session
+
+
+def _session_kwargs(options: dict[str, Any], fs_class: type) -> dict[str, Any]:
+    """The options s3fs would pass on to a new botocore session (those its constructor does
+    not name): a session made with any of them is not shared."""
+    named = _constructor_parameters(fs_class)
+    return {k: v for k, v in options.items() if k not in named}
+
+
+@functools.cache
+def _constructor_parameters(fs_class: type) -> frozenset[str]:
+    import inspect
+
+    params = inspect.signature(fs_class.__init__).parameters
+    # fsspec's own options (skip_instance_cache, use_listings_cache, ...) are not session
+    # options either.
+    return frozenset(params) | {
+        "skip_instance_cache",
+        "use_listings_cache",
+        "listings_expiry_time",
+        "max_paths",
+    }
+
+
+def _body(views: list[memoryview]) -> bytearray:
+    """One request's body, copied once. botocore takes bytes, bytearray or a file, not a
+    memoryview; a ``bytes`` body it wraps in a ``BytesIO``, which aiohttp then copies again,
+    and a file goes through aiohttp in small reads on a worker thread: a bytearray is the one
+    form sent as it is."""
+    return bytearray(views[0]) if len(views) == 1 else bytearray().join(views)
 
 
 def _parts(views: list[memoryview], part_bytes: int) -> Iterator[list[memoryview]]:
