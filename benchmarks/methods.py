@@ -558,14 +558,26 @@ def configure_s3(config: dict[str, Any]) -> None:
     S3_ENDPOINT.update(config)
 
 
+# The SDK settings statesnap's plugin uses by default, given to the s3fs-based peers too, so
+# that the comparison is of the methods and not of botocore's defaults: no SHA-256 of every
+# body for the signature (botocore computes it over plain http, as to this local server, but
+# not over https, as to AWS) and no SDK checksum of every request and response.
+PEER_S3_CONFIG = {
+    "request_checksum_calculation": "when_required",
+    "response_checksum_validation": "when_required",
+    "s3": {"payload_signing_enabled": False},
+}
+
+
 def _s3_options() -> dict[str, Any]:
     if "storage_options" not in S3_ENDPOINT:
         raise RuntimeError("no S3 endpoint configured (configure_s3 was not called)")
-    return dict(S3_ENDPOINT["storage_options"])
+    return {**S3_ENDPOINT["storage_options"], "config_kwargs": PEER_S3_CONFIG}
 
 
 def _s3_ss_options() -> dict[str, Any]:
-    return {**_s3_options(), **S3_ENDPOINT.get("statesnap_options", {})}
+    # statesnap with its own defaults (the same SDK settings as PEER_S3_CONFIG).
+    return {**S3_ENDPOINT["storage_options"], **S3_ENDPOINT.get("statesnap_options", {})}
 
 
 def _s3_fs(**kwargs: Any) -> Any:

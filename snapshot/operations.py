@@ -651,35 +651,26 @@ class _Loader:
 
     async def _read(self, plugin: StoragePlugin, budget_bytes: int) -> IOStats:
         concurrency = knobs.max_concurrent_io()
-        sizes = (
-            asyncio.ensure_future(self._check_sizes(plugin, concurrency)) if self.verify else None
+        stats = await read_all(
+            plugin,
+            coalesce(
+                self.needs,
+                max_gap_bytes=knobs.read_gap_bytes(),
+                max_request_bytes=self.piece_bytes,
+                max_scratch_bytes=self.tile_bytes,
+            ),
+            budget_bytes=budget_bytes,
+            max_concurrency=concurrency,
         )
-        try:
-            stats = await read_all(
-                plugin,
-                coalesce(
-                    self.needs,
-                    max_gap_bytes=knobs.read_gap_bytes(),
-                    max_request_bytes=self.piece_bytes,
-                    max_scratch_bytes=self.tile_bytes,
-                ),
-                budget_bytes=budget_bytes,
-                max_concurrency=concurrency,
-            )
-        except BaseException:
-            if sizes is not None:  # the read's error is the one to report
-                sizes.cancel()
-                await asyncio.wait([sizes])
-                if not sizes.cancelled():
-                    sizes.exception()  # retrieved, so that asyncio does not log it
-            raise
-        if sizes is not None:
-            await sizes
+        if self.verify:
+            # After the reads: a store may learn sizes from them (an S3 ranged GET's answer
+            # carries the object's length), and a blob cut short has failed its read already.
+            await self._check_sizes(plugin, concurrency)
         return stats
 
     async def _check_sizes(self, plugin: StoragePlugin, concurrency: int) -> None:
         """Each blob read must be as long as the manifest says: not shorter (cut), and not
-        longer (bytes appended after the take, or a blob of another snapshot). Runs beside the
+        longer (bytes appended after the take, or a blob of another snapshot). Runs after the
         reads, one size query per blob."""
         by_blob: dict[str, list[Need]] = {}
         for need in self.needs:

@@ -112,6 +112,7 @@ class S3StoragePlugin(StoragePlugin):
         )
         self.fs.retries = 1  # one attempt per call in s3fs: the library retries, with a deadline
         self._slots = asyncio.Semaphore(self._concurrency)
+        self._sizes: dict[str, int] = {}  # object lengths seen in ranged reads' answers
 
     # -- naming ----------------------------------------------------------------------------------
 
@@ -166,6 +167,7 @@ class S3StoragePlugin(StoragePlugin):
     # -- writes ----------------------------------------------------------------------------------
 
     async def write(self, path: str, buffers: Sequence[Buffer]) -> None:
+        self._sizes.pop(path, None)
         views = [memoryview(b).cast("B") for b in buffers if len(b)]
         total = sum(len(v) for v in views)
         if total <= self._part_bytes:
@@ -226,6 +228,7 @@ class S3StoragePlugin(StoragePlugin):
             response = await self._call_in_slot(
                 "get_object", path, Range=f"bytes={offset}-{offset + total - 1}"
             )
+            self._note_size(path, response.get("ContentRange"))
             async with response["Body"] as body:
                 got = 0
                 for out in outs:
@@ -248,7 +251,18 @@ class S3StoragePlugin(StoragePlugin):
 
     # -- metadata --------------------------------------------------------------------------------
 
+    def _note_size(self, path: str, content_range: str | None) -> None:
+        # "bytes 0-99/1000": a ranged GET tells the object's length for free.
+        total = (content_range or "").rpartition("/")[2]
+        if total.isdigit():
+            self._sizes[path] = int(total)
+
     async def size(self, path: str) -> int | None:
+        """The object's length: as a ranged read of it reported it (no request), else from a
+        HEAD request."""
+        known = self._sizes.get(path)
+        if known is not None:
+            return known
         head = await self._call("head_object", path)
         return int(head["ContentLength"])
 
@@ -261,6 +275,7 @@ class S3StoragePlugin(StoragePlugin):
 
     async def delete(self, path: str) -> None:
         # S3 deletes a missing key without complaint; the contract asks for FileNotFoundError.
+        self._sizes.pop(path, None)
         await self._call("head_object", path)
         await self._call("delete_object", path)
 
