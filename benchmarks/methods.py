@@ -771,7 +771,7 @@ S3_WRITERS: dict[str, Writer] = {
             prepare=_s3_ss_prepare,
             note="Snapshot.take('s3://...', app_state, storage_options=endpoint, credentials and "
             "region + any --s3-option); the plugin's defaults otherwise "
-            "(max_concurrent_requests=16, part_bytes=32 MiB)",
+            "(max_concurrent_requests=8, part_bytes=32 MiB)",
         ),
     )
 }

@@ -140,6 +140,8 @@ def test_read_object_of_a_1_gib_snapshot_transfers_only_its_bytes(s3_bucket: S3B
     others = [r for r in reads if not r.key.endswith(MANIFEST_NAME)]
     assert len(manifest) == 1 and manifest[0].bytes_out < MIB
     assert all(r.range is not None for r in others if r.method == "GET")
+    # The object's length comes with the ranged GET's answer: no HEAD request for it.
+    assert [r.method for r in others] == ["GET"]
     assert 4096 <= sum(r.bytes_out for r in others) < MIB
 
 
