@@ -27,6 +27,8 @@ from manifest import (
     Manifest,
     ObjectEntry,
     PrimitiveEntry,
+    ShardedObjectEntry,
+    ShardedTensorEntry,
     TensorEntry,
     TupleEntry,
 )
@@ -70,9 +72,9 @@ def format_shape(shape: Sequence[int]) -> str:
 
 def _type_name(entry: Entry) -> str:
     """What the DTYPE column shows: a tensor's dtype, an object's type, a primitive's type."""
-    if isinstance(entry, TensorEntry):
+    if isinstance(entry, (TensorEntry, ShardedTensorEntry)):
         return entry.dtype
-    if isinstance(entry, ObjectEntry):
+    if isinstance(entry, (ObjectEntry, ShardedObjectEntry)):
         return entry.obj_type
     if isinstance(entry, PrimitiveEntry):
         return entry.value_type
@@ -157,7 +159,7 @@ def _list_entries(manifest: Manifest, prefix: str | None) -> Listing:
     rows = []
     tensors = total = 0
     for path, entry in items:
-        if isinstance(entry, TensorEntry):
+        if isinstance(entry, (TensorEntry, ShardedTensorEntry)):  # a sharded one: global shape
             tensors += 1
             shape: tuple[int, ...] | None = entry.shape
         else:
@@ -776,8 +778,25 @@ def _compare(path: str, a: Entry, b: Entry) -> Difference | bool:
             what.append(("shape", f"{format_shape(a.shape)} -> {format_shape(b.shape)}"))
         if what:
             return Difference(path, ", ".join(w for w, _ in what), "; ".join(d for _, d in what))
-    elif isinstance(a, ObjectEntry):
-        assert isinstance(b, ObjectEntry)
+    elif isinstance(a, ShardedTensorEntry):
+        assert isinstance(b, ShardedTensorEntry)
+        if (a.dtype, a.shape) != (b.dtype, b.shape):
+            return Difference(
+                path,
+                "dtype, shape",
+                f"{a.dtype}{format_shape(a.shape)} -> {b.dtype}{format_shape(b.shape)}",
+            )
+        boxes_a = [(s.offsets, s.sizes) for s in a.shards]
+        if boxes_a != [(s.offsets, s.sizes) for s in b.shards]:
+            # The same values cut differently: their bytes cannot be compared range by range.
+            return Difference(
+                path,
+                "sharding",
+                f"stored as {len(a.shards)} shards -> {len(b.shards)} shards (contents not "
+                "compared)",
+            )
+    elif isinstance(a, (ObjectEntry, ShardedObjectEntry)):
+        assert isinstance(b, (ObjectEntry, ShardedObjectEntry))
         if (a.obj_type, a.serializer) != (b.obj_type, b.serializer):
             return Difference(path, "type", f"{a.obj_type} -> {b.obj_type}")
     elif isinstance(a, PrimitiveEntry):

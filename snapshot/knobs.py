@@ -78,10 +78,12 @@ def write_batch_bytes() -> int:
     return _env_int("WRITE_BATCH_BYTES", 64 * _MIB, 1)
 
 
-def chunk_bytes() -> int:
+def chunk_bytes(store_hint: int | None = None) -> int:
     """Tensors larger than this are split into chunks of about this size, each its own blob,
-    written and read concurrently (STATESNAP_CHUNK_BYTES, default 128 MiB)."""
-    return _env_int("CHUNK_BYTES", 128 * _MIB, 1)
+    written and read concurrently (STATESNAP_CHUNK_BYTES; default 128 MiB, or the storage
+    plugin's ``chunk_bytes_hint`` when that is smaller)."""
+    default = 128 * _MIB if store_hint is None else min(128 * _MIB, store_hint)
+    return _env_int("CHUNK_BYTES", default, 1)
 
 
 def slab_threshold_bytes() -> int:

@@ -76,6 +76,7 @@ from snapshot.staging import StagingPool
 from snapshot.stateful import RNGState, Stateful
 from snapshot.strategies import sharded
 from storage_plugins import StoragePlugin
+from storage_plugins.registry import chunk_bytes_hint
 
 logger = logging.getLogger("snapshot")
 
@@ -284,7 +285,7 @@ class TakeJob:
             self.pool.free_bytes if self.pool is not None else 0
         )
         layout = Layout(
-            chunk_bytes=knobs.chunk_bytes(),
+            chunk_bytes=knobs.chunk_bytes(chunk_bytes_hint(self.path)),
             slab_threshold_bytes=knobs.slab_threshold_bytes(),
             # A slab is staged whole: keep it to a quarter of the budget.
             slab_bytes=max(1, min(knobs.slab_bytes(), self._budget // 4)),

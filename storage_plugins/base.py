@@ -32,6 +32,11 @@ class StoragePlugin(abc.ABC):
     absolute); a plugin maps them under its root however it likes.
     """
 
+    # The largest blob this store handles best, or None: the library's default chunk size for
+    # tensors (128 MiB) is lowered to it (an explicit STATESNAP_CHUNK_BYTES still wins). Read
+    # from the class, before any instance exists, and alike on every rank.
+    chunk_bytes_hint: int | None = None
+
     @abc.abstractmethod
     async def write(self, path: str, buffers: Sequence[Buffer]) -> None:
         """Stores the concatenation of ``buffers`` as the blob ``path``, replacing any old one.

@@ -111,3 +111,14 @@ def url_to_storage_plugin(url: str, storage_options: dict[str, Any] | None = Non
     protocol, _ = split_url(url)
     factory, _ = resolve_factory(protocol)
     return factory(url, storage_options)
+
+
+def chunk_bytes_hint(url: str) -> int | None:
+    """The ``chunk_bytes_hint`` of the plugin class that would serve ``url`` (None for a
+    factory that is not a plugin class, or a protocol nothing serves)."""
+    try:
+        factory, _ = resolve_factory(split_url(url)[0])
+    except (ValueError, ImportError):
+        return None  # opening the storage will say why
+    hint = getattr(factory, "chunk_bytes_hint", None)
+    return hint if isinstance(hint, int) and hint > 0 else None

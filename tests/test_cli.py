@@ -826,3 +826,27 @@ def test_s3_snapshots_through_storage_option_flags(capsys, s3_bucket):
     code, out, _ = run(capsys, *flags, "verify", url)
     assert code == 1
     assert [line.split(":")[0] for line in _problem_lines(out)] == ["0/s/w"]
+
+
+def test_sharded_entries_in_ls_show_verify_and_diff(capsys, tmp_path):
+    from snapshot.sharding import ShardedTensor
+
+    g = torch.arange(24.0).reshape(6, 4)
+    halves = StateDict(
+        a=ShardedTensor.from_rank_offsets("w", g[:3].clone(), (0, 0, 2)),
+        b=ShardedTensor.from_rank_offsets("w", g[3:].clone(), (0, 1, 2)),
+    )
+    whole = StateDict(a=ShardedTensor.from_rank_offsets("w", g.clone()), b=3)
+    two, one = str(tmp_path / "two"), str(tmp_path / "one")
+    Snapshot.take(two, {"m": halves})
+    Snapshot.take(one, {"m": whole})
+    code, out, _ = run(capsys, "ls", two)
+    row = next(line for line in out.splitlines() if line.startswith("0/m/a"))
+    assert code == 0 and "sharded_tensor" in row and "float32" in row and "[6, 4]" in row
+    code, out, _ = run(capsys, "show", two, "0/m/b")
+    assert code == 0 and "[6, 4]" in out and "23" in out  # the whole global tensor
+    assert run(capsys, "verify", two)[0] == 0
+    code, out, _ = run(capsys, "diff", two, one)
+    assert code == 1
+    assert "0/m/a" in out and "2 shards -> 1 shards" in out
+    assert "0/m/b" in out  # a sharded tensor in one, a primitive in the other

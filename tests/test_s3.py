@@ -268,3 +268,19 @@ def test_close_closes_the_plugins_http_session(s3_bucket: S3Bucket):
     assert _unclosed_session_reports(s3_bucket, close=True) == []
     # The check can fail: without close(), aiohttp reports the session left open.
     assert any("Unclosed client session" in m for m in _unclosed_session_reports(s3_bucket, False))
+
+
+def test_tensors_go_to_s3_in_objects_of_at_most_32_mib(s3_bucket: S3Bucket, monkeypatch):
+    from storage_plugins.registry import chunk_bytes_hint
+
+    assert chunk_bytes_hint("s3://b/p") == 32 * MIB and chunk_bytes_hint("/tmp/x") is None
+    big = torch.arange(10 * MIB, dtype=torch.float32)  # 40 MiB
+    options = s3_bucket.storage_options
+    Snapshot.take(s3_bucket.url("a"), {"m": StateDict(big=big)}, storage_options=options)
+    chunks = Snapshot(s3_bucket.url("a"), storage_options=options).get_manifest()["0/m/big"].chunks
+    assert [c.nbytes for c in chunks] == [32 * MIB, 8 * MIB]
+    assert not any("uploadId" in r.query for r in s3_bucket.log())  # one PutObject each
+    monkeypatch.setenv("STATESNAP_CHUNK_BYTES", str(64 * MIB))  # an explicit setting wins
+    Snapshot.take(s3_bucket.url("b"), {"m": StateDict(big=big)}, storage_options=options)
+    chunks = Snapshot(s3_bucket.url("b"), storage_options=options).get_manifest()["0/m/big"].chunks
+    assert [c.nbytes for c in chunks] == [40 * MIB]

@@ -315,3 +315,44 @@ def test_a_take_without_dtensors_does_not_import_their_module(tmp_path):
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def _two_mains(rank: int, world: int, path: str) -> str:
+    shared = ShardedObject("vocab", ["a"], (1,), (0,), replica_id=0)  # main on both ranks
+    with pytest.raises(SnapshotError) as caught:
+        Snapshot.take(path, {"m": StateDict(shared=shared)})
+    return str(caught.value)
+
+
+def test_a_sharded_object_needs_exactly_one_main_replica(tmp_path):
+    messages = run_ranks(2, _two_mains, str(tmp_path / "snap"))
+    assert messages[0] == messages[1]
+    assert "sharded object 'vocab/shard_0_1' has 2 main replicas (on ranks [0, 1])" in messages[0]
+
+
+def test_stored_shards_that_do_not_cover_their_tensor_are_corrupt(tmp_path):
+    from tests.helpers import seal_manifest
+
+    path = tmp_path / "snap"
+    halves = StateDict(
+        a=ShardedTensor.from_rank_offsets("w", G[:8].clone(), (0, 0, 2)),
+        b=ShardedTensor.from_rank_offsets("w", G[8:].clone(), (0, 1, 2)),
+    )
+    Snapshot.take(str(path), {"m": halves})
+    manifest = path / "manifest.yaml"
+    lines = manifest.read_bytes().splitlines(keepends=True)[:-1]  # without the checksum line
+    body = b"".join(lines)
+    # Both entries list both shards; make the second shard of each start one row lower.
+    damaged = body.replace(b'"offsets": [8, 0]', b'"offsets": [7, 0]')
+    assert damaged != body
+    manifest.write_bytes(seal_manifest(damaged))
+    with pytest.raises(SnapshotError, match="do not cover its shape"):
+        Snapshot(str(path)).read_object("0/m/a")
+
+
+def test_a_piece_of_another_tensor_is_refused(tmp_path):
+    path = str(tmp_path / "snap")
+    Snapshot.take(path, {"m": StateDict(w=ShardedTensor.from_rank_offsets("w", G.clone()))})
+    other = ShardedTensor.from_rank_offsets("v", torch.zeros(ROWS, COLS))
+    with pytest.raises(SnapshotError, match="holds sharded tensor 'w' here; .* piece of 'v'"):
+        Snapshot(path).restore({"m": StateDict(w=other)})

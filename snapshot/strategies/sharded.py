@@ -32,6 +32,7 @@ from snapshot.errors import (
     CorruptSnapshotError,
     ShapeMismatchError,
     SnapshotError,
+    StateMismatchError,
     UnsupportedValueError,
 )
 from snapshot.sharding.mapping import ShardedTensor, is_main_replica
@@ -124,7 +125,13 @@ def target_region(
     Raises:
         ShapeMismatchError: the target is a piece of a global tensor of another shape.
     """
-    piece = local_piece(path, path, target)
+    piece = local_piece(path, path.partition("/")[2], target)
+    if piece.key != entry.key:
+        raise StateMismatchError(
+            f"{path}: the snapshot holds sharded tensor {entry.key!r} here; the object being "
+            f"restored is a piece of {piece.key!r} (pieces are matched by logical path, and "
+            "the keys must agree)"
+        )
     if piece.shape != tuple(entry.shape):
         raise ShapeMismatchError(
             f"{path}: the snapshot holds {entry.key!r} of global shape {list(entry.shape)} "
