@@ -20,6 +20,12 @@ States
                   ``seed`` only) and an ``optim`` group of about a tenth of its size that differs
                   per rank (seeded by ``seed`` and ``rank``): two fp32 moment shards, a uint8 RNG
                   state, int64 counters, and Python objects.
+      ``dtensors`` the global tensors of a sharded model (the ``reshard`` case): eight 2-D fp32
+                  weights of equal size and a few hundred KiB of 1-D fp32 norm weights and biases,
+                  every size divisible by 4 so that they shard evenly over 1, 2 and 4 ranks.
+                  Each rank takes its piece of each global tensor (:func:`sharded_state`, as
+                  DTensors of a layout of :data:`LAYOUTS`) and checks what it restored against
+                  the piece of the regenerated global tensor (:func:`check_pieces`).
 
     Python objects only reach the methods that can store them (statesnap, torchsnapshot,
     torch.save, DCP); ``raw`` and safetensors store tensors only.
@@ -337,6 +343,43 @@ def _dp_spec(total: int, seed: int, rank: int, n_small: int) -> StateSpec:
     )
 
 
+# Every size of a ``dtensors`` state divides by this: its tensors shard evenly over 1, 2, 4 ranks.
+DTENSOR_SPLIT = 4
+
+
+def _dtensors_spec(total: int, seed: int, n_small: int) -> StateSpec:
+    rng = random.Random(seed)
+    seeds = iter(range(seed * 1_000_003 + 1, seed * 1_000_003 + 1_000_000))
+    cols = 1024
+    small: list[TensorSpec] = []
+    for i in range(n_small):
+        # 4..32 KiB each, a multiple of 64 elements.
+        numel = 64 * rng.randint(16, 128)
+        kind = "norm.weight" if i % 2 == 0 else "bias"
+        small.append(
+            TensorSpec("model", f"layers.{i // 2}.{kind}", (numel,), torch.float32, next(seeds))
+        )
+    small_bytes = sum(t.nbytes for t in small)
+    n_large = 8
+    rows = (total - small_bytes) // n_large // (cols * 4) // DTENSOR_SPLIT * DTENSOR_SPLIT
+    rows = max(DTENSOR_SPLIT, rows)
+    large = [
+        TensorSpec("model", f"layers.{i}.weight", (rows, cols), torch.float32, next(seeds))
+        for i in range(n_large)
+    ]
+    # A weight, then its layer's small tensors, as a model's state dict orders them.
+    tensors: list[TensorSpec] = []
+    for i, weight in enumerate(large):
+        tensors.append(weight)
+        tensors.extend(t for t in small if t.name.startswith(f"layers.{i}."))
+    tensors.extend(t for t in small if t not in tensors)
+    return StateSpec(
+        f"sharded model, {fmt_size(n_large * rows * cols * 4 + small_bytes)} of global "
+        f"tensors ({n_large} weights [{rows}, {cols}], {len(small)} 1-D tensors)",
+        tuple(tensors),
+    )
+
+
 def build_spec(args: Mapping[str, Any]) -> StateSpec:
     """The state described by ``args`` (JSON-able, passed to workers):
 
@@ -344,7 +387,9 @@ def build_spec(args: Mapping[str, Any]) -> StateSpec:
     ``{"kind": "tensors", "size": bytes, "count": 20000, "seed": 0}``,
     ``{"kind": "leaves", "leaves": 10000, "seed": 0}``,
     ``{"kind": "dp", "size": bytes, "seed": 0, "rank": 0, "n_small": 192}`` (``size`` is the
-    model's; other keys, such as the ``world_size`` the harness adds, are ignored).
+    model's; other keys, such as the ``world_size`` the harness adds, are ignored),
+    ``{"kind": "dtensors", "size": bytes, "seed": 0, "n_small": 24}`` (the global tensors; the
+    ``world_size`` and ``layout`` the reshard case adds are ignored here).
     """
     kind = args["kind"]
     seed = int(args.get("seed", 0))
@@ -358,6 +403,8 @@ def build_spec(args: Mapping[str, Any]) -> StateSpec:
         return _dp_spec(
             int(args["size"]), seed, int(args.get("rank", 0)), int(args.get("n_small", 192))
         )
+    if kind == "dtensors":
+        return _dtensors_spec(int(args["size"]), seed, int(args.get("n_small", 24)))
     raise ValueError(f"unknown state kind {kind!r}")
 
 
@@ -525,6 +572,121 @@ def flip_bits(state: Mapping[str, Mapping[str, Any]]) -> None:
             for value in group.values():
                 if isinstance(value, torch.Tensor):
                     tensor_bytes(value).bitwise_not_()
+
+
+# ---------------------------------------------------------------------------------------------
+# Sharded states (the reshard case): each rank's pieces of the global tensors of a spec.
+
+# How a rank holds a ``dtensors`` state: "shard0" / "shard1": DTensors on a 1-D CPU mesh of the
+# group's ranks, each 2-D tensor with placement [Shard(0)] / [Shard(1)] (1-D tensors [Shard(0)]
+# in both); "full": plain tensors, the whole of every global tensor (one process).
+LAYOUTS = {
+    "shard0": "[Shard(0)]",
+    "shard1": "[Shard(1)] (1-D tensors [Shard(0)])",
+    "full": "plain full tensors",
+}
+
+
+def shard_dim(t: TensorSpec, layout: str) -> int | None:
+    """The dimension ``layout`` shards ``t`` along (None: not sharded)."""
+    if layout == "full":
+        return None
+    if layout == "shard0" or len(t.shape) == 1:
+        return 0
+    if layout == "shard1":
+        return 1
+    raise ValueError(f"unknown layout {layout!r}; known: {', '.join(LAYOUTS)}")
+
+
+def global_piece(t: TensorSpec, layout: str, rank: int, world: int) -> torch.Tensor:
+    """This rank's piece of ``t``'s global tensor under ``layout``, as DTensor's ``Shard(dim)``
+    splits it (``torch.chunk``), in memory of its own: the global tensor is regenerated, cut,
+    and dropped, so at most one global tensor is held at a time."""
+    full = make_tensor(t)
+    dim = shard_dim(t, layout)
+    if dim is None:
+        return full
+    if t.shape[dim] % world:
+        raise ValueError(f"{t.flat_key} {t.shape}: dim {dim} does not split over {world} ranks")
+    return full.chunk(world, dim)[rank].clone(memory_format=torch.contiguous_format)
+
+
+_meshes: dict[int, Any] = {}
+
+
+def sharded_state(
+    spec: StateSpec, layout: str, rank: int, world: int, filled: bool
+) -> dict[str, Any]:
+    """name -> this rank's value of each tensor of ``spec`` under ``layout``: a DTensor built
+    from its local piece without communication (``DTensor.from_local`` with the global shape and
+    stride), or the plain tensor for "full". ``filled``: the generated values (a take); else
+    zero-filled pieces, touched before the timed region (a restore's targets).
+
+    A DTensor layout needs the process group initialized (the mesh spans all its ranks)."""
+    out: dict[str, Any] = {}
+    mesh = None
+    if layout != "full":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import DTensor, Shard
+
+        if world not in _meshes:
+            _meshes[world] = init_device_mesh("cpu", (world,))
+        mesh = _meshes[world]
+    for t in spec.tensors:
+        dim = shard_dim(t, layout)
+        if filled:
+            local = global_piece(t, layout, rank, world)
+        else:
+            shape = list(t.shape)
+            if dim is not None:
+                shape[dim] //= world
+            local = torch.zeros(shape, dtype=t.dtype)
+        if dim is None:
+            out[t.name] = local
+            continue
+        stride = tuple(_strides_of(t.shape))
+        out[t.name] = DTensor.from_local(
+            local, mesh, [Shard(dim)], run_check=False, shape=torch.Size(t.shape), stride=stride
+        )
+    return out
+
+
+def _strides_of(shape: tuple[int, ...]) -> list[int]:
+    """The strides of a contiguous tensor of ``shape``."""
+    out = [1] * len(shape)
+    for d in range(len(shape) - 2, -1, -1):
+        out[d] = out[d + 1] * shape[d + 1]
+    return out
+
+
+def local_tensor(value: Any) -> Any:
+    """A DTensor's local tensor; anything else as it is."""
+    to_local = getattr(value, "to_local", None)
+    return to_local() if callable(to_local) else value
+
+
+def check_pieces(
+    spec: StateSpec, restored: Mapping[str, Any], layout: str, rank: int, world: int
+) -> CheckResult:
+    """Compares each restored value's local tensor (name -> DTensor or tensor) bitwise with this
+    rank's piece of the regenerated global tensor, dtype and shape included. The detail is the
+    same on every rank that passes (the harness merges them)."""
+    for t in spec.tensors:
+        got = local_tensor(restored.get(t.name))
+        where = t.flat_key
+        if not isinstance(got, torch.Tensor):
+            return CheckResult(False, f"MISMATCH {where}: got {type(got).__name__}")
+        expected = global_piece(t, layout, rank, world)
+        if got.dtype != expected.dtype or got.shape != expected.shape:
+            return CheckResult(
+                False,
+                f"MISMATCH {where}: {got.dtype} {tuple(got.shape)} != {expected.dtype} "
+                f"{tuple(expected.shape)}",
+            )
+        if not torch.equal(tensor_bytes(got.contiguous()), tensor_bytes(expected)):
+            return CheckResult(False, f"MISMATCH {where}: bytes differ")
+    what = "global tensors" if layout == "full" else "pieces"
+    return CheckResult(True, f"ok ({len(spec.tensors)} {what} bitwise equal to the generated)")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -24,6 +24,11 @@ has only once. DCP decides that by key alone, so each rank's own state goes unde
 own (``optim.rank<r>...``): under one shared key, DCP would keep one rank's values and drop the
 others'.
 
+``RESHARD_METHODS`` (the reshard case) save a state of DTensors on every rank of a group and
+load it into DTensors of another sharding, on a group of another size, or into plain tensors in
+one process: statesnap's ``Snapshot.take`` / ``Snapshot(path).restore`` and DCP's ``dcp.save`` /
+``dcp.load``, both filling the targets in place.
+
 ``S3_WRITERS`` / ``S3_READERS`` (the s3 case) save to and load from an S3 endpoint, ``path``
 being an ``s3://bucket/prefix`` URL: statesnap's S3 plugin; ``raw-stream``, the tensor bytes as
 one multipart upload through s3fs and one streaming GET back into the preallocated tensors;
@@ -529,6 +534,109 @@ GROUP_READERS: dict[str, Reader] = {
             load=_dcp_group_load,
             prepare=_dcp_prepare,
             note="dcp.load(state_dict, checkpoint_id=dir) into preallocated targets on every rank",
+        ),
+    )
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# Resharding (the reshard case): a state of DTensors saved by every rank of one group, loaded
+# into another sharding by every rank of another (or into plain tensors by one process).
+
+
+@dataclass(frozen=True)
+class ReshardMethod:
+    """One way of saving ``state`` (name -> DTensor, this rank's pieces) and of loading it into
+    ``targets`` (name -> DTensor of another placement or mesh, or plain tensor), in place.
+
+    ``save(state, path, fsync)``: the method fsyncs its own files when ``fsync``, else none.
+    ``load(targets, path)`` returns name -> the restored value (the worker checks that each is
+    still the target, with the same local memory).
+    """
+
+    name: str
+    save: Callable[[dict[str, Any], str, bool], None]
+    load: Callable[[dict[str, Any], str], dict[str, Any]]
+    prepare: Callable[[], None] = _nothing
+    save_note: str = ""
+    load_note: str = ""
+
+
+def _dtensor_prepare() -> None:
+    # What building the DTensors imports anyway, outside the timed region.
+    import torch.distributed.tensor  # noqa: F401
+
+
+def _ss_reshard_prepare() -> None:
+    _ss_prepare()
+    _dtensor_prepare()
+
+
+def _ss_reshard_save(state: dict[str, Any], path: str, fsync: bool) -> None:
+    from snapshot import Snapshot, StateDict
+
+    Snapshot.take(
+        statesnap_path(path),
+        {"model": StateDict(state)},
+        storage_options=None if fsync else {"fsync": False},
+    )
+
+
+def _ss_reshard_load(targets: dict[str, Any], path: str) -> dict[str, Any]:
+    from snapshot import Snapshot, StateDict
+
+    app = {"model": StateDict(targets)}
+    Snapshot(statesnap_path(path)).restore(app)
+    return dict(app["model"].data)
+
+
+def _dcp_reshard_prepare() -> None:
+    _dcp_prepare()
+    _dtensor_prepare()
+
+
+def _dcp_reshard_save(state: dict[str, Any], path: str, fsync: bool) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({"model": state}, storage_writer=dcp.FileSystemWriter(path, sync_files=fsync))
+
+
+def _dcp_reshard_load(targets: dict[str, Any], path: str) -> dict[str, Any]:
+    import torch.distributed.checkpoint as dcp
+
+    nested = {"model": dict(targets)}
+    dcp.load(nested, checkpoint_id=path)
+    return nested["model"]
+
+
+RESHARD_METHODS: dict[str, ReshardMethod] = {
+    m.name: m
+    for m in (
+        ReshardMethod(
+            "statesnap",
+            save=_ss_reshard_save,
+            load=_ss_reshard_load,
+            prepare=_ss_reshard_prepare,
+            save_note='Snapshot.take(path, {"model": StateDict(dtensors)}) on every rank '
+            '(storage_options={"fsync": False} in the page-cache mode)',
+            load_note='Snapshot(path) (every rank reads the manifest) + restore({"model": '
+            "StateDict(targets)}) on every rank: each target DTensor's local tensor (or each "
+            "plain tensor, in one process) filled in place with the runs of bytes its region "
+            "makes in the stored shards, read straight into it (through gaps of up to "
+            "STATESNAP_READ_GAP_BYTES between runs)",
+        ),
+        ReshardMethod(
+            "dcp",
+            save=_dcp_reshard_save,
+            load=_dcp_reshard_load,
+            prepare=_dcp_reshard_prepare,
+            save_note='dcp.save({"model": dtensors}, storage_writer=FileSystemWriter(dir, '
+            "sync_files=<mode>)) on every rank, default planner, thread_count=1 (default); in "
+            "the fsync'd mode the same as checkpoint_id=dir",
+            load_note='dcp.load({"model": targets}, checkpoint_id=dir) on every rank, default '
+            "planner: each target's local tensor (or plain tensor) filled in place; its "
+            "FileSystemReader reads every stored chunk that overlaps a target whole "
+            "(torch.load of the chunk) and copies the overlap",
         ),
     )
 }

@@ -18,15 +18,24 @@ path (stdout and stderr stay free for whatever the libraries print). Ops:
                  memory budget statesnap computed right before each call.
 ``train``        a small MLP trained on CPU, snapshotting every ``interval`` steps in one of the
                  ways of ``benchmarks.train_loop`` (none, take, async_take).
+``reshard-take``
+                 build this rank's pieces of a ``dtensors`` state as DTensors of the job's
+                 ``layout`` (``common.sharded_state``), then time a ``RESHARD_METHODS`` save.
+``reshard-restore``
+                 build zero-filled targets of the job's ``layout`` (DTensors on a mesh of the
+                 group's ranks, or plain full tensors), then time the method's load into them;
+                 afterwards check that every target was filled in place and that its local
+                 tensor equals this rank's piece of the regenerated global tensor, bitwise.
 
 Peak RSS is measured above the RSS right before the timed region (see ``common.PeakRSS``).
 
 A job with ``rank``, ``world_size`` and ``store`` is one rank of a process group (the ``dist``
-case; the harness starts ``world_size`` workers for it): the worker joins a gloo group through
-the FileStore at ``store``, generates its rank's state (the spec gets ``rank``), uses the
-methods' group flavors (``GROUP_WRITERS`` / ``GROUP_READERS``) and times the call between two
-barriers, so ``seconds`` runs until the slowest rank is done (``own_seconds`` stops when this
-rank's call returns). Rank 0 measures the bytes on disk after the second barrier.
+and ``reshard`` cases; the harness starts ``world_size`` workers for it): the worker joins a
+gloo group through the FileStore at ``store``, generates its rank's state (the spec gets
+``rank``; in the reshard case the rank's pieces of the global tensors), uses the methods' group
+flavors (``GROUP_WRITERS`` / ``GROUP_READERS``, or ``RESHARD_METHODS``) and times the call
+between two barriers, so ``seconds`` runs until the slowest rank is done (``own_seconds`` stops
+when this rank's call returns). Rank 0 measures the bytes on disk after the second barrier.
 
 A job with ``s3`` (the ``s3`` case) uses the S3 methods (``S3_WRITERS`` / ``S3_READERS``) on the
 endpoint it names, its ``path`` an ``s3://bucket/prefix`` URL; the worker reads the S3 server
@@ -43,6 +52,7 @@ import shutil
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,14 +62,17 @@ from benchmarks.common import (
     PeakRSS,
     StateSpec,
     build_spec,
+    check_pieces,
     check_restored,
     current_rss,
     flip_bits,
     fsync_tree,
     generate_state,
     io_delta,
+    local_tensor,
     make_targets,
     proc_io,
+    sharded_state,
     tree_size,
     trim_heap,
 )
@@ -68,6 +81,7 @@ from benchmarks.methods import (
     GROUP_READERS,
     GROUP_WRITERS,
     READERS,
+    RESHARD_METHODS,
     S3_READERS,
     S3_WRITERS,
     WRITERS,
@@ -380,6 +394,72 @@ def _async(job: dict[str, Any], ranks: RankGroup) -> dict[str, Any]:
     return result
 
 
+def _timed(ranks: RankGroup, call: Callable[[], Any]) -> tuple[Any, dict[str, Any]]:
+    """``call()`` timed as ``_take`` and ``_restore`` time theirs: barrier, barrier, start, the
+    call, barrier, stop (``seconds`` runs until the slowest rank is done, ``own_seconds`` until
+    this rank's call returned); peak RSS above the RSS before it, ``/proc/self/io`` around it."""
+    ranks.barrier()  # every rank has its state or targets and its library imported
+    io0 = proc_io()
+    with PeakRSS() as mem:
+        ranks.barrier()
+        t0 = time.perf_counter()
+        value = call()
+        own_seconds = time.perf_counter() - t0
+        ranks.barrier()
+        seconds = time.perf_counter() - t0
+    return value, {
+        "seconds": seconds,
+        "own_seconds": own_seconds,
+        "peak_rss_above_baseline": mem.above_baseline,
+        "baseline_rss": mem.baseline,
+        "rss_method": mem.method,
+        "io": io_delta(io0, proc_io()),
+    }
+
+
+def _reshard_take(job: dict[str, Any], ranks: RankGroup) -> dict[str, Any]:
+    method = RESHARD_METHODS[job["method"]]
+    method.prepare()
+    spec = build_spec(job["state"])
+    world = max(1, ranks.world_size)
+    state = sharded_state(spec, job["state"]["layout"], ranks.rank, world, filled=True)
+    path = job["path"]
+    os.makedirs(path, exist_ok=True)
+    _, figures = _timed(ranks, lambda: method.save(state, path, job["mode"] == "fsync"))
+    return {
+        "ok": True,
+        **figures,
+        "payload_bytes": spec.nbytes,
+        "disk": tree_size(path) if ranks.rank == 0 else None,
+        "check": {"ok": True, "detail": "n/a (take)"},
+        **ranks.fields(),
+    }
+
+
+def _reshard_restore(job: dict[str, Any], ranks: RankGroup) -> dict[str, Any]:
+    method = RESHARD_METHODS[job["method"]]
+    method.prepare()
+    spec = build_spec(job["state"])
+    layout = job["state"]["layout"]
+    world = max(1, ranks.world_size)
+    targets = sharded_state(spec, layout, ranks.rank, world, filled=False)
+    pointers = {name: local_tensor(v).data_ptr() for name, v in targets.items()}
+    restored, figures = _timed(ranks, lambda: method.load(targets, job["path"]))
+    in_place = all(
+        restored.get(name) is targets[name] and local_tensor(targets[name]).data_ptr() == ptr
+        for name, ptr in pointers.items()
+    )
+    check = check_pieces(spec, restored, layout, ranks.rank, world)
+    return {
+        "ok": True,
+        **figures,
+        "payload_bytes": spec.nbytes,
+        "check": check.as_dict(),
+        "in_place": in_place,
+        **ranks.fields(),
+    }
+
+
 def _train(job: dict[str, Any], ranks: RankGroup) -> dict[str, Any]:
     from benchmarks.train_loop import LoopConfig, run_loop
 
@@ -392,6 +472,8 @@ OPS = {
     "read-object": _read_object,
     "async": _async,
     "train": _train,
+    "reshard-take": _reshard_take,
+    "reshard-restore": _reshard_restore,
 }
 
 
