@@ -628,7 +628,15 @@ class _Loader:
         elif isinstance(entry, (ObjectEntry, ShardedObjectEntry)):
             self.needs.append(plan_object_read(path, entry, self.objects, verify=self.verify))
         elif isinstance(entry, ShardedTensorEntry):
-            read = plan_sharded_read(path, entry, target, self.piece_bytes, verify=self.verify)
+            read = plan_sharded_read(
+                path,
+                entry,
+                target,
+                self.piece_bytes,
+                verify=self.verify,
+                gap_bytes=knobs.read_gap_bytes(),
+                box_bytes=self.tile_bytes,
+            )
             self.needs.extend(read.needs)
             self.tensors[path] = read.result
 

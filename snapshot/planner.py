@@ -1022,16 +1022,22 @@ def plan_sharded_read(
     target: Any,
     piece_bytes: int,
     verify: bool = True,
+    *,
+    gap_bytes: int = 0,
+    box_bytes: int = 1 << 26,
 ) -> TensorRead:
     """Needs for a target's region of a sharded tensor: the target's own piece when it is a
     ``ShardedTensor`` or ``DTensor`` (filled in place; resharded from whatever shards were
     stored), the whole tensor into a plain tensor target (in place, cast like ``copy_``) or a
     new one.
 
-    Only the bytes of the stored shards that overlap the region are asked for. They land in
-    the destination's memory when it is a contiguous CPU tensor of the stored dtype, else in a
-    scratch tensor of the region's size copied into it once all have landed. Chunks read whole
-    are checked against their CRC-32s; a chunk read in part cannot be.
+    Only the bytes of the stored shards that overlap the region are asked for, run by run.
+    They land in the destination's memory when it is a contiguous CPU tensor of the stored
+    dtype, else in a scratch tensor of the region's size copied into it once all have landed.
+    An overlap made of many runs with gaps of at most ``gap_bytes`` between them (a column
+    block of a row-sharded tensor, say) is read instead through its gaps, in boxes of at most
+    about ``box_bytes`` of scratch, each moved into place by one strided copy. Chunks read
+    whole are checked against their CRC-32s; a chunk read in part cannot be.
     """
     dtype = dtype_from_name(entry.dtype, path)
     sharded.check_entry(path, entry, dtype)
@@ -1049,16 +1055,34 @@ def plan_sharded_read(
             f"{path}: the snapshot holds {entry.dtype}, the object being restored is "
             f"{dtype_name(dest.dtype)}, and torch cannot copy the one into the other"
         )
+    direct, boxes = sharded.plan_region(
+        entry, region, dtype.itemsize, piece_bytes, gap_bytes, box_bytes
+    )
+    checks = sharded.checks_for(path, [*direct, *(p for b in boxes for p in b.pieces)], verify)
+    needs = _region_needs(path, dtype, dest, region, direct, checks)
+    for box in boxes:
+        needs.extend(_box_needs(path, dtype, dest, box, checks))
+    return TensorRead(needs=needs, result=result)
+
+
+def _region_needs(
+    path: str,
+    dtype: torch.dtype,
+    dest: torch.Tensor,
+    region: sharded.Region,
+    planned: list[sharded.Piece],
+    checks: Mapping[tuple[str, int], LocationCheck],
+) -> list[Need]:
+    """Pieces landing at their place in the region's tensor: ``dest`` itself when it can take
+    raw bytes, else a scratch tensor of the region copied into it once all have landed."""
+    if not planned:
+        return []
     direct = _direct(dest, dtype)
     buffer = dest
+    done = None
     if not direct:
         nbytes = math.prod(region[1]) * dtype.itemsize
         buffer = _allocate(path, nbytes, lambda: torch.empty(region[1], dtype=dtype))
-    planned = list(sharded.pieces(entry, region, dtype.itemsize, piece_bytes))
-    checks = sharded.checks_for(path, planned, verify)
-    address = buffer.data_ptr()
-    done = None
-    if not direct and planned:
         remaining = [len(planned)]
 
         def done() -> None:
@@ -1067,7 +1091,8 @@ def plan_sharded_read(
                 with torch.no_grad():
                     dest.copy_(buffer)
 
-    needs = [
+    address = buffer.data_ptr()
+    return [
         Need(
             blob=p.chunk.blob,
             offset=p.chunk.offset + p.lo,
@@ -1080,7 +1105,46 @@ def plan_sharded_read(
         )
         for p in planned
     ]
-    return TensorRead(needs=needs, result=result)
+
+
+def _box_needs(
+    path: str,
+    dtype: torch.dtype,
+    dest: torch.Tensor,
+    box: sharded.Box,
+    checks: Mapping[tuple[str, int], LocationCheck],
+) -> list[Need]:
+    """A box's pieces, into a scratch buffer made when the first of them is about to be read;
+    once all have landed, one strided copy moves the box into ``dest`` and frees it."""
+    scratch: list[torch.Tensor] = []
+    remaining = [len(box.pieces)]
+
+    def into(p: sharded.Piece) -> memoryview:
+        if not scratch:
+            scratch.append(torch.empty(box.span, dtype=dtype))
+        return raw_memoryview(scratch[0].data_ptr() + p.dest, p.nbytes)
+
+    def done() -> None:
+        remaining[0] -= 1
+        if remaining[0] == 0:
+            source = torch.as_strided(scratch.pop(), box.sizes, box.strides)
+            window = dest[tuple(slice(a, a + n) for a, n in zip(box.at, box.sizes, strict=True))]
+            with torch.no_grad():
+                window.copy_(source)
+
+    return [
+        Need(
+            blob=p.chunk.blob,
+            offset=p.chunk.offset + p.lo,
+            nbytes=p.nbytes,
+            dest=functools.partial(into, p),
+            done=done,
+            scratch_bytes=p.nbytes,
+            label=path,
+            verify=sharded.verifier(checks, p),
+        )
+        for p in box.pieces
+    ]
 
 
 def _tile_need(

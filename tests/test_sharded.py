@@ -356,3 +356,63 @@ def test_a_piece_of_another_tensor_is_refused(tmp_path):
     other = ShardedTensor.from_rank_offsets("v", torch.zeros(ROWS, COLS))
     with pytest.raises(SnapshotError, match="holds sharded tensor 'w' here; .* piece of 'v'"):
         Snapshot(path).restore({"m": StateDict(w=other)})
+
+
+@pytest.mark.parametrize("gap", [0, 65536], ids=["runs", "boxes"])
+def test_column_blocks_of_row_shards_in_one_process(tmp_path, monkeypatch, gap):
+    # Stored as two row blocks, read back as column blocks: with a gap allowance the reads go
+    # through the gaps into scratch boxes (one strided copy each); without, run by run. 3-D too.
+    monkeypatch.setenv("STATESNAP_READ_GAP_BYTES", str(gap))
+    g3 = torch.arange(4 * 6 * 8, dtype=torch.float32).reshape(4, 6, 8)
+    stored = StateDict(
+        a=ShardedTensor.from_rank_offsets("w", G[:8].clone(), (0, 0, 2)),
+        b=ShardedTensor.from_rank_offsets("w", G[8:].clone(), (0, 1, 2)),
+        c=ShardedTensor.from_rank_offsets("v", g3[:2].clone(), (0, 0, 2)),
+        d=ShardedTensor.from_rank_offsets("v", g3[2:].clone(), (0, 1, 2)),
+    )
+    path = str(tmp_path / "snap")
+    Snapshot.take(path, {"m": stored})
+    strided = torch.zeros(COLS // 2, ROWS).t()  # not contiguous
+    target = StateDict(
+        a=ShardedTensor.from_rank_offsets("w", torch.zeros(ROWS, COLS // 2), (1, 0, 2)),
+        b=ShardedTensor.from_rank_offsets("w", strided, (1, 1, 2)),
+        c=ShardedTensor.from_rank_offsets(
+            "v", torch.zeros(4, 6, 4, dtype=torch.float64), (2, 0, 2)
+        ),
+        d=ShardedTensor.from_rank_offsets("v", torch.zeros(4, 6, 4), (2, 1, 2)),
+    )
+    # dtype of a ShardedTensor is its data's: c asks for float64, cast on the way
+    Snapshot(path).restore({"m": target})
+    assert torch.equal(target["a"], G[:, : COLS // 2])
+    assert torch.equal(target["b"], G[:, COLS // 2 :]) and target["b"] is strided
+    assert torch.equal(target["c"], g3[:, :, :4].double())
+    assert torch.equal(target["d"], g3[:, :, 4:])
+
+
+def test_plan_region_reads_boxes_through_small_gaps():
+    from manifest import Location, Shard
+    from snapshot.strategies.sharded import plan_region
+
+    def shard(offsets, sizes, blob):
+        n = sizes[0] * sizes[1] * 4
+        return Shard(
+            offsets=offsets, sizes=sizes, chunks=(Location(blob=blob, offset=0, nbytes=n),)
+        )
+
+    entry = ShardedTensorEntry(
+        key="w",
+        dtype="float32",
+        shape=(8, 1024),
+        shards=(shard((0, 0), (4, 1024), "0/0"), shard((4, 0), (4, 1024), "1/0")),
+    )
+    region = ((0, 256), (8, 256))  # columns 256..511 of every row: 1 KiB of each 4 KiB row
+    direct, boxes = plan_region(entry, region, 4, 1 << 20, gap_bytes=0, box_bytes=1 << 20)
+    assert not boxes and len(direct) == 8 and sum(p.nbytes for p in direct) == 8 * 1024
+    direct, boxes = plan_region(entry, region, 4, 1 << 20, gap_bytes=4096, box_bytes=1 << 20)
+    assert not direct and len(boxes) == 2
+    # Each box spans from its first wanted byte to its last: 3 gaps of 3 KiB read through.
+    assert [sum(p.nbytes for p in b.pieces) for b in boxes] == [4 * 1024 + 3 * 3072] * 2
+    assert boxes[1].at == (4, 0) and boxes[1].sizes == (4, 256)
+    # A small box budget cuts a box along its first axis.
+    direct, boxes = plan_region(entry, region, 4, 1 << 20, gap_bytes=4096, box_bytes=8192)
+    assert [b.sizes for b in boxes] == [(2, 256)] * 4

@@ -360,24 +360,138 @@ def pieces(
 ) -> Iterator[Piece]:
     """The byte ranges to read for ``region``: each run of each overlapping shard, cut at the
     shard's chunk boundaries and into pieces of at most ``piece_bytes``."""
-    step = max(itemsize, piece_bytes - piece_bytes % itemsize)
     for shard in entry.shards:
-        ends = list(itertools.accumulate(c.nbytes for c in shard.chunks))
         for src, dst, count in runs((shard.offsets, shard.sizes), region):
-            start, stop = src * itemsize, (src + count) * itemsize
-            dest = dst * itemsize
-            i = 0
-            while start < stop:
-                while ends[i] <= start:
-                    i += 1
-                chunk = shard.chunks[i]
-                lo = start - (ends[i] - chunk.nbytes)
-                n = min(stop, ends[i]) - start
-                for cut in range(0, n, step):
-                    m = min(step, n - cut)
-                    yield Piece(chunk, lo + cut, m, dest + cut)
-                start += n
-                dest += n
+            yield from _cut(
+                shard,
+                src * itemsize,
+                (src + count) * itemsize,
+                dst * itemsize,
+                itemsize,
+                piece_bytes,
+            )
+
+
+def _cut(
+    shard: Shard, start: int, stop: int, dest: int, itemsize: int, piece_bytes: int
+) -> Iterator[Piece]:
+    """Bytes ``[start, stop)`` of a stored shard as pieces: cut where its chunks end, and into
+    at most ``piece_bytes``; ``dest`` is where the first byte lands."""
+    step = max(itemsize, piece_bytes - piece_bytes % itemsize)
+    end = 0
+    for chunk in shard.chunks:
+        begin, end = end, end + chunk.nbytes
+        if end <= start or begin >= stop:
+            continue
+        a, b = max(start, begin), min(stop, end)
+        for cut in range(a, b, step):
+            m = min(step, b - cut)
+            yield Piece(chunk, cut - begin, m, dest + (cut - start))
+
+
+@dataclass
+class Box:
+    """An overlap made of many short runs with short gaps between them, read whole (gaps
+    included) into a scratch buffer: ``pieces`` land there (``Piece.dest`` counts from its
+    start), then one strided copy moves the box into the region's tensor at ``at`` (offsets
+    within the region), reading the scratch with the stored shard's ``strides``."""
+
+    sizes: tuple[int, ...]
+    at: tuple[int, ...]
+    strides: tuple[int, ...]
+    span: int  # elements in the scratch buffer
+    pieces: list[Piece]
+
+
+def plan_region(
+    entry: ShardedTensorEntry,
+    region: Region,
+    itemsize: int,
+    piece_bytes: int,
+    gap_bytes: int,
+    box_bytes: int,
+) -> tuple[list[Piece], list[Box]]:
+    """How to read ``region``: pieces that land straight in the region's tensor, and boxes.
+
+    An overlap whose runs are separated by gaps of at most ``gap_bytes`` on average (the
+    ``STATESNAP_READ_GAP_BYTES`` rule of every other read) is read as boxes of at most about
+    ``box_bytes`` through a scratch buffer: a column block of a row-sharded tensor is
+    thousands of runs of a few KiB, each a read request of its own otherwise. Others are read
+    run by run, only the bytes wanted.
+    """
+    direct: list[Piece] = []
+    boxes: list[Box] = []
+    for shard in entry.shards:
+        stored = (shard.offsets, shard.sizes)
+        box = _overlap(stored, region)
+        if box is None:
+            continue
+        layout = _box_layout(stored, region, box)
+        if layout is None or layout[1] * itemsize > gap_bytes:
+            for src, dst, count in runs(stored, region):
+                direct.extend(
+                    _cut(
+                        shard,
+                        src * itemsize,
+                        (src + count) * itemsize,
+                        dst * itemsize,
+                        itemsize,
+                        piece_bytes,
+                    )
+                )
+            continue
+        boxes.extend(_boxes(shard, box, region, itemsize, piece_bytes, box_bytes))
+    return direct, boxes
+
+
+def _box_layout(stored: Region, wanted: Region, box: Region) -> tuple[int, float] | None:
+    """(runs, average gap between them in the stored bytes, in elements) of an overlap, as
+    ``runs`` cuts it; None when it is one run."""
+    ss, ws, n = stored[1], wanted[1], box[1]
+    ndim = len(n)
+    if ndim < 2:
+        return None
+    d = ndim - 1
+    count = n[d]
+    while d > 0 and n[d] == ss[d] == ws[d]:
+        d -= 1
+        count *= n[d]
+    nruns = math.prod(n[:d])
+    if nruns <= 1:
+        return None
+    span = _span(n, _strides(ss))
+    return nruns, (span - nruns * count) / (nruns - 1)
+
+
+def _span(sizes: Sequence[int], strides: Sequence[int]) -> int:
+    """Elements from a box's first to its last, stored row-major with ``strides``."""
+    return sum((m - 1) * st for m, st in zip(sizes, strides, strict=True)) + 1
+
+
+def _boxes(
+    shard: Shard, box: Region, region: Region, itemsize: int, piece_bytes: int, box_bytes: int
+) -> Iterator[Box]:
+    """The overlap ``box`` of ``shard``, cut along its first axis into boxes whose span (in the
+    stored bytes) is at most about ``box_bytes``."""
+    (so, ss), (lo, n), (ro, _) = (shard.offsets, shard.sizes), box, region
+    strides = _strides(ss)
+    rows = max(1, box_bytes // (strides[0] * itemsize))
+    for r0 in range(0, n[0], rows):
+        sizes = (min(rows, n[0] - r0), *n[1:])
+        first = (lo[0] + r0 - so[0]) * strides[0] + sum(
+            (lo[k] - so[k]) * strides[k] for k in range(1, len(n))
+        )
+        span = _span(sizes, strides)
+        at = (lo[0] + r0 - ro[0], *(lo[k] - ro[k] for k in range(1, len(n))))
+        yield Box(
+            sizes=sizes,
+            at=at,
+            strides=strides,
+            span=span,
+            pieces=list(
+                _cut(shard, first * itemsize, (first + span) * itemsize, 0, itemsize, piece_bytes)
+            ),
+        )
 
 
 def checks_for(
