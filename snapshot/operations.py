@@ -47,6 +47,7 @@ from snapshot.planner import (
     Layout,
     Need,
     PrepareFunc,
+    ScratchPool,
     TakePlan,
     assign_writers,
     coalesce,
@@ -595,6 +596,7 @@ class _Loader:
         self.tensors: dict[str, Any] = {}
         self.objects: dict[str, Any] = {}
         self.local: dict[str, Any] = {}  # LocalNonpersistentObject values, by path
+        self.scratch = ScratchPool()  # for reads of sharded tensors through their gaps
 
     @contextlib.contextmanager
     def _located(self) -> Iterator[None]:
@@ -635,7 +637,8 @@ class _Loader:
                 self.piece_bytes,
                 verify=self.verify,
                 gap_bytes=knobs.read_gap_bytes(),
-                box_bytes=self.tile_bytes,
+                box_bytes=min(self.tile_bytes, _BOX_BYTES),
+                pool=self.scratch,
             )
             self.needs.extend(read.needs)
             self.tensors[path] = read.result
@@ -844,6 +847,11 @@ def _targets(state: Any, root: str) -> tuple[dict[str, Any], bool]:
         else:
             targets[p] = value
     return targets, factories
+
+
+# Scratch of one box of a sharded read (planner.plan_sharded_read): small enough to be in the
+# CPU's cache when it is copied into place.
+_BOX_BYTES = 4 << 20
 
 
 def _tile_bytes(budget: int) -> int:
