@@ -355,23 +355,6 @@ class Piece:
     dest: int
 
 
-def pieces(
-    entry: ShardedTensorEntry, region: Region, itemsize: int, piece_bytes: int
-) -> Iterator[Piece]:
-    """The byte ranges to read for ``region``: each run of each overlapping shard, cut at the
-    shard's chunk boundaries and into pieces of at most ``piece_bytes``."""
-    for shard in entry.shards:
-        for src, dst, count in runs((shard.offsets, shard.sizes), region):
-            yield from _cut(
-                shard,
-                src * itemsize,
-                (src + count) * itemsize,
-                dst * itemsize,
-                itemsize,
-                piece_bytes,
-            )
-
-
 def _cut(
     shard: Shard, start: int, stop: int, dest: int, itemsize: int, piece_bytes: int
 ) -> Iterator[Piece]:
