@@ -32,10 +32,10 @@ from manifest import (
     TensorEntry,
     TupleEntry,
 )
-from snapshot.checksum import combine, crc32
+from snapshot.checksum import combine
 from snapshot.errors import EntryNotFoundError
 from snapshot.operations import gc_paused, load_manifest
-from snapshot.scheduler import call, open_storage, run
+from snapshot.scheduler import call, call_digesting, open_storage, run
 from snapshot.serialization import dtype_name
 from snapshot.snapshot import Snapshot
 from storage_plugins import StoragePlugin
@@ -476,38 +476,6 @@ def _ranges_by_blob(manifest: Manifest) -> dict[str, list[_Range]]:
     }
 
 
-class _PieceDigest:
-    """The CRC-32s of the parts ``(lo, hi)`` (sorted by ``lo``; they may overlap) of one piece
-    of a blob starting at ``start``, fed the piece's bytes in order, in sub-pieces of any size
-    (a plugin's ``readv_observed`` calls it from its I/O thread)."""
-
-    __slots__ = ("_first", "_pos", "parts", "values")
-
-    def __init__(self, start: int, parts: list[tuple[int, int]]) -> None:
-        self.parts = parts
-        self.values = [0] * len(parts)
-        self._pos = start
-        self._first = 0  # parts before this one ended before the current sub-piece
-
-    def __call__(self, sub: memoryview) -> None:
-        start = self._pos
-        end = start + len(sub)
-        self._pos = end
-        parts, values = self.parts, self.values
-        i = self._first
-        while i < len(parts) and parts[i][1] <= start:
-            i += 1
-        self._first = i
-        while i < len(parts):
-            lo, hi = parts[i]
-            if lo >= end:
-                break
-            a, b = max(lo, start), min(hi, end)
-            if b > a:
-                values[i] = crc32(sub[a - start : b - start], values[i])
-            i += 1
-
-
 class _BlobCheck:
     """Reads one blob in pieces and checks its size and every range's CRC-32."""
 
@@ -618,14 +586,16 @@ class _BlobCheck:
             return
         end = start + len(out)
         parts = [(max(r.offset, start), min(r.end, end)) for r in touched]
-        digests: list[_PieceDigest] = []
-
-        def attempt() -> Any:
-            digests.append(_PieceDigest(start, parts))  # a new one for every attempt
-            return plugin.readv_observed(blob, start, [out], digests[-1])
-
-        await self._call(attempt)
-        for r, (lo, hi), value in zip(touched, parts, digests[-1].values, strict=True):
+        values = await call_digesting(
+            plugin,
+            "read",
+            blob,
+            self.label,
+            [(lo - start, hi - lo) for lo, hi in parts],
+            lambda digest: plugin.readv_observed(blob, start, [out], digest),
+            convert=False,  # the plugin's own errors: _read tells them apart
+        )
+        for r, (lo, hi), value in zip(touched, parts, values, strict=True):
             r.value = combine(r.value, value, hi - lo)
 
     def _fail_all(self, what: str) -> None:

@@ -436,7 +436,7 @@ class WritePipeline:
             op = functools.partial(plugin.write, req.blob, buffers)
             await call(plugin, "write", req.blob, req.label, op)
         else:
-            values = await _call_digesting(
+            values = await call_digesting(
                 plugin,
                 "write",
                 req.blob,
@@ -610,7 +610,7 @@ async def _read(plugin: StoragePlugin, req: ReadRequest, outs: list[memoryview])
         op = functools.partial(plugin.readv, req.blob, req.offset, outs)
         await call(plugin, "read", req.blob, req.label, op)
         return
-    values = await _call_digesting(
+    values = await call_digesting(
         plugin,
         "read",
         req.blob,
@@ -622,13 +622,15 @@ async def _read(plugin: StoragePlugin, req: ReadRequest, outs: list[memoryview])
         verify(value)
 
 
-async def _call_digesting(
+async def call_digesting(
     plugin: StoragePlugin,
     verb: str,
     blob: str,
     label: str,
     ranges: Sequence[tuple[int, int]],
     op: Callable[[checksum.RangeDigest], Awaitable[None]],
+    *,
+    convert: bool = True,
 ) -> list[int]:
     """``call`` of a plugin operation that shows its bytes to a digest of ``ranges`` (a new
     one for every attempt, so that a retry starts over); the ranges' CRC-32s."""
@@ -638,5 +640,5 @@ async def _call_digesting(
         digests.append(checksum.RangeDigest(ranges))
         return op(digests[-1])
 
-    await call(plugin, verb, blob, label, attempt)
+    await call(plugin, verb, blob, label, attempt, convert=convert)
     return digests[-1].values
