@@ -337,16 +337,6 @@ class _Collector:
     ) -> Entry | _TensorDraft | _ObjectDraft | _ShardDraft:
         if isinstance(value, torch.Tensor) and is_dense_tensor(value):
             return self._tensor(path, logical, value, replicated)
-        if sharded.is_sharded(value):
-            return self._sharded(path, logical, value)
-        if isinstance(value, ShardedObject):
-            return self._sharded_object(path, logical, value)
-        if isinstance(value, ShardedTensorFactory):
-            return self._expand(path, logical, value.build())
-        if isinstance(value, LocalNonpersistentObject):
-            # Kept on its rank, never saved: its place in the state is recorded as None, and a
-            # restore puts the restoring rank's own object back there.
-            return PrimitiveEntry(value=None)
         kind = type(value)
         if kind in _INLINE_TYPES:
             return PrimitiveEntry(value=value, replicated=replicated)
@@ -362,6 +352,17 @@ class _Collector:
             if len(value) <= self.inline_max:
                 return PrimitiveEntry(value=value, replicated=replicated)
             return self._bytes_draft(path, logical, "bytes", "bytes", value, replicated)
+        # The sharded kinds after the common ones: primitives pay none of these checks.
+        if sharded.is_sharded(value):
+            return self._sharded(path, logical, value)
+        if isinstance(value, ShardedObject):
+            return self._sharded_object(path, logical, value)
+        if isinstance(value, ShardedTensorFactory):
+            return self._expand(path, logical, value.build())
+        if isinstance(value, LocalNonpersistentObject):
+            # Kept on its rank, never saved: its place in the state is recorded as None, and a
+            # restore puts the restoring rank's own object back there.
+            return PrimitiveEntry(value=None)
         return self._object(path, logical, value, replicated)
 
     def _sharded(self, path: str, logical: str, value: Any) -> _ShardDraft:
