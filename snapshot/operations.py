@@ -620,6 +620,12 @@ class _Loader:
                 self.local[path] = target.unwrap()
                 return
             t = target if isinstance(target, torch.Tensor) and is_dense_tensor(target) else None
+            if t is None and sharded.is_sharded(target):
+                raise StateMismatchError(
+                    f"{path}: the snapshot holds a whole tensor here, the object being restored "
+                    "is a piece of a sharded one; restore it into a plain tensor, or take the "
+                    "snapshot from sharded state"
+                )
             read = plan_tensor_read(
                 path, entry, t, self.tile_bytes, self.piece_bytes, verify=self.verify
             )

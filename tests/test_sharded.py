@@ -416,3 +416,12 @@ def test_plan_region_reads_boxes_through_small_gaps():
     # A small box budget cuts a box along its first axis.
     direct, boxes = plan_region(entry, region, 4, 1 << 20, gap_bytes=4096, box_bytes=8192)
     assert [b.sizes for b in boxes] == [(2, 256)] * 4
+
+
+def test_a_piece_cannot_be_restored_from_a_whole_tensor(tmp_path):
+    path = str(tmp_path / "snap")
+    Snapshot.take(path, {"m": StateDict(w=G.clone())})
+    piece = ShardedTensor.from_rank_offsets("w", torch.zeros(ROWS // 2, COLS), (0, 0, 2))
+    with pytest.raises(SnapshotError, match=r"0/m/w: the snapshot holds a whole tensor here"):
+        Snapshot(path).restore({"m": StateDict(w=piece)})
+    assert torch.equal(piece.data, torch.zeros(ROWS // 2, COLS))  # nothing was read into it
