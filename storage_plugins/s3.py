@@ -6,10 +6,9 @@ import asyncio
 import contextlib
 import errno
 import functools
-import io
 import logging
 import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any
 
 from storage_plugins.base import Buffer, StoragePlugin
@@ -184,7 +183,7 @@ class S3StoragePlugin(StoragePlugin):
         views = [memoryview(b).cast("B") for b in buffers if len(b)]
         total = sum(len(v) for v in views)
         if total <= self._part_bytes:
-            await self._call("put_object", path, Body=_body(views))
+            await self._call("put_object", path, Body=_Body(views))
             return
         await self._multipart(path, views, total)
 
@@ -195,7 +194,7 @@ class S3StoragePlugin(StoragePlugin):
 
         async def upload(number: int, pieces: list[memoryview]) -> dict[str, Any]:
             done = await self._call(
-                "upload_part", path, UploadId=upload_id, PartNumber=number, Body=_body(pieces)
+                "upload_part", path, UploadId=upload_id, PartNumber=number, Body=_Body(pieces)
             )
             return {"PartNumber": number, "ETag": done["ETag"]}
 
@@ -383,22 +382,68 @@ async def _scatter(
     return got
 
 
-def _body(views: list[memoryview]) -> io.BytesIO:
-    """One request's body: the bytes copied once into a ``BytesIO`` that owns them.
+class _Body:
+    """One request's body, read from the caller's buffers in pieces: never copied whole.
 
     What botocore and aiohttp do with each form of body decides how often it is copied. A
     ``bytes`` or ``bytearray`` body is sliced and joined whole before aiohttp hands it to the
-    socket, and what the socket does not take at once is buffered in a ``bytearray`` that every
-    send shifts: for a 32 MiB body, many copies of it. A ``BytesIO`` aiohttp streams in 64 KiB
-    pieces, each handed to the socket as it is read; one that owns its buffer (written to, not
-    created from ``bytes``) is not copied again when aiohttp measures it. A memoryview, which
-    would need no copy at all, botocore refuses.
+    socket, a ``BytesIO`` must first be filled with a copy of the bytes (fresh memory, 32 MiB
+    per request), and a memoryview botocore refuses. This is a file-like object (``read``,
+    ``seek``, ``tell``, ``len``: what botocore needs for the Content-Length, and for hashing
+    or re-sending a body if it is configured to) that aiohttp streams as an async iterable:
+    each piece is a ``bytes`` copy of at most ``_PIECE_BYTES``, made as it is sent, into
+    memory the allocator hands back piece after piece (warm in the CPU's cache). Copies, not
+    views: the socket transport may keep what it could not send at once after the request was
+    given up, and the caller's buffers are reused once ``write`` returns.
     """
-    body = io.BytesIO()
-    for v in views:
-        body.write(v)
-    body.seek(0)
-    return body
+
+    def __init__(self, views: list[memoryview]) -> None:
+        self._views = views
+        self._size = sum(len(v) for v in views)
+        self._pos = 0
+
+    def __len__(self) -> int:
+        return self._size
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        base = {os.SEEK_SET: 0, os.SEEK_CUR: self._pos, os.SEEK_END: self._size}[whence]
+        if base + offset < 0:
+            raise ValueError(f"negative seek position {base + offset}")
+        self._pos = base + offset
+        return self._pos
+
+    def read(self, n: int = -1) -> bytes:
+        if n is None or n < 0:
+            n = self._size
+        pieces: list[memoryview] = []
+        pos, want = self._pos, min(n, max(0, self._size - self._pos))
+        start = 0
+        for v in self._views:
+            if want == 0:
+                break
+            if pos < start + len(v):
+                piece = v[pos - start : pos - start + want]
+                pieces.append(piece)
+                pos += len(piece)
+                want -= len(piece)
+            start += len(v)
+        self._pos = pos
+        return bytes(pieces[0]) if len(pieces) == 1 else b"".join(pieces)
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        while piece := self.read(_PIECE_BYTES):
+            yield piece
+
+    def close(self) -> None:
+        self._views = []
+
+
+# A piece of a request body: large enough that a 32 MiB body is 128 socket writes, small
+# enough to be reused from the allocator's heap (not a fresh mmap) and to stay in cache.
+_PIECE_BYTES = 256 << 10
 
 
 def _parts(views: list[memoryview], part_bytes: int) -> Iterator[list[memoryview]]:
