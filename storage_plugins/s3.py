@@ -53,8 +53,8 @@ class S3StoragePlugin(StoragePlugin):
             this plugin (uploads, parts of multipart uploads, ranged reads, and the small ones);
             ``part_bytes`` (int, default 32 MiB): blobs larger than this are uploaded as a
             multipart upload in parts of this size, uploaded concurrently.
-            Each upload holds a copy of its body (at most ``part_bytes``) while it runs: at most
-            ``max_concurrent_requests * part_bytes`` beside the library's staging budget.
+            A body is read from the staged buffers as it is sent (in 256 KiB copies), so
+            uploads hold no copy of their own beside the library's staging budget.
             (Measured against a local S3 server: 8 requests took 128 MiB as fast as 16 with half
             the memory; 8 MiB parts cost the server twice the CPU of 32 MiB ones.)
 
