@@ -129,3 +129,11 @@ def io_timeout_secs() -> float:
     an error naming the blob: a stalled upload must not hang a training job
     (STATESNAP_IO_TIMEOUT_SECS, default 900)."""
     return float(_env_int("IO_TIMEOUT_SECS", 900, 1))
+
+
+def keep_open_secs() -> float:
+    """How long a storage plugin that is expensive to make (``StoragePlugin.keep_open``: S3's)
+    stays open after a read operation, for the next one on the same path with the same storage
+    options: ``Snapshot(path)`` then ``restore``, or one ``read_object`` after another
+    (STATESNAP_KEEP_OPEN_SECS, default 10; 0 closes it at once)."""
+    return float(_env_int("KEEP_OPEN_SECS", 10, 0))

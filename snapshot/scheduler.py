@@ -14,7 +14,9 @@ callback consumes (a dtype cast, an object decode).
 from __future__ import annotations
 
 import asyncio
+import atexit
 import functools
+import json
 import logging
 import os
 import random
@@ -91,12 +93,91 @@ def open_plugin(url: str, storage_options: dict[str, Any] | None) -> StoragePlug
 
 @contextmanager
 def open_storage(url: str, storage_options: dict[str, Any] | None) -> Iterator[StoragePlugin]:
-    """A storage plugin for ``url``, built on the I/O loop and closed on exit."""
-    plugin = open_plugin(url, storage_options)
+    """A storage plugin for ``url``, built on the I/O loop and closed on exit; or, for a plugin
+    class that asks for it (``keep_open``), kept open ``knobs.keep_open_secs()`` after a
+    successful exit and handed to the next ``open_storage`` of the same ``url`` and options."""
+    key = _keep_open_key(url, storage_options)
+    plugin = run(_reclaim(key)) if key is not None else None
+    if plugin is None:
+        plugin = open_plugin(url, storage_options)
+    done = False
     try:
         yield plugin
+        done = True
     finally:
-        run(plugin.close())
+        if done and key is not None and type(plugin).keep_open and knobs.keep_open_secs() > 0:
+            run(_keep(key, plugin, knobs.keep_open_secs()))
+        else:
+            run(plugin.close())
+
+
+# Plugins kept open between operations, by (pid, url, options): each with the timer that
+# closes it. Touched on the I/O loop only.
+_kept: dict[tuple[int, str, str], tuple[StoragePlugin, asyncio.TimerHandle]] = {}
+
+
+def _keep_open_key(url: str, storage_options: dict[str, Any] | None) -> tuple[int, str, str] | None:
+    try:
+        options = json.dumps(storage_options or {}, sort_keys=True)
+    except (TypeError, ValueError):
+        return None  # options that are objects (a session, a callback): not compared, not kept
+    return (os.getpid(), url, options)
+
+
+async def _reclaim(key: tuple[int, str, str]) -> StoragePlugin | None:
+    kept = _kept.pop(key, None)
+    if kept is None:
+        return None
+    plugin, timer = kept
+    timer.cancel()
+    plugin.forget()
+    return plugin
+
+
+async def _keep(key: tuple[int, str, str], plugin: StoragePlugin, secs: float) -> None:
+    previous = _kept.pop(key, None)
+    if previous is not None:  # two operations on one path at once: keep the later one
+        previous[1].cancel()
+        await _close_quietly(previous[0])
+    loop = asyncio.get_running_loop()
+    timer = loop.call_later(secs, lambda: loop.create_task(_expire(key, plugin)))
+    _kept[key] = (plugin, timer)
+
+
+async def _expire(key: tuple[int, str, str], plugin: StoragePlugin) -> None:
+    kept = _kept.get(key)
+    if kept is not None and kept[0] is plugin:
+        del _kept[key]
+        await _close_quietly(plugin)
+
+
+async def _close_quietly(plugin: StoragePlugin) -> None:
+    try:
+        await plugin.close()
+    except Exception as e:  # nothing depends on it any more; say so and go on
+        logger.warning("closing storage plugin %r failed: %s: %s", plugin, type(e).__name__, e)
+
+
+async def _close_kept() -> None:
+    pid = os.getpid()
+    for key in [k for k in _kept if k[0] == pid]:
+        plugin, timer = _kept.pop(key)
+        timer.cancel()
+        await _close_quietly(plugin)
+    _kept.clear()  # a forked child's copy of its parent's plugins: not ours to close
+
+
+def close_kept_plugins() -> None:
+    """Closes every plugin kept open for a next operation (at exit, or to release them now)."""
+    if (
+        _loop_thread is not None
+        and _loop_thread.pid == os.getpid()
+        and _loop_thread.thread.is_alive()
+    ):
+        run(_close_kept())
+
+
+atexit.register(close_kept_plugins)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -37,6 +37,12 @@ class StoragePlugin(abc.ABC):
     # from the class, before any instance exists, and alike on every rank.
     chunk_bytes_hint: int | None = None
 
+    # True when making the plugin is expensive (an S3 client: tens of milliseconds of the SDK
+    # loading its service model) and one may serve several operations in turn: the library then
+    # keeps it open a few seconds after an operation (STATESNAP_KEEP_OPEN_SECS) for the next one
+    # on the same path with the same options, calling ``forget`` before that one.
+    keep_open: bool = False
+
     @abc.abstractmethod
     async def write(self, path: str, buffers: Sequence[Buffer]) -> None:
         """Stores the concatenation of ``buffers`` as the blob ``path``, replacing any old one.
@@ -143,6 +149,11 @@ class StoragePlugin(abc.ABC):
 
     async def close(self) -> None:  # noqa: B027 - optional hook, most plugins hold nothing
         """Releases what the plugin holds (sessions, threads). Called once, last."""
+
+    def forget(self) -> None:  # noqa: B027 - optional hook, for plugins that remember blobs
+        """Drops what the plugin learned about blobs during an operation (an object's length
+        seen in a read's answer): a plugin kept open (``keep_open``) may serve the next one
+        after the blobs changed."""
 
     def describe(self, path: str) -> str:
         """A human-readable location of blob ``path``, for error messages."""

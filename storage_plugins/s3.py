@@ -75,6 +75,7 @@ class S3StoragePlugin(StoragePlugin):
     """
 
     chunk_bytes_hint = 32 * _MIB
+    keep_open = True  # a new client costs ~0.15 s in a fresh process, ~30 ms after that
 
     def __init__(self, root: str, storage_options: dict[str, Any] | None = None) -> None:
         protocol, sep, location = root.partition("://")
@@ -297,6 +298,9 @@ class S3StoragePlugin(StoragePlugin):
         self._sizes.pop(path, None)
         await self._call("head_object", path)
         await self._call("delete_object", path)
+
+    def forget(self) -> None:
+        self._sizes.clear()
 
     async def close(self) -> None:
         creator = getattr(self.fs, "_s3creator", None)

@@ -5,9 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import json
 import logging
+import subprocess
+import sys
 import time
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -27,6 +31,7 @@ from tests.multirank import run_ranks
 from tests.s3server import S3Bucket, S3Request
 
 MIB = 1 << 20
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def mixed_state(seed: int = 0) -> dict:
@@ -327,3 +332,118 @@ def test_bodies_serve_botocore_when_it_hashes_them(s3_bucket: S3Bucket):
     restored = empty_like(state)
     Snapshot(s3_bucket.url(), storage_options=s3_bucket.storage_options).restore(restored)
     same(restored, state)
+
+
+@pytest.fixture
+def s3_plugins_made(monkeypatch) -> list[S3StoragePlugin]:
+    """Every S3 plugin made while the test runs, in order."""
+    made: list[S3StoragePlugin] = []
+    init = S3StoragePlugin.__init__
+
+    def counting_init(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        made.append(self)
+
+    monkeypatch.setattr(S3StoragePlugin, "__init__", counting_init)
+    return made
+
+
+def _session_open(plugin: S3StoragePlugin) -> bool:
+    return getattr(plugin.fs, "_s3", None) is not None
+
+
+def test_reads_of_one_snapshot_share_one_s3_client(s3_bucket: S3Bucket, s3_plugins_made):
+    """Snapshot(path), its restore and read_object calls after it reuse one plugin (its client
+    and connections), kept open between them; with STATESNAP_KEEP_OPEN_SECS=0 each makes its
+    own and closes it."""
+    state = mixed_state(5)
+    url, options = s3_bucket.url(), s3_bucket.storage_options
+    Snapshot.take(url, state, storage_options=options)
+    del s3_plugins_made[:]
+    snap = Snapshot(url, storage_options=options)
+    snap.restore(empty_like(state))
+    assert torch.equal(snap.read_object("0/model/bias"), state["model"]["bias"])
+    assert torch.equal(snap.read_object("0/model/steps"), state["model"]["steps"])
+    assert len(s3_plugins_made) == 1 and _session_open(s3_plugins_made[0])
+    # Other options are another key: not shared.
+    Snapshot(url, storage_options={**options, "max_concurrent_requests": 4})
+    assert len(s3_plugins_made) == 2
+
+    with pytest.MonkeyPatch.context() as m:
+        m.setenv("STATESNAP_KEEP_OPEN_SECS", "0")
+        del s3_plugins_made[:]
+        snap = Snapshot(url, storage_options=options)  # takes the kept one, then closes it
+        snap.read_object("0/model/bias")
+        snap.read_object("0/model/bias")
+        assert len(s3_plugins_made) == 2
+        assert not any(_session_open(p) for p in s3_plugins_made)
+
+
+def test_a_kept_s3_plugin_is_closed_after_its_time(
+    s3_bucket: S3Bucket, s3_plugins_made, monkeypatch
+):
+    state = mixed_state(6)
+    url, options = s3_bucket.url(), s3_bucket.storage_options
+    Snapshot.take(url, state, storage_options=options)
+    monkeypatch.setenv("STATESNAP_KEEP_OPEN_SECS", "1")
+    del s3_plugins_made[:]
+    Snapshot(url, storage_options=options).restore(empty_like(state))
+    (plugin,) = s3_plugins_made
+    assert _session_open(plugin)
+    deadline = time.monotonic() + 10
+    while _session_open(plugin) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _session_open(plugin)
+    Snapshot(url, storage_options=options)  # so a new one is made
+    assert len(s3_plugins_made) == 2
+
+
+def test_a_reused_s3_plugin_forgets_the_object_sizes_it_saw(s3_bucket: S3Bucket, s3_plugins_made):
+    state = mixed_state(7)
+    url, options = s3_bucket.url(), s3_bucket.storage_options
+    Snapshot.take(url, state, storage_options=options)
+    del s3_plugins_made[:]
+    Snapshot(url, storage_options=options).restore(empty_like(state))
+    (plugin,) = s3_plugins_made
+    assert plugin._sizes  # learned from the ranged reads' answers
+    Snapshot(url, storage_options=options)  # the same plugin, for a new operation
+    assert len(s3_plugins_made) == 1 and not plugin._sizes
+
+
+def test_a_failed_operation_does_not_keep_its_s3_plugin(s3_bucket: S3Bucket, s3_plugins_made):
+    with pytest.raises(SnapshotNotFoundError):
+        Snapshot(s3_bucket.url("nothing"), storage_options=s3_bucket.storage_options)
+    (plugin,) = s3_plugins_made
+    assert not _session_open(plugin)
+
+
+def test_kept_s3_plugins_are_closed_at_exit(s3_bucket: S3Bucket):
+    """A process that exits with a plugin kept open closes it (its HTTP session) on the way
+    out. The script's own exit hook, registered before the library's, runs after it."""
+    url, options = s3_bucket.url(), s3_bucket.storage_options
+    Snapshot.take(url, mixed_state(8), storage_options=options)
+    script = """
+import atexit, json, sys
+made = []
+is_open = lambda: [getattr(p.fs, "_s3", None) is not None for p in made]
+atexit.register(lambda: print("at exit", is_open()))
+from snapshot import Snapshot
+from storage_plugins.s3 import S3StoragePlugin
+init = S3StoragePlugin.__init__
+def counting_init(self, *args, **kwargs):
+    init(self, *args, **kwargs)
+    made.append(self)
+S3StoragePlugin.__init__ = counting_init
+url, options = json.loads(sys.argv[1])
+Snapshot(url, storage_options=options).read_object("0/model/bias")
+print("after the read", is_open())
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", script, json.dumps([url, options])],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=str(ROOT),
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["after the read [True]", "at exit [False]"]
