@@ -9,6 +9,7 @@ import torch
 
 from manifest import Entry, Manifest
 from snapshot import dist, operations
+from snapshot.operations import gc_paused
 from snapshot.pending import AsyncRequest, PendingSnapshot, default_queue
 from snapshot.staging import default_pool
 from snapshot.strategies.default import load_strategy, save_strategy
@@ -89,18 +90,25 @@ class Snapshot:
             UnsupportedValueError: a value cannot be stored (a tensor on the meta device...).
             StorageError: the storage failed; nothing was committed.
         """
-        job = save_strategy().job(
-            path,
-            app_state,
-            coordinator=dist.resolve(pg),
-            replicated=replicated or [],
-            storage_options=storage_options,
-            prepare=_custom_tensor_prepare_func,
-            pool=None,
-        )
-        job.start()
-        manifest = job.finish()
-        return cls(job.path, pg, storage_options, _manifest=manifest)
+        # The cyclic collector stays paused for the whole take: it allocates a few objects per
+        # tensor, which would otherwise set off collections that walk them (and, every so
+        # often, the whole process) between its phases. Its per-tensor records are freed
+        # before the collector resumes; what remains is the manifest.
+        with gc_paused():
+            job = save_strategy().job(
+                path,
+                app_state,
+                coordinator=dist.resolve(pg),
+                replicated=replicated or [],
+                storage_options=storage_options,
+                prepare=_custom_tensor_prepare_func,
+                pool=None,
+            )
+            job.start()
+            manifest = job.finish()
+            taken_at = job.path
+            del job
+        return cls(taken_at, pg, storage_options, _manifest=manifest)
 
     @classmethod
     def async_take(
