@@ -319,15 +319,23 @@ def test_request_bodies_are_streamed_from_the_callers_buffers():
     assert max(len(p) for p in pieces) == _PIECE_BYTES and len(pieces) == 2
 
 
-def test_bodies_serve_botocore_when_it_hashes_them(s3_bucket: S3Bucket):
-    """With payload signing on, botocore reads each body to hash it, then seeks back before
-    it is sent: what lands is still the state, single PUTs and multipart parts alike."""
+@pytest.mark.parametrize(
+    "config",
+    [
+        {"s3": {"payload_signing_enabled": True}},
+        {
+            "request_checksum_calculation": "when_supported",
+            "response_checksum_validation": "when_supported",
+        },
+    ],
+    ids=["payload-signing", "sdk-checksums"],
+)
+def test_bodies_serve_botocore_when_it_hashes_them(s3_bucket: S3Bucket, config: dict):
+    """With payload signing or the SDK's own checksums on (botocore's defaults the plugin
+    turns off), botocore reads each body to hash it before it is sent: what lands is still
+    the state, single PUTs and multipart parts alike."""
     state = mixed_state(4)
-    options = {
-        **s3_bucket.storage_options,
-        "part_bytes": 5 * MIB,
-        "config_kwargs": {"s3": {"payload_signing_enabled": True}},
-    }
+    options = {**s3_bucket.storage_options, "part_bytes": 5 * MIB, "config_kwargs": config}
     Snapshot.take(s3_bucket.url(), state, storage_options=options)
     restored = empty_like(state)
     Snapshot(s3_bucket.url(), storage_options=s3_bucket.storage_options).restore(restored)
