@@ -14,7 +14,10 @@ _KEY_TYPES = (str, int, bool, type(None))
 
 def escape_key(key: object) -> str:
     """A key as one path component: ``/`` and ``%`` are percent-escaped, so paths split cleanly."""
-    return str(key).replace("%", "%25").replace("/", "%2F")
+    s = key if type(key) is str else str(key)
+    if "%" in s or "/" in s:
+        return s.replace("%", "%25").replace("/", "%2F")
+    return s  # most keys: no copies (this runs a few times per tensor on take and restore)
 
 
 def join(parent: str, key: object) -> str:
