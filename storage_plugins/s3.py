@@ -405,6 +405,10 @@ class _Body:
         self._views = views
         self._size = sum(len(v) for v in views)
         self._pos = 0
+        # Where sequential reads resume: the view holding ``_pos`` and that view's offset in
+        # the body (a slab's body is thousands of member views; reads must not rescan them).
+        self._index = 0
+        self._index_start = 0
 
     def __len__(self) -> int:
         return self._size
@@ -422,19 +426,23 @@ class _Body:
     def read(self, n: int = -1) -> bytes:
         if n is None or n < 0:
             n = self._size
-        pieces: list[memoryview] = []
         pos, want = self._pos, min(n, max(0, self._size - self._pos))
-        start = 0
-        for v in self._views:
-            if want == 0:
-                break
+        views, i, start = self._views, self._index, self._index_start
+        if pos < start:  # a seek back: start over
+            i = start = 0
+        pieces: list[memoryview] = []
+        while want and i < len(views):
+            v = views[i]
             if pos < start + len(v):
                 piece = v[pos - start : pos - start + want]
                 pieces.append(piece)
                 pos += len(piece)
                 want -= len(piece)
+                if pos < start + len(v):
+                    break  # this view has more for the next read
             start += len(v)
-        self._pos = pos
+            i += 1
+        self._pos, self._index, self._index_start = pos, i, start
         return bytes(pieces[0]) if len(pieces) == 1 else b"".join(pieces)
 
     async def __aiter__(self) -> AsyncIterator[bytes]:

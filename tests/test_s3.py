@@ -319,6 +319,32 @@ def test_request_bodies_are_streamed_from_the_callers_buffers():
     assert max(len(p) for p in pieces) == _PIECE_BYTES and len(pieces) == 2
 
 
+def test_request_body_reads_and_seeks_in_any_order():
+    """Reads resume where the last one ended (without rescanning the buffers before it), and a
+    seek anywhere, back or forward or past the end, is honoured."""
+    import random
+
+    from storage_plugins.s3 import _Body
+
+    rng = random.Random(1)
+    for _ in range(300):
+        views = [
+            memoryview(bytes(rng.randrange(256) for _ in range(rng.randrange(0, 40))))
+            for _ in range(rng.randrange(1, 8))
+        ]
+        whole = b"".join(views)
+        body, pos = _Body(views), 0
+        for _ in range(20):
+            if rng.random() < 0.3:
+                pos = rng.randrange(0, len(whole) + 3)
+                body.seek(pos)
+            n = rng.choice([-1, 0, 1, 3, 7, 50])
+            expected = whole[pos:] if n < 0 else whole[pos : pos + n]
+            assert body.read(n) == expected
+            pos += len(expected)
+            assert body.tell() == pos
+
+
 @pytest.mark.parametrize(
     "config",
     [
