@@ -96,6 +96,7 @@ def open_storage(url: str, storage_options: dict[str, Any] | None) -> Iterator[S
     """A storage plugin for ``url``, built on the I/O loop and closed on exit; or, for a plugin
     class that asks for it (``keep_open``), kept open ``knobs.keep_open_secs()`` after a
     successful exit and handed to the next ``open_storage`` of the same ``url`` and options."""
+    keep_secs = knobs.keep_open_secs()  # read first: a bad setting fails before any work
     key = _keep_open_key(url, storage_options)
     plugin = run(_reclaim(key)) if key is not None else None
     if plugin is None:
@@ -105,8 +106,8 @@ def open_storage(url: str, storage_options: dict[str, Any] | None) -> Iterator[S
         yield plugin
         done = True
     finally:
-        if done and key is not None and type(plugin).keep_open and knobs.keep_open_secs() > 0:
-            run(_keep(key, plugin, knobs.keep_open_secs()))
+        if done and key is not None and type(plugin).keep_open and keep_secs > 0:
+            run(_keep(key, plugin, keep_secs))
         else:
             run(plugin.close())
 

@@ -363,3 +363,12 @@ def test_a_take_of_many_tensors_sets_off_one_young_collection_at_most(tmp_path):
     assert during in ([], [0])
     snap = Snapshot(str(tmp_path / "s"))
     assert torch.equal(snap.read_object("0/m/t4321"), torch.full((4,), 4321.0))
+
+
+def test_a_bad_keep_open_setting_fails_before_any_read(tmp_path, monkeypatch):
+    Snapshot.take(str(tmp_path / "s"), {"m": StateDict(x=torch.arange(3))})
+    monkeypatch.setenv("STATESNAP_KEEP_OPEN_SECS", "soon")
+    with pytest.raises(ValueError, match="STATESNAP_KEEP_OPEN_SECS must be an integer"):
+        Snapshot(str(tmp_path / "s"))
+    monkeypatch.delenv("STATESNAP_KEEP_OPEN_SECS")
+    assert torch.equal(Snapshot(str(tmp_path / "s")).read_object("0/m/x"), torch.arange(3))
