@@ -95,6 +95,9 @@ _ENCODER = json.JSONEncoder(ensure_ascii=False, allow_nan=False, separators=(", 
 
 
 def _yaml_printable(text: str) -> str:
+    # The common case, ASCII text, in two scans in C (the regex alone ran at ~60 MB/s here).
+    if text.isascii() and "\x7f" not in text:
+        return text
     if _NOT_YAML_PRINTABLE.search(text):
         text = _NOT_YAML_PRINTABLE.sub(lambda m: f"\\u{ord(m.group()):04x}", text)
     return text
@@ -168,13 +171,24 @@ def entry_to_dict(entry: Entry) -> dict[str, Any]:
 _VERBATIM = re.compile(r"[ !#-\[\]-~]*")
 
 
-def _entry_line(path: str, entry: Entry) -> str:
+def _verbatim(text: str, known: dict[str, bool]) -> bool:
+    """Whether JSON writes ``text`` as it is, remembered in ``known`` (blob names and dtypes
+    repeat across thousands of lines)."""
+    ok = known.get(text)
+    if ok is None:
+        ok = known[text] = _VERBATIM.fullmatch(text) is not None
+    return ok
+
+
+def _entry_line(path: str, entry: Entry, known: dict[str, bool] | None = None) -> str:
+    if known is None:
+        known = {}
     if (
         type(entry) is TensorEntry
         and not entry.replicated
         and _VERBATIM.fullmatch(path)
-        and _VERBATIM.fullmatch(entry.dtype)
-        and all(_VERBATIM.fullmatch(c.blob) for c in entry.chunks)
+        and _verbatim(entry.dtype, known)
+        and all(_verbatim(c.blob, known) for c in entry.chunks)
     ):
         # Most lines: formatted directly, exactly as the encoder would write them.
         shape = ", ".join(map(str, entry.shape))
@@ -198,7 +212,8 @@ def dumps(manifest: Manifest) -> bytes:
     ]
     if manifest.entries:
         lines.append(_ENTRIES_LINE)
-        lines.extend(_entry_line(path, e) for path, e in manifest.entries.items())
+        known: dict[str, bool] = {}
+        lines.extend(_entry_line(path, e, known) for path, e in manifest.entries.items())
     else:
         lines.append(f"{_ENTRIES_LINE} {{}}")
     lines.append("")

@@ -199,6 +199,20 @@ def test_any_manifest_round_trips(entries, world_size):
     assert fast is None or fast == yaml.load(data, Loader=codec._Loader)
 
 
+@pytest.mark.parametrize("char", ["\x7f", "\x85", "\u2028", "\ufeff"])
+def test_characters_yaml_cannot_hold_raw_are_escaped(char):
+    """JSON leaves these raw, YAML does not accept them raw: the writer escapes them, also in
+    an otherwise ASCII file (where it skips the search)."""
+    m = Manifest(entries={f"0/k{char}": PrimitiveEntry(value=f"v{char}")})
+    data = mf.dumps(m)
+    assert char.encode() not in data
+    assert f"\\u{ord(char):04x}".encode() in data
+    assert mf.loads(data) == m
+    assert yaml.load(data, Loader=codec._Loader)["entries"] == {
+        f"0/k{char}": {"type": "primitive", "value_type": "str", "value": f"v{char}"}
+    }
+
+
 def test_nan_primitive_round_trips():
     m = Manifest(entries={"p": PrimitiveEntry(value=float("nan"))})
     assert math.isnan(mf.loads(mf.dumps(m)).entries["p"].value)
