@@ -25,19 +25,25 @@ def join(parent: str, key: object) -> str:
     return f"{parent}/{escape_key(key)}" if parent else escape_key(key)
 
 
-def _dict_keys_ok(d: Mapping[Any, Any]) -> bool:
-    """Whether a dict's keys can be recorded in the manifest and give distinct child paths."""
-    names = set()
+def _dict_names(d: Mapping[Any, Any]) -> list[str] | None:
+    """The path components of a dict's keys, or None when the keys cannot be recorded in the
+    manifest or would not give distinct child paths."""
+    names = []
     for k in d:
-        if type(k) not in _KEY_TYPES:
-            return False
-        if type(k) is str and not _encodable(k):
-            return False
-        names.add(escape_key(k))
-    return len(names) == len(d)
+        if type(k) is str:
+            if not _encodable(k):
+                return None
+            names.append(k if "%" not in k and "/" not in k else escape_key(k))
+        elif type(k) in _KEY_TYPES:
+            names.append(str(k))
+        else:
+            return None
+    return names if len(set(names)) == len(names) else None
 
 
 def _encodable(s: str) -> bool:
+    if s.isascii():
+        return True
     try:
         s.encode("utf-8")
     except UnicodeEncodeError:  # lone surrogates
@@ -45,9 +51,28 @@ def _encodable(s: str) -> bool:
     return True
 
 
-def flatten(
-    obj: Any, path: str
-) -> Iterator[tuple[str, DictEntry | ListEntry | TupleEntry | None, Any]]:
+_CONTAINERS = (dict, OrderedDict, list, tuple)
+_Node = DictEntry | ListEntry | TupleEntry
+
+
+def _expand(value: Any) -> tuple[_Node, Iterator[tuple[str, Any]]] | None:
+    """The entry of a container and its ``(path component, child)`` pairs; None for a leaf."""
+    kind = type(value)
+    if kind is list or kind is tuple:
+        node: _Node = (
+            ListEntry(length=len(value)) if kind is list else TupleEntry(length=len(value))
+        )
+        return node, zip(map(str, range(len(value))), value, strict=True)
+    if kind is dict or kind is OrderedDict:
+        names = _dict_names(value)
+        if names is None:
+            return None
+        node = DictEntry(keys=tuple(value), ordered=kind is OrderedDict)
+        return node, zip(names, value.values(), strict=True)
+    return None
+
+
+def flatten(obj: Any, path: str) -> Iterator[tuple[str, _Node | None, Any]]:
     """Yields ``(path, container entry, value)`` for ``obj`` and everything below it, parents
     before children; the entry is None for a leaf (a value flatten does not descend into:
     tensor, primitive or opaque object).
@@ -59,34 +84,37 @@ def flatten(
     Raises:
         UnsupportedValueError: ``obj`` contains itself.
     """
-    stack: list[tuple[str, Any, bool]] = [(path, obj, False)]
-    on_path: set[int] = set()
+    expanded = _expand(obj)
+    if expanded is None:
+        yield path, None, obj
+        return
+    node, children = expanded
+    yield path, node, obj
+    # One iterator per open container: a leaf is yielded the moment it is met (a state dict
+    # is mostly leaves), a container is opened and walked before its next sibling.
+    stack = [(path + "/" if path else "", children, obj)]
+    on_path = {id(obj)}
     while stack:
-        p, value, leaving = stack.pop()
-        if leaving:
-            on_path.discard(id(value))
-            continue
-        kind = type(value)
-        if kind in (dict, OrderedDict) and _dict_keys_ok(value):
-            node: DictEntry | ListEntry | TupleEntry = DictEntry(
-                keys=tuple(value), ordered=kind is OrderedDict
-            )
-            children = [(join(p, k), v) for k, v in value.items()]
-        elif kind is list:
-            node = ListEntry(length=len(value))
-            children = [(join(p, i), v) for i, v in enumerate(value)]
-        elif kind is tuple:
-            node = TupleEntry(length=len(value))
-            children = [(join(p, i), v) for i, v in enumerate(value)]
+        prefix, children, parent = stack[-1]
+        for name, value in children:
+            p = prefix + name
+            if type(value) not in _CONTAINERS:
+                yield p, None, value
+                continue
+            expanded = _expand(value)
+            if expanded is None:
+                yield p, None, value
+                continue
+            if id(value) in on_path:
+                raise UnsupportedValueError(f"{p}: the structure contains itself")
+            on_path.add(id(value))
+            node, inner = expanded
+            yield p, node, value
+            stack.append((p + "/" if p else "", inner, value))
+            break
         else:
-            yield p, None, value
-            continue
-        if id(value) in on_path:
-            raise UnsupportedValueError(f"{p}: the structure contains itself")
-        on_path.add(id(value))
-        yield p, node, value
-        stack.append((p, value, True))
-        stack.extend((cp, cv, False) for cp, cv in reversed(children))
+            stack.pop()
+            on_path.discard(id(parent))
 
 
 def inflate(entries: Mapping[str, Entry], path: str, leaf: Callable[[str, Entry], Any]) -> Any:
