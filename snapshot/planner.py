@@ -110,26 +110,103 @@ class Layout:
     checksums: bool = True
 
 
-@dataclass(slots=True, eq=False)
 class Payload:
     """Bytes that need a place in a blob: a tensor chunk, or an object's serialized bytes.
 
     ``logical`` and ``index`` (the chunk's position in its tensor) identify a replicated payload
-    across ranks. Two ways to stage it, on the caller's thread: ``stage`` gives buffers to write
-    from (views of the application's memory where possible; ``staging_bytes`` is what it
-    allocates otherwise), ``copy_into(buf, pos)`` copies the bytes into ``buf[pos : pos +
-    nbytes]`` of a staging buffer ``buf`` (a 1-d uint8 CPU tensor), for async take."""
+    across ranks. The bytes come from one of: ``tensor``, a contiguous CPU tensor whose memory
+    is viewed from byte ``start`` on (the common case, no copy); ``data``, a bytes object;
+    ``source``, a tensor that must be resolved or gathered first (elements ``start:stop``),
+    which allocates ``staging_bytes`` when staged. Placement sets ``blob`` and ``pos`` (the
+    offset in that blob).
 
-    logical: str
-    index: int
-    nbytes: int
-    staging_bytes: int
-    stage: Callable[[], Staged]
-    copy_into: Callable[[torch.Tensor, int], None]
-    label: str
-    replicated: bool
-    source: _TensorSource | None = None
-    location: Location | None = None
+    Two ways to stage it, on the caller's thread: ``stage()`` gives buffers to write from, and
+    what must stay alive while they are written; ``copy_into(buf, pos)`` copies the bytes into
+    ``buf[pos : pos + nbytes]`` of a staging buffer ``buf`` (a 1-d uint8 CPU tensor), for
+    async take.
+
+    A plain class with slots rather than a dataclass: a take of many small tensors makes one
+    per tensor, and the keyword-argument constructor of a dataclass costs twice as much.
+    """
+
+    __slots__ = (
+        "blob",
+        "data",
+        "index",
+        "label",
+        "logical",
+        "nbytes",
+        "pos",
+        "replicated",
+        "source",
+        "staging_bytes",
+        "start",
+        "stop",
+        "tensor",
+    )
+
+    def __init__(
+        self,
+        logical: str,
+        index: int,
+        nbytes: int,
+        label: str,
+        replicated: bool,
+        tensor: torch.Tensor | None = None,
+        data: bytes | None = None,
+        source: _TensorSource | None = None,
+        start: int = 0,
+        stop: int = 0,
+    ) -> None:
+        self.logical = logical
+        self.index = index
+        self.nbytes = nbytes
+        self.label = label
+        self.replicated = replicated
+        self.tensor = tensor
+        self.data = data
+        self.source = source
+        self.start = start
+        self.stop = stop
+        self.staging_bytes = nbytes if source is not None else 0
+        self.blob: str | None = None
+        self.pos = 0
+
+    def stage(self) -> Staged:
+        t = self.tensor
+        if t is not None:
+            return [raw_memoryview(t.data_ptr() + self.start, self.nbytes)], t
+        if self.data is not None:
+            return [self.data], None
+        assert self.source is not None
+        return self.source.piece(self.start, self.stop)
+
+    def copy_into(self, buf: torch.Tensor, pos: int) -> None:
+        t = self.tensor
+        nbytes = self.nbytes
+        if t is not None:
+            if nbytes <= _MEMMOVE_MAX:
+                # One memmove: slabs hold thousands, and a torch copy costs several
+                # microseconds each.
+                ctypes.memmove(buf.data_ptr() + pos, t.data_ptr() + self.start, nbytes)
+            else:  # torch's copy spreads the bytes over its threads
+                src = raw_memoryview(t.data_ptr() + self.start, nbytes)
+                buf[pos : pos + nbytes].copy_(torch.frombuffer(src, dtype=torch.uint8))
+        elif self.data is not None:
+            ctypes.memmove(buf.data_ptr() + pos, self.data, nbytes)
+        else:
+            assert self.source is not None
+            self.source.copy_into(self.start, self.stop, buf, pos)
+
+    def location(self, crc32: int | None = None) -> Location:
+        """Where placement put the bytes, as the manifest records it."""
+        assert self.blob is not None
+        return Location(blob=self.blob, offset=self.pos, nbytes=self.nbytes, crc32=crc32)
+
+
+# Below this size a payload of a tensor is copied by one memmove call (about a microsecond of
+# overhead); above it, torch's copy spreads the bytes over its threads.
+_MEMMOVE_MAX = 1 << 20
 
 
 @dataclass(slots=True)
@@ -140,7 +217,11 @@ class _TensorDraft:
     replicated: bool
 
     def build(self, checksums: Mapping[tuple[str, int], int] | None) -> TensorEntry:
-        chunks = tuple(_final(p, checksums) for p in self.payloads)
+        payloads = self.payloads
+        if len(payloads) == 1:
+            chunks: tuple[Location, ...] = (_final(payloads[0], checksums),)
+        else:
+            chunks = tuple(_final(p, checksums) for p in payloads)
         return TensorEntry(
             dtype=self.dtype, shape=self.shape, chunks=chunks, replicated=self.replicated
         )
@@ -165,16 +246,9 @@ class _ObjectDraft:
 def _final(p: Payload, checksums: Mapping[tuple[str, int], int] | None) -> Location:
     """A placed payload's location as the manifest records it: with its bytes' CRC-32 when
     the take computes checksums (a write that never reported one is a bug: KeyError)."""
-    loc = p.location
-    assert loc is not None
     if checksums is None:
-        return loc
-    return Location(
-        blob=loc.blob,
-        offset=loc.offset,
-        nbytes=loc.nbytes,
-        crc32=checksums[(loc.blob, loc.offset)],
-    )
+        return p.location()
+    return p.location(checksums[(p.blob, p.pos)])
 
 
 @dataclass(slots=True)
@@ -287,6 +361,7 @@ class _Collector:
         self.inline_max = inline_max_bytes
         self.chunk_bytes = chunk_bytes
         self.out = Collected()
+        # Tensors already planned, by memory (see ``_tensor``).
         self._written: dict[tuple[Any, ...], _TensorDraft] = {}
 
     def _is_replicated(self, logical: str) -> bool:
@@ -305,32 +380,6 @@ class _Collector:
                 entries[path] = dataclasses.replace(node, replicated=True)
             else:
                 entries[path] = node
-
-    def _payload(
-        self,
-        logical: str,
-        index: int,
-        nbytes: int,
-        staging: int,
-        stage: Callable[[], Staged],
-        copy_into: Callable[[torch.Tensor, int], None],
-        label: str,
-        replicated: bool,
-        source: _TensorSource | None = None,
-    ) -> Payload:
-        payload = Payload(
-            logical=logical,
-            index=index,
-            nbytes=nbytes,
-            staging_bytes=staging,
-            stage=stage,
-            copy_into=copy_into,
-            label=label,
-            replicated=replicated,
-            source=source,
-        )
-        self.out.payloads.append(payload)
-        return payload
 
     def _leaf(
         self, path: str, logical: str, value: Any, replicated: bool
@@ -431,9 +480,8 @@ class _Collector:
     def _bytes_draft(
         self, path: str, logical: str, serializer: str, obj_type: str, data: bytes, replicated: bool
     ) -> _ObjectDraft:
-        payload = self._payload(
-            logical, 0, len(data), 0, lambda: ([data], None), _bytes_copier(data), path, replicated
-        )
+        payload = Payload(logical, 0, len(data), path, replicated, data=data)
+        self.out.payloads.append(payload)
         return _ObjectDraft(
             serializer=serializer, obj_type=obj_type, payload=payload, replicated=replicated
         )
@@ -441,6 +489,61 @@ class _Collector:
     def _tensor(
         self, path: str, logical: str, tensor: torch.Tensor, replicated: bool
     ) -> Entry | _TensorDraft:
+        if (
+            self.prepare is None
+            and tensor.is_cpu
+            and tensor.is_contiguous()
+            and not tensor.is_conj()
+            and not tensor.is_neg()
+        ):
+            # The common case, kept lean (a take of 20,000 small tensors runs this 20,000
+            # times): the tensor's own memory is written, through views.
+            dtype = tensor.dtype
+            shape = tuple(tensor.shape)
+            numel = tensor.numel()
+            name = dtype_name(dtype)
+            if numel == 0:
+                return TensorEntry(dtype=name, shape=shape, chunks=(), replicated=replicated)
+            # The same memory under two paths (tied weights) is written once.
+            key: tuple[Any, ...] = (tensor.data_ptr(), dtype, shape)
+            earlier = self._written.get(key)
+            if earlier is not None and earlier.replicated == replicated:
+                return _TensorDraft(name, shape, earlier.payloads, replicated)
+            itemsize = dtype.itemsize
+            nbytes = numel * itemsize
+            if nbytes <= self.chunk_bytes:
+                payloads = [Payload(logical, 0, nbytes, path, replicated, tensor=tensor)]
+            else:
+                payloads = [
+                    Payload(
+                        logical,
+                        i,
+                        (stop - start) * itemsize,
+                        path,
+                        replicated,
+                        tensor=tensor,
+                        start=start * itemsize,
+                    )
+                    for i, (start, stop) in enumerate(self._bounds(numel, itemsize))
+                ]
+            self.out.payloads.extend(payloads)
+            draft = _TensorDraft(name, shape, payloads, replicated)
+            self._written[key] = draft
+            return draft
+        return self._tensor_source(path, logical, tensor, replicated)
+
+    def _bounds(self, numel: int, itemsize: int) -> Sequence[tuple[int, int]]:
+        """The element ranges of a tensor's chunks."""
+        per_chunk = max(1, self.chunk_bytes // itemsize)
+        if numel <= per_chunk:
+            return ((0, numel),)
+        return [(e, min(numel, e + per_chunk)) for e in range(0, numel, per_chunk)]
+
+    def _tensor_source(
+        self, path: str, logical: str, tensor: torch.Tensor, replicated: bool
+    ) -> Entry | _TensorDraft:
+        """A tensor whose bytes are not simply its memory: prepared, conjugate or negated
+        views, non-contiguous, on a device (or on the meta device: refused)."""
         if tensor.is_meta:
             raise UnsupportedValueError(
                 f"{path}: tensor is on the meta device and holds no data to snapshot"
@@ -457,59 +560,38 @@ class _Collector:
         numel = math.prod(shape)
         if numel == 0:
             return TensorEntry(dtype=name, shape=shape, chunks=(), replicated=replicated)
-        # The same memory under two paths (tied weights) is written once.
+        # Tied weights again; a conjugate or negated view of the same memory holds other
+        # values, so those flags are part of the key.
         key = None
         if prepare is None:
-            key = (tensor.data_ptr(), tensor.get_device(), dtype, shape, tensor.stride())
+            key = (
+                tensor.data_ptr(),
+                tensor.get_device(),
+                dtype,
+                shape,
+                tensor.stride(),
+                tensor.is_conj(),
+                tensor.is_neg(),
+            )
             earlier = self._written.get(key)
             if earlier is not None and earlier.replicated == replicated:
-                return _TensorDraft(
-                    dtype=name, shape=shape, payloads=earlier.payloads, replicated=replicated
-                )
-        per_chunk = max(1, self.chunk_bytes // itemsize)
-        if numel <= per_chunk:
-            bounds: Sequence[tuple[int, int]] = ((0, numel),)
-        else:
-            bounds = [(e, min(numel, e + per_chunk)) for e in range(0, numel, per_chunk)]
-        viewable = (
-            key is not None
-            and tensor.is_cpu
-            and tensor.is_contiguous()
-            and not tensor.is_conj()
-            and not tensor.is_neg()
-        )
-        if viewable:
-            # The common case, kept lean: each piece is a view of the tensor's own memory.
-            payloads = [
-                self._payload(
-                    logical,
-                    i,
-                    (stop - start) * itemsize,
-                    0,
-                    _view_stager(tensor, start * itemsize, (stop - start) * itemsize),
-                    _view_copier(tensor, start * itemsize, (stop - start) * itemsize),
-                    path,
-                    replicated,
-                )
-                for i, (start, stop) in enumerate(bounds)
-            ]
-        else:
-            source = _TensorSource(path, logical, tensor, prepare, dtype, shape)
-            payloads = [
-                self._payload(
-                    logical,
-                    i,
-                    (stop - start) * itemsize,
-                    (stop - start) * itemsize,
-                    functools.partial(source.piece, start, stop),
-                    functools.partial(source.copy_into, start, stop),
-                    path,
-                    replicated,
-                    source,
-                )
-                for i, (start, stop) in enumerate(bounds)
-            ]
-        draft = _TensorDraft(dtype=name, shape=shape, payloads=payloads, replicated=replicated)
+                return _TensorDraft(name, shape, earlier.payloads, replicated)
+        source = _TensorSource(path, logical, tensor, prepare, dtype, shape)
+        payloads = [
+            Payload(
+                logical,
+                i,
+                (stop - start) * itemsize,
+                path,
+                replicated,
+                source=source,
+                start=start,
+                stop=stop,
+            )
+            for i, (start, stop) in enumerate(self._bounds(numel, itemsize))
+        ]
+        self.out.payloads.extend(payloads)
+        draft = _TensorDraft(name, shape, payloads, replicated)
         if key is not None:
             self._written[key] = draft
         return draft
@@ -548,13 +630,13 @@ class _Slab:
     nbytes: int = 0
     staging_bytes: int = 0
 
-    def add(self, p: Payload, staging_bytes: int) -> Location:
+    def add(self, p: Payload, staging_bytes: int) -> None:
         pad = -self.nbytes % _ALIGN
         self.members.append((pad, p))
-        location = Location(blob=self.blob, offset=self.nbytes + pad, nbytes=p.nbytes)
+        p.blob = self.blob
+        p.pos = self.nbytes + pad
         self.nbytes += pad + p.nbytes
         self.staging_bytes += staging_bytes
-        return location
 
     def stage(self) -> Staged:
         buffers: list[Buffer] = []
@@ -562,14 +644,19 @@ class _Slab:
         for pad, p in self.members:
             if pad:
                 buffers.append(_ZEROS[:pad])
-            bufs, keepalive = p.stage()
-            buffers.extend(bufs)
-            keep.append(keepalive)
+            t = p.tensor
+            if t is not None:  # ``Payload.stage``, inlined for the common case
+                buffers.append(raw_memoryview(t.data_ptr() + p.start, p.nbytes))
+                keep.append(t)
+            else:
+                bufs, keepalive = p.stage()
+                buffers.extend(bufs)
+                keep.append(keepalive)
         return buffers, keep
 
     def ranges(self) -> list[tuple[int, int]]:
         """Each member's ``(offset, nbytes)`` in the slab."""
-        return [(p.location.offset, p.nbytes) for _, p in self.members]  # type: ignore[union-attr]
+        return [(p.pos, p.nbytes) for _, p in self.members]
 
     def label(self) -> str:
         first = self.members[0][1].label
@@ -609,10 +696,11 @@ class _Placer:
                 slab = None
             if slab is None:
                 slab = self._slab = _Slab(blob=self._blob("s"))
-            p.location = slab.add(p, staging)
+            slab.add(p, staging)
         else:
             blob = self._blob()
-            p.location = Location(blob=blob, offset=0, nbytes=p.nbytes)
+            p.blob = blob
+            p.pos = 0
             if self.mine:
                 stage = p.stage if self.pool is None else self._pooled([(0, p)], p.nbytes)
                 self.writes.append(
@@ -729,45 +817,6 @@ def assign_writers(
     return writers
 
 
-def _view_stager(tensor: torch.Tensor, offset: int, nbytes: int) -> Callable[[], Staged]:
-    """Staging of a contiguous CPU tensor's bytes: a view of its memory, no copy."""
-    return lambda: ([raw_memoryview(tensor.data_ptr() + offset, nbytes)], tensor)
-
-
-# Below this size a member is copied by one memmove call (about a microsecond of overhead);
-# above it, torch's copy spreads the bytes over its threads.
-_MEMMOVE_MAX = 1 << 20
-
-
-def _view_copier(
-    tensor: torch.Tensor, offset: int, nbytes: int
-) -> Callable[[torch.Tensor, int], None]:
-    """Copying a contiguous CPU tensor's bytes into a staging buffer: one memmove for a small
-    tensor (slabs hold thousands, and a torch copy costs several microseconds each), torch's
-    parallel copy for a large one."""
-    if nbytes <= _MEMMOVE_MAX:
-
-        def copy_small(buf: torch.Tensor, pos: int) -> None:
-            ctypes.memmove(buf.data_ptr() + pos, tensor.data_ptr() + offset, nbytes)
-
-        return copy_small
-
-    def copy_large(buf: torch.Tensor, pos: int) -> None:
-        src = torch.frombuffer(
-            raw_memoryview(tensor.data_ptr() + offset, nbytes), dtype=torch.uint8
-        )
-        buf[pos : pos + nbytes].copy_(src)
-
-    return copy_large
-
-
-def _bytes_copier(data: bytes) -> Callable[[torch.Tensor, int], None]:
-    def copy_into(buf: torch.Tensor, pos: int) -> None:
-        ctypes.memmove(buf.data_ptr() + pos, data, len(data))
-
-    return copy_into
-
-
 def _call_prepare(
     prepare: PrepareFunc, path: str, logical: str, tensor: torch.Tensor, *, tracing: bool
 ) -> torch.Tensor:
@@ -787,7 +836,7 @@ def _call_prepare(
 class _TensorSource:
     """The bytes of one tensor, handed out piece by piece (element ranges) at staging time.
 
-    Used for tensors that cannot simply be viewed (those go through ``_view_stager``): prepared,
+    Used for tensors that cannot simply be viewed (those are viewed by their ``Payload``): prepared,
     conjugate or negated views, non-contiguous, on a device. ``piece`` gathers a piece into new
     memory; ``copy_into`` copies it into a given staging buffer. What needs the whole tensor first
     (the prepare function, resolving a lazy conjugate or negation) is done once, at the first

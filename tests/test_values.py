@@ -107,6 +107,18 @@ def test_views_sharing_storage(snapshot_url):
     assert manifest["0/s/head"].chunks != manifest["0/s/base"].chunks
 
 
+def test_lazy_views_of_the_same_memory_are_different_values(snapshot_url):
+    """A conjugate or negated view shares its base's memory (same address, dtype, shape and
+    strides) but not its values: it must not be stored as the base."""
+    z = torch.randn(4, 3, dtype=torch.complex64)
+    x = torch.randn(5)
+    value = {"z": z, "z_conj": z.conj(), "x": x, "x_neg": torch._neg_view(x)}
+    out = roundtrip(snapshot_url, value)
+    for k, v in value.items():
+        assert raw_bytes(out[k]) == raw_bytes(v), k
+    assert not torch.equal(out["z_conj"], z)
+
+
 def test_restore_into_noncontiguous_and_casting_targets(snapshot_url):
     value = {"a": torch.arange(20.0).reshape(4, 5), "b": torch.arange(6, dtype=torch.int32)}
     a_target = torch.zeros(5, 4, dtype=torch.float64).t()  # non-contiguous, other dtype
