@@ -25,6 +25,8 @@ from manifest.entries import (
     TensorEntry,
     TupleEntry,
     is_container,
+    new_location,
+    new_tensor_entry,
 )
 
 __all__ = [
@@ -49,4 +51,6 @@ __all__ = [
     "entry_to_dict",
     "is_container",
     "loads",
+    "new_location",
+    "new_tensor_entry",
 ]

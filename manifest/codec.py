@@ -35,6 +35,8 @@ from manifest.entries import (
     ShardedTensorEntry,
     TensorEntry,
     TupleEntry,
+    new_location,
+    new_tensor_entry,
 )
 
 # libyaml's C classes when PyYAML has them; the pure-Python ones behave identically.
@@ -188,15 +190,21 @@ def _entry_line(path: str, entry: Entry, known: dict[str, bool] | None = None) -
         and not entry.replicated
         and _VERBATIM.fullmatch(path)
         and _verbatim(entry.dtype, known)
-        and all(_verbatim(c.blob, known) for c in entry.chunks)
     ):
         # Most lines: formatted directly, exactly as the encoder would write them.
-        shape = ", ".join(map(str, entry.shape))
-        chunks = ", ".join(map(_location_json, entry.chunks))
-        return (
-            f'  "{path}": {{"type": "tensor", "dtype": "{entry.dtype}", "shape": [{shape}], '
-            f'"chunks": [{chunks}]}}'
-        )
+        chunks = entry.chunks
+        if len(chunks) == 1 and _verbatim(chunks[0].blob, known):
+            text = _location_json(chunks[0])
+        elif all(_verbatim(c.blob, known) for c in chunks):
+            text = ", ".join(map(_location_json, chunks))
+        else:
+            text = None
+        if text is not None:
+            shape = ", ".join(map(str, entry.shape))
+            return (
+                f'  "{path}": {{"type": "tensor", "dtype": "{entry.dtype}", "shape": [{shape}], '
+                f'"chunks": [{text}]}}'
+            )
     # {"path": {...}} without its braces is the line.
     return "  " + _ENCODER.encode({path: entry_to_dict(entry)})[1:-1]
 
@@ -280,9 +288,7 @@ def _location(value: Any, where: str) -> Location:
         or not (crc is None or (type(crc) is int and 0 <= crc <= 0xFFFFFFFF))
     ):
         raise _fail(where, f"expected [blob, offset, nbytes, crc32], got {value!r}")
-    return Location(
-        blob=check_blob_path(_str(blob, where), where), offset=offset, nbytes=nbytes, crc32=crc
-    )
+    return new_location(check_blob_path(_str(blob, where), where), offset, nbytes, crc)
 
 
 def _decode_tensor(d: Mapping[str, Any], where: str) -> dict[str, Any]:
@@ -425,8 +431,8 @@ def entry_from_dict(d: Any, where: str) -> Entry:
             and type(chunks) is list
             and all(type(x) is int and x >= 0 for x in shape)
         ):
-            return TensorEntry(
-                dtype=dtype, shape=tuple(shape), chunks=tuple(_location(c, where) for c in chunks)
+            return new_tensor_entry(
+                dtype, tuple(shape), tuple([_location(c, where) for c in chunks])
             )
     tag = d.get("type")
     cls = ENTRY_TYPES.get(tag) if isinstance(tag, str) else None

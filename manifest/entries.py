@@ -69,6 +69,28 @@ class TensorEntry(Entry):
         return self.chunks
 
 
+# Constructors of the two records a manifest holds one of per tensor, for the paths that make
+# tens of thousands of them (planning a take, decoding a manifest): the same objects as the
+# dataclass constructors make, in about half the time (they set the slots directly, where the
+# generated ``__init__`` parses keywords and goes through ``object.__setattr__`` per field).
+# Like the constructors, they check nothing.
+_new = object.__new__
+_set_blob = Location.blob.__set__  # type: ignore[attr-defined]
+_set_offset = Location.offset.__set__  # type: ignore[attr-defined]
+_set_nbytes = Location.nbytes.__set__  # type: ignore[attr-defined]
+_set_crc32 = Location.crc32.__set__  # type: ignore[attr-defined]
+
+
+def new_location(blob: str, offset: int, nbytes: int, crc32: int | None = None) -> Location:
+    """``Location(blob=blob, offset=offset, nbytes=nbytes, crc32=crc32)``, faster."""
+    loc = _new(Location)
+    _set_blob(loc, blob)
+    _set_offset(loc, offset)
+    _set_nbytes(loc, nbytes)
+    _set_crc32(loc, crc32)
+    return loc
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Shard:
     """One stored piece of a sharded tensor: the box ``offsets`` .. ``offsets + sizes`` of the
@@ -77,6 +99,25 @@ class Shard:
     offsets: tuple[int, ...]
     sizes: tuple[int, ...]
     chunks: tuple[Location, ...]
+
+
+_set_replicated = Entry.replicated.__set__  # type: ignore[attr-defined]
+_set_dtype = TensorEntry.dtype.__set__  # type: ignore[attr-defined]
+_set_shape = TensorEntry.shape.__set__  # type: ignore[attr-defined]
+_set_chunks = TensorEntry.chunks.__set__  # type: ignore[attr-defined]
+
+
+def new_tensor_entry(
+    dtype: str, shape: tuple[int, ...], chunks: tuple[Location, ...], replicated: bool = False
+) -> TensorEntry:
+    """``TensorEntry(dtype=dtype, shape=shape, chunks=chunks, replicated=replicated)``,
+    faster."""
+    entry = _new(TensorEntry)
+    _set_replicated(entry, replicated)
+    _set_dtype(entry, dtype)
+    _set_shape(entry, shape)
+    _set_chunks(entry, chunks)
+    return entry
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

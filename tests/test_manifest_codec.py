@@ -71,6 +71,22 @@ def test_golden_bytes():
     assert seal_manifest(GOLDEN_TEXT.encode()) == GOLDEN_BYTES
 
 
+def test_fast_constructors_make_what_the_dataclasses_make():
+    """They set each slot by hand: one they missed (a field added later) would be unset."""
+    import dataclasses
+
+    loc = mf.new_location("0/s1", 16, 40, 7)
+    assert loc == Location(blob="0/s1", offset=16, nbytes=40, crc32=7)
+    assert mf.new_location("0/1", 0, 3) == Location(blob="0/1", offset=0, nbytes=3)
+    entry = mf.new_tensor_entry("int8", (2, 20), (loc,), True)
+    assert entry == TensorEntry(dtype="int8", shape=(2, 20), chunks=(loc,), replicated=True)
+    assert mf.new_tensor_entry("int8", (0,), ()) == TensorEntry(dtype="int8", shape=(0,), chunks=())
+    for made in (loc, entry):
+        for f in dataclasses.fields(made):
+            getattr(made, f.name)  # AttributeError for a slot never set
+        assert hash(made) == hash(dataclasses.replace(made))
+
+
 def test_the_checksum_line_is_checked():
     body = GOLDEN_TEXT.encode()
     for damaged in [
