@@ -400,7 +400,8 @@ class TakeJob:
         try:
             # Every rank's entries of a replicated value point at the blob one rank wrote: that
             # rank shares the checksums of what it wrote for the others.
-            shared = {k: v for k, v in checksums.items() if k[0] in self.plan.shared_blobs}
+            blobs = self.plan.shared_blobs
+            shared = {k: v for k, v in checksums.items() if k[0] in blobs} if blobs else {}
             for part in coord.agree("take: writing", value=shared, error=error):
                 checksums.update(part)
             with gc_paused():

@@ -34,6 +34,8 @@ from manifest import (
     ShardedObjectEntry,
     ShardedTensorEntry,
     TensorEntry,
+    new_location,
+    new_tensor_entry,
 )
 from snapshot.checksum import LocationCheck
 from snapshot.errors import (
@@ -77,10 +79,13 @@ _T = TypeVar("_T")
 _INLINE_TYPES = (bool, int, float, type(None))
 
 
+_DENSE_TYPES = (torch.Tensor, torch.nn.Parameter)
+
+
 def is_dense_tensor(value: object) -> bool:
     """Whether ``value`` is stored as raw bytes (a strided, non-quantized plain tensor)."""
     return (
-        type(value) in (torch.Tensor, torch.nn.Parameter)
+        type(value) in _DENSE_TYPES
         and value.layout == torch.strided  # type: ignore[union-attr]
         and not value.is_quantized  # type: ignore[union-attr]
     )
@@ -201,7 +206,7 @@ class Payload:
     def location(self, crc32: int | None = None) -> Location:
         """Where placement put the bytes, as the manifest records it."""
         assert self.blob is not None
-        return Location(blob=self.blob, offset=self.pos, nbytes=self.nbytes, crc32=crc32)
+        return new_location(self.blob, self.pos, self.nbytes, crc32)
 
 
 # Below this size a payload of a tensor is copied by one memmove call (about a microsecond of
@@ -222,9 +227,7 @@ class _TensorDraft:
             chunks: tuple[Location, ...] = (_final(payloads[0], checksums),)
         else:
             chunks = tuple(_final(p, checksums) for p in payloads)
-        return TensorEntry(
-            dtype=self.dtype, shape=self.shape, chunks=chunks, replicated=self.replicated
-        )
+        return new_tensor_entry(self.dtype, self.shape, chunks, self.replicated)
 
 
 @dataclass(slots=True)
@@ -375,7 +378,14 @@ class _Collector:
         for path, node, value in flatten(state, rank_prefix + key_path):
             replicated = check and self._is_replicated(path[cut:])
             if node is None:
-                entries[path] = self._leaf(path, path[cut:], value, replicated)
+                if (
+                    type(value) in _DENSE_TYPES
+                    and value.layout == torch.strided
+                    and not value.is_quantized
+                ):  # ``is_dense_tensor``, inlined: most leaves are tensors
+                    entries[path] = self._tensor(path, path[cut:], value, replicated)
+                else:
+                    entries[path] = self._leaf(path, path[cut:], value, replicated)
             elif replicated:
                 entries[path] = dataclasses.replace(node, replicated=True)
             else:
@@ -512,7 +522,7 @@ class _Collector:
             itemsize = dtype.itemsize
             nbytes = numel * itemsize
             if nbytes <= self.chunk_bytes:
-                payloads = [Payload(logical, 0, nbytes, path, replicated, tensor=tensor)]
+                payloads = [Payload(logical, 0, nbytes, path, replicated, tensor)]
             else:
                 payloads = [
                     Payload(
