@@ -20,6 +20,7 @@ while the bytes are cached. It releases the GIL, and combines CRCs of pieces (``
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import accumulate
 
 from isal import isal_zlib
 
@@ -52,10 +53,17 @@ class RangeDigest:
 
     def __call__(self, piece: memoryview) -> None:
         start = self._pos
-        end = start + len(piece)
+        n = len(piece)
+        end = start + n
         self._pos = end
         ranges, values = self.ranges, self.values
         i = self._next
+        if i < len(ranges) and ranges[i] == (start, n):
+            # The piece is exactly the next range (a slab member written from its own view):
+            # the common case when a slab holds thousands of small tensors.
+            values[i] = crc32(piece)
+            self._next = i + 1
+            return
         while i < len(ranges):
             offset, nbytes = ranges[i]
             if offset >= end and nbytes:
@@ -68,6 +76,28 @@ class RangeDigest:
                 break
             i += 1
         self._next = i
+
+    def many(self, pieces: Sequence[memoryview]) -> None:
+        """The same as calling the digest on each of ``pieces``, in order (the next pieces of
+        the stream), in bulk where it can be: the ranges that are exactly some of these pieces
+        (slab members, with padding pieces between them) get their CRCs from one C-level pass;
+        what follows the last of them goes piece by piece."""
+        i, start = self._next, self._pos
+        lens = list(map(len, pieces))
+        starts = list(accumulate(lens, initial=start))
+        # Which piece is each of the next ranges, while they are whole pieces.
+        index = dict(zip(zip(starts, lens, strict=False), range(len(pieces)), strict=True))
+        hits = list(map(index.get, self.ranges[i : i + len(pieces)]))
+        matched = hits.index(None) if None in hits else len(hits)
+        if matched:
+            hits = hits[:matched]
+            self.values[i : i + matched] = map(crc32, map(pieces.__getitem__, hits))
+            self._next = i + matched
+            last = hits[-1] + 1
+            self._pos = starts[last]
+            pieces = pieces[last:]
+        for piece in pieces:
+            self(piece)
 
 
 class LocationCheck:

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import uuid
-from collections import deque
+from bisect import bisect_right
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from itertools import accumulate
 from typing import Any, TypeVar
 
 from storage_plugins.base import Buffer, StoragePlugin
@@ -160,55 +162,52 @@ class FSStoragePlugin(StoragePlugin):
         self._executor.shutdown(wait=True)
 
 
-def _next_batch(pending: deque[memoryview], limit: int = _MAX_SYSCALL_BYTES) -> list[memoryview]:
-    """The leading buffers of ``pending`` that one vectored system call moves, up to ``limit``
-    bytes."""
-    batch: list[memoryview] = []
-    size = 0
-    for view in pending:
-        if size + len(view) > limit:
-            if not batch:
-                batch.append(view[:limit])
-            break
-        batch.append(view)
-        size += len(view)
-        if len(batch) >= _MAX_IOV:
-            break
-    return batch
+def _move_all(
+    views: list[memoryview],
+    move: Callable[[list[memoryview]], int],
+    limit: int,
+    observe: Observer | None,
+) -> None:
+    """Moves the bytes of ``views`` (non-empty, in order) with vectored system calls of at most
+    ``limit`` bytes and ``_MAX_IOV`` buffers each: ``move(batch)`` moves a prefix of ``batch``
+    and says how many bytes. ``observe`` sees each piece moved, in order, right after its call;
+    when it has a ``many`` method, the whole buffers of a call are shown to that at once.
 
-
-def _consume(pending: deque[memoryview], n: int) -> None:
-    """Drops the first ``n`` bytes from ``pending`` (after a short or complete transfer)."""
-    while n:
-        head = pending[0]
-        if n >= len(head):
-            n -= len(head)
-            pending.popleft()
+    A slab of small tensors is thousands of buffers: the bookkeeping is per call, in C-level
+    passes over the batch (cumulative sizes, bisection), not per buffer.
+    """
+    many = getattr(observe, "many", None)
+    i = 0
+    while i < len(views):
+        window = views[i : i + _MAX_IOV]
+        ends = list(accumulate(map(len, window)))
+        fit = bisect_right(ends, limit)
+        if fit == 0:  # the first buffer alone is over the limit: a slice of it
+            batch = [window[0][:limit]]
         else:
-            pending[0] = head[n:]
-            n = 0
-
-
-def _observe_prefix(batch: list[memoryview], n: int, observe: Observer) -> None:
-    """Observes the first ``n`` bytes of ``batch`` (what one system call moved)."""
-    for view in batch:
-        if n <= 0:
-            return
-        observe(view[:n] if n < len(view) else view)
-        n -= len(view)
+            batch = window if fit == len(window) else window[:fit]
+        n = move(batch)
+        whole = bisect_right(ends, n)  # buffers moved entirely
+        rest = n - (ends[whole - 1] if whole else 0)  # bytes moved of the next one
+        if observe is not None:
+            if many is not None:
+                many(window[:whole])
+            else:
+                for view in window[:whole]:
+                    observe(view)
+            if rest:
+                observe(window[whole][:rest])
+        if rest:
+            views[i + whole] = window[whole][rest:]
+        i += whole
 
 
 def _write_all(fd: int, buffers: Sequence[Buffer], observe: Observer | None = None) -> None:
     """Writes every buffer in order, resuming after short writes; ``observe`` sees each piece
     written, in order, right after its system call."""
-    pending = deque(memoryview(b).cast("B") for b in buffers if len(b))
+    views = [memoryview(b).cast("B") for b in buffers if len(b)]
     limit = _MAX_SYSCALL_BYTES if observe is None else _OBSERVED_WRITE_BYTES
-    while pending:
-        batch = _next_batch(pending, limit)
-        n = os.writev(fd, batch)
-        if observe is not None:
-            _observe_prefix(batch, n, observe)
-        _consume(pending, n)
+    _move_all(views, functools.partial(os.writev, fd), limit, observe)
 
 
 def _read_all(
@@ -216,16 +215,17 @@ def _read_all(
 ) -> None:
     """Fills every buffer in order from ``offset`` on, resuming after short reads; ``observe``
     sees each piece read, in order, right after its system call."""
-    pending = deque(o for o in outs if len(o))
-    total = offset + sum(len(o) for o in pending)
+    views = [o for o in outs if len(o)]
+    total = offset + sum(map(len, views))
     limit = _MAX_SYSCALL_BYTES if observe is None else _OBSERVED_READ_BYTES
     pos = offset
-    while pending:
-        batch = _next_batch(pending, limit)
+
+    def read(batch: list[memoryview]) -> int:
+        nonlocal pos
         n = os.preadv(fd, batch, pos)
         if n == 0:
             raise EOFError(f"{name} ends at byte {pos}, but bytes up to {total} were requested")
-        if observe is not None:
-            _observe_prefix(batch, n, observe)
-        _consume(pending, n)
         pos += n
+        return n
+
+    _move_all(views, read, limit, observe)

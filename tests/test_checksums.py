@@ -58,10 +58,40 @@ def test_range_digest_over_any_pieces(data, cuts, picks):
             break
         ranges.append((start, n))
         pos = start + n
+    expected = [zlib.crc32(data[o : o + n]) for o, n in ranges]
     digest = RangeDigest(ranges)
     for b in buffers:
         digest(memoryview(b))
-    assert digest.values == [zlib.crc32(data[o : o + n]) for o, n in ranges]
+    assert digest.values == expected
+    digest = RangeDigest(ranges)  # in bulk: pieces not aligned with the ranges
+    digest.many([memoryview(b) for b in buffers[:2]])
+    digest.many([memoryview(b) for b in buffers[2:]])
+    assert digest.values == expected
+
+
+@given(
+    sizes=st.lists(st.integers(0, 40), min_size=1, max_size=12),
+    chosen=st.lists(st.booleans(), min_size=12, max_size=12),
+)
+def test_range_digest_when_pieces_are_the_ranges(sizes, chosen):
+    """A slab's stream: each member is one piece and one range, with padding pieces (not
+    ranges) between some of them; also empty ranges."""
+    data = random.Random(len(sizes)).randbytes(sum(sizes))
+    bounds = list(itertools.accumulate(sizes, initial=0))
+    pieces = [(x, y - x) for x, y in itertools.pairwise(bounds)]
+    ranges = [r for r, keep in zip(pieces, chosen, strict=False) if keep]
+    expected = [zlib.crc32(data[o : o + n]) for o, n in ranges]
+    views = [memoryview(data[o : o + n]) for o, n in pieces if n]  # writes skip empty buffers
+    digest = RangeDigest(ranges)
+    for view in views:
+        digest(view)
+    assert digest.values == expected
+    # In bulk, in any grouping of the pieces into calls.
+    for group in (1, 2, 5, len(views) or 1):
+        digest = RangeDigest(ranges)
+        for at in range(0, len(views), group):
+            digest.many(views[at : at + group])
+        assert digest.values == expected, group
 
 
 def test_location_check_accepts_pieces_in_any_order():

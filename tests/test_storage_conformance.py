@@ -192,3 +192,76 @@ async def test_scatter_reads(plugin):
         await plugin.readv("v", len(data) - 4, [memoryview(bytearray(2)), memoryview(bytearray(3))])
     with pytest.raises(FileNotFoundError):
         await plugin.readv("absent", 0, [memoryview(bytearray(1))])
+
+
+class _Recorder:
+    """An observer with the optional bulk method: records every piece shown, either way."""
+
+    def __init__(self) -> None:
+        self.pieces: list[bytes] = []
+        self.bulk_calls = 0
+
+    def __call__(self, view: memoryview) -> None:
+        self.pieces.append(bytes(view))
+
+    def many(self, views: list[memoryview]) -> None:
+        self.bulk_calls += 1
+        self.pieces.extend(bytes(v) for v in views)
+
+
+@pytest.mark.parametrize("bulk", [False, True])
+@pytest.mark.parametrize(("most", "count"), [(1, 30), (7, 300), (4096, 1500), (None, 1500)])
+def test_fs_transfers_survive_short_system_calls(tmp_path, monkeypatch, most, count, bulk):
+    """The local plugin resumes after vectored reads and writes that move fewer bytes than
+    asked (at most ``most`` per call here), over more buffers than one call takes, and shows
+    an observer every byte once, in order."""
+    import os
+    import random
+
+    from storage_plugins import fs
+
+    rng = random.Random(most)
+    sizes = [0, 1, 3, 100] if count < 1500 else [0, 1, 3, 100, 5000]
+    parts = [rng.randbytes(rng.choice(sizes)) for _ in range(count)]
+    data = b"".join(parts)
+    real_writev, real_preadv = os.writev, os.preadv
+    calls = [0]
+
+    def cut(batch: list[memoryview]) -> list[memoryview]:
+        calls[0] += 1
+        if most is None:
+            return batch
+        n = rng.randint(1, most)
+        out = []
+        for b in batch:
+            out.append(b[:n])
+            n -= len(out[-1])
+            if n <= 0:
+                break
+        return out
+
+    monkeypatch.setattr(fs.os, "writev", lambda fd, batch: real_writev(fd, cut(batch)))
+    monkeypatch.setattr(fs.os, "preadv", lambda fd, batch, pos: real_preadv(fd, cut(batch), pos))
+    monkeypatch.setattr(fs, "_OBSERVED_WRITE_BYTES", 64 << 10)  # several calls even unshortened
+    monkeypatch.setattr(fs, "_OBSERVED_READ_BYTES", 64 << 10)
+    plugin = fs.FSStoragePlugin(str(tmp_path), {"fsync": False})
+
+    def observer():
+        rec = _Recorder()
+        return rec if bulk else (lambda v: rec(v)), rec
+
+    observe, rec = observer()
+    plugin._write_sync("blob", [memoryview(p) for p in parts], observe)
+    assert (tmp_path / "blob").read_bytes() == data
+    assert b"".join(rec.pieces) == data and all(rec.pieces)
+    assert (rec.bulk_calls > 0) == bulk
+    assert calls[0] >= 2  # cut short, or more buffers than one call takes
+    outs = [memoryview(bytearray(len(p))) for p in parts]
+    observe, rec = observer()
+    plugin._readv_sync("blob", 0, outs, observe)
+    assert b"".join(bytes(o) for o in outs) == data == b"".join(rec.pieces)
+    outs = [memoryview(bytearray(len(p))) for p in parts[1:]]
+    plugin._readv_sync("blob", len(parts[0]), outs, None)
+    assert b"".join(bytes(o) for o in outs) == data[len(parts[0]) :]
+    with pytest.raises(EOFError, match="ends at byte"):
+        plugin._readv_sync("blob", 5, [memoryview(bytearray(len(data)))], None)
