@@ -97,6 +97,10 @@ class StoragePlugin(abc.ABC):
         The default observes each buffer (on a worker thread when they are large), then
         writes. A plugin that writes in pieces overrides it to observe each piece right after
         writing it, while the bytes are still in the CPU's cache.
+
+        ``observe`` may also have a ``many(pieces)`` method, the same as calling ``observe`` on
+        each of ``pieces`` in order; a plugin that moves many buffers at once may use it (the
+        library's digests checksum slab members in bulk that way).
         """
         if sum(len(b) for b in buffers) > _OBSERVE_INLINE_BYTES:
             await asyncio.to_thread(_observe_all, buffers, observe)

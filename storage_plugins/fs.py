@@ -189,14 +189,14 @@ def _move_all(
         n = move(batch)
         whole = bisect_right(ends, n)  # buffers moved entirely
         rest = n - (ends[whole - 1] if whole else 0)  # bytes moved of the next one
-        if observe is not None:
+        if observe is not None and whole:
             if many is not None:
                 many(window[:whole])
             else:
                 for view in window[:whole]:
                     observe(view)
-            if rest:
-                observe(window[whole][:rest])
+        if observe is not None and rest:
+            observe(window[whole][:rest])
         if rest:
             views[i + whole] = window[whole][rest:]
         i += whole
