@@ -30,14 +30,9 @@ def _dict_names(d: Mapping[Any, Any]) -> list[str] | None:
     manifest or would not give distinct child paths."""
     names = []
     for k in d:
-        if type(k) is str:
-            if not _encodable(k):
-                return None
-            names.append(k if "%" not in k and "/" not in k else escape_key(k))
-        elif type(k) in _KEY_TYPES:
-            names.append(str(k))
-        else:
+        if type(k) not in _KEY_TYPES or (type(k) is str and not _encodable(k)):
             return None
+        names.append(escape_key(k))
     return names if len(set(names)) == len(names) else None
 
 
