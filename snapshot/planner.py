@@ -378,11 +378,7 @@ class _Collector:
         for path, node, value in flatten(state, rank_prefix + key_path):
             replicated = check and self._is_replicated(path[cut:])
             if node is None:
-                if (
-                    type(value) in _DENSE_TYPES
-                    and value.layout == torch.strided
-                    and not value.is_quantized
-                ):  # ``is_dense_tensor``, inlined: most leaves are tensors
+                if is_dense_tensor(value):  # most leaves: straight to the tensor path
                     entries[path] = self._tensor(path, path[cut:], value, replicated)
                 else:
                     entries[path] = self._leaf(path, path[cut:], value, replicated)
@@ -654,14 +650,9 @@ class _Slab:
         for pad, p in self.members:
             if pad:
                 buffers.append(_ZEROS[:pad])
-            t = p.tensor
-            if t is not None:  # ``Payload.stage``, inlined for the common case
-                buffers.append(raw_memoryview(t.data_ptr() + p.start, p.nbytes))
-                keep.append(t)
-            else:
-                bufs, keepalive = p.stage()
-                buffers.extend(bufs)
-                keep.append(keepalive)
+            bufs, keepalive = p.stage()
+            buffers.extend(bufs)
+            keep.append(keepalive)
         return buffers, keep
 
     def ranges(self) -> list[tuple[int, int]]:
