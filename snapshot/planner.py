@@ -37,7 +37,7 @@ from manifest import (
     new_location,
     new_tensor_entry,
 )
-from snapshot.checksum import LocationCheck
+from snapshot.checksum import LocationCheck, WholeCheck
 from snapshot.errors import (
     CorruptSnapshotError,
     ShapeMismatchError,
@@ -1038,8 +1038,24 @@ def plan_tensor_read(
     else:
         check_target(path, entry, target, dtype)
     itemsize = dtype.itemsize
-    needs: list[Need] = []
     direct = _direct(target, dtype)
+    chunks = entry.chunks
+    if direct and len(chunks) == 1 and chunks[0].nbytes <= piece_bytes:
+        # Most tensors of a state: one read, straight into the target's memory.
+        chunk = chunks[0]
+        nbytes = chunk.nbytes
+        need = Need(
+            blob=chunk.blob,
+            offset=chunk.offset,
+            nbytes=nbytes,
+            dest=functools.partial(raw_memoryview, target.data_ptr(), nbytes),
+            done=None,
+            scratch_bytes=0,
+            label=path,
+            verify=WholeCheck(path, chunk) if verify and chunk.crc32 is not None else None,
+        )
+        return TensorRead(needs=[need], result=target)
+    needs: list[Need] = []
     step = piece_bytes if direct else tile_bytes
     step = max(itemsize, step - step % itemsize)
     address = target.data_ptr() if direct else 0
@@ -1262,8 +1278,8 @@ def plan_object_read(
 ) -> Need:
     """The need of an object's bytes; ``done`` decodes them into ``results[path]`` (after, with
     ``verify``, their CRC-32 was checked)."""
-    nbytes = entry.location.nbytes
-    check = _check(path, entry.location, 1, verify)
+    loc = entry.location
+    nbytes = loc.nbytes
     buf: list[bytearray] = []
 
     def dest() -> memoryview:
@@ -1274,14 +1290,14 @@ def plan_object_read(
         results[path] = decode_value(path, entry, bytes(buf.pop()))
 
     return Need(
-        blob=entry.location.blob,
-        offset=entry.location.offset,
+        blob=loc.blob,
+        offset=loc.offset,
         nbytes=nbytes,
         dest=dest,
         done=done,
         scratch_bytes=nbytes,
         label=path,
-        verify=functools.partial(check.add, 0, nbytes) if check is not None else None,
+        verify=WholeCheck(path, loc) if verify and loc.crc32 is not None else None,
     )
 
 

@@ -8,6 +8,7 @@ carries a checksum of its own; ``STATESNAP_CHECKSUMS=0`` turns all of it off.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 import random
@@ -21,7 +22,7 @@ from hypothesis import strategies as st
 
 from manifest import ObjectEntry, TensorEntry
 from snapshot import ChecksumError, CorruptSnapshotError, Snapshot, StateDict
-from snapshot.checksum import LocationCheck, RangeDigest, combine, crc32
+from snapshot.checksum import LocationCheck, RangeDigest, WholeCheck, combine, crc32
 from tests.helpers import assert_same
 
 # ---------------------------------------------------------------------------------------------
@@ -112,6 +113,25 @@ def test_location_check_accepts_pieces_in_any_order():
         ChecksumError, match=r"0/x: checksum mismatch in blob 0/0, bytes \[0, 1000\)"
     ):
         bad.add(300, 300, zlib.crc32(b"\0" + data[301:600]))
+
+
+def test_whole_check_is_a_location_check_of_one_piece():
+    from manifest import Location
+
+    data = random.Random(2).randbytes(1000)
+    loc = Location(blob="0/s0", offset=4096, nbytes=1000, crc32=zlib.crc32(data))
+    WholeCheck("0/x", loc)(zlib.crc32(data))
+    flipped = zlib.crc32(data[:-1] + bytes([data[-1] ^ 1]))
+    for check in (
+        WholeCheck("0/x", loc),
+        functools.partial(LocationCheck("0/x", loc, 1).add, 0, 1000),
+    ):
+        with pytest.raises(
+            ChecksumError,
+            match=r"0/x: checksum mismatch in blob 0/s0, bytes \[4096, 5096\): the manifest "
+            rf"records crc32 {loc.crc32:#010x}, the bytes read have {flipped:#010x}",
+        ):
+            check(flipped)
 
 
 # ---------------------------------------------------------------------------------------------
