@@ -113,11 +113,21 @@ def test_location_checksums_are_checked_integers():
             mf.loads(text)
 
 
+def _as_data(doc):
+    """The fast reading of a document, with the tensor entries it decodes itself put back in
+    the plain-data form a YAML reader gives."""
+    entries = {
+        p: mf.entry_to_dict(e) if isinstance(e, TensorEntry) else e
+        for p, e in doc["entries"].items()
+    }
+    return {**doc, "entries": entries}
+
+
 def test_the_file_is_yaml_and_yaml_readers_agree(monkeypatch):
     """Any YAML reader gets the same document; a hand-edited file goes through the YAML path."""
     doc = yaml.safe_load(GOLDEN_BYTES)  # the checksum line is a YAML comment
     assert doc["entries"]["0/m/w"]["chunks"] == [["0/0", 0, 12, 0xDEADBEEF]]
-    assert codec._parse_fast(GOLDEN_TEXT) == doc
+    assert _as_data(codec._parse_fast(GOLDEN_TEXT)) == doc
     edited = GOLDEN_TEXT.replace('  "0/m/3": {', '  # a comment\n  "0/m/3": {')
     assert codec._parse_fast(edited) is None
     assert mf.loads(seal_manifest(edited.encode())) == GOLDEN
@@ -212,7 +222,7 @@ def test_any_manifest_round_trips(entries, world_size):
     # The YAML reading of the same bytes agrees with the fast one.
     fast = codec._parse_fast(codec._split_trailer(data, "m", verify=True).decode())
     assert fast is not None or not entries  # "entries: {}" goes through YAML
-    assert fast is None or fast == yaml.load(data, Loader=codec._Loader)
+    assert fast is None or _as_data(fast) == yaml.load(data, Loader=codec._Loader)
 
 
 @pytest.mark.parametrize("char", ["\x7f", "\x85", "\u2028", "\ufeff"])
@@ -250,3 +260,66 @@ def test_fast_tensor_lines_match_the_encoder(entries, path):
     for entry in entries:
         generic = "  " + codec._ENCODER.encode({path: mf.entry_to_dict(entry)})[1:-1]
         assert codec._entry_line(path, entry) == generic
+
+
+_plain_blobs = st.builds("{}/{}{}".format, st.integers(0, 999), st.sampled_from(["", "s", "x"]),
+                         st.integers(0, 10**6))  # fmt: skip
+
+
+@given(
+    items=st.lists(
+        st.tuples(
+            st.one_of(st.text(max_size=12), st.from_regex(r"0/m/[a-z.]{1,8}", fullmatch=True)),
+            st.builds(
+                TensorEntry,
+                dtype=st.sampled_from(["float32", "bfloat16", "float8_e4m3fn", "uint4"]),
+                shape=st.lists(st.integers(0, 10**12), max_size=4).map(tuple),
+                chunks=st.lists(
+                    st.builds(
+                        Location,
+                        blob=st.one_of(_plain_blobs, st.sampled_from(["0/a/1", "00/1", "r/0"])),
+                        offset=st.integers(0, 2**64),
+                        nbytes=st.integers(0, 2**64),
+                        crc32=st.one_of(st.none(), st.integers(0, 2**32 - 1)),
+                    ),
+                    min_size=1,
+                    max_size=2,
+                ).map(tuple),
+                replicated=st.booleans(),
+            ),
+        ),
+        max_size=6,
+    ),
+)
+def test_tensor_lines_decode_as_the_json_path_decodes_them(items):
+    """Tensor lines in the writer's common layout are decoded by a pattern of their own; every
+    line decodes to the entry written, whichever path reads it, and the fast reading agrees
+    with a YAML reader's."""
+    entries = dict(items)
+    m = Manifest(entries=entries)
+    data = mf.dumps(m)
+    back = mf.loads(data)
+    assert back == m
+    assert list(back.entries) == list(entries)
+    fast = codec._parse_fast(codec._split_trailer(data, "m", verify=True).decode())
+    assert fast is not None or not entries
+    if fast is not None:
+        assert _as_data(fast) == yaml.load(data, Loader=codec._Loader)
+
+
+def test_tensor_lines_out_of_the_common_layout_are_still_decoded_and_checked():
+    """What the pattern does not take goes through the JSON decoding and its checks: an escaped
+    path (JSON's reading), a leading zero (JSON refuses it: the YAML reading), a CRC beyond 32
+    bits (refused)."""
+    line = GOLDEN_TEXT.splitlines()[6]
+    assert line.startswith('  "0/m/w": {"type": "tensor"') and codec._TENSOR_LINE.fullmatch(line)
+    escaped = line.replace('"0/m/w"', '"0/m/\\u0077"')
+    leading_zero = line.replace("[2, 3]", "[02, 3]")
+    for variant, fast in ((escaped, True), (leading_zero, False)):
+        assert not codec._TENSOR_LINE.fullmatch(variant)
+        text = GOLDEN_TEXT.replace(line, variant)
+        assert (codec._parse_fast(text) is not None) == fast
+        assert mf.loads(seal_manifest(text.encode())) == GOLDEN
+    big = seal_manifest(GOLDEN_TEXT.replace("3735928559", str(2**32)).encode())
+    with pytest.raises(mf.ManifestDecodeError, match=r"0/m/w: expected \[blob, offset"):
+        mf.loads(big)
