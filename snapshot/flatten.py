@@ -119,13 +119,15 @@ def inflate(entries: Mapping[str, Entry], path: str, leaf: Callable[[str, Entry]
         KeyError: a container's child path is missing from ``entries`` (the caller words it).
     """
     entry = entries[path]
-    if isinstance(entry, DictEntry):
-        items = [(k, inflate(entries, join(path, k), leaf)) for k in entry.keys]
+    kind = type(entry)
+    if kind is DictEntry:
+        prefix = f"{path}/" if path else ""
+        items = [(k, inflate(entries, prefix + escape_key(k), leaf)) for k in entry.keys]
         return OrderedDict(items) if entry.ordered else dict(items)
-    if isinstance(entry, ListEntry):
-        return [inflate(entries, join(path, i), leaf) for i in _indices(entries, path, entry)]
-    if isinstance(entry, TupleEntry):
-        return tuple(inflate(entries, join(path, i), leaf) for i in _indices(entries, path, entry))
+    if kind is ListEntry or kind is TupleEntry:
+        prefix = f"{path}/" if path else ""
+        items = [inflate(entries, f"{prefix}{i}", leaf) for i in _indices(entries, path, entry)]
+        return items if kind is ListEntry else tuple(items)
     return leaf(path, entry)
 
 
@@ -146,7 +148,10 @@ def subtree(entries: Mapping[str, Entry], path: str) -> Iterator[str]:
         p = stack.pop()
         yield p
         entry = entries.get(p)
-        if isinstance(entry, DictEntry):
-            stack.extend(join(p, k) for k in reversed(entry.keys))
-        elif isinstance(entry, (ListEntry, TupleEntry)):
-            stack.extend(join(p, i) for i in reversed(_indices(entries, p, entry)))
+        kind = type(entry)
+        if kind is DictEntry:
+            prefix = f"{p}/" if p else ""
+            stack.extend([prefix + escape_key(k) for k in reversed(entry.keys)])
+        elif kind is ListEntry or kind is TupleEntry:
+            prefix = f"{p}/" if p else ""
+            stack.extend([f"{prefix}{i}" for i in reversed(_indices(entries, p, entry))])

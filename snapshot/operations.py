@@ -620,18 +620,14 @@ class _Loader:
             if isinstance(target, LocalNonpersistentObject):
                 self.local[path] = target.unwrap()
                 return
-            t = target if isinstance(target, torch.Tensor) and is_dense_tensor(target) else None
+            t = target if is_dense_tensor(target) else None
             if t is None and sharded.is_sharded(target):
                 raise StateMismatchError(
                     f"{path}: the snapshot holds a whole tensor here, the object being restored "
                     "is a piece of a sharded one; restore it into a plain tensor, or take the "
                     "snapshot from sharded state"
                 )
-            read = plan_tensor_read(
-                path, entry, t, self.tile_bytes, self.piece_bytes, verify=self.verify
-            )
-            self.needs.extend(read.needs)
-            self.tensors[path] = read.result
+            self._add_tensor(path, entry, t)
         elif isinstance(target, LocalNonpersistentObject):
             self.local[path] = target.unwrap()  # this rank's own, never read from storage
         elif isinstance(entry, (ObjectEntry, ShardedObjectEntry)):
@@ -650,15 +646,29 @@ class _Loader:
             self.needs.extend(read.needs)
             self.tensors[path] = read.result
 
+    def _add_tensor(self, path: str, entry: TensorEntry, target: torch.Tensor | None) -> None:
+        read = plan_tensor_read(
+            path, entry, target, self.tile_bytes, self.piece_bytes, verify=self.verify
+        )
+        self.needs.extend(read.needs)
+        self.tensors[path] = read.result
+
     def add_subtree(self, root: str, targets: Mapping[str, Any]) -> None:
+        entries = self.entries
         with self._located():
-            for p in subtree(self.entries, root):
-                entry = self.entries.get(p)
+            for p in subtree(entries, root):
+                entry = entries.get(p)
                 if entry is None:
                     raise CorruptSnapshotError(
                         f"{p}: listed by its parent but missing from the manifest"
                     )
-                if not mf.is_container(entry):
+                if type(entry) is TensorEntry:
+                    target = targets.get(p)
+                    if is_dense_tensor(target):  # most leaves: no dispatch on kinds
+                        self._add_tensor(p, entry, target)
+                        continue
+                    self._add(p, target)
+                elif not mf.is_container(entry):
                     self._add(p, targets.get(p))
 
     def execute(self, plugin: StoragePlugin, budget_bytes: int) -> IOStats:
@@ -712,6 +722,9 @@ class _Loader:
         await asyncio.gather(*(worker() for _ in range(min(concurrency, len(by_blob)))))
 
     def value(self, path: str, entry: Entry) -> Any:
+        tensor = self.tensors.get(path)  # most leaves (a path is in one of these dicts at most)
+        if tensor is not None:
+            return tensor
         if path in self.local:
             return self.local[path]
         if isinstance(entry, PrimitiveEntry):
