@@ -1372,8 +1372,9 @@ def coalesce(
 
 def needs_label(needs: Iterable[Need]) -> str:
     """Names the entries some needs serve, for messages: ``"a"``, ``"a and 3 more"``."""
-    labels = sorted({n.label for n in needs})
-    return labels[0] if len(labels) == 1 else f"{labels[0]} and {len(labels) - 1} more"
+    labels = {n.label for n in needs}
+    first = min(labels)
+    return first if len(labels) == 1 else f"{first} and {len(labels) - 1} more"
 
 
 def _request(blob: str, needs: list[Need]) -> ReadRequest:

@@ -26,6 +26,7 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import Any, TypeVar
 
 from snapshot import checksum, knobs
@@ -315,6 +316,9 @@ class Segment:
     verify: Callable[[int], None] | None = None
 
 
+_segment_bytes = attrgetter("nbytes")
+
+
 @dataclass(slots=True)
 class ReadRequest:
     """One scatter read: the bytes of ``blob`` from ``offset`` on, into ``segments`` in order.
@@ -334,7 +338,7 @@ class ReadRequest:
 
     @property
     def nbytes(self) -> int:
-        return sum(s.nbytes for s in self.segments)
+        return sum(map(_segment_bytes, self.segments))
 
 
 @dataclass(frozen=True, slots=True)
