@@ -1040,8 +1040,9 @@ def plan_tensor_read(
     itemsize = dtype.itemsize
     direct = _direct(target, dtype)
     chunks = entry.chunks
-    if direct and len(chunks) == 1 and chunks[0].nbytes <= piece_bytes:
-        # Most tensors of a state: one read, straight into the target's memory.
+    if direct and len(chunks) == 1 and 0 < chunks[0].nbytes <= piece_bytes:
+        # Most tensors of a state: one read, straight into the target's memory. (An empty
+        # tensor needs no read at all: the loop below makes none.)
         chunk = chunks[0]
         nbytes = chunk.nbytes
         need = Need(
