@@ -115,6 +115,18 @@ def check_app_state(app_state: Any, path: str) -> None:
             )
 
 
+@contextlib.contextmanager
+def naming_snapshot(where: str) -> Iterator[None]:
+    """Errors about an entry (which name its logical path) also name the snapshot they were
+    met in."""
+    try:
+        yield
+    except SnapshotError as e:
+        if where in str(e) or isinstance(e, RankFailedError):
+            raise
+        raise type(e)(f"snapshot {where}: {e}") from e.__cause__
+
+
 def _state_dict(key: str, value: Stateful, path: str) -> Any:
     try:
         return value.state_dict()
@@ -292,14 +304,15 @@ class TakeJob:
             slab_bytes=max(1, min(knobs.slab_bytes(), self._budget // 4)),
             checksums=knobs.checksums(),
         )
-        self.collected = collect(
-            ((escape_key(k), sd) for k, sd in states),
-            rank=coord.rank,
-            prepare=self.prepare,
-            replicated=self.replicated,
-            inline_max_bytes=knobs.inline_max_bytes(),
-            chunk_bytes=layout.chunk_bytes,
-        )
+        with naming_snapshot(self.path):
+            self.collected = collect(
+                ((escape_key(k), sd) for k, sd in states),
+                rank=coord.rank,
+                prepare=self.prepare,
+                replicated=self.replicated,
+                inline_max_bytes=knobs.inline_max_bytes(),
+                chunk_bytes=layout.chunk_bytes,
+            )
         if coord.rank == 0:
             self.plugin = open_plugin(self.path, self.storage_options)
             self.where = _describe(self.plugin)
@@ -599,15 +612,8 @@ class _Loader:
         self.local: dict[str, Any] = {}  # LocalNonpersistentObject values, by path
         self.scratch = ScratchPool()  # for reads of sharded tensors through their gaps
 
-    @contextlib.contextmanager
-    def _located(self) -> Iterator[None]:
-        """Errors about an entry also name the snapshot they were met in."""
-        try:
-            yield
-        except SnapshotError as e:
-            if self.where in str(e) or isinstance(e, RankFailedError):
-                raise
-            raise type(e)(f"snapshot {self.where}: {e}") from e.__cause__
+    def _located(self) -> contextlib.AbstractContextManager[None]:
+        return naming_snapshot(self.where)
 
     def add(self, path: str, target: Any = None) -> None:
         """Plans the read of leaf entry ``path``; a tensor ``target`` is filled in place."""

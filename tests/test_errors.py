@@ -163,13 +163,17 @@ def test_load_state_dict_that_raises(snapshot_url):
 def test_structure_that_contains_itself(snapshot_url):
     loop = [1]
     loop.append(loop)
-    with pytest.raises(UnsupportedValueError, match="0/s/x/1: the structure contains itself"):
+    with pytest.raises(
+        UnsupportedValueError, match=r"snapshot .*snap: 0/s/x/1: the structure contains itself"
+    ):
         Snapshot.take(snapshot_url, {"s": StateDict(x=loop)})
 
 
 def test_tensor_without_data(snapshot_url):
-    with pytest.raises(UnsupportedValueError, match="0/s/w.*meta device"):
+    with pytest.raises(UnsupportedValueError, match=r"snapshot .*snap: 0/s/w.*meta device"):
         Snapshot.take(snapshot_url, {"s": StateDict(w=torch.empty(3, device="meta"))})
+    with pytest.raises(UnsupportedValueError, match=r"snapshot .*snap: 0/s/w.*meta device"):
+        Snapshot.async_take(snapshot_url, {"s": StateDict(w=torch.empty(3, device="meta"))})
     Snapshot.take(snapshot_url, {"s": StateDict(w=torch.ones(3))})
     with pytest.raises(UnsupportedValueError, match=r"snapshot .*snap: 0/s/w.*meta"):
         Snapshot(snapshot_url).restore({"s": StateDict(w=torch.empty(3, device="meta"))})
@@ -179,7 +183,9 @@ def test_prepare_func_errors_name_the_path(snapshot_url):
     def bad(path, t, tracing):
         raise ValueError("nope")
 
-    with pytest.raises(SnapshotError, match="0/s/w.*_custom_tensor_prepare_func raised.*nope"):
+    with pytest.raises(
+        SnapshotError, match=r"snapshot .*snap: 0/s/w.*_custom_tensor_prepare_func raised.*nope"
+    ):
         Snapshot.take(
             snapshot_url, {"s": StateDict(w=torch.ones(3))}, _custom_tensor_prepare_func=bad
         )
