@@ -61,6 +61,7 @@ from snapshot.planner import (
 )
 from snapshot.scheduler import (
     IOStats,
+    ReadRequest,
     WritePipeline,
     call,
     open_plugin,
@@ -686,36 +687,37 @@ class _Loader:
 
     async def _read(self, plugin: StoragePlugin, budget_bytes: int) -> IOStats:
         concurrency = knobs.max_concurrent_io()
+        requests = coalesce(
+            self.needs,
+            max_gap_bytes=knobs.read_gap_bytes(),
+            max_request_bytes=self.piece_bytes,
+            max_scratch_bytes=self.tile_bytes,
+        )
         stats = await read_all(
-            plugin,
-            coalesce(
-                self.needs,
-                max_gap_bytes=knobs.read_gap_bytes(),
-                max_request_bytes=self.piece_bytes,
-                max_scratch_bytes=self.tile_bytes,
-            ),
-            budget_bytes=budget_bytes,
-            max_concurrency=concurrency,
+            plugin, requests, budget_bytes=budget_bytes, max_concurrency=concurrency
         )
         if self.verify:
             # After the reads: a store may learn sizes from them (an S3 ranged GET's answer
             # carries the object's length), and a blob cut short has failed its read already.
-            await self._check_sizes(plugin, concurrency)
+            await self._check_sizes(plugin, requests, concurrency)
         return stats
 
-    async def _check_sizes(self, plugin: StoragePlugin, concurrency: int) -> None:
+    async def _check_sizes(
+        self, plugin: StoragePlugin, requests: Sequence[ReadRequest], concurrency: int
+    ) -> None:
         """Each blob read must be as long as the manifest says: not shorter (cut), and not
         longer (bytes appended after the take, or a blob of another snapshot). Runs after the
         reads, one size query per blob."""
-        by_blob: dict[str, list[Need]] = {}
-        for need in self.needs:
-            by_blob.setdefault(need.blob, []).append(need)
+        by_blob: dict[str, list[ReadRequest]] = {}
+        for req in requests:  # a few per blob, where there are thousands of needs
+            by_blob.setdefault(req.blob, []).append(req)
         expected = self.manifest.blob_sizes
         blobs = iter(by_blob.items())
 
         async def worker() -> None:
-            for blob, needs in blobs:
-                label = needs_label(needs)
+            for blob, reqs in blobs:
+                # The label of all the blob's needs (coalesce labelled each request's).
+                label = reqs[0].label if len(reqs) == 1 else needs_label(_needs_of(reqs))
                 size = await call(plugin, "read", blob, label, lambda b=blob: plugin.size(b))
                 want = expected[blob]
                 if size is not None and size != want:
@@ -772,6 +774,14 @@ def restore(
     except Exception as e:
         error = e
     coordinator.agree("restore", error=error)
+
+
+def _needs_of(requests: Sequence[ReadRequest]) -> Iterator[Need]:
+    """The needs that some read requests serve (their other segments are skipped gaps)."""
+    for req in requests:
+        for seg in req.segments:
+            if isinstance(seg, Need):
+                yield seg
 
 
 def _namespace(manifest: Manifest, rank: int) -> str:

@@ -254,6 +254,24 @@ def test_a_blob_longer_than_recorded_is_an_error(tmp_path, layout):
     Snapshot(path).restore({"m": StateDict()})
 
 
+def test_a_grown_blob_read_in_several_requests_names_all_it_serves(tmp_path, monkeypatch):
+    """The size check names the entries of every read of the blob, however the reads were cut:
+    a slab of 40 members read in requests of at most two members each."""
+    path = str(tmp_path / "s")
+    state = {f"b{i:02d}": torch.full((256,), float(i)) for i in range(40)}  # 1 KiB each
+    Snapshot.take(path, {"m": StateDict(state)})
+    (slab,) = {e.chunks[0].blob for e in Snapshot(path).get_manifest().values()
+               if isinstance(e, TensorEntry)}  # fmt: skip
+    with open(os.path.join(path, slab), "ab") as f:
+        f.write(b"extra")
+    for request_bytes in ("2048", str(32 << 20)):  # many requests, then one
+        monkeypatch.setenv("STATESNAP_READ_REQUEST_BYTES", request_bytes)
+        with pytest.raises(
+            CorruptSnapshotError, match=rf"0/m/b00 and 39 more: blob .*{slab} is longer than"
+        ):
+            Snapshot(path).restore({"m": StateDict({k: torch.empty(256) for k in state})})
+
+
 def test_a_blob_cut_after_the_bytes_read_is_still_an_error(tmp_path, layout):
     """read_object of the first member of a slab whose end was cut: the read itself succeeds,
     the size check does not."""
