@@ -551,6 +551,7 @@ async def _commit(plugin: StoragePlugin, manifest_bytes: bytes) -> None:
 
 def load_manifest(path: str, storage_options: dict[str, Any] | None) -> Manifest:
     """Reads and decodes the committed manifest at ``path``."""
+    t0 = time.perf_counter()
     with open_storage(path, storage_options) as plugin:
         where = _describe(plugin)
 
@@ -582,15 +583,25 @@ def load_manifest(path: str, storage_options: dict[str, Any] | None) -> Manifest
             raise StorageError(f"cannot read the manifest of {where}: {e}") from e
         if data is None:
             raise SnapshotNotFoundError(f"no snapshot at {where} (no {MANIFEST_NAME} there)")
+    t_read = time.perf_counter()
     try:
         with gc_paused():
-            return mf.loads(data, source=f"{where}/{MANIFEST_NAME}", verify=knobs.checksums())
+            manifest = mf.loads(data, source=f"{where}/{MANIFEST_NAME}", verify=knobs.checksums())
     except mf.UnsupportedFormatError as e:
         raise IncompatibleSnapshotError(str(e)) from None
     except mf.ManifestChecksumError as e:
         raise ChecksumError(f"{e} (STATESNAP_CHECKSUMS=0 reads it unchecked)") from None
     except mf.ManifestDecodeError as e:
         raise CorruptSnapshotError(str(e)) from None
+    logger.debug(
+        "manifest of %s: %d entries, %d bytes; read %.3f s, decoded %.3f s",
+        where,
+        len(manifest.entries),
+        len(data),
+        t_read - t0,
+        time.perf_counter() - t_read,
+    )
+    return manifest
 
 
 # ---------------------------------------------------------------------------------------------

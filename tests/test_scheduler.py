@@ -307,6 +307,22 @@ def test_take_stages_within_the_memory_budget(tmp_path, monkeypatch, caplog):
     assert torch.equal(out, state["t5"])
 
 
+def test_take_restore_and_manifest_reads_log_their_phases(tmp_path, caplog):
+    """Debug logs carry each phase's time: the take's, the manifest read's, the restore's."""
+    path = str(tmp_path / "s")
+    state = StateDict({f"t{i}": torch.full((64,), float(i)) for i in range(5)})
+    caplog.set_level("DEBUG", logger="snapshot")
+    Snapshot.take(path, {"s": state})
+    Snapshot(path).restore({"s": StateDict({k: torch.empty(64) for k in state})})
+    text = caplog.text
+    assert re.search(r"take .* phases: state_dict\+plan [0-9.]+ s", text)
+    # the dict and its five tensors
+    assert re.search(
+        r"manifest of .*: 6 entries, \d+ bytes; read [0-9.]+ s, decoded [0-9.]+ s", text
+    )
+    assert re.search(r"restore .* phases: state_dict\+plan [0-9.]+ s, read [0-9.]+ s", text)
+
+
 def test_collector_pause_nests_across_threads():
     import gc
 
