@@ -624,12 +624,9 @@ class _Loader:
         self.local: dict[str, Any] = {}  # LocalNonpersistentObject values, by path
         self.scratch = ScratchPool()  # for reads of sharded tensors through their gaps
 
-    def _located(self) -> contextlib.AbstractContextManager[None]:
-        return naming_snapshot(self.where)
-
     def add(self, path: str, target: Any = None) -> None:
         """Plans the read of leaf entry ``path``; a tensor ``target`` is filled in place."""
-        with self._located():
+        with naming_snapshot(self.where):
             self._add(path, target)
 
     def _add(self, path: str, target: Any) -> None:
@@ -673,7 +670,7 @@ class _Loader:
 
     def add_subtree(self, root: str, targets: Mapping[str, Any]) -> None:
         entries = self.entries
-        with self._located():
+        with naming_snapshot(self.where):
             for p in subtree(entries, root):
                 entry = entries.get(p)
                 if entry is None:
@@ -690,7 +687,7 @@ class _Loader:
                     self._add(p, targets.get(p))
 
     def execute(self, plugin: StoragePlugin, budget_bytes: int) -> IOStats:
-        with self._located():
+        with naming_snapshot(self.where):
             return self._execute(plugin, budget_bytes)
 
     def _execute(self, plugin: StoragePlugin, budget_bytes: int) -> IOStats:
@@ -753,7 +750,7 @@ class _Loader:
         return self.objects[path]
 
     def inflate(self, root: str) -> Any:
-        with self._located():
+        with naming_snapshot(self.where):
             return self._inflate(root)
 
     def _inflate(self, root: str) -> Any:

@@ -1009,10 +1009,26 @@ class TensorRead:
     result: torch.Tensor
 
 
-def _check(path: str, loc: Location, pieces: int, verify: bool) -> LocationCheck | None:
-    """The check of ``loc``'s bytes, read in ``pieces`` needs (each gets ``check.add`` for its
-    offset and length as its ``verify``): with ``verify`` and a recorded checksum only."""
-    return LocationCheck(path, loc, pieces) if verify and loc.crc32 is not None else None
+def _check(
+    path: str, loc: Location, pieces: int, verify: bool
+) -> LocationCheck | WholeCheck | None:
+    """The check of ``loc``'s bytes read in ``pieces`` needs, with ``verify`` and a recorded
+    checksum only: for one piece a ``WholeCheck``, that need's ``verify`` (most tensors and
+    every object: no bookkeeping of pieces); else a ``LocationCheck``, whose ``add`` each need
+    gets for its offset and length (``_piece_verify``)."""
+    if not verify or loc.crc32 is None:
+        return None
+    return WholeCheck(path, loc) if pieces == 1 else LocationCheck(path, loc, pieces)
+
+
+def _piece_verify(
+    check: LocationCheck | WholeCheck, offset: int, nbytes: int
+) -> Callable[[int], None]:
+    """The ``verify`` of the need of ``nbytes`` at ``offset`` in a location checked by
+    ``check``."""
+    if type(check) is WholeCheck:
+        return check
+    return functools.partial(check.add, offset, nbytes)
 
 
 def plan_tensor_read(
@@ -1041,20 +1057,11 @@ def plan_tensor_read(
     direct = _direct(target, dtype)
     chunks = entry.chunks
     if direct and len(chunks) == 1 and 0 < chunks[0].nbytes <= piece_bytes:
-        # Most tensors of a state: one read, straight into the target's memory. (An empty
-        # tensor needs no read at all: the loop below makes none.)
+        # What the loop below makes for one chunk read in one piece (most tensors of a state),
+        # without its bookkeeping.
         chunk = chunks[0]
-        nbytes = chunk.nbytes
-        need = Need(
-            blob=chunk.blob,
-            offset=chunk.offset,
-            nbytes=nbytes,
-            dest=functools.partial(raw_memoryview, target.data_ptr(), nbytes),
-            done=None,
-            scratch_bytes=0,
-            label=path,
-            verify=WholeCheck(path, chunk) if verify and chunk.crc32 is not None else None,
-        )
+        need = _direct_need(path, chunk, 0, chunk.nbytes, target.data_ptr())
+        need.verify = _check(path, chunk, 1, verify)
         return TensorRead(needs=[need], result=target)
     needs: list[Need] = []
     step = piece_bytes if direct else tile_bytes
@@ -1066,22 +1073,27 @@ def plan_tensor_read(
         for lo in range(0, chunk.nbytes, step):
             n = min(step, chunk.nbytes - lo)
             if direct:
-                need = Need(
-                    blob=chunk.blob,
-                    offset=chunk.offset + lo,
-                    nbytes=n,
-                    dest=functools.partial(raw_memoryview, address + base + lo, n),
-                    done=None,
-                    scratch_bytes=0,
-                    label=path,
-                )
+                need = _direct_need(path, chunk, lo, n, address + base + lo)
             else:
                 need = _tile_need(path, chunk, lo, n, (base + lo) // itemsize, dtype, target)
             if check is not None:
-                need.verify = functools.partial(check.add, lo, n)
+                need.verify = _piece_verify(check, lo, n)
             needs.append(need)
         base += chunk.nbytes
     return TensorRead(needs=needs, result=target)
+
+
+def _direct_need(path: str, chunk: Location, lo: int, nbytes: int, address: int) -> Need:
+    """The need of ``nbytes`` at ``lo`` in ``chunk``, landing at ``address`` (in the target)."""
+    return Need(
+        blob=chunk.blob,
+        offset=chunk.offset + lo,
+        nbytes=nbytes,
+        dest=functools.partial(raw_memoryview, address, nbytes),
+        done=None,
+        scratch_bytes=0,
+        label=path,
+    )
 
 
 def plan_sharded_read(
@@ -1298,7 +1310,7 @@ def plan_object_read(
         done=done,
         scratch_bytes=nbytes,
         label=path,
-        verify=WholeCheck(path, loc) if verify and loc.crc32 is not None else None,
+        verify=_check(path, loc, 1, verify),
     )
 
 
