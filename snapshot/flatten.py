@@ -20,9 +20,14 @@ def escape_key(key: object) -> str:
     return s  # most keys: no copies (this runs a few times per tensor on take and restore)
 
 
+def child_prefix(parent: str) -> str:
+    """What the paths of ``parent``'s children start with (the root, ``""``, has no ``/``)."""
+    return f"{parent}/" if parent else ""
+
+
 def join(parent: str, key: object) -> str:
     """The path of child ``key`` under ``parent``."""
-    return f"{parent}/{escape_key(key)}" if parent else escape_key(key)
+    return child_prefix(parent) + escape_key(key)
 
 
 def _dict_names(d: Mapping[Any, Any]) -> list[str] | None:
@@ -87,7 +92,7 @@ def flatten(obj: Any, path: str) -> Iterator[tuple[str, _Node | None, Any]]:
     yield path, node, obj
     # One iterator per open container: a leaf is yielded the moment it is met (a state dict
     # is mostly leaves), a container is opened and walked before its next sibling.
-    stack = [(path + "/" if path else "", children, obj)]
+    stack = [(child_prefix(path), children, obj)]
     on_path = {id(obj)}
     while stack:
         prefix, children, parent = stack[-1]
@@ -105,7 +110,7 @@ def flatten(obj: Any, path: str) -> Iterator[tuple[str, _Node | None, Any]]:
             on_path.add(id(value))
             node, inner = expanded
             yield p, node, value
-            stack.append((p + "/" if p else "", inner, value))
+            stack.append((child_prefix(p), inner, value))
             break
         else:
             stack.pop()
@@ -121,11 +126,11 @@ def inflate(entries: Mapping[str, Entry], path: str, leaf: Callable[[str, Entry]
     entry = entries[path]
     kind = type(entry)
     if kind is DictEntry:
-        prefix = f"{path}/" if path else ""
+        prefix = child_prefix(path)
         items = [(k, inflate(entries, prefix + escape_key(k), leaf)) for k in entry.keys]
         return OrderedDict(items) if entry.ordered else dict(items)
     if kind is ListEntry or kind is TupleEntry:
-        prefix = f"{path}/" if path else ""
+        prefix = child_prefix(path)
         items = [inflate(entries, f"{prefix}{i}", leaf) for i in _indices(entries, path, entry)]
         return items if kind is ListEntry else tuple(items)
     return leaf(path, entry)
@@ -150,8 +155,8 @@ def subtree(entries: Mapping[str, Entry], path: str) -> Iterator[str]:
         entry = entries.get(p)
         kind = type(entry)
         if kind is DictEntry:
-            prefix = f"{p}/" if p else ""
+            prefix = child_prefix(p)
             stack.extend([prefix + escape_key(k) for k in reversed(entry.keys)])
         elif kind is ListEntry or kind is TupleEntry:
-            prefix = f"{p}/" if p else ""
+            prefix = child_prefix(p)
             stack.extend([f"{prefix}{i}" for i in reversed(_indices(entries, p, entry))])
