@@ -257,6 +257,7 @@ def _bool(value: Any, where: str) -> bool:
 
 # The names the writer gives blobs ("0/17", "3/s2"): safe without further checks.
 _PLAIN_BLOB = re.compile(r"[0-9]+/[a-z]?[0-9]+")
+_MAX_CRC32 = 0xFFFFFFFF
 
 
 def check_blob_path(blob: str, where: str = "blob") -> str:
@@ -285,7 +286,7 @@ def _location(value: Any, where: str) -> Location:
         or type(nbytes) is not int
         or offset < 0
         or nbytes < 0
-        or not (crc is None or (type(crc) is int and 0 <= crc <= 0xFFFFFFFF))
+        or not (crc is None or (type(crc) is int and 0 <= crc <= _MAX_CRC32))
     ):
         raise _fail(where, f"expected [blob, offset, nbytes, crc32], got {value!r}")
     return new_location(check_blob_path(_str(blob, where), where), offset, nbytes, crc)
@@ -452,17 +453,17 @@ def entry_from_dict(d: Any, where: str) -> Entry:
 
 
 # A tensor line exactly as ``_entry_line`` writes the common case (one chunk with a CRC, not
-# replicated, path and dtype written verbatim), every field in a form the JSON decoder would
-# read identically (no escapes, no leading zeros). Such lines are decoded by this pattern, at
-# less than half the cost of decoding the JSON and checking the fields it gives; the blob
-# pattern is ``_PLAIN_BLOB``'s, so it needs no further check.
-_NUMBER = r"(0|[1-9][0-9]*)"
+# replicated, path written verbatim), every field in a form the JSON decoder would read
+# identically (no escapes, no leading zeros). Such lines are decoded by this pattern straight
+# into entries: about a fifth fewer instructions than decoding the JSON and checking the fields
+# it gives (callgrind, 20,000 lines). The blob must be a ``_PLAIN_BLOB``, so it needs no
+# further check; the CRC's bound is checked by the caller.
+_NATURAL = "0|[1-9][0-9]*"
 _TENSOR_LINE = re.compile(
-    r'  "([ !#-\[\]-~]*)": \{"type": "tensor", "dtype": "([a-z0-9_]+)", '
-    r'"shape": \[((?:0|[1-9][0-9]*)(?:, (?:0|[1-9][0-9]*))*)?\], '
-    rf'"chunks": \[\["([0-9]+/[a-z]?[0-9]+)", {_NUMBER}, {_NUMBER}, {_NUMBER}\]\]\}}'
+    rf'  "({_VERBATIM.pattern})": \{{"type": "tensor", "dtype": "([a-z0-9_]+)", '
+    rf'"shape": \[((?:{_NATURAL})(?:, (?:{_NATURAL}))*)?\], '
+    rf'"chunks": \[\["({_PLAIN_BLOB.pattern})", ({_NATURAL}), ({_NATURAL}), ({_NATURAL})\]\]\}}'
 )
-_MAX_CRC = 0xFFFFFFFF
 
 
 def _parse_fast(text: str) -> dict[str, Any] | None:
@@ -496,7 +497,7 @@ def _parse_fast(text: str) -> dict[str, Any] | None:
         if m is not None:
             path, dtype, shape, blob, offset, nbytes, crc = m.groups()
             crc32 = int(crc)
-            if crc32 <= _MAX_CRC:
+            if crc32 <= _MAX_CRC32:
                 loc = new_location(blob, int(offset), int(nbytes), crc32)
                 dims = tuple(map(int, shape.split(", "))) if shape else ()
                 tensors.append((path, new_tensor_entry(dtype, dims, (loc,))))
