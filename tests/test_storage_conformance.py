@@ -113,6 +113,37 @@ async def test_size(plugin):
 
 
 @pytest.mark.asyncio
+async def test_sizes_learned_by_reads_do_not_outlive_writes_and_deletes(plugin):
+    # Some plugins answer ``size`` from what a read saw (S3's ranged GETs; the local plugin's
+    # open files): a later write or delete through the plugin must not leave it stale.
+    await plugin.write("s", [b"0123456789"])
+    assert await read_range(plugin, "s", 2, 3) == b"234"
+    assert await plugin.size("s") == 10
+    await plugin.write("s", [b"01234567890123"])
+    assert await plugin.size("s") == 14
+    assert await read_range(plugin, "s", 0, 1) == b"0"
+    assert await plugin.size("s") == 14
+    await plugin.delete("s")
+    with pytest.raises(FileNotFoundError):
+        await plugin.size("s")
+
+
+@pytest.mark.asyncio
+async def test_the_local_plugin_answers_sizes_from_its_reads_until_it_forgets(tmp_path):
+    p = FSStoragePlugin(str(tmp_path), {"fsync": False})
+    try:
+        await p.write("b", [b"abcd"])
+        assert await read_range(p, "b", 0, 2) == b"ab"
+        with open(tmp_path / "b", "ab") as f:  # grown behind the plugin's back
+            f.write(b"ef")
+        assert await p.size("b") == 4  # the length the read found, with no query
+        p.forget()
+        assert await p.size("b") == 6
+    finally:
+        await p.close()
+
+
+@pytest.mark.asyncio
 async def test_observed_writes_and_reads_see_every_byte_once_in_order(plugin):
     # Large enough to be written and read in several pieces by plugins that slice.
     parts = [bytes(range(256)) * 4096 * 3, b"", b"tail", bytes(3 << 20)]
