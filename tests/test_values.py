@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from manifest import ObjectEntry, PrimitiveEntry, TensorEntry
 from snapshot import Snapshot, StateDict, UnsafeObjectError
+from snapshot.serialization import raw_memoryview, tensor_memoryview
 from tests.helpers import assert_same, random_tensor, raw_bytes
 
 ALL_DTYPES = sorted({v for v in vars(torch).values() if isinstance(v, torch.dtype)}, key=str)
@@ -310,3 +311,18 @@ def test_defaultdict_and_namedtuple_are_objects(snapshot_url):
     manifest = Snapshot(snapshot_url).get_manifest()
     assert isinstance(manifest["0/s/dd"], ObjectEntry)
     assert manifest["0/s/pt"].obj_type.endswith("Point")
+
+
+def test_raw_views_address_exactly_the_memory_asked_for():
+    # Views cut from one view of the whole address space (serialization.raw_memoryview): each
+    # must start at its address and hold exactly its length, writable, of plain bytes.
+    t = torch.arange(64, dtype=torch.uint8)
+    v = raw_memoryview(t.data_ptr() + 10, 6)
+    assert (len(v), v.format, v.readonly, v.contiguous) == (6, "B", False, True)
+    assert bytes(v) == bytes(range(10, 16))
+    v[:] = b"abcdef"
+    assert bytes(t[10:16].numpy()) == b"abcdef" and t[9].item() == 9 and t[16].item() == 16
+    assert bytes(tensor_memoryview(t)) == bytes(t.numpy())
+    assert len(raw_memoryview(0, 0)) == 0  # an empty tensor's address may be NULL
+    with pytest.raises(ValueError, match="no memory at address 0"):
+        raw_memoryview(0, 1)
