@@ -26,6 +26,7 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from itertools import accumulate, compress
 from operator import attrgetter
 from typing import Any, TypeVar
 
@@ -317,6 +318,7 @@ class Segment:
 
 
 _segment_bytes = attrgetter("nbytes")
+_segment_verify = attrgetter("verify")
 
 
 @dataclass(slots=True)
@@ -684,18 +686,16 @@ async def read_all(
 async def _read(plugin: StoragePlugin, req: ReadRequest, outs: list[memoryview]) -> None:
     """One read request into ``outs`` (one per segment), then each segment's ``verify`` with
     the CRC-32 of what landed in it."""
-    ranges: list[tuple[int, int]] = []
-    verifiers = []
-    pos = 0
-    for seg in req.segments:
-        if seg.verify is not None:
-            ranges.append((pos, seg.nbytes))
-            verifiers.append(seg.verify)
-        pos += seg.nbytes
-    if not ranges:
+    # C-level passes over the segments: a read of a slab has one per member, thousands.
+    verifiers = list(map(_segment_verify, req.segments))
+    if not any(verifiers):
         op = functools.partial(plugin.readv, req.blob, req.offset, outs)
         await call(plugin, "read", req.blob, req.label, op)
         return
+    sizes = list(map(_segment_bytes, req.segments))
+    starts = accumulate(sizes, initial=0)  # one more value than sizes: zip stops first
+    ranges = list(compress(zip(starts, sizes, strict=False), verifiers))
+    verifiers = list(filter(None, verifiers))
     values = await call_digesting(
         plugin,
         "read",
