@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import functools
 import os
 import uuid
@@ -183,35 +184,48 @@ def _move_all(
     """Moves the bytes of ``views`` (non-empty, in order) with vectored system calls of at most
     ``limit`` bytes and ``_MAX_IOV`` buffers each: ``move(batch)`` moves a prefix of ``batch``
     and says how many bytes. ``observe`` sees each piece moved, in order, right after its call;
-    when it has a ``many`` method, the whole buffers of a call are shown to that at once.
+    when it has a ``many`` method, the pieces of a call that complete a buffer are shown to
+    that at once.
 
-    A slab of small tensors is thousands of buffers: the bookkeeping is per call, in C-level
-    passes over the batch (cumulative sizes, bisection), not per buffer.
+    A slab of small tensors is thousands of buffers: the bookkeeping is per call (bisection in
+    the buffers' end offsets, computed once in a C-level pass), not per buffer.
     """
+    if not views:
+        return
     many = getattr(observe, "many", None)
-    i = 0
-    while i < len(views):
-        window = views[i : i + _MAX_IOV]
-        ends = list(accumulate(map(len, window)))
-        fit = bisect_right(ends, limit)
-        if fit == 0:  # the first buffer alone is over the limit: a slice of it
-            batch = [window[0][:limit]]
+    ends = list(accumulate(map(len, views)))  # where each buffer ends in the stream
+    count, total = len(views), ends[-1]
+    pos = 0  # bytes moved so far
+    j = 0  # the first buffer not wholly moved
+    while pos < total:
+        skip = pos - ends[j] + len(views[j])  # bytes of buffer j moved by earlier calls
+        # The buffers that fit whole in this call (the first: what is left of buffer j).
+        k = bisect_right(ends, pos + limit, j, min(j + _MAX_IOV, count))
+        if k == j:  # what is left of buffer j alone is over the limit: a slice of it
+            batch = [views[j][skip : skip + limit]]
         else:
-            batch = window if fit == len(window) else window[:fit]
+            batch = views[j:k]
+            if skip:
+                batch[0] = batch[0][skip:]
         n = move(batch)
-        whole = bisect_right(ends, n)  # buffers moved entirely
-        rest = n - (ends[whole - 1] if whole else 0)  # bytes moved of the next one
-        if observe is not None and whole:
-            if many is not None:
-                many(window[:whole])
-            else:
-                for view in window[:whole]:
-                    observe(view)
-        if observe is not None and rest:
-            observe(window[whole][:rest])
-        if rest:
-            views[i + whole] = window[whole][rest:]
-        i += whole
+        if n <= 0:
+            raise OSError(errno.EIO, f"a system call moved no bytes at byte {pos} of {total}")
+        end = pos + n
+        done = bisect_right(ends, end, j, max(k, j + 1))  # buffers now wholly moved
+        if observe is not None:
+            if done > j:
+                moved = batch[: done - j]  # the same buffers, the first as cut for the call
+                if many is not None:
+                    many(moved)
+                else:
+                    for view in moved:
+                        observe(view)
+            if done < count:  # a part of buffer ``done`` moved by this call
+                lo = skip if done == j else 0
+                hi = end - ends[done] + len(views[done])
+                if hi > lo:
+                    observe(views[done][lo:hi])
+        pos, j = end, done
 
 
 def _write_all(fd: int, buffers: Sequence[Buffer], observe: Observer | None = None) -> None:
@@ -227,7 +241,7 @@ def _read_all(
 ) -> None:
     """Fills every buffer in order from ``offset`` on, resuming after short reads; ``observe``
     sees each piece read, in order, right after its system call."""
-    views = [o for o in outs if len(o)]
+    views = list(filter(len, outs))
     total = offset + sum(map(len, views))
     limit = _MAX_SYSCALL_BYTES if observe is None else _OBSERVED_READ_BYTES
     pos = offset

@@ -241,18 +241,20 @@ class _Recorder:
 
 
 @pytest.mark.parametrize("bulk", [False, True])
-@pytest.mark.parametrize(("most", "count"), [(1, 30), (7, 300), (4096, 1500), (None, 1500)])
+@pytest.mark.parametrize(
+    ("most", "count"), [(1, 30), (7, 300), (4096, 1500), (None, 1500), (50_000, 40), (None, 40)]
+)
 def test_fs_transfers_survive_short_system_calls(tmp_path, monkeypatch, most, count, bulk):
     """The local plugin resumes after vectored reads and writes that move fewer bytes than
-    asked (at most ``most`` per call here), over more buffers than one call takes, and shows
-    an observer every byte once, in order."""
+    asked (at most ``most`` per call here), over more buffers than one call takes and buffers
+    larger than one call moves, and shows an observer every byte once, in order."""
     import os
     import random
 
     from storage_plugins import fs
 
     rng = random.Random(most)
-    sizes = [0, 1, 3, 100] if count < 1500 else [0, 1, 3, 100, 5000]
+    sizes = {1500: [0, 1, 3, 100, 5000], 40: [0, 1, 100, 150_000]}.get(count, [0, 1, 3, 100])
     parts = [rng.randbytes(rng.choice(sizes)) for _ in range(count)]
     data = b"".join(parts)
     real_writev, real_preadv = os.writev, os.preadv
@@ -296,3 +298,13 @@ def test_fs_transfers_survive_short_system_calls(tmp_path, monkeypatch, most, co
     assert b"".join(bytes(o) for o in outs) == data[len(parts[0]) :]
     with pytest.raises(EOFError, match="ends at byte"):
         plugin._readv_sync("blob", 5, [memoryview(bytearray(len(data)))], None)
+
+
+def test_fs_write_that_makes_no_progress_fails_rather_than_spins(tmp_path, monkeypatch):
+    from storage_plugins import fs
+
+    monkeypatch.setattr(fs.os, "writev", lambda fd, batch: 0)
+    plugin = fs.FSStoragePlugin(str(tmp_path), {"fsync": False})
+    with pytest.raises(OSError, match="moved no bytes at byte 0 of 6"):
+        plugin._write_sync("blob", [b"abc", b"def"])
+    assert not list(tmp_path.iterdir())  # the temporary file is gone
