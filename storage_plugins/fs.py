@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import errno
 import functools
 import os
@@ -30,6 +31,29 @@ _MAX_IOV = 1024
 _OBSERVED_READ_BYTES = 1 << 20
 _OBSERVED_WRITE_BYTES = 8 << 20
 _DEFAULT_IO_THREADS = 8
+
+
+def _find_sync_file_range() -> Callable[[int, int, int, int], int] | None:
+    """libc's ``sync_file_range`` (Linux), or None where there is none."""
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
+    fn.restype = ctypes.c_int
+    return fn  # type: ignore[no-any-return]
+
+
+# A file that will be fsynced is written in calls of at most ``_OBSERVED_WRITE_BYTES``, and
+# each call's range is handed to the device at once (``sync_file_range``, SYNC_FILE_RANGE_WRITE:
+# start the writeback, do not wait for it), so the device writes while later pieces are copied
+# into the page cache; the fsync then waits for what is left. Otherwise the kernel starts
+# writing only at the fsync (or past its dirty-memory threshold, 10% of memory by default) and
+# copying and writing take turns. Measured here, one thread writing 2 GiB in 8 MiB calls and
+# then fsyncing: 1.65-1.89 s plain, 1.11-1.61 s so (512 MiB: 0.42-0.53 s, 0.31-0.38 s); in
+# calls of 32 MiB 1.52-1.67 s. A hint only: its errors are ignored, the fsync reports the rest.
+_sync_file_range = _find_sync_file_range()
+_SYNC_FILE_RANGE_WRITE = 2
 
 
 class FSStoragePlugin(StoragePlugin):
@@ -86,7 +110,7 @@ class FSStoragePlugin(StoragePlugin):
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
         try:
             try:
-                _write_all(fd, buffers, observe)
+                _write_all(fd, buffers, observe, writeback=self._fsync)
                 if self._fsync:
                     os.fsync(fd)
             finally:
@@ -228,12 +252,31 @@ def _move_all(
         pos, j = end, done
 
 
-def _write_all(fd: int, buffers: Sequence[Buffer], observe: Observer | None = None) -> None:
+def _write_all(
+    fd: int, buffers: Sequence[Buffer], observe: Observer | None = None, writeback: bool = False
+) -> None:
     """Writes every buffer in order, resuming after short writes; ``observe`` sees each piece
-    written, in order, right after its system call."""
+    written, in order, right after its system call. With ``writeback``, the device starts
+    writing each piece as soon as it is written (the file is about to be fsynced)."""
     views = [memoryview(b).cast("B") for b in buffers if len(b)]
-    limit = _MAX_SYSCALL_BYTES if observe is None else _OBSERVED_WRITE_BYTES
-    _move_all(views, functools.partial(os.writev, fd), limit, observe)
+    start_writeback = _sync_file_range if writeback else None
+    if observe is None and start_writeback is None:
+        _move_all(views, functools.partial(os.writev, fd), _MAX_SYSCALL_BYTES, None)
+        return
+    if start_writeback is None:
+        _move_all(views, functools.partial(os.writev, fd), _OBSERVED_WRITE_BYTES, observe)
+        return
+    pos = 0
+
+    def write(batch: list[memoryview]) -> int:
+        nonlocal pos
+        n = os.writev(fd, batch)
+        if n > 0:
+            start_writeback(fd, pos, n, _SYNC_FILE_RANGE_WRITE)
+            pos += n
+        return n
+
+    _move_all(views, write, _OBSERVED_WRITE_BYTES, observe)
 
 
 def _read_all(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import sys
 import uuid
 from collections.abc import AsyncIterator, Callable
 
@@ -298,6 +299,51 @@ def test_fs_transfers_survive_short_system_calls(tmp_path, monkeypatch, most, co
     assert b"".join(bytes(o) for o in outs) == data[len(parts[0]) :]
     with pytest.raises(EOFError, match="ends at byte"):
         plugin._readv_sync("blob", 5, [memoryview(bytearray(len(data)))], None)
+
+
+@pytest.mark.parametrize("observed", [False, True])
+@pytest.mark.parametrize("fsync", [True, False])
+def test_fs_starts_writing_back_each_piece_of_a_file_it_will_fsync(
+    tmp_path, monkeypatch, fsync, observed
+):
+    import os
+
+    from storage_plugins import fs
+
+    calls: list[tuple[int, int, int]] = []
+
+    def hint(fd: int, offset: int, nbytes: int, flags: int) -> int:
+        calls.append((offset, nbytes, flags))
+        return -1  # a failing hint changes nothing
+
+    monkeypatch.setattr(fs, "_sync_file_range", hint)
+    monkeypatch.setattr(fs, "_OBSERVED_WRITE_BYTES", 64 << 10)
+    real_writev = os.writev  # short writes: at most 50,000 bytes of the first buffer
+    monkeypatch.setattr(fs.os, "writev", lambda fd, batch: real_writev(fd, [batch[0][:50_000]]))
+    plugin = fs.FSStoragePlugin(str(tmp_path), {"fsync": fsync})
+    data = os.urandom(300_000)
+    seen: list[bytes] = []
+    observe = (lambda v: seen.append(bytes(v))) if observed else None
+    plugin._write_sync("blob", [data[:1000], data[1000:]], observe)
+    assert (tmp_path / "blob").read_bytes() == data
+    assert b"".join(seen) == (data if observed else b"")
+    if not fsync:
+        assert calls == []
+        return
+    # Every byte written is handed to the device once, in order, call by call.
+    assert [flags for _, _, flags in calls] == [fs._SYNC_FILE_RANGE_WRITE] * len(calls)
+    assert [n for _, n, _ in calls] == [1000, 50_000, 50_000, 50_000, 50_000, 50_000, 49_000]
+    assert [off for off, _, _ in calls] == [0, 1000, 51_000, 101_000, 151_000, 201_000, 251_000]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="sync_file_range is Linux's")
+def test_fs_finds_sync_file_range_and_it_accepts_a_written_range(tmp_path):
+    from storage_plugins import fs
+
+    assert fs._sync_file_range is not None
+    with open(tmp_path / "f", "wb") as f:
+        f.write(b"x" * 10_000)
+        assert fs._sync_file_range(f.fileno(), 0, 10_000, fs._SYNC_FILE_RANGE_WRITE) == 0
 
 
 def test_fs_write_that_makes_no_progress_fails_rather_than_spins(tmp_path, monkeypatch):
