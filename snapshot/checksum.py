@@ -31,9 +31,9 @@ from snapshot.errors import ChecksumError
 # One thread at a time digests the pieces of a call in bulk (``RangeDigest.many``: a slab's
 # members, thousands of CRCs of a few KiB, each dropping and retaking the GIL). The work is
 # Python between short C calls, which the GIL serializes anyway; when several I/O threads did
-# it at once they handed the GIL back and forth at every member: restoring 20,000 members of
+# it at once they handed the GIL back and forth at every member: reading 20,000 members of
 # 10 KiB from the page cache with 16 reads in flight made ~10,000 context switches and took
-# 200-440 ms; with this lock ~750 and 100-140 ms (one read in flight: 120-135 ms).
+# 274-363 ms (medians of 8); with this lock ~750 and 115-125 ms (one read in flight: 124-133).
 _MANY_LOCK = threading.Lock()
 
 crc32 = isal_zlib.crc32
