@@ -358,8 +358,10 @@ def test_collector_pause_nests_across_threads():
 def test_a_take_of_many_tensors_sets_off_one_young_collection_at_most(tmp_path):
     """The collector stays paused through a whole take (a take's per-tensor records would set
     off collections that walk them between its phases: dozens for 5,000 tensors), and is
-    running again when the take returns: at most one collection of the young generation, when
-    it resumes."""
+    running again when the take returns: at most one collection, when it resumes. That one is
+    of the young generation, or of an older one when the collector's counts make it due (every
+    tenth young collection also collects the next generation): 5 takes in 60 in one process
+    here, so which it is depends on what the process did before."""
     import gc
 
     state = {"m": StateDict({f"t{i}": torch.full((4,), float(i)) for i in range(5000)})}
@@ -376,7 +378,7 @@ def test_a_take_of_many_tensors_sets_off_one_young_collection_at_most(tmp_path):
         assert gc.isenabled()
     finally:
         gc.callbacks.remove(count)
-    assert during in ([], [0])
+    assert len(during) <= 1, during
     snap = Snapshot(str(tmp_path / "s"))
     assert torch.equal(snap.read_object("0/m/t4321"), torch.full((4,), 4321.0))
 
