@@ -260,11 +260,9 @@ def _write_all(
     writing each piece as soon as it is written (the file is about to be fsynced)."""
     views = [memoryview(b).cast("B") for b in buffers if len(b)]
     start_writeback = _sync_file_range if writeback else None
-    if observe is None and start_writeback is None:
-        _move_all(views, functools.partial(os.writev, fd), _MAX_SYSCALL_BYTES, None)
-        return
     if start_writeback is None:
-        _move_all(views, functools.partial(os.writev, fd), _OBSERVED_WRITE_BYTES, observe)
+        limit = _MAX_SYSCALL_BYTES if observe is None else _OBSERVED_WRITE_BYTES
+        _move_all(views, functools.partial(os.writev, fd), limit, observe)
         return
     pos = 0
 
