@@ -2,11 +2,13 @@
 no torch."""
 
 from manifest.codec import (
+    EntryFormatter,
     ManifestChecksumError,
     ManifestDecodeError,
     UnsupportedFormatError,
     check_blob_path,
     dumps,
+    dumps_entries,
     entry_to_dict,
     loads,
 )
@@ -33,6 +35,7 @@ __all__ = [
     "FORMAT_VERSION",
     "DictEntry",
     "Entry",
+    "EntryFormatter",
     "ListEntry",
     "Location",
     "Manifest",
@@ -48,6 +51,7 @@ __all__ = [
     "UnsupportedFormatError",
     "check_blob_path",
     "dumps",
+    "dumps_entries",
     "entry_to_dict",
     "is_container",
     "loads",

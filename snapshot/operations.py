@@ -385,15 +385,15 @@ class TakeJob:
             self.pipeline.flush()
         self._released.set()
 
-    def finish(self, coordinator: Coordinator | None = None) -> Manifest | None:
+    def finish(self, coordinator: Coordinator | None = None) -> bytes | None:
         """Waits for this rank's writes, agrees with the others, and commits (rank 0).
 
         ``coordinator`` is whom to agree with: by default the one of ``start``; async take
         passes one on a group of its own, so that this (on a background thread) never runs a
         collective on a group the caller's thread may be using.
 
-        Returns the committed manifest on rank 0, None on the other ranks (which read it from
-        storage when they need it).
+        Returns the committed manifest's bytes on rank 0, None on the other ranks (which read
+        it from storage when they need it).
         """
         coord = coordinator or self.coordinator
         assert self.plan is not None
@@ -424,12 +424,12 @@ class TakeJob:
         except BaseException:
             self._close_after_failure()
             raise
-        result = error = None
+        data = error = None
+        count = len(entries)
         if parts is not None:  # rank 0: write the manifest of every rank's entries
             try:
                 with gc_paused():
-                    result = self._manifest(parts)
-                    data = mf.dumps(result)
+                    count, data = self._manifest(parts)
                 run(_commit(self.plugin, data))
             except Exception as e:
                 error = e
@@ -440,26 +440,26 @@ class TakeJob:
             raise
         run(self.plugin.close())
         assert stats is not None
-        self._log(stats, t_written, len(result.entries) if result else len(entries))
-        return result
+        self._log(stats, t_written, count)
+        return data
 
-    def _manifest(self, parts: Sequence[Mapping[str, Entry]]) -> Manifest:
+    def _manifest(self, parts: Sequence[Mapping[str, Entry | str]]) -> tuple[int, bytes]:
+        """The number of entries and the bytes of the manifest holding every rank's."""
         entries = sharded.merge_entries(parts)
         # Version 2 adds sharded entries; a manifest without any stays readable by version 1.
         with_shards = any(
             type(e) in (ShardedTensorEntry, ShardedObjectEntry) for e in entries.values()
         )
-        return Manifest(
-            format_version=2 if with_shards else 1,
-            world_size=self.coordinator.world_size,
-            entries=entries,
-            metadata={
-                "library": f"statesnap {LIBRARY_VERSION}",
-                "torch": str(torch.__version__),
-                "created_unix": round(time.time(), 3),
-                **({"strategies": self.strategies} if self.strategies else {}),
-            },
+        metadata = {
+            "library": f"statesnap {LIBRARY_VERSION}",
+            "torch": str(torch.__version__),
+            "created_unix": round(time.time(), 3),
+            **({"strategies": self.strategies} if self.strategies else {}),
+        }
+        data = mf.dumps_entries(
+            2 if with_shards else 1, self.coordinator.world_size, metadata, entries
         )
+        return len(entries), data
 
     # -- failure ----------------------------------------------------------------------------
 
@@ -584,15 +584,7 @@ def load_manifest(path: str, storage_options: dict[str, Any] | None) -> Manifest
         if data is None:
             raise SnapshotNotFoundError(f"no snapshot at {where} (no {MANIFEST_NAME} there)")
     t_read = time.perf_counter()
-    try:
-        with gc_paused():
-            manifest = mf.loads(data, source=f"{where}/{MANIFEST_NAME}", verify=knobs.checksums())
-    except mf.UnsupportedFormatError as e:
-        raise IncompatibleSnapshotError(str(e)) from None
-    except mf.ManifestChecksumError as e:
-        raise ChecksumError(f"{e} (STATESNAP_CHECKSUMS=0 reads it unchecked)") from None
-    except mf.ManifestDecodeError as e:
-        raise CorruptSnapshotError(str(e)) from None
+    manifest = decode_manifest(data, where)
     logger.debug(
         "manifest of %s: %d entries, %d bytes; read %.3f s, decoded %.3f s",
         where,
@@ -602,6 +594,19 @@ def load_manifest(path: str, storage_options: dict[str, Any] | None) -> Manifest
         time.perf_counter() - t_read,
     )
     return manifest
+
+
+def decode_manifest(data: bytes, where: str) -> Manifest:
+    """The manifest in ``data``, read from the snapshot ``where`` (or just written there)."""
+    try:
+        with gc_paused():
+            return mf.loads(data, source=f"{where}/{MANIFEST_NAME}", verify=knobs.checksums())
+    except mf.UnsupportedFormatError as e:
+        raise IncompatibleSnapshotError(str(e)) from None
+    except mf.ManifestChecksumError as e:
+        raise ChecksumError(f"{e} (STATESNAP_CHECKSUMS=0 reads it unchecked)") from None
+    except mf.ManifestDecodeError as e:
+        raise CorruptSnapshotError(str(e)) from None
 
 
 # ---------------------------------------------------------------------------------------------

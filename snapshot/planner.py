@@ -27,6 +27,7 @@ import torch
 
 from manifest import (
     Entry,
+    EntryFormatter,
     Location,
     ObjectEntry,
     PrimitiveEntry,
@@ -229,6 +230,20 @@ class _TensorDraft:
             chunks = tuple(_final(p, checksums) for p in payloads)
         return new_tensor_entry(self.dtype, self.shape, chunks, self.replicated)
 
+    def line(
+        self, path: str, checksums: Mapping[tuple[str, int], int] | None, fmt: EntryFormatter
+    ) -> str:
+        """The entry's manifest line; a tensor in one range is formatted from its fields."""
+        payloads = self.payloads
+        if len(payloads) != 1:
+            return fmt.entry(path, self.build(checksums))
+        p = payloads[0]
+        assert p.blob is not None
+        crc = None if checksums is None else checksums[(p.blob, p.pos)]
+        return fmt.tensor(
+            path, self.dtype, self.shape, p.blob, p.pos, p.nbytes, crc, self.replicated
+        )
+
 
 @dataclass(slots=True)
 class _ObjectDraft:
@@ -337,14 +352,26 @@ class TakePlan:
     shared_blobs: set[str]
     checksums: bool
 
-    def entries(self, checksums: Mapping[tuple[str, int], int]) -> dict[str, Entry]:
+    def entries(self, checksums: Mapping[tuple[str, int], int]) -> dict[str, Entry | str]:
         """The manifest's entries; ``checksums`` maps each written range ``(blob, offset)`` to
-        its CRC-32 (ignored when the take records none)."""
+        its CRC-32 (ignored when the take records none).
+
+        A dense tensor's entry is given as its manifest line (``str``, see
+        ``manifest.dumps_entries``): a take of many small tensors would otherwise build two
+        records per tensor only to format them. The other entries are objects (rank 0 merges
+        sharded ones across ranks).
+        """
         sums = checksums if self.checksums else None
-        return {
-            path: e if isinstance(e, (Entry, sharded.ObjectReplica)) else e.build(sums)
-            for path, e in self.drafts.items()
-        }
+        fmt = EntryFormatter()
+        out: dict[str, Entry | str] = {}
+        for path, e in self.drafts.items():
+            if type(e) is _TensorDraft:
+                out[path] = e.line(path, sums, fmt)
+            elif isinstance(e, (Entry, sharded.ObjectReplica)):
+                out[path] = e
+            else:
+                out[path] = e.build(sums)
+        return out
 
 
 class _Collector:

@@ -43,14 +43,23 @@ class Snapshot:
         pg: Any | None = None,
         storage_options: dict[str, Any] | None = None,
         *,
-        _manifest: Manifest | None = None,
+        _manifest: Manifest | bytes | None = None,
     ) -> None:
         self.path = path
         self.pg = pg
         self.storage_options = storage_options
-        self._manifest = (
+        # A take hands over the bytes of the manifest it wrote, decoded on first use: a
+        # training script that takes a snapshot and goes on never pays for the decoding.
+        self._decoded: Manifest | bytes = (
             _manifest if _manifest is not None else operations.load_manifest(path, storage_options)
         )
+
+    @property
+    def _manifest(self) -> Manifest:
+        m = self._decoded
+        if isinstance(m, bytes):
+            m = self._decoded = operations.decode_manifest(m, self.path)
+        return m
 
     def __repr__(self) -> str:
         return f"Snapshot(path={self.path!r})"

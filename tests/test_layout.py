@@ -121,3 +121,50 @@ def test_coalesce_rules():
         max_scratch_bytes=0,
     )
     assert [r.nbytes for r in sized] == [20, 20, 20, 20, 20]
+
+
+@pytest.mark.parametrize("checksums", ["1", "0"])
+def test_a_take_writes_the_manifest_its_entries_make(snapshot_url, small_layout, monkeypatch,
+                                                     checksums):  # fmt: skip
+    """A take formats the lines of tensors stored in one range without building their
+    entries: the file must be the one the entries themselves would make (the decoder reads it
+    back into them), for slab members, blobs of their own, chunked and empty tensors, tied
+    weights, a replicated tensor, and paths and dtypes the fast form cannot write verbatim.
+    The snapshot a take returns decodes what it wrote when first asked."""
+    import manifest as mf
+
+    monkeypatch.setenv("STATESNAP_CHECKSUMS", checksums)
+    w = torch.randn(8, 8)
+    state = StateDict(
+        {
+            "w": w,
+            "tied": w,
+            "big": torch.randn(100, 700),  # chunked
+            "own": torch.randn(2000),  # 8,000 bytes: above the slab threshold, a blob of its own
+            "empty": torch.empty(0, 3),
+            'quote"d': torch.arange(5),
+            "ünï": torch.ones(3, dtype=torch.bfloat16),
+            "back\\slash": torch.zeros(2, dtype=torch.complex64),
+        }
+    )
+    snap = Snapshot.take(snapshot_url, {"s": state, "r": StateDict(x=torch.ones(4))},
+                         replicated=["r/**"])  # fmt: skip
+    data = snap._decoded
+    assert isinstance(data, bytes)  # nothing decoded yet
+    entries = snap.get_manifest()
+    loaded = Snapshot(snapshot_url)
+    assert loaded.get_manifest() == entries
+    assert entries["0/r/x"].replicated and not entries["0/s/w"].replicated
+    assert entries["0/s/tied"].chunks == entries["0/s/w"].chunks
+    assert len(entries["0/s/big"].chunks) == 5 and entries["0/s/empty"].chunks == ()
+    assert all(c.crc32 is not None for c in entries["0/s/w"].chunks) == (checksums == "1")
+    rebuilt = mf.Manifest(
+        format_version=loaded._manifest.format_version,
+        world_size=1,
+        entries=entries,
+        metadata=loaded.metadata,
+    )
+    assert mf.dumps(rebuilt) == data
+    out = StateDict({k: torch.empty_like(v) for k, v in state.items()})
+    loaded.restore({"s": out})
+    assert_same(dict(out), dict(state))
