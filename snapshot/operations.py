@@ -46,6 +46,7 @@ from snapshot.flatten import escape_key, flatten, inflate, subtree
 from snapshot.planner import (
     Layout,
     Need,
+    Placer,
     PrepareFunc,
     ScratchPool,
     TakePlan,
@@ -227,6 +228,7 @@ class TakeJob:
         self.plugin: StoragePlugin | None = None
         self.where = path
         self.plan: TakePlan | None = None
+        self._own: Placer | None = None  # places this rank's own payloads while planning
         self.pipeline: WritePipeline | None = None
         self._error: BaseException | None = None  # met while staging, reported when agreeing
         self._marker = False  # whether this rank wrote the pending marker
@@ -252,27 +254,29 @@ class TakeJob:
         try:
             infos = coord.agree("take", info, error)
             path, layout, writers = self._agree_layout(infos)
-        except BaseException:
+        except BaseException as e:
+            if self.pipeline is not None:  # writes started while planning
+                self.pipeline.abort(e)
             self._close_after_failure()
             raise
         self._times["plan"] = time.perf_counter() - t0
+        assert self._own is not None
         self.plan = place(
-            self.collected, rank=coord.rank, layout=layout, writer_of=writers, pool=self.pool
+            self.collected,
+            self._own,
+            rank=coord.rank,
+            layout=layout,
+            writer_of=writers,
+            pool=self.pool,
         )
         try:
             if self.plugin is None:
                 self.path = path  # rank 0's path wins
                 self.plugin = open_plugin(path, self.storage_options)
                 self.where = _describe(self.plugin)
-            self.pipeline = WritePipeline(
-                self.plugin,
-                budget_bytes=self._budget,
-                max_concurrency=knobs.max_concurrent_io(),
-                # Async take holds its writes until everything is staged (``release_writes``
-                # starts them): while the caller waits, they would only slow its copies down.
-                batch_bytes=knobs.write_batch_bytes() if self.pool is None else None,
-            )
-            for request in self.plan.writes:
+            if self.pipeline is None:
+                self.pipeline = self._new_pipeline()
+            for request in self.plan.writes[self.collected.submitted :]:
                 self.pipeline.submit(request)
             if self.pool is None:
                 self.release_writes()
@@ -305,6 +309,19 @@ class TakeJob:
             slab_bytes=max(1, min(knobs.slab_bytes(), self._budget // 4)),
             checksums=knobs.checksums(),
         )
+        if coord.rank == 0:
+            self.plugin = open_plugin(self.path, self.storage_options)
+            self.where = _describe(self.plugin)
+            run(self._begin())
+        # This rank's own blobs are placed while the state is planned. A process alone has
+        # nothing to agree on first: its writes start as soon as each blob is complete, so
+        # writing overlaps planning. Across ranks they wait for the first agreement (rank 0's
+        # path and layout, and no snapshot there yet).
+        self._own = Placer(f"{coord.rank}/", layout, mine=True, pool=self.pool)
+        submit = None
+        if coord.world_size == 1:
+            self.pipeline = self._new_pipeline()
+            submit = self.pipeline.submit
         with naming_snapshot(self.path):
             self.collected = collect(
                 ((escape_key(k), sd) for k, sd in states),
@@ -312,12 +329,9 @@ class TakeJob:
                 prepare=self.prepare,
                 replicated=self.replicated,
                 inline_max_bytes=knobs.inline_max_bytes(),
-                chunk_bytes=layout.chunk_bytes,
+                own=self._own,
+                submit=submit,
             )
-        if coord.rank == 0:
-            self.plugin = open_plugin(self.path, self.storage_options)
-            self.where = _describe(self.plugin)
-            run(self._begin())
         return {
             "path": self.path,
             "layout": layout,
@@ -353,6 +367,17 @@ class TakeJob:
             sharded.check_objects([info["objects"] for info in infos])
         writers = assign_writers(first["signature"], [i["local_bytes"] for i in infos])
         return first["path"], first["layout"], writers
+
+    def _new_pipeline(self) -> WritePipeline:
+        assert self.plugin is not None
+        return WritePipeline(
+            self.plugin,
+            budget_bytes=self._budget,
+            max_concurrency=knobs.max_concurrent_io(),
+            # Async take holds its writes until everything is staged (``release_writes``
+            # starts them): while the caller waits, they would only slow its copies down.
+            batch_bytes=knobs.write_batch_bytes() if self.pool is None else None,
+        )
 
     async def _begin(self) -> None:
         plugin, where = self.plugin, self.where
@@ -471,7 +496,11 @@ class TakeJob:
         """After a failure: best effort removal of what this rank wrote, then storage closed."""
         plugin = self.plugin
         assert plugin is not None
-        blobs = [w.blob for w in self.plan.writes] if self.plan is not None else []
+        if self.plan is not None:
+            writes = self.plan.writes
+        else:  # failed while planning: what was placed so far (some of it may be written)
+            writes = self._own.writes if self._own is not None else []
+        blobs = [w.blob for w in writes]
         if self._marker:
             with contextlib.suppress(Exception):
                 await self._marker_written()  # so that it cannot land after its deletion

@@ -38,7 +38,7 @@ from manifest import (
     new_location,
     new_tensor_entry,
 )
-from snapshot.checksum import LocationCheck, WholeCheck
+from snapshot.checksum import LocationCheck, WholeCheck, crc32
 from snapshot.errors import (
     CorruptSnapshotError,
     ShapeMismatchError,
@@ -101,6 +101,9 @@ def _type_name(value: object) -> str:
 # Take.
 
 Staged = tuple[Sequence[Buffer], object]
+# What a write request's ``stage`` returns: ``Staged`` and the CRC-32s of its checksum ranges
+# when staging computed them (slabs), else None (the plugin computes them as it writes).
+StagedWrite = tuple[Sequence[Buffer], object, Sequence[int] | None]
 
 
 @dataclass(frozen=True)
@@ -186,6 +189,11 @@ class Payload:
             return [self.data], None
         assert self.source is not None
         return self.source.piece(self.start, self.stop)
+
+    def stage_write(self) -> StagedWrite:
+        """``stage`` as the write of a blob of its own (checksummed by the plugin)."""
+        buffers, keepalive = self.stage()
+        return buffers, keepalive, None
 
     def copy_into(self, buf: torch.Tensor, pos: int) -> None:
         t = self.tensor
@@ -317,6 +325,8 @@ class Collected:
     pieces: list[tuple[Any, ...]] = field(default_factory=list)
     # (unique key, main, path) of each sharded object
     objects: list[tuple[str, bool, str]] = field(default_factory=list)
+    # How many of this rank's own writes (``Placer.writes``) were handed to ``submit``.
+    submitted: int = 0
 
     def replicated_signature(self) -> list[tuple[str, int, int, str]]:
         """(logical path, chunk index, bytes, kind) of each replicated payload, in order: what
@@ -383,19 +393,45 @@ class _Collector:
         prepare: PrepareFunc | None,
         replicated: Sequence[str],
         inline_max_bytes: int,
-        chunk_bytes: int,
+        own: Placer,
+        submit: Callable[[WriteRequest], None] | None,
     ) -> None:
         self.rank = rank
         self.prepare = prepare
         self.replicated = tuple(replicated)
         self.inline_max = inline_max_bytes
-        self.chunk_bytes = chunk_bytes
+        self.chunk_bytes = own.layout.chunk_bytes
+        self.own = own
+        self.submit = submit
         self.out = Collected()
         # Tensors already planned, by memory (see ``_tensor``).
         self._written: dict[tuple[Any, ...], _TensorDraft] = {}
 
     def _is_replicated(self, logical: str) -> bool:
         return any(fnmatch.fnmatchcase(logical, g) for g in self.replicated)
+
+    def _emit(self, payloads: list[Payload]) -> None:
+        """Records one value's payloads. Those of this rank's own (not replicated: their
+        writers are agreed on later) are placed at once, and with ``submit`` each write whose
+        blob is complete is handed over at once, so writing goes on while the rest of the
+        state is planned. A value's payloads are all placed before any of their writes is
+        handed over: staging one releases a resolved tensor once all its placed pieces are
+        staged."""
+        self.out.payloads.extend(payloads)
+        if payloads[0].replicated:
+            return
+        own = self.own
+        for p in payloads:
+            own.place(p)
+        if self.submit is not None and len(own.writes) > self.out.submitted:
+            self._submit()
+
+    def _submit(self) -> None:
+        assert self.submit is not None
+        writes, out = self.own.writes, self.out
+        while out.submitted < len(writes):
+            out.submitted += 1
+            self.submit(writes[out.submitted - 1])
 
     def add(self, key_path: str, state: Any) -> None:
         rank_prefix = f"{self.rank}/"
@@ -514,7 +550,7 @@ class _Collector:
         self, path: str, logical: str, serializer: str, obj_type: str, data: bytes, replicated: bool
     ) -> _ObjectDraft:
         payload = Payload(logical, 0, len(data), path, replicated, data=data)
-        self.out.payloads.append(payload)
+        self._emit([payload])
         return _ObjectDraft(
             serializer=serializer, obj_type=obj_type, payload=payload, replicated=replicated
         )
@@ -559,7 +595,7 @@ class _Collector:
                     )
                     for i, (start, stop) in enumerate(self._bounds(numel, itemsize))
                 ]
-            self.out.payloads.extend(payloads)
+            self._emit(payloads)
             draft = _TensorDraft(name, shape, payloads, replicated)
             self._written[key] = draft
             return draft
@@ -623,7 +659,7 @@ class _Collector:
             )
             for i, (start, stop) in enumerate(self._bounds(numel, itemsize))
         ]
-        self.out.payloads.extend(payloads)
+        self._emit(payloads)
         draft = _TensorDraft(name, shape, payloads, replicated)
         if key is not None:
             self._written[key] = draft
@@ -637,16 +673,23 @@ def collect(
     prepare: PrepareFunc | None,
     replicated: Sequence[str],
     inline_max_bytes: int,
-    chunk_bytes: int,
+    own: Placer,
+    submit: Callable[[WriteRequest], None] | None = None,
 ) -> Collected:
     """Flattens ``(key_path, state_dict)`` pairs of process ``rank`` into entries and payloads.
 
     Manifest paths are ``"<rank>/<key_path>/..."``; ``prepare`` and the ``replicated`` globs see
-    the logical path without the rank.
+    the logical path without the rank. The rank's own payloads are placed by ``own`` as they
+    are met (tensors chunked by its layout); with ``submit``, each of their writes is handed to
+    it as soon as its blob is complete, the last one when the state is done. (``own``'s writes
+    hold every blob placed so far, also when this raises.)
     """
-    collector = _Collector(rank, prepare, replicated, inline_max_bytes, chunk_bytes)
+    collector = _Collector(rank, prepare, replicated, inline_max_bytes, own, submit)
     for key_path, state in states:
         collector.add(key_path, state)
+    own.close()
+    if submit is not None:
+        collector._submit()
     return collector.out
 
 
@@ -671,16 +714,21 @@ class _Slab:
         self.nbytes += pad + p.nbytes
         self.staging_bytes += staging_bytes
 
-    def stage(self) -> Staged:
+    def stage(self, checksums: bool) -> StagedWrite:
+        """Views of the members (padding between them), and with ``checksums`` each member's
+        CRC-32 (see ``Placer``)."""
         buffers: list[Buffer] = []
         keep = []
+        crcs: list[int] | None = [] if checksums else None
         for pad, p in self.members:
             if pad:
                 buffers.append(_ZEROS[:pad])
             bufs, keepalive = p.stage()
             buffers.extend(bufs)
             keep.append(keepalive)
-        return buffers, keep
+            if crcs is not None:
+                crcs.append(_crc_of(bufs))
+        return buffers, keep, crcs
 
     def ranges(self) -> list[tuple[int, int]]:
         """Each member's ``(offset, nbytes)`` in the slab."""
@@ -692,11 +740,29 @@ class _Slab:
         return f"{first}{more} (slab {self.blob})"
 
 
-class _Placer:
+def _crc_of(buffers: Sequence[Buffer]) -> int:
+    if len(buffers) == 1:
+        return crc32(buffers[0])
+    value = 0
+    for b in buffers:
+        value = crc32(b, value)
+    return value
+
+
+class Placer:
     """Gives payloads their blobs under one name prefix; collects the writes when ``mine``.
 
     With a staging ``pool`` (async take), each write's payloads are copied into one pooled
     buffer when staged, so the write never reads the application's memory.
+
+    A slab's members are checksummed when the slab is staged, on the caller's thread (after
+    each member's copy, with a pool), not by the plugin as it writes. A CRC call drops the GIL
+    and must take it back: from a thread whose Python waits on another thread busy in Python
+    (the caller planning, or training while an async take writes), each call waited up to the
+    interpreter's switch interval, 5 ms. Checksumming 20,000 slab members of 10 KiB on an I/O
+    thread took an async take 4-6 s to commit while the caller ran Python, 0.5 s while it
+    slept. Large payloads, a blob each, are checksummed in a few large pieces as they are
+    written.
     """
 
     def __init__(self, prefix: str, layout: Layout, mine: bool, pool: StagingPool | None) -> None:
@@ -730,7 +796,9 @@ class _Placer:
             p.blob = blob
             p.pos = 0
             if self.mine:
-                stage = p.stage if self.pool is None else self._pooled([(0, p)], p.nbytes)
+                stage = (
+                    p.stage_write if self.pool is None else self._pooled([(0, p)], p.nbytes, False)
+                )
                 self.writes.append(
                     WriteRequest(
                         blob=blob,
@@ -747,7 +815,11 @@ class _Placer:
     def close(self) -> None:
         slab, self._slab = self._slab, None
         if slab is not None and slab.members and self.mine:
-            stage = slab.stage if self.pool is None else self._pooled(slab.members, slab.nbytes)
+            checksums = self.layout.checksums
+            if self.pool is None:
+                stage = functools.partial(slab.stage, checksums)
+            else:
+                stage = self._pooled(slab.members, slab.nbytes, checksums)
             self.writes.append(
                 WriteRequest(
                     blob=slab.blob,
@@ -759,65 +831,68 @@ class _Placer:
                 )
             )
 
-    def _pooled(self, members: list[tuple[int, Payload]], nbytes: int) -> Callable[[], Staged]:
+    def _pooled(
+        self, members: list[tuple[int, Payload]], nbytes: int, checksums: bool
+    ) -> Callable[[], StagedWrite]:
+        """Stages ``members`` by copying them into one pooled buffer; with ``checksums``, each
+        member's CRC-32 is taken right after its copy (still in the CPU's cache)."""
         pool = self.pool
         assert pool is not None
 
-        def stage() -> Staged:
+        def stage() -> StagedWrite:
             lease = pool.acquire(nbytes)
+            crcs: list[int] | None = [] if checksums else None
             try:
                 if len(members) > 1:
                     lease.touch()
                 buf = lease.tensor
+                view = lease.view
                 pos = 0
                 with pool.copying():
                     for pad, p in members:
                         if pad:
-                            lease.view[pos : pos + pad] = _ZEROS[:pad]
+                            view[pos : pos + pad] = _ZEROS[:pad]
                             pos += pad
                         p.copy_into(buf, pos)
+                        if crcs is not None:
+                            crcs.append(crc32(view[pos : pos + p.nbytes]))
                         pos += p.nbytes
                 lease.ready()
             except BaseException:
                 lease.release()
                 raise
-            return [lease.view], lease
+            return [lease.view], lease, crcs
 
         return stage
 
 
 def place(
     collected: Collected,
+    own: Placer,
     *,
     rank: int,
     layout: Layout,
     writer_of: Mapping[tuple[str, int], int],
     pool: StagingPool | None = None,
 ) -> TakePlan:
-    """Places every payload and builds the entries; the writes are the ones ``rank`` performs.
+    """Places the replicated payloads and makes the plan: this rank's own writes (``own``,
+    which placed its own payloads while they were collected) and the writes of the replicated
+    payloads ``rank`` writes.
 
     A rank's own payloads go to blobs ``<rank>/<n>`` and slabs ``<rank>/s<n>``. A replicated
     payload is written once, by ``writer_of[(logical, index)]``, into that writer's blobs
     ``<writer>/r<n>`` and ``<writer>/rs<n>``: every rank places all replicated payloads the same
-    way (in sorted order, with the same layout), so every rank knows every location without
-    asking. With a staging ``pool``, staging copies every payload into pooled buffers.
+    way (in sorted order, with the agreed ``layout``), so every rank knows every location
+    without asking. With a staging ``pool``, staging copies every payload into pooled buffers.
     """
-    own = _Placer(f"{rank}/", layout, mine=True, pool=pool)
-    seen: set[int] = set()
     replicated: dict[int, list[Payload]] = {}
     for p in collected.payloads:
-        if id(p) in seen:
-            continue
-        seen.add(id(p))
         if p.replicated:
             replicated.setdefault(writer_of[(p.logical, p.index)], []).append(p)
-        else:
-            own.place(p)
-    own.close()
-    writes = own.writes
+    writes = list(own.writes)
     shared_blobs: set[str] = set()
     for writer in sorted(replicated):
-        shared = _Placer(f"{writer}/r", layout, mine=writer == rank, pool=pool)
+        shared = Placer(f"{writer}/r", layout, mine=writer == rank, pool=pool)
         for p in sorted(replicated[writer], key=lambda q: (q.logical, q.index)):
             shared.place(p)
         shared.close()

@@ -336,3 +336,40 @@ def test_async_take_records_checksums(tmp_path, layout):
     ):
         data = _blob_bytes(path, loc.blob)[loc.offset : loc.offset + loc.nbytes]
         assert loc.crc32 == zlib.crc32(data), logical
+
+
+@pytest.mark.parametrize("pooled", [False, True])
+@pytest.mark.parametrize("checksums", [True, False])
+def test_slab_members_are_checksummed_when_staged(pooled, checksums):
+    """A slab's staging gives the CRC-32 of each member (views of tensors, a non-contiguous
+    tensor gathered, an object's bytes; copied into a pooled buffer for async take), so its
+    write needs no observer; a blob of its own leaves its CRC to the plugin."""
+    from snapshot.planner import Layout, Placer, collect
+    from snapshot.staging import StagingPool
+
+    layout = Layout(
+        chunk_bytes=1 << 20, slab_threshold_bytes=4096, slab_bytes=1 << 20, checksums=checksums
+    )
+    pool = StagingPool(keep_bytes=1 << 20, pin=False) if pooled else None
+    own = Placer("0/", layout, mine=True, pool=pool)
+    state = {
+        "a": torch.randn(7),
+        "odd": torch.arange(30.0).view(5, 6).t(),  # non-contiguous: gathered when staged
+        "text": "x" * 3000,  # an object's bytes
+        "b": torch.arange(100, dtype=torch.int16),
+        "big": torch.randn(2000),  # 8,000 bytes: a blob of its own
+    }
+    collect([("s", state)], rank=0, prepare=None, replicated=(), inline_max_bytes=64, own=own)
+    assert [w.blob for w in own.writes] == ["0/1", "0/s0"]  # "big" first: slabs close last
+    single, slab = own.writes
+    buffers, keepalive, crcs = slab.stage()
+    data = b"".join(bytes(memoryview(b).cast("B")) for b in buffers)
+    assert len(data) == slab.nbytes
+    if checksums:
+        assert len(slab.checksum_ranges) == 4
+        assert crcs == [zlib.crc32(data[o : o + n]) for o, n in slab.checksum_ranges]
+    else:
+        assert crcs is None and not slab.checksum_ranges
+    assert single.stage()[2] is None
+    if pooled:
+        keepalive.release()

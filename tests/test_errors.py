@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import os
 import re
+import time
 
 import pytest
 import torch
@@ -359,3 +360,36 @@ def test_missing_and_short_blobs(tmp_path, monkeypatch):
     monkeypatch.setenv("STATESNAP_CHECKSUMS", "0")
     with pytest.raises(CorruptSnapshotError, match="0/s/o: object bytes cannot be decoded"):
         Snapshot(path).read_object("0/s/o")
+
+
+@pytest.mark.parametrize("pooled", [False, True])
+def test_a_take_that_fails_while_planning_removes_what_it_already_wrote(recorded, pooled):
+    """A process alone writes each slab as soon as it is full, while the rest of the state is
+    planned: a value that fails after that fails the take, and the blobs written before it are
+    removed (no manifest, no marker, nothing left). Async take holds its writes until its call
+    returns, so it has written nothing."""
+    url, log = recorded
+    root = url.removeprefix("recording://")
+
+    def slab_written() -> bool:
+        return any("/s" in blob for blob, _ in log.writes)
+
+    def prepare(path, t, tracing):
+        if path.endswith("zz") and tracing:
+            if not pooled:  # fail only once a slab has been written
+                deadline = time.monotonic() + 60
+                while not slab_written() and time.monotonic() < deadline:
+                    time.sleep(0.01)
+            raise ValueError(f"cannot prepare zz; a slab written: {slab_written()}")
+        return t
+
+    state = StateDict({f"b{i:02d}": torch.full((4096,), float(i)) for i in range(40)})
+    state["zz"] = torch.ones(3)  # planned last
+    take = Snapshot.async_take if pooled else Snapshot.take
+    env = {"STATESNAP_SLAB_BYTES": str(64 * 1024), "STATESNAP_WRITE_BATCH_BYTES": "1"}
+    with pytest.MonkeyPatch.context() as mp:
+        for k, v in env.items():
+            mp.setenv(k, v)
+        with pytest.raises(SnapshotError, match=f"cannot prepare zz; a slab written: {not pooled}"):
+            take(url, {"s": state}, _custom_tensor_prepare_func=prepare)
+    assert [f for _, _, files in os.walk(root) for f in files] == []
