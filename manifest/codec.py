@@ -209,13 +209,18 @@ class EntryFormatter:
     ) -> str:
         """The line of a ``TensorEntry`` whose one chunk is ``blob[offset : offset + nbytes]``
         with CRC-32 ``crc32`` (None: not recorded)."""
-        if _VERBATIM.fullmatch(path) and self._verbatim(dtype) and self._verbatim(blob):
+        known = self._known
+        if (
+            _VERBATIM.fullmatch(path)
+            and (known.get(dtype) or self._verbatim(dtype))
+            and (known.get(blob) or self._verbatim(blob))
+        ):
+            dims = self._shapes.get(shape) or self._shape(shape)
             crc = "" if crc32 is None else f", {crc32}"
             tail = ', "replicated": true}' if replicated else "}"
             return (
                 f'  "{path}": {{"type": "tensor", "dtype": "{dtype}", '
-                f'"shape": [{self._shape(shape)}], "chunks": [["{blob}", {offset}, {nbytes}{crc}]]'
-                f"{tail}"
+                f'"shape": [{dims}], "chunks": [["{blob}", {offset}, {nbytes}{crc}]]{tail}'
             )
         location = new_location(blob, offset, nbytes, crc32)
         return self._encoded(path, new_tensor_entry(dtype, shape, (location,), replicated))

@@ -562,16 +562,16 @@ class _Collector:
             self.prepare is None
             and tensor.is_cpu
             and tensor.is_contiguous()
-            and not tensor.is_conj()
             and not tensor.is_neg()
+            # Only a complex tensor can carry the conjugate bit.
+            and not ((dtype := tensor.dtype).is_complex and tensor.is_conj())
         ):
             # The common case, kept lean (a take of 20,000 small tensors runs this 20,000
             # times): the tensor's own memory is written, through views.
-            dtype = tensor.dtype
             shape = tuple(tensor.shape)
-            numel = tensor.numel()
+            nbytes = tensor.nbytes
             name = dtype_name(dtype)
-            if numel == 0:
+            if nbytes == 0:
                 return TensorEntry(dtype=name, shape=shape, chunks=(), replicated=replicated)
             # The same memory under two paths (tied weights) is written once.
             key: tuple[Any, ...] = (tensor.data_ptr(), dtype, shape)
@@ -579,7 +579,7 @@ class _Collector:
             if earlier is not None and earlier.replicated == replicated:
                 return _TensorDraft(name, shape, earlier.payloads, replicated)
             itemsize = dtype.itemsize
-            nbytes = numel * itemsize
+            numel = nbytes // itemsize
             if nbytes <= self.chunk_bytes:
                 payloads = [Payload(logical, 0, nbytes, path, replicated, tensor)]
             else:
@@ -723,6 +723,14 @@ class _Slab:
         for pad, p in self.members:
             if pad:
                 buffers.append(_ZEROS[:pad])
+            t = p.tensor
+            if t is not None:  # most members: a view of a tensor's memory (``Payload.stage``)
+                view = raw_memoryview(t.data_ptr() + p.start, p.nbytes)
+                buffers.append(view)
+                keep.append(t)
+                if crcs is not None:
+                    crcs.append(crc32(view))
+                continue
             bufs, keepalive = p.stage()
             buffers.extend(bufs)
             keep.append(keepalive)
