@@ -764,12 +764,12 @@ class Placer:
     buffer when staged, so the write never reads the application's memory.
 
     A slab's members are checksummed when the slab is staged, on the caller's thread (after
-    each member's copy, with a pool), not by the plugin as it writes. A CRC call drops the GIL
-    and must take it back: from a thread whose Python waits on another thread busy in Python
-    (the caller planning, or training while an async take writes), each call waited up to the
+    each member's copy, with a pool), not by the plugin as it writes. A CRC call on more than
+    5 KiB drops the GIL and must take it back: on a thread other than one busy in Python (the
+    caller planning, or running Python while an async take writes), each call waited up to the
     interpreter's switch interval, 5 ms. Checksumming 20,000 slab members of 10 KiB on an I/O
-    thread took an async take 4-6 s to commit while the caller ran Python, 0.5 s while it
-    slept. Large payloads, a blob each, are checksummed in a few large pieces as they are
+    thread took an async take 4-6 s to commit while the caller ran a Python loop, 0.5 s while
+    it slept. Large payloads, a blob each, are checksummed in a few large pieces as they are
     written.
     """
 
