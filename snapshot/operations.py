@@ -498,8 +498,11 @@ class TakeJob:
         assert plugin is not None
         if self.plan is not None:
             writes = self.plan.writes
-        else:  # failed while planning: what was placed so far (some of it may be written)
-            writes = self._own.writes if self._own is not None else []
+        elif self._own is not None and self.pipeline is not None:
+            # Failed while planning, with writes under way: what was placed so far.
+            writes = self._own.writes
+        else:  # nothing written yet (across ranks, writes wait for the first agreement)
+            writes = []
         blobs = [w.blob for w in writes]
         if self._marker:
             with contextlib.suppress(Exception):
