@@ -6,15 +6,18 @@ each piece is written or read (``StoragePlugin.write_observed`` / ``readv_observ
 the bytes are likely still in the CPU's caches, where the CRC runs at several times memory speed
 (the local plugin reads in 1 MiB pieces; it writes in 8 MiB ones, as smaller write calls cost
 more than they save). A ``RangeDigest`` turns that stream of pieces into
-one running CRC per location. Reads may split one location over several requests (a large
-chunk read by several workers, budget-sized tiles); ``LocationCheck`` combines their CRCs into
-the location's, in any order of arrival.
+one running CRC per location. The members of a slab being written are the exception: they are
+checksummed when the slab is staged, on the caller's thread (``planner.Placer`` says why).
+Reads may split one location over several requests (a large chunk read by several workers,
+budget-sized tiles); ``LocationCheck`` combines their CRCs into the location's, in any order of
+arrival.
 
 CRC-32 (the gzip / zlib polynomial) comes from ISA-L through the ``isal`` package: folding with
 carry-less multiplication, 56-69 GB/s per core on cached bytes here, against 34 GB/s for xxh3
 (``xxhash``) and 20 GB/s for the ``crc32c`` package (CRC-32C with the SSE4.2 instruction); from
 main memory all of them run at about memory speed (8-13 GB/s), which is why the CRC is taken
-while the bytes are cached. It releases the GIL, and combines CRCs of pieces (``crc32_combine``).
+while the bytes are cached. It releases the GIL for more than 5 KiB, and combines CRCs of pieces
+(``crc32_combine``).
 """
 
 from __future__ import annotations

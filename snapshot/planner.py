@@ -735,7 +735,10 @@ class _Slab:
             buffers.extend(bufs)
             keep.append(keepalive)
             if crcs is not None:
-                crcs.append(_crc_of(bufs))
+                value = 0
+                for b in bufs:
+                    value = crc32(b, value)
+                crcs.append(value)
         return buffers, keep, crcs
 
     def ranges(self) -> list[tuple[int, int]]:
@@ -746,15 +749,6 @@ class _Slab:
         first = self.members[0][1].label
         more = f" and {len(self.members) - 1} more" if len(self.members) > 1 else ""
         return f"{first}{more} (slab {self.blob})"
-
-
-def _crc_of(buffers: Sequence[Buffer]) -> int:
-    if len(buffers) == 1:
-        return crc32(buffers[0])
-    value = 0
-    for b in buffers:
-        value = crc32(b, value)
-    return value
 
 
 class Placer:
