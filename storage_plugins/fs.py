@@ -27,7 +27,8 @@ _MAX_IOV = 1024
 # it, while the bytes are likely still in the CPU's caches. Measured on a 2 GiB state (take to
 # the page cache, restore warm): reads in calls of 256 KiB to 4 MiB cost alike; writes in calls
 # of 1 MiB took 40% longer than unsliced ones even with nothing observed, and with checksums
-# 8 MiB calls cost the least (+16% over no checksums, where 1 MiB calls cost +100%).
+# 8 MiB calls cost the least (+16% over no checksums, where 1 MiB calls cost +100%). The write
+# size is also the piece handed to the device at a time when the file will be fsynced (below).
 _OBSERVED_READ_BYTES = 1 << 20
 _OBSERVED_WRITE_BYTES = 8 << 20
 _DEFAULT_IO_THREADS = 8
