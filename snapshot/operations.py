@@ -180,7 +180,8 @@ class TakeJob:
     """One take.
 
     ``start`` runs on the caller's thread: it captures every value (state_dict calls, planning,
-    staging) and queues the writes (a take's writes start while it stages). When it returns,
+    staging) and queues the writes (a take's writes start while it stages; in a process alone,
+    while it plans). When it returns,
     later changes to the application's tensors cannot reach the snapshot if a staging ``pool``
     was given (async take: every payload is copied into pooled buffers, and the writes are held
     until ``release_writes``, unless the budget is full); otherwise the caller must not change
