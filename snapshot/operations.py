@@ -337,7 +337,7 @@ class TakeJob:
             "path": self.path,
             "layout": layout,
             "signature": self.collected.replicated_signature(),
-            "local_bytes": self.collected.local_bytes(),
+            "local_bytes": self.collected.own_bytes,
             "pieces": self.collected.pieces,
             "objects": self.collected.objects,
         }
@@ -440,8 +440,7 @@ class TakeJob:
         try:
             # Every rank's entries of a replicated value point at the blob one rank wrote: that
             # rank shares the checksums of what it wrote for the others.
-            blobs = self.plan.shared_blobs
-            shared = {k: v for k, v in checksums.items() if k[0] in blobs} if blobs else {}
+            shared = self.plan.shared_checksums(checksums) if error is None else {}
             for part in coord.agree("take: writing", value=shared, error=error):
                 checksums.update(part)
             with gc_paused():

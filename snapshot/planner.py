@@ -49,6 +49,7 @@ from snapshot.errors import (
 from snapshot.flatten import flatten
 from snapshot.scheduler import ReadRequest, Segment, WriteRequest
 from snapshot.serialization import (
+    ADDRESS_SPACE,
     copy_elements,
     decode_object,
     dtype_from_name,
@@ -81,13 +82,14 @@ _INLINE_TYPES = (bool, int, float, type(None))
 
 
 _DENSE_TYPES = (torch.Tensor, torch.nn.Parameter)
+_STRIDED = torch.strided
 
 
 def is_dense_tensor(value: object) -> bool:
     """Whether ``value`` is stored as raw bytes (a strided, non-quantized plain tensor)."""
     return (
         type(value) in _DENSE_TYPES
-        and value.layout == torch.strided  # type: ignore[union-attr]
+        and value.layout is _STRIDED  # type: ignore[union-attr]
         and not value.is_quantized  # type: ignore[union-attr]
     )
 
@@ -100,10 +102,8 @@ def _type_name(value: object) -> str:
 # ---------------------------------------------------------------------------------------------
 # Take.
 
+# What a write request's ``stage`` returns: the buffers to write, and what keeps them valid.
 Staged = tuple[Sequence[Buffer], object]
-# What a write request's ``stage`` returns: ``Staged`` and the CRC-32s of its checksum ranges
-# when staging computed them (slabs), else None (the plugin computes them as it writes).
-StagedWrite = tuple[Sequence[Buffer], object, Sequence[int] | None]
 
 
 @dataclass(frozen=True)
@@ -127,7 +127,8 @@ class Payload:
     is viewed from byte ``start`` on (the common case, no copy); ``data``, a bytes object;
     ``source``, a tensor that must be resolved or gathered first (elements ``start:stop``),
     which allocates ``staging_bytes`` when staged. Placement sets ``blob`` and ``pos`` (the
-    offset in that blob).
+    offset in that blob). ``crc32`` is the bytes' CRC-32 when staging computed it (a slab's
+    members); else the write's checksum of the range, if any, is the pipeline's.
 
     Two ways to stage it, on the caller's thread: ``stage()`` gives buffers to write from, and
     what must stay alive while they are written; ``copy_into(buf, pos)`` copies the bytes into
@@ -140,6 +141,7 @@ class Payload:
 
     __slots__ = (
         "blob",
+        "crc32",
         "data",
         "index",
         "label",
@@ -180,6 +182,7 @@ class Payload:
         self.staging_bytes = nbytes if source is not None else 0
         self.blob: str | None = None
         self.pos = 0
+        self.crc32: int | None = None
 
     def stage(self) -> Staged:
         t = self.tensor
@@ -189,11 +192,6 @@ class Payload:
             return [self.data], None
         assert self.source is not None
         return self.source.piece(self.start, self.stop)
-
-    def stage_write(self) -> StagedWrite:
-        """``stage`` as the write of a blob of its own (checksummed by the plugin)."""
-        buffers, keepalive = self.stage()
-        return buffers, keepalive, None
 
     def copy_into(self, buf: torch.Tensor, pos: int) -> None:
         t = self.tensor
@@ -247,10 +245,53 @@ class _TensorDraft:
             return fmt.entry(path, self.build(checksums))
         p = payloads[0]
         assert p.blob is not None
-        crc = None if checksums is None else checksums[(p.blob, p.pos)]
+        crc = p.crc32 if p.crc32 is not None or checksums is None else checksums[(p.blob, p.pos)]
         return fmt.tensor(
             path, self.dtype, self.shape, p.blob, p.pos, p.nbytes, crc, self.replicated
         )
+
+
+class _WholeTensor(Payload):
+    """A tensor written whole in one range from its own memory (a contiguous CPU tensor of at
+    most a chunk: nearly every tensor): its payload and its entry's draft in one record. A take
+    of 20,000 small tensors makes 20,000 of them; a payload and a draft apart cost twice the
+    objects and calls."""
+
+    __slots__ = ("dtype", "shape")
+
+    # Fields that are the same for every whole tensor, as class attributes (read-only on
+    # instances): six stores less per tensor.
+    index = 0  # type: ignore[assignment]
+    data = None  # type: ignore[assignment]
+    source = None  # type: ignore[assignment]
+    start = 0  # type: ignore[assignment]
+    stop = 0  # type: ignore[assignment]
+    staging_bytes = 0  # type: ignore[assignment]
+
+    def __init__(
+        self,
+        logical: str,
+        path: str,
+        tensor: torch.Tensor,
+        nbytes: int,
+        dtype: str,
+        shape: tuple[int, ...],
+        replicated: bool,
+    ) -> None:
+        # Each slot set here rather than through Payload.__init__: one call less per tensor.
+        self.logical = logical
+        self.nbytes = nbytes
+        self.label = path
+        self.replicated = replicated
+        self.tensor = tensor
+        self.blob = None
+        self.pos = 0
+        self.crc32 = None
+        self.dtype = dtype
+        self.shape = shape
+
+    def build(self, checksums: Mapping[tuple[str, int], int] | None) -> TensorEntry:
+        return new_tensor_entry(self.dtype, self.shape, (_final(self, checksums),), self.replicated)
 
 
 @dataclass(slots=True)
@@ -269,11 +310,17 @@ class _ObjectDraft:
         )
 
 
+def _payloads(draft: _TensorDraft | _WholeTensor) -> list[Payload]:
+    """The payloads of a tensor's draft."""
+    return [draft] if type(draft) is _WholeTensor else draft.payloads  # type: ignore[union-attr]
+
+
 def _final(p: Payload, checksums: Mapping[tuple[str, int], int] | None) -> Location:
     """A placed payload's location as the manifest records it: with its bytes' CRC-32 when
-    the take computes checksums (a write that never reported one is a bug: KeyError)."""
-    if checksums is None:
-        return p.location()
+    the take computes checksums, from staging or else from the write (a write that never
+    reported one is a bug: KeyError)."""
+    if p.crc32 is not None or checksums is None:
+        return p.location(p.crc32)
     return p.location(checksums[(p.blob, p.pos)])
 
 
@@ -283,7 +330,7 @@ class _ShardDraft:
     for a replica that is not the main one); the commit merges every rank's shards."""
 
     piece: sharded.LocalPiece
-    tensor: TensorEntry | _TensorDraft | None
+    tensor: TensorEntry | _TensorDraft | _WholeTensor | None
 
     def build(self, checksums: Mapping[tuple[str, int], int] | None) -> ShardedTensorEntry:
         p = self.piece
@@ -315,12 +362,14 @@ class _ShardedObjectDraft:
 @dataclass
 class Collected:
     """A rank's state, flattened: entries (or drafts awaiting their payloads' locations) in
-    flatten order, and every payload, in the same order."""
+    flatten order; the replicated payloads, in the same order (placed once their writers are
+    agreed on); the bytes of this rank's own payloads (placed as they were met)."""
 
-    entries: dict[str, Entry | _TensorDraft | _ObjectDraft | _ShardDraft] = field(
+    entries: dict[str, Entry | _TensorDraft | _WholeTensor | _ObjectDraft | _ShardDraft] = field(
         default_factory=dict
     )
-    payloads: list[Payload] = field(default_factory=list)
+    replicated: list[Payload] = field(default_factory=list)
+    own_bytes: int = 0
     # (key, dtype, global shape, offsets, sizes, main, path) of each piece of a global tensor
     pieces: list[tuple[Any, ...]] = field(default_factory=list)
     # (unique key, main, path) of each sharded object
@@ -331,19 +380,12 @@ class Collected:
     def replicated_signature(self) -> list[tuple[str, int, int, str]]:
         """(logical path, chunk index, bytes, kind) of each replicated payload, in order: what
         every rank must agree on for replicated entries to be written once."""
-        return [
-            (p.logical, p.index, p.nbytes, _kind(self.entries, p))
-            for p in self.payloads
-            if p.replicated
-        ]
-
-    def local_bytes(self) -> int:
-        return sum(p.nbytes for p in self.payloads if not p.replicated)
+        return [(p.logical, p.index, p.nbytes, _kind(self.entries, p)) for p in self.replicated]
 
 
 def _kind(entries: dict[str, Any], payload: Payload) -> str:
     draft = entries.get(payload.label)
-    if isinstance(draft, _TensorDraft):
+    if isinstance(draft, (_TensorDraft, _WholeTensor)):
         return f"{draft.dtype}{list(draft.shape)}"
     return "object"
 
@@ -353,14 +395,26 @@ class TakePlan:
     """The writes this rank performs, and the entries for the manifest (in flatten order), to be
     built once the writes have reported their checksums (``entries``).
 
-    ``shared_blobs`` are the blobs of replicated payloads this rank writes: the other ranks' entries
-    point into them too, so their checksums are shared with every rank.
+    ``shared`` are the replicated payloads this rank writes: the other ranks' entries point at
+    them too, so their checksums are shared with every rank (``shared_checksums``).
     """
 
-    drafts: dict[str, Entry | _TensorDraft | _ObjectDraft | _ShardDraft]
+    drafts: dict[str, Entry | _TensorDraft | _WholeTensor | _ObjectDraft | _ShardDraft]
     writes: list[WriteRequest]
-    shared_blobs: set[str]
+    shared: list[Payload]
     checksums: bool
+
+    def shared_checksums(
+        self, checksums: Mapping[tuple[str, int], int]
+    ) -> dict[tuple[str, int], int]:
+        """The CRC-32 of each of ``shared``, by ``(blob, offset)``: from staging, or else from
+        the writes' ``checksums``. Empty when the take records none."""
+        if not self.checksums:
+            return {}
+        return {
+            (p.blob, p.pos): p.crc32 if p.crc32 is not None else checksums[(p.blob, p.pos)]  # type: ignore[misc]
+            for p in self.shared
+        }
 
     def entries(self, checksums: Mapping[tuple[str, int], int]) -> dict[str, Entry | str]:
         """The manifest's entries; ``checksums`` maps each written range ``(blob, offset)`` to
@@ -373,9 +427,18 @@ class TakePlan:
         """
         sums = checksums if self.checksums else None
         fmt = EntryFormatter()
+        tensor = fmt.tensor
         out: dict[str, Entry | str] = {}
         for path, e in self.drafts.items():
-            if type(e) is _TensorDraft:
+            kind = type(e)
+            if kind is _WholeTensor:  # most entries
+                crc = e.crc32  # staged in a slab
+                if crc is None and sums is not None:
+                    crc = sums[(e.blob, e.pos)]
+                out[path] = tensor(
+                    path, e.dtype, e.shape, e.blob, e.pos, e.nbytes, crc, e.replicated
+                )
+            elif kind is _TensorDraft:
                 out[path] = e.line(path, sums, fmt)
             elif isinstance(e, (Entry, sharded.ObjectReplica)):
                 out[path] = e
@@ -405,7 +468,7 @@ class _Collector:
         self.submit = submit
         self.out = Collected()
         # Tensors already planned, by memory (see ``_tensor``).
-        self._written: dict[tuple[Any, ...], _TensorDraft] = {}
+        self._written: dict[tuple[Any, ...], _TensorDraft | _WholeTensor] = {}
 
     def _is_replicated(self, logical: str) -> bool:
         return any(fnmatch.fnmatchcase(logical, g) for g in self.replicated)
@@ -417,13 +480,15 @@ class _Collector:
         state is planned. A value's payloads are all placed before any of their writes is
         handed over: staging one releases a resolved tensor once all its placed pieces are
         staged."""
-        self.out.payloads.extend(payloads)
+        out = self.out
         if payloads[0].replicated:
+            out.replicated.extend(payloads)
             return
         own = self.own
         for p in payloads:
+            out.own_bytes += p.nbytes
             own.place(p)
-        if self.submit is not None and len(own.writes) > self.out.submitted:
+        if self.submit is not None and len(own.writes) > out.submitted:
             self._submit()
 
     def _submit(self) -> None:
@@ -441,7 +506,12 @@ class _Collector:
         for path, node, value in flatten(state, rank_prefix + key_path):
             replicated = check and self._is_replicated(path[cut:])
             if node is None:
-                if is_dense_tensor(value):  # most leaves: straight to the tensor path
+                # Most leaves: straight to the tensor path (``is_dense_tensor``, inline).
+                if (
+                    type(value) in _DENSE_TYPES
+                    and value.layout is _STRIDED
+                    and not value.is_quantized
+                ):
                     entries[path] = self._tensor(path, path[cut:], value, replicated)
                 else:
                     entries[path] = self._leaf(path, path[cut:], value, replicated)
@@ -557,7 +627,7 @@ class _Collector:
 
     def _tensor(
         self, path: str, logical: str, tensor: torch.Tensor, replicated: bool
-    ) -> Entry | _TensorDraft:
+    ) -> Entry | _TensorDraft | _WholeTensor:
         if (
             self.prepare is None
             and tensor.is_cpu
@@ -577,24 +647,34 @@ class _Collector:
             key: tuple[Any, ...] = (tensor.data_ptr(), dtype, shape)
             earlier = self._written.get(key)
             if earlier is not None and earlier.replicated == replicated:
-                return _TensorDraft(name, shape, earlier.payloads, replicated)
-            itemsize = dtype.itemsize
-            numel = nbytes // itemsize
+                return _TensorDraft(name, shape, _payloads(earlier), replicated)
             if nbytes <= self.chunk_bytes:
-                payloads = [Payload(logical, 0, nbytes, path, replicated, tensor)]
-            else:
-                payloads = [
-                    Payload(
-                        logical,
-                        i,
-                        (stop - start) * itemsize,
-                        path,
-                        replicated,
-                        tensor=tensor,
-                        start=start * itemsize,
-                    )
-                    for i, (start, stop) in enumerate(self._bounds(numel, itemsize))
-                ]
+                whole = _WholeTensor(logical, path, tensor, nbytes, name, shape, replicated)
+                self._written[key] = whole
+                # ``_emit`` of this one payload, inline (most payloads).
+                out = self.out
+                if replicated:
+                    out.replicated.append(whole)
+                    return whole
+                out.own_bytes += nbytes
+                own = self.own
+                own.place(whole)
+                if self.submit is not None and len(own.writes) > out.submitted:
+                    self._submit()
+                return whole
+            itemsize = dtype.itemsize
+            payloads = [
+                Payload(
+                    logical,
+                    i,
+                    (stop - start) * itemsize,
+                    path,
+                    replicated,
+                    tensor=tensor,
+                    start=start * itemsize,
+                )
+                for i, (start, stop) in enumerate(self._bounds(nbytes // itemsize, itemsize))
+            ]
             self._emit(payloads)
             draft = _TensorDraft(name, shape, payloads, replicated)
             self._written[key] = draft
@@ -644,7 +724,7 @@ class _Collector:
             )
             earlier = self._written.get(key)
             if earlier is not None and earlier.replicated == replicated:
-                return _TensorDraft(name, shape, earlier.payloads, replicated)
+                return _TensorDraft(name, shape, _payloads(earlier), replicated)
         source = _TensorSource(path, logical, tensor, prepare, dtype, shape)
         payloads = [
             Payload(
@@ -706,44 +786,32 @@ class _Slab:
     nbytes: int = 0
     staging_bytes: int = 0
 
-    def add(self, p: Payload, staging_bytes: int) -> None:
-        pad = -self.nbytes % _ALIGN
-        self.members.append((pad, p))
-        p.blob = self.blob
-        p.pos = self.nbytes + pad
-        self.nbytes += pad + p.nbytes
-        self.staging_bytes += staging_bytes
-
-    def stage(self, checksums: bool) -> StagedWrite:
-        """Views of the members (padding between them), and with ``checksums`` each member's
-        CRC-32 (see ``Placer``)."""
+    def stage(self, checksums: bool) -> Staged:
+        """Views of the members (padding between them); with ``checksums``, each member's
+        CRC-32 goes to its ``crc32`` (see ``Placer``)."""
         buffers: list[Buffer] = []
-        keep = []
-        crcs: list[int] | None = [] if checksums else None
+        keep: list[object] = [self]  # the slab holds its members, they hold their tensors
         for pad, p in self.members:
             if pad:
                 buffers.append(_ZEROS[:pad])
             t = p.tensor
             if t is not None:  # most members: a view of a tensor's memory (``Payload.stage``)
-                view = raw_memoryview(t.data_ptr() + p.start, p.nbytes)
+                # ``raw_memoryview`` inline: a slice of the address space.
+                address = t.data_ptr() + p.start - 1
+                view = ADDRESS_SPACE[address : address + p.nbytes]
                 buffers.append(view)
-                keep.append(t)
-                if crcs is not None:
-                    crcs.append(crc32(view))
+                if checksums:
+                    p.crc32 = crc32(view)
                 continue
             bufs, keepalive = p.stage()
             buffers.extend(bufs)
             keep.append(keepalive)
-            if crcs is not None:
+            if checksums:
                 value = 0
                 for b in bufs:
                     value = crc32(b, value)
-                crcs.append(value)
-        return buffers, keep, crcs
-
-    def ranges(self) -> list[tuple[int, int]]:
-        """Each member's ``(offset, nbytes)`` in the slab."""
-        return [(p.pos, p.nbytes) for _, p in self.members]
+                p.crc32 = value
+        return buffers, keep
 
     def label(self) -> str:
         first = self.members[0][1].label
@@ -775,6 +843,8 @@ class Placer:
         self.writes: list[WriteRequest] = []
         self._next = 0
         self._slab: _Slab | None = None
+        self._slab_max = layout.slab_threshold_bytes
+        self._slab_bytes = layout.slab_bytes
 
     def _blob(self, kind: str = "") -> str:
         name = f"{self.prefix}{kind}{self._next}"
@@ -783,24 +853,26 @@ class Placer:
 
     def place(self, p: Payload) -> None:
         """In the open slab when small, else in a blob of its own."""
-        staging = p.nbytes if self.pool is not None else p.staging_bytes
-        if p.nbytes <= self.layout.slab_threshold_bytes:
+        nbytes = p.nbytes
+        staging = nbytes if self.pool is not None else p.staging_bytes
+        if nbytes <= self._slab_max:
             slab = self._slab
-            pad = -slab.nbytes % _ALIGN if slab is not None else 0
-            if slab is not None and slab.nbytes + pad + p.nbytes > self.layout.slab_bytes:
+            if slab is None or slab.nbytes + (-slab.nbytes % _ALIGN) + nbytes > self._slab_bytes:
                 self.close()
-                slab = None
-            if slab is None:
                 slab = self._slab = _Slab(blob=self._blob("s"))
-            slab.add(p, staging)
+            # Appended to the slab, after the padding that aligns it (inline: once per tensor).
+            pad = -slab.nbytes % _ALIGN
+            slab.members.append((pad, p))
+            p.blob = slab.blob
+            p.pos = slab.nbytes + pad
+            slab.nbytes += pad + nbytes
+            slab.staging_bytes += staging
         else:
             blob = self._blob()
             p.blob = blob
             p.pos = 0
             if self.mine:
-                stage = (
-                    p.stage_write if self.pool is None else self._pooled([(0, p)], p.nbytes, False)
-                )
+                stage = p.stage if self.pool is None else self._pooled([(0, p)], p.nbytes, False)
                 self.writes.append(
                     WriteRequest(
                         blob=blob,
@@ -829,21 +901,21 @@ class Placer:
                     staging_bytes=slab.staging_bytes,
                     stage=stage,
                     label=slab.label(),
-                    checksum_ranges=slab.ranges() if self.layout.checksums else (),
+                    # Its members are checksummed as they are staged.
                 )
             )
 
     def _pooled(
         self, members: list[tuple[int, Payload]], nbytes: int, checksums: bool
-    ) -> Callable[[], StagedWrite]:
+    ) -> Callable[[], Staged]:
         """Stages ``members`` by copying them into one pooled buffer; with ``checksums``, each
-        member's CRC-32 is taken right after its copy (still in the CPU's cache)."""
+        member's CRC-32 is taken right after its copy (still in the CPU's cache) and goes to
+        its ``crc32``."""
         pool = self.pool
         assert pool is not None
 
-        def stage() -> StagedWrite:
+        def stage() -> Staged:
             lease = pool.acquire(nbytes)
-            crcs: list[int] | None = [] if checksums else None
             try:
                 if len(members) > 1:
                     lease.touch()
@@ -856,14 +928,14 @@ class Placer:
                             view[pos : pos + pad] = _ZEROS[:pad]
                             pos += pad
                         p.copy_into(buf, pos)
-                        if crcs is not None:
-                            crcs.append(crc32(view[pos : pos + p.nbytes]))
+                        if checksums:
+                            p.crc32 = crc32(view[pos : pos + p.nbytes])
                         pos += p.nbytes
                 lease.ready()
             except BaseException:
                 lease.release()
                 raise
-            return [lease.view], lease, crcs
+            return [lease.view], lease
 
         return stage
 
@@ -888,22 +960,19 @@ def place(
     without asking. With a staging ``pool``, staging copies every payload into pooled buffers.
     """
     replicated: dict[int, list[Payload]] = {}
-    for p in collected.payloads:
-        if p.replicated:
-            replicated.setdefault(writer_of[(p.logical, p.index)], []).append(p)
+    for p in collected.replicated:
+        replicated.setdefault(writer_of[(p.logical, p.index)], []).append(p)
     writes = list(own.writes)
-    shared_blobs: set[str] = set()
     for writer in sorted(replicated):
         shared = Placer(f"{writer}/r", layout, mine=writer == rank, pool=pool)
         for p in sorted(replicated[writer], key=lambda q: (q.logical, q.index)):
             shared.place(p)
         shared.close()
         writes.extend(shared.writes)
-        shared_blobs.update(w.blob for w in shared.writes)
     return TakePlan(
         drafts=collected.entries,
         writes=writes,
-        shared_blobs=shared_blobs,
+        shared=replicated.get(rank, []),
         checksums=layout.checksums,
     )
 

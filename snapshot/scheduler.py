@@ -288,19 +288,19 @@ class WriteRequest:
     """One blob to write.
 
     ``stage`` runs on the caller's thread and returns the buffers to write (their concatenation
-    is the blob, ``nbytes`` long), an object to keep alive until the write is done (the tensor
-    the buffers view, or a pooled buffer's lease, released when the write is done), and the
-    CRC-32s of ``checksum_ranges`` if it computed them, else None. ``staging_bytes`` is the
-    memory ``stage`` allocates, held against the budget until the write completes: 0 for
-    zero-copy views. The CRC-32 of each ``(offset, nbytes)`` range of ``checksum_ranges`` that
-    staging did not give is computed by the plugin as it writes (``write_observed``); either
-    way it is kept in the pipeline's ``checksums`` under ``(blob, offset)``.
+    is the blob, ``nbytes`` long) and an object to keep alive until the write is done (the tensor
+    the buffers view, or a pooled buffer's lease, released when the write is done).
+    ``staging_bytes`` is the memory ``stage`` allocates, held against the budget until the
+    write completes: 0 for zero-copy views. The CRC-32 of each ``(offset, nbytes)`` range of
+    ``checksum_ranges`` is computed by the plugin as it writes (``write_observed``), and kept
+    in the pipeline's ``checksums`` under ``(blob, offset)``. (A request whose ``stage``
+    checksums its bytes itself, as a slab's does, lists no ranges.)
     """
 
     blob: str
     nbytes: int
     staging_bytes: int
-    stage: Callable[[], tuple[Sequence[Buffer], object, Sequence[int] | None]]
+    stage: Callable[[], tuple[Sequence[Buffer], object]]
     label: str
     checksum_ranges: Sequence[tuple[int, int]] = ()
 
@@ -453,8 +453,8 @@ async def call(
 # Writes.
 
 
-# A staged write: the request, its buffers, what to keep alive, the CRCs staging computed.
-_Staged = tuple[WriteRequest, Sequence[Buffer], object, Sequence[int] | None]
+# A staged write: the request, its buffers, what to keep alive.
+_Staged = tuple[WriteRequest, Sequence[Buffer], object]
 
 
 class WritePipeline:
@@ -508,10 +508,10 @@ class WritePipeline:
             item = await self._queue.get()
             if item is None:
                 return
-            req, buffers, keepalive, crcs = item
+            req, buffers, keepalive = item
             try:
                 if self._error is None:
-                    await self._write(req, buffers, crcs)
+                    await self._write(req, buffers)
             except Exception as e:  # already the library's error (``call`` converts)
                 self._fail(e)
             finally:
@@ -521,20 +521,13 @@ class WritePipeline:
                 del buffers, item, keepalive
                 self.budget.release(req.staging_bytes)
 
-    async def _write(
-        self, req: WriteRequest, buffers: Sequence[Buffer], crcs: Sequence[int] | None
-    ) -> None:
-        """Writes one staged request, with the checksums of its ranges when it asks for them
-        (those staging computed are kept as they are)."""
+    async def _write(self, req: WriteRequest, buffers: Sequence[Buffer]) -> None:
+        """Writes one staged request, with the checksums of its ranges when it asks for them."""
         plugin = self._plugin
         ranges = req.checksum_ranges
-        if not ranges or crcs is not None:
+        if not ranges:
             op = functools.partial(plugin.write, req.blob, buffers)
             await call(plugin, "write", req.blob, req.label, op)
-            if ranges:
-                assert crcs is not None and len(crcs) == len(ranges)
-                for (offset, _), value in zip(ranges, crcs, strict=True):
-                    self.checksums[(req.blob, offset)] = value
         else:
             values = await call_digesting(
                 plugin,
@@ -572,11 +565,11 @@ class WritePipeline:
             self.flush()  # what is staged must start writing, or the budget never frees
             self.budget.acquire(req.staging_bytes)
         try:
-            buffers, keepalive, crcs = req.stage()
+            buffers, keepalive = req.stage()
         except BaseException:
             self.budget.release(req.staging_bytes)
             raise
-        self._batch.append((req, buffers, keepalive, crcs))
+        self._batch.append((req, buffers, keepalive))
         self._batch_bytes += req.nbytes
         limit = self._batch_limit
         if limit is not None and (
@@ -616,7 +609,7 @@ class WritePipeline:
 
     def abort(self, error: BaseException) -> None:
         """Stops writing (what is queued is dropped) and waits for the workers to stop."""
-        for _, _, keepalive, _ in self._batch:
+        for _, _, keepalive in self._batch:
             _release(keepalive)
         self._batch = []
         self._loop.call_soon_threadsafe(self._fail, error)

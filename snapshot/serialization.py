@@ -44,9 +44,11 @@ _PYBUF_WRITE = 0x200
 
 # The whole address space as one writable byte view, of which a view of any range is a slice:
 # 0.2 µs a view, where one made through ctypes cost 0.85 µs (takes and restores make one per
-# tensor). It starts at address 1, NULL being no valid start. Never used whole: only the
-# slices ``raw_memoryview`` cuts from it, each no more valid than the memory it points at.
-_ADDRESSES = _memory_view(1, sys.maxsize - 1, _PYBUF_WRITE)
+# tensor). It starts at address 1, NULL being no valid start: the view of ``nbytes`` at
+# ``address`` is ``ADDRESS_SPACE[address - 1 : address - 1 + nbytes]``, which a loop over
+# thousands of tensors may cut itself (``raw_memoryview`` checks its arguments first). Never
+# used whole: each slice is no more valid than the memory it points at.
+ADDRESS_SPACE = _memory_view(1, sys.maxsize - 1, _PYBUF_WRITE)
 
 
 def raw_memoryview(address: int, nbytes: int) -> memoryview:
@@ -56,7 +58,7 @@ def raw_memoryview(address: int, nbytes: int) -> memoryview:
         return memoryview(bytearray())
     if address <= 0 or nbytes < 0:
         raise ValueError(f"no memory at address {address} of {nbytes} bytes")
-    return _ADDRESSES[address - 1 : address - 1 + nbytes]
+    return ADDRESS_SPACE[address - 1 : address - 1 + nbytes]
 
 
 def tensor_memoryview(t: torch.Tensor) -> memoryview:

@@ -343,7 +343,7 @@ def test_async_take_records_checksums(tmp_path, layout):
 def test_slab_members_are_checksummed_when_staged(pooled, checksums):
     """A slab's staging gives the CRC-32 of each member (views of tensors, a non-contiguous
     tensor gathered, an object's bytes; copied into a pooled buffer for async take), so its
-    write needs no observer; a blob of its own leaves its CRC to the plugin."""
+    write asks the plugin for none; a blob of its own leaves its CRC to the plugin."""
     from snapshot.planner import Layout, Placer, collect
     from snapshot.staging import StagingPool
 
@@ -359,17 +359,21 @@ def test_slab_members_are_checksummed_when_staged(pooled, checksums):
         "b": torch.arange(100, dtype=torch.int16),
         "big": torch.randn(2000),  # 8,000 bytes: a blob of its own
     }
-    collect([("s", state)], rank=0, prepare=None, replicated=(), inline_max_bytes=64, own=own)
+    out = collect([("s", state)], rank=0, prepare=None, replicated=(), inline_max_bytes=64, own=own)
     assert [w.blob for w in own.writes] == ["0/1", "0/s0"]  # "big" first: slabs close last
     single, slab = own.writes
-    buffers, keepalive, crcs = slab.stage()
+    drafts = [out.entries[f"0/s/{k}"] for k in ("a", "odd", "b", "text")]
+    # A tensor viewed whole is its own payload; the gathered one and the object hold theirs.
+    members = [drafts[0], drafts[1].payloads[0], drafts[2], drafts[3].payload]
+    assert all(m.crc32 is None for m in members)  # nothing staged yet
+    buffers, keepalive = slab.stage()
     data = b"".join(bytes(memoryview(b).cast("B")) for b in buffers)
     assert len(data) == slab.nbytes
-    if checksums:
-        assert len(slab.checksum_ranges) == 4
-        assert crcs == [zlib.crc32(data[o : o + n]) for o, n in slab.checksum_ranges]
-    else:
-        assert crcs is None and not slab.checksum_ranges
-    assert single.stage()[2] is None
+    assert not slab.checksum_ranges  # the plugin checksums nothing of a slab
+    for m in members:
+        assert m.blob == "0/s0"
+        want = zlib.crc32(data[m.pos : m.pos + m.nbytes]) if checksums else None
+        assert m.crc32 == want, m.label
+    assert single.checksum_ranges == (((0, 8000),) if checksums else ())
     if pooled:
         keepalive.release()

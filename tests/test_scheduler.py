@@ -98,7 +98,7 @@ def test_pipeline_keeps_staged_bytes_within_budget():
             with lock:
                 staged_now[0] += n
                 high_water[0] = max(high_water[0], staged_now[0])
-            return [bytes(n)], None, None
+            return [bytes(n)], None
 
         return stage
 
@@ -131,7 +131,7 @@ def test_an_idle_pipeline_holds_no_written_buffer():
     def stage():
         keep = Keepalive()
         refs.append(weakref.ref(keep))
-        return [bytearray(1000)], keep, None
+        return [bytearray(1000)], keep
 
     pipeline = WritePipeline(plugin, budget_bytes=100_000, max_concurrency=4, batch_bytes=None)
     for i in range(10):
@@ -226,7 +226,7 @@ def test_pipeline_error_stops_the_caller_and_names_the_path():
                     blob=f"b{i}",
                     nbytes=600,
                     staging_bytes=600,
-                    stage=lambda: ([bytes(600)], None, None),
+                    stage=lambda: ([bytes(600)], None),
                     label=f"0/x/t{i}",
                 )
             )

@@ -225,10 +225,11 @@ def check_objects(objects: Sequence[Sequence[tuple[str, bool, str]]]) -> None:
             )
 
 
-def merge_entries(parts: Iterable[Mapping[str, Any]]) -> dict[str, Entry]:
+def merge_entries(parts: Iterable[Mapping[str, Any]]) -> dict[str, Entry | str]:
     """Every rank's entries in one mapping, each rank's ``ShardedTensorEntry`` (the shards that
     rank wrote) replaced by one listing every rank's shards of that tensor, and each
-    ``ObjectReplica`` by the entry of the rank that wrote the object."""
+    ``ObjectReplica`` by the entry of the rank that wrote the object. A tensor's entry given as
+    its manifest line (``str``) is kept as it is."""
     merged: dict[str, Any] = {}
     shards: dict[str, list[Shard]] = {}
     objects: dict[str, ShardedObjectEntry] = {}
@@ -236,6 +237,8 @@ def merge_entries(parts: Iterable[Mapping[str, Any]]) -> dict[str, Entry]:
     for part in parts:
         for path, entry in part.items():
             merged[path] = entry
+            if type(entry) is str:  # a tensor's line (most entries)
+                continue
             if isinstance(entry, ShardedTensorEntry):
                 shards.setdefault(entry.key, []).extend(entry.shards)
             elif isinstance(entry, ShardedObjectEntry):
