@@ -68,7 +68,9 @@ from snapshot.scheduler import (
     open_plugin,
     open_storage,
     read_all,
+    result,
     run,
+    start,
 )
 from snapshot.sharding.mapping import (
     LocalNonpersistentObject,
@@ -402,6 +404,12 @@ class TakeJob:
         if self._marker_write is not None:
             await self._marker_write
 
+    async def _writes_done(self, pipeline: WritePipeline) -> IOStats:
+        """This rank's writes and its pending marker, done."""
+        stats = await pipeline.wait()
+        await self._marker_written()
+        return stats
+
     # -- writing and commit -----------------------------------------------------------------
 
     def release_writes(self) -> None:
@@ -427,12 +435,22 @@ class TakeJob:
         error = self._error
         # Until the caller has handed over what it staged, the pipeline may not be drained.
         self._released.wait()
+        early = ready = None
         if error is None and self.pipeline is not None:
+            writing = start(self._writes_done(self.pipeline))
             try:
-                stats = run(self.pipeline.wait())
-                run(self._marker_written())
-            except Exception as e:
-                error = e
+                # Most entries need no CRC from a write (slab members were checksummed when
+                # staged): they are made while the last writes and their fsyncs finish, and so
+                # is the manifest of a process alone when that is all of them.
+                with gc_paused():
+                    early = self.plan.early_entries()
+                    if coord.world_size == 1 and None not in early.values():
+                        ready = self._manifest([early])
+            finally:
+                try:
+                    stats = result(writing)
+                except Exception as e:
+                    error = e
         elif self.pipeline is not None:
             run(self.pipeline.wait_quietly())
         t_written = time.perf_counter()
@@ -444,7 +462,8 @@ class TakeJob:
             for part in coord.agree("take: writing", value=shared, error=error):
                 checksums.update(part)
             with gc_paused():
-                entries = self.plan.entries(checksums)
+                entries = self.plan.entries(checksums, early)
+                del early
                 parts = coord.gather(entries)
         except BaseException:
             self._close_after_failure()
@@ -454,7 +473,7 @@ class TakeJob:
         if parts is not None:  # rank 0: write the manifest of every rank's entries
             try:
                 with gc_paused():
-                    count, data = self._manifest(parts)
+                    count, data = ready if ready is not None else self._manifest(parts)
                 run(_commit(self.plugin, data))
             except Exception as e:
                 error = e

@@ -416,9 +416,38 @@ class TakePlan:
             for p in self.shared
         }
 
-    def entries(self, checksums: Mapping[tuple[str, int], int]) -> dict[str, Entry | str]:
+    def early_entries(self) -> dict[str, Entry | str | None]:
+        """The entries that need no CRC from a write (None in place of the others), made
+        while the last writes finish: every whole tensor staged in a slab (checksummed then) or
+        recorded without a CRC, and every entry already built. For ``entries``."""
+        fmt = EntryFormatter()
+        tensor = fmt.tensor
+        sums = self.checksums
+        out: dict[str, Entry | str | None] = {}
+        for path, e in self.drafts.items():
+            kind = type(e)
+            if kind is _WholeTensor:  # most entries
+                crc = e.crc32
+                if crc is None and sums:  # written on its own, or by another rank
+                    out[path] = None
+                    continue
+                out[path] = tensor(
+                    path, e.dtype, e.shape, e.blob, e.pos, e.nbytes, crc, e.replicated
+                )
+            elif isinstance(e, (Entry, sharded.ObjectReplica)):
+                out[path] = e
+            else:
+                out[path] = None
+        return out
+
+    def entries(
+        self,
+        checksums: Mapping[tuple[str, int], int],
+        early: Mapping[str, Entry | str | None] | None = None,
+    ) -> dict[str, Entry | str]:
         """The manifest's entries; ``checksums`` maps each written range ``(blob, offset)`` to
-        its CRC-32 (ignored when the take records none).
+        its CRC-32 (ignored when the take records none); those ``early_entries`` made are
+        taken from ``early``.
 
         A dense tensor's entry is given as its manifest line (``str``, see
         ``manifest.dumps_entries``): a take of many small tensors would otherwise build two
@@ -429,9 +458,14 @@ class TakePlan:
         fmt = EntryFormatter()
         tensor = fmt.tensor
         out: dict[str, Entry | str] = {}
+        made = early or {}
         for path, e in self.drafts.items():
+            done = made.get(path)
+            if done is not None:
+                out[path] = done
+                continue
             kind = type(e)
-            if kind is _WholeTensor:  # most entries
+            if kind is _WholeTensor:
                 crc = e.crc32  # staged in a slab
                 if crc is None and sums is not None:
                     crc = sums[(e.blob, e.pos)]

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import concurrent.futures
 import functools
 import json
 import logging
@@ -69,11 +70,21 @@ def io_loop() -> asyncio.AbstractEventLoop:
 
 def run(coro: Coroutine[Any, Any, _T]) -> _T:
     """Runs ``coro`` on the I/O loop and waits for its result, from any thread but the loop's."""
+    return result(start(coro))
+
+
+def start(coro: Coroutine[Any, Any, _T]) -> concurrent.futures.Future[_T]:
+    """Starts ``coro`` on the I/O loop, from any thread but the loop's; ``result`` waits for it
+    (the caller does other work meanwhile)."""
     loop = io_loop()
     if _loop_thread is not None and threading.current_thread() is _loop_thread.thread:
         coro.close()
         raise RuntimeError("snapshot I/O called from the I/O loop itself; this would deadlock")
-    future = asyncio.run_coroutine_threadsafe(coro, loop)
+    return asyncio.run_coroutine_threadsafe(coro, loop)
+
+
+def result(future: concurrent.futures.Future[_T]) -> _T:
+    """Waits for what ``start`` started, and gives its result or raises its error."""
     try:
         return future.result()
     except BaseException:
