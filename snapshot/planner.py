@@ -409,12 +409,13 @@ class TakePlan:
     ) -> dict[tuple[str, int], int]:
         """The CRC-32 of each of ``shared``, by ``(blob, offset)``: from staging, or else from
         the writes' ``checksums``. Empty when the take records none."""
-        if not self.checksums:
-            return {}
-        return {
-            (p.blob, p.pos): p.crc32 if p.crc32 is not None else checksums[(p.blob, p.pos)]  # type: ignore[misc]
-            for p in self.shared
-        }
+        out: dict[tuple[str, int], int] = {}
+        if self.checksums:
+            for p in self.shared:
+                assert p.blob is not None
+                key = (p.blob, p.pos)
+                out[key] = p.crc32 if p.crc32 is not None else checksums[key]
+        return out
 
     def early_entries(self) -> dict[str, Entry | str | None]:
         """The entries that need no CRC from a write (None in place of the others), made
