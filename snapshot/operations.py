@@ -65,12 +65,12 @@ from snapshot.scheduler import (
     ReadRequest,
     WritePipeline,
     call,
+    join,
     open_plugin,
     open_storage,
     read_all,
-    result,
     run,
-    start,
+    spawn,
 )
 from snapshot.sharding.mapping import (
     LocalNonpersistentObject,
@@ -437,7 +437,7 @@ class TakeJob:
         self._released.wait()
         early = ready = None
         if error is None and self.pipeline is not None:
-            writing = start(self._writes_done(self.pipeline))
+            writing = spawn(self._writes_done(self.pipeline))
             try:
                 # Most entries need no CRC from a write (slab members were checksummed when
                 # staged): they are made while the last writes and their fsyncs finish, and so
@@ -446,11 +446,16 @@ class TakeJob:
                     early = self.plan.early_entries()
                     if coord.world_size == 1 and None not in early.values():
                         ready = self._manifest([early])
-            finally:
-                try:
-                    stats = result(writing)
-                except Exception as e:
-                    error = e
+            except Exception as e:  # every rank learns of it at the next agreement
+                early = ready = None
+                error = e
+            except BaseException:  # KeyboardInterrupt: stop waiting, as ``run`` does
+                writing.cancel()
+                raise
+            try:
+                stats = join(writing)
+            except Exception as e:
+                error = error or e
         elif self.pipeline is not None:
             run(self.pipeline.wait_quietly())
         t_written = time.perf_counter()

@@ -70,11 +70,11 @@ def io_loop() -> asyncio.AbstractEventLoop:
 
 def run(coro: Coroutine[Any, Any, _T]) -> _T:
     """Runs ``coro`` on the I/O loop and waits for its result, from any thread but the loop's."""
-    return result(start(coro))
+    return join(spawn(coro))
 
 
-def start(coro: Coroutine[Any, Any, _T]) -> concurrent.futures.Future[_T]:
-    """Starts ``coro`` on the I/O loop, from any thread but the loop's; ``result`` waits for it
+def spawn(coro: Coroutine[Any, Any, _T]) -> concurrent.futures.Future[_T]:
+    """Starts ``coro`` on the I/O loop, from any thread but the loop's; ``join`` waits for it
     (the caller does other work meanwhile)."""
     loop = io_loop()
     if _loop_thread is not None and threading.current_thread() is _loop_thread.thread:
@@ -83,8 +83,8 @@ def start(coro: Coroutine[Any, Any, _T]) -> concurrent.futures.Future[_T]:
     return asyncio.run_coroutine_threadsafe(coro, loop)
 
 
-def result(future: concurrent.futures.Future[_T]) -> _T:
-    """Waits for what ``start`` started, and gives its result or raises its error."""
+def join(future: concurrent.futures.Future[_T]) -> _T:
+    """Waits for what ``spawn`` started, and gives its result or raises its error."""
     try:
         return future.result()
     except BaseException:

@@ -363,6 +363,30 @@ def test_missing_and_short_blobs(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("pooled", [False, True])
+def test_a_take_whose_early_entries_fail_removes_what_it_wrote(recorded, monkeypatch, pooled):
+    """Entries are made while the last writes finish: an error there fails the take once the
+    writes are done (none is left running), and everything they wrote is removed."""
+    from snapshot.planner import TakePlan
+
+    url, log = recorded
+    root = url.removeprefix("recording://")
+
+    def broken(self):
+        raise RuntimeError("cannot format the entries")
+
+    monkeypatch.setattr(TakePlan, "early_entries", broken)
+    state = StateDict({f"b{i}": torch.full((1024,), float(i)) for i in range(10)})
+    # Async take reports it, as every error of its background part, as a SnapshotError.
+    with pytest.raises(SnapshotError if pooled else RuntimeError, match="cannot format the"):
+        if pooled:
+            Snapshot.async_take(url, {"s": state}).wait()
+        else:
+            Snapshot.take(url, {"s": state})
+    assert any("/s" in blob for blob, _ in log.writes)  # the slab was written, then removed
+    assert [f for _, _, files in os.walk(root) for f in files] == []
+
+
+@pytest.mark.parametrize("pooled", [False, True])
 def test_a_take_that_fails_while_planning_removes_what_it_already_wrote(recorded, pooled):
     """A process alone writes each slab as soon as it is full, while the rest of the state is
     planned: a value that fails after that fails the take, and the blobs written before it are
