@@ -245,10 +245,10 @@ class _TensorDraft:
             return fmt.entry(path, self.build(checksums))
         p = payloads[0]
         assert p.blob is not None
-        crc = p.crc32 if p.crc32 is not None or checksums is None else checksums[(p.blob, p.pos)]
         return fmt.tensor(
-            path, self.dtype, self.shape, p.blob, p.pos, p.nbytes, crc, self.replicated
-        )
+            path, self.dtype, self.shape, p.blob, p.pos, p.nbytes, _crc(p, checksums),
+            self.replicated,
+        )  # fmt: skip
 
 
 class _WholeTensor(Payload):
@@ -293,6 +293,16 @@ class _WholeTensor(Payload):
     def build(self, checksums: Mapping[tuple[str, int], int] | None) -> TensorEntry:
         return new_tensor_entry(self.dtype, self.shape, (_final(self, checksums),), self.replicated)
 
+    def line(
+        self, path: str, checksums: Mapping[tuple[str, int], int] | None, fmt: EntryFormatter
+    ) -> str:
+        """Its manifest line (``TakePlan.early_entries`` formats most of them inline)."""
+        assert self.blob is not None
+        return fmt.tensor(
+            path, self.dtype, self.shape, self.blob, self.pos, self.nbytes,
+            _crc(self, checksums), self.replicated,
+        )  # fmt: skip
+
 
 @dataclass(slots=True)
 class _ObjectDraft:
@@ -315,13 +325,18 @@ def _payloads(draft: _TensorDraft | _WholeTensor) -> list[Payload]:
     return [draft] if type(draft) is _WholeTensor else draft.payloads  # type: ignore[union-attr]
 
 
-def _final(p: Payload, checksums: Mapping[tuple[str, int], int] | None) -> Location:
-    """A placed payload's location as the manifest records it: with its bytes' CRC-32 when
-    the take computes checksums, from staging or else from the write (a write that never
-    reported one is a bug: KeyError)."""
+def _crc(p: Payload, checksums: Mapping[tuple[str, int], int] | None) -> int | None:
+    """A placed payload's CRC-32: from staging, or else from its write's ``checksums`` (None
+    when the take records none; a write that never reported one is a bug: KeyError)."""
     if p.crc32 is not None or checksums is None:
-        return p.location(p.crc32)
-    return p.location(checksums[(p.blob, p.pos)])
+        return p.crc32
+    assert p.blob is not None
+    return checksums[(p.blob, p.pos)]
+
+
+def _final(p: Payload, checksums: Mapping[tuple[str, int], int] | None) -> Location:
+    """A placed payload's location as the manifest records it, with its CRC-32 (``_crc``)."""
+    return p.location(_crc(p, checksums))
 
 
 @dataclass(slots=True)
@@ -409,13 +424,9 @@ class TakePlan:
     ) -> dict[tuple[str, int], int]:
         """The CRC-32 of each of ``shared``, by ``(blob, offset)``: from staging, or else from
         the writes' ``checksums``. Empty when the take records none."""
-        out: dict[tuple[str, int], int] = {}
-        if self.checksums:
-            for p in self.shared:
-                assert p.blob is not None
-                key = (p.blob, p.pos)
-                out[key] = p.crc32 if p.crc32 is not None else checksums[key]
-        return out
+        if not self.checksums:
+            return {}
+        return {(p.blob, p.pos): _crc(p, checksums) for p in self.shared}  # type: ignore[misc]
 
     def early_entries(self) -> dict[str, Entry | str | None]:
         """The entries that need no CRC from a write (None in place of the others), made
@@ -447,8 +458,8 @@ class TakePlan:
         early: Mapping[str, Entry | str | None] | None = None,
     ) -> dict[str, Entry | str]:
         """The manifest's entries; ``checksums`` maps each written range ``(blob, offset)`` to
-        its CRC-32 (ignored when the take records none); those ``early_entries`` made are
-        taken from ``early``.
+        its CRC-32 (ignored when the take records none); what ``early_entries`` made is
+        taken from ``early`` (made here when not given), the rest is made now.
 
         A dense tensor's entry is given as its manifest line (``str``, see
         ``manifest.dumps_entries``): a take of many small tensors would otherwise build two
@@ -457,28 +468,16 @@ class TakePlan:
         """
         sums = checksums if self.checksums else None
         fmt = EntryFormatter()
-        tensor = fmt.tensor
         out: dict[str, Entry | str] = {}
-        made = early or {}
+        made = early if early is not None else self.early_entries()
         for path, e in self.drafts.items():
-            done = made.get(path)
+            done = made[path]
             if done is not None:
                 out[path] = done
-                continue
-            kind = type(e)
-            if kind is _WholeTensor:
-                crc = e.crc32  # staged in a slab
-                if crc is None and sums is not None:
-                    crc = sums[(e.blob, e.pos)]
-                out[path] = tensor(
-                    path, e.dtype, e.shape, e.blob, e.pos, e.nbytes, crc, e.replicated
-                )
-            elif kind is _TensorDraft:
-                out[path] = e.line(path, sums, fmt)
-            elif isinstance(e, (Entry, sharded.ObjectReplica)):
-                out[path] = e
+            elif type(e) in (_WholeTensor, _TensorDraft):
+                out[path] = e.line(path, sums, fmt)  # type: ignore[union-attr]
             else:
-                out[path] = e.build(sums)
+                out[path] = e.build(sums)  # type: ignore[union-attr]
         return out
 
 
