@@ -14,7 +14,9 @@ import base64
 import binascii
 import json
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
+from itertools import compress, count, repeat
+from operator import is_not
 from typing import Any
 
 import yaml
@@ -164,7 +166,8 @@ def entry_to_dict(entry: Entry) -> dict[str, Any]:
     return out
 
 
-# Strings JSON writes verbatim between quotes.
+# Strings JSON writes verbatim between quotes. A character class repeated: a concatenation of
+# strings matches exactly when each of them does.
 _VERBATIM = re.compile(r"[ !#-\[\]-~]*")
 
 
@@ -173,22 +176,37 @@ class EntryFormatter:
 
     ``tensor`` formats a tensor stored in one range from its fields, without an entry object: a
     take of many small tensors formats one such line per tensor, and building two records per
-    tensor only to format them cost as much again. The formatter remembers which strings JSON
-    writes verbatim (dtypes and blob names repeat across thousands of lines) and the text of
-    each shape.
+    tensor only to format them cost as much again. The formatter keeps the constant text of the
+    lines of each (dtype, blob) pair that JSON writes verbatim (thousands of slab members share
+    one) and the text of each shape.
+
+    ``paths`` (a set, or a mapping's keys: membership is asked once per line): the paths the
+    lines will be for, checked for verbatim writing in one pass over them all, where a pattern
+    match per line cost a quarter of formatting it; a path not among them is checked when its
+    line is made.
     """
 
-    __slots__ = ("_known", "_shapes")
+    __slots__ = ("_heads", "_paths", "_shapes")
 
-    def __init__(self) -> None:
-        self._known: dict[str, bool] = {}
+    def __init__(self, paths: Collection[str] = ()) -> None:
+        self._heads: dict[tuple[str, str], tuple[str, str] | None] = {}
         self._shapes: dict[tuple[int, ...], str] = {}
+        self._paths = paths if _VERBATIM.fullmatch("".join(paths)) is not None else ()
 
-    def _verbatim(self, text: str) -> bool:
-        ok = self._known.get(text)
-        if ok is None:
-            ok = self._known[text] = _VERBATIM.fullmatch(text) is not None
-        return ok
+    def _head(self, dtype: str, blob: str) -> tuple[str, str] | None:
+        """The text between a line's path and its shape, and between its shape and its offset;
+        None when the dtype or blob needs escapes."""
+        key = (dtype, blob)
+        if key not in self._heads:
+            self._heads[key] = (
+                (
+                    f'": {{"type": "tensor", "dtype": "{dtype}", "shape": [',
+                    f'], "chunks": [["{blob}", ',
+                )
+                if _VERBATIM.fullmatch(dtype) and _VERBATIM.fullmatch(blob)
+                else None
+            )
+        return self._heads[key]
 
     def _shape(self, shape: tuple[int, ...]) -> str:
         text = self._shapes.get(shape)
@@ -209,19 +227,12 @@ class EntryFormatter:
     ) -> str:
         """The line of a ``TensorEntry`` whose one chunk is ``blob[offset : offset + nbytes]``
         with CRC-32 ``crc32`` (None: not recorded)."""
-        known = self._known
-        if (
-            _VERBATIM.fullmatch(path)
-            and (known.get(dtype) or self._verbatim(dtype))
-            and (known.get(blob) or self._verbatim(blob))
-        ):
+        head = self._heads.get((dtype, blob)) or self._head(dtype, blob)
+        if head is not None and (path in self._paths or _VERBATIM.fullmatch(path)):
             dims = self._shapes.get(shape) or self._shape(shape)
             crc = "" if crc32 is None else f", {crc32}"
             tail = ', "replicated": true}' if replicated else "}"
-            return (
-                f'  "{path}": {{"type": "tensor", "dtype": "{dtype}", '
-                f'"shape": [{dims}], "chunks": [["{blob}", {offset}, {nbytes}{crc}]]{tail}'
-            )
+            return f'  "{path}{head[0]}{dims}{head[1]}{offset}, {nbytes}{crc}]]{tail}'
         location = new_location(blob, offset, nbytes, crc32)
         return self._encoded(path, new_tensor_entry(dtype, shape, (location,), replicated))
 
@@ -265,8 +276,15 @@ def dumps_entries(
     ]
     if entries:
         lines.append(_ENTRIES_LINE)
-        line = EntryFormatter().entry
-        lines.extend(e if type(e) is str else line(path, e) for path, e in entries.items())
+        # A take's entries are mostly lines already: the others are found by passes in C.
+        values = list(entries.values())
+        others = list(compress(count(), map(is_not, repeat(str), map(type, values))))
+        if others:
+            line = EntryFormatter(entries.keys()).entry
+            paths = list(entries)
+            for i in others:
+                values[i] = line(paths[i], values[i])
+        lines.extend(values)
     else:
         lines.append(f"{_ENTRIES_LINE} {{}}")
     lines.append("")

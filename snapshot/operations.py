@@ -11,7 +11,7 @@ import os
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -467,7 +467,10 @@ class TakeJob:
             for part in coord.agree("take: writing", value=shared, error=error):
                 checksums.update(part)
             with gc_paused():
-                entries = self.plan.entries(checksums, early)
+                if ready is not None:  # every entry made early (and the manifest of them)
+                    entries = cast(dict[str, Entry | str], early)
+                else:
+                    entries = self.plan.entries(checksums, early)
                 del early
                 parts = coord.gather(entries)
         except BaseException:
@@ -496,9 +499,8 @@ class TakeJob:
         """The number of entries and the bytes of the manifest holding every rank's."""
         entries = sharded.merge_entries(parts)
         # Version 2 adds sharded entries; a manifest without any stays readable by version 1.
-        with_shards = any(
-            type(e) in (ShardedTensorEntry, ShardedObjectEntry) for e in entries.values()
-        )
+        kinds = set(map(type, entries.values()))
+        with_shards = ShardedTensorEntry in kinds or ShardedObjectEntry in kinds
         metadata = {
             "library": f"statesnap {LIBRARY_VERSION}",
             "torch": str(torch.__version__),

@@ -432,8 +432,7 @@ class TakePlan:
         """The entries that need no CRC from a write (None in place of the others), made
         while the last writes finish: every whole tensor staged in a slab (checksummed then) or
         recorded without a CRC, and every entry already built. For ``entries``."""
-        fmt = EntryFormatter()
-        tensor = fmt.tensor
+        tensor = EntryFormatter(self.drafts.keys()).tensor
         sums = self.checksums
         out: dict[str, Entry | str | None] = {}
         for path, e in self.drafts.items():
@@ -467,7 +466,7 @@ class TakePlan:
         sharded ones across ranks).
         """
         sums = checksums if self.checksums else None
-        fmt = EntryFormatter()
+        fmt = EntryFormatter(self.drafts.keys())
         out: dict[str, Entry | str] = {}
         made = early if early is not None else self.early_entries()
         for path, e in self.drafts.items():

@@ -256,12 +256,16 @@ def test_nan_primitive_round_trips():
         max_size=5,
     ),
     path=st.text(max_size=12),
+    known=st.sampled_from(["none", "this", "others"]),
 )
-def test_tensor_lines_formatted_directly_match_the_encoder(entries, path):
+def test_tensor_lines_formatted_directly_match_the_encoder(entries, path, known):
     """The formatter's own text for a one-range tensor, from an entry or from its fields, is
     the encoder's, whatever needs escaping; one formatter serves many lines (its memory of
-    verbatim strings and shapes must not leak between them)."""
-    fmt = codec.EntryFormatter()
+    verbatim strings and shapes must not leak between them). Paths it was given up front are
+    checked in one pass, which a path needing escapes fails; a path it was not given is
+    checked on its own."""
+    paths = {"none": (), "this": {path, "0/m/w"}, "others": {"0/m/w", "0/m/b"}}[known]
+    fmt = codec.EntryFormatter(paths)
     for entry in entries:
         generic = "  " + codec._ENCODER.encode({path: mf.entry_to_dict(entry)})[1:-1]
         assert fmt.entry(path, entry) == generic
@@ -288,6 +292,9 @@ def test_dumps_writes_formatted_lines_as_they_are():
     mixed = {p: fmt.entry(p, e) if p == "0/m/w" else e for p, e in entries.items()}
     assert codec.dumps_entries(1, 2, {"x": 1}, mixed) == mf.dumps(m)
     assert mf.loads(mf.dumps(m)) == m
+    # Every entry given as its line (a take's manifest, most often).
+    lines = {p: fmt.entry(p, e) for p, e in entries.items()}
+    assert codec.dumps_entries(1, 2, {"x": 1}, lines) == mf.dumps(m)
 
 
 _plain_blobs = st.builds("{}/{}{}".format, st.integers(0, 999), st.sampled_from(["", "s", "x"]),
