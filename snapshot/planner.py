@@ -126,7 +126,10 @@ class Payload:
     across ranks. The bytes come from one of: ``tensor``, a contiguous CPU tensor whose memory
     is viewed from byte ``start`` on (the common case, no copy); ``data``, a bytes object;
     ``source``, a tensor that must be resolved or gathered first (elements ``start:stop``),
-    which allocates ``staging_bytes`` when staged. Placement sets ``blob`` and ``pos`` (the
+    which allocates ``staging_bytes`` when staged. ``address``, when set, is where the bytes
+    are in memory (a whole tensor's data pointer, read once while planning: staging follows
+    within the same call, with none of the application's code running in between, so the
+    memory cannot have moved). Placement sets ``blob`` and ``pos`` (the
     offset in that blob). ``crc32`` is the bytes' CRC-32 when staging computed it (a slab's
     members); else the write's checksum of the range, if any, is the pipeline's.
 
@@ -140,6 +143,7 @@ class Payload:
     """
 
     __slots__ = (
+        "address",
         "blob",
         "crc32",
         "data",
@@ -180,6 +184,7 @@ class Payload:
         self.start = start
         self.stop = stop
         self.staging_bytes = nbytes if source is not None else 0
+        self.address: int | None = None
         self.blob: str | None = None
         self.pos = 0
         self.crc32: int | None = None
@@ -187,7 +192,10 @@ class Payload:
     def stage(self) -> Staged:
         t = self.tensor
         if t is not None:
-            return [raw_memoryview(t.data_ptr() + self.start, self.nbytes)], t
+            address = self.address
+            if address is None:
+                address = t.data_ptr() + self.start
+            return [raw_memoryview(address, self.nbytes)], t
         if self.data is not None:
             return [self.data], None
         assert self.source is not None
@@ -197,12 +205,15 @@ class Payload:
         t = self.tensor
         nbytes = self.nbytes
         if t is not None:
+            address = self.address
+            if address is None:
+                address = t.data_ptr() + self.start
             if nbytes <= _MEMMOVE_MAX:
                 # One memmove: slabs hold thousands, and a torch copy costs several
                 # microseconds each.
-                ctypes.memmove(buf.data_ptr() + pos, t.data_ptr() + self.start, nbytes)
+                ctypes.memmove(buf.data_ptr() + pos, address, nbytes)
             else:  # torch's copy spreads the bytes over its threads
-                src = raw_memoryview(t.data_ptr() + self.start, nbytes)
+                src = raw_memoryview(address, nbytes)
                 buf[pos : pos + nbytes].copy_(torch.frombuffer(src, dtype=torch.uint8))
         elif self.data is not None:
             ctypes.memmove(buf.data_ptr() + pos, self.data, nbytes)
@@ -273,6 +284,7 @@ class _WholeTensor(Payload):
         logical: str,
         path: str,
         tensor: torch.Tensor,
+        address: int,
         nbytes: int,
         dtype: str,
         shape: tuple[int, ...],
@@ -284,6 +296,7 @@ class _WholeTensor(Payload):
         self.label = path
         self.replicated = replicated
         self.tensor = tensor
+        self.address = address
         self.blob = None
         self.pos = 0
         self.crc32 = None
@@ -677,12 +690,15 @@ class _Collector:
             if nbytes == 0:
                 return TensorEntry(dtype=name, shape=shape, chunks=(), replicated=replicated)
             # The same memory under two paths (tied weights) is written once.
-            key: tuple[Any, ...] = (tensor.data_ptr(), dtype, shape)
+            address = tensor.data_ptr()
+            key: tuple[Any, ...] = (address, dtype, shape)
             earlier = self._written.get(key)
             if earlier is not None and earlier.replicated == replicated:
                 return _TensorDraft(name, shape, _payloads(earlier), replicated)
             if nbytes <= self.chunk_bytes:
-                whole = _WholeTensor(logical, path, tensor, nbytes, name, shape, replicated)
+                whole = _WholeTensor(
+                    logical, path, tensor, address, nbytes, name, shape, replicated
+                )
                 self._written[key] = whole
                 # ``_emit`` of this one payload, inline (most payloads).
                 out = self.out
@@ -829,9 +845,11 @@ class _Slab:
                 buffers.append(_ZEROS[:pad])
             t = p.tensor
             if t is not None:  # most members: a view of a tensor's memory (``Payload.stage``)
+                address = p.address
+                if address is None:
+                    address = t.data_ptr() + p.start
                 # ``raw_memoryview`` inline: a slice of the address space.
-                address = t.data_ptr() + p.start - 1
-                view = ADDRESS_SPACE[address : address + p.nbytes]
+                view = ADDRESS_SPACE[address - 1 : address - 1 + p.nbytes]
                 buffers.append(view)
                 if checksums:
                     p.crc32 = crc32(view)
