@@ -555,6 +555,7 @@ def _parse_fast(text: str) -> dict[str, Any] | None:
     match = _TENSOR_LINE.fullmatch
     tensors: list[tuple[str, TensorEntry] | None] = []  # None: the line is among ``others``
     others: list[str] = []
+    shapes: dict[str, tuple[int, ...]] = {}  # by their text: shapes repeat across tensors
     for line in lines:
         m = match(line)
         if m is not None:
@@ -562,7 +563,9 @@ def _parse_fast(text: str) -> dict[str, Any] | None:
             crc32 = int(crc)
             if crc32 <= _MAX_CRC32:
                 loc = new_location(blob, int(offset), int(nbytes), crc32)
-                dims = tuple(map(int, shape.split(", "))) if shape else ()
+                dims = shapes.get(shape)
+                if dims is None:
+                    dims = shapes[shape] = tuple(map(int, shape.split(", "))) if shape else ()
                 tensors.append((path, new_tensor_entry(dtype, dims, (loc,))))
                 continue
         tensors.append(None)
@@ -619,18 +622,17 @@ def loads(data: bytes, source: str = "manifest", *, verify: bool = True) -> Mani
     metadata = doc.get("metadata", {})
     if not isinstance(metadata, dict):
         raise ManifestDecodeError(f"{source}: metadata must be a mapping")
-    raw_entries = doc.get("entries")
-    if not isinstance(raw_entries, dict):
+    entries = doc.get("entries")
+    if not isinstance(entries, dict):
         raise ManifestDecodeError(f"{source}: entries missing or not a mapping")
-    entries: dict[str, Entry] = {}
-    for path, raw in raw_entries.items():
+    # Decoded in place. The tensor lines ``_parse_fast`` decoded are entries already (most of
+    # them, found by passes in C); every other value is a mapping to decode.
+    values = entries.values()
+    for path in list(compress(entries, map(is_not, repeat(TensorEntry), map(type, values)))):
         if type(path) is not str:
             raise ManifestDecodeError(f"{source}: entry path {path!r} is not a string")
-        if type(raw) is TensorEntry:  # decoded by _parse_fast
-            entries[path] = raw
-            continue
         try:
-            entries[path] = entry_from_dict(raw, path)
+            entries[path] = entry_from_dict(entries[path], path)
         except ManifestDecodeError as e:
             raise ManifestDecodeError(f"{source}: {e}") from None
     return Manifest(
