@@ -53,6 +53,7 @@ from snapshot.planner import (
     assign_writers,
     coalesce,
     collect,
+    direct_read,
     is_dense_tensor,
     needs_label,
     place,
@@ -733,6 +734,8 @@ class _Loader:
 
     def add_subtree(self, root: str, targets: Mapping[str, Any]) -> None:
         entries = self.entries
+        needs, tensors = self.needs, self.tensors
+        piece_bytes, verify = self.piece_bytes, self.verify
         with naming_snapshot(self.where):
             for p in subtree(entries, root):
                 entry = entries.get(p)
@@ -742,7 +745,13 @@ class _Loader:
                     )
                 if type(entry) is TensorEntry:
                     target = targets.get(p)
-                    if is_dense_tensor(target):  # most leaves: no dispatch on kinds
+                    # Most leaves: read straight into the target, one need each.
+                    need = direct_read(p, entry, target, piece_bytes, verify)
+                    if need is not None:
+                        needs.append(need)
+                        tensors[p] = target
+                        continue
+                    if is_dense_tensor(target):  # no dispatch on kinds
                         self._add_tensor(p, entry, target)
                         continue
                     self._add(p, target)

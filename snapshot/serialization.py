@@ -13,12 +13,12 @@ import torch
 from snapshot.errors import CorruptSnapshotError, IncompatibleSnapshotError, UnsafeObjectError
 
 # Every dtype this torch build knows, by the name the manifest records ("float32", "bfloat16").
-_DTYPES: dict[str, torch.dtype] = {
+DTYPES: dict[str, torch.dtype] = {
     str(v).removeprefix("torch."): v for v in vars(torch).values() if isinstance(v, torch.dtype)
 }
 
 
-_NAMES: dict[torch.dtype, str] = {v: k for k, v in _DTYPES.items()}
+_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -29,7 +29,7 @@ def dtype_name(dtype: torch.dtype) -> str:
 def dtype_from_name(name: str, where: str) -> torch.dtype:
     """The dtype a manifest names; a clear error when this torch build lacks it."""
     try:
-        return _DTYPES[name]
+        return DTYPES[name]
     except KeyError:
         raise IncompatibleSnapshotError(
             f"{where}: dtype {name!r} is unknown to torch {torch.__version__}; "

@@ -314,10 +314,10 @@ def test_show_tensor_summary(capsys, snap, key, expected):
 
 
 def test_summaries_of_every_dtype_never_raise():
-    from snapshot.serialization import _DTYPES
+    from snapshot.serialization import DTYPES
     from tests.helpers import random_tensor
 
-    for name, dtype in _DTYPES.items():
+    for name, dtype in DTYPES.items():
         if name.startswith(("qint", "quint")):
             continue  # from random bytes they are not valid quantized tensors
         try:

@@ -129,6 +129,18 @@ def test_restore_into_noncontiguous_and_casting_targets(snapshot_url):
     assert out["b"] is b_target and torch.equal(b_target, value["b"].float())
 
 
+def test_restore_into_lazy_conjugate_and_negated_targets(snapshot_url):
+    """A target whose memory holds the conjugate or the negation of its values (a lazy view)
+    is filled with the stored values, not the stored bytes."""
+    z = torch.randn(4, 3, dtype=torch.complex64)
+    x = torch.randn(5)
+    z_target = torch.zeros(4, 3, dtype=torch.complex64).conj()
+    x_target = torch._neg_view(torch.zeros(5))
+    out = roundtrip(snapshot_url, {"z": z, "x": x}, {"z": z_target, "x": x_target})
+    assert out["z"] is z_target and torch.equal(z_target, z)
+    assert out["x"] is x_target and torch.equal(x_target, x)
+
+
 def test_primitives_live_in_the_manifest(snapshot_url):
     value = {
         "int": -(2**70),
