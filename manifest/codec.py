@@ -280,9 +280,8 @@ def dumps_entries(
         values = list(entries.values())
         others = list(compress(count(), map(is_not, repeat(str), map(type, values))))
         if others:
-            # Checking every path in one pass pays off when many lines are made here.
-            line = EntryFormatter(entries.keys() if len(others) * 10 >= len(values) else ()).entry
             paths = list(entries)
+            line = EntryFormatter({paths[i] for i in others}).entry
             for i in others:
                 values[i] = line(paths[i], values[i])
         lines.extend(values)
