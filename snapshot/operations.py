@@ -11,7 +11,7 @@ import os
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any, cast
+from typing import Any
 
 import torch
 
@@ -468,10 +468,7 @@ class TakeJob:
             for part in coord.agree("take: writing", value=shared, error=error):
                 checksums.update(part)
             with gc_paused():
-                if ready is not None:  # every entry made early (and the manifest of them)
-                    entries = cast(dict[str, Entry | str], early)
-                else:
-                    entries = self.plan.entries(checksums, early)
+                entries = self.plan.entries(checksums, early)
                 del early
                 parts = coord.gather(entries)
         except BaseException:
@@ -726,6 +723,14 @@ class _Loader:
             self.tensors[path] = read.result
 
     def _add_tensor(self, path: str, entry: TensorEntry, target: torch.Tensor | None) -> None:
+        need = direct_read(path, entry, target, self.piece_bytes, self.verify)
+        if need is not None:  # most tensors: straight into the target, one need
+            self.needs.append(need)
+            self.tensors[path] = target
+            return
+        self._plan_tensor(path, entry, target)
+
+    def _plan_tensor(self, path: str, entry: TensorEntry, target: torch.Tensor | None) -> None:
         read = plan_tensor_read(
             path, entry, target, self.tile_bytes, self.piece_bytes, verify=self.verify
         )
@@ -745,14 +750,14 @@ class _Loader:
                     )
                 if type(entry) is TensorEntry:
                     target = targets.get(p)
-                    # Most leaves: read straight into the target, one need each.
+                    # ``_add_tensor`` inline for most leaves: read straight into the target.
                     need = direct_read(p, entry, target, piece_bytes, verify)
                     if need is not None:
                         needs.append(need)
                         tensors[p] = target
                         continue
                     if is_dense_tensor(target):  # no dispatch on kinds
-                        self._add_tensor(p, entry, target)
+                        self._plan_tensor(p, entry, target)
                         continue
                     self._add(p, target)
                 elif not mf.is_container(entry):

@@ -20,7 +20,8 @@ import logging
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from operator import attrgetter
+from itertools import compress, repeat
+from operator import attrgetter, is_
 from typing import Any, TypeVar
 
 import torch
@@ -125,12 +126,11 @@ class Payload:
 
     ``logical`` and ``index`` (the chunk's position in its tensor) identify a replicated payload
     across ranks. The bytes come from one of: ``tensor``, a contiguous CPU tensor whose memory
-    is viewed from byte ``start`` on (the common case, no copy); ``data``, a bytes object;
-    ``source``, a tensor that must be resolved or gathered first (elements ``start:stop``),
-    which allocates ``staging_bytes`` when staged. ``address``, when set, is where the bytes
-    are in memory (a whole tensor's data pointer, read once while planning: staging follows
-    within the same call, with none of the application's code running in between, so the
-    memory cannot have moved). Placement sets ``blob`` and ``pos`` (the
+    is viewed at ``address`` (the common case, no copy; the address is read while planning:
+    staging follows within the same call, with none of the application's code running in
+    between, so the memory cannot have moved); ``data``, a bytes object; ``source``, a tensor
+    that must be resolved or gathered first (elements ``start:stop``), which allocates
+    ``staging_bytes`` when staged. Placement sets ``blob`` and ``pos`` (the
     offset in that blob). ``crc32`` is the bytes' CRC-32 when staging computed it (a slab's
     members); else the write's checksum of the range, if any, is the pipeline's.
 
@@ -169,6 +169,7 @@ class Payload:
         label: str,
         replicated: bool,
         tensor: torch.Tensor | None = None,
+        address: int = 0,
         data: bytes | None = None,
         source: _TensorSource | None = None,
         start: int = 0,
@@ -180,12 +181,12 @@ class Payload:
         self.label = label
         self.replicated = replicated
         self.tensor = tensor
+        self.address = address
         self.data = data
         self.source = source
         self.start = start
         self.stop = stop
         self.staging_bytes = nbytes if source is not None else 0
-        self.address: int | None = None
         self.blob: str | None = None
         self.pos = 0
         self.crc32: int | None = None
@@ -193,10 +194,7 @@ class Payload:
     def stage(self) -> Staged:
         t = self.tensor
         if t is not None:
-            address = self.address
-            if address is None:
-                address = t.data_ptr() + self.start
-            return [raw_memoryview(address, self.nbytes)], t
+            return [raw_memoryview(self.address, self.nbytes)], t
         if self.data is not None:
             return [self.data], None
         assert self.source is not None
@@ -206,15 +204,12 @@ class Payload:
         t = self.tensor
         nbytes = self.nbytes
         if t is not None:
-            address = self.address
-            if address is None:
-                address = t.data_ptr() + self.start
             if nbytes <= _MEMMOVE_MAX:
                 # One memmove: slabs hold thousands, and a torch copy costs several
                 # microseconds each.
-                ctypes.memmove(buf.data_ptr() + pos, address, nbytes)
+                ctypes.memmove(buf.data_ptr() + pos, self.address, nbytes)
             else:  # torch's copy spreads the bytes over its threads
-                src = raw_memoryview(address, nbytes)
+                src = raw_memoryview(self.address, nbytes)
                 buf[pos : pos + nbytes].copy_(torch.frombuffer(src, dtype=torch.uint8))
         elif self.data is not None:
             ctypes.memmove(buf.data_ptr() + pos, self.data, nbytes)
@@ -272,12 +267,11 @@ class _WholeTensor(Payload):
     __slots__ = ("dtype", "shape")
 
     # Fields that are the same for every whole tensor, as class attributes (read-only on
-    # instances): six stores less per tensor.
+    # instances): four stores less per tensor. (``start`` and ``stop`` belong to a source's
+    # payloads only, and are never read for a whole tensor.)
     index = 0  # type: ignore[assignment]
     data = None  # type: ignore[assignment]
     source = None  # type: ignore[assignment]
-    start = 0  # type: ignore[assignment]
-    stop = 0  # type: ignore[assignment]
     staging_bytes = 0  # type: ignore[assignment]
 
     def __init__(
@@ -480,18 +474,19 @@ class TakePlan:
         sharded ones across ranks).
         """
         sums = checksums if self.checksums else None
-        fmt = EntryFormatter(self.drafts.keys())
-        out: dict[str, Entry | str] = {}
         made = early if early is not None else self.early_entries()
-        for path, e in self.drafts.items():
-            done = made[path]
-            if done is not None:
-                out[path] = done
-            elif type(e) in (_WholeTensor, _TensorDraft):
+        # What is left to make, found by C-level passes (in a process alone, often nothing).
+        todo = dict.fromkeys(compress(made, map(is_, made.values(), repeat(None))))
+        out = dict(made)  # in flatten order
+        fmt = EntryFormatter(todo.keys())
+        drafts = self.drafts
+        for path in todo:
+            e = drafts[path]
+            if type(e) in (_WholeTensor, _TensorDraft):
                 out[path] = e.line(path, sums, fmt)  # type: ignore[union-attr]
             else:
                 out[path] = e.build(sums)  # type: ignore[union-attr]
-        return out
+        return out  # type: ignore[return-value]
 
 
 class _Collector:
@@ -721,7 +716,7 @@ class _Collector:
                     path,
                     replicated,
                     tensor=tensor,
-                    start=start * itemsize,
+                    address=address + start * itemsize,
                 )
                 for i, (start, stop) in enumerate(self._bounds(nbytes // itemsize, itemsize))
             ]
@@ -846,11 +841,9 @@ class _Slab:
                 buffers.append(_ZEROS[:pad])
             t = p.tensor
             if t is not None:  # most members: a view of a tensor's memory (``Payload.stage``)
-                address = p.address
-                if address is None:
-                    address = t.data_ptr() + p.start
                 # ``raw_memoryview`` inline: a slice of the address space.
-                view = ADDRESS_SPACE[address - 1 : address - 1 + p.nbytes]
+                address = p.address - 1
+                view = ADDRESS_SPACE[address : address + p.nbytes]
                 buffers.append(view)
                 if checksums:
                     p.crc32 = crc32(view)
@@ -1272,11 +1265,10 @@ def plan_tensor_read(
     workers); otherwise they go through scratch tiles of at most ``tile_bytes`` (whole elements,
     never across chunks) copied into the target, whatever its layout or device. With
     ``verify``, each chunk's bytes are checked against its recorded CRC-32 as they land.
+
+    Callers try ``direct_read`` first: it plans the most common read in fewer steps (the same
+    need this plans for it).
     """
-    if target is not None:
-        need = direct_read(path, entry, target, piece_bytes, verify)
-        if need is not None:
-            return TensorRead(needs=[need], result=target)
     dtype = check_tensor_entry(path, entry)
     if target is None:
         target = _allocate(path, entry.nbytes, lambda: torch.empty(entry.shape, dtype=dtype))
