@@ -5,8 +5,12 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import errno
+import fcntl
 import functools
+import logging
+import mmap
 import os
+import threading
 import uuid
 from bisect import bisect_right
 from collections.abc import Callable, Sequence
@@ -17,6 +21,8 @@ from typing import Any, TypeVar
 from storage_plugins.base import Buffer, StoragePlugin
 
 Observer = Callable[[memoryview], None]
+
+logger = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
 
@@ -56,6 +62,37 @@ def _find_sync_file_range() -> Callable[[int, int, int, int], int] | None:
 _sync_file_range = _find_sync_file_range()
 _SYNC_FILE_RANGE_WRITE = 2
 
+# Direct I/O (O_DIRECT, Linux): a file's bytes go from a buffer of this process to the device,
+# bypassing the page cache. The kernel then allocates no page-cache memory for them, which on some
+# machines costs more than the device's write: on a 2-core VM here, 2 GiB written by 8 threads
+# through the page cache took 3.5-4.0 s with no fsync at all, and 1.2 s with O_DIRECT and an
+# fsync (one thread: 8.0-8.5 s buffered, 1.4-1.5 s direct; the first ~512 MiB of page cache
+# came fast, every later MiB cost ~4 ms of kernel time allocating memory). A checkpoint is
+# written once and read rarely, so keeping it out of the page cache also spares what the cache
+# holds for training (its data set). The kernel wants the memory address, the file offset and
+# the length of each direct write aligned to the device's logical block size (at most 4 KiB on
+# common devices): the bytes are copied into a page-aligned buffer of each I/O thread and
+# written from there in pieces of ``_DIRECT_PIECE_BYTES``; the last piece is padded to
+# ``_DIRECT_ALIGN`` and the file cut back to its length. Tensor memory is rarely page-aligned,
+# so the copy is needed; it runs at memory speed into memory reused for every piece.
+_O_DIRECT: int = getattr(os, "O_DIRECT", 0)
+_DIRECT_ALIGN = 4096
+# 4 MiB per I/O thread (8 threads: 32 MiB at most); 1-8 MiB pieces wrote at the same pace here.
+_DIRECT_PIECE_BYTES = 4 << 20
+# Smaller files (manifests, objects, a few small tensors) go through the page cache: a direct
+# write of a few KiB waits on the device for little.
+_DIRECT_MIN_BYTES = 1 << 20
+_bounce = threading.local()
+
+
+def _bounce_buffer() -> memoryview:
+    """This thread's page-aligned buffer for direct writes (freed when the thread ends, with
+    the plugin's pool)."""
+    buf = getattr(_bounce, "view", None)
+    if buf is None or len(buf) != _DIRECT_PIECE_BYTES:
+        buf = _bounce.view = memoryview(mmap.mmap(-1, _DIRECT_PIECE_BYTES))
+    return buf
+
 
 class FSStoragePlugin(StoragePlugin):
     """Blobs are files under a directory.
@@ -67,20 +104,35 @@ class FSStoragePlugin(StoragePlugin):
     storage_options:
         fsync (bool, default True): fsync each file after writing it, and (in ``sync()``) every
             directory a file was renamed into, so a committed snapshot survives a power loss.
+        direct_io (bool or "auto", default "auto"): write files of 1 MiB and more with direct
+            I/O (O_DIRECT), past the page cache. "auto" does so when ``fsync`` is on (the bytes
+            must reach the device before the take ends anyway) and the file system accepts
+            it; True also without fsync (the take then ends when the device has the bytes,
+            not when the page cache has them: slower on a machine whose page cache takes
+            writes faster than its disk, faster where allocating page-cache memory is slow).
+            A file system that refuses direct I/O (tmpfs, some network and FUSE file
+            systems) is written through the page cache instead, with a log line.
         io_threads (int, default 8): size of the thread pool.
     """
 
     def __init__(self, root: str, storage_options: dict[str, Any] | None = None) -> None:
         options = dict(storage_options or {})
         self._fsync = bool(options.pop("fsync", True))
+        direct = options.pop("direct_io", "auto")
         io_threads = int(options.pop("io_threads", _DEFAULT_IO_THREADS))
         if options:
             raise TypeError(
                 f"unknown storage_options for local storage: {sorted(options)}; "
-                "known: fsync, io_threads"
+                "known: fsync, direct_io, io_threads"
             )
         if io_threads < 1:
             raise ValueError(f"io_threads must be >= 1, got {io_threads}")
+        if direct not in (True, False, "auto"):
+            raise ValueError(f'direct_io must be True, False or "auto", got {direct!r}')
+        if direct is True and not _O_DIRECT:
+            raise ValueError("direct_io=True needs O_DIRECT, which this platform does not have")
+        # Whether files are written directly; turned off for good when the file system refuses.
+        self._direct = bool(_O_DIRECT) and (self._fsync if direct == "auto" else direct)
         self.root = os.path.abspath(os.path.expanduser(root.removeprefix("file://")))
         self._executor = ThreadPoolExecutor(io_threads, thread_name_prefix="statesnap-fs")
         self._made_dirs: set[str] = set()
@@ -108,10 +160,29 @@ class FSStoragePlugin(StoragePlugin):
             os.makedirs(directory, exist_ok=True)
             self._made_dirs.add(directory)
         tmp = os.path.join(directory, f".{os.path.basename(final)}.{uuid.uuid4().hex[:12]}.tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        views = [memoryview(b).cast("B") for b in buffers if len(b)]
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+        direct = self._direct and sum(map(len, views)) >= _DIRECT_MIN_BYTES
+        try:
+            fd = os.open(tmp, flags | (_O_DIRECT if direct else 0), 0o644)
+        except OSError as e:
+            if not direct or e.errno != errno.EINVAL:
+                raise
+            self._refused(final, e)
+            direct = False
+            fd = os.open(tmp, flags, 0o644)
         try:
             try:
-                _write_all(fd, buffers, observe, writeback=self._fsync)
+                if direct:
+                    try:
+                        _write_direct(fd, views, observe)
+                    except _DirectRefused as e:
+                        # Nothing was written or observed: the same file, through the cache.
+                        self._refused(final, e.error)
+                        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~_O_DIRECT)
+                        _write_all(fd, views, observe, writeback=self._fsync)
+                else:
+                    _write_all(fd, views, observe, writeback=self._fsync)
                 if self._fsync:
                     os.fsync(fd)
             finally:
@@ -125,6 +196,15 @@ class FSStoragePlugin(StoragePlugin):
             raise
         if self._fsync:
             self._dirty_dirs.add(directory)
+
+    def _refused(self, final: str, error: OSError) -> None:
+        if self._direct:
+            self._direct = False
+            logger.info(
+                "direct I/O refused for %s (%s): writing through the page cache from now on",
+                final,
+                error,
+            )
 
     async def write(self, path: str, buffers: Sequence[Buffer]) -> None:
         await self._run(self._write_sync, path, buffers)
@@ -253,13 +333,77 @@ def _move_all(
         pos, j = end, done
 
 
+class _DirectRefused(Exception):
+    """The file system accepted O_DIRECT at open but refused the first direct write."""
+
+    def __init__(self, error: OSError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+def _write_direct(fd: int, views: Sequence[memoryview], observe: Observer | None) -> None:
+    """Writes ``views`` (non-empty byte views, in order) to ``fd``, opened with O_DIRECT at
+    offset 0, through this thread's aligned buffer; ``observe`` sees each piece right after its
+    write, from the buffer (the very bytes written). Raises ``_DirectRefused`` when the first
+    write is refused (EINVAL): nothing is then written or observed."""
+    buf = _bounce_buffer()
+    piece = len(buf)
+    pos = 0  # file offset of the buffer's first byte
+    fill = 0  # bytes in the buffer
+
+    def flush(nbytes: int, padded: int) -> None:
+        done = 0
+        while done < padded:
+            try:
+                n = os.pwrite(fd, buf[done:padded], pos + done)
+            except OSError as e:
+                if pos == 0 and done == 0 and e.errno == errno.EINVAL:
+                    raise _DirectRefused(e) from e
+                raise
+            if n <= 0:
+                raise OSError(errno.EIO, f"a system call moved no bytes at byte {pos + done}")
+            done += n
+        if observe is not None:
+            observe(buf[:nbytes])
+
+    for view in views:
+        size = len(view)
+        if fill == 0 and size >= piece:
+            # Whole pieces of a large view, copied and written one after another.
+            off = 0
+            while size - off >= piece:
+                buf[:] = view[off : off + piece]
+                flush(piece, piece)
+                pos += piece
+                off += piece
+            if off == size:
+                continue
+            view = view[off:]  # the rest, buffered below
+            size -= off
+        off = 0
+        while off < size:
+            k = min(size - off, piece - fill)
+            buf[fill : fill + k] = view[off : off + k] if k != size else view
+            fill += k
+            off += k
+            if fill == piece:
+                flush(piece, piece)
+                pos += piece
+                fill = 0
+    if fill:
+        padded = -(-fill // _DIRECT_ALIGN) * _DIRECT_ALIGN
+        buf[fill:padded] = bytes(padded - fill)  # no stale memory reaches the disk
+        flush(fill, padded)
+        os.ftruncate(fd, pos + fill)
+
+
 def _write_all(
-    fd: int, buffers: Sequence[Buffer], observe: Observer | None = None, writeback: bool = False
+    fd: int, views: Sequence[memoryview], observe: Observer | None = None, writeback: bool = False
 ) -> None:
-    """Writes every buffer in order, resuming after short writes; ``observe`` sees each piece
-    written, in order, right after its system call. With ``writeback``, the device starts
-    writing each piece as soon as it is written (the file is about to be fsynced)."""
-    views = [memoryview(b).cast("B") for b in buffers if len(b)]
+    """Writes every view (non-empty byte views) in order, resuming after short writes;
+    ``observe`` sees each piece written, in order, right after its system call. With
+    ``writeback``, the device starts writing each piece as soon as it is written (the file is
+    about to be fsynced)."""
     start_writeback = _sync_file_range if writeback else None
     if start_writeback is None:
         limit = _MAX_SYSCALL_BYTES if observe is None else _OBSERVED_WRITE_BYTES

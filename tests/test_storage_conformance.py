@@ -31,13 +31,25 @@ def _makers(tmp_path, request: pytest.FixtureRequest) -> dict[str, PluginMaker]:
         "s3-multipart": lambda: s3(part_bytes=5 << 20),
         "fs": lambda: FSStoragePlugin(str(tmp_path / "fs")),
         "fs-nofsync": lambda: FSStoragePlugin(str(tmp_path / "fs2"), {"fsync": False}),
+        "fs-direct": lambda: FSStoragePlugin(
+            str(tmp_path / "fs3"), {"fsync": False, "direct_io": True}
+        ),
         "memory": lambda: MemoryStoragePlugin(f"memory://{uuid.uuid4().hex}"),
         "fsspec-memory": lambda: FSSpecStoragePlugin(f"memory://{uuid.uuid4().hex}/root"),
         "fsspec-file": lambda: FSSpecStoragePlugin(f"file://{tmp_path}/fsspec"),
     }
 
 
-PLUGINS = ["fs", "fs-nofsync", "memory", "fsspec-memory", "fsspec-file", "s3", "s3-multipart"]
+PLUGINS = [
+    "fs",
+    "fs-nofsync",
+    "fs-direct",
+    "memory",
+    "fsspec-memory",
+    "fsspec-file",
+    "s3",
+    "s3-multipart",
+]
 
 
 @pytest_asyncio.fixture(params=PLUGINS)
@@ -354,3 +366,208 @@ def test_fs_write_that_makes_no_progress_fails_rather_than_spins(tmp_path, monke
     with pytest.raises(OSError, match="moved no bytes at byte 0 of 6"):
         plugin._write_sync("blob", [b"abc", b"def"])
     assert not list(tmp_path.iterdir())  # the temporary file is gone
+
+
+# ---------------------------------------------------------------------------------------------
+# Direct I/O (O_DIRECT) in the local plugin.
+
+
+def _accepts_direct_io(directory) -> bool:
+    """Whether the file system under ``directory`` takes an aligned O_DIRECT write."""
+    import mmap
+    import os
+
+    if not hasattr(os, "O_DIRECT"):
+        return False
+    probe = os.path.join(directory, ".direct-probe")
+    try:
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o644)
+    except OSError:
+        return False
+    try:
+        os.pwrite(fd, memoryview(mmap.mmap(-1, 4096)), 0)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+        os.unlink(probe)
+
+
+class _Syscalls:
+    """Records the flags of every file the local plugin opens and its direct writes."""
+
+    def __init__(self, monkeypatch, fs) -> None:
+        import os
+
+        self.opened: list[tuple[str, int]] = []
+        self.pwrites: list[tuple[int, int, int]] = []  # (buffer address % 4096, offset, len)
+        real_open, real_pwrite = os.open, os.pwrite
+
+        def open_(path, flags, *rest):
+            self.opened.append((str(path), flags))
+            return real_open(path, flags, *rest)
+
+        def pwrite(fd, buf, offset):
+            import ctypes
+
+            view = memoryview(buf)
+            address = ctypes.addressof(ctypes.c_char.from_buffer(view)) if not view.readonly else 0
+            self.pwrites.append((address % 4096, offset, len(view)))
+            return real_pwrite(fd, buf, offset)
+
+        monkeypatch.setattr(fs.os, "open", open_)
+        monkeypatch.setattr(fs.os, "pwrite", pwrite)
+
+    def direct_opens(self) -> int:
+        import os
+
+        return sum(1 for _, flags in self.opened if flags & os.O_DIRECT)
+
+
+_LAYOUTS = {
+    # (buffer sizes) with a 16 KiB piece: every way bytes can meet the buffer's edges.
+    "one exact piece": [16384],
+    "pieces and a byte": [3 * 16384 + 1],
+    "small then large": [100, 5 * 16384 + 7, 3],
+    "many small": [0, 1, 4095, 4096, 4097, 777] * 40,
+    "large views at the edge": [16384 - 1, 16384 + 1, 2 * 16384, 0, 1],
+}
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "O_DIRECT"), reason="O_DIRECT is Linux's")
+@pytest.mark.parametrize("layout", sorted(_LAYOUTS))
+@pytest.mark.parametrize("fsync", [True, False])
+def test_fs_direct_writes_every_byte_once_from_aligned_memory(tmp_path, monkeypatch, layout, fsync):
+    import random
+
+    from storage_plugins import fs
+
+    if not _accepts_direct_io(tmp_path):
+        pytest.skip(f"the file system of {tmp_path} refuses O_DIRECT writes")
+    monkeypatch.setattr(fs, "_DIRECT_PIECE_BYTES", 16384)
+    monkeypatch.setattr(fs, "_DIRECT_MIN_BYTES", 1)
+    rng = random.Random(layout)
+    parts = [rng.randbytes(n) for n in _LAYOUTS[layout]]
+    data = b"".join(parts)
+    calls = _Syscalls(monkeypatch, fs)
+    plugin = fs.FSStoragePlugin(str(tmp_path / "d"), {"fsync": fsync, "direct_io": True})
+    rec = _Recorder()
+    plugin._write_sync("blob", [memoryview(p) for p in parts], rec)
+    assert (tmp_path / "d" / "blob").read_bytes() == data
+    assert b"".join(rec.pieces) == data and all(rec.pieces)
+    assert calls.direct_opens() == 1
+    # Every write from page-aligned memory, at aligned offsets, of aligned lengths, in order.
+    assert calls.pwrites
+    assert all(addr == 0 and off % 4096 == 0 and n % 4096 == 0 for addr, off, n in calls.pwrites)
+    assert [off for _, off, _ in calls.pwrites] == list(range(0, len(calls.pwrites) * 16384, 16384))
+    assert sorted(p.name for p in (tmp_path / "d").iterdir()) == ["blob"]
+
+
+@pytest.mark.parametrize(
+    ("options", "expected"),
+    [
+        ({}, True),  # "auto" with fsync on
+        ({"fsync": False}, False),
+        ({"fsync": False, "direct_io": True}, True),
+        ({"direct_io": False}, False),
+        ({"direct_io": "auto", "fsync": True}, True),
+    ],
+)
+def test_fs_direct_io_option_decides_which_files_are_written_directly(
+    tmp_path, monkeypatch, options, expected
+):
+    import os
+
+    from storage_plugins import fs
+
+    if not hasattr(os, "O_DIRECT"):
+        pytest.skip("O_DIRECT is Linux's")
+    if not _accepts_direct_io(tmp_path):
+        pytest.skip(f"the file system of {tmp_path} refuses O_DIRECT writes")
+    calls = _Syscalls(monkeypatch, fs)
+    plugin = fs.FSStoragePlugin(str(tmp_path), options)
+    big = os.urandom(fs._DIRECT_MIN_BYTES + 5)
+    plugin._write_sync("big", [big])
+    plugin._write_sync("small", [b"x" * (fs._DIRECT_MIN_BYTES - 1)])  # always through the cache
+    assert calls.direct_opens() == int(expected)
+    assert (tmp_path / "big").read_bytes() == big
+
+
+def test_fs_direct_io_option_is_checked(tmp_path):
+    from storage_plugins import fs
+
+    with pytest.raises(ValueError, match='direct_io must be True, False or "auto"'):
+        fs.FSStoragePlugin(str(tmp_path), {"direct_io": "yes"})
+    with pytest.raises(TypeError, match="known: fsync, direct_io, io_threads"):
+        fs.FSStoragePlugin(str(tmp_path), {"direct": True})
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "O_DIRECT"), reason="O_DIRECT is Linux's")
+@pytest.mark.parametrize("where", ["open", "first write"])
+def test_fs_direct_io_refused_falls_back_to_the_page_cache(tmp_path, monkeypatch, caplog, where):
+    """A file system that refuses O_DIRECT (tmpfs at open; others at the first write) gets the
+    same bytes through the page cache, observed once, and no more direct attempts."""
+    import errno
+    import logging
+    import os
+
+    from storage_plugins import fs
+
+    real_open = os.open
+    attempts = [0]
+
+    def open_(path, flags, *rest):
+        if flags & os.O_DIRECT:
+            attempts[0] += 1
+            if where == "open":
+                raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(path, flags, *rest)
+
+    def pwrite(fd, buf, offset):
+        raise OSError(errno.EINVAL, "Invalid argument")
+
+    monkeypatch.setattr(fs.os, "open", open_)
+    if where == "first write":
+        monkeypatch.setattr(fs.os, "pwrite", pwrite)
+    plugin = fs.FSStoragePlugin(str(tmp_path), {"fsync": True})
+    data = os.urandom(fs._DIRECT_MIN_BYTES * 2 + 3)
+    rec = _Recorder()
+    with caplog.at_level(logging.INFO, logger="storage_plugins.fs"):
+        plugin._write_sync("a", [data[:10], data[10:]], rec)
+        plugin._write_sync("b", [data])
+    assert (tmp_path / "a").read_bytes() == data == (tmp_path / "b").read_bytes()
+    assert b"".join(rec.pieces) == data
+    assert attempts[0] == 1
+    assert [r.getMessage() for r in caplog.records if "direct I/O refused" in r.getMessage()]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b"]
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "O_DIRECT"), reason="O_DIRECT is Linux's")
+def test_fs_direct_write_error_fails_the_write_and_removes_the_temporary_file(
+    tmp_path, monkeypatch
+):
+    import errno
+    import os
+
+    from storage_plugins import fs
+
+    if not _accepts_direct_io(tmp_path):
+        pytest.skip(f"the file system of {tmp_path} refuses O_DIRECT writes")
+    monkeypatch.setattr(fs, "_DIRECT_PIECE_BYTES", 16384)
+    real_pwrite = os.pwrite
+    calls = [0]
+
+    def pwrite(fd, buf, offset):
+        calls[0] += 1
+        if calls[0] == 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_pwrite(fd, buf, offset)
+
+    monkeypatch.setattr(fs.os, "pwrite", pwrite)
+    plugin = fs.FSStoragePlugin(str(tmp_path), {"fsync": True})
+    with pytest.raises(OSError, match="No space left") as e:
+        plugin._write_sync("blob", [os.urandom(fs._DIRECT_MIN_BYTES)])
+    assert e.value.errno == errno.ENOSPC
+    assert plugin._direct  # a full disk is not a refusal of direct I/O
+    assert list(tmp_path.iterdir()) == []
