@@ -65,7 +65,6 @@ from benchmarks.common import (
     build_spec,
     check_restored,
     describe_spec,
-    drop_page_cache,
     fmt_size,
     fsync_tree,
     library_commit,
@@ -73,6 +72,7 @@ from benchmarks.common import (
     parse_size,
     reap,
     resident_fraction,
+    set_page_cache,
 )
 from benchmarks.methods import (
     ASYNC_METHODS,
@@ -92,7 +92,16 @@ from benchmarks.methods import (
 from benchmarks.s3server import S3Server
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DEFAULT_METHODS = ["raw", "torch.save", "dcp", "safetensors", "torchsnapshot", "statesnap"]
+DEFAULT_METHODS = [
+    "raw",
+    "raw-direct",
+    "torch.save",
+    "dcp",
+    "safetensors",
+    "torchsnapshot",
+    "statesnap",
+    "statesnap-direct",
+]
 MODE_TITLES = {
     "cache": "Take, to the page cache (no fsync)",
     "fsync": "Take, fsync'd (methods that do not fsync get their files fsync'd by the harness, "
@@ -478,8 +487,7 @@ def run_rounds(
                                     _row(case, state, rnd, v, "restore", temp, reader, failed)
                                 )
                                 continue
-                            if temp == "cold":
-                                drop_page_cache(path)
+                            set_page_cache(path, temp)
                             cached = resident_fraction(path)
                             result = runner.job(
                                 {
@@ -838,8 +846,7 @@ def case_read_object(args: argparse.Namespace, runner: Runner, env: dict[str, st
         if take.get("ok"):
             for rnd in range(args.reps):
                 for temp in args.temps:
-                    if temp == "cold":
-                        drop_page_cache(path)
+                    set_page_cache(path, temp)
                     result = runner.job(
                         {
                             "op": "read-object",
@@ -1182,8 +1189,7 @@ def run_reshard_rounds(
         if path is None:
             failed = {"ok": False, "error": "its save failed"}
             return _row("reshard", state, rnd, variants[m], "restore", temp, m, failed)
-        if temp == "cold":
-            drop_page_cache(path)
+        set_page_cache(path, temp)
         cached = resident_fraction(path)
         job = {
             "op": "reshard-restore",

@@ -40,10 +40,11 @@ Measurements
     flipping twice gives the generated state back.
 
 Page cache
-    :func:`fsync_tree` fsyncs every file and directory under a path; :func:`drop_page_cache`
-    fsyncs each file and then ``posix_fadvise(POSIX_FADV_DONTNEED)`` so the next read comes from
-    the disk (no root needed); :func:`resident_fraction` asks ``mincore`` how much of a tree is
-    still cached, to verify the drop.
+    :func:`fsync_tree` fsyncs every file and directory under a path; :func:`set_page_cache`
+    reads a tree into the page cache (a warm restore), or (:func:`drop_page_cache`) fsyncs each
+    file and then ``posix_fadvise(POSIX_FADV_DONTNEED)`` so the next read comes from the disk
+    (no root needed); :func:`resident_fraction` asks ``mincore`` how much of a tree is cached,
+    to verify either.
 
 ``python -m benchmarks.common --dir /tmp/statesnap-bench`` checks on this machine that the
 peak-RSS reset and the page-cache drop work, and prints the machine description.
@@ -847,6 +848,26 @@ def drop_page_cache(path: str) -> None:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)
+
+
+def warm_page_cache(path: str) -> None:
+    """Reads every file under ``path`` once, so that a warm restore finds it in the page cache
+    whichever way it was written (statesnap's fsync'd takes write past the page cache)."""
+    buf = bytearray(16 << 20)
+    for p in _files(path):
+        with open(p, "rb", buffering=0) as f:
+            while f.readinto(buf):
+                pass
+
+
+def set_page_cache(path: str, temp: str) -> None:
+    """Puts the files under ``path`` in the page cache ("warm") or out of it ("cold")."""
+    if temp == "cold":
+        drop_page_cache(path)
+    elif temp == "warm":
+        warm_page_cache(path)
+    else:
+        raise ValueError(f"page-cache state {temp!r}: warm or cold")
 
 
 _libc: ctypes.CDLL | None = None
