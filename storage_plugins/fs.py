@@ -172,6 +172,10 @@ class FSStoragePlugin(StoragePlugin):
                 raise
             self._refused(final, e)
             direct = False
+            try:
+                os.unlink(tmp)  # some kernels create the file before they refuse the flag
+            except FileNotFoundError:
+                pass
             fd = os.open(tmp, flags, 0o644)
         try:
             try:
