@@ -383,6 +383,8 @@ def _accepts_direct_io(directory) -> bool:
     try:
         fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o644)
     except OSError:
+        if os.path.exists(probe):  # created, then the flag refused
+            os.unlink(probe)
         return False
     try:
         os.pwrite(fd, memoryview(mmap.mmap(-1, 4096)), 0)
