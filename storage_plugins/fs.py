@@ -376,18 +376,6 @@ def _write_direct(fd: int, views: Sequence[memoryview], observe: Observer | None
 
     for view in views:
         size = len(view)
-        if fill == 0 and size >= piece:
-            # Whole pieces of a large view, copied and written one after another.
-            off = 0
-            while size - off >= piece:
-                buf[:] = view[off : off + piece]
-                flush(piece, piece)
-                pos += piece
-                off += piece
-            if off == size:
-                continue
-            view = view[off:]  # the rest, buffered below
-            size -= off
         off = 0
         while off < size:
             k = min(size - off, piece - fill)
