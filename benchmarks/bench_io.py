@@ -4,7 +4,11 @@ see benchmarks/README.md.
 
 Every measured operation runs in a fresh process (``benchmarks.worker``); methods are
 interleaved in rounds (A B C ... A B C ...), and tables give medians over the rounds together
-with each round's ratio to the ``raw`` method and to statesnap.
+with each round's ratio to the ``raw`` method and to statesnap. Before its timed call each worker
+waits until the kernel has stopped handing freed memory back to the host (``--settle-memory``,
+on by default; a no-op on a machine without free page reporting): on a VM that reports free
+pages, what the previous seconds freed otherwise decides how fast the next write to the page
+cache runs (``common.settle_memory``).
 
 Cases (``--case``):
   main            the generated model+optimizer state at each ``--size``: take to the page cache
@@ -177,7 +181,12 @@ class Runner:
     """
 
     def __init__(
-        self, directory: str, timeout: float, base_env: dict[str, str], group_grace: float = 120.0
+        self,
+        directory: str,
+        timeout: float,
+        base_env: dict[str, str],
+        group_grace: float = 120.0,
+        settle_memory: bool = False,
     ) -> None:
         self.created_dir = not os.path.isdir(directory)
         os.makedirs(directory, exist_ok=True)
@@ -189,6 +198,10 @@ class Runner:
         self.base_env = base_env
         self.procs: list[subprocess.Popen[bytes]] = []
         self.n = 0
+        # Each worker waits for the memory to settle before its timed call
+        # (``common.settle_memory``); the seconds each waited.
+        self.settle_memory = settle_memory
+        self.settle_waits: list[float] = []
 
     def data_dir(self, name: str) -> str:
         return os.path.join(self.run_dir, re.sub(r"[^A-Za-z0-9.]+", "-", name))
@@ -220,7 +233,10 @@ class Runner:
             self.n += 1
             stem = os.path.join(self.run_dir, f"job{self.n}")
             with open(stem + ".json", "w") as f:
-                json.dump({**job, "result": stem + ".result.json"}, f)
+                json.dump(
+                    {**job, "result": stem + ".result.json", "settle_memory": self.settle_memory},
+                    f,
+                )
             stems.append(stem)
         child_env = {**os.environ, **self.base_env, **env}
         with contextlib.ExitStack() as logs:
@@ -282,6 +298,8 @@ class Runner:
             with open(stem + ".log", "rb") as f:
                 tail = f.read()[-600:].decode(errors="replace").strip().splitlines()
             result = {"ok": False, "error": f"worker {why}: {' | '.join(tail[-3:])}"}
+        if isinstance(result.get("settled_seconds"), (int, float)):
+            self.settle_waits.append(float(result["settled_seconds"]))
         for suffix in (".json", ".result.json", ".log"):
             if os.path.exists(stem + suffix):
                 os.remove(stem + suffix)
@@ -2405,6 +2423,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "max_concurrent_requests=32; sizes become bytes, integers ints, JSON objects dicts",
     )
     p.add_argument(
+        "--settle-memory",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="before each timed operation, wait until the kernel has stopped handing freed "
+        "memory back to the host (VMs with free page reporting; elsewhere a no-op); default on",
+    )
+    p.add_argument(
         "--timeout",
         type=float,
         default=1800.0,
@@ -2445,6 +2470,18 @@ def _needed_bytes(args: argparse.Namespace) -> int:
     return int(max(sizes) * 1.2) + GIB
 
 
+def _settle_line(asked: bool, waits: Sequence[float]) -> str:
+    if not asked:
+        return "Memory: not settled before the timed operations (`--no-settle-memory`)."
+    if not waits:
+        return "Memory: no free page reporting seen on this machine; nothing to settle."
+    return (
+        "Memory: before each timed operation the worker waited until the kernel had handed no "
+        f"freed memory back to the host for 3 s (waits: median {statistics.median(waits):.1f} s, "
+        f"{min(waits):.1f}-{max(waits):.1f} s, {len(waits)} operations)."
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
     env = _parse_env(args.env)
@@ -2462,7 +2499,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             f"{args.dir}: {fmt_size(free)} free, this case needs about "
             f"{fmt_size(_needed_bytes(args))}"
         )
-    runner = Runner(args.dir, args.timeout, {})
+    runner = Runner(args.dir, args.timeout, {}, settle_memory=args.settle_memory)
     machine = machine_description(runner.run_dir)
     commit = library_commit(REPO)
 
@@ -2489,6 +2526,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         f"Reps: {args.reps} (rounds, methods interleaved; medians, with each round in "
         f"parentheses); statesnap env: {env or 'library defaults'}; wall time "
         f"{(time.time() - started) / 60:.1f} min.",
+        "",
+        _settle_line(args.settle_memory, runner.settle_waits),
         "",
         "Machine:",
         "",

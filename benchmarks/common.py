@@ -44,7 +44,9 @@ Page cache
     reads a tree into the page cache (a warm restore), or (:func:`drop_page_cache`) fsyncs each
     file and then ``posix_fadvise(POSIX_FADV_DONTNEED)`` so the next read comes from the disk
     (no root needed); :func:`resident_fraction` asks ``mincore`` how much of a tree is cached,
-    to verify either.
+    to verify either. :func:`settle_memory` waits until the kernel has stopped handing freed
+    memory back to the host (a VM with free page reporting), so that the page-cache writes of
+    every method start from memory in the same state.
 
 ``python -m benchmarks.common --dir /tmp/statesnap-bench`` checks on this machine that the
 peak-RSS reset and the page-cache drop work, and prints the machine description.
@@ -830,6 +832,42 @@ def fsync_tree(path: str) -> None:
         _fsync(d)
 
 
+# Free page reporting. A VM guest whose kernel reports free memory to its host (virtio-balloon)
+# hands freed pages back a second or two after they are freed; the next allocation of that
+# memory then faults on the host. Here that made a 2 GiB write through the page cache take
+# 0.6 s right after a 2 GiB file was removed and 6-9 s a few seconds later: what the previous
+# seconds freed decides the figure. ``settle_memory`` waits until the reporting has gone quiet,
+# so that every timed operation starts with its memory in the same state (handed back).
+_REPORTED_KIB = "/sys/module/page_reporting/parameters/reported_kib"
+
+
+def reported_kib() -> int | None:
+    """KiB of free memory the kernel has reported to the host so far (None: not visible)."""
+    try:
+        with open(_REPORTED_KIB) as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return None
+
+
+def settle_memory(quiet: float = 3.0, limit: float = 30.0, poll: float = 0.1) -> float | None:
+    """Waits until the kernel has reported no free memory to the host for ``quiet`` seconds
+    (reports come in bursts about 2 s apart), at most ``limit`` seconds; the seconds waited, or
+    None when this machine does not show such reporting."""
+    last = reported_kib()
+    if last is None:
+        return None
+    start = changed = time.monotonic()
+    while True:
+        now = time.monotonic()
+        if now - changed >= quiet or now - start >= limit:
+            return now - start
+        time.sleep(poll)
+        current = reported_kib()
+        if current != last:
+            last, changed = current, time.monotonic()
+
+
 def _fsync(path: str) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -1024,6 +1062,12 @@ def machine_description(directory: str) -> list[str]:
         except Exception:
             versions.append(f"{name} not installed")
     lines.append("- " + ", ".join(versions))
+    reported = reported_kib()
+    if reported is not None:
+        lines.append(
+            f"- free page reporting: on ({fmt_size(reported * KIB)} handed back to the host so "
+            "far): memory freed a few seconds ago costs host faults when allocated again"
+        )
     return lines
 
 

@@ -72,6 +72,7 @@ from benchmarks.common import (
     local_tensor,
     make_targets,
     proc_io,
+    settle_memory,
     sharded_state,
     tree_size,
     trim_heap,
@@ -100,11 +101,13 @@ class RankGroup:
 
     rank: int = 0
     world_size: int = 0
+    settle: bool = False
 
     @classmethod
     def join(cls, job: dict[str, Any]) -> RankGroup:
+        settle = bool(job.get("settle_memory"))
         if "rank" not in job:
-            return cls()
+            return cls(settle=settle)
         import torch.distributed as dist
 
         rank, world_size = int(job["rank"]), int(job["world_size"])
@@ -115,7 +118,7 @@ class RankGroup:
             world_size=world_size,
             timeout=datetime.timedelta(seconds=float(job.get("group_timeout", 600))),
         )
-        return cls(rank, world_size)
+        return cls(rank, world_size, settle)
 
     def leave(self) -> None:
         if self.world_size:
@@ -128,6 +131,14 @@ class RankGroup:
             import torch.distributed as dist
 
             dist.barrier()
+
+    def ready(self) -> dict[str, Any]:
+        """Called once every rank has its state or targets and its library imported: when the
+        job asks, rank 0 waits for the memory to settle (``common.settle_memory``; one machine
+        for all ranks), then all meet at a barrier. The seconds waited, for the result."""
+        waited = settle_memory() if self.settle and self.rank == 0 else None
+        self.barrier()
+        return {"settled_seconds": waited} if waited is not None else {}
 
     def spec(self, job: dict[str, Any]) -> StateSpec:
         """This rank's state (the spec of a grouped job depends on the rank)."""
@@ -188,7 +199,7 @@ def _take(job: dict[str, Any], ranks: RankGroup) -> dict[str, Any]:
         os.makedirs(path, exist_ok=True)
     state = generate_state(spec, with_objects=writer.objects)
     server = ServerClock(job)
-    ranks.barrier()  # every rank has its state and its library imported
+    settled = ranks.ready()
     io0 = proc_io()
     with PeakRSS() as mem:
         ranks.barrier()
@@ -214,6 +225,7 @@ def _take(job: dict[str, Any], ranks: RankGroup) -> dict[str, Any]:
         "io": io,
         "check": {"ok": True, "detail": "n/a (take)"},
         **server_cpu,
+        **settled,
         **ranks.fields(),
     }
 
@@ -245,7 +257,7 @@ def _restore(job: dict[str, Any], ranks: RankGroup) -> dict[str, Any]:
     targets = make_targets(spec, with_objects=reader.objects) if reader.into_targets else None
     pointers = _target_pointers(spec, targets)
     server = ServerClock(job)
-    ranks.barrier()
+    settled = ranks.ready()
     io0 = proc_io()
     with PeakRSS() as mem:
         ranks.barrier()
@@ -270,6 +282,7 @@ def _restore(job: dict[str, Any], ranks: RankGroup) -> dict[str, Any]:
         "check": check.as_dict(),
         "in_place": _kept_targets(restored, pointers),
         **server_cpu,
+        **settled,
         **ranks.fields(),
     }
 
@@ -398,7 +411,7 @@ def _timed(ranks: RankGroup, call: Callable[[], Any]) -> tuple[Any, dict[str, An
     """``call()`` timed as ``_take`` and ``_restore`` time theirs: barrier, barrier, start, the
     call, barrier, stop (``seconds`` runs until the slowest rank is done, ``own_seconds`` until
     this rank's call returned); peak RSS above the RSS before it, ``/proc/self/io`` around it."""
-    ranks.barrier()  # every rank has its state or targets and its library imported
+    settled = ranks.ready()
     io0 = proc_io()
     with PeakRSS() as mem:
         ranks.barrier()
@@ -414,6 +427,7 @@ def _timed(ranks: RankGroup, call: Callable[[], Any]) -> tuple[Any, dict[str, An
         "baseline_rss": mem.baseline,
         "rss_method": mem.method,
         "io": io_delta(io0, proc_io()),
+        **settled,
     }
 
 
