@@ -68,8 +68,8 @@ _SYNC_FILE_RANGE_WRITE = 2
 # bypassing the page cache. The kernel then allocates no page-cache memory for them, which on some
 # machines costs more than the device's write: on a 2-core VM here, 2 GiB written by 8 threads
 # through the page cache took 3.5-4.0 s with no fsync at all, and 1.2 s with O_DIRECT and an
-# fsync (one thread: 8.0-8.5 s buffered, 1.4-1.5 s direct; the first ~512 MiB of page cache
-# came fast, every later MiB cost ~4 ms of kernel time allocating memory). A checkpoint is
+# fsync (one thread: 8.0-8.5 s buffered, 1.4-1.5 s direct; each MiB of page cache cost ~4 ms of
+# host faults, the VM having handed its free memory back to the host: below). A checkpoint is
 # written once and read rarely, so keeping it out of the page cache also spares what the cache
 # holds for training (its data set). The kernel wants the memory address, the file offset and
 # the length of each direct write aligned to the device's logical block size (at most 4 KiB on
@@ -85,6 +85,56 @@ _DIRECT_PIECE_BYTES = 4 << 20
 # write of a few KiB waits on the device for little.
 _DIRECT_MIN_BYTES = 1 << 20
 _bounce = threading.local()
+
+# A VM guest whose kernel reports its free memory to the host (virtio-balloon's free page
+# reporting) gives freed pages back a second or two after they are freed, and allocating them
+# again then faults on the host: on such a VM here, 2 GiB written through the page cache (no
+# fsync) took 6-9 s once the memory freed before had been handed back, 0.6 s right after a
+# 2 GiB file was removed; a take of a 2 GiB state without fsync 3.8-4.6 s through the page
+# cache, 1.4-1.9 s with direct I/O (benchmarks/README.md, "Settled memory"). On such a machine
+# "auto" writes directly also without fsync. Read from sysfs: the balloon device (virtio device
+# id 5) and its negotiated feature bits, one character per bit (VIRTIO_BALLOON_F_REPORTING is
+# bit 5).
+_VIRTIO_DEVICES = "/sys/bus/virtio/devices"
+_VIRTIO_ID_BALLOON = 5
+_VIRTIO_BALLOON_F_REPORTING = 5
+
+
+def reports_free_memory() -> bool:
+    """Whether this machine is a VM that hands its free memory back to the host (a virtio
+    balloon device with free page reporting)."""
+    devices = _VIRTIO_DEVICES
+    try:
+        names = os.listdir(devices)
+    except OSError:
+        return False
+    for name in names:
+        try:
+            with open(os.path.join(devices, name, "device")) as f:
+                if int(f.read().strip(), 16) != _VIRTIO_ID_BALLOON:
+                    continue
+            with open(os.path.join(devices, name, "features")) as f:
+                bits = f.read().strip()
+        except (OSError, ValueError):
+            continue
+        if len(bits) > _VIRTIO_BALLOON_F_REPORTING and bits[_VIRTIO_BALLOON_F_REPORTING] == "1":
+            return True
+    return False
+
+
+@functools.cache
+def _direct_without_fsync() -> bool:
+    """What ``direct_io="auto"`` does when fsync is off: direct on a VM that reports free
+    memory (decided once per process, said once in the log)."""
+    if not _O_DIRECT or not reports_free_memory():
+        return False
+    logger.info(
+        "this machine hands its free memory back to the host (virtio-balloon free page "
+        "reporting), which makes page-cache memory slow to allocate: files of 1 MiB and more "
+        "are written with direct I/O also without fsync (storage_options direct_io=False "
+        "writes them through the page cache)"
+    )
+    return True
 
 
 def _bounce_buffer() -> memoryview:
@@ -108,10 +158,11 @@ class FSStoragePlugin(StoragePlugin):
             directory a file was renamed into, so a committed snapshot survives a power loss.
         direct_io (bool or "auto", default "auto"): write files of 1 MiB and more with direct
             I/O (O_DIRECT), past the page cache. "auto" does so when ``fsync`` is on (the bytes
-            must reach the device before the take ends anyway) and the file system accepts
-            it; True also without fsync (the take then ends when the device has the bytes,
-            not when the page cache has them: slower on a machine whose page cache takes
-            writes faster than its disk, faster where allocating page-cache memory is slow).
+            must reach the device before the take ends anyway), and without fsync on a VM that
+            hands its free memory back to the host (virtio-balloon free page reporting: there
+            allocating page-cache memory costs more than the device's write); True always
+            (the take then ends when the device has the bytes, not when the page cache has
+            them: slower on a machine whose page cache takes writes faster than its disk).
             A file system that refuses direct I/O (tmpfs, some network and FUSE file
             systems) is written through the page cache instead, with a log line.
         io_threads (int, default 8): size of the thread pool.
@@ -134,7 +185,9 @@ class FSStoragePlugin(StoragePlugin):
         if direct is True and not _O_DIRECT:
             raise ValueError("direct_io=True needs O_DIRECT, which this platform does not have")
         # Whether files are written directly; turned off for good when the file system refuses.
-        self._direct = bool(_O_DIRECT) and (self._fsync if direct == "auto" else direct)
+        if direct == "auto":
+            direct = self._fsync or _direct_without_fsync()
+        self._direct = bool(_O_DIRECT) and direct
         self.root = os.path.abspath(os.path.expanduser(root.removeprefix("file://")))
         self._executor = ThreadPoolExecutor(io_threads, thread_name_prefix="statesnap-fs")
         self._made_dirs: set[str] = set()

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import logging
+import os
 import sys
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -30,7 +32,11 @@ def _makers(tmp_path, request: pytest.FixtureRequest) -> dict[str, PluginMaker]:
         "s3": s3,
         "s3-multipart": lambda: s3(part_bytes=5 << 20),
         "fs": lambda: FSStoragePlugin(str(tmp_path / "fs")),
-        "fs-nofsync": lambda: FSStoragePlugin(str(tmp_path / "fs2"), {"fsync": False}),
+        # Through the page cache without fsync ("auto" would write directly on a VM that
+        # reports free memory to its host, as "fs-direct" does).
+        "fs-nofsync": lambda: FSStoragePlugin(
+            str(tmp_path / "fs2"), {"fsync": False, "direct_io": False}
+        ),
         "fs-direct": lambda: FSStoragePlugin(
             str(tmp_path / "fs3"), {"fsync": False, "direct_io": True}
         ),
@@ -290,7 +296,7 @@ def test_fs_transfers_survive_short_system_calls(tmp_path, monkeypatch, most, co
     monkeypatch.setattr(fs.os, "preadv", lambda fd, batch, pos: real_preadv(fd, cut(batch), pos))
     monkeypatch.setattr(fs, "_OBSERVED_WRITE_BYTES", 64 << 10)  # several calls even unshortened
     monkeypatch.setattr(fs, "_OBSERVED_READ_BYTES", 64 << 10)
-    plugin = fs.FSStoragePlugin(str(tmp_path), {"fsync": False})
+    plugin = fs.FSStoragePlugin(str(tmp_path), {"fsync": False, "direct_io": False})
 
     def observer():
         rec = _Recorder()
@@ -466,18 +472,86 @@ def test_fs_direct_writes_every_byte_once_from_aligned_memory(tmp_path, monkeypa
     assert sorted(p.name for p in (tmp_path / "d").iterdir()) == ["blob"]
 
 
+class _FakeVirtio:
+    """A sysfs tree of virtio devices for ``fs.reports_free_memory`` to read."""
+
+    def __init__(self, root) -> None:
+        self.root = root
+        root.mkdir()
+
+    def device(self, name: str, device_id: int | str, feature_bits: set[int]) -> None:
+        d = self.root / name
+        d.mkdir()
+        ident = device_id if isinstance(device_id, str) else f"0x{device_id:04x}"
+        (d / "device").write_text(ident + "\n")
+        bits = "".join("1" if i in feature_bits else "0" for i in range(64))
+        (d / "features").write_text(bits + "\n")
+
+
+@pytest.fixture
+def fake_virtio(tmp_path, monkeypatch):
+    from storage_plugins import fs
+
+    monkeypatch.setattr(fs, "_VIRTIO_DEVICES", str(tmp_path / "virtio-devices"))
+    fs._direct_without_fsync.cache_clear()  # decided once per process: again from the fake
+    yield _FakeVirtio(tmp_path / "virtio-devices")
+    fs._direct_without_fsync.cache_clear()  # and again from the machine after the test
+
+
 @pytest.mark.parametrize(
-    ("options", "expected"),
+    ("devices", "expected"),
     [
-        ({}, True),  # "auto" with fsync on
-        ({"fsync": False}, False),
-        ({"fsync": False, "direct_io": True}, True),
-        ({"direct_io": False}, False),
-        ({"direct_io": "auto", "fsync": True}, True),
+        ([], False),
+        ([("virtio0", 5, {5})], True),  # a balloon with free page reporting
+        ([("virtio0", 5, {1, 2, 3})], False),  # a balloon without it
+        ([("virtio0", 2, {5}), ("virtio1", 1, {5})], False),  # bit 5 of other devices
+        ([("virtio0", 2, set()), ("virtio1", 5, {0, 5})], True),
+        ([("virtio0", "garbage", {5})], False),
+    ],
+)
+def test_fs_reports_free_memory_reads_the_balloon_device_features(fake_virtio, devices, expected):
+    from storage_plugins import fs
+
+    for name, ident, bits in devices:
+        fake_virtio.device(name, ident, bits)
+    assert fs.reports_free_memory() is expected
+
+
+def test_fs_reports_free_memory_is_false_without_virtio(tmp_path, monkeypatch):
+    from storage_plugins import fs
+
+    monkeypatch.setattr(fs, "_VIRTIO_DEVICES", str(tmp_path / "missing"))
+    assert fs.reports_free_memory() is False
+
+
+def test_fs_auto_direct_without_fsync_is_said_once_per_process(fake_virtio, caplog):
+    from storage_plugins import fs
+
+    if not hasattr(os, "O_DIRECT"):
+        pytest.skip("O_DIRECT is Linux's")
+    fake_virtio.device("virtio0", 5, {5})
+    with caplog.at_level(logging.INFO, logger="storage_plugins.fs"):
+        for _ in range(3):
+            assert fs.FSStoragePlugin(str(fake_virtio.root.parent / "d"), {"fsync": False})._direct
+    said = [r for r in caplog.records if "free page reporting" in r.getMessage()]
+    assert len(said) == 1
+
+
+@pytest.mark.parametrize(
+    ("options", "reports_free_memory", "expected"),
+    [
+        ({}, False, True),  # "auto" with fsync on
+        ({}, True, True),
+        ({"fsync": False}, False, False),
+        ({"fsync": False}, True, True),  # "auto" on a VM that hands free memory back
+        ({"fsync": False, "direct_io": True}, False, True),
+        ({"direct_io": False}, False, False),
+        ({"direct_io": False, "fsync": False}, True, False),
+        ({"direct_io": "auto", "fsync": True}, False, True),
     ],
 )
 def test_fs_direct_io_option_decides_which_files_are_written_directly(
-    tmp_path, monkeypatch, options, expected
+    tmp_path, monkeypatch, fake_virtio, options, reports_free_memory, expected
 ):
     import os
 
@@ -487,6 +561,9 @@ def test_fs_direct_io_option_decides_which_files_are_written_directly(
         pytest.skip("O_DIRECT is Linux's")
     if not _accepts_direct_io(tmp_path):
         pytest.skip(f"the file system of {tmp_path} refuses O_DIRECT writes")
+    # The machine's answer, as it would be read from sysfs: a balloon device with or without
+    # free page reporting.
+    fake_virtio.device("virtio0", 5, {5} if reports_free_memory else {1, 2})
     calls = _Syscalls(monkeypatch, fs)
     plugin = fs.FSStoragePlugin(str(tmp_path), options)
     big = os.urandom(fs._DIRECT_MIN_BYTES + 5)
