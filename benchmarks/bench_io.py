@@ -104,7 +104,7 @@ DEFAULT_METHODS = [
     "safetensors",
     "torchsnapshot",
     "statesnap",
-    "statesnap-direct",
+    "statesnap-buffered",
 ]
 MODE_TITLES = {
     "cache": "Take, to the page cache (no fsync)",

@@ -7,7 +7,8 @@ into tensors it allocates itself. Each call here is what the harness times; ever
 
 Writers: ``raw``, ``raw-direct`` (the same bytes written past the page cache, O_DIRECT: what
 the device itself takes; no reader), ``torch.save``, ``dcp``, ``safetensors``,
-``torchsnapshot``, ``statesnap``, ``statesnap-direct`` (direct I/O in both modes; no reader).
+``torchsnapshot``, ``statesnap``, ``statesnap-direct`` (direct I/O in both modes; no reader),
+``statesnap-buffered`` (every file through the page cache in both modes; no reader).
 Readers: ``raw`` (readinto preallocated), ``raw fresh`` (readinto new tensors), ``torch.load``,
 ``torch.load mmap`` (mmap'd, then ``copy_`` into preallocated targets, so every byte is read),
 ``dcp`` (into preallocated), ``safetensors`` (``load_file``, whose tensors are mmap-backed and
@@ -328,6 +329,13 @@ def _ss_direct_save(spec: StateSpec, state: State, path: str, fsync: bool) -> No
     Snapshot.take(statesnap_path(path), app, storage_options={"fsync": fsync, "direct_io": True})
 
 
+def _ss_buffered_save(spec: StateSpec, state: State, path: str, fsync: bool) -> None:
+    from snapshot import Snapshot, StateDict
+
+    app = {g: StateDict(d) for g, d in state.items()}
+    Snapshot.take(statesnap_path(path), app, storage_options={"fsync": fsync, "direct_io": False})
+
+
 def _ss_load(spec: StateSpec, path: str, targets: State | None) -> State:
     from snapshot import Snapshot, StateDict
 
@@ -455,7 +463,8 @@ WRITERS: dict[str, Writer] = {
             save=_ss_save,
             prepare=_ss_prepare,
             note="Snapshot.take (fsync'd, the default: files of 1 MiB and more written with "
-            'direct I/O); storage_options={"fsync": False} in the page-cache mode',
+            'direct I/O); storage_options={"fsync": False} in the page-cache mode (direct '
+            "I/O too on a VM that hands its free memory back to the host)",
         ),
         Writer(
             "statesnap-direct",
@@ -465,6 +474,15 @@ WRITERS: dict[str, Writer] = {
             prepare=_ss_prepare,
             note='Snapshot.take; storage_options={"fsync": <mode>, "direct_io": True}: '
             "in the page-cache mode, written past the page cache all the same (no fsync)",
+        ),
+        Writer(
+            "statesnap-buffered",
+            objects=True,
+            self_fsync=True,
+            save=_ss_buffered_save,
+            prepare=_ss_prepare,
+            note='Snapshot.take; storage_options={"fsync": <mode>, "direct_io": False}: '
+            "every file through the page cache in both modes",
         ),
     )
 }
