@@ -28,6 +28,9 @@ path (stdout and stderr stay free for whatever the libraries print). Ops:
                  tensor equals this rank's piece of the regenerated global tensor, bitwise.
 
 Peak RSS is measured above the RSS right before the timed region (see ``common.PeakRSS``).
+When the job says ``settle_memory`` (the harness's default), the worker (rank 0 of a group)
+first waits until the kernel has stopped handing freed memory back to the host
+(``common.settle_memory``), and the result gives the seconds waited (``settled_seconds``).
 
 A job with ``rank``, ``world_size`` and ``store`` is one rank of a process group (the ``dist``
 and ``reshard`` cases; the harness starts ``world_size`` workers for it): the worker joins a
