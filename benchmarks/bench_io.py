@@ -66,6 +66,7 @@ from benchmarks.common import (
     GIB,
     MIB,
     READ_OBJECT_TARGET,
+    SETTLE_QUIET_SECONDS,
     build_spec,
     check_restored,
     describe_spec,
@@ -2477,7 +2478,8 @@ def _settle_line(asked: bool, waits: Sequence[float]) -> str:
         return "Memory: no free page reporting seen on this machine; nothing to settle."
     return (
         "Memory: before each timed operation the worker waited until the kernel had handed no "
-        f"freed memory back to the host for 3 s (waits: median {statistics.median(waits):.1f} s, "
+        f"freed memory back to the host for {SETTLE_QUIET_SECONDS:g} s (waits: median "
+        f"{statistics.median(waits):.1f} s, "
         f"{min(waits):.1f}-{max(waits):.1f} s, {len(waits)} operations)."
     )
 

@@ -839,6 +839,8 @@ def fsync_tree(path: str) -> None:
 # seconds freed decides the figure. ``settle_memory`` waits until the reporting has gone quiet,
 # so that every timed operation starts with its memory in the same state (handed back).
 _REPORTED_KIB = "/sys/module/page_reporting/parameters/reported_kib"
+# Reports come in bursts about 2 s apart: this long without one means the reporting is done.
+SETTLE_QUIET_SECONDS = 3.0
 
 
 def reported_kib() -> int | None:
@@ -850,10 +852,12 @@ def reported_kib() -> int | None:
         return None
 
 
-def settle_memory(quiet: float = 3.0, limit: float = 30.0, poll: float = 0.1) -> float | None:
-    """Waits until the kernel has reported no free memory to the host for ``quiet`` seconds
-    (reports come in bursts about 2 s apart), at most ``limit`` seconds; the seconds waited, or
-    None when this machine does not show such reporting."""
+def settle_memory(
+    quiet: float = SETTLE_QUIET_SECONDS, limit: float = 30.0, poll: float = 0.1
+) -> float | None:
+    """Waits until the kernel has reported no free memory to the host for ``quiet`` seconds,
+    at most ``limit`` seconds; the seconds waited, or None when this machine does not show such
+    reporting."""
     last = reported_kib()
     if last is None:
         return None

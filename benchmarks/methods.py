@@ -48,6 +48,7 @@ tensors, into preallocated ones) that bound how short such a call can be on the 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import mmap
 import os
 import warnings
@@ -315,25 +316,17 @@ def statesnap_path(path: str) -> str:
     return os.path.join(path, "statesnap")
 
 
-def _ss_save(spec: StateSpec, state: State, path: str, fsync: bool) -> None:
+def _ss_save(
+    spec: StateSpec, state: State, path: str, fsync: bool, direct_io: bool | None = None
+) -> None:
+    """``Snapshot.take``; ``direct_io`` None leaves the library's "auto" (the default)."""
     from snapshot import Snapshot, StateDict
 
     app = {g: StateDict(d) for g, d in state.items()}
-    Snapshot.take(statesnap_path(path), app, storage_options=None if fsync else {"fsync": False})
-
-
-def _ss_direct_save(spec: StateSpec, state: State, path: str, fsync: bool) -> None:
-    from snapshot import Snapshot, StateDict
-
-    app = {g: StateDict(d) for g, d in state.items()}
-    Snapshot.take(statesnap_path(path), app, storage_options={"fsync": fsync, "direct_io": True})
-
-
-def _ss_buffered_save(spec: StateSpec, state: State, path: str, fsync: bool) -> None:
-    from snapshot import Snapshot, StateDict
-
-    app = {g: StateDict(d) for g, d in state.items()}
-    Snapshot.take(statesnap_path(path), app, storage_options={"fsync": fsync, "direct_io": False})
+    options: dict[str, Any] = {} if fsync else {"fsync": False}
+    if direct_io is not None:
+        options["direct_io"] = direct_io
+    Snapshot.take(statesnap_path(path), app, storage_options=options or None)
 
 
 def _ss_load(spec: StateSpec, path: str, targets: State | None) -> State:
@@ -470,7 +463,7 @@ WRITERS: dict[str, Writer] = {
             "statesnap-direct",
             objects=True,
             self_fsync=True,
-            save=_ss_direct_save,
+            save=functools.partial(_ss_save, direct_io=True),
             prepare=_ss_prepare,
             note='Snapshot.take; storage_options={"fsync": <mode>, "direct_io": True}: '
             "in the page-cache mode, written past the page cache all the same (no fsync)",
@@ -479,7 +472,7 @@ WRITERS: dict[str, Writer] = {
             "statesnap-buffered",
             objects=True,
             self_fsync=True,
-            save=_ss_buffered_save,
+            save=functools.partial(_ss_save, direct_io=False),
             prepare=_ss_prepare,
             note='Snapshot.take; storage_options={"fsync": <mode>, "direct_io": False}: '
             "every file through the page cache in both modes",
