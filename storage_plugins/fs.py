@@ -12,9 +12,11 @@ import os
 import threading
 import uuid
 from bisect import bisect_right
+from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from itertools import accumulate
+from itertools import accumulate, repeat
+from operator import sub
 from typing import Any, TypeVar
 
 from storage_plugins.base import Buffer, StoragePlugin
@@ -406,11 +408,21 @@ def _write_direct(fd: int, views: Sequence[memoryview], observe: Observer | None
     """Writes ``views`` (non-empty byte views, in order) to ``fd``, opened with O_DIRECT at
     offset 0, through this thread's aligned buffer; ``observe`` sees each piece right after its
     write, from the buffer (the very bytes written). Raises ``_DirectRefused`` when the first
-    write is refused (EINVAL): nothing is then written or observed."""
+    write is refused (EINVAL): nothing is then written or observed.
+
+    A slab is thousands of views: those that fit whole in the buffer are copied by one C-level
+    pass per buffer-full (``map`` of the buffer's ``__setitem__`` over their slices), not by a
+    Python loop per view; only a view cut by the buffer's end takes Python steps of its own.
+    """
     buf = _bounce_buffer()
     piece = len(buf)
-    pos = 0  # file offset of the buffer's first byte
-    fill = 0  # bytes in the buffer
+    count = len(views)
+    ends = list(accumulate(map(len, views)))  # where each view ends in the stream
+    starts = [0, *ends[:-1]]
+    total = ends[-1] if ends else 0
+    pos = 0  # stream (and file) offset of the buffer's first byte
+    i = 0  # the first view not wholly copied
+    head = 0  # bytes of view ``i`` copied into earlier buffer-fulls
 
     def flush(nbytes: int, padded: int) -> None:
         done = 0
@@ -427,23 +439,36 @@ def _write_direct(fd: int, views: Sequence[memoryview], observe: Observer | None
         if observe is not None:
             observe(buf[:nbytes])
 
-    for view in views:
-        size = len(view)
-        off = 0
-        while off < size:
-            k = min(size - off, piece - fill)
-            buf[fill : fill + k] = view[off : off + k] if k != size else view
-            fill += k
-            off += k
-            if fill == piece:
-                flush(piece, piece)
-                pos += piece
-                fill = 0
-    if fill:
-        padded = -(-fill // _DIRECT_ALIGN) * _DIRECT_ALIGN
-        buf[fill:padded] = bytes(padded - fill)  # no stale memory reaches the disk
-        flush(fill, padded)
-        os.ftruncate(fd, pos + fill)
+    while pos < total:
+        stop = min(pos + piece, total)  # stream offset where this buffer-full ends
+        if head:  # the rest of a view cut by the previous buffer's end
+            k = min(ends[i] - pos, stop - pos)
+            buf[:k] = views[i][head : head + k]
+            head += k
+            if starts[i] + head == ends[i]:
+                i, head = i + 1, 0
+        if not head:
+            # Views i..j-1 end within this buffer-full: one pass copies them all.
+            j = bisect_right(ends, stop, i, count)
+            if j > i:
+                slices = map(
+                    slice, map(sub, starts[i:j], repeat(pos)), map(sub, ends[i:j], repeat(pos))
+                )
+                deque(map(buf.__setitem__, slices, views[i:j]), maxlen=0)
+                i = j
+            if i < count and starts[i] < stop:  # view i goes on past this buffer-full
+                k = stop - starts[i]
+                buf[starts[i] - pos : piece] = views[i][:k]
+                head = k
+        fill = stop - pos
+        if fill == piece:
+            flush(piece, piece)
+        else:  # the last, short piece: padded to the alignment, then the file cut back
+            padded = -(-fill // _DIRECT_ALIGN) * _DIRECT_ALIGN
+            buf[fill:padded] = bytes(padded - fill)  # no stale memory reaches the disk
+            flush(fill, padded)
+            os.ftruncate(fd, pos + fill)
+        pos = stop
 
 
 def _write_all(

@@ -440,6 +440,9 @@ _LAYOUTS = {
     "small then large": [100, 5 * 16384 + 7, 3],
     "many small": [0, 1, 4095, 4096, 4097, 777] * 40,
     "large views at the edge": [16384 - 1, 16384 + 1, 2 * 16384, 0, 1],
+    "views ending at the edges": [8192, 8192, 16384 - 100, 100, 16384, 3],
+    "a view over pieces, mid-buffer": [100, 3 * 16384, 50, 16384 - 150, 16384],
+    "thousands of slab members": [4096, 12, 10240, 4, 65536, 16, 20000] * 300,
 }
 
 
