@@ -421,8 +421,7 @@ def _write_direct(fd: int, views: Sequence[memoryview], observe: Observer | None
     starts = [0, *ends[:-1]]
     total = ends[-1] if ends else 0
     pos = 0  # stream (and file) offset of the buffer's first byte
-    i = 0  # the first view not wholly copied
-    head = 0  # bytes of view ``i`` copied into earlier buffer-fulls
+    i = 0  # the first view not wholly copied (it may have begun in an earlier buffer-full)
 
     def flush(nbytes: int, padded: int) -> None:
         done = 0
@@ -441,25 +440,19 @@ def _write_direct(fd: int, views: Sequence[memoryview], observe: Observer | None
 
     while pos < total:
         stop = min(pos + piece, total)  # stream offset where this buffer-full ends
-        if head:  # the rest of a view cut by the previous buffer's end
-            k = min(ends[i] - pos, stop - pos)
-            buf[:k] = views[i][head : head + k]
-            head += k
-            if starts[i] + head == ends[i]:
-                i, head = i + 1, 0
-        if not head:
-            # Views i..j-1 end within this buffer-full: one pass copies them all.
-            j = bisect_right(ends, stop, i, count)
-            if j > i:
-                slices = map(
-                    slice, map(sub, starts[i:j], repeat(pos)), map(sub, ends[i:j], repeat(pos))
-                )
-                deque(map(buf.__setitem__, slices, views[i:j]), maxlen=0)
-                i = j
-            if i < count and starts[i] < stop:  # view i goes on past this buffer-full
-                k = stop - starts[i]
-                buf[starts[i] - pos : piece] = views[i][:k]
-                head = k
+        j = bisect_right(ends, stop, i, count)  # views i..j-1 end within this buffer-full
+        if j > i and starts[i] < pos:  # the rest of a view cut by the previous buffer's end
+            buf[: ends[i] - pos] = views[i][pos - starts[i] :]
+            i += 1
+        if j > i:  # one pass copies the views that lie wholly in this buffer-full
+            slices = map(
+                slice, map(sub, starts[i:j], repeat(pos)), map(sub, ends[i:j], repeat(pos))
+            )
+            deque(map(buf.__setitem__, slices, views[i:j]), maxlen=0)
+            i = j
+        if i < count and starts[i] < stop:  # a view going on past this buffer-full
+            lo = max(starts[i], pos)
+            buf[lo - pos : piece] = views[i][lo - starts[i] : stop - starts[i]]
         fill = stop - pos
         if fill == piece:
             flush(piece, piece)
