@@ -86,6 +86,18 @@ _DIRECT_PIECE_BYTES = 4 << 20
 # Smaller files (manifests, objects, a few small tensors) go through the page cache: a direct
 # write of a few KiB waits on the device for little.
 _DIRECT_MIN_BYTES = 1 << 20
+# With direct_io="auto", a file made of many small views (a slab of small tensors) also goes
+# through the page cache: there one ``pwritev`` of up to 1,024 views copies them in the kernel
+# without the GIL, where a direct write copies them into the aligned buffer holding the GIL and
+# takes the GIL back after each 4 MiB piece. A take writes its slabs while the caller's thread
+# is still planning the rest of the state in Python, and a thread coming back from a system call
+# then waits up to the interpreter's switch interval (5 ms) for the GIL: one thread writing 4 MiB
+# pieces directly beside a thread busy in Python wrote 0.44-0.48 GB/s here, 1.34-1.65 GB/s
+# alone. The take of 20,000 tensors of 4-64 KiB (200 MiB in 32 MiB slabs; memory settled, a
+# fresh process each) went from 0.350 to 0.328 s fsync'd with its slabs so (medians of 7, paired
+# ratio 0.93), and from 0.340 to 0.297 s without fsync (0.87). A file whose views average this
+# much or more (a large tensor: one view) is written directly.
+_DIRECT_MIN_MEAN_VIEW_BYTES = 256 << 10
 _bounce = threading.local()
 
 # A VM guest whose kernel reports its free memory to the host (virtio-balloon's free page
@@ -165,6 +177,8 @@ class FSStoragePlugin(StoragePlugin):
             allocating page-cache memory costs more than the device's write); True always
             (the take then ends when the device has the bytes, not when the page cache has
             them: slower on a machine whose page cache takes writes faster than its disk).
+            "auto" leaves a file of many small views (a slab of small tensors) to the page
+            cache, where they are copied without the GIL; True writes it directly too.
             A file system that refuses direct I/O (tmpfs, some network and FUSE file
             systems) is written through the page cache instead, with a log line.
         io_threads (int, default 8): size of the thread pool.
@@ -187,6 +201,10 @@ class FSStoragePlugin(StoragePlugin):
         if direct is True and not _O_DIRECT:
             raise ValueError("direct_io=True needs O_DIRECT, which this platform does not have")
         # Whether files are written directly; turned off for good when the file system refuses.
+        # "auto" leaves a file of many small views to the page cache
+        # (``_DIRECT_MIN_MEAN_VIEW_BYTES``); True writes every file of ``_DIRECT_MIN_BYTES``
+        # directly.
+        self._direct_small_views = direct is True
         if direct == "auto":
             direct = self._fsync or _direct_without_fsync()
         self._direct = bool(_O_DIRECT) and direct
@@ -219,7 +237,12 @@ class FSStoragePlugin(StoragePlugin):
         tmp = os.path.join(directory, f".{os.path.basename(final)}.{uuid.uuid4().hex[:12]}.tmp")
         views = [memoryview(b).cast("B") for b in buffers if len(b)]
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
-        direct = self._direct and sum(map(len, views)) >= _DIRECT_MIN_BYTES
+        total = sum(map(len, views))
+        direct = (
+            self._direct
+            and total >= _DIRECT_MIN_BYTES
+            and (self._direct_small_views or total >= len(views) * _DIRECT_MIN_MEAN_VIEW_BYTES)
+        )
         try:
             fd = os.open(tmp, flags | (_O_DIRECT if direct else 0), 0o644)
         except OSError as e:

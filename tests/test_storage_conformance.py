@@ -576,6 +576,41 @@ def test_fs_direct_io_option_decides_which_files_are_written_directly(
     assert (tmp_path / "big").read_bytes() == big
 
 
+@pytest.mark.parametrize(
+    ("direct_io", "expected"),
+    [
+        # (a slab of small views, a few large views, one large view): written directly?
+        ("auto", {"slab": False, "few": True, "one": True}),
+        (True, {"slab": True, "few": True, "one": True}),
+    ],
+)
+def test_fs_auto_direct_io_leaves_files_of_many_small_views_to_the_page_cache(
+    tmp_path, monkeypatch, direct_io, expected
+):
+    import os
+
+    from storage_plugins import fs
+
+    if not hasattr(os, "O_DIRECT"):
+        pytest.skip("O_DIRECT is Linux's")
+    if not _accepts_direct_io(tmp_path):
+        pytest.skip(f"the file system of {tmp_path} refuses O_DIRECT writes")
+    mean = fs._DIRECT_MIN_MEAN_VIEW_BYTES
+    layouts = {
+        "slab": [mean - 1] * 8,  # 2 MiB of views just under the mean
+        "few": [mean] * 4,  # views of exactly the mean (1 MiB in all)
+        "one": [fs._DIRECT_MIN_BYTES],
+    }
+    plugin = fs.FSStoragePlugin(str(tmp_path), {"fsync": True, "direct_io": direct_io})
+    for name, sizes in layouts.items():
+        assert sum(sizes) >= fs._DIRECT_MIN_BYTES
+        parts = [os.urandom(n) for n in sizes]
+        calls = _Syscalls(monkeypatch, fs)
+        plugin._write_sync(name, [memoryview(p) for p in parts])
+        assert calls.direct_opens() == int(expected[name]), name
+        assert (tmp_path / name).read_bytes() == b"".join(parts)
+
+
 def test_fs_direct_io_option_is_checked(tmp_path):
     from storage_plugins import fs
 
