@@ -73,9 +73,9 @@ def inline_max_bytes() -> int:
 
 def write_batch_bytes() -> int:
     """Staged bytes handed from the caller's thread to the I/O loop at a time
-    (STATESNAP_WRITE_BATCH_BYTES, default 64 MiB): smaller starts writing sooner. Take only:
-    async take holds its writes until its call returns."""
-    return _env_int("WRITE_BATCH_BYTES", 64 * _MIB, 1)
+    (STATESNAP_WRITE_BATCH_BYTES, default 1 MiB: each slab or chunk as soon as it is staged,
+    smaller writes grouped). Take only: async take holds its writes until its call returns."""
+    return _env_int("WRITE_BATCH_BYTES", _MIB, 1)
 
 
 def chunk_bytes(store_hint: int | None = None) -> int:

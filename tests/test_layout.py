@@ -176,3 +176,44 @@ def test_a_take_writes_the_manifest_its_entries_make(snapshot_url, small_layout,
     out = StateDict({k: torch.empty_like(v) for k, v in state.items()})
     loaded.restore({"s": out})
     assert_same(dict(out), dict(state))
+
+
+class _WaitsForAWrite:
+    """A value whose serialization waits (at most 10 s) until some slab's write has begun."""
+
+    begun = None  # a threading.Event, set by the test's storage
+    waited: bool | None = None
+
+    def __reduce__(self):
+        type(self).waited = type(self).begun.wait(10)
+        return (dict, ())
+
+
+def test_a_process_alone_writes_its_first_slabs_while_it_plans_the_rest(tmp_path, monkeypatch):
+    """With the default hand-off (a staged slab goes to the I/O loop at once), a slab's write
+    begins before the take has planned the values after it."""
+    import threading
+
+    from storage_plugins import fs
+
+    monkeypatch.delenv("STATESNAP_WRITE_BATCH_BYTES", raising=False)
+    monkeypatch.setenv("STATESNAP_SLAB_BYTES", str(1 << 20))  # 4 tensors of 256 KiB a slab
+    begun = threading.Event()
+    monkeypatch.setattr(_WaitsForAWrite, "begun", begun)
+    real = fs.FSStoragePlugin._write_sync
+
+    def write_sync(self, path, buffers, observe=None):
+        if path.startswith("0/s"):  # a slab (not the pending marker)
+            begun.set()
+        return real(self, path, buffers, observe)
+
+    monkeypatch.setattr(fs.FSStoragePlugin, "_write_sync", write_sync)
+    tensors = {f"t{i:02d}": torch.full((65536,), float(i)) for i in range(16)}
+    state = StateDict(tensors=tensors, after=_WaitsForAWrite())
+    Snapshot.take(str(tmp_path / "snap"), {"m": state}, storage_options={"fsync": False})
+    assert _WaitsForAWrite.waited is True
+    out = StateDict(tensors={k: torch.empty(65536) for k in tensors}, after=None)
+    with torch.serialization.safe_globals([dict]):  # what the value pickles as
+        Snapshot(str(tmp_path / "snap")).restore({"m": out})
+    assert_same(out["tensors"], tensors)
+    assert out["after"] == {}
