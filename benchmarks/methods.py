@@ -7,7 +7,8 @@ into tensors it allocates itself. Each call here is what the harness times; ever
 
 Writers: ``raw``, ``raw-direct`` (the same bytes written past the page cache, O_DIRECT: what
 the device itself takes; no reader), ``torch.save``, ``dcp``, ``safetensors``,
-``torchsnapshot``, ``statesnap``, ``statesnap-direct`` (direct I/O in both modes; no reader),
+``torchsnapshot``, ``statesnap``, ``statesnap-direct`` (direct I/O in both modes, slabs too; no
+reader),
 ``statesnap-buffered`` (every file through the page cache in both modes; no reader).
 Readers: ``raw`` (readinto preallocated), ``raw fresh`` (readinto new tensors), ``torch.load``,
 ``torch.load mmap`` (mmap'd, then ``copy_`` into preallocated targets, so every byte is read),
@@ -456,8 +457,9 @@ WRITERS: dict[str, Writer] = {
             save=_ss_save,
             prepare=_ss_prepare,
             note="Snapshot.take (fsync'd, the default: files of 1 MiB and more written with "
-            'direct I/O); storage_options={"fsync": False} in the page-cache mode (direct '
-            "I/O too on a VM that hands its free memory back to the host)",
+            "direct I/O, but slabs of small tensors through the page cache); "
+            'storage_options={"fsync": False} in the page-cache mode (the same on a VM that '
+            "hands its free memory back to the host)",
         ),
         Writer(
             "statesnap-direct",
@@ -466,7 +468,8 @@ WRITERS: dict[str, Writer] = {
             save=functools.partial(_ss_save, direct_io=True),
             prepare=_ss_prepare,
             note='Snapshot.take; storage_options={"fsync": <mode>, "direct_io": True}: '
-            "in the page-cache mode, written past the page cache all the same (no fsync)",
+            "every file of 1 MiB and more, slabs too, past the page cache, in the page-cache "
+            "mode all the same (no fsync)",
         ),
         Writer(
             "statesnap-buffered",

@@ -145,8 +145,8 @@ def _direct_without_fsync() -> bool:
     logger.info(
         "this machine hands its free memory back to the host (virtio-balloon free page "
         "reporting), which makes page-cache memory slow to allocate: files of 1 MiB and more "
-        "are written with direct I/O also without fsync (storage_options direct_io=False "
-        "writes them through the page cache)"
+        "(but slabs of small tensors) are written with direct I/O also without fsync "
+        "(storage_options direct_io=False writes them through the page cache)"
     )
     return True
 
