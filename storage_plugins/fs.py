@@ -95,8 +95,10 @@ _DIRECT_MIN_BYTES = 1 << 20
 # pieces directly beside a thread busy in Python wrote 0.44-0.48 GB/s here, 1.34-1.65 GB/s
 # alone. The take of 20,000 tensors of 4-64 KiB (200 MiB in 32 MiB slabs; memory settled, a
 # fresh process each) went from 0.350 to 0.328 s fsync'd with its slabs so (medians of 7, paired
-# ratio 0.93), and from 0.340 to 0.297 s without fsync (0.87). A file whose views average this
-# much or more (a large tensor: one view) is written directly.
+# ratio 0.93), and from 0.340 to 0.297 s without fsync (0.87); in one run of the benchmark
+# harness beside the same library writing slabs directly, fsync'd, no difference (0.343 and
+# 0.337 s, 5 rounds): a gain within this machine's noise. A file whose views average this much
+# or more (a large tensor: one view) is written directly.
 _DIRECT_MIN_MEAN_VIEW_BYTES = 256 << 10
 _bounce = threading.local()
 

@@ -200,6 +200,7 @@ def test_a_process_alone_writes_its_first_slabs_while_it_plans_the_rest(tmp_path
     monkeypatch.setenv("STATESNAP_SLAB_BYTES", str(1 << 20))  # 4 tensors of 256 KiB a slab
     begun = threading.Event()
     monkeypatch.setattr(_WaitsForAWrite, "begun", begun)
+    monkeypatch.setattr(_WaitsForAWrite, "waited", None)
     real = fs.FSStoragePlugin._write_sync
 
     def write_sync(self, path, buffers, observe=None):
