@@ -87,18 +87,11 @@ _DIRECT_PIECE_BYTES = 4 << 20
 # write of a few KiB waits on the device for little.
 _DIRECT_MIN_BYTES = 1 << 20
 # With direct_io="auto", a file made of many small views (a slab of small tensors) also goes
-# through the page cache: there one ``pwritev`` of up to 1,024 views copies them in the kernel
-# without the GIL, where a direct write copies them into the aligned buffer holding the GIL and
-# takes the GIL back after each 4 MiB piece. A take writes its slabs while the caller's thread
-# is still planning the rest of the state in Python, and a thread coming back from a system call
-# then waits up to the interpreter's switch interval (5 ms) for the GIL: one thread writing 4 MiB
-# pieces directly beside a thread busy in Python wrote 0.44-0.48 GB/s here, 1.34-1.65 GB/s
-# alone. The take of 20,000 tensors of 4-64 KiB (200 MiB in 32 MiB slabs; memory settled, a
-# fresh process each) went from 0.350 to 0.328 s fsync'd with its slabs so (medians of 7, paired
-# ratio 0.93), and from 0.340 to 0.297 s without fsync (0.87); in one run of the benchmark
-# harness beside the same library writing slabs directly, fsync'd, no difference (0.343 and
-# 0.337 s, 5 rounds): a gain within this machine's noise. A file whose views average this much
-# or more (a large tensor: one view) is written directly.
+# through the page cache, where ``pwritev`` copies up to 1,024 views in the kernel without the
+# GIL; a direct write copies them into the aligned buffer holding the GIL and takes the GIL back
+# after each 4 MiB piece, which costs up to the switch interval while the caller still plans in
+# Python (docs/architecture.md, "Storage plugins", has the figures). A file whose views average
+# this much or more (a large tensor: one view) is written directly.
 _DIRECT_MIN_MEAN_VIEW_BYTES = 256 << 10
 _bounce = threading.local()
 
