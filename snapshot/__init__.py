@@ -25,8 +25,7 @@ from snapshot.errors import (
 from snapshot.pending import PendingSnapshot
 from snapshot.snapshot import Snapshot
 from snapshot.stateful import RNGState, StateDict, Stateful
-
-__version__ = "0.1.0"
+from snapshot.version import __version__
 
 __all__ = [
     "ChecksumError",

@@ -81,6 +81,7 @@ from snapshot.sharding.mapping import (
 from snapshot.staging import StagingPool
 from snapshot.stateful import RNGState, Stateful
 from snapshot.strategies import sharded
+from snapshot.version import __version__
 from storage_plugins import StoragePlugin
 from storage_plugins.registry import chunk_bytes_hint
 
@@ -90,8 +91,6 @@ MANIFEST_NAME = "manifest.yaml"
 # Written before the first blob and deleted after the commit: its presence without a manifest
 # means a take was interrupted.
 PENDING_NAME = ".statesnap-pending"
-
-LIBRARY_VERSION = "0.1.0"
 
 
 def _ordered_keys(app_state: Mapping[str, Any]) -> list[str]:
@@ -500,7 +499,7 @@ class TakeJob:
         kinds = set(map(type, entries.values()))
         with_shards = ShardedTensorEntry in kinds or ShardedObjectEntry in kinds
         metadata = {
-            "library": f"statesnap {LIBRARY_VERSION}",
+            "library": f"statesnap {__version__}",
             "torch": str(torch.__version__),
             "created_unix": round(time.time(), 3),
             **({"strategies": self.strategies} if self.strategies else {}),
