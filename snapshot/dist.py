@@ -107,11 +107,19 @@ def _gloo_group(pg: Any | None, *, background: bool) -> Any:
         return group
     cached = _gloo_groups.get((id(group), background))
     if cached is None:
-        # A collective over the group's ranks: every rank is in take/restore, so all call it.
+        # Only the ranks of the caller's group are in this take or restore. torch wants every
+        # rank of the default group to call ``new_group`` for each group, in the same order,
+        # unless the group synchronizes locally: then its members alone make it, under a name
+        # hashed from its ranks and the number of groups each member has (equal on members
+        # that made their groups alike). Without it, disjoint subgroups taking snapshots at
+        # once hang or join each other's groups. The default group's ranks all call this, so
+        # its group is made the ordinary way.
+        ranks = dist.get_process_group_ranks(group)
         gloo = dist.new_group(
-            ranks=dist.get_process_group_ranks(group),
+            ranks=ranks,
             backend="gloo",
             timeout=datetime.timedelta(seconds=knobs.collective_timeout_secs()),
+            use_local_synchronization=len(ranks) < dist.get_world_size(),
         )
         cached = _gloo_groups[(id(group), background)] = (group, gloo)
     return cached[1]
