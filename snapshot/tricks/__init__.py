@@ -1,0 +1,1 @@
+"""Adapters for particular wrappers, at torchsnapshot's module paths (``torchsnapshot.tricks``)."""
