@@ -14,12 +14,14 @@ from manifest.codec import (
 )
 from manifest.entries import (
     FORMAT_VERSION,
+    REPLICATED_ONCE_VERSION,
     DictEntry,
     Entry,
     ListEntry,
     Location,
     Manifest,
     ObjectEntry,
+    PickledTensorEntry,
     PrimitiveEntry,
     Shard,
     ShardedObjectEntry,
@@ -33,6 +35,7 @@ from manifest.entries import (
 
 __all__ = [
     "FORMAT_VERSION",
+    "REPLICATED_ONCE_VERSION",
     "DictEntry",
     "Entry",
     "EntryFormatter",
@@ -42,6 +45,7 @@ __all__ = [
     "ManifestChecksumError",
     "ManifestDecodeError",
     "ObjectEntry",
+    "PickledTensorEntry",
     "PrimitiveEntry",
     "Shard",
     "ShardedObjectEntry",

@@ -13,7 +13,13 @@ DictKey = str | int | bool | None
 
 # 1: dense tensors, objects, primitives, containers. 2: also sharded tensors and sharded
 # objects (a manifest without them is still written as version 1, readable by older readers).
-FORMAT_VERSION = 2
+# 3: a replicated leaf taken by several ranks is listed once, under rank 0's prefix, where
+# earlier writers repeated it under every rank's (``Manifest.view``). A reader of version 2
+# would not find rank 1's replicated entries (a restore on rank 1 would call the manifest
+# corrupt: a container lists a key that has no entry), so such a manifest says 3. A manifest
+# with no replicated leaf, or of one rank, is still written as version 1 or 2.
+FORMAT_VERSION = 3
+REPLICATED_ONCE_VERSION = 3
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -225,8 +231,35 @@ class ShardedObjectEntry(Entry):
         return (self.location,)
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PickledTensorEntry(Entry):
+    """A dense tensor stored as ``torch.save`` bytes instead of raw ones: what torchsnapshot
+    wrote for dtypes it had no raw layout for (complex, quantized). Read-only: this library
+    never writes one, and its manifest codec does not accept one (a snapshot of another format
+    is translated into entries when opened, ``snapshot.torchsnapshot_format``).
+
+    Each of ``pieces`` is the box ``offsets .. offsets + sizes`` of the tensor (one piece
+    covering it all unless the writer cut the tensor up), whose ``chunks`` hold exactly one
+    location: the ``torch.save`` bytes of that box, decoded by the safe loader.
+    """
+
+    type: ClassVar[str] = "pickled_tensor"
+    dtype: str
+    shape: tuple[int, ...]
+    pieces: tuple[Shard, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(c.nbytes for p in self.pieces for c in p.chunks)
+
+    @property
+    def locations(self) -> tuple[Location, ...]:
+        return tuple(c for p in self.pieces for c in p.chunks)
+
+
 ContainerEntry = DictEntry | ListEntry | TupleEntry
 
+# The entries a manifest file of this library may hold (``PickledTensorEntry`` is not one).
 ENTRY_TYPES: dict[str, type[Entry]] = {
     cls.type: cls
     for cls in (
@@ -240,6 +273,10 @@ ENTRY_TYPES: dict[str, type[Entry]] = {
         ShardedObjectEntry,
     )
 }
+
+
+# Entries that are never listed once for every rank (``Manifest.view``).
+_NOT_SHARED = (DictEntry, ListEntry, TupleEntry, ShardedTensorEntry, ShardedObjectEntry)
 
 
 def is_container(entry: Entry) -> bool:
@@ -259,6 +296,34 @@ class Manifest:
     world_size: int = 1
     entries: dict[str, Entry]
     metadata: dict[str, Any] = field(default_factory=dict)
+
+    def view(self, rank: int) -> dict[str, Entry]:
+        """The entries as rank ``rank`` of the take reads them: every entry, and under
+        ``<rank>/`` also each replicated leaf that is listed under ``0/`` only (version 3
+        manifests list a replicated leaf once, under rank 0's prefix; earlier ones repeated it
+        under every rank's, and then nothing is added). ``entries`` itself when nothing is
+        added; otherwise a new dict, made once per rank and kept.
+
+        Containers are never replicated (each rank lists its own), nor are sharded entries
+        (each rank's lists every shard already, under the path that rank holds it at).
+        """
+        entries = self.entries
+        if rank == 0 or self.world_size == 1:
+            return entries
+        views: dict[int, dict[str, Entry]] = self.__dict__.setdefault("_views", {})
+        view = views.get(rank)
+        if view is None:
+            prefix = f"{rank}/"
+            added = {
+                prefix + p[2:]: e
+                for p, e in entries.items()
+                if e.replicated
+                and p.startswith("0/")
+                and not isinstance(e, _NOT_SHARED)
+                and prefix + p[2:] not in entries
+            }
+            view = views[rank] = {**entries, **added} if added else entries
+        return view
 
     @functools.cached_property
     def blob_sizes(self) -> dict[str, int]:

@@ -140,6 +140,17 @@ class StoragePlugin(abc.ABC):
     async def exists(self, path: str) -> bool:
         """Whether a blob ``path`` exists."""
 
+    async def list_names(self, limit: int) -> list[str] | None:
+        """Up to ``limit`` names of what the root holds at its top level, in any order: its
+        blobs, and the first component of longer paths (a directory, an object store's common
+        prefix); ``[]`` when the root is empty or does not exist. None (the default) when the
+        store cannot tell with one cheap call.
+
+        The library asks before a take, which refuses a root that holds anything but what an
+        interrupted take left there; a plugin that answers None leaves that check undone.
+        """
+        return None
+
     @abc.abstractmethod
     async def delete(self, path: str) -> None:
         """Deletes blob ``path``; ``FileNotFoundError`` if there is none."""

@@ -15,7 +15,7 @@ from bisect import bisect_right
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from itertools import accumulate, repeat
+from itertools import accumulate, islice, repeat
 from operator import sub
 from typing import Any, TypeVar
 
@@ -336,6 +336,18 @@ class FSStoragePlugin(StoragePlugin):
 
     async def exists(self, path: str) -> bool:
         return await self._run(os.path.isfile, self._abs(path))
+
+    def _list_sync(self, limit: int) -> list[str] | None:
+        try:
+            with os.scandir(self.root) as found:
+                return [entry.name for entry in islice(found, limit)]
+        except FileNotFoundError:
+            return []
+        except NotADirectoryError:
+            return None  # a file: the take's first write reports it
+
+    async def list_names(self, limit: int) -> list[str] | None:
+        return await self._run(self._list_sync, limit)
 
     async def delete(self, path: str) -> None:
         self._sizes.pop(path, None)

@@ -77,6 +77,12 @@ class MemoryStoragePlugin(StoragePlugin):
     async def size(self, path: str) -> int:
         return len(self._get(path))
 
+    async def list_names(self, limit: int) -> list[str]:
+        prefix = _key(self.root, "")
+        with _LOCK:
+            names = {k[len(prefix) :].split("/", 1)[0] for k in _STORE if k.startswith(prefix)}
+        return sorted(names)[:limit]
+
     async def exists(self, path: str) -> bool:
         with _LOCK:
             return _key(self.root, path) in _STORE

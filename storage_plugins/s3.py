@@ -293,6 +293,31 @@ class S3StoragePlugin(StoragePlugin):
             return False
         return True
 
+    async def list_names(self, limit: int) -> list[str] | None:
+        """One ``ListObjectsV2`` request of at most ``limit`` (and 1000) keys and common
+        prefixes under the root; None when listing is not allowed (a policy may grant
+        ``PutObject`` without ``ListBucket``)."""
+        prefix = f"{self.prefix}/" if self.prefix else ""
+        try:
+            async with self._slots:
+                found = await self.fs._call_s3(
+                    "list_objects_v2",
+                    Bucket=self.bucket,
+                    Prefix=prefix,
+                    Delimiter="/",
+                    MaxKeys=max(1, min(limit, 1000)),
+                )
+        except Exception as e:
+            translated = self._translate(e, "")
+            if isinstance(translated, PermissionError):
+                return None
+            if translated is e:
+                raise
+            raise translated from e
+        names = [p["Prefix"][len(prefix) :].rstrip("/") for p in found.get("CommonPrefixes", [])]
+        names += [o["Key"][len(prefix) :] for o in found.get("Contents", [])]
+        return names[:limit]
+
     async def delete(self, path: str) -> None:
         # S3 deletes a missing key without complaint; the contract asks for FileNotFoundError.
         self._sizes.pop(path, None)
