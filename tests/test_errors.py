@@ -170,6 +170,31 @@ def test_structure_that_contains_itself(snapshot_url):
         Snapshot.take(snapshot_url, {"s": StateDict(x=loop)})
 
 
+class _Opaque:
+    """A user class: its pickle names it, which the safe loader refuses unless allowed."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+
+def test_a_value_restore_would_refuse_fails_the_take(snapshot_url):
+    # The take fails, naming the snapshot, the key, the type and what to call; nothing is
+    # committed. async_take refuses it at the call (its capture runs there).
+    state = {"s": StateDict(ok=torch.ones(3), cfg=_Opaque(1))}
+    expected = (
+        r"snapshot .*snap: 0/s/cfg: a restore would refuse this tests\.test_errors\._Opaque: "
+        r".*add_safe_globals\(\[tests\.test_errors\._Opaque\]\) before take and restore"
+    )
+    with pytest.raises(UnsupportedValueError, match=expected):
+        Snapshot.take(snapshot_url, state)
+    with pytest.raises(SnapshotNotFoundError):
+        Snapshot(snapshot_url)
+    with pytest.raises(UnsupportedValueError, match=expected):
+        Snapshot.async_take(snapshot_url, state)
+    with pytest.raises(SnapshotNotFoundError):
+        Snapshot(snapshot_url)
+
+
 def test_tensor_without_data(snapshot_url):
     with pytest.raises(UnsupportedValueError, match=r"snapshot .*snap: 0/s/w.*meta device"):
         Snapshot.take(snapshot_url, {"s": StateDict(w=torch.empty(3, device="meta"))})

@@ -232,7 +232,10 @@ def test_snapshots_record_and_check_their_strategies(tmp_path, monkeypatch):
     path = str(tmp_path / "snap")
     Snapshot.take(path, {"m": StateDict(w=ShardedTensor.from_rank_offsets("w", G.clone()))})
     snap = Snapshot(path)
-    assert snap.metadata["strategies"] == {"sharded": ["statesnap", 1], "common": ["statesnap", 1]}
+    assert snap.metadata.info["strategies"] == {
+        "sharded": ["statesnap", 1],
+        "common": ["statesnap", 1],
+    }
     loaders = base.default_strategies[StrategyAction.LOAD_SHARDED.value]
     # A library whose loader reads version 2 only, registered for what this snapshot records.
     monkeypatch.setitem(loaders, ("statesnap", 1), SnapshotLoadStrategy(versions=(2,)))
@@ -425,3 +428,124 @@ def test_a_piece_cannot_be_restored_from_a_whole_tensor(tmp_path):
     with pytest.raises(SnapshotError, match=r"0/m/w: the snapshot holds a whole tensor here"):
         Snapshot(path).restore({"m": StateDict(w=piece)})
     assert torch.equal(piece.data, torch.zeros(ROWS // 2, COLS))  # nothing was read into it
+
+
+# ---------------------------------------------------------------------------------------------
+# torch's own ShardedTensor (torch.distributed._shard: FSDP1's SHARDED_STATE_DICT, torchrec).
+
+U = torch.arange(6 * 4, dtype=torch.float64).reshape(6, 4)
+
+
+def _torch_sharded(
+    rank: int, boxes: dict[int, list[tuple[int, int]]], full: torch.Tensor, dim: int
+):
+    """A torch ShardedTensor of ``full`` whose shards on ``rank`` are the blocks ``(start,
+    stop)`` along ``dim`` listed under it (several, or none)."""
+    import warnings
+
+    from torch.distributed._shard.metadata import ShardMetadata
+    from torch.distributed._shard.sharded_tensor import Shard, init_from_local_shards
+
+    warnings.filterwarnings("ignore", "Please use DTensor", FutureWarning)
+    local = []
+    for start, stop in boxes.get(rank, []):
+        offsets, sizes = [0] * full.dim(), list(full.shape)
+        offsets[dim], sizes[dim] = start, stop - start
+        block = full.narrow(dim, start, stop - start).clone()
+        local.append(Shard(block, ShardMetadata(offsets, sizes, f"rank:{rank}/cpu")))
+    return init_from_local_shards(local, *full.shape)
+
+
+def _torch_sharded_take(rank: int, world: int, path: str) -> None:
+    # w: rows in two halves, one per rank; u: three row blocks, two of them on rank 0.
+    w = _torch_sharded(rank, {0: [(0, 8)], 1: [(8, 16)]}, G, 0)
+    u = _torch_sharded(rank, {0: [(0, 2), (4, 6)], 1: [(2, 4)]}, U, 0)
+    Snapshot.take(path, {"m": StateDict(w=w, u=u)})
+
+
+def _torch_sharded_restore(rank: int, world: int, path: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    # w into column blocks: two on rank 0, one on rank 1, none on rank 2; u into a DTensor.
+    w = _torch_sharded(rank, {0: [(0, 4), (8, 12)], 1: [(4, 8)]}, torch.zeros(ROWS, COLS), 1)
+    locals_before = [(s.tensor, s.tensor.data_ptr()) for s in w.local_shards()]
+    mesh = init_device_mesh("cpu", (world,))
+    u = distribute_tensor(torch.zeros(6, 4, dtype=torch.float64), mesh, [Shard(0)])
+    state = StateDict(w=w, u=u)
+    Snapshot(path).restore({"m": state})
+    assert state["w"] is w and state["u"] is u
+    for (tensor, address), shard in zip(locals_before, w.local_shards(), strict=True):
+        assert shard.tensor is tensor and tensor.data_ptr() == address  # filled in place
+        start = shard.metadata.shard_offsets[1]
+        assert torch.equal(tensor, G[:, start : start + 4])
+    assert torch.equal(u.full_tensor(), U)
+    plain = StateDict(w=torch.zeros(ROWS, COLS, dtype=torch.float64), u=None)
+    Snapshot(path).restore({"m": plain})
+    assert torch.equal(plain["w"], G.double()) and torch.equal(plain["u"], U)
+
+
+def test_torch_sharded_tensors_are_stored_as_pieces_and_restored_into_any_sharding(tmp_path):
+    path = str(tmp_path / "snap")
+    run_ranks(2, _torch_sharded_take, path)
+    snap = Snapshot(path)
+    manifest = snap.get_manifest()
+    for rank in range(2):
+        entry = manifest[f"{rank}/m/u"]
+        assert isinstance(entry, ShardedTensorEntry) and entry.key == "m/u"
+        assert [s.offsets for s in entry.shards] == [(0, 0), (2, 0), (4, 0)]
+    assert torch.equal(snap.read_object("0/m/w"), G) and torch.equal(snap.read_object("1/m/u"), U)
+    # On 3 ranks (one the snapshot did not have) into other shardings and kinds.
+    run_ranks(3, _torch_sharded_restore, path)
+
+
+def _torch_sharded_refusals(rank: int, world: int, path: str) -> list[str]:
+    from torch.distributed._shard.sharded_tensor.api import ShardedTensor as TorchSharded
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    messages = []
+    w = _torch_sharded(rank, {0: [(0, 8)], 1: [(8, 16)]}, G, 0)
+    mesh = init_device_mesh("cpu", (world,))
+    d = distribute_tensor(G, mesh, [Shard(0)])
+    # Inside a value stored whole (a dict with a tuple key is pickled), a sharded tensor's
+    # pickle would need this job's process group at restore: refused at take, even with its
+    # types allowed, which is what the safe loader would otherwise ask for.
+    for held in (w, d):
+        with (
+            torch.serialization.safe_globals([TorchSharded]),
+            pytest.raises(SnapshotError) as caught,
+        ):
+            Snapshot.take(path, {"m": StateDict(o={(1, 2): held})})
+        messages.append(str(caught.value))
+    # Two ranks holding the same box (as two HSDP replica groups do: each its own
+    # ShardedTensor, on a group of its own): no replicas to tell which copy is written.
+    import torch.distributed as dist
+    from torch.distributed._shard.metadata import ShardMetadata
+    from torch.distributed._shard.sharded_tensor import Shard as TorchShard
+    from torch.distributed._shard.sharded_tensor import init_from_local_shards
+
+    groups = [dist.new_group([r]) for r in range(world)]
+    box = ShardMetadata([0, 0], [ROWS, COLS], f"rank:{rank}/cpu")
+    same = init_from_local_shards(
+        [TorchShard(G.clone(), box)], ROWS, COLS, process_group=groups[rank]
+    )
+    with pytest.raises(SnapshotError) as caught:
+        Snapshot.take(path, {"m": StateDict(w=same)})
+    messages.append(str(caught.value))
+    return messages
+
+
+def test_a_torch_sharded_tensor_never_makes_an_unrestorable_snapshot(tmp_path):
+    path = str(tmp_path / "snap")
+    messages = run_ranks(2, _torch_sharded_refusals, path)
+    assert messages[0] == messages[1]
+    whole_st, whole_dtensor, overlap = messages[0]
+    assert "0/m/o: this dict is stored whole (pickled) and holds" in whole_st
+    assert "torch.distributed._shard.sharded_tensor.api.ShardedTensor" in whole_st
+    assert "Put sharded tensors at a leaf of the state dict" in whole_st
+    assert "torch.distributed.tensor.DTensor" in whole_dtensor
+    assert "the main replicas of ranks 0 and 1 overlap" in overlap
+    assert "torch's ShardedTensor has no replicas" in overlap
+    with pytest.raises(SnapshotError):
+        Snapshot(path)  # nothing was committed

@@ -1,5 +1,7 @@
-"""Sharded tensors: pieces of one global tensor held by several ranks (``ShardedTensor``, or a
-``DTensor`` with Shard / Replicate placements), stored once, and read back into any sharding.
+"""Sharded tensors: pieces of one global tensor held by several ranks (our ``ShardedTensor``, a
+``DTensor`` with Shard / Replicate placements, or torch's own ``ShardedTensor`` from
+``torch.distributed._shard``, as FSDP1's sharded state dicts and torchrec hold), stored once, and
+read back into any sharding.
 
 Take: each rank holding the main replica of a piece writes it like a tensor of its own (its
 bytes in row-major order, chunked like any tensor); the ranks check together, before anything is
@@ -54,6 +56,23 @@ class LocalPiece:
     main: bool
 
 
+@dataclass(frozen=True)
+class Held:
+    """What a rank holds of one global tensor: its name, dtype and shape, and its pieces (one
+    for our ``ShardedTensor`` and a ``DTensor``; any number, none included, for torch's
+    ``ShardedTensor``, whose ranks may hold several shards or none)."""
+
+    key: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    pieces: tuple[LocalPiece, ...]
+
+
+# Where torch's own ShardedTensor lives (FSDP1's SHARDED_STATE_DICT, torchrec). Its base class
+# holds the shards and their metadata; ``ShardedTensor`` adds the process group.
+_TORCH_SHARDED_MODULE = "torch.distributed._shard.sharded_tensor.api"
+
+
 def _dtensor_type() -> type | None:
     # A DTensor exists only once its module was imported: looking it up costs nothing, where
     # importing it would cost the first take about half a second.
@@ -61,22 +80,32 @@ def _dtensor_type() -> type | None:
     return getattr(module, "DTensor", None)
 
 
+def _torch_sharded_type() -> type | None:
+    # The same for torch's ShardedTensor: no instance exists before its module is imported.
+    module = sys.modules.get(_TORCH_SHARDED_MODULE)
+    return getattr(module, "ShardedTensorBase", None)
+
+
 def is_sharded(value: object) -> bool:
-    """Whether ``value`` is stored as a piece of a global tensor."""
+    """Whether ``value`` is stored as pieces of a global tensor."""
     if isinstance(value, ShardedTensor):
         return True
     dtensor = _dtensor_type()
-    return dtensor is not None and isinstance(value, dtensor)
+    if dtensor is not None and isinstance(value, dtensor):
+        return True
+    torch_sharded = _torch_sharded_type()
+    return torch_sharded is not None and isinstance(value, torch_sharded)
 
 
-def local_piece(path: str, logical: str, value: Any) -> LocalPiece:
-    """The piece a ``ShardedTensor`` or ``DTensor`` holds. A DTensor's global tensor is named by
-    its logical path (without the rank), a ShardedTensor's by its key."""
+def held(path: str, logical: str, value: Any) -> Held:
+    """The pieces a ``ShardedTensor`` (ours or torch's) or ``DTensor`` holds. A DTensor's and a
+    torch ShardedTensor's global tensor is named by its logical path (without the rank), our
+    ShardedTensor's by its key."""
     if isinstance(value, ShardedTensor):
         if value.data is None:
             raise UnsupportedValueError(f"{path}: the ShardedTensor {value.key!r} holds no data")
         offsets, sizes = value.global_region()
-        return LocalPiece(
+        piece = LocalPiece(
             key=value.key,
             dtype=value.dtype,
             shape=tuple(value.global_shape),
@@ -85,7 +114,42 @@ def local_piece(path: str, logical: str, value: Any) -> LocalPiece:
             data=value.data.reshape(sizes) if value.prepend_axis_num else value.data,
             main=is_main_replica(value.replica_id),
         )
-    return _dtensor_piece(path, logical, value)
+    else:
+        dtensor = _dtensor_type()
+        if dtensor is None or not isinstance(value, dtensor):
+            return _torch_sharded(path, logical, value)
+        piece = _dtensor_piece(path, logical, value)
+    return Held(piece.key, piece.dtype, piece.shape, (piece,))
+
+
+def _torch_sharded(path: str, logical: str, value: Any) -> Held:
+    """The local shards of torch's ``ShardedTensor``, each a piece of its own. Torch's
+    ShardedTensor has no replicas: each shard in its metadata is placed on one rank, which
+    holds it as a local shard, so every local shard is a main replica (two ranks holding the
+    same box, as two replica groups of HSDP would, fail the coverage check)."""
+    metadata = value.metadata()
+    dtype = metadata.tensor_properties.dtype
+    shape = tuple(metadata.size)
+    pieces = []
+    for shard in value.local_shards():
+        box = shard.metadata
+        if len(box.shard_offsets) != len(shape) or len(box.shard_sizes) != len(shape):
+            raise UnsupportedValueError(
+                f"{path}: a local shard of this torch ShardedTensor of shape {list(shape)} is "
+                f"placed at {list(box.shard_offsets)} with size {list(box.shard_sizes)}"
+            )
+        pieces.append(
+            LocalPiece(
+                key=logical,
+                dtype=dtype,
+                shape=shape,
+                offsets=tuple(box.shard_offsets),
+                sizes=tuple(box.shard_sizes),
+                data=shard.tensor,
+                main=True,
+            )
+        )
+    return Held(logical, dtype, shape, tuple(pieces))
 
 
 def _dtensor_piece(path: str, logical: str, value: Any) -> LocalPiece:
@@ -116,33 +180,37 @@ def _dtensor_piece(path: str, logical: str, value: Any) -> LocalPiece:
     )
 
 
-def target_region(
+def target_regions(
     path: str, entry: ShardedTensorEntry, target: Any
-) -> tuple[Region, torch.Tensor, Any]:
-    """Where a restore target's bytes belong: its region of the global tensor, the tensor to
-    fill (shaped like the region), and the value the restored state gets back.
+) -> tuple[list[tuple[Region, torch.Tensor]], Any]:
+    """Where a restore target's bytes belong: each of its regions of the global tensor with
+    the tensor to fill (shaped like the region; one for our ShardedTensor and a DTensor, one
+    per local shard of torch's ShardedTensor, none on a rank holding no shard), and the value
+    the restored state gets back.
 
     Raises:
         ShapeMismatchError: the target is a piece of a global tensor of another shape.
     """
-    piece = local_piece(path, path.partition("/")[2], target)
-    if piece.key != entry.key:
+    mine = held(path, path.partition("/")[2], target)
+    if mine.key != entry.key:
         raise StateMismatchError(
             f"{path}: the snapshot holds sharded tensor {entry.key!r} here; the object being "
-            f"restored is a piece of {piece.key!r} (pieces are matched by logical path, and "
+            f"restored is a piece of {mine.key!r} (pieces are matched by logical path, and "
             "the keys must agree)"
         )
-    if piece.shape != tuple(entry.shape):
+    if mine.shape != tuple(entry.shape):
         raise ShapeMismatchError(
             f"{path}: the snapshot holds {entry.key!r} of global shape {list(entry.shape)} "
             f"({entry.dtype}); the object being restored is a piece of a global tensor of shape "
-            f"{list(piece.shape)}"
+            f"{list(mine.shape)}"
         )
-    return (piece.offsets, piece.sizes), piece.data, _restored_value(target)
+    regions = [((p.offsets, p.sizes), p.data) for p in mine.pieces]
+    return regions, _restored_value(target)
 
 
 def _restored_value(target: Any) -> Any:
-    # A ShardedTensor gives back its (filled) data, a DTensor itself.
+    # Our ShardedTensor gives back its (filled) data; a DTensor and torch's ShardedTensor
+    # themselves, their local tensors filled in place.
     return target.data if isinstance(target, ShardedTensor) else target
 
 
@@ -178,7 +246,10 @@ def check_coverage(pieces: Sequence[Sequence[tuple[Any, ...]]]) -> None:
                 raise SnapshotError(
                     f"sharded tensor {key!r}: the main replicas of ranks {ra} and {rb} overlap "
                     f"(at {list(oa)} size {list(sa)}, and at {list(ob)} size {list(sb)}); give "
-                    "all but one of the copies of a piece a nonzero replica_id"
+                    "all but one of the copies of a piece a nonzero replica_id (torch's "
+                    "ShardedTensor has no replicas: each of its shards must be held by one rank "
+                    "only; state copied across replica groups, as HSDP's, needs DTensors, whose "
+                    "Replicate placements mark the copies)"
                 )
         covered = sum(math.prod(s) for _, _, s in mains)
         if covered != math.prod(shape):
@@ -264,7 +335,8 @@ def merge_entries(parts: Iterable[Mapping[str, Any]]) -> dict[str, Entry | str]:
                 dtype=entry.dtype,
                 shape=entry.shape,
                 shards=full[entry.key],
-                replicated=True,  # the same on every rank
+                # Not "replicated": each rank keeps its own entry, under the path it holds
+                # its piece at (one listing every shard, so any rank reads any region).
             )
     return merged
 
@@ -489,7 +561,9 @@ def checks_for(
     path: str, planned: Sequence[Piece], verify: bool
 ) -> dict[tuple[str, int], LocationCheck]:
     """One check per chunk that ``planned`` reads whole (in however many pieces): a chunk
-    read in part cannot be checked against its recorded CRC-32."""
+    read in part cannot be checked against its recorded CRC-32. The pieces must tile the
+    chunk, each starting where the one before ends: regions of several local shards of one
+    target, read through their gaps, may read some stored bytes twice."""
     if not verify:
         return {}
     covered: dict[tuple[str, int], list[Piece]] = {}
@@ -498,7 +572,14 @@ def checks_for(
     checks = {}
     for key, found in covered.items():
         chunk = found[0].chunk
-        if chunk.crc32 is not None and sum(p.nbytes for p in found) == chunk.nbytes:
+        if chunk.crc32 is None or sum(p.nbytes for p in found) != chunk.nbytes:
+            continue
+        end = 0
+        for p in sorted(found, key=lambda p: p.lo):
+            if p.lo != end:
+                break
+            end += p.nbytes
+        else:
             checks[key] = LocationCheck(path, chunk, len(found))
     return checks
 
