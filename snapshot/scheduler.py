@@ -220,6 +220,11 @@ class ByteBudget:
         """The most bytes held at once so far."""
         return self._peak
 
+    @property
+    def used(self) -> int:
+        """The bytes held now."""
+        return self._used
+
     def _fits(self, n: int) -> bool:
         return self._used == 0 or self._used + n <= self.capacity
 
@@ -236,14 +241,25 @@ class ByteBudget:
                 return True
             return False
 
-    def acquire(self, n: int) -> None:
-        """Blocks the calling thread until ``n`` bytes fit."""
+    def acquire(self, n: int, stop: Callable[[], BaseException | None] | None = None) -> None:
+        """Blocks the calling thread until ``n`` bytes fit.
+
+        ``stop`` (checked whenever the waiter wakes, ``wake`` included) returns an error that
+        ends the wait instead: a ``BudgetShare`` aborted while this budget is not.
+        """
         with self._cond:
             while self._error is None and not (n == 0 or self._fits(n)):
+                if stop is not None and (error := stop()) is not None:
+                    raise error
                 self._cond.wait()
             if self._error is not None:
                 raise self._error
             self._take(n)
+
+    def wake(self) -> None:
+        """Wakes the threads waiting in ``acquire``, so they check their ``stop`` again."""
+        with self._cond:
+            self._cond.notify_all()
 
     async def acquire_async(self, n: int) -> None:
         """Waits on the running loop until ``n`` bytes fit."""
@@ -283,6 +299,68 @@ class ByteBudget:
             waiters, self._async_waiters = self._async_waiters, deque()
         for _, loop, future in waiters:
             loop.call_soon_threadsafe(_fail_future, future, error)
+
+
+class BudgetShare:
+    """One write pipeline's part of a ``ByteBudget`` that several share (the staging pool's, for
+    async takes pending at once, so that together they stage at most one budget).
+
+    Bytes are charged to the shared budget; the share counts its own, so a pipeline's peak and
+    a leftover are its own, and ``abort`` fails only this share's waiters: the shared budget is
+    never aborted (one take's write error must not fail the next take's staging).
+    """
+
+    def __init__(self, shared: ByteBudget) -> None:
+        self.shared = shared
+        self._used = 0
+        self._peak = 0
+        self._error: BaseException | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def peak(self) -> int:
+        """The most bytes this share held at once."""
+        return self._peak
+
+    def _took(self, n: int) -> None:
+        with self._lock:
+            self._used += n
+            self._peak = max(self._peak, self._used)
+
+    def try_acquire(self, n: int) -> bool:
+        if self._error is not None:
+            raise self._error
+        if not self.shared.try_acquire(n):
+            return False
+        self._took(n)
+        return True
+
+    def acquire(self, n: int) -> None:
+        """Blocks until ``n`` bytes fit in the shared budget. A request larger than the whole
+        budget fits when nothing at all is held: every other holder is a pending take whose
+        writes are under way, and the caller flushes its own first, so it is never waiting for
+        itself."""
+        self.shared.acquire(n, stop=lambda: self._error)
+        self._took(n)
+
+    def release(self, n: int) -> None:
+        with self._lock:
+            self._used -= n
+        self.shared.release(n)
+
+    def abort(self, error: BaseException) -> None:
+        if self._error is None:
+            self._error = error
+        self.shared.wake()
+
+    def close(self) -> None:
+        """Gives back whatever this share still holds (none once its pipeline is drained; a
+        leftover would shrink every later take's budget for good)."""
+        with self._lock:
+            left, self._used = self._used, 0
+        if left:
+            logger.debug("a write pipeline ended holding %d staging bytes; released", left)
+            self.shared.release(left)
 
 
 def _fail_future(future: asyncio.Future[None], error: BaseException) -> None:
@@ -481,6 +559,9 @@ class WritePipeline:
     and writes must start to free it): async take stages everything first, so that its writes,
     which compete with the caller for memory bandwidth and cores, start only once the caller is
     free to go.
+
+    The staging budget is a ``ByteBudget`` of ``budget_bytes`` of its own, or ``budget``: a
+    ``BudgetShare`` of one that other pipelines charge too (async takes pending at once).
     """
 
     _BATCH_ITEMS = 256
@@ -492,10 +573,13 @@ class WritePipeline:
         budget_bytes: int,
         max_concurrency: int,
         batch_bytes: int | None,
+        budget: BudgetShare | None = None,
     ) -> None:
         self._plugin = plugin
         self._loop = io_loop()
-        self.budget = ByteBudget(budget_bytes)
+        self.budget: ByteBudget | BudgetShare = (
+            ByteBudget(budget_bytes) if budget is None else budget
+        )
         self._batch: list[_Staged] = []
         self._batch_bytes = 0
         self._batch_limit = batch_bytes
@@ -593,10 +677,16 @@ class WritePipeline:
             self._queue.put_nowait(None)
         await asyncio.gather(*self._workers)
 
+    def _settle_budget(self) -> None:
+        close = getattr(self.budget, "close", None)  # a share gives back what it still holds
+        if close is not None:
+            close()
+
     async def wait(self) -> IOStats:
         """On the I/O loop, after the last ``submit``: waits until every queued write is done,
         and raises the first error any of them met."""
         await self._drain()
+        self._settle_budget()
         if self._error is not None:
             raise self._error
         return IOStats(
@@ -612,6 +702,7 @@ class WritePipeline:
             await self._drain()
         except Exception:
             logger.debug("error while draining aborted writes", exc_info=True)
+        self._settle_budget()
 
     def finish(self) -> IOStats:
         """From the caller's thread: hands over what is staged, then ``wait``."""
@@ -620,14 +711,16 @@ class WritePipeline:
 
     def abort(self, error: BaseException) -> None:
         """Stops writing (what is queued is dropped) and waits for the workers to stop."""
-        for _, _, keepalive in self._batch:
+        for req, _, keepalive in self._batch:
             _release(keepalive)
+            self.budget.release(req.staging_bytes)  # a shared budget outlives this pipeline
         self._batch = []
         self._loop.call_soon_threadsafe(self._fail, error)
         try:
             run(self._drain())
         except Exception:  # the workers record errors; nothing more to report here
             logger.debug("error while draining aborted writes", exc_info=True)
+        self._settle_budget()
 
 
 def _release(keepalive: object) -> None:

@@ -20,6 +20,22 @@ DTYPES: dict[str, torch.dtype] = {
 
 _NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
 
+# One-byte dtypes torch has no copy kernel for (int1-int7, uint1-uint7 hold a byte per element):
+# their bytes are moved through uint8 views of the same shape and strides (``as_copyable``), so
+# a transposed or sliced one is copied like any other.
+BYTE_VIEW_DTYPES = frozenset(
+    getattr(torch, f"{sign}int{bits}")
+    for sign in ("", "u")
+    for bits in range(1, 8)
+    if hasattr(torch, f"{sign}int{bits}")
+)
+
+
+def as_copyable(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or for a dtype of ``BYTE_VIEW_DTYPES`` its uint8 view: the same bytes, which
+    torch's copy kernels accept."""
+    return t.view(torch.uint8) if t.dtype in BYTE_VIEW_DTYPES else t
+
 
 def dtype_name(dtype: torch.dtype) -> str:
     """The manifest's name of ``dtype``."""
@@ -122,6 +138,8 @@ def scatter_into_flat(
 def copy_elements(target: torch.Tensor, start: int, stop: int, flat: torch.Tensor) -> None:
     """Copies the 1-d tensor ``flat`` into elements ``[start, stop)`` of ``target`` (any layout,
     device or dtype: ``copy_`` casts as ``load_state_dict`` would)."""
+    if flat.dtype is target.dtype:
+        target, flat = as_copyable(target), as_copyable(flat)
     pos = 0
     for v in range_views(target, start, stop):
         n = v.numel()
@@ -136,12 +154,49 @@ def encode_object(obj: object) -> bytes:
     return buf.getvalue()
 
 
+_numpy_allowed = False
+
+
+def _allow_numpy() -> None:
+    """Lets the safe loader rebuild NumPy arrays and scalars (``np.float64(0.5)`` from a
+    metric, an array in a data loader's state), as training state often holds them.
+
+    The names allowed build an array, a scalar or a dtype from raw bytes and type codes,
+    nothing else: an object array's elements go through the same restricted loader. They are
+    added to torch's process-wide allow-list once, the first time a pickle names NumPy
+    (torch.load takes no per-call list; a scoped ``safe_globals`` block would be undone under
+    another thread's decode).
+    """
+    global _numpy_allowed
+    if _numpy_allowed:
+        return
+    try:
+        import numpy as np
+    except ImportError:
+        return
+    core = getattr(np, "_core", None) or np.core  # NumPy 2 moved numpy.core to numpy._core
+    multiarray = core.multiarray
+    # A dtype's state is set on an instance of its class (``numpy.dtypes.Float64DType``...).
+    dtype_classes = [
+        c
+        for c in vars(getattr(np, "dtypes", np)).values()
+        if isinstance(c, type) and issubclass(c, np.dtype)
+    ]
+    torch.serialization.add_safe_globals(
+        [np.ndarray, np.dtype, multiarray._reconstruct, multiarray.scalar, *dtype_classes]
+    )
+    _numpy_allowed = True
+
+
 def decode_object(data: bytes, where: str) -> object:
     """Deserializes what :func:`encode_object` wrote, with torch's ``weights_only`` loader.
 
-    That loader only rebuilds tensors, primitives, containers and the types allowed by
-    ``torch.serialization.add_safe_globals``; it never calls anything the bytes name otherwise.
+    That loader only rebuilds tensors, primitives, containers, NumPy arrays and scalars
+    (``_allow_numpy``) and the types allowed by ``torch.serialization.add_safe_globals``; it
+    never calls anything the bytes name otherwise.
     """
+    if b"numpy" in data:  # torch.save stores its records uncompressed: the names are there
+        _allow_numpy()
     try:
         return torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
     except pickle.UnpicklingError as e:

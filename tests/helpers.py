@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from snapshot.serialization import tensor_memoryview
+from snapshot.serialization import as_copyable, tensor_memoryview
 
 
 def seal_manifest(body: bytes) -> bytes:
@@ -22,9 +22,9 @@ def seal_manifest(body: bytes) -> bytes:
 
 
 def raw_bytes(t: torch.Tensor) -> bytes:
-    """A tensor's bytes in row-major order (works for dtypes without copy kernels when
-    contiguous)."""
-    t = t.detach().resolve_conj().resolve_neg()
+    """A tensor's bytes in row-major order (dtypes without copy kernels, the sub-byte ints,
+    through their uint8 view)."""
+    t = as_copyable(t.detach().resolve_conj().resolve_neg())
     if not t.is_contiguous():
         t = t.contiguous()
     return bytes(tensor_memoryview(t))

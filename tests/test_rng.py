@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import logging
 import random
 
 import numpy as np
+import pytest
 import torch
 
 from snapshot import RNGState, Snapshot, StateDict
@@ -75,3 +77,56 @@ def test_rng_state_is_stored_compactly(snapshot_url):
     assert manifest["0/rng/python/state"].shape == (625,)
     assert manifest["0/rng/numpy/keys"].shape == (624,)
     assert len(manifest) < 20
+
+
+class _FakeCuda:
+    """Stands in for the few ``torch.cuda`` calls RNGState makes: ``visible`` devices, each
+    generator state a tensor recorded per device index."""
+
+    def __init__(self, visible: int) -> None:
+        self.visible = visible
+        self.states = {i: torch.full((16,), i, dtype=torch.uint8) for i in range(visible)}
+
+    def install(self, monkeypatch) -> None:
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: self.visible)
+        monkeypatch.setattr(
+            torch.cuda, "get_rng_state_all", lambda: [self.states[i] for i in range(self.visible)]
+        )
+
+        def set_rng_state(state, device="cuda"):
+            assert isinstance(device, int) and 0 <= device < self.visible, device
+            self.states[device] = state.clone()
+
+        monkeypatch.setattr(torch.cuda, "set_rng_state", set_rng_state)
+
+
+@pytest.mark.parametrize("taken, visible", [(2, 2), (4, 2), (2, 4)])
+def test_cuda_generators_restore_across_gpu_counts(monkeypatch, caplog, taken, visible):
+    saved = [torch.full((16,), 100 + i, dtype=torch.uint8) for i in range(taken)]
+    fake = _FakeCuda(visible)
+    fake.install(monkeypatch)
+    state = RNGState().state_dict()
+    assert len(state["cuda"]) == visible
+    state["cuda"] = saved
+    with caplog.at_level(logging.WARNING, logger="snapshot.stateful"):
+        RNGState().load_state_dict(state)
+    common = min(taken, visible)
+    for i in range(common):
+        assert torch.equal(fake.states[i], saved[i])
+    for i in range(common, visible):  # devices the snapshot has no state for keep theirs
+        assert torch.equal(fake.states[i], torch.full((16,), i, dtype=torch.uint8))
+    warned = [r.getMessage() for r in caplog.records]
+    if taken == visible:
+        assert not warned
+    else:
+        assert len(warned) == 1 and f"{taken} CUDA device(s) and {visible} are visible" in warned[0]
+
+
+def test_cuda_generators_without_cuda_are_logged_not_raised(monkeypatch, caplog):
+    state = RNGState().state_dict()
+    state["cuda"] = [torch.zeros(16, dtype=torch.uint8)]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with caplog.at_level(logging.WARNING, logger="snapshot.stateful"):
+        RNGState().load_state_dict(state)
+    assert "CUDA is not available" in caplog.text

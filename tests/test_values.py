@@ -15,16 +15,23 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from manifest import ObjectEntry, PrimitiveEntry, TensorEntry
-from snapshot import Snapshot, StateDict, UnsafeObjectError
+from snapshot import (
+    Snapshot,
+    SnapshotNotFoundError,
+    StateDict,
+    UnsafeObjectError,
+    UnsupportedValueError,
+    planner,
+)
 from snapshot.serialization import raw_memoryview, tensor_memoryview
 from tests.helpers import assert_same, random_tensor, raw_bytes
 
 ALL_DTYPES = sorted({v for v in vars(torch).values() if isinstance(v, torch.dtype)}, key=str)
 QUANTIZED = {torch.qint8, torch.quint8, torch.qint32, torch.quint4x2, torch.quint2x4}
 RAW_DTYPES = [d for d in ALL_DTYPES if d not in QUANTIZED]
-# Sub-byte integer dtypes (int1..int7, uint1..uint7) exist, but torch has no copy kernel for them,
-# so only contiguous tensors of them can be made (and stored).
-COPYABLE_DTYPES = [d for d in RAW_DTYPES if not re.fullmatch(r"torch\.u?int[1-7]", str(d))]
+# Sub-byte integer dtypes (int1..int7, uint1..uint7): torch has no copy kernel for them, so the
+# library moves their bytes as uint8; their views (transposed, sliced) are stored like any other.
+SUB_BYTE_DTYPES = [d for d in RAW_DTYPES if re.fullmatch(r"torch\.u?int[1-7]", str(d))]
 
 
 def roundtrip(url: str, value: dict, target: dict | None = None) -> StateDict:
@@ -129,6 +136,50 @@ def test_restore_into_noncontiguous_and_casting_targets(snapshot_url):
     assert out["b"] is b_target and torch.equal(b_target, value["b"].float())
 
 
+@pytest.mark.parametrize("dtype", SUB_BYTE_DTYPES, ids=str)
+def test_sub_byte_views_round_trip(snapshot_url, dtype):
+    assert len(SUB_BYTE_DTYPES) == 14
+    base = random_tensor(dtype, (5, 6), seed=3)
+    value = {"t": base.t(), "cols": base[:, 1::2], "whole": base}
+    # Targets that are views too: the bytes land through their strides.
+    targets = {
+        "t": random_tensor(dtype, (5, 6), seed=4).t(),
+        "cols": random_tensor(dtype, (5, 6), seed=5)[:, ::2],
+        "whole": random_tensor(dtype, (5, 6), seed=6),
+    }
+    out = roundtrip(snapshot_url, value, targets)
+    for k, v in value.items():
+        assert out[k] is targets[k]
+        assert torch.equal(out[k].view(torch.uint8), v.view(torch.uint8)), k
+    # Staged copies (async take) and read_object into a view take the same path.
+    url = snapshot_url + "-async"
+    Snapshot.async_take(url, {"s": StateDict(value)}).wait()
+    into = random_tensor(dtype, (6, 5), seed=7).t()
+    got = Snapshot(url).read_object("0/s/cols", obj_out=torch.empty(5, 6, dtype=dtype)[:, :3])
+    assert torch.equal(got.view(torch.uint8), value["cols"].view(torch.uint8))
+    got = Snapshot(url).read_object("0/s/t", obj_out=into.t())
+    assert torch.equal(got.view(torch.uint8), value["t"].view(torch.uint8))
+
+
+def test_numpy_arrays_and_scalars_round_trip(snapshot_url):
+    np = pytest.importorskip("numpy", reason="NumPy values need NumPy")
+    value = {
+        "best": np.float64(0.125),
+        "count": np.int64(-3),
+        "flag": np.bool_(True),
+        "array": np.arange(12, dtype=np.int16).reshape(3, 4),
+        "names": np.array(["ab", "c"]),
+        "mixed": np.array([{"x": 1}, None], dtype=object),
+        "dtype": np.dtype("float32"),
+    }
+    out = roundtrip(snapshot_url, value)
+    for k, v in value.items():
+        assert type(out[k]) is type(v), k
+    for k in ("best", "count", "flag", "array", "names"):
+        assert out[k].dtype == value[k].dtype and np.array_equal(out[k], value[k]), k
+    assert list(out["mixed"]) == [{"x": 1}, None] and out["dtype"] == np.dtype("float32")
+
+
 def test_restore_into_lazy_conjugate_and_negated_targets(snapshot_url):
     """A target whose memory holds the conjugate or the negation of its values (a lazy view)
     is filled with the stored values, not the stored bytes."""
@@ -216,13 +267,51 @@ class Settings:
     name: str
 
 
-def test_user_classes_need_an_explicit_opt_in(snapshot_url, caplog):
-    Snapshot.take(snapshot_url, {"s": StateDict(cfg=Settings(3, "x"))})
-    assert "will need" in caplog.text and "Settings" in caplog.text  # warned at take time
+def test_user_classes_need_an_explicit_opt_in(snapshot_url):
+    # Without the opt-in a restore would refuse the value: the take refuses it, naming the key,
+    # the type and what to call, and commits nothing.
+    with pytest.raises(
+        UnsupportedValueError,
+        match=r"0/s/cfg: a restore would refuse this tests\.test_values\.Settings: .*"
+        r"add_safe_globals\(\[tests\.test_values\.Settings\]\) before take and restore",
+    ):
+        Snapshot.take(snapshot_url, {"s": StateDict(cfg=Settings(3, "x"))})
+    with pytest.raises(SnapshotNotFoundError):
+        Snapshot(snapshot_url)
+    with torch.serialization.safe_globals([Settings]):
+        Snapshot.take(snapshot_url, {"s": StateDict(cfg=Settings(3, "x"))})
+    # The restore still needs the opt-in of its own process.
     with pytest.raises(UnsafeObjectError, match=r"0/s/cfg.*add_safe_globals"):
         Snapshot(snapshot_url).read_object("0/s/cfg")
     with torch.serialization.safe_globals([Settings]):
         assert Snapshot(snapshot_url).read_object("0/s/cfg") == Settings(3, "x")
+
+
+def test_every_type_the_safe_loader_needs_is_named(snapshot_url):
+    value = {(1, 2): [Settings(1, "a"), slice(0, 2)]}  # a tuple key: the dict is stored whole
+    with pytest.raises(UnsupportedValueError) as caught:
+        Snapshot.take(snapshot_url, {"s": StateDict(d=value)})
+    assert "add_safe_globals([slice, tests.test_values.Settings])" in str(caught.value)
+    assert "0/s/d" in str(caught.value)
+
+
+class _MyTensor(torch.Tensor):
+    pass
+
+
+def test_a_tensor_subclass_is_refused_at_take(snapshot_url):
+    # Only plain tensors are stored as raw bytes; a subclass is pickled, and the safe loader
+    # would refuse it at restore.
+    t = torch.arange(3.0).as_subclass(_MyTensor)
+    with pytest.raises(
+        UnsupportedValueError,
+        match=r"0/s/t: .*_MyTensor.*before take and restore.*t\.as_subclass\(torch\.Tensor\)",
+    ):
+        Snapshot.take(snapshot_url, {"s": StateDict(t=t)})
+    with torch.serialization.safe_globals([_MyTensor]):
+        Snapshot.take(snapshot_url, {"s": StateDict(t=t)})
+        out = Snapshot(snapshot_url).read_object("0/s/t")
+    assert type(out) is _MyTensor and torch.equal(out, t)
 
 
 class _Exploit:
@@ -233,10 +322,16 @@ class _Exploit:
         return (os.system, (f"touch {self.marker}",))
 
 
-def test_a_pickle_that_runs_code_is_refused(snapshot_url, tmp_path):
+def test_a_pickle_that_runs_code_is_refused(snapshot_url, tmp_path, monkeypatch):
     marker = tmp_path / "pwned"
+    # The take refuses it (its decode check runs nothing the safe loader does not allow).
+    with pytest.raises(UnsupportedValueError, match=r"0/s/x: .*needs (posix|os)\.system"):
+        Snapshot.take(snapshot_url, {"s": StateDict(x=_Exploit(str(marker)))})
+    assert not marker.exists()
+    # A snapshot holding one anyway (written by a tool without the take-time check): the
+    # restore refuses it too, without running it.
+    monkeypatch.setattr(planner, "check_object", lambda *args, **kwargs: None)
     Snapshot.take(snapshot_url, {"s": StateDict(x=_Exploit(str(marker)))})
-    assert not marker.exists()  # taking does not run it either (the take-time check refuses)
     with pytest.raises(UnsafeObjectError, match="0/s/x"):
         Snapshot(snapshot_url).restore({"s": StateDict()})
     assert not marker.exists()
@@ -282,7 +377,7 @@ def _tensors(draw):
     dtype = draw(st.sampled_from(RAW_DTYPES))
     shape = tuple(draw(st.lists(st.integers(0, 4), max_size=3)))
     t = random_tensor(dtype, shape, seed=draw(st.integers(0, 1000)))
-    if len(shape) == 2 and dtype in COPYABLE_DTYPES and draw(st.booleans()):
+    if len(shape) == 2 and draw(st.booleans()):
         t = t.t()  # a non-contiguous view
     return t
 
@@ -318,11 +413,35 @@ Point = collections.namedtuple("Point", "x y")
 
 
 def test_defaultdict_and_namedtuple_are_objects(snapshot_url):
-    value = {"dd": collections.defaultdict(int, a=1), "pt": Point(1, 2)}
-    Snapshot.take(snapshot_url, {"s": StateDict(value)})
+    value = {"pt": Point(1, 2)}
+    # Its pickle needs a type the safe loader allows only on request: the take refuses it
+    # unless it is allowed, naming what to allow.
+    with pytest.raises(UnsupportedValueError, match=r"0/s/pt: .*\[tests\.test_values\.Point\]"):
+        Snapshot.take(snapshot_url, {"s": StateDict(value)})
+    with torch.serialization.safe_globals([Point]):
+        Snapshot.take(snapshot_url, {"s": StateDict(value)})
+        out = StateDict()
+        Snapshot(snapshot_url).restore({"s": out})
+    assert out["pt"] == Point(1, 2) and type(out["pt"]) is Point
     manifest = Snapshot(snapshot_url).get_manifest()
-    assert isinstance(manifest["0/s/dd"], ObjectEntry)
     assert manifest["0/s/pt"].obj_type.endswith("Point")
+    assert isinstance(manifest["0/s/pt"], ObjectEntry)
+
+
+def test_a_defaultdict_cannot_be_restored_so_it_is_not_taken(snapshot_url):
+    # Even with its types allowed, the safe loader cannot rebuild a defaultdict (its pickle
+    # fills it by SETITEM, which the loader does on plain dicts only): refused at take, the
+    # reason given.
+    value = {"dd": collections.defaultdict(int, a=1)}
+    with (
+        torch.serialization.safe_globals([collections.defaultdict, int]),
+        pytest.raises(
+            UnsupportedValueError,
+            match=r"0/s/dd: a restore would refuse this collections\.defaultdict: .*cannot "
+            r"rebuild it \(Can only SETITEM for dict.*a dict in place of a defaultdict",
+        ),
+    ):
+        Snapshot.take(snapshot_url, {"s": StateDict(value)})
 
 
 def test_raw_views_address_exactly_the_memory_asked_for():
