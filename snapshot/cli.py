@@ -284,10 +284,29 @@ def _verify(args: argparse.Namespace) -> int:
             "cannot tell their size, so bytes added after the take go unnoticed"
         )
     if report.checksums_missing:
+        why = (
+            f"{report.foreign} records none"
+            if report.foreign
+            else "taken with STATESNAP_CHECKSUMS=0"
+        )
+        decoded = (
+            f" (and the {_count(report.decoded, 'pickled value')} among them by decoding)"
+            if report.decoded
+            else ""
+        )
         lines.append(
             f"note: checksums were not recorded for {report.checksums_missing:,} of "
-            f"{report.ranges:,} byte ranges (taken with STATESNAP_CHECKSUMS=0): those were "
-            "checked for size and readability only"
+            f"{report.ranges:,} byte ranges ({why}): those were checked for size and "
+            f"readability only{decoded}"
+        )
+    if report.not_decoded:
+        names = ", ".join(report.not_decoded[:5]) + (
+            f" and {len(report.not_decoded) - 5} more" if len(report.not_decoded) > 5 else ""
+        )
+        lines.append(
+            f"note: not decoded, so not checked: {names} (a type the safe loader does not "
+            "allow; see `statesnap show` for the type to pass to "
+            "torch.serialization.add_safe_globals)"
         )
     summary = (
         f"{_count(report.entries, 'entry')}, {_count(report.blobs, 'blob')}, "

@@ -19,6 +19,11 @@ class SnapshotExistsError(SnapshotError):
     """``take`` was pointed at a path that already holds a committed snapshot."""
 
 
+class PathNotEmptyError(SnapshotExistsError):
+    """``take`` was pointed at a directory (or object-store prefix) that holds files of its own:
+    not a snapshot, and not what an interrupted take left there."""
+
+
 class CorruptSnapshotError(SnapshotError):
     """The snapshot's bytes are not what its manifest says: unreadable manifest, missing or
     wrongly sized blob, undecodable object."""
@@ -49,8 +54,13 @@ class EntryNotFoundError(StateMismatchError):
     """``read_object`` was asked for a path the manifest does not have."""
 
 
-class NotStatefulError(SnapshotError):
-    """An ``app_state`` value lacks ``state_dict()`` / ``load_state_dict()``."""
+class NotStatefulError(SnapshotError, TypeError):
+    """An ``app_state`` value lacks ``state_dict()`` / ``load_state_dict()`` (or ``app_state``
+    is not a dict of str -> Stateful).
+
+    Also a ``TypeError``: torchsnapshot raises ``TypeError`` here, so code written against it
+    that catches ``TypeError`` keeps working.
+    """
 
 
 class StatefulError(SnapshotError):

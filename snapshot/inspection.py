@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import difflib
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -26,15 +26,18 @@ from manifest import (
     Location,
     Manifest,
     ObjectEntry,
+    PickledTensorEntry,
     PrimitiveEntry,
     ShardedObjectEntry,
     ShardedTensorEntry,
     TensorEntry,
     TupleEntry,
+    is_container,
 )
 from snapshot.checksum import combine
-from snapshot.errors import EntryNotFoundError
-from snapshot.operations import gc_paused, load_manifest
+from snapshot.errors import EntryNotFoundError, SnapshotError, UnsafeObjectError
+from snapshot.metadata import SnapshotMetadata
+from snapshot.operations import gc_paused, load_manifest, read_object
 from snapshot.scheduler import call, call_digesting, open_storage, run
 from snapshot.serialization import dtype_name
 from snapshot.snapshot import Snapshot
@@ -72,7 +75,7 @@ def format_shape(shape: Sequence[int]) -> str:
 
 def _type_name(entry: Entry) -> str:
     """What the DTYPE column shows: a tensor's dtype, an object's type, a primitive's type."""
-    if isinstance(entry, (TensorEntry, ShardedTensorEntry)):
+    if isinstance(entry, (TensorEntry, ShardedTensorEntry, PickledTensorEntry)):
         return entry.dtype
     if isinstance(entry, (ObjectEntry, ShardedObjectEntry)):
         return entry.obj_type
@@ -85,6 +88,12 @@ def _split_path(path: str) -> tuple[str, str]:
     """``"0/model/layer.weight"`` -> ``("0", "model")``: the rank and the app_state key."""
     parts = path.split("/", 2)
     return parts[0], parts[1] if len(parts) > 1 else ""
+
+
+def _shared(entry: Entry) -> bool:
+    """Whether an entry is one value for every rank (replicated). A sharded tensor's entry is
+    not, though manifests before format 3 marked it so: each rank keeps its own."""
+    return entry.replicated and not isinstance(entry, ShardedTensorEntry)
 
 
 def _stored_bytes(entries: Iterable[Entry]) -> int:
@@ -126,7 +135,7 @@ class Listing:
     nbytes: int  # the sum of the rows' nbytes
     stored_bytes: int  # what the blobs hold for them, shared ranges counted once
     world_size: int
-    metadata: dict[str, Any]
+    metadata: SnapshotMetadata  # what ``Snapshot.metadata`` gives (the whole snapshot's)
 
     @property
     def any_replicated(self) -> bool:
@@ -159,14 +168,15 @@ def _list_entries(manifest: Manifest, prefix: str | None) -> Listing:
     rows = []
     tensors = total = 0
     for path, entry in items:
-        if isinstance(entry, (TensorEntry, ShardedTensorEntry)):  # a sharded one: global shape
+        # A sharded one: its global shape; a pickled one (torchsnapshot's): a tensor too.
+        if isinstance(entry, (TensorEntry, ShardedTensorEntry, PickledTensorEntry)):
             tensors += 1
             shape: tuple[int, ...] | None = entry.shape
         else:
             shape = None
         nbytes = entry.nbytes
         total += nbytes
-        rows.append(ListRow(path, entry.type, _type_name(entry), shape, nbytes, entry.replicated))
+        rows.append(ListRow(path, entry.type, _type_name(entry), shape, nbytes, _shared(entry)))
     return Listing(
         rows=rows,
         entries=len(rows),
@@ -174,7 +184,7 @@ def _list_entries(manifest: Manifest, prefix: str | None) -> Listing:
         nbytes=total,
         stored_bytes=_stored_bytes(e for _, e in items),
         world_size=manifest.world_size,
-        metadata=dict(manifest.metadata),
+        metadata=SnapshotMetadata.from_manifest(manifest),
     )
 
 
@@ -198,8 +208,8 @@ class Usage:
     """``du``: bytes per (rank, key), largest first, and the totals."""
 
     rows: list[UsageRow]
-    entries: int
-    nbytes: int  # the sum of every entry's nbytes (= the sum of the rows' nbytes)
+    entries: int  # as the ranks read them: a leaf listed once for every rank counts per rank
+    nbytes: int  # the sum of those entries' nbytes (= the sum of the rows' nbytes)
     replicated_bytes: int
     stored_bytes: int  # what the blobs hold: replicated and shared ranges counted once
     rank_bytes: dict[str, int]  # rank -> the sum of its rows' nbytes
@@ -209,10 +219,11 @@ class Usage:
 def disk_usage(manifest: Manifest) -> Usage:
     """Bytes per top-level key per rank, from the manifest alone.
 
-    An entry marked replicated appears under every rank that took it, but its bytes are stored
-    once (by whichever rank wrote them): each row counts them (restoring that key on that rank
-    reads them) and says how many of its bytes are replicated; ``stored_bytes`` counts every
-    distinct byte range once.
+    A replicated entry is one value for every rank that took it, its bytes stored once (by
+    whichever rank wrote them): each rank's row counts them (restoring that key on that rank
+    reads them), whether the manifest lists the entry under every rank (before format 3) or
+    once, under rank 0 (``Manifest.view``), and says how many of its bytes are replicated;
+    ``stored_bytes`` counts every distinct byte range once.
     """
     with gc_paused():
         return _disk_usage(manifest)
@@ -221,8 +232,9 @@ def disk_usage(manifest: Manifest) -> Usage:
 def _disk_usage(manifest: Manifest) -> Usage:
     counts: dict[tuple[str, str], list[int]] = {}
     ranks: dict[str, int] = {}
-    total = replicated = 0
-    for path, entry in manifest.entries.items():
+    total = replicated = count = 0
+    for path, entry in _as_every_rank_reads(manifest):
+        count += 1
         rank_key = _split_path(path)
         slot = counts.get(rank_key)
         if slot is None:
@@ -231,7 +243,7 @@ def _disk_usage(manifest: Manifest) -> Usage:
         slot[0] += 1
         slot[1] += nbytes
         total += nbytes
-        if entry.replicated:
+        if _shared(entry):
             slot[2] += nbytes
             replicated += nbytes
         ranks[rank_key[0]] = ranks.get(rank_key[0], 0) + nbytes
@@ -239,13 +251,33 @@ def _disk_usage(manifest: Manifest) -> Usage:
     rows.sort(key=lambda row: (-row.nbytes, _rank_order(row.rank), row.key))
     return Usage(
         rows=rows,
-        entries=len(manifest.entries),
+        entries=count,
         nbytes=total,
         replicated_bytes=replicated,
         stored_bytes=_stored_bytes(manifest.entries.values()),
         rank_bytes=dict(sorted(ranks.items(), key=lambda kv: _rank_order(kv[0]))),
         world_size=manifest.world_size,
     )
+
+
+def _as_every_rank_reads(manifest: Manifest) -> Iterator[tuple[str, Entry]]:
+    """Every entry, then each replicated leaf listed once, under rank 0, again under every
+    other rank of the take that does not list it itself (what ``Manifest.view`` adds for that
+    rank), without building each rank's view."""
+    entries = manifest.entries
+    yield from entries.items()
+    if manifest.world_size == 1:
+        return
+    once = [
+        (p[2:], e)
+        for p, e in entries.items()
+        if p.startswith("0/") and _shared(e) and not is_container(e)
+    ]
+    for rank in range(1, manifest.world_size):
+        prefix = f"{rank}/"
+        for rest, e in once:
+            if prefix + rest not in entries:
+                yield prefix + rest, e
 
 
 def _rank_order(rank: str) -> tuple[int, str]:
@@ -436,6 +468,11 @@ class VerifyReport:
     checksums_missing: int = 0  # ranges without a recorded CRC-32 (taken with checksums off)
     sizes_unknown: list[str] = field(default_factory=list)  # blobs whose size the store hides
     problems: list[Problem] = field(default_factory=list)
+    # The writer, when the snapshot is another library's ("torchsnapshot 0.1.0": no checksums).
+    foreign: str | None = None
+    decoded: int = 0  # pickles without a checksum, checked by decoding them
+    # Pickles without a checksum that need a type the safe loader does not allow: not checked.
+    not_decoded: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -633,7 +670,8 @@ def verify(
 ) -> VerifyReport:
     """Reads every blob of the snapshot at ``path`` and checks it against the manifest: each
     blob's length (when the store can tell it) and each byte range's CRC-32 (when the snapshot
-    recorded one). Finds every problem, not just the first.
+    recorded one); a pickle without a CRC-32 (a torchsnapshot snapshot records none) is read
+    again and decoded by the safe loader. Finds every problem, not just the first.
 
     At most ``jobs`` blobs are read at once, each in pieces of at most ``piece_bytes``, so
     memory stays within ``jobs * piece_bytes`` whatever the blob sizes.
@@ -676,10 +714,54 @@ def verify(
         progress(0, len(by_blob), 0, total_bytes)
     with open_storage(path, storage_options) as plugin:
         run(check_all(plugin))
+    if manifest.metadata.get("format") == "torchsnapshot":
+        report.foreign = str(manifest.metadata.get("library", "torchsnapshot"))
+    _decode_unchecked(manifest, path, storage_options, report)
     # Per blob: its own problems (length) first, then its entries' by offset.
     report.problems.sort(key=lambda p: (p.blob, bool(p.paths), p.start, p.end, p.paths))
     report.sizes_unknown.sort()
     return report
+
+
+def _decode_unchecked(
+    manifest: Manifest, path: str, storage_options: dict[str, Any] | None, report: VerifyReport
+) -> None:
+    """Decodes, with the safe loader, each pickle that has no recorded CRC-32 (every one of a
+    torchsnapshot snapshot, or of one taken with checksums off) and whose blob showed no
+    problem: without a checksum, decoding is the only check of those bytes. Each is read once
+    (a replicated entry's copies under other ranks share its bytes); one that needs a type the
+    loader does not allow is named in ``not_decoded``, not counted as damage."""
+    damaged = {p for problem in report.problems for p in problem.paths}
+    seen: set[tuple[tuple[str, int, int], ...]] = set()
+    for key, entry in manifest.entries.items():
+        pickled = isinstance(entry, PickledTensorEntry) or (
+            isinstance(entry, (ObjectEntry, ShardedObjectEntry))
+            and entry.serializer == "torch_save"
+        )
+        locations = entry.locations
+        if not pickled or key in damaged or any(loc.crc32 is not None for loc in locations):
+            continue
+        ranges = tuple((loc.blob, loc.offset, loc.nbytes) for loc in locations)
+        if ranges in seen:
+            continue
+        seen.add(ranges)
+        try:
+            read_object(manifest, key, None, None, path=path, storage_options=storage_options)
+        except UnsafeObjectError:
+            report.not_decoded.append(key)
+        except SnapshotError as e:
+            first = locations[0]
+            report.problems.append(
+                Problem(
+                    first.blob,
+                    first.offset,
+                    first.offset + first.nbytes,
+                    (key,),
+                    f"cannot be decoded: {e}",
+                )
+            )
+        else:
+            report.decoded += 1
 
 
 # ---------------------------------------------------------------------------------------------

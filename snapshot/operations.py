@@ -8,6 +8,7 @@ import difflib
 import gc
 import logging
 import os
+import re
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -20,6 +21,7 @@ from manifest import (
     Entry,
     Manifest,
     ObjectEntry,
+    PickledTensorEntry,
     PrimitiveEntry,
     ShardedObjectEntry,
     ShardedTensorEntry,
@@ -34,6 +36,7 @@ from snapshot.errors import (
     IncompatibleSnapshotError,
     IncompleteSnapshotError,
     NotStatefulError,
+    PathNotEmptyError,
     RankFailedError,
     SnapshotError,
     SnapshotExistsError,
@@ -43,11 +46,13 @@ from snapshot.errors import (
     StorageError,
 )
 from snapshot.flatten import escape_key, flatten, inflate, subtree
+from snapshot.landing import Landing
 from snapshot.planner import (
     Layout,
     Need,
     Placer,
     PrepareFunc,
+    Recorder,
     ScratchPool,
     TakePlan,
     assign_writers,
@@ -58,9 +63,11 @@ from snapshot.planner import (
     needs_label,
     place,
     plan_object_read,
+    plan_pickled_tensor_read,
     plan_sharded_read,
     plan_tensor_read,
 )
+from snapshot.replication import Decision, Facts, Pending, decide, describe, joined, settle
 from snapshot.scheduler import (
     IOStats,
     ReadRequest,
@@ -81,6 +88,7 @@ from snapshot.sharding.mapping import (
 from snapshot.staging import StagingPool
 from snapshot.stateful import RNGState, Stateful
 from snapshot.strategies import sharded
+from snapshot.torchsnapshot_format import FOREIGN_MARKERS, open_foreign
 from snapshot.version import __version__
 from storage_plugins import StoragePlugin
 from storage_plugins.registry import chunk_bytes_hint
@@ -91,6 +99,18 @@ MANIFEST_NAME = "manifest.yaml"
 # Written before the first blob and deleted after the commit: its presence without a manifest
 # means a take was interrupted.
 PENDING_NAME = ".statesnap-pending"
+
+# What a take writes at the top of its directory, and so what an interrupted one may leave
+# there (with the pending marker, or without it once its cleanup deleted the marker): rank
+# directories of blobs ("0", "1", ...) and the local plugin's temporary files
+# (".<name>.<12 hex digits>.tmp", renamed into place when written).
+_TAKE_DEBRIS = re.compile(r"[0-9]+|\.statesnap-pending|\..+\.[0-9a-f]{12}\.tmp")
+# Names of the directory asked for before a take: beyond the debris of a few thousand ranks.
+_LISTED_NAMES = 4096
+
+
+def _left_by_a_take(name: str) -> bool:
+    return _TAKE_DEBRIS.fullmatch(name) is not None
 
 
 def _ordered_keys(app_state: Mapping[str, Any]) -> list[str]:
@@ -193,8 +213,10 @@ class TakeJob:
     waits for the writes and commits the manifest.
 
     Across ranks, three agreement points carry each rank's outcome (``Coordinator.agree``):
-    after capture (rank 0's path, existence check and layout; every rank's replicated entries),
-    after writing, and after rank 0's commit. A rank that fails still reaches the next point, so
+    after capture (rank 0's path, existence check and layout; what every rank's leaves are, to
+    decide which are one value for all ranks: ``replication``, whose BLAKE2b digests of the
+    leaves whose CRCs matched are compared at one more point when there are any), after
+    writing, and after rank 0's commit. A rank that fails still reaches the next point, so
     every rank raises the same error and none waits for a rank that will not come. Whatever
     fails, nothing is committed and each rank deletes what it wrote.
     """
@@ -232,6 +254,11 @@ class TakeJob:
         self.where = path
         self.plan: TakePlan | None = None
         self._own: Placer | None = None  # places this rank's own payloads while planning
+        # Across ranks, records them instead until the first agreement (``replication``).
+        self._recorder: Recorder | None = None
+        # The replicated leaves (paths with this rank's prefix), once agreed across ranks.
+        self._shared_paths: list[str] = []
+        self._facts: Facts | None = None  # what this rank said of its leaves, until agreed
         self.pipeline: WritePipeline | None = None
         self._error: BaseException | None = None  # met while staging, reported when agreeing
         self._marker = False  # whether this rank wrote the pending marker
@@ -256,13 +283,29 @@ class TakeJob:
             error = e
         try:
             infos = coord.agree("take", info, error)
-            path, layout, writers = self._agree_layout(infos)
+            path, layout, pending = self._agree_layout(infos)
+            decision = None if pending is None else self._confirm(pending)
         except BaseException as e:
             if self.pipeline is not None:  # writes started while planning
                 self.pipeline.abort(e)
             self._close_after_failure()
             raise
         self._times["plan"] = time.perf_counter() - t0
+        if decision is None:  # a process alone: its replicated payloads are its own to write
+            writers = {(p.logical, p.index): 0 for p in self.collected.replicated}
+        else:
+            # Which leaves are one value is decided: mark them, place this rank's own payloads.
+            assert self._recorder is not None
+            writers = assign_writers(decision.signature, decision.local_bytes)
+            self._own, self._shared_paths = settle(
+                self.collected,
+                self._recorder,
+                decision.replicated,
+                f"{coord.rank}/",
+                layout,
+                self.pool,
+            )
+            self._recorder = self._facts = None
         assert self._own is not None
         self.plan = place(
             self.collected,
@@ -272,6 +315,12 @@ class TakeJob:
             writer_of=writers,
             pool=self.pool,
         )
+        if coord.rank != 0:
+            # The manifest lists a replicated leaf once, under rank 0's prefix (format 3;
+            # ``Manifest.view`` shows it under every rank's): rank 0 gives its entry.
+            drafts = self.plan.drafts
+            for p in self._shared_paths:
+                del drafts[p]
         try:
             if self.plugin is None:
                 self.path = path  # rank 0's path wins
@@ -294,16 +343,19 @@ class TakeJob:
         self._times["staged"] = time.perf_counter() - t0
 
     def _capture(self) -> dict[str, Any]:
-        """This rank's part before the first agreement: state dicts, entries, payloads; on rank
-        0 also the existence check and the pending marker."""
+        """This rank's part before the first agreement: state dicts, entries, payloads (across
+        ranks, with what its leaves are: ``replication.describe``); on rank 0 also the
+        existence checks and the pending marker."""
         coord = self.coordinator
         states = [
             (k, _state_dict(k, self.app_state[k], self.path)) for k in _ordered_keys(self.app_state)
         ]
-        # One budget for the whole take. The pool's free blocks are memory this take reuses,
-        # not memory it takes.
+        # One budget for the whole take. The pool's blocks (free, or lent to a pending
+        # snapshot's writes, which give them back) are memory this take reuses, not memory it
+        # takes. With a pool, the budget is the process's: pending snapshots share it
+        # (``_new_pipeline``).
         self._budget = knobs.memory_budget_bytes(
-            self.pool.free_bytes if self.pool is not None else 0
+            self.pool.free_bytes + self.pool.leased_bytes if self.pool is not None else 0
         )
         layout = Layout(
             chunk_bytes=knobs.chunk_bytes(chunk_bytes_hint(self.path)),
@@ -316,15 +368,19 @@ class TakeJob:
             self.plugin = open_plugin(self.path, self.storage_options)
             self.where = _describe(self.plugin)
             run(self._begin())
-        # This rank's own blobs are placed while the state is planned. A process alone has
-        # nothing to agree on first: its writes start as soon as each blob is complete, so
-        # writing overlaps planning. Across ranks they wait for the first agreement (rank 0's
-        # path and layout, and no snapshot there yet).
-        self._own = Placer(f"{coord.rank}/", layout, mine=True, pool=self.pool)
+        # A process alone places its own blobs while the state is planned, and has nothing to
+        # agree on first: its writes start as soon as each blob is complete, so writing
+        # overlaps planning. Across ranks the writes wait for the first agreement (rank 0's
+        # path and layout, no snapshot there yet, and which leaves are one value for all
+        # ranks), so the payloads are only recorded while planning, and placed after it.
+        own: Placer | Recorder
         submit = None
         if coord.world_size == 1:
+            own = self._own = Placer(f"{coord.rank}/", layout, mine=True, pool=self.pool)
             self.pipeline = self._new_pipeline()
             submit = self.pipeline.submit
+        else:
+            own = self._recorder = Recorder(layout)
         with naming_snapshot(self.path):
             self.collected = collect(
                 ((escape_key(k), sd) for k, sd in states),
@@ -332,23 +388,36 @@ class TakeJob:
                 prepare=self.prepare,
                 replicated=self.replicated,
                 inline_max_bytes=knobs.inline_max_bytes(),
-                own=self._own,
+                own=own,
                 submit=submit,
             )
-        return {
+        info: dict[str, Any] = {
             "path": self.path,
             "layout": layout,
-            "signature": self.collected.replicated_signature(),
-            "local_bytes": self.collected.own_bytes,
             "pieces": self.collected.pieces,
             "objects": self.collected.objects,
         }
+        if coord.world_size > 1:
+            # What each leaf is (and, for those no glob marked, a digest of its bytes): the
+            # first agreement compares them across ranks (``replication.decide``).
+            t = time.perf_counter()
+            facts = self._facts = describe(self.collected, f"{coord.rank}/")
+            info["marked"], info["prints"] = facts.marked, facts.prints
+            info["own_bytes"] = self.collected.own_bytes
+            logger.debug(
+                "take %s: %d values marked replicated, %d described in %.3f s",
+                self.path,
+                len(facts.marked),
+                len(facts.prints),
+                time.perf_counter() - t,
+            )
+        return info
 
-    def _agree_layout(
-        self, infos: list[dict[str, Any]]
-    ) -> tuple[str, Layout, dict[tuple[str, int], int]]:
-        """Rank 0's path and layout; who writes each replicated payload. Every rank computes
-        the same answer from the same gathered facts, so checks fail on all ranks alike."""
+    def _agree_layout(self, infos: list[dict[str, Any]]) -> tuple[str, Layout, Pending | None]:
+        """Rank 0's path and layout; across ranks, which leaves are replicated, pending the
+        confirmation of those whose CRCs matched (None for a process alone). Every rank
+        computes the same answer from the same gathered facts, so checks fail on all ranks
+        alike."""
         first = infos[0]
         for rank, info in enumerate(infos[1:], start=1):
             if info["layout"] != first["layout"]:
@@ -358,18 +427,34 @@ class TakeJob:
                     "STATESNAP_CHUNK_BYTES / STATESNAP_SLAB_* / STATESNAP_CHECKSUMS / memory "
                     "budget on every rank"
                 )
-            if info["signature"] != first["signature"]:
-                raise SnapshotError(
-                    f"snapshot {first['path']}: replicated entries differ between rank 0 and "
-                    f"rank {rank}: {_first_difference(first['signature'], info['signature'])}; "
-                    "values marked replicated must have the same dtype and shape on every rank"
-                )
         if any(info["pieces"] for info in infos):
             sharded.check_coverage([info["pieces"] for info in infos])
         if any(info["objects"] for info in infos):
             sharded.check_objects([info["objects"] for info in infos])
-        writers = assign_writers(first["signature"], [i["local_bytes"] for i in infos])
-        return first["path"], first["layout"], writers
+        decision = decide(first["path"], infos) if len(infos) > 1 else None
+        return first["path"], first["layout"], decision
+
+    def _confirm(self, pending: Pending) -> Decision:
+        """The leaves whose descriptions and CRCs matched on every rank, confirmed by their
+        BLAKE2b (``replication``), exchanged at one more agreement. Every rank knows the same
+        list, so all of them agree here, or none (nothing to confirm)."""
+        if not pending.to_confirm:
+            return pending.confirm(None)
+        digests = error = None
+        t = time.perf_counter()
+        try:
+            assert self._facts is not None
+            digests = joined(self._facts.sources, pending.to_confirm)
+        except Exception as e:
+            error = e
+        confirmed = self.coordinator.agree("take: digests", digests, error)
+        logger.debug(
+            "take %s: %d values' digests compared in %.3f s",
+            self.path,
+            len(pending.to_confirm),
+            time.perf_counter() - t,
+        )
+        return pending.confirm(confirmed)
 
     def _new_pipeline(self) -> WritePipeline:
         assert self.plugin is not None
@@ -380,15 +465,44 @@ class TakeJob:
             # Async take holds its writes until everything is staged (``release_writes``
             # starts them): while the caller waits, they would only slow its copies down.
             batch_bytes=knobs.write_batch_bytes() if self.pool is None else None,
+            # Async take stages within the process's staging budget, shared with the
+            # snapshots still pending: a second one waits for their writes to free blocks
+            # instead of staging a budget of its own.
+            budget=self.pool.share(self._budget) if self.pool is not None else None,
         )
 
     async def _begin(self) -> None:
         plugin, where = self.plugin, self.where
         assert plugin is not None
-        if await call(plugin, "check", MANIFEST_NAME, where, lambda: plugin.exists(MANIFEST_NAME)):
+        # Our manifest, and the files that mark another library's checkpoint (which statesnap
+        # may read, but must never write into), asked about at once; and, at the same time,
+        # the names the path holds (below).
+        names = (MANIFEST_NAME, *FOREIGN_MARKERS)
+        *found, listed = await asyncio.gather(
+            *(call(plugin, "check", n, where, lambda n=n: plugin.exists(n)) for n in names),
+            call(plugin, "list", "", where, lambda: plugin.list_names(_LISTED_NAMES)),
+        )
+        if found[0]:
             raise SnapshotExistsError(
                 f"{where} already holds a snapshot; take a new one at another path, "
                 "or delete this one first"
+            )
+        for name, there in zip(names[1:], found[1:], strict=True):
+            if there:
+                raise SnapshotExistsError(
+                    f"{where} holds {FOREIGN_MARKERS[name]} ({name}), which statesnap never "
+                    "writes into; take the snapshot at another path"
+                )
+        # Nor into a directory (or prefix) holding files of its own: the snapshot's would mix
+        # with them, and deleting the snapshot would take them along or leave it half there.
+        # Missing, empty, or holding what an interrupted take left is fine. Only stores that
+        # can list cheaply are checked (``StoragePlugin.list_names``: local disk, memory, S3).
+        others = sorted(n for n in listed or () if not _left_by_a_take(n))
+        if others:
+            shown = ", ".join(repr(n) for n in others[:5]) + (", ..." if len(others) > 5 else "")
+            raise PathNotEmptyError(
+                f"{where} is not empty: it holds {shown}, which no snapshot wrote; take the "
+                "snapshot at a new or empty directory, or move those files away first"
             )
         marker = f"pid {os.getpid()} started {time.time():.3f}\n".encode()
         # Written in the background, alongside the blobs; the commit waits for it. On local
@@ -459,6 +573,8 @@ class TakeJob:
         elif self.pipeline is not None:
             run(self.pipeline.wait_quietly())
         t_written = time.perf_counter()
+        if self.pool is not None:
+            self.pool.trim()  # this take's blocks are back: unlock pinned memory it dropped
         checksums = self.pipeline.checksums if self.pipeline is not None else {}
         try:
             # Every rank's entries of a replicated value point at the blob one rank wrote: that
@@ -504,9 +620,13 @@ class TakeJob:
             "created_unix": round(time.time(), 3),
             **({"strategies": self.strategies} if self.strategies else {}),
         }
-        data = mf.dumps_entries(
-            2 if with_shards else 1, self.coordinator.world_size, metadata, entries
-        )
+        # Version 3 lists a replicated leaf once, under rank 0's prefix: a manifest of several
+        # ranks with such leaves is one an older reader would misread (``mf.FORMAT_VERSION``).
+        if self._shared_paths and self.coordinator.world_size > 1:
+            version = mf.REPLICATED_ONCE_VERSION
+        else:
+            version = 2 if with_shards else 1
+        data = mf.dumps_entries(version, self.coordinator.world_size, metadata, entries)
         return len(entries), data
 
     # -- failure ----------------------------------------------------------------------------
@@ -571,15 +691,6 @@ class TakeJob:
         )
 
 
-def _first_difference(a: Sequence[Any], b: Sequence[Any]) -> str:
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            return f"{x[0]} is {x[3]} ({x[2]} bytes) on rank 0 but {y[0]} is {y[3]} ({y[2]} bytes)"
-    longer, which = (a, "rank 0") if len(a) > len(b) else (b, "the other rank")
-    extra = longer[min(len(a), len(b))]
-    return f"{extra[0]} is replicated on {which} only"
-
-
 async def _commit(plugin: StoragePlugin, manifest_bytes: bytes) -> None:
     """Makes the snapshot visible: blobs durable, then the manifest, then the manifest durable.
 
@@ -620,7 +731,7 @@ def load_manifest(path: str, storage_options: dict[str, Any] | None) -> Manifest
                     lambda: plugin.read(MANIFEST_NAME),
                     convert=False,
                 )
-            except FileNotFoundError:
+            except (FileNotFoundError, NotADirectoryError):  # (the path is a file)
                 exists = lambda: plugin.exists(PENDING_NAME)  # noqa: E731
                 if await call(plugin, "check", PENDING_NAME, where, exists, convert=False):
                     raise IncompleteSnapshotError(
@@ -637,7 +748,19 @@ def load_manifest(path: str, storage_options: dict[str, Any] | None) -> Manifest
         except Exception as e:
             raise StorageError(f"cannot read the manifest of {where}: {e}") from e
         if data is None:
-            raise SnapshotNotFoundError(f"no snapshot at {where} (no {MANIFEST_NAME} there)")
+            # Another library's checkpoint: torchsnapshot's is translated (read-only), others
+            # are refused with what to load them with.
+            with gc_paused():
+                foreign = open_foreign(plugin, where, path, storage_options)
+            if foreign is None:
+                raise SnapshotNotFoundError(f"no snapshot at {where} (no {MANIFEST_NAME} there)")
+            logger.debug(
+                "manifest of %s: %d entries translated from torchsnapshot's in %.3f s",
+                where,
+                len(foreign.entries),
+                time.perf_counter() - t0,
+            )
+            return foreign
     t_read = time.perf_counter()
     manifest = decode_manifest(data, where)
     logger.debug(
@@ -671,9 +794,16 @@ def decode_manifest(data: bytes, where: str) -> Manifest:
 class _Loader:
     """Collects the reads that rebuild a set of manifest entries, runs them, and inflates."""
 
-    def __init__(self, manifest: Manifest, tile_bytes: int, where: str) -> None:
+    def __init__(
+        self,
+        manifest: Manifest,
+        tile_bytes: int,
+        where: str,
+        entries: Mapping[str, Entry] | None = None,
+    ) -> None:
         self.manifest = manifest
-        self.entries = manifest.entries
+        # The entries as the reading rank sees them (``Manifest.view``); all of them by default.
+        self.entries = manifest.entries if entries is None else entries
         self.where = where
         self.tile_bytes = tile_bytes
         self.piece_bytes = knobs.read_request_bytes()
@@ -683,6 +813,9 @@ class _Loader:
         self.objects: dict[str, Any] = {}
         self.local: dict[str, Any] = {}  # LocalNonpersistentObject values, by path
         self.scratch = ScratchPool()  # for reads of sharded tensors through their gaps
+        # The copies of scratch tiles into targets, and the device streams they run on
+        # (made, and ordered after the caller's current streams, as targets are planned).
+        self.landing = Landing()
 
     def add(self, path: str, target: Any = None) -> None:
         """Plans the read of leaf entry ``path``; a tensor ``target`` is filled in place."""
@@ -707,6 +840,18 @@ class _Loader:
             self.local[path] = target.unwrap()  # this rank's own, never read from storage
         elif isinstance(entry, (ObjectEntry, ShardedObjectEntry)):
             self.needs.append(plan_object_read(path, entry, self.objects, verify=self.verify))
+        elif isinstance(entry, PickledTensorEntry):  # torchsnapshot's torch.save'd tensors
+            if sharded.is_sharded(target):
+                raise StateMismatchError(
+                    f"{path}: the snapshot holds a whole tensor here (pickled), the object being "
+                    "restored is a piece of a sharded one; restore it into a plain tensor"
+                )
+            t = target if is_dense_tensor(target) else None
+            self.needs.extend(
+                plan_pickled_tensor_read(
+                    path, entry, t, self.objects, verify=self.verify, landing=self.landing
+                )
+            )
         elif isinstance(entry, ShardedTensorEntry):
             read = plan_sharded_read(
                 path,
@@ -717,6 +862,8 @@ class _Loader:
                 gap_bytes=knobs.read_gap_bytes(),
                 box_bytes=min(self.tile_bytes, _BOX_BYTES),
                 pool=self.scratch,
+                tile_bytes=self.tile_bytes,
+                landing=self.landing,
             )
             self.needs.extend(read.needs)
             self.tensors[path] = read.result
@@ -731,7 +878,13 @@ class _Loader:
 
     def _plan_tensor(self, path: str, entry: TensorEntry, target: torch.Tensor | None) -> None:
         read = plan_tensor_read(
-            path, entry, target, self.tile_bytes, self.piece_bytes, verify=self.verify
+            path,
+            entry,
+            target,
+            self.tile_bytes,
+            self.piece_bytes,
+            verify=self.verify,
+            landing=self.landing,
         )
         self.needs.extend(read.needs)
         self.tensors[path] = read.result
@@ -767,10 +920,19 @@ class _Loader:
             return self._execute(plugin, budget_bytes)
 
     def _execute(self, plugin: StoragePlugin, budget_bytes: int) -> IOStats:
-        return run(self._read(plugin, budget_bytes))
+        try:
+            return run(self._read(plugin, budget_bytes))
+        finally:
+            # On the caller's thread, after every read (also a failed one): waits for the
+            # device copies still in flight, so the targets hold their bytes on return.
+            self.landing.finish()
 
     async def _read(self, plugin: StoragePlugin, budget_bytes: int) -> IOStats:
         concurrency = knobs.max_concurrent_io()
+        # The reads hold up to one tile of scratch per worker, charged; the rest of the budget
+        # bounds what the landing holds beside them: tiles kept for reuse, and pinned tiles
+        # whose device copies are still in flight.
+        self.landing.spare_bytes = max(0, budget_bytes - concurrency * self.tile_bytes)
         requests = coalesce(
             self.needs,
             max_gap_bytes=knobs.read_gap_bytes(),
@@ -845,16 +1007,20 @@ def restore(
     path: str,
     coordinator: Coordinator,
     storage_options: dict[str, Any] | None,
+    strict: bool = True,
 ) -> None:
     """Loads each app_state value's entries in place, then calls its ``load_state_dict``.
 
     Each rank restores independently; the ranks then agree, so that when one fails every rank
-    raises (naming it) rather than some carrying on with a half-restored group.
+    raises (naming it) rather than some carrying on with a half-restored group. ``strict``: as
+    ``Snapshot.restore`` says.
     """
     error = None
     try:
         with gc_paused():
-            _restore(manifest, app_state, path, coordinator, storage_options)
+            _restore(manifest, app_state, path, coordinator, storage_options, strict=strict)
+    except RankFailedError:
+        raise  # raised by an agreement inside, on every rank alike
     except Exception as e:
         error = e
     coordinator.agree("restore", error=error)
@@ -874,56 +1040,89 @@ def _namespace(manifest: Manifest, rank: int) -> str:
     return f"{rank if rank < manifest.world_size else 0}/"
 
 
+def _view(manifest: Manifest, rank: int) -> Mapping[str, Entry]:
+    """The entries ``rank`` restores from: with the replicated leaves the manifest lists once,
+    under rank 0's prefix, under its own prefix too (``Manifest.view``)."""
+    return manifest.view(rank if rank < manifest.world_size else 0)
+
+
+def _not_restorable_here(
+    manifest: Manifest, entries: Mapping[str, Entry], root: str, rank: int
+) -> str | None:
+    """For a rank the snapshot did not have, the first path under ``root`` (a key of rank 0's)
+    that holds rank 0's own value, which that rank cannot use; None when every leaf there is
+    one value for all ranks (replicated, or a sharded tensor's entry, which lists every
+    shard)."""
+    for p in subtree(entries, root):
+        entry = entries.get(p)
+        if (
+            entry is not None
+            and not entry.replicated
+            and not mf.is_container(entry)
+            and not isinstance(entry, ShardedTensorEntry)
+        ):
+            return p
+    return None
+
+
 def _restore(
     manifest: Manifest,
     app_state: Mapping[str, Any],
     path: str,
     coordinator: Coordinator,
     storage_options: dict[str, Any] | None,
+    strict: bool = True,
 ) -> None:
     check_app_state(app_state, path)
     t0 = time.perf_counter()
-    entries = manifest.entries
+    entries = _view(manifest, coordinator.rank)
     rank_prefix = _namespace(manifest, coordinator.rank)
     keys = _ordered_keys(app_state)
     roots = {k: rank_prefix + escape_key(k) for k in keys}
-    missing = [k for k in keys if roots[k] not in entries]
-    if missing:
-        available = sorted(
-            {p[len(rank_prefix) :].split("/", 1)[0] for p in entries if p.startswith(rank_prefix)}
+    # A value's state_dict() and load_state_dict() may be collectives (FSDP's are): every rank
+    # must call them, the same ones, even where this rank already knows the restore fails here.
+    # So the checks' outcome waits until every rank has its state dicts, and the ranks agree on
+    # it (and later on the reads') before any load_state_dict: a rank that fails never leaves
+    # the others waiting in a collective of the application's.
+    error: Exception | None = None
+    try:
+        keys = _restorable_keys(
+            manifest, entries, keys, roots, rank_prefix, path, coordinator, strict
         )
-        raise StateMismatchError(
-            f"snapshot {path} has no app_state key(s) {missing}; it holds {available}"
-        )
-    if rank_prefix != f"{coordinator.rank}/":
-        for key in keys:
-            for p in subtree(entries, roots[key]):
-                entry = entries.get(p)
-                if entry is not None and not mf.is_container(entry) and not entry.replicated:
-                    raise StateMismatchError(
-                        f"snapshot {path} was taken by {manifest.world_size} ranks; rank "
-                        f"{coordinator.rank} has no state of its own there, and {p} is rank 0's "
-                        "own (not replicated), so it cannot be restored on another rank"
-                    )
-    budget = knobs.memory_budget_bytes()
-    loader = _Loader(manifest, tile_bytes=_tile_bytes(budget), where=path)
+    except SnapshotError as e:
+        error = e
     states = {key: _state_dict(key, app_state[key], path) for key in keys}
-    with_factories = set()
-    for key in keys:
-        targets, factories = _targets(states[key], roots[key])
-        if factories:
-            with_factories.add(key)
-        loader.add_subtree(roots[key], targets)
-    t_plan = time.perf_counter()
-    with open_storage(path, storage_options) as plugin:
-        stats = loader.execute(plugin, budget)
+    coordinator.agree("restore: checks", error=error)
+    budget = knobs.memory_budget_bytes()
+    loader = _Loader(manifest, tile_bytes=_tile_bytes(budget), where=path, entries=entries)
+    stats = None
+    try:
+        with_factories = set()
+        for key in keys:
+            targets, factories = _targets(states[key], roots[key])
+            if factories:
+                with_factories.add(key)
+            loader.add_subtree(roots[key], targets)
+        t_plan = time.perf_counter()
+        with open_storage(path, storage_options) as plugin:
+            stats = loader.execute(plugin, budget)
+    except Exception as e:
+        error = e
+    coordinator.agree("restore: reading", error=error)
+    assert stats is not None
     t_read = time.perf_counter()
     for key in keys:
         value = loader.inflate(roots[key])
         if key in with_factories:  # what they built goes back through their merge_fn
             value = apply_factory_merges(value, states[key])
+        stateful = app_state[key]
         try:
-            app_state[key].load_state_dict(value)
+            if not strict and isinstance(stateful, torch.nn.Module):
+                # torchsnapshot's strict=False, for modules: their own check of parameter and
+                # buffer names lets names missing on either side pass.
+                stateful.load_state_dict(value, strict=False)
+            else:
+                stateful.load_state_dict(value)
         except Exception as e:
             raise StatefulError(
                 f"snapshot {path}: app_state[{key!r}].load_state_dict() raised "
@@ -949,6 +1148,62 @@ def _restore(
         stats.peak_budget_bytes,
         t_end - t_read,
     )
+
+
+def _restorable_keys(
+    manifest: Manifest,
+    entries: Mapping[str, Entry],
+    keys: list[str],
+    roots: dict[str, str],
+    rank_prefix: str,
+    path: str,
+    coordinator: Coordinator,
+    strict: bool,
+) -> list[str]:
+    """The app_state keys this rank restores: all of them, less (``strict=False``) those the
+    snapshot lacks.
+
+    Raises:
+        StateMismatchError: a key is missing (``strict``), or this rank, which the snapshot did
+            not have, would need a value that differed between the ranks that took it.
+    """
+    missing = [k for k in keys if roots[k] not in entries]
+    if missing:
+        available = sorted(
+            {p[len(rank_prefix) :].split("/", 1)[0] for p in entries if p.startswith(rank_prefix)}
+        )
+        if strict:
+            raise StateMismatchError(
+                f"snapshot {path} has no app_state key(s) {missing}; it holds {available}"
+            )
+        # Not strict: those values are neither read nor given to load_state_dict, so they keep
+        # what they hold. A warning, since a misspelt key would otherwise pass unnoticed.
+        logger.warning(
+            "restore from %s (strict=False): no app_state key(s) %s there, left as they are; "
+            "it holds %s",
+            path,
+            missing,
+            available,
+        )
+        keys = [k for k in keys if k not in missing]
+    if rank_prefix != f"{coordinator.rank}/":
+        for key in keys:
+            own = _not_restorable_here(manifest, entries, roots[key], coordinator.rank)
+            if own is None:
+                continue
+            logical = own[len(rank_prefix) :]
+            raise StateMismatchError(
+                f"snapshot {path}: app_state[{key!r}] cannot be restored on rank "
+                f"{coordinator.rank}: the snapshot was taken on {manifest.world_size} ranks and "
+                f"is restored on {coordinator.world_size}, and {logical!r} differed between "
+                f"ranks when it was taken (each of ranks 0-{manifest.world_size - 1} has its own "
+                f"value), so rank {coordinator.rank}, which the snapshot did not have, has none. "
+                f"Restore on {manifest.world_size} ranks; or keep such values equal on every "
+                "rank when taking (equal values are stored once, for any rank), or mark them "
+                "with Snapshot.take(..., replicated=[...]); or read the value a given rank took "
+                f"with Snapshot.read_object('<rank>/{logical}') and load it yourself"
+            )
+    return keys
 
 
 def _targets(state: Any, root: str) -> tuple[dict[str, Any], bool]:
@@ -988,8 +1243,14 @@ def read_object(
     path: str,
     storage_options: dict[str, Any] | None,
 ) -> Any:
-    """Reads the entry at ``logical_path`` (and everything below it, for a container)."""
-    entries = manifest.entries
+    """Reads the entry at ``logical_path`` (and everything below it, for a container).
+
+    A path under any rank's prefix finds the replicated leaves the manifest lists once, under
+    rank 0's (``"1/model/w"`` reads ``"0/model/w"`` when that is replicated)."""
+    entries: Mapping[str, Entry] = manifest.entries
+    head = logical_path.split("/", 1)[0]
+    if head.isdigit() and 0 < int(head) < manifest.world_size:
+        entries = manifest.view(int(head))
     entry = entries.get(logical_path)
     if entry is None:
         close = difflib.get_close_matches(logical_path, list(entries), n=3)
@@ -1000,7 +1261,7 @@ def read_object(
     budget = memory_budget_bytes or knobs.memory_budget_bytes()
     tile = memory_budget_bytes or _tile_bytes(budget)
     with gc_paused():
-        loader = _Loader(manifest, tile_bytes=tile, where=path)
+        loader = _Loader(manifest, tile_bytes=tile, where=path, entries=entries)
         loader.add_subtree(logical_path, {logical_path: obj_out})
         if loader.needs:
             with open_storage(path, storage_options) as plugin:

@@ -13,12 +13,11 @@ in the same blob that lie close together are merged into one scatter read.
 from __future__ import annotations
 
 import ctypes
-import dataclasses
 import fnmatch
 import functools
 import logging
 import math
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import compress, repeat
 from operator import attrgetter, is_
@@ -31,6 +30,7 @@ from manifest import (
     EntryFormatter,
     Location,
     ObjectEntry,
+    PickledTensorEntry,
     PrimitiveEntry,
     Shard,
     ShardedObjectEntry,
@@ -39,6 +39,7 @@ from manifest import (
     new_location,
     new_tensor_entry,
 )
+from snapshot import device
 from snapshot.checksum import LocationCheck, WholeCheck, crc32
 from snapshot.errors import (
     CorruptSnapshotError,
@@ -48,11 +49,13 @@ from snapshot.errors import (
     UnsupportedValueError,
 )
 from snapshot.flatten import flatten
+from snapshot.landing import Landing, Tile
+from snapshot.restorable import check_object
 from snapshot.scheduler import ReadRequest, Segment, WriteRequest
 from snapshot.serialization import (
     ADDRESS_SPACE,
     DTYPES,
-    copy_elements,
+    as_copyable,
     decode_object,
     dtype_from_name,
     dtype_name,
@@ -69,7 +72,7 @@ from snapshot.sharding.mapping import (
     ShardedTensorFactory,
     is_main_replica,
 )
-from snapshot.staging import StagingPool
+from snapshot.staging import Lease, StagingPool
 from snapshot.strategies import sharded
 from storage_plugins import Buffer
 
@@ -349,22 +352,22 @@ def _final(p: Payload, checksums: Mapping[tuple[str, int], int] | None) -> Locat
 
 @dataclass(slots=True)
 class _ShardDraft:
-    """A rank's piece of a global tensor: its entry lists the one shard this rank wrote (none
-    for a replica that is not the main one); the commit merges every rank's shards."""
+    """A rank's pieces of a global tensor: its entry lists the shards this rank wrote (none
+    for a replica that is not the main one, or on a rank holding no shard of a torch
+    ShardedTensor; several for one holding several); the commit merges every rank's shards."""
 
-    piece: sharded.LocalPiece
-    tensor: TensorEntry | _TensorDraft | _WholeTensor | None
+    held: sharded.Held
+    written: list[tuple[sharded.LocalPiece, TensorEntry | _TensorDraft | _WholeTensor]]
 
     def build(self, checksums: Mapping[tuple[str, int], int] | None) -> ShardedTensorEntry:
-        p = self.piece
-        shards: tuple[Shard, ...] = ()
-        t = self.tensor
-        if t is not None:
+        shards = []
+        for p, t in self.written:
             if not isinstance(t, TensorEntry):
                 t = t.build(checksums)
-            shards = (Shard(offsets=p.offsets, sizes=p.sizes, chunks=t.chunks),)
+            shards.append(Shard(offsets=p.offsets, sizes=p.sizes, chunks=t.chunks))
+        h = self.held
         return ShardedTensorEntry(
-            key=p.key, dtype=dtype_name(p.dtype), shape=p.shape, shards=shards
+            key=h.key, dtype=dtype_name(h.dtype), shape=h.shape, shards=tuple(shards)
         )
 
 
@@ -386,7 +389,9 @@ class _ShardedObjectDraft:
 class Collected:
     """A rank's state, flattened: entries (or drafts awaiting their payloads' locations) in
     flatten order; the replicated payloads, in the same order (placed once their writers are
-    agreed on); the bytes of this rank's own payloads (placed as they were met)."""
+    agreed on); the bytes of this rank's own payloads (placed as they were met; in a take
+    across ranks, recorded, and placed once the first agreement has said which leaves are
+    replicated: ``replication.settle``)."""
 
     entries: dict[str, Entry | _TensorDraft | _WholeTensor | _ObjectDraft | _ShardDraft] = field(
         default_factory=dict
@@ -399,18 +404,6 @@ class Collected:
     objects: list[tuple[str, bool, str]] = field(default_factory=list)
     # How many of this rank's own writes (``Placer.writes``) were handed to ``submit``.
     submitted: int = 0
-
-    def replicated_signature(self) -> list[tuple[str, int, int, str]]:
-        """(logical path, chunk index, bytes, kind) of each replicated payload, in order: what
-        every rank must agree on for replicated entries to be written once."""
-        return [(p.logical, p.index, p.nbytes, _kind(self.entries, p)) for p in self.replicated]
-
-
-def _kind(entries: dict[str, Any], payload: Payload) -> str:
-    draft = entries.get(payload.label)
-    if isinstance(draft, (_TensorDraft, _WholeTensor)):
-        return f"{draft.dtype}{list(draft.shape)}"
-    return "object"
 
 
 @dataclass
@@ -498,7 +491,7 @@ class _Collector:
         prepare: PrepareFunc | None,
         replicated: Sequence[str],
         inline_max_bytes: int,
-        own: Placer,
+        own: Placer | Recorder,
         submit: Callable[[WriteRequest], None] | None,
     ) -> None:
         self.rank = rank
@@ -546,8 +539,8 @@ class _Collector:
         cut = len(rank_prefix)
         check = bool(self.replicated)
         for path, node, value in flatten(state, rank_prefix + key_path):
-            replicated = check and self._is_replicated(path[cut:])
             if node is None:
+                replicated = check and self._is_replicated(path[cut:])
                 # Most leaves: straight to the tensor path (``is_dense_tensor``, inline).
                 if (
                     type(value) in _DENSE_TYPES
@@ -557,9 +550,10 @@ class _Collector:
                     entries[path] = self._tensor(path, path[cut:], value, replicated)
                 else:
                     entries[path] = self._leaf(path, path[cut:], value, replicated)
-            elif replicated:
-                entries[path] = dataclasses.replace(node, replicated=True)
             else:
+                # A container is never marked replicated, even where a glob matches it: each
+                # rank's entries keep their own (they list other keys only where the states
+                # differ), and only leaves are stored once for every rank.
                 entries[path] = node
 
     def _leaf(
@@ -596,28 +590,32 @@ class _Collector:
         return self._object(path, logical, value, replicated)
 
     def _sharded(self, path: str, logical: str, value: Any) -> _ShardDraft:
-        """A piece of a global tensor: written by this rank when it holds the main replica,
-        as a tensor of its own (never deduplicated against other ranks: each writes its piece)."""
-        piece = sharded.local_piece(path, logical, value)
-        if piece.data.dtype != piece.dtype or tuple(piece.data.shape) != piece.sizes:
-            raise UnsupportedValueError(
-                f"{path}: the piece of {piece.key!r} holds a {dtype_name(piece.data.dtype)}"
-                f"{list(piece.data.shape)} tensor where {dtype_name(piece.dtype)}"
-                f"{list(piece.sizes)} was declared"
+        """Pieces of a global tensor: each written by this rank when it holds its main
+        replica, as a tensor of its own (never deduplicated against other ranks: each writes
+        its pieces)."""
+        held = sharded.held(path, logical, value)
+        written: list[tuple[sharded.LocalPiece, Any]] = []
+        for piece in held.pieces:
+            if piece.data.dtype != piece.dtype or tuple(piece.data.shape) != piece.sizes:
+                raise UnsupportedValueError(
+                    f"{path}: the piece of {piece.key!r} holds a {dtype_name(piece.data.dtype)}"
+                    f"{list(piece.data.shape)} tensor where {dtype_name(piece.dtype)}"
+                    f"{list(piece.sizes)} was declared"
+                )
+            self.out.pieces.append(
+                (
+                    piece.key,
+                    dtype_name(piece.dtype),
+                    piece.shape,
+                    piece.offsets,
+                    piece.sizes,
+                    piece.main,
+                    path,
+                )
             )
-        self.out.pieces.append(
-            (
-                piece.key,
-                dtype_name(piece.dtype),
-                piece.shape,
-                piece.offsets,
-                piece.sizes,
-                piece.main,
-                path,
-            )
-        )
-        draft = self._tensor(path, logical, piece.data, False) if piece.main else None
-        return _ShardDraft(piece=piece, tensor=draft)
+            if piece.main:
+                written.append((piece, self._tensor(path, logical, piece.data, False)))
+        return _ShardDraft(held=held, written=written)
 
     def _sharded_object(self, path: str, logical: str, value: ShardedObject) -> Any:
         """Written by the rank holding its main replica; the others' entries are filled in
@@ -649,13 +647,9 @@ class _Collector:
             raise UnsupportedValueError(
                 f"{path}: cannot serialize a {_type_name(value)}: {type(e).__name__}: {e}"
             ) from e
-        try:
-            decode_object(data, path)
-        except SnapshotError as e:
-            # Found out now rather than at restore time, perhaps months later.
-            logger.warning(
-                "%s: a %s will need an explicit opt-in to restore: %s", path, _type_name(value), e
-            )
+        # A value a restore would refuse is refused now, not found out at restore time,
+        # perhaps months later: the take fails rather than commit it.
+        check_object(path, _type_name(value), data, tensor_subclass=isinstance(value, torch.Tensor))
         return self._bytes_draft(path, logical, "torch_save", _type_name(value), data, replicated)
 
     def _bytes_draft(
@@ -798,16 +792,17 @@ def collect(
     prepare: PrepareFunc | None,
     replicated: Sequence[str],
     inline_max_bytes: int,
-    own: Placer,
+    own: Placer | Recorder,
     submit: Callable[[WriteRequest], None] | None = None,
 ) -> Collected:
     """Flattens ``(key_path, state_dict)`` pairs of process ``rank`` into entries and payloads.
 
     Manifest paths are ``"<rank>/<key_path>/..."``; ``prepare`` and the ``replicated`` globs see
     the logical path without the rank. The rank's own payloads are placed by ``own`` as they
-    are met (tensors chunked by its layout); with ``submit``, each of their writes is handed to
-    it as soon as its blob is complete, the last one when the state is done. (``own``'s writes
-    hold every blob placed so far, also when this raises.)
+    are met (tensors chunked by its layout), or only recorded by a ``Recorder``; with
+    ``submit``, each of their writes is handed to it as soon as its blob is complete, the last
+    one when the state is done. (``own``'s writes hold every blob placed so far, also when this
+    raises.)
     """
     collector = _Collector(rank, prepare, replicated, inline_max_bytes, own, submit)
     for key_path, state in states:
@@ -830,6 +825,7 @@ class _Slab:
     members: list[tuple[int, Payload]] = field(default_factory=list)  # (padding before, payload)
     nbytes: int = 0
     staging_bytes: int = 0
+    from_device: bool = False  # a member is copied from a device (async take pins its buffer)
 
     def stage(self, checksums: bool) -> Staged:
         """Views of the members (padding between them); with ``checksums``, each member's
@@ -864,14 +860,32 @@ class _Slab:
         return f"{first}{more} (slab {self.blob})"
 
 
+class Recorder:
+    """Stands in for a rank's own ``Placer`` while a take across ranks plans: it records the
+    payloads in the order they are met and places nothing (which of them are the rank's own
+    is known only after the first agreement: ``replication.settle`` places them)."""
+
+    def __init__(self, layout: Layout) -> None:
+        self.layout = layout
+        self.payloads: list[Payload] = []
+        self.writes: list[WriteRequest] = []  # none: nothing is placed
+
+    def place(self, p: Payload) -> None:
+        self.payloads.append(p)
+
+    def close(self) -> None:
+        pass
+
+
 class Placer:
     """Gives payloads their blobs under one name prefix; collects the writes when ``mine``.
 
     With a staging ``pool`` (async take), each write's payloads are copied into one pooled
     buffer when staged, so the write never reads the application's memory.
 
-    A slab's members are checksummed when the slab is staged, on the caller's thread (after
-    each member's copy, with a pool), not by the plugin as it writes. A CRC call on more than
+    A slab's members are checksummed when the slab is staged, on the caller's thread (with a
+    pool: right after each member's copy from host memory; after ``Lease.ready`` for a copy
+    from a device, which is asynchronous), not by the plugin as it writes. A CRC call on more than
     5 KiB drops the GIL and must take it back: on a thread other than one busy in Python (the
     caller planning, or running Python while an async take writes), each call waited up to the
     interpreter's switch interval, 5 ms. Checksumming 20,000 slab members of 10 KiB on an I/O
@@ -899,7 +913,8 @@ class Placer:
     def place(self, p: Payload) -> None:
         """In the open slab when small, else in a blob of its own."""
         nbytes = p.nbytes
-        staging = nbytes if self.pool is not None else p.staging_bytes
+        pool = self.pool
+        staging = nbytes if pool is not None else p.staging_bytes
         if nbytes <= self._slab_max:
             slab = self._slab
             if slab is None or slab.nbytes + (-slab.nbytes % _ALIGN) + nbytes > self._slab_bytes:
@@ -912,12 +927,20 @@ class Placer:
             p.pos = slab.nbytes + pad
             slab.nbytes += pad + nbytes
             slab.staging_bytes += staging
+            if pool is not None and p.source is not None and not slab.from_device:
+                slab.from_device = _from_device(p)
         else:
             blob = self._blob()
             p.blob = blob
             p.pos = 0
             if self.mine:
-                stage = p.stage if self.pool is None else self._pooled([(0, p)], p.nbytes, False)
+                if pool is None:
+                    stage = p.stage
+                else:
+                    # A pooled write costs the budget its whole block (``block_bytes``).
+                    from_device = p.source is not None and _from_device(p)
+                    stage = self._pooled([(0, p)], p.nbytes, False, from_device)
+                    staging = pool.block_bytes(p.nbytes, from_device)
                 self.writes.append(
                     WriteRequest(
                         blob=blob,
@@ -935,15 +958,17 @@ class Placer:
         slab, self._slab = self._slab, None
         if slab is not None and slab.members and self.mine:
             checksums = self.layout.checksums
+            staging = slab.staging_bytes
             if self.pool is None:
                 stage = functools.partial(slab.stage, checksums)
             else:
-                stage = self._pooled(slab.members, slab.nbytes, checksums)
+                stage = self._pooled(slab.members, slab.nbytes, checksums, slab.from_device)
+                staging = self.pool.block_bytes(slab.nbytes, slab.from_device)
             self.writes.append(
                 WriteRequest(
                     blob=slab.blob,
                     nbytes=slab.nbytes,
-                    staging_bytes=slab.staging_bytes,
+                    staging_bytes=staging,
                     stage=stage,
                     label=slab.label(),
                     # Its members are checksummed as they are staged.
@@ -951,38 +976,64 @@ class Placer:
             )
 
     def _pooled(
-        self, members: list[tuple[int, Payload]], nbytes: int, checksums: bool
+        self, members: list[tuple[int, Payload]], nbytes: int, checksums: bool, from_device: bool
     ) -> Callable[[], Staged]:
-        """Stages ``members`` by copying them into one pooled buffer; with ``checksums``, each
-        member's CRC-32 is taken right after its copy (still in the CPU's cache) and goes to
-        its ``crc32``."""
+        """Stages ``members`` by copying them into one pooled buffer (pinned when
+        ``from_device``: a member is on a device); with ``checksums``, each member's CRC-32
+        goes to its ``crc32``.
+
+        The CRC is taken from the buffer only once the member's bytes are there: right after a
+        copy from host memory (synchronous, and still in the CPU's cache), and after
+        ``lease.ready()`` for a copy from a device, which is issued non-blocking on a staging
+        stream and lands only when ``ready`` has waited for that stream. A stage that fails
+        releases its lease, which first waits for the copies already issued into it."""
         pool = self.pool
         assert pool is not None
 
         def stage() -> Staged:
-            lease = pool.acquire(nbytes)
+            lease = pool.acquire(nbytes, from_device)
             try:
                 if len(members) > 1:
                     lease.touch()
                 buf = lease.tensor
                 view = lease.view
                 pos = 0
-                with pool.copying():
-                    for pad, p in members:
-                        if pad:
-                            view[pos : pos + pad] = _ZEROS[:pad]
-                            pos += pad
+                late: list[tuple[int, Payload]] | None = None  # copies still in flight
+                for pad, p in members:
+                    if pad:
+                        view[pos : pos + pad] = _ZEROS[:pad]
+                        pos += pad
+                    source = p.source
+                    if source is None:  # host memory: a tensor's, an object's bytes
                         p.copy_into(buf, pos)
                         if checksums:
                             p.crc32 = crc32(view[pos : pos + p.nbytes])
-                        pos += p.nbytes
+                    elif source.copy_into(p.start, p.stop, buf, pos, lease):
+                        if checksums:  # issued from a device: readable after ``ready``
+                            if late is None:
+                                late = []
+                            late.append((pos, p))
+                    elif checksums:
+                        p.crc32 = crc32(view[pos : pos + p.nbytes])
+                    pos += p.nbytes
                 lease.ready()
+                if late is not None:
+                    for at, p in late:
+                        p.crc32 = crc32(view[at : at + p.nbytes])
             except BaseException:
-                lease.release()
+                lease.release()  # waits for the copies already issued before lending it again
                 raise
             return [lease.view], lease
 
         return stage
+
+
+def _from_device(p: Payload) -> bool:
+    """Whether a payload with a ``source`` is copied from a CUDA device (its buffer is then
+    pinned, for asynchronous copies). The tensor as given decides: a prepare function that moves
+    it elsewhere only makes the copies synchronous, or the pinning unneeded."""
+    assert p.source is not None
+    return device.cuda_index(p.source.tensor) is not None
 
 
 def place(
@@ -1092,7 +1143,7 @@ class _TensorSource:
                     f"{list(t.shape)} when tracing but {dtype_name(self.dtype)}"
                     f"{list(self.shape)} when preparing; both calls must agree"
                 )
-        t = t.detach()
+        t = as_copyable(t.detach())
         if t.is_conj():
             t = t.resolve_conj()
         if t.is_neg():
@@ -1115,22 +1166,45 @@ class _TensorSource:
             self._staged_one()
         return [tensor_memoryview(part)], part
 
-    def copy_into(self, start: int, stop: int, buf: torch.Tensor, pos: int) -> None:
-        """Copies elements ``[start, stop)`` into the uint8 staging buffer ``buf`` at ``pos``."""
+    def copy_into(
+        self, start: int, stop: int, buf: torch.Tensor, pos: int, lease: Lease | None = None
+    ) -> bool:
+        """Copies elements ``[start, stop)`` into the uint8 staging buffer ``buf`` at ``pos``.
+
+        From host memory the copy is done when this returns (False). From a CUDA device with a
+        ``lease`` (``buf`` is its tensor), the copies are issued on the lease's staging stream
+        for that device, after the work queued on the device's current stream, non-blocking
+        when the buffer is pinned; this returns True and the bytes may be read only after
+        ``lease.ready()``. Without a lease, a device's copies are synchronous.
+        """
         dst = buf[pos : pos + (stop - start) * self.dtype.itemsize]
         try:
             base = self._resolve()
             if base.is_cpu and base.is_contiguous():
                 # As raw bytes: works for dtypes torch has no copy kernel for.
                 dst.copy_(base.view(-1)[start:stop].view(torch.uint8))
-            else:
-                # From a device into pinned memory the copies are asynchronous (the pool
-                # synchronizes before the write); only a machine with a GPU runs that case.
-                scatter_into_flat(
-                    dst.view(base.dtype),
-                    range_views(base, start, stop),
-                    non_blocking=dst.is_pinned(),
-                )
+                return False
+            index = device.cuda_index(base)
+            if index is None:  # host memory (not contiguous), or another device type
+                scatter_into_flat(dst.view(base.dtype), range_views(base, start, stop))
+                return False
+            flat = dst.view(base.dtype)
+            views = range_views(base, start, stop)
+            if lease is None:
+                for at, v in _flat_slots(views):
+                    device.copy(flat[at : at + v.numel()].view(v.shape), v, False)
+                return False
+            # Only a machine with a GPU runs these lines for real: the copies are queued on the
+            # device's staging stream (``Lease.stream``: after the kernels already queued on
+            # its current stream) and, into pinned memory, return at once; ``Lease.ready``
+            # waits for them. The lease keeps ``base`` alive until then: a prepared or resolved
+            # tensor may have no other owner, and CUDA's caching allocator would hand its
+            # memory to the next allocation on the current stream while the copy still reads
+            # it on the staging stream.
+            with device.use_stream(lease.stream(index, base)):
+                for at, v in _flat_slots(views):
+                    device.copy(flat[at : at + v.numel()].view(v.shape), v, lease.pinned)
+            return True
         except RuntimeError as e:
             raise self._unreadable(e) from e
         finally:
@@ -1146,6 +1220,14 @@ class _TensorSource:
         self.remaining -= 1
         if self.remaining == 0:
             self._base = None
+
+
+def _flat_slots(views: list[torch.Tensor]) -> Iterator[tuple[int, torch.Tensor]]:
+    """Each view with the element offset it starts at when the views are laid end to end."""
+    at = 0
+    for v in views:
+        yield at, v
+        at += v.numel()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1256,6 +1338,7 @@ def plan_tensor_read(
     tile_bytes: int,
     piece_bytes: int,
     verify: bool = True,
+    landing: Landing | None = None,
 ) -> TensorRead:
     """Needs for ``entry``: into ``target`` in place when given (cast like ``copy_``), else into
     a new tensor.
@@ -1263,7 +1346,8 @@ def plan_tensor_read(
     Bytes land directly in the destination's memory when it is a contiguous CPU tensor of the
     stored dtype, in pieces of at most ``piece_bytes`` (so one large tensor is read by several
     workers); otherwise they go through scratch tiles of at most ``tile_bytes`` (whole elements,
-    never across chunks) copied into the target, whatever its layout or device. With
+    never across chunks) copied into the target by ``landing``, whatever its layout or device
+    (``_tile_need``; without a ``landing``, device copies are waited for one by one). With
     ``verify``, each chunk's bytes are checked against its recorded CRC-32 as they land.
 
     Callers try ``direct_read`` first: it plans the most common read in fewer steps (the same
@@ -1276,6 +1360,10 @@ def plan_tensor_read(
         check_target(path, entry, target, dtype)
     itemsize = dtype.itemsize
     direct = _direct(target, dtype)
+    if landing is None:
+        landing = Landing()
+    if not direct:
+        landing.prepare(target)
     needs: list[Need] = []
     step = piece_bytes if direct else tile_bytes
     step = max(itemsize, step - step % itemsize)
@@ -1288,7 +1376,9 @@ def plan_tensor_read(
             if direct:
                 need = _direct_need(path, chunk, lo, n, address + base + lo)
             else:
-                need = _tile_need(path, chunk, lo, n, (base + lo) // itemsize, dtype, target)
+                need = _tile_need(
+                    path, chunk, lo, n, (base + lo) // itemsize, dtype, target, landing
+                )
             if check is not None:
                 need.verify = _piece_verify(check, lo, n)
             needs.append(need)
@@ -1356,46 +1446,69 @@ def plan_sharded_read(
     gap_bytes: int = 0,
     box_bytes: int = 4 << 20,
     pool: ScratchPool | None = None,
+    tile_bytes: int | None = None,
+    landing: Landing | None = None,
 ) -> TensorRead:
-    """Needs for a target's region of a sharded tensor: the target's own piece when it is a
-    ``ShardedTensor`` or ``DTensor`` (filled in place; resharded from whatever shards were
-    stored), the whole tensor into a plain tensor target (in place, cast like ``copy_``) or a
-    new one.
+    """Needs for a target's regions of a sharded tensor: the target's own piece when it is a
+    ``ShardedTensor`` or ``DTensor``, or each local shard of torch's ``ShardedTensor`` (filled
+    in place; resharded from whatever shards were stored), the whole tensor into a plain tensor
+    target (in place, cast like ``copy_``) or a new one.
 
     Only the bytes of the stored shards that overlap the region are asked for, run by run.
     They land in the destination's memory when it is a contiguous CPU tensor of the stored
-    dtype, else in a scratch tensor of the region's size copied into it once all have landed.
-    An overlap made of many runs with gaps of at most ``gap_bytes`` between them (a column
-    block of a row-sharded tensor, say) is read instead through its gaps, in boxes of at most
-    about ``box_bytes`` of scratch (taken from ``pool`` and given back, so that boxes reuse
-    memory; small, so that a box is still in the CPU's cache when it is copied), each moved
-    into place by one strided copy. Chunks read whole are checked against their CRC-32s; a
-    chunk read in part cannot be.
+    dtype; else (another dtype, not contiguous, on a device: every CUDA ShardedTensor or
+    DTensor) each run, cut into tiles of at most ``tile_bytes`` (default ``piece_bytes``), is
+    read into a scratch tile taken when its read is about to run and charged to the read
+    budget, and copied into its elements of the region by ``landing`` (``_tile_need``). An
+    overlap made of many runs with gaps of at most ``gap_bytes`` between them (a column block
+    of a row-sharded tensor, say) is read instead through its gaps, in boxes of at most about
+    ``box_bytes`` of scratch (taken from ``pool`` and given back, so that boxes reuse memory;
+    small, so that a box is still in the CPU's cache when it is copied), each moved into place
+    by one strided copy. Chunks read whole are checked against their CRC-32s; a chunk read in
+    part cannot be.
     """
     dtype = dtype_from_name(entry.dtype, path)
     sharded.check_entry(path, entry, dtype)
     whole = ((0,) * len(entry.shape), tuple(entry.shape))
     if sharded.is_sharded(target):
-        region, dest, result = sharded.target_region(path, entry, target)
+        regions, result = sharded.target_regions(path, entry, target)
     elif isinstance(target, torch.Tensor) and is_dense_tensor(target):
-        region, dest, result = whole, target, target
+        regions, result = [(whole, target)], target
     else:
-        region = whole
-        dest = result = _allocate(path, entry.nbytes, lambda: torch.empty(entry.shape, dtype=dtype))
-    sharded.check_region(path, entry, region, dest)
-    if dest.dtype != dtype and not _casts(dtype, dest.dtype):
-        raise StateMismatchError(
-            f"{path}: the snapshot holds {entry.dtype}, the object being restored is "
-            f"{dtype_name(dest.dtype)}, and torch cannot copy the one into the other"
+        result = _allocate(path, entry.nbytes, lambda: torch.empty(entry.shape, dtype=dtype))
+        regions = [(whole, result)]
+    if landing is None:
+        landing = Landing()
+    tile = piece_bytes if tile_bytes is None else min(piece_bytes, tile_bytes)
+    planned: list[tuple[sharded.Region, torch.Tensor, list[sharded.Piece], list[sharded.Box]]] = []
+    for region, dest in regions:
+        sharded.check_region(path, entry, region, dest)
+        if dest.dtype != dtype and not _casts(dtype, dest.dtype):
+            raise StateMismatchError(
+                f"{path}: the snapshot holds {entry.dtype}, the object being restored is "
+                f"{dtype_name(dest.dtype)}, and torch cannot copy the one into the other"
+            )
+        # Into the region's memory the pieces may be as long as a read request; through
+        # scratch, as long as a tile.
+        step = piece_bytes
+        if not _direct(dest, dtype):
+            step = tile
+            landing.prepare(dest)
+        direct, boxes = sharded.plan_region(
+            entry, region, dtype.itemsize, step, gap_bytes, box_bytes
         )
-    direct, boxes = sharded.plan_region(
-        entry, region, dtype.itemsize, piece_bytes, gap_bytes, box_bytes
+        planned.append((region, dest, direct, boxes))
+    # One check per stored chunk over every region's pieces: a chunk that two local shards of
+    # a torch ShardedTensor target read in parts is still read whole, and checked.
+    checks = sharded.checks_for(
+        path, [p for _, _, d, b in planned for p in (*d, *(q for x in b for q in x.pieces))], verify
     )
-    checks = sharded.checks_for(path, [*direct, *(p for b in boxes for p in b.pieces)], verify)
-    needs = _region_needs(path, dtype, dest, region, direct, checks)
+    needs: list[Need] = []
     pool = pool if pool is not None else ScratchPool()
-    for box in boxes:
-        needs.extend(_box_needs(path, dtype, dest, box, checks, pool))
+    for _, dest, direct, boxes in planned:
+        needs.extend(_region_needs(path, dtype, dest, direct, checks, landing))
+        for box in boxes:
+            needs.extend(_box_needs(path, dtype, dest, box, checks, pool, landing))
     return TensorRead(needs=needs, result=result)
 
 
@@ -1403,36 +1516,37 @@ def _region_needs(
     path: str,
     dtype: torch.dtype,
     dest: torch.Tensor,
-    region: sharded.Region,
     planned: list[sharded.Piece],
     checks: Mapping[tuple[str, int], LocationCheck],
+    landing: Landing,
 ) -> list[Need]:
-    """Pieces landing at their place in the region's tensor: ``dest`` itself when it can take
-    raw bytes, else a scratch tensor of the region copied into it once all have landed."""
+    """Pieces landing at their place in the region's tensor ``dest``: straight into its memory
+    when it can take raw bytes; else each piece (a run of consecutive elements in both the
+    stored shard and the region, at most a tile long) through a scratch tile of its own,
+    taken when its read is about to run, charged to the read budget, and copied into the
+    region's elements once it has landed (``_tile_need``). A scratch tensor of the whole
+    region, taken when the read was planned, held memory beyond the budget: with an 8 MiB
+    budget, four 32 MiB regions held 128 MiB before the first read."""
     if not planned:
         return []
-    direct = _direct(dest, dtype)
-    buffer = dest
-    done = None
-    if not direct:
-        nbytes = math.prod(region[1]) * dtype.itemsize
-        buffer = _allocate(path, nbytes, lambda: torch.empty(region[1], dtype=dtype))
-        remaining = [len(planned)]
-
-        def done() -> None:
-            remaining[0] -= 1
-            if remaining[0] == 0:
-                with torch.no_grad():
-                    dest.copy_(buffer)
-
-    address = buffer.data_ptr()
+    if not _direct(dest, dtype):
+        itemsize = dtype.itemsize
+        needs = []
+        for p in planned:
+            need = _tile_need(
+                path, p.chunk, p.lo, p.nbytes, p.dest // itemsize, dtype, dest, landing
+            )
+            need.verify = sharded.verifier(checks, p)
+            needs.append(need)
+        return needs
+    address = dest.data_ptr()
     return [
         Need(
             blob=p.chunk.blob,
             offset=p.chunk.offset + p.lo,
             nbytes=p.nbytes,
             dest=functools.partial(raw_memoryview, address + p.dest, p.nbytes),
-            done=done,
+            done=None,
             scratch_bytes=0,
             label=path,
             verify=sharded.verifier(checks, p),
@@ -1466,10 +1580,12 @@ def _box_needs(
     box: sharded.Box,
     checks: Mapping[tuple[str, int], LocationCheck],
     pool: ScratchPool,
+    landing: Landing,
 ) -> list[Need]:
     """A box's pieces, into a scratch buffer taken when the first of them is about to be read;
-    once all have landed, one strided copy moves the box into ``dest``, and the buffer goes
-    back to the pool."""
+    once all have landed, one strided copy moves the box into ``dest`` (on a device, a
+    synchronous one on the read's copy stream: ``Landing.copy``), and the buffer goes back to
+    the pool."""
     scratch: list[torch.Tensor] = []
     remaining = [len(box.pieces)]
     nbytes = box.span * dtype.itemsize
@@ -1485,8 +1601,7 @@ def _box_needs(
             buffer = scratch.pop()
             source = torch.as_strided(buffer[:nbytes].view(dtype), box.sizes, box.strides)
             window = dest[tuple(slice(a, a + n) for a, n in zip(box.at, box.sizes, strict=True))]
-            with torch.no_grad():
-                window.copy_(source)
+            landing.copy(window, source)
             pool.give(buffer)
 
     return [
@@ -1504,6 +1619,35 @@ def _box_needs(
     ]
 
 
+class _TileCopy:
+    """What a tile need does: takes its tile when its read is about to run (``dest``) and
+    copies it into ``count`` elements of ``target`` from ``first`` on once the bytes have
+    landed (``done``). A record with two bound methods, not two closures: a column-wise
+    restore makes one per run, tens of thousands, and with closures a need took 990 bytes
+    (tracemalloc), with this record 440 (a need read straight into its target: 365)."""
+
+    __slots__ = ("count", "dtype", "first", "landing", "target", "tile")
+
+    def __init__(
+        self, target: torch.Tensor, first: int, count: int, dtype: torch.dtype, landing: Landing
+    ) -> None:
+        self.target = target
+        self.first = first
+        self.count = count
+        self.dtype = dtype
+        self.landing = landing
+        self.tile: Tile | None = None
+
+    def dest(self) -> memoryview:
+        tile = self.tile = self.landing.tile(self.count, self.dtype, self.target)
+        return tensor_memoryview(tile.data)
+
+    def done(self) -> None:
+        tile, self.tile = self.tile, None
+        assert tile is not None
+        self.landing.land(self.target, self.first, self.first + self.count, tile)
+
+
 def _tile_need(
     path: str,
     chunk: Location,
@@ -1512,26 +1656,23 @@ def _tile_need(
     first: int,
     dtype: torch.dtype,
     target: torch.Tensor,
+    landing: Landing,
 ) -> Need:
+    """The need of ``nbytes`` at ``lo`` in ``chunk``: elements ``first`` on of ``target`` in
+    row-major order, read into a scratch tile that ``landing`` gives when the read is about to
+    run (pinned for a device target) and copies into the target once the bytes have landed.
+    The tile, and the cast tile a device target of another dtype needs, are charged to the
+    read budget from the read's start to its ``done``; a device copy still in flight then is
+    bounded and waited for by ``landing``."""
     count = nbytes // dtype.itemsize
-    scratch: list[torch.Tensor] = []
-
-    def dest() -> memoryview:
-        scratch.append(torch.empty(count, dtype=dtype))
-        return tensor_memoryview(scratch[0])
-
-    def done() -> None:
-        tile = scratch.pop()
-        with torch.no_grad():
-            copy_elements(target, first, first + count, tile)
-
+    copy = _TileCopy(target, first, count, dtype, landing)
     return Need(
         blob=chunk.blob,
         offset=chunk.offset + lo,
         nbytes=nbytes,
-        dest=dest,
-        done=done,
-        scratch_bytes=nbytes,
+        dest=copy.dest,
+        done=copy.done,
+        scratch_bytes=nbytes + landing.cast_bytes(count, dtype, target),
         label=path,
     )
 
@@ -1562,6 +1703,135 @@ def plan_object_read(
         label=path,
         verify=_check(path, loc, 1, verify),
     )
+
+
+def plan_pickled_tensor_read(
+    path: str,
+    entry: PickledTensorEntry,
+    target: torch.Tensor | None,
+    results: dict[str, Any],
+    verify: bool = True,
+    landing: Landing | None = None,
+) -> list[Need]:
+    """The needs of a tensor stored as ``torch.save`` bytes, one per piece; when the last
+    piece is decoded, ``results[path]`` holds the tensor: ``target`` filled in place (cast like
+    ``copy_``; on a device, by ``landing``'s copy stream) when given, else a new one (the
+    decoded tensor itself when one piece holds it all).
+
+    The pickles are decoded by the safe loader, and each must hold a plain tensor of the
+    recorded dtype and of its piece's size: the manifest says what a restore may expect, and
+    the bytes must not bring anything else (another type, another shape).
+    """
+    dtype = dtype_from_name(entry.dtype, path)
+    shape = tuple(entry.shape)
+    pieces = entry.pieces
+    _check_pieces(path, entry)
+    copier = landing if landing is not None else Landing()
+    if target is not None:
+        check_target(path, new_tensor_entry(entry.dtype, shape, ()), target, dtype)
+        copier.prepare(target)
+    whole = len(pieces) == 1 and tuple(pieces[0].sizes) == shape
+    result: list[torch.Tensor] = []  # the tensor the pieces are copied into, once made
+    if target is not None:
+        result.append(target)
+    elif not whole:
+        result.append(
+            _allocate(
+                path, math.prod(shape) * dtype.itemsize, lambda: torch.empty(shape, dtype=dtype)
+            )
+        )
+    remaining = [len(pieces)]
+    needs = []
+    for piece in pieces:
+        loc = piece.chunks[0]
+        buf: list[bytearray] = []
+
+        def dest(loc: Location = loc, buf: list[bytearray] = buf) -> memoryview:
+            buf.append(_allocate(path, loc.nbytes, lambda: bytearray(loc.nbytes)))
+            return memoryview(buf[0])
+
+        def done(piece: Shard = piece, buf: list[bytearray] = buf) -> None:
+            value = decode_object(bytes(buf.pop()), path)
+            box = tuple(piece.sizes)
+            if (
+                not isinstance(value, torch.Tensor)
+                or type(value) not in _DENSE_TYPES
+                or value.dtype != dtype
+                or tuple(value.shape) != box
+            ):
+                what = (
+                    f"a {dtype_name(value.dtype)}{list(value.shape)} tensor"
+                    if isinstance(value, torch.Tensor)
+                    else f"a {_type_name(value)}"
+                )
+                raise CorruptSnapshotError(
+                    f"{path}: the pickle of the piece at {list(piece.offsets)} holds {what}; the "
+                    f"manifest records a {entry.dtype}{list(box)} tensor"
+                )
+            if not result:  # one piece, the whole tensor, no target: the decoded one is it
+                results[path] = value.detach()
+                return
+            window = result[0][
+                tuple(slice(o, o + n) for o, n in zip(piece.offsets, box, strict=True))
+            ]
+            try:
+                copier.copy(window, value)
+            except RuntimeError as e:
+                raise StateMismatchError(
+                    f"{path}: cannot copy the stored {entry.dtype} values into the "
+                    f"{dtype_name(window.dtype)} tensor being restored: {e}"
+                ) from e
+            remaining[0] -= 1
+            if remaining[0] == 0:
+                results[path] = result[0]
+
+        needs.append(
+            Need(
+                blob=loc.blob,
+                offset=loc.offset,
+                nbytes=loc.nbytes,
+                dest=dest,
+                done=done,
+                scratch_bytes=loc.nbytes,
+                label=path,
+                verify=_check(path, loc, 1, verify),
+            )
+        )
+    return needs
+
+
+def _check_pieces(path: str, entry: PickledTensorEntry) -> None:
+    """The pieces of a pickled tensor lie within its shape, one location each, and cover it
+    exactly once (their volumes add up to its own, and no two overlap)."""
+    shape = tuple(entry.shape)
+    total = 0
+    for piece in entry.pieces:
+        offsets, sizes = tuple(piece.offsets), tuple(piece.sizes)
+        if (
+            len(piece.chunks) != 1
+            or len(offsets) != len(shape)
+            or len(sizes) != len(shape)
+            or any(o + n > s for o, n, s in zip(offsets, sizes, shape, strict=True))
+        ):
+            raise CorruptSnapshotError(
+                f"{path}: a piece at {list(offsets)} of size {list(sizes)} in "
+                f"{len(piece.chunks)} locations does not fit a {entry.dtype}{list(shape)} "
+                "tensor stored as one pickle per piece"
+            )
+        total += math.prod(sizes)
+    overlapping = any(
+        all(
+            max(oa, ob) < min(oa + na, ob + nb)
+            for oa, na, ob, nb in zip(a.offsets, a.sizes, b.offsets, b.sizes, strict=True)
+        )
+        for i, a in enumerate(entry.pieces)
+        for b in entry.pieces[i + 1 :]
+    )
+    if total != math.prod(shape) or overlapping or not entry.pieces:
+        raise CorruptSnapshotError(
+            f"{path}: the pieces of this {entry.dtype}{list(shape)} tensor do not cover it "
+            "exactly once"
+        )
 
 
 def _allocate(path: str, nbytes: int, make: Callable[[], _T]) -> _T:

@@ -6,9 +6,13 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch
+import torch.distributed
 
 from manifest import Entry, Manifest
 from snapshot import dist, operations
+from snapshot.errors import EntryNotFoundError
+from snapshot.flatten import escape_key
+from snapshot.metadata import SnapshotMetadata
 from snapshot.operations import gc_paused
 from snapshot.pending import AsyncRequest, PendingSnapshot, default_queue
 from snapshot.staging import default_pool
@@ -53,6 +57,7 @@ class Snapshot:
         self._decoded: Manifest | bytes = (
             _manifest if _manifest is not None else operations.load_manifest(path, storage_options)
         )
+        self._metadata: SnapshotMetadata | None = None  # built on first use of ``metadata``
 
     @property
     def _manifest(self) -> Manifest:
@@ -84,7 +89,11 @@ class Snapshot:
                 ``load_state_dict()``).
             pg: the participating process group (see the class).
             replicated: glob patterns of logical paths (``"model/**"``) whose values are the
-                same on every rank; their entries are marked replicated.
+                same on every rank: a path is replicated when every rank's patterns match it.
+                Without them too, a take across ranks stores once every value whose bytes are
+                equal on every rank (compared by a digest, ``snapshot.replication``). A
+                replicated value is written by one rank, listed once in the manifest (under
+                rank 0), and restored by any rank, on any number of ranks.
             storage_options: options for the storage plugin.
             _custom_tensor_prepare_func: ``f(logical_path, tensor, tracing) -> tensor`` applied
                 to each tensor before it is written (to cast to bf16, say). It is called once
@@ -94,7 +103,9 @@ class Snapshot:
 
         Raises:
             NotStatefulError: an app_state value is not Stateful.
-            SnapshotExistsError: ``path`` already holds a committed snapshot.
+            SnapshotExistsError: ``path`` already holds a committed snapshot;
+                :class:`PathNotEmptyError` when it is a directory (or prefix) holding other
+                files (local disk, memory and S3 are checked; an empty one is fine).
             StatefulError: a ``state_dict()`` raised.
             UnsupportedValueError: a value cannot be stored (a tensor on the meta device...).
             StorageError: the storage failed; nothing was committed.
@@ -134,9 +145,12 @@ class Snapshot:
         background.
 
         When this returns, the snapshot's content is fixed: every tensor has been copied (within
-        the memory budget, ``STATESNAP_MEMORY_BUDGET_BYTES``; a state larger than the budget
-        makes this call wait until enough writes have finished), so the caller may change or
-        free its tensors at once. Errors found while capturing are raised here; errors of the
+        the memory budget, ``STATESNAP_MEMORY_BUDGET_BYTES``, which the snapshots still pending
+        share; a state larger than what is left makes this call wait until enough writes have
+        finished), so the caller may change or free its tensors at once. CUDA tensors are
+        copied after the work already queued on their device's current stream (the calling
+        thread's), and those copies are complete when this returns: kernels queued afterwards
+        cannot reach the snapshot. Errors found while capturing are raised here; errors of the
         background work are raised by :meth:`PendingSnapshot.wait`.
         """
         coordinator = dist.resolve(pg)
@@ -165,7 +179,7 @@ class Snapshot:
             job.release_writes()
         return pending
 
-    def restore(self, app_state: dict[str, Any]) -> None:
+    def restore(self, app_state: dict[str, Any], strict: bool = True) -> None:
         """Restores ``app_state`` (the one taken, or a subset of its keys) from the snapshot.
 
         Tensors are loaded in place into the tensors that each value's ``state_dict()`` returns
@@ -173,8 +187,17 @@ class Snapshot:
         called with the restored state, :class:`RNGState` values last. Only the entries of the
         given keys are read.
 
+        Args:
+            app_state: name -> Stateful, as for :meth:`take`.
+            strict: with False, keys of ``app_state`` that the snapshot does not hold are left
+                as they are (and named in a warning), and ``torch.nn.Module`` values get
+                ``load_state_dict(state, strict=False)``, as torchsnapshot passes it: their
+                parameters and buffers the snapshot lacks keep their values, and entries the
+                module lacks are ignored. Other values' ``load_state_dict`` get the state alone
+                either way.
+
         Raises:
-            StateMismatchError: a key is not in the snapshot;
+            StateMismatchError: a key is not in the snapshot (``strict`` only);
                 :class:`ShapeMismatchError` when a tensor's shape differs (nothing is read then).
             CorruptSnapshotError: a blob is missing, short, or undecodable.
             UnsafeObjectError: an object would need a type that is not allowed to load.
@@ -186,6 +209,7 @@ class Snapshot:
             path=self.path,
             coordinator=dist.resolve(self.pg),
             storage_options=self.storage_options,
+            strict=strict,
         )
 
     def read_object(
@@ -217,7 +241,9 @@ class Snapshot:
         )
 
     def get_manifest(self) -> dict[str, Entry]:
-        """Logical path -> entry for everything in the snapshot (every rank's entries).
+        """Logical path -> entry for everything in the snapshot (every rank's entries; a
+        replicated entry once, under rank 0's prefix, though ``read_object`` finds it under any
+        rank's).
 
         Entries are frozen dataclasses (:mod:`manifest.entries`): ``TensorEntry`` (dtype, shape,
         chunks, ``nbytes``), ``ObjectEntry``, ``PrimitiveEntry`` (the value itself), and
@@ -225,7 +251,49 @@ class Snapshot:
         """
         return dict(self._manifest.entries)
 
+    def get_state_dict_for_key(self, key: str, replicate_from_rank0: bool = False) -> Any:
+        """The state dict stored for ``app_state[key]``, read from the snapshot without an
+        object to load it into (tensors are new CPU tensors).
+
+        Args:
+            key: an ``app_state`` key of the take.
+            replicate_from_rank0: read rank 0's state, whatever this process's rank. Otherwise
+                this rank's own (its rank in ``pg``, 0 without a process group), or rank 0's
+                for a rank the snapshot did not have.
+
+        Raises:
+            EntryNotFoundError: the snapshot has no state under ``key`` for that rank; the
+                message names the keys it has.
+        """
+        manifest = self._manifest
+        rank = 0 if replicate_from_rank0 else _rank(self.pg)
+        prefix = operations._namespace(manifest, rank)
+        root = prefix + escape_key(key)
+        entries = operations._view(manifest, rank)  # rank 0's replicated leaves too
+        if root not in entries:
+            available = sorted(
+                {p[len(prefix) :].split("/", 1)[0] for p in entries if p.startswith(prefix)}
+            )
+            raise EntryNotFoundError(
+                f"snapshot {self.path} has no app_state key {key!r} under {prefix!r} (the "
+                f"entries rank {rank} reads); it holds {available}"
+            )
+        return self.read_object(root)
+
     @property
-    def metadata(self) -> dict[str, Any]:
-        """Facts recorded at take time: library and torch versions, creation time."""
-        return dict(self._manifest.metadata)
+    def metadata(self) -> SnapshotMetadata:
+        """Facts about the snapshot (:class:`~snapshot.metadata.SnapshotMetadata`): the library
+        version that took it, its world size, its manifest (path -> entry), and what else the
+        manifest records (torch version, creation time...)."""
+        if self._metadata is None:
+            self._metadata = SnapshotMetadata.from_manifest(self._manifest)
+        return self._metadata
+
+
+def _rank(pg: Any | None) -> int:
+    """This process's rank in ``pg`` (the default group when None), 0 when ``torch.distributed``
+    is not in use. Asks torch only: unlike ``dist.resolve``, makes no group (which would be a
+    collective, and this is called on one rank alone)."""
+    if pg is None and not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return 0
+    return torch.distributed.get_rank(pg)

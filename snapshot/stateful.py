@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import random
 from collections import UserDict
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import torch
 
@@ -20,6 +20,14 @@ class Stateful(Protocol):
     def state_dict(self) -> dict[str, Any]: ...
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
+
+
+_S = TypeVar("_S", bound=Stateful)
+
+# What ``Snapshot.take`` / ``restore`` accept: name -> Stateful. torchsnapshot's alias of the
+# same name (``torchsnapshot.stateful.AppState``), generic in the value type like theirs:
+# ``AppState`` alone is a dict of any Stateful, ``AppState[torch.nn.Module]`` one of modules.
+AppState = dict[str, _S]
 
 
 class StateDict(UserDict):  # type: ignore[type-arg]
@@ -79,6 +87,11 @@ class RNGState:
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if "torch" not in state_dict and set(state_dict) == {"rng_state"}:
+            # torchsnapshot's RNGState held torch's CPU generator alone, under this name: a
+            # snapshot it wrote restores that generator and leaves the others as they are.
+            torch.set_rng_state(state_dict["rng_state"])
+            return
         torch.set_rng_state(state_dict["torch"])
         py = state_dict["python"]
         internal = tuple(int(x) for x in py["state"].tolist())
@@ -94,8 +107,36 @@ class RNGState:
                     (s["bit_generator"], keys, s["pos"], s["has_gauss"], s["cached_gaussian"])
                 )
         if "cuda" in state_dict:
-            if torch.cuda.is_available():
-                # Only a machine with a GPU runs this branch.
-                torch.cuda.set_rng_state_all(state_dict["cuda"])
-            else:
-                logger.warning("snapshot holds CUDA RNG states, but CUDA is not available here")
+            _set_cuda_rng_states(list(state_dict["cuda"]))
+
+
+def _set_cuda_rng_states(states: list[torch.Tensor]) -> None:
+    """Sets each visible GPU's generator to the state taken on the GPU of the same index.
+
+    The job may restore with another number of visible GPUs than it took with (another
+    machine, another ``CUDA_VISIBLE_DEVICES``): the GPUs both have are set, and the difference
+    is logged, never an error. ``torch.cuda.set_rng_state_all`` would raise for a missing GPU
+    and leave the extra ones silently as they were. The calls to torch run on CPU-only machines
+    only in tests that stand in for ``torch.cuda``; that the states land on real devices is for
+    a GPU run to prove.
+    """
+    if not torch.cuda.is_available():
+        logger.warning(
+            "snapshot holds the RNG states of %d CUDA device(s), but CUDA is not available "
+            "here: they are not restored",
+            len(states),
+        )
+        return
+    visible = torch.cuda.device_count()
+    for index in range(min(visible, len(states))):
+        torch.cuda.set_rng_state(states[index], device=index)
+    if visible != len(states):
+        logger.warning(
+            "snapshot holds the RNG states of %d CUDA device(s) and %d are visible here: "
+            "%s",
+            len(states),
+            visible,
+            f"devices {len(states)}..{visible - 1} keep their own state"
+            if visible > len(states)
+            else f"the states of devices {visible}..{len(states) - 1} are not restored",
+        )

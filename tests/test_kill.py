@@ -28,6 +28,8 @@ from snapshot import (
     StateDict,
 )
 
+pytestmark = pytest.mark.slow  # kills real processes; -m 'not slow' skips them
+
 TRIALS = 20
 TENSORS = 50
 NUMEL = 1 << 20  # 50 int32 tensors of 4 MiB: 200 MiB, plus 400 small ones for slabs
