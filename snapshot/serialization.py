@@ -174,8 +174,8 @@ def _allow_numpy() -> None:
         import numpy as np
     except ImportError:
         return
-    core = getattr(np, "_core", None) or np.core  # NumPy 2 moved numpy.core to numpy._core
-    multiarray = core.multiarray
+    # NumPy 2 moved numpy.core to numpy._core (1.26 has a numpy._core of its own, without it).
+    multiarray = np.core.multiarray if np.__version__.startswith("1.") else np._core.multiarray
     # A dtype's state is set on an instance of its class (``numpy.dtypes.Float64DType``...).
     dtype_classes = [
         c

@@ -105,8 +105,13 @@ class S3StoragePlugin(StoragePlugin):
         # (computed from the application's memory): the SDK's own per-request checksums, and
         # signing each payload's SHA-256 (which botocore does over plain http), would hash every
         # byte once or twice more. Over https botocore leaves the payload unsigned anyway.
-        config.setdefault("request_checksum_calculation", "when_required")
-        config.setdefault("response_checksum_validation", "when_required")
+        # botocore before 1.36 has neither option (nor computes those checksums by default);
+        # it refuses options it does not know.
+        from botocore.config import Config
+
+        for option in ("request_checksum_calculation", "response_checksum_validation"):
+            if option in getattr(Config, "OPTION_DEFAULTS", ()):
+                config.setdefault(option, "when_required")
         s3_config = dict(config.get("s3") or {})
         s3_config.setdefault("payload_signing_enabled", False)
         config["s3"] = s3_config
