@@ -1,12 +1,23 @@
-"""Storage plugins that tests wrap around real ones: recording reads and writes."""
+"""Storage plugins that tests wrap around real ones: recording reads and writes, holding
+writes until a gate opens."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import asyncio
+import contextlib
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from storage_plugins import Buffer, StoragePlugin, url_to_storage_plugin
+from storage_plugins import (
+    Buffer,
+    StoragePlugin,
+    register_storage_plugin,
+    unregister_storage_plugin,
+    url_to_storage_plugin,
+)
+from storage_plugins.fs import FSStoragePlugin
 
 
 @dataclass
@@ -100,3 +111,33 @@ class FaultyPlugin(RecordingPlugin):
     async def read_into(self, path: str, offset: int, out: memoryview) -> None:
         self._check("read", path)
         await super().read_into(path, offset, out)
+
+
+# Blob writes held until a test opens the gate (the pending marker's write passes), registered
+# under ``gated://`` by ``gated_storage``.
+GATE = threading.Event()
+
+
+class GatedPlugin(FSStoragePlugin):
+    """``gated://<path>``: a local-disk plugin whose blob writes wait until GATE is set."""
+
+    def __init__(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
+        super().__init__(url.removeprefix("gated://"), storage_options)
+
+    async def write(self, path: str, buffers: Sequence[Buffer]) -> None:
+        if path != ".statesnap-pending":
+            while not GATE.is_set():
+                await asyncio.sleep(0.005)
+        await super().write(path, buffers)
+
+
+@contextlib.contextmanager
+def gated_storage() -> Iterator[None]:
+    """Registers ``gated://`` with GATE closed; opens it and unregisters on the way out."""
+    GATE.clear()
+    register_storage_plugin("gated", GatedPlugin)
+    try:
+        yield
+    finally:
+        GATE.set()
+        unregister_storage_plugin("gated")

@@ -22,10 +22,7 @@ from snapshot.operations import TakeJob
 from snapshot.pending import default_queue
 from storage_plugins import register_storage_plugin, unregister_storage_plugin
 from storage_plugins.fs import FSStoragePlugin
-from tests.plugins import fail_writes
-
-GATE = threading.Event()
-
+from tests.plugins import GATE, fail_writes, gated_storage
 
 MARKER_GATE = threading.Event()
 
@@ -63,28 +60,10 @@ def test_the_call_does_not_wait_for_the_pending_marker(tmp_path):
     assert not (tmp_path / "s" / ".statesnap-pending").exists()
 
 
-class GatedPlugin(FSStoragePlugin):
-    """``gated://<path>``: blob writes wait until the test opens GATE."""
-
-    def __init__(self, url, storage_options=None):
-        super().__init__(url.removeprefix("gated://"), storage_options)
-
-    async def write(self, path, buffers):
-        if path != ".statesnap-pending":
-            while not GATE.is_set():
-                await asyncio.sleep(0.005)
-        await super().write(path, buffers)
-
-
 @pytest.fixture
 def gated(tmp_path):
-    GATE.clear()
-    register_storage_plugin("gated", GatedPlugin)
-    try:
+    with gated_storage():
         yield f"gated://{tmp_path / 'snap'}", str(tmp_path / "snap")
-    finally:
-        GATE.set()
-        unregister_storage_plugin("gated")
 
 
 def test_content_is_fixed_when_the_call_returns(gated):

@@ -10,7 +10,6 @@ against copies of the code with the rule removed; see each test's docstring)."""
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import threading
 import time
@@ -26,6 +25,7 @@ from snapshot.staging import BasicTensorAwareStateDict, StagingPool
 from storage_plugins import register_storage_plugin, unregister_storage_plugin
 from storage_plugins.fs import FSStoragePlugin
 from tests.cuda_double import CudaDouble
+from tests.plugins import GATE, gated_storage
 
 
 @pytest.fixture
@@ -297,33 +297,12 @@ def test_tensor_aware_copies_are_queued_on_each_devices_current_stream(monkeypat
 # -------------------------------------------------------------------------------------------
 # The process's staging budget, shared by pending snapshots.
 
-GATE = threading.Event()
-
-
-class GatedPlugin(FSStoragePlugin):
-    """``gatedstage://<path>``: blob writes wait until GATE opens."""
-
-    def __init__(self, url, storage_options=None):
-        super().__init__(url.removeprefix("gatedstage://"), storage_options)
-
-    async def write(self, path, buffers):
-        if path != ".statesnap-pending":
-            while not GATE.is_set():
-                await asyncio.sleep(0.005)
-        await super().write(path, buffers)
-
-
 @pytest.fixture
 def gated(tmp_path, monkeypatch):
-    GATE.clear()
-    register_storage_plugin("gatedstage", GatedPlugin)
     monkeypatch.setenv("STATESNAP_MEMORY_BUDGET_BYTES", str(1 << 20))
     monkeypatch.setenv("STATESNAP_SLAB_THRESHOLD_BYTES", "0")  # a blob per tensor
-    try:
-        yield lambda name: f"gatedstage://{tmp_path / name}"
-    finally:
-        GATE.set()
-        unregister_storage_plugin("gatedstage")
+    with gated_storage():
+        yield lambda name: f"gated://{tmp_path / name}"
 
 
 def _in_thread(fn):
