@@ -14,6 +14,7 @@ import torch
 from snapshot import Snapshot, SnapshotError, StateDict
 from snapshot.pending import AsyncCallsQueue, AsyncRequest
 from snapshot.staging import StagingPool, default_pool
+from tests.plugins import gated_storage
 
 
 def test_requests_run_in_order_and_finalize_in_order():
@@ -114,12 +115,7 @@ def test_later_async_snapshots_reuse_the_staging_buffers(tmp_path):
 
 
 def test_pending_snapshots_commit_in_order(tmp_path, monkeypatch):
-    from storage_plugins import register_storage_plugin, unregister_storage_plugin
-    from tests.test_async_take import GATE, GatedPlugin
-
-    GATE.clear()
-    register_storage_plugin("gated", GatedPlugin)
-    try:
+    with gated_storage():
         slow = Snapshot.async_take(f"gated://{tmp_path / 'first'}", {"s": _state(1)})
         fast = Snapshot.async_take(str(tmp_path / "second"), {"s": _state(2)})
         deadline = time.monotonic() + 30
@@ -129,9 +125,6 @@ def test_pending_snapshots_commit_in_order(tmp_path, monkeypatch):
         time.sleep(0.2)
         assert not (tmp_path / "second" / "manifest.yaml").exists()  # ...but it commits second
         assert not fast.done() and not slow.done()
-    finally:
-        GATE.set()
-        unregister_storage_plugin("gated")
     slow.wait(timeout=60)
     fast.wait(timeout=60)
     first_commit = (tmp_path / "first" / "manifest.yaml").stat().st_mtime_ns
@@ -139,19 +132,11 @@ def test_pending_snapshots_commit_in_order(tmp_path, monkeypatch):
 
 
 def test_dropping_an_unfinished_handle_warns(tmp_path, caplog):
-    from storage_plugins import register_storage_plugin, unregister_storage_plugin
-    from tests.test_async_take import GATE, GatedPlugin
-
-    GATE.clear()
-    register_storage_plugin("gated", GatedPlugin)
-    try:
+    with gated_storage():
         pending = Snapshot.async_take(f"gated://{tmp_path / 's'}", {"s": _state(3)})
         with caplog.at_level(logging.WARNING, logger="snapshot.pending"):
             del pending
         assert "garbage-collected before it finished" in caplog.text
-    finally:
-        GATE.set()
-        unregister_storage_plugin("gated")
     deadline = time.monotonic() + 30
     while not (tmp_path / "s" / "manifest.yaml").exists() and time.monotonic() < deadline:
         time.sleep(0.01)
