@@ -124,14 +124,13 @@ def gather_elements(t: torch.Tensor, start: int, stop: int) -> torch.Tensor:
     return out
 
 
-def scatter_into_flat(
-    flat: torch.Tensor, views: list[torch.Tensor], non_blocking: bool = False
-) -> None:
-    """Copies ``views`` one after another into the 1-d tensor ``flat``."""
+def scatter_into_flat(flat: torch.Tensor, views: list[torch.Tensor]) -> None:
+    """Copies ``views`` one after another into the 1-d tensor ``flat`` (synchronously; a
+    device's asynchronous copies go through ``snapshot.device``)."""
     pos = 0
     for v in views:
         n = v.numel()
-        flat[pos : pos + n].view(v.shape).copy_(v, non_blocking=non_blocking)
+        flat[pos : pos + n].view(v.shape).copy_(v)
         pos += n
 
 
