@@ -10,6 +10,7 @@ from snapshot.errors import (
     EntryNotFoundError,
     IncompatibleSnapshotError,
     IncompleteSnapshotError,
+    InvalidArgumentError,
     NotStatefulError,
     PathNotEmptyError,
     RankFailedError,
@@ -21,6 +22,7 @@ from snapshot.errors import (
     StateMismatchError,
     StorageError,
     UnsafeObjectError,
+    UnsafeSnapshotError,
     UnsupportedValueError,
 )
 from snapshot.pending import PendingSnapshot
@@ -34,6 +36,7 @@ __all__ = [
     "EntryNotFoundError",
     "IncompatibleSnapshotError",
     "IncompleteSnapshotError",
+    "InvalidArgumentError",
     "NotStatefulError",
     "PathNotEmptyError",
     "PendingSnapshot",
@@ -50,6 +53,7 @@ __all__ = [
     "StatefulError",
     "StorageError",
     "UnsafeObjectError",
+    "UnsafeSnapshotError",
     "UnsupportedValueError",
     "__version__",
 ]

@@ -34,6 +34,14 @@ class ChecksumError(CorruptSnapshotError):
     they were damaged after the take."""
 
 
+class UnsafeSnapshotError(CorruptSnapshotError):
+    """The snapshot holds what the library never writes and will not follow or expand: a symlink,
+    a file that is not a regular file (FIFO, device, socket), a manifest over the size limit, or a
+    manifest using YAML features (anchors, aliases, tags, nesting past the limit) outside the
+    subset the library emits. A snapshot's bytes are untrusted input (docs/reliability.md,
+    "Threat model")."""
+
+
 class IncompatibleSnapshotError(SnapshotError):
     """The snapshot was written in a format this version of the library cannot read."""
 
@@ -52,6 +60,13 @@ class ShapeMismatchError(StateMismatchError):
 
 class EntryNotFoundError(StateMismatchError):
     """``read_object`` was asked for a path the manifest does not have."""
+
+
+class InvalidArgumentError(SnapshotError, ValueError):
+    """An argument is refused before anything is read or written (an empty path, say).
+
+    Also a ``ValueError``, the type Python code raises for a bad argument value.
+    """
 
 
 class NotStatefulError(SnapshotError, TypeError):
