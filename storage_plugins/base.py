@@ -11,6 +11,32 @@ from collections.abc import Callable, Sequence
 Buffer = bytes | bytearray | memoryview
 
 
+class RefusedBlobError(OSError):
+    """A plugin refused a blob for what the store holds at its path, not for a failure of the
+    store: the same call would be refused again, so it is never retried."""
+
+
+class UnsafeBlobError(RefusedBlobError):
+    """What the store holds at a blob's path is not a plain blob inside the root: a symbolic
+    link (at the blob, or at a directory on the way to it), a FIFO, a device, a socket or a
+    directory. A plugin never follows or opens such a thing: a link could lead out of the root,
+    and opening a FIFO or a device could block or never end."""
+
+
+class BlobTooLargeError(RefusedBlobError):
+    """A blob holds more bytes than a bounded read (``StoragePlugin.read_limited``) allows.
+
+    ``size`` is the blob's length when the store told it, else None (the read stopped one byte
+    past ``limit``).
+    """
+
+    def __init__(self, where: str, limit: int, size: int | None = None) -> None:
+        held = f"{size} bytes" if size is not None else "more bytes"
+        super().__init__(f"{where} holds {held}, over the limit of {limit} bytes")
+        self.limit = limit
+        self.size = size
+
+
 class StoragePlugin(abc.ABC):
     """Stores and fetches blobs addressed by relative paths under one root.
 
@@ -25,8 +51,11 @@ class StoragePlugin(abc.ABC):
 
     Errors are builtins a caller already knows: ``FileNotFoundError`` for a missing blob,
     ``EOFError`` when a blob ends before the requested range does, ``OSError`` (or a subclass) for
-    everything the storage itself reports. The library makes a call again when ``is_transient``
-    says its error may pass, so every call must be safe to repeat.
+    everything the storage itself reports; ``UnsafeBlobError`` for something at a blob's path
+    that is not a plain blob inside the root (a symbolic link, a FIFO, a device), which a plugin
+    must neither follow nor open, and ``BlobTooLargeError`` from ``read_limited``. The library
+    makes a call again when ``is_transient`` says its error may pass (never for a
+    ``RefusedBlobError``), so every call must be safe to repeat.
 
     Paths are relative, ``/``-separated, and were produced by the library (never ``..`` or
     absolute); a plugin maps them under its root however it likes.
@@ -55,6 +84,27 @@ class StoragePlugin(abc.ABC):
     @abc.abstractmethod
     async def read(self, path: str) -> bytes:
         """Returns the whole blob ``path``."""
+
+    async def read_limited(self, path: str, limit: int) -> bytes:
+        """Returns the whole blob ``path``, which holds at most ``limit`` bytes.
+
+        Reading a blob whose length the snapshot does not record (its manifest) must cost no
+        more than ``limit`` bytes of memory and transfer, whatever the store claims: a plugin
+        checks the length the store reports before reading (``size``), and reads no more than
+        ``limit + 1`` bytes anyway, since that length may be wrong. The default trusts ``size``
+        and then reads the whole blob; plugins that can bound a read override it.
+
+        Raises:
+            FileNotFoundError: no blob at ``path``.
+            BlobTooLargeError: the blob holds more than ``limit`` bytes.
+        """
+        size = await self.size(path)
+        if size is not None and size > limit:
+            raise BlobTooLargeError(self.describe(path), limit, size)
+        data = await self.read(path)
+        if len(data) > limit:
+            raise BlobTooLargeError(self.describe(path), limit, len(data))
+        return data
 
     @abc.abstractmethod
     async def read_into(self, path: str, offset: int, out: memoryview) -> None:

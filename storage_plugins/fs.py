@@ -9,6 +9,7 @@ import functools
 import logging
 import mmap
 import os
+import stat
 import threading
 import uuid
 from bisect import bisect_right
@@ -19,7 +20,7 @@ from itertools import accumulate, islice, repeat
 from operator import sub
 from typing import Any, TypeVar
 
-from storage_plugins.base import Buffer, StoragePlugin
+from storage_plugins.base import BlobTooLargeError, Buffer, StoragePlugin, UnsafeBlobError
 
 Observer = Callable[[memoryview], None]
 
@@ -42,6 +43,54 @@ _MAX_IOV = 1024
 _OBSERVED_READ_BYTES = 4 << 20
 _OBSERVED_WRITE_BYTES = 8 << 20
 _DEFAULT_IO_THREADS = 8
+
+# A snapshot's bytes are untrusted (a tarball or an upload can carry anything), so paths below
+# the root are opened one component at a time, each relative to its parent with O_NOFOLLOW: a
+# symbolic link (to a file outside the root, or a directory elsewhere) is refused, never
+# followed. Files are opened with O_NONBLOCK so that a FIFO's open returns at once, then
+# refused by ``fstat`` like any other file that is not regular.
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+# A whole-file read asks for what ``fstat`` reported and one byte more (to see the end in the
+# same call), and for at least this much when the file turns out longer than reported.
+_MIN_READ_BYTES = 64 << 10
+
+_KINDS = (
+    (stat.S_ISLNK, "a symbolic link"),
+    (stat.S_ISFIFO, "a FIFO"),
+    (stat.S_ISSOCK, "a socket"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISDIR, "a directory"),
+)
+
+
+def _unsafe(where: str, mode: int) -> UnsafeBlobError:
+    kind = next((name for test, name in _KINDS if test(mode)), "not a regular file")
+    return UnsafeBlobError(
+        f"{where} is {kind}: refused (a snapshot holds regular files and directories only; "
+        "links are never followed, nor other kinds of files opened)"
+    )
+
+
+def _read_to_end(fd: int, reported: int, limit: int | None, name: str) -> bytes:
+    """The rest of the file ``fd`` from its current offset, whose ``fstat`` said ``reported``
+    bytes; past ``limit`` bytes (when given), ``BlobTooLargeError`` after reading one byte more:
+    the length a file reports can be wrong (a file still growing)."""
+    pieces: list[bytes] = []
+    got = 0
+    while True:
+        want = max(reported - got + 1, _MIN_READ_BYTES)
+        if limit is not None:
+            want = min(want, limit + 1 - got)
+            if want <= 0:
+                raise BlobTooLargeError(name, limit)
+        piece = os.read(fd, want)
+        if not piece:
+            break
+        pieces.append(piece)
+        got += len(piece)
+    return pieces[0] if len(pieces) == 1 else b"".join(pieces)
 
 
 def _find_sync_file_range() -> Callable[[int, int, int, int], int] | None:
@@ -204,9 +253,17 @@ class FSStoragePlugin(StoragePlugin):
             direct = self._fsync or _direct_without_fsync()
         self._direct = bool(_O_DIRECT) and direct
         self.root = os.path.abspath(os.path.expanduser(root.removeprefix("file://")))
+        # The root as the user named it may be a symbolic link: that choice is theirs, so it is
+        # resolved here, once. Below it nothing is followed (``_open_dir``).
+        self._base = os.path.realpath(self.root)
         self._executor = ThreadPoolExecutor(io_threads, thread_name_prefix="statesnap-fs")
-        self._made_dirs: set[str] = set()
-        self._dirty_dirs: set[str] = set()
+        # What this plugin created, so that deleting the blobs of a failed take also removes
+        # the directories made for them (``_remove_made_dirs``): the root and its ancestors
+        # that were missing, outermost first, and the directories below the root.
+        self._made_above: list[str] = []
+        self._making_root = threading.Lock()
+        self._made_below: set[str] = set()
+        self._dirty_dirs: set[tuple[str, ...]] = set()
         # Lengths of the files reads opened (an fstat of the open file, a microsecond where a
         # separate query is a hop through the pool): ``size`` answers from them.
         self._sizes: dict[str, int] = {}
@@ -220,18 +277,144 @@ class FSStoragePlugin(StoragePlugin):
     async def _run(self, fn: Callable[..., _T], *args: Any) -> _T:
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
+    # -- opening without following -------------------------------------------------------------
+
+    def _openat(self, at: int | None, name: str, flags: int, path: str) -> int:
+        """``os.open(name, flags)`` relative to the directory ``at`` (``name`` absolute when
+        None). When the open fails on something that is neither a regular file nor a directory
+        (``O_NOFOLLOW`` refuses a link, ``O_DIRECTORY`` anything else, a socket cannot be
+        opened), ``UnsafeBlobError`` naming ``path`` (relative to the root) and what it is."""
+        try:
+            return os.open(name, flags, dir_fd=at)
+        except FileNotFoundError:
+            raise
+        except OSError as error:
+            try:
+                mode = os.stat(name, dir_fd=at, follow_symlinks=False).st_mode
+            except OSError:
+                mode = stat.S_IFREG  # gone or unreadable: the open's own error stands
+            if stat.S_ISREG(mode) or stat.S_ISDIR(mode):
+                raise
+            raise _unsafe(self._abs(path), mode) from error
+
+    def _open_root(self, create: bool) -> int:
+        try:
+            return self._openat(None, self._base, _DIR_FLAGS, "")
+        except FileNotFoundError:
+            if not create:
+                raise
+        self._make_root()
+        return self._openat(None, self._base, _DIR_FLAGS, "")
+
+    def _make_root(self) -> None:
+        """Creates the root and its missing ancestors, remembering which it made, outermost
+        first (under a lock: the first writes of a take race to make the root)."""
+        with self._making_root:
+            missing: list[str] = []
+            path = self._base
+            while not os.path.lexists(path):
+                missing.append(path)
+                parent = os.path.dirname(path)
+                if parent == path:
+                    break
+                path = parent
+            for path in reversed(missing):
+                try:
+                    os.mkdir(path)
+                except FileExistsError:
+                    continue  # made meanwhile (another process, another rank)
+                self._made_above.append(path)
+
+    def _open_dir(self, parts: Sequence[str], create: bool = False) -> int:
+        """A descriptor of the directory ``root/parts...``, each component opened relative to
+        its parent with ``O_NOFOLLOW``: a symbolic link below the root is refused, never
+        followed. With ``create``, missing directories are made (and remembered)."""
+        if not parts:
+            return self._open_root(create)
+        fd: int | None = None
+        try:
+            for i, part in enumerate(parts):
+                # The first component is opened by its absolute path: the root's own
+                # components were resolved at construction, and O_NOFOLLOW guards this one.
+                name = part if fd is not None else os.path.join(self._base, part)
+                child = self._open_subdir(fd, name, "/".join(parts[: i + 1]), create)
+                if fd is not None:
+                    os.close(fd)
+                fd = child
+        except BaseException:
+            if fd is not None:
+                os.close(fd)
+            raise
+        return fd
+
+    def _open_subdir(self, at: int | None, name: str, path: str, create: bool) -> int:
+        try:
+            return self._openat(at, name, _DIR_FLAGS, path)
+        except FileNotFoundError:
+            if not create:
+                raise
+        try:
+            try:
+                os.mkdir(name, dir_fd=at)
+            except FileNotFoundError:
+                if at is not None:
+                    raise
+                self._make_root()  # the first directory below a root not made yet
+                os.mkdir(name)
+            self._made_below.add(path)
+        except FileExistsError:
+            pass  # made meanwhile (another thread or rank)
+        return self._openat(at, name, _DIR_FLAGS, path)
+
+    def _open_blob(self, path: str) -> tuple[int, os.stat_result]:
+        """A read-only descriptor of blob ``path`` and its ``fstat``: a regular file reached
+        from the root without following a link. ``O_NONBLOCK`` makes opening a FIFO return at
+        once (without it the open waits for a writer, forever); the ``fstat`` then refuses it,
+        and anything else that is not a regular file. On a regular file the flag changes
+        nothing."""
+        *dirs, name = path.split("/")
+        parent = self._open_dir(dirs)
+        try:
+            fd = self._openat(parent, name, _FILE_FLAGS, path)
+        finally:
+            os.close(parent)
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise _unsafe(self._abs(path), st.st_mode)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd, st
+
+    # -- writes ----------------------------------------------------------------------------------
+
     def _write_sync(
         self, path: str, buffers: Sequence[Buffer], observe: Observer | None = None
     ) -> None:
         self._sizes.pop(path, None)
-        final = self._abs(path)
-        directory = os.path.dirname(final)
-        if directory not in self._made_dirs:
-            os.makedirs(directory, exist_ok=True)
-            self._made_dirs.add(directory)
-        tmp = os.path.join(directory, f".{os.path.basename(final)}.{uuid.uuid4().hex[:12]}.tmp")
+        *dirs, name = path.split("/")
+        parent = self._open_dir(dirs, create=True)
+        try:
+            self._write_in(parent, name, self._abs(path), buffers, observe)
+        finally:
+            os.close(parent)
+        if self._fsync:
+            self._dirty_dirs.add(tuple(dirs))
+
+    def _write_in(
+        self,
+        parent: int,
+        name: str,
+        final: str,
+        buffers: Sequence[Buffer],
+        observe: Observer | None,
+    ) -> None:
+        """Writes blob ``name`` of the directory ``parent`` (``final`` is its full path, for
+        messages) through a temporary file renamed into place."""
+        tmp = f".{name}.{uuid.uuid4().hex[:12]}.tmp"
         views = [memoryview(b).cast("B") for b in buffers if len(b)]
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
         total = sum(map(len, views))
         direct = (
             self._direct
@@ -239,17 +422,17 @@ class FSStoragePlugin(StoragePlugin):
             and (self._direct_small_views or total >= len(views) * _DIRECT_MIN_MEAN_VIEW_BYTES)
         )
         try:
-            fd = os.open(tmp, flags | (_O_DIRECT if direct else 0), 0o644)
+            fd = os.open(tmp, flags | (_O_DIRECT if direct else 0), 0o644, dir_fd=parent)
         except OSError as e:
             if not direct or e.errno != errno.EINVAL:
                 raise
             self._refused(final, e)
             direct = False
             try:
-                os.unlink(tmp)  # some kernels create the file before they refuse the flag
+                os.unlink(tmp, dir_fd=parent)  # some kernels create the file, then refuse
             except FileNotFoundError:
                 pass
-            fd = os.open(tmp, flags, 0o644)
+            fd = os.open(tmp, flags, 0o644, dir_fd=parent)
         try:
             try:
                 if direct:
@@ -268,15 +451,15 @@ class FSStoragePlugin(StoragePlugin):
                     os.fsync(fd)
             finally:
                 os.close(fd)
-            os.replace(tmp, final)
+            # A rename replaces the directory entry ``name``, whatever it was (a link too),
+            # without following it.
+            os.replace(tmp, name, src_dir_fd=parent, dst_dir_fd=parent)
         except BaseException:
             try:
-                os.unlink(tmp)
+                os.unlink(tmp, dir_fd=parent)
             except OSError:
                 pass
             raise
-        if self._fsync:
-            self._dirty_dirs.add(directory)
 
     def _refused(self, final: str, error: OSError) -> None:
         if self._direct:
@@ -297,19 +480,29 @@ class FSStoragePlugin(StoragePlugin):
             return
         await self._run(self._write_sync, path, buffers, observe)
 
-    def _read_sync(self, path: str) -> bytes:
-        with open(self._abs(path), "rb") as f:
-            return f.read()
+    # -- reads -----------------------------------------------------------------------------------
+
+    def _read_sync(self, path: str, limit: int | None = None) -> bytes:
+        fd, st = self._open_blob(path)
+        try:
+            if limit is not None and st.st_size > limit:
+                raise BlobTooLargeError(self._abs(path), limit, st.st_size)
+            return _read_to_end(fd, st.st_size, limit, self._abs(path))
+        finally:
+            os.close(fd)
 
     async def read(self, path: str) -> bytes:
         return await self._run(self._read_sync, path)
 
+    async def read_limited(self, path: str, limit: int) -> bytes:
+        return await self._run(self._read_sync, path, limit)
+
     def _readv_sync(
         self, path: str, offset: int, outs: Sequence[memoryview], observe: Observer | None = None
     ) -> None:
-        fd = os.open(self._abs(path), os.O_RDONLY | os.O_CLOEXEC)
+        fd, st = self._open_blob(path)
         try:
-            self._sizes[path] = os.fstat(fd).st_size
+            self._sizes[path] = st.st_size
             _read_all(fd, offset, outs, self._abs(path), observe)
         finally:
             os.close(fd)
@@ -328,18 +521,43 @@ class FSStoragePlugin(StoragePlugin):
             return
         await self._run(self._readv_sync, path, offset, outs, observe)
 
+    # -- metadata --------------------------------------------------------------------------------
+
+    def _size_sync(self, path: str) -> int:
+        fd, st = self._open_blob(path)
+        os.close(fd)
+        return st.st_size
+
     async def size(self, path: str) -> int:
         known = self._sizes.get(path)
         if known is not None:
             return known  # as a read of it found it, during this operation
-        return await self._run(os.path.getsize, self._abs(path))
+        return await self._run(self._size_sync, path)
+
+    def _exists_sync(self, path: str) -> bool:
+        """Whether ``path`` is a regular file (a directory there is no blob); anything else at
+        the path, or a link on the way to it, is refused."""
+        *dirs, name = path.split("/")
+        try:
+            parent = self._open_dir(dirs)
+        except (FileNotFoundError, NotADirectoryError):
+            return False
+        try:
+            mode = os.stat(name, dir_fd=parent, follow_symlinks=False).st_mode
+        except (FileNotFoundError, NotADirectoryError):
+            return False
+        finally:
+            os.close(parent)
+        if stat.S_ISREG(mode) or stat.S_ISDIR(mode):
+            return stat.S_ISREG(mode)
+        raise _unsafe(self._abs(path), mode)
 
     async def exists(self, path: str) -> bool:
-        return await self._run(os.path.isfile, self._abs(path))
+        return await self._run(self._exists_sync, path)
 
     def _list_sync(self, limit: int) -> list[str] | None:
         try:
-            with os.scandir(self.root) as found:
+            with os.scandir(self._base) as found:
                 return [entry.name for entry in islice(found, limit)]
         except FileNotFoundError:
             return []
@@ -349,17 +567,56 @@ class FSStoragePlugin(StoragePlugin):
     async def list_names(self, limit: int) -> list[str] | None:
         return await self._run(self._list_sync, limit)
 
-    async def delete(self, path: str) -> None:
+    # -- deletion --------------------------------------------------------------------------------
+
+    def _delete_sync(self, path: str) -> None:
+        """Removes blob ``path`` (a link there is removed itself: ``unlink`` does not follow
+        it; a link on the way to it is refused), then the directories this plugin made for it
+        that are left empty: a failed take leaves the path as it found it."""
         self._sizes.pop(path, None)
-        await self._run(os.remove, self._abs(path))
+        *dirs, name = path.split("/")
+        try:
+            parent = self._open_dir(dirs)
+            try:
+                os.unlink(name, dir_fd=parent)
+            finally:
+                os.close(parent)
+        finally:
+            self._remove_made_dirs(dirs)
+
+    def _remove_made_dirs(self, dirs: Sequence[str]) -> None:
+        """Removes, innermost first, the directories of ``dirs`` and then the root and its
+        ancestors, for as long as this plugin made them and they are empty."""
+        for depth in range(len(dirs), 0, -1):
+            path = "/".join(dirs[:depth])
+            if path not in self._made_below:
+                return
+            try:
+                parent = self._open_dir(dirs[: depth - 1])
+                try:
+                    os.rmdir(dirs[depth - 1], dir_fd=parent)  # never follows a link
+                finally:
+                    os.close(parent)
+            except OSError:
+                return  # not empty (other blobs, another rank's), or gone already
+            self._made_below.discard(path)
+        while self._made_above:
+            try:
+                os.rmdir(self._made_above[-1])
+            except OSError:
+                return
+            self._made_above.pop()
+
+    async def delete(self, path: str) -> None:
+        await self._run(self._delete_sync, path)
 
     def forget(self) -> None:
         self._sizes.clear()
 
     def _sync_dirs(self) -> None:
         dirty, self._dirty_dirs = self._dirty_dirs, set()
-        for directory in sorted(dirty):
-            fd = os.open(directory, os.O_RDONLY | os.O_CLOEXEC)
+        for parts in sorted(dirty):
+            fd = self._open_dir(parts)
             try:
                 os.fsync(fd)
             finally:

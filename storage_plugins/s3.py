@@ -11,7 +11,7 @@ import os
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any
 
-from storage_plugins.base import Buffer, StoragePlugin
+from storage_plugins.base import BlobTooLargeError, Buffer, StoragePlugin
 
 logger = logging.getLogger(__name__)
 
@@ -232,6 +232,27 @@ class S3StoragePlugin(StoragePlugin):
             response = await self._call_in_slot("get_object", path)
             async with response["Body"] as body:
                 return await body.read()
+
+    async def read_limited(self, path: str, limit: int) -> bytes:
+        # One GET: its Content-Length is checked before any of the body is read, and the body
+        # is read only to one byte past ``limit`` in any case, should the header be wrong.
+        async with self._slots:
+            response = await self._call_in_slot("get_object", path)
+            length = response.get("ContentLength")
+            async with response["Body"] as body:
+                if length is not None and int(length) > limit:
+                    raise BlobTooLargeError(self.describe(path), limit, int(length))
+                pieces: list[bytes] = []
+                got = 0
+                while got <= limit:
+                    piece = await body.read(limit + 1 - got)
+                    if not piece:
+                        break
+                    pieces.append(piece)
+                    got += len(piece)
+        if got > limit:
+            raise BlobTooLargeError(self.describe(path), limit)
+        return b"".join(pieces)
 
     async def read_into(self, path: str, offset: int, out: memoryview) -> None:
         await self.readv(path, offset, [out])

@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator, Callable
 import pytest
 import pytest_asyncio
 
-from storage_plugins import StoragePlugin
+from storage_plugins import BlobTooLargeError, StoragePlugin
 from storage_plugins.fs import FSStoragePlugin
 from storage_plugins.fsspec_plugin import FSSpecStoragePlugin
 from storage_plugins.memory import MemoryStoragePlugin
@@ -116,6 +116,21 @@ async def test_missing_blob_is_file_not_found(plugin):
         await read_range(plugin, "nope", 0, 1)
     with pytest.raises(FileNotFoundError):
         await plugin.delete("nope")
+
+
+@pytest.mark.asyncio
+async def test_read_limited_reads_a_blob_up_to_the_limit_and_refuses_a_longer_one(plugin):
+    data = bytes(range(256)) * 4
+    await plugin.write("m", [data])
+    await plugin.write("d/empty", [])
+    assert await plugin.read_limited("m", len(data)) == data
+    assert await plugin.read_limited("m", 1 << 30) == data
+    assert await plugin.read_limited("d/empty", 0) == b""
+    with pytest.raises(BlobTooLargeError, match=f"over the limit of {len(data) - 1} bytes") as e:
+        await plugin.read_limited("m", len(data) - 1)
+    assert e.value.limit == len(data) - 1
+    with pytest.raises(FileNotFoundError):
+        await plugin.read_limited("nope", 10)
 
 
 @pytest.mark.asyncio
@@ -412,9 +427,9 @@ class _Syscalls:
         self.pwrites: list[tuple[int, int, int]] = []  # (buffer address % 4096, offset, len)
         real_open, real_pwrite = os.open, os.pwrite
 
-        def open_(path, flags, *rest):
+        def open_(path, flags, *rest, **kwargs):
             self.opened.append((str(path), flags))
-            return real_open(path, flags, *rest)
+            return real_open(path, flags, *rest, **kwargs)
 
         def pwrite(fd, buf, offset):
             import ctypes
@@ -634,14 +649,14 @@ def test_fs_direct_io_refused_falls_back_to_the_page_cache(tmp_path, monkeypatch
     real_open = os.open
     attempts = [0]
 
-    def open_(path, flags, *rest):
+    def open_(path, flags, *rest, **kwargs):
         if flags & os.O_DIRECT:
             attempts[0] += 1
             if where == "open":
                 # As some kernels do: the file is created, then the flag refused.
-                os.close(real_open(path, flags & ~os.O_DIRECT, *rest))
+                os.close(real_open(path, flags & ~os.O_DIRECT, *rest, **kwargs))
                 raise OSError(errno.EINVAL, "Invalid argument")
-        return real_open(path, flags, *rest)
+        return real_open(path, flags, *rest, **kwargs)
 
     def pwrite(fd, buf, offset):
         raise OSError(errno.EINVAL, "Invalid argument")
