@@ -2,19 +2,24 @@
 no torch."""
 
 from manifest.codec import (
+    MAX_DEPTH,
     EntryFormatter,
     ManifestChecksumError,
     ManifestDecodeError,
+    UnsafeManifestError,
     UnsupportedFormatError,
     check_blob_path,
     dumps,
     dumps_entries,
     entry_to_dict,
+    load_yaml,
     loads,
+    nests_within,
 )
 from manifest.entries import (
     FORMAT_VERSION,
     REPLICATED_ONCE_VERSION,
+    TENSOR_ATTRS_VERSION,
     DictEntry,
     Entry,
     ListEntry,
@@ -27,6 +32,7 @@ from manifest.entries import (
     ShardedObjectEntry,
     ShardedTensorEntry,
     TensorEntry,
+    TensorView,
     TupleEntry,
     is_container,
     new_location,
@@ -35,7 +41,9 @@ from manifest.entries import (
 
 __all__ = [
     "FORMAT_VERSION",
+    "MAX_DEPTH",
     "REPLICATED_ONCE_VERSION",
+    "TENSOR_ATTRS_VERSION",
     "DictEntry",
     "Entry",
     "EntryFormatter",
@@ -51,14 +59,18 @@ __all__ = [
     "ShardedObjectEntry",
     "ShardedTensorEntry",
     "TensorEntry",
+    "TensorView",
     "TupleEntry",
+    "UnsafeManifestError",
     "UnsupportedFormatError",
     "check_blob_path",
     "dumps",
     "dumps_entries",
     "entry_to_dict",
     "is_container",
+    "load_yaml",
     "loads",
+    "nests_within",
     "new_location",
     "new_tensor_entry",
 ]

@@ -36,6 +36,7 @@ from manifest.entries import (
     ShardedObjectEntry,
     ShardedTensorEntry,
     TensorEntry,
+    TensorView,
     TupleEntry,
     new_location,
     new_tensor_entry,
@@ -59,6 +60,12 @@ class UnsupportedFormatError(ManifestDecodeError):
 class ManifestChecksumError(ManifestDecodeError):
     """The manifest's bytes do not have the CRC-32 its last line records, or it has no such
     line (it was cut short)."""
+
+
+class UnsafeManifestError(ManifestDecodeError):
+    """The manifest uses what this library never writes, and will not expand or follow: YAML
+    anchors and aliases, tags, merge keys, collections as mapping keys, plain scalars of types
+    JSON has no form for (timestamps), or nesting deeper than ``MAX_DEPTH``."""
 
 
 # The last line of a manifest: a YAML comment (so any YAML reader ignores it) holding the
@@ -124,6 +131,14 @@ def entry_to_dict(entry: Entry) -> dict[str, Any]:
         out["dtype"] = entry.dtype
         out["shape"] = list(entry.shape)
         out["chunks"] = [_location_to_list(c) for c in entry.chunks]
+        # Written only when set: an ordinary tensor's line is the same as before they existed.
+        if entry.parameter:
+            out["parameter"] = True
+        if entry.requires_grad:
+            out["requires_grad"] = True
+        view = entry.view
+        if view is not None:
+            out["view"] = {"base": view.base, "offset": view.offset, "stride": list(view.stride)}
     elif isinstance(entry, ObjectEntry):
         out["serializer"] = entry.serializer
         out["obj_type"] = entry.obj_type
@@ -238,7 +253,7 @@ class EntryFormatter:
 
     def entry(self, path: str, entry: Entry) -> str:
         """The line of any entry."""
-        if type(entry) is TensorEntry and len(entry.chunks) == 1:
+        if type(entry) is TensorEntry and len(entry.chunks) == 1 and not entry.has_attrs:
             c = entry.chunks[0]
             return self.tensor(
                 path, entry.dtype, entry.shape, c.blob, c.offset, c.nbytes, c.crc32,
@@ -293,6 +308,189 @@ def dumps_entries(
 
 
 # ---------------------------------------------------------------------------------------------
+# Reading YAML: the subset the writer emits, nothing more.
+
+# The deepest nesting a manifest may hold, the document's own mapping counting as level 1. The
+# writer nests at most 7 levels (the document, ``entries``, an entry, its ``shards``, a shard,
+# its ``chunks``, a location) and ``metadata`` 4 (its ``strategies``); the limit leaves room for
+# fields added later and for files edited by hand, and keeps every walk of a decoded value (the
+# JSON decoder's, the field checks', an error message's ``repr``) far from the interpreter's
+# recursion limit, whatever the file holds.
+MAX_DEPTH = 32
+
+_NULL_TAG = "tag:yaml.org,2002:null"
+_BOOL_TAG = "tag:yaml.org,2002:bool"
+_INT_TAG = "tag:yaml.org,2002:int"
+_FLOAT_TAG = "tag:yaml.org,2002:float"
+_STR_TAG = "tag:yaml.org,2002:str"
+_MERGE_TAG = "tag:yaml.org,2002:merge"
+_NO_KEY = object()  # what an open mapping holds while it waits for its next key
+_SHOWN_KEY_CHARS = 200  # of a key quoted in a message
+
+
+def load_yaml(text: str, source: str = "manifest") -> Any:
+    """The one document in YAML ``text``, as plain data (dict, list, str, int, float, bool,
+    None), read as the safe loader reads it; ``source`` names the file in error messages.
+
+    The document is built from the parser's events, one at a time, with a stack of the open
+    collections: the file's nesting never becomes recursion here, and whatever the writer never
+    emits is refused when its event arrives, before anything is built from it. So an alias is
+    refused where it stands, instead of sharing a node that later walks would repeat (a file of
+    a few hundred KB of aliases reads as millions of locations); a tag (``!!python/...``,
+    ``!!binary``, ``!!set``...) is refused instead of constructed; a plain scalar the resolver
+    gives a type JSON cannot write (a timestamp) or a merge key (``<<``) is refused; nesting
+    past ``MAX_DEPTH`` is refused at the level that passes it.
+
+    Raises:
+        UnsafeManifestError: an anchor, alias, tag, merge key, collection as a mapping key,
+            plain scalar of another type, or nesting past ``MAX_DEPTH``.
+        ManifestDecodeError: the text is not YAML, holds more than one document, or a
+            mapping repeats a key.
+    """
+    loader = _Loader(text)
+    try:
+        return _build(loader, source)
+    except yaml.YAMLError as e:
+        # libyaml's scanner reads ahead of the events (up to a simple key's length), and has a
+        # nesting limit of its own, far above ours: a deep flow collection can meet it first.
+        if "nesting depth" in str(getattr(e, "problem", "")):
+            raise UnsafeManifestError(
+                f"{source}: nesting deeper than {MAX_DEPTH} levels, which this library never "
+                f"writes ({e})"
+            ) from None
+        raise ManifestDecodeError(f"{source} is not valid YAML: {e}") from None
+    finally:
+        loader.dispose()
+
+
+def _build(loader: Any, source: str) -> Any:
+    """The document ``loader``'s events describe (``load_yaml``)."""
+    get_event = loader.get_event
+    stack: list[Any] = []  # the open collections, outermost first
+    keys: list[Any] = []  # beside each: a mapping's pending key (or _NO_KEY); None for a list
+    root: Any = None
+    documents = 0
+    while True:
+        event = get_event()
+        kind = type(event)
+        if kind is yaml.ScalarEvent:
+            if event.anchor is not None or event.tag is not None:
+                raise _refused(event, stack, keys, source)
+            # implicit[0]: a plain scalar, typed by the resolver; any other style is a string.
+            value = _plain(loader, event, stack, keys, source) if event.implicit[0] else event.value
+        elif kind is yaml.MappingStartEvent or kind is yaml.SequenceStartEvent:
+            if event.anchor is not None or event.tag is not None:
+                raise _refused(event, stack, keys, source)
+            if len(stack) >= MAX_DEPTH:
+                raise _unsafe(
+                    event, stack, keys, source,
+                    f"nesting deeper than {MAX_DEPTH} levels, which this library never writes",
+                )  # fmt: skip
+            value = {} if kind is yaml.MappingStartEvent else []
+        elif kind is yaml.MappingEndEvent or kind is yaml.SequenceEndEvent:
+            stack.pop()
+            keys.pop()
+            if keys and keys[-1] is not None:
+                keys[-1] = _NO_KEY  # the value of a mapping's key is complete
+            continue
+        elif kind is yaml.AliasEvent:
+            raise _refused(event, stack, keys, source)
+        elif kind is yaml.DocumentStartEvent:
+            documents += 1
+            if documents > 1:
+                raise ManifestDecodeError(f"{source} holds more than one YAML document")
+            continue
+        elif kind is yaml.StreamEndEvent:
+            return root
+        else:  # the stream's start, a document's end
+            continue
+        if not stack:
+            root = value
+        elif keys[-1] is None:
+            stack[-1].append(value)
+        elif keys[-1] is _NO_KEY:
+            if type(value) is dict or type(value) is list:
+                raise _unsafe(
+                    event, stack, keys, source,
+                    "a collection as a mapping key, which this library never writes",
+                )  # fmt: skip
+            if value in stack[-1]:
+                raise ManifestDecodeError(
+                    f"{_place(event, stack, keys, source)}: the key {_shown(value)} appears "
+                    "twice in one mapping"
+                )
+            keys[-1] = value
+        else:
+            # A collection's key stays pending until it is closed: messages name the entry.
+            stack[-1][keys[-1]] = value
+            if kind is yaml.ScalarEvent:
+                keys[-1] = _NO_KEY
+        if kind is not yaml.ScalarEvent:
+            stack.append(value)
+            keys.append(_NO_KEY if type(value) is dict else None)
+
+
+def _plain(loader: Any, event: Any, stack: list[Any], keys: list[Any], source: str) -> Any:
+    """A plain scalar's value, of one of the types a JSON reader would give it (the safe
+    loader's resolver and constructors decide which, and the value)."""
+    text = event.value
+    tag = loader.resolve(yaml.ScalarNode, text, (True, False))
+    if tag == _STR_TAG:
+        return text
+    if tag == _NULL_TAG:
+        return None
+    if tag == _BOOL_TAG:
+        return loader.bool_values[text.lower()]
+    if tag in (_INT_TAG, _FLOAT_TAG):
+        try:
+            return loader.yaml_constructors[tag](loader, yaml.ScalarNode(tag, text))
+        except ValueError:  # the resolver's patterns take "0b_" for an int that int() refuses
+            raise ManifestDecodeError(
+                f"{_place(event, stack, keys, source)}: the plain scalar {_shown(text)} reads "
+                "as a number but is none"
+            ) from None
+    what = "a merge key (<<)" if tag == _MERGE_TAG else f"a plain scalar read as {tag}"
+    raise _unsafe(event, stack, keys, source, f"{what}, which this library never writes")
+
+
+def _refused(event: Any, stack: list[Any], keys: list[Any], source: str) -> UnsafeManifestError:
+    """The error for an anchor, alias or tag."""
+    if type(event) is yaml.AliasEvent:
+        what = f"the YAML alias *{_clip(event.anchor)}"
+    elif event.anchor is not None:
+        what = f"the YAML anchor &{_clip(event.anchor)}"
+    else:
+        what = f"the YAML tag {_clip(event.tag)}"
+    return _unsafe(event, stack, keys, source, f"{what}, which this library never writes")
+
+
+def _unsafe(
+    event: Any, stack: list[Any], keys: list[Any], source: str, what: str
+) -> UnsafeManifestError:
+    return UnsafeManifestError(f"{_place(event, stack, keys, source)}: {what}")
+
+
+def _place(event: Any, stack: list[Any], keys: list[Any], source: str) -> str:
+    """Where an event stands, for a message: the file, the entry (when inside ``entries``:
+    its logical path), and the line and column."""
+    mark = event.start_mark
+    at = f"line {mark.line + 1}, column {mark.column + 1}" if mark is not None else "?"
+    if len(stack) >= 2 and keys[0] == "entries" and keys[1] not in (None, _NO_KEY):
+        return f"{source}: entry {_shown(keys[1])} ({at})"
+    if keys and keys[0] not in (None, _NO_KEY):
+        return f"{source}: {_shown(keys[0])} ({at})"
+    return f"{source} ({at})"
+
+
+def _clip(text: str) -> str:
+    return text if len(text) <= _SHOWN_KEY_CHARS else text[:_SHOWN_KEY_CHARS] + "..."
+
+
+def _shown(key: Any) -> str:
+    return repr(_clip(key)) if type(key) is str else repr(key)
+
+
+# ---------------------------------------------------------------------------------------------
 # Decoding: every field is checked; anything unexpected is a ManifestDecodeError naming the path.
 
 
@@ -324,7 +522,8 @@ _MAX_CRC32 = 0xFFFFFFFF
 
 
 def check_blob_path(blob: str, where: str = "blob") -> str:
-    """Refuses blob paths that could escape the snapshot's root."""
+    """Refuses blob paths that could escape the snapshot's root (``UnsafeManifestError``: the
+    writer names blobs ``<rank>/<name>`` only)."""
     if _PLAIN_BLOB.fullmatch(blob):
         return blob
     if (
@@ -335,7 +534,9 @@ def check_blob_path(blob: str, where: str = "blob") -> str:
         or ":" in blob
         or any(part in ("", ".", "..") for part in blob.split("/"))
     ):
-        raise _fail(where, f"unsafe blob path {blob!r}: must be relative, without '..'")
+        raise UnsafeManifestError(
+            f"{where}: unsafe blob path {blob!r}: must be relative, without '..'"
+        )
     return blob
 
 
@@ -362,11 +563,30 @@ def _decode_tensor(d: Mapping[str, Any], where: str) -> dict[str, Any]:
     chunks = d["chunks"]
     if not isinstance(chunks, list):
         raise _fail(where, f"chunks must be a list, got {chunks!r}")
+    dims = tuple(_int(s, where) for s in shape)
+    view = d.get("view")
     return {
         "dtype": _str(d["dtype"], where),
-        "shape": tuple(_int(s, where) for s in shape),
+        "shape": dims,
         "chunks": tuple(_location(c, where) for c in chunks),
+        "parameter": _bool(d.get("parameter", False), where),
+        "requires_grad": _bool(d.get("requires_grad", False), where),
+        "view": None if view is None else _decode_view(view, len(dims), where),
     }
+
+
+def _decode_view(value: Any, ndim: int, where: str) -> TensorView:
+    """A tensor's ``view``: its fields' types and one stride per axis. Whether the base exists
+    and holds the elements is the reader's check (``planner.resolve_view``): it needs the other
+    entries."""
+    if type(value) is not dict or value.keys() != {"base", "offset", "stride"}:
+        raise _fail(where, f"expected a view {{base, offset, stride}}, got {value!r}")
+    stride = _ints(value["stride"], where, "a view's stride")
+    if len(stride) != ndim:
+        raise _fail(where, f"a view of a {ndim}-d tensor has stride {list(stride)}")
+    return TensorView(
+        base=_str(value["base"], where), offset=_int(value["offset"], where), stride=stride
+    )
 
 
 def _decode_object(d: Mapping[str, Any], where: str) -> dict[str, Any]:
@@ -467,7 +687,10 @@ def _decode_sharded_object(d: Mapping[str, Any], where: str) -> dict[str, Any]:
 _DECODERS: dict[
     type[Entry], tuple[Callable[[Mapping[str, Any], str], dict[str, Any]], set[str]]
 ] = {
-    TensorEntry: (_decode_tensor, {"dtype", "shape", "chunks"}),
+    TensorEntry: (
+        _decode_tensor,
+        {"dtype", "shape", "chunks", "parameter", "requires_grad", "view"},
+    ),
     ObjectEntry: (_decode_object, {"serializer", "obj_type", "location"}),
     PrimitiveEntry: (_decode_primitive, {"value_type", "value"}),
     DictEntry: (_decode_dict, {"keys", "ordered"}),
@@ -476,7 +699,7 @@ _DECODERS: dict[
     ShardedTensorEntry: (_decode_sharded_tensor, {"key", "dtype", "shape", "shards"}),
     ShardedObjectEntry: (_decode_sharded_object, {"key", "serializer", "obj_type", "location"}),
 }
-_OPTIONAL_FIELDS = {"ordered", "replicated"}
+_OPTIONAL_FIELDS = {"ordered", "replicated", "parameter", "requires_grad", "view"}
 
 
 _TENSOR_FIELDS = frozenset({"type", "dtype", "shape", "chunks"})
@@ -529,21 +752,64 @@ _TENSOR_LINE = re.compile(
 )
 
 
-def _parse_fast(text: str) -> dict[str, Any] | None:
+# A depth scan of JSON text (``nests_within``) keeps its quotes and brackets only: an escape
+# (a backslash and the character after it, which may be a quote) goes first, every other byte
+# is then deleted by one translation in C.
+_ESCAPE = re.compile(rb"\\.", re.DOTALL)
+_NOT_STRUCTURE = bytes(b for b in range(256) if b not in b'"[]{}')
+# A string, its closing quote included (a string left open runs to the end of the text: the
+# JSON decoder fails there, past the brackets counted before it).
+_STRING = re.compile(rb'"[^"]*"?')
+# A pair of brackets with nothing left between them: a collection nested no further.
+_INNERMOST = re.compile(rb"\[\]|\{\}")
+
+
+def nests_within(text: str, levels: int) -> bool:
+    """Whether JSON text ``text`` is balanced and opens at most ``levels`` levels of brackets.
+
+    Without recursion, in passes in C. Once escapes are dropped, a bracket is inside a string
+    when an odd number of quotes precede it; dropping two quotes in a row (most strings, once
+    only quotes and brackets are left) keeps that parity for every other character, so the
+    few strings left holding brackets are dropped next, one match each. Then each pass removes
+    the pairs that hold no other (the innermost level): a text nesting ``n`` levels is empty
+    after ``n`` passes. At most ``levels`` passes, each over what the one before left.
+    """
+    data = text.encode("utf-8", "surrogatepass")
+    if b"\\" in data:
+        data = _ESCAPE.sub(b"", data)
+    rest = data.translate(None, _NOT_STRUCTURE).replace(b'""', b"")
+    if b'"' in rest:
+        rest = _STRING.sub(b"", rest)
+    for _ in range(levels):
+        if not rest:
+            return True
+        rest, removed = _INNERMOST.subn(b"", rest)
+        if not removed:
+            return False  # unbalanced: not for the fast path
+    return not rest
+
+
+def _parse_fast(text: str, source: str = "manifest") -> dict[str, Any] | None:
     """The document, if it is laid out exactly as ``dumps`` writes it; else None.
 
     Its ``entries`` map each path to the entry's raw mapping, or for a tensor line in the
     writer's common layout, to the ``TensorEntry`` it holds, already checked. The other entry
     lines, joined with commas and wrapped in braces, are one JSON object: a single call of the
     C decoder reads them all. Each line must hold exactly one entry and no path may repeat (the
-    count of lines and of entries must agree); anything else goes to the YAML path.
+    count of lines and of entries must agree, and the lines must nest no deeper than
+    ``MAX_DEPTH``); anything else goes to the YAML path, which refuses or reports it.
+
+    Raises:
+        UnsafeManifestError: the header uses what the writer never emits (``load_yaml``).
     """
     head, sep, body = text.partition(f"\n{_ENTRIES_LINE}\n")
     if not sep:
         return None
     try:
-        doc = yaml.load(head, Loader=_Loader)
-    except yaml.YAMLError:
+        doc = load_yaml(head, source)
+    except UnsafeManifestError:
+        raise
+    except ManifestDecodeError:
         return None
     if not isinstance(doc, dict) or "entries" in doc:
         return None
@@ -570,8 +836,12 @@ def _parse_fast(text: str) -> dict[str, Any] | None:
                 continue
         tensors.append(None)
         others.append(line)
+    joined = ",".join(others)
+    # The lines are the values of ``entries`` (level 2): they may open MAX_DEPTH - 2 levels.
+    if not nests_within(joined, MAX_DEPTH - 2):
+        return None
     try:
-        decoded = json.loads("{" + ",".join(others) + "}") if others else {}
+        decoded = json.loads("{" + joined + "}") if others else {}
     except ValueError:
         return None
     if len(decoded) != len(others):
@@ -592,7 +862,10 @@ def loads(data: bytes, source: str = "manifest", *, verify: bool = True) -> Mani
     Raises:
         ManifestChecksumError: (with ``verify``) the checksum line is missing or does not match.
         ManifestDecodeError: the bytes are not valid UTF-8 YAML of a manifest, or any field is
-            missing, of the wrong type, unsafe (a blob path leaving the root) or unknown.
+            missing, of the wrong type or unknown.
+        UnsafeManifestError: (a ManifestDecodeError) the bytes use what the writer never
+            emits: a YAML anchor, alias, tag or merge key, nesting past ``MAX_DEPTH``, a blob
+            path leaving the root (``load_yaml``, ``check_blob_path``).
         UnsupportedFormatError: the manifest's format version is newer than this library's.
     """
     data = _split_trailer(data, source, verify)
@@ -600,12 +873,9 @@ def loads(data: bytes, source: str = "manifest", *, verify: bool = True) -> Mani
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:
         raise ManifestDecodeError(f"{source} is not valid YAML: {e}") from None
-    doc = _parse_fast(text)
+    doc = _parse_fast(text, source)
     if doc is None:
-        try:
-            doc = yaml.load(text, Loader=_Loader)
-        except yaml.YAMLError as e:
-            raise ManifestDecodeError(f"{source} is not valid YAML: {e}") from None
+        doc = load_yaml(text, source)
     if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
         raise ManifestDecodeError(f"{source} is not a {FORMAT_NAME} manifest")
     version = doc.get("format_version")
@@ -634,7 +904,7 @@ def loads(data: bytes, source: str = "manifest", *, verify: bool = True) -> Mani
         try:
             entries[path] = entry_from_dict(entries[path], path)
         except ManifestDecodeError as e:
-            raise ManifestDecodeError(f"{source}: {e}") from None
+            raise type(e)(f"{source}: {e}") from None  # the class says unsafe or damaged
     return Manifest(
         format_version=version, world_size=world_size, entries=entries, metadata=metadata
     )

@@ -18,8 +18,13 @@ DictKey = str | int | bool | None
 # would not find rank 1's replicated entries (a restore on rank 1 would call the manifest
 # corrupt: a container lists a key that has no entry), so such a manifest says 3. A manifest
 # with no replicated leaf, or of one rank, is still written as version 1 or 2.
-FORMAT_VERSION = 3
+# 4: a tensor entry may say it was an ``nn.Parameter`` or required grad, or that it is a view of
+# another tensor entry's storage (``TensorEntry``). A reader of version 3 refuses those fields
+# as unknown (and would call the snapshot corrupt), so a manifest holding any of them says 4;
+# one without them is still written as version 1, 2 or 3.
+FORMAT_VERSION = 4
 REPLICATED_ONCE_VERSION = 3
+TENSOR_ATTRS_VERSION = 4
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -55,16 +60,45 @@ class Entry:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class TensorView:
+    """Where a tensor's elements lie in the storage of another tensor entry of the same rank.
+
+    ``base`` is that entry's logical path without the rank (``"model/emb.weight"``), resolved
+    under the reading rank's prefix, so a view stays within one rank's state. The tensor's
+    element at index ``i`` is the base's element number ``offset + sum(i[k] * stride[k])`` in
+    row-major order, as ``base.as_strided(shape, stride, offset)`` gives it.
+    """
+
+    base: str
+    offset: int
+    stride: tuple[int, ...]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class TensorEntry(Entry):
     """A dense tensor, stored as its raw bytes in row-major (C) order.
 
     The concatenation of ``chunks`` is the tensor's bytes; each chunk may live in a different blob.
+
+    What ``torch.load`` would give back beyond the values: ``parameter`` (the value was an
+    ``nn.Parameter``), ``requires_grad``, and ``view`` (the value shared its storage with the
+    tensor of another entry, whose elements hold its own). A view's ``chunks`` still hold its
+    own bytes: a read into an existing tensor, and every reader that does not know views, reads
+    those; a read that builds new tensors makes it a view of the base's tensor instead.
     """
 
     type: ClassVar[str] = "tensor"
     dtype: str
     shape: tuple[int, ...]
     chunks: tuple[Location, ...]
+    parameter: bool = False
+    requires_grad: bool = False
+    view: TensorView | None = None
+
+    @property
+    def has_attrs(self) -> bool:
+        """Whether the entry holds any field of format version 4."""
+        return self.parameter or self.requires_grad or self.view is not None
 
     @property
     def nbytes(self) -> int:
@@ -111,6 +145,9 @@ _set_replicated = Entry.replicated.__set__  # type: ignore[attr-defined]
 _set_dtype = TensorEntry.dtype.__set__  # type: ignore[attr-defined]
 _set_shape = TensorEntry.shape.__set__  # type: ignore[attr-defined]
 _set_chunks = TensorEntry.chunks.__set__  # type: ignore[attr-defined]
+_set_parameter = TensorEntry.parameter.__set__  # type: ignore[attr-defined]
+_set_requires_grad = TensorEntry.requires_grad.__set__  # type: ignore[attr-defined]
+_set_view = TensorEntry.view.__set__  # type: ignore[attr-defined]
 
 
 def new_tensor_entry(
@@ -123,6 +160,10 @@ def new_tensor_entry(
     _set_dtype(entry, dtype)
     _set_shape(entry, shape)
     _set_chunks(entry, chunks)
+    # Slots have no defaults outside ``__init__``: each is set.
+    _set_parameter(entry, False)
+    _set_requires_grad(entry, False)
+    _set_view(entry, None)
     return entry
 
 

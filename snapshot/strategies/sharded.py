@@ -19,6 +19,7 @@ planner may still read through small gaps between runs, up to ``STATESNAP_READ_G
 from __future__ import annotations
 
 import functools
+import heapq
 import itertools
 import math
 import sys
@@ -241,24 +242,138 @@ def check_coverage(pieces: Sequence[Sequence[tuple[Any, ...]]]) -> None:
                 )
         shape = first[2]
         mains = [(rank, piece[3], piece[4]) for rank, piece in found if piece[5]]
-        for (ra, oa, sa), (rb, ob, sb) in itertools.combinations(mains, 2):
-            if _overlap((oa, sa), (ob, sb)) is not None:
-                raise SnapshotError(
-                    f"sharded tensor {key!r}: the main replicas of ranks {ra} and {rb} overlap "
-                    f"(at {list(oa)} size {list(sa)}, and at {list(ob)} size {list(sb)}); give "
-                    "all but one of the copies of a piece a nonzero replica_id (torch's "
-                    "ShardedTensor has no replicas: each of its shards must be held by one rank "
-                    "only; state copied across replica groups, as HSDP's, needs DTensors, whose "
-                    "Replicate placements mark the copies)"
-                )
-        covered = sum(math.prod(s) for _, _, s in mains)
-        if covered != math.prod(shape):
-            holders = sorted({rank for rank, _ in found})
+        boxes = [(offsets, sizes) for _, offsets, sizes in mains]
+        problem = cover_problem(shape, boxes)
+        if problem is None:
+            continue
+        pair = find_overlap(boxes)
+        if pair is not None:
+            (ra, oa, sa), (rb, ob, sb) = mains[pair[0]], mains[pair[1]]
             raise SnapshotError(
-                f"sharded tensor {key!r} of shape {list(shape)}: the main replicas held by "
-                f"ranks {holders} cover {covered} of its {math.prod(shape)} elements; every "
-                "element must be in exactly one main replica (replica_id 0)"
+                f"sharded tensor {key!r}: the main replicas of ranks {ra} and {rb} overlap "
+                f"(at {list(oa)} size {list(sa)}, and at {list(ob)} size {list(sb)}); give "
+                "all but one of the copies of a piece a nonzero replica_id (torch's "
+                "ShardedTensor has no replicas: each of its shards must be held by one rank "
+                "only; state copied across replica groups, as HSDP's, needs DTensors, whose "
+                "Replicate placements mark the copies)"
             )
+        covered = sum(math.prod(s) for _, _, s in mains)
+        holders = sorted({rank for rank, _ in found})
+        if covered == math.prod(shape):  # not a count: the check itself refused the layout
+            raise SnapshotError(
+                f"sharded tensor {key!r} of shape {list(shape)}, held by ranks {holders}: {problem}"
+            )
+        raise SnapshotError(
+            f"sharded tensor {key!r} of shape {list(shape)}: the main replicas held by "
+            f"ranks {holders} cover {covered} of its {math.prod(shape)} elements; every "
+            "element must be in exactly one main replica (replica_id 0)"
+        )
+
+
+# Whether boxes cover a tensor exactly once is decided from their corners (``cover_problem``):
+# a box split along k axes has 2**k of them. Shardings split one axis or two (rows; rows and
+# columns), a DTensor at most one per dimension of its mesh; past this many split axes the
+# corners would cost many times the boxes' own description in the manifest.
+_MAX_SPLIT_AXES = 6
+# Up to this many boxes, a tensor split along more axes is checked pair by pair instead: fewer
+# comparisons than this many per box. More boxes along more axes are refused.
+_MAX_PAIRWISE = 1 << _MAX_SPLIT_AXES
+
+
+def cover_problem(shape: Sequence[int], boxes: Sequence[Region]) -> str | None:
+    """None when ``boxes`` (offsets, sizes) cover the box ``[0, shape)`` exactly once; else
+    what is wrong, in words. In time linear in the number of boxes.
+
+    Each box is the sum of signed points at its corners: +1 at its low corner, and the sign
+    flipping with each axis on which a corner takes the box's high end; the count of boxes
+    holding an element is the sum of the signed points below it on every axis (the inverse of
+    that difference, a prefix sum). So the boxes hold every element of the tensor exactly once
+    if and only if their signed corners add up to the tensor's own: a dictionary of corners,
+    2**k entries per box along the k axes some box does not span whole. Empty boxes hold
+    nothing and are left out (a rank may hold an empty piece), and so are the axes every box
+    spans whole, which change nothing.
+    """
+    ndim = len(shape)
+    total = math.prod(shape)
+    solid: list[Region] = []
+    volume = 0
+    for offsets, sizes in boxes:
+        if (
+            len(offsets) != ndim
+            or len(sizes) != ndim
+            or any(
+                o < 0 or n < 0 or o + n > g for o, n, g in zip(offsets, sizes, shape, strict=True)
+            )
+        ):
+            return f"a box at {list(offsets)} of size {list(sizes)} is not within {list(shape)}"
+        count = math.prod(sizes)
+        if count:
+            solid.append((offsets, sizes))
+            volume += count
+    if volume != total:
+        return f"the boxes hold {volume} elements, and it has {total}"
+    if not total:
+        return None  # a tensor without elements: any boxes within it hold each of them once
+    axes = [d for d in range(ndim) if any(o[d] != 0 or n[d] != shape[d] for o, n in solid)]
+    if len(axes) <= _MAX_SPLIT_AXES:
+        return _corner_problem(shape, solid, axes)
+    if len(solid) <= _MAX_PAIRWISE:  # within find_overlap's budget: it never gives up
+        return None if find_overlap(solid) is None else "two of the boxes overlap"
+    return (
+        f"it is split along {len(axes)} axes into {len(solid)} boxes; this library checks "
+        f"tensors split along at most {_MAX_SPLIT_AXES} axes, or into at most "
+        f"{_MAX_PAIRWISE} boxes"
+    )
+
+
+def _corner_problem(shape: Sequence[int], solid: Sequence[Region], axes: list[int]) -> str | None:
+    """``cover_problem`` for boxes of the right total volume, by their signed corners along
+    ``axes``."""
+    weights: dict[tuple[int, ...], int] = {}
+    for offsets, sizes in solid:
+        _add_corners(weights, [(offsets[d], offsets[d] + sizes[d]) for d in axes], 1)
+    _add_corners(weights, [(0, shape[d]) for d in axes], -1)
+    if any(weights.values()):
+        return "some elements are in two boxes, and as many in none"
+    return None
+
+
+def _add_corners(
+    weights: dict[tuple[int, ...], int], bounds: list[tuple[int, int]], sign: int
+) -> None:
+    """Adds the signed corners of the box with ``(low, high)`` bounds on each axis, times
+    ``sign``, to ``weights``."""
+    for picks in itertools.product((0, 1), repeat=len(bounds)):
+        corner = tuple(b[i] for b, i in zip(bounds, picks, strict=True))
+        weights[corner] = weights.get(corner, 0) + (-sign if sum(picks) % 2 else sign)
+
+
+def find_overlap(boxes: Sequence[Region]) -> tuple[int, int] | None:
+    """The indices of two boxes that share an element, or None: a sweep along the first axis,
+    comparing each box with the boxes still open where it starts. It gives up (None) after
+    ``_MAX_PAIRWISE`` comparisons per box, which only many boxes spanning one stretch of the
+    first axis together can need."""
+    if len(boxes) < 2:
+        return None
+    if not boxes[0][0]:  # 0-d: every box is the one element
+        return (0, 1)
+    budget = _MAX_PAIRWISE * len(boxes)
+    ends: list[tuple[int, int]] = []  # (where a box ends on the first axis, its index)
+    active: dict[int, None] = {}  # the boxes open at the sweep's position, in order
+    for i in sorted(range(len(boxes)), key=lambda i: boxes[i][0][0]):
+        (offsets, sizes) = boxes[i]
+        while ends and ends[0][0] <= offsets[0]:
+            del active[heapq.heappop(ends)[1]]
+        for j in active:
+            budget -= 1
+            if budget < 0:
+                return None
+            if _overlap(boxes[i], boxes[j]) is not None:
+                return (min(i, j), max(i, j))
+        if math.prod(sizes):
+            active[i] = None
+            heapq.heappush(ends, (offsets[0] + sizes[0], i))
+    return None
 
 
 def _overlap(a: Region, b: Region) -> Region | None:
@@ -384,7 +499,6 @@ def runs(stored: Region, wanted: Region) -> Iterator[tuple[int, int, int]]:
 def check_entry(path: str, entry: ShardedTensorEntry, dtype: torch.dtype) -> None:
     """The shards cover the global shape exactly once, and each shard's chunks hold its
     bytes."""
-    total = 0
     for shard in entry.shards:
         expected = math.prod(shard.sizes) * dtype.itemsize
         stored = sum(c.nbytes for c in shard.chunks)
@@ -393,14 +507,11 @@ def check_entry(path: str, entry: ShardedTensorEntry, dtype: torch.dtype) -> Non
                 f"{path}: the shard at {list(shard.offsets)} of {entry.key!r} records {stored} "
                 f"bytes in chunks of whole elements, which must be {expected}"
             )
-        total += math.prod(shard.sizes)
-    if total != math.prod(entry.shape) or any(
-        _overlap((a.offsets, a.sizes), (b.offsets, b.sizes)) is not None
-        for a, b in itertools.combinations(entry.shards, 2)
-    ):
+    problem = cover_problem(entry.shape, [(s.offsets, s.sizes) for s in entry.shards])
+    if problem is not None:
         raise CorruptSnapshotError(
             f"{path}: the shards of {entry.key!r} do not cover its shape {list(entry.shape)} "
-            "exactly once"
+            f"exactly once: {problem}"
         )
 
 
