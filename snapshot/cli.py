@@ -2,9 +2,11 @@
 
 ``demo`` runs the demonstration; ``ls``, ``show``, ``verify``, ``du`` and ``diff`` look into an
 existing snapshot without restoring it (their logic is :mod:`snapshot.inspection`; this module
-parses arguments and formats what it returns). Exit codes: 0 success; 1 the snapshot is
-damaged (``verify``, or a damaged manifest or blob met by any command) or the snapshots differ
-(``diff``); 2 a usage error, no snapshot or no entry at the path given, or any other error.
+parses arguments and formats what it returns). The exit codes are :data:`EXIT_CODES`.
+
+Whatever comes from a snapshot (logical paths, blob names, type names, values, error messages
+quoting them) is printed through :mod:`snapshot.text`, so that a hostile key's control
+characters are shown as escapes instead of being obeyed by the terminal.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ import argparse
 import json
 import logging
 import math
+import os
+import re
 import sys
 import tempfile
 import time
@@ -23,7 +27,7 @@ from typing import Any, TextIO
 import torch
 
 from snapshot import __version__
-from snapshot.errors import CorruptSnapshotError, SnapshotError
+from snapshot.errors import CorruptSnapshotError, EntryNotFoundError, SnapshotError
 from snapshot.inspection import (
     diff,
     disk_usage,
@@ -36,6 +40,24 @@ from snapshot.inspection import (
     verify,
 )
 from snapshot.operations import load_manifest
+from snapshot.text import printable, printable_message, unescape
+
+EXIT_OK = 0
+EXIT_PROBLEM = 1
+EXIT_ERROR = 2
+EXIT_INTERNAL = 3
+EXIT_INTERRUPTED = 130
+
+EXIT_CODES = f"""\
+exit codes:
+  {EXIT_OK}    success; verify: no problem; diff: identical
+  {EXIT_PROBLEM}    verify found a problem; diff found a difference; any command met a damaged
+       or unsafe snapshot (CorruptSnapshotError, ChecksumError, UnsafeSnapshotError)
+  {EXIT_ERROR}    usage error; no snapshot at the path; no such entry; any other error the
+       library or the system reports (other SnapshotErrors, OSError)
+  {EXIT_INTERNAL}    internal error: an exception statesnap did not raise on purpose (a bug)
+  {EXIT_INTERRUPTED}  interrupted (Ctrl-C)
+output cut short by a closed pipe (statesnap ls ... | head) keeps the command's code."""
 
 # ---------------------------------------------------------------------------------------------
 # demo
@@ -161,9 +183,17 @@ def _size(n: int, exact: bool) -> str:
 
 
 def _write_lines(lines: Sequence[str]) -> None:
-    """Writes ``lines`` to stdout in one call (fast for 100,000 of them)."""
-    if lines:
+    """Writes ``lines`` to stdout in one call (fast for 100,000 of them).
+
+    A reader that went away (``statesnap ls ... | head``) ends the output quietly: the command
+    still returns its own exit code, which the output being cut short does not change."""
+    if not lines:
+        return
+    try:
         sys.stdout.write("\n".join(lines) + "\n")
+        sys.stdout.flush()
+    except BrokenPipeError:
+        _silence_stdout()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -180,9 +210,9 @@ def _ls(args: argparse.Namespace) -> int:
     rows = []
     for r in listing.rows:
         row = [
-            r.path,
+            printable(r.path),
             r.kind,
-            r.dtype or "-",
+            printable(r.dtype) if r.dtype else "-",
             format_shape(r.shape) if r.shape is not None else "-",
             _size(r.nbytes, exact) if r.nbytes or r.kind in ("tensor", "object") else "-",
         ]
@@ -224,13 +254,29 @@ def _number(value: Any) -> str:
     return str(value)
 
 
+def _read_shown_key(args: argparse.Namespace) -> tuple[str, Any, Any]:
+    """The entry at KEY, which may be given as ``ls`` shows it (control characters escaped,
+    :func:`~snapshot.text.printable`) or as it is: the logical path, its entry and its value."""
+    try:
+        return args.key, *read_entry(args.path, args.key, args.storage_options)
+    except EntryNotFoundError as not_found:
+        key = unescape(args.key)
+        if key == args.key:
+            raise
+        try:
+            return key, *read_entry(args.path, key, args.storage_options)
+        except EntryNotFoundError:
+            raise not_found from None  # the message about KEY as it was typed
+
+
 def _show(args: argparse.Namespace) -> int:
-    entry, value = read_entry(args.path, args.key, args.storage_options)
+    key, entry, value = _read_shown_key(args)
+    name = printable(key)
     lines = []
     if isinstance(value, torch.Tensor):
         s = summarize_tensor(value, values=args.values)
-        lines.append(f"{args.key}: tensor")
-        lines.append(f"  dtype   {s.dtype}")
+        lines.append(f"{name}: tensor")
+        lines.append(f"  dtype   {printable(s.dtype)}")
         lines.append(f"  shape   {format_shape(s.shape)}")
         lines.append(f"  numel   {s.numel:,}")
         lines.append(f"  size    {human_bytes(s.nbytes)} ({s.nbytes:,} bytes)")
@@ -247,14 +293,17 @@ def _show(args: argparse.Namespace) -> int:
             lines.append(f"  values  [{shown}{more}]")
     else:
         v = summarize_value(value, max_chars=args.max_chars)
-        about = [v.type_name] if v.type_name != entry.type else []
+        about = [printable(v.type_name)] if v.type_name != entry.type else []
         if v.length is not None:
             about.append(f"length {v.length:,}")
         if entry.nbytes:
             about.append(f"{human_bytes(entry.nbytes)} stored")
-        lines.append(f"{args.key}: {entry.type} ({', '.join(about)})")
+        lines.append(f"{name}: {printable(entry.type)} ({', '.join(about)})")
+        # A repr escapes a str's control characters itself, but not every type's repr does;
+        # backslashes stay as the repr wrote them.
         lines.append(
-            v.text + (f"... ({v.omitted_chars:,} more characters)" if v.omitted_chars else "")
+            printable_message(v.text)
+            + (f"... ({v.omitted_chars:,} more characters)" if v.omitted_chars else "")
         )
     _write_lines(lines)
     return 0
@@ -272,11 +321,14 @@ def _verify(args: argparse.Namespace) -> int:
         progress.clear()
     lines = []
     for p in report.problems:
-        who = ", ".join(p.paths) + ": " if p.paths else ""
-        lines.append(f"{who}blob {p.blob}, bytes [{p.start}, {p.end}): {p.what}")
+        who = ", ".join(map(printable, p.paths)) + ": " if p.paths else ""
+        lines.append(
+            f"{who}blob {printable(p.blob)}, bytes [{p.start}, {p.end}): "
+            f"{printable_message(p.what)}"
+        )
     unknown = report.sizes_unknown
     if unknown:
-        names = ", ".join(unknown[:5]) + (
+        names = ", ".join(map(printable, unknown[:5])) + (
             f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""
         )
         lines.append(
@@ -285,7 +337,7 @@ def _verify(args: argparse.Namespace) -> int:
         )
     if report.checksums_missing:
         why = (
-            f"{report.foreign} records none"
+            f"{printable(report.foreign)} records none"
             if report.foreign
             else "taken with STATESNAP_CHECKSUMS=0"
         )
@@ -300,7 +352,7 @@ def _verify(args: argparse.Namespace) -> int:
             f"readability only{decoded}"
         )
     if report.not_decoded:
-        names = ", ".join(report.not_decoded[:5]) + (
+        names = ", ".join(map(printable, report.not_decoded[:5])) + (
             f" and {len(report.not_decoded) - 5} more" if len(report.not_decoded) > 5 else ""
         )
         lines.append(
@@ -334,8 +386,8 @@ def _du(args: argparse.Namespace) -> int:
     header = ["RANK", "KEY", "ENTRIES", "SIZE", "REPLICATED", "SHARE"]
     rows = [
         [
-            r.rank,
-            r.key,
+            printable(r.rank),
+            printable(r.key),
             f"{r.entries:,}",
             _size(r.nbytes, exact),
             _size(r.replicated_bytes, exact) if r.replicated_bytes else "-",
@@ -347,7 +399,9 @@ def _du(args: argparse.Namespace) -> int:
     if len(usage.rank_bytes) > 1:
         lines.append(
             "per rank: "
-            + ", ".join(f"rank {k} {_size(v, exact)}" for k, v in usage.rank_bytes.items())
+            + ", ".join(
+                f"rank {printable(k)} {_size(v, exact)}" for k, v in usage.rank_bytes.items()
+            )
         )
     total = f"total: {_count(usage.entries, 'entry')}, {_size(usage.nbytes, exact)}"
     if not exact:
@@ -374,11 +428,13 @@ def _diff(args: argparse.Namespace) -> int:
         )
     finally:
         progress.clear()
-    lines = [f"A: {report.path_a}", f"B: {report.path_b}"]
+    lines = [f"A: {printable(report.path_a)}", f"B: {printable(report.path_b)}"]
     width = max((len(d.what) for d in report.differences), default=0)
     for d in report.differences:
-        detail = f": {d.detail}" if d.detail and not d.what.startswith("only") else ""
-        lines.append(f"{d.what.ljust(width)}  {d.path}{detail}")
+        detail = (
+            f": {printable_message(d.detail)}" if d.detail and not d.what.startswith("only") else ""
+        )
+        lines.append(f"{d.what.ljust(width)}  {printable(d.path)}{detail}")
     read = (
         f"; {_count(report.compared_by_reading, 'entry')} compared by reading their bytes "
         "(no checksums recorded)"
@@ -412,8 +468,9 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="statesnap",
         description="Take a look into statesnap snapshots (or run the demo).",
-        epilog="exit codes: 0 ok; 1 damaged snapshot (verify) or snapshots differ (diff); "
-        "2 usage error, no snapshot or entry at the path, or another error",
+        epilog=EXIT_CODES,
+        # The epilog is a table: printed as written, not re-wrapped.
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(
         "-v", "--verbose", action="count", default=0, help="more logging, and tracebacks of errors"
@@ -540,13 +597,72 @@ def _message(error: BaseException) -> str:
 
 
 def _exit_code(error: BaseException) -> int:
-    """1 for a damaged snapshot, 2 for everything else that stops a command."""
-    return 1 if isinstance(error, CorruptSnapshotError) else 2
+    """The code of an error that stopped a command (:data:`EXIT_CODES`)."""
+    if isinstance(error, CorruptSnapshotError):  # damaged or unsafe: checksums, symlinks...
+        return EXIT_PROBLEM
+    if isinstance(error, (SnapshotError, OSError)):  # raised on purpose, or by the system
+        return EXIT_ERROR
+    return EXIT_INTERNAL
+
+
+# The most characters of a message printed on the error line; -v shows all in the traceback.
+_MESSAGE_CHARS = 4000
+_LINE_BREAK = re.compile(r"\s*\n\s*")
+
+
+def _error_line(error: BaseException) -> str:
+    """The one line on stderr for an error that stopped a command: its message on one line
+    (a parser's message quoting the place it failed spans lines), cut when very long, and
+    escaped (it may quote what a snapshot holds)."""
+    text = _LINE_BREAK.sub(" ", _message(error).strip())
+    if len(text) > _MESSAGE_CHARS:
+        more = len(text) - _MESSAGE_CHARS
+        text = f"{text[:_MESSAGE_CHARS]}... ({more:,} more characters; -v shows them)"
+    text = printable_message(text)
+    if _exit_code(error) == EXIT_INTERNAL:
+        return f"statesnap: internal error: {text} (a bug in statesnap; -v shows the traceback)"
+    return f"statesnap: error: {text}"
+
+
+def _traceback(error: BaseException) -> str:
+    """``error``'s traceback, each line escaped: its messages may quote a snapshot's keys."""
+    return printable_message("".join(traceback.format_exception(error)).rstrip("\n"))
+
+
+def _say(text: str) -> None:
+    """``text`` as a line on stderr; nothing when stderr is closed too."""
+    try:
+        sys.stderr.write(text + "\n")
+        sys.stderr.flush()
+    except (OSError, ValueError):
+        pass
+
+
+class _PrintableFormatter(logging.Formatter):
+    """Log lines with their control characters escaped: the library logs logical paths and
+    blob names, which come from the snapshot."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        return printable_message(super().format(record))
+
+
+def _setup_output(verbose: int) -> None:
+    # A character the stream's encoding lacks is written as an escape, not an error.
+    for stream in (sys.stdout, sys.stderr):
+        reconfigure = getattr(stream, "reconfigure", None)
+        if reconfigure is not None:
+            try:
+                reconfigure(errors="backslashreplace")
+            except (OSError, ValueError):
+                pass
+    handler = logging.StreamHandler()
+    handler.setFormatter(_PrintableFormatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+    logging.basicConfig(level=logging.WARNING - 10 * min(verbose, 2), handlers=[handler])
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Runs the command line with ``argv`` (default: ``sys.argv[1:]``); returns the exit
-    code."""
+    """Runs the command line with ``argv`` (default: ``sys.argv[1:]``); returns the exit code
+    (:data:`EXIT_CODES`)."""
     parser = _parser()
     try:
         args = parser.parse_args(argv)
@@ -556,38 +672,35 @@ def main(argv: Sequence[str] | None = None) -> int:
         except ValueError as e:
             parser.error(str(e))
     except SystemExit as e:  # --help, --version, usage errors (argparse printed them)
-        return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
-    logging.basicConfig(
-        level=logging.WARNING - 10 * min(args.verbose, 2),
-        format="%(asctime)s %(name)s %(levelname)s %(message)s",
-    )
+        return e.code if isinstance(e.code, int) else (EXIT_OK if e.code is None else EXIT_ERROR)
+    _setup_output(args.verbose)
     if args.command == "demo":
         return int(args.func(args))
     try:
         return int(args.func(args))
     except KeyboardInterrupt:
-        print("statesnap: interrupted", file=sys.stderr)
-        return 130
-    except BrokenPipeError:
-        # The reader went away (``statesnap ls ... | head``): stop quietly. Further writes to
-        # stdout, including the interpreter's flush at exit, go nowhere.
-        _silence_stdout()
-        return 0
+        _say("statesnap: interrupted")
+        return EXIT_INTERRUPTED
     except Exception as e:
         if args.verbose:
-            traceback.print_exc()
-        print(f"statesnap: error: {_message(e)}", file=sys.stderr)
+            _say(_traceback(e))
+        _say(_error_line(e))
         return _exit_code(e)
 
 
 def _silence_stdout() -> None:
-    import os
-
+    """Points stdout at the null device: the reader went away, and further writes, the
+    interpreter's flush at exit included, would fail."""
     try:
         devnull = os.open(os.devnull, os.O_WRONLY)
+    except OSError:
+        return
+    try:
         os.dup2(devnull, sys.stdout.fileno())
     except (OSError, ValueError, AttributeError):
         pass
+    finally:
+        os.close(devnull)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,92 @@
+"""Text from a snapshot made safe to show: keys, blob names, type names and values are untrusted
+input, and a terminal obeys the control characters in what it prints (``ESC ]0;...BEL`` sets
+its title, ``ESC [2J`` clears it, ``CR`` rewrites a line, U+202E reverses what follows).
+
+:func:`printable` shows every such character as an escape in Python's notation (``\\x1b``,
+``\\u202e``, ``\\U000e0041``) and leaves all other text, ordinary Unicode included, as it is. The
+escaped characters are those ``str.isprintable`` refuses: controls (C0, DEL, C1), format
+characters (bidi overrides and isolates, zero-width characters), line and paragraph separators,
+spaces other than U+0020, surrogates (which cannot even be encoded for output), private-use and
+unassigned code points.
+
+A literal backslash is doubled only where it would otherwise start an escape: when the next
+character it is shown with is ``x``, ``u``, ``U`` or a backslash (which is also how an escaped
+next character begins). So every shown text reads back to exactly one text (:func:`unescape`),
+a key that holds the four characters ``\\x1b`` is never shown like one holding ESC, and the
+common names that hold a backslash (``C:\\data``) are shown unchanged.
+
+:func:`printable_message` is for text that is already made of shown names (an error message):
+it escapes the same characters but leaves backslashes alone, so applying it again changes
+nothing and a name escaped inside the message is not escaped twice; and it keeps line breaks,
+which are the message's own lines (a parser's error quoting the place it failed) and move
+nothing but the cursor to the next line.
+"""
+
+from __future__ import annotations
+
+import re
+
+# A backslash that would read as the start of an escape if it were shown as it is.
+_AMBIGUOUS_BACKSLASH = re.compile(r"\\(?=[\\xuU])")
+# An escape as :func:`printable` writes it; any other backslash stands for itself.
+_ESCAPE = re.compile(r"\\(?:\\|x[0-9a-fA-F]{2}|u[0-9a-fA-F]{4}|U[0-9a-fA-F]{8})")
+
+
+def _escape(ch: str) -> str:
+    code = ord(ch)
+    if code < 0x100:
+        return f"\\x{code:02x}"
+    if code < 0x10000:
+        return f"\\u{code:04x}"
+    return f"\\U{code:08x}"
+
+
+def printable(text: str) -> str:
+    """``text`` with every character a terminal would not show as a glyph escaped (``\\x1b``),
+    and a backslash doubled where it would otherwise read as an escape; reversed by
+    :func:`unescape`."""
+    if text.isprintable():  # the common case: at most some backslashes to double
+        return _AMBIGUOUS_BACKSLASH.sub(r"\\\\", text) if "\\" in text else text
+    out = []
+    last = len(text) - 1
+    for i, ch in enumerate(text):
+        if not ch.isprintable():
+            out.append(_escape(ch))
+        elif ch == "\\" and i < last and _starts_escape(text[i + 1]):
+            out.append("\\\\")
+        else:
+            out.append(ch)
+    return "".join(out)
+
+
+def _starts_escape(ch: str) -> bool:
+    """Whether ``ch``, shown right after a backslash, would make the pair read as an escape."""
+    return ch in "\\xuU" or not ch.isprintable()
+
+
+def printable_message(text: str) -> str:
+    """``text`` with the characters :func:`printable` escapes escaped, except line breaks
+    (``\n``), and backslashes left as they are: for a message that quotes names already shown
+    with :func:`printable` (or ``repr``), made safe for a terminal whatever else it holds.
+    Idempotent."""
+    if text.isprintable():
+        return text
+    return "".join(ch if ch.isprintable() or ch == "\n" else _escape(ch) for ch in text)
+
+
+def unescape(shown: str) -> str:
+    """The text that :func:`printable` showed as ``shown``: ``\\\\`` is a backslash, ``\\xHH``,
+    ``\\uHHHH`` and ``\\UHHHHHHHH`` are the characters they name, and any other backslash stands
+    for itself (so text typed by hand, ``C:\\data``, reads as it looks)."""
+    if "\\" not in shown:
+        return shown
+    return _ESCAPE.sub(_unescape_one, shown)
+
+
+def _unescape_one(match: re.Match[str]) -> str:
+    escape = match.group()
+    if escape == "\\\\":
+        return "\\"
+    code = int(escape[2:], 16)
+    # Past the last code point: not an escape printable() writes, so it stands for itself.
+    return chr(code) if code <= 0x10FFFF else escape
