@@ -4,7 +4,24 @@ from __future__ import annotations
 
 
 class SnapshotError(Exception):
-    """Root of every error the library raises on purpose."""
+    """Root of every error the library raises on purpose.
+
+    On the error a failed restore raises (whatever its kind), ``modified`` maps each app_state
+    key whose live state this rank's restore wrote before the failure to ``"partially"`` (some
+    of it may hold the snapshot's values, the rest the old ones) or ``"fully"`` (its
+    ``load_state_dict`` returned: it holds the snapshot's state), and ``untouched`` names the
+    keys of which no byte was written; the message ends with the same account. Both are None on
+    every other error.
+    """
+
+    modified: dict[str, str] | None = None
+    untouched: tuple[str, ...] | None = None
+    # The sentence that account adds to the message (empty until a restore sets it).
+    restore_account: str = ""
+
+    def __str__(self) -> str:
+        text = super().__str__()
+        return f"{text}; {self.restore_account}" if self.restore_account else text
 
 
 class SnapshotNotFoundError(SnapshotError):
@@ -104,3 +121,9 @@ class RankFailedError(SnapshotError):
     def __init__(self, message: str, failures: dict[int, str]) -> None:
         super().__init__(message)
         self.failures = failures
+
+
+class PathMismatchWarning(UserWarning):
+    """Ranks of one process group passed different paths to a take: the snapshot is written at
+    rank 0's path, and each rank whose own path differs is warned with both (the returned
+    snapshot's ``path`` is rank 0's)."""
