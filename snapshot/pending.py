@@ -13,7 +13,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from snapshot.errors import SnapshotError
+from snapshot.errors import InvalidArgumentError, SnapshotError
 
 if TYPE_CHECKING:
     from snapshot.snapshot import Snapshot
@@ -229,8 +229,18 @@ class PendingSnapshot:
             SnapshotError: the background work failed (the SnapshotError it raised, or one with
                 the original error chained); nothing was committed.
             TimeoutError: ``timeout`` seconds passed first; the work goes on.
+            InvalidArgumentError: ``timeout`` is not None or a number of seconds >= 0.
         """
         from snapshot.snapshot import Snapshot
+
+        # A bool is an int to Python, and NaN compares false with everything: both refused.
+        if timeout is not None and (
+            isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout >= 0
+        ):
+            raise InvalidArgumentError(
+                f"PendingSnapshot.wait of {self.path}: timeout must be None or a number of "
+                f"seconds >= 0, got {timeout!r}"
+            )
 
         if self._snapshot is not None:
             return self._snapshot

@@ -1,0 +1,137 @@
+"""Checks of the public API's arguments, made before anything is read or written.
+
+A bad argument is an ``InvalidArgumentError`` (a ``SnapshotError`` and a ``ValueError``) naming
+the call and the argument, raised before any storage is opened: never a bare ``TypeError`` from
+deep inside the engine, and never a write somewhere the caller did not mean (an empty path is
+the working directory to the local plugin).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import torch.distributed
+
+from snapshot.errors import InvalidArgumentError
+
+
+def _kind(value: object) -> str:
+    """The type of a refused value, with its repr when that is short (and does not raise)."""
+    try:
+        text = repr(value)
+    except Exception:
+        text = ""
+    return f"{type(value).__name__} {text}" if text and len(text) <= 80 else type(value).__name__
+
+
+def snapshot_path(value: object, call: str, name: str = "path") -> str:
+    """``value`` as the str of a snapshot's location: a str, or an ``os.PathLike`` giving one.
+
+    Refused: other types (bytes included: the plugins address blobs by str), a path that is
+    empty or only whitespace (to the local plugin, the working directory; no one names a
+    snapshot directory so), a URL whose location after ``://`` is such, and a NUL character
+    (no store takes it; the local one would fail only when listing).
+    """
+    path = os.fspath(value) if isinstance(value, os.PathLike) else value
+    if not isinstance(path, str):
+        raise InvalidArgumentError(
+            f"{call}: {name} must be a str or os.PathLike naming the snapshot's location, got "
+            f"{_kind(value)}"
+        )
+    if "\0" in path:
+        raise InvalidArgumentError(f"{call}: {name} {path!r} contains a NUL character")
+    _, sep, location = path.partition("://")
+    if not (location if sep else path).strip():
+        raise InvalidArgumentError(
+            f"{call}: {name} {path!r} names no location (empty or whitespace only); give the "
+            "snapshot's directory or URL"
+        )
+    return path
+
+
+def glob_list(value: object, call: str, where: str) -> list[str]:
+    """The ``replicated`` globs as a list: None is none; otherwise any iterable of str but a
+    str itself (whose characters would each become a glob)."""
+    if value is None:
+        return []
+    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+        raise InvalidArgumentError(
+            f"{call} of {where}: replicated must be a list of glob strings, got {_kind(value)}"
+        )
+    globs = list(value)
+    for glob in globs:
+        if not isinstance(glob, str):
+            raise InvalidArgumentError(
+                f"{call} of {where}: replicated must be a list of glob strings, and "
+                f"{_kind(glob)} is not one"
+            )
+    return globs
+
+
+def options(value: object, call: str, where: str) -> dict[str, Any] | None:
+    """``storage_options``: None or a mapping (given to the plugin as a dict)."""
+    if value is None:
+        return None
+    if not isinstance(value, Mapping):
+        raise InvalidArgumentError(
+            f"{call} of {where}: storage_options must be a dict of plugin options, got "
+            f"{_kind(value)}"
+        )
+    return value if isinstance(value, dict) else dict(value)
+
+
+def process_group(value: object, call: str, where: str) -> None:
+    """``pg``: None (the default group, or this process alone) or a process group."""
+    if value is None:
+        return
+    group = getattr(torch.distributed, "ProcessGroup", None)
+    if group is None or not isinstance(value, group):
+        raise InvalidArgumentError(
+            f"{call} of {where}: pg must be a torch.distributed.ProcessGroup or None, got "
+            f"{_kind(value)}"
+        )
+
+
+def flag(value: object, call: str, name: str, where: str) -> bool:
+    """A yes/no argument: a bool only (a string such as ``"no"`` would read as yes)."""
+    if not isinstance(value, bool):
+        raise InvalidArgumentError(f"{call} of {where}: {name} must be a bool, got {_kind(value)}")
+    return value
+
+
+def function(value: object, call: str, name: str, where: str) -> Callable[..., Any] | None:
+    """An optional callable argument."""
+    if value is not None and not callable(value):
+        raise InvalidArgumentError(
+            f"{call} of {where}: {name} must be callable or None, got {_kind(value)}"
+        )
+    return value
+
+
+def logical_path(value: object, call: str, name: str, where: str) -> str:
+    """A manifest path or app_state key: a str (its content is the manifest's to find)."""
+    if not isinstance(value, str):
+        raise InvalidArgumentError(f"{call} of {where}: {name} must be a str, got {_kind(value)}")
+    return value
+
+
+def byte_count(value: object, call: str, name: str, where: str) -> int | None:
+    """An optional positive number of bytes (a bool is not one)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise InvalidArgumentError(
+            f"{call} of {where}: {name} must be a positive int or None, got {_kind(value)}"
+        )
+    return value
+
+
+def state_mapping(value: object, call: str, name: str, where: str) -> Mapping[str, Any]:
+    """A state dict given to the strategy API: a mapping."""
+    if not isinstance(value, Mapping):
+        raise InvalidArgumentError(
+            f"{call} of {where}: {name} must be a dict (a state dict), got {_kind(value)}"
+        )
+    return value

@@ -1,0 +1,57 @@
+"""What a tensor's memory can be trusted for: whether its storage holds every element it views,
+and whether two of its elements are one place in memory.
+
+The engine reads a tensor being taken, and writes a restore target, through raw addresses
+(``serialization.raw_memoryview``) as well as through torch: a view past the end of its storage
+(whose memory was freed, as FSDP frees a parameter's unsharded storage with ``resize_(0)``)
+would be read or written out of bounds, and a target whose elements overlap cannot hold
+distinct values. Both are asked before any byte moves.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _extent(t: torch.Tensor) -> int:
+    """Elements from the storage's start to ``t``'s last element, inclusive (``t`` not empty)."""
+    reach = sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True))
+    return t.storage_offset() + reach + 1
+
+
+def storage_shortfall(t: torch.Tensor) -> tuple[int, int] | None:
+    """``(bytes needed, bytes held)`` when ``t``'s storage is shorter than the elements it views
+    reach; None when it holds them (or ``t`` has none)."""
+    if t.numel() == 0:
+        return None
+    held = t.untyped_storage().nbytes()
+    needed = _extent(t) * t.element_size()
+    return (needed, held) if needed > held else None
+
+
+def shares_memory(t: torch.Tensor) -> bool:
+    """Whether two elements of ``t`` are one place in memory (an expanded view, or
+    ``as_strided`` with overlapping strides): writing distinct values there cannot work.
+
+    The dimensions of more than one element, by increasing stride, must each step past all the
+    memory the smaller ones span; a zero stride never does. Layouts that fail the test without a
+    zero stride (interleaved dimensions, rare) are decided exactly, by the elements' offsets.
+    """
+    if t.layout is not torch.strided or t.numel() <= 1 or t.is_contiguous():
+        return False
+    dims = sorted((s, n) for n, s in zip(t.shape, t.stride(), strict=True) if n > 1)
+    span = 1  # elements spanned by the dimensions so far
+    for stride, size in dims:
+        if stride == 0:
+            return True
+        if stride < span:
+            return _offsets_repeat(t)
+        span += stride * (size - 1)
+    return False
+
+
+def _offsets_repeat(t: torch.Tensor) -> bool:
+    offsets = torch.zeros((), dtype=torch.int64)
+    for size, stride in zip(t.shape, t.stride(), strict=True):
+        offsets = offsets.unsqueeze(-1) + torch.arange(size, dtype=torch.int64) * stride
+    return offsets.flatten().unique().numel() != t.numel()
