@@ -12,7 +12,6 @@ whose CRC-32s were not recorded, comparing them piece by piece.
 from __future__ import annotations
 
 import asyncio
-import difflib
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -34,14 +33,17 @@ from manifest import (
     TupleEntry,
     is_container,
 )
+from snapshot import suggest
 from snapshot.checksum import combine
 from snapshot.errors import EntryNotFoundError, SnapshotError, UnsafeObjectError
 from snapshot.metadata import SnapshotMetadata
 from snapshot.operations import gc_paused, load_manifest, read_object
+from snapshot.planner import resolve_view
 from snapshot.scheduler import call, call_digesting, open_storage, run
 from snapshot.serialization import dtype_name
 from snapshot.snapshot import Snapshot
-from storage_plugins import StoragePlugin
+from snapshot.text import printable
+from storage_plugins import StoragePlugin, UnsafeBlobError
 
 PIECE_BYTES = 16 << 20
 """The most bytes ``verify`` and ``diff`` read in one request (per blob being read)."""
@@ -161,7 +163,7 @@ def _list_entries(manifest: Manifest, prefix: str | None) -> Listing:
         items = [(p, e) for p, e in entries.items() if p == prefix or p.startswith(below)]
         if not items:
             close = close_matches(entries, prefix)
-            hint = f"; close matches: {', '.join(close)}" if close else ""
+            hint = f"; close matches: {', '.join(map(printable, close))}" if close else ""
             raise EntryNotFoundError(f"no entry at or below {prefix!r}{hint}")
     else:
         items = list(entries.items())
@@ -273,7 +275,16 @@ def _as_every_rank_reads(manifest: Manifest) -> Iterator[tuple[str, Entry]]:
         for p, e in entries.items()
         if p.startswith("0/") and _shared(e) and not is_container(e)
     ]
-    for rank in range(1, manifest.world_size):
+    if not once:
+        return
+    # The ranks that list entries of their own (each rank of a take lists its containers), not
+    # every number below ``world_size``: that is a claim of the manifest, which may be any
+    # number, where the ranks listed are bounded by its lines.
+    listed = {p.partition("/")[0] for p in entries}
+    ranks = sorted(
+        int(r) for r in listed if r.isdigit() and len(r) < 19 and 0 < int(r) < manifest.world_size
+    )
+    for rank in ranks:
         prefix = f"{rank}/"
         for rest, e in once:
             if prefix + rest not in entries:
@@ -290,10 +301,10 @@ def _rank_order(rank: str) -> tuple[int, str]:
 
 def close_matches(entries: Sequence[str] | dict[str, Any], key: str, n: int = 5) -> list[str]:
     """Logical paths resembling ``key``: the same path under rank 0 (``model/w`` ->
-    ``0/model/w``) first, then difflib's closest."""
+    ``0/model/w``) first, then difflib's closest (``suggest.close_matches``: bounded)."""
     paths = list(entries)
     found = [f"0/{key}"] if f"0/{key}" in entries else []
-    for p in difflib.get_close_matches(key, paths, n=n, cutoff=0.6):
+    for p in suggest.close_matches(key, paths, n=n, cutoff=0.6):
         if p not in found:
             found.append(p)
     return found[:n]
@@ -312,7 +323,7 @@ def read_entry(path: str, key: str, storage_options: dict[str, Any] | None) -> t
     if entry is None:
         close = close_matches(entries, key)
         hint = (
-            f"; close matches: {', '.join(close)}"
+            f"; close matches: {', '.join(map(printable, close))}"
             if close
             else f"; `statesnap ls {path}` lists its {len(entries)} entries"
         )
@@ -552,6 +563,9 @@ class _BlobCheck:
         except FileNotFoundError:
             self._fail_all("the blob is missing")
             return
+        except UnsafeBlobError as e:
+            self._fail_all(f"refused, not read: {e}")
+            return
         except Exception as e:
             self._fail_all(f"cannot get the blob's size: {type(e).__name__}: {e}")
             return
@@ -717,10 +731,35 @@ def verify(
     if manifest.metadata.get("format") == "torchsnapshot":
         report.foreign = str(manifest.metadata.get("library", "torchsnapshot"))
     _decode_unchecked(manifest, path, storage_options, report)
+    _check_views(manifest, report)
     # Per blob: its own problems (length) first, then its entries' by offset.
     report.problems.sort(key=lambda p: (p.blob, bool(p.paths), p.start, p.end, p.paths))
     report.sizes_unknown.sort()
     return report
+
+
+def _check_views(manifest: Manifest, report: VerifyReport) -> None:
+    """Reports each tensor entry recorded as a view of another's storage whose base a read
+    would refuse (``planner.resolve_view``): its bytes may be sound, but a read that builds new
+    tensors fails on it. Each is checked under the rank it is listed under (one look-up per
+    view: a view listed once for every rank is checked as rank 0 reads it)."""
+    entries = manifest.entries
+    for key, entry in entries.items():
+        if type(entry) is not TensorEntry or entry.view is None:
+            continue
+        try:
+            resolve_view(entries, key, entry)
+        except SnapshotError as e:
+            first = entry.chunks[0] if entry.chunks else Location(blob="", offset=0, nbytes=0)
+            report.problems.append(
+                Problem(
+                    first.blob,
+                    first.offset,
+                    first.offset + first.nbytes,
+                    (key,),
+                    f"a view that a read refuses: {e}",
+                )
+            )
 
 
 def _decode_unchecked(
@@ -773,7 +812,8 @@ class Difference:
     """One way two snapshots differ at logical path ``path``.
 
     ``what``: ``"only in A"``, ``"only in B"``, ``"kind"``, ``"dtype"``, ``"shape"``,
-    ``"dtype, shape"``, ``"type"`` (an object's), ``"bytes"``, ``"value"`` (a primitive's),
+    ``"dtype, shape"``, ``"type"`` (an object's, or whether a tensor was an ``nn.Parameter``
+    or required grad), ``"bytes"``, ``"value"`` (a primitive's),
     ``"keys"`` (a dict's), ``"length"`` (a list's or tuple's). ``detail`` says how, for people.
     """
 
@@ -816,6 +856,13 @@ def _primitive_text(value: Any) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
+def _tensor_type(entry: TensorEntry) -> str:
+    """What a tensor entry was beyond its values: a ``Tensor`` or a ``Parameter``, and whether
+    it required grad."""
+    name = "Parameter" if entry.parameter else "Tensor"
+    return f"{name} (requires_grad)" if entry.requires_grad else name
+
+
 def _compare(path: str, a: Entry, b: Entry) -> Difference | bool:
     """A difference seen in the manifests, else whether the bytes must be read to tell
     (False: the entries are the same)."""
@@ -828,6 +875,10 @@ def _compare(path: str, a: Entry, b: Entry) -> Difference | bool:
             what.append(("dtype", f"{a.dtype} -> {b.dtype}"))
         if a.shape != b.shape:
             what.append(("shape", f"{format_shape(a.shape)} -> {format_shape(b.shape)}"))
+        # What torch.load would give beyond the values; a view's sharing of another entry's
+        # storage is not compared (its values are its own bytes, compared below).
+        if (a.parameter, a.requires_grad) != (b.parameter, b.requires_grad):
+            what.append(("type", f"{_tensor_type(a)} -> {_tensor_type(b)}"))
         if what:
             return Difference(path, ", ".join(w for w, _ in what), "; ".join(d for _, d in what))
     elif isinstance(a, ShardedTensorEntry):
@@ -862,8 +913,10 @@ def _compare(path: str, a: Entry, b: Entry) -> Difference | bool:
     elif isinstance(a, DictEntry):
         assert isinstance(b, DictEntry)
         if a.keys != b.keys or a.ordered != b.ordered:
-            gone = [k for k in a.keys if k not in b.keys]
-            new = [k for k in b.keys if k not in a.keys]
+            # Sets: asking a tuple of keys for each key is quadratic in a dict's size.
+            kept_a, kept_b = set(a.keys), set(b.keys)
+            gone = [k for k in a.keys if k not in kept_b]
+            new = [k for k in b.keys if k not in kept_a]
             if gone or new:
                 detail = f"removed {gone}, added {new}"
             elif a.keys != b.keys:

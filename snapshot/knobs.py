@@ -9,6 +9,8 @@ import threading
 from collections.abc import Iterator
 from contextlib import AbstractContextManager
 
+from snapshot.errors import InvalidArgumentError
+
 _MIB = 1 << 20
 
 # Knob name (without STATESNAP_) -> the values of the override blocks open now, in the order
@@ -28,9 +30,9 @@ def _env_int(name: str, default: int, minimum: int) -> int:
     try:
         value = int(raw)
     except ValueError:
-        raise ValueError(f"STATESNAP_{name} must be an integer, got {raw!r}") from None
+        raise InvalidArgumentError(f"STATESNAP_{name} must be an integer, got {raw!r}") from None
     if value < minimum:
-        raise ValueError(f"STATESNAP_{name} must be >= {minimum}, got {value}")
+        raise InvalidArgumentError(f"STATESNAP_{name} must be >= {minimum}, got {value}")
     return value
 
 
@@ -153,6 +155,18 @@ def keep_open_secs() -> float:
     return float(_env_int("KEEP_OPEN_SECS", 10, 0))
 
 
+def max_manifest_bytes() -> int:
+    """Largest manifest a snapshot is opened with (STATESNAP_MAX_MANIFEST_BYTES, default
+    1 GiB): a larger one is refused before it is read, or as soon as a read passes the limit
+    (a store's reported length may be wrong), so that a hostile or damaged snapshot cannot make
+    opening it read without end. Raise it to open a snapshot with a larger manifest."""
+    # The manifest is the one file whose length nothing records, so its reads are bounded by
+    # this alone. An entry takes one line of a few hundred bytes at most, so the default
+    # admits millions of entries, far more than any state dict holds, while still ending a
+    # read of an endless or enormous file long before it exhausts a machine's memory.
+    return _env_int("MAX_MANIFEST_BYTES", 1 << 30, 1)
+
+
 # -- torchsnapshot's overrides ------------------------------------------------------------------
 
 
@@ -184,7 +198,7 @@ def _override(values: dict[str, int]) -> Iterator[None]:
 
 def _checked(what: str, value: int, minimum: int) -> int:
     if type(value) is not int or value < minimum:
-        raise ValueError(f"{what} must be an int >= {minimum}, got {value!r}")
+        raise InvalidArgumentError(f"{what} must be an int >= {minimum}, got {value!r}")
     return value
 
 

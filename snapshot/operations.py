@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import difflib
 import gc
 import logging
 import os
 import re
 import threading
 import time
+import warnings
+import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -27,7 +28,8 @@ from manifest import (
     ShardedTensorEntry,
     TensorEntry,
 )
-from snapshot import knobs
+from snapshot import arguments, knobs, suggest
+from snapshot.claims import ClaimCheck
 from snapshot.dist import Coordinator
 from snapshot.errors import (
     ChecksumError,
@@ -35,7 +37,9 @@ from snapshot.errors import (
     EntryNotFoundError,
     IncompatibleSnapshotError,
     IncompleteSnapshotError,
+    InvalidArgumentError,
     NotStatefulError,
+    PathMismatchWarning,
     PathNotEmptyError,
     RankFailedError,
     SnapshotError,
@@ -44,6 +48,7 @@ from snapshot.errors import (
     StatefulError,
     StateMismatchError,
     StorageError,
+    UnsafeSnapshotError,
 )
 from snapshot.flatten import escape_key, flatten, inflate, subtree
 from snapshot.landing import Landing
@@ -66,8 +71,16 @@ from snapshot.planner import (
     plan_pickled_tensor_read,
     plan_sharded_read,
     plan_tensor_read,
+    resolve_view,
 )
 from snapshot.replication import Decision, Facts, Pending, decide, describe, joined, settle
+from snapshot.restore_guard import (
+    CHECK_PIECE_BYTES,
+    RestoreProgress,
+    ScratchKeeper,
+    check_needs,
+    locations_read,
+)
 from snapshot.scheduler import (
     IOStats,
     ReadRequest,
@@ -77,6 +90,8 @@ from snapshot.scheduler import (
     open_plugin,
     open_storage,
     read_all,
+    read_unrecorded,
+    refused,
     run,
     spawn,
 )
@@ -88,9 +103,10 @@ from snapshot.sharding.mapping import (
 from snapshot.staging import StagingPool
 from snapshot.stateful import RNGState, Stateful
 from snapshot.strategies import sharded
+from snapshot.text import printable_message
 from snapshot.torchsnapshot_format import FOREIGN_MARKERS, open_foreign
 from snapshot.version import __version__
-from storage_plugins import StoragePlugin
+from storage_plugins import StoragePlugin, UnsafeBlobError
 from storage_plugins.registry import chunk_bytes_hint
 
 logger = logging.getLogger("snapshot")
@@ -146,9 +162,17 @@ def naming_snapshot(where: str) -> Iterator[None]:
     try:
         yield
     except SnapshotError as e:
-        if where in str(e) or isinstance(e, RankFailedError):
+        if isinstance(e, RankFailedError):
             raise
-        raise type(e)(f"snapshot {where}: {e}") from e.__cause__
+        text = str(e)
+        named = text if where in text else f"snapshot {where}: {text}"
+        # The logical paths and names in the message come from the manifest: escaped, so that
+        # a traceback or a log line shows a hostile key's control characters instead of
+        # obeying them.
+        shown = printable_message(named)
+        if shown == text:
+            raise
+        raise type(e)(shown) from e.__cause__
 
 
 def _state_dict(key: str, value: Stateful, path: str) -> Any:
@@ -234,8 +258,7 @@ class TakeJob:
         strategies: dict[str, list[Any]] | None = None,
     ) -> None:
         check_app_state(app_state, path)
-        if isinstance(replicated, str) or not all(isinstance(g, str) for g in replicated):
-            raise SnapshotError(f"replicated must be a list of glob strings, got {replicated!r}")
+        replicated = arguments.glob_list(replicated, "take", path)
         self.path = path
         self.app_state = app_state
         self.coordinator = coordinator
@@ -266,12 +289,22 @@ class TakeJob:
         self._released = threading.Event()  # set once the caller handed every staged write over
         self._times: dict[str, float] = {}
         self._budget = 0  # bytes of staging this take may hold, fixed when it captures
+        self._abandoned = False  # ``_abandon`` ran
 
     # -- capture ----------------------------------------------------------------------------
 
     def start(self) -> None:
         with gc_paused():
-            self._start()
+            try:
+                self._start()
+            except Exception:
+                raise  # each step that meets one stops the writes and cleans up itself
+            except BaseException as e:
+                # Ctrl-C or an exit while capturing or staging: no other rank hears of it (it
+                # never reaches an agreement), but this rank's writes stop and their workers
+                # end, and what it wrote is removed, before it goes on up.
+                self._abandon(e)
+                raise
 
     def _start(self) -> None:
         coord = self.coordinator
@@ -286,9 +319,7 @@ class TakeJob:
             path, layout, pending = self._agree_layout(infos)
             decision = None if pending is None else self._confirm(pending)
         except BaseException as e:
-            if self.pipeline is not None:  # writes started while planning
-                self.pipeline.abort(e)
-            self._close_after_failure()
+            self._abandon(e)
             raise
         self._times["plan"] = time.perf_counter() - t0
         if decision is None:  # a process alone: its replicated payloads are its own to write
@@ -323,6 +354,8 @@ class TakeJob:
                 del drafts[p]
         try:
             if self.plugin is None:
+                if not _same_location(self.path, path):
+                    _warn_path_ignored(self.path, path, coord.rank)
                 self.path = path  # rank 0's path wins
                 self.plugin = open_plugin(path, self.storage_options)
                 self.where = _describe(self.plugin)
@@ -458,7 +491,7 @@ class TakeJob:
 
     def _new_pipeline(self) -> WritePipeline:
         assert self.plugin is not None
-        return WritePipeline(
+        pipeline = WritePipeline(
             self.plugin,
             budget_bytes=self._budget,
             max_concurrency=knobs.max_concurrent_io(),
@@ -470,6 +503,11 @@ class TakeJob:
             # instead of staging a budget of its own.
             budget=self.pool.share(self._budget) if self.pool is not None else None,
         )
+        # A take dropped before it finished (an async save's request never run) ends its
+        # writes when collected, or at exit: its workers would otherwise wait for ever.
+        dropped = SnapshotError(f"the take of {self.path} was dropped before it finished")
+        weakref.finalize(self, pipeline.stop, dropped)
+        return pipeline
 
     async def _begin(self) -> None:
         plugin, where = self.plugin, self.where
@@ -626,10 +664,26 @@ class TakeJob:
             version = mf.REPLICATED_ONCE_VERSION
         else:
             version = 2 if with_shards else 1
+        # Version 4 adds what a tensor was beyond its values (a Parameter, requires_grad, a
+        # view of another's storage); such entries are objects, never preformatted lines.
+        if TensorEntry in kinds and any(
+            e.has_attrs for e in entries.values() if type(e) is TensorEntry
+        ):
+            version = mf.TENSOR_ATTRS_VERSION
         data = mf.dumps_entries(version, self.coordinator.world_size, metadata, entries)
         return len(entries), data
 
     # -- failure ----------------------------------------------------------------------------
+
+    def _abandon(self, error: BaseException) -> None:
+        """Stops the writes started while capturing (their workers end) and removes what was
+        written; once, whichever failure handler comes first."""
+        if self._abandoned:
+            return
+        self._abandoned = True
+        if self.pipeline is not None:
+            self.pipeline.abort(error)
+        self._close_after_failure()
 
     def _close_after_failure(self) -> None:
         if self.plugin is not None:
@@ -651,18 +705,29 @@ class TakeJob:
             with contextlib.suppress(Exception):
                 await self._marker_written()  # so that it cannot land after its deletion
             blobs.append(PENDING_NAME)
+        failed: list[tuple[str, Exception]] = []
         try:
+            # Each blob on its own: one that cannot be removed (a link on its way, which the
+            # plugin refuses to follow) leaves the others, the marker too, to be removed.
             for blob in blobs:
                 try:
                     await plugin.delete(blob)
                 except (FileNotFoundError, NotADirectoryError):
                     pass  # never written
-        except Exception:
-            logger.warning(
-                "could not remove the blobs of a failed take at %s", self.where, exc_info=True
-            )
+                except Exception as e:
+                    failed.append((blob, e))
         finally:
             await plugin.close()
+        if failed:
+            blob, error = failed[0]
+            logger.warning(
+                "could not remove %d blob(s) of a failed take at %s; the first, %s: %s: %s",
+                len(failed),
+                self.where,
+                blob,
+                type(error).__name__,
+                error,
+            )
 
     def _log(self, stats: IOStats, t_written: float, entries: int) -> None:
         t0 = self._times["start"]
@@ -689,6 +754,28 @@ class TakeJob:
             stats.peak_budget_bytes,
             total,
         )
+
+
+def _same_location(a: str, b: str) -> bool:
+    """Whether two spellings of a snapshot's path name one location: equal, or equal but for
+    trailing slashes (and, for a local path, ``.`` and ``..`` parts)."""
+    if a == b:
+        return True
+    if "://" in a or "://" in b:
+        return a.rstrip("/") == b.rstrip("/")
+    return os.path.normpath(a) == os.path.normpath(b)
+
+
+def _warn_path_ignored(own: str, used: str, rank: int) -> None:
+    """Tells a rank's caller that its path was not used: the snapshot is at rank 0's, which
+    the snapshot (or pending snapshot) the call returns names too."""
+    warnings.warn(
+        f"rank {rank} asked for a snapshot at {own!r}, but ranks of one process group take one "
+        f"snapshot, at rank 0's path: it is written at {used!r}, and nothing at {own!r}",
+        PathMismatchWarning,
+        # Past this function, _start, start and the take (or async_take): the caller's line.
+        stacklevel=5,
+    )
 
 
 async def _commit(plugin: StoragePlugin, manifest_bytes: bytes) -> None:
@@ -723,14 +810,7 @@ def load_manifest(path: str, storage_options: dict[str, Any] | None) -> Manifest
 
         async def fetch() -> bytes | None:
             try:
-                return await call(
-                    plugin,
-                    "read",
-                    MANIFEST_NAME,
-                    where,
-                    lambda: plugin.read(MANIFEST_NAME),
-                    convert=False,
-                )
+                return await read_unrecorded(plugin, MANIFEST_NAME, where)
             except (FileNotFoundError, NotADirectoryError):  # (the path is a file)
                 exists = lambda: plugin.exists(PENDING_NAME)  # noqa: E731
                 if await call(plugin, "check", PENDING_NAME, where, exists, convert=False):
@@ -745,6 +825,8 @@ def load_manifest(path: str, storage_options: dict[str, Any] | None) -> Manifest
             data = run(fetch())
         except SnapshotError:
             raise
+        except UnsafeBlobError as e:  # the pending marker, or a link on the way to it
+            raise refused(where, e) from e
         except Exception as e:
             raise StorageError(f"cannot read the manifest of {where}: {e}") from e
         if data is None:
@@ -779,12 +861,16 @@ def decode_manifest(data: bytes, where: str) -> Manifest:
     try:
         with gc_paused():
             return mf.loads(data, source=f"{where}/{MANIFEST_NAME}", verify=knobs.checksums())
+    # The codec's messages quote the manifest's own text (keys, field values): escaped, like
+    # every message that names what a snapshot holds.
     except mf.UnsupportedFormatError as e:
-        raise IncompatibleSnapshotError(str(e)) from None
+        raise IncompatibleSnapshotError(printable_message(str(e))) from None
     except mf.ManifestChecksumError as e:
         raise ChecksumError(f"{e} (STATESNAP_CHECKSUMS=0 reads it unchecked)") from None
+    except mf.UnsafeManifestError as e:  # what the library never writes: aliases, tags, depth
+        raise UnsafeSnapshotError(printable_message(str(e))) from None
     except mf.ManifestDecodeError as e:
-        raise CorruptSnapshotError(str(e)) from None
+        raise CorruptSnapshotError(printable_message(str(e))) from None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -800,14 +886,22 @@ class _Loader:
         tile_bytes: int,
         where: str,
         entries: Mapping[str, Entry] | None = None,
+        verify: bool | None = None,
+        claims: ClaimCheck | None = None,
     ) -> None:
         self.manifest = manifest
+        # What the reads that allocate memory of the size the manifest records claim, checked
+        # against the store before the first of them is planned: the subtree being planned
+        # (root, targets) until then.
+        self.claims = claims
+        self._unclaimed: tuple[str, Mapping[str, Any]] | None = None
         # The entries as the reading rank sees them (``Manifest.view``); all of them by default.
         self.entries = manifest.entries if entries is None else entries
         self.where = where
         self.tile_bytes = tile_bytes
         self.piece_bytes = knobs.read_request_bytes()
-        self.verify = knobs.checksums()
+        # Whether reads check recorded CRC-32s: the knob's setting unless the caller decides.
+        self.verify = knobs.checksums() if verify is None else verify
         self.needs: list[Need] = []
         self.tensors: dict[str, Any] = {}
         self.objects: dict[str, Any] = {}
@@ -816,13 +910,35 @@ class _Loader:
         # The copies of scratch tiles into targets, and the device streams they run on
         # (made, and ordered after the caller's current streams, as targets are planned).
         self.landing = Landing()
+        # Tensors read into no target share storage as torch.load's do: the new tensor of each
+        # stored range, by what it holds (``_stored_key``: entries recording the same bytes
+        # were one tensor when taken); what was made of them (a view, a Parameter, a tensor
+        # requiring grad), each with the tensor it was made of (kept alive, its id being part
+        # of the key); and the view entries waiting for every read to be planned
+        # (``plan_views``).
+        self.fresh: dict[tuple[Any, ...], torch.Tensor] = {}
+        self.made: dict[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor]] = {}
+        self.views: list[tuple[str, TensorEntry]] = []
 
     def add(self, path: str, target: Any = None) -> None:
         """Plans the read of leaf entry ``path``; a tensor ``target`` is filled in place."""
         with naming_snapshot(self.where):
+            self._unclaimed = (path, {path: target})
             self._add(path, target)
 
+    def _check_claims(self) -> None:
+        """The claims of every read of the subtree being planned that allocates (``ClaimCheck``),
+        checked at once. Run by the first read planned that may allocate (``_add``): reads
+        into the caller's tensors, most of a restore, plan no allocation, and a subtree of only
+        those is walked once."""
+        unclaimed, self._unclaimed = self._unclaimed, None
+        if unclaimed is not None and self.claims is not None:
+            root, targets = unclaimed
+            self.claims.check(self.entries, subtree(self.entries, root), targets)
+
     def _add(self, path: str, target: Any) -> None:
+        if self._unclaimed is not None:
+            self._check_claims()
         entry = self.entries[path]
         if isinstance(entry, TensorEntry):  # first: by far the most common
             if isinstance(target, LocalNonpersistentObject):
@@ -869,6 +985,15 @@ class _Loader:
             self.tensors[path] = read.result
 
     def _add_tensor(self, path: str, entry: TensorEntry, target: torch.Tensor | None) -> None:
+        if target is None:
+            if entry.view is not None:
+                self.views.append((path, entry))  # for ``plan_views``
+                return
+            tensor = self._new_tensor(path, entry)
+            if entry.parameter or entry.requires_grad:
+                tensor = self._loaded(path, entry, tensor)
+            self.tensors[path] = tensor
+            return
         need = direct_read(path, entry, target, self.piece_bytes, self.verify)
         if need is not None:  # most tensors: straight into the target, one need
             self.needs.append(need)
@@ -877,6 +1002,11 @@ class _Loader:
         self._plan_tensor(path, entry, target)
 
     def _plan_tensor(self, path: str, entry: TensorEntry, target: torch.Tensor | None) -> None:
+        self.tensors[path] = self._planned(path, entry, target)
+
+    def _planned(self, path: str, entry: TensorEntry, target: torch.Tensor | None) -> torch.Tensor:
+        """Plans the reads of ``entry`` into ``target`` (a new tensor when None); returns the
+        tensor that holds the value once they ran."""
         read = plan_tensor_read(
             path,
             entry,
@@ -887,58 +1017,166 @@ class _Loader:
             landing=self.landing,
         )
         self.needs.extend(read.needs)
-        self.tensors[path] = read.result
+        return read.result
 
-    def add_subtree(self, root: str, targets: Mapping[str, Any]) -> None:
+    def _new_tensor(self, path: str, entry: TensorEntry) -> torch.Tensor:
+        """The new tensor that receives ``entry``'s bytes: the one planned already for an entry
+        recording the same bytes (tied weights, written once), else one planned now."""
+        key = _stored_key(entry)
+        tensor = self.fresh.get(key) if key is not None else None
+        if tensor is None:
+            tensor = self._planned(path, entry, None)
+            if key is not None:
+                self.fresh[key] = tensor
+        return tensor
+
+    def plan_views(self) -> None:
+        """Plans each view entry read into no target, once every other read is planned: a view
+        of its base's new tensor when the base is read into one too (one storage, as
+        ``torch.load`` gives), else a tensor of the view's own bytes (a view read alone reads
+        no more than itself). Every view is checked (``resolve_view``) either way."""
+        views, self.views = self.views, []
+        with naming_snapshot(self.where):
+            for path, entry in views:
+                _, base = resolve_view(self.entries, path, entry)
+                key = _stored_key(base)
+                raw = self.fresh.get(key) if key is not None else None
+                if raw is None:
+                    value = self._new_tensor(path, entry)
+                else:
+                    value = self._as_view(raw, entry)
+                if entry.parameter or entry.requires_grad:
+                    value = self._loaded(path, entry, value)
+                self.tensors[path] = value
+
+    def _as_view(self, raw: torch.Tensor, entry: TensorEntry) -> torch.Tensor:
+        """``entry``'s view of ``raw``, its base's new tensor; one object for equal views."""
+        view = entry.view
+        assert view is not None
+        key = (id(raw), entry.shape, view.offset, view.stride)
+        made = self.made.get(key)
+        if made is None:
+            out = raw.as_strided(entry.shape, view.stride, raw.storage_offset() + view.offset)
+            made = self.made[key] = (raw, out)
+        return made[1]
+
+    def _loaded(self, path: str, entry: TensorEntry, tensor: torch.Tensor) -> torch.Tensor:
+        """What ``torch.load`` gives for ``entry``, recorded as an ``nn.Parameter`` or as
+        requiring grad, holding ``tensor``'s values: a new object sharing its storage, one per
+        kind, so that tied entries of one kind are one object."""
+        parameter, requires_grad = entry.parameter, entry.requires_grad
+        if requires_grad and not (tensor.is_floating_point() or tensor.is_complex()):
+            raise CorruptSnapshotError(
+                f"{path}: the manifest says this {entry.dtype} tensor requires grad, which only "
+                "floating point and complex tensors can"
+            )
+        key = (id(tensor), parameter, requires_grad)
+        made = self.made.get(key)
+        if made is None:
+            if parameter:
+                out = torch.nn.Parameter(tensor, requires_grad=requires_grad)
+            else:
+                out = tensor.detach().requires_grad_()
+            made = self.made[key] = (tensor, out)
+        return made[1]
+
+    def add_subtree(self, root: str, targets: Mapping[str, Any], owner: str | None = None) -> None:
+        """Plans the reads of every leaf under ``root`` into ``targets`` (by path); the needs
+        that land bytes in a target (the live state of app_state key ``owner``) are marked with
+        ``owner`` (``Need.owner``)."""
         entries = self.entries
         needs, tensors = self.needs, self.tensors
         piece_bytes, verify = self.piece_bytes, self.verify
         with naming_snapshot(self.where):
+            # Checked when the first read that allocates is planned (``_add``), if any.
+            self._unclaimed = (root, targets)
             for p in subtree(entries, root):
                 entry = entries.get(p)
                 if entry is None:
                     raise CorruptSnapshotError(
                         f"{p}: listed by its parent but missing from the manifest"
                     )
+                first = len(needs)
                 if type(entry) is TensorEntry:
                     target = targets.get(p)
                     # ``_add_tensor`` inline for most leaves: read straight into the target.
                     need = direct_read(p, entry, target, piece_bytes, verify)
                     if need is not None:
+                        need.owner = owner
                         needs.append(need)
                         tensors[p] = target
                         continue
                     if is_dense_tensor(target):  # no dispatch on kinds
                         self._plan_tensor(p, entry, target)
-                        continue
-                    self._add(p, target)
+                    else:
+                        self._add(p, target)
                 elif not mf.is_container(entry):
                     self._add(p, targets.get(p))
+                if owner is not None and _fills_target(entry, targets.get(p)):
+                    for need in needs[first:]:
+                        need.owner = owner
 
-    def execute(self, plugin: StoragePlugin, budget_bytes: int) -> IOStats:
+    def execute(
+        self, plugin: StoragePlugin, budget_bytes: int, progress: RestoreProgress | None = None
+    ) -> IOStats:
+        """Runs the planned reads; ``progress`` records which app_state keys' targets they
+        begin to write."""
+        self.plan_views()
         with naming_snapshot(self.where):
-            return self._execute(plugin, budget_bytes)
+            return self._execute(plugin, budget_bytes, self.needs, progress)
 
-    def _execute(self, plugin: StoragePlugin, budget_bytes: int) -> IOStats:
+    def verify_first(self, plugin: StoragePlugin, budget_bytes: int) -> IOStats:
+        """The first pass of a restore that checks before it writes: reads the needs that
+        write no live state (objects, new tensors: decoded and checked as usual), and every
+        stored range the other needs read, whole, against its recorded CRC-32 (into scratch,
+        which is given back as each read is done). Leaves those other needs, which write into
+        targets, for ``execute``; their ranges are then read a second time."""
+        self.plan_views()
+        private = [n for n in self.needs if n.owner is None]
+        writing = [n for n in self.needs if n.owner is not None]
+        concurrency = knobs.max_concurrent_io()
+        piece = min(CHECK_PIECE_BYTES, self.tile_bytes)
+        scratch = ScratchKeeper(max(0, budget_bytes - concurrency * self.tile_bytes))
+        with naming_snapshot(self.where):
+            checks = check_needs(locations_read(self.entries, writing), piece, scratch)
+            stats = self._execute(plugin, budget_bytes, private + checks, None)
+        self.needs = writing
+        return stats
+
+    def _execute(
+        self,
+        plugin: StoragePlugin,
+        budget_bytes: int,
+        needs: list[Need],
+        progress: RestoreProgress | None,
+    ) -> IOStats:
         try:
-            return run(self._read(plugin, budget_bytes))
+            return run(self._read(plugin, budget_bytes, needs, progress))
         finally:
             # On the caller's thread, after every read (also a failed one): waits for the
             # device copies still in flight, so the targets hold their bytes on return.
             self.landing.finish()
 
-    async def _read(self, plugin: StoragePlugin, budget_bytes: int) -> IOStats:
+    async def _read(
+        self,
+        plugin: StoragePlugin,
+        budget_bytes: int,
+        needs: list[Need],
+        progress: RestoreProgress | None,
+    ) -> IOStats:
         concurrency = knobs.max_concurrent_io()
         # The reads hold up to one tile of scratch per worker, charged; the rest of the budget
         # bounds what the landing holds beside them: tiles kept for reuse, and pinned tiles
         # whose device copies are still in flight.
         self.landing.spare_bytes = max(0, budget_bytes - concurrency * self.tile_bytes)
         requests = coalesce(
-            self.needs,
+            needs,
             max_gap_bytes=knobs.read_gap_bytes(),
             max_request_bytes=self.piece_bytes,
             max_scratch_bytes=self.tile_bytes,
         )
+        if progress is not None:
+            progress.watch(requests)
         stats = await read_all(
             plugin, requests, budget_bytes=budget_bytes, max_concurrency=concurrency
         )
@@ -1000,6 +1238,16 @@ class _Loader:
             raise CorruptSnapshotError(f"{root}: containers nested too deeply to rebuild") from None
 
 
+def _stored_key(entry: TensorEntry) -> tuple[Any, ...] | None:
+    """What identifies the bytes an entry records, for sharing one new tensor among the
+    entries that record the same ones (None for an empty tensor: no bytes to share)."""
+    chunks = entry.chunks
+    if len(chunks) == 1:  # most tensors: the fields of the one range, not its record's hash
+        c = chunks[0]
+        return (entry.dtype, entry.shape, c.blob, c.offset, c.nbytes, c.crc32)
+    return (entry.dtype, entry.shape, chunks) if chunks else None
+
+
 def restore(
     manifest: Manifest,
     app_state: Mapping[str, Any],
@@ -1008,17 +1256,56 @@ def restore(
     coordinator: Coordinator,
     storage_options: dict[str, Any] | None,
     strict: bool = True,
+    verify_first: bool = False,
 ) -> None:
     """Loads each app_state value's entries in place, then calls its ``load_state_dict``.
 
     Each rank restores independently; the ranks then agree, so that when one fails every rank
-    raises (naming it) rather than some carrying on with a half-restored group. ``strict``: as
-    ``Snapshot.restore`` says.
+    raises (naming it) rather than some carrying on with a half-restored group. ``strict`` and
+    ``verify_first``: as ``Snapshot.restore`` says. The error a failed restore raises, of any
+    kind, says which of this rank's app_state keys it modified (``RestoreProgress.account``).
     """
+    progress = RestoreProgress(app_state)
+    try:
+        _restore_agreed(
+            manifest,
+            app_state,
+            path,
+            coordinator,
+            storage_options,
+            strict=strict,
+            verify_first=verify_first,
+            progress=progress,
+        )
+    except BaseException as e:
+        progress.account(e, coordinator.rank, coordinator.world_size)
+        raise
+
+
+def _restore_agreed(
+    manifest: Manifest,
+    app_state: Mapping[str, Any],
+    path: str,
+    coordinator: Coordinator,
+    storage_options: dict[str, Any] | None,
+    *,
+    strict: bool,
+    verify_first: bool,
+    progress: RestoreProgress,
+) -> None:
     error = None
     try:
         with gc_paused():
-            _restore(manifest, app_state, path, coordinator, storage_options, strict=strict)
+            _restore(
+                manifest,
+                app_state,
+                path,
+                coordinator,
+                storage_options,
+                strict=strict,
+                verify_first=verify_first,
+                progress=progress,
+            )
     except RankFailedError:
         raise  # raised by an agreement inside, on every rank alike
     except Exception as e:
@@ -1072,6 +1359,8 @@ def _restore(
     coordinator: Coordinator,
     storage_options: dict[str, Any] | None,
     strict: bool = True,
+    verify_first: bool = False,
+    progress: RestoreProgress | None = None,
 ) -> None:
     check_app_state(app_state, path)
     t0 = time.perf_counter()
@@ -1092,9 +1381,24 @@ def _restore(
     except SnapshotError as e:
         error = e
     states = {key: _state_dict(key, app_state[key], path) for key in keys}
-    coordinator.agree("restore: checks", error=error)
+    # Whether the ranks check before they write decides which agreements follow: it must be
+    # the same everywhere, or the ranks' collectives would pair up wrongly.
+    chosen = coordinator.agree("restore: checks", value=verify_first, error=error)
+    if len(set(chosen)) > 1:
+        raise InvalidArgumentError(
+            f"snapshot {path}: the ranks passed different verify_first values "
+            f"({dict(enumerate(chosen))}, by rank); pass the same on every rank"
+        )
     budget = knobs.memory_budget_bytes()
-    loader = _Loader(manifest, tile_bytes=_tile_bytes(budget), where=path, entries=entries)
+    loader = _Loader(
+        manifest,
+        tile_bytes=_tile_bytes(budget),
+        where=path,
+        entries=entries,
+        # Asked to check first, the restore checks every recorded CRC-32, whatever the knob.
+        verify=knobs.checksums() or verify_first,
+        claims=ClaimCheck(manifest, path, storage_options),
+    )
     stats = None
     try:
         with_factories = set()
@@ -1102,10 +1406,28 @@ def _restore(
             targets, factories = _targets(states[key], roots[key])
             if factories:
                 with_factories.add(key)
-            loader.add_subtree(roots[key], targets)
+            if progress is not None:
+                progress.targets[key] = targets
+            loader.add_subtree(roots[key], targets, owner=key)
         t_plan = time.perf_counter()
-        with open_storage(path, storage_options) as plugin:
-            stats = loader.execute(plugin, budget)
+        if verify_first:
+            with open_storage(path, storage_options) as plugin:
+                checked = loader.verify_first(plugin, budget)
+            logger.debug(
+                "restore %s: checked %.1f MB before writing any target in %.3f s",
+                path,
+                checked.nbytes / 1e6,
+                time.perf_counter() - t_plan,
+            )
+    except Exception as e:
+        error = e
+    if verify_first:
+        # No rank writes a target until every rank's bytes have passed their checks.
+        coordinator.agree("restore: verifying", error=error)
+    try:
+        if error is None:
+            with open_storage(path, storage_options) as plugin:
+                stats = loader.execute(plugin, budget, progress)
     except Exception as e:
         error = e
     coordinator.agree("restore: reading", error=error)
@@ -1113,6 +1435,10 @@ def _restore(
     t_read = time.perf_counter()
     for key in keys:
         value = loader.inflate(roots[key])
+        if progress is not None:
+            # From here the key's own code runs on its state: whatever it does before it
+            # returns (or raises) counts as written.
+            progress.loading(key)
         if key in with_factories:  # what they built goes back through their merge_fn
             value = apply_factory_merges(value, states[key])
         stateful = app_state[key]
@@ -1128,6 +1454,8 @@ def _restore(
                 f"snapshot {path}: app_state[{key!r}].load_state_dict() raised "
                 f"{type(e).__name__}: {e}"
             ) from e
+        if progress is not None:
+            progress.loaded(key)
     t_end = time.perf_counter()
     logger.info(
         "restored %s from %s: %.1f MB in %.3f s (%.2f GB/s)",
@@ -1206,6 +1534,15 @@ def _restorable_keys(
     return keys
 
 
+def _fills_target(entry: Entry, target: Any) -> bool:
+    """Whether the reads of ``entry`` land in ``target`` itself (a tensor, or a piece of a
+    sharded one, that the restored value's ``state_dict()`` returned), rather than in a new
+    tensor or a decoded object that only ``load_state_dict`` hands over."""
+    return isinstance(entry, (TensorEntry, PickledTensorEntry, ShardedTensorEntry)) and (
+        is_dense_tensor(target) or sharded.is_sharded(target)
+    )
+
+
 def _targets(state: Any, root: str) -> tuple[dict[str, Any], bool]:
     """The leaves of a state to restore, by path (what a ``ShardedTensorFactory`` builds
     stands in for it), and whether there was a factory."""
@@ -1234,6 +1571,30 @@ def _tile_bytes(budget: int) -> int:
     return max(1, budget // (2 * knobs.max_concurrent_io()))
 
 
+def _check_obj_out(entry: Entry, obj_out: Any, logical_path: str, where: str) -> None:
+    """Refuses a ``read_object`` target that is no tensor for a stored tensor, before any byte
+    is read (the rest of what a target must be, the loader checks: shape, dtype, memory).
+    Objects, primitives and containers are never loaded in place: their ``obj_out`` is
+    ignored."""
+    if not isinstance(entry, (TensorEntry, PickledTensorEntry, ShardedTensorEntry)):
+        return
+    if is_dense_tensor(obj_out) or sharded.is_sharded(obj_out):
+        return
+    raise StateMismatchError(
+        f"snapshot {where}: {logical_path}: the snapshot holds a {entry.dtype}"
+        f"{list(entry.shape)} tensor, which obj_out, a {_kind_of(obj_out)}, cannot receive in "
+        "place; pass a dense tensor of that shape, or no obj_out"
+    )
+
+
+def _kind_of(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        layout = "nested" if value.is_nested else str(value.layout).removeprefix("torch.")
+        quantized = " quantized" if value.is_quantized else ""
+        return f"{type(value).__name__} ({layout}{quantized})"
+    return type(value).__name__
+
+
 def read_object(
     manifest: Manifest,
     logical_path: str,
@@ -1253,16 +1614,22 @@ def read_object(
         entries = manifest.view(int(head))
     entry = entries.get(logical_path)
     if entry is None:
-        close = difflib.get_close_matches(logical_path, list(entries), n=3)
+        close = suggest.close_matches(logical_path, entries, n=3)
         hint = f"; did you mean {close}?" if close else "; see get_manifest() for the paths"
         raise EntryNotFoundError(f"snapshot {path} has no entry {logical_path!r}{hint}")
+    if obj_out is not None:
+        _check_obj_out(entry, obj_out, logical_path, path)
     if memory_budget_bytes is not None and memory_budget_bytes < 1:
-        raise ValueError(f"memory_budget_bytes must be positive, got {memory_budget_bytes}")
+        raise InvalidArgumentError(
+            f"snapshot {path}: memory_budget_bytes must be positive, got {memory_budget_bytes}"
+        )
     budget = memory_budget_bytes or knobs.memory_budget_bytes()
     tile = memory_budget_bytes or _tile_bytes(budget)
     with gc_paused():
-        loader = _Loader(manifest, tile_bytes=tile, where=path, entries=entries)
+        claims = ClaimCheck(manifest, path, storage_options)
+        loader = _Loader(manifest, tile_bytes=tile, where=path, entries=entries, claims=claims)
         loader.add_subtree(logical_path, {logical_path: obj_out})
+        loader.plan_views()
         if loader.needs:
             with open_storage(path, storage_options) as plugin:
                 loader.execute(plugin, budget)

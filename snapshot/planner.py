@@ -17,8 +17,9 @@ import fnmatch
 import functools
 import logging
 import math
+from array import array
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from itertools import compress, repeat
 from operator import attrgetter, is_
 from typing import Any, TypeVar
@@ -36,6 +37,7 @@ from manifest import (
     ShardedObjectEntry,
     ShardedTensorEntry,
     TensorEntry,
+    TensorView,
     new_location,
     new_tensor_entry,
 )
@@ -74,6 +76,7 @@ from snapshot.sharding.mapping import (
 )
 from snapshot.staging import Lease, StagingPool
 from snapshot.strategies import sharded
+from snapshot.tensor_memory import shares_memory, storage_shortfall
 from storage_plugins import Buffer
 
 logger = logging.getLogger(__name__)
@@ -87,15 +90,18 @@ _INLINE_TYPES = (bool, int, float, type(None))
 
 
 _DENSE_TYPES = (torch.Tensor, torch.nn.Parameter)
+_TENSOR = torch.Tensor
 _STRIDED = torch.strided
 
 
 def is_dense_tensor(value: object) -> bool:
-    """Whether ``value`` is stored as raw bytes (a strided, non-quantized plain tensor)."""
+    """Whether ``value`` is stored as raw bytes (a strided, non-quantized plain tensor; not a
+    nested one, whose layout says strided but which has no one shape: torch.save stores it)."""
     return (
         type(value) in _DENSE_TYPES
         and value.layout is _STRIDED  # type: ignore[union-attr]
         and not value.is_quantized  # type: ignore[union-attr]
+        and not value.is_nested  # type: ignore[union-attr]
     )
 
 
@@ -385,6 +391,10 @@ class _ShardedObjectDraft:
         )
 
 
+# The draft of a tensor leaf's entry that has bytes.
+_Draft = _TensorDraft | _WholeTensor
+
+
 @dataclass
 class Collected:
     """A rank's state, flattened: entries (or drafts awaiting their payloads' locations) in
@@ -404,6 +414,11 @@ class Collected:
     objects: list[tuple[str, bool, str]] = field(default_factory=list)
     # How many of this rank's own writes (``Placer.writes``) were handed to ``submit``.
     submitted: int = 0
+    # What a tensor leaf's entry records beyond its bytes (``TensorEntry``), by path: whether
+    # it was an ``nn.Parameter`` and required grad (only leaves with either set), and, for a
+    # leaf whose elements lie in another leaf's memory, its view and that leaf's draft.
+    grads: dict[str, tuple[bool, bool]] = field(default_factory=dict)
+    views: dict[str, tuple[TensorView, _Draft]] = field(default_factory=dict)
 
 
 @dataclass
@@ -419,6 +434,8 @@ class TakePlan:
     writes: list[WriteRequest]
     shared: list[Payload]
     checksums: bool
+    grads: dict[str, tuple[bool, bool]] = field(default_factory=dict)  # ``Collected``'s
+    views: dict[str, tuple[TensorView, _Draft]] = field(default_factory=dict)  # ``Collected``'s
 
     def shared_checksums(
         self, checksums: Mapping[tuple[str, int], int]
@@ -450,6 +467,8 @@ class TakePlan:
                 out[path] = e
             else:
                 out[path] = None
+        if self.grads or self.views:
+            self._attribute(out, None)
         return out
 
     def entries(
@@ -479,7 +498,33 @@ class TakePlan:
                 out[path] = e.line(path, sums, fmt)  # type: ignore[union-attr]
             else:
                 out[path] = e.build(sums)  # type: ignore[union-attr]
+        if self.grads or self.views:
+            self._attribute(out, sums)
         return out  # type: ignore[return-value]
+
+    def _attribute(
+        self,
+        out: dict[str, Entry | str | None],
+        checksums: Mapping[tuple[str, int], int] | None,
+    ) -> None:
+        """Makes the entry in ``out`` of each leaf with ``grads`` or ``views`` a ``TensorEntry``
+        that records them (the line formatter writes plain tensors only). A path whose entry is
+        not made yet (None), or that this rank does not list, is left as it is."""
+        grads, views, drafts = self.grads, self.views, self.drafts
+        for path in dict.fromkeys([*grads, *views]):
+            if out.get(path) is None:
+                continue
+            draft = drafts[path]
+            entry = draft if isinstance(draft, TensorEntry) else draft.build(checksums)  # type: ignore[union-attr]
+            parameter, requires_grad = grads.get(path, (False, False))
+            view = None
+            if path in views:
+                view, base = views[path]
+                # A leaf listed once for every rank is read under each rank's prefix, where
+                # its base is that rank's own leaf unless the base is listed once too.
+                if entry.replicated and not base.replicated:
+                    view = None
+            out[path] = replace(entry, parameter=parameter, requires_grad=requires_grad, view=view)
 
 
 class _Collector:
@@ -502,8 +547,13 @@ class _Collector:
         self.own = own
         self.submit = submit
         self.out = Collected()
-        # Tensors already planned, by memory (see ``_tensor``).
-        self._written: dict[tuple[Any, ...], _TensorDraft | _WholeTensor] = {}
+        # Tensors already planned, by memory (see ``_tensor``): a contiguous CPU tensor by its
+        # address, another by its address, device, dtype, shape, strides and flags.
+        self._written: dict[int | tuple[Any, ...], _TensorDraft | _WholeTensor] = {}
+        # Whether a leaf may be a view of another leaf's memory, other than the same view
+        # (``relate`` looks only then): set by a CPU leaf that is a part of its storage, or is
+        # not contiguous, or starts where another leaf of another dtype or shape does.
+        self._views_possible = False
 
     def _is_replicated(self, logical: str) -> bool:
         return any(fnmatch.fnmatchcase(logical, g) for g in self.replicated)
@@ -543,11 +593,14 @@ class _Collector:
                 replicated = check and self._is_replicated(path[cut:])
                 # Most leaves: straight to the tensor path (``is_dense_tensor``, inline).
                 if (
-                    type(value) in _DENSE_TYPES
+                    (kind := type(value)) in _DENSE_TYPES
                     and value.layout is _STRIDED
                     and not value.is_quantized
+                    and not value.is_nested
                 ):
                     entries[path] = self._tensor(path, path[cut:], value, replicated)
+                    if kind is not _TENSOR or value.requires_grad:
+                        self._grads(path, value)
                 else:
                     entries[path] = self._leaf(path, path[cut:], value, replicated)
             else:
@@ -560,7 +613,10 @@ class _Collector:
         self, path: str, logical: str, value: Any, replicated: bool
     ) -> Entry | _TensorDraft | _ObjectDraft | _ShardDraft:
         if isinstance(value, torch.Tensor) and is_dense_tensor(value):
-            return self._tensor(path, logical, value, replicated)
+            draft = self._tensor(path, logical, value, replicated)
+            if type(value) is not _TENSOR or value.requires_grad:
+                self._grads(path, value)
+            return draft
         kind = type(value)
         if kind in _INLINE_TYPES:
             return PrimitiveEntry(value=value, replicated=replicated)
@@ -588,6 +644,87 @@ class _Collector:
             # restore puts the restoring rank's own object back there.
             return PrimitiveEntry(value=None)
         return self._object(path, logical, value, replicated)
+
+    def _grads(self, path: str, tensor: torch.Tensor) -> None:
+        """Records that a tensor leaf is an ``nn.Parameter`` or requires grad
+        (``Collected.grads``). Not for a tensor given to a prepare function: what is written is
+        the function's tensor, of its own dtype."""
+        if self.prepare is None:
+            self.out.grads[path] = (type(tensor) is not _TENSOR, tensor.requires_grad)
+
+    def relate(self) -> None:
+        """Records each tensor leaf on the CPU whose elements lie within the memory of another
+        leaf of its storage and dtype that is written from its memory as it lies (a contiguous
+        one), as a view of it (``Collected.views``): a read that builds new tensors then makes
+        one storage of them, as ``torch.load`` does. Leaves holding the same view of one memory
+        whose entries share their bytes (tied weights, on any device) need no record: a reader
+        finds them by their equal locations. Negated or conjugate views hold other values than
+        their memory, and are left alone; so is everything when a prepare function writes the
+        tensors.
+
+        Looked for only when planning met a leaf that may be such a view (``_views_possible``),
+        from the drafts: the spans of memory the leaves read are sorted in C, and only leaves
+        whose spans overlap are looked at further."""
+        if self.prepare is not None or not self._views_possible:
+            return
+        entries = self.out.entries
+        drafts = list(entries.values())
+        whole = list(map(is_, map(type, drafts), repeat(_WholeTensor)))
+        paths = list(compress(entries, whole))
+        found = list(compress(drafts, whole))
+        # (Arrays made from lists: made from iterators, they were filled item by item.)
+        starts = array("q", list(map(_ADDRESS, found)))
+        sizes = array("q", list(map(_NBYTES, found)))
+        # The other tensor drafts with bytes: tied leaves, large or gathered tensors (few).
+        others = map(is_, map(type, drafts), repeat(_TensorDraft))
+        for path, draft in compress(entries.items(), others):
+            span = _span(draft)
+            if span is not None:
+                paths.append(path)
+                found.append(draft)
+                starts.append(span[0])
+                sizes.append(span[1] - span[0])
+        for group in _overlapping(starts, sizes):
+            storages: dict[tuple[Any, ...], list[tuple[str, torch.Tensor, _Draft]]] = {}
+            for i in group:
+                t = _tensor_of(found[i])
+                key = (t.untyped_storage().data_ptr(), t.device, t.dtype)
+                storages.setdefault(key, []).append((paths[i], t, found[i]))
+            for members in storages.values():
+                if len(members) > 1:
+                    self._relate(members)
+
+    def _relate(self, members: list[tuple[str, torch.Tensor, _Draft]]) -> None:
+        """``relate`` for the leaves of one storage, device and dtype: each leaf is taken in
+        order of where its elements start (the widest first), and one lying within the span of
+        the contiguous leaf reaching furthest so far is a view of that leaf. That leaf is not
+        itself within another's: no view is of a view."""
+        cut = len(f"{self.rank}/")
+        spans = []
+        for order, (path, t, draft) in enumerate(members):
+            start = t.storage_offset()
+            end = start + 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True))
+            spans.append((start, -end, order, path, t, draft))
+        spans.sort(key=lambda s: s[:3])
+        base: tuple[int, int, str, torch.Tensor, _Draft] | None = None
+        views = self.out.views
+        for start, neg_end, _, path, t, draft in spans:
+            end = -neg_end
+            if base is not None and end <= base[1]:
+                b_start, _, b_path, b_tensor, b_draft = base
+                same = (
+                    start == b_start
+                    and t.shape == b_tensor.shape
+                    and t.stride() == b_tensor.stride()
+                    and _payloads(draft)[0] is _payloads(b_draft)[0]
+                )
+                if not same:
+                    view = TensorView(
+                        base=b_path[cut:], offset=start - b_start, stride=tuple(t.stride())
+                    )
+                    views[path] = (view, b_draft)
+            elif t.is_contiguous():
+                base = (start, end, path, t, draft)
 
     def _sharded(self, path: str, logical: str, value: Any) -> _ShardDraft:
         """Pieces of a global tensor: each written by this rank when it holds its main
@@ -679,10 +816,24 @@ class _Collector:
             name = dtype_name(dtype)
             if nbytes == 0:
                 return TensorEntry(dtype=name, shape=shape, chunks=(), replicated=replicated)
-            # The same memory under two paths (tied weights) is written once.
+            # Its bytes are read through its address: a storage that ends before them (freed,
+            # as FSDP frees unsharded parameters) would be read out of bounds.
+            # (``tensor_memory.storage_shortfall`` for a contiguous tensor, inline.)
+            held = tensor.untyped_storage().nbytes()
+            if held < tensor.storage_offset() * dtype.itemsize + nbytes:
+                raise _without_memory(path, tensor)
+            if held != nbytes:  # a part of its storage, which another leaf may hold too
+                self._views_possible = True
+            # The same memory under two paths (tied weights) is written once. It is found by
+            # its address (a tuple key cost more to make and hash than checking a hit), and
+            # another dtype or shape at an address known already by those too.
             address = tensor.data_ptr()
-            key: tuple[Any, ...] = (address, dtype, shape)
-            earlier = self._written.get(key)
+            key: int | tuple[Any, ...] = address
+            earlier = self._written.get(address)
+            if earlier is not None and (earlier.dtype != name or earlier.shape != shape):
+                self._views_possible = True  # another view of the same memory (``relate``)
+                key = (address, name, shape)
+                earlier = self._written.get(key)
             if earlier is not None and earlier.replicated == replicated:
                 return _TensorDraft(name, shape, _payloads(earlier), replicated)
             if nbytes <= self.chunk_bytes:
@@ -736,6 +887,8 @@ class _Collector:
             raise UnsupportedValueError(
                 f"{path}: tensor is on the meta device and holds no data to snapshot"
             )
+        if storage_shortfall(tensor) is not None:
+            raise _without_memory(path, tensor)
         prepare = self.prepare
         if prepare is not None:
             traced = _call_prepare(prepare, path, logical, tensor, tracing=True)
@@ -764,6 +917,8 @@ class _Collector:
             earlier = self._written.get(key)
             if earlier is not None and earlier.replicated == replicated:
                 return _TensorDraft(name, shape, _payloads(earlier), replicated)
+            if key[1] < 0:  # on the CPU: perhaps a view of another leaf (``relate``)
+                self._views_possible = True
         source = _TensorSource(path, logical, tensor, prepare, dtype, shape)
         payloads = [
             Payload(
@@ -783,6 +938,84 @@ class _Collector:
         if key is not None:
             self._written[key] = draft
         return draft
+
+
+def _without_memory(path: str, tensor: torch.Tensor) -> UnsupportedValueError:
+    """The error for a tensor whose storage does not hold the elements it views (its bytes
+    would be read out of bounds)."""
+    needed, held = storage_shortfall(tensor) or (0, 0)
+    return UnsupportedValueError(
+        f"{path}: the {dtype_name(tensor.dtype)}{list(tensor.shape)} tensor views {needed} bytes "
+        f"of a storage that holds {held}: its memory was freed or shrunk (as FSDP frees a "
+        "parameter's unsharded storage); snapshot the tensors that hold the data"
+    )
+
+
+_ADDRESS = attrgetter("address")
+_NBYTES = attrgetter("nbytes")
+
+
+def _tensor_of(draft: _Draft) -> torch.Tensor:
+    """The tensor whose memory a draft's bytes come from (for a tied leaf, the first leaf's:
+    the same view of the same memory)."""
+    first = _payloads(draft)[0]
+    if first.tensor is not None:
+        return first.tensor
+    assert first.source is not None
+    return first.source.tensor
+
+
+def _span(draft: _TensorDraft) -> tuple[int, int] | None:
+    """The addresses of the first byte of a draft's tensor and of the byte after its last
+    element (its memory as a range); None for a tensor whose written values are not its memory
+    (prepared, negated, conjugate), or that is not on the CPU (``relate``)."""
+    first = draft.payloads[0]
+    if first.tensor is not None:  # a contiguous CPU tensor in several chunks
+        return first.address, first.address + sum(p.nbytes for p in draft.payloads)
+    source = first.source
+    assert source is not None
+    t = source.tensor
+    if source.prepare is not None or not t.is_cpu or t.is_neg() or t.is_conj():
+        return None
+    start = t.data_ptr()
+    reach = sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True))
+    return start, start + (reach + 1) * t.itemsize
+
+
+def _overlapping(starts: array[int], sizes: array[int]) -> list[list[int]]:
+    """The groups of indices of the ranges of ``sizes[i]`` bytes at ``starts[i]`` that overlap
+    one another (through any chain of overlaps), each of two ranges or more: sorted and scanned
+    in C."""
+    if len(starts) < 2:
+        return []
+    first = torch.frombuffer(starts, dtype=torch.int64)
+    ends = first + torch.frombuffer(sizes, dtype=torch.int64)
+    first, order = torch.sort(first)
+    # (``index_select``: indexing by a tensor of indices takes torch's general advanced-indexing
+    # path, many times slower.)
+    reach = _running_max(ends.index_select(0, order))
+    joins = first[1:] < reach[:-1]  # each range overlapping one before it in start order
+    if not bool(joins.any()):
+        return []
+    group = torch.cat([torch.zeros(1, dtype=torch.int64), (~joins).cumsum(0)])
+    joined = group[1:].masked_select(joins)
+    at = torch.isin(group, joined).nonzero().flatten()
+    groups: dict[int, list[int]] = {}
+    members = order.index_select(0, at).tolist()
+    for g, i in zip(group.index_select(0, at).tolist(), members, strict=True):
+        groups.setdefault(g, []).append(i)
+    return list(groups.values())
+
+
+def _running_max(x: torch.Tensor) -> torch.Tensor:
+    """The maximum of ``x[: i + 1]`` at each ``i`` of a 1-d tensor, by doubling steps of
+    element-wise maxima (``cummax`` also tracks indices, element by element, and was many
+    times slower)."""
+    step = 1
+    while step < len(x):
+        x = torch.cat([x[:step], torch.maximum(x[step:], x[:-step])])
+        step *= 2
+    return x
 
 
 def collect(
@@ -807,6 +1040,7 @@ def collect(
     collector = _Collector(rank, prepare, replicated, inline_max_bytes, own, submit)
     for key_path, state in states:
         collector.add(key_path, state)
+    collector.relate()
     own.close()
     if submit is not None:
         collector._submit()
@@ -1070,6 +1304,8 @@ def place(
         writes=writes,
         shared=replicated.get(rank, []),
         checksums=layout.checksums,
+        grads=collected.grads,
+        views=collected.views,
     )
 
 
@@ -1238,13 +1474,16 @@ def _flat_slots(views: list[torch.Tensor]) -> Iterator[tuple[int, torch.Tensor]]
 class Need(Segment):
     """``nbytes`` bytes at ``offset`` of ``blob``, to land in ``dest()``; ``done`` then consumes
     them. ``scratch_bytes`` is the memory ``dest`` allocates and ``done`` frees. A need is the
-    segment of the read that serves it."""
+    segment of the read that serves it. ``owner`` is the app_state key whose live state the
+    bytes land in (a restore target given by its ``state_dict()``), None when they reach no
+    live state (an object, a new tensor)."""
 
     blob: str
     offset: int
     done: Callable[[], None] | None
     scratch_bytes: int
     label: str
+    owner: str | None = None
 
 
 def check_tensor_entry(path: str, entry: TensorEntry) -> torch.dtype:
@@ -1263,6 +1502,47 @@ def check_tensor_entry(path: str, entry: TensorEntry) -> torch.dtype:
     return dtype
 
 
+def resolve_view(
+    entries: Mapping[str, Entry], path: str, entry: TensorEntry
+) -> tuple[str, TensorEntry]:
+    """The path and entry of the base of ``entry``, a view (``TensorEntry.view``), once the view
+    is checked to be one a take makes: its base is a tensor entry of the same rank (the view's
+    base path under the rank prefix of ``path``) and dtype, not itself a view (so no chain of
+    views, and no cycle, is ever followed), and holds every element the view reaches. Both
+    entries' bytes add up to their shapes. Constant work per view, whatever the manifest holds.
+
+    Raises:
+        CorruptSnapshotError: any of these does not hold.
+    """
+    view = entry.view
+    assert view is not None
+    base_path = path[: path.find("/") + 1] + view.base
+    base = entries.get(base_path)
+    what = f"{path}: a view of {base_path!r}"
+    if type(base) is not TensorEntry:
+        found = "missing from the manifest" if base is None else f"a {base.type} entry"
+        raise CorruptSnapshotError(f"{what}, which is {found}, not a tensor")
+    if base.view is not None:
+        raise CorruptSnapshotError(
+            f"{what}, which is itself a view (of {base.view.base!r}); a view's base is never one"
+        )
+    if base.dtype != entry.dtype:
+        raise CorruptSnapshotError(f"{what}, which holds {base.dtype}, not {entry.dtype}")
+    check_tensor_entry(path, entry)
+    check_tensor_entry(base_path, base)
+    numel = math.prod(base.shape)
+    # The last element the view reaches (an empty view reaches none: its offset may be the end).
+    if 0 in entry.shape:
+        last = view.offset - 1
+    else:
+        last = view.offset + sum((n - 1) * s for n, s in zip(entry.shape, view.stride, strict=True))
+    if last >= numel:
+        raise CorruptSnapshotError(
+            f"{what}, reaching its element {last:,}, beyond its {numel:,} elements"
+        )
+    return base_path, base
+
+
 def check_target(path: str, entry: TensorEntry, target: torch.Tensor, dtype: torch.dtype) -> None:
     """Refuses a restore target that cannot receive this entry: another shape, the meta device,
     or a dtype that the stored one does not cast to (a target of another dtype is filled by
@@ -1274,10 +1554,31 @@ def check_target(path: str, entry: TensorEntry, target: torch.Tensor, dtype: tor
         )
     if target.is_meta:
         raise UnsupportedValueError(f"{path}: cannot restore into a tensor on the meta device")
+    check_receivable(path, target)
     if target.dtype != dtype and not _casts(dtype, target.dtype):
         raise StateMismatchError(
             f"{path}: the snapshot holds {entry.dtype}, the object being restored is "
             f"{dtype_name(target.dtype)}, and torch cannot copy the one into the other"
+        )
+
+
+def check_receivable(path: str, target: torch.Tensor) -> None:
+    """Refuses a restore target whose memory cannot take distinct values: elements that share
+    memory (an expanded view: copying into it is torch's error, writing its bytes would keep
+    the last), or a storage that ends before its last element (freed: the bytes would land out
+    of bounds). Asked before any byte is read."""
+    if shares_memory(target):
+        raise StateMismatchError(
+            f"{path}: the object being restored has elements that share memory (shape "
+            f"{list(target.shape)}, strides {list(target.stride())}: an expanded or overlapping "
+            "view), so it cannot hold the snapshot's values; restore into a tensor of its own "
+            "(.clone())"
+        )
+    short = storage_shortfall(target)
+    if short is not None:
+        raise StateMismatchError(
+            f"{path}: the object being restored views {short[0]} bytes of a storage that holds "
+            f"{short[1]} (its memory was freed or shrunk); restore into a tensor with memory"
         )
 
 
@@ -1408,6 +1709,7 @@ def direct_read(
         or not 0 < nbytes <= piece_bytes
         or target.dtype is not dtype
         or target.nbytes != nbytes
+        or target.is_nested
         or target.shape != entry.shape
         or not target.is_cpu
         or target.layout is not _STRIDED
@@ -1415,6 +1717,9 @@ def direct_read(
         or not target.is_contiguous()
         or target.is_neg()
         or (dtype.is_complex and target.is_conj())
+        # A storage that ends before the bytes would be written out of bounds: the general
+        # path refuses it (``check_receivable``).
+        or target.untyped_storage().nbytes() < target.storage_offset() * dtype.itemsize + nbytes
     ):
         return None
     need = _direct_need(path, chunk, 0, nbytes, target.data_ptr())
@@ -1483,6 +1788,7 @@ def plan_sharded_read(
     planned: list[tuple[sharded.Region, torch.Tensor, list[sharded.Piece], list[sharded.Box]]] = []
     for region, dest in regions:
         sharded.check_region(path, entry, region, dest)
+        check_receivable(path, dest)
         if dest.dtype != dtype and not _casts(dtype, dest.dtype):
             raise StateMismatchError(
                 f"{path}: the snapshot holds {entry.dtype}, the object being restored is "
@@ -1804,7 +2110,6 @@ def _check_pieces(path: str, entry: PickledTensorEntry) -> None:
     """The pieces of a pickled tensor lie within its shape, one location each, and cover it
     exactly once (their volumes add up to its own, and no two overlap)."""
     shape = tuple(entry.shape)
-    total = 0
     for piece in entry.pieces:
         offsets, sizes = tuple(piece.offsets), tuple(piece.sizes)
         if (
@@ -1818,19 +2123,12 @@ def _check_pieces(path: str, entry: PickledTensorEntry) -> None:
                 f"{len(piece.chunks)} locations does not fit a {entry.dtype}{list(shape)} "
                 "tensor stored as one pickle per piece"
             )
-        total += math.prod(sizes)
-    overlapping = any(
-        all(
-            max(oa, ob) < min(oa + na, ob + nb)
-            for oa, na, ob, nb in zip(a.offsets, a.sizes, b.offsets, b.sizes, strict=True)
-        )
-        for i, a in enumerate(entry.pieces)
-        for b in entry.pieces[i + 1 :]
-    )
-    if total != math.prod(shape) or overlapping or not entry.pieces:
+    # Linear in the pieces (by their corners), where comparing every pair was quadratic.
+    problem = sharded.cover_problem(shape, [(p.offsets, p.sizes) for p in entry.pieces])
+    if problem is not None or not entry.pieces:
         raise CorruptSnapshotError(
             f"{path}: the pieces of this {entry.dtype}{list(shape)} tensor do not cover it "
-            "exactly once"
+            f"exactly once{f': {problem}' if problem else ''}"
         )
 
 

@@ -32,8 +32,20 @@ from operator import attrgetter
 from typing import Any, TypeVar
 
 from snapshot import checksum, knobs
-from snapshot.errors import CorruptSnapshotError, SnapshotError, StorageError
-from storage_plugins import Buffer, StoragePlugin, url_to_storage_plugin
+from snapshot.errors import (
+    CorruptSnapshotError,
+    SnapshotError,
+    StorageError,
+    UnsafeSnapshotError,
+)
+from storage_plugins import (
+    BlobTooLargeError,
+    Buffer,
+    RefusedBlobError,
+    StoragePlugin,
+    UnsafeBlobError,
+    url_to_storage_plugin,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -191,6 +203,35 @@ def close_kept_plugins() -> None:
         run(_close_kept())
 
 
+async def _end_leftovers(timeout: float) -> None:
+    """Cancels the tasks still pending on the I/O loop, and waits for them to end."""
+    me = asyncio.current_task()
+    left = [task for task in asyncio.all_tasks() if task is not me]
+    for task in left:
+        task.cancel()
+    if left:
+        await asyncio.wait(left, timeout=timeout)
+
+
+def end_leftover_tasks(timeout: float = 5.0) -> None:
+    """At exit: ends whatever work is still pending on the I/O loop. The loop's thread is a
+    daemon, stopped mid-step when the interpreter ends, and a task still pending then is
+    destroyed with a warning on stderr; by now the pending snapshots have been waited for
+    (``pending``), so what is left belongs to nobody. Waits ``timeout`` seconds at most."""
+    if (
+        _loop_thread is not None
+        and _loop_thread.pid == os.getpid()
+        and _loop_thread.thread.is_alive()
+    ):
+        try:
+            spawn(_end_leftovers(timeout)).result(timeout + 1)
+        except Exception:
+            logger.debug("could not end the I/O loop's leftover tasks", exc_info=True)
+
+
+# Registered first, so run last (atexit runs its functions last-registered first): after the
+# kept plugins are closed, and after the weakref finalizers of takes dropped unfinished.
+atexit.register(end_leftover_tasks)
 atexit.register(close_kept_plugins)
 
 
@@ -455,7 +496,9 @@ def _storage_error(
         return e
     where = plugin.describe(blob)
     error: SnapshotError
-    if verb == "read" and isinstance(e, FileNotFoundError):
+    if isinstance(e, UnsafeBlobError):
+        error = UnsafeSnapshotError(f"{label}: blob {blob}: {e}")  # ``e`` names the full path
+    elif verb == "read" and isinstance(e, FileNotFoundError):
         error = CorruptSnapshotError(f"{label}: blob {where} is missing")
     elif verb == "read" and isinstance(e, EOFError):
         error = CorruptSnapshotError(
@@ -517,7 +560,9 @@ async def call(
                     raise
                 raise _storage_error(plugin, verb, blob, label, e, attempt) from e
             retries = knobs.io_retries()  # read on failure only: calls that succeed pay nothing
-            if attempt > retries or not plugin.is_transient(e):
+            # A refused blob is refused again on every attempt, whatever the plugin says.
+            refused = isinstance(e, RefusedBlobError)
+            if attempt > retries or refused or not plugin.is_transient(e):
                 if not convert:
                     raise
                 raise _storage_error(plugin, verb, blob, label, e, attempt) from e
@@ -536,6 +581,37 @@ async def call(
             await asyncio.sleep(min(pause, max(deadline - loop.time(), 0)))
             delay = min(delay * 2, _MAX_BACKOFF_SECS)
             attempt += 1
+
+
+async def read_unrecorded(plugin: StoragePlugin, blob: str, where: str) -> bytes:
+    """The whole of ``blob``, a file of the snapshot ``where`` whose length nothing records (a
+    manifest), read through ``call`` and bounded by ``STATESNAP_MAX_MANIFEST_BYTES``.
+
+    Raises:
+        UnsafeSnapshotError: the blob is over the limit, or the plugin refused what the store
+            holds at its path (a link, a FIFO, a device).
+        FileNotFoundError, NotADirectoryError, ...: the plugin's own errors, as they are (the
+            caller tells "no snapshot here" by them).
+    """
+    limit = knobs.max_manifest_bytes()
+    read = lambda: plugin.read_limited(blob, limit)  # noqa: E731
+    try:
+        return await call(plugin, "read", blob, where, read, convert=False)
+    except BlobTooLargeError as e:
+        held = f"{e.size} bytes" if e.size is not None else "more bytes"
+        raise UnsafeSnapshotError(
+            f"snapshot {where}: {plugin.describe(blob)} holds {held}, over the limit of {limit} "
+            "bytes (STATESNAP_MAX_MANIFEST_BYTES): refused. To open a snapshot whose manifest "
+            "is really that large, set the environment variable STATESNAP_MAX_MANIFEST_BYTES "
+            "to a larger number of bytes"
+        ) from e
+    except UnsafeBlobError as e:
+        raise refused(where, e) from e
+
+
+def refused(where: str, error: UnsafeBlobError) -> UnsafeSnapshotError:
+    """The library's error for what a plugin refused to open in the snapshot ``where``."""
+    return UnsafeSnapshotError(f"snapshot {where}: {error}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -592,6 +668,7 @@ class WritePipeline:
         self._queue: asyncio.Queue[_Staged | None]
         self._workers: list[asyncio.Task[None]] = []
         self._concurrency = max_concurrency
+        self._pid = os.getpid()  # a forked child's copy never touches its parent's loop
         run(self._start_workers())
 
     async def _start_workers(self) -> None:
@@ -721,6 +798,41 @@ class WritePipeline:
         except Exception:  # the workers record errors; nothing more to report here
             logger.debug("error while draining aborted writes", exc_info=True)
         self._settle_budget()
+
+    def stop(self, error: BaseException) -> None:
+        """Ends a pipeline that nobody will wait for (its take was dropped unfinished): what is
+        staged is given back, the workers skip what is queued and end. Otherwise they would wait
+        on the queue for ever, and be reported as tasks destroyed while pending when collected
+        (at exit at the latest). Waits for them, except on the I/O loop's own thread (a
+        collection can run there), where they end on their own. Nothing once drained."""
+        if os.getpid() != self._pid or (
+            not self._batch and all(worker.done() for worker in self._workers)
+        ):
+            return
+        for req, _, keepalive in self._batch:
+            _release(keepalive)
+            self.budget.release(req.staging_bytes)
+        self._batch = []
+        if _loop_thread is not None and threading.current_thread() is _loop_thread.thread:
+            _hold(self._loop.create_task(self._wind_down(error)))
+            return
+        try:
+            run(self._wind_down(error))
+        except Exception:
+            logger.debug("error while ending a dropped write pipeline", exc_info=True)
+
+    async def _wind_down(self, error: BaseException) -> None:
+        self._fail(error)
+        await self.wait_quietly()
+
+
+# Tasks nobody awaits, held until done: the loop itself keeps only weak references to tasks.
+_held: set[asyncio.Task[Any]] = set()
+
+
+def _hold(task: asyncio.Task[Any]) -> None:
+    _held.add(task)
+    task.add_done_callback(_held.discard)
 
 
 def _release(keepalive: object) -> None:

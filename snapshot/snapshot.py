@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -9,7 +10,7 @@ import torch
 import torch.distributed
 
 from manifest import Entry, Manifest
-from snapshot import dist, operations
+from snapshot import arguments, dist, operations
 from snapshot.errors import EntryNotFoundError
 from snapshot.flatten import escape_key
 from snapshot.metadata import SnapshotMetadata
@@ -43,12 +44,15 @@ class Snapshot:
 
     def __init__(
         self,
-        path: str,
+        path: str | os.PathLike[str],
         pg: Any | None = None,
         storage_options: dict[str, Any] | None = None,
         *,
         _manifest: Manifest | bytes | None = None,
     ) -> None:
+        path = arguments.snapshot_path(path, "Snapshot")
+        arguments.process_group(pg, "Snapshot", path)
+        storage_options = arguments.options(storage_options, "Snapshot", path)
         self.path = path
         self.pg = pg
         self.storage_options = storage_options
@@ -72,7 +76,7 @@ class Snapshot:
     @classmethod
     def take(
         cls,
-        path: str,
+        path: str | os.PathLike[str],
         app_state: dict[str, Any],
         pg: Any | None = None,
         replicated: list[str] | None = None,
@@ -109,7 +113,17 @@ class Snapshot:
             StatefulError: a ``state_dict()`` raised.
             UnsupportedValueError: a value cannot be stored (a tensor on the meta device...).
             StorageError: the storage failed; nothing was committed.
+            InvalidArgumentError: an argument is of the wrong kind (a path that is empty, or
+                not a str or ``os.PathLike``; ``replicated`` not a list of str...); raised
+                before anything is written.
+
+        Across ranks, the snapshot is written at rank 0's ``path``; a rank whose own ``path``
+        differs gets a :class:`~snapshot.errors.PathMismatchWarning`, and the returned
+        snapshot's ``path`` is rank 0's.
         """
+        path, replicated, storage_options = _take_arguments(
+            "Snapshot.take", path, pg, replicated, storage_options, _custom_tensor_prepare_func
+        )
         # The cyclic collector stays paused for the whole take: it allocates a few objects per
         # tensor, which would otherwise set off collections that walk them (and, every so
         # often, the whole process) between its phases. Its per-tensor records are freed
@@ -119,7 +133,7 @@ class Snapshot:
                 path,
                 app_state,
                 coordinator=dist.resolve(pg),
-                replicated=replicated or [],
+                replicated=replicated,
                 storage_options=storage_options,
                 prepare=_custom_tensor_prepare_func,
                 pool=None,
@@ -133,7 +147,7 @@ class Snapshot:
     @classmethod
     def async_take(
         cls,
-        path: str,
+        path: str | os.PathLike[str],
         app_state: dict[str, Any],
         pg: Any | None = None,
         replicated: list[str] | None = None,
@@ -151,15 +165,21 @@ class Snapshot:
         copied after the work already queued on their device's current stream (the calling
         thread's), and those copies are complete when this returns: kernels queued afterwards
         cannot reach the snapshot. Errors found while capturing are raised here; errors of the
-        background work are raised by :meth:`PendingSnapshot.wait`.
+        background work are raised by :meth:`PendingSnapshot.wait`. Arguments are checked as
+        :meth:`take` checks them, and ranks that pass different paths are warned alike (the
+        returned handle's ``path`` is rank 0's).
         """
+        prepare = _custom_tensor_prepare_func
+        path, replicated, storage_options = _take_arguments(
+            "Snapshot.async_take", path, pg, replicated, storage_options, prepare
+        )
         coordinator = dist.resolve(pg)
         background = dist.resolve_background(pg)
         job = save_strategy().job(
             path,
             app_state,
             coordinator=coordinator,
-            replicated=replicated or [],
+            replicated=replicated,
             storage_options=storage_options,
             prepare=_custom_tensor_prepare_func,
             pool=default_pool(),
@@ -179,7 +199,9 @@ class Snapshot:
             job.release_writes()
         return pending
 
-    def restore(self, app_state: dict[str, Any], strict: bool = True) -> None:
+    def restore(
+        self, app_state: dict[str, Any], strict: bool = True, *, verify_first: bool = False
+    ) -> None:
         """Restores ``app_state`` (the one taken, or a subset of its keys) from the snapshot.
 
         Tensors are loaded in place into the tensors that each value's ``state_dict()`` returns
@@ -195,6 +217,17 @@ class Snapshot:
                 parameters and buffers the snapshot lacks keep their values, and entries the
                 module lacks are ignored. Other values' ``load_state_dict`` get the state alone
                 either way.
+            verify_first: with True, every stored range the restore reads into the given
+                values' tensors is read first and checked against its recorded CRC-32 (also
+                with ``STATESNAP_CHECKSUMS=0``), and the blobs' sizes against the manifest,
+                before any tensor is written or any ``load_state_dict`` is called; across a
+                process group, every rank's checks pass before any rank writes. Damage then
+                fails the restore with every key untouched. Objects and values read into new
+                tensors are read once, in that first pass; the ranges read in place are read
+                twice (once to check, once into the targets), so the restore reads up to twice
+                the bytes, with no more memory than the budget it reads with. Ranges recorded
+                without a CRC-32 (a snapshot taken with checksums off) are only checked to be
+                there. Every rank must pass the same value.
 
         Raises:
             StateMismatchError: a key is not in the snapshot (``strict`` only);
@@ -202,7 +235,20 @@ class Snapshot:
             CorruptSnapshotError: a blob is missing, short, or undecodable.
             UnsafeObjectError: an object would need a type that is not allowed to load.
             StatefulError: a ``state_dict()`` or ``load_state_dict()`` raised.
+            NotStatefulError: ``app_state`` is not a dict of str -> Stateful.
+            InvalidArgumentError: ``strict`` or ``verify_first`` is not a bool.
+
+        A failed restore says what it changed. On its error, whatever the kind, ``modified``
+        maps each app_state key whose state this rank's restore wrote before the failure to
+        ``"partially"`` or ``"fully"`` (its ``load_state_dict`` returned), ``untouched`` names
+        the keys left exactly as they were, and the message ends with the same account. A key
+        counts as written from the moment a read into its tensors begins (those tensors are
+        usually the object's own memory) or its ``load_state_dict`` is called, and when it
+        shares a tensor with a written key. An argument refused here, or a snapshot no
+        registered strategy reads, fails before anything is read (``modified`` is None then).
         """
+        arguments.flag(strict, "Snapshot.restore", "strict", self.path)
+        arguments.flag(verify_first, "Snapshot.restore", "verify_first", self.path)
         load_strategy(self._manifest, self.path).restore(
             self._manifest,
             app_state,
@@ -210,6 +256,7 @@ class Snapshot:
             coordinator=dist.resolve(self.pg),
             storage_options=self.storage_options,
             strict=strict,
+            verify_first=verify_first,
         )
 
     def read_object(
@@ -220,17 +267,32 @@ class Snapshot:
     ) -> T:
         """Reads one object of the snapshot by its manifest path (``"0/model/layer.weight"``).
 
+        Values come back as ``torch.load`` gives them: tensors that were one memory (tied
+        weights, a tensor and a slice of it) share one storage (entries of the same memory,
+        dtype, shape and kind are one tensor object), and ``nn.Parameter`` and
+        ``requires_grad`` are as they were taken.
+
         Args:
             path: a key of :meth:`get_manifest`; a container's path returns the whole container.
             obj_out: a tensor to load into in place (cast if its dtype differs; its shape must
-                match). Ignored for values that cannot be loaded in place.
+                match). For a stored tensor it must be a tensor that can hold it; for other
+                values (objects, primitives, containers), which cannot be loaded in place, it
+                is ignored.
             memory_budget_bytes: most bytes of scratch memory to hold at once; reads into
                 ``obj_out`` that need a cast go in tiles of at most this size.
 
         Raises:
             EntryNotFoundError: no entry at ``path``.
             ShapeMismatchError: ``obj_out``'s shape differs from the stored tensor's.
+            StateMismatchError: ``obj_out`` cannot receive the stored tensor (not a tensor,
+                elements sharing memory, a dtype it cannot be cast to...); nothing is read.
+            InvalidArgumentError: ``path`` is not a str, or ``memory_budget_bytes`` is not a
+                positive int.
         """
+        arguments.logical_path(path, "Snapshot.read_object", "path", self.path)
+        arguments.byte_count(
+            memory_budget_bytes, "Snapshot.read_object", "memory_budget_bytes", self.path
+        )
         return operations.read_object(
             self._manifest,
             path,
@@ -246,8 +308,10 @@ class Snapshot:
         rank's).
 
         Entries are frozen dataclasses (:mod:`manifest.entries`): ``TensorEntry`` (dtype, shape,
-        chunks, ``nbytes``), ``ObjectEntry``, ``PrimitiveEntry`` (the value itself), and
-        ``DictEntry`` / ``ListEntry`` / ``TupleEntry`` for containers.
+        chunks, ``nbytes``; ``parameter``, ``requires_grad`` and ``view`` when the tensor was an
+        ``nn.Parameter``, required grad, or viewed another entry's storage), ``ObjectEntry``,
+        ``PrimitiveEntry`` (the value itself), and ``DictEntry`` / ``ListEntry`` /
+        ``TupleEntry`` for containers.
         """
         return dict(self._manifest.entries)
 
@@ -264,7 +328,11 @@ class Snapshot:
         Raises:
             EntryNotFoundError: the snapshot has no state under ``key`` for that rank; the
                 message names the keys it has.
+            InvalidArgumentError: ``key`` is not a str, or ``replicate_from_rank0`` not a bool.
         """
+        call = "Snapshot.get_state_dict_for_key"
+        arguments.logical_path(key, call, "key", self.path)
+        arguments.flag(replicate_from_rank0, call, "replicate_from_rank0", self.path)
         manifest = self._manifest
         rank = 0 if replicate_from_rank0 else _rank(self.pg)
         prefix = operations._namespace(manifest, rank)
@@ -288,6 +356,26 @@ class Snapshot:
         if self._metadata is None:
             self._metadata = SnapshotMetadata.from_manifest(self._manifest)
         return self._metadata
+
+
+def _take_arguments(
+    call: str,
+    path: object,
+    pg: object,
+    replicated: object,
+    storage_options: object,
+    prepare: object,
+) -> tuple[str, list[str], dict[str, Any] | None]:
+    """The arguments of a take, checked before anything is written (``snapshot.arguments``):
+    the path as a str, the globs as a list, the storage options."""
+    where = arguments.snapshot_path(path, call)
+    arguments.process_group(pg, call, where)
+    arguments.function(prepare, call, "_custom_tensor_prepare_func", where)
+    return (
+        where,
+        arguments.glob_list(replicated, call, where),
+        arguments.options(storage_options, call, where),
+    )
 
 
 def _rank(pg: Any | None) -> int:

@@ -47,8 +47,6 @@ import struct
 from collections.abc import Callable, Iterable
 from typing import Any
 
-import yaml
-
 import manifest as mf
 from manifest import (
     DictEntry,
@@ -69,10 +67,12 @@ from snapshot.errors import (
     IncompatibleSnapshotError,
     SnapshotError,
     StorageError,
+    UnsafeSnapshotError,
 )
 from snapshot.flatten import escape_key
-from snapshot.scheduler import call, open_plugin, run
-from storage_plugins import StoragePlugin
+from snapshot.scheduler import call, open_plugin, read_unrecorded, refused, run
+from snapshot.text import printable_message
+from storage_plugins import StoragePlugin, UnsafeBlobError
 
 logger = logging.getLogger("snapshot")
 
@@ -147,6 +147,8 @@ def open_foreign(
         dcp = run(_exists(plugin, where, DCP_METADATA_NAME))
     except SnapshotError:
         raise
+    except UnsafeBlobError as e:  # DCP's marker, or a link on the way to it
+        raise refused(where, e) from e
     except Exception as e:
         raise StorageError(f"cannot read the torchsnapshot manifest of {where}: {e}") from e
     if dcp:
@@ -169,7 +171,7 @@ def open_foreign(
 
 async def _read_if_present(plugin: StoragePlugin, where: str, name: str) -> bytes | None:
     try:
-        return await call(plugin, "read", name, where, lambda: plugin.read(name), convert=False)
+        return await read_unrecorded(plugin, name, where)
     except (FileNotFoundError, NotADirectoryError):
         return None
 
@@ -188,7 +190,9 @@ def _single_file(url: str, storage_options: dict[str, Any] | None) -> str | None
     look would cost a second client and a request for every path without a snapshot)."""
     if "://" in url and not url.startswith("file://"):
         return None
-    parent, name = os.path.split(os.path.abspath(os.path.expanduser(url.removeprefix("file://"))))
+    # The path the user named may be a link (their choice, so it is followed, once); the
+    # plugin then opens the file without following anything.
+    parent, name = os.path.split(os.path.realpath(os.path.expanduser(url.removeprefix("file://"))))
     if not name:
         return None
     try:
@@ -326,19 +330,22 @@ def _parse(data: bytes, source: str) -> Any:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:
         raise CorruptSnapshotError(f"{source} is not UTF-8 text: {e}") from None
+    # Text nesting deeper than the codec's limit (or not balanced) goes to the YAML reader,
+    # which refuses it without recursing; so does any YAML feature torchsnapshot never wrote
+    # (its aliases would make the translation walk shared values once per reference).
+    if mf.nests_within(text, mf.MAX_DEPTH):
+        try:
+            return json.loads(text)
+        except ValueError:
+            pass
     try:
-        return json.loads(text)
-    except ValueError:
-        pass
-    except RecursionError:
-        raise CorruptSnapshotError(f"{source}: nested too deeply") from None
-    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
-    try:
-        return yaml.load(text, Loader=loader)
-    except yaml.YAMLError as e:
-        raise CorruptSnapshotError(f"{source} is neither JSON nor YAML: {e}") from None
-    except RecursionError:
-        raise CorruptSnapshotError(f"{source}: nested too deeply") from None
+        return mf.load_yaml(text, source)
+    except mf.UnsafeManifestError as e:
+        raise UnsafeSnapshotError(printable_message(str(e))) from None
+    except mf.ManifestDecodeError as e:
+        raise CorruptSnapshotError(
+            printable_message(f"{source} is neither JSON nor YAML: {e}")
+        ) from None
 
 
 def _header(doc: Any, source: str) -> tuple[str, int, dict[str, Any]]:
@@ -371,13 +378,18 @@ class _Translator:
 
     # -- errors -----------------------------------------------------------------------------
 
+    # The path, the version and what is wrong all quote the manifest being translated:
+    # escaped, so that a message carries none of its control characters.
+
     def corrupt(self, path: str, what: str) -> CorruptSnapshotError:
-        return CorruptSnapshotError(f"{self.source}: {path}: {what}")
+        return CorruptSnapshotError(printable_message(f"{self.source}: {path}: {what}"))
 
     def unknown(self, path: str, what: str) -> IncompatibleSnapshotError:
         return IncompatibleSnapshotError(
-            f"{self.source}: {path}: {what}; the snapshot was written by torchsnapshot "
-            f"{self.version}, and statesnap reads the layout of torchsnapshot 0.1.0"
+            printable_message(
+                f"{self.source}: {path}: {what}; the snapshot was written by torchsnapshot "
+                f"{self.version}, and statesnap reads the layout of torchsnapshot 0.1.0"
+            )
         )
 
     # -- the whole manifest -----------------------------------------------------------------
@@ -553,8 +565,8 @@ class _Translator:
             raise self.corrupt(path, f"location must be a string, got {location!r}")
         try:
             return mf.check_blob_path(location, "location")
-        except mf.ManifestDecodeError as e:
-            raise self.corrupt(path, str(e)) from None
+        except mf.UnsafeManifestError as e:  # a path leaving the root: never followed
+            raise UnsafeSnapshotError(printable_message(f"{self.source}: {path}: {e}")) from None
 
     def dims(self, path: str, value: Any, what: str) -> tuple[int, ...]:
         if not isinstance(value, list) or len(value) > 64:

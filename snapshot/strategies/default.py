@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from manifest import Manifest, ShardedObjectEntry, ShardedTensorEntry
-from snapshot import dist, operations
+from snapshot import arguments, dist, operations
 from snapshot.errors import IncompatibleSnapshotError, SnapshotError
 from snapshot.pending import AsyncRequest
 from snapshot.serialization import dtype_from_name
@@ -62,9 +62,11 @@ class SnapshotSaveStrategy(AsyncSaveShardedStrategy):
         )
 
     def async_save(self, sharded_state_dict: Any, checkpoint_dir: str | Path) -> AsyncRequest:
+        where = _dir(checkpoint_dir, "save")
+        state = arguments.state_mapping(sharded_state_dict, "save", "sharded_state_dict", where)
         job = self.job(
-            str(checkpoint_dir),
-            {_STATE: StateDict(sharded_state_dict)},
+            where,
+            {_STATE: StateDict(state)},
             coordinator=dist.resolve(None),
             replicated=[],
             storage_options=None,
@@ -109,11 +111,17 @@ class SnapshotLoadStrategy(LoadShardedStrategy, LoadCommonStrategy):
 
     # -- the strategy API -------------------------------------------------------------------
 
-    def load(self, sharded_state_dict: Any, checkpoint_dir: str | Path) -> Any:
+    def load(
+        self, sharded_state_dict: Any, checkpoint_dir: str | Path, *, verify_first: bool = False
+    ) -> Any:
+        """Loads ``sharded_state_dict``'s tensors in place and returns the loaded state
+        (``verify_first``: as ``Snapshot.restore`` takes it)."""
         from snapshot.snapshot import Snapshot
 
-        state = StateDict(sharded_state_dict)
-        Snapshot(str(checkpoint_dir)).restore({_STATE: state})
+        where = _dir(checkpoint_dir, "load")
+        given = arguments.state_mapping(sharded_state_dict, "load", "sharded_state_dict", where)
+        state = StateDict(given)
+        Snapshot(where).restore({_STATE: state}, verify_first=verify_first)
         return dict(state)
 
     def load_tensors_metadata(self, checkpoint_dir: str | Path) -> dict[str, Any]:
@@ -177,16 +185,22 @@ class SnapshotSaveCommonStrategy(SaveCommonStrategy):
         )
 
 
+def _dir(checkpoint_dir: object, call: str) -> str:
+    """A checkpoint directory given to the strategy API, as a str; an empty one, or one that is
+    not a str or PathLike (``None`` would become a directory named ``None``), is refused."""
+    return arguments.snapshot_path(checkpoint_dir, call, "checkpoint_dir")
+
+
 def _common_dir(checkpoint_dir: str | Path) -> str:
-    return f"{str(checkpoint_dir).rstrip('/')}/common"
+    return f"{_dir(checkpoint_dir, 'the common part').rstrip('/')}/common"
 
 
 def _objects_dir(checkpoint_dir: str | Path) -> str:
-    return f"{str(checkpoint_dir).rstrip('/')}/sharded_objects"
+    return f"{_dir(checkpoint_dir, 'the sharded objects').rstrip('/')}/sharded_objects"
 
 
 def _manifest(checkpoint_dir: str | Path) -> Manifest:
-    return operations.load_manifest(str(checkpoint_dir), None)
+    return operations.load_manifest(_dir(checkpoint_dir, "reading the metadata"), None)
 
 
 def register() -> None:
