@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from snapshot import Snapshot, StateDict
+from snapshot.sharding import ShardedTensor
 from tests.helpers import seal_manifest
 
 MANIFEST = "manifest.yaml"
@@ -32,6 +33,7 @@ SECRET = b"OUTSIDE-THE-ROOT-SECRET:"
 # The keys every probe reads; the hostile change targets one of them.
 TENSOR_KEY = "0/model/w"
 OBJECT_KEY = "0/extra/obj"
+SHARDED_KEY = "0/sharded/w"
 
 
 def base_state() -> dict[str, StateDict]:
@@ -40,6 +42,9 @@ def base_state() -> dict[str, StateDict]:
     return {
         "model": StateDict(w=torch.arange(4096, dtype=torch.float32), b=torch.ones(3)),
         "extra": StateDict(step=7, name="run", obj={1, 2, 3}),
+        "sharded": StateDict(
+            w=ShardedTensor.from_rank_offsets("w", torch.arange(16.0).reshape(4, 4))
+        ),
     }
 
 
@@ -228,6 +233,19 @@ def _deep_yaml(ws: Workspace) -> None:
     ws.write_manifest(text)
 
 
+def _empty_shards(ws: Workspace) -> None:
+    """The sharded tensor's entry gains 25,000 empty shards (each pair once compared: hours)."""
+    empty = "".join(
+        f', {{"offsets": [{i % 4}, 0], "sizes": [0, 4], "chunks": []}}' for i in range(25_000)
+    )
+    line = ws.entry_line(SHARDED_KEY)
+    new, count = re.subn(
+        r'("chunks": \[\[[^\]]*\]\]\})\]', lambda m: m.group(1) + empty + "]", line
+    )
+    assert count == 1, line
+    ws.replace_entry(SHARDED_KEY, new)
+
+
 def _python_tag(ws: Workspace) -> None:
     ws.replace_entry(
         "0/extra/step",
@@ -335,6 +353,13 @@ CASES: tuple[Case, ...] = (
         {**OPENS, "read": CORRUPT, "restore": CORRUPT, "verify": "problems"},
     ),
     Case("yaml-aliases", "cost", _yaml_aliases, {"open": UNSAFE}),
+    Case(
+        "25k-empty-shards",
+        "cost",
+        _empty_shards,
+        {**OPENS, "read": "ok", "restore": "ok", "verify": "ok"},
+        key=SHARDED_KEY,
+    ),
     # Inputs that once raised errors other than SnapshotError.
     Case("json-nested-100k", "errors", _deep_json, {"open": UNSAFE}),
     Case("yaml-nested-2k", "errors", _deep_yaml, {"open": UNSAFE}),
