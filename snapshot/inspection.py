@@ -750,16 +750,15 @@ def _check_views(manifest: Manifest, report: VerifyReport) -> None:
         try:
             resolve_view(entries, key, entry)
         except SnapshotError as e:
-            first = entry.chunks[0] if entry.chunks else Location(blob="", offset=0, nbytes=0)
             report.problems.append(
-                Problem(
-                    first.blob,
-                    first.offset,
-                    first.offset + first.nbytes,
-                    (key,),
-                    f"a view that a read refuses: {e}",
-                )
+                _entry_problem(key, entry.chunks, f"a view that a read refuses: {e}")
             )
+
+
+def _entry_problem(key: str, locations: Sequence[Location], what: str) -> Problem:
+    """A problem of entry ``key`` as a whole, placed at its first stored range."""
+    first = locations[0] if locations else Location(blob="", offset=0, nbytes=0)
+    return Problem(first.blob, first.offset, first.offset + first.nbytes, (key,), what)
 
 
 def _decode_unchecked(
@@ -789,16 +788,7 @@ def _decode_unchecked(
         except UnsafeObjectError:
             report.not_decoded.append(key)
         except SnapshotError as e:
-            first = locations[0]
-            report.problems.append(
-                Problem(
-                    first.blob,
-                    first.offset,
-                    first.offset + first.nbytes,
-                    (key,),
-                    f"cannot be decoded: {e}",
-                )
-            )
+            report.problems.append(_entry_problem(key, locations, f"cannot be decoded: {e}"))
         else:
             report.decoded += 1
 
