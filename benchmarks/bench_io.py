@@ -1812,7 +1812,7 @@ def case_async(args: argparse.Namespace, runner: Runner, env: dict[str, str]) ->
                     f"for ({mode})**: RSS above the RSS before the first call (state, check "
                     "targets and libraries already resident; the harness trims the C heap "
                     "after each check), and the staging pool "
-                    "(`snapshot.staging.default_pool()`) after each wait",
+                    "(`snapshot._engine.staging.default_pool()`) after each wait",
                     "",
                     *table,
                 ]

@@ -50,9 +50,10 @@ from typing import Any
 
 import torch
 
-from snapshot import Snapshot, StateDict, staging
-from snapshot.inspection import verify
-from snapshot.serialization import DTYPES
+from snapshot import Snapshot, StateDict
+from snapshot._engine import staging
+from snapshot._engine.inspection import verify
+from snapshot._engine.serialization import DTYPES
 
 FAILURES: list[str] = []
 MIB = 1 << 20

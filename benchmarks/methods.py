@@ -1081,7 +1081,7 @@ def _pending_wait(handle: Any) -> None:
 
 
 def _ss_pool_stats() -> tuple[int, int]:
-    from snapshot.staging import default_pool
+    from snapshot._engine.staging import default_pool
 
     pool = default_pool()
     return pool.allocated_bytes, pool.free_bytes
@@ -1090,7 +1090,7 @@ def _ss_pool_stats() -> tuple[int, int]:
 def _ss_budget() -> int:
     """The budget a take computes now (the pool's free blocks count as available)."""
     from snapshot import knobs
-    from snapshot.staging import default_pool
+    from snapshot._engine.staging import default_pool
 
     return knobs.memory_budget_bytes(default_pool().free_bytes)
 

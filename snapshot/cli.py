@@ -1,11 +1,11 @@
 """Command line: ``python -m snapshot`` (and the ``statesnap`` console script).
 
 ``demo`` runs the demonstration; ``ls``, ``show``, ``verify``, ``du`` and ``diff`` look into an
-existing snapshot without restoring it (their logic is :mod:`snapshot.inspection`; this module
+existing snapshot without restoring it (their logic is :mod:`snapshot._engine.inspection`; this module
 parses arguments and formats what it returns). The exit codes are :data:`EXIT_CODES`.
 
 Whatever comes from a snapshot (logical paths, blob names, type names, values, error messages
-quoting them) is printed through :mod:`snapshot.text`, so that a hostile key's control
+quoting them) is printed through :mod:`snapshot._engine.text`, so that a hostile key's control
 characters are shown as escapes instead of being obeyed by the terminal.
 """
 
@@ -28,7 +28,7 @@ import torch
 
 from snapshot import __version__
 from snapshot.errors import CorruptSnapshotError, EntryNotFoundError, SnapshotError
-from snapshot.inspection import (
+from snapshot._engine.inspection import (
     diff,
     disk_usage,
     format_shape,
@@ -39,8 +39,8 @@ from snapshot.inspection import (
     summarize_value,
     verify,
 )
-from snapshot.operations import load_manifest
-from snapshot.text import printable, printable_message, unescape
+from snapshot._engine.operations import load_manifest
+from snapshot._engine.text import printable, printable_message, unescape
 
 EXIT_OK = 0
 EXIT_PROBLEM = 1
@@ -256,7 +256,7 @@ def _number(value: Any) -> str:
 
 def _read_shown_key(args: argparse.Namespace) -> tuple[str, Any, Any]:
     """The entry at KEY, which may be given as ``ls`` shows it (control characters escaped,
-    :func:`~snapshot.text.printable`) or as it is: the logical path, its entry and its value."""
+    :func:`~snapshot._engine.text.printable`) or as it is: the logical path, its entry and its value."""
     try:
         return args.key, *read_entry(args.path, args.key, args.storage_options)
     except EntryNotFoundError as not_found:

@@ -15,12 +15,15 @@ _MIB = 1 << 20
 
 # Knob name (without STATESNAP_) -> the values of the override blocks open now, in the order
 # they were entered, each with its block's token. The last one is the knob's value. A tuple
-# replaced whole under the lock, so readers (``_env_int``, on any thread) take no lock.
+# replaced whole under the lock, so readers (``env_int``, on any thread) take no lock.
 _overrides: dict[str, tuple[tuple[object, int], ...]] = {}
 _overrides_lock = threading.Lock()
 
 
-def _env_int(name: str, default: int, minimum: int) -> int:
+def env_int(name: str, default: int | None, minimum: int) -> int | None:
+    """The value of ``STATESNAP_<name>`` (or of the innermost ``override_*`` block open now
+    that sets it), else ``default``; raises :class:`InvalidArgumentError` for a value that is
+    not an integer of at least ``minimum``."""
     overridden = _overrides.get(name)
     if overridden:
         return overridden[-1][1]
@@ -60,38 +63,39 @@ def checksums() -> bool:
     and read_object verify what they read against them (STATESNAP_CHECKSUMS, default 1; 0 turns
     both off: a take then records none, and reads check none, not even a snapshot's that has
     them)."""
-    return _env_int("CHECKSUMS", 1, 0) != 0
+    return env_int("CHECKSUMS", 1, 0) != 0
 
 
 def max_concurrent_io() -> int:
     """Blob reads/writes in flight at once (STATESNAP_MAX_CONCURRENT_IO, default 16)."""
-    return _env_int("MAX_CONCURRENT_IO", 16, 1)
+    return env_int("MAX_CONCURRENT_IO", 16, 1)
+
+
+def default_memory_budget(reclaimable_bytes: int = 0) -> int:
+    """A quarter of the memory available now (plus ``reclaimable_bytes``), within
+    [64 MiB, 4 GiB]: the staging budget when none is set."""
+    available = _available_memory_bytes()
+    default = 1024 * _MIB if available is None else (available + reclaimable_bytes) // 4
+    return max(64 * _MIB, min(default, 4096 * _MIB))
 
 
 def memory_budget_bytes(reclaimable_bytes: int = 0) -> int:
-    """Bytes of staging/scratch memory one take or restore may hold at once, per process.
-
-    STATESNAP_MEMORY_BUDGET_BYTES; by default a quarter of the memory available when asked
-    (counting ``reclaimable_bytes`` the caller holds and may reuse, such as the staging pool's
-    free blocks), clamped to [64 MiB, 4 GiB].
-    """
-    available = _available_memory_bytes()
-    default = 1024 * _MIB if available is None else (available + reclaimable_bytes) // 4
-    default = max(64 * _MIB, min(default, 4096 * _MIB))
-    return _env_int("MEMORY_BUDGET_BYTES", default, 1)
+    """STATESNAP_MEMORY_BUDGET_BYTES, else ``default_memory_budget``."""
+    value = env_int("MEMORY_BUDGET_BYTES", None, 1)
+    return default_memory_budget(reclaimable_bytes) if value is None else value
 
 
 def inline_max_bytes() -> int:
     """str/bytes values up to this size live in the manifest; longer ones get a blob of their own
     (STATESNAP_INLINE_MAX_BYTES, default 1024)."""
-    return _env_int("INLINE_MAX_BYTES", 1024, 0)
+    return env_int("INLINE_MAX_BYTES", 1024, 0)
 
 
 def write_batch_bytes() -> int:
     """Staged bytes handed from the caller's thread to the I/O loop at a time
     (STATESNAP_WRITE_BATCH_BYTES, default 1 MiB: each slab or chunk as soon as it is staged,
     smaller writes grouped). Take only: async take holds its writes until its call returns."""
-    return _env_int("WRITE_BATCH_BYTES", _MIB, 1)
+    return env_int("WRITE_BATCH_BYTES", _MIB, 1)
 
 
 def chunk_bytes(store_hint: int | None = None) -> int:
@@ -99,37 +103,37 @@ def chunk_bytes(store_hint: int | None = None) -> int:
     written and read concurrently (STATESNAP_CHUNK_BYTES; default 128 MiB, or the storage
     plugin's ``chunk_bytes_hint`` when that is smaller)."""
     default = 128 * _MIB if store_hint is None else min(128 * _MIB, store_hint)
-    return _env_int("CHUNK_BYTES", default, 1)
+    return env_int("CHUNK_BYTES", default, 1)
 
 
 def slab_threshold_bytes() -> int:
     """Payloads up to this size are packed into shared slab blobs
     (STATESNAP_SLAB_THRESHOLD_BYTES, default 1 MiB; 0 turns slabs off)."""
-    return _env_int("SLAB_THRESHOLD_BYTES", _MIB, 0)
+    return env_int("SLAB_THRESHOLD_BYTES", _MIB, 0)
 
 
 def slab_bytes() -> int:
     """Size a slab is filled to before another is started (STATESNAP_SLAB_BYTES, default 32 MiB)."""
-    return _env_int("SLAB_BYTES", 32 * _MIB, 1)
+    return env_int("SLAB_BYTES", 32 * _MIB, 1)
 
 
 def read_gap_bytes() -> int:
     """Unwanted bytes between two wanted ranges of a blob that are read (and dropped) rather than
     asked for separately (STATESNAP_READ_GAP_BYTES, default 64 KiB)."""
-    return _env_int("READ_GAP_BYTES", 64 * 1024, 0)
+    return env_int("READ_GAP_BYTES", 64 * 1024, 0)
 
 
 def read_request_bytes() -> int:
     """Largest single read: merged ranges and pieces of one large tensor stop growing here
     (STATESNAP_READ_REQUEST_BYTES, default 32 MiB)."""
-    return _env_int("READ_REQUEST_BYTES", 32 * _MIB, 1)
+    return env_int("READ_REQUEST_BYTES", 32 * _MIB, 1)
 
 
 def collective_timeout_secs() -> int:
     """How long a rank waits in one of the library's own collectives for the others (on the gloo
     group it creates when the caller's group is not gloo) before failing
     (STATESNAP_COLLECTIVE_TIMEOUT_SECS, default 600)."""
-    return _env_int("COLLECTIVE_TIMEOUT_SECS", 600, 1)
+    return env_int("COLLECTIVE_TIMEOUT_SECS", 600, 1)
 
 
 def io_retries() -> int:
@@ -137,14 +141,14 @@ def io_retries() -> int:
     connection, "busy, try again": see ``StoragePlugin.is_transient``) is made again, with
     exponential backoff from 50 ms up to 2 s, before the operation fails
     (STATESNAP_IO_RETRIES, default 4; 0 disables retries)."""
-    return _env_int("IO_RETRIES", 4, 0)
+    return env_int("IO_RETRIES", 4, 0)
 
 
 def io_timeout_secs() -> float:
     """Longest one storage call may take, its retries included, before the operation fails with
     an error naming the blob: a stalled upload must not hang a training job
     (STATESNAP_IO_TIMEOUT_SECS, default 900)."""
-    return float(_env_int("IO_TIMEOUT_SECS", 900, 1))
+    return float(env_int("IO_TIMEOUT_SECS", 900, 1))
 
 
 def keep_open_secs() -> float:
@@ -152,7 +156,7 @@ def keep_open_secs() -> float:
     stays open after a read operation, for the next one on the same path with the same storage
     options: ``Snapshot(path)`` then ``restore``, or one ``read_object`` after another
     (STATESNAP_KEEP_OPEN_SECS, default 10; 0 closes it at once)."""
-    return float(_env_int("KEEP_OPEN_SECS", 10, 0))
+    return float(env_int("KEEP_OPEN_SECS", 10, 0))
 
 
 def max_manifest_bytes() -> int:
@@ -164,7 +168,7 @@ def max_manifest_bytes() -> int:
     # this alone. An entry takes one line of a few hundred bytes at most, so the default
     # admits millions of entries, far more than any state dict holds, while still ending a
     # read of an endless or enormous file long before it exhausts a machine's memory.
-    return _env_int("MAX_MANIFEST_BYTES", 1 << 30, 1)
+    return env_int("MAX_MANIFEST_BYTES", 1 << 30, 1)
 
 
 # -- torchsnapshot's overrides ------------------------------------------------------------------

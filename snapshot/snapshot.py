@@ -10,13 +10,13 @@ import torch
 import torch.distributed
 
 from manifest import Entry, Manifest
-from snapshot import arguments, dist, operations
+from snapshot._engine import arguments, dist, operations
 from snapshot.errors import EntryNotFoundError
-from snapshot.flatten import escape_key
+from snapshot._engine.flatten import escape_key
 from snapshot.metadata import SnapshotMetadata
-from snapshot.operations import gc_paused
+from snapshot._engine.operations import gc_paused
 from snapshot.pending import AsyncRequest, PendingSnapshot, default_queue
-from snapshot.staging import default_pool
+from snapshot._engine.staging import default_pool
 from snapshot.strategies.default import load_strategy, save_strategy
 
 T = TypeVar("T")
@@ -95,7 +95,7 @@ class Snapshot:
             replicated: glob patterns of logical paths (``"model/**"``) whose values are the
                 same on every rank: a path is replicated when every rank's patterns match it.
                 Without them too, a take across ranks stores once every value whose bytes are
-                equal on every rank (compared by a digest, ``snapshot.replication``). A
+                equal on every rank (compared by a digest, ``snapshot._engine.replication``). A
                 replicated value is written by one rank, listed once in the manifest (under
                 rank 0), and restored by any rank, on any number of ranks.
             storage_options: options for the storage plugin.
@@ -366,7 +366,7 @@ def _take_arguments(
     storage_options: object,
     prepare: object,
 ) -> tuple[str, list[str], dict[str, Any] | None]:
-    """The arguments of a take, checked before anything is written (``snapshot.arguments``):
+    """The arguments of a take, checked before anything is written (``snapshot._engine.arguments``):
     the path as a str, the globs as a list, the storage options."""
     where = arguments.snapshot_path(path, call)
     arguments.process_group(pg, call, where)

@@ -1,6 +1,6 @@
 """A CPU stand-in for CUDA's streams and copies, so tests can check the library's ordering rules
 (which stream waits for which, when copied bytes may be read, when pinned memory is used)
-without a GPU. It replaces the functions of ``snapshot.device``, the one module through which
+without a GPU. It replaces the functions of ``snapshot._engine.device``, the one module through which
 the library makes those calls.
 
 Usage::
@@ -19,26 +19,26 @@ The model:
 
 - Device tensors (``cuda.tensor(t, device=i)``) are CPU tensors of a subclass whose ``device``
   is ``cuda:i`` (``is_cuda`` True, ``is_cpu`` False, ``get_device()`` i); ``install`` adds the
-  subclasses to ``snapshot.planner._DENSE_TYPES``, so the library stores them as dense
+  subclasses to ``snapshot._engine.planner._DENSE_TYPES``, so the library stores them as dense
   tensors. Torch operations on them run at once on their CPU memory; a view or result of an
   operation on a device tensor is a device tensor on the same device (``.cpu()``,
   ``.to("cpu")``, ``.numpy()``, ``.tolist()``, ``.item()`` give host values). Read a device
   tensor's values with ``cuda.values(t)`` (it synchronizes its device first).
 - Streams: each device has a default stream, the current stream of every thread until
-  ``snapshot.device.use_stream`` makes another current; ``snapshot.device.new_stream`` makes
+  ``snapshot._engine.device.use_stream`` makes another current; ``snapshot._engine.device.new_stream`` makes
   side streams. What is queued on a stream (``launch``ed kernels, non-blocking copies, waits on
   other streams) runs in order, and only when the stream is synchronized
-  (``snapshot.device.synchronize(stream)``, ``cuda.synchronize()``) or when a stream that
-  waits on it (``snapshot.device.wait_stream``) runs past the point where it waited.
-- ``snapshot.device.copy(dst, src, non_blocking)`` between host memory and a device tensor uses
+  (``snapshot._engine.device.synchronize(stream)``, ``cuda.synchronize()``) or when a stream that
+  waits on it (``snapshot._engine.device.wait_stream``) runs past the point where it waited.
+- ``snapshot._engine.device.copy(dst, src, non_blocking)`` between host memory and a device tensor uses
   the current stream of the device tensor's device (as torch does). With ``non_blocking`` and
   pinned host memory it is queued: the bytes land when that stream runs. Otherwise the stream
   first runs what was queued on it and the copy is made at once (a synchronous copy, or one
   to or from pageable memory, waits for its stream in CUDA too). Copies between two devices
   are not modelled (AssertionError).
-- Pinned memory: ``snapshot.device.pinned_empty`` returns CPU tensors the double remembers as
+- Pinned memory: ``snapshot._engine.device.pinned_empty`` returns CPU tensors the double remembers as
   pinned (``cuda.is_pinned(t)``, views included); with ``cuda.fail_pinning = True`` it raises
-  RuntimeError, as torch does when locked memory runs out. ``snapshot.device.empty_host_cache``
+  RuntimeError, as torch does when locked memory runs out. ``snapshot._engine.device.empty_host_cache``
   only counts its calls (``cuda.host_cache_emptied``).
 - ``cuda.events`` logs every call into the seam, in order: ``("stream", i)`` (a stream made on
   device i), ``("wait", waiter, waited)``, ``("copy", i, stream, "queued" | "now")``,
@@ -61,8 +61,8 @@ from typing import Any
 import pytest
 import torch
 
-from snapshot import device as seam
-from snapshot import planner
+from snapshot._engine import device as seam
+from snapshot._engine import planner
 
 
 class FakeStream:
@@ -179,7 +179,7 @@ def _index(t: torch.Tensor) -> int | None:
 
 
 class CudaDouble:
-    """Installs itself into ``snapshot.device`` (and ``planner._DENSE_TYPES``) through
+    """Installs itself into ``snapshot._engine.device`` (and ``planner._DENSE_TYPES``) through
     ``monkeypatch``, for ``devices`` devices (see the module's docstring)."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch, devices: int = 1) -> None:
@@ -256,7 +256,7 @@ class CudaDouble:
         """The events of one kind (``"copy"``, ``"sync"``...)."""
         return [e for e in self.events if e[0] == kind]
 
-    # -- the seam (snapshot.device) -------------------------------------------------------------
+    # -- the seam (snapshot._engine.device) -------------------------------------------------------------
 
     def cuda_index(self, t: torch.Tensor) -> int | None:
         return _index(t)
@@ -318,7 +318,7 @@ class CudaDouble:
             op()
 
     def synchronize_stream(self, stream: FakeStream) -> None:
-        """``snapshot.device.synchronize``: runs what was queued on ``stream``."""
+        """``snapshot._engine.device.synchronize``: runs what was queued on ``stream``."""
         self.events.append(("sync", stream.name))
         stream.run_all()
 

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from snapshot import Snapshot, SnapshotError, StateDict
+from snapshot._engine.staging import StagingPool, default_pool
 from snapshot.pending import AsyncCallsQueue, AsyncRequest
-from snapshot.staging import StagingPool, default_pool
 from tests.plugins import gated_storage
 
 

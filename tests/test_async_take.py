@@ -18,7 +18,7 @@ from snapshot import (
     StateDict,
     StorageError,
 )
-from snapshot.operations import TakeJob
+from snapshot._engine.operations import TakeJob
 from snapshot.pending import default_queue
 from storage_plugins import register_storage_plugin, unregister_storage_plugin
 from storage_plugins.fs import FSStoragePlugin

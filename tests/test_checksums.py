@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 from manifest import ObjectEntry, TensorEntry
 from snapshot import ChecksumError, CorruptSnapshotError, Snapshot, StateDict
-from snapshot.checksum import LocationCheck, RangeDigest, WholeCheck, combine, crc32
+from snapshot._engine.checksum import LocationCheck, RangeDigest, WholeCheck, combine, crc32
 from tests.helpers import assert_same
 
 # ---------------------------------------------------------------------------------------------
@@ -344,8 +344,8 @@ def test_slab_members_are_checksummed_when_staged(pooled, checksums):
     """A slab's staging gives the CRC-32 of each member (views of tensors, a non-contiguous
     tensor gathered, an object's bytes; copied into a pooled buffer for async take), so its
     write asks the plugin for none; a blob of its own leaves its CRC to the plugin."""
-    from snapshot.planner import Layout, Placer, collect
-    from snapshot.staging import StagingPool
+    from snapshot._engine.planner import Layout, Placer, collect
+    from snapshot._engine.staging import StagingPool
 
     layout = Layout(
         chunk_bytes=1 << 20, slab_threshold_bytes=4096, slab_bytes=1 << 20, checksums=checksums

@@ -22,8 +22,8 @@ import torch
 import manifest as mf
 from manifest import DictEntry, Location, Manifest, TensorEntry
 from snapshot import Snapshot, StateDict
+from snapshot._engine.inspection import PIECE_BYTES, human_bytes, summarize_tensor, verify
 from snapshot.cli import _storage_option, main, storage_options_from
-from snapshot.inspection import PIECE_BYTES, human_bytes, summarize_tensor, verify
 from storage_plugins import register_storage_plugin, unregister_storage_plugin
 from storage_plugins.fs import FSStoragePlugin
 
@@ -86,7 +86,7 @@ def run(capsys, *argv: str) -> tuple[int, str, str]:
 
 
 def _manifest(path: str) -> Manifest:
-    from snapshot.operations import load_manifest
+    from snapshot._engine.operations import load_manifest
 
     return load_manifest(path, None)
 
@@ -314,7 +314,7 @@ def test_show_tensor_summary(capsys, snap, key, expected):
 
 
 def test_summaries_of_every_dtype_never_raise():
-    from snapshot.serialization import DTYPES
+    from snapshot._engine.serialization import DTYPES
     from tests.helpers import random_tensor
 
     for name, dtype in DTYPES.items():

@@ -25,6 +25,9 @@ import torch
 import snapshot.cli as cli
 from manifest import Location
 from snapshot import Snapshot, StateDict
+from snapshot._engine.inspection import read_entry
+from snapshot._engine.operations import load_manifest
+from snapshot._engine.text import printable, printable_message, unescape
 from snapshot.errors import (
     CorruptSnapshotError,
     EntryNotFoundError,
@@ -32,9 +35,6 @@ from snapshot.errors import (
     StateMismatchError,
     UnsafeSnapshotError,
 )
-from snapshot.inspection import read_entry
-from snapshot.operations import load_manifest
-from snapshot.text import printable, printable_message, unescape
 from tests import hostile
 from tests.helpers import seal_manifest
 
@@ -121,7 +121,7 @@ def _forge(path: str, old: str, new: str) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# snapshot.text
+# snapshot._engine.text
 
 
 def test_printable_escapes_what_a_terminal_obeys_and_keeps_the_rest():

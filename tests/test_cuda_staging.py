@@ -18,10 +18,11 @@ import zlib
 import pytest
 import torch
 
-from snapshot import Snapshot, SnapshotError, StateDict, staging
-from snapshot.inspection import verify
-from snapshot.planner import Layout, Placer, collect
-from snapshot.staging import BasicTensorAwareStateDict, StagingPool
+from snapshot import Snapshot, SnapshotError, StateDict
+from snapshot._engine import staging
+from snapshot._engine.inspection import verify
+from snapshot._engine.planner import Layout, Placer, collect
+from snapshot._engine.staging import BasicTensorAwareStateDict, StagingPool
 from storage_plugins import register_storage_plugin, unregister_storage_plugin
 from storage_plugins.fs import FSStoragePlugin
 from tests.cuda_double import CudaDouble
@@ -268,7 +269,7 @@ def test_a_failed_pin_falls_back_to_pageable_memory_with_one_warning(
     cuda.fail_pinning = True
     host = _values(3, 5, 1000) | {"big": torch.randn(100_000)}
     state = StateDict({k: cuda.tensor(v) for k, v in host.items()})
-    with caplog.at_level(logging.WARNING, logger="snapshot.staging"):
+    with caplog.at_level(logging.WARNING, logger="snapshot._engine.staging"):
         for i in range(2):
             Snapshot.async_take(str(tmp_path / f"s{i}"), {"s": state}).wait(timeout=60)
     warnings = [r for r in caplog.records if "cannot pin" in r.getMessage()]

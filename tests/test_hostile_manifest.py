@@ -34,11 +34,10 @@ from snapshot import (
     Snapshot,
     StateDict,
     UnsafeSnapshotError,
-    claims,
 )
+from snapshot._engine import claims, sharded
 from snapshot.cli import EXIT_PROBLEM, main
 from snapshot.sharding.mapping import ShardedTensor
-from snapshot.strategies import sharded
 from tests.helpers import seal_manifest
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -186,7 +185,7 @@ def test_a_plain_scalar_that_is_no_number_is_corrupt(snap, scalar):
 def test_the_torchsnapshot_reader_refuses_the_same_yaml():
     """A torchsnapshot manifest is JSON read as YAML: its YAML reader refuses what this one
     does, and deep JSON does not reach the JSON decoder's recursion."""
-    from snapshot.torchsnapshot_format import _parse
+    from snapshot._engine.torchsnapshot_format import _parse
 
     aliased = b'{version: &v "0.1.0", world_size: 1, manifest: {"0/a": *v}}'
     with pytest.raises(UnsafeSnapshotError, match="YAML anchor &v"):
@@ -554,8 +553,8 @@ def test_du_walks_the_ranks_listed_not_the_world_size_claimed(snap):
     """``du`` counts a leaf listed once under rank 0 again under every other rank: over the
     ranks the manifest lists, not every number below the world size it claims (a trillion
     would never end)."""
-    from snapshot.inspection import disk_usage
-    from snapshot.operations import load_manifest
+    from snapshot._engine.inspection import disk_usage
+    from snapshot._engine.operations import load_manifest
 
     body = _body(snap).replace("world_size: 1", "world_size: 1000000000000")
     body = body.replace("format_version: 1", "format_version: 3")
@@ -573,7 +572,7 @@ def test_du_walks_the_ranks_listed_not_the_world_size_claimed(snap):
 def test_the_pickled_pieces_check_is_linear():
     """torchsnapshot's pickled tensors are checked by the same corners."""
     from manifest import Location, PickledTensorEntry, Shard
-    from snapshot.planner import _check_pieces
+    from snapshot._engine.planner import _check_pieces
 
     loc = (Location(blob="0/0", offset=0, nbytes=8),)
     pieces = tuple(Shard(offsets=(i, 0), sizes=(1, 4), chunks=loc) for i in range(20_000)) + tuple(

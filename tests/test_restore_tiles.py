@@ -154,7 +154,7 @@ def test_device_copies_wait_for_the_callers_current_stream_of_each_device(tmp_pa
     run), with the wait on the device's default stream instead of the caller's current one
     (cuda:1's fill is on another stream), and with the copies on the I/O thread's own current
     stream (the code before: each copy at once, the fills after)."""
-    from snapshot import device as seam
+    from snapshot._engine import device as seam
 
     cuda = CudaDouble(monkeypatch, devices=2)
     values = _small_state(0)
@@ -211,7 +211,7 @@ def test_pinned_tiles_are_reused_only_once_their_copies_have_landed(tmp_path, mo
     the reads' own tiles (the copy stream is synchronized during the reads to keep them so).
 
     Fails when a tile goes back to the pool as soon as its copy is issued."""
-    from snapshot import landing
+    from snapshot._engine import landing
 
     monkeypatch.setenv("STATESNAP_MEMORY_BUDGET_BYTES", str(64 * 1024))
     monkeypatch.setenv("STATESNAP_MAX_CONCURRENT_IO", "4")
@@ -300,7 +300,7 @@ def test_device_restores_hold_pinned_tiles_within_the_budget(tmp_path, monkeypat
     region through scratch) within a 64 KiB budget: the pinned host memory alive at once
     stays within it (before, each region had a scratch tensor of its own, taken when planned:
     1 MiB of host memory at once)."""
-    from snapshot import device as seam
+    from snapshot._engine import device as seam
 
     monkeypatch.setenv("STATESNAP_MEMORY_BUDGET_BYTES", str(64 * 1024))
     cuda = CudaDouble(monkeypatch, devices=1)

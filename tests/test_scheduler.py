@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from snapshot import CorruptSnapshotError, Snapshot, StateDict, StorageError
-from snapshot.scheduler import (
+from snapshot._engine.scheduler import (
     ByteBudget,
     ReadRequest,
     Segment,
@@ -23,7 +23,7 @@ from snapshot.scheduler import (
     read_all,
     run,
 )
-from snapshot.staging import StagingPool, advise_huge_pages
+from snapshot._engine.staging import StagingPool, advise_huge_pages
 from storage_plugins.memory import MemoryStoragePlugin
 
 
@@ -326,7 +326,7 @@ def test_take_restore_and_manifest_reads_log_their_phases(tmp_path, caplog):
 def test_collector_pause_nests_across_threads():
     import gc
 
-    from snapshot.operations import gc_paused
+    from snapshot._engine.operations import gc_paused
 
     assert gc.isenabled()
     inner_done = threading.Event()

@@ -10,6 +10,7 @@ import torch
 
 from manifest import ShardedObjectEntry, ShardedTensorEntry
 from snapshot import IncompatibleSnapshotError, Snapshot, SnapshotError, StateDict
+from snapshot._engine.sharded import runs
 from snapshot.sharding import (
     LocalNonpersistentObject,
     ShardedObject,
@@ -23,7 +24,6 @@ from snapshot.strategies.default import (
     SnapshotSaveCommonStrategy,
     SnapshotSaveStrategy,
 )
-from snapshot.strategies.sharded import runs
 from storage_plugins import register_storage_plugin
 from tests.multirank import run_ranks
 from tests.plugins import LOGS, RecordingPlugin
@@ -394,7 +394,7 @@ def test_column_blocks_of_row_shards_in_one_process(tmp_path, monkeypatch, gap):
 
 def test_plan_region_reads_boxes_through_small_gaps():
     from manifest import Location, Shard
-    from snapshot.strategies.sharded import plan_region
+    from snapshot._engine.sharded import plan_region
 
     def shard(offsets, sizes, blob):
         n = sizes[0] * sizes[1] * 4

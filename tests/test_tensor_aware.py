@@ -8,6 +8,11 @@ from typing import Any
 import pytest
 import torch
 
+from snapshot._engine.staging import (
+    BasicTensorAwareStateDict,
+    TensorAwareStateDict,
+    TensorPlaceholder,
+)
 from snapshot.errors import (
     HollowStateError,
     ShapeMismatchError,
@@ -15,7 +20,6 @@ from snapshot.errors import (
     StateMismatchError,
     UnsupportedValueError,
 )
-from snapshot.staging import BasicTensorAwareStateDict, TensorAwareStateDict, TensorPlaceholder
 
 Pair = namedtuple("Pair", "first second")
 

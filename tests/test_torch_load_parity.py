@@ -16,7 +16,7 @@ import yaml
 
 import manifest as mf
 from snapshot import CorruptSnapshotError, Snapshot, StateDict
-from snapshot.inspection import diff, disk_usage, list_entries, verify
+from snapshot._engine.inspection import diff, disk_usage, list_entries, verify
 from tests.helpers import raw_bytes, seal_manifest
 from tests.multirank import run_ranks
 

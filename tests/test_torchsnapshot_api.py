@@ -28,9 +28,9 @@ from snapshot import (
     StateMismatchError,
     knobs,
 )
-from snapshot.inspection import list_entries
+from snapshot._engine.inspection import list_entries
+from snapshot._engine.operations import load_manifest
 from snapshot.metadata import SnapshotMetadata
-from snapshot.operations import load_manifest
 from snapshot.tricks.ddp import DDP_STATE_DICT_PREFIX, DistributedDataParallelAdapter
 from snapshot.version import __version__
 from tests.multirank import run_ranks

@@ -21,9 +21,9 @@ from snapshot import (
     StateDict,
     UnsafeObjectError,
     UnsupportedValueError,
-    planner,
 )
-from snapshot.serialization import raw_memoryview, tensor_memoryview
+from snapshot._engine import planner
+from snapshot._engine.serialization import raw_memoryview, tensor_memoryview
 from tests.helpers import assert_same, random_tensor, raw_bytes
 
 ALL_DTYPES = sorted({v for v in vars(torch).values() if isinstance(v, torch.dtype)}, key=str)

@@ -28,9 +28,10 @@ from manifest import (
     ShardedTensorEntry,
     TensorEntry,
 )
-from snapshot import arguments, knobs, suggest
-from snapshot.claims import ClaimCheck
-from snapshot.dist import Coordinator
+from snapshot import knobs
+from snapshot._engine import arguments, suggest
+from snapshot._engine.claims import ClaimCheck
+from snapshot._engine.dist import Coordinator
 from snapshot.errors import (
     ChecksumError,
     CorruptSnapshotError,
@@ -50,9 +51,9 @@ from snapshot.errors import (
     StorageError,
     UnsafeSnapshotError,
 )
-from snapshot.flatten import escape_key, flatten, inflate, subtree
-from snapshot.landing import Landing
-from snapshot.planner import (
+from snapshot._engine.flatten import escape_key, flatten, inflate, subtree
+from snapshot._engine.landing import Landing
+from snapshot._engine.planner import (
     Layout,
     Need,
     Placer,
@@ -73,15 +74,15 @@ from snapshot.planner import (
     plan_tensor_read,
     resolve_view,
 )
-from snapshot.replication import Decision, Facts, Pending, decide, describe, joined, settle
-from snapshot.restore_guard import (
+from snapshot._engine.replication import Decision, Facts, Pending, decide, describe, joined, settle
+from snapshot._engine.restore_guard import (
     CHECK_PIECE_BYTES,
     RestoreProgress,
     ScratchKeeper,
     check_needs,
     locations_read,
 )
-from snapshot.scheduler import (
+from snapshot._engine.scheduler import (
     IOStats,
     ReadRequest,
     WritePipeline,
@@ -100,11 +101,11 @@ from snapshot.sharding.mapping import (
     ShardedTensorFactory,
     apply_factory_merges,
 )
-from snapshot.staging import StagingPool
+from snapshot._engine.staging import StagingPool
 from snapshot.stateful import RNGState, Stateful
-from snapshot.strategies import sharded
-from snapshot.text import printable_message
-from snapshot.torchsnapshot_format import FOREIGN_MARKERS, open_foreign
+from snapshot._engine import sharded
+from snapshot._engine.text import printable_message
+from snapshot._engine.torchsnapshot_format import FOREIGN_MARKERS, open_foreign
 from snapshot.version import __version__
 from storage_plugins import StoragePlugin, UnsafeBlobError
 from storage_plugins.registry import chunk_bytes_hint

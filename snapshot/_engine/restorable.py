@@ -26,7 +26,7 @@ import zipfile
 import torch
 
 from snapshot.errors import SnapshotError, UnsafeObjectError, UnsupportedValueError
-from snapshot.serialization import decode_object
+from snapshot._engine.serialization import decode_object
 
 # Modules whose classes hold process-group state: once none of them is imported, no value can
 # hold such an instance, and the scan below is skipped.

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from manifest import Entry, Location, Shard, ShardedObjectEntry, ShardedTensorEntry
-from snapshot.checksum import LocationCheck
+from snapshot._engine.checksum import LocationCheck
 from snapshot.errors import (
     CorruptSnapshotError,
     ShapeMismatchError,

@@ -69,9 +69,9 @@ from snapshot.errors import (
     StorageError,
     UnsafeSnapshotError,
 )
-from snapshot.flatten import escape_key
-from snapshot.scheduler import call, open_plugin, read_unrecorded, refused, run
-from snapshot.text import printable_message
+from snapshot._engine.flatten import escape_key
+from snapshot._engine.scheduler import call, open_plugin, read_unrecorded, refused, run
+from snapshot._engine.text import printable_message
 from storage_plugins import StoragePlugin, UnsafeBlobError
 
 logger = logging.getLogger("snapshot")

@@ -14,7 +14,7 @@ functions below and nothing else in the library calls ``torch.cuda`` for them. T
   pins memory or makes a stream.
 
 Callers must look the functions up on this module at call time (``device.copy(...)``, not
-``from snapshot.device import copy``), so that a test's replacement is the one called.
+``from snapshot._engine.device import copy``), so that a test's replacement is the one called.
 
 Every function below except ``cuda_index`` runs only on a machine with a GPU; what each one
 does is torch's documented behaviour, which only a GPU run proves (benchmarks/gpu_check.py).

@@ -15,16 +15,17 @@ from typing import Any, TypeVar
 
 import torch
 
-from snapshot import device, knobs
+from snapshot import knobs
+from snapshot._engine import device
 from snapshot.errors import (
     HollowStateError,
     ShapeMismatchError,
     StateMismatchError,
     UnsupportedValueError,
 )
-from snapshot.flatten import join
-from snapshot.scheduler import BudgetShare, ByteBudget
-from snapshot.serialization import tensor_memoryview
+from snapshot._engine.flatten import join
+from snapshot._engine.scheduler import BudgetShare, ByteBudget
+from snapshot._engine.serialization import tensor_memoryview
 
 logger = logging.getLogger(__name__)
 

@@ -33,16 +33,16 @@ from manifest import (
     TupleEntry,
     is_container,
 )
-from snapshot import suggest
-from snapshot.checksum import combine
+from snapshot._engine import suggest
+from snapshot._engine.checksum import combine
 from snapshot.errors import EntryNotFoundError, SnapshotError, UnsafeObjectError
 from snapshot.metadata import SnapshotMetadata
-from snapshot.operations import gc_paused, load_manifest, read_object
-from snapshot.planner import resolve_view
-from snapshot.scheduler import call, call_digesting, open_storage, run
-from snapshot.serialization import dtype_name
+from snapshot._engine.operations import gc_paused, load_manifest, read_object
+from snapshot._engine.planner import resolve_view
+from snapshot._engine.scheduler import call, call_digesting, open_storage, run
+from snapshot._engine.serialization import dtype_name
 from snapshot.snapshot import Snapshot
-from snapshot.text import printable
+from snapshot._engine.text import printable
 from storage_plugins import StoragePlugin, UnsafeBlobError
 
 PIECE_BYTES = 16 << 20

@@ -31,10 +31,10 @@ from typing import Any
 import torch
 
 from manifest import Entry, Location
-from snapshot.checksum import LocationCheck, WholeCheck
+from snapshot._engine.checksum import LocationCheck, WholeCheck
 from snapshot.errors import SnapshotError
-from snapshot.planner import Need
-from snapshot.scheduler import ReadRequest
+from snapshot._engine.planner import Need
+from snapshot._engine.scheduler import ReadRequest
 from snapshot.sharding.mapping import ShardedTensor
 
 PARTIALLY = "partially"

@@ -36,9 +36,9 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple, TypeVar
 
 from manifest import PrimitiveEntry, TensorEntry
-from snapshot.checksum import combine, crc32
+from snapshot._engine.checksum import combine, crc32
 from snapshot.errors import SnapshotError
-from snapshot.planner import (
+from snapshot._engine.planner import (
     Collected,
     Layout,
     Payload,
@@ -48,8 +48,8 @@ from snapshot.planner import (
     _TensorDraft,
     _WholeTensor,
 )
-from snapshot.serialization import ADDRESS_SPACE, gather_elements
-from snapshot.staging import StagingPool
+from snapshot._engine.serialization import ADDRESS_SPACE, gather_elements
+from snapshot._engine.staging import StagingPool
 
 _T = TypeVar("_T")
 

@@ -126,7 +126,7 @@ def gather_elements(t: torch.Tensor, start: int, stop: int) -> torch.Tensor:
 
 def scatter_into_flat(flat: torch.Tensor, views: list[torch.Tensor]) -> None:
     """Copies ``views`` one after another into the 1-d tensor ``flat`` (synchronously; a
-    device's asynchronous copies go through ``snapshot.device``)."""
+    device's asynchronous copies go through ``snapshot._engine.device``)."""
     pos = 0
     for v in views:
         n = v.numel()

@@ -31,7 +31,8 @@ from itertools import accumulate, compress
 from operator import attrgetter
 from typing import Any, TypeVar
 
-from snapshot import checksum, knobs
+from snapshot import knobs
+from snapshot._engine import checksum
 from snapshot.errors import (
     CorruptSnapshotError,
     SnapshotError,

@@ -41,8 +41,8 @@ from manifest import (
     new_location,
     new_tensor_entry,
 )
-from snapshot import device
-from snapshot.checksum import LocationCheck, WholeCheck, crc32
+from snapshot._engine import device
+from snapshot._engine.checksum import LocationCheck, WholeCheck, crc32
 from snapshot.errors import (
     CorruptSnapshotError,
     ShapeMismatchError,
@@ -50,11 +50,11 @@ from snapshot.errors import (
     StateMismatchError,
     UnsupportedValueError,
 )
-from snapshot.flatten import flatten
-from snapshot.landing import Landing, Tile
-from snapshot.restorable import check_object
-from snapshot.scheduler import ReadRequest, Segment, WriteRequest
-from snapshot.serialization import (
+from snapshot._engine.flatten import flatten
+from snapshot._engine.landing import Landing, Tile
+from snapshot._engine.restorable import check_object
+from snapshot._engine.scheduler import ReadRequest, Segment, WriteRequest
+from snapshot._engine.serialization import (
     ADDRESS_SPACE,
     DTYPES,
     as_copyable,
@@ -74,9 +74,9 @@ from snapshot.sharding.mapping import (
     ShardedTensorFactory,
     is_main_replica,
 )
-from snapshot.staging import Lease, StagingPool
-from snapshot.strategies import sharded
-from snapshot.tensor_memory import shares_memory, storage_shortfall
+from snapshot._engine.staging import Lease, StagingPool
+from snapshot._engine import sharded
+from snapshot._engine.tensor_memory import shares_memory, storage_shortfall
 from storage_plugins import Buffer
 
 logger = logging.getLogger(__name__)

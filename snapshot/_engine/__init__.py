@@ -1,0 +1,1 @@
+"""The engine behind the public API: nothing here is a stable interface."""
