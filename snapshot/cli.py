@@ -1,8 +1,8 @@
 """Command line: ``python -m snapshot`` (and the ``statesnap`` console script).
 
 ``demo`` runs the demonstration; ``ls``, ``show``, ``verify``, ``du`` and ``diff`` look into an
-existing snapshot without restoring it (their logic is :mod:`snapshot._engine.inspection`; this module
-parses arguments and formats what it returns). The exit codes are :data:`EXIT_CODES`.
+existing snapshot without restoring it (their logic is :mod:`snapshot._engine.inspection`;
+this module parses arguments and formats what it returns). The exit codes are :data:`EXIT_CODES`.
 
 Whatever comes from a snapshot (logical paths, blob names, type names, values, error messages
 quoting them) is printed through :mod:`snapshot._engine.text`, so that a hostile key's control
@@ -27,7 +27,6 @@ from typing import Any, TextIO
 import torch
 
 from snapshot import __version__
-from snapshot.errors import CorruptSnapshotError, EntryNotFoundError, SnapshotError
 from snapshot._engine.inspection import (
     diff,
     disk_usage,
@@ -41,6 +40,7 @@ from snapshot._engine.inspection import (
 )
 from snapshot._engine.operations import load_manifest
 from snapshot._engine.text import printable, printable_message, unescape
+from snapshot.errors import CorruptSnapshotError, EntryNotFoundError, SnapshotError
 
 EXIT_OK = 0
 EXIT_PROBLEM = 1
@@ -256,7 +256,8 @@ def _number(value: Any) -> str:
 
 def _read_shown_key(args: argparse.Namespace) -> tuple[str, Any, Any]:
     """The entry at KEY, which may be given as ``ls`` shows it (control characters escaped,
-    :func:`~snapshot._engine.text.printable`) or as it is: the logical path, its entry and its value."""
+    :func:`~snapshot._engine.text.printable`) or as it is: the logical path, its entry and its
+    value."""
     try:
         return args.key, *read_entry(args.path, args.key, args.storage_options)
     except EntryNotFoundError as not_found:

@@ -91,7 +91,9 @@ class Options:
                 if type(value) is not bool:
                     raise InvalidArgumentError(f"Options.checksums must be a bool, got {value!r}")
                 continue
-            minimum = 1 if f.name in ("memory_budget_bytes", "chunk_bytes") else _FROM_ENV[f.name][2]
+            minimum = (
+                1 if f.name in ("memory_budget_bytes", "chunk_bytes") else _FROM_ENV[f.name][2]
+            )
             numeric = (int, float) if f.name in _SECONDS else (int,)
             if type(value) not in numeric or value < minimum:
                 kind = "a number" if f.name in _SECONDS else "an int"

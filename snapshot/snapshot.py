@@ -11,12 +11,12 @@ import torch.distributed
 
 from manifest import Entry, Manifest
 from snapshot._engine import arguments, dist, operations
-from snapshot.errors import EntryNotFoundError
 from snapshot._engine.flatten import escape_key
-from snapshot.metadata import SnapshotMetadata
 from snapshot._engine.operations import gc_paused
-from snapshot.pending import AsyncRequest, PendingSnapshot, default_queue
 from snapshot._engine.staging import default_pool
+from snapshot.errors import EntryNotFoundError
+from snapshot.metadata import SnapshotMetadata
+from snapshot.pending import AsyncRequest, PendingSnapshot, default_queue
 from snapshot.strategies.default import load_strategy, save_strategy
 
 T = TypeVar("T")

@@ -132,8 +132,7 @@ def _set_cuda_rng_states(states: list[torch.Tensor]) -> None:
         torch.cuda.set_rng_state(states[index], device=index)
     if visible != len(states):
         logger.warning(
-            "snapshot holds the RNG states of %d CUDA device(s) and %d are visible here: "
-            "%s",
+            "snapshot holds the RNG states of %d CUDA device(s) and %d are visible here: %s",
             len(states),
             visible,
             f"devices {len(states)}..{visible - 1} keep their own state"

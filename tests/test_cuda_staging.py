@@ -304,6 +304,7 @@ def test_tensor_aware_copies_are_queued_on_each_devices_current_stream(monkeypat
 # -------------------------------------------------------------------------------------------
 # The process's staging budget, shared by pending snapshots.
 
+
 @pytest.fixture
 def gated(tmp_path, monkeypatch):
     monkeypatch.setenv("STATESNAP_MEMORY_BUDGET_BYTES", str(1 << 20))

@@ -70,8 +70,9 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, set[str]]
     assert len(wheels) == 1, wheels
     wheel_names = set(zipfile.ZipFile(wheels[0]).namelist())
     missing = sorted(
-        f for f in files if f.endswith(".py") and Path(f).parts[0] in PACKAGES
-        and f not in wheel_names
+        f
+        for f in files
+        if f.endswith(".py") and Path(f).parts[0] in PACKAGES and f not in wheel_names
     )
     assert not missing, f"modules missing from the wheel: {missing}"
 
@@ -89,8 +90,17 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, set[str]]
     ).stdout.strip()
     Path(site, "statesnap_test_deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
     subprocess.run(
-        [sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", "-q",
-         str(wheels[0])],
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "--python",
+            str(python),
+            "install",
+            "--no-deps",
+            "-q",
+            str(wheels[0]),
+        ],
         check=True,
         capture_output=True,
     )
@@ -120,7 +130,9 @@ def test_every_module_imports_from_the_installed_wheel(installed, tmp_path):
     # From the environment the wheel went into, not from the source tree.
     assert Path(where).is_relative_to(python.parent.parent), where
     assert not Path(where).is_relative_to(ROOT)
-    meta = _run(python, tmp_path, "-c", "import importlib.metadata as m; print(m.version('statesnap'))")
+    meta = _run(
+        python, tmp_path, "-c", "import importlib.metadata as m; print(m.version('statesnap'))"
+    )
     assert meta.stdout.strip() == version
 
 

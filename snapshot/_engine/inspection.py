@@ -35,14 +35,14 @@ from manifest import (
 )
 from snapshot._engine import suggest
 from snapshot._engine.checksum import combine
-from snapshot.errors import EntryNotFoundError, SnapshotError, UnsafeObjectError
-from snapshot.metadata import SnapshotMetadata
 from snapshot._engine.operations import gc_paused, load_manifest, read_object
 from snapshot._engine.planner import resolve_view
 from snapshot._engine.scheduler import call, call_digesting, open_storage, run
 from snapshot._engine.serialization import dtype_name
-from snapshot.snapshot import Snapshot
 from snapshot._engine.text import printable
+from snapshot.errors import EntryNotFoundError, SnapshotError, UnsafeObjectError
+from snapshot.metadata import SnapshotMetadata
+from snapshot.snapshot import Snapshot
 from storage_plugins import StoragePlugin, UnsafeBlobError
 
 PIECE_BYTES = 16 << 20

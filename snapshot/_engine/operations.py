@@ -29,28 +29,9 @@ from manifest import (
     TensorEntry,
 )
 from snapshot import knobs
-from snapshot._engine import arguments, suggest
+from snapshot._engine import arguments, sharded, suggest
 from snapshot._engine.claims import ClaimCheck
 from snapshot._engine.dist import Coordinator
-from snapshot.errors import (
-    ChecksumError,
-    CorruptSnapshotError,
-    EntryNotFoundError,
-    IncompatibleSnapshotError,
-    IncompleteSnapshotError,
-    InvalidArgumentError,
-    NotStatefulError,
-    PathMismatchWarning,
-    PathNotEmptyError,
-    RankFailedError,
-    SnapshotError,
-    SnapshotExistsError,
-    SnapshotNotFoundError,
-    StatefulError,
-    StateMismatchError,
-    StorageError,
-    UnsafeSnapshotError,
-)
 from snapshot._engine.flatten import escape_key, flatten, inflate, subtree
 from snapshot._engine.landing import Landing
 from snapshot._engine.planner import (
@@ -96,16 +77,34 @@ from snapshot._engine.scheduler import (
     run,
     spawn,
 )
+from snapshot._engine.staging import StagingPool
+from snapshot._engine.text import printable_message
+from snapshot._engine.torchsnapshot_format import FOREIGN_MARKERS, open_foreign
+from snapshot.errors import (
+    ChecksumError,
+    CorruptSnapshotError,
+    EntryNotFoundError,
+    IncompatibleSnapshotError,
+    IncompleteSnapshotError,
+    InvalidArgumentError,
+    NotStatefulError,
+    PathMismatchWarning,
+    PathNotEmptyError,
+    RankFailedError,
+    SnapshotError,
+    SnapshotExistsError,
+    SnapshotNotFoundError,
+    StatefulError,
+    StateMismatchError,
+    StorageError,
+    UnsafeSnapshotError,
+)
 from snapshot.sharding.mapping import (
     LocalNonpersistentObject,
     ShardedTensorFactory,
     apply_factory_merges,
 )
-from snapshot._engine.staging import StagingPool
 from snapshot.stateful import RNGState, Stateful
-from snapshot._engine import sharded
-from snapshot._engine.text import printable_message
-from snapshot._engine.torchsnapshot_format import FOREIGN_MARKERS, open_foreign
 from snapshot.version import __version__
 from storage_plugins import StoragePlugin, UnsafeBlobError
 from storage_plugins.registry import chunk_bytes_hint

@@ -41,15 +41,8 @@ from manifest import (
     new_location,
     new_tensor_entry,
 )
-from snapshot._engine import device
+from snapshot._engine import device, sharded
 from snapshot._engine.checksum import LocationCheck, WholeCheck, crc32
-from snapshot.errors import (
-    CorruptSnapshotError,
-    ShapeMismatchError,
-    SnapshotError,
-    StateMismatchError,
-    UnsupportedValueError,
-)
 from snapshot._engine.flatten import flatten
 from snapshot._engine.landing import Landing, Tile
 from snapshot._engine.restorable import check_object
@@ -68,15 +61,21 @@ from snapshot._engine.serialization import (
     scatter_into_flat,
     tensor_memoryview,
 )
+from snapshot._engine.staging import Lease, StagingPool
+from snapshot._engine.tensor_memory import shares_memory, storage_shortfall
+from snapshot.errors import (
+    CorruptSnapshotError,
+    ShapeMismatchError,
+    SnapshotError,
+    StateMismatchError,
+    UnsupportedValueError,
+)
 from snapshot.sharding.mapping import (
     LocalNonpersistentObject,
     ShardedObject,
     ShardedTensorFactory,
     is_main_replica,
 )
-from snapshot._engine.staging import Lease, StagingPool
-from snapshot._engine import sharded
-from snapshot._engine.tensor_memory import shares_memory, storage_shortfall
 from storage_plugins import Buffer
 
 logger = logging.getLogger(__name__)

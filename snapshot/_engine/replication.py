@@ -37,7 +37,6 @@ from typing import Any, NamedTuple, TypeVar
 
 from manifest import PrimitiveEntry, TensorEntry
 from snapshot._engine.checksum import combine, crc32
-from snapshot.errors import SnapshotError
 from snapshot._engine.planner import (
     Collected,
     Layout,
@@ -50,6 +49,7 @@ from snapshot._engine.planner import (
 )
 from snapshot._engine.serialization import ADDRESS_SPACE, gather_elements
 from snapshot._engine.staging import StagingPool
+from snapshot.errors import SnapshotError
 
 _T = TypeVar("_T")
 

@@ -25,8 +25,8 @@ import zipfile
 
 import torch
 
-from snapshot.errors import SnapshotError, UnsafeObjectError, UnsupportedValueError
 from snapshot._engine.serialization import decode_object
+from snapshot.errors import SnapshotError, UnsafeObjectError, UnsupportedValueError
 
 # Modules whose classes hold process-group state: once none of them is imported, no value can
 # hold such an instance, and the scan below is skipped.

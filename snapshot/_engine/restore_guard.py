@@ -32,9 +32,9 @@ import torch
 
 from manifest import Entry, Location
 from snapshot._engine.checksum import LocationCheck, WholeCheck
-from snapshot.errors import SnapshotError
 from snapshot._engine.planner import Need
 from snapshot._engine.scheduler import ReadRequest
+from snapshot.errors import SnapshotError
 from snapshot.sharding.mapping import ShardedTensor
 
 PARTIALLY = "partially"

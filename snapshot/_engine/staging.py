@@ -17,15 +17,15 @@ import torch
 
 from snapshot import knobs
 from snapshot._engine import device
+from snapshot._engine.flatten import join
+from snapshot._engine.scheduler import BudgetShare, ByteBudget
+from snapshot._engine.serialization import tensor_memoryview
 from snapshot.errors import (
     HollowStateError,
     ShapeMismatchError,
     StateMismatchError,
     UnsupportedValueError,
 )
-from snapshot._engine.flatten import join
-from snapshot._engine.scheduler import BudgetShare, ByteBudget
-from snapshot._engine.serialization import tensor_memoryview
 
 logger = logging.getLogger(__name__)
 

@@ -62,6 +62,9 @@ from manifest import (
     TensorEntry,
 )
 from snapshot import knobs
+from snapshot._engine.flatten import escape_key
+from snapshot._engine.scheduler import call, open_plugin, read_unrecorded, refused, run
+from snapshot._engine.text import printable_message
 from snapshot.errors import (
     CorruptSnapshotError,
     IncompatibleSnapshotError,
@@ -69,9 +72,6 @@ from snapshot.errors import (
     StorageError,
     UnsafeSnapshotError,
 )
-from snapshot._engine.flatten import escape_key
-from snapshot._engine.scheduler import call, open_plugin, read_unrecorded, refused, run
-from snapshot._engine.text import printable_message
 from storage_plugins import StoragePlugin, UnsafeBlobError
 
 logger = logging.getLogger("snapshot")

@@ -15,11 +15,11 @@ from typing import Any
 
 from manifest import Manifest, ShardedObjectEntry, ShardedTensorEntry
 from snapshot._engine import arguments, dist, operations
+from snapshot._engine.serialization import dtype_from_name
+from snapshot._engine.staging import default_pool
 from snapshot.errors import IncompatibleSnapshotError, SnapshotError
 from snapshot.pending import AsyncRequest
-from snapshot._engine.serialization import dtype_from_name
 from snapshot.sharding.mapping import ShardedObject, ShardedTensor
-from snapshot._engine.staging import default_pool
 from snapshot.stateful import StateDict
 from snapshot.strategies.base import (
     AsyncSaveShardedStrategy,
