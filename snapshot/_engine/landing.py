@@ -30,10 +30,10 @@ gaps, a decoded pickle) go to a device synchronously, on the copy stream too (``
 
 Every call into CUDA goes through ``snapshot._engine.device`` (looked up at call time), which
 tests on CPU replace with ``tests/cuda_double.py``: that double holds each non-blocking copy
-until its
-stream is synchronized, so the rules above are tested without a GPU. That they hold on a real
-device (the stream wait covers the caller's kernels queued before the read; copies from pinned
-tiles overlap the reads; a copy stream's synchronize is the last wait) only a GPU run proves.
+until its stream is synchronized, so the rules above are tested without a GPU. That they hold
+on a real device (the stream wait covers the caller's kernels queued before the read; copies
+from pinned tiles overlap the reads; a copy stream's synchronize is the last wait) only a GPU
+run proves.
 """
 
 from __future__ import annotations
