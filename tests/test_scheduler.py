@@ -13,12 +13,10 @@ import pytest
 import torch
 
 from snapshot import CorruptSnapshotError, Snapshot, StateDict, StorageError
+from snapshot._engine.requests import ReadRequest, Segment, WriteRequest
 from snapshot._engine.scheduler import (
     ByteBudget,
-    ReadRequest,
-    Segment,
     WritePipeline,
-    WriteRequest,
     io_loop,
     read_all,
     run,

@@ -56,6 +56,7 @@ from snapshot._engine.planner import (
     resolve_view,
 )
 from snapshot._engine.replication import Decision, Facts, Pending, decide, describe, joined, settle
+from snapshot._engine.requests import ReadRequest
 from snapshot._engine.restore_guard import (
     CHECK_PIECE_BYTES,
     RestoreProgress,
@@ -65,7 +66,6 @@ from snapshot._engine.restore_guard import (
 )
 from snapshot._engine.scheduler import (
     IOStats,
-    ReadRequest,
     WritePipeline,
     call,
     join,

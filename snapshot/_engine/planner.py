@@ -45,8 +45,8 @@ from snapshot._engine import device, sharded
 from snapshot._engine.checksum import LocationCheck, WholeCheck, crc32
 from snapshot._engine.flatten import flatten
 from snapshot._engine.landing import Landing, Tile
+from snapshot._engine.requests import ReadRequest, Segment, WriteRequest
 from snapshot._engine.restorable import check_object
-from snapshot._engine.scheduler import ReadRequest, Segment, WriteRequest
 from snapshot._engine.serialization import (
     ADDRESS_SPACE,
     DTYPES,

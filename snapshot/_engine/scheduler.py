@@ -28,11 +28,16 @@ from collections.abc import Awaitable, Callable, Coroutine, Iterable, Iterator, 
 from contextlib import contextmanager
 from dataclasses import dataclass
 from itertools import accumulate, compress
-from operator import attrgetter
 from typing import Any, TypeVar
 
 from snapshot import knobs
 from snapshot._engine import checksum
+from snapshot._engine.requests import (
+    ReadRequest,
+    WriteRequest,
+    segment_bytes,
+    segment_verify,
+)
 from snapshot.errors import (
     CorruptSnapshotError,
     SnapshotError,
@@ -408,71 +413,6 @@ class BudgetShare:
 def _fail_future(future: asyncio.Future[None], error: BaseException) -> None:
     if not future.done():
         future.set_exception(error)
-
-
-# ---------------------------------------------------------------------------------------------
-# Requests.
-
-
-@dataclass(slots=True)
-class WriteRequest:
-    """One blob to write.
-
-    ``stage`` runs on the caller's thread and returns the buffers to write (their concatenation
-    is the blob, ``nbytes`` long) and an object to keep alive until the write is done (the tensor
-    the buffers view, or a pooled buffer's lease, released when the write is done).
-    ``staging_bytes`` is the memory ``stage`` allocates, held against the budget until the
-    write completes: 0 for zero-copy views. The CRC-32 of each ``(offset, nbytes)`` range of
-    ``checksum_ranges`` is computed by the plugin as it writes (``write_observed``), and kept
-    in the pipeline's ``checksums`` under ``(blob, offset)``. (A request whose ``stage``
-    checksums its bytes itself, as a slab's does, lists no ranges.)
-    """
-
-    blob: str
-    nbytes: int
-    staging_bytes: int
-    stage: Callable[[], tuple[Sequence[Buffer], object]]
-    label: str
-    checksum_ranges: Sequence[tuple[int, int]] = ()
-
-
-@dataclass(slots=True)
-class Segment:
-    """``nbytes`` consecutive bytes of a read: into ``dest()``, or skipped when ``dest`` is None
-    (a gap between two wanted ranges, cheaper to read than to ask for separately). When
-    ``verify`` is set, it is given the CRC-32 of the bytes that landed (computed by the plugin as
-    it reads: ``readv_observed``), before the read's ``done`` runs; it raises if they are not
-    the bytes expected."""
-
-    nbytes: int
-    dest: Callable[[], memoryview] | None
-    verify: Callable[[int], None] | None = None
-
-
-_segment_bytes = attrgetter("nbytes")
-_segment_verify = attrgetter("verify")
-
-
-@dataclass(slots=True)
-class ReadRequest:
-    """One scatter read: the bytes of ``blob`` from ``offset`` on, into ``segments`` in order.
-
-    Each segment's ``dest`` is called on the I/O loop just before the read (so memory is
-    allocated only when the budget allows); ``done`` runs after the bytes have landed.
-    ``scratch_bytes`` is the memory the ``dest`` calls allocate that ``done`` frees (0 when
-    reading straight into destination tensors).
-    """
-
-    blob: str
-    offset: int
-    segments: list[Segment]
-    scratch_bytes: int
-    done: Callable[[], None] | None
-    label: str
-
-    @property
-    def nbytes(self) -> int:
-        return sum(map(_segment_bytes, self.segments))
 
 
 @dataclass(frozen=True, slots=True)
@@ -909,12 +849,12 @@ async def _read(plugin: StoragePlugin, req: ReadRequest, outs: list[memoryview])
     """One read request into ``outs`` (one per segment), then each segment's ``verify`` with
     the CRC-32 of what landed in it."""
     # C-level passes over the segments: a read of a slab has one per member, thousands.
-    verifiers = list(map(_segment_verify, req.segments))
+    verifiers = list(map(segment_verify, req.segments))
     if not any(verifiers):
         op = functools.partial(plugin.readv, req.blob, req.offset, outs)
         await call(plugin, "read", req.blob, req.label, op)
         return
-    sizes = list(map(_segment_bytes, req.segments))
+    sizes = list(map(segment_bytes, req.segments))
     starts = accumulate(sizes, initial=0)  # one more value than sizes: zip stops first
     ranges = list(compress(zip(starts, sizes, strict=False), verifiers))
     verifiers = list(filter(None, verifiers))

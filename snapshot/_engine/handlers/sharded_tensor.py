@@ -8,7 +8,7 @@ from snapshot._engine.handlers.table import Handler
 # (the take side's imports and code go here)
 
 
-def take(planner, path, logical, value, replicated):  # noqa: ANN001, ANN201 - placeholder
+def take(planner, path, logical, value, replicated):
     raise NotImplementedError
 
 
@@ -16,7 +16,7 @@ def take(planner, path, logical, value, replicated):  # noqa: ANN001, ANN201 - p
 # (the restore side's imports and code go here)
 
 
-def restore(loader, path, entry, target):  # noqa: ANN001, ANN201 - placeholder
+def restore(loader, path, entry, target):
     raise NotImplementedError
 
 
