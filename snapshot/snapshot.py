@@ -11,8 +11,8 @@ import torch.distributed
 
 from manifest import Entry, Manifest
 from snapshot._engine import arguments, dist, operations
+from snapshot._engine.context import gc_paused
 from snapshot._engine.flatten import escape_key
-from snapshot._engine.operations import gc_paused
 from snapshot._engine.staging import default_pool
 from snapshot.errors import EntryNotFoundError
 from snapshot.metadata import SnapshotMetadata

@@ -63,6 +63,7 @@ import torch
 
 from snapshot._engine import device as seam
 from snapshot._engine import planner
+from snapshot._engine.handlers import dense
 
 
 class FakeStream:
@@ -194,6 +195,7 @@ class CudaDouble:
         self._pinned: list[tuple[weakref.ref[torch.Tensor], int, int]] = []
         classes = tuple(device_class(i) for i in range(devices))
         monkeypatch.setattr(planner, "_DENSE_TYPES", (*planner._DENSE_TYPES, *classes))
+        monkeypatch.setattr(dense, "_DENSE_TYPES", (*dense._DENSE_TYPES, *classes))
         for name, fn in {
             "cuda_index": self.cuda_index,
             "current_stream": self.current_stream,

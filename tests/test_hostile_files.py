@@ -35,8 +35,9 @@ from snapshot import (
     StorageError,
     UnsafeSnapshotError,
 )
+from snapshot._engine.commit import MANIFEST_NAME
 from snapshot._engine.inspection import verify
-from snapshot._engine.operations import MANIFEST_NAME, load_manifest
+from snapshot._engine.operations import load_manifest
 from snapshot.cli import EXIT_OK, EXIT_PROBLEM, main
 from storage_plugins import (
     BlobTooLargeError,

@@ -324,7 +324,7 @@ def test_take_restore_and_manifest_reads_log_their_phases(tmp_path, caplog):
 def test_collector_pause_nests_across_threads():
     import gc
 
-    from snapshot._engine.operations import gc_paused
+    from snapshot._engine.context import gc_paused
 
     assert gc.isenabled()
     inner_done = threading.Event()

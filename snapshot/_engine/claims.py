@@ -27,7 +27,7 @@ from typing import Any
 from manifest import Entry, Location, Manifest, ShardedTensorEntry, TensorEntry, is_container
 from snapshot import knobs
 from snapshot._engine import sharded
-from snapshot._engine.planner import is_dense_tensor
+from snapshot._engine.handlers.dense import is_dense_tensor
 from snapshot._engine.scheduler import call, open_storage, run
 from snapshot.errors import CorruptSnapshotError
 from snapshot.sharding.mapping import LocalNonpersistentObject

@@ -35,7 +35,8 @@ from manifest import (
 )
 from snapshot._engine import suggest
 from snapshot._engine.checksum import combine
-from snapshot._engine.operations import gc_paused, load_manifest, read_object
+from snapshot._engine.context import gc_paused
+from snapshot._engine.operations import load_manifest, read_object
 from snapshot._engine.planner import resolve_view
 from snapshot._engine.scheduler import call, call_digesting, open_storage, run
 from snapshot._engine.serialization import dtype_name

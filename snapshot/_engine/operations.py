@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import logging
 import os
-import re
 import threading
 import time
 import warnings
@@ -31,8 +29,11 @@ from manifest import (
 from snapshot import knobs
 from snapshot._engine import arguments, sharded, suggest
 from snapshot._engine.claims import ClaimCheck
+from snapshot._engine.commit import LISTED_NAMES, MANIFEST_NAME, PENDING_NAME, left_by_a_take
+from snapshot._engine.context import gc_paused, naming_snapshot
 from snapshot._engine.dist import Coordinator
 from snapshot._engine.flatten import escape_key, flatten, inflate, subtree
+from snapshot._engine.handlers.dense import is_dense_tensor
 from snapshot._engine.landing import Landing
 from snapshot._engine.planner import (
     Layout,
@@ -46,7 +47,6 @@ from snapshot._engine.planner import (
     coalesce,
     collect,
     direct_read,
-    is_dense_tensor,
     needs_label,
     place,
     plan_object_read,
@@ -111,23 +111,6 @@ from storage_plugins.registry import chunk_bytes_hint
 
 logger = logging.getLogger("snapshot")
 
-MANIFEST_NAME = "manifest.yaml"
-# Written before the first blob and deleted after the commit: its presence without a manifest
-# means a take was interrupted.
-PENDING_NAME = ".statesnap-pending"
-
-# What a take writes at the top of its directory, and so what an interrupted one may leave
-# there (with the pending marker, or without it once its cleanup deleted the marker): rank
-# directories of blobs ("0", "1", ...) and the local plugin's temporary files
-# (".<name>.<12 hex digits>.tmp", renamed into place when written).
-_TAKE_DEBRIS = re.compile(r"[0-9]+|\.statesnap-pending|\..+\.[0-9a-f]{12}\.tmp")
-# Names of the directory asked for before a take: beyond the debris of a few thousand ranks.
-_LISTED_NAMES = 4096
-
-
-def _left_by_a_take(name: str) -> bool:
-    return _TAKE_DEBRIS.fullmatch(name) is not None
-
 
 def _ordered_keys(app_state: Mapping[str, Any]) -> list[str]:
     """app_state keys with RNGState values last, so capturing or restoring the other objects
@@ -155,26 +138,6 @@ def check_app_state(app_state: Any, path: str) -> None:
             )
 
 
-@contextlib.contextmanager
-def naming_snapshot(where: str) -> Iterator[None]:
-    """Errors about an entry (which name its logical path) also name the snapshot they were
-    met in."""
-    try:
-        yield
-    except SnapshotError as e:
-        if isinstance(e, RankFailedError):
-            raise
-        text = str(e)
-        named = text if where in text else f"snapshot {where}: {text}"
-        # The logical paths and names in the message come from the manifest: escaped, so that
-        # a traceback or a log line shows a hostile key's control characters instead of
-        # obeying them.
-        shown = printable_message(named)
-        if shown == text:
-            raise
-        raise type(e)(shown) from e.__cause__
-
-
 def _state_dict(key: str, value: Stateful, path: str) -> Any:
     try:
         return value.state_dict()
@@ -182,36 +145,6 @@ def _state_dict(key: str, value: Stateful, path: str) -> Any:
         raise StatefulError(
             f"snapshot {path}: app_state[{key!r}].state_dict() raised {type(e).__name__}: {e}"
         ) from e
-
-
-_gc_lock = threading.Lock()
-_gc_depth = 0
-_gc_was_enabled = False
-
-
-@contextlib.contextmanager
-def gc_paused() -> Iterator[None]:
-    """Pauses the cyclic garbage collector while a phase builds many small acyclic objects.
-
-    Planning or decoding 100,000 entries allocates several objects per entry; each allocation
-    burst triggers full collections that walk every object of the process (the model's included)
-    and cost more than the work itself. Reference counting still frees everything at once; the
-    collector resumes, with its previous setting, when the last overlapping phase (any thread)
-    ends.
-    """
-    global _gc_depth, _gc_was_enabled
-    with _gc_lock:
-        if _gc_depth == 0:
-            _gc_was_enabled = gc.isenabled()
-            gc.disable()
-        _gc_depth += 1
-    try:
-        yield
-    finally:
-        with _gc_lock:
-            _gc_depth -= 1
-            if _gc_depth == 0 and _gc_was_enabled:
-                gc.enable()
 
 
 def _describe(plugin: StoragePlugin) -> str:
@@ -518,7 +451,7 @@ class TakeJob:
         names = (MANIFEST_NAME, *FOREIGN_MARKERS)
         *found, listed = await asyncio.gather(
             *(call(plugin, "check", n, where, lambda n=n: plugin.exists(n)) for n in names),
-            call(plugin, "list", "", where, lambda: plugin.list_names(_LISTED_NAMES)),
+            call(plugin, "list", "", where, lambda: plugin.list_names(LISTED_NAMES)),
         )
         if found[0]:
             raise SnapshotExistsError(
@@ -535,7 +468,7 @@ class TakeJob:
         # with them, and deleting the snapshot would take them along or leave it half there.
         # Missing, empty, or holding what an interrupted take left is fine. Only stores that
         # can list cheaply are checked (``StoragePlugin.list_names``: local disk, memory, S3).
-        others = sorted(n for n in listed or () if not _left_by_a_take(n))
+        others = sorted(n for n in listed or () if not left_by_a_take(n))
         if others:
             shown = ", ".join(repr(n) for n in others[:5]) + (", ..." if len(others) > 5 else "")
             raise PathNotEmptyError(

@@ -44,6 +44,7 @@ from manifest import (
 from snapshot._engine import device, sharded
 from snapshot._engine.checksum import LocationCheck, WholeCheck, crc32
 from snapshot._engine.flatten import flatten
+from snapshot._engine.handlers.dense import is_dense_tensor
 from snapshot._engine.landing import Landing, Tile
 from snapshot._engine.requests import ReadRequest, Segment, WriteRequest
 from snapshot._engine.restorable import check_object
@@ -91,17 +92,6 @@ _INLINE_TYPES = (bool, int, float, type(None))
 _DENSE_TYPES = (torch.Tensor, torch.nn.Parameter)
 _TENSOR = torch.Tensor
 _STRIDED = torch.strided
-
-
-def is_dense_tensor(value: object) -> bool:
-    """Whether ``value`` is stored as raw bytes (a strided, non-quantized plain tensor; not a
-    nested one, whose layout says strided but which has no one shape: torch.save stores it)."""
-    return (
-        type(value) in _DENSE_TYPES
-        and value.layout is _STRIDED  # type: ignore[union-attr]
-        and not value.is_quantized  # type: ignore[union-attr]
-        and not value.is_nested  # type: ignore[union-attr]
-    )
 
 
 def _type_name(value: object) -> str:
