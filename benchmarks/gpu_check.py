@@ -50,10 +50,10 @@ from typing import Any
 
 import torch
 
-from snapshot import Snapshot, StateDict
-from snapshot._engine import staging
-from snapshot._engine.inspection import verify
+from snapshot import Options, Snapshot, StateDict
+from snapshot._engine import runtime
 from snapshot._engine.serialization import DTYPES
+from snapshot._engine.verify import verify
 
 FAILURES: list[str] = []
 MIB = 1 << 20
@@ -218,7 +218,7 @@ def _budget_state(env: Env, seed: int) -> tuple[StateDict, dict[str, torch.Tenso
 def check_budget(env: Env) -> None:
     budget = 4 * MIB
     rounds = 2 if env.quick else 6
-    pool = staging.default_pool()
+    pool = runtime.get().staging_pool(Options.from_env())
     held = [0]  # the most bytes of the shared staging budget held at once, sampled
     stop = threading.Event()
 
@@ -289,7 +289,8 @@ def check_dtensor(env: Env) -> None:
     budget = 64 * MIB
     path = env.path("dtensor")
     env.sync()
-    staging.default_pool().clear()  # what this take stages is counted, not earlier checks' blocks
+    # What this take stages is counted, not earlier checks' blocks.
+    runtime.get().staging_pool(Options.from_env()).clear()
     with env_var("STATESNAP_MEMORY_BUDGET_BYTES", str(budget)), PeakRSS() as peak:
         Snapshot.async_take(path, {"m": state}).wait(timeout=300)
     verified(path, "dtensor")

@@ -1,21 +1,17 @@
 """The snapshot manifest: pure data (entries) and its YAML codec (with its checksum); no I/O,
-no torch."""
+no torch. Modules: ``entries`` (the data), ``codec`` (the file: writing, reading, the checksum
+line), ``decode`` (every field of an entry checked), ``yaml_loader`` (the safe YAML subset),
+``errors``."""
 
 from manifest.codec import (
-    MAX_DEPTH,
     EntryFormatter,
-    ManifestChecksumError,
-    ManifestDecodeError,
-    UnsafeManifestError,
-    UnsupportedFormatError,
-    check_blob_path,
     dumps,
     dumps_entries,
     entry_to_dict,
-    load_yaml,
     loads,
     nests_within,
 )
+from manifest.decode import check_blob_path
 from manifest.entries import (
     FORMAT_VERSION,
     REPLICATED_ONCE_VERSION,
@@ -38,6 +34,13 @@ from manifest.entries import (
     new_location,
     new_tensor_entry,
 )
+from manifest.errors import (
+    ManifestChecksumError,
+    ManifestDecodeError,
+    UnsafeManifestError,
+    UnsupportedFormatError,
+)
+from manifest.yaml_loader import MAX_DEPTH, load_yaml
 
 __all__ = [
     "FORMAT_VERSION",

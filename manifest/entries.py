@@ -111,8 +111,8 @@ class TensorEntry(Entry):
 
 # Constructors of the two records a manifest holds one of per tensor, for the paths that make
 # tens of thousands of them (planning a take, decoding a manifest): the same objects as the
-# dataclass constructors make, in about half the time (they set the slots directly, where the
-# generated ``__init__`` parses keywords and goes through ``object.__setattr__`` per field).
+# dataclass constructors make, for less work (they set the slots directly, where the generated
+# ``__init__`` parses keywords and goes through ``object.__setattr__`` per field).
 # Like the constructors, they check nothing.
 _new = object.__new__
 _set_blob = Location.blob.__set__  # type: ignore[attr-defined]

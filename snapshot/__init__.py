@@ -1,13 +1,16 @@
 """statesnap: snapshots of a PyTorch application's whole state, to local disk or object storage.
 
 Public API: :class:`Snapshot`, :class:`PendingSnapshot`, :class:`StateDict`, :class:`RNGState`,
-:class:`Stateful` and the errors below :class:`SnapshotError`.
+:class:`Stateful`, :class:`Options` (the tunables of one call), the errors below
+:class:`SnapshotError` (and :class:`PathMismatchWarning`), and ``__version__``. Sharded state is
+described with :mod:`snapshot.sharding`.
 """
 
 from snapshot.errors import (
     ChecksumError,
     CorruptSnapshotError,
     EntryNotFoundError,
+    HollowStateError,
     IncompatibleSnapshotError,
     IncompleteSnapshotError,
     InvalidArgumentError,
@@ -26,6 +29,7 @@ from snapshot.errors import (
     UnsafeSnapshotError,
     UnsupportedValueError,
 )
+from snapshot.options import Options
 from snapshot.pending import PendingSnapshot
 from snapshot.snapshot import Snapshot
 from snapshot.stateful import RNGState, StateDict, Stateful
@@ -35,10 +39,12 @@ __all__ = [
     "ChecksumError",
     "CorruptSnapshotError",
     "EntryNotFoundError",
+    "HollowStateError",
     "IncompatibleSnapshotError",
     "IncompleteSnapshotError",
     "InvalidArgumentError",
     "NotStatefulError",
+    "Options",
     "PathMismatchWarning",
     "PathNotEmptyError",
     "PendingSnapshot",

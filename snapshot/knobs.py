@@ -1,5 +1,7 @@
-"""Tunables, each overridable by an environment variable of the same name prefixed STATESNAP_,
-and some, within a ``with`` block, by torchsnapshot's ``override_*`` context managers (below)."""
+"""The environment's side of the tunables: ``STATESNAP_*`` variables, read by
+:meth:`snapshot.Options.from_env` when a call starts, and torchsnapshot's ``override_*`` context
+managers (below), which set the same values within a ``with`` block. The engine itself reads
+no tunable here: it is given an :class:`~snapshot.Options`."""
 
 from __future__ import annotations
 
@@ -58,19 +60,6 @@ def _available_memory_bytes() -> int | None:
     return pages * page_size if pages > 0 and page_size > 0 else None
 
 
-def checksums() -> bool:
-    """Whether take records a CRC-32 of every stored range (and of the manifest), and restore
-    and read_object verify what they read against them (STATESNAP_CHECKSUMS, default 1; 0 turns
-    both off: a take then records none, and reads check none, not even a snapshot's that has
-    them)."""
-    return env_int("CHECKSUMS", 1, 0) != 0
-
-
-def max_concurrent_io() -> int:
-    """Blob reads/writes in flight at once (STATESNAP_MAX_CONCURRENT_IO, default 16)."""
-    return env_int("MAX_CONCURRENT_IO", 16, 1)
-
-
 def default_memory_budget(reclaimable_bytes: int = 0) -> int:
     """A quarter of the memory available now (plus ``reclaimable_bytes``), within
     [64 MiB, 4 GiB]: the staging budget when none is set."""
@@ -78,97 +67,6 @@ def default_memory_budget(reclaimable_bytes: int = 0) -> int:
     default = 1024 * _MIB if available is None else (available + reclaimable_bytes) // 4
     return max(64 * _MIB, min(default, 4096 * _MIB))
 
-
-def memory_budget_bytes(reclaimable_bytes: int = 0) -> int:
-    """STATESNAP_MEMORY_BUDGET_BYTES, else ``default_memory_budget``."""
-    value = env_int("MEMORY_BUDGET_BYTES", None, 1)
-    return default_memory_budget(reclaimable_bytes) if value is None else value
-
-
-def inline_max_bytes() -> int:
-    """str/bytes values up to this size live in the manifest; longer ones get a blob of their own
-    (STATESNAP_INLINE_MAX_BYTES, default 1024)."""
-    return env_int("INLINE_MAX_BYTES", 1024, 0)
-
-
-def write_batch_bytes() -> int:
-    """Staged bytes handed from the caller's thread to the I/O loop at a time
-    (STATESNAP_WRITE_BATCH_BYTES, default 1 MiB: each slab or chunk as soon as it is staged,
-    smaller writes grouped). Take only: async take holds its writes until its call returns."""
-    return env_int("WRITE_BATCH_BYTES", _MIB, 1)
-
-
-def chunk_bytes(store_hint: int | None = None) -> int:
-    """Tensors larger than this are split into chunks of about this size, each its own blob,
-    written and read concurrently (STATESNAP_CHUNK_BYTES; default 128 MiB, or the storage
-    plugin's ``chunk_bytes_hint`` when that is smaller)."""
-    default = 128 * _MIB if store_hint is None else min(128 * _MIB, store_hint)
-    return env_int("CHUNK_BYTES", default, 1)
-
-
-def slab_threshold_bytes() -> int:
-    """Payloads up to this size are packed into shared slab blobs
-    (STATESNAP_SLAB_THRESHOLD_BYTES, default 1 MiB; 0 turns slabs off)."""
-    return env_int("SLAB_THRESHOLD_BYTES", _MIB, 0)
-
-
-def slab_bytes() -> int:
-    """Size a slab is filled to before another is started (STATESNAP_SLAB_BYTES, default 32 MiB)."""
-    return env_int("SLAB_BYTES", 32 * _MIB, 1)
-
-
-def read_gap_bytes() -> int:
-    """Unwanted bytes between two wanted ranges of a blob that are read (and dropped) rather than
-    asked for separately (STATESNAP_READ_GAP_BYTES, default 64 KiB)."""
-    return env_int("READ_GAP_BYTES", 64 * 1024, 0)
-
-
-def read_request_bytes() -> int:
-    """Largest single read: merged ranges and pieces of one large tensor stop growing here
-    (STATESNAP_READ_REQUEST_BYTES, default 32 MiB)."""
-    return env_int("READ_REQUEST_BYTES", 32 * _MIB, 1)
-
-
-def collective_timeout_secs() -> int:
-    """How long a rank waits in one of the library's own collectives for the others (on the gloo
-    group it creates when the caller's group is not gloo) before failing
-    (STATESNAP_COLLECTIVE_TIMEOUT_SECS, default 600)."""
-    return env_int("COLLECTIVE_TIMEOUT_SECS", 600, 1)
-
-
-def io_retries() -> int:
-    """How many times a storage call that failed with a transient error (a timeout, a dropped
-    connection, "busy, try again": see ``StoragePlugin.is_transient``) is made again, with
-    exponential backoff from 50 ms up to 2 s, before the operation fails
-    (STATESNAP_IO_RETRIES, default 4; 0 disables retries)."""
-    return env_int("IO_RETRIES", 4, 0)
-
-
-def io_timeout_secs() -> float:
-    """Longest one storage call may take, its retries included, before the operation fails with
-    an error naming the blob: a stalled upload must not hang a training job
-    (STATESNAP_IO_TIMEOUT_SECS, default 900)."""
-    return float(env_int("IO_TIMEOUT_SECS", 900, 1))
-
-
-def keep_open_secs() -> float:
-    """How long a storage plugin that is expensive to make (``StoragePlugin.keep_open``: S3's)
-    stays open after a read operation, for the next one on the same path with the same storage
-    options: ``Snapshot(path)`` then ``restore``, or one ``read_object`` after another
-    (STATESNAP_KEEP_OPEN_SECS, default 10; 0 closes it at once)."""
-    return float(env_int("KEEP_OPEN_SECS", 10, 0))
-
-
-def max_manifest_bytes() -> int:
-    """Largest manifest a snapshot is opened with (STATESNAP_MAX_MANIFEST_BYTES, default
-    1 GiB): a larger one is refused before it is read, or as soon as a read passes the limit
-    (a store's reported length may be wrong), so that a hostile or damaged snapshot cannot make
-    opening it read without end. Raise it to open a snapshot with a larger manifest."""
-    # The manifest is the one file whose length nothing records, so its reads are bounded by
-    # this alone. An entry takes one line of a few hundred bytes at most, so the default
-    # admits millions of entries, far more than any state dict holds, while still ending a
-    # read of an endless or enormous file long before it exhausts a machine's memory.
-    return env_int("MAX_MANIFEST_BYTES", 1 << 30, 1)
 
 
 # -- torchsnapshot's overrides ------------------------------------------------------------------
@@ -208,7 +106,7 @@ def _checked(what: str, value: int, minimum: int) -> int:
 
 def override_max_chunk_size_bytes(max_chunk_size_bytes: int) -> AbstractContextManager[None]:
     """Within the ``with`` block, tensors larger than ``max_chunk_size_bytes`` are split into
-    chunks of about that size: sets :func:`chunk_bytes` (STATESNAP_CHUNK_BYTES), which also
+    chunks of about that size: sets ``Options.chunk_bytes`` (STATESNAP_CHUNK_BYTES), which also
     cuts the pieces of sharded tensors (see :func:`override_max_shard_size_bytes`)."""
     value = _checked("max_chunk_size_bytes", max_chunk_size_bytes, 1)
     return _override({"CHUNK_BYTES": value})
@@ -217,7 +115,7 @@ def override_max_chunk_size_bytes(max_chunk_size_bytes: int) -> AbstractContextM
 def override_max_shard_size_bytes(max_shard_size_bytes: int) -> AbstractContextManager[None]:
     """Within the ``with`` block, each rank's piece of a sharded tensor is written in parts of
     at most about ``max_shard_size_bytes``. This library cuts such a piece as it cuts any
-    tensor, by :func:`chunk_bytes` (STATESNAP_CHUNK_BYTES), so this sets that knob, for dense
+    tensor, by ``Options.chunk_bytes`` (STATESNAP_CHUNK_BYTES), so this sets that knob, for dense
     tensors too: it is the same knob as :func:`override_max_chunk_size_bytes` sets (with both
     open, the block entered last wins)."""
     value = _checked("max_shard_size_bytes", max_shard_size_bytes, 1)
@@ -230,8 +128,8 @@ def override_slab_size_threshold_bytes(
     """Within the ``with`` block, tensors of up to about ``slab_size_threshold_bytes`` are
     packed together into slabs of about that size. torchsnapshot's one knob is both the size
     limit of a slab's members and the size a slab is filled to, so this sets two of this
-    library's: :func:`slab_threshold_bytes` (STATESNAP_SLAB_THRESHOLD_BYTES) and
-    :func:`slab_bytes` (STATESNAP_SLAB_BYTES). 0 turns slabs off."""
+    library's: ``Options.slab_threshold_bytes`` (STATESNAP_SLAB_THRESHOLD_BYTES) and
+    ``Options.slab_bytes`` (STATESNAP_SLAB_BYTES). 0 turns slabs off."""
     value = _checked("slab_size_threshold_bytes", slab_size_threshold_bytes, 0)
     # slab_bytes must stay positive; with a threshold of 0 no slab is made anyway.
     return _override({"SLAB_THRESHOLD_BYTES": value, "SLAB_BYTES": max(value, 1)})
@@ -241,7 +139,7 @@ def override_max_per_rank_io_concurrency(
     max_per_rank_io_concurrency: int,
 ) -> AbstractContextManager[None]:
     """Within the ``with`` block, each process keeps at most ``max_per_rank_io_concurrency``
-    blob reads or writes in flight: sets :func:`max_concurrent_io`
+    blob reads or writes in flight: sets ``Options.max_concurrent_io``
     (STATESNAP_MAX_CONCURRENT_IO)."""
     value = _checked("max_per_rank_io_concurrency", max_per_rank_io_concurrency, 1)
     return _override({"MAX_CONCURRENT_IO": value})

@@ -79,7 +79,12 @@ class Options:
     io_timeout_secs: float | None = None
     #: How long an expensive storage plugin (S3's) stays open after a read operation.
     keep_open_secs: float | None = None
-    #: Largest manifest a snapshot is opened with.
+    #: Largest manifest a snapshot is opened with: a larger one is refused before it is read,
+    #: or as soon as a read passes the limit (a store's reported length may be wrong).
+    # The manifest is the one file whose length nothing records, so its reads are bounded by
+    # this alone. An entry takes one line of a few hundred bytes at most, so the default
+    # (1 GiB) admits millions of entries while still ending a read of an endless or enormous
+    # file long before it exhausts a machine's memory.
     max_manifest_bytes: int | None = None
 
     def __post_init__(self) -> None:

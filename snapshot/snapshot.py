@@ -10,14 +10,18 @@ import torch
 import torch.distributed
 
 from manifest import Entry, Manifest
-from snapshot._engine import arguments, dist, operations
+from snapshot._engine import arguments, dist, runtime, writers
+from snapshot._engine.async_queue import AsyncRequest
 from snapshot._engine.context import gc_paused
 from snapshot._engine.flatten import escape_key
-from snapshot._engine.staging import default_pool
+from snapshot._engine.manifest_io import decode_manifest, load_manifest
+from snapshot._engine.restore import rank_prefix, rank_view, read_object
+from snapshot._engine.restore import restore as restore_app_state
+from snapshot._engine.take import TakeJob
 from snapshot.errors import EntryNotFoundError
 from snapshot.metadata import SnapshotMetadata
-from snapshot.pending import AsyncRequest, PendingSnapshot, default_queue
-from snapshot.strategies.default import load_strategy, save_strategy
+from snapshot.options import Options, resolve
+from snapshot.pending import PendingSnapshot
 
 T = TypeVar("T")
 
@@ -34,6 +38,9 @@ class Snapshot:
         pg: the process group restoring the snapshot; None for the default group when
             ``torch.distributed`` is initialized, else this process alone.
         storage_options: options for the storage plugin (credentials, endpoints, ``fsync``...).
+        options: the tunables the manifest is read with (``max_manifest_bytes``,
+            ``checksums``...; :class:`~snapshot.Options`, fields left None from the
+            environment).
 
     Raises:
         SnapshotNotFoundError: no committed snapshot at ``path``
@@ -48,18 +55,22 @@ class Snapshot:
         pg: Any | None = None,
         storage_options: dict[str, Any] | None = None,
         *,
+        options: Options | None = None,
         _manifest: Manifest | bytes | None = None,
     ) -> None:
         path = arguments.snapshot_path(path, "Snapshot")
         arguments.process_group(pg, "Snapshot", path)
         storage_options = arguments.options(storage_options, "Snapshot", path)
+        resolved = resolve(options)
         self.path = path
         self.pg = pg
         self.storage_options = storage_options
+        # Whether a manifest handed over by a take is checked when decoded.
+        self._verify_manifest = bool(resolved.checksums)
         # A take hands over the bytes of the manifest it wrote, decoded on first use: a
         # training script that takes a snapshot and goes on never pays for the decoding.
         self._decoded: Manifest | bytes = (
-            _manifest if _manifest is not None else operations.load_manifest(path, storage_options)
+            _manifest if _manifest is not None else load_manifest(path, storage_options, resolved)
         )
         self._metadata: SnapshotMetadata | None = None  # built on first use of ``metadata``
 
@@ -67,7 +78,7 @@ class Snapshot:
     def _manifest(self) -> Manifest:
         m = self._decoded
         if isinstance(m, bytes):
-            m = self._decoded = operations.decode_manifest(m, self.path)
+            m = self._decoded = decode_manifest(m, self.path, verify=self._verify_manifest)
         return m
 
     def __repr__(self) -> str:
@@ -83,6 +94,8 @@ class Snapshot:
         storage_options: dict[str, Any] | None = None,
         _custom_tensor_prepare_func: Callable[[str, torch.Tensor, bool], torch.Tensor]
         | None = None,
+        *,
+        options: Options | None = None,
     ) -> Snapshot:
         """Takes a snapshot of ``app_state`` at ``path`` and returns it once committed.
 
@@ -104,6 +117,8 @@ class Snapshot:
                 with ``tracing=True`` while planning (only the result's dtype and shape are
                 used) and once with ``tracing=False`` when writing; both must agree. The
                 manifest records the prepared tensor's dtype and shape.
+            options: the tunables of this take (:class:`~snapshot.Options`; fields left None,
+                and all of them without one, from the environment).
 
         Raises:
             NotStatefulError: an app_state value is not Stateful.
@@ -124,19 +139,22 @@ class Snapshot:
         path, replicated, storage_options = _take_arguments(
             "Snapshot.take", path, pg, replicated, storage_options, _custom_tensor_prepare_func
         )
+        resolved = resolve(options)
         # The cyclic collector stays paused for the whole take: it allocates a few objects per
         # tensor, which would otherwise set off collections that walk them (and, every so
         # often, the whole process) between its phases. Its per-tensor records are freed
         # before the collector resumes; what remains is the manifest.
         with gc_paused():
-            job = save_strategy().job(
+            job = TakeJob(
                 path,
                 app_state,
-                coordinator=dist.resolve(pg),
+                strategies=writers.recorded(),
+                coordinator=dist.resolve(pg, resolved),
                 replicated=replicated,
                 storage_options=storage_options,
                 prepare=_custom_tensor_prepare_func,
                 pool=None,
+                options=resolved,
             )
             job.start()
             manifest = job.finish()
@@ -154,6 +172,8 @@ class Snapshot:
         storage_options: dict[str, Any] | None = None,
         _custom_tensor_prepare_func: Callable[[str, torch.Tensor, bool], torch.Tensor]
         | None = None,
+        *,
+        options: Options | None = None,
     ) -> PendingSnapshot:
         """Like :meth:`take`, but returns once the state is captured; writes go on in the
         background.
@@ -167,32 +187,41 @@ class Snapshot:
         cannot reach the snapshot. Errors found while capturing are raised here; errors of the
         background work are raised by :meth:`PendingSnapshot.wait`. Arguments are checked as
         :meth:`take` checks them, and ranks that pass different paths are warned alike (the
-        returned handle's ``path`` is rank 0's).
+        returned handle's ``path`` is rank 0's); ``options`` are as :meth:`take` takes them.
         """
         prepare = _custom_tensor_prepare_func
         path, replicated, storage_options = _take_arguments(
             "Snapshot.async_take", path, pg, replicated, storage_options, prepare
         )
-        coordinator = dist.resolve(pg)
-        background = dist.resolve_background(pg)
-        job = save_strategy().job(
+        resolved = resolve(options)
+        coordinator = dist.resolve(pg, resolved)
+        background = dist.resolve_background(pg, resolved)
+        job = TakeJob(
             path,
             app_state,
+            strategies=writers.recorded(),
             coordinator=coordinator,
             replicated=replicated,
             storage_options=storage_options,
             prepare=_custom_tensor_prepare_func,
-            pool=default_pool(),
+            pool=runtime.get().staging_pool(resolved),
+            options=resolved,
         )
         job.start()
         try:
-            queue = default_queue()
+            queue = runtime.get().queue()
             # The queue's one thread runs the commits in order; each waits for this snapshot's
             # writes, then agrees with the other ranks on a group of its own, and commits.
             index = queue.schedule_async_request(
                 AsyncRequest(async_fn=job.finish, async_fn_args=(background,))
             )
-            pending = PendingSnapshot(job.path, pg, storage_options, queue, index)
+            taken_at = job.path
+            pending = PendingSnapshot(
+                taken_at,
+                queue,
+                index,
+                lambda manifest: cls(taken_at, pg, storage_options, _manifest=manifest),
+            )
         finally:
             # Last: from here the writes compete with the caller for cores and memory
             # bandwidth; they start while earlier snapshots are still being committed.
@@ -200,7 +229,12 @@ class Snapshot:
         return pending
 
     def restore(
-        self, app_state: dict[str, Any], strict: bool = True, *, verify_first: bool = False
+        self,
+        app_state: dict[str, Any],
+        strict: bool = True,
+        *,
+        verify_first: bool = False,
+        options: Options | None = None,
     ) -> None:
         """Restores ``app_state`` (the one taken, or a subset of its keys) from the snapshot.
 
@@ -228,6 +262,8 @@ class Snapshot:
                 the bytes, with no more memory than the budget it reads with. Ranges recorded
                 without a CRC-32 (a snapshot taken with checksums off) are only checked to be
                 there. Every rank must pass the same value.
+            options: the tunables of this restore (:class:`~snapshot.Options`; fields left
+                None, and all of them without one, from the environment).
 
         Raises:
             StateMismatchError: a key is not in the snapshot (``strict`` only);
@@ -249,12 +285,16 @@ class Snapshot:
         """
         arguments.flag(strict, "Snapshot.restore", "strict", self.path)
         arguments.flag(verify_first, "Snapshot.restore", "verify_first", self.path)
-        load_strategy(self._manifest, self.path).restore(
+        resolved = resolve(options)
+        # Only a snapshot whose parts a registered strategy reads is restored.
+        writers.check_readable(self._manifest.metadata, self.path)
+        restore_app_state(
             self._manifest,
             app_state,
             path=self.path,
-            coordinator=dist.resolve(self.pg),
+            coordinator=dist.resolve(self.pg, resolved),
             storage_options=self.storage_options,
+            options=resolved,
             strict=strict,
             verify_first=verify_first,
         )
@@ -264,6 +304,8 @@ class Snapshot:
         path: str,
         obj_out: T | None = None,
         memory_budget_bytes: int | None = None,
+        *,
+        options: Options | None = None,
     ) -> T:
         """Reads one object of the snapshot by its manifest path (``"0/model/layer.weight"``).
 
@@ -280,6 +322,8 @@ class Snapshot:
                 is ignored.
             memory_budget_bytes: most bytes of scratch memory to hold at once; reads into
                 ``obj_out`` that need a cast go in tiles of at most this size.
+            options: the tunables of this read (:class:`~snapshot.Options`; fields left None,
+                and all of them without one, from the environment).
 
         Raises:
             EntryNotFoundError: no entry at ``path``.
@@ -293,13 +337,15 @@ class Snapshot:
         arguments.byte_count(
             memory_budget_bytes, "Snapshot.read_object", "memory_budget_bytes", self.path
         )
-        return operations.read_object(
+        resolved = resolve(options)
+        return read_object(
             self._manifest,
             path,
             obj_out,
             memory_budget_bytes,
             path=self.path,
             storage_options=self.storage_options,
+            options=resolved,
         )
 
     def get_manifest(self) -> dict[str, Entry]:
@@ -335,9 +381,9 @@ class Snapshot:
         arguments.flag(replicate_from_rank0, call, "replicate_from_rank0", self.path)
         manifest = self._manifest
         rank = 0 if replicate_from_rank0 else _rank(self.pg)
-        prefix = operations._namespace(manifest, rank)
+        prefix = rank_prefix(manifest, rank)
         root = prefix + escape_key(key)
-        entries = operations._view(manifest, rank)  # rank 0's replicated leaves too
+        entries = rank_view(manifest, rank)  # rank 0's replicated leaves too
         if root not in entries:
             available = sorted(
                 {p[len(prefix) :].split("/", 1)[0] for p in entries if p.startswith(prefix)}

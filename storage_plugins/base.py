@@ -66,8 +66,8 @@ class StoragePlugin(abc.ABC):
     # from the class, before any instance exists, and alike on every rank.
     chunk_bytes_hint: int | None = None
 
-    # True when making the plugin is expensive (an S3 client: tens of milliseconds of the SDK
-    # loading its service model) and one may serve several operations in turn: the library then
+    # True when making the plugin is expensive (an S3 client: the SDK loads its service model
+    # and opens new connections) and one may serve several operations in turn: the library then
     # keeps it open a few seconds after an operation (STATESNAP_KEEP_OPEN_SECS) for the next one
     # on the same path with the same options, calling ``forget`` before that one.
     keep_open: bool = False
@@ -235,7 +235,7 @@ class StoragePlugin(abc.ABC):
         return isinstance(error, OSError) and error.errno in _TRANSIENT_ERRNOS
 
 
-# Observing this many bytes takes tens of microseconds: not worth a thread hop.
+# Observing up to this many bytes inline costs less than handing them to a thread.
 _OBSERVE_INLINE_BYTES = 1 << 20
 
 

@@ -54,8 +54,8 @@ def _load(target: str) -> Any:
     return getattr(importlib.import_module(module), attr)
 
 
-# Scanning entry points reads every installed distribution's metadata (milliseconds): done once
-# per process, again only when sys.path changes.
+# Scanning entry points reads every installed distribution's metadata: done once per process,
+# again only when sys.path changes.
 _scanned: tuple[tuple[str, ...], dict[str, Any]] | None = None
 
 

@@ -19,8 +19,9 @@ The model:
 
 - Device tensors (``cuda.tensor(t, device=i)``) are CPU tensors of a subclass whose ``device``
   is ``cuda:i`` (``is_cuda`` True, ``is_cpu`` False, ``get_device()`` i); ``install`` adds the
-  subclasses to ``snapshot._engine.planner._DENSE_TYPES``, so the library stores them as dense
-  tensors. Torch operations on them run at once on their CPU memory; a view or result of an
+  subclasses to the dense kind's types (``snapshot._engine.handlers.dense._DENSE_TYPES``, which
+  its handler's ``accepts``, the take's inline tensor path and the restore's direct reads
+  consult), so the library stores them as dense tensors. Torch operations on them run at once on their CPU memory; a view or result of an
   operation on a device tensor is a device tensor on the same device (``.cpu()``,
   ``.to("cpu")``, ``.numpy()``, ``.tolist()``, ``.item()`` give host values). Read a device
   tensor's values with ``cuda.values(t)`` (it synchronizes its device first).
@@ -62,7 +63,6 @@ import pytest
 import torch
 
 from snapshot._engine import device as seam
-from snapshot._engine import planner
 from snapshot._engine.handlers import dense
 
 
@@ -180,7 +180,7 @@ def _index(t: torch.Tensor) -> int | None:
 
 
 class CudaDouble:
-    """Installs itself into ``snapshot._engine.device`` (and ``planner._DENSE_TYPES``) through
+    """Installs itself into ``snapshot._engine.device`` (and the dense kind's types) through
     ``monkeypatch``, for ``devices`` devices (see the module's docstring)."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch, devices: int = 1) -> None:
@@ -194,7 +194,8 @@ class CudaDouble:
         self.host_cache_emptied = 0
         self._pinned: list[tuple[weakref.ref[torch.Tensor], int, int]] = []
         classes = tuple(device_class(i) for i in range(devices))
-        monkeypatch.setattr(planner, "_DENSE_TYPES", (*planner._DENSE_TYPES, *classes))
+        # Dense tensors to the handler table (``handlers.for_value`` finds them through the
+        # dense kind's ``accepts``); monkeypatch puts the types back at teardown.
         monkeypatch.setattr(dense, "_DENSE_TYPES", (*dense._DENSE_TYPES, *classes))
         for name, fn in {
             "cuda_index": self.cuda_index,

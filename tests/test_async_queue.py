@@ -12,8 +12,10 @@ import pytest
 import torch
 
 from snapshot import Snapshot, SnapshotError, StateDict
-from snapshot._engine.staging import StagingPool, default_pool
-from snapshot.pending import AsyncCallsQueue, AsyncRequest
+from snapshot._engine import runtime
+from snapshot._engine.async_queue import AsyncCallsQueue, AsyncRequest
+from snapshot._engine.staging import StagingPool
+from snapshot.options import Options
 from tests.plugins import gated_storage
 
 
@@ -100,7 +102,7 @@ def _state(seed: int) -> StateDict:
 
 
 def test_later_async_snapshots_reuse_the_staging_buffers(tmp_path):
-    pool = default_pool()
+    pool = runtime.get().staging_pool(Options().resolved())  # the one async_take uses
     pool.clear()
     state = _state(0)
     allocated = []

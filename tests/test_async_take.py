@@ -18,8 +18,8 @@ from snapshot import (
     StateDict,
     StorageError,
 )
-from snapshot._engine.operations import TakeJob
-from snapshot.pending import default_queue
+from snapshot._engine import runtime
+from snapshot._engine.take import TakeJob
 from storage_plugins import register_storage_plugin, unregister_storage_plugin
 from storage_plugins.fs import FSStoragePlugin
 from tests.plugins import GATE, fail_writes, gated_storage
@@ -116,14 +116,14 @@ def test_done_never_blocks_and_wait_times_out(gated):
 def test_background_failure_is_raised_by_wait_and_nothing_is_committed(faulty):
     url, inner = faulty
     fail_writes(inner, errno.EIO, "I/O error", lambda path: path.startswith("0/"))
-    queued = default_queue().get_num_unfinalized_calls()
+    queued = runtime.get().queue().get_num_unfinalized_calls()
     pending = Snapshot.async_take(url, {"s": StateDict(a=torch.ones(4), b=torch.zeros(4))})
     with pytest.raises(StorageError, match=r"0/s/a and 1 more \(slab 0/s0\).*I/O error") as info:
         pending.wait(timeout=60)
     assert isinstance(info.value.__cause__, OSError)
     assert pending.done()
     # Raised to its owner, the failure is forgotten by the queue (not reported again at exit).
-    assert default_queue().get_num_unfinalized_calls() == queued
+    assert runtime.get().queue().get_num_unfinalized_calls() == queued
     with pytest.raises(SnapshotNotFoundError):
         Snapshot(inner)
 

@@ -344,14 +344,17 @@ def test_slab_members_are_checksummed_when_staged(pooled, checksums):
     """A slab's staging gives the CRC-32 of each member (views of tensors, a non-contiguous
     tensor gathered, an object's bytes; copied into a pooled buffer for async take), so its
     write asks the plugin for none; a blob of its own leaves its CRC to the plugin."""
-    from snapshot._engine.planner import Layout, Placer, collect
+    from snapshot._engine.drafts import Layout
+    from snapshot._engine.placement import Placer
+    from snapshot._engine.plan import collect
+    from snapshot._engine.stage import stager
     from snapshot._engine.staging import StagingPool
 
     layout = Layout(
         chunk_bytes=1 << 20, slab_threshold_bytes=4096, slab_bytes=1 << 20, checksums=checksums
     )
     pool = StagingPool(keep_bytes=1 << 20, pin=False) if pooled else None
-    own = Placer("0/", layout, mine=True, pool=pool)
+    own = Placer("0/", layout, mine=True, stager=stager(pool))
     state = {
         "a": torch.randn(7),
         "odd": torch.arange(30.0).view(5, 6).t(),  # non-contiguous: gathered when staged

@@ -22,7 +22,8 @@ import torch
 import manifest as mf
 from manifest import DictEntry, Location, Manifest, TensorEntry
 from snapshot import Snapshot, StateDict
-from snapshot._engine.inspection import PIECE_BYTES, human_bytes, summarize_tensor, verify
+from snapshot._engine.inspection import PIECE_BYTES, human_bytes, summarize_tensor
+from snapshot._engine.verify import verify
 from snapshot.cli import _storage_option, main, storage_options_from
 from storage_plugins import register_storage_plugin, unregister_storage_plugin
 from storage_plugins.fs import FSStoragePlugin
@@ -86,7 +87,7 @@ def run(capsys, *argv: str) -> tuple[int, str, str]:
 
 
 def _manifest(path: str) -> Manifest:
-    from snapshot._engine.operations import load_manifest
+    from snapshot._engine.manifest_io import load_manifest
 
     return load_manifest(path, None)
 

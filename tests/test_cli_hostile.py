@@ -25,8 +25,9 @@ import torch
 import snapshot.cli as cli
 from manifest import Location
 from snapshot import Snapshot, StateDict
+from snapshot._engine import cli_commands
 from snapshot._engine.inspection import read_entry
-from snapshot._engine.operations import load_manifest
+from snapshot._engine.manifest_io import load_manifest
 from snapshot._engine.text import printable, printable_message, unescape
 from snapshot.errors import (
     CorruptSnapshotError,
@@ -329,7 +330,7 @@ def _raising(monkeypatch, error: BaseException) -> None:
     def fail(*args: Any, **kwargs: Any) -> Any:
         raise error
 
-    monkeypatch.setattr(cli, "load_manifest", fail)
+    monkeypatch.setattr(cli_commands, "load_manifest", fail)
 
 
 @pytest.mark.parametrize(

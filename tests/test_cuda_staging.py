@@ -19,10 +19,15 @@ import pytest
 import torch
 
 from snapshot import Snapshot, SnapshotError, StateDict
-from snapshot._engine import staging
-from snapshot._engine.inspection import verify
-from snapshot._engine.planner import Layout, Placer, collect
-from snapshot._engine.staging import BasicTensorAwareStateDict, StagingPool
+from snapshot._engine import runtime
+from snapshot._engine.drafts import Layout
+from snapshot._engine.placement import Placer
+from snapshot._engine.plan import collect
+from snapshot._engine.stage import stager
+from snapshot._engine.staging import StagingPool
+from snapshot._engine.verify import verify
+from snapshot.options import Options
+from snapshot.strategies.tensor_aware import BasicTensorAwareStateDict
 from storage_plugins import register_storage_plugin, unregister_storage_plugin
 from storage_plugins.fs import FSStoragePlugin
 from tests.cuda_double import CudaDouble
@@ -30,10 +35,11 @@ from tests.plugins import GATE, gated_storage
 
 
 @pytest.fixture
-def pool(monkeypatch):
-    """A new process pool for the test (the process's own is put back after it)."""
-    monkeypatch.setattr(staging, "_pool", None)
-    return staging.default_pool()
+def pool():
+    """A new process pool for the test: the test runs in a runtime of its own (the process's
+    own is put back after it)."""
+    with runtime.use() as rt:
+        yield rt.staging_pool(Options().resolved())
 
 
 def _values(seed: int, n: int, numel: int) -> dict[str, torch.Tensor]:
@@ -109,7 +115,7 @@ def test_ready_waits_for_every_stream_the_lease_used(monkeypatch):
     cuda = CudaDouble(monkeypatch, devices=2)
     layout = Layout(chunk_bytes=1 << 20, slab_threshold_bytes=4096, slab_bytes=1 << 20)
     pool = StagingPool(keep_bytes=1 << 20)
-    own = Placer("0/", layout, mine=True, pool=pool)
+    own = Placer("0/", layout, mine=True, stager=stager(pool))
     host = _values(2, 6, 50)
     state = {k: cuda.tensor(v, device=i % 2) for i, (k, v) in enumerate(host.items())}
     out = collect([("s", state)], rank=0, prepare=None, replicated=(), inline_max_bytes=64, own=own)

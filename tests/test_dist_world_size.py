@@ -455,8 +455,9 @@ def test_a_take_into_an_s3_prefix_of_other_objects_is_refused(s3_bucket):
 def test_state_that_differs_per_rank_names_the_key_on_a_larger_world(tmp_path):
     """The error of a rank the snapshot did not have, in one process: a manifest of 2 ranks
     restored as rank 2 of 3 (the coordinator stands in for the group)."""
-    from snapshot._engine import operations
+    from snapshot._engine import restore
     from snapshot._engine.dist import Coordinator
+    from snapshot.options import Options
 
     class Rank2(Coordinator):
         rank, world_size = 2, 3
@@ -469,7 +470,9 @@ def test_state_that_differs_per_rank_names_the_key_on_a_larger_world(tmp_path):
     # collective of the application's state_dict() meanwhile): the error reaches every rank as
     # a RankFailedError, caused by this rank's own.
     with pytest.raises(RankFailedError) as e:
-        operations._restore(manifest, {"own": StateDict()}, "the/snap", Rank2(), None)
+        restore._restore(
+            manifest, {"own": StateDict()}, "the/snap", Rank2(), None, options=Options.from_env()
+        )
     assert isinstance(e.value.__cause__, StateMismatchError)
     message = str(e.value.__cause__)
     assert message.startswith("snapshot the/snap: app_state['own'] cannot be restored on rank 2")

@@ -35,7 +35,7 @@ from snapshot import (
     StateDict,
     UnsafeSnapshotError,
 )
-from snapshot._engine import claims, sharded
+from snapshot._engine import claims, geometry
 from snapshot.cli import EXIT_PROBLEM, main
 from snapshot.sharding.mapping import ShardedTensor
 from tests.helpers import seal_manifest
@@ -428,13 +428,13 @@ def test_many_empty_shards_are_checked_in_linear_time(tmp_path, monkeypatch, n):
     now compares none, and reading compares each shard with the region once."""
     path = _with_empty_shards(tmp_path, n)
     calls = [0]
-    overlap = sharded._overlap
+    overlap = geometry._overlap
 
     def counted(a, b):
         calls[0] += 1
         return overlap(a, b)
 
-    monkeypatch.setattr(sharded, "_overlap", counted)
+    monkeypatch.setattr(geometry, "_overlap", counted)
     value = Snapshot(path).read_object("0/m/w")
     assert torch.equal(value, torch.arange(16.0).reshape(4, 4))
     assert calls[0] <= 2 * (n + 1)  # every pair: n * (n + 1) / 2
@@ -493,17 +493,17 @@ def _boxes(draw):
 
 
 @settings(max_examples=400, deadline=None)
-@given(case=_boxes(), split_axes=st.sampled_from([sharded._MAX_SPLIT_AXES, 0, 1]))
+@given(case=_boxes(), split_axes=st.sampled_from([geometry._MAX_SPLIT_AXES, 0, 1]))
 def test_the_cover_check_agrees_with_counting(case, split_axes):
     """By corners (any split axes up to the limit) and pair by pair (past it): both agree
     with counting every element."""
     shape, boxes = case
-    saved = sharded._MAX_SPLIT_AXES
-    sharded._MAX_SPLIT_AXES = split_axes  # 0 and 1: small boxes go pair by pair
+    saved = geometry._MAX_SPLIT_AXES
+    geometry._MAX_SPLIT_AXES = split_axes  # 0 and 1: small boxes go pair by pair
     try:
-        assert (sharded.cover_problem(shape, boxes) is None) == _covers_exactly(shape, boxes)
+        assert (geometry.cover_problem(shape, boxes) is None) == _covers_exactly(shape, boxes)
     finally:
-        sharded._MAX_SPLIT_AXES = saved
+        geometry._MAX_SPLIT_AXES = saved
 
 
 def test_a_tensor_split_along_too_many_axes_into_many_boxes_is_refused():
@@ -511,13 +511,13 @@ def test_a_tensor_split_along_too_many_axes_into_many_boxes_is_refused():
     refused."""
     shape = (2,) * 7
     units = [(corner, (1,) * 7) for corner in itertools.product((0, 1), repeat=7)]
-    problem = sharded.cover_problem(shape, units)
+    problem = geometry.cover_problem(shape, units)
     assert problem is not None and "split along 7 axes into 128 boxes" in problem
     # A quarter in units, the rest in two boxes: 34 boxes, checked pair by pair.
     few = [*units[:32], ((1,) + (0,) * 6, (1,) + (2,) * 6), ((0, 1) + (0,) * 5, (1, 1) + (2,) * 5)]
-    assert sharded.cover_problem(shape, few) is None
+    assert geometry.cover_problem(shape, few) is None
     few[0] = ((0, 1) + (0,) * 5, (1,) * 7)  # the same volume, one unit twice and one missing
-    assert sharded.cover_problem(shape, few) == "two of the boxes overlap"
+    assert geometry.cover_problem(shape, few) == "two of the boxes overlap"
 
 
 def test_did_you_mean_is_bounded(snap, monkeypatch):
@@ -554,7 +554,7 @@ def test_du_walks_the_ranks_listed_not_the_world_size_claimed(snap):
     ranks the manifest lists, not every number below the world size it claims (a trillion
     would never end)."""
     from snapshot._engine.inspection import disk_usage
-    from snapshot._engine.operations import load_manifest
+    from snapshot._engine.manifest_io import load_manifest
 
     body = _body(snap).replace("world_size: 1", "world_size: 1000000000000")
     body = body.replace("format_version: 1", "format_version: 3")
@@ -572,7 +572,7 @@ def test_du_walks_the_ranks_listed_not_the_world_size_claimed(snap):
 def test_the_pickled_pieces_check_is_linear():
     """torchsnapshot's pickled tensors are checked by the same corners."""
     from manifest import Location, PickledTensorEntry, Shard
-    from snapshot._engine.planner import _check_pieces
+    from snapshot._engine.handlers.objects import _check_pieces
 
     loc = (Location(blob="0/0", offset=0, nbytes=8),)
     pieces = tuple(Shard(offsets=(i, 0), sizes=(1, 4), chunks=loc) for i in range(20_000)) + tuple(

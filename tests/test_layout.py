@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from snapshot import Snapshot, StateDict
-from snapshot._engine.planner import Need, coalesce
+from snapshot._engine.reads import Need, coalesce
 from tests.helpers import assert_same
 
 

@@ -20,6 +20,7 @@ from manifest import (
     TensorEntry,
     TupleEntry,
     codec,
+    yaml_loader,
 )
 from tests.helpers import seal_manifest
 
@@ -138,7 +139,7 @@ def test_the_file_is_yaml_and_yaml_readers_agree(monkeypatch):
 def test_uses_libyaml_when_present():
     if not yaml.__with_libyaml__:
         pytest.skip("PyYAML was built without libyaml here; the pure-Python classes are used")
-    assert codec._Loader is yaml.CSafeLoader
+    assert yaml_loader._Loader is yaml.CSafeLoader
 
 
 def test_safe_loader_refuses_python_tags():
@@ -222,7 +223,7 @@ def test_any_manifest_round_trips(entries, world_size):
     # The YAML reading of the same bytes agrees with the fast one.
     fast = codec._parse_fast(codec._split_trailer(data, "m", verify=True).decode())
     assert fast is not None or not entries  # "entries: {}" goes through YAML
-    assert fast is None or _as_data(fast) == yaml.load(data, Loader=codec._Loader)
+    assert fast is None or _as_data(fast) == yaml.load(data, Loader=yaml_loader._Loader)
 
 
 @pytest.mark.parametrize("char", ["\x7f", "\x85", "\u2028", "\ufeff"])
@@ -234,7 +235,7 @@ def test_characters_yaml_cannot_hold_raw_are_escaped(char):
     assert char.encode() not in data
     assert f"\\u{ord(char):04x}".encode() in data
     assert mf.loads(data) == m
-    assert yaml.load(data, Loader=codec._Loader)["entries"] == {
+    assert yaml.load(data, Loader=yaml_loader._Loader)["entries"] == {
         f"0/k{char}": {"type": "primitive", "value_type": "str", "value": f"v{char}"}
     }
 
@@ -339,7 +340,7 @@ def test_tensor_lines_decode_as_the_json_path_decodes_them(items):
     fast = codec._parse_fast(codec._split_trailer(data, "m", verify=True).decode())
     assert fast is not None or not entries
     if fast is not None:
-        assert _as_data(fast) == yaml.load(data, Loader=codec._Loader)
+        assert _as_data(fast) == yaml.load(data, Loader=yaml_loader._Loader)
 
 
 def test_tensor_lines_out_of_the_common_layout_are_still_decoded_and_checked():

@@ -13,16 +13,15 @@ import pytest
 import torch
 
 from snapshot import CorruptSnapshotError, Snapshot, StateDict, StorageError
+from snapshot._engine.budget import ByteBudget
+from snapshot._engine.io_loop import io_loop, run
+from snapshot._engine.pipeline import WritePipeline, read_all
 from snapshot._engine.requests import ReadRequest, Segment, WriteRequest
-from snapshot._engine.scheduler import (
-    ByteBudget,
-    WritePipeline,
-    io_loop,
-    read_all,
-    run,
-)
 from snapshot._engine.staging import StagingPool, advise_huge_pages
+from snapshot.options import Options
 from storage_plugins.memory import MemoryStoragePlugin
+
+OPTS = Options().resolved()  # each storage call's retries and deadline
 
 
 def test_budget_admits_an_oversized_request_alone():
@@ -100,7 +99,9 @@ def test_pipeline_keeps_staged_bytes_within_budget():
 
         return stage
 
-    pipeline = WritePipeline(slow, budget_bytes=10_000, max_concurrency=8, batch_bytes=1)
+    pipeline = WritePipeline(
+        slow, budget_bytes=10_000, max_concurrency=8, batch_bytes=1, options=OPTS
+    )
     for i in range(100):
         pipeline.submit(
             WriteRequest(
@@ -131,7 +132,9 @@ def test_an_idle_pipeline_holds_no_written_buffer():
         refs.append(weakref.ref(keep))
         return [bytearray(1000)], keep
 
-    pipeline = WritePipeline(plugin, budget_bytes=100_000, max_concurrency=4, batch_bytes=None)
+    pipeline = WritePipeline(
+        plugin, budget_bytes=100_000, max_concurrency=4, batch_bytes=None, options=OPTS
+    )
     for i in range(10):
         pipeline.submit(
             WriteRequest(blob=f"b{i}", nbytes=1000, staging_bytes=1000, stage=stage, label=f"t{i}")
@@ -216,7 +219,9 @@ def test_pipeline_error_stops_the_caller_and_names_the_path():
             await super().write(path, buffers)
 
     failing = Failing(f"memory://{uuid.uuid4().hex}")
-    pipeline = WritePipeline(failing, budget_bytes=1000, max_concurrency=2, batch_bytes=1)
+    pipeline = WritePipeline(
+        failing, budget_bytes=1000, max_concurrency=2, batch_bytes=1, options=OPTS
+    )
     with pytest.raises(StorageError, match="0/x/t3: failed to write blob .*b3.*No space"):
         for i in range(1000):  # the budget forces the caller to wait; the error wakes it
             pipeline.submit(
@@ -258,7 +263,13 @@ def test_reads_respect_the_budget_and_report_the_first_error():
         )
 
     stats = run(
-        read_all(plugin, [request(i) for i in range(16)], budget_bytes=4096, max_concurrency=8)
+        read_all(
+            plugin,
+            [request(i) for i in range(16)],
+            budget_bytes=4096,
+            max_concurrency=8,
+            options=OPTS,
+        )
     )
     assert stats.nbytes == 16 * 1024 and in_use[1] <= 4096
     bad = ReadRequest(
@@ -270,7 +281,15 @@ def test_reads_respect_the_budget_and_report_the_first_error():
         label="0/k/missing",
     )
     with pytest.raises(CorruptSnapshotError, match="0/k/missing: blob .*absent is missing"):
-        run(read_all(plugin, [request(0), bad, request(1)], budget_bytes=4096, max_concurrency=2))
+        run(
+            read_all(
+                plugin,
+                [request(0), bad, request(1)],
+                budget_bytes=4096,
+                max_concurrency=2,
+                options=OPTS,
+            )
+        )
 
 
 def test_calls_from_inside_a_running_loop_work():

@@ -11,13 +11,17 @@ import torch
 import snapshot.sharding as sharding
 from snapshot.sharding import (
     LocalNonpersistentObject,
-    ShardedBase,
     ShardedObject,
     ShardedTensor,
     ShardedTensorFactory,
+    is_main_replica,
+)
+from snapshot.sharding.mapping import (
+    ShardedBase,
+    ShardedStateDict,
+    StateDict,
     apply_factories,
     apply_factory_merges,
-    is_main_replica,
 )
 
 
@@ -444,5 +448,5 @@ def test_package_exports():
     for name in sharding.__all__:
         assert hasattr(sharding, name), name
     assert sharding.ReplicaId == int | tuple[int, ...]
-    assert sharding.ShardedStateDict.__origin__ is dict
-    assert sharding.StateDict.__origin__ is dict
+    assert ShardedStateDict.__origin__ is dict
+    assert StateDict.__origin__ is dict

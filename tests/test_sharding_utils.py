@@ -14,6 +14,9 @@ from snapshot.sharding import (
     ShardedObject,
     ShardedTensor,
     ShardedTensorFactory,
+    utils,
+)
+from snapshot.sharding.utils import (
     add_prefix_for_sharding,
     apply_prefix_mapping,
     debug_msg,
@@ -30,7 +33,6 @@ from snapshot.sharding import (
     replace_prefix_for_sharding,
     sharded_object_id,
     sharded_tensor_shard_id,
-    utils,
     zip_strict,
 )
 

@@ -285,7 +285,7 @@ def test_fs_transfers_survive_short_system_calls(tmp_path, monkeypatch, most, co
     import os
     import random
 
-    from storage_plugins import fs
+    from storage_plugins import fs, fs_io
 
     rng = random.Random(most)
     sizes = {1500: [0, 1, 3, 100, 5000], 40: [0, 1, 100, 150_000]}.get(count, [0, 1, 3, 100])
@@ -307,10 +307,10 @@ def test_fs_transfers_survive_short_system_calls(tmp_path, monkeypatch, most, co
                 break
         return out
 
-    monkeypatch.setattr(fs.os, "writev", lambda fd, batch: real_writev(fd, cut(batch)))
-    monkeypatch.setattr(fs.os, "preadv", lambda fd, batch, pos: real_preadv(fd, cut(batch), pos))
-    monkeypatch.setattr(fs, "_OBSERVED_WRITE_BYTES", 64 << 10)  # several calls even unshortened
-    monkeypatch.setattr(fs, "_OBSERVED_READ_BYTES", 64 << 10)
+    monkeypatch.setattr(fs_io.os, "writev", lambda fd, batch: real_writev(fd, cut(batch)))
+    monkeypatch.setattr(fs_io.os, "preadv", lambda fd, batch, pos: real_preadv(fd, cut(batch), pos))
+    monkeypatch.setattr(fs_io, "_OBSERVED_WRITE_BYTES", 64 << 10)  # several calls even unshortened
+    monkeypatch.setattr(fs_io, "_OBSERVED_READ_BYTES", 64 << 10)
     plugin = fs.FSStoragePlugin(str(tmp_path), {"fsync": False, "direct_io": False})
 
     def observer():
@@ -341,7 +341,7 @@ def test_fs_starts_writing_back_each_piece_of_a_file_it_will_fsync(
 ):
     import os
 
-    from storage_plugins import fs
+    from storage_plugins import fs, fs_io
 
     calls: list[tuple[int, int, int]] = []
 
@@ -349,10 +349,10 @@ def test_fs_starts_writing_back_each_piece_of_a_file_it_will_fsync(
         calls.append((offset, nbytes, flags))
         return -1  # a failing hint changes nothing
 
-    monkeypatch.setattr(fs, "_sync_file_range", hint)
-    monkeypatch.setattr(fs, "_OBSERVED_WRITE_BYTES", 64 << 10)
+    monkeypatch.setattr(fs_io, "_sync_file_range", hint)
+    monkeypatch.setattr(fs_io, "_OBSERVED_WRITE_BYTES", 64 << 10)
     real_writev = os.writev  # short writes: at most 50,000 bytes of the first buffer
-    monkeypatch.setattr(fs.os, "writev", lambda fd, batch: real_writev(fd, [batch[0][:50_000]]))
+    monkeypatch.setattr(fs_io.os, "writev", lambda fd, batch: real_writev(fd, [batch[0][:50_000]]))
     plugin = fs.FSStoragePlugin(str(tmp_path), {"fsync": fsync})
     data = os.urandom(300_000)
     seen: list[bytes] = []
@@ -364,25 +364,25 @@ def test_fs_starts_writing_back_each_piece_of_a_file_it_will_fsync(
         assert calls == []
         return
     # Every byte written is handed to the device once, in order, call by call.
-    assert [flags for _, _, flags in calls] == [fs._SYNC_FILE_RANGE_WRITE] * len(calls)
+    assert [flags for _, _, flags in calls] == [fs_io._SYNC_FILE_RANGE_WRITE] * len(calls)
     assert [n for _, n, _ in calls] == [1000, 50_000, 50_000, 50_000, 50_000, 50_000, 49_000]
     assert [off for off, _, _ in calls] == [0, 1000, 51_000, 101_000, 151_000, 201_000, 251_000]
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="sync_file_range is Linux's")
 def test_fs_finds_sync_file_range_and_it_accepts_a_written_range(tmp_path):
-    from storage_plugins import fs
+    from storage_plugins import fs_io
 
-    assert fs._sync_file_range is not None
+    assert fs_io._sync_file_range is not None
     with open(tmp_path / "f", "wb") as f:
         f.write(b"x" * 10_000)
-        assert fs._sync_file_range(f.fileno(), 0, 10_000, fs._SYNC_FILE_RANGE_WRITE) == 0
+        assert fs_io._sync_file_range(f.fileno(), 0, 10_000, fs_io._SYNC_FILE_RANGE_WRITE) == 0
 
 
 def test_fs_write_that_makes_no_progress_fails_rather_than_spins(tmp_path, monkeypatch):
-    from storage_plugins import fs
+    from storage_plugins import fs, fs_io
 
-    monkeypatch.setattr(fs.os, "writev", lambda fd, batch: 0)
+    monkeypatch.setattr(fs_io.os, "writev", lambda fd, batch: 0)
     plugin = fs.FSStoragePlugin(str(tmp_path), {"fsync": False})
     with pytest.raises(OSError, match="moved no bytes at byte 0 of 6"):
         plugin._write_sync("blob", [b"abc", b"def"])
@@ -423,6 +423,8 @@ class _Syscalls:
     def __init__(self, monkeypatch, fs) -> None:
         import os
 
+        from storage_plugins import fs_io
+
         self.opened: list[tuple[str, int]] = []
         self.pwrites: list[tuple[int, int, int]] = []  # (buffer address % 4096, offset, len)
         real_open, real_pwrite = os.open, os.pwrite
@@ -440,7 +442,7 @@ class _Syscalls:
             return real_pwrite(fd, buf, offset)
 
         monkeypatch.setattr(fs.os, "open", open_)
-        monkeypatch.setattr(fs.os, "pwrite", pwrite)
+        monkeypatch.setattr(fs_io.os, "pwrite", pwrite)
 
     def direct_opens(self) -> int:
         import os
@@ -467,11 +469,11 @@ _LAYOUTS = {
 def test_fs_direct_writes_every_byte_once_from_aligned_memory(tmp_path, monkeypatch, layout, fsync):
     import random
 
-    from storage_plugins import fs
+    from storage_plugins import fs, fs_io
 
     if not _accepts_direct_io(tmp_path):
         pytest.skip(f"the file system of {tmp_path} refuses O_DIRECT writes")
-    monkeypatch.setattr(fs, "_DIRECT_PIECE_BYTES", 16384)
+    monkeypatch.setattr(fs_io, "_DIRECT_PIECE_BYTES", 16384)
     monkeypatch.setattr(fs, "_DIRECT_MIN_BYTES", 1)
     rng = random.Random(layout)
     parts = [rng.randbytes(n) for n in _LAYOUTS[layout]]
@@ -644,7 +646,7 @@ def test_fs_direct_io_refused_falls_back_to_the_page_cache(tmp_path, monkeypatch
     import logging
     import os
 
-    from storage_plugins import fs
+    from storage_plugins import fs, fs_io
 
     real_open = os.open
     attempts = [0]
@@ -663,7 +665,7 @@ def test_fs_direct_io_refused_falls_back_to_the_page_cache(tmp_path, monkeypatch
 
     monkeypatch.setattr(fs.os, "open", open_)
     if where == "first write":
-        monkeypatch.setattr(fs.os, "pwrite", pwrite)
+        monkeypatch.setattr(fs_io.os, "pwrite", pwrite)
     plugin = fs.FSStoragePlugin(str(tmp_path), {"fsync": True})
     data = os.urandom(fs._DIRECT_MIN_BYTES * 2 + 3)
     rec = _Recorder()
@@ -684,11 +686,11 @@ def test_fs_direct_write_error_fails_the_write_and_removes_the_temporary_file(
     import errno
     import os
 
-    from storage_plugins import fs
+    from storage_plugins import fs, fs_io
 
     if not _accepts_direct_io(tmp_path):
         pytest.skip(f"the file system of {tmp_path} refuses O_DIRECT writes")
-    monkeypatch.setattr(fs, "_DIRECT_PIECE_BYTES", 16384)
+    monkeypatch.setattr(fs_io, "_DIRECT_PIECE_BYTES", 16384)
     real_pwrite = os.pwrite
     calls = [0]
 
@@ -698,7 +700,7 @@ def test_fs_direct_write_error_fails_the_write_and_removes_the_temporary_file(
             raise OSError(errno.ENOSPC, "No space left on device")
         return real_pwrite(fd, buf, offset)
 
-    monkeypatch.setattr(fs.os, "pwrite", pwrite)
+    monkeypatch.setattr(fs_io.os, "pwrite", pwrite)
     plugin = fs.FSStoragePlugin(str(tmp_path), {"fsync": True})
     with pytest.raises(OSError, match="No space left") as e:
         plugin._write_sync("blob", [os.urandom(fs._DIRECT_MIN_BYTES)])

@@ -8,17 +8,17 @@ from typing import Any
 import pytest
 import torch
 
-from snapshot._engine.staging import (
-    BasicTensorAwareStateDict,
-    TensorAwareStateDict,
-    TensorPlaceholder,
-)
 from snapshot.errors import (
     HollowStateError,
     ShapeMismatchError,
     SnapshotError,
     StateMismatchError,
     UnsupportedValueError,
+)
+from snapshot.strategies.tensor_aware import (
+    BasicTensorAwareStateDict,
+    TensorAwareStateDict,
+    TensorPlaceholder,
 )
 
 Pair = namedtuple("Pair", "first second")

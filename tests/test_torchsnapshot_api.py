@@ -29,7 +29,7 @@ from snapshot import (
     knobs,
 )
 from snapshot._engine.inspection import list_entries
-from snapshot._engine.operations import load_manifest
+from snapshot._engine.manifest_io import load_manifest
 from snapshot.metadata import SnapshotMetadata
 from snapshot.tricks.ddp import DDP_STATE_DICT_PREFIX, DistributedDataParallelAdapter
 from snapshot.version import __version__

@@ -22,7 +22,7 @@ from snapshot import (
     UnsafeObjectError,
     UnsupportedValueError,
 )
-from snapshot._engine import planner
+from snapshot._engine.handlers import objects
 from snapshot._engine.serialization import raw_memoryview, tensor_memoryview
 from tests.helpers import assert_same, random_tensor, raw_bytes
 
@@ -330,7 +330,7 @@ def test_a_pickle_that_runs_code_is_refused(snapshot_url, tmp_path, monkeypatch)
     assert not marker.exists()
     # A snapshot holding one anyway (written by a tool without the take-time check): the
     # restore refuses it too, without running it.
-    monkeypatch.setattr(planner, "check_object", lambda *args, **kwargs: None)
+    monkeypatch.setattr(objects, "check_object", lambda *args, **kwargs: None)
     Snapshot.take(snapshot_url, {"s": StateDict(x=_Exploit(str(marker)))})
     with pytest.raises(UnsafeObjectError, match="0/s/x"):
         Snapshot(snapshot_url).restore({"s": StateDict()})

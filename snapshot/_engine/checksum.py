@@ -3,8 +3,8 @@
 Every location (a tensor chunk, a slab member, an object) carries the CRC-32 of its bytes in the
 manifest. The CRCs are computed by the storage plugin's I/O threads, piece by piece, right after
 each piece is written or read (``StoragePlugin.write_observed`` / ``readv_observed``), while
-the bytes are likely still in the CPU's caches, where the CRC runs at several times memory speed
-(the local plugin reads in 4 MiB pieces; it writes in 8 MiB ones through the page cache, as
+the bytes are likely still in the CPU's caches, where the CRC runs faster than memory delivers
+bytes (the local plugin reads in 4 MiB pieces; it writes in 8 MiB ones through the page cache, as
 smaller write calls cost more than they save, and in 4 MiB ones past it, from an aligned
 buffer). A ``RangeDigest`` turns that stream of pieces into one running CRC per location. The
 members of a slab being written are the exception: they are checksummed when the slab is
@@ -14,10 +14,10 @@ budget-sized tiles); ``LocationCheck`` combines their CRCs into the location's, 
 arrival.
 
 CRC-32 (the gzip / zlib polynomial) comes from ISA-L through the ``isal`` package: folding with
-carry-less multiplication, 56-69 GB/s per core on cached bytes here, against 34 GB/s for xxh3
-(``xxhash``) and 20 GB/s for the ``crc32c`` package (CRC-32C with the SSE4.2 instruction); from
-main memory all of them run at about memory speed (8-13 GB/s), which is why the CRC is taken
-while the bytes are cached. It releases the GIL for more than 5 KiB, and combines CRCs of pieces
+carry-less multiplication, faster on cached bytes than xxh3 (``xxhash``) and the ``crc32c``
+package (CRC-32C with the SSE4.2 instruction) were where they were compared; from main memory
+all of them run at about memory speed, which is why the CRC is taken while the bytes are
+cached. It releases the GIL for more than 5 KiB, and combines CRCs of pieces
 (``crc32_combine``).
 """
 
@@ -35,9 +35,9 @@ from snapshot.errors import ChecksumError
 # One thread at a time digests the pieces of a call in bulk (``RangeDigest.many``: a slab's
 # members, thousands of CRCs of a few KiB, each dropping and retaking the GIL). The work is
 # Python between short C calls, which the GIL serializes anyway; when several I/O threads did
-# it at once they handed the GIL back and forth at every member: reading 20,000 members of
-# 10 KiB from the page cache with 16 reads in flight made ~10,000 context switches and took
-# 274-363 ms (medians of 8); with this lock ~750 and 115-125 ms (one read in flight: 124-133).
+# it at once they handed the GIL back and forth at every member, a context switch each. With
+# this lock one thread digests a whole call while the others wait once, and the same work
+# takes far fewer switches.
 _MANY_LOCK = threading.Lock()
 
 crc32 = isal_zlib.crc32

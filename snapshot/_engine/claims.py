@@ -13,7 +13,7 @@ before a blob cut short fails its read.)
 
 A read into a target the caller gives (a tensor, or a piece of a sharded one) takes no memory
 sized by the manifest: the target's size is the caller's, and the stored byte count must match
-it before any read (``planner.check_tensor_entry``, ``check_target``, ``sharded.check_region``).
+it before any read (``reads.check_tensor_entry``, ``check_target``, ``sharded.check_region``).
 A blob cut short then fails the read that reaches its end, and every blob read is compared with
 the manifest after the reads; such reads make no extra call.
 """
@@ -25,11 +25,12 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from manifest import Entry, Location, Manifest, ShardedTensorEntry, TensorEntry, is_container
-from snapshot import knobs
 from snapshot._engine import sharded
 from snapshot._engine.handlers.dense import is_dense_tensor
-from snapshot._engine.scheduler import call, open_storage, run
+from snapshot._engine.io_loop import run
+from snapshot._engine.storage_calls import call, open_storage
 from snapshot.errors import CorruptSnapshotError
+from snapshot.options import Options
 from snapshot.sharding.mapping import LocalNonpersistentObject
 from storage_plugins import StoragePlugin
 
@@ -90,17 +91,21 @@ async def check_claims(
     claims: Mapping[str, set[str]],
     expected: Mapping[str, int],
     jobs: int,
+    options: Options,
 ) -> None:
     """Asks the size of each blob in ``claims`` (blob -> logical paths reading it), ``jobs`` at
     a time, and fails on the first shorter than ``expected[blob]`` (the end of the manifest's
-    last range in it). A store that cannot tell a size passes."""
+    last range in it). A store that cannot tell a size passes. ``options``: each call's retries
+    and deadline."""
     blobs = iter(claims.items())
 
     async def worker() -> None:
         for blob, paths in blobs:
             first = min(paths)  # named as a read of the blob names them (``needs_label``)
             label = first if len(paths) == 1 else f"{first} and {len(paths) - 1} more"
-            size = await call(plugin, "read", blob, label, lambda b=blob: plugin.size(b))
+            size = await call(
+                plugin, "read", blob, label, lambda b=blob: plugin.size(b), options=options
+            )
             want = expected[blob]
             if size is not None and size < want:
                 raise CorruptSnapshotError(
@@ -129,12 +134,20 @@ UNCHECKED_BYTES = 64 << 20
 class ClaimCheck:
     """What a loader runs before it plans each subtree's reads (``check``): the claims of the
     reads that allocate, against the sizes the store at ``url`` gives, once the claims of the
-    loader's reads add up to more than ``UNCHECKED_BYTES``. Each blob is asked about once."""
+    loader's reads add up to more than ``UNCHECKED_BYTES``. Each blob is asked about once,
+    ``options.max_concurrent_io`` at a time."""
 
-    def __init__(self, manifest: Manifest, url: str, storage_options: dict[str, Any] | None):
+    def __init__(
+        self,
+        manifest: Manifest,
+        url: str,
+        storage_options: dict[str, Any] | None,
+        options: Options,
+    ):
         self.manifest = manifest
         self.url = url
         self.storage_options = storage_options
+        self.options = options
         self.checked: set[str] = set()
         self.unchecked_bytes = 0  # claimed by the reads planned without asking
 
@@ -151,7 +164,9 @@ class ClaimCheck:
         if self.unchecked_bytes + claimed <= UNCHECKED_BYTES:
             self.unchecked_bytes += claimed
             return
-        with open_storage(self.url, self.storage_options) as plugin:
+        with open_storage(self.url, self.storage_options, self.options) as plugin:
             expected = self.manifest.blob_sizes
-            run(check_claims(plugin, fresh, expected, knobs.max_concurrent_io()))
+            jobs = self.options.max_concurrent_io
+            assert jobs is not None
+            run(check_claims(plugin, fresh, expected, jobs, self.options))
         self.checked.update(fresh)

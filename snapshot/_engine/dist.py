@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import datetime
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
-from snapshot import knobs
+from snapshot._engine import runtime
 from snapshot.errors import RankFailedError
+
+if TYPE_CHECKING:
+    from snapshot.options import Options
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,13 +73,16 @@ class Coordinator:
 
 
 class GroupCoordinator(Coordinator):
-    """The ranks of a ``torch.distributed`` process group."""
+    """The ranks of a ``torch.distributed`` process group; a gloo group the library makes
+    waits ``options.collective_timeout_secs`` for the other ranks."""
 
-    def __init__(self, pg: Any | None, *, background: bool = False) -> None:
+    def __init__(self, pg: Any | None, options: Options, *, background: bool = False) -> None:
         self.pg = pg
         self.rank = dist.get_rank(pg)
         self.world_size = dist.get_world_size(pg)
-        self.group = _gloo_group(pg, background=background)
+        self.group = _gloo_group(
+            pg, background=background, timeout_secs=options.collective_timeout_secs
+        )
 
     def all_gather(self, value: Any) -> list[Any]:
         out: list[Any] = [None] * self.world_size
@@ -94,18 +100,15 @@ class GroupCoordinator(Coordinator):
         return dist.get_global_rank(self.group, group_rank)
 
 
-# Per caller group (by id, holding the group so the id stays its own) and use, the gloo group the
-# library coordinates on.
-_gloo_groups: dict[tuple[int, bool], tuple[Any, Any]] = {}
-
-
-def _gloo_group(pg: Any | None, *, background: bool) -> Any:
+def _gloo_group(pg: Any | None, *, background: bool, timeout_secs: int) -> Any:
     """The caller's group when it is gloo (and not for background use), else a gloo group over
-    the same ranks made for the library, once per caller group and use."""
+    the same ranks made for the library, once per caller group and use (kept by the runtime:
+    ``Runtime.gloo_groups``), whose collectives wait ``timeout_secs`` for the other ranks."""
     group = pg if pg is not None else dist.group.WORLD
     if not background and dist.get_backend(group) == "gloo":
         return group
-    cached = _gloo_groups.get((id(group), background))
+    groups = runtime.get().gloo_groups
+    cached = groups.get((id(group), background))
     if cached is None:
         # Only the ranks of the caller's group are in this take or restore. torch wants every
         # rank of the default group to call ``new_group`` for each group, in the same order,
@@ -118,29 +121,30 @@ def _gloo_group(pg: Any | None, *, background: bool) -> Any:
         gloo = dist.new_group(
             ranks=ranks,
             backend="gloo",
-            timeout=datetime.timedelta(seconds=knobs.collective_timeout_secs()),
+            timeout=datetime.timedelta(seconds=timeout_secs),
             use_local_synchronization=len(ranks) < dist.get_world_size(),
         )
-        cached = _gloo_groups[(id(group), background)] = (group, gloo)
+        cached = groups[(id(group), background)] = (group, gloo)
     return cached[1]
 
 
-def resolve_background(pg: Any | None) -> Coordinator:
+def resolve_background(pg: Any | None, options: Options) -> Coordinator:
     """Like ``resolve``, but on a gloo group used by nothing else: the one background work
     (async take's commit) agrees on, while the caller's thread goes on using its own group.
 
     Creating that group is itself a collective, so call this on the caller's thread, on every
     rank, at the same point (async take does, when it is called).
     """
-    coord = resolve(pg)
-    return GroupCoordinator(pg, background=True) if coord.world_size > 1 else coord
+    coord = resolve(pg, options)
+    return GroupCoordinator(pg, options, background=True) if coord.world_size > 1 else coord
 
 
-def resolve(pg: Any | None) -> Coordinator:
+def resolve(pg: Any | None, options: Options) -> Coordinator:
     """The participants for ``pg``: the default group when ``torch.distributed`` is initialized
-    and ``pg`` is None, else this process alone. A group of one rank is this process alone."""
+    and ``pg`` is None, else this process alone. A group of one rank is this process alone.
+    ``options.collective_timeout_secs`` bounds the wait of the library's own collectives."""
     if pg is None and not (dist.is_available() and dist.is_initialized()):
         return Coordinator()
     if dist.get_world_size(pg) == 1:
         return Coordinator()
-    return GroupCoordinator(pg)
+    return GroupCoordinator(pg, options)

@@ -3,9 +3,9 @@ order the caller's streams need.
 
 A restore or ``read_object`` that cannot read bytes straight into a target (another dtype than
 stored, not contiguous, on a device) reads them into scratch tiles, taken when a tile's read is
-about to run and charged to the read budget until its ``done`` (``planner._tile_need``), and
+about to run and charged to the read budget until its ``done`` (``reads.tile_need``), and
 copies each tile into its target elements when it has landed. ``Landing`` is that copy and the
-pool of those tiles, one per read (``_Loader``):
+pool of those tiles, one per read (``loader.Loader``):
 
 - Host targets: ``copy_`` at once (casting as ``load_state_dict`` does); the tile is then free
   for the next read of its size.
@@ -72,7 +72,7 @@ class Landing:
     reads.
 
     ``spare_bytes`` is the memory the read may hold beyond its reads' charges (the budget left
-    beside one tile per worker: ``_Loader._read``): tiles kept for reuse, and pinned tiles whose
+    beside one tile per worker: ``Loader._read``): tiles kept for reuse, and pinned tiles whose
     device copies may still be in flight. Past it, free tiles are dropped, and then the copy
     streams are synchronized. 0 (the default): nothing is kept, and every device copy is waited
     for at once.
@@ -84,10 +84,10 @@ class Landing:
         self._streams: dict[int, device.Stream] = {}
         self._pinning = True  # until pinning fails once
         # Free tiles by (bytes, pinned): the tiles of a read are mostly of one size (a tile, a
-        # run cut into tiles), and reused memory costs no page faults (a copy into fresh
-        # memory ran at 1-2 GB/s here, into reused memory at 13) nor malloc's fragmentation:
-        # tiles allocated and freed one after another held 23 MiB resident under an 8 MiB
-        # budget (glibc kept the freed ones), pooled 6.5 MiB (tests/test_restore_tiles.py).
+        # run cut into tiles), and reused memory costs no page faults (a copy into fresh memory
+        # faults in every page it writes) nor malloc's fragmentation: tiles allocated and freed
+        # one after another stay resident well past the budget (glibc keeps the freed ones),
+        # where pooled ones stay within it (tests/test_restore_tiles.py).
         self._free: dict[tuple[int, bool], list[torch.Tensor]] = {}
         self._free_total = 0
         # Pinned tiles whose non-blocking copies may still read them: referenced (so neither

@@ -17,7 +17,7 @@ rank, so that every rank reaches the same answer:
   ``param_groups``: everything the ranks hold in common is then stored once, and a rank the
   snapshot did not have (restoring on more ranks) can read it.
 
-A replicated leaf is written by one rank (``planner.assign_writers`` balances them) and listed
+A replicated leaf is written by one rank (``placement.assign_writers`` balances them) and listed
 once in the manifest, under rank 0's prefix (``Manifest.view`` shows it under every rank's).
 
 Only a take across ranks runs any of this (a process alone has nothing to compare with, and
@@ -30,25 +30,17 @@ import dataclasses
 import hashlib
 import itertools
 import os
-import threading
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple, TypeVar
 
 from manifest import PrimitiveEntry, TensorEntry
+from snapshot._engine import runtime
 from snapshot._engine.checksum import combine, crc32
-from snapshot._engine.planner import (
-    Collected,
-    Layout,
-    Payload,
-    Placer,
-    Recorder,
-    _ObjectDraft,
-    _TensorDraft,
-    _WholeTensor,
-)
+from snapshot._engine.drafts import Layout, ObjectDraft, Payload, TensorDraft, WholeTensor
+from snapshot._engine.placement import Placer, Recorder, Stager
+from snapshot._engine.plan import Collected
 from snapshot._engine.serialization import ADDRESS_SPACE, gather_elements
-from snapshot._engine.staging import StagingPool
 from snapshot.errors import SnapshotError
 
 _T = TypeVar("_T")
@@ -62,14 +54,12 @@ _T = TypeVar("_T")
 # and 64 bits of BLAKE2b, 96 bits in all. BLAKE2b, a cryptographic hash, makes any two
 # different inputs collide with probability about 2^-64 on its own; the CRC, a linear code,
 # adds certainty for small differences (every difference of at most 3 bits, or within 32
-# consecutive bits, changes it). Measured here (AMD EPYC, 2-core VM, one core): CRC-32 22-33
-# GB/s over 256 MiB in memory (33-65 GB/s in cache), BLAKE2b 1.3-1.5 GB/s (8 us for 10 KiB);
-# BLAKE2b 2.2 GB/s on both cores (threads, below). Weaker second digests were refused:
-# Adler-32 (14 GB/s with ISA-L) sums bytes modulo 65521, so it cannot tell permuted bytes
-# apart and spreads poorly below a few MiB (two random 10 KiB buffers share its first half
-# with probability about 2^-15); a second CRC with another polynomial would do, but neither
-# ISA-L's package nor the standard library has one; xxh3-128 (about 30 GB/s) would need the
-# ``xxhash`` package, a new dependency.
+# consecutive bits, changes it). The CRC (ISA-L's) runs many times faster than BLAKE2b.
+# Weaker second digests were refused: Adler-32 sums bytes modulo 65521, so it cannot tell
+# permuted bytes apart and spreads poorly below a few MiB (two random 10 KiB buffers share its
+# first half with probability about 2^-15); a second CRC with another polynomial would do, but
+# neither ISA-L's package nor the standard library has one; xxh3-128 would need the ``xxhash``
+# package, a new dependency.
 #
 # So the two are taken in turn: the CRC of every candidate leaf (nearly free) travels with the
 # first agreement, and BLAKE2b is computed only for the leaves whose CRCs (and kinds, shapes)
@@ -79,16 +69,13 @@ _T = TypeVar("_T")
 # inputs above 2 KiB: a large tensor is digested in pieces of ``_PIECE`` bytes on up to
 # ``_THREADS`` threads at once (a hash tree: the digest of the pieces' digests, which depends on
 # the bytes only, not on how a rank holds them: one contiguous tensor, chunks, a strided view, a
-# device), small ones in batches on the same threads. 20,000 tensors of 10 KiB: 32 ms to
-# describe them with their CRCs, 120 ms for their BLAKE2b on both cores (156 ms on one).
+# device), small ones in batches on the same threads.
 
 _PIECE = 4 << 20  # a multiple of every dtype's size: pieces hold whole elements
 _THREADS = max(1, min(8, os.cpu_count() or 1))
-_pool: ThreadPoolExecutor | None = None
-_pool_lock = threading.Lock()
 
-# A batch of small digests handed to a thread: large enough that handing it over (tens of
-# microseconds) is small beside the work, small enough that the threads share the work evenly.
+# A batch of small digests handed to a thread: large enough that handing it over (a future, a
+# wake-up) is small beside the work, small enough that the threads share the work evenly.
 _BATCH_BYTES = 1 << 20
 _BATCH_ITEMS = 256
 
@@ -99,11 +86,8 @@ Source = tuple[Any, ...]
 
 
 def _executor() -> ThreadPoolExecutor:
-    global _pool
-    with _pool_lock:
-        if _pool is None:
-            _pool = ThreadPoolExecutor(_THREADS, thread_name_prefix="statesnap-digest")
-        return _pool
+    """The digest threads: the process's runtime holds them."""
+    return runtime.get().digest_pool(_THREADS)
 
 
 def _view(address: int, nbytes: int) -> memoryview:
@@ -272,7 +256,7 @@ def describe(collected: Collected, rank_prefix: str) -> Facts:
     for path, e in collected.entries.items():
         kind = type(e)
         logical = path[cut:]
-        if kind is _WholeTensor:  # most leaves
+        if kind is WholeTensor:  # most leaves
             name = kinds.get((e.dtype, e.shape))
             if name is None:
                 name = kinds[(e.dtype, e.shape)] = f"{e.dtype}{list(e.shape)}"
@@ -282,7 +266,7 @@ def describe(collected: Collected, rank_prefix: str) -> Facts:
             else:
                 src = sources[logical] = ("memory", e.address, e.nbytes)
                 prints[logical] = (desc, crc_of(src))
-        elif kind is _TensorDraft:
+        elif kind is TensorDraft:
             payloads = e.payloads
             first = payloads[0]
             alias = first.label[cut:] if first.label != path else None
@@ -302,7 +286,7 @@ def describe(collected: Collected, rank_prefix: str) -> Facts:
                         # Cannot be read here (a dtype without a copy kernel, a device that
                         # refuses): it stays the rank's own; staging reports any problem.
                         pass
-        elif kind is _ObjectDraft:
+        elif kind is ObjectDraft:
             p = e.payload
             desc = Desc(f"object {e.serializer} {e.obj_type}", (p.nbytes,), None)
             if e.replicated:
@@ -348,7 +332,7 @@ def _tensor_source(payloads: Sequence[Payload]) -> Source | None:
 @dataclasses.dataclass
 class Decision:
     """What the agreements decided: the replicated leaves (logical path -> rank 0's ``Desc``,
-    in rank 0's order), the replicated payloads for ``planner.assign_writers``, and each rank's
+    in rank 0's order), the replicated payloads for ``placement.assign_writers``, and each rank's
     bytes of its own once the decision is applied (to balance the writers)."""
 
     replicated: dict[str, Desc]
@@ -454,11 +438,11 @@ def settle(
     replicated: Mapping[str, Desc],
     rank_prefix: str,
     layout: Layout,
-    pool: StagingPool | None,
+    stager: Stager,
 ) -> tuple[Placer, list[str]]:
     """Marks this rank's leaves replicated or not as decided, places its own payloads (a
     ``Placer`` under ``rank_prefix``, closed), and leaves the replicated ones, in order, in
-    ``collected.replicated`` for ``planner.place``. Returns the placer and the paths (with the
+    ``collected.replicated`` for ``placement.place``. Returns the placer and the paths (with the
     rank prefix) of the replicated leaves.
 
     A leaf that shares an earlier leaf's payloads (tied weights) but was decided otherwise than
@@ -473,9 +457,9 @@ def settle(
         mine = logical in replicated
         if mine:
             paths.append(path)
-        if kind is _WholeTensor:
+        if kind is WholeTensor:
             e.replicated = mine
-        elif kind is _TensorDraft:
+        elif kind is TensorDraft:
             payloads = e.payloads
             e.replicated = mine
             if payloads[0].label == path:
@@ -484,11 +468,11 @@ def settle(
             elif payloads[0].replicated != mine:  # a tie split by the decision
                 e.payloads = [_copy(p, logical, path, mine) for p in payloads]
                 extra.extend(e.payloads)
-        elif kind is _ObjectDraft:
+        elif kind is ObjectDraft:
             e.replicated = e.payload.replicated = mine
         elif (kind is PrimitiveEntry or kind is TensorEntry) and e.replicated != mine:
             entries[path] = dataclasses.replace(e, replicated=mine)
-    own = Placer(rank_prefix, layout, mine=True, pool=pool)
+    own = Placer(rank_prefix, layout, mine=True, stager=stager)
     shared: list[Payload] = []
     own_bytes = 0
     seen: set[int] = set()
@@ -509,7 +493,7 @@ def settle(
 
 def _copy(p: Payload, logical: str, path: str, replicated: bool) -> Payload:
     """A payload of the same bytes as ``p``, of the leaf at ``path``."""
-    if type(p) is _WholeTensor:
+    if type(p) is WholeTensor:
         return Payload(logical, 0, p.nbytes, path, replicated, tensor=p.tensor, address=p.address)
     return Payload(
         logical,

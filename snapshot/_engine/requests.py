@@ -1,6 +1,6 @@
-"""What the planner asks of the I/O scheduler: one blob to write (``WriteRequest``), one
-scatter read (``ReadRequest`` of ``Segment``s). Both the planner and the scheduler import this
-module; neither imports the other."""
+"""What the planners ask of the I/O: one blob to write (``WriteRequest``), one scatter read
+(``ReadRequest`` of ``Segment``s). Both the planners and the I/O (``pipeline``: the write
+pipeline and ``read_all``) import this module; neither imports the other."""
 
 from __future__ import annotations
 

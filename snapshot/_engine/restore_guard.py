@@ -32,7 +32,7 @@ import torch
 
 from manifest import Entry, Location
 from snapshot._engine.checksum import LocationCheck, WholeCheck
-from snapshot._engine.planner import Need
+from snapshot._engine.reads import Need
 from snapshot._engine.requests import ReadRequest
 from snapshot.errors import SnapshotError
 from snapshot.sharding.mapping import ShardedTensor

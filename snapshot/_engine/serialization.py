@@ -59,11 +59,11 @@ _memory_view.restype = ctypes.py_object
 _PYBUF_WRITE = 0x200
 
 # The whole address space as one writable byte view, of which a view of any range is a slice:
-# 0.2 µs a view, where one made through ctypes cost 0.85 µs (takes and restores make one per
-# tensor). It starts at address 1, NULL being no valid start: the view of ``nbytes`` at
-# ``address`` is ``ADDRESS_SPACE[address - 1 : address - 1 + nbytes]``, which a loop over
-# thousands of tensors may cut itself (``raw_memoryview`` checks its arguments first). Never
-# used whole: each slice is no more valid than the memory it points at.
+# slicing an existing view is a cheaper call than making a new one through ctypes (takes and
+# restores make one per tensor). It starts at address 1, NULL being no valid start: the view of
+# ``nbytes`` at ``address`` is ``ADDRESS_SPACE[address - 1 : address - 1 + nbytes]``, which a
+# loop over thousands of tensors may cut itself (``raw_memoryview`` checks its arguments
+# first). Never used whole: each slice is no more valid than the memory it points at.
 ADDRESS_SPACE = _memory_view(1, sys.maxsize - 1, _PYBUF_WRITE)
 
 

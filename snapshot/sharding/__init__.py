@@ -1,69 +1,30 @@
-"""Sharded state: descriptions of the part of a global tensor or object each rank holds
-(:mod:`snapshot.sharding.mapping`) and helpers for state dicts holding them
-(:mod:`snapshot.sharding.utils`)."""
+"""Sharded state: descriptions of the part of a global tensor or object each rank holds.
+
+What a state dict holds (:mod:`snapshot.sharding.mapping`): :class:`ShardedTensor` (a piece of a
+global tensor), :class:`ShardedObject` (one of several objects making a global one),
+:class:`ShardedTensorFactory` (a tensor stored as other sharded tensors and merged back on
+restore) and :class:`LocalNonpersistentObject` (a value kept on its rank, never stored); a
+piece's copies are told apart by their replica id (:data:`ReplicaId`, :func:`is_main_replica`).
+
+The helpers for sharded state dicts (splitting them by kind of leaf, renaming shard keys, shard
+ids) are in :mod:`snapshot.sharding.utils`; saving our sharded tensors with
+``torch.distributed.checkpoint`` is :mod:`snapshot.sharding.checkpointable`.
+"""
 
 from snapshot.sharding.mapping import (
     LocalNonpersistentObject,
     ReplicaId,
-    ShardedBase,
     ShardedObject,
-    ShardedStateDict,
     ShardedTensor,
     ShardedTensorFactory,
-    StateDict,
-    apply_factories,
-    apply_factory_merges,
     is_main_replica,
-)
-from snapshot.sharding.utils import (
-    ShardId,
-    add_prefix_for_sharding,
-    apply_prefix_mapping,
-    debug_msg,
-    debug_time,
-    extract_matching,
-    extract_nonpersistent,
-    extract_sharded_base,
-    extract_sharded_tensors,
-    extract_sharded_tensors_and_factories,
-    extract_sharded_tensors_or_nonpersistent,
-    fallback_logger,
-    force_all_tensors_to_non_fp8,
-    logger_stack,
-    replace_prefix_for_sharding,
-    sharded_object_id,
-    sharded_tensor_shard_id,
-    zip_strict,
 )
 
 __all__ = [
     "LocalNonpersistentObject",
     "ReplicaId",
-    "ShardId",
-    "ShardedBase",
     "ShardedObject",
-    "ShardedStateDict",
     "ShardedTensor",
     "ShardedTensorFactory",
-    "StateDict",
-    "add_prefix_for_sharding",
-    "apply_factories",
-    "apply_factory_merges",
-    "apply_prefix_mapping",
-    "debug_msg",
-    "debug_time",
-    "extract_matching",
-    "extract_nonpersistent",
-    "extract_sharded_base",
-    "extract_sharded_tensors",
-    "extract_sharded_tensors_and_factories",
-    "extract_sharded_tensors_or_nonpersistent",
-    "fallback_logger",
-    "force_all_tensors_to_non_fp8",
     "is_main_replica",
-    "logger_stack",
-    "replace_prefix_for_sharding",
-    "sharded_object_id",
-    "sharded_tensor_shard_id",
-    "zip_strict",
 ]

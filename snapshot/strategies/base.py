@@ -5,7 +5,11 @@ global tensors, sharded objects) or the *common* part (everything else). Each st
 backend and the version of the format it writes; the registry maps ``(action, backend,
 version)`` to the strategy used by default. A snapshot records which backend and version wrote
 each part, and a restore asks the registry for the strategy that loads that pair, which checks
-that it can (``check_backend_compatibility`` / ``check_version_compatibility``).
+that it can (``check_backend_compatibility`` / ``check_version_compatibility``): importing this
+module installs that check in the engine (``snapshot._engine.writers.set_check``), which
+``Snapshot.restore`` runs.
+
+This layer sits on top of the library: it calls the facade and the engine, never the reverse.
 """
 
 from __future__ import annotations
@@ -16,8 +20,9 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from snapshot._engine import writers
+from snapshot._engine.async_queue import AsyncRequest
 from snapshot.errors import IncompatibleSnapshotError
-from snapshot.pending import AsyncRequest
 
 
 class StrategyAction(enum.Enum):
@@ -59,7 +64,6 @@ def get_default_strategy(action: StrategyAction, backend: str, version: int) -> 
     Raises:
         IncompatibleSnapshotError: none is registered; the message lists the registered pairs.
     """
-    _register_builtins()
     found = default_strategies[action.value].get((backend, version))
     if found is None:
         known = ", ".join(f"{b} v{v}" for b, v in sorted(default_strategies[action.value], key=str))
@@ -70,18 +74,9 @@ def get_default_strategy(action: StrategyAction, backend: str, version: int) -> 
     return found
 
 
+# True once the library's own strategies are registered: the package does it when imported
+# (``snapshot/strategies/__init__.py``), before anything can ask this module for them.
 _builtins_registered = False
-
-
-def _register_builtins() -> None:
-    # The library's own strategies register on first use (they import the engine, which
-    # imports this module).
-    global _builtins_registered
-    if not _builtins_registered:
-        _builtins_registered = True
-        from snapshot.strategies import default
-
-        default.register()
 
 
 class SaveStrategyBase(abc.ABC):  # noqa: B024 - abstract in its subclasses' methods
@@ -129,6 +124,16 @@ def check_compatible(strategy: LoadStrategyBase, backend: str, version: int) -> 
         raise IncompatibleSnapshotError(
             f"{strategy} cannot load data saved by {backend} version {version}: {e}"
         ) from e
+
+
+def _check_part(part: str, backend: str, version: int) -> None:
+    """The engine's check of a snapshot part written by (``backend``, ``version``): the load
+    strategy registered for the pair must accept it."""
+    action = StrategyAction.LOAD_COMMON if part == "common" else StrategyAction.LOAD_SHARDED
+    check_compatible(get_default_strategy(action, backend, version), backend, version)
+
+
+writers.set_check(_check_part)
 
 
 class LoadCommonStrategy(LoadStrategyBase):

@@ -1,11 +1,12 @@
-"""The library's own strategies, backend ``"statesnap"``, version 1: what ``Snapshot.take`` /
-``async_take`` / ``restore`` run, and the same engine behind the strategy API
-(``save(sharded_state_dict, checkpoint_dir)``, ``load(...)``, ...).
+"""The library's own strategies, backend ``"statesnap"``, version 1: the strategy API
+(``save(sharded_state_dict, checkpoint_dir)``, ``load(...)``, ...) on top of the engine that
+``Snapshot.take`` / ``async_take`` / ``restore`` run.
 
 One snapshot holds both parts of a state: the sharded part (``ShardedTensorEntry`` /
 ``ShardedObjectEntry`` entries) and the common part (everything else). Its manifest records,
-under ``metadata["strategies"]``, the backend and version that wrote each part; a restore gets
-the load strategy registered for each pair and lets it refuse what it cannot read.
+under ``metadata["strategies"]``, the backend and version that wrote each part
+(``snapshot._engine.writers``); a restore gets the load strategy registered for each pair and
+lets it refuse what it cannot read.
 """
 
 from __future__ import annotations
@@ -14,12 +15,15 @@ from pathlib import Path
 from typing import Any
 
 from manifest import Manifest, ShardedObjectEntry, ShardedTensorEntry
-from snapshot._engine import arguments, dist, operations
+from snapshot._engine import arguments, dist, runtime, writers
+from snapshot._engine.async_queue import AsyncRequest
+from snapshot._engine.manifest_io import load_manifest
 from snapshot._engine.serialization import dtype_from_name
-from snapshot._engine.staging import default_pool
+from snapshot._engine.take import TakeJob
 from snapshot.errors import IncompatibleSnapshotError, SnapshotError
-from snapshot.pending import AsyncRequest
+from snapshot.options import resolve
 from snapshot.sharding.mapping import ShardedObject, ShardedTensor
+from snapshot.snapshot import Snapshot
 from snapshot.stateful import StateDict
 from snapshot.strategies.base import (
     AsyncSaveShardedStrategy,
@@ -27,17 +31,11 @@ from snapshot.strategies.base import (
     LoadShardedStrategy,
     SaveCommonStrategy,
     StrategyAction,
-    check_compatible,
-    get_default_strategy,
     register_default_strategy,
 )
 
-BACKEND = "statesnap"
-VERSION = 1
-# What Snapshot.take uses: the save strategy registered for this pair.
-DEFAULT_SAVE = (BACKEND, VERSION)
-# Manifests written before strategies were recorded were written by this pair.
-_UNRECORDED = {"sharded": [BACKEND, 1], "common": [BACKEND, 1]}
+BACKEND = writers.BACKEND
+VERSION = writers.VERSION
 
 # The app_state key under which the strategy API keeps a plain (sharded) state dict.
 _STATE = "state"
@@ -53,29 +51,31 @@ class SnapshotSaveStrategy(AsyncSaveShardedStrategy):
     def can_handle_sharded_objects(self) -> bool:
         return True
 
-    def job(self, path: str, app_state: Any, **options: Any) -> operations.TakeJob:
+    def job(self, path: str, app_state: Any, **options: Any) -> TakeJob:
         """The take of ``app_state`` at ``path`` (``options`` as ``TakeJob`` takes them),
         recording this strategy as the writer of both parts."""
-        recorded = [self.backend, self.version]
-        return operations.TakeJob(
-            path, app_state, strategies={"sharded": recorded, "common": recorded}, **options
+        return TakeJob(
+            path, app_state, strategies=writers.recorded(self.backend, self.version), **options
         )
 
     def async_save(self, sharded_state_dict: Any, checkpoint_dir: str | Path) -> AsyncRequest:
         where = _dir(checkpoint_dir, "save")
         state = arguments.state_mapping(sharded_state_dict, "save", "sharded_state_dict", where)
+        opts = resolve(None)  # the strategy API takes no options: the environment's
         job = self.job(
             where,
             {_STATE: StateDict(state)},
-            coordinator=dist.resolve(None),
+            coordinator=dist.resolve(None, opts),
             replicated=[],
             storage_options=None,
             prepare=None,
-            pool=default_pool(),
+            pool=runtime.get().staging_pool(opts),
+            options=opts,
         )
         job.start()
         job.release_writes()
-        return AsyncRequest(async_fn=job.finish, async_fn_args=(dist.resolve_background(None),))
+        background = dist.resolve_background(None, opts)
+        return AsyncRequest(async_fn=job.finish, async_fn_args=(background,))
 
 
 class SnapshotLoadStrategy(LoadShardedStrategy, LoadCommonStrategy):
@@ -104,20 +104,11 @@ class SnapshotLoadStrategy(LoadShardedStrategy, LoadCommonStrategy):
                 f"{self} cannot load version {loaded_version} of {self.backend!r}"
             )
 
-    # -- what Snapshot.restore runs ---------------------------------------------------------
-
-    def restore(self, manifest: Manifest, app_state: Any, **options: Any) -> None:
-        operations.restore(manifest, app_state, **options)
-
-    # -- the strategy API -------------------------------------------------------------------
-
     def load(
         self, sharded_state_dict: Any, checkpoint_dir: str | Path, *, verify_first: bool = False
     ) -> Any:
         """Loads ``sharded_state_dict``'s tensors in place and returns the loaded state
         (``verify_first``: as ``Snapshot.restore`` takes it)."""
-        from snapshot.snapshot import Snapshot
-
         where = _dir(checkpoint_dir, "load")
         given = arguments.state_mapping(sharded_state_dict, "load", "sharded_state_dict", where)
         state = StateDict(given)
@@ -154,8 +145,6 @@ class SnapshotLoadStrategy(LoadShardedStrategy, LoadCommonStrategy):
         )
 
     def load_common(self, checkpoint_dir: str | Path) -> Any:
-        from snapshot.snapshot import Snapshot
-
         return Snapshot(_common_dir(checkpoint_dir)).read_object(f"0/{_STATE}")
 
     def load_sharded_objects(self, sharded_objects_state_dict: Any, checkpoint_dir: str | Path):
@@ -200,7 +189,7 @@ def _objects_dir(checkpoint_dir: str | Path) -> str:
 
 
 def _manifest(checkpoint_dir: str | Path) -> Manifest:
-    return operations.load_manifest(_dir(checkpoint_dir, "reading the metadata"), None)
+    return load_manifest(_dir(checkpoint_dir, "reading the metadata"), None)
 
 
 def register() -> None:
@@ -214,63 +203,11 @@ def register() -> None:
     register_default_strategy(StrategyAction.LOAD_COMMON, BACKEND, VERSION, loader)
 
 
-def save_strategy() -> SnapshotSaveStrategy:
-    """The strategy ``Snapshot.take`` and ``async_take`` run."""
-    strategy = get_default_strategy(StrategyAction.SAVE_SHARDED, *DEFAULT_SAVE)
-    if not isinstance(strategy, SnapshotSaveStrategy):
-        raise SnapshotError(
-            f"the save strategy registered for {DEFAULT_SAVE} is {strategy}, which Snapshot.take "
-            "cannot run (it needs a SnapshotSaveStrategy)"
-        )
-    return strategy
-
-
-def load_strategy(manifest: Manifest, where: str) -> SnapshotLoadStrategy:
-    """The strategy that restores ``manifest``: for each part, the load strategy registered
-    for the backend and version that wrote it, which must accept them.
-
-    Raises:
-        IncompatibleSnapshotError: no strategy is registered for a part's writer, or the one
-            registered refuses it.
-    """
-    recorded = manifest.metadata.get("strategies", _UNRECORDED)
-    chosen: SnapshotLoadStrategy | None = None
-    parts = (("common", StrategyAction.LOAD_COMMON), ("sharded", StrategyAction.LOAD_SHARDED))
-    for part, action in parts:
-        writer = recorded.get(part) if isinstance(recorded, dict) else None
-        if (
-            not isinstance(writer, list)
-            or len(writer) != 2
-            or not isinstance(writer[0], str)
-            or type(writer[1]) is not int
-        ):
-            raise IncompatibleSnapshotError(
-                f"snapshot {where}: the manifest does not say which backend and version wrote its "
-                f"{part} part (metadata.strategies.{part}: {writer!r})"
-            )
-        backend, version = writer
-        try:
-            strategy = get_default_strategy(action, backend, version)
-            check_compatible(strategy, backend, version)
-        except IncompatibleSnapshotError as e:
-            raise IncompatibleSnapshotError(f"snapshot {where}, {part} part: {e}") from None
-        if part == "sharded":
-            chosen = strategy
-    if not isinstance(chosen, SnapshotLoadStrategy):
-        raise SnapshotError(
-            f"snapshot {where}: the load strategy {chosen} cannot restore an app_state (it "
-            "needs a SnapshotLoadStrategy)"
-        )
-    return chosen
-
-
 __all__ = [
     "BACKEND",
     "VERSION",
     "SnapshotLoadStrategy",
     "SnapshotSaveCommonStrategy",
     "SnapshotSaveStrategy",
-    "load_strategy",
     "register",
-    "save_strategy",
 ]

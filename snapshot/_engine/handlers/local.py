@@ -1,25 +1,53 @@
-"""``LocalNonpersistentObject``: kept on its rank, never written (recorded as None); a restore puts the restoring rank's own object back."""
+"""``LocalNonpersistentObject``: kept on its rank, never written (recorded as None); a restore puts
+the restoring rank's own object back."""
 
 from __future__ import annotations
 
+import typing
+
+from manifest import PrimitiveEntry
 from snapshot._engine.handlers.table import Handler
+from snapshot.sharding import mapping
 
 # ==== take ===================================================================================
-# (the take side's imports and code go here)
+# Kept on its rank, never saved: its place in the state is recorded as None, and a restore puts
+# the restoring rank's own object back there.
+
+if typing.TYPE_CHECKING:
+    from snapshot._engine.plan import Collector
 
 
-def take(planner, path, logical, value, replicated):
-    raise NotImplementedError
+def take(
+    planner: Collector, path: str, logical: str, value: typing.Any, replicated: bool
+) -> PrimitiveEntry:
+    """None in the manifest, in place of the object."""
+    return PrimitiveEntry(value=None)
 
 
 # ==== restore ================================================================================
-# (the restore side's imports and code go here)
+# Whatever the snapshot holds at its path, the restoring rank keeps its own object: the loader
+# calls this for every entry whose target is a ``LocalNonpersistentObject``, of any kind.
+
+from typing import TYPE_CHECKING  # noqa: E402
+
+from manifest import Entry  # noqa: E402
+
+if TYPE_CHECKING:
+    from snapshot._engine.loader import Loader
+    from snapshot.sharding.mapping import LocalNonpersistentObject
 
 
-def restore(loader, path, entry, target):
-    raise NotImplementedError
+def restore(loader: Loader, path: str, entry: Entry, target: LocalNonpersistentObject) -> None:
+    """The value at ``path`` is the object ``target`` wraps; nothing is read."""
+    loader.local[path] = target.unwrap()
 
 
 # ==== registration ===========================================================================
-# To fill in: value_types=(LocalNonpersistentObject,)
-HANDLER = Handler(name="local", take=take, restore=restore)
+# Any instance of the class, a subclass's too.
+HANDLER = Handler(
+    name="local",
+    take=take,
+    restore=restore,
+    value_types=(mapping.LocalNonpersistentObject,),
+    accepts=lambda value: isinstance(value, mapping.LocalNonpersistentObject),
+)

@@ -1,25 +1,293 @@
-"""Any other value: pickled with torch.save (and checked to be restorable at take); torchsnapshot's pickled tensors are read here too."""
+"""Any other value: pickled with torch.save (and checked to be restorable at take); torchsnapshot's
+pickled tensors are read here too."""
 
 from __future__ import annotations
 
+import typing
+
+from snapshot._engine.drafts import ObjectDraft, Payload, type_name
 from snapshot._engine.handlers.table import Handler
+from snapshot._engine.restorable import check_object
+from snapshot._engine.serialization import encode_object
+from snapshot.errors import UnsupportedValueError
 
 # ==== take ===================================================================================
-# (the take side's imports and code go here)
+# Pickled with torch.save, and refused at once when a restore would refuse it (``check_object``:
+# the take fails rather than commit a value found out only at restore, perhaps months later).
+# Long str and bytes values (``primitive``) and a sharded object's data are payloads made here
+# too (``bytes_draft``). (``torch`` is imported with the restore section below.)
+
+if typing.TYPE_CHECKING:
+    from snapshot._engine.plan import Collector
 
 
-def take(planner, path, logical, value, replicated):
-    raise NotImplementedError
+def take(
+    planner: Collector, path: str, logical: str, value: typing.Any, replicated: bool
+) -> ObjectDraft:
+    """A value of no other kind: its pickle, as a payload (``bytes_draft``)."""
+    try:
+        data = encode_object(value)
+    except Exception as e:
+        raise UnsupportedValueError(
+            f"{path}: cannot serialize a {type_name(value)}: {type(e).__name__}: {e}"
+        ) from e
+    # A value a restore would refuse is refused now, not found out at restore time,
+    # perhaps months later: the take fails rather than commit it.
+    check_object(path, type_name(value), data, tensor_subclass=isinstance(value, torch.Tensor))
+    return bytes_draft(planner, path, logical, "torch_save", type_name(value), data, replicated)
+
+
+def bytes_draft(
+    planner: Collector,
+    path: str,
+    logical: str,
+    serializer: str,
+    obj_type: str,
+    data: bytes,
+    replicated: bool,
+) -> ObjectDraft:
+    """The draft of an object entry whose bytes are ``data``, handed to the planner."""
+    payload = Payload(logical, 0, len(data), path, replicated, data=data)
+    planner.emit([payload])
+    return ObjectDraft(
+        serializer=serializer, obj_type=obj_type, payload=payload, replicated=replicated
+    )
 
 
 # ==== restore ================================================================================
-# (the restore side's imports and code go here)
+# An object's bytes are read into a buffer of their length and decoded once they have landed
+# (and passed their CRC-32); a pickled tensor (torchsnapshot's, for dtypes it stored no raw
+# bytes of) is decoded piece by piece into the target, or into a new tensor.
+
+import math  # noqa: E402
+from typing import TYPE_CHECKING, Any  # noqa: E402
+
+import torch  # noqa: E402
+
+from manifest import (  # noqa: E402
+    Location,
+    ObjectEntry,
+    PickledTensorEntry,
+    Shard,
+    ShardedObjectEntry,
+    new_tensor_entry,
+)
+from snapshot._engine import geometry, sharded  # noqa: E402
+from snapshot._engine.handlers.dense import is_dense_tensor  # noqa: E402
+from snapshot._engine.landing import Landing  # noqa: E402
+from snapshot._engine.reads import Need, allocate, check_target, location_check  # noqa: E402
+from snapshot._engine.serialization import decode_object, dtype_from_name, dtype_name  # noqa: E402
+from snapshot.errors import CorruptSnapshotError, StateMismatchError  # noqa: E402
+
+if TYPE_CHECKING:
+    from snapshot._engine.loader import Loader
+
+# What a pickled tensor's piece must decode to: a plain tensor (not a subclass).
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 
 
-def restore(loader, path, entry, target):
-    raise NotImplementedError
+def restore(
+    loader: Loader, path: str, entry: ObjectEntry | PickledTensorEntry, target: Any
+) -> None:
+    """Plans the read of an object (decoded into the loader's ``objects``; a target is not
+    filled in place), or of a pickled tensor into ``target`` when it is a dense tensor (its
+    needs then write the live state of the loader's ``owner``), else into a new tensor."""
+    loader.claim()  # buffers of the stored length
+    if type(entry) is not PickledTensorEntry:
+        need = plan_object_read(path, entry, loader.objects, loader.verify)
+        loader.add_needs([need], into_target=False)
+        return
+    if sharded.is_sharded(target):
+        raise StateMismatchError(
+            f"{path}: the snapshot holds a whole tensor here (pickled), the object being "
+            "restored is a piece of a sharded one; restore it into a plain tensor"
+        )
+    t = target if is_dense_tensor(target) else None
+    needs = plan_pickled_tensor_read(
+        path, entry, t, loader.objects, verify=loader.verify, landing=loader.landing
+    )
+    loader.add_needs(needs, into_target=t is not None)
+
+
+def plan_object_read(
+    path: str,
+    entry: ObjectEntry | ShardedObjectEntry,
+    results: dict[str, Any],
+    verify: bool = True,
+) -> Need:
+    """The need of an object's bytes; ``done`` decodes them into ``results[path]`` (after, with
+    ``verify``, their CRC-32 was checked)."""
+    loc = entry.location
+    nbytes = loc.nbytes
+    buf: list[bytearray] = []
+
+    def dest() -> memoryview:
+        buf.append(allocate(path, nbytes, lambda: bytearray(nbytes)))
+        return memoryview(buf[0])
+
+    def done() -> None:
+        results[path] = decode_value(path, entry, bytes(buf.pop()))
+
+    return Need(
+        blob=loc.blob,
+        offset=loc.offset,
+        nbytes=nbytes,
+        dest=dest,
+        done=done,
+        scratch_bytes=nbytes,
+        label=path,
+        verify=location_check(path, loc, 1, verify),
+    )
+
+
+def decode_value(path: str, entry: ObjectEntry | ShardedObjectEntry, data: bytes) -> Any:
+    """The value an object entry's bytes encode."""
+    if entry.serializer == "bytes":
+        return data
+    if entry.serializer == "utf8":
+        try:
+            return data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise CorruptSnapshotError(f"{path}: stored text is not valid UTF-8: {e}") from e
+    if entry.serializer == "torch_save":
+        return decode_object(data, path)
+    raise CorruptSnapshotError(
+        f"{path}: unknown serializer {entry.serializer!r}; known: torch_save, bytes, utf8"
+    )
+
+
+def plan_pickled_tensor_read(
+    path: str,
+    entry: PickledTensorEntry,
+    target: torch.Tensor | None,
+    results: dict[str, Any],
+    verify: bool = True,
+    landing: Landing | None = None,
+) -> list[Need]:
+    """The needs of a tensor stored as ``torch.save`` bytes, one per piece; when the last
+    piece is decoded, ``results[path]`` holds the tensor: ``target`` filled in place (cast like
+    ``copy_``; on a device, by ``landing``'s copy stream) when given, else a new one (the
+    decoded tensor itself when one piece holds it all).
+
+    The pickles are decoded by the safe loader, and each must hold a plain tensor of the
+    recorded dtype and of its piece's size: the manifest says what a restore may expect, and
+    the bytes must not bring anything else (another type, another shape).
+    """
+    dtype = dtype_from_name(entry.dtype, path)
+    shape = tuple(entry.shape)
+    pieces = entry.pieces
+    _check_pieces(path, entry)
+    copier = landing if landing is not None else Landing()
+    if target is not None:
+        check_target(path, new_tensor_entry(entry.dtype, shape, ()), target, dtype)
+        copier.prepare(target)
+    whole = len(pieces) == 1 and tuple(pieces[0].sizes) == shape
+    result: list[torch.Tensor] = []  # the tensor the pieces are copied into, once made
+    if target is not None:
+        result.append(target)
+    elif not whole:
+        result.append(
+            allocate(
+                path, math.prod(shape) * dtype.itemsize, lambda: torch.empty(shape, dtype=dtype)
+            )
+        )
+    remaining = [len(pieces)]
+    needs = []
+    for piece in pieces:
+        loc = piece.chunks[0]
+        buf: list[bytearray] = []
+
+        def dest(loc: Location = loc, buf: list[bytearray] = buf) -> memoryview:
+            buf.append(allocate(path, loc.nbytes, lambda: bytearray(loc.nbytes)))
+            return memoryview(buf[0])
+
+        def done(piece: Shard = piece, buf: list[bytearray] = buf) -> None:
+            value = decode_object(bytes(buf.pop()), path)
+            box = tuple(piece.sizes)
+            if (
+                not isinstance(value, torch.Tensor)
+                or type(value) not in _PLAIN_TENSORS
+                or value.dtype != dtype
+                or tuple(value.shape) != box
+            ):
+                what = (
+                    f"a {dtype_name(value.dtype)}{list(value.shape)} tensor"
+                    if isinstance(value, torch.Tensor)
+                    else f"a {_type_name(value)}"
+                )
+                raise CorruptSnapshotError(
+                    f"{path}: the pickle of the piece at {list(piece.offsets)} holds {what}; the "
+                    f"manifest records a {entry.dtype}{list(box)} tensor"
+                )
+            if not result:  # one piece, the whole tensor, no target: the decoded one is it
+                results[path] = value.detach()
+                return
+            window = result[0][
+                tuple(slice(o, o + n) for o, n in zip(piece.offsets, box, strict=True))
+            ]
+            try:
+                copier.copy(window, value)
+            except RuntimeError as e:
+                raise StateMismatchError(
+                    f"{path}: cannot copy the stored {entry.dtype} values into the "
+                    f"{dtype_name(window.dtype)} tensor being restored: {e}"
+                ) from e
+            remaining[0] -= 1
+            if remaining[0] == 0:
+                results[path] = result[0]
+
+        needs.append(
+            Need(
+                blob=loc.blob,
+                offset=loc.offset,
+                nbytes=loc.nbytes,
+                dest=dest,
+                done=done,
+                scratch_bytes=loc.nbytes,
+                label=path,
+                verify=location_check(path, loc, 1, verify),
+            )
+        )
+    return needs
+
+
+def _check_pieces(path: str, entry: PickledTensorEntry) -> None:
+    """The pieces of a pickled tensor lie within its shape, one location each, and cover it
+    exactly once (their volumes add up to its own, and no two overlap)."""
+    shape = tuple(entry.shape)
+    for piece in entry.pieces:
+        offsets, sizes = tuple(piece.offsets), tuple(piece.sizes)
+        if (
+            len(piece.chunks) != 1
+            or len(offsets) != len(shape)
+            or len(sizes) != len(shape)
+            or any(o + n > s for o, n, s in zip(offsets, sizes, shape, strict=True))
+        ):
+            raise CorruptSnapshotError(
+                f"{path}: a piece at {list(offsets)} of size {list(sizes)} in "
+                f"{len(piece.chunks)} locations does not fit a {entry.dtype}{list(shape)} "
+                "tensor stored as one pickle per piece"
+            )
+    # Linear in the pieces (by their corners), where comparing every pair was quadratic.
+    problem = geometry.cover_problem(shape, [(p.offsets, p.sizes) for p in entry.pieces])
+    if problem is not None or not entry.pieces:
+        raise CorruptSnapshotError(
+            f"{path}: the pieces of this {entry.dtype}{list(shape)} tensor do not cover it "
+            f"exactly once{f': {problem}' if problem else ''}"
+        )
+
+
+def _type_name(value: object) -> str:
+    t = type(value)
+    return t.__qualname__ if t.__module__ == "builtins" else f"{t.__module__}.{t.__qualname__}"
 
 
 # ==== registration ===========================================================================
-# To fill in: accepts=lambda value: True (the catch-all, registered last), entry_types=(ObjectEntry, PickledTensorEntry)
-HANDLER = Handler(name="objects", take=take, restore=restore)
+# The catch-all: registered last, it takes every value no other kind accepts.
+HANDLER = Handler(
+    name="objects",
+    take=take,
+    restore=restore,
+    accepts=lambda value: True,
+    entry_types=(ObjectEntry, PickledTensorEntry),
+)

@@ -1,25 +1,289 @@
-"""Pieces of a global tensor (DTensor, torch's ShardedTensor, snapshot.sharding.ShardedTensor): each rank writes the pieces whose main replica it holds; a restore reads the boxes of the stored pieces that the target's regions cover."""
+"""Pieces of a global tensor (DTensor, torch's ShardedTensor, snapshot.sharding.ShardedTensor):
+each rank writes the pieces whose main replica it holds; a restore reads the boxes of the stored
+pieces that the target's regions cover."""
 
 from __future__ import annotations
 
+import typing
+
+from snapshot._engine.drafts import ShardDraft
+from snapshot._engine.handlers.dense import take_tensor
 from snapshot._engine.handlers.table import Handler
+from snapshot.errors import UnsupportedValueError
 
 # ==== take ===================================================================================
-# (the take side's imports and code go here)
+# Each piece of the global tensor that this rank holds as its main replica is written as a tensor
+# of its own (``dense.take_tensor``; never deduplicated against other ranks: each writes its
+# pieces), and every piece, written or not, is listed for the check that the ranks' pieces
+# cover the tensor (``sharded.check_coverage``). (``sharded`` and ``dtype_name`` are imported
+# with the restore section below.)
+
+if typing.TYPE_CHECKING:
+    from snapshot._engine.plan import Collector
 
 
-def take(planner, path, logical, value, replicated):
-    raise NotImplementedError
+def take(
+    planner: Collector, path: str, logical: str, value: typing.Any, replicated: bool
+) -> ShardDraft:
+    """The draft of this rank's pieces of a global tensor."""
+    held = sharded.held(path, logical, value)
+    written: list[tuple[sharded.LocalPiece, typing.Any]] = []
+    for piece in held.pieces:
+        if piece.data.dtype != piece.dtype or tuple(piece.data.shape) != piece.sizes:
+            raise UnsupportedValueError(
+                f"{path}: the piece of {piece.key!r} holds a {dtype_name(piece.data.dtype)}"
+                f"{list(piece.data.shape)} tensor where {dtype_name(piece.dtype)}"
+                f"{list(piece.sizes)} was declared"
+            )
+        planner.out.pieces.append(
+            (
+                piece.key,
+                dtype_name(piece.dtype),
+                piece.shape,
+                piece.offsets,
+                piece.sizes,
+                piece.main,
+                path,
+            )
+        )
+        if piece.main:
+            written.append((piece, take_tensor(planner, path, logical, piece.data, False)))
+    return ShardDraft(held=held, written=written)
 
 
 # ==== restore ================================================================================
-# (the restore side's imports and code go here)
+# The target's regions (its own piece of a ShardedTensor or DTensor, each local shard of
+# torch's ShardedTensor; a whole plain tensor, or a new one) are filled from whatever shards
+# were stored: only the bytes of the stored shards that overlap each region are read, run by
+# run, or through their gaps in boxes of scratch.
+
+import functools  # noqa: E402
+from collections.abc import Mapping  # noqa: E402
+from typing import TYPE_CHECKING, Any  # noqa: E402
+
+import torch  # noqa: E402
+
+from manifest import ShardedTensorEntry  # noqa: E402
+from snapshot._engine import geometry, sharded  # noqa: E402
+from snapshot._engine.checksum import LocationCheck  # noqa: E402
+from snapshot._engine.handlers.dense import is_dense_tensor  # noqa: E402
+from snapshot._engine.landing import Landing  # noqa: E402
+from snapshot._engine.reads import (  # noqa: E402
+    Need,
+    ScratchPool,
+    TensorRead,
+    allocate,
+    casts,
+    check_receivable,
+    lands_directly,
+    tile_need,
+)
+from snapshot._engine.serialization import dtype_from_name, dtype_name, raw_memoryview  # noqa: E402
+from snapshot.errors import StateMismatchError  # noqa: E402
+
+if TYPE_CHECKING:
+    from snapshot._engine.loader import Loader
+
+# Scratch of one box of a sharded read through its gaps: small enough to be in the CPU's cache
+# when it is copied into place.
+BOX_BYTES = 4 << 20
 
 
-def restore(loader, path, entry, target):
-    raise NotImplementedError
+def restore(loader: Loader, path: str, entry: ShardedTensorEntry, target: Any) -> None:
+    """Plans the reads of ``entry`` into ``target`` (``plan_sharded_read``); they write the
+    live state of the loader's ``owner`` when the target is a tensor or a piece of one."""
+    loader.claim()
+    read = plan_sharded_read(
+        path,
+        entry,
+        target,
+        loader.piece_bytes,
+        verify=loader.verify,
+        gap_bytes=loader.gap_bytes,
+        box_bytes=min(loader.tile_bytes, BOX_BYTES),
+        pool=loader.scratch,
+        tile_bytes=loader.tile_bytes,
+        landing=loader.landing,
+    )
+    loader.add_needs(read.needs, into_target=is_dense_tensor(target) or sharded.is_sharded(target))
+    loader.tensors[path] = read.result
+
+
+def plan_sharded_read(
+    path: str,
+    entry: ShardedTensorEntry,
+    target: Any,
+    piece_bytes: int,
+    verify: bool = True,
+    *,
+    gap_bytes: int = 0,
+    box_bytes: int = 4 << 20,
+    pool: ScratchPool | None = None,
+    tile_bytes: int | None = None,
+    landing: Landing | None = None,
+) -> TensorRead:
+    """Needs for a target's regions of a sharded tensor: the target's own piece when it is a
+    ``ShardedTensor`` or ``DTensor``, or each local shard of torch's ``ShardedTensor`` (filled
+    in place; resharded from whatever shards were stored), the whole tensor into a plain tensor
+    target (in place, cast like ``copy_``) or a new one.
+
+    Only the bytes of the stored shards that overlap the region are asked for, run by run.
+    They land in the destination's memory when it is a contiguous CPU tensor of the stored
+    dtype; else (another dtype, not contiguous, on a device: every CUDA ShardedTensor or
+    DTensor) each run, cut into tiles of at most ``tile_bytes`` (default ``piece_bytes``), is
+    read into a scratch tile taken when its read is about to run and charged to the read
+    budget, and copied into its elements of the region by ``landing`` (``tile_need``). An
+    overlap made of many runs with gaps of at most ``gap_bytes`` between them (a column block
+    of a row-sharded tensor, say) is read instead through its gaps, in boxes of at most about
+    ``box_bytes`` of scratch (taken from ``pool`` and given back, so that boxes reuse memory;
+    small, so that a box is still in the CPU's cache when it is copied), each moved into place
+    by one strided copy. Chunks read whole are checked against their CRC-32s; a chunk read in
+    part cannot be.
+    """
+    dtype = dtype_from_name(entry.dtype, path)
+    sharded.check_entry(path, entry, dtype)
+    whole = ((0,) * len(entry.shape), tuple(entry.shape))
+    if sharded.is_sharded(target):
+        regions, result = sharded.target_regions(path, entry, target)
+    elif isinstance(target, torch.Tensor) and is_dense_tensor(target):
+        regions, result = [(whole, target)], target
+    else:
+        result = allocate(path, entry.nbytes, lambda: torch.empty(entry.shape, dtype=dtype))
+        regions = [(whole, result)]
+    if landing is None:
+        landing = Landing()
+    tile = piece_bytes if tile_bytes is None else min(piece_bytes, tile_bytes)
+    planned: list[
+        tuple[geometry.Region, torch.Tensor, list[geometry.Piece], list[geometry.Box]]
+    ] = []
+    for region, dest in regions:
+        sharded.check_region(path, entry, region, dest)
+        check_receivable(path, dest)
+        if dest.dtype != dtype and not casts(dtype, dest.dtype):
+            raise StateMismatchError(
+                f"{path}: the snapshot holds {entry.dtype}, the object being restored is "
+                f"{dtype_name(dest.dtype)}, and torch cannot copy the one into the other"
+            )
+        # Into the region's memory the pieces may be as long as a read request; through
+        # scratch, as long as a tile.
+        step = piece_bytes
+        if not lands_directly(dest, dtype):
+            step = tile
+            landing.prepare(dest)
+        direct, boxes = geometry.plan_region(
+            entry, region, dtype.itemsize, step, gap_bytes, box_bytes
+        )
+        planned.append((region, dest, direct, boxes))
+    # One check per stored chunk over every region's pieces: a chunk that two local shards of
+    # a torch ShardedTensor target read in parts is still read whole, and checked.
+    checks = sharded.checks_for(
+        path, [p for _, _, d, b in planned for p in (*d, *(q for x in b for q in x.pieces))], verify
+    )
+    needs: list[Need] = []
+    pool = pool if pool is not None else ScratchPool()
+    for _, dest, direct, boxes in planned:
+        needs.extend(_region_needs(path, dtype, dest, direct, checks, landing))
+        for box in boxes:
+            needs.extend(_box_needs(path, dtype, dest, box, checks, pool, landing))
+    return TensorRead(needs=needs, result=result)
+
+
+def _region_needs(
+    path: str,
+    dtype: torch.dtype,
+    dest: torch.Tensor,
+    planned: list[geometry.Piece],
+    checks: Mapping[tuple[str, int], LocationCheck],
+    landing: Landing,
+) -> list[Need]:
+    """Pieces landing at their place in the region's tensor ``dest``: straight into its memory
+    when it can take raw bytes; else each piece (a run of consecutive elements in both the
+    stored shard and the region, at most a tile long) through a scratch tile of its own,
+    taken when its read is about to run, charged to the read budget, and copied into the
+    region's elements once it has landed (``tile_need``). A scratch tensor of the whole
+    region, taken when the read was planned, held memory beyond the budget: with an 8 MiB
+    budget, four 32 MiB regions held 128 MiB before the first read."""
+    if not planned:
+        return []
+    if not lands_directly(dest, dtype):
+        itemsize = dtype.itemsize
+        needs = []
+        for p in planned:
+            need = tile_need(
+                path, p.chunk, p.lo, p.nbytes, p.dest // itemsize, dtype, dest, landing
+            )
+            need.verify = sharded.verifier(checks, p)
+            needs.append(need)
+        return needs
+    address = dest.data_ptr()
+    return [
+        Need(
+            blob=p.chunk.blob,
+            offset=p.chunk.offset + p.lo,
+            nbytes=p.nbytes,
+            dest=functools.partial(raw_memoryview, address + p.dest, p.nbytes),
+            done=None,
+            scratch_bytes=0,
+            label=path,
+            verify=sharded.verifier(checks, p),
+        )
+        for p in planned
+    ]
+
+
+def _box_needs(
+    path: str,
+    dtype: torch.dtype,
+    dest: torch.Tensor,
+    box: geometry.Box,
+    checks: Mapping[tuple[str, int], LocationCheck],
+    pool: ScratchPool,
+    landing: Landing,
+) -> list[Need]:
+    """A box's pieces, into a scratch buffer taken when the first of them is about to be read;
+    once all have landed, one strided copy moves the box into ``dest`` (on a device, a
+    synchronous one on the read's copy stream: ``Landing.copy``), and the buffer goes back to
+    the pool."""
+    scratch: list[torch.Tensor] = []
+    remaining = [len(box.pieces)]
+    nbytes = box.span * dtype.itemsize
+
+    def into(p: geometry.Piece) -> memoryview:
+        if not scratch:
+            scratch.append(pool.take(nbytes))
+        return raw_memoryview(scratch[0].data_ptr() + p.dest, p.nbytes)
+
+    def done() -> None:
+        remaining[0] -= 1
+        if remaining[0] == 0:
+            buffer = scratch.pop()
+            source = torch.as_strided(buffer[:nbytes].view(dtype), box.sizes, box.strides)
+            window = dest[tuple(slice(a, a + n) for a, n in zip(box.at, box.sizes, strict=True))]
+            landing.copy(window, source)
+            pool.give(buffer)
+
+    return [
+        Need(
+            blob=p.chunk.blob,
+            offset=p.chunk.offset + p.lo,
+            nbytes=p.nbytes,
+            dest=functools.partial(into, p),
+            done=done,
+            scratch_bytes=p.nbytes,
+            label=path,
+            verify=sharded.verifier(checks, p),
+        )
+        for p in box.pieces
+    ]
 
 
 # ==== registration ===========================================================================
-# To fill in: accepts=<is sharded>, entry_types=(ShardedTensorEntry,)
-HANDLER = Handler(name="sharded_tensor", take=take, restore=restore)
+# No type of its own to be found by (a DTensor, torch's ShardedTensor, the library's
+# ShardedTensor): asked by ``accepts``, after the dense kind.
+HANDLER = Handler(
+    name="sharded_tensor",
+    take=take,
+    restore=restore,
+    accepts=sharded.is_sharded,
+    entry_types=(ShardedTensorEntry,),
+)

@@ -1,0 +1,6 @@
+"""``python -m benchmarks.common``: the machine description and the check of the harness's tools
+(see :mod:`benchmarks.common.machine`)."""
+
+from benchmarks.common.machine import main
+
+main()

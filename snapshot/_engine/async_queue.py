@@ -1,0 +1,142 @@
+"""Background work: ``AsyncRequest`` (work to run in the background, and what to run once it is
+done) and ``AsyncCallsQueue`` (runs requests one at a time, in order, on one thread).
+
+Async take hands its rest (wait for the writes, agree, commit) to the process's queue
+(``runtime.get().queue()``); the strategy API's ``async_save`` returns an ``AsyncRequest`` for
+its caller to schedule or run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from snapshot.errors import SnapshotError
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class AsyncRequest:
+    """Work to run in the background, and what to run once it is done.
+
+    ``async_fn(*async_fn_args)`` runs on the queue's background thread; ``finalize_fns`` run
+    afterwards, in order, on the thread that finalizes the call (the caller's), only if
+    ``async_fn`` succeeded. A request is frozen once scheduled.
+    """
+
+    async_fn: Callable[..., Any] | None
+    async_fn_args: tuple[Any, ...] = ()
+    finalize_fns: tuple[Callable[[], Any], ...] = ()
+    is_frozen: bool = False
+
+    def add_finalize_fn(self, fn: Callable[[], Any]) -> AsyncRequest:
+        """A request that also runs ``fn`` when finalized (requests are immutable)."""
+        if self.is_frozen:
+            raise SnapshotError("cannot add a finalize function to a request already scheduled")
+        return dataclasses.replace(self, finalize_fns=(*self.finalize_fns, fn))
+
+    def execute_sync(self) -> Any:
+        """Runs the request in the calling thread: the work, then its finalize functions."""
+        result = self.async_fn(*self.async_fn_args) if self.async_fn is not None else None
+        for fn in self.finalize_fns:
+            fn()
+        return result
+
+    def freeze(self) -> AsyncRequest:
+        return dataclasses.replace(self, is_frozen=True)
+
+
+@dataclass
+class _Call:
+    index: int
+    request: AsyncRequest
+    future: Future[Any] = field(repr=False)
+
+
+class AsyncCallsQueue:
+    """Runs scheduled requests one at a time, in the order scheduled, on one background thread,
+    and finalizes finished ones when asked.
+
+    One thread means the calls' work never overlaps, so a later snapshot's commit always follows
+    an earlier one's.
+    """
+
+    def __init__(self) -> None:
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="statesnap-async")
+        self._calls: deque[_Call] = deque()
+        self._next = 0
+        self._lock = threading.Lock()
+
+    def schedule_async_request(self, request: AsyncRequest) -> int:
+        """Starts ``request`` in the background; returns its call index."""
+        request = request.freeze()
+        with self._lock:
+            index = self._next
+            self._next += 1
+            fn = request.async_fn or (lambda *_: None)
+            future = self._executor.submit(fn, *request.async_fn_args)
+            self._calls.append(_Call(index, request, future))
+        return index
+
+    def future(self, index: int) -> Future[Any]:
+        """The future of an unfinalized call."""
+        with self._lock:
+            for call in self._calls:
+                if call.index == index:
+                    return call.future
+        raise KeyError(f"no unfinalized call {index}")
+
+    def maybe_finalize_async_calls(
+        self, blocking: bool = False, up_to: int | None = None
+    ) -> list[int]:
+        """Finalizes finished calls, oldest first, stopping at the first unfinished one (or,
+        when ``blocking``, waiting for it), and after call ``up_to`` when given.
+
+        Returns the indices finalized. A call whose work failed is removed, and its error raised
+        (as a ``SnapshotError``, the original chained) after the calls before it are finalized.
+        """
+        done: list[int] = []
+        while True:
+            with self._lock:
+                if not self._calls:
+                    return done
+                call = self._calls[0]
+                if up_to is not None and call.index > up_to:
+                    return done
+                if not blocking and not call.future.done():
+                    return done
+            try:
+                call.future.result()
+            except BaseException as e:
+                with self._lock:
+                    self._calls.popleft()
+                if isinstance(e, SnapshotError):
+                    raise
+                raise SnapshotError(
+                    f"async call {call.index} failed: {type(e).__name__}: {e}"
+                ) from e
+            with self._lock:
+                self._calls.popleft()
+            for fn in call.request.finalize_fns:
+                fn()
+            done.append(call.index)
+
+    def get_num_unfinalized_calls(self) -> int:
+        with self._lock:
+            return len(self._calls)
+
+    def close(self) -> None:
+        """Waits for every call and finalizes it; errors are logged."""
+        while self.get_num_unfinalized_calls():
+            try:
+                self.maybe_finalize_async_calls(blocking=True)
+            except SnapshotError:
+                logger.exception("an async call failed")
+        self._executor.shutdown(wait=True)

@@ -1,0 +1,323 @@
+"""The loader: collects the reads that rebuild a set of manifest entries, runs them, and
+rebuilds the values (``inflate``).
+
+Each leaf entry is planned by the handler of its kind (``handlers.for_entry``:
+``handler.restore(loader, path, entry, target)``), which adds its needs to the loader and
+records where its value will be (``tensors``, ``objects``); the loader itself only knows the
+one kind of target every kind treats alike, a ``LocalNonpersistentObject`` (the restoring
+rank's own object, never read). The most common read, a tensor entry straight into the
+caller's tensor, is planned inline (``dense.direct_read``): a restore of many small tensors
+runs it once per leaf. Then ``execute`` merges the needs into scatter reads (``coalesce``) and
+runs them under the memory budget; ``verify_first`` is the first pass of a restore that checks
+every stored range before it writes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from manifest import Entry, Manifest, TensorEntry
+from snapshot._engine.claims import ClaimCheck
+from snapshot._engine.context import naming_snapshot
+from snapshot._engine.flatten import inflate, subtree
+from snapshot._engine.handlers import local
+from snapshot._engine.handlers.dense import direct_read
+from snapshot._engine.handlers.table import Handler, for_entry
+from snapshot._engine.io_loop import run
+from snapshot._engine.landing import Landing
+from snapshot._engine.pipeline import IOStats, read_all
+from snapshot._engine.reads import Need, ScratchPool, coalesce, needs_label
+from snapshot._engine.requests import ReadRequest
+from snapshot._engine.restore_guard import (
+    CHECK_PIECE_BYTES,
+    RestoreProgress,
+    ScratchKeeper,
+    check_needs,
+    locations_read,
+)
+from snapshot._engine.storage_calls import call
+from snapshot.errors import CorruptSnapshotError
+from snapshot.options import Options
+from snapshot.sharding.mapping import LocalNonpersistentObject
+from storage_plugins import StoragePlugin
+
+
+def tile_bytes(budget: int, options: Options) -> int:
+    """The scratch tile of one read, out of a budget of ``budget`` bytes: two tiles per
+    worker can be in flight, and their sum stays within the budget."""
+    assert options.max_concurrent_io is not None
+    return max(1, budget // (2 * options.max_concurrent_io))
+
+
+class Loader:
+    """Collects the reads that rebuild a set of manifest entries, runs them, and inflates.
+
+    What the kinds' ``restore`` functions use: ``entries``, ``where``; the read sizes
+    (``piece_bytes``: the longest need into a target's memory, ``tile_bytes``: the longest
+    through scratch, ``gap_bytes``) and ``verify``; ``add_needs``, ``claim`` and ``later``;
+    where values land (``tensors``, ``objects``); and the scratch the reads share
+    (``scratch``, ``landing``).
+    """
+
+    def __init__(
+        self,
+        manifest: Manifest,
+        options: Options,
+        tile_bytes: int,
+        where: str,
+        entries: Mapping[str, Entry] | None = None,
+        verify: bool | None = None,
+        claims: ClaimCheck | None = None,
+    ) -> None:
+        self.manifest = manifest
+        # What the reads that allocate memory of the size the manifest records claim, checked
+        # against the store before the first of them is planned: the subtree being planned
+        # (root, targets) until then.
+        self.claims = claims
+        self._unclaimed: tuple[str, Mapping[str, Any]] | None = None
+        # The entries as the reading rank sees them (``Manifest.view``); all of them by default.
+        self.entries = manifest.entries if entries is None else entries
+        self.where = where
+        self.tile_bytes = tile_bytes
+        assert options.read_request_bytes is not None and options.read_gap_bytes is not None
+        assert options.max_concurrent_io is not None and options.checksums is not None
+        self.piece_bytes = options.read_request_bytes
+        self.gap_bytes = options.read_gap_bytes
+        self.concurrency = options.max_concurrent_io
+        self.options = options  # each storage call's retries and deadline
+        # Whether reads check recorded CRC-32s: the options' setting unless the caller decides.
+        self.verify = options.checksums if verify is None else verify
+        # The app_state key whose targets the subtree being planned fills (``Need.owner``).
+        self.owner: str | None = None
+        self.needs: list[Need] = []
+        self.tensors: dict[str, Any] = {}
+        self.objects: dict[str, Any] = {}  # decoded objects, and primitives' values
+        self.local: dict[str, Any] = {}  # LocalNonpersistentObject values, by path
+        self.scratch = ScratchPool()  # for reads of sharded tensors through their gaps
+        # The copies of scratch tiles into targets, and the device streams they run on
+        # (made, and ordered after the caller's current streams, as targets are planned).
+        self.landing = Landing()
+        # Planning steps that wait until every other read is planned (``later``).
+        self._later: list[Callable[[], None]] = []
+        # The dense kind's bookkeeping (``handlers/dense.py``): tensors read into no target
+        # share storage as torch.load's do: the new tensor of each stored range, by what it
+        # holds (entries recording the same bytes were one tensor when taken); what was made
+        # of them (a view, a Parameter, a tensor requiring grad), each with the tensor it was
+        # made of (kept alive, its id being part of the key); and the view entries waiting for
+        # every read to be planned.
+        self.fresh: dict[tuple[Any, ...], torch.Tensor] = {}
+        self.made: dict[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor]] = {}
+        self.views: list[tuple[str, TensorEntry]] = []
+
+    # -- what the kinds' restore functions call -------------------------------------------------
+
+    def add_needs(self, needs: list[Need], *, into_target: bool) -> None:
+        """Adds a leaf's needs; ``into_target``: they land in the caller's target (a tensor,
+        or a piece of a sharded one, that a ``state_dict()`` returned), and so write the live
+        state of the app_state key being planned (``owner``)."""
+        owner = self.owner
+        if into_target and owner is not None:
+            for need in needs:
+                need.owner = owner
+        self.needs.extend(needs)
+
+    def claim(self) -> None:
+        """Called by a kind before it plans a read that takes memory of the size the manifest
+        records: the claims of every read of the subtree being planned that allocates
+        (``ClaimCheck``) are checked at once, the first time. Reads into the caller's tensors,
+        most of a restore, plan no allocation, and a subtree of only those is walked once."""
+        unclaimed, self._unclaimed = self._unclaimed, None
+        if unclaimed is not None and self.claims is not None:
+            root, targets = unclaimed
+            self.claims.check(self.entries, subtree(self.entries, root), targets)
+
+    def later(self, step: Callable[[], None]) -> None:
+        """Runs ``step`` once every read is planned, before the reads run (``plan_deferred``)."""
+        self._later.append(step)
+
+    # -- planning --------------------------------------------------------------------------------
+
+    def add_subtree(self, root: str, targets: Mapping[str, Any], owner: str | None = None) -> None:
+        """Plans the reads of every leaf under ``root`` into ``targets`` (by path); the needs
+        that land bytes in a target (the live state of app_state key ``owner``) are marked with
+        ``owner`` (``Need.owner``)."""
+        entries = self.entries
+        needs, tensors = self.needs, self.tensors
+        piece_bytes, verify = self.piece_bytes, self.verify
+        self.owner = owner
+        with naming_snapshot(self.where):
+            # Checked when the first read that allocates is planned (``claim``), if any.
+            self._unclaimed = (root, targets)
+            for p in subtree(entries, root):
+                entry = entries.get(p)
+                if entry is None:
+                    raise CorruptSnapshotError(
+                        f"{p}: listed by its parent but missing from the manifest"
+                    )
+                target = targets.get(p)
+                if type(entry) is TensorEntry:
+                    # The dense kind's most common read, inline: straight into the target.
+                    need = direct_read(p, entry, target, piece_bytes, verify)
+                    if need is not None:
+                        need.owner = owner
+                        needs.append(need)
+                        tensors[p] = target
+                        continue
+                handler = for_entry(entry)
+                if handler is not None:  # None: a container, which ``inflate`` rebuilds
+                    self._add(handler, p, entry, target)
+
+    def _add(self, handler: Handler, path: str, entry: Entry, target: Any) -> None:
+        if isinstance(target, LocalNonpersistentObject):
+            local.restore(self, path, entry, target)  # this rank's own, never read
+            return
+        assert handler.restore is not None
+        handler.restore(self, path, entry, target)
+
+    def plan_deferred(self) -> None:
+        """Runs the planning steps that wait for every other read (``later``): view entries
+        read into no target, say, which become views of their base's new tensor."""
+        with naming_snapshot(self.where):
+            while self._later:
+                steps, self._later = self._later, []
+                for step in steps:
+                    step()
+
+    # -- reading ---------------------------------------------------------------------------------
+
+    def execute(
+        self, plugin: StoragePlugin, budget_bytes: int, progress: RestoreProgress | None = None
+    ) -> IOStats:
+        """Runs the planned reads; ``progress`` records which app_state keys' targets they
+        begin to write."""
+        self.plan_deferred()
+        with naming_snapshot(self.where):
+            return self._execute(plugin, budget_bytes, self.needs, progress)
+
+    def verify_first(self, plugin: StoragePlugin, budget_bytes: int) -> IOStats:
+        """The first pass of a restore that checks before it writes: reads the needs that
+        write no live state (objects, new tensors: decoded and checked as usual), and every
+        stored range the other needs read, whole, against its recorded CRC-32 (into scratch,
+        which is given back as each read is done). Leaves those other needs, which write into
+        targets, for ``execute``; their ranges are then read a second time."""
+        self.plan_deferred()
+        private = [n for n in self.needs if n.owner is None]
+        writing = [n for n in self.needs if n.owner is not None]
+        piece = min(CHECK_PIECE_BYTES, self.tile_bytes)
+        scratch = ScratchKeeper(max(0, budget_bytes - self.concurrency * self.tile_bytes))
+        with naming_snapshot(self.where):
+            checks = check_needs(locations_read(self.entries, writing), piece, scratch)
+            stats = self._execute(plugin, budget_bytes, private + checks, None)
+        self.needs = writing
+        return stats
+
+    def _execute(
+        self,
+        plugin: StoragePlugin,
+        budget_bytes: int,
+        needs: list[Need],
+        progress: RestoreProgress | None,
+    ) -> IOStats:
+        try:
+            return run(self._read(plugin, budget_bytes, needs, progress))
+        finally:
+            # On the caller's thread, after every read (also a failed one): waits for the
+            # device copies still in flight, so the targets hold their bytes on return.
+            self.landing.finish()
+
+    async def _read(
+        self,
+        plugin: StoragePlugin,
+        budget_bytes: int,
+        needs: list[Need],
+        progress: RestoreProgress | None,
+    ) -> IOStats:
+        concurrency = self.concurrency
+        # The reads hold up to one tile of scratch per worker, charged; the rest of the budget
+        # bounds what the landing holds beside them: tiles kept for reuse, and pinned tiles
+        # whose device copies are still in flight.
+        self.landing.spare_bytes = max(0, budget_bytes - concurrency * self.tile_bytes)
+        requests = coalesce(
+            needs,
+            max_gap_bytes=self.gap_bytes,
+            max_request_bytes=self.piece_bytes,
+            max_scratch_bytes=self.tile_bytes,
+        )
+        if progress is not None:
+            progress.watch(requests)
+        stats = await read_all(
+            plugin,
+            requests,
+            budget_bytes=budget_bytes,
+            max_concurrency=concurrency,
+            options=self.options,
+        )
+        if self.verify:
+            # After the reads: a store may learn sizes from them (an S3 ranged GET's answer
+            # carries the object's length), and a blob cut short has failed its read already.
+            await self._check_sizes(plugin, requests, concurrency)
+        return stats
+
+    async def _check_sizes(
+        self, plugin: StoragePlugin, requests: Sequence[ReadRequest], concurrency: int
+    ) -> None:
+        """Each blob read must be as long as the manifest says: not shorter (cut), and not
+        longer (bytes appended after the take, or a blob of another snapshot). Runs after the
+        reads, one size query per blob."""
+        by_blob: dict[str, list[ReadRequest]] = {}
+        for req in requests:  # a few per blob, where there are thousands of needs
+            by_blob.setdefault(req.blob, []).append(req)
+        expected = self.manifest.blob_sizes
+        blobs = iter(by_blob.items())
+        options = self.options
+
+        async def worker() -> None:
+            for blob, reqs in blobs:
+                # The label of all the blob's needs (coalesce labelled each request's).
+                label = reqs[0].label if len(reqs) == 1 else needs_label(_needs_of(reqs))
+                size = await call(
+                    plugin, "read", blob, label, lambda b=blob: plugin.size(b), options=options
+                )
+                want = expected[blob]
+                if size is not None and size != want:
+                    how = "longer" if size > want else "shorter"
+                    raise CorruptSnapshotError(
+                        f"{label}: blob {plugin.describe(blob)} is {how} than the manifest says "
+                        f"({size:,} bytes; the manifest's last range in it ends at {want:,})"
+                    )
+
+        await asyncio.gather(*(worker() for _ in range(min(concurrency, len(by_blob)))))
+
+    # -- the values ------------------------------------------------------------------------------
+
+    def value(self, path: str, entry: Entry) -> Any:
+        tensor = self.tensors.get(path)  # most leaves (a path is in one of these dicts at most)
+        if tensor is not None:
+            return tensor
+        if path in self.local:
+            return self.local[path]
+        return self.objects[path]  # a KeyError: an entry that no read planned
+
+    def inflate(self, root: str) -> Any:
+        with naming_snapshot(self.where):
+            return self._inflate(root)
+
+    def _inflate(self, root: str) -> Any:
+        try:
+            return inflate(self.entries, root, self.value)
+        except KeyError as e:
+            raise CorruptSnapshotError(f"{root}: entry {e} is missing from the manifest") from None
+        except RecursionError:
+            raise CorruptSnapshotError(f"{root}: containers nested too deeply to rebuild") from None
+
+
+def _needs_of(requests: Sequence[ReadRequest]) -> Iterator[Need]:
+    """The needs that some read requests serve (their other segments are skipped gaps)."""
+    for req in requests:
+        for seg in req.segments:
+            if isinstance(seg, Need):
+                yield seg

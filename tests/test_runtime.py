@@ -1,0 +1,167 @@
+"""The process's runtime: one object holding the library's process-wide state, its one shutdown
+path, and the check of who wrote a snapshot's parts (``snapshot._engine.writers``)."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import textwrap
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from snapshot import IncompatibleSnapshotError, Snapshot, StateDict
+from snapshot._engine import runtime, writers
+from snapshot._engine.async_queue import AsyncRequest
+from snapshot._engine.io_loop import io_loop, run
+from snapshot.options import Options
+from storage_plugins.memory import MemoryStoragePlugin
+
+ROOT = Path(__file__).resolve().parent.parent
+OPTS = Options().resolved()
+
+
+class ClosingPlugin(MemoryStoragePlugin):
+    closed = 0
+
+    async def close(self) -> None:
+        ClosingPlugin.closed += 1
+        await super().close()
+
+
+def test_one_runtime_per_process_with_parts_made_once():
+    rt = runtime.get()
+    assert runtime.get() is rt
+    assert rt.queue() is rt.queue()
+    assert rt.staging_pool(OPTS) is rt.staging_pool(OPTS.replace(memory_budget_bytes=1))
+    assert rt.digest_pool(2) is rt.digest_pool(2)
+    assert io_loop() is rt.loop()
+
+
+def test_shutdown_waits_for_pending_work_ends_tasks_closes_plugins_then_stops_the_loop():
+    gate = threading.Event()
+    seen: list[str] = []
+    with runtime.use() as rt:
+        queue = rt.queue()
+
+        def work() -> None:
+            assert gate.wait(10)
+            seen.append("work")
+
+        queue.schedule_async_request(
+            AsyncRequest(work, finalize_fns=(lambda: seen.append("finalized"),))
+        )
+        forever = asyncio.run_coroutine_threadsafe(asyncio.sleep(3600), rt.loop())
+        plugin = ClosingPlugin("memory://runtime-kept")
+        before = ClosingPlugin.closed
+        key = ("memory://runtime-kept", "{}")
+        asyncio.run_coroutine_threadsafe(rt.kept.keep(key, plugin, 3600), rt.loop()).result(5)
+        loop = rt.loop()
+        threading.Timer(0.2, gate.set).start()
+    # Out of the block: the runtime was shut down.
+    assert seen == ["work", "finalized"]  # the pending work was waited for and finalized
+    assert forever.cancelled()  # the task left on the loop was ended
+    assert ClosingPlugin.closed == before + 1 and len(rt.kept) == 0  # the kept plugin closed
+    assert not loop.is_running()  # the loop stopped
+    assert runtime.get() is not rt  # the process's own runtime is back
+
+
+def test_io_after_shutdown_starts_a_new_loop_and_keeps_no_plugin():
+    """An exit hook of the application's, run after the library's, can still use it."""
+    with runtime.use() as rt:
+        first = rt.loop()
+    assert not first.is_running()
+    with runtime.use(rt):  # the same runtime, shut down already, made current again
+        assert run(asyncio.sleep(0, "done")) == "done"
+        assert rt.loop() is not first and not rt.keeps_plugins
+
+
+def test_the_exit_hook_waits_for_pending_snapshots_and_closes_kept_plugins_first(tmp_path):
+    """One hook, run before the application's atexit handlers: the pending snapshot is
+    committed, and the kept plugin closed, by the time they run."""
+    path = tmp_path / "s"
+    script = textwrap.dedent(
+        f"""
+        import atexit
+        import torch
+        from snapshot import Snapshot, StateDict
+        from snapshot._engine import runtime
+        from tests.test_runtime import ClosingPlugin
+        from storage_plugins import register_storage_plugin
+        ClosingPlugin.keep_open = True
+        register_storage_plugin("closing", ClosingPlugin)
+        atexit.register(lambda: print("at exit", ClosingPlugin.closed, len(runtime.get().kept)))
+        Snapshot.take("closing://kept", {{"s": StateDict(t=torch.ones(3))}})
+        Snapshot("closing://kept")
+        print("kept", len(runtime.get().kept))
+        Snapshot.async_take({str(path)!r}, {{"s": StateDict(t=torch.arange(100_000))}})
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=ROOT
+    )
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0] == "kept 1"
+    assert lines[1].startswith("at exit") and lines[1].endswith(" 0")  # none kept any more
+    assert int(lines[1].split()[2]) >= 2  # the take's plugin, and the kept one
+    assert torch.equal(Snapshot(str(path)).read_object("0/s/t"), torch.arange(100_000))
+    assert "Task was destroyed" not in done.stderr
+
+
+def test_writers_recorded_and_checked(tmp_path):
+    assert writers.recorded() == {"sharded": ["statesnap", 1], "common": ["statesnap", 1]}
+    writers.check_readable({}, "old")  # written before writers were recorded: statesnap v1
+    writers.check_readable({"strategies": writers.recorded()}, "s")
+    with pytest.raises(IncompatibleSnapshotError, match="does not say which backend"):
+        writers.check_readable({"strategies": {"common": ["statesnap", "1"]}}, "s")
+
+
+def test_without_the_strategy_layer_only_the_library_format_is_read(monkeypatch):
+    monkeypatch.setattr(writers, "_check", writers._builtin_check)
+    with pytest.raises(
+        IncompatibleSnapshotError, match=r"s, sharded part: .*registered: statesnap"
+    ):
+        writers.check_readable(
+            {"strategies": {"common": ["statesnap", 1], "sharded": ["other", 2]}}, "s"
+        )
+
+
+def test_the_facade_does_not_load_the_strategy_layer():
+    code = (
+        "import sys, torch, tempfile\n"
+        "from snapshot import Snapshot, StateDict\n"
+        "d = tempfile.mkdtemp()\n"
+        "Snapshot.take(d + '/s', {'m': StateDict(w=torch.ones(3))})\n"
+        "Snapshot(d + '/s').restore({'m': StateDict(w=torch.zeros(3))})\n"
+        "Snapshot.async_take(d + '/a', {'m': StateDict(w=torch.ones(3))}).wait()\n"
+        "print(sorted(m for m in sys.modules if m.startswith('snapshot.strategies')))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT
+    )
+    assert out.stdout.strip() == "[]"
+
+
+def test_a_forked_child_gets_a_runtime_of_its_own(tmp_path):
+    import os
+
+    parent = runtime.get()
+    parent.loop()
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: one take, then gone without running the parent's hooks
+        try:
+            child = runtime.get()
+            Snapshot.take(str(tmp_path / "c"), {"s": StateDict(t=torch.ones(2))})
+            ok = child is not parent and child.pid == os.getpid()
+            os.write(write, b"ok" if ok else b"shared")
+        finally:
+            os._exit(0)
+    os.close(write)
+    os.waitpid(pid, 0)
+    assert os.read(read, 16) == b"ok"
+    assert runtime.get() is parent
