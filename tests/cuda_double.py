@@ -19,9 +19,8 @@ The model:
 
 - Device tensors (``cuda.tensor(t, device=i)``) are CPU tensors of a subclass whose ``device``
   is ``cuda:i`` (``is_cuda`` True, ``is_cpu`` False, ``get_device()`` i); ``install`` adds the
-  subclasses to the dense kind's types (``snapshot._engine.handlers.dense._DENSE_TYPES``, which
-  its handler's ``accepts``, the take's inline tensor path and the restore's direct reads
-  consult), so the library stores them as dense tensors. Torch operations on them run at once on their CPU memory; a view or result of an
+  subclasses to the dense kind in the handler table (``handlers.register``), so the library
+  stores them as dense tensors. Torch operations on them run at once on their CPU memory; a view or result of an
   operation on a device tensor is a device tensor on the same device (``.cpu()``,
   ``.to("cpu")``, ``.numpy()``, ``.tolist()``, ``.item()`` give host values). Read a device
   tensor's values with ``cuda.values(t)`` (it synchronizes its device first).
@@ -53,6 +52,7 @@ streams, and everything torch does inside one copy. Those need a GPU (benchmarks
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
 import weakref
 from collections import deque
@@ -63,7 +63,7 @@ import pytest
 import torch
 
 from snapshot._engine import device as seam
-from snapshot._engine.handlers import dense
+from snapshot._engine.handlers import dense, register
 
 
 class FakeStream:
@@ -179,6 +179,23 @@ def _index(t: torch.Tensor) -> int | None:
     return type(t).index if isinstance(t, _DeviceTensor) else None
 
 
+class _Registration:
+    """Holds the undo of a handler registration; monkeypatch's teardown, setting ``undo`` back
+    to None, runs it (in the reverse order of the test's other patches, as they were made)."""
+
+    _undo: Callable[[], None] | None = None
+
+    @property
+    def undo(self) -> Callable[[], None] | None:
+        return self._undo
+
+    @undo.setter
+    def undo(self, undo: Callable[[], None] | None) -> None:
+        if undo is None and self._undo is not None:
+            self._undo()
+        self._undo = undo
+
+
 class CudaDouble:
     """Installs itself into ``snapshot._engine.device`` (and the dense kind's types) through
     ``monkeypatch``, for ``devices`` devices (see the module's docstring)."""
@@ -194,9 +211,10 @@ class CudaDouble:
         self.host_cache_emptied = 0
         self._pinned: list[tuple[weakref.ref[torch.Tensor], int, int]] = []
         classes = tuple(device_class(i) for i in range(devices))
-        # Dense tensors to the handler table (``handlers.for_value`` finds them through the
-        # dense kind's ``accepts``); monkeypatch puts the types back at teardown.
-        monkeypatch.setattr(dense, "_DENSE_TYPES", (*dense._DENSE_TYPES, *classes))
+        # The device tensor types join the dense kind in the handler table; the registration
+        # is undone at teardown.
+        undo = register(dataclasses.replace(dense.HANDLER, value_types=classes, entry_types=()))
+        monkeypatch.setattr(_Registration(), "undo", undo)
         for name, fn in {
             "cuda_index": self.cuda_index,
             "current_stream": self.current_stream,

@@ -6,17 +6,20 @@ from __future__ import annotations
 
 import torch
 
-from snapshot._engine.handlers.table import Handler
+from snapshot._engine.handlers.table import Handler, handler_of_type
 
-_DENSE_TYPES = (torch.Tensor, torch.nn.Parameter)
 _STRIDED = torch.strided
+NAME = "dense"
 
 
 def is_dense_tensor(value: object) -> bool:
-    """Whether ``value`` is stored as raw bytes (a strided, non-quantized plain tensor; not a
-    nested one, whose layout says strided but which has no one shape: torch.save stores it)."""
+    """Whether ``value`` is stored as raw bytes: of a type the table gives this kind
+    (``torch.Tensor``, ``nn.Parameter``, or one registered since), strided and not quantized
+    (and not nested: its layout says strided but it has no one shape; torch.save stores it)."""
+    handler = handler_of_type(type(value))
     return (
-        type(value) in _DENSE_TYPES
+        handler is not None
+        and handler.name == NAME
         and value.layout is _STRIDED  # type: ignore[union-attr]
         and not value.is_quantized  # type: ignore[union-attr]
         and not value.is_nested  # type: ignore[union-attr]
@@ -391,7 +394,7 @@ def direct_read(
     anything else (an error included) is left to the general path.
     """
     chunks = entry.chunks
-    if len(chunks) != 1 or type(target) not in _DENSE_TYPES:
+    if len(chunks) != 1 or (kind := handler_of_type(type(target))) is None or kind.name != NAME:
         return None
     chunk = chunks[0]
     nbytes = chunk.nbytes
@@ -506,9 +509,10 @@ def _loaded(loader: Loader, path: str, entry: TensorEntry, tensor: torch.Tensor)
 
 # ==== registration ===========================================================================
 # Found by exact type, then confirmed by ``is_dense_tensor`` (a nested tensor is a plain
-# ``torch.Tensor`` too); ``accepts`` also finds the tensor subclasses added to ``_DENSE_TYPES``.
+# ``torch.Tensor`` too). Another tensor type is made dense by registering a handler of this
+# name for it (``register(dataclasses.replace(HANDLER, value_types=(cls,), entry_types=()))``).
 HANDLER = Handler(
-    name="dense",
+    name=NAME,
     take=take,
     restore=restore,
     value_types=(torch.Tensor, torch.nn.Parameter),

@@ -35,18 +35,43 @@ _by_value_type: dict[type, Handler] = {}
 _by_entry_type: dict[type, Handler] = {}
 
 
-def register(handler: Handler, *, before: str | None = None) -> None:
+def register(handler: Handler, *, before: str | None = None) -> Callable[[], None]:
     """Adds ``handler`` to the table (before the handler named ``before``, if given: its
     ``accepts`` is then asked first). Its ``value_types`` and ``entry_types`` take over those
-    types from any handler registered earlier."""
+    types from any handler registered earlier. Returns a function that undoes the
+    registration (the types go back to the handlers that had them)."""
     at = len(_handlers)
     if before is not None:
         at = next(i for i, h in enumerate(_handlers) if h.name == before)
     _handlers.insert(at, handler)
+    values = {t: _by_value_type.get(t) for t in handler.value_types}
+    entries = {t: _by_entry_type.get(t) for t in handler.entry_types}
     for t in handler.value_types:
         _by_value_type[t] = handler
     for t in handler.entry_types:
         _by_entry_type[t] = handler
+
+    def undo() -> None:
+        _handlers.remove(handler)
+        for table, before_ in ((_by_value_type, values), (_by_entry_type, entries)):
+            for t, earlier in before_.items():
+                if earlier is None:
+                    table.pop(t, None)
+                else:
+                    table[t] = earlier
+
+    return undo
+
+
+def handler_of_type(kind: type) -> Handler | None:
+    """The handler registered for values of exactly this type, if any (one dict lookup: the
+    hot paths ask it once per tensor)."""
+    return _by_value_type.get(kind)
+
+
+def types_of(name: str) -> tuple[type, ...]:
+    """The value types registered now for the handler named ``name``."""
+    return tuple(t for t, h in _by_value_type.items() if h.name == name)
 
 
 def for_value(value: Any) -> Handler:
