@@ -361,7 +361,9 @@ class Snapshot:
         """
         return dict(self._manifest.entries)
 
-    def get_state_dict_for_key(self, key: str, replicate_from_rank0: bool = False) -> Any:
+    def get_state_dict_for_key(
+        self, key: str, replicate_from_rank0: bool = False, *, options: Options | None = None
+    ) -> Any:
         """The state dict stored for ``app_state[key]``, read from the snapshot without an
         object to load it into (tensors are new CPU tensors).
 
@@ -370,6 +372,7 @@ class Snapshot:
             replicate_from_rank0: read rank 0's state, whatever this process's rank. Otherwise
                 this rank's own (its rank in ``pg``, 0 without a process group), or rank 0's
                 for a rank the snapshot did not have.
+            options: the tunables of this read, as :meth:`read_object` takes them.
 
         Raises:
             EntryNotFoundError: the snapshot has no state under ``key`` for that rank; the
@@ -392,7 +395,7 @@ class Snapshot:
                 f"snapshot {self.path} has no app_state key {key!r} under {prefix!r} (the "
                 f"entries rank {rank} reads); it holds {available}"
             )
-        return self.read_object(root)
+        return self.read_object(root, options=options)
 
     @property
     def metadata(self) -> SnapshotMetadata:
