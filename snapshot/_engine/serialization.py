@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import codecs
 import ctypes
 import io
 import pickle
 import re
 import sys
+import types
 
 import torch
 
@@ -146,11 +148,50 @@ def copy_elements(target: torch.Tensor, start: int, stop: int, flat: torch.Tenso
         pos += n
 
 
+class _Pickler(pickle._Pickler):  # type: ignore[name-defined]
+    """The pure-Python pickler, writing an empty ``bytes`` as it writes any other.
+
+    ``torch.save`` pickles with protocol 2, which has no opcode for bytes: a non-empty one is
+    written as ``_codecs.encode(text, 'latin1')``, which the safe loader allows, but an empty
+    one as a call of ``bytes()`` (``GLOBAL __builtin__ bytes`` + ``REDUCE``), which it refuses.
+    Allowing ``bytes`` there is no fix (a hostile pickle could call ``bytes(10**12)``), so the
+    empty one is written as ``_codecs.encode('', 'latin1')`` instead. Everything else is
+    written by the pure-Python pickler, which gives the same bytes as the C one.
+    """
+
+    dispatch = dict(pickle._Pickler.dispatch)  # type: ignore[attr-defined]
+
+    def save_bytes(self, obj: bytes) -> None:
+        if self.proto < 3 and not obj:
+            self.save_reduce(codecs.encode, ("", "latin1"), obj=obj)
+        else:
+            super().save_bytes(obj)  # type: ignore[misc]
+
+    dispatch[bytes] = save_bytes
+
+
+# What ``torch.save`` takes as ``pickle_module`` (it uses only ``Pickler`` and ``__name__``).
+_EMPTY_BYTES_PICKLE = types.SimpleNamespace(__name__="pickle", Pickler=_Pickler)
+
+# The protocol 2 opcode naming ``bytes``: how the C pickler starts an empty ``bytes``.
+_BYTES_GLOBAL = b"c__builtin__\nbytes\n"
+
+
 def encode_object(obj: object) -> bytes:
-    """Serializes a non-tensor, non-primitive value with ``torch.save``."""
+    """Serializes a non-tensor, non-primitive value with ``torch.save``.
+
+    A value holding an empty ``bytes`` (whose pickle then names ``bytes``, see ``_Pickler``) is
+    pickled again, by ``_Pickler``. Only such a value pays for the pure-Python pickler, which is
+    much slower than the C one; every other value is written by the C pickler, as before.
+    """
     buf = io.BytesIO()
     torch.save(obj, buf)
-    return buf.getvalue()
+    data = buf.getvalue()
+    if _BYTES_GLOBAL in data:  # torch.save stores its records uncompressed: the name is there
+        buf = io.BytesIO()
+        torch.save(obj, buf, pickle_module=_EMPTY_BYTES_PICKLE)
+        data = buf.getvalue()
+    return data
 
 
 _numpy_allowed = False
