@@ -68,7 +68,6 @@ def default_memory_budget(reclaimable_bytes: int = 0) -> int:
     return max(64 * _MIB, min(default, 4096 * _MIB))
 
 
-
 # -- torchsnapshot's overrides ------------------------------------------------------------------
 
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from snapshot import Snapshot, StateDict
+from snapshot import Options, Snapshot, StateDict
 from snapshot.sharding import ShardedTensor
 from tests.helpers import seal_manifest
 
@@ -49,17 +49,7 @@ def base_state() -> dict[str, StateDict]:
 
 
 def take_base(root: Path) -> None:
-    env = {"STATESNAP_SLAB_THRESHOLD_BYTES": "16"}
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        Snapshot.take(str(root), base_state())
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    Snapshot.take(str(root), base_state(), options=Options(slab_threshold_bytes=16))
 
 
 @dataclass
@@ -129,7 +119,8 @@ class Case:
     expect: dict[str, str]
     key: str = TENSOR_KEY
     stores: tuple[str, ...] = ("fs", "s3")
-    env: dict[str, str] = field(default_factory=dict)
+    #: Fields of the :class:`~snapshot.Options` every operation of the probe runs with.
+    options: dict[str, int] = field(default_factory=dict)
 
 
 def _fifo(ws: Workspace, rel: str) -> None:
@@ -337,7 +328,7 @@ CASES: tuple[Case, ...] = (
         "cost",
         lambda ws: None,
         {"open": UNSAFE},
-        env={"STATESNAP_MAX_MANIFEST_BYTES": "256"},
+        options={"max_manifest_bytes": 256},
     ),
     Case(
         "object-claims-2gib",

@@ -1,7 +1,8 @@
 """Runs the operations a user runs on a snapshot, each in a process of its own, and reports what
 happened: ``python -m tests.hostile_probe < cases.json > results.json``.
 
-Input: a JSON list of ``{"name", "url", "storage_options", "key", "env"}``. For each, a child
+Input: a JSON list of ``{"name", "url", "storage_options", "key", "options"}`` (``options``:
+the fields of the :class:`~snapshot.Options` every operation runs with). For each, a child
 forked from this process (which imports torch and the library once, and never touches a
 snapshot itself) runs ``open`` (``Snapshot(url)`` and ``get_manifest``), ``read``
 (``read_object(key)``), ``restore`` (into an empty ``StateDict`` per app_state key) and
@@ -26,7 +27,7 @@ from typing import Any
 
 import torch
 
-from snapshot import Snapshot, StateDict
+from snapshot import Options, Snapshot, StateDict
 from snapshot._engine.verify import verify
 from tests.hostile import SECRET
 
@@ -56,21 +57,24 @@ def _leaks(value: Any) -> bool:
 
 
 def _one(op: str, case: dict[str, Any]) -> tuple[str, bool]:
-    url, options, key = case["url"], case["storage_options"], case["key"]
+    url, storage, key = case["url"], case["storage_options"], case["key"]
     try:
+        options = Options(**case.get("options", {}))
         if op == "open":
-            snap = Snapshot(url, storage_options=options)
+            snap = Snapshot(url, storage_options=storage, options=options)
             return "ok", _leaks(dict(snap.get_manifest()))
         if op == "read":
-            value = Snapshot(url, storage_options=options).read_object(key)
+            value = Snapshot(url, storage_options=storage, options=options).read_object(
+                key, options=options
+            )
             return "ok", _leaks(value)
         if op == "restore":
-            snap = Snapshot(url, storage_options=options)
+            snap = Snapshot(url, storage_options=storage, options=options)
             roots = {k.split("/")[1] for k in snap.get_manifest() if k.count("/") >= 1}
             state = {k: StateDict() for k in roots}
-            snap.restore(state)
+            snap.restore(state, options=options)
             return "ok", _leaks(state)
-        report = verify(url, options)
+        report = verify(url, storage, options=options)
         text = repr(report).encode()
         return ("problems" if report.problems else "ok"), SECRET[:12] in text
     except Exception as e:  # the probe reports every outcome; the test judges it
@@ -78,7 +82,6 @@ def _one(op: str, case: dict[str, Any]) -> tuple[str, bool]:
 
 
 def _run_child(op: str, case: dict[str, Any], out: int) -> None:
-    os.environ.update(case.get("env", {}))
     start = _rss_bytes()
     outcome, leaked = _one(op, case)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

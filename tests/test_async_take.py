@@ -12,6 +12,7 @@ import torch
 
 from snapshot import (
     NotStatefulError,
+    Options,
     PendingSnapshot,
     Snapshot,
     SnapshotNotFoundError,
@@ -133,10 +134,10 @@ def test_capture_errors_are_raised_by_the_call(tmp_path):
         Snapshot.async_take(str(tmp_path / "s"), {"x": 3})
 
 
-def test_state_larger_than_the_budget(tmp_path, monkeypatch):
-    monkeypatch.setenv("STATESNAP_MEMORY_BUDGET_BYTES", str(256 * 1024))
+def test_state_larger_than_the_budget(tmp_path):
     state = StateDict({f"t{i}": torch.full((64, 1024), float(i)) for i in range(8)})  # 2 MiB
-    pending = Snapshot.async_take(str(tmp_path / "s"), {"s": state})
+    options = Options(memory_budget_bytes=256 * 1024)
+    pending = Snapshot.async_take(str(tmp_path / "s"), {"s": state}, options=options)
     for t in state.values():
         t.fill_(-1)
     snap = pending.wait(timeout=60)
@@ -163,9 +164,8 @@ def test_writes_start_once_everything_is_staged_unless_the_budget_is_full(
 ):
     """Writes held back while the caller copies (they would compete with its copies); with a
     budget smaller than the state, the first writes start during the call to free it."""
-    monkeypatch.setenv("STATESNAP_WRITE_BATCH_BYTES", str(1024 * 1024))  # a take's batches
-    if budget is not None:
-        monkeypatch.setenv("STATESNAP_MEMORY_BUDGET_BYTES", str(budget))
+    # A take's batches; no budget: the default.
+    options = Options(write_batch_bytes=1024 * 1024, memory_budget_bytes=budget)
     staged: list[float] = []
     original = TakeJob.start
 
@@ -178,7 +178,8 @@ def test_writes_start_once_everything_is_staged_unless_the_budget_is_full(
     register_storage_plugin("timed", TimedPlugin)
     try:
         state = StateDict({f"t{i}": torch.full((512, 1024), float(i)) for i in range(8)})  # 16 MiB
-        snap = Snapshot.async_take(f"timed://{tmp_path / 's'}", {"s": state}).wait(timeout=60)
+        pending = Snapshot.async_take(f"timed://{tmp_path / 's'}", {"s": state}, options=options)
+        snap = pending.wait(timeout=60)
     finally:
         unregister_storage_plugin("timed")
     blobs = [(path, t) for path, t in TimedPlugin.starts if path.startswith("0/")]

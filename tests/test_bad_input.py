@@ -205,6 +205,7 @@ def test_pending_wait_refuses_a_timeout_that_is_not_seconds(tmp_path):
 
 
 def test_knob_settings_of_the_wrong_kind_are_invalid_arguments(tmp_path, monkeypatch):
+    # Through the environment: what is checked is how a bad variable is refused.
     monkeypatch.setenv("STATESNAP_CHUNK_BYTES", "lots")
     with pytest.raises(InvalidArgumentError, match="STATESNAP_CHUNK_BYTES must be an integer"):
         Snapshot.take(str(tmp_path / "s"), small_state())
@@ -591,6 +592,8 @@ def test_stopped_takes_leave_no_task_pending_at_exit(tmp_path):
     # collected) asyncio reported each as "Task was destroyed but it is pending!".
     script = tmp_path / "scenarios.py"
     script.write_text(textwrap.dedent(SHUTDOWN_SCENARIOS))
+    # The default concurrency whatever the caller's environment holds, through the environment:
+    # the script's strategy saves take no options.
     env = {**os.environ, "PYTHONPATH": str(REPO), "STATESNAP_MAX_CONCURRENT_IO": "16"}
     done = subprocess.run(
         [sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env

@@ -3,7 +3,8 @@
 A byte flipped anywhere in any blob raises ``ChecksumError`` naming the logical path and the
 blob, whichever way the bytes are read (in place, in pieces, through scratch tiles, as an
 object, in budget-sized tiles); a blob longer or shorter than recorded is an error; the manifest
-carries a checksum of its own; ``STATESNAP_CHECKSUMS=0`` turns all of it off.
+carries a checksum of its own; ``Options(checksums=False)`` (or ``STATESNAP_CHECKSUMS=0``) turns
+all of it off.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from manifest import ObjectEntry, TensorEntry
-from snapshot import ChecksumError, CorruptSnapshotError, Snapshot, StateDict
+from snapshot import ChecksumError, CorruptSnapshotError, Options, Snapshot, StateDict
 from snapshot._engine.checksum import LocationCheck, RangeDigest, WholeCheck, combine, crc32
 from tests.helpers import assert_same
 
@@ -160,14 +161,12 @@ def _targets() -> dict[str, StateDict]:
     }
 
 
-@pytest.fixture
-def layout(monkeypatch):
-    monkeypatch.setenv("STATESNAP_CHUNK_BYTES", "65536")  # big: 3 chunks
-    monkeypatch.setenv("STATESNAP_SLAB_THRESHOLD_BYTES", "4096")
+# big: 3 chunks; the small values in a slab.
+LAYOUT = Options(chunk_bytes=65536, slab_threshold_bytes=4096)
 
 
-def _take(path: str) -> Snapshot:
-    return Snapshot.take(path, _state())
+def _take(path: str, options: Options = LAYOUT) -> Snapshot:
+    return Snapshot.take(path, _state(), options=options)
 
 
 def _blob_bytes(path: str, blob: str) -> bytes:
@@ -183,7 +182,7 @@ def _flip(path: str, blob: str, offset: int) -> None:
         f.write(bytes([byte[0] ^ 0x10]))
 
 
-def test_every_location_records_the_crc_of_its_bytes(tmp_path, layout):
+def test_every_location_records_the_crc_of_its_bytes(tmp_path):
     path = str(tmp_path / "s")
     manifest = _take(path).get_manifest()
     locations = [(p, loc) for p, e in manifest.items() for loc in e.locations]
@@ -205,13 +204,13 @@ def _locations(path: str) -> list[tuple[str, str, int, int]]:
 
 
 @pytest.mark.parametrize("where", ["first", "middle", "last"])
-def test_a_flipped_byte_in_any_location_is_a_checksum_error(tmp_path, layout, monkeypatch, where):
-    """Every location, read every way: restore in place (in pieces: READ_REQUEST_BYTES is
+def test_a_flipped_byte_in_any_location_is_a_checksum_error(tmp_path, where):
+    """Every location, read every way: restore in place (in pieces: ``read_request_bytes`` is
     smaller than a chunk), restore through a dtype cast (scratch tiles), read_object, and
     read_object in tiles of a small memory budget."""
-    monkeypatch.setenv("STATESNAP_READ_REQUEST_BYTES", "20000")
+    options = LAYOUT.replace(read_request_bytes=20000)
     path = str(tmp_path / "s")
-    _take(path)
+    _take(path, options)
     for logical, blob, offset, nbytes in _locations(path):
         at = {"first": offset, "middle": offset + nbytes // 2, "last": offset + nbytes - 1}[where]
         _flip(path, blob, at)
@@ -219,27 +218,27 @@ def test_a_flipped_byte_in_any_location_is_a_checksum_error(tmp_path, layout, mo
         pattern = rf"{re.escape(path)}.*{name}: checksum mismatch in blob {re.escape(blob)}"
         snap = Snapshot(path)
         with pytest.raises(ChecksumError, match=pattern):
-            snap.read_object(logical)
+            snap.read_object(logical, options=options)
         with pytest.raises(ChecksumError, match=pattern):
-            snap.read_object(logical, memory_budget_bytes=4096)
+            snap.read_object(logical, memory_budget_bytes=4096, options=options)
         if logical != "0/m/obj" and logical != "0/m/text":
             with pytest.raises(ChecksumError, match=pattern):
-                snap.restore(_targets())
+                snap.restore(_targets(), options=options)
             cast = _targets()
             cast["m"]["big"] = torch.zeros(40_000, dtype=torch.float64)
             cast["m"]["half"] = torch.zeros(300, dtype=torch.float32)
             with pytest.raises(ChecksumError, match=pattern):
-                snap.restore(cast)
+                snap.restore(cast, options=options)
         else:
             with pytest.raises(ChecksumError, match=pattern):
-                snap.restore({"m": StateDict()})
+                snap.restore({"m": StateDict()}, options=options)
         _flip(path, blob, at)  # back as it was
     out = _targets()
-    Snapshot(path).restore(out)
+    Snapshot(path).restore(out, options=options)
     assert_same(out["m"]["big"], _state()["m"]["big"])
 
 
-def test_a_blob_longer_than_recorded_is_an_error(tmp_path, layout):
+def test_a_blob_longer_than_recorded_is_an_error(tmp_path):
     path = str(tmp_path / "s")
     _take(path)
     for logical, blob, _, _ in _locations(path):
@@ -254,7 +253,7 @@ def test_a_blob_longer_than_recorded_is_an_error(tmp_path, layout):
     Snapshot(path).restore({"m": StateDict()})
 
 
-def test_a_grown_blob_read_in_several_requests_names_all_it_serves(tmp_path, monkeypatch):
+def test_a_grown_blob_read_in_several_requests_names_all_it_serves(tmp_path):
     """The size check names the entries of every read of the blob, however the reads were cut:
     a slab of 40 members read in requests of at most two members each."""
     path = str(tmp_path / "s")
@@ -264,15 +263,17 @@ def test_a_grown_blob_read_in_several_requests_names_all_it_serves(tmp_path, mon
                if isinstance(e, TensorEntry)}  # fmt: skip
     with open(os.path.join(path, slab), "ab") as f:
         f.write(b"extra")
-    for request_bytes in ("2048", str(32 << 20)):  # many requests, then one
-        monkeypatch.setenv("STATESNAP_READ_REQUEST_BYTES", request_bytes)
+    for request_bytes in (2048, 32 << 20):  # many requests, then one
+        options = Options(read_request_bytes=request_bytes)
         with pytest.raises(
             CorruptSnapshotError, match=rf"0/m/b00 and 39 more: blob .*{slab} is longer than"
         ):
-            Snapshot(path).restore({"m": StateDict({k: torch.empty(256) for k in state})})
+            Snapshot(path).restore(
+                {"m": StateDict({k: torch.empty(256) for k in state})}, options=options
+            )
 
 
-def test_a_blob_cut_after_the_bytes_read_is_still_an_error(tmp_path, layout):
+def test_a_blob_cut_after_the_bytes_read_is_still_an_error(tmp_path):
     """read_object of the first member of a slab whose end was cut: the read itself succeeds,
     the size check does not."""
     path = str(tmp_path / "s")
@@ -291,7 +292,7 @@ def test_a_blob_cut_after_the_bytes_read_is_still_an_error(tmp_path, layout):
         Snapshot(path).read_object(first)
 
 
-def test_manifest_damage_is_a_checksum_error(tmp_path, layout):
+def test_manifest_damage_is_a_checksum_error(tmp_path):
     path = str(tmp_path / "s")
     _take(path)
     file = os.path.join(path, "manifest.yaml")
@@ -307,30 +308,29 @@ def test_manifest_damage_is_a_checksum_error(tmp_path, layout):
             Snapshot(path)
 
 
-def test_checksums_off(tmp_path, layout, monkeypatch):
-    """STATESNAP_CHECKSUMS=0: a take records none; reads verify none, so a flipped byte is read
+def test_checksums_off(tmp_path):
+    """``checksums=False``: a take records none; reads verify none, so a flipped byte is read
     as it is (this is what the checksums protect against)."""
-    monkeypatch.setenv("STATESNAP_CHECKSUMS", "0")
+    off = Options(checksums=False)
     path = str(tmp_path / "s")
-    manifest = _take(path).get_manifest()
+    manifest = _take(path, LAYOUT.replace(checksums=False)).get_manifest()
     assert all(loc.crc32 is None for e in manifest.values() for loc in e.locations)
-    monkeypatch.delenv("STATESNAP_CHECKSUMS")
     checked = str(tmp_path / "checked")
-    _take(checked)
+    _take(checked, LAYOUT.replace(checksums=True))
     _flip(checked, Snapshot(checked).get_manifest()["0/m/bias"].chunks[0].blob, 0)
     with pytest.raises(ChecksumError):
-        Snapshot(checked).read_object("0/m/bias")
-    monkeypatch.setenv("STATESNAP_CHECKSUMS", "0")
-    damaged = Snapshot(checked).read_object("0/m/bias")
+        Snapshot(checked).read_object("0/m/bias", options=Options(checksums=True))
+    damaged = Snapshot(checked, options=off).read_object("0/m/bias", options=off)
     assert not torch.equal(damaged, _state()["m"]["bias"])
     with open(os.path.join(checked, "manifest.yaml"), "ab") as f:
         f.write(b"# an edit by hand\n")
-    Snapshot(checked).read_object("0/m/big")  # the manifest is not checked either
+    # The manifest is not checked either.
+    Snapshot(checked, options=off).read_object("0/m/big", options=off)
 
 
-def test_async_take_records_checksums(tmp_path, layout):
+def test_async_take_records_checksums(tmp_path):
     path = str(tmp_path / "s")
-    Snapshot.async_take(path, _state()).wait()
+    Snapshot.async_take(path, _state(), options=LAYOUT).wait()
     for logical, loc in (
         (p, loc) for p, e in Snapshot(path).get_manifest().items() for loc in e.locations
     ):

@@ -21,7 +21,7 @@ import torch
 
 import manifest as mf
 from manifest import DictEntry, Location, Manifest, TensorEntry
-from snapshot import Snapshot, StateDict
+from snapshot import Options, Snapshot, StateDict
 from snapshot._engine.inspection import PIECE_BYTES, human_bytes, summarize_tensor
 from snapshot._engine.verify import verify
 from snapshot.cli import _storage_option, main, storage_options_from
@@ -61,21 +61,18 @@ def _state(**overrides: Any) -> dict[str, Any]:
     }
 
 
-@pytest.fixture
-def layout(monkeypatch):
-    """Small chunks and slabs, so that a snapshot has many blobs: chunks of ``ids`` of their
-    own, the small tensors together in a slab."""
-    monkeypatch.setenv("STATESNAP_CHUNK_BYTES", "131072")
-    monkeypatch.setenv("STATESNAP_SLAB_THRESHOLD_BYTES", "4096")
+# Small chunks and slabs, so that a snapshot has many blobs: chunks of ``ids`` of their own, the
+# small tensors together in a slab.
+LAYOUT = Options(chunk_bytes=131072, slab_threshold_bytes=4096)
 
 
-def _take(path: str, **overrides: Any) -> str:
-    Snapshot.take(path, _state(**overrides))
+def _take(path: str, *, options: Options = LAYOUT, **overrides: Any) -> str:
+    Snapshot.take(path, _state(**overrides), options=options)
     return path
 
 
 @pytest.fixture
-def snap(tmp_path, layout) -> str:
+def snap(tmp_path) -> str:
     return _take(str(tmp_path / "snap"))
 
 
@@ -447,10 +444,8 @@ def test_verify_a_deleted_blob_and_keeps_going(capsys, snap):
     assert len(problems) == 2
 
 
-def test_verify_without_recorded_checksums_checks_sizes(capsys, tmp_path, layout, monkeypatch):
-    monkeypatch.setenv("STATESNAP_CHECKSUMS", "0")
-    path = _take(str(tmp_path / "snap"))
-    monkeypatch.delenv("STATESNAP_CHECKSUMS")
+def test_verify_without_recorded_checksums_checks_sizes(capsys, tmp_path):
+    path = _take(str(tmp_path / "snap"), options=LAYOUT.replace(checksums=False))
     code, out, _ = run(capsys, "verify", path)
     assert code == 0
     assert "note: checksums were not recorded for" in out and "size and readability only" in out
@@ -497,7 +492,7 @@ def reads(tmp_path):
         unregister_storage_plugin("reads")
 
 
-def test_verify_reads_every_blob_once_in_bounded_pieces(reads, layout):
+def test_verify_reads_every_blob_once_in_bounded_pieces(reads):
     local = reads.removeprefix("reads://")
     _take(local)
     assert PIECE_BYTES == 16 << 20
@@ -520,7 +515,7 @@ def test_verify_reads_every_blob_once_in_bounded_pieces(reads, layout):
     ]
 
 
-def test_verify_when_the_store_cannot_tell_sizes(capsys, reads, layout):
+def test_verify_when_the_store_cannot_tell_sizes(capsys, reads):
     local = reads.removeprefix("reads://")
     _take(local)
     _Reads.hide_sizes = True
@@ -571,7 +566,7 @@ def test_usage_errors_are_exit_2(capsys):
     assert code == 0 and "--steps" in out and "--path" in out
 
 
-def test_memory_urls_work_like_local_paths(capsys, layout):
+def test_memory_urls_work_like_local_paths(capsys):
     url = f"memory://{uuid.uuid4().hex}/snap"
     _take(url)
     assert run(capsys, "verify", url)[0] == 0
@@ -594,9 +589,12 @@ def test_progress_goes_to_a_terminal_only(capsys, snap, monkeypatch):
     assert "verify: OK" in out and "\r" not in out
 
 
-def test_diff_progress_when_it_reads(capsys, tmp_path, layout, monkeypatch):
-    monkeypatch.setenv("STATESNAP_CHECKSUMS", "0")
-    a, b = _take(str(tmp_path / "a")), _take(str(tmp_path / "b"))
+def test_diff_progress_when_it_reads(capsys, tmp_path, monkeypatch):
+    unchecked = LAYOUT.replace(checksums=False)
+    a, b = (
+        _take(str(tmp_path / "a"), options=unchecked),
+        _take(str(tmp_path / "b"), options=unchecked),
+    )
     monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
     code, _, err = run(capsys, "diff", a, b)
     assert code == 0 and "\rdiff: " in err and " entries, " in err
@@ -611,7 +609,7 @@ def _diff_lines(out: str) -> list[list[str]]:
     return [line.split(None, 2) for line in out.splitlines()[2:-1]]
 
 
-def test_diff_of_identical_snapshots(capsys, tmp_path, layout):
+def test_diff_of_identical_snapshots(capsys, tmp_path):
     a, b = _take(str(tmp_path / "a")), _take(str(tmp_path / "b"))
     code, out, err = run(capsys, "diff", a, b)
     assert code == 0 and err == ""
@@ -622,7 +620,7 @@ def test_diff_of_identical_snapshots(capsys, tmp_path, layout):
     ]
 
 
-def test_diff_names_a_changed_tensor_value(capsys, tmp_path, layout):
+def test_diff_names_a_changed_tensor_value(capsys, tmp_path):
     a = _take(str(tmp_path / "a"))
     w = torch.arange(12.0).reshape(3, 4)
     w[2, 1] = -1
@@ -634,7 +632,7 @@ def test_diff_names_a_changed_tensor_value(capsys, tmp_path, layout):
     assert out.splitlines()[-1].startswith("1 difference (A: ")
 
 
-def test_diff_names_an_added_key(capsys, tmp_path, layout):
+def test_diff_names_an_added_key(capsys, tmp_path):
     a = _take(str(tmp_path / "a"))
     b = _take(str(tmp_path / "b"), extra_t=torch.ones(2))
     code, out, _ = run(capsys, "diff", a, b)
@@ -644,7 +642,7 @@ def test_diff_names_an_added_key(capsys, tmp_path, layout):
     assert re.search(r"^only in B  0/s/extra_t$", out, re.M)
 
 
-def test_diff_names_a_changed_dtype_and_value(capsys, tmp_path, layout):
+def test_diff_names_a_changed_dtype_and_value(capsys, tmp_path):
     a = _take(str(tmp_path / "a"))
     b = _take(str(tmp_path / "b"), w=torch.arange(12.0, dtype=torch.float64).reshape(3, 4), step=8)
     code, out, _ = run(capsys, "diff", a, b)
@@ -654,14 +652,14 @@ def test_diff_names_a_changed_dtype_and_value(capsys, tmp_path, layout):
     assert len(_diff_lines(out)) == 2
 
 
-def test_diff_without_checksums_reads_and_compares_bytes(capsys, tmp_path, layout, monkeypatch):
-    monkeypatch.setenv("STATESNAP_CHECKSUMS", "0")
-    a = _take(str(tmp_path / "a"))
-    monkeypatch.setenv("STATESNAP_CHUNK_BYTES", "100000")  # other chunk boundaries in B
-    b = _take(str(tmp_path / "b"))
+def test_diff_without_checksums_reads_and_compares_bytes(capsys, tmp_path):
+    unchecked = LAYOUT.replace(checksums=False)
+    a = _take(str(tmp_path / "a"), options=unchecked)
+    other_chunks = unchecked.replace(chunk_bytes=100000)  # other chunk boundaries in B
+    b = _take(str(tmp_path / "b"), options=other_chunks)
     ids = torch.arange(100_000, dtype=torch.int64)
     ids[70_000] = -1
-    c = _take(str(tmp_path / "c"), ids=ids)
+    c = _take(str(tmp_path / "c"), options=other_chunks, ids=ids)
     code, out, _ = run(capsys, "diff", a, b)
     assert code == 0 and "identical" in out and "compared by reading their bytes" in out
     code, out, _ = run(capsys, "diff", a, c)
@@ -709,7 +707,7 @@ class _Options(FSStoragePlugin):
         super().__init__(url.removeprefix("opts://"), None)
 
 
-def test_storage_options_reach_every_command(capsys, tmp_path, layout):
+def test_storage_options_reach_every_command(capsys, tmp_path):
     register_storage_plugin("opts", _Options)
     try:
         url = f"opts://{tmp_path / 'snap'}"

@@ -10,6 +10,7 @@ against copies of the code with the rule removed; see each test's docstring)."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -40,6 +41,10 @@ def pool():
     own is put back after it)."""
     with runtime.use() as rt:
         yield rt.staging_pool(Options().resolved())
+
+
+# A budget of 1 MiB, and a blob (and a lease) per tensor.
+BLOBS_IN_1_MIB = Options(memory_budget_bytes=1 << 20, slab_threshold_bytes=0)
 
 
 def _values(seed: int, n: int, numel: int) -> dict[str, torch.Tensor]:
@@ -161,11 +166,9 @@ def test_a_failed_stage_waits_for_issued_copies_before_releasing(tmp_path, monke
     assert pool.free_bytes == pool.allocated_bytes  # the block is back, and reusable
 
 
-def test_a_failed_stage_gives_back_the_budget_of_what_it_staged(tmp_path, monkeypatch, pool):
+def test_a_failed_stage_gives_back_the_budget_of_what_it_staged(tmp_path, pool):
     """Writes staged before a failure (held, not yet written) give their part of the shared
     budget back: a leftover would shrink every later async take's budget for good."""
-    monkeypatch.setenv("STATESNAP_MEMORY_BUDGET_BYTES", str(1 << 20))
-    monkeypatch.setenv("STATESNAP_SLAB_THRESHOLD_BYTES", "0")  # a blob, and a lease, each
 
     def prepare(path, t, tracing):
         if path.endswith("/c") and not tracing:
@@ -174,16 +177,23 @@ def test_a_failed_stage_gives_back_the_budget_of_what_it_staged(tmp_path, monkey
 
     state = StateDict(_blocks(2, 40) | {"c": torch.randn(10)})
     with pytest.raises(SnapshotError, match="s/c: _custom_tensor_prepare_func raised"):
-        Snapshot.async_take(str(tmp_path / "s"), {"s": state}, _custom_tensor_prepare_func=prepare)
+        Snapshot.async_take(
+            str(tmp_path / "s"),
+            {"s": state},
+            _custom_tensor_prepare_func=prepare,
+            options=BLOBS_IN_1_MIB,
+        )
     _assert_budget_given_back(pool, tmp_path)
 
 
 def _assert_budget_given_back(pool: StagingPool, tmp_path) -> None:
-    """After a failed async take: nothing of the budget is held, and a take of exactly the
-    budget goes through."""
+    """After a failed async take (with ``BLOBS_IN_1_MIB``): nothing of the budget is held, and
+    a take of exactly the budget goes through."""
     assert pool.budget.used == 0 and pool.leased_bytes == 0
     whole = {"w": torch.randn(256 * 1024)}  # exactly the budget
-    Snapshot.async_take(str(tmp_path / "b"), {"s": StateDict(whole)}).wait(timeout=60)
+    Snapshot.async_take(str(tmp_path / "b"), {"s": StateDict(whole)}, options=BLOBS_IN_1_MIB).wait(
+        timeout=60
+    )
     _check_snapshot(str(tmp_path / "b"), whole)
 
 
@@ -229,14 +239,13 @@ def test_the_host_cache_is_emptied_when_the_pool_trims_pinned_blocks(monkeypatch
 
 def test_async_take_trims_the_pool_when_its_writes_are_done(tmp_path, monkeypatch, pool):
     cuda = CudaDouble(monkeypatch)
-    monkeypatch.setenv("STATESNAP_MEMORY_BUDGET_BYTES", str(512 << 10))
-    monkeypatch.setenv("STATESNAP_SLAB_THRESHOLD_BYTES", "0")
+    options = Options(memory_budget_bytes=512 << 10, slab_threshold_bytes=0)
     # Blocks of 256, 256 and 128 KiB: more than the pool keeps (512 KiB).
     state = StateDict(
         a=cuda.tensor(torch.randn(60_000)), b=cuda.tensor(torch.randn(60_000)),
         c=cuda.tensor(torch.randn(30_000)),
     )  # fmt: skip
-    Snapshot.async_take(str(tmp_path / "s"), {"s": state}).wait(timeout=60)
+    Snapshot.async_take(str(tmp_path / "s"), {"s": state}, options=options).wait(timeout=60)
     assert pool.free_bytes <= 512 << 10
     assert pool.pinned_bytes == pool.allocated_bytes > pool.free_bytes  # some were dropped
     assert cuda.host_cache_emptied == 1
@@ -259,10 +268,10 @@ def test_a_host_only_state_never_touches_cuda(tmp_path, monkeypatch, pool):
 
 def test_pinning_and_streams_start_with_the_first_device_tensor(tmp_path, monkeypatch, pool):
     cuda = CudaDouble(monkeypatch, devices=2)
-    monkeypatch.setenv("STATESNAP_SLAB_THRESHOLD_BYTES", "0")
+    options = Options(slab_threshold_bytes=0)
     state = StateDict(h=torch.randn(50_000), d=cuda.tensor(torch.randn(50_000), device=1))
     for i in range(2):
-        Snapshot.async_take(str(tmp_path / f"s{i}"), {"s": state}).wait(timeout=60)
+        Snapshot.async_take(str(tmp_path / f"s{i}"), {"s": state}, options=options).wait(timeout=60)
     assert cuda.streams_made() == {1: 1}  # made once, for the one device used
     assert 0 < pool.pinned_bytes < pool.allocated_bytes  # the host tensor's block is pageable
     assert len(cuda.calls("pin")) == 1  # the second take reused the pinned block
@@ -312,9 +321,8 @@ def test_tensor_aware_copies_are_queued_on_each_devices_current_stream(monkeypat
 
 
 @pytest.fixture
-def gated(tmp_path, monkeypatch):
-    monkeypatch.setenv("STATESNAP_MEMORY_BUDGET_BYTES", str(1 << 20))
-    monkeypatch.setenv("STATESNAP_SLAB_THRESHOLD_BYTES", "0")  # a blob per tensor
+def gated(tmp_path):
+    """Locations whose writes wait for ``GATE``; the tests take to them with ``BLOBS_IN_1_MIB``."""
     with gated_storage():
         yield lambda name: f"gated://{tmp_path / name}"
 
@@ -345,10 +353,12 @@ def test_a_second_async_take_waits_for_the_first_ones_blocks(gated, pool, tmp_pa
     Fails with a budget per snapshot (the code before): the second call returns at once,
     with a second budget of blocks lent out."""
     first_values, second_values = _blocks(4, 10), _blocks(2, 11)  # 1 MiB, 512 KiB
-    first = Snapshot.async_take(gated("a"), {"s": StateDict(first_values)})
+    first = Snapshot.async_take(gated("a"), {"s": StateDict(first_values)}, options=BLOBS_IN_1_MIB)
     assert pool.leased_bytes == 1 << 20
     thread, result = _in_thread(
-        lambda: Snapshot.async_take(gated("b"), {"s": StateDict(second_values)})
+        lambda: Snapshot.async_take(
+            gated("b"), {"s": StateDict(second_values)}, options=BLOBS_IN_1_MIB
+        )
     )
     thread.join(0.5)
     assert thread.is_alive()  # waiting for blocks
@@ -370,9 +380,10 @@ def test_a_write_larger_than_what_is_free_waits_without_deadlock(gated, pool, tm
     first_values = _blocks(2, 20)  # half the budget, held by gated writes
     huge = {"huge": torch.randn(600_000)}  # 2.4 MiB: one write, more than the budget
     many = _blocks(6, 21)  # 1.5 MiB in six writes
-    first = Snapshot.async_take(gated("a"), {"s": StateDict(first_values)})
-    t_huge, r_huge = _in_thread(lambda: Snapshot.async_take(gated("b"), {"s": StateDict(huge)}))
-    t_many, r_many = _in_thread(lambda: Snapshot.async_take(gated("c"), {"s": StateDict(many)}))
+    take = functools.partial(Snapshot.async_take, options=BLOBS_IN_1_MIB)
+    first = take(gated("a"), {"s": StateDict(first_values)})
+    t_huge, r_huge = _in_thread(lambda: take(gated("b"), {"s": StateDict(huge)}))
+    t_many, r_many = _in_thread(lambda: take(gated("c"), {"s": StateDict(many)}))
     time.sleep(0.3)
     assert t_huge.is_alive() and t_many.is_alive()
     GATE.set()
@@ -388,7 +399,7 @@ def test_a_write_larger_than_what_is_free_waits_without_deadlock(gated, pool, tm
     _check_snapshot(str(tmp_path / "c"), many)
 
 
-def test_a_failed_write_gives_its_budget_back(tmp_path, monkeypatch, pool):
+def test_a_failed_write_gives_its_budget_back(tmp_path, pool):
     """A take whose writes fail must not keep any of the shared budget: the next take could
     otherwise never stage a write as large as the budget."""
 
@@ -401,12 +412,12 @@ def test_a_failed_write_gives_its_budget_back(tmp_path, monkeypatch, pool):
                 raise OSError(5, "I/O error")
             await super().write(path, buffers)
 
-    monkeypatch.setenv("STATESNAP_MEMORY_BUDGET_BYTES", str(1 << 20))
-    monkeypatch.setenv("STATESNAP_SLAB_THRESHOLD_BYTES", "0")
     register_storage_plugin("failstage", Failing)
     try:
         pending = Snapshot.async_take(
-            f"failstage://{tmp_path / 'a'}", {"s": StateDict(_blocks(3, 30))}
+            f"failstage://{tmp_path / 'a'}",
+            {"s": StateDict(_blocks(3, 30))},
+            options=BLOBS_IN_1_MIB,
         )
         with pytest.raises(SnapshotError):
             pending.wait(timeout=60)

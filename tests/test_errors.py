@@ -18,6 +18,7 @@ from snapshot import (
     IncompatibleSnapshotError,
     IncompleteSnapshotError,
     NotStatefulError,
+    Options,
     ShapeMismatchError,
     Snapshot,
     SnapshotError,
@@ -364,7 +365,7 @@ def test_unknown_dtype_and_inconsistent_sizes(tmp_path):
         Snapshot(path).read_object("0/s/t")
 
 
-def test_missing_and_short_blobs(tmp_path, monkeypatch):
+def test_missing_and_short_blobs(tmp_path):
     path = str(tmp_path / "s")
     _take_simple(path)
     entry = Snapshot(path).get_manifest()["0/s/t"]
@@ -382,9 +383,8 @@ def test_missing_and_short_blobs(tmp_path, monkeypatch):
     with pytest.raises(ChecksumError, match="0/s/o: checksum mismatch"):
         Snapshot(path).read_object("0/s/o")
     # Unchecked, the decoder itself refuses the bytes.
-    monkeypatch.setenv("STATESNAP_CHECKSUMS", "0")
     with pytest.raises(CorruptSnapshotError, match="0/s/o: object bytes cannot be decoded"):
-        Snapshot(path).read_object("0/s/o")
+        Snapshot(path).read_object("0/s/o", options=Options(checksums=False))
 
 
 @pytest.mark.parametrize("pooled", [False, True])
@@ -435,10 +435,7 @@ def test_a_take_that_fails_while_planning_removes_what_it_already_wrote(recorded
     state = StateDict({f"b{i:02d}": torch.full((4096,), float(i)) for i in range(40)})
     state["zz"] = torch.ones(3)  # planned last
     take = Snapshot.async_take if pooled else Snapshot.take
-    env = {"STATESNAP_SLAB_BYTES": str(64 * 1024), "STATESNAP_WRITE_BATCH_BYTES": "1"}
-    with pytest.MonkeyPatch.context() as mp:
-        for k, v in env.items():
-            mp.setenv(k, v)
-        with pytest.raises(SnapshotError, match=f"cannot prepare zz; a slab written: {not pooled}"):
-            take(url, {"s": state}, _custom_tensor_prepare_func=prepare)
+    options = Options(slab_bytes=64 * 1024, write_batch_bytes=1)
+    with pytest.raises(SnapshotError, match=f"cannot prepare zz; a slab written: {not pooled}"):
+        take(url, {"s": state}, _custom_tensor_prepare_func=prepare, options=options)
     assert [f for _, _, files in os.walk(root) for f in files] == []

@@ -25,6 +25,7 @@ import manifest as mf
 from snapshot import (
     ChecksumError,
     CorruptSnapshotError,
+    Options,
     Snapshot,
     SnapshotError,
     StateDict,
@@ -62,13 +63,11 @@ def _targets() -> dict[str, StateDict]:
 @pytest.fixture(scope="module")
 def snapshot_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("fuzz") / "snap"
-    mp = pytest.MonkeyPatch()
-    mp.setenv("STATESNAP_CHUNK_BYTES", "65536")  # the big tensor in several chunks...
-    mp.setenv("STATESNAP_SLAB_THRESHOLD_BYTES", "1024")  # ...of their own; the rest in a slab
-    try:
-        Snapshot.take(str(path), _state())
-    finally:
-        mp.undo()
+    options = Options(
+        chunk_bytes=65536,  # the big tensor in several chunks...
+        slab_threshold_bytes=1024,  # ...of their own; the rest in a slab
+    )
+    Snapshot.take(str(path), _state(), options=options)
     with open(path / MANIFEST, "rb") as f:
         original = f.read()
     assert len(_blobs(str(path))) >= 8  # 7 chunks, a slab, an object

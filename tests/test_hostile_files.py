@@ -29,6 +29,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from snapshot import (
+    Options,
     Snapshot,
     SnapshotError,
     StateDict,
@@ -66,16 +67,14 @@ def _targets() -> dict[str, StateDict]:
     return {"m": StateDict(w=torch.zeros(1024), o=None, n=None)}
 
 
-@pytest.fixture
-def layout(monkeypatch):
-    """The tensor and the object in blobs of their own (no slab), so each can be replaced."""
-    monkeypatch.setenv("STATESNAP_SLAB_THRESHOLD_BYTES", "16")
+# The tensor and the object in blobs of their own (no slab), so each can be replaced.
+LAYOUT = Options(slab_threshold_bytes=16)
 
 
 @pytest.fixture
-def snap(tmp_path, layout) -> str:
+def snap(tmp_path) -> str:
     path = str(tmp_path / "snap")
-    Snapshot.take(path, _state())
+    Snapshot.take(path, _state(), options=LAYOUT)
     return path
 
 
@@ -273,22 +272,31 @@ def test_a_hostile_manifest_is_refused_everywhere(capsys, snap, outside):
 
 def test_a_manifest_over_the_limit_is_refused_naming_the_knob(capsys, snap, monkeypatch):
     size = os.path.getsize(os.path.join(snap, MANIFEST_NAME))
-    monkeypatch.setenv(KNOB, str(size - 1))
-    error = _refused(lambda: Snapshot(snap), KNOB, f"{size} bytes", f"limit of {size - 1}")
+    below = Options(max_manifest_bytes=size - 1)
+    error = _refused(
+        lambda: Snapshot(snap, options=below), KNOB, f"{size} bytes", f"limit of {size - 1}"
+    )
     assert MANIFEST_NAME in str(error)
+    monkeypatch.setenv(KNOB, str(size - 1))  # the command has no options: the environment's
     code, text = _cli(capsys, "verify", snap)
     assert code == EXIT_PROBLEM and KNOB in text
-    monkeypatch.setenv(KNOB, str(size))  # exactly the limit: read
-    assert_same(Snapshot(snap).read_object("0/m/w"), torch.arange(1024, dtype=torch.float32))
+    exactly = Options(max_manifest_bytes=size)  # exactly the limit: read
+    assert_same(
+        Snapshot(snap, options=exactly).read_object("0/m/w", options=exactly),
+        torch.arange(1024, dtype=torch.float32),
+    )
 
 
-def test_a_manifest_over_the_limit_on_memory_and_s3(s3_bucket: S3Bucket, monkeypatch, layout):
+def test_a_manifest_over_the_limit_on_memory_and_s3(s3_bucket: S3Bucket):
     urls = [("memory://hostile/snap", None), (s3_bucket.url(), s3_bucket.storage_options)]
+    small = Options(max_manifest_bytes=100)
     for url, options in urls:
-        Snapshot.take(url, _state(), storage_options=options)
-        monkeypatch.setenv(KNOB, "100")
-        _refused(lambda u=url, o=options: Snapshot(u, storage_options=o), KNOB, MANIFEST_NAME)
-        monkeypatch.delenv(KNOB)
+        Snapshot.take(url, _state(), storage_options=options, options=LAYOUT)
+        _refused(
+            lambda u=url, o=options: Snapshot(u, storage_options=o, options=small),
+            KNOB,
+            MANIFEST_NAME,
+        )
         assert Snapshot(url, storage_options=options).read_object("0/m/n") == 7
 
 
@@ -449,7 +457,7 @@ def test_a_refused_blob_is_not_retried(snap, outside, monkeypatch):
 # Takes: never through a link, and a failed one leaves nothing.
 
 
-def test_a_take_never_writes_or_deletes_through_a_linked_folder(outside, tmp_path, layout):
+def test_a_take_never_writes_or_deletes_through_a_linked_folder(outside, tmp_path):
     # Debris of an interrupted take, but with its rank folder a link to a folder elsewhere that
     # holds files named like the blobs a take writes.
     target = tmp_path / "debris"
@@ -460,18 +468,22 @@ def test_a_take_never_writes_or_deletes_through_a_linked_folder(outside, tmp_pat
         _secret_file(elsewhere, name, 64)
     (target / "0").symlink_to(elsewhere)
     before = {p.name: p.read_bytes() for p in elsewhere.iterdir()}
-    _refused(lambda: Snapshot.take(str(target), _state()), str(target / "0"), "symbolic link")
+    _refused(
+        lambda: Snapshot.take(str(target), _state(), options=LAYOUT),
+        str(target / "0"),
+        "symbolic link",
+    )
     assert {p.name: p.read_bytes() for p in elsewhere.iterdir()} == before
     assert sorted(os.listdir(target)) == ["0"]  # the link, left alone; the marker removed
     assert (target / "0").is_symlink()
 
 
-def test_a_take_at_a_path_that_is_a_link_the_user_chose_works(tmp_path, layout):
+def test_a_take_at_a_path_that_is_a_link_the_user_chose_works(tmp_path):
     real = tmp_path / "real"
     real.mkdir()
     link = tmp_path / "link"
     link.symlink_to(real)
-    Snapshot.take(str(link), _state())
+    Snapshot.take(str(link), _state(), options=LAYOUT)
     assert (real / MANIFEST_NAME).is_file()
     restored = _restore(str(link))
     assert_same(dict(restored["m"]), dict(_state()["m"]))
@@ -480,7 +492,7 @@ def test_a_take_at_a_path_that_is_a_link_the_user_chose_works(tmp_path, layout):
 
 
 @pytest.mark.parametrize("depth", [0, 2])
-def test_a_take_that_fails_on_a_full_disk_leaves_no_folders(tmp_path, monkeypatch, layout, depth):
+def test_a_take_that_fails_on_a_full_disk_leaves_no_folders(tmp_path, monkeypatch, depth):
     real_write = fs_plugin.write_all
 
     def full_disk(fd: int, views: Any, *args: Any, **kwargs: Any) -> None:
@@ -491,13 +503,13 @@ def test_a_take_that_fails_on_a_full_disk_leaves_no_folders(tmp_path, monkeypatc
     monkeypatch.setattr(fs_plugin, "write_all", full_disk)
     target = tmp_path.joinpath(*[f"parent{i}" for i in range(depth)], "snap")
     with pytest.raises(StorageError, match="No space left on device"):
-        Snapshot.take(str(target), _state())
+        Snapshot.take(str(target), _state(), options=LAYOUT)
     assert list(tmp_path.iterdir()) == []
     # An existing folder is left where it was, emptied of what the take wrote.
     target = tmp_path / "existing"
     target.mkdir()
     with pytest.raises(StorageError, match="No space left on device"):
-        Snapshot.take(str(target), _state())
+        Snapshot.take(str(target), _state(), options=LAYOUT)
     assert list(tmp_path.iterdir()) == [target] and list(target.iterdir()) == []
 
 
@@ -510,13 +522,8 @@ def template(tmp_path_factory) -> Iterator[tuple[Path, Path]]:
     """A real snapshot of chunks, a slab, an object and a long string, and a folder beside it
     holding SECRET files and a folder of them."""
     base = tmp_path_factory.mktemp("hostile-files")
-    mp = pytest.MonkeyPatch()
-    mp.setenv("STATESNAP_CHUNK_BYTES", "8192")
-    mp.setenv("STATESNAP_SLAB_THRESHOLD_BYTES", "1024")
-    try:
-        Snapshot.take(str(base / "template"), _fuzz_state())
-    finally:
-        mp.undo()
+    options = Options(chunk_bytes=8192, slab_threshold_bytes=1024)
+    Snapshot.take(str(base / "template"), _fuzz_state(), options=options)
     outside = base / "outside"
     (outside / "folder").mkdir(parents=True)
     for name in ("file", "folder/0", "folder/s0", "folder/1"):

@@ -31,6 +31,7 @@ import manifest as mf
 from snapshot import (
     CorruptSnapshotError,
     EntryNotFoundError,
+    Options,
     Snapshot,
     StateDict,
     UnsafeSnapshotError,
@@ -52,15 +53,7 @@ def _take(path: Path, state: dict[str, StateDict] | None = None) -> str:
             "model": StateDict(w=torch.arange(64, dtype=torch.float32), b=torch.ones(3)),
             "extra": StateDict(step=7, obj={1, 2, 3}),
         }
-    saved = os.environ.get("STATESNAP_SLAB_THRESHOLD_BYTES")
-    os.environ["STATESNAP_SLAB_THRESHOLD_BYTES"] = "4"
-    try:
-        Snapshot.take(str(path), state)
-    finally:
-        if saved is None:
-            del os.environ["STATESNAP_SLAB_THRESHOLD_BYTES"]
-        else:
-            os.environ["STATESNAP_SLAB_THRESHOLD_BYTES"] = saved
+    Snapshot.take(str(path), state, options=Options(slab_threshold_bytes=4))
     return str(path)
 
 

@@ -7,26 +7,22 @@ import os
 import pytest
 import torch
 
-from snapshot import Snapshot, StateDict
+from snapshot import Options, Snapshot, StateDict
 from snapshot._engine.reads import Need, coalesce
 from tests.helpers import assert_same
 
-
-@pytest.fixture
-def small_layout(monkeypatch):
-    monkeypatch.setenv("STATESNAP_CHUNK_BYTES", str(64 * 1024))
-    monkeypatch.setenv("STATESNAP_SLAB_THRESHOLD_BYTES", str(4096))
-    monkeypatch.setenv("STATESNAP_SLAB_BYTES", str(32 * 1024))
+# Small chunks and slabs, so that small tensors show the layout.
+SMALL_LAYOUT = Options(chunk_bytes=64 * 1024, slab_threshold_bytes=4096, slab_bytes=32 * 1024)
 
 
 def blobs_of(snap: Snapshot, path: str) -> list[str]:
     return [c.blob for c in snap.get_manifest()[path].locations]
 
 
-def test_large_tensors_are_chunked(snapshot_url, small_layout):
+def test_large_tensors_are_chunked(snapshot_url):
     big = torch.randn(100, 700)  # 280,000 bytes -> 5 chunks of at most 64 KiB
     odd = torch.randn(3, 50_000, dtype=torch.float64).t()  # non-contiguous, chunked too
-    snap = Snapshot.take(snapshot_url, {"s": StateDict(big=big, odd=odd)})
+    snap = Snapshot.take(snapshot_url, {"s": StateDict(big=big, odd=odd)}, options=SMALL_LAYOUT)
     chunks = snap.get_manifest()["0/s/big"].chunks
     assert len(chunks) == 5 and len(set(blobs_of(snap, "0/s/big"))) == 5
     assert all(c.nbytes <= 64 * 1024 and c.nbytes % 4 == 0 for c in chunks)
@@ -40,11 +36,11 @@ def test_large_tensors_are_chunked(snapshot_url, small_layout):
     assert torch.equal(target, big.double())
 
 
-def test_small_payloads_share_slabs(tmp_path, small_layout):
+def test_small_payloads_share_slabs(tmp_path):
     path = tmp_path / "s"
     state = StateDict({f"b{i}": torch.full((100,), i, dtype=torch.int32) for i in range(200)})
     state["text"] = "x" * 3000  # an object payload rides in a slab too
-    snap = Snapshot.take(str(path), {"s": state})
+    snap = Snapshot.take(str(path), {"s": state}, options=SMALL_LAYOUT)
     blobs = {b for p in snap.get_manifest() if p.startswith("0/s/") for b in blobs_of(snap, p)}
     assert len(blobs) == 3  # 80,000 + 3,000 bytes in slabs of at most 32 KiB
     files = [f for _, _, fs in os.walk(path / "0") for f in fs]
@@ -54,10 +50,10 @@ def test_small_payloads_share_slabs(tmp_path, small_layout):
     assert_same(dict(out), dict(state))
 
 
-def test_reading_slab_members_merges_ranges(recorded, small_layout):
+def test_reading_slab_members_merges_ranges(recorded):
     url, log = recorded
     state = StateDict({f"b{i:03d}": torch.full((256,), i, dtype=torch.int32) for i in range(64)})
-    Snapshot.take(url, {"s": state})
+    Snapshot.take(url, {"s": state}, options=SMALL_LAYOUT)
     snap = Snapshot(url)
     target = StateDict({k: torch.empty_like(v) for k, v in state.items()})
     log.clear()
@@ -123,10 +119,9 @@ def test_coalesce_rules():
     assert [r.nbytes for r in sized] == [20, 20, 20, 20, 20]
 
 
-@pytest.mark.parametrize("checksums", ["1", "0"])
+@pytest.mark.parametrize("checksums", [True, False])
 @pytest.mark.parametrize("slabs_only", [False, True])
-def test_a_take_writes_the_manifest_its_entries_make(snapshot_url, small_layout, monkeypatch,
-                                                     checksums, slabs_only):  # fmt: skip
+def test_a_take_writes_the_manifest_its_entries_make(snapshot_url, checksums, slabs_only):
     """A take formats the lines of tensors stored in one range without building their
     entries: the file must be the one the entries themselves would make (the decoder reads it
     back into them), for slab members, blobs of their own, chunked and empty tensors, tied
@@ -137,7 +132,7 @@ def test_a_take_writes_the_manifest_its_entries_make(snapshot_url, small_layout,
     with ``slabs_only`` that is all of them, and the manifest is made then too."""
     import manifest as mf
 
-    monkeypatch.setenv("STATESNAP_CHECKSUMS", checksums)
+    options = SMALL_LAYOUT.replace(checksums=checksums)
     w = torch.randn(8, 8)
     state = StateDict(
         {
@@ -154,18 +149,18 @@ def test_a_take_writes_the_manifest_its_entries_make(snapshot_url, small_layout,
     if slabs_only:
         del state["big"], state["own"]
     snap = Snapshot.take(snapshot_url, {"s": state, "r": StateDict(x=torch.ones(4))},
-                         replicated=["r/**"])  # fmt: skip
+                         replicated=["r/**"], options=options)  # fmt: skip
     data = snap._decoded
     assert isinstance(data, bytes)  # nothing decoded yet
     entries = snap.get_manifest()
-    loaded = Snapshot(snapshot_url)
+    loaded = Snapshot(snapshot_url, options=options)
     assert loaded.get_manifest() == entries
     assert entries["0/r/x"].replicated and not entries["0/s/w"].replicated
     assert entries["0/s/tied"].chunks == entries["0/s/w"].chunks
     assert entries["0/s/empty"].chunks == ()
     if not slabs_only:
         assert len(entries["0/s/big"].chunks) == 5
-    assert all(c.crc32 is not None for c in entries["0/s/w"].chunks) == (checksums == "1")
+    assert all(c.crc32 is not None for c in entries["0/s/w"].chunks) == checksums
     rebuilt = mf.Manifest(
         format_version=loaded._manifest.format_version,
         world_size=1,
@@ -174,7 +169,7 @@ def test_a_take_writes_the_manifest_its_entries_make(snapshot_url, small_layout,
     )
     assert mf.dumps(rebuilt) == data
     out = StateDict({k: torch.empty_like(v) for k, v in state.items()})
-    loaded.restore({"s": out})
+    loaded.restore({"s": out}, options=options)
     assert_same(dict(out), dict(state))
 
 
@@ -196,8 +191,9 @@ def test_a_process_alone_writes_its_first_slabs_while_it_plans_the_rest(tmp_path
 
     from storage_plugins import fs
 
+    # The default hand-off, whatever the environment running the tests sets.
     monkeypatch.delenv("STATESNAP_WRITE_BATCH_BYTES", raising=False)
-    monkeypatch.setenv("STATESNAP_SLAB_BYTES", str(1 << 20))  # 4 tensors of 256 KiB a slab
+    options = Options(slab_bytes=1 << 20)  # 4 tensors of 256 KiB a slab
     begun = threading.Event()
     monkeypatch.setattr(_WaitsForAWrite, "begun", begun)
     monkeypatch.setattr(_WaitsForAWrite, "waited", None)
@@ -214,7 +210,9 @@ def test_a_process_alone_writes_its_first_slabs_while_it_plans_the_rest(tmp_path
     # What the value pickles as (a call of dict) is allowed on request only: without it the
     # take would refuse the value, since a restore would.
     with torch.serialization.safe_globals([dict]):
-        Snapshot.take(str(tmp_path / "snap"), {"m": state}, storage_options={"fsync": False})
+        Snapshot.take(
+            str(tmp_path / "snap"), {"m": state}, storage_options={"fsync": False}, options=options
+        )
     assert _WaitsForAWrite.waited is True
     out = StateDict(tensors={k: torch.empty(65536) for k in tensors}, after=None)
     with torch.serialization.safe_globals([dict]):  # what the value pickles as

@@ -5,14 +5,13 @@ at once, and device copies are ordered against the caller's streams."""
 from __future__ import annotations
 
 import logging
-import os
 import weakref
 
 import pytest
 import torch
 
 from benchmarks.common import PeakRSS
-from snapshot import Snapshot, StateDict
+from snapshot import Options, Snapshot, StateDict
 from snapshot.sharding import ShardedTensor
 from tests.cuda_double import CudaDouble
 from tests.multirank import run_ranks
@@ -70,14 +69,16 @@ def _restore_growth(rank: int, world: int, path: str, kind: str) -> int:
     """In a fresh process: restores into ``kind`` targets within an 8 MiB budget; returns how
     far resident memory rose above what it was before the restore (the targets allocated and
     touched)."""
-    os.environ["STATESNAP_MEMORY_BUDGET_BYTES"] = str(_BUDGET)
-    if kind.startswith("columns"):  # run by run, not through the gaps in boxes
-        os.environ["STATESNAP_READ_GAP_BYTES"] = "0"
+    options = Options(
+        memory_budget_bytes=_BUDGET,
+        # Columns: run by run, not through the gaps in boxes.
+        read_gap_bytes=0 if kind.startswith("columns") else None,
+    )
     targets = _targets(kind)
     state = StateDict({name: st for name, (st, _) in targets.items()})
     Snapshot(path)  # the manifest read, and the library's threads, before the baseline
     with PeakRSS() as peak:  # the kernel's high-water mark, reset at entry (or sampled)
-        Snapshot(path).restore({"m": state})
+        Snapshot(path).restore({"m": state}, options=options)
     growth = peak.above_baseline
     for name, (_, where) in targets.items():
         got = state[name]
@@ -102,7 +103,7 @@ def test_a_direct_restore_needs_no_scratch(shards):
 @pytest.mark.parametrize("kind", ["float64", "strided"])
 def test_converted_sharded_restores_stay_within_the_memory_budget(shards, kind):
     """4 x 32 MiB sharded tensors restored into targets that cannot take raw bytes, with
-    STATESNAP_MEMORY_BUDGET_BYTES=8 MiB: scratch is taken tile by tile as reads run, charged to
+    a memory budget of 8 MiB: scratch is taken tile by tile as reads run, charged to
     the budget and given back after its copy, so resident memory rises by less than the budget
     and a few MiB, not by the 128 MiB of the regions (which a scratch tensor per region, taken
     when the read was planned, held before this: 128.5 MiB here)."""
@@ -134,15 +135,17 @@ def _raw(t: torch.Tensor) -> torch.Tensor:
 def _small_state(seed: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return {
-        "w": torch.randn(64, 48, generator=g),  # a blob of its own (see _take_small)
-        "b": torch.randn(48, generator=g),  # a slab member
+        "w": torch.randn(64, 48, generator=g),  # a slab member (see _take_small)...
+        "b": torch.randn(48, generator=g),  # ...with this one
         "big": torch.randn(300_000, generator=g),  # 1.2 MiB: many tiles under a small budget
     }
 
 
-def _take_small(path: str, values: dict[str, torch.Tensor]) -> None:
-    os.environ.pop("STATESNAP_SLAB_THRESHOLD_BYTES", None)
-    Snapshot.take(path, {"s": StateDict({k: v.clone() for k, v in values.items()})})
+def _take_small(path: str, values: dict[str, torch.Tensor], options: Options | None = None) -> None:
+    # The default slab threshold (1 MiB), whatever the environment says.
+    options = (options or Options()).replace(slab_threshold_bytes=1 << 20)
+    state = StateDict({k: v.clone() for k, v in values.items()})
+    Snapshot.take(path, {"s": state}, options=options)
 
 
 def test_device_copies_wait_for_the_callers_current_stream_of_each_device(tmp_path, monkeypatch):
@@ -213,8 +216,7 @@ def test_pinned_tiles_are_reused_only_once_their_copies_have_landed(tmp_path, mo
     Fails when a tile goes back to the pool as soon as its copy is issued."""
     from snapshot._engine import landing
 
-    monkeypatch.setenv("STATESNAP_MEMORY_BUDGET_BYTES", str(64 * 1024))
-    monkeypatch.setenv("STATESNAP_MAX_CONCURRENT_IO", "4")
+    options = Options(memory_budget_bytes=64 * 1024, max_concurrent_io=4)
     cuda = CudaDouble(monkeypatch, devices=1)
     held: list[tuple[int, int]] = []
     settle = landing.Landing._settle
@@ -226,9 +228,10 @@ def test_pinned_tiles_are_reused_only_once_their_copies_have_landed(tmp_path, mo
     monkeypatch.setattr(landing.Landing, "_settle", watched)
     values = _small_state(2)
     path = str(tmp_path / "s")
-    _take_small(path, values)
+    _take_small(path, values, options)
     big = cuda.tensor(torch.zeros(300_000))
-    Snapshot(path).read_object("0/s/big", obj_out=big)  # the budget's tiles, no explicit one
+    # The budget's tiles, no explicit one.
+    Snapshot(path).read_object("0/s/big", obj_out=big, options=options)
     assert torch.equal(_raw(big), values["big"])
     copies, pins = cuda.calls("copy"), cuda.calls("pin")
     assert len(copies) == 300_000 * 4 // (8 * 1024) + 1  # tiles of 64 KiB / (2 x 4 workers)
@@ -273,7 +276,7 @@ def test_sharded_device_targets_land_on_the_copy_stream(tmp_path, monkeypatch, g
     shards): run by run through pinned tiles (non-blocking), or through the gaps in boxes
     (pageable scratch reused by the next box: a synchronous copy), both on the read's copy
     stream of the target's device, after the caller's work there, and landed on return."""
-    monkeypatch.setenv("STATESNAP_READ_GAP_BYTES", str(gap))
+    options = Options(read_gap_bytes=gap)
     cuda = CudaDouble(monkeypatch, devices=2)
     g = torch.randn(64, 256)
     path = str(tmp_path / "s")
@@ -286,7 +289,7 @@ def test_sharded_device_targets_land_on_the_copy_stream(tmp_path, monkeypatch, g
         a=ShardedTensor.from_rank_offsets("g", left, (1, 0, 2)),
         b=ShardedTensor.from_rank_offsets("g", right, (1, 1, 2)),
     )
-    Snapshot(path).restore({"m": target})
+    Snapshot(path).restore({"m": target}, options=options)
     assert cuda.pending() == 0
     assert torch.equal(_raw(left), g[:, :128])
     assert torch.equal(_raw(right), g[:, 128:].double())
@@ -302,7 +305,7 @@ def test_device_restores_hold_pinned_tiles_within_the_budget(tmp_path, monkeypat
     1 MiB of host memory at once)."""
     from snapshot._engine import device as seam
 
-    monkeypatch.setenv("STATESNAP_MEMORY_BUDGET_BYTES", str(64 * 1024))
+    options = Options(memory_budget_bytes=64 * 1024)
     cuda = CudaDouble(monkeypatch, devices=1)
     alive = [0, 0]  # bytes, peak
     pinned_empty = seam.pinned_empty
@@ -321,13 +324,13 @@ def test_device_restores_hold_pinned_tiles_within_the_budget(tmp_path, monkeypat
     state = {}
     for name, g in gs.items():
         state.update({f"{name}{k}": v for k, v in _sharded_pieces(g, 256, name).items()})
-    Snapshot.take(path, {"m": StateDict(state)})
+    Snapshot.take(path, {"m": StateDict(state)}, options=options)
     targets = {}
     for name in gs:
         for j, k in enumerate("ab"):
             t = cuda.tensor(torch.zeros(128, 256))
             targets[f"{name}{k}"] = ShardedTensor.from_rank_offsets(name, t, (0, j, 2))
-    Snapshot(path).restore({"m": StateDict(targets)})
+    Snapshot(path).restore({"m": StateDict(targets)}, options=options)
     for name, g in gs.items():
         assert torch.equal(_raw(targets[f"{name}a"].data), g[:128])
         assert torch.equal(_raw(targets[f"{name}b"].data), g[128:])

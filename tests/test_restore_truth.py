@@ -3,7 +3,7 @@ wrote before the failure ("partially", or "fully" when its load_state_dict retur
 other key was left bit for bit as it was. ``verify_first=True`` checks the snapshot's bytes
 before writing anything, so that damage leaves every key untouched.
 
-The reads run one at a time (``STATESNAP_MAX_CONCURRENT_IO=1``) with every tensor in a blob of
+The reads run one at a time (``max_concurrent_io=1``, ``OPTS``) with every tensor in a blob of
 its own (no slabs), in the order of the app_state keys, so that which keys a failure reached
 is known exactly; each test compares the live state with what it was before the restore and
 with what the snapshot holds."""
@@ -22,6 +22,7 @@ from snapshot import (
     ChecksumError,
     CorruptSnapshotError,
     InvalidArgumentError,
+    Options,
     RankFailedError,
     Snapshot,
     SnapshotError,
@@ -38,10 +39,8 @@ KEYS = ("model", "optim", "extra")
 DAMAGED = {"model": "0/model/weight", "optim": "0/optim/state/0/exp_avg", "extra": "0/extra/w"}
 
 
-@pytest.fixture(autouse=True)
-def _one_read_at_a_time(monkeypatch):
-    monkeypatch.setenv("STATESNAP_SLAB_THRESHOLD_BYTES", "0")
-    monkeypatch.setenv("STATESNAP_MAX_CONCURRENT_IO", "1")
+# One read at a time, every tensor in a blob of its own: the options of every take and restore.
+OPTS = Options(slab_threshold_bytes=0, max_concurrent_io=1)
 
 
 def _app(seed: int) -> dict[str, Any]:
@@ -84,7 +83,7 @@ def _flip_at(path: str, loc: Location) -> None:
 def _taken(tmp_path) -> tuple[str, dict[str, Any]]:
     path = str(tmp_path / "s")
     app = _app(0)
-    Snapshot.take(path, app)
+    Snapshot.take(path, app, options=OPTS)
     return path, _live(app)
 
 
@@ -103,7 +102,7 @@ def test_a_flipped_byte_names_the_keys_it_wrote(tmp_path, damaged):
     app = _app(1)
     before = _live(app)
     with pytest.raises(ChecksumError, match=DAMAGED[damaged]) as info:
-        Snapshot(path).restore(app)
+        Snapshot(path).restore(app, options=OPTS)
     reached = KEYS[: KEYS.index(damaged) + 1]
     modified = {k: "partially" for k in reached}
     untouched = KEYS[len(reached) :]
@@ -120,14 +119,14 @@ def test_a_flipped_byte_names_the_keys_it_wrote(tmp_path, damaged):
 
 
 @pytest.mark.parametrize("damaged", KEYS)
-def test_verify_first_leaves_every_key_as_it_was(tmp_path, monkeypatch, damaged):
-    monkeypatch.setenv("STATESNAP_MAX_CONCURRENT_IO", "4")  # any order of reads
+def test_verify_first_leaves_every_key_as_it_was(tmp_path, damaged):
+    options = OPTS.replace(max_concurrent_io=4)  # any order of reads
     path, _ = _taken(tmp_path)
     _flip(path, DAMAGED[damaged])
     app = _app(1)
     before = _live(app)
     with pytest.raises(ChecksumError, match=DAMAGED[damaged]) as info:
-        Snapshot(path).restore(app, verify_first=True)
+        Snapshot(path).restore(app, verify_first=True, options=options)
     assert info.value.modified == {}
     assert info.value.untouched == KEYS
     assert str(info.value).endswith(_account({}, KEYS))
@@ -139,7 +138,7 @@ def test_verify_first_restores_what_a_plain_restore_does(tmp_path, recorded):
     once."""
     url, log = recorded
     app = _app(0)
-    Snapshot.take(url, app)
+    Snapshot.take(url, app, options=OPTS)
     taken = _live(app)
     manifest = Snapshot(url).get_manifest()
     tensors = sum(e.nbytes for p, e in manifest.items() if p != "0/extra/note")
@@ -148,7 +147,7 @@ def test_verify_first_restores_what_a_plain_restore_does(tmp_path, recorded):
     for verify_first in (False, True):
         target = _app(1)
         log.clear()
-        Snapshot(url).restore(target, verify_first=verify_first)
+        Snapshot(url).restore(target, verify_first=verify_first, options=OPTS)
         read[verify_first] = log.bytes_read
         assert_same(_live(target), taken)
     manifest_bytes = os.path.getsize(
@@ -158,17 +157,17 @@ def test_verify_first_restores_what_a_plain_restore_does(tmp_path, recorded):
     assert read[True] == manifest_bytes + 2 * tensors + text
 
 
-def test_verify_first_checks_with_checksums_off(tmp_path, monkeypatch):
+def test_verify_first_checks_with_checksums_off(tmp_path):
     path, _ = _taken(tmp_path)
     _flip(path, "0/extra/w")
-    monkeypatch.setenv("STATESNAP_CHECKSUMS", "0")
+    off = OPTS.replace(checksums=False)
     app = _app(1)
     before = _live(app)
     with pytest.raises(ChecksumError, match="0/extra/w") as info:
-        Snapshot(path).restore(app, verify_first=True)
+        Snapshot(path).restore(app, verify_first=True, options=off)
     assert info.value.untouched == KEYS
     assert_same(_live(app), before)
-    Snapshot(path).restore(app)  # unchecked: the damaged bytes are restored
+    Snapshot(path).restore(app, options=off)  # unchecked: the damaged bytes are restored
     assert not _same(_live(app)["extra"], before["extra"])
 
 
@@ -182,7 +181,7 @@ def test_verify_first_through_a_cast_and_a_new_tensor(tmp_path):
     app["optim"] = StateDict()  # its state comes back as new tensors
     before = _live(app)
     with pytest.raises(ChecksumError) as info:
-        Snapshot(path).restore(app, verify_first=True)
+        Snapshot(path).restore(app, verify_first=True, options=OPTS)
     assert info.value.untouched == KEYS
     assert_same(_live(app), before)
 
@@ -195,12 +194,12 @@ def test_reads_into_new_tensors_leave_a_key_untouched(tmp_path):
     _flip(path, "0/extra/w")
     empty = StateDict()
     with pytest.raises(ChecksumError) as info:
-        Snapshot(path).restore({"extra": empty})
+        Snapshot(path).restore({"extra": empty}, options=OPTS)
     assert (info.value.modified, info.value.untouched) == ({}, ("extra",))
     assert dict(empty) == {}
     own = StateDict(w=torch.zeros(1000), step=-1, note="")
     with pytest.raises(ChecksumError) as info:
-        Snapshot(path).restore({"extra": own})
+        Snapshot(path).restore({"extra": own}, options=OPTS)
     assert (info.value.modified, info.value.untouched) == ({"extra": "partially"}, ())
     assert not torch.equal(own["w"], torch.zeros(1000))
     assert (own["step"], own["note"]) == (-1, "")
@@ -223,6 +222,7 @@ def test_load_state_dict_failing_names_the_keys_before_it(tmp_path):
             "c": StateDict(w=torch.ones(10)),
             "d": StateDict(n=1),
         },
+        options=OPTS,
     )
     app = {
         "a": StateDict(w=torch.zeros(10)),
@@ -233,7 +233,7 @@ def test_load_state_dict_failing_names_the_keys_before_it(tmp_path):
     with pytest.raises(
         StatefulError, match=r"app_state\['b'\]\.load_state_dict\(\) raised"
     ) as info:
-        Snapshot(path).restore(app)
+        Snapshot(path).restore(app, options=OPTS)
     # a: restored; b: its load_state_dict ran (and raised); c: its tensor was read in place,
     # its load_state_dict never called; d: nothing of it read, nothing called.
     modified = {"a": "fully", "b": "partially", "c": "partially"}
@@ -252,14 +252,14 @@ def test_a_missing_blob(tmp_path):
     app = _app(1)
     before = _live(app)
     with pytest.raises(CorruptSnapshotError, match="0/model/weight.* is missing") as info:
-        Snapshot(path).restore(app)
+        Snapshot(path).restore(app, options=OPTS)
     assert (info.value.modified, info.value.untouched) == ({"model": "partially"}, KEYS[1:])
     now = _live(app)
     for key in KEYS[1:]:
         assert_same(now[key], before[key])
     app = _app(1)
     with pytest.raises(CorruptSnapshotError, match="0/model/weight.* is missing") as info:
-        Snapshot(path).restore(app, verify_first=True)
+        Snapshot(path).restore(app, verify_first=True, options=OPTS)
     assert (info.value.modified, info.value.untouched) == ({}, KEYS)
     assert_same(_live(app), before)
 
@@ -269,7 +269,7 @@ def test_a_key_left_out_by_strict_false_is_untouched(tmp_path):
     _flip(path, "0/model/weight")
     app = {"model": torch.nn.Linear(32, 32), "sched": StateDict(lr=0.5)}
     with pytest.raises(ChecksumError) as info:
-        Snapshot(path).restore(app, strict=False)
+        Snapshot(path).restore(app, strict=False, options=OPTS)
     assert (info.value.modified, info.value.untouched) == ({"model": "partially"}, ("sched",))
 
 
@@ -285,13 +285,16 @@ def test_a_tensor_shared_by_two_keys_is_written_through_either(tmp_path):
             "model": torch.nn.Linear(32, 32),
             "other": StateDict(w=torch.randn(10)),
         },
+        options=OPTS,
     )
     _flip(path, "0/ema/w")
     model = torch.nn.Linear(32, 32)
     weight = model.weight.detach().clone()
     other = StateDict(w=torch.zeros(10))
     with pytest.raises(ChecksumError) as info:
-        Snapshot(path).restore({"ema": StateDict(w=model.weight), "model": model, "other": other})
+        Snapshot(path).restore(
+            {"ema": StateDict(w=model.weight), "model": model, "other": other}, options=OPTS
+        )
     assert info.value.modified == {"ema": "partially", "model": "partially"}
     assert info.value.untouched == ("other",)
     assert not torch.equal(model.weight, weight)
@@ -312,7 +315,7 @@ def test_an_exception_of_another_kind_carries_the_account_as_a_note(tmp_path):
     app = _app(1)
     app["extra"] = _Stops(dict(app["extra"]))
     with pytest.raises(_Stop) as info:
-        Snapshot(path).restore(app)
+        Snapshot(path).restore(app, options=OPTS)
     assert info.value.__notes__ == [
         _account({"model": "fully", "optim": "fully", "extra": "partially"}, ())
     ]
@@ -321,7 +324,7 @@ def test_an_exception_of_another_kind_carries_the_account_as_a_note(tmp_path):
 def test_verify_first_is_a_bool(tmp_path):
     path, _ = _taken(tmp_path)
     with pytest.raises(InvalidArgumentError, match="verify_first"):
-        Snapshot(path).restore(_app(1), verify_first="yes")  # type: ignore[arg-type]
+        Snapshot(path).restore(_app(1), verify_first="yes", options=OPTS)  # type: ignore[arg-type]
 
 
 def test_other_errors_carry_no_account():
@@ -330,7 +333,10 @@ def test_other_errors_carry_no_account():
     assert str(SnapshotError("x")) == "x"
 
 
-def test_the_strategy_api_checks_first_too(tmp_path):
+def test_the_strategy_api_checks_first_too(tmp_path, monkeypatch):
+    # The strategy API takes no options: the file's options through the environment.
+    monkeypatch.setenv("STATESNAP_SLAB_THRESHOLD_BYTES", "0")
+    monkeypatch.setenv("STATESNAP_MAX_CONCURRENT_IO", "1")
     path = str(tmp_path / "ckpt")
     SnapshotSaveStrategy().save({"w": torch.ones(100), "n": 3}, path)
     _flip(path, "0/state/w")
@@ -353,16 +359,17 @@ def test_verify_first_checks_the_shards_a_sharded_target_reads(tmp_path):
             "m": StateDict(w=ShardedTensor.from_rank_offsets("w", g[:8].clone(), (0, 0, 2))),
             "n": StateDict(w=ShardedTensor.from_rank_offsets("w", g[8:].clone(), (0, 1, 2))),
         },
+        options=OPTS,
     )
     second = next(s for s in Snapshot(path).get_manifest()["0/n/w"].shards if s.offsets[0] == 8)
     _flip_at(path, second.chunks[0])
     rows = ShardedTensor.from_rank_offsets("w", torch.zeros(8, 12), (0, 0, 2))
-    Snapshot(path).restore({"m": StateDict(w=rows)}, verify_first=True)
+    Snapshot(path).restore({"m": StateDict(w=rows)}, verify_first=True, options=OPTS)
     assert torch.equal(rows.data, g[:8])
     columns = torch.zeros(6, 16).t()  # not contiguous: through scratch
     cols = ShardedTensor.from_rank_offsets("w", columns, (1, 0, 2))
     with pytest.raises(ChecksumError, match="0/m/w") as info:
-        Snapshot(path).restore({"m": StateDict(w=cols)}, verify_first=True)
+        Snapshot(path).restore({"m": StateDict(w=cols)}, verify_first=True, options=OPTS)
     assert info.value.untouched == ("m",)
     assert torch.equal(columns, torch.zeros(16, 6))
 
@@ -377,10 +384,10 @@ def _rank_app(rank: int, seed: int, refuses: bool = False) -> dict[str, Any]:
     return {"model": torch.nn.Linear(16, 16), "extra": extra}
 
 
-def _outcome(app: dict[str, Any], **options: Any) -> dict[str, Any]:
+def _outcome(app: dict[str, Any], **arguments: Any) -> dict[str, Any]:
     before = _live(app)
     try:
-        Snapshot(_outcome.path).restore(app, **options)  # type: ignore[attr-defined]
+        Snapshot(_outcome.path).restore(app, options=OPTS, **arguments)  # type: ignore[attr-defined]
     except RankFailedError as e:
         now = _live(app)
         return {
@@ -395,10 +402,8 @@ def _outcome(app: dict[str, Any], **options: Any) -> dict[str, Any]:
 def _two_ranks(rank: int, world_size: int, root: str) -> dict[str, Any]:
     import torch.distributed as dist
 
-    os.environ["STATESNAP_SLAB_THRESHOLD_BYTES"] = "0"
-    os.environ["STATESNAP_MAX_CONCURRENT_IO"] = "1"
     path = _outcome.path = os.path.join(root, "s")  # type: ignore[attr-defined]
-    Snapshot.take(path, _rank_app(rank, 0))
+    Snapshot.take(path, _rank_app(rank, 0), options=OPTS)
     if rank == 0:
         _flip(path, "1/model/weight")
     dist.barrier()

@@ -11,7 +11,7 @@ from collections import Counter
 import pytest
 import torch
 
-from snapshot import Snapshot, SnapshotNotFoundError, StateDict, StorageError
+from snapshot import Options, Snapshot, SnapshotNotFoundError, StateDict, StorageError
 from storage_plugins import register_storage_plugin, unregister_storage_plugin
 from storage_plugins.memory import MemoryStoragePlugin
 from tests.helpers import raw_bytes
@@ -77,20 +77,19 @@ class CutOff(MemoryStoragePlugin):
 
 
 @pytest.mark.parametrize("slabs", [True, False])
-def test_a_retry_after_bytes_were_observed_checksums_them_once(monkeypatch, slabs):
+def test_a_retry_after_bytes_were_observed_checksums_them_once(slabs):
     """Each attempt gets a new digest: the bytes a failed attempt showed are not counted twice
     (they would make every checksum wrong, at take or at restore). A slab's members are
     checksummed when it is staged, so its write is not observed; a tensor in a blob of its own
     is checksummed as it is written."""
-    if not slabs:
-        monkeypatch.setenv("STATESNAP_SLAB_THRESHOLD_BYTES", "0")
+    options = Options() if slabs else Options(slab_threshold_bytes=0)
     blob = "0/s0" if slabs else "0/0"
     CutOff.seen = set()
     register_storage_plugin("cutoff", CutOff)
     try:
         url = f"cutoff://{uuid.uuid4().hex}"
         state = _state()
-        manifest = Snapshot.take(url, state).get_manifest()
+        manifest = Snapshot.take(url, state, options=options).get_manifest()
         for key in ("a", "b"):  # what the write recorded: the CRC of the tensor's bytes
             assert manifest[f"0/s/{key}"].chunks[0].crc32 == zlib.crc32(raw_bytes(state["s"][key]))
         out = {"s": StateDict(a=torch.zeros(6), b=torch.zeros(3, dtype=torch.int64))}
@@ -124,30 +123,28 @@ def test_reading_the_manifest_is_retried(faulty):
     assert counts[("read", "manifest.yaml")] == 3
 
 
-def test_a_transient_error_that_persists_fails_the_take(faulty, monkeypatch):
-    monkeypatch.setenv("STATESNAP_IO_RETRIES", "2")
+def test_a_transient_error_that_persists_fails_the_take(faulty):
     url, inner = faulty
     counts: Counter = Counter()
     FAULTS[inner] = _failing(99, ConnectionResetError("reset"), "write", "0/s0", counts)
     with pytest.raises(StorageError, match=r"failed to write blob .*0/s0 \(3 attempts\).*reset"):
-        Snapshot.take(url, _state())
+        Snapshot.take(url, _state(), options=Options(io_retries=2))
     assert counts[("write", "0/s0")] == 3
     with pytest.raises(SnapshotNotFoundError):
         Snapshot(inner)  # nothing committed
 
 
-@pytest.mark.parametrize("retries", [None, "0"])
-def test_permanent_errors_and_disabled_retries_fail_at_once(faulty, monkeypatch, retries):
+@pytest.mark.parametrize("retries", [None, 0])
+def test_permanent_errors_and_disabled_retries_fail_at_once(faulty, retries):
     url, inner = faulty
     counts: Counter = Counter()
     if retries is None:  # an I/O error of the device is not retried
         error: Exception = OSError(errno.EIO, "I/O error")
-    else:  # STATESNAP_IO_RETRIES=0: not even a transient one
-        monkeypatch.setenv("STATESNAP_IO_RETRIES", retries)
+    else:  # io_retries=0: not even a transient one
         error = ConnectionResetError("reset")
     FAULTS[inner] = _failing(1, error, "write", "0/s0", counts)
     with pytest.raises(StorageError, match=r"failed to write blob .*0/s0: ") as info:
-        Snapshot.take(url, _state())
+        Snapshot.take(url, _state(), options=Options(io_retries=retries))
     assert info.value.__cause__ is error
     assert counts[("write", "0/s0")] == 1
 

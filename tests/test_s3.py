@@ -18,6 +18,7 @@ import torch
 
 from snapshot import (
     IncompleteSnapshotError,
+    Options,
     Snapshot,
     SnapshotError,
     SnapshotNotFoundError,
@@ -189,12 +190,13 @@ def test_a_connection_dropped_mid_read_is_retried(s3_bucket: S3Bucket, caplog):
     assert any("retrying" in r.getMessage() for r in caplog.records)
 
 
-def test_a_permanent_fault_leaves_no_committed_snapshot(s3_bucket: S3Bucket, monkeypatch):
-    monkeypatch.setenv("STATESNAP_IO_RETRIES", "2")
+def test_a_permanent_fault_leaves_no_committed_snapshot(s3_bucket: S3Bucket):
     fault = s3_bucket.fail(data_put, status=500, code="InternalError", times=None)
     options = s3_bucket.storage_options
     with pytest.raises(StorageError, match=rf"s3://{s3_bucket.name}/snap/\S+ \(3 attempts\)"):
-        Snapshot.take(s3_bucket.url(), mixed_state(), storage_options=options)
+        Snapshot.take(
+            s3_bucket.url(), mixed_state(), storage_options=options, options=Options(io_retries=2)
+        )
     assert fault.hits >= 3
     with pytest.raises((SnapshotNotFoundError, IncompleteSnapshotError)):
         Snapshot(s3_bucket.url(), storage_options=options)
@@ -209,13 +211,17 @@ def test_a_refused_request_is_not_retried(s3_bucket: S3Bucket):
     assert refused and len(refused) == len(set(refused))  # no blob was asked twice
 
 
-def test_a_stalled_upload_fails_the_take_within_the_timeout(s3_bucket: S3Bucket, monkeypatch):
-    monkeypatch.setenv("STATESNAP_IO_TIMEOUT_SECS", "2")
+def test_a_stalled_upload_fails_the_take_within_the_timeout(s3_bucket: S3Bucket):
     stall = 40.0  # far longer than the timeout: the take must not wait for it
     s3_bucket.fail(data_put, status=0, delay=stall, times=1)
     t0 = time.monotonic()
     with pytest.raises(StorageError, match=r"STATESNAP_IO_TIMEOUT_SECS") as caught:
-        Snapshot.take(s3_bucket.url(), mixed_state(), storage_options=s3_bucket.storage_options)
+        Snapshot.take(
+            s3_bucket.url(),
+            mixed_state(),
+            storage_options=s3_bucket.storage_options,
+            options=Options(io_timeout_secs=2),
+        )
     assert time.monotonic() - t0 < stall / 2
     assert f"s3://{s3_bucket.name}/snap/" in str(caught.value)
     with pytest.raises(SnapshotError):
@@ -277,7 +283,7 @@ def test_close_closes_the_plugins_http_session(s3_bucket: S3Bucket):
     assert any("Unclosed client session" in m for m in _unclosed_session_reports(s3_bucket, False))
 
 
-def test_tensors_go_to_s3_in_objects_of_at_most_32_mib(s3_bucket: S3Bucket, monkeypatch):
+def test_tensors_go_to_s3_in_objects_of_at_most_32_mib(s3_bucket: S3Bucket):
     from storage_plugins.registry import chunk_bytes_hint
 
     assert chunk_bytes_hint("s3://b/p") == 32 * MIB and chunk_bytes_hint("/tmp/x") is None
@@ -287,8 +293,10 @@ def test_tensors_go_to_s3_in_objects_of_at_most_32_mib(s3_bucket: S3Bucket, monk
     chunks = Snapshot(s3_bucket.url("a"), storage_options=options).get_manifest()["0/m/big"].chunks
     assert [c.nbytes for c in chunks] == [32 * MIB, 8 * MIB]
     assert not any("uploadId" in r.query for r in s3_bucket.log())  # one PutObject each
-    monkeypatch.setenv("STATESNAP_CHUNK_BYTES", str(64 * MIB))  # an explicit setting wins
-    Snapshot.take(s3_bucket.url("b"), {"m": StateDict(big=big)}, storage_options=options)
+    big_chunks = Options(chunk_bytes=64 * MIB)  # an explicit setting wins
+    Snapshot.take(
+        s3_bucket.url("b"), {"m": StateDict(big=big)}, storage_options=options, options=big_chunks
+    )
     chunks = Snapshot(s3_bucket.url("b"), storage_options=options).get_manifest()["0/m/big"].chunks
     assert [c.nbytes for c in chunks] == [40 * MIB]
 
@@ -390,8 +398,8 @@ def _session_open(plugin: S3StoragePlugin) -> bool:
 
 def test_reads_of_one_snapshot_share_one_s3_client(s3_bucket: S3Bucket, s3_plugins_made):
     """Snapshot(path), its restore and read_object calls after it reuse one plugin (its client
-    and connections), kept open between them; with STATESNAP_KEEP_OPEN_SECS=0 each makes its
-    own and closes it."""
+    and connections), kept open between them; with ``keep_open_secs=0`` each makes its own and
+    closes it."""
     state = mixed_state(5)
     url, options = s3_bucket.url(), s3_bucket.storage_options
     Snapshot.take(url, state, storage_options=options)
@@ -405,32 +413,32 @@ def test_reads_of_one_snapshot_share_one_s3_client(s3_bucket: S3Bucket, s3_plugi
     Snapshot(url, storage_options={**options, "max_concurrent_requests": 4})
     assert len(s3_plugins_made) == 2
 
-    with pytest.MonkeyPatch.context() as m:
-        m.setenv("STATESNAP_KEEP_OPEN_SECS", "0")
-        del s3_plugins_made[:]
-        snap = Snapshot(url, storage_options=options)  # takes the kept one, then closes it
-        snap.read_object("0/model/bias")
-        snap.read_object("0/model/bias")
-        assert len(s3_plugins_made) == 2
-        assert not any(_session_open(p) for p in s3_plugins_made)
+    closing = Options(keep_open_secs=0)
+    del s3_plugins_made[:]
+    # Takes the kept one, then closes it.
+    snap = Snapshot(url, storage_options=options, options=closing)
+    snap.read_object("0/model/bias", options=closing)
+    snap.read_object("0/model/bias", options=closing)
+    assert len(s3_plugins_made) == 2
+    assert not any(_session_open(p) for p in s3_plugins_made)
 
 
-def test_a_kept_s3_plugin_is_closed_after_its_time(
-    s3_bucket: S3Bucket, s3_plugins_made, monkeypatch
-):
+def test_a_kept_s3_plugin_is_closed_after_its_time(s3_bucket: S3Bucket, s3_plugins_made):
     state = mixed_state(6)
     url, options = s3_bucket.url(), s3_bucket.storage_options
     Snapshot.take(url, state, storage_options=options)
-    monkeypatch.setenv("STATESNAP_KEEP_OPEN_SECS", "1")
+    briefly = Options(keep_open_secs=1)
     del s3_plugins_made[:]
-    Snapshot(url, storage_options=options).restore(empty_like(state))
+    Snapshot(url, storage_options=options, options=briefly).restore(
+        empty_like(state), options=briefly
+    )
     (plugin,) = s3_plugins_made
     assert _session_open(plugin)
     deadline = time.monotonic() + 10
     while _session_open(plugin) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not _session_open(plugin)
-    Snapshot(url, storage_options=options)  # so a new one is made
+    Snapshot(url, storage_options=options, options=briefly)  # so a new one is made
     assert len(s3_plugins_made) == 2
 
 

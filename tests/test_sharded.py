@@ -3,13 +3,11 @@ sharding (real processes, gloo on CPU), and the strategy layer that writes and r
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
 from manifest import ShardedObjectEntry, ShardedTensorEntry
-from snapshot import IncompatibleSnapshotError, Snapshot, SnapshotError, StateDict
+from snapshot import IncompatibleSnapshotError, Options, Snapshot, SnapshotError, StateDict
 from snapshot._engine.geometry import runs
 from snapshot.sharding import (
     LocalNonpersistentObject,
@@ -45,16 +43,15 @@ def _by_cols(rank: int, world: int) -> ShardedTensor:
 
 
 def _take(rank: int, world: int, path: str) -> None:
-    os.environ["STATESNAP_CHUNK_BYTES"] = "64"  # several chunks per shard: runs cross them
     replicated = ShardedTensor.from_rank_offsets("r", R.clone(), replica_id=rank)
     state = StateDict(w=_by_rows(rank, world), r=replicated, step=7)
     # step is the same on every rank: restorable on ranks the snapshot did not have.
-    Snapshot.take(path, {"m": state}, replicated=["m/step"])
+    # Several chunks per shard: runs cross them.
+    Snapshot.take(path, {"m": state}, replicated=["m/step"], options=Options(chunk_bytes=64))
 
 
 def _restore(rank: int, world: int, path: str, layout: str) -> int:
     """Restores into ``layout`` ("rows" or "cols"); returns the data bytes this rank read."""
-    os.environ["STATESNAP_READ_GAP_BYTES"] = "0"  # ask for exactly the overlapping bytes
     register_storage_plugin("recording", RecordingPlugin)
     target = (
         _by_cols(rank, world)
@@ -63,7 +60,8 @@ def _restore(rank: int, world: int, path: str, layout: str) -> int:
     )
     replicated = ShardedTensor.from_rank_offsets("r", torch.zeros(8, 5), replica_id=rank)
     state = StateDict(w=target, r=replicated, step=0)
-    Snapshot(f"recording://{path}").restore({"m": state})
+    # Ask for exactly the overlapping bytes.
+    Snapshot(f"recording://{path}").restore({"m": state}, options=Options(read_gap_bytes=0))
     region = target.global_slice()
     assert torch.equal(state["w"], G[region]), f"rank {rank}: {state['w']} != {G[region]}"
     assert torch.equal(state["r"], R) and state["step"] == 7
@@ -362,10 +360,9 @@ def test_a_piece_of_another_tensor_is_refused(tmp_path):
 
 
 @pytest.mark.parametrize("gap", [0, 65536], ids=["runs", "boxes"])
-def test_column_blocks_of_row_shards_in_one_process(tmp_path, monkeypatch, gap):
+def test_column_blocks_of_row_shards_in_one_process(tmp_path, gap):
     # Stored as two row blocks, read back as column blocks: with a gap allowance the reads go
     # through the gaps into scratch boxes (one strided copy each); without, run by run. 3-D too.
-    monkeypatch.setenv("STATESNAP_READ_GAP_BYTES", str(gap))
     g3 = torch.arange(4 * 6 * 8, dtype=torch.float32).reshape(4, 6, 8)
     stored = StateDict(
         a=ShardedTensor.from_rank_offsets("w", G[:8].clone(), (0, 0, 2)),
@@ -385,7 +382,7 @@ def test_column_blocks_of_row_shards_in_one_process(tmp_path, monkeypatch, gap):
         d=ShardedTensor.from_rank_offsets("v", torch.zeros(4, 6, 4), (2, 1, 2)),
     )
     # dtype of a ShardedTensor is its data's: c asks for float64, cast on the way
-    Snapshot(path).restore({"m": target})
+    Snapshot(path).restore({"m": target}, options=Options(read_gap_bytes=gap))
     assert torch.equal(target["a"], G[:, : COLS // 2])
     assert torch.equal(target["b"], G[:, COLS // 2 :]) and target["b"] is strided
     assert torch.equal(target["c"], g3[:, :, :4].double())

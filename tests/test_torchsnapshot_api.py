@@ -21,6 +21,7 @@ from manifest import Manifest
 from snapshot import (
     EntryNotFoundError,
     NotStatefulError,
+    Options,
     Snapshot,
     SnapshotError,
     StateDict,
@@ -286,6 +287,12 @@ def blobs_of(snap: Snapshot, path: str) -> list[str]:
     return [c.blob for c in snap.get_manifest()[path].chunks]
 
 
+def now() -> Options:
+    """The tunables a call starting now would run with (the environment and any override
+    block open now)."""
+    return Options.from_env()
+
+
 def no_knob_env(monkeypatch) -> None:
     for name in ("CHUNK_BYTES", "SLAB_THRESHOLD_BYTES", "SLAB_BYTES", "MAX_CONCURRENT_IO"):
         monkeypatch.delenv(f"STATESNAP_{name}", raising=False)
@@ -293,6 +300,7 @@ def no_knob_env(monkeypatch) -> None:
 
 def test_knob_overrides_change_what_a_take_writes(tmp_path, monkeypatch):
     no_knob_env(monkeypatch)
+    # Through the environment: the overrides are checked against the value it sets.
     monkeypatch.setenv("STATESNAP_CHUNK_BYTES", "8000")
     big = torch.arange(4000, dtype=torch.float32)  # 16,000 bytes
     small = {f"s{i}": torch.full((16,), float(i)) for i in range(4)}
@@ -302,47 +310,48 @@ def test_knob_overrides_change_what_a_take_writes(tmp_path, monkeypatch):
 
     assert len(blobs_of(take("env"), "0/s/big")) == 2  # the environment's 8,000 bytes
     with knobs.override_max_chunk_size_bytes(4000):
-        assert knobs.chunk_bytes() == 4000
+        assert now().chunk_bytes == 4000
         snap = take("chunk")
     assert len(blobs_of(snap, "0/s/big")) == 4
     with knobs.override_max_shard_size_bytes(2000):  # the same knob here: see its docstring
         assert len(blobs_of(take("shard"), "0/s/big")) == 8
-    assert knobs.chunk_bytes() == 8000  # the environment's again
+    assert now().chunk_bytes == 8000  # the environment's again
 
     default = take("slabs")
     assert len({blobs_of(default, f"0/s/s{i}")[0] for i in range(4)}) == 1  # one slab
     with knobs.override_slab_size_threshold_bytes(0):
-        assert (knobs.slab_threshold_bytes(), knobs.slab_bytes()) == (0, 1)
+        assert (now().slab_threshold_bytes, now().slab_bytes) == (0, 1)
         unslabbed = take("no_slabs")
     assert len({blobs_of(unslabbed, f"0/s/s{i}")[0] for i in range(4)}) == 4  # a blob each
     with knobs.override_slab_size_threshold_bytes(130):  # 2 members of 64 bytes per slab
-        assert (knobs.slab_threshold_bytes(), knobs.slab_bytes()) == (130, 130)
+        assert (now().slab_threshold_bytes, now().slab_bytes) == (130, 130)
         two_per_slab = take("small_slabs")
     assert len({blobs_of(two_per_slab, f"0/s/s{i}")[0] for i in range(4)}) == 2
 
     with knobs.override_max_per_rank_io_concurrency(3):
         seen: list[int] = []
-        reader = threading.Thread(target=lambda: seen.append(knobs.max_concurrent_io()))
+        reader = threading.Thread(target=lambda: seen.append(now().max_concurrent_io))
         reader.start()
         reader.join()
-        assert knobs.max_concurrent_io() == 3 and seen == [3]  # process-wide, like the env
+        assert now().max_concurrent_io == 3 and seen == [3]  # process-wide, like the env
         out = StateDict(big=torch.zeros(4000), **{k: torch.zeros(16) for k in small})
         Snapshot(str(tmp_path / "chunk")).restore({"s": out})
         assert torch.equal(out["big"], big)
-    assert knobs.max_concurrent_io() == 16
+    assert now().max_concurrent_io == 16
 
 
 def test_knob_overrides_nest_and_undo_only_their_own(monkeypatch):
     no_knob_env(monkeypatch)
+    # Through the environment: leaving the blocks must give back the value it sets.
     monkeypatch.setenv("STATESNAP_MAX_CONCURRENT_IO", "9")
     with knobs.override_max_per_rank_io_concurrency(5):
         with knobs.override_max_per_rank_io_concurrency(2):
-            assert knobs.max_concurrent_io() == 2
-        assert knobs.max_concurrent_io() == 5
+            assert now().max_concurrent_io == 2
+        assert now().max_concurrent_io == 5
         with pytest.raises(RuntimeError), knobs.override_max_per_rank_io_concurrency(4):
             raise RuntimeError("left by an exception")
-        assert knobs.max_concurrent_io() == 5
-    assert knobs.max_concurrent_io() == 9 and os.environ["STATESNAP_MAX_CONCURRENT_IO"] == "9"
+        assert now().max_concurrent_io == 5
+    assert now().max_concurrent_io == 9 and os.environ["STATESNAP_MAX_CONCURRENT_IO"] == "9"
 
     # Blocks left out of order (two threads' blocks overlapping): each removes its own value.
     first = knobs.override_max_chunk_size_bytes(111)
@@ -350,9 +359,9 @@ def test_knob_overrides_nest_and_undo_only_their_own(monkeypatch):
     first.__enter__()
     second.__enter__()
     first.__exit__(None, None, None)
-    assert knobs.chunk_bytes() == 222
+    assert now().chunk_bytes == 222
     second.__exit__(None, None, None)
-    assert knobs.chunk_bytes() == 128 << 20
+    assert now().chunk() == 128 << 20  # the default
 
     with pytest.raises(ValueError, match="max_chunk_size_bytes must be an int >= 1, got 0"):
         knobs.override_max_chunk_size_bytes(0)

@@ -256,7 +256,7 @@ def run_verify(args: argparse.Namespace) -> int:
         why = (
             f"{printable(report.foreign)} records none"
             if report.foreign
-            else "taken with STATESNAP_CHECKSUMS=0"
+            else "taken with checksums off (Options(checksums=False) or STATESNAP_CHECKSUMS=0)"
         )
         decoded = (
             f" (and the {_count(report.decoded, 'pickled value')} among them by decoding)"

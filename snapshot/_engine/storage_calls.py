@@ -148,8 +148,8 @@ async def call(
                 if loop.time() < deadline:
                     raise  # the plugin's own timeout, not the deadline
                 raise TimeoutError(
-                    f"no answer within {timeout} s (STATESNAP_IO_TIMEOUT_SECS) after "
-                    f"{attempt} attempt(s)"
+                    f"no answer within {timeout} s (Options.io_timeout_secs, "
+                    f"STATESNAP_IO_TIMEOUT_SECS) after {attempt} attempt(s)"
                 ) from None
         except Exception as e:
             if loop.time() >= deadline:
