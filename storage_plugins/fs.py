@@ -70,17 +70,17 @@ _DIRECT_MIN_BYTES = 1 << 20
 # through the page cache, where ``pwritev`` copies up to 1,024 views in the kernel without the
 # GIL; a direct write copies them into the aligned buffer holding the GIL and takes the GIL back
 # after each 4 MiB piece, which costs up to the switch interval while the caller still plans in
-# Python (docs/architecture.md, "Storage plugins", has the figures). A file whose views average
-# this much or more (a large tensor: one view) is written directly.
+# Python (figures: benchmarks/results/2026-11-23-71727b9-slabs-through-the-page-cache.md).
+# A file whose views average this much or more (a large tensor: one view) is written directly.
 _DIRECT_MIN_MEAN_VIEW_BYTES = 256 << 10
 
 # A VM guest whose kernel reports its free memory to the host (virtio-balloon's free page
 # reporting) gives freed pages back a second or two after they are freed, and allocating them
 # again then faults on the host: writing through the page cache then pays those faults for
-# every page, where direct I/O reuses one buffer per thread (benchmarks/README.md, "Settled
-# memory", has the figures). On such a machine "auto" writes directly also without fsync. Read
-# from sysfs: the balloon device (virtio device id 5) and its negotiated feature bits, one
-# character per bit (VIRTIO_BALLOON_F_REPORTING is bit 5).
+# every page, where direct I/O reuses one buffer per thread (figures:
+# benchmarks/results/2026-11-23-ba9f183-8e60bb4-settled-memory.md). On such a machine "auto"
+# writes directly also without fsync. Read from sysfs: the balloon device (virtio device id 5)
+# and its negotiated feature bits, one character per bit (VIRTIO_BALLOON_F_REPORTING is bit 5).
 _VIRTIO_DEVICES = "/sys/bus/virtio/devices"
 _VIRTIO_ID_BALLOON = 5
 _VIRTIO_BALLOON_F_REPORTING = 5

@@ -8,7 +8,7 @@ bytes (the local plugin reads in 4 MiB pieces; it writes in 8 MiB ones through t
 smaller write calls cost more than they save, and in 4 MiB ones past it, from an aligned
 buffer). A ``RangeDigest`` turns that stream of pieces into one running CRC per location. The
 members of a slab being written are the exception: they are checksummed when the slab is
-staged, on the caller's thread (``planner.Placer`` says why).
+staged, on the caller's thread (``placement.Placer`` says why).
 Reads may split one location over several requests (a large chunk read by several workers,
 budget-sized tiles); ``LocationCheck`` combines their CRCs into the location's, in any order of
 arrival.
