@@ -10,7 +10,7 @@ from typing import Any
 
 import manifest as mf
 from manifest import Manifest
-from snapshot._engine.commit import MANIFEST_NAME, PENDING_NAME
+from snapshot._engine.commit import MANIFEST_NAME, PENDING_NAME, plugin_location
 from snapshot._engine.context import gc_paused
 from snapshot._engine.io_loop import run
 from snapshot._engine.storage_calls import call, open_storage, read_unrecorded, refused
@@ -27,13 +27,9 @@ from snapshot.errors import (
     UnsafeSnapshotError,
 )
 from snapshot.options import Options
-from storage_plugins import StoragePlugin, UnsafeBlobError
+from storage_plugins import UnsafeBlobError
 
 logger = logging.getLogger("snapshot")
-
-
-def _describe(plugin: StoragePlugin) -> str:
-    return plugin.describe("").rstrip("/")
 
 
 def load_manifest(
@@ -44,7 +40,7 @@ def load_manifest(
     options = options if options is not None else Options.from_env()
     t0 = time.perf_counter()
     with open_storage(path, storage_options, options) as plugin:
-        where = _describe(plugin)
+        where = plugin_location(plugin)
 
         async def fetch() -> bytes | None:
             try:
