@@ -11,9 +11,11 @@ from manifest.codec import (
     loads,
     nests_within,
 )
-from manifest.decode import check_blob_path
+from manifest.decode import SIBLING_NAME, check_blob_path
 from manifest.entries import (
     FORMAT_VERSION,
+    INCREMENTAL_VERSION,
+    REFERENCE_PREFIX,
     REPLICATED_ONCE_VERSION,
     TENSOR_ATTRS_VERSION,
     DictEntry,
@@ -33,6 +35,7 @@ from manifest.entries import (
     is_container,
     new_location,
     new_tensor_entry,
+    reference_of,
 )
 from manifest.errors import (
     ManifestChecksumError,
@@ -44,8 +47,11 @@ from manifest.yaml_loader import MAX_DEPTH, load_yaml
 
 __all__ = [
     "FORMAT_VERSION",
+    "INCREMENTAL_VERSION",
     "MAX_DEPTH",
+    "REFERENCE_PREFIX",
     "REPLICATED_ONCE_VERSION",
+    "SIBLING_NAME",
     "TENSOR_ATTRS_VERSION",
     "DictEntry",
     "Entry",
@@ -76,4 +82,5 @@ __all__ = [
     "nests_within",
     "new_location",
     "new_tensor_entry",
+    "reference_of",
 ]

@@ -122,6 +122,8 @@ def entry_to_dict(entry: Entry) -> dict[str, Any]:
         view = entry.view
         if view is not None:
             out["view"] = {"base": view.base, "offset": view.offset, "stride": list(view.stride)}
+        if entry.digest is not None:
+            out["digest"] = entry.digest
     elif isinstance(entry, ObjectEntry):
         out["serializer"] = entry.serializer
         out["obj_type"] = entry.obj_type

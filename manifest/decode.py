@@ -14,6 +14,7 @@ from typing import Any
 
 from manifest.entries import (
     ENTRY_TYPES,
+    REFERENCE_PREFIX,
     DictEntry,
     Entry,
     ListEntry,
@@ -28,6 +29,7 @@ from manifest.entries import (
     TupleEntry,
     new_location,
     new_tensor_entry,
+    reference_of,
 )
 from manifest.errors import ManifestDecodeError, UnsafeManifestError
 
@@ -60,11 +62,24 @@ PLAIN_BLOB = re.compile(r"[0-9]+/[a-z]?[0-9]+")
 MAX_CRC32 = 0xFFFFFFFF
 
 
+# The name of a sibling snapshot a blob may lie in (``../<name>/<blob>``): one path component,
+# of the characters a folder name needs, never ``.`` or ``..``.
+SIBLING_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.=+-]{0,254}")
+
+
 def check_blob_path(blob: str, where: str = "blob") -> str:
     """Refuses blob paths that could escape the snapshot's root (``UnsafeManifestError``: the
-    writer names blobs ``<rank>/<name>`` only)."""
+    writer names blobs ``<rank>/<name>`` only), but for one leading ``../<name>/`` naming a
+    sibling snapshot (an incremental take's base: ``reference_of``), which a reader follows
+    only into a committed sibling and only within the ranges that sibling's manifest records."""
     if PLAIN_BLOB.fullmatch(blob):
         return blob
+    ref = reference_of(blob)
+    if ref is not None:
+        name, rest = ref
+        if SIBLING_NAME.fullmatch(name) and rest and not rest.startswith(REFERENCE_PREFIX):
+            check_blob_path(rest, where)
+            return blob
     if (
         not blob
         or blob.startswith("/")
@@ -111,7 +126,18 @@ def _decode_tensor(d: Mapping[str, Any], where: str) -> dict[str, Any]:
         "parameter": _bool(d.get("parameter", False), where),
         "requires_grad": _bool(d.get("requires_grad", False), where),
         "view": None if view is None else _decode_view(view, len(dims), where),
+        "digest": None if d.get("digest") is None else _digest(d["digest"], where),
     }
+
+
+DIGEST = re.compile(r"xxh3_128:[0-9a-f]{32}")
+
+
+def _digest(value: Any, where: str) -> str:
+    """A tensor's ``digest``: the one form the writer records (``TensorEntry.digest``)."""
+    if type(value) is not str or not DIGEST.fullmatch(value):
+        raise _fail(where, f"digest must be 'xxh3_128:' and 32 hex digits, got {value!r}")
+    return value
 
 
 def _decode_view(value: Any, ndim: int, where: str) -> TensorView:
@@ -228,7 +254,7 @@ _DECODERS: dict[
 ] = {
     TensorEntry: (
         _decode_tensor,
-        {"dtype", "shape", "chunks", "parameter", "requires_grad", "view"},
+        {"dtype", "shape", "chunks", "parameter", "requires_grad", "view", "digest"},
     ),
     ObjectEntry: (_decode_object, {"serializer", "obj_type", "location"}),
     PrimitiveEntry: (_decode_primitive, {"value_type", "value"}),
@@ -238,7 +264,7 @@ _DECODERS: dict[
     ShardedTensorEntry: (_decode_sharded_tensor, {"key", "dtype", "shape", "shards"}),
     ShardedObjectEntry: (_decode_sharded_object, {"key", "serializer", "obj_type", "location"}),
 }
-_OPTIONAL_FIELDS = {"ordered", "replicated", "parameter", "requires_grad", "view"}
+_OPTIONAL_FIELDS = {"ordered", "replicated", "parameter", "requires_grad", "view", "digest"}
 
 
 _TENSOR_FIELDS = frozenset({"type", "dtype", "shape", "chunks"})

@@ -22,17 +22,24 @@ DictKey = str | int | bool | None
 # another tensor entry's storage (``TensorEntry``). A reader of version 3 refuses those fields
 # as unknown (and would call the snapshot corrupt), so a manifest holding any of them says 4;
 # one without them is still written as version 1, 2 or 3.
-FORMAT_VERSION = 4
+# 5: a snapshot taken on a base (an incremental take) may point a range at a blob of a sibling
+# snapshot (``../<name>/<blob>``, ``reference_of``), and a tensor entry may record a digest of
+# its bytes (``TensorEntry.digest``). A reader of version 4 would refuse both, so a manifest
+# holding either says 5.
+FORMAT_VERSION = 5
 REPLICATED_ONCE_VERSION = 3
 TENSOR_ATTRS_VERSION = 4
+INCREMENTAL_VERSION = 5
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Location:
     """A byte range of a blob: ``nbytes`` bytes starting at ``offset`` of blob ``blob``.
 
-    ``blob`` is relative to the snapshot's root, ``/``-separated. ``crc32`` is the CRC-32 of
-    the range's bytes (None when the snapshot was taken without checksums).
+    ``blob`` is relative to the snapshot's root, ``/``-separated; one that starts with
+    ``../<name>/`` lies in the sibling snapshot ``<name>`` (the folder beside this one that an
+    incremental take's base was, or that base's own base): ``reference_of``. ``crc32`` is the
+    CRC-32 of the range's bytes (None when the snapshot was taken without checksums).
     """
 
     blob: str
@@ -94,11 +101,18 @@ class TensorEntry(Entry):
     parameter: bool = False
     requires_grad: bool = False
     view: TensorView | None = None
+    # ``"xxh3_128:<32 hex digits>"``: the XXH3 128-bit hash of the tensor's bytes, recorded by
+    # takes that may serve as an incremental take's base (format version 5). A later take
+    # compares its tensors' digests with it to find those that did not change.
+    digest: str | None = None
 
     @property
     def has_attrs(self) -> bool:
-        """Whether the entry holds any field of format version 4."""
-        return self.parameter or self.requires_grad or self.view is not None
+        """Whether the entry holds any field of format version 4 or 5 (it is then written as an
+        object, not by the tensor line formatter)."""
+        return (
+            self.parameter or self.requires_grad or self.view is not None or self.digest is not None
+        )
 
     @property
     def nbytes(self) -> int:
@@ -148,6 +162,7 @@ _set_chunks = TensorEntry.chunks.__set__  # type: ignore[attr-defined]
 _set_parameter = TensorEntry.parameter.__set__  # type: ignore[attr-defined]
 _set_requires_grad = TensorEntry.requires_grad.__set__  # type: ignore[attr-defined]
 _set_view = TensorEntry.view.__set__  # type: ignore[attr-defined]
+_set_digest = TensorEntry.digest.__set__  # type: ignore[attr-defined]
 
 
 def new_tensor_entry(
@@ -164,6 +179,7 @@ def new_tensor_entry(
     _set_parameter(entry, False)
     _set_requires_grad(entry, False)
     _set_view(entry, None)
+    _set_digest(entry, None)
     return entry
 
 
@@ -368,8 +384,10 @@ class Manifest:
 
     @functools.cached_property
     def blob_sizes(self) -> dict[str, int]:
-        """The length each blob must have: the end of the last range the manifest records in
-        it (a blob holds nothing beyond its last location)."""
+        """The length each of the snapshot's own blobs must have: the end of the last range the
+        manifest records in it (a blob holds nothing beyond its last location). For a blob of
+        a sibling snapshot (``reference_of``), the length it must have at least: this manifest
+        sees only the ranges it reuses; the sibling's own manifest bounds it."""
         sizes: dict[str, int] = {}
         for entry in self.entries.values():
             for loc in entry.locations:
@@ -377,3 +395,29 @@ class Manifest:
                 if end > sizes.get(loc.blob, -1):
                     sizes[loc.blob] = end
         return sizes
+
+    @functools.cached_property
+    def bases(self) -> tuple[str, ...]:
+        """The names of the sibling snapshots whose blobs this one's entries point at (its base
+        and the bases that base pointed at), sorted; empty for a snapshot that holds all its
+        bytes."""
+        names = set()
+        for entry in self.entries.values():
+            for loc in entry.locations:
+                ref = reference_of(loc.blob)
+                if ref is not None:
+                    names.add(ref[0])
+        return tuple(sorted(names))
+
+
+# A range in a sibling snapshot's blob is written ``../<name>/<blob>`` (``Location``).
+REFERENCE_PREFIX = "../"
+
+
+def reference_of(blob: str) -> tuple[str, str] | None:
+    """``(sibling name, blob within it)`` for a blob path that points into a sibling snapshot
+    (``"../step_100/0/17"`` -> ``("step_100", "0/17")``); None for the snapshot's own blob."""
+    if not blob.startswith(REFERENCE_PREFIX):
+        return None
+    name, _, rest = blob[len(REFERENCE_PREFIX) :].partition("/")
+    return name, rest

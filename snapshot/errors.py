@@ -32,6 +32,16 @@ class IncompleteSnapshotError(SnapshotNotFoundError):
     """The path holds the debris of a take that never committed (it was interrupted or failed)."""
 
 
+class MissingBaseError(SnapshotError):
+    """A snapshot taken on a base (an incremental take) points at bytes of a sibling snapshot
+    that is gone, or that is not a committed snapshot: ``base`` names it. Nothing of the
+    snapshot is restored."""
+
+    def __init__(self, message: str, base: str = "") -> None:
+        super().__init__(message)
+        self.base = base
+
+
 class SnapshotExistsError(SnapshotError):
     """``take`` was pointed at a path that already holds a committed snapshot."""
 

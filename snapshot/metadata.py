@@ -31,6 +31,10 @@ class SnapshotMetadata:
         info: the manifest's metadata as recorded (a copy): ``library``, ``torch``,
             ``created_unix``, ``strategies`` (which backend and version wrote each part), and
             anything else a writer put there.
+        user: what the take's ``user_metadata`` was (a copy), or None.
+        bases: the names of the sibling snapshots (folders beside this one) whose bytes this
+            snapshot's entries point at: an incremental take's base, and the snapshots that
+            base pointed at. Empty for a snapshot that holds all its bytes.
     """
 
     version: str | None
@@ -40,6 +44,8 @@ class SnapshotMetadata:
     torch_version: str | None = None
     created_unix: float | None = None
     info: dict[str, Any] = field(default_factory=dict)
+    user: dict[str, Any] | None = None
+    bases: tuple[str, ...] = ()
 
     @classmethod
     def from_manifest(cls, manifest: Manifest) -> SnapshotMetadata:
@@ -65,6 +71,8 @@ class SnapshotMetadata:
                 else None
             ),
             info=info,
+            user=copy.deepcopy(user) if isinstance(user := info.get("user"), dict) else None,
+            bases=manifest.bases,
         )
 
 

@@ -51,6 +51,10 @@ class Options:
 
     #: Record a CRC-32 of every stored range at take; verify them at restore / read.
     checksums: bool | None = None
+    #: Record a digest (XXH3, 128 bits) of each CPU tensor's bytes at take, so that the snapshot
+    #: can be the ``base`` of an incremental take. A take on a base records them whatever this
+    #: says (its own later increments compare with them).
+    digests: bool | None = None
     #: Blob reads/writes in flight at once, per process.
     max_concurrent_io: int | None = None
     #: Staging / scratch memory one take or restore may hold at once, per process
@@ -92,9 +96,9 @@ class Options:
             value = getattr(self, f.name)
             if value is None:
                 continue
-            if f.name == "checksums":
+            if f.name in ("checksums", "digests"):
                 if type(value) is not bool:
-                    raise InvalidArgumentError(f"Options.checksums must be a bool, got {value!r}")
+                    raise InvalidArgumentError(f"Options.{f.name} must be a bool, got {value!r}")
                 continue
             minimum = (
                 1 if f.name in ("memory_budget_bytes", "chunk_bytes") else _FROM_ENV[f.name][2]
@@ -118,6 +122,8 @@ class Options:
         values: dict[str, object] = {}
         if self.checksums is None:
             values["checksums"] = knobs.env_int("CHECKSUMS", 1, 0) != 0
+        if self.digests is None:
+            values["digests"] = knobs.env_int("DIGESTS", 0, 0) != 0
         for name, (env, default, minimum) in _FROM_ENV.items():
             if getattr(self, name) is None:
                 value = knobs.env_int(env, default, minimum)

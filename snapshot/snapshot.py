@@ -96,6 +96,8 @@ class Snapshot:
         | None = None,
         *,
         options: Options | None = None,
+        base: Snapshot | str | os.PathLike[str] | None = None,
+        user_metadata: dict[str, Any] | None = None,
     ) -> Snapshot:
         """Takes a snapshot of ``app_state`` at ``path`` and returns it once committed.
 
@@ -119,6 +121,18 @@ class Snapshot:
                 manifest records the prepared tensor's dtype and shape.
             options: the tunables of this take (:class:`~snapshot.Options`; fields left None,
                 and all of them without one, from the environment).
+            base: an earlier snapshot (a :class:`Snapshot` or its path) in the same folder as
+                ``path``: an incremental take. Each CPU tensor whose bytes equal the base's at
+                the same logical path (same dtype and shape, equal 128-bit digest) is not
+                written; its entry points at the base's bytes. The base must stay as long as
+                this snapshot is used (``Snapshot(path).metadata.bases`` names the snapshots
+                it needs; :class:`~snapshot.CheckpointManager` keeps them); a restore whose
+                base is gone raises :class:`MissingBaseError`. Only tensors of a base that
+                recorded digests are compared (a take on a base, or with
+                ``Options(digests=True)``, records them).
+            user_metadata: a dict of plain data (str keys; None, bool, int, finite float,
+                str, lists and dicts of them) kept in the manifest and read back as
+                ``Snapshot(path).metadata.user``: the step, metrics, a run id.
 
         Raises:
             NotStatefulError: an app_state value is not Stateful.
@@ -139,6 +153,8 @@ class Snapshot:
         path, replicated, storage_options = _take_arguments(
             "Snapshot.take", path, pg, replicated, storage_options, _custom_tensor_prepare_func
         )
+        base_path = _base_argument("Snapshot.take", base, path)
+        user = arguments.user_metadata(user_metadata, "Snapshot.take", path)
         resolved = resolve(options)
         # The cyclic collector stays paused for the whole take: it allocates a few objects per
         # tensor, which would otherwise set off collections that walk them (and, every so
@@ -155,6 +171,8 @@ class Snapshot:
                 prepare=_custom_tensor_prepare_func,
                 pool=None,
                 options=resolved,
+                base=base_path,
+                user_metadata=user,
             )
             job.start()
             manifest = job.finish()
@@ -174,6 +192,8 @@ class Snapshot:
         | None = None,
         *,
         options: Options | None = None,
+        base: Snapshot | str | os.PathLike[str] | None = None,
+        user_metadata: dict[str, Any] | None = None,
     ) -> PendingSnapshot:
         """Like :meth:`take`, but returns once the state is captured; writes go on in the
         background.
@@ -187,12 +207,16 @@ class Snapshot:
         cannot reach the snapshot. Errors found while capturing are raised here; errors of the
         background work are raised by :meth:`PendingSnapshot.wait`. Arguments are checked as
         :meth:`take` checks them, and ranks that pass different paths are warned alike (the
-        returned handle's ``path`` is rank 0's); ``options`` are as :meth:`take` takes them.
+        returned handle's ``path`` is rank 0's); ``options``, ``base`` and
+        ``user_metadata`` are as :meth:`take` takes them (a base must be committed when this is
+        called: wait for a pending one first).
         """
         prepare = _custom_tensor_prepare_func
         path, replicated, storage_options = _take_arguments(
             "Snapshot.async_take", path, pg, replicated, storage_options, prepare
         )
+        base_path = _base_argument("Snapshot.async_take", base, path)
+        user = arguments.user_metadata(user_metadata, "Snapshot.async_take", path)
         resolved = resolve(options)
         coordinator = dist.resolve(pg, resolved)
         background = dist.resolve_background(pg, resolved)
@@ -206,6 +230,8 @@ class Snapshot:
             prepare=_custom_tensor_prepare_func,
             pool=runtime.get().staging_pool(resolved),
             options=resolved,
+            base=base_path,
+            user_metadata=user,
         )
         job.start()
         try:
@@ -425,6 +451,16 @@ def _take_arguments(
         arguments.glob_list(replicated, call, where),
         arguments.options(storage_options, call, where),
     )
+
+
+def _base_argument(call: str, base: object, where: str) -> str | None:
+    """An incremental take's ``base`` as a path (checked to be a sibling when the take
+    starts: ``incremental.base_name``)."""
+    if base is None:
+        return None
+    if isinstance(base, Snapshot):
+        return base.path
+    return arguments.snapshot_path(base, call, "base")
 
 
 def _rank(pg: Any | None) -> int:

@@ -55,6 +55,10 @@ _KINDS = (
 )
 
 
+# Path components that do not name an entry below the root.
+_NOT_NAMES = frozenset({"", ".", ".."})
+
+
 def _unsafe(where: str, mode: int) -> UnsafeBlobError:
     kind = next((name for test, name in _KINDS if test(mode)), "not a regular file")
     return UnsafeBlobError(
@@ -290,8 +294,12 @@ class FSStoragePlugin(StoragePlugin):
         from the root without following a link. ``O_NONBLOCK`` makes opening a FIFO return at
         once (without it the open waits for a writer, forever); the ``fstat`` then refuses it,
         and anything else that is not a regular file. On a regular file the flag changes
-        nothing."""
-        *dirs, name = path.split("/")
+        nothing. A path with a ``..`` (or empty, or ``.``) component is refused: it would
+        leave the root (the library reads a sibling snapshot's blobs through a plugin of its
+        own, never through ``..``)."""
+        *dirs, name = parts = path.split("/")
+        if any(part in _NOT_NAMES for part in parts):
+            raise UnsafeBlobError(f"{self._abs(path)}: not a path below the root")
         parent = self._open_dir(dirs)
         try:
             fd = self._openat(parent, name, _FILE_FLAGS, path)

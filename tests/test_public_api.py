@@ -41,6 +41,7 @@ SNAPSHOT_ALL = {
     "ShapeMismatchError",
     "EntryNotFoundError",
     "InvalidArgumentError",
+    "MissingBaseError",
     "NotStatefulError",
     "StatefulError",
     "UnsupportedValueError",

@@ -135,3 +135,50 @@ def state_mapping(value: object, call: str, name: str, where: str) -> Mapping[st
             f"{call} of {where}: {name} must be a dict (a state dict), got {_kind(value)}"
         )
     return value
+
+
+# How deep ``user_metadata`` may nest: it is written into the manifest, whose reader bounds
+# nesting (``manifest.MAX_DEPTH``) well above this.
+_USER_DEPTH = 8
+
+
+def user_metadata(value: object, call: str, where: str) -> dict[str, Any] | None:
+    """The caller's metadata of a take, as plain data the manifest can hold: a dict with str
+    keys of None, bool, int, finite float, str, and lists and dicts of them (copied)."""
+    if value is None:
+        return None
+    if not isinstance(value, Mapping):
+        raise InvalidArgumentError(
+            f"{call} of {where}: user_metadata must be a dict, got {_kind(value)}"
+        )
+
+    def plain(v: object, at: str, depth: int) -> Any:
+        if depth > _USER_DEPTH:
+            raise InvalidArgumentError(
+                f"{call} of {where}: user_metadata nests deeper than {_USER_DEPTH} at {at}"
+            )
+        if v is None or isinstance(v, (bool, int, str)):
+            return v
+        if isinstance(v, float):
+            if v != v or v in (float("inf"), float("-inf")):
+                raise InvalidArgumentError(
+                    f"{call} of {where}: user_metadata{at} is {v}: only finite numbers"
+                )
+            return v
+        if isinstance(v, Mapping):
+            out = {}
+            for k, item in v.items():
+                if not isinstance(k, str):
+                    raise InvalidArgumentError(
+                        f"{call} of {where}: user_metadata{at} has key {_kind(k)}: keys are str"
+                    )
+                out[k] = plain(item, f"{at}[{k!r}]", depth + 1)
+            return out
+        if isinstance(v, (list, tuple)):
+            return [plain(item, f"{at}[{i}]", depth + 1) for i, item in enumerate(v)]
+        raise InvalidArgumentError(
+            f"{call} of {where}: user_metadata{at} is {_kind(v)}: only None, bool, int, "
+            "float, str, and lists and dicts of them"
+        )
+
+    return plain(value, "", 0)

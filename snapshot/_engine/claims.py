@@ -28,7 +28,8 @@ from manifest import Entry, Location, Manifest, ShardedTensorEntry, TensorEntry,
 from snapshot._engine import sharded
 from snapshot._engine.handlers.dense import is_dense_tensor
 from snapshot._engine.io_loop import run
-from snapshot._engine.storage_calls import call, open_storage
+from snapshot._engine.linked import open_linked
+from snapshot._engine.storage_calls import call
 from snapshot.errors import CorruptSnapshotError
 from snapshot.options import Options
 from snapshot.sharding.mapping import LocalNonpersistentObject
@@ -164,7 +165,7 @@ class ClaimCheck:
         if self.unchecked_bytes + claimed <= UNCHECKED_BYTES:
             self.unchecked_bytes += claimed
             return
-        with open_storage(self.url, self.storage_options, self.options) as plugin:
+        with open_linked(self.url, self.manifest, self.storage_options, self.options) as plugin:
             expected = self.manifest.blob_sizes
             jobs = self.options.max_concurrent_io
             assert jobs is not None

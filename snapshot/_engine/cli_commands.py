@@ -123,6 +123,9 @@ def run_ls(args: argparse.Namespace) -> int:
     replicated = listing.any_replicated
     if replicated:
         header.append("REPLICATED")
+    in_base = listing.any_in_base
+    if in_base:
+        header.append("IN BASE")
     rows = []
     for r in listing.rows:
         row = [
@@ -134,6 +137,8 @@ def run_ls(args: argparse.Namespace) -> int:
         ]
         if replicated:
             row.append("yes" if r.replicated else "")
+        if in_base:
+            row.append(printable(r.base))
         rows.append(row)
     lines = _table(header, rows, right={4})
     total = (
@@ -146,6 +151,11 @@ def run_ls(args: argparse.Namespace) -> int:
         total += (
             f"; {_size(listing.stored_bytes, exact)} stored "
             "(shared and replicated ranges counted once)"
+        )
+    if listing.base_bytes:
+        total += (
+            f"; {_size(listing.base_bytes, exact)} of it in base snapshots "
+            f"({', '.join(map(printable, listing.metadata.bases))})"
         )
     lines.append(total)
     _write_lines(lines)
@@ -327,6 +337,11 @@ def run_du(args: argparse.Namespace) -> int:
         total += (
             f"; {_size(usage.stored_bytes, exact)} stored "
             "(replicated entries and shared tensors counted once)"
+        )
+    if usage.base_bytes:
+        total += (
+            f"; {_size(usage.base_bytes, exact)} of it in base snapshots "
+            f"({', '.join(map(printable, usage.bases))})"
         )
     lines.append(total)
     _write_lines(lines)

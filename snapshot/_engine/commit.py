@@ -124,10 +124,12 @@ def manifest_bytes(
     world_size: int,
     replicated_once: bool,
     strategies: dict[str, list[Any]] | None,
+    user: Mapping[str, Any] | None = None,
 ) -> tuple[int, bytes]:
     """The number of entries and the bytes of the manifest holding every rank's entries
     (``parts``, in rank order); ``replicated_once`` when replicated leaves are listed once,
-    under rank 0's prefix; ``strategies``, the backend and version that wrote each part."""
+    under rank 0's prefix; ``strategies``, the backend and version that wrote each part;
+    ``user``, the caller's own metadata (``Snapshot.take(user_metadata=...)``)."""
     entries = sharded.merge_entries(parts)
     # Version 2 adds sharded entries; a manifest without any stays readable by version 1.
     kinds = set(map(type, entries.values()))
@@ -137,6 +139,7 @@ def manifest_bytes(
         "torch": str(torch.__version__),
         "created_unix": round(time.time(), 3),
         **({"strategies": strategies} if strategies else {}),
+        **({"user": dict(user)} if user is not None else {}),
     }
     # Version 3 lists a replicated leaf once, under rank 0's prefix: a manifest of several
     # ranks with such leaves is one an older reader would misread (``mf.FORMAT_VERSION``).
@@ -150,6 +153,13 @@ def manifest_bytes(
         e.has_attrs for e in entries.values() if type(e) is TensorEntry
     ):
         version = mf.TENSOR_ATTRS_VERSION
+        # Version 5 adds digests and ranges in a sibling snapshot (an incremental take).
+        if any(
+            e.digest is not None or any(c.blob.startswith(mf.REFERENCE_PREFIX) for c in e.chunks)
+            for e in entries.values()
+            if type(e) is TensorEntry
+        ):
+            version = mf.INCREMENTAL_VERSION
     data = mf.dumps_entries(version, world_size, metadata, entries)
     return len(entries), data
 

@@ -20,6 +20,7 @@ from manifest import (
     Entry,
     ListEntry,
     Location,
+    Manifest,
     ObjectEntry,
     PrimitiveEntry,
     ShardedObjectEntry,
@@ -30,8 +31,9 @@ from manifest import (
 from snapshot._engine.checksum import combine
 from snapshot._engine.inspection import JOBS, PIECE_BYTES, Progress, format_shape
 from snapshot._engine.io_loop import run
+from snapshot._engine.linked import open_linked
 from snapshot._engine.manifest_io import load_manifest
-from snapshot._engine.storage_calls import call, open_storage
+from snapshot._engine.storage_calls import call
 from snapshot.options import Options, resolve
 from storage_plugins import StoragePlugin
 
@@ -261,7 +263,9 @@ def diff(
     report = DiffReport(path_a, path_b, len(a_entries), len(b_entries), [], by_crc)
     if to_read:
         found.extend(
-            _compare_bytes(report, to_read, storage_options, jobs, piece_bytes, progress, options)
+            _compare_bytes(
+                report, (ma, mb), to_read, storage_options, jobs, piece_bytes, progress, options
+            )
         )
     report.differences = [d for _, d in sorted(found, key=lambda x: x[0])]
     return report
@@ -269,6 +273,7 @@ def diff(
 
 def _compare_bytes(
     report: DiffReport,
+    manifests: tuple[Manifest, Manifest],
     to_read: list[tuple[int, str, Entry, Entry]],
     storage_options: dict[str, Any] | None,
     jobs: int,
@@ -323,8 +328,8 @@ def _compare_bytes(
     if progress is not None:
         progress(0, len(to_read), 0, total_bytes)
     with (
-        open_storage(report.path_a, storage_options, options) as pa,
-        open_storage(report.path_b, storage_options, options) as pb,
+        open_linked(report.path_a, manifests[0], storage_options, options) as pa,
+        open_linked(report.path_b, manifests[1], storage_options, options) as pb,
     ):
         run(compare_all(pa, pb))
     return found

@@ -29,6 +29,7 @@ from manifest import (
     ShardedTensorEntry,
     TensorEntry,
     is_container,
+    reference_of,
 )
 from snapshot._engine import suggest
 from snapshot._engine.context import gc_paused
@@ -91,18 +92,29 @@ def _shared(entry: Entry) -> bool:
     return entry.replicated and not isinstance(entry, ShardedTensorEntry)
 
 
-def _stored_bytes(entries: Iterable[Entry]) -> int:
+def _stored_bytes(entries: Iterable[Entry]) -> tuple[int, int]:
     """Bytes the blobs hold for ``entries``, each distinct range once (replicated entries of
-    several ranks, and tensors stored under two paths, share their ranges)."""
+    several ranks, and tensors stored under two paths, share their ranges): ``(in the
+    snapshot's own blobs, in its bases' blobs)``."""
     seen: set[tuple[str, int, int]] = set()
-    total = 0
+    own = in_bases = 0
     for entry in entries:
         for loc in entry.locations:
             key = (loc.blob, loc.offset, loc.nbytes)
             if key not in seen:
                 seen.add(key)
-                total += loc.nbytes
-    return total
+                if reference_of(loc.blob) is None:
+                    own += loc.nbytes
+                else:
+                    in_bases += loc.nbytes
+    return own, in_bases
+
+
+def _bases_of(entry: Entry) -> str:
+    """The sibling snapshots holding an entry's bytes (an incremental take's bases), joined
+    by commas; "" when the snapshot holds them itself."""
+    names = {ref[0] for loc in entry.locations if (ref := reference_of(loc.blob)) is not None}
+    return ",".join(sorted(names))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -118,6 +130,7 @@ class ListRow(NamedTuple):
     shape: tuple[int, ...] | None  # tensors only
     nbytes: int  # bytes in blobs (0 for primitives and containers, which live in the manifest)
     replicated: bool
+    base: str = ""  # the base snapshot(s) holding its bytes (``_bases_of``)
 
 
 @dataclass(frozen=True)
@@ -131,10 +144,15 @@ class Listing:
     stored_bytes: int  # what the blobs hold for them, shared ranges counted once
     world_size: int
     metadata: SnapshotMetadata  # what ``Snapshot.metadata`` gives (the whole snapshot's)
+    base_bytes: int = 0  # of ``stored_bytes``, those in bases' blobs (an incremental take)
 
     @property
     def any_replicated(self) -> bool:
         return any(r.replicated for r in self.rows)
+
+    @property
+    def any_in_base(self) -> bool:
+        return any(r.base for r in self.rows)
 
 
 def list_entries(manifest: Manifest, prefix: str | None = None) -> Listing:
@@ -171,13 +189,18 @@ def _list_entries(manifest: Manifest, prefix: str | None) -> Listing:
             shape = None
         nbytes = entry.nbytes
         total += nbytes
-        rows.append(ListRow(path, entry.type, _type_name(entry), shape, nbytes, _shared(entry)))
+        row = ListRow(path, entry.type, _type_name(entry), shape, nbytes, _shared(entry))
+        if nbytes and manifest.bases:
+            row = row._replace(base=_bases_of(entry))
+        rows.append(row)
+    own, in_bases = _stored_bytes(e for _, e in items)
     return Listing(
         rows=rows,
         entries=len(rows),
         tensors=tensors,
         nbytes=total,
-        stored_bytes=_stored_bytes(e for _, e in items),
+        stored_bytes=own + in_bases,
+        base_bytes=in_bases,
         world_size=manifest.world_size,
         metadata=SnapshotMetadata.from_manifest(manifest),
     )
@@ -209,6 +232,8 @@ class Usage:
     stored_bytes: int  # what the blobs hold: replicated and shared ranges counted once
     rank_bytes: dict[str, int]  # rank -> the sum of its rows' nbytes
     world_size: int
+    base_bytes: int = 0  # of ``stored_bytes``, those in bases' blobs (an incremental take)
+    bases: tuple[str, ...] = ()  # those bases (``Manifest.bases``)
 
 
 def disk_usage(manifest: Manifest) -> Usage:
@@ -244,14 +269,17 @@ def _disk_usage(manifest: Manifest) -> Usage:
         ranks[rank_key[0]] = ranks.get(rank_key[0], 0) + nbytes
     rows = [UsageRow(r, k, n, b, rb) for (r, k), (n, b, rb) in counts.items()]
     rows.sort(key=lambda row: (-row.nbytes, _rank_order(row.rank), row.key))
+    own, in_bases = _stored_bytes(manifest.entries.values())
     return Usage(
         rows=rows,
         entries=count,
         nbytes=total,
         replicated_bytes=replicated,
-        stored_bytes=_stored_bytes(manifest.entries.values()),
+        stored_bytes=own + in_bases,
         rank_bytes=dict(sorted(ranks.items(), key=lambda kv: _rank_order(kv[0]))),
         world_size=manifest.world_size,
+        base_bytes=in_bases,
+        bases=manifest.bases,
     )
 
 

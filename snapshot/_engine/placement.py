@@ -206,6 +206,7 @@ def place(
         checksums=layout.checksums,
         grads=collected.grads,
         views=collected.views,
+        digests=collected.digests,
     )
 
 

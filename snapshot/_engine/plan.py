@@ -37,6 +37,7 @@ from snapshot._engine.handlers import dense, for_value
 from snapshot._engine.handlers.table import types_of
 
 if TYPE_CHECKING:
+    from snapshot._engine.incremental import Reuse
     from snapshot._engine.placement import Placer, Recorder
     from snapshot._engine.requests import WriteRequest
 
@@ -66,6 +67,8 @@ class Collected:
     # leaf whose elements lie in another leaf's memory, its view and that leaf's draft.
     grads: dict[str, tuple[bool, bool]] = field(default_factory=dict)
     views: dict[str, tuple[TensorView, Draft]] = field(default_factory=dict)
+    # The digest of each tensor leaf's bytes, where the take records them (``incremental``).
+    digests: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -83,6 +86,7 @@ class TakePlan:
     checksums: bool
     grads: dict[str, tuple[bool, bool]] = field(default_factory=dict)  # ``Collected``'s
     views: dict[str, tuple[TensorView, Draft]] = field(default_factory=dict)  # ``Collected``'s
+    digests: dict[str, str] = field(default_factory=dict)  # ``Collected``'s
 
     def shared_checksums(
         self, checksums: Mapping[tuple[str, int], int]
@@ -114,7 +118,7 @@ class TakePlan:
                 out[path] = e
             else:
                 out[path] = None
-        if self.grads or self.views:
+        if self.grads or self.views or self.digests:
             self._attribute(out, None)
         return out
 
@@ -145,7 +149,7 @@ class TakePlan:
                 out[path] = e.line(path, sums, fmt)  # type: ignore[union-attr]
             else:
                 out[path] = e.build(sums)  # type: ignore[union-attr]
-        if self.grads or self.views:
+        if self.grads or self.views or self.digests:
             self._attribute(out, sums)
         return out  # type: ignore[return-value]
 
@@ -154,11 +158,12 @@ class TakePlan:
         out: dict[str, Entry | str | None],
         checksums: Mapping[tuple[str, int], int] | None,
     ) -> None:
-        """Makes the entry in ``out`` of each leaf with ``grads`` or ``views`` a ``TensorEntry``
-        that records them (the line formatter writes plain tensors only). A path whose entry is
-        not made yet (None), or that this rank does not list, is left as it is."""
-        grads, views, drafts = self.grads, self.views, self.drafts
-        for path in dict.fromkeys([*grads, *views]):
+        """Makes the entry in ``out`` of each leaf with ``grads``, ``views`` or ``digests`` a
+        ``TensorEntry`` that records them (the line formatter writes plain tensors only). A path
+        whose entry is not made yet (None), or that this rank does not list, is left as it
+        is."""
+        grads, views, drafts, digests = self.grads, self.views, self.drafts, self.digests
+        for path in dict.fromkeys([*grads, *views, *digests]):
             if out.get(path) is None:
                 continue
             draft = drafts[path]
@@ -171,7 +176,13 @@ class TakePlan:
                 # its base is that rank's own leaf unless the base is listed once too.
                 if entry.replicated and not base.replicated:
                     view = None
-            out[path] = replace(entry, parameter=parameter, requires_grad=requires_grad, view=view)
+            out[path] = replace(
+                entry,
+                parameter=parameter,
+                requires_grad=requires_grad,
+                view=view,
+                digest=digests.get(path, entry.digest),
+            )
 
 
 class Collector:
@@ -191,8 +202,11 @@ class Collector:
         inline_max_bytes: int,
         own: Placer | Recorder,
         submit: Callable[[WriteRequest], None] | None,
+        reuse: Reuse | None = None,
     ) -> None:
         self.rank = rank
+        # An incremental take's base (or a take recording digests): ``incremental.Reuse``.
+        self.reuse = reuse
         self.prepare = prepare
         self.replicated = tuple(replicated)
         self.inline_max = inline_max_bytes
@@ -245,6 +259,7 @@ class Collector:
         # The types the table gives the dense kind now (tensor subclasses may be registered).
         dense_types = types_of(dense.NAME)
         take_tensor = dense.take_tensor
+        reuse = self.reuse
         for path, node, value in flatten(state, rank_prefix + key_path):
             if node is None:
                 replicated = check and self._is_replicated(path[cut:])
@@ -255,6 +270,13 @@ class Collector:
                     and not value.is_quantized
                     and not value.is_nested
                 ):
+                    if reuse is not None and self._hashable(value):
+                        entry = reuse.reused(path, value)
+                        if entry is not None:  # the base holds these bytes: nothing to write
+                            entries[path] = entry
+                            if kind is not _TENSOR or value.requires_grad:
+                                dense.record_grads(self, path, value)
+                            continue
                     entries[path] = take_tensor(self, path, path[cut:], value, replicated)
                     if kind is not _TENSOR or value.requires_grad:
                         dense.record_grads(self, path, value)
@@ -265,6 +287,18 @@ class Collector:
                 # rank's entries keep their own (they list other keys only where the states
                 # differ), and only leaves are stored once for every rank.
                 entries[path] = node
+
+    def _hashable(self, tensor: torch.Tensor) -> bool:
+        """Whether an incremental take compares a tensor leaf with its base: one the fast path
+        of ``dense.take_tensor`` writes from its own memory, holding bytes."""
+        return (
+            self.prepare is None
+            and tensor.is_cpu
+            and tensor.is_contiguous()
+            and tensor.nbytes > 0
+            and not tensor.is_neg()
+            and not (tensor.dtype.is_complex and tensor.is_conj())
+        )
 
     def leaf(self, path: str, logical: str, value: Any, replicated: bool) -> Planned:
         """The entry (or draft) of one leaf, by the handler of its kind."""
@@ -421,6 +455,7 @@ def collect(
     inline_max_bytes: int,
     own: Placer | Recorder,
     submit: Callable[[WriteRequest], None] | None = None,
+    reuse: Reuse | None = None,
 ) -> Collected:
     """Flattens ``(key_path, state_dict)`` pairs of process ``rank`` into entries and payloads.
 
@@ -431,9 +466,11 @@ def collect(
     one when the state is done. (``own``'s writes hold every blob placed so far, also when this
     raises.)
     """
-    collector = Collector(rank, prepare, replicated, inline_max_bytes, own, submit)
+    collector = Collector(rank, prepare, replicated, inline_max_bytes, own, submit, reuse)
     for key_path, state in states:
         collector.add(key_path, state)
+    if reuse is not None:
+        collector.out.digests = reuse.digests
     collector.relate()
     own.close()
     if submit is not None:

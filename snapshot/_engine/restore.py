@@ -25,9 +25,9 @@ from snapshot._engine.context import gc_paused
 from snapshot._engine.dist import Coordinator
 from snapshot._engine.flatten import escape_key, flatten, subtree
 from snapshot._engine.handlers.dense import is_dense_tensor
+from snapshot._engine.linked import open_linked
 from snapshot._engine.loader import Loader, tile_bytes
 from snapshot._engine.restore_guard import RestoreProgress
-from snapshot._engine.storage_calls import open_storage
 from snapshot.errors import (
     EntryNotFoundError,
     InvalidArgumentError,
@@ -203,7 +203,7 @@ def _restore(
             loader.add_subtree(roots[key], targets, owner=key)
         t_plan = time.perf_counter()
         if verify_first:
-            with open_storage(path, storage_options, options) as plugin:
+            with open_linked(path, manifest, storage_options, options) as plugin:
                 checked = loader.verify_first(plugin, budget)
             logger.debug(
                 "restore %s: checked %.1f MB before writing any target in %.3f s",
@@ -218,7 +218,7 @@ def _restore(
         coordinator.agree("restore: verifying", error=error)
     try:
         if error is None:
-            with open_storage(path, storage_options, options) as plugin:
+            with open_linked(path, manifest, storage_options, options) as plugin:
                 stats = loader.execute(plugin, budget, progress)
     except Exception as e:
         error = e
@@ -389,7 +389,7 @@ def read_object(
         loader.add_subtree(logical_path, {logical_path: obj_out})
         loader.plan_deferred()
         if loader.needs:
-            with open_storage(path, storage_options, options) as plugin:
+            with open_linked(path, manifest, storage_options, options) as plugin:
                 loader.execute(plugin, budget)
         return loader.inflate(logical_path)
 

@@ -29,14 +29,21 @@ from snapshot._engine.context import gc_paused, naming_snapshot
 from snapshot._engine.dist import Coordinator
 from snapshot._engine.drafts import Layout, PrepareFunc
 from snapshot._engine.flatten import escape_key
+from snapshot._engine.incremental import Reuse, base_name
 from snapshot._engine.io_loop import join, run, spawn
+from snapshot._engine.manifest_io import load_manifest
 from snapshot._engine.pipeline import IOStats, WritePipeline
 from snapshot._engine.placement import Placer, Recorder, assign_writers, place
 from snapshot._engine.plan import TakePlan, collect
 from snapshot._engine.replication import Decision, Facts, Pending, decide, describe, joined, settle
 from snapshot._engine.staging import StagingPool
 from snapshot._engine.storage_calls import open_plugin
-from snapshot.errors import PathMismatchWarning, SnapshotError
+from snapshot.errors import (
+    MissingBaseError,
+    PathMismatchWarning,
+    SnapshotError,
+    SnapshotNotFoundError,
+)
 from snapshot.options import Options, resolve
 from storage_plugins import StoragePlugin
 from storage_plugins.registry import chunk_bytes_hint
@@ -83,6 +90,8 @@ class TakeJob:
         pool: StagingPool | None,
         options: Options | None = None,
         strategies: dict[str, list[Any]] | None = None,
+        base: str | None = None,
+        user_metadata: Mapping[str, Any] | None = None,
     ) -> None:
         check_app_state(app_state, path)
         replicated = arguments.glob_list(replicated, "take", path)
@@ -102,6 +111,10 @@ class TakeJob:
         self.options = options if options is not None else resolve(None)
         # Which backend and version write each part (recorded in the manifest for restore).
         self.strategies = strategies
+        # An incremental take's base (a sibling snapshot's path), and what it reused from it.
+        self.base = base
+        self.reuse: Reuse | None = None
+        self.user_metadata = user_metadata
         self.plugin: StoragePlugin | None = None
         self.where = path
         self.plan: TakePlan | None = None
@@ -230,6 +243,8 @@ class TakeJob:
             slab_bytes=max(1, min(opts.slab_bytes, self._budget // 4)),
             checksums=bool(opts.checksums),
         )
+        if self.base is not None or opts.digests:
+            self.reuse = self._reuse()
         if coord.rank == 0:
             self.plugin = open_plugin(self.path, self.storage_options)
             self.where = plugin_location(self.plugin)
@@ -256,6 +271,7 @@ class TakeJob:
                 inline_max_bytes=opts.inline_max_bytes,
                 own=own,
                 submit=submit,
+                reuse=self.reuse,
             )
         info: dict[str, Any] = {
             "path": self.path,
@@ -278,6 +294,28 @@ class TakeJob:
                 time.perf_counter() - t,
             )
         return info
+
+    def _reuse(self) -> Reuse:
+        """What this take compares with its base (and records digests into): the base's
+        manifest, read by every rank."""
+        if self.base is None:
+            return Reuse(None, None, self.coordinator.rank)
+        name = base_name(self.path, self.base)
+        t = time.perf_counter()
+        try:
+            base = load_manifest(self.base, self.storage_options, self.options)
+        except SnapshotNotFoundError as e:
+            raise MissingBaseError(
+                f"cannot take {self.path} on base {self.base}: {e}", base=self.base
+            ) from e
+        logger.debug(
+            "take %s: base %s read (%d entries) in %.3f s",
+            self.path,
+            self.base,
+            len(base.entries),
+            time.perf_counter() - t,
+        )
+        return Reuse(name, base, self.coordinator.rank)
 
     def _agree_layout(self, infos: list[dict[str, Any]]) -> tuple[str, Layout, Pending | None]:
         """Rank 0's path and layout; across ranks, which leaves are replicated, pending the
@@ -445,6 +483,7 @@ class TakeJob:
             world_size=self.coordinator.world_size,
             replicated_once=bool(self._shared_paths),
             strategies=self.strategies,
+            user=self.user_metadata,
         )
 
     # -- failure ----------------------------------------------------------------------------
@@ -479,6 +518,16 @@ class TakeJob:
     def _log(self, stats: IOStats, t_written: float, entries: int) -> None:
         t0 = self._times["start"]
         total = time.perf_counter() - t0
+        if self.reuse is not None and self.base is not None:
+            logger.info(
+                "take %s (rank %d): %.1f MB of %.1f MB of tensors compared were unchanged since "
+                "base %s and not written again",
+                self.where,
+                self.coordinator.rank,
+                self.reuse.reused_bytes / 1e6,
+                self.reuse.hashed_bytes / 1e6,
+                self.base,
+            )
         logger.info(
             "took snapshot %s (rank %d of %d): %d entries, %d blobs, %.1f MB in %.3f s (%.2f GB/s)",
             self.where,
