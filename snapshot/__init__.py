@@ -1,7 +1,8 @@
 """statesnap: snapshots of a PyTorch application's whole state, to local disk or object storage.
 
 Public API: :class:`Snapshot`, :class:`PendingSnapshot`, :class:`StateDict`, :class:`RNGState`,
-:class:`Stateful`, :class:`Options` (the tunables of one call), the errors below
+:class:`Stateful`, :class:`Options` (the tunables of one call), :class:`CheckpointManager`
+(step folders, retention, resume), the errors below
 :class:`SnapshotError` (and :class:`PathMismatchWarning`), and ``__version__``. Sharded state is
 described with :mod:`snapshot.sharding`.
 """
@@ -30,6 +31,7 @@ from snapshot.errors import (
     UnsafeSnapshotError,
     UnsupportedValueError,
 )
+from snapshot.manager import CheckpointManager
 from snapshot.options import Options
 from snapshot.pending import PendingSnapshot
 from snapshot.snapshot import Snapshot
@@ -37,6 +39,7 @@ from snapshot.stateful import RNGState, StateDict, Stateful
 from snapshot.version import __version__
 
 __all__ = [
+    "CheckpointManager",
     "ChecksumError",
     "CorruptSnapshotError",
     "EntryNotFoundError",

@@ -25,6 +25,7 @@ from typing import Any
 
 from snapshot import __version__
 from snapshot._engine.cli_commands import run_diff, run_du, run_ls, run_show, run_verify
+from snapshot._engine.cli_steps import add_parsers as add_step_parsers
 from snapshot._engine.text import printable_message
 from snapshot.errors import CorruptSnapshotError, SnapshotError
 
@@ -123,7 +124,7 @@ def _positive(text: str) -> int:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="statesnap",
-        description="Take a look into statesnap snapshots (or run the demo).",
+        description="Take a look into statesnap snapshots and checkpoint roots (or run the demo).",
         epilog=EXIT_CODES,
         # The epilog is a table: printed as written, not re-wrapped.
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -241,6 +242,7 @@ def _parser() -> argparse.ArgumentParser:
         "--jobs", type=_positive, default=4, help="entries read at once when needed (default 4)"
     )
     p_diff.set_defaults(func=run_diff)
+    add_step_parsers(sub, common)
     return parser
 
 

@@ -205,6 +205,15 @@ class StoragePlugin(abc.ABC):
     async def delete(self, path: str) -> None:
         """Deletes blob ``path``; ``FileNotFoundError`` if there is none."""
 
+    async def delete_all(self) -> None:
+        """Deletes every blob under the root, and the root itself where the store has
+        directories; nothing when the root does not exist. Links are removed, never followed.
+        The library calls it to remove a whole snapshot once its manifest is gone (the
+        checkpoint manager's retention). The default raises ``NotImplementedError``: a store
+        that cannot list what is under a root cannot delete it whole.
+        """
+        raise NotImplementedError(f"{type(self).__name__} cannot delete a whole root")
+
     async def sync(self) -> None:  # noqa: B027 - optional hook, most stores are durable on write
         """Makes every blob written so far durable (survives a crash of the machine).
 

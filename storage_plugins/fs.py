@@ -12,6 +12,7 @@ import errno
 import functools
 import logging
 import os
+import shutil
 import stat
 import threading
 import uuid
@@ -495,6 +496,21 @@ class FSStoragePlugin(StoragePlugin):
         return await self._run(self._list_sync, limit)
 
     # -- deletion --------------------------------------------------------------------------------
+
+    async def delete_all(self) -> None:
+        await self._run(self._delete_all_sync)
+
+    def _delete_all_sync(self) -> None:
+        """``shutil.rmtree`` of the root: on Linux it walks by directory descriptors and
+        removes a link below the root as a link, never what it points to. A root that is
+        itself a link is refused."""
+        if os.path.islink(self.root):
+            raise UnsafeBlobError(f"{self.root}: the root is a symbolic link")
+        self._sizes.clear()
+        try:
+            shutil.rmtree(self.root)
+        except FileNotFoundError:
+            pass
 
     def _delete_sync(self, path: str) -> None:
         """Removes blob ``path`` (a link there is removed itself: ``unlink`` does not follow

@@ -100,6 +100,10 @@ class FSSpecStoragePlugin(StoragePlugin):
             raise FileNotFoundError(f"no blob {self.describe(path)}")
         await self._call("rm_file", full)
 
+    async def delete_all(self) -> None:
+        if await self._call("exists", self.root):
+            await self._call("rm", self.root, recursive=True)
+
     async def close(self) -> None:
         if self._async:
             session = getattr(self.fs, "_session", None)

@@ -89,6 +89,9 @@ class MemoryStoragePlugin(StoragePlugin):
             names = {k[len(prefix) :].split("/", 1)[0] for k in _STORE if k.startswith(prefix)}
         return sorted(names)[:limit]
 
+    async def delete_all(self) -> None:
+        clear(self.root)
+
     async def exists(self, path: str) -> bool:
         with _LOCK:
             return _key(self.root, path) in _STORE

@@ -350,6 +350,26 @@ class S3StoragePlugin(StoragePlugin):
         await self._call("head_object", path)
         await self._call("delete_object", path)
 
+    async def delete_all(self) -> None:
+        """Every key under the root's prefix, listed and deleted a page (1,000 keys) at a
+        time."""
+        if not self.prefix:
+            raise PermissionError(f"refusing to delete the whole bucket {self.bucket}")
+        prefix = f"{self.prefix}/"
+        self._sizes.clear()
+        while True:
+            async with self._slots:
+                found = await self.fs._call_s3(
+                    "list_objects_v2", Bucket=self.bucket, Prefix=prefix, MaxKeys=1000
+                )
+            keys = [{"Key": o["Key"]} for o in found.get("Contents", [])]
+            if not keys:
+                return
+            async with self._slots:
+                await self.fs._call_s3(
+                    "delete_objects", Bucket=self.bucket, Delete={"Objects": keys, "Quiet": True}
+                )
+
     def forget(self) -> None:
         self._sizes.clear()
 

@@ -351,6 +351,7 @@ def test_a_damaged_base_byte_fails_the_checksum(tmp_path):
 # -- readers: read_object, ls / du / verify, async ---------------------------------------------
 
 
+@pytest.mark.slow  # real processes
 def test_the_command_line_follows_references(tmp_path):
     state = frozen_state()
     Snapshot.take(str(tmp_path / "s1"), state, options=DIGESTS)
@@ -441,6 +442,7 @@ def _two_ranks(rank: int, world_size: int, root: str) -> list[str]:
     return [m[f"{rank}/own/x"].chunks[0].blob, m[f"{rank}/own/y"].chunks[0].blob]
 
 
+@pytest.mark.slow  # real processes
 def test_two_ranks(tmp_path):
     blobs = run_ranks(2, _two_ranks, str(tmp_path))
     for x_blob, y_blob in blobs:

@@ -25,6 +25,7 @@ SNAPSHOT_ALL = {
     "RNGState",
     "Stateful",
     "Options",
+    "CheckpointManager",
     "__version__",
     # snapshot.errors, every class (test_every_error_is_exported keeps the two in step)
     "SnapshotError",

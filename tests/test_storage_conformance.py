@@ -210,6 +210,36 @@ async def test_delete(plugin):
 
 
 @pytest.mark.asyncio
+async def test_delete_all_removes_everything_under_the_root(plugin):
+    for blob in ("a", "d/1", "d/e/2"):
+        await plugin.write(blob, [b"x" * 10])
+    await plugin.delete_all()
+    for blob in ("a", "d/1", "d/e/2"):
+        assert not await plugin.exists(blob)
+    assert not await plugin.list_names(10)
+    await plugin.delete_all()  # nothing left: nothing to do, no error
+
+
+@pytest.mark.asyncio
+async def test_delete_all_leaves_siblings_alone(tmp_path):
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "keep").write_bytes(b"k")
+    root = tmp_path / "root"
+    p = FSStoragePlugin(str(root))
+    await p.write("a/b", [b"x"])
+    (root / "link").symlink_to(outside)  # a link below the root: removed, not followed
+    await p.delete_all()
+    assert not root.exists() and (outside / "keep").read_bytes() == b"k"
+    sibling = MemoryStoragePlugin("memory://shared/root2")
+    mine = MemoryStoragePlugin("memory://shared/root")
+    await sibling.write("x", [b"1"])
+    await mine.write("x", [b"2"])
+    await mine.delete_all()
+    assert await sibling.exists("x") and not await mine.exists("x")
+
+
+@pytest.mark.asyncio
 async def test_concurrent_writes_and_reads(plugin):
     blobs = {f"c/{i}": bytes([i]) * (1000 + i) for i in range(64)}
     await asyncio.gather(*(plugin.write(k, [v]) for k, v in blobs.items()))

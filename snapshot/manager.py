@@ -1,0 +1,582 @@
+"""``CheckpointManager``: the loop every training script writes around snapshots.
+
+A folder per step under one root, resume from the newest committed step, keep the last few
+and some milestones, never delete the one being written, delete in the background::
+
+    manager = CheckpointManager("ckpt", keep_last=3, keep_every_steps=1000)
+    start = manager.restore(app_state)  # the step restored, or None: start fresh
+    for step in range(0 if start is None else start + 1, steps):
+        train_one_step()
+        if step % 100 == 0:
+            manager.save(step, app_state, metrics={"loss": loss})
+    manager.close()
+
+One job owns a root: the manager assumes no other process takes or deletes step folders there
+(a second job at the same root would see the first one's saves under way as incomplete
+folders, and clean them).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import queue
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import torch
+
+from snapshot._engine import arguments
+from snapshot._engine.retention import Policy, Step, to_delete
+from snapshot._engine.steps import Steps, step_name
+from snapshot.errors import InvalidArgumentError, SnapshotError
+from snapshot.options import Options, resolve
+from snapshot.pending import PendingSnapshot
+from snapshot.snapshot import Snapshot
+
+logger = logging.getLogger("snapshot")
+
+
+class CheckpointManager:
+    """Snapshots of one training job under ``root``, one folder per step
+    (``root/step_0000000100``), with retention.
+
+    Args:
+        root: the folder (or ``s3://bucket/prefix``, ``memory://name``...) holding the steps.
+        keep_last: keep the newest N committed steps.
+        keep_every_steps: keep every step that is a multiple of N (milestones).
+        keep_best: keep the N best steps by ``metric`` (``mode="min"``: lower is better,
+            ``"max"``: higher); steps saved without that metric are not ranked.
+            With none of the three, every step is kept. Together, a step is kept when any of
+            them keeps it. The newest committed step, any save under way, and the bases of a
+            kept incremental snapshot are never deleted.
+        storage_options: for the storage plugin, as :meth:`Snapshot.take` takes them.
+        pg: the process group (None: the default one when ``torch.distributed`` is
+            initialized, else this process alone). Every rank calls ``save``, ``restore``,
+            ``steps``, ``latest_step``, ``wait`` and ``close`` in the same order; rank 0 lists
+            the steps, decides, deletes, and tells the others.
+        async_: ``save`` returns once the state is captured (``Snapshot.async_take``); False:
+            once it is committed (``Snapshot.take``).
+        max_in_flight: how many saves may be writing at once; a save waits for the oldest
+            beyond it to commit first.
+        incremental: each save is an incremental take on the newest committed step
+            (``Snapshot.take(..., base=...)``): tensors that did not change are not written
+            again. Implies waiting for the previous save to commit before the next one.
+        options: the :class:`~snapshot.Options` of every take and restore.
+
+    Errors of a save that failed in the background are raised by the next ``save``,
+    ``wait`` or ``close``. Deletions run on a thread of their own and never delay a save; one
+    that fails is logged and tried again after the next commit.
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        *,
+        keep_last: int | None = None,
+        keep_every_steps: int | None = None,
+        keep_best: int | None = None,
+        metric: str | None = None,
+        mode: str = "min",
+        storage_options: dict[str, Any] | None = None,
+        pg: Any | None = None,
+        async_: bool = True,
+        max_in_flight: int = 1,
+        incremental: bool = False,
+        options: Options | None = None,
+    ) -> None:
+        self.root = arguments.snapshot_path(root, "CheckpointManager", "root")
+        self.policy = Policy(keep_last, keep_every_steps, keep_best, metric, mode)
+        if type(max_in_flight) is not int or max_in_flight < 1:
+            raise InvalidArgumentError(f"max_in_flight must be an int >= 1, got {max_in_flight!r}")
+        self.storage_options = arguments.options(storage_options, "CheckpointManager", self.root)
+        self.pg = pg
+        self.async_ = bool(async_)
+        self.max_in_flight = max_in_flight
+        self.incremental = bool(incremental)
+        self.options = resolve(options)
+        self._steps = Steps(self.root, self.storage_options, self.options)
+        self._rank, self._world = _rank_and_world(pg)
+        # Saves not yet committed, oldest first: (step, pending snapshot or None for a
+        # synchronous one still running).
+        self._in_flight: list[tuple[int, PendingSnapshot | None]] = []
+        self._in_flight_steps: set[int] = set()
+        # Every step this manager began saving: retention never takes one of their folders
+        # for an earlier run's debris (a listing may catch one mid-take, then it commits).
+        self._started: set[int] = set()
+        self._last_saved: int | None = None
+        self._errors: list[BaseException] = []
+        self._lock = threading.Lock()
+        # Rank 0's background worker: commits of async saves are awaited and retention run
+        # there, deletions too; ``None`` in its queue stops it.
+        self._work: queue.Queue[Callable[[], None] | None] = queue.Queue()
+        self._worker: threading.Thread | None = None
+        self._cleaned = False  # incomplete folders left by an earlier run were cleaned
+        self._closed = False
+        self._handler: _PreemptionHandler | None = None
+        self.preempted = False
+
+    # -- saving ---------------------------------------------------------------------------------
+
+    def save(
+        self, step: int, app_state: dict[str, Any], metrics: Mapping[str, float] | None = None
+    ) -> None:
+        """Snapshots ``app_state`` as step ``step`` (an int greater than every step saved
+        before), with ``metrics`` (name -> finite number) recorded in it for ``keep_best``
+        and ``statesnap steps``. Returns once the state is captured (``async_``) or committed.
+        """
+        self._check_open("save")
+        if type(step) is not int or step < 0:
+            raise InvalidArgumentError(f"step must be an int >= 0, got {step!r}")
+        recorded = _metrics(metrics)
+        self._raise_background_error()
+        # Across ranks, steps are agreed on by their order: each rank checks its own calls.
+        latest = self._latest_known()
+        if latest is not None and step <= latest:
+            raise InvalidArgumentError(
+                f"step {step} is not after the newest step under {self.root} ({latest}): steps "
+                "must increase (restore() first to resume, or use another root)"
+            )
+        self._make_room()
+        self._raise_background_error()  # of a save that ended while this one waited for room
+        base = None
+        if self.incremental:
+            self._drain()  # the base must be committed
+            newest = self.latest_step()
+            base = self._steps.path(step_name(newest)) if newest is not None else None
+        self._clean_once()
+        path = self._steps.path(step_name(step))
+        user = {"step": step, "metrics": recorded}
+        options = self.options.replace(digests=True) if self.incremental else self.options
+        t = time.perf_counter()
+        with self._lock:
+            self._in_flight_steps.add(step)
+            self._started.add(step)
+        try:
+            if self.async_:
+                pending = Snapshot.async_take(
+                    path,
+                    app_state,
+                    pg=self.pg,
+                    storage_options=self.storage_options,
+                    options=options,
+                    base=base,
+                    user_metadata=user,
+                )
+            else:
+                Snapshot.take(
+                    path,
+                    app_state,
+                    pg=self.pg,
+                    storage_options=self.storage_options,
+                    options=options,
+                    base=base,
+                    user_metadata=user,
+                )
+        except BaseException:
+            with self._lock:
+                self._in_flight_steps.discard(step)
+            raise
+        self._last_saved = step
+        if self.async_:
+            logger.info(
+                "save of step %d under %s captured in %.3f s",
+                step,
+                self.root,
+                time.perf_counter() - t,
+            )
+            with self._lock:
+                self._in_flight.append((step, pending))
+            # Its own thread waits for the commit: the worker may be busy deleting, which must
+            # not hold a save back.
+            threading.Thread(
+                target=self._committed,
+                args=(step, pending, t),
+                name=f"statesnap-commit-{step}",
+                daemon=True,
+            ).start()
+        else:
+            logger.info(
+                "save of step %d under %s committed in %.3f s",
+                step,
+                self.root,
+                time.perf_counter() - t,
+            )
+            with self._lock:
+                self._in_flight_steps.discard(step)
+            if self._rank == 0:
+                self._submit(self._retain)
+
+    def _committed(self, step: int, pending: PendingSnapshot, t0: float) -> None:
+        """On a thread of its own: waits for an async save, records its end, then hands
+        retention to the worker (rank 0)."""
+        try:
+            pending.wait()
+            logger.info(
+                "save of step %d under %s committed %.3f s after it began",
+                step,
+                self.root,
+                time.perf_counter() - t0,
+            )
+        except BaseException as e:
+            with self._lock:
+                self._errors.append(e)
+            logger.error("save of step %d under %s failed: %s", step, self.root, e)
+        finally:
+            with self._lock:
+                self._in_flight = [(s, p) for s, p in self._in_flight if p is not pending]
+                self._in_flight_steps.discard(step)
+        if self._rank == 0 and not self._closed:
+            self._submit(self._retain)
+
+    def _make_room(self) -> None:
+        """Waits until fewer than ``max_in_flight`` saves are writing."""
+        while True:
+            with self._lock:
+                if len(self._in_flight) < self.max_in_flight:
+                    return
+                _, oldest = self._in_flight[0]
+            _wait_quietly(oldest)
+            self._await_commit_record(oldest)
+
+    def _await_commit_record(self, pending: PendingSnapshot | None) -> None:
+        """Waits until the worker has recorded ``pending``'s end (it drops it from
+        ``_in_flight`` right after its wait returns)."""
+        while True:
+            with self._lock:
+                if all(p is not pending for _, p in self._in_flight):
+                    return
+            time.sleep(0.001)
+
+    def _drain(self) -> None:
+        """Waits for every save under way to commit (or fail)."""
+        while True:
+            with self._lock:
+                if not self._in_flight:
+                    return
+                _, oldest = self._in_flight[0]
+            _wait_quietly(oldest)
+            self._await_commit_record(oldest)
+
+    # -- retention ------------------------------------------------------------------------------
+
+    def _retain(self) -> None:
+        """On rank 0's worker, after a commit: lists the steps, cleans incomplete folders that
+        no save of this manager is writing, and deletes what the policy lets go."""
+        try:
+            found = self._steps.scan()
+            # Read after the listing: every folder of this manager's that it saw was begun
+            # before, so it is in ``_started`` (which only grows) even if its save began, or
+            # committed, while the listing ran.
+            with self._lock:
+                in_flight = set(self._in_flight_steps)
+                started = set(self._started)
+            committed = [s for s in found if s.committed and not s.damaged]
+            for s in found:
+                if s.step in in_flight or s.step in started:
+                    continue
+                if not s.committed or s.damaged:
+                    logger.warning(
+                        "%s holds no committed snapshot (%s): deleting it",
+                        self._steps.path(s.name),
+                        s.damaged or "a take that never finished",
+                    )
+                    self._steps.delete(s.name)
+            steps = [Step(s.step, s.name, s.metrics, s.bases) for s in committed]
+            for s in to_delete(self.policy, steps, in_flight):
+                self._steps.delete(s.name)
+        except Exception as e:
+            logger.warning(
+                "retention under %s failed (tried again after the next save): %s", self.root, e
+            )
+
+    def _clean_once(self) -> None:
+        """Before the first save: incomplete folders an earlier run left (a crash mid-take or
+        mid-delete) are deleted on rank 0, in the background."""
+        if self._cleaned:
+            return
+        self._cleaned = True
+        if self._rank == 0:
+            self._submit(self._retain)
+
+    # -- the worker (retention and deletions) ----------------------------------------------------
+
+    def _submit(self, job: Callable[[], None]) -> None:
+        if self._worker is None:
+            self._worker = threading.Thread(
+                target=self._run_worker, name="statesnap-checkpoint-manager", daemon=True
+            )
+            self._worker.start()
+        self._work.put(job)
+
+    def _run_worker(self) -> None:
+        while True:
+            job = self._work.get()
+            try:
+                if job is None:
+                    return
+                job()
+            finally:
+                self._work.task_done()
+
+    def wait(self) -> None:
+        """Waits for every save under way to commit and for the deletions queued so far;
+        raises the error of a save that failed in the background."""
+        self._drain()
+        if self._worker is not None:
+            self._work.join()
+        self._barrier()
+        self._raise_background_error()
+
+    def _raise_background_error(self) -> None:
+        with self._lock:
+            errors, self._errors = self._errors, []
+        if errors:
+            first = errors[0]
+            if len(errors) > 1:
+                logger.error("%d more background saves failed under %s", len(errors) - 1, self.root)
+            raise first
+
+    # -- what is committed ----------------------------------------------------------------------
+
+    def steps(self) -> list[int]:
+        """The committed steps under the root, ascending (as rank 0 finds them)."""
+        return self._agreed(
+            lambda: [s.step for s in self._steps.scan() if s.committed and not s.damaged]
+        )
+
+    def latest_step(self) -> int | None:
+        """The newest committed step, or None."""
+        steps = self.steps()
+        return steps[-1] if steps else None
+
+    def _latest_known(self) -> int | None:
+        """The newest step saved by this manager, or else committed under the root."""
+        if self._last_saved is not None:
+            return self._last_saved
+        return self.latest_step()
+
+    def restore(self, app_state: dict[str, Any], step: int | None = None) -> int | None:
+        """Restores ``app_state`` from step ``step`` (the newest committed one by default), on
+        every rank the same step. Returns the step restored, or None when no step is committed
+        (start fresh). Waits for the saves under way first.
+
+        Raises:
+            InvalidArgumentError: ``step`` is given but not committed under the root.
+        """
+        self._check_open("restore")
+        self._drain()
+        self._raise_background_error()
+        committed = self.steps()
+        if step is None:
+            if not committed:
+                logger.info("no committed step under %s: nothing restored", self.root)
+                return None
+            step = committed[-1]
+        elif step not in committed:
+            shown = ", ".join(map(str, committed[-10:])) or "none"
+            raise InvalidArgumentError(
+                f"step {step} is not committed under {self.root} (committed: {shown})"
+            )
+        t = time.perf_counter()
+        path = self._steps.path(step_name(step))
+        Snapshot(
+            path, pg=self.pg, storage_options=self.storage_options, options=self.options
+        ).restore(app_state, options=self.options)
+        logger.info("restored step %d from %s in %.3f s", step, path, time.perf_counter() - t)
+        if self._last_saved is None or step > self._last_saved:
+            self._last_saved = step
+        return step
+
+    # -- preemption -----------------------------------------------------------------------------
+
+    def handle_preemption(
+        self,
+        app_state: dict[str, Any] | None = None,
+        step_fn: Callable[[], int] | None = None,
+        *,
+        signals: Iterable[int] = (signal.SIGTERM,),
+    ) -> None:
+        """Acts on the signals a scheduler sends before it stops a job (SIGTERM from SLURM and
+        Kubernetes).
+
+        With ``app_state`` and ``step_fn``: on the signal, waits for the saves under way, takes a
+        final snapshot at step ``step_fn()`` (unless that step is committed already), waits
+        for the deletions, then restores the earlier handler and sends the signal again, so the
+        process ends as it would have. The handler runs on the main thread between two
+        bytecodes, possibly in the middle of a training step (after the forward pass, before
+        the optimizer's step): the snapshot holds the state as it is then. Across ranks every
+        rank must receive the signal (schedulers send it to every task).
+
+        Without them, the signal only sets ``manager.preempted``: the training loop checks
+        it at a point of its choosing, saves and exits (the state is then consistent).
+        """
+        if (app_state is None) != (step_fn is None):
+            raise InvalidArgumentError("handle_preemption takes app_state and step_fn together")
+        if self._handler is not None:
+            self._handler.uninstall()
+        self._handler = _PreemptionHandler(self, app_state, step_fn, tuple(signals))
+
+    def _final_save(self, app_state: dict[str, Any], step_fn: Callable[[], int]) -> None:
+        step = step_fn()
+        self._drain()
+        if self._last_saved is not None and step <= self._last_saved:
+            logger.info("preempted: step %d is saved already under %s", step, self.root)
+        else:
+            logger.warning("preempted: saving step %d under %s before exiting", step, self.root)
+            async_, self.async_ = self.async_, False
+            try:
+                self.save(step, app_state)
+            finally:
+                self.async_ = async_
+        self.wait()
+
+    # -- closing --------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Waits for the saves and deletions under way, then stops the manager's thread and its
+        preemption handler. Raises a background save's error, if any."""
+        if self._closed:
+            return
+        try:
+            self.wait()
+        finally:
+            self._closed = True
+            if self._handler is not None:
+                self._handler.uninstall()
+                self._handler = None
+            if self._worker is not None:
+                self._work.put(None)
+                self._worker.join()
+                self._worker = None
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if exc[0] is None:
+            self.close()
+        else:  # the block's error goes on; a background one is logged, not raised over it
+            try:
+                self.close()
+            except Exception as e:
+                logger.error("closing the checkpoint manager of %s: %s", self.root, e)
+
+    def _check_open(self, call: str) -> None:
+        if self._closed:
+            raise SnapshotError(f"CheckpointManager.{call}: the manager of {self.root} is closed")
+
+    # -- across ranks ---------------------------------------------------------------------------
+
+    def _agreed(self, compute: Callable[[], Any]) -> Any:
+        """``compute()`` on rank 0, given to every rank (a failure there fails every rank)."""
+        if self._world == 1:
+            return compute()
+        import torch.distributed as dist
+
+        box: list[Any] = [None]
+        if self._rank == 0:
+            try:
+                box[0] = ("ok", compute())
+            except Exception as e:
+                box[0] = ("error", f"{type(e).__name__}: {e}")
+        dist.broadcast_object_list(
+            box, src=dist.get_global_rank(self.pg, 0) if self.pg else 0, group=self.pg
+        )
+        kind, value = box[0]
+        if kind == "error":
+            raise SnapshotError(f"rank 0 of the checkpoint manager of {self.root} failed: {value}")
+        return value
+
+    def _barrier(self) -> None:
+        if self._world > 1:
+            import torch.distributed as dist
+
+            dist.barrier(group=self.pg)
+
+
+class _PreemptionHandler:
+    """The signal handlers ``handle_preemption`` installs, and the ones they replaced."""
+
+    def __init__(
+        self,
+        manager: CheckpointManager,
+        app_state: dict[str, Any] | None,
+        step_fn: Callable[[], int] | None,
+        signals: tuple[int, ...],
+    ) -> None:
+        self.manager = manager
+        self.app_state = app_state
+        self.step_fn = step_fn
+        self.previous = {s: signal.signal(s, self._on_signal) for s in signals}
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        self.manager.preempted = True
+        logger.warning(
+            "signal %d received by the checkpoint manager of %s", signum, self.manager.root
+        )
+        if self.app_state is None:
+            return
+        assert self.step_fn is not None
+        try:
+            self.manager._final_save(self.app_state, self.step_fn)
+        finally:
+            self.uninstall()
+            os.kill(os.getpid(), signum)
+
+    def uninstall(self) -> None:
+        for s, handler in self.previous.items():
+            signal.signal(s, handler)
+        self.previous = {}
+
+
+def _metrics(metrics: Mapping[str, float] | None) -> dict[str, float]:
+    """``metrics`` checked: str names, finite numbers."""
+    if metrics is None:
+        return {}
+    if not isinstance(metrics, Mapping):
+        raise InvalidArgumentError(
+            f"metrics must be a dict of name -> number, got {type(metrics).__name__}"
+        )
+    out = {}
+    for name, value in metrics.items():
+        if isinstance(value, torch.Tensor) and value.numel() == 1:
+            value = value.item()
+        if (
+            not isinstance(name, str)
+            or isinstance(value, bool)
+            or not isinstance(value, (int, float))
+            or not math.isfinite(value)
+        ):
+            raise InvalidArgumentError(
+                f"metrics must map str names to finite numbers, got {name!r}: {value!r}"
+            )
+        out[name] = value
+    return out
+
+
+def _wait_quietly(pending: PendingSnapshot | None) -> None:
+    """Waits for a pending snapshot to end; its error is the worker's to record."""
+    if pending is None:
+        return
+    try:
+        pending.wait()
+    except BaseException:
+        pass
+
+
+def _rank_and_world(pg: Any | None) -> tuple[int, int]:
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        if pg is not None:
+            raise InvalidArgumentError(
+                "CheckpointManager got a process group, but torch.distributed is not initialized"
+            )
+        return 0, 1
+    return torch.distributed.get_rank(pg), torch.distributed.get_world_size(pg)
+
+
+__all__ = ["CheckpointManager"]
