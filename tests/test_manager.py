@@ -9,7 +9,7 @@ import os
 import subprocess
 import sys
 import textwrap
-import time
+import threading
 import uuid
 
 import pytest
@@ -163,37 +163,37 @@ class Local(FSStoragePlugin):
 
 
 class SlowDeletes(Local):
-    """Local storage whose whole-folder deletes take a second (an object store's slow
-    deletes of many keys)."""
+    """Local storage whose whole-folder deletes wait until the test lets them go (an object
+    store's slow deletes of many keys)."""
 
-    started: list[float] = []
+    started = threading.Event()
+    release = threading.Event()
 
     async def delete_all(self) -> None:
-        SlowDeletes.started.append(time.monotonic())
-        await asyncio.sleep(1.0)
+        SlowDeletes.started.set()
+        await asyncio.to_thread(SlowDeletes.release.wait, 60)
         await super().delete_all()
 
 
 def test_slow_deletes_never_delay_a_save(tmp_path):
     register_storage_plugin("slowdel", SlowDeletes)
+    SlowDeletes.started.clear()
+    SlowDeletes.release.clear()
     try:
         root = f"slowdel://{tmp_path}/ckpt"
         state = make_state()
         with CheckpointManager(root, keep_last=1, async_=False) as manager:
             manager.save(1, state)
             manager.save(2, state)  # step 1 starts being deleted in the background
-            deadline = time.monotonic() + 5
-            while not SlowDeletes.started and time.monotonic() < deadline:
-                time.sleep(0.01)
-            assert SlowDeletes.started
-            t = time.monotonic()
-            manager.save(3, state)
-            # The save is done while the delete still sleeps (it has 1 s to go).
-            assert time.monotonic() - SlowDeletes.started[0] < 1.0
-            assert time.monotonic() - t < 1.0
-        assert folders(f"{tmp_path}/ckpt") == ["step_0000000003"]
+            assert SlowDeletes.started.wait(30)
+            manager.save(3, state)  # while that delete is held: the save does not wait
+            manager.save(4, state, metrics={"loss": 1.0})
+            assert not SlowDeletes.release.is_set()
+            assert folders(f"{tmp_path}/ckpt")[-2:] == ["step_0000000003", "step_0000000004"]
+            SlowDeletes.release.set()
+        assert folders(f"{tmp_path}/ckpt") == ["step_0000000004"]
     finally:
-        SlowDeletes.started.clear()
+        SlowDeletes.release.set()
         unregister_storage_plugin("slowdel")
 
 
