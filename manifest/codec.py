@@ -24,6 +24,8 @@ from isal import isal_zlib
 from manifest.decode import MAX_CRC32, PLAIN_BLOB, entry_from_dict
 from manifest.entries import (
     FORMAT_VERSION,
+    INCREMENTAL_VERSION,
+    REFERENCE_PREFIX,
     DictEntry,
     Entry,
     ListEntry,
@@ -459,9 +461,19 @@ def loads(data: bytes, source: str = "manifest", *, verify: bool = True) -> Mani
         if type(path) is not str:
             raise ManifestDecodeError(f"{source}: entry path {path!r} is not a string")
         try:
-            entries[path] = entry_from_dict(entries[path], path)
+            entry = entries[path] = entry_from_dict(entries[path], path)
         except ManifestDecodeError as e:
             raise type(e)(f"{source}: {e}") from None  # the class says unsafe or damaged
+        if version < INCREMENTAL_VERSION:
+            # Only a version 5 writer points a range into a sibling snapshot; in an older
+            # manifest such a blob path leaves the root. (The tensor lines decoded above by
+            # ``_parse_fast`` hold plain blob names only.)
+            for loc in entry.locations:
+                if loc.blob.startswith(REFERENCE_PREFIX):
+                    raise UnsafeManifestError(
+                        f"{source}: {path}: unsafe blob path {loc.blob!r}: a manifest of "
+                        f"format version {version} keeps every blob under its root"
+                    )
     return Manifest(
         format_version=version, world_size=world_size, entries=entries, metadata=metadata
     )

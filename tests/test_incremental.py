@@ -263,15 +263,16 @@ def test_a_base_elsewhere_is_refused(tmp_path):
 # -- a manifest is untrusted --------------------------------------------------------------------
 
 
-def rewrite(path: str, change) -> None:
+def rewrite(path: str, change, version: int = mf.INCREMENTAL_VERSION) -> None:
     """Rewrites a local snapshot's manifest with ``change(entry) -> entry`` applied to every
-    tensor entry (the checksum line made anew: what a crafted snapshot would hold)."""
+    tensor entry, saying format ``version`` (the checksum line made anew: what a crafted
+    snapshot would hold)."""
     file = os.path.join(path, MANIFEST_NAME)
     with open(file, "rb") as f:
         m = mf.loads(f.read())
     entries = {p: change(e) if isinstance(e, mf.TensorEntry) else e for p, e in m.entries.items()}
     with open(file, "wb") as f:
-        f.write(mf.dumps(dataclasses.replace(m, entries=entries)))
+        f.write(mf.dumps(dataclasses.replace(m, entries=entries, format_version=version)))
 
 
 def point_at(blob: str):
@@ -319,6 +320,15 @@ def test_references_that_leave_the_parent_are_refused_when_decoding(tmp_path, bl
     rewrite(str(tmp_path / "s"), point_at(blob))
     with pytest.raises(SnapshotError, match="unsafe"):
         Snapshot(str(tmp_path / "s")).read_object("0/s/t")
+
+
+def test_a_reference_in_a_manifest_older_than_version_5_is_unsafe(tmp_path):
+    Snapshot.take(str(tmp_path / "base"), {"s": StateDict(t=torch.ones(4))}, options=DIGESTS)
+    Snapshot.take(str(tmp_path / "s"), {"s": StateDict(t=torch.ones(4))})
+    blob = "../base/" + _first_blob(str(tmp_path / "base"))
+    rewrite(str(tmp_path / "s"), point_at(blob), version=mf.TENSOR_ATTRS_VERSION)
+    with pytest.raises(SnapshotError, match="unsafe blob path"):
+        Snapshot(str(tmp_path / "s"))
 
 
 def test_the_local_plugin_refuses_dot_dot_itself(tmp_path):
