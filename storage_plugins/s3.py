@@ -366,8 +366,15 @@ class S3StoragePlugin(StoragePlugin):
             if not keys:
                 return
             async with self._slots:
-                await self.fs._call_s3(
+                done = await self.fs._call_s3(
                     "delete_objects", Bucket=self.bucket, Delete={"Objects": keys, "Quiet": True}
+                )
+            # Keys refused one by one come back in the answer: listed again, they would be
+            # tried forever.
+            if errors := done.get("Errors"):
+                e = errors[0]
+                raise OSError(
+                    f"cannot delete s3://{self.bucket}/{e.get('Key')}: {e.get('Message')}"
                 )
 
     def forget(self) -> None:

@@ -1,5 +1,6 @@
 """CheckpointManager: step folders, resume, retention, background deletion, incremental saves,
-on local disk, memory://, S3 and across ranks; the ``statesnap steps`` / ``prune`` commands."""
+on local disk, memory:// and S3; preemption; the ``statesnap steps`` / ``prune`` commands.
+Across ranks: test_manager_dist.py."""
 
 from __future__ import annotations
 
@@ -19,7 +20,6 @@ from snapshot import CheckpointManager, InvalidArgumentError, Snapshot, Snapshot
 from snapshot._engine.commit import MANIFEST_NAME
 from storage_plugins import register_storage_plugin, unregister_storage_plugin
 from storage_plugins.fs import FSStoragePlugin
-from tests.multirank import run_ranks
 from tests.s3server import S3Bucket
 
 
@@ -271,43 +271,6 @@ def test_s3(s3_bucket: S3Bucket):
     with CheckpointManager(root, storage_options=opts) as again:
         target = blank(state)
         assert again.restore(target) == 4 and same(target, state)
-
-
-# -- across ranks ---------------------------------------------------------------------------------
-
-
-def _ranks(rank: int, world_size: int, root: str) -> tuple[list[int], int | None, int]:
-    state = {
-        "model": StateDict(w=torch.full((100,), 1.0)),
-        "own": StateDict(x=torch.full((10,), float(rank))),
-        "progress": StateDict(step=0),
-    }
-    with CheckpointManager(root, keep_last=2) as manager:
-        assert manager.restore(state) is None
-        for step in range(1, 5):
-            state["model"]["w"].add_(1)
-            state["own"]["x"].add_(rank + 1)
-            state["progress"]["step"] = step
-            manager.save(step, state)
-        manager.wait()
-        steps = manager.steps()
-        target = {
-            "model": StateDict(w=torch.zeros(100)),
-            "own": StateDict(x=torch.zeros(10)),
-            "progress": StateDict(step=-1),
-        }
-        restored = manager.restore(target)
-        assert torch.equal(target["own"]["x"], state["own"]["x"])
-        assert torch.equal(target["model"]["w"], state["model"]["w"])
-    return steps, restored, target["progress"]["step"]
-
-
-@pytest.mark.slow  # real processes
-def test_two_ranks_agree(tmp_path):
-    root = str(tmp_path / "ckpt")
-    results = run_ranks(2, _ranks, root)
-    assert results[0] == results[1] == ([3, 4], 4, 4)
-    assert folders(root) == ["step_0000000003", "step_0000000004"]
 
 
 # -- preemption -----------------------------------------------------------------------------------
