@@ -25,6 +25,7 @@ from typing import Any
 
 from snapshot import __version__
 from snapshot._engine.cli_commands import run_diff, run_du, run_ls, run_show, run_verify
+from snapshot._engine.cli_export import add_parser as add_export_parser
 from snapshot._engine.cli_steps import add_parsers as add_step_parsers
 from snapshot._engine.text import printable_message
 from snapshot.errors import CorruptSnapshotError, SnapshotError
@@ -243,6 +244,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     p_diff.set_defaults(func=run_diff)
     add_step_parsers(sub, common)
+    add_export_parser(sub, common)
     return parser
 
 

@@ -1,0 +1,134 @@
+"""Exporting a snapshot's tensors to files other tools load: safetensors (with a Hugging Face
+index when split) or ``torch.save``. ``statesnap export`` is the same from the command line.
+
+    from snapshot.export import export
+    export("ckpt/step_1000", "hf_model", key="model", dtype="bf16", max_shard_size="5GB")
+
+Streamed: memory stays within the memory budget (``Options.memory_budget_bytes``) whatever
+the state's size, sharded tensors (``ShardedTensor``, DTensor, torch's ``ShardedTensor``) are
+consolidated into full ones, and every file appears whole or not at all
+(``snapshot._engine.export``).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from snapshot._engine import export as engine
+from snapshot._engine.linked import open_linked
+from snapshot._engine.manifest_io import load_manifest
+from snapshot.errors import InvalidArgumentError
+from snapshot.options import Options, resolve
+from snapshot.snapshot import Snapshot
+
+# The names ``dtype`` accepts.
+DTYPES = {
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "f16": torch.float16,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "fp32": torch.float32,
+    "f32": torch.float32,
+    "float32": torch.float32,
+    "float": torch.float32,
+    "fp64": torch.float64,
+    "float64": torch.float64,
+    "fp8": torch.float8_e4m3fn,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "float8_e5m2": torch.float8_e5m2,
+}
+FORMATS = ("safetensors", "torch")
+
+
+def export(
+    snapshot: Snapshot | str | os.PathLike[str],
+    out_dir: str | os.PathLike[str],
+    *,
+    format: str = "safetensors",
+    key: str | None = None,
+    strip_prefix: str | None = None,
+    dtype: str | torch.dtype | None = None,
+    max_shard_size: str | int = "5GB",
+    storage_options: dict[str, Any] | None = None,
+    options: Options | None = None,
+) -> list[str]:
+    """Writes the tensors of ``snapshot`` (rank 0's view) into ``out_dir`` (a local folder,
+    made if missing); returns the paths of the files written.
+
+    Args:
+        format: ``"safetensors"`` (``model.safetensors``, or ``model-0000i-of-0000N``
+            files and ``model.safetensors.index.json``) or ``"torch"`` (``pytorch_model.bin``
+            likewise; a torch file is built in memory, one file's tensors at a time).
+        key: only this app_state key's tensors, named as its module names them
+            (``0/model/layer.weight`` -> ``layer.weight``); without it, every key's, named
+            ``model.layer.weight``.
+        strip_prefix: removed from the start of every name that has it (``module.`` of a
+            DDP-wrapped model, ``_orig_mod.`` of a compiled one).
+        dtype: cast floating point tensors to this dtype (``"bf16"``, ``"fp16"``,
+            ``torch.bfloat16``...); others keep theirs. Without it, every dtype is kept.
+        max_shard_size: the largest file (``"5GB"``, ``"500MiB"``, or bytes); a tensor
+            larger than that gets a file of its own.
+        options: the memory budget (``memory_budget_bytes``) and checksums of the reads.
+
+    Values that are not tensors (step counters, optimizer hyperparameters) are skipped, and
+    logged. Raises ``InvalidArgumentError`` for a bad argument or a ``key`` the snapshot lacks,
+    ``ChecksumError`` when stored bytes are damaged (the file being written is then removed).
+    """
+    if format not in FORMATS:
+        raise InvalidArgumentError(f"export: format must be one of {FORMATS}, got {format!r}")
+    out_dtype = _dtype(dtype)
+    max_bytes = engine.parse_size(max_shard_size)
+    resolved = resolve(options)
+    if isinstance(snapshot, Snapshot):
+        path = snapshot.path
+        storage_options = (
+            storage_options if storage_options is not None else snapshot.storage_options
+        )
+        manifest = snapshot._manifest
+    else:
+        path = os.fspath(snapshot)
+        manifest = load_manifest(path, storage_options, resolved)
+    out = os.fspath(out_dir)
+    if "://" in out:
+        raise InvalidArgumentError(f"export: out_dir must be a local folder, got {out!r}")
+    t = engine.now()
+    sources, skipped = engine.collect(
+        manifest, key=key, strip_prefix=strip_prefix, dtype=out_dtype, where=path
+    )
+    if not sources:
+        raise InvalidArgumentError(
+            f"export: snapshot {path} has no tensors under {key or 'any key'}"
+        )
+    files = engine.plan_files(sources, max_bytes)
+    os.makedirs(out, exist_ok=True)
+    # A tile, a box's piece of it (for a box narrower than the tensor), the cast copy, and
+    # the storage plugin's own buffer for a read (a bounce buffer for direct I/O): a quarter
+    # of the budget each at most.
+    tile = max(1 << 20, resolved.budget() // 4)
+    write = engine.write_safetensors if format == "safetensors" else engine.write_torch
+    with open_linked(path, manifest, storage_options, resolved) as plugin:
+        written = write(plugin, files, out, tile, bool(resolved.checksums))
+    result = engine.Written(
+        written, len(sources), sum(s.out_bytes for s in sources), skipped, engine.now() - t
+    )
+    engine.log_done(path, out, result)
+    return written
+
+
+def _dtype(value: str | torch.dtype | None) -> torch.dtype | None:
+    if value is None or isinstance(value, torch.dtype):
+        return value
+    try:
+        return DTYPES[str(value).lower()]
+    except KeyError:
+        raise InvalidArgumentError(
+            f"export: dtype {value!r} is not one of {', '.join(sorted(DTYPES))}"
+        ) from None
+
+
+__all__ = ["export"]
