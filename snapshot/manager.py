@@ -111,8 +111,9 @@ class CheckpointManager:
         self._last_saved: int | None = None
         self._errors: list[BaseException] = []
         self._lock = threading.Lock()
-        # Rank 0's background worker: commits of async saves are awaited and retention run
-        # there, deletions too; ``None`` in its queue stops it.
+        # Rank 0's worker thread: retention and every deletion run there, one job at a time
+        # (each async save's commit is awaited on a thread of its own, which then queues
+        # retention here); ``None`` in its queue stops it.
         self._work: queue.Queue[Callable[[], None] | None] = queue.Queue()
         self._worker: threading.Thread | None = None
         self._cleaned = False  # incomplete folders left by an earlier run were cleaned
@@ -178,8 +179,11 @@ class CheckpointManager:
                     user_metadata=user,
                 )
         except BaseException:
+            # The take removed what it wrote; a folder it could not remove is debris that the
+            # next listing may clean.
             with self._lock:
                 self._in_flight_steps.discard(step)
+                self._started.discard(step)
             raise
         self._last_saved = step
         if self.async_:
