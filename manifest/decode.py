@@ -56,9 +56,9 @@ def _bool(value: Any, where: str) -> bool:
     return value
 
 
-# The names the writer gives blobs ("0/17", "3/s2"): safe without further checks (the codec's
-# fast path matches them too).
-PLAIN_BLOB = re.compile(r"[0-9]+/[a-z]?[0-9]+")
+# The names the writer gives blobs ("0/17", "3/s2", and with a take's id "0/1f2e3d4c-s2",
+# "1/1f2e3d4c-rs0"): safe without further checks (the codec's fast path matches them too).
+PLAIN_BLOB = re.compile(r"[0-9]+/(?:[0-9a-f]{8}-)?[a-z]{0,2}[0-9]+")
 MAX_CRC32 = 0xFFFFFFFF
 
 

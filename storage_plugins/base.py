@@ -81,6 +81,19 @@ class StoragePlugin(abc.ABC):
         after returning: the caller may reuse their memory at once.
         """
 
+    async def write_if_absent(self, path: str, buffers: Sequence[Buffer]) -> None:
+        """``write``, only if no blob ``path`` exists: ``FileExistsError`` otherwise, and
+        nothing written. The library writes a snapshot's manifest this way, so that of two
+        takes racing at one path only one commits.
+
+        The default asks ``exists`` and then writes, which two writers can pass at once; a
+        plugin whose store can create a blob only if it is absent, in one step (an exclusive
+        link on a local disk, a conditional put on S3), overrides it.
+        """
+        if await self.exists(path):
+            raise FileExistsError(f"{self.describe(path)} exists")
+        await self.write(path, buffers)
+
     @abc.abstractmethod
     async def read(self, path: str) -> bytes:
         """Returns the whole blob ``path``."""

@@ -318,13 +318,17 @@ class FSStoragePlugin(StoragePlugin):
     # -- writes ----------------------------------------------------------------------------------
 
     def _write_sync(
-        self, path: str, buffers: Sequence[Buffer], observe: Observer | None = None
+        self,
+        path: str,
+        buffers: Sequence[Buffer],
+        observe: Observer | None = None,
+        exclusive: bool = False,
     ) -> None:
         self._sizes.pop(path, None)
         *dirs, name = path.split("/")
         parent = self._open_dir(dirs, create=True)
         try:
-            self._write_in(parent, name, self._abs(path), buffers, observe)
+            self._write_in(parent, name, self._abs(path), buffers, observe, exclusive)
         finally:
             os.close(parent)
         if self._fsync:
@@ -337,9 +341,11 @@ class FSStoragePlugin(StoragePlugin):
         final: str,
         buffers: Sequence[Buffer],
         observe: Observer | None,
+        exclusive: bool = False,
     ) -> None:
         """Writes blob ``name`` of the directory ``parent`` (``final`` is its full path, for
-        messages) through a temporary file renamed into place."""
+        messages) through a temporary file renamed into place; ``exclusive``: linked into
+        place instead, which fails (``FileExistsError``) when ``name`` exists."""
         tmp = f".{name}.{uuid.uuid4().hex[:12]}.tmp"
         views = [memoryview(b).cast("B") for b in buffers if len(b)]
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -379,6 +385,11 @@ class FSStoragePlugin(StoragePlugin):
                     os.fsync(fd)
             finally:
                 os.close(fd)
+            if exclusive:
+                # A hard link is made only where no entry ``name`` exists, atomically.
+                os.link(tmp, name, src_dir_fd=parent, dst_dir_fd=parent, follow_symlinks=False)
+                os.unlink(tmp, dir_fd=parent)
+                return
             # A rename replaces the directory entry ``name``, whatever it was (a link too),
             # without following it.
             os.replace(tmp, name, src_dir_fd=parent, dst_dir_fd=parent)
@@ -400,6 +411,9 @@ class FSStoragePlugin(StoragePlugin):
 
     async def write(self, path: str, buffers: Sequence[Buffer]) -> None:
         await self._run(self._write_sync, path, buffers)
+
+    async def write_if_absent(self, path: str, buffers: Sequence[Buffer]) -> None:
+        await self._run(self._write_sync, path, buffers, None, True)
 
     async def write_observed(self, path: str, buffers: Sequence[Buffer], observe: Observer) -> None:
         if type(self).write is not FSStoragePlugin.write:

@@ -89,6 +89,14 @@ class MemoryStoragePlugin(StoragePlugin):
             names = {k[len(prefix) :].split("/", 1)[0] for k in _STORE if k.startswith(prefix)}
         return sorted(names)[:limit]
 
+    async def write_if_absent(self, path: str, buffers: Sequence[Buffer]) -> None:
+        data = b"".join(buffers)
+        with _LOCK:
+            key = _key(self.root, path)
+            if key in _STORE:
+                raise FileExistsError(f"{self.describe(path)} exists")
+            _STORE[key] = data
+
     async def delete_all(self) -> None:
         clear(self.root)
 

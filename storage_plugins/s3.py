@@ -193,6 +193,18 @@ class S3StoragePlugin(StoragePlugin):
             return
         await self._multipart(path, views, total)
 
+    async def write_if_absent(self, path: str, buffers: Sequence[Buffer]) -> None:
+        """A conditional put (``If-None-Match: *``): stored only where no object has the key,
+        in one step; 412 otherwise."""
+        self._sizes.pop(path, None)
+        body = _Body([memoryview(b).cast("B") for b in buffers if len(b)])
+        try:
+            await self._call("put_object", path, Body=body, IfNoneMatch="*")
+        except Exception as e:
+            if _status_and_code(e)[0] in (409, 412):
+                raise FileExistsError(f"{self.describe(path)} exists") from e
+            raise
+
     async def _multipart(self, path: str, views: list[memoryview], total: int) -> None:
         part_bytes = max(self._part_bytes, -(-total // _MAX_PARTS))
         created = await self._call("create_multipart_upload", path)
@@ -351,31 +363,24 @@ class S3StoragePlugin(StoragePlugin):
         await self._call("delete_object", path)
 
     async def delete_all(self) -> None:
-        """Every key under the root's prefix, listed and deleted a page (1,000 keys) at a
-        time."""
+        """Every key under the root's prefix, listed and deleted 1,000 at a time."""
         if not self.prefix:
             raise PermissionError(f"refusing to delete the whole bucket {self.bucket}")
-        prefix = f"{self.prefix}/"
         self._sizes.clear()
+        call = self.fs._call_s3
         while True:
             async with self._slots:
-                found = await self.fs._call_s3(
-                    "list_objects_v2", Bucket=self.bucket, Prefix=prefix, MaxKeys=1000
-                )
+                found = await call("list_objects_v2", Bucket=self.bucket, Prefix=f"{self.prefix}/")
             keys = [{"Key": o["Key"]} for o in found.get("Contents", [])]
             if not keys:
                 return
             async with self._slots:
-                done = await self.fs._call_s3(
-                    "delete_objects", Bucket=self.bucket, Delete={"Objects": keys, "Quiet": True}
-                )
-            # Keys refused one by one come back in the answer: listed again, they would be
-            # tried forever.
+                done = await call("delete_objects", Bucket=self.bucket, Delete={"Objects": keys})
+            # Keys refused one by one come back in the answer (listed again, they would be
+            # tried for ever).
             if errors := done.get("Errors"):
-                e = errors[0]
-                raise OSError(
-                    f"cannot delete s3://{self.bucket}/{e.get('Key')}: {e.get('Message')}"
-                )
+                key, message = errors[0].get("Key"), errors[0].get("Message")
+                raise OSError(f"cannot delete s3://{self.bucket}/{key}: {message}")
 
     def forget(self) -> None:
         self._sizes.clear()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -76,8 +77,17 @@ class RecordingPlugin(StoragePlugin):
         await self.inner.close()
 
 
-# inner url -> fault(verb, path) returning an exception to raise, or None to go ahead
+# inner url -> fault(verb, path) returning an exception to raise, or None to go ahead; ``path``
+# as ``plain_blob`` gives it.
 FAULTS: dict[str, Any] = {}
+
+_TAKE_ID = re.compile(r"^([0-9]+)/[0-9a-f]{8}-")
+
+
+def plain_blob(path: str) -> str:
+    """A blob's name without its take's id: ``0/1f2e3d4c-s0`` -> ``0/s0`` (the name tests
+    refer to: each take names its blobs apart from any other's)."""
+    return _TAKE_ID.sub(r"\1/", path)
 
 
 def fail_writes(inner: str, error_number: int, message: str, where: Callable[[str], bool]) -> None:
@@ -96,7 +106,7 @@ class FaultyPlugin(RecordingPlugin):
         self.fault = FAULTS.get(url.removeprefix("faulty://"), lambda verb, path: None)
 
     def _check(self, verb: str, path: str) -> None:
-        error = self.fault(verb, path)
+        error = self.fault(verb, plain_blob(path))
         if error is not None:
             raise error
 

@@ -10,6 +10,7 @@ import torch
 from snapshot import Options, Snapshot, StateDict
 from snapshot._engine.reads import Need, coalesce
 from tests.helpers import assert_same
+from tests.plugins import plain_blob
 
 # Small chunks and slabs, so that small tensors show the layout.
 SMALL_LAYOUT = Options(chunk_bytes=64 * 1024, slab_threshold_bytes=4096, slab_bytes=32 * 1024)
@@ -199,10 +200,10 @@ def test_a_process_alone_writes_its_first_slabs_while_it_plans_the_rest(tmp_path
     monkeypatch.setattr(_WaitsForAWrite, "waited", None)
     real = fs.FSStoragePlugin._write_sync
 
-    def write_sync(self, path, buffers, observe=None):
-        if path.startswith("0/s"):  # a slab (not the pending marker)
+    def write_sync(self, path, buffers, observe=None, exclusive=False):
+        if plain_blob(path).startswith("0/s"):  # a slab (not the pending marker)
             begun.set()
-        return real(self, path, buffers, observe)
+        return real(self, path, buffers, observe, exclusive)
 
     monkeypatch.setattr(fs.FSStoragePlugin, "_write_sync", write_sync)
     tensors = {f"t{i:02d}": torch.full((65536,), float(i)) for i in range(16)}

@@ -172,9 +172,27 @@ async def commit(plugin: StoragePlugin, manifest: bytes, options: Options) -> No
     call's retries and deadline.
     """
     where = plugin_location(plugin)
-    write = lambda: plugin.write(MANIFEST_NAME, [manifest])  # noqa: E731
+    lost = False
+
+    async def write() -> None:
+        # Only if no manifest is there: of two takes racing at one path (each writing blobs of
+        # its own names: ``Layout.take_id``), the first manifest wins and the other fails.
+        nonlocal lost
+        try:
+            await plugin.write_if_absent(MANIFEST_NAME, [manifest])
+        except FileExistsError:
+            # Ours, if an earlier attempt of this call landed but its answer was lost (a
+            # manifest names its own take's blobs: no other take's is the same).
+            lost = await plugin.read(MANIFEST_NAME) != manifest
+
     await call(plugin, "sync", "", where, plugin.sync, options=options)
     await call(plugin, "write", MANIFEST_NAME, where, write, options=options)
+    if lost:
+        raise SnapshotExistsError(
+            f"{where}: another take committed a snapshot at this path while this one was "
+            "writing; that snapshot stays as it is, and nothing of this take is committed "
+            "(its blobs are removed)"
+        )
     await call(plugin, "sync", "", where, plugin.sync, options=options)
     try:
         await plugin.delete(PENDING_NAME)

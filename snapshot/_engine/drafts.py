@@ -9,7 +9,7 @@ do), and nothing here looks at a value's kind (``handlers``).
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -54,6 +54,11 @@ class Layout:
     slab_threshold_bytes: int
     slab_bytes: int
     checksums: bool = True
+    # Names this take's blobs apart from any other take's at the same path (rank 0's, for
+    # every rank: ``take._agree_layout``), so that two takes racing at one path never write
+    # into each other's blobs; the one whose manifest lands first wins (``commit.commit``).
+    # Not compared across ranks: each rank makes its own before the first agreement.
+    take_id: str = field(default="", compare=False)
 
 
 class Payload:

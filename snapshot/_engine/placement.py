@@ -91,6 +91,11 @@ class Placer:
     """
 
     def __init__(self, prefix: str, layout: Layout, mine: bool, stager: Stager) -> None:
+        # ``<rank>/`` (or ``<writer>/r`` for replicated payloads), the take's id inserted after
+        # the rank's folder: ``0/1f2e3d4c-s0``.
+        if layout.take_id:
+            folder, _, rest = prefix.rpartition("/")
+            prefix = f"{folder}/{layout.take_id}-{rest}" if folder else f"{layout.take_id}-{rest}"
         self.prefix = prefix
         self.layout = layout
         self.mine = mine

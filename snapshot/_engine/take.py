@@ -14,6 +14,7 @@ import logging
 import os
 import threading
 import time
+import uuid
 import warnings
 import weakref
 from collections.abc import Mapping, Sequence
@@ -242,6 +243,7 @@ class TakeJob:
             # A slab is staged whole: keep it to a quarter of the budget.
             slab_bytes=max(1, min(opts.slab_bytes, self._budget // 4)),
             checksums=bool(opts.checksums),
+            take_id=uuid.uuid4().hex[:8],
         )
         if self.base is not None or opts.digests:
             self.reuse = self._reuse()
