@@ -422,18 +422,7 @@ def write_safetensors(
             raise
         written.append(out.path)
     if n > 1:
-        index = {
-            "metadata": {"total_size": sum(s.out_bytes for g in files for s in g)},
-            "weight_map": {s.name: name for name, g in zip(names, files, strict=True) for s in g},
-        }
-        out = AtomicFile(os.path.join(out_dir, "model.safetensors.index.json"))
-        try:
-            out.write(json.dumps(index, indent=2, sort_keys=True).encode() + b"\n")
-            out.commit()
-        except BaseException:
-            out.abort()
-            raise
-        written.append(out.path)
+        written.append(write_index(out_dir, "model.safetensors.index.json", names, files))
     return written
 
 
@@ -478,19 +467,27 @@ def write_torch(
         del tensors
         written.append(out.path)
     if n > 1:
-        index = {
-            "metadata": {"total_size": sum(s.out_bytes for g in files for s in g)},
-            "weight_map": {s.name: name for name, g in zip(names, files, strict=True) for s in g},
-        }
-        out = AtomicFile(os.path.join(out_dir, "pytorch_model.bin.index.json"))
-        try:
-            out.write(json.dumps(index, indent=2, sort_keys=True).encode() + b"\n")
-            out.commit()
-        except BaseException:
-            out.abort()
-            raise
-        written.append(out.path)
+        written.append(write_index(out_dir, "pytorch_model.bin.index.json", names, files))
     return written
+
+
+def write_index(
+    out_dir: str, index_name: str, names: Sequence[str], files: Sequence[Sequence[Source]]
+) -> str:
+    """The index of a split export, as Hugging Face writes it: the total size, and which file
+    holds each tensor."""
+    index = {
+        "metadata": {"total_size": sum(s.out_bytes for g in files for s in g)},
+        "weight_map": {s.name: name for name, g in zip(names, files, strict=True) for s in g},
+    }
+    out = AtomicFile(os.path.join(out_dir, index_name))
+    try:
+        out.write(json.dumps(index, indent=2, sort_keys=True).encode() + b"\n")
+        out.commit()
+    except BaseException:
+        out.abort()
+        raise
+    return out.path
 
 
 def log_done(where: str, out_dir: str, result: Written) -> None:

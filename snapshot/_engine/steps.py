@@ -136,23 +136,32 @@ class Steps:
         )
 
     def delete(self, name: str) -> None:
-        """Deletes the step folder ``name``: its manifest first (from then on it is not
-        committed), then its pending marker (so that it does not look like a take under way
-        either), then everything else."""
+        """Deletes the step folder ``name`` (``delete_snapshot``)."""
         self._read.pop(name, None)
         t = time.perf_counter()
-        with open_storage(self.path(name), self.storage_options, self.options) as plugin:
-
-            async def remove() -> None:
-                for marker in (MANIFEST_NAME, PENDING_NAME):
-                    try:
-                        await plugin.delete(marker)
-                    except FileNotFoundError:
-                        pass
-                await plugin.delete_all()
-
-            try:
-                run(remove())
-            except Exception as e:
-                raise StorageError(f"cannot delete {self.path(name)}: {e}") from e
+        delete_snapshot(self.path(name), self.storage_options, self.options)
         logger.info("deleted %s in %.3f s", self.path(name), time.perf_counter() - t)
+
+
+def delete_snapshot(path: str, storage_options: dict[str, Any] | None, options: Options) -> None:
+    """Deletes the snapshot (or the debris of a take) at ``path``: its manifest first (from
+    then on it is not committed), then its pending marker (so that it does not look like a take
+    under way either), then everything else (``StoragePlugin.delete_all``).
+
+    Raises:
+        StorageError: the store refused or failed; what was deleted stays deleted.
+    """
+    with open_storage(path, storage_options, options) as plugin:
+
+        async def remove() -> None:
+            for marker in (MANIFEST_NAME, PENDING_NAME):
+                try:
+                    await plugin.delete(marker)
+                except FileNotFoundError:
+                    pass
+            await plugin.delete_all()
+
+        try:
+            run(remove())
+        except Exception as e:
+            raise StorageError(f"cannot delete {path}: {e}") from e

@@ -43,9 +43,9 @@ from typing import Any
 import torch
 
 from snapshot._engine import arguments
-from snapshot._engine.commit import MANIFEST_NAME, PENDING_NAME
+from snapshot._engine.commit import MANIFEST_NAME
 from snapshot._engine.io_loop import run
-from snapshot._engine.steps import join
+from snapshot._engine.steps import delete_snapshot, join
 from snapshot._engine.storage_calls import open_storage
 from snapshot.errors import InvalidArgumentError, SnapshotError, StorageError
 from snapshot.options import Options, resolve
@@ -156,22 +156,8 @@ def delete_version(
 ) -> None:
     """Deletes the version folder ``name``: its manifest first (from then on it is not
     committed), then its pending marker (so it does not look like a save under way), then the
-    rest."""
-    path = join(root, name)
-    with open_storage(path, storage_options, options) as plugin:
-
-        async def remove() -> None:
-            for marker in (MANIFEST_NAME, PENDING_NAME):
-                try:
-                    await plugin.delete(marker)
-                except FileNotFoundError:
-                    pass
-            await plugin.delete_all()
-
-        try:
-            run(remove())
-        except Exception as e:
-            raise StorageError(f"cannot delete {path}: {e}") from e
+    rest (``steps.delete_snapshot``)."""
+    delete_snapshot(join(root, name), storage_options, options)
 
 
 def remove_all(root: str, storage_options: dict[str, Any] | None, options: Options) -> None:
