@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import queue
 import tempfile
+import time
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
@@ -44,10 +46,17 @@ def _entry(
 
 
 def run_ranks(
-    world_size: int, body: Callable[..., Any], *args: Any, timeout: float = 180
+    world_size: int,
+    body: Callable[..., Any],
+    *args: Any,
+    timeout: float = 180,
+    expect_dead: frozenset[int] = frozenset(),
 ) -> list[Any]:
     """Runs ``body(rank, world_size, *args)`` on ``world_size`` ranks; returns each rank's
-    return value (by rank), or raises AssertionError describing every rank that failed."""
+    return value (by rank), or raises AssertionError describing every rank that failed.
+
+    A rank whose process ends without a result (killed) is a failure, found as soon as it
+    ends, unless it is in ``expect_dead`` (its value is then None)."""
     with tempfile.TemporaryDirectory(prefix="statesnap-ranks-") as tmp:
         results = _CTX.Queue()
         procs = [
@@ -61,12 +70,29 @@ def run_ranks(
         for p in procs:
             p.start()
         outcomes: dict[int, tuple[str, Any]] = {}
+        deadline = time.monotonic() + timeout
         try:
-            for _ in range(world_size):
-                rank, status, value = results.get(timeout=timeout)
-                outcomes[rank] = (status, value)
-        except Exception:  # queue.Empty: some rank hung
-            pass
+            while len(outcomes) < world_size and time.monotonic() < deadline:
+                try:
+                    rank, status, value = results.get(timeout=0.2)
+                    outcomes[rank] = (status, value)
+                    continue
+                except queue.Empty:
+                    pass
+                waiting = [r for r in range(world_size) if r not in outcomes]
+                if all(procs[r].exitcode is not None for r in waiting):
+                    # Every rank still missing has ended: what it sent is in the queue by
+                    # now (a process flushes its queue before it exits), or it died.
+                    try:
+                        while True:
+                            rank, status, value = results.get(timeout=1)
+                            outcomes[rank] = (status, value)
+                    except queue.Empty:
+                        pass
+                    for r in waiting:
+                        if r not in outcomes:
+                            outcomes[r] = ("died", f"exit code {procs[r].exitcode}, no result")
+                    break
         finally:
             for p in procs:
                 p.join(timeout=10)
@@ -76,6 +102,9 @@ def run_ranks(
     failures = []
     for rank in range(world_size):
         status, value = outcomes.get(rank, ("hung", f"no result within {timeout} s (killed)"))
+        if status == "died" and rank in expect_dead:
+            outcomes[rank] = ("ok", None)
+            continue
         if status != "ok":
             failures.append(f"--- rank {rank} ({status}):\n{value}")
     if failures:

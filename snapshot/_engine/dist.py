@@ -37,6 +37,7 @@ class Coordinator:
 
     rank: int = 0
     world_size: int = 1
+    step = "a snapshot"  # what the ranks last agreed on (for messages)
 
     def all_gather(self, value: Any) -> list[Any]:
         """Every rank's ``value``, indexed by rank."""
@@ -59,6 +60,7 @@ class Coordinator:
             value=None if error else value,
             error=None if error is None else f"{type(error).__name__}: {error}",
         )
+        self.step = what
         outcomes = self.all_gather(outcome)
         failures = {r: o.error for r, o in enumerate(outcomes) if o.error is not None}
         if failures:
@@ -80,19 +82,45 @@ class GroupCoordinator(Coordinator):
         self.pg = pg
         self.rank = dist.get_rank(pg)
         self.world_size = dist.get_world_size(pg)
-        self.group = _gloo_group(
-            pg, background=background, timeout_secs=options.collective_timeout_secs
-        )
+        self.timeout_secs = options.collective_timeout_secs
+        self.group = _gloo_group(pg, background=background, timeout_secs=self.timeout_secs)
+        # The caller's own gloo group waits as long as it was made to; one the library makes,
+        # ``timeout_secs``.
+        self.own_group = self.group is not (pg if pg is not None else dist.group.WORLD)
 
     def all_gather(self, value: Any) -> list[Any]:
         out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, value, group=self.group)
+        try:
+            dist.all_gather_object(out, value, group=self.group)
+        except RuntimeError as e:  # gloo's: a peer's connection closed, or the wait timed out
+            raise self._lost(e) from e
         return out
 
     def gather(self, value: Any) -> list[Any] | None:
         out: list[Any] | None = [None] * self.world_size if self.rank == 0 else None
-        dist.gather_object(value, out, dst=self._global_rank(0), group=self.group)
+        try:
+            dist.gather_object(value, out, dst=self._global_rank(0), group=self.group)
+        except RuntimeError as e:
+            raise self._lost(e) from e
         return out
+
+    def _lost(self, error: RuntimeError) -> RankFailedError:
+        """What a rank raises when the group's collective itself failed: another rank's
+        process ended (its connections closed at once) or it did not arrive in time (hung, or
+        its host unreachable). gloo does not say which rank; the message names the step."""
+        wait = (
+            f"{self.timeout_secs} s (Options.collective_timeout_secs, "
+            "STATESNAP_COLLECTIVE_TIMEOUT_SECS)"
+            if self.own_group
+            else "the timeout the process group was made with"
+        )
+        return RankFailedError(
+            f"rank {self.rank} of {self.world_size} lost contact with the other ranks while "
+            f"they agreed on {self.step}: a rank's process ended, hangs, or its host cannot be "
+            f"reached (a rank waits for the others at most {wait}); a take commits nothing. "
+            f"gloo said: {error}",
+            {},
+        )
 
     def _global_rank(self, group_rank: int) -> int:
         if self.group is None or self.group is dist.group.WORLD:

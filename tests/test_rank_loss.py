@@ -1,0 +1,88 @@
+"""A rank whose process is killed outright (SIGKILL: no exception, no goodbye) during a take or
+a restore across ranks: every other rank raises RankFailedError at once, naming the step, and
+nothing is committed."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from snapshot import RankFailedError, Snapshot, SnapshotNotFoundError, StateDict
+from tests.multirank import run_ranks
+
+pytestmark = pytest.mark.slow  # real processes (gloo), one killed
+
+VICTIM = 1
+
+
+class DiesOn:
+    """A Stateful whose ``state_dict`` (or ``load_state_dict``) kills its own process on the
+    victim rank, as the OOM killer or a node failure would."""
+
+    def __init__(self, when: str) -> None:
+        self.when = when
+
+    def _maybe_die(self, now: str) -> None:
+        if now == self.when and dist.get_rank() == VICTIM:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def state_dict(self):
+        self._maybe_die("take")
+        return {"x": torch.full((1000,), float(dist.get_rank()))}
+
+    def load_state_dict(self, sd):
+        self._maybe_die("restore")
+
+
+def _take(rank: int, world: int, path: str) -> tuple[str, float]:
+    state = {"good": StateDict(t=torch.ones(1 << 16)), "dies": DiesOn("take")}
+    t = time.monotonic()
+    try:
+        Snapshot.take(path, state)
+    except RankFailedError as e:
+        return str(e), time.monotonic() - t
+    raise AssertionError("the take did not fail")
+
+
+def _restore(rank: int, world: int, path: str) -> tuple[str, float]:
+    Snapshot.take(path, {"good": StateDict(t=torch.ones(10)), "dies": DiesOn("never")})
+    t = time.monotonic()
+    try:
+        Snapshot(path).restore({"good": StateDict(t=torch.zeros(10)), "dies": DiesOn("restore")})
+    except RankFailedError as e:
+        return str(e), time.monotonic() - t
+    raise AssertionError("the restore did not fail")
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_rank_killed_during_a_take(tmp_path, world):
+    path = str(tmp_path / "snap")
+    results = run_ranks(world, _take, path, timeout=120, expect_dead=frozenset({VICTIM}))
+    for rank, result in enumerate(results):
+        if rank == VICTIM:
+            continue
+        message, seconds = result
+        assert "lost contact with the other ranks" in message and "take" in message, message
+        # At once: the dead process's connections closed, nobody waited for a timeout.
+        assert seconds < 45, seconds  # the group waits 60 s for a rank that is late
+    with pytest.raises(SnapshotNotFoundError):
+        Snapshot(path)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_rank_killed_during_a_restore(tmp_path, world):
+    path = str(tmp_path / "snap")
+    results = run_ranks(world, _restore, path, timeout=120, expect_dead=frozenset({VICTIM}))
+    for rank, result in enumerate(results):
+        if rank == VICTIM:
+            continue
+        message, seconds = result
+        assert "lost contact with the other ranks" in message and "restore" in message, message
+        assert seconds < 45, seconds  # the group waits 60 s for a rank that is late
+    # The snapshot itself is whole: a restore without the dead rank's part still works.
+    assert torch.equal(Snapshot(path).read_object("0/good/t"), torch.ones(10))
