@@ -59,6 +59,32 @@ def _restore(rank: int, world: int, path: str) -> tuple[str, float]:
     raise AssertionError("the restore did not fail")
 
 
+def _async_take(rank: int, world: int, path: str) -> tuple[str, float]:
+    pending = Snapshot.async_take(path, {"good": StateDict(t=torch.ones(1 << 20))})
+    if rank == VICTIM:  # captured, then gone before the background work agrees to commit
+        os.kill(os.getpid(), signal.SIGKILL)
+    t = time.monotonic()
+    try:
+        pending.wait()
+    except RankFailedError as e:
+        return str(e), time.monotonic() - t
+    raise AssertionError("the async take did not fail")
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_rank_killed_during_an_async_takes_background_work(tmp_path, world):
+    path = str(tmp_path / "snap")
+    results = run_ranks(world, _async_take, path, timeout=120, expect_dead=frozenset({VICTIM}))
+    for rank, result in enumerate(results):
+        if rank == VICTIM:
+            continue
+        message, seconds = result
+        assert "lost contact with the other ranks" in message, message
+        assert seconds < 45, seconds
+    with pytest.raises(SnapshotNotFoundError):
+        Snapshot(path)
+
+
 @pytest.mark.parametrize("world", [2, 4])
 def test_a_rank_killed_during_a_take(tmp_path, world):
     path = str(tmp_path / "snap")
