@@ -58,20 +58,16 @@ class S3StoragePlugin(StoragePlugin):
             (Against a local S3 server, more requests in flight than 8 held more memory without
             going faster, and smaller parts cost the server more CPU per byte.)
 
-    Retries: the library retries every call whose error ``is_transient`` accepts (5xx statuses,
-    throttling, dropped connections, timeouts), with backoff, logged, within the total time
-    ``STATESNAP_IO_TIMEOUT_SECS``. So that there is one retry policy, not three stacked, s3fs's
-    own retry loop is set to one attempt, and botocore's too unless ``config_kwargs`` sets
-    ``retries``.
+    Retries: the library's alone (errors ``is_transient`` accepts: 5xx, throttling, dropped
+    connections, timeouts; with backoff, within ``STATESNAP_IO_TIMEOUT_SECS``); s3fs's loop and
+    botocore's (unless ``config_kwargs`` sets ``retries``) are set to one attempt.
 
     Writes are atomic as S3 makes them: a ``PutObject`` or a completed multipart upload
     replaces the whole object at once; a failed multipart upload is aborted.
 
-    Tensors are chunked into objects of at most 32 MiB (``chunk_bytes_hint``), so that each is
-    one ``PutObject`` (with the default ``part_bytes``) and one ranged GET reads a whole one.
-    This costs the server less than larger objects uploaded in parts and read in ranges: a
-    server re-reads an object for every ranged GET, and joins the parts of a multipart upload
-    when it completes.
+    Tensors are chunked into objects of at most 32 MiB (``chunk_bytes_hint``): one ``PutObject``
+    and one ranged GET each, which costs a server less than larger objects uploaded in parts
+    (joined when completed) and read in ranges (each re-reading the object).
     """
 
     chunk_bytes_hint = 32 * _MIB
@@ -332,28 +328,32 @@ class S3StoragePlugin(StoragePlugin):
         return True
 
     async def list_names(self, limit: int) -> list[str] | None:
-        """One ``ListObjectsV2`` request of at most ``limit`` (and 1000) keys and common
-        prefixes under the root; None when listing is not allowed (a policy may grant
-        ``PutObject`` without ``ListBucket``)."""
+        """``ListObjectsV2`` pages (1,000 keys and common prefixes) until ``limit`` names or the
+        end; None when listing is not allowed (``PutObject`` granted without ``ListBucket``)."""
         prefix = f"{self.prefix}/" if self.prefix else ""
-        try:
-            async with self._slots:
-                found = await self.fs._call_s3(
-                    "list_objects_v2",
-                    Bucket=self.bucket,
-                    Prefix=prefix,
-                    Delimiter="/",
-                    MaxKeys=max(1, min(limit, 1000)),
-                )
-        except Exception as e:
-            translated = self._translate(e, "")
-            if isinstance(translated, PermissionError):
-                return None
-            if translated is e:
-                raise
-            raise translated from e
-        names = [p["Prefix"][len(prefix) :].rstrip("/") for p in found.get("CommonPrefixes", [])]
-        names += [o["Key"][len(prefix) :] for o in found.get("Contents", [])]
+        names: list[str] = []
+        page: dict[str, Any] = {}
+        while len(names) < limit:
+            try:
+                async with self._slots:
+                    found = await self.fs._call_s3(
+                        "list_objects_v2", Bucket=self.bucket, Prefix=prefix, Delimiter="/",
+                        MaxKeys=max(1, min(limit - len(names), 1000)), **page,
+                    )  # fmt: skip
+            except Exception as e:
+                translated = self._translate(e, "")
+                if isinstance(translated, PermissionError):
+                    return None
+                if translated is e:
+                    raise
+                raise translated from e
+            names += [
+                p["Prefix"][len(prefix) :].rstrip("/") for p in found.get("CommonPrefixes", [])
+            ]
+            names += [o["Key"][len(prefix) :] for o in found.get("Contents", [])]
+            if not found.get("IsTruncated"):
+                break
+            page = {"ContinuationToken": found["NextContinuationToken"]}
         return names[:limit]
 
     async def delete(self, path: str) -> None:

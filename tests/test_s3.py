@@ -496,3 +496,22 @@ print("after the read", is_open())
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines() == ["after the read [True]", "at exit [False]"]
+
+
+def test_listing_pages_past_a_thousand_names(s3_bucket: S3Bucket):
+    """A checkpoint manager's root may hold more step folders than one ListObjectsV2 page."""
+
+    async def fill_and_list() -> list[str] | None:
+        plugin = S3StoragePlugin(s3_bucket.url("root"), s3_bucket.storage_options)
+        try:
+            await asyncio.gather(
+                *(plugin.write(f"step_{i:010d}/m", [b"x"]) for i in range(1003)),
+                *(plugin.write(f"blob{i}", [b"y"]) for i in range(2)),
+            )
+            return await plugin.list_names(1_000_000)
+        finally:
+            await plugin.close()
+
+    names = asyncio.run(fill_and_list())
+    assert names is not None and len(names) == 1005
+    assert {f"step_{i:010d}" for i in range(1003)} | {"blob0", "blob1"} == set(names)

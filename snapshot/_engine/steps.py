@@ -28,8 +28,8 @@ from snapshot.options import Options
 logger = logging.getLogger("snapshot")
 
 _STEP = re.compile(r"step_([0-9]{1,18})")
-# The most names one listing returns (an S3 listing is one request of up to 1,000 keys).
-LIST_LIMIT = 1000
+# The most names a listing of a root may return (an S3 listing pages through 1,000 at a time).
+LIST_LIMIT = 1_000_000
 
 
 def step_name(step: int) -> str:
