@@ -34,13 +34,14 @@ _FROM_ENV: dict[str, tuple[str, int, int]] = {
     "read_gap_bytes": ("READ_GAP_BYTES", 64 << 10, 0),
     "read_request_bytes": ("READ_REQUEST_BYTES", 32 << 20, 1),
     "collective_timeout_secs": ("COLLECTIVE_TIMEOUT_SECS", 600, 1),
+    "rank_timeout_secs": ("RANK_TIMEOUT_SECS", 60, 1),
     "io_retries": ("IO_RETRIES", 4, 0),
     "io_timeout_secs": ("IO_TIMEOUT_SECS", 900, 1),
     "keep_open_secs": ("KEEP_OPEN_SECS", 10, 0),
     "max_manifest_bytes": ("MAX_MANIFEST_BYTES", 1 << 30, 1),
 }
 # Fields that may be given as a float (seconds).
-_SECONDS = frozenset({"io_timeout_secs", "keep_open_secs"})
+_SECONDS = frozenset({"io_timeout_secs", "keep_open_secs", "rank_timeout_secs"})
 
 
 @dataclass(frozen=True)
@@ -75,8 +76,13 @@ class Options:
     read_gap_bytes: int | None = None
     #: Largest single read.
     read_request_bytes: int | None = None
-    #: How long a rank waits for the others in the library's own collectives.
+    #: How long a rank waits in the library's collectives for a rank that is alive (its
+    #: heartbeat moves) but has not arrived.
     collective_timeout_secs: int | None = None
+    #: How long a rank waits in the library's collectives for a rank that fell silent (no
+    #: heartbeat: its process frozen, or its host unreachable) before it raises
+    #: RankFailedError naming it; a rank whose process ended is found at once.
+    rank_timeout_secs: float | None = None
     #: Retries of a storage call that failed with a transient error.
     io_retries: int | None = None
     #: Longest one storage call may take, its retries included.

@@ -56,7 +56,8 @@ def run_ranks(
     return value (by rank), or raises AssertionError describing every rank that failed.
 
     A rank whose process ends without a result (killed) is a failure, found as soon as it
-    ends, unless it is in ``expect_dead`` (its value is then None)."""
+    ends, unless it is in ``expect_dead`` (its value is then None; one still there, frozen,
+    when every other rank has reported is killed)."""
     with tempfile.TemporaryDirectory(prefix="statesnap-ranks-") as tmp:
         results = _CTX.Queue()
         procs = [
@@ -80,6 +81,11 @@ def run_ranks(
                 except queue.Empty:
                     pass
                 waiting = [r for r in range(world_size) if r not in outcomes]
+                if waiting and set(waiting) <= expect_dead:
+                    # Only the victims are left; one frozen (SIGSTOP) never ends by itself.
+                    for r in waiting:
+                        procs[r].kill()
+                        procs[r].join()
                 if all(procs[r].exitcode is not None for r in waiting):
                     # Every rank still missing has ended: what it sent is in the queue by
                     # now (a process flushes its queue before it exits), or it died.

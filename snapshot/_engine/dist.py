@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
-from snapshot._engine import runtime
+from snapshot._engine import liveness, runtime
 from snapshot.errors import RankFailedError
 
 if TYPE_CHECKING:
@@ -75,67 +75,84 @@ class Coordinator:
 
 
 class GroupCoordinator(Coordinator):
-    """The ranks of a ``torch.distributed`` process group; a gloo group the library makes
-    waits ``options.collective_timeout_secs`` for the other ranks."""
+    """The ranks of a ``torch.distributed`` process group, coordinating on a gloo group of
+    the library's. A rank waits in a collective for a peer that is alive (beats its heartbeat,
+    see ``liveness``) at most ``options.collective_timeout_secs``, for one that fell silent at
+    most ``options.rank_timeout_secs``; a peer whose process ended fails the collective at
+    once."""
 
     def __init__(self, pg: Any | None, options: Options, *, background: bool = False) -> None:
         self.pg = pg
         self.rank = dist.get_rank(pg)
         self.world_size = dist.get_world_size(pg)
         self.timeout_secs = options.collective_timeout_secs
-        self.group = _gloo_group(pg, background=background, timeout_secs=self.timeout_secs)
-        # The caller's own gloo group waits as long as it was made to; one the library makes,
-        # ``timeout_secs``.
-        self.own_group = self.group is not (pg if pg is not None else dist.group.WORLD)
+        self.rank_timeout = options.rank_timeout_secs
+        self.group, self.watch = _gloo_group(
+            pg,
+            background=background,
+            timeout_secs=self.timeout_secs,
+            rank_timeout=self.rank_timeout,
+        )
+        self.watch.set_timeout(self.rank_timeout)
 
     def all_gather(self, value: Any) -> list[Any]:
         out: list[Any] = [None] * self.world_size
-        try:
-            dist.all_gather_object(out, value, group=self.group)
-        except RuntimeError as e:  # gloo's: a peer's connection closed, or the wait timed out
-            raise self._lost(e) from e
+        self._run(lambda: dist.all_gather_object(out, value, group=self.group))
         return out
 
     def gather(self, value: Any) -> list[Any] | None:
         out: list[Any] | None = [None] * self.world_size if self.rank == 0 else None
-        try:
-            dist.gather_object(value, out, dst=self._global_rank(0), group=self.group)
-        except RuntimeError as e:
-            raise self._lost(e) from e
+        dst = self._global_rank(0)
+        self._run(lambda: dist.gather_object(value, out, dst=dst, group=self.group))
         return out
 
-    def _lost(self, error: RuntimeError) -> RankFailedError:
-        """What a rank raises when the group's collective itself failed: another rank's
-        process ended (its connections closed at once) or it did not arrive in time (hung, or
-        its host unreachable). gloo does not say which rank; the message names the step."""
-        wait = (
+    def _run(self, collective: Any) -> None:
+        self.watch.run(collective, self._silent, self._lost)
+
+    def _silent(self, why: str, failures: dict[int, str]) -> RankFailedError:
+        """What a rank raises when a peer (or the store) fell silent while it waited."""
+        return RankFailedError(
+            f"rank {self.rank} of {self.world_size} lost contact with the other ranks while "
+            f"they agreed on {self.step}: {why}; a take commits nothing",
+            failures,
+        )
+
+    def _lost(self, error: RuntimeError, dead: list[int]) -> RankFailedError:
+        """What a rank raises when the group's collective itself failed: a peer's process
+        ended (its connections closed at once; ``dead``: the peers whose heartbeat stopped,
+        when the store could tell), or a live peer did not arrive within the group's
+        timeout."""
+        self.watch.broken = f"an earlier collective of the group failed ({error})"
+        who = (
+            f"rank(s) {dead} stopped (their process ended)"
+            if dead
+            else "a rank's process ended, or a live rank did not arrive within "
             f"{self.timeout_secs} s (Options.collective_timeout_secs, "
             "STATESNAP_COLLECTIVE_TIMEOUT_SECS)"
-            if self.own_group
-            else "the timeout the process group was made with"
         )
         return RankFailedError(
             f"rank {self.rank} of {self.world_size} lost contact with the other ranks while "
-            f"they agreed on {self.step}: a rank's process ended, hangs, or its host cannot be "
-            f"reached (a rank waits for the others at most {wait}); a take commits nothing. "
-            f"gloo said: {error}",
-            {},
+            f"they agreed on {self.step}: {who}; a take commits nothing. gloo said: {error}",
+            {r: "process ended" for r in dead},
         )
 
     def _global_rank(self, group_rank: int) -> int:
-        if self.group is None or self.group is dist.group.WORLD:
-            return group_rank
         return dist.get_global_rank(self.group, group_rank)
 
 
-def _gloo_group(pg: Any | None, *, background: bool, timeout_secs: int) -> Any:
-    """The caller's group when it is gloo (and not for background use), else a gloo group over
-    the same ranks made for the library, once per caller group and use (kept by the runtime:
-    ``Runtime.gloo_groups``), whose collectives wait ``timeout_secs`` for the other ranks."""
+def _gloo_group(
+    pg: Any | None, *, background: bool, timeout_secs: int, rank_timeout: float
+) -> tuple[Any, liveness.Watch]:
+    """The gloo group the library coordinates on for ``pg``, and its ``Watch``: made once per
+    caller group and use (foreground, or an async take's background work), kept by the
+    runtime (``Runtime.gloo_groups``). Its collectives wait ``timeout_secs`` at most for a live
+    peer.
+
+    The library never coordinates on the caller's own group, even a gloo one: a collective
+    abandoned when a peer fell silent would stay pending on it."""
     group = pg if pg is not None else dist.group.WORLD
-    if not background and dist.get_backend(group) == "gloo":
-        return group
-    groups = runtime.get().gloo_groups
+    rt = runtime.get()
+    groups = rt.gloo_groups
     cached = groups.get((id(group), background))
     if cached is None:
         # Only the ranks of the caller's group are in this take or restore. torch wants every
@@ -146,19 +163,23 @@ def _gloo_group(pg: Any | None, *, background: bool, timeout_secs: int) -> Any:
         # once hang or join each other's groups. The default group's ranks all call this, so
         # its group is made the ordinary way.
         ranks = dist.get_process_group_ranks(group)
+        rt.heartbeat(dist.get_rank(), rank_timeout)
         gloo = dist.new_group(
             ranks=ranks,
             backend="gloo",
             timeout=datetime.timedelta(seconds=timeout_secs),
             use_local_synchronization=len(ranks) < dist.get_world_size(),
         )
-        cached = groups[(id(group), background)] = (group, gloo)
-    return cached[1]
+        watch = liveness.Watch(dist.get_rank(group), ranks, rank_timeout)
+        cached = groups[(id(group), background)] = (group, gloo, watch)
+    else:
+        rt.heartbeat(dist.get_rank(), rank_timeout)
+    return cached[1], cached[2]
 
 
 def resolve_background(pg: Any | None, options: Options) -> Coordinator:
-    """Like ``resolve``, but on a gloo group used by nothing else: the one background work
-    (async take's commit) agrees on, while the caller's thread goes on using its own group.
+    """Like ``resolve``, but on a gloo group of its own: the one background work (async
+    take's commit) agrees on, while the caller's thread goes on using the foreground one.
 
     Creating that group is itself a collective, so call this on the caller's thread, on every
     rank, at the same point (async take does, when it is called).
@@ -170,7 +191,8 @@ def resolve_background(pg: Any | None, options: Options) -> Coordinator:
 def resolve(pg: Any | None, options: Options) -> Coordinator:
     """The participants for ``pg``: the default group when ``torch.distributed`` is initialized
     and ``pg`` is None, else this process alone. A group of one rank is this process alone.
-    ``options.collective_timeout_secs`` bounds the wait of the library's own collectives."""
+    ``options.collective_timeout_secs`` and ``rank_timeout_secs`` bound the waits of its
+    collectives."""
     if pg is None and not (dist.is_available() and dist.is_initialized()):
         return Coordinator()
     if dist.get_world_size(pg) == 1:

@@ -11,7 +11,8 @@ child shares none of its parent's threads, so it starts with state of its own). 
 - the storage plugins kept open between operations (``kept``);
 - the queue that runs async takes' background work in order (``queue``);
 - the staging pool and budget of async take (``staging_pool``);
-- the gloo groups the library coordinates on, per caller group (``gloo_groups``, ``dist``);
+- the gloo groups the library coordinates on, per caller group (``gloo_groups``, ``dist``),
+  and the process's heartbeat that lets its peers tell it alive (``heartbeat``, ``liveness``);
 - the threads that digest payloads for replication (``digest_pool``).
 
 At exit, one hook (``shutdown``) waits for the pending async takes, ends the tasks left on the
@@ -32,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 from snapshot._engine.async_queue import AsyncCallsQueue
 from snapshot._engine.kept import KeptPlugins
+from snapshot._engine.liveness import Heartbeat
 from snapshot._engine.staging import StagingPool
 
 if TYPE_CHECKING:
@@ -69,7 +71,8 @@ class Runtime:
         self.held: set[asyncio.Task[Any]] = set()
         # Per caller group (by id, holding the group so the id stays its own) and use
         # (background or not), the gloo group the library coordinates on.
-        self.gloo_groups: dict[tuple[int, bool], tuple[Any, Any]] = {}
+        self.gloo_groups: dict[tuple[int, bool], tuple[Any, Any, Any]] = {}
+        self._heartbeat: Heartbeat | None = None
 
     # -- the I/O loop ----------------------------------------------------------------------
 
@@ -117,6 +120,16 @@ class Runtime:
             if self._pool is None:
                 self._pool = StagingPool(keep_bytes=options.budget())
             return self._pool
+
+    def heartbeat(self, global_rank: int, rank_timeout: float) -> Heartbeat:
+        """This process's heartbeat, started on first use, beating often enough for
+        ``rank_timeout``."""
+        with self._lock:
+            if self._heartbeat is None:
+                self._heartbeat = Heartbeat(global_rank, rank_timeout)
+            else:
+                self._heartbeat.tighten(rank_timeout)
+            return self._heartbeat
 
     def digest_pool(self, threads: int) -> ThreadPoolExecutor:
         """The threads that digest payloads (replication), ``threads`` of them."""
@@ -173,6 +186,8 @@ class Runtime:
         queue = self._queue
         if queue is not None:
             _step("wait for the pending snapshots", lambda: _drain(queue))
+        if self._heartbeat is not None:  # after the pending snapshots: they agree with peers
+            _step("stop the heartbeat", self._heartbeat.stop)
         _step("end the I/O loop's leftover tasks", self.end_leftover_tasks)
         _step("close the kept storage plugins", self.close_kept_plugins)
         _step("stop the I/O loop", self.stop_loop)
