@@ -27,15 +27,28 @@ def _entry(
     body: Callable[..., Any],
     args: tuple[Any, ...],
     results: Any,
+    host: str | None,
+    init_method: str | None,
 ) -> None:
-    import torch.distributed as dist
-
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # N processes share 2 cores
     try:
-        store = dist.FileStore(store_path, world_size)
-        dist.init_process_group(
-            "gloo", store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=60)
-        )
+        if host is not None:  # a "host" of tests/netns.py: enter it before any socket opens
+            from tests import netns
+
+            netns.enter(host)
+            os.environ["GLOO_SOCKET_IFNAME"] = netns.IFNAME
+        import torch.distributed as dist
+
+        timeout = timedelta(seconds=60)
+        if init_method is not None:
+            dist.init_process_group(
+                "gloo", init_method=init_method, rank=rank, world_size=world_size, timeout=timeout
+            )
+        else:
+            store = dist.FileStore(store_path, world_size)
+            dist.init_process_group(
+                "gloo", store=store, rank=rank, world_size=world_size, timeout=timeout
+            )
         try:
             value = body(rank, world_size, *args)
         finally:
@@ -51,19 +64,34 @@ def run_ranks(
     *args: Any,
     timeout: float = 180,
     expect_dead: frozenset[int] = frozenset(),
+    hosts: list[str] | None = None,
+    init_method: str | None = None,
 ) -> list[Any]:
     """Runs ``body(rank, world_size, *args)`` on ``world_size`` ranks; returns each rank's
     return value (by rank), or raises AssertionError describing every rank that failed.
 
     A rank whose process ends without a result (killed) is a failure, found as soon as it
     ends, unless it is in ``expect_dead`` (its value is then None; one still there, frozen,
-    when every other rank has reported is killed)."""
+    when every other rank has reported is killed).
+
+    ``hosts``: the network namespace each rank runs in (tests/netns.py), with
+    ``init_method`` (``tcp://address:port``, rank 0's host) as the rendezvous; by default the
+    ranks share this machine's network and meet through a file store."""
     with tempfile.TemporaryDirectory(prefix="statesnap-ranks-") as tmp:
         results = _CTX.Queue()
         procs = [
             _CTX.Process(
                 target=_entry,
-                args=(rank, world_size, os.path.join(tmp, "store"), body, args, results),
+                args=(
+                    rank,
+                    world_size,
+                    os.path.join(tmp, "store"),
+                    body,
+                    args,
+                    results,
+                    None if hosts is None else hosts[rank],
+                    init_method,
+                ),
                 daemon=True,
             )
             for rank in range(world_size)

@@ -77,11 +77,22 @@ class S3Server:
         self.max_in_flight: dict[str, int] = {}
         self._server: Any = None
         self._thread: threading.Thread | None = None
+        self._netns: str | None = None
 
-    def start(self) -> None:
-        self._server = make_server(
-            "127.0.0.1", 0, self._wsgi, threaded=True, request_handler=_QuietHandler
-        )
+    def start(self, host: str = "127.0.0.1", netns: str | None = None) -> None:
+        """Serves on ``host`` (an address of the network namespace ``netns``, tests/netns.py,
+        when given) at a free port."""
+
+        def listen() -> Any:
+            return make_server(host, 0, self._wsgi, threaded=True, request_handler=_QuietHandler)
+
+        self._netns = netns
+        if netns is None:
+            self._server = listen()
+        else:
+            from tests.netns import in_namespace
+
+            self._server = in_namespace(netns, listen)
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
         self._thread.start()
 
@@ -111,15 +122,24 @@ class S3Server:
         import boto3
 
         name = f"b-{uuid.uuid4().hex[:20]}"
-        client = boto3.client(
-            "s3",
-            endpoint_url=self.endpoint_url,
-            aws_access_key_id=KEY_ID,
-            aws_secret_access_key=SECRET,
-            region_name=REGION,
-        )
-        client.create_bucket(Bucket=name)
-        client.close()
+
+        def create() -> None:
+            client = boto3.client(
+                "s3",
+                endpoint_url=self.endpoint_url,
+                aws_access_key_id=KEY_ID,
+                aws_secret_access_key=SECRET,
+                region_name=REGION,
+            )
+            client.create_bucket(Bucket=name)
+            client.close()
+
+        if self._netns is None:
+            create()
+        else:  # the server is reached from its own host's network only
+            from tests.netns import in_namespace
+
+            in_namespace(self._netns, create)
         return name
 
     # -- faults and the request log ------------------------------------------------------------

@@ -8,7 +8,7 @@ the group's whole timeout, which must be long, since a live peer may legitimatel
 
 So every process of a group beats a heartbeat: a thread (``Heartbeat``) adds one to a counter
 of its own, ``statesnap/hb/<global rank>``, in the process group's store, every
-``interval(rank_timeout)`` seconds. A rank runs each collective on a thread of its group's
+``interval(rank_timeout)`` seconds. A rank runs each collective on a thread of its own
 (``Watch.run``) and, while it waits, reads its peers' counters: a peer whose counter has not
 moved for ``rank_timeout`` seconds of the reader's own clock is lost (no clocks are compared
 across hosts). The rank then raises ``RankFailedError`` naming it, and leaves the collective
@@ -113,8 +113,8 @@ class Heartbeat:
 
 
 class Watch:
-    """The collectives of one gloo group of the library's, each run on a thread of the
-    group's while the calling thread watches the peers' heartbeats (see the module)."""
+    """The collectives of one gloo group of the library's, each run on a thread of its own
+    while the calling thread watches the peers' heartbeats (see the module)."""
 
     def __init__(self, rank: int, global_ranks: list[int], rank_timeout: float) -> None:
         self.rank = rank
@@ -124,7 +124,6 @@ class Watch:
         self.left_key = LEFT_KEY.format(global_ranks[rank])
         self.rank_timeout = rank_timeout
         self.store = _default_store(rank_timeout)
-        self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="statesnap-gloo")
         self.broken: str | None = None  # why no collective may run on the group any more
 
     def set_timeout(self, rank_timeout: float) -> None:
@@ -143,7 +142,7 @@ class Watch:
         collective fails."""
         if self.broken is not None:
             raise lost(self.broken, {})
-        future = self.pool.submit(collective)
+        future = self._start(collective)
         if self.store is None:
             try:
                 return future.result()
@@ -178,6 +177,22 @@ class Watch:
                     "frozen or its host unreachable"
                 )
                 raise lost(self.broken, failures)
+
+    @staticmethod
+    def _start(collective: Callable[[], T]) -> concurrent.futures.Future[T]:
+        """``collective()`` running on a daemon thread of its own: one left behind, waiting
+        for a silent peer, must not keep the process from exiting (a pool's threads are
+        joined at exit), and starting a thread costs little next to a collective."""
+        future: concurrent.futures.Future[T] = concurrent.futures.Future()
+
+        def run() -> None:
+            try:
+                future.set_result(collective())
+            except BaseException as e:
+                future.set_exception(e)
+
+        threading.Thread(target=run, name="statesnap-collective", daemon=True).start()
+        return future
 
     def _silent(self, seen: dict[int, tuple[bytes, float]]) -> list[int]:
         """The peers whose heartbeat has not moved for ``rank_timeout`` seconds of this
