@@ -477,30 +477,29 @@ class CheckpointManager:
     # -- across ranks ---------------------------------------------------------------------------
 
     def _agreed(self, compute: Callable[[], Any]) -> Any:
-        """``compute()`` on rank 0, given to every rank (a failure there fails every rank)."""
+        """``compute()`` on rank 0, given to every rank (a failure there fails every rank).
+        It travels on the library's gloo group (any backend's job; a lost rank is found
+        within the library's bounds)."""
         if self._world == 1:
             return compute()
-        import torch.distributed as dist
+        from snapshot._engine import dist as coordination
 
-        box: list[Any] = [None]
+        box: tuple[str, Any] | None = None
         if self._rank == 0:
             try:
-                box[0] = ("ok", compute())
+                box = ("ok", compute())
             except Exception as e:
-                box[0] = ("error", f"{type(e).__name__}: {e}")
-        dist.broadcast_object_list(
-            box, src=dist.get_global_rank(self.pg, 0) if self.pg else 0, group=self.pg
-        )
-        kind, value = box[0]
+                box = ("error", f"{type(e).__name__}: {e}")
+        kind, value = coordination.resolve(self.pg, self.options).all_gather(box)[0]
         if kind == "error":
             raise SnapshotError(f"rank 0 of the checkpoint manager of {self.root} failed: {value}")
         return value
 
     def _barrier(self) -> None:
         if self._world > 1:
-            import torch.distributed as dist
+            from snapshot._engine import dist as coordination
 
-            dist.barrier(group=self.pg)
+            coordination.resolve(self.pg, self.options).all_gather(None)
 
 
 class _PreemptionHandler:
