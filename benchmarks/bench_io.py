@@ -119,7 +119,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--modes", type=csv_list, help="take modes: cache (no fsync), fsync; default per case"
     )
-    p.add_argument("--temps", type=csv_list, help="restore page-cache states: warm, cold")
+    p.add_argument(
+        "--temps",
+        type=csv_list,
+        help="restore page-cache states: warm, cold, as-left (right after the take)",
+    )
     p.add_argument(
         "--dir",
         default="/tmp/statesnap-bench",
@@ -169,7 +173,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         if m not in ("cache", "fsync"):
             p.error(f"unknown mode {m!r}")
     for t in args.temps:
-        if t not in ("warm", "cold"):
+        if t not in ("warm", "cold", "as-left"):
             p.error(f"unknown restore temperature {t!r}")
     args.libraries = _parse_libraries(p, args.library)
     if args.libraries and not CASES[args.case].LIBRARY_VARIANTS:

@@ -37,7 +37,12 @@ def run(args: argparse.Namespace, runner: Runner) -> CaseResult:
     single = StateCase("single", {"kind": "tensors", "size": total, "count": 1, "seed": args.seed})
     methods = args.methods or ["raw", "torch.save", "statesnap"]
     variants = with_libraries(
-        variants_of(methods, env, {"raw": ["raw"], "torch.save": ["torch.load"]}), args.libraries
+        variants_of(
+            methods,
+            env,
+            {"raw": ["raw", "raw 4 readers", "raw 16 readers"], "torch.save": ["torch.load"]},
+        ),
+        args.libraries,
     )
     rows = run_rounds(runner, NAME, [many, single], variants, args.modes, args.temps, args.reps)
     out = [

@@ -230,13 +230,15 @@ def warm_page_cache(path: str) -> None:
 
 
 def set_page_cache(path: str, temp: str) -> None:
-    """Puts the files under ``path`` in the page cache ("warm") or out of it ("cold")."""
+    """Puts the files under ``path`` in the page cache ("warm") or out of it ("cold"), or
+    leaves them as they are ("as-left": as the take left them, for a restore right after a
+    take; a writer's readers after its first find what the first one read)."""
     if temp == "cold":
         drop_page_cache(path)
     elif temp == "warm":
         warm_page_cache(path)
-    else:
-        raise ValueError(f"page-cache state {temp!r}: warm or cold")
+    elif temp != "as-left":
+        raise ValueError(f"page-cache state {temp!r}: warm, cold or as-left")
 
 
 _libc: ctypes.CDLL | None = None

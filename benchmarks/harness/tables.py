@@ -17,6 +17,7 @@ MODE_TITLES = {
     "timed)",
     "warm": "Restore, warm (files in the page cache)",
     "cold": "Restore, cold (files dropped from the page cache first)",
+    "as-left": "Restore right after the take (the page cache as the take left it)",
 }
 
 
@@ -198,6 +199,7 @@ SHORT_TITLES = {
     "fsync": "take fsync'd",
     "warm": "restore warm",
     "cold": "restore cold",
+    "as-left": "restore after take",
 }
 
 

@@ -1,18 +1,14 @@
 """The staging pool of async take: host buffers that tensors are copied into, kept and reused from
 one snapshot to the next, within one staging budget for the process.
 
-``StagingPool`` lends blocks as ``Lease``s; ``advise_huge_pages`` asks Linux to back a fresh
-block with huge pages. The process's pool is the runtime's (``runtime.get().staging_pool``).
+``StagingPool`` lends blocks as ``Lease``s. The process's pool is the runtime's
+(``runtime.get().staging_pool``).
 """
 
 from __future__ import annotations
 
-import ctypes
-import functools
 import logging
-import sys
 import threading
-from collections.abc import Callable
 
 import torch
 
@@ -244,8 +240,11 @@ class StagingPool:
                 self.pinned_bytes += size
                 return block, True
         size = self.size_class(nbytes)
+        # Ordinary pages: asking for huge ones (madvise MADV_HUGEPAGE) made the first fill of
+        # a fresh block faster on one VM and several times slower on another (one that hands
+        # freed memory back to its host, where each 2 MiB page is faulted in and zeroed at
+        # once); benchmarks/results has both.
         block = torch.empty(size, dtype=torch.uint8)
-        advise_huge_pages(block)
         self.allocated_bytes += size
         return block, False
 
@@ -309,39 +308,3 @@ class StagingPool:
             if not blocks:
                 del self._free[(pinned, size)]
         return dropped
-
-
-# Linux's madvise(MADV_HUGEPAGE): back the range with 2 MiB pages where the kernel can.
-_MADV_HUGEPAGE = 14
-_HUGE_PAGE = 2 << 20
-
-
-@functools.cache
-def _madvise() -> Callable[[int, int, int], int] | None:
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).madvise
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    fn.restype = ctypes.c_int
-    return fn
-
-
-def advise_huge_pages(block: torch.Tensor) -> bool:
-    """Asks Linux to back the 2 MiB-aligned interior of a fresh CPU buffer with huge pages.
-
-    A staging buffer's first fill is mostly page faults: a 512 MiB buffer takes 131,072 of them
-    with 4 KiB pages, 256 with 2 MiB ones, so the advice shortens its first copy (where
-    transparent huge pages are in "madvise" mode, nothing else gives them). Returns whether the
-    advice was taken; where it is not (another OS, huge pages off), nothing changes.
-    """
-    madvise = _madvise()
-    nbytes = block.numel() * block.element_size()
-    if madvise is None or nbytes < 2 * _HUGE_PAGE:
-        return False
-    start = block.data_ptr()
-    lo = -(-start // _HUGE_PAGE) * _HUGE_PAGE
-    hi = (start + nbytes) // _HUGE_PAGE * _HUGE_PAGE
-    return hi > lo and madvise(lo, hi - lo, _MADV_HUGEPAGE) == 0
