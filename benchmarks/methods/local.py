@@ -480,6 +480,15 @@ READERS: dict[str, Reader] = {
             note="Snapshot(path) (reads the manifest) + restore, in place",
         ),
         Reader(
+            "statesnap, buffered take",
+            "statesnap-buffered",
+            objects=True,
+            into_targets=True,
+            load=ss_load,
+            prepare=ss_prepare,
+            note="Snapshot(path) + restore, in place, of a snapshot taken through the page cache",
+        ),
+        Reader(
             "statesnap get_manifest",
             "statesnap",
             objects=True,
