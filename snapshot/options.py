@@ -56,6 +56,10 @@ class Options:
     #: can be the ``base`` of an incremental take. A take on a base records them whatever this
     #: says (its own later increments compare with them).
     digests: bool | None = None
+    #: Restore each replicated tensor by one rank's read and a broadcast to the others (True),
+    #: or by every rank reading it (False); None: once where the ranks read from anything but
+    #: a local directory or span several hosts.
+    read_replicated_once: bool | None = None
     #: Blob reads/writes in flight at once, per process.
     max_concurrent_io: int | None = None
     #: Staging / scratch memory one take or restore may hold at once, per process
@@ -102,7 +106,7 @@ class Options:
             value = getattr(self, f.name)
             if value is None:
                 continue
-            if f.name in ("checksums", "digests"):
+            if f.name in ("checksums", "digests", "read_replicated_once"):
                 if type(value) is not bool:
                     raise InvalidArgumentError(f"Options.{f.name} must be a bool, got {value!r}")
                 continue
@@ -130,6 +134,10 @@ class Options:
             values["checksums"] = knobs.env_int("CHECKSUMS", 1, 0) != 0
         if self.digests is None:
             values["digests"] = knobs.env_int("DIGESTS", 0, 0) != 0
+        if self.read_replicated_once is None:
+            once = knobs.env_int("READ_REPLICATED_ONCE", None, 0)
+            if once is not None:
+                values["read_replicated_once"] = once != 0
         for name, (env, default, minimum) in _FROM_ENV.items():
             if getattr(self, name) is None:
                 value = knobs.env_int(env, default, minimum)

@@ -47,6 +47,9 @@ class Coordinator:
         """Every rank's ``value`` on rank 0 (None elsewhere)."""
         return [value]
 
+    def broadcast(self, tensor: Any, src: int) -> None:
+        """Fills ``tensor`` (a CPU tensor) on every rank with rank ``src``'s."""
+
     def agree(self, what: str, value: Any = None, error: BaseException | None = None) -> list[Any]:
         """All-gathers each rank's outcome of step ``what``; raises on every rank if any failed.
 
@@ -105,6 +108,10 @@ class GroupCoordinator(Coordinator):
         dst = self._global_rank(0)
         self._run(lambda: dist.gather_object(value, out, dst=dst, group=self.group))
         return out
+
+    def broadcast(self, tensor: Any, src: int) -> None:
+        root = self._global_rank(src)
+        self._run(lambda: dist.broadcast(tensor, src=root, group=self.group))
 
     def _run(self, collective: Any) -> None:
         self.watch.run(collective, self._silent, self._lost)

@@ -18,7 +18,7 @@ import torch
 
 import manifest as mf
 from manifest import Entry, Manifest, PickledTensorEntry, ShardedTensorEntry, TensorEntry
-from snapshot._engine import sharded, suggest
+from snapshot._engine import sharded, shared_reads, suggest
 from snapshot._engine.app_state import check_app_state, ordered_keys, state_dict_of
 from snapshot._engine.claims import ClaimCheck
 from snapshot._engine.context import gc_paused
@@ -213,6 +213,12 @@ def _restore(
             )
     except Exception as e:
         error = e
+    # Replicated tensors read by one rank each and broadcast (a collective of every rank).
+    shared = (
+        shared_reads.plan(loader, entries, prefix, path, coordinator, options, error)
+        if coordinator.world_size > 1
+        else None
+    )
     if verify_first:
         # No rank writes a target until every rank's bytes have passed their checks.
         coordinator.agree("restore: verifying", error=error)
@@ -224,6 +230,18 @@ def _restore(
         error = e
     coordinator.agree("restore: reading", error=error)
     assert stats is not None
+    if shared is not None:
+        if progress is not None:
+            for _, leaf, _ in shared.items:
+                for key, root in roots.items():
+                    if leaf == root or leaf.startswith(root + "/"):
+                        progress.wrote(key)
+        shared_reads.receive(shared, coordinator)
+        logger.debug(
+            "restore %s: %.1f MB of replicated tensors read once and broadcast",
+            path,
+            shared.nbytes / 1e6,
+        )
     t_read = time.perf_counter()
     for key in keys:
         value = loader.inflate(roots[key])

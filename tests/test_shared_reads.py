@@ -1,0 +1,133 @@
+"""Replicated tensors read once per restore across ranks (snapshot/_engine/shared_reads.py):
+one rank reads each, the others receive it over the library's gloo group. Real processes
+(tests/multirank.py); the bytes each rank read are counted at the storage plugin."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from snapshot import Options, Snapshot, StateDict
+from snapshot._engine import shared_reads
+from tests.multirank import run_ranks
+
+pytestmark = pytest.mark.slow  # real processes (gloo)
+
+
+def _model(fill: float | None = None) -> StateDict:
+    """Six large tensors (two above the pack size) and 300 small ones, the same on every rank."""
+    gen = torch.Generator().manual_seed(3)
+    sizes = [5 << 20, 3 << 20, 1 << 20, 1 << 20, 256 << 10, 64 << 10] + [1 << 10] * 300
+    tensors = {f"t{i}": torch.randn(n, generator=gen) for i, n in enumerate(sizes)}
+    tensors["bf16"] = torch.randn(4096, generator=gen).to(torch.bfloat16)
+    if fill is not None:
+        tensors = {k: torch.full_like(v, fill) for k, v in tensors.items()}
+    return StateDict(**tensors)
+
+
+def _count_reads() -> list[int]:
+    """Adds every byte this process reads from a local snapshot to the returned counter."""
+    from storage_plugins.fs import FSStoragePlugin
+
+    counter = [0]
+    inner = FSStoragePlugin._readv_sync
+
+    def counted(self, path, offset, outs, observe=None):
+        counter[0] += sum(len(o) for o in outs)
+        return inner(self, path, offset, outs, observe)
+
+    FSStoragePlugin._readv_sync = counted
+    return counter
+
+
+def _restore(rank: int, world: int, path: str, once: bool | None, extra_on: int | None):
+    """Takes the replicated model (and, on rank ``extra_on``, a key of its own), then restores
+    it into zeros with ``read_replicated_once=once``: the bytes this rank read, and whether
+    every tensor came back bitwise."""
+    state = {"model": _model(), "own": StateDict(x=torch.full((1000,), float(rank)))}
+    if rank == extra_on:
+        state["mine"] = StateDict(y=torch.arange(4096.0))
+    Snapshot.take(path, state, replicated=["model/**"])
+    counter = _count_reads()
+    targets = {"model": _model(fill=0.0), "own": StateDict(x=torch.zeros(1000))}
+    if rank == extra_on:
+        targets["mine"] = StateDict(y=torch.zeros(4096))
+    Snapshot(path).restore(targets, options=Options(read_replicated_once=once))
+    expected = _model()
+    same = all(torch.equal(targets["model"][k], v) for k, v in expected.items())
+    same = same and torch.equal(targets["own"]["x"], torch.full((1000,), float(rank)))
+    if rank == extra_on:
+        same = same and torch.equal(targets["mine"]["y"], torch.arange(4096.0))
+    dist.barrier()
+    return counter[0], same
+
+
+MODEL_BYTES = sum(t.nbytes for t in _model().values())
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_replicated_tensors_are_read_once_across_ranks(tmp_path, world):
+    results = run_ranks(world, _restore, str(tmp_path / "snap"), True, 1)
+    assert all(same for _, same in results), results
+    total = sum(n for n, _ in results)
+    # Every byte of the model once, plus each rank's own values and the manifest's reads.
+    assert MODEL_BYTES <= total < MODEL_BYTES + (1 << 20), (total, MODEL_BYTES)
+    # Spread over the ranks: the largest tensor (20 MiB) bounds the busiest one.
+    assert max(n for n, _ in results) < MODEL_BYTES * 0.9, results
+
+
+def test_every_rank_reads_on_one_host_from_a_local_directory(tmp_path):
+    """The library's own choice there: the ranks share the page cache."""
+    results = run_ranks(2, _restore, str(tmp_path / "snap"), None, None)
+    assert all(same for _, same in results), results
+    assert all(n >= MODEL_BYTES for n, _ in results), results
+
+
+def _restore_s3(rank: int, world: int, url: str, storage: dict, once: bool | None) -> bool:
+    state = {"model": _model(), "own": StateDict(x=torch.full((1000,), float(rank)))}
+    Snapshot.take(url, state, replicated=["model/**"], storage_options=storage)
+    dist.barrier()
+    targets = {"model": _model(fill=0.0), "own": StateDict(x=torch.zeros(1000))}
+    Snapshot(url, storage_options=storage).restore(
+        targets, options=Options(read_replicated_once=once)
+    )
+    same = all(torch.equal(targets["model"][k], v) for k, v in _model().items())
+    return same and torch.equal(targets["own"]["x"], torch.full((1000,), float(rank)))
+
+
+def _bytes_read(bucket, prefix: str) -> int:
+    return sum(r.bytes_out for r in bucket.log() if r.method == "GET" and r.key.startswith(prefix))
+
+
+def test_from_s3_the_library_reads_each_replicated_byte_once(s3_bucket):
+    """The library's choice for an object store: once (the default, no option given)."""
+    world = 2
+    for name, once in (("auto", None), ("every", False)):
+        results = run_ranks(
+            world, _restore_s3, s3_bucket.url(name), s3_bucket.storage_options, once
+        )
+        assert all(results), results
+    auto, every = _bytes_read(s3_bucket, "auto/"), _bytes_read(s3_bucket, "every/")
+    assert MODEL_BYTES <= auto < MODEL_BYTES + (1 << 20), (auto, MODEL_BYTES)
+    assert every >= world * MODEL_BYTES, (every, MODEL_BYTES)
+
+
+def test_the_choice():
+    opts = Options().resolved()
+    assert not shared_reads.decide(opts, "/ckpt/step-1", ["a", "a"])
+    assert shared_reads.decide(opts, "/ckpt/step-1", ["a", "b"])  # a shared file system
+    assert shared_reads.decide(opts, "s3://bucket/step-1", ["a", "a"])
+    assert shared_reads.decide(opts, "file:///ckpt", ["a", "a"]) is False
+    forced = Options(read_replicated_once=True).resolved()
+    assert shared_reads.decide(forced, "/ckpt/step-1", ["a", "a"])
+    assert not shared_reads.decide(
+        Options(read_replicated_once=False).resolved(), "s3://b/x", ["a", "b"]
+    )
+
+
+def test_the_environment_sets_it(monkeypatch):
+    monkeypatch.setenv("STATESNAP_READ_REPLICATED_ONCE", "1")
+    assert Options.from_env().read_replicated_once is True
+    monkeypatch.delenv("STATESNAP_READ_REPLICATED_ONCE")
+    assert Options.from_env().read_replicated_once is None
