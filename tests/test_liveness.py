@@ -47,8 +47,8 @@ def failed(error, dead):
 
 
 def test_the_interval_is_a_twentieth_of_the_bound_within_limits():
-    assert liveness.interval(60) == 1.0 and liveness.interval(3) == pytest.approx(0.15)
-    assert liveness.interval(1) == 0.05 and liveness.interval(3600) == 1.0
+    assert liveness.interval(60) == 0.5 and liveness.interval(3) == pytest.approx(0.15)
+    assert liveness.interval(1) == 0.05 and liveness.interval(3600) == 0.5
 
 
 def test_a_silent_peer_is_named_after_the_bound_and_the_group_is_broken(store):

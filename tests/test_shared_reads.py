@@ -114,16 +114,22 @@ def test_from_s3_the_library_reads_each_replicated_byte_once(s3_bucket):
 
 
 def test_the_choice():
-    opts = Options().resolved()
-    assert not shared_reads.decide(opts, "/ckpt/step-1", ["a", "a"])
-    assert shared_reads.decide(opts, "/ckpt/step-1", ["a", "b"])  # a shared file system
-    assert shared_reads.decide(opts, "s3://bucket/step-1", ["a", "a"])
-    assert shared_reads.decide(opts, "file:///ckpt", ["a", "a"]) is False
-    forced = Options(read_replicated_once=True).resolved()
-    assert shared_reads.decide(forced, "/ckpt/step-1", ["a", "a"])
-    assert not shared_reads.decide(
-        Options(read_replicated_once=False).resolved(), "s3://b/x", ["a", "b"]
-    )
+    assert not shared_reads.decide(None, "/ckpt/step-1", ["a", "a"])
+    assert shared_reads.decide(None, "/ckpt/step-1", ["a", "b"])  # a shared file system
+    assert shared_reads.decide(None, "s3://bucket/step-1", ["a", "a"])
+    assert not shared_reads.decide(None, "file:///ckpt", ["a", "a"])
+    assert shared_reads.decide(True, "/ckpt/step-1", ["a", "a"])
+    assert not shared_reads.decide(False, "s3://b/x", ["a", "b"])
+
+
+def _mixed_options(rank: int, world: int, path: str) -> bool:
+    """Ranks passing different settings: rank 0's decides for all (no rank waits for a
+    broadcast the others skip)."""
+    return _restore(rank, world, path, rank == 0, None)[1]
+
+
+def test_rank_0s_setting_decides(tmp_path):
+    assert run_ranks(2, _mixed_options, str(tmp_path / "snap")) == [True, True]
 
 
 def test_the_environment_sets_it(monkeypatch):

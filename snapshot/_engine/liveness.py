@@ -49,9 +49,10 @@ LEFT_KEY = "statesnap/left/{}"
 def interval(rank_timeout: float) -> float:
     """Seconds between two heartbeats, and between two reads of them: a twentieth of the
     bound, so that a live peer beats many times within it (however the scheduler delays a
-    beat), within [0.05, 1] s so that a store serving thousands of ranks sees a beat per rank
-    per second at most."""
-    return min(1.0, max(0.05, rank_timeout / 20))
+    beat), within [0.05, 0.5] s: a dead peer is told from a live one within a window of 2.5
+    beats (``Watch._stopped_beating``), and a store serving thousands of ranks sees two beats
+    per rank per second at most."""
+    return min(0.5, max(0.05, rank_timeout / 20))
 
 
 def _default_store(timeout_secs: float) -> Any | None:
@@ -100,12 +101,11 @@ class Heartbeat:
             try:
                 self._store.add(self.key, 1)
                 failed = False
-            except Exception:  # the store's host unreachable: readers will say so
+            except Exception:
+                # The store's host unreachable (a waiting peer reports it), or the process
+                # group destroyed at the end of the job: nothing for this thread to say.
                 if not failed:
-                    logger.warning(
-                        "statesnap: cannot reach the process group's store for heartbeats",
-                        exc_info=True,
-                    )
+                    logger.debug("heartbeat: the store does not answer", exc_info=True)
                 failed = True
 
     def stop(self) -> None:

@@ -75,10 +75,11 @@ def candidates(loader: Loader, entries: Mapping[str, Entry], prefix: str) -> dic
     return out
 
 
-def decide(options: Options, path: str, hosts: list[str]) -> bool:
-    """Whether replicated tensors are read once (see the module)."""
-    if options.read_replicated_once is not None:
-        return options.read_replicated_once
+def decide(once: bool | None, path: str, hosts: list[str]) -> bool:
+    """Whether replicated tensors are read once (see the module): ``once`` (the option) when
+    set, else the library's choice for a snapshot at ``path`` and ranks on ``hosts``."""
+    if once is not None:
+        return once
     return not is_local(path) or len(set(hosts)) > 1
 
 
@@ -95,13 +96,13 @@ def plan(
     planning failed) on which replicated tensors each reads, and drops this rank's reads of the
     others'. None when they are read by every rank."""
     mine = candidates(loader, entries, prefix) if error is None else {}
-    gathered = coordinator.agree(
-        "restore: sharing", value=(socket.gethostname(), mine), error=error
-    )
-    if not decide(options, path, [host for host, _ in gathered]):
+    value = (socket.gethostname(), mine, options.read_replicated_once, path)
+    gathered = coordinator.agree("restore: sharing", value=value, error=error)
+    # Rank 0's option and path decide for every rank (the ranks must make one choice).
+    if not decide(gathered[0][2], gathered[0][3], [g[0] for g in gathered]):
         return None
     common = dict(gathered[0][1])
-    for _, theirs in gathered[1:]:
+    for _, theirs, _, _ in gathered[1:]:
         common = {p: n for p, n in common.items() if theirs.get(p) == n}
     if not common:
         return None
