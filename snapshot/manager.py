@@ -158,26 +158,16 @@ class CheckpointManager:
             self._in_flight_steps.add(step)
             self._started.add(step)
         try:
-            if self.async_:
-                pending = Snapshot.async_take(
-                    path,
-                    app_state,
-                    pg=self.pg,
-                    storage_options=self.storage_options,
-                    options=options,
-                    base=base,
-                    user_metadata=user,
-                )
-            else:
-                Snapshot.take(
-                    path,
-                    app_state,
-                    pg=self.pg,
-                    storage_options=self.storage_options,
-                    options=options,
-                    base=base,
-                    user_metadata=user,
-                )
+            # A PendingSnapshot when async, else the committed Snapshot.
+            pending = (Snapshot.async_take if self.async_ else Snapshot.take)(
+                path,
+                app_state,
+                pg=self.pg,
+                storage_options=self.storage_options,
+                options=options,
+                base=base,
+                user_metadata=user,
+            )
         except BaseException:
             # The take removed what it wrote; a folder it could not remove is debris that the
             # next listing may clean.
