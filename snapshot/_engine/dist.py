@@ -1,8 +1,8 @@
 """Who takes part in a snapshot, and how they agree: this process alone, or a process group.
 
-The library's own coordination uses object collectives on a gloo group (the caller's group when
-it is gloo, else a gloo group over the same ranks, created once per group), so it never needs
-NCCL. Every collective carries each rank's outcome, so that a rank that failed still takes part
+The library's own coordination uses object collectives on a gloo group of its own over the
+caller's ranks (created once per group and use), so it never needs NCCL, and a wait for a lost
+rank is bounded (``liveness``). Every collective carries each rank's outcome, so that a rank that failed still takes part
 and every rank learns of the failure: nobody waits for a rank that will never arrive.
 """
 
