@@ -227,3 +227,67 @@ def test_async_staging_handles_every_kind_of_tensor(tmp_path):
     assert snap.read_object("0/m/weight").dtype == torch.float16
     offsets = [snap.get_manifest()[f"0/s/{k}"].locations[0].offset for k in ("f64", "bool")]
     assert all(o % 16 == 0 for o in offsets)
+
+
+def _slow_copies(monkeypatch, threads: list[str], fail: int | None = None):
+    """Makes each copy of a large tensor into a staging buffer wait 0.1 s first (a write
+    that started before the copy landed would write what the buffer held before), records
+    the thread it ran on, and with ``fail``, raises in the copy of a tensor of that many
+    bytes."""
+    from snapshot._engine import stage
+
+    original = stage.copy_payload
+
+    def copy(p, buf, pos):
+        if p.nbytes >= stage._OFFLOAD_MIN:
+            threads.append(threading.current_thread().name)
+            time.sleep(0.1)
+            if p.nbytes == fail:
+                raise RuntimeError("copy failed")
+        original(p, buf, pos)
+
+    monkeypatch.setattr(stage, "copy_payload", copy)
+
+
+@pytest.mark.parametrize("budget", [None, 20 * 1024 * 1024])
+def test_large_tensors_are_copied_off_the_callers_thread_and_whole_when_the_call_returns(
+    tmp_path, monkeypatch, budget
+):
+    """Large tensors are copied on the copier thread while the caller stages the rest; the
+    call returns only once they are copied, and no write starts before its copy landed (with
+    a budget below the state, writes start during the call)."""
+    threads: list[str] = []
+    _slow_copies(monkeypatch, threads)
+    # 12 MiB each, random: a pooled buffer never holds these bytes from an earlier take.
+    big = {f"big{i}": torch.randn(3 << 20) for i in range(4)}
+    small = {f"small{i}": torch.full((100,), float(i)) for i in range(50)}
+    state = StateDict({**big, **small})
+    expected = {k: v.clone() for k, v in state.items()}
+    options = Options(memory_budget_bytes=budget)
+    pending = Snapshot.async_take(str(tmp_path / "s"), {"s": state}, options=options)
+    for t in state.values():
+        t.fill_(-1)
+    snap = pending.wait(timeout=60)
+    assert threads == ["statesnap-stage_0"] * 4
+    out = StateDict()
+    snap.restore({"s": out})
+    for k, v in expected.items():
+        assert torch.equal(out[k], v), k
+
+
+def test_a_failed_copy_off_the_callers_thread_fails_the_call_and_frees_its_buffers(
+    tmp_path, monkeypatch
+):
+    threads: list[str] = []
+    _slow_copies(monkeypatch, threads, fail=12 << 20)
+    state = StateDict(a=torch.ones(1 << 20), b=torch.ones(3 << 20), c=torch.ones(10))
+    pool = runtime.get().staging_pool(Options())
+    leased = pool.leased_bytes
+    with pytest.raises(RuntimeError, match="copy failed"):
+        Snapshot.async_take(str(tmp_path / "s"), {"s": state})
+    assert pool.leased_bytes == leased  # every buffer it staged is back in the pool
+    with pytest.raises(SnapshotNotFoundError):
+        Snapshot(str(tmp_path / "s"))
+    monkeypatch.undo()
+    snap = Snapshot.async_take(str(tmp_path / "s"), {"s": state}).wait(timeout=60)
+    assert torch.equal(snap.read_object("0/s/b"), torch.ones(3 << 20))

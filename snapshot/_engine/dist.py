@@ -2,8 +2,9 @@
 
 The library's own coordination uses object collectives on a gloo group of its own over the
 caller's ranks (created once per group and use), so it never needs NCCL, and a wait for a lost
-rank is bounded (``liveness``). Every collective carries each rank's outcome, so that a rank that failed still takes part
-and every rank learns of the failure: nobody waits for a rank that will never arrive.
+rank is bounded (``liveness``). Every collective carries each rank's outcome, so that a rank
+that failed still takes part and every rank learns of the failure: nobody waits for a rank that
+will never arrive.
 """
 
 from __future__ import annotations

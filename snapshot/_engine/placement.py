@@ -55,6 +55,11 @@ class Stager(Protocol):
         the staging memory it costs."""
         ...
 
+    def settle(self) -> None:
+        """Waits until every buffer staged so far holds its bytes (a stage may leave its copy
+        running on another thread); raises what a copy raised."""
+        ...
+
 
 class Recorder:
     """Stands in for a rank's own ``Placer`` while a take across ranks plans: it records the

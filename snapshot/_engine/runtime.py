@@ -65,6 +65,7 @@ class Runtime:
         self._queue: AsyncCallsQueue | None = None
         self._pool: StagingPool | None = None
         self._digests: ThreadPoolExecutor | None = None
+        self._copier: ThreadPoolExecutor | None = None
         self._shut_down = False
         # Touched on the I/O loop only.
         self.kept = KeptPlugins()
@@ -131,6 +132,14 @@ class Runtime:
                 self._heartbeat.tighten(rank_timeout)
             return self._heartbeat
 
+    def copier(self) -> ThreadPoolExecutor:
+        """The thread that runs async take's copies of large host tensors into staging
+        buffers while the caller stages the rest (``stage._Pooled``)."""
+        with self._lock:
+            if self._copier is None:
+                self._copier = ThreadPoolExecutor(1, thread_name_prefix="statesnap-stage")
+            return self._copier
+
     def digest_pool(self, threads: int) -> ThreadPoolExecutor:
         """The threads that digest payloads (replication), ``threads`` of them."""
         with self._lock:
@@ -180,7 +189,7 @@ class Runtime:
     def shutdown(self) -> None:
         """Waits for the pending async takes (committed or failed), ends the tasks left on the
         I/O loop, closes the kept plugins, stops the loop. Each step's failure is logged, and
-        the next steps run all the same. (The digest threads are idle by then:
+        the next steps run all the same. (The digest and copier threads are idle by then:
         concurrent.futures ends them, as it ends every thread pool's, when the process exits.)"""
         self._shut_down = True
         queue = self._queue

@@ -5,8 +5,9 @@ Without a pool (take), a payload is written from views of its tensor's memory (`
 a slab's members one after the other, ``stage_slab``), or from a gathered copy when its tensor
 cannot be viewed (``TensorSource`` pieces: prepared, conjugate or negated, non-contiguous, on a
 device). With a ``StagingPool`` (async take), every payload of a write is copied into one
-pooled buffer (``_pooled``), from a device asynchronously on a staging stream, so that nothing
-written later reads the application's memory. A slab's members get their CRC-32s here, as
+pooled buffer (``_pooled``), from a device asynchronously on a staging stream, a large host
+tensor on the runtime's copier thread (``_Pooled``), so that nothing written later reads the
+application's memory. A slab's members get their CRC-32s here, as
 they are staged (see ``placement.Placer``).
 
 ``stager(pool)`` is what the take gives its placers (``placement.Stager``).
@@ -20,7 +21,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from snapshot._engine import device
+from snapshot._engine import device, runtime
 from snapshot._engine.checksum import crc32
 from snapshot._engine.drafts import Payload, Staged, TensorSource
 from snapshot._engine.handlers.dense import call_prepare
@@ -40,6 +41,11 @@ from snapshot.errors import UnsupportedValueError
 from storage_plugins import Buffer
 
 _ZEROS = memoryview(bytes(ALIGN))
+
+# A host tensor of at least this size, a blob of its own, is copied off the caller's thread
+# in an async take (``_Pooled``): a few large copies, each long enough to hide the caller's
+# planning of many small tensors behind it.
+_OFFLOAD_MIN = 4 << 20
 
 # Below this size a payload of a tensor is copied by one memmove call (the least overhead per
 # copy); above it, torch's copy spreads the bytes over its threads.
@@ -64,19 +70,56 @@ class _Direct:
     def slab(self, slab: Slab, checksums: bool) -> tuple[Callable[[], Staged], int]:
         return functools.partial(stage_slab, slab, checksums), slab.staging_bytes
 
+    def settle(self) -> None:
+        pass  # every stage is done when it returns
+
 
 class _Pooled:
     """Copies each write's payloads into one buffer of ``pool``; a pooled write costs the
-    budget its whole block (``StagingPool.block_bytes``)."""
+    budget its whole block (``StagingPool.block_bytes``).
+
+    A large tensor in host memory, a blob of its own, is copied on the runtime's copier
+    thread (``Runtime.copier``) while the caller goes on planning and staging the rest:
+    torch's copy lets the GIL go, so the caller's Python and the copy run at once. ``settle``
+    waits for those copies; nothing may read a staged buffer before it (the take calls it at
+    the end of its staging, and the write pipeline before it hands staged writes over)."""
 
     pooled = True
 
     def __init__(self, pool: StagingPool) -> None:
         self.pool = pool
+        self._copying: list[Lease] = []
 
     def blob(self, p: Payload, from_device: bool) -> tuple[Callable[[], Staged], int]:
-        stage = _pooled(self.pool, [(0, p)], p.nbytes, False, from_device)
+        if p.tensor is not None and p.nbytes >= _OFFLOAD_MIN:
+            stage: Callable[[], Staged] = functools.partial(self._offloaded, p)
+        else:
+            stage = _pooled(self.pool, [(0, p)], p.nbytes, False, from_device)
         return stage, self.pool.block_bytes(p.nbytes, from_device)
+
+    def _offloaded(self, p: Payload) -> Staged:
+        lease = self.pool.acquire(p.nbytes, False)
+        try:
+            lease.copying(runtime.get().copier().submit(copy_payload, p, lease.tensor, 0))
+        except BaseException:
+            lease.release()
+            raise
+        self._copying.append(lease)
+        return [lease.view], lease
+
+    def settle(self) -> None:
+        """Waits for the copies in flight on the copier thread (``Lease.ready``; a lease
+        released meanwhile, by a take that failed, waited for its own); raises the first
+        one's error once they are all done."""
+        leases, self._copying = self._copying, []
+        error: BaseException | None = None
+        for lease in leases:
+            try:
+                lease.ready()
+            except BaseException as e:
+                error = error or e
+        if error is not None:
+            raise error
 
     def slab(self, slab: Slab, checksums: bool) -> tuple[Callable[[], Staged], int]:
         stage = _pooled(self.pool, slab.members, slab.nbytes, checksums, slab.from_device)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from concurrent.futures import Future
 
 import torch
 
@@ -25,12 +26,23 @@ class Lease:
     as a memoryview.
 
     Copies from a device into it are issued on the staging stream of that device
-    (``stream``); ``ready`` waits for every stream this lease used, and only then may its bytes
-    be read (checksummed, written). ``release`` gives the buffer back to the pool once the write
+    (``stream``), a copy from host memory may run on another thread (``copying``); ``ready``
+    waits for every stream this lease used and for that copy, and only then may its bytes be
+    read (checksummed, written). ``release`` gives the buffer back to the pool once the write
     is done with it, after waiting for copies still in flight (a stage that failed midway).
     """
 
-    __slots__ = ("_block", "_keep", "_pool", "_streams", "fresh", "pinned", "tensor", "view")
+    __slots__ = (
+        "_block",
+        "_copy",
+        "_keep",
+        "_pool",
+        "_streams",
+        "fresh",
+        "pinned",
+        "tensor",
+        "view",
+    )
 
     def __init__(
         self, pool: StagingPool, block: torch.Tensor, nbytes: int, fresh: bool, pinned: bool
@@ -47,6 +59,8 @@ class Lease:
         # Tensors the copies in flight read (a prepared or resolved tensor may have no other
         # owner), held until ``ready``.
         self._keep: list[torch.Tensor] | None = None
+        # A copy into the buffer running on another thread, until ``ready`` has waited for it.
+        self._copy: Future[None] | None = None
 
     def touch(self) -> None:
         """Faults a fresh buffer's pages in with torch's multi-threaded fill, before it is
@@ -81,10 +95,18 @@ class Lease:
         self._keep.append(reads)  # type: ignore[union-attr]
         return stream
 
+    def copying(self, copy: Future[None]) -> None:
+        """Records ``copy``, a copy into the buffer running on another thread."""
+        self._copy = copy
+
     def ready(self) -> None:
-        """Makes the copies into the buffer complete before anyone reads it: waits for every
-        staging stream this lease issued copies on (one per device it copied from). Nothing to
-        do for copies from host memory, which are synchronous."""
+        """Makes the copies into the buffer complete before anyone reads it: waits for the copy
+        running on another thread (raising its error), and for every staging stream this lease
+        issued copies on (one per device it copied from)."""
+        copy = self._copy
+        if copy is not None:
+            self._copy = None
+            copy.result()
         streams = self._streams
         if streams is not None:
             self._streams = None

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from manifest import Entry
-from snapshot._engine import arguments, sharded, stage
+from snapshot._engine import arguments, runtime, sharded, stage
 from snapshot._engine.app_state import check_app_state, ordered_keys, state_dict_of
 from snapshot._engine.commit import begin, commit, manifest_bytes, plugin_location, remove_written
 from snapshot._engine.context import gc_paused, naming_snapshot
@@ -208,6 +208,9 @@ class TakeJob:
                 self.pipeline = self._new_pipeline()
             for request in self.plan.writes[self.collected.submitted :]:
                 self.pipeline.submit(request)
+            # Async take: the copies of large tensors still running on the copier thread land
+            # before the call returns (the caller may change its tensors then).
+            self._stager.settle()
             if self.pool is None:
                 self.release_writes()
         except Exception as e:
@@ -377,6 +380,7 @@ class TakeJob:
             # instead of staging a budget of its own.
             budget=self.pool.share(self._budget) if self.pool is not None else None,
             options=self.options,
+            settle=self._stager.settle,
         )
         # A take dropped before it finished (an async save's request never run) ends its
         # writes when collected, or at exit: its workers would otherwise wait for ever.
@@ -397,11 +401,32 @@ class TakeJob:
     # -- writing and commit -----------------------------------------------------------------
 
     def release_writes(self) -> None:
-        """On the caller's thread, after ``start``: hands the staged writes to the I/O loop
-        (take does it at the end of ``start``; async take as the last step of its call)."""
-        if self.pipeline is not None:
+        """On the caller's thread, after ``start``: the caller is done staging, and its staged
+        writes go to the I/O loop (take does it at the end of ``start``; async take as the last
+        step of its call). Async take hands them over from the runtime's copier thread: waking
+        the loop from the caller's thread writes to the loop's wake-up socket, which lets the
+        GIL go, and the loop's thread took it and ran the writes' start in Python while the
+        caller, a few instructions from returning, waited for it up to the interpreter's switch
+        interval. ``finish`` drains the pipeline only once they are handed over."""
+        if self.pipeline is None:
+            self._released.set()
+        elif self.pool is None:
+            self._hand_over()
+        else:
+            try:
+                runtime.get().copier().submit(self._hand_over)
+            except RuntimeError:  # the interpreter is shutting down: no new threads' work
+                self._hand_over()
+
+    def _hand_over(self) -> None:
+        assert self.pipeline is not None
+        try:
             self.pipeline.flush()
-        self._released.set()
+        except Exception as e:  # a copy that failed (``settle``): ``finish`` reports it
+            self.pipeline.abort(e)
+            self._error = self._error or e
+        finally:
+            self._released.set()
 
     def finish(self, coordinator: Coordinator | None = None) -> bytes | None:
         """Waits for this rank's writes, agrees with the others, and commits (rank 0).
@@ -416,9 +441,9 @@ class TakeJob:
         coord = coordinator or self.coordinator
         assert self.plan is not None
         stats = None
-        error = self._error
         # Until the caller has handed over what it staged, the pipeline may not be drained.
         self._released.wait()
+        error = self._error
         early = ready = None
         if error is None and self.pipeline is not None:
             writing = spawn(self._writes_done(self.pipeline))
