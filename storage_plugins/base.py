@@ -189,6 +189,14 @@ class StoragePlugin(abc.ABC):
         else:
             _observe_all(outs, observe)
 
+    async def read_ahead(self, path: str, offset: int, nbytes: int) -> None:  # noqa: B027 - a hint
+        """A hint: the bytes ``[offset, offset + nbytes)`` of blob ``path`` are about to be
+        read. A plugin may start fetching them now, where that costs no memory of the process
+        (the local plugin asks the kernel to read them into the page cache); the default does
+        nothing. The library gives these hints while a restore plans its reads, and ignores
+        their errors (the read itself reports a missing or short blob).
+        """
+
     async def size(self, path: str) -> int | None:
         """The length of blob ``path`` in bytes, or None when this store cannot tell cheaply
         (the default). The library compares it with what the manifest records, so that a blob

@@ -136,6 +136,10 @@ class LinkedStorage(StoragePlugin):
         plugin, blob = self._route(path)
         await plugin.readv(blob, offset, outs)
 
+    async def read_ahead(self, path: str, offset: int, nbytes: int) -> None:
+        plugin, blob = self._route(path)
+        await plugin.read_ahead(blob, offset, nbytes)
+
     async def readv_observed(
         self,
         path: str,

@@ -9,6 +9,7 @@ entry (or one container, whole) into new values, or into the caller's tensor.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Mapping
@@ -18,7 +19,7 @@ import torch
 
 import manifest as mf
 from manifest import Entry, Manifest, PickledTensorEntry, ShardedTensorEntry, TensorEntry
-from snapshot._engine import sharded, shared_reads, suggest
+from snapshot._engine import read_ahead, sharded, shared_reads, suggest
 from snapshot._engine.app_state import check_app_state, ordered_keys, state_dict_of
 from snapshot._engine.claims import ClaimCheck
 from snapshot._engine.context import gc_paused
@@ -27,6 +28,7 @@ from snapshot._engine.flatten import escape_key, flatten, subtree
 from snapshot._engine.handlers.dense import is_dense_tensor
 from snapshot._engine.linked import open_linked
 from snapshot._engine.loader import Loader, tile_bytes
+from snapshot._engine.read_ahead import ReadAhead
 from snapshot._engine.restore_guard import RestoreProgress
 from snapshot.errors import (
     EntryNotFoundError,
@@ -192,42 +194,55 @@ def _restore(
         claims=ClaimCheck(manifest, path, storage_options, options),
     )
     stats = None
-    try:
-        with_factories = set()
-        for key in keys:
-            targets, factories = _targets(states[key], roots[key])
-            if factories:
-                with_factories.add(key)
-            if progress is not None:
-                progress.targets[key] = targets
-            loader.add_subtree(roots[key], targets, owner=key)
-        t_plan = time.perf_counter()
-        if verify_first:
-            with open_linked(path, manifest, storage_options, options) as plugin:
-                checked = loader.verify_first(plugin, budget)
+    with contextlib.ExitStack() as stack:
+        plugin = None
+        try:
+            plugin = stack.enter_context(open_linked(path, manifest, storage_options, options))
+            # The device reads what the plan will ask for while the plan is made.
+            spans = read_ahead.ranges(entries, [roots[k] for k in keys], coordinator.world_size > 1)
+            ahead = ReadAhead(plugin, spans)
+            stack.callback(ahead.close)
+            t_ahead = time.perf_counter()
+            with_factories = set()
+            for key in keys:
+                targets, factories = _targets(states[key], roots[key])
+                if factories:
+                    with_factories.add(key)
+                if progress is not None:
+                    progress.targets[key] = targets
+                loader.add_subtree(roots[key], targets, owner=key)
+            t_plan = time.perf_counter()
+            ahead.stop()
             logger.debug(
-                "restore %s: checked %.1f MB before writing any target in %.3f s",
+                "restore %s: %.1f MB read ahead while planning (%.3f s)",
                 path,
-                checked.nbytes / 1e6,
-                time.perf_counter() - t_plan,
+                ahead.nbytes / 1e6,
+                t_plan - t_ahead,
             )
-    except Exception as e:
-        error = e
-    # Replicated tensors read by one rank each and broadcast (a collective of every rank).
-    shared = (
-        shared_reads.plan(loader, entries, prefix, path, coordinator, options, error)
-        if coordinator.world_size > 1
-        else None
-    )
-    if verify_first:
-        # No rank writes a target until every rank's bytes have passed their checks.
-        coordinator.agree("restore: verifying", error=error)
-    try:
-        if error is None:
-            with open_linked(path, manifest, storage_options, options) as plugin:
+            if verify_first:
+                checked = loader.verify_first(plugin, budget)
+                logger.debug(
+                    "restore %s: checked %.1f MB before writing any target in %.3f s",
+                    path,
+                    checked.nbytes / 1e6,
+                    time.perf_counter() - t_plan,
+                )
+        except Exception as e:
+            error = e
+        # Replicated tensors read by one rank each and broadcast (a collective of every rank).
+        shared = (
+            shared_reads.plan(loader, entries, prefix, path, coordinator, options, error)
+            if coordinator.world_size > 1
+            else None
+        )
+        if verify_first:
+            # No rank writes a target until every rank's bytes have passed their checks.
+            coordinator.agree("restore: verifying", error=error)
+        try:
+            if error is None and plugin is not None:
                 stats = loader.execute(plugin, budget, progress)
-    except Exception as e:
-        error = e
+        except Exception as e:
+            error = e
     coordinator.agree("restore: reading", error=error)
     assert stats is not None
     if shared is not None:

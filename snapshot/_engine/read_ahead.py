@@ -1,0 +1,99 @@
+"""Read-ahead while a restore plans: the byte ranges a restore is about to read are handed to the
+storage plugin as hints (``StoragePlugin.read_ahead``) while the caller's thread plans the reads,
+so that the device works while the CPU plans. The local plugin turns them into
+``posix_fadvise(WILLNEED)``: the kernel reads the ranges into the page cache, and the restore's
+buffered reads copy them from there.
+
+The hints stop once the reads begin (``ReadAhead.stop``): from then on the reads ask for the
+bytes themselves, and a hint would only compete with them. The ranges come from the manifest
+entries of the keys being restored, in the order the manifest lists them, merged per blob while
+they are close; the ranges of a sharded tensor (a rank reads its part of them, planned only
+from its targets) and, in a group, of replicated leaves (one rank may read those for all:
+``shared_reads``) are left out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import Iterable, Iterator, Mapping
+
+from manifest import Entry, ObjectEntry, TensorEntry
+from snapshot._engine.flatten import subtree
+from snapshot._engine.io_loop import spawn
+from storage_plugins import StoragePlugin
+
+logger = logging.getLogger(__name__)
+
+# The hints cover a blob in pieces of this size, so that they stop soon after the reads begin.
+PIECE_BYTES = 8 << 20
+
+# Two ranges of a blob this close are one hint (the gap between them read too).
+GAP_BYTES = 1 << 20
+
+
+def ranges(
+    entries: Mapping[str, Entry], roots: Iterable[str], skip_replicated: bool
+) -> Iterator[tuple[str, int, int]]:
+    """``(blob, offset, nbytes)`` covering the bytes of the dense tensors and objects under
+    ``roots``, in the manifest's order, a range per run of close locations of one blob."""
+    blob = None
+    start = end = 0
+    for root in roots:
+        for path in subtree(entries, root):
+            entry = entries.get(path)
+            kind = type(entry)
+            if kind is not TensorEntry and kind is not ObjectEntry:
+                continue
+            if skip_replicated and entry.replicated:  # type: ignore[union-attr]
+                continue
+            for loc in entry.locations:  # type: ignore[union-attr]
+                if loc.blob == blob and end - GAP_BYTES <= loc.offset <= end + GAP_BYTES:
+                    start = min(start, loc.offset)
+                    end = max(end, loc.offset + loc.nbytes)
+                    continue
+                if blob is not None:
+                    yield blob, start, end - start
+                blob, start, end = loc.blob, loc.offset, loc.offset + loc.nbytes
+    if blob is not None and end > start:
+        yield blob, start, end - start
+
+
+class ReadAhead:
+    """Hints ``ranges`` to ``plugin`` on the I/O loop, piece by piece, until ``stop``."""
+
+    def __init__(self, plugin: StoragePlugin, spans: Iterator[tuple[str, int, int]]) -> None:
+        self._stopped = threading.Event()
+        self.nbytes = 0  # hinted so far
+        self._future = spawn(self._run(plugin, spans))
+
+    async def _run(self, plugin: StoragePlugin, spans: Iterator[tuple[str, int, int]]) -> None:
+        # The ranges are found here, on the I/O loop, while the caller's thread plans: the
+        # first hint goes out after the first blob's entries, not after every entry's.
+        for blob, offset, nbytes in spans:
+            end = offset + nbytes
+            while offset < end:
+                if self._stopped.is_set():
+                    return
+                n = min(PIECE_BYTES, end - offset)
+                try:
+                    await plugin.read_ahead(blob, offset, n)
+                except Exception as e:  # a hint: the read itself reports what is wrong
+                    logger.debug("read-ahead of %s stopped: %s", plugin.describe(blob), e)
+                    return
+                self.nbytes += n
+                offset += n
+            await asyncio.sleep(0)  # let the loop run other work between blobs
+
+    def stop(self) -> None:
+        """No hint starts after this (one in flight finishes)."""
+        self._stopped.set()
+
+    def close(self) -> None:
+        """Stops the hints and waits for the one in flight, if any."""
+        self._stopped.set()
+        try:
+            self._future.result()
+        except Exception as e:  # a hint's failure is never the restore's
+            logger.debug("read-ahead ended with %r", e)

@@ -1,0 +1,221 @@
+"""Read-ahead while a restore plans: which ranges are hinted, that hints stop once the reads
+begin, that a failing hint never fails a restore, and that the local plugin's hint brings the
+bytes into the page cache without following a link."""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import mmap
+import os
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+from manifest import DictEntry, new_location, new_tensor_entry
+from snapshot import Snapshot, StateDict
+from snapshot._engine import read_ahead
+from snapshot._engine.loader import Loader
+from storage_plugins import register_storage_plugin, unregister_storage_plugin
+from storage_plugins.base import UnsafeBlobError
+from storage_plugins.fs import FSStoragePlugin
+
+
+def _tensor(blob: str, offset: int, nbytes: int, replicated: bool = False):
+    return new_tensor_entry("uint8", (nbytes,), (new_location(blob, offset, nbytes),), replicated)
+
+
+def test_ranges_merge_close_locations_per_blob_and_keep_to_the_roots():
+    gap = read_ahead.GAP_BYTES
+    entries = {
+        "0/a": DictEntry(keys=["x", "y", "z", "far"]),
+        "0/a/x": _tensor("0/s0", 0, 100),
+        "0/a/y": _tensor("0/s0", 112, 100),  # aligned after x: one range
+        "0/a/z": _tensor("0/s1", 0, 50),  # another blob
+        "0/a/far": _tensor("0/s1", 50 + gap + 1, 10),  # too far after z: a range of its own
+        "0/b": DictEntry(keys=["w"]),
+        "0/b/w": _tensor("0/s2", 0, 10),
+    }
+    assert list(read_ahead.ranges(entries, ["0/a"], False)) == [
+        ("0/s0", 0, 212),
+        ("0/s1", 0, 50),
+        ("0/s1", 50 + gap + 1, 10),
+    ]
+    assert list(read_ahead.ranges(entries, ["0/b", "0/a"], False))[0] == ("0/s2", 0, 10)
+
+
+def test_ranges_leave_out_replicated_leaves_in_a_group():
+    entries = {
+        "0/a": DictEntry(keys=["own", "shared"]),
+        "0/a/own": _tensor("0/s0", 0, 100),
+        "0/a/shared": _tensor("0/rs0", 0, 100, replicated=True),
+    }
+    assert [r[0] for r in read_ahead.ranges(entries, ["0/a"], False)] == ["0/s0", "0/rs0"]
+    assert [r[0] for r in read_ahead.ranges(entries, ["0/a"], True)] == ["0/s0"]
+
+
+class HintLog(FSStoragePlugin):
+    """``hints://<path>``: records each hint and each read with the time it began; with
+    ``fail``, each hint raises; with ``slow``, each takes that many seconds."""
+
+    hints: list[tuple[float, str, int, int]] = []
+    reads: list[float] = []
+    fail = False
+    slow = 0.0
+
+    def __init__(self, url, storage_options=None):
+        super().__init__(url.removeprefix("hints://"), storage_options)
+
+    async def read_ahead(self, path, offset, nbytes):
+        HintLog.hints.append((time.monotonic(), path, offset, nbytes))
+        if HintLog.slow:
+            await asyncio.sleep(HintLog.slow)
+        if HintLog.fail:
+            raise OSError("no read-ahead here")
+        await super().read_ahead(path, offset, nbytes)
+
+    async def readv(self, path, offset, outs):
+        HintLog.reads.append(time.monotonic())
+        await super().readv(path, offset, outs)
+
+    async def readv_observed(self, path, offset, outs, observe):
+        HintLog.reads.append(time.monotonic())
+        await super().readv_observed(path, offset, outs, observe)
+
+
+@pytest.fixture
+def hints(tmp_path, monkeypatch):
+    """The ``hints://`` scheme, and a restore whose planning takes 0.3 s: hints go out only
+    while a restore plans, and planning a small state is done before the first would."""
+    HintLog.hints, HintLog.reads, HintLog.fail, HintLog.slow = [], [], False, 0.0
+    original = Loader.add_subtree
+
+    def slow_planning(self, *args, **kwargs):
+        time.sleep(0.3)
+        original(self, *args, **kwargs)
+
+    monkeypatch.setattr(Loader, "add_subtree", slow_planning)
+    register_storage_plugin("hints", HintLog)
+    yield f"hints://{tmp_path / 's'}"
+    unregister_storage_plugin("hints")
+
+
+def _state(n: int, numel: int, seed: int) -> StateDict:
+    g = torch.Generator().manual_seed(seed)
+    return StateDict({f"t{i}": torch.randn(numel, generator=g) for i in range(n)})
+
+
+def test_a_restore_hints_the_ranges_of_the_keys_it_restores(hints):
+    a, b = _state(40, 1000, 0), _state(3, 1 << 20, 1)  # a: one slab; b: three 4 MiB blobs
+    snap = Snapshot.take(hints, {"a": a, "b": b})
+    out = StateDict({k: torch.zeros_like(v) for k, v in a.items()})
+    HintLog.hints = []
+    snap.restore({"a": out})
+    assert all(torch.equal(out[k], a[k]) for k in a)
+    manifest = snap.get_manifest()
+    a_blobs = {manifest[f"0/a/t{i}"].locations[0].blob for i in range(40)}
+    assert {blob for _, blob, _, _ in HintLog.hints} == a_blobs  # none of b's blobs
+    hinted = sum(n for *_, n in HintLog.hints)
+    assert hinted == sum(manifest[f"0/a/t{i}"].locations[0].nbytes for i in range(40)) + sum(
+        -(-1000 * 4 // 16) * 16 - 1000 * 4 for _ in range(39)
+    )  # the members and the alignment padding between them
+
+
+def test_hints_stop_once_the_reads_begin(hints):
+    state = _state(4, 6 << 20, 2)  # 24 MiB each: 3 pieces of a hint apiece
+    snap = Snapshot.take(hints, {"s": state})
+    HintLog.hints, HintLog.reads, HintLog.slow = [], [], 0.2
+    out = StateDict({k: torch.zeros_like(v) for k, v in state.items()})
+    snap.restore({"s": out})
+    assert all(torch.equal(out[k], state[k]) for k in state)
+    assert HintLog.hints and HintLog.reads
+    # Hints of 0.2 s each during 0.3 s of planning: two began, then the reads, and no hint
+    # after them (the state's 12 pieces were never all hinted).
+    assert len(HintLog.hints) == 2
+    assert max(t for t, *_ in HintLog.hints) < min(HintLog.reads)
+
+
+def test_a_failing_hint_never_fails_a_restore(hints):
+    state = _state(30, 1000, 3)
+    snap = Snapshot.take(hints, {"s": state})
+    HintLog.fail = True
+    out = StateDict({k: torch.zeros_like(v) for k, v in state.items()})
+    snap.restore({"s": out})
+    assert HintLog.hints and all(torch.equal(out[k], state[k]) for k in state)
+
+
+def _resident_fraction(path: str) -> float:
+    """The share of the file's pages in the page cache (``mincore``)."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        # Private and writable only so that ctypes takes its address; nothing writes to it.
+        m = mmap.mmap(
+            f.fileno(), size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE
+        )
+    try:
+        pages = -(-size // mmap.PAGESIZE)
+        vec = (ctypes.c_ubyte * pages)()
+        first = ctypes.c_char.from_buffer(m)
+        addr = ctypes.addressof(first)  # the mapping's address
+        del first  # (the mapping closes only once nothing views it)
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
+        if libc.mincore(addr, size, vec) != 0:
+            pytest.skip(f"mincore failed: errno {ctypes.get_errno()}")
+        return sum(v & 1 for v in vec) / pages
+    finally:
+        m.close()
+
+
+def _drop(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="no posix_fadvise on this platform")
+@pytest.mark.skipif(sys.platform != "linux", reason="mincore through libc: Linux")
+def test_the_local_plugins_hint_reads_into_the_page_cache_without_following_links(tmp_path):
+    root = tmp_path / "root"
+    root.mkdir()
+    blob = root / "blob"
+    blob.write_bytes(os.urandom(8 << 20))
+    _drop(str(blob))
+    if _resident_fraction(str(blob)) > 0.5:
+        pytest.skip("this file system keeps the file in memory (tmpfs): nothing to read ahead")
+    plugin = FSStoragePlugin(str(root))
+    asyncio.run(plugin.read_ahead("blob", 0, 4 << 20))
+    deadline = time.monotonic() + 10
+    while _resident_fraction(str(blob)) < 0.45 and time.monotonic() < deadline:
+        time.sleep(0.01)  # the kernel's reads complete in the background
+    assert 0.45 <= _resident_fraction(str(blob)) <= 0.75  # the first half, and little more
+    outside = tmp_path / "outside"
+    outside.write_bytes(b"x" * 4096)
+    (root / "link").symlink_to(outside)
+    with pytest.raises(UnsafeBlobError):
+        asyncio.run(plugin.read_ahead("link", 0, 4096))
+
+
+def test_hints_run_on_the_io_loop_not_the_callers_thread(hints):
+    state = _state(20, 1000, 4)
+    snap = Snapshot.take(hints, {"s": state})
+    seen: list[str] = []
+    original = HintLog.read_ahead
+
+    async def record(self, path, offset, nbytes):
+        seen.append(threading.current_thread().name)
+        await original(self, path, offset, nbytes)
+
+    HintLog.read_ahead = record
+    try:
+        snap.restore({"s": StateDict({k: torch.zeros_like(v) for k, v in state.items()})})
+    finally:
+        HintLog.read_ahead = original
+    assert seen and threading.main_thread().name not in seen
+
