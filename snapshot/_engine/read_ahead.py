@@ -38,24 +38,36 @@ def ranges(
 ) -> Iterator[tuple[str, int, int]]:
     """``(blob, offset, nbytes)`` covering the bytes of the dense tensors and objects under
     ``roots``, in the manifest's order, a range per run of close locations of one blob."""
+    # The loop runs once per leaf while the caller's thread plans (and waits for the GIL
+    # meanwhile): kept lean, a tensor's chunks read straight.
+    get = entries.get
+    gap = GAP_BYTES
     blob = None
     start = end = 0
     for root in roots:
         for path in subtree(entries, root):
-            entry = entries.get(path)
+            entry = get(path)
             kind = type(entry)
-            if kind is not TensorEntry and kind is not ObjectEntry:
+            if kind is TensorEntry:
+                locations = entry.chunks  # type: ignore[union-attr]
+            elif kind is ObjectEntry:
+                locations = entry.locations  # type: ignore[union-attr]
+            else:
                 continue
             if skip_replicated and entry.replicated:  # type: ignore[union-attr]
                 continue
-            for loc in entry.locations:  # type: ignore[union-attr]
-                if loc.blob == blob and end - GAP_BYTES <= loc.offset <= end + GAP_BYTES:
-                    start = min(start, loc.offset)
-                    end = max(end, loc.offset + loc.nbytes)
+            for loc in locations:
+                offset = loc.offset
+                if loc.blob == blob and end - gap <= offset <= end + gap:
+                    if offset < start:
+                        start = offset
+                    offset += loc.nbytes
+                    if offset > end:
+                        end = offset
                     continue
                 if blob is not None:
                     yield blob, start, end - start
-                blob, start, end = loc.blob, loc.offset, loc.offset + loc.nbytes
+                blob, start, end = loc.blob, offset, offset + loc.nbytes
     if blob is not None and end > start:
         yield blob, start, end - start
 
