@@ -215,3 +215,13 @@ def test_hints_run_on_the_io_loop_not_the_callers_thread(hints):
     finally:
         HintLog.read_ahead = original
     assert seen and threading.main_thread().name not in seen
+
+
+def test_only_a_store_that_reads_ahead_is_given_hints(tmp_path):
+    from snapshot._engine.linked import LinkedStorage
+    from storage_plugins.memory import MemoryStoragePlugin
+
+    fs = FSStoragePlugin(str(tmp_path))
+    assert read_ahead.takes_hints(fs)
+    assert read_ahead.takes_hints(LinkedStorage(fs, str(tmp_path), None))
+    assert not read_ahead.takes_hints(MemoryStoragePlugin("memory://x"))

@@ -22,6 +22,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from manifest import Entry, ObjectEntry, TensorEntry
 from snapshot._engine.flatten import subtree
 from snapshot._engine.io_loop import spawn
+from snapshot._engine.linked import LinkedStorage
 from storage_plugins import StoragePlugin
 
 logger = logging.getLogger(__name__)
@@ -70,6 +71,15 @@ def ranges(
                 blob, start, end = loc.blob, offset, offset + loc.nbytes
     if blob is not None and end > start:
         yield blob, start, end - start
+
+
+def takes_hints(plugin: StoragePlugin) -> bool:
+    """Whether ``plugin`` does anything with a hint (it has a ``read_ahead`` of its own; a
+    linked snapshot's storage hands hints to the snapshot's own store): for any other, finding
+    the ranges would only cost the planning caller the GIL."""
+    if isinstance(plugin, LinkedStorage):
+        plugin = plugin.own
+    return type(plugin).read_ahead is not StoragePlugin.read_ahead
 
 
 class ReadAhead:

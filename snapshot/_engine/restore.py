@@ -199,9 +199,13 @@ def _restore(
         try:
             plugin = stack.enter_context(open_linked(path, manifest, storage_options, options))
             # The device reads what the plan will ask for while the plan is made.
-            spans = read_ahead.ranges(entries, [roots[k] for k in keys], coordinator.world_size > 1)
-            ahead = ReadAhead(plugin, spans)
-            stack.callback(ahead.close)
+            ahead = None
+            if read_ahead.takes_hints(plugin):
+                spans = read_ahead.ranges(
+                    entries, [roots[k] for k in keys], coordinator.world_size > 1
+                )
+                ahead = ReadAhead(plugin, spans)
+                stack.callback(ahead.close)
             t_ahead = time.perf_counter()
             with_factories = set()
             for key in keys:
@@ -212,13 +216,14 @@ def _restore(
                     progress.targets[key] = targets
                 loader.add_subtree(roots[key], targets, owner=key)
             t_plan = time.perf_counter()
-            ahead.stop()
-            logger.debug(
-                "restore %s: %.1f MB read ahead while planning (%.3f s)",
-                path,
-                ahead.nbytes / 1e6,
-                t_plan - t_ahead,
-            )
+            if ahead is not None:
+                ahead.stop()
+                logger.debug(
+                    "restore %s: %.1f MB read ahead while planning (%.3f s)",
+                    path,
+                    ahead.nbytes / 1e6,
+                    t_plan - t_ahead,
+                )
             if verify_first:
                 checked = loader.verify_first(plugin, budget)
                 logger.debug(
