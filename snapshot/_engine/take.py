@@ -401,13 +401,11 @@ class TakeJob:
     # -- writing and commit -----------------------------------------------------------------
 
     def release_writes(self) -> None:
-        """On the caller's thread, after ``start``: the caller is done staging, and its staged
-        writes go to the I/O loop (take does it at the end of ``start``; async take as the last
-        step of its call). Async take hands them over from the runtime's copier thread: waking
-        the loop from the caller's thread writes to the loop's wake-up socket, which lets the
-        GIL go, and the loop's thread took it and ran the writes' start in Python while the
-        caller, a few instructions from returning, waited for it up to the interpreter's switch
-        interval. ``finish`` drains the pipeline only once they are handed over."""
+        """On the caller's thread, after ``start`` (take: at its end; async take: the call's
+        last step): the staged writes go to the I/O loop, async take's from the copier thread.
+        Waking the loop from the caller's thread lets the GIL go (a socket write): the loop's
+        thread ran the writes' start in Python while the caller, about to return, waited up to
+        the switch interval. ``finish`` drains the pipeline once they are handed over."""
         if self.pipeline is None:
             self._released.set()
         elif self.pool is None:
