@@ -15,6 +15,7 @@ import time
 import pytest
 import torch
 
+from benchmarks.common.system import drop_page_cache
 from manifest import DictEntry, new_location, new_tensor_entry
 from snapshot import Snapshot, StateDict
 from snapshot._engine import read_ahead
@@ -167,15 +168,6 @@ def _resident_fraction(path: str) -> float:
         m.close()
 
 
-def _drop(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
 @pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="no posix_fadvise on this platform")
 @pytest.mark.skipif(sys.platform != "linux", reason="mincore through libc: Linux")
 def test_the_local_plugins_hint_reads_into_the_page_cache_without_following_links(tmp_path):
@@ -183,7 +175,7 @@ def test_the_local_plugins_hint_reads_into_the_page_cache_without_following_link
     root.mkdir()
     blob = root / "blob"
     blob.write_bytes(os.urandom(8 << 20))
-    _drop(str(blob))
+    drop_page_cache(str(blob))
     if _resident_fraction(str(blob)) > 0.5:
         pytest.skip("this file system keeps the file in memory (tmpfs): nothing to read ahead")
     plugin = FSStoragePlugin(str(root))
