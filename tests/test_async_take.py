@@ -291,3 +291,21 @@ def test_a_failed_copy_off_the_callers_thread_fails_the_call_and_frees_its_buffe
     monkeypatch.undo()
     snap = Snapshot.async_take(str(tmp_path / "s"), {"s": state}).wait(timeout=60)
     assert torch.equal(snap.read_object("0/s/b"), torch.ones(3 << 20))
+
+
+def test_without_the_copier_thread_the_call_copies_and_hands_over_itself(tmp_path, monkeypatch):
+    """At interpreter shutdown no thread takes new work: the call then copies large tensors
+    and hands its writes over on its own thread."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    closed = ThreadPoolExecutor(1)
+    closed.shutdown()
+    monkeypatch.setattr(runtime.Runtime, "copier", lambda self: closed)
+    state = StateDict(big=torch.randn(3 << 20), small=torch.arange(10.0))
+    expected = {k: v.clone() for k, v in state.items()}
+    pending = Snapshot.async_take(str(tmp_path / "s"), {"s": state})
+    for t in state.values():
+        t.fill_(-1)
+    snap = pending.wait(timeout=60)
+    for k, v in expected.items():
+        assert torch.equal(snap.read_object(f"0/s/{k}"), v), k

@@ -100,7 +100,12 @@ class _Pooled:
     def _offloaded(self, p: Payload) -> Staged:
         lease = self.pool.acquire(p.nbytes, False)
         try:
-            lease.copying(runtime.get().copier().submit(copy_payload, p, lease.tensor, 0))
+            try:
+                copy = runtime.get().copier().submit(copy_payload, p, lease.tensor, 0)
+            except RuntimeError:  # the interpreter is shutting down: no new thread work
+                copy_payload(p, lease.tensor, 0)
+                return [lease.view], lease
+            lease.copying(copy)
         except BaseException:
             lease.release()
             raise
