@@ -25,6 +25,11 @@ from storage_plugins.base import UnsafeBlobError
 from storage_plugins.fs import FSStoragePlugin
 
 
+def _spans(entries, roots, skip_replicated):
+    """``read_ahead.ranges`` without the walk's steps."""
+    return [r for r in read_ahead.ranges(entries, roots, skip_replicated) if r is not None]
+
+
 def _tensor(blob: str, offset: int, nbytes: int, replicated: bool = False):
     return new_tensor_entry("uint8", (nbytes,), (new_location(blob, offset, nbytes),), replicated)
 
@@ -41,8 +46,8 @@ def test_ranges_merge_close_locations_per_blob_and_keep_to_the_roots():
         "0/b/w": _tensor("0/s2", 0, 10),
     }
     whole = [("0/s0", 0, 212), ("0/s1", 0, 50), ("0/s1", 50 + gap + 1, 10)]
-    assert list(read_ahead.ranges(entries, ["0/a"], False)) == whole
-    assert list(read_ahead.ranges(entries, ["0/b", "0/a"], False)) == [("0/s2", 0, 10), *whole]
+    assert _spans(entries, ["0/a"], False) == whole
+    assert _spans(entries, ["0/b", "0/a"], False) == [("0/s2", 0, 10), *whole]
 
 
 def test_ranges_leave_out_replicated_leaves_in_a_group():
@@ -51,8 +56,17 @@ def test_ranges_leave_out_replicated_leaves_in_a_group():
         "0/a/own": _tensor("0/s0", 0, 100),
         "0/a/shared": _tensor("0/rs0", 0, 100, replicated=True),
     }
-    assert [r[0] for r in read_ahead.ranges(entries, ["0/a"], False)] == ["0/s0", "0/rs0"]
-    assert [r[0] for r in read_ahead.ranges(entries, ["0/a"], True)] == ["0/s0"]
+    assert [r[0] for r in _spans(entries, ["0/a"], False)] == ["0/s0", "0/rs0"]
+    assert [r[0] for r in _spans(entries, ["0/a"], True)] == ["0/s0"]
+
+
+def test_the_walk_steps_aside_every_so_many_entries(monkeypatch):
+    monkeypatch.setattr(read_ahead, "WALK_STEP", 4)
+    keys = [f"t{i}" for i in range(10)]
+    entries = {"0/a": DictEntry(keys=keys)}
+    entries.update({f"0/a/{k}": _tensor("0/s0", 16 * i, 16) for i, k in enumerate(keys)})
+    walk = list(read_ahead.ranges(entries, ["0/a"], False))  # 11 entries: the dict and 10 leaves
+    assert walk == [None, None, ("0/s0", 0, 160)]
 
 
 class HintLog(FSStoragePlugin):

@@ -34,19 +34,30 @@ PIECE_BYTES = 8 << 20
 GAP_BYTES = 1 << 20
 
 
+# The walk of the entries yields None after this many of them, so that the I/O loop it runs on
+# serves its other work (the writes of a pending async take) and sees a stop in between.
+WALK_STEP = 1024
+
+
 def ranges(
     entries: Mapping[str, Entry], roots: Iterable[str], skip_replicated: bool
-) -> Iterator[tuple[str, int, int]]:
+) -> Iterator[tuple[str, int, int] | None]:
     """``(blob, offset, nbytes)`` covering the bytes of the dense tensors and objects under
-    ``roots``, in the manifest's order, a range per run of close locations of one blob."""
+    ``roots``, in the manifest's order, a range per run of close locations of one blob; and
+    None after every ``WALK_STEP`` entries walked."""
     # The loop runs once per leaf while the caller's thread plans (and waits for the GIL
     # meanwhile): kept lean, a tensor's chunks read straight.
     get = entries.get
     gap = GAP_BYTES
     blob = None
     start = end = 0
+    walked = 0
     for root in roots:
         for path in subtree(entries, root):
+            walked += 1
+            if walked == WALK_STEP:
+                walked = 0
+                yield None
             entry = get(path)
             kind = type(entry)
             if kind is TensorEntry:
@@ -85,15 +96,23 @@ def takes_hints(plugin: StoragePlugin) -> bool:
 class ReadAhead:
     """Hints ``ranges`` to ``plugin`` on the I/O loop, piece by piece, until ``stop``."""
 
-    def __init__(self, plugin: StoragePlugin, spans: Iterator[tuple[str, int, int]]) -> None:
+    def __init__(self, plugin: StoragePlugin, spans: Iterator[tuple[str, int, int] | None]) -> None:
         self._stopped = threading.Event()
         self.nbytes = 0  # hinted so far
         self._future = spawn(self._run(plugin, spans))
 
-    async def _run(self, plugin: StoragePlugin, spans: Iterator[tuple[str, int, int]]) -> None:
+    async def _run(
+        self, plugin: StoragePlugin, spans: Iterator[tuple[str, int, int] | None]
+    ) -> None:
         # The ranges are found here, on the I/O loop, while the caller's thread plans: the
         # first hint goes out after the first blob's entries, not after every entry's.
-        for blob, offset, nbytes in spans:
+        for span in spans:
+            if span is None:  # a step of the walk: the loop's other work, and a stop, first
+                if self._stopped.is_set():
+                    return
+                await asyncio.sleep(0)
+                continue
+            blob, offset, nbytes = span
             end = offset + nbytes
             while offset < end:
                 if self._stopped.is_set():
