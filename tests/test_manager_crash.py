@@ -1,6 +1,7 @@
 """A training loop saving through a CheckpointManager (async saves, retention, incremental
-takes), killed with SIGKILL at random moments and, every other run, while a save is under way: afterwards, ``restore()`` finds the newest
-committed step and restores it bitwise, and nothing that looks committed is broken."""
+takes), killed with SIGKILL at random moments and, every other run, while a save is under way:
+afterwards, ``restore()`` finds the newest committed step and restores it bitwise, and nothing
+that looks committed is broken."""
 
 from __future__ import annotations
 
