@@ -144,9 +144,9 @@ def test_hints_stop_once_the_reads_begin(hints):
     snap.restore({"s": out})
     assert all(torch.equal(out[k], state[k]) for k in state)
     assert HintLog.hints and HintLog.reads
-    # Hints of 0.2 s each during 0.3 s of planning: two began, then the reads, and no hint
-    # after them (the state's 12 pieces were never all hinted).
-    assert len(HintLog.hints) == 2
+    # Hints of 0.2 s each during 0.3 s of planning: a few began (two on an idle machine),
+    # then the reads, and no hint after them: the state's 12 pieces were never all hinted.
+    assert 1 <= len(HintLog.hints) < 12
     assert max(t for t, *_ in HintLog.hints) < min(HintLog.reads)
 
 
