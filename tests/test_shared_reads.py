@@ -118,6 +118,7 @@ def test_the_choice():
     assert shared_reads.decide(None, "/ckpt/step-1", ["a", "b"])  # a shared file system
     assert shared_reads.decide(None, "s3://bucket/step-1", ["a", "a"])
     assert not shared_reads.decide(None, "file:///ckpt", ["a", "a"])
+    assert not shared_reads.decide(None, "fs:///ckpt", ["a", "a"])
     assert shared_reads.decide(True, "/ckpt/step-1", ["a", "a"])
     assert not shared_reads.decide(False, "s3://b/x", ["a", "b"])
 

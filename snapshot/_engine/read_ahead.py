@@ -8,8 +8,9 @@ The hints stop once the reads begin (``ReadAhead.stop``): from then on the reads
 bytes themselves, and a hint would only compete with them. The ranges come from the manifest
 entries of the keys being restored, in the order the manifest lists them, merged per blob while
 they are close; the ranges of a sharded tensor (a rank reads its part of them, planned only
-from its targets) and, in a group, of replicated leaves (one rank may read those for all:
-``shared_reads``) are left out.
+from its targets) and, in a group where one rank may read replicated leaves for all
+(``shared_reads.decide``: not a local directory, or the option set), of those leaves are left
+out.
 """
 
 from __future__ import annotations

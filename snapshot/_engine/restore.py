@@ -201,9 +201,12 @@ def _restore(
             # The device reads what the plan will ask for while the plan is made.
             ahead = None
             if read_ahead.takes_hints(plugin):
-                spans = read_ahead.ranges(
-                    entries, [roots[k] for k in keys], coordinator.world_size > 1
+                # In a group, replicated leaves are left out where one rank may read them for
+                # all (``shared_reads``; its hosts are known only at its agreement).
+                once = coordinator.world_size > 1 and shared_reads.decide(
+                    options.read_replicated_once, path, []
                 )
+                spans = read_ahead.ranges(entries, [roots[k] for k in keys], once)
                 ahead = ReadAhead(plugin, spans)
                 stack.callback(ahead.close)
             t_ahead = time.perf_counter()

@@ -27,6 +27,7 @@ from manifest import Entry, TensorEntry
 from snapshot._engine.dist import Coordinator
 from snapshot._engine.loader import Loader
 from snapshot.options import Options
+from storage_plugins.registry import split_url
 
 # Small tensors travel packed into buffers of this size (one collective each), larger ones alone.
 PACK_BYTES = 16 << 20
@@ -45,8 +46,8 @@ class Shared:
 
 
 def is_local(path: str) -> bool:
-    """Whether ``path`` names a local directory (no URL scheme but ``file://``)."""
-    return "://" not in path or path.startswith("file://")
+    """Whether ``path`` names a local directory (no URL scheme, ``fs://`` or ``file://``)."""
+    return split_url(path)[0] in ("fs", "file")
 
 
 def candidates(loader: Loader, entries: Mapping[str, Entry], prefix: str) -> dict[str, int]:
