@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 
 import pytest
 import torch
@@ -96,7 +97,8 @@ def test_coalesce_rules():
     ]
     requests = coalesce(needs, max_gap_bytes=8, max_request_bytes=1000, max_scratch_bytes=1000)
     shape = sorted(
-        (r.blob, r.offset, [(s.nbytes, s.dest is None) for s in r.segments]) for r in requests
+        (r.blob, r.offset, [(s.nbytes, not isinstance(s, Need)) for s in r.segments])
+        for r in requests
     )
     assert shape == [
         ("a", 0, [(10, False), (10, False), (5, True), (5, False)]),  # a 5-byte gap read through
@@ -118,6 +120,71 @@ def test_coalesce_rules():
         max_scratch_bytes=0,
     )
     assert [r.nbytes for r in sized] == [20, 20, 20, 20, 20]
+
+
+def _coalesce_one_by_one(needs, max_gap, max_request, max_scratch):
+    """The rules of ``coalesce``, need by need: what its passes over a blob's needs must give."""
+    out = []
+    by_blob = {}
+    for need in needs:
+        by_blob.setdefault(need.blob, []).append(need)
+    for blob, group in by_blob.items():
+        group.sort(key=lambda n: n.offset)
+        current, end, size, scratch = [], 0, 0, 0
+        for need in group:
+            gap = need.offset - end
+            if (
+                current
+                and 0 <= gap <= max_gap
+                and size + gap + need.nbytes <= max_request
+                and scratch + need.scratch_bytes <= max_scratch
+            ):
+                current.append(need)
+                size, scratch = size + gap + need.nbytes, scratch + need.scratch_bytes
+            else:
+                if current:
+                    out.append((blob, [n.label for n in current]))
+                current, size, scratch = [need], need.nbytes, need.scratch_bytes
+            end = need.offset + need.nbytes
+        if current:
+            out.append((blob, [n.label for n in current]))
+    return out
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_coalesce_cuts_reads_as_the_rules_say_and_drops_gaps_into_scratch(seed):
+    rng = random.Random(seed)
+    needs = []
+    for blob in rng.sample(["s0", "s1", "s2"], rng.randint(1, 3)):
+        # Half the blobs are slab-like (no scratch, no overlap, small gaps: the passes in C),
+        # the others mix tiles, overlaps and far gaps (need by need).
+        slab = rng.random() < 0.5
+        pos = 0
+        for i in range(rng.randint(1, 60)):
+            pos += rng.choice([0, 4, 12] if slab else [0, 4, 50, 300])
+            pos -= 10 if not slab and rng.random() < 0.05 else 0
+            nbytes = rng.choice([1, 16, 100, 700])
+            scratch = nbytes if not slab and rng.random() < 0.1 else 0
+            need = _need(blob, max(pos, 0), nbytes, scratch)
+            need.label = f"{blob}#{i}"
+            needs.append(need)
+            pos = max(pos, 0) + nbytes
+    rng.shuffle(needs)
+    limits = (rng.choice([0, 12, 64]), rng.choice([700, 1000, 5000]), rng.choice([0, 700, 10**6]))
+    requests = coalesce(
+        needs, max_gap_bytes=limits[0], max_request_bytes=limits[1], max_scratch_bytes=limits[2]
+    )
+    got = [(r.blob, [s.label for s in r.segments if isinstance(s, Need)]) for r in requests]
+    assert got == _coalesce_one_by_one(needs, *limits)
+    for r in requests:
+        pos = r.offset
+        for s in r.segments:
+            if isinstance(s, Need):
+                assert s.offset == pos  # each need where the bytes before it end
+            else:
+                assert 0 < s.nbytes <= limits[0] and len(s.dest()) == s.nbytes  # a gap's scratch
+            pos += s.nbytes
+        assert r.nbytes == pos - r.offset
 
 
 @pytest.mark.parametrize("checksums", [True, False])

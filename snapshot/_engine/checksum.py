@@ -26,6 +26,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 from itertools import accumulate
+from operator import attrgetter
 
 from isal import isal_zlib
 
@@ -170,3 +171,7 @@ class WholeCheck:
     def __call__(self, value: int) -> None:
         if value != self.location.crc32:
             raise _mismatch(self.label, self.location, value)
+
+
+whole_crc = attrgetter("location.crc32")
+"""The CRC-32 a ``WholeCheck`` expects."""

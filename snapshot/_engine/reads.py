@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import functools
 import math
+from bisect import bisect_right
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from operator import attrgetter
+from itertools import chain, compress, count, pairwise
+from operator import add, attrgetter, ne, sub
 from typing import TypeVar
 
 import torch
@@ -24,7 +26,7 @@ import torch
 from manifest import Entry, Location, TensorEntry
 from snapshot._engine.checksum import LocationCheck, WholeCheck
 from snapshot._engine.landing import Landing, Tile
-from snapshot._engine.requests import ReadRequest, Segment
+from snapshot._engine.requests import ReadRequest, Segment, segment_bytes
 from snapshot._engine.serialization import (
     dtype_from_name,
     dtype_name,
@@ -55,7 +57,6 @@ class Need(Segment):
     done: Callable[[], None] | None
     scratch_bytes: int
     label: str
-    owner: str | None = None
 
 
 @dataclass
@@ -330,14 +331,33 @@ def coalesce(
     ``max_request_bytes`` and its scratch memory within ``max_scratch_bytes``. Overlapping needs
     (one blob range restored into two targets) start a new read, so every read is one
     sequential pass.
+
+    A blob's needs that read into their targets (no scratch), neither overlap nor leave a gap
+    over ``max_gap_bytes``, each within ``max_request_bytes`` (a slab's thousands of small
+    tensors) are cut into reads in C-level passes, a bisection per read; other blobs' needs go
+    one by one. The gaps of every read land in one scratch buffer, as large as the largest.
     """
     requests: list[ReadRequest] = []
-    by_blob: dict[str, list[Need]] = {}
-    for need in needs:
-        by_blob.setdefault(need.blob, []).append(need)
-    for blob, group in by_blob.items():
-        group.sort(key=attrgetter("offset"))
+    gaps = _GapSegments()
+    for blob, group in _by_blob(needs).items():
+        group.sort(key=_offset)
+        offsets = list(map(_offset, group))
+        ends = list(map(add, offsets, map(segment_bytes, group)))
+        between = list(map(sub, offsets[1:], ends))  # ``ends`` is one longer: zip stops first
+        if (
+            not any(map(_scratch, group))
+            and (not between or (min(between) >= 0 and max(between) <= max_gap_bytes))
+            and max(map(segment_bytes, group)) <= max_request_bytes
+        ):
+            first = 0
+            while first < len(group):
+                # The needs that end within one request's reach of the first: ``ends`` ascends.
+                last = bisect_right(ends, offsets[first] + max_request_bytes, first + 1)
+                requests.append(_request(blob, group[first:last], between[first : last - 1], gaps))
+                first = last
+            continue
         current: list[Need] = []
+        spaces: list[int] = []
         end = size = scratch = 0
         for need in group:
             gap = need.offset - end
@@ -348,36 +368,77 @@ def coalesce(
                 and scratch + need.scratch_bytes <= max_scratch_bytes
             ):
                 current.append(need)
+                spaces.append(gap)
                 size += gap + need.nbytes
                 scratch += need.scratch_bytes
             else:
                 if current:
-                    requests.append(_request(blob, current))
-                current = [need]
+                    requests.append(_request(blob, current, spaces, gaps))
+                current, spaces = [need], []
                 size, scratch = need.nbytes, need.scratch_bytes
             end = need.offset + need.nbytes
         if current:
-            requests.append(_request(blob, current))
+            requests.append(_request(blob, current, spaces, gaps))
+    gaps.land()
     return requests
+
+
+_offset = attrgetter("offset")
+_scratch = attrgetter("scratch_bytes")
+_label = attrgetter("label")
+_done = attrgetter("done")
+_blob = attrgetter("blob")
+
+
+def _by_blob(needs: Sequence[Need]) -> dict[str, list[Need]]:
+    """The needs of each blob, in their order; the runs of consecutive needs of one blob (a
+    blob's needs are mostly planned together) are found in C-level passes."""
+    groups: dict[str, list[Need]] = {}
+    if not needs:
+        return groups
+    blobs = list(map(_blob, needs))
+    cuts = [0, *compress(count(1), map(ne, blobs[1:], blobs)), len(needs)]
+    for lo, hi in pairwise(cuts):
+        groups.setdefault(blobs[lo], []).extend(needs[lo:hi])
+    return groups
+
+
+class _GapSegments(dict[int, "Segment | None"]):
+    """The segment of each gap length that coalesced reads skip (one object per length, shared
+    by every read; None for no gap). Each lands in one scratch buffer (``land``: once every
+    read is planned, the buffer as large as the largest gap)."""
+
+    def __missing__(self, nbytes: int) -> Segment | None:
+        seg = self[nbytes] = Segment(nbytes=nbytes, dest=None) if nbytes else None
+        return seg
+
+    def land(self) -> None:
+        segments = [seg for seg in self.values() if seg is not None]
+        if segments:
+            junk = memoryview(bytearray(max(seg.nbytes for seg in segments)))
+            for seg in segments:
+                seg.dest = functools.partial(junk.__getitem__, slice(0, seg.nbytes))
 
 
 def needs_label(needs: Iterable[Need]) -> str:
     """Names the entries some needs serve, for messages: ``"a"``, ``"a and 3 more"``."""
-    labels = {n.label for n in needs}
+    labels = set(map(_label, needs))
     first = min(labels)
     return first if len(labels) == 1 else f"{first} and {len(labels) - 1} more"
 
 
-def _request(blob: str, needs: list[Need]) -> ReadRequest:
-    segments: list[Segment] = []
-    pos = needs[0].offset
-    for need in needs:
-        if need.offset > pos:
-            segments.append(Segment(nbytes=need.offset - pos, dest=None))
-        segments.append(need)
-        pos = need.offset + need.nbytes
-    dones = [n.done for n in needs if n.done is not None]
-    label = needs_label(needs)
+def _request(blob: str, needs: list[Need], spaces: list[int], gaps: _GapSegments) -> ReadRequest:
+    """The read of ``needs`` (ascending, not overlapping), ``spaces[i]`` bytes apart from
+    ``needs[i]`` to the next."""
+    if any(spaces):
+        # Each need, then the gap after it (None, filtered out, where there is none).
+        after = list(map(gaps.__getitem__, spaces))
+        after.append(None)
+        pairs = chain.from_iterable(zip(needs, after, strict=True))
+        segments: list[Segment] = list(filter(None, pairs))
+    else:
+        segments = list(needs)
+    dones = list(filter(None, map(_done, needs)))
 
     def done() -> None:
         for d in dones:
@@ -387,7 +448,7 @@ def _request(blob: str, needs: list[Need]) -> ReadRequest:
         blob=blob,
         offset=needs[0].offset,
         segments=segments,
-        scratch_bytes=sum(n.scratch_bytes for n in needs),
+        scratch_bytes=sum(map(_scratch, needs)),
         done=done if dones else None,
-        label=label,
+        label=needs_label(needs),
     )

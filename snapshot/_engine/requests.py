@@ -35,19 +35,24 @@ class WriteRequest:
 
 @dataclass(slots=True)
 class Segment:
-    """``nbytes`` consecutive bytes of a read: into ``dest()``, or skipped when ``dest`` is None
-    (a gap between two wanted ranges, cheaper to read than to ask for separately). When
-    ``verify`` is set, it is given the CRC-32 of the bytes that landed (computed by the plugin as
-    it reads: ``readv_observed``), before the read's ``done`` runs; it raises if they are not
-    the bytes expected."""
+    """``nbytes`` consecutive bytes of a read, into ``dest()``. A plain segment is a gap between
+    two wanted ranges, cheaper to read than to ask for separately: its ``dest`` is scratch that
+    the bytes are dropped into (set once the reads are planned). When ``verify`` is set, it is
+    given the CRC-32 of the bytes that landed (computed by the plugin as it reads:
+    ``readv_observed``), before the read's ``done`` runs; it raises if they are not the bytes
+    expected. ``owner``: the app_state key whose live state the bytes land in (a ``Need``'s),
+    None for a gap."""
 
     nbytes: int
     dest: Callable[[], memoryview] | None
     verify: Callable[[int], None] | None = None
+    owner: str | None = None
 
 
 segment_bytes = attrgetter("nbytes")
 segment_verify = attrgetter("verify")
+segment_dest = attrgetter("dest")
+segment_owner = attrgetter("owner")
 
 
 @dataclass(slots=True)

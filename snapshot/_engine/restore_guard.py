@@ -33,7 +33,7 @@ import torch
 from manifest import Entry, Location
 from snapshot._engine.checksum import LocationCheck, WholeCheck
 from snapshot._engine.reads import Need
-from snapshot._engine.requests import ReadRequest
+from snapshot._engine.requests import ReadRequest, segment_owner
 from snapshot.errors import SnapshotError
 from snapshot.sharding.mapping import ShardedTensor
 
@@ -77,7 +77,7 @@ class RestoreProgress:
         the mark goes in front of the first segment's (a need: a request never starts with a
         gap). Only those requests are wrapped, not every need."""
         for req in requests:
-            owners = {getattr(seg, "owner", None) for seg in req.segments}
+            owners = set(map(segment_owner, req.segments))
             owners.discard(None)
             if not owners:
                 continue
