@@ -197,6 +197,16 @@ class StoragePlugin(abc.ABC):
         their errors (the read itself reports a missing or short blob).
         """
 
+    def read_ahead_now(self, path: str, offset: int, nbytes: int) -> bool:
+        """The hint of ``read_ahead``, given from a library thread (not the I/O loop), for a
+        plugin that acts on it at once with a short blocking call: True when it did. The
+        default returns False, and the library awaits ``read_ahead`` on its I/O loop instead.
+        The local plugin answers here (one ``posix_fadvise``, which queues the reads): a hint
+        then costs no hand-over between threads, each of which would take the GIL from the
+        restore planning meanwhile.
+        """
+        return False
+
     async def size(self, path: str) -> int | None:
         """The length of blob ``path`` in bytes, or None when this store cannot tell cheaply
         (the default). The library compares it with what the manifest records, so that a blob

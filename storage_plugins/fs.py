@@ -476,6 +476,13 @@ class FSStoragePlugin(StoragePlugin):
         if hasattr(os, "posix_fadvise"):
             await self._run(self._read_ahead_sync, path, offset, nbytes)
 
+    def read_ahead_now(self, path: str, offset: int, nbytes: int) -> bool:
+        if type(self).read_ahead is not FSStoragePlugin.read_ahead:
+            return False  # a subclass's own hint: the library awaits it
+        if hasattr(os, "posix_fadvise"):
+            self._read_ahead_sync(path, offset, nbytes)
+        return True
+
     # -- metadata --------------------------------------------------------------------------------
 
     def _size_sync(self, path: str) -> int:

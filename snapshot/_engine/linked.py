@@ -140,6 +140,13 @@ class LinkedStorage(StoragePlugin):
         plugin, blob = self._route(path)
         await plugin.read_ahead(blob, offset, nbytes)
 
+    def read_ahead_now(self, path: str, offset: int, nbytes: int) -> bool:
+        # Off the I/O loop: the snapshot's own blobs only (a sibling's plugin is made on the
+        # loop, by ``_route``); a sibling's hint goes through ``read_ahead``.
+        if reference_of(path) is not None:
+            return False
+        return self.own.read_ahead_now(path, offset, nbytes)
+
     async def readv_observed(
         self,
         path: str,
