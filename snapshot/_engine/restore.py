@@ -206,7 +206,12 @@ def _restore(
                 once = coordinator.world_size > 1 and shared_reads.decide(
                     options.read_replicated_once, path, []
                 )
-                spans = read_ahead.ranges(entries, [roots[k] for k in keys], once)
+                try:
+                    spans = read_ahead.ranges(entries, [roots[k] for k in keys], once)
+                except SnapshotError as e:
+                    # A damaged manifest: the planning next reports it, naming the snapshot.
+                    logger.debug("restore %s: no read-ahead: %s", path, e)
+                    spans = []
                 ahead = ReadAhead(plugin, spans)
                 stack.callback(ahead.close)
             t_ahead = time.perf_counter()
