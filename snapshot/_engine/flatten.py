@@ -32,7 +32,7 @@ def join(parent: str, key: object) -> str:
     return child_prefix(parent) + escape_key(key)
 
 
-def _dict_names(d: Mapping[Any, Any]) -> list[str] | None:
+def dict_names(d: Mapping[Any, Any]) -> list[str] | None:
     """The path components of a dict's keys, or None when the keys cannot be recorded in the
     manifest or would not give distinct child paths."""
     keys = list(d)
@@ -61,6 +61,8 @@ def _encodable(s: str) -> bool:
 
 
 _CONTAINERS = (dict, OrderedDict, list, tuple)
+CONTAINER_TYPES = frozenset(_CONTAINERS)
+"""The types ``flatten`` descends into (exact types): every other value is a leaf."""
 _Node = DictEntry | ListEntry | TupleEntry
 
 
@@ -73,7 +75,7 @@ def _expand(value: Any) -> tuple[_Node, Iterator[tuple[str, Any]]] | None:
         )
         return node, zip(map(str, range(len(value))), value, strict=True)
     if kind is dict or kind is OrderedDict:
-        names = _dict_names(value)
+        names = dict_names(value)
         if names is None:
             return None
         node = DictEntry(keys=tuple(value), ordered=kind is OrderedDict)

@@ -13,6 +13,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Mapping
+from itertools import repeat
 from typing import Any
 
 import torch
@@ -24,7 +25,14 @@ from snapshot._engine.app_state import check_app_state, ordered_keys, state_dict
 from snapshot._engine.claims import ClaimCheck
 from snapshot._engine.context import gc_paused
 from snapshot._engine.dist import Coordinator
-from snapshot._engine.flatten import escape_key, flatten, subtree
+from snapshot._engine.flatten import (
+    CONTAINER_TYPES,
+    child_prefix,
+    dict_names,
+    escape_key,
+    flatten,
+    subtree,
+)
 from snapshot._engine.handlers.dense import is_dense_tensor
 from snapshot._engine.linked import open_linked
 from snapshot._engine.loader import Loader, tile_bytes
@@ -375,6 +383,16 @@ def _restorable_keys(
 def _targets(state: Any, root: str) -> tuple[dict[str, Any], bool]:
     """The leaves of a state to restore, by path (what a ``ShardedTensorFactory`` builds
     stands in for it), and whether there was a factory."""
+    if type(state) is dict:
+        # Most states: a dict of tensors, paths and values taken in C-level passes.
+        names = dict_names(state)
+        values = list(state.values())
+        if (
+            names is not None
+            and not any(map(CONTAINER_TYPES.__contains__, map(type, values)))
+            and not any(map(isinstance, values, repeat(ShardedTensorFactory)))
+        ):
+            return dict(zip(map(child_prefix(root).__add__, names), values, strict=True)), False
     targets: dict[str, Any] = {}
     factories = False
     for p, node, value in flatten(state, root):
