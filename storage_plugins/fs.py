@@ -21,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from itertools import islice
 from typing import Any, TypeVar
 
+from storage_plugins import host
 from storage_plugins.base import BlobTooLargeError, Buffer, StoragePlugin, UnsafeBlobError
 from storage_plugins.fs_io import (
     O_DIRECT,
@@ -79,45 +80,12 @@ _DIRECT_MIN_BYTES = 1 << 20
 # A file whose views average this much or more (a large tensor: one view) is written directly.
 _DIRECT_MIN_MEAN_VIEW_BYTES = 256 << 10
 
-# A VM guest whose kernel reports its free memory to the host (virtio-balloon's free page
-# reporting) gives freed pages back a second or two after they are freed, and allocating them
-# again then faults on the host: writing through the page cache then pays those faults for
-# every page, where direct I/O reuses one buffer per thread (figures:
-# benchmarks/results/2026-11-23-ba9f183-8e60bb4-settled-memory.md). On such a machine "auto"
-# writes directly also without fsync. Read from sysfs: the balloon device (virtio device id 5)
-# and its negotiated feature bits, one character per bit (VIRTIO_BALLOON_F_REPORTING is bit 5).
-_VIRTIO_DEVICES = "/sys/bus/virtio/devices"
-_VIRTIO_ID_BALLOON = 5
-_VIRTIO_BALLOON_F_REPORTING = 5
-
-
-def reports_free_memory() -> bool:
-    """Whether this machine is a VM that hands its free memory back to the host (a virtio
-    balloon device with free page reporting)."""
-    devices = _VIRTIO_DEVICES
-    try:
-        names = os.listdir(devices)
-    except OSError:
-        return False
-    for name in names:
-        try:
-            with open(os.path.join(devices, name, "device")) as f:
-                if int(f.read().strip(), 16) != _VIRTIO_ID_BALLOON:
-                    continue
-            with open(os.path.join(devices, name, "features")) as f:
-                bits = f.read().strip()
-        except (OSError, ValueError):
-            continue
-        if len(bits) > _VIRTIO_BALLOON_F_REPORTING and bits[_VIRTIO_BALLOON_F_REPORTING] == "1":
-            return True
-    return False
-
 
 @functools.cache
 def _direct_without_fsync() -> bool:
     """What ``direct_io="auto"`` does when fsync is off: direct on a VM that reports free
     memory (decided once per process, said once in the log)."""
-    if not O_DIRECT or not reports_free_memory():
+    if not O_DIRECT or not host.reports_free_memory():
         return False
     logger.info(
         "this machine hands its free memory back to the host (virtio-balloon free page "

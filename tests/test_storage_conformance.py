@@ -523,7 +523,7 @@ def test_fs_direct_writes_every_byte_once_from_aligned_memory(tmp_path, monkeypa
 
 
 class _FakeVirtio:
-    """A sysfs tree of virtio devices for ``fs.reports_free_memory`` to read."""
+    """A sysfs tree of virtio devices for ``host.reports_free_memory`` to read."""
 
     def __init__(self, root) -> None:
         self.root = root
@@ -540,9 +540,9 @@ class _FakeVirtio:
 
 @pytest.fixture
 def fake_virtio(tmp_path, monkeypatch):
-    from storage_plugins import fs
+    from storage_plugins import fs, host
 
-    monkeypatch.setattr(fs, "_VIRTIO_DEVICES", str(tmp_path / "virtio-devices"))
+    monkeypatch.setattr(host, "_VIRTIO_DEVICES", str(tmp_path / "virtio-devices"))
     fs._direct_without_fsync.cache_clear()  # decided once per process: again from the fake
     yield _FakeVirtio(tmp_path / "virtio-devices")
     fs._direct_without_fsync.cache_clear()  # and again from the machine after the test
@@ -560,18 +560,18 @@ def fake_virtio(tmp_path, monkeypatch):
     ],
 )
 def test_fs_reports_free_memory_reads_the_balloon_device_features(fake_virtio, devices, expected):
-    from storage_plugins import fs
+    from storage_plugins import host
 
     for name, ident, bits in devices:
         fake_virtio.device(name, ident, bits)
-    assert fs.reports_free_memory() is expected
+    assert host.reports_free_memory() is expected
 
 
 def test_fs_reports_free_memory_is_false_without_virtio(tmp_path, monkeypatch):
-    from storage_plugins import fs
+    from storage_plugins import host
 
-    monkeypatch.setattr(fs, "_VIRTIO_DEVICES", str(tmp_path / "missing"))
-    assert fs.reports_free_memory() is False
+    monkeypatch.setattr(host, "_VIRTIO_DEVICES", str(tmp_path / "missing"))
+    assert host.reports_free_memory() is False
 
 
 def test_fs_auto_direct_without_fsync_is_said_once_per_process(fake_virtio, caplog):
