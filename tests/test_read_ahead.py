@@ -19,6 +19,7 @@ from benchmarks.common.system import drop_page_cache
 from manifest import DictEntry, new_location, new_tensor_entry
 from snapshot import Snapshot, StateDict
 from snapshot._engine import read_ahead
+from snapshot._engine.flatten import subtree
 from snapshot._engine.loader import Loader
 from storage_plugins import register_storage_plugin, unregister_storage_plugin
 from storage_plugins.base import UnsafeBlobError
@@ -26,7 +27,7 @@ from storage_plugins.fs import FSStoragePlugin
 
 
 def _spans(entries, roots, skip_replicated):
-    return read_ahead.ranges(entries, roots, skip_replicated)
+    return read_ahead.ranges(entries, [subtree(entries, r) for r in roots], skip_replicated)
 
 
 def _tensor(blob: str, offset: int, nbytes: int, replicated: bool = False):

@@ -141,10 +141,17 @@ class Loader:
 
     # -- planning --------------------------------------------------------------------------------
 
-    def add_subtree(self, root: str, targets: Mapping[str, Any], owner: str | None = None) -> None:
+    def add_subtree(
+        self,
+        root: str,
+        targets: Mapping[str, Any],
+        owner: str | None = None,
+        paths: Sequence[str] | None = None,
+    ) -> None:
         """Plans the reads of every leaf under ``root`` into ``targets`` (by path); the needs
         that land bytes in a target (the live state of app_state key ``owner``) are marked with
-        ``owner`` (``Need.owner``)."""
+        ``owner`` (``Need.owner``). ``paths``: ``subtree(entries, root)``, where the caller
+        listed it already."""
         entries = self.entries
         needs, tensors = self.needs, self.tensors
         piece_bytes, verify = self.piece_bytes, self.verify
@@ -152,7 +159,7 @@ class Loader:
         with naming_snapshot(self.where):
             # Checked when the first read that allocates is planned (``claim``), if any.
             self._unclaimed = (root, targets)
-            for p in subtree(entries, root):
+            for p in subtree(entries, root) if paths is None else paths:
                 entry = entries.get(p)
                 if entry is None:
                     raise CorruptSnapshotError(

@@ -21,10 +21,9 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 
 from manifest import Entry, ObjectEntry, TensorEntry
-from snapshot._engine.flatten import subtree
 from snapshot._engine.io_loop import run
 from snapshot._engine.linked import LinkedStorage
 from storage_plugins import StoragePlugin
@@ -42,18 +41,19 @@ GAP_BYTES = 1 << 20
 
 
 def ranges(
-    entries: Mapping[str, Entry], roots: Iterable[str], skip_replicated: bool
+    entries: Mapping[str, Entry], walks: Iterable[Sequence[str]], skip_replicated: bool
 ) -> list[tuple[str, int, int]]:
-    """``(blob, offset, nbytes)`` covering the bytes of the dense tensors and objects under
-    ``roots``, in the manifest's order, a range per run of close locations of one blob."""
+    """``(blob, offset, nbytes)`` covering the bytes of the dense tensors and objects at the
+    paths of ``walks`` (each root's ``subtree``, which the planning then uses too), in the
+    manifest's order, a range per run of close locations of one blob."""
     # One iteration per leaf, before the planning: kept lean, a tensor's chunks read straight.
     get = entries.get
     gap = GAP_BYTES
     out: list[tuple[str, int, int]] = []
     blob = None
     start = end = 0
-    for root in roots:
-        for path in subtree(entries, root):
+    for walk in walks:
+        for path in walk:
             entry = get(path)
             kind = type(entry)
             if kind is TensorEntry:

@@ -208,6 +208,7 @@ def _restore(
             plugin = stack.enter_context(open_linked(path, manifest, storage_options, options))
             # The device reads what the plan will ask for while the plan is made.
             ahead = None
+            walks: dict[str, list[str]] = {}  # each key's paths, where the read-ahead listed them
             if read_ahead.takes_hints(plugin):
                 # In a group, replicated leaves are left out where one rank may read them for
                 # all (``shared_reads``; its hosts are known only at its agreement).
@@ -215,11 +216,12 @@ def _restore(
                     options.read_replicated_once, path, []
                 )
                 try:
-                    spans = read_ahead.ranges(entries, [roots[k] for k in keys], once)
+                    walks = {k: subtree(entries, roots[k]) for k in keys}  # the planning's too
+                    spans = read_ahead.ranges(entries, walks.values(), once)
                 except SnapshotError as e:
                     # A damaged manifest: the planning next reports it, naming the snapshot.
                     logger.debug("restore %s: no read-ahead: %s", path, e)
-                    spans = []
+                    walks, spans = {}, []
                 ahead = ReadAhead(plugin, spans)
                 stack.callback(ahead.close)
             t_ahead = time.perf_counter()
@@ -230,7 +232,7 @@ def _restore(
                     with_factories.add(key)
                 if progress is not None:
                     progress.targets[key] = targets
-                loader.add_subtree(roots[key], targets, owner=key)
+                loader.add_subtree(roots[key], targets, owner=key, paths=walks.get(key))
             t_plan = time.perf_counter()
             if ahead is not None:
                 ahead.stop()
