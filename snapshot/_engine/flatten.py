@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from itertools import compress, count, repeat
 from operator import is_
 from typing import Any
@@ -36,18 +36,25 @@ def dict_names(d: Mapping[Any, Any]) -> list[str] | None:
     """The path components of a dict's keys, or None when the keys cannot be recorded in the
     manifest or would not give distinct child paths."""
     keys = list(d)
-    if set(map(type, keys)) == {str}:
-        # Most dicts (a state dict of 20,000 tensors): string keys needing no escapes, checked
-        # in a few passes in C. Distinct keys are distinct names.
-        text = "".join(keys)
-        if "%" not in text and "/" not in text and _encodable(text):
-            return keys
+    # Most dicts (a state dict of 20,000 tensors): distinct keys are distinct names.
+    text = _verbatim_text(keys)
+    if text is not None and _encodable(text):
+        return keys
     names = []
     for k in d:
         if type(k) not in _KEY_TYPES or (type(k) is str and not _encodable(k)):
             return None
         names.append(escape_key(k))
     return names if len(set(names)) == len(names) else None
+
+
+def _verbatim_text(keys: Sequence[Any]) -> str | None:
+    """The keys' text, joined, when each is a string that is its own path component (no
+    escapes needed: checked in a few passes in C); else None."""
+    if not set(map(type, keys)) <= {str}:
+        return None
+    text = "".join(keys)
+    return None if "%" in text or "/" in text else text
 
 
 def _encodable(s: str) -> bool:
@@ -203,8 +210,6 @@ def _children(entries: Mapping[str, Entry], path: str, entry: Any) -> list[str]:
     prefix = child_prefix(path)
     if type(entry) is DictEntry:
         keys = entry.keys
-        # Most keys are strings that need no escapes (checked in one pass over their text).
-        text = "".join(keys) if set(map(type, keys)) <= {str} else "/"
-        names = keys if "%" not in text and "/" not in text else map(escape_key, keys)
+        names = keys if _verbatim_text(keys) is not None else map(escape_key, keys)
         return list(map(prefix.__add__, names))
     return list(map(prefix.__add__, map(str, _indices(entries, path, entry))))
