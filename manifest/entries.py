@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
+from itertools import chain
+from operator import add, attrgetter
 from typing import Any, ClassVar
 
 # The values a manifest stores inline. bytes are stored base64-encoded.
@@ -388,12 +390,15 @@ class Manifest:
         manifest records in it (a blob holds nothing beyond its last location). For a blob of
         a sibling snapshot (``reference_of``), the length it must have at least: this manifest
         sees only the ranges it reuses; the sibling's own manifest bounds it."""
+        # Every restore asks (``bases`` too): the ranges are gathered and their ends computed
+        # in C-level passes, then compared one by one.
+        locs = list(chain.from_iterable(map(_LOCATIONS, self.entries.values())))
+        ends = map(add, map(_OFFSET, locs), map(_NBYTES, locs))
         sizes: dict[str, int] = {}
-        for entry in self.entries.values():
-            for loc in entry.locations:
-                end = loc.offset + loc.nbytes
-                if end > sizes.get(loc.blob, -1):
-                    sizes[loc.blob] = end
+        get = sizes.get
+        for blob, end in zip(map(_BLOB, locs), ends, strict=True):
+            if end > get(blob, -1):
+                sizes[blob] = end
         return sizes
 
     @functools.cached_property
@@ -401,13 +406,14 @@ class Manifest:
         """The names of the sibling snapshots whose blobs this one's entries point at (its base
         and the bases that base pointed at), sorted; empty for a snapshot that holds all its
         bytes."""
-        names = set()
-        for entry in self.entries.values():
-            for loc in entry.locations:
-                ref = reference_of(loc.blob)
-                if ref is not None:
-                    names.add(ref[0])
-        return tuple(sorted(names))
+        refs = filter(None, map(reference_of, self.blob_sizes))  # each blob once
+        return tuple(sorted({name for name, _ in refs}))
+
+
+_LOCATIONS = attrgetter("locations")
+_BLOB = attrgetter("blob")
+_OFFSET = attrgetter("offset")
+_NBYTES = attrgetter("nbytes")
 
 
 # A range in a sibling snapshot's blob is written ``../<name>/<blob>`` (``Location``).

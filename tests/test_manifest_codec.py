@@ -359,3 +359,47 @@ def test_tensor_lines_out_of_the_common_layout_are_still_decoded_and_checked():
     big = seal_manifest(GOLDEN_TEXT.replace("3735928559", str(2**32)).encode())
     with pytest.raises(mf.ManifestDecodeError, match=r"0/m/w: expected \[blob, offset"):
         mf.loads(big)
+
+
+def test_blob_sizes_and_bases_cover_every_kind_of_range():
+    """Each blob's size is the end of its last range, whatever the entry kind or the order of
+    the ranges; the bases are the sibling snapshots that some range points into."""
+
+    def loc(blob: str, offset: int, nbytes: int) -> Location:
+        return Location(blob=blob, offset=offset, nbytes=nbytes)
+
+    m = Manifest(
+        format_version=5,
+        entries={
+            "0/s": DictEntry(keys=("t", "o", "sh", "e", "p")),
+            # Chunks out of order: the later one in the blob is listed first.
+            "0/s/t": TensorEntry(
+                dtype="uint8", shape=(30,), chunks=(loc("0/a", 20, 10), loc("0/a", 0, 20))
+            ),
+            "0/s/o": ObjectEntry(
+                serializer="torch_save", obj_type="int", location=loc("0/b", 5, 7)
+            ),
+            "0/s/sh": mf.ShardedTensorEntry(
+                key="k",
+                dtype="uint8",
+                shape=(8,),
+                shards=(
+                    mf.Shard(offsets=(0,), sizes=(4,), chunks=(loc("0/c", 0, 4),)),
+                    mf.Shard(offsets=(4,), sizes=(4,), chunks=(loc("../s1/0/a", 96, 4),)),
+                ),
+            ),
+            "0/s/e": TensorEntry(dtype="uint8", shape=(0,), chunks=(loc("0/d", 0, 0),)),
+            "0/s/p": PrimitiveEntry(value=3),
+            "0/u": TensorEntry(dtype="uint8", shape=(2,), chunks=(loc("../s0/0/x", 2, 2),)),
+        },
+    )
+    assert m.blob_sizes == {
+        "0/a": 30,
+        "0/b": 12,
+        "0/c": 4,
+        "../s1/0/a": 100,
+        "0/d": 0,
+        "../s0/0/x": 4,
+    }
+    assert m.bases == ("s0", "s1")
+    assert Manifest(entries={"0/p": PrimitiveEntry(value=1)}).bases == ()
