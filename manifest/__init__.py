@@ -5,6 +5,7 @@ line), ``decode`` (every field of an entry checked), ``yaml_loader`` (the safe Y
 
 from manifest.codec import (
     EntryFormatter,
+    check_head,
     dumps,
     dumps_entries,
     entry_to_dict,
@@ -73,6 +74,7 @@ __all__ = [
     "UnsafeManifestError",
     "UnsupportedFormatError",
     "check_blob_path",
+    "check_head",
     "dumps",
     "dumps_entries",
     "entry_to_dict",

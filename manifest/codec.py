@@ -409,6 +409,51 @@ def _parse_fast(text: str, source: str = "manifest") -> dict[str, Any] | None:
     return doc
 
 
+def _header(doc: Any, source: str) -> tuple[int, int, dict[str, Any]]:
+    """The format version, world size and metadata of a decoded manifest document ``doc``,
+    each checked."""
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
+        raise ManifestDecodeError(f"{source} is not a {FORMAT_NAME} manifest")
+    version = doc.get("format_version")
+    if type(version) is not int:
+        raise ManifestDecodeError(f"{source}: format_version missing or not an integer")
+    if version > FORMAT_VERSION:
+        raise UnsupportedFormatError(
+            f"{source} has format version {version}, newer than the {FORMAT_VERSION} this "
+            "library reads; upgrade statesnap to read it"
+        )
+    if version < 1:
+        raise ManifestDecodeError(f"{source}: invalid format_version {version}")
+    world_size = doc.get("world_size")
+    if type(world_size) is not int or world_size < 1:
+        raise ManifestDecodeError(
+            f"{source}: world_size: expected an integer >= 1, got {world_size!r}"
+        )
+    metadata = doc.get("metadata", {})
+    if not isinstance(metadata, dict):
+        raise ManifestDecodeError(f"{source}: metadata must be a mapping")
+    return version, world_size, metadata
+
+
+def check_head(data: bytes, source: str = "manifest", *, verify: bool = True) -> None:
+    """The checks of ``loads`` that need none of the entries decoded: the checksum line (with
+    ``verify``) and, when the header is laid out as ``dumps`` writes it, the header's fields (a
+    format version newer than this library's included). ``loads`` makes every check again.
+
+    Raises:
+        The errors of ``loads``, for those checks.
+    """
+    body = _split_trailer(data, source, verify)
+    end = body.find(f"\n{_ENTRIES_LINE}\n".encode())
+    if end < 0:
+        return  # not the writer's layout: ``loads`` reports what it is
+    try:
+        head = body[:end].decode("utf-8")
+    except UnicodeDecodeError:
+        return  # ``loads`` reports it
+    _header(load_yaml(head, source), source)
+
+
 def loads(data: bytes, source: str = "manifest", *, verify: bool = True) -> Manifest:
     """Parses manifest bytes; ``source`` names the file in error messages.
 
@@ -431,26 +476,7 @@ def loads(data: bytes, source: str = "manifest", *, verify: bool = True) -> Mani
     doc = _parse_fast(text, source)
     if doc is None:
         doc = load_yaml(text, source)
-    if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
-        raise ManifestDecodeError(f"{source} is not a {FORMAT_NAME} manifest")
-    version = doc.get("format_version")
-    if type(version) is not int:
-        raise ManifestDecodeError(f"{source}: format_version missing or not an integer")
-    if version > FORMAT_VERSION:
-        raise UnsupportedFormatError(
-            f"{source} has format version {version}, newer than the {FORMAT_VERSION} this "
-            "library reads; upgrade statesnap to read it"
-        )
-    if version < 1:
-        raise ManifestDecodeError(f"{source}: invalid format_version {version}")
-    world_size = doc.get("world_size")
-    if type(world_size) is not int or world_size < 1:
-        raise ManifestDecodeError(
-            f"{source}: world_size: expected an integer >= 1, got {world_size!r}"
-        )
-    metadata = doc.get("metadata", {})
-    if not isinstance(metadata, dict):
-        raise ManifestDecodeError(f"{source}: metadata must be a mapping")
+    version, world_size, metadata = _header(doc, source)
     entries = doc.get("entries")
     if not isinstance(entries, dict):
         raise ManifestDecodeError(f"{source}: entries missing or not a mapping")

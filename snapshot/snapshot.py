@@ -10,11 +10,11 @@ import torch
 import torch.distributed
 
 from manifest import Entry, Manifest
-from snapshot._engine import arguments, dist, runtime, writers
+from snapshot._engine import arguments, dist, read_ahead, runtime, writers
 from snapshot._engine.async_queue import AsyncRequest
 from snapshot._engine.context import gc_paused
 from snapshot._engine.flatten import escape_key
-from snapshot._engine.manifest_io import decode_manifest, load_manifest
+from snapshot._engine.manifest_io import decode_manifest, read_manifest
 from snapshot._engine.restore import rank_prefix, rank_view, read_object
 from snapshot._engine.restore import restore as restore_app_state
 from snapshot._engine.take import TakeJob
@@ -42,10 +42,16 @@ class Snapshot:
             ``checksums``...; :class:`~snapshot.Options`, fields left None from the
             environment).
 
+    The manifest is read, and its checksum line and header checked, here; its entries are
+    decoded on first use (``restore``, ``read_object``, ``get_manifest``, ``metadata``), which
+    raises where they are damaged.
+
     Raises:
         SnapshotNotFoundError: no committed snapshot at ``path``
             (:class:`IncompleteSnapshotError` when a take started there but never committed).
-        CorruptSnapshotError: the manifest cannot be decoded.
+        ChecksumError: the manifest's bytes do not match their checksum line.
+        CorruptSnapshotError: the manifest's header cannot be decoded (its entries: on first
+            use).
         IncompatibleSnapshotError: the manifest is of a newer format.
     """
 
@@ -67,18 +73,22 @@ class Snapshot:
         self.storage_options = storage_options
         # Whether a manifest handed over by a take is checked when decoded.
         self._verify_manifest = bool(resolved.checksums)
-        # A take hands over the bytes of the manifest it wrote, decoded on first use: a
-        # training script that takes a snapshot and goes on never pays for the decoding.
-        self._decoded: Manifest | bytes = (
-            _manifest if _manifest is not None else load_manifest(path, storage_options, resolved)
-        )
+        # The manifest's bytes are decoded on first use: a take hands over those it wrote (a
+        # training script that takes a snapshot and goes on never pays for the decoding), and a
+        # restore finds in the bytes read here what it will read, so that the store reads them
+        # while the entries are decoded (``restore_app_state``'s ``ahead``). The checks that
+        # need no decoding are made here (``read_manifest``).
+        self._where = path
+        if _manifest is None:
+            _manifest, self._where = read_manifest(path, storage_options, resolved)
+        self._decoded: Manifest | bytes = _manifest
         self._metadata: SnapshotMetadata | None = None  # built on first use of ``metadata``
 
     @property
     def _manifest(self) -> Manifest:
         m = self._decoded
         if isinstance(m, bytes):
-            m = self._decoded = decode_manifest(m, self.path, verify=self._verify_manifest)
+            m = self._decoded = decode_manifest(m, self._where, verify=self._verify_manifest)
         return m
 
     def __repr__(self) -> str:
@@ -312,18 +322,37 @@ class Snapshot:
         arguments.flag(strict, "Snapshot.restore", "strict", self.path)
         arguments.flag(verify_first, "Snapshot.restore", "verify_first", self.path)
         resolved = resolve(options)
-        # Only a snapshot whose parts a registered strategy reads is restored.
-        writers.check_readable(self._manifest.metadata, self.path)
-        restore_app_state(
-            self._manifest,
-            app_state,
-            path=self.path,
-            coordinator=dist.resolve(self.pg, resolved),
-            storage_options=self.storage_options,
-            options=resolved,
-            strict=strict,
-            verify_first=verify_first,
-        )
+        coordinator = dist.resolve(self.pg, resolved)
+        ahead = None
+        if isinstance(self._decoded, bytes) and coordinator.world_size == 1:
+            # One process restoring: the store reads the keys' tensors while the manifest is
+            # decoded (in a group, which leaves a rank reads is known once it is).
+            ahead = read_ahead.early(
+                self._decoded,
+                [f"0/{escape_key(k)}" for k in app_state if isinstance(k, str)]
+                if isinstance(app_state, dict)
+                else [],
+                self.path,
+                self.storage_options,
+                resolved,
+            )
+        try:
+            # Only a snapshot whose parts a registered strategy reads is restored.
+            writers.check_readable(self._manifest.metadata, self.path)
+            restore_app_state(
+                self._manifest,
+                app_state,
+                path=self.path,
+                coordinator=coordinator,
+                storage_options=self.storage_options,
+                options=resolved,
+                strict=strict,
+                verify_first=verify_first,
+                ahead=ahead,
+            )
+        finally:
+            if ahead is not None:
+                ahead.close()
 
     def read_object(
         self,

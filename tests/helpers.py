@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from snapshot import Snapshot
 from snapshot._engine.serialization import as_copyable, tensor_memoryview
 
 
@@ -19,6 +20,14 @@ def seal_manifest(body: bytes) -> bytes:
     if body and not body.endswith(b"\n"):
         body += b"\n"
     return body + b"# crc32 %08x\n" % zlib.crc32(body)
+
+
+def open_decoded(path: str, **kwargs: Any) -> Snapshot:
+    """``Snapshot(path, **kwargs)`` with its manifest decoded: opening checks the manifest's
+    checksum line and header; its entries are decoded on first use."""
+    snap = Snapshot(path, **kwargs)
+    snap.get_manifest()
+    return snap
 
 
 def raw_bytes(t: torch.Tensor) -> bytes:

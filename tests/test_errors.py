@@ -30,7 +30,7 @@ from snapshot import (
     StorageError,
     UnsupportedValueError,
 )
-from tests.helpers import seal_manifest
+from tests.helpers import open_decoded, seal_manifest
 from tests.plugins import FAULTS, fail_writes, plain_blob
 
 
@@ -336,6 +336,38 @@ def test_damaged_manifest(tmp_path, damage, error, pattern):
         Snapshot(path).restore({"s": StateDict()})
 
 
+def test_opening_checks_what_needs_no_decoding_and_the_entries_are_decoded_on_first_use(tmp_path):
+    """A manifest's checksum line and header are checked when the snapshot is opened; a forged
+    manifest (its checksum matching) whose entries are damaged opens, and every use of them
+    raises."""
+    path = str(tmp_path / "s")
+    _take_simple(path)
+    file = os.path.join(path, "manifest.yaml")
+    with open(file, "rb") as f:
+        original = f.read()
+    with open(file, "wb") as f:
+        f.write(original[:-20] + b"X" + original[-19:])  # the checksum no longer matches
+    with pytest.raises(ChecksumError):
+        Snapshot(path)
+    body = original[: original.rindex(b"# crc32")]
+    with open(file, "wb") as f:
+        f.write(seal_manifest(body.replace(b"format_version: 1", b"format_version: 99")))
+    with pytest.raises(IncompatibleSnapshotError, match="format version 99"):
+        Snapshot(path)
+    with open(file, "wb") as f:
+        f.write(original)
+    _edit_manifest(path, lambda d: d["entries"]["0/s/t"].update(shape="wide"))
+    snap = Snapshot(path)
+    for use in (
+        lambda: snap.restore({"s": StateDict()}),
+        snap.get_manifest,
+        lambda: snap.read_object("0/s/n"),
+        lambda: snap.metadata,
+    ):
+        with pytest.raises(CorruptSnapshotError, match="0/s/t.*shape"):
+            use()
+
+
 @pytest.mark.parametrize(
     "content, pattern",
     [
@@ -354,7 +386,7 @@ def test_garbled_manifest(tmp_path, content, pattern):
     with open(os.path.join(path, "manifest.yaml"), "wb") as f:
         f.write(seal_manifest(content))
     with pytest.raises(CorruptSnapshotError, match=f"manifest.yaml.*{pattern}"):
-        Snapshot(path)
+        open_decoded(path)
 
 
 def test_unknown_dtype_and_inconsistent_sizes(tmp_path):

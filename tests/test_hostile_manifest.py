@@ -39,7 +39,7 @@ from snapshot import (
 from snapshot._engine import claims, geometry
 from snapshot.cli import EXIT_PROBLEM, main
 from snapshot.sharding.mapping import ShardedTensor
-from tests.helpers import seal_manifest
+from tests.helpers import open_decoded, seal_manifest
 
 ROOT = Path(__file__).resolve().parent.parent
 MANIFEST = "manifest.yaml"
@@ -111,7 +111,7 @@ def test_aliases_are_refused_before_they_expand(snap):
     tracemalloc.start()
     try:
         with pytest.raises(UnsafeSnapshotError) as caught:
-            Snapshot(snap)
+            open_decoded(snap)
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
@@ -147,7 +147,7 @@ def test_yaml_features_the_writer_never_emits_are_refused(snap, where, old, new,
     assert forged != body
     _forge(snap, forged)
     with pytest.raises(UnsafeSnapshotError) as caught:
-        Snapshot(snap)
+        open_decoded(snap)
     message = str(caught.value)
     assert snap in message and named in message
     if where != "header" and where != "timestamp":
@@ -159,7 +159,7 @@ def test_a_repeated_key_is_corrupt(snap):
     line = _line(body, "0/extra/step")
     _forge(snap, body.replace(line, line + "\n" + line))
     with pytest.raises(CorruptSnapshotError, match="'0/extra/step' appears twice") as caught:
-        Snapshot(snap)
+        open_decoded(snap)
     assert type(caught.value) is CorruptSnapshotError
 
 
@@ -171,7 +171,7 @@ def test_a_plain_scalar_that_is_no_number_is_corrupt(snap, scalar):
         snap, _body(snap).replace('metadata: {"library"', f'metadata: {{"n": {scalar}, "library"')
     )
     with pytest.raises(CorruptSnapshotError, match="reads as a number but is none") as caught:
-        Snapshot(snap)
+        open_decoded(snap)
     assert type(caught.value) is CorruptSnapshotError
 
 
@@ -221,7 +221,7 @@ def test_nesting_past_the_limit_is_refused_without_recursion(snap, layout):
     assert forged != body
     _forge(snap, forged)
     with pytest.raises(UnsafeSnapshotError, match="nesting deeper than 32 levels") as caught:
-        Snapshot(snap)
+        open_decoded(snap)
     assert snap in str(caught.value)
     code = main(["ls", snap])
     assert code == EXIT_PROBLEM
@@ -243,14 +243,14 @@ def test_the_depth_limit_is_exact(snap, path):
         value = _nested_list(mf.MAX_DEPTH - 3 + extra)
         _forge(snap, body.replace(step, comment + step.replace('"value": 7', f'"value": {value}')))
         with pytest.raises(expected) as caught:
-            Snapshot(snap)
+            open_decoded(snap)
         assert type(caught.value) is expected, caught.value
         # Metadata at level 2, read as it is when within the limit.
         nested = _nested_list(mf.MAX_DEPTH - 2 + extra)
         _forge(snap, body.replace('metadata: {"library"', f'metadata: {{"x": {nested}, "library"'))
         if extra:
             with pytest.raises(UnsafeSnapshotError):
-                Snapshot(snap)
+                open_decoded(snap)
         else:
             assert Snapshot(snap).metadata.info["x"] == json.loads(nested)
 
@@ -260,7 +260,7 @@ def test_unsafe_blob_paths_are_unsafe(snap):
     w = _line(body, "0/model/w")
     _forge(snap, body.replace(w, re.sub(r'\["0/[^"]+"', '["../../etc/passwd"', w)))
     with pytest.raises(UnsafeSnapshotError, match="0/model/w: unsafe blob path"):
-        Snapshot(snap)
+        open_decoded(snap)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -248,7 +248,145 @@ def test_only_a_store_that_reads_ahead_is_given_hints(tmp_path):
     assert read_ahead.takes_hints(fs)
     assert read_ahead.takes_hints(linked)
     assert not read_ahead.takes_hints(MemoryStoragePlugin("memory://x"))
+    # Before a manifest is decoded, known from the plugin's class: nothing opened for nothing.
+    assert read_ahead._serves_hints(str(tmp_path))
+    assert not read_ahead._serves_hints("memory://x")
+    assert not read_ahead._serves_hints("nosuchscheme://x")
     # A sibling snapshot's blob is hinted through ``read_ahead`` on the loop, where its plugin
     # is made: not at once from the hint thread.
     assert not linked.read_ahead_now("../base/0/blob", 0, 10)
     assert not MemoryStoragePlugin("memory://x").read_ahead_now("blob", 0, 10)
+
+
+# ---- hints found in the manifest's bytes, before they are decoded -------------------------------
+
+
+def _intervals(spans):
+    """The byte ranges of ``spans`` per blob, merged: {blob: [(start, end), ...]}."""
+    out: dict[str, list[list[int]]] = {}
+    for blob, offset, nbytes in sorted(spans):
+        runs = out.setdefault(blob, [])
+        if runs and offset <= runs[-1][1]:
+            runs[-1][1] = max(runs[-1][1], offset + nbytes)
+        else:
+            runs.append([offset, offset + nbytes])
+    return out
+
+
+def _covers(spans, blob, start, end) -> bool:
+    return any(a <= start and end <= b for a, b in _intervals(spans).get(blob, []))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_ranges_found_in_the_bytes_cover_each_keys_tensors_and_nothing_else(tmp_path, seed):
+    """For each key, alone or with others: every single-range dense tensor under it is covered,
+    and no range reaches outside the extent of the key's own tensors in each blob. Keys needing
+    escapes in the manifest's text are found too."""
+    g = torch.Generator().manual_seed(seed)
+    sizes = [1, 100, 3000, 70_000, 300_000]
+
+    def tensor():
+        return torch.randn(sizes[int(torch.randint(len(sizes), (1,), generator=g))], generator=g)
+
+    keys = ["model", 'q"uote', "line\u2028sep", "ünï", f"k{seed}"]
+    app = {
+        k: StateDict(
+            w=tensor(),
+            nested={"a": [tensor(), tensor(), {"deep": tensor()}], "b": tensor(), "n": 3},
+            more={f"t{i}": tensor() for i in range(int(torch.randint(1, 30, (1,), generator=g)))},
+        )
+        for k in keys
+    }
+    path = str(tmp_path / "s")
+    Snapshot.take(path, app)
+    with open(os.path.join(path, "manifest.yaml"), "rb") as f:
+        data = f.read()
+    manifest = Snapshot(path).get_manifest()
+    from manifest import TensorEntry
+    from manifest.scan import tensor_ranges
+    from snapshot._engine.flatten import escape_key
+
+    for chosen in [[k] for k in keys] + [keys[::2]]:
+        roots = [f"0/{escape_key(k)}" for k in chosen]
+        spans = tensor_ranges(data, roots)
+        mine = [
+            loc
+            for root in roots
+            for p in subtree(manifest, root)
+            if type(manifest[p]) is TensorEntry
+            for loc in manifest[p].chunks
+        ]
+        for e in (manifest[p] for root in roots for p in subtree(manifest, root)):
+            if type(e) is TensorEntry and len(e.chunks) == 1:
+                c = e.chunks[0]
+                assert _covers(spans, c.blob, c.offset, c.offset + c.nbytes), (chosen, c)
+        for blob, offset, nbytes in spans:
+            own = [c for c in mine if c.blob == blob]
+            assert own, (chosen, blob)
+            assert min(c.offset for c in own) <= offset
+            assert offset + nbytes <= max(c.offset + c.nbytes for c in own)
+
+
+def test_ranges_in_the_bytes_name_plain_blobs_only():
+    """A hint opens a blob: a forged line whose blob would leave the snapshot, or point into a
+    sibling, gives none (the decoding then refuses the manifest)."""
+    from manifest.scan import tensor_ranges
+
+    def line(path, blob):
+        return (
+            f'  "{path}": {{"type": "tensor", "dtype": "uint8", "shape": [4], '
+            f'"chunks": [["{blob}", 0, 4, 1]]}}'
+        )
+
+    data = "\n".join(
+        [
+            "format: statesnap",
+            "entries:",
+            '  "0/k": {"type": "dict", "keys": ["a", "b", "c", "d"]}',
+            line("0/k/a", "../../etc/passwd"),
+            line("0/k/b", "/etc/passwd"),
+            line("0/k/c", "../s1/0/3"),
+            line("0/k/d", "0/7"),
+            "",
+        ]
+    ).encode()
+    assert tensor_ranges(data, ["0/k"]) == [("0/7", 0, 4)]
+    assert tensor_ranges(data, ["0/other"]) == []
+
+
+def test_a_restore_of_an_opened_snapshot_hints_before_it_decodes_the_manifest(
+    tmp_path, monkeypatch
+):
+    import snapshot.snapshot as public
+
+    state = _state(50, 1000, 6)
+    path = str(tmp_path / "s")
+    Snapshot.take(path, {"s": state, "other": _state(3, 10, 7)})
+    events: list[str] = []
+    decode = public.decode_manifest
+    started = read_ahead.ReadAhead.__init__
+
+    def decoding(*args, **kwargs):
+        events.append("decode")
+        return decode(*args, **kwargs)
+
+    def starting(self, plugin, spans, *args):
+        spans = list(spans)
+        events.append(f"hints {sum(n for *_, n in spans)}")
+        started(self, plugin, spans, *args)
+
+    def no_ranges(*args):
+        raise AssertionError("the restore found its ranges again")
+
+    monkeypatch.setattr(public, "decode_manifest", decoding)
+    monkeypatch.setattr(read_ahead.ReadAhead, "__init__", starting)
+    monkeypatch.setattr(read_ahead, "ranges", no_ranges)
+    snap = Snapshot(path)
+    assert events == []  # opening decodes nothing
+    out = StateDict({k: torch.zeros_like(v) for k, v in state.items()})
+    snap.restore({"s": out})
+    assert all(torch.equal(out[k], state[k]) for k in state)
+    stored = sum(e.nbytes for p, e in snap.get_manifest().items() if p.startswith("0/s/"))
+    assert events[0].startswith("hints") and events[1] == "decode" and len(events) == 2
+    # The members and the alignment padding between them, of this key only.
+    assert stored <= int(events[0].split()[1]) < stored + 50 * 16

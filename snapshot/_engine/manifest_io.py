@@ -4,8 +4,10 @@ load them with)."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import manifest as mf
@@ -38,6 +40,19 @@ def load_manifest(
     """Reads and decodes the committed manifest at ``path``, with ``options`` (resolved; None:
     the environment's, for callers with no options of their own, such as the command line)."""
     options = options if options is not None else Options.from_env()
+    found, where = read_manifest(path, storage_options, options)
+    if isinstance(found, Manifest):
+        return found
+    return decode_manifest(found, where, verify=bool(options.checksums))
+
+
+def read_manifest(
+    path: str, storage_options: dict[str, Any] | None, options: Options
+) -> tuple[Manifest | bytes, str]:
+    """The committed manifest at ``path``, and the snapshot's location as messages name it: its
+    bytes, checked as far as they can be without decoding the entries (``check_manifest``),
+    for ``decode_manifest`` to decode when they are first needed; or another library's
+    checkpoint, translated."""
     t0 = time.perf_counter()
     with open_storage(path, storage_options, options) as plugin:
         where = plugin_location(plugin)
@@ -79,26 +94,42 @@ def load_manifest(
                 len(foreign.entries),
                 time.perf_counter() - t0,
             )
-            return foreign
-    t_read = time.perf_counter()
-    manifest = decode_manifest(data, where, verify=bool(options.checksums))
+            return foreign, where
     logger.debug(
-        "manifest of %s: %d entries, %d bytes; read %.3f s, decoded %.3f s",
-        where,
-        len(manifest.entries),
-        len(data),
-        t_read - t0,
-        time.perf_counter() - t_read,
+        "manifest of %s: %d bytes read in %.3f s", where, len(data), time.perf_counter() - t0
     )
-    return manifest
+    check_manifest(data, where, verify=bool(options.checksums))
+    return data, where
 
 
 def decode_manifest(data: bytes, where: str, *, verify: bool) -> Manifest:
     """The manifest in ``data``, read from the snapshot ``where`` (or just written there);
     ``verify``: its recorded checksum is checked."""
+    t0 = time.perf_counter()
+    with _manifest_errors(), gc_paused():
+        manifest = mf.loads(data, source=f"{where}/{MANIFEST_NAME}", verify=verify)
+    logger.debug(
+        "manifest of %s: %d entries decoded in %.3f s",
+        where,
+        len(manifest.entries),
+        time.perf_counter() - t0,
+    )
+    return manifest
+
+
+def check_manifest(data: bytes, where: str, *, verify: bool) -> None:
+    """The checks of ``decode_manifest`` that decode none of the entries (its checksum line,
+    its header): a snapshot opened is known to be one this library reads before its entries
+    are decoded."""
+    with _manifest_errors():
+        mf.check_head(data, source=f"{where}/{MANIFEST_NAME}", verify=verify)
+
+
+@contextlib.contextmanager
+def _manifest_errors() -> Iterator[None]:
+    """The codec's errors as the library's."""
     try:
-        with gc_paused():
-            return mf.loads(data, source=f"{where}/{MANIFEST_NAME}", verify=verify)
+        yield
     # The codec's messages quote the manifest's own text (keys, field values): escaped, like
     # every message that names what a snapshot holds.
     except mf.UnsupportedFormatError as e:

@@ -62,6 +62,7 @@ def restore(
     options: Options,
     strict: bool = True,
     verify_first: bool = False,
+    ahead: ReadAhead | None = None,
 ) -> None:
     """Loads each app_state value's entries in place, then calls its ``load_state_dict``.
 
@@ -69,7 +70,9 @@ def restore(
     raises (naming it) rather than some carrying on with a half-restored group. ``strict`` and
     ``verify_first``: as ``Snapshot.restore`` says; ``options``: the call's, resolved
     (``snapshot.options.resolve``). The error a failed restore raises, of any kind, says which
-    of this rank's app_state keys it modified (``RestoreProgress.account``).
+    of this rank's app_state keys it modified (``RestoreProgress.account``). ``ahead``: hints of
+    what the restore reads, given since before the manifest was decoded (``read_ahead.early``);
+    stopped when the reads begin, as the restore's own would be.
     """
     progress = RestoreProgress(app_state)
     try:
@@ -83,6 +86,7 @@ def restore(
             strict=strict,
             verify_first=verify_first,
             progress=progress,
+            ahead=ahead,
         )
     except BaseException as e:
         progress.account(e, coordinator.rank, coordinator.world_size)
@@ -100,6 +104,7 @@ def _restore_agreed(
     strict: bool,
     verify_first: bool,
     progress: RestoreProgress,
+    ahead: ReadAhead | None,
 ) -> None:
     error = None
     try:
@@ -114,6 +119,7 @@ def _restore_agreed(
                 strict=strict,
                 verify_first=verify_first,
                 progress=progress,
+                ahead=ahead,
             )
     except RankFailedError:
         raise  # raised by an agreement inside, on every rank alike
@@ -164,6 +170,7 @@ def _restore(
     strict: bool = True,
     verify_first: bool = False,
     progress: RestoreProgress | None = None,
+    ahead: ReadAhead | None = None,
 ) -> None:
     check_app_state(app_state, path)
     t0 = time.perf_counter()
@@ -206,10 +213,10 @@ def _restore(
         plugin = None
         try:
             plugin = stack.enter_context(open_linked(path, manifest, storage_options, options))
-            # The device reads what the plan will ask for while the plan is made.
-            ahead = None
+            # The device reads what the plan will ask for while the plan is made (and, with
+            # ``ahead`` given, since before the manifest was decoded).
             walks: dict[str, list[str]] = {}  # each key's paths, where the read-ahead listed them
-            if read_ahead.takes_hints(plugin):
+            if ahead is None and read_ahead.takes_hints(plugin):
                 # In a group, replicated leaves are left out where one rank may read them for
                 # all (``shared_reads``; its hosts are known only at its agreement).
                 once = coordinator.world_size > 1 and shared_reads.decide(
@@ -237,7 +244,7 @@ def _restore(
             if ahead is not None:
                 ahead.stop()
                 logger.debug(
-                    "restore %s: %.1f MB read ahead while planning (%.3f s)",
+                    "restore %s: %.1f MB read ahead before the reads (planning %.3f s)",
                     path,
                     ahead.nbytes / 1e6,
                     t_plan - t_ahead,
