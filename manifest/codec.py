@@ -61,6 +61,13 @@ _TRAILER_RE = re.compile(rb"# crc32 ([0-9a-f]{8})\n\Z")
 def _split_trailer(data: bytes, source: str, verify: bool) -> bytes:
     """The manifest's bytes before its checksum line, after checking them against it (when
     ``verify``)."""
+    return data[: _body_end(data, source, verify)]
+
+
+def _body_end(data: bytes, source: str, verify: bool) -> int:
+    """Where the manifest's checksum line starts (the end of the bytes it covers; the end of
+    ``data`` when there is none and ``verify`` is off), after checking the bytes before it
+    against it (when ``verify``; in place, no copy made)."""
     start = data.rfind(b"\n", 0, len(data) - 1) + 1
     match = _TRAILER_RE.match(data, start)
     if match is None:
@@ -68,17 +75,17 @@ def _split_trailer(data: bytes, source: str, verify: bool) -> bytes:
             raise ManifestChecksumError(
                 f"{source} does not end with its checksum line: it was cut short or edited"
             )
-        return data
-    body = data[:start]
+        return len(data)
     if verify:
         expected = int(match.group(1), 16)
-        actual = isal_zlib.crc32(body)
+        with memoryview(data) as view:
+            actual = isal_zlib.crc32(view[:start])
         if actual != expected:
             raise ManifestChecksumError(
                 f"{source} is damaged: its bytes have crc32 {actual:#010x}, its last line "
                 f"records {expected:#010x}"
             )
-    return body
+    return start
 
 
 # JSON leaves these characters raw, but YAML reads them as line breaks or does not allow them
@@ -443,12 +450,12 @@ def check_head(data: bytes, source: str = "manifest", *, verify: bool = True) ->
     Raises:
         The errors of ``loads``, for those checks.
     """
-    body = _split_trailer(data, source, verify)
-    end = body.find(f"\n{_ENTRIES_LINE}\n".encode())
+    # In place: a copy of a large manifest's bytes here would stay in the process's heap.
+    end = data.find(f"\n{_ENTRIES_LINE}\n".encode(), 0, _body_end(data, source, verify))
     if end < 0:
         return  # not the writer's layout: ``loads`` reports what it is
     try:
-        head = body[:end].decode("utf-8")
+        head = data[:end].decode("utf-8")
     except UnicodeDecodeError:
         return  # ``loads`` reports it
     _header(load_yaml(head, source), source)
