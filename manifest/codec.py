@@ -106,6 +106,12 @@ def _yaml_printable(text: str) -> str:
     return text
 
 
+def path_text(path: str) -> str:
+    """``path`` as an entry's line writes it: a JSON string, with the characters YAML cannot
+    hold raw escaped."""
+    return _yaml_printable(_ENCODER.encode(path))
+
+
 def _location_to_list(loc: Location) -> list[Any]:
     if loc.crc32 is None:
         return [loc.blob, loc.offset, loc.nbytes]

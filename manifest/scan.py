@@ -9,7 +9,7 @@ from collections.abc import Iterable
 from itertools import groupby
 from operator import add, itemgetter
 
-from manifest.codec import _ENCODER, _yaml_printable
+from manifest.codec import path_text
 from manifest.decode import PLAIN_BLOB
 
 # A tensor line's shape and first chunk as the writer lays them out (``EntryFormatter``), its
@@ -20,20 +20,17 @@ _CHUNK = re.compile(
     rb"([0-9]+), ([0-9]+)[,\]]"
 )
 
-# A run of one blob's ranges whose extent holds at most this much more than the ranges is
-# hinted as one range (the bytes between them read too).
-GAP_BYTES = 1 << 20
 
-
-def tensor_ranges(data: bytes, roots: Iterable[str]) -> list[tuple[str, int, int]]:
+def tensor_ranges(data: bytes, roots: Iterable[str], gap_bytes: int) -> list[tuple[str, int, int]]:
     """``(blob, offset, nbytes)`` covering the dense tensors of the entries under each of
     ``roots`` (manifest paths) in ``data``, a manifest's bytes as the writer lays them out:
     each root's line, then the lines of its subtree (the writer lists an app_state key's entries
-    together). For hints only: entries in another layout, or a manifest laid out otherwise,
-    give fewer ranges or none, and nothing here checks the manifest (decoding it does)."""
+    together); a blob's ranges at most ``gap_bytes`` apart are one. For hints only: entries in
+    another layout, or a manifest laid out otherwise, give fewer ranges or none, and nothing
+    here checks the manifest (decoding it does)."""
     out: list[tuple[str, int, int]] = []
     for root in roots:
-        quoted = _yaml_printable(_ENCODER.encode(root))[:-1].encode("utf-8")  # '"root'
+        quoted = path_text(root)[:-1].encode("utf-8")  # '"root'
         start = data.find(b"\n  " + quoted + b'": ')
         if start < 0:
             continue
@@ -41,13 +38,13 @@ def tensor_ranges(data: bytes, roots: Iterable[str]) -> list[tuple[str, int, int
         below = re.compile(rb"\n(?!  " + re.escape(quoted) + rb"/)")
         found = below.search(data, start + 1)
         end = found.start() if found is not None else len(data)
-        out.extend(_merged(_CHUNK.findall(data, start, end)))
+        out.extend(_merged(_CHUNK.findall(data, start, end), gap_bytes))
     return out
 
 
-def _merged(found: list[tuple[bytes, bytes, bytes]]) -> list[tuple[str, int, int]]:
-    """The ranges found, one per run of a blob's ranges (in the manifest's order) that lie
-    close together; each run's numbers converted in C-level passes."""
+def _merged(found: list[tuple[bytes, bytes, bytes]], gap: int) -> list[tuple[str, int, int]]:
+    """The ranges found, one per run of a blob's ranges (in the manifest's order) that lie at
+    most ``gap`` apart; each run's numbers converted in C-level passes."""
     out: list[tuple[str, int, int]] = []
     for blob, run in groupby(found, key=itemgetter(0)):
         rows = list(run)
@@ -55,13 +52,13 @@ def _merged(found: list[tuple[bytes, bytes, bytes]]) -> list[tuple[str, int, int
         ends = list(map(add, offsets, map(int, map(itemgetter(2), rows))))
         name = blob.decode("ascii")
         lo, hi = min(offsets), max(ends)
-        if hi - lo <= sum(ends) - sum(offsets) + GAP_BYTES:
+        if hi - lo <= sum(ends) - sum(offsets) + gap:
             out.append((name, lo, hi - lo))
             continue
         # Ranges far apart: merged one by one.
         start = end = -1
         for offset, stop in zip(offsets, ends, strict=True):
-            if start >= 0 and end - GAP_BYTES <= offset <= end + GAP_BYTES:
+            if start >= 0 and start - gap <= stop and offset <= end + gap:  # within ``gap``
                 start, end = min(start, offset), max(end, stop)
                 continue
             if start >= 0:

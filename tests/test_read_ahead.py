@@ -308,7 +308,7 @@ def test_ranges_found_in_the_bytes_cover_each_keys_tensors_and_nothing_else(tmp_
 
     for chosen in [[k] for k in keys] + [keys[::2]]:
         roots = [f"0/{escape_key(k)}" for k in chosen]
-        spans = tensor_ranges(data, roots)
+        spans = tensor_ranges(data, roots, read_ahead.GAP_BYTES)
         mine = [
             loc
             for root in roots
@@ -350,8 +350,39 @@ def test_ranges_in_the_bytes_name_plain_blobs_only():
             "",
         ]
     ).encode()
-    assert tensor_ranges(data, ["0/k"]) == [("0/7", 0, 4)]
-    assert tensor_ranges(data, ["0/other"]) == []
+    assert tensor_ranges(data, ["0/k"], 0) == [("0/7", 0, 4)]
+    assert tensor_ranges(data, ["0/other"], 0) == []
+
+
+def test_ranges_in_the_bytes_merge_a_blobs_close_ranges_only():
+    from manifest.scan import tensor_ranges
+
+    def line(name, blob, offset, nbytes):
+        return (
+            f'  "0/k/{name}": {{"type": "tensor", "dtype": "uint8", "shape": [{nbytes}], '
+            f'"chunks": [["{blob}", {offset}, {nbytes}, 1]]}}'
+        )
+
+    data = "\n".join(
+        [
+            "entries:",
+            '  "0/k": {"type": "dict", "keys": ["a", "b", "c", "d", "e"]}',
+            line("a", "0/1", 100, 10),  # out of order with b, close: one range
+            line("b", "0/1", 0, 100),
+            line("c", "0/1", 10_000, 5),  # far from them: a range of its own
+            line("d", "0/2", 0, 8),
+            line("e", "0/1", 110, 10),  # the first blob again, after another: a new run
+            "",
+        ]
+    ).encode()
+    assert tensor_ranges(data, ["0/k"], 100) == [
+        ("0/1", 0, 110),
+        ("0/1", 10_000, 5),
+        ("0/2", 0, 8),
+        ("0/1", 110, 10),
+    ]
+    # A gap as wide as the extent: each run of a blob is one range.
+    assert tensor_ranges(data, ["0/k"], 10_000)[0] == ("0/1", 0, 10_005)
 
 
 def test_a_restore_of_an_opened_snapshot_hints_before_it_decodes_the_manifest(

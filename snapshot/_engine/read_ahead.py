@@ -179,7 +179,7 @@ def early(
         return None
     resources = contextlib.ExitStack()
     try:
-        spans = tensor_ranges(data, roots)
+        spans = tensor_ranges(data, roots, GAP_BYTES)
         if spans:
             plugin = resources.enter_context(open_storage(path, storage_options, options))
     except Exception as e:  # hints: the restore reports what is wrong
