@@ -71,8 +71,10 @@ class Snapshot:
         self.path = path
         self.pg = pg
         self.storage_options = storage_options
-        # Whether a manifest handed over by a take is checked when decoded.
-        self._verify_manifest = bool(resolved.checksums)
+        # Whether the manifest's checksum line is checked when it is decoded: one handed over by
+        # a take is; one read here was checked as it was read (``read_manifest``), and its bytes
+        # are not checked twice.
+        self._verify_manifest = bool(resolved.checksums) and _manifest is not None
         # The manifest's bytes are decoded on first use: a take hands over those it wrote (a
         # training script that takes a snapshot and goes on never pays for the decoding), and a
         # restore finds in the bytes read here what it will read, so that the store reads them
