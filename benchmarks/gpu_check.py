@@ -25,6 +25,15 @@ The checks:
 - dtensor: a DTensor (Shard(0)) and a replicated one on a one-GPU mesh, taken within a small
   budget; host memory's peak during the take stays within a bound of the budget, not the
   tensor's size; restored bitwise into new DTensors.
+- landing: restores into CUDA targets through scratch tiles under a 1 MiB read budget: a
+  target of another dtype than stored, a transposed one, one of many tiles; ``read_object``
+  into a CUDA ``obj_out``; the targets' producing kernels still queued on a user stream.
+- rng: ``RNGState`` restores the GPU's generator (numbers drawn after restore = after take).
+- tensor_aware: ``copy_tensors_to_cpu(non_blocking=True)`` stages into pinned memory, and
+  ``restore_tensor_device`` puts the tensors back bitwise.
+- lightning: Lightning's Trainer on the GPU with ``AsyncStatesnapCheckpointIO``: the last
+  checkpoint, loaded onto the GPU, equals the model and optimizer bitwise; a resumed run gives
+  the losses of one never stopped.
 - speed: device-to-host (async_take's call) and host-to-device (restore from memory://)
   against torch's own pinned copies (``tensor.to("cpu", non_blocking=True)`` into pinned
   memory, and back), as ratios.
@@ -189,7 +198,18 @@ def check_dtypes(env: Env) -> None:
         env.sleep(100)
         for t in targets.values():
             as_bytes(t).fill_(0x5A)
-        Snapshot(path).restore({"s": restored})
+        try:
+            Snapshot(path).restore({"s": restored})
+        except Exception as e:
+            fail(f"dtypes: restore raised {type(e).__name__}: {str(e).splitlines()[0]}")
+            # Which keys fail: each read on its own, so one run names them all.
+            raised = []
+            for k, t in restored.items():
+                try:
+                    Snapshot(path).read_object(f"0/s/{k}", obj_out=t)
+                except Exception as e:
+                    raised.append(f"{k} ({type(e).__name__})")
+            check(not raised, f"dtypes: read_object into CUDA raised for {raised}")
     if user is not None:
         user.synchronize()
     env.sync()
@@ -314,6 +334,184 @@ def check_dtensor(env: Env) -> None:
     )
 
 
+def check_landing(env: Env) -> None:
+    """Restores and reads whose bytes land through scratch tiles: CUDA targets of another
+    dtype than stored (cast on the host into a second pinned tile), not contiguous, larger
+    than a tiny read budget (tiles drained and reused while copies are in flight), and
+    ``read_object`` into a CUDA ``obj_out``."""
+    dev = env.device
+    g = torch.Generator().manual_seed(5)
+    values = {
+        "big": torch.randn(4 * MIB, generator=g),  # 16 MiB: many tiles under a 1 MiB budget
+        "wide": torch.randn(700, 900, generator=g),
+        "cast": torch.randn(3000, 333, generator=g),
+        "small": torch.randn(5000, generator=g),
+    }
+    path = env.path("landing")
+    Snapshot.take(path, {"s": StateDict(values)})
+    wanted = {
+        "big": values["big"].to(dev),
+        "wide": values["wide"].to(dev),
+        "cast": values["cast"].to(torch.bfloat16).to(dev),  # the same rounding as on the host
+        "small": values["small"].to(dev),
+    }
+    bases = {
+        "big": torch.empty(4 * MIB, device=dev),
+        "wide": torch.empty(900, 700, device=dev),  # restored through its transpose
+        "cast": torch.empty(3000, 333, dtype=torch.bfloat16, device=dev),
+        "small": torch.empty(5000, device=dev),
+    }
+    targets = StateDict({k: (b.t() if k == "wide" else b) for k, b in bases.items()})
+    user = env.stream()
+    with env.use(user):
+        env.sleep(100)  # the kernels below still write the targets when the restore starts
+        for b in bases.values():
+            as_bytes(b).fill_(0xA5)
+        Snapshot(path).restore({"s": targets}, options=Options(memory_budget_bytes=MIB))
+    env.sync()
+    bad = [k for k in wanted if not same(targets[k], wanted[k])]
+    check(not bad, f"landing: restored bytes differ for {bad}")
+    out = torch.empty(3000, 333, dtype=torch.bfloat16, device=dev)
+    with env.use(user):
+        env.sleep(50)
+        as_bytes(out).fill_(0x11)
+        got = Snapshot(path).read_object("0/s/cast", obj_out=out, memory_budget_bytes=MIB)
+    env.sync()
+    check(got is out, "landing: read_object did not return obj_out")
+    check(same(out, wanted["cast"]), "landing: read_object into a CUDA bf16 tensor differs")
+    print(f"  {len(bases)} CUDA targets (cast, transposed, 16 MiB) under a 1 MiB read budget")
+
+
+def check_rng(env: Env) -> None:
+    """``RNGState`` takes every GPU's generator and restores it: the numbers drawn on the GPU
+    after a restore are those drawn after the take."""
+    from snapshot import RNGState
+
+    path = env.path("rng")
+    torch.manual_seed(1234)
+    torch.randn(10, device=env.device)  # move the generators off their seeds
+    Snapshot.take(path, {"rng": RNGState()})
+    after_take = torch.randn(1000, device=env.device)
+    torch.randn(77, device=env.device)
+    Snapshot(path).restore({"rng": RNGState()})
+    after_restore = torch.randn(1000, device=env.device)
+    check(same(after_take, after_restore), "rng: GPU numbers after restore differ from take's")
+    held = Snapshot(path).read_object("0/rng")
+    has_cuda = "cuda" in held
+    check(has_cuda == (not env.cpu), f"rng: the snapshot holds CUDA states: {has_cuda}")
+    print(f"  generators restored; CUDA states held: {has_cuda}")
+
+
+def check_tensor_aware(env: Env) -> None:
+    """The tensor-aware state dict stages CUDA tensors into pinned memory non-blocking and
+    puts restored host tensors back on their devices."""
+    from snapshot.strategies.tensor_aware import BasicTensorAwareStateDict
+
+    on_dev = random_like_bytes((512, 512), torch.float32, 7, env.device)
+    wrapped = BasicTensorAwareStateDict({"w": on_dev})
+    wrapped.copy_tensors_to_cpu(non_blocking=True)
+    env.sync()
+    staged = wrapped.state_dict["w"]
+    check(staged.device.type == "cpu", "tensor_aware: staged tensor is not on the host")
+    check(env.cpu or staged.is_pinned(), "tensor_aware: staged tensor is not pinned")
+    check(same(staged, on_dev.cpu()), "tensor_aware: staged bytes differ")
+    wrapped.pop_tensors()
+    wrapped.insert_tensors([staged])
+    wrapped.restore_tensor_device(non_blocking=True)
+    env.sync()
+    back = wrapped.state_dict["w"]
+    check(back.device == on_dev.device, f"tensor_aware: put back on {back.device}")
+    check(same(back, on_dev), "tensor_aware: bytes put back differ")
+    print("  staged pinned and put back bitwise")
+
+
+def check_lightning(env: Env) -> None:
+    """Lightning's Trainer on the GPU with ``AsyncStatesnapCheckpointIO``: the checkpoint of
+    the last step, loaded onto the GPU, equals the model's and optimizer's state bitwise, and a
+    run resumed from it gives the losses of a run never stopped."""
+    import importlib
+
+    from torch import nn
+    from torch.utils.data import DataLoader, TensorDataset
+
+    pl = None
+    for name in ("lightning.pytorch", "pytorch_lightning"):
+        with contextlib.suppress(ModuleNotFoundError):
+            pl = importlib.import_module(name)
+            break
+    if pl is None:
+        print("  skipped: Lightning is not installed (pip install 'statesnap[lightning]')")
+        return
+    from snapshot.integrations.lightning import AsyncStatesnapCheckpointIO
+
+    class Net(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(3)
+            self.net = nn.Sequential(nn.Linear(64, 256), nn.Tanh(), nn.Linear(256, 1))
+            self.losses: dict[int, float] = {}
+
+        def training_step(self, batch: Any, index: int) -> torch.Tensor:
+            x, y = batch
+            loss = nn.functional.mse_loss(self.net(x), y)
+            self.losses[self.global_step] = loss.item()
+            return loss
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.Adam(self.parameters(), lr=0.01)
+
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(256, 64, generator=g), torch.randn(256, 1, generator=g))
+
+    def fit(epochs: int, ckpt: str | None = None, save: bool = False) -> tuple[Any, Any]:
+        model = Net()
+        trainer = pl.Trainer(
+            max_epochs=epochs,
+            accelerator="cpu" if env.cpu else "gpu",
+            devices=1,
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            enable_checkpointing=save,
+            callbacks=[pl.callbacks.ModelCheckpoint(dirpath=env.path("pl"), save_last=True)]
+            if save
+            else None,
+            plugins=[AsyncStatesnapCheckpointIO()],
+            default_root_dir=env.path("pl-root"),
+        )
+        trainer.fit(model, DataLoader(data, batch_size=32), ckpt_path=ckpt)
+        return model, trainer
+
+    straight, _ = fit(3)
+    first, trainer = fit(2, save=True)
+    last = os.path.join(env.path("pl"), "last.ckpt")
+    loaded = AsyncStatesnapCheckpointIO().load_checkpoint(last, map_location=env.device)
+    weights = loaded["state_dict"]
+    # Lightning moves the model and optimizer back to the host when fit ends.
+    bad = [k for k, v in first.state_dict().items() if not same(weights[k], v.to(env.device))]
+    check(not bad, f"lightning: checkpointed weights differ: {bad}")
+    check(
+        all(v.device == env.device for v in weights.values()),
+        "lightning: weights not loaded onto the GPU",
+    )
+    moments = loaded["optimizer_states"][0]["state"]
+    live = trainer.optimizers[0].state_dict()["state"]
+    bad = [
+        (i, k)
+        for i in live
+        for k in ("exp_avg", "exp_avg_sq")
+        if not same(moments[i][k], live[i][k].to(env.device))
+    ]
+    check(not bad, f"lightning: optimizer moments differ: {bad}")
+    resumed, _ = fit(3, ckpt=last)
+    later = {s: v for s, v in straight.losses.items() if s >= min(resumed.losses)}
+    check(resumed.losses == later, "lightning: resumed losses differ from the straight run's")
+    print(
+        f"  {len(weights)} tensors checkpointed on {env.device}, resumed at step "
+        f"{min(resumed.losses)}: {len(resumed.losses)} losses equal the straight run's"
+    )
+
+
 def _best(fn: Callable[[], None], repeats: int) -> float:
     times = []
     for _ in range(repeats):
@@ -344,12 +542,18 @@ def check_speed(env: Env) -> None:
     with env_var("STATESNAP_MEMORY_BUDGET_BYTES", str(2 * total)):
         env.sync()
         torch_time = _best(torch_d2h, repeats)
-        for i in range(repeats + 1):  # the first call fills the pool: not counted
+        memory.clear(source)
+        t0 = time.perf_counter()
+        Snapshot.take(source, {"s": state})  # a synchronous take of the same state, first
+        take_time = time.perf_counter() - t0
+        for i in range(repeats + 1):  # the first call fills the pool: reported apart
             memory.clear(source)
             t0 = time.perf_counter()
             pending = Snapshot.async_take(source, {"s": state})  # staged when it returns
             if i:
                 lib_time = min(lib_time, time.perf_counter() - t0)
+            else:
+                first_time = time.perf_counter() - t0
             pending.wait(timeout=300)
     restored = StateDict({k: torch.empty_like(t) for k, t in state.items()})
 
@@ -366,6 +570,18 @@ def check_speed(env: Env) -> None:
 
     h2d_lib = _best(library_h2d, repeats)
     check(all(same(restored[k], t) for k, t in state.items()), "speed: restored differs")
+    # Where a restore's time goes: the same restore without CRC checks, and one into host
+    # tensors (the storage's reads and checks alone, no device copy).
+    unchecked = Options(checksums=False)
+
+    def library_h2d_unchecked() -> None:
+        Snapshot(source).restore({"s": restored}, options=unchecked)
+        env.sync()
+
+    h2d_unchecked = _best(library_h2d_unchecked, repeats)
+    on_host = StateDict({k: torch.empty(t.shape, dtype=t.dtype) for k, t in state.items()})
+    host_lib = _best(lambda: Snapshot(source).restore({"s": on_host}), repeats)
+    check(all(same(on_host[k], t.cpu()) for k, t in state.items()), "speed: host restore differs")
     memory.clear()
     gb = total / 1e9
     print(
@@ -374,12 +590,24 @@ def check_speed(env: Env) -> None:
         f"{torch_time / lib_time:.2f}; host->device: restore from memory:// {gb / h2d_lib:.1f} "
         f"GB/s, torch pinned copies {gb / h2d_torch:.1f} GB/s, ratio {h2d_torch / h2d_lib:.2f}"
     )
+    print(
+        f"  restore from memory:// without CRC checks {gb / h2d_unchecked:.1f} GB/s; into host "
+        f"tensors (no device copy) {gb / host_lib:.1f} GB/s"
+    )
+    print(
+        f"  first async_take's call {first_time:.3f} s against a take to memory:// "
+        f"{take_time:.3f} s (ratio {first_time / take_time:.2f}); later calls {lib_time:.3f} s"
+    )
 
 
 CHECKS: dict[str, Callable[[Env], None]] = {
     "dtypes": check_dtypes,
     "budget": check_budget,
     "dtensor": check_dtensor,
+    "landing": check_landing,
+    "rng": check_rng,
+    "tensor_aware": check_tensor_aware,
+    "lightning": check_lightning,
     "speed": check_speed,
 }
 

@@ -64,6 +64,7 @@ import torch
 
 from snapshot._engine import device as seam
 from snapshot._engine.handlers import dense, register
+from snapshot._engine.serialization import BYTE_VIEW_DTYPES
 
 
 class FakeStream:
@@ -233,7 +234,10 @@ class CudaDouble:
     def tensor(self, t: torch.Tensor, device: int = 0) -> torch.Tensor:
         """A device tensor on ``cuda:<device>`` holding a copy of ``t``'s values."""
         self._check(device)
-        return t.detach().clone().as_subclass(device_class(device))
+        t = t.detach()
+        if t.dtype in BYTE_VIEW_DTYPES:  # no copy kernel: cloned as bytes
+            return t.view(torch.uint8).clone().view(t.dtype).as_subclass(device_class(device))
+        return t.clone().as_subclass(device_class(device))
 
     def launch(self, fn: Callable[[], Any], device: int = 0) -> None:
         """Queues ``fn`` (a "kernel": say, ``lambda: w.add_(1)``) on the calling thread's

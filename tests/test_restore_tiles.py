@@ -382,3 +382,54 @@ def test_pickled_pieces_of_a_torchsnapshot_snapshot_land_on_the_copy_stream(monk
     assert torch.equal(_raw(z), expected["z"].to(torch.complex128))
     copies = cuda.calls("copy")
     assert copies and {c[2:] for c in copies} == {("cuda:0/s0", "now")}
+
+
+@pytest.mark.parametrize("gap", [0, 65536], ids=["tiles", "boxes"])
+def test_device_targets_of_dtypes_without_a_copy_kernel_land_as_bytes(tmp_path, monkeypatch, gap):
+    """torch has no copy kernel for the sub-byte integer dtypes (int1..int7, uint1..uint7:
+    one byte per element in memory), on the host or on a GPU. Their bytes land in device
+    targets through uint8 views of the same shape and strides: dense targets (contiguous and
+    transposed, through pinned tiles), ``read_object`` into one, and sharded ones through
+    boxes.
+
+    Found by benchmarks/gpu_check.py on an H100: the restore raised ``"copy_" not implemented
+    for 'Int1'`` from the tiles' device copies."""
+    from snapshot._engine.serialization import BYTE_VIEW_DTYPES
+
+    options = Options(read_gap_bytes=gap)
+    cuda = CudaDouble(monkeypatch, devices=1)
+    g = torch.Generator().manual_seed(9)
+    dtypes = sorted(BYTE_VIEW_DTYPES, key=str)
+    assert dtypes, "this torch has no sub-byte dtypes"
+    values = {
+        str(d): torch.randint(0, 256, (40, 30), dtype=torch.uint8, generator=g).view(d)
+        for d in dtypes
+    }
+    path = str(tmp_path / "s")
+    rows = torch.randint(0, 256, (64, 256), dtype=torch.uint8, generator=g)
+    pieces = {
+        k: ShardedTensor.from_rank_offsets("g", v.view(dtypes[0]), (0, i, 2))
+        for i, (k, v) in enumerate(zip("ab", rows.clone().chunk(2), strict=True))
+    }
+    Snapshot.take(path, {"s": StateDict(values), "m": StateDict(pieces)}, options=options)
+
+    targets = {}
+    for i, (k, v) in enumerate(values.items()):
+        flat = torch.zeros(v.shape[::-1] if i % 2 else v.shape, dtype=torch.uint8).view(v.dtype)
+        targets[k] = cuda.tensor(flat).t() if i % 2 else cuda.tensor(flat)
+    left = cuda.tensor(torch.zeros(64, 128, dtype=torch.uint8).view(dtypes[0]))
+    right = cuda.tensor(torch.zeros(128, 64, dtype=torch.uint8).view(dtypes[0])).t()
+    sharded = StateDict(
+        a=ShardedTensor.from_rank_offsets("g", left, (1, 0, 2)),
+        b=ShardedTensor.from_rank_offsets("g", right, (1, 1, 2)),
+    )
+    Snapshot(path).restore({"s": StateDict(targets), "m": sharded}, options=options)
+    assert cuda.pending() == 0
+    for k, t in targets.items():
+        assert torch.equal(_raw(t.view(torch.uint8)), values[k].view(torch.uint8)), k
+    assert torch.equal(_raw(left.view(torch.uint8)), rows[:, :128])
+    assert torch.equal(_raw(right.view(torch.uint8)), rows[:, 128:])
+
+    out = cuda.tensor(torch.zeros(40, 30, dtype=torch.uint8).view(dtypes[-1]))
+    Snapshot(path).read_object(f"0/s/{dtypes[-1]}", obj_out=out, options=options)
+    assert torch.equal(_raw(out.view(torch.uint8)), values[str(dtypes[-1])].view(torch.uint8))

@@ -43,7 +43,7 @@ import logging
 import torch
 
 from snapshot._engine import device
-from snapshot._engine.serialization import copy_elements, range_views
+from snapshot._engine.serialization import as_copyable, copy_elements, range_views
 
 logger = logging.getLogger(__name__)
 
@@ -184,7 +184,8 @@ class Landing:
             src = self._take(stop - start, target.dtype, True)
             src.data.copy_(tile.data)
             self._give(tile)
-        flat = src.data
+        # Same dtype now: moved as bytes where torch has no copy kernel for it.
+        flat, target = as_copyable(src.data), as_copyable(target)
         # Only a GPU run proves these copies: queued on the copy stream, after the caller's
         # work (``prepare``), returning at once from pinned memory.
         with torch.no_grad(), device.use_stream(self._streams[index]):
@@ -209,6 +210,8 @@ class Landing:
             if index is None:
                 dst.copy_(src)
                 return
+            if dst.dtype is src.dtype:  # as bytes where torch has no copy kernel
+                dst, src = as_copyable(dst), as_copyable(src)
             # Only a GPU run proves this: a blocking copy on the copy stream, after the
             # caller's work and this read's earlier copies there.
             with device.use_stream(self._streams[index]):
