@@ -40,9 +40,14 @@ The model:
   pinned (``cuda.is_pinned(t)``, views included); with ``cuda.fail_pinning = True`` it raises
   RuntimeError, as torch does when locked memory runs out. ``snapshot._engine.device.empty_host_cache``
   only counts its calls (``cuda.host_cache_emptied``).
+- Events: ``snapshot._engine.device.record_event(stream)`` marks the point a stream has queued
+  to; ``event_done`` says whether the stream has run past it. Nothing runs in the background,
+  so a point is passed only once the stream is synchronized (a device slower than the host),
+  unless ``cuda.copies_done_when_asked = True``: then asking runs the stream to the point (a
+  device that keeps up with the host).
 - ``cuda.events`` logs every call into the seam, in order: ``("stream", i)`` (a stream made on
   device i), ``("wait", waiter, waited)``, ``("copy", i, stream, "queued" | "now")``,
-  ``("sync", stream)``, ``("pin", nbytes)``, ``("empty_host_cache",)``; streams appear by
+  ``("record", stream)``, ``("query", stream, passed)``, ``("sync", stream)``, ``("pin", nbytes)``, ``("empty_host_cache",)``; streams appear by
   name (``"cuda:1/default"``, ``"cuda:1/s0"``). A host-only state must leave it empty.
 
 What the double cannot show: real DMA timing, the caching allocators' reuse of memory across
@@ -209,6 +214,7 @@ class CudaDouble:
         self.side: list[list[FakeStream]] = [[] for _ in range(devices)]
         self.events: list[tuple[Any, ...]] = []
         self.fail_pinning = False
+        self.copies_done_when_asked = False
         self.host_cache_emptied = 0
         self._pinned: list[tuple[weakref.ref[torch.Tensor], int, int]] = []
         classes = tuple(device_class(i) for i in range(devices))
@@ -224,6 +230,8 @@ class CudaDouble:
             "use_stream": self.use_stream,
             "copy": self.copy,
             "synchronize": self.synchronize_stream,
+            "record_event": self.record_event,
+            "event_done": self.event_done,
             "pinned_empty": self.pinned_empty,
             "empty_host_cache": self.empty_host_cache,
         }.items():
@@ -341,6 +349,20 @@ class CudaDouble:
         else:
             stream.run_all()
             op()
+
+    def record_event(self, stream: FakeStream) -> tuple[FakeStream, int]:
+        """``snapshot._engine.device.record_event``: the point of ``stream`` reached so far."""
+        self.events.append(("record", stream.name))
+        return (stream, stream.issued)
+
+    def event_done(self, event: tuple[FakeStream, int]) -> bool:
+        """``snapshot._engine.device.event_done``: whether ``stream`` has run to the point. With
+        ``copies_done_when_asked`` (a device that keeps up), it runs to it first."""
+        stream, point = event
+        if self.copies_done_when_asked:
+            stream.run_to(point)
+        self.events.append(("query", stream.name, stream.done >= point))
+        return stream.done >= point
 
     def synchronize_stream(self, stream: FakeStream) -> None:
         """``snapshot._engine.device.synchronize``: runs what was queued on ``stream``."""

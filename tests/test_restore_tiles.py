@@ -433,3 +433,43 @@ def test_device_targets_of_dtypes_without_a_copy_kernel_land_as_bytes(tmp_path, 
     out = cuda.tensor(torch.zeros(40, 30, dtype=torch.uint8).view(dtypes[-1]))
     Snapshot(path).read_object(f"0/s/{dtypes[-1]}", obj_out=out, options=options)
     assert torch.equal(_raw(out.view(torch.uint8)), values[str(dtypes[-1])].view(torch.uint8))
+
+
+@pytest.mark.parametrize("keeps_up", [True, False], ids=["device-keeps-up", "device-lags"])
+def test_device_tiles_are_short_and_reused_once_their_copies_are_done(
+    tmp_path, monkeypatch, keeps_up
+):
+    """A 96 MiB tensor restored to a device with a budget whose tiles would be 32 MiB: the
+    bytes go through tiles of at most ``DEVICE_TILE_BYTES`` (a read's pinned memory is fresh
+    memory locked at the host's page-locking speed, which a process's first restore pays in
+    full). A tile is free again once the event after its copies has passed, asked without
+    waiting: with a device that keeps up, the restore pins about one tile per worker and never
+    synchronizes the copy stream before its end. With one that lags, tiles are still reused,
+    by waiting for the stream once the tiles in flight reach the budget's spare bytes.
+
+    Fails when every tile is as long as the budget allows, or when a tile comes back only at
+    a synchronization of the stream (12 tiles pinned for 4 workers)."""
+    from snapshot._engine.landing import DEVICE_TILE_BYTES
+
+    workers = 4
+    options = Options(memory_budget_bytes=256 * _MIB, max_concurrent_io=workers)
+    cuda = CudaDouble(monkeypatch, devices=1)
+    cuda.copies_done_when_asked = keeps_up
+    values = {"big": torch.randn(24 * _MIB, generator=torch.Generator().manual_seed(4))}
+    path = str(tmp_path / "s")
+    _take_small(path, values)
+    target = cuda.tensor(torch.zeros(24 * _MIB))
+    Snapshot(path).restore({"s": StateDict(big=target)}, options=options)
+    assert cuda.pending() == 0
+    assert torch.equal(_raw(target), values["big"])
+    pins = [e[1] for e in cuda.calls("pin")]
+    assert len(cuda.calls("copy")) == 96 * _MIB // DEVICE_TILE_BYTES
+    assert pins and max(pins) == DEVICE_TILE_BYTES
+    if keeps_up:
+        assert len(pins) <= workers + 1, pins
+        assert cuda.calls("sync") == [("sync", "cuda:0/s0")]  # the restore's end alone
+    else:
+        # Spare bytes: 256 MiB less 4 workers' 32 MiB tiles = 128 MiB, 16 tiles of 8 MiB, of
+        # which the reads hold up to 4.
+        assert len(pins) <= 128 * _MIB // DEVICE_TILE_BYTES + workers, pins
+        assert len(cuda.calls("sync")) >= 1

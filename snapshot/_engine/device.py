@@ -1,8 +1,10 @@
 """The library's calls into CUDA for staging, in one place.
 
-Async take copies device tensors into pinned host buffers on side streams; those few calls
-(which stream is current, making a stream, ordering one stream after another, the non-blocking
-copy, waiting for a stream, pinned allocation, emptying torch's pinned-memory cache) are the
+Async take copies device tensors into pinned host buffers on side streams, and restores copy
+pinned tiles to devices; those few calls (which stream is current, making a stream, ordering
+one stream after another, the non-blocking copy, marking a point of a stream and asking
+whether the device has passed it, waiting for a stream, pinned allocation, emptying torch's
+pinned-memory cache) are the
 functions below and nothing else in the library calls ``torch.cuda`` for them. Two reasons:
 
 - Only a machine with a GPU can run them; tests on CPU replace these functions with a double
@@ -66,6 +68,20 @@ def copy(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool) -> None:
     stream. With ``non_blocking`` and pinned host memory the call returns at once and the bytes
     are there only once that stream is synchronized; otherwise it returns when they are."""
     dst.copy_(src, non_blocking=non_blocking)
+
+
+def record_event(stream: Stream) -> Any:
+    """A marker after the work queued on ``stream`` so far (``event_done`` asks whether the
+    device has passed it). Does not block the host."""
+    event = torch.cuda.Event()
+    event.record(stream)
+    return event
+
+
+def event_done(event: Any) -> bool:
+    """Whether the device has run everything queued before ``event`` was recorded; never
+    blocks."""
+    return bool(event.query())
 
 
 def synchronize(stream: Stream) -> None:

@@ -39,6 +39,8 @@ run proves.
 from __future__ import annotations
 
 import logging
+from collections import deque
+from typing import Any
 
 import torch
 
@@ -48,6 +50,23 @@ from snapshot._engine.serialization import as_copyable, copy_elements, range_vie
 logger = logging.getLogger(__name__)
 
 _pin_warned = False
+
+# The longest tile through which a read lands bytes in a device target. A read's tiles are as
+# long as the budget allows (``loader.tile_bytes``: up to 128 MiB with the default budget), and
+# each is pinned; reads of a few GiB onto a GPU then pinned that much fresh memory, at the
+# speed the host locks pages, which the first restore of a process pays in full (the tiles
+# stay in torch's pinned-memory cache for the next). Short tiles, reused as soon as their
+# copies are done (``Landing._reap``), keep the pinned memory to about one tile per worker.
+# 8 MiB copies run near a host-to-device link's full speed.
+DEVICE_TILE_BYTES = 8 << 20
+
+
+def tile_limit(target: torch.Tensor, tile_bytes: int) -> int:
+    """The longest tile to read ``target``'s bytes through: ``tile_bytes``, or
+    ``DEVICE_TILE_BYTES`` at most for a target on a CUDA device."""
+    if device.cuda_index(target) is None:
+        return tile_bytes
+    return min(tile_bytes, DEVICE_TILE_BYTES)
 
 
 class Tile:
@@ -90,9 +109,10 @@ class Landing:
         # where pooled ones stay within it (tests/test_restore_tiles.py).
         self._free: dict[tuple[int, bool], list[torch.Tensor]] = {}
         self._free_total = 0
-        # Pinned tiles whose non-blocking copies may still read them: referenced (so neither
-        # reused nor freed) until the copy streams are synchronized.
-        self._in_flight: list[torch.Tensor] = []
+        # Pinned tiles whose non-blocking copies may still read them, oldest first, each with
+        # the event recorded after its copies: referenced (so neither reused nor freed) until
+        # that event has passed (``_reap``) or the copy streams are synchronized (``_drain``).
+        self._in_flight: deque[tuple[torch.Tensor, Any]] = deque()
         self._in_flight_total = 0
 
     def prepare(self, target: torch.Tensor) -> None:
@@ -106,6 +126,12 @@ class Landing:
         stream = device.new_stream(index)
         device.wait_stream(stream, device.current_stream(index))
         self._streams[index] = stream
+
+    def scratch_limit(self, tile_bytes: int) -> int:
+        """The most scratch one read may hold: ``tile_bytes``, or one device tile once a
+        target on a device is planned (``prepare``), so that the reads' pinned tiles stay
+        about one per worker."""
+        return min(tile_bytes, DEVICE_TILE_BYTES) if self._streams else tile_bytes
 
     def cast_bytes(self, count: int, dtype: torch.dtype, target: torch.Tensor) -> int:
         """Host memory beside the tile that landing ``count`` elements of ``dtype`` into
@@ -128,18 +154,17 @@ class Landing:
         nbytes = count * dtype.itemsize
         pin = pin and self._pinning
         free = self._free.get((nbytes, pin))
-        if (
-            pin
-            and not free
-            and self._in_flight
-            and self._free_total + self._in_flight_total + nbytes > self.spare_bytes
-        ):
-            # The tiles in flight are as much as may be kept: wait for their copies and reuse
-            # one, rather than lock more memory (pinning a new block costs far more than a copy
-            # already queued takes to finish, and the block would outlive the read in torch's
-            # host cache).
-            self._drain()
+        if pin and not free and self._in_flight:
+            # Tiles whose copies are done are free again (most, with a device that keeps up).
+            self._reap()
             free = self._free.get((nbytes, pin))
+            if not free and self._free_total + self._in_flight_total + nbytes > self.spare_bytes:
+                # The tiles in flight are as much as may be kept: wait for their copies and
+                # reuse one, rather than lock more memory (pinning a new block costs far more
+                # than a copy already queued takes to finish, and the block would outlive the
+                # read in torch's host cache).
+                self._drain()
+                free = self._free.get((nbytes, pin))
         if free:
             self._free_total -= nbytes
             return Tile(free.pop(), dtype, pin)
@@ -188,7 +213,8 @@ class Landing:
         flat, target = as_copyable(src.data), as_copyable(target)
         # Only a GPU run proves these copies: queued on the copy stream, after the caller's
         # work (``prepare``), returning at once from pinned memory.
-        with torch.no_grad(), device.use_stream(self._streams[index]):
+        stream = self._streams[index]
+        with torch.no_grad(), device.use_stream(stream):
             pos = 0
             for view in range_views(target, start, stop):
                 n = view.numel()
@@ -197,7 +223,8 @@ class Landing:
         if not src.pinned:  # a synchronous copy: done
             self._give(src)
             return
-        self._in_flight.append(src.block)
+        # Only a GPU run proves that the event passes once these copies have read the tile.
+        self._in_flight.append((src.block, device.record_event(stream)))
         self._in_flight_total += src.block.numel()
         self._settle()
 
@@ -224,19 +251,30 @@ class Landing:
             return
         self._drop_free()
         if self._in_flight_total > self.spare_bytes:
+            self._reap()
+        if self._in_flight_total > self.spare_bytes:
             self._drain()
 
     def _drop_free(self) -> None:
         self._free.clear()
         self._free_total = 0
 
+    def _reap(self) -> None:
+        """Frees the tiles whose copies the device has done, oldest first, without waiting:
+        asks each one's event, up to the first not passed yet."""
+        in_flight = self._in_flight
+        while in_flight and device.event_done(in_flight[0][1]):
+            block, _ = in_flight.popleft()
+            self._in_flight_total -= block.numel()
+            self._give(Tile(block, torch.uint8, True))
+
     def _drain(self) -> None:
         # Only a GPU run proves that this is where the tiles' copies complete.
         for stream in self._streams.values():
             device.synchronize(stream)
-        landed, self._in_flight = self._in_flight, []
+        landed, self._in_flight = self._in_flight, deque()
         self._in_flight_total = 0
-        for block in landed:
+        for block, _ in landed:
             self._give(Tile(block, torch.uint8, True))
 
     def finish(self) -> None:

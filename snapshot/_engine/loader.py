@@ -252,7 +252,9 @@ class Loader:
             needs,
             max_gap_bytes=self.gap_bytes,
             max_request_bytes=self.piece_bytes,
-            max_scratch_bytes=self.tile_bytes,
+            # Into device targets a read holds one short pinned tile (``DEVICE_TILE_BYTES``),
+            # not several merged up to the budget's tile.
+            max_scratch_bytes=self.landing.scratch_limit(self.tile_bytes),
         )
         if progress is not None:
             progress.watch(requests)

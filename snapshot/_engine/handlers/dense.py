@@ -266,7 +266,7 @@ from typing import TYPE_CHECKING, Any  # noqa: E402
 from manifest import TensorEntry  # noqa: E402
 from snapshot._engine import sharded  # noqa: E402
 from snapshot._engine.checksum import WholeCheck  # noqa: E402
-from snapshot._engine.landing import Landing  # noqa: E402
+from snapshot._engine.landing import Landing, tile_limit  # noqa: E402
 from snapshot._engine.reads import (  # noqa: E402
     Need,
     TensorRead,
@@ -361,7 +361,7 @@ def plan_tensor_read(
     if not direct:
         landing.prepare(target)
     needs: list[Need] = []
-    step = piece_bytes if direct else tile_bytes
+    step = piece_bytes if direct else tile_limit(target, tile_bytes)
     step = max(itemsize, step - step % itemsize)
     address = target.data_ptr() if direct else 0
     base = 0

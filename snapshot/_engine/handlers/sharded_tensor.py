@@ -67,7 +67,7 @@ from manifest import ShardedTensorEntry  # noqa: E402
 from snapshot._engine import geometry, sharded  # noqa: E402
 from snapshot._engine.checksum import LocationCheck  # noqa: E402
 from snapshot._engine.handlers.dense import is_dense_tensor  # noqa: E402
-from snapshot._engine.landing import Landing  # noqa: E402
+from snapshot._engine.landing import Landing, tile_limit  # noqa: E402
 from snapshot._engine.reads import (  # noqa: E402
     Need,
     ScratchPool,
@@ -168,7 +168,7 @@ def plan_sharded_read(
         # scratch, as long as a tile.
         step = piece_bytes
         if not lands_directly(dest, dtype):
-            step = tile
+            step = tile_limit(dest, tile)
             landing.prepare(dest)
         direct, boxes = geometry.plan_region(
             entry, region, dtype.itemsize, step, gap_bytes, box_bytes
