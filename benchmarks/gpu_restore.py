@@ -77,7 +77,13 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
 class Methods:
     """Writes the state in each format once; ``restore[name]()`` fills ``targets``."""
 
-    def __init__(self, root: str, state: dict[str, torch.Tensor], device: torch.device) -> None:
+    def __init__(
+        self,
+        root: str,
+        state: dict[str, torch.Tensor],
+        device: torch.device,
+        only: set[str] | None = None,
+    ) -> None:
         self.root, self.device, self.state = root, device, state
         self.targets = {k: torch.empty_like(v) for k, v in state.items()}
         self.on_gpu = device.type == "cuda"
@@ -91,15 +97,18 @@ class Methods:
                 f.write(memoryview(v.contiguous().view(torch.uint8).numpy()))
         self.paths["statesnap"] = os.path.join(root, "statesnap")
         Snapshot.take(self.paths["statesnap"], {"m": StateDict(state)})
-        self.paths["torch.load"] = os.path.join(root, "torch")
-        os.makedirs(self.paths["torch.load"])
-        torch.save(host, os.path.join(self.paths["torch.load"], "state.pt"))
         self.restore: dict[str, Callable[[], None]] = {
             "raw": self._raw,
             "statesnap": self._statesnap,
-            "torch.load": self._torch_load,
         }
+        if only is None or "torch.load" in only:
+            self.paths["torch.load"] = os.path.join(root, "torch")
+            os.makedirs(self.paths["torch.load"])
+            torch.save(host, os.path.join(self.paths["torch.load"], "state.pt"))
+            self.restore["torch.load"] = self._torch_load
         try:
+            if only is not None and "safetensors" not in only:
+                raise ImportError("not asked for")
             from safetensors.torch import save_file
 
             self.paths["safetensors"] = os.path.join(root, "safetensors")
@@ -107,7 +116,8 @@ class Methods:
             save_file(host, os.path.join(self.paths["safetensors"], "state.safetensors"))
             self.restore["safetensors"] = self._safetensors
         except ImportError:
-            print("safetensors is not installed: its method is left out", flush=True)
+            if only is None or "safetensors" in only:
+                print("safetensors is not installed: its method is left out", flush=True)
         self.buffers = [
             torch.empty(CHUNK, dtype=torch.uint8, pin_memory=self.on_gpu)
             for _ in range(2 * READERS)
@@ -203,8 +213,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", default=3, type=int)
     parser.add_argument("--temps", default="warm,cold")
     parser.add_argument("--dir", help="where the files go (default: a temp directory)")
+    parser.add_argument("--methods", help="comma-separated subset (default: every method)")
+    parser.add_argument(
+        "--device-tile-mib",
+        type=int,
+        help="an experiment: the longest tile statesnap lands device bytes through "
+        "(snapshot._engine.landing.DEVICE_TILE_BYTES) for this run",
+    )
     parser.add_argument("--cpu-dry-run", action="store_true")
     args = parser.parse_args(argv)
+    if args.device_tile_mib:
+        from snapshot._engine import landing
+
+        landing.DEVICE_TILE_BYTES = args.device_tile_mib * MIB
     if not args.cpu_dry_run and not torch.cuda.is_available():
         print(
             "gpu_restore: no CUDA GPU is available; run it on a machine with one", file=sys.stderr
@@ -213,12 +234,19 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cpu") if args.cpu_dry_run else torch.device("cuda", 0)
     name = "CPU dry run" if args.cpu_dry_run else torch.cuda.get_device_name(0)
     root = tempfile.mkdtemp(prefix="gpu-restore-", dir=args.dir)
-    print(f"gpu_restore on {name}, torch {torch.__version__}, {fmt_size(args.size)}", flush=True)
+    tile = ""
+    if args.device_tile_mib:
+        tile = f", device tiles of {args.device_tile_mib} MiB"
+    print(
+        f"gpu_restore on {name}, torch {torch.__version__}, {fmt_size(args.size)}{tile}",
+        flush=True,
+    )
     try:
         state = _state(args.size, device)
-        methods = Methods(root, state, device)
+        only = set(args.methods.split(",")) if args.methods else None
+        methods = Methods(root, state, device, only)
         print(f"  {len(state)} tensors, {sum(v.nbytes for v in state.values()) / GIB:.2f} GiB")
-        names = list(methods.restore)
+        names = [n for n in methods.restore if only is None or n in only]
         for temp in args.temps.split(","):
             times: dict[str, list[float]] = {n: [] for n in names}
             for rep in range(args.reps):
