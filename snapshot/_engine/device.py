@@ -4,8 +4,8 @@ Async take copies device tensors into pinned host buffers on side streams, and r
 pinned tiles to devices; those few calls (which stream is current, making a stream, ordering
 one stream after another, the non-blocking copy, marking a point of a stream and asking
 whether the device has passed it, waiting for a stream, pinned allocation, emptying torch's
-pinned-memory cache) are the
-functions below and nothing else in the library calls ``torch.cuda`` for them. Two reasons:
+pinned-memory cache) are the functions below and nothing else in the library calls
+``torch.cuda`` for them. Two reasons:
 
 - Only a machine with a GPU can run them; tests on CPU replace these functions with a double
   (``tests/cuda_double.py``) that holds each non-blocking copy until its stream is

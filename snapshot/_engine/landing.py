@@ -14,11 +14,14 @@ pool of those tiles, one per read (``loader.Loader``):
   the caller's thread while the read is planned, to wait for the work queued so far on the
   caller's current stream of that device (the kernels that last wrote the targets; a current
   stream is per thread, and the copies are issued on the I/O thread, whose current stream is
-  the device's default one). A tile whose copy may be in flight stays referenced, neither
-  reused nor freed, until the copy streams are synchronized: when the tiles kept and in flight
-  pass the read's spare bytes (the budget left beside the reads' own tiles), and at the end of
-  the read (``finish``, on the caller's thread, after the reads, also after a failure). So a
-  restore returns with the restored bytes in the targets and no copy still reading a tile. A
+  the device's default one). Tiles into a device are short (``DEVICE_TILE_BYTES``) and a read
+  holds one (``scratch_limit``), so the memory pinned stays about a tile per worker. A tile
+  whose copy may be in flight stays referenced, neither reused nor freed, until the event
+  recorded after its copies has passed (asked without waiting when a pinned tile is wanted:
+  ``_reap``) or the copy streams are synchronized: when the tiles kept and in flight pass the
+  read's spare bytes (the budget left beside the reads' own tiles), and at the end of the read
+  (``finish``, on the caller's thread, after the reads, also after a failure). So a restore
+  returns with the restored bytes in the targets and no copy still reading a tile. A
   device target of another dtype than stored is cast on the host into a second pinned tile of
   the target's dtype (charged with the first: ``cast_bytes``), then copied: torch's own copy
   with a cast from host to device would cast into pageable memory and copy from there
@@ -56,8 +59,10 @@ _pin_warned = False
 # each is pinned; reads of a few GiB onto a GPU then pinned that much fresh memory, at the
 # speed the host locks pages, which the first restore of a process pays in full (the tiles
 # stay in torch's pinned-memory cache for the next). Short tiles, reused as soon as their
-# copies are done (``Landing._reap``), keep the pinned memory to about one tile per worker.
-# 8 MiB copies run near a host-to-device link's full speed.
+# copies are done (``Landing._reap``), keep the pinned memory to about one tile per worker;
+# an 8 MiB copy from pinned memory takes a fraction of the time its read takes. Long tiles do
+# make later restores of the same process faster, which find them cached: the figures of both
+# are in benchmarks/README.md ("GPU").
 DEVICE_TILE_BYTES = 8 << 20
 
 
