@@ -2,12 +2,13 @@
 
 Run on a machine with one CUDA GPU, from the repository root::
 
-    python -m benchmarks.gpu_check            # every check, under 8 minutes on one H100
-    python -m benchmarks.gpu_check --quick    # smaller sizes, about a minute
+    python -m benchmarks.gpu_check            # every check: 28-36 s on one H100
+    python -m benchmarks.gpu_check --quick    # smaller sizes: about 10 s
 
-Prints the card's name, one line per check and a summary; exits 1 if any check found a
-mismatch (bytes, checksums, host memory above its bound, an exception), 2 when no GPU is
-present. The speed ratios are printed, not judged.
+It needs the library's dependencies (isal among them) and, for its Lightning check, Lightning
+(skipped, and said so, without it). Prints the card's name, one line per check and a summary;
+exits 1 if any check found a mismatch (bytes, checksums, host memory above its bound, an
+exception), 2 when no GPU is present. The speed ratios are printed, not judged.
 
 The checks:
 
