@@ -298,19 +298,7 @@ class StatesnapCheckpointIO(CheckpointIO):  # type: ignore[misc, valid-type]
             SnapshotError: the take failed (a value that cannot be stored, a storage error...);
                 the earlier version at ``path``, if any, is as it was.
         """
-        root, store, target, older = self._begin(checkpoint, path, storage_options)
-        t = time.perf_counter()
-        try:
-            Snapshot.take(
-                join(root, target),
-                {KEY: StateDict(checkpoint)},
-                pg=alone(),
-                storage_options=store,
-                options=self.options,
-            )
-        except Exception:
-            self._discard(root, target, store)
-            raise
+        _, root, _, older, store, t = self._save(Snapshot.take, checkpoint, path, storage_options)
         logger.info("checkpoint %s saved in %.3f s", root, time.perf_counter() - t)
         self._retire(root, older, store)
 
@@ -381,6 +369,32 @@ class StatesnapCheckpointIO(CheckpointIO):  # type: ignore[misc, valid-type]
         counter = older[-1].counter + 1 if older else 1
         return root, store, version_name(counter), older
 
+    def _save(
+        self,
+        take: Callable[..., Any],
+        checkpoint: dict[str, Any],
+        path: Any,
+        storage_options: Any | None,
+    ) -> tuple[Any, str, str, list[Version], dict[str, Any] | None, float]:
+        """Begins a new version at ``path`` and calls ``take`` (``Snapshot.take`` or
+        ``Snapshot.async_take``) into it, in this process alone; what a failure left is deleted
+        and the error raised. Returns what ``take`` returned, the checkpoint's root, the new
+        version's name, the versions it replaces, the storage options and when it began."""
+        root, store, target, older = self._begin(checkpoint, path, storage_options)
+        t = time.perf_counter()
+        try:
+            result = take(
+                join(root, target),
+                {KEY: StateDict(checkpoint)},
+                pg=alone(),
+                storage_options=store,
+                options=self.options,
+            )
+        except Exception:
+            self._discard(root, target, store)
+            raise
+        return result, root, target, older, store, t
+
     def _discard(self, root: str, name: str, store: dict[str, Any] | None) -> None:
         """What a failed save left of its version (the take deleted its blobs; a folder may
         remain) is deleted; a failure to do so is logged (the next save deletes it)."""
@@ -432,19 +446,9 @@ class AsyncStatesnapCheckpointIO(StatesnapCheckpointIO):
                 begun), or capturing this one failed.
         """
         self.wait()
-        root, store, target, older = self._begin(checkpoint, path, storage_options)
-        t = time.perf_counter()
-        try:
-            pending = Snapshot.async_take(
-                join(root, target),
-                {KEY: StateDict(checkpoint)},
-                pg=alone(),
-                storage_options=store,
-                options=self.options,
-            )
-        except Exception:
-            self._discard(root, target, store)
-            raise
+        pending, root, target, older, store, t = self._save(
+            Snapshot.async_take, checkpoint, path, storage_options
+        )
         logger.info("checkpoint %s captured in %.3f s", root, time.perf_counter() - t)
         thread = threading.Thread(
             target=self._commit,
