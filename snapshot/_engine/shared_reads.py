@@ -93,17 +93,26 @@ def plan(
     options: Options,
     error: Exception | None,
 ) -> Shared | None:
-    """Agrees with the other ranks (a collective every rank calls, with its ``error`` if
-    planning failed) on which replicated tensors each reads, and drops this rank's reads of the
-    others'. None when they are read by every rank."""
-    mine = candidates(loader, entries, prefix) if error is None else {}
-    value = (socket.gethostname(), mine, options.read_replicated_once, path)
+    """Agrees with the other ranks (collectives every rank calls, the first with its ``error``
+    if planning failed) on whether replicated tensors are read once, and if so on which each
+    reads, and drops this rank's reads of the others'. None when they are read by every rank.
+
+    The choice comes first, from each rank's host alone: where every rank reads (ranks on one
+    host, from a local directory), no rank walks its planned reads nor sends their list."""
+    value = (socket.gethostname(), options.read_replicated_once, path)
     gathered = coordinator.agree("restore: sharing", value=value, error=error)
     # Rank 0's option and path decide for every rank (the ranks must make one choice).
-    if not decide(gathered[0][2], gathered[0][3], [g[0] for g in gathered]):
+    if not decide(gathered[0][1], gathered[0][2], [g[0] for g in gathered]):
         return None
-    common = dict(gathered[0][1])
-    for _, theirs, _, _ in gathered[1:]:
+    mine: dict[str, int] = {}
+    failed: Exception | None = None
+    try:
+        mine = candidates(loader, entries, prefix)
+    except Exception as e:  # every rank must still reach the next collective
+        failed = e
+    offers = coordinator.agree("restore: shared tensors", value=mine, error=failed)
+    common = dict(offers[0])
+    for theirs in offers[1:]:
         common = {p: n for p, n in common.items() if theirs.get(p) == n}
     if not common:
         return None
