@@ -84,6 +84,33 @@ def test_every_rank_reads_on_one_host_from_a_local_directory(tmp_path):
     assert all(n >= MODEL_BYTES for n, _ in results), results
 
 
+def _listings(rank: int, world: int, path: str, once: bool | None) -> tuple[int, bool]:
+    """How often this rank listed its candidates for reading once (walking its planned reads),
+    and whether the restore came back bitwise."""
+    calls = [0]
+    inner = shared_reads.candidates
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return inner(*args, **kwargs)
+
+    shared_reads.candidates = counted
+    _, same = _restore(rank, world, path, once, None)
+    return calls[0], same
+
+
+def test_ranks_list_their_reads_only_where_they_share_them(tmp_path):
+    """The choice is agreed first: ranks on one host restoring from a local directory (every
+    rank reads) never walk their planned reads for candidates nor send the list; asked to read
+    once, each lists them once.
+
+    Fails when the candidates are gathered with the choice (the agreement before this)."""
+    every = run_ranks(2, _listings, str(tmp_path / "a"), None)
+    once = run_ranks(2, _listings, str(tmp_path / "b"), True)
+    assert every == [(0, True), (0, True)], every
+    assert once == [(1, True), (1, True)], once
+
+
 def _restore_s3(rank: int, world: int, url: str, storage: dict, once: bool | None) -> bool:
     state = {"model": _model(), "own": StateDict(x=torch.full((1000,), float(rank)))}
     Snapshot.take(url, state, replicated=["model/**"], storage_options=storage)
