@@ -55,6 +55,7 @@ from benchmarks.common import (
     set_page_cache,
 )
 from benchmarks.common.states import GIB, MIB
+from benchmarks.gpu_check import same
 from snapshot import Snapshot, StateDict
 
 CHUNK = 64 * MIB
@@ -66,12 +67,6 @@ def _state(size: int, device: torch.device) -> dict[str, torch.Tensor]:
     spec = build_spec({"kind": "model", "size": size, "seed": 0})
     host = flatten_state(generate_state(spec, with_objects=False))
     return {k: v.to(device) for k, v in host.items()}
-
-
-def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.shape == b.shape and torch.equal(
-        a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)
-    )
 
 
 class Methods:
@@ -200,7 +195,7 @@ class Methods:
         self.sync()
 
     def check(self, name: str) -> None:
-        bad = [k for k, v in self.state.items() if not _same(self.targets[k], v)]
+        bad = [k for k, v in self.state.items() if not same(self.targets[k], v)]
         if bad:
             raise AssertionError(f"{name}: restored bytes differ for {bad[:5]}")
         for t in self.targets.values():

@@ -97,8 +97,9 @@ def plan(
     if planning failed) on whether replicated tensors are read once, and if so on which each
     reads, and drops this rank's reads of the others'. None when they are read by every rank.
 
-    The choice comes first, from each rank's host alone: where every rank reads (ranks on one
-    host, from a local directory), no rank walks its planned reads nor sends their list."""
+    The choice comes first, from the ranks' hosts and rank 0's option and path: where every
+    rank reads (ranks on one host, from a local directory), no rank walks its planned reads nor
+    sends their list."""
     value = (socket.gethostname(), options.read_replicated_once, path)
     gathered = coordinator.agree("restore: sharing", value=value, error=error)
     # Rank 0's option and path decide for every rank (the ranks must make one choice).
