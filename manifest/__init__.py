@@ -5,6 +5,7 @@ line), ``decode`` (every field of an entry checked), ``yaml_loader`` (the safe Y
 
 from manifest.codec import (
     EntryFormatter,
+    TensorsDecoded,
     check_head,
     dumps,
     dumps_entries,
@@ -70,6 +71,7 @@ __all__ = [
     "ShardedTensorEntry",
     "TensorEntry",
     "TensorView",
+    "TensorsDecoded",
     "TupleEntry",
     "UnsafeManifestError",
     "UnsupportedFormatError",

@@ -14,7 +14,7 @@ from __future__ import annotations
 import base64
 import json
 import re
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from itertools import compress, count, repeat
 from operator import is_not
 from typing import Any
@@ -357,7 +357,25 @@ def nests_within(text: str, levels: int) -> bool:
     return not rest
 
 
-def _parse_fast(text: str, source: str = "manifest") -> dict[str, Any] | None:
+# Every line of the entries: a tensor line in the writer's common layout (``_TENSOR_LINE``'s
+# groups), or any other line whole (the last group; the others then empty). ``findall`` over
+# a piece of the text gives every line's fields in one pass in C, where matching line by line
+# took a call, a match object and a groups tuple per line.
+_LINE = re.compile(rf"^(?:{_TENSOR_LINE.pattern}|(.*))$", re.MULTILINE)
+
+# The entries are decoded in pieces of about this many characters (some 1,800 tensor lines),
+# each handed to ``on_tensors`` as soon as it is decoded.
+PIECE_CHARS = 256 << 10
+
+TensorsDecoded = Callable[[list[tuple[str, TensorEntry]]], None]
+"""Called by ``loads`` with the tensor entries of each piece of the manifest as they are
+decoded, as (path, entry) pairs in the manifest's order: those of the writer's common layout
+(one range with a CRC, nothing else), checked as every entry is."""
+
+
+def _parse_fast(
+    text: str, source: str = "manifest", on_tensors: TensorsDecoded | None = None
+) -> dict[str, Any] | None:
     """The document, if it is laid out exactly as ``dumps`` writes it; else None.
 
     Its ``entries`` map each path to the entry's raw mapping, or for a tensor line in the
@@ -366,6 +384,8 @@ def _parse_fast(text: str, source: str = "manifest") -> dict[str, Any] | None:
     C decoder reads them all. Each line must hold exactly one entry and no path may repeat (the
     count of lines and of entries must agree, and the lines must nest no deeper than
     ``MAX_DEPTH``); anything else goes to the YAML path, which refuses or reports it.
+    ``on_tensors`` is given each piece's tensor entries as they are decoded (some may belong
+    to a document that then goes to the YAML path: it decodes them again).
 
     Raises:
         UnsafeManifestError: the header uses what the writer never emits (``load_yaml``).
@@ -381,29 +401,37 @@ def _parse_fast(text: str, source: str = "manifest") -> dict[str, Any] | None:
         return None
     if not isinstance(doc, dict) or "entries" in doc:
         return None
-    lines = body.split("\n")
-    if lines and lines[-1] == "":
-        lines.pop()
-    if not all(line.startswith('  "') for line in lines):
-        return None
-    match = _TENSOR_LINE.fullmatch
+    # The lines: the text split at its line ends, less one empty line after the last.
+    end = len(body) - 1 if body.endswith("\n") else len(body)
+    findall = _LINE.findall
     tensors: list[tuple[str, TensorEntry] | None] = []  # None: the line is among ``others``
     others: list[str] = []
     shapes: dict[str, tuple[int, ...]] = {}  # by their text: shapes repeat across tensors
-    for line in lines:
-        m = match(line)
-        if m is not None:
-            path, dtype, shape, blob, offset, nbytes, crc = m.groups()
-            crc32 = int(crc)
-            if crc32 <= MAX_CRC32:
-                loc = new_location(blob, int(offset), int(nbytes), crc32)
-                dims = shapes.get(shape)
-                if dims is None:
-                    dims = shapes[shape] = tuple(map(int, shape.split(", "))) if shape else ()
-                tensors.append((path, new_tensor_entry(dtype, dims, (loc,))))
-                continue
-        tensors.append(None)
-        others.append(line)
+    pos = 0 if body else 1  # no text: no line at all
+    while pos <= end:
+        # A piece ends at a line's end: the next piece starts at a line's start.
+        cut = body.find("\n", min(pos + PIECE_CHARS, end), end)
+        if cut < 0:
+            cut = end
+        first = len(tensors)
+        for path, dtype, shape, blob, offset, nbytes, crc, other in findall(body, pos, cut):
+            if dtype:  # a tensor line: the pattern checked every field but the CRC's bound
+                crc32 = int(crc)
+                if crc32 <= MAX_CRC32:
+                    loc = new_location(blob, int(offset), int(nbytes), crc32)
+                    dims = shapes.get(shape)
+                    if dims is None:
+                        dims = shapes[shape] = tuple(map(int, shape.split(", "))) if shape else ()
+                    tensors.append((path, new_tensor_entry(dtype, dims, (loc,))))
+                    continue
+                return None  # a CRC out of range: the YAML path reports it, naming the path
+            if not other.startswith('  "'):
+                return None
+            tensors.append(None)
+            others.append(other)
+        if on_tensors is not None and len(tensors) > first:
+            on_tensors(list(filter(None, tensors[first:])))
+        pos = cut + 1
     joined = ",".join(others)
     # The lines are the values of ``entries`` (level 2): they may open MAX_DEPTH - 2 levels.
     if not nests_within(joined, MAX_DEPTH - 2):
@@ -416,7 +444,7 @@ def _parse_fast(text: str, source: str = "manifest") -> dict[str, Any] | None:
         return None
     rest = iter(decoded.items())
     entries = dict(item if item is not None else next(rest) for item in tensors)
-    if len(entries) != len(lines):
+    if len(entries) != len(tensors):
         return None
     doc["entries"] = entries
     return doc
@@ -467,10 +495,19 @@ def check_head(data: bytes, source: str = "manifest", *, verify: bool = True) ->
     _header(load_yaml(head, source), source)
 
 
-def loads(data: bytes, source: str = "manifest", *, verify: bool = True) -> Manifest:
+def loads(
+    data: bytes,
+    source: str = "manifest",
+    *,
+    verify: bool = True,
+    on_tensors: TensorsDecoded | None = None,
+) -> Manifest:
     """Parses manifest bytes; ``source`` names the file in error messages.
 
     With ``verify``, the bytes must end with the checksum line ``dumps`` writes, and match it.
+    ``on_tensors`` is given the tensor entries as they are decoded, piece by piece (some twice
+    when the fast path hands the text to the YAML path), before the whole is checked: a caller
+    may act on them early (read-ahead hints), never trust them before ``loads`` returns.
 
     Raises:
         ManifestChecksumError: (with ``verify``) the checksum line is missing or does not match.
@@ -486,7 +523,7 @@ def loads(data: bytes, source: str = "manifest", *, verify: bool = True) -> Mani
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:
         raise ManifestDecodeError(f"{source} is not valid YAML: {e}") from None
-    doc = _parse_fast(text, source)
+    doc = _parse_fast(text, source, on_tensors)
     if doc is None:
         doc = load_yaml(text, source)
     version, world_size, metadata = _header(doc, source)
@@ -496,6 +533,7 @@ def loads(data: bytes, source: str = "manifest", *, verify: bool = True) -> Mani
     # Decoded in place. The tensor lines ``_parse_fast`` decoded are entries already (most of
     # them, found by passes in C); every other value is a mapping to decode.
     values = entries.values()
+    rest: list[tuple[str, TensorEntry]] = []  # tensors of other layouts, for ``on_tensors``
     for path in list(compress(entries, map(is_not, repeat(TensorEntry), map(type, values)))):
         if type(path) is not str:
             raise ManifestDecodeError(f"{source}: entry path {path!r} is not a string")
@@ -513,6 +551,10 @@ def loads(data: bytes, source: str = "manifest", *, verify: bool = True) -> Mani
                         f"{source}: {path}: unsafe blob path {loc.blob!r}: a manifest of "
                         f"format version {version} keeps every blob under its root"
                     )
+        if on_tensors is not None and type(entry) is TensorEntry:
+            rest.append((path, entry))
+    if rest and on_tensors is not None:
+        on_tensors(rest)
     return Manifest(
         format_version=version, world_size=world_size, entries=entries, metadata=metadata
     )

@@ -361,6 +361,34 @@ def test_tensor_lines_out_of_the_common_layout_are_still_decoded_and_checked():
         mf.loads(big)
 
 
+@pytest.mark.parametrize("piece_chars", [1, 60, 200, 5_000, 1 << 20])
+def test_entries_decoded_in_pieces_are_those_decoded_whole(monkeypatch, piece_chars):
+    """The entry lines are decoded in pieces, each piece's tensors handed to ``on_tensors`` as
+    soon as they are made: whatever the pieces, the manifest is the same, every tensor of the
+    common layout is handed over once, in the manifest's order, and the others (a tensor line
+    out of that layout, here a parameter) once decoded."""
+    entries = dict(GOLDEN.entries)
+    for i in range(40):
+        entries[f"0/t/{i}"] = TensorEntry(
+            dtype="float32",
+            shape=(i, 2),
+            chunks=(Location(blob=f"0/{i % 3}", offset=8 * i, nbytes=8 * i, crc32=i),),
+            parameter=i == 7,
+        )
+    m = Manifest(entries=entries)
+    data = mf.dumps(m)
+    monkeypatch.setattr(codec, "PIECE_CHARS", piece_chars)
+    pieces: list[list[str]] = []
+    back = mf.loads(data, on_tensors=lambda items: pieces.append([p for p, _ in items]))
+    assert back == m and list(back.entries) == list(entries)
+    handed = [p for piece in pieces for p in piece]
+    tensors = [p for p, e in entries.items() if type(e) is TensorEntry]
+    assert sorted(handed) == sorted(tensors) and len(handed) == len(set(handed))
+    assert handed[-1] == "0/t/7"  # the parameter, decoded by the JSON path
+    assert [p for p in handed if p != "0/t/7"] == [p for p in tensors if p != "0/t/7"]
+    assert len(pieces) > 2 if piece_chars <= 200 else len(pieces) == 2
+
+
 def test_blob_sizes_and_bases_cover_every_kind_of_range():
     """Each blob's size is the end of its last range, whatever the entry kind or the order of
     the ranges; the bases are the sibling snapshots that some range points into."""
