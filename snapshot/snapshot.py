@@ -9,7 +9,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed
 
-from manifest import Entry, Manifest
+from manifest import Entry, Manifest, TensorsDecoded
 from snapshot._engine import arguments, dist, read_ahead, runtime, writers
 from snapshot._engine.async_queue import AsyncRequest
 from snapshot._engine.context import gc_paused
@@ -88,9 +88,15 @@ class Snapshot:
 
     @property
     def _manifest(self) -> Manifest:
+        return self._decode()
+
+    def _decode(self, on_tensors: TensorsDecoded | None = None) -> Manifest:
+        """The manifest, decoded on first use (``on_tensors``: as ``manifest.loads``)."""
         m = self._decoded
         if isinstance(m, bytes):
-            m = self._decoded = decode_manifest(m, self._where, verify=self._verify_manifest)
+            m = self._decoded = decode_manifest(
+                m, self._where, verify=self._verify_manifest, on_tensors=on_tensors
+            )
         return m
 
     def __repr__(self) -> str:
@@ -325,36 +331,43 @@ class Snapshot:
         arguments.flag(verify_first, "Snapshot.restore", "verify_first", self.path)
         resolved = resolve(options)
         coordinator = dist.resolve(self.pg, resolved)
-        ahead = None
-        if isinstance(self._decoded, bytes) and coordinator.world_size == 1:
-            # One process restoring: the store reads the keys' tensors while the manifest is
-            # decoded (in a group, which leaves a rank reads is known once it is).
-            ahead = read_ahead.early(
-                self._decoded,
-                [f"0/{escape_key(k)}" for k in app_state if isinstance(k, str)]
-                if isinstance(app_state, dict)
-                else [],
-                self.path,
-                self.storage_options,
-                resolved,
-            )
-        try:
-            # Only a snapshot whose parts a registered strategy reads is restored.
-            writers.check_readable(self._manifest.metadata, self.path)
-            restore_app_state(
-                self._manifest,
-                app_state,
-                path=self.path,
-                coordinator=coordinator,
-                storage_options=self.storage_options,
-                options=resolved,
-                strict=strict,
-                verify_first=verify_first,
-                ahead=ahead,
-            )
-        finally:
-            if ahead is not None:
-                ahead.close()
+        # The collector stays paused from the decoding to the end: a restore's one collection
+        # over the entries decoded runs once it returns (``gc_paused``).
+        with gc_paused():
+            ahead = None
+            if isinstance(self._decoded, bytes) and coordinator.world_size == 1:
+                # One process restoring: the store reads the keys' tensors while the manifest is
+                # decoded (in a group, which leaves a rank reads is known once it is).
+                ahead = read_ahead.early(
+                    [f"0/{escape_key(k)}" for k in app_state if isinstance(k, str)]
+                    if isinstance(app_state, dict)
+                    else [],
+                    self.path,
+                    self.storage_options,
+                    resolved,
+                )
+            try:
+                if ahead is not None and ahead.feed is not None:
+                    try:
+                        self._decode(ahead.feed.tensors)
+                    finally:
+                        ahead.feed.end()
+                # Only a snapshot whose parts a registered strategy reads is restored.
+                writers.check_readable(self._manifest.metadata, self.path)
+                restore_app_state(
+                    self._manifest,
+                    app_state,
+                    path=self.path,
+                    coordinator=coordinator,
+                    storage_options=self.storage_options,
+                    options=resolved,
+                    strict=strict,
+                    verify_first=verify_first,
+                    ahead=ahead,
+                )
+            finally:
+                if ahead is not None:
+                    ahead.close()
 
     def read_object(
         self,

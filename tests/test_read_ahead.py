@@ -258,7 +258,7 @@ def test_only_a_store_that_reads_ahead_is_given_hints(tmp_path):
     assert not MemoryStoragePlugin("memory://x").read_ahead_now("blob", 0, 10)
 
 
-# ---- hints found in the manifest's bytes, before they are decoded -------------------------------
+# ---- hints given as the manifest is decoded ------------------------------------------------------
 
 
 def _intervals(spans):
@@ -277,18 +277,41 @@ def _covers(spans, blob, start, end) -> bool:
     return any(a <= start and end <= b for a, b in _intervals(spans).get(blob, []))
 
 
+def _decoded_ranges(data: bytes, roots, *, verify: bool = True, piece_chars: int | None = None):
+    """The ranges a restore of ``roots`` hints while it decodes ``data`` (a manifest's
+    bytes), and the manifest decoded (or the error decoding it raised)."""
+    import manifest as mf
+    from manifest import codec
+
+    feed = read_ahead.DecodedRanges(tuple(f"{r}/" for r in roots), read_ahead.GAP_BYTES)
+    saved = codec.PIECE_CHARS
+    if piece_chars is not None:
+        codec.PIECE_CHARS = piece_chars
+    try:
+        decoded = mf.loads(data, verify=verify, on_tensors=feed.tensors)
+    except mf.ManifestDecodeError as e:
+        decoded = e
+    finally:
+        codec.PIECE_CHARS = saved
+        feed.end()
+    return list(feed), decoded
+
+
 @pytest.mark.parametrize("seed", range(4))
-def test_ranges_found_in_the_bytes_cover_each_keys_tensors_and_nothing_else(tmp_path, seed):
-    """For each key, alone or with others: every single-range dense tensor under it is covered,
-    and no range reaches outside the extent of the key's own tensors in each blob. Keys needing
-    escapes in the manifest's text are found too."""
+def test_ranges_found_as_the_manifest_is_decoded_cover_each_keys_tensors_and_nothing_else(
+    tmp_path, seed
+):
+    """For each key, alone or with others, and whatever the pieces the manifest is decoded
+    in: every dense tensor under it is covered, and no range reaches outside the extent of
+    the key's own tensors in each blob. Keys needing escapes in the manifest's text are found
+    too."""
     g = torch.Generator().manual_seed(seed)
     sizes = [1, 100, 3000, 70_000, 300_000]
 
     def tensor():
         return torch.randn(sizes[int(torch.randint(len(sizes), (1,), generator=g))], generator=g)
 
-    keys = ["model", 'q"uote', "line\u2028sep", "ünï", f"k{seed}"]
+    keys = ["model", 'q"uote', "line\u2028sep", "ünï", f"k{seed}", f"k{seed}x"]
     app = {
         k: StateDict(
             w=tensor(),
@@ -303,34 +326,34 @@ def test_ranges_found_in_the_bytes_cover_each_keys_tensors_and_nothing_else(tmp_
         data = f.read()
     manifest = Snapshot(path).get_manifest()
     from manifest import TensorEntry
-    from manifest.scan import tensor_ranges
     from snapshot._engine.flatten import escape_key
 
-    for chosen in [[k] for k in keys] + [keys[::2]]:
-        roots = [f"0/{escape_key(k)}" for k in chosen]
-        spans = tensor_ranges(data, roots, read_ahead.GAP_BYTES)
-        mine = [
-            loc
-            for root in roots
-            for p in subtree(manifest, root)
-            if type(manifest[p]) is TensorEntry
-            for loc in manifest[p].chunks
-        ]
-        for e in (manifest[p] for root in roots for p in subtree(manifest, root)):
-            if type(e) is TensorEntry and len(e.chunks) == 1:
-                c = e.chunks[0]
+    for piece_chars in (None, 200, 1):  # the default; a few lines; one line a piece
+        for chosen in [[k] for k in keys] + [keys[::2]]:
+            roots = [f"0/{escape_key(k)}" for k in chosen]
+            spans, decoded = _decoded_ranges(data, roots, piece_chars=piece_chars)
+            assert dict(decoded.entries) == dict(manifest.items())
+            mine = [
+                loc
+                for root in roots
+                for p in subtree(manifest, root)
+                if type(manifest[p]) is TensorEntry
+                for loc in manifest[p].chunks
+            ]
+            for c in mine:
                 assert _covers(spans, c.blob, c.offset, c.offset + c.nbytes), (chosen, c)
-        for blob, offset, nbytes in spans:
-            own = [c for c in mine if c.blob == blob]
-            assert own, (chosen, blob)
-            assert min(c.offset for c in own) <= offset
-            assert offset + nbytes <= max(c.offset + c.nbytes for c in own)
+            for blob, offset, nbytes in spans:
+                own = [c for c in mine if c.blob == blob]
+                assert own, (chosen, blob)
+                assert min(c.offset for c in own) <= offset
+                assert offset + nbytes <= max(c.offset + c.nbytes for c in own)
 
 
-def test_ranges_in_the_bytes_name_plain_blobs_only():
+def test_ranges_hinted_while_decoding_name_plain_blobs_only():
     """A hint opens a blob: a forged line whose blob would leave the snapshot, or point into a
-    sibling, gives none (the decoding then refuses the manifest)."""
-    from manifest.scan import tensor_ranges
+    sibling, gives none (the decoding refuses the manifest, after the plain lines before it
+    were hinted)."""
+    import manifest as mf
 
     def line(path, blob):
         return (
@@ -338,57 +361,51 @@ def test_ranges_in_the_bytes_name_plain_blobs_only():
             f'"chunks": [["{blob}", 0, 4, 1]]}}'
         )
 
-    data = "\n".join(
-        [
-            "format: statesnap",
-            "entries:",
-            '  "0/k": {"type": "dict", "keys": ["a", "b", "c", "d"]}',
-            line("0/k/a", "../../etc/passwd"),
-            line("0/k/b", "/etc/passwd"),
-            line("0/k/c", "../s1/0/3"),
-            line("0/k/d", "0/7"),
-            "",
-        ]
-    ).encode()
-    assert tensor_ranges(data, ["0/k"], 0) == [("0/7", 0, 4)]
-    assert tensor_ranges(data, ["0/other"], 0) == []
+    head = ["format: statesnap", "format_version: 1", "world_size: 1", "entries:"]
+    for forged in ("../../etc/passwd", "/etc/passwd", "../s1/0/3"):
+        data = "\n".join(
+            [
+                *head,
+                '  "0/k": {"type": "dict", "keys": ["a", "b"]}',
+                line("0/k/a", "0/7"),
+                line("0/k/b", forged),
+                "",
+            ]
+        ).encode()
+        spans, decoded = _decoded_ranges(data, ["0/k"], verify=False)
+        assert isinstance(decoded, mf.UnsafeManifestError), forged
+        assert spans == [("0/7", 0, 4)]
+        spans, _ = _decoded_ranges(data, ["0/other"], verify=False)
+        assert spans == []
 
 
-def test_ranges_in_the_bytes_merge_a_blobs_close_ranges_only():
-    from manifest.scan import tensor_ranges
+def test_merged_ranges_join_a_blobs_close_ranges_only():
+    def loc(blob, offset, nbytes):
+        return new_location(blob, offset, nbytes, 1)
 
-    def line(name, blob, offset, nbytes):
-        return (
-            f'  "0/k/{name}": {{"type": "tensor", "dtype": "uint8", "shape": [{nbytes}], '
-            f'"chunks": [["{blob}", {offset}, {nbytes}, 1]]}}'
-        )
-
-    data = "\n".join(
-        [
-            "entries:",
-            '  "0/k": {"type": "dict", "keys": ["a", "b", "c", "d", "e"]}',
-            line("a", "0/1", 100, 10),  # out of order with b, close: one range
-            line("b", "0/1", 0, 100),
-            line("c", "0/1", 10_000, 5),  # far from them: a range of its own
-            line("d", "0/2", 0, 8),
-            line("e", "0/1", 110, 10),  # the first blob again, after another: a new run
-            "",
-        ]
-    ).encode()
-    assert tensor_ranges(data, ["0/k"], 100) == [
+    locations = [
+        loc("0/1", 100, 10),  # out of order with the next, close: one range
+        loc("0/1", 0, 100),
+        loc("0/1", 10_000, 5),  # far from them: a range of its own
+        loc("0/2", 0, 8),
+        loc("0/1", 110, 10),  # the first blob again, after another: a new run
+    ]
+    assert read_ahead.merged(locations, 100) == [
         ("0/1", 0, 110),
         ("0/1", 10_000, 5),
         ("0/2", 0, 8),
         ("0/1", 110, 10),
     ]
     # A gap as wide as the extent: each run of a blob is one range.
-    assert tensor_ranges(data, ["0/k"], 10_000)[0] == ("0/1", 0, 10_005)
+    assert read_ahead.merged(locations, 10_000)[0] == ("0/1", 0, 10_005)
+    assert read_ahead.merged([], 100) == []
 
 
-def test_a_restore_of_an_opened_snapshot_hints_before_it_decodes_the_manifest(
-    tmp_path, monkeypatch
-):
+def test_a_restore_of_an_opened_snapshot_hints_as_it_decodes_the_manifest(tmp_path, monkeypatch):
+    """The hints start before the decoding and are given piece by piece while it runs; the
+    restore does not look for its ranges again."""
     import snapshot.snapshot as public
+    from manifest import codec
 
     state = _state(50, 1000, 6)
     path = str(tmp_path / "s")
@@ -396,28 +413,46 @@ def test_a_restore_of_an_opened_snapshot_hints_before_it_decodes_the_manifest(
     events: list[str] = []
     decode = public.decode_manifest
     started = read_ahead.ReadAhead.__init__
+    fed = read_ahead.DecodedRanges.tensors
+    merged = read_ahead.merged
+    hinted: list[tuple[str, int, int]] = []
 
     def decoding(*args, **kwargs):
         events.append("decode")
-        return decode(*args, **kwargs)
+        out = decode(*args, **kwargs)
+        events.append("decoded")
+        return out
 
     def starting(self, plugin, spans, *args):
-        spans = list(spans)
-        events.append(f"hints {sum(n for *_, n in spans)}")
+        events.append("hints")
         started(self, plugin, spans, *args)
+
+    def feeding(self, items):
+        events.append("piece")
+        fed(self, items)
+
+    def merging(*args):
+        spans = merged(*args)
+        hinted.extend(spans)
+        return spans
 
     def no_ranges(*args):
         raise AssertionError("the restore found its ranges again")
 
+    monkeypatch.setattr(codec, "PIECE_CHARS", 2000)  # several pieces of this small manifest
     monkeypatch.setattr(public, "decode_manifest", decoding)
     monkeypatch.setattr(read_ahead.ReadAhead, "__init__", starting)
+    monkeypatch.setattr(read_ahead.DecodedRanges, "tensors", feeding)
+    monkeypatch.setattr(read_ahead, "merged", merging)
     monkeypatch.setattr(read_ahead, "ranges", no_ranges)
     snap = Snapshot(path)
     assert events == []  # opening decodes nothing
     out = StateDict({k: torch.zeros_like(v) for k, v in state.items()})
     snap.restore({"s": out})
     assert all(torch.equal(out[k], state[k]) for k in state)
+    assert events[:2] == ["hints", "decode"] and events[-1] == "decoded"
+    assert events.count("piece") > 1 and set(events[2:-1]) == {"piece"}
     stored = sum(e.nbytes for p, e in snap.get_manifest().items() if p.startswith("0/s/"))
-    assert events[0].startswith("hints") and events[1] == "decode" and len(events) == 2
     # The members and the alignment padding between them, of this key only.
-    assert stored <= int(events[0].split()[1]) < stored + 50 * 16
+    total = sum(n for *_, n in hinted)
+    assert stored <= total < stored + 50 * 16

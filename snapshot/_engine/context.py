@@ -37,8 +37,7 @@ _gc_depth = 0
 _gc_was_enabled = False
 
 
-@contextlib.contextmanager
-def gc_paused() -> Iterator[None]:
+class gc_paused:  # used as a function: ``with gc_paused():``
     """Pauses the cyclic garbage collector while a phase builds many small acyclic objects.
 
     Planning or decoding 100,000 entries allocates several objects per entry; each allocation
@@ -46,16 +45,26 @@ def gc_paused() -> Iterator[None]:
     and cost more than the work itself. Reference counting still frees everything at once; the
     collector resumes, with its previous setting, when the last overlapping phase (any thread)
     ends.
+
+    The first allocation after the collector resumes runs a collection over every object made
+    during the pause that is still alive. A class rather than a generator: leaving it makes no
+    object (a generator's exit raises ``StopIteration``), so the operation that paused it
+    returns first, and what it alone held (a manifest decoded for one restore) is freed before
+    that collection could walk it.
     """
-    global _gc_depth, _gc_was_enabled
-    with _gc_lock:
-        if _gc_depth == 0:
-            _gc_was_enabled = gc.isenabled()
-            gc.disable()
-        _gc_depth += 1
-    try:
-        yield
-    finally:
+
+    __slots__ = ()
+
+    def __enter__(self) -> None:
+        global _gc_depth, _gc_was_enabled
+        with _gc_lock:
+            if _gc_depth == 0:
+                _gc_was_enabled = gc.isenabled()
+                gc.disable()
+            _gc_depth += 1
+
+    def __exit__(self, *exc: object) -> None:
+        global _gc_depth
         with _gc_lock:
             _gc_depth -= 1
             if _gc_depth == 0 and _gc_was_enabled:

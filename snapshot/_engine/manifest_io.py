@@ -102,12 +102,16 @@ def read_manifest(
     return data, where
 
 
-def decode_manifest(data: bytes, where: str, *, verify: bool) -> Manifest:
+def decode_manifest(
+    data: bytes, where: str, *, verify: bool, on_tensors: mf.TensorsDecoded | None = None
+) -> Manifest:
     """The manifest in ``data``, read from the snapshot ``where`` (or just written there);
-    ``verify``: its recorded checksum is checked."""
+    ``verify``: its recorded checksum is checked; ``on_tensors``: as ``manifest.loads``."""
     t0 = time.perf_counter()
     with _manifest_errors(), gc_paused():
-        manifest = mf.loads(data, source=f"{where}/{MANIFEST_NAME}", verify=verify)
+        manifest = mf.loads(
+            data, source=f"{where}/{MANIFEST_NAME}", verify=verify, on_tensors=on_tensors
+        )
     logger.debug(
         "manifest of %s: %d entries decoded in %.3f s",
         where,

@@ -15,18 +15,25 @@ bytes themselves, and a hint would only compete with them). Finding the ranges, 
 hints, on the I/O loop beside the planning cost more: every hand-over between the loop, the
 plugin's pool and the planning thread takes the GIL from the planning (a cold restore of 20,000
 small tensors ran some 10% slower that way; benchmarks/README.md).
+
+A process restoring alone, from a ``Snapshot`` whose manifest is not decoded yet, starts the
+hints before the decoding (``early``): the codec hands the tensor entries of each piece of the
+manifest to ``DecodedRanges`` as it decodes them, so the device reads the first keys' bytes
+while the rest of the manifest is decoded, and the restore finds no ranges of its own.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import queue
 import threading
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from itertools import chain, compress, count, pairwise, repeat
+from operator import add, attrgetter, itemgetter, ne
 from typing import Any
 
-from manifest import Entry, ObjectEntry, TensorEntry
-from manifest.scan import tensor_ranges
+from manifest import Entry, Location, ObjectEntry, TensorEntry
 from snapshot._engine.io_loop import run
 from snapshot._engine.linked import LinkedStorage
 from snapshot._engine.storage_calls import open_storage
@@ -118,7 +125,8 @@ def _serves_hints(url: str) -> bool:
 class ReadAhead:
     """Hints ``spans`` to ``plugin``, piece by piece, from a thread of its own until ``stop``:
     each through ``read_ahead_now``, or where the plugin has none, by awaiting its
-    ``read_ahead`` on the I/O loop."""
+    ``read_ahead`` on the I/O loop. ``feed``: the ``spans`` when they are a ``DecodedRanges``
+    (ended by ``stop`` too, so the thread never waits for ranges that will not come)."""
 
     def __init__(
         self,
@@ -127,6 +135,7 @@ class ReadAhead:
         resources: contextlib.ExitStack | None = None,
     ) -> None:
         self._resources = resources  # closed once the hints are done (``close``): the plugin's
+        self.feed = spans if isinstance(spans, DecodedRanges) else None
         self._stopped = threading.Event()
         self.nbytes = 0  # hinted so far
         self._thread = threading.Thread(
@@ -153,39 +162,106 @@ class ReadAhead:
     def stop(self) -> None:
         """No hint starts after this (one in flight finishes)."""
         self._stopped.set()
+        if self.feed is not None:
+            self.feed.end()
 
     def close(self) -> None:
         """Stops the hints and waits for the one in flight, if any."""
-        self._stopped.set()
+        self.stop()
         self._thread.join()
         if self._resources is not None:
             self._resources.close()
 
 
+class DecodedRanges:
+    """The ranges of the dense tensors under some paths, found as the manifest is decoded: the
+    codec hands each piece's tensor entries to ``tensors`` (its ``on_tensors``), which keeps
+    those under ``prefixes`` and merges their locations per run of close ranges of a blob
+    (``merged``); iterating yields the ranges as they come, until ``end``. One producer (the
+    decoding thread), one consumer (the hint thread)."""
+
+    def __init__(self, prefixes: tuple[str, ...], gap_bytes: int) -> None:
+        self._prefixes = prefixes
+        self._gap = gap_bytes
+        self._queue: queue.SimpleQueue[tuple[str, int, int] | None] = queue.SimpleQueue()
+
+    def tensors(self, items: list[tuple[str, TensorEntry]]) -> None:
+        # A piece is some 1,800 entries: kept, and their chunks listed, in C-level passes.
+        keep = map(str.startswith, map(_PATH, items), repeat(self._prefixes))
+        chunks = list(chain.from_iterable(map(_CHUNKS, map(_ENTRY, compress(items, keep)))))
+        for span in merged(chunks, self._gap):
+            self._queue.put(span)
+
+    def end(self) -> None:
+        """No more ranges (the decoding is over, or failed): the iteration ends."""
+        self._queue.put(None)
+
+    def __iter__(self) -> Iterator[tuple[str, int, int]]:
+        while (span := self._queue.get()) is not None:
+            yield span
+
+
+_PATH = itemgetter(0)
+_ENTRY = itemgetter(1)
+_CHUNKS = attrgetter("chunks")
+_BLOB = attrgetter("blob")
+_OFFSET = attrgetter("offset")
+_NBYTES = attrgetter("nbytes")
+
+
+def merged(locations: Sequence[Location], gap: int) -> list[tuple[str, int, int]]:
+    """``(blob, offset, nbytes)`` covering ``locations``, one per run of a blob's locations (in
+    their order) that lie at most ``gap`` apart. A run of consecutive locations of one blob
+    that covers its extent but for gaps of at most ``gap`` (a slab's members) is one range,
+    found in C-level passes; a run whose locations lie farther apart is merged one by one."""
+    out: list[tuple[str, int, int]] = []
+    if not locations:
+        return out
+    blobs = list(map(_BLOB, locations))
+    offsets = list(map(_OFFSET, locations))
+    ends = list(map(add, offsets, map(_NBYTES, locations)))
+    cuts = [0, *compress(count(1), map(ne, blobs[1:], blobs)), len(blobs)]
+    for lo, hi in pairwise(cuts):
+        name = blobs[lo]
+        starts, stops = offsets[lo:hi], ends[lo:hi]
+        first, last = min(starts), max(stops)
+        if last - first <= sum(stops) - sum(starts) + gap:
+            out.append((name, first, last - first))
+            continue
+        start = end = -1
+        for offset, stop in zip(starts, stops, strict=True):
+            if start >= 0 and start - gap <= stop and offset <= end + gap:  # within ``gap``
+                start, end = min(start, offset), max(end, stop)
+                continue
+            if start >= 0:
+                out.append((name, start, end - start))
+            start, end = offset, stop
+        out.append((name, start, end - start))
+    return out
+
+
 def early(
-    data: bytes,
     roots: Iterable[str],
     path: str,
     storage_options: dict[str, Any] | None,
     options: Options,
 ) -> ReadAhead | None:
-    """Hints of the dense tensors under ``roots``, found in ``data``, the snapshot's manifest
-    bytes before they are decoded (``manifest.scan``), given to a plugin of its own for
-    ``path``; None where there is nothing to hint, or the store takes no hints. A restore of one
-    process that opened the snapshot from its path starts them before it decodes the manifest:
-    decoding 20,000 entries takes longer than the device needs to start reading. A failure here
-    only costs the hints (the restore reads as it would without)."""
-    if not _serves_hints(path):
+    """Hints of the dense tensors under ``roots`` (manifest paths) for the snapshot at
+    ``path``, given as its manifest is decoded: the caller decodes it with the returned
+    hints' ``feed.tensors`` as the codec's ``on_tensors``, then calls ``feed.end()``. None
+    where the store takes no hints. A restore of one process that opened the snapshot from its
+    path starts them before it decodes the manifest: the device reads the first tensors'
+    bytes while the rest are decoded (decoding 20,000 entries takes longer than the device
+    needs to start reading). A failure here only costs the hints (the restore reads as it
+    would without)."""
+    prefixes = tuple(f"{root}/" for root in roots)
+    if not prefixes or not _serves_hints(path):
         return None
     resources = contextlib.ExitStack()
     try:
-        spans = tensor_ranges(data, roots, GAP_BYTES)
-        if spans:
-            plugin = resources.enter_context(open_storage(path, storage_options, options))
+        plugin = resources.enter_context(open_storage(path, storage_options, options))
     except Exception as e:  # hints: the restore reports what is wrong
-        logger.debug("no read-ahead of %s before its manifest is decoded: %s", path, e)
-        spans = []
-    if not spans:
+        logger.debug("no read-ahead of %s while its manifest is decoded: %s", path, e)
         resources.close()
         return None
-    return ReadAhead(plugin, spans, resources)
+    return ReadAhead(plugin, DecodedRanges(prefixes, GAP_BYTES), resources)
