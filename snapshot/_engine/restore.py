@@ -13,7 +13,6 @@ import contextlib
 import logging
 import time
 from collections.abc import Mapping
-from itertools import repeat
 from typing import Any
 
 import torch
@@ -393,13 +392,16 @@ def _targets(state: Any, root: str) -> tuple[dict[str, Any], bool]:
     """The leaves of a state to restore, by path (what a ``ShardedTensorFactory`` builds
     stands in for it), and whether there was a factory."""
     if type(state) is dict:
-        # Most states: a dict of tensors, paths and values taken in C-level passes.
+        # Most states: a dict of tensors, paths and values taken in C-level passes; the few
+        # types among the values are asked about once each (``ShardedTensorFactory`` is an
+        # ABC: an ``isinstance`` per value runs Python code).
         names = dict_names(state)
         values = list(state.values())
+        kinds = set(map(type, values))
         if (
             names is not None
-            and not any(map(CONTAINER_TYPES.__contains__, map(type, values)))
-            and not any(map(isinstance, values, repeat(ShardedTensorFactory)))
+            and not kinds & CONTAINER_TYPES
+            and not any(issubclass(kind, ShardedTensorFactory) for kind in kinds)
         ):
             return dict(zip(map(child_prefix(root).__add__, names), values, strict=True)), False
     targets: dict[str, Any] = {}
