@@ -456,3 +456,34 @@ def test_a_restore_of_an_opened_snapshot_hints_as_it_decodes_the_manifest(tmp_pa
     # The members and the alignment padding between them, of this key only.
     total = sum(n for *_, n in hinted)
     assert stored <= total < stored + 50 * 16
+
+
+@pytest.mark.parametrize("damage", ["forged blob", "missing key"])
+def test_hints_fed_by_a_decoding_end_with_it_whatever_it_finds(tmp_path, damage):
+    """The hint thread of a restore that feeds it while decoding ends when the restore does:
+    after a manifest refused half-way through (its checksum line made to match), and after
+    a restore of a key the snapshot does not hold (nothing to hint)."""
+    from tests.helpers import seal_manifest
+
+    path = str(tmp_path / "s")
+    state = _state(30, 100, 3)
+    Snapshot.take(path, {"s": state})
+    out = StateDict({k: torch.zeros_like(v) for k, v in state.items()})
+    if damage == "forged blob":
+        name = os.path.join(path, "manifest.yaml")
+        with open(name, "rb") as f:
+            body = f.read().rsplit(b"# crc32", 1)[0]
+        lines = body.split(b"\n")
+        last = max(i for i, line in enumerate(lines) if b'"chunks": [["0/' in line)
+        lines[last] = lines[last].replace(b'[["0/', b'[["../../0/', 1)
+        with open(name, "wb") as f:
+            f.write(seal_manifest(b"\n".join(lines)))
+        with pytest.raises(Exception, match="unsafe blob path"):
+            Snapshot(path).restore({"s": out})
+    else:
+        with pytest.raises(Exception, match="nokey"):
+            Snapshot(path).restore({"nokey": out})
+    deadline = time.monotonic() + 10
+    while any(t.name == "statesnap-hints" for t in threading.enumerate()):
+        assert time.monotonic() < deadline, "a hint thread outlived its restore"
+        time.sleep(0.01)
