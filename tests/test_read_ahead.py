@@ -487,3 +487,35 @@ def test_hints_fed_by_a_decoding_end_with_it_whatever_it_finds(tmp_path, damage)
     while any(t.name == "statesnap-hints" for t in threading.enumerate()):
         assert time.monotonic() < deadline, "a hint thread outlived its restore"
         time.sleep(0.01)
+
+
+def test_a_manifest_read_by_the_yaml_path_is_hinted_once_decoded(tmp_path, monkeypatch):
+    """A manifest not laid out as the writer lays it out (re-dumped as block YAML) is decoded
+    by the YAML path: its tensors reach the hints once decoded, and the restore is exact."""
+    import yaml
+
+    from tests.helpers import seal_manifest
+
+    path = str(tmp_path / "s")
+    state = _state(20, 300, 4)
+    Snapshot.take(path, {"s": state})
+    name = os.path.join(path, "manifest.yaml")
+    with open(name, "rb") as f:
+        doc = yaml.safe_load(f.read().decode())
+    with open(name, "wb") as f:
+        f.write(seal_manifest(yaml.safe_dump(doc, sort_keys=False).encode()))
+    merged = read_ahead.merged
+    hinted: list[tuple[str, int, int]] = []
+
+    def merging(*args):
+        spans = merged(*args)
+        hinted.extend(spans)
+        return spans
+
+    monkeypatch.setattr(read_ahead, "merged", merging)
+    out = StateDict({k: torch.zeros_like(v) for k, v in state.items()})
+    snap = Snapshot(path)
+    snap.restore({"s": out})
+    assert all(torch.equal(out[k], state[k]) for k in state)
+    stored = sum(e.nbytes for p, e in snap.get_manifest().items() if p.startswith("0/s/"))
+    assert stored <= sum(n for *_, n in hinted) < stored + 20 * 16
