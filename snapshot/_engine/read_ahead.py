@@ -29,8 +29,8 @@ import logging
 import queue
 import threading
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from itertools import chain, compress, count, pairwise, repeat
-from operator import add, attrgetter, itemgetter, ne
+from itertools import chain, compress, repeat
+from operator import attrgetter, itemgetter
 from typing import Any
 
 from manifest import Entry, Location, ObjectEntry, TensorEntry
@@ -59,39 +59,24 @@ def ranges(
     """``(blob, offset, nbytes)`` covering the bytes of the dense tensors and objects at the
     paths of ``walks`` (each root's ``subtree``, which the planning then uses too), in the
     manifest's order, a range per run of close locations of one blob."""
-    # One iteration per leaf, before the planning: kept lean, a tensor's chunks read straight.
+    # One iteration per leaf, before the planning: kept lean, a tensor's chunks read straight;
+    # the locations are then merged as the decoding's are (``merged``).
     get = entries.get
-    gap = GAP_BYTES
-    out: list[tuple[str, int, int]] = []
-    blob = None
-    start = end = 0
+    locations: list[Location] = []
     for walk in walks:
         for path in walk:
             entry = get(path)
             kind = type(entry)
             if kind is TensorEntry:
-                locations = entry.chunks  # type: ignore[union-attr]
+                found = entry.chunks  # type: ignore[union-attr]
             elif kind is ObjectEntry:
-                locations = entry.locations  # type: ignore[union-attr]
+                found = entry.locations  # type: ignore[union-attr]
             else:
                 continue
             if skip_replicated and entry.replicated:  # type: ignore[union-attr]
                 continue
-            for loc in locations:
-                offset = loc.offset
-                if loc.blob == blob and end - gap <= offset <= end + gap:
-                    if offset < start:
-                        start = offset
-                    offset += loc.nbytes
-                    if offset > end:
-                        end = offset
-                    continue
-                if blob is not None:
-                    out.append((blob, start, end - start))
-                blob, start, end = loc.blob, offset, offset + loc.nbytes
-    if blob is not None and end > start:
-        out.append((blob, start, end - start))
-    return out
+            locations.extend(found)
+    return merged(locations, GAP_BYTES)
 
 
 def takes_hints(plugin: StoragePlugin) -> bool:
@@ -204,39 +189,30 @@ class DecodedRanges:
 _PATH = itemgetter(0)
 _ENTRY = itemgetter(1)
 _CHUNKS = attrgetter("chunks")
-_BLOB = attrgetter("blob")
-_OFFSET = attrgetter("offset")
-_NBYTES = attrgetter("nbytes")
 
 
-def merged(locations: Sequence[Location], gap: int) -> list[tuple[str, int, int]]:
+def merged(locations: Iterable[Location], gap: int) -> list[tuple[str, int, int]]:
     """``(blob, offset, nbytes)`` covering ``locations``, one per run of a blob's locations (in
-    their order) that lie at most ``gap`` apart. A run of consecutive locations of one blob
-    that covers its extent but for gaps of at most ``gap`` (a slab's members) is one range,
-    found in C-level passes; a run whose locations lie farther apart is merged one by one."""
+    their order) that lie at most ``gap`` apart. One lean pass: it runs once per location of
+    the keys restored (as the manifest is decoded, or before the planning)."""
     out: list[tuple[str, int, int]] = []
-    if not locations:
-        return out
-    blobs = list(map(_BLOB, locations))
-    offsets = list(map(_OFFSET, locations))
-    ends = list(map(add, offsets, map(_NBYTES, locations)))
-    cuts = [0, *compress(count(1), map(ne, blobs[1:], blobs)), len(blobs)]
-    for lo, hi in pairwise(cuts):
-        name = blobs[lo]
-        starts, stops = offsets[lo:hi], ends[lo:hi]
-        first, last = min(starts), max(stops)
-        if last - first <= sum(stops) - sum(starts) + gap:
-            out.append((name, first, last - first))
+    blob = None
+    start = end = 0
+    for loc in locations:
+        offset = loc.offset
+        stop = offset + loc.nbytes
+        # Within ``gap`` of the run on either side (a slab's members may come in any order).
+        if loc.blob == blob and offset <= end + gap and start <= stop + gap:
+            if offset < start:
+                start = offset
+            if stop > end:
+                end = stop
             continue
-        start = end = -1
-        for offset, stop in zip(starts, stops, strict=True):
-            if start >= 0 and start - gap <= stop and offset <= end + gap:  # within ``gap``
-                start, end = min(start, offset), max(end, stop)
-                continue
-            if start >= 0:
-                out.append((name, start, end - start))
-            start, end = offset, stop
-        out.append((name, start, end - start))
+        if blob is not None:
+            out.append((blob, start, end - start))
+        blob, start, end = loc.blob, offset, stop
+    if blob is not None and end > start:
+        out.append((blob, start, end - start))
     return out
 
 
