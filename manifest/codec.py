@@ -363,9 +363,14 @@ def nests_within(text: str, levels: int) -> bool:
 # took a call, a match object and a groups tuple per line.
 _LINE = re.compile(rf"^(?:{_TENSOR_LINE.pattern}|(.*))$", re.MULTILINE)
 
-# The entries are decoded in pieces of about this many characters (some 1,800 tensor lines),
-# each handed to ``on_tensors`` as soon as it is decoded.
+# The entries are decoded in pieces of at most this many characters (some 1,800 tensor lines),
+# each handed to ``on_tensors`` as soon as it is decoded. The first piece is of
+# ``FIRST_PIECE_CHARS`` and each next one twice the one before: the first tensors reach
+# ``on_tensors`` (a restore's read-ahead) a hundred lines into the decoding, where a whole
+# first piece would keep them until some 1,800 lines are decoded; the later, longer pieces
+# keep the count of calls low.
 PIECE_CHARS = 256 << 10
+FIRST_PIECE_CHARS = 16 << 10
 
 TensorsDecoded = Callable[[list[tuple[str, TensorEntry]]], None]
 """Called by ``loads`` with the tensor entries of each piece of the manifest as they are
@@ -408,9 +413,11 @@ def _parse_fast(
     others: list[str] = []
     shapes: dict[str, tuple[int, ...]] = {}  # by their text: shapes repeat across tensors
     pos = 0 if body else 1  # no text: no line at all
+    size = min(FIRST_PIECE_CHARS, PIECE_CHARS)
     while pos <= end:
         # A piece ends at a line's end: the next piece starts at a line's start.
-        cut = body.find("\n", min(pos + PIECE_CHARS, end), end)
+        cut = body.find("\n", min(pos + size, end), end)
+        size = min(2 * size, PIECE_CHARS)
         if cut < 0:
             cut = end
         first = len(tensors)
@@ -429,8 +436,8 @@ def _parse_fast(
                 return None
             tensors.append(None)
             others.append(other)
-        if on_tensors is not None and len(tensors) > first:
-            on_tensors(list(filter(None, tensors[first:])))
+        if on_tensors is not None and (items := list(filter(None, tensors[first:]))):
+            on_tensors(items)
         pos = cut + 1
     joined = ",".join(others)
     # The lines are the values of ``entries`` (level 2): they may open MAX_DEPTH - 2 levels.

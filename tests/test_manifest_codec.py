@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -387,6 +388,31 @@ def test_entries_decoded_in_pieces_are_those_decoded_whole(monkeypatch, piece_ch
     assert handed[-1] == "0/t/7"  # the parameter, decoded by the JSON path
     assert [p for p in handed if p != "0/t/7"] == [p for p in tensors if p != "0/t/7"]
     assert len(pieces) > 2 if piece_chars <= 200 else len(pieces) == 2
+
+
+def test_first_pieces_are_short_and_grow_to_the_longest():
+    """The first tensors are handed over a few hundred lines into the decoding (a restore
+    hints their bytes while the rest is decoded), and each next piece is twice as long, up to
+    ``PIECE_CHARS``: a large manifest is handed over in few calls."""
+    n = 12_000
+    entries: dict = {"0/m": DictEntry(keys=tuple(f"t{i}" for i in range(n)))}
+    for i in range(n):
+        loc = Location(blob="0/s0", offset=10240 * i, nbytes=10240, crc32=i)
+        entries[f"0/m/t{i}"] = TensorEntry(dtype="float32", shape=(2560,), chunks=(loc,))
+    m = Manifest(entries=entries)
+    data = mf.dumps(m)
+    counts: list[int] = []
+    back = mf.loads(data, on_tensors=lambda items: counts.append(len(items)))
+    assert back == m and sum(counts) == n
+    line = min(len(x) for x in data.splitlines() if b'"0/m/t' in x) + 1  # with its line end
+    # The first piece is the container's line alone (pieces end at a line's end), the next
+    # one twice as long.
+    assert counts[0] * line <= 2 * codec.FIRST_PIECE_CHARS + line
+    for before, after in itertools.pairwise(counts[:-1]):  # the last: what is left
+        # Twice the characters; later lines are a little longer (larger numbers), some fewer.
+        assert 0.9 * before <= after <= 2.1 * before
+    assert max(counts) * line <= codec.PIECE_CHARS + 2 * line
+    assert len(counts) < n * line // codec.PIECE_CHARS + 8
 
 
 def test_blob_sizes_and_bases_cover_every_kind_of_range():
