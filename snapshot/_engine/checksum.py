@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
-from itertools import accumulate
+from itertools import accumulate, compress
 from operator import attrgetter
 
 from isal import isal_zlib
@@ -55,21 +55,34 @@ class RangeDigest:
     ``ranges`` are ``(offset, nbytes)`` within the stream, ascending and not overlapping (the
     members of a slab, with padding between them; the wanted parts of a read, with gaps). Call
     the digest with each piece of the stream, in order; ``values`` then holds each range's CRC.
+
+    ``segments``, when given, says how the stream was cut: ``(sizes, chosen)``, the lengths of
+    its consecutive buffers and whether each is one of ``ranges`` (truthy: a read's segments'
+    ``verify``; the ranges are then exactly the chosen buffers, in order). While the pieces
+    are those buffers, ``many`` takes the chosen ones' CRCs by comparing the lengths, instead
+    of finding each range among the pieces.
     """
 
-    __slots__ = ("_next", "_pos", "ranges", "values")
+    __slots__ = ("_chosen", "_next", "_pos", "_segment", "_sizes", "ranges", "values")
 
-    def __init__(self, ranges: Sequence[tuple[int, int]]) -> None:
+    def __init__(
+        self,
+        ranges: Sequence[tuple[int, int]],
+        segments: tuple[list[int], Sequence[object]] | None = None,
+    ) -> None:
         self.ranges = ranges
         self.values = [0] * len(ranges)
         self._pos = 0  # where the next piece starts in the stream
         self._next = 0  # the first range not yet complete
+        self._sizes, self._chosen = segments if segments is not None else (None, None)
+        self._segment = 0  # the buffer the next piece starts, while the pieces are the buffers
 
     def __call__(self, piece: memoryview) -> None:
         start = self._pos
         n = len(piece)
         end = start + n
         self._pos = end
+        self._sizes = None  # a piece at a time: by the ranges from here on
         ranges, values = self.ranges, self.values
         i = self._next
         if i < len(ranges) and ranges[i] == (start, n):
@@ -93,16 +106,40 @@ class RangeDigest:
 
     def many(self, pieces: Sequence[memoryview]) -> None:
         """The same as calling the digest on each of ``pieces``, in order (the next pieces of
-        the stream), in bulk where it can be: the ranges that are exactly some of these pieces
-        (slab members, with padding pieces between them) get their CRCs from one C-level pass;
+        the stream), in bulk where it can be: pieces that are the next buffers of
+        ``segments`` by one comparison of lengths; else the ranges that are exactly some of
+        these pieces (slab members, with padding pieces between them) from one C-level pass;
         what follows the last of them goes piece by piece."""
         if len(pieces) == 1:
             self(pieces[0])
             return
         with _MANY_LOCK:
-            self._many(pieces)
+            if not self._as_segments(pieces):
+                self._many(pieces)
+
+    def _as_segments(self, pieces: Sequence[memoryview]) -> bool:
+        """Digests ``pieces`` if they are the next buffers of ``segments`` (a read of a slab's
+        members into their targets, each a piece of one system call): the chosen ones' CRCs,
+        in one pass. False, and ``segments`` no longer used, otherwise."""
+        sizes, chosen = self._sizes, self._chosen
+        if sizes is None or chosen is None:
+            return False
+        lens = list(map(len, pieces))
+        first = self._segment
+        last = first + len(lens)
+        if lens != sizes[first:last]:
+            self._sizes = None
+            return False
+        picked = list(compress(pieces, chosen[first:last]))
+        i = self._next
+        self.values[i : i + len(picked)] = map(crc32, picked)
+        self._next = i + len(picked)
+        self._segment = last
+        self._pos += sum(lens)
+        return True
 
     def _many(self, pieces: Sequence[memoryview]) -> None:
+        self._sizes = None
         i, start = self._next, self._pos
         lens = list(map(len, pieces))
         starts = list(accumulate(lens, initial=start))

@@ -361,7 +361,6 @@ async def _read(
     sizes = list(map(segment_bytes, req.segments))
     starts = accumulate(sizes, initial=0)  # one more value than sizes: zip stops first
     ranges = list(compress(zip(starts, sizes, strict=False), verifiers))
-    verifiers = list(filter(None, verifiers))
     values = await call_digesting(
         plugin,
         "read",
@@ -370,7 +369,9 @@ async def _read(
         ranges,
         lambda digest: plugin.readv_observed(req.blob, req.offset, outs, digest),
         options=options,
+        segments=(sizes, verifiers),  # the digest picks the verified segments by these
     )
+    verifiers = list(filter(None, verifiers))
     # Most segments are whole locations (``WholeCheck``): their CRCs are compared in one pass,
     # and only a mismatch goes through the checks one by one (the first raises, naming it).
     whole = list(map(type, verifiers)).count(WholeCheck) == len(verifiers)

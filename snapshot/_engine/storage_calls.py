@@ -221,13 +221,15 @@ async def call_digesting(
     *,
     options: Options,
     convert: bool = True,
+    segments: tuple[list[int], Sequence[object]] | None = None,
 ) -> list[int]:
     """``call`` of a plugin operation that shows its bytes to a digest of ``ranges`` (a new
-    one for every attempt, so that a retry starts over); the ranges' CRC-32s."""
+    one for every attempt, so that a retry starts over); the ranges' CRC-32s. ``segments``:
+    as ``RangeDigest``'s."""
     digests: list[checksum.RangeDigest] = []
 
     def attempt() -> Awaitable[None]:
-        digests.append(checksum.RangeDigest(ranges))
+        digests.append(checksum.RangeDigest(ranges, segments))
         return op(digests[-1])
 
     await call(plugin, verb, blob, label, attempt, options=options, convert=convert)
