@@ -32,6 +32,7 @@ import torch
 import manifest as mf
 from manifest import DictEntry, Location, Manifest, TensorEntry, codec
 from snapshot._engine.checksum import RangeDigest, crc32
+from snapshot._engine.serialization import tensor_memoryview
 
 MEMBER_BYTES = 10 << 10
 PADDING = 12
@@ -118,7 +119,7 @@ def main(argv: list[str] | None = None) -> None:
     pad = memoryview(bytearray(PADDING))
     pieces: list[memoryview] = []
     for m in members:
-        pieces += [memoryview(m.numpy()).cast("B"), pad]
+        pieces += [tensor_memoryview(m), pad]  # ``members`` keeps the memory alive
     sizes = list(map(len, pieces))
     checked = [i % 2 == 0 for i in range(len(pieces))]
     ranges = [(i * (MEMBER_BYTES + PADDING), MEMBER_BYTES) for i in range(args.count)]
