@@ -519,3 +519,25 @@ def test_a_manifest_read_by_the_yaml_path_is_hinted_once_decoded(tmp_path, monke
     assert all(torch.equal(out[k], state[k]) for k in state)
     stored = sum(e.nbytes for p, e in snap.get_manifest().items() if p.startswith("0/s/"))
     assert stored <= sum(n for *_, n in hinted) < stored + 20 * 16
+
+
+def test_the_read_ahead_device_benchmark_runs_every_way(tmp_path, capsys):
+    """``benchmarks/read_ahead_device.py`` at a small size: every way moves every byte of the
+    snapshot's blobs (the script stops otherwise) and gets its table row."""
+    from benchmarks import read_ahead_device
+
+    read_ahead_device.main(["--count", "300", "--reps", "2", "--dir", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert "300 tensors of 10 KiB" in out
+    rows = [line for line in out.splitlines() if line.startswith("| ")]
+    assert rows[0].startswith("| way | median s |")
+    names = [r.split(" | ")[0].removeprefix("| ") for r in rows[1:]]
+    assert names == [
+        f"advise {read_ahead.PIECE_BYTES >> 20} MiB, 1 thread (the library's)",
+        "reads 1 x 1 MiB",
+        "reads 2 x 1 MiB",
+        "reads 4 x 1 MiB",
+        "raw 4 x 8 MiB",
+        "raw 4 x 1 MiB",
+    ]
+    assert list(tmp_path.iterdir()) == []  # the snapshot is removed
