@@ -40,7 +40,10 @@ def run(args: argparse.Namespace, runner: Runner) -> CaseResult:
         variants_of(
             methods,
             env,
-            {"raw": ["raw", "raw 4 readers", "raw 16 readers"], "torch.save": ["torch.load"]},
+            {
+                "raw": ["raw", "raw 4 readers", "raw 16 readers", "raw 4 readers 1MiB"],
+                "torch.save": ["torch.load"],
+            },
         ),
         args.libraries,
     )
