@@ -7,7 +7,8 @@ given by one thread, and the restore's reads then copy the bytes from the page c
 script times that way and its alternatives on the blob files of a snapshot of ``--count`` small
 tensors (the many-small state of ``bench_io``):
 
-- ``advise``: ``WILLNEED`` in pieces of ``PIECE_BYTES`` from one thread (the library's way),
+- ``advise``: the local plugin's ``read_ahead_now`` over pieces of ``PIECE_BYTES`` from one
+  thread (the library's way: ``WILLNEED``),
   then one pass reading every file (1 MiB reads into one buffer: the copy a restore makes);
 - ``reads N x S``: N threads reading the files for real in reads of S bytes into a buffer of
   their own (the bytes dropped), then the same pass;
@@ -27,6 +28,7 @@ whose devices differ tell different stories. Run from the repository root::
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
 import platform
 import statistics
@@ -38,9 +40,10 @@ from collections.abc import Callable
 
 import torch
 
-from benchmarks.common.system import drop_page_cache
+from benchmarks.common.system import drop_page_cache, files_under
 from snapshot import Snapshot, StateDict
 from snapshot._engine.read_ahead import PIECE_BYTES
+from storage_plugins.fs import FSStoragePlugin
 
 MEMBER_BYTES = 10 << 10
 PASS_BYTES = 1 << 20
@@ -49,10 +52,7 @@ MAX_THREADS = 4
 
 def _blob_files(root: str) -> list[str]:
     """The snapshot's blob files (every file but the manifest), in name order."""
-    out = []
-    for parent, _, names in os.walk(root):
-        out += [os.path.join(parent, n) for n in names if n != "manifest.yaml"]
-    return sorted(out)
+    return sorted(p for p in files_under(root) if os.path.basename(p) != "manifest.yaml")
 
 
 def _read_file(path: str, buf: memoryview) -> int:
@@ -63,15 +63,19 @@ def _read_file(path: str, buf: memoryview) -> int:
     return n
 
 
-def _advise(path: str, _: memoryview) -> int:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        size = os.fstat(fd).st_size
+def _advise(plugin: FSStoragePlugin, root: str) -> Callable[[str, memoryview], int]:
+    """A file hinted as a restore's read-ahead thread hints it: the local plugin's own
+    ``read_ahead_now`` over pieces of ``PIECE_BYTES``."""
+
+    def job(path: str, _: memoryview) -> int:
+        blob = os.path.relpath(path, root).replace(os.sep, "/")
+        size = os.path.getsize(path)
         for off in range(0, size, PIECE_BYTES):
-            os.posix_fadvise(fd, off, min(PIECE_BYTES, size - off), os.POSIX_FADV_WILLNEED)
-    finally:
-        os.close(fd)
-    return size
+            if not plugin.read_ahead_now(blob, off, min(PIECE_BYTES, size - off)):
+                raise SystemExit("the local plugin gave no hint of its own")
+        return size
+
+    return job
 
 
 def _in_threads(files: list[str], bufs: list[memoryview], job: Callable[..., int]) -> int:
@@ -98,7 +102,10 @@ def _in_threads(files: list[str], bufs: list[memoryview], job: Callable[..., int
 
 
 def _ways(
-    files: list[str], scratch: list[bytearray], pass_buf: memoryview
+    hint: Callable[[str, memoryview], int],
+    files: list[str],
+    scratch: list[bytearray],
+    pass_buf: memoryview,
 ) -> dict[str, Callable[[], int]]:
     """Each way, as a function returning the bytes it moved into memory (every file's, whole,
     or the way is broken)."""
@@ -115,7 +122,7 @@ def _ways(
 
     ways: dict[str, Callable[[], int]] = {
         f"advise {PIECE_BYTES >> 20} MiB, 1 thread (the library's)": then_pass(
-            lambda: _in_threads(files, views(1, 1), _advise)
+            lambda: _in_threads(files, views(1, 1), hint)
         )
     }
     for n in (1, 2, 4):
@@ -147,7 +154,8 @@ def main(argv: list[str] | None = None) -> None:
         pass_buf = bytearray(PASS_BYTES)
         for b in (*scratch, pass_buf):
             b[:: 1 << 12] = b"\x01" * len(range(0, len(b), 1 << 12))
-        ways = _ways(files, scratch, memoryview(pass_buf))
+        plugin = FSStoragePlugin(root)
+        ways = _ways(_advise(plugin, root), files, scratch, memoryview(pass_buf))
         times: dict[str, list[float]] = {name: [] for name in ways}
         for r in range(args.reps):
             names = list(ways) if r % 2 == 0 else list(reversed(ways))
@@ -160,6 +168,7 @@ def main(argv: list[str] | None = None) -> None:
                 if moved != total:
                     raise SystemExit(f"{name} moved {moved} bytes of {total}")
                 print(f"  [round {r + 1}] {name}: {times[name][-1]:.3f} s", file=sys.stderr)
+        asyncio.run(plugin.close())
 
     base = statistics.median(next(iter(times.values())))
     print(

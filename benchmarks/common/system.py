@@ -124,7 +124,8 @@ def io_delta(before: Mapping[str, int], after: Mapping[str, int]) -> dict[str, i
 # Disk and page cache.
 
 
-def _files(path: str) -> Iterator[str]:
+def files_under(path: str) -> Iterator[str]:
+    """``path`` itself when it is a file, else every file below it."""
     if os.path.isfile(path):
         yield path
         return
@@ -136,7 +137,7 @@ def _files(path: str) -> Iterator[str]:
 def tree_size(path: str) -> dict[str, int]:
     """Apparent bytes, allocated bytes (st_blocks) and number of files under ``path``."""
     apparent = allocated = files = 0
-    for p in _files(path):
+    for p in files_under(path):
         st = os.stat(p)
         apparent += st.st_size
         allocated += st.st_blocks * 512
@@ -150,7 +151,7 @@ def fsync_tree(path: str) -> None:
     if os.path.isdir(path):
         for root, _d, _f in os.walk(path):
             dirs.append(root)
-    for p in _files(path):
+    for p in files_under(path):
         _fsync(p)
     dirs.append(os.path.dirname(os.path.abspath(path)))
     for d in reversed(dirs):
@@ -210,7 +211,7 @@ def _fsync(path: str) -> None:
 def drop_page_cache(path: str) -> None:
     """Evicts every file under ``path`` from the page cache: fsync (dirty pages cannot be
     dropped), then ``posix_fadvise(POSIX_FADV_DONTNEED)``. Needs no privileges."""
-    for p in _files(path):
+    for p in files_under(path):
         fd = os.open(p, os.O_RDONLY)
         try:
             os.fsync(fd)
@@ -223,7 +224,7 @@ def warm_page_cache(path: str) -> None:
     """Reads every file under ``path`` once, so that a warm restore finds it in the page cache
     whichever way it was written (statesnap's fsync'd takes write past the page cache)."""
     buf = bytearray(16 << 20)
-    for p in _files(path):
+    for p in files_under(path):
         with open(p, "rb", buffering=0) as f:
             while f.readinto(buf):
                 pass
@@ -292,7 +293,7 @@ def _mincore_resident(p: str) -> tuple[int, int]:
 def resident_fraction(path: str) -> float:
     """Fraction of the pages of the files under ``path`` that are in the page cache."""
     resident = total = 0
-    for p in _files(path):
+    for p in files_under(path):
         r, n = _mincore_resident(p)
         resident += r
         total += n
