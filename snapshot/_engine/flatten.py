@@ -135,8 +135,15 @@ def flatten(obj: Any, path: str) -> Iterator[tuple[str, _Node | None, Any]]:
             on_path.discard(id(parent))
 
 
-def inflate(entries: Mapping[str, Entry], path: str, leaf: Callable[[str, Entry], Any]) -> Any:
-    """Rebuilds the value at ``path`` from manifest entries; ``leaf`` supplies non-containers.
+def inflate(
+    entries: Mapping[str, Entry],
+    path: str,
+    leaf: Callable[[str, Entry], Any],
+    known: Mapping[str, Any] | None = None,
+) -> Any:
+    """Rebuilds the value at ``path`` from manifest entries; ``leaf`` supplies non-containers,
+    and ``known``, where given, the leaves at hand already (by path, none of them None: the
+    tensors a restore read into): those are looked up without a call of ``leaf`` each.
 
     Raises:
         KeyError: a container's child path is missing from ``entries`` (the caller words it).
@@ -150,10 +157,16 @@ def inflate(entries: Mapping[str, Entry], path: str, leaf: Callable[[str, Entry]
     if any(map(is_, found, repeat(None))):
         raise KeyError(paths[[e is None for e in found].index(True)])
     if any(map(_CONTAINER_KINDS.__contains__, map(type, found))):
-        values = [inflate(entries, p, leaf) for p in paths]
-    else:
+        values = [inflate(entries, p, leaf, known) for p in paths]
+    elif known is None:
         # No container among the children (a state dict of 20,000 tensors): one C-level pass.
         values = list(map(leaf, paths, found))
+    else:
+        # The same, without a Python call per leaf where it is known: a C-level pass of
+        # lookups, then ``leaf`` for the others (objects, say).
+        values = list(map(known.get, paths))
+        for i in compress(count(), map(is_, values, repeat(None))):
+            values[i] = leaf(paths[i], found[i])
     if kind is DictEntry:
         items = zip(entry.keys, values, strict=True)
         return OrderedDict(items) if entry.ordered else dict(items)

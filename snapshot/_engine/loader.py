@@ -27,7 +27,7 @@ from snapshot._engine.flatten import inflate, subtree
 from snapshot._engine.handlers import local
 from snapshot._engine.handlers.dense import direct_read
 from snapshot._engine.handlers.table import Handler, for_entry
-from snapshot._engine.io_loop import run
+from snapshot._engine.io_loop import join, spawn
 from snapshot._engine.landing import Landing
 from snapshot._engine.pipeline import IOStats, read_all
 from snapshot._engine.reads import Need, ScratchPool, coalesce, needs_label
@@ -44,6 +44,9 @@ from snapshot.errors import CorruptSnapshotError
 from snapshot.options import Options
 from snapshot.sharding.mapping import LocalNonpersistentObject
 from storage_plugins import StoragePlugin
+
+PENDING = object()
+"""``Loader.inflate_ready``'s answer for a value that waits for a read."""
 
 
 def tile_bytes(budget: int, options: Options) -> int:
@@ -197,13 +200,18 @@ class Loader:
     # -- reading ---------------------------------------------------------------------------------
 
     def execute(
-        self, plugin: StoragePlugin, budget_bytes: int, progress: RestoreProgress | None = None
+        self,
+        plugin: StoragePlugin,
+        budget_bytes: int,
+        progress: RestoreProgress | None = None,
+        meanwhile: Callable[[], None] | None = None,
     ) -> IOStats:
         """Runs the planned reads; ``progress`` records which app_state keys' targets they
-        begin to write."""
+        begin to write. ``meanwhile`` runs on the caller's thread while the reads run (work
+        that waits for no read, done where the caller would only wait: ``inflate_ready``)."""
         self.plan_deferred()
         with naming_snapshot(self.where):
-            return self._execute(plugin, budget_bytes, self.needs, progress)
+            return self._execute(plugin, budget_bytes, self.needs, progress, meanwhile)
 
     def verify_first(self, plugin: StoragePlugin, budget_bytes: int) -> IOStats:
         """The first pass of a restore that checks before it writes: reads the needs that
@@ -228,9 +236,17 @@ class Loader:
         budget_bytes: int,
         needs: list[Need],
         progress: RestoreProgress | None,
+        meanwhile: Callable[[], None] | None = None,
     ) -> IOStats:
         try:
-            return run(self._read(plugin, budget_bytes, needs, progress))
+            future = spawn(self._read(plugin, budget_bytes, needs, progress))
+            if meanwhile is not None:
+                try:
+                    meanwhile()
+                except BaseException:
+                    future.cancel()  # as ``join`` does when the caller is interrupted
+                    raise
+            return join(future)
         finally:
             # On the caller's thread, after every read (also a failed one): waits for the
             # device copies still in flight, so the targets hold their bytes on return.
@@ -321,9 +337,21 @@ class Loader:
         with naming_snapshot(self.where):
             return self._inflate(root)
 
+    def inflate_ready(self, root: str) -> Any:
+        """``inflate(root)`` where every leaf under ``root`` has its value already (tensors
+        read into their targets or planned as new ones, primitives, local objects), else
+        ``PENDING`` (an object that a read is still decoding). Made to run while the reads run
+        (``execute``'s ``meanwhile``): it changes nothing, and raises nothing; whatever keeps
+        a value from being rebuilt (a damaged manifest too) is left to ``inflate`` after the
+        reads, which reports it as it always does."""
+        try:
+            return inflate(self.entries, root, self.value, self.tensors)
+        except Exception:
+            return PENDING
+
     def _inflate(self, root: str) -> Any:
         try:
-            return inflate(self.entries, root, self.value)
+            return inflate(self.entries, root, self.value, self.tensors)
         except KeyError as e:
             raise CorruptSnapshotError(f"{root}: entry {e} is missing from the manifest") from None
         except RecursionError:

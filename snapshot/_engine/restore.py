@@ -34,7 +34,7 @@ from snapshot._engine.flatten import (
 )
 from snapshot._engine.handlers.dense import is_dense_tensor
 from snapshot._engine.linked import open_linked
-from snapshot._engine.loader import Loader, tile_bytes
+from snapshot._engine.loader import PENDING, Loader, tile_bytes
 from snapshot._engine.read_ahead import ReadAhead
 from snapshot._engine.restore_guard import RestoreProgress
 from snapshot.errors import (
@@ -208,6 +208,16 @@ def _restore(
         claims=ClaimCheck(manifest, path, storage_options, options),
     )
     stats = None
+    # The values of the keys whose leaves wait for no read, rebuilt while the reads run on
+    # other threads (the caller's would only wait for them); the others after the reads.
+    early: dict[str, Any] = {}
+
+    def inflate_early() -> None:
+        for key in keys:
+            value = loader.inflate_ready(roots[key])
+            if value is not PENDING:
+                early[key] = value
+
     with contextlib.ExitStack() as stack:
         plugin = None
         try:
@@ -269,7 +279,7 @@ def _restore(
             coordinator.agree("restore: verifying", error=error)
         try:
             if error is None and plugin is not None:
-                stats = loader.execute(plugin, budget, progress)
+                stats = loader.execute(plugin, budget, progress, meanwhile=inflate_early)
         except Exception as e:
             error = e
     coordinator.agree("restore: reading", error=error)
@@ -288,7 +298,9 @@ def _restore(
         )
     t_read = time.perf_counter()
     for key in keys:
-        value = loader.inflate(roots[key])
+        value = early.pop(key, PENDING)
+        if value is PENDING:
+            value = loader.inflate(roots[key])
         if progress is not None:
             # From here the key's own code runs on its state: whatever it does before it
             # returns (or raises) counts as written.
