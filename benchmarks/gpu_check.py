@@ -294,7 +294,8 @@ def check_dtensor(env: Env) -> None:
 
     from benchmarks.common import PeakRSS
 
-    if not dist.is_initialized():
+    started = not dist.is_initialized()  # this check's own group, ended when it passes
+    if started:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(29_500 + os.getpid() % 1000))
         backend = "gloo" if env.cpu else "cpu:gloo,cuda:nccl"
@@ -333,6 +334,8 @@ def check_dtensor(env: Env) -> None:
         f"  {big.nbytes / MIB:.0f} MiB DTensor, budget {budget // MIB} MiB: host peak "
         f"{peak.above_baseline / MIB:.0f} MiB above the start ({peak.method})"
     )
+    if started:
+        dist.destroy_process_group()
 
 
 def check_landing(env: Env) -> None:

@@ -103,3 +103,20 @@ def test_an_interrupt_while_the_reads_run_stops_the_restore(tmp_path, monkeypatc
     Snapshot(str(tmp_path / "s")).restore(dst)
     assert torch.equal(dst["model"]["w"], src["model"]["w"])
     assert dst["extra"]["note"] == LONG_TEXT
+
+
+def test_the_restore_overlap_benchmark_runs_both_ways(capsys, tmp_path):
+    """``benchmarks/restore_overlap.py`` at a small size: both ways at each delay, and the
+    library left as it was (its patches of the loader and the local plugin undone)."""
+    from benchmarks import restore_overlap
+    from storage_plugins.fs import FSStoragePlugin
+
+    ready, read = Loader.inflate_ready, FSStoragePlugin._readv_sync
+    restore_overlap.main(
+        ["--count", "200", "--pairs", "2", "--late-ms", "0,1", "--dir", str(tmp_path)]
+    )
+    out = capsys.readouterr().out
+    assert "reads 0 ms late: during the reads" in out
+    assert "reads 1 ms late: during the reads" in out
+    assert out.count("during faster in") == 2
+    assert Loader.inflate_ready is ready and FSStoragePlugin._readv_sync is read
