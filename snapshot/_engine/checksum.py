@@ -17,29 +17,22 @@ CRC-32 (the gzip / zlib polynomial) comes from ISA-L through the ``isal`` packag
 carry-less multiplication, faster on cached bytes than xxh3 (``xxhash``) and the ``crc32c``
 package (CRC-32C with the SSE4.2 instruction) were where they were compared; from main memory
 all of them run at about memory speed, which is why the CRC is taken while the bytes are
-cached. It releases the GIL for more than 5 KiB, and combines CRCs of pieces
-(``crc32_combine``).
+cached. It combines CRCs of pieces (``crc32_combine``), and gives up the GIL while it checksums
+more than 5 KiB: ``crc32_held`` and ``crc32_each`` keep it for buffers up to 64 KiB while
+another thread keeps the GIL busy (see there).
 """
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Sequence
-from itertools import accumulate, compress
-from operator import attrgetter
+from itertools import accumulate, compress, repeat
+from operator import attrgetter, getitem
+from time import perf_counter
 
 from isal import isal_zlib
 
 from manifest import Location
 from snapshot.errors import ChecksumError
-
-# One thread at a time digests the pieces of a call in bulk (``RangeDigest.many``: a slab's
-# members, thousands of CRCs of a few KiB, each dropping and retaking the GIL). The work is
-# Python between short C calls, which the GIL serializes anyway; when several I/O threads did
-# it at once they handed the GIL back and forth at every member, a context switch each. With
-# this lock one thread digests a whole call while the others wait once, and the same work
-# takes far fewer switches.
-_MANY_LOCK = threading.Lock()
 
 crc32 = isal_zlib.crc32
 """``crc32(data, value=0)``: the CRC-32 of ``data``; with ``value``, of the bytes whose CRC was
@@ -47,6 +40,88 @@ crc32 = isal_zlib.crc32
 
 combine = isal_zlib.crc32_combine
 """``combine(crc_a, crc_b, nbytes_b)``: the CRC-32 of bytes A followed by bytes B."""
+
+# ``crc32`` keeps the GIL for at most this many bytes; above, it gives the GIL up for the
+# computation and must take it back after. Taking it back is what costs: while another thread
+# runs Python (a training loop beside an async take, any busy thread of the application),
+# the interpreter hands it back only at that thread's next switch, and a thread that gives
+# the GIL up at every small buffer (a slab's members: thousands of CRCs of a few KiB) waits
+# for such a switch each time (``benchmarks/busy_thread.py``).
+HELD_BYTES = 5 << 10
+# Buffers up to this size can be checksummed in pieces of ``HELD_BYTES``, the GIL held
+# throughout; a larger one is computed with the GIL given up once, a wait that its own time
+# makes small.
+HOLD_MAX_BYTES = 64 << 10
+# The pieces cost each buffer a slice and a call per piece, more than the CRC of its bytes
+# alone, so they are used only while a wait was seen: a CRC (or a run of ``_RUN`` of them)
+# that took longer than ``_WAITED_S`` waited for the GIL (cached bytes are checksummed at
+# several GB/s: a few microseconds per buffer), and turns them on for ``_HOLD_FOR_S``.
+_RUN = 32
+_WAITED_S = 1e-3
+_HOLD_FOR_S = 1.0
+_held_until = 0.0  # ``perf_counter()`` time until which small buffers keep the GIL
+# ``crc32_each`` cuts every buffer at the same offsets, one C-level pass per cut, while the
+# longest needs at most this many pieces (more passes would mostly slice short buffers).
+_EACH_MAX_PIECES = 4
+
+
+def _saw_wait(start: float) -> None:
+    """Turns the pieces on when the CRCs begun at ``start`` took long enough to have waited
+    for the GIL."""
+    global _held_until
+    now = perf_counter()
+    if now - start > _WAITED_S:
+        _held_until = now + _HOLD_FOR_S
+
+
+def crc32_held(data: memoryview, value: int = 0) -> int:
+    """``crc32(data, value)``; for a byte view of at most ``HOLD_MAX_BYTES`` while the GIL is
+    contended, without giving it up (other data goes to ``crc32`` as it is)."""
+    n = len(data)
+    if n <= HELD_BYTES or n > HOLD_MAX_BYTES or type(data) is not memoryview or data.itemsize != 1:
+        return crc32(data, value)
+    start = perf_counter()
+    if start >= _held_until:
+        value = crc32(data, value)
+        _saw_wait(start)
+        return value
+    for lo in range(0, n, HELD_BYTES):
+        value = crc32(data[lo : lo + HELD_BYTES], value)
+    return value
+
+
+def crc32_each(views: Sequence[memoryview]) -> list[int]:
+    """The CRC-32 of each of ``views`` (byte views, such as a slab's members); for those of at
+    most ``HOLD_MAX_BYTES`` while the GIL is contended, without giving it up: in runs of
+    ``_RUN`` views, each run checksummed in one C-level pass, or, once a run has waited, one
+    pass per piece offset where every view fits in a few pieces of ``HELD_BYTES`` (a slice
+    past a view's end is empty and leaves its CRC as it is), else view by view
+    (``crc32_held``)."""
+    if not views:
+        return []
+    longest = max(map(len, views))
+    if longest <= HELD_BYTES or longest > HOLD_MAX_BYTES:
+        return list(map(crc32, views))
+    values: list[int] = []
+    for at in range(0, len(views), _RUN):
+        run = views[at : at + _RUN]
+        start = perf_counter()
+        if start >= _held_until:
+            values += map(crc32, run)
+            _saw_wait(start)
+        else:
+            values += _held_passes(run, longest)
+    return values
+
+
+def _held_passes(views: Sequence[memoryview], longest: int) -> list[int]:
+    if longest > _EACH_MAX_PIECES * HELD_BYTES:
+        return list(map(crc32_held, views))
+    values = list(map(crc32, map(getitem, views, repeat(slice(0, HELD_BYTES)))))
+    for lo in range(HELD_BYTES, longest, HELD_BYTES):
+        cut = slice(lo, lo + HELD_BYTES)
+        values = list(map(crc32, map(getitem, views, repeat(cut)), values))
+    return values
 
 
 class RangeDigest:
@@ -88,7 +163,7 @@ class RangeDigest:
         if i < len(ranges) and ranges[i] == (start, n):
             # The piece is exactly the next range (a slab member written from its own view):
             # the common case when a slab holds thousands of small tensors.
-            values[i] = crc32(piece)
+            values[i] = crc32_held(piece)
             self._next = i + 1
             return
         while i < len(ranges):
@@ -98,7 +173,7 @@ class RangeDigest:
             lo = max(offset, start)
             hi = min(offset + nbytes, end)
             if hi > lo:
-                values[i] = crc32(piece[lo - start : hi - start], values[i])
+                values[i] = crc32_held(piece[lo - start : hi - start], values[i])
             if offset + nbytes > end:
                 break
             i += 1
@@ -113,9 +188,8 @@ class RangeDigest:
         if len(pieces) == 1:
             self(pieces[0])
             return
-        with _MANY_LOCK:
-            if not self._as_segments(pieces):
-                self._many(pieces)
+        if not self._as_segments(pieces):
+            self._many(pieces)
 
     def _as_segments(self, pieces: Sequence[memoryview]) -> bool:
         """Digests ``pieces`` if they are the next buffers of ``segments`` (a read of a slab's
@@ -132,7 +206,7 @@ class RangeDigest:
             return False
         picked = list(compress(pieces, chosen[first:last]))
         i = self._next
-        self.values[i : i + len(picked)] = map(crc32, picked)
+        self.values[i : i + len(picked)] = crc32_each(picked)
         self._next = i + len(picked)
         self._segment = last
         self._pos += sum(lens)
@@ -149,7 +223,7 @@ class RangeDigest:
         matched = hits.index(None) if None in hits else len(hits)
         if matched:
             hits = hits[:matched]
-            self.values[i : i + matched] = map(crc32, map(pieces.__getitem__, hits))
+            self.values[i : i + matched] = crc32_each(list(map(pieces.__getitem__, hits)))
             self._next = i + matched
             last = hits[-1] + 1
             self._pos = starts[last]

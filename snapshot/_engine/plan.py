@@ -35,6 +35,7 @@ from snapshot._engine.drafts import (
 from snapshot._engine.flatten import flatten
 from snapshot._engine.handlers import dense, for_value
 from snapshot._engine.handlers.table import types_of
+from snapshot._engine.tensor_memory import conjugated, negated
 
 if TYPE_CHECKING:
     from snapshot._engine.incremental import Reuse
@@ -296,8 +297,8 @@ class Collector:
             and tensor.is_cpu
             and tensor.is_contiguous()
             and tensor.nbytes > 0
-            and not tensor.is_neg()
-            and not (tensor.dtype.is_complex and tensor.is_conj())
+            and not negated(tensor)
+            and not (tensor.dtype.is_complex and conjugated(tensor))
         )
 
     def leaf(self, path: str, logical: str, value: Any, replicated: bool) -> Planned:
@@ -403,7 +404,7 @@ def _span(draft: TensorDraft) -> tuple[int, int] | None:
     source = first.source
     assert source is not None
     t = source.tensor
-    if source.prepare is not None or not t.is_cpu or t.is_neg() or t.is_conj():
+    if source.prepare is not None or not t.is_cpu or negated(t) or conjugated(t):
         return None
     start = t.data_ptr()
     reach = sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True))

@@ -33,7 +33,12 @@ from snapshot._engine.serialization import (
     raw_memoryview,
     tensor_memoryview,
 )
-from snapshot._engine.tensor_memory import shares_memory, storage_shortfall
+from snapshot._engine.tensor_memory import (
+    conjugated,
+    negated,
+    shares_memory,
+    storage_shortfall,
+)
 from snapshot.errors import (
     CorruptSnapshotError,
     ShapeMismatchError,
@@ -184,8 +189,8 @@ def lands_directly(target: torch.Tensor, dtype: torch.dtype) -> bool:
         target.is_cpu
         and target.dtype == dtype
         and target.is_contiguous()
-        and not target.is_conj()
-        and not target.is_neg()
+        and not conjugated(target)
+        and not negated(target)
     )
 
 

@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from snapshot._engine import device, runtime
-from snapshot._engine.checksum import crc32
+from snapshot._engine.checksum import HOLD_MAX_BYTES, crc32_each, crc32_held
 from snapshot._engine.drafts import Payload, Staged, TensorSource
 from snapshot._engine.handlers.dense import call_prepare
 from snapshot._engine.placement import ALIGN, Slab, Stager
@@ -50,6 +50,21 @@ _OFFLOAD_MIN = 4 << 20
 # Below this size a payload of a tensor is copied by one memmove call (the least overhead per
 # copy); above it, torch's copy spreads the bytes over its threads.
 _MEMMOVE_MAX = 1 << 20
+
+# ``ctypes.memmove`` gives up the GIL for the copy, as ctypes does around every foreign call,
+# and must take it back after: beside a thread that runs Python (the training loop an async
+# take runs beside), at that thread's next switch only, once per member of a slab (see
+# ``checksum.HELD_BYTES``). The same C function typed with PYFUNCTYPE keeps the GIL: copies of
+# at most ``HOLD_MAX_BYTES`` go through it.
+_memmove_held = ctypes.PYFUNCTYPE(
+    ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t
+)(
+    ctypes._memmove_addr  # type: ignore[attr-defined]  # what ``ctypes.memmove`` calls
+)
+
+
+def _memmove(dst: int, src: int | bytes, nbytes: int) -> None:
+    (_memmove_held if nbytes <= HOLD_MAX_BYTES else ctypes.memmove)(dst, src, nbytes)
 
 
 def stager(pool: StagingPool | None) -> Stager:
@@ -150,12 +165,12 @@ def copy_payload(p: Payload, buf: torch.Tensor, pos: int) -> None:
     if t is not None:
         if nbytes <= _MEMMOVE_MAX:
             # One memmove: slabs hold thousands, and each torch copy pays its dispatch.
-            ctypes.memmove(buf.data_ptr() + pos, p.address, nbytes)
+            _memmove(buf.data_ptr() + pos, p.address, nbytes)
         else:  # torch's copy spreads the bytes over its threads
             src = raw_memoryview(p.address, nbytes)
             buf[pos : pos + nbytes].copy_(torch.frombuffer(src, dtype=torch.uint8))
     elif p.data is not None:
-        ctypes.memmove(buf.data_ptr() + pos, p.data, nbytes)
+        _memmove(buf.data_ptr() + pos, p.data, nbytes)
     else:
         assert p.source is not None
         copy_source(p.source, p.start, p.stop, buf, pos)
@@ -166,6 +181,8 @@ def stage_slab(slab: Slab, checksums: bool) -> Staged:
     CRC-32 goes to its ``crc32`` (see ``placement.Placer``)."""
     buffers: list[Buffer] = []
     keep: list[object] = [slab]  # the slab holds its members, they hold their tensors
+    viewed: list[Payload] = []  # the members whose CRC is taken from their view, at the end
+    views: list[memoryview] = []
     for pad, p in slab.members:
         if pad:
             buffers.append(_ZEROS[:pad])
@@ -176,7 +193,8 @@ def stage_slab(slab: Slab, checksums: bool) -> Staged:
             view = ADDRESS_SPACE[address : address + p.nbytes]
             buffers.append(view)
             if checksums:
-                p.crc32 = crc32(view)
+                viewed.append(p)
+                views.append(view)
             continue
         bufs, keepalive = stage_payload(p)
         buffers.extend(bufs)
@@ -184,8 +202,10 @@ def stage_slab(slab: Slab, checksums: bool) -> Staged:
         if checksums:
             value = 0
             for b in bufs:
-                value = crc32(b, value)
+                value = crc32_held(b, value)
             p.crc32 = value
+    for p, value in zip(viewed, crc32_each(views), strict=True):
+        p.crc32 = value
     return buffers, keep
 
 
@@ -223,19 +243,19 @@ def _pooled(
                 if source is None:  # host memory: a tensor's, an object's bytes
                     copy_payload(p, buf, pos)
                     if checksums:
-                        p.crc32 = crc32(view[pos : pos + p.nbytes])
+                        p.crc32 = crc32_held(view[pos : pos + p.nbytes])
                 elif copy_source(source, p.start, p.stop, buf, pos, lease):
                     if checksums:  # issued from a device: readable after ``ready``
                         if late is None:
                             late = []
                         late.append((pos, p))
                 elif checksums:
-                    p.crc32 = crc32(view[pos : pos + p.nbytes])
+                    p.crc32 = crc32_held(view[pos : pos + p.nbytes])
                 pos += p.nbytes
             lease.ready()
             if late is not None:
                 for at, p in late:
-                    p.crc32 = crc32(view[at : at + p.nbytes])
+                    p.crc32 = crc32_held(view[at : at + p.nbytes])
         except BaseException:
             lease.release()  # waits for the copies already issued before lending it again
             raise

@@ -5,12 +5,38 @@ The engine reads a tensor being taken, and writes a restore target, through raw 
 (``serialization.raw_memoryview``) as well as through torch: a view past the end of its storage
 (whose memory was freed, as FSDP frees a parameter's unsharded storage with ``resize_(0)``)
 would be read or written out of bounds, and a target whose elements overlap cannot hold
-distinct values. Both are asked before any byte moves.
+distinct values. Both are asked before any byte moves. So is whether its memory holds its
+values at all: a lazily negated or conjugated view does not (``negated``, ``conjugated``).
 """
 
 from __future__ import annotations
 
 import torch
+
+# ``Tensor.is_neg()`` and ``is_conj()`` give up the GIL inside, as most of torch's bound
+# methods do, and must take it back after: beside another thread that runs Python (the
+# training loop an async take runs beside, any busy thread of the application), only at that
+# thread's next switch. Planning 20,000 tensors asked each once and waited that long each time
+# (``benchmarks/busy_thread.py``). The tensor's dispatch keys say the same with the GIL held:
+# the lazy negation and conjugation are the ``Negative`` and ``Conjugate`` keys.
+_keys = getattr(torch._C, "_dispatch_keys", None)
+_NEGATIVE = getattr(getattr(torch._C, "DispatchKey", None), "Negative", None)
+_CONJUGATE = getattr(getattr(torch._C, "DispatchKey", None), "Conjugate", None)
+
+
+def negated(t: torch.Tensor) -> bool:
+    """``t.is_neg()``, with the GIL held."""
+    return _keys(t).has(_NEGATIVE)  # type: ignore[misc]
+
+
+def conjugated(t: torch.Tensor) -> bool:
+    """``t.is_conj()``, with the GIL held."""
+    return _keys(t).has(_CONJUGATE)  # type: ignore[misc]
+
+
+if _keys is None or _NEGATIVE is None or _CONJUGATE is None:  # a torch without them: as asked
+    negated = torch.Tensor.is_neg  # type: ignore[assignment]
+    conjugated = torch.Tensor.is_conj  # type: ignore[assignment]
 
 
 def _extent(t: torch.Tensor) -> int:

@@ -50,7 +50,11 @@ from snapshot._engine.drafts import (  # noqa: E402
     type_name,
 )
 from snapshot._engine.serialization import dtype_name  # noqa: E402
-from snapshot._engine.tensor_memory import storage_shortfall  # noqa: E402
+from snapshot._engine.tensor_memory import (  # noqa: E402
+    conjugated,
+    negated,
+    storage_shortfall,
+)
 from snapshot.errors import SnapshotError, UnsupportedValueError  # noqa: E402
 
 if typing.TYPE_CHECKING:
@@ -87,9 +91,9 @@ def take_tensor(
         planner.prepare is None
         and tensor.is_cpu
         and tensor.is_contiguous()
-        and not tensor.is_neg()
+        and not negated(tensor)
         # Only a complex tensor can carry the conjugate bit.
-        and not ((dtype := tensor.dtype).is_complex and tensor.is_conj())
+        and not ((dtype := tensor.dtype).is_complex and conjugated(tensor))
     ):
         # The common case, kept lean (a take of 20,000 small tensors runs this 20,000
         # times): the tensor's own memory is written, through views.
@@ -194,8 +198,8 @@ def _tensor_source(
             dtype,
             shape,
             tensor.stride(),
-            tensor.is_conj(),
-            tensor.is_neg(),
+            conjugated(tensor),
+            negated(tensor),
         )
         earlier = planner.written.get(key)
         if earlier is not None and earlier.replicated == replicated:
@@ -410,8 +414,8 @@ def direct_read(
         or target.layout is not _STRIDED
         or target.is_quantized
         or not target.is_contiguous()
-        or target.is_neg()
-        or (dtype.is_complex and target.is_conj())
+        or negated(target)
+        or (dtype.is_complex and conjugated(target))
         # A storage that ends before the bytes would be written out of bounds: the general
         # path refuses it (``check_receivable``).
         or target.untyped_storage().nbytes() < target.storage_offset() * dtype.itemsize + nbytes
