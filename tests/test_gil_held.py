@@ -9,6 +9,7 @@ from __future__ import annotations
 import ctypes
 import math
 import random
+import sys
 import time
 import zlib
 
@@ -39,7 +40,7 @@ SIZES = [
 def mode(request, monkeypatch):
     """The CRCs as taken with the GIL idle, and as taken once a wait for it was seen."""
     monkeypatch.setattr(checksum, "_held_until", math.inf if request.param == "held" else 0.0)
-    monkeypatch.setattr(checksum, "_WAITED_S", math.inf if request.param == "plain" else 1e-3)
+    monkeypatch.setattr(checksum, "_WAITED", math.inf if request.param == "plain" else 0.8)
     return request.param
 
 
@@ -108,11 +109,13 @@ def test_a_crc_that_waited_turns_the_pieces_on(monkeypatch):
     lengths: list[int] = []
     raw = checksum.crc32
     slow = [True]
+    wait = 1.5 * checksum._WAITED * sys.getswitchinterval()  # as a wait for the GIL would be
 
     def recording(data, value=0):
         lengths.append(len(data))
         if slow[0]:
-            time.sleep(2 * checksum._WAITED_S)  # as a wait for the GIL would
+            slow[0] = False  # the first call waits
+            time.sleep(wait)
         return raw(data, value)
 
     monkeypatch.setattr(checksum, "crc32", recording)
@@ -128,6 +131,7 @@ def test_a_crc_that_waited_turns_the_pieces_on(monkeypatch):
     assert max(lengths[checksum._RUN :]) <= HELD_BYTES
     assert checksum._held_until > time.perf_counter()
     monkeypatch.setattr(checksum, "_held_until", 0.0)
+    slow[0] = True
     lengths.clear()
     (one,) = _views([10_440])
     assert crc32_held(one) == zlib.crc32(one)  # it waited, as one call

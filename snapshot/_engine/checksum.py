@@ -24,6 +24,7 @@ another thread keeps the GIL busy (see there).
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from itertools import accumulate, compress, repeat
 from operator import attrgetter, getitem
@@ -54,10 +55,12 @@ HELD_BYTES = 5 << 10
 HOLD_MAX_BYTES = 64 << 10
 # The pieces cost each buffer a slice and a call per piece, more than the CRC of its bytes
 # alone, so they are used only while a wait was seen: a CRC (or a run of ``_RUN`` of them)
-# that took longer than ``_WAITED_S`` waited for the GIL (cached bytes are checksummed at
-# several GB/s: a few microseconds per buffer), and turns them on for ``_HOLD_FOR_S``.
+# that took longer than ``_WAITED`` of the switch interval waited for a thread that kept the
+# GIL until the interpreter made it switch (cached bytes are checksummed at several GB/s: a
+# few microseconds per buffer; the library's own I/O threads give the GIL back within far
+# less), and turns them on for ``_HOLD_FOR_S``.
 _RUN = 32
-_WAITED_S = 1e-3
+_WAITED = 0.8
 _HOLD_FOR_S = 1.0
 _held_until = 0.0  # ``perf_counter()`` time until which small buffers keep the GIL
 # ``crc32_each`` cuts every buffer at the same offsets, one C-level pass per cut, while the
@@ -70,7 +73,7 @@ def _saw_wait(start: float) -> None:
     for the GIL."""
     global _held_until
     now = perf_counter()
-    if now - start > _WAITED_S:
+    if now - start > _WAITED * sys.getswitchinterval():
         _held_until = now + _HOLD_FOR_S
 
 
