@@ -103,36 +103,43 @@ def test_no_crc_call_over_the_held_size_for_buffers_that_keep_the_gil(monkeypatc
 
 
 def test_a_crc_that_waited_turns_the_pieces_on(monkeypatch):
-    """A run of CRCs that took longer than a wait for the GIL makes the next ones keep it (in
-    pieces of at most ``HELD_BYTES``) for a while; without a wait they stay whole calls."""
+    """Two runs of CRCs in a row that each took longer than a wait for the GIL make the next
+    ones keep it (in pieces of at most ``HELD_BYTES``) for a while; one such run alone (the
+    library's own threads can make it) or none leaves them whole calls. A single CRC that
+    waited is enough."""
     monkeypatch.setattr(checksum, "_held_until", 0.0)
     lengths: list[int] = []
     raw = checksum.crc32
-    slow = [True]
-    wait = 1.5 * checksum._WAITED * sys.getswitchinterval()  # as a wait for the GIL would be
+    waits: set[int] = set()  # the calls, counted from 0, that wait
+    run_wait = 1.5 * checksum._RUN_WAITED * sys.getswitchinterval()  # as waits for the GIL
 
     def recording(data, value=0):
+        if len(lengths) in waits:
+            time.sleep(run_wait)
         lengths.append(len(data))
-        if slow[0]:
-            slow[0] = False  # the first call waits
-            time.sleep(wait)
         return raw(data, value)
 
     monkeypatch.setattr(checksum, "crc32", recording)
-    views = _views([10_440] * (2 * checksum._RUN), seed=5)
-    slow[0] = False
+    run = checksum._RUN
+    views = _views([10_440] * (3 * run), seed=5)
     assert crc32_each(views) == [zlib.crc32(v) for v in views]
     assert max(lengths) == 10_440 and checksum._held_until == 0.0  # no wait: whole calls
-    slow[0] = True
     lengths.clear()
+    waits.update({0, 2 * run})  # the first and third runs wait, not two in a row
     assert crc32_each(views) == [zlib.crc32(v) for v in views]
-    # The first run waited: whole calls; the second kept the GIL, in pieces.
-    assert lengths[: checksum._RUN] == [10_440] * checksum._RUN
-    assert max(lengths[checksum._RUN :]) <= HELD_BYTES
+    assert lengths == [10_440] * (3 * run) and checksum._held_until == 0.0
+    lengths.clear()
+    waits.clear()
+    waits.update({0, run})  # the first two runs wait
+    assert crc32_each(views) == [zlib.crc32(v) for v in views]
+    # The first two runs waited, as whole calls; the third kept the GIL, in pieces.
+    assert lengths[: 2 * run] == [10_440] * (2 * run)
+    assert max(lengths[2 * run :]) <= HELD_BYTES
     assert checksum._held_until > time.perf_counter()
     monkeypatch.setattr(checksum, "_held_until", 0.0)
-    slow[0] = True
     lengths.clear()
+    waits.clear()
+    waits.add(0)
     (one,) = _views([10_440])
     assert crc32_held(one) == zlib.crc32(one)  # it waited, as one call
     assert lengths == [10_440] and checksum._held_until > time.perf_counter()

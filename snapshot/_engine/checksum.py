@@ -54,13 +54,19 @@ HELD_BYTES = 5 << 10
 # makes small.
 HOLD_MAX_BYTES = 64 << 10
 # The pieces cost each buffer a slice and a call per piece, more than the CRC of its bytes
-# alone, so they are used only while a wait was seen: a CRC (or a run of ``_RUN`` of them)
+# alone, so they are used only while a wait was seen, and then for ``_HOLD_FOR_S``: a CRC
 # that took longer than ``_WAITED`` of the switch interval waited for a thread that kept the
 # GIL until the interpreter made it switch (cached bytes are checksummed at several GB/s: a
-# few microseconds per buffer; the library's own I/O threads give the GIL back within far
-# less), and turns them on for ``_HOLD_FOR_S``.
+# few microseconds per buffer). In a run of ``_RUN`` CRCs, the waits behind the library's own
+# threads add up too: a restore's readers, four threads on two cores, each give the GIL back
+# within microseconds, yet one run in some forty took 4-22 ms. Beside a busy thread nearly
+# every run waits several intervals. So two runs in a row must each take over
+# ``_RUN_WAITED`` intervals: with one run over ``_WAITED`` interval as the sign, a quiet restore
+# of 20,000 small tensors held the GIL through most CRCs of its reads and took some 40 ms
+# longer (benchmarks/results/2026-11-28-busy-thread.md).
 _RUN = 32
 _WAITED = 0.8
+_RUN_WAITED = 1.6
 _HOLD_FOR_S = 1.0
 _held_until = 0.0  # ``perf_counter()`` time until which small buffers keep the GIL
 # ``crc32_each`` cuts every buffer at the same offsets, one C-level pass per cut, while the
@@ -96,25 +102,38 @@ def crc32_held(data: memoryview, value: int = 0) -> int:
 def crc32_each(views: Sequence[memoryview]) -> list[int]:
     """The CRC-32 of each of ``views`` (byte views, such as a slab's members); for those of at
     most ``HOLD_MAX_BYTES`` while the GIL is contended, without giving it up: in runs of
-    ``_RUN`` views, each run checksummed in one C-level pass, or, once a run has waited, one
-    pass per piece offset where every view fits in a few pieces of ``HELD_BYTES`` (a slice
-    past a view's end is empty and leaves its CRC as it is), else view by view
-    (``crc32_held``)."""
+    ``_RUN`` views, each run checksummed in one C-level pass, or, once two runs in a row have
+    waited (``_run_waited``), one pass per piece offset where every view fits in a few pieces
+    of ``HELD_BYTES`` (a slice past a view's end is empty and leaves its CRC as it is), else
+    view by view (``crc32_held``)."""
     if not views:
         return []
     longest = max(map(len, views))
     if longest <= HELD_BYTES or longest > HOLD_MAX_BYTES:
         return list(map(crc32, views))
     values: list[int] = []
+    waited = False
     for at in range(0, len(views), _RUN):
         run = views[at : at + _RUN]
         start = perf_counter()
         if start >= _held_until:
             values += map(crc32, run)
-            _saw_wait(start)
+            waited = _run_waited(start, waited)
         else:
             values += _held_passes(run, longest)
     return values
+
+
+def _run_waited(start: float, before: bool) -> bool:
+    """Whether the run of CRCs begun at ``start`` waited for the GIL (took over
+    ``_RUN_WAITED`` switch intervals); after a run that did (``before``), turns the pieces
+    on."""
+    global _held_until
+    now = perf_counter()
+    waited = now - start > _RUN_WAITED * sys.getswitchinterval()
+    if waited and before:
+        _held_until = now + _HOLD_FOR_S
+    return waited
 
 
 def _held_passes(views: Sequence[memoryview], longest: int) -> list[int]:

@@ -6,10 +6,12 @@ Each leaf entry is planned by the handler of its kind (``handlers.for_entry``:
 records where its value will be (``tensors``, ``objects``); the loader itself only knows the
 one kind of target every kind treats alike, a ``LocalNonpersistentObject`` (the restoring
 rank's own object, never read). The most common read, a tensor entry straight into the
-caller's tensor, is planned inline (``dense.direct_read``): a restore of many small tensors
-runs it once per leaf. Then ``execute`` merges the needs into scatter reads (``coalesce``) and
-runs them under the memory budget; ``verify_first`` is the first pass of a restore that checks
-every stored range before it writes.
+caller's tensor, is planned inline (``dense.direct_address``): a restore of many small tensors
+runs it once per leaf, and keeps it as a row of columns (``direct``: ``DirectReads``), not as a
+need. Then ``execute`` cuts the rows, and merges the needs, into scatter reads
+(``DirectReads.requests``, ``coalesce``) and runs them under the memory budget;
+``verify_first`` is the first pass of a restore that checks every stored range before it
+writes.
 """
 
 from __future__ import annotations
@@ -20,18 +22,19 @@ from typing import Any
 
 import torch
 
-from manifest import Entry, Manifest, TensorEntry, reference_of
+from manifest import Entry, Location, Manifest, TensorEntry, reference_of
 from snapshot._engine.claims import ClaimCheck
 from snapshot._engine.context import naming_snapshot
+from snapshot._engine.direct_reads import DirectReads
 from snapshot._engine.flatten import inflate, subtree
 from snapshot._engine.handlers import local
-from snapshot._engine.handlers.dense import direct_read
+from snapshot._engine.handlers.dense import direct_address
 from snapshot._engine.handlers.table import Handler, for_entry
 from snapshot._engine.io_loop import join, spawn
 from snapshot._engine.landing import Landing
 from snapshot._engine.pipeline import IOStats, read_all
-from snapshot._engine.reads import Need, ScratchPool, coalesce, needs_label
-from snapshot._engine.requests import ReadRequest
+from snapshot._engine.reads import Need, ScratchPool, coalesce, label_of
+from snapshot._engine.requests import AnyReadRequest, DirectRequest
 from snapshot._engine.restore_guard import (
     CHECK_PIECE_BYTES,
     RestoreProgress,
@@ -61,9 +64,9 @@ class Loader:
 
     What the kinds' ``restore`` functions use: ``entries``, ``where``; the read sizes
     (``piece_bytes``: the longest need into a target's memory, ``tile_bytes``: the longest
-    through scratch, ``gap_bytes``) and ``verify``; ``add_needs``, ``claim`` and ``later``;
-    where values land (``tensors``, ``objects``); and the scratch the reads share
-    (``scratch``, ``landing``).
+    through scratch, ``gap_bytes``) and ``verify``; ``add_needs``, ``add_direct``, ``claim``
+    and ``later``; where values land (``tensors``, ``objects``); and the scratch the reads
+    share (``scratch``, ``landing``).
     """
 
     def __init__(
@@ -97,6 +100,8 @@ class Loader:
         # The app_state key whose targets the subtree being planned fills (``Need.owner``).
         self.owner: str | None = None
         self.needs: list[Need] = []
+        # The reads of whole stored ranges into the caller's tensors (most reads), as columns.
+        self.direct = DirectReads()
         self.tensors: dict[str, Any] = {}
         self.objects: dict[str, Any] = {}  # decoded objects, and primitives' values
         self.local: dict[str, Any] = {}  # LocalNonpersistentObject values, by path
@@ -128,6 +133,21 @@ class Loader:
                 need.owner = owner
         self.needs.extend(needs)
 
+    def add_direct(self, path: str, chunk: Location, address: int) -> None:
+        """Adds the read of ``chunk``, whole, to ``address``: the memory of the caller's
+        tensor for entry ``path`` (``dense.direct_address``), live state of ``owner``."""
+        self.direct.add(path, chunk, address, self.owner)
+
+    @property
+    def planned(self) -> bool:
+        """Whether any read is planned."""
+        return bool(self.needs) or bool(len(self.direct))
+
+    def materialize(self) -> None:
+        """Turns the direct reads' rows into needs, for the steps that work need by need (the
+        first pass of ``verify_first``, ``shared_reads``)."""
+        self.needs.extend(self.direct.needs(self.verify))
+
     def claim(self) -> None:
         """Called by a kind before it plans a read that takes memory of the size the manifest
         records: the claims of every read of the subtree being planned that allocates
@@ -156,8 +176,12 @@ class Loader:
         ``owner`` (``Need.owner``). ``paths``: ``subtree(entries, root)``, where the caller
         listed it already."""
         entries = self.entries
-        needs, tensors = self.needs, self.tensors
+        tensors = self.tensors
         piece_bytes, verify = self.piece_bytes, self.verify
+        direct = self.direct
+        # The columns' appends, bound once: the loop below runs once per leaf.
+        add_path, add_chunk = direct.paths.append, direct.chunks.append
+        add_address, add_owner = direct.addresses.append, direct.owners.append
         self.owner = owner
         with naming_snapshot(self.where):
             # Checked when the first read that allocates is planned (``claim``), if any.
@@ -171,10 +195,12 @@ class Loader:
                 target = targets.get(p)
                 if type(entry) is TensorEntry:
                     # The dense kind's most common read, inline: straight into the target.
-                    need = direct_read(p, entry, target, piece_bytes, verify)
-                    if need is not None:
-                        need.owner = owner
-                        needs.append(need)
+                    address = direct_address(p, entry, target, piece_bytes, verify)
+                    if address is not None:
+                        add_path(p)
+                        add_chunk(entry.chunks[0])  # type: ignore[union-attr]
+                        add_address(address)
+                        add_owner(owner)
                         tensors[p] = target
                         continue
                 handler = for_entry(entry)
@@ -211,7 +237,9 @@ class Loader:
         that waits for no read, done where the caller would only wait: ``inflate_ready``)."""
         self.plan_deferred()
         with naming_snapshot(self.where):
-            return self._execute(plugin, budget_bytes, self.needs, progress, meanwhile)
+            return self._execute(
+                plugin, budget_bytes, self.needs, progress, meanwhile, direct=self.direct
+            )
 
     def verify_first(self, plugin: StoragePlugin, budget_bytes: int) -> IOStats:
         """The first pass of a restore that checks before it writes: reads the needs that
@@ -220,6 +248,7 @@ class Loader:
         which is given back as each read is done). Leaves those other needs, which write into
         targets, for ``execute``; their ranges are then read a second time."""
         self.plan_deferred()
+        self.materialize()
         private = [n for n in self.needs if n.owner is None]
         writing = [n for n in self.needs if n.owner is not None]
         piece = min(CHECK_PIECE_BYTES, self.tile_bytes)
@@ -237,9 +266,10 @@ class Loader:
         needs: list[Need],
         progress: RestoreProgress | None,
         meanwhile: Callable[[], None] | None = None,
+        direct: DirectReads | None = None,
     ) -> IOStats:
         try:
-            future = spawn(self._read(plugin, budget_bytes, needs, progress))
+            future = spawn(self._read(plugin, budget_bytes, needs, progress, direct))
             if meanwhile is not None:
                 try:
                     meanwhile()
@@ -258,13 +288,23 @@ class Loader:
         budget_bytes: int,
         needs: list[Need],
         progress: RestoreProgress | None,
+        direct: DirectReads | None,
     ) -> IOStats:
         concurrency = self.concurrency
         # The reads hold up to one tile of scratch per worker, charged; the rest of the budget
         # bounds what the landing holds beside them: tiles kept for reuse, and pinned tiles
         # whose device copies are still in flight.
         self.landing.spare_bytes = max(0, budget_bytes - concurrency * self.tile_bytes)
-        requests = coalesce(
+        requests: list[AnyReadRequest] = []
+        if direct is not None and len(direct):
+            cut, leftovers = direct.requests(
+                verify=self.verify,
+                max_gap_bytes=self.gap_bytes,
+                max_request_bytes=self.piece_bytes,
+            )
+            requests.extend(cut)
+            needs = needs + leftovers
+        requests += coalesce(
             needs,
             max_gap_bytes=self.gap_bytes,
             max_request_bytes=self.piece_bytes,
@@ -288,12 +328,12 @@ class Loader:
         return stats
 
     async def _check_sizes(
-        self, plugin: StoragePlugin, requests: Sequence[ReadRequest], concurrency: int
+        self, plugin: StoragePlugin, requests: Sequence[AnyReadRequest], concurrency: int
     ) -> None:
         """Each blob read must be as long as the manifest says: not shorter (cut), and not
         longer (bytes appended after the take, or a blob of another snapshot). Runs after the
         reads, one size query per blob."""
-        by_blob: dict[str, list[ReadRequest]] = {}
+        by_blob: dict[str, list[AnyReadRequest]] = {}
         for req in requests:  # a few per blob, where there are thousands of needs
             by_blob.setdefault(req.blob, []).append(req)
         expected = self.manifest.blob_sizes
@@ -303,7 +343,7 @@ class Loader:
         async def worker() -> None:
             for blob, reqs in blobs:
                 # The label of all the blob's needs (coalesce labelled each request's).
-                label = reqs[0].label if len(reqs) == 1 else needs_label(_needs_of(reqs))
+                label = reqs[0].label if len(reqs) == 1 else label_of(_labels_of(reqs))
                 size = await call(
                     plugin, "read", blob, label, lambda b=blob: plugin.size(b), options=options
                 )
@@ -358,9 +398,13 @@ class Loader:
             raise CorruptSnapshotError(f"{root}: containers nested too deeply to rebuild") from None
 
 
-def _needs_of(requests: Sequence[ReadRequest]) -> Iterator[Need]:
-    """The needs that some read requests serve (their other segments are skipped gaps)."""
+def _labels_of(requests: Sequence[AnyReadRequest]) -> Iterator[str]:
+    """The entry paths some read requests serve (a ``ReadRequest``'s other segments are
+    skipped gaps)."""
     for req in requests:
+        if type(req) is DirectRequest:
+            yield from req.paths
+            continue
         for seg in req.segments:
             if isinstance(seg, Need):
-                yield seg
+                yield seg.label

@@ -427,7 +427,13 @@ class _GapSegments(dict[int, "Segment | None"]):
 
 def needs_label(needs: Iterable[Need]) -> str:
     """Names the entries some needs serve, for messages: ``"a"``, ``"a and 3 more"``."""
-    labels = set(map(_label, needs))
+    return label_of(map(_label, needs))
+
+
+def label_of(paths: Iterable[str]) -> str:
+    """Names the entries at ``paths`` (some repeated), for messages: the first in order and
+    how many more."""
+    labels = set(paths)
     first = min(labels)
     return first if len(labels) == 1 else f"{first} and {len(labels) - 1} more"
 

@@ -475,7 +475,7 @@ def read_object(
         loader = Loader(manifest, options, tile, where=path, entries=entries, claims=claims)
         loader.add_subtree(logical_path, {logical_path: obj_out})
         loader.plan_deferred()
-        if loader.needs:
+        if loader.planned:
             with open_linked(path, manifest, storage_options, options) as plugin:
                 loader.execute(plugin, budget)
         return loader.inflate(logical_path)

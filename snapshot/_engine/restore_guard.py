@@ -33,7 +33,7 @@ import torch
 from manifest import Entry, Location
 from snapshot._engine.checksum import LocationCheck, WholeCheck
 from snapshot._engine.reads import Need
-from snapshot._engine.requests import ReadRequest, segment_owner
+from snapshot._engine.requests import AnyReadRequest, DirectRequest, segment_owner
 from snapshot.errors import SnapshotError
 from snapshot.sharding.mapping import ShardedTensor
 
@@ -70,13 +70,18 @@ class RestoreProgress:
         """``key``'s ``load_state_dict`` returned: it holds the snapshot's state."""
         self.written[key] = FULLY
 
-    def watch(self, requests: Sequence[ReadRequest]) -> None:
+    def watch(self, requests: Sequence[AnyReadRequest]) -> None:
         """Makes each request that writes into targets mark their keys when it starts.
 
-        The scheduler calls a request's segments' ``dest`` in order just before its read, so
-        the mark goes in front of the first segment's (a need: a request never starts with a
-        gap). Only those requests are wrapped, not every need."""
+        The scheduler calls a request's ``destinations()`` just before its read: a
+        ``DirectRequest`` runs its ``starting`` first, a ``ReadRequest`` its segments' ``dest``
+        in order, so the mark goes in front of the first segment's (a need: a request never
+        starts with a gap). Only those requests are wrapped, not every need."""
         for req in requests:
+            if type(req) is DirectRequest:
+                if req.owners:
+                    req.starting = functools.partial(self._mark, req.owners)
+                continue
             owners = set(map(segment_owner, req.segments))
             owners.discard(None)
             if not owners:
@@ -85,9 +90,12 @@ class RestoreProgress:
             assert first.dest is not None
             first.dest = functools.partial(self._starting, tuple(owners), first.dest)
 
-    def _starting(self, keys: tuple[str, ...], dest: Callable[[], memoryview]) -> memoryview:
+    def _mark(self, keys: tuple[str, ...]) -> None:
         for key in keys:
             self.wrote(key)
+
+    def _starting(self, keys: tuple[str, ...], dest: Callable[[], memoryview]) -> memoryview:
+        self._mark(keys)
         return dest()
 
     def account(self, error: BaseException, rank: int, world_size: int) -> None:

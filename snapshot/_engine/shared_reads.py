@@ -107,6 +107,7 @@ def plan(
         return None
     mine: dict[str, int] = {}
     failed: Exception | None = None
+    loader.materialize()  # the choice below is made, and applied, need by need
     try:
         mine = candidates(loader, entries, prefix)
     except Exception as e:  # every rank must still reach the next collective

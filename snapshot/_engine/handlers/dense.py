@@ -257,8 +257,8 @@ def call_prepare(
 
 
 # ==== restore ================================================================================
-# Into the caller's tensor in place: most leaves in one need straight into its memory
-# (``direct_read``, which the loader also runs inline for every tensor entry), else through
+# Into the caller's tensor in place: most leaves in one read straight into its memory
+# (``direct_address``, which the loader also runs inline for every tensor entry), else through
 # ``plan_tensor_read``. With no tensor to fill, into new tensors that share storage as
 # ``torch.load``'s do: entries recording the same bytes (tied weights, written once) get one
 # tensor, a view entry becomes a view of its base's new tensor, and a Parameter or a tensor
@@ -269,7 +269,6 @@ from typing import TYPE_CHECKING, Any  # noqa: E402
 
 from manifest import TensorEntry  # noqa: E402
 from snapshot._engine import sharded  # noqa: E402
-from snapshot._engine.checksum import WholeCheck  # noqa: E402
 from snapshot._engine.landing import Landing, tile_limit  # noqa: E402
 from snapshot._engine.reads import (  # noqa: E402
     Need,
@@ -297,8 +296,8 @@ def restore(loader: Loader, path: str, entry: TensorEntry, target: Any) -> None:
     waits until every other read is planned: ``plan_views``). A piece of a sharded tensor
     cannot receive a whole one."""
     if is_dense_tensor(target):
-        need = direct_read(path, entry, target, loader.piece_bytes, loader.verify)
-        if need is None:
+        address = direct_address(path, entry, target, loader.piece_bytes, loader.verify)
+        if address is None:
             read = plan_tensor_read(
                 path,
                 entry,
@@ -310,7 +309,7 @@ def restore(loader: Loader, path: str, entry: TensorEntry, target: Any) -> None:
             )
             loader.add_needs(read.needs, into_target=True)
         else:
-            loader.add_needs([need], into_target=True)
+            loader.add_direct(path, entry.chunks[0], address)
         loader.tensors[path] = target
         return
     loader.claim()  # a new tensor, of the size the manifest records
@@ -350,8 +349,8 @@ def plan_tensor_read(
     (``tile_need``; without a ``landing``, device copies are waited for one by one). With
     ``verify``, each chunk's bytes are checked against its recorded CRC-32 as they land.
 
-    Callers try ``direct_read`` first: it plans the most common read in fewer steps (the same
-    need this plans for it).
+    Callers try ``direct_address`` first: it plans the most common read in fewer steps (the
+    read this plans for it as one need, kept as a row of columns).
     """
     dtype = check_tensor_entry(path, entry)
     if target is None:
@@ -386,12 +385,14 @@ def plan_tensor_read(
     return TensorRead(needs=needs, result=target)
 
 
-def direct_read(
+def direct_address(
     path: str, entry: TensorEntry, target: Any, piece_bytes: int, verify: bool
-) -> Need | None:
-    """The one need of the most common read (most tensors of a state), or None when
+) -> int | None:
+    """Where the bytes of the most common read land (most tensors of a state), or None when
     ``plan_tensor_read`` must plan it: a tensor stored in one range of at most ``piece_bytes``,
-    into a contiguous CPU tensor of the stored dtype and shape, whose memory the bytes land in.
+    with a recorded CRC-32 when reads ``verify``, into a contiguous CPU tensor of the stored
+    dtype and shape, whose memory the bytes land in. The loader keeps such reads as columns
+    (``direct_reads.DirectReads``), not as needs.
 
     The checks are ``plan_tensor_read``'s for that case, in fewer steps: a target of the stored
     dtype and shape holding exactly the stored number of bytes is one the bytes fit, and
@@ -406,6 +407,7 @@ def direct_read(
     if (
         dtype is None
         or not 0 < nbytes <= piece_bytes
+        or (verify and chunk.crc32 is None)
         or target.dtype is not dtype
         or target.nbytes != nbytes
         or target.is_nested
@@ -421,10 +423,7 @@ def direct_read(
         or target.untyped_storage().nbytes() < target.storage_offset() * dtype.itemsize + nbytes
     ):
         return None
-    need = direct_need(path, chunk, 0, nbytes, target.data_ptr())
-    if verify and chunk.crc32 is not None:
-        need.verify = WholeCheck(path, chunk)
-    return need
+    return target.data_ptr()
 
 
 def plan_views(loader: Loader) -> None:
