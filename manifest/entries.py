@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
-from itertools import chain
-from operator import add, attrgetter
+from itertools import chain, compress, count, pairwise
+from operator import add, attrgetter, ne
 from typing import Any, ClassVar
 
 # The values a manifest stores inline. bytes are stored base64-encoded.
@@ -391,14 +391,18 @@ class Manifest:
         a sibling snapshot (``reference_of``), the length it must have at least: this manifest
         sees only the ranges it reuses; the sibling's own manifest bounds it."""
         # Every restore asks (``bases`` too): the ranges are gathered and their ends computed
-        # in C-level passes, then compared one by one.
+        # in C-level passes, and the largest end is taken per run of ranges in one blob (a
+        # slab's members follow one another in the manifest), not range by range.
         locs = list(chain.from_iterable(map(_LOCATIONS, self.entries.values())))
-        ends = map(add, map(_OFFSET, locs), map(_NBYTES, locs))
+        blobs = list(map(_BLOB, locs))
+        ends = list(map(add, map(_OFFSET, locs), map(_NBYTES, locs)))
+        cuts = [0, *compress(count(1), map(ne, blobs[1:], blobs)), len(blobs)] if blobs else []
         sizes: dict[str, int] = {}
         get = sizes.get
-        for blob, end in zip(map(_BLOB, locs), ends, strict=True):
-            if end > get(blob, -1):
-                sizes[blob] = end
+        for lo, hi in pairwise(cuts):
+            end = max(ends[lo:hi])
+            if end > get(blobs[lo], -1):
+                sizes[blobs[lo]] = end
         return sizes
 
     @functools.cached_property

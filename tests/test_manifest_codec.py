@@ -457,3 +457,12 @@ def test_blob_sizes_and_bases_cover_every_kind_of_range():
     }
     assert m.bases == ("s0", "s1")
     assert Manifest(entries={"0/p": PrimitiveEntry(value=1)}).bases == ()
+    assert Manifest(entries={"0/p": PrimitiveEntry(value=1)}).blob_sizes == {}
+    # Runs of one blob, the same blob again later with a smaller end: the largest end wins.
+    runs = Manifest(
+        entries={
+            f"0/t{i}": TensorEntry(dtype="uint8", shape=(4,), chunks=(loc(blob, at, 4),))
+            for i, (blob, at) in enumerate([("a", 0), ("a", 40), ("b", 0), ("a", 8), ("b", 4)])
+        }
+    )
+    assert runs.blob_sizes == {"a": 44, "b": 8}

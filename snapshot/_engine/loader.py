@@ -269,7 +269,12 @@ class Loader:
         direct: DirectReads | None = None,
     ) -> IOStats:
         try:
-            future = spawn(self._read(plugin, budget_bytes, needs, progress, direct))
+            # The reads are cut on the caller's thread before they start: on the I/O loop the
+            # cutting would compete for the GIL with ``meanwhile``, and hold back every read.
+            requests = self._requests(budget_bytes, needs, direct)
+            if progress is not None:
+                progress.watch(requests)
+            future = spawn(self._read(plugin, budget_bytes, requests))
             if meanwhile is not None:
                 try:
                     meanwhile()
@@ -282,19 +287,14 @@ class Loader:
             # device copies still in flight, so the targets hold their bytes on return.
             self.landing.finish()
 
-    async def _read(
-        self,
-        plugin: StoragePlugin,
-        budget_bytes: int,
-        needs: list[Need],
-        progress: RestoreProgress | None,
-        direct: DirectReads | None,
-    ) -> IOStats:
-        concurrency = self.concurrency
+    def _requests(
+        self, budget_bytes: int, needs: list[Need], direct: DirectReads | None
+    ) -> list[AnyReadRequest]:
+        """The scatter reads of ``needs`` and of the rows of ``direct``."""
         # The reads hold up to one tile of scratch per worker, charged; the rest of the budget
         # bounds what the landing holds beside them: tiles kept for reuse, and pinned tiles
         # whose device copies are still in flight.
-        self.landing.spare_bytes = max(0, budget_bytes - concurrency * self.tile_bytes)
+        self.landing.spare_bytes = max(0, budget_bytes - self.concurrency * self.tile_bytes)
         requests: list[AnyReadRequest] = []
         if direct is not None and len(direct):
             cut, leftovers = direct.requests(
@@ -312,8 +312,12 @@ class Loader:
             # not several merged up to the budget's tile.
             max_scratch_bytes=self.landing.scratch_limit(self.tile_bytes),
         )
-        if progress is not None:
-            progress.watch(requests)
+        return requests
+
+    async def _read(
+        self, plugin: StoragePlugin, budget_bytes: int, requests: list[AnyReadRequest]
+    ) -> IOStats:
+        concurrency = self.concurrency
         stats = await read_all(
             plugin,
             requests,

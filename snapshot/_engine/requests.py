@@ -12,7 +12,7 @@ from operator import attrgetter
 from operator import call as call_it
 from typing import Any
 
-from snapshot._engine.serialization import raw_memoryview
+from snapshot._engine.serialization import raw_memoryviews
 from storage_plugins import Buffer
 
 
@@ -126,7 +126,7 @@ class DirectRequest:
         runs ``starting`` first."""
         if self.starting is not None:
             self.starting()
-        views = list(map(raw_memoryview, self.addresses, self.sizes))
+        views = raw_memoryviews(self.addresses, self.sizes)
         if self.gaps is None:
             return views
         junk = self.junk

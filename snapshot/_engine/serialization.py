@@ -9,6 +9,8 @@ import pickle
 import re
 import sys
 import types
+from itertools import repeat
+from operator import add, sub
 
 import torch
 
@@ -77,6 +79,15 @@ def raw_memoryview(address: int, nbytes: int) -> memoryview:
     if address <= 0 or nbytes < 0:
         raise ValueError(f"no memory at address {address} of {nbytes} bytes")
     return ADDRESS_SPACE[address - 1 : address - 1 + nbytes]
+
+
+def raw_memoryviews(addresses: list[int], sizes: list[int]) -> list[memoryview]:
+    """``raw_memoryview`` of each address and size, in C-level passes where every address and
+    size is positive (the members of a read: thousands of views)."""
+    if not addresses or min(addresses) <= 0 or min(sizes) <= 0:
+        return list(map(raw_memoryview, addresses, sizes))  # checked, or empty, one by one
+    starts = list(map(sub, addresses, repeat(1)))
+    return list(map(ADDRESS_SPACE.__getitem__, map(slice, starts, map(add, starts, sizes))))
 
 
 def tensor_memoryview(t: torch.Tensor) -> memoryview:
