@@ -39,11 +39,6 @@ _T = TypeVar("_T")
 
 _DEFAULT_IO_THREADS = 8
 
-# The most of a range one ``posix_fadvise(WILLNEED)`` reads ahead on Linux: the larger of the
-# device's ``read_ahead_kb`` and ``max_sectors_kb`` (8 MiB on the machine of the benchmarks;
-# a smaller window only costs more calls).
-READ_AHEAD_WINDOW_BYTES = 8 << 20
-
 # A snapshot's bytes are untrusted (a tarball or an upload can carry anything), so paths below
 # the root are opened one component at a time, each relative to its parent with O_NOFOLLOW: a
 # symbolic link (to a file outside the root, or a directory elsewhere) is refused, never
@@ -439,12 +434,7 @@ class FSStoragePlugin(StoragePlugin):
     def _read_ahead_sync(self, path: str, offset: int, nbytes: int) -> None:
         fd, _ = self._open_blob(path)  # as a read opens it: no link followed
         try:
-            # A longer range than one window is advised window by window, through the one
-            # descriptor.
-            end = offset + nbytes
-            for at in range(offset, end, READ_AHEAD_WINDOW_BYTES):
-                n = min(READ_AHEAD_WINDOW_BYTES, end - at)
-                os.posix_fadvise(fd, at, n, os.POSIX_FADV_WILLNEED)
+            os.posix_fadvise(fd, offset, nbytes, os.POSIX_FADV_WILLNEED)
         finally:
             os.close(fd)
 

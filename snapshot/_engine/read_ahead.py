@@ -9,10 +9,9 @@ lists them, merged per blob while they are close; the ranges of a sharded tensor
 its part of them, planned only from its targets) and, in a group where one rank may read
 replicated leaves for all (``shared_reads.decide``: not a local directory, or the option set),
 of those leaves are left out. They are found on the caller's thread, in one lean pass, before it
-plans; a few threads of the restore's own then give the hints, a piece of up to 32 MiB each
-(the local plugin opens the blob once per piece and advises it window by window), and stop
-once the reads begin (``ReadAhead.stop``: from then on the reads ask for the bytes themselves,
-and a hint would only compete with them). Finding the ranges, or giving the
+plans; a thread of the restore's own then gives the hints, one system call each for the local
+plugin, and stops once the reads begin (``ReadAhead.stop``: from then on the reads ask for the
+bytes themselves, and a hint would only compete with them). Finding the ranges, or giving the
 hints, on the I/O loop beside the planning cost more: every hand-over between the loop, the
 plugin's pool and the planning thread takes the GIL from the planning (a cold restore of 20,000
 small tensors ran some 10% slower that way; benchmarks/README.md).
@@ -44,20 +43,11 @@ from storage_plugins.registry import resolve_factory, split_url
 
 logger = logging.getLogger(__name__)
 
-# The hints cover a blob in pieces of at most this size, so that they stop soon after the reads
-# begin (a piece in flight finishes). The local plugin advises a piece window by window of the
-# kernel's read-ahead, through one open descriptor: opening a blob per window cost more system
-# calls than the advice itself.
-PIECE_BYTES = 32 << 20
-
-# Threads that give the hints. Each system call of a hint gives the GIL up, and taking it back
-# waits while the caller's thread plans in Python, up to a switch interval: one thread, opening
-# the blob for every 8 MiB, gave a hint every 1-22 ms, and had hinted 132 of 209 MB when the
-# planning of 20,000 small tensors ended. A descriptor per piece and a second thread waiting its
-# own turns hint 67-209 MB by then, four threads all of it; yet the restore was no faster with
-# four (the reads left ask the device themselves, several blobs at once), and each thread's
-# turns take the GIL from the planning (benchmarks/results/2026-11-28-direct-reads.md).
-THREADS = 2
+# The hints cover a blob in pieces of this size: Linux reads ahead at most the device's
+# read-ahead window per ``WILLNEED`` call (the larger of ``read_ahead_kb`` and
+# ``max_sectors_kb``, 8 MiB on the machine of the benchmarks), so a larger hint would be cut
+# short; and the hints stop soon after the reads begin.
+PIECE_BYTES = 8 << 20
 
 # Two ranges of a blob this close are one hint (the gap between them read too).
 GAP_BYTES = 1 << 20
@@ -118,11 +108,10 @@ def _serves_hints(url: str) -> bool:
 
 
 class ReadAhead:
-    """Hints ``spans`` to ``plugin``, piece by piece, from ``THREADS`` threads of its own until
-    ``stop``: each piece through ``read_ahead_now``, or where the plugin has none, by awaiting
-    its ``read_ahead`` on the I/O loop. ``feed``: the ``spans`` when they are a
-    ``DecodedRanges`` (ended by ``stop`` too, so no thread waits for ranges that will not
-    come)."""
+    """Hints ``spans`` to ``plugin``, piece by piece, from a thread of its own until ``stop``:
+    each through ``read_ahead_now``, or where the plugin has none, by awaiting its
+    ``read_ahead`` on the I/O loop. ``feed``: the ``spans`` when they are a ``DecodedRanges``
+    (ended by ``stop`` too, so the thread never waits for ranges that will not come)."""
 
     def __init__(
         self,
@@ -134,30 +123,24 @@ class ReadAhead:
         self.feed = spans if isinstance(spans, DecodedRanges) else None
         self._stopped = threading.Event()
         self.nbytes = 0  # hinted so far
-        self._pieces = _pieces(spans)
-        self._lock = threading.Lock()  # one thread at a time takes the next piece
-        self._threads = [
-            threading.Thread(
-                target=self._run, args=(plugin,), name=f"statesnap-hints-{i}", daemon=True
-            )
-            for i in range(THREADS)
-        ]
-        for thread in self._threads:
-            thread.start()
+        self._thread = threading.Thread(
+            target=self._run, args=(plugin, spans), name="statesnap-hints", daemon=True
+        )
+        self._thread.start()
 
-    def _run(self, plugin: StoragePlugin) -> None:
+    def _run(self, plugin: StoragePlugin, spans: Iterable[tuple[str, int, int]]) -> None:
         blob = ""
         try:
-            while not self._stopped.is_set():
-                with self._lock:
-                    piece = next(self._pieces, None)
-                    if piece is None:
+            for blob, offset, nbytes in spans:
+                end = offset + nbytes
+                while offset < end:
+                    if self._stopped.is_set():
                         return
-                blob, offset, n = piece
-                if not plugin.read_ahead_now(blob, offset, n):
-                    run(plugin.read_ahead(blob, offset, n))
-                with self._lock:
+                    n = min(PIECE_BYTES, end - offset)
+                    if not plugin.read_ahead_now(blob, offset, n):
+                        run(plugin.read_ahead(blob, offset, n))
                     self.nbytes += n
+                    offset += n
         except Exception as e:  # a hint: the read itself reports what is wrong
             logger.debug("read-ahead of %s stopped: %s", plugin.describe(blob), e)
 
@@ -168,19 +151,11 @@ class ReadAhead:
             self.feed.end()
 
     def close(self) -> None:
-        """Stops the hints and waits for those in flight, if any."""
+        """Stops the hints and waits for the one in flight, if any."""
         self.stop()
-        for thread in self._threads:
-            thread.join()
+        self._thread.join()
         if self._resources is not None:
             self._resources.close()
-
-
-def _pieces(spans: Iterable[tuple[str, int, int]]) -> Iterator[tuple[str, int, int]]:
-    """``spans`` cut into pieces of at most ``PIECE_BYTES``."""
-    for blob, offset, nbytes in spans:
-        for at in range(offset, offset + nbytes, PIECE_BYTES):
-            yield blob, at, min(PIECE_BYTES, offset + nbytes - at)
 
 
 class DecodedRanges:
@@ -188,7 +163,7 @@ class DecodedRanges:
     codec hands each piece's tensor entries to ``tensors`` (its ``on_tensors``), which keeps
     those under ``prefixes`` and merges their locations per run of close ranges of a blob
     (``merged``); iterating yields the ranges as they come, until ``end``. One producer (the
-    decoding thread), one consumer (the hint thread that holds ``ReadAhead``'s lock)."""
+    decoding thread), one consumer (the hint thread)."""
 
     def __init__(self, prefixes: tuple[str, ...], gap_bytes: int) -> None:
         self._prefixes = prefixes
