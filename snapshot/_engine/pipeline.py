@@ -357,22 +357,10 @@ async def _read(
     # C-level passes over the segments: a read of a slab has one per member, thousands.
     verifiers = list(map(segment_verify, req.segments))
     if not any(verifiers):
-        op = functools.partial(plugin.readv, req.blob, req.offset, outs)
-        await call(plugin, "read", req.blob, req.label, op, options=options)
+        await _read_into(plugin, req, outs, options, None)
         return
     sizes = list(map(segment_bytes, req.segments))
-    starts = accumulate(sizes, initial=0)  # one more value than sizes: zip stops first
-    ranges = list(compress(zip(starts, sizes, strict=False), verifiers))
-    values = await call_digesting(
-        plugin,
-        "read",
-        req.blob,
-        req.label,
-        ranges,
-        lambda digest: plugin.readv_observed(req.blob, req.offset, outs, digest),
-        options=options,
-        segments=(sizes, verifiers),  # the digest picks the verified segments by these
-    )
+    values = await _read_into(plugin, req, outs, options, (sizes, verifiers))
     verifiers = list(filter(None, verifiers))
     # Most segments are whole locations (``WholeCheck``): their CRCs are compared in one pass,
     # and only a mismatch goes through the checks one by one (the first raises, naming it).
@@ -390,14 +378,32 @@ async def _read_direct(
     member's CRC-32 compared with the recorded one: all of them in one comparison, and only
     on a mismatch one by one (the first raises, naming its entry)."""
     expected = req.expected
-    if expected is None:
+    layout = req.layout() if expected is not None else None
+    values = await _read_into(plugin, req, outs, options, layout)
+    if expected is None or values == expected:
+        return
+    for path, chunk, value in zip(req.paths, req.chunks, values, strict=True):
+        WholeCheck(path, chunk)(value)
+
+
+async def _read_into(
+    plugin: StoragePlugin,
+    req: AnyReadRequest,
+    outs: list[memoryview],
+    options: Options,
+    layout: tuple[list[int], Sequence[object]] | None,
+) -> list[int]:
+    """The read of ``req`` into ``outs``; with ``layout`` (the lengths of ``outs``, and which
+    of them are checked: truthy), the CRC-32 of each checked buffer, computed by the plugin as
+    the bytes land (``readv_observed``)."""
+    if layout is None:
         op = functools.partial(plugin.readv, req.blob, req.offset, outs)
         await call(plugin, "read", req.blob, req.label, op, options=options)
-        return
-    sizes, members = req.layout()
+        return []
+    sizes, chosen = layout
     starts = accumulate(sizes, initial=0)  # one more value than sizes: zip stops first
-    ranges = list(compress(zip(starts, sizes, strict=False), members))
-    values = await call_digesting(
+    ranges = list(compress(zip(starts, sizes, strict=False), chosen))
+    return await call_digesting(
         plugin,
         "read",
         req.blob,
@@ -405,9 +411,5 @@ async def _read_direct(
         ranges,
         lambda digest: plugin.readv_observed(req.blob, req.offset, outs, digest),
         options=options,
-        segments=(sizes, members),
+        segments=layout,  # the digest picks the checked buffers by these
     )
-    if values == expected:
-        return
-    for path, chunk, value in zip(req.paths, req.chunks, values, strict=True):
-        WholeCheck(path, chunk)(value)
