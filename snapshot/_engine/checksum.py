@@ -58,12 +58,12 @@ HOLD_MAX_BYTES = 64 << 10
 # that took longer than ``_WAITED`` of the switch interval waited for a thread that kept the
 # GIL until the interpreter made it switch (cached bytes are checksummed at several GB/s: a
 # few microseconds per buffer). In a run of ``_RUN`` CRCs, the waits behind the library's own
-# threads add up too: a restore's readers, four threads on two cores, each give the GIL back
-# within microseconds, yet one run in some forty took 4-22 ms. Beside a busy thread nearly
-# every run waits several intervals. So two runs in a row must each take over
+# threads add up too: a restore's readers, several threads on two cores, each give the GIL
+# back within microseconds, yet one run in some forty took 4-22 ms. Beside a busy thread about
+# half the runs wait several intervals. So two runs in a row must each take over
 # ``_RUN_WAITED`` intervals: with one run over ``_WAITED`` interval as the sign, a quiet restore
 # of 20,000 small tensors held the GIL through most CRCs of its reads and took some 40 ms
-# longer (benchmarks/results/2026-11-28-busy-thread.md).
+# longer (benchmarks/results/2026-11-28-direct-reads.md).
 _RUN = 32
 _WAITED = 0.8
 _RUN_WAITED = 1.6

@@ -6,7 +6,7 @@ keeps each as a row of four columns (entry path, stored range, address, owner) r
 ``Need`` with its callbacks, and ``DirectReads.requests`` cuts the rows into ``DirectRequest``s
 by C-level passes over the columns: an object per read request (a slab's thousands of members),
 not per tensor. Making, merging and freeing an object per tensor cost a restore of 20,000 small
-tensors more than the rest of its planning (benchmarks/README.md, "Many small tensors").
+tensors about as much as the rest of its planning (benchmarks/results/2026-11-28-direct-reads.md).
 
 Where a restore works need by need (the first pass of ``verify_first``, replicated reads shared
 across ranks), the rows become needs first (``DirectReads.needs``), each the need
