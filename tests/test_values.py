@@ -22,6 +22,7 @@ from snapshot import (
     UnsafeObjectError,
     UnsupportedValueError,
 )
+from snapshot._engine import loader as loader_module
 from snapshot._engine.handlers import objects
 from snapshot._engine.restorable import check_object
 from snapshot._engine.serialization import encode_object, raw_memoryview, tensor_memoryview
@@ -181,9 +182,12 @@ def test_numpy_arrays_and_scalars_round_trip(snapshot_url):
     assert list(out["mixed"]) == [{"x": 1}, None] and out["dtype"] == np.dtype("float32")
 
 
-def test_restore_into_lazy_conjugate_and_negated_targets(snapshot_url):
+@pytest.mark.parametrize("beside", [False, True])
+def test_restore_into_lazy_conjugate_and_negated_targets(snapshot_url, monkeypatch, beside):
     """A target whose memory holds the conjugate or the negation of its values (a lazy view)
-    is filled with the stored values, not the stored bytes."""
+    is filled with the stored values, not the stored bytes: whether the planning asks
+    ``is_neg()`` (alone) or the dispatch keys (beside another thread)."""
+    monkeypatch.setattr(loader_module, "beside_others", lambda: beside)
     z = torch.randn(4, 3, dtype=torch.complex64)
     x = torch.randn(5)
     z_target = torch.zeros(4, 3, dtype=torch.complex64).conj()

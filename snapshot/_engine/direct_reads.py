@@ -124,8 +124,8 @@ class DirectReads:
             first = 0
             for stop in (*big, len(starts)):
                 while first < stop:
-                    # The rows that end within one request's reach of the first: ``ends``
-                    # ascends (rows neither overlap nor are longer than a request).
+                    # The rows that end within one request's reach of the first (at least
+                    # one): ``ends`` ascends, the rows being sorted and apart.
                     reach = starts[first] + max_request_bytes
                     last = min(bisect_right(ends, reach, first + 1), stop)
                     requests.append(group.request(first, last))

@@ -43,6 +43,7 @@ from snapshot._engine.restore_guard import (
     locations_read,
 )
 from snapshot._engine.storage_calls import call
+from snapshot._engine.tensor_memory import beside_others
 from snapshot.errors import CorruptSnapshotError
 from snapshot.options import Options
 from snapshot.sharding.mapping import LocalNonpersistentObject
@@ -102,6 +103,8 @@ class Loader:
         self.needs: list[Need] = []
         # The reads of whole stored ranges into the caller's tensors (most reads), as columns.
         self.direct = DirectReads()
+        # No Python thread runs beside the library's: set as each subtree is planned.
+        self.alone = False
         self.tensors: dict[str, Any] = {}
         self.objects: dict[str, Any] = {}  # decoded objects, and primitives' values
         self.local: dict[str, Any] = {}  # LocalNonpersistentObject values, by path
@@ -178,6 +181,7 @@ class Loader:
         entries = self.entries
         tensors = self.tensors
         piece_bytes, verify = self.piece_bytes, self.verify
+        alone = self.alone = not beside_others()
         direct = self.direct
         # The columns' appends, bound once: the loop below runs once per leaf.
         add_path, add_chunk = direct.paths.append, direct.chunks.append
@@ -195,7 +199,7 @@ class Loader:
                 target = targets.get(p)
                 if type(entry) is TensorEntry:
                     # The dense kind's most common read, inline: straight into the target.
-                    address = direct_address(p, entry, target, piece_bytes, verify)
+                    address = direct_address(p, entry, target, piece_bytes, verify, alone)
                     if address is not None:
                         add_path(p)
                         add_chunk(entry.chunks[0])  # type: ignore[union-attr]

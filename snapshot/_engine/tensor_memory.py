@@ -11,6 +11,8 @@ values at all: a lazily negated or conjugated view does not (``negated``, ``conj
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
 # ``Tensor.is_neg()`` and ``is_conj()`` give up the GIL inside, as most of torch's bound
@@ -37,6 +39,16 @@ def conjugated(t: torch.Tensor) -> bool:
 if _keys is None or _NEGATIVE is None or _CONJUGATE is None:  # a torch without them: as asked
     negated = torch.Tensor.is_neg  # type: ignore[assignment]
     conjugated = torch.Tensor.is_conj  # type: ignore[assignment]
+
+
+def beside_others() -> bool:
+    """Whether a Python thread other than the caller's and the library's own (``statesnap-*``)
+    is alive: one that may run Python, and hold the GIL until made to switch. Without one, a
+    planning loop may ask ``Tensor.is_neg()`` and ``is_conj()`` (a quarter of the dispatch
+    keys' cost; their GIL given up and taken back at once, which also lets the restore's hint
+    thread in: benchmarks/results/2026-11-28-direct-reads.md)."""
+    me = threading.current_thread()
+    return any(t is not me and not t.name.startswith("statesnap-") for t in threading.enumerate())
 
 
 def _extent(t: torch.Tensor) -> int:

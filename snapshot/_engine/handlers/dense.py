@@ -296,7 +296,9 @@ def restore(loader: Loader, path: str, entry: TensorEntry, target: Any) -> None:
     waits until every other read is planned: ``plan_views``). A piece of a sharded tensor
     cannot receive a whole one."""
     if is_dense_tensor(target):
-        address = direct_address(path, entry, target, loader.piece_bytes, loader.verify)
+        address = direct_address(
+            path, entry, target, loader.piece_bytes, loader.verify, loader.alone
+        )
         if address is None:
             read = plan_tensor_read(
                 path,
@@ -386,7 +388,7 @@ def plan_tensor_read(
 
 
 def direct_address(
-    path: str, entry: TensorEntry, target: Any, piece_bytes: int, verify: bool
+    path: str, entry: TensorEntry, target: Any, piece_bytes: int, verify: bool, alone: bool = False
 ) -> int | None:
     """Where the bytes of the most common read land (most tensors of a state), or None when
     ``plan_tensor_read`` must plan it: a tensor stored in one range of at most ``piece_bytes``,
@@ -396,7 +398,9 @@ def direct_address(
 
     The checks are ``plan_tensor_read``'s for that case, in fewer steps: a target of the stored
     dtype and shape holding exactly the stored number of bytes is one the bytes fit, and
-    anything else (an error included) is left to the general path.
+    anything else (an error included) is left to the general path. ``alone``: no Python thread
+    runs beside the library's (``tensor_memory.beside_others``), so the lazy bits may be asked
+    of ``Tensor.is_neg()`` and ``is_conj()``.
     """
     chunks = entry.chunks
     if len(chunks) != 1 or (kind := handler_of_type(type(target))) is None or kind.name != NAME:
@@ -416,8 +420,8 @@ def direct_address(
         or target.layout is not _STRIDED
         or target.is_quantized
         or not target.is_contiguous()
-        or negated(target)
-        or (dtype.is_complex and conjugated(target))
+        or (target.is_neg() if alone else negated(target))
+        or (dtype.is_complex and (target.is_conj() if alone else conjugated(target)))
         # A storage that ends before the bytes would be written out of bounds: the general
         # path refuses it (``check_receivable``).
         or target.untyped_storage().nbytes() < target.storage_offset() * dtype.itemsize + nbytes
