@@ -206,6 +206,13 @@ def test_overwrite_replaces_only_files_an_export_recorded_writing(tmp_path, two)
     with pytest.raises(InvalidArgumentError, match="model.safetensors"):
         export(a, out, key="m", overwrite=True)
     assert (out / "model.safetensors").is_symlink() and target.read_bytes() == b"not ours"
+    # A record that is a link: refused, even into a folder with no export files.
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / ".statesnap-export.json").symlink_to(target)
+    with pytest.raises(InvalidArgumentError, match="statesnap-export.json"):
+        export(a, other, key="m")
+    assert os.listdir(other) == [".statesnap-export.json"] and target.read_bytes() == b"not ours"
 
 
 def test_a_failed_export_into_a_new_folder_leaves_nothing(tmp_path, two, monkeypatch):

@@ -89,7 +89,8 @@ def earlier_export(out_dir: str, overwrite: bool) -> list[str]:
     (none when the folder is missing or holds none). Reads only: a folder holding an export is
     refused without ``overwrite``; with it, every file of an export's name must be one that the
     folder's record says an export wrote, and a regular file (a link is never followed nor
-    removed); otherwise it is refused, naming them, and the user's files stay as they are."""
+    removed); otherwise it is refused, naming them, and the user's files stay as they are. A
+    record that is not a regular file is refused too: the new record would replace it."""
     try:
         names = os.listdir(out_dir)
     except FileNotFoundError:
@@ -99,6 +100,12 @@ def earlier_export(out_dir: str, overwrite: bool) -> list[str]:
     except OSError as e:
         raise StorageError(f"export: cannot list the folder {out_dir}: {e}") from e
     found = sorted(n for n in names if EXPORT_NAME.fullmatch(n))
+    if RECORD in names and not stat.S_ISREG(os.lstat(os.path.join(out_dir, RECORD)).st_mode):
+        raise InvalidArgumentError(
+            f"export: {os.path.join(out_dir, RECORD)} is not a regular file (a link, or a "
+            "folder), where an export keeps its record: remove it yourself, or choose another "
+            "folder"
+        )
     if not found:
         return []
     if not overwrite:
