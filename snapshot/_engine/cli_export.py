@@ -21,6 +21,7 @@ def run_export(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         max_shard_size=args.max_shard_size,
         storage_options=args.storage_options,
+        overwrite=args.overwrite,
     )
     _write_lines([f"wrote {printable(f)}" for f in files])
     return 0
@@ -35,8 +36,9 @@ def add_parser(sub: argparse._SubParsersAction, common: argparse.ArgumentParser)
         "the local folder OUT, streamed within the memory budget "
         "(STATESNAP_MEMORY_BUDGET_BYTES): model.safetensors, or model-0000i-of-0000N."
         "safetensors files with model.safetensors.index.json when larger than "
-        "--max-shard-size. Files appear whole or not at all. Values that are not tensors are "
-        "skipped.",
+        "--max-shard-size. The export is put in place only once every file is whole; a "
+        "folder holding an earlier export is refused unless --overwrite. Values that are not "
+        "tensors are skipped.",
     )
     p.add_argument("snapshot", metavar="SNAPSHOT", help="the snapshot (local path or URL)")
     p.add_argument("out", metavar="OUT", help="the folder to write into (made if missing)")
@@ -46,5 +48,11 @@ def add_parser(sub: argparse._SubParsersAction, common: argparse.ArgumentParser)
     p.add_argument("--dtype", help="cast floating point tensors (bf16, fp16, fp32, fp8)")
     p.add_argument(
         "--max-shard-size", default="5GB", help="the largest file (default 5GB; 500MiB...)"
+    )
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace an earlier export in OUT (only the files an export recorded writing, "
+        "once the new one is complete)",
     )
     p.set_defaults(func=run_export)

@@ -11,15 +11,25 @@ the state. Each stored chunk's CRC-32 is computed as its bytes go by (tiles read
 rows in order) and compared when the chunk ends.
 
 A safetensors file's header (names, dtypes, shapes, offsets) is known from the manifest
-before any byte is read, so each file is written front to back. Files are written under a
-temporary name in the output folder and renamed once complete and synced: an interrupted
-export leaves no file that looks whole. Outputs larger than ``max_shard_bytes`` are split into
-``model-00001-of-0000N.safetensors`` files with a ``model.safetensors.index.json`` mapping
-each name to its file, as Hugging Face writes them.
+before any byte is read, so each file is written front to back. Outputs larger than
+``max_shard_bytes`` are split into ``model-00001-of-0000N.safetensors`` files with a
+``model.safetensors.index.json`` mapping each name to its file, as Hugging Face writes them.
+
+Before anything is allocated or written, the manifest's claims get restore's own checks: each
+dense entry's chunks hold its shape's bytes in whole elements (``reads.check_tensor_entry``),
+each sharded entry's shards cover its shape exactly once (``sharded.check_entry``), no two
+ranges of an entry overlap and every blob holds the ranges claimed in it
+(``claims.claimed_blobs``, ``claims.check_claims``). What an export then reads and allocates
+is bounded by the bytes present. Names the safetensors header cannot carry (``__metadata__``,
+text that is not UTF-8) and headers past the format's limit are refused too.
+
+The files are written into a staging folder and put in place whole, never mixed with an
+earlier export (``snapshot._engine.export_folder``).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -27,18 +37,27 @@ import os
 import re
 import struct
 import time
-import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 
 from manifest import Location, Manifest, ShardedTensorEntry, TensorEntry
+from snapshot._engine import claims, sharded
 from snapshot._engine.checksum import crc32
+from snapshot._engine.export_folder import write_file
 from snapshot._engine.io_loop import run
+from snapshot._engine.reads import check_tensor_entry
 from snapshot._engine.serialization import dtype_from_name
-from snapshot.errors import ChecksumError, InvalidArgumentError, StorageError, UnsupportedValueError
+from snapshot._engine.storage_calls import call
+from snapshot._engine.text import printable
+from snapshot.errors import (
+    ChecksumError,
+    InvalidArgumentError,
+    UnsupportedValueError,
+)
+from snapshot.options import Options
 from storage_plugins import StoragePlugin
 
 logger = logging.getLogger("snapshot")
@@ -152,11 +171,14 @@ def collect(
     for path, entry in entries.items():
         if not path.startswith(prefix):
             continue
+        # Restore's checks of an entry read into new memory: its chunks hold its shape's bytes
+        # in whole elements; a sharded entry's shards cover its shape exactly once.
         if isinstance(entry, TensorEntry):
-            t_dtype = dtype_from_name(entry.dtype, path)
+            t_dtype = check_tensor_entry(path, entry)
             boxes = [Box((0,) * len(entry.shape), entry.shape, entry.chunks)]
         elif isinstance(entry, ShardedTensorEntry):
             t_dtype = dtype_from_name(entry.dtype, path)
+            sharded.check_entry(path, entry, t_dtype)
             boxes = [Box(s.offsets, s.sizes, s.chunks) for s in entry.shards]
         else:
             if entry.locations or entry.type == "primitive":
@@ -173,6 +195,19 @@ def collect(
         out_dtype = dtype if dtype is not None and t_dtype.is_floating_point else t_dtype
         sources.append(Source(name, path, t_dtype, tuple(entry.shape), boxes, out_dtype))
     return sources, skipped
+
+
+def check_claims(
+    plugin: StoragePlugin, manifest: Manifest, sources: Sequence[Source], options: Options
+) -> None:
+    """Restore's check of the sizes a manifest claims, for every blob the export reads: no two
+    ranges of one entry overlap, and the store says each blob holds the ranges claimed in it
+    (``CorruptSnapshotError`` before anything is read or allocated). Unlike a restore's small
+    reads, an export asks whatever it claims: one size call per blob, next to reading them all."""
+    blobs, _ = claims.claimed_blobs(manifest.view(0), [s.path for s in sources], {})
+    jobs = options.max_concurrent_io
+    assert jobs is not None
+    run(claims.check_claims(plugin, blobs, manifest.blob_sizes, jobs, options))
 
 
 def plan_files(sources: Sequence[Source], max_bytes: int) -> list[list[Source]]:
@@ -193,11 +228,14 @@ class BoxReader:
     """Reads a box's bytes front to back in ranges (``read(start, out)``, ``start`` never going
     back), checking each chunk's CRC-32 once all of its bytes went by."""
 
-    def __init__(self, plugin: StoragePlugin, box: Box, label: str, verify: bool) -> None:
+    def __init__(
+        self, plugin: StoragePlugin, box: Box, label: str, verify: bool, options: Options
+    ) -> None:
         self.plugin = plugin
         self.box = box
         self.label = label
         self.verify = verify
+        self.options = options
         self.pos = 0  # bytes of the box read so far (ranges must start here or later)
         self.chunk = 0  # the chunk holding ``pos``
         self.chunk_start = 0  # where that chunk begins in the box's bytes
@@ -218,12 +256,10 @@ class BoxReader:
             inner = at - self.chunk_start
             n = min(end - at, loc.nbytes - inner)
             piece = out[filled : filled + n]
-            try:
-                run(self.plugin.read_into(loc.blob, loc.offset + inner, piece))
-            except Exception as e:
-                raise StorageError(
-                    f"{self.label}: cannot read blob {self.plugin.describe(loc.blob)}: {e}"
-                ) from e
+            # Through restore's ``call``: its retries, deadline and errors (a blob missing or
+            # cut short is corrupt, a link unsafe).
+            read = functools.partial(self.plugin.read_into, loc.blob, loc.offset + inner, piece)
+            run(call(self.plugin, "read", loc.blob, self.label, read, options=self.options))
             if self.verify and loc.crc32 is not None:
                 if inner == self.crc_upto:
                     self.crc = crc32(piece, self.crc)
@@ -251,17 +287,19 @@ class BoxReader:
         self.crc_upto = 0
 
 
-def tiles(source: Source, tile_bytes: int) -> list[tuple[int, int]]:
+def tiles(source: Source, tile_bytes: int) -> Iterator[tuple[int, int]]:
     """Row ranges ``[a, b)`` of the leading axis, each at most ``tile_bytes`` of the stored
-    dtype or of the output's (whichever is larger), at least one row."""
+    dtype or of the output's (whichever is larger), at least one row; made one at a time."""
     if not source.shape:
-        return [(0, 1)]
+        yield (0, 1)
+        return
     rows = source.shape[0]
     per_row = max(1, math.prod(source.shape[1:])) * max(
         source.dtype.itemsize, source.out_dtype.itemsize
     )
     step = max(1, tile_bytes // per_row)
-    return [(a, min(rows, a + step)) for a in range(0, rows, step)]
+    for a in range(0, rows, step):
+        yield (a, min(rows, a + step))
 
 
 def stream_tensor(
@@ -269,12 +307,14 @@ def stream_tensor(
     source: Source,
     tile_bytes: int,
     verify: bool,
-    write: Callable[[memoryview], None],
+    write: Callable[[memoryview], object],
+    options: Options,
 ) -> None:
-    """Writes ``source``'s bytes (cast to its output dtype) through ``write``, tile by tile."""
+    """Writes ``source``'s bytes (cast to its output dtype) through ``write``, tile by tile.
+    ``options``: each read's retries and deadline."""
     if source.numel == 0:
         return
-    readers = [BoxReader(plugin, b, source.path, verify) for b in source.boxes]
+    readers = [BoxReader(plugin, b, source.path, verify, options) for b in source.boxes]
     shape = source.shape
     itemsize = source.dtype.itemsize
     for a, b in tiles(source, tile_bytes):
@@ -310,8 +350,8 @@ def stream_tensor(
             region = tile[(slice(rows[0] - a, rows[1] - a), *inner)]
             region.copy_(piece)
             del piece
-        if covered != tile.numel():
-            raise UnsupportedValueError(
+        if covered != tile.numel():  # the shards were checked to cover it exactly once
+            raise AssertionError(
                 f"{source.path}: the stored pieces cover {covered:,} of the {tile.numel():,} "
                 f"elements of rows {a}..{b}"
             )
@@ -327,12 +367,50 @@ def _bytes_of(t: torch.Tensor) -> memoryview:
     return tensor_memoryview(t)
 
 
+# The key of a safetensors header that holds the file's metadata: no tensor may have that name.
+RESERVED_NAME = "__metadata__"
+# The largest header the safetensors library reads (its ``MAX_HEADER_SIZE``).
+MAX_HEADER_BYTES = 100_000_000
+
+
+def check_name(source: Source) -> None:
+    """Refuses a name a safetensors header cannot carry: the metadata's key, or text that is
+    not UTF-8 (a lone surrogate, which the format's JSON parser rejects)."""
+    if source.name == RESERVED_NAME:
+        raise UnsupportedValueError(
+            f"{printable(source.path)}: a tensor named {RESERVED_NAME!r} cannot be written to "
+            "safetensors, whose header keeps that key for the file's metadata (export it with "
+            "--format torch, or rename it)"
+        )
+    try:
+        source.name.encode("utf-8")
+    except UnicodeEncodeError:
+        raise UnsupportedValueError(
+            f"{printable(source.path)}: the name '{printable(source.name)}' is not valid UTF-8 "
+            "text, which a safetensors header needs (export it with --format torch)"
+        ) from None
+
+
+def check_safetensors(files: Sequence[Sequence[Source]]) -> None:
+    """Every planned file's header, built and checked before anything is written: names the
+    format reserves or cannot carry, and headers larger than its readers accept."""
+    for group in files:
+        size = len(safetensors_header(group, {"format": "pt"})) - 8
+        if size > MAX_HEADER_BYTES:
+            raise UnsupportedValueError(
+                f"the safetensors header of the {len(group):,} tensors of one file would be "
+                f"{size:,} bytes, over the {MAX_HEADER_BYTES:,} the format's readers accept; "
+                "pass a smaller max_shard_size (--max-shard-size) to split them"
+            )
+
+
 def safetensors_header(sources: Sequence[Source], metadata: dict[str, str]) -> bytes:
     """The header of a safetensors file holding ``sources`` in order: its 8-byte length and
     the JSON, padded with spaces to a multiple of 8 bytes (as the format's writer pads)."""
     header: dict[str, Any] = {"__metadata__": metadata}
     offset = 0
     for s in sources:
+        check_name(s)
         try:
             name = SAFETENSORS_DTYPES[s.out_dtype]
         except KeyError:
@@ -351,39 +429,6 @@ def safetensors_header(sources: Sequence[Source], metadata: dict[str, str]) -> b
     return struct.pack("<Q", len(text)) + text
 
 
-class AtomicFile:
-    """A file written under a temporary name in its folder, synced and renamed into place by
-    ``commit``; removed by ``abort`` (or when ``commit`` never ran)."""
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-        folder, name = os.path.split(path)
-        self.tmp = os.path.join(folder, f".{name}.tmp-{uuid.uuid4().hex[:12]}")
-        self.f = open(self.tmp, "wb")  # noqa: SIM115 - closed by commit / abort
-
-    def write(self, data: memoryview | bytes) -> None:
-        self.f.write(data)
-
-    def commit(self) -> None:
-        self.f.flush()
-        os.fsync(self.f.fileno())
-        self.f.close()
-        os.replace(self.tmp, self.path)
-        fd = os.open(os.path.dirname(self.path) or ".", os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-    def abort(self) -> None:
-        if not self.f.closed:
-            self.f.close()
-        try:
-            os.unlink(self.tmp)
-        except FileNotFoundError:
-            pass
-
-
 @dataclass
 class Written:
     """What an export wrote."""
@@ -398,51 +443,50 @@ class Written:
 def write_safetensors(
     plugin: StoragePlugin,
     files: list[list[Source]],
-    out_dir: str,
+    folder: str,
     tile_bytes: int,
     verify: bool,
+    options: Options,
 ) -> list[str]:
-    """Writes the planned files (and, for several, the index); returns their paths."""
+    """Writes the planned files (and, for several, the index) into ``folder``; returns their
+    names, the index last."""
     n = len(files)
     names = (
         ["model.safetensors"]
         if n == 1
         else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
     )
-    written = []
     for name, group in zip(names, files, strict=True):
-        out = AtomicFile(os.path.join(out_dir, name))
-        try:
-            out.write(safetensors_header(group, {"format": "pt"}))
+
+        def fill(f: BinaryIO, group: list[Source] = group) -> None:
+            f.write(safetensors_header(group, {"format": "pt"}))
             for s in group:
-                stream_tensor(plugin, s, tile_bytes, verify, out.write)
-            out.commit()
-        except BaseException:
-            out.abort()
-            raise
-        written.append(out.path)
+                stream_tensor(plugin, s, tile_bytes, verify, f.write, options)
+
+        write_file(os.path.join(folder, name), fill)
     if n > 1:
-        written.append(write_index(out_dir, "model.safetensors.index.json", names, files))
-    return written
+        return [*names, write_index(folder, "model.safetensors.index.json", names, files)]
+    return names
 
 
 def write_torch(
     plugin: StoragePlugin,
     files: list[list[Source]],
-    out_dir: str,
+    folder: str,
     tile_bytes: int,
     verify: bool,
+    options: Options,
 ) -> list[str]:
     """``torch.save`` files of the planned groups (``pytorch_model.bin``, or
-    ``pytorch_model-0000i-of-0000N.bin`` with ``pytorch_model.bin.index.json``). Unlike
-    safetensors, a torch file is made whole in memory: one file's tensors at a time."""
+    ``pytorch_model-0000i-of-0000N.bin`` with ``pytorch_model.bin.index.json``) in ``folder``;
+    returns their names. Unlike safetensors, a torch file is made whole in memory: one file's
+    tensors at a time."""
     n = len(files)
     names = (
         ["pytorch_model.bin"]
         if n == 1
         else [f"pytorch_model-{i + 1:05d}-of-{n:05d}.bin" for i in range(n)]
     )
-    written = []
     for name, group in zip(names, files, strict=True):
         tensors = {}
         for s in group:
@@ -455,39 +499,31 @@ def write_torch(
                 view[pos : pos + len(data)] = data
                 pos += len(data)
 
-            stream_tensor(plugin, s, tile_bytes, verify, put)
+            stream_tensor(plugin, s, tile_bytes, verify, put, options)
             tensors[s.name] = t
-        out = AtomicFile(os.path.join(out_dir, name))
-        try:
-            torch.save(tensors, out.f)
-            out.commit()
-        except BaseException:
-            out.abort()
-            raise
+        write_file(os.path.join(folder, name), functools.partial(_save_into, tensors))
         del tensors
-        written.append(out.path)
     if n > 1:
-        written.append(write_index(out_dir, "pytorch_model.bin.index.json", names, files))
-    return written
+        return [*names, write_index(folder, "pytorch_model.bin.index.json", names, files)]
+    return names
+
+
+def _save_into(tensors: dict[str, torch.Tensor], f: BinaryIO) -> None:
+    torch.save(tensors, f)
 
 
 def write_index(
-    out_dir: str, index_name: str, names: Sequence[str], files: Sequence[Sequence[Source]]
+    folder: str, index_name: str, names: Sequence[str], files: Sequence[Sequence[Source]]
 ) -> str:
     """The index of a split export, as Hugging Face writes it: the total size, and which file
-    holds each tensor."""
+    holds each tensor. Returns its name."""
     index = {
         "metadata": {"total_size": sum(s.out_bytes for g in files for s in g)},
         "weight_map": {s.name: name for name, g in zip(names, files, strict=True) for s in g},
     }
-    out = AtomicFile(os.path.join(out_dir, index_name))
-    try:
-        out.write(json.dumps(index, indent=2, sort_keys=True).encode() + b"\n")
-        out.commit()
-    except BaseException:
-        out.abort()
-        raise
-    return out.path
+    data = json.dumps(index, indent=2, sort_keys=True).encode() + b"\n"
+    write_file(os.path.join(folder, index_name), lambda f: f.write(data))
+    return index_name
 
 
 def log_done(where: str, out_dir: str, result: Written) -> None:
