@@ -172,3 +172,219 @@ def test_no_signal_no_save(tmp_path):
             manager.checkpoint_if_preempted(step, state)
         assert not manager.preempted
         assert manager.steps() == []
+
+
+# -- SIGTERM at random moments: the resumed run goes on as an uninterrupted one ---------------
+
+# One interpreter imports torch once, then forks a process per run (41 interpreter starts
+# would take minutes on a busy machine): "run MODE ROOT LOG" forks one and answers its pid,
+# "wait PID" answers its exit status (-signum when a signal ended it). A run trains a tiny MLP
+# with Adam on batches drawn from a generator seeded by the step, saves every SAVE_EVERY steps
+# (async) and marks each step boundary; it logs each step's loss (float.hex, exact) to a
+# line-buffered file, so a line is there once its step ended, and its stderr to LOG.err.
+LAUNCHER = textwrap.dedent(
+    """
+    import os, sys, time, traceback, torch
+    from snapshot import CheckpointManager
+    STEPS, SAVE_EVERY = 300, 20
+    # An optimizer's first construction imports torch._dynamo (seconds): once, here.
+    torch.optim.Adam([torch.nn.Parameter(torch.zeros(1))])
+    import threading
+    assert threading.active_count() == 1  # forking copies no thread's half-done work
+
+    def train(mode, root, log_path):
+        torch.set_num_threads(1)
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(
+            torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1)
+        )
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+        app_state = {"model": model, "optimizer": optimizer}
+        manager = CheckpointManager(root, keep_last=2)
+        start = 0
+        if mode == "resume":
+            restored = manager.restore(app_state)
+            start = 0 if restored is None else restored + 1
+            with open(log_path + ".restored", "w") as f:
+                f.write(str(restored))
+        manager.handle_preemption()
+        t = time.perf_counter()
+        with open(log_path, "w", buffering=1) as log:  # its creation: training begins
+            for step in range(start, STEPS):
+                g = torch.Generator().manual_seed(step)
+                x = torch.randn(32, 8, generator=g)
+                y = torch.sin(x.sum(dim=1, keepdim=True))
+                loss = torch.nn.functional.mse_loss(model(x), y)
+                optimizer.zero_grad()
+                loss.backward()
+                optimizer.step()
+                log.write(f"{step} {loss.item().hex()}\\n")
+                if step % SAVE_EVERY == 0:
+                    manager.save(step, app_state)
+                manager.checkpoint_if_preempted(step, app_state)
+        manager.close()
+        with open(log_path + ".seconds", "w") as f:
+            f.write(str(time.perf_counter() - t))
+
+    for line in sys.stdin:
+        command, *args = line.split()
+        if command == "run":
+            pid = os.fork()
+            if pid == 0:
+                code = 1
+                try:
+                    err = os.open(args[2] + ".err", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+                    os.dup2(err, 2)
+                    train(*args)
+                    code = 0
+                except SystemExit as e:
+                    code = e.code
+                except BaseException:
+                    traceback.print_exc()
+                finally:
+                    sys.stderr.flush()
+                    os._exit(code)
+            print("pid", pid, flush=True)
+        elif command == "wait":
+            _, status = os.waitpid(int(args[0]), 0)
+            print("status", os.waitstatus_to_exitcode(status), flush=True)
+    """
+)
+
+
+class Launcher:
+    """The forking interpreter above."""
+
+    def __init__(self) -> None:
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", LAUNCHER],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=child_env(),
+        )
+
+    def ask(self, line: str) -> int:
+        assert self.process.stdin is not None and self.process.stdout is not None
+        self.process.stdin.write(line + "\n")
+        self.process.stdin.flush()
+        answer = self.process.stdout.readline().split()
+        assert len(answer) == 2, f"the launcher ended: {self.process.wait()}"
+        return int(answer[1])
+
+    def start(self, mode: str, root: str, log: Path) -> int:
+        return self.ask(f"run {mode} {root} {log}")
+
+    def wait(self, pid: int) -> int:
+        return self.ask(f"wait {pid}")
+
+    def close(self) -> None:
+        assert self.process.stdin is not None
+        self.process.stdin.close()
+        self.process.wait(timeout=60)
+
+
+def losses(path: Path) -> dict[int, str]:
+    out = {}
+    for line in path.read_text().splitlines():
+        step, loss = line.split()
+        out[int(step)] = loss
+    return out
+
+
+@pytest.mark.slow  # 42 processes
+def test_sigterm_at_random_moments_resumes_as_an_uninterrupted_run(tmp_path):
+    launcher = Launcher()
+    try:
+        # Twice: the first run's caches are cold, its duration longer than the trials'.
+        durations = []
+        for run in range(2):
+            baseline_log = tmp_path / f"baseline{run}.log"
+            pid = launcher.start("fresh", str(tmp_path / f"baseline{run}"), baseline_log)
+            assert launcher.wait(pid) == 0, Path(f"{baseline_log}.err").read_text()
+            durations.append(float(Path(f"{baseline_log}.seconds").read_text()))
+        baseline = losses(baseline_log)
+        assert sorted(baseline) == list(range(300))
+        assert losses(tmp_path / "baseline0.log") == baseline
+        duration = min(durations)
+
+        rng = random.Random(20260101)
+        preempted = 0
+        for trial in range(20):
+            root = str(tmp_path / f"trial{trial}")
+            first_log = tmp_path / f"trial{trial}-first.log"
+            pid = launcher.start("fresh", root, first_log)
+            while not first_log.exists():
+                time.sleep(0.001)
+            # Anywhere in the run, spread over the trials.
+            time.sleep(duration * (trial + rng.random()) / 20)
+            os.kill(pid, signal.SIGTERM)
+            status = launcher.wait(pid)
+            err = Path(f"{first_log}.err").read_text()
+            assert status in (0, -signal.SIGTERM), err
+            first = losses(first_log)
+
+            resume_log = tmp_path / f"trial{trial}-resume.log"
+            pid = launcher.start("resume", root, resume_log)
+            assert launcher.wait(pid) == 0, Path(f"{resume_log}.err").read_text()
+            text = Path(f"{resume_log}.restored").read_text()
+            restored = -1 if text == "None" else int(text)
+            second = losses(resume_log)
+
+            # Every step up to the one restored ran in the first run; the rest in the second.
+            assert [s for s in sorted(first) if s <= restored] == list(range(restored + 1))
+            assert sorted(second) == list(range(restored + 1, 300))
+            combined = {s: first[s] for s in range(restored + 1)} | second
+            differ = [s for s in range(300) if combined[s] != baseline[s]]
+            assert not differ, (
+                f"trial {trial}: first run ended at step {max(first)}, restored {restored}; "
+                f"losses differ from step {differ[0]}"
+            )
+            if "preempted:" in err:  # the handler saw the signal (not one after close())
+                preempted += 1
+                assert status == -signal.SIGTERM, err
+                # The final save is the step the first run ended on: nothing lost or redone.
+                assert restored == max(first), err
+        assert preempted >= 12, preempted  # most signals landed in training, not after it
+    finally:
+        launcher.close()
+
+
+# -- across ranks -----------------------------------------------------------------------------
+
+
+def _signal_on_rank_one(rank: int, world_size: int, root: str) -> dict:
+    received: list[int] = []
+    # An earlier handler that returns: the final save ends in SystemExit, which this body sees.
+    signal.signal(signal.SIGTERM, lambda signum, frame: received.append(signum))
+    state = {"w": StateDict(w=torch.zeros(10)), "progress": StateDict(step=0)}
+    manager = CheckpointManager(root)
+    manager.handle_preemption()
+    step = 0
+    try:
+        for step in range(1, 10):
+            state["w"]["w"].add_(1)
+            state["progress"]["step"] = step
+            if step % 2 == 0:
+                manager.save(step, state)
+            if step == 3 and rank == 1:
+                os.kill(os.getpid(), signal.SIGTERM)  # the notice reaches one rank only
+            manager.checkpoint_if_preempted(step, state)
+    except SystemExit as e:
+        return {"code": e.code, "step": step, "earlier handler": received}
+    return {"finished": step}
+
+
+@pytest.mark.slow  # two real ranks
+def test_a_signal_on_one_rank_makes_every_rank_save_the_same_boundary(tmp_path):
+    from tests.multirank import run_ranks
+
+    root = str(tmp_path / "ckpt")
+    results = run_ranks(2, _signal_on_rank_one, root)
+    expected = {"code": 128 + signal.SIGTERM, "step": 3, "earlier handler": [signal.SIGTERM]}
+    assert results == [expected, expected]
+    with CheckpointManager(root) as manager:
+        assert manager.steps() == [2, 3]
+        target = {"w": StateDict(w=torch.zeros(10)), "progress": StateDict(step=-1)}
+        assert manager.restore(target) == 3
+    assert target["progress"]["step"] == 3 and torch.equal(target["w"]["w"], torch.full((10,), 3.0))
