@@ -388,3 +388,48 @@ def test_a_signal_on_one_rank_makes_every_rank_save_the_same_boundary(tmp_path):
         target = {"w": StateDict(w=torch.zeros(10)), "progress": StateDict(step=-1)}
         assert manager.restore(target) == 3
     assert target["progress"]["step"] == 3 and torch.equal(target["w"]["w"], torch.full((10,), 3.0))
+
+
+# -- the README's loop, as written ------------------------------------------------------------
+
+README_PRELUDE = textwrap.dedent(
+    """
+    import os, signal, torch
+    from snapshot import StateDict
+    app_state = {"model": StateDict(a=torch.zeros(3), b=torch.zeros(3))}
+    total_steps, val_loss, calls = 1200, 1.0, 0
+
+    def train_one_step():
+        global calls
+        app_state["model"]["a"].add_(1)
+        if calls == 700:
+            os.kill(os.getpid(), signal.SIGTERM)  # between two updates of step 700
+        app_state["model"]["b"].add_(1)
+        calls += 1
+    """
+)
+
+
+def readme_manager_code() -> str:
+    text = (Path(REPO) / "README.md").read_text()
+    section = text[text.index("## Checkpoint manager") :]
+    return section.split("```python\n", 1)[1].split("```", 1)[0]
+
+
+@pytest.mark.slow  # a child process
+def test_the_readme_loop_saves_the_step_boundary_and_ends_by_the_signal(tmp_path):
+    run = subprocess.run(
+        [sys.executable, "-c", README_PRELUDE + readme_manager_code()],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=child_env(),
+        cwd=tmp_path,
+    )
+    assert run.returncode == -signal.SIGTERM, run.stderr
+    with CheckpointManager(str(tmp_path / "ckpt")) as manager:
+        assert manager.steps() == [0, 500, 700]
+        target = {"model": StateDict(a=torch.zeros(3), b=torch.zeros(3))}
+        assert manager.restore(target) == 700
+    assert torch.equal(target["model"]["a"], torch.full((3,), 701.0))  # steps 0..700, whole
+    assert torch.equal(target["model"]["b"], torch.full((3,), 701.0))
