@@ -23,6 +23,7 @@ import math
 import os
 import queue
 import signal
+import sys
 import threading
 import time
 import warnings
@@ -504,8 +505,14 @@ class CheckpointManager:
                 self._handler.uninstall()
                 self._handler = None
         logger.warning(
-            "preempted: step %d committed under %s; ending by signal %d", step, self.root, signum
+            "preempted: the saves under %s are committed; ending by signal %d", self.root, signum
         )
+        for stream in (sys.stdout, sys.stderr):  # a signal's default action flushes nothing
+            try:
+                if stream is not None:
+                    stream.flush()
+            except (OSError, ValueError):
+                pass
         signal.raise_signal(signum)
         # The earlier handler returned, or ignores the signal: exit as a shell reports a kill.
         raise SystemExit(128 + signum)
@@ -601,8 +608,8 @@ class _PreemptionHandler:
         self.signum = signum
         self.manager.preempted = True
         logger.warning(
-            "signal %d received by the checkpoint manager of %s: saving at the next step "
-            "boundary, then exiting",
+            "signal %d received by the checkpoint manager of %s: manager.preempted is set, "
+            "the final save happens at the next step boundary",
             signum,
             self.manager.root,
         )
