@@ -23,8 +23,10 @@ import math
 import os
 import queue
 import signal
+import sys
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -119,7 +121,9 @@ class CheckpointManager:
         self._cleaned = False  # incomplete folders left by an earlier run were cleaned
         self._closed = False
         self._handler: _PreemptionHandler | None = None
+        # Set by the handler handle_preemption installs when its signal arrives.
         self.preempted = False
+        self._ending = False  # the final save after a preemption signal is under way
 
     # -- saving ---------------------------------------------------------------------------------
 
@@ -204,6 +208,7 @@ class CheckpointManager:
                 self._in_flight_steps.discard(step)
             if self._rank == 0:
                 self._submit(self._retain)
+        self._after_save(step)  # under handle_preemption(app_state, step_fn): maybe the last
 
     def _committed(self, step: int, pending: PendingSnapshot, t0: float) -> None:
         """On a thread of its own: waits for an async save, records its end, then hands
@@ -395,39 +400,122 @@ class CheckpointManager:
         *,
         signals: Iterable[int] = (signal.SIGTERM,),
     ) -> None:
-        """Acts on the signals a scheduler sends before it stops a job (SIGTERM from SLURM and
-        Kubernetes).
+        """Watches for the signals a scheduler sends before it stops a job (SIGTERM from SLURM
+        and Kubernetes). The handler only records the signal (``manager.preempted = True``)
+        and logs it: it never saves, since it runs on the main thread wherever that is, in the
+        middle of a step (between two parameters' updates) as likely as between two steps.
 
-        With ``app_state`` and ``step_fn``: on the signal, waits for the saves under way, takes a
-        final snapshot at step ``step_fn()`` (unless that step is committed already), waits
-        for the deletions, then restores the earlier handler and sends the signal again, so the
-        process ends as it would have. The handler runs on the main thread between two
-        bytecodes, possibly in the middle of a training step (after the forward pass, before
-        the optimizer's step): the snapshot holds the state as it is then. Across ranks every
-        rank must receive the signal (schedulers send it to every task).
+        The final save happens at a step boundary the training loop marks: call
+        :meth:`checkpoint_if_preempted` after each step. Or check ``manager.preempted`` and
+        save, close and exit at a point of the loop's choosing.
 
-        Without them, the signal only sets ``manager.preempted``: the training loop checks
-        it at a point of its choosing, saves and exits (the state is then consistent).
+        ``app_state`` and ``step_fn`` (deprecated; ``step_fn`` is no longer called): with them,
+        the next :meth:`save` after the signal is the final one (it runs synchronously, then
+        the process ends as :meth:`checkpoint_if_preempted` ends it), and
+        ``checkpoint_if_preempted`` may be called without ``app_state``. A loop that saves
+        rarely then runs on until its next save: call ``checkpoint_if_preempted`` each step.
         """
         if (app_state is None) != (step_fn is None):
             raise InvalidArgumentError("handle_preemption takes app_state and step_fn together")
+        if step_fn is not None:
+            warnings.warn(
+                "handle_preemption(app_state, step_fn) no longer saves from the signal handler "
+                "(that could save a state in the middle of a step): the final save happens at "
+                "the next save(); call manager.checkpoint_if_preempted(step, app_state) after "
+                "each step instead",
+                DeprecationWarning,
+                stacklevel=2,
+            )
         if self._handler is not None:
             self._handler.uninstall()
-        self._handler = _PreemptionHandler(self, app_state, step_fn, tuple(signals))
+        self._handler = _PreemptionHandler(self, app_state, tuple(signals))
 
-    def _final_save(self, app_state: dict[str, Any], step_fn: Callable[[], int]) -> None:
-        step = step_fn()
-        self._drain()
-        if self._last_saved is not None and step <= self._last_saved:
-            logger.info("preempted: step %d is saved already under %s", step, self.root)
-        else:
-            logger.warning("preempted: saving step %d under %s before exiting", step, self.root)
-            async_, self.async_ = self.async_, False
+    def checkpoint_if_preempted(self, step: int, app_state: dict[str, Any] | None = None) -> None:
+        """Marks a step boundary: call it after each step, when ``app_state`` holds the state
+        after step ``step``, whole. Returns at once unless a signal that
+        :meth:`handle_preemption` watches has arrived (on any rank: with a process group the
+        ranks agree on it here, one small collective per call). Then: waits for the saves under
+        way, saves ``app_state`` as step ``step`` synchronously unless that step is saved
+        already, waits for the deletions, closes the manager, restores the signal handlers it
+        replaced and sends the signal again, so the process ends as the signal would have
+        ended it (for SIGTERM with no earlier handler: killed by it, exit status 143 in a
+        shell). If the process survives that (an earlier Python handler that returns, or an
+        ignored signal), raises ``SystemExit(128 + signum)``.
+
+        ``app_state`` defaults to the one given to ``handle_preemption``. An error of the final
+        save, or of a save that failed in the background, is raised (the handlers restored).
+        """
+        self._check_open("checkpoint_if_preempted")
+        if not self._preemption_agreed():
+            return
+        if app_state is None:
+            app_state = self._handler.app_state if self._handler is not None else None
+            if app_state is None:
+                raise InvalidArgumentError(
+                    "checkpoint_if_preempted needs app_state (none was given to handle_preemption)"
+                )
+        self._final_save(step, app_state)
+
+    def _preemption_agreed(self) -> bool:
+        """Whether a preemption signal arrived on any rank (this rank alone without a group)."""
+        if self._world == 1:
+            return self.preempted
+        from snapshot._engine import dist as coordination
+
+        flags = coordination.resolve(self.pg, self.options).all_gather(self.preempted)
+        if any(flags) and not self.preempted:
+            logger.warning("preempted: another rank received the signal")
+            self.preempted = True
+        return bool(any(flags))
+
+    def _after_save(self, step: int) -> None:
+        """End of :meth:`save` under ``handle_preemption(app_state, step_fn)``: after a
+        signal, that save is the final one."""
+        handler = self._handler
+        if handler is None or handler.app_state is None or self._ending:
+            return
+        if self._preemption_agreed():
+            self._final_save(step, handler.app_state)
+
+    def _final_save(self, step: int, app_state: dict[str, Any]) -> None:
+        """At a step boundary after a preemption signal: saves ``step`` once, waits for every
+        save and deletion, closes, then ends the process by the signal."""
+        self._ending = True
+        handler = self._handler
+        signum = handler.signum if handler is not None and handler.signum else signal.SIGTERM
+        try:
+            self._drain()
+            if self._last_saved is not None and step <= self._last_saved:
+                logger.warning(
+                    "preempted: step %d is saved already under %s (the newest saved is %d)",
+                    step,
+                    self.root,
+                    self._last_saved,
+                )
+            else:
+                logger.warning("preempted: saving step %d under %s before exiting", step, self.root)
+                async_, self.async_ = self.async_, False
+                try:
+                    self.save(step, app_state)
+                finally:
+                    self.async_ = async_
+            self.close()  # waits for the deletions; restores the earlier handlers
+        finally:
+            if self._handler is not None:  # the save or the close failed: the error goes on
+                self._handler.uninstall()
+                self._handler = None
+        logger.warning(
+            "preempted: the saves under %s are committed; ending by signal %d", self.root, signum
+        )
+        for stream in (sys.stdout, sys.stderr):  # a signal's default action flushes nothing
             try:
-                self.save(step, app_state)
-            finally:
-                self.async_ = async_
-        self.wait()
+                if stream is not None:
+                    stream.flush()
+            except (OSError, ValueError):
+                pass
+        signal.raise_signal(signum)
+        # The earlier handler returned, or ignores the signal: exit as a shell reports a kill.
+        raise SystemExit(128 + signum)
 
     # -- closing --------------------------------------------------------------------------------
 
@@ -493,37 +581,44 @@ class CheckpointManager:
 
 
 class _PreemptionHandler:
-    """The signal handlers ``handle_preemption`` installs, and the ones they replaced."""
+    """The signal handlers ``handle_preemption`` installs, and the ones they replaced. A
+    handler records the signal and logs it; it calls nothing of the manager's, so a signal
+    arriving in the middle of a ``save`` lets that save complete."""
 
     def __init__(
         self,
         manager: CheckpointManager,
         app_state: dict[str, Any] | None,
-        step_fn: Callable[[], int] | None,
         signals: tuple[int, ...],
     ) -> None:
         self.manager = manager
         self.app_state = app_state
-        self.step_fn = step_fn
+        self.signum: int | None = None  # the first signal received
         self.previous = {s: signal.signal(s, self._on_signal) for s in signals}
 
     def _on_signal(self, signum: int, frame: Any) -> None:
+        if self.signum is not None:
+            logger.warning(
+                "signal %d received again by the checkpoint manager of %s: the final save "
+                "happens at the next step boundary",
+                signum,
+                self.manager.root,
+            )
+            return
+        self.signum = signum
         self.manager.preempted = True
         logger.warning(
-            "signal %d received by the checkpoint manager of %s", signum, self.manager.root
+            "signal %d received by the checkpoint manager of %s: manager.preempted is set, "
+            "the final save happens at the next step boundary",
+            signum,
+            self.manager.root,
         )
-        if self.app_state is None:
-            return
-        assert self.step_fn is not None
-        try:
-            self.manager._final_save(self.app_state, self.step_fn)
-        finally:
-            self.uninstall()
-            os.kill(os.getpid(), signum)
 
     def uninstall(self) -> None:
+        """Puts back the handlers this one replaced (the default one where an earlier handler
+        was installed from outside Python)."""
         for s, handler in self.previous.items():
-            signal.signal(s, handler)
+            signal.signal(s, signal.SIG_DFL if handler is None else handler)
         self.previous = {}
 
 
