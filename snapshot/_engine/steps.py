@@ -118,7 +118,11 @@ def _survey_local(path: str) -> Contents:
         return Contents(True, refusal="it is not a folder")
     manifest = marker = False
     foreign: list[str] = []
-    with os.scandir(path) as entries:
+    try:
+        entries = os.scandir(path)
+    except FileNotFoundError:  # deleted since (by the manager's worker)
+        return Contents(False)
+    with entries:
         for e in entries:
             is_file = e.is_file(follow_symlinks=False)
             if e.name == MANIFEST_NAME and is_file:
@@ -128,7 +132,11 @@ def _survey_local(path: str) -> Contents:
             elif _TEMP.fullmatch(e.name) and is_file:
                 pass
             elif _RANK.fullmatch(e.name) and e.is_dir(follow_symlinks=False):
-                with os.scandir(e.path) as blobs:
+                try:
+                    blobs = os.scandir(e.path)
+                except FileNotFoundError:
+                    continue
+                with blobs:
                     for b in blobs:
                         if not (
                             b.is_file(follow_symlinks=False)
@@ -246,7 +254,10 @@ class Steps:
                 return []
             out = []
             for n in names:
-                mode = os.lstat(os.path.join(self._local, n)).st_mode
+                try:
+                    mode = os.lstat(os.path.join(self._local, n)).st_mode
+                except FileNotFoundError:  # deleted since (by the manager's worker)
+                    continue
                 if stat.S_ISLNK(mode):
                     out.append((n, "it is a symbolic link (never followed)"))
                 elif not stat.S_ISDIR(mode):
@@ -301,7 +312,10 @@ class Steps:
                     if info.committed:
                         self._read[name] = info
             elif kind == "folder":
-                info = self._incomplete(step, name)
+                found = self._incomplete(step, name)
+                if found is None:
+                    continue
+                info = found
             else:
                 info = StepInfo(step, name, LEFT, reason=kind)
             out.append(info)
@@ -326,10 +340,13 @@ class Steps:
         )
         return out
 
-    def _incomplete(self, step: int, name: str) -> StepInfo:
+    def _incomplete(self, step: int, name: str) -> StepInfo | None:
         """A folder without a manifest: ``INCOMPLETE`` when it holds the pending marker and
-        nothing but take debris, else ``LEFT``."""
+        nothing but take debris, else ``LEFT``; None when it is gone (or, on an object store,
+        holds nothing)."""
         c = survey(self.path(name), self.storage_options, self.options)
+        if not c.exists:
+            return None
         if c.refusal:
             return StepInfo(step, name, LEFT, reason=c.refusal)
         if not c.marker:
