@@ -444,3 +444,71 @@ def test_raise_on_next_save(fulldisk):
             m.save(3, state(3))
         m.save(3, state(3))
     assert sorted(os.listdir(root)) == [name(1), name(3)]
+
+
+class LeavesBlobs(FSStoragePlugin):
+    """Local storage (``leaves:///abs/path``) out of space for step 2's blobs, and unable to
+    delete them one by one: the failed take's cleanup leaves them (its marker goes)."""
+
+    def __init__(self, root: str, storage_options=None) -> None:
+        super().__init__(root.split("://", 1)[1], storage_options)
+
+    async def write(self, path, buffers):
+        if name(2) in self.root and path != PENDING_NAME and path.endswith("-1"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        await super().write(path, buffers)
+
+    async def delete(self, path: str) -> None:
+        if name(2) in self.root and path.startswith("0/"):
+            raise OSError(errno.EIO, "cannot delete")
+        await super().delete(path)
+
+
+def test_what_a_failed_save_left_is_deleted_and_the_previous_step_kept(tmp_path):
+    root = str(tmp_path / "ckpt")
+    register_storage_plugin("leaves", LeavesBlobs)
+    big = {"model": StateDict(a=torch.zeros(1 << 20), b=torch.ones(1 << 20))}  # a blob each
+    try:
+        with CheckpointManager(f"leaves://{root}", keep_last=1) as m:
+            m.save(1, big)
+            m.save(2, big)
+            with pytest.raises(SnapshotError, match="No space left"):
+                m.wait()
+            assert m.steps() == [1]
+            m.save(3, big)
+            m.wait()
+    finally:
+        unregister_storage_plugin("leaves")
+    assert sorted(os.listdir(root)) == [name(3)]
+
+
+class ListingFails(FSStoragePlugin):
+    """Local storage (``listfails:///abs/path``) whose listing of the root fails once armed."""
+
+    armed = False
+
+    def __init__(self, root: str, storage_options=None) -> None:
+        super().__init__(root.split("://", 1)[1], storage_options)
+
+    async def list_names(self, limit: int):
+        if ListingFails.armed and not os.path.basename(self.root).startswith("step_"):
+            raise OSError(errno.EIO, "server error")
+        return await super().list_names(limit)
+
+
+def test_a_listing_that_fails_deletes_nothing(tmp_path, caplog):
+    root = str(tmp_path / "ckpt")
+    saved(root, 1, 2)
+    register_storage_plugin("listfails", ListingFails)
+    try:
+        with CheckpointManager(f"listfails://{root}", keep_last=1, async_=False) as m:
+            assert m.restore(state(-1)) == 2
+            ListingFails.armed = True
+            with caplog.at_level(logging.WARNING, logger="snapshot"):
+                m.save(3, state(3))
+                m.wait()
+    finally:
+        ListingFails.armed = False
+        unregister_storage_plugin("listfails")
+    assert sorted(os.listdir(root)) == [name(1), name(2), name(3)]
+    assert "deleted nothing this round" in caplog.text
