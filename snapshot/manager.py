@@ -39,7 +39,15 @@ import torch
 
 from snapshot._engine import arguments
 from snapshot._engine.retention import Policy, Step, to_delete
-from snapshot._engine.steps import COMMITTED, INCOMPLETE, UNREADABLE, StepInfo, Steps, step_name
+from snapshot._engine.steps import (
+    COMMITTED,
+    INCOMPLETE,
+    NOT_FOLDERS,
+    UNREADABLE,
+    StepInfo,
+    Steps,
+    step_name,
+)
 from snapshot.errors import InvalidArgumentError, SnapshotError, SnapshotExistsError
 from snapshot.options import Options, resolve
 from snapshot.pending import PendingSnapshot
@@ -372,9 +380,9 @@ class CheckpointManager:
                 self.root,
                 ", ".join(unreadable),
             )
-        by_step = {s.step: s for s in found}
+        by_name = {s.name: s for s in found}
         for d in doomed:
-            self._delete(by_step[d.step])
+            self._delete(by_name[d.name])
 
     def _delete(self, s: StepInfo, unmarked: bool = False) -> None:
         """Deletes the folder of ``s`` (``Steps.delete``: the whole folder checked first),
@@ -487,19 +495,25 @@ class CheckpointManager:
             found = self._steps.scan()
             self._note(found)
             good = [(s.step, s.name) for s in found if s.committed]
+            # (step, folder or "" for a link or a file, what blocks a save there or "")
             others = [
-                (s.step, s.name, s.state if s.state == UNREADABLE else s.reason)
+                (
+                    s.step,
+                    "" if s.reason in NOT_FOLDERS else s.name,
+                    "" if s.debris else s.state if s.state == UNREADABLE else s.reason,
+                )
                 for s in found
-                if not s.committed and not s.debris
+                if not s.committed
             ]
-            debris = [(s.step, s.name, "") for s in found if s.debris]
-            return good, others + debris
+            return good, others
 
         good, others = self._agreed(listing)
+        # A step has one folder at most (``Steps.scan``), beside which links may be named
+        # like it: the folder is the one used.
         self._folders = {step: name for step, name in good}
         self._folders.update((step, name) for step, name, _ in others if name)
-        self._occupied = {step: COMMITTED for step, _ in good}
-        self._occupied.update((step, what) for step, _, what in others if what)
+        self._occupied = {step: what for step, _, what in others if what}
+        self._occupied.update((step, COMMITTED) for step, _ in good)
         return [step for step, _ in good]
 
     def latest_step(self) -> int | None:

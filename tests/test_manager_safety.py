@@ -206,15 +206,18 @@ def test_a_link_named_like_a_step_is_ignored_never_followed(tmp_path, caplog):
     Snapshot.take(elsewhere, state(5.0))
     os.symlink(elsewhere, f"{root}/{name(5)}")
     os.symlink(str(tmp_path / "nothing"), f"{root}/step_6")  # dangling
+    os.symlink(elsewhere, f"{root}/step_2")  # beside the folder of step 2: that one is used
     outside = tree(elsewhere)
     with caplog.at_level(logging.WARNING, logger="snapshot"):
         with CheckpointManager(root, keep_last=1) as m:
             assert m.steps() == [1, 2]
-            assert m.restore(state(-1)) == 2
+            target = state(-1)
+            assert m.restore(target) == 2 and value_of(target) == 2.0
             m.save(3, state(3))
             m.wait()
             assert m.steps() == [3]
-    assert os.path.islink(f"{root}/{name(5)}") and os.path.islink(f"{root}/step_6")
+    for n in (name(5), "step_6", "step_2"):
+        assert os.path.islink(f"{root}/{n}")
     assert tree(elsewhere) == outside
     assert "symbolic link" in caplog.text and name(5) in caplog.text
 

@@ -55,6 +55,10 @@ COMMITTED = "committed"  # a manifest this library reads: a step to restore, kee
 UNREADABLE = "unreadable"  # a manifest that cannot be read: kept, never the latest
 INCOMPLETE = "incomplete"  # the pending marker and nothing but take debris: deleted
 LEFT = "left alone"  # anything else (a link, a file, another library's or a user's): kept
+# Why an entry named like a step is no step folder: it never counts as a step's folder.
+A_LINK = "it is a symbolic link (never followed)"
+NOT_A_FOLDER = "it is not a folder"
+NOT_FOLDERS = (A_LINK, NOT_A_FOLDER)
 
 
 def step_name(step: int) -> str:
@@ -113,9 +117,9 @@ def _survey_local(path: str) -> Contents:
     except FileNotFoundError:
         return Contents(False)
     if stat.S_ISLNK(mode):
-        return Contents(True, refusal="it is a symbolic link (never followed)")
+        return Contents(True, refusal=A_LINK)
     if not stat.S_ISDIR(mode):
-        return Contents(True, refusal="it is not a folder")
+        return Contents(True, refusal=NOT_A_FOLDER)
     manifest = marker = False
     foreign: list[str] = []
     try:
@@ -259,9 +263,9 @@ class Steps:
                 except FileNotFoundError:  # deleted since (by the manager's worker)
                     continue
                 if stat.S_ISLNK(mode):
-                    out.append((n, "it is a symbolic link (never followed)"))
+                    out.append((n, A_LINK))
                 elif not stat.S_ISDIR(mode):
-                    out.append((n, "it is not a folder"))
+                    out.append((n, NOT_A_FOLDER))
                 else:
                     # A manifest that is a link or not a file counts: reading it says why
                     # the step cannot be read (``load_manifest`` refuses it).
@@ -321,7 +325,7 @@ class Steps:
             out.append(info)
         folders: dict[int, list[str]] = {}
         for s in out:
-            if s.reason not in _NOT_FOLDERS:
+            if s.reason not in NOT_FOLDERS:
                 folders.setdefault(s.step, []).append(s.name)
         for step, names in folders.items():
             if len(names) > 1:
@@ -383,9 +387,6 @@ class Steps:
         delete_snapshot(self.path(name), self.storage_options, self.options, unmarked=unmarked)
         logger.info("deleted %s in %.3f s", self.path(name), time.perf_counter() - t)
 
-
-# Reasons of entries that are no folder: they never count as a step's folder.
-_NOT_FOLDERS = ("it is a symbolic link (never followed)", "it is not a folder")
 
 
 def delete_snapshot(
