@@ -515,3 +515,45 @@ def test_a_listing_that_fails_deletes_nothing(tmp_path, caplog):
         unregister_storage_plugin("listfails")
     assert sorted(os.listdir(root)) == [name(1), name(2), name(3)]
     assert "deleted nothing this round" in caplog.text
+
+
+def test_on_s3_a_manifest_refused_or_a_listing_failing_deletes_nothing(s3_bucket, caplog):
+    """S3 answering 500 for one step's manifest (past the retries), then for the listing of the
+    root: the step is kept and not restored as the latest; the round deletes nothing."""
+    from urllib.parse import parse_qs
+
+    from snapshot.options import Options
+
+    opts = s3_bucket.storage_options
+    root = s3_bucket.url("run")
+    options = Options(io_retries=1)
+    with CheckpointManager(root, storage_options=opts, async_=False, options=options) as m:
+        m.save(1, state(1))
+        m.save(2, state(2))
+    s3_bucket.fail(
+        lambda r: r.method == "GET" and r.key.endswith(f"{name(2)}/{MANIFEST_NAME}"),
+        status=500,
+        code="InternalError",
+        times=None,
+    )
+    with caplog.at_level(logging.WARNING, logger="snapshot"):
+        with CheckpointManager(
+            root, keep_last=1, storage_options=opts, async_=False, options=options
+        ) as m:
+            target = state(-1)
+            assert m.restore(target) == 1 and value_of(target) == 1.0
+            m.save(3, state(3))
+            m.wait()
+            s3_bucket.fail(
+                lambda r: r.method == "GET" and parse_qs(r.query).get("prefix") == ["run/"],
+                status=500,
+                code="InternalError",
+                times=None,
+            )
+            m.save(4, state(4))
+            m.wait()
+    s3_bucket.server.clear_faults()
+    with CheckpointManager(root, storage_options=opts) as m:
+        assert m.steps() == [1, 2, 3, 4]
+    assert "InternalError" in caplog.text and name(2) in caplog.text
+    assert "deleted nothing this round" in caplog.text
