@@ -147,7 +147,7 @@ def test_retention_deletes_only_debris_and_what_the_policy_drops(templates, cont
         def gone(step: int) -> bool:
             return not any(p.split(os.sep)[0] == names[step] for p in after)
 
-        readable = {s for s, (k, _, _) in contents.items() if k in ("committed", "committed_marked")}
+        readable = {s for s, (k, _, _) in contents.items() if k.startswith("committed")}
         unreadable = any(k in ("damaged", "newer") for k, _, _ in contents.values())
         steps = [Step(s, names[s], {"loss": LOSSES[contents[s][1]]}) for s in readable]
         steps.append(Step(new, f"step_{new:010d}", {"loss": 0.25}))

@@ -22,7 +22,6 @@ import os
 import re
 import stat
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -388,21 +387,19 @@ class Steps:
         logger.info("deleted %s in %.3f s", self.path(name), time.perf_counter() - t)
 
 
-
 def delete_snapshot(
     path: str,
     storage_options: dict[str, Any] | None,
     options: Options,
     *,
     unmarked: bool = False,
-    check: Callable[[Contents], None] | None = None,
 ) -> None:
     """Deletes the snapshot, or the debris of a take, at ``path``, once ``survey`` has found
     nothing there but a manifest and what a take writes, and the manifest or the pending
     marker (``unmarked``: a folder of a take known to have failed, which may lack the marker).
     A committed snapshot gets the pending marker first, then loses its manifest (from then on
     it is debris, never a snapshot that looks committed), then its blobs, the marker last.
-    ``check`` may refuse, by raising, what the survey found. Nothing there: nothing to do.
+    Nothing there: nothing to do.
 
     Raises:
         UnsafeSnapshotError: ``path`` is a link, or holds what the library did not write, or
@@ -419,8 +416,6 @@ def delete_snapshot(
             f"{path} is not deleted: it holds neither a manifest nor the pending marker of a "
             "take, so nothing proves statesnap wrote it"
         )
-    if check is not None:
-        check(c)
     with open_storage(path, storage_options, options) as plugin:
 
         async def mark() -> list[str]:
