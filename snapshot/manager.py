@@ -14,6 +14,12 @@ and some milestones, never delete the one being written, delete in the backgroun
 One job owns a root: the manager assumes no other process takes or deletes step folders there
 (a second job at the same root would see the first one's saves under way as incomplete
 folders, and clean them).
+
+What the manager deletes (docs/reliability.md, "Checkpoint manager and deletions"): committed
+steps its policy lets go, and folders holding a take's pending marker and nothing but what a
+take writes; each only after checking the whole folder (no link, nothing a take does not
+write). It never deletes a committed step it cannot read, a folder without the marker (another
+library's snapshot, a user's files), nor anything through a link.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ import sys
 import threading
 import time
 import warnings
+import weakref
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -34,8 +41,16 @@ import torch
 
 from snapshot._engine import arguments
 from snapshot._engine.retention import Policy, Step, to_delete
-from snapshot._engine.steps import Steps, step_name
-from snapshot.errors import InvalidArgumentError, SnapshotError
+from snapshot._engine.steps import (
+    COMMITTED,
+    INCOMPLETE,
+    NOT_FOLDERS,
+    UNREADABLE,
+    StepInfo,
+    Steps,
+    step_name,
+)
+from snapshot.errors import InvalidArgumentError, SnapshotError, SnapshotExistsError
 from snapshot.options import Options, resolve
 from snapshot.pending import PendingSnapshot
 from snapshot.snapshot import Snapshot
@@ -69,10 +84,21 @@ class CheckpointManager:
             (``Snapshot.take(..., base=...)``): tensors that did not change are not written
             again. Implies waiting for the previous save to commit before the next one.
         options: the :class:`~snapshot.Options` of every take and restore.
+        raise_on_next_save: raise the error of a save that failed in the background from the
+            next ``save`` too (the default leaves training running: see below).
 
-    Errors of a save that failed in the background are raised by the next ``save``,
-    ``wait`` or ``close``. Deletions run on a thread of their own and never delay a save; one
-    that fails is logged and tried again after the next commit.
+    A save that fails in the background does not interrupt training: it is logged (ERROR,
+    naming the step and the root), what it wrote is deleted, the newest committed step stays
+    the one to restore, and its error is raised by the next ``wait`` or ``close`` (with
+    ``raise_on_next_save=True``, by the next ``save`` already). Deletions run on a thread of
+    their own and never delay a save; one that fails is logged and tried again after the next
+    commit. The manager's thread ends with ``close``, or once the manager is garbage
+    collected, or at interpreter exit.
+
+    Saving a step whose folder is there already (a committed step after the one restored)
+    raises ``SnapshotExistsError`` before anything is written: the manager never replaces nor
+    deletes a committed step it was not asked to; save under another root, or after the
+    newest step, or move the later steps away first.
     """
 
     def __init__(
@@ -90,6 +116,7 @@ class CheckpointManager:
         max_in_flight: int = 1,
         incremental: bool = False,
         options: Options | None = None,
+        raise_on_next_save: bool = False,
     ) -> None:
         self.root = arguments.snapshot_path(root, "CheckpointManager", "root")
         self.policy = Policy(keep_last, keep_every_steps, keep_best, metric, mode)
@@ -100,6 +127,7 @@ class CheckpointManager:
         self.async_ = bool(async_)
         self.max_in_flight = max_in_flight
         self.incremental = bool(incremental)
+        self.raise_on_next_save = bool(raise_on_next_save)
         self.options = resolve(options)
         self._steps = Steps(self.root, self.storage_options, self.options)
         self._rank, self._world = _rank_and_world(pg)
@@ -110,14 +138,28 @@ class CheckpointManager:
         # Every step this manager began saving: retention never takes one of their folders
         # for an earlier run's debris (a listing may catch one mid-take, then it commits).
         self._started: set[int] = set()
+        # Steps whose save failed: their folder holds what the take could not remove, deleted
+        # as debris even without the pending marker.
+        self._failed: set[int] = set()
+        # Steps whose folder the worker is deleting: a save of one waits for it to end.
+        self._deleting: set[int] = set()
         self._last_saved: int | None = None
         self._errors: list[BaseException] = []
         self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
+        # As rank 0 last listed them (every rank: ``steps``): the folder of each step, and the
+        # steps a save must not write to (a folder there that is not a take's debris).
+        self._folders: dict[int, str] = {}
+        self._occupied: dict[int, str] = {}
+        self._warned: set[tuple[str, str]] = set()
         # Rank 0's worker thread: retention and every deletion run there, one job at a time
         # (each async save's commit is awaited on a thread of its own, which then queues
-        # retention here); ``None`` in its queue stops it.
+        # retention here); ``None`` in its queue stops it. It holds no reference to the
+        # manager: a manager dropped without ``close`` is collected, and its finalizer stops
+        # the thread once the jobs queued before it are done.
         self._work: queue.Queue[Callable[[], None] | None] = queue.Queue()
         self._worker: threading.Thread | None = None
+        self._finalizer: weakref.finalize | None = None
         self._cleaned = False  # incomplete folders left by an earlier run were cleaned
         self._closed = False
         self._handler: _PreemptionHandler | None = None
@@ -138,7 +180,8 @@ class CheckpointManager:
         if type(step) is not int or step < 0:
             raise InvalidArgumentError(f"step must be an int >= 0, got {step!r}")
         recorded = _metrics(metrics)
-        self._raise_background_error()
+        if self.raise_on_next_save:
+            self._raise_background_error()
         # Across ranks, steps are agreed on by their order: each rank checks its own calls.
         latest = self._latest_known()
         if latest is not None and step <= latest:
@@ -146,19 +189,24 @@ class CheckpointManager:
                 f"step {step} is not after the newest step under {self.root} ({latest}): steps "
                 "must increase (restore() first to resume, or use another root)"
             )
+        self._refuse_occupied(step)
         self._make_room()
-        self._raise_background_error()  # of a save that ended while this one waited for room
+        if self.raise_on_next_save:  # of a save that ended while this one waited for room
+            self._raise_background_error()
         base = None
         if self.incremental:
             self._drain()  # the base must be committed
             newest = self.latest_step()
-            base = self._steps.path(step_name(newest)) if newest is not None else None
+            base = self._steps.path(self._folders[newest]) if newest is not None else None
         self._clean_once()
-        path = self._steps.path(step_name(step))
+        # The folder found for this step (debris a take may replace), else the canonical name.
+        path = self._steps.path(self._folders.get(step, step_name(step)))
         user = {"step": step, "metrics": recorded}
         options = self.options.replace(digests=True) if self.incremental else self.options
         t = time.perf_counter()
-        with self._lock:
+        with self._changed:
+            while step in self._deleting:  # debris at this step, being deleted
+                self._changed.wait()
             self._in_flight_steps.add(step)
             self._started.add(step)
         try:
@@ -178,6 +226,7 @@ class CheckpointManager:
             with self._lock:
                 self._in_flight_steps.discard(step)
                 self._started.discard(step)
+                self._failed.add(step)
             raise
         self._last_saved = step
         if self.async_:
@@ -224,13 +273,43 @@ class CheckpointManager:
         except BaseException as e:
             with self._lock:
                 self._errors.append(e)
-            logger.error("save of step %d under %s failed: %s", step, self.root, e)
+                self._started.discard(step)  # its folder is debris now, the worker's to delete
+                self._failed.add(step)
+            logger.error(
+                "save of step %d under %s failed (training goes on; the newest committed step "
+                "stays; the error is raised by %s): %s",
+                step,
+                self.root,
+                "the next save" if self.raise_on_next_save else "wait() or close()",
+                e,
+            )
         finally:
             with self._lock:
                 self._in_flight = [(s, p) for s, p in self._in_flight if p is not pending]
                 self._in_flight_steps.discard(step)
         if self._rank == 0 and not self._closed:
             self._submit(self._retain)
+
+    def _refuse_occupied(self, step: int) -> None:
+        """Raises ``SnapshotExistsError`` when the last listing found a folder at ``step`` that
+        is not a take's debris (a committed step after the one restored, a folder the manager
+        leaves alone), before anything is written."""
+        what = self._occupied.get(step)
+        if what is None:
+            return
+        path = self._steps.path(self._folders.get(step, step_name(step)))
+        later = sorted(s for s in self._occupied if s > step)
+        after = f" (and {', '.join(map(str, later[:10]))} after it)" if later else ""
+        if what == COMMITTED:
+            head = f"step {step} is already committed under {self.root}{after}: {path}"
+        else:
+            head = f"step {step} cannot be saved under {self.root}: {path} is there ({what})"
+        raise SnapshotExistsError(
+            f"{head}. A save never replaces a folder, and the manager deletes no committed step "
+            "but those its policy lets go: to train on from an earlier step, save under another "
+            f"root, or save steps after {max(self._occupied)}, or move the later steps away "
+            "first"
+        )
 
     def _make_room(self) -> None:
         """Waits until fewer than ``max_in_flight`` saves are writing."""
@@ -264,34 +343,102 @@ class CheckpointManager:
     # -- retention ------------------------------------------------------------------------------
 
     def _retain(self) -> None:
-        """On rank 0's worker, after a commit: lists the steps, cleans incomplete folders that
-        no save of this manager is writing, and deletes what the policy lets go."""
+        """On rank 0's worker, after a commit: lists the steps, deletes the debris of takes
+        that no save of this manager is writing, and the committed steps the policy lets go.
+        A listing that fails deletes nothing this round."""
         try:
             found = self._steps.scan()
-            # Read after the listing: every folder of this manager's that it saw was begun
-            # before, so it is in ``_started`` (which only grows) even if its save began, or
-            # committed, while the listing ran.
-            with self._lock:
-                in_flight = set(self._in_flight_steps)
-                started = set(self._started)
-            committed = [s for s in found if s.committed and not s.damaged]
-            for s in found:
-                if s.step in in_flight or s.step in started:
-                    continue
-                if not s.committed or s.damaged:
-                    logger.warning(
-                        "%s holds no committed snapshot (%s): deleting it",
-                        self._steps.path(s.name),
-                        s.damaged or "a take that never finished",
-                    )
-                    self._steps.delete(s.name)
-            steps = [Step(s.step, s.name, s.metrics, s.bases) for s in committed]
-            for s in to_delete(self.policy, steps, in_flight):
-                self._steps.delete(s.name)
         except Exception as e:
             logger.warning(
-                "retention under %s failed (tried again after the next save): %s", self.root, e
+                "retention under %s deleted nothing this round (tried again after the next "
+                "save): %s",
+                self.root,
+                e,
             )
+            return
+        # Read after the listing: every folder of this manager's that it saw was begun
+        # before, so it is in ``_started`` (which only grows, but for failed saves) even if
+        # its save began, or committed, while the listing ran. ``_delete`` checks again.
+        with self._lock:
+            in_flight = set(self._in_flight_steps)
+            started = set(self._started)
+            failed = set(self._failed)
+        self._note(found)
+        for s in found:
+            if s.step in in_flight or s.step in started or not s.debris:
+                continue
+            if s.state == INCOMPLETE or s.step in failed:
+                logger.warning(
+                    "%s holds no committed snapshot (%s): deleting it",
+                    self._steps.path(s.name),
+                    "a save that failed" if s.step in failed else s.reason,
+                )
+                self._delete(s, unmarked=s.step in failed)
+        steps = [Step(s.step, s.name, s.metrics, s.bases) for s in found if s.committed]
+        unreadable = [s.name for s in found if s.state == UNREADABLE]
+        doomed = to_delete(self.policy, steps, in_flight, unreadable)
+        if unreadable and to_delete(self.policy, steps, in_flight):
+            self._warn_once(
+                "retention",
+                "retention under %s deletes no step while %s cannot be read (it may need any "
+                "other step as its base): upgrade statesnap to read it, or move it away",
+                self.root,
+                ", ".join(unreadable),
+            )
+        by_name = {s.name: s for s in found}
+        for d in doomed:
+            self._delete(by_name[d.name])
+
+    def _delete(self, s: StepInfo, unmarked: bool = False) -> None:
+        """Deletes the folder of ``s`` (``Steps.delete``: the whole folder checked first),
+        unless a save of this manager began writing there since the listing; a failure is
+        logged."""
+        with self._changed:
+            if not s.committed and s.step in self._started:
+                return
+            self._deleting.add(s.step)
+        try:
+            self._steps.delete(s.name, unmarked=unmarked)
+        except Exception as e:
+            logger.warning(
+                "%s not deleted (tried again after the next save): %s",
+                self._steps.path(s.name),
+                e,
+            )
+        finally:
+            with self._changed:
+                self._deleting.discard(s.step)
+                self._changed.notify_all()
+
+    def _note(self, found: list[StepInfo]) -> None:
+        """Warns, once per folder and reason, of the folders kept because the manager cannot
+        read them or did not make them."""
+        for s in found:
+            if s.state == UNREADABLE:
+                self._warn_once(
+                    s.name + s.reason,
+                    "%s holds a committed snapshot that cannot be read: kept, never restored "
+                    "as the latest step: %s",
+                    self._steps.path(s.name),
+                    s.reason,
+                )
+            elif s.state not in (COMMITTED, INCOMPLETE) and not (
+                s.step in self._started or s.step in self._failed
+            ):
+                self._warn_once(
+                    s.name + s.reason,
+                    "%s is left alone (the checkpoint manager deletes only what a take of its "
+                    "own left): %s",
+                    self._steps.path(s.name),
+                    s.reason,
+                )
+
+    def _warn_once(self, key: str, message: str, *args: Any) -> None:
+        with self._lock:
+            if (key, message) in self._warned:
+                return
+            self._warned.add((key, message))
+        logger.warning(message, *args)
 
     def _clean_once(self) -> None:
         """Before the first save: incomplete folders an earlier run left (a crash mid-take or
@@ -307,24 +454,21 @@ class CheckpointManager:
     def _submit(self, job: Callable[[], None]) -> None:
         if self._worker is None:
             self._worker = threading.Thread(
-                target=self._run_worker, name="statesnap-checkpoint-manager", daemon=True
+                target=_run_worker,
+                args=(self._work,),
+                name="statesnap-checkpoint-manager",
+                daemon=True,
             )
             self._worker.start()
+            # Stops the thread once the manager is collected (the jobs queued before it, which
+            # hold the manager, are done first), or at interpreter exit. A deletion cut short
+            # by the exit leaves marked debris (``steps.delete_snapshot``).
+            self._finalizer = weakref.finalize(self, self._work.put, None)
         self._work.put(job)
-
-    def _run_worker(self) -> None:
-        while True:
-            job = self._work.get()
-            try:
-                if job is None:
-                    return
-                job()
-            finally:
-                self._work.task_done()
 
     def wait(self) -> None:
         """Waits for every save under way to commit and for the deletions queued so far;
-        raises the error of a save that failed in the background."""
+        raises the error of a save that failed in the background (the first, once)."""
         self._drain()
         if self._worker is not None:
             self._work.join()
@@ -343,10 +487,39 @@ class CheckpointManager:
     # -- what is committed ----------------------------------------------------------------------
 
     def steps(self) -> list[int]:
-        """The committed steps under the root, ascending (as rank 0 finds them)."""
-        return self._agreed(
-            lambda: [s.step for s in self._steps.scan() if s.committed and not s.damaged]
-        )
+        """The committed steps under the root, ascending (as rank 0 finds them); a step whose
+        manifest cannot be read is not one of them (it is kept, and a warning says why).
+
+        Raises:
+            StorageError: the root could not be listed.
+            InvalidArgumentError: two folders hold one step (``step_5`` and
+                ``step_0000000005``).
+        """
+
+        def listing() -> tuple[list[tuple[int, str]], list[tuple[int, str, str]]]:
+            found = self._steps.scan()
+            self._note(found)
+            good = [(s.step, s.name) for s in found if s.committed]
+            # (step, folder or "" for a link or a file, what blocks a save there or "")
+            others = [
+                (
+                    s.step,
+                    "" if s.reason in NOT_FOLDERS else s.name,
+                    "" if s.debris else s.state if s.state == UNREADABLE else s.reason,
+                )
+                for s in found
+                if not s.committed
+            ]
+            return good, others
+
+        good, others = self._agreed(listing)
+        # A step has one folder at most (``Steps.scan``), beside which links may be named
+        # like it: the folder is the one used.
+        self._folders = {step: name for step, name in good}
+        self._folders.update((step, name) for step, name, _ in others if name)
+        self._occupied = {step: what for step, _, what in others if what}
+        self._occupied.update((step, COMMITTED) for step, _ in good)
+        return [step for step, _ in good]
 
     def latest_step(self) -> int | None:
         """The newest committed step, or None."""
@@ -369,7 +542,6 @@ class CheckpointManager:
         """
         self._check_open("restore")
         self._drain()
-        self._raise_background_error()
         committed = self.steps()
         if step is None:
             if not committed:
@@ -382,7 +554,7 @@ class CheckpointManager:
                 f"step {step} is not committed under {self.root} (committed: {shown})"
             )
         t = time.perf_counter()
-        path = self._steps.path(step_name(step))
+        path = self._steps.path(self._folders[step])
         Snapshot(
             path, pg=self.pg, storage_options=self.storage_options, options=self.options
         ).restore(app_state, options=self.options)
@@ -532,6 +704,8 @@ class CheckpointManager:
                 self._handler.uninstall()
                 self._handler = None
             if self._worker is not None:
+                if self._finalizer is not None:
+                    self._finalizer.detach()
                 self._work.put(None)
                 self._worker.join()
                 self._worker = None
@@ -645,6 +819,20 @@ def _metrics(metrics: Mapping[str, float] | None) -> dict[str, float]:
             )
         out[name] = value
     return out
+
+
+def _run_worker(work: queue.Queue[Callable[[], None] | None]) -> None:
+    """The worker thread: runs the jobs of ``work`` until ``None``. It keeps no job (which may
+    hold the manager) while it waits for the next."""
+    while True:
+        job = work.get()
+        try:
+            if job is None:
+                return
+            job()
+        finally:
+            job = None
+            work.task_done()
 
 
 def _wait_quietly(pending: PendingSnapshot | None) -> None:

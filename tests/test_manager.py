@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from snapshot import CheckpointManager, InvalidArgumentError, Snapshot, SnapshotError, StateDict
-from snapshot._engine.commit import MANIFEST_NAME
+from snapshot._engine.commit import MANIFEST_NAME, PENDING_NAME
 from storage_plugins import register_storage_plugin, unregister_storage_plugin
 from storage_plugins.fs import FSStoragePlugin
 from tests.s3server import S3Bucket
@@ -131,16 +131,17 @@ def test_retention_policies_and_their_union(root):
     assert folders(root) == [f"step_{n:010d}" for n in (1, 3, 6, 7)]
 
 
-def test_incomplete_and_damaged_folders_are_skipped_and_cleaned(tmp_path, caplog):
+def test_incomplete_folders_are_cleaned_and_damaged_ones_kept(tmp_path, caplog):
     root = str(tmp_path / "ckpt")
     state = make_state()
     with CheckpointManager(root, async_=False) as manager:
         manager.save(1, state)
         manager.save(2, state)
-    # A crash mid-take (blobs, no manifest), and a manifest cut short.
+    # A crash mid-take (the pending marker and blobs, no manifest), and a manifest cut short.
     os.makedirs(f"{root}/step_0000000003/0")
-    with open(f"{root}/step_0000000003/0/0", "wb") as f:
-        f.write(b"partial")
+    for name in ("0/0", PENDING_NAME):
+        with open(f"{root}/step_0000000003/{name}", "wb") as f:
+            f.write(b"partial")
     with open(f"{root}/step_0000000002/{MANIFEST_NAME}", "r+b") as f:
         f.truncate(20)
     with CheckpointManager(root) as manager:
@@ -151,7 +152,8 @@ def test_incomplete_and_damaged_folders_are_skipped_and_cleaned(tmp_path, caplog
             manager.save(4, state)
             manager.wait()
         assert manager.steps() == [1, 4]
-    assert folders(root) == ["step_0000000001", "step_0000000004"]
+    # The damaged step is kept (it may be repaired, or read by a tool that can), with a warning.
+    assert folders(root) == ["step_0000000001", "step_0000000002", "step_0000000004"]
     assert "never finished" in caplog.text and "step_0000000002" in caplog.text
 
 
@@ -206,12 +208,12 @@ class FullDisk(Local):
         await super().write(path, buffers)
 
 
-def test_a_background_failure_is_raised_by_the_next_call(tmp_path):
+def test_a_background_failure_is_raised_by_the_next_call_when_asked(tmp_path):
     register_storage_plugin("fulldisk", FullDisk)
     try:
         root = f"fulldisk://{tmp_path}/ckpt"
         state = make_state()
-        manager = CheckpointManager(root)
+        manager = CheckpointManager(root, raise_on_next_save=True)
         manager.save(1, state)
         manager.save(2, state)  # fails while writing, after save returned
         with pytest.raises(SnapshotError, match="No space left"):
@@ -339,6 +341,8 @@ def test_steps_and_prune_commands(tmp_path):
             train(state, step)
             manager.save(step, state, metrics={"loss": 1.0 / step})
     os.makedirs(f"{root}/step_0000000009")
+    with open(f"{root}/step_0000000009/{PENDING_NAME}", "w") as f:
+        f.write("a take that never finished")
     out = cli("steps", root)
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
@@ -346,7 +350,7 @@ def test_steps_and_prune_commands(tmp_path):
     assert any(ln.split()[:2] == ["9", "incomplete"] for ln in lines)
     row5 = next(ln for ln in lines if ln.split()[:2] == ["5", "committed"])
     assert '"loss": 0.2' in row5 and "step_0000000001" in row5
-    assert "5 committed, 1 incomplete or damaged; latest: 5" in lines[-1]
+    assert "5 committed, 1 incomplete, unreadable or left alone; latest: 5" in lines[-1]
 
     dry = cli("prune", root, "--keep-last", "1", "--dry-run")
     assert dry.returncode == 0 and "would delete" in dry.stdout

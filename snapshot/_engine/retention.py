@@ -6,12 +6,16 @@ N by a metric), always with the newest committed step, then closed over bases: a
 incremental take pointed at stays while any kept snapshot needs its bytes (and so do the bases
 of a snapshot kept that way). Steps in flight are
 never candidates (they are not committed yet). Everything else is deleted.
+
+A committed step whose manifest cannot be read (a newer format, damage, a store refusing the
+read) is never a candidate either, and the bases it needs are unknown: while one is there,
+no step is deleted (when in doubt, keep).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Set
+from collections.abc import Collection, Mapping, Set
 from dataclasses import dataclass
 
 from snapshot.errors import InvalidArgumentError
@@ -85,9 +89,18 @@ def to_keep(policy: Policy, steps: list[Step]) -> set[int]:
     return keep
 
 
-def to_delete(policy: Policy, steps: list[Step], in_flight: Set[int] = frozenset()) -> list[Step]:
+def to_delete(
+    policy: Policy,
+    steps: list[Step],
+    in_flight: Set[int] = frozenset(),
+    unreadable: Collection[str] = (),
+) -> list[Step]:
     """The committed steps to delete, oldest first: neither kept by ``policy`` nor needed as a
-    base by a kept step, nor in flight."""
+    base by a kept step, nor in flight. ``unreadable``: the folders of committed steps whose
+    manifest cannot be read; each may need any other step as its base, so with one there
+    nothing is deleted."""
+    if unreadable:
+        return []
     keep = to_keep(policy, steps)
     by_name = {s.name: s for s in steps}
     by_step = {s.step: s for s in steps}

@@ -45,9 +45,9 @@ import torch
 from snapshot._engine import arguments
 from snapshot._engine.commit import MANIFEST_NAME
 from snapshot._engine.io_loop import run
-from snapshot._engine.steps import delete_snapshot, join
+from snapshot._engine.steps import delete_snapshot, join, local_path, survey
 from snapshot._engine.storage_calls import open_storage
-from snapshot.errors import InvalidArgumentError, SnapshotError, StorageError
+from snapshot.errors import InvalidArgumentError, SnapshotError, StorageError, UnsafeSnapshotError
 from snapshot.options import Options, resolve
 from snapshot.pending import PendingSnapshot
 from snapshot.snapshot import Snapshot
@@ -154,30 +154,52 @@ def list_versions(
 def delete_version(
     root: str, name: str, storage_options: dict[str, Any] | None, options: Options
 ) -> None:
-    """Deletes the version folder ``name``: its manifest first (from then on it is not
-    committed), then its pending marker (so it does not look like a save under way), then the
-    rest (``steps.delete_snapshot``)."""
-    delete_snapshot(join(root, name), storage_options, options)
+    """Deletes the version folder ``name`` once it is checked to hold nothing but a manifest
+    and what a take writes (no link): a committed one gets the pending marker, then loses its
+    manifest (from then on it is not committed), then the rest (``steps.delete_snapshot``).
+    A version folder's name is the plugin's own, so one without a manifest nor a marker (what
+    a failed save left) is deleted too."""
+    delete_snapshot(join(root, name), storage_options, options, unmarked=True)
 
 
 def remove_all(root: str, storage_options: dict[str, Any] | None, options: Options) -> None:
-    """Deletes the checkpoint at ``root``: every version's manifest, oldest first (so that an
-    interrupted removal never leaves an older version as the newest committed one), then
-    everything under ``root``, and ``root`` itself."""
+    """Deletes the checkpoint at ``root``, once all of it is checked: ``root`` is no link, and
+    holds nothing but version folders, each holding nothing but a manifest and what a take
+    writes. Then each version, oldest first (so that an interrupted removal never leaves an
+    older version as the newest committed one), and ``root`` itself.
+
+    Raises:
+        UnsafeSnapshotError: ``root`` is a link, or holds what no save of the plugin wrote;
+            nothing was deleted.
+    """
+    local = local_path(root)
+    if local is not None and os.path.islink(local):
+        raise UnsafeSnapshotError(
+            f"the checkpoint {root} is not removed: it is a symbolic link (never followed); "
+            "nothing was deleted"
+        )
     versions = list_versions(root, storage_options, options)
     with open_storage(root, storage_options, options) as plugin:
-
-        async def remove() -> None:
-            for v in versions:
-                if v.committed:
-                    try:
-                        await plugin.delete(f"{v.name}/{MANIFEST_NAME}")
-                    except FileNotFoundError:
-                        pass
-            await plugin.delete_all()
-
         try:
-            run(remove())
+            names = run(plugin.list_names(LIST_LIMIT)) or []
+        except Exception as e:
+            raise StorageError(f"cannot list the checkpoint {root}: {e}") from e
+    ours = {v.name for v in versions}
+    problems = [repr(n) for n in sorted(names) if n not in ours]
+    for v in versions:
+        found = survey(join(root, v.name), storage_options, options)
+        if found.refusal:
+            problems.append(f"{v.name!r} ({found.refusal})")
+    if problems:
+        raise UnsafeSnapshotError(
+            f"the checkpoint {root} is not removed: it holds {', '.join(problems[:5])}, which "
+            "no save of statesnap wrote; nothing was deleted: move those away first"
+        )
+    for v in versions:
+        delete_version(root, v.name, storage_options, options)
+    with open_storage(root, storage_options, options) as plugin:
+        try:
+            run(plugin.delete_all())
         except Exception as e:
             raise StorageError(f"cannot remove the checkpoint {root}: {e}") from e
 
