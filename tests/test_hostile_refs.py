@@ -10,6 +10,7 @@ it does not list.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import io
 import json
@@ -337,3 +338,36 @@ def test_replicated_entries_are_copied_under_each_listed_rank(tmp_path):
     entries = Snapshot(str(path)).get_manifest()
     assert sorted(entries) == ["0/s", "0/s/x", "2/s", "2/s/x"]
 
+
+
+# ---------------------------------------------------------------------------------------------
+# Every store keeps a blob path below its root (a reference is never handed to a plugin).
+
+
+@pytest.mark.parametrize("blob", ["../x/0/0", "0/../../x", "./0", "0/./x"])
+def test_object_store_plugins_refuse_dot_parts(s3_bucket: S3Bucket, blob):
+    from storage_plugins import UnsafeBlobError
+    from storage_plugins.fsspec_plugin import FSSpecStoragePlugin
+    from storage_plugins.memory import MemoryStoragePlugin
+    from storage_plugins.s3 import S3StoragePlugin
+
+    async def attempt() -> list[str]:
+        refused = []
+        plugins = [
+            MemoryStoragePlugin(f"memory://r{uuid.uuid4().hex}/s"),
+            FSSpecStoragePlugin(f"memory://r{uuid.uuid4().hex}/s"),
+            S3StoragePlugin(s3_bucket.url("run/s"), s3_bucket.storage_options),
+        ]
+        for plugin in plugins:
+            try:
+                for call in (plugin.read(blob), plugin.exists(blob), plugin.size(blob)):
+                    with pytest.raises(UnsafeBlobError, match="not a path below the root"):
+                        await call
+                with pytest.raises(UnsafeBlobError):
+                    await plugin.write(blob, [b"x"])
+                refused.append(type(plugin).__name__)
+            finally:
+                await plugin.close()
+        return refused
+
+    assert len(asyncio.run(attempt())) == 3
