@@ -238,6 +238,10 @@ def test_an_object_whose_archive_is_compressed_is_refused(tmp_path):
         snap.read_object("0/m/o")
     with pytest.raises(UnsafeSnapshotError, match="compressed"):
         snap.restore({"m": StateDict(w=torch.zeros(256), o=None)})
+    # Its CRC-32 matches (a forger recomputes it): verify reads the archive's directory.
+    report = verify(str(path), None)
+    assert [(p.paths, p.blob) for p in report.problems] == [(("0/m/o",), entry.location.blob)]
+    assert "compressed" in report.problems[0].what
 
 
 def test_an_archive_claiming_more_than_its_bytes_is_refused():

@@ -3,13 +3,16 @@
 Each blob is read in pieces of at most :data:`~snapshot._engine.inspection.PIECE_BYTES`, a few
 blobs at a time; each byte range's CRC-32 is checked by combining the CRCs of the pieces that
 cover it (no blob is held whole), and each blob's length against what the manifest records.
-Pickles without a CRC-32 (torchsnapshot's) are decoded by the safe loader instead. Returns a
+Pickles without a CRC-32 (torchsnapshot's) are decoded by the safe loader instead; those with
+one have their archive's directory checked as a restore checks it (``objects.check_archive``:
+no compressed member, none declaring more bytes than it holds). Returns a
 report and prints nothing; :mod:`snapshot.cli` formats it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import io
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,6 +28,7 @@ from manifest import (
 )
 from snapshot._engine.checksum import combine
 from snapshot._engine.context import gc_paused
+from snapshot._engine.handlers.objects import check_archive
 from snapshot._engine.inspection import JOBS, PIECE_BYTES, Progress
 from snapshot._engine.io_loop import run
 from snapshot._engine.linked import open_linked
@@ -319,6 +323,7 @@ def verify(
         progress(0, len(by_blob), 0, total_bytes)
     with open_linked(path, manifest, storage_options, options) as plugin:
         run(check_all(plugin))
+        _check_archives(manifest, plugin, report, options)
     if manifest.metadata.get("format") == "torchsnapshot":
         report.foreign = str(manifest.metadata.get("library", "torchsnapshot"))
     _decode_unchecked(manifest, path, storage_options, report, options)
@@ -327,6 +332,70 @@ def verify(
     report.problems.sort(key=lambda p: (p.blob, bool(p.paths), p.start, p.end, p.paths))
     report.sizes_unknown.sort()
     return report
+
+
+class _RangeFile(io.RawIOBase):
+    """A read-only, seekable file of the ``nbytes`` bytes at ``offset`` in ``blob``, read from
+    the store as asked: ``zipfile`` reads an archive's directory (its last bytes) without the
+    members, so checking an archive costs what its directory holds, not its length."""
+
+    def __init__(self, plugin: StoragePlugin, loc: Location, label: str, options: Options):
+        self.plugin, self.loc, self.label, self.options = plugin, loc, label, options
+        self.pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.pos, io.SEEK_END: self.loc.nbytes}[whence]
+        self.pos = max(0, base + offset)
+        return self.pos
+
+    def readinto(self, out: Any) -> int:
+        n = max(0, min(len(out), self.loc.nbytes - self.pos))
+        if n:
+            view = memoryview(out)[:n]
+            plugin, blob, where = self.plugin, self.loc.blob, self.loc.offset + self.pos
+            op = lambda: plugin.read_into(blob, where, view)  # noqa: E731
+            run(call(plugin, "read", blob, self.label, op, options=self.options))
+            self.pos += n
+        return n
+
+
+def _check_archives(
+    manifest: Manifest, plugin: StoragePlugin, report: VerifyReport, options: Options
+) -> None:
+    """Reports each ``torch.save`` range with a recorded CRC-32 (sound bytes, checked above)
+    whose archive a restore refuses before decoding (``objects.check_archive``). Only the
+    archive's first bytes and its directory are read. Ranges without a CRC-32 are decoded
+    (``_decode_unchecked``), which checks the same."""
+    damaged = {p for problem in report.problems for p in problem.paths}
+    seen: set[tuple[str, int, int]] = set()
+    for key, entry in manifest.entries.items():
+        if isinstance(entry, PickledTensorEntry):
+            locations = entry.locations
+        elif isinstance(entry, (ObjectEntry, ShardedObjectEntry)):
+            if entry.serializer != "torch_save":
+                continue
+            locations = entry.locations
+        else:
+            continue
+        if key in damaged:
+            continue
+        for loc in locations:
+            if loc.crc32 is None or (loc.blob, loc.offset, loc.nbytes) in seen:
+                continue
+            seen.add((loc.blob, loc.offset, loc.nbytes))
+            try:
+                check_archive(io.BufferedReader(_RangeFile(plugin, loc, key, options)), key)
+            except SnapshotError as e:
+                report.problems.append(_entry_problem(key, [loc], str(e)))
 
 
 def _check_views(manifest: Manifest, report: VerifyReport) -> None:

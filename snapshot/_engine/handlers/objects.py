@@ -167,31 +167,35 @@ def decode_value(path: str, entry: ObjectEntry | ShardedObjectEntry, data: bytes
 _ZIP_MAGIC = b"PK\x03\x04"
 
 
-def check_archive(data: bytes, path: str) -> None:
+def check_archive(data: bytes | typing.BinaryIO, path: str) -> None:
     """Checks, before ``torch.load`` sees them, that the ``torch.save`` bytes of the entry at
-    ``path`` cannot expand past their own length.
+    ``path`` (``data``, or a seekable file of them: only the archive's directory is read)
+    cannot expand past their own length.
 
     ``torch.save`` writes a zip archive whose members are stored (not compressed); torch's
     reader would inflate a deflated member, so a few KiB could decode to gigabytes. Each member
     must therefore be stored, and declare no more bytes than it occupies (the sum of what the
-    members declare is then at most ``len(data)``). The legacy (pre-zip) format is refused:
-    its loader allocates every storage at the size its pickle claims before reading it.
+    members declare is then at most the archive's length). The legacy (pre-zip) format is
+    refused: its loader allocates every storage at the size its pickle claims before reading.
 
     Raises:
         UnsafeSnapshotError: a member is compressed, or the bytes are the legacy format.
         CorruptSnapshotError: the bytes are not a zip archive, or a member declares more bytes
             than it holds or than the archive holds.
     """
-    if not data.startswith(_ZIP_MAGIC):
+    file = io.BytesIO(data) if isinstance(data, bytes) else data
+    file.seek(0)
+    if file.read(len(_ZIP_MAGIC)) != _ZIP_MAGIC:
         raise UnsafeSnapshotError(
             f"{path}: the stored object is not a torch.save zip archive (the legacy format, or "
             "other bytes); its loader would allocate what its pickle claims before reading, "
             "so it is not decoded"
         )
+    size = file.seek(0, io.SEEK_END)
     try:
-        with zipfile.ZipFile(io.BytesIO(data)) as archive:
+        with zipfile.ZipFile(file) as archive:
             members = archive.infolist()
-    except (zipfile.BadZipFile, ValueError, OSError) as e:
+    except (zipfile.BadZipFile, ValueError, OSError, EOFError) as e:
         raise CorruptSnapshotError(f"{path}: the stored torch.save archive is damaged: {e}") from e
     declared = 0
     for info in members:
@@ -202,11 +206,11 @@ def check_archive(data: bytes, path: str) -> None:
                 "uncompressed, and a compressed one could expand far past the bytes stored"
             )
         declared += info.file_size
-        if info.file_size != info.compress_size or declared > len(data):
+        if info.file_size != info.compress_size or declared > size:
             raise CorruptSnapshotError(
                 f"{path}: member {info.filename!r} of the stored torch.save archive declares "
                 f"{info.file_size:,} bytes, but holds {info.compress_size:,} (the archive is "
-                f"{len(data):,} bytes)"
+                f"{size:,} bytes)"
             )
 
 
