@@ -13,7 +13,8 @@ A reused range is written ``../<base name>/<blob>`` (``manifest.reference_of``):
 siblings, folders (or prefixes) in the same parent as the new snapshot, as a checkpoint
 manager's step folders are. A range the base itself had from its own base keeps pointing at
 that snapshot, so a chain of increments never reads through more than one hop. Readers follow
-references through ``linked.LinkedStorage``.
+references through ``linked.LinkedStorage``, each resolved by ``checked_sibling``: within the
+snapshot's own store and parent only, and on local disk never through a link.
 
 Which tensors are compared: those of the planner's fast path (contiguous CPU tensors written
 from their own memory, without a prepare function). Others (CUDA tensors, non-contiguous views,

@@ -4,13 +4,13 @@ bases: ``incremental``).
 ``open_linked`` opens the snapshot's own storage and, when its manifest points at siblings,
 first checks each of them: it must lie in the same store and parent as the snapshot (one at
 the root of a bucket or of the memory store has none: refused), be a directory on local disk,
-not a link (``incremental.checked_sibling``), and hold a committed snapshot (else ``MissingBaseError`` naming
-it, and nothing is read), and every range pointed at must lie within a blob that the sibling's
-own manifest records, within the bytes it records there. A manifest is untrusted input: this
-is what keeps a crafted ``../<name>/<blob>`` from reading anything beside the snapshot but the
-recorded bytes of another committed snapshot. Reads then go through ``LinkedStorage``, which
-sends each ``../<name>/<blob>`` to a plugin opened on that sibling (lazily, on the I/O loop)
-and everything else to the snapshot's own plugin.
+not a link (``incremental.checked_sibling``), and hold a committed snapshot (else
+``MissingBaseError`` naming it, and nothing is read); every range pointed at must lie within a
+blob that the sibling's own manifest records, within the bytes it records there. A manifest
+is untrusted input: this is what keeps a crafted ``../<name>/<blob>`` from reading anything
+beside the snapshot but the recorded bytes of another committed snapshot. Reads then go
+through ``LinkedStorage``, which sends each ``../<name>/<blob>`` to a plugin opened on that
+sibling (lazily, on the I/O loop) and everything else to the snapshot's own plugin.
 """
 
 from __future__ import annotations
