@@ -179,17 +179,17 @@ def check_archive(data: bytes | typing.BinaryIO, path: str) -> None:
     refused: its loader allocates every storage at the size its pickle claims before reading.
 
     Raises:
-        UnsafeSnapshotError: a member is compressed, or the bytes are the legacy format.
-        CorruptSnapshotError: the bytes are not a zip archive, or a member declares more bytes
-            than it holds or than the archive holds.
+        UnsafeSnapshotError: a member is compressed.
+        CorruptSnapshotError: the bytes are not a zip archive (the legacy format included), or
+            a member declares more bytes than it holds or than the archive holds.
     """
     file = io.BytesIO(data) if isinstance(data, bytes) else data
     file.seek(0)
     if file.read(len(_ZIP_MAGIC)) != _ZIP_MAGIC:
-        raise UnsafeSnapshotError(
-            f"{path}: the stored object is not a torch.save zip archive (the legacy format, or "
-            "other bytes); its loader would allocate what its pickle claims before reading, "
-            "so it is not decoded"
+        raise CorruptSnapshotError(
+            f"{path}: object bytes cannot be decoded: they are not a torch.save zip archive "
+            "(torch.save's legacy format is not read either: its loader allocates what its "
+            "pickle claims before reading)"
         )
     size = file.seek(0, io.SEEK_END)
     try:
