@@ -10,6 +10,7 @@ import fsspec
 from fsspec.asyn import AsyncFileSystem
 
 from storage_plugins.base import BlobTooLargeError, Buffer, StoragePlugin
+from storage_plugins.registry import check_below_root
 
 
 class FSSpecStoragePlugin(StoragePlugin):
@@ -40,10 +41,11 @@ class FSSpecStoragePlugin(StoragePlugin):
         self.fs = cls(**options)
 
     def _full(self, path: str) -> str:
-        return f"{self.root}/{path}"
+        where = f"{self.protocol}://{self.root}/{path}"
+        return f"{self.root}/{check_below_root(path, where)}"
 
     def describe(self, path: str) -> str:
-        return f"{self.protocol}://{self._full(path)}"
+        return f"{self.protocol}://{self.root}/{path}"
 
     async def _call(self, name: str, *args: Any, **kwargs: Any) -> Any:
         if self._async:

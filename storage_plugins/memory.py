@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from storage_plugins.base import BlobTooLargeError, Buffer, StoragePlugin
+from storage_plugins.registry import check_below_root
 
 # One store per process, so that a snapshot taken to memory://x can be opened again by path.
 _STORE: dict[str, bytes] = {}
@@ -25,7 +26,7 @@ def clear(root: str | None = None) -> None:
 
 
 def _key(root: str, path: str) -> str:
-    return f"{root.strip('/')}/{path}"
+    return f"{root.strip('/')}/{check_below_root(path, f'memory://{root}/{path}')}"
 
 
 class MemoryStoragePlugin(StoragePlugin):
@@ -42,7 +43,7 @@ class MemoryStoragePlugin(StoragePlugin):
         self.root = root.removeprefix("memory://").strip("/")
 
     def describe(self, path: str) -> str:
-        return f"memory://{_key(self.root, path)}"
+        return f"memory://{self.root}/{path}"
 
     async def write(self, path: str, buffers: Sequence[Buffer]) -> None:
         data = b"".join(buffers)

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from importlib.metadata import entry_points
 from typing import Any
 
-from storage_plugins.base import StoragePlugin
+from storage_plugins.base import StoragePlugin, UnsafeBlobError
 
 # A factory takes (url, storage_options) and returns a plugin; a plugin class is one. The url is
 # the snapshot's path as the user wrote it, prefix included (none for a plain local path).
@@ -47,6 +47,20 @@ def split_url(url: str) -> tuple[str, str]:
     if not protocol or not rest:
         raise ValueError(f"malformed storage path {url!r}: expected protocol://location")
     return protocol, rest
+
+
+def check_below_root(path: str, where: str) -> str:
+    """``path``, a blob path relative to a plugin's root, once it is known to stay below it: no
+    ``.`` or ``..`` part. Object stores take keys literally, but some (and fsspec's path
+    handling) normalize them; a reference to a sibling snapshot (``../<name>/<blob>``) is
+    resolved by the library to a plugin of its own, never passed to a plugin as a path.
+
+    Raises:
+        UnsafeBlobError: ``path`` has a ``.`` or ``..`` part (``where`` names it).
+    """
+    if any(part in (".", "..") for part in path.split("/")):
+        raise UnsafeBlobError(f"{where}: not a path below the root")
+    return path
 
 
 def _load(target: str) -> Any:

@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any
 
 from storage_plugins.base import BlobTooLargeError, Buffer, StoragePlugin
+from storage_plugins.registry import check_below_root
 
 logger = logging.getLogger(__name__)
 
@@ -131,10 +132,12 @@ class S3StoragePlugin(StoragePlugin):
     # -- naming ----------------------------------------------------------------------------------
 
     def _key(self, path: str) -> str:
+        check_below_root(path, self.describe(path))
         return f"{self.prefix}/{path}" if self.prefix else path
 
     def describe(self, path: str) -> str:
-        return f"s3://{self.bucket}/{self._key(path)}"
+        key = f"{self.prefix}/{path}" if self.prefix else path
+        return f"s3://{self.bucket}/{key}"
 
     # -- one request ---------------------------------------------------------------------------
 

@@ -430,13 +430,15 @@ def test_damaged_manifests_are_refused_naming_the_snapshot_and_entry(
     assert path in str(info.value) and message in str(info.value)
 
 
-def test_a_replicated_entry_under_a_huge_world_is_refused(tmp_path):
+def test_a_replicated_entry_under_a_huge_world_is_copied_under_listed_ranks_only(tmp_path):
     def edit(doc: dict[str, Any]) -> None:
         doc["world_size"] = 1 << 40
         doc["manifest"]["0/extra/step"]["replicated"] = True
 
-    with pytest.raises(CorruptSnapshotError, match="more than"):
-        Snapshot(_with_manifest(tmp_path, edit))
+    snap = Snapshot(_with_manifest(tmp_path, edit))
+    entries = snap.get_manifest()
+    assert len(entries) == len(_raw(SINGLE)) and all(p.startswith("0/") for p in entries)
+    assert snap.read_object("0/extra/step") == _expected()["single"]["extra"]["step"]
 
 
 def test_a_pickle_of_another_shape_than_recorded_is_refused(tmp_path):

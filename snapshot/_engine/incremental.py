@@ -13,7 +13,8 @@ A reused range is written ``../<base name>/<blob>`` (``manifest.reference_of``):
 siblings, folders (or prefixes) in the same parent as the new snapshot, as a checkpoint
 manager's step folders are. A range the base itself had from its own base keeps pointing at
 that snapshot, so a chain of increments never reads through more than one hop. Readers follow
-references through ``linked.LinkedStorage``.
+references through ``linked.LinkedStorage``, each resolved by ``checked_sibling``: within the
+snapshot's own store and parent only, and on local disk never through a link.
 
 Which tensors are compared: those of the planner's fast path (contiguous CPU tensors written
 from their own memory, without a prepare function). Others (CUDA tensors, non-contiguous views,
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import os
 import posixpath
+import stat
 from typing import Any
 
 import torch
@@ -32,7 +34,7 @@ import xxhash
 
 from manifest import SIBLING_NAME, Manifest, TensorEntry, new_location, reference_of
 from snapshot._engine.serialization import dtype_name, tensor_memoryview
-from snapshot.errors import InvalidArgumentError
+from snapshot.errors import InvalidArgumentError, UnsafeSnapshotError
 
 DIGEST_PREFIX = "xxh3_128:"
 
@@ -44,23 +46,65 @@ def digest_of(tensor: torch.Tensor) -> str:
 
 def split_parent(path: str) -> tuple[str, str]:
     """``(parent, name)`` of a snapshot's path: a local path made absolute, a URL by its last
-    ``/``-separated part (trailing slashes ignored)."""
+    ``/``-separated part (trailing slashes ignored). A URL at the root of its store (a bucket,
+    ``memory://name``) has no parent: ``("", path)``; a ``file://`` URL's parent may be ``/``."""
     if "://" in path:
-        trimmed = path.rstrip("/")
-        parent, _, name = trimmed.rpartition("/")
-        if "://" not in parent or parent.endswith(":/"):  # a bucket itself has no parent
-            return "", trimmed
-        return parent, name
+        protocol, _, location = path.partition("://")
+        parent, _, name = location.rstrip("/").rpartition("/")
+        if not parent.strip("/") and protocol != "file":
+            return "", path.rstrip("/")
+        return f"{protocol}://{parent}", name
     full = os.path.abspath(path)
     return os.path.dirname(full), os.path.basename(full)
 
 
 def sibling_path(path: str, name: str) -> str:
-    """The path of the sibling snapshot ``name`` of the snapshot at ``path``."""
+    """The path of the sibling snapshot ``name`` of the snapshot at ``path``: in the same
+    store and parent folder (or prefix).
+
+    Raises:
+        UnsafeSnapshotError: ``path`` lies at the root of its store (a bucket, ``memory://x``),
+            where a sibling would be another bucket or store, or a local path.
+    """
     parent, _ = split_parent(path)
     if "://" in path:
+        if not parent:
+            raise UnsafeSnapshotError(
+                f"snapshot {path} names a sibling snapshot {name!r}, but it lies at the root of "
+                "its store, which has no folder beside it: a reference is resolved only within "
+                "the same store and parent"
+            )
         return f"{parent}/{name}"
     return os.path.join(parent, name)
+
+
+def checked_sibling(path: str, name: str) -> str:
+    """``sibling_path(path, name)``, once it is known to be a place a take could have made: on
+    local disk (a plain path or ``file://``) a directory, not a link to one. A missing sibling
+    passes (reading its manifest then says it is missing). The snapshot's own path may be a
+    link (the user chose it); only the sibling's own name is looked at, without following it.
+
+    Raises:
+        UnsafeSnapshotError: the sibling is a link or not a directory, or ``path`` has no
+            parent in its store (``sibling_path``).
+    """
+    where = sibling_path(path, name)
+    if "://" in where and not where.startswith("file://"):
+        return where
+    local = where.removeprefix("file://")
+    try:
+        mode = os.lstat(local).st_mode
+    except FileNotFoundError:
+        return where
+    except OSError as e:
+        raise UnsafeSnapshotError(f"snapshot {path}: its base {local} cannot be looked at: {e}")
+    if stat.S_ISLNK(mode) or not stat.S_ISDIR(mode):
+        what = "a symbolic link" if stat.S_ISLNK(mode) else "not a directory"
+        raise UnsafeSnapshotError(
+            f"snapshot {path} points at bytes of its base {local}, which is {what}: a base "
+            "must be a sibling folder a take made, and no link is followed. Nothing was read."
+        )
+    return where
 
 
 def base_name(path: str, base: str) -> str:
@@ -80,7 +124,7 @@ def base_name(path: str, base: str) -> str:
     if not same:
         raise InvalidArgumentError(
             f"base {base!r} of the take at {path!r} must be a snapshot in the same folder "
-            f"(a sibling: {sibling_path(path, b_name or '<name>')!r}): an incremental snapshot "
+            f"(a sibling: {_sibling_hint(path, b_name)!r}): an incremental snapshot "
             "points at its base's bytes by the base's name"
         )
     if b_name == name:
@@ -91,6 +135,14 @@ def base_name(path: str, base: str) -> str:
             "digits and '_.=+-', not starting with '.' or '-')"
         )
     return b_name
+
+
+def _sibling_hint(path: str, name: str) -> str:
+    """Where a sibling ``name`` of ``path`` would be, for a message (no parent: said so)."""
+    parent, _ = split_parent(path)
+    if "://" in path and not parent:
+        return f"none: {path} lies at the root of its store"
+    return sibling_path(path, name or "<name>")
 
 
 class Reuse:

@@ -2,13 +2,15 @@
 bases: ``incremental``).
 
 ``open_linked`` opens the snapshot's own storage and, when its manifest points at siblings,
-first checks each of them: it must hold a committed snapshot (else ``MissingBaseError`` naming
-it, and nothing is read), and every range pointed at must lie within a blob that the sibling's
-own manifest records, within the bytes it records there. A manifest is untrusted input: this
-is what keeps a crafted ``../<name>/<blob>`` from reading anything beside the snapshot but the
-recorded bytes of another committed snapshot. Reads then go through ``LinkedStorage``, which
-sends each ``../<name>/<blob>`` to a plugin opened on that sibling (lazily, on the I/O loop)
-and everything else to the snapshot's own plugin.
+first checks each of them: it must lie in the same store and parent as the snapshot (one at
+the root of a bucket or of the memory store has none: refused), be a directory on local disk,
+not a link (``incremental.checked_sibling``), and hold a committed snapshot (else
+``MissingBaseError`` naming it, and nothing is read); every range pointed at must lie within a
+blob that the sibling's own manifest records, within the bytes it records there. A manifest
+is untrusted input: this is what keeps a crafted ``../<name>/<blob>`` from reading anything
+beside the snapshot but the recorded bytes of another committed snapshot. Reads then go
+through ``LinkedStorage``, which sends each ``../<name>/<blob>`` to a plugin opened on that
+sibling (lazily, on the I/O loop) and everything else to the snapshot's own plugin.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from manifest import Manifest, reference_of
-from snapshot._engine.incremental import sibling_path
+from snapshot._engine.incremental import checked_sibling, sibling_path
 from snapshot._engine.io_loop import run
 from snapshot._engine.manifest_io import load_manifest
 from snapshot._engine.storage_calls import open_storage
@@ -47,7 +49,7 @@ def check_bases(
     t = time.perf_counter()
     extents: dict[str, dict[str, int]] = {}
     for name in manifest.bases:
-        where = sibling_path(path, name)
+        where = checked_sibling(path, name)  # same store and parent, no link
         try:
             extents[name] = load_manifest(where, storage_options, options).blob_sizes
         except SnapshotNotFoundError as e:
@@ -113,7 +115,8 @@ class LinkedStorage(StoragePlugin):
         name, inner = ref
         plugin = self.siblings.get(name)
         if plugin is None:  # made on the I/O loop: every caller is a coroutine on it
-            plugin = url_to_storage_plugin(sibling_path(self.path, name), self.storage_options)
+            where = checked_sibling(self.path, name)
+            plugin = url_to_storage_plugin(where, self.storage_options)
             self.siblings[name] = plugin
         return plugin, inner
 

@@ -17,8 +17,8 @@
 - ``dict`` / ``OrderedDict`` / ``list``: ``DictEntry`` / ``DictEntry(ordered=True)`` /
   ``ListEntry``, whose length (torchsnapshot records none) is counted from its children.
 - A replicated entry is stored once, under rank 0 only: it is copied under every other rank
-  of the recorded ``world_size`` that lacks it, so each rank of that world finds its state
-  under its own prefix.
+  the manifest lists (each rank lists its own containers) that lacks it, so each rank finds
+  its state under its own prefix; nothing is built per rank of ``world_size`` beyond those.
 
 Every field is untrusted: each is checked for type and range, blob paths go through the
 manifest codec's check (relative, no ``..``), and sizes must agree with dtypes and shapes.
@@ -52,7 +52,7 @@ from snapshot._engine.text import printable_message
 from snapshot.errors import CorruptSnapshotError, IncompatibleSnapshotError, UnsafeSnapshotError
 
 # The translated manifest holds at most this many entries (a replicated entry is copied under
-# every rank: a damaged world_size must not make the translation build billions of them).
+# every listed rank: ranks times replicated leaves grows as the square of the manifest's size).
 _MAX_ENTRIES = 10_000_000
 # The largest number of elements a tensor may claim (a damaged shape must not overflow sizes).
 _MAX_NUMEL = 1 << 62
@@ -148,20 +148,27 @@ class Translator:
         self, by_rank: dict[int, list[tuple[str, Entry | None]]], merged: dict[str, Entry]
     ) -> dict[str, Entry]:
         """Every rank's entries, rank by rank; a replicated leaf of rank 0 copied under every
-        other rank that lacks it; list lengths counted from the children."""
+        other rank the manifest lists that lacks it; list lengths counted from the children.
+
+        Only the ranks listed get copies, whatever ``world_size`` says: each rank of a
+        torchsnapshot take lists its own containers, so a rank that lists nothing held no state
+        to restore, and a few bytes claiming a world of millions build nothing for it (a rank
+        of the world that is not listed still finds rank 0's replicated leaves: ``Manifest.
+        view``). The copies are bounded by the entries present: at most listed ranks times
+        replicated leaves, and ``_MAX_ENTRIES`` in all."""
         replicated = [
             (logical, e)
             for logical, e in by_rank.get(0, [])
             if e is not None and e.replicated and not mf.is_container(e)
         ]
+        ranks = sorted(by_rank)
         total = sum(map(len, by_rank.values()))
-        if replicated and total + len(replicated) * (self.world_size - 1) > _MAX_ENTRIES:
+        if replicated and total + len(replicated) * (len(ranks) - 1) > _MAX_ENTRIES:
             raise CorruptSnapshotError(
                 f"{self.source}: {len(replicated)} replicated entries copied under each of "
-                f"{self.world_size} ranks would make more than {_MAX_ENTRIES:,} entries"
+                f"{len(ranks)} ranks would make more than {_MAX_ENTRIES:,} entries"
             )
         entries: dict[str, Entry] = {}
-        ranks = range(self.world_size) if replicated else sorted(by_rank)
         for rank in ranks:
             prefix = f"{rank}/"
             for logical, entry in by_rank.get(rank, []):
@@ -286,9 +293,20 @@ class Translator:
         if type(location) is not str:
             raise self.corrupt(path, f"location must be a string, got {location!r}")
         try:
-            return mf.check_blob_path(location, "location")
+            blob = mf.check_blob_path(location, "location")
         except mf.UnsafeManifestError as e:  # a path leaving the root: never followed
             raise UnsafeSnapshotError(printable_message(f"{self.source}: {path}: {e}")) from None
+        # The codec's check lets one leading ``../<name>/`` through (an incremental take's
+        # reference to a sibling snapshot); torchsnapshot never wrote one, so a location here
+        # is a plain path inside the snapshot, or refused.
+        if mf.reference_of(blob) is not None:
+            raise UnsafeSnapshotError(
+                printable_message(
+                    f"{self.source}: {path}: location {location!r} names a sibling snapshot; a "
+                    "torchsnapshot manifest holds no references, only paths inside the snapshot"
+                )
+            )
+        return blob
 
     def dims(self, path: str, value: Any, what: str) -> tuple[int, ...]:
         if not isinstance(value, list) or len(value) > 64:

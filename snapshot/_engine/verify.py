@@ -3,13 +3,17 @@
 Each blob is read in pieces of at most :data:`~snapshot._engine.inspection.PIECE_BYTES`, a few
 blobs at a time; each byte range's CRC-32 is checked by combining the CRCs of the pieces that
 cover it (no blob is held whole), and each blob's length against what the manifest records.
-Pickles without a CRC-32 (torchsnapshot's) are decoded by the safe loader instead. Returns a
+Pickles without a CRC-32 (torchsnapshot's) are decoded by the safe loader instead; those with
+one have their archive's directory checked as a restore checks it (``objects.check_archive``:
+no compressed member, none declaring more bytes than it holds), from their first bytes and
+last ``ARCHIVE_TAIL`` bytes kept as they are read. Returns a
 report and prints nothing; :mod:`snapshot.cli` formats it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import io
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,6 +29,7 @@ from manifest import (
 )
 from snapshot._engine.checksum import combine
 from snapshot._engine.context import gc_paused
+from snapshot._engine.handlers.objects import check_archive
 from snapshot._engine.inspection import JOBS, PIECE_BYTES, Progress
 from snapshot._engine.io_loop import run
 from snapshot._engine.linked import open_linked
@@ -82,6 +87,11 @@ class _Range:
     crc32: int | None
     paths: list[str]
     value: int = 0  # the CRC-32 of the bytes read so far
+    # A torch.save archive (checked as a restore checks it once its CRC-32 matched): its first
+    # bytes and its last ``ARCHIVE_TAIL`` (where the zip directory is), kept while it is read.
+    archive: bool = False
+    head: bytes = b""
+    tail: bytearray = field(default_factory=bytearray)
 
     @property
     def end(self) -> int:
@@ -98,13 +108,66 @@ def _ranges_by_blob(manifest: Manifest) -> dict[str, list[_Range]]:
             key = (loc.offset, loc.nbytes, loc.crc32)
             r = ranges.get(key)
             if r is None:
-                ranges[key] = _Range(loc.offset, loc.nbytes, loc.crc32, [path])
+                archive = loc.crc32 is not None and _is_archive(entry)
+                ranges[key] = _Range(loc.offset, loc.nbytes, loc.crc32, [path], archive=archive)
             elif r.paths[-1] != path:
                 r.paths.append(path)
     return {
         blob: sorted(ranges.values(), key=lambda r: (r.offset, r.nbytes))
         for blob, ranges in sorted(found.items())
     }
+
+
+def _is_archive(entry: Any) -> bool:
+    """Whether ``entry``'s ranges hold ``torch.save`` archives."""
+    if isinstance(entry, PickledTensorEntry):
+        return True
+    return isinstance(entry, (ObjectEntry, ShardedObjectEntry)) and entry.serializer == "torch_save"
+
+
+# How much of an archive's end verify keeps to find its zip directory: a torch.save archive's
+# directory is a few dozen bytes per member; one that does not fit is not checked here.
+ARCHIVE_TAIL = 1 << 20
+
+
+class _Unavailable(Exception):
+    """A read of archive bytes that verify did not keep."""
+
+
+class _ArchiveView(io.RawIOBase):
+    """A seekable file of an archive of ``size`` bytes of which only ``head`` (its start) and
+    ``tail`` (its end) are known: ``zipfile`` reads no more to list the members."""
+
+    def __init__(self, size: int, head: bytes, tail: bytes) -> None:
+        self.size, self.head, self.tail, self.pos = size, head, tail, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.pos, io.SEEK_END: self.size}[whence]
+        self.pos = max(0, base + offset)
+        return self.pos
+
+    def readinto(self, out: Any) -> int:
+        start = self.pos
+        end = start + max(0, min(len(out), self.size - start))
+        cut = self.size - len(self.tail)
+        if start >= cut:
+            data = self.tail[start - cut : end - cut]
+        elif start < len(self.head):  # a short read: the bytes kept of the start
+            data = self.head[start:end]
+        else:
+            raise _Unavailable
+        memoryview(out)[: len(data)] = data
+        self.pos = start + len(data)
+        return len(data)
 
 
 class _BlobCheck:
@@ -236,6 +299,29 @@ class _BlobCheck:
         )
         for r, (lo, hi), value in zip(touched, parts, values, strict=True):
             r.value = combine(r.value, value, hi - lo)
+            if r.archive:
+                self._keep_archive(r, out[lo - start : hi - start], lo, hi)
+
+    def _keep_archive(self, r: _Range, data: memoryview, lo: int, hi: int) -> None:
+        """Keeps what ``r``'s archive check needs of its bytes ``[lo, hi)`` (``data``), and
+        checks the archive once the last of it is read and its CRC-32 matched."""
+        if lo == r.offset:
+            r.head = bytes(data[:4])
+        keep_from = max(lo, r.end - ARCHIVE_TAIL)
+        if keep_from < hi:
+            r.tail += data[keep_from - lo :]
+        if hi < r.end:
+            return
+        head, tail = r.head, bytes(r.tail)
+        r.head, r.tail = b"", bytearray()
+        if r.value != r.crc32:
+            return  # reported as a checksum mismatch
+        try:
+            check_archive(io.BufferedReader(_ArchiveView(r.nbytes, head, tail)), r.paths[0])
+        except _Unavailable:
+            pass  # a directory larger than the tail kept: a restore still checks it
+        except SnapshotError as e:
+            self._problem(r.offset, r.end, r.paths, str(e))
 
     def _fail_all(self, what: str) -> None:
         """Every range of the blob is bad, for reason ``what``."""

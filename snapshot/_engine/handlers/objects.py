@@ -59,7 +59,9 @@ def bytes_draft(
 # (and passed their CRC-32); a pickled tensor (torchsnapshot's, for dtypes it stored no raw
 # bytes of) is decoded piece by piece into the target, or into a new tensor.
 
+import io  # noqa: E402
 import math  # noqa: E402
+import zipfile  # noqa: E402
 from typing import TYPE_CHECKING, Any  # noqa: E402
 
 import torch  # noqa: E402
@@ -77,7 +79,11 @@ from snapshot._engine.handlers.dense import is_dense_tensor  # noqa: E402
 from snapshot._engine.landing import Landing  # noqa: E402
 from snapshot._engine.reads import Need, allocate, check_target, location_check  # noqa: E402
 from snapshot._engine.serialization import decode_object, dtype_from_name, dtype_name  # noqa: E402
-from snapshot.errors import CorruptSnapshotError, StateMismatchError  # noqa: E402
+from snapshot.errors import (  # noqa: E402
+    CorruptSnapshotError,
+    StateMismatchError,
+    UnsafeSnapshotError,
+)
 
 if TYPE_CHECKING:
     from snapshot._engine.loader import Loader
@@ -150,10 +156,62 @@ def decode_value(path: str, entry: ObjectEntry | ShardedObjectEntry, data: bytes
         except UnicodeDecodeError as e:
             raise CorruptSnapshotError(f"{path}: stored text is not valid UTF-8: {e}") from e
     if entry.serializer == "torch_save":
+        check_archive(data, path)
         return decode_object(data, path)
     raise CorruptSnapshotError(
         f"{path}: unknown serializer {entry.serializer!r}; known: torch_save, bytes, utf8"
     )
+
+
+# The first bytes of a zip archive's member (torch.save's format since torch 1.6).
+_ZIP_MAGIC = b"PK\x03\x04"
+
+
+def check_archive(data: bytes | typing.BinaryIO, path: str) -> None:
+    """Checks, before ``torch.load`` sees them, that the ``torch.save`` bytes of the entry at
+    ``path`` (``data``, or a seekable file of them: only the archive's directory is read)
+    cannot expand past their own length.
+
+    ``torch.save`` writes a zip archive whose members are stored (not compressed); torch's
+    reader would inflate a deflated member, so a few KiB could decode to gigabytes. Each member
+    must therefore be stored, and declare no more bytes than it occupies (the sum of what the
+    members declare is then at most the archive's length). The legacy (pre-zip) format is
+    refused: its loader allocates every storage at the size its pickle claims before reading.
+
+    Raises:
+        UnsafeSnapshotError: a member is compressed.
+        CorruptSnapshotError: the bytes are not a zip archive (the legacy format included), or
+            a member declares more bytes than it holds or than the archive holds.
+    """
+    file = io.BytesIO(data) if isinstance(data, bytes) else data
+    file.seek(0)
+    if file.read(len(_ZIP_MAGIC)) != _ZIP_MAGIC:
+        raise CorruptSnapshotError(
+            f"{path}: object bytes cannot be decoded: they are not a torch.save zip archive "
+            "(torch.save's legacy format is not read either: its loader allocates what its "
+            "pickle claims before reading)"
+        )
+    size = file.seek(0, io.SEEK_END)
+    try:
+        with zipfile.ZipFile(file) as archive:
+            members = archive.infolist()
+    except (zipfile.BadZipFile, ValueError, OSError, EOFError) as e:
+        raise CorruptSnapshotError(f"{path}: the stored torch.save archive is damaged: {e}") from e
+    declared = 0
+    for info in members:
+        if info.compress_type != zipfile.ZIP_STORED:
+            raise UnsafeSnapshotError(
+                f"{path}: member {info.filename!r} of the stored torch.save archive is "
+                f"compressed (method {info.compress_type}); torch.save stores its members "
+                "uncompressed, and a compressed one could expand far past the bytes stored"
+            )
+        declared += info.file_size
+        if info.file_size != info.compress_size or declared > size:
+            raise CorruptSnapshotError(
+                f"{path}: member {info.filename!r} of the stored torch.save archive declares "
+                f"{info.file_size:,} bytes, but holds {info.compress_size:,} (the archive is "
+                f"{size:,} bytes)"
+            )
 
 
 def plan_pickled_tensor_read(
@@ -181,6 +239,15 @@ def plan_pickled_tensor_read(
     if target is not None:
         check_target(path, new_tensor_entry(entry.dtype, shape, ()), target, dtype)
         copier.prepare(target)
+    for piece in pieces:
+        # A piece's archive holds its values uncompressed (``check_archive``): a piece claiming
+        # more bytes than its pickle has is refused before the tensor is allocated.
+        need = math.prod(piece.sizes) * dtype.itemsize
+        if need > piece.chunks[0].nbytes:
+            raise CorruptSnapshotError(
+                f"{path}: the piece at {list(piece.offsets)} claims {need:,} bytes of values, "
+                f"but its pickle holds {piece.chunks[0].nbytes:,} bytes"
+            )
     whole = len(pieces) == 1 and tuple(pieces[0].sizes) == shape
     result: list[torch.Tensor] = []  # the tensor the pieces are copied into, once made
     if target is not None:
@@ -202,7 +269,9 @@ def plan_pickled_tensor_read(
             return memoryview(buf[0])
 
         def done(piece: Shard = piece, buf: list[bytearray] = buf) -> None:
-            value = decode_object(bytes(buf.pop()), path)
+            data = bytes(buf.pop())
+            check_archive(data, path)
+            value = decode_object(data, path)
             box = tuple(piece.sizes)
             if (
                 not isinstance(value, torch.Tensor)
