@@ -45,6 +45,7 @@ def test_containers_nested_deeper_than_a_restore_rebuilds_are_refused_up_front(t
         Snapshot.take(path, {"s": StateDict(state)})
     message = str(info.value)
     assert "0/s/deep/k" in message and str(mf.MAX_NESTING) in message
+    assert message.startswith(f"snapshot {path}: ")
     assert files_under(path) == []
 
 

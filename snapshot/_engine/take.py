@@ -234,8 +234,9 @@ class TakeJob:
         ]
         # Before anything is written (the pending marker, the first blob): a state a restore
         # would not rebuild is refused whole.
-        for k, state in states:
-            check_nesting(state, f"{coord.rank}/{escape_key(k)}")
+        with naming_snapshot(self.path):
+            for k, state in states:
+                check_nesting(state, f"{coord.rank}/{escape_key(k)}")
         opts = self.options
         # One budget for the whole take. The pool's blocks (free, or lent to a pending
         # snapshot's writes, which give them back) are memory this take reuses, not memory it
