@@ -40,7 +40,8 @@ INCREMENTAL_VERSION = 5
 # An int is written in decimal, and Python refuses to convert a decimal text of more than
 # ``sys.int_info.default_max_str_digits`` (4300) digits unless the process lifted the limit
 # (``sys.set_int_max_str_digits``): another process would then call the manifest corrupt. A
-# take stores a larger int (a value, not a dict key the manifest lists) as an object instead.
+# take refuses a larger int, as a value or a dict key (pickled, it would not load either: the
+# safe unpickler reads no int of that length).
 MAX_INT_DIGITS = 4300
 _INT_BOUND = 10**MAX_INT_DIGITS
 # Containers (dict, list, tuple) are entries of their own, and a restore rebuilds them with one

@@ -54,8 +54,8 @@ def dict_names(d: Mapping[Any, Any]) -> list[str] | None:
         if (
             kind not in _KEY_TYPES
             or (kind is str and not _encodable(k))
-            # The manifest lists the keys: an int too long for every reader's decimal
-            # conversion makes the dict a leaf (pickled whole, in binary).
+            # The manifest lists the keys, in decimal: an int too long for every reader's
+            # conversion is never listed (``check_nesting`` refuses it before a take plans).
             or (kind is int and not int_fits(k))
         ):
             return None
@@ -115,24 +115,29 @@ def int_refusal(where: str) -> str:
     )
 
 
-def _containers_in(value: Any, path: str, keys: Callable[[], str]) -> Iterator[tuple[Any, Any]]:
+class _LongInt(Exception):
+    """An int ``_containers_in`` found too long for the manifest; its argument says where, below
+    the container."""
+
+
+def _containers_in(value: Any) -> Iterator[tuple[Any, Any]] | None:
     """The ``(key, child)`` pairs of container ``value`` whose child is a container too (by
-    exact type), picked in C-level passes, after refusing the ints among its values and dict
-    keys that the manifest cannot hold (``manifest.int_fits``); ``keys()`` is the path of
-    ``value`` below ``path``, made only for a message."""
+    exact type), picked in C-level passes; None when there is none. Raises ``_LongInt`` for an
+    int value or dict key the manifest cannot hold (``manifest.int_fits``)."""
     kind = type(value)
     is_dict = kind is dict or kind is OrderedDict
-    values = value.values() if is_dict else value
-    kinds = list(map(type, values))
+    kinds = list(map(type, value.values() if is_dict else value))
     if int in kinds:
         pairs = value.items() if is_dict else enumerate(value)
         for key, item in compress(pairs, map(is_, kinds, repeat(int))):
             if not int_fits(item):
-                raise UnsupportedValueError(int_refusal(f"{path}{keys()}/{_shown(key)}"))
-    if is_dict and int in set(map(type, value)):
+                raise _LongInt(f"/{_shown(key)}")
+    if is_dict and int in map(type, value):
         for k in value:
             if type(k) is int and not int_fits(k):
-                raise UnsupportedValueError(int_refusal(f"{path}{keys()}: a dict key"))
+                raise _LongInt(": a dict key")
+    if CONTAINER_TYPES.isdisjoint(kinds):
+        return None
     selected = map(CONTAINER_TYPES.__contains__, kinds)
     return compress(value.items() if is_dict else enumerate(value), selected)
 
@@ -151,11 +156,11 @@ def check_nesting(obj: Any, path: str) -> None:
     to rebuild; a container that holds itself; an int value or dict key of more than
     ``manifest.MAX_INT_DIGITS`` digits.
 
-    Only containers are walked (their values' types listed in C-level passes), so a state dict
-    of many leaves costs a pass or two over its values. A dict ``flatten`` stores whole (its
-    keys are not ones the manifest lists) is pickled with everything below it: once the walk
-    finds a container too deep, or met twice on one path, below such a dict, that dict's
-    subtree is skipped instead.
+    Only containers are walked (their values' types listed in C-level passes), and only those
+    holding containers are kept open, so a state dict of many leaves costs a pass or two over
+    its values. A dict ``flatten`` stores whole (its keys are not ones the manifest lists) is
+    pickled with everything below it: once the walk finds a container too deep, or met twice
+    on one path, below such a dict, that dict's subtree is skipped instead.
 
     Raises:
         UnsupportedValueError: naming the path of the first value at fault.
@@ -164,42 +169,52 @@ def check_nesting(obj: Any, path: str) -> None:
         return
     # Each frame: an open container, its key in its parent, and its container children left.
     stack: list[tuple[Any, Any, Iterator[tuple[Any, Any]]]] = []
-
-    def keys() -> str:
-        return "".join("/" + _shown(f[1]) for f in stack[1:])
-
-    stack.append((obj, None, _containers_in(obj, path, keys)))
-    on_path = {id(obj)}
-    while stack:
-        container, _, children = stack[-1]
-        for key, child in children:
-            looped = id(child) in on_path
-            if not looped and len(stack) < MAX_NESTING:
-                on_path.add(id(child))
-                # The frame goes on first: a message of ``_containers_in`` names the child.
-                stack.append((child, key, iter(())))
-                stack[-1] = (child, key, _containers_in(child, path, keys))
-                break
-            frames = [*stack, (child, key, iter(()))]
-            whole = next((i for i, f in enumerate(frames) if _expand_names(f[0]) is None), None)
-            if whole is None:
-                where = path + "".join("/" + _shown(f[1]) for f in frames[1:])
-                if looped:
-                    raise UnsupportedValueError(f"{where}: the structure contains itself")
-                raise UnsupportedValueError(
-                    f"{where}: containers (dict, list, tuple) nested deeper than {MAX_NESTING} "
-                    "levels below the app_state key, more than a restore rebuilds; flatten the "
-                    "structure, or store it as one object (a dict with a non-string key, say, "
-                    "is pickled whole)"
+    at: tuple[Any, ...] = ()  # the key of the container being scanned, below the stack's top
+    try:
+        inner = _containers_in(obj)
+        if inner is None:
+            return
+        stack.append((obj, None, inner))
+        on_path = {id(obj)}
+        while stack:
+            container, _, children = stack[-1]
+            for key, child in children:
+                looped = id(child) in on_path
+                if not looped and len(stack) < MAX_NESTING:
+                    at = (key,)
+                    inner = _containers_in(child)
+                    at = ()
+                    if inner is None:
+                        continue  # nothing below it to walk
+                    on_path.add(id(child))
+                    stack.append((child, key, inner))
+                    break
+                frames = [*stack, (child, key, iter(()))]
+                whole = next(
+                    (i for i, f in enumerate(frames) if _expand_names(f[0]) is None), None
                 )
-            # Stored whole: nothing below frame ``whole`` is an entry of its own.
-            for frame in stack[whole:]:
-                on_path.discard(id(frame[0]))
-            del stack[whole:]
-            break
-        else:
-            stack.pop()
-            on_path.discard(id(container))
+                if whole is None:
+                    where = path + "".join("/" + _shown(f[1]) for f in frames[1:])
+                    if looped:
+                        raise UnsupportedValueError(f"{where}: the structure contains itself")
+                    raise UnsupportedValueError(
+                        f"{where}: containers (dict, list, tuple) nested deeper than "
+                        f"{MAX_NESTING} levels below the app_state key, more than a restore "
+                        "rebuilds; flatten the structure, or store it as one object (a dict "
+                        "with a non-string key, say, is pickled whole)"
+                    )
+                # Stored whole: nothing below frame ``whole`` is an entry of its own.
+                for frame in stack[whole:]:
+                    on_path.discard(id(frame[0]))
+                del stack[whole:]
+                break
+            else:
+                stack.pop()
+                on_path.discard(id(container))
+    except _LongInt as e:
+        keys = [f[1] for f in stack[1:]] + list(at)
+        where = path + "".join("/" + _shown(k) for k in keys) + e.args[0]
+        raise UnsupportedValueError(int_refusal(where)) from None
 
 
 def _expand_names(value: Any) -> list[str] | tuple[()] | None:
