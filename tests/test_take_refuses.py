@@ -134,3 +134,23 @@ def test_user_metadata_with_a_huge_int_is_refused(tmp_path):
     with pytest.raises(SnapshotError, match="user_metadata"):
         Snapshot.take(path, {"s": StateDict(a=1)}, user_metadata={"n": BIG})
     assert files_under(path) == []
+
+
+def test_what_the_decoder_does_not_bound_round_trips(tmp_path):
+    # The rest of the family: no limit on a key's or string's length, floats written as their
+    # repr (non-finite ones included), characters YAML cannot hold raw escaped.
+    path = str(tmp_path / "s")
+    value = {
+        "k" * 100_000: 1,
+        "\u2028\x85\x7f/%": "\ufeff",
+        "floats": [float("nan"), float("inf"), float("-inf"), -0.0, 5e-324],
+        "long": "x" * 1_000_000,
+        "big": -(10**mf.MAX_INT_DIGITS - 1),
+    }
+    Snapshot.take(path, {"s": StateDict(v=value)})
+    back = restored(path)["v"]
+    assert back.keys() == value.keys()
+    floats = back["floats"]
+    assert floats[0] != floats[0] and floats[1:] == value["floats"][1:]
+    assert str(floats[3]) == "-0.0"
+    assert all(back[k] == value[k] for k in value if k != "floats")
