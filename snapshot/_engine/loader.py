@@ -128,8 +128,8 @@ class Loader:
         self.fresh: dict[tuple[Any, ...], torch.Tensor] = {}
         self.made: dict[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor]] = {}
         self.views: list[tuple[str, TensorEntry]] = []
-        # The caller's tensors that reads planned as needs fill (not ``direct`` rows), by path:
-        # with the rows, checked for targets that share memory (``_separate_overlaps``).
+        # The caller's CPU tensors that reads planned as needs fill (not ``direct`` rows), by
+        # path: with the rows, checked for targets that share memory (``_separate_overlaps``).
         self.indirect: list[tuple[str, torch.Tensor]] = []
         # Targets that share memory with another target and would receive other bytes: read
         # into new tensors, then copied into the targets in the order they were planned

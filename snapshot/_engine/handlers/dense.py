@@ -310,7 +310,8 @@ def restore(loader: Loader, path: str, entry: TensorEntry, target: Any) -> None:
                 landing=loader.landing,
             )
             loader.add_needs(read.needs, into_target=True)
-            loader.indirect.append((path, target))
+            if target.is_cpu:  # device memory is another address space: not compared
+                loader.indirect.append((path, target))
         else:
             loader.add_direct(path, entry.chunks[0], address)
         loader.tensors[path] = target
