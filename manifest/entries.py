@@ -33,6 +33,29 @@ REPLICATED_ONCE_VERSION = 3
 TENSOR_ATTRS_VERSION = 4
 INCREMENTAL_VERSION = 5
 
+# What a manifest can hold that every reader reads back, which a take checks its values
+# against (``snapshot._engine.flatten.check_nesting``, the primitive handler) so that it never
+# commits what a restore refuses.
+#
+# An int is written in decimal, and Python refuses to convert a decimal text of more than
+# ``sys.int_info.default_max_str_digits`` (4300) digits unless the process lifted the limit
+# (``sys.set_int_max_str_digits``): another process would then call the manifest corrupt. A
+# take refuses a larger int, as a value or a dict key (pickled, it would not load either: the
+# safe unpickler reads no int of that length).
+MAX_INT_DIGITS = 4300
+_INT_BOUND = 10**MAX_INT_DIGITS
+# Containers (dict, list, tuple) are entries of their own, and a restore rebuilds them with one
+# level of recursion each (``flatten.inflate``): a take refuses containers nested deeper than
+# this below an app_state key (the key's state dict being level 1), which keeps a restore far
+# from the interpreter's recursion limit.
+MAX_NESTING = 100
+
+
+def int_fits(value: int) -> bool:
+    """Whether ``value`` is an int every reader can read from a manifest (at most
+    ``MAX_INT_DIGITS`` decimal digits)."""
+    return -_INT_BOUND < value < _INT_BOUND
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Location:

@@ -460,3 +460,24 @@ def test_two_ranks(tmp_path):
         assert x_blob.startswith("../s1/") and not y_blob.startswith("../")
     m = Snapshot(str(tmp_path / "s2")).get_manifest()
     assert m["0/model/weight"].chunks[0].blob.startswith("../s1/")
+
+
+def test_a_base_without_digests_is_warned_of_naming_the_fix(tmp_path, caplog):
+    """Digests stay off by default (they cost a take of many small tensors several times its
+    time: benchmarks/results/2026-12-06-digests-default.md); an increment on a base without
+    them writes everything, and says so at WARNING, with the option that fixes it."""
+    state = frozen_state()
+    Snapshot.take(str(tmp_path / "s1"), state)
+    with caplog.at_level("WARNING", logger="snapshot"):
+        Snapshot.take(str(tmp_path / "s2"), state, base=str(tmp_path / "s1"))
+    warned = [r for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warned) == 1, [r.getMessage() for r in caplog.records]
+    message = warned[0].getMessage()
+    assert "s1" in message and "Options(digests=True)" in message
+    assert own_bytes(str(tmp_path / "s2")) > 4 * 256 * 256 * 4  # written in full
+    caplog.clear()
+    Snapshot.take(str(tmp_path / "s3"), state, options=DIGESTS)
+    with caplog.at_level("WARNING", logger="snapshot"):
+        Snapshot.take(str(tmp_path / "s4"), state, base=str(tmp_path / "s3"))
+    assert not [r for r in caplog.records if r.levelname == "WARNING"]
+    assert own_bytes(str(tmp_path / "s4")) < 4096

@@ -274,8 +274,9 @@ def test_a_key_left_out_by_strict_false_is_untouched(tmp_path):
 
 
 def test_a_tensor_shared_by_two_keys_is_written_through_either(tmp_path):
-    """ "ema" holds the model's weight itself: its read writes the model's memory, before any
-    read of the model's own has begun."""
+    """ "ema" holds the model's weight itself, and the snapshot other values for the two: the
+    two are read apart and copied into the shared memory only once every read is done
+    (test_restore_targets.py), so a damaged range of either leaves that memory as it was."""
     path = str(tmp_path / "s")
     torch.manual_seed(0)
     Snapshot.take(
@@ -295,10 +296,8 @@ def test_a_tensor_shared_by_two_keys_is_written_through_either(tmp_path):
         Snapshot(path).restore(
             {"ema": StateDict(w=model.weight), "model": model, "other": other}, options=OPTS
         )
-    assert info.value.modified == {"ema": "partially", "model": "partially"}
-    assert info.value.untouched == ("other",)
-    assert not torch.equal(model.weight, weight)
-    assert torch.equal(other["w"], torch.zeros(10))
+    assert info.value.modified.get("model") == "partially"  # its bias is read in place
+    assert torch.equal(model.weight, weight)
 
 
 class _Stop(BaseException):

@@ -14,6 +14,8 @@ from typing import Any
 
 import torch.distributed
 
+from manifest import MAX_INT_DIGITS, int_fits
+
 from snapshot.errors import InvalidArgumentError
 
 
@@ -156,6 +158,12 @@ def user_metadata(value: object, call: str, where: str) -> dict[str, Any] | None
         if depth > _USER_DEPTH:
             raise InvalidArgumentError(
                 f"{call} of {where}: user_metadata nests deeper than {_USER_DEPTH} at {at}"
+            )
+        if isinstance(v, int) and not isinstance(v, bool) and not int_fits(v):
+            raise InvalidArgumentError(
+                f"{call} of {where}: user_metadata{at} is an int of more than "
+                f"{MAX_INT_DIGITS} digits, which a reader's decimal conversion refuses; "
+                "store it as a str"
             )
         if v is None or isinstance(v, (bool, int, str)):
             return v

@@ -16,8 +16,9 @@ across ranks), the rows become needs first (``DirectReads.needs``), each the nee
 from __future__ import annotations
 
 from bisect import bisect_right
-from itertools import chain, compress, count, pairwise, repeat
-from operator import add, attrgetter, gt, ne, sub
+from collections.abc import Callable
+from itertools import accumulate, chain, compress, count, islice, pairwise, repeat
+from operator import add, attrgetter, ge, gt, le, ne, sub
 
 from manifest import Location
 from snapshot._engine.checksum import WholeCheck
@@ -74,6 +75,15 @@ class DirectReads:
 
     def _clear(self) -> None:
         self.paths, self.chunks, self.addresses, self.owners = [], [], [], []
+
+    def remove(self, rows: list[int]) -> None:
+        """Drops ``rows`` (indices, ascending) from the columns."""
+        gone = set(rows)
+        keep = [i for i in range(len(self.paths)) if i not in gone]
+        self.paths = _pick(self.paths, keep)
+        self.chunks = _pick(self.chunks, keep)
+        self.addresses = _pick(self.addresses, keep)
+        self.owners = _pick(self.owners, keep)
 
     def requests(
         self, *, verify: bool, max_gap_bytes: int, max_request_bytes: int
@@ -204,3 +214,45 @@ class _Group:
             owners=tuple(owners),  # type: ignore[arg-type]
             label=label_of(paths),
         )
+
+
+def clashes(
+    starts: list[int], ends: list[int], source: Callable[[int], object]
+) -> list[list[int]]:
+    """The groups of memory ranges ``[starts[i], ends[i])`` (the targets of reads) that overlap
+    and would receive different bytes, each a list of indices in ascending order: the ranges
+    of a group overlap one another, directly or through others of the group. Ranges that are
+    the same memory and read the same stored bytes (``source(i)`` equal: tied weights restored
+    from tied weights) write the same values, and are no clash.
+
+    Overlaps are rare: that there is none is found by C-level passes over the ranges in
+    address order (each ends where or before the next starts); only when one does not are the
+    groups made, in Python.
+    """
+    n = len(starts)
+    if n < 2:
+        return []
+    if all(map(le, starts, islice(starts, 1, None))):
+        first, last = starts, ends
+    else:
+        bounds = dict(zip(starts, ends))
+        if len(bounds) == n:  # no two ranges start together
+            first = sorted(bounds)
+            last = list(map(bounds.__getitem__, first))
+        else:
+            first = last = []  # the groups below
+    if first and all(map(le, last, islice(first, 1, None))):
+        return []
+    order = sorted(range(n), key=starts.__getitem__)
+    first, last = _pick(starts, order), _pick(ends, order)
+    reach = list(accumulate(last, max))  # the furthest end of the ranges so far
+    # A group starts at each range that starts at or past every earlier range's end; only the
+    # groups of two ranges or more are looked at.
+    cuts = [0, *compress(count(1), map(ge, islice(first, 1, None), reach)), n]
+    sizes = map(sub, islice(cuts, 1, None), cuts)
+    out = []
+    for i, j in compress(pairwise(cuts), map(gt, sizes, repeat(1))):
+        group = order[i:j]
+        if len({(starts[k], ends[k], source(k)) for k in group}) > 1:
+            out.append(sorted(group))
+    return out

@@ -8,7 +8,15 @@ from itertools import compress, count, repeat
 from operator import is_
 from typing import Any
 
-from manifest import DictEntry, Entry, ListEntry, TupleEntry
+from manifest import (
+    MAX_INT_DIGITS,
+    MAX_NESTING,
+    DictEntry,
+    Entry,
+    ListEntry,
+    TupleEntry,
+    int_fits,
+)
 from snapshot.errors import CorruptSnapshotError, UnsupportedValueError
 
 _KEY_TYPES = (str, int, bool, type(None))
@@ -42,7 +50,14 @@ def dict_names(d: Mapping[Any, Any]) -> list[str] | None:
         return keys
     names = []
     for k in d:
-        if type(k) not in _KEY_TYPES or (type(k) is str and not _encodable(k)):
+        kind = type(k)
+        if (
+            kind not in _KEY_TYPES
+            or (kind is str and not _encodable(k))
+            # The manifest lists the keys, in decimal: an int too long for every reader's
+            # conversion is never listed (``check_nesting`` refuses it before a take plans).
+            or (kind is int and not int_fits(k))
+        ):
             return None
         names.append(escape_key(k))
     return names if len(set(names)) == len(names) else None
@@ -88,6 +103,125 @@ def _expand(value: Any) -> tuple[_Node, Iterator[tuple[str, Any]]] | None:
         node = DictEntry(keys=tuple(value), ordered=kind is OrderedDict)
         return node, zip(names, value.values(), strict=True)
     return None
+
+
+def int_refusal(where: str) -> str:
+    """The message refusing an int too long for the manifest, at ``where``."""
+    return (
+        f"{where}: an int of more than {MAX_INT_DIGITS} decimal digits, which a restore in a "
+        "process with Python's default limit on int-to-text conversion refuses to read (and "
+        "the pickle reader refuses too); store it as a str or bytes (str(n), or "
+        "n.to_bytes(...)), or as a tensor"
+    )
+
+
+class _LongInt(Exception):
+    """An int ``_containers_in`` found too long for the manifest; its argument says where, below
+    the container."""
+
+
+def _containers_in(value: Any) -> Iterator[tuple[Any, Any]] | None:
+    """The ``(key, child)`` pairs of container ``value`` whose child is a container too (by
+    exact type), picked in C-level passes; None when there is none. Raises ``_LongInt`` for an
+    int value or dict key the manifest cannot hold (``manifest.int_fits``)."""
+    kind = type(value)
+    is_dict = kind is dict or kind is OrderedDict
+    kinds = list(map(type, value.values() if is_dict else value))
+    if int in kinds:
+        pairs = value.items() if is_dict else enumerate(value)
+        for key, item in compress(pairs, map(is_, kinds, repeat(int))):
+            if not int_fits(item):
+                raise _LongInt(f"/{_shown(key)}")
+    if is_dict and int in map(type, value):
+        for k in value:
+            if type(k) is int and not int_fits(k):
+                raise _LongInt(": a dict key")
+    if CONTAINER_TYPES.isdisjoint(kinds):
+        return None
+    selected = map(CONTAINER_TYPES.__contains__, kinds)
+    return compress(value.items() if is_dict else enumerate(value), selected)
+
+
+def _shown(key: Any) -> str:
+    """A key as a path component, for a message (an int too long to print is described)."""
+    if type(key) is int and not int_fits(key):
+        return f"<an int of {key.bit_length()} bits>"
+    return escape_key(key)
+
+
+def check_nesting(obj: Any, path: str) -> None:
+    """Refuses, before a take writes anything, a state that the manifest cannot hold as a
+    default restore reads it: containers ``flatten`` would record nested deeper than
+    ``manifest.MAX_NESTING`` levels (``obj`` being level 1), which a restore does not promise
+    to rebuild; a container that holds itself; an int value or dict key of more than
+    ``manifest.MAX_INT_DIGITS`` digits.
+
+    Only containers are walked (their values' types listed in C-level passes), and only those
+    holding containers are kept open, so a state dict of many leaves costs a pass or two over
+    its values. A dict ``flatten`` stores whole (its keys are not ones the manifest lists) is
+    pickled with everything below it: once the walk finds a container too deep, or met twice
+    on one path, below such a dict, that dict's subtree is skipped instead.
+
+    Raises:
+        UnsupportedValueError: naming the path of the first value at fault.
+    """
+    if type(obj) not in CONTAINER_TYPES:
+        return
+    # Each frame: an open container, its key in its parent, and its container children left.
+    stack: list[tuple[Any, Any, Iterator[tuple[Any, Any]]]] = []
+    at: tuple[Any, ...] = ()  # the key of the container being scanned, below the stack's top
+    try:
+        inner = _containers_in(obj)
+        if inner is None:
+            return
+        stack.append((obj, None, inner))
+        on_path = {id(obj)}
+        while stack:
+            container, _, children = stack[-1]
+            for key, child in children:
+                looped = id(child) in on_path
+                if not looped and len(stack) < MAX_NESTING:
+                    at = (key,)
+                    inner = _containers_in(child)
+                    at = ()
+                    if inner is None:
+                        continue  # nothing below it to walk
+                    on_path.add(id(child))
+                    stack.append((child, key, inner))
+                    break
+                frames = [*stack, (child, key, iter(()))]
+                whole = next(
+                    (i for i, f in enumerate(frames) if _expand_names(f[0]) is None), None
+                )
+                if whole is None:
+                    where = path + "".join("/" + _shown(f[1]) for f in frames[1:])
+                    if looped:
+                        raise UnsupportedValueError(f"{where}: the structure contains itself")
+                    raise UnsupportedValueError(
+                        f"{where}: containers (dict, list, tuple) nested deeper than "
+                        f"{MAX_NESTING} levels below the app_state key, more than a restore "
+                        "rebuilds; flatten the structure, or store it as one object (a dict "
+                        "with a non-string key, say, is pickled whole)"
+                    )
+                # Stored whole: nothing below frame ``whole`` is an entry of its own.
+                for frame in stack[whole:]:
+                    on_path.discard(id(frame[0]))
+                del stack[whole:]
+                break
+            else:
+                stack.pop()
+                on_path.discard(id(container))
+    except _LongInt as e:
+        keys = [f[1] for f in stack[1:]] + list(at)
+        where = path + "".join("/" + _shown(k) for k in keys) + e.args[0]
+        raise UnsupportedValueError(int_refusal(where)) from None
+
+
+def _expand_names(value: Any) -> list[str] | tuple[()] | None:
+    """None when ``flatten`` stores container ``value`` whole (a dict ``dict_names`` refuses)."""
+    if type(value) is dict or type(value) is OrderedDict:
+        return dict_names(value)
+    return ()
 
 
 def flatten(obj: Any, path: str) -> Iterator[tuple[str, _Node | None, Any]]:

@@ -24,6 +24,7 @@ host copy that the take makes only later, while staging.
 
 from __future__ import annotations
 
+import logging
 import os
 import posixpath
 import stat
@@ -35,6 +36,8 @@ import xxhash
 from manifest import SIBLING_NAME, Manifest, TensorEntry, new_location, reference_of
 from snapshot._engine.serialization import dtype_name, tensor_memoryview
 from snapshot.errors import InvalidArgumentError, UnsafeSnapshotError
+
+logger = logging.getLogger("snapshot")
 
 DIGEST_PREFIX = "xxh3_128:"
 
@@ -145,6 +148,13 @@ def _sibling_hint(path: str, name: str) -> str:
     return sibling_path(path, name or "<name>")
 
 
+def _has_digests(entries: dict[str, Any]) -> bool:
+    """Whether any tensor entry among ``entries`` records a digest; True when there is no
+    tensor to compare at all."""
+    tensors = [e for e in entries.values() if type(e) is TensorEntry]
+    return not tensors or any(e.digest is not None for e in tensors)
+
+
 class Reuse:
     """What one rank's take on a base compares and reuses.
 
@@ -158,6 +168,17 @@ class Reuse:
     def __init__(self, name: str | None, manifest: Manifest | None, rank: int) -> None:
         self.name = name
         self.entries: dict[str, Any] = manifest.view(rank) if manifest is not None else {}
+        if name is not None and not _has_digests(self.entries):
+            # Nothing to compare with: every tensor is written again. Digests are off by
+            # default (their cost on a take of many small tensors), so a chain's first
+            # snapshot often lacks them; the take says how to start one that has them.
+            logger.warning(
+                "take on base %s: the base recorded no digests of its tensors, so nothing "
+                "can be reused and every tensor is written in full; take the base with "
+                "Options(digests=True) (or STATESNAP_DIGESTS=1). This snapshot records them: "
+                "a take on it reuses what is unchanged",
+                name,
+            )
         self.digests: dict[str, str] = {}
         self.reused_bytes = 0
         self.hashed_bytes = 0

@@ -17,7 +17,9 @@ writes.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from operator import add, attrgetter
 from typing import Any
 
 import torch
@@ -25,7 +27,7 @@ import torch
 from manifest import Entry, Location, Manifest, TensorEntry, reference_of
 from snapshot._engine.claims import ClaimCheck
 from snapshot._engine.context import naming_snapshot
-from snapshot._engine.direct_reads import DirectReads
+from snapshot._engine.direct_reads import DirectReads, clashes
 from snapshot._engine.flatten import inflate, subtree
 from snapshot._engine.handlers import local
 from snapshot._engine.handlers.dense import direct_address
@@ -43,11 +45,14 @@ from snapshot._engine.restore_guard import (
     locations_read,
 )
 from snapshot._engine.storage_calls import call
-from snapshot._engine.tensor_memory import beside_others
-from snapshot.errors import CorruptSnapshotError
+from snapshot._engine.tensor_memory import beside_others, memory_span
+from snapshot.errors import CorruptSnapshotError, StateMismatchError
 from snapshot.options import Options
 from snapshot.sharding.mapping import LocalNonpersistentObject
 from storage_plugins import StoragePlugin
+
+logger = logging.getLogger(__name__)
+_nbytes = attrgetter("nbytes")
 
 PENDING = object()
 """``Loader.inflate_ready``'s answer for a value that waits for a read."""
@@ -123,6 +128,14 @@ class Loader:
         self.fresh: dict[tuple[Any, ...], torch.Tensor] = {}
         self.made: dict[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor]] = {}
         self.views: list[tuple[str, TensorEntry]] = []
+        # The caller's CPU tensors that reads planned as needs fill (not ``direct`` rows), by
+        # path: with the rows, checked for targets that share memory (``_separate_overlaps``).
+        self.indirect: list[tuple[str, torch.Tensor]] = []
+        # Targets that share memory with another target and would receive other bytes: read
+        # into new tensors, then copied into the targets in the order they were planned
+        # (``_land_overlapped``), as ``load_state_dict`` copies one key after the other.
+        self._overlapped: list[tuple[str, torch.Tensor]] = []
+        self._overlaps_checked = False
 
     # -- what the kinds' restore functions call -------------------------------------------------
 
@@ -149,6 +162,7 @@ class Loader:
     def materialize(self) -> None:
         """Turns the direct reads' rows into needs, for the steps that work need by need (the
         first pass of ``verify_first``, ``shared_reads``)."""
+        self._separate_overlaps()
         self.needs.extend(self.direct.needs(self.verify))
 
     def claim(self) -> None:
@@ -187,6 +201,7 @@ class Loader:
         add_path, add_chunk = direct.paths.append, direct.chunks.append
         add_address, add_owner = direct.addresses.append, direct.owners.append
         self.owner = owner
+        self._overlaps_checked = False
         with naming_snapshot(self.where):
             # Checked when the first read that allocates is planned (``claim``), if any.
             self._unclaimed = (root, targets)
@@ -222,6 +237,7 @@ class Loader:
         """Runs the planning steps that wait for every other read (``later``): view entries
         read into no target, say, which become views of their base's new tensor."""
         with naming_snapshot(self.where):
+            self._separate_overlaps()
             while self._later:
                 steps, self._later = self._later, []
                 for step in steps:
@@ -241,9 +257,84 @@ class Loader:
         that waits for no read, done where the caller would only wait: ``inflate_ready``)."""
         self.plan_deferred()
         with naming_snapshot(self.where):
-            return self._execute(
+            stats = self._execute(
                 plugin, budget_bytes, self.needs, progress, meanwhile, direct=self.direct
             )
+        self._land_overlapped()
+        return stats
+
+    def _separate_overlaps(self) -> None:
+        """Finds the caller's tensors that share memory with another target and would receive
+        other bytes (a flat buffer and views of it, restored from a snapshot of separate
+        tensors; weights tied in the model, not in the snapshot): reads landing in such memory
+        would overwrite one another in whatever order they finish, and a CRC-32 checked over
+        the memory a read landed in would fail on an intact snapshot. Those read by whole
+        stored ranges (``direct`` rows) are read into new tensors instead, and copied into the
+        targets once every read is done (``_land_overlapped``).
+
+        Raises:
+            StateMismatchError: naming the targets, when one of a group of such targets is
+                filled by reads in pieces or through a cast, which are not read apart.
+        """
+        if self._overlaps_checked:
+            return
+        self._overlaps_checked = True
+        direct = self.direct
+        rows = len(direct)
+        chunks = direct.chunks
+        starts = direct.addresses + [memory_span(t)[0] for _, t in self.indirect]
+        ends = list(map(add, direct.addresses, map(_nbytes, chunks)))
+        ends += [memory_span(t)[1] for _, t in self.indirect]
+        entries = self.entries
+
+        def source(i: int) -> object:
+            path = direct.paths[i] if i < rows else self.indirect[i - rows][0]
+            entry = entries[path]
+            return (entry.dtype, entry.chunks) if type(entry) is TensorEntry else path
+
+        groups = clashes(starts, ends, source)
+        if not groups:
+            return
+        for group in groups:
+            if group[-1] >= rows:
+                paths = [direct.paths[i] if i < rows else self.indirect[i - rows][0] for i in group]
+                raise StateMismatchError(
+                    f"the tensors being restored at {', '.join(map(repr, paths))} share memory "
+                    "(views of one buffer that overlap), and the snapshot holds different "
+                    "values for them, some of which are read in pieces or cast; restore into "
+                    "tensors that do not overlap (.clone() them, or restore the buffer alone)"
+                )
+        moved = sorted(i for g in groups for i in g)
+        planned = [(direct.paths[i], direct.owners[i]) for i in moved]
+        logger.info(
+            "restore %s: %d targets share memory with others and receive other bytes: read "
+            "apart, then copied in order",
+            self.where,
+            len(moved),
+        )
+        direct.remove(moved)
+        owner = self.owner
+        for path, row_owner in planned:
+            target = self.tensors[path]
+            entry = entries[path]
+            handler = for_entry(entry)
+            assert handler is not None and handler.restore is not None
+            self.owner = None  # a new tensor: no live state is written by its reads
+            handler.restore(self, path, entry, None)
+            self._overlapped.append((path, target))
+        self.owner = owner
+
+    def _land_overlapped(self) -> None:
+        """Copies the values read for targets that share memory into them, in the order they
+        were planned: where targets overlap, the later one's value stays, as with
+        ``load_state_dict``."""
+        if not self._overlapped:
+            return
+        with torch.no_grad():
+            for path, target in self._overlapped:
+                target.copy_(self.tensors[path])
+                self.tensors[path] = target
+        self._overlapped = []
 
     def verify_first(self, plugin: StoragePlugin, budget_bytes: int) -> IOStats:
         """The first pass of a restore that checks before it writes: reads the needs that
@@ -392,6 +483,8 @@ class Loader:
         (``execute``'s ``meanwhile``): it changes nothing, and raises nothing; whatever keeps
         a value from being rebuilt (a damaged manifest too) is left to ``inflate`` after the
         reads, which reports it as it always does."""
+        if self._overlapped:
+            return PENDING  # their targets get their values after the reads
         try:
             return inflate(self.entries, root, self.value, self.tensors)
         except Exception:

@@ -29,7 +29,7 @@ from snapshot._engine.commit import begin, commit, manifest_bytes, plugin_locati
 from snapshot._engine.context import gc_paused, naming_snapshot
 from snapshot._engine.dist import Coordinator
 from snapshot._engine.drafts import Layout, PrepareFunc
-from snapshot._engine.flatten import escape_key
+from snapshot._engine.flatten import check_nesting, escape_key
 from snapshot._engine.incremental import Reuse, base_name
 from snapshot._engine.io_loop import join, run, spawn
 from snapshot._engine.manifest_io import load_manifest
@@ -232,6 +232,11 @@ class TakeJob:
             (k, state_dict_of(k, self.app_state[k], self.path))
             for k in ordered_keys(self.app_state)
         ]
+        # Before anything is written (the pending marker, the first blob): a state a restore
+        # would not rebuild is refused whole.
+        with naming_snapshot(self.path):
+            for k, state in states:
+                check_nesting(state, f"{coord.rank}/{escape_key(k)}")
         opts = self.options
         # One budget for the whole take. The pool's blocks (free, or lent to a pending
         # snapshot's writes, which give them back) are memory this take reuses, not memory it

@@ -57,6 +57,17 @@ def _extent(t: torch.Tensor) -> int:
     return t.storage_offset() + reach + 1
 
 
+def memory_span(t: torch.Tensor) -> tuple[int, int]:
+    """The addresses ``[start, end)`` of the memory ``t``'s elements lie in (empty when it has
+    none), whatever the signs of its strides."""
+    if t.numel() == 0:
+        return 0, 0
+    low = sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True) if s < 0)
+    high = sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True) if s > 0)
+    size = t.element_size()
+    return t.data_ptr() + low * size, t.data_ptr() + (high + 1) * size
+
+
 def storage_shortfall(t: torch.Tensor) -> tuple[int, int] | None:
     """``(bytes needed, bytes held)`` when ``t``'s storage is shorter than the elements it views
     reach; None when it holds them (or ``t`` has none)."""

@@ -310,6 +310,8 @@ def restore(loader: Loader, path: str, entry: TensorEntry, target: Any) -> None:
                 landing=loader.landing,
             )
             loader.add_needs(read.needs, into_target=True)
+            if target.is_cpu:  # device memory is another address space: not compared
+                loader.indirect.append((path, target))
         else:
             loader.add_direct(path, entry.chunks[0], address)
         loader.tensors[path] = target
@@ -413,11 +415,12 @@ def direct_address(
         or not 0 < nbytes <= piece_bytes
         or (verify and chunk.crc32 is None)
         or target.dtype is not dtype
+        # Before ``nbytes``, which a sparse tensor raises on: the general path words it.
+        or target.layout is not _STRIDED
         or target.nbytes != nbytes
         or target.is_nested
         or target.shape != entry.shape
         or not target.is_cpu
-        or target.layout is not _STRIDED
         or target.is_quantized
         or not target.is_contiguous()
         or (target.is_neg() if alone else negated(target))

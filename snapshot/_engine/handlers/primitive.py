@@ -5,13 +5,17 @@ from __future__ import annotations
 
 import typing
 
+from manifest import int_fits
+from snapshot._engine.flatten import int_refusal
 from snapshot._engine.handlers import objects
+from snapshot.errors import UnsupportedValueError
 from snapshot._engine.handlers.table import Handler
 
 # ==== take ===================================================================================
 # bool, int, float and None, and a str or bytes of at most ``inline_max_bytes`` (a str
 # encoded), are the manifest's own; a longer str or bytes is a payload of its own
-# (``objects.bytes_draft``), and a str that UTF-8 cannot encode is pickled.
+# (``objects.bytes_draft``), and a str that UTF-8 cannot encode is pickled. An int of more
+# digits than every reader converts (``manifest.int_fits``) is refused.
 # (``PrimitiveEntry`` is imported with the restore section below.)
 
 if typing.TYPE_CHECKING:
@@ -36,6 +40,10 @@ def take(
         if len(value) <= planner.inline_max:
             return PrimitiveEntry(value=value, replicated=replicated)
         return objects.bytes_draft(planner, path, logical, "bytes", "bytes", value, replicated)
+    if kind is int and not int_fits(value):
+        # ``flatten.check_nesting`` refuses it before the take writes anything; this guards
+        # any other way in.
+        raise UnsupportedValueError(int_refusal(path))
     return PrimitiveEntry(value=value, replicated=replicated)
 
 
