@@ -25,31 +25,20 @@ library's snapshot, a user's files), nor anything through a link.
 from __future__ import annotations
 
 import logging
-import math
 import os
-import queue
 import signal
-import sys
 import threading
 import time
 import warnings
-import weakref
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-import torch
-
-from snapshot._engine import arguments
-from snapshot._engine.retention import Policy, Step, to_delete
-from snapshot._engine.steps import (
-    COMMITTED,
-    INCOMPLETE,
-    NOT_FOLDERS,
-    UNREADABLE,
-    StepInfo,
-    Steps,
-    step_name,
-)
+from snapshot._engine import arguments, preemption
+from snapshot._engine.cleaner import Cleaner
+from snapshot._engine.preemption import PreemptionHandler
+from snapshot._engine.rank_zero import RankZero
+from snapshot._engine.retention import Policy
+from snapshot._engine.steps import COMMITTED, NOT_FOLDERS, UNREADABLE, Steps, step_name
 from snapshot.errors import InvalidArgumentError, SnapshotError, SnapshotExistsError
 from snapshot.options import Options, resolve
 from snapshot.pending import PendingSnapshot
@@ -130,39 +119,24 @@ class CheckpointManager:
         self.raise_on_next_save = bool(raise_on_next_save)
         self.options = resolve(options)
         self._steps = Steps(self.root, self.storage_options, self.options)
-        self._rank, self._world = _rank_and_world(pg)
+        # Rank 0 lists, decides and deletes; every rank gets its answers.
+        self._ranks = RankZero(pg, self.options, self.root)
+        self._rank, self._world = self._ranks.rank, self._ranks.world
         # Saves not yet committed, oldest first: (step, pending snapshot or None for a
         # synchronous one still running).
         self._in_flight: list[tuple[int, PendingSnapshot | None]] = []
-        self._in_flight_steps: set[int] = set()
-        # Every step this manager began saving: retention never takes one of their folders
-        # for an earlier run's debris (a listing may catch one mid-take, then it commits).
-        self._started: set[int] = set()
-        # Steps whose save failed: their folder holds what the take could not remove, deleted
-        # as debris even without the pending marker.
-        self._failed: set[int] = set()
-        # Steps whose folder the worker is deleting: a save of one waits for it to end.
-        self._deleting: set[int] = set()
+        # Retention and deletions (rank 0's), and which steps the saves hold.
+        self._cleaner = Cleaner(self._steps, self.policy, self.root)
         self._last_saved: int | None = None
         self._errors: list[BaseException] = []
-        self._lock = threading.Lock()
-        self._changed = threading.Condition(self._lock)
+        self._lock = threading.Lock()  # guards _in_flight and _errors
         # As rank 0 last listed them (every rank: ``steps``): the folder of each step, and the
         # steps a save must not write to (a folder there that is not a take's debris).
         self._folders: dict[int, str] = {}
         self._occupied: dict[int, str] = {}
-        self._warned: set[tuple[str, str]] = set()
-        # Rank 0's worker thread: retention and every deletion run there, one job at a time
-        # (each async save's commit is awaited on a thread of its own, which then queues
-        # retention here); ``None`` in its queue stops it. It holds no reference to the
-        # manager: a manager dropped without ``close`` is collected, and its finalizer stops
-        # the thread once the jobs queued before it are done.
-        self._work: queue.Queue[Callable[[], None] | None] = queue.Queue()
-        self._worker: threading.Thread | None = None
-        self._finalizer: weakref.finalize | None = None
         self._cleaned = False  # incomplete folders left by an earlier run were cleaned
         self._closed = False
-        self._handler: _PreemptionHandler | None = None
+        self._handler: PreemptionHandler | None = None
         # Set by the handler handle_preemption installs when its signal arrives.
         self.preempted = False
         self._ending = False  # the final save after a preemption signal is under way
@@ -179,7 +153,7 @@ class CheckpointManager:
         self._check_open("save")
         if type(step) is not int or step < 0:
             raise InvalidArgumentError(f"step must be an int >= 0, got {step!r}")
-        recorded = _metrics(metrics)
+        recorded = arguments.metrics(metrics)
         if self.raise_on_next_save:
             self._raise_background_error()
         # Across ranks, steps are agreed on by their order: each rank checks its own calls.
@@ -204,11 +178,7 @@ class CheckpointManager:
         user = {"step": step, "metrics": recorded}
         options = self.options.replace(digests=True) if self.incremental else self.options
         t = time.perf_counter()
-        with self._changed:
-            while step in self._deleting:  # debris at this step, being deleted
-                self._changed.wait()
-            self._in_flight_steps.add(step)
-            self._started.add(step)
+        self._cleaner.begin(step)  # waits while debris at this step is being deleted
         try:
             # A PendingSnapshot when async, else the committed Snapshot.
             pending = (Snapshot.async_take if self.async_ else Snapshot.take)(
@@ -223,10 +193,7 @@ class CheckpointManager:
         except BaseException:
             # The take removed what it wrote; a folder it could not remove is debris that the
             # next listing may clean.
-            with self._lock:
-                self._in_flight_steps.discard(step)
-                self._started.discard(step)
-                self._failed.add(step)
+            self._cleaner.end(step, failed=True)
             raise
         self._last_saved = step
         if self.async_:
@@ -253,10 +220,9 @@ class CheckpointManager:
                 self.root,
                 time.perf_counter() - t,
             )
-            with self._lock:
-                self._in_flight_steps.discard(step)
+            self._cleaner.end(step)
             if self._rank == 0:
-                self._submit(self._retain)
+                self._cleaner.run_round()
         self._after_save(step)  # under handle_preemption(app_state, step_fn): maybe the last
 
     def _committed(self, step: int, pending: PendingSnapshot, t0: float) -> None:
@@ -273,8 +239,7 @@ class CheckpointManager:
         except BaseException as e:
             with self._lock:
                 self._errors.append(e)
-                self._started.discard(step)  # its folder is debris now, the worker's to delete
-                self._failed.add(step)
+            self._cleaner.failed(step)  # its folder is debris now, the worker's to delete
             logger.error(
                 "save of step %d under %s failed (training goes on; the newest committed step "
                 "stays; the error is raised by %s): %s",
@@ -284,11 +249,13 @@ class CheckpointManager:
                 e,
             )
         finally:
+            # The cleaner's mark goes before the entry of ``_in_flight``: once ``_drain``
+            # returns, no save that ended is still held in flight for retention.
+            self._cleaner.end(step)
             with self._lock:
                 self._in_flight = [(s, p) for s, p in self._in_flight if p is not pending]
-                self._in_flight_steps.discard(step)
         if self._rank == 0 and not self._closed:
-            self._submit(self._retain)
+            self._cleaner.run_round()
 
     def _refuse_occupied(self, step: int) -> None:
         """Raises ``SnapshotExistsError`` when the last listing found a folder at ``step`` that
@@ -340,106 +307,6 @@ class CheckpointManager:
             _wait_quietly(oldest)
             self._await_commit_record(oldest)
 
-    # -- retention ------------------------------------------------------------------------------
-
-    def _retain(self) -> None:
-        """On rank 0's worker, after a commit: lists the steps, deletes the debris of takes
-        that no save of this manager is writing, and the committed steps the policy lets go.
-        A listing that fails deletes nothing this round."""
-        try:
-            found = self._steps.scan()
-        except Exception as e:
-            logger.warning(
-                "retention under %s deleted nothing this round (tried again after the next "
-                "save): %s",
-                self.root,
-                e,
-            )
-            return
-        # Read after the listing: every folder of this manager's that it saw was begun
-        # before, so it is in ``_started`` (which only grows, but for failed saves) even if
-        # its save began, or committed, while the listing ran. ``_delete`` checks again.
-        with self._lock:
-            in_flight = set(self._in_flight_steps)
-            started = set(self._started)
-            failed = set(self._failed)
-        self._note(found)
-        for s in found:
-            if s.step in in_flight or s.step in started or not s.debris:
-                continue
-            if s.state == INCOMPLETE or s.step in failed:
-                logger.warning(
-                    "%s holds no committed snapshot (%s): deleting it",
-                    self._steps.path(s.name),
-                    "a save that failed" if s.step in failed else s.reason,
-                )
-                self._delete(s, unmarked=s.step in failed)
-        steps = [Step(s.step, s.name, s.metrics, s.bases) for s in found if s.committed]
-        unreadable = [s.name for s in found if s.state == UNREADABLE]
-        doomed = to_delete(self.policy, steps, in_flight, unreadable)
-        if unreadable and to_delete(self.policy, steps, in_flight):
-            self._warn_once(
-                "retention",
-                "retention under %s deletes no step while %s cannot be read (it may need any "
-                "other step as its base): upgrade statesnap to read it, or move it away",
-                self.root,
-                ", ".join(unreadable),
-            )
-        by_name = {s.name: s for s in found}
-        for d in doomed:
-            self._delete(by_name[d.name])
-
-    def _delete(self, s: StepInfo, unmarked: bool = False) -> None:
-        """Deletes the folder of ``s`` (``Steps.delete``: the whole folder checked first),
-        unless a save of this manager began writing there since the listing; a failure is
-        logged."""
-        with self._changed:
-            if not s.committed and s.step in self._started:
-                return
-            self._deleting.add(s.step)
-        try:
-            self._steps.delete(s.name, unmarked=unmarked)
-        except Exception as e:
-            logger.warning(
-                "%s not deleted (tried again after the next save): %s",
-                self._steps.path(s.name),
-                e,
-            )
-        finally:
-            with self._changed:
-                self._deleting.discard(s.step)
-                self._changed.notify_all()
-
-    def _note(self, found: list[StepInfo]) -> None:
-        """Warns, once per folder and reason, of the folders kept because the manager cannot
-        read them or did not make them."""
-        for s in found:
-            if s.state == UNREADABLE:
-                self._warn_once(
-                    s.name + s.reason,
-                    "%s holds a committed snapshot that cannot be read: kept, never restored "
-                    "as the latest step: %s",
-                    self._steps.path(s.name),
-                    s.reason,
-                )
-            elif s.state not in (COMMITTED, INCOMPLETE) and not (
-                s.step in self._started or s.step in self._failed
-            ):
-                self._warn_once(
-                    s.name + s.reason,
-                    "%s is left alone (the checkpoint manager deletes only what a take of its "
-                    "own left): %s",
-                    self._steps.path(s.name),
-                    s.reason,
-                )
-
-    def _warn_once(self, key: str, message: str, *args: Any) -> None:
-        with self._lock:
-            if (key, message) in self._warned:
-                return
-            self._warned.add((key, message))
-        logger.warning(message, *args)
-
     def _clean_once(self) -> None:
         """Before the first save: incomplete folders an earlier run left (a crash mid-take or
         mid-delete) are deleted on rank 0, in the background."""
@@ -447,32 +314,14 @@ class CheckpointManager:
             return
         self._cleaned = True
         if self._rank == 0:
-            self._submit(self._retain)
-
-    # -- the worker (retention and deletions) ----------------------------------------------------
-
-    def _submit(self, job: Callable[[], None]) -> None:
-        if self._worker is None:
-            self._worker = threading.Thread(
-                target=_run_worker,
-                args=(self._work,),
-                name="statesnap-checkpoint-manager",
-                daemon=True,
-            )
-            self._worker.start()
-            # Stops the thread once the manager is collected (the jobs queued before it, which
-            # hold the manager, are done first), or at interpreter exit. A deletion cut short
-            # by the exit leaves marked debris (``steps.delete_snapshot``).
-            self._finalizer = weakref.finalize(self, self._work.put, None)
-        self._work.put(job)
+            self._cleaner.run_round()
 
     def wait(self) -> None:
         """Waits for every save under way to commit and for the deletions queued so far;
         raises the error of a save that failed in the background (the first, once)."""
         self._drain()
-        if self._worker is not None:
-            self._work.join()
-        self._barrier()
+        self._cleaner.join()
+        self._ranks.barrier()
         self._raise_background_error()
 
     def _raise_background_error(self) -> None:
@@ -498,7 +347,7 @@ class CheckpointManager:
 
         def listing() -> tuple[list[tuple[int, str]], list[tuple[int, str, str]]]:
             found = self._steps.scan()
-            self._note(found)
+            self._cleaner.note(found)
             good = [(s.step, s.name) for s in found if s.committed]
             # (step, folder or "" for a link or a file, what blocks a save there or "")
             others = [
@@ -512,7 +361,7 @@ class CheckpointManager:
             ]
             return good, others
 
-        good, others = self._agreed(listing)
+        good, others = self._ranks.agreed(listing)
         # A step has one folder at most (``Steps.scan``), beside which links may be named
         # like it: the folder is the one used.
         self._folders = {step: name for step, name in good}
@@ -600,7 +449,7 @@ class CheckpointManager:
             )
         if self._handler is not None:
             self._handler.uninstall()
-        self._handler = _PreemptionHandler(self, app_state, tuple(signals))
+        self._handler = PreemptionHandler(self, app_state, tuple(signals))
 
     def checkpoint_if_preempted(self, step: int, app_state: dict[str, Any] | None = None) -> None:
         """Marks a step boundary: call it after each step, when ``app_state`` holds the state
@@ -630,15 +479,7 @@ class CheckpointManager:
 
     def _preemption_agreed(self) -> bool:
         """Whether a preemption signal arrived on any rank (this rank alone without a group)."""
-        if self._world == 1:
-            return self.preempted
-        from snapshot._engine import dist as coordination
-
-        flags = coordination.resolve(self.pg, self.options).all_gather(self.preempted)
-        if any(flags) and not self.preempted:
-            logger.warning("preempted: another rank received the signal")
-            self.preempted = True
-        return bool(any(flags))
+        return preemption.agreed(self, self._world, self.pg, self.options)
 
     def _after_save(self, step: int) -> None:
         """End of :meth:`save` under ``handle_preemption(app_state, step_fn)``: after a
@@ -657,37 +498,12 @@ class CheckpointManager:
         signum = handler.signum if handler is not None and handler.signum else signal.SIGTERM
         try:
             self._drain()
-            if self._last_saved is not None and step <= self._last_saved:
-                logger.warning(
-                    "preempted: step %d is saved already under %s (the newest saved is %d)",
-                    step,
-                    self.root,
-                    self._last_saved,
-                )
-            else:
-                logger.warning("preempted: saving step %d under %s before exiting", step, self.root)
-                async_, self.async_ = self.async_, False
-                try:
-                    self.save(step, app_state)
-                finally:
-                    self.async_ = async_
-            self.close()  # waits for the deletions; restores the earlier handlers
+            preemption.save_last(self, step, app_state, self._last_saved)  # and closes
         finally:
             if self._handler is not None:  # the save or the close failed: the error goes on
                 self._handler.uninstall()
                 self._handler = None
-        logger.warning(
-            "preempted: the saves under %s are committed; ending by signal %d", self.root, signum
-        )
-        for stream in (sys.stdout, sys.stderr):  # a signal's default action flushes nothing
-            try:
-                if stream is not None:
-                    stream.flush()
-            except (OSError, ValueError):
-                pass
-        signal.raise_signal(signum)
-        # The earlier handler returned, or ignores the signal: exit as a shell reports a kill.
-        raise SystemExit(128 + signum)
+        preemption.end_by_signal(self.root, signum)
 
     # -- closing --------------------------------------------------------------------------------
 
@@ -703,12 +519,7 @@ class CheckpointManager:
             if self._handler is not None:
                 self._handler.uninstall()
                 self._handler = None
-            if self._worker is not None:
-                if self._finalizer is not None:
-                    self._finalizer.detach()
-                self._work.put(None)
-                self._worker.join()
-                self._worker = None
+            self._cleaner.stop()
 
     def __enter__(self) -> CheckpointManager:
         return self
@@ -726,114 +537,6 @@ class CheckpointManager:
         if self._closed:
             raise SnapshotError(f"CheckpointManager.{call}: the manager of {self.root} is closed")
 
-    # -- across ranks ---------------------------------------------------------------------------
-
-    def _agreed(self, compute: Callable[[], Any]) -> Any:
-        """``compute()`` on rank 0, given to every rank (a failure there fails every rank).
-        It travels on the library's gloo group (any backend's job; a lost rank is found
-        within the library's bounds)."""
-        if self._world == 1:
-            return compute()
-        from snapshot._engine import dist as coordination
-
-        box: tuple[str, Any] | None = None
-        if self._rank == 0:
-            try:
-                box = ("ok", compute())
-            except Exception as e:
-                box = ("error", f"{type(e).__name__}: {e}")
-        kind, value = coordination.resolve(self.pg, self.options).all_gather(box)[0]
-        if kind == "error":
-            raise SnapshotError(f"rank 0 of the checkpoint manager of {self.root} failed: {value}")
-        return value
-
-    def _barrier(self) -> None:
-        if self._world > 1:
-            from snapshot._engine import dist as coordination
-
-            coordination.resolve(self.pg, self.options).all_gather(None)
-
-
-class _PreemptionHandler:
-    """The signal handlers ``handle_preemption`` installs, and the ones they replaced. A
-    handler records the signal and logs it; it calls nothing of the manager's, so a signal
-    arriving in the middle of a ``save`` lets that save complete."""
-
-    def __init__(
-        self,
-        manager: CheckpointManager,
-        app_state: dict[str, Any] | None,
-        signals: tuple[int, ...],
-    ) -> None:
-        self.manager = manager
-        self.app_state = app_state
-        self.signum: int | None = None  # the first signal received
-        self.previous = {s: signal.signal(s, self._on_signal) for s in signals}
-
-    def _on_signal(self, signum: int, frame: Any) -> None:
-        if self.signum is not None:
-            logger.warning(
-                "signal %d received again by the checkpoint manager of %s: the final save "
-                "happens at the next step boundary",
-                signum,
-                self.manager.root,
-            )
-            return
-        self.signum = signum
-        self.manager.preempted = True
-        logger.warning(
-            "signal %d received by the checkpoint manager of %s: manager.preempted is set, "
-            "the final save happens at the next step boundary",
-            signum,
-            self.manager.root,
-        )
-
-    def uninstall(self) -> None:
-        """Puts back the handlers this one replaced (the default one where an earlier handler
-        was installed from outside Python)."""
-        for s, handler in self.previous.items():
-            signal.signal(s, signal.SIG_DFL if handler is None else handler)
-        self.previous = {}
-
-
-def _metrics(metrics: Mapping[str, float] | None) -> dict[str, float]:
-    """``metrics`` checked: str names, finite numbers."""
-    if metrics is None:
-        return {}
-    if not isinstance(metrics, Mapping):
-        raise InvalidArgumentError(
-            f"metrics must be a dict of name -> number, got {type(metrics).__name__}"
-        )
-    out = {}
-    for name, value in metrics.items():
-        if isinstance(value, torch.Tensor) and value.numel() == 1:
-            value = value.item()
-        if (
-            not isinstance(name, str)
-            or isinstance(value, bool)
-            or not isinstance(value, (int, float))
-            or not math.isfinite(value)
-        ):
-            raise InvalidArgumentError(
-                f"metrics must map str names to finite numbers, got {name!r}: {value!r}"
-            )
-        out[name] = value
-    return out
-
-
-def _run_worker(work: queue.Queue[Callable[[], None] | None]) -> None:
-    """The worker thread: runs the jobs of ``work`` until ``None``. It keeps no job (which may
-    hold the manager) while it waits for the next."""
-    while True:
-        job = work.get()
-        try:
-            if job is None:
-                return
-            job()
-        finally:
-            job = None
-            work.task_done()
-
 
 def _wait_quietly(pending: PendingSnapshot | None) -> None:
     """Waits for a pending snapshot to end; its error is the worker's to record."""
@@ -843,16 +546,6 @@ def _wait_quietly(pending: PendingSnapshot | None) -> None:
         pending.wait()
     except BaseException:
         pass
-
-
-def _rank_and_world(pg: Any | None) -> tuple[int, int]:
-    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        if pg is not None:
-            raise InvalidArgumentError(
-                "CheckpointManager got a process group, but torch.distributed is not initialized"
-            )
-        return 0, 1
-    return torch.distributed.get_rank(pg), torch.distributed.get_world_size(pg)
 
 
 __all__ = ["CheckpointManager"]

@@ -8,6 +8,7 @@ the working directory to the local plugin).
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -190,3 +191,29 @@ def user_metadata(value: object, call: str, where: str) -> dict[str, Any] | None
         )
 
     return plain(value, "", 0)
+
+
+def metrics(value: Mapping[str, float] | None) -> dict[str, float]:
+    """A checkpoint manager's ``metrics`` checked: str names, finite numbers (a one-element
+    tensor taken as its number)."""
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise InvalidArgumentError(
+            f"metrics must be a dict of name -> number, got {type(value).__name__}"
+        )
+    out = {}
+    for name, number in value.items():
+        if isinstance(number, torch.Tensor) and number.numel() == 1:
+            number = number.item()
+        if (
+            not isinstance(name, str)
+            or isinstance(number, bool)
+            or not isinstance(number, (int, float))
+            or not math.isfinite(number)
+        ):
+            raise InvalidArgumentError(
+                f"metrics must map str names to finite numbers, got {name!r}: {number!r}"
+            )
+        out[name] = number
+    return out
