@@ -232,9 +232,7 @@ class TakeJob:
             (k, state_dict_of(k, self.app_state[k], self.path))
             for k in ordered_keys(self.app_state)
         ]
-        # Before anything is written (the pending marker, the first blob): a state a restore
-        # would not rebuild is refused whole.
-        with naming_snapshot(self.path):
+        with naming_snapshot(self.path):  # refused whole, before the marker or any blob
             for k, state in states:
                 check_nesting(state, f"{coord.rank}/{escape_key(k)}")
         opts = self.options
@@ -296,13 +294,9 @@ class TakeJob:
             facts = self._facts = describe(self.collected, f"{coord.rank}/")
             info["marked"], info["prints"] = facts.marked, facts.prints
             info["own_bytes"] = self.collected.own_bytes
-            logger.debug(
-                "take %s: %d values marked replicated, %d described in %.3f s",
-                self.path,
-                len(facts.marked),
-                len(facts.prints),
-                time.perf_counter() - t,
-            )
+            t = time.perf_counter() - t
+            logger.debug("take %s: %d values marked replicated, %d described in %.3f s",
+                         self.path, len(facts.marked), len(facts.prints), t)  # fmt: skip
         return info
 
     def _reuse(self) -> Reuse:
