@@ -11,7 +11,12 @@ import os
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any
 
-from storage_plugins.base import BlobTooLargeError, Buffer, StoragePlugin
+from storage_plugins.base import BlobTooLargeError, Buffer, StoragePlugin, _copy_observed
+
+try:
+    from isal.isal_zlib import crc32 as _crc32
+except ImportError:  # pragma: no cover - the library depends on isal; a plugin alone may not
+    from zlib import crc32 as _crc32
 
 logger = logging.getLogger(__name__)
 
@@ -181,13 +186,25 @@ class S3StoragePlugin(StoragePlugin):
     # -- writes ----------------------------------------------------------------------------------
 
     async def write(self, path: str, buffers: Sequence[Buffer]) -> None:
+        await self._write(path, buffers, None)
+
+    async def write_observed(
+        self, path: str, buffers: Sequence[Buffer], observe: Callable[[memoryview], None]
+    ) -> None:
+        # What is observed is what is sent: the body's copies as they are made (``_Body``), or
+        # a part's copy (``_multipart``); never ``buffers``, which another thread may change.
+        await self._write(path, buffers, observe)
+
+    async def _write(
+        self, path: str, buffers: Sequence[Buffer], observe: Callable[[memoryview], None] | None
+    ) -> None:
         self._sizes.pop(path, None)
         views = [memoryview(b).cast("B") for b in buffers if len(b)]
         total = sum(len(v) for v in views)
         if total <= self._part_bytes:
-            await self._call("put_object", path, Body=_Body(views))
+            await self._call("put_object", path, Body=_Body(views, observe))
             return
-        await self._multipart(path, views, total)
+        await self._multipart(path, views, total, observe)
 
     async def write_if_absent(self, path: str, buffers: Sequence[Buffer]) -> None:
         """A conditional put (``If-None-Match: *``): stored only where no object has the key,
@@ -201,22 +218,48 @@ class S3StoragePlugin(StoragePlugin):
                 raise FileExistsError(f"{self.describe(path)} exists") from e
             raise
 
-    async def _multipart(self, path: str, views: list[memoryview], total: int) -> None:
+    async def _multipart(
+        self,
+        path: str,
+        views: list[memoryview],
+        total: int,
+        observe: Callable[[memoryview], None] | None = None,
+    ) -> None:
+        """A multipart upload of ``views``, its parts sent concurrently. With ``observe``,
+        each part is first copied, in order, the copy observed and sent (parts are read
+        concurrently as they are sent, and ``observe`` must see the bytes in order): at most
+        ``max_concurrent_requests`` copies are held at once."""
         part_bytes = max(self._part_bytes, -(-total // _MAX_PARTS))
         created = await self._call("create_multipart_upload", path)
         upload_id = created["UploadId"]
+        copies = asyncio.Semaphore(self._concurrency)
 
-        async def upload(number: int, pieces: list[memoryview]) -> dict[str, Any]:
-            done = await self._call(
-                "upload_part", path, UploadId=upload_id, PartNumber=number, Body=_Body(pieces)
-            )
+        async def upload(number: int, pieces: list[memoryview], copied: bool) -> dict[str, Any]:
+            try:
+                done = await self._call(
+                    "upload_part", path, UploadId=upload_id, PartNumber=number, Body=_Body(pieces)
+                )
+            finally:
+                if copied:
+                    copies.release()
             return {"PartNumber": number, "ETag": done["ETag"]}
 
-        tasks = [
-            asyncio.ensure_future(upload(number, pieces))
-            for number, pieces in enumerate(_parts(views, part_bytes), start=1)
-        ]
+        tasks: list[asyncio.Future[dict[str, Any]]] = []
         try:
+            for number, pieces in enumerate(_parts(views, part_bytes), start=1):
+                if observe is not None:
+                    await copies.acquire()
+                    failed = [t for t in tasks if t.done() and t.exception() is not None]
+                    if failed:
+                        copies.release()
+                        raise failed[0].exception()  # type: ignore[misc]
+                    try:
+                        copied = await asyncio.to_thread(_copy_observed, pieces, observe)
+                    except BaseException:
+                        copies.release()
+                        raise
+                    pieces = list(map(memoryview, copied))
+                tasks.append(asyncio.ensure_future(upload(number, pieces, observe is not None)))
             parts = await asyncio.gather(*tasks)
             await self._call(
                 "complete_multipart_upload",
@@ -484,7 +527,9 @@ class _Body:
     given up, and the caller's buffers are reused once ``write`` returns.
     """
 
-    def __init__(self, views: list[memoryview]) -> None:
+    def __init__(
+        self, views: list[memoryview], observe: Callable[[memoryview], None] | None = None
+    ) -> None:
         self._views = views
         self._size = sum(len(v) for v in views)
         self._pos = 0
@@ -492,6 +537,13 @@ class _Body:
         # the body (a slab's body is thousands of member views; reads must not rescan them).
         self._index = 0
         self._index_start = 0
+        self._observe = observe
+        self._seen = 0  # the bytes [0, _seen) were read, copied and observed
+        # With ``observe``: the CRC-32 of the bytes [0, n) as first read, at the end n of each
+        # read; a body read again after a seek back (botocore re-sending it, or reading it
+        # once to hash it) must give the same bytes, checked against these.
+        self._prefix_crcs: dict[int, int] = {0: 0}
+        self._check: tuple[int, int] | None = None  # (position, CRC of [0, position)) re-read
 
     def __len__(self) -> int:
         return self._size
@@ -525,8 +577,49 @@ class _Body:
                     break  # this view has more for the next read
             start += len(v)
             i += 1
+        begin = self._pos
         self._pos, self._index, self._index_start = pos, i, start
-        return bytes(pieces[0]) if len(pieces) == 1 else b"".join(pieces)
+        data = bytes(pieces[0]) if len(pieces) == 1 else b"".join(pieces)
+        if self._observe is not None and data:
+            self._observed(begin, memoryview(data))
+        return data
+
+    def _observed(self, begin: int, data: memoryview) -> None:
+        """Shows the copy ``data`` of the body's bytes from ``begin`` on to the observer, each
+        byte once, the first time it is read; a byte read again must be what was observed
+        (an ``OSError`` otherwise: the bytes sent would not be those checksummed)."""
+        end = begin + len(data)
+        if begin < self._seen:  # read again, after a seek back
+            check = self._check
+            if check is None or check[0] != begin:
+                if begin not in self._prefix_crcs:
+                    raise OSError(
+                        errno.EIO, f"an upload's body was read again from byte {begin}, "
+                        "where no read of it ended: its checksum cannot be kept"
+                    )
+                check = (begin, self._prefix_crcs[begin])
+            again = min(end, self._seen) - begin
+            value = _crc32(data[:again], check[1])
+            at = begin + again
+            recorded = self._prefix_crcs.get(at)
+            if recorded is not None and recorded != value:
+                raise OSError(
+                    errno.EIO, "an upload's body changed between two reads of it (its memory "
+                    "was written meanwhile): what is sent would not be what was checksummed"
+                )
+            self._check = (at, value)
+            data = data[again:]
+            begin = at
+            if not data:
+                return
+        if begin > self._seen:
+            raise OSError(
+                errno.EIO, f"an upload's body was read from byte {begin}, past the bytes read "
+                f"so far ({self._seen}): its checksum cannot be kept"
+            )
+        self._observe(data)  # type: ignore[misc]  # checked by the caller
+        self._prefix_crcs[end] = _crc32(data, self._prefix_crcs[begin])
+        self._seen = end
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
         while piece := self.read(_PIECE_BYTES):
