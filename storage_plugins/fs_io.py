@@ -273,9 +273,9 @@ def write_all(
             observe(buf[:fill])
         return
     if start_writeback is None:
-        _move_all(views, functools.partial(os.writev, fd), _MAX_SYSCALL_BYTES, None)
+        _move_all(list(views), functools.partial(os.writev, fd), _MAX_SYSCALL_BYTES, None)
         return
-    _move_all(views, write, _OBSERVED_WRITE_BYTES, None)
+    _move_all(list(views), write, _OBSERVED_WRITE_BYTES, None)
 
 
 def read_all(

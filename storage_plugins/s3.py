@@ -258,7 +258,7 @@ class S3StoragePlugin(StoragePlugin):
                     except BaseException:
                         copies.release()
                         raise
-                    pieces = list(map(memoryview, copied))
+                    pieces = [memoryview(c) for c in copied]
                 tasks.append(asyncio.ensure_future(upload(number, pieces, observe is not None)))
             parts = await asyncio.gather(*tasks)
             await self._call(

@@ -173,10 +173,10 @@ def test_fs_take_mutated_meanwhile_restores(tmp_path, mode: str, sizes: str) -> 
 
 
 def test_fs_slabs_written_directly_restore(tmp_path) -> None:
-    """direct_io=True writes slabs of small tensors directly too (slabs of 1 MiB and more)."""
+    """Slabs of 1 MiB and more written with direct I/O (with fsync on, as by default)."""
     if not _direct_io_works(str(tmp_path)):
         pytest.skip(f"the file system of {tmp_path} refuses O_DIRECT writes")
-    options = {"fsync": False, "direct_io": True}
+    options = {"fsync": True, "direct_io": True}
     run_rounds(lambda r: str(tmp_path / f"snap{r}"), lambda: small_state(1200), options)
 
 
@@ -211,6 +211,25 @@ def test_s3_take_mutated_meanwhile_restores(s3_bucket: S3Bucket, sizes: str) -> 
     run_rounds(lambda r: s3_bucket.url(f"snap{r}"), make, storage_options)
 
 
+def _local_fsspec(root: str, storage_options: dict[str, Any] | None = None) -> Any:
+    """fsspec's local file system (``file://``) under the test protocol ``fsspecfile://``."""
+    from storage_plugins.fsspec_plugin import FSSpecStoragePlugin
+
+    return FSSpecStoragePlugin("file://" + root.partition("://")[2], storage_options)
+
+
+@pytest.mark.parametrize("sizes", ["small", "large"])
+def test_fsspec_take_mutated_meanwhile_restores(tmp_path, sizes: str) -> None:
+    from storage_plugins import register_storage_plugin, unregister_storage_plugin
+
+    register_storage_plugin("fsspecfile", _local_fsspec)
+    try:
+        make = small_state if sizes == "small" else large_state
+        run_rounds(lambda r: f"fsspecfile://{tmp_path}/snap{r}", make)
+    finally:
+        unregister_storage_plugin("fsspecfile")
+
+
 # ---------------------------------------------------------------------------------------------
 # async_take: every payload is copied into a pooled buffer before anything reads it; the CRCs
 # and the writes are of that copy.
@@ -228,3 +247,22 @@ def test_async_take_mutated_meanwhile_restores(tmp_path, store: str, sizes: str)
         url = lambda r: f"memory://{root}/snap{r}"  # noqa: E731
         storage_options = None
     run_rounds(url, make, storage_options, asynchronous=True)
+
+
+def test_s3_body_observes_each_byte_once_and_refuses_a_changed_reread() -> None:
+    """A request body read again (botocore hashing it first, or re-sending it) is observed
+    once; if its memory changed between the reads, the read fails rather than send bytes
+    other than those observed."""
+    from storage_plugins.s3 import _Body
+
+    data = bytearray(os.urandom(1000))
+    seen: list[bytes] = []
+    body = _Body([memoryview(data)[:300], memoryview(data)[300:]], lambda v: seen.append(bytes(v)))
+    first = body.read(400) + body.read(-1)
+    body.seek(0)
+    again = body.read(700) + body.read(-1)
+    assert first == again == bytes(data) == b"".join(seen)
+    body.seek(400)
+    data[500] ^= 1
+    with pytest.raises(OSError, match="changed between two reads"):
+        body.read(-1)
