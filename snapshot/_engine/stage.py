@@ -5,10 +5,10 @@ Without a pool (take), a payload of a blob of its own is written from a view of 
 memory (``stage_payload``), or from a gathered copy when its tensor cannot be viewed
 (``TensorSource`` pieces: prepared, conjugate or negated, non-contiguous, on a device); the
 plugin checksums the bytes it writes, from its own copy of them. A slab's members are copied
-into one buffer of the slab (``stage_slab``), which is written. With a ``StagingPool`` (async take), every payload of a write is copied into one
-pooled buffer (``_pooled``), from a device asynchronously on a staging stream, a large host
-tensor on the runtime's copier thread (``_Pooled``), so that nothing written later reads the
-application's memory. A slab's members get their CRC-32s here, from the copy that is written,
+into one buffer of the slab (``stage_slab``), which is written. With a ``StagingPool`` (async
+take), every payload of a write is copied into one pooled buffer (``_pooled``), from a device
+asynchronously on a staging stream, a large host tensor on the runtime's copier thread
+(``_Pooled``), so that nothing written later reads the application's memory. A slab's members get their CRC-32s here, from the copy that is written,
 as they are staged (see ``placement.Placer``).
 
 ``stager(pool)`` is what the take gives its placers (``placement.Stager``).
