@@ -157,19 +157,23 @@ class StoragePlugin(abc.ABC):
         in order, each exactly once (the library computes checksums this way). ``observe``
         may be called from any thread, but never concurrently with itself.
 
-        The default observes each buffer (on a worker thread when they are large), then
-        writes. A plugin that writes in pieces overrides it to observe each piece right after
-        writing it, while the bytes are still in the CPU's cache.
+        What is observed must be the very bytes stored, even while another thread changes the
+        memory of ``buffers`` (an application updating its tensors in place during a take):
+        a plugin observes its own copy of them, the one it sends or writes, never ``buffers``
+        before or after their write. The default copies the blob's bytes (a ``bytes`` buffer,
+        which nobody can change, is used as it is; on a worker thread when they are large),
+        observes the copy, then writes the copy; plugins that can stream override it to copy
+        and observe piece by piece.
 
         ``observe`` may also have a ``many(pieces)`` method, the same as calling ``observe`` on
         each of ``pieces`` in order; a plugin that moves many buffers at once may use it (the
         library's digests checksum slab members in bulk that way).
         """
-        if sum(len(b) for b in buffers) > _OBSERVE_INLINE_BYTES:
-            await asyncio.to_thread(_observe_all, buffers, observe)
+        if sum(len(b) for b in buffers) > OBSERVE_INLINE_BYTES:
+            copies = await asyncio.to_thread(copy_observed, buffers, observe)
         else:
-            _observe_all(buffers, observe)
-        await self.write(path, buffers)
+            copies = copy_observed(buffers, observe)
+        await self.write(path, copies)
 
     async def readv_observed(
         self,
@@ -184,7 +188,7 @@ class StoragePlugin(abc.ABC):
         it to observe each piece right after it lands.
         """
         await self.readv(path, offset, outs)
-        if sum(len(o) for o in outs) > _OBSERVE_INLINE_BYTES:
+        if sum(len(o) for o in outs) > OBSERVE_INLINE_BYTES:
             await asyncio.to_thread(_observe_all, outs, observe)
         else:
             _observe_all(outs, observe)
@@ -276,7 +280,18 @@ class StoragePlugin(abc.ABC):
 
 
 # Observing up to this many bytes inline costs less than handing them to a thread.
-_OBSERVE_INLINE_BYTES = 1 << 20
+OBSERVE_INLINE_BYTES = 1 << 20
+
+
+def copy_observed(
+    buffers: Sequence[Buffer], observe: Callable[[memoryview], None]
+) -> list[bytes]:
+    """A private copy of each non-empty buffer (``bytes`` ones as they are: immutable), each
+    shown to ``observe`` in order."""
+    copies = [b if type(b) is bytes else bytes(b) for b in buffers if len(b)]
+    for c in copies:
+        observe(memoryview(c))
+    return copies
 
 
 def _observe_all(buffers: Sequence[Buffer], observe: Callable[[memoryview], None]) -> None:

@@ -72,9 +72,9 @@ def _unsafe(where: str, mode: int) -> UnsafeBlobError:
 # Smaller files (manifests, objects, a few small tensors) go through the page cache: a direct
 # write of a few KiB waits on the device for little.
 _DIRECT_MIN_BYTES = 1 << 20
-# With direct_io="auto", a file made of many small views (a slab of small tensors) also goes
-# through the page cache, where ``pwritev`` copies up to 1,024 views in the kernel without the
-# GIL; a direct write copies them into the aligned buffer holding the GIL and takes the GIL back
+# With direct_io="auto", a file made of many small views also goes through the page cache, where
+# ``pwritev`` copies up to 1,024 views in the kernel without the GIL; a direct write copies
+# them into the aligned buffer holding the GIL and takes the GIL back
 # after each 4 MiB piece, which costs up to the switch interval while the caller still plans in
 # Python (figures: benchmarks/results/2026-11-23-71727b9-slabs-through-the-page-cache.md).
 # A file whose views average this much or more (a large tensor: one view) is written directly.
@@ -90,7 +90,7 @@ def _direct_without_fsync() -> bool:
     logger.info(
         "this machine hands its free memory back to the host (virtio-balloon free page "
         "reporting), which makes page-cache memory slow to allocate: files of 1 MiB and more "
-        "(but slabs of small tensors) are written with direct I/O also without fsync "
+        "are written with direct I/O also without fsync "
         "(storage_options direct_io=False writes them through the page cache)"
     )
     return True
@@ -113,8 +113,9 @@ class FSStoragePlugin(StoragePlugin):
             allocating page-cache memory costs more than the device's write); True always
             (the take then ends when the device has the bytes, not when the page cache has
             them: slower on a machine whose page cache takes writes faster than its disk).
-            "auto" leaves a file of many small views (a slab of small tensors) to the page
-            cache, where they are copied without the GIL; True writes it directly too.
+            "auto" leaves a file given as many small views to the page cache, where they
+            are copied without the GIL; True writes it directly too. (A slab of small tensors
+            is one buffer, its copy: written as any other file.)
             A file system that refuses direct I/O (tmpfs, some network and FUSE file
             systems) is written through the page cache instead, with a log line.
         io_threads (int, default 8): size of the thread pool.

@@ -3,8 +3,9 @@ loops behind its reads and writes, and its direct writes.
 
 Vectored calls (``writev`` / ``preadv``) move many buffers per call, resuming after short
 transfers, with an optional observer (a checksum) that sees each piece right after its call.
-A file written with direct I/O (``O_DIRECT``) goes through an aligned buffer of the writing
-thread. Functions only: the plugin decides which file gets which.
+A file written with direct I/O (``O_DIRECT``), or with an observer, goes through an aligned
+buffer of the writing thread: the observer sees the very bytes written. Functions only: the
+plugin decides which file gets which.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import os
 import threading
 from bisect import bisect_right
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from itertools import accumulate, repeat
 from operator import sub
 
@@ -28,12 +29,12 @@ Observer = Callable[[memoryview], None]
 # Linux moves at most this many bytes per read/write system call, in at most IOV_MAX buffers.
 _MAX_SYSCALL_BYTES = 0x7FFFF000
 _MAX_IOV = 1024
-# With an observer, bytes move in system calls of at most these sizes, each observed right after
-# it, while the bytes are likely still in the CPU's caches. Smaller calls cost more calls per
-# byte (and slicing writes costs even with nothing observed); larger ones let the bytes leave
-# the caches before the observer reads them. Of the sizes tried, these cost the least for
-# warm restores and checksummed takes on the machines measured. The write size is also the
-# piece handed to the device at a time when the file will be fsynced (below).
+# With an observer, reads move bytes in system calls of at most ``_OBSERVED_READ_BYTES``, each
+# observed right after it, while the bytes are likely still in the CPU's caches. Smaller calls
+# cost more calls per byte; larger ones let the bytes leave the caches before the observer reads
+# them. Observed writes go through the thread's buffer (``write_all``), a buffer-full at a time.
+# A file that will be fsynced is written in calls of at most ``_OBSERVED_WRITE_BYTES``: the
+# piece handed to the device at a time (below).
 _OBSERVED_READ_BYTES = 4 << 20
 _OBSERVED_WRITE_BYTES = 8 << 20
 
@@ -93,7 +94,9 @@ _SYNC_FILE_RANGE_WRITE = 2
 # page-aligned buffer of each I/O thread and written from there in pieces of
 # ``_DIRECT_PIECE_BYTES``; the last piece is padded to ``_DIRECT_ALIGN`` and the file cut back
 # to its length. Tensor memory is rarely page-aligned, so the copy is needed; it runs at memory
-# speed into memory reused for every piece.
+# speed into memory reused for every piece. The same buffer carries the checksummed writes
+# through the page cache (``write_all``): a checksum must be of the bytes written, and the
+# buffer is the one copy of them that no other thread can change.
 O_DIRECT: int = getattr(os, "O_DIRECT", 0)
 _DIRECT_ALIGN = 4096
 # Per I/O thread (8 threads: 32 MiB at most): each write call moves a few MiB, and the buffers
@@ -103,8 +106,8 @@ _bounce = threading.local()
 
 
 def _bounce_buffer() -> memoryview:
-    """This thread's page-aligned buffer for direct writes (freed when the thread ends, with
-    the plugin's pool)."""
+    """This thread's page-aligned buffer for direct and checksummed writes (freed when the
+    thread ends, with the plugin's pool)."""
     buf = getattr(_bounce, "view", None)
     if buf is None or len(buf) != _DIRECT_PIECE_BYTES:
         buf = _bounce.view = memoryview(mmap.mmap(-1, _DIRECT_PIECE_BYTES))
@@ -172,40 +175,22 @@ class DirectRefused(Exception):
         self.error = error
 
 
-def write_direct(fd: int, views: Sequence[memoryview], observe: Observer | None) -> None:
-    """Writes ``views`` (non-empty byte views, in order) to ``fd``, opened with O_DIRECT at
-    offset 0, through this thread's aligned buffer; ``observe`` sees each piece right after its
-    write, from the buffer (the very bytes written). Raises ``DirectRefused`` when the first
-    write is refused (EINVAL): nothing is then written or observed.
+def _fill(buf: memoryview, views: Sequence[memoryview]) -> Iterator[tuple[int, int]]:
+    """Copies the concatenation of ``views`` (non-empty byte views, in order) into ``buf`` one
+    buffer-full at a time: yields ``(pos, fill)`` once the buffer holds the stream's bytes
+    ``[pos, pos + fill)`` at its start (``fill`` is the buffer's length but for the last).
 
     A slab is thousands of views: those that fit whole in the buffer are copied by one C-level
     pass per buffer-full (``map`` of the buffer's ``__setitem__`` over their slices), not by a
     Python loop per view; only a view cut by the buffer's end takes Python steps of its own.
     """
-    buf = _bounce_buffer()
     piece = len(buf)
     count = len(views)
     ends = list(accumulate(map(len, views)))  # where each view ends in the stream
     starts = [0, *ends[:-1]]
     total = ends[-1] if ends else 0
-    pos = 0  # stream (and file) offset of the buffer's first byte
+    pos = 0  # stream offset of the buffer's first byte
     i = 0  # the first view not wholly copied (it may have begun in an earlier buffer-full)
-
-    def flush(nbytes: int, padded: int) -> None:
-        done = 0
-        while done < padded:
-            try:
-                n = os.pwrite(fd, buf[done:padded], pos + done)
-            except OSError as e:
-                if pos == 0 and done == 0 and e.errno == errno.EINVAL:
-                    raise DirectRefused(e) from e
-                raise
-            if n <= 0:
-                raise OSError(errno.EIO, f"a system call moved no bytes at byte {pos + done}")
-            done += n
-        if observe is not None:
-            observe(buf[:nbytes])
-
     while pos < total:
         stop = min(pos + piece, total)  # stream offset where this buffer-full ends
         j = bisect_right(ends, stop, i, count)  # views i..j-1 end within this buffer-full
@@ -221,40 +206,77 @@ def write_direct(fd: int, views: Sequence[memoryview], observe: Observer | None)
         if i < count and starts[i] < stop:  # a view going on past this buffer-full
             lo = max(starts[i], pos)
             buf[lo - pos : piece] = views[i][lo - starts[i] : stop - starts[i]]
-        fill = stop - pos
+        yield pos, stop - pos
+        pos = stop
+
+
+def write_direct(fd: int, views: Sequence[memoryview], observe: Observer | None) -> None:
+    """Writes ``views`` (non-empty byte views, in order) to ``fd``, opened with O_DIRECT at
+    offset 0, through this thread's aligned buffer (``_fill``); ``observe`` sees each piece
+    right after its write, from the buffer (the very bytes written). Raises ``DirectRefused``
+    when the first write is refused (EINVAL): nothing is then written or observed.
+    """
+    buf = _bounce_buffer()
+    piece = len(buf)
+
+    def flush(pos: int, nbytes: int, padded: int) -> None:
+        done = 0
+        while done < padded:
+            try:
+                n = os.pwrite(fd, buf[done:padded], pos + done)
+            except OSError as e:
+                if pos == 0 and done == 0 and e.errno == errno.EINVAL:
+                    raise DirectRefused(e) from e
+                raise
+            if n <= 0:
+                raise OSError(errno.EIO, f"a system call moved no bytes at byte {pos + done}")
+            done += n
+        if observe is not None:
+            observe(buf[:nbytes])
+
+    for pos, fill in _fill(buf, views):
         if fill == piece:
-            flush(piece, piece)
+            flush(pos, piece, piece)
         else:  # the last, short piece: padded to the alignment, then the file cut back
             padded = -(-fill // _DIRECT_ALIGN) * _DIRECT_ALIGN
             buf[fill:padded] = bytes(padded - fill)  # no stale memory reaches the disk
-            flush(fill, padded)
+            flush(pos, fill, padded)
             os.ftruncate(fd, pos + fill)
-        pos = stop
 
 
 def write_all(
     fd: int, views: Sequence[memoryview], observe: Observer | None = None, writeback: bool = False
 ) -> None:
-    """Writes every view (non-empty byte views) in order, resuming after short writes;
-    ``observe`` sees each piece written, in order, right after its system call. With
+    """Writes every view (non-empty byte views) in order, resuming after short writes. With
     ``writeback``, the device starts writing each piece as soon as it is written (the file is
-    about to be fsynced)."""
+    about to be fsynced).
+
+    With ``observe`` (a checksum), the bytes go through this thread's buffer (``_fill``): each
+    buffer-full is copied there, written from there, then shown to ``observe``, so that what is
+    observed is what was written even while another thread changes the memory of ``views``
+    (an application updating its tensors in place during a take). Observing ``views``
+    themselves after their write would checksum whatever they hold by then."""
     start_writeback = _sync_file_range if writeback else None
-    if start_writeback is None:
-        limit = _MAX_SYSCALL_BYTES if observe is None else _OBSERVED_WRITE_BYTES
-        _move_all(views, functools.partial(os.writev, fd), limit, observe)
-        return
     pos = 0
 
     def write(batch: list[memoryview]) -> int:
         nonlocal pos
         n = os.writev(fd, batch)
-        if n > 0:
+        if n > 0 and start_writeback is not None:
             start_writeback(fd, pos, n, _SYNC_FILE_RANGE_WRITE)
-            pos += n
+        pos += max(n, 0)
         return n
 
-    _move_all(views, write, _OBSERVED_WRITE_BYTES, observe)
+    if observe is not None:
+        buf = _bounce_buffer()
+        for _, fill in _fill(buf, views):
+            _move_all([buf[:fill]], write, _OBSERVED_WRITE_BYTES, None)
+            observe(buf[:fill])
+        return
+    if start_writeback is None:
+        _move_all(list(views), functools.partial(os.writev, fd), _MAX_SYSCALL_BYTES, None)
+        return
+    _move_all(list(views), write, _OBSERVED_WRITE_BYTES, None)
 
 
 def read_all(

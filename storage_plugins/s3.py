@@ -8,11 +8,12 @@ import errno
 import functools
 import logging
 import os
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from storage_plugins.base import BlobTooLargeError, Buffer, StoragePlugin
+from storage_plugins.base import BlobTooLargeError, Buffer, StoragePlugin, copy_observed
 from storage_plugins.registry import check_below_root
+from storage_plugins.s3_body import Body, split_parts
 
 logger = logging.getLogger(__name__)
 
@@ -184,19 +185,31 @@ class S3StoragePlugin(StoragePlugin):
     # -- writes ----------------------------------------------------------------------------------
 
     async def write(self, path: str, buffers: Sequence[Buffer]) -> None:
+        await self._write(path, buffers, None)
+
+    async def write_observed(
+        self, path: str, buffers: Sequence[Buffer], observe: Callable[[memoryview], None]
+    ) -> None:
+        # What is observed is what is sent: the body's copies as they are made (``Body``), or
+        # a part's copy (``_multipart``); never ``buffers``, which another thread may change.
+        await self._write(path, buffers, observe)
+
+    async def _write(
+        self, path: str, buffers: Sequence[Buffer], observe: Callable[[memoryview], None] | None
+    ) -> None:
         self._sizes.pop(path, None)
         views = [memoryview(b).cast("B") for b in buffers if len(b)]
         total = sum(len(v) for v in views)
         if total <= self._part_bytes:
-            await self._call("put_object", path, Body=_Body(views))
+            await self._call("put_object", path, Body=Body(views, observe))
             return
-        await self._multipart(path, views, total)
+        await self._multipart(path, views, total, observe)
 
     async def write_if_absent(self, path: str, buffers: Sequence[Buffer]) -> None:
         """A conditional put (``If-None-Match: *``): stored only where no object has the key,
         in one step; 412 otherwise."""
         self._sizes.pop(path, None)
-        body = _Body([memoryview(b).cast("B") for b in buffers if len(b)])
+        body = Body([memoryview(b).cast("B") for b in buffers if len(b)])
         try:
             await self._call("put_object", path, Body=body, IfNoneMatch="*")
         except Exception as e:
@@ -204,22 +217,48 @@ class S3StoragePlugin(StoragePlugin):
                 raise FileExistsError(f"{self.describe(path)} exists") from e
             raise
 
-    async def _multipart(self, path: str, views: list[memoryview], total: int) -> None:
+    async def _multipart(
+        self,
+        path: str,
+        views: list[memoryview],
+        total: int,
+        observe: Callable[[memoryview], None] | None = None,
+    ) -> None:
+        """A multipart upload of ``views``, its parts sent concurrently. With ``observe``,
+        each part is first copied, in order, the copy observed and sent (parts are read
+        concurrently as they are sent, and ``observe`` must see the bytes in order): at most
+        ``max_concurrent_requests`` copies are held at once."""
         part_bytes = max(self._part_bytes, -(-total // _MAX_PARTS))
         created = await self._call("create_multipart_upload", path)
         upload_id = created["UploadId"]
+        copies = asyncio.Semaphore(self._concurrency)
 
-        async def upload(number: int, pieces: list[memoryview]) -> dict[str, Any]:
-            done = await self._call(
-                "upload_part", path, UploadId=upload_id, PartNumber=number, Body=_Body(pieces)
-            )
+        async def upload(number: int, pieces: list[memoryview], copied: bool) -> dict[str, Any]:
+            try:
+                done = await self._call(
+                    "upload_part", path, UploadId=upload_id, PartNumber=number, Body=Body(pieces)
+                )
+            finally:
+                if copied:
+                    copies.release()
             return {"PartNumber": number, "ETag": done["ETag"]}
 
-        tasks = [
-            asyncio.ensure_future(upload(number, pieces))
-            for number, pieces in enumerate(_parts(views, part_bytes), start=1)
-        ]
+        tasks: list[asyncio.Future[dict[str, Any]]] = []
         try:
+            for number, pieces in enumerate(split_parts(views, part_bytes), start=1):
+                if observe is not None:
+                    await copies.acquire()
+                    failed = [t for t in tasks if t.done() and t.exception() is not None]
+                    if failed:
+                        copies.release()
+                        raise failed[0].exception()  # type: ignore[misc]
+                    try:
+                        copied = await asyncio.to_thread(copy_observed, pieces, observe)
+                    except BaseException:
+                        copies.release()
+                        raise
+                    pieces = [memoryview(c) for c in copied]
+                tasks.append(asyncio.ensure_future(upload(number, pieces, observe is not None)))
             parts = await asyncio.gather(*tasks)
             await self._call(
                 "complete_multipart_upload",
@@ -470,96 +509,6 @@ async def _scatter(
                 i += 1
                 pos = 0
     return got
-
-
-class _Body:
-    """One request's body, read from the caller's buffers in pieces: never copied whole.
-
-    What botocore and aiohttp do with each form of body decides how often it is copied. A
-    ``bytes`` or ``bytearray`` body is sliced and joined whole before aiohttp hands it to the
-    socket, a ``BytesIO`` must first be filled with a copy of the bytes (fresh memory, 32 MiB
-    per request), and a memoryview botocore refuses. This is a file-like object (``read``,
-    ``seek``, ``tell``, ``len``: what botocore needs for the Content-Length, and for hashing
-    or re-sending a body if it is configured to) that aiohttp streams as an async iterable:
-    each piece is a ``bytes`` copy of at most ``_PIECE_BYTES``, made as it is sent, into
-    memory the allocator hands back piece after piece (warm in the CPU's cache). Copies, not
-    views: the socket transport may keep what it could not send at once after the request was
-    given up, and the caller's buffers are reused once ``write`` returns.
-    """
-
-    def __init__(self, views: list[memoryview]) -> None:
-        self._views = views
-        self._size = sum(len(v) for v in views)
-        self._pos = 0
-        # Where sequential reads resume: the view holding ``_pos`` and that view's offset in
-        # the body (a slab's body is thousands of member views; reads must not rescan them).
-        self._index = 0
-        self._index_start = 0
-
-    def __len__(self) -> int:
-        return self._size
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
-        base = {os.SEEK_SET: 0, os.SEEK_CUR: self._pos, os.SEEK_END: self._size}[whence]
-        if base + offset < 0:
-            raise ValueError(f"negative seek position {base + offset}")
-        self._pos = base + offset
-        return self._pos
-
-    def read(self, n: int = -1) -> bytes:
-        if n is None or n < 0:
-            n = self._size
-        pos, want = self._pos, min(n, max(0, self._size - self._pos))
-        views, i, start = self._views, self._index, self._index_start
-        if pos < start:  # a seek back: start over
-            i = start = 0
-        pieces: list[memoryview] = []
-        while want and i < len(views):
-            v = views[i]
-            if pos < start + len(v):
-                piece = v[pos - start : pos - start + want]
-                pieces.append(piece)
-                pos += len(piece)
-                want -= len(piece)
-                if pos < start + len(v):
-                    break  # this view has more for the next read
-            start += len(v)
-            i += 1
-        self._pos, self._index, self._index_start = pos, i, start
-        return bytes(pieces[0]) if len(pieces) == 1 else b"".join(pieces)
-
-    async def __aiter__(self) -> AsyncIterator[bytes]:
-        while piece := self.read(_PIECE_BYTES):
-            yield piece
-
-    def close(self) -> None:
-        self._views = []
-
-
-# A piece of a request body: large enough that a 32 MiB body is 128 socket writes, small
-# enough to be reused from the allocator's heap (not a fresh mmap) and to stay in cache.
-_PIECE_BYTES = 256 << 10
-
-
-def _parts(views: list[memoryview], part_bytes: int) -> Iterator[list[memoryview]]:
-    """Cuts the concatenation of ``views`` into consecutive parts of ``part_bytes`` (the last
-    one shorter), each a list of slices of the views: nothing is copied here."""
-    part: list[memoryview] = []
-    room = part_bytes
-    for v in views:
-        while len(v):
-            take = v[:room]
-            part.append(take)
-            v = v[len(take) :]
-            room -= len(take)
-            if room == 0:
-                yield part
-                part, room = [], part_bytes
-    if part:
-        yield part
 
 
 def _chain(error: BaseException) -> Iterator[BaseException]:

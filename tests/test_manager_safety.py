@@ -95,14 +95,13 @@ def test_a_committed_step_that_cannot_be_read_is_kept_and_never_latest(tmp_path,
     saved(root, 1, 2, 3)
     (newer_format if how == "newer" else damage)(f"{root}/{name(3)}")
     before = tree(f"{root}/{name(3)}")
-    with caplog.at_level(logging.WARNING, logger="snapshot"):
-        with CheckpointManager(root) as m:
-            assert m.steps() == [1, 2]
-            target = state(-1)
-            assert m.restore(target) == 2 and value_of(target) == 2.0
-            m.save(4, state(4))
-            m.wait()
-            assert m.steps() == [1, 2, 4]
+    with caplog.at_level(logging.WARNING, logger="snapshot"), CheckpointManager(root) as m:
+        assert m.steps() == [1, 2]
+        target = state(-1)
+        assert m.restore(target) == 2 and value_of(target) == 2.0
+        m.save(4, state(4))
+        m.wait()
+        assert m.steps() == [1, 2, 4]
     assert tree(f"{root}/{name(3)}") == before
     assert name(3) in caplog.text
     assert ("upgrade" if how == "newer" else "damaged") in caplog.text
@@ -536,22 +535,21 @@ def test_on_s3_a_manifest_refused_or_a_listing_failing_deletes_nothing(s3_bucket
         code="InternalError",
         times=None,
     )
-    with caplog.at_level(logging.WARNING, logger="snapshot"):
-        with CheckpointManager(
-            root, keep_last=1, storage_options=opts, async_=False, options=options
-        ) as m:
-            target = state(-1)
-            assert m.restore(target) == 1 and value_of(target) == 1.0
-            m.save(3, state(3))
-            m.wait()
-            s3_bucket.fail(
-                lambda r: r.method == "GET" and parse_qs(r.query).get("prefix") == ["run/"],
-                status=500,
-                code="InternalError",
-                times=None,
-            )
-            m.save(4, state(4))
-            m.wait()
+    with caplog.at_level(logging.WARNING, logger="snapshot"), CheckpointManager(
+        root, keep_last=1, storage_options=opts, async_=False, options=options
+    ) as m:
+        target = state(-1)
+        assert m.restore(target) == 1 and value_of(target) == 1.0
+        m.save(3, state(3))
+        m.wait()
+        s3_bucket.fail(
+            lambda r: r.method == "GET" and parse_qs(r.query).get("prefix") == ["run/"],
+            status=500,
+            code="InternalError",
+            times=None,
+        )
+        m.save(4, state(4))
+        m.wait()
     s3_bucket.server.clear_faults()
     with CheckpointManager(root, storage_options=opts) as m:
         assert m.steps() == [1, 2, 3, 4]

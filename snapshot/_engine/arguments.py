@@ -16,7 +16,6 @@ from typing import Any
 import torch.distributed
 
 from manifest import MAX_INT_DIGITS, int_fits
-
 from snapshot.errors import InvalidArgumentError
 
 

@@ -4,11 +4,13 @@ Every location (a tensor chunk, a slab member, an object) carries the CRC-32 of 
 manifest. The CRCs are computed by the storage plugin's I/O threads, piece by piece, right after
 each piece is written or read (``StoragePlugin.write_observed`` / ``readv_observed``), while
 the bytes are likely still in the CPU's caches, where the CRC runs faster than memory delivers
-bytes (the local plugin reads in 4 MiB pieces; it writes in 8 MiB ones through the page cache, as
-smaller write calls cost more than they save, and in 4 MiB ones past it, from an aligned
-buffer). A ``RangeDigest`` turns that stream of pieces into one running CRC per location. The
-members of a slab being written are the exception: they are checksummed when the slab is
-staged, on the caller's thread (``placement.Placer`` says why).
+bytes (the local plugin reads in 4 MiB pieces, and writes in 4 MiB ones from an aligned buffer
+of its own). A write's CRC is always of the copy the bytes are written from (the plugin's
+buffer, the body sent), never of the application's memory, which another thread may change
+during the take. A ``RangeDigest`` turns that stream of pieces into one running CRC per
+location. The members of a slab being written are the exception: they are checksummed when the
+slab is staged, on the caller's thread, from the slab's copy that is written
+(``placement.Placer`` says why).
 Reads may split one location over several requests (a large chunk read by several workers,
 budget-sized tiles); ``LocationCheck`` combines their CRCs into the location's, in any order of
 arrival.

@@ -235,7 +235,7 @@ def clashes(
     if all(map(le, starts, islice(starts, 1, None))):
         first, last = starts, ends
     else:
-        bounds = dict(zip(starts, ends))
+        bounds = dict(zip(starts, ends, strict=True))
         if len(bounds) == n:  # no two ranges start together
             first = sorted(bounds)
             last = list(map(bounds.__getitem__, first))

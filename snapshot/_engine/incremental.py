@@ -100,7 +100,9 @@ def checked_sibling(path: str, name: str) -> str:
     except FileNotFoundError:
         return where
     except OSError as e:
-        raise UnsafeSnapshotError(f"snapshot {path}: its base {local} cannot be looked at: {e}")
+        raise UnsafeSnapshotError(
+            f"snapshot {path}: its base {local} cannot be looked at: {e}"
+        ) from e
     if stat.S_ISLNK(mode) or not stat.S_ISDIR(mode):
         what = "a symbolic link" if stat.S_ISLNK(mode) else "not a directory"
         raise UnsafeSnapshotError(

@@ -314,7 +314,7 @@ class Loader:
         )
         direct.remove(moved)
         owner = self.owner
-        for path, row_owner in planned:
+        for path, _ in planned:
             target = self.tensors[path]
             entry = entries[path]
             handler = for_entry(entry)

@@ -1,14 +1,16 @@
 """The staging of a take's bytes, on the caller's thread: what each write request's ``stage``
 runs, just before its blob is written.
 
-Without a pool (take), a payload is written from views of its tensor's memory (``stage_payload``;
-a slab's members one after the other, ``stage_slab``), or from a gathered copy when its tensor
-cannot be viewed (``TensorSource`` pieces: prepared, conjugate or negated, non-contiguous, on a
-device). With a ``StagingPool`` (async take), every payload of a write is copied into one
-pooled buffer (``_pooled``), from a device asynchronously on a staging stream, a large host
-tensor on the runtime's copier thread (``_Pooled``), so that nothing written later reads the
-application's memory. A slab's members get their CRC-32s here, as
-they are staged (see ``placement.Placer``).
+Without a pool (take), a payload of a blob of its own is written from a view of its tensor's
+memory (``stage_payload``), or from a gathered copy when its tensor cannot be viewed
+(``TensorSource`` pieces: prepared, conjugate or negated, non-contiguous, on a device); the
+plugin checksums the bytes it writes, from its own copy of them. A slab's members are copied
+into one buffer of the slab (``stage_slab``), which is written. With a ``StagingPool`` (async
+take), every payload of a write is copied into one pooled buffer (``_pooled``), from a device
+asynchronously on a staging stream, a large host tensor on the runtime's copier thread
+(``_Pooled``), so that nothing written later reads the application's memory. A slab's members
+get their CRC-32s here, from the copy that is written, as they are staged (see
+``placement.Placer``).
 
 ``stager(pool)`` is what the take gives its placers (``placement.Stager``).
 """
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from collections import deque
 from collections.abc import Callable, Iterator
 
 import torch
@@ -74,8 +77,9 @@ def stager(pool: StagingPool | None) -> Stager:
 
 
 class _Direct:
-    """Writes from the payloads' own memory (views; a gathered copy of a tensor that cannot
-    be viewed, which costs its bytes of staging memory)."""
+    """Writes a blob of its own from its payload's memory (a view; a gathered copy of a
+    tensor that cannot be viewed, which costs its bytes of staging memory), a slab from a
+    copy of its members (``stage_slab``)."""
 
     pooled = False
 
@@ -83,7 +87,8 @@ class _Direct:
         return functools.partial(stage_payload, p), p.staging_bytes
 
     def slab(self, slab: Slab, checksums: bool) -> tuple[Callable[[], Staged], int]:
-        return functools.partial(stage_slab, slab, checksums), slab.staging_bytes
+        # A copy of the slab, and at most its gathered copies besides.
+        return functools.partial(stage_slab, slab, checksums), slab.nbytes + slab.staging_bytes
 
     def settle(self) -> None:
         pass  # every stage is done when it returns
@@ -176,37 +181,67 @@ def copy_payload(p: Payload, buf: torch.Tensor, pos: int) -> None:
         copy_source(p.source, p.start, p.stop, buf, pos)
 
 
+# A slab is copied and checksummed in runs of members of about this many bytes: each run's CRCs
+# are taken right after its copy, while its bytes are still in the CPU's caches.
+_SLAB_RUN_BYTES = 1 << 20
+
+
 def stage_slab(slab: Slab, checksums: bool) -> Staged:
-    """Views of a slab's members (padding between them); with ``checksums``, each member's
-    CRC-32 goes to its ``crc32`` (see ``placement.Placer``)."""
-    buffers: list[Buffer] = []
-    keep: list[object] = [slab]  # the slab holds its members, they hold their tensors
-    viewed: list[Payload] = []  # the members whose CRC is taken from their view, at the end
-    views: list[memoryview] = []
+    """A slab's bytes, copied into one new buffer (zeros in the padding between members); with
+    ``checksums``, each member's CRC-32, taken from that copy, goes to its ``crc32`` (see
+    ``placement.Placer``).
+
+    The copy is what is written: the CRCs are of the bytes that reach storage even while
+    another thread changes the members' tensors in place (an EMA update, a hook), as a CRC of
+    the tensors' own memory, taken before or after their write, would not be. Members are
+    copied in runs, each in one C-level pass (``map`` of the buffer's ``__setitem__`` over
+    their slices), its CRCs in one more (``crc32_each``)."""
+    out = memoryview(bytearray(slab.nbytes))  # zeroed: the padding
+    slices: list[slice] = []  # the current run: where its members go, their bytes, themselves
+    sources: list[Buffer] = []
+    run: list[Payload] = []
+    run_bytes = 0
+
+    def flush() -> None:
+        nonlocal run_bytes
+        deque(map(out.__setitem__, slices, sources), maxlen=0)
+        if checksums:
+            views = list(map(out.__getitem__, slices))
+            for p, value in zip(run, crc32_each(views), strict=True):
+                p.crc32 = value
+        slices.clear()
+        sources.clear()
+        run.clear()
+        run_bytes = 0
+
+    pos = 0
     for pad, p in slab.members:
-        if pad:
-            buffers.append(_ZEROS[:pad])
-        t = p.tensor
-        if t is not None:  # most members: a view of a tensor's memory (``stage_payload``)
+        pos += pad
+        nbytes = p.nbytes
+        if p.tensor is not None:  # most members: a tensor's memory (``stage_payload``)
             # ``raw_memoryview`` inline: a slice of the address space.
             address = p.address - 1
-            view = ADDRESS_SPACE[address : address + p.nbytes]
-            buffers.append(view)
-            if checksums:
-                viewed.append(p)
-                views.append(view)
+            slices.append(slice(pos, pos + nbytes))
+            sources.append(ADDRESS_SPACE[address : address + nbytes])
+            run.append(p)
+            run_bytes += nbytes
+            pos += nbytes
+            if run_bytes >= _SLAB_RUN_BYTES:
+                flush()
             continue
+        flush()  # the runs before it go first: a gathered copy is freed after its own
         bufs, keepalive = stage_payload(p)
-        buffers.extend(bufs)
-        keep.append(keepalive)
+        at = pos
+        for b in bufs:
+            view = b if type(b) is memoryview and b.format == "B" else memoryview(b).cast("B")
+            out[at : at + len(view)] = view
+            at += len(view)
+        del bufs, keepalive
         if checksums:
-            value = 0
-            for b in bufs:
-                value = crc32_held(b, value)
-            p.crc32 = value
-    for p, value in zip(viewed, crc32_each(views), strict=True):
-        p.crc32 = value
-    return buffers, keep
+            p.crc32 = crc32_held(out[pos : pos + nbytes])
+        pos += nbytes
+    flush()
+    return [out], None
 
 
 def _pooled(

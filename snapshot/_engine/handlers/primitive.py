@@ -8,8 +8,8 @@ import typing
 from manifest import int_fits
 from snapshot._engine.flatten import int_refusal
 from snapshot._engine.handlers import objects
-from snapshot.errors import UnsupportedValueError
 from snapshot._engine.handlers.table import Handler
+from snapshot.errors import UnsupportedValueError
 
 # ==== take ===================================================================================
 # bool, int, float and None, and a str or bytes of at most ``inline_max_bytes`` (a str
