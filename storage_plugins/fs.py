@@ -96,6 +96,20 @@ def _direct_without_fsync() -> bool:
     return True
 
 
+
+def missing_folders(path: str) -> list[str]:
+    """``path`` and those of its parents that do not exist, deepest first: the folders
+    ``os.makedirs(path)`` would make."""
+    missing = []
+    path = os.path.abspath(path)
+    while not os.path.lexists(path):
+        missing.append(path)
+        parent = os.path.dirname(path)
+        if parent == path:
+            break
+        path = parent
+    return missing
+
 class FSStoragePlugin(StoragePlugin):
     """Blobs are files under a directory.
 
@@ -203,15 +217,7 @@ class FSStoragePlugin(StoragePlugin):
         """Creates the root and its missing ancestors, remembering which it made, outermost
         first (under a lock: the first writes of a take race to make the root)."""
         with self._making_root:
-            missing: list[str] = []
-            path = self._base
-            while not os.path.lexists(path):
-                missing.append(path)
-                parent = os.path.dirname(path)
-                if parent == path:
-                    break
-                path = parent
-            for path in reversed(missing):
+            for path in reversed(missing_folders(self._base)):
                 try:
                     os.mkdir(path)
                 except FileExistsError:

@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 from typing import BinaryIO
 
 from snapshot.errors import InvalidArgumentError, StorageError
+from storage_plugins.fs import missing_folders
 
 logger = logging.getLogger("snapshot")
 
@@ -197,22 +198,8 @@ def stage(
         raise StorageError(f"export: cannot write the export into {out_dir}: {e}") from e
 
 
-def _missing_folders(path: str) -> list[str]:
-    """``path`` and those of its parents that do not exist, deepest first: the folders
-    ``os.makedirs(path)`` makes."""
-    missing = []
-    path = os.path.abspath(path)
-    while not os.path.lexists(path):
-        missing.append(path)
-        parent = os.path.dirname(path)
-        if parent == path:
-            break
-        path = parent
-    return missing
-
-
 def _stage(out_dir: str, overwrite: bool, write: Callable[[str], list[str]]) -> list[str]:
-    made = _missing_folders(out_dir)
+    made = missing_folders(out_dir)
     os.makedirs(out_dir, exist_ok=True)
     staging = os.path.join(out_dir, f"{STAGING_PREFIX}{uuid.uuid4().hex[:12]}")
     os.mkdir(staging)
