@@ -40,7 +40,7 @@ from contextlib import contextmanager
 import torch
 
 from snapshot import Snapshot, StateDict
-from snapshot._engine.serialization import tensor_memoryview
+from snapshot._engine.format.serialization import tensor_memoryview
 
 MEMBER_ELEMENTS = 2560  # 10 KiB of float32, the many-small case's tensors
 
@@ -65,7 +65,7 @@ def _busy() -> Iterator[None]:
 
 
 def _timed(fn: Callable[[], object], busy: bool) -> float:
-    from snapshot._engine import checksum
+    from snapshot._engine.format import checksum
 
     if hasattr(checksum, "_held_until"):
         checksum._held_until = 0.0
@@ -151,9 +151,11 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _steps(tensors: list[torch.Tensor], count: int, reps: int) -> None:
-    from snapshot._engine import checksum, tensor_memory
+    from snapshot._engine.format import checksum
 
     # ``tensors`` keeps the views' memory alive.
+    from snapshot._engine.io import tensor_memory
+
     views = [tensor_memoryview(t) for t in tensors]
     assert checksum.crc32_each(views) == list(map(checksum.crc32, views))
     print(f"| {count:,} per-tensor steps | alone ms | beside a busy thread ms | ratio |")

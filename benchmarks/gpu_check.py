@@ -62,8 +62,8 @@ import torch
 
 from snapshot import Options, Snapshot, StateDict
 from snapshot._engine import runtime
-from snapshot._engine.serialization import DTYPES
-from snapshot._engine.verify import verify
+from snapshot._engine.format.serialization import DTYPES
+from snapshot._engine.tools.verify import verify
 
 FAILURES: list[str] = []
 MIB = 1 << 20

@@ -1,7 +1,7 @@
 """How fast the device fills the page cache with a snapshot's blobs, driven each of the ways a
 restore's read-ahead could drive it, against raw readers of the same files; cold every time.
 
-A restore hints the ranges it is about to read (``snapshot/_engine/read_ahead.py``); the local
+A restore hints the ranges it is about to read (``snapshot/_engine/restore/read_ahead.py``); the local
 plugin turns each hint into ``posix_fadvise(WILLNEED)`` of at most ``read_ahead.PIECE_BYTES``,
 given by one thread, and the restore's reads then copy the bytes from the page cache. This
 script times that way and its alternatives on the blob files of a snapshot of ``--count`` small
@@ -42,7 +42,7 @@ import torch
 
 from benchmarks.common.system import drop_page_cache, files_under
 from snapshot import Snapshot, StateDict
-from snapshot._engine.read_ahead import PIECE_BYTES
+from snapshot._engine.restore.read_ahead import PIECE_BYTES
 from storage_plugins.fs import FSStoragePlugin
 
 MEMBER_BYTES = 10 << 10

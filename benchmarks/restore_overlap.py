@@ -26,7 +26,7 @@ import time
 import torch
 
 from snapshot import Snapshot, StateDict
-from snapshot._engine.loader import PENDING, Loader
+from snapshot._engine.restore.loader import PENDING, Loader
 from storage_plugins.fs import FSStoragePlugin
 
 MEMBER_ELEMENTS = 2560  # 10 KiB of float32, the many-small case's tensors

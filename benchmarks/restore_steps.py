@@ -31,8 +31,8 @@ import torch
 
 import manifest as mf
 from manifest import DictEntry, Location, Manifest, TensorEntry, codec
-from snapshot._engine.checksum import RangeDigest, crc32
-from snapshot._engine.serialization import tensor_memoryview
+from snapshot._engine.format.checksum import RangeDigest, crc32
+from snapshot._engine.format.serialization import tensor_memoryview
 
 MEMBER_BYTES = 10 << 10
 PADDING = 12

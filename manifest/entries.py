@@ -318,7 +318,7 @@ class PickledTensorEntry(Entry):
     """A dense tensor stored as ``torch.save`` bytes instead of raw ones: what torchsnapshot
     wrote for dtypes it had no raw layout for (complex, quantized). Read-only: this library
     never writes one, and its manifest codec does not accept one (a snapshot of another format
-    is translated into entries when opened, ``snapshot._engine.torchsnapshot_format``).
+    is translated into entries when opened, ``snapshot._engine.format.torchsnapshot_format``).
 
     Each of ``pieces`` is the box ``offsets .. offsets + sizes`` of the tensor (one piece
     covering it all unless the writer cut the tensor up), whose ``chunks`` hold exactly one

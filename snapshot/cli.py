@@ -1,13 +1,13 @@
 """Command line: ``python -m snapshot`` (and the ``statesnap`` console script).
 
 ``demo`` runs the demonstration; ``ls``, ``show``, ``verify``, ``du`` and ``diff`` look into an
-existing snapshot without restoring it (what they compute is :mod:`snapshot._engine.inspection`,
-:mod:`snapshot._engine.verify` and :mod:`snapshot._engine.diff`; what they print,
-:mod:`snapshot._engine.cli_commands`). This module parses the arguments, runs the command and
+existing snapshot without restoring it (what they compute is :mod:`snapshot._engine.tools.inspection`,
+:mod:`snapshot._engine.tools.verify` and :mod:`snapshot._engine.tools.diff`; what they print,
+:mod:`snapshot._engine.tools.cli_commands`). This module parses the arguments, runs the command and
 turns an error into one line on stderr and an exit code (:data:`EXIT_CODES`).
 
 Whatever comes from a snapshot (logical paths, blob names, type names, values, error messages
-quoting them) is printed through :mod:`snapshot._engine.text`, so that a hostile key's control
+quoting them) is printed through :mod:`snapshot._engine.format.text`, so that a hostile key's control
 characters are shown as escapes instead of being obeyed by the terminal.
 """
 
@@ -24,10 +24,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from snapshot import __version__
-from snapshot._engine.cli_commands import run_diff, run_du, run_ls, run_show, run_verify
-from snapshot._engine.cli_export import add_parser as add_export_parser
-from snapshot._engine.cli_steps import add_parsers as add_step_parsers
-from snapshot._engine.text import printable_message
+from snapshot._engine.format.text import printable_message
+from snapshot._engine.tools.cli_commands import run_diff, run_du, run_ls, run_show, run_verify
+from snapshot._engine.tools.cli_export import add_parser as add_export_parser
+from snapshot._engine.tools.cli_steps import add_parsers as add_step_parsers
 from snapshot.errors import CorruptSnapshotError, SnapshotError
 
 EXIT_OK = 0

@@ -8,7 +8,7 @@ Streamed: memory stays within the memory budget (``Options.memory_budget_bytes``
 the state's size, and sharded tensors (``ShardedTensor``, DTensor, torch's ``ShardedTensor``)
 are consolidated into full ones. The export appears whole or not at all, never mixed with an
 earlier one in the folder, and a forged manifest is refused before anything is allocated or
-written (``snapshot._engine.export``).
+written (``snapshot._engine.tools.export``).
 """
 
 from __future__ import annotations
@@ -20,10 +20,10 @@ from typing import Any
 
 import torch
 
-from snapshot._engine import export as engine
-from snapshot._engine import export_folder
-from snapshot._engine.linked import open_linked
-from snapshot._engine.manifest_io import load_manifest
+from snapshot._engine.format.manifest_io import load_manifest
+from snapshot._engine.restore.linked import open_linked
+from snapshot._engine.tools import export as engine
+from snapshot._engine.tools import export_folder
 from snapshot.errors import CorruptSnapshotError, IncompatibleSnapshotError, InvalidArgumentError
 from snapshot.options import Options, resolve
 from snapshot.snapshot import Snapshot

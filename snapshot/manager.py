@@ -33,12 +33,13 @@ import warnings
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from snapshot._engine import arguments, preemption
-from snapshot._engine.cleaner import Cleaner
-from snapshot._engine.preemption import PreemptionHandler
-from snapshot._engine.rank_zero import RankZero
-from snapshot._engine.retention import Policy
-from snapshot._engine.steps import COMMITTED, NOT_FOLDERS, UNREADABLE, Steps, step_name
+from snapshot._engine import arguments
+from snapshot._engine.dist.rank_zero import RankZero
+from snapshot._engine.manager import preemption
+from snapshot._engine.manager.cleaner import Cleaner
+from snapshot._engine.manager.preemption import PreemptionHandler
+from snapshot._engine.manager.retention import Policy
+from snapshot._engine.manager.steps import COMMITTED, NOT_FOLDERS, UNREADABLE, Steps, step_name
 from snapshot.errors import InvalidArgumentError, SnapshotError, SnapshotExistsError
 from snapshot.options import Options, resolve
 from snapshot.pending import PendingSnapshot

@@ -1,6 +1,6 @@
 """``PendingSnapshot``: what :meth:`Snapshot.async_take` returns while the writes go on.
 
-The background work itself runs on the process's queue (``snapshot._engine.async_queue``,
+The background work itself runs on the process's queue (``snapshot._engine.io.async_queue``,
 ``runtime.get().queue()``), one call per snapshot, in the order they were taken.
 """
 
@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from snapshot.errors import InvalidArgumentError, SnapshotError
 
 if TYPE_CHECKING:
-    from snapshot._engine.async_queue import AsyncCallsQueue
+    from snapshot._engine.io.async_queue import AsyncCallsQueue
     from snapshot.snapshot import Snapshot
 
 logger = logging.getLogger(__name__)

@@ -10,14 +10,17 @@ import torch
 import torch.distributed
 
 from manifest import Entry, Manifest, TensorsDecoded
-from snapshot._engine import arguments, dist, read_ahead, runtime, writers
-from snapshot._engine.async_queue import AsyncRequest
+from snapshot._engine import arguments, runtime
 from snapshot._engine.context import gc_paused
+from snapshot._engine.dist import dist
 from snapshot._engine.flatten import escape_key
-from snapshot._engine.manifest_io import decode_manifest, read_manifest
-from snapshot._engine.restore import rank_prefix, rank_view, read_object
-from snapshot._engine.restore import restore as restore_app_state
-from snapshot._engine.take import TakeJob
+from snapshot._engine.format import writers
+from snapshot._engine.format.manifest_io import decode_manifest, read_manifest
+from snapshot._engine.io.async_queue import AsyncRequest
+from snapshot._engine.restore import read_ahead
+from snapshot._engine.restore.restore import rank_prefix, rank_view, read_object
+from snapshot._engine.restore.restore import restore as restore_app_state
+from snapshot._engine.take.take import TakeJob
 from snapshot.errors import EntryNotFoundError
 from snapshot.metadata import SnapshotMetadata
 from snapshot.options import Options, resolve
@@ -128,7 +131,7 @@ class Snapshot:
             replicated: glob patterns of logical paths (``"model/**"``) whose values are the
                 same on every rank: a path is replicated when every rank's patterns match it.
                 Without them too, a take across ranks stores once every value whose bytes are
-                equal on every rank (compared by a digest, ``snapshot._engine.replication``). A
+                equal on every rank (compared by a digest, ``snapshot._engine.dist.replication``). A
                 replicated value is written by one rank, listed once in the manifest (under
                 rank 0), and restored by any rank, on any number of ranks.
             storage_options: options for the storage plugin.

@@ -1,6 +1,6 @@
 """A CPU stand-in for CUDA's streams and copies, so tests can check the library's ordering rules
 (which stream waits for which, when copied bytes may be read, when pinned memory is used)
-without a GPU. It replaces the functions of ``snapshot._engine.device``, the one module through which
+without a GPU. It replaces the functions of ``snapshot._engine.io.device``, the one module through which
 the library makes those calls.
 
 Usage::
@@ -25,22 +25,22 @@ The model:
   ``.to("cpu")``, ``.numpy()``, ``.tolist()``, ``.item()`` give host values). Read a device
   tensor's values with ``cuda.values(t)`` (it synchronizes its device first).
 - Streams: each device has a default stream, the current stream of every thread until
-  ``snapshot._engine.device.use_stream`` makes another current; ``snapshot._engine.device.new_stream`` makes
+  ``snapshot._engine.io.device.use_stream`` makes another current; ``snapshot._engine.io.device.new_stream`` makes
   side streams. What is queued on a stream (``launch``ed kernels, non-blocking copies, waits on
   other streams) runs in order, and only when the stream is synchronized
-  (``snapshot._engine.device.synchronize(stream)``, ``cuda.synchronize()``) or when a stream that
-  waits on it (``snapshot._engine.device.wait_stream``) runs past the point where it waited.
-- ``snapshot._engine.device.copy(dst, src, non_blocking)`` between host memory and a device tensor uses
+  (``snapshot._engine.io.device.synchronize(stream)``, ``cuda.synchronize()``) or when a stream that
+  waits on it (``snapshot._engine.io.device.wait_stream``) runs past the point where it waited.
+- ``snapshot._engine.io.device.copy(dst, src, non_blocking)`` between host memory and a device tensor uses
   the current stream of the device tensor's device (as torch does). With ``non_blocking`` and
   pinned host memory it is queued: the bytes land when that stream runs. Otherwise the stream
   first runs what was queued on it and the copy is made at once (a synchronous copy, or one
   to or from pageable memory, waits for its stream in CUDA too). Copies between two devices
   are not modelled (AssertionError).
-- Pinned memory: ``snapshot._engine.device.pinned_empty`` returns CPU tensors the double remembers as
+- Pinned memory: ``snapshot._engine.io.device.pinned_empty`` returns CPU tensors the double remembers as
   pinned (``cuda.is_pinned(t)``, views included); with ``cuda.fail_pinning = True`` it raises
-  RuntimeError, as torch does when locked memory runs out. ``snapshot._engine.device.empty_host_cache``
+  RuntimeError, as torch does when locked memory runs out. ``snapshot._engine.io.device.empty_host_cache``
   only counts its calls (``cuda.host_cache_emptied``).
-- Events: ``snapshot._engine.device.record_event(stream)`` marks the point a stream has queued
+- Events: ``snapshot._engine.io.device.record_event(stream)`` marks the point a stream has queued
   to; ``event_done`` says whether the stream has run past it. Nothing runs in the background,
   so a point is passed only once the stream is synchronized (a device slower than the host),
   unless ``cuda.copies_done_when_asked = True``: then asking runs the stream to the point (a
@@ -67,9 +67,9 @@ from typing import Any
 import pytest
 import torch
 
-from snapshot._engine import device as seam
+from snapshot._engine.format.serialization import BYTE_VIEW_DTYPES
 from snapshot._engine.handlers import dense, register
-from snapshot._engine.serialization import BYTE_VIEW_DTYPES
+from snapshot._engine.io import device as seam
 
 
 class FakeStream:
@@ -203,7 +203,7 @@ class _Registration:
 
 
 class CudaDouble:
-    """Installs itself into ``snapshot._engine.device`` (and the dense kind's types) through
+    """Installs itself into ``snapshot._engine.io.device`` (and the dense kind's types) through
     ``monkeypatch``, for ``devices`` devices (see the module's docstring)."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch, devices: int = 1) -> None:
@@ -289,7 +289,7 @@ class CudaDouble:
         """The events of one kind (``"copy"``, ``"sync"``...)."""
         return [e for e in self.events if e[0] == kind]
 
-    # -- the seam (snapshot._engine.device) -------------------------------------------------------------
+    # -- the seam (snapshot._engine.io.device) -------------------------------------------------------------
 
     def cuda_index(self, t: torch.Tensor) -> int | None:
         return _index(t)
@@ -351,12 +351,12 @@ class CudaDouble:
             op()
 
     def record_event(self, stream: FakeStream) -> tuple[FakeStream, int]:
-        """``snapshot._engine.device.record_event``: the point of ``stream`` reached so far."""
+        """``snapshot._engine.io.device.record_event``: the point of ``stream`` reached so far."""
         self.events.append(("record", stream.name))
         return (stream, stream.issued)
 
     def event_done(self, event: tuple[FakeStream, int]) -> bool:
-        """``snapshot._engine.device.event_done``: whether ``stream`` has run to the point. With
+        """``snapshot._engine.io.device.event_done``: whether ``stream`` has run to the point. With
         ``copies_done_when_asked`` (a device that keeps up), it runs to it first."""
         stream, point = event
         if self.copies_done_when_asked:
@@ -365,7 +365,7 @@ class CudaDouble:
         return stream.done >= point
 
     def synchronize_stream(self, stream: FakeStream) -> None:
-        """``snapshot._engine.device.synchronize``: runs what was queued on ``stream``."""
+        """``snapshot._engine.io.device.synchronize``: runs what was queued on ``stream``."""
         self.events.append(("sync", stream.name))
         stream.run_all()
 

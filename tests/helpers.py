@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from snapshot import Snapshot
-from snapshot._engine.serialization import as_copyable, tensor_memoryview
+from snapshot._engine.format.serialization import as_copyable, tensor_memoryview
 
 
 def seal_manifest(body: bytes) -> bytes:

@@ -6,7 +6,7 @@ the fields of the :class:`~snapshot.Options` every operation runs with). For eac
 forked from this process (which imports torch and the library once, and never touches a
 snapshot itself) runs ``open`` (``Snapshot(url)`` and ``get_manifest``), ``read``
 (``read_object(key)``), ``restore`` (into an empty ``StateDict`` per app_state key) and
-``verify`` (``snapshot._engine.verify.verify``), each on its own, and reports per operation the
+``verify`` (``snapshot._engine.tools.verify.verify``), each on its own, and reports per operation the
 exception's class name or ``ok`` (``problems`` for a verify that found some), whether
 :data:`tests.hostile.SECRET` appeared in any value or message, and the child's peak resident
 memory above what it held when forked. A child that has not finished in ``TIMEOUT`` seconds is
@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from snapshot import Options, Snapshot, StateDict
-from snapshot._engine.verify import verify
+from snapshot._engine.tools.verify import verify
 from tests.hostile import SECRET
 
 TIMEOUT = 60.0

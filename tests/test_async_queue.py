@@ -13,8 +13,8 @@ import torch
 
 from snapshot import Snapshot, SnapshotError, StateDict
 from snapshot._engine import runtime
-from snapshot._engine.async_queue import AsyncCallsQueue, AsyncRequest
-from snapshot._engine.staging import StagingPool
+from snapshot._engine.io.async_queue import AsyncCallsQueue, AsyncRequest
+from snapshot._engine.io.staging import StagingPool
 from snapshot.options import Options
 from tests.plugins import gated_storage
 

@@ -20,7 +20,7 @@ from snapshot import (
     StorageError,
 )
 from snapshot._engine import runtime
-from snapshot._engine.take import TakeJob
+from snapshot._engine.take.take import TakeJob
 from storage_plugins import register_storage_plugin, unregister_storage_plugin
 from storage_plugins.fs import FSStoragePlugin
 from tests.plugins import GATE, fail_writes, gated_storage
@@ -234,7 +234,7 @@ def _slow_copies(monkeypatch, threads: list[str], fail: int | None = None):
     that started before the copy landed would write what the buffer held before), records
     the thread it ran on, and with ``fail``, raises in the copy of a tensor of that many
     bytes."""
-    from snapshot._engine import stage
+    from snapshot._engine.io import stage
 
     original = stage.copy_payload
 

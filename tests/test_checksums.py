@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 
 from manifest import ObjectEntry, TensorEntry
 from snapshot import ChecksumError, CorruptSnapshotError, Options, Snapshot, StateDict
-from snapshot._engine.checksum import LocationCheck, RangeDigest, WholeCheck, combine, crc32
+from snapshot._engine.format.checksum import LocationCheck, RangeDigest, WholeCheck, combine, crc32
 from tests.helpers import assert_same
 from tests.plugins import plain_blob
 
@@ -432,11 +432,11 @@ def test_slab_members_are_checksummed_when_staged(pooled, checksums):
     """A slab's staging gives the CRC-32 of each member (views of tensors, a non-contiguous
     tensor gathered, an object's bytes; copied into a pooled buffer for async take), so its
     write asks the plugin for none; a blob of its own leaves its CRC to the plugin."""
-    from snapshot._engine.drafts import Layout
-    from snapshot._engine.placement import Placer
-    from snapshot._engine.plan import collect
-    from snapshot._engine.stage import stager
-    from snapshot._engine.staging import StagingPool
+    from snapshot._engine.io.stage import stager
+    from snapshot._engine.io.staging import StagingPool
+    from snapshot._engine.take.drafts import Layout
+    from snapshot._engine.take.placement import Placer
+    from snapshot._engine.take.plan import collect
 
     layout = Layout(
         chunk_bytes=1 << 20, slab_threshold_bytes=4096, slab_bytes=1 << 20, checksums=checksums

@@ -22,8 +22,8 @@ import torch
 import manifest as mf
 from manifest import DictEntry, Location, Manifest, TensorEntry
 from snapshot import Options, Snapshot, StateDict
-from snapshot._engine.inspection import PIECE_BYTES, human_bytes, summarize_tensor
-from snapshot._engine.verify import verify
+from snapshot._engine.tools.inspection import PIECE_BYTES, human_bytes, summarize_tensor
+from snapshot._engine.tools.verify import verify
 from snapshot.cli import _storage_option, main, storage_options_from
 from storage_plugins import register_storage_plugin, unregister_storage_plugin
 from storage_plugins.fs import FSStoragePlugin
@@ -84,7 +84,7 @@ def run(capsys, *argv: str) -> tuple[int, str, str]:
 
 
 def _manifest(path: str) -> Manifest:
-    from snapshot._engine.manifest_io import load_manifest
+    from snapshot._engine.format.manifest_io import load_manifest
 
     return load_manifest(path, None)
 
@@ -312,7 +312,7 @@ def test_show_tensor_summary(capsys, snap, key, expected):
 
 
 def test_summaries_of_every_dtype_never_raise():
-    from snapshot._engine.serialization import DTYPES
+    from snapshot._engine.format.serialization import DTYPES
     from tests.helpers import random_tensor
 
     for name, dtype in DTYPES.items():

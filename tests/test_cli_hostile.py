@@ -25,10 +25,10 @@ import torch
 import snapshot.cli as cli
 from manifest import Location
 from snapshot import Snapshot, StateDict
-from snapshot._engine import cli_commands
-from snapshot._engine.inspection import read_entry
-from snapshot._engine.manifest_io import load_manifest
-from snapshot._engine.text import printable, printable_message, unescape
+from snapshot._engine.format.manifest_io import load_manifest
+from snapshot._engine.format.text import printable, printable_message, unescape
+from snapshot._engine.tools import cli_commands
+from snapshot._engine.tools.inspection import read_entry
 from snapshot.errors import (
     CorruptSnapshotError,
     EntryNotFoundError,
@@ -122,7 +122,7 @@ def _forge(path: str, old: str, new: str) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# snapshot._engine.text
+# snapshot._engine.format.text
 
 
 def test_printable_escapes_what_a_terminal_obeys_and_keeps_the_rest():

@@ -21,12 +21,12 @@ import torch
 
 from snapshot import Snapshot, SnapshotError, StateDict
 from snapshot._engine import runtime
-from snapshot._engine.drafts import Layout
-from snapshot._engine.placement import Placer
-from snapshot._engine.plan import collect
-from snapshot._engine.stage import stager
-from snapshot._engine.staging import StagingPool
-from snapshot._engine.verify import verify
+from snapshot._engine.io.stage import stager
+from snapshot._engine.io.staging import StagingPool
+from snapshot._engine.take.drafts import Layout
+from snapshot._engine.take.placement import Placer
+from snapshot._engine.take.plan import collect
+from snapshot._engine.tools.verify import verify
 from snapshot.options import Options
 from snapshot.strategies.tensor_aware import BasicTensorAwareStateDict
 from storage_plugins import register_storage_plugin, unregister_storage_plugin
@@ -284,7 +284,7 @@ def test_a_failed_pin_falls_back_to_pageable_memory_with_one_warning(
     cuda.fail_pinning = True
     host = _values(3, 5, 1000) | {"big": torch.randn(100_000)}
     state = StateDict({k: cuda.tensor(v) for k, v in host.items()})
-    with caplog.at_level(logging.WARNING, logger="snapshot._engine.staging"):
+    with caplog.at_level(logging.WARNING, logger="snapshot._engine.io.staging"):
         for i in range(2):
             Snapshot.async_take(str(tmp_path / f"s{i}"), {"s": state}).wait(timeout=60)
     warnings = [r for r in caplog.records if "cannot pin" in r.getMessage()]

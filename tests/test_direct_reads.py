@@ -12,10 +12,10 @@ import torch
 
 from manifest import Location
 from snapshot import Options, Snapshot, StateDict
-from snapshot._engine.checksum import WholeCheck
-from snapshot._engine.direct_reads import DirectReads
-from snapshot._engine.reads import Need, coalesce, direct_need
-from snapshot._engine.serialization import raw_memoryviews
+from snapshot._engine.format.checksum import WholeCheck
+from snapshot._engine.format.serialization import raw_memoryviews
+from snapshot._engine.restore.direct_reads import DirectReads
+from snapshot._engine.restore.reads import Need, coalesce, direct_need
 from snapshot.errors import ChecksumError
 
 SMALL_SLABS = Options(slab_threshold_bytes=4096, slab_bytes=64 * 1024)

@@ -25,8 +25,8 @@ from snapshot import (
     StateDict,
     StateMismatchError,
 )
-from snapshot._engine.inspection import disk_usage, list_entries
-from snapshot._engine.replication import Desc, crc_of, decide, strong_digests, strong_of
+from snapshot._engine.dist.replication import Desc, crc_of, decide, strong_digests, strong_of
+from snapshot._engine.tools.inspection import disk_usage, list_entries
 from tests.helpers import assert_same, raw_bytes
 from tests.multirank import run_ranks
 
@@ -455,8 +455,8 @@ def test_a_take_into_an_s3_prefix_of_other_objects_is_refused(s3_bucket):
 def test_state_that_differs_per_rank_names_the_key_on_a_larger_world(tmp_path):
     """The error of a rank the snapshot did not have, in one process: a manifest of 2 ranks
     restored as rank 2 of 3 (the coordinator stands in for the group)."""
-    from snapshot._engine import restore
-    from snapshot._engine.dist import Coordinator
+    from snapshot._engine.dist.dist import Coordinator
+    from snapshot._engine.restore import restore
     from snapshot.options import Options
 
     class Rank2(Coordinator):

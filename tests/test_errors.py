@@ -430,7 +430,7 @@ def test_missing_and_short_blobs(tmp_path):
 def test_a_take_whose_early_entries_fail_removes_what_it_wrote(recorded, monkeypatch, pooled):
     """Entries are made while the last writes finish: an error there fails the take once the
     writes are done (none is left running), and everything they wrote is removed."""
-    from snapshot._engine.plan import TakePlan
+    from snapshot._engine.take.plan import TakePlan
 
     url, log = recorded
     root = url.removeprefix("recording://")

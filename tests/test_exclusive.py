@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from snapshot import Snapshot, SnapshotError, SnapshotExistsError, StateDict
-from snapshot._engine.commit import MANIFEST_NAME
+from snapshot._engine.take.commit import MANIFEST_NAME
 from storage_plugins import register_storage_plugin, unregister_storage_plugin
 from storage_plugins.fs import FSStoragePlugin
 from tests.s3server import S3Bucket

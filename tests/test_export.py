@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from snapshot import ChecksumError, InvalidArgumentError, Options, Snapshot, StateDict
-from snapshot._engine import export as engine
+from snapshot._engine.tools import export as engine
 from snapshot.export import export
 from snapshot.sharding import ShardedTensor
 from tests.multirank import run_ranks

@@ -23,7 +23,7 @@ from snapshot import (
     StorageError,
     UnsupportedValueError,
 )
-from snapshot._engine import export as engine
+from snapshot._engine.tools import export as engine
 from snapshot.export import export
 from snapshot.sharding import ShardedTensor
 from tests.helpers import seal_manifest
@@ -319,7 +319,9 @@ def _entry(body: str, key: str) -> str:
 
 
 def _dense(shape: str, chunks: str, dtype: str = "float32") -> str:
-    return f'  "0/m/w": {{"type": "tensor", "dtype": "{dtype}", "shape": {shape}, "chunks": {chunks}}}'
+    return (
+        f'  "0/m/w": {{"type": "tensor", "dtype": "{dtype}", "shape": {shape}, "chunks": {chunks}}}'
+    )
 
 
 def _forge(body: str, case: str) -> str:
@@ -386,7 +388,9 @@ def test_a_forged_manifest_is_refused_before_anything_is_allocated(tmp_path, cas
     path = tmp_path / "s"
     _hostile_base(path)
     body = (path / MANIFEST).read_text()
-    (path / MANIFEST).write_bytes(seal_manifest(_forge(body[: body.rindex("# crc32")], case).encode()))
+    (path / MANIFEST).write_bytes(
+        seal_manifest(_forge(body[: body.rindex("# crc32")], case).encode())
+    )
     out = tmp_path / "out"
     with pytest.raises(HOSTILE[case]) as caught:
         export(str(path), out, key="m", format=fmt)

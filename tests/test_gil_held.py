@@ -18,11 +18,12 @@ import pytest
 import torch
 
 from snapshot import Snapshot, StateDict
-from snapshot._engine import checksum, stage
-from snapshot._engine import loader as loader_module
-from snapshot._engine.checksum import HELD_BYTES, HOLD_MAX_BYTES, crc32_each, crc32_held
+from snapshot._engine.format import checksum
+from snapshot._engine.format.checksum import HELD_BYTES, HOLD_MAX_BYTES, crc32_each, crc32_held
 from snapshot._engine.handlers import dense
-from snapshot._engine.tensor_memory import beside_others, conjugated, negated
+from snapshot._engine.io import stage
+from snapshot._engine.io.tensor_memory import beside_others, conjugated, negated
+from snapshot._engine.restore import loader as loader_module
 
 SIZES = [
     0,

@@ -17,7 +17,7 @@ from pathlib import Path
 import fsspec
 import pytest
 
-from snapshot._engine.inspection import JOBS, PIECE_BYTES
+from snapshot._engine.tools.inspection import JOBS, PIECE_BYTES
 from tests.hostile import CASES, Case, build, take_base
 from tests.hostile_probe import OPERATIONS
 from tests.s3server import S3Server

@@ -36,9 +36,9 @@ from snapshot import (
     StorageError,
     UnsafeSnapshotError,
 )
-from snapshot._engine.commit import MANIFEST_NAME
-from snapshot._engine.manifest_io import load_manifest
-from snapshot._engine.verify import verify
+from snapshot._engine.format.manifest_io import load_manifest
+from snapshot._engine.take.commit import MANIFEST_NAME
+from snapshot._engine.tools.verify import verify
 from snapshot.cli import EXIT_OK, EXIT_PROBLEM, main
 from storage_plugins import (
     BlobTooLargeError,

@@ -36,7 +36,8 @@ from snapshot import (
     StateDict,
     UnsafeSnapshotError,
 )
-from snapshot._engine import claims, geometry
+from snapshot._engine.handlers import geometry
+from snapshot._engine.restore import claims
 from snapshot.cli import EXIT_PROBLEM, main
 from snapshot.sharding.mapping import ShardedTensor
 from tests.helpers import open_decoded, seal_manifest
@@ -178,7 +179,7 @@ def test_a_plain_scalar_that_is_no_number_is_corrupt(snap, scalar):
 def test_the_torchsnapshot_reader_refuses_the_same_yaml():
     """A torchsnapshot manifest is JSON read as YAML: its YAML reader refuses what this one
     does, and deep JSON does not reach the JSON decoder's recursion."""
-    from snapshot._engine.torchsnapshot_format import _parse
+    from snapshot._engine.format.torchsnapshot_format import _parse
 
     aliased = b'{version: &v "0.1.0", world_size: 1, manifest: {"0/a": *v}}'
     with pytest.raises(UnsafeSnapshotError, match="YAML anchor &v"):
@@ -546,8 +547,8 @@ def test_du_walks_the_ranks_listed_not_the_world_size_claimed(snap):
     """``du`` counts a leaf listed once under rank 0 again under every other rank: over the
     ranks the manifest lists, not every number below the world size it claims (a trillion
     would never end)."""
-    from snapshot._engine.inspection import disk_usage
-    from snapshot._engine.manifest_io import load_manifest
+    from snapshot._engine.format.manifest_io import load_manifest
+    from snapshot._engine.tools.inspection import disk_usage
 
     body = _body(snap).replace("world_size: 1", "world_size: 1000000000000")
     body = body.replace("format_version: 1", "format_version: 3")

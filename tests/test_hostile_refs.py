@@ -28,8 +28,8 @@ import torch
 
 import manifest as mf
 from snapshot import Options, Snapshot, StateDict
-from snapshot._engine.commit import MANIFEST_NAME
-from snapshot._engine.verify import verify
+from snapshot._engine.take.commit import MANIFEST_NAME
+from snapshot._engine.tools.verify import verify
 from snapshot.errors import CorruptSnapshotError, UnsafeSnapshotError
 from storage_plugins import memory
 from tests.s3server import S3Bucket
@@ -341,7 +341,6 @@ def test_replicated_entries_are_copied_under_each_listed_rank(tmp_path):
     (path / METADATA).write_text(json.dumps(doc))
     entries = Snapshot(str(path)).get_manifest()
     assert sorted(entries) == ["0/s", "0/s/x", "2/s", "2/s/x"]
-
 
 
 # ---------------------------------------------------------------------------------------------

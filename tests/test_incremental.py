@@ -21,7 +21,7 @@ from snapshot import (
     Snapshot,
     StateDict,
 )
-from snapshot._engine.commit import MANIFEST_NAME
+from snapshot._engine.take.commit import MANIFEST_NAME
 from snapshot.errors import SnapshotError
 from tests.helpers import open_decoded
 from tests.multirank import run_ranks
@@ -333,7 +333,7 @@ def test_a_reference_in_a_manifest_older_than_version_5_is_unsafe(tmp_path):
 
 
 def test_the_local_plugin_refuses_dot_dot_itself(tmp_path):
-    from snapshot._engine.io_loop import run
+    from snapshot._engine.io.io_loop import run
     from storage_plugins import UnsafeBlobError
     from storage_plugins.fs import FSStoragePlugin
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from snapshot import Options, Snapshot, StateDict
-from snapshot._engine.reads import Need, coalesce
+from snapshot._engine.restore.reads import Need, coalesce
 from tests.helpers import assert_same
 from tests.plugins import plain_blob
 

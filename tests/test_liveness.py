@@ -1,4 +1,4 @@
-"""How a waiting rank tells a lost peer from a slow one (snapshot/_engine/liveness.py), in one
+"""How a waiting rank tells a lost peer from a slow one (snapshot/_engine/dist/liveness.py), in one
 process: the peers are threads beating (or not) into an in-memory store. The same logic across
 real processes, frozen, killed and cut off: tests/test_rank_loss.py, tests/test_multihost.py."""
 
@@ -11,7 +11,7 @@ import pytest
 import torch.distributed as dist
 
 from snapshot import InvalidArgumentError, Options
-from snapshot._engine import liveness
+from snapshot._engine.dist import liveness
 from snapshot.options import resolve
 
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from snapshot import CheckpointManager, InvalidArgumentError, Snapshot, SnapshotError, StateDict
-from snapshot._engine.commit import MANIFEST_NAME, PENDING_NAME
+from snapshot._engine.take.commit import MANIFEST_NAME, PENDING_NAME
 from storage_plugins import register_storage_plugin, unregister_storage_plugin
 from storage_plugins.fs import FSStoragePlugin
 from tests.s3server import S3Bucket

@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from snapshot import CheckpointManager, Snapshot, SnapshotError, StateDict
-from snapshot._engine.commit import MANIFEST_NAME, PENDING_NAME
-from snapshot._engine.steps import delete_snapshot
+from snapshot._engine.manager.steps import delete_snapshot
+from snapshot._engine.take.commit import MANIFEST_NAME, PENDING_NAME
 from snapshot.cli import main as cli_main
 from snapshot.errors import SnapshotExistsError
 from snapshot.options import resolve
@@ -535,9 +535,12 @@ def test_on_s3_a_manifest_refused_or_a_listing_failing_deletes_nothing(s3_bucket
         code="InternalError",
         times=None,
     )
-    with caplog.at_level(logging.WARNING, logger="snapshot"), CheckpointManager(
-        root, keep_last=1, storage_options=opts, async_=False, options=options
-    ) as m:
+    with (
+        caplog.at_level(logging.WARNING, logger="snapshot"),
+        CheckpointManager(
+            root, keep_last=1, storage_options=opts, async_=False, options=options
+        ) as m,
+    ):
         target = state(-1)
         assert m.restore(target) == 1 and value_of(target) == 1.0
         m.save(3, state(3))

@@ -18,9 +18,9 @@ import torch
 from benchmarks.common.system import drop_page_cache
 from manifest import DictEntry, new_location, new_tensor_entry
 from snapshot import Snapshot, StateDict
-from snapshot._engine import read_ahead
 from snapshot._engine.flatten import subtree
-from snapshot._engine.loader import Loader
+from snapshot._engine.restore import read_ahead
+from snapshot._engine.restore.loader import Loader
 from storage_plugins import register_storage_plugin, unregister_storage_plugin
 from storage_plugins.base import UnsafeBlobError
 from storage_plugins.fs import FSStoragePlugin
@@ -240,7 +240,7 @@ def test_a_plugins_own_async_hint_is_awaited_on_the_io_loop(hints):
 
 
 def test_only_a_store_that_reads_ahead_is_given_hints(tmp_path):
-    from snapshot._engine.linked import LinkedStorage
+    from snapshot._engine.restore.linked import LinkedStorage
     from storage_plugins.memory import MemoryStoragePlugin
 
     fs = FSStoragePlugin(str(tmp_path))

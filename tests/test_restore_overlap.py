@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from snapshot import CorruptSnapshotError, Snapshot, StateDict
-from snapshot._engine import loader as loader_module
-from snapshot._engine.loader import PENDING, Loader
+from snapshot._engine.restore import loader as loader_module
+from snapshot._engine.restore.loader import PENDING, Loader
 
 # Longer than the longest value kept in the manifest itself: stored in a blob, and read (and
 # decoded) by the restore's reads.

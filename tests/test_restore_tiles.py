@@ -157,7 +157,7 @@ def test_device_copies_wait_for_the_callers_current_stream_of_each_device(tmp_pa
     run), with the wait on the device's default stream instead of the caller's current one
     (cuda:1's fill is on another stream), and with the copies on the I/O thread's own current
     stream (the code before: each copy at once, the fills after)."""
-    from snapshot._engine import device as seam
+    from snapshot._engine.io import device as seam
 
     cuda = CudaDouble(monkeypatch, devices=2)
     values = _small_state(0)
@@ -214,7 +214,7 @@ def test_pinned_tiles_are_reused_only_once_their_copies_have_landed(tmp_path, mo
     the reads' own tiles (the copy stream is synchronized during the reads to keep them so).
 
     Fails when a tile goes back to the pool as soon as its copy is issued."""
-    from snapshot._engine import landing
+    from snapshot._engine.restore import landing
 
     options = Options(memory_budget_bytes=64 * 1024, max_concurrent_io=4)
     cuda = CudaDouble(monkeypatch, devices=1)
@@ -303,7 +303,7 @@ def test_device_restores_hold_pinned_tiles_within_the_budget(tmp_path, monkeypat
     region through scratch) within a 64 KiB budget: the pinned host memory alive at once
     stays within it (before, each region had a scratch tensor of its own, taken when planned:
     1 MiB of host memory at once)."""
-    from snapshot._engine import device as seam
+    from snapshot._engine.io import device as seam
 
     options = Options(memory_budget_bytes=64 * 1024)
     cuda = CudaDouble(monkeypatch, devices=1)
@@ -394,7 +394,7 @@ def test_device_targets_of_dtypes_without_a_copy_kernel_land_as_bytes(tmp_path, 
 
     Found by benchmarks/gpu_check.py on an H100: the restore raised ``"copy_" not implemented
     for 'Int1'`` from the tiles' device copies."""
-    from snapshot._engine.serialization import BYTE_VIEW_DTYPES
+    from snapshot._engine.format.serialization import BYTE_VIEW_DTYPES
 
     options = Options(read_gap_bytes=gap)
     cuda = CudaDouble(monkeypatch, devices=1)
@@ -449,7 +449,7 @@ def test_device_tiles_are_short_and_reused_once_their_copies_are_done(
 
     Fails when every tile is as long as the budget allows, or when a tile comes back only at
     a synchronization of the stream (12 tiles pinned for 4 workers)."""
-    from snapshot._engine.landing import DEVICE_TILE_BYTES
+    from snapshot._engine.restore.landing import DEVICE_TILE_BYTES
 
     workers = 4
     options = Options(memory_budget_bytes=256 * _MIB, max_concurrent_io=workers)

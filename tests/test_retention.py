@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from snapshot import InvalidArgumentError
-from snapshot._engine.retention import Policy, Step, to_delete, to_keep
+from snapshot._engine.manager.retention import Policy, Step, to_delete, to_keep
 
 
 def steps(*numbers: int, losses: dict[int, float] | None = None, bases=None) -> list[Step]:

@@ -16,8 +16,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from snapshot import CheckpointManager, Snapshot, StateDict
-from snapshot._engine.commit import MANIFEST_NAME, PENDING_NAME
-from snapshot._engine.retention import Policy, Step, to_keep
+from snapshot._engine.manager.retention import Policy, Step, to_keep
+from snapshot._engine.take.commit import MANIFEST_NAME, PENDING_NAME
 from tests.test_manager_safety import TORCHSNAPSHOT, damage, newer_format, tree
 
 LOSSES = (0.4, 0.1, 0.3, 0.2)

@@ -1,5 +1,5 @@
 """The process's runtime: one object holding the library's process-wide state, its one shutdown
-path, and the check of who wrote a snapshot's parts (``snapshot._engine.writers``)."""
+path, and the check of who wrote a snapshot's parts (``snapshot._engine.format.writers``)."""
 
 from __future__ import annotations
 
@@ -14,9 +14,10 @@ import pytest
 import torch
 
 from snapshot import IncompatibleSnapshotError, Snapshot, StateDict
-from snapshot._engine import runtime, writers
-from snapshot._engine.async_queue import AsyncRequest
-from snapshot._engine.io_loop import io_loop, run
+from snapshot._engine import runtime
+from snapshot._engine.format import writers
+from snapshot._engine.io.async_queue import AsyncRequest
+from snapshot._engine.io.io_loop import io_loop, run
 from snapshot.options import Options
 from storage_plugins.memory import MemoryStoragePlugin
 

@@ -26,7 +26,7 @@ from snapshot import (
     StateDict,
     StorageError,
 )
-from snapshot._engine.commit import MANIFEST_NAME, PENDING_NAME
+from snapshot._engine.take.commit import MANIFEST_NAME, PENDING_NAME
 from storage_plugins.s3 import S3StoragePlugin
 from tests.helpers import assert_same
 from tests.multirank import run_ranks

@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from snapshot import CorruptSnapshotError, Snapshot, StateDict, StorageError
-from snapshot._engine.budget import ByteBudget
-from snapshot._engine.io_loop import io_loop, run
-from snapshot._engine.pipeline import WritePipeline, read_all
-from snapshot._engine.requests import ReadRequest, Segment, WriteRequest
-from snapshot._engine.staging import StagingPool
+from snapshot._engine.io.budget import ByteBudget
+from snapshot._engine.io.io_loop import io_loop, run
+from snapshot._engine.io.pipeline import WritePipeline, read_all
+from snapshot._engine.io.requests import ReadRequest, Segment, WriteRequest
+from snapshot._engine.io.staging import StagingPool
 from snapshot.options import Options
 from storage_plugins.memory import MemoryStoragePlugin
 

@@ -8,7 +8,7 @@ import torch
 
 from manifest import ShardedObjectEntry, ShardedTensorEntry
 from snapshot import IncompatibleSnapshotError, Options, Snapshot, SnapshotError, StateDict
-from snapshot._engine.geometry import runs
+from snapshot._engine.handlers.geometry import runs
 from snapshot.sharding import (
     LocalNonpersistentObject,
     ShardedObject,
@@ -391,7 +391,7 @@ def test_column_blocks_of_row_shards_in_one_process(tmp_path, gap):
 
 def test_plan_region_reads_boxes_through_small_gaps():
     from manifest import Location, Shard
-    from snapshot._engine.geometry import plan_region
+    from snapshot._engine.handlers.geometry import plan_region
 
     def shard(offsets, sizes, blob):
         n = sizes[0] * sizes[1] * 4

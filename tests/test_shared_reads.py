@@ -1,4 +1,4 @@
-"""Replicated tensors read once per restore across ranks (snapshot/_engine/shared_reads.py):
+"""Replicated tensors read once per restore across ranks (snapshot/_engine/dist/shared_reads.py):
 one rank reads each, the others receive it over the library's gloo group. Real processes
 (tests/multirank.py); the bytes each rank read are counted at the storage plugin."""
 
@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from snapshot import Options, Snapshot, StateDict
-from snapshot._engine import shared_reads
+from snapshot._engine.dist import shared_reads
 from tests.multirank import run_ranks
 
 pytestmark = pytest.mark.slow  # real processes (gloo)

@@ -29,8 +29,8 @@ from snapshot import (
     StateMismatchError,
     knobs,
 )
-from snapshot._engine.inspection import list_entries
-from snapshot._engine.manifest_io import load_manifest
+from snapshot._engine.format.manifest_io import load_manifest
+from snapshot._engine.tools.inspection import list_entries
 from snapshot.metadata import SnapshotMetadata
 from snapshot.tricks.ddp import DDP_STATE_DICT_PREFIX, DistributedDataParallelAdapter
 from snapshot.version import __version__

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from snapshot import Options, Snapshot, StateDict
-from snapshot._engine.verify import verify
+from snapshot._engine.tools.verify import verify
 from snapshot.errors import ChecksumError, SnapshotError
 from tests.s3server import S3Bucket
 

@@ -22,10 +22,10 @@ from snapshot import (
     UnsafeObjectError,
     UnsupportedValueError,
 )
-from snapshot._engine import loader as loader_module
+from snapshot._engine.format.serialization import encode_object, raw_memoryview, tensor_memoryview
 from snapshot._engine.handlers import objects
-from snapshot._engine.restorable import check_object
-from snapshot._engine.serialization import encode_object, raw_memoryview, tensor_memoryview
+from snapshot._engine.restore import loader as loader_module
+from snapshot._engine.take.restorable import check_object
 from tests.helpers import assert_same, random_tensor, raw_bytes
 
 ALL_DTYPES = sorted({v for v in vars(torch).values() if isinstance(v, torch.dtype)}, key=str)

@@ -20,7 +20,7 @@ def staging_figures() -> tuple[int, int, int]:
         pool = runtime.get().staging_pool(Options.from_env())
     except ImportError:
         try:
-            from snapshot._engine.staging import default_pool
+            from snapshot._engine.io.staging import default_pool
         except ImportError:  # a tree from before the engine moved to snapshot._engine
             from snapshot.staging import default_pool  # type: ignore[no-redef]
         pool = default_pool()

@@ -8,7 +8,7 @@ import gc
 import threading
 from collections.abc import Iterator
 
-from snapshot._engine.text import printable_message
+from snapshot._engine.format.text import printable_message
 from snapshot.errors import RankFailedError, SnapshotError
 
 

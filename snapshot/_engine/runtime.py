@@ -31,10 +31,10 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
-from snapshot._engine.async_queue import AsyncCallsQueue
-from snapshot._engine.kept import KeptPlugins
-from snapshot._engine.liveness import Heartbeat
-from snapshot._engine.staging import StagingPool
+from snapshot._engine.dist.liveness import Heartbeat
+from snapshot._engine.io.async_queue import AsyncCallsQueue
+from snapshot._engine.io.kept import KeptPlugins
+from snapshot._engine.io.staging import StagingPool
 
 if TYPE_CHECKING:
     from snapshot.options import Options

@@ -5,7 +5,7 @@
 One snapshot holds both parts of a state: the sharded part (``ShardedTensorEntry`` /
 ``ShardedObjectEntry`` entries) and the common part (everything else). Its manifest records,
 under ``metadata["strategies"]``, the backend and version that wrote each part
-(``snapshot._engine.writers``); a restore gets the load strategy registered for each pair and
+(``snapshot._engine.format.writers``); a restore gets the load strategy registered for each pair and
 lets it refuse what it cannot read.
 """
 
@@ -15,11 +15,13 @@ from pathlib import Path
 from typing import Any
 
 from manifest import Manifest, ShardedObjectEntry, ShardedTensorEntry
-from snapshot._engine import arguments, dist, runtime, writers
-from snapshot._engine.async_queue import AsyncRequest
-from snapshot._engine.manifest_io import load_manifest
-from snapshot._engine.serialization import dtype_from_name
-from snapshot._engine.take import TakeJob
+from snapshot._engine import arguments, runtime
+from snapshot._engine.dist import dist
+from snapshot._engine.format import writers
+from snapshot._engine.format.manifest_io import load_manifest
+from snapshot._engine.format.serialization import dtype_from_name
+from snapshot._engine.io.async_queue import AsyncRequest
+from snapshot._engine.take.take import TakeJob
 from snapshot.errors import IncompatibleSnapshotError, SnapshotError
 from snapshot.options import resolve
 from snapshot.sharding.mapping import ShardedObject, ShardedTensor

@@ -17,8 +17,8 @@ from typing import Any, TypeVar
 
 import torch
 
-from snapshot._engine import device
 from snapshot._engine.flatten import join
+from snapshot._engine.io import device
 from snapshot.errors import (
     HollowStateError,
     ShapeMismatchError,

@@ -40,7 +40,13 @@ import typing  # noqa: E402
 from collections.abc import Sequence  # noqa: E402
 
 from manifest import new_tensor_entry  # noqa: E402
-from snapshot._engine.drafts import (  # noqa: E402
+from snapshot._engine.format.serialization import dtype_name  # noqa: E402
+from snapshot._engine.io.tensor_memory import (  # noqa: E402
+    conjugated,
+    negated,
+    storage_shortfall,
+)
+from snapshot._engine.take.drafts import (  # noqa: E402
     Payload,
     PrepareFunc,
     TensorDraft,
@@ -49,17 +55,11 @@ from snapshot._engine.drafts import (  # noqa: E402
     payloads_of,
     type_name,
 )
-from snapshot._engine.serialization import dtype_name  # noqa: E402
-from snapshot._engine.tensor_memory import (  # noqa: E402
-    conjugated,
-    negated,
-    storage_shortfall,
-)
 from snapshot.errors import SnapshotError, UnsupportedValueError  # noqa: E402
 
 if typing.TYPE_CHECKING:
-    from snapshot._engine.drafts import Planned
-    from snapshot._engine.plan import Collector
+    from snapshot._engine.take.drafts import Planned
+    from snapshot._engine.take.plan import Collector
 
 _TENSOR = torch.Tensor
 
@@ -268,9 +268,10 @@ import functools  # noqa: E402
 from typing import TYPE_CHECKING, Any  # noqa: E402
 
 from manifest import TensorEntry  # noqa: E402
-from snapshot._engine import sharded  # noqa: E402
-from snapshot._engine.landing import Landing, tile_limit  # noqa: E402
-from snapshot._engine.reads import (  # noqa: E402
+from snapshot._engine.format.serialization import DTYPES  # noqa: E402
+from snapshot._engine.handlers import sharded  # noqa: E402
+from snapshot._engine.restore.landing import Landing, tile_limit  # noqa: E402
+from snapshot._engine.restore.reads import (  # noqa: E402
     Need,
     TensorRead,
     allocate,
@@ -283,11 +284,10 @@ from snapshot._engine.reads import (  # noqa: E402
     resolve_view,
     tile_need,
 )
-from snapshot._engine.serialization import DTYPES  # noqa: E402
 from snapshot.errors import CorruptSnapshotError, StateMismatchError  # noqa: E402
 
 if TYPE_CHECKING:
-    from snapshot._engine.loader import Loader
+    from snapshot._engine.restore.loader import Loader
 
 
 def restore(loader: Loader, path: str, entry: TensorEntry, target: Any) -> None:

@@ -14,8 +14,8 @@ from snapshot.sharding import mapping
 # factory's path (each leaf by its own kind, never replicated).
 
 if typing.TYPE_CHECKING:
-    from snapshot._engine.drafts import Planned
-    from snapshot._engine.plan import Collector
+    from snapshot._engine.take.drafts import Planned
+    from snapshot._engine.take.plan import Collector
 
 
 def take(
@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING, Any  # noqa: E402
 from manifest import Entry  # noqa: E402
 
 if TYPE_CHECKING:
-    from snapshot._engine.loader import Loader
+    from snapshot._engine.restore.loader import Loader
 
 
 def restore(loader: Loader, path: str, entry: Entry, target: Any) -> None:

@@ -14,7 +14,7 @@ from snapshot.sharding import mapping
 # the restoring rank's own object back there.
 
 if typing.TYPE_CHECKING:
-    from snapshot._engine.plan import Collector
+    from snapshot._engine.take.plan import Collector
 
 
 def take(
@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING  # noqa: E402
 from manifest import Entry  # noqa: E402
 
 if TYPE_CHECKING:
-    from snapshot._engine.loader import Loader
+    from snapshot._engine.restore.loader import Loader
     from snapshot.sharding.mapping import LocalNonpersistentObject
 
 

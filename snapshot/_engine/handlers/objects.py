@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import typing
 
-from snapshot._engine.drafts import ObjectDraft, Payload, type_name
+from snapshot._engine.format.serialization import encode_object
 from snapshot._engine.handlers.table import Handler
-from snapshot._engine.restorable import check_object
-from snapshot._engine.serialization import encode_object
+from snapshot._engine.take.drafts import ObjectDraft, Payload, type_name
+from snapshot._engine.take.restorable import check_object
 from snapshot.errors import UnsupportedValueError
 
 # ==== take ===================================================================================
@@ -18,7 +18,7 @@ from snapshot.errors import UnsupportedValueError
 # too (``bytes_draft``). (``torch`` is imported with the restore section below.)
 
 if typing.TYPE_CHECKING:
-    from snapshot._engine.plan import Collector
+    from snapshot._engine.take.plan import Collector
 
 
 def take(
@@ -74,11 +74,11 @@ from manifest import (  # noqa: E402
     ShardedObjectEntry,
     new_tensor_entry,
 )
-from snapshot._engine import geometry, sharded  # noqa: E402
+from snapshot._engine.format.serialization import decode_object, dtype_from_name, dtype_name  # noqa: E402
+from snapshot._engine.handlers import geometry, sharded  # noqa: E402
 from snapshot._engine.handlers.dense import is_dense_tensor  # noqa: E402
-from snapshot._engine.landing import Landing  # noqa: E402
-from snapshot._engine.reads import Need, allocate, check_target, location_check  # noqa: E402
-from snapshot._engine.serialization import decode_object, dtype_from_name, dtype_name  # noqa: E402
+from snapshot._engine.restore.landing import Landing  # noqa: E402
+from snapshot._engine.restore.reads import Need, allocate, check_target, location_check  # noqa: E402
 from snapshot.errors import (  # noqa: E402
     CorruptSnapshotError,
     StateMismatchError,
@@ -86,7 +86,7 @@ from snapshot.errors import (  # noqa: E402
 )
 
 if TYPE_CHECKING:
-    from snapshot._engine.loader import Loader
+    from snapshot._engine.restore.loader import Loader
 
 # What a pickled tensor's piece must decode to: a plain tensor (not a subclass).
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)

@@ -19,8 +19,8 @@ from snapshot.errors import UnsupportedValueError
 # (``PrimitiveEntry`` is imported with the restore section below.)
 
 if typing.TYPE_CHECKING:
-    from snapshot._engine.drafts import Planned
-    from snapshot._engine.plan import Collector
+    from snapshot._engine.take.drafts import Planned
+    from snapshot._engine.take.plan import Collector
 
 
 def take(
@@ -55,7 +55,7 @@ from typing import TYPE_CHECKING, Any  # noqa: E402
 from manifest import PrimitiveEntry  # noqa: E402
 
 if TYPE_CHECKING:
-    from snapshot._engine.loader import Loader
+    from snapshot._engine.restore.loader import Loader
 
 
 def restore(loader: Loader, path: str, entry: PrimitiveEntry, target: Any) -> None:

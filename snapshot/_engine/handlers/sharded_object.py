@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import typing
 
-from snapshot._engine import sharded
-from snapshot._engine.drafts import ShardedObjectDraft
-from snapshot._engine.handlers import objects
+from snapshot._engine.handlers import objects, sharded
 from snapshot._engine.handlers.table import Handler
+from snapshot._engine.take.drafts import ShardedObjectDraft
 from snapshot.sharding import mapping
 
 # ==== take ===================================================================================
@@ -16,8 +15,8 @@ from snapshot.sharding import mapping
 # ranks' entries are filled in from that rank's at the commit (``sharded.merge_entries``).
 
 if typing.TYPE_CHECKING:
-    from snapshot._engine.drafts import Planned
-    from snapshot._engine.plan import Collector
+    from snapshot._engine.take.drafts import Planned
+    from snapshot._engine.take.plan import Collector
 
 
 def take(
@@ -48,7 +47,7 @@ from manifest import ShardedObjectEntry  # noqa: E402
 from snapshot._engine.handlers.objects import plan_object_read  # noqa: E402
 
 if TYPE_CHECKING:
-    from snapshot._engine.loader import Loader
+    from snapshot._engine.restore.loader import Loader
 
 
 def restore(loader: Loader, path: str, entry: ShardedObjectEntry, target: Any) -> None:

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import typing
 
-from snapshot._engine.drafts import ShardDraft
 from snapshot._engine.handlers.dense import take_tensor
 from snapshot._engine.handlers.table import Handler
+from snapshot._engine.take.drafts import ShardDraft
 from snapshot.errors import UnsupportedValueError
 
 # ==== take ===================================================================================
@@ -19,7 +19,7 @@ from snapshot.errors import UnsupportedValueError
 # with the restore section below.)
 
 if typing.TYPE_CHECKING:
-    from snapshot._engine.plan import Collector
+    from snapshot._engine.take.plan import Collector
 
 
 def take(
@@ -64,11 +64,12 @@ from typing import TYPE_CHECKING, Any  # noqa: E402
 import torch  # noqa: E402
 
 from manifest import ShardedTensorEntry  # noqa: E402
-from snapshot._engine import geometry, sharded  # noqa: E402
-from snapshot._engine.checksum import LocationCheck  # noqa: E402
+from snapshot._engine.format.checksum import LocationCheck  # noqa: E402
+from snapshot._engine.format.serialization import dtype_from_name, dtype_name, raw_memoryview  # noqa: E402
+from snapshot._engine.handlers import geometry, sharded  # noqa: E402
 from snapshot._engine.handlers.dense import is_dense_tensor  # noqa: E402
-from snapshot._engine.landing import Landing, tile_limit  # noqa: E402
-from snapshot._engine.reads import (  # noqa: E402
+from snapshot._engine.restore.landing import Landing, tile_limit  # noqa: E402
+from snapshot._engine.restore.reads import (  # noqa: E402
     Need,
     ScratchPool,
     TensorRead,
@@ -78,11 +79,10 @@ from snapshot._engine.reads import (  # noqa: E402
     lands_directly,
     tile_need,
 )
-from snapshot._engine.serialization import dtype_from_name, dtype_name, raw_memoryview  # noqa: E402
 from snapshot.errors import StateMismatchError  # noqa: E402
 
 if TYPE_CHECKING:
-    from snapshot._engine.loader import Loader
+    from snapshot._engine.restore.loader import Loader
 
 # Scratch of one box of a sharded read through its gaps: small enough to be in the CPU's cache
 # when it is copied into place.

@@ -1,0 +1,178 @@
+"""Replicated tensors read once per restore: one rank reads each, the others receive it.
+
+A value stored once for every rank (replicated) is read by every rank of a restore by default.
+Where the bytes are far (an object store, or a file system that several hosts share), that
+fetches each byte once per rank; ``plan`` makes it once per restore instead: the ranks agree
+on the replicated tensors every one of them reads straight into a CPU tensor of its own, give
+each to one rank (the largest first, each to the rank with the fewest bytes so far), and the
+others drop their reads of it. Once every rank's reads have succeeded (the restore's "reading"
+agreement), ``receive`` broadcasts each tensor from its reader over the library's gloo group:
+large ones alone, small ones packed into buffers of ``PACK_BYTES``.
+
+The choice (``decide``): ``Options.read_replicated_once`` when set; else once a rank reads from
+somewhere other than a local directory, or the ranks are on more than one host. Ranks that
+share one host and one local disk share its page cache: there, every rank reading costs one
+read of the device and memory copies, which a broadcast over sockets does not beat.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from manifest import Entry, TensorEntry
+from snapshot._engine.dist.dist import Coordinator
+from snapshot._engine.restore.loader import Loader
+from snapshot.options import Options
+from storage_plugins.registry import split_url
+
+# Small tensors travel packed into buffers of this size (one collective each), larger ones alone.
+PACK_BYTES = 16 << 20
+
+
+@dataclass
+class Shared:
+    """The tensors this rank receives or sends: (reader rank, path, target), in the order
+    every rank broadcasts them."""
+
+    items: list[tuple[int, str, torch.Tensor]]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for _, _, t in self.items)
+
+
+def is_local(path: str) -> bool:
+    """Whether ``path`` names a local directory (no URL scheme, ``fs://`` or ``file://``)."""
+    return split_url(path)[0] in ("fs", "file")
+
+
+def candidates(loader: Loader, entries: Mapping[str, Entry], prefix: str) -> dict[str, int]:
+    """The replicated tensors this rank's planned reads put straight into a contiguous CPU
+    tensor of the stored dtype and shape (the only ones a broadcast can fill): their paths
+    below the rank's prefix, and sizes."""
+    direct: dict[str, bool] = {}
+    for need in loader.needs:
+        ok = need.scratch_bytes == 0 and need.done is None
+        direct[need.label] = direct.get(need.label, True) and ok
+    out: dict[str, int] = {}
+    cut = len(prefix)
+    for path, ok in direct.items():
+        entry = entries.get(path)
+        if not ok or type(entry) is not TensorEntry or not entry.replicated:
+            continue
+        target = loader.tensors.get(path)
+        if (
+            isinstance(target, torch.Tensor)
+            and target.is_cpu
+            and target.is_contiguous()
+            and target.nbytes == entry.nbytes
+            and path.startswith(prefix)
+        ):
+            out[path[cut:]] = target.nbytes
+    return out
+
+
+def decide(once: bool | None, path: str, hosts: list[str]) -> bool:
+    """Whether replicated tensors are read once (see the module): ``once`` (the option) when
+    set, else the library's choice for a snapshot at ``path`` and ranks on ``hosts``."""
+    if once is not None:
+        return once
+    return not is_local(path) or len(set(hosts)) > 1
+
+
+def plan(
+    loader: Loader,
+    entries: Mapping[str, Entry],
+    prefix: str,
+    path: str,
+    coordinator: Coordinator,
+    options: Options,
+    error: Exception | None,
+) -> Shared | None:
+    """Agrees with the other ranks (collectives every rank calls, the first with its ``error``
+    if planning failed) on whether replicated tensors are read once, and if so on which each
+    reads, and drops this rank's reads of the others'. None when they are read by every rank.
+
+    The choice comes first, from the ranks' hosts and rank 0's option and path: where every
+    rank reads (ranks on one host, from a local directory), no rank walks its planned reads nor
+    sends their list."""
+    value = (socket.gethostname(), options.read_replicated_once, path)
+    gathered = coordinator.agree("restore: sharing", value=value, error=error)
+    # Rank 0's option and path decide for every rank (the ranks must make one choice).
+    if not decide(gathered[0][1], gathered[0][2], [g[0] for g in gathered]):
+        return None
+    mine: dict[str, int] = {}
+    failed: Exception | None = None
+    loader.materialize()  # the choice below is made, and applied, need by need
+    try:
+        mine = candidates(loader, entries, prefix)
+    except Exception as e:  # every rank must still reach the next collective
+        failed = e
+    offers = coordinator.agree("restore: shared tensors", value=mine, error=failed)
+    common = dict(offers[0])
+    for theirs in offers[1:]:
+        common = {p: n for p, n in common.items() if theirs.get(p) == n}
+    if not common:
+        return None
+    load = [0] * coordinator.world_size
+    reader: dict[str, int] = {}
+    for p, n in sorted(common.items(), key=lambda item: (-item[1], item[0])):
+        rank = min(range(len(load)), key=load.__getitem__)
+        reader[p] = rank
+        load[rank] += n
+    me = coordinator.rank
+    cut = len(prefix)
+    loader.needs = [
+        need
+        for need in loader.needs
+        if reader.get(need.label[cut:], me) == me or not need.label.startswith(prefix)
+    ]
+    items = [(reader[p], prefix + p, loader.tensors[prefix + p]) for p in sorted(reader)]
+    return Shared(items)
+
+
+def receive(shared: Shared, coordinator: Coordinator) -> None:
+    """Broadcasts each shared tensor from its reader into every other rank's target."""
+    by_reader: dict[int, list[torch.Tensor]] = {}
+    for src, _, target in shared.items:
+        by_reader.setdefault(src, []).append(target)
+    for src in sorted(by_reader):
+        pack: list[torch.Tensor] = []
+        size = 0
+        for target in by_reader[src]:
+            if target.nbytes >= PACK_BYTES:
+                coordinator.broadcast(_bytes_of(target), src)
+                continue
+            if size + target.nbytes > PACK_BYTES:
+                _broadcast_packed(pack, size, src, coordinator)
+                pack, size = [], 0
+            pack.append(target)
+            size += target.nbytes
+        if pack:
+            _broadcast_packed(pack, size, src, coordinator)
+
+
+def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor's memory as a 1-d uint8 tensor (contiguous: checked by ``candidates``)."""
+    return tensor.detach().reshape(-1).view(torch.uint8)
+
+
+def _broadcast_packed(
+    targets: list[torch.Tensor], size: int, src: int, coordinator: Coordinator
+) -> None:
+    buf = torch.empty(size, dtype=torch.uint8)
+    sending = coordinator.rank == src
+    pos = 0
+    if sending:
+        for t in targets:
+            buf[pos : pos + t.nbytes].copy_(_bytes_of(t))
+            pos += t.nbytes
+    coordinator.broadcast(buf, src)
+    if not sending:
+        for t in targets:
+            _bytes_of(t).copy_(buf[pos : pos + t.nbytes])
+            pos += t.nbytes

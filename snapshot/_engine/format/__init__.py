@@ -1,0 +1,1 @@
+"""Bytes and files of a snapshot: serialization, checksums, manifest I/O, foreign formats."""

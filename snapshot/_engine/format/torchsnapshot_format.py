@@ -1,0 +1,322 @@
+"""Snapshots of other formats at a snapshot's path.
+
+torchsnapshot 0.1.0: its manifest (``.snapshot_metadata``) is translated into this library's
+``Manifest`` when the snapshot is opened, so the one loader reads it (restore, ``read_object``,
+``statesnap ls / show / verify``); nothing is ever written there. How each of its entries maps
+to ours is :mod:`snapshot._engine.format.torchsnapshot_translator`; this module finds the manifest,
+parses it, and asks the store for the lengths the translation needs.
+
+torchsnapshot records no checksums (every location's ``crc32`` is None) and no length for a
+file holding a pickle: those lengths are asked of the store when the snapshot is opened.
+
+Every byte of the manifest is untrusted: each field is checked for type and range, blob paths
+go through the manifest codec's check (relative, no ``..``), sizes must agree with dtypes and
+shapes, and pickles are only ever decoded by the safe loader.
+
+A torch.distributed.checkpoint directory, or a single ``torch.save`` file, given as a snapshot's
+path is recognized too, and refused with what to load it with instead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+from collections.abc import Iterable
+from typing import Any
+
+import manifest as mf
+from manifest import Manifest, ShardedTensorEntry
+from snapshot._engine.format.text import printable_message
+from snapshot._engine.format.torchsnapshot_translator import Translator
+from snapshot._engine.io.io_loop import run
+from snapshot._engine.io.storage_calls import call, open_plugin, read_unrecorded, refused
+from snapshot.errors import (
+    CorruptSnapshotError,
+    IncompatibleSnapshotError,
+    SnapshotError,
+    StorageError,
+    UnsafeSnapshotError,
+)
+from snapshot.options import Options
+from storage_plugins import StoragePlugin, UnsafeBlobError
+
+logger = logging.getLogger("snapshot")
+
+METADATA_NAME = ".snapshot_metadata"
+"""torchsnapshot's manifest, at the root of its snapshot."""
+
+DCP_METADATA_NAME = ".metadata"
+"""torch.distributed.checkpoint's metadata file, at the root of its checkpoint."""
+
+FOREIGN_MARKERS = {
+    METADATA_NAME: "a torchsnapshot snapshot",
+    DCP_METADATA_NAME: "a torch.distributed.checkpoint (DCP) checkpoint",
+}
+"""Files that say a path holds another library's checkpoint, which a take must not write into."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Opening a path that holds no manifest of ours.
+
+
+def open_foreign(
+    plugin: StoragePlugin,
+    where: str,
+    url: str,
+    storage_options: dict[str, Any] | None,
+    options: Options,
+) -> Manifest | None:
+    """What ``url`` (opened as ``plugin``, described as ``where``) holds when it has no
+    ``manifest.yaml``: a torchsnapshot snapshot's manifest, translated; None when nothing is
+    recognized there. ``options`` (resolved) are the call's: its storage calls' retries and
+    deadline, and how many length requests are in flight at once (``max_concurrent_io``).
+
+    Raises:
+        IncompatibleSnapshotError: ``url`` holds a DCP checkpoint or is a ``torch.save`` file
+            (the message says how to load it), or a torchsnapshot snapshot of a layout this
+            translator does not know.
+        CorruptSnapshotError: the torchsnapshot manifest is damaged.
+    """
+    try:
+        data = run(_read_if_present(plugin, where, METADATA_NAME, options))
+        if data is not None:
+            return translate(data, where, _SizeCache(plugin, where, options))
+        dcp = run(_exists(plugin, where, DCP_METADATA_NAME, options))
+    except SnapshotError:
+        raise
+    except UnsafeBlobError as e:  # DCP's marker, or a link on the way to it
+        raise refused(where, e) from e
+    except Exception as e:
+        raise StorageError(f"cannot read the torchsnapshot manifest of {where}: {e}") from e
+    if dcp:
+        raise IncompatibleSnapshotError(
+            f"{where} holds a torch.distributed.checkpoint (DCP) checkpoint ({DCP_METADATA_NAME}"
+            "), not a statesnap snapshot: load it with torch.distributed.checkpoint.load("
+            f"state_dict, checkpoint_id={url!r}), or convert it to one torch.save file with "
+            "torch.distributed.checkpoint.format_utils.dcp_to_torch_save"
+            f"({url!r}, 'checkpoint.pt')"
+        )
+    kind = _single_file(url, storage_options)
+    if kind is not None:
+        raise IncompatibleSnapshotError(
+            f"{where} is {kind}, not a statesnap snapshot (a directory): load it with "
+            f"torch.load({url!r}, weights_only=True) and give each object its part "
+            "(model.load_state_dict(...))"
+        )
+    return None
+
+
+async def _read_if_present(
+    plugin: StoragePlugin, where: str, name: str, options: Options
+) -> bytes | None:
+    try:
+        return await read_unrecorded(plugin, name, where, options)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+
+
+async def _exists(plugin: StoragePlugin, where: str, name: str, options: Options) -> bool:
+    try:
+        exists = lambda: plugin.exists(name)  # noqa: E731
+        return await call(plugin, "check", name, where, exists, options=options, convert=False)
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+
+
+def _single_file(url: str, storage_options: dict[str, Any] | None) -> str | None:
+    """What the local file at ``url`` is, when ``torch.save`` wrote it: a snapshot's path names
+    a directory, so the file is looked for in its parent. None when it is not such a file, or
+    ``url`` is not a local path (best effort: only the message differs; on an object store the
+    look would cost a second client and a request for every path without a snapshot)."""
+    if "://" in url and not url.startswith("file://"):
+        return None
+    # The path the user named may be a link (their choice, so it is followed, once); the
+    # plugin then opens the file without following anything.
+    parent, name = os.path.split(os.path.realpath(os.path.expanduser(url.removeprefix("file://"))))
+    if not name:
+        return None
+    try:
+        plugin = open_plugin(parent, storage_options)
+    except SnapshotError:
+        return None
+    try:
+        head = run(_head(plugin, name, 512))
+    except Exception:
+        logger.debug("could not look at %s as a file", url, exc_info=True)
+        return None
+    finally:
+        run(plugin.close())
+    return _torch_save_kind(head) if head is not None else None
+
+
+async def _head(plugin: StoragePlugin, name: str, limit: int) -> bytes | None:
+    """The first ``limit`` bytes (or fewer, if it is shorter) of blob ``name``; None when there
+    is no such blob."""
+    if not await plugin.exists(name):
+        return None
+    size = await plugin.size(name)
+    if size is None:
+        out = memoryview(bytearray(limit))
+        try:
+            await plugin.read_into(name, 0, out)
+            return bytes(out)
+        except EOFError:
+            return await plugin.read(name)  # shorter than ``limit``
+    out = memoryview(bytearray(min(size, limit)))
+    await plugin.read_into(name, 0, out)
+    return bytes(out)
+
+
+# torch.save's legacy format starts with the pickle (protocol 2) of its magic number.
+_LEGACY_TORCH_SAVE = b"\x80\x02\x8a\x0al\xfc\x9cF\xf9 j\xa8P\x19"
+
+
+def _torch_save_kind(head: bytes) -> str | None:
+    """Whether bytes starting with ``head`` are a ``torch.save`` file, and which format."""
+    if head.startswith(b"PK\x03\x04") and len(head) >= 30:
+        # A zip archive whose first member is "<archive name>/data.pkl": torch.save's.
+        name_len = int.from_bytes(head[26:28], "little")
+        name = head[30 : 30 + name_len]
+        if name == b"data.pkl" or name.endswith(b"/data.pkl"):
+            return "a torch.save file (zip format)"
+    if head.startswith(_LEGACY_TORCH_SAVE):
+        return "a torch.save file (legacy format)"
+    return None
+
+
+class _SizeCache:
+    """The lengths of whole-file blobs (torchsnapshot records none for a pickle's file), asked
+    of the store together, at most ``options.max_concurrent_io`` at a time; a missing blob
+    counts as empty, so reading it later fails naming it and ``verify`` reports it missing."""
+
+    def __init__(self, plugin: StoragePlugin, where: str, options: Options) -> None:
+        concurrency = options.max_concurrent_io
+        assert concurrency is not None, "_SizeCache takes resolved options"
+        self.plugin = plugin
+        self.where = where
+        self.concurrency = concurrency
+        self.options = options
+        self.sizes: dict[str, int] = {}
+
+    def fetch(self, blobs: Iterable[str]) -> None:
+        wanted = sorted(set(blobs) - set(self.sizes))
+        if wanted:
+            run(self._fetch_all(wanted))
+
+    async def _fetch_all(self, blobs: list[str]) -> None:
+        plugin, where, options = self.plugin, self.where, self.options
+        limit = asyncio.Semaphore(self.concurrency)
+
+        async def one(blob: str) -> None:
+            async with limit:
+                try:
+                    size = await call(
+                        plugin,
+                        "check",
+                        blob,
+                        where,
+                        lambda: plugin.size(blob),
+                        options=options,
+                        convert=False,
+                    )
+                    if size is None:  # the store cannot tell: the pickle is read to learn it
+                        data = await call(
+                            plugin,
+                            "read",
+                            blob,
+                            where,
+                            lambda: plugin.read(blob),
+                            options=options,
+                            convert=False,
+                        )
+                        size = len(data)
+                except (FileNotFoundError, NotADirectoryError):
+                    size = 0
+                self.sizes[blob] = size
+
+        await asyncio.gather(*(one(b) for b in blobs))
+
+    def __call__(self, blob: str) -> int:
+        return self.sizes[blob]
+
+
+# ---------------------------------------------------------------------------------------------
+# Translation.
+
+
+def translate(data: bytes, where: str, sizes: _SizeCache) -> Manifest:
+    """The ``Manifest`` of a torchsnapshot snapshot whose ``.snapshot_metadata`` holds
+    ``data``. ``sizes`` gives the length of a whole-file blob (``sizes(blob)``) after
+    ``sizes.fetch(blobs)`` was called with every blob it will be asked about.
+
+    Raises:
+        CorruptSnapshotError: the manifest is not valid, or a field is missing, of the wrong
+            type or out of range (a blob path leaving the root, a size that does not fit the
+            dtype and shape).
+        IncompatibleSnapshotError: an entry type, serializer or dtype this translator does not
+            know.
+    """
+    source = f"{where}/{METADATA_NAME}"
+    doc = _parse(data, source)
+    version, world_size, raw = _header(doc, source)
+    # Two passes: the first checks everything and learns which blobs hold pickles (whose
+    # lengths the store must give), the second builds the entries with those lengths.
+    wanted: set[str] = set()
+
+    def record(blob: str) -> int:
+        wanted.add(blob)
+        return 0
+
+    Translator(source, version, world_size, raw, record).run()
+    sizes.fetch(wanted)
+    entries = Translator(source, version, world_size, raw, sizes).run()
+    sharded = any(type(e) is ShardedTensorEntry for e in entries.values())
+    return Manifest(
+        format_version=2 if sharded else 1,
+        world_size=world_size,
+        entries=entries,
+        metadata={"library": f"torchsnapshot {version}", "format": "torchsnapshot"},
+    )
+
+
+def _parse(data: bytes, source: str) -> Any:
+    """The document: torchsnapshot 0.1.0 writes JSON (which is YAML) and reads it as YAML; the
+    JSON decoder reads it exactly, the YAML safe loader anything else."""
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise CorruptSnapshotError(f"{source} is not UTF-8 text: {e}") from None
+    # Text nesting deeper than the codec's limit (or not balanced) goes to the YAML reader,
+    # which refuses it without recursing; so does any YAML feature torchsnapshot never wrote
+    # (its aliases would make the translation walk shared values once per reference).
+    if mf.nests_within(text, mf.MAX_DEPTH):
+        try:
+            return json.loads(text)
+        except ValueError:
+            pass
+    try:
+        return mf.load_yaml(text, source)
+    except mf.UnsafeManifestError as e:
+        raise UnsafeSnapshotError(printable_message(str(e))) from None
+    except mf.ManifestDecodeError as e:
+        raise CorruptSnapshotError(
+            printable_message(f"{source} is neither JSON nor YAML: {e}")
+        ) from None
+
+
+def _header(doc: Any, source: str) -> tuple[str, int, dict[str, Any]]:
+    if not isinstance(doc, dict) or set(doc) != {"version", "world_size", "manifest"}:
+        keys = sorted(map(str, doc)) if isinstance(doc, dict) else type(doc).__name__
+        raise CorruptSnapshotError(
+            f"{source}: expected a mapping of version, world_size and manifest, got {keys}"
+        )
+    version, world_size, raw = doc["version"], doc["world_size"], doc["manifest"]
+    if type(version) is not str or len(version) > 100:
+        raise CorruptSnapshotError(f"{source}: version must be a short string, got {version!r}")
+    if type(world_size) is not int or world_size < 1:
+        raise CorruptSnapshotError(f"{source}: world_size must be >= 1, got {world_size!r}")
+    if not isinstance(raw, dict):
+        raise CorruptSnapshotError(f"{source}: manifest must be a mapping")
+    return version, world_size, raw

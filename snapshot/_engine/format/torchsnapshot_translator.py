@@ -1,0 +1,484 @@
+"""torchsnapshot 0.1.0's manifest entries, checked and translated into this library's
+(:mod:`snapshot._engine.format.torchsnapshot_format` reads the manifest and calls
+:class:`Translator`). Its entries map as follows:
+
+- ``Tensor`` with serializer ``buffer_protocol``: a ``TensorEntry`` of one range (the whole file,
+  or ``byte_range`` of a shared "batched" file); with ``torch_save``: a ``PickledTensorEntry``
+  whose one piece is the file.
+- ``ChunkedTensor``: its chunks are row blocks (cut along dimension 0), so a ``TensorEntry``
+  whose chunks are their ranges in order; chunks cut otherwise make a ``ShardedTensorEntry``;
+  chunks stored with ``torch_save`` make a ``PickledTensorEntry`` of several pieces.
+- ``ShardedTensor``: every rank's shards of the same logical path merged (each rank's entry
+  lists its own) into one ``ShardedTensorEntry`` (a ``PickledTensorEntry`` when pickled), put
+  under every rank that had the path.
+- ``object`` (always ``torch_save``): an ``ObjectEntry``, decoded by the same safe loader as
+  this library's objects.
+- ``int`` / ``float`` / ``str`` / ``bool`` / ``bytes``: a ``PrimitiveEntry``.
+- ``dict`` / ``OrderedDict`` / ``list``: ``DictEntry`` / ``DictEntry(ordered=True)`` /
+  ``ListEntry``, whose length (torchsnapshot records none) is counted from its children.
+- A replicated entry is stored once, under rank 0 only: it is copied under every other rank
+  the manifest lists (each rank lists its own containers) that lacks it, so each rank finds
+  its state under its own prefix; nothing is built per rank of ``world_size`` beyond those.
+
+Every field is untrusted: each is checked for type and range, blob paths go through the
+manifest codec's check (relative, no ``..``), and sizes must agree with dtypes and shapes.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import math
+import re
+import struct
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import manifest as mf
+from manifest import (
+    DictEntry,
+    Entry,
+    ListEntry,
+    Location,
+    ObjectEntry,
+    PickledTensorEntry,
+    PrimitiveEntry,
+    Shard,
+    ShardedTensorEntry,
+    TensorEntry,
+)
+from snapshot._engine.flatten import escape_key
+from snapshot._engine.format.text import printable_message
+from snapshot.errors import CorruptSnapshotError, IncompatibleSnapshotError, UnsafeSnapshotError
+
+# The translated manifest holds at most this many entries (a replicated entry is copied under
+# every listed rank: ranks times replicated leaves grows as the square of the manifest's size).
+_MAX_ENTRIES = 10_000_000
+# The largest number of elements a tensor may claim (a damaged shape must not overflow sizes).
+_MAX_NUMEL = 1 << 62
+
+# torchsnapshot 0.1.0's dtype names ("torch.float32") and their sizes in bytes.
+_DTYPES: dict[str, int] = {
+    "float64": 8,
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "complex128": 16,
+    "complex64": 8,
+    "int64": 8,
+    "int32": 4,
+    "int16": 2,
+    "int8": 1,
+    "uint8": 1,
+    "bool": 1,
+    "qint32": 4,
+    "qint8": 1,
+    "quint8": 1,
+}
+_QUANTIZED = {"qint32", "qint8", "quint8"}
+_PRIMITIVES = {"int", "float", "str", "bool", "bytes"}
+_INT_TEXT = re.compile(r"[-+]?[0-9]{1,4000}")
+_RANK = re.compile(r"0|[1-9][0-9]{0,8}")
+
+SizeOf = Callable[[str], int]
+
+# What a list entry stands as until every entry is known (then its length is counted).
+_LIST = ListEntry(length=0)
+
+
+class Translator:
+    """One pass over a torchsnapshot manifest: its entries, checked, as this library's."""
+
+    def __init__(
+        self, source: str, version: str, world_size: int, raw: dict[Any, Any], size_of: SizeOf
+    ) -> None:
+        self.source = source
+        self.version = version
+        self.world_size = world_size
+        self.raw = raw
+        self.size_of = size_of
+
+    # -- errors -----------------------------------------------------------------------------
+
+    # The path, the version and what is wrong all quote the manifest being translated:
+    # escaped, so that a message carries none of its control characters.
+
+    def corrupt(self, path: str, what: str) -> CorruptSnapshotError:
+        return CorruptSnapshotError(printable_message(f"{self.source}: {path}: {what}"))
+
+    def unknown(self, path: str, what: str) -> IncompatibleSnapshotError:
+        return IncompatibleSnapshotError(
+            printable_message(
+                f"{self.source}: {path}: {what}; the snapshot was written by torchsnapshot "
+                f"{self.version}, and statesnap reads the layout of torchsnapshot 0.1.0"
+            )
+        )
+
+    # -- the whole manifest -----------------------------------------------------------------
+
+    def run(self) -> dict[str, Entry]:
+        # Per rank, its (logical path, entry) in order; None for a sharded tensor's place.
+        by_rank: dict[int, list[tuple[str, Entry | None]]] = {}
+        sharded: dict[str, list[tuple[int, dict[str, Any]]]] = {}  # logical path -> shards
+        for path, raw in self.raw.items():
+            if type(path) is not str:
+                raise CorruptSnapshotError(f"{self.source}: entry path {path!r} is not a string")
+            rank_text, sep, logical = path.partition("/")
+            if not sep or not logical or not _RANK.fullmatch(rank_text):
+                raise self.corrupt(path, "a path must start with a rank: '<rank>/<key>...'")
+            rank = int(rank_text)
+            if rank >= self.world_size:
+                raise self.corrupt(path, f"rank {rank} of a world of {self.world_size}")
+            if not isinstance(raw, dict):
+                raise self.corrupt(path, f"expected a mapping, got {type(raw).__name__}")
+            if raw.get("type") == "ShardedTensor":
+                self.fields(path, raw, {"type", "shards"})
+                shards = raw["shards"]
+                if not isinstance(shards, list) or not shards:
+                    raise self.corrupt(path, "shards must be a non-empty list")
+                sharded.setdefault(logical, []).extend((rank, s) for s in shards)
+                entry: Entry | None = None  # made once every rank's shards are known
+            else:
+                entry = self.entry(path, logical, raw)
+            by_rank.setdefault(rank, []).append((logical, entry))
+        merged = {logical: self.sharded(logical, shards) for logical, shards in sharded.items()}
+        return self.expand(by_rank, merged)
+
+    def expand(
+        self, by_rank: dict[int, list[tuple[str, Entry | None]]], merged: dict[str, Entry]
+    ) -> dict[str, Entry]:
+        """Every rank's entries, rank by rank; a replicated leaf of rank 0 copied under every
+        other rank the manifest lists that lacks it; list lengths counted from the children.
+
+        Only the ranks listed get copies, whatever ``world_size`` says: each rank of a
+        torchsnapshot take lists its own containers, so a rank that lists nothing held no state
+        to restore, and a few bytes claiming a world of millions build nothing for it (a rank
+        of the world that is not listed still finds rank 0's replicated leaves: ``Manifest.
+        view``). The copies are bounded by the entries present: at most listed ranks times
+        replicated leaves, and ``_MAX_ENTRIES`` in all."""
+        replicated = [
+            (logical, e)
+            for logical, e in by_rank.get(0, [])
+            if e is not None and e.replicated and not mf.is_container(e)
+        ]
+        ranks = sorted(by_rank)
+        total = sum(map(len, by_rank.values()))
+        if replicated and total + len(replicated) * (len(ranks) - 1) > _MAX_ENTRIES:
+            raise CorruptSnapshotError(
+                f"{self.source}: {len(replicated)} replicated entries copied under each of "
+                f"{len(ranks)} ranks would make more than {_MAX_ENTRIES:,} entries"
+            )
+        entries: dict[str, Entry] = {}
+        for rank in ranks:
+            prefix = f"{rank}/"
+            for logical, entry in by_rank.get(rank, []):
+                entries[prefix + logical] = entry if entry is not None else merged[logical]
+            if rank:
+                for logical, entry in replicated:
+                    entries.setdefault(prefix + logical, entry)
+        return self.count_lists(entries)
+
+    def count_lists(self, entries: dict[str, Entry]) -> dict[str, Entry]:
+        """torchsnapshot's list entries record no length: each is the number of its children
+        (``<list>/0``, ``<list>/1``, ...), which must be numbered from 0 without a gap."""
+        children: dict[str, set[str]] = {p: set() for p, e in entries.items() if e is _LIST}
+        for path in entries:
+            parent, _, name = path.rpartition("/")
+            if parent in children:
+                children[parent].add(name)
+        for path, names in children.items():
+            length = len(names)
+            if names != {str(i) for i in range(length)}:
+                raise self.corrupt(
+                    path, f"a list's children must be numbered 0 to {length - 1}, got {names}"
+                )
+            entries[path] = ListEntry(length=length)
+        return entries
+
+    # -- one entry --------------------------------------------------------------------------
+
+    def fields(
+        self, path: str, raw: dict[str, Any], required: set[str], optional: Iterable[str] = ()
+    ) -> None:
+        keys = set(raw)
+        missing = required - keys
+        unknown = keys - required - set(optional)
+        if missing or unknown:
+            raise self.corrupt(
+                path,
+                f"{raw.get('type')} entry: missing fields {sorted(missing)}, unknown "
+                f"{sorted(map(str, unknown))}",
+            )
+
+    def replicated(self, path: str, raw: dict[str, Any]) -> bool:
+        value = raw["replicated"]
+        if type(value) is not bool:
+            raise self.corrupt(path, f"replicated must be true or false, got {value!r}")
+        return value
+
+    def entry(self, path: str, logical: str, raw: dict[str, Any]) -> Entry:
+        """The entry of one path; ``_LIST`` for a list (its length is counted once every entry
+        is known)."""
+        kind = raw.get("type")
+        if kind == "list":
+            self.fields(path, raw, {"type"})
+            return _LIST
+        if kind in ("dict", "OrderedDict"):
+            self.fields(path, raw, {"type", "keys"})
+            return DictEntry(keys=self.keys(path, raw["keys"]), ordered=kind == "OrderedDict")
+        if kind in _PRIMITIVES:
+            self.fields(path, raw, {"type", "serialized_value", "replicated"}, {"readable"})
+            return PrimitiveEntry(
+                value=self.primitive(path, kind, raw["serialized_value"]),
+                replicated=self.replicated(path, raw),
+            )
+        if kind == "Tensor":
+            box = self.tensor(path, raw)
+            return self.stored_whole(path, logical, box, self.replicated(path, raw))
+        if kind == "ChunkedTensor":
+            self.fields(path, raw, {"type", "dtype", "shape", "chunks", "replicated"})
+            return self.chunked(path, logical, raw)
+        if kind == "object":
+            self.fields(path, raw, {"type", "location", "serializer", "obj_type", "replicated"})
+            if raw["serializer"] != "torch_save":
+                raise self.unknown(path, f"object serializer {raw['serializer']!r}")
+            obj_type = raw["obj_type"]
+            if type(obj_type) is not str:
+                raise self.corrupt(path, f"obj_type must be a string, got {obj_type!r}")
+            blob = self.blob(path, raw["location"])
+            return ObjectEntry(
+                serializer="torch_save",
+                obj_type=obj_type.removeprefix("builtins."),
+                location=Location(blob=blob, offset=0, nbytes=self.size_of(blob)),
+                replicated=self.replicated(path, raw),
+            )
+        raise self.unknown(path, f"unknown entry type {kind!r}")
+
+    def keys(self, path: str, keys: Any) -> tuple[Any, ...]:
+        if not isinstance(keys, list):
+            raise self.corrupt(path, f"keys must be a list, got {keys!r}")
+        names = set()
+        for k in keys:
+            if type(k) not in (str, int, bool):
+                raise self.corrupt(path, f"unsupported dict key {k!r}")
+            names.add(escape_key(k))
+        if len(names) != len(keys):
+            raise self.corrupt(path, "two keys name the same child")
+        return tuple(keys)
+
+    def primitive(self, path: str, kind: str, text: Any) -> Any:
+        if type(text) is not str:
+            raise self.corrupt(path, f"serialized_value must be a string, got {text!r}")
+        if kind == "str":
+            return text
+        if kind == "int":
+            if not _INT_TEXT.fullmatch(text):
+                raise self.corrupt(path, f"{text[:40]!r} is not an integer")
+            return int(text)
+        if kind == "bool":
+            if text not in ("True", "False"):
+                raise self.corrupt(path, f"{text[:40]!r} is not True or False")
+            return text == "True"
+        try:
+            raw = base64.b64decode(text, validate=True)
+        except binascii.Error as e:
+            raise self.corrupt(path, f"{kind} value is not valid base64: {e}") from None
+        if kind == "bytes":
+            return raw
+        if len(raw) != 8:  # a float: a C double, in the byte order of the writer (as tensors)
+            raise self.corrupt(path, f"a float is 8 bytes, got {len(raw)}")
+        return struct.unpack("d", raw)[0]
+
+    def blob(self, path: str, location: Any) -> str:
+        if type(location) is not str:
+            raise self.corrupt(path, f"location must be a string, got {location!r}")
+        try:
+            blob = mf.check_blob_path(location, "location")
+        except mf.UnsafeManifestError as e:  # a path leaving the root: never followed
+            raise UnsafeSnapshotError(printable_message(f"{self.source}: {path}: {e}")) from None
+        # The codec's check lets one leading ``../<name>/`` through (an incremental take's
+        # reference to a sibling snapshot); torchsnapshot never wrote one, so a location here
+        # is a plain path inside the snapshot, or refused.
+        if mf.reference_of(blob) is not None:
+            raise UnsafeSnapshotError(
+                printable_message(
+                    f"{self.source}: {path}: location {location!r} names a sibling snapshot; a "
+                    "torchsnapshot manifest holds no references, only paths inside the snapshot"
+                )
+            )
+        return blob
+
+    def dims(self, path: str, value: Any, what: str) -> tuple[int, ...]:
+        if not isinstance(value, list) or len(value) > 64:
+            raise self.corrupt(path, f"{what} must be a list of at most 64 sizes, got {value!r}")
+        if not all(type(x) is int and 0 <= x <= _MAX_NUMEL for x in value):
+            raise self.corrupt(path, f"{what} must hold sizes >= 0, got {value!r}")
+        if math.prod(value) > _MAX_NUMEL:
+            raise self.corrupt(path, f"{what} {value} holds too many elements")
+        return tuple(value)
+
+    def dtype(self, path: str, value: Any) -> str:
+        if type(value) is not str or not value.startswith("torch."):
+            raise self.corrupt(path, f"dtype must be a string 'torch.<name>', got {value!r}")
+        name = value.removeprefix("torch.")
+        if name not in _DTYPES:
+            raise self.unknown(path, f"dtype {value!r}")
+        return name
+
+    def tensor(self, path: str, raw: Any) -> tuple[str, tuple[int, ...], bool, Location]:
+        """A stored ``Tensor`` entry (alone, or a chunk's or shard's): dtype, shape, whether it
+        is pickled, and where its bytes are."""
+        if not isinstance(raw, dict) or raw.get("type") != "Tensor":
+            raise self.corrupt(path, f"expected a Tensor entry, got {raw!r:.200}")
+        self.fields(
+            path,
+            raw,
+            {"type", "location", "serializer", "dtype", "shape", "replicated"},
+            {"byte_range"},
+        )
+        self.replicated(path, raw)
+        dtype = self.dtype(path, raw["dtype"])
+        shape = self.dims(path, raw["shape"], "shape")
+        blob = self.blob(path, raw["location"])
+        serializer = raw["serializer"]
+        byte_range = raw.get("byte_range")
+        if byte_range is not None and (
+            not isinstance(byte_range, list)
+            or len(byte_range) != 2
+            or not all(type(x) is int for x in byte_range)
+            or not 0 <= byte_range[0] <= byte_range[1]
+        ):
+            raise self.corrupt(path, f"byte_range must be [start, end], got {byte_range!r}")
+        if serializer == "buffer_protocol":
+            if dtype in _QUANTIZED:
+                raise self.corrupt(path, f"a {dtype} tensor has no raw layout")
+            nbytes = math.prod(shape) * _DTYPES[dtype]
+            offset = 0
+            if byte_range is not None:
+                offset = byte_range[0]
+                if byte_range[1] - offset != nbytes:
+                    raise self.corrupt(
+                        path,
+                        f"byte_range {byte_range} holds {byte_range[1] - offset} bytes; a "
+                        f"{dtype}{list(shape)} tensor needs {nbytes}",
+                    )
+            return dtype, shape, False, Location(blob=blob, offset=offset, nbytes=nbytes)
+        if serializer == "torch_save":
+            if byte_range is None:
+                loc = Location(blob=blob, offset=0, nbytes=self.size_of(blob))
+            else:
+                start, end = byte_range
+                loc = Location(blob=blob, offset=start, nbytes=end - start)
+            return dtype, shape, True, loc
+        raise self.unknown(path, f"tensor serializer {serializer!r}")
+
+    def stored_whole(
+        self,
+        path: str,
+        logical: str,
+        box: tuple[str, tuple[int, ...], bool, Location],
+        replicated: bool,
+    ) -> Entry:
+        dtype, shape, pickled, loc = box
+        if pickled:
+            piece = Shard(offsets=(0,) * len(shape), sizes=shape, chunks=(loc,))
+            return PickledTensorEntry(
+                dtype=dtype, shape=shape, pieces=(piece,), replicated=replicated
+            )
+        return TensorEntry(dtype=dtype, shape=shape, chunks=(loc,), replicated=replicated)
+
+    def boxes(
+        self, path: str, dtype: str, shape: tuple[int, ...], raw_list: list[Any], what: str
+    ) -> tuple[list[Shard], bool]:
+        """The pieces of a chunked or sharded tensor, by offset, and whether they are pickled."""
+        pieces = []
+        pickled_kinds = set()
+        for raw in raw_list:
+            if not isinstance(raw, dict) or set(raw) != {"offsets", "sizes", "tensor"}:
+                raise self.corrupt(path, f"expected a {what} {{offsets, sizes, tensor}}")
+            offsets = self.dims(path, raw["offsets"], f"a {what}'s offsets")
+            sizes = self.dims(path, raw["sizes"], f"a {what}'s sizes")
+            t_dtype, t_shape, pickled, loc = self.tensor(path, raw["tensor"])
+            if len(offsets) != len(shape) or len(sizes) != len(shape):
+                raise self.corrupt(path, f"a {what} at {list(offsets)} of a {len(shape)}-d tensor")
+            if any(o + n > s for o, n, s in zip(offsets, sizes, shape, strict=True)):
+                raise self.corrupt(
+                    path, f"a {what} at {list(offsets)} of size {list(sizes)} exceeds {list(shape)}"
+                )
+            if t_dtype != dtype or t_shape != sizes:
+                raise self.corrupt(
+                    path,
+                    f"a {what} of size {list(sizes)} holds a {t_dtype}{list(t_shape)} tensor; "
+                    f"the entry is {dtype}",
+                )
+            pickled_kinds.add(pickled)
+            pieces.append(Shard(offsets=offsets, sizes=sizes, chunks=(loc,)))
+        if len(pickled_kinds) > 1:
+            raise self.unknown(path, f"some {what}s pickled and others raw")
+        pieces.sort(key=lambda p: p.offsets)
+        return pieces, pickled_kinds == {True}
+
+    def chunked(self, path: str, logical: str, raw: dict[str, Any]) -> Entry:
+        dtype = self.dtype(path, raw["dtype"])
+        shape = self.dims(path, raw["shape"], "shape")
+        replicated = self.replicated(path, raw)
+        chunks = raw["chunks"]
+        if not isinstance(chunks, list) or not chunks:
+            raise self.corrupt(path, "chunks must be a non-empty list")
+        # torchsnapshot cuts a 0-d tensor as its 1-element view: one chunk of it.
+        view = shape if shape else (1,)
+        pieces, pickled = self.boxes(path, dtype, view, chunks, "chunk")
+        if not shape:
+            if len(pieces) != 1 or pickled:
+                raise self.unknown(path, "a 0-d tensor cut into chunks")
+            chunk = pieces[0].chunks
+            return TensorEntry(dtype=dtype, shape=shape, chunks=chunk, replicated=replicated)
+        if pickled:
+            return PickledTensorEntry(
+                dtype=dtype, shape=shape, pieces=tuple(pieces), replicated=replicated
+            )
+        if _row_blocks(shape, pieces):
+            # Row blocks, in order: their bytes, one after another, are the tensor's.
+            locs = tuple(p.chunks[0] for p in pieces)
+            return TensorEntry(dtype=dtype, shape=shape, chunks=locs, replicated=replicated)
+        return ShardedTensorEntry(
+            key=logical, dtype=dtype, shape=shape, shards=tuple(pieces), replicated=replicated
+        )
+
+    def sharded(self, logical: str, shards: list[tuple[int, Any]]) -> Entry:
+        """One entry for every rank's shards of the sharded tensor at ``logical``."""
+        path = f"{shards[0][0]}/{logical}"
+        raws = [s for _, s in shards]
+        first = raws[0].get("tensor") if isinstance(raws[0], dict) else None
+        if not isinstance(first, dict) or not isinstance(raws[0].get("sizes"), list):
+            raise self.corrupt(path, "expected a shard {offsets, sizes, tensor}")
+        dtype = self.dtype(path, first.get("dtype"))
+        ndim = len(raws[0]["sizes"])
+        # The global shape: the far corner of the shards (torchsnapshot records no shape).
+        shape = [0] * ndim
+        for raw in raws:
+            if not isinstance(raw, dict):
+                raise self.corrupt(path, "expected a shard {offsets, sizes, tensor}")
+            offsets = self.dims(path, raw.get("offsets"), "a shard's offsets")
+            sizes = self.dims(path, raw.get("sizes"), "a shard's sizes")
+            if len(offsets) != ndim or len(sizes) != ndim:
+                raise self.corrupt(path, "shards of different dimensions")
+            shape = [max(g, o + n) for g, o, n in zip(shape, offsets, sizes, strict=True)]
+        dims = self.dims(path, shape, "the global shape")
+        pieces, pickled = self.boxes(path, dtype, dims, raws, "shard")
+        if pickled:
+            return PickledTensorEntry(dtype=dtype, shape=dims, pieces=tuple(pieces))
+        return ShardedTensorEntry(key=logical, dtype=dtype, shape=dims, shards=tuple(pieces))
+
+
+def _row_blocks(shape: tuple[int, ...], pieces: list[Shard]) -> bool:
+    """Whether ``pieces`` (by offset) are whole rows ``[a, b)``, ``[b, c)``, ... covering
+    ``shape``'s first axis."""
+    row = 0
+    for p in pieces:
+        if p.offsets[0] != row or p.offsets[1:] != (0,) * (len(shape) - 1):
+            return False
+        if p.sizes[1:] != shape[1:]:
+            return False
+        row += p.sizes[0]
+    return row == shape[0]

@@ -1,0 +1,311 @@
+"""The geometry of sharded tensors: boxes of a global tensor (``Region``: offsets and sizes per
+axis), whether a set of boxes covers a tensor exactly once (``cover_problem``, ``find_overlap``),
+the runs of consecutive elements two boxes share (``runs``), and how to read a wanted region from
+the stored shards (``plan_region``: ``Piece``s that land straight in the destination, ``Box``es
+read through a scratch buffer). Pure arithmetic over the manifest's shard records: no tensors,
+no I/O; :mod:`snapshot._engine.handlers.sharded` applies it to the values a rank holds.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+from manifest import Location, Shard, ShardedTensorEntry
+
+Region = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes) per global axis
+
+
+# ---------------------------------------------------------------------------------------------
+# Covering a tensor exactly once.
+
+
+# Whether boxes cover a tensor exactly once is decided from their corners (``cover_problem``):
+# a box split along k axes has 2**k of them. Shardings split one axis or two (rows; rows and
+# columns), a DTensor at most one per dimension of its mesh; past this many split axes the
+# corners would cost many times the boxes' own description in the manifest.
+_MAX_SPLIT_AXES = 6
+# Up to this many boxes, a tensor split along more axes is checked pair by pair instead: fewer
+# comparisons than this many per box. More boxes along more axes are refused.
+_MAX_PAIRWISE = 1 << _MAX_SPLIT_AXES
+
+
+def cover_problem(shape: Sequence[int], boxes: Sequence[Region]) -> str | None:
+    """None when ``boxes`` (offsets, sizes) cover the box ``[0, shape)`` exactly once; else
+    what is wrong, in words. In time linear in the number of boxes.
+
+    Each box is the sum of signed points at its corners: +1 at its low corner, and the sign
+    flipping with each axis on which a corner takes the box's high end; the count of boxes
+    holding an element is the sum of the signed points below it on every axis (the inverse of
+    that difference, a prefix sum). So the boxes hold every element of the tensor exactly once
+    if and only if their signed corners add up to the tensor's own: a dictionary of corners,
+    2**k entries per box along the k axes some box does not span whole. Empty boxes hold
+    nothing and are left out (a rank may hold an empty piece), and so are the axes every box
+    spans whole, which change nothing.
+    """
+    ndim = len(shape)
+    total = math.prod(shape)
+    solid: list[Region] = []
+    volume = 0
+    for offsets, sizes in boxes:
+        if (
+            len(offsets) != ndim
+            or len(sizes) != ndim
+            or any(
+                o < 0 or n < 0 or o + n > g for o, n, g in zip(offsets, sizes, shape, strict=True)
+            )
+        ):
+            return f"a box at {list(offsets)} of size {list(sizes)} is not within {list(shape)}"
+        count = math.prod(sizes)
+        if count:
+            solid.append((offsets, sizes))
+            volume += count
+    if volume != total:
+        return f"the boxes hold {volume} elements, and it has {total}"
+    if not total:
+        return None  # a tensor without elements: any boxes within it hold each of them once
+    axes = [d for d in range(ndim) if any(o[d] != 0 or n[d] != shape[d] for o, n in solid)]
+    if len(axes) <= _MAX_SPLIT_AXES:
+        return _corner_problem(shape, solid, axes)
+    if len(solid) <= _MAX_PAIRWISE:  # within find_overlap's budget: it never gives up
+        return None if find_overlap(solid) is None else "two of the boxes overlap"
+    return (
+        f"it is split along {len(axes)} axes into {len(solid)} boxes; this library checks "
+        f"tensors split along at most {_MAX_SPLIT_AXES} axes, or into at most "
+        f"{_MAX_PAIRWISE} boxes"
+    )
+
+
+def _corner_problem(shape: Sequence[int], solid: Sequence[Region], axes: list[int]) -> str | None:
+    """``cover_problem`` for boxes of the right total volume, by their signed corners along
+    ``axes``."""
+    weights: dict[tuple[int, ...], int] = {}
+    for offsets, sizes in solid:
+        _add_corners(weights, [(offsets[d], offsets[d] + sizes[d]) for d in axes], 1)
+    _add_corners(weights, [(0, shape[d]) for d in axes], -1)
+    if any(weights.values()):
+        return "some elements are in two boxes, and as many in none"
+    return None
+
+
+def _add_corners(
+    weights: dict[tuple[int, ...], int], bounds: list[tuple[int, int]], sign: int
+) -> None:
+    """Adds the signed corners of the box with ``(low, high)`` bounds on each axis, times
+    ``sign``, to ``weights``."""
+    for picks in itertools.product((0, 1), repeat=len(bounds)):
+        corner = tuple(b[i] for b, i in zip(bounds, picks, strict=True))
+        weights[corner] = weights.get(corner, 0) + (-sign if sum(picks) % 2 else sign)
+
+
+def find_overlap(boxes: Sequence[Region]) -> tuple[int, int] | None:
+    """The indices of two boxes that share an element, or None: a sweep along the first axis,
+    comparing each box with the boxes still open where it starts. It gives up (None) after
+    ``_MAX_PAIRWISE`` comparisons per box, which only many boxes spanning one stretch of the
+    first axis together can need."""
+    if len(boxes) < 2:
+        return None
+    if not boxes[0][0]:  # 0-d: every box is the one element
+        return (0, 1)
+    budget = _MAX_PAIRWISE * len(boxes)
+    ends: list[tuple[int, int]] = []  # (where a box ends on the first axis, its index)
+    active: dict[int, None] = {}  # the boxes open at the sweep's position, in order
+    for i in sorted(range(len(boxes)), key=lambda i: boxes[i][0][0]):
+        (offsets, sizes) = boxes[i]
+        while ends and ends[0][0] <= offsets[0]:
+            del active[heapq.heappop(ends)[1]]
+        for j in active:
+            budget -= 1
+            if budget < 0:
+                return None
+            if _overlap(boxes[i], boxes[j]) is not None:
+                return (min(i, j), max(i, j))
+        if math.prod(sizes):
+            active[i] = None
+            heapq.heappush(ends, (offsets[0] + sizes[0], i))
+    return None
+
+
+def _overlap(a: Region, b: Region) -> Region | None:
+    """The box two boxes share, or None."""
+    lo = tuple(max(x, y) for x, y in zip(a[0], b[0], strict=True))
+    hi = tuple(min(x + n, y + m) for x, n, y, m in zip(a[0], a[1], b[0], b[1], strict=True))
+    if any(h <= low for low, h in zip(lo, hi, strict=True)):
+        return None
+    return lo, tuple(h - low for low, h in zip(lo, hi, strict=True))
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading a region.
+
+
+def _strides(sizes: Sequence[int]) -> tuple[int, ...]:
+    out = [1] * len(sizes)
+    for d in range(len(sizes) - 2, -1, -1):
+        out[d] = out[d + 1] * sizes[d + 1]
+    return tuple(out)
+
+
+def runs(stored: Region, wanted: Region) -> Iterator[tuple[int, int, int]]:
+    """``(source, dest, count)`` in elements, for each run of consecutive elements the overlap
+    of the ``stored`` box and the ``wanted`` box makes: ``source`` counts from the start of the
+    stored box, ``dest`` from the start of the wanted box, both in row-major order. Trailing
+    axes that the overlap spans whole in both boxes merge into longer runs."""
+    box = _overlap(stored, wanted)
+    if box is None:
+        return
+    (so, ss), (wo, ws) = stored, wanted
+    lo, n = box
+    ndim = len(n)
+    if ndim == 0:
+        yield 0, 0, 1
+        return
+    s_str, w_str = _strides(ss), _strides(ws)
+    # The run: the innermost axis, and the ones outside it while the overlap spans them whole.
+    d = ndim - 1
+    count = n[d]
+    while d > 0 and n[d] == ss[d] == ws[d]:
+        d -= 1
+        count *= n[d]
+    base_s = sum((lo[k] - so[k]) * s_str[k] for k in range(ndim))
+    base_w = sum((lo[k] - wo[k]) * w_str[k] for k in range(ndim))
+    for index in itertools.product(*(range(n[k]) for k in range(d))):
+        s = base_s + sum(i * s_str[k] for k, i in enumerate(index))
+        w = base_w + sum(i * w_str[k] for k, i in enumerate(index))
+        yield s, w, count
+
+
+@dataclass
+class Piece:
+    """``nbytes`` bytes at ``offset`` of ``chunk``'s blob, landing at byte ``dest`` of the
+    destination; ``lo`` is the offset within the chunk."""
+
+    chunk: Location
+    lo: int
+    nbytes: int
+    dest: int
+
+
+def _cut(
+    shard: Shard, start: int, stop: int, dest: int, itemsize: int, piece_bytes: int
+) -> Iterator[Piece]:
+    """Bytes ``[start, stop)`` of a stored shard as pieces: cut where its chunks end, and into
+    at most ``piece_bytes``; ``dest`` is where the first byte lands."""
+    step = max(itemsize, piece_bytes - piece_bytes % itemsize)
+    end = 0
+    for chunk in shard.chunks:
+        begin, end = end, end + chunk.nbytes
+        if end <= start or begin >= stop:
+            continue
+        a, b = max(start, begin), min(stop, end)
+        for cut in range(a, b, step):
+            m = min(step, b - cut)
+            yield Piece(chunk, cut - begin, m, dest + (cut - start))
+
+
+@dataclass
+class Box:
+    """An overlap made of many short runs with short gaps between them, read whole (gaps
+    included) into a scratch buffer: ``pieces`` land there (``Piece.dest`` counts from its
+    start), then one strided copy moves the box into the region's tensor at ``at`` (offsets
+    within the region), reading the scratch with the stored shard's ``strides``."""
+
+    sizes: tuple[int, ...]
+    at: tuple[int, ...]
+    strides: tuple[int, ...]
+    span: int  # elements in the scratch buffer
+    pieces: list[Piece]
+
+
+def plan_region(
+    entry: ShardedTensorEntry,
+    region: Region,
+    itemsize: int,
+    piece_bytes: int,
+    gap_bytes: int,
+    box_bytes: int,
+) -> tuple[list[Piece], list[Box]]:
+    """How to read ``region``: pieces that land straight in the region's tensor, and boxes.
+
+    An overlap whose runs are separated by gaps of at most ``gap_bytes`` on average (the
+    ``STATESNAP_READ_GAP_BYTES`` rule of every other read) is read as boxes of at most about
+    ``box_bytes`` through a scratch buffer: a column block of a row-sharded tensor is
+    thousands of runs of a few KiB, each a read request of its own otherwise. Others are read
+    run by run, only the bytes wanted.
+    """
+    direct: list[Piece] = []
+    boxes: list[Box] = []
+    for shard in entry.shards:
+        stored = (shard.offsets, shard.sizes)
+        box = _overlap(stored, region)
+        if box is None:
+            continue
+        layout = _box_layout(stored, region, box)
+        if layout is None or layout[1] * itemsize > gap_bytes:
+            for src, dst, count in runs(stored, region):
+                direct.extend(
+                    _cut(
+                        shard,
+                        src * itemsize,
+                        (src + count) * itemsize,
+                        dst * itemsize,
+                        itemsize,
+                        piece_bytes,
+                    )
+                )
+            continue
+        boxes.extend(_boxes(shard, box, region, itemsize, piece_bytes, box_bytes))
+    return direct, boxes
+
+
+def _box_layout(stored: Region, wanted: Region, box: Region) -> tuple[int, float] | None:
+    """(runs, average gap between them in the stored bytes, in elements) of an overlap, as
+    ``runs`` cuts it; None when it is one run."""
+    ss, ws, n = stored[1], wanted[1], box[1]
+    ndim = len(n)
+    if ndim < 2:
+        return None
+    d = ndim - 1
+    count = n[d]
+    while d > 0 and n[d] == ss[d] == ws[d]:
+        d -= 1
+        count *= n[d]
+    nruns = math.prod(n[:d])
+    if nruns <= 1:
+        return None
+    span = _span(n, _strides(ss))
+    return nruns, (span - nruns * count) / (nruns - 1)
+
+
+def _span(sizes: Sequence[int], strides: Sequence[int]) -> int:
+    """Elements from a box's first to its last, stored row-major with ``strides``."""
+    return sum((m - 1) * st for m, st in zip(sizes, strides, strict=True)) + 1
+
+
+def _boxes(
+    shard: Shard, box: Region, region: Region, itemsize: int, piece_bytes: int, box_bytes: int
+) -> Iterator[Box]:
+    """The overlap ``box`` of ``shard``, cut along its first axis into boxes whose span (in the
+    stored bytes) is at most about ``box_bytes``."""
+    (so, ss), (lo, n), (ro, _) = (shard.offsets, shard.sizes), box, region
+    strides = _strides(ss)
+    rows = max(1, box_bytes // (strides[0] * itemsize))
+    for r0 in range(0, n[0], rows):
+        sizes = (min(rows, n[0] - r0), *n[1:])
+        first = (lo[0] + r0 - so[0]) * strides[0] + sum(
+            (lo[k] - so[k]) * strides[k] for k in range(1, len(n))
+        )
+        span = _span(sizes, strides)
+        at = (lo[0] + r0 - ro[0], *(lo[k] - ro[k] for k in range(1, len(n))))
+        yield Box(
+            sizes=sizes,
+            at=at,
+            strides=strides,
+            span=span,
+            pieces=list(
+                _cut(shard, first * itemsize, (first + span) * itemsize, 0, itemsize, piece_bytes)
+            ),
+        )

@@ -1,0 +1,416 @@
+"""Sharded tensors: pieces of one global tensor held by several ranks (our ``ShardedTensor``, a
+``DTensor`` with Shard / Replicate placements, or torch's own ``ShardedTensor`` from
+``torch.distributed._shard``, as FSDP1's sharded state dicts and torchrec hold), stored once, and
+read back into any sharding.
+
+Take: each rank holding the main replica of a piece writes it like a tensor of its own (its
+bytes in row-major order, chunked like any tensor); the ranks check together, before anything is
+written, that the main replicas cover every global tensor exactly once; at the commit, the
+pieces of each global tensor are gathered into one ``ShardedTensorEntry`` that every rank's
+entry for it becomes.
+
+Restore and ``read_object``: the region a target needs (its piece of the global tensor, or all
+of it) is intersected with every stored shard; each overlap is read as the runs of consecutive
+bytes it makes in the stored shard, straight into the target's memory when the target is a
+contiguous CPU tensor of the stored dtype. Only overlapping bytes are asked for (the read
+planner may still read through small gaps between runs, up to ``STATESNAP_READ_GAP_BYTES``).
+The geometry (coverage, overlaps, runs, the read plan of a region) is in
+:mod:`snapshot._engine.handlers.geometry`; this module applies it to the values a rank holds and to the
+manifest's entries.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import sys
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from manifest import Entry, Shard, ShardedObjectEntry, ShardedTensorEntry
+from snapshot._engine.format.checksum import LocationCheck
+from snapshot._engine.handlers.geometry import Piece, Region, cover_problem, find_overlap
+from snapshot.errors import (
+    CorruptSnapshotError,
+    ShapeMismatchError,
+    SnapshotError,
+    StateMismatchError,
+    UnsupportedValueError,
+)
+from snapshot.sharding.mapping import ShardedTensor, is_main_replica
+
+
+@dataclass(frozen=True)
+class LocalPiece:
+    """What a rank holds of a global tensor: the box ``offsets`` .. ``offsets + sizes``, its
+    values ``data`` (shaped ``sizes``), and whether this rank's copy is the one written."""
+
+    key: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    data: torch.Tensor
+    main: bool
+
+
+@dataclass(frozen=True)
+class Held:
+    """What a rank holds of one global tensor: its name, dtype and shape, and its pieces (one
+    for our ``ShardedTensor`` and a ``DTensor``; any number, none included, for torch's
+    ``ShardedTensor``, whose ranks may hold several shards or none)."""
+
+    key: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    pieces: tuple[LocalPiece, ...]
+
+
+# Where torch's own ShardedTensor lives (FSDP1's SHARDED_STATE_DICT, torchrec). Its base class
+# holds the shards and their metadata; ``ShardedTensor`` adds the process group.
+_TORCH_SHARDED_MODULE = "torch.distributed._shard.sharded_tensor.api"
+
+
+def _dtensor_type() -> type | None:
+    # A DTensor exists only once its module was imported: looking it up costs nothing, where
+    # importing it would make the first take pay for importing torch.distributed.tensor.
+    module = sys.modules.get("torch.distributed.tensor")
+    return getattr(module, "DTensor", None)
+
+
+def _torch_sharded_type() -> type | None:
+    # The same for torch's ShardedTensor: no instance exists before its module is imported.
+    module = sys.modules.get(_TORCH_SHARDED_MODULE)
+    return getattr(module, "ShardedTensorBase", None)
+
+
+def is_sharded(value: object) -> bool:
+    """Whether ``value`` is stored as pieces of a global tensor."""
+    if isinstance(value, ShardedTensor):
+        return True
+    dtensor = _dtensor_type()
+    if dtensor is not None and isinstance(value, dtensor):
+        return True
+    torch_sharded = _torch_sharded_type()
+    return torch_sharded is not None and isinstance(value, torch_sharded)
+
+
+def held(path: str, logical: str, value: Any) -> Held:
+    """The pieces a ``ShardedTensor`` (ours or torch's) or ``DTensor`` holds. A DTensor's and a
+    torch ShardedTensor's global tensor is named by its logical path (without the rank), our
+    ShardedTensor's by its key."""
+    if isinstance(value, ShardedTensor):
+        if value.data is None:
+            raise UnsupportedValueError(f"{path}: the ShardedTensor {value.key!r} holds no data")
+        offsets, sizes = value.global_region()
+        piece = LocalPiece(
+            key=value.key,
+            dtype=value.dtype,
+            shape=tuple(value.global_shape),
+            offsets=tuple(offsets),
+            sizes=tuple(sizes),
+            data=value.data.reshape(sizes) if value.prepend_axis_num else value.data,
+            main=is_main_replica(value.replica_id),
+        )
+    else:
+        dtensor = _dtensor_type()
+        if dtensor is None or not isinstance(value, dtensor):
+            return _torch_sharded(path, logical, value)
+        piece = _dtensor_piece(path, logical, value)
+    return Held(piece.key, piece.dtype, piece.shape, (piece,))
+
+
+def _torch_sharded(path: str, logical: str, value: Any) -> Held:
+    """The local shards of torch's ``ShardedTensor``, each a piece of its own. Torch's
+    ShardedTensor has no replicas: each shard in its metadata is placed on one rank, which
+    holds it as a local shard, so every local shard is a main replica (two ranks holding the
+    same box, as two replica groups of HSDP would, fail the coverage check)."""
+    metadata = value.metadata()
+    dtype = metadata.tensor_properties.dtype
+    shape = tuple(metadata.size)
+    pieces = []
+    for shard in value.local_shards():
+        box = shard.metadata
+        if len(box.shard_offsets) != len(shape) or len(box.shard_sizes) != len(shape):
+            raise UnsupportedValueError(
+                f"{path}: a local shard of this torch ShardedTensor of shape {list(shape)} is "
+                f"placed at {list(box.shard_offsets)} with size {list(box.shard_sizes)}"
+            )
+        pieces.append(
+            LocalPiece(
+                key=logical,
+                dtype=dtype,
+                shape=shape,
+                offsets=tuple(box.shard_offsets),
+                sizes=tuple(box.shard_sizes),
+                data=shard.tensor,
+                main=True,
+            )
+        )
+    return Held(logical, dtype, shape, tuple(pieces))
+
+
+def _dtensor_piece(path: str, logical: str, value: Any) -> LocalPiece:
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    mesh, placements = value.device_mesh, value.placements
+    for p in placements:
+        if not isinstance(p, (Shard, Replicate)):
+            raise UnsupportedValueError(
+                f"{path}: a DTensor with placement {p} cannot be stored as it is; only Shard and "
+                "Replicate placements are (reduce a Partial one first, e.g. with redistribute)"
+            )
+    shape = tuple(value.shape)
+    sizes, offsets = compute_local_shape_and_global_offset(shape, mesh, placements)
+    coords = mesh.get_coordinate()
+    main = coords is not None and all(
+        coords[dim] == 0 for dim, p in enumerate(placements) if isinstance(p, Replicate)
+    )
+    return LocalPiece(
+        key=logical,
+        dtype=value.dtype,
+        shape=shape,
+        offsets=tuple(offsets),
+        sizes=tuple(sizes),
+        data=value.to_local(),
+        main=main,
+    )
+
+
+def target_regions(
+    path: str, entry: ShardedTensorEntry, target: Any
+) -> tuple[list[tuple[Region, torch.Tensor]], Any]:
+    """Where a restore target's bytes belong: each of its regions of the global tensor with
+    the tensor to fill (shaped like the region; one for our ShardedTensor and a DTensor, one
+    per local shard of torch's ShardedTensor, none on a rank holding no shard), and the value
+    the restored state gets back.
+
+    Raises:
+        ShapeMismatchError: the target is a piece of a global tensor of another shape.
+    """
+    mine = held(path, path.partition("/")[2], target)
+    if mine.key != entry.key:
+        raise StateMismatchError(
+            f"{path}: the snapshot holds sharded tensor {entry.key!r} here; the object being "
+            f"restored is a piece of {mine.key!r} (pieces are matched by logical path, and "
+            "the keys must agree)"
+        )
+    if mine.shape != tuple(entry.shape):
+        raise ShapeMismatchError(
+            f"{path}: the snapshot holds {entry.key!r} of global shape {list(entry.shape)} "
+            f"({entry.dtype}); the object being restored is a piece of a global tensor of shape "
+            f"{list(mine.shape)}"
+        )
+    regions = [((p.offsets, p.sizes), p.data) for p in mine.pieces]
+    return regions, _restored_value(target)
+
+
+def _restored_value(target: Any) -> Any:
+    # Our ShardedTensor gives back its (filled) data; a DTensor and torch's ShardedTensor
+    # themselves, their local tensors filled in place.
+    return target.data if isinstance(target, ShardedTensor) else target
+
+
+# ---------------------------------------------------------------------------------------------
+# Take: who covers what.
+
+
+def check_coverage(pieces: Sequence[Sequence[tuple[Any, ...]]]) -> None:
+    """``pieces[rank]`` lists ``(key, dtype, shape, offsets, sizes, main, path)`` for each
+    piece that rank holds. Every rank computes the same verdict: each global tensor has the
+    same dtype and shape everywhere, and its main replicas cover it exactly once.
+
+    Raises:
+        SnapshotError: naming the tensor and the ranks at fault.
+    """
+    by_key: dict[str, list[tuple[int, tuple[Any, ...]]]] = {}
+    for rank, held in enumerate(pieces):
+        for piece in held:
+            by_key.setdefault(piece[0], []).append((rank, piece))
+    for key, found in by_key.items():
+        _, first = found[0]
+        for rank, piece in found:
+            if piece[1] != first[1] or piece[2] != first[2]:
+                raise SnapshotError(
+                    f"sharded tensor {key!r}: rank {found[0][0]} holds a piece of a "
+                    f"{first[1]}{list(first[2])} tensor, rank {rank} of a "
+                    f"{piece[1]}{list(piece[2])} one"
+                )
+        shape = first[2]
+        mains = [(rank, piece[3], piece[4]) for rank, piece in found if piece[5]]
+        boxes = [(offsets, sizes) for _, offsets, sizes in mains]
+        problem = cover_problem(shape, boxes)
+        if problem is None:
+            continue
+        pair = find_overlap(boxes)
+        if pair is not None:
+            (ra, oa, sa), (rb, ob, sb) = mains[pair[0]], mains[pair[1]]
+            raise SnapshotError(
+                f"sharded tensor {key!r}: the main replicas of ranks {ra} and {rb} overlap "
+                f"(at {list(oa)} size {list(sa)}, and at {list(ob)} size {list(sb)}); give "
+                "all but one of the copies of a piece a nonzero replica_id (torch's "
+                "ShardedTensor has no replicas: each of its shards must be held by one rank "
+                "only; state copied across replica groups, as HSDP's, needs DTensors, whose "
+                "Replicate placements mark the copies)"
+            )
+        covered = sum(math.prod(s) for _, _, s in mains)
+        holders = sorted({rank for rank, _ in found})
+        if covered == math.prod(shape):  # not a count: the check itself refused the layout
+            raise SnapshotError(
+                f"sharded tensor {key!r} of shape {list(shape)}, held by ranks {holders}: {problem}"
+            )
+        raise SnapshotError(
+            f"sharded tensor {key!r} of shape {list(shape)}: the main replicas held by "
+            f"ranks {holders} cover {covered} of its {math.prod(shape)} elements; every "
+            "element must be in exactly one main replica (replica_id 0)"
+        )
+
+
+@dataclass(frozen=True)
+class ObjectReplica:
+    """In a rank's entries, a sharded object whose main replica another rank wrote: the
+    commit replaces it with that rank's entry for ``key`` (its unique key)."""
+
+    key: str
+    replicated: bool = True
+
+
+def check_objects(objects: Sequence[Sequence[tuple[str, bool, str]]]) -> None:
+    """``objects[rank]`` lists ``(unique key, main, path)`` for each sharded object that rank
+    holds: each unique key must have exactly one main replica."""
+    mains: dict[str, list[int]] = {}
+    for rank, held in enumerate(objects):
+        for key, main, _ in held:
+            mains.setdefault(key, [])
+            if main:
+                mains[key].append(rank)
+    for key, ranks in mains.items():
+        if len(ranks) != 1:
+            raise SnapshotError(
+                f"sharded object {key!r} has {len(ranks)} main replicas (on ranks {ranks}); "
+                "exactly one rank must hold it with replica_id 0"
+            )
+
+
+_MERGED = (ShardedTensorEntry, ShardedObjectEntry, ObjectReplica)
+
+
+def merge_entries(parts: Iterable[Mapping[str, Any]]) -> dict[str, Entry | str]:
+    """Every rank's entries in one mapping, each rank's ``ShardedTensorEntry`` (the shards that
+    rank wrote) replaced by one listing every rank's shards of that tensor, and each
+    ``ObjectReplica`` by the entry of the rank that wrote the object. A tensor's entry given as
+    its manifest line (``str``) is kept as it is."""
+    merged: dict[str, Any] = {}
+    shards: dict[str, list[Shard]] = {}
+    objects: dict[str, ShardedObjectEntry] = {}
+    replicas = False
+    for part in parts:
+        merged.update(part)
+        # Most parts hold none of the kinds merged here (a part of 20,000 lines, say): found
+        # out by one pass in C over the kinds of its entries.
+        if not any(issubclass(k, _MERGED) for k in set(map(type, part.values()))):
+            continue
+        for entry in part.values():
+            if isinstance(entry, ShardedTensorEntry):
+                shards.setdefault(entry.key, []).extend(entry.shards)
+            elif isinstance(entry, ShardedObjectEntry):
+                objects[entry.key] = entry
+            elif isinstance(entry, ObjectReplica):
+                replicas = True
+    if replicas:
+        for path, entry in merged.items():
+            if isinstance(entry, ObjectReplica):
+                merged[path] = objects[entry.key]
+    if not shards:
+        return merged
+    full = {key: tuple(sorted(found, key=lambda s: s.offsets)) for key, found in shards.items()}
+    for path, entry in merged.items():
+        if isinstance(entry, ShardedTensorEntry):
+            merged[path] = ShardedTensorEntry(
+                key=entry.key,
+                dtype=entry.dtype,
+                shape=entry.shape,
+                shards=full[entry.key],
+                # Not "replicated": each rank keeps its own entry, under the path it holds
+                # its piece at (one listing every shard, so any rank reads any region).
+            )
+    return merged
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading a region: the checks around ``geometry.plan_region``.
+
+
+def check_entry(path: str, entry: ShardedTensorEntry, dtype: torch.dtype) -> None:
+    """The shards cover the global shape exactly once, and each shard's chunks hold its
+    bytes."""
+    for shard in entry.shards:
+        expected = math.prod(shard.sizes) * dtype.itemsize
+        stored = sum(c.nbytes for c in shard.chunks)
+        if stored != expected or any(c.nbytes % dtype.itemsize for c in shard.chunks):
+            raise CorruptSnapshotError(
+                f"{path}: the shard at {list(shard.offsets)} of {entry.key!r} records {stored} "
+                f"bytes in chunks of whole elements, which must be {expected}"
+            )
+    problem = cover_problem(entry.shape, [(s.offsets, s.sizes) for s in entry.shards])
+    if problem is not None:
+        raise CorruptSnapshotError(
+            f"{path}: the shards of {entry.key!r} do not cover its shape {list(entry.shape)} "
+            f"exactly once: {problem}"
+        )
+
+
+def check_region(path: str, entry: ShardedTensorEntry, region: Region, dest: torch.Tensor) -> None:
+    """Refuses a region outside the stored tensor, or a destination of another shape."""
+    offsets, sizes = region
+    if len(offsets) != len(entry.shape) or any(
+        o + n > g for o, n, g in zip(offsets, sizes, entry.shape, strict=True)
+    ):
+        raise ShapeMismatchError(
+            f"{path}: the snapshot holds {entry.key!r} of global shape {list(entry.shape)} "
+            f"({entry.dtype}); the object being restored wants its region at {list(offsets)} "
+            f"of size {list(sizes)}"
+        )
+    if tuple(dest.shape) != tuple(sizes):
+        raise ShapeMismatchError(
+            f"{path}: a region of size {list(sizes)} cannot fill a tensor of shape "
+            f"{list(dest.shape)}"
+        )
+    if dest.is_meta:
+        raise UnsupportedValueError(f"{path}: cannot restore into a tensor on the meta device")
+
+
+def checks_for(
+    path: str, planned: Sequence[Piece], verify: bool
+) -> dict[tuple[str, int], LocationCheck]:
+    """One check per chunk that ``planned`` reads whole (in however many pieces): a chunk
+    read in part cannot be checked against its recorded CRC-32. The pieces must tile the
+    chunk, each starting where the one before ends: regions of several local shards of one
+    target, read through their gaps, may read some stored bytes twice."""
+    if not verify:
+        return {}
+    covered: dict[tuple[str, int], list[Piece]] = {}
+    for p in planned:
+        covered.setdefault((p.chunk.blob, p.chunk.offset), []).append(p)
+    checks = {}
+    for key, found in covered.items():
+        chunk = found[0].chunk
+        if chunk.crc32 is None or sum(p.nbytes for p in found) != chunk.nbytes:
+            continue
+        end = 0
+        for p in sorted(found, key=lambda p: p.lo):
+            if p.lo != end:
+                break
+            end += p.nbytes
+        else:
+            checks[key] = LocationCheck(path, chunk, len(found))
+    return checks
+
+
+def verifier(checks: Mapping[tuple[str, int], LocationCheck], p: Piece) -> Any:
+    check = checks.get((p.chunk.blob, p.chunk.offset))
+    return functools.partial(check.add, p.lo, p.nbytes) if check is not None else None

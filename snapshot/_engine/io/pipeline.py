@@ -1,0 +1,415 @@
+"""The write pipeline (stage on the caller's thread, write on the I/O loop) and the reads (into
+destination memory, or into budgeted scratch memory that a callback consumes).
+
+Writes are a pipeline across two threads: the caller's thread stages each request (a zero-copy
+view of CPU memory, or a copy when one is needed) under a byte budget, and hands staged batches to
+the I/O loop, whose workers write them while the caller stages the next ones. Reads run on the I/O
+loop: workers read straight into destination memory, or into budgeted scratch memory that a
+callback consumes (a dtype cast, an object decode).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import os
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from itertools import accumulate, compress
+from typing import TYPE_CHECKING
+
+from snapshot._engine.format.checksum import WholeCheck, whole_crc
+from snapshot._engine.io.budget import BudgetShare, ByteBudget
+from snapshot._engine.io.io_loop import hold, io_loop, run
+from snapshot._engine.io.requests import (
+    AnyReadRequest,
+    DirectRequest,
+    ReadRequest,
+    WriteRequest,
+    segment_bytes,
+    segment_verify,
+)
+from snapshot._engine.io.storage_calls import call, call_digesting
+from storage_plugins import Buffer, StoragePlugin
+
+if TYPE_CHECKING:
+    from snapshot.options import Options
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class IOStats:
+    """What a batch of requests moved."""
+
+    blobs: int
+    nbytes: int
+    seconds: float
+    peak_budget_bytes: int
+
+    @property
+    def gbps(self) -> float:
+        return self.nbytes / self.seconds / 1e9 if self.seconds > 0 else float("inf")
+
+
+# ---------------------------------------------------------------------------------------------
+# Writes.
+
+
+# A staged write: the request, its buffers, what to keep alive.
+_Staged = tuple[WriteRequest, Sequence[Buffer], object]
+
+
+class WritePipeline:
+    """Stages write requests on the caller's thread and writes them on the I/O loop.
+
+    Call sequence: ``submit`` any number of times on the caller's thread, then either ``finish``
+    on that thread, or ``flush`` (on that thread or, once the caller is done submitting, on any
+    one thread) and ``await wait()`` on the I/O loop; ``abort`` on failure. ``submit`` blocks
+    only while the staging budget is full.
+
+    Staged writes are handed to the I/O loop in batches of ``batch_bytes``, so writing overlaps
+    staging. With ``batch_bytes=None`` they are held until ``flush`` (or until the budget is full
+    and writes must start to free it): async take stages everything first, so that its writes,
+    which compete with the caller for memory bandwidth and cores, start only once the caller is
+    free to go.
+
+    The staging budget is a ``ByteBudget`` of ``budget_bytes`` of its own, or ``budget``: a
+    ``BudgetShare`` of one that other pipelines charge too (async takes pending at once).
+    ``options`` are the operation's (each write's retries and deadline, ``call``). ``settle``,
+    when given, makes every buffer staged so far whole (a stage may leave a copy running on
+    another thread): each hand-over to the I/O loop calls it first.
+    """
+
+    _BATCH_ITEMS = 256
+
+    def __init__(
+        self,
+        plugin: StoragePlugin,
+        *,
+        budget_bytes: int,
+        max_concurrency: int,
+        batch_bytes: int | None,
+        options: Options,
+        budget: BudgetShare | None = None,
+        settle: Callable[[], None] | None = None,
+    ) -> None:
+        self._plugin = plugin
+        self._settle = settle
+        self._options = options
+        self._loop = io_loop()
+        self.budget: ByteBudget | BudgetShare = (
+            ByteBudget(budget_bytes) if budget is None else budget
+        )
+        self._batch: list[_Staged] = []
+        self._batch_bytes = 0
+        self._batch_limit = batch_bytes
+        self._error: BaseException | None = None
+        self._nbytes = 0
+        self._blobs = 0
+        # (blob, offset) -> CRC-32 of each range of ``checksum_ranges`` written so far.
+        self.checksums: dict[tuple[str, int], int] = {}
+        self._start = time.perf_counter()
+        self._queue: asyncio.Queue[_Staged | None]
+        self._workers: list[asyncio.Task[None]] = []
+        self._concurrency = max_concurrency
+        self._pid = os.getpid()  # a forked child's copy never touches its parent's loop
+        run(self._start_workers())
+
+    async def _start_workers(self) -> None:
+        self._queue = asyncio.Queue()
+        self._workers = [asyncio.create_task(self._worker()) for _ in range(self._concurrency)]
+
+    async def _worker(self) -> None:
+        while True:
+            item = await self._queue.get()
+            if item is None:
+                return
+            req, buffers, keepalive = item
+            try:
+                if self._error is None:
+                    await self._write(req, buffers)
+            except Exception as e:  # already the library's error (``call`` converts)
+                self._fail(e)
+            finally:
+                # Nothing of the item may outlive its write: an idle worker would otherwise keep
+                # its last buffer alive, beyond the budget.
+                _release(keepalive)
+                del buffers, item, keepalive
+                self.budget.release(req.staging_bytes)
+
+    async def _write(self, req: WriteRequest, buffers: Sequence[Buffer]) -> None:
+        """Writes one staged request, with the checksums of its ranges when it asks for them."""
+        plugin = self._plugin
+        ranges = req.checksum_ranges
+        if not ranges:
+            op = functools.partial(plugin.write, req.blob, buffers)
+            await call(plugin, "write", req.blob, req.label, op, options=self._options)
+        else:
+            values = await call_digesting(
+                plugin,
+                "write",
+                req.blob,
+                req.label,
+                ranges,
+                lambda digest: plugin.write_observed(req.blob, buffers, digest),
+                options=self._options,
+            )
+            for (offset, _), value in zip(ranges, values, strict=True):
+                self.checksums[(req.blob, offset)] = value
+        self._nbytes += req.nbytes
+        self._blobs += 1
+
+    def _fail(self, error: BaseException) -> None:
+        if self._error is None:
+            self._error = error
+        self.budget.abort(self._error)
+
+    def _enqueue(self, batch: list[_Staged]) -> None:
+        for item in batch:
+            self._queue.put_nowait(item)
+
+    def flush(self) -> None:
+        """Hands what is staged to the I/O loop."""
+        if self._batch:
+            if self._settle is not None:
+                self._settle()
+            batch, self._batch, self._batch_bytes = self._batch, [], 0
+            self._loop.call_soon_threadsafe(self._enqueue, batch)
+
+    def submit(self, req: WriteRequest) -> None:
+        """Stages ``req`` (waiting for budget if needed) and queues its write."""
+        if self._error is not None:
+            raise self._error
+        if not self.budget.try_acquire(req.staging_bytes):
+            self.flush()  # what is staged must start writing, or the budget never frees
+            self.budget.acquire(req.staging_bytes)
+        try:
+            buffers, keepalive = req.stage()
+        except BaseException:
+            self.budget.release(req.staging_bytes)
+            raise
+        self._batch.append((req, buffers, keepalive))
+        self._batch_bytes += req.nbytes
+        limit = self._batch_limit
+        if limit is not None and (
+            self._batch_bytes >= limit or len(self._batch) >= self._BATCH_ITEMS
+        ):
+            self.flush()
+
+    async def _drain(self) -> None:
+        for _ in self._workers:
+            self._queue.put_nowait(None)
+        await asyncio.gather(*self._workers)
+
+    def _settle_budget(self) -> None:
+        close = getattr(self.budget, "close", None)  # a share gives back what it still holds
+        if close is not None:
+            close()
+
+    async def wait(self) -> IOStats:
+        """On the I/O loop, after the last ``submit``: waits until every queued write is done,
+        and raises the first error any of them met."""
+        await self._drain()
+        self._settle_budget()
+        if self._error is not None:
+            raise self._error
+        return IOStats(
+            blobs=self._blobs,
+            nbytes=self._nbytes,
+            seconds=time.perf_counter() - self._start,
+            peak_budget_bytes=self.budget.peak,
+        )
+
+    async def wait_quietly(self) -> None:
+        """Waits for the workers to stop, ignoring errors (after ``abort``)."""
+        try:
+            await self._drain()
+        except Exception:
+            logger.debug("error while draining aborted writes", exc_info=True)
+        self._settle_budget()
+
+    def finish(self) -> IOStats:
+        """From the caller's thread: hands over what is staged, then ``wait``."""
+        self.flush()
+        return run(self.wait())
+
+    def abort(self, error: BaseException) -> None:
+        """Stops writing (what is queued is dropped) and waits for the workers to stop."""
+        for req, _, keepalive in self._batch:
+            _release(keepalive)
+            self.budget.release(req.staging_bytes)  # a shared budget outlives this pipeline
+        self._batch = []
+        self._loop.call_soon_threadsafe(self._fail, error)
+        try:
+            run(self._drain())
+        except Exception:  # the workers record errors; nothing more to report here
+            logger.debug("error while draining aborted writes", exc_info=True)
+        self._settle_budget()
+
+    def stop(self, error: BaseException) -> None:
+        """Ends a pipeline that nobody will wait for (its take was dropped unfinished): what is
+        staged is given back, the workers skip what is queued and end. Otherwise they would wait
+        on the queue for ever, and be reported as tasks destroyed while pending when collected
+        (at exit at the latest). Waits for them, except on the I/O loop's own thread (a
+        collection can run there), where they end on their own. Nothing once drained, nor once
+        the loop was stopped (at exit, after the runtime's shutdown ended its tasks)."""
+        if os.getpid() != self._pid or (
+            not self._batch and all(worker.done() for worker in self._workers)
+        ):
+            return
+        for req, _, keepalive in self._batch:
+            _release(keepalive)
+            self.budget.release(req.staging_bytes)
+        self._batch = []
+        if not self._loop.is_running():
+            return
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is self._loop:
+            hold(self._loop.create_task(self._wind_down(error)))
+            return
+        try:
+            asyncio.run_coroutine_threadsafe(self._wind_down(error), self._loop).result()
+        except Exception:
+            logger.debug("error while ending a dropped write pipeline", exc_info=True)
+
+    async def _wind_down(self, error: BaseException) -> None:
+        self._fail(error)
+        await self.wait_quietly()
+
+
+def _release(keepalive: object) -> None:
+    """Gives back a staged write's pooled buffer (a ``Lease``), if it has one."""
+    release = getattr(keepalive, "release", None)
+    if release is not None:
+        release()
+
+
+# ---------------------------------------------------------------------------------------------
+# Reads.
+
+
+async def read_all(
+    plugin: StoragePlugin,
+    requests: Iterable[AnyReadRequest],
+    *,
+    budget_bytes: int,
+    max_concurrency: int,
+    options: Options,
+) -> IOStats:
+    """Performs every read request on the running loop; the first error stops the rest
+    (``options``: each read's retries and deadline, ``call``)."""
+    budget = ByteBudget(budget_bytes)
+    pending = iter(requests)
+    totals = [0, 0]
+    error: list[BaseException] = []
+    start = time.perf_counter()
+
+    async def worker() -> None:
+        for req in pending:
+            if error:
+                return
+            try:
+                await budget.acquire_async(req.scratch_bytes)
+            except BaseException as e:  # the budget was aborted by another worker's error
+                if not error:
+                    error.append(e)
+                return
+            try:
+                outs = req.destinations()
+                if type(req) is DirectRequest:
+                    await _read_direct(plugin, req, outs, options)
+                else:
+                    await _read(plugin, req, outs, options)
+                if req.done is not None:
+                    req.done()
+                totals[0] += 1
+                totals[1] += req.nbytes
+            except BaseException as e:
+                if not error:
+                    error.append(e)
+                budget.abort(e)
+                return
+            finally:
+                budget.release(req.scratch_bytes)
+
+    await asyncio.gather(*(worker() for _ in range(max_concurrency)))
+    if error:
+        raise error[0]
+    return IOStats(
+        blobs=totals[0],
+        nbytes=totals[1],
+        seconds=time.perf_counter() - start,
+        peak_budget_bytes=budget.peak,
+    )
+
+
+async def _read(
+    plugin: StoragePlugin, req: ReadRequest, outs: list[memoryview], options: Options
+) -> None:
+    """One read request into ``outs`` (one per segment), then each segment's ``verify`` with
+    the CRC-32 of what landed in it."""
+    # C-level passes over the segments: a read of a slab has one per member, thousands.
+    verifiers = list(map(segment_verify, req.segments))
+    if not any(verifiers):
+        await _read_into(plugin, req, outs, options, None)
+        return
+    sizes = list(map(segment_bytes, req.segments))
+    values = await _read_into(plugin, req, outs, options, (sizes, verifiers))
+    verifiers = list(filter(None, verifiers))
+    # Most segments are whole locations (``WholeCheck``): their CRCs are compared in one pass,
+    # and only a mismatch goes through the checks one by one (the first raises, naming it).
+    whole = list(map(type, verifiers)).count(WholeCheck) == len(verifiers)
+    if whole and values == list(map(whole_crc, verifiers)):
+        return
+    for verify, value in zip(verifiers, values, strict=True):
+        verify(value)
+
+
+async def _read_direct(
+    plugin: StoragePlugin, req: DirectRequest, outs: list[memoryview], options: Options
+) -> None:
+    """One read straight into tensors' memory (``outs``: its ``destinations``), then each
+    member's CRC-32 compared with the recorded one: all of them in one comparison, and only
+    on a mismatch one by one (the first raises, naming its entry)."""
+    expected = req.expected
+    layout = req.layout() if expected is not None else None
+    values = await _read_into(plugin, req, outs, options, layout)
+    if expected is None or values == expected:
+        return
+    for path, chunk, value in zip(req.paths, req.chunks, values, strict=True):
+        WholeCheck(path, chunk)(value)
+
+
+async def _read_into(
+    plugin: StoragePlugin,
+    req: AnyReadRequest,
+    outs: list[memoryview],
+    options: Options,
+    layout: tuple[list[int], Sequence[object]] | None,
+) -> list[int]:
+    """The read of ``req`` into ``outs``; with ``layout`` (the lengths of ``outs``, and which
+    of them are checked: truthy), the CRC-32 of each checked buffer, computed by the plugin as
+    the bytes land (``readv_observed``)."""
+    if layout is None:
+        op = functools.partial(plugin.readv, req.blob, req.offset, outs)
+        await call(plugin, "read", req.blob, req.label, op, options=options)
+        return []
+    sizes, chosen = layout
+    starts = accumulate(sizes, initial=0)  # one more value than sizes: zip stops first
+    ranges = list(compress(zip(starts, sizes, strict=False), chosen))
+    return await call_digesting(
+        plugin,
+        "read",
+        req.blob,
+        req.label,
+        ranges,
+        lambda digest: plugin.readv_observed(req.blob, req.offset, outs, digest),
+        options=options,
+        segments=layout,  # the digest picks the checked buffers by these
+    )

@@ -1,0 +1,332 @@
+"""The staging pool of async take: host buffers that tensors are copied into, kept and reused from
+one snapshot to the next, within one staging budget for the process.
+
+``StagingPool`` lends blocks as ``Lease``s. The process's pool is the runtime's
+(``runtime.get().staging_pool``).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent.futures import Future
+
+import torch
+
+from snapshot._engine.format.serialization import tensor_memoryview
+from snapshot._engine.io import device
+from snapshot._engine.io.budget import BudgetShare, ByteBudget
+
+logger = logging.getLogger(__name__)
+
+
+class Lease:
+    """A pooled staging buffer lent to one write: ``tensor`` is a 1-d uint8 CPU tensor of the
+    requested size (``pinned`` says whether its memory is page-locked), ``view`` the same memory
+    as a memoryview.
+
+    Copies from a device into it are issued on the staging stream of that device
+    (``stream``), a copy from host memory may run on another thread (``copying``); ``ready``
+    waits for every stream this lease used and for that copy, and only then may its bytes be
+    read (checksummed, written). ``release`` gives the buffer back to the pool once the write
+    is done with it, after waiting for copies still in flight (a stage that failed midway).
+    """
+
+    __slots__ = (
+        "_block",
+        "_copy",
+        "_keep",
+        "_pool",
+        "_streams",
+        "fresh",
+        "pinned",
+        "tensor",
+        "view",
+    )
+
+    def __init__(
+        self, pool: StagingPool, block: torch.Tensor, nbytes: int, fresh: bool, pinned: bool
+    ) -> None:
+        self._pool: StagingPool | None = pool
+        self._block = block
+        self.fresh = fresh  # newly allocated: its pages are not yet touched
+        self.pinned = pinned
+        self.tensor = block[:nbytes]
+        self.view = tensor_memoryview(self.tensor)
+        # Device index -> the staging stream this lease's copies from that device were issued
+        # on, until ``ready`` has waited for them; None while there are none (host state).
+        self._streams: dict[int, device.Stream] | None = None
+        # Tensors the copies in flight read (a prepared or resolved tensor may have no other
+        # owner), held until ``ready``.
+        self._keep: list[torch.Tensor] | None = None
+        # A copy into the buffer running on another thread, until ``ready`` has waited for it.
+        self._copy: Future[None] | None = None
+
+    def touch(self) -> None:
+        """Faults a fresh buffer's pages in with torch's multi-threaded fill, before it is
+        filled by many small single-threaded copies (which would each take their page faults
+        one core at a time). Pinned memory is resident already."""
+        if self.fresh and not self.pinned:
+            self.tensor.zero_()
+        self.fresh = False
+
+    def stream(self, index: int, reads: torch.Tensor) -> device.Stream:
+        """The stream to issue this lease's copies from device ``index`` on: the pool's staging
+        stream for that device, which the first time this lease asks is made to wait for the
+        work queued so far on the device's current stream (the kernels that computed the
+        tensors being copied; each device has its own current stream, so each device's
+        staging stream waits on its own). ``reads`` (the tensor the copy reads) is kept alive
+        until ``ready``.
+
+        Only a machine with a GPU runs this for real: that the wait covers the kernels queued
+        before the call, and no later ones, is CUDA's stream semantics (tested on CPU with
+        ``tests/cuda_double.py``; benchmarks/gpu_check.py checks it on a GPU).
+        """
+        assert self._pool is not None, "a released lease"
+        streams = self._streams
+        if streams is None:
+            streams = self._streams = {}
+            self._keep = []
+        stream = streams.get(index)
+        if stream is None:
+            stream = self._pool.stream(index)
+            device.wait_stream(stream, device.current_stream(index))
+            streams[index] = stream
+        self._keep.append(reads)  # type: ignore[union-attr]
+        return stream
+
+    def copying(self, copy: Future[None]) -> None:
+        """Records ``copy``, a copy into the buffer running on another thread."""
+        self._copy = copy
+
+    def ready(self) -> None:
+        """Makes the copies into the buffer complete before anyone reads it: waits for the copy
+        running on another thread (raising its error), and for every staging stream this lease
+        issued copies on (one per device it copied from)."""
+        copy = self._copy
+        if copy is not None:
+            self._copy = None
+            copy.result()
+        streams = self._streams
+        if streams is not None:
+            self._streams = None
+            # Only a machine with a GPU runs this line for real: one synchronization per
+            # device per staged write.
+            for stream in streams.values():
+                device.synchronize(stream)
+            self._keep = None
+
+    def release(self) -> None:
+        """Gives the buffer back; the lease then holds no memory, even if it is kept around.
+
+        Copies issued and not yet waited for (a stage that failed between issuing them and
+        ``ready``) are waited for first: the block must not be lent again while a copy may
+        still land in it. If that wait fails (a device error), the block is never lent again.
+        """
+        pool, self._pool = self._pool, None
+        if pool is None:
+            return
+        try:
+            self.ready()
+        except BaseException:
+            logger.warning(
+                "staging: waiting for the copies into a staging buffer failed; the buffer is "
+                "set aside, never reused",
+                exc_info=True,
+            )
+            pool._set_aside(self._block, self._keep)
+        else:
+            pool._give_back(self._block, self.pinned)
+        self._block = self.tensor = self.view = None  # type: ignore[assignment]
+        self._keep = None
+
+
+class StagingPool:
+    """Host buffers for async take, kept and reused across snapshots, within one staging budget
+    for the process.
+
+    Blocks come in size classes, at least 64 KiB, so a buffer freed by one write fits the next
+    write of a similar size: powers of two and 1.5 times them in pageable memory; powers of two
+    only when pinned, since torch's host allocator rounds every pinned allocation up to a power
+    of two (a class of 1.5 times a power would cost the next power anyway, uncounted). The pool
+    keeps at most ``keep_bytes`` of free blocks; ``trim`` drops the rest and hands pinned memory
+    dropped since the last trim back to the system (torch keeps freed pinned blocks locked in
+    its host cache until that cache is emptied).
+
+    A block is pinned only for a write that copies from a device (``from_device=True``), so
+    a state without device tensors never pins memory nor touches CUDA, and one with them gets
+    asynchronous device-to-host copies. When pinning fails (locked memory exhausted, say), the
+    pool warns once and stages in pageable memory from then on (the copies are then
+    synchronous). Each device gets one staging stream, made when its first tensor is staged.
+
+    ``budget`` is the process's staging budget: every async take's write pipeline charges it
+    through a ``share``, so snapshots pending at once stage at most one budget together (a
+    second one waits for the first one's writes to give blocks back).
+
+    Why a pool: a copy into fresh memory pays a page fault for every page it touches, a copy
+    into memory already touched does not, and an async take's stall is mostly that copy.
+    """
+
+    _MIN_BLOCK = 64 * 1024
+
+    def __init__(self, keep_bytes: int, pin: bool | None = None) -> None:
+        self.keep_bytes = keep_bytes
+        # Whether blocks for copies from a device may be pinned (None: yes).
+        self.pin = pin is not False
+        self.budget = ByteBudget(keep_bytes)
+        self._streams: dict[int, device.Stream] = {}
+        self._free: dict[tuple[bool, int], list[torch.Tensor]] = {}
+        self._free_bytes = 0
+        self._leased_bytes = 0
+        self._lock = threading.Lock()
+        self._pin_failed = False
+        self._dropped_pinned = False  # a pinned block was dropped since the last trim
+        self._aside: list[object] = []  # blocks a failed wait left possibly still being written
+        self.allocated_bytes = 0  # every block this pool ever allocated, for tests and logs
+        self.pinned_bytes = 0  # the pinned part of allocated_bytes
+
+    @classmethod
+    def size_class(cls, nbytes: int, pinned: bool = False) -> int:
+        size = max(nbytes, cls._MIN_BLOCK)
+        power = 1 << (size - 1).bit_length()
+        if pinned:
+            return power
+        three_quarters = power // 4 * 3
+        return three_quarters if size <= three_quarters else power
+
+    def _pins(self, from_device: bool) -> bool:
+        return from_device and self.pin and not self._pin_failed
+
+    def block_bytes(self, nbytes: int, from_device: bool) -> int:
+        """The bytes of the block ``acquire(nbytes, from_device)`` lends: what a write staged
+        through this pool costs the staging budget."""
+        return self.size_class(nbytes, self._pins(from_device))
+
+    def share(self, budget_bytes: int) -> BudgetShare:
+        """A write pipeline's share of the process's staging budget, which becomes
+        ``budget_bytes`` (the budget as of this take; the pool keeps as many free bytes)."""
+        with self._lock:
+            self.keep_bytes = budget_bytes
+        self.budget.capacity = max(1, budget_bytes)
+        self.budget.wake()  # waiters re-check against the new capacity
+        return BudgetShare(self.budget)
+
+    def stream(self, index: int) -> device.Stream:
+        """The staging stream of device ``index``, made the first time one is needed."""
+        stream = self._streams.get(index)
+        if stream is None:
+            with self._lock:
+                stream = self._streams.get(index)
+                if stream is None:
+                    # Only a machine with a GPU creates a real one.
+                    stream = self._streams[index] = device.new_stream(index)
+        return stream
+
+    def acquire(self, nbytes: int, from_device: bool = False) -> Lease:
+        """A buffer of at least ``nbytes``: a free block of its size class, or a new one;
+        pinned when ``from_device`` (its copies come from a device) and pinning works."""
+        pinned = self._pins(from_device)
+        size = self.size_class(nbytes, pinned)
+        with self._lock:
+            blocks = self._free.get((pinned, size))
+            block = blocks.pop() if blocks else None
+            if block is not None:
+                self._free_bytes -= size
+                self._leased_bytes += size
+        fresh = block is None
+        if block is None:
+            block, pinned = self._new_block(nbytes, pinned)
+            with self._lock:
+                self._leased_bytes += block.numel()
+        return Lease(self, block, nbytes, fresh, pinned)
+
+    def _new_block(self, nbytes: int, pinned: bool) -> tuple[torch.Tensor, bool]:
+        if pinned:
+            size = self.size_class(nbytes, True)
+            try:
+                # Only a machine with a GPU allocates pinned blocks for real.
+                block = device.pinned_empty((size,), torch.uint8)
+            except RuntimeError as e:
+                with self._lock:
+                    first, self._pin_failed = not self._pin_failed, True
+                if first:
+                    logger.warning(
+                        "staging: cannot pin %d bytes of host memory (%s); async take stages "
+                        "device tensors in pageable memory from now on, with synchronous "
+                        "copies (raise the locked-memory limit, ulimit -l, to pin)",
+                        size,
+                        e,
+                    )
+            else:
+                self.allocated_bytes += size
+                self.pinned_bytes += size
+                return block, True
+        size = self.size_class(nbytes)
+        # Ordinary pages: asking for huge ones (madvise MADV_HUGEPAGE) made the first fill of
+        # a fresh block faster on one VM and several times slower on another (one that hands
+        # freed memory back to its host, where each 2 MiB page is faulted in and zeroed at
+        # once); benchmarks/results has both.
+        block = torch.empty(size, dtype=torch.uint8)
+        self.allocated_bytes += size
+        return block, False
+
+    def _give_back(self, block: torch.Tensor, pinned: bool) -> None:
+        size = block.numel()
+        with self._lock:
+            self._leased_bytes -= size
+            if self._free_bytes + size <= self.keep_bytes:
+                self._free.setdefault((pinned, size), []).append(block)
+                self._free_bytes += size
+            elif pinned:
+                self._dropped_pinned = True  # still locked in torch's host cache until trim
+
+    def _set_aside(self, block: torch.Tensor, keep: object) -> None:
+        with self._lock:
+            self._leased_bytes -= block.numel()
+            self._aside.append((block, keep))
+
+    @property
+    def free_bytes(self) -> int:
+        """Bytes of the free blocks the pool keeps."""
+        return self._free_bytes
+
+    @property
+    def leased_bytes(self) -> int:
+        """Bytes of the blocks lent out now."""
+        return self._leased_bytes
+
+    def trim(self) -> None:
+        """Drops free blocks beyond ``keep_bytes``; if pinned blocks were dropped since the last
+        trim, empties torch's host cache so their memory is unlocked and returned (run off the
+        caller's thread: async take's background commit runs it once its writes are done)."""
+        with self._lock:
+            dropped = self._drop(self.keep_bytes)
+            pinned = self._dropped_pinned or any(p for p, _ in dropped)
+            self._dropped_pinned = False
+        del dropped
+        if pinned:
+            # Only a machine with a GPU runs this for real.
+            device.empty_host_cache()
+
+    def clear(self) -> None:
+        """Gives every free block back (pinned memory back to the system)."""
+        with self._lock:
+            keep, self.keep_bytes = self.keep_bytes, 0
+        try:
+            self.trim()
+        finally:
+            with self._lock:
+                self.keep_bytes = keep
+
+    def _drop(self, limit: int) -> list[tuple[bool, torch.Tensor]]:
+        """Takes free blocks out, largest first, until at most ``limit`` bytes are kept (with
+        the lock held; the caller frees them outside it)."""
+        dropped: list[tuple[bool, torch.Tensor]] = []
+        for pinned, size in sorted(self._free, key=lambda k: -k[1]):
+            blocks = self._free[(pinned, size)]
+            while blocks and self._free_bytes > limit:
+                dropped.append((pinned, blocks.pop()))
+                self._free_bytes -= size
+            if not blocks:
+                del self._free[(pinned, size)]
+        return dropped

@@ -1,0 +1,238 @@
+"""Calls to storage: opening a plugin (and keeping one open between operations), and each
+plugin call with its retries, backoff and deadline, its errors made the library's.
+
+Every tunable comes from the ``Options`` of the operation, passed in: ``io_retries`` and
+``io_timeout_secs`` (``call``), ``keep_open_secs`` (``open_storage``), ``max_manifest_bytes``
+(``read_unrecorded``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from snapshot._engine import runtime
+from snapshot._engine.format import checksum
+from snapshot._engine.io import kept
+from snapshot._engine.io.io_loop import run
+from snapshot.errors import (
+    CorruptSnapshotError,
+    SnapshotError,
+    StorageError,
+    UnsafeSnapshotError,
+)
+from storage_plugins import (
+    BlobTooLargeError,
+    RefusedBlobError,
+    StoragePlugin,
+    UnsafeBlobError,
+    url_to_storage_plugin,
+)
+
+if TYPE_CHECKING:
+    from snapshot.options import Options
+
+logger = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
+
+
+def open_plugin(url: str, storage_options: dict[str, Any] | None) -> StoragePlugin:
+    """The storage plugin for ``url``, built on the I/O loop; the caller closes it."""
+
+    async def make() -> StoragePlugin:
+        return url_to_storage_plugin(url, storage_options)
+
+    try:
+        return run(make())
+    except (ValueError, TypeError, ImportError) as e:
+        raise StorageError(f"cannot open storage for {url!r}: {e}") from e
+
+
+@contextmanager
+def open_storage(
+    url: str, storage_options: dict[str, Any] | None, options: Options
+) -> Iterator[StoragePlugin]:
+    """A storage plugin for ``url``, built on the I/O loop and closed on exit; or, for a plugin
+    class that asks for it (``keep_open``), kept open ``options.keep_open_secs`` after a
+    successful exit and handed to the next ``open_storage`` of the same ``url`` and storage
+    options (``snapshot._engine.io.kept``)."""
+    keep_secs = options.keep_open_secs
+    table = runtime.get().kept
+    key = kept.key_of(url, storage_options)
+    plugin = run(table.reclaim(key)) if key is not None else None
+    if plugin is None:
+        plugin = open_plugin(url, storage_options)
+    done = False
+    try:
+        yield plugin
+        done = True
+    finally:
+        if (
+            done
+            and key is not None
+            and type(plugin).keep_open
+            and keep_secs > 0
+            and runtime.get().keeps_plugins
+        ):
+            run(table.keep(key, plugin, keep_secs))
+        else:
+            run(plugin.close())
+
+
+def _storage_error(
+    plugin: StoragePlugin, verb: str, blob: str, label: str, e: Exception, attempts: int = 1
+) -> Exception:
+    """The library's error for a failed plugin call, with ``e`` as its cause."""
+    if isinstance(e, SnapshotError):
+        return e
+    where = plugin.describe(blob)
+    error: SnapshotError
+    if isinstance(e, UnsafeBlobError):
+        error = UnsafeSnapshotError(f"{label}: blob {blob}: {e}")  # ``e`` names the full path
+    elif verb == "read" and isinstance(e, FileNotFoundError):
+        error = CorruptSnapshotError(f"{label}: blob {where} is missing")
+    elif verb == "read" and isinstance(e, EOFError):
+        error = CorruptSnapshotError(
+            f"{label}: blob {where} is shorter than the manifest says ({e})"
+        )
+    else:
+        tries = f" ({attempts} attempts)" if attempts > 1 else ""
+        error = StorageError(
+            f"{label}: failed to {verb} blob {where}{tries}: {type(e).__name__}: {e}"
+        )
+    error.__cause__ = e
+    return error
+
+
+_FIRST_BACKOFF_SECS = 0.05
+_MAX_BACKOFF_SECS = 2.0
+
+
+async def call(
+    plugin: StoragePlugin,
+    verb: str,
+    blob: str,
+    label: str,
+    op: Callable[[], Awaitable[_T]],
+    *,
+    options: Options,
+    convert: bool = True,
+) -> _T:
+    """Awaits ``op()``, one plugin call, and turns its errors into the library's (or, with
+    ``convert=False``, raises the plugin's own error once retries are spent).
+
+    A transient error (``plugin.is_transient``) makes the call again, up to
+    ``options.io_retries`` times (``STATESNAP_IO_RETRIES``), after a backoff that doubles from
+    ``_FIRST_BACKOFF_SECS`` (with jitter, so that many workers do not retry in step) up to
+    ``_MAX_BACKOFF_SECS``; each retry is logged. Every plugin call can be repeated: a write
+    replaces the whole blob, a read fills the whole range again.
+
+    The call, retries included, must end within ``options.io_timeout_secs``
+    (``STATESNAP_IO_TIMEOUT_SECS``): a stalled upload fails the operation, naming the blob,
+    instead of hanging it. (An attempt running on a worker thread cannot be stopped; it is
+    abandoned, and the operation fails.)
+    """
+    loop = asyncio.get_running_loop()
+    timeout = options.io_timeout_secs
+    deadline = loop.time() + timeout
+    delay = _FIRST_BACKOFF_SECS
+    attempt = 1
+    while True:
+        try:
+            try:
+                return await asyncio.wait_for(op(), max(deadline - loop.time(), 0))
+            except asyncio.TimeoutError:
+                if loop.time() < deadline:
+                    raise  # the plugin's own timeout, not the deadline
+                raise TimeoutError(
+                    f"no answer within {timeout} s (Options.io_timeout_secs, "
+                    f"STATESNAP_IO_TIMEOUT_SECS) after {attempt} attempt(s)"
+                ) from None
+        except Exception as e:
+            if loop.time() >= deadline:
+                if not convert:
+                    raise
+                raise _storage_error(plugin, verb, blob, label, e, attempt) from e
+            retries = options.io_retries
+            # A refused blob is refused again on every attempt, whatever the plugin says.
+            refused = isinstance(e, RefusedBlobError)
+            if attempt > retries or refused or not plugin.is_transient(e):
+                if not convert:
+                    raise
+                raise _storage_error(plugin, verb, blob, label, e, attempt) from e
+            pause = delay * random.uniform(0.5, 1.0)
+            logger.warning(
+                "%s: %s of blob %s failed (%s: %s); retrying in %.2f s (retry %d of %d)",
+                label,
+                verb,
+                plugin.describe(blob),
+                type(e).__name__,
+                e,
+                pause,
+                attempt,
+                retries,
+            )
+            await asyncio.sleep(min(pause, max(deadline - loop.time(), 0)))
+            delay = min(delay * 2, _MAX_BACKOFF_SECS)
+            attempt += 1
+
+
+async def read_unrecorded(plugin: StoragePlugin, blob: str, where: str, options: Options) -> bytes:
+    """The whole of ``blob``, a file of the snapshot ``where`` whose length nothing records (a
+    manifest), read through ``call`` and bounded by ``options.max_manifest_bytes``.
+
+    Raises:
+        UnsafeSnapshotError: the blob is over the limit, or the plugin refused what the store
+            holds at its path (a link, a FIFO, a device).
+        FileNotFoundError, NotADirectoryError, ...: the plugin's own errors, as they are (the
+            caller tells "no snapshot here" by them).
+    """
+    limit = options.max_manifest_bytes
+    read = lambda: plugin.read_limited(blob, limit)  # noqa: E731
+    try:
+        return await call(plugin, "read", blob, where, read, options=options, convert=False)
+    except BlobTooLargeError as e:
+        held = f"{e.size} bytes" if e.size is not None else "more bytes"
+        raise UnsafeSnapshotError(
+            f"snapshot {where}: {plugin.describe(blob)} holds {held}, over the limit of {limit} "
+            "bytes (STATESNAP_MAX_MANIFEST_BYTES): refused. To open a snapshot whose manifest "
+            "is really that large, set the environment variable STATESNAP_MAX_MANIFEST_BYTES "
+            "(or Options.max_manifest_bytes) to a larger number of bytes"
+        ) from e
+    except UnsafeBlobError as e:
+        raise refused(where, e) from e
+
+
+def refused(where: str, error: UnsafeBlobError) -> UnsafeSnapshotError:
+    """The library's error for what a plugin refused to open in the snapshot ``where``."""
+    return UnsafeSnapshotError(f"snapshot {where}: {error}")
+
+
+async def call_digesting(
+    plugin: StoragePlugin,
+    verb: str,
+    blob: str,
+    label: str,
+    ranges: Sequence[tuple[int, int]],
+    op: Callable[[checksum.RangeDigest], Awaitable[None]],
+    *,
+    options: Options,
+    convert: bool = True,
+    segments: tuple[list[int], Sequence[object]] | None = None,
+) -> list[int]:
+    """``call`` of a plugin operation that shows its bytes to a digest of ``ranges`` (a new
+    one for every attempt, so that a retry starts over); the ranges' CRC-32s. ``segments``:
+    as ``RangeDigest``'s."""
+    digests: list[checksum.RangeDigest] = []
+
+    def attempt() -> Awaitable[None]:
+        digests.append(checksum.RangeDigest(ranges, segments))
+        return op(digests[-1])
+
+    await call(plugin, verb, blob, label, attempt, options=options, convert=convert)
+    return digests[-1].values

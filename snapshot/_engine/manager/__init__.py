@@ -1,0 +1,1 @@
+"""The checkpoint manager's step folders: scanning, retention, deletion, preemption."""

@@ -1,0 +1,1 @@
+"""The restore: open -> plan reads -> read -> land, and read_object."""

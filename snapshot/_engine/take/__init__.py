@@ -1,0 +1,1 @@
+"""The take: flatten -> plan -> write -> commit, and what a take checks and reuses."""

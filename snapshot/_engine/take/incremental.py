@@ -1,0 +1,212 @@
+"""Incremental takes: a tensor whose bytes did not change since a base snapshot is not written
+again; its entry points at the base's bytes.
+
+Whether a tensor changed is decided by a digest of its bytes: XXH3 with 128 bits
+(``xxhash``), recorded in each tensor's entry (``TensorEntry.digest``) by every take that may
+serve as a base. Two different byte strings get the same digest by accident with a chance of
+about 2^-128, far below the 2^-64 per tensor a checkpoint can afford; a CRC-32 (2^-32) could
+not be trusted for it. The digest is a fast hash, not a cryptographic one: it guards against
+accidents, not against someone who crafts a tensor to collide (the bases are the user's own
+earlier snapshots).
+
+A reused range is written ``../<base name>/<blob>`` (``manifest.reference_of``): bases are
+siblings, folders (or prefixes) in the same parent as the new snapshot, as a checkpoint
+manager's step folders are. A range the base itself had from its own base keeps pointing at
+that snapshot, so a chain of increments never reads through more than one hop. Readers follow
+references through ``linked.LinkedStorage``, each resolved by ``checked_sibling``: within the
+snapshot's own store and parent only, and on local disk never through a link.
+
+Which tensors are compared: those of the planner's fast path (contiguous CPU tensors written
+from their own memory, without a prepare function). Others (CUDA tensors, non-contiguous views,
+prepared ones) are written in full and carry no digest: hashing them would first need a
+host copy that the take makes only later, while staging.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import posixpath
+import stat
+from typing import Any
+
+import torch
+import xxhash
+
+from manifest import SIBLING_NAME, Manifest, TensorEntry, new_location, reference_of
+from snapshot._engine.format.serialization import dtype_name, tensor_memoryview
+from snapshot.errors import InvalidArgumentError, UnsafeSnapshotError
+
+logger = logging.getLogger("snapshot")
+
+DIGEST_PREFIX = "xxh3_128:"
+
+
+def digest_of(tensor: torch.Tensor) -> str:
+    """The digest of a contiguous CPU tensor's bytes, as ``TensorEntry.digest`` records it."""
+    return DIGEST_PREFIX + xxhash.xxh3_128_hexdigest(tensor_memoryview(tensor))
+
+
+def split_parent(path: str) -> tuple[str, str]:
+    """``(parent, name)`` of a snapshot's path: a local path made absolute, a URL by its last
+    ``/``-separated part (trailing slashes ignored). A URL at the root of its store (a bucket,
+    ``memory://name``) has no parent: ``("", path)``; a ``file://`` URL's parent may be ``/``."""
+    if "://" in path:
+        protocol, _, location = path.partition("://")
+        parent, _, name = location.rstrip("/").rpartition("/")
+        if not parent.strip("/") and protocol != "file":
+            return "", path.rstrip("/")
+        return f"{protocol}://{parent}", name
+    full = os.path.abspath(path)
+    return os.path.dirname(full), os.path.basename(full)
+
+
+def sibling_path(path: str, name: str) -> str:
+    """The path of the sibling snapshot ``name`` of the snapshot at ``path``: in the same
+    store and parent folder (or prefix).
+
+    Raises:
+        UnsafeSnapshotError: ``path`` lies at the root of its store (a bucket, ``memory://x``),
+            where a sibling would be another bucket or store, or a local path.
+    """
+    parent, _ = split_parent(path)
+    if "://" in path:
+        if not parent:
+            raise UnsafeSnapshotError(
+                f"snapshot {path} names a sibling snapshot {name!r}, but it lies at the root of "
+                "its store, which has no folder beside it: a reference is resolved only within "
+                "the same store and parent"
+            )
+        return f"{parent}/{name}"
+    return os.path.join(parent, name)
+
+
+def checked_sibling(path: str, name: str) -> str:
+    """``sibling_path(path, name)``, once it is known to be a place a take could have made: on
+    local disk (a plain path or ``file://``) a directory, not a link to one. A missing sibling
+    passes (reading its manifest then says it is missing). The snapshot's own path may be a
+    link (the user chose it); only the sibling's own name is looked at, without following it.
+
+    Raises:
+        UnsafeSnapshotError: the sibling is a link or not a directory, or ``path`` has no
+            parent in its store (``sibling_path``).
+    """
+    where = sibling_path(path, name)
+    if "://" in where and not where.startswith("file://"):
+        return where
+    local = where.removeprefix("file://")
+    try:
+        mode = os.lstat(local).st_mode
+    except FileNotFoundError:
+        return where
+    except OSError as e:
+        raise UnsafeSnapshotError(
+            f"snapshot {path}: its base {local} cannot be looked at: {e}"
+        ) from e
+    if stat.S_ISLNK(mode) or not stat.S_ISDIR(mode):
+        what = "a symbolic link" if stat.S_ISLNK(mode) else "not a directory"
+        raise UnsafeSnapshotError(
+            f"snapshot {path} points at bytes of its base {local}, which is {what}: a base "
+            "must be a sibling folder a take made, and no link is followed. Nothing was read."
+        )
+    return where
+
+
+def base_name(path: str, base: str) -> str:
+    """The name by which the snapshot at ``path`` refers to its ``base``: the base's folder
+    name, when the two are siblings.
+
+    Raises:
+        InvalidArgumentError: the base is not in the same folder as ``path``, is ``path``
+            itself, or has a name a manifest cannot record.
+    """
+    parent, name = split_parent(path)
+    b_parent, b_name = split_parent(base)
+    if "://" not in path and "://" not in base:
+        same = os.path.normpath(parent) == os.path.normpath(b_parent)
+    else:
+        same = posixpath.normpath(parent) == posixpath.normpath(b_parent) and parent != ""
+    if not same:
+        raise InvalidArgumentError(
+            f"base {base!r} of the take at {path!r} must be a snapshot in the same folder "
+            f"(a sibling: {_sibling_hint(path, b_name)!r}): an incremental snapshot "
+            "points at its base's bytes by the base's name"
+        )
+    if b_name == name:
+        raise InvalidArgumentError(f"the take at {path!r} cannot be its own base")
+    if not SIBLING_NAME.fullmatch(b_name):
+        raise InvalidArgumentError(
+            f"base {base!r}: its folder name {b_name!r} is not one a manifest records (letters, "
+            "digits and '_.=+-', not starting with '.' or '-')"
+        )
+    return b_name
+
+
+def _sibling_hint(path: str, name: str) -> str:
+    """Where a sibling ``name`` of ``path`` would be, for a message (no parent: said so)."""
+    parent, _ = split_parent(path)
+    if "://" in path and not parent:
+        return f"none: {path} lies at the root of its store"
+    return sibling_path(path, name or "<name>")
+
+
+def _has_digests(entries: dict[str, Any]) -> bool:
+    """Whether any tensor entry among ``entries`` records a digest; True when there is no
+    tensor to compare at all."""
+    tensors = [e for e in entries.values() if type(e) is TensorEntry]
+    return not tensors or any(e.digest is not None for e in tensors)
+
+
+class Reuse:
+    """What one rank's take on a base compares and reuses.
+
+    ``reused(path, tensor)`` is called by the planner for each tensor leaf it may hash: it
+    returns the entry that points at the base's bytes when the base holds the same bytes at
+    the same path (same dtype and shape, equal digest), or None after recording the tensor's
+    digest (``digests``) for the entry the planner makes. Without a base (a take that only
+    records digests) it always records.
+    """
+
+    def __init__(self, name: str | None, manifest: Manifest | None, rank: int) -> None:
+        self.name = name
+        self.entries: dict[str, Any] = manifest.view(rank) if manifest is not None else {}
+        if name is not None and not _has_digests(self.entries):
+            # Nothing to compare with: every tensor is written again. Digests are off by
+            # default (their cost on a take of many small tensors), so a chain's first
+            # snapshot often lacks them; the take says how to start one that has them.
+            logger.warning(
+                "take on base %s: the base recorded no digests of its tensors, so nothing "
+                "can be reused and every tensor is written in full; take the base with "
+                "Options(digests=True) (or STATESNAP_DIGESTS=1). This snapshot records them: "
+                "a take on it reuses what is unchanged",
+                name,
+            )
+        self.digests: dict[str, str] = {}
+        self.reused_bytes = 0
+        self.hashed_bytes = 0
+
+    def reused(self, path: str, tensor: torch.Tensor) -> TensorEntry | None:
+        digest = digest_of(tensor)
+        self.hashed_bytes += tensor.nbytes
+        old = self.entries.get(path)
+        if (
+            type(old) is TensorEntry
+            and old.digest == digest
+            and old.shape == tuple(tensor.shape)
+            and old.dtype == dtype_name(tensor.dtype)
+            and sum(c.nbytes for c in old.chunks) == tensor.nbytes
+        ):
+            self.reused_bytes += tensor.nbytes
+            chunks = tuple(
+                new_location(self._blob(c.blob), c.offset, c.nbytes, c.crc32) for c in old.chunks
+            )
+            return TensorEntry(dtype=old.dtype, shape=old.shape, chunks=chunks, digest=digest)
+        self.digests[path] = digest
+        return None
+
+    def _blob(self, blob: str) -> str:
+        """A base's blob as the new snapshot names it: through the base, or, for a range the
+        base itself reused, through the snapshot that holds it (a sibling of both)."""
+        if reference_of(blob) is not None:
+            return blob
+        return f"../{self.name}/{blob}"

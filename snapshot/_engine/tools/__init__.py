@@ -1,0 +1,1 @@
+"""What the command line, verify, diff, inspection and export drive."""

@@ -1,0 +1,471 @@
+"""Looking into a snapshot without restoring it: what the command line (``statesnap ls / show /
+verify / du / diff``) computes. This module holds ``ls``, ``du`` and ``show`` and what the
+commands share (sizes and shapes for people, :data:`PIECE_BYTES`, :data:`JOBS`); ``verify`` is in
+:mod:`snapshot._engine.tools.verify`, ``diff`` in :mod:`snapshot._engine.tools.diff`.
+
+Every function here returns data and prints nothing; :mod:`snapshot.cli` formats it. ``ls``,
+``du`` and most of ``diff`` need only the manifest, which records every entry's kind, dtype,
+shape, byte ranges and CRC-32s: they read no blob. ``verify`` reads every blob once, in pieces
+of at most :data:`PIECE_BYTES`, a few blobs at a time, and checks each range's CRC-32 by
+combining the CRCs of the pieces (no blob is held whole). ``diff`` reads bytes only for entries
+whose CRC-32s were not recorded, comparing them piece by piece.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import torch
+
+from manifest import (
+    Entry,
+    Manifest,
+    ObjectEntry,
+    PickledTensorEntry,
+    PrimitiveEntry,
+    ShardedObjectEntry,
+    ShardedTensorEntry,
+    TensorEntry,
+    is_container,
+    reference_of,
+)
+from snapshot._engine.context import gc_paused
+from snapshot._engine.format.serialization import dtype_name
+from snapshot._engine.format.text import printable
+from snapshot._engine.restore import suggest
+from snapshot.errors import EntryNotFoundError
+from snapshot.metadata import SnapshotMetadata
+from snapshot.snapshot import Snapshot
+
+PIECE_BYTES = 16 << 20
+"""The most bytes ``verify`` and ``diff`` read in one request (per blob being read)."""
+
+JOBS = 4
+"""Blobs (``verify``) or entries (``diff``) read at once by default."""
+
+Progress = Callable[[int, int, int, int], None]
+"""``progress(items_done, items_total, bytes_done, bytes_total)``: called on the I/O thread as
+long operations advance (after each piece read and each item finished)."""
+
+_UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB")
+
+
+def human_bytes(n: int) -> str:
+    """``n`` bytes for people: ``"512 B"``, ``"10.0 KiB"``, ``"3.4 GiB"`` (powers of 1024)."""
+    if n < 1024:
+        return f"{n} B"
+    value = float(n)
+    for unit in _UNITS[1:]:
+        value /= 1024
+        if value < 1024 or unit == _UNITS[-1]:
+            return f"{value:.1f} {unit}"
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def format_shape(shape: Sequence[int]) -> str:
+    """A tensor shape as the manifest writes it: ``[3, 4]``; ``[]`` for a 0-d tensor."""
+    return "[" + ", ".join(map(str, shape)) + "]"
+
+
+def _type_name(entry: Entry) -> str:
+    """What the DTYPE column shows: a tensor's dtype, an object's type, a primitive's type."""
+    if isinstance(entry, (TensorEntry, ShardedTensorEntry, PickledTensorEntry)):
+        return entry.dtype
+    if isinstance(entry, (ObjectEntry, ShardedObjectEntry)):
+        return entry.obj_type
+    if isinstance(entry, PrimitiveEntry):
+        return entry.value_type
+    return ""
+
+
+def _split_path(path: str) -> tuple[str, str]:
+    """``"0/model/layer.weight"`` -> ``("0", "model")``: the rank and the app_state key."""
+    parts = path.split("/", 2)
+    return parts[0], parts[1] if len(parts) > 1 else ""
+
+
+def _shared(entry: Entry) -> bool:
+    """Whether an entry is one value for every rank (replicated). A sharded tensor's entry is
+    not, though manifests before format 3 marked it so: each rank keeps its own."""
+    return entry.replicated and not isinstance(entry, ShardedTensorEntry)
+
+
+def _stored_bytes(entries: Iterable[Entry]) -> tuple[int, int]:
+    """Bytes the blobs hold for ``entries``, each distinct range once (replicated entries of
+    several ranks, and tensors stored under two paths, share their ranges): ``(in the
+    snapshot's own blobs, in its bases' blobs)``."""
+    seen: set[tuple[str, int, int]] = set()
+    own = in_bases = 0
+    for entry in entries:
+        for loc in entry.locations:
+            key = (loc.blob, loc.offset, loc.nbytes)
+            if key not in seen:
+                seen.add(key)
+                if reference_of(loc.blob) is None:
+                    own += loc.nbytes
+                else:
+                    in_bases += loc.nbytes
+    return own, in_bases
+
+
+def _bases_of(entry: Entry) -> str:
+    """The sibling snapshots holding an entry's bytes (an incremental take's bases), joined
+    by commas; "" when the snapshot holds them itself."""
+    names = {ref[0] for loc in entry.locations if (ref := reference_of(loc.blob)) is not None}
+    return ",".join(sorted(names))
+
+
+# ---------------------------------------------------------------------------------------------
+# ls
+
+
+class ListRow(NamedTuple):
+    """One entry of the manifest, as ``ls`` shows it."""
+
+    path: str
+    kind: str  # tensor / object / primitive / dict / list / tuple
+    dtype: str  # a tensor's dtype, an object's or a primitive's type; "" for containers
+    shape: tuple[int, ...] | None  # tensors only
+    nbytes: int  # bytes in blobs (0 for primitives and containers, which live in the manifest)
+    replicated: bool
+    base: str = ""  # the base snapshot(s) holding its bytes (``_bases_of``)
+
+
+@dataclass(frozen=True)
+class Listing:
+    """The rows of ``ls`` and their totals."""
+
+    rows: list[ListRow]
+    entries: int
+    tensors: int
+    nbytes: int  # the sum of the rows' nbytes
+    stored_bytes: int  # what the blobs hold for them, shared ranges counted once
+    world_size: int
+    metadata: SnapshotMetadata  # what ``Snapshot.metadata`` gives (the whole snapshot's)
+    base_bytes: int = 0  # of ``stored_bytes``, those in bases' blobs (an incremental take)
+
+    @property
+    def any_replicated(self) -> bool:
+        return any(r.replicated for r in self.rows)
+
+    @property
+    def any_in_base(self) -> bool:
+        return any(r.base for r in self.rows)
+
+
+def list_entries(manifest: Manifest, prefix: str | None = None) -> Listing:
+    """Every entry of ``manifest`` (or those at or below the logical path ``prefix``), in the
+    order the snapshot was taken. Reads nothing but the manifest.
+
+    Raises:
+        EntryNotFoundError: ``prefix`` is given and no entry is at or below it.
+    """
+    with gc_paused():  # 100,000 rows of small objects: no collections while building them
+        return _list_entries(manifest, prefix)
+
+
+def _list_entries(manifest: Manifest, prefix: str | None) -> Listing:
+    entries = manifest.entries
+    if prefix:
+        prefix = prefix.rstrip("/")
+        below = prefix + "/"
+        items = [(p, e) for p, e in entries.items() if p == prefix or p.startswith(below)]
+        if not items:
+            close = close_matches(entries, prefix)
+            hint = f"; close matches: {', '.join(map(printable, close))}" if close else ""
+            raise EntryNotFoundError(f"no entry at or below {prefix!r}{hint}")
+    else:
+        items = list(entries.items())
+    rows = []
+    tensors = total = 0
+    for path, entry in items:
+        # A sharded one: its global shape; a pickled one (torchsnapshot's): a tensor too.
+        if isinstance(entry, (TensorEntry, ShardedTensorEntry, PickledTensorEntry)):
+            tensors += 1
+            shape: tuple[int, ...] | None = entry.shape
+        else:
+            shape = None
+        nbytes = entry.nbytes
+        total += nbytes
+        row = ListRow(path, entry.type, _type_name(entry), shape, nbytes, _shared(entry))
+        if nbytes and manifest.bases:
+            row = row._replace(base=_bases_of(entry))
+        rows.append(row)
+    own, in_bases = _stored_bytes(e for _, e in items)
+    return Listing(
+        rows=rows,
+        entries=len(rows),
+        tensors=tensors,
+        nbytes=total,
+        stored_bytes=own + in_bases,
+        base_bytes=in_bases,
+        world_size=manifest.world_size,
+        metadata=SnapshotMetadata.from_manifest(manifest),
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# du
+
+
+@dataclass(frozen=True)
+class UsageRow:
+    """The bytes of one app_state key on one rank."""
+
+    rank: str
+    key: str
+    entries: int
+    nbytes: int  # what restoring this key on this rank reads
+    replicated_bytes: int  # of which in replicated entries (stored once for all ranks)
+
+
+@dataclass(frozen=True)
+class Usage:
+    """``du``: bytes per (rank, key), largest first, and the totals."""
+
+    rows: list[UsageRow]
+    entries: int  # as the ranks read them: a leaf listed once for every rank counts per rank
+    nbytes: int  # the sum of those entries' nbytes (= the sum of the rows' nbytes)
+    replicated_bytes: int
+    stored_bytes: int  # what the blobs hold: replicated and shared ranges counted once
+    rank_bytes: dict[str, int]  # rank -> the sum of its rows' nbytes
+    world_size: int
+    base_bytes: int = 0  # of ``stored_bytes``, those in bases' blobs (an incremental take)
+    bases: tuple[str, ...] = ()  # those bases (``Manifest.bases``)
+
+
+def disk_usage(manifest: Manifest) -> Usage:
+    """Bytes per top-level key per rank, from the manifest alone.
+
+    A replicated entry is one value for every rank that took it, its bytes stored once (by
+    whichever rank wrote them): each rank's row counts them (restoring that key on that rank
+    reads them), whether the manifest lists the entry under every rank (before format 3) or
+    once, under rank 0 (``Manifest.view``), and says how many of its bytes are replicated;
+    ``stored_bytes`` counts every distinct byte range once.
+    """
+    with gc_paused():
+        return _disk_usage(manifest)
+
+
+def _disk_usage(manifest: Manifest) -> Usage:
+    counts: dict[tuple[str, str], list[int]] = {}
+    ranks: dict[str, int] = {}
+    total = replicated = count = 0
+    for path, entry in _as_every_rank_reads(manifest):
+        count += 1
+        rank_key = _split_path(path)
+        slot = counts.get(rank_key)
+        if slot is None:
+            slot = counts[rank_key] = [0, 0, 0]
+        nbytes = entry.nbytes
+        slot[0] += 1
+        slot[1] += nbytes
+        total += nbytes
+        if _shared(entry):
+            slot[2] += nbytes
+            replicated += nbytes
+        ranks[rank_key[0]] = ranks.get(rank_key[0], 0) + nbytes
+    rows = [UsageRow(r, k, n, b, rb) for (r, k), (n, b, rb) in counts.items()]
+    rows.sort(key=lambda row: (-row.nbytes, _rank_order(row.rank), row.key))
+    own, in_bases = _stored_bytes(manifest.entries.values())
+    return Usage(
+        rows=rows,
+        entries=count,
+        nbytes=total,
+        replicated_bytes=replicated,
+        stored_bytes=own + in_bases,
+        rank_bytes=dict(sorted(ranks.items(), key=lambda kv: _rank_order(kv[0]))),
+        world_size=manifest.world_size,
+        base_bytes=in_bases,
+        bases=manifest.bases,
+    )
+
+
+def _as_every_rank_reads(manifest: Manifest) -> Iterator[tuple[str, Entry]]:
+    """Every entry, then each replicated leaf listed once, under rank 0, again under every
+    other rank of the take that does not list it itself (what ``Manifest.view`` adds for that
+    rank), without building each rank's view."""
+    entries = manifest.entries
+    yield from entries.items()
+    if manifest.world_size == 1:
+        return
+    once = [
+        (p[2:], e)
+        for p, e in entries.items()
+        if p.startswith("0/") and _shared(e) and not is_container(e)
+    ]
+    if not once:
+        return
+    # The ranks that list entries of their own (each rank of a take lists its containers), not
+    # every number below ``world_size``: that is a claim of the manifest, which may be any
+    # number, where the ranks listed are bounded by its lines.
+    listed = {p.partition("/")[0] for p in entries}
+    ranks = sorted(
+        int(r) for r in listed if r.isdigit() and len(r) < 19 and 0 < int(r) < manifest.world_size
+    )
+    for rank in ranks:
+        prefix = f"{rank}/"
+        for rest, e in once:
+            if prefix + rest not in entries:
+                yield prefix + rest, e
+
+
+def _rank_order(rank: str) -> tuple[int, str]:
+    return (int(rank), "") if rank.isdigit() else (1 << 62, rank)
+
+
+# ---------------------------------------------------------------------------------------------
+# show
+
+
+def close_matches(entries: Sequence[str] | dict[str, Any], key: str, n: int = 5) -> list[str]:
+    """Logical paths resembling ``key``: the same path under rank 0 (``model/w`` ->
+    ``0/model/w``) first, then difflib's closest (``suggest.close_matches``: bounded)."""
+    paths = list(entries)
+    found = [f"0/{key}"] if f"0/{key}" in entries else []
+    for p in suggest.close_matches(key, paths, n=n, cutoff=0.6):
+        if p not in found:
+            found.append(p)
+    return found[:n]
+
+
+def read_entry(path: str, key: str, storage_options: dict[str, Any] | None) -> tuple[Entry, Any]:
+    """The manifest entry at logical path ``key`` and its value, read with
+    ``Snapshot.read_object`` (a container's value is the whole rebuilt container).
+
+    Raises:
+        EntryNotFoundError: no entry ``key``; the message lists close matches.
+    """
+    snap = Snapshot(path, storage_options=storage_options)
+    entries = snap.get_manifest()
+    entry = entries.get(key)
+    if entry is None:
+        close = close_matches(entries, key)
+        hint = (
+            f"; close matches: {', '.join(map(printable, close))}"
+            if close
+            else f"; `statesnap ls {path}` lists its {len(entries)} entries"
+        )
+        raise EntryNotFoundError(f"snapshot {path} has no entry {key!r}{hint}")
+    return entry, snap.read_object(key)
+
+
+@dataclass(frozen=True)
+class TensorSummary:
+    """What ``show`` says about a tensor. A statistic the dtype does not allow (the mean of a
+    bool tensor, the min of a complex one, anything of a sub-byte or quantized dtype) is None.
+    For floating dtypes, min/max/mean are over the finite values, and ``nonfinite`` counts the
+    others (NaN, +-inf)."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    numel: int
+    nbytes: int
+    min: Any
+    max: Any
+    mean: Any
+    nonfinite: int | None
+    values: list[Any] | None  # the first few elements in row-major order (None: not readable)
+
+
+def _try(fn: Callable[[], Any]) -> Any:
+    """``fn()``, or None when torch cannot do it for this dtype (each dtype supports its own
+    set of operations, and says so with any of several exceptions)."""
+    try:
+        return fn()
+    except Exception:
+        return None
+
+
+def _as_float64(flat: torch.Tensor) -> torch.Tensor | None:
+    """``flat`` in float64, through float32 for dtypes that convert to nothing else."""
+    t = _try(lambda: flat.to(torch.float64))
+    if t is None:
+        t = _try(lambda: flat.to(torch.float32).to(torch.float64))
+    return t
+
+
+def _stats(flat: torch.Tensor) -> tuple[Any, Any, Any, int | None]:
+    """(min, max, mean, non-finite count) of a non-empty flat tensor, each None where its dtype
+    does not allow it: bool has no mean, complex numbers no order, floating point values are
+    summarized over their finite values."""
+    dtype = flat.dtype
+    if dtype == torch.bool:
+        return bool(flat.all()), bool(flat.any()), None, None
+    if dtype.is_complex:
+        return None, None, _try(lambda: complex(flat.to(torch.complex128).mean().item())), None
+    f = _as_float64(flat)
+    if dtype.is_floating_point:
+        if f is None:
+            return None, None, None, None
+        finite = f[torch.isfinite(f)]
+        if not finite.numel():
+            return None, None, None, f.numel()
+        return (
+            finite.min().item(),
+            finite.max().item(),
+            finite.mean().item(),
+            f.numel() - finite.numel(),
+        )
+    lo, hi = _try(lambda: flat.min().item()), _try(lambda: flat.max().item())
+    if (lo is None or hi is None) and flat.element_size() < 8:
+        # Unsigned dtypes without min/max kernels (uint16, uint32) fit in int64; uint64 not.
+        wide = _try(lambda: flat.to(torch.int64))
+        if wide is not None:
+            lo, hi = wide.min().item(), wide.max().item()
+    return lo, hi, (f.mean().item() if f is not None else None), None
+
+
+def summarize_tensor(t: torch.Tensor, values: int = 8) -> TensorSummary:
+    """Dtype, shape, size, min / max / mean where ``t``'s dtype allows them, and the first
+    ``values`` elements; never raises for an unusual dtype (the statistic is None instead)."""
+    t = t.detach()
+    numel = t.numel()
+    # A quantized tensor is summarized by the values it stands for.
+    data = _try(t.dequantize) if _try(lambda: t.is_quantized) else t
+    flat = _try(lambda: data.reshape(-1)) if data is not None else None
+    stats = None
+    if flat is not None and numel > 0:
+        stats = _try(lambda: _stats(flat))
+    lo, hi, mean, nonfinite = stats or (None, None, None, None)
+    first = None
+    if flat is not None:
+        first = _try(lambda: flat[:values].tolist())
+        if first is None:
+            first = _try(lambda: flat[:values].to(torch.float32).tolist())
+    return TensorSummary(
+        dtype=dtype_name(t.dtype),
+        shape=tuple(t.shape),
+        numel=numel,
+        nbytes=_try(lambda: numel * t.element_size()) or 0,
+        min=lo,
+        max=hi,
+        mean=mean,
+        nonfinite=nonfinite,
+        values=first,
+    )
+
+
+@dataclass(frozen=True)
+class ValueSummary:
+    """What ``show`` says about a value that is not a tensor: its type, length (containers,
+    str, bytes) and repr, cut at ``max_chars``."""
+
+    type_name: str
+    length: int | None
+    text: str
+    omitted_chars: int  # how much of the repr was cut (0: none)
+
+
+def summarize_value(value: Any, max_chars: int = 2000) -> ValueSummary:
+    """``value``'s type and repr, the repr cut after ``max_chars`` characters."""
+    text = repr(value)
+    omitted = max(0, len(text) - max_chars)
+    if omitted:
+        text = text[:max_chars]
+    length = len(value) if isinstance(value, (dict, list, tuple, set, str, bytes)) else None
+    cls = type(value)
+    name = cls.__qualname__ if cls.__module__ == "builtins" else f"{cls.__module__}.{cls.__name__}"
+    return ValueSummary(type_name=name, length=length, text=text, omitted_chars=omitted)

@@ -1,0 +1,482 @@
+"""``statesnap verify``: every blob of a snapshot read once and checked against the manifest.
+
+Each blob is read in pieces of at most :data:`~snapshot._engine.tools.inspection.PIECE_BYTES`, a few
+blobs at a time; each byte range's CRC-32 is checked by combining the CRCs of the pieces that
+cover it (no blob is held whole), and each blob's length against what the manifest records.
+Pickles without a CRC-32 (torchsnapshot's) are decoded by the safe loader instead; those with
+one have their archive's directory checked as a restore checks it (``objects.check_archive``:
+no compressed member, none declaring more bytes than it holds), from their first bytes and
+last ``ARCHIVE_TAIL`` bytes kept as they are read. Returns a
+report and prints nothing; :mod:`snapshot.cli` formats it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from manifest import (
+    Location,
+    Manifest,
+    ObjectEntry,
+    PickledTensorEntry,
+    ShardedObjectEntry,
+    TensorEntry,
+    reference_of,
+)
+from snapshot._engine.context import gc_paused
+from snapshot._engine.format.checksum import combine
+from snapshot._engine.format.manifest_io import load_manifest
+from snapshot._engine.handlers.objects import check_archive
+from snapshot._engine.io.io_loop import run
+from snapshot._engine.io.storage_calls import call, call_digesting
+from snapshot._engine.restore.linked import open_linked
+from snapshot._engine.restore.reads import resolve_view
+from snapshot._engine.restore.restore import read_object
+from snapshot._engine.tools.inspection import JOBS, PIECE_BYTES, Progress
+from snapshot.errors import SnapshotError, UnsafeObjectError
+from snapshot.options import Options, resolve
+from storage_plugins import StoragePlugin, UnsafeBlobError
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One thing wrong with a snapshot's blobs: the bytes ``[start, end)`` of ``blob`` holding
+    the entries ``paths`` (none when the problem is the blob's own, such as its length)."""
+
+    blob: str
+    start: int
+    end: int
+    paths: tuple[str, ...]
+    what: str
+
+
+@dataclass
+class VerifyReport:
+    """What ``verify`` found. ``problems`` are sorted by blob and offset."""
+
+    where: str
+    entries: int
+    blobs: int
+    bytes_read: int = 0
+    ranges: int = 0  # distinct byte ranges the manifest records
+    checksums_checked: int = 0
+    checksums_missing: int = 0  # ranges without a recorded CRC-32 (taken with checksums off)
+    sizes_unknown: list[str] = field(default_factory=list)  # blobs whose size the store hides
+    problems: list[Problem] = field(default_factory=list)
+    # The writer, when the snapshot is another library's ("torchsnapshot 0.1.0": no checksums).
+    foreign: str | None = None
+    decoded: int = 0  # pickles without a checksum, checked by decoding them
+    # Pickles without a checksum that need a type the safe loader does not allow: not checked.
+    not_decoded: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+@dataclass(slots=True)
+class _Range:
+    """A distinct byte range of a blob and every logical path stored in it."""
+
+    offset: int
+    nbytes: int
+    crc32: int | None
+    paths: list[str]
+    value: int = 0  # the CRC-32 of the bytes read so far
+    # A torch.save archive (checked as a restore checks it once its CRC-32 matched): its first
+    # bytes and its last ``ARCHIVE_TAIL`` (where the zip directory is), kept while it is read.
+    archive: bool = False
+    head: bytes = b""
+    tail: bytearray = field(default_factory=bytearray)
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.nbytes
+
+
+def _ranges_by_blob(manifest: Manifest) -> dict[str, list[_Range]]:
+    """blob -> its distinct ranges (a location shared by several paths is one range), by
+    offset."""
+    found: dict[str, dict[tuple[int, int, int | None], _Range]] = {}
+    for path, entry in manifest.entries.items():
+        for loc in entry.locations:
+            ranges = found.setdefault(loc.blob, {})
+            key = (loc.offset, loc.nbytes, loc.crc32)
+            r = ranges.get(key)
+            if r is None:
+                archive = loc.crc32 is not None and _is_archive(entry)
+                ranges[key] = _Range(loc.offset, loc.nbytes, loc.crc32, [path], archive=archive)
+            elif r.paths[-1] != path:
+                r.paths.append(path)
+    return {
+        blob: sorted(ranges.values(), key=lambda r: (r.offset, r.nbytes))
+        for blob, ranges in sorted(found.items())
+    }
+
+
+def _is_archive(entry: Any) -> bool:
+    """Whether ``entry``'s ranges hold ``torch.save`` archives."""
+    if isinstance(entry, PickledTensorEntry):
+        return True
+    return isinstance(entry, (ObjectEntry, ShardedObjectEntry)) and entry.serializer == "torch_save"
+
+
+# How much of an archive's end verify keeps to find its zip directory: a torch.save archive's
+# directory is a few dozen bytes per member; one that does not fit is not checked here.
+ARCHIVE_TAIL = 1 << 20
+
+
+class _Unavailable(Exception):
+    """A read of archive bytes that verify did not keep."""
+
+
+class _ArchiveView(io.RawIOBase):
+    """A seekable file of an archive of ``size`` bytes of which only ``head`` (its start) and
+    ``tail`` (its end) are known: ``zipfile`` reads no more to list the members."""
+
+    def __init__(self, size: int, head: bytes, tail: bytes) -> None:
+        self.size, self.head, self.tail, self.pos = size, head, tail, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.pos, io.SEEK_END: self.size}[whence]
+        self.pos = max(0, base + offset)
+        return self.pos
+
+    def readinto(self, out: Any) -> int:
+        start = self.pos
+        end = start + max(0, min(len(out), self.size - start))
+        cut = self.size - len(self.tail)
+        if start >= cut:
+            data = self.tail[start - cut : end - cut]
+        elif start < len(self.head):  # a short read: the bytes kept of the start
+            data = self.head[start:end]
+        else:
+            raise _Unavailable
+        memoryview(out)[: len(data)] = data
+        self.pos = start + len(data)
+        return len(data)
+
+
+class _BlobCheck:
+    """Reads one blob in pieces and checks its size and every range's CRC-32."""
+
+    def __init__(
+        self,
+        plugin: StoragePlugin,
+        blob: str,
+        expected: int,
+        ranges: list[_Range],
+        report: VerifyReport,
+        tick: Callable[[int], None],
+        options: Options,
+    ) -> None:
+        self.plugin = plugin
+        self.options = options
+        self.blob = blob
+        self.expected = expected
+        self.ranges = ranges
+        self.report = report
+        self.tick = tick
+        self.label = ranges[0].paths[0] if ranges else blob
+        self.read_failure = ""  # why the read stopped short, when it did
+
+    def _problem(self, start: int, end: int, paths: Sequence[str], what: str) -> None:
+        self.report.problems.append(Problem(self.blob, start, end, tuple(paths), what))
+
+    async def _call(self, op: Callable[[], Any]) -> Any:
+        # Transient errors are retried; the plugin's own error comes out at the end.
+        plugin, blob, label = self.plugin, self.blob, self.label
+        return await call(plugin, "read", blob, label, op, options=self.options, convert=False)
+
+    async def run(self, buffer: memoryview, piece_bytes: int) -> None:
+        blob, expected, plugin = self.blob, self.expected, self.plugin
+        failure: str | None = None
+        limit = expected
+        try:
+            size = await self._call(lambda: plugin.size(blob))
+            if size is None and expected == 0 and not await self._call(lambda: plugin.exists(blob)):
+                raise FileNotFoundError(blob)
+        except FileNotFoundError:
+            self._fail_all("the blob is missing")
+            return
+        except UnsafeBlobError as e:
+            self._fail_all(f"refused, not read: {e}")
+            return
+        except Exception as e:
+            self._fail_all(f"cannot get the blob's size: {type(e).__name__}: {e}")
+            return
+        if size is None:
+            self.report.sizes_unknown.append(blob)
+        elif size > expected and reference_of(blob) is None:
+            # (A sibling snapshot's blob holds more than the ranges this snapshot reuses.)
+            self._problem(
+                expected,
+                size,
+                (),
+                f"the blob is {size:,} bytes, {size - expected:,} more than the manifest "
+                f"records ({expected:,}): bytes were added after the take, or the blob was "
+                "replaced",
+            )
+        elif size < expected:
+            self._problem(
+                size,
+                expected,
+                (),
+                f"the blob is {size:,} bytes, {expected - size:,} fewer than the manifest "
+                f"records ({expected:,}): it was cut short",
+            )
+            limit = size
+            failure = f"cut off: the blob ends at byte {size:,}"
+        pos = await self._read(buffer, piece_bytes, limit)
+        if pos < limit:
+            failure = self.read_failure
+        self._finish(pos, failure)
+
+    async def _read(self, buffer: memoryview, piece_bytes: int, limit: int) -> int:
+        """Reads ``[0, limit)`` piece by piece, adding to each range's CRC; returns how far it
+        got (short of ``limit`` on an error, described then in ``read_failure``)."""
+        ranges = self.ranges
+        first = 0  # ranges before this one end before the current piece
+        pos = 0
+        while pos < limit:
+            n = min(piece_bytes, limit - pos)
+            end = pos + n
+            while first < len(ranges) and ranges[first].end <= pos:
+                first += 1
+            touched: list[_Range] = []
+            for r in ranges[first:]:
+                if r.offset >= end:
+                    break
+                if r.end > pos and r.nbytes:
+                    touched.append(r)
+            try:
+                await self._read_piece(pos, buffer[:n], touched)
+            except FileNotFoundError:
+                self.read_failure = "the blob is missing"
+                return pos
+            except EOFError as e:
+                self.read_failure = f"the blob ends before this range does ({e})"
+                return pos
+            except Exception as e:
+                self.read_failure = f"cannot read: {type(e).__name__}: {e}"
+                return pos
+            pos = end
+            self.report.bytes_read += n
+            self.tick(n)
+        return pos
+
+    async def _read_piece(self, start: int, out: memoryview, touched: list[_Range]) -> None:
+        """Reads one piece into ``out``, adding the CRC of each touched range's part of it to
+        the range's (when the range has a CRC to check)."""
+        blob, plugin = self.blob, self.plugin
+        if not any(r.crc32 is not None for r in touched):
+            await self._call(lambda: plugin.read_into(blob, start, out))
+            return
+        end = start + len(out)
+        parts = [(max(r.offset, start), min(r.end, end)) for r in touched]
+        values = await call_digesting(
+            plugin,
+            "read",
+            blob,
+            self.label,
+            [(lo - start, hi - lo) for lo, hi in parts],
+            lambda digest: plugin.readv_observed(blob, start, [out], digest),
+            options=self.options,
+            convert=False,  # the plugin's own errors: _read tells them apart
+        )
+        for r, (lo, hi), value in zip(touched, parts, values, strict=True):
+            r.value = combine(r.value, value, hi - lo)
+            if r.archive:
+                self._keep_archive(r, out[lo - start : hi - start], lo, hi)
+
+    def _keep_archive(self, r: _Range, data: memoryview, lo: int, hi: int) -> None:
+        """Keeps what ``r``'s archive check needs of its bytes ``[lo, hi)`` (``data``), and
+        checks the archive once the last of it is read and its CRC-32 matched."""
+        if lo == r.offset:
+            r.head = bytes(data[:4])
+        keep_from = max(lo, r.end - ARCHIVE_TAIL)
+        if keep_from < hi:
+            r.tail += data[keep_from - lo :]
+        if hi < r.end:
+            return
+        head, tail = r.head, bytes(r.tail)
+        r.head, r.tail = b"", bytearray()
+        if r.value != r.crc32:
+            return  # reported as a checksum mismatch
+        try:
+            check_archive(io.BufferedReader(_ArchiveView(r.nbytes, head, tail)), r.paths[0])
+        except _Unavailable:
+            pass  # a directory larger than the tail kept: a restore still checks it
+        except SnapshotError as e:
+            self._problem(r.offset, r.end, r.paths, str(e))
+
+    def _fail_all(self, what: str) -> None:
+        """Every range of the blob is bad, for reason ``what``."""
+        for r in self.ranges:
+            self._problem(r.offset, r.end, r.paths, what)
+
+    def _finish(self, pos: int, failure: str | None) -> None:
+        report = self.report
+        for r in self.ranges:
+            if r.end > pos:
+                self._problem(r.offset, r.end, r.paths, failure or "not read")
+                continue
+            if r.crc32 is None:
+                report.checksums_missing += 1
+                continue
+            report.checksums_checked += 1
+            if r.value != r.crc32:
+                self._problem(
+                    r.offset,
+                    r.end,
+                    r.paths,
+                    f"checksum mismatch: the manifest records crc32 {r.crc32:#010x}, the "
+                    f"bytes read have {r.value:#010x}",
+                )
+
+
+def verify(
+    path: str,
+    storage_options: dict[str, Any] | None,
+    *,
+    jobs: int = JOBS,
+    piece_bytes: int = PIECE_BYTES,
+    progress: Progress | None = None,
+    options: Options | None = None,
+) -> VerifyReport:
+    """Reads every blob of the snapshot at ``path`` and checks it against the manifest: each
+    blob's length (when the store can tell it) and each byte range's CRC-32 (when the snapshot
+    recorded one); a pickle without a CRC-32 (a torchsnapshot snapshot records none) is read
+    again and decoded by the safe loader. Finds every problem, not just the first.
+
+    At most ``jobs`` blobs are read at once, each in pieces of at most ``piece_bytes``, so
+    memory stays within ``jobs * piece_bytes`` whatever the blob sizes. ``options`` (None:
+    the environment's) set how the manifest is read and the unchecked pickles decoded.
+
+    Raises:
+        SnapshotNotFoundError: no snapshot at ``path``.
+        CorruptSnapshotError: the manifest itself is damaged (``ChecksumError``) or undecodable.
+    """
+    if jobs < 1 or piece_bytes < 1:
+        raise ValueError(f"jobs and piece_bytes must be positive, got {jobs}, {piece_bytes}")
+    options = resolve(options)
+    manifest = load_manifest(path, storage_options, options)
+    with gc_paused():
+        by_blob = _ranges_by_blob(manifest)
+    sizes = manifest.blob_sizes
+    report = VerifyReport(where=path, entries=len(manifest.entries), blobs=len(by_blob))
+    report.ranges = sum(len(r) for r in by_blob.values())
+    total_bytes = sum(sizes.values())
+    done = [0, 0]  # blobs, bytes
+
+    def tick(nbytes: int, blobs: int = 0) -> None:
+        done[0] += blobs
+        done[1] += nbytes
+        if progress is not None:
+            progress(done[0], len(by_blob), done[1], total_bytes)
+
+    async def check_all(plugin: StoragePlugin) -> None:
+        work = iter(by_blob.items())
+        largest = max(sizes.values(), default=0)
+
+        async def worker() -> None:
+            buffer = memoryview(bytearray(max(1, min(piece_bytes, largest))))
+            for blob, ranges in work:
+                check = _BlobCheck(plugin, blob, sizes[blob], ranges, report, tick, options)
+                await check.run(buffer, piece_bytes)
+                tick(0, 1)
+
+        await asyncio.gather(*(worker() for _ in range(min(jobs, len(by_blob)))))
+
+    if progress is not None:
+        progress(0, len(by_blob), 0, total_bytes)
+    with open_linked(path, manifest, storage_options, options) as plugin:
+        run(check_all(plugin))
+    if manifest.metadata.get("format") == "torchsnapshot":
+        report.foreign = str(manifest.metadata.get("library", "torchsnapshot"))
+    _decode_unchecked(manifest, path, storage_options, report, options)
+    _check_views(manifest, report)
+    # Per blob: its own problems (length) first, then its entries' by offset.
+    report.problems.sort(key=lambda p: (p.blob, bool(p.paths), p.start, p.end, p.paths))
+    report.sizes_unknown.sort()
+    return report
+
+
+def _check_views(manifest: Manifest, report: VerifyReport) -> None:
+    """Reports each tensor entry recorded as a view of another's storage whose base a read
+    would refuse (``reads.resolve_view``): its bytes may be sound, but a read that builds new
+    tensors fails on it. Each is checked under the rank it is listed under (one look-up per
+    view: a view listed once for every rank is checked as rank 0 reads it)."""
+    entries = manifest.entries
+    for key, entry in entries.items():
+        if type(entry) is not TensorEntry or entry.view is None:
+            continue
+        try:
+            resolve_view(entries, key, entry)
+        except SnapshotError as e:
+            report.problems.append(
+                _entry_problem(key, entry.chunks, f"a view that a read refuses: {e}")
+            )
+
+
+def _entry_problem(key: str, locations: Sequence[Location], what: str) -> Problem:
+    """A problem of entry ``key`` as a whole, placed at its first stored range."""
+    first = locations[0] if locations else Location(blob="", offset=0, nbytes=0)
+    return Problem(first.blob, first.offset, first.offset + first.nbytes, (key,), what)
+
+
+def _decode_unchecked(
+    manifest: Manifest,
+    path: str,
+    storage_options: dict[str, Any] | None,
+    report: VerifyReport,
+    options: Options,
+) -> None:
+    """Decodes, with the safe loader, each pickle that has no recorded CRC-32 (every one of a
+    torchsnapshot snapshot, or of one taken with checksums off) and whose blob showed no
+    problem: without a checksum, decoding is the only check of those bytes. Each is read once
+    (a replicated entry's copies under other ranks share its bytes); one that needs a type the
+    loader does not allow is named in ``not_decoded``, not counted as damage."""
+    damaged = {p for problem in report.problems for p in problem.paths}
+    seen: set[tuple[tuple[str, int, int], ...]] = set()
+    for key, entry in manifest.entries.items():
+        pickled = isinstance(entry, PickledTensorEntry) or (
+            isinstance(entry, (ObjectEntry, ShardedObjectEntry))
+            and entry.serializer == "torch_save"
+        )
+        locations = entry.locations
+        if not pickled or key in damaged or any(loc.crc32 is not None for loc in locations):
+            continue
+        ranges = tuple((loc.blob, loc.offset, loc.nbytes) for loc in locations)
+        if ranges in seen:
+            continue
+        seen.add(ranges)
+        try:
+            read_object(
+                manifest,
+                key,
+                None,
+                None,
+                path=path,
+                storage_options=storage_options,
+                options=options,
+            )
+        except UnsafeObjectError:
+            report.not_decoded.append(key)
+        except SnapshotError as e:
+            report.problems.append(_entry_problem(key, locations, f"cannot be decoded: {e}"))
+        else:
+            report.decoded += 1
