@@ -151,18 +151,18 @@ class Snapshot:
         # The cyclic collector stays paused for the whole take: the per-tensor records it
         # allocates would otherwise set off collections that walk them.
         with gc_paused():
-            job, _ = _job(
+            job, _ = take_job(
                 "Snapshot.take",
                 path,
                 app_state,
-                pg,
-                replicated,
-                storage_options,
-                _custom_tensor_prepare_func,
-                options,
-                base,
-                user_metadata,
                 asynchronous=False,
+                pg=pg,
+                replicated=replicated,
+                storage_options=storage_options,
+                prepare=_custom_tensor_prepare_func,
+                options=options,
+                base=base,
+                user_metadata=user_metadata,
             )
             job.start()
             manifest = job.finish()
@@ -193,18 +193,18 @@ class Snapshot:
         their device's current stream. Errors found while capturing are raised here; those of
         the background work by :meth:`PendingSnapshot.wait`. A ``base`` must be committed.
         """
-        job, background = _job(
+        job, background = take_job(
             "Snapshot.async_take",
             path,
             app_state,
-            pg,
-            replicated,
-            storage_options,
-            _custom_tensor_prepare_func,
-            options,
-            base,
-            user_metadata,
             asynchronous=True,
+            pg=pg,
+            replicated=replicated,
+            storage_options=storage_options,
+            prepare=_custom_tensor_prepare_func,
+            options=options,
+            base=base,
+            user_metadata=user_metadata,
         )
         job.start()
         try:
@@ -384,22 +384,24 @@ class Snapshot:
         return self._metadata
 
 
-def _job(
+def take_job(
     call: str,
     path: object,
     app_state: dict[str, Any],
-    pg: Any,
-    replicated: object,
-    storage_options: object,
-    prepare: Any,
-    options: Options | None,
-    base: object,
-    user_metadata: object,
     *,
     asynchronous: bool,
+    pg: Any = None,
+    replicated: object = None,
+    storage_options: object = None,
+    prepare: Any = None,
+    options: Options | None = None,
+    base: object = None,
+    user_metadata: object = None,
+    strategies: dict[str, Any] | None = None,
 ) -> tuple[TakeJob, Any]:
     """The take job of ``take`` / ``async_take``, its arguments checked before anything is
-    written, and (``asynchronous``) the coordinator its commit runs on in the background."""
+    written, and (``asynchronous``) the coordinator its commit runs on in the background.
+    ``strategies``: the writers recorded (``writers.recorded()``'s by default)."""
     where = arguments.snapshot_path(path, call)
     arguments.process_group(pg, call, where)
     arguments.function(prepare, call, "_custom_tensor_prepare_func", where)
@@ -414,7 +416,7 @@ def _job(
     job = TakeJob(
         where,
         app_state,
-        strategies=writers.recorded(),
+        strategies=writers.recorded() if strategies is None else strategies,
         coordinator=dist.resolve(pg, resolved),
         replicated=globs,
         storage_options=stored,

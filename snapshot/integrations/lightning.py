@@ -86,6 +86,21 @@ class Version:
     committed: bool
 
 
+@dataclass(frozen=True)
+class _Save:
+    """A save under way: its root and storage options, its new version, those it replaces."""
+
+    root: str
+    store: dict[str, Any] | None
+    target: str
+    older: list[Version]
+    t: float
+
+
+def _since(t: float) -> float:
+    return time.perf_counter() - t
+
+
 def version_name(counter: int) -> str:
     return f"v{counter:010d}_{uuid.uuid4().hex[:12]}"
 
@@ -271,9 +286,9 @@ class StatesnapCheckpointIO(CheckpointIO):  # type: ignore[misc, valid-type]
     ) -> None:
         """Stores ``checkpoint`` at ``path`` as a new version, then deletes the older ones.
         Raises ``SnapshotError`` when the take failed (the earlier version is as it was)."""
-        _, root, _, older, store, t = self._save(Snapshot.take, checkpoint, path, storage_options)
-        logger.info("checkpoint %s saved in %.3f s", root, time.perf_counter() - t)
-        self._retire(root, older, store)
+        _, save = self._save(Snapshot.take, checkpoint, path, storage_options)
+        logger.info("checkpoint %s saved in %.3f s", save.root, _since(save.t))
+        self._clean(save, failed=False)
 
     def load_checkpoint(
         self, path: Any, map_location: Any | None = None, weights_only: bool | None = None
@@ -303,7 +318,7 @@ class StatesnapCheckpointIO(CheckpointIO):  # type: ignore[misc, valid-type]
         checkpoint: dict[str, Any] = snapshot.read_object(f"0/{KEY}", options=self.options)
         if place is not None:
             checkpoint = _mapped(checkpoint, place, {})
-        logger.info("checkpoint %s loaded in %.3f s", newest, time.perf_counter() - t)
+        logger.info("checkpoint %s loaded in %.3f s", newest, _since(t))
         return checkpoint
 
     def remove_checkpoint(self, path: Any) -> None:
@@ -316,10 +331,15 @@ class StatesnapCheckpointIO(CheckpointIO):  # type: ignore[misc, valid-type]
     def _settle(self) -> None:
         """Before a load or a removal: the async plugin waits for its save under way."""
 
-    def _begin(
-        self, checkpoint: Any, path: Any, storage_options: Any | None
-    ) -> tuple[str, dict[str, Any] | None, str, list[Version]]:
-        """A save's root, storage options, new version name and the versions it replaces."""
+    def _save(
+        self,
+        take: Callable[..., Any],
+        checkpoint: dict[str, Any],
+        path: Any,
+        storage_options: Any | None,
+    ) -> tuple[Any, _Save]:
+        """Calls ``take`` (``Snapshot.take`` or ``async_take``) into a new version at ``path``,
+        in this process alone (a failure's leftovers are deleted)."""
         call = f"{type(self).__name__}.save_checkpoint"
         root = arguments.snapshot_path(path, call)
         if not isinstance(checkpoint, dict):
@@ -329,23 +349,10 @@ class StatesnapCheckpointIO(CheckpointIO):  # type: ignore[misc, valid-type]
         extra = arguments.options(storage_options, call, root)
         store = {**(self.storage_options or {}), **extra} if extra else self.storage_options
         older = list_versions(root, store, self.options)
-        counter = older[-1].counter + 1 if older else 1
-        return root, store, version_name(counter), older
-
-    def _save(
-        self,
-        take: Callable[..., Any],
-        checkpoint: dict[str, Any],
-        path: Any,
-        storage_options: Any | None,
-    ) -> tuple[Any, str, str, list[Version], dict[str, Any] | None, float]:
-        """Calls ``take`` (``Snapshot.take`` or ``async_take``) into a new version at ``path``,
-        in this process alone (a failure's leftovers are deleted). Returns its result, the
-        root, the new version, the versions it replaces, the storage options, its start."""
-        root, store, target, older = self._begin(checkpoint, path, storage_options)
-        t = time.perf_counter()
+        target = version_name(older[-1].counter + 1 if older else 1)
+        save = _Save(root, store, target, older, time.perf_counter())
         try:
-            result = take(
+            taken = take(
                 join(root, target),
                 {KEY: StateDict(checkpoint)},
                 pg=alone(),
@@ -353,25 +360,19 @@ class StatesnapCheckpointIO(CheckpointIO):  # type: ignore[misc, valid-type]
                 options=self.options,
             )
         except Exception:
-            self._discard(root, target, store)
+            self._clean(save, failed=True)
             raise
-        return result, root, target, older, store, t
+        return taken, save
 
-    def _discard(self, root: str, name: str, store: dict[str, Any] | None) -> None:
-        """Deletes what a failed save left (a failure to is logged: the next save retries)."""
-        try:
-            delete_version(root, name, store, self.options)
-        except Exception as e:
-            logger.warning("cannot delete the failed save %s: %s", join(root, name), e)
-
-    def _retire(self, root: str, older: list[Version], store: dict[str, Any] | None) -> None:
-        """After a commit: deletes the versions listed before it began (a failure is logged;
-        the next save of ``root`` retries)."""
-        for v in older:
+    def _clean(self, save: _Save, failed: bool) -> None:
+        """After a save: deletes what a failed one left, or the versions a committed one
+        replaces (listed before it began). A failure is logged; the next save retries."""
+        names = [save.target] if failed else [v.name for v in save.older]
+        for name in names:
             try:
-                delete_version(root, v.name, store, self.options)
+                delete_version(save.root, name, save.store, self.options)
             except Exception as e:
-                logger.warning("cannot delete the replaced version %s: %s", join(root, v.name), e)
+                logger.warning("cannot delete %s: %s", join(save.root, name), e)
 
 
 class AsyncStatesnapCheckpointIO(StatesnapCheckpointIO):
@@ -398,13 +399,11 @@ class AsyncStatesnapCheckpointIO(StatesnapCheckpointIO):
         of older versions follow in the background. Raises the previous save's error (this
         one is then not begun), or this capture's."""
         self.wait()
-        pending, root, target, older, store, t = self._save(
-            Snapshot.async_take, checkpoint, path, storage_options
-        )
-        logger.info("checkpoint %s captured in %.3f s", root, time.perf_counter() - t)
+        pending, save = self._save(Snapshot.async_take, checkpoint, path, storage_options)
+        logger.info("checkpoint %s captured in %.3f s", save.root, _since(save.t))
         thread = threading.Thread(
             target=self._commit,
-            args=(pending, root, target, older, store, t),
+            args=(pending, save),
             name="statesnap-lightning-commit",
             daemon=True,
         )
@@ -412,27 +411,19 @@ class AsyncStatesnapCheckpointIO(StatesnapCheckpointIO):
             self._thread = thread
         thread.start()
 
-    def _commit(
-        self,
-        pending: PendingSnapshot,
-        root: str,
-        target: str,
-        older: list[Version],
-        store: dict[str, Any] | None,
-        t0: float,
-    ) -> None:
+    def _commit(self, pending: PendingSnapshot, save: _Save) -> None:
         """On a thread of its own: waits for the commit, then deletes what it replaced; or
         records the error and deletes what the failed save left."""
         try:
             pending.wait()
         except BaseException as e:
-            logger.error("checkpoint %s failed: %s", root, e)
+            logger.error("checkpoint %s failed: %s", save.root, e)
             with self._lock:
                 self._errors.append(e)
-            self._discard(root, target, store)
+            self._clean(save, failed=True)
             return
-        logger.info("checkpoint %s committed %.3f s after it began", root, time.perf_counter() - t0)
-        self._retire(root, older, store)
+        logger.info("checkpoint %s committed %.3f s after it began", save.root, _since(save.t))
+        self._clean(save, failed=False)
 
     def wait(self) -> None:
         """Waits for the save under way and its deletions; raises its error if it failed."""
