@@ -121,8 +121,6 @@ class CheckpointManager:
         self.preempted = False
         self._ending = False  # the final save after a preemption signal is under way
 
-    # -- saving ---------------------------------------------------------------------------------
-
     def save(
         self, step: int, app_state: dict[str, Any], metrics: Mapping[str, float] | None = None
     ) -> None:
@@ -289,8 +287,6 @@ class CheckpointManager:
                 logger.error("%d more background saves failed under %s", len(errors) - 1, self.root)
             raise first
 
-    # -- what is committed ----------------------------------------------------------------------
-
     def steps(self) -> list[int]:
         """The committed steps under the root, ascending (as rank 0 finds them); one whose
         manifest cannot be read is not among them (it is kept, with a warning).
@@ -361,8 +357,6 @@ class CheckpointManager:
             self._last_saved = step
         return step
 
-    # -- preemption -----------------------------------------------------------------------------
-
     def handle_preemption(
         self,
         app_state: dict[str, Any] | None = None,
@@ -390,8 +384,7 @@ class CheckpointManager:
                 DeprecationWarning,
                 stacklevel=2,
             )
-        if self._handler is not None:
-            self._handler.uninstall()
+        self._drop_handler()
         self._handler = PreemptionHandler(self, app_state, tuple(signals))
 
     def checkpoint_if_preempted(self, step: int, app_state: dict[str, Any] | None = None) -> None:
@@ -415,8 +408,12 @@ class CheckpointManager:
         self._final_save(step, app_state)
 
     def _preemption_agreed(self) -> bool:
-        """Whether a preemption signal arrived on any rank (this rank alone without a group)."""
         return preemption.agreed(self, self._world, self.pg, self.options)
+
+    def _drop_handler(self) -> None:
+        if self._handler is not None:
+            self._handler.uninstall()
+            self._handler = None
 
     def _after_save(self, step: int) -> None:
         """End of :meth:`save` under ``handle_preemption(app_state, step_fn)``: after a
@@ -437,12 +434,8 @@ class CheckpointManager:
             self._wait_for_saves(0)
             preemption.save_last(self, step, app_state, self._last_saved)  # and closes
         finally:
-            if self._handler is not None:  # the save or the close failed: the error goes on
-                self._handler.uninstall()
-                self._handler = None
+            self._drop_handler()  # where the save or the close failed: the error goes on
         preemption.end_by_signal(self.root, signum)
-
-    # -- closing --------------------------------------------------------------------------------
 
     def close(self) -> None:
         """Waits for the saves and deletions under way, then stops the cleaner's thread and the
@@ -453,9 +446,7 @@ class CheckpointManager:
             self.wait()
         finally:
             self._closed = True
-            if self._handler is not None:
-                self._handler.uninstall()
-                self._handler = None
+            self._drop_handler()
             self._cleaner.stop()
 
     def __enter__(self) -> CheckpointManager:

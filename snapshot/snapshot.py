@@ -116,22 +116,17 @@ class Snapshot:
                 :class:`StateDict`, :class:`RNGState`, anything with ``state_dict()`` and
                 ``load_state_dict()``).
             pg: the participating process group (see the class).
-            replicated: glob patterns of logical paths (``"model/**"``) whose values are the
-                same on every rank (a path is replicated when every rank's patterns match it).
-                Values whose bytes are equal on every rank are found without them too. A
-                replicated value is written by one rank, listed once (under rank 0), and
-                restored by any rank, on any number of ranks.
+            replicated: globs of logical paths (``"model/**"``) whose values are the same on
+                every rank (values with equal bytes are found without them too): written by
+                one rank, listed once, restored by any rank.
             storage_options: options for the storage plugin.
             _custom_tensor_prepare_func: ``f(logical_path, tensor, tracing) -> tensor`` applied
-                to each tensor before it is written (to cast to bf16, say): once with
-                ``tracing=True`` while planning (only dtype and shape are used), once with
-                ``tracing=False`` when writing; both must agree.
+                to each tensor before it is written (a cast to bf16, say), once while planning
+                (``tracing=True``: only dtype and shape count) and once when writing.
             options: the tunables of this take (:class:`~snapshot.Options`).
-            base: an earlier snapshot (or its path) in the same folder: an incremental take.
-                CPU tensors whose bytes equal the base's at the same path (by a 128-bit digest
-                the base recorded) are not written; their entries point at the base's bytes,
-                so the base must stay (``metadata.bases``; a restore without it raises
-                :class:`MissingBaseError`).
+            base: an earlier snapshot (or its path) in the same folder: CPU tensors whose
+                digest equals the base's at the same path are not written but point at the
+                base's bytes, so the base must stay (else :class:`MissingBaseError`).
             user_metadata: plain data (str keys; None, bool, int, finite float, str, lists and
                 dicts of them) kept in the manifest, read back as ``metadata.user``.
 
@@ -142,8 +137,7 @@ class Snapshot:
             StatefulError: a ``state_dict()`` raised.
             UnsupportedValueError: a value cannot be stored (a tensor on the meta device...).
             StorageError: the storage failed; nothing was committed.
-            InvalidArgumentError: an argument is of the wrong kind; raised before anything is
-                written.
+            InvalidArgumentError: an argument is refused, before anything is written.
 
         Across ranks, the snapshot is written at rank 0's ``path``; a rank whose own ``path``
         differs gets a :class:`~snapshot.errors.PathMismatchWarning`.

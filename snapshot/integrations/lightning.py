@@ -106,10 +106,14 @@ def version_name(counter: int) -> str:
 
 
 def list_versions(
-    root: str, storage_options: dict[str, Any] | None, options: Options
+    root: str,
+    storage_options: dict[str, Any] | None,
+    options: Options,
+    others: list[str] | None = None,
 ) -> list[Version]:
-    """The version folders under ``root``, oldest first; empty when ``root`` does not exist.
-    Raises ``StorageError`` when the store cannot list ``root``, or it is a local file."""
+    """The version folders under ``root``, oldest first; empty when ``root`` does not exist
+    (``others`` gets the other names there). Raises ``StorageError`` when the store cannot
+    list ``root``, or it is a local file."""
     if "://" not in root and os.path.isfile(root):
         raise StorageError(
             f"{root} is a file, not a statesnap checkpoint (a folder of versions): a torch.save "
@@ -135,6 +139,8 @@ def list_versions(
                 if m is not None:
                     committed = await plugin.exists(f"{name}/{MANIFEST_NAME}")
                     found.append(Version(int(m.group(1)), name, committed))
+                elif others is not None:
+                    others.append(name)
             return found
 
         try:
@@ -165,14 +171,9 @@ def remove_all(root: str, storage_options: dict[str, Any] | None, options: Optio
             f"the checkpoint {root} is not removed: it is a symbolic link (never followed); "
             "nothing was deleted"
         )
-    versions = list_versions(root, storage_options, options)
-    with open_storage(root, storage_options, options) as plugin:
-        try:
-            names = run(plugin.list_names(LIST_LIMIT)) or []
-        except Exception as e:
-            raise StorageError(f"cannot list the checkpoint {root}: {e}") from e
-    ours = {v.name for v in versions}
-    problems = [repr(n) for n in sorted(names) if n not in ours]
+    others: list[str] = []
+    versions = list_versions(root, storage_options, options, others)
+    problems = [repr(n) for n in sorted(others)]
     for v in versions:
         found = survey(join(root, v.name), storage_options, options)
         if found.refusal:

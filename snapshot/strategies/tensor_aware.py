@@ -124,17 +124,13 @@ class BasicTensorAwareStateDict(TensorAwareStateDict):
     @property
     def tensors(self) -> list[torch.Tensor]:
         """The tensors, in ``pop_tensors`` order (hollow: an error, not an empty list)."""
-        self._require_full("tensors")
+        self._require("tensors", hollow=False)
         return [tensor for _, tensor in self._find(torch.Tensor)]
 
     def pop_tensors(self) -> list[torch.Tensor]:
         """Takes the tensors out in traversal order, leaving placeholders (a staged tensor's
         records the device it belongs on, not CPU)."""
-        if self._hollow:
-            raise HollowStateError(
-                "pop_tensors: the state is already hollow (its tensors were popped and not "
-                "inserted back); call insert_tensors or init_tensors first"
-            )
+        self._require("pop_tensors", hollow=False)
         popped: list[torch.Tensor] = []
         homes = self._homes
 
@@ -154,11 +150,7 @@ class BasicTensorAwareStateDict(TensorAwareStateDict):
         and dtype (on any device: ``restore_tensor_device`` moves it home). All are checked
         before any is inserted: ``StateMismatchError`` (``ShapeMismatchError``) names the
         first misfit's path, and the state stays hollow."""
-        if not self._hollow:
-            raise HollowStateError(
-                "insert_tensors: the state is not hollow (it still holds its tensors); "
-                "call pop_tensors first"
-            )
+        self._require("insert_tensors", hollow=True)
         given = list(tensors)
         slots = self._placeholders()
         if len(given) != len(slots):
@@ -175,11 +167,7 @@ class BasicTensorAwareStateDict(TensorAwareStateDict):
         self._hollow, self._homes = False, None if at_home else homes
 
     def init_tensors(self) -> None:
-        if not self._hollow:
-            raise HollowStateError(
-                "init_tensors: the state is not hollow (it still holds its tensors); "
-                "call pop_tensors first"
-            )
+        self._require("init_tensors", hollow=True)
         self.insert_tensors([placeholder.empty() for _, placeholder in self._placeholders()])
 
     def copy_tensors_to_cpu(self, non_blocking: bool = False) -> None:
@@ -188,7 +176,7 @@ class BasicTensorAwareStateDict(TensorAwareStateDict):
         their device's current stream, so the caller must synchronize every such device before
         reading them (pageable and synchronous where pinning fails). A tensor that cannot be
         copied raises ``UnsupportedValueError``, the state left as it was."""
-        self._require_full("copy_tensors_to_cpu")
+        self._require("copy_tensors_to_cpu", hollow=False)
         found = self._find(torch.Tensor)
         # Every copy is made before any is installed, so a failed copy leaves the state as it
         # was. A tensor reached by two paths (tied weights) is copied once and stays tied.
@@ -203,7 +191,7 @@ class BasicTensorAwareStateDict(TensorAwareStateDict):
     def restore_tensor_device(self, non_blocking: bool = True) -> None:
         """Moves every tensor not on the device it belongs on back there (asynchronously with
         ``non_blocking``, ordered on the current stream); one already there stays as it is."""
-        self._require_full("restore_tensor_device")
+        self._require("restore_tensor_device", hollow=False)
         if self._homes is None:
             return
         homes = iter(self._homes)
@@ -226,11 +214,17 @@ class BasicTensorAwareStateDict(TensorAwareStateDict):
         self._visit(move)
         self._homes = None
 
-    def _require_full(self, operation: str) -> None:
-        if self._hollow:
+    def _require(self, operation: str, hollow: bool) -> None:
+        """Raises ``HollowStateError`` unless the state is hollow (``hollow``) or full."""
+        if self._hollow and not hollow:
             raise HollowStateError(
                 f"{operation}: the state is hollow (its tensors were popped and not inserted "
                 "back); call insert_tensors or init_tensors first"
+            )
+        if hollow and not self._hollow:
+            raise HollowStateError(
+                f"{operation}: the state is not hollow (it still holds its tensors); "
+                "call pop_tensors first"
             )
 
     def _placeholders(self) -> list[tuple[str, TensorPlaceholder]]:
