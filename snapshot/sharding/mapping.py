@@ -12,10 +12,10 @@ raises ``ValueError`` naming its key when it is built, on the rank that made it.
 from __future__ import annotations
 
 import abc
-import dataclasses
+import copy
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -37,6 +37,9 @@ def is_main_replica(replica_id: ReplicaId) -> bool:
     return all(r == 0 for r in replica_id)
 
 
+_Sharded = TypeVar("_Sharded", bound="ShardedBase")
+
+
 class ShardedBase(abc.ABC):
     """A leaf of a sharded state dict that describes one shard of a global value."""
 
@@ -48,10 +51,12 @@ class ShardedBase(abc.ABC):
     def validate_metadata_integrity(self) -> None:
         """Raises ``ValueError`` (naming the key) if the description is inconsistent."""
 
-    @abc.abstractmethod
-    def without_data(self) -> ShardedBase:
+    def without_data(self: _Sharded) -> _Sharded:
         """A copy with the same description and ``data=None``, e.g. to exchange metadata
         between ranks without the payload."""
+        bare = copy.copy(self)
+        bare.data = None
+        return bare
 
 
 def _int_tuple(value: Any) -> tuple[int, ...]:
@@ -208,18 +213,7 @@ class ShardedTensor(ShardedBase):
         """The block's index on each global axis (offset // block size; ``ValueError`` where
         the tensor is not evenly sharded)."""
         offsets, sizes = self.global_region()
-        chunks = []
-        for axis, (off, size) in enumerate(zip(offsets, sizes, strict=True)):
-            if size == 0:
-                chunks.append(0)
-                continue
-            if off % size:
-                raise self._error(
-                    f"offset {off} on axis {axis} is not a multiple of the shard size {size}: "
-                    "the tensor is not evenly sharded"
-                )
-            chunks.append(off // size)
-        return tuple(chunks)
+        return self._per_block(offsets, sizes, "offset", 0)
 
     def max_allowed_chunks(self) -> tuple[int, ...]:
         """Blocks per global axis: ``axis_fragmentations``, else global size // block size
@@ -227,21 +221,19 @@ class ShardedTensor(ShardedBase):
         if self.axis_fragmentations is not None:
             return self.axis_fragmentations
         _, sizes = self.global_region()
-        chunks = []
-        for axis, (size, glob) in enumerate(zip(sizes, self.global_shape, strict=True)):
-            if size == 0:
-                chunks.append(1)
-                continue
-            if glob % size:
-                raise self._error(
-                    f"global size {glob} on axis {axis} is not a multiple of the shard size "
-                    f"{size}: the tensor is not evenly sharded"
-                )
-            chunks.append(glob // size)
-        return tuple(chunks)
+        return self._per_block(self.global_shape, sizes, "global size", 1)
 
-    def without_data(self) -> ShardedTensor:
-        return dataclasses.replace(self, data=None)
+    def _per_block(
+        self, values: tuple[int, ...], sizes: tuple[int, ...], what: str, empty: int
+    ) -> tuple[int, ...]:
+        """``value // size`` per axis (``empty`` for a size of 0), each a whole multiple."""
+        for axis, (value, size) in enumerate(zip(values, sizes, strict=True)):
+            if size and value % size:
+                raise self._error(
+                    f"{what} {value} on axis {axis} is not a multiple of the shard size {size}: "
+                    "the tensor is not evenly sharded"
+                )
+        return tuple(v // s if s else empty for v, s in zip(values, sizes, strict=True))
 
     def __repr__(self) -> str:
         return (
@@ -288,9 +280,6 @@ class ShardedObject(ShardedBase):
         shape = ".".join(map(str, self.global_shape))
         return f"{self.key}/shard_{offset}_{shape}"
 
-    def without_data(self) -> ShardedObject:
-        return dataclasses.replace(self, data=None)
-
     @classmethod
     def empty_from_unique_key(cls, unique_key: str, replica_id: ReplicaId = 0) -> ShardedObject:
         """The data-less :class:`ShardedObject` whose :attr:`unique_key` is ``unique_key``."""
@@ -335,9 +324,6 @@ class ShardedTensorFactory(ShardedBase):
 
     def validate_metadata_integrity(self) -> None:
         """Nothing to check here: what :meth:`build` returns checks itself."""
-
-    def without_data(self) -> ShardedTensorFactory:
-        return dataclasses.replace(self, data=None)
 
 
 @dataclass
