@@ -152,14 +152,6 @@ def list_versions(
     return sorted(found, key=lambda v: (v.counter, v.name))
 
 
-def delete_version(
-    root: str, name: str, storage_options: dict[str, Any] | None, options: Options
-) -> None:
-    """Deletes the version folder ``name`` once checked to hold only what a take writes
-    (``steps.delete_snapshot``); its name is the plugin's own, so unmarked debris goes too."""
-    delete_snapshot(join(root, name), storage_options, options, unmarked=True)
-
-
 def remove_all(root: str, storage_options: dict[str, Any] | None, options: Options) -> None:
     """Deletes the checkpoint at ``root`` once all of it is checked to be no link and to hold
     only version folders of what a take writes: each version oldest first (an interrupted
@@ -184,7 +176,7 @@ def remove_all(root: str, storage_options: dict[str, Any] | None, options: Optio
             "no save of statesnap wrote; nothing was deleted: move those away first"
         )
     for v in versions:
-        delete_version(root, v.name, storage_options, options)
+        delete_snapshot(join(root, v.name), storage_options, options, unmarked=True)
     with open_storage(root, storage_options, options) as plugin:
         try:
             run(plugin.delete_all())
@@ -194,17 +186,14 @@ def remove_all(root: str, storage_options: dict[str, Any] | None, options: Optio
 
 def _placer(map_location: Any) -> Callable[[torch.Tensor], torch.Tensor] | None:
     """What ``map_location`` does to one tensor read onto the CPU, or None to leave them."""
+    if isinstance(map_location, dict):  # tensors are read onto the CPU: its entry applies
+        map_location = map_location.get("cpu")
+        if map_location is not None:
+            map_location = torch.device(map_location)
     if map_location is None:
         return None
     if isinstance(map_location, (str, torch.device)):
         device = torch.device(map_location)
-        return lambda t: t.to(device)
-    if isinstance(map_location, dict):
-        # Tensors are read onto the CPU, so the entry for "cpu" is the one that applies.
-        target = map_location.get("cpu")
-        if target is None:
-            return None
-        device = torch.device(target)
         return lambda t: t.to(device)
     if callable(map_location):
 
@@ -371,7 +360,8 @@ class StatesnapCheckpointIO(CheckpointIO):  # type: ignore[misc, valid-type]
         names = [save.target] if failed else [v.name for v in save.older]
         for name in names:
             try:
-                delete_version(save.root, name, save.store, self.options)
+                # A version's name is the plugin's own: unmarked debris goes too.
+                delete_snapshot(join(save.root, name), save.store, self.options, unmarked=True)
             except Exception as e:
                 logger.warning("cannot delete %s: %s", join(save.root, name), e)
 

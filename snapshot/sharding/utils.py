@@ -165,13 +165,7 @@ def extract_nonpersistent(
 
 def add_prefix_for_sharding(sharded_state_dict: ShardedStateDict, prefix: str) -> None:
     """Prepends ``prefix`` to the key of every :class:`ShardedBase` in the state, in place."""
-
-    def add(x: Any) -> Any:
-        if isinstance(x, ShardedBase):
-            x.key = f"{prefix}{x.key}"
-        return x
-
-    _map_leaves_inplace(add, sharded_state_dict)
+    apply_prefix_mapping(sharded_state_dict, {"": prefix})
 
 
 def replace_prefix_for_sharding(
