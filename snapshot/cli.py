@@ -1,14 +1,9 @@
 """Command line: ``python -m snapshot`` (and the ``statesnap`` console script).
 
-``demo`` runs the demonstration; ``ls``, ``show``, ``verify``, ``du`` and ``diff`` look into an
-existing snapshot without restoring it (what they compute is :mod:`snapshot._engine.tools.inspection`,
-:mod:`snapshot._engine.tools.verify` and :mod:`snapshot._engine.tools.diff`; what they print,
-:mod:`snapshot._engine.tools.cli_commands`). This module parses the arguments, runs the command and
-turns an error into one line on stderr and an exit code (:data:`EXIT_CODES`).
-
-Whatever comes from a snapshot (logical paths, blob names, type names, values, error messages
-quoting them) is printed through :mod:`snapshot._engine.format.text`, so that a hostile key's control
-characters are shown as escapes instead of being obeyed by the terminal.
+This module parses the arguments, runs the command (``snapshot._engine.tools``) and turns an
+error into one line on stderr and an exit code (:data:`EXIT_CODES`). Whatever comes from a
+snapshot is printed escaped (``snapshot._engine.format.text``): a hostile key's control
+characters must not reach the terminal.
 """
 
 from __future__ import annotations
@@ -47,9 +42,6 @@ exit codes:
   {EXIT_INTERRUPTED}  interrupted (Ctrl-C)
 output cut short by a closed pipe (statesnap ls ... | head) keeps the command's code."""
 
-# ---------------------------------------------------------------------------------------------
-# demo
-
 
 def _demo(args: argparse.Namespace) -> int:
     from snapshot.demo import run_demo
@@ -58,10 +50,6 @@ def _demo(args: argparse.Namespace) -> int:
         return run_demo(args.path, steps=args.steps)
     with tempfile.TemporaryDirectory(prefix="statesnap-demo-") as tmp:
         return run_demo(f"{tmp}/snapshot", steps=args.steps)
-
-
-# ---------------------------------------------------------------------------------------------
-# --storage-option
 
 
 def _storage_option(text: str) -> tuple[tuple[str, ...], Any]:
@@ -106,10 +94,6 @@ def storage_options_from(pairs: Sequence[tuple[tuple[str, ...], Any]]) -> dict[s
             raise ValueError(f"storage option {'.'.join(parts)} is given a value and also sub-keys")
         node[last] = value
     return options
-
-
-# ---------------------------------------------------------------------------------------------
-# main
 
 
 def _positive(text: str) -> int:
@@ -169,80 +153,67 @@ def _parser() -> argparse.ArgumentParser:
     p_demo.add_argument("--steps", type=int, default=5, help="training steps before and after")
     p_demo.set_defaults(func=_demo)
 
-    p_ls = sub.add_parser(
+    def command(name: str, func: Any, help: str, description: str) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, parents=[common], help=help, description=description)
+        if name != "diff":
+            p.add_argument("path", metavar="PATH", help="the snapshot (local path or URL)")
+        p.set_defaults(func=func)
+        return p
+
+    p_ls = command(
         "ls",
-        parents=[common],
-        help="list the entries of a snapshot (from its manifest; reads no blob)",
-        description="One row per manifest entry: logical path, kind, dtype (or the type of an "
-        "object or primitive), shape, bytes stored; totals at the end.",
+        run_ls,
+        "list the entries of a snapshot (from its manifest; reads no blob)",
+        "One row per manifest entry: logical path, kind, dtype (or the type of an object or "
+        "primitive), shape, bytes stored; totals at the end.",
     )
-    p_ls.add_argument("path", metavar="PATH", help="the snapshot (local path or URL)")
     p_ls.add_argument(
         "--prefix", metavar="LOGICAL_PATH", help="only this entry and those below it (0/model)"
     )
-    p_ls.add_argument("--bytes", action="store_true", help="sizes as exact byte counts")
-    p_ls.set_defaults(func=run_ls)
-
-    p_show = sub.add_parser(
+    p_show = command(
         "show",
-        parents=[common],
-        help="show one entry: a tensor's summary, any other value's repr",
-        description="Reads one entry (a container: everything below it) and shows it: for a "
-        "tensor its dtype, shape, min/max/mean where the dtype allows them and its first "
-        "values; for anything else its repr, cut when long.",
+        run_show,
+        "show one entry: a tensor's summary, any other value's repr",
+        "Reads one entry (a container: everything below it) and shows it: for a tensor its "
+        "dtype, shape, min/max/mean where the dtype allows them and its first values; for "
+        "anything else its repr, cut when long.",
     )
-    p_show.add_argument("path", metavar="PATH", help="the snapshot (local path or URL)")
     p_show.add_argument("key", metavar="KEY", help="the entry's logical path, as ls shows it")
     p_show.add_argument(
         "--values", type=_positive, default=8, help="tensor elements to show (default 8)"
     )
     p_show.add_argument(
-        "--max-chars",
-        type=_positive,
-        default=2000,
-        help="cut a repr after this many characters (default 2000)",
+        "--max-chars", type=_positive, default=2000, help="cut a repr after this many characters"
     )
-    p_show.set_defaults(func=run_show)
-
-    p_verify = sub.add_parser(
+    p_verify = command(
         "verify",
-        parents=[common],
-        help="read every blob and check sizes and checksums against the manifest",
-        description="Reads every blob in pieces of at most 16 MiB and checks its length and "
-        "every byte range's CRC-32 against the manifest, naming each damaged entry. Exit code "
-        "0 when all is well, 1 on any problem.",
+        run_verify,
+        "read every blob and check sizes and checksums against the manifest",
+        "Reads every blob in pieces of at most 16 MiB and checks its length and every byte "
+        "range's CRC-32 against the manifest, naming each damaged entry. Exit code 0 when all "
+        "is well, 1 on any problem.",
     )
-    p_verify.add_argument("path", metavar="PATH", help="the snapshot (local path or URL)")
-    p_verify.add_argument(
-        "--jobs", type=_positive, default=4, help="blobs read at once (default 4)"
-    )
-    p_verify.set_defaults(func=run_verify)
-
-    p_du = sub.add_parser(
+    p_du = command(
         "du",
-        parents=[common],
-        help="bytes per app_state key and rank, largest first",
-        description="Bytes per top-level key per rank, largest first, with the total. "
-        "Replicated entries count for every rank that restores them, and once in 'stored'.",
+        run_du,
+        "bytes per app_state key and rank, largest first",
+        "Bytes per top-level key per rank, largest first, with the total. Replicated entries "
+        "count for every rank that restores them, and once in 'stored'.",
     )
-    p_du.add_argument("path", metavar="PATH", help="the snapshot (local path or URL)")
-    p_du.add_argument("--bytes", action="store_true", help="sizes as exact byte counts")
-    p_du.set_defaults(func=run_du)
-
-    p_diff = sub.add_parser(
+    for p in (p_ls, p_du):
+        p.add_argument("--bytes", action="store_true", help="sizes as exact byte counts")
+    p_diff = command(
         "diff",
-        parents=[common],
-        help="which entries of two snapshots differ",
-        description="Compares two snapshots entry by entry: paths only in one, kind, dtype, "
-        "shape, primitive values, and bytes (through the recorded CRC-32s; entries without "
-        "them are read and compared). Exit code 0 when identical, 1 when they differ.",
+        run_diff,
+        "which entries of two snapshots differ",
+        "Compares two snapshots entry by entry: paths only in one, kind, dtype, shape, "
+        "primitive values, and bytes (through the recorded CRC-32s; entries without them are "
+        "read and compared). Exit code 0 when identical, 1 when they differ.",
     )
     p_diff.add_argument("path_a", metavar="PATH_A", help="the first snapshot (A)")
     p_diff.add_argument("path_b", metavar="PATH_B", help="the second snapshot (B)")
-    p_diff.add_argument(
-        "--jobs", type=_positive, default=4, help="entries read at once when needed (default 4)"
-    )
-    p_diff.set_defaults(func=run_diff)
+    for p in (p_verify, p_diff):
+        p.add_argument("--jobs", type=_positive, default=4, help="reads at once (default 4)")
     add_step_parsers(sub, common)
     add_export_parser(sub, common)
     return parser

@@ -6,12 +6,10 @@ from __future__ import annotations
 class SnapshotError(Exception):
     """Root of every error the library raises on purpose.
 
-    On the error a failed restore raises (whatever its kind), ``modified`` maps each app_state
-    key whose live state this rank's restore wrote before the failure to ``"partially"`` (some
-    of it may hold the snapshot's values, the rest the old ones) or ``"fully"`` (its
-    ``load_state_dict`` returned: it holds the snapshot's state), and ``untouched`` names the
-    keys of which no byte was written; the message ends with the same account. Both are None on
-    every other error.
+    On a failed restore's error, ``modified`` maps each app_state key this rank wrote before the
+    failure to ``"partially"`` or ``"fully"`` (its ``load_state_dict`` returned), and
+    ``untouched`` names the keys left as they were; the message ends with the same account.
+    Both are None on every other error.
     """
 
     modified: dict[str, str] | None = None
@@ -63,10 +61,8 @@ class ChecksumError(CorruptSnapshotError):
 
 class UnsafeSnapshotError(CorruptSnapshotError):
     """The snapshot holds what the library never writes and will not follow or expand: a symlink,
-    a file that is not a regular file (FIFO, device, socket), a manifest over the size limit, or a
-    manifest using YAML features (anchors, aliases, tags, nesting past the limit) outside the
-    subset the library emits. A snapshot's bytes are untrusted input (docs/reliability.md,
-    "Threat model")."""
+    a file that is not regular, a manifest over the size limit or using YAML features outside
+    the subset the library emits (docs/reliability.md, "Threat model")."""
 
 
 class IncompatibleSnapshotError(SnapshotError):

@@ -4,11 +4,9 @@ index when split) or ``torch.save``. ``statesnap export`` is the same from the c
     from snapshot.export import export
     export("ckpt/step_1000", "hf_model", key="model", dtype="bf16", max_shard_size="5GB")
 
-Streamed: memory stays within the memory budget (``Options.memory_budget_bytes``) whatever
-the state's size, and sharded tensors (``ShardedTensor``, DTensor, torch's ``ShardedTensor``)
-are consolidated into full ones. The export appears whole or not at all, never mixed with an
-earlier one in the folder, and a forged manifest is refused before anything is allocated or
-written (``snapshot._engine.tools.export``).
+Streamed within the memory budget whatever the state's size; sharded tensors are consolidated
+into full ones. The export appears whole or not at all, and a forged manifest is refused before
+anything is allocated or written (``snapshot._engine.tools.export``).
 """
 
 from __future__ import annotations
@@ -30,20 +28,11 @@ from snapshot.snapshot import Snapshot
 
 # The names ``dtype`` accepts.
 DTYPES = {
-    "bf16": torch.bfloat16,
-    "bfloat16": torch.bfloat16,
-    "fp16": torch.float16,
-    "f16": torch.float16,
-    "float16": torch.float16,
-    "half": torch.float16,
-    "fp32": torch.float32,
-    "f32": torch.float32,
-    "float32": torch.float32,
-    "float": torch.float32,
-    "fp64": torch.float64,
-    "float64": torch.float64,
-    "fp8": torch.float8_e4m3fn,
-    "float8_e4m3fn": torch.float8_e4m3fn,
+    **dict.fromkeys(("bf16", "bfloat16"), torch.bfloat16),
+    **dict.fromkeys(("fp16", "f16", "float16", "half"), torch.float16),
+    **dict.fromkeys(("fp32", "f32", "float32", "float"), torch.float32),
+    **dict.fromkeys(("fp64", "float64"), torch.float64),
+    **dict.fromkeys(("fp8", "float8_e4m3fn"), torch.float8_e4m3fn),
     "float8_e5m2": torch.float8_e5m2,
 }
 FORMATS = ("safetensors", "torch")
@@ -62,36 +51,26 @@ def export(
     options: Options | None = None,
     overwrite: bool = False,
 ) -> list[str]:
-    """Writes the tensors of ``snapshot`` (rank 0's view) into ``out_dir`` (a local folder,
-    made if missing); returns the paths of the files written.
+    """Writes the tensors of ``snapshot`` (rank 0's view) into the local folder ``out_dir``;
+    returns the paths of the files written.
 
     Args:
-        format: ``"safetensors"`` (``model.safetensors``, or ``model-0000i-of-0000N``
-            files and ``model.safetensors.index.json``) or ``"torch"`` (``pytorch_model.bin``
-            likewise; a torch file is built in memory, one file's tensors at a time).
-        key: only this app_state key's tensors, named as its module names them
-            (``0/model/layer.weight`` -> ``layer.weight``); without it, every key's, named
-            ``model.layer.weight``.
-        strip_prefix: removed from the start of every name that has it (``module.`` of a
-            DDP-wrapped model, ``_orig_mod.`` of a compiled one).
-        dtype: cast floating point tensors to this dtype (``"bf16"``, ``"fp16"``,
-            ``torch.bfloat16``...); others keep theirs. Without it, every dtype is kept.
-        max_shard_size: the largest file (``"5GB"``, ``"500MiB"``, or bytes); a tensor
-            larger than that gets a file of its own.
-        options: the memory budget (``memory_budget_bytes``) and checksums of the reads.
-        overwrite: replace an earlier export in ``out_dir`` (only the files an export recorded
-            writing there, once the new export is complete). Without it, a folder holding an
-            export is refused.
+        format: ``"safetensors"`` (``model.safetensors``, or ``model-0000i-of-0000N`` files and
+            an index) or ``"torch"`` (``pytorch_model.bin`` likewise).
+        key: only this app_state key's tensors, named as its module names them; without it,
+            every key's, named ``model.layer.weight``.
+        strip_prefix: removed from every name that starts with it (``module.``, ``_orig_mod.``).
+        dtype: cast floating point tensors to this dtype (``"bf16"``, ``torch.float16``...).
+        max_shard_size: the largest file (``"5GB"``, ``"500MiB"``, or bytes).
+        options: the memory budget and checksums of the reads.
+        overwrite: replace an earlier export in ``out_dir`` (once the new one is complete);
+            without it, a folder holding an export is refused.
 
-    The files are written into a staging folder inside ``out_dir`` and put in place only when
-    all of them are complete; on any failure ``out_dir`` is left as it was (an earlier export
-    in it intact). Other files in ``out_dir`` (``config.json``...) are never touched.
-
-    Values that are not tensors (step counters, optimizer hyperparameters) are skipped, and
-    logged. Raises ``InvalidArgumentError`` for a bad argument, a ``key`` the snapshot lacks or
-    a folder holding an export; ``UnsupportedValueError`` for a name or dtype safetensors
-    cannot hold; ``CorruptSnapshotError`` (``ChecksumError`` for damaged bytes) or
-    ``IncompatibleSnapshotError`` for a manifest restore would refuse, before anything is read.
+    The files are staged inside ``out_dir`` and put in place only once all are complete; on
+    failure ``out_dir`` is as it was. Other files there are never touched; values that are not
+    tensors are skipped and logged. Raises ``InvalidArgumentError``,
+    ``UnsupportedValueError`` (what safetensors cannot hold), ``CorruptSnapshotError`` or
+    ``IncompatibleSnapshotError`` (before anything is read).
     """
     if format not in FORMATS:
         raise InvalidArgumentError(f"export: format must be one of {FORMATS}, got {format!r}")
@@ -123,9 +102,8 @@ def export(
     if format == "safetensors":
         engine.check_safetensors(files)
     export_folder.earlier_export(out, overwrite)  # refused now, before an hour of writing
-    # A tile, a box's piece of it (for a box narrower than the tensor), the cast copy, and
-    # the storage plugin's own buffer for a read (a bounce buffer for direct I/O): a quarter
-    # of the budget each at most.
+    # A tile, a box's piece of it, the cast copy and the plugin's read buffer: a quarter of
+    # the budget each at most.
     tile = max(1 << 20, resolved.budget() // 4)
     write = engine.write_safetensors if format == "safetensors" else engine.write_torch
     verify = bool(resolved.checksums)
@@ -146,8 +124,7 @@ def export(
 
 @contextmanager
 def _naming(path: str) -> Iterator[None]:
-    """A refusal of the snapshot's manifest, named with the snapshot (the checks name the
-    entry)."""
+    """A refusal of the snapshot's manifest, named with the snapshot."""
     try:
         yield
     except (CorruptSnapshotError, IncompatibleSnapshotError) as e:

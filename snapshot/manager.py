@@ -1,7 +1,4 @@
-"""``CheckpointManager``: the loop every training script writes around snapshots.
-
-A folder per step under one root, resume from the newest committed step, keep the last few
-and some milestones, never delete the one being written, delete in the background::
+"""``CheckpointManager``: step folders under one root, resume, retention, preemption::
 
     manager = CheckpointManager("ckpt", keep_last=3, keep_every_steps=1000)
     start = manager.restore(app_state)  # the step restored, or None: start fresh
@@ -11,15 +8,10 @@ and some milestones, never delete the one being written, delete in the backgroun
             manager.save(step, app_state, metrics={"loss": loss})
     manager.close()
 
-One job owns a root: the manager assumes no other process takes or deletes step folders there
-(a second job at the same root would see the first one's saves under way as incomplete
-folders, and clean them).
-
-What the manager deletes (docs/reliability.md, "Checkpoint manager and deletions"): committed
-steps its policy lets go, and folders holding a take's pending marker and nothing but what a
-take writes; each only after checking the whole folder (no link, nothing a take does not
-write). It never deletes a committed step it cannot read, a folder without the marker (another
-library's snapshot, a user's files), nor anything through a link.
+One job owns a root. The manager deletes committed steps its policy lets go and folders
+holding a take's pending marker and nothing but what a take writes, each after checking the
+whole folder; never a committed step it cannot read, a folder without the marker, nor anything
+through a link (docs/reliability.md, "Checkpoint manager and deletions").
 """
 
 from __future__ import annotations
@@ -57,38 +49,25 @@ class CheckpointManager:
         keep_last: keep the newest N committed steps.
         keep_every_steps: keep every step that is a multiple of N (milestones).
         keep_best: keep the N best steps by ``metric`` (``mode="min"``: lower is better,
-            ``"max"``: higher); steps saved without that metric are not ranked.
-            With none of the three, every step is kept. Together, a step is kept when any of
-            them keeps it. The newest committed step, any save under way, and the bases of a
-            kept incremental snapshot are never deleted.
+            ``"max"``: higher). With none of the three, every step is kept; together, a step
+            is kept when any keeps it. The newest committed step, saves under way and the
+            bases of kept incremental snapshots are never deleted.
         storage_options: for the storage plugin, as :meth:`Snapshot.take` takes them.
-        pg: the process group (None: the default one when ``torch.distributed`` is
-            initialized, else this process alone). Every rank calls ``save``, ``restore``,
-            ``steps``, ``latest_step``, ``wait`` and ``close`` in the same order; rank 0 lists
-            the steps, decides, deletes, and tells the others.
+        pg: the process group. Every rank makes the manager's calls in the same order; rank 0
+            lists the steps, decides, deletes, and tells the others.
         async_: ``save`` returns once the state is captured (``Snapshot.async_take``); False:
-            once it is committed (``Snapshot.take``).
-        max_in_flight: how many saves may be writing at once; a save waits for the oldest
-            beyond it to commit first.
-        incremental: each save is an incremental take on the newest committed step
-            (``Snapshot.take(..., base=...)``): tensors that did not change are not written
-            again. Implies waiting for the previous save to commit before the next one.
+            once it is committed.
+        max_in_flight: how many saves may be writing at once.
+        incremental: each save is an incremental take on the newest committed step (waiting
+            for the previous save to commit first).
         options: the :class:`~snapshot.Options` of every take and restore.
-        raise_on_next_save: raise the error of a save that failed in the background from the
-            next ``save`` too (the default leaves training running: see below).
+        raise_on_next_save: raise a background save's error from the next ``save`` too.
 
-    A save that fails in the background does not interrupt training: it is logged (ERROR,
-    naming the step and the root), what it wrote is deleted, the newest committed step stays
-    the one to restore, and its error is raised by the next ``wait`` or ``close`` (with
-    ``raise_on_next_save=True``, by the next ``save`` already). Deletions run on a thread of
-    their own and never delay a save; one that fails is logged and tried again after the next
-    commit. The manager's thread ends with ``close``, or once the manager is garbage
-    collected, or at interpreter exit.
-
-    Saving a step whose folder is there already (a committed step after the one restored)
-    raises ``SnapshotExistsError`` before anything is written: the manager never replaces nor
-    deletes a committed step it was not asked to; save under another root, or after the
-    newest step, or move the later steps away first.
+    A save that fails in the background does not interrupt training: it is logged, what it
+    wrote is deleted, and its error is raised by the next ``wait`` or ``close`` (or ``save``,
+    with ``raise_on_next_save``). Deletions run on a thread of their own; a failed one is
+    retried after the next commit. Saving a step whose folder is there already raises
+    ``SnapshotExistsError`` before anything is written: a committed step is never replaced.
     """
 
     def __init__(
@@ -142,15 +121,11 @@ class CheckpointManager:
         self.preempted = False
         self._ending = False  # the final save after a preemption signal is under way
 
-    # -- saving ---------------------------------------------------------------------------------
-
     def save(
         self, step: int, app_state: dict[str, Any], metrics: Mapping[str, float] | None = None
     ) -> None:
-        """Snapshots ``app_state`` as step ``step`` (an int greater than every step saved
-        before), with ``metrics`` (name -> finite number) recorded in it for ``keep_best``
-        and ``statesnap steps``. Returns once the state is captured (``async_``) or committed.
-        """
+        """Snapshots ``app_state`` as step ``step`` (greater than every step saved before),
+        recording ``metrics`` (name -> finite number) for ``keep_best``."""
         self._check_open("save")
         if type(step) is not int or step < 0:
             raise InvalidArgumentError(f"step must be an int >= 0, got {step!r}")
@@ -158,19 +133,19 @@ class CheckpointManager:
         if self.raise_on_next_save:
             self._raise_background_error()
         # Across ranks, steps are agreed on by their order: each rank checks its own calls.
-        latest = self._latest_known()
+        latest = self._last_saved if self._last_saved is not None else self.latest_step()
         if latest is not None and step <= latest:
             raise InvalidArgumentError(
                 f"step {step} is not after the newest step under {self.root} ({latest}): steps "
                 "must increase (restore() first to resume, or use another root)"
             )
         self._refuse_occupied(step)
-        self._make_room()
+        self._wait_for_saves(self.max_in_flight - 1)
         if self.raise_on_next_save:  # of a save that ended while this one waited for room
             self._raise_background_error()
         base = None
         if self.incremental:
-            self._drain()  # the base must be committed
+            self._wait_for_saves(0)  # the base must be committed
             newest = self.latest_step()
             base = self._steps.path(self._folders[newest]) if newest is not None else None
         self._clean_once()
@@ -181,8 +156,7 @@ class CheckpointManager:
         t = time.perf_counter()
         self._cleaner.begin(step)  # waits while debris at this step is being deleted
         try:
-            # A PendingSnapshot when async, else the committed Snapshot.
-            pending = (Snapshot.async_take if self.async_ else Snapshot.take)(
+            taken = (Snapshot.async_take if self.async_ else Snapshot.take)(
                 path,
                 app_state,
                 pg=self.pg,
@@ -192,22 +166,17 @@ class CheckpointManager:
                 user_metadata=user,
             )
         except BaseException:
-            # The take removed what it wrote; a folder it could not remove is debris that the
-            # next listing may clean.
+            # The take removed what it wrote; what it could not is debris for the cleaner.
             self._cleaner.end(step, failed=True)
             raise
         self._last_saved = step
-        if self.async_:
-            logger.info(
-                "save of step %d under %s captured in %.3f s",
-                step,
-                self.root,
-                time.perf_counter() - t,
-            )
+        done = "captured" if self.async_ else "committed"
+        logger.info("save of step %d under %s %s in %.3f s", step, self.root, done, _since(t))
+        if isinstance(taken, PendingSnapshot):
+            pending = taken
             with self._lock:
                 self._in_flight.append((step, pending))
-            # Its own thread waits for the commit: the worker may be busy deleting, which must
-            # not hold a save back.
+            # Its own thread waits for the commit: the cleaner's thread must not hold it back.
             threading.Thread(
                 target=self._committed,
                 args=(step, pending, t),
@@ -215,12 +184,6 @@ class CheckpointManager:
                 daemon=True,
             ).start()
         else:
-            logger.info(
-                "save of step %d under %s committed in %.3f s",
-                step,
-                self.root,
-                time.perf_counter() - t,
-            )
             self._cleaner.end(step)
             if self._rank == 0:
                 self._cleaner.run_round()
@@ -235,7 +198,7 @@ class CheckpointManager:
                 "save of step %d under %s committed %.3f s after it began",
                 step,
                 self.root,
-                time.perf_counter() - t0,
+                _since(t0),
             )
         except BaseException as e:
             with self._lock:
@@ -250,8 +213,8 @@ class CheckpointManager:
                 e,
             )
         finally:
-            # The cleaner's mark goes before the entry of ``_in_flight``: once ``_drain``
-            # returns, no save that ended is still held in flight for retention.
+            # The cleaner's mark goes first: once ``_wait_for_saves`` returns, no save that
+            # ended is still held in flight for retention.
             self._cleaner.end(step)
             with self._lock:
                 self._in_flight = [(s, p) for s, p in self._in_flight if p is not pending]
@@ -279,34 +242,24 @@ class CheckpointManager:
             "first"
         )
 
-    def _make_room(self) -> None:
-        """Waits until fewer than ``max_in_flight`` saves are writing."""
+    def _wait_for_saves(self, most: int) -> None:
+        """Waits until at most ``most`` saves are writing, oldest first, each until its
+        commit thread has recorded its end (its error is that thread's to record)."""
         while True:
             with self._lock:
-                if len(self._in_flight) < self.max_in_flight:
+                if len(self._in_flight) <= most:
                     return
                 _, oldest = self._in_flight[0]
-            _wait_quietly(oldest)
-            self._await_commit_record(oldest)
-
-    def _await_commit_record(self, pending: PendingSnapshot | None) -> None:
-        """Waits until the worker has recorded ``pending``'s end (it drops it from
-        ``_in_flight`` right after its wait returns)."""
-        while True:
-            with self._lock:
-                if all(p is not pending for _, p in self._in_flight):
-                    return
-            time.sleep(0.001)
-
-    def _drain(self) -> None:
-        """Waits for every save under way to commit (or fail)."""
-        while True:
-            with self._lock:
-                if not self._in_flight:
-                    return
-                _, oldest = self._in_flight[0]
-            _wait_quietly(oldest)
-            self._await_commit_record(oldest)
+            if oldest is not None:
+                try:
+                    oldest.wait()
+                except BaseException:
+                    pass
+            while True:
+                with self._lock:
+                    if all(p is not oldest for _, p in self._in_flight):
+                        break
+                time.sleep(0.001)
 
     def _clean_once(self) -> None:
         """Before the first save: incomplete folders an earlier run left (a crash mid-take or
@@ -318,9 +271,9 @@ class CheckpointManager:
             self._cleaner.run_round()
 
     def wait(self) -> None:
-        """Waits for every save under way to commit and for the deletions queued so far;
-        raises the error of a save that failed in the background (the first, once)."""
-        self._drain()
+        """Waits for the saves under way and the deletions queued; raises the first error of
+        a save that failed in the background."""
+        self._wait_for_saves(0)
         self._cleaner.join()
         self._ranks.barrier()
         self._raise_background_error()
@@ -334,11 +287,9 @@ class CheckpointManager:
                 logger.error("%d more background saves failed under %s", len(errors) - 1, self.root)
             raise first
 
-    # -- what is committed ----------------------------------------------------------------------
-
     def steps(self) -> list[int]:
-        """The committed steps under the root, ascending (as rank 0 finds them); a step whose
-        manifest cannot be read is not one of them (it is kept, and a warning says why).
+        """The committed steps under the root, ascending (as rank 0 finds them); one whose
+        manifest cannot be read is not among them (it is kept, with a warning).
 
         Raises:
             StorageError: the root could not be listed.
@@ -376,22 +327,15 @@ class CheckpointManager:
         steps = self.steps()
         return steps[-1] if steps else None
 
-    def _latest_known(self) -> int | None:
-        """The newest step saved by this manager, or else committed under the root."""
-        if self._last_saved is not None:
-            return self._last_saved
-        return self.latest_step()
-
     def restore(self, app_state: dict[str, Any], step: int | None = None) -> int | None:
-        """Restores ``app_state`` from step ``step`` (the newest committed one by default), on
-        every rank the same step. Returns the step restored, or None when no step is committed
-        (start fresh). Waits for the saves under way first.
+        """Restores ``app_state`` from step ``step`` (default: the newest committed), after the
+        saves under way; returns the step, or None when none is committed (start fresh).
 
         Raises:
             InvalidArgumentError: ``step`` is given but not committed under the root.
         """
         self._check_open("restore")
-        self._drain()
+        self._wait_for_saves(0)
         committed = self.steps()
         if step is None:
             if not committed:
@@ -408,12 +352,10 @@ class CheckpointManager:
         Snapshot(
             path, pg=self.pg, storage_options=self.storage_options, options=self.options
         ).restore(app_state, options=self.options)
-        logger.info("restored step %d from %s in %.3f s", step, path, time.perf_counter() - t)
+        logger.info("restored step %d from %s in %.3f s", step, path, _since(t))
         if self._last_saved is None or step > self._last_saved:
             self._last_saved = step
         return step
-
-    # -- preemption -----------------------------------------------------------------------------
 
     def handle_preemption(
         self,
@@ -422,20 +364,14 @@ class CheckpointManager:
         *,
         signals: Iterable[int] = (signal.SIGTERM,),
     ) -> None:
-        """Watches for the signals a scheduler sends before it stops a job (SIGTERM from SLURM
-        and Kubernetes). The handler only records the signal (``manager.preempted = True``)
-        and logs it: it never saves, since it runs on the main thread wherever that is, in the
-        middle of a step (between two parameters' updates) as likely as between two steps.
+        """Watches for the signals a scheduler sends before it stops a job (SIGTERM). The
+        handler only records the signal (``manager.preempted = True``): it may run in the
+        middle of a step, so it never saves. The final save happens at a step boundary:
+        call :meth:`checkpoint_if_preempted` after each step.
 
-        The final save happens at a step boundary the training loop marks: call
-        :meth:`checkpoint_if_preempted` after each step. Or check ``manager.preempted`` and
-        save, close and exit at a point of the loop's choosing.
-
-        ``app_state`` and ``step_fn`` (deprecated; ``step_fn`` is no longer called): with them,
-        the next :meth:`save` after the signal is the final one (it runs synchronously, then
-        the process ends as :meth:`checkpoint_if_preempted` ends it), and
-        ``checkpoint_if_preempted`` may be called without ``app_state``. A loop that saves
-        rarely then runs on until its next save: call ``checkpoint_if_preempted`` each step.
+        ``app_state`` and ``step_fn`` (deprecated; ``step_fn`` is not called): with them, the
+        next :meth:`save` after the signal is the final one, and ``checkpoint_if_preempted``
+        may be called without ``app_state``.
         """
         if (app_state is None) != (step_fn is None):
             raise InvalidArgumentError("handle_preemption takes app_state and step_fn together")
@@ -448,24 +384,17 @@ class CheckpointManager:
                 DeprecationWarning,
                 stacklevel=2,
             )
-        if self._handler is not None:
-            self._handler.uninstall()
+        self._drop_handler()
         self._handler = PreemptionHandler(self, app_state, tuple(signals))
 
     def checkpoint_if_preempted(self, step: int, app_state: dict[str, Any] | None = None) -> None:
-        """Marks a step boundary: call it after each step, when ``app_state`` holds the state
-        after step ``step``, whole. Returns at once unless a signal that
-        :meth:`handle_preemption` watches has arrived (on any rank: with a process group the
-        ranks agree on it here, one small collective per call). Then: waits for the saves under
-        way, saves ``app_state`` as step ``step`` synchronously unless that step is saved
-        already, waits for the deletions, closes the manager, restores the signal handlers it
-        replaced and sends the signal again, so the process ends as the signal would have
-        ended it (for SIGTERM with no earlier handler: killed by it, exit status 143 in a
-        shell). If the process survives that (an earlier Python handler that returns, or an
-        ignored signal), raises ``SystemExit(128 + signum)``.
-
-        ``app_state`` defaults to the one given to ``handle_preemption``. An error of the final
-        save, or of a save that failed in the background, is raised (the handlers restored).
+        """Marks a step boundary (``app_state`` holds the state after step ``step``). Returns
+        at once unless a watched signal arrived on any rank (the ranks agree here, one small
+        collective). Then waits for the saves under way, saves ``step`` synchronously unless
+        it is saved already, closes the manager, restores the replaced signal handlers and
+        sends the signal again, so the process ends as the signal would have ended it; if it
+        survives that, raises ``SystemExit(128 + signum)``. Errors of the final or of a
+        background save are raised. ``app_state`` defaults to ``handle_preemption``'s.
         """
         self._check_open("checkpoint_if_preempted")
         if not self._preemption_agreed():
@@ -479,8 +408,12 @@ class CheckpointManager:
         self._final_save(step, app_state)
 
     def _preemption_agreed(self) -> bool:
-        """Whether a preemption signal arrived on any rank (this rank alone without a group)."""
         return preemption.agreed(self, self._world, self.pg, self.options)
+
+    def _drop_handler(self) -> None:
+        if self._handler is not None:
+            self._handler.uninstall()
+            self._handler = None
 
     def _after_save(self, step: int) -> None:
         """End of :meth:`save` under ``handle_preemption(app_state, step_fn)``: after a
@@ -498,18 +431,14 @@ class CheckpointManager:
         handler = self._handler
         signum = handler.signum if handler is not None and handler.signum else signal.SIGTERM
         try:
-            self._drain()
+            self._wait_for_saves(0)
             preemption.save_last(self, step, app_state, self._last_saved)  # and closes
         finally:
-            if self._handler is not None:  # the save or the close failed: the error goes on
-                self._handler.uninstall()
-                self._handler = None
+            self._drop_handler()  # where the save or the close failed: the error goes on
         preemption.end_by_signal(self.root, signum)
 
-    # -- closing --------------------------------------------------------------------------------
-
     def close(self) -> None:
-        """Waits for the saves and deletions under way, then stops the manager's thread and its
+        """Waits for the saves and deletions under way, then stops the cleaner's thread and the
         preemption handler. Raises a background save's error, if any."""
         if self._closed:
             return
@@ -517,9 +446,7 @@ class CheckpointManager:
             self.wait()
         finally:
             self._closed = True
-            if self._handler is not None:
-                self._handler.uninstall()
-                self._handler = None
+            self._drop_handler()
             self._cleaner.stop()
 
     def __enter__(self) -> CheckpointManager:
@@ -539,14 +466,8 @@ class CheckpointManager:
             raise SnapshotError(f"CheckpointManager.{call}: the manager of {self.root} is closed")
 
 
-def _wait_quietly(pending: PendingSnapshot | None) -> None:
-    """Waits for a pending snapshot to end; its error is the worker's to record."""
-    if pending is None:
-        return
-    try:
-        pending.wait()
-    except BaseException:
-        pass
+def _since(t: float) -> float:
+    return time.perf_counter() - t
 
 
 __all__ = ["CheckpointManager"]

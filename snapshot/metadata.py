@@ -15,26 +15,19 @@ _LIBRARY_PREFIX = "statesnap "
 @dataclass(frozen=True)
 class SnapshotMetadata:
     """Facts about a committed snapshot, read from its manifest (torchsnapshot's
-    ``Snapshot.metadata``: ``version``, ``world_size``, ``manifest``; the rest is this
-    library's).
+    ``version``, ``world_size`` and ``manifest``, and this library's own).
 
     Attributes:
-        version: the version of the library that took the snapshot (``"0.1.0"``); None when
-            the manifest does not record it.
+        version: the library version that took it (None when not recorded).
         world_size: how many processes took it.
-        manifest: logical path -> entry, every rank's (what :meth:`Snapshot.get_manifest`
-            returns); a copy, not shown by ``repr``.
-        format_version: the manifest format the snapshot needs (2 when it holds sharded
-            entries, else 1).
-        torch_version: ``torch.__version__`` of the process that took it, when recorded.
-        created_unix: when it was committed, in seconds since the epoch, when recorded.
-        info: the manifest's metadata as recorded (a copy): ``library``, ``torch``,
-            ``created_unix``, ``strategies`` (which backend and version wrote each part), and
-            anything else a writer put there.
-        user: what the take's ``user_metadata`` was (a copy), or None.
-        bases: the names of the sibling snapshots (folders beside this one) whose bytes this
-            snapshot's entries point at: an incremental take's base, and the snapshots that
-            base pointed at. Empty for a snapshot that holds all its bytes.
+        manifest: logical path -> entry, every rank's (a copy, not shown by ``repr``).
+        format_version: the manifest format it needs (2 with sharded entries, else 1).
+        torch_version: ``torch.__version__`` of the taker, when recorded.
+        created_unix: its commit time in seconds since the epoch, when recorded.
+        info: the manifest's metadata (a copy): ``library``, ``torch``, ``strategies``...
+        user: the take's ``user_metadata`` (a copy), or None.
+        bases: the sibling snapshots whose bytes its entries point at (an incremental take's
+            base, and that base's own); empty when it holds all its bytes.
     """
 
     version: str | None
@@ -49,8 +42,7 @@ class SnapshotMetadata:
 
     @classmethod
     def from_manifest(cls, manifest: Manifest) -> SnapshotMetadata:
-        """The metadata of the snapshot whose decoded manifest is ``manifest``; the entries and
-        the metadata are copied, so changing the result's dicts leaves ``manifest`` as it is."""
+        """The metadata of a decoded manifest (its entries and metadata copied)."""
         info = copy.deepcopy(manifest.metadata)
         library = info.get("library")
         if isinstance(library, str):

@@ -1,8 +1,5 @@
-"""``PendingSnapshot``: what :meth:`Snapshot.async_take` returns while the writes go on.
-
-The background work itself runs on the process's queue (``snapshot._engine.io.async_queue``,
-``runtime.get().queue()``), one call per snapshot, in the order they were taken.
-"""
+"""``PendingSnapshot``: what :meth:`Snapshot.async_take` returns while the writes go on (on
+the process's queue, ``snapshot._engine.io.async_queue``, in the order they were taken)."""
 
 from __future__ import annotations
 
@@ -23,13 +20,9 @@ logger = logging.getLogger(__name__)
 class PendingSnapshot:
     """Returned by :meth:`Snapshot.async_take`: the state is captured, the writes go on.
 
-    Snapshots pending at once commit in the order they were taken. When the process exits, it
-    first waits for pending snapshots to commit (or fail); a process killed outright leaves its
-    pending snapshot uncommitted (``Snapshot(path)`` says it is incomplete), never
-    half-committed.
-
-    Made by the library: ``opened`` turns what the background work returns (the manifest it
-    committed) into the :class:`Snapshot` that ``wait`` returns.
+    Pending snapshots commit in the order they were taken; the process waits for them at exit.
+    One killed outright leaves its snapshot uncommitted, never half-committed. ``opened``
+    turns the committed manifest into the :class:`Snapshot` that ``wait`` returns.
     """
 
     def __init__(
@@ -68,8 +61,7 @@ class PendingSnapshot:
         """Blocks until the snapshot is committed and returns it.
 
         Raises:
-            SnapshotError: the background work failed (the SnapshotError it raised, or one with
-                the original error chained); nothing was committed.
+            SnapshotError: the background work failed; nothing was committed.
             TimeoutError: ``timeout`` seconds passed first; the work goes on.
             InvalidArgumentError: ``timeout`` is not None or a number of seconds >= 0.
         """
@@ -89,8 +81,7 @@ class PendingSnapshot:
         except concurrent.futures.TimeoutError:
             raise TimeoutError(f"snapshot {self.path} still pending after {timeout} s") from None
         except Exception as e:
-            # The error is raised here, to its owner: the queue forgets the call (so that it
-            # is not reported again at exit).
+            # Raised here, to its owner: the queue forgets the call (not reported at exit).
             self._finalize_through_me()
             if isinstance(e, SnapshotError):
                 raise

@@ -24,18 +24,13 @@ class Stateful(Protocol):
 
 _S = TypeVar("_S", bound=Stateful)
 
-# What ``Snapshot.take`` / ``restore`` accept: name -> Stateful. torchsnapshot's alias of the
-# same name (``torchsnapshot.stateful.AppState``), generic in the value type like theirs:
-# ``AppState`` alone is a dict of any Stateful, ``AppState[torch.nn.Module]`` one of modules.
+# What ``Snapshot.take`` / ``restore`` accept: torchsnapshot's ``AppState``, generic like theirs.
 AppState = dict[str, _S]
 
 
 class StateDict(UserDict):  # type: ignore[type-arg]
-    """A dict that is :class:`Stateful`, for tensors and plain values in ``app_state``.
-
-    ``state_dict()`` returns the live contents, so restoring loads tensors in place into the
-    tensors this dict holds; ``load_state_dict`` then updates the dict with the restored values.
-    """
+    """A :class:`Stateful` dict for tensors and plain values in ``app_state``: its live
+    contents are its state, so a restore loads tensors in place, then updates the dict."""
 
     def state_dict(self) -> dict[str, Any]:
         return self.data
@@ -53,13 +48,10 @@ def _numpy() -> Any:
 
 
 class RNGState:
-    """The process's global random number generators, as one :class:`Stateful`.
-
-    Covers Python's ``random``, NumPy's global generator (when NumPy is importable), torch's CPU
-    generator and every CUDA device's generator (when CUDA is available). Capturing does not
-    advance any of them, and a snapshot restores them after every other ``app_state`` entry, so
-    that random numbers drawn after ``restore`` equal those drawn after ``take``.
-    """
+    """The process's global random number generators, as one :class:`Stateful`: Python's,
+    NumPy's, torch's CPU one and every CUDA device's. Capturing advances none of them, and a
+    restore sets them after every other entry, so the numbers drawn after ``restore`` equal
+    those drawn after ``take``."""
 
     def state_dict(self) -> dict[str, Any]:
         version, internal, gauss_next = random.getstate()
@@ -82,7 +74,6 @@ class RNGState:
                 "cached_gaussian": float(cached),
             }
         if torch.cuda.is_available():
-            # Only a machine with a GPU runs this branch.
             state["cuda"] = torch.cuda.get_rng_state_all()
         return state
 
@@ -111,15 +102,9 @@ class RNGState:
 
 
 def _set_cuda_rng_states(states: list[torch.Tensor]) -> None:
-    """Sets each visible GPU's generator to the state taken on the GPU of the same index.
-
-    The job may restore with another number of visible GPUs than it took with (another
-    machine, another ``CUDA_VISIBLE_DEVICES``): the GPUs both have are set, and the difference
-    is logged, never an error. ``torch.cuda.set_rng_state_all`` would raise for a missing GPU
-    and leave the extra ones silently as they were. The calls to torch run on CPU-only machines
-    only in tests that stand in for ``torch.cuda``; that the states land on real devices is for
-    a GPU run to prove.
-    """
+    """Sets each visible GPU's generator to the state taken on the GPU of that index. With
+    another number of GPUs than at take, those both have are set and the difference is logged
+    (``torch.cuda.set_rng_state_all`` would raise, or skip the extra ones silently)."""
     if not torch.cuda.is_available():
         logger.warning(
             "snapshot holds the RNG states of %d CUDA device(s), but CUDA is not available "

@@ -1,33 +1,18 @@
 """ShardedTensors as torch.distributed.checkpoint (DCP) values: save and load them with DCP.
 
-DCP asks a state-dict value three questions through the ``_Checkpointable`` protocol
-(``torch/distributed/_checkpointable.py``), and answers them itself for plain tensors, DTensors
-and torch's own ShardedTensor. The wrappers here answer them for this library's
-:class:`~snapshot.sharding.mapping.ShardedTensor`:
-
-- ``__create_write_items__(fqn, obj)``: called on every rank while DCP builds its local save plan
-  (``planner_helpers._create_write_items``); one ``WriteItem`` per chunk the rank writes. The
-  coordinator concatenates every rank's chunks into the checkpoint metadata, checks that they lie
-  inside the global shape, do not overlap and (with more than one rank) fill it exactly.
-- ``__create_chunk_list__()``: called on every rank while DCP builds its local load plan
-  (``planner_helpers._create_chunk_list``); the chunks the rank wants filled. DCP intersects them
-  with the stored chunks, so the saved and loaded shardings need not match.
-- ``__get_tensor_shard__(index)``: called for every write item (to fetch the bytes to store) and
-  every read item (to fetch the tensor to copy loaded bytes into; DCP narrows it and calls
-  ``copy_`` on the result), with ``index.offset`` the chunk's global offset
-  (``utils.find_tensor_shard``). Returning a view of the local data makes loading in place.
-
-DCP also compares each value's ``size()`` with the stored global size before it loads, so the
-wrappers report the GLOBAL shape (like DTensor), while the bytes they hand out are the local shard.
-
-``dcp.save`` and ``dcp.load`` with the default planners run no tensor op on the wrappers
-themselves. ``dcp.async_save`` does: its staging allocates CPU copies of every value
-(``new_empty``), which the wrappers refuse, so it is not supported.
+DCP asks a state-dict value three questions (the ``_Checkpointable`` protocol,
+``torch/distributed/_checkpointable.py``): ``__create_write_items__`` (the chunks a rank writes),
+``__create_chunk_list__`` (the chunks it wants loaded; DCP intersects them with the stored ones,
+so shardings may differ) and ``__get_tensor_shard__`` (the tensor to read bytes from or copy
+them into: a view of the local data, so loading is in place). The wrappers here answer them for
+:class:`~snapshot.sharding.mapping.ShardedTensor`. They report the GLOBAL shape, as DCP checks
+it, while the bytes they hand out are the local shard's. ``dcp.async_save`` stages copies of
+every value (``new_empty``), which the wrappers refuse: it is not supported.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -51,11 +36,8 @@ _aten = torch.ops.aten
 
 
 def _shard_chunk(data: torch.Tensor, sh_ten: ShardedTensor) -> ChunkStorageMetadata:
-    """The global box a shard covers, after checking that ``data`` fits ``sh_ten``.
-
-    ``ShardedTensor`` checks its own ``data`` when it is built; this also covers data passed
-    separately, or swapped in later.
-    """
+    """The global box a shard covers, after checking that ``data`` (passed separately, or
+    swapped in since ``sh_ten`` was built) fits ``sh_ten``."""
     if not isinstance(data, torch.Tensor):
         raise ValueError(
             f"ShardedTensor {sh_ten.key!r} has no data tensor (got {type(data).__name__}); "
@@ -75,39 +57,58 @@ def _shard_chunk(data: torch.Tensor, sh_ten: ShardedTensor) -> ChunkStorageMetad
     return ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes))
 
 
-class CheckpointableShardedTensor(torch.Tensor):
+class _Wrapper(torch.Tensor):
+    """A tensor subclass with a global shape and no storage: every torch function goes to
+    ``__torch_dispatch__``, where ``_dispatch`` allows a few ops and the rest raise."""
+
+    @classmethod
+    def __torch_function__(
+        cls, func: Any, types: Any, args: Any = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        return torch._C._disabled_torch_function_impl(func, types, args, kwargs or {})
+
+    @classmethod
+    def __torch_dispatch__(  # type: ignore[override]  # torch's stub binds func as self
+        cls, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
+    ) -> Any:
+        return cls._dispatch(func, args, kwargs or {})
+
+    @classmethod
+    def _dispatch(cls, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        raise NotImplementedError(
+            f"{cls.__name__} does not support {func}: it only groups this rank's shards for DCP; "
+            "operate on .local_shards[i].local_data instead"
+        )
+
+    def __repr__(  # type: ignore[override]  # the same signature as torch's
+        self, *, tensor_contents: Any = None
+    ) -> str:
+        return (
+            f"{type(self).__name__}({self._describe()}, dtype={self.dtype}, device={self.device})"
+        )
+
+    def _describe(self) -> str:
+        return ""
+
+
+class CheckpointableShardedTensor(_Wrapper):
     """One rank's shard of a global tensor, in a form DCP saves and loads.
 
-    A wrapper tensor subclass: it has the global shape and the dtype and device of its data but
-    owns no storage; the shard's values stay in ``local_data`` (the tensor it was built from,
-    shared, not copied), so loading writes into that tensor. Only the main replica
-    (``is_main_replica(replica_id)``) writes; every replica loads.
-
-    Prepended axes (``prepend_axis_num > 0``, e.g. one layer of a stack of per-layer tensors)
-    are absent from the data but present in the global tensor: DCP sees the chunk with a size-1
-    axis for each, and reads and writes a view of the data with those axes unsqueezed.
-
-    Tensor operations are not supported on the wrapper (it has no values of the global shape),
-    except a few for code that copies values in (DCP itself needs none of them: it reads and
-    writes the tensor ``__get_tensor_shard__`` returns): ``detach``/``alias``/``clone`` (a new
-    wrapper over the detached/aliased/cloned data) and ``copy_`` into the wrapper (see
-    :meth:`__torch_dispatch__`). Anything else raises ``NotImplementedError``.
+    It has the global shape and its data's dtype and device; the values stay in ``local_data``
+    (shared, not copied), so loading writes into that tensor. Only the main replica writes;
+    every replica loads. Prepended axes are absent from the data: DCP sees a size-1 axis for
+    each, on a view of the data. Of tensor ops, only ``detach``/``alias``/``clone`` (a new
+    wrapper over the op's result on the data) and ``copy_`` into the wrapper (from a wrapper of
+    the same box, or a tensor of the global shape) are supported.
     """
 
     _data: torch.Tensor
     _sh_ten: ShardedTensor
     _chunk: ChunkStorageMetadata
 
-    # Every torch function goes straight to __torch_dispatch__, where ops are allowed or refused.
-    __torch_function__ = torch._C._disabled_torch_function_impl
-
     @staticmethod
     def __new__(cls, data: torch.Tensor, sh_ten: ShardedTensor) -> CheckpointableShardedTensor:
-        """Wraps ``data`` (the local shard's values) described by ``sh_ten``.
-
-        Raises:
-            ValueError: ``data`` is not a tensor, or its shape or dtype disagree with ``sh_ten``.
-        """
+        """Wraps ``data`` described by ``sh_ten`` (``ValueError`` where they disagree)."""
         chunk = _shard_chunk(data, sh_ten)
         self = torch.Tensor._make_wrapper_subclass(
             cls,
@@ -122,8 +123,7 @@ class CheckpointableShardedTensor(torch.Tensor):
         return self
 
     def __init__(self, data: torch.Tensor, sh_ten: ShardedTensor) -> None:
-        # Everything happens in __new__; this only accepts its arguments.
-        super().__init__()
+        super().__init__()  # everything happens in __new__
 
     @classmethod
     def from_sh_ten(cls, sh_ten: ShardedTensor) -> CheckpointableShardedTensor:
@@ -141,7 +141,7 @@ class CheckpointableShardedTensor(torch.Tensor):
         return self._sh_ten
 
     @property
-    def chunk(self) -> ChunkStorageMetadata:
+    def chunk(self) -> ChunkStorageMetadata:  # type: ignore[override]  # shadows Tensor.chunk
         """The global box of this shard: offsets and sizes in the global tensor's axes."""
         return ChunkStorageMetadata(offsets=self._chunk.offsets, sizes=self._chunk.sizes)
 
@@ -152,23 +152,12 @@ class CheckpointableShardedTensor(torch.Tensor):
             view = view.unsqueeze(0)
         return view
 
-    # -- the _Checkpointable protocol ----------------------------------------------------------
-
     def __create_write_items__(
         self, fqn: str, sh_ten: CheckpointableShardedTensor, index: int | None = None
     ) -> list[WriteItem]:
-        """The write items of this shard: one on the main replica, none on the others.
-
-        Args:
-            fqn: the key DCP stores the global tensor under.
-            sh_ten: the object DCP asks about (DCP passes the value itself, i.e. ``self``).
-            index: position of this shard in a :class:`LocalShardsContainer`, recorded as the
-                lookup hint of the item's ``MetadataIndex`` (DCP's global plan rewrites hints).
-
-        Returns:
-            ``[WriteItem]`` of type ``SHARD`` at this shard's global offset, or ``[]`` for a
-            non-main replica: another rank writes those bytes, so nothing needs deduplicating.
-        """
+        """One ``SHARD`` write item at this shard's offset on the main replica, none on the
+        others. ``sh_ten`` is the value itself; ``index``, the shard's position in a
+        :class:`LocalShardsContainer`, becomes the item's lookup hint."""
         if not is_main_replica(self._sh_ten.replica_id):
             return []
         chunk = self.chunk
@@ -189,11 +178,8 @@ class CheckpointableShardedTensor(torch.Tensor):
         return [self.chunk]
 
     def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
-        """The tensor DCP reads bytes from (save) or copies bytes into (load).
-
-        Raises:
-            ValueError: ``index.offset`` is not this shard's offset.
-        """
+        """The tensor DCP reads bytes from or copies bytes into (``ValueError`` for another
+        offset than this shard's)."""
         if index.offset is not None and torch.Size(index.offset) != self._chunk.offsets:
             raise ValueError(
                 f"{index.fqn!r}: DCP asked for the shard at offset {tuple(index.offset)}, but "
@@ -201,25 +187,8 @@ class CheckpointableShardedTensor(torch.Tensor):
             )
         return self._dcp_view()
 
-    # -- tensor operations -------------------------------------------------------------------
-
     @classmethod
-    def __torch_dispatch__(
-        cls,
-        func: Any,
-        types: Any,
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
-    ) -> Any:
-        """The few ops a wrapper supports; the rest raise ``NotImplementedError``.
-
-        - ``detach``, ``alias``, ``clone``: a new wrapper of the same shard over the op's result
-          on the data (``clone`` copies the values).
-        - ``copy_`` into a wrapper: from another wrapper of the same box (its data is copied) or
-          from a plain tensor of the global shape (this shard's box of it is copied). This is
-          what ``load_state_dict``-style code does with a full tensor.
-        """
-        kwargs = kwargs or {}
+    def _dispatch(cls, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if func in (_aten.detach.default, _aten.alias.default, _aten.clone.default):
             src = args[0]
             return cls(func(src._data, *args[1:], **kwargs), src._sh_ten)
@@ -265,47 +234,36 @@ class CheckpointableShardedTensor(torch.Tensor):
             region = region.narrow(axis, offset, size)
         self._dcp_view().copy_(region, non_blocking=non_blocking)
 
-    def __repr__(self, *, tensor_contents: Any = None) -> str:
+    def _describe(self) -> str:
         return (
-            f"{type(self).__name__}(key={self._sh_ten.key!r}, "
-            f"global_shape={tuple(self.shape)}, offsets={tuple(self._chunk.offsets)}, "
-            f"sizes={tuple(self._chunk.sizes)}, dtype={self.dtype}, device={self.device}, "
-            f"replica_id={self._sh_ten.replica_id!r})"
+            f"key={self._sh_ten.key!r}, global_shape={tuple(self.shape)}, "
+            f"offsets={tuple(self._chunk.offsets)}, sizes={tuple(self._chunk.sizes)}, "
+            f"replica_id={self._sh_ten.replica_id!r}"
         )
 
 
-class LocalShardsContainer(torch.Tensor):
-    """Several shards of ONE global tensor held by this rank, as one DCP value.
-
-    DCP takes one value per key per rank; a rank that holds more than one piece of a global
-    tensor (e.g. non-contiguous row blocks) puts them in a container, which answers DCP's
-    questions by asking each shard. Like the shards it is a wrapper with the global shape and
-    no storage of its own; tensor operations on it raise ``NotImplementedError``.
+class LocalShardsContainer(_Wrapper):
+    """Several shards of ONE global tensor held by this rank, as one DCP value (DCP takes one
+    value per key per rank): it answers DCP by asking each shard. No tensor op is supported.
     """
 
     _shards: tuple[CheckpointableShardedTensor, ...]
 
-    __torch_function__ = torch._C._disabled_torch_function_impl
-
     @staticmethod
-    def __new__(cls, local_shards: list[torch.Tensor]) -> LocalShardsContainer:
-        """Holds ``local_shards`` (CheckpointableShardedTensors), in the order given.
-
-        Raises:
-            ValueError: no shards, a shard that is not a CheckpointableShardedTensor,
-                shards of different keys, global shapes, dtypes or devices, or two shards at
-                the same offset (a load could not tell them apart).
-        """
-        shards = tuple(local_shards)
-        if not shards:
+    def __new__(cls, local_shards: Sequence[torch.Tensor]) -> LocalShardsContainer:
+        """Holds ``local_shards`` in the order given. ``ValueError``: none, one that is not a
+        CheckpointableShardedTensor, pieces of different tensors, or two at one offset."""
+        if not local_shards:
             raise ValueError("a LocalShardsContainer needs at least one shard")
-        for shard in shards:
+        shards: list[CheckpointableShardedTensor] = []
+        for shard in local_shards:
             if not isinstance(shard, CheckpointableShardedTensor):
                 raise ValueError(
                     "LocalShardsContainer holds CheckpointableShardedTensors, got "
                     f"{type(shard).__name__}; wrap ShardedTensors with "
                     "CheckpointableShardedTensor.from_sh_ten"
                 )
+            shards.append(shard)
         first = shards[0]
         seen: dict[torch.Size, int] = {}
         for i, shard in enumerate(shards):
@@ -326,10 +284,10 @@ class LocalShardsContainer(torch.Tensor):
         self = torch.Tensor._make_wrapper_subclass(
             cls, first.shape, dtype=first.dtype, device=first.device, requires_grad=False
         )
-        self._shards = shards
+        self._shards = tuple(shards)
         return self
 
-    def __init__(self, local_shards: list[torch.Tensor]) -> None:
+    def __init__(self, local_shards: Sequence[torch.Tensor]) -> None:
         super().__init__()
 
     @property
@@ -340,12 +298,7 @@ class LocalShardsContainer(torch.Tensor):
     def __create_write_items__(
         self, fqn: str, local_shards_cont: LocalShardsContainer
     ) -> list[WriteItem]:
-        """Every shard's write items (main replicas only), each hinted with its position here.
-
-        Args:
-            fqn: the key DCP stores the global tensor under.
-            local_shards_cont: the object DCP asks about (the container itself).
-        """
+        """Every shard's write items, each hinted with its position here."""
         return [
             item
             for i, shard in enumerate(self._shards)
@@ -353,20 +306,12 @@ class LocalShardsContainer(torch.Tensor):
         ]
 
     def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
-        """Every shard's chunk, in shard order: DCP's read items then carry the shard's position
-        as their index hint."""
+        """Every shard's chunk, in shard order (DCP's read items carry it as their hint)."""
         return [chunk for shard in self._shards for chunk in shard.__create_chunk_list__()]
 
     def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
-        """The tensor of the shard at ``index.offset``.
-
-        ``index.index`` is tried first when it names a shard at that offset; otherwise (hints in
-        write items are rewritten by DCP's global plan to positions in the checkpoint's chunk
-        list, not in this container) the shards are searched.
-
-        Raises:
-            ValueError: ``index.offset`` is missing or no shard here starts at it.
-        """
+        """The tensor of the shard at ``index.offset``: the hint ``index.index`` is tried
+        first (DCP's global plan may rewrite it), then every shard."""
         if index.offset is None:
             raise ValueError(
                 f"{index.fqn!r} is held as several shards on this rank; DCP must name the "
@@ -389,30 +334,13 @@ class LocalShardsContainer(torch.Tensor):
             f"{held})"
         )
 
-    @classmethod
-    def __torch_dispatch__(
-        cls,
-        func: Any,
-        types: Any,
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
-    ) -> Any:
-        """Refuses every op: the container has no values of its own, only its shards do."""
-        raise NotImplementedError(
-            f"{cls.__name__} does not support {func}: it only groups this rank's shards for DCP; "
-            "operate on .local_shards[i].local_data instead"
-        )
-
-    def __repr__(self, *, tensor_contents: Any = None) -> str:
+    def _describe(self) -> str:
         shards = ", ".join(
             f"(offsets={tuple(s._chunk.offsets)}, sizes={tuple(s._chunk.sizes)})"
             for s in self._shards
         )
         key = self._shards[0]._sh_ten.key
-        return (
-            f"{type(self).__name__}(key={key!r}, global_shape={tuple(self.shape)}, "
-            f"dtype={self.dtype}, device={self.device}, shards=[{shards}])"
-        )
+        return f"key={key!r}, global_shape={tuple(self.shape)}, shards=[{shards}]"
 
 
 def _leaves(tree: Any, path: str) -> Iterator[tuple[str, Any]]:
@@ -432,21 +360,12 @@ def _leaves(tree: Any, path: str) -> Iterator[tuple[str, Any]]:
 def to_dcp_state_dict(sharded_state_dict: Mapping[str, Any]) -> dict[str, Any]:
     """A flat state dict for ``torch.distributed.checkpoint.save`` / ``load``.
 
-    Every :class:`ShardedTensor` below the dicts and lists of ``sharded_state_dict`` goes under
-    its ``key``: a key's only shard on this rank becomes a :class:`CheckpointableShardedTensor`,
-    several shards of a key become one :class:`LocalShardsContainer`. Every other leaf goes,
-    unchanged, under its dotted path (``"a.b.0"``, the name DCP itself gives nested values);
-    :class:`LocalNonpersistentObject` leaves are left out, since they are never saved.
-
-    The wrappers share the shards' data, so ``dcp.load`` into the result loads into the
-    ShardedTensors' own tensors; loaded non-tensor values are found in the returned dict.
-
-    Raises:
-        ValueError: two leaves would share a key; a ShardedTensor has no data; the shards of a
-            key disagree on global shape, dtype or device, or two start at the same offset; or
-            a leaf is a ShardedObject or ShardedTensorFactory (run
-            :func:`~snapshot.sharding.mapping.apply_factories` first; sharded objects have no
-            DCP form here).
+    Each :class:`ShardedTensor` goes under its ``key`` (a :class:`CheckpointableShardedTensor`,
+    or a :class:`LocalShardsContainer` for several shards of a key), sharing its data, so
+    ``dcp.load`` loads in place. Other leaves go under their dotted path (``"a.b.0"``, DCP's
+    own name for nested values); :class:`LocalNonpersistentObject` leaves are left out.
+    ``ValueError``: two leaves would share a key, shards disagree, or a leaf is a
+    ShardedObject or ShardedTensorFactory (run ``apply_factories`` first).
     """
     shards: dict[str, list[CheckpointableShardedTensor]] = {}
     others: dict[str, Any] = {}

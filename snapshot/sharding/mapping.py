@@ -1,27 +1,21 @@
 """Sharded state: how a rank's local tensors and objects map onto the global ones.
 
-A *sharded state dict* is an ordinary nested dict/list state whose leaves may be descriptions of
-a shard instead of (or besides) plain values: a :class:`ShardedTensor` says "my ``data`` is the
-block at ``global_offset`` of a tensor of ``global_shape`` named ``key``"; a
-:class:`ShardedObject` does the same for an opaque object; a :class:`ShardedTensorFactory`
-defers the description to a function run just before saving (and undoes it after loading); a
-:class:`LocalNonpersistentObject` is a value kept on this rank and never saved.
-
-Ranks holding copies of the same shard tell them apart with ``replica_id``: only the main
-replica (:func:`is_main_replica`) needs to write it, any of them may read it.
-
-Every check on a shard's description raises ``ValueError`` naming the shard's key, at
-construction, so a wrong description fails on the rank that made it instead of corrupting the
-snapshot.
+A *sharded state dict* is a nested dict/list state whose leaves may describe shards: a
+:class:`ShardedTensor` ("my ``data`` is the block at ``global_offset`` of the tensor ``key`` of
+``global_shape``"), a :class:`ShardedObject` (the same for an opaque object), a
+:class:`ShardedTensorFactory` (a description built just before saving, merged back after
+loading), a :class:`LocalNonpersistentObject` (kept on this rank, never saved). Copies of one
+shard are told apart by ``replica_id``: only the main replica writes it. A wrong description
+raises ``ValueError`` naming its key when it is built, on the rank that made it.
 """
 
 from __future__ import annotations
 
 import abc
-import dataclasses
+import copy
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -43,6 +37,9 @@ def is_main_replica(replica_id: ReplicaId) -> bool:
     return all(r == 0 for r in replica_id)
 
 
+_Sharded = TypeVar("_Sharded", bound="ShardedBase")
+
+
 class ShardedBase(abc.ABC):
     """A leaf of a sharded state dict that describes one shard of a global value."""
 
@@ -54,10 +51,12 @@ class ShardedBase(abc.ABC):
     def validate_metadata_integrity(self) -> None:
         """Raises ``ValueError`` (naming the key) if the description is inconsistent."""
 
-    @abc.abstractmethod
-    def without_data(self) -> ShardedBase:
+    def without_data(self: _Sharded) -> _Sharded:
         """A copy with the same description and ``data=None``, e.g. to exchange metadata
         between ranks without the payload."""
+        bare = copy.copy(self)
+        bare.data = None
+        return bare
 
 
 def _int_tuple(value: Any) -> tuple[int, ...]:
@@ -68,15 +67,11 @@ def _int_tuple(value: Any) -> tuple[int, ...]:
 class ShardedTensor(ShardedBase):
     """The block of a global tensor that this rank holds.
 
-    ``local_shape`` is the block's shape (``data``'s shape), ``global_shape`` and
-    ``global_offset`` locate it in the global tensor. The first ``prepend_axis_num`` global axes
-    are *prepended*: they do not exist in the local tensor (think of one layer of a stack of
-    layers), so the block spans exactly one index on each of them.
-
-    ``axis_fragmentations`` is how many blocks each global axis is split into, when the tensor
-    is evenly sharded (``None`` when unknown). ``allow_shape_mismatch`` lets a restore accept a
-    stored tensor whose shape differs from this one (the caller reconciles them).
-    ``flattened_range`` (a range of the flattened block) is not supported and is rejected.
+    ``local_shape`` is ``data``'s shape; ``global_shape`` and ``global_offset`` locate it. The
+    first ``prepend_axis_num`` global axes do not exist locally (one layer of a stack of
+    layers): the block spans one index of each. ``axis_fragmentations``: blocks per axis when
+    evenly sharded (None: unknown). ``allow_shape_mismatch`` lets a restore accept a stored
+    tensor of another shape. ``flattened_range`` is not supported.
     """
 
     key: str
@@ -92,8 +87,7 @@ class ShardedTensor(ShardedBase):
     flattened_range: slice | None = None
 
     def __post_init__(self) -> None:
-        # Accept lists and torch.Size for shapes; store plain int tuples so that descriptions
-        # compare, hash into ids and serialize the same whichever the caller passed.
+        # Plain int tuples, so descriptions compare, hash and serialize alike.
         self.local_shape = _int_tuple(self.local_shape)
         self.global_shape = _int_tuple(self.global_shape)
         self.global_offset = _int_tuple(self.global_offset)
@@ -160,20 +154,10 @@ class ShardedTensor(ShardedBase):
         prepend_axis_num: int = 0,
         **init_kwargs: Any,
     ) -> ShardedTensor:
-        """Describes ``data`` as the block number ``axis_rank_offset`` (of
-        ``axis_fragmentations`` equal blocks) on each axis named in ``rank_offsets``.
-
-        Each rank offset is ``(axis, axis_rank_offset, axis_fragmentations)``, ``axis`` indexing
-        the *global* tensor. An axis below ``prepend_axis_num`` is prepended: the block is one
-        index of it, the global size is ``axis_fragmentations`` and the offset is
-        ``axis_rank_offset``. On a regular axis the global size is ``local_size *
-        axis_fragmentations`` and the offset ``axis_rank_offset * local_size``. Axes not named
-        are whole: offset 0, one fragment. ``init_kwargs`` go to the constructor.
-
-        Raises:
-            ValueError: an axis given twice or out of range, a rank offset outside
-                ``[0, axis_fragmentations)``, or an inconsistent result.
-        """
+        """Describes ``data`` as block ``axis_rank_offset`` of ``axis_fragmentations`` equal
+        blocks on each global ``axis`` of ``rank_offsets`` (``(axis, axis_rank_offset,
+        axis_fragmentations)``); axes not named are whole. On a prepended axis the block is one
+        index. ``init_kwargs`` go to the constructor."""
         ndim = data.dim() + prepend_axis_num
         local_sizes = (1,) * prepend_axis_num + tuple(data.shape)
         global_shape = list(local_sizes)
@@ -216,64 +200,40 @@ class ShardedTensor(ShardedBase):
         )
 
     def global_region(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """``(offsets, sizes)`` of this shard in the global tensor, one entry per global axis
-        (size 1 on prepended axes)."""
+        """``(offsets, sizes)`` of this shard per global axis (size 1 on prepended axes)."""
         sizes = (1,) * self.prepend_axis_num + self.local_shape
         return self.global_offset, sizes
 
     def global_slice(self) -> tuple[slice, ...]:
-        """This shard's region as slices of the global tensor, one per global axis: indexing
-        the global tensor with it gives the block (with size-1 prepended axes)."""
+        """This shard's region as slices of the global tensor, one per global axis."""
         offsets, sizes = self.global_region()
         return tuple(slice(off, off + size) for off, size in zip(offsets, sizes, strict=True))
 
     def local_chunk_offset_in_global(self) -> tuple[int, ...]:
-        """The block's index on each global axis (offset // block size), for an evenly sharded
-        tensor.
-
-        Raises:
-            ValueError: an offset is not a multiple of the block's size on its axis.
-        """
+        """The block's index on each global axis (offset // block size; ``ValueError`` where
+        the tensor is not evenly sharded)."""
         offsets, sizes = self.global_region()
-        chunks = []
-        for axis, (off, size) in enumerate(zip(offsets, sizes, strict=True)):
-            if size == 0:
-                chunks.append(0)
-                continue
-            if off % size:
-                raise self._error(
-                    f"offset {off} on axis {axis} is not a multiple of the shard size {size}: "
-                    "the tensor is not evenly sharded"
-                )
-            chunks.append(off // size)
-        return tuple(chunks)
+        return self._per_block(offsets, sizes, "offset", 0)
 
     def max_allowed_chunks(self) -> tuple[int, ...]:
-        """How many blocks each global axis is split into: ``axis_fragmentations`` or, when it
-        is None, global size // block size per axis.
-
-        Raises:
-            ValueError: (without ``axis_fragmentations``) a global size is not a multiple of
-                the block's size.
-        """
+        """Blocks per global axis: ``axis_fragmentations``, else global size // block size
+        (``ValueError`` where the tensor is not evenly sharded)."""
         if self.axis_fragmentations is not None:
             return self.axis_fragmentations
         _, sizes = self.global_region()
-        chunks = []
-        for axis, (size, glob) in enumerate(zip(sizes, self.global_shape, strict=True)):
-            if size == 0:
-                chunks.append(1)
-                continue
-            if glob % size:
-                raise self._error(
-                    f"global size {glob} on axis {axis} is not a multiple of the shard size "
-                    f"{size}: the tensor is not evenly sharded"
-                )
-            chunks.append(glob // size)
-        return tuple(chunks)
+        return self._per_block(self.global_shape, sizes, "global size", 1)
 
-    def without_data(self) -> ShardedTensor:
-        return dataclasses.replace(self, data=None)
+    def _per_block(
+        self, values: tuple[int, ...], sizes: tuple[int, ...], what: str, empty: int
+    ) -> tuple[int, ...]:
+        """``value // size`` per axis (``empty`` for a size of 0), each a whole multiple."""
+        for axis, (value, size) in enumerate(zip(values, sizes, strict=True)):
+            if size and value % size:
+                raise self._error(
+                    f"{what} {value} on axis {axis} is not a multiple of the shard size {size}: "
+                    "the tensor is not evenly sharded"
+                )
+        return tuple(v // s if s else empty for v, s in zip(values, sizes, strict=True))
 
     def __repr__(self) -> str:
         return (
@@ -285,11 +245,8 @@ class ShardedTensor(ShardedBase):
 
 @dataclass
 class ShardedObject(ShardedBase):
-    """One piece of an object split over ranks: the piece at ``global_offset`` of a grid of
-    ``global_shape`` pieces, saved as a whole (pickled) object.
-
-    ``unique_key`` names the piece in a snapshot; :meth:`empty_from_unique_key` parses it back.
-    """
+    """The piece at ``global_offset`` of a grid of ``global_shape`` pieces of an object,
+    saved whole; ``unique_key`` names it (:meth:`empty_from_unique_key` parses it back)."""
 
     key: str
     data: object
@@ -303,8 +260,7 @@ class ShardedObject(ShardedBase):
         self.validate_metadata_integrity()
 
     def validate_metadata_integrity(self) -> None:
-        """Checks that the offset is a position in the grid; raises ``ValueError`` naming the
-        key."""
+        """Checks that the offset is a position in the grid."""
         if len(self.global_shape) != len(self.global_offset):
             raise ValueError(
                 f"ShardedObject {self.key!r}: global_shape {self.global_shape} and global_offset "
@@ -324,16 +280,9 @@ class ShardedObject(ShardedBase):
         shape = ".".join(map(str, self.global_shape))
         return f"{self.key}/shard_{offset}_{shape}"
 
-    def without_data(self) -> ShardedObject:
-        return dataclasses.replace(self, data=None)
-
     @classmethod
     def empty_from_unique_key(cls, unique_key: str, replica_id: ReplicaId = 0) -> ShardedObject:
-        """The data-less :class:`ShardedObject` whose :attr:`unique_key` is ``unique_key``.
-
-        Raises:
-            ValueError: ``unique_key`` is not of the form ``"<key>/shard_<offset>_<shape>"``.
-        """
+        """The data-less :class:`ShardedObject` whose :attr:`unique_key` is ``unique_key``."""
         key, sep, shard = unique_key.rpartition("/")
         parts = shard.split("_")
         if not sep or len(parts) != 3 or parts[0] != "shard":
@@ -356,17 +305,12 @@ class ShardedObject(ShardedBase):
 
 @dataclass
 class ShardedTensorFactory(ShardedBase):
-    """A tensor whose sharded description is built just before saving, and whose loaded parts
-    are merged back just after restoring.
-
-    ``build_fn(key, data, replica_id, flattened_range)`` returns a sharded state dict (a
-    :class:`ShardedTensor` or a nested dict/list of them), e.g. to save one fused parameter as
-    several tensors. ``merge_fn`` takes what was loaded for that sharded state dict (same
-    structure, tensors in place of descriptions) and returns the tensor.
-    """
+    """A tensor whose sharded description is built just before saving (``build_fn(key, data,
+    replica_id, flattened_range)`` returns a sharded state dict: one fused parameter saved as
+    several tensors, say) and whose loaded parts ``merge_fn`` merges back into the tensor."""
 
     key: str
-    data: torch.Tensor
+    data: torch.Tensor | None
     build_fn: Callable[[str, torch.Tensor, ReplicaId, slice | None], Any]
     merge_fn: Callable[[Any], torch.Tensor]
     replica_id: ReplicaId = 0
@@ -374,19 +318,17 @@ class ShardedTensorFactory(ShardedBase):
 
     def build(self) -> Any:
         """The sharded state dict this factory stands for."""
+        if self.data is None:
+            raise ValueError(f"ShardedTensorFactory {self.key!r} has no data to build from")
         return self.build_fn(self.key, self.data, self.replica_id, self.flattened_range)
 
     def validate_metadata_integrity(self) -> None:
         """Nothing to check here: what :meth:`build` returns checks itself."""
 
-    def without_data(self) -> ShardedTensorFactory:
-        return dataclasses.replace(self, data=None)
-
 
 @dataclass
 class LocalNonpersistentObject:
-    """A value kept on this rank through a take/restore but never saved: on restore it is
-    unwrapped in place of the loaded value."""
+    """A value kept on this rank but never saved: a restore unwraps it in its place."""
 
     obj: Any
 
@@ -396,9 +338,8 @@ class LocalNonpersistentObject:
 
 
 def _map_leaves_inplace(fn: Callable[[Any], Any], x: Any) -> Any:
-    """Replaces every leaf below the dicts and lists of ``x`` by ``fn(leaf)``, in place, and
-    returns ``x`` (or ``fn(x)`` if ``x`` is itself a leaf). Tuples and other containers are
-    leaves."""
+    """Replaces every leaf below the dicts and lists of ``x`` (tuples are leaves) by
+    ``fn(leaf)``, in place; returns ``x``, or ``fn(x)`` for a leaf."""
     if isinstance(x, dict):
         for k, v in x.items():
             x[k] = _map_leaves_inplace(fn, v)
@@ -432,19 +373,10 @@ def _factories_in(x: Any) -> list[ShardedTensorFactory]:
 
 
 def apply_factory_merges(x: Any, factories: Any) -> Any:
-    """Undoes :func:`apply_factories` on a loaded state: where ``factories`` (the state before
-    the factories were built, or just its factories) holds a :class:`ShardedTensorFactory`,
-    what was loaded at the same place in ``x`` is replaced by ``merge_fn(loaded)``.
-
-    ``x`` is changed in place and returned (a factory at the root returns its merge). Values
-    of ``factories`` that are not factories, and the parts of ``x`` they correspond to, are
-    left as they are; so are keys of ``x`` that ``factories`` lacks.
-
-    Raises:
-        ValueError: ``x`` does not have the structure of ``factories`` where a factory is
-            (a missing key, a list of another length, a leaf for a container); the message
-            names the path in the state and the factory's key.
-    """
+    """Undoes :func:`apply_factories` on a loaded state, in place: where ``factories`` (the
+    state before building) holds a factory, what ``x`` holds at that place becomes
+    ``merge_fn(loaded)``; the rest is left as it is. ``ValueError`` (naming the path and the
+    factory) where ``x`` lacks the structure of ``factories`` around a factory."""
 
     def where(path: tuple[Any, ...]) -> str:
         return "/".join(map(str, path)) or "<root>"

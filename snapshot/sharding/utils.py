@@ -1,10 +1,8 @@
 """Helpers for sharded state dicts: splitting them by kind of leaf, renaming shard keys,
 shard ids, and scoped debug logging/timing.
 
-The split functions (``extract_*``) walk dicts and lists only; tuples and every other value
-are leaves. All of them return ``(matching, rest)`` with the nesting of the input, so that a
-part of the state can be handled separately (saved as shards, kept local...) and put back
-where it was.
+The ``extract_*`` functions walk dicts and lists (tuples are leaves) and return ``(matching,
+rest)``, each with the input's nesting, so a part can be handled apart and put back.
 """
 
 from __future__ import annotations
@@ -32,19 +30,11 @@ from snapshot.sharding.mapping import (
 ShardId = tuple[str, tuple[int, ...]]
 """Identifies a shard's data across ranks: ``(key, global_offset)``."""
 
-_ShardId = ShardId
-
 
 def zip_strict(*args: Iterable[Any]) -> Iterator[tuple[Any, ...]]:
-    """``zip(*args, strict=True)`` whose error names the length of every iterable.
-
-    When all arguments have a length, unequal lengths raise at the call; otherwise the check
-    happens while iterating, when the first iterable runs out (the others are then drained to
-    count their elements, so none may be infinite).
-
-    Raises:
-        ValueError: the iterables have different lengths, e.g. "lengths [3, 2]".
-    """
+    """``zip(*args, strict=True)`` whose ``ValueError`` names every iterable's length: at the
+    call when all have a length, else when the first runs out (the others are drained to be
+    counted)."""
     if all(isinstance(a, Sized) for a in args):
         lengths = [len(a) for a in args]  # type: ignore[arg-type]
         if len(set(lengths)) > 1:
@@ -73,14 +63,12 @@ def _zip_strict_lazy(args: tuple[Iterable[Any], ...]) -> Iterator[tuple[Any, ...
 
 
 def sharded_tensor_shard_id(sharded_tensor: ShardedTensor) -> ShardId:
-    """Id of the tensor block ``sharded_tensor`` describes: ``(key, global_offset)``, the same
-    on every rank holding a replica of that block (neither replica id nor data enter it)."""
+    """``(key, global_offset)``: the same on every rank holding a replica of the block."""
     return sharded_tensor.key, tuple(sharded_tensor.global_offset)
 
 
 def sharded_object_id(sharded_object: ShardedObject) -> ShardId:
-    """Id of the object piece ``sharded_object`` describes: ``(key, global_offset)``, the same
-    on every rank holding a replica of that piece (neither replica id nor data enter it)."""
+    """``(key, global_offset)``: the same on every rank holding a replica of the piece."""
     return sharded_object.key, tuple(sharded_object.global_offset)
 
 
@@ -93,20 +81,9 @@ def extract_matching(
     predicate: Callable[[Any], bool],
 ) -> tuple[Any, Any]:
     """Splits the leaves of a nested dict/list state into ``(matching, rest)`` by
-    ``predicate``, both keeping the input's nesting; the input is not changed (leaves are
-    shared, containers are new).
-
-    - A dict key appears in an output if that output gets something below it: a dict or list
-      that holds only matching leaves is absent from ``rest``, one that holds none is absent
-      from ``matching``.
-    - A container that is empty in the input goes to ``rest`` (as a new empty container of
-      its type): it is a value of the state, and merging the outputs gives the input back.
-    - A list keeps the order of its elements, but each output's list holds only that output's
-      elements: in a list mixing both kinds, indices differ from the input's.
-
-    Raises:
-        TypeError: ``sharded_state_dict`` is neither a dict nor a list.
-    """
+    ``predicate``, both with the input's nesting (leaves shared, containers new). A key is in
+    an output that gets something below it; an empty container goes to ``rest``; a list keeps
+    its order but holds only its output's elements. ``TypeError`` for a non-container."""
     if not isinstance(sharded_state_dict, (dict, list)):
         raise TypeError(
             f"extract_matching expects a dict or a list, got {type(sharded_state_dict).__name__}"
@@ -149,16 +126,14 @@ def _split(x: dict[Any, Any] | list[Any], predicate: Callable[[Any], bool]) -> t
 def extract_sharded_tensors(
     sharded_state_dict: ShardedStateDict,
 ) -> tuple[ShardedStateDict, StateDict]:
-    """``(ShardedTensors, everything else)``, each keeping the nesting (:func:`extract_matching`
-    says how)."""
+    """``(ShardedTensors, everything else)``."""
     return extract_matching(sharded_state_dict, lambda v: isinstance(v, ShardedTensor))
 
 
 def extract_sharded_tensors_and_factories(
     sharded_state_dict: ShardedStateDict,
 ) -> tuple[ShardedStateDict, StateDict]:
-    """``(ShardedTensors and ShardedTensorFactories, everything else)``, each keeping the
-    nesting."""
+    """``(ShardedTensors and ShardedTensorFactories, everything else)``."""
     return extract_matching(
         sharded_state_dict, lambda v: isinstance(v, (ShardedTensor, ShardedTensorFactory))
     )
@@ -167,8 +142,7 @@ def extract_sharded_tensors_and_factories(
 def extract_sharded_tensors_or_nonpersistent(
     sharded_state_dict: ShardedStateDict,
 ) -> tuple[ShardedStateDict, StateDict]:
-    """``(ShardedTensors, ShardedTensorFactories and LocalNonpersistentObjects, everything
-    else)``, each keeping the nesting."""
+    """``(ShardedTensors, factories and LocalNonpersistentObjects, everything else)``."""
     return extract_matching(
         sharded_state_dict,
         lambda v: isinstance(v, (ShardedTensor, ShardedTensorFactory, LocalNonpersistentObject)),
@@ -178,40 +152,27 @@ def extract_sharded_tensors_or_nonpersistent(
 def extract_sharded_base(
     sharded_state_dict: ShardedStateDict,
 ) -> tuple[ShardedStateDict, StateDict]:
-    """``(every ShardedBase: tensors, objects, factories, everything else)``, each keeping the
-    nesting."""
+    """``(every ShardedBase, everything else)``."""
     return extract_matching(sharded_state_dict, lambda v: isinstance(v, ShardedBase))
 
 
 def extract_nonpersistent(
     sharded_state_dict: ShardedStateDict,
 ) -> tuple[ShardedStateDict, StateDict]:
-    """``(LocalNonpersistentObjects, everything else)``, each keeping the nesting."""
+    """``(LocalNonpersistentObjects, everything else)``."""
     return extract_matching(sharded_state_dict, lambda v: isinstance(v, LocalNonpersistentObject))
 
 
 def add_prefix_for_sharding(sharded_state_dict: ShardedStateDict, prefix: str) -> None:
-    """Prepends ``prefix`` to the key of every :class:`ShardedBase` in the state, in place (e.g.
-    to nest a submodule's shards under the module's name)."""
-
-    def add(x: Any) -> Any:
-        if isinstance(x, ShardedBase):
-            x.key = f"{prefix}{x.key}"
-        return x
-
-    _map_leaves_inplace(add, sharded_state_dict)
+    """Prepends ``prefix`` to the key of every :class:`ShardedBase` in the state, in place."""
+    apply_prefix_mapping(sharded_state_dict, {"": prefix})
 
 
 def replace_prefix_for_sharding(
     sharded_state_dict: ShardedStateDict, old_prefix: str, new_prefix: str
 ) -> None:
-    """Replaces ``old_prefix`` by ``new_prefix`` in the key of every :class:`ShardedBase` in the
-    state, in place.
-
-    Raises:
-        ValueError: a key does not start with ``old_prefix`` (the message names it); keys
-            visited before it have already been changed.
-    """
+    """Replaces ``old_prefix`` by ``new_prefix`` in every :class:`ShardedBase`'s key, in
+    place; ``ValueError`` names a key without it (those before it are changed already)."""
 
     def replace(x: Any) -> Any:
         if isinstance(x, ShardedBase):
@@ -227,9 +188,8 @@ def replace_prefix_for_sharding(
 
 
 def apply_prefix_mapping(sharded_state_dict: ShardedStateDict, prefix_map: dict[str, str]) -> None:
-    """Renames, in place, the key of every :class:`ShardedBase` (factories included) that starts
-    with a prefix of ``prefix_map`` (old -> new): the first matching prefix in the map's order
-    is replaced; keys matching none are left unchanged."""
+    """Renames, in place, each :class:`ShardedBase`'s key by the first prefix of
+    ``prefix_map`` (old -> new) it starts with; others are left as they are."""
 
     def remap(x: Any) -> Any:
         if isinstance(x, ShardedBase):
@@ -255,8 +215,8 @@ def _is_fp8(x: Any) -> bool:
 
 
 def _to_high_precision(x: Any) -> Any:
-    # A quantized wrapper brings its own dequantize(); torch.Tensor's own is for torch's
-    # quantized tensors, so a plain fp8 tensor is upcast with float().
+    # A quantized wrapper's own dequantize(), else float() (Tensor.dequantize is for torch's
+    # quantized tensors).
     dequantize = getattr(type(x), "dequantize", None)
     if dequantize is not None and dequantize is not torch.Tensor.dequantize:
         return x.dequantize()
@@ -264,13 +224,9 @@ def _to_high_precision(x: Any) -> Any:
 
 
 def force_all_tensors_to_non_fp8(sharded_state_dict: ShardedStateDict) -> None:
-    """Replaces, in place, every fp8 tensor of the state (float8 dtypes) by its high-precision
-    value, e.g. to save a state that readers without fp8 support can load.
-
-    A :class:`ShardedTensor` or :class:`ShardedTensorFactory` gets new ``data`` (and the
-    ShardedTensor the new ``dtype``); a plain tensor leaf is replaced. A quantized wrapper
-    with its own ``dequantize()`` is dequantized; a plain fp8 tensor becomes float32.
-    """
+    """Replaces, in place, every fp8 tensor of the state by its high-precision value (a
+    quantized wrapper's ``dequantize()``, else float32), in ShardedTensors (their ``dtype``
+    too), factories and plain leaves alike."""
 
     def convert(x: Any) -> Any:
         if isinstance(x, ShardedTensor):
@@ -290,8 +246,7 @@ def force_all_tensors_to_non_fp8(sharded_state_dict: ShardedStateDict) -> None:
 fallback_logger = logging.getLogger(__name__)
 """Where :func:`logger_stack` users log when no logger was pushed."""
 
-# Context variables rather than module lists: each thread (and asyncio task) sees its own
-# stack, so concurrent takes do not interleave their scopes.
+# Context variables: each thread and asyncio task sees its own stack.
 _NAME_STACK: contextvars.ContextVar[tuple[str, ...]] = contextvars.ContextVar(
     "statesnap_sharding_name_stack", default=()
 )
@@ -304,13 +259,9 @@ _LOGGER_STACK: contextvars.ContextVar[tuple[logging.Logger, ...]] = contextvars.
 def logger_stack(
     name: str | None = None, current_logger: logging.Logger | None = None
 ) -> Iterator[tuple[str, logging.Logger]]:
-    """Enters a named logging scope: pushes ``name`` (if given) on the name stack and
-    ``current_logger`` (if given) on the logger stack for the duration of the block.
-
-    Yields ``(names, logger)``: the names of the enclosing scopes joined with ``"."`` (e.g.
-    ``"take.write"``), and ``current_logger``, else the innermost pushed logger, else
-    :data:`fallback_logger`. Both stacks are restored on exit, also on an exception.
-    """
+    """A named logging scope: pushes ``name`` and ``current_logger`` (those given) for the
+    block. Yields the enclosing scopes' names joined by ``"."`` and the innermost logger
+    (else :data:`fallback_logger`)."""
     name_token = _NAME_STACK.set((*_NAME_STACK.get(), name)) if name else None
     logger_token = (
         _LOGGER_STACK.set((*_LOGGER_STACK.get(), current_logger)) if current_logger else None
@@ -332,14 +283,9 @@ def debug_time(
     threshold: float = float("-inf"),
     level: int | None = None,
 ) -> Iterator[None]:
-    """Times the block, in a :func:`logger_stack` scope ``name`` (and ``logger``), and logs
-    ``"<names> took X.XXXs"`` to the scope's logger.
-
-    Without ``threshold`` every duration is logged, at DEBUG; with one, only durations of at
-    least ``threshold`` seconds are, at WARNING (a slow step is worth a warning). ``level``
-    overrides the level. The duration is logged also when the block raises (the error
-    propagates).
-    """
+    """Times the block in a :func:`logger_stack` scope and logs ``"<names> took X.XXXs"``:
+    every time at DEBUG, or with ``threshold`` only durations at least that long, at WARNING
+    (``level`` overrides either); also when the block raises."""
     with logger_stack(name, logger) as (names, scope_logger):
         start = time.perf_counter()
         try:
@@ -353,8 +299,7 @@ def debug_time(
 
 
 def debug_msg(msg: str) -> None:
-    """Logs ``msg`` at DEBUG to the current scope's logger, prefixed by the scope's names
-    (``"take.write msg"``; just ``msg`` outside any named scope)."""
+    """Logs ``msg`` at DEBUG to the current scope's logger, after the scope's names."""
     with logger_stack() as (names, scope_logger):
         if names:
             scope_logger.debug("%s %s", names, msg)

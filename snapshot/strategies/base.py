@@ -1,15 +1,10 @@
 """Strategy classes and the registry of default strategies.
 
-A strategy is how one part of a checkpoint is saved or loaded: the *sharded* part (pieces of
-global tensors, sharded objects) or the *common* part (everything else). Each strategy names the
-backend and the version of the format it writes; the registry maps ``(action, backend,
-version)`` to the strategy used by default. A snapshot records which backend and version wrote
-each part, and a restore asks the registry for the strategy that loads that pair, which checks
-that it can (``check_backend_compatibility`` / ``check_version_compatibility``): importing this
-module installs that check in the engine (``snapshot._engine.format.writers.set_check``), which
-``Snapshot.restore`` runs.
-
-This layer sits on top of the library: it calls the facade and the engine, never the reverse.
+A strategy saves or loads one part of a checkpoint: the *sharded* part or the *common* part
+(everything else), in the format ``(backend, version)``; the registry maps ``(action, backend,
+version)`` to the default strategy. A snapshot records who wrote each part, and a restore has
+the registered load strategy check it can read that (this module installs the check in the
+engine: ``writers.set_check``). The layer calls the facade and the engine, never the reverse.
 """
 
 from __future__ import annotations
@@ -44,8 +39,7 @@ def register_default_strategy(
     version: int,
     strategy: SaveStrategyBase | LoadStrategyBase,
 ) -> None:
-    """Makes ``strategy`` the default for ``action`` on ``(backend, version)`` (replacing any
-    registered before)."""
+    """Makes ``strategy`` the default for ``action`` on ``(backend, version)``."""
     if not isinstance(action, StrategyAction):
         raise TypeError(f"action must be a StrategyAction, got {action!r}")
     saving = action in (StrategyAction.SAVE_COMMON, StrategyAction.SAVE_SHARDED)
@@ -59,11 +53,8 @@ def register_default_strategy(
 
 
 def get_default_strategy(action: StrategyAction, backend: str, version: int) -> Any:
-    """The strategy registered for ``action`` on ``(backend, version)``.
-
-    Raises:
-        IncompatibleSnapshotError: none is registered; the message lists the registered pairs.
-    """
+    """The strategy registered for ``action`` on ``(backend, version)``
+    (``IncompatibleSnapshotError``, listing the registered pairs, when there is none)."""
     found = default_strategies[action.value].get((backend, version))
     if found is None:
         known = ", ".join(f"{b} v{v}" for b, v in sorted(default_strategies[action.value], key=str))
@@ -74,8 +65,7 @@ def get_default_strategy(action: StrategyAction, backend: str, version: int) -> 
     return found
 
 
-# True once the library's own strategies are registered: the package does it when imported
-# (``snapshot/strategies/__init__.py``), before anything can ask this module for them.
+# True once the package's import has registered the library's own strategies.
 _builtins_registered = False
 
 
@@ -127,8 +117,7 @@ def check_compatible(strategy: LoadStrategyBase, backend: str, version: int) -> 
 
 
 def _check_part(part: str, backend: str, version: int) -> None:
-    """The engine's check of a snapshot part written by (``backend``, ``version``): the load
-    strategy registered for the pair must accept it."""
+    """The engine's check of a part written by ``(backend, version)``."""
     action = StrategyAction.LOAD_COMMON if part == "common" else StrategyAction.LOAD_SHARDED
     check_compatible(get_default_strategy(action, backend, version), backend, version)
 
@@ -197,8 +186,8 @@ class SaveShardedStrategy(SaveStrategyBase):
 
 
 class AsyncSaveShardedStrategy(SaveShardedStrategy):
-    """A sharded save that can run in the background: ``async_save`` prepares it and returns
-    the request that does the rest, which the caller schedules; ``save`` runs it at once."""
+    """A sharded save whose ``async_save`` returns the request that finishes it (the caller
+    schedules it); ``save`` runs it at once."""
 
     @abc.abstractmethod
     def async_save(self, sharded_state_dict: Any, checkpoint_dir: str | Path) -> AsyncRequest:

@@ -1,12 +1,6 @@
-"""The library's own strategies, backend ``"statesnap"``, version 1: the strategy API
-(``save(sharded_state_dict, checkpoint_dir)``, ``load(...)``, ...) on top of the engine that
-``Snapshot.take`` / ``async_take`` / ``restore`` run.
-
-One snapshot holds both parts of a state: the sharded part (``ShardedTensorEntry`` /
-``ShardedObjectEntry`` entries) and the common part (everything else). Its manifest records,
-under ``metadata["strategies"]``, the backend and version that wrote each part
-(``snapshot._engine.format.writers``); a restore gets the load strategy registered for each pair and
-lets it refuse what it cannot read.
+"""The library's own strategies (backend ``"statesnap"``, version 1): the strategy API on top
+of the engine that ``Snapshot.take`` / ``restore`` run. One snapshot holds both parts of a
+state; its manifest records who wrote each (``metadata["strategies"]``).
 """
 
 from __future__ import annotations
@@ -15,17 +9,14 @@ from pathlib import Path
 from typing import Any
 
 from manifest import Manifest, ShardedObjectEntry, ShardedTensorEntry
-from snapshot._engine import arguments, runtime
-from snapshot._engine.dist import dist
+from snapshot._engine import arguments
 from snapshot._engine.format import writers
 from snapshot._engine.format.manifest_io import load_manifest
 from snapshot._engine.format.serialization import dtype_from_name
 from snapshot._engine.io.async_queue import AsyncRequest
-from snapshot._engine.take.take import TakeJob
 from snapshot.errors import IncompatibleSnapshotError, SnapshotError
-from snapshot.options import resolve
 from snapshot.sharding.mapping import ShardedObject, ShardedTensor
-from snapshot.snapshot import Snapshot
+from snapshot.snapshot import Snapshot, take_job
 from snapshot.stateful import StateDict
 from snapshot.strategies.base import (
     AsyncSaveShardedStrategy,
@@ -53,30 +44,20 @@ class SnapshotSaveStrategy(AsyncSaveShardedStrategy):
     def can_handle_sharded_objects(self) -> bool:
         return True
 
-    def job(self, path: str, app_state: Any, **options: Any) -> TakeJob:
-        """The take of ``app_state`` at ``path`` (``options`` as ``TakeJob`` takes them),
-        recording this strategy as the writer of both parts."""
-        return TakeJob(
-            path, app_state, strategies=writers.recorded(self.backend, self.version), **options
-        )
-
     def async_save(self, sharded_state_dict: Any, checkpoint_dir: str | Path) -> AsyncRequest:
         where = _dir(checkpoint_dir, "save")
         state = arguments.state_mapping(sharded_state_dict, "save", "sharded_state_dict", where)
-        opts = resolve(None)  # the strategy API takes no options: the environment's
-        job = self.job(
+        # The strategy API takes no options (the environment's), and records this strategy as
+        # the writer of both parts.
+        job, background = take_job(
+            "save",
             where,
             {_STATE: StateDict(state)},
-            coordinator=dist.resolve(None, opts),
-            replicated=[],
-            storage_options=None,
-            prepare=None,
-            pool=runtime.get().staging_pool(opts),
-            options=opts,
+            asynchronous=True,
+            strategies=writers.recorded(self.backend, self.version),
         )
         job.start()
         job.release_writes()
-        background = dist.resolve_background(None, opts)
         return AsyncRequest(async_fn=job.finish, async_fn_args=(background,))
 
 
@@ -177,8 +158,7 @@ class SnapshotSaveCommonStrategy(SaveCommonStrategy):
 
 
 def _dir(checkpoint_dir: object, call: str) -> str:
-    """A checkpoint directory given to the strategy API, as a str; an empty one, or one that is
-    not a str or PathLike (``None`` would become a directory named ``None``), is refused."""
+    """A checkpoint directory as a str (an empty one, or a non-path such as None, refused)."""
     return arguments.snapshot_path(checkpoint_dir, call, "checkpoint_dir")
 
 

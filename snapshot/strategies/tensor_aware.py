@@ -1,11 +1,6 @@
-"""State dicts that can lend out their tensors and stage them on CPU (the Megatron-style
+"""State dicts that lend out their tensors and stage them on CPU (the Megatron-style
 ``TensorAwareStateDict`` API): ``TensorPlaceholder``, ``TensorAwareStateDict``,
-``BasicTensorAwareStateDict``.
-
-A state dict whose tensors can be lent out (``pop_tensors``), given back (``insert_tensors``),
-recreated empty (``init_tensors``) and staged on CPU (``copy_tensors_to_cpu`` /
-``restore_tensor_device``).
-"""
+``BasicTensorAwareStateDict``."""
 
 from __future__ import annotations
 
@@ -33,13 +28,8 @@ _Leaf = TypeVar("_Leaf")
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class TensorPlaceholder:
-    """What a hollow state holds in place of a popped tensor: enough to recreate it empty.
-
-    Attributes:
-        shape: The tensor's shape.
-        dtype: The tensor's dtype.
-        device: The device the tensor belongs on: its original device if it was staged on CPU.
-    """
+    """What a hollow state holds in place of a popped tensor: its shape, dtype and the device
+    it belongs on (its original one if it was staged on CPU)."""
 
     shape: torch.Size
     dtype: torch.dtype
@@ -53,25 +43,20 @@ class TensorPlaceholder:
 class TensorAwareStateDict(abc.ABC):
     """A state dict that can lend out its tensors and take them back.
 
-    Call sequence. To write a state while training goes on, the owner calls
-    ``copy_tensors_to_cpu`` (training may then keep mutating the device tensors), waits for the
-    copies if they were asynchronous (on every device that held a tensor: see
-    ``copy_tensors_to_cpu``), then ``pop_tensors`` and hands the tensors to the writer;
-    the hollow remainder holds only placeholders and plain values, and is cheap to serialize.
-    ``insert_tensors`` gives the tensors back. To restore, the reader takes a hollow state, calls
-    ``init_tensors`` (or ``insert_tensors`` with tensors it read, on any device), fills the
-    tensors, then ``restore_tensor_device`` moves each to the device it belongs on.
+    To write a state while training goes on: ``copy_tensors_to_cpu`` (training may then
+    change the device tensors), wait for the copies if asynchronous, ``pop_tensors`` and hand
+    them to the writer; the hollow remainder is cheap to serialize; ``insert_tensors`` gives
+    them back. To restore: ``init_tensors`` (or ``insert_tensors`` with tensors read), fill
+    them, then ``restore_tensor_device``.
 
-    The state is *hollow* from ``pop_tensors`` until ``insert_tensors`` or ``init_tensors``.
-    ``pop_tensors``, ``tensors``, ``copy_tensors_to_cpu`` and ``restore_tensor_device`` need it
-    full; ``insert_tensors`` and ``init_tensors`` need it hollow; out of turn they raise
-    ``HollowStateError``.
+    The state is *hollow* from ``pop_tensors`` until ``insert_tensors`` or ``init_tensors``;
+    a method called out of turn raises ``HollowStateError``.
     """
 
     @property
     @abc.abstractmethod
     def state_dict(self) -> Any:
-        """The wrapped state, live (not a copy); placeholders stand for tensors while hollow."""
+        """The wrapped state, live; placeholders stand for tensors while hollow."""
 
     @property
     @abc.abstractmethod
@@ -81,93 +66,39 @@ class TensorAwareStateDict(abc.ABC):
     @property
     @abc.abstractmethod
     def tensors(self) -> list[torch.Tensor]:
-        """The tensors the state holds, in ``pop_tensors`` order, without removing them.
-
-        Raises:
-            HollowStateError: The state is hollow (an empty list would hide that).
-        """
+        """The tensors, in ``pop_tensors`` order, without removing them (needs it full)."""
 
     @abc.abstractmethod
     def pop_tensors(self) -> list[torch.Tensor]:
-        """Takes the tensors out, leaving placeholders that keep their shape, dtype and device.
-
-        Returns:
-            The tensors, in a deterministic order that ``insert_tensors`` expects back.
-
-        Raises:
-            HollowStateError: The state is already hollow.
-        """
+        """Takes the tensors out, in the order ``insert_tensors`` expects them back, leaving
+        placeholders of their shape, dtype and device."""
 
     @abc.abstractmethod
     def insert_tensors(self, tensors: Iterable[torch.Tensor]) -> None:
-        """Puts tensors back in place of the placeholders: the reverse of ``pop_tensors``.
-
-        Args:
-            tensors: One tensor per placeholder, in ``pop_tensors`` order, each of the
-                placeholder's shape and dtype; the device may differ (see
-                ``restore_tensor_device``).
-
-        Raises:
-            HollowStateError: The state is not hollow.
-            StateMismatchError: Wrong number of tensors, or one does not fit its placeholder.
-        """
+        """Puts tensors (one per placeholder, in order; the device may differ) back."""
 
     @abc.abstractmethod
     def init_tensors(self) -> None:
-        """Inserts new uninitialised tensors of the placeholders' shape, dtype and device.
-
-        Raises:
-            HollowStateError: The state is not hollow.
-        """
+        """Inserts new uninitialised tensors of the placeholders' shape, dtype and device."""
 
     @abc.abstractmethod
     def copy_tensors_to_cpu(self, non_blocking: bool = False) -> None:
-        """Replaces the tensors by CPU copies, remembering each one's device; the originals are
-        left as they are.
-
-        Args:
-            non_blocking: Copy device tensors asynchronously; the copies may then be read only
-                after the caller has waited for them on every device that held a tensor
-                (``torch.cuda.synchronize(device)`` for each; ``torch.cuda.synchronize()``
-                alone covers only the current device).
-
-        Raises:
-            HollowStateError: The state is hollow.
-        """
+        """Replaces the tensors by CPU copies, remembering each one's device."""
 
     @abc.abstractmethod
     def restore_tensor_device(self, non_blocking: bool = True) -> None:
-        """Moves every tensor that is not on the device it belongs on back there.
-
-        Args:
-            non_blocking: Copy to devices asynchronously (ordered before later work on the
-                current stream, so the tensors can be used at once).
-
-        Raises:
-            HollowStateError: The state is hollow.
-        """
+        """Moves every tensor that is not on the device it belongs on back there."""
 
 
 class BasicTensorAwareStateDict(TensorAwareStateDict):
-    """A ``TensorAwareStateDict`` over a plain state dict, updated in place.
+    """A ``TensorAwareStateDict`` over a plain state dict (modified in place from now on).
 
-    Tensors are found inside dicts (incl. subclasses such as ``OrderedDict``), lists and tuples
-    (incl. named tuples), nested in any way, in depth-first order: dict insertion order, then
-    list and tuple index order. Anything else is a plain value, left alone even if it holds
-    tensors. Dicts and lists are updated in place; a tuple holding a tensor is replaced by a new
-    tuple of the same type. A container reached by two paths is walked once, at the first; one
-    tensor held in two places (tied weights) is listed once per place, and stays tied when
-    staged.
-
-    Tensors may be on any device. ``init_tensors`` creates plain tensors: neither
-    ``nn.Parameter`` nor ``requires_grad``. The structure must not be changed between calls
-    except through these methods, since placeholders and devices are matched by position.
-
-    Args:
-        state_dict: The state to wrap; it is modified in place from now on.
-
-    Raises:
-        TypeError: ``state_dict`` is not a dict.
+    Tensors are found in dicts, lists and tuples (named ones too), depth first in insertion and
+    index order; anything else is a plain value. A tuple holding a tensor is replaced by a new
+    one of its type. A container reached by two paths is walked once; a tensor held in two
+    places (tied weights) is listed once per place and stays tied when staged. Placeholders and
+    devices are matched by position, so the structure must not change between calls.
+    ``init_tensors`` makes plain tensors (no ``nn.Parameter``, no ``requires_grad``).
     """
 
     def __init__(self, state_dict: dict[Any, Any]) -> None:
@@ -184,40 +115,22 @@ class BasicTensorAwareStateDict(TensorAwareStateDict):
 
     @property
     def state_dict(self) -> dict[Any, Any]:
-        """The wrapped dict, live (not a copy); ``TensorPlaceholder``s stand for tensors while
-        hollow."""
         return self._state_dict
 
     @property
     def is_hollow(self) -> bool:
-        """True iff the tensors were popped and have not been inserted back yet."""
         return self._hollow
 
     @property
     def tensors(self) -> list[torch.Tensor]:
-        """The tensors the state holds, in ``pop_tensors`` order, without removing them.
-
-        Raises:
-            HollowStateError: The state is hollow (an empty list would hide that).
-        """
-        self._require_full("tensors")
+        """The tensors, in ``pop_tensors`` order (hollow: an error, not an empty list)."""
+        self._require("tensors", hollow=False)
         return [tensor for _, tensor in self._find(torch.Tensor)]
 
     def pop_tensors(self) -> list[torch.Tensor]:
-        """Takes the tensors out, leaving placeholders that keep their shape, dtype and device
-        (the device a staged tensor belongs on, not CPU).
-
-        Returns:
-            The tensors, in traversal order: the order ``insert_tensors`` expects them back.
-
-        Raises:
-            HollowStateError: The state is already hollow.
-        """
-        if self._hollow:
-            raise HollowStateError(
-                "pop_tensors: the state is already hollow (its tensors were popped and not "
-                "inserted back); call insert_tensors or init_tensors first"
-            )
+        """Takes the tensors out in traversal order, leaving placeholders (a staged tensor's
+        records the device it belongs on, not CPU)."""
+        self._require("pop_tensors", hollow=False)
         popped: list[torch.Tensor] = []
         homes = self._homes
 
@@ -233,28 +146,11 @@ class BasicTensorAwareStateDict(TensorAwareStateDict):
         return popped
 
     def insert_tensors(self, tensors: Iterable[torch.Tensor]) -> None:
-        """Puts tensors back in place of the placeholders: ``insert_tensors(pop_tensors())``
-        leaves the state as it was, with the same tensor objects in the same places.
-
-        Every tensor is checked before any is inserted, so on error the state stays hollow and
-        unchanged.
-
-        Args:
-            tensors: One tensor per placeholder, in ``pop_tensors`` order, each of the
-                placeholder's shape and dtype. A tensor may be on another device than its
-                placeholder; ``restore_tensor_device`` then moves it there.
-
-        Raises:
-            HollowStateError: The state is not hollow.
-            StateMismatchError: Wrong number of tensors, or a value that is not a tensor or has
-                the wrong dtype; ``ShapeMismatchError`` for the wrong shape. The message names
-                the path of the first misfit.
-        """
-        if not self._hollow:
-            raise HollowStateError(
-                "insert_tensors: the state is not hollow (it still holds its tensors); "
-                "call pop_tensors first"
-            )
+        """Puts tensors back in place of the placeholders, each of its placeholder's shape
+        and dtype (on any device: ``restore_tensor_device`` moves it home). All are checked
+        before any is inserted: ``StateMismatchError`` (``ShapeMismatchError``) names the
+        first misfit's path, and the state stays hollow."""
+        self._require("insert_tensors", hollow=True)
         given = list(tensors)
         slots = self._placeholders()
         if len(given) != len(slots):
@@ -271,37 +167,16 @@ class BasicTensorAwareStateDict(TensorAwareStateDict):
         self._hollow, self._homes = False, None if at_home else homes
 
     def init_tensors(self) -> None:
-        """Inserts new uninitialised tensors of the placeholders' shape, dtype and device.
-
-        Raises:
-            HollowStateError: The state is not hollow.
-        """
-        if not self._hollow:
-            raise HollowStateError(
-                "init_tensors: the state is not hollow (it still holds its tensors); "
-                "call pop_tensors first"
-            )
+        self._require("init_tensors", hollow=True)
         self.insert_tensors([placeholder.empty() for _, placeholder in self._placeholders()])
 
     def copy_tensors_to_cpu(self, non_blocking: bool = False) -> None:
-        """Replaces the tensors by new CPU copies, remembering each one's device; the originals
-        are not modified (CPU tensors are copied too, so the copies are always independent).
-
-        Args:
-            non_blocking: Copy CUDA tensors asynchronously into pinned memory. Each copy is
-                queued on the current stream of its tensor's device (the calling thread's), so
-                the copies may be read only after the caller has waited for each device that
-                held a tensor: ``torch.cuda.current_stream(device).synchronize()`` or
-                ``torch.cuda.synchronize(device)`` for every such device
-                (``torch.cuda.synchronize()`` alone waits for the current device only). If
-                pinning fails the copies are made into pageable memory, synchronously.
-
-        Raises:
-            HollowStateError: The state is hollow.
-            UnsupportedValueError: A tensor cannot be copied (not dense, or on the meta device
-                so it has no data); the state is then left as it was.
-        """
-        self._require_full("copy_tensors_to_cpu")
+        """Replaces the tensors by new CPU copies (CPU ones too), remembering each one's
+        device. ``non_blocking``: CUDA tensors are copied asynchronously into pinned memory on
+        their device's current stream, so the caller must synchronize every such device before
+        reading them (pageable and synchronous where pinning fails). A tensor that cannot be
+        copied raises ``UnsupportedValueError``, the state left as it was."""
+        self._require("copy_tensors_to_cpu", hollow=False)
         found = self._find(torch.Tensor)
         # Every copy is made before any is installed, so a failed copy leaves the state as it
         # was. A tensor reached by two paths (tied weights) is copied once and stays tied.
@@ -314,17 +189,9 @@ class BasicTensorAwareStateDict(TensorAwareStateDict):
         self._homes = old_homes or [tensor.device for _, tensor in found]
 
     def restore_tensor_device(self, non_blocking: bool = True) -> None:
-        """Moves every tensor that is not on the device it belongs on back there; a tensor that
-        is already there stays the same object.
-
-        Args:
-            non_blocking: Copy to devices asynchronously (ordered before later work on the
-                current stream, so the tensors can be used at once).
-
-        Raises:
-            HollowStateError: The state is hollow.
-        """
-        self._require_full("restore_tensor_device")
+        """Moves every tensor not on the device it belongs on back there (asynchronously with
+        ``non_blocking``, ordered on the current stream); one already there stays as it is."""
+        self._require("restore_tensor_device", hollow=False)
         if self._homes is None:
             return
         homes = iter(self._homes)
@@ -347,11 +214,17 @@ class BasicTensorAwareStateDict(TensorAwareStateDict):
         self._visit(move)
         self._homes = None
 
-    def _require_full(self, operation: str) -> None:
-        if self._hollow:
+    def _require(self, operation: str, hollow: bool) -> None:
+        """Raises ``HollowStateError`` unless the state is hollow (``hollow``) or full."""
+        if self._hollow and not hollow:
             raise HollowStateError(
                 f"{operation}: the state is hollow (its tensors were popped and not inserted "
                 "back); call insert_tensors or init_tensors first"
+            )
+        if hollow and not self._hollow:
+            raise HollowStateError(
+                f"{operation}: the state is not hollow (it still holds its tensors); "
+                "call pop_tensors first"
             )
 
     def _placeholders(self) -> list[tuple[str, TensorPlaceholder]]:

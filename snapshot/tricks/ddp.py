@@ -16,24 +16,11 @@ DDP_STATE_DICT_PREFIX: str = "module."
 class DistributedDataParallelAdapter:
     """A :class:`~snapshot.Stateful` whose state dict is a module's without DDP's prefix.
 
-    ``module`` is a ``DistributedDataParallel`` module or a plain one. Either way
-    ``state_dict()`` is the plain module's (for DDP, the one it wraps), so:
-
-    - a snapshot taken of ``{"model": DistributedDataParallelAdapter(ddp)}`` restores into a
-      plain module, ``{"model": module}``, with no adapter;
-    - a snapshot of a plain module restores into a DDP one through
-      ``{"model": DistributedDataParallelAdapter(ddp)}``, its tensors loaded in place;
-    - ``load_state_dict`` first drops the prefix from keys that have it, so a snapshot taken of
-      the DDP module itself (keys ``module.*``) restores into a plain module through
-      ``{"model": DistributedDataParallelAdapter(module)}`` (torchsnapshot's example).
-
-    Across ranks, ``Snapshot.take`` marks a module's entries replicated by itself only when
-    ``app_state`` holds the ``DistributedDataParallel`` module directly; through the adapter,
-    pass ``replicated=["model/**"]`` (the key's glob) to write them once for all ranks.
-
-    Args:
-        module: the module, wrapped in ``DistributedDataParallel`` or not; kept as
-            ``self.module``.
+    ``module`` (kept as ``self.module``) is a ``DistributedDataParallel`` module or a plain
+    one; either way ``state_dict()`` is the plain module's, so snapshots move between DDP and
+    plain modules both ways, and ``load_state_dict`` drops the prefix from a snapshot of the
+    DDP module itself. Through the adapter a take does not find the module replicated: pass
+    ``replicated=["model/**"]`` to write it once for all ranks.
     """
 
     def __init__(self, module: torch.nn.Module) -> None:
