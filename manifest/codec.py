@@ -331,8 +331,8 @@ def _parse_fast(
                 break
             if type(entry) is TensorEntry:
                 tensors.append((path, entry))
-        if on_tensors is not None and tensors and error is None:
-            on_tensors(tensors)
+        if on_tensors is not None and tensors:
+            on_tensors(tensors)  # those before an error too: hints, trusted by no one
     return doc, entries, error
 
 

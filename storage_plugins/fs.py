@@ -48,11 +48,9 @@ def _unsafe(where: str, mode: int) -> UnsafeBlobError:
     )
 
 
-# Linux takes at most IOV_MAX buffers per vectored call.
-_MAX_IOV = 1024
+_MAX_IOV = 1024  # Linux's IOV_MAX: buffers per vectored call
 _MAX_CALL_BYTES = 0x7FFFF000
-# An observed read moves pieces of at most this many bytes, each observed right after its call
-# (while its bytes are still in the CPU's caches).
+# An observed read moves pieces of at most this many bytes, each observed right after its call.
 _OBSERVED_READ_BYTES = 4 << 20
 # A whole-file read asks for the reported length and one byte more, at least this much.
 _MIN_READ_BYTES = 64 << 10
@@ -430,10 +428,8 @@ class FSStoragePlugin(StoragePlugin):
         await self._run(self._write_sync, path, buffers, None, True)
 
     async def write_observed(self, path: str, buffers: Sequence[Buffer], observe: Observer) -> None:
-        if type(self).write is not FSStoragePlugin.write:
-            # A subclass changed ``write``: observed writes go through it too.
-            await super().write_observed(path, buffers, observe)
-            return
+        if type(self).write is not FSStoragePlugin.write:  # a subclass's ``write`` serves
+            return await super().write_observed(path, buffers, observe)
         await self._run(self._write_sync, path, buffers, observe)
 
     def _read_sync(self, path: str, limit: int | None = None) -> bytes:
@@ -469,9 +465,8 @@ class FSStoragePlugin(StoragePlugin):
     async def readv_observed(
         self, path: str, offset: int, outs: Sequence[memoryview], observe: Observer
     ) -> None:
-        if type(self).readv is not FSStoragePlugin.readv:
-            await super().readv_observed(path, offset, outs, observe)  # as for write_observed
-            return
+        if type(self).readv is not FSStoragePlugin.readv:  # as for write_observed
+            return await super().readv_observed(path, offset, outs, observe)
         await self._run(self._readv_sync, path, offset, outs, observe)
 
     def _read_ahead_sync(self, path: str, offset: int, nbytes: int) -> None:
