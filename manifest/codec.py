@@ -87,6 +87,8 @@ _VERBATIM = re.compile(r"[ !#-\[\]-~]*")
 
 
 def _yaml_printable(text: str) -> str:
+    if text.isascii() and "\x7f" not in text:
+        return text  # the usual manifest: no such character
     return _NOT_YAML_PRINTABLE.sub(lambda m: f"\\u{ord(m.group()):04x}", text)
 
 
@@ -176,8 +178,8 @@ class EntryFormatter:
     ) -> str:
         """The line of a ``TensorEntry`` whose one chunk is ``blob[offset : offset + nbytes]``
         with CRC-32 ``crc32`` (None: not recorded)."""
-        if not (_VERBATIM.fullmatch(path) and _VERBATIM.fullmatch(dtype)
-                and _VERBATIM.fullmatch(blob)):  # fmt: skip
+        # (Strings JSON writes verbatim, joined, are such a string: one match checks all three.)
+        if not _VERBATIM.fullmatch(path + dtype + blob):
             location = Location(blob=blob, offset=offset, nbytes=nbytes, crc32=crc32)
             entry = TensorEntry(dtype=dtype, shape=shape, chunks=(location,), replicated=replicated)
             return self.entry(path, entry)
@@ -218,7 +220,7 @@ def dumps_entries(
     if entries:
         lines.append(_ENTRIES_LINE)
         fmt = EntryFormatter()
-        lines += (e if type(e) is str else fmt.entry(p, e) for p, e in entries.items())  # type: ignore[arg-type]
+        lines += (e if isinstance(e, str) else fmt.entry(p, e) for p, e in entries.items())
     else:
         lines.append(f"{_ENTRIES_LINE} {{}}")
     lines.append("")
@@ -301,9 +303,9 @@ def _parse_fast(
     error: ManifestDecodeError | None = None
     paths: set[str] = set()
     try:
-        version = _header(doc, source)[0]
+        decode = _decoder(_header(doc, source)[0])
     except ManifestDecodeError as e:
-        version, error = 0, e  # ``loads`` reports it, once the layout is known to be this one
+        decode, error = entry_from_dict, e  # ``loads`` reports it once the layout is known
     count = 0
     for piece in _pieces(lines):
         joined = ",".join(piece)
@@ -325,7 +327,7 @@ def _parse_fast(
         tensors = []
         for path, value in decoded.items():
             try:
-                entry = entries[path] = _decode(path, value, version)
+                entry = entries[path] = decode(value, path)
             except ManifestDecodeError as e:
                 error = e
                 break
@@ -374,17 +376,22 @@ def check_head(data: bytes, source: str = "manifest", *, verify: bool = True) ->
     _header(load_yaml(head, source), source)
 
 
-def _decode(path: str, value: Any, version: int) -> Entry:
-    """``entry_from_dict``, and a blob in a sibling snapshot refused before version 5."""
-    entry = entry_from_dict(value, path)
-    if version < INCREMENTAL_VERSION:
+def _decoder(version: int) -> Callable[[Any, str], Entry]:
+    """``entry_from_dict``, refusing a blob in a sibling snapshot before version 5."""
+    if version >= INCREMENTAL_VERSION:
+        return entry_from_dict
+
+    def decode(value: Any, path: str) -> Entry:
+        entry = entry_from_dict(value, path)
         for loc in entry.locations:
             if loc.blob.startswith(REFERENCE_PREFIX):
                 raise UnsafeManifestError(
                     f"{path}: unsafe blob path {loc.blob!r}: a manifest of format version "
                     f"{version} keeps every blob under its root"
                 )
-    return entry
+        return entry
+
+    return decode
 
 
 def loads(
@@ -423,12 +430,12 @@ def loads(
         raw = doc.get("entries")
         if not isinstance(raw, dict):
             raise ManifestDecodeError(f"{source}: entries missing or not a mapping")
-        entries, error = {}, None
+        entries, error, decode = {}, None, _decoder(version)
         for path, value in raw.items():
             if type(path) is not str:
                 raise ManifestDecodeError(f"{source}: entry path {path!r} is not a string")
             try:
-                entries[path] = _decode(path, value, version)
+                entries[path] = decode(value, path)
             except ManifestDecodeError as e:
                 error = e
                 break

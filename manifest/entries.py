@@ -386,7 +386,7 @@ def _list(value: Any, where: str, what: str) -> list[Any]:
 
 
 def _ints(value: Any, where: str, what: str) -> tuple[int, ...]:
-    return tuple(_int(x, where) for x in _list(value, where, what))
+    return tuple([_int(x, where) for x in _list(value, where, what)])
 
 
 def _location(value: Any, where: str) -> Location:
@@ -407,7 +407,7 @@ def _location(value: Any, where: str) -> Location:
 
 
 def _locations(value: Any, where: str, what: str) -> tuple[Location, ...]:
-    return tuple(_location(c, where) for c in _list(value, where, what))
+    return tuple([_location(c, where) for c in _list(value, where, what)])
 
 
 def _tensor(d: dict[str, Any], where: str, replicated: bool) -> TensorEntry:
@@ -522,25 +522,21 @@ def _sharded_tensor(d: dict[str, Any], where: str, replicated: bool) -> ShardedT
 
 
 # What a manifest file may hold (``PickledTensorEntry`` is no such entry): each type's decoder,
-# its required fields, and its optional ones.
+# its required fields, and every field it may have.
 _DECODERS: dict[str, tuple[Any, frozenset[str], frozenset[str]]] = {
-    "tensor": (
-        _tensor,
-        frozenset({"dtype", "shape", "chunks"}),
-        frozenset({"parameter", "requires_grad", "view", "digest"}),
-    ),
-    "object": (_object, frozenset({"serializer", "obj_type", "location"}), frozenset()),
-    "primitive": (_primitive, frozenset({"value_type", "value"}), frozenset()),
-    "dict": (_dict, frozenset({"keys"}), frozenset({"ordered"})),
-    "list": (_list_entry, frozenset({"length"}), frozenset()),
-    "tuple": (_tuple_entry, frozenset({"length"}), frozenset()),
-    "sharded_tensor": (_sharded_tensor, frozenset({"key", "dtype", "shape", "shards"}), frozenset()),
-    "sharded_object": (
-        _sharded_object,
-        frozenset({"key", "serializer", "obj_type", "location"}),
-        frozenset(),
-    ),
-}
+    tag: (decode, frozenset(required), frozenset({"type", "replicated", *required, *optional}))
+    for tag, decode, required, optional in (
+        ("tensor", _tensor, ("dtype", "shape", "chunks"),
+         ("parameter", "requires_grad", "view", "digest")),
+        ("object", _object, ("serializer", "obj_type", "location"), ()),
+        ("primitive", _primitive, ("value_type", "value"), ()),
+        ("dict", _dict, ("keys",), ("ordered",)),
+        ("list", _list_entry, ("length",), ()),
+        ("tuple", _tuple_entry, ("length",), ()),
+        ("sharded_tensor", _sharded_tensor, ("key", "dtype", "shape", "shards"), ()),
+        ("sharded_object", _sharded_object, ("key", "serializer", "obj_type", "location"), ()),
+    )
+}  # fmt: skip
 
 
 def entry_from_dict(d: Any, where: str) -> Entry:
@@ -552,10 +548,9 @@ def entry_from_dict(d: Any, where: str) -> Entry:
     tag = d.get("type")
     if type(tag) is not str or tag not in _DECODERS:
         raise _fail(where, f"unknown entry type {tag!r}; known: {', '.join(_DECODERS)}")
-    decode, required, optional = _DECODERS[tag]
-    fields = d.keys() - {"type", "replicated"}
-    missing, unknown = required - fields, fields - required - optional
-    if missing or unknown:
+    decode, required, allowed = _DECODERS[tag]
+    if not required <= d.keys() <= allowed:
+        missing, unknown = required - d.keys(), d.keys() - allowed
         raise _fail(
             where, f"{tag} entry: missing fields {sorted(missing)}, unknown {sorted(unknown)}"
         )
