@@ -155,8 +155,6 @@ def entry_to_dict(entry: Entry) -> dict[str, Any]:
     return out
 
 
-
-
 class EntryFormatter:
     """Formats entries as manifest lines, each exactly as the JSON encoder would write it.
 
@@ -453,6 +451,7 @@ def loads(
 # libyaml's C classes when PyYAML has them; the pure-Python ones behave identically.
 _Loader: type = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 _TAG = "tag:yaml.org,2002:"
+_PLAIN_TAGS = {_TAG + kind for kind in ("str", "null", "bool", "int", "float")}
 _NO_KEY = object()  # what an open mapping holds while it waits for its next key
 _SHOWN_CHARS = 200  # of a key or tag quoted in a message
 
@@ -494,8 +493,8 @@ def _build(loader: Any, source: str) -> Any:
     documents = 0
 
     def unsafe(what: str) -> UnsafeManifestError:
-        return UnsafeManifestError(f"{_place(event, keys, source)}: {what}, which this library "
-                                   "never writes")  # fmt: skip
+        where = _place(event, keys, source)
+        return UnsafeManifestError(f"{where}: {what}, which this library never writes")
 
     while True:
         event = loader.get_event()
@@ -514,8 +513,7 @@ def _build(loader: Any, source: str) -> Any:
                 tag = loader.resolve(yaml.ScalarNode, value, (True, False))
                 if tag == _TAG + "merge":
                     raise unsafe("a merge key (<<)")
-                if tag not in (_TAG + "str", _TAG + "null", _TAG + "bool", _TAG + "int",
-                               _TAG + "float"):  # fmt: skip
+                if tag not in _PLAIN_TAGS:
                     raise unsafe(f"a plain scalar read as {tag}")
                 try:
                     if tag != _TAG + "str":

@@ -526,8 +526,12 @@ def _sharded_tensor(d: dict[str, Any], where: str, replicated: bool) -> ShardedT
 _DECODERS: dict[str, tuple[Any, frozenset[str], frozenset[str]]] = {
     tag: (decode, frozenset(required), frozenset({"type", "replicated", *required, *optional}))
     for tag, decode, required, optional in (
-        ("tensor", _tensor, ("dtype", "shape", "chunks"),
-         ("parameter", "requires_grad", "view", "digest")),
+        (
+            "tensor",
+            _tensor,
+            ("dtype", "shape", "chunks"),
+            ("parameter", "requires_grad", "view", "digest"),
+        ),
         ("object", _object, ("serializer", "obj_type", "location"), ()),
         ("primitive", _primitive, ("value_type", "value"), ()),
         ("dict", _dict, ("keys",), ("ordered",)),
@@ -536,7 +540,7 @@ _DECODERS: dict[str, tuple[Any, frozenset[str], frozenset[str]]] = {
         ("sharded_tensor", _sharded_tensor, ("key", "dtype", "shape", "shards"), ()),
         ("sharded_object", _sharded_object, ("key", "serializer", "obj_type", "location"), ()),
     )
-}  # fmt: skip
+}
 
 
 def entry_from_dict(d: Any, where: str) -> Entry:

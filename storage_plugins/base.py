@@ -226,9 +226,7 @@ class StoragePlugin(abc.ABC):
 OBSERVE_INLINE_BYTES = 1 << 20
 
 
-def copy_observed(
-    buffers: Sequence[Buffer], observe: Callable[[memoryview], None]
-) -> list[bytes]:
+def copy_observed(buffers: Sequence[Buffer], observe: Callable[[memoryview], None]) -> list[bytes]:
     """A private copy of each non-empty buffer (``bytes`` ones as they are: immutable), each
     shown to ``observe`` in order."""
     copies = [b if type(b) is bytes else bytes(b) for b in buffers if len(b)]

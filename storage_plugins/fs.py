@@ -29,15 +29,19 @@ logger = logging.getLogger(__name__)
 _T = TypeVar("_T")
 Observer = Callable[[memoryview], None]
 
-# A snapshot's bytes are untrusted: paths below the root are opened one component at a time,
-# relative to the parent, with O_NOFOLLOW (a link is refused, never followed), files with
-# O_NONBLOCK (a FIFO's open returns at once, then ``fstat`` refuses it).
+# Paths below the root are opened one component at a time with O_NOFOLLOW (a link is refused),
+# files with O_NONBLOCK (a FIFO's open returns at once, then ``fstat`` refuses it).
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 _NOT_NAMES = frozenset({"", ".", ".."})
-_KINDS = ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISFIFO, "a FIFO"),
-          (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
-          (stat.S_ISBLK, "a block device"), (stat.S_ISDIR, "a directory"))  # fmt: skip
+_KINDS = (
+    (stat.S_ISLNK, "a symbolic link"),
+    (stat.S_ISFIFO, "a FIFO"),
+    (stat.S_ISSOCK, "a socket"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISDIR, "a directory"),
+)
 
 
 def _unsafe(where: str, mode: int) -> UnsafeBlobError:
@@ -75,12 +79,15 @@ def _bounce_buffer() -> memoryview:
     return buf
 
 
-def _move(views: list[memoryview], move: Callable[[list[memoryview]], int], limit: int,
-          observe: Observer | None = None) -> None:  # fmt: skip
-    """Moves the bytes of ``views`` (non-empty, in order) by vectored calls of at most
-    ``limit`` bytes and ``_MAX_IOV`` buffers: ``move(batch)`` moves a prefix of ``batch`` and
-    says how many bytes. ``observe`` sees each piece moved, in order, right after its call
-    (through its ``many`` method, when it has one, for the pieces of one call)."""
+def _move(
+    views: list[memoryview],
+    move: Callable[[list[memoryview]], int],
+    limit: int,
+    observe: Observer | None = None,
+) -> None:
+    """Moves ``views`` (non-empty) by calls ``move(batch)`` of at most ``limit`` bytes and
+    ``_MAX_IOV`` buffers, each moving a prefix of ``batch``; ``observe`` (or its ``many``)
+    sees the pieces moved, in order, right after each call."""
     many = getattr(observe, "many", None)
     i, skip, pos = 0, 0, 0  # the first view not wholly moved, its bytes moved, bytes moved
     while i < len(views):
@@ -157,9 +164,8 @@ def _write_direct(fd: int, views: Sequence[memoryview], observe: Observer | None
 
 
 def _write_all(fd: int, views: list[memoryview], observe: Observer | None) -> None:
-    """Writes ``views`` in order, resuming after short writes; with ``observe``, through this
-    thread's buffer, a buffer-full at a time, each observed once written (never ``views``
-    themselves, which another thread may change meanwhile)."""
+    """Writes ``views``; with ``observe``, through this thread's buffer, each buffer-full
+    observed once written (never ``views``, which another thread may change meanwhile)."""
     write = functools.partial(os.writev, fd)
     if observe is None:
         _move(views, write, _MAX_CALL_BYTES)
@@ -170,8 +176,9 @@ def _write_all(fd: int, views: list[memoryview], observe: Observer | None) -> No
         observe(buf[:fill])
 
 
-def _read_all(fd: int, offset: int, outs: Sequence[memoryview], name: str,
-              observe: Observer | None) -> None:  # fmt: skip
+def _read_all(
+    fd: int, offset: int, outs: Sequence[memoryview], name: str, observe: Observer | None
+) -> None:
     """Fills every buffer in order from ``offset`` on, resuming after short reads."""
     views = [o for o in outs if len(o)]
     total = offset + sum(map(len, views))
@@ -290,8 +297,7 @@ class FSStoragePlugin(StoragePlugin):
             raise _unsafe(self._abs(path), mode) from error
 
     def _make_root(self) -> None:
-        """Creates the root and its missing ancestors, remembering which it made (under a lock:
-        the first writes of a take race to make the root)."""
+        """Creates the root and its missing ancestors, remembering which (under a lock)."""
         with self._making_root:
             for path in reversed(missing_folders(self._base)):
                 try:
@@ -333,8 +339,7 @@ class FSStoragePlugin(StoragePlugin):
 
     def _open_blob(self, path: str) -> tuple[int, os.stat_result]:
         """A read-only descriptor of blob ``path`` and its ``fstat``: a regular file reached
-        from the root without following a link (a path with a ``..``, ``.`` or empty part is
-        refused)."""
+        from the root without following a link (nor a ``..``, ``.`` or empty part)."""
         *dirs, name = parts = path.split("/")
         if any(part in _NOT_NAMES for part in parts):
             raise UnsafeBlobError(f"{self._abs(path)}: not a path below the root")
@@ -388,7 +393,8 @@ class FSStoragePlugin(StoragePlugin):
                             import fcntl  # POSIX, as O_DIRECT is
 
                             self._refused(final, OSError(errno.EINVAL, os.strerror(errno.EINVAL)))
-                            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~O_DIRECT)
+                            flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+                            fcntl.fcntl(fd, fcntl.F_SETFL, flags & ~O_DIRECT)
                         _write_all(fd, views, observe)
                     if self._fsync:
                         os.fsync(fd)
@@ -415,11 +421,8 @@ class FSStoragePlugin(StoragePlugin):
     def _refused(self, final: str, error: OSError) -> None:
         if self._direct:
             self._direct = False
-            logger.info(
-                "direct I/O refused for %s (%s): writing through the page cache from now on",
-                final,
-                error,
-            )
+            what = "writing through the page cache from now on"
+            logger.info("direct I/O refused for %s (%s): %s", final, error, what)
 
     async def write(self, path: str, buffers: Sequence[Buffer]) -> None:
         await self._run(self._write_sync, path, buffers)

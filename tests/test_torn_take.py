@@ -274,7 +274,9 @@ def test_s3_observed_upload_sends_the_bytes_it_observed() -> None:
             data[500] ^= 1  # the application writes its tensor right after
         seen.append(bytes(view))
 
-    asyncio.run(plugin.write_observed("b", [memoryview(data)[:300], memoryview(data)[300:]], observe))
+    asyncio.run(
+        plugin.write_observed("b", [memoryview(data)[:300], memoryview(data)[300:]], observe)
+    )
     (body,) = sent
     first = body.read(400) + body.read(-1)
     body.seek(0)
