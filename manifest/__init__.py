@@ -1,19 +1,18 @@
-"""The snapshot manifest: pure data (entries) and its YAML codec (with its checksum); no I/O,
-no torch. Modules: ``entries`` (the data), ``codec`` (the file: writing, reading, the checksum
-line), ``decode`` (every field of an entry checked), ``yaml_loader`` (the safe YAML subset),
-``errors``."""
+"""The snapshot manifest: pure data (``entries``) and its file (``codec``: YAML with one JSON
+entry per line, its checksum line, strict reading); no I/O, no torch."""
 
 from manifest.codec import (
+    MAX_DEPTH,
     EntryFormatter,
     TensorsDecoded,
     check_head,
     dumps,
     dumps_entries,
     entry_to_dict,
+    load_yaml,
     loads,
     nests_within,
 )
-from manifest.decode import SIBLING_NAME, check_blob_path
 from manifest.entries import (
     FORMAT_VERSION,
     INCREMENTAL_VERSION,
@@ -21,6 +20,7 @@ from manifest.entries import (
     MAX_NESTING,
     REFERENCE_PREFIX,
     REPLICATED_ONCE_VERSION,
+    SIBLING_NAME,
     TENSOR_ATTRS_VERSION,
     DictEntry,
     Entry,
@@ -36,6 +36,8 @@ from manifest.entries import (
     TensorEntry,
     TensorView,
     TupleEntry,
+    check_blob_path,
+    entry_from_dict,
     int_fits,
     is_container,
     new_location,
@@ -48,7 +50,6 @@ from manifest.errors import (
     UnsafeManifestError,
     UnsupportedFormatError,
 )
-from manifest.yaml_loader import MAX_DEPTH, load_yaml
 
 __all__ = [
     "FORMAT_VERSION",
@@ -84,6 +85,7 @@ __all__ = [
     "check_head",
     "dumps",
     "dumps_entries",
+    "entry_from_dict",
     "entry_to_dict",
     "int_fits",
     "is_container",

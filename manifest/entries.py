@@ -1,53 +1,40 @@
-"""Manifest entry types: frozen records of what a snapshot holds at each logical path."""
+"""Manifest entry types: frozen records of what a snapshot holds at each logical path, and the
+strict decoding of their plain-data form (``entry_from_dict``)."""
 
 from __future__ import annotations
 
+import base64
+import binascii
 import functools
+import re
 from dataclasses import dataclass, field
-from itertools import chain, compress, count, pairwise
-from operator import add, attrgetter, ne
 from typing import Any, ClassVar
+
+from manifest.errors import ManifestDecodeError, UnsafeManifestError
 
 # The values a manifest stores inline. bytes are stored base64-encoded.
 Primitive = int | float | str | bool | None | bytes
 # The key types a dict entry can record (others make the dict an opaque object).
 DictKey = str | int | bool | None
 
-# 1: dense tensors, objects, primitives, containers. 2: also sharded tensors and sharded
-# objects (a manifest without them is still written as version 1, readable by older readers).
-# 3: a replicated leaf taken by several ranks is listed once, under rank 0's prefix, where
-# earlier writers repeated it under every rank's (``Manifest.view``). A reader of version 2
-# would not find rank 1's replicated entries (a restore on rank 1 would call the manifest
-# corrupt: a container lists a key that has no entry), so such a manifest says 3. A manifest
-# with no replicated leaf, or of one rank, is still written as version 1 or 2.
-# 4: a tensor entry may say it was an ``nn.Parameter`` or required grad, or that it is a view of
-# another tensor entry's storage (``TensorEntry``). A reader of version 3 refuses those fields
-# as unknown (and would call the snapshot corrupt), so a manifest holding any of them says 4;
-# one without them is still written as version 1, 2 or 3.
-# 5: a snapshot taken on a base (an incremental take) may point a range at a blob of a sibling
-# snapshot (``../<name>/<blob>``, ``reference_of``), and a tensor entry may record a digest of
-# its bytes (``TensorEntry.digest``). A reader of version 4 would refuse both, so a manifest
-# holding either says 5.
+# Each version adds what older readers would refuse or misread; a writer says the lowest one
+# its manifest needs. 1: dense tensors, objects, primitives, containers. 2: sharded tensors and
+# objects. 3: a replicated leaf taken by several ranks is listed once, under rank 0's prefix
+# (``Manifest.view``). 4: a tensor entry may record ``parameter``, ``requires_grad`` or a
+# ``view``. 5: a range may lie in a sibling snapshot's blob (``reference_of``) and a tensor
+# entry may record a ``digest``.
 FORMAT_VERSION = 5
 REPLICATED_ONCE_VERSION = 3
 TENSOR_ATTRS_VERSION = 4
 INCREMENTAL_VERSION = 5
 
-# What a manifest can hold that every reader reads back, which a take checks its values
-# against (``snapshot._engine.flatten.check_nesting``, the primitive handler) so that it never
-# commits what a restore refuses.
-#
-# An int is written in decimal, and Python refuses to convert a decimal text of more than
-# ``sys.int_info.default_max_str_digits`` (4300) digits unless the process lifted the limit
-# (``sys.set_int_max_str_digits``): another process would then call the manifest corrupt. A
-# take refuses a larger int, as a value or a dict key (pickled, it would not load either: the
-# safe unpickler reads no int of that length).
+# An int is written in decimal, and Python refuses to read a decimal text of more than
+# ``sys.int_info.default_max_str_digits`` digits: a take refuses larger ints (as values or dict
+# keys) so that it never commits what a restore refuses.
 MAX_INT_DIGITS = 4300
 _INT_BOUND = 10**MAX_INT_DIGITS
-# Containers (dict, list, tuple) are entries of their own, and a restore rebuilds them with one
-# level of recursion each (``flatten.inflate``): a take refuses containers nested deeper than
-# this below an app_state key (the key's state dict being level 1), which keeps a restore far
-# from the interpreter's recursion limit.
+# A take refuses containers nested deeper than this below an app_state key: a restore rebuilds
+# them with one level of recursion each.
 MAX_NESTING = 100
 
 
@@ -62,8 +49,7 @@ class Location:
     """A byte range of a blob: ``nbytes`` bytes starting at ``offset`` of blob ``blob``.
 
     ``blob`` is relative to the snapshot's root, ``/``-separated; one that starts with
-    ``../<name>/`` lies in the sibling snapshot ``<name>`` (the folder beside this one that an
-    incremental take's base was, or that base's own base): ``reference_of``. ``crc32`` is the
+    ``../<name>/`` lies in the sibling snapshot ``<name>`` (``reference_of``). ``crc32`` is the
     CRC-32 of the range's bytes (None when the snapshot was taken without checksums).
     """
 
@@ -71,6 +57,11 @@ class Location:
     offset: int
     nbytes: int
     crc32: int | None = None
+
+
+def new_location(blob: str, offset: int, nbytes: int, crc32: int | None = None) -> Location:
+    """``Location(blob=blob, offset=offset, nbytes=nbytes, crc32=crc32)``, positionally."""
+    return Location(blob=blob, offset=offset, nbytes=nbytes, crc32=crc32)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -83,7 +74,7 @@ class Entry:
     @property
     def nbytes(self) -> int:
         """Bytes this entry occupies in blobs (0 for entries stored inline)."""
-        return 0
+        return sum(loc.nbytes for loc in self.locations)
 
     @property
     def locations(self) -> tuple[Location, ...]:
@@ -93,13 +84,9 @@ class Entry:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class TensorView:
-    """Where a tensor's elements lie in the storage of another tensor entry of the same rank.
-
-    ``base`` is that entry's logical path without the rank (``"model/emb.weight"``), resolved
-    under the reading rank's prefix, so a view stays within one rank's state. The tensor's
-    element at index ``i`` is the base's element number ``offset + sum(i[k] * stride[k])`` in
-    row-major order, as ``base.as_strided(shape, stride, offset)`` gives it.
-    """
+    """Where a tensor's elements lie in the storage of another tensor entry of the same rank:
+    ``base.as_strided(shape, stride, offset)``, ``base`` being that entry's logical path without
+    the rank (resolved under the reading rank's prefix)."""
 
     base: str
     offset: int
@@ -108,15 +95,13 @@ class TensorView:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class TensorEntry(Entry):
-    """A dense tensor, stored as its raw bytes in row-major (C) order.
+    """A dense tensor, stored as its raw bytes in row-major (C) order: the concatenation of
+    ``chunks``, each of which may live in a different blob.
 
-    The concatenation of ``chunks`` is the tensor's bytes; each chunk may live in a different blob.
-
-    What ``torch.load`` would give back beyond the values: ``parameter`` (the value was an
-    ``nn.Parameter``), ``requires_grad``, and ``view`` (the value shared its storage with the
-    tensor of another entry, whose elements hold its own). A view's ``chunks`` still hold its
-    own bytes: a read into an existing tensor, and every reader that does not know views, reads
-    those; a read that builds new tensors makes it a view of the base's tensor instead.
+    ``parameter`` (it was an ``nn.Parameter``), ``requires_grad`` and ``view`` (it shared its
+    storage with another entry's tensor) are what ``torch.load`` would give back beyond the
+    values; a view's ``chunks`` still hold its own bytes. ``digest`` (``"xxh3_128:<32 hex>"``)
+    is the hash of its bytes that an incremental take compares to find unchanged tensors.
     """
 
     type: ClassVar[str] = "tensor"
@@ -126,48 +111,25 @@ class TensorEntry(Entry):
     parameter: bool = False
     requires_grad: bool = False
     view: TensorView | None = None
-    # ``"xxh3_128:<32 hex digits>"``: the XXH3 128-bit hash of the tensor's bytes, recorded by
-    # takes that may serve as an incremental take's base (format version 5). A later take
-    # compares its tensors' digests with it to find those that did not change.
     digest: str | None = None
 
     @property
     def has_attrs(self) -> bool:
-        """Whether the entry holds any field of format version 4 or 5 (it is then written as an
-        object, not by the tensor line formatter)."""
+        """Whether the entry holds any field of format version 4 or 5."""
         return (
             self.parameter or self.requires_grad or self.view is not None or self.digest is not None
         )
-
-    @property
-    def nbytes(self) -> int:
-        return sum(c.nbytes for c in self.chunks)
 
     @property
     def locations(self) -> tuple[Location, ...]:
         return self.chunks
 
 
-# Constructors of the two records a manifest holds one of per tensor, for the paths that make
-# tens of thousands of them (planning a take, decoding a manifest): the same objects as the
-# dataclass constructors make, for less work (they set the slots directly, where the generated
-# ``__init__`` parses keywords and goes through ``object.__setattr__`` per field).
-# Like the constructors, they check nothing.
-_new = object.__new__
-_set_blob = Location.blob.__set__  # type: ignore[attr-defined]
-_set_offset = Location.offset.__set__  # type: ignore[attr-defined]
-_set_nbytes = Location.nbytes.__set__  # type: ignore[attr-defined]
-_set_crc32 = Location.crc32.__set__  # type: ignore[attr-defined]
-
-
-def new_location(blob: str, offset: int, nbytes: int, crc32: int | None = None) -> Location:
-    """``Location(blob=blob, offset=offset, nbytes=nbytes, crc32=crc32)``, faster."""
-    loc = _new(Location)
-    _set_blob(loc, blob)
-    _set_offset(loc, offset)
-    _set_nbytes(loc, nbytes)
-    _set_crc32(loc, crc32)
-    return loc
+def new_tensor_entry(
+    dtype: str, shape: tuple[int, ...], chunks: tuple[Location, ...], replicated: bool = False
+) -> TensorEntry:
+    """``TensorEntry(dtype=..., shape=..., chunks=..., replicated=...)``, positionally."""
+    return TensorEntry(dtype=dtype, shape=shape, chunks=chunks, replicated=replicated)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -180,41 +142,12 @@ class Shard:
     chunks: tuple[Location, ...]
 
 
-_set_replicated = Entry.replicated.__set__  # type: ignore[attr-defined]
-_set_dtype = TensorEntry.dtype.__set__  # type: ignore[attr-defined]
-_set_shape = TensorEntry.shape.__set__  # type: ignore[attr-defined]
-_set_chunks = TensorEntry.chunks.__set__  # type: ignore[attr-defined]
-_set_parameter = TensorEntry.parameter.__set__  # type: ignore[attr-defined]
-_set_requires_grad = TensorEntry.requires_grad.__set__  # type: ignore[attr-defined]
-_set_view = TensorEntry.view.__set__  # type: ignore[attr-defined]
-_set_digest = TensorEntry.digest.__set__  # type: ignore[attr-defined]
-
-
-def new_tensor_entry(
-    dtype: str, shape: tuple[int, ...], chunks: tuple[Location, ...], replicated: bool = False
-) -> TensorEntry:
-    """``TensorEntry(dtype=dtype, shape=shape, chunks=chunks, replicated=replicated)``,
-    faster."""
-    entry = _new(TensorEntry)
-    _set_replicated(entry, replicated)
-    _set_dtype(entry, dtype)
-    _set_shape(entry, shape)
-    _set_chunks(entry, chunks)
-    # Slots have no defaults outside ``__init__``: each is set.
-    _set_parameter(entry, False)
-    _set_requires_grad(entry, False)
-    _set_view(entry, None)
-    _set_digest(entry, None)
-    return entry
-
-
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ShardedTensorEntry(Entry):
     """A global tensor stored as shards written by the ranks that held them.
 
-    ``key`` names the global tensor (the same on every rank, whatever logical path each rank
-    holds its piece under); ``shape`` is the global shape; ``shards`` cover it exactly once.
-    Every rank's entry for the tensor lists every shard, so any rank can read any region.
+    ``key`` names the global tensor (the same on every rank); ``shape`` is the global shape;
+    ``shards`` cover it exactly once, and every rank's entry lists every shard.
     """
 
     type: ClassVar[str] = "sharded_tensor"
@@ -224,31 +157,20 @@ class ShardedTensorEntry(Entry):
     shards: tuple[Shard, ...]
 
     @property
-    def nbytes(self) -> int:
-        return sum(c.nbytes for s in self.shards for c in s.chunks)
-
-    @property
     def locations(self) -> tuple[Location, ...]:
         return tuple(c for s in self.shards for c in s.chunks)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ObjectEntry(Entry):
-    """A value serialized into a blob.
-
-    ``serializer`` says how: ``"torch_save"`` (decoded with a restricted unpickler),
-    ``"bytes"`` (the raw bytes of a ``bytes`` value), ``"utf8"`` (a long ``str``).
-    ``obj_type`` is the value's qualified type name, for people reading the manifest.
-    """
+    """A value serialized into a blob. ``serializer``: ``"torch_save"`` (decoded with a
+    restricted unpickler), ``"bytes"`` (a ``bytes`` value) or ``"utf8"`` (a long ``str``);
+    ``obj_type`` is the value's qualified type name, for people reading the manifest."""
 
     type: ClassVar[str] = "object"
     serializer: str
     obj_type: str
     location: Location
-
-    @property
-    def nbytes(self) -> int:
-        return self.location.nbytes
 
     @property
     def locations(self) -> tuple[Location, ...]:
@@ -294,9 +216,9 @@ class TupleEntry(Entry):
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ShardedObjectEntry(Entry):
-    """One piece of a sharded object: a value serialized like an ``ObjectEntry``, written once
-    (by the rank holding its main replica) and found by ``key``, its unique key (the object's
-    key with its offset in the global grid), by every rank that holds a replica of it."""
+    """One piece of a sharded object, serialized like an ``ObjectEntry``, written once and
+    found by ``key`` (the object's key with its offset in the global grid) by every rank that
+    holds a replica of it."""
 
     type: ClassVar[str] = "sharded_object"
     key: str
@@ -305,25 +227,15 @@ class ShardedObjectEntry(Entry):
     location: Location
 
     @property
-    def nbytes(self) -> int:
-        return self.location.nbytes
-
-    @property
     def locations(self) -> tuple[Location, ...]:
         return (self.location,)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class PickledTensorEntry(Entry):
-    """A dense tensor stored as ``torch.save`` bytes instead of raw ones: what torchsnapshot
-    wrote for dtypes it had no raw layout for (complex, quantized). Read-only: this library
-    never writes one, and its manifest codec does not accept one (a snapshot of another format
-    is translated into entries when opened, ``snapshot._engine.format.torchsnapshot_format``).
-
-    Each of ``pieces`` is the box ``offsets .. offsets + sizes`` of the tensor (one piece
-    covering it all unless the writer cut the tensor up), whose ``chunks`` hold exactly one
-    location: the ``torch.save`` bytes of that box, decoded by the safe loader.
-    """
+    """A dense tensor stored as ``torch.save`` bytes: what torchsnapshot wrote for dtypes it
+    had no raw layout for. Read-only: translated from a torchsnapshot manifest, never written.
+    Each of ``pieces`` is a box of the tensor whose one chunk holds that box's bytes."""
 
     type: ClassVar[str] = "pickled_tensor"
     dtype: str
@@ -331,31 +243,11 @@ class PickledTensorEntry(Entry):
     pieces: tuple[Shard, ...]
 
     @property
-    def nbytes(self) -> int:
-        return sum(c.nbytes for p in self.pieces for c in p.chunks)
-
-    @property
     def locations(self) -> tuple[Location, ...]:
         return tuple(c for p in self.pieces for c in p.chunks)
 
 
 ContainerEntry = DictEntry | ListEntry | TupleEntry
-
-# The entries a manifest file of this library may hold (``PickledTensorEntry`` is not one).
-ENTRY_TYPES: dict[str, type[Entry]] = {
-    cls.type: cls
-    for cls in (
-        TensorEntry,
-        ObjectEntry,
-        PrimitiveEntry,
-        DictEntry,
-        ListEntry,
-        TupleEntry,
-        ShardedTensorEntry,
-        ShardedObjectEntry,
-    )
-}
-
 
 # Entries that are never listed once for every rank (``Manifest.view``).
 _NOT_SHARED = (DictEntry, ListEntry, TupleEntry, ShardedTensorEntry, ShardedObjectEntry)
@@ -368,11 +260,8 @@ def is_container(entry: Entry) -> bool:
 
 @dataclass(frozen=True, kw_only=True)
 class Manifest:
-    """A whole snapshot's description: logical path -> entry, plus facts about the snapshot.
-
-    ``entries`` keeps the order in which the snapshot was taken. ``world_size`` is the number of
-    processes that took it. ``metadata`` holds free-form facts (library version, time taken).
-    """
+    """A whole snapshot's description: logical path -> entry (in the order taken), the number
+    of processes that took it, and free-form ``metadata`` (library version, time taken)."""
 
     format_version: int = 1  # what the writer needs; FORMAT_VERSION is the newest readable
     world_size: int = 1
@@ -380,21 +269,14 @@ class Manifest:
     metadata: dict[str, Any] = field(default_factory=dict)
 
     def view(self, rank: int) -> dict[str, Entry]:
-        """The entries as rank ``rank`` of the take reads them: every entry, and under
-        ``<rank>/`` also each replicated leaf that is listed under ``0/`` only (version 3
-        manifests list a replicated leaf once, under rank 0's prefix; earlier ones repeated it
-        under every rank's, and then nothing is added). ``entries`` itself when nothing is
-        added; otherwise a new dict, made once per rank and kept.
-
-        Containers are never replicated (each rank lists its own), nor are sharded entries
-        (each rank's lists every shard already, under the path that rank holds it at).
-        """
+        """The entries as rank ``rank`` reads them: every entry, and under ``<rank>/`` also each
+        replicated leaf listed under ``0/`` only (version 3 lists it once). ``entries`` itself
+        when nothing is added; else a new dict, kept per rank."""
         entries = self.entries
         if rank == 0 or self.world_size == 1:
             return entries
         views: dict[int, dict[str, Entry]] = self.__dict__.setdefault("_views", {})
-        view = views.get(rank)
-        if view is None:
+        if rank not in views:
             prefix = f"{rank}/"
             added = {
                 prefix + p[2:]: e
@@ -404,43 +286,26 @@ class Manifest:
                 and not isinstance(e, _NOT_SHARED)
                 and prefix + p[2:] not in entries
             }
-            view = views[rank] = {**entries, **added} if added else entries
-        return view
+            views[rank] = {**entries, **added} if added else entries
+        return views[rank]
 
     @functools.cached_property
     def blob_sizes(self) -> dict[str, int]:
-        """The length each of the snapshot's own blobs must have: the end of the last range the
-        manifest records in it (a blob holds nothing beyond its last location). For a blob of
-        a sibling snapshot (``reference_of``), the length it must have at least: this manifest
-        sees only the ranges it reuses; the sibling's own manifest bounds it."""
-        # Every restore asks (``bases`` too): the ranges are gathered and their ends computed
-        # in C-level passes, and the largest end is taken per run of ranges in one blob (a
-        # slab's members follow one another in the manifest), not range by range.
-        locs = list(chain.from_iterable(map(_LOCATIONS, self.entries.values())))
-        blobs = list(map(_BLOB, locs))
-        ends = list(map(add, map(_OFFSET, locs), map(_NBYTES, locs)))
-        cuts = [0, *compress(count(1), map(ne, blobs[1:], blobs)), len(blobs)] if blobs else []
+        """The length each blob must have: the end of the last range recorded in it (for a
+        sibling snapshot's blob, the length it must have at least)."""
         sizes: dict[str, int] = {}
-        get = sizes.get
-        for lo, hi in pairwise(cuts):
-            end = max(ends[lo:hi])
-            if end > get(blobs[lo], -1):
-                sizes[blobs[lo]] = end
+        for entry in self.entries.values():
+            for loc in entry.locations:
+                end = loc.offset + loc.nbytes
+                if end > sizes.get(loc.blob, -1):
+                    sizes[loc.blob] = end
         return sizes
 
     @functools.cached_property
     def bases(self) -> tuple[str, ...]:
-        """The names of the sibling snapshots whose blobs this one's entries point at (its base
-        and the bases that base pointed at), sorted; empty for a snapshot that holds all its
-        bytes."""
-        refs = filter(None, map(reference_of, self.blob_sizes))  # each blob once
-        return tuple(sorted({name for name, _ in refs}))
-
-
-_LOCATIONS = attrgetter("locations")
-_BLOB = attrgetter("blob")
-_OFFSET = attrgetter("offset")
-_NBYTES = attrgetter("nbytes")
+        """The names of the sibling snapshots whose blobs this one's entries point at, sorted."""
+        refs = (reference_of(blob) for blob in self.blob_sizes)
+        return tuple(sorted({ref[0] for ref in refs if ref is not None}))
 
 
 # A range in a sibling snapshot's blob is written ``../<name>/<blob>`` (``Location``).
@@ -454,3 +319,244 @@ def reference_of(blob: str) -> tuple[str, str] | None:
         return None
     name, _, rest = blob[len(REFERENCE_PREFIX) :].partition("/")
     return name, rest
+
+
+# -- strict decoding -------------------------------------------------------------------------
+
+# The names the writer gives blobs ("0/17", "3/s2", "0/1f2e3d4c-s2", "1/1f2e3d4c-rs0").
+PLAIN_BLOB = re.compile(r"[0-9]+/(?:[0-9a-f]{8}-)?[a-z]{0,2}[0-9]+")
+MAX_CRC32 = 0xFFFFFFFF
+# The name of a sibling snapshot a blob may lie in: one path component, never ``.`` or ``..``.
+SIBLING_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.=+-]{0,254}")
+DIGEST = re.compile(r"xxh3_128:[0-9a-f]{32}")
+
+
+def check_blob_path(blob: str, where: str = "blob") -> str:
+    """Refuses blob paths that could escape the snapshot's root (``UnsafeManifestError``), but
+    for one leading ``../<name>/`` naming a sibling snapshot (``reference_of``), which a reader
+    follows only into a committed sibling and within the ranges its manifest records."""
+    if PLAIN_BLOB.fullmatch(blob):
+        return blob
+    ref = reference_of(blob)
+    if ref is not None:
+        name, rest = ref
+        if SIBLING_NAME.fullmatch(name) and rest and not rest.startswith(REFERENCE_PREFIX):
+            check_blob_path(rest, where)
+            return blob
+    if (
+        not blob
+        or blob.startswith("/")
+        or "\\" in blob
+        or "\x00" in blob
+        or ":" in blob
+        or any(part in ("", ".", "..") for part in blob.split("/"))
+    ):
+        raise UnsafeManifestError(
+            f"{where}: unsafe blob path {blob!r}: must be relative, without '..'"
+        )
+    return blob
+
+
+def _fail(where: str, what: str) -> ManifestDecodeError:
+    return ManifestDecodeError(f"{where}: {what}")
+
+
+def _int(value: Any, where: str) -> int:
+    if type(value) is not int or value < 0:
+        raise _fail(where, f"expected an integer >= 0, got {value!r}")
+    return value
+
+
+def _str(value: Any, where: str) -> str:
+    if type(value) is not str:
+        raise _fail(where, f"expected a string, got {value!r}")
+    return value
+
+
+def _bool(value: Any, where: str) -> bool:
+    if type(value) is not bool:
+        raise _fail(where, f"expected true or false, got {value!r}")
+    return value
+
+
+def _list(value: Any, where: str, what: str) -> list[Any]:
+    if type(value) is not list:
+        raise _fail(where, f"{what} must be a list, got {value!r}")
+    return value
+
+
+def _ints(value: Any, where: str, what: str) -> tuple[int, ...]:
+    return tuple([_int(x, where) for x in _list(value, where, what)])
+
+
+def _location(value: Any, where: str) -> Location:
+    if type(value) is not list or len(value) not in (3, 4):
+        raise _fail(where, f"expected [blob, offset, nbytes, crc32], got {value!r}")
+    blob, offset, nbytes = value[:3]
+    crc = value[3] if len(value) == 4 else None
+    if (
+        type(offset) is not int
+        or type(nbytes) is not int
+        or offset < 0
+        or nbytes < 0
+        or not (crc is None or (type(crc) is int and 0 <= crc <= MAX_CRC32))
+    ):
+        raise _fail(where, f"expected [blob, offset, nbytes, crc32], got {value!r}")
+    blob = check_blob_path(_str(blob, where), where)
+    return Location(blob=blob, offset=offset, nbytes=nbytes, crc32=crc)
+
+
+def _locations(value: Any, where: str, what: str) -> tuple[Location, ...]:
+    return tuple([_location(c, where) for c in _list(value, where, what)])
+
+
+def _tensor(d: dict[str, Any], where: str, replicated: bool) -> TensorEntry:
+    shape = _ints(d["shape"], where, "shape")
+    view, digest = d.get("view"), d.get("digest")
+    if view is not None:
+        if type(view) is not dict or view.keys() != {"base", "offset", "stride"}:
+            raise _fail(where, f"expected a view {{base, offset, stride}}, got {view!r}")
+        stride = _ints(view["stride"], where, "a view's stride")
+        if len(stride) != len(shape):
+            raise _fail(where, f"a view of a {len(shape)}-d tensor has stride {list(stride)}")
+        base, offset = _str(view["base"], where), _int(view["offset"], where)
+        view = TensorView(base=base, offset=offset, stride=stride)
+    if digest is not None and (type(digest) is not str or not DIGEST.fullmatch(digest)):
+        raise _fail(where, f"digest must be 'xxh3_128:' and 32 hex digits, got {digest!r}")
+    return TensorEntry(
+        dtype=_str(d["dtype"], where),
+        shape=shape,
+        chunks=_locations(d["chunks"], where, "chunks"),
+        parameter=_bool(d.get("parameter", False), where),
+        requires_grad=_bool(d.get("requires_grad", False), where),
+        view=view,
+        digest=digest,
+        replicated=replicated,
+    )
+
+
+def _object(d: dict[str, Any], where: str, replicated: bool) -> ObjectEntry:
+    return ObjectEntry(
+        serializer=_str(d["serializer"], where),
+        obj_type=_str(d["obj_type"], where),
+        location=_location(d["location"], where),
+        replicated=replicated,
+    )
+
+
+def _sharded_object(d: dict[str, Any], where: str, replicated: bool) -> ShardedObjectEntry:
+    return ShardedObjectEntry(
+        key=_str(d["key"], where),
+        serializer=_str(d["serializer"], where),
+        obj_type=_str(d["obj_type"], where),
+        location=_location(d["location"], where),
+        replicated=replicated,
+    )
+
+
+_PRIMITIVE_TYPES: dict[str, type] = {"int": int, "str": str, "bool": bool, "None": type(None)}
+
+
+def _primitive(d: dict[str, Any], where: str, replicated: bool) -> PrimitiveEntry:
+    value_type, value = _str(d["value_type"], where), d["value"]
+    if value_type == "bytes":
+        try:
+            value = base64.b64decode(_str(value, where), validate=True)
+        except binascii.Error as e:
+            raise _fail(where, f"bytes value is not valid base64: {e}") from None
+    elif value_type == "float":
+        try:
+            value = float(_str(value, where))
+        except ValueError:
+            raise _fail(where, f"float value {value!r} is not a number") from None
+    elif value_type not in _PRIMITIVE_TYPES:
+        raise _fail(where, f"unknown primitive type {value_type!r}")
+    elif type(value) is not _PRIMITIVE_TYPES[value_type]:
+        raise _fail(where, f"value {value!r} is not of type {value_type}")
+    return PrimitiveEntry(value=value, replicated=replicated)
+
+
+def _dict(d: dict[str, Any], where: str, replicated: bool) -> DictEntry:
+    keys = _list(d["keys"], where, "keys")
+    for k in keys:
+        if k is not None and type(k) not in (str, int, bool):
+            raise _fail(where, f"unsupported dict key {k!r}")
+    if len(set(keys)) != len(keys):
+        raise _fail(where, "duplicate dict keys")
+    ordered = _bool(d.get("ordered", False), where)
+    return DictEntry(keys=tuple(keys), ordered=ordered, replicated=replicated)
+
+
+def _list_entry(d: dict[str, Any], where: str, replicated: bool) -> ListEntry:
+    return ListEntry(length=_int(d["length"], where), replicated=replicated)
+
+
+def _tuple_entry(d: dict[str, Any], where: str, replicated: bool) -> TupleEntry:
+    return TupleEntry(length=_int(d["length"], where), replicated=replicated)
+
+
+def _sharded_tensor(d: dict[str, Any], where: str, replicated: bool) -> ShardedTensorEntry:
+    shape = _ints(d["shape"], where, "shape")
+    shards = []
+    for s in _list(d["shards"], where, "shards"):
+        if type(s) is not dict or s.keys() != {"offsets", "sizes", "chunks"}:
+            raise _fail(where, f"expected a shard {{offsets, sizes, chunks}}, got {s!r}")
+        offsets = _ints(s["offsets"], where, "a shard's offsets")
+        sizes = _ints(s["sizes"], where, "a shard's sizes")
+        if len(offsets) != len(shape) or len(sizes) != len(shape):
+            raise _fail(where, f"a shard of a {len(shape)}-d tensor has offsets {list(offsets)}")
+        if any(o + n > g for o, n, g in zip(offsets, sizes, shape, strict=True)):
+            raise _fail(
+                where,
+                f"shard at {list(offsets)} of size {list(sizes)} exceeds the shape {list(shape)}",
+            )
+        chunks = _locations(s["chunks"], where, "a shard's chunks")
+        shards.append(Shard(offsets=offsets, sizes=sizes, chunks=chunks))
+    return ShardedTensorEntry(
+        key=_str(d["key"], where),
+        dtype=_str(d["dtype"], where),
+        shape=shape,
+        shards=tuple(shards),
+        replicated=replicated,
+    )
+
+
+# What a manifest file may hold (``PickledTensorEntry`` is no such entry): each type's decoder,
+# its required fields, and every field it may have.
+_DECODERS: dict[str, tuple[Any, frozenset[str], frozenset[str]]] = {
+    tag: (decode, frozenset(required), frozenset({"type", "replicated", *required, *optional}))
+    for tag, decode, required, optional in (
+        (
+            "tensor",
+            _tensor,
+            ("dtype", "shape", "chunks"),
+            ("parameter", "requires_grad", "view", "digest"),
+        ),
+        ("object", _object, ("serializer", "obj_type", "location"), ()),
+        ("primitive", _primitive, ("value_type", "value"), ()),
+        ("dict", _dict, ("keys",), ("ordered",)),
+        ("list", _list_entry, ("length",), ()),
+        ("tuple", _tuple_entry, ("length",), ()),
+        ("sharded_tensor", _sharded_tensor, ("key", "dtype", "shape", "shards"), ()),
+        ("sharded_object", _sharded_object, ("key", "serializer", "obj_type", "location"), ()),
+    )
+}
+
+
+def entry_from_dict(d: Any, where: str) -> Entry:
+    """Decodes one entry from its plain-data form, checking every field: anything unexpected
+    is a ``ManifestDecodeError`` naming ``where`` (an ``UnsafeManifestError`` for a blob path
+    that could leave the root)."""
+    if type(d) is not dict:
+        raise _fail(where, f"expected a mapping, got {d!r}")
+    tag = d.get("type")
+    if type(tag) is not str or tag not in _DECODERS:
+        raise _fail(where, f"unknown entry type {tag!r}; known: {', '.join(_DECODERS)}")
+    decode, required, allowed = _DECODERS[tag]
+    if not required <= d.keys() <= allowed:
+        missing, unknown = required - d.keys(), d.keys() - allowed
+        raise _fail(
+            where, f"{tag} entry: missing fields {sorted(missing)}, unknown {sorted(unknown)}"
+        )
+    entry: Entry = decode(d, where, _bool(d.get("replicated", False), where))
+    return entry

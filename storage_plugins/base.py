@@ -12,23 +12,18 @@ Buffer = bytes | bytearray | memoryview
 
 
 class RefusedBlobError(OSError):
-    """A plugin refused a blob for what the store holds at its path, not for a failure of the
-    store: the same call would be refused again, so it is never retried."""
+    """A plugin refused a blob for what the store holds at its path (never retried)."""
 
 
 class UnsafeBlobError(RefusedBlobError):
-    """What the store holds at a blob's path is not a plain blob inside the root: a symbolic
-    link (at the blob, or at a directory on the way to it), a FIFO, a device, a socket or a
-    directory. A plugin never follows or opens such a thing: a link could lead out of the root,
-    and opening a FIFO or a device could block or never end."""
+    """What the store holds at a blob's path is not a plain blob inside the root (a symbolic
+    link on the way to it, a FIFO, a device, a socket, a directory): a plugin never follows or
+    opens such a thing."""
 
 
 class BlobTooLargeError(RefusedBlobError):
-    """A blob holds more bytes than a bounded read (``StoragePlugin.read_limited``) allows.
-
-    ``size`` is the blob's length when the store told it, else None (the read stopped one byte
-    past ``limit``).
-    """
+    """A blob holds more bytes than a bounded read (``StoragePlugin.read_limited``) allows;
+    ``size`` is its length when the store told it, else None."""
 
     def __init__(self, where: str, limit: int, size: int | None = None) -> None:
         held = f"{size} bytes" if size is not None else "more bytes"
@@ -40,55 +35,42 @@ class BlobTooLargeError(RefusedBlobError):
 class StoragePlugin(abc.ABC):
     """Stores and fetches blobs addressed by relative paths under one root.
 
-    A plugin knows nothing of tensors or manifests. The caller (the library's scheduler) owns the
-    event loop; every coroutine of a plugin runs on that loop, and the plugin is constructed on it
-    too, so a plugin may create loop-bound resources (an aiohttp session, say) in ``__init__``.
+    A plugin knows nothing of tensors or manifests. It is constructed on the library's event
+    loop and every coroutine of it runs there (it may create loop-bound resources in
+    ``__init__``). Call sequence: construct with the root and the user's ``storage_options``;
+    any number of concurrent calls; ``sync()`` whenever what was written must become durable;
+    ``close()`` once, last.
 
-    Call sequence: construct with the root and the user's ``storage_options``; any number of
-    concurrent ``write`` / ``read`` / ``read_into`` / ``readv`` / ``write_observed`` /
-    ``readv_observed`` / ``size`` / ``exists`` / ``delete`` calls; ``sync()`` whenever what was
-    written must become durable; ``close()`` once, after which the plugin is not used again.
+    Errors are builtins: ``FileNotFoundError`` for a missing blob, ``EOFError`` when a blob
+    ends before the requested range, ``OSError`` for what the storage reports;
+    ``UnsafeBlobError`` for something at a blob's path that is not a plain blob inside the root,
+    ``BlobTooLargeError`` from ``read_limited``. The library repeats a call when
+    ``is_transient`` says its error may pass (never a ``RefusedBlobError``): every call must be
+    safe to repeat.
 
-    Errors are builtins a caller already knows: ``FileNotFoundError`` for a missing blob,
-    ``EOFError`` when a blob ends before the requested range does, ``OSError`` (or a subclass) for
-    everything the storage itself reports; ``UnsafeBlobError`` for something at a blob's path
-    that is not a plain blob inside the root (a symbolic link, a FIFO, a device), which a plugin
-    must neither follow nor open, and ``BlobTooLargeError`` from ``read_limited``. The library
-    makes a call again when ``is_transient`` says its error may pass (never for a
-    ``RefusedBlobError``), so every call must be safe to repeat.
-
-    Paths are relative, ``/``-separated, and were produced by the library (never ``..`` or
-    absolute); a plugin maps them under its root however it likes.
+    Paths are relative, ``/``-separated, made by the library (never ``..`` or absolute).
     """
 
     # The largest blob this store handles best, or None: the library's default chunk size for
-    # tensors (128 MiB) is lowered to it (an explicit STATESNAP_CHUNK_BYTES still wins). Read
-    # from the class, before any instance exists, and alike on every rank.
+    # tensors is lowered to it (read from the class, alike on every rank).
     chunk_bytes_hint: int | None = None
 
-    # True when making the plugin is expensive (an S3 client: the SDK loads its service model
-    # and opens new connections) and one may serve several operations in turn: the library then
-    # keeps it open a few seconds after an operation (STATESNAP_KEEP_OPEN_SECS) for the next one
-    # on the same path with the same options, calling ``forget`` before that one.
+    # True when making the plugin is expensive (an S3 client): the library keeps it open a few
+    # seconds after an operation (STATESNAP_KEEP_OPEN_SECS) for the next one on the same path
+    # with the same options, calling ``forget`` before that one.
     keep_open: bool = False
 
     @abc.abstractmethod
     async def write(self, path: str, buffers: Sequence[Buffer]) -> None:
         """Stores the concatenation of ``buffers`` as the blob ``path``, replacing any old one.
-
-        When this returns, the blob holds exactly these bytes, and no reader ever sees a
-        partially written blob at ``path``. The plugin must not keep references to ``buffers``
-        after returning: the caller may reuse their memory at once.
-        """
+        No reader ever sees a partial blob; ``buffers`` are not referenced after returning (the
+        caller reuses their memory at once)."""
 
     async def write_if_absent(self, path: str, buffers: Sequence[Buffer]) -> None:
-        """``write``, only if no blob ``path`` exists: ``FileExistsError`` otherwise, and
-        nothing written. The library writes a snapshot's manifest this way, so that of two
-        takes racing at one path only one commits.
-
-        The default asks ``exists`` and then writes, which two writers can pass at once; a
-        plugin whose store can create a blob only if it is absent, in one step (an exclusive
-        link on a local disk, a conditional put on S3), overrides it.
+        """``write``, only if no blob ``path`` exists: ``FileExistsError`` otherwise (the
+        manifest is written so: of two takes racing at one path only one commits). The default
+        asks ``exists`` then writes, which two writers can pass at once; a store that can create
+        a blob only if absent in one step (an exclusive link, a conditional put) overrides it.
         """
         if await self.exists(path):
             raise FileExistsError(f"{self.describe(path)} exists")
@@ -99,13 +81,9 @@ class StoragePlugin(abc.ABC):
         """Returns the whole blob ``path``."""
 
     async def read_limited(self, path: str, limit: int) -> bytes:
-        """Returns the whole blob ``path``, which holds at most ``limit`` bytes.
-
-        Reading a blob whose length the snapshot does not record (its manifest) must cost no
-        more than ``limit`` bytes of memory and transfer, whatever the store claims: a plugin
-        checks the length the store reports before reading (``size``), and reads no more than
-        ``limit + 1`` bytes anyway, since that length may be wrong. The default trusts ``size``
-        and then reads the whole blob; plugins that can bound a read override it.
+        """Returns the whole blob ``path``, which holds at most ``limit`` bytes: checked
+        against the reported length before reading, and by reading no more than ``limit + 1``
+        bytes (the default trusts ``size``; plugins that can bound a read override it).
 
         Raises:
             FileNotFoundError: no blob at ``path``.
@@ -130,10 +108,7 @@ class StoragePlugin(abc.ABC):
 
     async def readv(self, path: str, offset: int, outs: Sequence[memoryview]) -> None:
         """Fills the buffers in ``outs``, in order, from consecutive bytes starting at ``offset``
-        (a scatter read: one ranged request, several destinations).
-
-        The default reads the whole range into one temporary buffer and copies it out; plugins
-        that can scatter without the copy (``preadv``) override it.
+        (a scatter read). The default reads into one temporary buffer and copies it out.
 
         Raises:
             FileNotFoundError: no blob at ``path``.
@@ -153,21 +128,13 @@ class StoragePlugin(abc.ABC):
     async def write_observed(
         self, path: str, buffers: Sequence[Buffer], observe: Callable[[memoryview], None]
     ) -> None:
-        """``write``, with ``observe`` called on the blob's bytes: on consecutive pieces of them,
-        in order, each exactly once (the library computes checksums this way). ``observe``
-        may be called from any thread, but never concurrently with itself.
+        """``write``, with ``observe`` called on consecutive pieces of the blob's bytes, in
+        order, each once (checksums), from any thread but never concurrently with itself.
 
         What is observed must be the very bytes stored, even while another thread changes the
-        memory of ``buffers`` (an application updating its tensors in place during a take):
-        a plugin observes its own copy of them, the one it sends or writes, never ``buffers``
-        before or after their write. The default copies the blob's bytes (a ``bytes`` buffer,
-        which nobody can change, is used as it is; on a worker thread when they are large),
-        observes the copy, then writes the copy; plugins that can stream override it to copy
-        and observe piece by piece.
-
-        ``observe`` may also have a ``many(pieces)`` method, the same as calling ``observe`` on
-        each of ``pieces`` in order; a plugin that moves many buffers at once may use it (the
-        library's digests checksum slab members in bulk that way).
+        memory of ``buffers``: a plugin observes its own copy, the one it writes. The default
+        copies the blob's bytes (a ``bytes`` buffer as it is), observes the copy, then writes
+        it. ``observe`` may have a ``many(pieces)`` method, the same as calling it on each.
         """
         if sum(len(b) for b in buffers) > OBSERVE_INLINE_BYTES:
             copies = await asyncio.to_thread(copy_observed, buffers, observe)
@@ -182,11 +149,8 @@ class StoragePlugin(abc.ABC):
         outs: Sequence[memoryview],
         observe: Callable[[memoryview], None],
     ) -> None:
-        """``readv``, with ``observe`` called on the bytes read, as ``write_observed`` does.
-
-        The default reads, then observes each buffer; a plugin that reads in pieces overrides
-        it to observe each piece right after it lands.
-        """
+        """``readv``, with ``observe`` called on the bytes read, as ``write_observed`` does
+        (the default reads, then observes each buffer)."""
         await self.readv(path, offset, outs)
         if sum(len(o) for o in outs) > OBSERVE_INLINE_BYTES:
             await asyncio.to_thread(_observe_all, outs, observe)
@@ -195,26 +159,18 @@ class StoragePlugin(abc.ABC):
 
     async def read_ahead(self, path: str, offset: int, nbytes: int) -> None:  # noqa: B027 - a hint
         """A hint: the bytes ``[offset, offset + nbytes)`` of blob ``path`` are about to be
-        read. A plugin may start fetching them now, where that costs no memory of the process
-        (the local plugin asks the kernel to read them into the page cache); the default does
-        nothing. The library gives these hints while a restore plans its reads, and ignores
-        their errors (the read itself reports a missing or short blob).
-        """
+        read; a plugin may start fetching them where that costs no memory of the process (the
+        page cache). The default does nothing; the library ignores the hints' errors."""
 
     def read_ahead_now(self, path: str, offset: int, nbytes: int) -> bool:
-        """The hint of ``read_ahead``, given from a library thread (not the I/O loop), for a
-        plugin that acts on it at once with a short blocking call: True when it did. The
-        default returns False, and the library awaits ``read_ahead`` on its I/O loop instead.
-        The local plugin answers here (one ``posix_fadvise``, which queues the reads): a hint
-        then costs no hand-over between threads, each of which would take the GIL from the
-        restore planning meanwhile.
-        """
+        """The hint of ``read_ahead``, given from a library thread, for a plugin that acts on it
+        at once with a short blocking call: True when it did. By default False: the library
+        awaits ``read_ahead`` on its I/O loop instead."""
         return False
 
     async def size(self, path: str) -> int | None:
-        """The length of blob ``path`` in bytes, or None when this store cannot tell cheaply
-        (the default). The library compares it with what the manifest records, so that a blob
-        that grew after the take is noticed.
+        """The length of blob ``path``, or None when this store cannot tell cheaply (the
+        default); compared with the manifest, so that a blob that grew is noticed.
 
         Raises:
             FileNotFoundError: no blob at ``path``.
@@ -226,14 +182,10 @@ class StoragePlugin(abc.ABC):
         """Whether a blob ``path`` exists."""
 
     async def list_names(self, limit: int) -> list[str] | None:
-        """Up to ``limit`` names of what the root holds at its top level, in any order: its
-        blobs, and the first component of longer paths (a directory, an object store's common
-        prefix); ``[]`` when the root is empty or does not exist. None (the default) when the
-        store cannot tell with one cheap call.
-
-        The library asks before a take, which refuses a root that holds anything but what an
-        interrupted take left there; a plugin that answers None leaves that check undone.
-        """
+        """Up to ``limit`` names of what the root holds at its top level (blobs, and the first
+        component of longer paths), ``[]`` when it is empty or absent; None (the default) when
+        the store cannot tell with one cheap call. A take asks, to refuse a root that holds
+        anything but what an interrupted take left."""
         return None
 
     @abc.abstractmethod
@@ -242,37 +194,28 @@ class StoragePlugin(abc.ABC):
 
     async def delete_all(self) -> None:
         """Deletes every blob under the root, and the root itself where the store has
-        directories; nothing when the root does not exist. Links are removed, never followed.
-        The library calls it to remove a whole snapshot once its manifest is gone (the
-        checkpoint manager's retention). The default raises ``NotImplementedError``: a store
-        that cannot list what is under a root cannot delete it whole.
-        """
+        directories (links removed, never followed); nothing when it does not exist. The
+        default raises ``NotImplementedError``."""
         raise NotImplementedError(f"{type(self).__name__} cannot delete a whole root")
 
     async def sync(self) -> None:  # noqa: B027 - optional hook, most stores are durable on write
-        """Makes every blob written so far durable (survives a crash of the machine).
-
-        The library calls this before and after writing a snapshot's commit marker. Stores whose
-        writes are durable when ``write`` returns (object stores) need not override it.
-        """
+        """Makes every blob written so far durable (called before and after the commit
+        marker); stores durable on ``write`` need not override it."""
 
     async def close(self) -> None:  # noqa: B027 - optional hook, most plugins hold nothing
         """Releases what the plugin holds (sessions, threads). Called once, last."""
 
     def forget(self) -> None:  # noqa: B027 - optional hook, for plugins that remember blobs
-        """Drops what the plugin learned about blobs during an operation (an object's length
-        seen in a read's answer): a plugin kept open (``keep_open``) may serve the next one
-        after the blobs changed."""
+        """Drops what the plugin learned about blobs during an operation (a length seen in a
+        read's answer), before a plugin kept open serves the next one."""
 
     def describe(self, path: str) -> str:
         """A human-readable location of blob ``path``, for error messages."""
         return path
 
     def is_transient(self, error: BaseException) -> bool:
-        """Whether ``error`` may go away if the same call is simply made again (the library then
-        retries it, with backoff). By default: timeouts, dropped or refused connections, and
-        the errnos that say "busy, try again". A missing blob, a permission error, a full disk
-        or an I/O error of the device are not. Plugins for remote stores may add their own.
+        """Whether ``error`` may go away if the call is made again (then retried with backoff):
+        by default timeouts, dropped or refused connections, and the "busy, try again" errnos.
         """
         if isinstance(error, (ConnectionError, TimeoutError)):
             return True
@@ -283,9 +226,7 @@ class StoragePlugin(abc.ABC):
 OBSERVE_INLINE_BYTES = 1 << 20
 
 
-def copy_observed(
-    buffers: Sequence[Buffer], observe: Callable[[memoryview], None]
-) -> list[bytes]:
+def copy_observed(buffers: Sequence[Buffer], observe: Callable[[memoryview], None]) -> list[bytes]:
     """A private copy of each non-empty buffer (``bytes`` ones as they are: immutable), each
     shown to ``observe`` in order."""
     copies = [b if type(b) is bytes else bytes(b) for b in buffers if len(b)]

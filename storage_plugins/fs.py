@@ -1,9 +1,8 @@
 """Local file-system storage: one file per blob, written through a thread pool.
 
-This module holds the plugin: where each blob lives, how paths below the root are opened
-without following links, temporary files renamed into place, fsync and direct-I/O policy. The
-system-call loops that move the bytes are :mod:`storage_plugins.fs_io`.
-"""
+Paths below the root are opened without following links; a blob is written to a temporary file
+renamed into place, by vectored calls, or through an aligned buffer of the writing thread for
+direct I/O and for checksums (which must see the very bytes written)."""
 
 from __future__ import annotations
 
@@ -11,42 +10,30 @@ import asyncio
 import errno
 import functools
 import logging
+import mmap
 import os
 import shutil
 import stat
 import threading
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from itertools import islice
 from typing import Any, TypeVar
 
 from storage_plugins import host
 from storage_plugins.base import BlobTooLargeError, Buffer, StoragePlugin, UnsafeBlobError
-from storage_plugins.fs_io import (
-    O_DIRECT,
-    DirectRefused,
-    Observer,
-    read_all,
-    read_to_end,
-    write_all,
-    write_direct,
-)
 
 logger = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
+Observer = Callable[[memoryview], None]
 
-_DEFAULT_IO_THREADS = 8
-
-# A snapshot's bytes are untrusted (a tarball or an upload can carry anything), so paths below
-# the root are opened one component at a time, each relative to its parent with O_NOFOLLOW: a
-# symbolic link (to a file outside the root, or a directory elsewhere) is refused, never
-# followed. Files are opened with O_NONBLOCK so that a FIFO's open returns at once, then
-# refused by ``fstat`` like any other file that is not regular.
+# Paths below the root are opened one component at a time with O_NOFOLLOW (a link is refused),
+# files with O_NONBLOCK (a FIFO's open returns at once, then ``fstat`` refuses it).
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
-
+_NOT_NAMES = frozenset({"", ".", ".."})
 _KINDS = (
     (stat.S_ISLNK, "a symbolic link"),
     (stat.S_ISFIFO, "a FIFO"),
@@ -57,10 +44,6 @@ _KINDS = (
 )
 
 
-# Path components that do not name an entry below the root.
-_NOT_NAMES = frozenset({"", ".", ".."})
-
-
 def _unsafe(where: str, mode: int) -> UnsafeBlobError:
     kind = next((name for test, name in _KINDS if test(mode)), "not a regular file")
     return UnsafeBlobError(
@@ -69,32 +52,162 @@ def _unsafe(where: str, mode: int) -> UnsafeBlobError:
     )
 
 
-# Smaller files (manifests, objects, a few small tensors) go through the page cache: a direct
-# write of a few KiB waits on the device for little.
+_MAX_IOV = 1024  # Linux's IOV_MAX: buffers per vectored call
+_MAX_CALL_BYTES = 0x7FFFF000
+# An observed read moves pieces of at most this many bytes, each observed right after its call.
+_OBSERVED_READ_BYTES = 4 << 20
+# A whole-file read asks for the reported length and one byte more, at least this much.
+_MIN_READ_BYTES = 64 << 10
+
+# Direct I/O (O_DIRECT, Linux) writes from a page-aligned buffer of each I/O thread, in pieces
+# of ``_DIRECT_PIECE_BYTES``; the last piece is padded to ``_DIRECT_ALIGN`` and the file cut
+# back. The same buffer carries observed writes through the page cache: the one copy of the
+# bytes that no other thread can change while they are checksummed and written.
+O_DIRECT: int = getattr(os, "O_DIRECT", 0)
+_DIRECT_ALIGN = 4096
+_DIRECT_PIECE_BYTES = 4 << 20
+# Smaller files go through the page cache: a direct write of a few KiB waits on the device.
 _DIRECT_MIN_BYTES = 1 << 20
-# With direct_io="auto", a file made of many small views also goes through the page cache, where
-# ``pwritev`` copies up to 1,024 views in the kernel without the GIL; a direct write copies
-# them into the aligned buffer holding the GIL and takes the GIL back
-# after each 4 MiB piece, which costs up to the switch interval while the caller still plans in
-# Python (figures: benchmarks/results/2026-11-23-71727b9-slabs-through-the-page-cache.md).
-# A file whose views average this much or more (a large tensor: one view) is written directly.
-_DIRECT_MIN_MEAN_VIEW_BYTES = 256 << 10
+_bounce = threading.local()
 
 
-@functools.cache
-def _direct_without_fsync() -> bool:
-    """What ``direct_io="auto"`` does when fsync is off: direct on a VM that reports free
-    memory (decided once per process, said once in the log)."""
-    if not O_DIRECT or not host.reports_free_memory():
-        return False
-    logger.info(
-        "this machine hands its free memory back to the host (virtio-balloon free page "
-        "reporting), which makes page-cache memory slow to allocate: files of 1 MiB and more "
-        "are written with direct I/O also without fsync "
-        "(storage_options direct_io=False writes them through the page cache)"
-    )
+def _bounce_buffer() -> memoryview:
+    """This thread's page-aligned buffer for direct and observed writes."""
+    buf = getattr(_bounce, "view", None)
+    if buf is None or len(buf) != _DIRECT_PIECE_BYTES:
+        buf = _bounce.view = memoryview(mmap.mmap(-1, _DIRECT_PIECE_BYTES))
+    return buf
+
+
+def _move(
+    views: list[memoryview],
+    move: Callable[[list[memoryview]], int],
+    limit: int,
+    observe: Observer | None = None,
+) -> None:
+    """Moves ``views`` (non-empty) by calls ``move(batch)`` of at most ``limit`` bytes and
+    ``_MAX_IOV`` buffers, each moving a prefix of ``batch``; ``observe`` (or its ``many``)
+    sees the pieces moved, in order, right after each call."""
+    many = getattr(observe, "many", None)
+    i, skip, pos = 0, 0, 0  # the first view not wholly moved, its bytes moved, bytes moved
+    while i < len(views):
+        batch = [views[i][skip : skip + limit]]
+        size, j = len(batch[0]), i + 1
+        while j < len(views) and len(batch) < _MAX_IOV and size + len(views[j]) <= limit:
+            batch.append(views[j])
+            size += len(views[j])
+            j += 1
+        n = move(batch)
+        if n <= 0:
+            total = sum(map(len, views))
+            raise OSError(errno.EIO, f"a system call moved no bytes at byte {pos} of {total}")
+        pos += n
+        moved = []
+        for piece in batch:
+            k = min(n, len(piece))
+            moved.append(piece[:k])
+            n -= k
+            skip += k
+            if skip == len(views[i]):
+                i, skip = i + 1, 0
+            if n == 0:
+                break
+        if many is not None:
+            many(moved)
+        elif observe is not None:
+            list(map(observe, moved))
+
+
+def _fill(buf: memoryview, views: Sequence[memoryview]) -> Iterator[int]:
+    """Copies the concatenation of ``views`` into ``buf`` one buffer-full at a time, yielding
+    how many bytes it holds (``len(buf)`` but for the last)."""
+    fill = 0
+    for view in views:
+        while len(view):
+            k = min(len(view), len(buf) - fill)
+            buf[fill : fill + k] = view[:k]
+            fill += k
+            view = view[k:]
+            if fill == len(buf):
+                yield fill
+                fill = 0
+    if fill:
+        yield fill
+
+
+def _write_direct(fd: int, views: Sequence[memoryview], observe: Observer | None) -> bool:
+    """Writes ``views`` to ``fd`` (opened with O_DIRECT, at offset 0) through this thread's
+    aligned buffer, observing each piece from the buffer after its write. False when the first
+    write is refused (EINVAL): nothing is then written or observed."""
+    buf = _bounce_buffer()
+    pos = 0
+    for fill in _fill(buf, views):
+        padded = -(-fill // _DIRECT_ALIGN) * _DIRECT_ALIGN
+        buf[fill:padded] = bytes(padded - fill)  # no stale memory reaches the disk
+        done = 0
+        while done < padded:
+            try:
+                n = os.pwrite(fd, buf[done:padded], pos + done)
+            except OSError as e:
+                if pos == 0 and done == 0 and e.errno == errno.EINVAL:
+                    return False
+                raise
+            if n <= 0:
+                raise OSError(errno.EIO, f"a system call moved no bytes at byte {pos + done}")
+            done += n
+        if observe is not None:
+            observe(buf[:fill])
+        pos += fill
+        if fill < padded:
+            os.ftruncate(fd, pos)
     return True
 
+
+def _write_all(fd: int, views: list[memoryview], observe: Observer | None) -> None:
+    """Writes ``views``; with ``observe``, through this thread's buffer, each buffer-full
+    observed once written (never ``views``, which another thread may change meanwhile)."""
+    write = functools.partial(os.writev, fd)
+    if observe is None:
+        _move(views, write, _MAX_CALL_BYTES)
+        return
+    buf = _bounce_buffer()
+    for fill in _fill(buf, views):
+        _move([buf[:fill]], write, _MAX_CALL_BYTES)
+        observe(buf[:fill])
+
+
+def _read_all(
+    fd: int, offset: int, outs: Sequence[memoryview], name: str, observe: Observer | None
+) -> None:
+    """Fills every buffer in order from ``offset`` on, resuming after short reads."""
+    views = [o for o in outs if len(o)]
+    total = offset + sum(map(len, views))
+    pos = offset
+
+    def read(batch: list[memoryview]) -> int:
+        nonlocal pos
+        n = os.preadv(fd, batch, pos)
+        if n == 0:
+            raise EOFError(f"{name} ends at byte {pos}, but bytes up to {total} were requested")
+        pos += n
+        return n
+
+    _move(views, read, _MAX_CALL_BYTES if observe is None else _OBSERVED_READ_BYTES, observe)
+
+
+def _read_to_end(fd: int, reported: int, limit: int | None, name: str) -> bytes:
+    """The rest of the file ``fd``, whose ``fstat`` said ``reported`` bytes (which may be
+    wrong: a file still growing); past ``limit`` bytes, ``BlobTooLargeError``."""
+    pieces: list[bytes] = []
+    got = 0
+    while limit is None or got <= limit:
+        want = max(reported - got + 1, _MIN_READ_BYTES)
+        piece = os.read(fd, want if limit is None else min(want, limit + 1 - got))
+        if not piece:
+            return b"".join(pieces)
+        pieces.append(piece)
+        got += len(piece)
+    raise BlobTooLargeError(name, limit)
 
 
 def missing_folders(path: str) -> list[str]:
@@ -110,28 +223,19 @@ def missing_folders(path: str) -> list[str]:
         path = parent
     return missing
 
-class FSStoragePlugin(StoragePlugin):
-    """Blobs are files under a directory.
 
-    Each blob is written to a temporary name in its final directory and renamed into place, so a
-    reader never sees a partial file. Blocking calls run on the plugin's own thread pool: one pool
-    hop per blob operation (open, write, sync, rename together) rather than one per system call.
+class FSStoragePlugin(StoragePlugin):
+    """Blobs are files under a directory; blocking calls run on the plugin's thread pool, one
+    hop per blob operation.
 
     storage_options:
         fsync (bool, default True): fsync each file after writing it, and (in ``sync()``) every
             directory a file was renamed into, so a committed snapshot survives a power loss.
         direct_io (bool or "auto", default "auto"): write files of 1 MiB and more with direct
             I/O (O_DIRECT), past the page cache. "auto" does so when ``fsync`` is on (the bytes
-            must reach the device before the take ends anyway), and without fsync on a VM that
-            hands its free memory back to the host (virtio-balloon free page reporting: there
-            allocating page-cache memory costs more than the device's write); True always
-            (the take then ends when the device has the bytes, not when the page cache has
-            them: slower on a machine whose page cache takes writes faster than its disk).
-            "auto" leaves a file given as many small views to the page cache, where they
-            are copied without the GIL; True writes it directly too. (A slab of small tensors
-            is one buffer, its copy: written as any other file.)
-            A file system that refuses direct I/O (tmpfs, some network and FUSE file
-            systems) is written through the page cache instead, with a log line.
+            must reach the device anyway), and without fsync on a VM that hands its free memory
+            back to the host; True always. A file system that refuses direct I/O (tmpfs, some
+            FUSE file systems) is written through the page cache instead, with a log line.
         io_threads (int, default 8): size of the thread pool.
     """
 
@@ -139,7 +243,7 @@ class FSStoragePlugin(StoragePlugin):
         options = dict(storage_options or {})
         self._fsync = bool(options.pop("fsync", True))
         direct = options.pop("direct_io", "auto")
-        io_threads = int(options.pop("io_threads", _DEFAULT_IO_THREADS))
+        io_threads = int(options.pop("io_threads", 8))
         if options:
             raise TypeError(
                 f"unknown storage_options for local storage: {sorted(options)}; "
@@ -151,29 +255,20 @@ class FSStoragePlugin(StoragePlugin):
             raise ValueError(f'direct_io must be True, False or "auto", got {direct!r}')
         if direct is True and not O_DIRECT:
             raise ValueError("direct_io=True needs O_DIRECT, which this platform does not have")
-        # Whether files are written directly; turned off for good when the file system refuses.
-        # "auto" leaves a file of many small views to the page cache
-        # (``_DIRECT_MIN_MEAN_VIEW_BYTES``); True writes every file of ``_DIRECT_MIN_BYTES``
-        # directly.
-        self._direct_small_views = direct is True
+        # Turned off for good when the file system refuses direct I/O.
         if direct == "auto":
-            direct = self._fsync or _direct_without_fsync()
+            direct = self._fsync or (bool(O_DIRECT) and host.direct_without_fsync())
         self._direct = bool(O_DIRECT) and direct
         self.root = os.path.abspath(os.path.expanduser(root.removeprefix("file://")))
-        # The root as the user named it may be a symbolic link: that choice is theirs, so it is
-        # resolved here, once. Below it nothing is followed (``_open_dir``).
+        # The root as the user named it may be a link (their choice): resolved once, here.
         self._base = os.path.realpath(self.root)
         self._executor = ThreadPoolExecutor(io_threads, thread_name_prefix="statesnap-fs")
-        # What this plugin created, so that deleting the blobs of a failed take also removes
-        # the directories made for them (``_remove_made_dirs``): the root and its ancestors
-        # that were missing, outermost first, and the directories below the root.
+        # What this plugin created (the root and its missing ancestors, outermost first; the
+        # directories below the root): deleting a failed take's blobs removes them too.
         self._made_above: list[str] = []
         self._making_root = threading.Lock()
         self._made_below: set[str] = set()
         self._dirty_dirs: set[tuple[str, ...]] = set()
-        # Lengths of the files reads opened (an fstat of the file already open, where a separate
-        # query is a hop through the pool): ``size`` answers from them.
-        self._sizes: dict[str, int] = {}
 
     def _abs(self, path: str) -> str:
         return os.path.join(self.root, *path.split("/"))
@@ -184,13 +279,10 @@ class FSStoragePlugin(StoragePlugin):
     async def _run(self, fn: Callable[..., _T], *args: Any) -> _T:
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
-    # -- opening without following -------------------------------------------------------------
-
     def _openat(self, at: int | None, name: str, flags: int, path: str) -> int:
         """``os.open(name, flags)`` relative to the directory ``at`` (``name`` absolute when
-        None). When the open fails on something that is neither a regular file nor a directory
-        (``O_NOFOLLOW`` refuses a link, ``O_DIRECTORY`` anything else, a socket cannot be
-        opened), ``UnsafeBlobError`` naming ``path`` (relative to the root) and what it is."""
+        None); ``UnsafeBlobError`` naming ``path`` when it fails on something that is neither
+        a regular file nor a directory."""
         try:
             return os.open(name, flags, dir_fd=at)
         except FileNotFoundError:
@@ -204,18 +296,8 @@ class FSStoragePlugin(StoragePlugin):
                 raise
             raise _unsafe(self._abs(path), mode) from error
 
-    def _open_root(self, create: bool) -> int:
-        try:
-            return self._openat(None, self._base, _DIR_FLAGS, "")
-        except FileNotFoundError:
-            if not create:
-                raise
-        self._make_root()
-        return self._openat(None, self._base, _DIR_FLAGS, "")
-
     def _make_root(self) -> None:
-        """Creates the root and its missing ancestors, remembering which it made, outermost
-        first (under a lock: the first writes of a take race to make the root)."""
+        """Creates the root and its missing ancestors, remembering which (under a lock)."""
         with self._making_root:
             for path in reversed(missing_folders(self._base)):
                 try:
@@ -226,53 +308,38 @@ class FSStoragePlugin(StoragePlugin):
 
     def _open_dir(self, parts: Sequence[str], create: bool = False) -> int:
         """A descriptor of the directory ``root/parts...``, each component opened relative to
-        its parent with ``O_NOFOLLOW``: a symbolic link below the root is refused, never
-        followed. With ``create``, missing directories are made (and remembered)."""
-        if not parts:
-            return self._open_root(create)
-        fd: int | None = None
+        its parent without following a link; with ``create``, missing ones are made."""
         try:
-            for i, part in enumerate(parts):
-                # The first component is opened by its absolute path: the root's own
-                # components were resolved at construction, and O_NOFOLLOW guards this one.
-                name = part if fd is not None else os.path.join(self._base, part)
-                child = self._open_subdir(fd, name, "/".join(parts[: i + 1]), create)
-                if fd is not None:
-                    os.close(fd)
-                fd = child
-        except BaseException:
-            if fd is not None:
-                os.close(fd)
-            raise
-        return fd
-
-    def _open_subdir(self, at: int | None, name: str, path: str, create: bool) -> int:
-        try:
-            return self._openat(at, name, _DIR_FLAGS, path)
+            fd = self._openat(None, self._base, _DIR_FLAGS, "")
         except FileNotFoundError:
             if not create:
                 raise
+            self._make_root()
+            fd = self._openat(None, self._base, _DIR_FLAGS, "")
         try:
-            try:
-                os.mkdir(name, dir_fd=at)
-            except FileNotFoundError:
-                if at is not None:
-                    raise
-                self._make_root()  # the first directory below a root not made yet
-                os.mkdir(name)
-            self._made_below.add(path)
-        except FileExistsError:
-            pass  # made meanwhile (another thread or rank)
-        return self._openat(at, name, _DIR_FLAGS, path)
+            for i, name in enumerate(parts):
+                path = "/".join(parts[: i + 1])
+                try:
+                    child = self._openat(fd, name, _DIR_FLAGS, path)
+                except FileNotFoundError:
+                    if not create:
+                        raise
+                    try:
+                        os.mkdir(name, dir_fd=fd)
+                        self._made_below.add(path)
+                    except FileExistsError:
+                        pass  # made meanwhile (another thread or rank)
+                    child = self._openat(fd, name, _DIR_FLAGS, path)
+                os.close(fd)
+                fd = child
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
 
     def _open_blob(self, path: str) -> tuple[int, os.stat_result]:
         """A read-only descriptor of blob ``path`` and its ``fstat``: a regular file reached
-        from the root without following a link. ``O_NONBLOCK`` makes opening a FIFO return at
-        once (without it the open waits for a writer, forever); the ``fstat`` then refuses it,
-        and anything else that is not a regular file. On a regular file the flag changes
-        nothing. A path with a ``..`` (or empty, or ``.``) component is refused: it would
-        leave the root (the library reads a sibling snapshot's blobs through a plugin of its
-        own, never through ``..``)."""
+        from the root without following a link (nor a ``..``, ``.`` or empty part)."""
         *dirs, name = parts = path.split("/")
         if any(part in _NOT_NAMES for part in parts):
             raise UnsafeBlobError(f"{self._abs(path)}: not a path below the root")
@@ -290,8 +357,6 @@ class FSStoragePlugin(StoragePlugin):
             raise
         return fd, st
 
-    # -- writes ----------------------------------------------------------------------------------
-
     def _write_sync(
         self,
         path: str,
@@ -299,90 +364,65 @@ class FSStoragePlugin(StoragePlugin):
         observe: Observer | None = None,
         exclusive: bool = False,
     ) -> None:
-        self._sizes.pop(path, None)
+        """Writes blob ``path`` through a temporary file renamed into place; ``exclusive``:
+        linked into place instead, which fails (``FileExistsError``) when it exists."""
         *dirs, name = path.split("/")
+        final = self._abs(path)
+        tmp = f".{name}.{uuid.uuid4().hex[:12]}.tmp"
+        views = [memoryview(b).cast("B") for b in buffers if len(b)]
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        direct = self._direct and sum(map(len, views)) >= _DIRECT_MIN_BYTES
         parent = self._open_dir(dirs, create=True)
         try:
-            self._write_in(parent, name, self._abs(path), buffers, observe, exclusive)
+            try:
+                fd = os.open(tmp, flags | (O_DIRECT if direct else 0), 0o644, dir_fd=parent)
+            except OSError as e:
+                if not direct or e.errno != errno.EINVAL:
+                    raise
+                self._refused(final, e)
+                direct = False
+                try:
+                    os.unlink(tmp, dir_fd=parent)  # some kernels create the file, then refuse
+                except FileNotFoundError:
+                    pass
+                fd = os.open(tmp, flags, 0o644, dir_fd=parent)
+            try:
+                try:
+                    if not direct or not _write_direct(fd, views, observe):
+                        if direct:  # refused at the first write: the same file, through the cache
+                            import fcntl  # POSIX, as O_DIRECT is
+
+                            self._refused(final, OSError(errno.EINVAL, os.strerror(errno.EINVAL)))
+                            flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+                            fcntl.fcntl(fd, fcntl.F_SETFL, flags & ~O_DIRECT)
+                        _write_all(fd, views, observe)
+                    if self._fsync:
+                        os.fsync(fd)
+                finally:
+                    os.close(fd)
+                if exclusive:
+                    # A hard link is made only where no entry ``name`` exists, atomically.
+                    os.link(tmp, name, src_dir_fd=parent, dst_dir_fd=parent, follow_symlinks=False)
+                    os.unlink(tmp, dir_fd=parent)
+                else:
+                    # Replaces the entry ``name``, whatever it was (a link too), unfollowed.
+                    os.replace(tmp, name, src_dir_fd=parent, dst_dir_fd=parent)
+            except BaseException:
+                try:
+                    os.unlink(tmp, dir_fd=parent)
+                except OSError:
+                    pass
+                raise
         finally:
             os.close(parent)
         if self._fsync:
             self._dirty_dirs.add(tuple(dirs))
 
-    def _write_in(
-        self,
-        parent: int,
-        name: str,
-        final: str,
-        buffers: Sequence[Buffer],
-        observe: Observer | None,
-        exclusive: bool = False,
-    ) -> None:
-        """Writes blob ``name`` of the directory ``parent`` (``final`` is its full path, for
-        messages) through a temporary file renamed into place; ``exclusive``: linked into
-        place instead, which fails (``FileExistsError``) when ``name`` exists."""
-        tmp = f".{name}.{uuid.uuid4().hex[:12]}.tmp"
-        views = [memoryview(b).cast("B") for b in buffers if len(b)]
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-        total = sum(map(len, views))
-        direct = (
-            self._direct
-            and total >= _DIRECT_MIN_BYTES
-            and (self._direct_small_views or total >= len(views) * _DIRECT_MIN_MEAN_VIEW_BYTES)
-        )
-        try:
-            fd = os.open(tmp, flags | (O_DIRECT if direct else 0), 0o644, dir_fd=parent)
-        except OSError as e:
-            if not direct or e.errno != errno.EINVAL:
-                raise
-            self._refused(final, e)
-            direct = False
-            try:
-                os.unlink(tmp, dir_fd=parent)  # some kernels create the file, then refuse
-            except FileNotFoundError:
-                pass
-            fd = os.open(tmp, flags, 0o644, dir_fd=parent)
-        try:
-            try:
-                if direct:
-                    try:
-                        write_direct(fd, views, observe)
-                    except DirectRefused as e:
-                        # Nothing was written or observed: the same file, through the cache.
-                        import fcntl  # POSIX, as O_DIRECT is
-
-                        self._refused(final, e.error)
-                        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~O_DIRECT)
-                        write_all(fd, views, observe, writeback=self._fsync)
-                else:
-                    write_all(fd, views, observe, writeback=self._fsync)
-                if self._fsync:
-                    os.fsync(fd)
-            finally:
-                os.close(fd)
-            if exclusive:
-                # A hard link is made only where no entry ``name`` exists, atomically.
-                os.link(tmp, name, src_dir_fd=parent, dst_dir_fd=parent, follow_symlinks=False)
-                os.unlink(tmp, dir_fd=parent)
-                return
-            # A rename replaces the directory entry ``name``, whatever it was (a link too),
-            # without following it.
-            os.replace(tmp, name, src_dir_fd=parent, dst_dir_fd=parent)
-        except BaseException:
-            try:
-                os.unlink(tmp, dir_fd=parent)
-            except OSError:
-                pass
-            raise
-
     def _refused(self, final: str, error: OSError) -> None:
         if self._direct:
             self._direct = False
-            logger.info(
-                "direct I/O refused for %s (%s): writing through the page cache from now on",
-                final,
-                error,
-            )
+            what = "writing through the page cache from now on"
+            logger.info("direct I/O refused for %s (%s): %s", final, error, what)
 
     async def write(self, path: str, buffers: Sequence[Buffer]) -> None:
         await self._run(self._write_sync, path, buffers)
@@ -391,20 +431,16 @@ class FSStoragePlugin(StoragePlugin):
         await self._run(self._write_sync, path, buffers, None, True)
 
     async def write_observed(self, path: str, buffers: Sequence[Buffer], observe: Observer) -> None:
-        if type(self).write is not FSStoragePlugin.write:
-            # A subclass changed ``write``: observed writes go through it too.
-            await super().write_observed(path, buffers, observe)
-            return
+        if type(self).write is not FSStoragePlugin.write:  # a subclass's ``write`` serves
+            return await super().write_observed(path, buffers, observe)
         await self._run(self._write_sync, path, buffers, observe)
-
-    # -- reads -----------------------------------------------------------------------------------
 
     def _read_sync(self, path: str, limit: int | None = None) -> bytes:
         fd, st = self._open_blob(path)
         try:
             if limit is not None and st.st_size > limit:
                 raise BlobTooLargeError(self._abs(path), limit, st.st_size)
-            return read_to_end(fd, st.st_size, limit, self._abs(path))
+            return _read_to_end(fd, st.st_size, limit, self._abs(path))
         finally:
             os.close(fd)
 
@@ -417,10 +453,9 @@ class FSStoragePlugin(StoragePlugin):
     def _readv_sync(
         self, path: str, offset: int, outs: Sequence[memoryview], observe: Observer | None = None
     ) -> None:
-        fd, st = self._open_blob(path)
+        fd, _ = self._open_blob(path)
         try:
-            self._sizes[path] = st.st_size
-            read_all(fd, offset, outs, self._abs(path), observe)
+            _read_all(fd, offset, outs, self._abs(path), observe)
         finally:
             os.close(fd)
 
@@ -433,32 +468,27 @@ class FSStoragePlugin(StoragePlugin):
     async def readv_observed(
         self, path: str, offset: int, outs: Sequence[memoryview], observe: Observer
     ) -> None:
-        if type(self).readv is not FSStoragePlugin.readv:
-            await super().readv_observed(path, offset, outs, observe)  # as for write_observed
-            return
+        if type(self).readv is not FSStoragePlugin.readv:  # as for write_observed
+            return await super().readv_observed(path, offset, outs, observe)
         await self._run(self._readv_sync, path, offset, outs, observe)
 
     def _read_ahead_sync(self, path: str, offset: int, nbytes: int) -> None:
-        fd, _ = self._open_blob(path)  # as a read opens it: no link followed
-        try:
-            os.posix_fadvise(fd, offset, nbytes, os.POSIX_FADV_WILLNEED)
-        finally:
-            os.close(fd)
+        """The kernel reads the range into the page cache in the background."""
+        if hasattr(os, "posix_fadvise"):
+            fd, _ = self._open_blob(path)  # as a read opens it: no link followed
+            try:
+                os.posix_fadvise(fd, offset, nbytes, os.POSIX_FADV_WILLNEED)
+            finally:
+                os.close(fd)
 
     async def read_ahead(self, path: str, offset: int, nbytes: int) -> None:
-        # The kernel reads the range into the page cache in the background (the call returns
-        # once the reads are queued); the restore's buffered reads then copy it from there.
-        if hasattr(os, "posix_fadvise"):
-            await self._run(self._read_ahead_sync, path, offset, nbytes)
+        await self._run(self._read_ahead_sync, path, offset, nbytes)
 
     def read_ahead_now(self, path: str, offset: int, nbytes: int) -> bool:
         if type(self).read_ahead is not FSStoragePlugin.read_ahead:
             return False  # a subclass's own hint: the library awaits it
-        if hasattr(os, "posix_fadvise"):
-            self._read_ahead_sync(path, offset, nbytes)
+        self._read_ahead_sync(path, offset, nbytes)
         return True
-
-    # -- metadata --------------------------------------------------------------------------------
 
     def _size_sync(self, path: str) -> int:
         fd, st = self._open_blob(path)
@@ -466,14 +496,10 @@ class FSStoragePlugin(StoragePlugin):
         return st.st_size
 
     async def size(self, path: str) -> int:
-        known = self._sizes.get(path)
-        if known is not None:
-            return known  # as a read of it found it, during this operation
         return await self._run(self._size_sync, path)
 
     def _exists_sync(self, path: str) -> bool:
-        """Whether ``path`` is a regular file (a directory there is no blob); anything else at
-        the path, or a link on the way to it, is refused."""
+        """Whether ``path`` is a regular file; anything but a directory there is refused."""
         *dirs, name = path.split("/")
         try:
             parent = self._open_dir(dirs)
@@ -504,18 +530,14 @@ class FSStoragePlugin(StoragePlugin):
     async def list_names(self, limit: int) -> list[str] | None:
         return await self._run(self._list_sync, limit)
 
-    # -- deletion --------------------------------------------------------------------------------
-
     async def delete_all(self) -> None:
         await self._run(self._delete_all_sync)
 
     def _delete_all_sync(self) -> None:
-        """``shutil.rmtree`` of the root: on Linux it walks by directory descriptors and
-        removes a link below the root as a link, never what it points to. A root that is
-        itself a link is refused."""
+        """``shutil.rmtree`` of the root (by directory descriptors: a link below the root is
+        removed, never followed); a root that is itself a link is refused."""
         if os.path.islink(self.root):
             raise UnsafeBlobError(f"{self.root}: the root is a symbolic link")
-        self._sizes.clear()
         try:
             shutil.rmtree(self.root)
         except FileNotFoundError:
@@ -525,7 +547,6 @@ class FSStoragePlugin(StoragePlugin):
         """Removes blob ``path`` (a link there is removed itself: ``unlink`` does not follow
         it; a link on the way to it is refused), then the directories this plugin made for it
         that are left empty: a failed take leaves the path as it found it."""
-        self._sizes.pop(path, None)
         *dirs, name = path.split("/")
         try:
             parent = self._open_dir(dirs)
@@ -561,9 +582,6 @@ class FSStoragePlugin(StoragePlugin):
 
     async def delete(self, path: str) -> None:
         await self._run(self._delete_sync, path)
-
-    def forget(self) -> None:
-        self._sizes.clear()
 
     def _sync_dirs(self) -> None:
         dirty, self._dirty_dirs = self._dirty_dirs, set()

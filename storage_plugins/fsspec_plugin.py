@@ -6,8 +6,8 @@ import asyncio
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import fsspec
-from fsspec.asyn import AsyncFileSystem
+import fsspec  # type: ignore[import-untyped]
+from fsspec.asyn import AsyncFileSystem  # type: ignore[import-untyped]
 
 from storage_plugins.base import OBSERVE_INLINE_BYTES, BlobTooLargeError, Buffer, StoragePlugin
 from storage_plugins.registry import check_below_root

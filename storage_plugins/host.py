@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import functools
+import logging
 import os
+
+logger = logging.getLogger("storage_plugins.fs")
 
 # A VM guest whose kernel reports its free memory to the host (virtio-balloon's free page
 # reporting) gives freed pages back a second or two after they are freed, and allocating them
@@ -36,3 +40,18 @@ def reports_free_memory() -> bool:
         if len(bits) > _VIRTIO_BALLOON_F_REPORTING and bits[_VIRTIO_BALLOON_F_REPORTING] == "1":
             return True
     return False
+
+
+@functools.cache
+def direct_without_fsync() -> bool:
+    """Whether the local plugin's ``direct_io="auto"`` writes directly also without fsync:
+    on a machine that reports its free memory (decided once per process, said once)."""
+    if not reports_free_memory():
+        return False
+    logger.info(
+        "this machine hands its free memory back to the host (virtio-balloon free page "
+        "reporting), which makes page-cache memory slow to allocate: files of 1 MiB and more "
+        "are written with direct I/O also without fsync "
+        "(storage_options direct_io=False writes them through the page cache)"
+    )
+    return True

@@ -84,7 +84,10 @@ def _entry_point(protocol: str) -> PluginFactory | None:
 
 def _fsspec_knows(protocol: str) -> bool:
     try:
-        from fsspec.registry import known_implementations, registry
+        from fsspec.registry import (  # type: ignore[import-untyped]
+            known_implementations,
+            registry,
+        )
     except ImportError:
         return False
     return protocol in registry or protocol in known_implementations

@@ -5,17 +5,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
-import functools
-import logging
 import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any
 
 from storage_plugins.base import BlobTooLargeError, Buffer, StoragePlugin, copy_observed
 from storage_plugins.registry import check_below_root
-from storage_plugins.s3_body import Body, split_parts
-
-logger = logging.getLogger(__name__)
 
 _MIB = 1 << 20
 # S3's smallest part (all but the last) and most parts of one multipart upload.
@@ -55,10 +50,8 @@ class S3StoragePlugin(StoragePlugin):
             this plugin (uploads, parts of multipart uploads, ranged reads, and the small ones);
             ``part_bytes`` (int, default 32 MiB): blobs larger than this are uploaded as a
             multipart upload in parts of this size, uploaded concurrently.
-            A body is read from the staged buffers as it is sent (in 256 KiB copies), so
-            uploads hold no copy of their own beside the library's staging budget.
-            (Against a local S3 server, more requests in flight than 8 held more memory without
-            going faster, and smaller parts cost the server more CPU per byte.)
+            A body is read from the staged buffers as it is sent (in 256 KiB copies); an
+            observed (checksummed) body is copied first, and the copy observed and sent.
 
     Retries: the library's alone (errors ``is_transient`` accepts: 5xx, throttling, dropped
     connections, timeouts; with backoff, within ``STATESNAP_IO_TIMEOUT_SECS``); s3fs's loop and
@@ -68,8 +61,7 @@ class S3StoragePlugin(StoragePlugin):
     replaces the whole object at once; a failed multipart upload is aborted.
 
     Tensors are chunked into objects of at most 32 MiB (``chunk_bytes_hint``): one ``PutObject``
-    and one ranged GET each, which costs a server less than larger objects uploaded in parts
-    (joined when completed) and read in ranges (each re-reading the object).
+    and one ranged GET each.
     """
 
     chunk_bytes_hint = 32 * _MIB
@@ -92,20 +84,17 @@ class S3StoragePlugin(StoragePlugin):
         self.bucket = bucket
         self.prefix = prefix.strip("/")
         try:
-            import s3fs
+            import s3fs  # type: ignore[import-untyped]
         except ImportError as e:  # pragma: no cover - the registry names the extra to install
             raise ImportError(
                 "s3:// paths need s3fs (pip install 'statesnap[s3]')", name="s3fs"
             ) from e
         config = dict(options.pop("config_kwargs", None) or {})
         config.setdefault("retries", {"total_max_attempts": 1})
-        # The library checks every byte it reads against the CRC-32 it recorded when taking
-        # (computed from the application's memory): the SDK's own per-request checksums, and
-        # signing each payload's SHA-256 (which botocore does over plain http), would hash every
-        # byte once or twice more. Over https botocore leaves the payload unsigned anyway.
-        # botocore before 1.36 has neither option (nor computes those checksums by default);
-        # it refuses options it does not know.
-        from botocore.config import Config
+        # The library checks every byte against its own CRC-32: the SDK's per-request
+        # checksums and payload signing would hash every byte again. (botocore before 1.36 has
+        # neither option, and refuses options it does not know.)
+        from botocore.config import Config  # type: ignore[import-untyped]
 
         for option in ("request_checksum_calculation", "response_checksum_validation"):
             if option in getattr(Config, "OPTION_DEFAULTS", ()):
@@ -114,15 +103,6 @@ class S3StoragePlugin(StoragePlugin):
         s3_config.setdefault("payload_signing_enabled", False)
         config["s3"] = s3_config
         options.setdefault("skip_instance_cache", True)  # a cached instance may be another loop's
-        endpoint = str(options.get("endpoint_url") or "")
-        if endpoint.startswith("http://"):
-            # Plain http has no certificate to verify: skip loading the CA bundle (tens of ms
-            # for every client).
-            client_kwargs = dict(options.get("client_kwargs") or {})
-            client_kwargs.setdefault("verify", False)
-            options["client_kwargs"] = client_kwargs
-        if "session" not in options and _session_kwargs(options, s3fs.S3FileSystem) == {}:
-            options["session"] = _shared_session()
         self.fs = s3fs.S3FileSystem(
             asynchronous=True, loop=asyncio.get_running_loop(), config_kwargs=config, **options
         )
@@ -190,8 +170,8 @@ class S3StoragePlugin(StoragePlugin):
     async def write_observed(
         self, path: str, buffers: Sequence[Buffer], observe: Callable[[memoryview], None]
     ) -> None:
-        # What is observed is what is sent: the body's copies as they are made (``Body``), or
-        # a part's copy (``_multipart``); never ``buffers``, which another thread may change.
+        # What is observed is what is sent: a copy (a part's, in a multipart upload), never
+        # ``buffers``, which another thread may change meanwhile.
         await self._write(path, buffers, observe)
 
     async def _write(
@@ -200,10 +180,13 @@ class S3StoragePlugin(StoragePlugin):
         self._sizes.pop(path, None)
         views = [memoryview(b).cast("B") for b in buffers if len(b)]
         total = sum(len(v) for v in views)
-        if total <= self._part_bytes:
-            await self._call("put_object", path, Body=Body(views, observe))
+        if total > self._part_bytes:
+            await self._multipart(path, views, total, observe)
             return
-        await self._multipart(path, views, total, observe)
+        if observe is not None:
+            copies = await asyncio.to_thread(copy_observed, views, observe)
+            views = [memoryview(c) for c in copies]
+        await self._call("put_object", path, Body=Body(views))
 
     async def write_if_absent(self, path: str, buffers: Sequence[Buffer]) -> None:
         """A conditional put (``If-None-Match: *``): stored only where no object has the key,
@@ -248,10 +231,10 @@ class S3StoragePlugin(StoragePlugin):
             for number, pieces in enumerate(split_parts(views, part_bytes), start=1):
                 if observe is not None:
                     await copies.acquire()
-                    failed = [t for t in tasks if t.done() and t.exception() is not None]
+                    failed = [e for t in tasks if t.done() and (e := t.exception()) is not None]
                     if failed:
                         copies.release()
-                        raise failed[0].exception()  # type: ignore[misc]
+                        raise failed[0]
                     try:
                         copied = await asyncio.to_thread(copy_observed, pieces, observe)
                     except BaseException:
@@ -439,44 +422,6 @@ class S3StoragePlugin(StoragePlugin):
             await creator.clear()
 
 
-# botocore sessions by the AWS_* environment they were made in: a session caches what it loaded
-# (the S3 service model: a tenth of a second to read for every new one) and the credentials it
-# resolved from that environment. A client is still made, and closed, by each plugin.
-_SESSIONS: dict[tuple[tuple[str, str], ...], Any] = {}
-
-
-def _shared_session() -> Any:
-    from aiobotocore.session import AioSession
-
-    key = tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("AWS_")))
-    session = _SESSIONS.get(key)
-    if session is None:
-        session = _SESSIONS[key] = AioSession()
-    return session
-
-
-def _session_kwargs(options: dict[str, Any], fs_class: type) -> dict[str, Any]:
-    """The options s3fs would pass on to a new botocore session (those its constructor does
-    not name): a session made with any of them is not shared."""
-    named = _constructor_parameters(fs_class)
-    return {k: v for k, v in options.items() if k not in named}
-
-
-@functools.cache
-def _constructor_parameters(fs_class: type) -> frozenset[str]:
-    import inspect
-
-    params = inspect.signature(fs_class.__init__).parameters
-    # fsspec's own options (skip_instance_cache, use_listings_cache, ...) are not session
-    # options either.
-    return frozenset(params) | {
-        "skip_instance_cache",
-        "use_listings_cache",
-        "listings_expiry_time",
-        "max_paths",
-    }
-
-
 async def _scatter(
     body: Any, outs: Sequence[memoryview], observe: Callable[[memoryview], None] | None
 ) -> int:
@@ -535,7 +480,10 @@ def _is_connection_error(error: BaseException) -> bool:
     """Dropped, refused or timed-out connections and cut-off responses, as botocore and aiohttp
     report them."""
     try:
-        from botocore.exceptions import HTTPClientError, ResponseStreamingError
+        from botocore.exceptions import (  # type: ignore[import-untyped]
+            HTTPClientError,
+            ResponseStreamingError,
+        )
     except ImportError:  # pragma: no cover - s3fs depends on botocore
         return False
     kinds: tuple[type[BaseException], ...] = (
@@ -550,3 +498,84 @@ def _is_connection_error(error: BaseException) -> bool:
     except ImportError:  # pragma: no cover - aiobotocore depends on aiohttp
         pass
     return isinstance(error, kinds)
+
+
+# A piece of a request body: a 32 MiB body is 128 socket writes of pieces small enough to be
+# reused from the allocator's heap.
+_PIECE_BYTES = 256 << 10
+
+
+class Body:
+    """One request's body, read from the caller's buffers in pieces as it is sent: never copied
+    whole. A file-like object (``read``, ``seek``, ``tell``, ``len``: what botocore needs) that
+    aiohttp streams as an async iterable of ``bytes`` copies of at most ``_PIECE_BYTES`` (copies,
+    not views: the transport may keep what it could not send after the request was given up,
+    and the caller reuses its buffers once ``write`` returns)."""
+
+    def __init__(self, views: list[memoryview]) -> None:
+        self._views = views
+        self._size = sum(len(v) for v in views)
+        self._pos = 0
+        # Where sequential reads resume: the view holding ``_pos`` and its offset in the body.
+        self._index = 0
+        self._index_start = 0
+
+    def __len__(self) -> int:
+        return self._size
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        base = {os.SEEK_SET: 0, os.SEEK_CUR: self._pos, os.SEEK_END: self._size}[whence]
+        if base + offset < 0:
+            raise ValueError(f"negative seek position {base + offset}")
+        self._pos = base + offset
+        return self._pos
+
+    def read(self, n: int | None = -1) -> bytes:
+        if n is None or n < 0:
+            n = self._size
+        pos, want = self._pos, min(n, max(0, self._size - self._pos))
+        views, i, start = self._views, self._index, self._index_start
+        if pos < start:  # a seek back: start over
+            i = start = 0
+        pieces: list[memoryview] = []
+        while want and i < len(views):
+            v = views[i]
+            if pos < start + len(v):
+                piece = v[pos - start : pos - start + want]
+                pieces.append(piece)
+                pos += len(piece)
+                want -= len(piece)
+                if pos < start + len(v):
+                    break  # this view has more for the next read
+            start += len(v)
+            i += 1
+        self._pos, self._index, self._index_start = pos, i, start
+        return bytes(pieces[0]) if len(pieces) == 1 else b"".join(pieces)
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        while piece := self.read(_PIECE_BYTES):
+            yield piece
+
+    def close(self) -> None:
+        self._views = []
+
+
+def split_parts(views: list[memoryview], part_bytes: int) -> Iterator[list[memoryview]]:
+    """Cuts the concatenation of ``views`` into consecutive parts of ``part_bytes`` (the last
+    one shorter), each a list of slices of the views: nothing is copied."""
+    part: list[memoryview] = []
+    room = part_bytes
+    for v in views:
+        while len(v):
+            take = v[:room]
+            part.append(take)
+            v = v[len(take) :]
+            room -= len(take)
+            if room == 0:
+                yield part
+                part, room = [], part_bytes
+    if part:
+        yield part

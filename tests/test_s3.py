@@ -309,8 +309,8 @@ def test_tensors_go_to_s3_in_objects_of_at_most_32_mib(s3_bucket: S3Bucket):
 def test_request_bodies_are_streamed_from_the_callers_buffers():
     """A body reads the caller's buffers in place: its length, reads that span buffers, seeks
     from each end, and the pieces aiohttp streams are the bytes in order."""
-    from storage_plugins.s3_body import _PIECE_BYTES
-    from storage_plugins.s3_body import Body as _Body
+    from storage_plugins.s3 import _PIECE_BYTES
+    from storage_plugins.s3 import Body as _Body
 
     big = bytes(range(256)) * ((_PIECE_BYTES + 1000) // 256)
     views = [memoryview(b"head"), memoryview(b""), memoryview(big), memoryview(b"tail")]
@@ -340,7 +340,7 @@ def test_request_body_reads_and_seeks_in_any_order():
     seek anywhere, back or forward or past the end, is honoured."""
     import random
 
-    from storage_plugins.s3_body import Body as _Body
+    from storage_plugins.s3 import Body as _Body
 
     rng = random.Random(1)
     for _ in range(300):

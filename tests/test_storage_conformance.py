@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import sys
 import uuid
 from collections.abc import AsyncIterator, Callable
 
@@ -148,8 +147,7 @@ async def test_size(plugin):
 
 @pytest.mark.asyncio
 async def test_sizes_learned_by_reads_do_not_outlive_writes_and_deletes(plugin):
-    # Some plugins answer ``size`` from what a read saw (S3's ranged GETs; the local plugin's
-    # open files): a later write or delete through the plugin must not leave it stale.
+    # Some plugins answer ``size`` from what a read saw (S3's ranged GETs): a later write or delete through the plugin must not leave it stale.
     await plugin.write("s", [b"0123456789"])
     assert await read_range(plugin, "s", 2, 3) == b"234"
     assert await plugin.size("s") == 10
@@ -160,21 +158,6 @@ async def test_sizes_learned_by_reads_do_not_outlive_writes_and_deletes(plugin):
     await plugin.delete("s")
     with pytest.raises(FileNotFoundError):
         await plugin.size("s")
-
-
-@pytest.mark.asyncio
-async def test_the_local_plugin_answers_sizes_from_its_reads_until_it_forgets(tmp_path):
-    p = FSStoragePlugin(str(tmp_path), {"fsync": False})
-    try:
-        await p.write("b", [b"abcd"])
-        assert await read_range(p, "b", 0, 2) == b"ab"
-        with open(tmp_path / "b", "ab") as f:  # grown behind the plugin's back
-            f.write(b"ef")
-        assert await p.size("b") == 4  # the length the read found, with no query
-        p.forget()
-        assert await p.size("b") == 6
-    finally:
-        await p.close()
 
 
 @pytest.mark.asyncio
@@ -315,7 +298,7 @@ def test_fs_transfers_survive_short_system_calls(tmp_path, monkeypatch, most, co
     import os
     import random
 
-    from storage_plugins import fs, fs_io
+    from storage_plugins import fs
 
     rng = random.Random(most)
     sizes = {1500: [0, 1, 3, 100, 5000], 40: [0, 1, 100, 150_000]}.get(count, [0, 1, 3, 100])
@@ -337,10 +320,11 @@ def test_fs_transfers_survive_short_system_calls(tmp_path, monkeypatch, most, co
                 break
         return out
 
-    monkeypatch.setattr(fs_io.os, "writev", lambda fd, batch: real_writev(fd, cut(batch)))
-    monkeypatch.setattr(fs_io.os, "preadv", lambda fd, batch, pos: real_preadv(fd, cut(batch), pos))
-    monkeypatch.setattr(fs_io, "_OBSERVED_WRITE_BYTES", 64 << 10)  # several calls even unshortened
-    monkeypatch.setattr(fs_io, "_OBSERVED_READ_BYTES", 64 << 10)
+    monkeypatch.setattr(fs.os, "writev", lambda fd, batch: real_writev(fd, cut(batch)))
+    monkeypatch.setattr(fs.os, "preadv", lambda fd, batch, pos: real_preadv(fd, cut(batch), pos))
+    # Several calls even unshortened: observed writes go through a buffer this long.
+    monkeypatch.setattr(fs, "_DIRECT_PIECE_BYTES", 64 << 10)
+    monkeypatch.setattr(fs, "_OBSERVED_READ_BYTES", 64 << 10)
     plugin = fs.FSStoragePlugin(str(tmp_path), {"fsync": False, "direct_io": False})
 
     def observer():
@@ -365,60 +349,10 @@ def test_fs_transfers_survive_short_system_calls(tmp_path, monkeypatch, most, co
         plugin._readv_sync("blob", 5, [memoryview(bytearray(len(data)))], None)
 
 
-@pytest.mark.parametrize("observed", [False, True])
-@pytest.mark.parametrize("fsync", [True, False])
-def test_fs_starts_writing_back_each_piece_of_a_file_it_will_fsync(
-    tmp_path, monkeypatch, fsync, observed
-):
-    import os
-
-    from storage_plugins import fs, fs_io
-
-    calls: list[tuple[int, int, int]] = []
-
-    def hint(fd: int, offset: int, nbytes: int, flags: int) -> int:
-        calls.append((offset, nbytes, flags))
-        return -1  # a failing hint changes nothing
-
-    monkeypatch.setattr(fs_io, "_sync_file_range", hint)
-    monkeypatch.setattr(fs_io, "_OBSERVED_WRITE_BYTES", 64 << 10)
-    real_writev = os.writev  # short writes: at most 50,000 bytes of the first buffer
-    monkeypatch.setattr(fs_io.os, "writev", lambda fd, batch: real_writev(fd, [batch[0][:50_000]]))
-    plugin = fs.FSStoragePlugin(str(tmp_path), {"fsync": fsync})
-    data = os.urandom(300_000)
-    seen: list[bytes] = []
-    observe = (lambda v: seen.append(bytes(v))) if observed else None
-    plugin._write_sync("blob", [data[:1000], data[1000:]], observe)
-    assert (tmp_path / "blob").read_bytes() == data
-    assert b"".join(seen) == (data if observed else b"")
-    if not fsync:
-        assert calls == []
-        return
-    # Every byte written is handed to the device once, in order, call by call (observed, the
-    # two buffers are written as one, from the thread's buffer).
-    assert [flags for _, _, flags in calls] == [fs_io._SYNC_FILE_RANGE_WRITE] * len(calls)
-    if observed:
-        assert [n for _, n, _ in calls] == [50_000] * 6
-        assert [off for off, _, _ in calls] == list(range(0, 300_000, 50_000))
-        return
-    assert [n for _, n, _ in calls] == [1000, 50_000, 50_000, 50_000, 50_000, 50_000, 49_000]
-    assert [off for off, _, _ in calls] == [0, 1000, 51_000, 101_000, 151_000, 201_000, 251_000]
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="sync_file_range is Linux's")
-def test_fs_finds_sync_file_range_and_it_accepts_a_written_range(tmp_path):
-    from storage_plugins import fs_io
-
-    assert fs_io._sync_file_range is not None
-    with open(tmp_path / "f", "wb") as f:
-        f.write(b"x" * 10_000)
-        assert fs_io._sync_file_range(f.fileno(), 0, 10_000, fs_io._SYNC_FILE_RANGE_WRITE) == 0
-
-
 def test_fs_write_that_makes_no_progress_fails_rather_than_spins(tmp_path, monkeypatch):
-    from storage_plugins import fs, fs_io
+    from storage_plugins import fs
 
-    monkeypatch.setattr(fs_io.os, "writev", lambda fd, batch: 0)
+    monkeypatch.setattr(fs.os, "writev", lambda fd, batch: 0)
     plugin = fs.FSStoragePlugin(str(tmp_path), {"fsync": False})
     with pytest.raises(OSError, match="moved no bytes at byte 0 of 6"):
         plugin._write_sync("blob", [b"abc", b"def"])
@@ -459,8 +393,6 @@ class _Syscalls:
     def __init__(self, monkeypatch, fs) -> None:
         import os
 
-        from storage_plugins import fs_io
-
         self.opened: list[tuple[str, int]] = []
         self.pwrites: list[tuple[int, int, int]] = []  # (buffer address % 4096, offset, len)
         real_open, real_pwrite = os.open, os.pwrite
@@ -478,7 +410,7 @@ class _Syscalls:
             return real_pwrite(fd, buf, offset)
 
         monkeypatch.setattr(fs.os, "open", open_)
-        monkeypatch.setattr(fs_io.os, "pwrite", pwrite)
+        monkeypatch.setattr(fs.os, "pwrite", pwrite)
 
     def direct_opens(self) -> int:
         import os
@@ -505,11 +437,11 @@ _LAYOUTS = {
 def test_fs_direct_writes_every_byte_once_from_aligned_memory(tmp_path, monkeypatch, layout, fsync):
     import random
 
-    from storage_plugins import fs, fs_io
+    from storage_plugins import fs
 
     if not _accepts_direct_io(tmp_path):
         pytest.skip(f"the file system of {tmp_path} refuses O_DIRECT writes")
-    monkeypatch.setattr(fs_io, "_DIRECT_PIECE_BYTES", 16384)
+    monkeypatch.setattr(fs, "_DIRECT_PIECE_BYTES", 16384)
     monkeypatch.setattr(fs, "_DIRECT_MIN_BYTES", 1)
     rng = random.Random(layout)
     parts = [rng.randbytes(n) for n in _LAYOUTS[layout]]
@@ -546,12 +478,12 @@ class _FakeVirtio:
 
 @pytest.fixture
 def fake_virtio(tmp_path, monkeypatch):
-    from storage_plugins import fs, host
+    from storage_plugins import host
 
     monkeypatch.setattr(host, "_VIRTIO_DEVICES", str(tmp_path / "virtio-devices"))
-    fs._direct_without_fsync.cache_clear()  # decided once per process: again from the fake
+    host.direct_without_fsync.cache_clear()  # decided once per process: again from the fake
     yield _FakeVirtio(tmp_path / "virtio-devices")
-    fs._direct_without_fsync.cache_clear()  # and again from the machine after the test
+    host.direct_without_fsync.cache_clear()  # and again from the machine after the test
 
 
 @pytest.mark.parametrize(
@@ -629,41 +561,6 @@ def test_fs_direct_io_option_decides_which_files_are_written_directly(
     assert (tmp_path / "big").read_bytes() == big
 
 
-@pytest.mark.parametrize(
-    ("direct_io", "expected"),
-    [
-        # (a slab of small views, a few large views, one large view): written directly?
-        ("auto", {"slab": False, "few": True, "one": True}),
-        (True, {"slab": True, "few": True, "one": True}),
-    ],
-)
-def test_fs_auto_direct_io_leaves_files_of_many_small_views_to_the_page_cache(
-    tmp_path, monkeypatch, direct_io, expected
-):
-    import os
-
-    from storage_plugins import fs
-
-    if not hasattr(os, "O_DIRECT"):
-        pytest.skip("O_DIRECT is Linux's")
-    if not _accepts_direct_io(tmp_path):
-        pytest.skip(f"the file system of {tmp_path} refuses O_DIRECT writes")
-    mean = fs._DIRECT_MIN_MEAN_VIEW_BYTES
-    layouts = {
-        "slab": [mean - 1] * 8,  # 2 MiB of views just under the mean
-        "few": [mean] * 4,  # views of exactly the mean (1 MiB in all)
-        "one": [fs._DIRECT_MIN_BYTES],
-    }
-    plugin = fs.FSStoragePlugin(str(tmp_path), {"fsync": True, "direct_io": direct_io})
-    for name, sizes in layouts.items():
-        assert sum(sizes) >= fs._DIRECT_MIN_BYTES
-        parts = [os.urandom(n) for n in sizes]
-        calls = _Syscalls(monkeypatch, fs)
-        plugin._write_sync(name, [memoryview(p) for p in parts])
-        assert calls.direct_opens() == int(expected[name]), name
-        assert (tmp_path / name).read_bytes() == b"".join(parts)
-
-
 def test_fs_direct_io_option_is_checked(tmp_path):
     from storage_plugins import fs
 
@@ -682,7 +579,7 @@ def test_fs_direct_io_refused_falls_back_to_the_page_cache(tmp_path, monkeypatch
     import logging
     import os
 
-    from storage_plugins import fs, fs_io
+    from storage_plugins import fs
 
     real_open = os.open
     attempts = [0]
@@ -701,7 +598,7 @@ def test_fs_direct_io_refused_falls_back_to_the_page_cache(tmp_path, monkeypatch
 
     monkeypatch.setattr(fs.os, "open", open_)
     if where == "first write":
-        monkeypatch.setattr(fs_io.os, "pwrite", pwrite)
+        monkeypatch.setattr(fs.os, "pwrite", pwrite)
     plugin = fs.FSStoragePlugin(str(tmp_path), {"fsync": True})
     data = os.urandom(fs._DIRECT_MIN_BYTES * 2 + 3)
     rec = _Recorder()
@@ -722,11 +619,11 @@ def test_fs_direct_write_error_fails_the_write_and_removes_the_temporary_file(
     import errno
     import os
 
-    from storage_plugins import fs, fs_io
+    from storage_plugins import fs
 
     if not _accepts_direct_io(tmp_path):
         pytest.skip(f"the file system of {tmp_path} refuses O_DIRECT writes")
-    monkeypatch.setattr(fs_io, "_DIRECT_PIECE_BYTES", 16384)
+    monkeypatch.setattr(fs, "_DIRECT_PIECE_BYTES", 16384)
     real_pwrite = os.pwrite
     calls = [0]
 
@@ -736,7 +633,7 @@ def test_fs_direct_write_error_fails_the_write_and_removes_the_temporary_file(
             raise OSError(errno.ENOSPC, "No space left on device")
         return real_pwrite(fd, buf, offset)
 
-    monkeypatch.setattr(fs_io.os, "pwrite", pwrite)
+    monkeypatch.setattr(fs.os, "pwrite", pwrite)
     plugin = fs.FSStoragePlugin(str(tmp_path), {"fsync": True})
     with pytest.raises(OSError, match="No space left") as e:
         plugin._write_sync("blob", [os.urandom(fs._DIRECT_MIN_BYTES)])

@@ -1,25 +1,12 @@
-"""Text from a snapshot made safe to show: keys, blob names, type names and values are untrusted
-input, and a terminal obeys the control characters in what it prints (``ESC ]0;...BEL`` sets
-its title, ``ESC [2J`` clears it, ``CR`` rewrites a line, U+202E reverses what follows).
+"""Text from a snapshot made safe to show: keys, blob names and values are untrusted, and a
+terminal obeys the control characters in what it prints.
 
-:func:`printable` shows every such character as an escape in Python's notation (``\\x1b``,
-``\\u202e``, ``\\U000e0041``) and leaves all other text, ordinary Unicode included, as it is. The
-escaped characters are those ``str.isprintable`` refuses: controls (C0, DEL, C1), format
-characters (bidi overrides and isolates, zero-width characters), line and paragraph separators,
-spaces other than U+0020, surrogates (which cannot even be encoded for output), private-use and
-unassigned code points.
-
-A literal backslash is doubled only where it would otherwise start an escape: when the next
-character it is shown with is ``x``, ``u``, ``U`` or a backslash (which is also how an escaped
-next character begins). So every shown text reads back to exactly one text (:func:`unescape`),
-a key that holds the four characters ``\\x1b`` is never shown like one holding ESC, and the
-common names that hold a backslash (``C:\\data``) are shown unchanged.
-
-:func:`printable_message` is for text that is already made of shown names (an error message):
-it escapes the same characters but leaves backslashes alone, so applying it again changes
-nothing and a name escaped inside the message is not escaped twice; and it keeps line breaks,
-which are the message's own lines (a parser's error quoting the place it failed) and move
-nothing but the cursor to the next line.
+:func:`printable` shows every character ``str.isprintable`` refuses (controls, format and bidi
+characters, separators, surrogates, private-use and unassigned code points) as an escape in
+Python's notation (``\\x1b``, ``\\u202e``), and doubles a backslash only where it would start
+such an escape, so each shown text reads back to exactly one text (:func:`unescape`) and names
+such as ``C:\\data`` are shown unchanged. :func:`printable_message` escapes the same characters in
+a message already made of shown names, leaving backslashes and line breaks alone (idempotent).
 """
 
 from __future__ import annotations

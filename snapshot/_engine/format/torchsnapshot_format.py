@@ -1,17 +1,9 @@
 """Snapshots of other formats at a snapshot's path.
 
 torchsnapshot 0.1.0: its manifest (``.snapshot_metadata``) is translated into this library's
-``Manifest`` when the snapshot is opened, so the one loader reads it (restore, ``read_object``,
-``statesnap ls / show / verify``); nothing is ever written there. How each of its entries maps
-to ours is :mod:`snapshot._engine.format.torchsnapshot_translator`; this module finds the manifest,
-parses it, and asks the store for the lengths the translation needs.
-
-torchsnapshot records no checksums (every location's ``crc32`` is None) and no length for a
-file holding a pickle: those lengths are asked of the store when the snapshot is opened.
-
-Every byte of the manifest is untrusted: each field is checked for type and range, blob paths
-go through the manifest codec's check (relative, no ``..``), sizes must agree with dtypes and
-shapes, and pickles are only ever decoded by the safe loader.
+``Manifest`` when the snapshot is opened (:mod:`.torchsnapshot_translator`), so the one loader
+reads it; this module finds and parses it, and asks the store for the lengths of pickles' files,
+which torchsnapshot does not record (nor checksums). Every byte of it is untrusted.
 
 A torch.distributed.checkpoint directory, or a single ``torch.save`` file, given as a snapshot's
 path is recognized too, and refused with what to load it with instead.
@@ -23,7 +15,7 @@ import asyncio
 import json
 import logging
 import os
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 import manifest as mf
@@ -82,7 +74,7 @@ def open_foreign(
     try:
         data = run(_read_if_present(plugin, where, METADATA_NAME, options))
         if data is not None:
-            return translate(data, where, _SizeCache(plugin, where, options))
+            return translate(data, where, lambda blobs: _blob_sizes(plugin, where, options, blobs))
         dcp = run(_exists(plugin, where, DCP_METADATA_NAME, options))
     except SnapshotError:
         raise
@@ -186,70 +178,41 @@ def _torch_save_kind(head: bytes) -> str | None:
     return None
 
 
-class _SizeCache:
-    """The lengths of whole-file blobs (torchsnapshot records none for a pickle's file), asked
-    of the store together, at most ``options.max_concurrent_io`` at a time; a missing blob
-    counts as empty, so reading it later fails naming it and ``verify`` reports it missing."""
+def _blob_sizes(
+    plugin: StoragePlugin, where: str, options: Options, blobs: Iterable[str]
+) -> dict[str, int]:
+    """The lengths of whole-file blobs, asked of the store at most ``max_concurrent_io`` at a
+    time; a missing blob counts as empty (reading it later fails naming it)."""
+    limit = asyncio.Semaphore(options.max_concurrent_io or 1)
 
-    def __init__(self, plugin: StoragePlugin, where: str, options: Options) -> None:
-        concurrency = options.max_concurrent_io
-        assert concurrency is not None, "_SizeCache takes resolved options"
-        self.plugin = plugin
-        self.where = where
-        self.concurrency = concurrency
-        self.options = options
-        self.sizes: dict[str, int] = {}
+    async def one(blob: str) -> tuple[str, int]:
+        def ask(what: str, fn: Callable[[], Awaitable[Any]]) -> Awaitable[Any]:
+            return call(plugin, what, blob, where, fn, options=options, convert=False)
 
-    def fetch(self, blobs: Iterable[str]) -> None:
-        wanted = sorted(set(blobs) - set(self.sizes))
-        if wanted:
-            run(self._fetch_all(wanted))
+        async with limit:
+            try:
+                size = await ask("check", lambda: plugin.size(blob))
+                if size is None:  # the store cannot tell: the pickle is read to learn it
+                    size = len(await ask("read", lambda: plugin.read(blob)))
+            except (FileNotFoundError, NotADirectoryError):
+                size = 0
+            return blob, size
 
-    async def _fetch_all(self, blobs: list[str]) -> None:
-        plugin, where, options = self.plugin, self.where, self.options
-        limit = asyncio.Semaphore(self.concurrency)
+    async def every() -> dict[str, int]:
+        return dict(await asyncio.gather(*(one(b) for b in sorted(set(blobs)))))
 
-        async def one(blob: str) -> None:
-            async with limit:
-                try:
-                    size = await call(
-                        plugin,
-                        "check",
-                        blob,
-                        where,
-                        lambda: plugin.size(blob),
-                        options=options,
-                        convert=False,
-                    )
-                    if size is None:  # the store cannot tell: the pickle is read to learn it
-                        data = await call(
-                            plugin,
-                            "read",
-                            blob,
-                            where,
-                            lambda: plugin.read(blob),
-                            options=options,
-                            convert=False,
-                        )
-                        size = len(data)
-                except (FileNotFoundError, NotADirectoryError):
-                    size = 0
-                self.sizes[blob] = size
-
-        await asyncio.gather(*(one(b) for b in blobs))
-
-    def __call__(self, blob: str) -> int:
-        return self.sizes[blob]
+    return run(every())
 
 
 # ---------------------------------------------------------------------------------------------
 # Translation.
 
 
-def translate(data: bytes, where: str, sizes: _SizeCache) -> Manifest:
+def translate(
+    data: bytes, where: str, sizes_of: Callable[[Iterable[str]], dict[str, int]]
+) -> Manifest:
     """The ``Manifest`` of a torchsnapshot snapshot whose ``.snapshot_metadata`` holds
-    ``data``. ``sizes`` gives the length of a whole-file blob (``sizes(blob)``) after
-    ``sizes.fetch(blobs)`` was called with every blob it will be asked about.
+    ``data``; ``sizes_of(blobs)`` gives the lengths of whole-file blobs.
 
     Raises:
         CorruptSnapshotError: the manifest is not valid, or a field is missing, of the wrong
@@ -270,8 +233,8 @@ def translate(data: bytes, where: str, sizes: _SizeCache) -> Manifest:
         return 0
 
     Translator(source, version, world_size, raw, record).run()
-    sizes.fetch(wanted)
-    entries = Translator(source, version, world_size, raw, sizes).run()
+    sizes = sizes_of(wanted) if wanted else {}
+    entries = Translator(source, version, world_size, raw, sizes.__getitem__).run()
     sharded = any(type(e) is ShardedTensorEntry for e in entries.values())
     return Manifest(
         format_version=2 if sharded else 1,

@@ -1,27 +1,20 @@
 """torchsnapshot 0.1.0's manifest entries, checked and translated into this library's
-(:mod:`snapshot._engine.format.torchsnapshot_format` reads the manifest and calls
-:class:`Translator`). Its entries map as follows:
+(:mod:`.torchsnapshot_format` reads the manifest). Its entries map as follows:
 
-- ``Tensor`` with serializer ``buffer_protocol``: a ``TensorEntry`` of one range (the whole file,
-  or ``byte_range`` of a shared "batched" file); with ``torch_save``: a ``PickledTensorEntry``
-  whose one piece is the file.
-- ``ChunkedTensor``: its chunks are row blocks (cut along dimension 0), so a ``TensorEntry``
-  whose chunks are their ranges in order; chunks cut otherwise make a ``ShardedTensorEntry``;
-  chunks stored with ``torch_save`` make a ``PickledTensorEntry`` of several pieces.
-- ``ShardedTensor``: every rank's shards of the same logical path merged (each rank's entry
-  lists its own) into one ``ShardedTensorEntry`` (a ``PickledTensorEntry`` when pickled), put
-  under every rank that had the path.
-- ``object`` (always ``torch_save``): an ``ObjectEntry``, decoded by the same safe loader as
-  this library's objects.
-- ``int`` / ``float`` / ``str`` / ``bool`` / ``bytes``: a ``PrimitiveEntry``.
-- ``dict`` / ``OrderedDict`` / ``list``: ``DictEntry`` / ``DictEntry(ordered=True)`` /
-  ``ListEntry``, whose length (torchsnapshot records none) is counted from its children.
-- A replicated entry is stored once, under rank 0 only: it is copied under every other rank
-  the manifest lists (each rank lists its own containers) that lacks it, so each rank finds
-  its state under its own prefix; nothing is built per rank of ``world_size`` beyond those.
+- ``Tensor``: a ``TensorEntry`` of one range (the file, or ``byte_range`` of a batched file);
+  with serializer ``torch_save``, a ``PickledTensorEntry`` whose one piece is the file.
+- ``ChunkedTensor``: row blocks make a ``TensorEntry`` of their ranges in order; chunks cut
+  otherwise a ``ShardedTensorEntry``; pickled chunks a ``PickledTensorEntry`` of several pieces.
+- ``ShardedTensor``: every rank's shards of one logical path merged into one
+  ``ShardedTensorEntry`` (``PickledTensorEntry`` when pickled), under every rank that had it.
+- ``object`` (``torch_save``): an ``ObjectEntry``; ``int`` / ``float`` / ``str`` / ``bool`` /
+  ``bytes``: a ``PrimitiveEntry``; ``dict`` / ``OrderedDict`` / ``list``: ``DictEntry`` /
+  ``DictEntry(ordered=True)`` / ``ListEntry`` (its length counted from its children).
+- A replicated entry, stored under rank 0 only, is copied under every other rank the manifest
+  lists that lacks it.
 
-Every field is untrusted: each is checked for type and range, blob paths go through the
-manifest codec's check (relative, no ``..``), and sizes must agree with dtypes and shapes.
+Every field is untrusted: checked for type and range, blob paths by the manifest's check, and
+sizes against dtypes and shapes.
 """
 
 from __future__ import annotations
@@ -98,10 +91,7 @@ class Translator:
         self.raw = raw
         self.size_of = size_of
 
-    # -- errors -----------------------------------------------------------------------------
-
-    # The path, the version and what is wrong all quote the manifest being translated:
-    # escaped, so that a message carries none of its control characters.
+    # Messages quote the manifest: escaped, so that they carry none of its control characters.
 
     def corrupt(self, path: str, what: str) -> CorruptSnapshotError:
         return CorruptSnapshotError(printable_message(f"{self.source}: {path}: {what}"))
@@ -148,14 +138,8 @@ class Translator:
         self, by_rank: dict[int, list[tuple[str, Entry | None]]], merged: dict[str, Entry]
     ) -> dict[str, Entry]:
         """Every rank's entries, rank by rank; a replicated leaf of rank 0 copied under every
-        other rank the manifest lists that lacks it; list lengths counted from the children.
-
-        Only the ranks listed get copies, whatever ``world_size`` says: each rank of a
-        torchsnapshot take lists its own containers, so a rank that lists nothing held no state
-        to restore, and a few bytes claiming a world of millions build nothing for it (a rank
-        of the world that is not listed still finds rank 0's replicated leaves: ``Manifest.
-        view``). The copies are bounded by the entries present: at most listed ranks times
-        replicated leaves, and ``_MAX_ENTRIES`` in all."""
+        other rank the manifest lists (not every rank of ``world_size``, which a few bytes can
+        make millions) that lacks it, at most ``_MAX_ENTRIES`` in all; list lengths counted."""
         replicated = [
             (logical, e)
             for logical, e in by_rank.get(0, [])

@@ -101,7 +101,7 @@ class TakePlan:
         """The entries that need no CRC from a write (None in place of the others), made
         while the last writes finish: every whole tensor staged in a slab (checksummed then) or
         recorded without a CRC, and every entry already built. For ``entries``."""
-        tensor = EntryFormatter(self.drafts.keys()).tensor
+        tensor = EntryFormatter().tensor
         sums = self.checksums
         out: dict[str, Entry | str | None] = {}
         for path, e in self.drafts.items():
@@ -141,7 +141,7 @@ class TakePlan:
         # What is left to make, found by C-level passes (in a process alone, often nothing).
         todo = dict.fromkeys(compress(made, map(is_, made.values(), repeat(None))))
         out = dict(made)  # in flatten order
-        fmt = EntryFormatter(todo.keys())
+        fmt = EntryFormatter()
         drafts = self.drafts
         for path in todo:
             e = drafts[path]
