@@ -34,7 +34,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from snapshot._engine import arguments
-from snapshot._engine.dist.rank_zero import RankZero
+from snapshot._engine.dist.dist import RankZero
 from snapshot._engine.manager import preemption
 from snapshot._engine.manager.cleaner import Cleaner
 from snapshot._engine.manager.preemption import PreemptionHandler
