@@ -23,7 +23,6 @@ import torch
 from snapshot._engine.format.manifest_io import load_manifest
 from snapshot._engine.restore.linked import open_linked
 from snapshot._engine.tools import export as engine
-from snapshot._engine.tools import export_folder
 from snapshot.errors import CorruptSnapshotError, IncompatibleSnapshotError, InvalidArgumentError
 from snapshot.options import Options, resolve
 from snapshot.snapshot import Snapshot
@@ -122,7 +121,7 @@ def export(
     files = engine.plan_files(sources, max_bytes)
     if format == "safetensors":
         engine.check_safetensors(files)
-    export_folder.earlier_export(out, overwrite)  # refused now, before an hour of writing
+    engine.earlier_export(out, overwrite)  # refused now, before an hour of writing
     # A tile, a box's piece of it (for a box narrower than the tensor), the cast copy, and
     # the storage plugin's own buffer for a read (a bounce buffer for direct I/O): a quarter
     # of the budget each at most.
@@ -132,7 +131,7 @@ def export(
     with open_linked(path, manifest, storage_options, resolved) as plugin:
         with _naming(path):
             engine.check_claims(plugin, manifest, sources, resolved)
-        written = export_folder.stage(
+        written = engine.stage(
             out,
             overwrite,
             lambda folder: write(plugin, files, folder, tile, verify, resolved),
