@@ -9,6 +9,7 @@ formats it.
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -198,14 +199,8 @@ async def _read_window(
         if hi > lo:
             dest = out[filled : filled + hi - lo]
             offset = loc.offset + lo - base
-            await call(
-                plugin,
-                "read",
-                loc.blob,
-                label,
-                lambda b=loc.blob, o=offset, d=dest: plugin.read_into(b, o, d),
-                options=options,
-            )
+            read = functools.partial(plugin.read_into, loc.blob, offset, dest)
+            await call(plugin, "read", loc.blob, label, read, options=options)
             filled += hi - lo
         base += loc.nbytes
         if base >= end:
