@@ -1,21 +1,17 @@
-"""Looking into a snapshot without restoring it: what the command line (``statesnap ls / show /
-verify / du / diff``) computes. This module holds ``ls``, ``du`` and ``show`` and what the
-commands share (sizes and shapes for people, :data:`PIECE_BYTES`, :data:`JOBS`); ``verify`` is in
-:mod:`snapshot._engine.tools.verify`, ``diff`` in :mod:`snapshot._engine.tools.diff`.
+"""Looking into a snapshot without restoring it: what ``statesnap ls / show / du`` compute,
+and what ``verify`` and ``diff`` share (``Tally``, ``each``, :data:`PIECE_BYTES`, :data:`JOBS`).
 
-Every function here returns data and prints nothing; :mod:`snapshot.cli` formats it. ``ls``,
-``du`` and most of ``diff`` need only the manifest, which records every entry's kind, dtype,
-shape, byte ranges and CRC-32s: they read no blob. ``verify`` reads every blob once, in pieces
-of at most :data:`PIECE_BYTES`, a few blobs at a time, and checks each range's CRC-32 by
-combining the CRCs of the pieces (no blob is held whole). ``diff`` reads bytes only for entries
-whose CRC-32s were not recorded, comparing them piece by piece.
+Every function returns data and prints nothing. ``ls`` and ``du`` read only the manifest,
+which records every entry's kind, dtype, shape, byte ranges and CRC-32s. ``verify`` and ``diff``
+read blobs in pieces of at most :data:`PIECE_BYTES`, a few at a time.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Sequence
+import asyncio
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 
@@ -34,20 +30,55 @@ from manifest import (
 from snapshot._engine.context import gc_paused
 from snapshot._engine.format.serialization import dtype_name
 from snapshot._engine.format.text import printable
+from snapshot._engine.io.io_loop import run
 from snapshot._engine.restore import suggest
 from snapshot.errors import EntryNotFoundError
 from snapshot.metadata import SnapshotMetadata
 from snapshot.snapshot import Snapshot
 
-PIECE_BYTES = 16 << 20
-"""The most bytes ``verify`` and ``diff`` read in one request (per blob being read)."""
-
-JOBS = 4
-"""Blobs (``verify``) or entries (``diff``) read at once by default."""
+PIECE_BYTES = 16 << 20  # the most bytes ``verify`` and ``diff`` read in one request
+JOBS = 4  # blobs (``verify``) or entries (``diff``) read at once by default
 
 Progress = Callable[[int, int, int, int], None]
-"""``progress(items_done, items_total, bytes_done, bytes_total)``: called on the I/O thread as
-long operations advance (after each piece read and each item finished)."""
+"""``progress(items_done, items_total, bytes_done, bytes_total)``, called on the I/O thread
+after each piece read and each item finished."""
+
+T = TypeVar("T")
+
+
+class Tally:
+    """Items and bytes done of ``items`` and ``nbytes``, told to ``progress`` as they grow."""
+
+    def __init__(self, progress: Progress | None, items: int, nbytes: int) -> None:
+        self.progress, self.items, self.nbytes = progress, items, nbytes
+        self.items_done = self.bytes_done = 0
+        self(0)
+
+    def __call__(self, nbytes: int, items: int = 0) -> None:
+        self.items_done += items
+        self.bytes_done += nbytes
+        if self.progress is not None:
+            self.progress(self.items_done, self.items, self.bytes_done, self.nbytes)
+
+
+def each(items: Iterable[T], jobs: int, work: Callable[[T, int], Awaitable[None]]) -> None:
+    """Runs ``work(item, worker)`` for every item, ``jobs`` workers at a time, on the I/O loop
+    (``worker``: the index of the one running it, whose buffers it uses)."""
+    todo = iter(items)
+
+    async def worker(i: int) -> None:
+        for item in todo:
+            await work(item, i)
+
+    async def main() -> None:
+        await asyncio.gather(*(worker(i) for i in range(jobs)))
+
+    run(main())
+
+
+def check_jobs(jobs: int, piece_bytes: int) -> None:
+    if jobs < 1 or piece_bytes < 1:
+        raise ValueError(f"jobs and piece_bytes must be positive, got {jobs}, {piece_bytes}")
 
 _UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB")
 

@@ -12,7 +12,6 @@ report and prints nothing; :mod:`snapshot.cli` formats it.
 
 from __future__ import annotations
 
-import asyncio
 import io
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -31,12 +30,11 @@ from snapshot._engine.context import gc_paused
 from snapshot._engine.format.checksum import combine
 from snapshot._engine.format.manifest_io import load_manifest
 from snapshot._engine.handlers.objects import check_archive
-from snapshot._engine.io.io_loop import run
 from snapshot._engine.io.storage_calls import call, call_digesting
 from snapshot._engine.restore.linked import open_linked
 from snapshot._engine.restore.reads import resolve_view
 from snapshot._engine.restore.restore import read_object
-from snapshot._engine.tools.inspection import JOBS, PIECE_BYTES, Progress
+from snapshot._engine.tools.inspection import JOBS, PIECE_BYTES, Progress, Tally, check_jobs, each
 from snapshot.errors import SnapshotError, UnsafeObjectError
 from snapshot.options import Options, resolve
 from storage_plugins import StoragePlugin, UnsafeBlobError
@@ -370,8 +368,7 @@ def verify(
         SnapshotNotFoundError: no snapshot at ``path``.
         CorruptSnapshotError: the manifest itself is damaged (``ChecksumError``) or undecodable.
     """
-    if jobs < 1 or piece_bytes < 1:
-        raise ValueError(f"jobs and piece_bytes must be positive, got {jobs}, {piece_bytes}")
+    check_jobs(jobs, piece_bytes)
     options = resolve(options)
     manifest = load_manifest(path, storage_options, options)
     with gc_paused():
@@ -379,32 +376,19 @@ def verify(
     sizes = manifest.blob_sizes
     report = VerifyReport(where=path, entries=len(manifest.entries), blobs=len(by_blob))
     report.ranges = sum(len(r) for r in by_blob.values())
-    total_bytes = sum(sizes.values())
-    done = [0, 0]  # blobs, bytes
-
-    def tick(nbytes: int, blobs: int = 0) -> None:
-        done[0] += blobs
-        done[1] += nbytes
-        if progress is not None:
-            progress(done[0], len(by_blob), done[1], total_bytes)
-
-    async def check_all(plugin: StoragePlugin) -> None:
-        work = iter(by_blob.items())
-        largest = max(sizes.values(), default=0)
-
-        async def worker() -> None:
-            buffer = memoryview(bytearray(max(1, min(piece_bytes, largest))))
-            for blob, ranges in work:
-                check = _BlobCheck(plugin, blob, sizes[blob], ranges, report, tick, options)
-                await check.run(buffer, piece_bytes)
-                tick(0, 1)
-
-        await asyncio.gather(*(worker() for _ in range(min(jobs, len(by_blob)))))
-
-    if progress is not None:
-        progress(0, len(by_blob), 0, total_bytes)
+    tally = Tally(progress, len(by_blob), sum(sizes.values()))
+    workers = min(jobs, len(by_blob))
+    size = max(1, min(piece_bytes, max(sizes.values(), default=0)))
+    buffers = [memoryview(bytearray(size)) for _ in range(workers)]
     with open_linked(path, manifest, storage_options, options) as plugin:
-        run(check_all(plugin))
+
+        async def check(item: tuple[str, list[_Range]], worker: int) -> None:
+            blob, ranges = item
+            checker = _BlobCheck(plugin, blob, sizes[blob], ranges, report, tally, options)
+            await checker.run(buffers[worker], piece_bytes)
+            tally(0, 1)
+
+        each(by_blob.items(), workers, check)
     if manifest.metadata.get("format") == "torchsnapshot":
         report.foreign = str(manifest.metadata.get("library", "torchsnapshot"))
     _decode_unchecked(manifest, path, storage_options, report, options)
