@@ -135,25 +135,33 @@ def run_ls(args: argparse.Namespace) -> int:
             row.append(printable(r.base))
         rows.append(row)
     lines = _table(header, rows, right={4})
-    total = (
-        f"total: {_count(listing.entries, 'entry')}, {_count(listing.tensors, 'tensor')}, "
-        f"{_size(listing.nbytes, exact)}"
+    counts = f"{_count(listing.entries, 'entry')}, {_count(listing.tensors, 'tensor')}"
+    once = "shared and replicated ranges counted once"
+    bases = listing.metadata.bases
+    lines.append(
+        _total(counts, listing.nbytes, listing.stored_bytes, listing.base_bytes, bases, once, exact)
     )
-    if not exact:
-        total += f" ({listing.nbytes:,} bytes)"
-    if listing.stored_bytes != listing.nbytes:
-        total += (
-            f"; {_size(listing.stored_bytes, exact)} stored "
-            "(shared and replicated ranges counted once)"
-        )
-    if listing.base_bytes:
-        total += (
-            f"; {_size(listing.base_bytes, exact)} of it in base snapshots "
-            f"({', '.join(map(printable, listing.metadata.bases))})"
-        )
-    lines.append(total)
     _write_lines(lines)
     return 0
+
+
+def _total(
+    counts: str,
+    nbytes: int,
+    stored: int,
+    in_bases: int,
+    bases: Sequence[str],
+    once: str,
+    exact: bool,
+) -> str:
+    """The last line of ``ls`` and ``du``: what is listed, and what the blobs hold of it."""
+    total = f"total: {counts}, {_size(nbytes, exact)}" + ("" if exact else f" ({nbytes:,} bytes)")
+    if stored != nbytes:
+        total += f"; {_size(stored, exact)} stored ({once})"
+    if in_bases:
+        names = ", ".join(map(printable, bases))
+        total += f"; {_size(in_bases, exact)} of it in base snapshots ({names})"
+    return total
 
 
 # ---------------------------------------------------------------------------------------------
@@ -321,20 +329,11 @@ def run_du(args: argparse.Namespace) -> int:
                 f"rank {printable(k)} {_size(v, exact)}" for k, v in usage.rank_bytes.items()
             )
         )
-    total = f"total: {_count(usage.entries, 'entry')}, {_size(usage.nbytes, exact)}"
-    if not exact:
-        total += f" ({usage.nbytes:,} bytes)"
-    if usage.stored_bytes != usage.nbytes:
-        total += (
-            f"; {_size(usage.stored_bytes, exact)} stored "
-            "(replicated entries and shared tensors counted once)"
-        )
-    if usage.base_bytes:
-        total += (
-            f"; {_size(usage.base_bytes, exact)} of it in base snapshots "
-            f"({', '.join(map(printable, usage.bases))})"
-        )
-    lines.append(total)
+    once = "replicated entries and shared tensors counted once"
+    counts = _count(usage.entries, "entry")
+    lines.append(
+        _total(counts, usage.nbytes, usage.stored_bytes, usage.base_bytes, usage.bases, once, exact)
+    )
     _write_lines(lines)
     return 0
 

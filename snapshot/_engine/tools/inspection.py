@@ -27,7 +27,6 @@ from manifest import (
     is_container,
     reference_of,
 )
-from snapshot._engine.context import gc_paused
 from snapshot._engine.format.serialization import dtype_name
 from snapshot._engine.format.text import printable
 from snapshot._engine.io.io_loop import run
@@ -80,6 +79,7 @@ def check_jobs(jobs: int, piece_bytes: int) -> None:
     if jobs < 1 or piece_bytes < 1:
         raise ValueError(f"jobs and piece_bytes must be positive, got {jobs}, {piece_bytes}")
 
+
 _UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB")
 
 
@@ -118,15 +118,14 @@ def _split_path(path: str) -> tuple[str, str]:
 
 
 def _shared(entry: Entry) -> bool:
-    """Whether an entry is one value for every rank (replicated). A sharded tensor's entry is
-    not, though manifests before format 3 marked it so: each rank keeps its own."""
+    """Whether an entry is one value for every rank (a sharded tensor's is not, though
+    manifests before format 3 marked it so)."""
     return entry.replicated and not isinstance(entry, ShardedTensorEntry)
 
 
 def _stored_bytes(entries: Iterable[Entry]) -> tuple[int, int]:
-    """Bytes the blobs hold for ``entries``, each distinct range once (replicated entries of
-    several ranks, and tensors stored under two paths, share their ranges): ``(in the
-    snapshot's own blobs, in its bases' blobs)``."""
+    """Bytes the blobs hold for ``entries``, each distinct range once: ``(in the snapshot's own
+    blobs, in its bases' blobs)``."""
     seen: set[tuple[str, int, int]] = set()
     own = in_bases = 0
     for entry in entries:
@@ -142,8 +141,7 @@ def _stored_bytes(entries: Iterable[Entry]) -> tuple[int, int]:
 
 
 def _bases_of(entry: Entry) -> str:
-    """The sibling snapshots holding an entry's bytes (an incremental take's bases), joined
-    by commas; "" when the snapshot holds them itself."""
+    """The base snapshots holding an entry's bytes, joined by commas ("" for none)."""
     names = {ref[0] for loc in entry.locations if (ref := reference_of(loc.blob)) is not None}
     return ",".join(sorted(names))
 
@@ -193,11 +191,6 @@ def list_entries(manifest: Manifest, prefix: str | None = None) -> Listing:
     Raises:
         EntryNotFoundError: ``prefix`` is given and no entry is at or below it.
     """
-    with gc_paused():  # 100,000 rows of small objects: no collections while building them
-        return _list_entries(manifest, prefix)
-
-
-def _list_entries(manifest: Manifest, prefix: str | None) -> Listing:
     entries = manifest.entries
     if prefix:
         prefix = prefix.rstrip("/")
@@ -268,19 +261,10 @@ class Usage:
 
 
 def disk_usage(manifest: Manifest) -> Usage:
-    """Bytes per top-level key per rank, from the manifest alone.
-
-    A replicated entry is one value for every rank that took it, its bytes stored once (by
-    whichever rank wrote them): each rank's row counts them (restoring that key on that rank
-    reads them), whether the manifest lists the entry under every rank (before format 3) or
-    once, under rank 0 (``Manifest.view``), and says how many of its bytes are replicated;
-    ``stored_bytes`` counts every distinct byte range once.
-    """
-    with gc_paused():
-        return _disk_usage(manifest)
-
-
-def _disk_usage(manifest: Manifest) -> Usage:
+    """Bytes per top-level key per rank, from the manifest alone. A replicated entry's bytes,
+    stored once, count in every rank's row (restoring the key there reads them), whether the
+    manifest lists it under every rank (before format 3) or once under rank 0;
+    ``stored_bytes`` counts every distinct byte range once."""
     counts: dict[tuple[str, str], list[int]] = {}
     ranks: dict[str, int] = {}
     total = replicated = count = 0
@@ -315,9 +299,8 @@ def _disk_usage(manifest: Manifest) -> Usage:
 
 
 def _as_every_rank_reads(manifest: Manifest) -> Iterator[tuple[str, Entry]]:
-    """Every entry, then each replicated leaf listed once, under rank 0, again under every
-    other rank of the take that does not list it itself (what ``Manifest.view`` adds for that
-    rank), without building each rank's view."""
+    """Every entry, then each replicated leaf listed once under rank 0 again under every other
+    rank that does not list it itself (what ``Manifest.view`` adds), without building views."""
     entries = manifest.entries
     yield from entries.items()
     if manifest.world_size == 1:
@@ -329,9 +312,8 @@ def _as_every_rank_reads(manifest: Manifest) -> Iterator[tuple[str, Entry]]:
     ]
     if not once:
         return
-    # The ranks that list entries of their own (each rank of a take lists its containers), not
-    # every number below ``world_size``: that is a claim of the manifest, which may be any
-    # number, where the ranks listed are bounded by its lines.
+    # The ranks that list entries of their own, not every number below ``world_size`` (a claim
+    # of the manifest, which may be any number).
     listed = {p.partition("/")[0] for p in entries}
     ranks = sorted(
         int(r) for r in listed if r.isdigit() and len(r) < 19 and 0 < int(r) < manifest.world_size
@@ -352,8 +334,8 @@ def _rank_order(rank: str) -> tuple[int, str]:
 
 
 def close_matches(entries: Sequence[str] | dict[str, Any], key: str, n: int = 5) -> list[str]:
-    """Logical paths resembling ``key``: the same path under rank 0 (``model/w`` ->
-    ``0/model/w``) first, then difflib's closest (``suggest.close_matches``: bounded)."""
+    """Logical paths resembling ``key``: the same path under rank 0 first, then difflib's
+    closest (``suggest.close_matches``)."""
     paths = list(entries)
     found = [f"0/{key}"] if f"0/{key}" in entries else []
     for p in suggest.close_matches(key, paths, n=n, cutoff=0.6):
@@ -385,10 +367,8 @@ def read_entry(path: str, key: str, storage_options: dict[str, Any] | None) -> t
 
 @dataclass(frozen=True)
 class TensorSummary:
-    """What ``show`` says about a tensor. A statistic the dtype does not allow (the mean of a
-    bool tensor, the min of a complex one, anything of a sub-byte or quantized dtype) is None.
-    For floating dtypes, min/max/mean are over the finite values, and ``nonfinite`` counts the
-    others (NaN, +-inf)."""
+    """What ``show`` says about a tensor; a statistic the dtype does not allow is None. For
+    floating dtypes, min/max/mean are over the finite values, ``nonfinite`` counts the others."""
 
     dtype: str
     shape: tuple[int, ...]
@@ -402,8 +382,7 @@ class TensorSummary:
 
 
 def _try(fn: Callable[[], Any]) -> Any:
-    """``fn()``, or None when torch cannot do it for this dtype (each dtype supports its own
-    set of operations, and says so with any of several exceptions)."""
+    """``fn()``, or None when torch cannot do it for this dtype."""
     try:
         return fn()
     except Exception:
