@@ -127,37 +127,28 @@ def to_delete(
 
 
 class Cleaner:
-    """Retention and every deletion of one checkpoint manager, on one worker thread (started
-    by the first round queued), with the record of which steps the manager's saves hold."""
+    """Retention and every deletion of one checkpoint manager, on one worker thread (started by
+    the first round queued), and which steps the manager's saves hold."""
 
     def __init__(self, steps: Steps, policy: Policy, root: str) -> None:
         self._steps = steps
         self.policy = policy
         self.root = root
-        # Steps whose save is writing (not yet committed nor failed).
-        self._in_flight: set[int] = set()
-        # Every step the manager began saving: retention never takes one of their folders
-        # for an earlier run's debris (a listing may catch one mid-take, then it commits).
+        self._in_flight: set[int] = set()  # saves writing (not yet committed nor failed)
+        # Every step the manager began saving: never taken for an earlier run's debris.
         self._started: set[int] = set()
-        # Steps whose save failed: their folder holds what the take could not remove, deleted
-        # as debris even without the pending marker.
+        # Steps whose save failed: debris, deleted even without the pending marker.
         self._failed: set[int] = set()
-        # Steps whose folder the worker is deleting: a save of one waits for it to end.
-        self._deleting: set[int] = set()
+        self._deleting: set[int] = set()  # folders being deleted: a save there waits
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
         self._warned: set[tuple[str, str]] = set()
-        # The worker thread: retention and every deletion run there, one job at a time (each
-        # async save's commit is awaited on a thread of its own, which then queues a round
-        # here); ``None`` in its queue stops it. It holds no reference to the cleaner (nor to
-        # the manager, which owns the cleaner): a manager dropped without ``close`` is
-        # collected, then the cleaner, and its finalizer stops the thread once the jobs queued
-        # before it are done.
+        # The worker runs one job at a time; ``None`` stops it. It holds no reference to the
+        # cleaner: a manager dropped without ``close`` is collected, then the cleaner, whose
+        # finalizer stops the thread once the jobs queued before are done.
         self._work: queue.Queue[Callable[[], None] | None] = queue.Queue()
         self.worker: threading.Thread | None = None
         self._finalizer: weakref.finalize | None = None
-
-    # -- what the saves hold --------------------------------------------------------------------
 
     def begin(self, step: int) -> None:
         """A save of ``step`` begins: waits while the worker deletes debris at that step, then
@@ -175,15 +166,12 @@ class Cleaner:
             self._failed.add(step)
 
     def end(self, step: int, failed: bool = False) -> None:
-        """The save of ``step`` is no longer writing (``failed``: it failed, recorded in the
-        same step, as ``failed`` does)."""
+        """The save of ``step`` is no longer writing (``failed``: and it failed)."""
         with self._lock:
             self._in_flight.discard(step)
             if failed:
                 self._started.discard(step)
                 self._failed.add(step)
-
-    # -- the worker -----------------------------------------------------------------------------
 
     def run_round(self) -> None:
         """Queues a retention round on the worker thread (started on the first call)."""
@@ -195,9 +183,8 @@ class Cleaner:
                 daemon=True,
             )
             self.worker.start()
-            # Stops the thread once the cleaner is collected (the jobs queued before it, which
-            # hold the cleaner, are done first), or at interpreter exit. A deletion cut short
-            # by the exit leaves marked debris (``steps.delete_snapshot``).
+            # Stops the thread once the cleaner is collected, or at exit (a deletion cut short
+            # leaves marked debris).
             self._finalizer = weakref.finalize(self, self._work.put, None)
         self._work.put(self.retain)
 
@@ -215,12 +202,9 @@ class Cleaner:
             self.worker.join()
             self.worker = None
 
-    # -- a round --------------------------------------------------------------------------------
-
     def retain(self) -> None:
-        """On the worker, after a commit: lists the steps, deletes the debris of takes that no
-        save of this manager is writing, and the committed steps the policy lets go. A listing
-        that fails deletes nothing this round."""
+        """On the worker, after a commit: lists the steps, deletes the debris of takes no save
+        of this manager is writing, and the committed steps the policy lets go."""
         try:
             found = self._steps.scan()
         except Exception as e:
@@ -231,9 +215,8 @@ class Cleaner:
                 e,
             )
             return
-        # Read after the listing: every folder of this manager's that it saw was begun
-        # before, so it is in ``_started`` (which only grows, but for failed saves) even if
-        # its save began, or committed, while the listing ran. ``_delete`` checks again.
+        # Read after the listing: every folder of this manager's that it saw is in
+        # ``_started`` even if its save began, or committed, meanwhile.
         with self._lock:
             in_flight = set(self._in_flight)
             started = set(self._started)
@@ -265,9 +248,8 @@ class Cleaner:
             self._delete(by_name[d.name])
 
     def _delete(self, s: StepInfo, unmarked: bool = False) -> None:
-        """Deletes the folder of ``s`` (``Steps.delete``: the whole folder checked first),
-        unless a save of this manager began writing there since the listing; a failure is
-        logged."""
+        """Deletes the folder of ``s`` (checked whole first), unless a save of this manager began
+        writing there since the listing; a failure is logged."""
         with self._changed:
             if not s.committed and s.step in self._started:
                 return
@@ -317,8 +299,8 @@ class Cleaner:
 
 
 def _run_worker(work: queue.Queue[Callable[[], None] | None]) -> None:
-    """The worker thread: runs the jobs of ``work`` until ``None``. It keeps no job (which may
-    hold the cleaner) while it waits for the next."""
+    """The worker thread: runs the jobs of ``work`` until ``None``, keeping none (it may hold
+    the cleaner) while it waits."""
     while True:
         job = work.get()
         try:
