@@ -7,26 +7,14 @@ from __future__ import annotations
 import logging
 import signal
 import sys
-from collections.abc import Mapping
-from typing import Any, NoReturn, Protocol
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from snapshot.options import Options
 
+if TYPE_CHECKING:
+    from snapshot.manager import CheckpointManager as Manager
+
 logger = logging.getLogger("snapshot")
-
-
-class Manager(Protocol):
-    """What preemption uses of a ``CheckpointManager``: its public attributes and calls."""
-
-    root: str
-    preempted: bool
-    async_: bool
-
-    def save(
-        self, step: int, app_state: dict[str, Any], metrics: Mapping[str, float] | None = None
-    ) -> None: ...
-
-    def close(self) -> None: ...
 
 
 class PreemptionHandler:

@@ -90,6 +90,12 @@ def _count(n: int, noun: str) -> str:
     return f"{n:,} {noun[:-1] + 'ies' if noun.endswith('y') else noun + 's'}"
 
 
+def _some(names: Sequence[str]) -> str:
+    """The first five ``names``, and how many more."""
+    more = f" and {len(names) - 5} more" if len(names) > 5 else ""
+    return ", ".join(map(printable, names[:5])) + more
+
+
 def _size(n: int, exact: bool) -> str:
     return str(n) if exact else human_bytes(n)
 
@@ -254,12 +260,9 @@ def run_verify(args: argparse.Namespace) -> int:
         )
     unknown = report.sizes_unknown
     if unknown:
-        names = ", ".join(map(printable, unknown[:5])) + (
-            f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""
-        )
         lines.append(
-            f"note: size not checked for {_count(len(unknown), 'blob')} ({names}): the store "
-            "cannot tell their size, so bytes added after the take go unnoticed"
+            f"note: size not checked for {_count(len(unknown), 'blob')} ({_some(unknown)}): the "
+            "store cannot tell their size, so bytes added after the take go unnoticed"
         )
     if report.checksums_missing:
         why = (
@@ -278,12 +281,9 @@ def run_verify(args: argparse.Namespace) -> int:
             f"readability only{decoded}"
         )
     if report.not_decoded:
-        names = ", ".join(map(printable, report.not_decoded[:5])) + (
-            f" and {len(report.not_decoded) - 5} more" if len(report.not_decoded) > 5 else ""
-        )
         lines.append(
-            f"note: not decoded, so not checked: {names} (a type the safe loader does not "
-            "allow; see `statesnap show` for the type to pass to "
+            f"note: not decoded, so not checked: {_some(report.not_decoded)} (a type the safe "
+            "loader does not allow; see `statesnap show` for the type to pass to "
             "torch.serialization.add_safe_globals)"
         )
     summary = (
