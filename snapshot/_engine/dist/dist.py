@@ -85,8 +85,9 @@ class GroupCoordinator(Coordinator):
         self.pg = pg
         self.rank = dist.get_rank(pg)
         self.world_size = dist.get_world_size(pg)
-        self.timeout_secs = options.collective_timeout_secs or 600
-        self.rank_timeout = options.rank_timeout_secs or 60.0
+        timeout, rank_timeout = options.collective_timeout_secs, options.rank_timeout_secs
+        assert timeout is not None and rank_timeout is not None  # resolved options
+        self.timeout_secs, self.rank_timeout = timeout, rank_timeout
         self.group, self.watch = _gloo_group(pg, background, self.timeout_secs, self.rank_timeout)
         self.watch.set_timeout(self.rank_timeout)
 

@@ -148,8 +148,7 @@ def describe(collected: Collected, rank_prefix: str) -> Facts:
         logical = path[cut:]
         if isinstance(e, WholeTensor):
             desc = Desc(f"{e.dtype}{list(e.shape)}", (e.nbytes,), None)
-            assert e.tensor is not None
-            add(logical, desc, e.replicated, None, tensor_bytes(e.tensor))
+            add(logical, desc, e.replicated, None, e.tensor)
         elif isinstance(e, TensorDraft):
             first = e.payloads[0]
             alias = first.label[cut:] if first.label != path else None
@@ -157,7 +156,7 @@ def describe(collected: Collected, rank_prefix: str) -> Facts:
             if alias is not None:  # the same memory as ``alias``: one value when that one is
                 add(logical, desc, e.replicated, None, None)
             elif first.tensor is not None:  # chunks of one contiguous CPU tensor
-                add(logical, desc, e.replicated, None, tensor_bytes(first.tensor))
+                add(logical, desc, e.replicated, None, first.tensor)
             elif first.source is not None and first.source.prepare is None:
                 add(logical, desc, e.replicated, None, first.source.tensor)
             elif e.replicated:
