@@ -20,9 +20,15 @@ from typing import Any
 
 from snapshot import __version__
 from snapshot._engine.format.text import printable_message
-from snapshot._engine.tools.cli_commands import run_diff, run_du, run_ls, run_show, run_verify
-from snapshot._engine.tools.cli_export import add_parser as add_export_parser
-from snapshot._engine.tools.cli_steps import add_parsers as add_step_parsers
+from snapshot._engine.tools.cli_commands import (
+    add_export_parser,
+    add_step_parsers,
+    run_diff,
+    run_du,
+    run_ls,
+    run_show,
+    run_verify,
+)
 from snapshot.errors import CorruptSnapshotError, SnapshotError
 
 EXIT_OK = 0

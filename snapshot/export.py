@@ -21,7 +21,6 @@ import torch
 from snapshot._engine.format.manifest_io import load_manifest
 from snapshot._engine.restore.linked import open_linked
 from snapshot._engine.tools import export as engine
-from snapshot._engine.tools import export_folder
 from snapshot.errors import CorruptSnapshotError, IncompatibleSnapshotError, InvalidArgumentError
 from snapshot.options import Options, resolve
 from snapshot.snapshot import Snapshot
@@ -101,7 +100,7 @@ def export(
     files = engine.plan_files(sources, max_bytes)
     if format == "safetensors":
         engine.check_safetensors(files)
-    export_folder.earlier_export(out, overwrite)  # refused now, before an hour of writing
+    engine.earlier_export(out, overwrite)  # refused now, before an hour of writing
     # A tile, a box's piece of it, the cast copy and the plugin's read buffer: a quarter of
     # the budget each at most.
     tile = max(1 << 20, resolved.budget() // 4)
@@ -110,7 +109,7 @@ def export(
     with open_linked(path, manifest, storage_options, resolved) as plugin:
         with _naming(path):
             engine.check_claims(plugin, manifest, sources, resolved)
-        written = export_folder.stage(
+        written = engine.stage(
             out,
             overwrite,
             lambda folder: write(plugin, files, folder, tile, verify, resolved),

@@ -26,11 +26,10 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from snapshot._engine import arguments
-from snapshot._engine.dist.rank_zero import RankZero
+from snapshot._engine.dist.dist import RankZero
 from snapshot._engine.manager import preemption
-from snapshot._engine.manager.cleaner import Cleaner
 from snapshot._engine.manager.preemption import PreemptionHandler
-from snapshot._engine.manager.retention import Policy
+from snapshot._engine.manager.retention import Cleaner, Policy
 from snapshot._engine.manager.steps import COMMITTED, NOT_FOLDERS, UNREADABLE, Steps, step_name
 from snapshot.errors import InvalidArgumentError, SnapshotError, SnapshotExistsError
 from snapshot.options import Options, resolve

@@ -25,7 +25,14 @@ from snapshot import (
     StateDict,
     StateMismatchError,
 )
-from snapshot._engine.dist.replication import Desc, crc_of, decide, strong_digests, strong_of
+from snapshot._engine.dist.replication import (
+    Desc,
+    crc_of,
+    decide,
+    joined,
+    strong_of,
+    tensor_bytes,
+)
 from snapshot._engine.tools.inspection import disk_usage, list_entries
 from tests.helpers import assert_same, raw_bytes
 from tests.multirank import run_ranks
@@ -298,24 +305,24 @@ def test_values_that_differ_in_their_bytes_stay_each_ranks_own(tmp_path):
 def test_digests_depend_on_the_bytes_only():
     t = torch.randn(3 * (1 << 20) + 5)  # 12 MiB: several pieces, the last one short
     data = raw_bytes(t)
-    memory = ("memory", t.data_ptr(), t.nbytes)
+    memory = tensor_bytes(t)
     crc, strong = crc_of(memory), strong_of(memory)
     assert crc == zlib.crc32(data) and len(strong) == 8
     strided = torch.empty(t.numel(), 2)[:, 1]  # the same elements, not contiguous
     strided.copy_(t)
     negated = torch._neg_view(-t)  # the same values through a negated view
-    for src in [("tensor", t), ("tensor", strided), ("tensor", negated), ("bytes", data)]:
-        assert (crc_of(src), strong_of(src)) == (crc, strong), src[0]
-    # One piece: BLAKE2b of the bytes themselves, however they are held.
-    assert strong_of(("tensor", strided[:1000])) == strong_of(("bytes", data[:4000]))
-    assert strong_of(("bytes", data[:4000])) != strong_of(("bytes", data[:4001]))
+    for src in [t, strided, negated, memoryview(data)]:
+        assert (crc_of(src), strong_of(src)) == (crc, strong), type(src)
+    # One piece: the same digest however the bytes are held.
+    assert strong_of(strided[:1000]) == strong_of(memoryview(data[:4000]))
+    assert strong_of(memoryview(data[:4000])) != strong_of(memoryview(data[:4001]))
     changed = t.clone()
     changed.view(torch.int32)[-1] ^= 1 << 31  # the sign of the last element
-    other = ("memory", changed.data_ptr(), changed.nbytes)
+    other = tensor_bytes(changed)
     assert crc_of(other) != crc and strong_of(other) != strong
-    paths = {"a": memory, "b": ("memory", t.data_ptr(), 4000), "c": ("bytes", data[:4000])}
-    digests = strong_digests(paths, ["a", "b", "c"])
-    assert digests == {"a": strong, "b": digests["c"], "c": strong_of(("bytes", data[:4000]))}
+    paths = {"a": memory, "b": tensor_bytes(t)[:4000], "c": memoryview(data[:4000])}
+    sent = joined(paths, ["a", "b", "c"])
+    assert sent == strong + 2 * strong_of(memoryview(data[:4000]))
 
 
 def test_decide_keeps_ties_alike_and_confirms_matching_crcs():

@@ -1,24 +1,23 @@
 """Who takes part in a snapshot, and how they agree: this process alone, or a process group.
 
-The library's own coordination uses object collectives on a gloo group of its own over the
-caller's ranks (created once per group and use), so it never needs NCCL, and a wait for a lost
-rank is bounded (``liveness``). Every collective carries each rank's outcome, so that a rank
-that failed still takes part and every rank learns of the failure: nobody waits for a rank that
-will never arrive.
+The library coordinates with object collectives on a gloo group of its own over the caller's
+ranks (never NCCL, never the caller's group), and bounds each wait for a lost rank
+(``liveness``). Every collective carries each rank's outcome, so a rank that failed still takes
+part and every rank learns of the failure.
 """
 
 from __future__ import annotations
 
 import datetime
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
-from snapshot._engine.dist import liveness
-
 from snapshot._engine import runtime
-from snapshot.errors import RankFailedError
+from snapshot._engine.dist import liveness
+from snapshot.errors import InvalidArgumentError, RankFailedError, SnapshotError
 
 if TYPE_CHECKING:
     from snapshot.options import Options
@@ -33,10 +32,8 @@ class Outcome:
 
 
 class Coordinator:
-    """This process's rank among ``world_size`` participants, and collectives among them.
-
-    The base class is the single-process case: every collective returns this rank's value.
-    """
+    """This process's rank among ``world_size`` participants, and collectives among them. The
+    base class is the single-process case: every collective returns this rank's value."""
 
     rank: int = 0
     world_size: int = 1
@@ -54,13 +51,11 @@ class Coordinator:
         """Fills ``tensor`` (a CPU tensor) on every rank with rank ``src``'s."""
 
     def agree(self, what: str, value: Any = None, error: BaseException | None = None) -> list[Any]:
-        """All-gathers each rank's outcome of step ``what``; raises on every rank if any failed.
-
-        Returns every rank's ``value`` when all succeeded.
+        """All-gathers each rank's outcome of step ``what``; returns every rank's ``value``.
 
         Raises:
-            RankFailedError: naming each failed rank and its error (with this rank's own error
-                chained when it was one of them).
+            RankFailedError: on every rank when any failed, naming each failed rank and its
+                error (this rank's own chained).
         """
         outcome = Outcome(
             value=None if error else value,
@@ -81,24 +76,19 @@ class Coordinator:
 
 
 class GroupCoordinator(Coordinator):
-    """The ranks of a ``torch.distributed`` process group, coordinating on a gloo group of
-    the library's. A rank waits in a collective for a peer that is alive (beats its heartbeat,
-    see ``liveness``) at most ``options.collective_timeout_secs``, for one that fell silent at
-    most ``options.rank_timeout_secs``; a peer whose process ended fails the collective at
-    once."""
+    """The ranks of a process group, coordinating on a gloo group of the library's. A rank
+    waits in a collective at most ``options.collective_timeout_secs`` for a live peer (one that
+    beats its heartbeat), ``options.rank_timeout_secs`` for a silent one; a peer whose process
+    ended fails the collective at once."""
 
     def __init__(self, pg: Any | None, options: Options, *, background: bool = False) -> None:
         self.pg = pg
         self.rank = dist.get_rank(pg)
         self.world_size = dist.get_world_size(pg)
-        self.timeout_secs = options.collective_timeout_secs
-        self.rank_timeout = options.rank_timeout_secs
-        self.group, self.watch = _gloo_group(
-            pg,
-            background=background,
-            timeout_secs=self.timeout_secs,
-            rank_timeout=self.rank_timeout,
-        )
+        timeout, rank_timeout = options.collective_timeout_secs, options.rank_timeout_secs
+        assert timeout is not None and rank_timeout is not None  # resolved options
+        self.timeout_secs, self.rank_timeout = timeout, rank_timeout
+        self.group, self.watch = _gloo_group(pg, background, self.timeout_secs, self.rank_timeout)
         self.watch.set_timeout(self.rank_timeout)
 
     def all_gather(self, value: Any) -> list[Any]:
@@ -108,15 +98,15 @@ class GroupCoordinator(Coordinator):
 
     def gather(self, value: Any) -> list[Any] | None:
         out: list[Any] | None = [None] * self.world_size if self.rank == 0 else None
-        dst = self._global_rank(0)
+        dst = dist.get_global_rank(self.group, 0)
         self._run(lambda: dist.gather_object(value, out, dst=dst, group=self.group))
         return out
 
     def broadcast(self, tensor: Any, src: int) -> None:
-        root = self._global_rank(src)
+        root = dist.get_global_rank(self.group, src)
         self._run(lambda: dist.broadcast(tensor, src=root, group=self.group))
 
-    def _run(self, collective: Any) -> None:
+    def _run(self, collective: Callable[[], object]) -> None:
         self.watch.run(collective, self._silent, self._lost)
 
     def _silent(self, why: str, failures: dict[int, str]) -> RankFailedError:
@@ -128,10 +118,9 @@ class GroupCoordinator(Coordinator):
         )
 
     def _lost(self, error: RuntimeError, dead: list[int]) -> RankFailedError:
-        """What a rank raises when the group's collective itself failed: a peer's process
-        ended (its connections closed at once; ``dead``: the peers whose heartbeat stopped,
-        when the store could tell), or a live peer did not arrive within the group's
-        timeout."""
+        """What a rank raises when the collective itself failed: a peer's process ended
+        (``dead``: those whose heartbeat stopped, when the store could tell), or a live peer
+        did not arrive within the group's timeout."""
         self.watch.broken = f"an earlier collective of the group failed ({error})"
         who = (
             f"rank(s) {dead} stopped (their process ended)"
@@ -146,34 +135,23 @@ class GroupCoordinator(Coordinator):
             {r: "process ended" for r in dead},
         )
 
-    def _global_rank(self, group_rank: int) -> int:
-        return dist.get_global_rank(self.group, group_rank)
-
 
 def _gloo_group(
-    pg: Any | None, *, background: bool, timeout_secs: int, rank_timeout: float
+    pg: Any | None, background: bool, timeout_secs: int, rank_timeout: float
 ) -> tuple[Any, liveness.Watch]:
-    """The gloo group the library coordinates on for ``pg``, and its ``Watch``: made once per
-    caller group and use (foreground, or an async take's background work), kept by the
-    runtime (``Runtime.gloo_groups``). Its collectives wait ``timeout_secs`` at most for a live
-    peer.
-
-    The library never coordinates on the caller's own group, even a gloo one: a collective
-    abandoned when a peer fell silent would stay pending on it."""
+    """The library's gloo group for ``pg`` and its ``Watch``: made once per caller group and
+    use (foreground, or an async take's background work), kept by the runtime. A collective
+    abandoned on a silent peer would stay pending on the caller's own group, so it is never
+    used."""
     group = pg if pg is not None else dist.group.WORLD
     rt = runtime.get()
-    groups = rt.gloo_groups
-    cached = groups.get((id(group), background))
+    rt.heartbeat(dist.get_rank(), rank_timeout)
+    cached = rt.gloo_groups.get((id(group), background))
     if cached is None:
-        # Only the ranks of the caller's group are in this take or restore. torch wants every
-        # rank of the default group to call ``new_group`` for each group, in the same order,
-        # unless the group synchronizes locally: then its members alone make it, under a name
-        # hashed from its ranks and the number of groups each member has (equal on members
-        # that made their groups alike). Without it, disjoint subgroups taking snapshots at
-        # once hang or join each other's groups. The default group's ranks all call this, so
-        # its group is made the ordinary way.
+        # Only the caller's group's ranks are here: a subgroup synchronizes locally (its
+        # members alone make it), so disjoint subgroups taking snapshots at once neither hang
+        # nor join each other's groups.
         ranks = dist.get_process_group_ranks(group)
-        rt.heartbeat(dist.get_rank(), rank_timeout)
         gloo = dist.new_group(
             ranks=ranks,
             backend="gloo",
@@ -181,30 +159,62 @@ def _gloo_group(
             use_local_synchronization=len(ranks) < dist.get_world_size(),
         )
         watch = liveness.Watch(dist.get_rank(group), ranks, rank_timeout)
-        cached = groups[(id(group), background)] = (group, gloo, watch)
-    else:
-        rt.heartbeat(dist.get_rank(), rank_timeout)
+        cached = rt.gloo_groups[(id(group), background)] = (group, gloo, watch)
     return cached[1], cached[2]
 
 
 def resolve_background(pg: Any | None, options: Options) -> Coordinator:
-    """Like ``resolve``, but on a gloo group of its own: the one background work (async
-    take's commit) agrees on, while the caller's thread goes on using the foreground one.
-
-    Creating that group is itself a collective, so call this on the caller's thread, on every
-    rank, at the same point (async take does, when it is called).
-    """
+    """Like ``resolve``, on a second gloo group: the one an async take's background work
+    agrees on while the caller's thread uses the foreground one. Making it is a collective:
+    call it on the caller's thread, on every rank, at the same point."""
     coord = resolve(pg, options)
     return GroupCoordinator(pg, options, background=True) if coord.world_size > 1 else coord
 
 
 def resolve(pg: Any | None, options: Options) -> Coordinator:
     """The participants for ``pg``: the default group when ``torch.distributed`` is initialized
-    and ``pg`` is None, else this process alone. A group of one rank is this process alone.
-    ``options.collective_timeout_secs`` and ``rank_timeout_secs`` bound the waits of its
-    collectives."""
+    and ``pg`` is None, else this process alone (so is a group of one rank)."""
     if pg is None and not (dist.is_available() and dist.is_initialized()):
         return Coordinator()
     if dist.get_world_size(pg) == 1:
         return Coordinator()
     return GroupCoordinator(pg, options)
+
+
+class RankZero:
+    """How a checkpoint manager's ranks agree: rank 0 lists, decides and deletes, and every
+    rank gets its answers, on the library's gloo group. ``root`` names the manager in errors."""
+
+    def __init__(self, pg: Any | None, options: Options, root: str) -> None:
+        self.pg = pg
+        self.options = options
+        self.root = root
+        if not (dist.is_available() and dist.is_initialized()):
+            if pg is not None:
+                raise InvalidArgumentError(
+                    "CheckpointManager got a process group, but torch.distributed is not "
+                    "initialized"
+                )
+            self.rank, self.world = 0, 1
+        else:
+            self.rank, self.world = dist.get_rank(pg), dist.get_world_size(pg)
+
+    def agreed(self, compute: Callable[[], Any]) -> Any:
+        """``compute()`` on rank 0, given to every rank (a failure there fails every rank)."""
+        if self.world == 1:
+            return compute()
+        box: tuple[str, Any] | None = None
+        if self.rank == 0:
+            try:
+                box = ("ok", compute())
+            except Exception as e:
+                box = ("error", f"{type(e).__name__}: {e}")
+        kind, value = resolve(self.pg, self.options).all_gather(box)[0]
+        if kind == "error":
+            raise SnapshotError(f"rank 0 of the checkpoint manager of {self.root} failed: {value}")
+        return value
+
+    def barrier(self) -> None:
+        """Returns once every rank has called it."""
+        if self.world > 1:
+            resolve(self.pg, self.options).all_gather(None)

@@ -1,28 +1,18 @@
 """How a rank waiting in a collective tells a lost peer from a slow one.
 
-gloo alone cannot: a peer whose process ended closes its connections and the collective fails
-at once, but a peer that is frozen (stopped, swapped out, deadlocked with the GIL held) or
-whose host went silent (power lost, network cut) closes nothing, and the collective waits for
-the group's whole timeout, which must be long, since a live peer may legitimately arrive late
-(it still writes its share of a large take).
+A peer whose process ended closes its connections, and gloo fails the collective at once; a
+frozen peer, or one whose host went silent, closes nothing, and gloo would wait its whole
+(long) timeout. So every process beats a heartbeat (``Heartbeat``: a counter of its own,
+``statesnap/hb/<global rank>``, in the default group's store), and a rank runs each collective
+on a thread of its own (``Watch.run``) while it reads its peers' counters: a peer whose counter
+has not moved for ``rank_timeout`` seconds of the reader's own clock is lost. The rank then
+raises, leaves the collective behind, and marks the group broken (a later collective could pair
+with the abandoned one). When the collective itself fails, the peers that do not beat within a
+short window are the ones whose process ended.
 
-So every process of a group beats a heartbeat: a thread (``Heartbeat``) adds one to a counter
-of its own, ``statesnap/hb/<global rank>``, in the process group's store, every
-``interval(rank_timeout)`` seconds. A rank runs each collective on a thread of its own
-(``Watch.run``) and, while it waits, reads its peers' counters: a peer whose counter has not
-moved for ``rank_timeout`` seconds of the reader's own clock is lost (no clocks are compared
-across hosts). The rank then raises ``RankFailedError`` naming it, and leaves the collective
-behind on its thread: that thread ends when gloo's own timeout does, and the group is marked
-broken, so that no later collective is started on it (it could pair with the abandoned one).
-
-When the collective itself fails (gloo: a peer's connection closed), the rank watches the
-heartbeats for a short window to name the peers that stopped beating: those are the ones whose
-process ended. A live peer beats at least once in that window.
-
-The store is read through a clone of the default group's store (its own connection, so a store
-call of the library's never queues behind one of the application's) whose timeout is
-``rank_timeout``: a store that stops answering (the host serving it went silent) fails the
-wait within the same bound.
+The store is read through a clone of its own (a call never queues behind the application's)
+whose timeout is ``rank_timeout``: a store that stops answering fails the wait within the same
+bound.
 """
 
 from __future__ import annotations
@@ -41,34 +31,29 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 HEARTBEAT_KEY = "statesnap/hb/{}"
-# Set by a rank whose collective failed, before it raises (and, likely, exits): a peer that
-# stops beating after that left on purpose, it did not die.
+# Set by a rank whose collective failed, before it raises: a peer that stops beating after that
+# left on purpose, it did not die.
 LEFT_KEY = "statesnap/left/{}"
 
 
 def interval(rank_timeout: float) -> float:
-    """Seconds between two heartbeats, and between two reads of them: a twentieth of the
-    bound, so that a live peer beats many times within it (however the scheduler delays a
-    beat), within [0.05, 0.5] s: a dead peer is told from a live one within a window of 2.5
-    beats (``Watch._stopped_beating``), and a store serving thousands of ranks sees two beats
-    per rank per second at most."""
+    """Seconds between two heartbeats, and between two reads of them: a twentieth of the bound
+    (a live peer beats many times within it), within [0.05, 0.5] s."""
     return min(0.5, max(0.05, rank_timeout / 20))
 
 
 def _default_store(timeout_secs: float) -> Any | None:
-    """A connection of its own to the default process group's store, whose calls wait
-    ``timeout_secs`` at most; None where the store cannot be had (then only gloo's timeouts
-    bound a wait)."""
+    """A connection of its own to the default group's store, whose calls wait ``timeout_secs``
+    at most; None where there is none (then only gloo's timeouts bound a wait)."""
     try:
         from torch.distributed import distributed_c10d
 
-        store = distributed_c10d._get_default_store().clone()
+        store: Any = distributed_c10d._get_default_store()
+        store = store.clone()
         store.set_timeout(datetime.timedelta(seconds=timeout_secs))
         return store
     except Exception:  # a store without clone(), or torch without the helper
-        logger.debug(
-            "no store for heartbeats: waits are bounded by gloo's timeout alone", exc_info=True
-        )
+        logger.debug("no store for heartbeats: only gloo's timeout bounds waits", exc_info=True)
         return None
 
 
@@ -78,32 +63,29 @@ class Heartbeat:
     def __init__(self, global_rank: int, rank_timeout: float) -> None:
         self.key = HEARTBEAT_KEY.format(global_rank)
         self.every = interval(rank_timeout)
-        self._store = _default_store(max(rank_timeout, 1.0))
         self._stop = threading.Event()
         self.thread: threading.Thread | None = None
-        if self._store is not None:
-            self._store.add(self.key, 1)  # the key exists before any peer reads it
+        store = _default_store(max(rank_timeout, 1.0))
+        if store is not None:
+            store.add(self.key, 1)  # the key exists before any peer reads it
             with contextlib.suppress(Exception):  # left there by an earlier run of this rank
-                self._store.delete_key(LEFT_KEY.format(global_rank))
+                store.delete_key(LEFT_KEY.format(global_rank))
             self.thread = threading.Thread(
-                target=self._beat, name="statesnap-heartbeat", daemon=True
+                target=self._beat, args=(store,), name="statesnap-heartbeat", daemon=True
             )
             self.thread.start()
 
     def tighten(self, rank_timeout: float) -> None:
-        """Beats at least as often as ``rank_timeout`` needs (a call may ask for a shorter
-        bound than the one the heartbeat started with)."""
+        """Beats at least as often as ``rank_timeout`` needs."""
         self.every = min(self.every, interval(rank_timeout))
 
-    def _beat(self) -> None:
+    def _beat(self, store: Any) -> None:
         failed = False
         while not self._stop.wait(self.every):
             try:
-                self._store.add(self.key, 1)
+                store.add(self.key, 1)
                 failed = False
-            except Exception:
-                # The store's host unreachable (a waiting peer reports it), or the process
-                # group destroyed at the end of the job: nothing for this thread to say.
+            except Exception:  # the store unreachable (a waiting peer reports it), or gone
                 if not failed:
                     logger.debug("heartbeat: the store does not answer", exc_info=True)
                 failed = True
@@ -114,7 +96,7 @@ class Heartbeat:
 
 class Watch:
     """The collectives of one gloo group of the library's, each run on a thread of its own
-    while the calling thread watches the peers' heartbeats (see the module)."""
+    while the calling thread watches the peers' heartbeats."""
 
     def __init__(self, rank: int, global_ranks: list[int], rank_timeout: float) -> None:
         self.rank = rank
@@ -137,28 +119,27 @@ class Watch:
         lost: Callable[[str, dict[int, str]], Exception],
         on_error: Callable[[RuntimeError, list[int]], Exception],
     ) -> T:
-        """``collective()``'s result. Raises ``lost(message, failures)`` when a peer falls
-        silent (or the store does) while it waits, and ``on_error(error, dead_ranks)`` when the
-        collective fails."""
+        """``collective()``'s result. Raises ``lost(message, failures)`` when a peer (or the
+        store) falls silent while it waits, ``on_error(error, dead_ranks)`` when it fails."""
         if self.broken is not None:
             raise lost(self.broken, {})
         future = self._start(collective)
-        if self.store is None:
+        store = self.store
+        if store is None:
             try:
                 return future.result()
             except RuntimeError as e:
                 raise on_error(e, []) from e
-        every = interval(self.rank_timeout)
         seen: dict[int, tuple[bytes, float]] = {}
         while True:
             try:
-                return future.result(timeout=every)
+                return future.result(timeout=interval(self.rank_timeout))
             except concurrent.futures.TimeoutError:
                 pass
             except RuntimeError as e:  # gloo's: a peer's connection closed
-                raise on_error(e, self._stopped_beating()) from e
+                raise on_error(e, self._stopped_beating(store)) from e
             try:
-                silent = self._silent(seen)
+                silent = self._silent(store, seen)
             except Exception as e:  # the store's own timeout, or its connection gone
                 self.broken = (
                     f"the process group's store did not answer within {self.rank_timeout:g} s "
@@ -166,23 +147,18 @@ class Watch:
                 )
                 raise lost(self.broken, {}) from e
             if silent:
-                failures = {
-                    r: f"no heartbeat for {self.rank_timeout:g} s (process frozen, or its host "
-                    "unreachable)"
-                    for r in silent
-                }
+                why = f"no heartbeat for {self.rank_timeout:g} s"
                 self.broken = (
-                    f"rank(s) {silent} fell silent: no heartbeat for {self.rank_timeout:g} s "
-                    "(Options.rank_timeout_secs, STATESNAP_RANK_TIMEOUT_SECS); a process "
-                    "frozen or its host unreachable"
+                    f"rank(s) {silent} fell silent: {why} (Options.rank_timeout_secs, "
+                    "STATESNAP_RANK_TIMEOUT_SECS); a process frozen or its host unreachable"
                 )
+                failures = {r: f"{why} (process frozen, or its host unreachable)" for r in silent}
                 raise lost(self.broken, failures)
 
     @staticmethod
     def _start(collective: Callable[[], T]) -> concurrent.futures.Future[T]:
-        """``collective()`` running on a daemon thread of its own: one left behind, waiting
-        for a silent peer, must not keep the process from exiting (a pool's threads are
-        joined at exit), and starting a thread costs little next to a collective."""
+        """``collective()`` running on a daemon thread of its own: one left behind waiting for
+        a silent peer must not keep the process from exiting (a pool's threads are joined)."""
         future: concurrent.futures.Future[T] = concurrent.futures.Future()
 
         def run() -> None:
@@ -194,13 +170,12 @@ class Watch:
         threading.Thread(target=run, name="statesnap-collective", daemon=True).start()
         return future
 
-    def _silent(self, seen: dict[int, tuple[bytes, float]]) -> list[int]:
-        """The peers whose heartbeat has not moved for ``rank_timeout`` seconds of this
-        rank's clock (counted from this wait's first read, at the earliest)."""
-        values = self.store.multi_get(self.keys)
+    def _silent(self, store: Any, seen: dict[int, tuple[bytes, float]]) -> list[int]:
+        """The peers whose heartbeat has not moved for ``rank_timeout`` seconds of this rank's
+        clock (counted from this wait's first read, at the earliest)."""
         now = time.monotonic()
         silent = []
-        for peer, value in zip(self.peers, values, strict=True):
+        for peer, value in zip(self.peers, store.multi_get(self.keys), strict=True):
             last = seen.get(peer)
             if last is None or last[0] != value:
                 seen[peer] = (value, now)
@@ -208,29 +183,24 @@ class Watch:
                 silent.append(peer)
         return silent
 
-    def _stopped_beating(self) -> list[int]:
+    def _stopped_beating(self, store: Any) -> list[int]:
         """After the collective failed: the peers that neither beat within a short window nor
-        left on purpose (a peer that raised first may have exited since, and the failure may
-        reach this rank only through that exit): those whose process ended. Every live peer
-        beats within the window; [] when the store cannot say."""
-        if self.store is None:
-            return []
+        left on purpose (a peer that raised first may have exited since): those whose process
+        ended; [] when the store cannot say."""
         every = interval(self.rank_timeout)
-        window = max(2.5 * every, 1.0)
         try:
-            self.store.set(self.left_key, b"1")
-            first = self.store.multi_get(self.keys)
+            store.set(self.left_key, b"1")
+            first = store.multi_get(self.keys)
             known = [False] * len(self.peers)  # beat, or left
-            deadline = time.monotonic() + window
+            deadline = time.monotonic() + max(2.5 * every, 1.0)
             while True:
                 known = [
-                    k or self.store.check([left])
-                    for k, left in zip(known, self.left_keys, strict=True)
+                    k or store.check([left]) for k, left in zip(known, self.left_keys, strict=True)
                 ]
                 if all(known) or time.monotonic() >= deadline:
                     break
                 time.sleep(every / 2)
-                now = self.store.multi_get(self.keys)
+                now = store.multi_get(self.keys)
                 known = [k or a != b for k, a, b in zip(known, first, now, strict=True)]
         except Exception:
             return []

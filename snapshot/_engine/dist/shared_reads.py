@@ -1,18 +1,13 @@
 """Replicated tensors read once per restore: one rank reads each, the others receive it.
 
-A value stored once for every rank (replicated) is read by every rank of a restore by default.
-Where the bytes are far (an object store, or a file system that several hosts share), that
-fetches each byte once per rank; ``plan`` makes it once per restore instead: the ranks agree
-on the replicated tensors every one of them reads straight into a CPU tensor of its own, give
-each to one rank (the largest first, each to the rank with the fewest bytes so far), and the
-others drop their reads of it. Once every rank's reads have succeeded (the restore's "reading"
-agreement), ``receive`` broadcasts each tensor from its reader over the library's gloo group:
-large ones alone, small ones packed into buffers of ``PACK_BYTES``.
-
-The choice (``decide``): ``Options.read_replicated_once`` when set; else once a rank reads from
-somewhere other than a local directory, or the ranks are on more than one host. Ranks that
-share one host and one local disk share its page cache: there, every rank reading costs one
-read of the device and memory copies, which a broadcast over sockets does not beat.
+Where the bytes are far (an object store, a file system several hosts share), every rank
+reading a replicated value fetches it once per rank. ``plan`` makes it once per restore: the
+ranks agree on the replicated tensors each reads straight into a CPU tensor of its own, give
+each to one rank (the largest first, to the rank with the fewest bytes so far), and the others
+drop their reads; once every rank's reads succeeded, ``receive`` broadcasts each from its
+reader (small ones packed into buffers of ``PACK_BYTES``). ``decide``: the option when set;
+else when reading from elsewhere than a local directory, or from more than one host (ranks of
+one host share its page cache, which a broadcast does not beat).
 """
 
 from __future__ import annotations
@@ -35,8 +30,8 @@ PACK_BYTES = 16 << 20
 
 @dataclass
 class Shared:
-    """The tensors this rank receives or sends: (reader rank, path, target), in the order
-    every rank broadcasts them."""
+    """The tensors this rank receives or sends: (reader rank, path, target), in broadcast
+    order."""
 
     items: list[tuple[int, str, torch.Tensor]]
 
@@ -52,8 +47,8 @@ def is_local(path: str) -> bool:
 
 def candidates(loader: Loader, entries: Mapping[str, Entry], prefix: str) -> dict[str, int]:
     """The replicated tensors this rank's planned reads put straight into a contiguous CPU
-    tensor of the stored dtype and shape (the only ones a broadcast can fill): their paths
-    below the rank's prefix, and sizes."""
+    tensor of the stored dtype and shape (what a broadcast can fill): path below ``prefix`` ->
+    size."""
     direct: dict[str, bool] = {}
     for need in loader.needs:
         ok = need.scratch_bytes == 0 and need.done is None
@@ -77,8 +72,8 @@ def candidates(loader: Loader, entries: Mapping[str, Entry], prefix: str) -> dic
 
 
 def decide(once: bool | None, path: str, hosts: list[str]) -> bool:
-    """Whether replicated tensors are read once (see the module): ``once`` (the option) when
-    set, else the library's choice for a snapshot at ``path`` and ranks on ``hosts``."""
+    """Whether replicated tensors are read once: ``once`` (the option) when set, else the
+    library's choice for a snapshot at ``path`` and ranks on ``hosts``."""
     if once is not None:
         return once
     return not is_local(path) or len(set(hosts)) > 1
@@ -93,16 +88,12 @@ def plan(
     options: Options,
     error: Exception | None,
 ) -> Shared | None:
-    """Agrees with the other ranks (collectives every rank calls, the first with its ``error``
-    if planning failed) on whether replicated tensors are read once, and if so on which each
-    reads, and drops this rank's reads of the others'. None when they are read by every rank.
-
-    The choice comes first, from the ranks' hosts and rank 0's option and path: where every
-    rank reads (ranks on one host, from a local directory), no rank walks its planned reads nor
-    sends their list."""
+    """Agrees with the other ranks (collectives of every rank, the first carrying ``error``)
+    on whether replicated tensors are read once (rank 0's option and path decide, with every
+    rank's host), and if so on which rank reads each; drops this rank's reads of the others'.
+    None when every rank reads them (then no rank walks its reads)."""
     value = (socket.gethostname(), options.read_replicated_once, path)
     gathered = coordinator.agree("restore: sharing", value=value, error=error)
-    # Rank 0's option and path decide for every rank (the ranks must make one choice).
     if not decide(gathered[0][1], gathered[0][2], [g[0] for g in gathered]):
         return None
     mine: dict[str, int] = {}

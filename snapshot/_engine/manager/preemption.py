@@ -7,32 +7,19 @@ from __future__ import annotations
 import logging
 import signal
 import sys
-from collections.abc import Mapping
-from typing import Any, NoReturn, Protocol
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from snapshot.options import Options
+
+if TYPE_CHECKING:
+    from snapshot.manager import CheckpointManager as Manager
 
 logger = logging.getLogger("snapshot")
 
 
-class Manager(Protocol):
-    """What preemption uses of a ``CheckpointManager``: its public attributes and calls."""
-
-    root: str
-    preempted: bool
-    async_: bool
-
-    def save(
-        self, step: int, app_state: dict[str, Any], metrics: Mapping[str, float] | None = None
-    ) -> None: ...
-
-    def close(self) -> None: ...
-
-
 class PreemptionHandler:
-    """The signal handlers ``handle_preemption`` installs, and the ones they replaced. A
-    handler records the signal and logs it; it calls nothing of the manager's, so a signal
-    arriving in the middle of a ``save`` lets that save complete."""
+    """The signal handlers ``handle_preemption`` installs, and the ones they replaced. A handler
+    only records and logs the signal, so a save it interrupts completes."""
 
     def __init__(
         self,
@@ -88,9 +75,8 @@ def agreed(manager: Manager, world: int, pg: Any | None, options: Options) -> bo
 def save_last(
     manager: Manager, step: int, app_state: dict[str, Any], last_saved: int | None
 ) -> None:
-    """The final save after a signal, the saves before it committed: saves ``step``
-    synchronously unless it is saved already (``last_saved``: the newest step saved), then
-    closes the manager (which waits for the deletions and restores the earlier handlers)."""
+    """The final save after a signal: saves ``step`` synchronously unless it is saved already
+    (``last_saved``), then closes the manager (which restores the earlier handlers)."""
     if last_saved is not None and step <= last_saved:
         logger.warning(
             "preempted: step %d is saved already under %s (the newest saved is %d)",
@@ -109,8 +95,8 @@ def save_last(
 
 
 def end_by_signal(root: str, signum: int) -> NoReturn:
-    """Ends the process by ``signum`` as the signal would have ended it, the output flushed
-    first; ``SystemExit(128 + signum)`` if the process survives the signal."""
+    """Ends the process by ``signum`` as the signal would have, the output flushed first;
+    ``SystemExit(128 + signum)`` if the process survives it."""
     logger.warning("preempted: the saves under %s are committed; ending by signal %d", root, signum)
     for stream in (sys.stdout, sys.stderr):  # a signal's default action flushes nothing
         try:
@@ -119,5 +105,4 @@ def end_by_signal(root: str, signum: int) -> NoReturn:
         except (OSError, ValueError):
             pass
     signal.raise_signal(signum)
-    # The earlier handler returned, or ignores the signal: exit as a shell reports a kill.
     raise SystemExit(128 + signum)

@@ -1,24 +1,30 @@
-"""Which committed steps a checkpoint manager keeps: a pure function of the steps, their
-metrics and bases, and what is in flight (``CheckpointManager`` runs it after each commit).
+"""Which committed steps a checkpoint manager keeps, and the thread that deletes the rest.
 
-The kept set is the union of what each policy keeps (keep the last N, every N-th step, the best
-N by a metric), always with the newest committed step, then closed over bases: a snapshot an
-incremental take pointed at stays while any kept snapshot needs its bytes (and so do the bases
-of a snapshot kept that way). Steps in flight are
-never candidates (they are not committed yet). Everything else is deleted.
+``to_delete`` is a pure function of the committed steps, their metrics and bases, and what is
+in flight: the kept set is the union of what each policy keeps (the last N, every N-th step, the
+best N by a metric), always with the newest committed step, closed over bases (a step an
+incremental take points at stays while a kept step needs it). A committed step whose manifest
+cannot be read may need any other as its base: while one is there, nothing is deleted.
 
-A committed step whose manifest cannot be read (a newer format, damage, a store refusing the
-read) is never a candidate either, and the bases it needs are unknown: while one is there,
-no step is deleted (when in doubt, keep).
+``Cleaner`` runs retention rounds and deletes debris on a worker thread of its own, kept off the
+steps the manager is saving (docs/reliability.md, "Checkpoint manager and deletions").
 """
 
 from __future__ import annotations
 
+import logging
 import math
-from collections.abc import Collection, Mapping, Set
+import queue
+import threading
+import weakref
+from collections.abc import Callable, Collection, Mapping, Set
 from dataclasses import dataclass
+from typing import Any
 
+from snapshot._engine.manager.steps import COMMITTED, INCOMPLETE, UNREADABLE, StepInfo, Steps
 from snapshot.errors import InvalidArgumentError
+
+logger = logging.getLogger("snapshot")
 
 
 @dataclass(frozen=True)
@@ -118,3 +124,189 @@ def to_delete(
         (s for s in steps if s.step not in needed and s.step not in in_flight),
         key=lambda s: s.step,
     )
+
+
+class Cleaner:
+    """Retention and every deletion of one checkpoint manager, on one worker thread (started by
+    the first round queued), and which steps the manager's saves hold."""
+
+    def __init__(self, steps: Steps, policy: Policy, root: str) -> None:
+        self._steps = steps
+        self.policy = policy
+        self.root = root
+        self._in_flight: set[int] = set()  # saves writing (not yet committed nor failed)
+        # Every step the manager began saving: never taken for an earlier run's debris.
+        self._started: set[int] = set()
+        # Steps whose save failed: debris, deleted even without the pending marker.
+        self._failed: set[int] = set()
+        self._deleting: set[int] = set()  # folders being deleted: a save there waits
+        self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
+        self._warned: set[tuple[str, str]] = set()
+        # The worker runs one job at a time; ``None`` stops it. It holds no reference to the
+        # cleaner: a manager dropped without ``close`` is collected, then the cleaner, whose
+        # finalizer stops the thread once the jobs queued before are done.
+        self._work: queue.Queue[Callable[[], None] | None] = queue.Queue()
+        self.worker: threading.Thread | None = None
+        self._finalizer: weakref.finalize | None = None
+
+    def begin(self, step: int) -> None:
+        """A save of ``step`` begins: waits while the worker deletes debris at that step, then
+        marks the step in flight and begun by this manager."""
+        with self._changed:
+            while step in self._deleting:  # debris at this step, being deleted
+                self._changed.wait()
+            self._in_flight.add(step)
+            self._started.add(step)
+
+    def failed(self, step: int) -> None:
+        """The save of ``step`` failed: its folder is debris now, the worker's to delete."""
+        with self._lock:
+            self._started.discard(step)
+            self._failed.add(step)
+
+    def end(self, step: int, failed: bool = False) -> None:
+        """The save of ``step`` is no longer writing (``failed``: and it failed)."""
+        with self._lock:
+            self._in_flight.discard(step)
+            if failed:
+                self._started.discard(step)
+                self._failed.add(step)
+
+    def run_round(self) -> None:
+        """Queues a retention round on the worker thread (started on the first call)."""
+        if self.worker is None:
+            self.worker = threading.Thread(
+                target=_run_worker,
+                args=(self._work,),
+                name="statesnap-checkpoint-manager",
+                daemon=True,
+            )
+            self.worker.start()
+            # Stops the thread once the cleaner is collected, or at exit (a deletion cut short
+            # leaves marked debris).
+            self._finalizer = weakref.finalize(self, self._work.put, None)
+        self._work.put(self.retain)
+
+    def join(self) -> None:
+        """Waits for the rounds queued so far."""
+        if self.worker is not None:
+            self._work.join()
+
+    def stop(self) -> None:
+        """Ends the worker thread once the rounds queued so far are done."""
+        if self.worker is not None:
+            if self._finalizer is not None:
+                self._finalizer.detach()
+            self._work.put(None)
+            self.worker.join()
+            self.worker = None
+
+    def retain(self) -> None:
+        """On the worker, after a commit: lists the steps, deletes the debris of takes no save
+        of this manager is writing, and the committed steps the policy lets go."""
+        try:
+            found = self._steps.scan()
+        except Exception as e:
+            logger.warning(
+                "retention under %s deleted nothing this round (tried again after the next "
+                "save): %s",
+                self.root,
+                e,
+            )
+            return
+        # Read after the listing: every folder of this manager's that it saw is in
+        # ``_started`` even if its save began, or committed, meanwhile.
+        with self._lock:
+            in_flight = set(self._in_flight)
+            started = set(self._started)
+            failed = set(self._failed)
+        self.note(found)
+        for s in found:
+            if s.step in in_flight or s.step in started or not s.debris:
+                continue
+            if s.state == INCOMPLETE or s.step in failed:
+                logger.warning(
+                    "%s holds no committed snapshot (%s): deleting it",
+                    self._steps.path(s.name),
+                    "a save that failed" if s.step in failed else s.reason,
+                )
+                self._delete(s, unmarked=s.step in failed)
+        steps = [Step(s.step, s.name, s.metrics, s.bases) for s in found if s.committed]
+        unreadable = [s.name for s in found if s.state == UNREADABLE]
+        doomed = to_delete(self.policy, steps, in_flight, unreadable)
+        if unreadable and to_delete(self.policy, steps, in_flight):
+            self._warn_once(
+                "retention",
+                "retention under %s deletes no step while %s cannot be read (it may need any "
+                "other step as its base): upgrade statesnap to read it, or move it away",
+                self.root,
+                ", ".join(unreadable),
+            )
+        by_name = {s.name: s for s in found}
+        for d in doomed:
+            self._delete(by_name[d.name])
+
+    def _delete(self, s: StepInfo, unmarked: bool = False) -> None:
+        """Deletes the folder of ``s`` (checked whole first), unless a save of this manager began
+        writing there since the listing; a failure is logged."""
+        with self._changed:
+            if not s.committed and s.step in self._started:
+                return
+            self._deleting.add(s.step)
+        try:
+            self._steps.delete(s.name, unmarked=unmarked)
+        except Exception as e:
+            logger.warning(
+                "%s not deleted (tried again after the next save): %s",
+                self._steps.path(s.name),
+                e,
+            )
+        finally:
+            with self._changed:
+                self._deleting.discard(s.step)
+                self._changed.notify_all()
+
+    def note(self, found: list[StepInfo]) -> None:
+        """Warns, once per folder and reason, of the folders kept because the manager cannot
+        read them or did not make them."""
+        for s in found:
+            if s.state == UNREADABLE:
+                self._warn_once(
+                    s.name + s.reason,
+                    "%s holds a committed snapshot that cannot be read: kept, never restored "
+                    "as the latest step: %s",
+                    self._steps.path(s.name),
+                    s.reason,
+                )
+            elif s.state not in (COMMITTED, INCOMPLETE) and not (
+                s.step in self._started or s.step in self._failed
+            ):
+                self._warn_once(
+                    s.name + s.reason,
+                    "%s is left alone (the checkpoint manager deletes only what a take of its "
+                    "own left): %s",
+                    self._steps.path(s.name),
+                    s.reason,
+                )
+
+    def _warn_once(self, key: str, message: str, *args: Any) -> None:
+        with self._lock:
+            if (key, message) in self._warned:
+                return
+            self._warned.add((key, message))
+        logger.warning(message, *args)
+
+
+def _run_worker(work: queue.Queue[Callable[[], None] | None]) -> None:
+    """The worker thread: runs the jobs of ``work`` until ``None``, keeping none (it may hold
+    the cleaner) while it waits."""
+    while True:
+        job = work.get()
+        try:
+            if job is None:
+                return
+            job()
+        finally:
+            job = None
+            work.task_done()

@@ -1,18 +1,13 @@
 """The step folders under a checkpoint manager's root, on any store: listing them, telling
-what each one holds, reading what each committed one records, and deleting one.
+what each holds, reading what each committed one records, and deleting one.
 
-A step folder is ``<root>/step_<step>`` (``step_name``: ten digits, so that names sort as
-steps do; any ``step_<digits>`` is read, and the name found is the one used). It is committed
-when it holds a snapshot's manifest, the commit point of every take: nothing else (no pointer
-file) says which steps exist, so the listing cannot disagree with what a restore would find.
-
-What may be deleted (docs/reliability.md, "Checkpoint manager and deletions"): a folder is
-deleted only once ``survey`` has found in it nothing but a manifest and what a take writes
-(``TAKE_DEBRIS`` at the top, blobs and temporary files in the rank folders) and no link; a
-folder without a manifest only when it also holds the pending marker (or its take is known to
-have failed). Deleting a committed step writes the pending marker first, then removes the
-manifest, then the blobs, the marker last: a deletion cut short at any point leaves either the
-committed snapshot or marked debris, which the next round deletes.
+A step folder is ``<root>/step_<step>`` (``step_name``: ten digits; any ``step_<digits>`` is
+read). It is committed when it holds a manifest, the commit point of every take: no pointer
+file can disagree with what a restore finds. A folder is deleted only once ``survey`` found in
+it nothing but a manifest and what a take writes, and no link; one without a manifest only when
+it holds the pending marker (or its take is known to have failed). A committed step gets the
+pending marker first, then loses its manifest, its blobs, the marker last: a deletion cut short
+leaves the committed snapshot or marked debris (docs/reliability.md).
 """
 
 from __future__ import annotations
@@ -22,6 +17,7 @@ import os
 import re
 import stat
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,16 +34,13 @@ from storage_plugins.registry import resolve_factory, split_url
 logger = logging.getLogger("snapshot")
 
 _STEP = re.compile(r"step_([0-9]{1,18})")
-# The most names a listing of a root may return (an S3 listing pages through 1,000 at a time).
-LIST_LIMIT = 1_000_000
-# What a take writes in a rank's folder: blobs ``[<take id>-][r][s]<n>`` (``placement.Placer``:
-# ``r`` a replicated payload's, ``s`` a slab) and the local plugin's temporary files
-# (``.<name>.<12 hex digits>.tmp``, renamed into place once written).
+LIST_LIMIT = 1_000_000  # the most names a listing of a root may return
+# What a take writes in a rank's folder: blobs ``[<take id>-][r][s]<n>`` (``placement.Placer``)
+# and the local plugin's temporary files (``.<name>.<12 hex digits>.tmp``).
 _RANK = re.compile(r"[0-9]+")
 _BLOB = re.compile(r"(?:[0-9a-f]{8}-)?r?s?[0-9]+")
 _TEMP = re.compile(r"\..+\.[0-9a-f]{12}\.tmp")
-# How many names no take writes a refusal quotes.
-_SHOWN = 5
+_SHOWN = 5  # how many names no take writes a refusal quotes
 
 # The states of a step folder (``StepInfo.state``).
 COMMITTED = "committed"  # a manifest this library reads: a step to restore, keep or let go
@@ -76,8 +69,8 @@ def join(root: str, name: str) -> str:
 
 
 def local_path(url: str) -> str | None:
-    """The local file system path ``url`` names when the local plugin serves it (links are
-    then told apart with ``lstat``), else None."""
+    """The local path ``url`` names when the local plugin serves it (links are then told
+    apart with ``lstat``), else None."""
     try:
         protocol, rest = split_url(url)
         if protocol not in ("fs", "file"):
@@ -92,10 +85,8 @@ def local_path(url: str) -> str | None:
 
 @dataclass(frozen=True)
 class Contents:
-    """What a folder holds, as far as deleting it goes: whether it exists, holds a manifest and
-    the pending marker, and ``refusal``: why it is not provably the library's (a link, not a
-    folder, names no take writes), empty when it holds nothing but a manifest and take
-    debris."""
+    """What a folder holds, as far as deleting it goes: ``refusal`` says why it is not provably
+    the library's (a link, not a folder, names no take writes), empty when it is."""
 
     exists: bool
     manifest: bool = False
@@ -109,86 +100,92 @@ def _refusal(foreign: list[str]) -> str:
     return f"it holds {shown}{more}, which no take writes"
 
 
+def _contents(
+    entries: list[tuple[str, str]], inner: Callable[[str], list[tuple[str, str]] | None]
+) -> Contents:
+    """``Contents`` of a folder holding ``entries`` (name, ``"file"``, ``"dir"`` or ``"other"``);
+    ``inner(name)`` lists a rank's folder (None: it cannot be listed)."""
+    manifest = marker = False
+    foreign: list[str] = []
+    for name, kind in entries:
+        if kind == "file" and name == MANIFEST_NAME:
+            manifest = True
+        elif kind == "file" and name == PENDING_NAME:
+            marker = True
+        elif kind == "file" and _TEMP.fullmatch(name):
+            pass
+        elif kind == "dir" and _RANK.fullmatch(name):
+            blobs = inner(name)
+            if blobs is None:
+                foreign.append(f"{name}/ (which cannot be listed)")
+                continue
+            for b, k in blobs:
+                if not (k == "file" and (_BLOB.fullmatch(b) or _TEMP.fullmatch(b))):
+                    foreign.append(f"{name}/{b}")
+        else:
+            foreign.append(name)
+    return Contents(True, manifest, marker, _refusal(foreign) if foreign else "")
+
+
+def _scan_local(path: str) -> list[tuple[str, str]]:
+    """The entries of a local folder and their kinds, never following a link."""
+    out = []
+    with os.scandir(path) as found:
+        for e in found:
+            is_dir = e.is_dir(follow_symlinks=False)
+            out.append((e.name, "file" if e.is_file(follow_symlinks=False) else _DIR[is_dir]))
+    return out
+
+
+_DIR = {True: "dir", False: "other"}
+
+
 def _survey_local(path: str) -> Contents:
     """``survey`` on local disk: ``lstat`` and ``scandir``, never following a link."""
     try:
         mode = os.lstat(path).st_mode
-    except FileNotFoundError:
+        if stat.S_ISLNK(mode):
+            return Contents(True, refusal=A_LINK)
+        if not stat.S_ISDIR(mode):
+            return Contents(True, refusal=NOT_A_FOLDER)
+        entries = _scan_local(path)
+    except FileNotFoundError:  # (or deleted since, by the manager's worker)
         return Contents(False)
-    if stat.S_ISLNK(mode):
-        return Contents(True, refusal=A_LINK)
-    if not stat.S_ISDIR(mode):
-        return Contents(True, refusal=NOT_A_FOLDER)
-    manifest = marker = False
-    foreign: list[str] = []
-    try:
-        entries = os.scandir(path)
-    except FileNotFoundError:  # deleted since (by the manager's worker)
-        return Contents(False)
-    with entries:
-        for e in entries:
-            is_file = e.is_file(follow_symlinks=False)
-            if e.name == MANIFEST_NAME and is_file:
-                manifest = True
-            elif e.name == PENDING_NAME and is_file:
-                marker = True
-            elif _TEMP.fullmatch(e.name) and is_file:
-                pass
-            elif _RANK.fullmatch(e.name) and e.is_dir(follow_symlinks=False):
-                try:
-                    blobs = os.scandir(e.path)
-                except FileNotFoundError:
-                    continue
-                with blobs:
-                    for b in blobs:
-                        if not (
-                            b.is_file(follow_symlinks=False)
-                            and (_BLOB.fullmatch(b.name) or _TEMP.fullmatch(b.name))
-                        ):
-                            foreign.append(f"{e.name}/{b.name}")
-            else:
-                foreign.append(e.name)
-    return Contents(True, manifest, marker, _refusal(foreign) if foreign else "")
 
+    def inner(name: str) -> list[tuple[str, str]]:
+        try:
+            return _scan_local(os.path.join(path, name))
+        except FileNotFoundError:
+            return []
 
-def _list(url: str, storage_options: dict[str, Any] | None, options: Options) -> list[str] | None:
-    with open_storage(url, storage_options, options) as plugin:
-        return run(plugin.list_names(LIST_LIMIT))
+    return _contents(entries, inner)
 
 
 def _survey_store(path: str, storage_options: dict[str, Any] | None, options: Options) -> Contents:
-    """``survey`` through the storage plugin (object stores hold no links): the names at the
-    top, and those in each rank's folder."""
+    """``survey`` through the storage plugin (object stores hold no links)."""
     with open_storage(path, storage_options, options) as plugin:
 
-        async def top() -> tuple[list[str] | None, bool, bool]:
+        async def top() -> list[tuple[str, str]] | None:
             names = await plugin.list_names(LIST_LIMIT)
             if names is None:
-                return None, False, False
-            manifest = MANIFEST_NAME in names and await plugin.exists(MANIFEST_NAME)
-            marker = PENDING_NAME in names and await plugin.exists(PENDING_NAME)
-            return names, manifest, marker
+                return None
+            marked = {n for n in (MANIFEST_NAME, PENDING_NAME) if n in names}
+            there = {n for n in marked if await plugin.exists(n)}
+            kinds = {n: "file" if n in there else "other" for n in marked}
+            return [(n, kinds.get(n, "dir" if _RANK.fullmatch(n) else "file")) for n in names]
 
-        names, manifest, marker = run(top())
-    if names is None:
+        entries = run(top())
+    if entries is None:
         return Contents(True, refusal=f"the store at {path} cannot list what it holds")
-    if not names:
+    if not entries:
         return Contents(False)
-    foreign = []
-    for n in names:
-        if (n == MANIFEST_NAME and manifest) or (n == PENDING_NAME and marker):
-            continue
-        if _TEMP.fullmatch(n):
-            continue
-        if _RANK.fullmatch(n):
-            inner = _list(join(path, n), storage_options, options)
-            if inner is None:
-                foreign.append(f"{n}/ (which cannot be listed)")
-                continue
-            foreign += [f"{n}/{b}" for b in inner if not (_BLOB.fullmatch(b) or _TEMP.fullmatch(b))]
-            continue
-        foreign.append(n)
-    return Contents(True, manifest, marker, _refusal(foreign) if foreign else "")
+
+    def inner(name: str) -> list[tuple[str, str]] | None:
+        with open_storage(join(path, name), storage_options, options) as rank:
+            blobs = run(rank.list_names(LIST_LIMIT))
+        return None if blobs is None else [(b, "file") for b in blobs]
+
+    return _contents(entries, inner)
 
 
 def survey(path: str, storage_options: dict[str, Any] | None, options: Options) -> Contents:
@@ -210,11 +207,9 @@ def survey(path: str, storage_options: dict[str, Any] | None, options: Options) 
 
 @dataclass(frozen=True)
 class StepInfo:
-    """One step folder: its ``state`` (``COMMITTED``, ``UNREADABLE``, ``INCOMPLETE``,
-    ``LEFT``); for a committed one, what its manifest records (the ``metrics``, the bases it
-    needs, the bytes of its own blobs); else ``reason``, why it is not committed or not
-    deleted. ``debris``: it holds nothing but what a take writes, with or without the pending
-    marker (a take may write there)."""
+    """One step folder: its ``state``; for a committed one, what its manifest records (metrics,
+    bases, the bytes of its own blobs); else ``reason``, why it is not committed or deleted.
+    ``debris``: nothing but what a take writes, with or without the pending marker."""
 
     step: int
     name: str
@@ -232,9 +227,8 @@ class StepInfo:
 
 
 class Steps:
-    """Step folders under ``root``: ``scan`` and ``delete``. What a committed step's manifest
-    records is read once per folder name and remembered (a committed snapshot never
-    changes; a deleted one is forgotten)."""
+    """Step folders under ``root``: ``scan`` and ``delete``. A committed step's manifest is
+    read once per folder name (a committed snapshot never changes)."""
 
     def __init__(self, root: str, storage_options: dict[str, Any] | None, options: Options):
         self.root = root
@@ -251,25 +245,21 @@ class Steps:
         there), ``"folder"`` (none), or why it is no step folder (a link, a file)."""
         if self._local is not None:
             try:
-                with os.scandir(self._local) as entries:
-                    names = [e.name for e in entries if step_of(e.name) is not None]
+                found = _scan_local(self._local)
             except FileNotFoundError:
                 return []
             out = []
-            for n in names:
-                try:
-                    mode = os.lstat(os.path.join(self._local, n)).st_mode
-                except FileNotFoundError:  # deleted since (by the manager's worker)
+            for n, kind in found:
+                if step_of(n) is None:
                     continue
-                if stat.S_ISLNK(mode):
-                    out.append((n, A_LINK))
-                elif not stat.S_ISDIR(mode):
-                    out.append((n, NOT_A_FOLDER))
-                else:
-                    # A manifest that is a link or not a file counts: reading it says why
-                    # the step cannot be read (``load_manifest`` refuses it).
+                if kind == "dir":
+                    # A manifest that is a link counts: reading it says why it is refused.
                     there = os.path.lexists(os.path.join(self._local, n, MANIFEST_NAME))
-                    out.append((n, "committed" if there else "folder"))
+                    kind = "committed" if there else "folder"
+                else:
+                    link = os.path.islink(os.path.join(self._local, n))
+                    kind = A_LINK if link else NOT_A_FOLDER
+                out.append((n, kind))
             return out
         with open_storage(self.root, self.storage_options, self.options) as plugin:
 
@@ -289,15 +279,12 @@ class Steps:
             return run(listing())
 
     def scan(self) -> list[StepInfo]:
-        """Every step-named entry under the root, by step; an empty list when the root does not
-        exist yet.
+        """Every step-named entry under the root, by step ([] when the root does not exist).
 
         Raises:
             StorageError: the root, or a folder's contents, could not be listed.
-            InvalidArgumentError: two folders hold the same step (``step_5`` and
-                ``step_0000000005``): the manager does not choose between them.
+            InvalidArgumentError: two folders hold the same step (``step_5``, ``step_05``).
         """
-        t = time.perf_counter()
         try:
             kinds = self._kinds()
         except SnapshotError:
@@ -334,19 +321,11 @@ class Steps:
                     "manager does not choose between them (nothing was deleted): move one away"
                 )
         out.sort(key=lambda s: s.step)
-        logger.debug(
-            "steps under %s: %d folders (%d committed) in %.3f s",
-            self.root,
-            len(out),
-            sum(s.committed for s in out),
-            time.perf_counter() - t,
-        )
         return out
 
     def _incomplete(self, step: int, name: str) -> StepInfo | None:
-        """A folder without a manifest: ``INCOMPLETE`` when it holds the pending marker and
-        nothing but take debris, else ``LEFT``; None when it is gone (or, on an object store,
-        holds nothing)."""
+        """A folder without a manifest: ``INCOMPLETE`` when it holds the pending marker and only
+        take debris, else ``LEFT``; None when it is gone (or empty, on an object store)."""
         c = survey(self.path(name), self.storage_options, self.options)
         if not c.exists:
             return None
@@ -394,12 +373,10 @@ def delete_snapshot(
     *,
     unmarked: bool = False,
 ) -> None:
-    """Deletes the snapshot, or the debris of a take, at ``path``, once ``survey`` has found
-    nothing there but a manifest and what a take writes, and the manifest or the pending
-    marker (``unmarked``: a folder of a take known to have failed, which may lack the marker).
-    A committed snapshot gets the pending marker first, then loses its manifest (from then on
-    it is debris, never a snapshot that looks committed), then its blobs, the marker last.
-    Nothing there: nothing to do.
+    """Deletes the snapshot, or a take's debris, at ``path`` once ``survey`` found nothing there
+    but a manifest and what a take writes, and the manifest or the pending marker
+    (``unmarked``: a take known to have failed, which may lack it), in the order the module
+    says.
 
     Raises:
         UnsafeSnapshotError: ``path`` is a link, or holds what the library did not write, or
@@ -432,7 +409,6 @@ def delete_snapshot(
 
         try:
             rest = run(mark())
-            # The blobs, each rank's folder at once; the marker and the folder last.
             for n in rest:
                 if _RANK.fullmatch(n):
                     with open_storage(join(path, n), storage_options, options) as rank:

@@ -1,17 +1,14 @@
-"""What the commands of the command line print: ``ls``, ``show``, ``verify``, ``du`` and
-``diff`` (:mod:`snapshot.cli` parses the arguments and calls ``run_<command>``). Each computes
-with :mod:`snapshot._engine.tools.inspection`, :mod:`snapshot._engine.tools.verify` or
-:mod:`snapshot._engine.tools.diff`, and formats the data they return as text: aligned tables, sizes
-for people, a progress line on a terminal.
-
-Whatever comes from a snapshot (logical paths, blob names, type names, values, error messages
-quoting them) is printed through :mod:`snapshot._engine.format.text`, so that a hostile key's control
-characters are shown as escapes instead of being obeyed by the terminal.
+"""What the command line's commands compute and print (:mod:`snapshot.cli` parses the
+arguments and calls ``run_<command>``): ``ls``, ``show``, ``verify``, ``du``, ``diff``,
+``export``, ``steps`` and ``prune``, formatted as aligned tables, sizes for people and a
+progress line on a terminal. Whatever comes from a snapshot is printed through
+:mod:`snapshot._engine.format.text`, so a hostile key's control characters are shown escaped.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import sys
@@ -23,6 +20,8 @@ import torch
 
 from snapshot._engine.format.manifest_io import load_manifest
 from snapshot._engine.format.text import printable, printable_message, unescape
+from snapshot._engine.manager.retention import Policy, Step, to_delete
+from snapshot._engine.manager.steps import INCOMPLETE, LEFT, UNREADABLE, Steps
 from snapshot._engine.tools.diff import diff
 from snapshot._engine.tools.inspection import (
     disk_usage,
@@ -34,10 +33,8 @@ from snapshot._engine.tools.inspection import (
     summarize_value,
 )
 from snapshot._engine.tools.verify import verify
-from snapshot.errors import EntryNotFoundError
-
-# ---------------------------------------------------------------------------------------------
-# Output helpers
+from snapshot.errors import EntryNotFoundError, InvalidArgumentError, SnapshotError
+from snapshot.options import Options
 
 
 class _ProgressLine:
@@ -79,8 +76,7 @@ class _ProgressLine:
 
 
 def _table(header: Sequence[str], rows: Sequence[Sequence[str]], right: set[int]) -> list[str]:
-    """Aligned text columns; column indices in ``right`` are right-aligned. Lines carry no
-    trailing spaces."""
+    """Aligned text columns (those in ``right`` right-aligned), without trailing spaces."""
     widths = [max([len(h), *(len(row[i]) for row in rows)]) for i, h in enumerate(header)]
     template = "  ".join(f"{{:{'>' if i in right else '<'}{w}}}" for i, w in enumerate(widths))
     fmt = template.format
@@ -94,15 +90,19 @@ def _count(n: int, noun: str) -> str:
     return f"{n:,} {noun[:-1] + 'ies' if noun.endswith('y') else noun + 's'}"
 
 
+def _some(names: Sequence[str]) -> str:
+    """The first five ``names``, and how many more."""
+    more = f" and {len(names) - 5} more" if len(names) > 5 else ""
+    return ", ".join(map(printable, names[:5])) + more
+
+
 def _size(n: int, exact: bool) -> str:
     return str(n) if exact else human_bytes(n)
 
 
 def _write_lines(lines: Sequence[str]) -> None:
-    """Writes ``lines`` to stdout in one call (fast for 100,000 of them).
-
-    A reader that went away (``statesnap ls ... | head``) ends the output quietly: the command
-    still returns its own exit code, which the output being cut short does not change."""
+    """Writes ``lines`` to stdout in one call. A reader that went away (``statesnap ls | head``)
+    ends the output quietly; the command still returns its own exit code."""
     if not lines:
         return
     try:
@@ -141,25 +141,33 @@ def run_ls(args: argparse.Namespace) -> int:
             row.append(printable(r.base))
         rows.append(row)
     lines = _table(header, rows, right={4})
-    total = (
-        f"total: {_count(listing.entries, 'entry')}, {_count(listing.tensors, 'tensor')}, "
-        f"{_size(listing.nbytes, exact)}"
+    counts = f"{_count(listing.entries, 'entry')}, {_count(listing.tensors, 'tensor')}"
+    once = "shared and replicated ranges counted once"
+    bases = listing.metadata.bases
+    lines.append(
+        _total(counts, listing.nbytes, listing.stored_bytes, listing.base_bytes, bases, once, exact)
     )
-    if not exact:
-        total += f" ({listing.nbytes:,} bytes)"
-    if listing.stored_bytes != listing.nbytes:
-        total += (
-            f"; {_size(listing.stored_bytes, exact)} stored "
-            "(shared and replicated ranges counted once)"
-        )
-    if listing.base_bytes:
-        total += (
-            f"; {_size(listing.base_bytes, exact)} of it in base snapshots "
-            f"({', '.join(map(printable, listing.metadata.bases))})"
-        )
-    lines.append(total)
     _write_lines(lines)
     return 0
+
+
+def _total(
+    counts: str,
+    nbytes: int,
+    stored: int,
+    in_bases: int,
+    bases: Sequence[str],
+    once: str,
+    exact: bool,
+) -> str:
+    """The last line of ``ls`` and ``du``: what is listed, and what the blobs hold of it."""
+    total = f"total: {counts}, {_size(nbytes, exact)}" + ("" if exact else f" ({nbytes:,} bytes)")
+    if stored != nbytes:
+        total += f"; {_size(stored, exact)} stored ({once})"
+    if in_bases:
+        names = ", ".join(map(printable, bases))
+        total += f"; {_size(in_bases, exact)} of it in base snapshots ({names})"
+    return total
 
 
 # ---------------------------------------------------------------------------------------------
@@ -181,9 +189,8 @@ def _number(value: Any) -> str:
 
 
 def _read_shown_key(args: argparse.Namespace) -> tuple[str, Any, Any]:
-    """The entry at KEY, which may be given as ``ls`` shows it (control characters escaped,
-    :func:`~snapshot._engine.format.text.printable`) or as it is: the logical path, its entry and its
-    value."""
+    """The logical path, entry and value at KEY, given as ``ls`` shows it (control characters
+    escaped) or as it is."""
     try:
         return args.key, *read_entry(args.path, args.key, args.storage_options)
     except EntryNotFoundError as not_found:
@@ -226,8 +233,6 @@ def run_show(args: argparse.Namespace) -> int:
         if entry.nbytes:
             about.append(f"{human_bytes(entry.nbytes)} stored")
         lines.append(f"{name}: {printable(entry.type)} ({', '.join(about)})")
-        # A repr escapes a str's control characters itself, but not every type's repr does;
-        # backslashes stay as the repr wrote them.
         lines.append(
             printable_message(v.text)
             + (f"... ({v.omitted_chars:,} more characters)" if v.omitted_chars else "")
@@ -255,12 +260,9 @@ def run_verify(args: argparse.Namespace) -> int:
         )
     unknown = report.sizes_unknown
     if unknown:
-        names = ", ".join(map(printable, unknown[:5])) + (
-            f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""
-        )
         lines.append(
-            f"note: size not checked for {_count(len(unknown), 'blob')} ({names}): the store "
-            "cannot tell their size, so bytes added after the take go unnoticed"
+            f"note: size not checked for {_count(len(unknown), 'blob')} ({_some(unknown)}): the "
+            "store cannot tell their size, so bytes added after the take go unnoticed"
         )
     if report.checksums_missing:
         why = (
@@ -279,12 +281,9 @@ def run_verify(args: argparse.Namespace) -> int:
             f"readability only{decoded}"
         )
     if report.not_decoded:
-        names = ", ".join(map(printable, report.not_decoded[:5])) + (
-            f" and {len(report.not_decoded) - 5} more" if len(report.not_decoded) > 5 else ""
-        )
         lines.append(
-            f"note: not decoded, so not checked: {names} (a type the safe loader does not "
-            "allow; see `statesnap show` for the type to pass to "
+            f"note: not decoded, so not checked: {_some(report.not_decoded)} (a type the safe "
+            "loader does not allow; see `statesnap show` for the type to pass to "
             "torch.serialization.add_safe_globals)"
         )
     summary = (
@@ -330,20 +329,11 @@ def run_du(args: argparse.Namespace) -> int:
                 f"rank {printable(k)} {_size(v, exact)}" for k, v in usage.rank_bytes.items()
             )
         )
-    total = f"total: {_count(usage.entries, 'entry')}, {_size(usage.nbytes, exact)}"
-    if not exact:
-        total += f" ({usage.nbytes:,} bytes)"
-    if usage.stored_bytes != usage.nbytes:
-        total += (
-            f"; {_size(usage.stored_bytes, exact)} stored "
-            "(replicated entries and shared tensors counted once)"
-        )
-    if usage.base_bytes:
-        total += (
-            f"; {_size(usage.base_bytes, exact)} of it in base snapshots "
-            f"({', '.join(map(printable, usage.bases))})"
-        )
-    lines.append(total)
+    once = "replicated entries and shared tensors counted once"
+    counts = _count(usage.entries, "entry")
+    lines.append(
+        _total(counts, usage.nbytes, usage.stored_bytes, usage.base_bytes, usage.bases, once, exact)
+    )
     _write_lines(lines)
     return 0
 
@@ -382,9 +372,181 @@ def run_diff(args: argparse.Namespace) -> int:
     return 0 if report.identical else 1
 
 
+# ---------------------------------------------------------------------------------------------
+# export
+
+
+def run_export(args: argparse.Namespace) -> int:
+    from snapshot.export import export
+
+    files = export(
+        args.snapshot,
+        args.out,
+        format=args.format,
+        key=args.key,
+        strip_prefix=args.strip_prefix,
+        dtype=args.dtype,
+        max_shard_size=args.max_shard_size,
+        storage_options=args.storage_options,
+        overwrite=args.overwrite,
+    )
+    _write_lines([f"wrote {printable(f)}" for f in files])
+    return 0
+
+
+def add_export_parser(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
+    """Registers ``export`` on the command line's sub-parsers."""
+    p = sub.add_parser(
+        "export",
+        parents=[common],
+        help="write a snapshot's tensors as safetensors (or torch) files",
+        description="Writes the tensors of SNAPSHOT (rank 0's; sharded ones consolidated) into "
+        "the local folder OUT, streamed within the memory budget "
+        "(STATESNAP_MEMORY_BUDGET_BYTES): model.safetensors, or model-0000i-of-0000N."
+        "safetensors files with model.safetensors.index.json when larger than "
+        "--max-shard-size. The export is put in place only once every file is whole; a "
+        "folder holding an earlier export is refused unless --overwrite. Values that are not "
+        "tensors are skipped.",
+    )
+    p.add_argument("snapshot", metavar="SNAPSHOT", help="the snapshot (local path or URL)")
+    p.add_argument("out", metavar="OUT", help="the folder to write into (made if missing)")
+    p.add_argument("--format", choices=("safetensors", "torch"), default="safetensors")
+    p.add_argument("--key", help="only this app_state key, named as its module names them (model)")
+    p.add_argument("--strip-prefix", help="removed from the start of names (module.)")
+    p.add_argument("--dtype", help="cast floating point tensors (bf16, fp16, fp32, fp8)")
+    p.add_argument(
+        "--max-shard-size", default="5GB", help="the largest file (default 5GB; 500MiB...)"
+    )
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace an earlier export in OUT (only the files an export recorded writing, "
+        "once the new one is complete)",
+    )
+    p.set_defaults(func=run_export)
+
+
+# ---------------------------------------------------------------------------------------------
+# steps and prune: a checkpoint manager's step folders (``snapshot.manager``)
+
+
+def _steps(args: argparse.Namespace) -> Steps:
+    return Steps(args.root, args.storage_options, Options.from_env())
+
+
+def run_steps(args: argparse.Namespace) -> int:
+    found = _steps(args).scan()
+    exact = args.bytes
+    rows = []
+    for s in found:
+        metrics = json.dumps(s.metrics, sort_keys=True) if s.metrics else "-"
+        rows.append(
+            [
+                str(s.step),
+                s.state.replace(" ", "-"),
+                _size(s.nbytes, exact) if s.committed else "-",
+                printable(metrics),
+                printable(",".join(s.bases)) or "-",
+                printable(s.name),
+            ]
+        )
+    lines = _table(["STEP", "STATE", "SIZE", "METRICS", "BASES", "FOLDER"], rows, right={0, 2})
+    committed = [s for s in found if s.committed]
+    latest = committed[-1].step if committed else None
+    lines.append(
+        f"{len(committed)} committed, {len(found) - len(committed)} incomplete, unreadable "
+        f"or left alone; latest: {latest if latest is not None else 'none'}"
+    )
+    for s in found:
+        if s.state in (UNREADABLE, LEFT):
+            lines.append(f"{printable(s.name)}: {s.state}: {printable(s.reason)}")
+    _write_lines(lines)
+    return 0
+
+
+def run_prune(args: argparse.Namespace) -> int:
+    policy = Policy(args.keep_last, args.keep_every, args.keep_best, args.metric, args.mode)
+    if policy.keeps_everything:
+        raise InvalidArgumentError(
+            "prune: give at least one of --keep-last, --keep-every, --keep-best"
+        )
+    steps = _steps(args)
+    found = steps.scan()
+    committed = [Step(s.step, s.name, s.metrics, s.bases) for s in found if s.committed]
+    unreadable = [s.name for s in found if s.state == UNREADABLE]
+    doomed = to_delete(policy, committed, unreadable=unreadable)
+    # Debris of takes only when asked (a running job's take may be under way in one).
+    debris = [s for s in found if s.state == INCOMPLETE] if args.incomplete else []
+    lines = []
+    verb = "would delete" if args.dry_run else "deleted"
+    gone = set()
+    for name in [s.name for s in doomed] + [s.name for s in debris]:
+        path = printable(steps.path(name))
+        if not args.dry_run:
+            try:
+                steps.delete(name)
+            except SnapshotError as e:
+                lines.append(f"kept {path}: {printable(str(e))}")
+                continue
+        gone.add(name)
+        lines.append(f"{verb} {path}")
+    for s in found:
+        if s.state in (UNREADABLE, LEFT):
+            lines.append(f"left alone {printable(steps.path(s.name))}: {printable(s.reason)}")
+    if unreadable and to_delete(policy, committed):
+        lines.append(
+            "no committed step deleted: a step that cannot be read may need any other as its base"
+        )
+    kept = sorted(s.step for s in committed if s.name not in gone)
+    lines.append(f"kept {len(kept)} committed step(s): {', '.join(map(str, kept)) or 'none'}")
+    _write_lines(lines)
+    return 0
+
+
+def add_step_parsers(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
+    """Registers ``steps`` and ``prune`` on the command line's sub-parsers."""
+    p_steps = sub.add_parser(
+        "steps",
+        parents=[common],
+        help="list the step folders under a checkpoint manager's root",
+        description="One row per step folder (step_<N>) under ROOT: committed, incomplete (a "
+        "take that never finished: its pending marker and blobs), unreadable (a manifest that "
+        "cannot be read: damaged, or of a newer statesnap) or left-alone (a link, another "
+        "library's or a user's folder), its size, the metrics it was saved with, and the bases "
+        "it needs (incremental snapshots).",
+    )
+    p_steps.add_argument("root", metavar="ROOT", help="the manager's root (local path or URL)")
+    p_steps.add_argument("--bytes", action="store_true", help="sizes as exact byte counts")
+    p_steps.set_defaults(func=run_steps)
+
+    p_prune = sub.add_parser(
+        "prune",
+        parents=[common],
+        help="delete the steps a retention policy lets go",
+        description="Keeps the union of what each policy keeps (and always the newest "
+        "committed step, and every base a kept step needs); deletes the other committed steps. "
+        "Never deletes a step it cannot read (and, while there is one, no step), a link, or a "
+        "folder holding files no take writes. Run it only while no job is saving under ROOT.",
+    )
+    p_prune.add_argument("root", metavar="ROOT", help="the manager's root (local path or URL)")
+    p_prune.add_argument("--keep-last", type=int, metavar="N", help="keep the newest N steps")
+    p_prune.add_argument("--keep-every", type=int, metavar="N", help="keep multiples of N")
+    p_prune.add_argument("--keep-best", type=int, metavar="N", help="keep the N best by --metric")
+    p_prune.add_argument("--metric", help="the metric --keep-best ranks by")
+    p_prune.add_argument(
+        "--mode", choices=("min", "max"), default="min", help="min: lower is better"
+    )
+    p_prune.add_argument(
+        "--incomplete",
+        action="store_true",
+        help="also delete the debris of takes that never finished (pending marker and blobs)",
+    )
+    p_prune.add_argument("--dry-run", action="store_true", help="say what would be deleted")
+    p_prune.set_defaults(func=run_prune)
+
+
 def _silence_stdout() -> None:
-    """Points stdout at the null device: the reader went away, and further writes, the
-    interpreter's flush at exit included, would fail."""
+    """Points stdout at the null device: the reader went away (the flush at exit would fail)."""
     try:
         devnull = os.open(os.devnull, os.O_WRONLY)
     except OSError:

@@ -9,6 +9,7 @@ formats it.
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -30,10 +31,17 @@ from manifest import (
 )
 from snapshot._engine.format.checksum import combine
 from snapshot._engine.format.manifest_io import load_manifest
-from snapshot._engine.io.io_loop import run
 from snapshot._engine.io.storage_calls import call
 from snapshot._engine.restore.linked import open_linked
-from snapshot._engine.tools.inspection import JOBS, PIECE_BYTES, Progress, format_shape
+from snapshot._engine.tools.inspection import (
+    JOBS,
+    PIECE_BYTES,
+    Progress,
+    Tally,
+    check_jobs,
+    each,
+    format_shape,
+)
 from snapshot.options import Options, resolve
 from storage_plugins import StoragePlugin
 
@@ -198,14 +206,8 @@ async def _read_window(
         if hi > lo:
             dest = out[filled : filled + hi - lo]
             offset = loc.offset + lo - base
-            await call(
-                plugin,
-                "read",
-                loc.blob,
-                label,
-                lambda b=loc.blob, o=offset, d=dest: plugin.read_into(b, o, d),
-                options=options,
-            )
+            read = functools.partial(plugin.read_into, loc.blob, offset, dest)
+            await call(plugin, "read", loc.blob, label, read, options=options)
             filled += hi - lo
         base += loc.nbytes
         if base >= end:
@@ -235,8 +237,7 @@ def diff(
         CorruptSnapshotError: a manifest is damaged, or a blob read for the comparison is
             missing or short.
     """
-    if jobs < 1 or piece_bytes < 1:
-        raise ValueError(f"jobs and piece_bytes must be positive, got {jobs}, {piece_bytes}")
+    check_jobs(jobs, piece_bytes)
     options = resolve(options)
     ma = load_manifest(path_a, storage_options, options)
     mb = load_manifest(path_b, storage_options, options)
@@ -282,54 +283,38 @@ def _compare_bytes(
     options: Options,
 ) -> list[tuple[int, Difference]]:
     """Reads and compares the bytes of each ``(index, path, a, b)``, entries of the same size."""
-    total_bytes = sum(a.nbytes for _, _, a, _ in to_read)
-    largest = max(a.nbytes for _, _, a, _ in to_read)
-    done = [0, 0]
+    tally = Tally(progress, len(to_read), sum(a.nbytes for _, _, a, _ in to_read))
+    size = max(1, min(piece_bytes, max(a.nbytes for _, _, a, _ in to_read)))
+    workers = min(jobs, len(to_read))
+    buffers = [(bytearray(size), bytearray(size)) for _ in range(workers)]
     found: list[tuple[int, Difference]] = []
-
-    def tick(nbytes: int, items: int = 0) -> None:
-        done[0] += items
-        done[1] += nbytes
-        if progress is not None:
-            progress(done[0], len(to_read), done[1], total_bytes)
-
-    async def compare_all(pa: StoragePlugin, pb: StoragePlugin) -> None:
-        work = iter(to_read)
-
-        async def worker() -> None:
-            size = max(1, min(piece_bytes, largest))
-            buf_a, buf_b = bytearray(size), bytearray(size)
-            view_a, view_b = memoryview(buf_a), memoryview(buf_b)
-            for index, path, a, b in work:
-                pos = 0
-                while pos < a.nbytes:
-                    n = min(size, a.nbytes - pos)
-                    await asyncio.gather(
-                        _read_window(pa, path, a.locations, pos, view_a[:n], options),
-                        _read_window(pb, path, b.locations, pos, view_b[:n], options),
-                    )
-                    report.bytes_read += n
-                    tick(n)
-                    # bytearray equality is a memcmp; slices copy, but only the last piece's.
-                    same = buf_a == buf_b if n == size else buf_a[:n] == buf_b[:n]
-                    if not same:
-                        at = pos + _first_difference(view_a[:n], view_b[:n])
-                        found.append(
-                            (index, Difference(path, "bytes", f"contents differ from byte {at:,}"))
-                        )
-                        tick(a.nbytes - pos - n)
-                        break
-                    pos += n
-                report.compared_by_reading += 1
-                tick(0, 1)
-
-        await asyncio.gather(*(worker() for _ in range(min(jobs, len(to_read)))))
-
-    if progress is not None:
-        progress(0, len(to_read), 0, total_bytes)
     with (
         open_linked(report.path_a, manifests[0], storage_options, options) as pa,
         open_linked(report.path_b, manifests[1], storage_options, options) as pb,
     ):
-        run(compare_all(pa, pb))
+
+        async def compare(item: tuple[int, str, Entry, Entry], worker: int) -> None:
+            index, path, a, b = item
+            buf_a, buf_b = buffers[worker]
+            view_a, view_b = memoryview(buf_a), memoryview(buf_b)
+            for pos in range(0, a.nbytes, size):
+                n = min(size, a.nbytes - pos)
+                await asyncio.gather(
+                    _read_window(pa, path, a.locations, pos, view_a[:n], options),
+                    _read_window(pb, path, b.locations, pos, view_b[:n], options),
+                )
+                report.bytes_read += n
+                tally(n)
+                # bytearray equality is a memcmp; slices copy, but only the last piece's.
+                if not (buf_a == buf_b if n == size else buf_a[:n] == buf_b[:n]):
+                    at = pos + _first_difference(view_a[:n], view_b[:n])
+                    found.append(
+                        (index, Difference(path, "bytes", f"contents differ from byte {at:,}"))
+                    )
+                    tally(a.nbytes - pos - n)
+                    break
+            report.compared_by_reading += 1
+            tally(0, 1)
+
+        each(to_read, workers, compare)
     return found

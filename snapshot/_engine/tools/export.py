@@ -1,30 +1,11 @@
 """Exporting a snapshot's tensors to safetensors (or ``torch.save``) files, streamed.
 
-Every tensor is written in row-major order, whatever pieces it was stored in: a dense tensor's
-chunks, or the boxes of a sharded one (statesnap's ``ShardedTensor``, a DTensor, torch's
-``ShardedTensor``) consolidated into the full tensor. The output is produced in tiles of whole
-leading-axis rows: for each tile, every stored box it overlaps gives the rows it has, read as
-one byte range of that box (a box's rows are contiguous in its bytes) and copied into the tile,
-which is then cast (``dtype``) and written at its place in the file. A tile and one box's
-piece of it are all the memory the export holds, so it stays within its budget however large
-the state. Each stored chunk's CRC-32 is computed as its bytes go by (tiles read every box's
-rows in order) and compared when the chunk ends.
-
-A safetensors file's header (names, dtypes, shapes, offsets) is known from the manifest
-before any byte is read, so each file is written front to back. Outputs larger than
-``max_shard_bytes`` are split into ``model-00001-of-0000N.safetensors`` files with a
-``model.safetensors.index.json`` mapping each name to its file, as Hugging Face writes them.
-
-Before anything is allocated or written, the manifest's claims get restore's own checks: each
-dense entry's chunks hold its shape's bytes in whole elements (``reads.check_tensor_entry``),
-each sharded entry's shards cover its shape exactly once (``sharded.check_entry``), no two
-ranges of an entry overlap and every blob holds the ranges claimed in it
-(``claims.claimed_blobs``, ``claims.check_claims``). What an export then reads and allocates
-is bounded by the bytes present. Names the safetensors header cannot carry (``__metadata__``,
-text that is not UTF-8) and headers past the format's limit are refused too.
-
-The files are written into a staging folder and put in place whole, never mixed with an
-earlier export (``snapshot._engine.tools.export_folder``).
+Each tensor is written row-major in tiles of whole leading-axis rows, each filled from the
+stored boxes it overlaps (a dense tensor's chunks, a sharded tensor's shards), cast, written;
+each chunk's CRC-32 is checked as its bytes go by. Large outputs are split as Hugging Face splits
+them. The manifest's claims get restore's own checks first. The files are written into a
+staging folder inside the output folder and moved in once whole (``stage``); an earlier export
+there is replaced only with ``overwrite``, and only the files its record lists.
 """
 
 from __future__ import annotations
@@ -35,8 +16,11 @@ import logging
 import math
 import os
 import re
+import shutil
+import stat
 import struct
 import time
+import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO
@@ -52,58 +36,39 @@ from snapshot._engine.io.io_loop import run
 from snapshot._engine.io.storage_calls import call
 from snapshot._engine.restore import claims
 from snapshot._engine.restore.reads import check_tensor_entry
-from snapshot._engine.tools.export_folder import write_file
-from snapshot.errors import (
-    ChecksumError,
-    InvalidArgumentError,
-    UnsupportedValueError,
-)
+from snapshot.errors import ChecksumError, InvalidArgumentError, StorageError, UnsupportedValueError
 from snapshot.options import Options
 from storage_plugins import StoragePlugin
+from storage_plugins.fs import missing_folders
 
 logger = logging.getLogger("snapshot")
 
-# torch dtype -> safetensors' name (the format's own list).
-SAFETENSORS_DTYPES: dict[torch.dtype, str] = {
-    torch.float64: "F64",
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int16: "I16",
-    torch.int8: "I8",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
-    torch.float8_e4m3fn: "F8_E4M3",
-    torch.float8_e5m2: "F8_E5M2",
-    torch.complex64: "C64",
-    torch.uint16: "U16",
-    torch.uint32: "U32",
-    torch.uint64: "U64",
-}
-for _name, _attr in (("F8_E4M3FNUZ", "float8_e4m3fnuz"), ("F8_E5M2FNUZ", "float8_e5m2fnuz")):
-    if hasattr(torch, _attr):
-        SAFETENSORS_DTYPES[getattr(torch, _attr)] = _name
 
-_SIZE = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([KMGT]?i?B?)\s*", re.IGNORECASE)
-_UNITS = {"": 1, "B": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
+# torch dtype -> safetensors' name (the format's own list), for the dtypes this torch has.
+_NAMES = (
+    "float64:F64 float32:F32 float16:F16 bfloat16:BF16 int64:I64 int32:I32 int16:I16 int8:I8 "
+    "uint8:U8 uint16:U16 uint32:U32 uint64:U64 bool:BOOL complex64:C64 float8_e4m3fn:F8_E4M3 "
+    "float8_e5m2:F8_E5M2 float8_e4m3fnuz:F8_E4M3FNUZ float8_e5m2fnuz:F8_E5M2FNUZ"
+)
+SAFETENSORS_DTYPES: dict[torch.dtype, str] = {
+    getattr(torch, attr): name
+    for attr, _, name in (pair.partition(":") for pair in _NAMES.split())
+    if hasattr(torch, attr)
+}
+
+_SIZE = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([KMGT]?)(i?)B?\s*", re.IGNORECASE)
 
 
 def parse_size(text: str | int) -> int:
-    """``"5GB"`` -> 5,000,000,000 (decimal units, as Hugging Face's ``max_shard_size``);
-    ``"512MiB"`` -> binary units; an int is bytes."""
+    """``"5GB"`` -> 5 * 10**9 (decimal, as Hugging Face's), ``"512MiB"`` -> binary; an int is
+    bytes."""
     if isinstance(text, int) and not isinstance(text, bool):
-        if text < 1:
-            raise InvalidArgumentError(f"max_shard_size must be positive, got {text}")
-        return text
-    m = _SIZE.fullmatch(str(text))
-    if not m:
+        size = text
+    elif m := _SIZE.fullmatch(str(text)):
+        power = ("", "K", "M", "G", "T").index(m.group(2).upper())
+        size = int(float(m.group(1)) * (1024 if m.group(3) else 1000) ** power)
+    else:
         raise InvalidArgumentError(f"max_shard_size: {text!r} is not a size such as 5GB or 500MiB")
-    unit = m.group(2).upper()
-    base = unit[:1] if unit[:1] in "KMGT" else ""
-    factor = 1024 ** ("KMGT".index(base) + 1) if base and "I" in unit else _UNITS[base]
-    size = int(float(m.group(1)) * factor)
     if size < 1:
         raise InvalidArgumentError(f"max_shard_size must be positive, got {text!r}")
     return size
@@ -111,8 +76,7 @@ def parse_size(text: str | int) -> int:
 
 @dataclass
 class Box:
-    """Stored bytes of a region of a tensor: the box ``offsets .. offsets + sizes`` in
-    row-major order across ``chunks``."""
+    """The stored bytes of the box ``offsets .. offsets + sizes``, row-major across ``chunks``."""
 
     offsets: tuple[int, ...]
     sizes: tuple[int, ...]
@@ -121,8 +85,8 @@ class Box:
 
 @dataclass
 class Source:
-    """One tensor to export: its output ``name``, stored dtype and global shape, its boxes
-    (one covering it all for a dense tensor), and the manifest path it comes from."""
+    """One tensor to export: output ``name``, manifest ``path``, stored dtype, global shape,
+    boxes (one for a dense tensor) and output dtype."""
 
     name: str
     path: str
@@ -141,8 +105,8 @@ class Source:
 
 
 def output_name(logical: str, prefix: str) -> str:
-    """``0/model/layer.weight`` under ``prefix`` ``0/model/`` -> ``layer.weight``: each path
-    component unescaped (``flatten.escape_key``), joined by dots as module names are."""
+    """``0/model/layer.weight`` under ``0/model/`` -> ``layer.weight``: each component
+    unescaped (``flatten.escape_key``), joined by dots."""
     parts = logical[len(prefix) :].split("/")
     return ".".join(p.replace("%2F", "/").replace("%25", "%") for p in parts)
 
@@ -155,14 +119,12 @@ def collect(
     dtype: torch.dtype | None,
     where: str,
 ) -> tuple[list[Source], list[str]]:
-    """The tensors to export from rank 0's view of ``manifest`` (under ``key``, an app_state
-    key, when given), in the snapshot's order, and the paths of the other leaves skipped."""
+    """The tensors to export from rank 0's view (under the app_state ``key`` when given), in
+    the snapshot's order, and the paths of the other leaves, skipped."""
     entries = manifest.view(0)
     prefix = "0/" if key is None else f"0/{key.strip('/')}/"
     if key is not None and not any(p.startswith(prefix) for p in entries):
-        keys = sorted(
-            {p.split("/")[1] for p in entries if p.startswith("0/") and p.count("/") >= 1}
-        )
+        keys = sorted({p.split("/")[1] for p in entries if p.startswith("0/") and "/" in p})
         raise InvalidArgumentError(
             f"snapshot {where} has no key {key!r} on rank 0; its keys: {', '.join(keys) or 'none'}"
         )
@@ -172,8 +134,6 @@ def collect(
     for path, entry in entries.items():
         if not path.startswith(prefix):
             continue
-        # Restore's checks of an entry read into new memory: its chunks hold its shape's bytes
-        # in whole elements; a sharded entry's shards cover its shape exactly once.
         if isinstance(entry, TensorEntry):
             t_dtype = check_tensor_entry(path, entry)
             boxes = [Box((0,) * len(entry.shape), entry.shape, entry.chunks)]
@@ -201,10 +161,8 @@ def collect(
 def check_claims(
     plugin: StoragePlugin, manifest: Manifest, sources: Sequence[Source], options: Options
 ) -> None:
-    """Restore's check of the sizes a manifest claims, for every blob the export reads: no two
-    ranges of one entry overlap, and the store says each blob holds the ranges claimed in it
-    (``CorruptSnapshotError`` before anything is read or allocated). Unlike a restore's small
-    reads, an export asks whatever it claims: one size call per blob, next to reading them all."""
+    """Restore's check of the sizes a manifest claims, for every blob the export reads (no
+    overlapping ranges; each blob holds its ranges), before anything is read or allocated."""
     blobs, _ = claims.claimed_blobs(manifest.view(0), [s.path for s in sources], {})
     jobs = options.max_concurrent_io
     assert jobs is not None
@@ -212,8 +170,7 @@ def check_claims(
 
 
 def plan_files(sources: Sequence[Source], max_bytes: int) -> list[list[Source]]:
-    """Tensors grouped into files of at most ``max_bytes`` each, in order (a tensor larger than
-    that gets a file of its own)."""
+    """Tensors grouped in order into files of at most ``max_bytes`` (or one larger tensor)."""
     files: list[list[Source]] = []
     size = 0
     for s in sources:
@@ -226,8 +183,8 @@ def plan_files(sources: Sequence[Source], max_bytes: int) -> list[list[Source]]:
 
 
 class BoxReader:
-    """Reads a box's bytes front to back in ranges (``read(start, out)``, ``start`` never going
-    back), checking each chunk's CRC-32 once all of its bytes went by."""
+    """Reads a box's bytes front to back (``read(start, out)``), checking each chunk's CRC-32
+    once all of its bytes went by."""
 
     def __init__(
         self, plugin: StoragePlugin, box: Box, label: str, verify: bool, options: Options
@@ -237,15 +194,12 @@ class BoxReader:
         self.label = label
         self.verify = verify
         self.options = options
-        self.pos = 0  # bytes of the box read so far (ranges must start here or later)
-        self.chunk = 0  # the chunk holding ``pos``
+        self.chunk = 0  # the chunk being read
         self.chunk_start = 0  # where that chunk begins in the box's bytes
         self.crc = 0
         self.crc_upto = 0  # bytes of the current chunk digested
 
     def read(self, start: int, out: memoryview) -> None:
-        if start < self.pos:
-            raise AssertionError(f"{self.label}: box read backwards")
         end = start + len(out)
         filled = 0
         at = start
@@ -257,8 +211,7 @@ class BoxReader:
             inner = at - self.chunk_start
             n = min(end - at, loc.nbytes - inner)
             piece = out[filled : filled + n]
-            # Through restore's ``call``: its retries, deadline and errors (a blob missing or
-            # cut short is corrupt, a link unsafe).
+            # Through restore's ``call``: its retries, deadline and errors.
             read = functools.partial(self.plugin.read_into, loc.blob, loc.offset + inner, piece)
             run(call(self.plugin, "read", loc.blob, self.label, read, options=self.options))
             if self.verify and loc.crc32 is not None:
@@ -269,8 +222,7 @@ class BoxReader:
                     self.crc_upto = -1
             filled += n
             at += n
-        self.pos = end
-        while self.chunk < len(chunks) and self.chunk_start + chunks[self.chunk].nbytes <= self.pos:
+        while self.chunk < len(chunks) and self.chunk_start + chunks[self.chunk].nbytes <= end:
             self._finish_chunk()
 
     def _finish_chunk(self) -> None:
@@ -289,8 +241,8 @@ class BoxReader:
 
 
 def tiles(source: Source, tile_bytes: int) -> Iterator[tuple[int, int]]:
-    """Row ranges ``[a, b)`` of the leading axis, each at most ``tile_bytes`` of the stored
-    dtype or of the output's (whichever is larger), at least one row; made one at a time."""
+    """Row ranges ``[a, b)`` of the leading axis, each at most ``tile_bytes`` (of the larger of
+    the stored and output dtypes), at least one row."""
     if not source.shape:
         yield (0, 1)
         return
@@ -311,46 +263,31 @@ def stream_tensor(
     write: Callable[[memoryview], object],
     options: Options,
 ) -> None:
-    """Writes ``source``'s bytes (cast to its output dtype) through ``write``, tile by tile.
-    ``options``: each read's retries and deadline."""
+    """Writes ``source``'s bytes (cast to its output dtype) through ``write``, tile by tile."""
     if source.numel == 0:
         return
     readers = [BoxReader(plugin, b, source.path, verify, options) for b in source.boxes]
-    shape = source.shape
-    itemsize = source.dtype.itemsize
+    shape = source.shape or (1,)  # a 0-d tensor as one row
     for a, b in tiles(source, tile_bytes):
-        tile_shape = (b - a, *shape[1:]) if shape else ()
-        tile = torch.empty(tile_shape, dtype=source.dtype)
+        tile = torch.empty((b - a, *shape[1:]), dtype=source.dtype)
         covered = 0
         for box, reader in zip(source.boxes, readers, strict=True):
-            if not shape:
-                rows = (0, 1)
-            else:
-                lo, hi = box.offsets[0], box.offsets[0] + box.sizes[0]
-                rows = (max(a, lo), min(b, hi))
-                if rows[0] >= rows[1]:
-                    continue
-            row_elems = math.prod(box.sizes[1:]) if shape else 1
-            start_row = rows[0] - (box.offsets[0] if shape else 0)
-            n_rows = rows[1] - rows[0]
-            if not shape or tuple(box.sizes[1:]) == tuple(shape[1:]):
-                # The box spans whole rows (a dense tensor, a shard along the leading axis):
-                # its rows are contiguous in the tile too, read straight into it.
-                target = tile if not shape else tile[rows[0] - a : rows[1] - a]
-                if target.numel():
-                    reader.read(start_row * row_elems * itemsize, _bytes_of(target))
-                covered += target.numel()
+            offsets, sizes = box.offsets or (0,), box.sizes or (1,)
+            lo, hi = max(a, offsets[0]), min(b, offsets[0] + sizes[0])
+            if lo >= hi:
                 continue
-            piece = torch.empty((n_rows, *box.sizes[1:]), dtype=source.dtype)
+            start = (lo - offsets[0]) * math.prod(sizes[1:]) * source.dtype.itemsize
+            if tuple(sizes[1:]) == tuple(shape[1:]):
+                # Whole rows (a dense tensor, a shard along the leading axis): read in place.
+                reader.read(start, _bytes_of(tile[lo - a : hi - a]))
+                covered += tile[lo - a : hi - a].numel()
+                continue
+            piece = torch.empty((hi - lo, *sizes[1:]), dtype=source.dtype)
             if piece.numel():
-                reader.read(start_row * row_elems * itemsize, _bytes_of(piece))
+                reader.read(start, _bytes_of(piece))
             covered += piece.numel()
-            inner = tuple(
-                slice(o, o + n) for o, n in zip(box.offsets[1:], box.sizes[1:], strict=True)
-            )
-            region = tile[(slice(rows[0] - a, rows[1] - a), *inner)]
-            region.copy_(piece)
-            del piece
+            inner = tuple(slice(o, o + n) for o, n in zip(offsets[1:], sizes[1:], strict=True))
+            tile[(slice(lo - a, hi - a), *inner)].copy_(piece)
         if covered != tile.numel():  # the shards were checked to cover it exactly once
             raise AssertionError(
                 f"{source.path}: the stored pieces cover {covered:,} of the {tile.numel():,} "
@@ -358,43 +295,20 @@ def stream_tensor(
             )
         out = tile if source.out_dtype == source.dtype else tile.to(source.out_dtype)
         write(_bytes_of(out))
-        del tile, out
 
 
 def _bytes_of(t: torch.Tensor) -> memoryview:
-    """A writable byte view of a contiguous CPU tensor (any dtype)."""
-    from snapshot._engine.format.serialization import tensor_memoryview
-
-    return tensor_memoryview(t)
+    """A writable byte view of a contiguous CPU tensor (any dtype), without a copy."""
+    return t.reshape(-1).view(torch.uint8).numpy().data
 
 
-# The key of a safetensors header that holds the file's metadata: no tensor may have that name.
-RESERVED_NAME = "__metadata__"
-# The largest header the safetensors library reads (its ``MAX_HEADER_SIZE``).
-MAX_HEADER_BYTES = 100_000_000
-
-
-def check_name(source: Source) -> None:
-    """Refuses a name a safetensors header cannot carry: the metadata's key, or text that is
-    not UTF-8 (a lone surrogate, which the format's JSON parser rejects)."""
-    if source.name == RESERVED_NAME:
-        raise UnsupportedValueError(
-            f"{printable(source.path)}: a tensor named {RESERVED_NAME!r} cannot be written to "
-            "safetensors, whose header keeps that key for the file's metadata (export it with "
-            "--format torch, or rename it)"
-        )
-    try:
-        source.name.encode("utf-8")
-    except UnicodeEncodeError:
-        raise UnsupportedValueError(
-            f"{printable(source.path)}: the name '{printable(source.name)}' is not valid UTF-8 "
-            "text, which a safetensors header needs (export it with --format torch)"
-        ) from None
+RESERVED_NAME = "__metadata__"  # the header's key for the file's metadata
+MAX_HEADER_BYTES = 100_000_000  # the safetensors library's ``MAX_HEADER_SIZE``
 
 
 def check_safetensors(files: Sequence[Sequence[Source]]) -> None:
-    """Every planned file's header, built and checked before anything is written: names the
-    format reserves or cannot carry, and headers larger than its readers accept."""
+    """Builds every planned file's header before anything is written (refusing those larger
+    than the format's readers accept)."""
     for group in files:
         size = len(safetensors_header(group, {"format": "pt"})) - 8
         if size > MAX_HEADER_BYTES:
@@ -406,12 +320,24 @@ def check_safetensors(files: Sequence[Sequence[Source]]) -> None:
 
 
 def safetensors_header(sources: Sequence[Source], metadata: dict[str, str]) -> bytes:
-    """The header of a safetensors file holding ``sources`` in order: its 8-byte length and
-    the JSON, padded with spaces to a multiple of 8 bytes (as the format's writer pads)."""
+    """A safetensors file's header for ``sources``: its 8-byte length and the JSON, padded with
+    spaces to a multiple of 8 bytes. Refuses names it cannot carry."""
     header: dict[str, Any] = {"__metadata__": metadata}
     offset = 0
     for s in sources:
-        check_name(s)
+        if s.name == RESERVED_NAME:
+            raise UnsupportedValueError(
+                f"{printable(s.path)}: a tensor named {RESERVED_NAME!r} cannot be written to "
+                "safetensors, whose header keeps that key for the file's metadata (export it "
+                "with --format torch, or rename it)"
+            )
+        try:
+            s.name.encode("utf-8")
+        except UnicodeEncodeError:
+            raise UnsupportedValueError(
+                f"{printable(s.path)}: the name '{printable(s.name)}' is not valid UTF-8 text, "
+                "which a safetensors header needs (export it with --format torch)"
+            ) from None
         try:
             name = SAFETENSORS_DTYPES[s.out_dtype]
         except KeyError:
@@ -432,13 +358,18 @@ def safetensors_header(sources: Sequence[Source], metadata: dict[str, str]) -> b
 
 @dataclass
 class Written:
-    """What an export wrote."""
+    """What an export wrote (``log_done``)."""
 
     files: list[str]
     tensors: int
     nbytes: int
     skipped: list[str]
     seconds: float
+
+
+def _names(stem: str, ext: str, n: int) -> list[str]:
+    """``model.safetensors``, or ``model-0000i-of-0000N.safetensors`` for several files."""
+    return [f"{stem}{ext}"] if n == 1 else [f"{stem}-{i + 1:05d}-of-{n:05d}{ext}" for i in range(n)]
 
 
 def write_safetensors(
@@ -451,12 +382,7 @@ def write_safetensors(
 ) -> list[str]:
     """Writes the planned files (and, for several, the index) into ``folder``; returns their
     names, the index last."""
-    n = len(files)
-    names = (
-        ["model.safetensors"]
-        if n == 1
-        else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
-    )
+    names = _names("model", ".safetensors", len(files))
     for name, group in zip(names, files, strict=True):
 
         def fill(f: BinaryIO, group: list[Source] = group) -> None:
@@ -465,9 +391,7 @@ def write_safetensors(
                 stream_tensor(plugin, s, tile_bytes, verify, f.write, options)
 
         write_file(os.path.join(folder, name), fill)
-    if n > 1:
-        return [*names, write_index(folder, "model.safetensors.index.json", names, files)]
-    return names
+    return _with_index(folder, "model.safetensors.index.json", names, files)
 
 
 def write_torch(
@@ -478,67 +402,197 @@ def write_torch(
     verify: bool,
     options: Options,
 ) -> list[str]:
-    """``torch.save`` files of the planned groups (``pytorch_model.bin``, or
-    ``pytorch_model-0000i-of-0000N.bin`` with ``pytorch_model.bin.index.json``) in ``folder``;
-    returns their names. Unlike safetensors, a torch file is made whole in memory: one file's
-    tensors at a time."""
-    n = len(files)
-    names = (
-        ["pytorch_model.bin"]
-        if n == 1
-        else [f"pytorch_model-{i + 1:05d}-of-{n:05d}.bin" for i in range(n)]
-    )
+    """``torch.save`` files of the planned groups (``pytorch_model.bin``...) in ``folder``;
+    returns their names. A torch file is made whole in memory, one file at a time."""
+    names = _names("pytorch_model", ".bin", len(files))
     for name, group in zip(names, files, strict=True):
         tensors = {}
         for s in group:
-            t = torch.empty(s.shape, dtype=s.out_dtype)
-            view = _bytes_of(t)
-            pos = 0
+            t = tensors[s.name] = torch.empty(s.shape, dtype=s.out_dtype)
+            view, pos = _bytes_of(t), [0]
 
-            def put(data: memoryview, view: memoryview = view) -> None:
-                nonlocal pos
-                view[pos : pos + len(data)] = data
-                pos += len(data)
+            def put(data: memoryview, view: memoryview = view, pos: list[int] = pos) -> None:
+                view[pos[0] : pos[0] + len(data)] = data
+                pos[0] += len(data)
 
             stream_tensor(plugin, s, tile_bytes, verify, put, options)
-            tensors[s.name] = t
-        write_file(os.path.join(folder, name), functools.partial(_save_into, tensors))
+        write_file(os.path.join(folder, name), functools.partial(torch.save, tensors))
         del tensors
-    if n > 1:
-        return [*names, write_index(folder, "pytorch_model.bin.index.json", names, files)]
-    return names
+    return _with_index(folder, "pytorch_model.bin.index.json", names, files)
 
 
-def _save_into(tensors: dict[str, torch.Tensor], f: BinaryIO) -> None:
-    torch.save(tensors, f)
-
-
-def write_index(
-    folder: str, index_name: str, names: Sequence[str], files: Sequence[Sequence[Source]]
-) -> str:
-    """The index of a split export, as Hugging Face writes it: the total size, and which file
-    holds each tensor. Returns its name."""
+def _with_index(
+    folder: str, index_name: str, names: list[str], files: Sequence[Sequence[Source]]
+) -> list[str]:
+    """``names``, and the index of a split export (as Hugging Face writes it) when several."""
+    if len(names) == 1:
+        return names
     index = {
         "metadata": {"total_size": sum(s.out_bytes for g in files for s in g)},
         "weight_map": {s.name: name for name, g in zip(names, files, strict=True) for s in g},
     }
     data = json.dumps(index, indent=2, sort_keys=True).encode() + b"\n"
     write_file(os.path.join(folder, index_name), lambda f: f.write(data))
-    return index_name
+    return [*names, index_name]
 
 
-def log_done(where: str, out_dir: str, result: Written) -> None:
-    logger.info(
-        "exported %d tensors (%.1f MB) of %s to %d file(s) in %s in %.3f s%s",
-        result.tensors,
-        result.nbytes / 1e6,
-        where,
-        len(result.files),
-        out_dir,
-        result.seconds,
-        f"; {len(result.skipped)} other values skipped" if result.skipped else "",
-    )
+def log_done(where: str, out_dir: str, r: Written) -> None:
+    skipped = f"; {len(r.skipped)} other values skipped" if r.skipped else ""
+    mb, files = r.nbytes / 1e6, len(r.files)
+    msg = "exported %d tensors (%.1f MB) of %s to %d file(s) in %s in %.3f s%s"
+    logger.info(msg, r.tensors, mb, where, files, out_dir, r.seconds, skipped)
 
 
 def now() -> float:
     return time.perf_counter()
+
+
+# The files an export put in a folder: all that a later export with ``overwrite`` replaces.
+RECORD = ".statesnap-export.json"
+# The staging folder is inside the output folder: a rename does not cross file systems.
+STAGING_PREFIX = ".statesnap-export-"
+# The names an export (of either format) writes; files of these names are an earlier export.
+EXPORT_NAME = re.compile(
+    r"model(-\d{5,}-of-\d{5,})?\.safetensors|model\.safetensors\.index\.json"
+    r"|pytorch_model(-\d{5,}-of-\d{5,})?\.bin|pytorch_model\.bin\.index\.json"
+)
+_MAX_RECORD_BYTES = 1 << 20  # larger is not a record an export wrote
+
+
+def write_file(path: str, fill: Callable[[BinaryIO], object]) -> None:
+    """Creates the file ``path`` (never one that exists), has ``fill`` write it, and syncs it."""
+    with open(path, "xb") as f:
+        fill(f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def sync_folder(path: str) -> None:
+    """Makes the entries of folder ``path`` (files created, renamed, removed) durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def recorded_names(out_dir: str) -> set[str]:
+    """The export names ``out_dir``'s record lists (anyone can edit it: other names are
+    ignored); empty when it is missing, a link, not a regular file, too large or not JSON."""
+    try:
+        fd = os.open(os.path.join(out_dir, RECORD), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        with os.fdopen(fd, "rb") as f:
+            regular = stat.S_ISREG(os.fstat(fd).st_mode)
+            data = f.read(_MAX_RECORD_BYTES + 1) if regular else b""
+        record = json.loads(data) if 0 < len(data) <= _MAX_RECORD_BYTES else None
+    except (OSError, ValueError):
+        return set()
+    listed = record.get("files") if isinstance(record, dict) else None
+    names = listed if isinstance(listed, list) else []
+    return {n for n in names if isinstance(n, str) and EXPORT_NAME.fullmatch(n)}
+
+
+def earlier_export(out_dir: str, overwrite: bool) -> list[str]:
+    """The earlier export's files in ``out_dir`` that this one replaces (reads only); refuses
+    any without ``overwrite``, and one the record does not list or that is not a regular file."""
+    try:
+        names = os.listdir(out_dir)
+    except FileNotFoundError:
+        return []
+    except NotADirectoryError:
+        raise InvalidArgumentError(f"export: {out_dir} is not a folder") from None
+    except OSError as e:
+        raise StorageError(f"export: cannot list the folder {out_dir}: {e}") from e
+    found = sorted(n for n in names if EXPORT_NAME.fullmatch(n))
+    how = "remove it yourself, or choose another folder"
+    if RECORD in names and not stat.S_ISREG(os.lstat(os.path.join(out_dir, RECORD)).st_mode):
+        raise InvalidArgumentError(
+            f"export: {os.path.join(out_dir, RECORD)} is not a regular file (a link, or a "
+            f"folder), where an export keeps its record: {how}"
+        )
+    if found and not overwrite:
+        raise InvalidArgumentError(
+            f"export: {out_dir} already holds an export ({', '.join(found)}); pass "
+            "overwrite=True (statesnap export --overwrite) to replace it, or choose another "
+            "folder"
+        )
+    recorded = recorded_names(out_dir) if found else set()
+    unrecorded = [n for n in found if n not in recorded]
+    if unrecorded:
+        raise InvalidArgumentError(
+            f"export: {out_dir} holds {', '.join(unrecorded)}, which no statesnap export "
+            f"recorded writing ({RECORD} does not list them); an export replaces only files it "
+            "wrote: remove them yourself, or choose another folder"
+        )
+    for n in found:
+        if not stat.S_ISREG(os.lstat(os.path.join(out_dir, n)).st_mode):
+            raise InvalidArgumentError(
+                f"export: {os.path.join(out_dir, n)} is not a regular file (a link, or a "
+                f"folder); an export replaces only files it wrote: {how}"
+            )
+    return found
+
+
+def put_in_place(out_dir: str, staging: str, names: Sequence[str], overwrite: bool) -> None:
+    """Moves the complete export's ``names`` from ``staging`` into ``out_dir``, the earlier
+    export's (checked again) first moved aside into ``staging/previous``: an index leaves first
+    and enters last (never naming a file not there); a failed move undoes every move."""
+    old = earlier_export(out_dir, overwrite)
+    if os.path.lexists(os.path.join(out_dir, RECORD)):
+        old.append(RECORD)
+    previous = os.path.join(staging, "previous")
+    os.mkdir(previous)
+    leaving = sorted(old, key=lambda n: (n == RECORD, not n.endswith(".index.json"), n))
+    entering = sorted(names, key=lambda n: (n == RECORD, n.endswith(".index.json"), n))
+    moves = [(os.path.join(out_dir, n), os.path.join(previous, n)) for n in leaving]
+    moves += [(os.path.join(staging, n), os.path.join(out_dir, n)) for n in entering]
+    done: list[tuple[str, str]] = []
+    try:
+        for src, dst in moves:
+            os.rename(src, dst)
+            done.append((src, dst))
+        sync_folder(out_dir)
+    except BaseException:
+        try:
+            for src, dst in reversed(done):
+                os.rename(dst, src)
+            sync_folder(out_dir)
+        except OSError as e:
+            msg = "export: could not put back the earlier export in %s (%s); its files are in %s"
+            logger.error(msg, out_dir, e, previous)
+        raise
+
+
+def stage(out_dir: str, overwrite: bool, write: Callable[[str], list[str]]) -> list[str]:
+    """Runs ``write`` (it writes the files into the folder given, returning their names) in a
+    new staging folder inside ``out_dir``, adds the record, puts the files in place and returns
+    their paths. The staging folder (and ``out_dir``, when made here and the export failed) is
+    removed whatever happens; a file system failure is a ``StorageError``."""
+    try:
+        made = missing_folders(out_dir)
+        os.makedirs(out_dir, exist_ok=True)
+        staging = os.path.join(out_dir, f"{STAGING_PREFIX}{uuid.uuid4().hex[:12]}")
+        os.mkdir(staging)
+        try:
+            names = write(staging)
+            record = json.dumps({"written_by": "statesnap export", "files": names}, indent=2)
+            write_file(os.path.join(staging, RECORD), lambda f: f.write(record.encode() + b"\n"))
+            sync_folder(staging)
+            put_in_place(out_dir, staging, [*names, RECORD], overwrite)
+        except BaseException:
+            previous = os.path.join(staging, "previous")
+            if not (os.path.isdir(previous) and os.listdir(previous)):
+                shutil.rmtree(staging, ignore_errors=True)
+            for folder in made:
+                try:
+                    os.rmdir(folder)  # only when empty: nothing but what this export made
+                except OSError:
+                    break
+            raise
+    except OSError as e:
+        raise StorageError(f"export: cannot write the export into {out_dir}: {e}") from e
+    try:
+        shutil.rmtree(staging)  # the new files moved out; the earlier export's files, if any
+    except OSError as e:  # the export is in place: say what is left, and return it
+        logger.warning("export: could not remove the staging folder %s: %s", staging, e)
+    return [os.path.join(out_dir, n) for n in names]

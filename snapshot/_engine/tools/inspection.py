@@ -1,21 +1,17 @@
-"""Looking into a snapshot without restoring it: what the command line (``statesnap ls / show /
-verify / du / diff``) computes. This module holds ``ls``, ``du`` and ``show`` and what the
-commands share (sizes and shapes for people, :data:`PIECE_BYTES`, :data:`JOBS`); ``verify`` is in
-:mod:`snapshot._engine.tools.verify`, ``diff`` in :mod:`snapshot._engine.tools.diff`.
+"""Looking into a snapshot without restoring it: what ``statesnap ls / show / du`` compute,
+and what ``verify`` and ``diff`` share (``Tally``, ``each``, :data:`PIECE_BYTES`, :data:`JOBS`).
 
-Every function here returns data and prints nothing; :mod:`snapshot.cli` formats it. ``ls``,
-``du`` and most of ``diff`` need only the manifest, which records every entry's kind, dtype,
-shape, byte ranges and CRC-32s: they read no blob. ``verify`` reads every blob once, in pieces
-of at most :data:`PIECE_BYTES`, a few blobs at a time, and checks each range's CRC-32 by
-combining the CRCs of the pieces (no blob is held whole). ``diff`` reads bytes only for entries
-whose CRC-32s were not recorded, comparing them piece by piece.
+Every function returns data and prints nothing. ``ls`` and ``du`` read only the manifest,
+which records every entry's kind, dtype, shape, byte ranges and CRC-32s. ``verify`` and ``diff``
+read blobs in pieces of at most :data:`PIECE_BYTES`, a few at a time.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Sequence
+import asyncio
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 
@@ -31,23 +27,58 @@ from manifest import (
     is_container,
     reference_of,
 )
-from snapshot._engine.context import gc_paused
 from snapshot._engine.format.serialization import dtype_name
 from snapshot._engine.format.text import printable
+from snapshot._engine.io.io_loop import run
 from snapshot._engine.restore import suggest
 from snapshot.errors import EntryNotFoundError
 from snapshot.metadata import SnapshotMetadata
 from snapshot.snapshot import Snapshot
 
-PIECE_BYTES = 16 << 20
-"""The most bytes ``verify`` and ``diff`` read in one request (per blob being read)."""
-
-JOBS = 4
-"""Blobs (``verify``) or entries (``diff``) read at once by default."""
+PIECE_BYTES = 16 << 20  # the most bytes ``verify`` and ``diff`` read in one request
+JOBS = 4  # blobs (``verify``) or entries (``diff``) read at once by default
 
 Progress = Callable[[int, int, int, int], None]
-"""``progress(items_done, items_total, bytes_done, bytes_total)``: called on the I/O thread as
-long operations advance (after each piece read and each item finished)."""
+"""``progress(items_done, items_total, bytes_done, bytes_total)``, called on the I/O thread
+after each piece read and each item finished."""
+
+T = TypeVar("T")
+
+
+class Tally:
+    """Items and bytes done of ``items`` and ``nbytes``, told to ``progress`` as they grow."""
+
+    def __init__(self, progress: Progress | None, items: int, nbytes: int) -> None:
+        self.progress, self.items, self.nbytes = progress, items, nbytes
+        self.items_done = self.bytes_done = 0
+        self(0)
+
+    def __call__(self, nbytes: int, items: int = 0) -> None:
+        self.items_done += items
+        self.bytes_done += nbytes
+        if self.progress is not None:
+            self.progress(self.items_done, self.items, self.bytes_done, self.nbytes)
+
+
+def each(items: Iterable[T], jobs: int, work: Callable[[T, int], Awaitable[None]]) -> None:
+    """Runs ``work(item, worker)`` for every item, ``jobs`` workers at a time, on the I/O loop
+    (``worker``: the index of the one running it, whose buffers it uses)."""
+    todo = iter(items)
+
+    async def worker(i: int) -> None:
+        for item in todo:
+            await work(item, i)
+
+    async def main() -> None:
+        await asyncio.gather(*(worker(i) for i in range(jobs)))
+
+    run(main())
+
+
+def check_jobs(jobs: int, piece_bytes: int) -> None:
+    if jobs < 1 or piece_bytes < 1:
+        raise ValueError(f"jobs and piece_bytes must be positive, got {jobs}, {piece_bytes}")
+
 
 _UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB")
 
@@ -87,15 +118,14 @@ def _split_path(path: str) -> tuple[str, str]:
 
 
 def _shared(entry: Entry) -> bool:
-    """Whether an entry is one value for every rank (replicated). A sharded tensor's entry is
-    not, though manifests before format 3 marked it so: each rank keeps its own."""
+    """Whether an entry is one value for every rank (a sharded tensor's is not, though
+    manifests before format 3 marked it so)."""
     return entry.replicated and not isinstance(entry, ShardedTensorEntry)
 
 
 def _stored_bytes(entries: Iterable[Entry]) -> tuple[int, int]:
-    """Bytes the blobs hold for ``entries``, each distinct range once (replicated entries of
-    several ranks, and tensors stored under two paths, share their ranges): ``(in the
-    snapshot's own blobs, in its bases' blobs)``."""
+    """Bytes the blobs hold for ``entries``, each distinct range once: ``(in the snapshot's own
+    blobs, in its bases' blobs)``."""
     seen: set[tuple[str, int, int]] = set()
     own = in_bases = 0
     for entry in entries:
@@ -111,8 +141,7 @@ def _stored_bytes(entries: Iterable[Entry]) -> tuple[int, int]:
 
 
 def _bases_of(entry: Entry) -> str:
-    """The sibling snapshots holding an entry's bytes (an incremental take's bases), joined
-    by commas; "" when the snapshot holds them itself."""
+    """The base snapshots holding an entry's bytes, joined by commas ("" for none)."""
     names = {ref[0] for loc in entry.locations if (ref := reference_of(loc.blob)) is not None}
     return ",".join(sorted(names))
 
@@ -162,11 +191,6 @@ def list_entries(manifest: Manifest, prefix: str | None = None) -> Listing:
     Raises:
         EntryNotFoundError: ``prefix`` is given and no entry is at or below it.
     """
-    with gc_paused():  # 100,000 rows of small objects: no collections while building them
-        return _list_entries(manifest, prefix)
-
-
-def _list_entries(manifest: Manifest, prefix: str | None) -> Listing:
     entries = manifest.entries
     if prefix:
         prefix = prefix.rstrip("/")
@@ -237,19 +261,10 @@ class Usage:
 
 
 def disk_usage(manifest: Manifest) -> Usage:
-    """Bytes per top-level key per rank, from the manifest alone.
-
-    A replicated entry is one value for every rank that took it, its bytes stored once (by
-    whichever rank wrote them): each rank's row counts them (restoring that key on that rank
-    reads them), whether the manifest lists the entry under every rank (before format 3) or
-    once, under rank 0 (``Manifest.view``), and says how many of its bytes are replicated;
-    ``stored_bytes`` counts every distinct byte range once.
-    """
-    with gc_paused():
-        return _disk_usage(manifest)
-
-
-def _disk_usage(manifest: Manifest) -> Usage:
+    """Bytes per top-level key per rank, from the manifest alone. A replicated entry's bytes,
+    stored once, count in every rank's row (restoring the key there reads them), whether the
+    manifest lists it under every rank (before format 3) or once under rank 0;
+    ``stored_bytes`` counts every distinct byte range once."""
     counts: dict[tuple[str, str], list[int]] = {}
     ranks: dict[str, int] = {}
     total = replicated = count = 0
@@ -284,9 +299,8 @@ def _disk_usage(manifest: Manifest) -> Usage:
 
 
 def _as_every_rank_reads(manifest: Manifest) -> Iterator[tuple[str, Entry]]:
-    """Every entry, then each replicated leaf listed once, under rank 0, again under every
-    other rank of the take that does not list it itself (what ``Manifest.view`` adds for that
-    rank), without building each rank's view."""
+    """Every entry, then each replicated leaf listed once under rank 0 again under every other
+    rank that does not list it itself (what ``Manifest.view`` adds), without building views."""
     entries = manifest.entries
     yield from entries.items()
     if manifest.world_size == 1:
@@ -298,9 +312,8 @@ def _as_every_rank_reads(manifest: Manifest) -> Iterator[tuple[str, Entry]]:
     ]
     if not once:
         return
-    # The ranks that list entries of their own (each rank of a take lists its containers), not
-    # every number below ``world_size``: that is a claim of the manifest, which may be any
-    # number, where the ranks listed are bounded by its lines.
+    # The ranks that list entries of their own, not every number below ``world_size`` (a claim
+    # of the manifest, which may be any number).
     listed = {p.partition("/")[0] for p in entries}
     ranks = sorted(
         int(r) for r in listed if r.isdigit() and len(r) < 19 and 0 < int(r) < manifest.world_size
@@ -321,8 +334,8 @@ def _rank_order(rank: str) -> tuple[int, str]:
 
 
 def close_matches(entries: Sequence[str] | dict[str, Any], key: str, n: int = 5) -> list[str]:
-    """Logical paths resembling ``key``: the same path under rank 0 (``model/w`` ->
-    ``0/model/w``) first, then difflib's closest (``suggest.close_matches``: bounded)."""
+    """Logical paths resembling ``key``: the same path under rank 0 first, then difflib's
+    closest (``suggest.close_matches``)."""
     paths = list(entries)
     found = [f"0/{key}"] if f"0/{key}" in entries else []
     for p in suggest.close_matches(key, paths, n=n, cutoff=0.6):
@@ -354,10 +367,8 @@ def read_entry(path: str, key: str, storage_options: dict[str, Any] | None) -> t
 
 @dataclass(frozen=True)
 class TensorSummary:
-    """What ``show`` says about a tensor. A statistic the dtype does not allow (the mean of a
-    bool tensor, the min of a complex one, anything of a sub-byte or quantized dtype) is None.
-    For floating dtypes, min/max/mean are over the finite values, and ``nonfinite`` counts the
-    others (NaN, +-inf)."""
+    """What ``show`` says about a tensor; a statistic the dtype does not allow is None. For
+    floating dtypes, min/max/mean are over the finite values, ``nonfinite`` counts the others."""
 
     dtype: str
     shape: tuple[int, ...]
@@ -371,8 +382,7 @@ class TensorSummary:
 
 
 def _try(fn: Callable[[], Any]) -> Any:
-    """``fn()``, or None when torch cannot do it for this dtype (each dtype supports its own
-    set of operations, and says so with any of several exceptions)."""
+    """``fn()``, or None when torch cannot do it for this dtype."""
     try:
         return fn()
     except Exception:

@@ -1,18 +1,14 @@
 """``statesnap verify``: every blob of a snapshot read once and checked against the manifest.
 
-Each blob is read in pieces of at most :data:`~snapshot._engine.tools.inspection.PIECE_BYTES`, a few
-blobs at a time; each byte range's CRC-32 is checked by combining the CRCs of the pieces that
-cover it (no blob is held whole), and each blob's length against what the manifest records.
+Each blob is read in pieces, a few blobs at a time; each byte range's CRC-32 is checked by
+combining the CRCs of the pieces that cover it, and each blob's length against the manifest.
 Pickles without a CRC-32 (torchsnapshot's) are decoded by the safe loader instead; those with
-one have their archive's directory checked as a restore checks it (``objects.check_archive``:
-no compressed member, none declaring more bytes than it holds), from their first bytes and
-last ``ARCHIVE_TAIL`` bytes kept as they are read. Returns a
-report and prints nothing; :mod:`snapshot.cli` formats it.
+one have their archive's directory checked as a restore checks it (``objects.check_archive``),
+from their first bytes and last ``ARCHIVE_TAIL`` bytes, kept as they are read.
 """
 
 from __future__ import annotations
 
-import asyncio
 import io
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -27,16 +23,14 @@ from manifest import (
     TensorEntry,
     reference_of,
 )
-from snapshot._engine.context import gc_paused
-from snapshot._engine.format.checksum import combine
+from snapshot._engine.format.checksum import crc32
 from snapshot._engine.format.manifest_io import load_manifest
 from snapshot._engine.handlers.objects import check_archive
-from snapshot._engine.io.io_loop import run
-from snapshot._engine.io.storage_calls import call, call_digesting
+from snapshot._engine.io.storage_calls import call
 from snapshot._engine.restore.linked import open_linked
 from snapshot._engine.restore.reads import resolve_view
 from snapshot._engine.restore.restore import read_object
-from snapshot._engine.tools.inspection import JOBS, PIECE_BYTES, Progress
+from snapshot._engine.tools.inspection import JOBS, PIECE_BYTES, Progress, Tally, check_jobs, each
 from snapshot.errors import SnapshotError, UnsafeObjectError
 from snapshot.options import Options, resolve
 from storage_plugins import StoragePlugin, UnsafeBlobError
@@ -280,27 +274,15 @@ class _BlobCheck:
 
     async def _read_piece(self, start: int, out: memoryview, touched: list[_Range]) -> None:
         """Reads one piece into ``out``, adding the CRC of each touched range's part of it to
-        the range's (when the range has a CRC to check)."""
+        the range's."""
         blob, plugin = self.blob, self.plugin
-        if not any(r.crc32 is not None for r in touched):
-            await self._call(lambda: plugin.read_into(blob, start, out))
-            return
-        end = start + len(out)
-        parts = [(max(r.offset, start), min(r.end, end)) for r in touched]
-        values = await call_digesting(
-            plugin,
-            "read",
-            blob,
-            self.label,
-            [(lo - start, hi - lo) for lo, hi in parts],
-            lambda digest: plugin.readv_observed(blob, start, [out], digest),
-            options=self.options,
-            convert=False,  # the plugin's own errors: _read tells them apart
-        )
-        for r, (lo, hi), value in zip(touched, parts, values, strict=True):
-            r.value = combine(r.value, value, hi - lo)
-            if r.archive:
-                self._keep_archive(r, out[lo - start : hi - start], lo, hi)
+        await self._call(lambda: plugin.read_into(blob, start, out))
+        for r in touched:
+            if r.crc32 is not None:
+                lo, hi = max(r.offset, start), min(r.end, start + len(out))
+                r.value = crc32(out[lo - start : hi - start], r.value)
+                if r.archive:
+                    self._keep_archive(r, out[lo - start : hi - start], lo, hi)
 
     def _keep_archive(self, r: _Range, data: memoryview, lo: int, hi: int) -> None:
         """Keeps what ``r``'s archive check needs of its bytes ``[lo, hi)`` (``data``), and
@@ -358,53 +340,34 @@ def verify(
     options: Options | None = None,
 ) -> VerifyReport:
     """Reads every blob of the snapshot at ``path`` and checks it against the manifest: each
-    blob's length (when the store can tell it) and each byte range's CRC-32 (when the snapshot
-    recorded one); a pickle without a CRC-32 (a torchsnapshot snapshot records none) is read
-    again and decoded by the safe loader. Finds every problem, not just the first.
-
-    At most ``jobs`` blobs are read at once, each in pieces of at most ``piece_bytes``, so
-    memory stays within ``jobs * piece_bytes`` whatever the blob sizes. ``options`` (None:
-    the environment's) set how the manifest is read and the unchecked pickles decoded.
+    blob's length (when the store can tell it), each byte range's CRC-32 (when recorded); a
+    pickle without one is decoded by the safe loader. Finds every problem, not just the first.
+    At most ``jobs`` blobs are read at once, in pieces of at most ``piece_bytes``.
 
     Raises:
         SnapshotNotFoundError: no snapshot at ``path``.
         CorruptSnapshotError: the manifest itself is damaged (``ChecksumError``) or undecodable.
     """
-    if jobs < 1 or piece_bytes < 1:
-        raise ValueError(f"jobs and piece_bytes must be positive, got {jobs}, {piece_bytes}")
+    check_jobs(jobs, piece_bytes)
     options = resolve(options)
     manifest = load_manifest(path, storage_options, options)
-    with gc_paused():
-        by_blob = _ranges_by_blob(manifest)
+    by_blob = _ranges_by_blob(manifest)
     sizes = manifest.blob_sizes
     report = VerifyReport(where=path, entries=len(manifest.entries), blobs=len(by_blob))
     report.ranges = sum(len(r) for r in by_blob.values())
-    total_bytes = sum(sizes.values())
-    done = [0, 0]  # blobs, bytes
-
-    def tick(nbytes: int, blobs: int = 0) -> None:
-        done[0] += blobs
-        done[1] += nbytes
-        if progress is not None:
-            progress(done[0], len(by_blob), done[1], total_bytes)
-
-    async def check_all(plugin: StoragePlugin) -> None:
-        work = iter(by_blob.items())
-        largest = max(sizes.values(), default=0)
-
-        async def worker() -> None:
-            buffer = memoryview(bytearray(max(1, min(piece_bytes, largest))))
-            for blob, ranges in work:
-                check = _BlobCheck(plugin, blob, sizes[blob], ranges, report, tick, options)
-                await check.run(buffer, piece_bytes)
-                tick(0, 1)
-
-        await asyncio.gather(*(worker() for _ in range(min(jobs, len(by_blob)))))
-
-    if progress is not None:
-        progress(0, len(by_blob), 0, total_bytes)
+    tally = Tally(progress, len(by_blob), sum(sizes.values()))
+    workers = min(jobs, len(by_blob))
+    size = max(1, min(piece_bytes, max(sizes.values(), default=0)))
+    buffers = [memoryview(bytearray(size)) for _ in range(workers)]
     with open_linked(path, manifest, storage_options, options) as plugin:
-        run(check_all(plugin))
+
+        async def check(item: tuple[str, list[_Range]], worker: int) -> None:
+            blob, ranges = item
+            checker = _BlobCheck(plugin, blob, sizes[blob], ranges, report, tally, options)
+            await checker.run(buffers[worker], piece_bytes)
+            tally(0, 1)
+
+        each(by_blob.items(), workers, check)
     if manifest.metadata.get("format") == "torchsnapshot":
         report.foreign = str(manifest.metadata.get("library", "torchsnapshot"))
     _decode_unchecked(manifest, path, storage_options, report, options)
@@ -417,9 +380,7 @@ def verify(
 
 def _check_views(manifest: Manifest, report: VerifyReport) -> None:
     """Reports each tensor entry recorded as a view of another's storage whose base a read
-    would refuse (``reads.resolve_view``): its bytes may be sound, but a read that builds new
-    tensors fails on it. Each is checked under the rank it is listed under (one look-up per
-    view: a view listed once for every rank is checked as rank 0 reads it)."""
+    would refuse (``reads.resolve_view``), as listed."""
     entries = manifest.entries
     for key, entry in entries.items():
         if type(entry) is not TensorEntry or entry.view is None:
@@ -445,10 +406,8 @@ def _decode_unchecked(
     report: VerifyReport,
     options: Options,
 ) -> None:
-    """Decodes, with the safe loader, each pickle that has no recorded CRC-32 (every one of a
-    torchsnapshot snapshot, or of one taken with checksums off) and whose blob showed no
-    problem: without a checksum, decoding is the only check of those bytes. Each is read once
-    (a replicated entry's copies under other ranks share its bytes); one that needs a type the
+    """Decodes with the safe loader each pickle without a recorded CRC-32 whose blob showed no
+    problem (decoding is then the only check), once per byte range; one needing a type the
     loader does not allow is named in ``not_decoded``, not counted as damage."""
     damaged = {p for problem in report.problems for p in problem.paths}
     seen: set[tuple[tuple[str, int, int], ...]] = set()
