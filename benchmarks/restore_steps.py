@@ -31,7 +31,7 @@ import torch
 
 import manifest as mf
 from manifest import DictEntry, Location, Manifest, TensorEntry, codec
-from snapshot._engine.format.checksum import RangeDigest, crc32
+from snapshot._engine.format.serialization import RangeDigest, crc32
 from snapshot._engine.format.serialization import tensor_memoryview
 
 MEMBER_BYTES = 10 << 10

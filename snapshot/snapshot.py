@@ -14,7 +14,7 @@ from snapshot._engine import arguments, runtime
 from snapshot._engine.context import gc_paused
 from snapshot._engine.dist import dist
 from snapshot._engine.flatten import escape_key
-from snapshot._engine.format import writers
+from snapshot._engine.format import serialization as writers
 from snapshot._engine.format.manifest_io import decode_manifest, read_manifest
 from snapshot._engine.io.async_queue import AsyncRequest
 from snapshot._engine.restore import read_ahead

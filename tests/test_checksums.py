@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 
 from manifest import ObjectEntry, TensorEntry
 from snapshot import ChecksumError, CorruptSnapshotError, Options, Snapshot, StateDict
-from snapshot._engine.format.checksum import LocationCheck, RangeDigest, WholeCheck, combine, crc32
+from snapshot._engine.format.serialization import LocationCheck, RangeDigest, WholeCheck, combine, crc32
 from tests.helpers import assert_same
 from tests.plugins import plain_blob
 

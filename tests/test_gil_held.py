@@ -19,7 +19,7 @@ import torch
 
 from snapshot import Snapshot, StateDict
 from snapshot._engine.format import checksum
-from snapshot._engine.format.checksum import HELD_BYTES, HOLD_MAX_BYTES, crc32_each, crc32_held
+from snapshot._engine.format.serialization import HELD_BYTES, HOLD_MAX_BYTES, crc32_each, crc32_held
 from snapshot._engine.handlers import dense
 from snapshot._engine.io import stage
 from snapshot._engine.io.tensor_memory import beside_others, conjugated, negated

@@ -15,7 +15,7 @@ import torch
 
 from snapshot import IncompatibleSnapshotError, Snapshot, StateDict
 from snapshot._engine import runtime
-from snapshot._engine.format import writers
+from snapshot._engine.format import serialization as writers
 from snapshot._engine.io.async_queue import AsyncRequest
 from snapshot._engine.io.io_loop import io_loop, run
 from snapshot.options import Options

@@ -6,7 +6,7 @@ backend and the version of the format it writes; the registry maps ``(action, ba
 version)`` to the strategy used by default. A snapshot records which backend and version wrote
 each part, and a restore asks the registry for the strategy that loads that pair, which checks
 that it can (``check_backend_compatibility`` / ``check_version_compatibility``): importing this
-module installs that check in the engine (``snapshot._engine.format.writers.set_check``), which
+module installs that check in the engine (``snapshot._engine.format.serialization.set_check``), which
 ``Snapshot.restore`` runs.
 
 This layer sits on top of the library: it calls the facade and the engine, never the reverse.
@@ -20,7 +20,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from snapshot._engine.format import writers
+from snapshot._engine.format import serialization as writers
 from snapshot._engine.io.async_queue import AsyncRequest
 from snapshot.errors import IncompatibleSnapshotError
 

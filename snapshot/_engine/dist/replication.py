@@ -36,7 +36,7 @@ from typing import Any, NamedTuple, TypeVar
 
 from manifest import PrimitiveEntry, TensorEntry
 from snapshot._engine import runtime
-from snapshot._engine.format.checksum import combine, crc32
+from snapshot._engine.format.serialization import combine, crc32
 from snapshot._engine.take.drafts import Layout, ObjectDraft, Payload, TensorDraft, WholeTensor
 from snapshot._engine.take.placement import Placer, Recorder, Stager
 from snapshot._engine.take.plan import Collected

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from itertools import accumulate, compress
 from typing import TYPE_CHECKING
 
-from snapshot._engine.format.checksum import WholeCheck, whole_crc
+from snapshot._engine.format.serialization import WholeCheck, whole_crc
 from snapshot._engine.io.budget import BudgetShare, ByteBudget
 from snapshot._engine.io.io_loop import hold, io_loop, run
 from snapshot._engine.io.requests import (

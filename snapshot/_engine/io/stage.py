@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from snapshot._engine import runtime
-from snapshot._engine.format.checksum import HOLD_MAX_BYTES, crc32_each, crc32_held
+from snapshot._engine.format.serialization import HOLD_MAX_BYTES, crc32_each, crc32_held
 from snapshot._engine.format.serialization import (
     ADDRESS_SPACE,
     as_copyable,

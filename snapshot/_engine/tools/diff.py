@@ -28,7 +28,7 @@ from manifest import (
     TensorEntry,
     TupleEntry,
 )
-from snapshot._engine.format.checksum import combine
+from snapshot._engine.format.serialization import combine
 from snapshot._engine.format.manifest_io import load_manifest
 from snapshot._engine.io.io_loop import run
 from snapshot._engine.io.storage_calls import call

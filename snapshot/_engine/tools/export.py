@@ -44,7 +44,7 @@ from typing import Any, BinaryIO
 import torch
 
 from manifest import Location, Manifest, ShardedTensorEntry, TensorEntry
-from snapshot._engine.format.checksum import crc32
+from snapshot._engine.format.serialization import crc32
 from snapshot._engine.format.serialization import dtype_from_name
 from snapshot._engine.format.text import printable
 from snapshot._engine.handlers import sharded

@@ -28,7 +28,7 @@ from manifest import (
     reference_of,
 )
 from snapshot._engine.context import gc_paused
-from snapshot._engine.format.checksum import combine
+from snapshot._engine.format.serialization import combine
 from snapshot._engine.format.manifest_io import load_manifest
 from snapshot._engine.handlers.objects import check_archive
 from snapshot._engine.io.io_loop import run
