@@ -20,6 +20,7 @@ from snapshot import (
     StorageError,
 )
 from snapshot._engine import runtime
+from snapshot._engine.io.staging import process_pool
 from snapshot._engine.take.take import TakeJob
 from storage_plugins import register_storage_plugin, unregister_storage_plugin
 from storage_plugins.fs import FSStoragePlugin
@@ -281,7 +282,7 @@ def test_a_failed_copy_off_the_callers_thread_fails_the_call_and_frees_its_buffe
     threads: list[str] = []
     _slow_copies(monkeypatch, threads, fail=12 << 20)
     state = StateDict(a=torch.ones(1 << 20), b=torch.ones(3 << 20), c=torch.ones(10))
-    pool = runtime.get().staging_pool(Options())
+    pool = process_pool(Options())
     leased = pool.leased_bytes
     with pytest.raises(RuntimeError, match="copy failed"):
         Snapshot.async_take(str(tmp_path / "s"), {"s": state})

@@ -17,7 +17,8 @@ from snapshot import IncompatibleSnapshotError, Snapshot, StateDict
 from snapshot._engine import runtime
 from snapshot._engine.format import serialization as writers
 from snapshot._engine.io.async_queue import AsyncRequest
-from snapshot._engine.io.io_loop import io_loop, run
+from snapshot._engine.io.staging import process_pool
+from snapshot._engine.runtime import io_loop, run
 from snapshot.options import Options
 from storage_plugins.memory import MemoryStoragePlugin
 
@@ -37,7 +38,7 @@ def test_one_runtime_per_process_with_parts_made_once():
     rt = runtime.get()
     assert runtime.get() is rt
     assert rt.queue() is rt.queue()
-    assert rt.staging_pool(OPTS) is rt.staging_pool(OPTS.replace(memory_budget_bytes=1))
+    assert process_pool(OPTS) is process_pool(OPTS.replace(memory_budget_bytes=1)) is rt.pool
     assert rt.digest_pool(2) is rt.digest_pool(2)
     assert io_loop() is rt.loop()
 

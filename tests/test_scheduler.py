@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from snapshot import CorruptSnapshotError, Snapshot, StateDict, StorageError
-from snapshot._engine.io.budget import ByteBudget
-from snapshot._engine.io.io_loop import io_loop, run
 from snapshot._engine.io.pipeline import WritePipeline, read_all
 from snapshot._engine.io.requests import ReadRequest, Segment, WriteRequest
+from snapshot._engine.io.stage import ByteBudget
 from snapshot._engine.io.staging import StagingPool
+from snapshot._engine.runtime import io_loop, run
 from snapshot.options import Options
 from storage_plugins.memory import MemoryStoragePlugin
 
@@ -342,7 +342,7 @@ def test_take_restore_and_manifest_reads_log_their_phases(tmp_path, caplog):
 def test_collector_pause_nests_across_threads():
     import gc
 
-    from snapshot._engine.context import gc_paused
+    from snapshot._engine.runtime import gc_paused
 
     assert gc.isenabled()
     inner_done = threading.Event()

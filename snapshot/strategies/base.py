@@ -6,8 +6,8 @@ backend and the version of the format it writes; the registry maps ``(action, ba
 version)`` to the strategy used by default. A snapshot records which backend and version wrote
 each part, and a restore asks the registry for the strategy that loads that pair, which checks
 that it can (``check_backend_compatibility`` / ``check_version_compatibility``): importing this
-module installs that check in the engine (``snapshot._engine.format.serialization.set_check``), which
-``Snapshot.restore`` runs.
+module installs that check in the engine (``serialization.set_check`` of
+``snapshot._engine.format``), which ``Snapshot.restore`` runs.
 
 This layer sits on top of the library: it calls the facade and the engine, never the reverse.
 """

@@ -15,12 +15,13 @@ from pathlib import Path
 from typing import Any
 
 from manifest import Manifest, ShardedObjectEntry, ShardedTensorEntry
-from snapshot._engine import arguments, runtime
+from snapshot._engine import arguments
 from snapshot._engine.dist import dist
 from snapshot._engine.format import serialization as writers
 from snapshot._engine.format.manifest_io import load_manifest
 from snapshot._engine.format.serialization import dtype_from_name
 from snapshot._engine.io.async_queue import AsyncRequest
+from snapshot._engine.io.staging import process_pool
 from snapshot._engine.take.take import TakeJob
 from snapshot.errors import IncompatibleSnapshotError, SnapshotError
 from snapshot.options import resolve
@@ -71,7 +72,7 @@ class SnapshotSaveStrategy(AsyncSaveShardedStrategy):
             replicated=[],
             storage_options=None,
             prepare=None,
-            pool=runtime.get().staging_pool(opts),
+            pool=process_pool(opts),
             options=opts,
         )
         job.start()

@@ -36,11 +36,10 @@ from typing import Any, NamedTuple, TypeVar
 
 from manifest import PrimitiveEntry, TensorEntry
 from snapshot._engine import runtime
-from snapshot._engine.format.serialization import combine, crc32
+from snapshot._engine.format.serialization import combine, crc32, gather_elements, raw_memoryview
 from snapshot._engine.take.drafts import Layout, ObjectDraft, Payload, TensorDraft, WholeTensor
 from snapshot._engine.take.placement import Placer, Recorder, Stager
 from snapshot._engine.take.plan import Collected
-from snapshot._engine.format.serialization import ADDRESS_SPACE, gather_elements
 from snapshot.errors import SnapshotError
 
 _T = TypeVar("_T")
@@ -91,7 +90,7 @@ def _executor() -> ThreadPoolExecutor:
 
 
 def _view(address: int, nbytes: int) -> memoryview:
-    return ADDRESS_SPACE[address - 1 : address - 1 + nbytes] if nbytes else memoryview(b"")
+    return raw_memoryview(address, nbytes)
 
 
 def _nbytes(src: Source) -> int:

@@ -7,19 +7,19 @@ from __future__ import annotations
 
 import codecs
 import ctypes
+import importlib
 import io
 import pickle
 import re
 import types
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
 from isal import isal_zlib
 
 from manifest import Location
-
 from snapshot.errors import (
     ChecksumError,
     CorruptSnapshotError,
@@ -81,8 +81,8 @@ def tensor_memoryview(t: torch.Tensor) -> memoryview:
         return memoryview(bytearray())
     t = t.detach()
     if t.dtype in _NUMPY_DTYPES:
-        return memoryview(t.numpy()).cast("B")
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+        return t.numpy().data.cast("B")
+    return t.reshape(-1).view(torch.uint8).numpy().data
 
 
 _NUMPY_DTYPES = frozenset(
@@ -182,7 +182,7 @@ def storage_shortfall(t: torch.Tensor) -> tuple[int, int] | None:
     if t.numel() == 0:
         return None
     reach = sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True))
-    needed = (t.storage_offset() + reach + 1) * t.element_size()
+    needed = int((t.storage_offset() + reach + 1) * t.element_size())
     held = t.untyped_storage().nbytes()
     return (needed, held) if needed > held else None
 
@@ -211,7 +211,7 @@ def shares_memory(t: torch.Tensor) -> bool:
     return False
 
 
-class _Pickler(pickle._Pickler):  # type: ignore[name-defined]
+class _Pickler(pickle._Pickler):
     """The pure-Python pickler, writing an empty ``bytes`` as it writes any other.
 
     ``torch.save`` pickles with protocol 2, which has no opcode for bytes: a non-empty one is
@@ -222,13 +222,17 @@ class _Pickler(pickle._Pickler):  # type: ignore[name-defined]
     written by the pure-Python pickler, which gives the same bytes as the C one.
     """
 
-    dispatch = dict(pickle._Pickler.dispatch)  # type: ignore[attr-defined]
+    # What the pure-Python pickler has, and typeshed does not declare.
+    proto: int
+    save_reduce: Callable[..., None]
+    dispatch: ClassVar[dict[type, Callable[[Any, Any], None]]] = dict(pickle._Pickler.dispatch)
+    plain_save_bytes = dispatch[bytes]
 
     def save_bytes(self, obj: bytes) -> None:
         if self.proto < 3 and not obj:
             self.save_reduce(codecs.encode, ("", "latin1"), obj=obj)
         else:
-            super().save_bytes(obj)  # type: ignore[misc]
+            _Pickler.plain_save_bytes(self, obj)
 
     dispatch[bytes] = save_bytes
 
@@ -270,7 +274,8 @@ def _allow_numpy() -> None:
     if _numpy_allowed:
         return
     # NumPy 2 moved numpy.core to numpy._core (1.26 has a numpy._core of its own, without it).
-    multiarray = np.core.multiarray if np.__version__.startswith("1.") else np._core.multiarray
+    core = "numpy.core" if np.__version__.startswith("1.") else "numpy._core"
+    multiarray = importlib.import_module(f"{core}.multiarray")
     # A dtype's state is set on an instance of its class (``numpy.dtypes.Float64DType``...).
     dtype_classes = [
         c

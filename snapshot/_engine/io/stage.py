@@ -1,5 +1,5 @@
-"""The staging of a take's bytes, on the caller's thread: what each write request's ``stage``
-runs, just before its blob is written.
+"""The staging of a take's bytes, on the caller's thread (what each write request's ``stage``
+runs, just before its blob is written), and the byte budgets of the writes and reads in flight.
 
 Without a pool (take), a payload of a blob of its own is written from a view of its tensor's
 memory (``stage_payload``), or from a gathered copy when its tensor cannot be viewed
@@ -17,32 +17,36 @@ get their CRC-32s here, from the copy that is written, as they are staged (see
 
 from __future__ import annotations
 
-import ctypes
+import asyncio
 import functools
+import logging
+import threading
 from collections import deque
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 import torch
 
 from snapshot._engine import runtime
-from snapshot._engine.format.serialization import HOLD_MAX_BYTES, crc32_each, crc32_held
 from snapshot._engine.format.serialization import (
-    ADDRESS_SPACE,
     as_copyable,
+    crc32,
     dtype_name,
     gather_elements,
     range_views,
-    raw_memoryview,
     scatter_into_flat,
     tensor_memoryview,
 )
 from snapshot._engine.handlers.dense import call_prepare
 from snapshot._engine.io import device
-from snapshot._engine.io.staging import Lease, StagingPool
 from snapshot._engine.take.drafts import Payload, Staged, TensorSource
 from snapshot._engine.take.placement import ALIGN, Slab, Stager
 from snapshot.errors import UnsupportedValueError
-from storage_plugins import Buffer
+
+if TYPE_CHECKING:
+    from snapshot._engine.io.staging import Lease, StagingPool
+
+logger = logging.getLogger(__name__)
 
 _ZEROS = memoryview(bytes(ALIGN))
 
@@ -51,24 +55,9 @@ _ZEROS = memoryview(bytes(ALIGN))
 # planning of many small tensors behind it.
 _OFFLOAD_MIN = 4 << 20
 
-# Below this size a payload of a tensor is copied by one memmove call (the least overhead per
-# copy); above it, torch's copy spreads the bytes over its threads.
-_MEMMOVE_MAX = 1 << 20
-
-# ``ctypes.memmove`` gives up the GIL for the copy, as ctypes does around every foreign call,
-# and must take it back after: beside a thread that runs Python (the training loop an async
-# take runs beside), at that thread's next switch only, once per member of a slab (see
-# ``checksum.HELD_BYTES``). The same C function typed with PYFUNCTYPE keeps the GIL: copies of
-# at most ``HOLD_MAX_BYTES`` go through it.
-_memmove_held = ctypes.PYFUNCTYPE(
-    ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t
-)(
-    ctypes._memmove_addr  # type: ignore[attr-defined]  # what ``ctypes.memmove`` calls
-)
-
-
-def _memmove(dst: int, src: int | bytes, nbytes: int) -> None:
-    (_memmove_held if nbytes <= HOLD_MAX_BYTES else ctypes.memmove)(dst, src, nbytes)
+# Up to this size a payload is copied by a slice assignment of its bytes; above it, torch's
+# copy spreads the bytes over its threads.
+_SMALL_COPY = 1 << 20
 
 
 def stager(pool: StagingPool | None) -> Stager:
@@ -156,92 +145,63 @@ def stage_payload(p: Payload) -> Staged:
     """Buffers to write a payload from, and what must stay alive while they are written."""
     t = p.tensor
     if t is not None:
-        return [raw_memoryview(p.address, p.nbytes)], t
+        return [payload_view(p)], t
     if p.data is not None:
         return [p.data], None
     assert p.source is not None
     return piece(p.source, p.start, p.stop)
 
 
+def payload_view(p: Payload) -> memoryview:
+    """The bytes of a payload of a contiguous CPU tensor (``p.tensor``, which the payload's
+    bytes lie in from ``p.address`` on), as a view of the tensor's memory."""
+    assert p.tensor is not None
+    at = p.address - p.tensor.data_ptr() if p.nbytes else 0
+    return tensor_memoryview(p.tensor)[at : at + p.nbytes]
+
+
 def copy_payload(p: Payload, buf: torch.Tensor, pos: int) -> None:
     """Copies a payload's bytes into ``buf[pos : pos + nbytes]`` of a staging buffer ``buf``
     (a 1-d uint8 CPU tensor), from host memory (a source's: ``copy_source``)."""
-    t = p.tensor
     nbytes = p.nbytes
-    if t is not None:
-        if nbytes <= _MEMMOVE_MAX:
-            # One memmove: slabs hold thousands, and each torch copy pays its dispatch.
-            _memmove(buf.data_ptr() + pos, p.address, nbytes)
-        else:  # torch's copy spreads the bytes over its threads
-            src = raw_memoryview(p.address, nbytes)
-            buf[pos : pos + nbytes].copy_(torch.frombuffer(src, dtype=torch.uint8))
-    elif p.data is not None:
-        _memmove(buf.data_ptr() + pos, p.data, nbytes)
-    else:
+    if p.tensor is None and p.data is None:
         assert p.source is not None
         copy_source(p.source, p.start, p.stop, buf, pos)
-
-
-# A slab is copied and checksummed in runs of members of about this many bytes: each run's CRCs
-# are taken right after its copy, while its bytes are still in the CPU's caches.
-_SLAB_RUN_BYTES = 1 << 20
+        return
+    src = payload_view(p) if p.tensor is not None else memoryview(p.data or b"").cast("B")
+    dst = buf[pos : pos + nbytes]
+    if nbytes <= _SMALL_COPY:
+        tensor_memoryview(dst)[:] = src
+    else:
+        dst.copy_(torch.frombuffer(src, dtype=torch.uint8))
 
 
 def stage_slab(slab: Slab, checksums: bool) -> Staged:
     """A slab's bytes, copied into one new buffer (zeros in the padding between members); with
-    ``checksums``, each member's CRC-32, taken from that copy, goes to its ``crc32`` (see
-    ``placement.Placer``).
+    ``checksums``, each member's CRC-32, taken from that copy right after the member is copied
+    (still in the CPU's caches), goes to its ``crc32`` (see ``placement.Placer``).
 
     The copy is what is written: the CRCs are of the bytes that reach storage even while
     another thread changes the members' tensors in place (an EMA update, a hook), as a CRC of
-    the tensors' own memory, taken before or after their write, would not be. Members are
-    copied in runs, each in one C-level pass (``map`` of the buffer's ``__setitem__`` over
-    their slices), its CRCs in one more (``crc32_each``)."""
+    the tensors' own memory, taken before or after their write, would not be."""
     out = memoryview(bytearray(slab.nbytes))  # zeroed: the padding
-    slices: list[slice] = []  # the current run: where its members go, their bytes, themselves
-    sources: list[Buffer] = []
-    run: list[Payload] = []
-    run_bytes = 0
-
-    def flush() -> None:
-        nonlocal run_bytes
-        deque(map(out.__setitem__, slices, sources), maxlen=0)
-        if checksums:
-            views = list(map(out.__getitem__, slices))
-            for p, value in zip(run, crc32_each(views), strict=True):
-                p.crc32 = value
-        slices.clear()
-        sources.clear()
-        run.clear()
-        run_bytes = 0
-
     pos = 0
     for pad, p in slab.members:
         pos += pad
         nbytes = p.nbytes
-        if p.tensor is not None:  # most members: a tensor's memory (``stage_payload``)
-            # ``raw_memoryview`` inline: a slice of the address space.
-            address = p.address - 1
-            slices.append(slice(pos, pos + nbytes))
-            sources.append(ADDRESS_SPACE[address : address + nbytes])
-            run.append(p)
-            run_bytes += nbytes
-            pos += nbytes
-            if run_bytes >= _SLAB_RUN_BYTES:
-                flush()
-            continue
-        flush()  # the runs before it go first: a gathered copy is freed after its own
-        bufs, keepalive = stage_payload(p)
-        at = pos
-        for b in bufs:
-            view = b if type(b) is memoryview and b.format == "B" else memoryview(b).cast("B")
-            out[at : at + len(view)] = view
-            at += len(view)
-        del bufs, keepalive
+        if p.tensor is not None:  # most members: a tensor's memory
+            out[pos : pos + nbytes] = payload_view(p)
+        else:
+            bufs, keepalive = stage_payload(p)
+            at = pos
+            for b in bufs:
+                view = memoryview(b).cast("B")
+                out[at : at + len(view)] = view
+                at += len(view)
+            del bufs, keepalive  # a gathered copy is freed before the next member's
         if checksums:
-            p.crc32 = crc32_held(out[pos : pos + nbytes])
+            p.crc32 = crc32(out[pos : pos + nbytes])
         pos += nbytes
-    flush()
     return [out], None
 
 
@@ -279,19 +239,19 @@ def _pooled(
                 if source is None:  # host memory: a tensor's, an object's bytes
                     copy_payload(p, buf, pos)
                     if checksums:
-                        p.crc32 = crc32_held(view[pos : pos + p.nbytes])
+                        p.crc32 = crc32(view[pos : pos + p.nbytes])
                 elif copy_source(source, p.start, p.stop, buf, pos, lease):
                     if checksums:  # issued from a device: readable after ``ready``
                         if late is None:
                             late = []
                         late.append((pos, p))
                 elif checksums:
-                    p.crc32 = crc32_held(view[pos : pos + p.nbytes])
+                    p.crc32 = crc32(view[pos : pos + p.nbytes])
                 pos += p.nbytes
             lease.ready()
             if late is not None:
                 for at, p in late:
-                    p.crc32 = crc32_held(view[at : at + p.nbytes])
+                    p.crc32 = crc32(view[at : at + p.nbytes])
         except BaseException:
             lease.release()  # waits for the copies already issued before lending it again
             raise
@@ -413,3 +373,180 @@ def _flat_slots(views: list[torch.Tensor]) -> Iterator[tuple[int, torch.Tensor]]
     for v in views:
         yield at, v
         at += v.numel()
+
+
+# ---------------------------------------------------------------------------------------------
+# Byte budgets: how much memory the writes and reads in flight may hold at once. A
+# ``ByteBudget`` is shared by the caller's thread (which blocks in ``acquire``) and the I/O loop
+# (whose tasks wait in ``acquire_async``); a ``BudgetShare`` is one write pipeline's part of a
+# budget that several pipelines charge (the staging pool's, for async takes pending at once).
+
+
+class ByteBudget:
+    """Bytes of memory that may be held at once, shared by the caller's thread and the I/O loop.
+
+    A request larger than the whole budget is admitted when nothing else is held, so it runs
+    alone rather than never. ``abort`` wakes every waiter with an error.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = max(1, capacity)
+        self._used = 0
+        self._peak = 0
+        self._cond = threading.Condition()
+        self._async_waiters: deque[tuple[int, asyncio.AbstractEventLoop, asyncio.Future[None]]] = (
+            deque()
+        )
+        self._error: BaseException | None = None
+
+    @property
+    def peak(self) -> int:
+        """The most bytes held at once so far."""
+        return self._peak
+
+    @property
+    def used(self) -> int:
+        """The bytes held now."""
+        return self._used
+
+    def _fits(self, n: int) -> bool:
+        return self._used == 0 or self._used + n <= self.capacity
+
+    def _take(self, n: int) -> None:
+        self._used += n
+        self._peak = max(self._peak, self._used)
+
+    def try_acquire(self, n: int) -> bool:
+        with self._cond:
+            if self._error is not None:
+                raise self._error
+            if n == 0 or (not self._async_waiters and self._fits(n)):
+                self._take(n)
+                return True
+            return False
+
+    def acquire(self, n: int, stop: Callable[[], BaseException | None] | None = None) -> None:
+        """Blocks the calling thread until ``n`` bytes fit.
+
+        ``stop`` (checked whenever the waiter wakes, ``wake`` included) returns an error that
+        ends the wait instead: a ``BudgetShare`` aborted while this budget is not.
+        """
+        with self._cond:
+            while self._error is None and not (n == 0 or self._fits(n)):
+                if stop is not None and (error := stop()) is not None:
+                    raise error
+                self._cond.wait()
+            if self._error is not None:
+                raise self._error
+            self._take(n)
+
+    def wake(self) -> None:
+        """Wakes the threads waiting in ``acquire``, so they check their ``stop`` again."""
+        with self._cond:
+            self._cond.notify_all()
+
+    async def acquire_async(self, n: int) -> None:
+        """Waits on the running loop until ``n`` bytes fit."""
+        if self.try_acquire(n):
+            return
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[None] = loop.create_future()
+        with self._cond:
+            if self._error is not None:
+                raise self._error
+            if self._fits(n) and not self._async_waiters:
+                self._take(n)
+                return
+            self._async_waiters.append((n, loop, future))
+        await future
+
+    def release(self, n: int) -> None:
+        with self._cond:
+            self._used -= n
+            self._cond.notify_all()
+            while self._async_waiters and self._fits(self._async_waiters[0][0]):
+                want, loop, future = self._async_waiters.popleft()
+                self._take(want)
+                loop.call_soon_threadsafe(self._grant, future, want)
+
+    def _grant(self, future: asyncio.Future[None], n: int) -> None:
+        if future.cancelled():
+            self.release(n)  # the waiter gave up after being granted: hand the bytes back
+        else:
+            future.set_result(None)
+
+    def abort(self, error: BaseException) -> None:
+        with self._cond:
+            if self._error is None:
+                self._error = error
+            self._cond.notify_all()
+            waiters, self._async_waiters = self._async_waiters, deque()
+        for _, loop, future in waiters:
+            loop.call_soon_threadsafe(_fail_future, future, error)
+
+
+class BudgetShare:
+    """One write pipeline's part of a ``ByteBudget`` that several share (the staging pool's, for
+    async takes pending at once, so that together they stage at most one budget).
+
+    Bytes are charged to the shared budget; the share counts its own, so a pipeline's peak and
+    a leftover are its own, and ``abort`` fails only this share's waiters: the shared budget is
+    never aborted (one take's write error must not fail the next take's staging).
+    """
+
+    def __init__(self, shared: ByteBudget) -> None:
+        self.shared = shared
+        self._used = 0
+        self._peak = 0
+        self._error: BaseException | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def peak(self) -> int:
+        """The most bytes this share held at once."""
+        return self._peak
+
+    def _took(self, n: int) -> None:
+        with self._lock:
+            self._used += n
+            self._peak = max(self._peak, self._used)
+
+    def try_acquire(self, n: int) -> bool:
+        if self._error is not None:
+            raise self._error
+        if not self.shared.try_acquire(n):
+            return False
+        self._took(n)
+        return True
+
+    def acquire(self, n: int) -> None:
+        """Blocks until ``n`` bytes fit in the shared budget. A request larger than the whole
+        budget fits when nothing at all is held: every other holder is a pending take whose
+        writes are under way, and the caller flushes its own first, so it is never waiting for
+        itself."""
+        self.shared.acquire(n, stop=lambda: self._error)
+        self._took(n)
+
+    def release(self, n: int) -> None:
+        with self._lock:
+            self._used -= n
+        self.shared.release(n)
+
+    def abort(self, error: BaseException) -> None:
+        if self._error is None:
+            self._error = error
+        self.shared.wake()
+
+    def close(self) -> None:
+        """Gives back whatever this share still holds (none once its pipeline is drained; a
+        leftover would shrink every later take's budget for good)."""
+        with self._lock:
+            left, self._used = self._used, 0
+        if left:
+            logger.debug("a write pipeline ended holding %d staging bytes; released", left)
+            self.shared.release(left)
+
+
+def _fail_future(future: asyncio.Future[None], error: BaseException) -> None:
+    if not future.done():
+        future.set_exception(error)

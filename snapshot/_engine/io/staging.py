@@ -2,7 +2,7 @@
 one snapshot to the next, within one staging budget for the process.
 
 ``StagingPool`` lends blocks as ``Lease``s. The process's pool is the runtime's
-(``runtime.get().staging_pool``).
+(``process_pool``).
 """
 
 from __future__ import annotations
@@ -10,14 +10,30 @@ from __future__ import annotations
 import logging
 import threading
 from concurrent.futures import Future
+from typing import TYPE_CHECKING
 
 import torch
 
+from snapshot._engine import runtime
 from snapshot._engine.format.serialization import tensor_memoryview
 from snapshot._engine.io import device
-from snapshot._engine.io.budget import BudgetShare, ByteBudget
+from snapshot._engine.io.stage import BudgetShare, ByteBudget
+
+if TYPE_CHECKING:
+    from snapshot.options import Options
 
 logger = logging.getLogger(__name__)
+
+
+def process_pool(options: Options) -> StagingPool:
+    """The process's staging pool (held by its runtime), made keeping up to
+    ``options.budget()`` of free blocks; its ``budget`` is the staging budget every async take
+    of the process shares (each take sets it to its own, ``StagingPool.share``)."""
+    rt = runtime.get()
+    with rt.lock:
+        if rt.pool is None:
+            rt.pool = StagingPool(keep_bytes=options.budget())
+        return rt.pool
 
 
 class Lease:

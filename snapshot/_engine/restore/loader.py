@@ -25,13 +25,11 @@ from typing import Any
 import torch
 
 from manifest import Entry, Location, Manifest, TensorEntry, reference_of
-from snapshot._engine.context import naming_snapshot
 from snapshot._engine.flatten import inflate, subtree
 from snapshot._engine.format.serialization import memory_span
 from snapshot._engine.handlers import local
 from snapshot._engine.handlers.dense import direct_address
 from snapshot._engine.handlers.table import Handler, for_entry
-from snapshot._engine.io.io_loop import join, spawn
 from snapshot._engine.io.pipeline import IOStats, read_all
 from snapshot._engine.io.requests import AnyReadRequest, DirectRequest
 from snapshot._engine.io.storage_calls import call
@@ -46,6 +44,7 @@ from snapshot._engine.restore.restore_guard import (
     check_needs,
     locations_read,
 )
+from snapshot._engine.runtime import join, naming_snapshot, spawn
 from snapshot.errors import CorruptSnapshotError, StateMismatchError
 from snapshot.options import Options
 from snapshot.sharding.mapping import LocalNonpersistentObject

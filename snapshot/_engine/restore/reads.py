@@ -24,8 +24,9 @@ from typing import TypeVar
 import torch
 
 from manifest import Entry, Location, TensorEntry
-from snapshot._engine.format.serialization import LocationCheck, WholeCheck
 from snapshot._engine.format.serialization import (
+    LocationCheck,
+    WholeCheck,
     dtype_from_name,
     dtype_name,
     raw_memoryview,

@@ -31,10 +31,10 @@ from manifest import (
     is_container,
     reference_of,
 )
-from snapshot._engine.context import gc_paused
 from snapshot._engine.format.serialization import dtype_name
 from snapshot._engine.format.text import printable
 from snapshot._engine.restore import suggest
+from snapshot._engine.runtime import gc_paused
 from snapshot.errors import EntryNotFoundError
 from snapshot.metadata import SnapshotMetadata
 from snapshot.snapshot import Snapshot
