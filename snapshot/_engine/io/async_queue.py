@@ -97,11 +97,8 @@ class AsyncCallsQueue:
         self, blocking: bool = False, up_to: int | None = None
     ) -> list[int]:
         """Finalizes finished calls, oldest first, stopping at the first unfinished one (or,
-        when ``blocking``, waiting for it), and after call ``up_to`` when given.
-
-        Returns the indices finalized. A call whose work failed is removed, and its error raised
-        (as a ``SnapshotError``, the original chained) after the calls before it are finalized.
-        """
+        when ``blocking``, waiting for it) and after call ``up_to``; returns their indices. A
+        call whose work failed is removed, and its error raised as a ``SnapshotError``."""
         done: list[int] = []
         while True:
             with self._lock:

@@ -126,16 +126,12 @@ async def call(
     """Awaits ``op()``, one plugin call, and turns its errors into the library's (or, with
     ``convert=False``, raises the plugin's own error once retries are spent).
 
-    A transient error (``plugin.is_transient``) makes the call again, up to
-    ``options.io_retries`` times (``STATESNAP_IO_RETRIES``), after a backoff that doubles from
-    ``_FIRST_BACKOFF_SECS`` (with jitter, so that many workers do not retry in step) up to
-    ``_MAX_BACKOFF_SECS``; each retry is logged. Every plugin call can be repeated: a write
-    replaces the whole blob, a read fills the whole range again.
-
-    The call, retries included, must end within ``options.io_timeout_secs``
-    (``STATESNAP_IO_TIMEOUT_SECS``): a stalled upload fails the operation, naming the blob,
-    instead of hanging it. (An attempt running on a worker thread cannot be stopped; it is
-    abandoned, and the operation fails.)
+    A transient error (``plugin.is_transient``) makes the call again (a write replaces the
+    whole blob, a read fills the whole range again), up to ``options.io_retries`` times, after
+    a backoff that doubles, with jitter so that many workers do not retry in step; each retry
+    is logged. The call, retries included, must end within ``options.io_timeout_secs``: a
+    stalled upload fails the operation, naming the blob, instead of hanging it (an attempt
+    running on a worker thread cannot be stopped; it is abandoned).
     """
     loop = asyncio.get_running_loop()
     timeout = options.io_timeout_secs
