@@ -1,5 +1,5 @@
 """The process's runtime: one object holding the library's process-wide state, its one shutdown
-path, and the check of who wrote a snapshot's parts (``snapshot._engine.format.writers``)."""
+path, and the check of who wrote a snapshot's parts (``snapshot._engine.format.serialization``)."""
 
 from __future__ import annotations
 

@@ -5,8 +5,8 @@
 One snapshot holds both parts of a state: the sharded part (``ShardedTensorEntry`` /
 ``ShardedObjectEntry`` entries) and the common part (everything else). Its manifest records,
 under ``metadata["strategies"]``, the backend and version that wrote each part
-(``snapshot._engine.format.writers``); a restore gets the load strategy registered for each pair and
-lets it refuse what it cannot read.
+(``snapshot._engine.format.serialization``); a restore gets the load strategy registered for
+each pair and lets it refuse what it cannot read.
 """
 
 from __future__ import annotations

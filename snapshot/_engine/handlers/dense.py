@@ -99,7 +99,7 @@ def take_tensor(
             return new_tensor_entry(name, shape, (), replicated)
         # Its bytes are read through its address: a storage that ends before them (freed,
         # as FSDP frees unsharded parameters) would be read out of bounds.
-        # (``tensor_memory.storage_shortfall`` for a contiguous tensor, inline.)
+        # (``serialization.storage_shortfall`` for a contiguous tensor, inline.)
         held = tensor.untyped_storage().nbytes()
         if held < tensor.storage_offset() * dtype.itemsize + nbytes:
             raise _without_memory(path, tensor)
