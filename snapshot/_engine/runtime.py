@@ -50,7 +50,7 @@ class Runtime:
 
     def __init__(self) -> None:
         self.pid = os.getpid()
-        self._lock = threading.Lock()
+        self.lock = threading.Lock()  # guards the parts made on first use
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._queue: AsyncCallsQueue | None = None
@@ -66,15 +66,10 @@ class Runtime:
         # (background or not), the gloo group the library coordinates on.
         self.gloo_groups: dict[tuple[int, bool], tuple[Any, Any, Any]] = {}
 
-    @property
-    def lock(self) -> threading.Lock:
-        """Guards the parts made on first use."""
-        return self._lock
-
     def loop(self) -> asyncio.AbstractEventLoop:
         """The I/O loop, started on first use (and again if it was stopped: an operation run
         after ``shutdown``, by an exit hook of the application's, still runs)."""
-        with self._lock:
+        with self.lock:
             if self._loop is None or self._thread is None or not self._thread.is_alive():
                 loop = self._loop = asyncio.new_event_loop()
                 self._thread = threading.Thread(
@@ -104,7 +99,7 @@ class Runtime:
 
     def queue(self) -> AsyncCallsQueue:
         """The queue for async snapshots; the process waits for it before exiting."""
-        with self._lock:
+        with self.lock:
             if self._queue is None:
                 self._queue = AsyncCallsQueue()
             return self._queue
@@ -112,7 +107,7 @@ class Runtime:
     def heartbeat(self, global_rank: int, rank_timeout: float) -> Heartbeat:
         """This process's heartbeat, started on first use, beating often enough for
         ``rank_timeout``."""
-        with self._lock:
+        with self.lock:
             if self._heartbeat is None:
                 self._heartbeat = Heartbeat(global_rank, rank_timeout)
             else:
@@ -122,14 +117,14 @@ class Runtime:
     def copier(self) -> ThreadPoolExecutor:
         """The thread that runs async take's copies of large host tensors into staging
         buffers while the caller stages the rest (``stage._Pooled``)."""
-        with self._lock:
+        with self.lock:
             if self._copier is None:
                 self._copier = ThreadPoolExecutor(1, thread_name_prefix="statesnap-stage")
             return self._copier
 
     def digest_pool(self, threads: int) -> ThreadPoolExecutor:
         """The threads that digest payloads (replication), ``threads`` of them."""
-        with self._lock:
+        with self.lock:
             if self._digests is None:
                 self._digests = ThreadPoolExecutor(threads, thread_name_prefix="statesnap-digest")
             return self._digests
@@ -162,7 +157,7 @@ class Runtime:
 
     def stop_loop(self, timeout: float = 5.0) -> None:
         """Stops the I/O loop and waits ``timeout`` seconds at most for its thread to end."""
-        with self._lock:
+        with self.lock:
             loop, thread, self._loop, self._thread = self._loop, self._thread, None, None
         if loop is None or thread is None or not thread.is_alive():
             return
