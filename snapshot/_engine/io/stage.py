@@ -3,16 +3,12 @@ runs, just before its blob is written), and the byte budgets of the writes and r
 
 Without a pool (take), a payload of a blob of its own is written from a view of its tensor's
 memory (``stage_payload``), or from a gathered copy when its tensor cannot be viewed
-(``TensorSource`` pieces: prepared, conjugate or negated, non-contiguous, on a device); the
-plugin checksums the bytes it writes, from its own copy of them. A slab's members are copied
-into one buffer of the slab (``stage_slab``), which is written. With a ``StagingPool`` (async
-take), every payload of a write is copied into one pooled buffer (``_pooled``), from a device
-asynchronously on a staging stream, a large host tensor on the runtime's copier thread
-(``_Pooled``), so that nothing written later reads the application's memory. A slab's members
-get their CRC-32s here, from the copy that is written, as they are staged (see
-``placement.Placer``).
-
-``stager(pool)`` is what the take gives its placers (``placement.Stager``).
+(``TensorSource`` pieces: prepared, conjugate or negated, non-contiguous, on a device); a slab's
+members are copied into one buffer, which is written (``stage_slab``). With a ``StagingPool``
+(async take), every payload of a write is copied into one pooled buffer (``_pooled``), so that
+nothing written later reads the application's memory. A slab's members get their CRC-32s here,
+from the copy that is written (see ``placement.Placer``). ``stager(pool)`` is what the take
+gives its placers (``placement.Stager``).
 """
 
 from __future__ import annotations
@@ -22,7 +18,7 @@ import functools
 import logging
 import threading
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -327,26 +323,22 @@ def copy_source(
             # As raw bytes: works for dtypes torch has no copy kernel for.
             dst.copy_(base.view(-1)[start:stop].view(torch.uint8))
             return False
-        index = device.cuda_index(base)
-        if index is None:  # host memory (not contiguous), or another device type
-            scatter_into_flat(dst.view(base.dtype), range_views(base, start, stop))
-            return False
         flat = dst.view(base.dtype)
         views = range_views(base, start, stop)
-        if lease is None:
-            for at, v in _flat_slots(views):
-                device.copy(flat[at : at + v.numel()].view(v.shape), v, False)
+        index = device.cuda_index(base)
+        if index is None:  # host memory (not contiguous), or another device type
+            scatter_into_flat(flat, views)
             return False
-        # Only a machine with a GPU runs these lines for real: the copies are queued on the
-        # device's staging stream (``Lease.stream``: after the kernels already queued on
-        # its current stream) and, into pinned memory, return at once; ``Lease.ready``
-        # waits for them. The lease keeps ``base`` alive until then: a prepared or resolved
-        # tensor may have no other owner, and CUDA's caching allocator would hand its
-        # memory to the next allocation on the current stream while the copy still reads
-        # it on the staging stream.
+        if lease is None:
+            _copy_from_device(flat, views, False)
+            return False
+        # Only a GPU run proves these lines: the copies are queued on the device's staging
+        # stream (after the kernels already queued on its current stream) and, into pinned
+        # memory, return at once; ``Lease.ready`` waits for them. The lease keeps ``base``
+        # alive until then: a prepared tensor may have no other owner, and CUDA's caching
+        # allocator would hand its memory to the next allocation while the copy reads it.
         with device.use_stream(lease.stream(index, base)):
-            for at, v in _flat_slots(views):
-                device.copy(flat[at : at + v.numel()].view(v.shape), v, lease.pinned)
+            _copy_from_device(flat, views, lease.pinned)
         return True
     except RuntimeError as e:
         raise _unreadable(source, e) from e
@@ -367,12 +359,14 @@ def _staged_one(source: TensorSource) -> None:
         source.base = None
 
 
-def _flat_slots(views: list[torch.Tensor]) -> Iterator[tuple[int, torch.Tensor]]:
-    """Each view with the element offset it starts at when the views are laid end to end."""
-    at = 0
+def _copy_from_device(flat: torch.Tensor, views: list[torch.Tensor], non_blocking: bool) -> None:
+    """Copies ``views`` (of a device's memory), laid end to end, into the 1-d host tensor
+    ``flat``, on the device's current stream (``device.copy``)."""
+    pos = 0
     for v in views:
-        yield at, v
-        at += v.numel()
+        n = v.numel()
+        device.copy(flat[pos : pos + n].view(v.shape), v, non_blocking)
+        pos += n
 
 
 # ---------------------------------------------------------------------------------------------
