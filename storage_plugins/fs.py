@@ -17,12 +17,17 @@ import stat
 import threading
 import uuid
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from itertools import islice
 from typing import Any, TypeVar
 
 from storage_plugins import host
-from storage_plugins.base import BlobTooLargeError, Buffer, StoragePlugin, UnsafeBlobError
+from storage_plugins.base import (
+    BlobTooLargeError,
+    Buffer,
+    DaemonThreadPool,
+    StoragePlugin,
+    UnsafeBlobError,
+)
 from storage_plugins.fs_io import (
     O_DIRECT,
     DirectRefused,
@@ -163,7 +168,7 @@ class FSStoragePlugin(StoragePlugin):
         # The root as the user named it may be a symbolic link: that choice is theirs, so it is
         # resolved here, once. Below it nothing is followed (``_open_dir``).
         self._base = os.path.realpath(self.root)
-        self._executor = ThreadPoolExecutor(io_threads, thread_name_prefix="statesnap-fs")
+        self._executor = DaemonThreadPool(io_threads, thread_name_prefix="statesnap-fs")
         # What this plugin created, so that deleting the blobs of a failed take also removes
         # the directories made for them (``_remove_made_dirs``): the root and its ancestors
         # that were missing, outermost first, and the directories below the root.

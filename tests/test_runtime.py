@@ -8,7 +8,9 @@ import subprocess
 import sys
 import textwrap
 import threading
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any, TypeVar
 
 import pytest
 import torch
@@ -20,10 +22,12 @@ from snapshot._engine.io.async_queue import AsyncRequest
 from snapshot._engine.io.staging import process_pool
 from snapshot._engine.runtime import io_loop, run
 from snapshot.options import Options
+from storage_plugins.fs import FSStoragePlugin
 from storage_plugins.memory import MemoryStoragePlugin
 
 ROOT = Path(__file__).resolve().parent.parent
 OPTS = Options().resolved()
+_T = TypeVar("_T")
 
 
 class ClosingPlugin(MemoryStoragePlugin):
@@ -112,6 +116,38 @@ def test_the_exit_hook_waits_for_pending_snapshots_and_closes_kept_plugins_first
     assert int(lines[1].split()[2]) >= 2  # the take's plugin, and the kept one
     assert torch.equal(Snapshot(str(path)).read_object("0/s/t"), torch.arange(100_000))
     assert "Task was destroyed" not in done.stderr
+
+
+class LateFS(FSStoragePlugin):
+    """Local storage whose every blocking call comes late, once the interpreter is exiting, and
+    goes through the loop's default executor and ``getaddrinfo`` first."""
+
+    async def _run(self, fn: Callable[..., _T], *args: Any) -> _T:
+        await asyncio.sleep(0.05)
+        await asyncio.to_thread(lambda: None)
+        await asyncio.get_running_loop().getaddrinfo("localhost", 80)
+        return await super()._run(fn, *args)
+
+
+def test_a_snapshot_pending_at_exit_still_gets_threads_for_its_io(tmp_path):
+    """The exit hook runs after ``concurrent.futures`` has shut its thread pools down: the I/O
+    that a pending snapshot starts then still runs (the plugin's pool, the default executor)."""
+    script = textwrap.dedent(
+        f"""
+        import torch
+        from snapshot import Snapshot, StateDict
+        from storage_plugins import register_storage_plugin
+        from tests.test_runtime import LateFS
+        register_storage_plugin("late", lambda url, options=None: LateFS(url[7:], options))
+        Snapshot.async_take("late://" + {str(tmp_path / "s")!r}, {{"s": StateDict(t=torch.ones(9))}})
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=ROOT
+    )
+    assert done.returncode == 0, done.stderr
+    assert "Error" not in done.stderr, done.stderr
+    assert torch.equal(Snapshot(str(tmp_path / "s")).read_object("0/s/t"), torch.ones(9))
 
 
 def test_writers_recorded_and_checked(tmp_path):

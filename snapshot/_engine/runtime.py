@@ -13,13 +13,17 @@ child shares none of its parent's threads). It owns:
 - the gloo groups the library coordinates on (``gloo_groups``), the heartbeat that lets peers
   tell this process alive (``heartbeat``), the threads that digest payloads (``digest_pool``).
 
-At exit, one hook (``shutdown``) waits for the pending async takes, ends the tasks left on the
-loop, closes the kept plugins and stops the loop, in that order.
+At exit, one ``atexit`` hook (``shutdown``) waits for the pending async takes, ends the tasks
+left on the loop, closes the kept plugins and stops the loop, in that order. It runs after
+``concurrent.futures`` has shut every standard thread pool down, while the pending takes' I/O
+still needs threads: every pool on their way, the loop's default executor (``to_thread``,
+``getaddrinfo``) included, is a ``storage_plugins.base.DaemonThreadPool``, which keeps working.
 """
 
 from __future__ import annotations
 
 import asyncio
+import atexit
 import concurrent.futures
 import contextlib
 import gc
@@ -28,7 +32,6 @@ import logging
 import os
 import threading
 from collections.abc import Callable, Coroutine, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from snapshot._engine.dist.liveness import Heartbeat
@@ -36,6 +39,7 @@ from snapshot._engine.format.text import printable_message
 from snapshot._engine.io.async_queue import AsyncCallsQueue
 from snapshot.errors import RankFailedError, SnapshotError
 from storage_plugins import StoragePlugin
+from storage_plugins.base import DaemonThreadPool
 
 if TYPE_CHECKING:
     from snapshot._engine.io.staging import StagingPool
@@ -55,8 +59,8 @@ class Runtime:
         self._thread: threading.Thread | None = None
         self._queue: AsyncCallsQueue | None = None
         self.pool: StagingPool | None = None  # set by ``staging.process_pool``, under ``lock``
-        self._digests: ThreadPoolExecutor | None = None
-        self._copier: ThreadPoolExecutor | None = None
+        self._digests: DaemonThreadPool | None = None
+        self._copier: DaemonThreadPool | None = None
         self._heartbeat: Heartbeat | None = None
         self._shut_down = False
         # Touched on the I/O loop only.
@@ -72,6 +76,7 @@ class Runtime:
         with self.lock:
             if self._loop is None or self._thread is None or not self._thread.is_alive():
                 loop = self._loop = asyncio.new_event_loop()
+                loop.set_default_executor(DaemonThreadPool(thread_name_prefix="statesnap-blocking"))
                 self._thread = threading.Thread(
                     target=_run_forever, args=(loop,), name="statesnap-io", daemon=True
                 )
@@ -114,19 +119,19 @@ class Runtime:
                 self._heartbeat.tighten(rank_timeout)
             return self._heartbeat
 
-    def copier(self) -> ThreadPoolExecutor:
+    def copier(self) -> DaemonThreadPool:
         """The thread that runs async take's copies of large host tensors into staging
         buffers while the caller stages the rest (``stage._Pooled``)."""
         with self.lock:
             if self._copier is None:
-                self._copier = ThreadPoolExecutor(1, thread_name_prefix="statesnap-stage")
+                self._copier = DaemonThreadPool(1, thread_name_prefix="statesnap-stage")
             return self._copier
 
-    def digest_pool(self, threads: int) -> ThreadPoolExecutor:
+    def digest_pool(self, threads: int) -> DaemonThreadPool:
         """The threads that digest payloads (replication), ``threads`` of them."""
         with self.lock:
             if self._digests is None:
-                self._digests = ThreadPoolExecutor(threads, thread_name_prefix="statesnap-digest")
+                self._digests = DaemonThreadPool(threads, thread_name_prefix="statesnap-digest")
             return self._digests
 
     # -- shutdown --------------------------------------------------------------------------
@@ -219,7 +224,7 @@ def get() -> Runtime:
             _runtime = Runtime()
             if _hooked_pid != os.getpid():  # a forked child inherits its parent's hook
                 _hooked_pid = os.getpid()
-                _register_exit_hook(_at_exit)
+                atexit.register(_at_exit)
         return _runtime
 
 
@@ -227,24 +232,6 @@ def _at_exit() -> None:
     runtime = _runtime
     if runtime is not None and runtime.pid == os.getpid():
         runtime.shutdown()
-
-
-def _register_exit_hook(hook: Callable[[], None]) -> None:
-    """Registers ``hook`` to run when the interpreter exits, before ``concurrent.futures``
-    refuses new work: the pending snapshots still write through the storage plugins' thread
-    pools, and every pool refuses work once its own exit hook, registered with
-    ``threading._register_atexit``, has run. ``atexit`` handlers run after that, too late; a
-    hook registered the same way after ``concurrent.futures``' (imported above) runs before
-    it. Where that hook is missing, or the interpreter is exiting already, ``atexit``."""
-    register = getattr(threading, "_register_atexit", None)
-    try:
-        if register is None:
-            raise RuntimeError("no thread-exit hook")
-        register(hook)
-    except RuntimeError:
-        import atexit
-
-        atexit.register(hook)
 
 
 @contextlib.contextmanager

@@ -13,11 +13,12 @@ import logging
 import threading
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
 from snapshot.errors import SnapshotError
+from storage_plugins.base import DaemonThreadPool
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +70,7 @@ class AsyncCallsQueue:
     """
 
     def __init__(self) -> None:
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="statesnap-async")
+        self._executor = DaemonThreadPool(1, thread_name_prefix="statesnap-async")
         self._calls: deque[_Call] = deque()
         self._next = 0
         self._lock = threading.Lock()
