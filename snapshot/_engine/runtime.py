@@ -9,7 +9,8 @@ child shares none of its parent's threads). It owns:
   (``run``, ``spawn``, ``join``); and the tasks nobody awaits, held until done (``hold``);
 - the storage plugins kept open between operations (``KeptPlugins``);
 - the queue that runs async takes' background work in order (``queue``), the staging pool of
-  async take (``pool``, made by ``staging.process_pool``) and its copier thread;
+  async take (``pool``, made by ``staging.process_pool``) and the thread that hands an async
+  take's writes over (``copier``);
 - the gloo groups the library coordinates on (``gloo_groups``), the heartbeat that lets peers
   tell this process alive (``heartbeat``), the threads that digest payloads (``digest_pool``).
 
@@ -120,8 +121,8 @@ class Runtime:
             return self._heartbeat
 
     def copier(self) -> DaemonThreadPool:
-        """The thread that runs async take's copies of large host tensors into staging
-        buffers while the caller stages the rest (``stage._Pooled``)."""
+        """The thread that hands an async take's staged writes over to the I/O loop while its
+        call returns (``take.release_writes``)."""
         with self.lock:
             if self._copier is None:
                 self._copier = DaemonThreadPool(1, thread_name_prefix="statesnap-stage")

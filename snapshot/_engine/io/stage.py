@@ -23,7 +23,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from snapshot._engine import runtime
 from snapshot._engine.format.serialization import (
     as_copyable,
     crc32,
@@ -45,11 +44,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _ZEROS = memoryview(bytes(ALIGN))
-
-# A host tensor of at least this size, a blob of its own, is copied off the caller's thread
-# in an async take (``_Pooled``): a few large copies, each long enough to hide the caller's
-# planning of many small tensors behind it.
-_OFFLOAD_MIN = 4 << 20
 
 # Up to this size a payload is copied by a slice assignment of its bytes; above it, torch's
 # copy spreads the bytes over its threads.
@@ -82,55 +76,19 @@ class _Direct:
 
 class _Pooled:
     """Copies each write's payloads into one buffer of ``pool``; a pooled write costs the
-    budget its whole block (``StagingPool.block_bytes``).
-
-    A large tensor in host memory, a blob of its own, is copied on the runtime's copier
-    thread (``Runtime.copier``) while the caller goes on planning and staging the rest:
-    torch's copy lets the GIL go, so the caller's Python and the copy run at once. ``settle``
-    waits for those copies; nothing may read a staged buffer before it (the take calls it at
-    the end of its staging, and the write pipeline before it hands staged writes over)."""
+    budget its whole block (``StagingPool.block_bytes``)."""
 
     pooled = True
 
     def __init__(self, pool: StagingPool) -> None:
         self.pool = pool
-        self._copying: list[Lease] = []
 
     def blob(self, p: Payload, from_device: bool) -> tuple[Callable[[], Staged], int]:
-        if p.tensor is not None and p.nbytes >= _OFFLOAD_MIN:
-            stage: Callable[[], Staged] = functools.partial(self._offloaded, p)
-        else:
-            stage = _pooled(self.pool, [(0, p)], p.nbytes, False, from_device)
+        stage = _pooled(self.pool, [(0, p)], p.nbytes, False, from_device)
         return stage, self.pool.block_bytes(p.nbytes, from_device)
 
-    def _offloaded(self, p: Payload) -> Staged:
-        lease = self.pool.acquire(p.nbytes, False)
-        try:
-            try:
-                copy = runtime.get().copier().submit(copy_payload, p, lease.tensor, 0)
-            except RuntimeError:  # the interpreter is shutting down: no new thread work
-                copy_payload(p, lease.tensor, 0)
-                return [lease.view], lease
-            lease.copying(copy)
-        except BaseException:
-            lease.release()
-            raise
-        self._copying.append(lease)
-        return [lease.view], lease
-
     def settle(self) -> None:
-        """Waits for the copies in flight on the copier thread (``Lease.ready``; a lease
-        released meanwhile, by a take that failed, waited for its own); raises the first
-        one's error once they are all done."""
-        leases, self._copying = self._copying, []
-        error: BaseException | None = None
-        for lease in leases:
-            try:
-                lease.ready()
-            except BaseException as e:
-                error = error or e
-        if error is not None:
-            raise error
+        pass  # every copy from host memory is done when its stage returns
 
     def slab(self, slab: Slab, checksums: bool) -> tuple[Callable[[], Staged], int]:
         stage = _pooled(self.pool, slab.members, slab.nbytes, checksums, slab.from_device)
@@ -221,8 +179,6 @@ def _pooled(
     def stage() -> Staged:
         lease = pool.acquire(nbytes, from_device)
         try:
-            if len(members) > 1:
-                lease.touch()
             buf = lease.tensor
             view = lease.view
             pos = 0

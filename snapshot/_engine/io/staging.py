@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import threading
-from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
 import torch
@@ -40,46 +39,31 @@ class Lease:
     """A pooled staging buffer lent to one write: ``tensor`` is a 1-d uint8 CPU tensor of the
     requested size (``pinned``: page-locked), ``view`` the same memory as a memoryview.
 
-    Copies from a device into it are issued on that device's staging stream (``stream``), a
-    copy from host memory may run on another thread (``copying``); its bytes may be read only
-    after ``ready`` has waited for both. ``release`` gives the buffer back to the pool.
+    Copies from a device into it are issued on that device's staging stream (``stream``); its
+    bytes may be read only after ``ready`` has waited for them. ``release`` gives the buffer
+    back to the pool.
     """
 
     __slots__ = (
         "_block",
-        "_copy",
         "_keep",
         "_pool",
         "_streams",
-        "fresh",
         "pinned",
         "tensor",
         "view",
     )
 
-    def __init__(
-        self, pool: StagingPool, block: torch.Tensor, nbytes: int, fresh: bool, pinned: bool
-    ) -> None:
+    def __init__(self, pool: StagingPool, block: torch.Tensor, nbytes: int, pinned: bool) -> None:
         self._pool: StagingPool | None = pool
         self._block = block
-        self.fresh = fresh  # newly allocated: its pages are not yet touched
         self.pinned = pinned
         self.tensor = block[:nbytes]
         self.view = tensor_memoryview(self.tensor)
-        # Until ``ready``: device index -> the staging stream copies were issued on, the
-        # tensors those copies read (a prepared one may have no other owner), and a copy
-        # running on another thread.
+        # Until ``ready``: device index -> the staging stream copies were issued on, and the
+        # tensors those copies read (a prepared one may have no other owner).
         self._streams: dict[int, device.Stream] | None = None
         self._keep: list[torch.Tensor] | None = None
-        self._copy: Future[None] | None = None
-
-    def touch(self) -> None:
-        """Faults a fresh buffer's pages in with torch's multi-threaded fill, before it is
-        filled by many small single-threaded copies (which would each take their page faults
-        one core at a time). Pinned memory is resident already."""
-        if self.fresh and not self.pinned:
-            self.tensor.zero_()
-        self.fresh = False
 
     def stream(self, index: int, reads: torch.Tensor) -> device.Stream:
         """The stream to issue this lease's copies from device ``index`` on: the pool's staging
@@ -104,17 +88,8 @@ class Lease:
         self._keep.append(reads)  # type: ignore[union-attr]
         return stream
 
-    def copying(self, copy: Future[None]) -> None:
-        """Records ``copy``, a copy into the buffer running on another thread."""
-        self._copy = copy
-
     def ready(self) -> None:
-        """Waits for the copy running on another thread (raising its error) and for every
-        staging stream this lease issued copies on."""
-        copy = self._copy
-        if copy is not None:
-            self._copy = None
-            copy.result()
+        """Waits for every staging stream this lease issued copies on."""
         streams = self._streams
         if streams is not None:
             self._streams = None
@@ -227,12 +202,11 @@ class StagingPool:
             if block is not None:
                 self._free_bytes -= size
                 self._leased_bytes += size
-        fresh = block is None
         if block is None:
             block, pinned = self._new_block(nbytes, pinned)
             with self._lock:
                 self._leased_bytes += block.numel()
-        return Lease(self, block, nbytes, fresh, pinned)
+        return Lease(self, block, nbytes, pinned)
 
     def _new_block(self, nbytes: int, pinned: bool) -> tuple[torch.Tensor, bool]:
         if pinned:
