@@ -144,9 +144,8 @@ class Runtime:
             asyncio.run_coroutine_threadsafe(self.kept.close_all(), loop).result()
 
     def end_leftover_tasks(self, timeout: float = 5.0) -> None:
-        """Cancels the tasks still pending on the I/O loop, and waits ``timeout`` seconds at
-        most for them to end (a task still pending when the interpreter ends is destroyed
-        with a warning; the pending snapshots have been waited for by then)."""
+        """Cancels the tasks still pending on the I/O loop (each would otherwise be destroyed
+        with a warning at exit), and waits ``timeout`` seconds at most for them to end."""
         loop = self._live_loop()
         if loop is None:
             return
@@ -173,9 +172,8 @@ class Runtime:
             loop.close()
 
     def shutdown(self) -> None:
-        """Waits for the pending async takes (committed or failed), ends the tasks left on the
-        I/O loop, closes the kept plugins, stops the loop. Each step's failure is logged, and
-        the next steps run all the same."""
+        """Waits for the pending async takes, ends the tasks left on the I/O loop, closes the
+        kept plugins, stops the loop; a step that fails is logged, and the next ones run."""
         self._shut_down = True
         queue = self._queue
         if queue is not None:
@@ -237,8 +235,8 @@ def _at_exit() -> None:
 
 @contextlib.contextmanager
 def use(runtime: Runtime | None = None) -> Iterator[Runtime]:
-    """Makes ``runtime`` (a new one by default) the process's for the block, shuts it down at
-    the end of the block and puts the previous one back: state of its own for a test."""
+    """Makes ``runtime`` (a new one by default) the process's for the block, then shuts it down
+    and puts the previous one back: state of its own for a test."""
     global _runtime
     runtime = runtime if runtime is not None else Runtime()
     get()  # the exit hook is registered, and there is a previous runtime to put back
@@ -319,12 +317,9 @@ async def close_quietly(plugin: StoragePlugin) -> None:
 
 
 class KeptPlugins:
-    """The plugins kept open, by key, each with the timer that closes it (on the I/O loop only).
-
-    A plugin whose class sets ``keep_open`` (S3's: its client and connection pool are expensive
-    to make) is kept after a successful operation and handed to the next one on the same URL
-    with the same storage options; a timer closes it when nobody took it in time.
-    """
+    """The plugins kept open, by key, each with the timer that closes it (on the I/O loop only):
+    a plugin whose class sets ``keep_open`` (S3's client is expensive to make) is kept after a
+    successful operation for the next one on the same URL and storage options."""
 
     def __init__(self) -> None:
         self._kept: dict[Key, tuple[StoragePlugin, asyncio.TimerHandle]] = {}
@@ -397,10 +392,9 @@ _gc_was_enabled = False
 
 class gc_paused:  # used as a function: ``with gc_paused():``
     """Pauses the cyclic garbage collector while a phase builds many small acyclic objects
-    (planning or decoding 100,000 entries), whose allocations would otherwise trigger full
-    collections walking every object of the process, the model's included. Reference counting
-    still frees everything; the collector resumes, with its previous setting, when the last
-    overlapping phase (any thread) ends."""
+    (planning or decoding 100,000 entries), which would otherwise trigger full collections of
+    every object of the process; it resumes, as it was, when the last overlapping phase (any
+    thread) ends."""
 
     __slots__ = ()
 

@@ -245,12 +245,8 @@ _BYTES_GLOBAL = b"c__builtin__\nbytes\n"
 
 
 def encode_object(obj: object) -> bytes:
-    """Serializes a non-tensor, non-primitive value with ``torch.save``.
-
-    A value holding an empty ``bytes`` (whose pickle then names ``bytes``, see ``_Pickler``) is
-    pickled again, by ``_Pickler``. Only such a value pays for the pure-Python pickler, which is
-    much slower than the C one; every other value is written by the C pickler, as before.
-    """
+    """Serializes a non-tensor, non-primitive value with ``torch.save``; a value holding an
+    empty ``bytes`` again with ``_Pickler`` (only it pays for the slower pure-Python pickler)."""
     buf = io.BytesIO()
     torch.save(obj, buf)
     data = buf.getvalue()
@@ -316,15 +312,10 @@ def decode_object(data: bytes, where: str) -> object:
 
 
 # ---------------------------------------------------------------------------------------------
-# CRC-32 checksums of stored bytes.
-#
-# Every location (a tensor chunk, a slab member, an object) carries the CRC-32 of its bytes in
-# the manifest. The storage plugin's I/O threads show each piece they write or read to a
-# ``RangeDigest`` right after moving it, while it is likely still in the CPU's caches; a
-# write's CRC is of the copy written (the plugin's buffer, a slab's copy), never of the
-# application's memory, which another thread may change during the take. A location read in
-# several pieces is checked by a ``LocationCheck``, which combines them in any order.
-# CRC-32 (the gzip / zlib polynomial) comes from ISA-L (``isal``), which also combines CRCs.
+# CRC-32 checksums (ISA-L's, the zlib polynomial) of stored bytes: each location's is in the
+# manifest. The plugin's I/O threads show each piece they move to a ``RangeDigest``; a write's
+# CRC is of the copy written, never of the application's memory, which may change meanwhile. A
+# location read in pieces is checked by a ``LocationCheck``, which combines them in any order.
 
 crc32 = isal_zlib.crc32
 """``crc32(data, value=0)``: the CRC-32 of ``data``; with ``value``, of the bytes whose CRC was
@@ -430,13 +421,9 @@ def whole_crc(check: WholeCheck) -> int | None:
 
 
 # ---------------------------------------------------------------------------------------------
-# Which backend and version wrote each part of a snapshot: recorded at take, checked at restore.
-#
-# A snapshot holds the sharded part (``ShardedTensorEntry`` / ``ShardedObjectEntry`` entries)
-# and the common part (everything else); its manifest records, under
-# ``metadata["strategies"]``, the ``[backend, version]`` that wrote each. A restore checks that
-# something here reads what each part records: by default exactly (``BACKEND``, ``VERSION``);
-# once the strategy layer (``snapshot.strategies``) is imported, its registry decides
+# Which backend and version wrote each part of a snapshot (sharded entries; the rest), recorded
+# under ``metadata["strategies"]`` at take and checked at restore: by default against
+# ``BACKEND``/``VERSION``; once ``snapshot.strategies`` is imported, its registry decides
 # (``set_check``: the engine never imports that layer).
 
 BACKEND = "statesnap"

@@ -2,13 +2,11 @@
 stream, ordering one stream after another, the non-blocking copy, events, waiting for a stream,
 pinned allocation, emptying torch's pinned-memory cache.
 
-Only a machine with a GPU runs them (every function here but ``cuda_index``; what each does is
-torch's documented behaviour, which only a GPU run proves: benchmarks/gpu_check.py). Tests on
-CPU replace them with a double (``tests/cuda_double.py``) that holds each non-blocking copy
-until its stream is synchronized, so the ordering rules built on them (``staging.Lease``,
-``placement.Placer``) are exercised without a GPU: callers look them up on this module at call
-time (``device.copy(...)``), so that the double is the one called. Callers ask ``cuda_index``
-first, so a state without device tensors never creates a CUDA context.
+Only a machine with a GPU runs them (all but ``cuda_index``; benchmarks/gpu_check.py checks
+them). Tests on CPU replace them with a double (``tests/cuda_double.py``) that holds each
+non-blocking copy until its stream is synchronized: callers look them up on this module at call
+time (``device.copy(...)``). Callers ask ``cuda_index`` first, so a state without device
+tensors never creates a CUDA context.
 """
 
 from __future__ import annotations
@@ -84,8 +82,7 @@ def pinned_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
 
 def empty_host_cache() -> None:
     """Hands the freed pinned blocks torch's host allocator keeps locked back to the system."""
-    fn = getattr(torch._C, "_host_emptyCache", None)  # CUDA builds of torch
-    if fn is not None:
-        fn()
-    else:  # the accelerator-generic call (also in torch 2.13's CUDA builds)
-        torch._C._accelerator_emptyHostCache()
+    empty = getattr(getattr(torch, "accelerator", None), "empty_host_cache", None)
+    if empty is None:  # an older torch, with no public call for it
+        empty = torch._C._host_emptyCache
+    empty()

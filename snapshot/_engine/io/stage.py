@@ -132,12 +132,8 @@ def copy_payload(p: Payload, buf: torch.Tensor, pos: int) -> None:
 
 def stage_slab(slab: Slab, checksums: bool) -> Staged:
     """A slab's bytes, copied into one new buffer (zeros in the padding between members); with
-    ``checksums``, each member's CRC-32, taken from that copy right after the member is copied
-    (still in the CPU's caches), goes to its ``crc32`` (see ``placement.Placer``).
-
-    The copy is what is written: the CRCs are of the bytes that reach storage even while
-    another thread changes the members' tensors in place (an EMA update, a hook), as a CRC of
-    the tensors' own memory, taken before or after their write, would not be."""
+    ``checksums``, each member's CRC-32, of that copy (what is written, even while another
+    thread changes the tensors), goes to its ``crc32``."""
     out = memoryview(bytearray(slab.nbytes))  # zeroed: the padding
     pos = 0
     for pad, p in slab.members:
@@ -167,14 +163,10 @@ def _pooled(
     from_device: bool,
 ) -> Callable[[], Staged]:
     """Stages ``members`` by copying them into one buffer of ``pool`` (pinned when
-    ``from_device``: a member is on a device); with ``checksums``, each member's CRC-32
-    goes to its ``crc32``.
-
-    The CRC is taken from the buffer only once the member's bytes are there: right after a
-    copy from host memory (synchronous, and still in the CPU's cache), and after
-    ``lease.ready()`` for a copy from a device, which is issued non-blocking on a staging
-    stream and lands only when ``ready`` has waited for that stream. A stage that fails
-    releases its lease, which first waits for the copies already issued into it."""
+    ``from_device``); with ``checksums``, each member's CRC-32 goes to its ``crc32``, taken
+    once its bytes are there: right after a copy from host memory, after ``lease.ready()`` for
+    a (non-blocking) copy from a device. A stage that fails releases its lease, which first
+    waits for the copies already issued into it."""
 
     def stage() -> Staged:
         lease = pool.acquire(nbytes, from_device)
@@ -218,8 +210,8 @@ def _pooled(
 
 def _resolve(source: TensorSource) -> torch.Tensor:
     """The tensor whose elements are written: the prepare function's (checked against what it
-    returned when tracing), detached, with any lazy conjugate or negation resolved. Made at the
-    first piece, kept until the last one this rank stages."""
+    returned when tracing), detached, conjugate and negation resolved; kept from the first
+    piece this rank stages to the last."""
     if source.base is not None:
         return source.base
     t = source.tensor
@@ -288,11 +280,9 @@ def copy_source(
         if lease is None:
             _copy_from_device(flat, views, False)
             return False
-        # Only a GPU run proves these lines: the copies are queued on the device's staging
-        # stream (after the kernels already queued on its current stream) and, into pinned
-        # memory, return at once; ``Lease.ready`` waits for them. The lease keeps ``base``
-        # alive until then: a prepared tensor may have no other owner, and CUDA's caching
-        # allocator would hand its memory to the next allocation while the copy reads it.
+        # Queued on the device's staging stream, after its current stream's kernels;
+        # ``Lease.ready`` waits for them. The lease keeps ``base`` (maybe a prepared tensor
+        # of no other owner, whose memory CUDA could reuse) alive until then.
         with device.use_stream(lease.stream(index, base)):
             _copy_from_device(flat, views, lease.pinned)
         return True
@@ -326,10 +316,7 @@ def _copy_from_device(flat: torch.Tensor, views: list[torch.Tensor], non_blockin
 
 
 # ---------------------------------------------------------------------------------------------
-# Byte budgets: how much memory the writes and reads in flight may hold at once. A
-# ``ByteBudget`` is shared by the caller's thread (which blocks in ``acquire``) and the I/O loop
-# (whose tasks wait in ``acquire_async``); a ``BudgetShare`` is one write pipeline's part of a
-# budget that several pipelines charge (the staging pool's, for async takes pending at once).
+# Byte budgets: how much memory the writes and reads in flight may hold at once.
 
 
 class ByteBudget:
@@ -436,12 +423,12 @@ class ByteBudget:
 
 
 class BudgetShare:
-    """One write pipeline's part of a ``ByteBudget`` that several share (the staging pool's, for
-    async takes pending at once, so that together they stage at most one budget).
+    """One write pipeline's part of a ``ByteBudget`` that several share (the staging pool's:
+    async takes pending at once stage at most one budget together).
 
-    Bytes are charged to the shared budget; the share counts its own, so a pipeline's peak and
-    a leftover are its own, and ``abort`` fails only this share's waiters: the shared budget is
-    never aborted (one take's write error must not fail the next take's staging).
+    Bytes are charged to the shared budget and counted here too (a pipeline's peak and leftover
+    are its own); ``abort`` fails only this share's waiters (one take's write error must not
+    fail the next take's staging).
     """
 
     def __init__(self, shared: ByteBudget) -> None:
@@ -470,10 +457,8 @@ class BudgetShare:
         return True
 
     def acquire(self, n: int) -> None:
-        """Blocks until ``n`` bytes fit in the shared budget. A request larger than the whole
-        budget fits when nothing at all is held: every other holder is a pending take whose
-        writes are under way, and the caller flushes its own first, so it is never waiting for
-        itself."""
+        """Blocks until ``n`` bytes fit in the shared budget (one larger than the whole budget,
+        when nothing is held: the caller flushes its own writes first)."""
         self.shared.acquire(n, stop=lambda: self._error)
         self._took(n)
 

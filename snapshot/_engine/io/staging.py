@@ -67,14 +67,9 @@ class Lease:
 
     def stream(self, index: int, reads: torch.Tensor) -> device.Stream:
         """The stream to issue this lease's copies from device ``index`` on: the pool's staging
-        stream for that device, made to wait (the first time this lease asks) for the work
-        queued so far on the device's current stream, the kernels that computed the tensors
-        copied. ``reads``, the tensor a copy reads, is kept alive until ``ready``.
-
-        Only a GPU run proves that the wait covers the kernels queued before the call and no
-        later ones (CUDA's stream semantics; ``tests/cuda_double.py`` models them on CPU,
-        benchmarks/gpu_check.py checks them on a GPU).
-        """
+        stream for that device, made to wait (the first time this lease asks) for the kernels
+        queued so far on the device's current stream. ``reads``, the tensor a copy reads, is
+        kept alive until ``ready``."""
         assert self._pool is not None, "a released lease"
         streams = self._streams
         if streams is None:
@@ -120,21 +115,16 @@ class Lease:
 
 
 class StagingPool:
-    """Host buffers for async take, kept and reused across snapshots (a copy into fresh memory
-    pays a page fault per page, and an async take's stall is mostly that copy), within one
-    staging budget for the process.
+    """Host buffers for async take, reused across snapshots (a copy into fresh memory pays a
+    page fault per page), within one staging budget for the process (``budget``, which each
+    take's write pipeline charges through a ``share``).
 
     Blocks come in size classes of at least 64 KiB, so a block freed by one write fits the next
-    of a similar size: powers of two and 1.5 times them; powers of two only when pinned (torch's
-    host allocator rounds pinned allocations up to one). The pool keeps at most ``keep_bytes``
-    of free blocks; ``trim`` drops the rest, and hands freed pinned memory back to the system.
+    of a similar size: powers of two and 1.5 times them; powers of two only when pinned (torch
+    rounds pinned allocations up to one). At most ``keep_bytes`` of free blocks are kept.
 
-    A block is pinned only for a write that copies from a device, so a state without device
-    tensors never touches CUDA. When pinning fails, the pool warns once and stages in pageable
-    memory (with synchronous copies) from then on. Each device gets one staging stream.
-
-    ``budget`` is the process's staging budget: each async take's write pipeline charges it
-    through a ``share``, so snapshots pending at once stage at most one budget together.
+    A block is pinned only for a write that copies from a device; when pinning fails, the pool
+    warns once and stages in pageable memory (with synchronous copies) from then on.
     """
 
     _MIN_BLOCK = 64 * 1024
