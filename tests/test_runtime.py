@@ -86,8 +86,8 @@ def test_io_after_shutdown_starts_a_new_loop_and_keeps_no_plugin():
 
 
 def test_the_exit_hook_waits_for_pending_snapshots_and_closes_kept_plugins_first(tmp_path):
-    """One hook, run before the application's atexit handlers: the pending snapshot is
-    committed, and the kept plugin closed, by the time they run."""
+    """One ``atexit`` hook, run before the handlers registered before the library's first use:
+    the pending snapshot is committed, and the kept plugin closed, by the time they run."""
     path = tmp_path / "s"
     script = textwrap.dedent(
         f"""
