@@ -8,7 +8,9 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -22,6 +24,7 @@ from snapshot._engine.io.async_queue import AsyncRequest
 from snapshot._engine.io.staging import process_pool
 from snapshot._engine.runtime import io_loop, run
 from snapshot.options import Options
+from storage_plugins.base import DaemonThreadPool
 from storage_plugins.fs import FSStoragePlugin
 from storage_plugins.memory import MemoryStoragePlugin
 
@@ -116,6 +119,32 @@ def test_the_exit_hook_waits_for_pending_snapshots_and_closes_kept_plugins_first
     assert int(lines[1].split()[2]) >= 2  # the take's plugin, and the kept one
     assert torch.equal(Snapshot(str(path)).read_object("0/s/t"), torch.arange(100_000))
     assert "Task was destroyed" not in done.stderr
+
+
+def test_a_daemon_thread_pool_is_a_thread_pool_executor():
+    pool = DaemonThreadPool(2, thread_name_prefix="t")
+    assert isinstance(pool, ThreadPoolExecutor)
+    gate = threading.Event()
+    names = [pool.submit(lambda: (gate.wait(5), threading.current_thread())) for _ in range(3)]
+    gate.set()
+    threads = {f.result(5)[1] for f in names}
+    assert len(threads) <= 2 and all(t.daemon and t.name.startswith("t_") for t in threads)
+    assert list(pool.map(lambda x: x * 2, range(5))) == [0, 2, 4, 6, 8]
+    with pytest.raises(ZeroDivisionError):
+        pool.submit(lambda: 1 / 0).result(5)
+    gate.clear()
+    busy = pool.submit(gate.wait, 5)
+    while not busy.running():
+        time.sleep(0.01)
+    queued = [pool.submit(gate.wait, 5) for _ in range(3)]
+    pool.shutdown(wait=False, cancel_futures=True)
+    assert all(f.cancelled() for f in queued[1:])  # the one left waiting for a thread, at least
+    with pytest.raises(RuntimeError, match="after shutdown"):
+        pool.submit(print)
+    gate.set()
+    assert busy.result(5) is True
+    pool.shutdown()
+    assert not any(t.is_alive() for t in threads)
 
 
 class LateFS(FSStoragePlugin):
