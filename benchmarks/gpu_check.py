@@ -61,8 +61,8 @@ from typing import Any
 import torch
 
 from snapshot import Options, Snapshot, StateDict
-from snapshot._engine import runtime
 from snapshot._engine.format.serialization import DTYPES
+from snapshot._engine.io import staging
 from snapshot._engine.tools.verify import verify
 
 FAILURES: list[str] = []
@@ -239,7 +239,7 @@ def _budget_state(env: Env, seed: int) -> tuple[StateDict, dict[str, torch.Tenso
 def check_budget(env: Env) -> None:
     budget = 4 * MIB
     rounds = 2 if env.quick else 6
-    pool = runtime.get().staging_pool(Options.from_env())
+    pool = staging.process_pool(Options.from_env())
     held = [0]  # the most bytes of the shared staging budget held at once, sampled
     stop = threading.Event()
 
@@ -312,7 +312,7 @@ def check_dtensor(env: Env) -> None:
     path = env.path("dtensor")
     env.sync()
     # What this take stages is counted, not earlier checks' blocks.
-    runtime.get().staging_pool(Options.from_env()).clear()
+    staging.process_pool(Options.from_env()).clear()
     with env_var("STATESNAP_MEMORY_BUDGET_BYTES", str(budget)), PeakRSS() as peak:
         Snapshot.async_take(path, {"m": state}).wait(timeout=300)
     verified(path, "dtensor")

@@ -11,15 +11,16 @@ import torch.distributed
 
 from manifest import Entry, Manifest, TensorsDecoded
 from snapshot._engine import arguments, runtime
-from snapshot._engine.context import gc_paused
 from snapshot._engine.dist import dist
 from snapshot._engine.flatten import escape_key
-from snapshot._engine.format import writers
+from snapshot._engine.format import serialization as writers
 from snapshot._engine.format.manifest_io import decode_manifest, read_manifest
 from snapshot._engine.io.async_queue import AsyncRequest
+from snapshot._engine.io.staging import process_pool
 from snapshot._engine.restore import read_ahead
 from snapshot._engine.restore.restore import rank_prefix, rank_view, read_object
 from snapshot._engine.restore.restore import restore as restore_app_state
+from snapshot._engine.runtime import gc_paused
 from snapshot._engine.take.take import TakeJob
 from snapshot.errors import EntryNotFoundError
 from snapshot.metadata import SnapshotMetadata
@@ -415,7 +416,7 @@ def take_job(
         replicated=globs,
         storage_options=stored,
         prepare=prepare,
-        pool=runtime.get().staging_pool(resolved) if asynchronous else None,
+        pool=process_pool(resolved) if asynchronous else None,
         options=resolved,
         base=base_path,
         user_metadata=user,

@@ -5,10 +5,19 @@ from __future__ import annotations
 import abc
 import asyncio
 import errno
+import functools
+import os
+import queue
+import threading
+import weakref
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, TypeVar
 
 # Anything exposing the buffer protocol as contiguous bytes: bytes, bytearray, memoryview.
 Buffer = bytes | bytearray | memoryview
+
+_T = TypeVar("_T")
 
 
 class RefusedBlobError(OSError):
@@ -256,3 +265,102 @@ _TRANSIENT_ERRNOS = frozenset(
         errno.EHOSTUNREACH,
     }
 )
+
+
+class DaemonThreadPool(ThreadPoolExecutor):
+    """A ``ThreadPoolExecutor`` that keeps taking work while the interpreter exits: its own
+    daemon threads (started as work arrives, up to ``max_workers``) take jobs from a queue.
+
+    At exit, ``concurrent.futures`` marks every standard pool shut down (``submit`` raises) and
+    joins its threads before ``atexit`` handlers run; the library's ``atexit`` hook still waits
+    for pending async snapshots, whose I/O runs on these pools (a plugin's blocking calls, the
+    I/O loop's default executor behind ``asyncio.to_thread`` and ``getaddrinfo``).
+    """
+
+    def __init__(self, max_workers: int | None = None, thread_name_prefix: str = "") -> None:
+        super().__init__(max_workers, thread_name_prefix)
+        most = max_workers if max_workers is not None else min(32, (os.cpu_count() or 1) + 4)
+        self._daemons = _Daemons(most, thread_name_prefix or "pool")
+        # A pool dropped without ``shutdown`` lets its threads go; not at exit (see above).
+        weakref.finalize(self, self._daemons.stop, False).atexit = False
+
+    def submit(self, fn: Callable[..., _T], /, *args: Any, **kwargs: Any) -> Future[_T]:
+        future: Future[_T] = Future()
+        self._daemons.put(future, functools.partial(fn, *args, **kwargs))
+        return future
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        self._daemons.stop(wait, cancel_futures)
+
+
+_Job = tuple["Future[Any]", Callable[[], Any]]
+
+
+class _Daemons:
+    """The threads of a ``DaemonThreadPool`` and their queue (apart from the pool, so that the
+    threads do not keep it alive)."""
+
+    def __init__(self, most: int, prefix: str) -> None:
+        self.most = most
+        self.prefix = prefix
+        self.jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self.lock = threading.Lock()
+        self.threads: list[threading.Thread] = []
+        self.idle = 0  # threads waiting for a job that no ``put`` has counted on yet
+        self.closed = False
+
+    def put(self, future: Future[Any], fn: Callable[[], Any]) -> None:
+        with self.lock:
+            if self.closed:
+                raise RuntimeError("cannot schedule new futures after shutdown")
+            self.jobs.put((future, fn))
+            if self.idle:
+                self.idle -= 1
+            elif len(self.threads) < self.most:
+                name = f"{self.prefix}_{len(self.threads)}"
+                thread = threading.Thread(target=self._work, name=name, daemon=True)
+                thread.start()
+                self.threads.append(thread)
+
+    def _work(self) -> None:
+        while (job := self.jobs.get()) is not None:
+            _run(*job)
+            job = None  # the job's arguments go now, not when the next one comes
+            with self.lock:
+                self.idle += 1
+
+    def stop(self, wait: bool = True, cancel_futures: bool = False) -> None:
+        """Ends the threads once they have run the jobs queued (cancelled, with
+        ``cancel_futures``); with ``wait``, waits for them."""
+        with self.lock:
+            first, self.closed = not self.closed, True
+            ends = 0
+            while cancel_futures:
+                try:
+                    job = self.jobs.get_nowait()
+                except queue.Empty:
+                    break
+                if job is None:
+                    ends += 1
+                else:
+                    job[0].cancel()
+            for _ in range(ends):
+                self.jobs.put(None)
+            if first:
+                for _ in self.threads:
+                    self.jobs.put(None)
+        if wait:
+            for thread in self.threads:
+                if thread is not threading.current_thread():
+                    thread.join()
+
+
+def _run(future: Future[Any], fn: Callable[[], Any]) -> None:
+    if not future.set_running_or_notify_cancel():
+        return
+    try:
+        result = fn()
+    except BaseException as e:
+        future.set_exception(e)
+    else:
+        future.set_result(result)

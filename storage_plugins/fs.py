@@ -17,12 +17,17 @@ import stat
 import threading
 import uuid
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from itertools import islice
 from typing import Any, TypeVar
 
 from storage_plugins import host
-from storage_plugins.base import BlobTooLargeError, Buffer, StoragePlugin, UnsafeBlobError
+from storage_plugins.base import (
+    BlobTooLargeError,
+    Buffer,
+    DaemonThreadPool,
+    StoragePlugin,
+    UnsafeBlobError,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -262,7 +267,7 @@ class FSStoragePlugin(StoragePlugin):
         self.root = os.path.abspath(os.path.expanduser(root.removeprefix("file://")))
         # The root as the user named it may be a link (their choice): resolved once, here.
         self._base = os.path.realpath(self.root)
-        self._executor = ThreadPoolExecutor(io_threads, thread_name_prefix="statesnap-fs")
+        self._executor = DaemonThreadPool(io_threads, thread_name_prefix="statesnap-fs")
         # What this plugin created (the root and its missing ancestors, outermost first; the
         # directories below the root): deleting a failed take's blobs removes them too.
         self._made_above: list[str] = []

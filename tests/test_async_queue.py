@@ -12,9 +12,8 @@ import pytest
 import torch
 
 from snapshot import Snapshot, SnapshotError, StateDict
-from snapshot._engine import runtime
 from snapshot._engine.io.async_queue import AsyncCallsQueue, AsyncRequest
-from snapshot._engine.io.staging import StagingPool
+from snapshot._engine.io.staging import StagingPool, process_pool
 from snapshot.options import Options
 from tests.plugins import gated_storage
 
@@ -102,7 +101,7 @@ def _state(seed: int) -> StateDict:
 
 
 def test_later_async_snapshots_reuse_the_staging_buffers(tmp_path):
-    pool = runtime.get().staging_pool(Options().resolved())  # the one async_take uses
+    pool = process_pool(Options().resolved())  # the one async_take uses
     pool.clear()
     state = _state(0)
     allocated = []

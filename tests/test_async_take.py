@@ -20,6 +20,7 @@ from snapshot import (
     StorageError,
 )
 from snapshot._engine import runtime
+from snapshot._engine.io.staging import process_pool
 from snapshot._engine.take.take import TakeJob
 from storage_plugins import register_storage_plugin, unregister_storage_plugin
 from storage_plugins.fs import FSStoragePlugin
@@ -229,18 +230,16 @@ def test_async_staging_handles_every_kind_of_tensor(tmp_path):
     assert all(o % 16 == 0 for o in offsets)
 
 
-def _slow_copies(monkeypatch, threads: list[str], fail: int | None = None):
+def _slow_copies(monkeypatch, fail: int | None = None):
     """Makes each copy of a large tensor into a staging buffer wait 0.1 s first (a write
-    that started before the copy landed would write what the buffer held before), records
-    the thread it ran on, and with ``fail``, raises in the copy of a tensor of that many
-    bytes."""
+    that started before the copy landed would write what the buffer held before), and with
+    ``fail``, raises in the copy of a tensor of that many bytes."""
     from snapshot._engine.io import stage
 
     original = stage.copy_payload
 
     def copy(p, buf, pos):
-        if p.nbytes >= stage._OFFLOAD_MIN:
-            threads.append(threading.current_thread().name)
+        if p.nbytes >= 4 << 20:
             time.sleep(0.1)
             if p.nbytes == fail:
                 raise RuntimeError("copy failed")
@@ -250,14 +249,10 @@ def _slow_copies(monkeypatch, threads: list[str], fail: int | None = None):
 
 
 @pytest.mark.parametrize("budget", [None, 20 * 1024 * 1024])
-def test_large_tensors_are_copied_off_the_callers_thread_and_whole_when_the_call_returns(
-    tmp_path, monkeypatch, budget
-):
-    """Large tensors are copied on the copier thread while the caller stages the rest; the
-    call returns only once they are copied, and no write starts before its copy landed (with
-    a budget below the state, writes start during the call)."""
-    threads: list[str] = []
-    _slow_copies(monkeypatch, threads)
+def test_large_tensors_are_whole_when_the_call_returns(tmp_path, monkeypatch, budget):
+    """The call returns only once large tensors are copied, and no write starts before its
+    copy landed (with a budget below the state, writes start during the call)."""
+    _slow_copies(monkeypatch)
     # 12 MiB each, random: a pooled buffer never holds these bytes from an earlier take.
     big = {f"big{i}": torch.randn(3 << 20) for i in range(4)}
     small = {f"small{i}": torch.full((100,), float(i)) for i in range(50)}
@@ -268,20 +263,16 @@ def test_large_tensors_are_copied_off_the_callers_thread_and_whole_when_the_call
     for t in state.values():
         t.fill_(-1)
     snap = pending.wait(timeout=60)
-    assert threads == ["statesnap-stage_0"] * 4
     out = StateDict()
     snap.restore({"s": out})
     for k, v in expected.items():
         assert torch.equal(out[k], v), k
 
 
-def test_a_failed_copy_off_the_callers_thread_fails_the_call_and_frees_its_buffers(
-    tmp_path, monkeypatch
-):
-    threads: list[str] = []
-    _slow_copies(monkeypatch, threads, fail=12 << 20)
+def test_a_failed_copy_fails_the_call_and_frees_its_buffers(tmp_path, monkeypatch):
+    _slow_copies(monkeypatch, fail=12 << 20)
     state = StateDict(a=torch.ones(1 << 20), b=torch.ones(3 << 20), c=torch.ones(10))
-    pool = runtime.get().staging_pool(Options())
+    pool = process_pool(Options())
     leased = pool.leased_bytes
     with pytest.raises(RuntimeError, match="copy failed"):
         Snapshot.async_take(str(tmp_path / "s"), {"s": state})
@@ -294,8 +285,8 @@ def test_a_failed_copy_off_the_callers_thread_fails_the_call_and_frees_its_buffe
 
 
 def test_without_the_copier_thread_the_call_copies_and_hands_over_itself(tmp_path, monkeypatch):
-    """At interpreter shutdown no thread takes new work: the call then copies large tensors
-    and hands its writes over on its own thread."""
+    """When the thread that hands writes over takes no work (shut down), the call hands its
+    writes over on its own thread."""
     from concurrent.futures import ThreadPoolExecutor
 
     closed = ThreadPoolExecutor(1)

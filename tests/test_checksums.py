@@ -23,7 +23,13 @@ from hypothesis import strategies as st
 
 from manifest import ObjectEntry, TensorEntry
 from snapshot import ChecksumError, CorruptSnapshotError, Options, Snapshot, StateDict
-from snapshot._engine.format.checksum import LocationCheck, RangeDigest, WholeCheck, combine, crc32
+from snapshot._engine.format.serialization import (
+    LocationCheck,
+    RangeDigest,
+    WholeCheck,
+    combine,
+    crc32,
+)
 from tests.helpers import assert_same
 from tests.plugins import plain_blob
 
@@ -103,10 +109,10 @@ def test_range_digest_when_pieces_are_the_ranges(sizes, chosen):
     cuts=st.lists(st.integers(0, 400), max_size=4),
     group=st.integers(1, 12),
 )
-def test_range_digest_told_the_segments(sizes, chosen, cuts, group):
-    """Told the buffers the stream is cut into and which are ranges (a read's segments and
-    their checks), the digest gives the same CRCs: in bulk while the pieces are those
-    buffers, and by the ranges once a piece is not (a short read, an empty buffer skipped)."""
+def test_range_digest_in_bulk_over_any_cut(sizes, chosen, cuts, group):
+    """The buffers of a read (its segments, some of them ranges) shown in bulk, in any grouping,
+    and the same stream cut at other places (a short read, an empty buffer skipped): the same
+    CRCs."""
     data = random.Random(len(sizes)).randbytes(sum(sizes))
     bounds = list(itertools.accumulate(sizes, initial=0))
     segments = [(x, y - x) for x, y in itertools.pairwise(bounds)]
@@ -114,31 +120,26 @@ def test_range_digest_told_the_segments(sizes, chosen, cuts, group):
     ranges = [r for r, keep in zip(segments, mask, strict=True) if keep]
     expected = [zlib.crc32(data[o : o + n]) for o, n in ranges]
     views = [memoryview(data[o : o + n]) for o, n in segments if n]  # reads skip empty ones
-    # The same stream, also cut at other places (pieces that are not the buffers).
     points = sorted({*bounds, *(c % (len(data) + 1) for c in cuts)})
     cut = [memoryview(data[x:y]) for x, y in itertools.pairwise(points) if y > x]
     for pieces in (views, cut):
-        digest = RangeDigest(ranges, ([n for _, n in segments], mask))
+        digest = RangeDigest(ranges)
         for at in range(0, len(pieces), group):
             digest.many(pieces[at : at + group])
         assert digest.values == expected
 
 
-def test_range_digest_takes_the_segments_in_one_pass():
-    """A read of a slab's members with padding between them, in calls of many buffers: the
-    members' CRCs come from the lengths alone, with no search among the pieces."""
+def test_range_digest_of_slab_members_with_padding():
+    """A read of a slab's members with padding between them, in calls of many buffers."""
     rng = random.Random(3)
     members = [rng.randbytes(100) for _ in range(50)]
-    pieces, sizes, mask = [], [], []
+    pieces = []
     for m in members:
         pieces += [memoryview(m), memoryview(bytes(12))]
-        sizes += [100, 12]
-        mask += [True, False]
     ranges = [(112 * i, 100) for i in range(50)]
-    digest = RangeDigest(ranges, (sizes, mask))
+    digest = RangeDigest(ranges)
     digest.many(pieces[:40])
     digest.many(pieces[40:])
-    assert digest._sizes is not None  # the lengths matched every time
     assert digest.values == [zlib.crc32(m) for m in members]
 
 
@@ -295,25 +296,15 @@ def test_a_flipped_byte_in_any_location_is_a_checksum_error(tmp_path, where):
     assert_same(out["m"]["big"], _state()["m"]["big"])
 
 
-def test_a_flipped_member_of_a_large_slab_is_named(tmp_path, monkeypatch):
-    """A slab of hundreds of members read into their targets: the members' CRCs come in bulk,
-    by the segments' lengths (the digest is told the read's segments), and a damaged member is
-    still the one named, whichever it is."""
+def test_a_flipped_member_of_a_large_slab_is_named(tmp_path):
+    """A slab of hundreds of members read into their targets: a damaged member is the one
+    named, whichever it is."""
     path = str(tmp_path / "s")
     state = {f"t{i}": torch.full((50 + i % 7,), float(i)) for i in range(300)}
     Snapshot.take(path, {"m": StateDict(state)})
-    bulk = []
-    segments = RangeDigest._as_segments
-
-    def spy(self, pieces):
-        bulk.append(segments(self, pieces))
-        return bulk[-1]
-
-    monkeypatch.setattr(RangeDigest, "_as_segments", spy)
     out = {f"t{i}": torch.zeros_like(t) for i, t in enumerate(state.values())}
     Snapshot(path).restore({"m": StateDict(out)})
     assert all(torch.equal(out[k], state[k]) for k in state)
-    assert bulk and all(bulk)  # every call of many pieces went by the segments
     locs = {p: e.locations[0] for p, e in Snapshot(path).get_manifest().items() if "/t" in p}
     for name in ("t0", "t151", "t299"):
         loc = locs[f"0/m/{name}"]

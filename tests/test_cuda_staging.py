@@ -22,7 +22,7 @@ import torch
 from snapshot import Snapshot, SnapshotError, StateDict
 from snapshot._engine import runtime
 from snapshot._engine.io.stage import stager
-from snapshot._engine.io.staging import StagingPool
+from snapshot._engine.io.staging import StagingPool, process_pool
 from snapshot._engine.take.drafts import Layout
 from snapshot._engine.take.placement import Placer
 from snapshot._engine.take.plan import collect
@@ -39,8 +39,8 @@ from tests.plugins import GATE, gated_storage
 def pool():
     """A new process pool for the test: the test runs in a runtime of its own (the process's
     own is put back after it)."""
-    with runtime.use() as rt:
-        yield rt.staging_pool(Options().resolved())
+    with runtime.use():
+        yield process_pool(Options().resolved())
 
 
 # A budget of 1 MiB, and a blob (and a lease) per tensor.

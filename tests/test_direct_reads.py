@@ -12,8 +12,7 @@ import torch
 
 from manifest import Location
 from snapshot import Options, Snapshot, StateDict
-from snapshot._engine.format.checksum import WholeCheck
-from snapshot._engine.format.serialization import raw_memoryviews
+from snapshot._engine.format.serialization import WholeCheck, raw_memoryviews
 from snapshot._engine.restore.direct_reads import DirectReads
 from snapshot._engine.restore.reads import Need, coalesce, direct_need
 from snapshot.errors import ChecksumError

@@ -333,7 +333,7 @@ def test_a_reference_in_a_manifest_older_than_version_5_is_unsafe(tmp_path):
 
 
 def test_the_local_plugin_refuses_dot_dot_itself(tmp_path):
-    from snapshot._engine.io.io_loop import run
+    from snapshot._engine.runtime import run
     from storage_plugins import UnsafeBlobError
     from storage_plugins.fs import FSStoragePlugin
 

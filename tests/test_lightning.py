@@ -32,8 +32,8 @@ def _lightning() -> Any:
 pl = _lightning()
 
 from snapshot import Snapshot, StateDict  # noqa: E402
-from snapshot._engine.io.io_loop import run  # noqa: E402
 from snapshot._engine.io.storage_calls import open_storage  # noqa: E402
+from snapshot._engine.runtime import run  # noqa: E402
 from snapshot.errors import InvalidArgumentError, SnapshotError  # noqa: E402
 from snapshot.integrations import lightning as integration  # noqa: E402
 from snapshot.integrations.lightning import (  # noqa: E402

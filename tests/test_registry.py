@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from snapshot import Snapshot, StateDict, StorageError
-from snapshot._engine.io.io_loop import run
+from snapshot._engine.runtime import run
 from storage_plugins import register_storage_plugin, unregister_storage_plugin
 from storage_plugins.fs import FSStoragePlugin
 from storage_plugins.fsspec_plugin import FSSpecStoragePlugin

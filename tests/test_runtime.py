@@ -1,5 +1,5 @@
 """The process's runtime: one object holding the library's process-wide state, its one shutdown
-path, and the check of who wrote a snapshot's parts (``snapshot._engine.format.writers``)."""
+path, and the check of who wrote a snapshot's parts (``snapshot._engine.format.serialization``)."""
 
 from __future__ import annotations
 
@@ -8,21 +8,29 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any, TypeVar
 
 import pytest
 import torch
 
 from snapshot import IncompatibleSnapshotError, Snapshot, StateDict
 from snapshot._engine import runtime
-from snapshot._engine.format import writers
+from snapshot._engine.format import serialization as writers
 from snapshot._engine.io.async_queue import AsyncRequest
-from snapshot._engine.io.io_loop import io_loop, run
+from snapshot._engine.io.staging import process_pool
+from snapshot._engine.runtime import io_loop, run
 from snapshot.options import Options
+from storage_plugins.base import DaemonThreadPool
+from storage_plugins.fs import FSStoragePlugin
 from storage_plugins.memory import MemoryStoragePlugin
 
 ROOT = Path(__file__).resolve().parent.parent
 OPTS = Options().resolved()
+_T = TypeVar("_T")
 
 
 class ClosingPlugin(MemoryStoragePlugin):
@@ -37,7 +45,7 @@ def test_one_runtime_per_process_with_parts_made_once():
     rt = runtime.get()
     assert runtime.get() is rt
     assert rt.queue() is rt.queue()
-    assert rt.staging_pool(OPTS) is rt.staging_pool(OPTS.replace(memory_budget_bytes=1))
+    assert process_pool(OPTS) is process_pool(OPTS.replace(memory_budget_bytes=1)) is rt.pool
     assert rt.digest_pool(2) is rt.digest_pool(2)
     assert io_loop() is rt.loop()
 
@@ -81,8 +89,8 @@ def test_io_after_shutdown_starts_a_new_loop_and_keeps_no_plugin():
 
 
 def test_the_exit_hook_waits_for_pending_snapshots_and_closes_kept_plugins_first(tmp_path):
-    """One hook, run before the application's atexit handlers: the pending snapshot is
-    committed, and the kept plugin closed, by the time they run."""
+    """One ``atexit`` hook, run before the handlers registered before the library's first use:
+    the pending snapshot is committed, and the kept plugin closed, by the time they run."""
     path = tmp_path / "s"
     script = textwrap.dedent(
         f"""
@@ -111,6 +119,64 @@ def test_the_exit_hook_waits_for_pending_snapshots_and_closes_kept_plugins_first
     assert int(lines[1].split()[2]) >= 2  # the take's plugin, and the kept one
     assert torch.equal(Snapshot(str(path)).read_object("0/s/t"), torch.arange(100_000))
     assert "Task was destroyed" not in done.stderr
+
+
+def test_a_daemon_thread_pool_is_a_thread_pool_executor():
+    pool = DaemonThreadPool(2, thread_name_prefix="t")
+    assert isinstance(pool, ThreadPoolExecutor)
+    gate = threading.Event()
+    names = [pool.submit(lambda: (gate.wait(5), threading.current_thread())) for _ in range(3)]
+    gate.set()
+    threads = {f.result(5)[1] for f in names}
+    assert len(threads) <= 2 and all(t.daemon and t.name.startswith("t_") for t in threads)
+    assert list(pool.map(lambda x: x * 2, range(5))) == [0, 2, 4, 6, 8]
+    with pytest.raises(ZeroDivisionError):
+        pool.submit(lambda: 1 / 0).result(5)
+    gate.clear()
+    busy = pool.submit(gate.wait, 5)
+    while not busy.running():
+        time.sleep(0.01)
+    queued = [pool.submit(gate.wait, 5) for _ in range(3)]
+    pool.shutdown(wait=False, cancel_futures=True)
+    assert all(f.cancelled() for f in queued[1:])  # the one left waiting for a thread, at least
+    with pytest.raises(RuntimeError, match="after shutdown"):
+        pool.submit(print)
+    gate.set()
+    assert busy.result(5) is True
+    pool.shutdown()
+    assert not any(t.is_alive() for t in threads)
+
+
+class LateFS(FSStoragePlugin):
+    """Local storage whose every blocking call comes late, once the interpreter is exiting, and
+    goes through the loop's default executor and ``getaddrinfo`` first."""
+
+    async def _run(self, fn: Callable[..., _T], *args: Any) -> _T:
+        await asyncio.sleep(0.05)
+        await asyncio.to_thread(lambda: None)
+        await asyncio.get_running_loop().getaddrinfo("localhost", 80)
+        return await super()._run(fn, *args)
+
+
+def test_a_snapshot_pending_at_exit_still_gets_threads_for_its_io(tmp_path):
+    """The exit hook runs after ``concurrent.futures`` has shut its thread pools down: the I/O
+    that a pending snapshot starts then still runs (the plugin's pool, the default executor)."""
+    script = textwrap.dedent(
+        f"""
+        import torch
+        from snapshot import Snapshot, StateDict
+        from storage_plugins import register_storage_plugin
+        from tests.test_runtime import LateFS
+        register_storage_plugin("late", lambda url, options=None: LateFS(url[7:], options))
+        Snapshot.async_take("late://" + {str(tmp_path / "s")!r}, {{"s": StateDict(t=torch.ones(9))}})
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=ROOT
+    )
+    assert done.returncode == 0, done.stderr
+    assert "Error" not in done.stderr, done.stderr
+    assert torch.equal(Snapshot(str(tmp_path / "s")).read_object("0/s/t"), torch.ones(9))
 
 
 def test_writers_recorded_and_checked(tmp_path):

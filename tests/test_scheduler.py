@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from snapshot import CorruptSnapshotError, Snapshot, StateDict, StorageError
-from snapshot._engine.io.budget import ByteBudget
-from snapshot._engine.io.io_loop import io_loop, run
 from snapshot._engine.io.pipeline import WritePipeline, read_all
 from snapshot._engine.io.requests import ReadRequest, Segment, WriteRequest
+from snapshot._engine.io.stage import ByteBudget
 from snapshot._engine.io.staging import StagingPool
+from snapshot._engine.runtime import io_loop, run
 from snapshot.options import Options
 from storage_plugins.memory import MemoryStoragePlugin
 
@@ -159,17 +159,13 @@ def test_a_released_lease_holds_no_memory():
     assert pool.free_bytes == 0
 
 
-def test_only_a_new_block_is_fresh_and_touching_it_faults_it_in():
+def test_a_released_block_is_lent_again_as_it_is():
     pool = StagingPool(keep_bytes=1 << 30)
     lease = pool.acquire(1 << 20)
-    assert lease.fresh
-    lease.touch()
-    assert not lease.fresh and not lease.tensor.any()
     lease.view[:4] = b"\x01\x02\x03\x04"
     lease.release()
     again = pool.acquire(1 << 20)  # the same size class: the kept block, not a new one
-    assert not again.fresh and pool.allocated_bytes == StagingPool.size_class(1 << 20)
-    again.touch()  # a reused block is left as it is
+    assert pool.allocated_bytes == StagingPool.size_class(1 << 20)
     assert bytes(again.view[:4]) == b"\x01\x02\x03\x04"
     again.release()
 
@@ -342,7 +338,7 @@ def test_take_restore_and_manifest_reads_log_their_phases(tmp_path, caplog):
 def test_collector_pause_nests_across_threads():
     import gc
 
-    from snapshot._engine.context import gc_paused
+    from snapshot._engine.runtime import gc_paused
 
     assert gc.isenabled()
     inner_done = threading.Event()

@@ -15,9 +15,9 @@ def staging_figures() -> tuple[int, int, int]:
     take would compute now, counting the pool's free blocks as available)."""
     try:  # the process's runtime holds the pool
         from snapshot import Options
-        from snapshot._engine import runtime
+        from snapshot._engine.io import staging
 
-        pool = runtime.get().staging_pool(Options.from_env())
+        pool = staging.process_pool(Options.from_env())
     except ImportError:
         try:
             from snapshot._engine.io.staging import default_pool

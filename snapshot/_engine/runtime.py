@@ -1,58 +1,53 @@
-"""The process-wide state of the library, in one object, and its one shutdown path.
+"""The process-wide state of the library, in one object, its one shutdown path, and what
+surrounds every operation (the I/O loop, errors naming their snapshot, the paused collector).
 
 ``get()`` is the process's ``Runtime``, made on first use (and made anew in a forked child: a
-child shares none of its parent's threads, so it starts with state of its own). It owns:
+child shares none of its parent's threads). It owns:
 
-- the I/O loop: one event loop on a background thread ("statesnap-io") that every storage call
-  runs on, so that callers need no loop of their own and can call the library from inside one
-  (``io_loop``: ``run``, ``spawn``, ``join``);
-- the tasks nobody awaits (a dropped write pipeline winding down), held until done: the loop
-  itself keeps only weak references to its tasks;
-- the storage plugins kept open between operations (``kept``);
-- the queue that runs async takes' background work in order (``queue``);
-- the staging pool and budget of async take (``staging_pool``);
-- the gloo groups the library coordinates on, per caller group (``gloo_groups``, ``dist``),
-  and the process's heartbeat that lets its peers tell it alive (``heartbeat``, ``liveness``);
-- the threads that digest payloads for replication (``digest_pool``).
+- the I/O loop: one event loop on a daemon thread ("statesnap-io") that every storage call runs
+  on, so that callers need no loop of their own and can call the library from inside one
+  (``run``, ``spawn``, ``join``); and the tasks nobody awaits, held until done (``hold``);
+- the storage plugins kept open between operations (``KeptPlugins``);
+- the queue that runs async takes' background work in order (``queue``), the staging pool of
+  async take (``pool``, made by ``staging.process_pool``) and the thread that hands an async
+  take's writes over (``copier``);
+- the gloo groups the library coordinates on (``gloo_groups``), the heartbeat that lets peers
+  tell this process alive (``heartbeat``), the threads that digest payloads (``digest_pool``).
 
-At exit, one hook (``shutdown``) waits for the pending async takes, ends the tasks left on the
-loop, closes the kept plugins and stops the loop, in that order.
+At exit, one ``atexit`` hook (``shutdown``) waits for the pending async takes, ends the tasks
+left on the loop, closes the kept plugins and stops the loop, in that order. It runs after
+``concurrent.futures`` has shut every standard thread pool down, while the pending takes' I/O
+still needs threads: every pool on their way, the loop's default executor (``to_thread``,
+``getaddrinfo``) included, is a ``storage_plugins.base.DaemonThreadPool``, which keeps working.
 """
 
 from __future__ import annotations
 
 import asyncio
 import atexit
+import concurrent.futures
 import contextlib
+import gc
+import json
 import logging
 import os
 import threading
-from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Coroutine, Iterator
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from snapshot._engine.dist.liveness import Heartbeat
+from snapshot._engine.format.text import printable_message
 from snapshot._engine.io.async_queue import AsyncCallsQueue
-from snapshot._engine.io.kept import KeptPlugins
-from snapshot._engine.io.staging import StagingPool
+from snapshot.errors import RankFailedError, SnapshotError
+from storage_plugins import StoragePlugin
+from storage_plugins.base import DaemonThreadPool
 
 if TYPE_CHECKING:
-    from snapshot.options import Options
+    from snapshot._engine.io.staging import StagingPool
 
 logger = logging.getLogger(__name__)
 
-
-class LoopThread:
-    """An event loop running for ever on a daemon thread of its own."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self._run, name="statesnap-io", daemon=True)
-        self.thread.start()
-
-    def _run(self) -> None:
-        asyncio.set_event_loop(self.loop)
-        self.loop.run_forever()
+_T = TypeVar("_T")
 
 
 class Runtime:
@@ -60,12 +55,14 @@ class Runtime:
 
     def __init__(self) -> None:
         self.pid = os.getpid()
-        self._lock = threading.Lock()
-        self._loop: LoopThread | None = None
+        self.lock = threading.Lock()  # guards the parts made on first use
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
         self._queue: AsyncCallsQueue | None = None
-        self._pool: StagingPool | None = None
-        self._digests: ThreadPoolExecutor | None = None
-        self._copier: ThreadPoolExecutor | None = None
+        self.pool: StagingPool | None = None  # set by ``staging.process_pool``, under ``lock``
+        self._digests: DaemonThreadPool | None = None
+        self._copier: DaemonThreadPool | None = None
+        self._heartbeat: Heartbeat | None = None
         self._shut_down = False
         # Touched on the I/O loop only.
         self.kept = KeptPlugins()
@@ -73,25 +70,27 @@ class Runtime:
         # Per caller group (by id, holding the group so the id stays its own) and use
         # (background or not), the gloo group the library coordinates on.
         self.gloo_groups: dict[tuple[int, bool], tuple[Any, Any, Any]] = {}
-        self._heartbeat: Heartbeat | None = None
-
-    # -- the I/O loop ----------------------------------------------------------------------
 
     def loop(self) -> asyncio.AbstractEventLoop:
         """The I/O loop, started on first use (and again if it was stopped: an operation run
         after ``shutdown``, by an exit hook of the application's, still runs)."""
-        with self._lock:
-            if self._loop is None or not self._loop.thread.is_alive():
-                self._loop = LoopThread()
-            return self._loop.loop
+        with self.lock:
+            if self._loop is None or self._thread is None or not self._thread.is_alive():
+                loop = self._loop = asyncio.new_event_loop()
+                loop.set_default_executor(DaemonThreadPool(thread_name_prefix="statesnap-blocking"))
+                self._thread = threading.Thread(
+                    target=_run_forever, args=(loop,), name="statesnap-io", daemon=True
+                )
+                self._thread.start()
+            return self._loop
 
     def on_loop_thread(self) -> bool:
         """Whether the calling thread is the I/O loop's."""
-        return self._loop is not None and threading.current_thread() is self._loop.thread
+        return threading.current_thread() is self._thread
 
-    def _live_loop(self) -> LoopThread | None:
-        loop = self._loop
-        return loop if loop is not None and loop.thread.is_alive() else None
+    def _live_loop(self) -> asyncio.AbstractEventLoop | None:
+        alive = self._thread is not None and self._thread.is_alive()
+        return self._loop if alive else None
 
     def hold(self, task: asyncio.Task[Any]) -> None:
         """Keeps ``task`` (on the I/O loop, that nobody awaits) alive until it is done."""
@@ -104,47 +103,36 @@ class Runtime:
         would close them)."""
         return not self._shut_down
 
-    # -- the parts made on first use -------------------------------------------------------
-
     def queue(self) -> AsyncCallsQueue:
         """The queue for async snapshots; the process waits for it before exiting."""
-        with self._lock:
+        with self.lock:
             if self._queue is None:
                 self._queue = AsyncCallsQueue()
             return self._queue
 
-    def staging_pool(self, options: Options) -> StagingPool:
-        """The staging pool, made keeping up to ``options.budget()`` of free blocks; its
-        ``budget`` is the staging budget every async take of the process shares (each take
-        sets it to its own budget, ``StagingPool.share``)."""
-        with self._lock:
-            if self._pool is None:
-                self._pool = StagingPool(keep_bytes=options.budget())
-            return self._pool
-
     def heartbeat(self, global_rank: int, rank_timeout: float) -> Heartbeat:
         """This process's heartbeat, started on first use, beating often enough for
         ``rank_timeout``."""
-        with self._lock:
+        with self.lock:
             if self._heartbeat is None:
                 self._heartbeat = Heartbeat(global_rank, rank_timeout)
             else:
                 self._heartbeat.tighten(rank_timeout)
             return self._heartbeat
 
-    def copier(self) -> ThreadPoolExecutor:
-        """The thread that runs async take's copies of large host tensors into staging
-        buffers while the caller stages the rest (``stage._Pooled``)."""
-        with self._lock:
+    def copier(self) -> DaemonThreadPool:
+        """The thread that hands an async take's staged writes over to the I/O loop while its
+        call returns (``take.release_writes``)."""
+        with self.lock:
             if self._copier is None:
-                self._copier = ThreadPoolExecutor(1, thread_name_prefix="statesnap-stage")
+                self._copier = DaemonThreadPool(1, thread_name_prefix="statesnap-stage")
             return self._copier
 
-    def digest_pool(self, threads: int) -> ThreadPoolExecutor:
+    def digest_pool(self, threads: int) -> DaemonThreadPool:
         """The threads that digest payloads (replication), ``threads`` of them."""
-        with self._lock:
+        with self.lock:
             if self._digests is None:
-                self._digests = ThreadPoolExecutor(threads, thread_name_prefix="statesnap-digest")
+                self._digests = DaemonThreadPool(threads, thread_name_prefix="statesnap-digest")
             return self._digests
 
     # -- shutdown --------------------------------------------------------------------------
@@ -153,14 +141,11 @@ class Runtime:
         """Closes every plugin kept open for a next operation."""
         loop = self._live_loop()
         if loop is not None and len(self.kept):
-            asyncio.run_coroutine_threadsafe(self.kept.close_all(), loop.loop).result()
+            asyncio.run_coroutine_threadsafe(self.kept.close_all(), loop).result()
 
     def end_leftover_tasks(self, timeout: float = 5.0) -> None:
-        """Cancels the tasks still pending on the I/O loop, and waits ``timeout`` seconds at
-        most for them to end. The loop's thread is a daemon, stopped mid-step when the
-        interpreter ends, and a task still pending then is destroyed with a warning on
-        stderr; at exit the pending snapshots have been waited for by then, so what is left
-        belongs to nobody."""
+        """Cancels the tasks still pending on the I/O loop (each would otherwise be destroyed
+        with a warning at exit), and waits ``timeout`` seconds at most for them to end."""
         loop = self._live_loop()
         if loop is None:
             return
@@ -173,24 +158,22 @@ class Runtime:
             if left:
                 await asyncio.wait(left, timeout=timeout)
 
-        asyncio.run_coroutine_threadsafe(end_all(), loop.loop).result(timeout + 1)
+        asyncio.run_coroutine_threadsafe(end_all(), loop).result(timeout + 1)
 
     def stop_loop(self, timeout: float = 5.0) -> None:
         """Stops the I/O loop and waits ``timeout`` seconds at most for its thread to end."""
-        with self._lock:
-            loop, self._loop = self._loop, None
-        if loop is None or not loop.thread.is_alive():
+        with self.lock:
+            loop, thread, self._loop, self._thread = self._loop, self._thread, None, None
+        if loop is None or thread is None or not thread.is_alive():
             return
-        loop.loop.call_soon_threadsafe(loop.loop.stop)
-        loop.thread.join(timeout)
-        if not loop.thread.is_alive():
-            loop.loop.close()
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout)
+        if not thread.is_alive():
+            loop.close()
 
     def shutdown(self) -> None:
-        """Waits for the pending async takes (committed or failed), ends the tasks left on the
-        I/O loop, closes the kept plugins, stops the loop. Each step's failure is logged, and
-        the next steps run all the same. (The digest and copier threads are idle by then:
-        concurrent.futures ends them, as it ends every thread pool's, when the process exits.)"""
+        """Waits for the pending async takes, ends the tasks left on the I/O loop, closes the
+        kept plugins, stops the loop; a step that fails is logged, and the next ones run."""
         self._shut_down = True
         queue = self._queue
         if queue is not None:
@@ -202,6 +185,11 @@ class Runtime:
         _step("stop the I/O loop", self.stop_loop)
 
 
+def _run_forever(loop: asyncio.AbstractEventLoop) -> None:
+    asyncio.set_event_loop(loop)
+    loop.run_forever()
+
+
 def _drain(queue: AsyncCallsQueue) -> None:
     if queue.get_num_unfinalized_calls():
         logger.info(
@@ -211,7 +199,7 @@ def _drain(queue: AsyncCallsQueue) -> None:
     queue.close()
 
 
-def _step(what: str, fn: Any) -> None:
+def _step(what: str, fn: Callable[[], object]) -> None:
     try:
         fn()
     except Exception:
@@ -220,24 +208,22 @@ def _step(what: str, fn: Any) -> None:
 
 _runtime: Runtime | None = None
 _runtime_lock = threading.Lock()
-_hook_registered = False
+_hooked_pid = 0
 
 
 def get() -> Runtime:
     """The process's runtime, made on first use (and in a forked child, on its first use
     there)."""
+    global _runtime, _hooked_pid
     runtime = _runtime
     if runtime is not None and runtime.pid == os.getpid():
         return runtime
-    return _make()
-
-
-def _make() -> Runtime:
-    global _runtime
     with _runtime_lock:
         if _runtime is None or _runtime.pid != os.getpid():
             _runtime = Runtime()
-            _register_exit_hook()
+            if _hooked_pid != os.getpid():  # a forked child inherits its parent's hook
+                _hooked_pid = os.getpid()
+                atexit.register(_at_exit)
         return _runtime
 
 
@@ -247,33 +233,10 @@ def _at_exit() -> None:
         runtime.shutdown()
 
 
-def _register_exit_hook() -> None:
-    """Registers ``_at_exit`` once per process (a forked child inherits its parent's).
-
-    It must run before concurrent.futures refuses new work at exit (every thread pool does
-    then, the storage plugins' included, and the pending snapshots still need them), which
-    ``atexit`` handlers run too late for. The thread-exit hooks that concurrent.futures itself
-    uses run last-registered first, and this one is registered after concurrent.futures' (this
-    module imports it), so it runs first; and before every ``atexit`` handler, the
-    application's included.
-    """
-    global _hook_registered
-    if _hook_registered:
-        return
-    _hook_registered = True
-    register = getattr(threading, "_register_atexit", None)
-    try:
-        if register is None:  # pragma: no cover - CPython has had the hook since 3.9
-            raise RuntimeError("no thread-exit hook")
-        register(_at_exit)
-    except RuntimeError:  # first used while the interpreter is already exiting
-        atexit.register(_at_exit)
-
-
 @contextlib.contextmanager
 def use(runtime: Runtime | None = None) -> Iterator[Runtime]:
-    """Makes ``runtime`` (a new one by default) the process's for the block, shuts it down at
-    the end of the block and puts the previous one back: state of its own for a test."""
+    """Makes ``runtime`` (a new one by default) the process's for the block, then shuts it down
+    and puts the previous one back: state of its own for a test."""
     global _runtime
     runtime = runtime if runtime is not None else Runtime()
     get()  # the exit hook is registered, and there is a previous runtime to put back
@@ -285,3 +248,167 @@ def use(runtime: Runtime | None = None) -> Iterator[Runtime]:
         with _runtime_lock:
             _runtime = previous
         runtime.shutdown()
+
+
+# ---------------------------------------------------------------------------------------------
+# Running work on the I/O loop.
+
+
+def io_loop() -> asyncio.AbstractEventLoop:
+    """The library's event loop, started on first use (and again in a forked child)."""
+    return get().loop()
+
+
+def run(coro: Coroutine[Any, Any, _T]) -> _T:
+    """Runs ``coro`` on the I/O loop and waits for its result, from any thread but the loop's."""
+    return join(spawn(coro))
+
+
+def spawn(coro: Coroutine[Any, Any, _T]) -> concurrent.futures.Future[_T]:
+    """Starts ``coro`` on the I/O loop, from any thread but the loop's; ``join`` waits for it
+    (the caller does other work meanwhile)."""
+    rt = get()
+    loop = rt.loop()
+    if rt.on_loop_thread():
+        coro.close()
+        raise RuntimeError("snapshot I/O called from the I/O loop itself; this would deadlock")
+    return asyncio.run_coroutine_threadsafe(coro, loop)
+
+
+def join(future: concurrent.futures.Future[_T]) -> _T:
+    """Waits for what ``spawn`` started, and gives its result or raises its error."""
+    try:
+        return future.result()
+    except BaseException:
+        future.cancel()  # KeyboardInterrupt in the caller: stop the work, don't leave it running
+        raise
+
+
+def hold(task: asyncio.Task[Any]) -> None:
+    """Keeps ``task`` alive until it is done: the loop itself keeps only weak references to
+    tasks, and a task nobody awaits could otherwise be collected mid-way."""
+    get().hold(task)
+
+
+# ---------------------------------------------------------------------------------------------
+# Storage plugins kept open between operations.
+
+# (url, storage options as canonical JSON)
+Key = tuple[str, str]
+
+
+def key_of(url: str, storage_options: dict[str, Any] | None) -> Key | None:
+    """The key a plugin for ``url`` and ``storage_options`` is kept under; None for options that
+    are objects (a session, a callback): those are not compared, so their plugins are not
+    kept."""
+    try:
+        options = json.dumps(storage_options or {}, sort_keys=True)
+    except (TypeError, ValueError):
+        return None
+    return (url, options)
+
+
+async def close_quietly(plugin: StoragePlugin) -> None:
+    """Closes ``plugin``, logging (not raising) an error: nothing depends on it any more."""
+    try:
+        await plugin.close()
+    except Exception as e:
+        logger.warning("closing storage plugin %r failed: %s: %s", plugin, type(e).__name__, e)
+
+
+class KeptPlugins:
+    """The plugins kept open, by key, each with the timer that closes it (on the I/O loop only):
+    a plugin whose class sets ``keep_open`` (S3's client is expensive to make) is kept after a
+    successful operation for the next one on the same URL and storage options."""
+
+    def __init__(self) -> None:
+        self._kept: dict[Key, tuple[StoragePlugin, asyncio.TimerHandle]] = {}
+
+    def __len__(self) -> int:
+        return len(self._kept)
+
+    async def reclaim(self, key: Key) -> StoragePlugin | None:
+        """The plugin kept under ``key``, taken out of the table (it forgets what it learned
+        about the store: the next operation may find it changed); None when there is none."""
+        kept = self._kept.pop(key, None)
+        if kept is None:
+            return None
+        plugin, timer = kept
+        timer.cancel()
+        plugin.forget()
+        return plugin
+
+    async def keep(self, key: Key, plugin: StoragePlugin, secs: float) -> None:
+        """Keeps ``plugin`` under ``key`` for ``secs`` seconds, then closes it."""
+        previous = self._kept.pop(key, None)
+        if previous is not None:  # two operations on one path at once: keep the later one
+            previous[1].cancel()
+            await close_quietly(previous[0])
+        loop = asyncio.get_running_loop()
+        timer = loop.call_later(secs, lambda: loop.create_task(self._expire(key, plugin)))
+        self._kept[key] = (plugin, timer)
+
+    async def _expire(self, key: Key, plugin: StoragePlugin) -> None:
+        kept = self._kept.get(key)
+        if kept is not None and kept[0] is plugin:
+            del self._kept[key]
+            await close_quietly(plugin)
+
+    async def close_all(self) -> None:
+        """Closes every plugin kept open (at exit, or to release them now)."""
+        while self._kept:
+            _, (plugin, timer) = self._kept.popitem()
+            timer.cancel()
+            await close_quietly(plugin)
+
+
+# ---------------------------------------------------------------------------------------------
+# What surrounds an operation.
+
+
+@contextlib.contextmanager
+def naming_snapshot(where: str) -> Iterator[None]:
+    """Errors about an entry (which name its logical path) also name the snapshot they were
+    met in."""
+    try:
+        yield
+    except SnapshotError as e:
+        if isinstance(e, RankFailedError):
+            raise
+        text = str(e)
+        named = text if where in text else f"snapshot {where}: {text}"
+        # Escaped: a traceback or a log line shows a hostile key's control characters (from
+        # the manifest) instead of obeying them.
+        shown = printable_message(named)
+        if shown == text:
+            raise
+        raise type(e)(shown) from e.__cause__
+
+
+_gc_lock = threading.Lock()
+_gc_depth = 0
+_gc_was_enabled = False
+
+
+class gc_paused:  # used as a function: ``with gc_paused():``
+    """Pauses the cyclic garbage collector while a phase builds many small acyclic objects
+    (planning or decoding 100,000 entries), which would otherwise trigger full collections of
+    every object of the process; it resumes, as it was, when the last overlapping phase (any
+    thread) ends."""
+
+    __slots__ = ()
+
+    def __enter__(self) -> None:
+        global _gc_depth, _gc_was_enabled
+        with _gc_lock:
+            if _gc_depth == 0:
+                _gc_was_enabled = gc.isenabled()
+                gc.disable()
+            _gc_depth += 1
+
+    def __exit__(self, *exc: object) -> None:
+        global _gc_depth
+        with _gc_lock:
+            _gc_depth -= 1
+            if _gc_depth == 0 and _gc_was_enabled:
+                gc.enable()

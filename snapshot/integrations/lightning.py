@@ -36,9 +36,9 @@ from typing import Any
 import torch
 
 from snapshot._engine import arguments
-from snapshot._engine.io.io_loop import run
 from snapshot._engine.io.storage_calls import open_storage
 from snapshot._engine.manager.steps import delete_snapshot, join, local_path, survey
+from snapshot._engine.runtime import run
 from snapshot._engine.take.commit import MANIFEST_NAME
 from snapshot.errors import InvalidArgumentError, SnapshotError, StorageError, UnsafeSnapshotError
 from snapshot.options import Options, resolve

@@ -4,7 +4,7 @@ A strategy saves or loads one part of a checkpoint: the *sharded* part or the *c
 (everything else), in the format ``(backend, version)``; the registry maps ``(action, backend,
 version)`` to the default strategy. A snapshot records who wrote each part, and a restore has
 the registered load strategy check it can read that (this module installs the check in the
-engine: ``writers.set_check``). The layer calls the facade and the engine, never the reverse.
+engine: ``serialization.set_check``). The layer calls the facade and the engine, never the reverse.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from snapshot._engine.format import writers
+from snapshot._engine.format import serialization as writers
 from snapshot._engine.io.async_queue import AsyncRequest
 from snapshot.errors import IncompatibleSnapshotError
 

@@ -10,7 +10,7 @@ from typing import Any
 
 from manifest import Manifest, ShardedObjectEntry, ShardedTensorEntry
 from snapshot._engine import arguments
-from snapshot._engine.format import writers
+from snapshot._engine.format import serialization as writers
 from snapshot._engine.format.manifest_io import load_manifest
 from snapshot._engine.format.serialization import dtype_from_name
 from snapshot._engine.io.async_queue import AsyncRequest

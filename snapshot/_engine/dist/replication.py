@@ -26,8 +26,7 @@ import torch
 
 from manifest import PrimitiveEntry, TensorEntry
 from snapshot._engine import runtime
-from snapshot._engine.format.checksum import combine, crc32
-from snapshot._engine.format.serialization import gather_elements
+from snapshot._engine.format.serialization import combine, crc32, gather_elements
 from snapshot._engine.take.drafts import Layout, ObjectDraft, Payload, TensorDraft, WholeTensor
 from snapshot._engine.take.placement import Placer, Recorder, Stager
 from snapshot._engine.take.plan import Collected

@@ -1,20 +1,31 @@
-"""Bytes of tensors and objects: the dtype table, zero-copy tensor views, the object codec."""
+"""The stored bytes and their format: the dtype table, byte views of tensor memory and what
+that memory can be trusted for, the object codec, CRC-32 checksums, and which writer's format a
+snapshot holds.
+"""
 
 from __future__ import annotations
 
 import codecs
 import ctypes
+import importlib
 import io
 import pickle
 import re
-import sys
 import types
-from itertools import repeat
-from operator import add, sub
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, ClassVar
 
+import numpy as np
 import torch
+from isal import isal_zlib
 
-from snapshot.errors import CorruptSnapshotError, IncompatibleSnapshotError, UnsafeObjectError
+from manifest import Location
+from snapshot.errors import (
+    ChecksumError,
+    CorruptSnapshotError,
+    IncompatibleSnapshotError,
+    UnsafeObjectError,
+)
 
 # Every dtype this torch build knows, by the name the manifest records ("float32", "bfloat16").
 DTYPES: dict[str, torch.dtype] = {
@@ -57,48 +68,42 @@ def dtype_from_name(name: str, where: str) -> torch.dtype:
         ) from None
 
 
-_memory_view = ctypes.pythonapi.PyMemoryView_FromMemory
-_memory_view.argtypes = (ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int)
-_memory_view.restype = ctypes.py_object
-_PYBUF_WRITE = 0x200
+def tensor_memoryview(t: torch.Tensor) -> memoryview:
+    """A writable byte view of a contiguous CPU tensor's memory, without copying (through
+    NumPy; a dtype NumPy lacks, bfloat16 or float8, through the tensor's uint8 view).
 
-# The whole address space as one writable byte view, of which a view of any range is a slice:
-# slicing an existing view is a cheaper call than making a new one through ctypes (takes and
-# restores make one per tensor). It starts at address 1, NULL being no valid start: the view of
-# ``nbytes`` at ``address`` is ``ADDRESS_SPACE[address - 1 : address - 1 + nbytes]``, which a
-# loop over thousands of tensors may cut itself (``raw_memoryview`` checks its arguments
-# first). Never used whole: each slice is no more valid than the memory it points at.
-ADDRESS_SPACE = _memory_view(1, sys.maxsize - 1, _PYBUF_WRITE)
+    The caller holds ``t`` as long as it uses the view. A lazily negated or conjugated tensor
+    is refused: its memory does not hold its values.
+    """
+    if not t.is_cpu or not t.is_contiguous():
+        raise ValueError("tensor_memoryview needs a contiguous CPU tensor")
+    if t.numel() == 0:
+        return memoryview(bytearray())
+    t = t.detach()
+    if t.dtype in _NUMPY_DTYPES:
+        return t.numpy().data.cast("B")
+    return t.reshape(-1).view(torch.uint8).numpy().data
+
+
+_NUMPY_DTYPES = frozenset(
+    {torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64}
+    | {torch.float16, torch.float32, torch.float64, torch.complex64, torch.complex128}
+)
 
 
 def raw_memoryview(address: int, nbytes: int) -> memoryview:
-    """A writable byte view of ``nbytes`` of memory at ``address``; the caller keeps the memory
-    alive (and valid) for as long as the view is used."""
+    """A writable byte view of ``nbytes`` of memory at ``address`` (inside a tensor the caller
+    keeps alive while the view is used): for callers that hold addresses, not tensors."""
     if nbytes == 0:
         return memoryview(bytearray())
     if address <= 0 or nbytes < 0:
         raise ValueError(f"no memory at address {address} of {nbytes} bytes")
-    return ADDRESS_SPACE[address - 1 : address - 1 + nbytes]
+    return memoryview((ctypes.c_char * nbytes).from_address(address)).cast("B")
 
 
 def raw_memoryviews(addresses: list[int], sizes: list[int]) -> list[memoryview]:
-    """``raw_memoryview`` of each address and size, in C-level passes where every address and
-    size is positive (the members of a read: thousands of views)."""
-    if not addresses or min(addresses) <= 0 or min(sizes) <= 0:
-        return list(map(raw_memoryview, addresses, sizes))  # checked, or empty, one by one
-    starts = list(map(sub, addresses, repeat(1)))
-    return list(map(ADDRESS_SPACE.__getitem__, map(slice, starts, map(add, starts, sizes))))
-
-
-def tensor_memoryview(t: torch.Tensor) -> memoryview:
-    """A writable byte view of a contiguous CPU tensor's memory, without copying.
-
-    The view does not keep ``t`` alive: the caller must hold ``t`` as long as it uses the view.
-    Works for every dtype, including those torch has no copy kernel for (int4, uint3...).
-    """
-    if not t.is_cpu or not t.is_contiguous():
-        raise ValueError("tensor_memoryview needs a contiguous CPU tensor")
-    return raw_memoryview(t.data_ptr(), t.numel() * t.element_size())
+    """``raw_memoryview`` of each address and size."""
+    return list(map(raw_memoryview, addresses, sizes))
 
 
 def range_views(t: torch.Tensor, start: int, stop: int) -> list[torch.Tensor]:
@@ -159,7 +164,54 @@ def copy_elements(target: torch.Tensor, start: int, stop: int, flat: torch.Tenso
         pos += n
 
 
-class _Pickler(pickle._Pickler):  # type: ignore[name-defined]
+def memory_span(t: torch.Tensor) -> tuple[int, int]:
+    """The addresses ``[start, end)`` of the memory ``t``'s elements lie in (empty when it has
+    none), whatever the signs of its strides."""
+    if t.numel() == 0:
+        return 0, 0
+    low = sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True) if s < 0)
+    high = sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True) if s > 0)
+    size = t.element_size()
+    return t.data_ptr() + low * size, t.data_ptr() + (high + 1) * size
+
+
+def storage_shortfall(t: torch.Tensor) -> tuple[int, int] | None:
+    """``(bytes needed, bytes held)`` when ``t``'s storage is shorter than the elements it views
+    reach (a view of a storage freed with ``resize_(0)``, as FSDP does); None when it holds them
+    (or ``t`` has none)."""
+    if t.numel() == 0:
+        return None
+    reach = sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True))
+    needed = int((t.storage_offset() + reach + 1) * t.element_size())
+    held = t.untyped_storage().nbytes()
+    return (needed, held) if needed > held else None
+
+
+def shares_memory(t: torch.Tensor) -> bool:
+    """Whether two elements of ``t`` are one place in memory (an expanded view, ``as_strided``
+    with overlapping strides): a restore target that cannot hold distinct values.
+
+    The dimensions of more than one element, by increasing stride, must each step past all the
+    memory the smaller ones span; a zero stride never does. Layouts that fail the test without a
+    zero stride (interleaved dimensions, rare) are decided exactly, by the elements' offsets.
+    """
+    if t.layout is not torch.strided or t.numel() <= 1 or t.is_contiguous():
+        return False
+    dims = sorted((s, n) for n, s in zip(t.shape, t.stride(), strict=True) if n > 1)
+    span = 1  # elements spanned by the dimensions so far
+    for stride, size in dims:
+        if stride == 0:
+            return True
+        if stride < span:
+            offsets = torch.zeros((), dtype=torch.int64)
+            for n, s in zip(t.shape, t.stride(), strict=True):
+                offsets = offsets.unsqueeze(-1) + torch.arange(n, dtype=torch.int64) * s
+            return offsets.flatten().unique().numel() != t.numel()
+        span += stride * (size - 1)
+    return False
+
+
+class _Pickler(pickle._Pickler):
     """The pure-Python pickler, writing an empty ``bytes`` as it writes any other.
 
     ``torch.save`` pickles with protocol 2, which has no opcode for bytes: a non-empty one is
@@ -170,13 +222,17 @@ class _Pickler(pickle._Pickler):  # type: ignore[name-defined]
     written by the pure-Python pickler, which gives the same bytes as the C one.
     """
 
-    dispatch = dict(pickle._Pickler.dispatch)  # type: ignore[attr-defined]
+    # What the pure-Python pickler has, and typeshed does not declare.
+    proto: int
+    save_reduce: Callable[..., None]
+    dispatch: ClassVar[dict[type, Callable[[Any, Any], None]]] = dict(pickle._Pickler.dispatch)
+    plain_save_bytes = dispatch[bytes]
 
     def save_bytes(self, obj: bytes) -> None:
         if self.proto < 3 and not obj:
             self.save_reduce(codecs.encode, ("", "latin1"), obj=obj)
         else:
-            super().save_bytes(obj)  # type: ignore[misc]
+            _Pickler.plain_save_bytes(self, obj)
 
     dispatch[bytes] = save_bytes
 
@@ -189,12 +245,8 @@ _BYTES_GLOBAL = b"c__builtin__\nbytes\n"
 
 
 def encode_object(obj: object) -> bytes:
-    """Serializes a non-tensor, non-primitive value with ``torch.save``.
-
-    A value holding an empty ``bytes`` (whose pickle then names ``bytes``, see ``_Pickler``) is
-    pickled again, by ``_Pickler``. Only such a value pays for the pure-Python pickler, which is
-    much slower than the C one; every other value is written by the C pickler, as before.
-    """
+    """Serializes a non-tensor, non-primitive value with ``torch.save``; a value holding an
+    empty ``bytes`` again with ``_Pickler`` (only it pays for the slower pure-Python pickler)."""
     buf = io.BytesIO()
     torch.save(obj, buf)
     data = buf.getvalue()
@@ -209,24 +261,17 @@ _numpy_allowed = False
 
 
 def _allow_numpy() -> None:
-    """Lets the safe loader rebuild NumPy arrays and scalars (``np.float64(0.5)`` from a
-    metric, an array in a data loader's state), as training state often holds them.
-
-    The names allowed build an array, a scalar or a dtype from raw bytes and type codes,
-    nothing else: an object array's elements go through the same restricted loader. They are
-    added to torch's process-wide allow-list once, the first time a pickle names NumPy
-    (torch.load takes no per-call list; a scoped ``safe_globals`` block would be undone under
-    another thread's decode).
-    """
+    """Lets the safe loader rebuild NumPy arrays and scalars (a metric's ``np.float64``, an
+    array in a data loader's state), added to torch's process-wide allow-list once, the first
+    time a pickle names NumPy (a scoped ``safe_globals`` block would be undone under another
+    thread's decode). The names allowed build an array, a scalar or a dtype from raw bytes and
+    type codes, nothing else: an object array's elements go through the same loader."""
     global _numpy_allowed
     if _numpy_allowed:
         return
-    try:
-        import numpy as np
-    except ImportError:
-        return
     # NumPy 2 moved numpy.core to numpy._core (1.26 has a numpy._core of its own, without it).
-    multiarray = np.core.multiarray if np.__version__.startswith("1.") else np._core.multiarray
+    core = "numpy.core" if np.__version__.startswith("1.") else "numpy._core"
+    multiarray = importlib.import_module(f"{core}.multiarray")
     # A dtype's state is set on an instance of its class (``numpy.dtypes.Float64DType``...).
     dtype_classes = [
         c
@@ -264,3 +309,178 @@ def decode_object(data: bytes, where: str) -> object:
         ) from e
     except Exception as e:
         raise CorruptSnapshotError(f"{where}: object bytes cannot be decoded: {e}") from e
+
+
+# ---------------------------------------------------------------------------------------------
+# CRC-32 checksums (ISA-L's, the zlib polynomial) of stored bytes: each location's is in the
+# manifest. The plugin's I/O threads show each piece they move to a ``RangeDigest``; a write's
+# CRC is of the copy written, never of the application's memory, which may change meanwhile. A
+# location read in pieces is checked by a ``LocationCheck``, which combines them in any order.
+
+crc32 = isal_zlib.crc32
+"""``crc32(data, value=0)``: the CRC-32 of ``data``; with ``value``, of the bytes whose CRC was
+``value`` followed by ``data``."""
+
+combine = isal_zlib.crc32_combine
+"""``combine(crc_a, crc_b, nbytes_b)``: the CRC-32 of bytes A followed by bytes B."""
+
+
+class RangeDigest:
+    """The running CRC-32 of given ranges of a stream of bytes that arrives in pieces.
+
+    ``ranges`` are ``(offset, nbytes)`` within the stream, ascending and not overlapping (the
+    members of a slab, with padding between them; the wanted parts of a read, with gaps). Call
+    the digest with each piece of the stream, in order; ``values`` then holds each range's CRC.
+    """
+
+    __slots__ = ("_next", "_pos", "ranges", "values")
+
+    def __init__(self, ranges: Sequence[tuple[int, int]]) -> None:
+        self.ranges = ranges
+        self.values = [0] * len(ranges)
+        self._pos = 0  # where the next piece starts in the stream
+        self._next = 0  # the first range not yet complete
+
+    def __call__(self, piece: memoryview) -> None:
+        start = self._pos
+        end = self._pos = start + len(piece)
+        ranges, values = self.ranges, self.values
+        i = self._next
+        while i < len(ranges):
+            offset, nbytes = ranges[i]
+            if offset >= end and nbytes:
+                break
+            lo, hi = max(offset, start), min(offset + nbytes, end)
+            if hi > lo:
+                values[i] = crc32(piece[lo - start : hi - start], values[i])
+            if offset + nbytes > end:
+                break
+            i += 1
+        self._next = i
+
+    def many(self, pieces: Sequence[memoryview]) -> None:
+        """The same as calling the digest on each of ``pieces``, in order."""
+        for piece in pieces:
+            self(piece)
+
+
+def _mismatch(label: str, loc: Location, got: int) -> ChecksumError:
+    return ChecksumError(
+        f"{label}: checksum mismatch in blob {loc.blob}, bytes "
+        f"[{loc.offset}, {loc.offset + loc.nbytes}): the manifest records crc32 "
+        f"{loc.crc32:#010x}, the bytes read have {got:#010x}; the blob is damaged"
+    )
+
+
+class LocationCheck:
+    """Verifies one location's bytes as its pieces arrive, in any order.
+
+    ``add`` takes each piece's offset (within the location), length and CRC; once the pieces
+    cover the location, their combined CRC must be the one the manifest records, or
+    ``ChecksumError`` names ``label`` (the logical path) and the blob.
+    """
+
+    __slots__ = ("_got", "_pieces", "label", "location")
+
+    def __init__(self, label: str, location: Location, pieces: int) -> None:
+        self.label = label
+        self.location = location
+        self._pieces = pieces
+        self._got: list[tuple[int, int, int]] = []
+
+    def add(self, offset: int, nbytes: int, value: int) -> None:
+        self._got.append((offset, nbytes, value))
+        if len(self._got) < self._pieces:
+            return
+        self._got.sort()
+        total = 0
+        for _, n, v in self._got:
+            total = combine(total, v, n)  # the CRC of nothing is 0
+        if total != self.location.crc32:
+            raise _mismatch(self.label, self.location, total)
+
+
+class WholeCheck:
+    """Verifies a location read in one piece: called with that piece's CRC, which must be the
+    recorded one (a ``LocationCheck`` of one piece, without its bookkeeping)."""
+
+    __slots__ = ("label", "location")
+
+    def __init__(self, label: str, location: Location) -> None:
+        self.label = label
+        self.location = location
+
+    def __call__(self, value: int) -> None:
+        if value != self.location.crc32:
+            raise _mismatch(self.label, self.location, value)
+
+
+def whole_crc(check: WholeCheck) -> int | None:
+    """The CRC-32 a ``WholeCheck`` expects."""
+    return check.location.crc32
+
+
+# ---------------------------------------------------------------------------------------------
+# Which backend and version wrote each part of a snapshot (sharded entries; the rest), recorded
+# under ``metadata["strategies"]`` at take and checked at restore: by default against
+# ``BACKEND``/``VERSION``; once ``snapshot.strategies`` is imported, its registry decides
+# (``set_check``: the engine never imports that layer).
+
+BACKEND = "statesnap"
+VERSION = 1
+PARTS = ("common", "sharded")
+# Manifests written before strategies were recorded were written by this pair.
+_UNRECORDED = {"sharded": [BACKEND, 1], "common": [BACKEND, 1]}
+
+# (part, backend, version) -> None, or raises IncompatibleSnapshotError.
+Check = Callable[[str, str, int], None]
+
+
+def _builtin_check(part: str, backend: str, version: int) -> None:
+    if (backend, version) != (BACKEND, VERSION):
+        raise IncompatibleSnapshotError(
+            f"no load_{part} strategy is registered for backend {backend!r} version {version}; "
+            f"registered: {BACKEND} v{VERSION}"
+        )
+
+
+_check: Check = _builtin_check
+
+
+def set_check(check: Check) -> None:
+    """Makes ``check`` decide whether a part written by (backend, version) can be read."""
+    global _check
+    _check = check
+
+
+def recorded(backend: str = BACKEND, version: int = VERSION) -> dict[str, list[Any]]:
+    """What a take records under ``metadata["strategies"]``: ``backend`` and ``version`` as the
+    writer of both parts."""
+    return {"sharded": [backend, version], "common": [backend, version]}
+
+
+def check_readable(metadata: Mapping[str, Any], where: str) -> None:
+    """Checks that each part of the snapshot ``where`` (whose manifest's metadata is
+    ``metadata``) was written by a backend and version that can be read.
+
+    Raises:
+        IncompatibleSnapshotError: the manifest does not say who wrote a part, or nothing
+            reads what it says.
+    """
+    written = metadata.get("strategies", _UNRECORDED)
+    for part in PARTS:
+        writer = written.get(part) if isinstance(written, dict) else None
+        if (
+            not isinstance(writer, list)
+            or len(writer) != 2
+            or not isinstance(writer[0], str)
+            or type(writer[1]) is not int
+        ):
+            raise IncompatibleSnapshotError(
+                f"snapshot {where}: the manifest does not say which backend and version wrote its "
+                f"{part} part (metadata.strategies.{part}: {writer!r})"
+            )
+        try:
+            _check(part, writer[0], writer[1])
+        except IncompatibleSnapshotError as e:
+            raise IncompatibleSnapshotError(f"snapshot {where}, {part} part: {e}") from None

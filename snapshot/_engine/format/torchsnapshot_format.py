@@ -22,8 +22,8 @@ import manifest as mf
 from manifest import Manifest, ShardedTensorEntry
 from snapshot._engine.format.text import printable_message
 from snapshot._engine.format.torchsnapshot_translator import Translator
-from snapshot._engine.io.io_loop import run
 from snapshot._engine.io.storage_calls import call, open_plugin, read_unrecorded, refused
+from snapshot._engine.runtime import run
 from snapshot.errors import (
     CorruptSnapshotError,
     IncompatibleSnapshotError,

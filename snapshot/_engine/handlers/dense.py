@@ -40,12 +40,7 @@ import typing  # noqa: E402
 from collections.abc import Sequence  # noqa: E402
 
 from manifest import new_tensor_entry  # noqa: E402
-from snapshot._engine.format.serialization import dtype_name  # noqa: E402
-from snapshot._engine.io.tensor_memory import (  # noqa: E402
-    conjugated,
-    negated,
-    storage_shortfall,
-)
+from snapshot._engine.format.serialization import dtype_name, storage_shortfall  # noqa: E402
 from snapshot._engine.take.drafts import (  # noqa: E402
     Payload,
     PrepareFunc,
@@ -91,9 +86,9 @@ def take_tensor(
         planner.prepare is None
         and tensor.is_cpu
         and tensor.is_contiguous()
-        and not negated(tensor)
+        and not tensor.is_neg()
         # Only a complex tensor can carry the conjugate bit.
-        and not ((dtype := tensor.dtype).is_complex and conjugated(tensor))
+        and not ((dtype := tensor.dtype).is_complex and tensor.is_conj())
     ):
         # The common case, kept lean (a take of 20,000 small tensors runs this 20,000
         # times): the tensor's own memory is written, through views.
@@ -104,7 +99,7 @@ def take_tensor(
             return new_tensor_entry(name, shape, (), replicated)
         # Its bytes are read through its address: a storage that ends before them (freed,
         # as FSDP frees unsharded parameters) would be read out of bounds.
-        # (``tensor_memory.storage_shortfall`` for a contiguous tensor, inline.)
+        # (``serialization.storage_shortfall`` for a contiguous tensor, inline.)
         held = tensor.untyped_storage().nbytes()
         if held < tensor.storage_offset() * dtype.itemsize + nbytes:
             raise _without_memory(path, tensor)
@@ -198,8 +193,8 @@ def _tensor_source(
             dtype,
             shape,
             tensor.stride(),
-            conjugated(tensor),
-            negated(tensor),
+            tensor.is_conj(),
+            tensor.is_neg(),
         )
         earlier = planner.written.get(key)
         if earlier is not None and earlier.replicated == replicated:
@@ -296,9 +291,7 @@ def restore(loader: Loader, path: str, entry: TensorEntry, target: Any) -> None:
     waits until every other read is planned: ``plan_views``). A piece of a sharded tensor
     cannot receive a whole one."""
     if is_dense_tensor(target):
-        address = direct_address(
-            path, entry, target, loader.piece_bytes, loader.verify, loader.alone
-        )
+        address = direct_address(path, entry, target, loader.piece_bytes, loader.verify)
         if address is None:
             read = plan_tensor_read(
                 path,
@@ -390,7 +383,7 @@ def plan_tensor_read(
 
 
 def direct_address(
-    path: str, entry: TensorEntry, target: Any, piece_bytes: int, verify: bool, alone: bool = False
+    path: str, entry: TensorEntry, target: Any, piece_bytes: int, verify: bool
 ) -> int | None:
     """Where the bytes of the most common read land (most tensors of a state), or None when
     ``plan_tensor_read`` must plan it: a tensor stored in one range of at most ``piece_bytes``,
@@ -400,9 +393,7 @@ def direct_address(
 
     The checks are ``plan_tensor_read``'s for that case, in fewer steps: a target of the stored
     dtype and shape holding exactly the stored number of bytes is one the bytes fit, and
-    anything else (an error included) is left to the general path. ``alone``: no Python thread
-    runs beside the library's (``tensor_memory.beside_others``), so the lazy bits may be asked
-    of ``Tensor.is_neg()`` and ``is_conj()``.
+    anything else (an error included) is left to the general path.
     """
     chunks = entry.chunks
     if len(chunks) != 1 or (kind := handler_of_type(type(target))) is None or kind.name != NAME:
@@ -423,8 +414,8 @@ def direct_address(
         or not target.is_cpu
         or target.is_quantized
         or not target.is_contiguous()
-        or (target.is_neg() if alone else negated(target))
-        or (dtype.is_complex and (target.is_conj() if alone else conjugated(target)))
+        or target.is_neg()
+        or (dtype.is_complex and target.is_conj())
         # A storage that ends before the bytes would be written out of bounds: the general
         # path refuses it (``check_receivable``).
         or target.untyped_storage().nbytes() < target.storage_offset() * dtype.itemsize + nbytes

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from manifest import Entry, Shard, ShardedObjectEntry, ShardedTensorEntry
-from snapshot._engine.format.checksum import LocationCheck
+from snapshot._engine.format.serialization import LocationCheck
 from snapshot._engine.handlers.geometry import Piece, Region, cover_problem, find_overlap
 from snapshot.errors import (
     CorruptSnapshotError,

@@ -64,8 +64,12 @@ from typing import TYPE_CHECKING, Any  # noqa: E402
 import torch  # noqa: E402
 
 from manifest import ShardedTensorEntry  # noqa: E402
-from snapshot._engine.format.checksum import LocationCheck  # noqa: E402
-from snapshot._engine.format.serialization import dtype_from_name, dtype_name, raw_memoryview  # noqa: E402
+from snapshot._engine.format.serialization import (  # noqa: E402
+    LocationCheck,
+    dtype_from_name,
+    dtype_name,
+    raw_memoryview,
+)
 from snapshot._engine.handlers import geometry, sharded  # noqa: E402
 from snapshot._engine.handlers.dense import is_dense_tensor  # noqa: E402
 from snapshot._engine.restore.landing import Landing, tile_limit  # noqa: E402

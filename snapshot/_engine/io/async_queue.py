@@ -13,11 +13,12 @@ import logging
 import threading
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
 from snapshot.errors import SnapshotError
+from storage_plugins.base import DaemonThreadPool
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +70,7 @@ class AsyncCallsQueue:
     """
 
     def __init__(self) -> None:
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="statesnap-async")
+        self._executor = DaemonThreadPool(1, thread_name_prefix="statesnap-async")
         self._calls: deque[_Call] = deque()
         self._next = 0
         self._lock = threading.Lock()
@@ -97,11 +98,8 @@ class AsyncCallsQueue:
         self, blocking: bool = False, up_to: int | None = None
     ) -> list[int]:
         """Finalizes finished calls, oldest first, stopping at the first unfinished one (or,
-        when ``blocking``, waiting for it), and after call ``up_to`` when given.
-
-        Returns the indices finalized. A call whose work failed is removed, and its error raised
-        (as a ``SnapshotError``, the original chained) after the calls before it are finalized.
-        """
+        when ``blocking``, waiting for it) and after call ``up_to``; returns their indices. A
+        call whose work failed is removed, and its error raised as a ``SnapshotError``."""
         done: list[int] = []
         while True:
             with self._lock:

@@ -20,9 +20,7 @@ from dataclasses import dataclass
 from itertools import accumulate, compress
 from typing import TYPE_CHECKING
 
-from snapshot._engine.format.checksum import WholeCheck, whole_crc
-from snapshot._engine.io.budget import BudgetShare, ByteBudget
-from snapshot._engine.io.io_loop import hold, io_loop, run
+from snapshot._engine.format.serialization import WholeCheck, whole_crc
 from snapshot._engine.io.requests import (
     AnyReadRequest,
     DirectRequest,
@@ -31,7 +29,9 @@ from snapshot._engine.io.requests import (
     segment_bytes,
     segment_verify,
 )
+from snapshot._engine.io.stage import BudgetShare, ByteBudget
 from snapshot._engine.io.storage_calls import call, call_digesting
+from snapshot._engine.runtime import hold, io_loop, run
 from storage_plugins import Buffer, StoragePlugin
 
 if TYPE_CHECKING:
@@ -411,5 +411,4 @@ async def _read_into(
         ranges,
         lambda digest: plugin.readv_observed(req.blob, req.offset, outs, digest),
         options=options,
-        segments=layout,  # the digest picks the checked buffers by these
     )

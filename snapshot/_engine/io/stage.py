@@ -1,74 +1,53 @@
-"""The staging of a take's bytes, on the caller's thread: what each write request's ``stage``
-runs, just before its blob is written.
+"""The staging of a take's bytes, on the caller's thread (what each write request's ``stage``
+runs, just before its blob is written), and the byte budgets of the writes and reads in flight.
 
 Without a pool (take), a payload of a blob of its own is written from a view of its tensor's
 memory (``stage_payload``), or from a gathered copy when its tensor cannot be viewed
-(``TensorSource`` pieces: prepared, conjugate or negated, non-contiguous, on a device); the
-plugin checksums the bytes it writes, from its own copy of them. A slab's members are copied
-into one buffer of the slab (``stage_slab``), which is written. With a ``StagingPool`` (async
-take), every payload of a write is copied into one pooled buffer (``_pooled``), from a device
-asynchronously on a staging stream, a large host tensor on the runtime's copier thread
-(``_Pooled``), so that nothing written later reads the application's memory. A slab's members
-get their CRC-32s here, from the copy that is written, as they are staged (see
-``placement.Placer``).
-
-``stager(pool)`` is what the take gives its placers (``placement.Stager``).
+(``TensorSource`` pieces: prepared, conjugate or negated, non-contiguous, on a device); a slab's
+members are copied into one buffer, which is written (``stage_slab``). With a ``StagingPool``
+(async take), every payload of a write is copied into one pooled buffer (``_pooled``), so that
+nothing written later reads the application's memory. A slab's members get their CRC-32s here,
+from the copy that is written (see ``placement.Placer``). ``stager(pool)`` is what the take
+gives its placers (``placement.Stager``).
 """
 
 from __future__ import annotations
 
-import ctypes
+import asyncio
 import functools
+import logging
+import threading
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
-from snapshot._engine import runtime
-from snapshot._engine.format.checksum import HOLD_MAX_BYTES, crc32_each, crc32_held
 from snapshot._engine.format.serialization import (
-    ADDRESS_SPACE,
     as_copyable,
+    crc32,
     dtype_name,
     gather_elements,
     range_views,
-    raw_memoryview,
     scatter_into_flat,
     tensor_memoryview,
 )
 from snapshot._engine.handlers.dense import call_prepare
 from snapshot._engine.io import device
-from snapshot._engine.io.staging import Lease, StagingPool
 from snapshot._engine.take.drafts import Payload, Staged, TensorSource
 from snapshot._engine.take.placement import ALIGN, Slab, Stager
 from snapshot.errors import UnsupportedValueError
-from storage_plugins import Buffer
+
+if TYPE_CHECKING:
+    from snapshot._engine.io.staging import Lease, StagingPool
+
+logger = logging.getLogger(__name__)
 
 _ZEROS = memoryview(bytes(ALIGN))
 
-# A host tensor of at least this size, a blob of its own, is copied off the caller's thread
-# in an async take (``_Pooled``): a few large copies, each long enough to hide the caller's
-# planning of many small tensors behind it.
-_OFFLOAD_MIN = 4 << 20
-
-# Below this size a payload of a tensor is copied by one memmove call (the least overhead per
-# copy); above it, torch's copy spreads the bytes over its threads.
-_MEMMOVE_MAX = 1 << 20
-
-# ``ctypes.memmove`` gives up the GIL for the copy, as ctypes does around every foreign call,
-# and must take it back after: beside a thread that runs Python (the training loop an async
-# take runs beside), at that thread's next switch only, once per member of a slab (see
-# ``checksum.HELD_BYTES``). The same C function typed with PYFUNCTYPE keeps the GIL: copies of
-# at most ``HOLD_MAX_BYTES`` go through it.
-_memmove_held = ctypes.PYFUNCTYPE(
-    ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t
-)(
-    ctypes._memmove_addr  # type: ignore[attr-defined]  # what ``ctypes.memmove`` calls
-)
-
-
-def _memmove(dst: int, src: int | bytes, nbytes: int) -> None:
-    (_memmove_held if nbytes <= HOLD_MAX_BYTES else ctypes.memmove)(dst, src, nbytes)
+# Up to this size a payload is copied by a slice assignment of its bytes; above it, torch's
+# copy spreads the bytes over its threads.
+_SMALL_COPY = 1 << 20
 
 
 def stager(pool: StagingPool | None) -> Stager:
@@ -97,55 +76,19 @@ class _Direct:
 
 class _Pooled:
     """Copies each write's payloads into one buffer of ``pool``; a pooled write costs the
-    budget its whole block (``StagingPool.block_bytes``).
-
-    A large tensor in host memory, a blob of its own, is copied on the runtime's copier
-    thread (``Runtime.copier``) while the caller goes on planning and staging the rest:
-    torch's copy lets the GIL go, so the caller's Python and the copy run at once. ``settle``
-    waits for those copies; nothing may read a staged buffer before it (the take calls it at
-    the end of its staging, and the write pipeline before it hands staged writes over)."""
+    budget its whole block (``StagingPool.block_bytes``)."""
 
     pooled = True
 
     def __init__(self, pool: StagingPool) -> None:
         self.pool = pool
-        self._copying: list[Lease] = []
 
     def blob(self, p: Payload, from_device: bool) -> tuple[Callable[[], Staged], int]:
-        if p.tensor is not None and p.nbytes >= _OFFLOAD_MIN:
-            stage: Callable[[], Staged] = functools.partial(self._offloaded, p)
-        else:
-            stage = _pooled(self.pool, [(0, p)], p.nbytes, False, from_device)
+        stage = _pooled(self.pool, [(0, p)], p.nbytes, False, from_device)
         return stage, self.pool.block_bytes(p.nbytes, from_device)
 
-    def _offloaded(self, p: Payload) -> Staged:
-        lease = self.pool.acquire(p.nbytes, False)
-        try:
-            try:
-                copy = runtime.get().copier().submit(copy_payload, p, lease.tensor, 0)
-            except RuntimeError:  # the interpreter is shutting down: no new thread work
-                copy_payload(p, lease.tensor, 0)
-                return [lease.view], lease
-            lease.copying(copy)
-        except BaseException:
-            lease.release()
-            raise
-        self._copying.append(lease)
-        return [lease.view], lease
-
     def settle(self) -> None:
-        """Waits for the copies in flight on the copier thread (``Lease.ready``; a lease
-        released meanwhile, by a take that failed, waited for its own); raises the first
-        one's error once they are all done."""
-        leases, self._copying = self._copying, []
-        error: BaseException | None = None
-        for lease in leases:
-            try:
-                lease.ready()
-            except BaseException as e:
-                error = error or e
-        if error is not None:
-            raise error
+        pass  # every copy from host memory is done when its stage returns
 
     def slab(self, slab: Slab, checksums: bool) -> tuple[Callable[[], Staged], int]:
         stage = _pooled(self.pool, slab.members, slab.nbytes, checksums, slab.from_device)
@@ -156,92 +99,59 @@ def stage_payload(p: Payload) -> Staged:
     """Buffers to write a payload from, and what must stay alive while they are written."""
     t = p.tensor
     if t is not None:
-        return [raw_memoryview(p.address, p.nbytes)], t
+        return [payload_view(p)], t
     if p.data is not None:
         return [p.data], None
     assert p.source is not None
     return piece(p.source, p.start, p.stop)
 
 
+def payload_view(p: Payload) -> memoryview:
+    """The bytes of a payload of a contiguous CPU tensor (``p.tensor``, which the payload's
+    bytes lie in from ``p.address`` on), as a view of the tensor's memory."""
+    assert p.tensor is not None
+    at = p.address - p.tensor.data_ptr() if p.nbytes else 0
+    return tensor_memoryview(p.tensor)[at : at + p.nbytes]
+
+
 def copy_payload(p: Payload, buf: torch.Tensor, pos: int) -> None:
     """Copies a payload's bytes into ``buf[pos : pos + nbytes]`` of a staging buffer ``buf``
     (a 1-d uint8 CPU tensor), from host memory (a source's: ``copy_source``)."""
-    t = p.tensor
     nbytes = p.nbytes
-    if t is not None:
-        if nbytes <= _MEMMOVE_MAX:
-            # One memmove: slabs hold thousands, and each torch copy pays its dispatch.
-            _memmove(buf.data_ptr() + pos, p.address, nbytes)
-        else:  # torch's copy spreads the bytes over its threads
-            src = raw_memoryview(p.address, nbytes)
-            buf[pos : pos + nbytes].copy_(torch.frombuffer(src, dtype=torch.uint8))
-    elif p.data is not None:
-        _memmove(buf.data_ptr() + pos, p.data, nbytes)
-    else:
+    if p.tensor is None and p.data is None:
         assert p.source is not None
         copy_source(p.source, p.start, p.stop, buf, pos)
-
-
-# A slab is copied and checksummed in runs of members of about this many bytes: each run's CRCs
-# are taken right after its copy, while its bytes are still in the CPU's caches.
-_SLAB_RUN_BYTES = 1 << 20
+        return
+    src = payload_view(p) if p.tensor is not None else memoryview(p.data or b"").cast("B")
+    dst = buf[pos : pos + nbytes]
+    if nbytes <= _SMALL_COPY:
+        tensor_memoryview(dst)[:] = src
+    else:
+        dst.copy_(torch.frombuffer(src, dtype=torch.uint8))
 
 
 def stage_slab(slab: Slab, checksums: bool) -> Staged:
     """A slab's bytes, copied into one new buffer (zeros in the padding between members); with
-    ``checksums``, each member's CRC-32, taken from that copy, goes to its ``crc32`` (see
-    ``placement.Placer``).
-
-    The copy is what is written: the CRCs are of the bytes that reach storage even while
-    another thread changes the members' tensors in place (an EMA update, a hook), as a CRC of
-    the tensors' own memory, taken before or after their write, would not be. Members are
-    copied in runs, each in one C-level pass (``map`` of the buffer's ``__setitem__`` over
-    their slices), its CRCs in one more (``crc32_each``)."""
+    ``checksums``, each member's CRC-32, of that copy (what is written, even while another
+    thread changes the tensors), goes to its ``crc32``."""
     out = memoryview(bytearray(slab.nbytes))  # zeroed: the padding
-    slices: list[slice] = []  # the current run: where its members go, their bytes, themselves
-    sources: list[Buffer] = []
-    run: list[Payload] = []
-    run_bytes = 0
-
-    def flush() -> None:
-        nonlocal run_bytes
-        deque(map(out.__setitem__, slices, sources), maxlen=0)
-        if checksums:
-            views = list(map(out.__getitem__, slices))
-            for p, value in zip(run, crc32_each(views), strict=True):
-                p.crc32 = value
-        slices.clear()
-        sources.clear()
-        run.clear()
-        run_bytes = 0
-
     pos = 0
     for pad, p in slab.members:
         pos += pad
         nbytes = p.nbytes
-        if p.tensor is not None:  # most members: a tensor's memory (``stage_payload``)
-            # ``raw_memoryview`` inline: a slice of the address space.
-            address = p.address - 1
-            slices.append(slice(pos, pos + nbytes))
-            sources.append(ADDRESS_SPACE[address : address + nbytes])
-            run.append(p)
-            run_bytes += nbytes
-            pos += nbytes
-            if run_bytes >= _SLAB_RUN_BYTES:
-                flush()
-            continue
-        flush()  # the runs before it go first: a gathered copy is freed after its own
-        bufs, keepalive = stage_payload(p)
-        at = pos
-        for b in bufs:
-            view = b if type(b) is memoryview and b.format == "B" else memoryview(b).cast("B")
-            out[at : at + len(view)] = view
-            at += len(view)
-        del bufs, keepalive
+        if p.tensor is not None:  # most members: a tensor's memory
+            out[pos : pos + nbytes] = payload_view(p)
+        else:
+            bufs, keepalive = stage_payload(p)
+            at = pos
+            for b in bufs:
+                view = memoryview(b).cast("B")
+                out[at : at + len(view)] = view
+                at += len(view)
+            del bufs, keepalive  # a gathered copy is freed before the next member's
         if checksums:
-            p.crc32 = crc32_held(out[pos : pos + nbytes])
+            p.crc32 = crc32(out[pos : pos + nbytes])
         pos += nbytes
-    flush()
     return [out], None
 
 
@@ -253,20 +163,14 @@ def _pooled(
     from_device: bool,
 ) -> Callable[[], Staged]:
     """Stages ``members`` by copying them into one buffer of ``pool`` (pinned when
-    ``from_device``: a member is on a device); with ``checksums``, each member's CRC-32
-    goes to its ``crc32``.
-
-    The CRC is taken from the buffer only once the member's bytes are there: right after a
-    copy from host memory (synchronous, and still in the CPU's cache), and after
-    ``lease.ready()`` for a copy from a device, which is issued non-blocking on a staging
-    stream and lands only when ``ready`` has waited for that stream. A stage that fails
-    releases its lease, which first waits for the copies already issued into it."""
+    ``from_device``); with ``checksums``, each member's CRC-32 goes to its ``crc32``, taken
+    once its bytes are there: right after a copy from host memory, after ``lease.ready()`` for
+    a (non-blocking) copy from a device. A stage that fails releases its lease, which first
+    waits for the copies already issued into it."""
 
     def stage() -> Staged:
         lease = pool.acquire(nbytes, from_device)
         try:
-            if len(members) > 1:
-                lease.touch()
             buf = lease.tensor
             view = lease.view
             pos = 0
@@ -279,19 +183,19 @@ def _pooled(
                 if source is None:  # host memory: a tensor's, an object's bytes
                     copy_payload(p, buf, pos)
                     if checksums:
-                        p.crc32 = crc32_held(view[pos : pos + p.nbytes])
+                        p.crc32 = crc32(view[pos : pos + p.nbytes])
                 elif copy_source(source, p.start, p.stop, buf, pos, lease):
                     if checksums:  # issued from a device: readable after ``ready``
                         if late is None:
                             late = []
                         late.append((pos, p))
                 elif checksums:
-                    p.crc32 = crc32_held(view[pos : pos + p.nbytes])
+                    p.crc32 = crc32(view[pos : pos + p.nbytes])
                 pos += p.nbytes
             lease.ready()
             if late is not None:
                 for at, p in late:
-                    p.crc32 = crc32_held(view[at : at + p.nbytes])
+                    p.crc32 = crc32(view[at : at + p.nbytes])
         except BaseException:
             lease.release()  # waits for the copies already issued before lending it again
             raise
@@ -306,8 +210,8 @@ def _pooled(
 
 def _resolve(source: TensorSource) -> torch.Tensor:
     """The tensor whose elements are written: the prepare function's (checked against what it
-    returned when tracing), detached, with any lazy conjugate or negation resolved. Made at the
-    first piece, kept until the last one this rank stages."""
+    returned when tracing), detached, conjugate and negation resolved; kept from the first
+    piece this rank stages to the last."""
     if source.base is not None:
         return source.base
     t = source.tensor
@@ -367,26 +271,20 @@ def copy_source(
             # As raw bytes: works for dtypes torch has no copy kernel for.
             dst.copy_(base.view(-1)[start:stop].view(torch.uint8))
             return False
-        index = device.cuda_index(base)
-        if index is None:  # host memory (not contiguous), or another device type
-            scatter_into_flat(dst.view(base.dtype), range_views(base, start, stop))
-            return False
         flat = dst.view(base.dtype)
         views = range_views(base, start, stop)
-        if lease is None:
-            for at, v in _flat_slots(views):
-                device.copy(flat[at : at + v.numel()].view(v.shape), v, False)
+        index = device.cuda_index(base)
+        if index is None:  # host memory (not contiguous), or another device type
+            scatter_into_flat(flat, views)
             return False
-        # Only a machine with a GPU runs these lines for real: the copies are queued on the
-        # device's staging stream (``Lease.stream``: after the kernels already queued on
-        # its current stream) and, into pinned memory, return at once; ``Lease.ready``
-        # waits for them. The lease keeps ``base`` alive until then: a prepared or resolved
-        # tensor may have no other owner, and CUDA's caching allocator would hand its
-        # memory to the next allocation on the current stream while the copy still reads
-        # it on the staging stream.
+        if lease is None:
+            _copy_from_device(flat, views, False)
+            return False
+        # Queued on the device's staging stream, after its current stream's kernels;
+        # ``Lease.ready`` waits for them. The lease keeps ``base`` (maybe a prepared tensor
+        # of no other owner, whose memory CUDA could reuse) alive until then.
         with device.use_stream(lease.stream(index, base)):
-            for at, v in _flat_slots(views):
-                device.copy(flat[at : at + v.numel()].view(v.shape), v, lease.pinned)
+            _copy_from_device(flat, views, lease.pinned)
         return True
     except RuntimeError as e:
         raise _unreadable(source, e) from e
@@ -407,9 +305,183 @@ def _staged_one(source: TensorSource) -> None:
         source.base = None
 
 
-def _flat_slots(views: list[torch.Tensor]) -> Iterator[tuple[int, torch.Tensor]]:
-    """Each view with the element offset it starts at when the views are laid end to end."""
-    at = 0
+def _copy_from_device(flat: torch.Tensor, views: list[torch.Tensor], non_blocking: bool) -> None:
+    """Copies ``views`` (of a device's memory), laid end to end, into the 1-d host tensor
+    ``flat``, on the device's current stream (``device.copy``)."""
+    pos = 0
     for v in views:
-        yield at, v
-        at += v.numel()
+        n = v.numel()
+        device.copy(flat[pos : pos + n].view(v.shape), v, non_blocking)
+        pos += n
+
+
+# ---------------------------------------------------------------------------------------------
+# Byte budgets: how much memory the writes and reads in flight may hold at once.
+
+
+class ByteBudget:
+    """Bytes of memory that may be held at once, shared by the caller's thread and the I/O loop.
+
+    A request larger than the whole budget is admitted when nothing else is held, so it runs
+    alone rather than never. ``abort`` wakes every waiter with an error.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = max(1, capacity)
+        self._used = 0
+        self._peak = 0
+        self._cond = threading.Condition()
+        self._async_waiters: deque[tuple[int, asyncio.AbstractEventLoop, asyncio.Future[None]]] = (
+            deque()
+        )
+        self._error: BaseException | None = None
+
+    @property
+    def peak(self) -> int:
+        """The most bytes held at once so far."""
+        return self._peak
+
+    @property
+    def used(self) -> int:
+        """The bytes held now."""
+        return self._used
+
+    def _fits(self, n: int) -> bool:
+        return self._used == 0 or self._used + n <= self.capacity
+
+    def _take(self, n: int) -> None:
+        self._used += n
+        self._peak = max(self._peak, self._used)
+
+    def try_acquire(self, n: int) -> bool:
+        with self._cond:
+            if self._error is not None:
+                raise self._error
+            if n == 0 or (not self._async_waiters and self._fits(n)):
+                self._take(n)
+                return True
+            return False
+
+    def acquire(self, n: int, stop: Callable[[], BaseException | None] | None = None) -> None:
+        """Blocks the calling thread until ``n`` bytes fit.
+
+        ``stop`` (checked whenever the waiter wakes, ``wake`` included) returns an error that
+        ends the wait instead: a ``BudgetShare`` aborted while this budget is not.
+        """
+        with self._cond:
+            while self._error is None and not (n == 0 or self._fits(n)):
+                if stop is not None and (error := stop()) is not None:
+                    raise error
+                self._cond.wait()
+            if self._error is not None:
+                raise self._error
+            self._take(n)
+
+    def wake(self) -> None:
+        """Wakes the threads waiting in ``acquire``, so they check their ``stop`` again."""
+        with self._cond:
+            self._cond.notify_all()
+
+    async def acquire_async(self, n: int) -> None:
+        """Waits on the running loop until ``n`` bytes fit."""
+        if self.try_acquire(n):
+            return
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[None] = loop.create_future()
+        with self._cond:
+            if self._error is not None:
+                raise self._error
+            if self._fits(n) and not self._async_waiters:
+                self._take(n)
+                return
+            self._async_waiters.append((n, loop, future))
+        await future
+
+    def release(self, n: int) -> None:
+        with self._cond:
+            self._used -= n
+            self._cond.notify_all()
+            while self._async_waiters and self._fits(self._async_waiters[0][0]):
+                want, loop, future = self._async_waiters.popleft()
+                self._take(want)
+                loop.call_soon_threadsafe(self._grant, future, want)
+
+    def _grant(self, future: asyncio.Future[None], n: int) -> None:
+        if future.cancelled():
+            self.release(n)  # the waiter gave up after being granted: hand the bytes back
+        else:
+            future.set_result(None)
+
+    def abort(self, error: BaseException) -> None:
+        with self._cond:
+            if self._error is None:
+                self._error = error
+            self._cond.notify_all()
+            waiters, self._async_waiters = self._async_waiters, deque()
+        for _, loop, future in waiters:
+            loop.call_soon_threadsafe(_fail_future, future, error)
+
+
+class BudgetShare:
+    """One write pipeline's part of a ``ByteBudget`` that several share (the staging pool's:
+    async takes pending at once stage at most one budget together).
+
+    Bytes are charged to the shared budget and counted here too (a pipeline's peak and leftover
+    are its own); ``abort`` fails only this share's waiters (one take's write error must not
+    fail the next take's staging).
+    """
+
+    def __init__(self, shared: ByteBudget) -> None:
+        self.shared = shared
+        self._used = 0
+        self._peak = 0
+        self._error: BaseException | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def peak(self) -> int:
+        """The most bytes this share held at once."""
+        return self._peak
+
+    def _took(self, n: int) -> None:
+        with self._lock:
+            self._used += n
+            self._peak = max(self._peak, self._used)
+
+    def try_acquire(self, n: int) -> bool:
+        if self._error is not None:
+            raise self._error
+        if not self.shared.try_acquire(n):
+            return False
+        self._took(n)
+        return True
+
+    def acquire(self, n: int) -> None:
+        """Blocks until ``n`` bytes fit in the shared budget (one larger than the whole budget,
+        when nothing is held: the caller flushes its own writes first)."""
+        self.shared.acquire(n, stop=lambda: self._error)
+        self._took(n)
+
+    def release(self, n: int) -> None:
+        with self._lock:
+            self._used -= n
+        self.shared.release(n)
+
+    def abort(self, error: BaseException) -> None:
+        if self._error is None:
+            self._error = error
+        self.shared.wake()
+
+    def close(self) -> None:
+        """Gives back whatever this share still holds (none once its pipeline is drained; a
+        leftover would shrink every later take's budget for good)."""
+        with self._lock:
+            left, self._used = self._used, 0
+        if left:
+            logger.debug("a write pipeline ended holding %d staging bytes; released", left)
+            self.shared.release(left)
+
+
+def _fail_future(future: asyncio.Future[None], error: BaseException) -> None:
+    if not future.done():
+        future.set_exception(error)

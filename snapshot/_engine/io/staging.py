@@ -2,86 +2,74 @@
 one snapshot to the next, within one staging budget for the process.
 
 ``StagingPool`` lends blocks as ``Lease``s. The process's pool is the runtime's
-(``runtime.get().staging_pool``).
+(``process_pool``).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from concurrent.futures import Future
+from typing import TYPE_CHECKING
 
 import torch
 
+from snapshot._engine import runtime
 from snapshot._engine.format.serialization import tensor_memoryview
 from snapshot._engine.io import device
-from snapshot._engine.io.budget import BudgetShare, ByteBudget
+from snapshot._engine.io.stage import BudgetShare, ByteBudget
+
+if TYPE_CHECKING:
+    from snapshot.options import Options
 
 logger = logging.getLogger(__name__)
 
 
+def process_pool(options: Options) -> StagingPool:
+    """The process's staging pool (held by its runtime), made keeping up to
+    ``options.budget()`` of free blocks; its ``budget`` is the staging budget every async take
+    of the process shares (each take sets it to its own, ``StagingPool.share``)."""
+    rt = runtime.get()
+    with rt.lock:
+        if rt.pool is None:
+            rt.pool = StagingPool(keep_bytes=options.budget())
+        return rt.pool
+
+
 class Lease:
     """A pooled staging buffer lent to one write: ``tensor`` is a 1-d uint8 CPU tensor of the
-    requested size (``pinned`` says whether its memory is page-locked), ``view`` the same memory
-    as a memoryview.
+    requested size (``pinned``: page-locked), ``view`` the same memory as a memoryview.
 
-    Copies from a device into it are issued on the staging stream of that device
-    (``stream``), a copy from host memory may run on another thread (``copying``); ``ready``
-    waits for every stream this lease used and for that copy, and only then may its bytes be
-    read (checksummed, written). ``release`` gives the buffer back to the pool once the write
-    is done with it, after waiting for copies still in flight (a stage that failed midway).
+    Copies from a device into it are issued on that device's staging stream (``stream``); its
+    bytes may be read only after ``ready`` has waited for them. ``release`` gives the buffer
+    back to the pool.
     """
 
     __slots__ = (
         "_block",
-        "_copy",
         "_keep",
         "_pool",
         "_streams",
-        "fresh",
         "pinned",
         "tensor",
         "view",
     )
 
-    def __init__(
-        self, pool: StagingPool, block: torch.Tensor, nbytes: int, fresh: bool, pinned: bool
-    ) -> None:
+    def __init__(self, pool: StagingPool, block: torch.Tensor, nbytes: int, pinned: bool) -> None:
         self._pool: StagingPool | None = pool
         self._block = block
-        self.fresh = fresh  # newly allocated: its pages are not yet touched
         self.pinned = pinned
         self.tensor = block[:nbytes]
         self.view = tensor_memoryview(self.tensor)
-        # Device index -> the staging stream this lease's copies from that device were issued
-        # on, until ``ready`` has waited for them; None while there are none (host state).
+        # Until ``ready``: device index -> the staging stream copies were issued on, and the
+        # tensors those copies read (a prepared one may have no other owner).
         self._streams: dict[int, device.Stream] | None = None
-        # Tensors the copies in flight read (a prepared or resolved tensor may have no other
-        # owner), held until ``ready``.
         self._keep: list[torch.Tensor] | None = None
-        # A copy into the buffer running on another thread, until ``ready`` has waited for it.
-        self._copy: Future[None] | None = None
-
-    def touch(self) -> None:
-        """Faults a fresh buffer's pages in with torch's multi-threaded fill, before it is
-        filled by many small single-threaded copies (which would each take their page faults
-        one core at a time). Pinned memory is resident already."""
-        if self.fresh and not self.pinned:
-            self.tensor.zero_()
-        self.fresh = False
 
     def stream(self, index: int, reads: torch.Tensor) -> device.Stream:
         """The stream to issue this lease's copies from device ``index`` on: the pool's staging
-        stream for that device, which the first time this lease asks is made to wait for the
-        work queued so far on the device's current stream (the kernels that computed the
-        tensors being copied; each device has its own current stream, so each device's
-        staging stream waits on its own). ``reads`` (the tensor the copy reads) is kept alive
-        until ``ready``.
-
-        Only a machine with a GPU runs this for real: that the wait covers the kernels queued
-        before the call, and no later ones, is CUDA's stream semantics (tested on CPU with
-        ``tests/cuda_double.py``; benchmarks/gpu_check.py checks it on a GPU).
-        """
+        stream for that device, made to wait (the first time this lease asks) for the kernels
+        queued so far on the device's current stream. ``reads``, the tensor a copy reads, is
+        kept alive until ``ready``."""
         assert self._pool is not None, "a released lease"
         streams = self._streams
         if streams is None:
@@ -95,33 +83,18 @@ class Lease:
         self._keep.append(reads)  # type: ignore[union-attr]
         return stream
 
-    def copying(self, copy: Future[None]) -> None:
-        """Records ``copy``, a copy into the buffer running on another thread."""
-        self._copy = copy
-
     def ready(self) -> None:
-        """Makes the copies into the buffer complete before anyone reads it: waits for the copy
-        running on another thread (raising its error), and for every staging stream this lease
-        issued copies on (one per device it copied from)."""
-        copy = self._copy
-        if copy is not None:
-            self._copy = None
-            copy.result()
+        """Waits for every staging stream this lease issued copies on."""
         streams = self._streams
         if streams is not None:
             self._streams = None
-            # Only a machine with a GPU runs this line for real: one synchronization per
-            # device per staged write.
             for stream in streams.values():
                 device.synchronize(stream)
             self._keep = None
 
     def release(self) -> None:
-        """Gives the buffer back; the lease then holds no memory, even if it is kept around.
-
-        Copies issued and not yet waited for (a stage that failed between issuing them and
-        ``ready``) are waited for first: the block must not be lent again while a copy may
-        still land in it. If that wait fails (a device error), the block is never lent again.
+        """Gives the buffer back, once the copies still in flight into it (a stage that failed
+        midway) are done; if that wait fails (a device error), the block is never lent again.
         """
         pool, self._pool = self._pool, None
         if pool is None:
@@ -142,29 +115,16 @@ class Lease:
 
 
 class StagingPool:
-    """Host buffers for async take, kept and reused across snapshots, within one staging budget
-    for the process.
+    """Host buffers for async take, reused across snapshots (a copy into fresh memory pays a
+    page fault per page), within one staging budget for the process (``budget``, which each
+    take's write pipeline charges through a ``share``).
 
-    Blocks come in size classes, at least 64 KiB, so a buffer freed by one write fits the next
-    write of a similar size: powers of two and 1.5 times them in pageable memory; powers of two
-    only when pinned, since torch's host allocator rounds every pinned allocation up to a power
-    of two (a class of 1.5 times a power would cost the next power anyway, uncounted). The pool
-    keeps at most ``keep_bytes`` of free blocks; ``trim`` drops the rest and hands pinned memory
-    dropped since the last trim back to the system (torch keeps freed pinned blocks locked in
-    its host cache until that cache is emptied).
+    Blocks come in size classes of at least 64 KiB, so a block freed by one write fits the next
+    of a similar size: powers of two and 1.5 times them; powers of two only when pinned (torch
+    rounds pinned allocations up to one). At most ``keep_bytes`` of free blocks are kept.
 
-    A block is pinned only for a write that copies from a device (``from_device=True``), so
-    a state without device tensors never pins memory nor touches CUDA, and one with them gets
-    asynchronous device-to-host copies. When pinning fails (locked memory exhausted, say), the
-    pool warns once and stages in pageable memory from then on (the copies are then
-    synchronous). Each device gets one staging stream, made when its first tensor is staged.
-
-    ``budget`` is the process's staging budget: every async take's write pipeline charges it
-    through a ``share``, so snapshots pending at once stage at most one budget together (a
-    second one waits for the first one's writes to give blocks back).
-
-    Why a pool: a copy into fresh memory pays a page fault for every page it touches, a copy
-    into memory already touched does not, and an async take's stall is mostly that copy.
+    A block is pinned only for a write that copies from a device; when pinning fails, the pool
+    warns once and stages in pageable memory (with synchronous copies) from then on.
     """
 
     _MIN_BLOCK = 64 * 1024
@@ -217,8 +177,7 @@ class StagingPool:
         if stream is None:
             with self._lock:
                 stream = self._streams.get(index)
-                if stream is None:
-                    # Only a machine with a GPU creates a real one.
+                if stream is None:  # only a GPU run makes a real one
                     stream = self._streams[index] = device.new_stream(index)
         return stream
 
@@ -233,18 +192,16 @@ class StagingPool:
             if block is not None:
                 self._free_bytes -= size
                 self._leased_bytes += size
-        fresh = block is None
         if block is None:
             block, pinned = self._new_block(nbytes, pinned)
             with self._lock:
                 self._leased_bytes += block.numel()
-        return Lease(self, block, nbytes, fresh, pinned)
+        return Lease(self, block, nbytes, pinned)
 
     def _new_block(self, nbytes: int, pinned: bool) -> tuple[torch.Tensor, bool]:
         if pinned:
             size = self.size_class(nbytes, True)
-            try:
-                # Only a machine with a GPU allocates pinned blocks for real.
+            try:  # only a GPU run pins for real
                 block = device.pinned_empty((size,), torch.uint8)
             except RuntimeError as e:
                 with self._lock:
@@ -262,10 +219,6 @@ class StagingPool:
                 self.pinned_bytes += size
                 return block, True
         size = self.size_class(nbytes)
-        # Ordinary pages: asking for huge ones (madvise MADV_HUGEPAGE) made the first fill of
-        # a fresh block faster on one VM and several times slower on another (one that hands
-        # freed memory back to its host, where each 2 MiB page is faulted in and zeroed at
-        # once); benchmarks/results has both.
         block = torch.empty(size, dtype=torch.uint8)
         self.allocated_bytes += size
         return block, False
@@ -297,15 +250,14 @@ class StagingPool:
 
     def trim(self) -> None:
         """Drops free blocks beyond ``keep_bytes``; if pinned blocks were dropped since the last
-        trim, empties torch's host cache so their memory is unlocked and returned (run off the
-        caller's thread: async take's background commit runs it once its writes are done)."""
+        trim, empties torch's host cache, which keeps them locked until then (async take's
+        background commit runs it once its writes are done)."""
         with self._lock:
             dropped = self._drop(self.keep_bytes)
             pinned = self._dropped_pinned or any(p for p, _ in dropped)
             self._dropped_pinned = False
         del dropped
-        if pinned:
-            # Only a machine with a GPU runs this for real.
+        if pinned:  # only a GPU run frees pinned memory for real
             device.empty_host_cache()
 
     def clear(self) -> None:

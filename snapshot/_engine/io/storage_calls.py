@@ -16,9 +16,8 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from snapshot._engine import runtime
-from snapshot._engine.format import checksum
-from snapshot._engine.io import kept
-from snapshot._engine.io.io_loop import run
+from snapshot._engine.format.serialization import RangeDigest
+from snapshot._engine.runtime import run
 from snapshot.errors import (
     CorruptSnapshotError,
     SnapshotError,
@@ -60,10 +59,11 @@ def open_storage(
     """A storage plugin for ``url``, built on the I/O loop and closed on exit; or, for a plugin
     class that asks for it (``keep_open``), kept open ``options.keep_open_secs`` after a
     successful exit and handed to the next ``open_storage`` of the same ``url`` and storage
-    options (``snapshot._engine.io.kept``)."""
+    options (``runtime.KeptPlugins``)."""
     keep_secs = options.keep_open_secs
+    assert keep_secs is not None, "resolved options"
     table = runtime.get().kept
-    key = kept.key_of(url, storage_options)
+    key = runtime.key_of(url, storage_options)
     plugin = run(table.reclaim(key)) if key is not None else None
     if plugin is None:
         plugin = open_plugin(url, storage_options)
@@ -126,19 +126,16 @@ async def call(
     """Awaits ``op()``, one plugin call, and turns its errors into the library's (or, with
     ``convert=False``, raises the plugin's own error once retries are spent).
 
-    A transient error (``plugin.is_transient``) makes the call again, up to
-    ``options.io_retries`` times (``STATESNAP_IO_RETRIES``), after a backoff that doubles from
-    ``_FIRST_BACKOFF_SECS`` (with jitter, so that many workers do not retry in step) up to
-    ``_MAX_BACKOFF_SECS``; each retry is logged. Every plugin call can be repeated: a write
-    replaces the whole blob, a read fills the whole range again.
-
-    The call, retries included, must end within ``options.io_timeout_secs``
-    (``STATESNAP_IO_TIMEOUT_SECS``): a stalled upload fails the operation, naming the blob,
-    instead of hanging it. (An attempt running on a worker thread cannot be stopped; it is
-    abandoned, and the operation fails.)
+    A transient error (``plugin.is_transient``) makes the call again (a write replaces the
+    whole blob, a read fills the whole range again), up to ``options.io_retries`` times, after
+    a backoff that doubles, with jitter so that many workers do not retry in step; each retry
+    is logged. The call, retries included, must end within ``options.io_timeout_secs``: a
+    stalled upload fails the operation, naming the blob, instead of hanging it (an attempt
+    running on a worker thread cannot be stopped; it is abandoned).
     """
     loop = asyncio.get_running_loop()
     timeout = options.io_timeout_secs
+    assert timeout is not None, "resolved options"
     deadline = loop.time() + timeout
     delay = _FIRST_BACKOFF_SECS
     attempt = 1
@@ -159,6 +156,7 @@ async def call(
                     raise
                 raise _storage_error(plugin, verb, blob, label, e, attempt) from e
             retries = options.io_retries
+            assert retries is not None, "resolved options"
             # A refused blob is refused again on every attempt, whatever the plugin says.
             refused = isinstance(e, RefusedBlobError)
             if attempt > retries or refused or not plugin.is_transient(e):
@@ -193,6 +191,7 @@ async def read_unrecorded(plugin: StoragePlugin, blob: str, where: str, options:
             caller tells "no snapshot here" by them).
     """
     limit = options.max_manifest_bytes
+    assert limit is not None, "resolved options"
     read = lambda: plugin.read_limited(blob, limit)  # noqa: E731
     try:
         return await call(plugin, "read", blob, where, read, options=options, convert=False)
@@ -219,19 +218,17 @@ async def call_digesting(
     blob: str,
     label: str,
     ranges: Sequence[tuple[int, int]],
-    op: Callable[[checksum.RangeDigest], Awaitable[None]],
+    op: Callable[[RangeDigest], Awaitable[None]],
     *,
     options: Options,
     convert: bool = True,
-    segments: tuple[list[int], Sequence[object]] | None = None,
 ) -> list[int]:
     """``call`` of a plugin operation that shows its bytes to a digest of ``ranges`` (a new
-    one for every attempt, so that a retry starts over); the ranges' CRC-32s. ``segments``:
-    as ``RangeDigest``'s."""
-    digests: list[checksum.RangeDigest] = []
+    one for every attempt, so that a retry starts over); the ranges' CRC-32s."""
+    digests: list[RangeDigest] = []
 
     def attempt() -> Awaitable[None]:
-        digests.append(checksum.RangeDigest(ranges, segments))
+        digests.append(RangeDigest(ranges))
         return op(digests[-1])
 
     await call(plugin, verb, blob, label, attempt, options=options, convert=convert)

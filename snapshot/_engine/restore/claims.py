@@ -27,9 +27,9 @@ from typing import Any
 from manifest import Entry, Location, Manifest, ShardedTensorEntry, TensorEntry, is_container
 from snapshot._engine.handlers import sharded
 from snapshot._engine.handlers.dense import is_dense_tensor
-from snapshot._engine.io.io_loop import run
 from snapshot._engine.io.storage_calls import call
 from snapshot._engine.restore.linked import open_linked
+from snapshot._engine.runtime import run
 from snapshot.errors import CorruptSnapshotError
 from snapshot.options import Options
 from snapshot.sharding.mapping import LocalNonpersistentObject

@@ -21,7 +21,7 @@ from itertools import accumulate, chain, compress, count, islice, pairwise, repe
 from operator import add, attrgetter, ge, gt, le, ne, sub
 
 from manifest import Location
-from snapshot._engine.format.checksum import WholeCheck
+from snapshot._engine.format.serialization import WholeCheck
 from snapshot._engine.io.requests import DirectRequest
 from snapshot._engine.restore.reads import Need, direct_need, label_of
 

@@ -23,8 +23,8 @@ from typing import Any
 
 from manifest import Manifest, reference_of
 from snapshot._engine.format.manifest_io import load_manifest
-from snapshot._engine.io.io_loop import run
 from snapshot._engine.io.storage_calls import open_storage
+from snapshot._engine.runtime import run
 from snapshot._engine.take.incremental import checked_sibling, sibling_path
 from snapshot.errors import CorruptSnapshotError, MissingBaseError, SnapshotNotFoundError
 from snapshot.options import Options

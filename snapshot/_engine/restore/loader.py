@@ -25,16 +25,14 @@ from typing import Any
 import torch
 
 from manifest import Entry, Location, Manifest, TensorEntry, reference_of
-from snapshot._engine.context import naming_snapshot
 from snapshot._engine.flatten import inflate, subtree
+from snapshot._engine.format.serialization import memory_span
 from snapshot._engine.handlers import local
 from snapshot._engine.handlers.dense import direct_address
 from snapshot._engine.handlers.table import Handler, for_entry
-from snapshot._engine.io.io_loop import join, spawn
 from snapshot._engine.io.pipeline import IOStats, read_all
 from snapshot._engine.io.requests import AnyReadRequest, DirectRequest
 from snapshot._engine.io.storage_calls import call
-from snapshot._engine.io.tensor_memory import beside_others, memory_span
 from snapshot._engine.restore.claims import ClaimCheck
 from snapshot._engine.restore.direct_reads import DirectReads, clashes
 from snapshot._engine.restore.landing import Landing
@@ -46,6 +44,7 @@ from snapshot._engine.restore.restore_guard import (
     check_needs,
     locations_read,
 )
+from snapshot._engine.runtime import join, naming_snapshot, spawn
 from snapshot.errors import CorruptSnapshotError, StateMismatchError
 from snapshot.options import Options
 from snapshot.sharding.mapping import LocalNonpersistentObject
@@ -108,8 +107,6 @@ class Loader:
         self.needs: list[Need] = []
         # The reads of whole stored ranges into the caller's tensors (most reads), as columns.
         self.direct = DirectReads()
-        # No Python thread runs beside the library's: set as each subtree is planned.
-        self.alone = False
         self.tensors: dict[str, Any] = {}
         self.objects: dict[str, Any] = {}  # decoded objects, and primitives' values
         self.local: dict[str, Any] = {}  # LocalNonpersistentObject values, by path
@@ -195,7 +192,6 @@ class Loader:
         entries = self.entries
         tensors = self.tensors
         piece_bytes, verify = self.piece_bytes, self.verify
-        alone = self.alone = not beside_others()
         direct = self.direct
         # The columns' appends, bound once: the loop below runs once per leaf.
         add_path, add_chunk = direct.paths.append, direct.chunks.append
@@ -214,7 +210,7 @@ class Loader:
                 target = targets.get(p)
                 if type(entry) is TensorEntry:
                     # The dense kind's most common read, inline: straight into the target.
-                    address = direct_address(p, entry, target, piece_bytes, verify, alone)
+                    address = direct_address(p, entry, target, piece_bytes, verify)
                     if address is not None:
                         add_path(p)
                         add_chunk(entry.chunks[0])  # type: ignore[union-attr]

@@ -34,9 +34,9 @@ from operator import attrgetter, itemgetter
 from typing import Any
 
 from manifest import Entry, Location, ObjectEntry, TensorEntry
-from snapshot._engine.io.io_loop import run
 from snapshot._engine.io.storage_calls import open_storage
 from snapshot._engine.restore.linked import LinkedStorage
+from snapshot._engine.runtime import run
 from snapshot.options import Options
 from storage_plugins import StoragePlugin
 from storage_plugins.registry import resolve_factory, split_url

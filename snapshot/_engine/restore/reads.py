@@ -24,20 +24,17 @@ from typing import TypeVar
 import torch
 
 from manifest import Entry, Location, TensorEntry
-from snapshot._engine.format.checksum import LocationCheck, WholeCheck
 from snapshot._engine.format.serialization import (
+    LocationCheck,
+    WholeCheck,
     dtype_from_name,
     dtype_name,
     raw_memoryview,
+    shares_memory,
+    storage_shortfall,
     tensor_memoryview,
 )
 from snapshot._engine.io.requests import ReadRequest, Segment, segment_bytes
-from snapshot._engine.io.tensor_memory import (
-    conjugated,
-    negated,
-    shares_memory,
-    storage_shortfall,
-)
 from snapshot._engine.restore.landing import Landing, Tile
 from snapshot.errors import (
     CorruptSnapshotError,
@@ -189,8 +186,8 @@ def lands_directly(target: torch.Tensor, dtype: torch.dtype) -> bool:
         target.is_cpu
         and target.dtype == dtype
         and target.is_contiguous()
-        and not conjugated(target)
-        and not negated(target)
+        and not target.is_conj()
+        and not target.is_neg()
     )
 
 

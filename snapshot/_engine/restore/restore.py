@@ -20,7 +20,6 @@ import torch
 import manifest as mf
 from manifest import Entry, Manifest, PickledTensorEntry, ShardedTensorEntry, TensorEntry
 from snapshot._engine.app_state import check_app_state, ordered_keys, state_dict_of
-from snapshot._engine.context import gc_paused
 from snapshot._engine.dist import shared_reads
 from snapshot._engine.dist.dist import Coordinator
 from snapshot._engine.flatten import (
@@ -39,6 +38,7 @@ from snapshot._engine.restore.linked import open_linked
 from snapshot._engine.restore.loader import PENDING, Loader, tile_bytes
 from snapshot._engine.restore.read_ahead import ReadAhead
 from snapshot._engine.restore.restore_guard import RestoreProgress
+from snapshot._engine.runtime import gc_paused
 from snapshot.errors import (
     EntryNotFoundError,
     InvalidArgumentError,

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from manifest import Entry, Location
-from snapshot._engine.format.checksum import LocationCheck, WholeCheck
+from snapshot._engine.format.serialization import LocationCheck, WholeCheck
 from snapshot._engine.io.requests import AnyReadRequest, DirectRequest, segment_owner
 from snapshot._engine.restore.reads import Need
 from snapshot.errors import SnapshotError

@@ -24,7 +24,6 @@ from manifest import Entry, EntryFormatter, TensorEntry, TensorView
 from snapshot._engine.flatten import flatten
 from snapshot._engine.handlers import dense, for_value, sharded
 from snapshot._engine.handlers.table import types_of
-from snapshot._engine.io.tensor_memory import conjugated, negated
 from snapshot._engine.take.drafts import (
     Draft,
     Payload,
@@ -296,8 +295,8 @@ class Collector:
             and tensor.is_cpu
             and tensor.is_contiguous()
             and tensor.nbytes > 0
-            and not negated(tensor)
-            and not (tensor.dtype.is_complex and conjugated(tensor))
+            and not tensor.is_neg()
+            and not (tensor.dtype.is_complex and tensor.is_conj())
         )
 
     def leaf(self, path: str, logical: str, value: Any, replicated: bool) -> Planned:
@@ -403,7 +402,7 @@ def _span(draft: TensorDraft) -> tuple[int, int] | None:
     source = first.source
     assert source is not None
     t = source.tensor
-    if source.prepare is not None or not t.is_cpu or negated(t) or conjugated(t):
+    if source.prepare is not None or not t.is_cpu or t.is_neg() or t.is_conj():
         return None
     start = t.data_ptr()
     reach = sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True))

@@ -18,7 +18,6 @@ import torch
 from manifest import Entry
 from snapshot._engine import arguments, runtime
 from snapshot._engine.app_state import check_app_state, ordered_keys, state_dict_of
-from snapshot._engine.context import gc_paused, naming_snapshot
 from snapshot._engine.dist import replication
 from snapshot._engine.dist.dist import Coordinator
 from snapshot._engine.dist.replication import Decision, Facts, Pending
@@ -26,10 +25,10 @@ from snapshot._engine.flatten import check_nesting, escape_key
 from snapshot._engine.format.manifest_io import load_manifest
 from snapshot._engine.handlers import sharded
 from snapshot._engine.io import stage
-from snapshot._engine.io.io_loop import join, run, spawn
 from snapshot._engine.io.pipeline import IOStats, WritePipeline
 from snapshot._engine.io.staging import StagingPool
 from snapshot._engine.io.storage_calls import open_plugin
+from snapshot._engine.runtime import gc_paused, join, naming_snapshot, run, spawn
 from snapshot._engine.take.commit import (
     begin,
     commit,

@@ -28,15 +28,19 @@ from typing import Any, BinaryIO
 import torch
 
 from manifest import Location, Manifest, ShardedTensorEntry, TensorEntry
-from snapshot._engine.format.checksum import crc32
-from snapshot._engine.format.serialization import dtype_from_name
+from snapshot._engine.format.serialization import crc32, dtype_from_name
 from snapshot._engine.format.text import printable
 from snapshot._engine.handlers import sharded
-from snapshot._engine.io.io_loop import run
 from snapshot._engine.io.storage_calls import call
 from snapshot._engine.restore import claims
 from snapshot._engine.restore.reads import check_tensor_entry
-from snapshot.errors import ChecksumError, InvalidArgumentError, StorageError, UnsupportedValueError
+from snapshot._engine.runtime import run
+from snapshot.errors import (
+    ChecksumError,
+    InvalidArgumentError,
+    StorageError,
+    UnsupportedValueError,
+)
 from snapshot.options import Options
 from storage_plugins import StoragePlugin
 from storage_plugins.fs import missing_folders

@@ -29,8 +29,8 @@ from manifest import (
 )
 from snapshot._engine.format.serialization import dtype_name
 from snapshot._engine.format.text import printable
-from snapshot._engine.io.io_loop import run
 from snapshot._engine.restore import suggest
+from snapshot._engine.runtime import run
 from snapshot.errors import EntryNotFoundError
 from snapshot.metadata import SnapshotMetadata
 from snapshot.snapshot import Snapshot

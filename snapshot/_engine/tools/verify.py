@@ -23,8 +23,8 @@ from manifest import (
     TensorEntry,
     reference_of,
 )
-from snapshot._engine.format.checksum import crc32
 from snapshot._engine.format.manifest_io import load_manifest
+from snapshot._engine.format.serialization import crc32
 from snapshot._engine.handlers.objects import check_archive
 from snapshot._engine.io.storage_calls import call
 from snapshot._engine.restore.linked import open_linked
