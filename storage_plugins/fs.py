@@ -21,13 +21,8 @@ from itertools import islice
 from typing import Any, TypeVar
 
 from storage_plugins import host
-from storage_plugins.base import (
-    BlobTooLargeError,
-    Buffer,
-    DaemonThreadPool,
-    StoragePlugin,
-    UnsafeBlobError,
-)
+from storage_plugins import base
+from storage_plugins.base import BlobTooLargeError, Buffer, StoragePlugin, UnsafeBlobError
 
 logger = logging.getLogger(__name__)
 
@@ -267,7 +262,7 @@ class FSStoragePlugin(StoragePlugin):
         self.root = os.path.abspath(os.path.expanduser(root.removeprefix("file://")))
         # The root as the user named it may be a link (their choice): resolved once, here.
         self._base = os.path.realpath(self.root)
-        self._executor = DaemonThreadPool(io_threads, thread_name_prefix="statesnap-fs")
+        self._executor = base.DaemonThreadPool(io_threads, thread_name_prefix="statesnap-fs")
         # What this plugin created (the root and its missing ancestors, outermost first; the
         # directories below the root): deleting a failed take's blobs removes them too.
         self._made_above: list[str] = []

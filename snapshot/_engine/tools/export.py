@@ -35,12 +35,7 @@ from snapshot._engine.io.storage_calls import call
 from snapshot._engine.restore import claims
 from snapshot._engine.restore.reads import check_tensor_entry
 from snapshot._engine.runtime import run
-from snapshot.errors import (
-    ChecksumError,
-    InvalidArgumentError,
-    StorageError,
-    UnsupportedValueError,
-)
+from snapshot.errors import ChecksumError, InvalidArgumentError, StorageError, UnsupportedValueError
 from snapshot.options import Options
 from storage_plugins import StoragePlugin
 from storage_plugins.fs import missing_folders
