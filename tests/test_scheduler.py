@@ -15,8 +15,7 @@ import torch
 from snapshot import CorruptSnapshotError, Snapshot, StateDict, StorageError
 from snapshot._engine.io.budget import ByteBudget
 from snapshot._engine.io.io_loop import io_loop, run
-from snapshot._engine.io.pipeline import WritePipeline, read_all
-from snapshot._engine.io.requests import ReadRequest, Segment, WriteRequest
+from snapshot._engine.io.pipeline import ReadRequest, Segment, WritePipeline, WriteRequest, read_all
 from snapshot._engine.io.staging import StagingPool
 from snapshot.options import Options
 from storage_plugins.memory import MemoryStoragePlugin

@@ -31,7 +31,7 @@ from snapshot._engine.format.serialization import (
     raw_memoryview,
     tensor_memoryview,
 )
-from snapshot._engine.io.requests import ReadRequest, Segment, segment_bytes
+from snapshot._engine.io.pipeline import ReadRequest, Segment, segment_bytes
 from snapshot._engine.io.tensor_memory import (
     conjugated,
     negated,

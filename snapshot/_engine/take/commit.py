@@ -24,6 +24,7 @@ import manifest as mf
 from manifest import Entry, ShardedObjectEntry, ShardedTensorEntry, TensorEntry
 from snapshot._engine.format.torchsnapshot_format import FOREIGN_MARKERS
 from snapshot._engine.handlers import sharded
+from snapshot._engine.io.pipeline import plugin_location
 from snapshot._engine.io.storage_calls import call
 from snapshot.errors import PathNotEmptyError, SnapshotExistsError
 from snapshot.version import __version__
@@ -50,11 +51,6 @@ LISTED_NAMES = 4096
 
 def left_by_a_take(name: str) -> bool:
     return TAKE_DEBRIS.fullmatch(name) is not None
-
-
-def plugin_location(plugin: StoragePlugin) -> str:
-    """The snapshot's location as messages name it."""
-    return plugin.describe("").rstrip("/")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from snapshot._engine.io import device
-from snapshot._engine.io.requests import WriteRequest
+from snapshot._engine.io.pipeline import WriteRequest
 from snapshot._engine.take.drafts import Layout, Payload, Staged
 from snapshot._engine.take.plan import Collected, TakePlan
 

@@ -37,7 +37,7 @@ from snapshot._engine.take.drafts import (
 )
 
 if TYPE_CHECKING:
-    from snapshot._engine.io.requests import WriteRequest
+    from snapshot._engine.io.pipeline import WriteRequest
     from snapshot._engine.take.incremental import Reuse
     from snapshot._engine.take.placement import Placer, Recorder
 

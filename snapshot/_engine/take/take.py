@@ -17,7 +17,7 @@ import torch
 
 from manifest import Entry
 from snapshot._engine import arguments, runtime
-from snapshot._engine.app_state import check_app_state, ordered_keys, state_dict_of
+from snapshot._engine.arguments import check_app_state, ordered_keys, state_dict_of
 from snapshot._engine.context import gc_paused, naming_snapshot
 from snapshot._engine.dist import replication
 from snapshot._engine.dist.dist import Coordinator
@@ -27,14 +27,13 @@ from snapshot._engine.format.manifest_io import load_manifest
 from snapshot._engine.handlers import sharded
 from snapshot._engine.io import stage
 from snapshot._engine.io.io_loop import join, run, spawn
-from snapshot._engine.io.pipeline import IOStats, WritePipeline
+from snapshot._engine.io.pipeline import IOStats, WritePipeline, plugin_location
 from snapshot._engine.io.staging import StagingPool
 from snapshot._engine.io.storage_calls import open_plugin
 from snapshot._engine.take.commit import (
     begin,
     commit,
     manifest_bytes,
-    plugin_location,
     remove_written,
 )
 from snapshot._engine.take.drafts import Layout, PrepareFunc
