@@ -17,7 +17,7 @@ rank, so that every rank reaches the same answer:
   ``param_groups``: everything the ranks hold in common is then stored once, and a rank the
   snapshot did not have (restoring on more ranks) can read it.
 
-A replicated leaf is written by one rank (``placement.assign_writers`` balances them) and listed
+A replicated leaf is written by one rank (``take.assign_writers`` balances them) and listed
 once in the manifest, under rank 0's prefix (``Manifest.view`` shows it under every rank's).
 
 Only a take across ranks runs any of this (a process alone has nothing to compare with, and
@@ -37,10 +37,17 @@ from typing import Any, NamedTuple, TypeVar
 from manifest import PrimitiveEntry, TensorEntry
 from snapshot._engine import runtime
 from snapshot._engine.format.checksum import combine, crc32
-from snapshot._engine.take.drafts import Layout, ObjectDraft, Payload, TensorDraft, WholeTensor
-from snapshot._engine.take.placement import Placer, Recorder, Stager
-from snapshot._engine.take.plan import Collected
 from snapshot._engine.format.serialization import ADDRESS_SPACE, gather_elements
+from snapshot._engine.take.plan import (
+    Collected,
+    Layout,
+    ObjectDraft,
+    Payload,
+    Placer,
+    Stager,
+    TensorDraft,
+    WholeTensor,
+)
 from snapshot.errors import SnapshotError
 
 _T = TypeVar("_T")
@@ -332,7 +339,7 @@ def _tensor_source(payloads: Sequence[Payload]) -> Source | None:
 @dataclasses.dataclass
 class Decision:
     """What the agreements decided: the replicated leaves (logical path -> rank 0's ``Desc``,
-    in rank 0's order), the replicated payloads for ``placement.assign_writers``, and each rank's
+    in rank 0's order), the replicated payloads for ``plan.assign_writers``, and each rank's
     bytes of its own once the decision is applied (to balance the writers)."""
 
     replicated: dict[str, Desc]
@@ -434,7 +441,6 @@ def _own_bytes(info: Mapping[str, Any], replicated: Mapping[str, Desc]) -> int:
 
 def settle(
     collected: Collected,
-    recorder: Recorder,
     replicated: Mapping[str, Desc],
     rank_prefix: str,
     layout: Layout,
@@ -442,7 +448,7 @@ def settle(
 ) -> tuple[Placer, list[str]]:
     """Marks this rank's leaves replicated or not as decided, places its own payloads (a
     ``Placer`` under ``rank_prefix``, closed), and leaves the replicated ones, in order, in
-    ``collected.replicated`` for ``placement.place``. Returns the placer and the paths (with the
+    ``collected.replicated`` for ``plan.place``. Returns the placer and the paths (with the
     rank prefix) of the replicated leaves.
 
     A leaf that shares an earlier leaf's payloads (tied weights) but was decided otherwise than
@@ -476,7 +482,7 @@ def settle(
     shared: list[Payload] = []
     own_bytes = 0
     seen: set[int] = set()
-    for p in itertools.chain(recorder.payloads, collected.replicated, extra):
+    for p in itertools.chain(collected.payloads, collected.replicated, extra):
         if id(p) in seen:
             continue
         seen.add(id(p))

@@ -10,7 +10,7 @@ buffer, the body sent), never of the application's memory, which another thread 
 during the take. A ``RangeDigest`` turns that stream of pieces into one running CRC per
 location. The members of a slab being written are the exception: they are checksummed when the
 slab is staged, on the caller's thread, from the slab's copy that is written
-(``placement.Placer`` says why).
+(``plan.Placer`` says why).
 Reads may split one location over several requests (a large chunk read by several workers,
 budget-sized tiles); ``LocationCheck`` combines their CRCs into the location's, in any order of
 arrival.

@@ -16,8 +16,8 @@ from snapshot._engine.context import gc_paused
 from snapshot._engine.format.text import printable_message
 from snapshot._engine.format.torchsnapshot_format import open_foreign
 from snapshot._engine.io.io_loop import run
-from snapshot._engine.io.storage_calls import call, open_storage, read_unrecorded, refused
 from snapshot._engine.io.pipeline import plugin_location
+from snapshot._engine.io.storage_calls import call, open_storage, read_unrecorded, refused
 from snapshot._engine.take.commit import MANIFEST_NAME, PENDING_NAME
 from snapshot.errors import (
     ChecksumError,

@@ -46,7 +46,7 @@ from snapshot._engine.io.tensor_memory import (  # noqa: E402
     negated,
     storage_shortfall,
 )
-from snapshot._engine.take.drafts import (  # noqa: E402
+from snapshot._engine.take.plan import (  # noqa: E402
     Payload,
     PrepareFunc,
     TensorDraft,
@@ -58,8 +58,7 @@ from snapshot._engine.take.drafts import (  # noqa: E402
 from snapshot.errors import SnapshotError, UnsupportedValueError  # noqa: E402
 
 if typing.TYPE_CHECKING:
-    from snapshot._engine.take.drafts import Planned
-    from snapshot._engine.take.plan import Collector
+    from snapshot._engine.take.plan import Collector, Planned
 
 _TENSOR = torch.Tensor
 
@@ -126,16 +125,7 @@ def take_tensor(
         if nbytes <= planner.chunk_bytes:
             whole = WholeTensor(logical, path, tensor, address, nbytes, name, shape, replicated)
             written[key] = whole
-            # ``Collector.emit`` of this one payload, inline (most payloads).
-            out = planner.out
-            if replicated:
-                out.replicated.append(whole)
-                return whole
-            out.own_bytes += nbytes
-            own = planner.own
-            own.place(whole)
-            if planner.submit is not None and len(own.writes) > out.submitted:
-                planner.hand_over()
+            planner.emit([whole])
             return whole
         itemsize = dtype.itemsize
         payloads = [

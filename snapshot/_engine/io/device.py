@@ -9,7 +9,7 @@ pinned-memory cache) are the functions below and nothing else in the library cal
 
 - Only a machine with a GPU can run them; tests on CPU replace these functions with a double
   (``tests/cuda_double.py``) that holds each non-blocking copy until its stream is
-  synchronized, so the ordering rules built on them (``staging.Lease``, ``placement.Placer``) are
+  synchronized, so the ordering rules built on them (``staging.Lease``, ``plan.Placer``) are
   exercised without a GPU.
 - Nothing here runs for host memory: callers ask ``cuda_index`` first (a tensor's own
   properties, no CUDA call), so a state without device tensors never creates a CUDA context,

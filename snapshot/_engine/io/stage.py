@@ -10,9 +10,9 @@ take), every payload of a write is copied into one pooled buffer (``_pooled``), 
 asynchronously on a staging stream, a large host tensor on the runtime's copier thread
 (``_Pooled``), so that nothing written later reads the application's memory. A slab's members
 get their CRC-32s here, from the copy that is written, as they are staged (see
-``placement.Placer``).
+``plan.Placer``).
 
-``stager(pool)`` is what the take gives its placers (``placement.Stager``).
+``stager(pool)`` is what the take gives its placers (``plan.Stager``).
 """
 
 from __future__ import annotations
@@ -39,8 +39,7 @@ from snapshot._engine.format.serialization import (
 from snapshot._engine.handlers.dense import call_prepare
 from snapshot._engine.io import device
 from snapshot._engine.io.staging import Lease, StagingPool
-from snapshot._engine.take.drafts import Payload, Staged, TensorSource
-from snapshot._engine.take.placement import ALIGN, Slab, Stager
+from snapshot._engine.take.plan import ALIGN, Payload, Slab, Staged, Stager, TensorSource
 from snapshot.errors import UnsupportedValueError
 from storage_plugins import Buffer
 
@@ -190,7 +189,7 @@ _SLAB_RUN_BYTES = 1 << 20
 def stage_slab(slab: Slab, checksums: bool) -> Staged:
     """A slab's bytes, copied into one new buffer (zeros in the padding between members); with
     ``checksums``, each member's CRC-32, taken from that copy, goes to its ``crc32`` (see
-    ``placement.Placer``).
+    ``plan.Placer``).
 
     The copy is what is written: the CRCs are of the bytes that reach storage even while
     another thread changes the members' tensors in place (an EMA update, a hook), as a CRC of

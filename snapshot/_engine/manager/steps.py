@@ -40,7 +40,7 @@ logger = logging.getLogger("snapshot")
 _STEP = re.compile(r"step_([0-9]{1,18})")
 # The most names a listing of a root may return (an S3 listing pages through 1,000 at a time).
 LIST_LIMIT = 1_000_000
-# What a take writes in a rank's folder: blobs ``[<take id>-][r][s]<n>`` (``placement.Placer``:
+# What a take writes in a rank's folder: blobs ``[<take id>-][r][s]<n>`` (``plan.Placer``:
 # ``r`` a replicated payload's, ``s`` a slab) and the local plugin's temporary files
 # (``.<name>.<12 hex digits>.tmp``, renamed into place once written).
 _RANK = re.compile(r"[0-9]+")
