@@ -55,6 +55,15 @@ def snapshot_path(value: object, call: str, name: str = "path") -> str:
     return path
 
 
+def same_location(a: str, b: str) -> bool:
+    """Whether two spellings of a snapshot's path name one location."""
+    if a == b:
+        return True
+    if "://" in a or "://" in b:
+        return a.rstrip("/") == b.rstrip("/")
+    return os.path.normpath(a) == os.path.normpath(b)
+
+
 def glob_list(value: object, call: str, where: str) -> list[str]:
     """The ``replicated`` globs as a list: None is none; otherwise any iterable of str but a
     str itself (whose characters would each become a glob)."""

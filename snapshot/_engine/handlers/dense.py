@@ -31,9 +31,7 @@ def is_dense_tensor(value: object) -> bool:
 # written from that memory, through views: whole in one range (``WholeTensor``), or in chunks
 # above the chunk size. Any other (prepared, conjugate or negated views, non-contiguous, on a
 # device) is read through a ``TensorSource`` that staging resolves or gathers. The same memory
-# under two paths (tied weights) is written once. For most leaves the collector checks the kind
-# inline and calls ``take_tensor`` (``plan.Collector.add``); ``take`` is what the table gives
-# for the others (a factory's leaves, a tensor subclass stored as dense).
+# under two paths (tied weights) is written once.
 
 import math  # noqa: E402
 import typing  # noqa: E402

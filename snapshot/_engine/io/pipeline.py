@@ -21,10 +21,9 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from itertools import accumulate, chain, compress
 from operator import attrgetter
-from operator import call as call_it
 from typing import TYPE_CHECKING, Any
 
-from snapshot._engine.format.checksum import WholeCheck, whole_crc
+from snapshot._engine.format.checksum import WholeCheck
 from snapshot._engine.format.serialization import raw_memoryviews
 from snapshot._engine.io.budget import BudgetShare, ByteBudget
 from snapshot._engine.io.io_loop import hold, io_loop, run
@@ -96,9 +95,7 @@ class WritePipeline:
 
     Staged writes are handed to the I/O loop in batches of ``batch_bytes``, so writing overlaps
     staging. With ``batch_bytes=None`` they are held until ``flush`` (or until the budget is full
-    and writes must start to free it): async take stages everything first, so that its writes,
-    which compete with the caller for memory bandwidth and cores, start only once the caller is
-    free to go.
+    and writes must start to free it): async take's writes start once the caller is free to go.
 
     The staging budget is a ``ByteBudget`` of ``budget_bytes`` of its own, or ``budget``: a
     ``BudgetShare`` of one that other pipelines charge too (async takes pending at once).
@@ -106,8 +103,6 @@ class WritePipeline:
     when given, makes every buffer staged so far whole (a stage may leave a copy running on
     another thread): each hand-over to the I/O loop calls it first.
     """
-
-    _BATCH_ITEMS = 256
 
     def __init__(
         self,
@@ -217,10 +212,7 @@ class WritePipeline:
             raise
         self._batch.append((req, buffers, keepalive))
         self._batch_bytes += req.nbytes
-        limit = self._batch_limit
-        if limit is not None and (
-            self._batch_bytes >= limit or len(self._batch) >= self._BATCH_ITEMS
-        ):
+        if self._batch_limit is not None and self._batch_bytes >= self._batch_limit:
             self.flush()
 
     async def _drain(self) -> None:
@@ -260,12 +252,16 @@ class WritePipeline:
         self.flush()
         return run(self.wait())
 
-    def abort(self, error: BaseException) -> None:
-        """Stops writing (what is queued is dropped) and waits for the workers to stop."""
+    def _drop_batch(self) -> None:
+        """Gives back what is staged and not handed over (a shared budget outlives this)."""
         for req, _, keepalive in self._batch:
             _release(keepalive)
-            self.budget.release(req.staging_bytes)  # a shared budget outlives this pipeline
+            self.budget.release(req.staging_bytes)
         self._batch = []
+
+    def abort(self, error: BaseException) -> None:
+        """Stops writing (what is queued is dropped) and waits for the workers to stop."""
+        self._drop_batch()
         self._loop.call_soon_threadsafe(self._fail, error)
         try:
             run(self._drain())
@@ -284,10 +280,7 @@ class WritePipeline:
             not self._batch and all(worker.done() for worker in self._workers)
         ):
             return
-        for req, _, keepalive in self._batch:
-            _release(keepalive)
-            self.budget.release(req.staging_bytes)
-        self._batch = []
+        self._drop_batch()
         if not self._loop.is_running():
             return
         try:
@@ -335,8 +328,6 @@ class Segment:
 
 
 segment_bytes = attrgetter("nbytes")
-segment_verify = attrgetter("verify")
-segment_dest = attrgetter("dest")
 segment_owner = attrgetter("owner")
 
 
@@ -359,12 +350,15 @@ class ReadRequest:
 
     @property
     def nbytes(self) -> int:
-        return sum(map(segment_bytes, self.segments))
+        return sum(s.nbytes for s in self.segments)
 
     def destinations(self) -> list[memoryview]:
-        """Where the bytes land, one buffer per segment: each ``dest()``, in order (a slab's
-        read has thousands: one C-level pass)."""
-        return list(map(call_it, map(segment_dest, self.segments)))
+        """Where the bytes land, one buffer per segment: each ``dest()``, in order."""
+        outs = []
+        for s in self.segments:
+            assert s.dest is not None
+            outs.append(s.dest())
+        return outs
 
 
 @dataclass(slots=True)
@@ -458,7 +452,7 @@ async def read_all(
                 return
             try:
                 outs = req.destinations()
-                if type(req) is DirectRequest:
+                if isinstance(req, DirectRequest):
                     await _read_direct(plugin, req, outs, options)
                 else:
                     await _read(plugin, req, outs, options)
@@ -490,20 +484,13 @@ async def _read(
 ) -> None:
     """One read request into ``outs`` (one per segment), then each segment's ``verify`` with
     the CRC-32 of what landed in it."""
-    # C-level passes over the segments: a read of a slab has one per member, thousands.
-    verifiers = list(map(segment_verify, req.segments))
+    verifiers = [s.verify for s in req.segments]
     if not any(verifiers):
         await _read_into(plugin, req, outs, options, None)
         return
-    sizes = list(map(segment_bytes, req.segments))
+    sizes = [s.nbytes for s in req.segments]
     values = await _read_into(plugin, req, outs, options, (sizes, verifiers))
-    verifiers = list(filter(None, verifiers))
-    # Most segments are whole locations (``WholeCheck``): their CRCs are compared in one pass,
-    # and only a mismatch goes through the checks one by one (the first raises, naming it).
-    whole = list(map(type, verifiers)).count(WholeCheck) == len(verifiers)
-    if whole and values == list(map(whole_crc, verifiers)):
-        return
-    for verify, value in zip(verifiers, values, strict=True):
+    for verify, value in zip([v for v in verifiers if v is not None], values, strict=True):
         verify(value)
 
 

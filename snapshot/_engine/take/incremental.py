@@ -198,7 +198,12 @@ class Reuse:
 
     @classmethod
     def load(
-        cls, path: str, base: str | None, storage_options: Any, options: Options, rank: int
+        cls,
+        path: str,
+        base: str | None,
+        storage_options: dict[str, Any] | None,
+        options: Options,
+        rank: int,
     ) -> Reuse:
         """What the take at ``path`` compares with its ``base`` (the base's manifest, read by
         every rank), or, without a base, only records digests into."""

@@ -246,8 +246,7 @@ Planned = (
 Made = Entry | str | sharded.ObjectReplica
 
 
-def payloads_of(draft: Draft) -> list[Payload]:
-    """The payloads of a tensor's draft."""
+def payloads_of(draft: Draft) -> list[Payload]:  # the payloads of a tensor's draft
     return draft.payloads
 
 
@@ -458,7 +457,9 @@ class Collector:
         for path, node, value in flatten(state, prefix + key_path):
             if node is None:
                 logical = path[len(prefix) :]
-                replicated = any(fnmatch.fnmatchcase(logical, g) for g in self.replicated)
+                replicated = bool(self.replicated) and any(
+                    fnmatch.fnmatchcase(logical, g) for g in self.replicated
+                )
                 self.out.entries[path] = self.leaf(path, logical, value, replicated)
             else:
                 self.out.entries[path] = node
@@ -553,11 +554,11 @@ class TakePlan:
             done = known.get(path)
             if done is not None:
                 out[path] = done
-            elif isinstance(e, (Entry, sharded.ObjectReplica)):
-                out[path] = e
-            elif isinstance(e, (WholeTensor, TensorDraft)):
+            elif isinstance(e, (WholeTensor, TensorDraft)):  # most entries
                 ready = isinstance(e, WholeTensor) and (e.crc32 is not None or not self.checksums)
                 out[path] = _line(path, e, checksums, fmt) if ready or not early else None
+            elif isinstance(e, (Entry, sharded.ObjectReplica)):
+                out[path] = e
             else:
                 out[path] = None if early else e.build(checksums)
         for path in dict.fromkeys([*c.grads, *c.views, *c.digests]):

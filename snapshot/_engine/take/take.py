@@ -114,7 +114,7 @@ class TakeJob:
         self._error: BaseException | None = None  # met while staging, reported when agreeing
         self._marker_write: asyncio.Future[None] | None = None  # rank 0's pending marker
         self._released = threading.Event()  # set once the caller handed every staged write over
-        self._started = 0.0
+        self._times: dict[str, float] = {}  # when it started; then each step's seconds
         self._budget = 0  # bytes of staging this take may hold, fixed when it captures
         self._stager = stage.stager(pool)  # through the pool's buffers when there is one
         self._abandoned = False
@@ -133,7 +133,7 @@ class TakeJob:
 
     def _start(self) -> None:
         coord = self.coordinator
-        self._started = time.perf_counter()
+        t0 = self._times["start"] = time.perf_counter()
         info = error = None
         try:
             info = self._capture()
@@ -146,6 +146,7 @@ class TakeJob:
         except BaseException as e:
             self._abandon(e)
             raise
+        self._times["plan"] = time.perf_counter() - t0
         own = None
         if decision is None:  # a process alone: its replicated payloads are its own to write
             writers = {(p.logical, p.index): 0 for p in self.collected.replicated}
@@ -165,7 +166,7 @@ class TakeJob:
                 del self.collected.entries[p]
         try:
             if self.plugin is None:
-                if not _same_location(self.path, path):
+                if not arguments.same_location(self.path, path):
                     _warn_path_ignored(self.path, path, coord.rank)
                 self.path = path  # rank 0's path wins
                 self.plugin = open_plugin(path, self.storage_options)
@@ -186,6 +187,7 @@ class TakeJob:
                 raise
             self._error = e  # the others learn of it at the next agreement
             self._released.set()  # nothing left to hand over
+        self._times["staged"] = time.perf_counter() - t0
 
     def _capture(self) -> dict[str, Any]:
         """This rank's part before the first agreement: state dicts and their plan (across
@@ -356,6 +358,7 @@ class TakeJob:
                 error = error or e
         elif self.pipeline is not None:
             run(self.pipeline.wait_quietly())
+        self._times["written"] = time.perf_counter() - self._times["start"]
         if self.pool is not None:
             self.pool.trim()  # this take's blocks are back: unlock pinned memory it dropped
         checksums = self.pipeline.checksums if self.pipeline is not None else {}
@@ -435,7 +438,8 @@ class TakeJob:
             run(remove_written(self.plugin, self.where, blobs, self._marker_write))
 
     def _log(self, stats: IOStats, entries: int) -> None:
-        total = time.perf_counter() - self._started
+        times = self._times
+        total = time.perf_counter() - times["start"]
         rank = self.coordinator.rank
         if self.reuse is not None and self.base is not None:
             logger.info(
@@ -448,6 +452,12 @@ class TakeJob:
             "took snapshot %s (rank %d of %d): %d entries, %d blobs, %.1f MB in %.3f s (%.2f GB/s)",
             self.where, rank, self.coordinator.world_size, entries, stats.blobs,
             stats.nbytes / 1e6, total, stats.nbytes / max(total, 1e-9) / 1e9,
+        )  # fmt: skip
+        logger.debug(
+            "take %s phases: state_dict+plan %.3f s, staged by %.3f s, written by %.3f s "
+            "(%.2f GB/s, peak staged %d B), committed by %.3f s",
+            self.where, times["plan"], times["staged"], times["written"], stats.gbps,
+            stats.peak_budget_bytes, total,
         )  # fmt: skip
 
 
@@ -463,15 +473,6 @@ def assign_writers(
         writers[(logical, index)] = rank
         load[rank] += nbytes
     return writers
-
-
-def _same_location(a: str, b: str) -> bool:
-    """Whether two spellings of a snapshot's path name one location."""
-    if a == b:
-        return True
-    if "://" in a or "://" in b:
-        return a.rstrip("/") == b.rstrip("/")
-    return os.path.normpath(a) == os.path.normpath(b)
 
 
 def _warn_path_ignored(own: str, used: str, rank: int) -> None:
