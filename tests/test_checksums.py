@@ -425,15 +425,12 @@ def test_slab_members_are_checksummed_when_staged(pooled, checksums):
     write asks the plugin for none; a blob of its own leaves its CRC to the plugin."""
     from snapshot._engine.io.stage import stager
     from snapshot._engine.io.staging import StagingPool
-    from snapshot._engine.take.drafts import Layout
-    from snapshot._engine.take.placement import Placer
-    from snapshot._engine.take.plan import collect
+    from snapshot._engine.take.plan import Layout, collect, place
 
     layout = Layout(
         chunk_bytes=1 << 20, slab_threshold_bytes=4096, slab_bytes=1 << 20, checksums=checksums
     )
     pool = StagingPool(keep_bytes=1 << 20, pin=False) if pooled else None
-    own = Placer("0/", layout, mine=True, stager=stager(pool))
     state = {
         "a": torch.randn(7),
         "odd": torch.arange(30.0).view(5, 6).t(),  # non-contiguous: gathered when staged
@@ -441,9 +438,17 @@ def test_slab_members_are_checksummed_when_staged(pooled, checksums):
         "b": torch.arange(100, dtype=torch.int16),
         "big": torch.randn(2000),  # 8,000 bytes: a blob of its own
     }
-    out = collect([("s", state)], rank=0, prepare=None, replicated=(), inline_max_bytes=64, own=own)
-    assert [w.blob for w in own.writes] == ["0/1", "0/s0"]  # "big" first: slabs close last
-    single, slab = own.writes
+    out = collect(
+        [("s", state)],
+        rank=0,
+        prepare=None,
+        replicated=(),
+        inline_max_bytes=64,
+        chunk_bytes=1 << 20,
+    )
+    plan = place(out, rank=0, layout=layout, writer_of={}, stager=stager(pool))
+    assert [w.blob for w in plan.writes] == ["0/1", "0/s0"]  # "big" first: slabs close last
+    single, slab = plan.writes
     drafts = [out.entries[f"0/s/{k}"] for k in ("a", "odd", "b", "text")]
     # A tensor viewed whole is its own payload; the gathered one and the object hold theirs.
     members = [drafts[0], drafts[1].payloads[0], drafts[2], drafts[3].payload]

@@ -23,9 +23,7 @@ from snapshot import Snapshot, SnapshotError, StateDict
 from snapshot._engine import runtime
 from snapshot._engine.io.stage import stager
 from snapshot._engine.io.staging import StagingPool, process_pool
-from snapshot._engine.take.drafts import Layout
-from snapshot._engine.take.placement import Placer
-from snapshot._engine.take.plan import collect
+from snapshot._engine.take.plan import Layout, collect, place
 from snapshot._engine.tools.verify import verify
 from snapshot.options import Options
 from snapshot.strategies.tensor_aware import BasicTensorAwareStateDict
@@ -120,11 +118,18 @@ def test_ready_waits_for_every_stream_the_lease_used(monkeypatch):
     cuda = CudaDouble(monkeypatch, devices=2)
     layout = Layout(chunk_bytes=1 << 20, slab_threshold_bytes=4096, slab_bytes=1 << 20)
     pool = StagingPool(keep_bytes=1 << 20)
-    own = Placer("0/", layout, mine=True, stager=stager(pool))
     host = _values(2, 6, 50)
     state = {k: cuda.tensor(v, device=i % 2) for i, (k, v) in enumerate(host.items())}
-    out = collect([("s", state)], rank=0, prepare=None, replicated=(), inline_max_bytes=64, own=own)
-    (slab,) = own.writes
+    out = collect(
+        [("s", state)],
+        rank=0,
+        prepare=None,
+        replicated=(),
+        inline_max_bytes=64,
+        chunk_bytes=1 << 20,
+    )
+    plan = place(out, rank=0, layout=layout, writer_of={}, stager=stager(pool))
+    (slab,) = plan.writes
     buffers, lease = slab.stage()
     data = bytes(buffers[0])
     for k, v in host.items():

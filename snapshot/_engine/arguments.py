@@ -1,4 +1,5 @@
-"""Checks of the public API's arguments, made before anything is read or written.
+"""Checks of the public API's arguments, made before anything is read or written; the
+``app_state`` mapping checked, ordered, and each value's ``state_dict()`` called.
 
 A bad argument is an ``InvalidArgumentError`` (a ``SnapshotError`` and a ``ValueError``) naming
 the call and the argument, raised before any storage is opened: never a bare ``TypeError`` from
@@ -16,7 +17,8 @@ from typing import Any
 import torch.distributed
 
 from manifest import MAX_INT_DIGITS, int_fits
-from snapshot.errors import InvalidArgumentError
+from snapshot.errors import InvalidArgumentError, NotStatefulError, StatefulError
+from snapshot.stateful import RNGState, Stateful
 
 
 def _kind(value: object) -> str:
@@ -51,6 +53,15 @@ def snapshot_path(value: object, call: str, name: str = "path") -> str:
             "snapshot's directory or URL"
         )
     return path
+
+
+def same_location(a: str, b: str) -> bool:
+    """Whether two spellings of a snapshot's path name one location."""
+    if a == b:
+        return True
+    if "://" in a or "://" in b:
+        return a.rstrip("/") == b.rstrip("/")
+    return os.path.normpath(a) == os.path.normpath(b)
 
 
 def glob_list(value: object, call: str, where: str) -> list[str]:
@@ -216,3 +227,40 @@ def metrics(value: Mapping[str, float] | None) -> dict[str, float]:
             )
         out[name] = number
     return out
+
+
+def ordered_keys(app_state: Mapping[str, Any]) -> list[str]:
+    """app_state keys with RNGState values last, so capturing or restoring the other objects
+    cannot move the generators after their state is taken or set."""
+    keys = list(app_state)
+    return [k for k in keys if not isinstance(app_state[k], RNGState)] + [
+        k for k in keys if isinstance(app_state[k], RNGState)
+    ]
+
+
+def check_app_state(app_state: Any, path: str) -> None:
+    """Refuses an app_state that is not a mapping of str -> Stateful; ``path`` is the snapshot's."""
+    if not isinstance(app_state, Mapping):
+        raise NotStatefulError(
+            f"snapshot {path}: app_state must be a dict of name -> Stateful, "
+            f"got {type(app_state).__name__}"
+        )
+    for key, value in app_state.items():
+        if type(key) is not str:
+            raise NotStatefulError(f"snapshot {path}: app_state key {key!r} is not a str")
+        if not isinstance(value, Stateful):
+            raise NotStatefulError(
+                f"snapshot {path}: app_state[{key!r}] is a {type(value).__name__}, which has no "
+                "state_dict() and load_state_dict(); wrap plain values in snapshot.StateDict"
+            )
+
+
+def state_dict_of(key: str, value: Stateful, path: str) -> Any:
+    """``value.state_dict()`` of ``app_state[key]``; what it raises becomes a
+    ``StatefulError`` that names the key."""
+    try:
+        return value.state_dict()
+    except Exception as e:
+        raise StatefulError(
+            f"snapshot {path}: app_state[{key!r}].state_dict() raised {type(e).__name__}: {e}"
+        ) from e

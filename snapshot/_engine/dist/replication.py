@@ -9,7 +9,7 @@ one more agreement (``Pending.confirm``), run only when there are candidates. Th
 weeds out per-rank state; BLAKE2b makes a false match about as likely as a random 64-bit
 collision, and the CRC adds certainty for small differences.
 
-A replicated leaf is written by one rank (``placement.assign_writers``) and listed once in the
+A replicated leaf is written by one rank (``take.assign_writers``) and listed once in the
 manifest, under rank 0's prefix. Only a take across ranks runs any of this.
 """
 
@@ -27,9 +27,16 @@ import torch
 from manifest import PrimitiveEntry, TensorEntry
 from snapshot._engine import runtime
 from snapshot._engine.format.serialization import combine, crc32, gather_elements
-from snapshot._engine.take.drafts import Layout, ObjectDraft, Payload, TensorDraft, WholeTensor
-from snapshot._engine.take.placement import Placer, Recorder, Stager
-from snapshot._engine.take.plan import Collected
+from snapshot._engine.take.plan import (
+    Collected,
+    Layout,
+    ObjectDraft,
+    Payload,
+    Placer,
+    Stager,
+    TensorDraft,
+    WholeTensor,
+)
 from snapshot.errors import SnapshotError
 
 _T = TypeVar("_T")
@@ -176,7 +183,7 @@ def describe(collected: Collected, rank_prefix: str) -> Facts:
 @dataclasses.dataclass
 class Decision:
     """What the agreements decided: the replicated leaves (logical path -> rank 0's ``Desc``,
-    in rank 0's order), their payloads for ``placement.assign_writers``, and each rank's bytes
+    in rank 0's order), their payloads for ``take.assign_writers``, and each rank's bytes
     of its own once the decision is applied."""
 
     replicated: dict[str, Desc]
@@ -267,7 +274,6 @@ def _own_bytes(info: Mapping[str, Any], replicated: Mapping[str, Desc]) -> int:
 
 def settle(
     collected: Collected,
-    recorder: Recorder,
     replicated: Mapping[str, Desc],
     rank_prefix: str,
     layout: Layout,
@@ -304,7 +310,7 @@ def settle(
     shared: list[Payload] = []
     own_bytes = 0
     seen: set[int] = set()
-    for p in itertools.chain(recorder.payloads, collected.replicated, extra):
+    for p in itertools.chain(collected.payloads, collected.replicated, extra):
         if id(p) in seen:
             continue
         seen.add(id(p))

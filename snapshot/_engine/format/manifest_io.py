@@ -14,9 +14,10 @@ import manifest as mf
 from manifest import Manifest
 from snapshot._engine.format.text import printable_message
 from snapshot._engine.format.torchsnapshot_format import open_foreign
+from snapshot._engine.io.pipeline import plugin_location
 from snapshot._engine.io.storage_calls import call, open_storage, read_unrecorded, refused
 from snapshot._engine.runtime import gc_paused, run
-from snapshot._engine.take.commit import MANIFEST_NAME, PENDING_NAME, plugin_location
+from snapshot._engine.take.commit import MANIFEST_NAME, PENDING_NAME
 from snapshot.errors import (
     ChecksumError,
     CorruptSnapshotError,

@@ -31,9 +31,7 @@ def is_dense_tensor(value: object) -> bool:
 # written from that memory, through views: whole in one range (``WholeTensor``), or in chunks
 # above the chunk size. Any other (prepared, conjugate or negated views, non-contiguous, on a
 # device) is read through a ``TensorSource`` that staging resolves or gathers. The same memory
-# under two paths (tied weights) is written once. For most leaves the collector checks the kind
-# inline and calls ``take_tensor`` (``plan.Collector.add``); ``take`` is what the table gives
-# for the others (a factory's leaves, a tensor subclass stored as dense).
+# under two paths (tied weights) is written once.
 
 import math  # noqa: E402
 import typing  # noqa: E402
@@ -41,7 +39,7 @@ from collections.abc import Sequence  # noqa: E402
 
 from manifest import new_tensor_entry  # noqa: E402
 from snapshot._engine.format.serialization import dtype_name, storage_shortfall  # noqa: E402
-from snapshot._engine.take.drafts import (  # noqa: E402
+from snapshot._engine.take.plan import (  # noqa: E402
     Payload,
     PrepareFunc,
     TensorDraft,
@@ -53,8 +51,7 @@ from snapshot._engine.take.drafts import (  # noqa: E402
 from snapshot.errors import SnapshotError, UnsupportedValueError  # noqa: E402
 
 if typing.TYPE_CHECKING:
-    from snapshot._engine.take.drafts import Planned
-    from snapshot._engine.take.plan import Collector
+    from snapshot._engine.take.plan import Collector, Planned
 
 _TENSOR = torch.Tensor
 
@@ -121,16 +118,7 @@ def take_tensor(
         if nbytes <= planner.chunk_bytes:
             whole = WholeTensor(logical, path, tensor, address, nbytes, name, shape, replicated)
             written[key] = whole
-            # ``Collector.emit`` of this one payload, inline (most payloads).
-            out = planner.out
-            if replicated:
-                out.replicated.append(whole)
-                return whole
-            out.own_bytes += nbytes
-            own = planner.own
-            own.place(whole)
-            if planner.submit is not None and len(own.writes) > out.submitted:
-                planner.hand_over()
+            planner.emit([whole])
             return whole
         itemsize = dtype.itemsize
         payloads = [

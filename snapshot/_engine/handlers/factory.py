@@ -14,8 +14,7 @@ from snapshot.sharding import mapping
 # factory's path (each leaf by its own kind, never replicated).
 
 if typing.TYPE_CHECKING:
-    from snapshot._engine.take.drafts import Planned
-    from snapshot._engine.take.plan import Collector
+    from snapshot._engine.take.plan import Collector, Planned
 
 
 def take(

@@ -7,7 +7,7 @@ import typing
 
 from snapshot._engine.format.serialization import encode_object
 from snapshot._engine.handlers.table import Handler
-from snapshot._engine.take.drafts import ObjectDraft, Payload, type_name
+from snapshot._engine.take.plan import ObjectDraft, Payload, type_name
 from snapshot._engine.take.restorable import check_object
 from snapshot.errors import UnsupportedValueError
 

@@ -19,8 +19,7 @@ from snapshot.errors import UnsupportedValueError
 # (``PrimitiveEntry`` is imported with the restore section below.)
 
 if typing.TYPE_CHECKING:
-    from snapshot._engine.take.drafts import Planned
-    from snapshot._engine.take.plan import Collector
+    from snapshot._engine.take.plan import Collector, Planned
 
 
 def take(

@@ -7,7 +7,7 @@ import typing
 
 from snapshot._engine.handlers import objects, sharded
 from snapshot._engine.handlers.table import Handler
-from snapshot._engine.take.drafts import ShardedObjectDraft
+from snapshot._engine.take.plan import ShardedObjectDraft
 from snapshot.sharding import mapping
 
 # ==== take ===================================================================================
@@ -15,8 +15,7 @@ from snapshot.sharding import mapping
 # ranks' entries are filled in from that rank's at the commit (``sharded.merge_entries``).
 
 if typing.TYPE_CHECKING:
-    from snapshot._engine.take.drafts import Planned
-    from snapshot._engine.take.plan import Collector
+    from snapshot._engine.take.plan import Collector, Planned
 
 
 def take(

@@ -8,7 +8,7 @@ import typing
 
 from snapshot._engine.handlers.dense import take_tensor
 from snapshot._engine.handlers.table import Handler
-from snapshot._engine.take.drafts import ShardDraft
+from snapshot._engine.take.plan import ShardDraft
 from snapshot.errors import UnsupportedValueError
 
 # ==== take ===================================================================================

@@ -1,11 +1,13 @@
-"""The write pipeline (stage on the caller's thread, write on the I/O loop) and the reads (into
-destination memory, or into budgeted scratch memory that a callback consumes).
+"""The I/O of a take and a restore: the write pipeline (stage on the caller's thread, write on the
+I/O loop) and the reads (into destination memory, or into budgeted scratch memory that a callback
+consumes), with the requests both are given.
 
-Writes are a pipeline across two threads: the caller's thread stages each request (a zero-copy
-view of CPU memory, or a copy when one is needed) under a byte budget, and hands staged batches to
-the I/O loop, whose workers write them while the caller stages the next ones. Reads run on the I/O
-loop: workers read straight into destination memory, or into budgeted scratch memory that a
-callback consumes (a dtype cast, an object decode).
+A take's plan is a list of ``WriteRequest``s, one per blob; ``WritePipeline`` executes it: the
+caller's thread stages each request (a zero-copy view of CPU memory, or a copy when one is
+needed) under a byte budget and hands staged batches to the I/O loop, whose workers write them
+while the caller stages the next ones. A restore's reads are ``ReadRequest``s (segments into
+memory that callbacks supply) and ``DirectRequest``s (straight into tensors' memory), which
+``read_all`` performs on the I/O loop.
 """
 
 from __future__ import annotations
@@ -17,18 +19,11 @@ import os
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from itertools import accumulate, compress
-from typing import TYPE_CHECKING
+from itertools import accumulate, chain, compress
+from operator import attrgetter
+from typing import TYPE_CHECKING, Any
 
-from snapshot._engine.format.serialization import WholeCheck, whole_crc
-from snapshot._engine.io.requests import (
-    AnyReadRequest,
-    DirectRequest,
-    ReadRequest,
-    WriteRequest,
-    segment_bytes,
-    segment_verify,
-)
+from snapshot._engine.format.serialization import WholeCheck, raw_memoryviews
 from snapshot._engine.io.stage import BudgetShare, ByteBudget
 from snapshot._engine.io.storage_calls import call, call_digesting
 from snapshot._engine.runtime import hold, io_loop, run
@@ -38,6 +33,11 @@ if TYPE_CHECKING:
     from snapshot.options import Options
 
 logger = logging.getLogger(__name__)
+
+
+def plugin_location(plugin: StoragePlugin) -> str:
+    """The snapshot's location as messages name it."""
+    return plugin.describe("").rstrip("/")
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +58,28 @@ class IOStats:
 # Writes.
 
 
+@dataclass(slots=True)
+class WriteRequest:
+    """One blob to write.
+
+    ``stage`` runs on the caller's thread and returns the buffers to write (their concatenation
+    is the blob, ``nbytes`` long) and an object to keep alive until the write is done (the tensor
+    the buffers view, or a pooled buffer's lease, released when the write is done).
+    ``staging_bytes`` is the memory ``stage`` allocates, held against the budget until the
+    write completes: 0 for zero-copy views. The CRC-32 of each ``(offset, nbytes)`` range of
+    ``checksum_ranges`` is computed by the plugin as it writes (``write_observed``), and kept
+    in the pipeline's ``checksums`` under ``(blob, offset)``. (A request whose ``stage``
+    checksums its bytes itself, as a slab's does, lists no ranges.)
+    """
+
+    blob: str
+    nbytes: int
+    staging_bytes: int
+    stage: Callable[[], tuple[Sequence[Buffer], object]]
+    label: str
+    checksum_ranges: Sequence[tuple[int, int]] = ()
+
+
 # A staged write: the request, its buffers, what to keep alive.
 _Staged = tuple[WriteRequest, Sequence[Buffer], object]
 
@@ -72,9 +94,7 @@ class WritePipeline:
 
     Staged writes are handed to the I/O loop in batches of ``batch_bytes``, so writing overlaps
     staging. With ``batch_bytes=None`` they are held until ``flush`` (or until the budget is full
-    and writes must start to free it): async take stages everything first, so that its writes,
-    which compete with the caller for memory bandwidth and cores, start only once the caller is
-    free to go.
+    and writes must start to free it): async take's writes start once the caller is free to go.
 
     The staging budget is a ``ByteBudget`` of ``budget_bytes`` of its own, or ``budget``: a
     ``BudgetShare`` of one that other pipelines charge too (async takes pending at once).
@@ -82,8 +102,6 @@ class WritePipeline:
     when given, makes every buffer staged so far whole (a stage may leave a copy running on
     another thread): each hand-over to the I/O loop calls it first.
     """
-
-    _BATCH_ITEMS = 256
 
     def __init__(
         self,
@@ -193,10 +211,7 @@ class WritePipeline:
             raise
         self._batch.append((req, buffers, keepalive))
         self._batch_bytes += req.nbytes
-        limit = self._batch_limit
-        if limit is not None and (
-            self._batch_bytes >= limit or len(self._batch) >= self._BATCH_ITEMS
-        ):
+        if self._batch_limit is not None and self._batch_bytes >= self._batch_limit:
             self.flush()
 
     async def _drain(self) -> None:
@@ -236,12 +251,16 @@ class WritePipeline:
         self.flush()
         return run(self.wait())
 
-    def abort(self, error: BaseException) -> None:
-        """Stops writing (what is queued is dropped) and waits for the workers to stop."""
+    def _drop_batch(self) -> None:
+        """Gives back what is staged and not handed over (a shared budget outlives this)."""
         for req, _, keepalive in self._batch:
             _release(keepalive)
-            self.budget.release(req.staging_bytes)  # a shared budget outlives this pipeline
+            self.budget.release(req.staging_bytes)
         self._batch = []
+
+    def abort(self, error: BaseException) -> None:
+        """Stops writing (what is queued is dropped) and waits for the workers to stop."""
+        self._drop_batch()
         self._loop.call_soon_threadsafe(self._fail, error)
         try:
             run(self._drain())
@@ -260,10 +279,7 @@ class WritePipeline:
             not self._batch and all(worker.done() for worker in self._workers)
         ):
             return
-        for req, _, keepalive in self._batch:
-            _release(keepalive)
-            self.budget.release(req.staging_bytes)
-        self._batch = []
+        self._drop_batch()
         if not self._loop.is_running():
             return
         try:
@@ -294,6 +310,119 @@ def _release(keepalive: object) -> None:
 # Reads.
 
 
+@dataclass(slots=True)
+class Segment:
+    """``nbytes`` consecutive bytes of a read, into ``dest()``. A plain segment is a gap between
+    two wanted ranges, cheaper to read than to ask for separately: its ``dest`` is scratch that
+    the bytes are dropped into (set once the reads are planned). When ``verify`` is set, it is
+    given the CRC-32 of the bytes that landed (computed by the plugin as it reads:
+    ``readv_observed``), before the read's ``done`` runs; it raises if they are not the bytes
+    expected. ``owner``: the app_state key whose live state the bytes land in (a ``Need``'s),
+    None for a gap."""
+
+    nbytes: int
+    dest: Callable[[], memoryview] | None
+    verify: Callable[[int], None] | None = None
+    owner: str | None = None
+
+
+segment_bytes = attrgetter("nbytes")
+segment_owner = attrgetter("owner")
+
+
+@dataclass(slots=True)
+class ReadRequest:
+    """One scatter read: the bytes of ``blob`` from ``offset`` on, into ``segments`` in order.
+
+    Each segment's ``dest`` is called on the I/O loop just before the read (so memory is
+    allocated only when the budget allows); ``done`` runs after the bytes have landed.
+    ``scratch_bytes`` is the memory the ``dest`` calls allocate that ``done`` frees (0 when
+    reading straight into destination tensors).
+    """
+
+    blob: str
+    offset: int
+    segments: list[Segment]
+    scratch_bytes: int
+    done: Callable[[], None] | None
+    label: str
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.nbytes for s in self.segments)
+
+    def destinations(self) -> list[memoryview]:
+        """Where the bytes land, one buffer per segment: each ``dest()``, in order."""
+        outs = []
+        for s in self.segments:
+            assert s.dest is not None
+            outs.append(s.dest())
+        return outs
+
+
+@dataclass(slots=True)
+class DirectRequest:
+    """One scatter read of ``blob`` from ``offset`` on, straight into the memory of tensors:
+    the ``sizes[i]`` bytes of member ``i`` land at ``addresses[i]`` (the caller keeps that
+    memory alive), with ``gaps[i]`` bytes skipped after it (dropped into ``junk``; ``gaps`` is
+    None where the members follow one another). What a ``ReadRequest`` of needs from
+    ``reads.direct_need`` does, for a slab's thousands of small tensors, without an object per
+    member: the columns are slices of ``direct_reads.DirectReads``.
+
+    ``expected``: each member's recorded CRC-32, which the bytes that land must have (None:
+    not checked); ``paths`` and ``chunks``: each member's entry path and stored range (for an
+    error). ``owners``: the app_state keys whose live state the members are; ``starting``, set
+    by ``RestoreProgress.watch``, runs just before the read.
+    """
+
+    blob: str
+    offset: int
+    addresses: list[int]
+    sizes: list[int]
+    gaps: list[int] | None
+    junk: memoryview | None
+    expected: list[int] | None
+    paths: list[str]
+    chunks: list[Any]
+    owners: tuple[str, ...]
+    label: str
+    starting: Callable[[], None] | None = None
+    scratch_bytes: int = 0
+    done: Callable[[], None] | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self.sizes) + (sum(self.gaps) if self.gaps is not None else 0)
+
+    def destinations(self) -> list[memoryview]:
+        """Views of the members' memory, with a piece of ``junk`` for each gap between them;
+        runs ``starting`` first."""
+        if self.starting is not None:
+            self.starting()
+        views = raw_memoryviews(self.addresses, self.sizes)
+        if self.gaps is None:
+            return views
+        junk = self.junk
+        assert junk is not None
+        skipped = [junk[:n] if n else None for n in self.gaps]
+        skipped.append(None)
+        return list(filter(None, chain.from_iterable(zip(views, skipped, strict=True))))
+
+    def layout(self) -> tuple[list[int], list[bool]]:
+        """The lengths of the buffers ``destinations`` gives, and whether each is a member (not
+        a gap): how a digest finds the members' bytes among them."""
+        if self.gaps is None:
+            return self.sizes, [True] * len(self.sizes)
+        # Member, gap, member, ... (members are never empty; a gap of 0 is no buffer).
+        both = list(chain.from_iterable(zip(self.sizes, [*self.gaps, 0], strict=True)))
+        return list(compress(both, both)), list(compress([True, False] * len(self.sizes), both))
+
+
+AnyReadRequest = ReadRequest | DirectRequest
+"""Either kind of read request: both have ``blob``, ``offset``, ``nbytes``, ``scratch_bytes``,
+``done``, ``label`` and ``destinations()``."""
+
+
 async def read_all(
     plugin: StoragePlugin,
     requests: Iterable[AnyReadRequest],
@@ -322,7 +451,7 @@ async def read_all(
                 return
             try:
                 outs = req.destinations()
-                if type(req) is DirectRequest:
+                if isinstance(req, DirectRequest):
                     await _read_direct(plugin, req, outs, options)
                 else:
                     await _read(plugin, req, outs, options)
@@ -354,20 +483,13 @@ async def _read(
 ) -> None:
     """One read request into ``outs`` (one per segment), then each segment's ``verify`` with
     the CRC-32 of what landed in it."""
-    # C-level passes over the segments: a read of a slab has one per member, thousands.
-    verifiers = list(map(segment_verify, req.segments))
+    verifiers = [s.verify for s in req.segments]
     if not any(verifiers):
         await _read_into(plugin, req, outs, options, None)
         return
-    sizes = list(map(segment_bytes, req.segments))
+    sizes = [s.nbytes for s in req.segments]
     values = await _read_into(plugin, req, outs, options, (sizes, verifiers))
-    verifiers = list(filter(None, verifiers))
-    # Most segments are whole locations (``WholeCheck``): their CRCs are compared in one pass,
-    # and only a mismatch goes through the checks one by one (the first raises, naming it).
-    whole = list(map(type, verifiers)).count(WholeCheck) == len(verifiers)
-    if whole and values == list(map(whole_crc, verifiers)):
-        return
-    for verify, value in zip(verifiers, values, strict=True):
+    for verify, value in zip([v for v in verifiers if v is not None], values, strict=True):
         verify(value)
 
 

@@ -7,8 +7,8 @@ memory (``stage_payload``), or from a gathered copy when its tensor cannot be vi
 members are copied into one buffer, which is written (``stage_slab``). With a ``StagingPool``
 (async take), every payload of a write is copied into one pooled buffer (``_pooled``), so that
 nothing written later reads the application's memory. A slab's members get their CRC-32s here,
-from the copy that is written (see ``placement.Placer``). ``stager(pool)`` is what the take
-gives its placers (``placement.Stager``).
+from the copy that is written (see ``plan.Placer``). ``stager(pool)`` is what the take
+gives its placers (``plan.Stager``).
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ from snapshot._engine.format.serialization import (
 )
 from snapshot._engine.handlers.dense import call_prepare
 from snapshot._engine.io import device
-from snapshot._engine.take.drafts import Payload, Staged, TensorSource
-from snapshot._engine.take.placement import ALIGN, Slab, Stager
+from snapshot._engine.io.staging import Lease, StagingPool
+from snapshot._engine.take.plan import ALIGN, Payload, Slab, Staged, Stager, TensorSource
 from snapshot.errors import UnsupportedValueError
 
 if TYPE_CHECKING:

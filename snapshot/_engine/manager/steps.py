@@ -35,7 +35,7 @@ logger = logging.getLogger("snapshot")
 
 _STEP = re.compile(r"step_([0-9]{1,18})")
 LIST_LIMIT = 1_000_000  # the most names a listing of a root may return
-# What a take writes in a rank's folder: blobs ``[<take id>-][r][s]<n>`` (``placement.Placer``)
+# What a take writes in a rank's folder: blobs ``[<take id>-][r][s]<n>`` (``plan.Placer``)
 # and the local plugin's temporary files (``.<name>.<12 hex digits>.tmp``).
 _RANK = re.compile(r"[0-9]+")
 _BLOB = re.compile(r"(?:[0-9a-f]{8}-)?r?s?[0-9]+")

@@ -22,7 +22,7 @@ from operator import add, attrgetter, ge, gt, le, ne, sub
 
 from manifest import Location
 from snapshot._engine.format.serialization import WholeCheck
-from snapshot._engine.io.requests import DirectRequest
+from snapshot._engine.io.pipeline import DirectRequest
 from snapshot._engine.restore.reads import Need, direct_need, label_of
 
 _blob = attrgetter("blob")

@@ -30,8 +30,7 @@ from snapshot._engine.format.serialization import memory_span
 from snapshot._engine.handlers import local
 from snapshot._engine.handlers.dense import direct_address
 from snapshot._engine.handlers.table import Handler, for_entry
-from snapshot._engine.io.pipeline import IOStats, read_all
-from snapshot._engine.io.requests import AnyReadRequest, DirectRequest
+from snapshot._engine.io.pipeline import AnyReadRequest, DirectRequest, IOStats, read_all
 from snapshot._engine.io.storage_calls import call
 from snapshot._engine.restore.claims import ClaimCheck
 from snapshot._engine.restore.direct_reads import DirectReads, clashes

@@ -34,7 +34,7 @@ from snapshot._engine.format.serialization import (
     storage_shortfall,
     tensor_memoryview,
 )
-from snapshot._engine.io.requests import ReadRequest, Segment, segment_bytes
+from snapshot._engine.io.pipeline import ReadRequest, Segment, segment_bytes
 from snapshot._engine.restore.landing import Landing, Tile
 from snapshot.errors import (
     CorruptSnapshotError,

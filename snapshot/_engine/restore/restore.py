@@ -19,7 +19,7 @@ import torch
 
 import manifest as mf
 from manifest import Entry, Manifest, PickledTensorEntry, ShardedTensorEntry, TensorEntry
-from snapshot._engine.app_state import check_app_state, ordered_keys, state_dict_of
+from snapshot._engine.arguments import check_app_state, ordered_keys, state_dict_of
 from snapshot._engine.dist import shared_reads
 from snapshot._engine.dist.dist import Coordinator
 from snapshot._engine.flatten import (

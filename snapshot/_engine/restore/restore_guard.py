@@ -32,7 +32,7 @@ import torch
 
 from manifest import Entry, Location
 from snapshot._engine.format.serialization import LocationCheck, WholeCheck
-from snapshot._engine.io.requests import AnyReadRequest, DirectRequest, segment_owner
+from snapshot._engine.io.pipeline import AnyReadRequest, DirectRequest, segment_owner
 from snapshot._engine.restore.reads import Need
 from snapshot.errors import SnapshotError
 from snapshot.sharding.mapping import ShardedTensor

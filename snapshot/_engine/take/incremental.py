@@ -28,14 +28,23 @@ import logging
 import os
 import posixpath
 import stat
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import xxhash
 
 from manifest import SIBLING_NAME, Manifest, TensorEntry, new_location, reference_of
+from snapshot._engine.format.manifest_io import load_manifest
 from snapshot._engine.format.serialization import dtype_name, tensor_memoryview
-from snapshot.errors import InvalidArgumentError, UnsafeSnapshotError
+from snapshot.errors import (
+    InvalidArgumentError,
+    MissingBaseError,
+    SnapshotNotFoundError,
+    UnsafeSnapshotError,
+)
+
+if TYPE_CHECKING:
+    from snapshot.options import Options
 
 logger = logging.getLogger("snapshot")
 
@@ -160,10 +169,11 @@ def _has_digests(entries: dict[str, Any]) -> bool:
 class Reuse:
     """What one rank's take on a base compares and reuses.
 
-    ``reused(path, tensor)`` is called by the planner for each tensor leaf it may hash: it
-    returns the entry that points at the base's bytes when the base holds the same bytes at
-    the same path (same dtype and shape, equal digest), or None after recording the tensor's
-    digest (``digests``) for the entry the planner makes. Without a base (a take that only
+    ``reused(path, tensor)`` is called by the planner for each dense tensor leaf (of a take
+    without a prepare function). For one written from its own memory, it returns the entry that
+    points at the base's bytes when the base holds the same bytes at the same path (same dtype
+    and shape, equal digest), or None after recording the tensor's digest (``digests``) for the
+    entry the planner makes. Without a base (a take that only
     records digests) it always records.
     """
 
@@ -185,7 +195,35 @@ class Reuse:
         self.reused_bytes = 0
         self.hashed_bytes = 0
 
+    @classmethod
+    def load(
+        cls,
+        path: str,
+        base: str | None,
+        storage_options: dict[str, Any] | None,
+        options: Options,
+        rank: int,
+    ) -> Reuse:
+        """What the take at ``path`` compares with its ``base`` (the base's manifest, read by
+        every rank), or, without a base, only records digests into."""
+        if base is None:
+            return cls(None, None, rank)
+        name = base_name(path, base)
+        try:
+            manifest = load_manifest(base, storage_options, options)
+        except SnapshotNotFoundError as e:
+            raise MissingBaseError(f"cannot take {path} on base {base}: {e}", base=base) from e
+        return cls(name, manifest, rank)
+
     def reused(self, path: str, tensor: torch.Tensor) -> TensorEntry | None:
+        if not (
+            tensor.is_cpu
+            and tensor.is_contiguous()
+            and tensor.nbytes > 0
+            and not tensor.is_neg()
+            and not (tensor.dtype.is_complex and tensor.is_conj())
+        ):
+            return None  # not written from its own memory: written in full, without a digest
         digest = digest_of(tensor)
         self.hashed_bytes += tensor.nbytes
         old = self.entries.get(path)

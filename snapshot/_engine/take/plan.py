@@ -1,197 +1,413 @@
-"""The take planner: from flattened state to manifest entries and byte payloads, without doing
-any I/O.
+"""The take planner: from state dicts to a ``TakePlan``, the write requests of a take and the
+drafts of its manifest entries, without any I/O.
 
-Each leaf of each ``state_dict()`` becomes an entry, made by the handler of its kind
-(``handlers``): tensors and long values become byte payloads, which the rank's placer
-(``placement``) puts in blobs as they are met, so that the writes of a process alone start
-while the rest of the state is planned. ``TakePlan`` is what the take (``take``) writes, and
-completes into the manifest's entries once the writes have reported their checksums.
+``collect`` flattens the state dicts into entries and byte payloads (each leaf's by the handler
+of its kind); ``place`` gives the payloads their blobs (small ones packed into slabs: ``Placer``)
+and makes one ``WriteRequest`` per blob. The take executes the writes and completes the drafts
+into the manifest's entries with the CRC-32s the writes (or staging) reported.
 """
 
 from __future__ import annotations
 
 import fnmatch
-from array import array
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from itertools import compress, repeat
-from operator import attrgetter, is_
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from manifest import Entry, EntryFormatter, TensorEntry, TensorView
-from snapshot._engine.flatten import flatten
-from snapshot._engine.handlers import dense, for_value, sharded
-from snapshot._engine.handlers.table import types_of
-from snapshot._engine.take.drafts import (
-    Draft,
-    Payload,
-    Planned,
-    PrepareFunc,
-    TensorDraft,
-    WholeTensor,
-    crc,
-    payloads_of,
+from manifest import (
+    Entry,
+    EntryFormatter,
+    Location,
+    ObjectEntry,
+    Shard,
+    ShardedObjectEntry,
+    ShardedTensorEntry,
+    TensorEntry,
+    TensorView,
+    new_location,
+    new_tensor_entry,
 )
+from snapshot._engine.flatten import flatten
+from snapshot._engine.format.serialization import dtype_name
+from snapshot._engine.handlers import sharded
+from snapshot._engine.handlers.table import for_value
+from snapshot._engine.io import device
+from snapshot._engine.io.pipeline import WriteRequest
+from snapshot._engine.take.views import relate
+from storage_plugins import Buffer
 
 if TYPE_CHECKING:
-    from snapshot._engine.io.requests import WriteRequest
     from snapshot._engine.take.incremental import Reuse
-    from snapshot._engine.take.placement import Placer, Recorder
 
-_TENSOR = torch.Tensor
-_STRIDED = torch.strided
+# (logical_path, tensor, tracing) -> tensor to write; see Snapshot.take.
+PrepareFunc = Callable[[str, torch.Tensor, bool], torch.Tensor]
+
+# What a write request's ``stage`` returns: the buffers to write, and what keeps them valid.
+Staged = tuple[Sequence[Buffer], object]
+
+# Slab members start at multiples of this, so a staging buffer's slice for any member can be
+# viewed as the member's dtype (complex128, the widest, is 16 bytes).
+ALIGN = 16
+
+
+# ---------------------------------------------------------------------------------------------
+# Payloads and drafts.
+
+
+def type_name(value: object) -> str:
+    """A value's type as messages and object entries name it (``collections.OrderedDict``)."""
+    t = type(value)
+    return t.__qualname__ if t.__module__ == "builtins" else f"{t.__module__}.{t.__qualname__}"
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where payloads go: tensors above ``chunk_bytes`` are split into chunks; payloads up to
+    ``slab_threshold_bytes`` are packed into slabs of about ``slab_bytes``; the rest get a blob
+    each. ``take_id`` (rank 0's) names the take's blobs apart from any other take's at the path."""
+
+    chunk_bytes: int
+    slab_threshold_bytes: int
+    slab_bytes: int
+    checksums: bool = True
+    take_id: str = field(default="", compare=False)
+
+
+@dataclass(slots=True, eq=False)
+class Payload:
+    """Bytes that need a place in a blob: a tensor chunk, or an object's serialized bytes.
+
+    ``logical`` and ``index`` (the chunk's position in its tensor) identify a replicated payload
+    across ranks. The bytes are one of: ``tensor``, a contiguous CPU tensor viewed at
+    ``address`` (staged within the same call: its memory cannot have moved); ``data``; elements
+    ``start:stop`` of ``source``. Placement sets ``blob`` and ``pos``; staging sets ``crc32`` of
+    a slab's members (the others' are their write's checksums).
+    """
+
+    logical: str
+    index: int
+    nbytes: int
+    label: str
+    replicated: bool
+    tensor: torch.Tensor | None = None
+    address: int = 0
+    data: bytes | None = None
+    source: TensorSource | None = None
+    start: int = 0
+    stop: int = 0
+    blob: str | None = field(default=None, init=False)
+    pos: int = field(default=0, init=False)
+    crc32: int | None = field(default=None, init=False)
+
+    @property
+    def staging_bytes(self) -> int:  # the memory staging allocates for it
+        return self.nbytes if self.source is not None else 0
+
+    def location(self, checksums: Mapping[tuple[str, int], int] | None) -> Location:
+        """Where placement put the bytes, with their CRC-32 (``crc``)."""
+        assert self.blob is not None
+        return new_location(self.blob, self.pos, self.nbytes, crc(self, checksums))
+
+
+def crc(p: Payload, checksums: Mapping[tuple[str, int], int] | None) -> int | None:
+    """A placed payload's CRC-32: from staging, else from its write's ``checksums`` (None when
+    the take records none)."""
+    if p.crc32 is not None or checksums is None:
+        return p.crc32
+    assert p.blob is not None
+    return checksums[(p.blob, p.pos)]
+
+
+@dataclass(slots=True, eq=False)
+class TensorSource:
+    """A tensor whose bytes cannot simply be viewed (prepared, conjugate or negated, not
+    contiguous, on a device): staging resolves it at its first piece, into ``base``, and drops
+    that after the last piece this rank stages (``remaining``, counted as placed)."""
+
+    path: str
+    logical: str
+    tensor: torch.Tensor
+    prepare: PrepareFunc | None
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    remaining: int = 0
+    base: torch.Tensor | None = None
+
+
+class WholeTensor(Payload):
+    """A tensor written whole in one range from its own memory (a contiguous CPU tensor of at
+    most a chunk: nearly every tensor): its payload and its entry's draft in one record."""
+
+    __slots__ = ("dtype", "shape")
+
+    def __init__(
+        self,
+        logical: str,
+        path: str,
+        tensor: torch.Tensor,
+        address: int,
+        nbytes: int,
+        dtype: str,
+        shape: tuple[int, ...],
+        replicated: bool,
+    ) -> None:
+        super().__init__(logical, 0, nbytes, path, replicated, tensor=tensor, address=address)
+        self.dtype = dtype
+        self.shape = shape
+
+    @property
+    def payloads(self) -> list[Payload]:
+        return [self]
+
+    def build(self, checksums: Mapping[tuple[str, int], int] | None) -> TensorEntry:
+        return new_tensor_entry(
+            self.dtype, self.shape, (self.location(checksums),), self.replicated
+        )
+
+
+@dataclass(slots=True, eq=False)
+class TensorDraft:
+    """A tensor's entry whose bytes are in several payloads, or shared with another leaf."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    payloads: list[Payload]
+    replicated: bool
+
+    def build(self, checksums: Mapping[tuple[str, int], int] | None) -> TensorEntry:
+        chunks = tuple(p.location(checksums) for p in self.payloads)
+        return new_tensor_entry(self.dtype, self.shape, chunks, self.replicated)
+
+
+@dataclass(slots=True, eq=False)
+class ObjectDraft:
+    serializer: str
+    obj_type: str
+    payload: Payload
+    replicated: bool
+
+    def build(self, checksums: Mapping[tuple[str, int], int] | None) -> ObjectEntry:
+        return ObjectEntry(
+            serializer=self.serializer,
+            obj_type=self.obj_type,
+            location=self.payload.location(checksums),
+            replicated=self.replicated,
+        )
+
+
+@dataclass(slots=True, eq=False)
+class ShardDraft:
+    """A rank's pieces of a global tensor: its entry lists the shards this rank wrote (none
+    for a replica that is not the main one); the commit merges every rank's shards."""
+
+    held: sharded.Held
+    written: list[tuple[sharded.LocalPiece, TensorEntry | TensorDraft | WholeTensor]]
+
+    def build(self, checksums: Mapping[tuple[str, int], int] | None) -> ShardedTensorEntry:
+        shards = []
+        for p, t in self.written:
+            if not isinstance(t, TensorEntry):
+                t = t.build(checksums)
+            shards.append(Shard(offsets=p.offsets, sizes=p.sizes, chunks=t.chunks))
+        h = self.held
+        return ShardedTensorEntry(
+            key=h.key, dtype=dtype_name(h.dtype), shape=h.shape, shards=tuple(shards)
+        )
+
+
+@dataclass(slots=True, eq=False)
+class ShardedObjectDraft:
+    """A sharded object this rank writes (its main replica)."""
+
+    key: str
+    draft: ObjectDraft
+
+    def build(self, checksums: Mapping[tuple[str, int], int] | None) -> ShardedObjectEntry:
+        obj = self.draft.build(checksums)
+        return ShardedObjectEntry(
+            key=self.key, serializer=obj.serializer, obj_type=obj.obj_type, location=obj.location
+        )
+
+
+# The draft of a tensor leaf's entry that has bytes.
+Draft = TensorDraft | WholeTensor
+# What planning records at a path: an entry made at once (a container, a primitive, an empty
+# tensor; a sharded object's replica, which the commit fills in), or a draft completed once its
+# payloads are written.
+Planned = (
+    Entry | TensorDraft | WholeTensor | ObjectDraft | ShardDraft | ShardedObjectDraft
+    | sharded.ObjectReplica
+)  # fmt: skip
+
+# What a rank's part of the manifest holds at a path: an entry, a tensor's manifest line, or a
+# sharded object's replica (the commit replaces it with the writer's entry).
+Made = Entry | str | sharded.ObjectReplica
+
+
+def payloads_of(draft: Draft) -> list[Payload]:  # the payloads of a tensor's draft
+    return draft.payloads
+
+
+# ---------------------------------------------------------------------------------------------
+# Placement.
+
+
+@dataclass(eq=False)
+class Slab:
+    """Small payloads packed into one blob, each after the padding that aligns it."""
+
+    blob: str
+    members: list[tuple[int, Payload]] = field(default_factory=list)  # (padding before, payload)
+    nbytes: int = 0
+    staging_bytes: int = 0
+    from_device: bool = False  # a member is copied from a device (async take pins its buffer)
+
+    def label(self) -> str:
+        first = self.members[0][1].label
+        more = f" and {len(self.members) - 1} more" if len(self.members) > 1 else ""
+        return f"{first}{more} (slab {self.blob})"
+
+
+class Stager(Protocol):
+    """How placed blobs are staged (``stage.stager``): ``blob`` and ``slab`` give a write's
+    ``stage`` and the staging memory it costs (a slab's stage gives each member its CRC-32 with
+    ``checksums``); ``settle`` waits until every buffer staged so far holds its bytes. With
+    ``pooled`` (async take), every payload is copied into a pooled buffer."""
+
+    pooled: bool
+
+    def blob(self, p: Payload, from_device: bool) -> tuple[Callable[[], Staged], int]: ...
+
+    def slab(self, slab: Slab, checksums: bool) -> tuple[Callable[[], Staged], int]: ...
+
+    def settle(self) -> None: ...
+
+
+class Placer:
+    """Gives payloads their blobs under one name prefix (``<rank>/``, or ``<writer>/r`` for
+    replicated payloads; the take's id is inserted after the rank's folder: ``0/1f2e3d4c-s0``),
+    and makes the write of each complete blob when ``mine``."""
+
+    def __init__(self, prefix: str, layout: Layout, mine: bool, stager: Stager) -> None:
+        if layout.take_id:
+            folder, _, rest = prefix.rpartition("/")
+            prefix = f"{folder}/{layout.take_id}-{rest}" if folder else f"{layout.take_id}-{rest}"
+        self.prefix = prefix
+        self.layout = layout
+        self.mine = mine
+        self.stager = stager
+        self.writes: list[WriteRequest] = []
+        self._next = 0
+        self._slab: Slab | None = None
+
+    def _blob(self, kind: str = "") -> str:
+        name = f"{self.prefix}{kind}{self._next}"
+        self._next += 1
+        return name
+
+    def place(self, p: Payload) -> None:
+        """In the open slab when small, else in a blob of its own."""
+        pooled = self.stager.pooled
+        if p.nbytes <= self.layout.slab_threshold_bytes:
+            slab = self._slab
+            pad = -slab.nbytes % ALIGN if slab is not None else 0
+            if slab is None or slab.nbytes + pad + p.nbytes > self.layout.slab_bytes:
+                self.close()
+                slab = self._slab = Slab(blob=self._blob("s"))
+                pad = 0
+            slab.members.append((pad, p))
+            p.blob, p.pos = slab.blob, slab.nbytes + pad
+            slab.nbytes += pad + p.nbytes
+            slab.staging_bytes += p.nbytes if pooled else p.staging_bytes
+            slab.from_device = slab.from_device or (pooled and _from_device(p))
+        else:
+            p.blob, p.pos = self._blob(), 0
+            if self.mine:
+                stage, staging = self.stager.blob(p, pooled and _from_device(p))
+                ranges = ((0, p.nbytes),) if self.layout.checksums else ()
+                self.writes.append(WriteRequest(p.blob, p.nbytes, staging, stage, p.label, ranges))
+        if self.mine and p.source is not None:
+            p.source.remaining += 1
+
+    def close(self) -> None:
+        """Makes the write of the open slab (its members are checksummed as it is staged)."""
+        slab, self._slab = self._slab, None
+        if slab is not None and slab.members and self.mine:
+            stage, staging = self.stager.slab(slab, self.layout.checksums)
+            self.writes.append(WriteRequest(slab.blob, slab.nbytes, staging, stage, slab.label()))
+
+
+def _from_device(p: Payload) -> bool:
+    """Whether a payload is copied from a CUDA device (its pooled buffer is then pinned)."""
+    return p.source is not None and device.cuda_index(p.source.tensor) is not None
+
+
+def place(
+    collected: Collected,
+    *,
+    rank: int,
+    layout: Layout,
+    writer_of: Mapping[tuple[str, int], int],
+    stager: Stager,
+    own: Placer | None = None,
+) -> TakePlan:
+    """The plan: this rank's own writes (its payloads placed by ``own``, when a take across
+    ranks did so, ``replication.settle``; else here) and those of the replicated payloads
+    ``rank`` writes. A replicated payload is written once, by ``writer_of[(logical, index)]``,
+    into that writer's blobs ``<writer>/r<n>`` and ``<writer>/rs<n>``: every rank places them
+    all the same way (in sorted order, with the agreed ``layout``), so every rank knows every
+    location without asking.
+    """
+    if own is None:
+        own = Placer(f"{rank}/", layout, mine=True, stager=stager)
+        for p in collected.payloads:
+            own.place(p)
+        own.close()
+    replicated: dict[int, list[Payload]] = {}
+    for p in collected.replicated:
+        replicated.setdefault(writer_of[(p.logical, p.index)], []).append(p)
+    writes = list(own.writes)
+    for writer in sorted(replicated):
+        shared = Placer(f"{writer}/r", layout, mine=writer == rank, stager=stager)
+        for p in sorted(replicated[writer], key=lambda q: (q.logical, q.index)):
+            shared.place(p)
+        shared.close()
+        writes.extend(shared.writes)
+    return TakePlan(collected, writes, replicated.get(rank, []), layout.checksums)
+
+
+# ---------------------------------------------------------------------------------------------
+# Planning.
 
 
 @dataclass
 class Collected:
-    """A rank's state, flattened: entries (or drafts awaiting their payloads' locations) in
-    flatten order; the replicated payloads, in the same order (placed once their writers are
-    agreed on); the bytes of this rank's own payloads (placed as they were met; in a take
-    across ranks, recorded, and placed once the first agreement has said which leaves are
-    replicated: ``replication.settle``)."""
+    """A rank's state, flattened: entries (or drafts) in flatten order; its own payloads and the
+    replicated ones, in the order met; by path, whether a tensor was an ``nn.Parameter`` and
+    required grad, the view of another leaf it is (and that leaf's draft), its digest."""
 
     entries: dict[str, Planned] = field(default_factory=dict)
+    payloads: list[Payload] = field(default_factory=list)
     replicated: list[Payload] = field(default_factory=list)
     own_bytes: int = 0
     # (key, dtype, global shape, offsets, sizes, main, path) of each piece of a global tensor
     pieces: list[tuple[Any, ...]] = field(default_factory=list)
     # (unique key, main, path) of each sharded object
     objects: list[tuple[str, bool, str]] = field(default_factory=list)
-    # How many of this rank's own writes (``Placer.writes``) were handed to ``submit``.
-    submitted: int = 0
-    # What a tensor leaf's entry records beyond its bytes (``TensorEntry``), by path: whether
-    # it was an ``nn.Parameter`` and required grad (only leaves with either set), and, for a
-    # leaf whose elements lie in another leaf's memory, its view and that leaf's draft.
     grads: dict[str, tuple[bool, bool]] = field(default_factory=dict)
     views: dict[str, tuple[TensorView, Draft]] = field(default_factory=dict)
-    # The digest of each tensor leaf's bytes, where the take records them (``incremental``).
     digests: dict[str, str] = field(default_factory=dict)
 
 
-@dataclass
-class TakePlan:
-    """The writes this rank performs, and the entries for the manifest (in flatten order), to be
-    built once the writes have reported their checksums (``entries``).
-
-    ``shared`` are the replicated payloads this rank writes: the other ranks' entries point at
-    them too, so their checksums are shared with every rank (``shared_checksums``).
-    """
-
-    drafts: dict[str, Planned]
-    writes: list[WriteRequest]
-    shared: list[Payload]
-    checksums: bool
-    grads: dict[str, tuple[bool, bool]] = field(default_factory=dict)  # ``Collected``'s
-    views: dict[str, tuple[TensorView, Draft]] = field(default_factory=dict)  # ``Collected``'s
-    digests: dict[str, str] = field(default_factory=dict)  # ``Collected``'s
-
-    def shared_checksums(
-        self, checksums: Mapping[tuple[str, int], int]
-    ) -> dict[tuple[str, int], int]:
-        """The CRC-32 of each of ``shared``, by ``(blob, offset)``: from staging, or else from
-        the writes' ``checksums``. Empty when the take records none."""
-        if not self.checksums:
-            return {}
-        return {(p.blob, p.pos): crc(p, checksums) for p in self.shared}  # type: ignore[misc]
-
-    def early_entries(self) -> dict[str, Entry | str | None]:
-        """The entries that need no CRC from a write (None in place of the others), made
-        while the last writes finish: every whole tensor staged in a slab (checksummed then) or
-        recorded without a CRC, and every entry already built. For ``entries``."""
-        tensor = EntryFormatter().tensor
-        sums = self.checksums
-        out: dict[str, Entry | str | None] = {}
-        for path, e in self.drafts.items():
-            kind = type(e)
-            if kind is WholeTensor:  # most entries
-                crc32 = e.crc32
-                if crc32 is None and sums:  # written on its own, or by another rank
-                    out[path] = None
-                    continue
-                out[path] = tensor(
-                    path, e.dtype, e.shape, e.blob, e.pos, e.nbytes, crc32, e.replicated
-                )
-            elif isinstance(e, (Entry, sharded.ObjectReplica)):
-                out[path] = e
-            else:
-                out[path] = None
-        if self.grads or self.views or self.digests:
-            self._attribute(out, None)
-        return out
-
-    def entries(
-        self,
-        checksums: Mapping[tuple[str, int], int],
-        early: Mapping[str, Entry | str | None] | None = None,
-    ) -> dict[str, Entry | str]:
-        """The manifest's entries; ``checksums`` maps each written range ``(blob, offset)`` to
-        its CRC-32 (ignored when the take records none); what ``early_entries`` made is
-        taken from ``early`` (made here when not given), the rest is made now.
-
-        A dense tensor's entry is given as its manifest line (``str``, see
-        ``manifest.dumps_entries``): a take of many small tensors would otherwise build two
-        records per tensor only to format them. The other entries are objects (rank 0 merges
-        sharded ones across ranks).
-        """
-        sums = checksums if self.checksums else None
-        made = early if early is not None else self.early_entries()
-        # What is left to make, found by C-level passes (in a process alone, often nothing).
-        todo = dict.fromkeys(compress(made, map(is_, made.values(), repeat(None))))
-        out = dict(made)  # in flatten order
-        fmt = EntryFormatter()
-        drafts = self.drafts
-        for path in todo:
-            e = drafts[path]
-            if type(e) in (WholeTensor, TensorDraft):
-                out[path] = e.line(path, sums, fmt)  # type: ignore[union-attr]
-            else:
-                out[path] = e.build(sums)  # type: ignore[union-attr]
-        if self.grads or self.views or self.digests:
-            self._attribute(out, sums)
-        return out  # type: ignore[return-value]
-
-    def _attribute(
-        self,
-        out: dict[str, Entry | str | None],
-        checksums: Mapping[tuple[str, int], int] | None,
-    ) -> None:
-        """Makes the entry in ``out`` of each leaf with ``grads``, ``views`` or ``digests`` a
-        ``TensorEntry`` that records them (the line formatter writes plain tensors only). A path
-        whose entry is not made yet (None), or that this rank does not list, is left as it
-        is."""
-        grads, views, drafts, digests = self.grads, self.views, self.drafts, self.digests
-        for path in dict.fromkeys([*grads, *views, *digests]):
-            if out.get(path) is None:
-                continue
-            draft = drafts[path]
-            entry = draft if isinstance(draft, TensorEntry) else draft.build(checksums)  # type: ignore[union-attr]
-            parameter, requires_grad = grads.get(path, (False, False))
-            view = None
-            if path in views:
-                view, base = views[path]
-                # A leaf listed once for every rank is read under each rank's prefix, where
-                # its base is that rank's own leaf unless the base is listed once too.
-                if entry.replicated and not base.replicated:
-                    view = None
-            out[path] = replace(
-                entry,
-                parameter=parameter,
-                requires_grad=requires_grad,
-                view=view,
-                digest=digests.get(path, entry.digest),
-            )
-
-
 class Collector:
-    """Flattens state dicts into entries and payloads (no placement yet: ``own`` places).
-
-    Each leaf's entry is made by the handler of its kind (``handlers.for_value``), given this
-    collector: the handlers read ``prepare``, ``chunk_bytes`` and ``inline_max``, record into
-    ``out``, hand payloads over with ``emit`` (or, for a whole tensor, inline), and find tied
-    tensors in ``written``.
-    """
+    """Flattens state dicts into entries and payloads; places nothing. Its interface for the
+    handlers' ``take(planner, path, logical, value, replicated)``: ``prepare``, ``chunk_bytes``
+    (the size above which a tensor is split), ``inline_max`` (the largest str or bytes kept in
+    the manifest), ``out`` (the ``Collected`` they record into), ``written`` (tensor drafts by
+    memory: tied tensors), ``views_possible`` (set when a leaf may be a view of another's
+    memory), ``emit(payloads)`` and ``leaf(path, logical, value, replicated)``."""
 
     def __init__(
         self,
@@ -199,250 +415,54 @@ class Collector:
         prepare: PrepareFunc | None,
         replicated: Sequence[str],
         inline_max_bytes: int,
-        own: Placer | Recorder,
-        submit: Callable[[WriteRequest], None] | None,
+        chunk_bytes: int,
         reuse: Reuse | None = None,
     ) -> None:
         self.rank = rank
-        # An incremental take's base (or a take recording digests): ``incremental.Reuse``.
-        self.reuse = reuse
         self.prepare = prepare
         self.replicated = tuple(replicated)
         self.inline_max = inline_max_bytes
-        self.chunk_bytes = own.layout.chunk_bytes
-        self.own = own
-        self.submit = submit
+        self.chunk_bytes = chunk_bytes
+        self.reuse = reuse
         self.out = Collected()
-        # Tensors already planned, by memory (``dense.take_tensor``): a contiguous CPU tensor by
-        # its address, another by its address, device, dtype, shape, strides and flags.
         self.written: dict[int | tuple[Any, ...], Draft] = {}
-        # Whether a leaf may be a view of another leaf's memory, other than the same view
-        # (``relate`` looks only then): set by a CPU leaf that is a part of its storage, or is
-        # not contiguous, or starts where another leaf of another dtype or shape does.
         self.views_possible = False
 
-    def _is_replicated(self, logical: str) -> bool:
-        return any(fnmatch.fnmatchcase(logical, g) for g in self.replicated)
-
     def emit(self, payloads: list[Payload]) -> None:
-        """Records one value's payloads. Those of this rank's own (not replicated: their
-        writers are agreed on later) are placed at once, and with ``submit`` each write whose
-        blob is complete is handed over at once, so writing goes on while the rest of the
-        state is planned. A value's payloads are all placed before any of their writes is
-        handed over: staging one releases a resolved tensor once all its placed pieces are
-        staged."""
-        out = self.out
+        """Records one value's payloads (all replicated, or all this rank's own)."""
         if payloads[0].replicated:
-            out.replicated.extend(payloads)
-            return
-        own = self.own
-        for p in payloads:
-            out.own_bytes += p.nbytes
-            own.place(p)
-        if self.submit is not None and len(own.writes) > out.submitted:
-            self.hand_over()
-
-    def hand_over(self) -> None:
-        """Hands each write placed since the last call to ``submit``."""
-        assert self.submit is not None
-        writes, out = self.own.writes, self.out
-        while out.submitted < len(writes):
-            out.submitted += 1
-            self.submit(writes[out.submitted - 1])
-
-    def add(self, key_path: str, state: Any) -> None:
-        rank_prefix = f"{self.rank}/"
-        entries = self.out.entries
-        cut = len(rank_prefix)
-        check = bool(self.replicated)
-        # The types the table gives the dense kind now (tensor subclasses may be registered).
-        dense_types = types_of(dense.NAME)
-        take_tensor = dense.take_tensor
-        reuse = self.reuse
-        for path, node, value in flatten(state, rank_prefix + key_path):
-            if node is None:
-                replicated = check and self._is_replicated(path[cut:])
-                # Most leaves: straight to the tensor path (``is_dense_tensor``, inline).
-                if (
-                    (kind := type(value)) in dense_types
-                    and value.layout is _STRIDED
-                    and not value.is_quantized
-                    and not value.is_nested
-                ):
-                    if reuse is not None and self._hashable(value):
-                        entry = reuse.reused(path, value)
-                        if entry is not None:  # the base holds these bytes: nothing to write
-                            entries[path] = entry
-                            if kind is not _TENSOR or value.requires_grad:
-                                dense.record_grads(self, path, value)
-                            continue
-                    entries[path] = take_tensor(self, path, path[cut:], value, replicated)
-                    if kind is not _TENSOR or value.requires_grad:
-                        dense.record_grads(self, path, value)
-                else:
-                    entries[path] = for_value(value).take(self, path, path[cut:], value, replicated)
-            else:
-                # A container is never marked replicated, even where a glob matches it: each
-                # rank's entries keep their own (they list other keys only where the states
-                # differ), and only leaves are stored once for every rank.
-                entries[path] = node
-
-    def _hashable(self, tensor: torch.Tensor) -> bool:
-        """Whether an incremental take compares a tensor leaf with its base: one the fast path
-        of ``dense.take_tensor`` writes from its own memory, holding bytes."""
-        return (
-            self.prepare is None
-            and tensor.is_cpu
-            and tensor.is_contiguous()
-            and tensor.nbytes > 0
-            and not tensor.is_neg()
-            and not (tensor.dtype.is_complex and tensor.is_conj())
-        )
+            self.out.replicated.extend(payloads)
+        else:
+            self.out.payloads.extend(payloads)
+            self.out.own_bytes += sum(p.nbytes for p in payloads)
 
     def leaf(self, path: str, logical: str, value: Any, replicated: bool) -> Planned:
-        """The entry (or draft) of one leaf, by the handler of its kind."""
-        return for_value(value).take(self, path, logical, value, replicated)
+        """The entry (or draft) of one leaf, by the handler of its kind; an incremental take's
+        tensor whose bytes its base holds already points at them."""
+        handler = for_value(value)
+        assert handler.take is not None
+        if self.reuse is not None and self.prepare is None and handler.name == "dense":
+            entry = self.reuse.reused(path, value)
+            if entry is not None:  # as the dense handler records a tensor's grads
+                if type(value) is not torch.Tensor or value.requires_grad:
+                    self.out.grads[path] = (type(value) is not torch.Tensor, value.requires_grad)
+                return entry
+        planned: Planned = handler.take(self, path, logical, value, replicated)
+        return planned
 
-    def relate(self) -> None:
-        """Records each tensor leaf on the CPU whose elements lie within the memory of another
-        leaf of its storage and dtype that is written from its memory as it lies (a contiguous
-        one), as a view of it (``Collected.views``): a read that builds new tensors then makes
-        one storage of them, as ``torch.load`` does. Leaves holding the same view of one memory
-        whose entries share their bytes (tied weights, on any device) need no record: a reader
-        finds them by their equal locations. Negated or conjugate views hold other values than
-        their memory, and are left alone; so is everything when a prepare function writes the
-        tensors.
-
-        Looked for only when planning met a leaf that may be such a view (``views_possible``),
-        from the drafts: the spans of memory the leaves read are sorted in C, and only leaves
-        whose spans overlap are looked at further."""
-        if self.prepare is not None or not self.views_possible:
-            return
-        entries = self.out.entries
-        drafts = list(entries.values())
-        whole = list(map(is_, map(type, drafts), repeat(WholeTensor)))
-        paths = list(compress(entries, whole))
-        found = list(compress(drafts, whole))
-        # (Arrays made from lists: made from iterators, they were filled item by item.)
-        starts = array("q", list(map(_ADDRESS, found)))
-        sizes = array("q", list(map(_NBYTES, found)))
-        # The other tensor drafts with bytes: tied leaves, large or gathered tensors (few).
-        others = map(is_, map(type, drafts), repeat(TensorDraft))
-        for path, draft in compress(entries.items(), others):
-            span = _span(draft)
-            if span is not None:
-                paths.append(path)
-                found.append(draft)
-                starts.append(span[0])
-                sizes.append(span[1] - span[0])
-        for group in _overlapping(starts, sizes):
-            storages: dict[tuple[Any, ...], list[tuple[str, torch.Tensor, Draft]]] = {}
-            for i in group:
-                t = _tensor_of(found[i])
-                key = (t.untyped_storage().data_ptr(), t.device, t.dtype)
-                storages.setdefault(key, []).append((paths[i], t, found[i]))
-            for members in storages.values():
-                if len(members) > 1:
-                    self._relate(members)
-
-    def _relate(self, members: list[tuple[str, torch.Tensor, Draft]]) -> None:
-        """``relate`` for the leaves of one storage, device and dtype: each leaf is taken in
-        order of where its elements start (the widest first), and one lying within the span of
-        the contiguous leaf reaching furthest so far is a view of that leaf. That leaf is not
-        itself within another's: no view is of a view."""
-        cut = len(f"{self.rank}/")
-        spans = []
-        for order, (path, t, draft) in enumerate(members):
-            start = t.storage_offset()
-            end = start + 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True))
-            spans.append((start, -end, order, path, t, draft))
-        spans.sort(key=lambda s: s[:3])
-        base: tuple[int, int, str, torch.Tensor, Draft] | None = None
-        views = self.out.views
-        for start, neg_end, _, path, t, draft in spans:
-            end = -neg_end
-            if base is not None and end <= base[1]:
-                b_start, _, b_path, b_tensor, b_draft = base
-                same = (
-                    start == b_start
-                    and t.shape == b_tensor.shape
-                    and t.stride() == b_tensor.stride()
-                    and payloads_of(draft)[0] is payloads_of(b_draft)[0]
+    def add(self, key_path: str, state: Any) -> None:
+        """Plans one state dict, at ``<rank>/<key_path>``. A container is never replicated,
+        even where a glob matches it: only leaves are stored once for every rank."""
+        prefix = f"{self.rank}/"
+        for path, node, value in flatten(state, prefix + key_path):
+            if node is None:
+                logical = path[len(prefix) :]
+                replicated = bool(self.replicated) and any(
+                    fnmatch.fnmatchcase(logical, g) for g in self.replicated
                 )
-                if not same:
-                    view = TensorView(
-                        base=b_path[cut:], offset=start - b_start, stride=tuple(t.stride())
-                    )
-                    views[path] = (view, b_draft)
-            elif t.is_contiguous():
-                base = (start, end, path, t, draft)
-
-
-_ADDRESS = attrgetter("address")
-_NBYTES = attrgetter("nbytes")
-
-
-def _tensor_of(draft: Draft) -> torch.Tensor:
-    """The tensor whose memory a draft's bytes come from (for a tied leaf, the first leaf's:
-    the same view of the same memory)."""
-    first = payloads_of(draft)[0]
-    if first.tensor is not None:
-        return first.tensor
-    assert first.source is not None
-    return first.source.tensor
-
-
-def _span(draft: TensorDraft) -> tuple[int, int] | None:
-    """The addresses of the first byte of a draft's tensor and of the byte after its last
-    element (its memory as a range); None for a tensor whose written values are not its memory
-    (prepared, negated, conjugate), or that is not on the CPU (``relate``)."""
-    first = draft.payloads[0]
-    if first.tensor is not None:  # a contiguous CPU tensor in several chunks
-        return first.address, first.address + sum(p.nbytes for p in draft.payloads)
-    source = first.source
-    assert source is not None
-    t = source.tensor
-    if source.prepare is not None or not t.is_cpu or t.is_neg() or t.is_conj():
-        return None
-    start = t.data_ptr()
-    reach = sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True))
-    return start, start + (reach + 1) * t.itemsize
-
-
-def _overlapping(starts: array[int], sizes: array[int]) -> list[list[int]]:
-    """The groups of indices of the ranges of ``sizes[i]`` bytes at ``starts[i]`` that overlap
-    one another (through any chain of overlaps), each of two ranges or more: sorted and scanned
-    in C."""
-    if len(starts) < 2:
-        return []
-    first = torch.frombuffer(starts, dtype=torch.int64)
-    ends = first + torch.frombuffer(sizes, dtype=torch.int64)
-    first, order = torch.sort(first)
-    # (``index_select``: indexing by a tensor of indices takes torch's general advanced-indexing
-    # path, many times slower.)
-    reach = _running_max(ends.index_select(0, order))
-    joins = first[1:] < reach[:-1]  # each range overlapping one before it in start order
-    if not bool(joins.any()):
-        return []
-    group = torch.cat([torch.zeros(1, dtype=torch.int64), (~joins).cumsum(0)])
-    joined = group[1:].masked_select(joins)
-    at = torch.isin(group, joined).nonzero().flatten()
-    groups: dict[int, list[int]] = {}
-    members = order.index_select(0, at).tolist()
-    for g, i in zip(group.index_select(0, at).tolist(), members, strict=True):
-        groups.setdefault(g, []).append(i)
-    return list(groups.values())
-
-
-def _running_max(x: torch.Tensor) -> torch.Tensor:
-    """The maximum of ``x[: i + 1]`` at each ``i`` of a 1-d tensor, by doubling steps of
-    element-wise maxima (``cummax`` also tracks indices, element by element, and was many
-    times slower)."""
-    step = 1
-    while step < len(x):
-        x = torch.cat([x[:step], torch.maximum(x[step:], x[:-step])])
-        step *= 2
-    return x
+                self.out.entries[path] = self.leaf(path, logical, value, replicated)
+            else:
+                self.out.entries[path] = node
 
 
 def collect(
@@ -452,26 +472,129 @@ def collect(
     prepare: PrepareFunc | None,
     replicated: Sequence[str],
     inline_max_bytes: int,
-    own: Placer | Recorder,
-    submit: Callable[[WriteRequest], None] | None = None,
+    chunk_bytes: int,
     reuse: Reuse | None = None,
 ) -> Collected:
     """Flattens ``(key_path, state_dict)`` pairs of process ``rank`` into entries and payloads.
 
     Manifest paths are ``"<rank>/<key_path>/..."``; ``prepare`` and the ``replicated`` globs see
-    the logical path without the rank. The rank's own payloads are placed by ``own`` as they
-    are met (tensors chunked by its layout), or only recorded by a ``Recorder``; with
-    ``submit``, each of their writes is handed to it as soon as its blob is complete, the last
-    one when the state is done. (``own``'s writes hold every blob placed so far, also when this
-    raises.)
+    the logical path without the rank. Tensors are split into chunks of ``chunk_bytes``.
     """
-    collector = Collector(rank, prepare, replicated, inline_max_bytes, own, submit, reuse)
+    collector = Collector(rank, prepare, replicated, inline_max_bytes, chunk_bytes, reuse)
     for key_path, state in states:
         collector.add(key_path, state)
     if reuse is not None:
         collector.out.digests = reuse.digests
-    collector.relate()
-    own.close()
-    if submit is not None:
-        collector.hand_over()
+    if prepare is None and collector.views_possible:
+        entries = collector.out.entries.items()
+        drafts = [(p, d) for p, d in entries if isinstance(d, (WholeTensor, TensorDraft))]
+        collector.out.views = relate(drafts, f"{rank}/")
     return collector.out
+
+
+# ---------------------------------------------------------------------------------------------
+# The plan.
+
+
+@dataclass
+class TakePlan:
+    """The writes this rank performs, and the drafts of its entries (``collected``), completed
+    once the writes have reported their checksums. ``shared``: the replicated payloads this
+    rank writes, whose checksums it shares with every rank (``shared_checksums``)."""
+
+    collected: Collected
+    writes: list[WriteRequest]
+    shared: list[Payload]
+    checksums: bool
+
+    def shared_checksums(
+        self, checksums: Mapping[tuple[str, int], int]
+    ) -> dict[tuple[str, int], int]:
+        """The CRC-32 of each of ``shared``, by ``(blob, offset)``; empty when the take records
+        none."""
+        out = {}
+        for p in self.shared if self.checksums else ():
+            value = crc(p, checksums)
+            assert p.blob is not None and value is not None
+            out[(p.blob, p.pos)] = value
+        return out
+
+    def early_entries(self) -> dict[str, Made | None]:
+        """The entries that need no CRC from a write (None in place of the others), made while
+        the last writes finish: a whole tensor staged in a slab (checksummed then) or recorded
+        without a CRC, and every entry made while planning."""
+        return self._made(None, {}, early=True)
+
+    def entries(
+        self,
+        checksums: Mapping[tuple[str, int], int],
+        early: Mapping[str, Made | None] | None = None,
+    ) -> dict[str, Made]:
+        """The manifest's entries, in flatten order; ``checksums`` maps each written range
+        ``(blob, offset)`` to its CRC-32 (ignored when the take records none); what
+        ``early_entries`` made is taken from ``early``. A dense tensor's entry is its manifest
+        line (``str``: see ``manifest.dumps_entries``); rank 0 merges the sharded ones."""
+        made = self._made(checksums if self.checksums else None, early or {}, early=False)
+        out = {path: e for path, e in made.items() if e is not None}
+        assert len(out) == len(made)
+        return out
+
+    def _made(
+        self,
+        checksums: Mapping[tuple[str, int], int] | None,
+        known: Mapping[str, Made | None],
+        early: bool,
+    ) -> dict[str, Made | None]:
+        """Each entry: from ``known``, or made from its draft (when ``early``, only those that
+        need no CRC from a write). A leaf with attributes gets a ``TensorEntry`` recording them."""
+        c = self.collected
+        fmt = EntryFormatter()
+        out: dict[str, Made | None] = {}
+        for path, e in c.entries.items():
+            done = known.get(path)
+            if done is not None:
+                out[path] = done
+            elif isinstance(e, (WholeTensor, TensorDraft)):  # most entries
+                ready = isinstance(e, WholeTensor) and (e.crc32 is not None or not self.checksums)
+                out[path] = _line(path, e, checksums, fmt) if ready or not early else None
+            elif isinstance(e, (Entry, sharded.ObjectReplica)):
+                out[path] = e
+            else:
+                out[path] = None if early else e.build(checksums)
+        for path in dict.fromkeys([*c.grads, *c.views, *c.digests]):
+            if out.get(path) is None or known.get(path) is not None:
+                continue  # not made yet, or made (with its attributes) by the early pass
+            draft = c.entries[path]
+            assert isinstance(draft, (TensorEntry, WholeTensor, TensorDraft))
+            entry = draft if isinstance(draft, TensorEntry) else draft.build(checksums)
+            parameter, requires_grad = c.grads.get(path, (False, False))
+            view, base = c.views.get(path, (None, None))
+            # A leaf listed once for every rank is read under each rank's prefix, where its
+            # base is that rank's own leaf unless the base is listed once too.
+            if entry.replicated and base is not None and not base.replicated:
+                view = None
+            out[path] = replace(
+                entry,
+                parameter=parameter,
+                requires_grad=requires_grad,
+                view=view,
+                digest=c.digests.get(path, entry.digest),
+            )
+        return out
+
+
+def _line(
+    path: str, draft: Draft, checksums: Mapping[tuple[str, int], int] | None, fmt: EntryFormatter
+) -> str:
+    """A tensor entry's manifest line; one in one range is formatted from its fields."""
+    if isinstance(draft, TensorDraft):
+        if len(draft.payloads) != 1:
+            return fmt.entry(path, draft.build(checksums))
+        p = draft.payloads[0]
+    else:
+        p = draft
+    assert p.blob is not None
+    return fmt.tensor(
+        path, draft.dtype, draft.shape, p.blob, p.pos, p.nbytes, crc(p, checksums),
+        draft.replicated,
+    )  # fmt: skip

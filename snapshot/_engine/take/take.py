@@ -1,8 +1,12 @@
-"""The steps of a take, in order: capture, agreement across ranks, writing, the commit."""
+"""A take, step by step: capture the state, plan it (``plan``: no I/O), agree across ranks,
+execute the plan's writes (``pipeline.WritePipeline``), and commit: rank 0 writes a pending
+marker before the first blob (``begin``) and the manifest last, once every blob is durable
+(``commit``); a failed take removes what it wrote (``remove_written``)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import threading
@@ -11,73 +15,71 @@ import uuid
 import warnings
 import weakref
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 
-from manifest import Entry
+import manifest as mf
+from manifest import ShardedObjectEntry, ShardedTensorEntry, TensorEntry
 from snapshot._engine import arguments, runtime
-from snapshot._engine.app_state import check_app_state, ordered_keys, state_dict_of
+from snapshot._engine.arguments import check_app_state, ordered_keys, state_dict_of
 from snapshot._engine.dist import replication
 from snapshot._engine.dist.dist import Coordinator
 from snapshot._engine.dist.replication import Decision, Facts, Pending
 from snapshot._engine.flatten import check_nesting, escape_key
-from snapshot._engine.format.manifest_io import load_manifest
+from snapshot._engine.format.torchsnapshot_format import FOREIGN_MARKERS
 from snapshot._engine.handlers import sharded
 from snapshot._engine.io import stage
-from snapshot._engine.io.pipeline import IOStats, WritePipeline
+from snapshot._engine.io.pipeline import IOStats, WritePipeline, plugin_location
 from snapshot._engine.io.staging import StagingPool
-from snapshot._engine.io.storage_calls import open_plugin
+from snapshot._engine.io.storage_calls import call, open_plugin
 from snapshot._engine.runtime import gc_paused, join, naming_snapshot, run, spawn
 from snapshot._engine.take.commit import (
-    begin,
-    commit,
-    manifest_bytes,
-    plugin_location,
-    remove_written,
+    LISTED_NAMES,
+    MANIFEST_NAME,
+    PENDING_NAME,
+    TAKE_DEBRIS,
 )
-from snapshot._engine.take.drafts import Layout, PrepareFunc
-from snapshot._engine.take.incremental import Reuse, base_name
-from snapshot._engine.take.placement import Placer, Recorder, assign_writers, place
-from snapshot._engine.take.plan import TakePlan, collect
+from snapshot._engine.take.incremental import Reuse
+from snapshot._engine.take.plan import (
+    Layout,
+    Made,
+    PrepareFunc,
+    TakePlan,
+    collect,
+    place,
+)
 from snapshot.errors import (
-    MissingBaseError,
     PathMismatchWarning,
+    PathNotEmptyError,
     SnapshotError,
-    SnapshotNotFoundError,
+    SnapshotExistsError,
 )
 from snapshot.options import Options, resolve
+from snapshot.version import __version__
 from storage_plugins import StoragePlugin
 from storage_plugins.registry import chunk_bytes_hint
 
 logger = logging.getLogger("snapshot")
 
 
+def _int(value: int | None) -> int:  # a field of resolved ``Options``: never None
+    assert value is not None
+    return value
+
+
 class TakeJob:
-    """One take.
+    """One take. ``start``, on the caller's thread, captures and plans the state and executes
+    the plan's writes (staged on this thread, written on the I/O loop). With a staging ``pool``
+    (async take) every payload is copied into pooled buffers, and the writes are held until
+    ``release_writes``; without one the caller must not change its tensors until the take is
+    done. ``finish`` (a background thread's, for async take) waits for the writes and commits.
 
-    ``start`` runs on the caller's thread: it captures every value (state_dict calls, planning,
-    staging) and queues the writes (a take's writes start while it stages; in a process alone,
-    while it plans). When it returns,
-    later changes to the application's tensors cannot reach the snapshot if a staging ``pool``
-    was given (async take: every payload is copied into pooled buffers, and the writes are held
-    until ``release_writes``, unless the budget is full); otherwise the caller must not change
-    them until the take is done.
-
-    Then ``finish`` (on the caller's thread for take, on a background thread for async take)
-    waits for the writes and commits the manifest.
-
-    Across ranks, three agreement points carry each rank's outcome (``Coordinator.agree``):
-    after capture (rank 0's path, existence check and layout; what every rank's leaves are, to
-    decide which are one value for all ranks: ``replication``, whose BLAKE2b digests of the
-    leaves whose CRCs matched are compared at one more point when there are any), after
-    writing, and after rank 0's commit. A rank that fails still reaches the next point, so
-    every rank raises the same error and none waits for a rank that will not come. Whatever
-    fails, nothing is committed and each rank deletes what it wrote.
-
-    Its tunables are ``options``, resolved once by the caller: the layout (chunk and slab sizes,
-    checksums), the inline size of str and bytes values, the staging budget, and the write
-    pipeline's concurrency and batches (and each storage call's retries and deadline).
+    Across ranks, each rank's outcome is carried by agreement points (``Coordinator.agree``):
+    after capture (rank 0's path and layout; which leaves are one value for all ranks,
+    ``replication``), after writing, and after rank 0's commit. A rank that fails still reaches
+    the next point, so every rank raises the same error; nothing is committed and each rank
+    deletes what it wrote.
     """
 
     def __init__(
@@ -109,35 +111,26 @@ class TakeJob:
         self.storage_options = storage_options
         self.prepare = prepare
         self.pool = pool
-        # The call's, resolved by the facade (from the environment when none is given).
         self.options = options if options is not None else resolve(None)
-        # Which backend and version write each part (recorded in the manifest for restore).
-        self.strategies = strategies
-        # An incremental take's base (a sibling snapshot's path), and what it reused from it.
-        self.base = base
+        self.strategies = strategies  # the backend and version that write each part
+        self.base = base  # an incremental take's base (a sibling snapshot's path)
         self.reuse: Reuse | None = None
         self.user_metadata = user_metadata
         self.plugin: StoragePlugin | None = None
         self.where = path
         self.plan: TakePlan | None = None
-        self._own: Placer | None = None  # places this rank's own payloads while planning
-        # Across ranks, records them instead until the first agreement (``replication``).
-        self._recorder: Recorder | None = None
-        # The replicated leaves (paths with this rank's prefix), once agreed across ranks.
-        self._shared_paths: list[str] = []
-        self._facts: Facts | None = None  # what this rank said of its leaves, until agreed
         self.pipeline: WritePipeline | None = None
+        self._shared_paths: list[str] = []  # the replicated leaves, once agreed across ranks
+        self._facts: Facts | None = None  # what this rank said of its leaves, until agreed
         self._error: BaseException | None = None  # met while staging, reported when agreeing
-        # The pending marker's write, once this rank (rank 0) started it.
-        self._marker_write: asyncio.Future[None] | None = None
+        self._marker_write: asyncio.Future[None] | None = None  # rank 0's pending marker
         self._released = threading.Event()  # set once the caller handed every staged write over
-        self._times: dict[str, float] = {}
+        self._times: dict[str, float] = {}  # when it started; then each step's seconds
         self._budget = 0  # bytes of staging this take may hold, fixed when it captures
-        # How placed blobs are staged: through the pool's buffers when there is one.
-        self._stager = stage.stager(pool)
-        self._abandoned = False  # ``_abandon`` ran
+        self._stager = stage.stager(pool)  # through the pool's buffers when there is one
+        self._abandoned = False
 
-    # -- capture ----------------------------------------------------------------------------
+    # -- capture, plan, execute ---------------------------------------------------------------
 
     def start(self) -> None:
         with gc_paused():
@@ -146,10 +139,7 @@ class TakeJob:
             except Exception:
                 raise  # each step that meets one stops the writes and cleans up itself
             except BaseException as e:
-                # Ctrl-C or an exit while capturing or staging: no other rank hears of it (it
-                # never reaches an agreement), but this rank's writes stop and their workers
-                # end, and what it wrote is removed, before it goes on up.
-                self._abandon(e)
+                self._abandon(e)  # Ctrl-C or an exit: this rank's writes stop and go
                 raise
 
     def _start(self) -> None:
@@ -168,49 +158,35 @@ class TakeJob:
             self._abandon(e)
             raise
         self._times["plan"] = time.perf_counter() - t0
+        own = None
         if decision is None:  # a process alone: its replicated payloads are its own to write
             writers = {(p.logical, p.index): 0 for p in self.collected.replicated}
         else:
-            # Which leaves are one value is decided: mark them, place this rank's own payloads.
-            assert self._recorder is not None
             writers = assign_writers(decision.signature, decision.local_bytes)
-            self._own, self._shared_paths = replication.settle(
-                self.collected,
-                self._recorder,
-                decision.replicated,
-                f"{coord.rank}/",
-                layout,
-                self._stager,
+            own, self._shared_paths = replication.settle(
+                self.collected, decision.replicated, f"{coord.rank}/", layout, self._stager
             )
-            self._recorder = self._facts = None
-        assert self._own is not None
+            self._facts = None
         self.plan = place(
-            self.collected,
-            self._own,
-            rank=coord.rank,
-            layout=layout,
-            writer_of=writers,
-            stager=self._stager,
-        )
+            self.collected, rank=coord.rank, layout=layout, writer_of=writers,
+            stager=self._stager, own=own,
+        )  # fmt: skip
         if coord.rank != 0:
-            # The manifest lists a replicated leaf once, under rank 0's prefix (format 3;
-            # ``Manifest.view`` shows it under every rank's): rank 0 gives its entry.
-            drafts = self.plan.drafts
+            # The manifest lists a replicated leaf once, under rank 0's prefix: rank 0 gives it.
             for p in self._shared_paths:
-                del drafts[p]
+                del self.collected.entries[p]
         try:
             if self.plugin is None:
-                if not _same_location(self.path, path):
+                if not arguments.same_location(self.path, path):
                     _warn_path_ignored(self.path, path, coord.rank)
                 self.path = path  # rank 0's path wins
                 self.plugin = open_plugin(path, self.storage_options)
                 self.where = plugin_location(self.plugin)
-            if self.pipeline is None:
-                self.pipeline = self._new_pipeline()
-            for request in self.plan.writes[self.collected.submitted :]:
+            self.pipeline = self._new_pipeline()
+            for request in self.plan.writes:
                 self.pipeline.submit(request)
-            # Async take: the copies of large tensors still running on the copier thread land
-            # before the call returns (the caller may change its tensors then).
+            # Async take: copies still running on the copier thread land before the call
+            # returns (the caller may change its tensors then).
             self._stager.settle()
             if self.pool is None:
                 self.release_writes()
@@ -225,7 +201,7 @@ class TakeJob:
         self._times["staged"] = time.perf_counter() - t0
 
     def _capture(self) -> dict[str, Any]:
-        """This rank's part before the first agreement: state dicts, entries, payloads (across
+        """This rank's part before the first agreement: state dicts and their plan (across
         ranks, with what its leaves are: ``replication.describe``); on rank 0 also the
         existence checks and the pending marker."""
         coord = self.coordinator
@@ -233,53 +209,39 @@ class TakeJob:
             (k, state_dict_of(k, self.app_state[k], self.path))
             for k in ordered_keys(self.app_state)
         ]
-        with naming_snapshot(self.path):  # refused whole, before the marker or any blob
+        with naming_snapshot(self.path):  # before the marker or any blob
             for k, state in states:
                 check_nesting(state, f"{coord.rank}/{escape_key(k)}")
         opts = self.options
         # One budget for the whole take. The pool's blocks (free, or lent to a pending
-        # snapshot's writes, which give them back) are memory this take reuses, not memory it
-        # takes. With a pool, the budget is the process's: pending snapshots share it
-        # (``_new_pipeline``).
+        # snapshot's writes) are memory this take reuses; pending snapshots share the budget.
         self._budget = opts.budget(
             self.pool.free_bytes + self.pool.leased_bytes if self.pool is not None else 0
         )
         layout = Layout(
             chunk_bytes=opts.chunk(chunk_bytes_hint(self.path)),
-            slab_threshold_bytes=opts.slab_threshold_bytes,
+            slab_threshold_bytes=_int(opts.slab_threshold_bytes),
             # A slab is staged whole: keep it to a quarter of the budget.
-            slab_bytes=max(1, min(opts.slab_bytes, self._budget // 4)),
+            slab_bytes=max(1, min(_int(opts.slab_bytes), self._budget // 4)),
             checksums=bool(opts.checksums),
             take_id=uuid.uuid4().hex[:8],
         )
         if self.base is not None or opts.digests:
-            self.reuse = self._reuse()
+            self.reuse = Reuse.load(
+                self.path, self.base, self.storage_options, opts, self.coordinator.rank
+            )
         if coord.rank == 0:
             self.plugin = open_plugin(self.path, self.storage_options)
             self.where = plugin_location(self.plugin)
             self._marker_write = run(begin(self.plugin, self.where, opts))
-        # A process alone places its own blobs while the state is planned, and has nothing to
-        # agree on first: its writes start as soon as each blob is complete, so writing
-        # overlaps planning. Across ranks the writes wait for the first agreement (rank 0's
-        # path and layout, no snapshot there yet, and which leaves are one value for all
-        # ranks), so the payloads are only recorded while planning, and placed after it.
-        own: Placer | Recorder
-        submit = None
-        if coord.world_size == 1:
-            own = self._own = Placer(f"{coord.rank}/", layout, mine=True, stager=self._stager)
-            self.pipeline = self._new_pipeline()
-            submit = self.pipeline.submit
-        else:
-            own = self._recorder = Recorder(layout)
         with naming_snapshot(self.path):
             self.collected = collect(
                 ((escape_key(k), sd) for k, sd in states),
                 rank=coord.rank,
                 prepare=self.prepare,
                 replicated=self.replicated,
-                inline_max_bytes=opts.inline_max_bytes,
-                own=own,
-                submit=submit,
+                inline_max_bytes=_int(opts.inline_max_bytes),
+                chunk_bytes=layout.chunk_bytes,
                 reuse=self.reuse,
             )
         info: dict[str, Any] = {
@@ -288,45 +250,16 @@ class TakeJob:
             "pieces": self.collected.pieces,
             "objects": self.collected.objects,
         }
-        if coord.world_size > 1:
-            # What each leaf is (and, for those no glob marked, a digest of its bytes): the
-            # first agreement compares them across ranks (``replication.decide``).
-            t = time.perf_counter()
+        if coord.world_size > 1:  # what its leaves are, compared across ranks
             facts = self._facts = replication.describe(self.collected, f"{coord.rank}/")
             info["marked"], info["prints"] = facts.marked, facts.prints
             info["own_bytes"] = self.collected.own_bytes
-            t = time.perf_counter() - t
-            logger.debug("take %s: %d values marked replicated, %d described in %.3f s",
-                         self.path, len(facts.marked), len(facts.prints), t)  # fmt: skip
         return info
-
-    def _reuse(self) -> Reuse:
-        """What this take compares with its base (and records digests into): the base's
-        manifest, read by every rank."""
-        if self.base is None:
-            return Reuse(None, None, self.coordinator.rank)
-        name = base_name(self.path, self.base)
-        t = time.perf_counter()
-        try:
-            base = load_manifest(self.base, self.storage_options, self.options)
-        except SnapshotNotFoundError as e:
-            raise MissingBaseError(
-                f"cannot take {self.path} on base {self.base}: {e}", base=self.base
-            ) from e
-        logger.debug(
-            "take %s: base %s read (%d entries) in %.3f s",
-            self.path,
-            self.base,
-            len(base.entries),
-            time.perf_counter() - t,
-        )
-        return Reuse(name, base, self.coordinator.rank)
 
     def _agree_layout(self, infos: list[dict[str, Any]]) -> tuple[str, Layout, Pending | None]:
         """Rank 0's path and layout; across ranks, which leaves are replicated, pending the
         confirmation of those whose CRCs matched (None for a process alone). Every rank
-        computes the same answer from the same gathered facts, so checks fail on all ranks
-        alike."""
+        computes the same answer from the same facts, so checks fail on all ranks alike."""
         first = infos[0]
         for rank, info in enumerate(infos[1:], start=1):
             if info["layout"] != first["layout"]:
@@ -345,67 +278,46 @@ class TakeJob:
         return first["path"], first["layout"], decision
 
     def _confirm(self, pending: Pending) -> Decision:
-        """The leaves whose descriptions and CRCs matched on every rank, confirmed by their
-        BLAKE2b (``replication``), exchanged at one more agreement. Every rank knows the same
-        list, so all of them agree here, or none (nothing to confirm)."""
+        """The leaves whose CRCs matched on every rank, confirmed by their digests."""
         if not pending.to_confirm:
             return pending.confirm(None)
         digests = error = None
-        t = time.perf_counter()
         try:
             assert self._facts is not None
             digests = replication.joined(self._facts.sources, pending.to_confirm)
         except Exception as e:
             error = e
-        confirmed = self.coordinator.agree("take: digests", digests, error)
-        logger.debug(
-            "take %s: %d values' digests compared in %.3f s",
-            self.path,
-            len(pending.to_confirm),
-            time.perf_counter() - t,
-        )
-        return pending.confirm(confirmed)
+        return pending.confirm(self.coordinator.agree("take: digests", digests, error))
 
     def _new_pipeline(self) -> WritePipeline:
         assert self.plugin is not None
         pipeline = WritePipeline(
             self.plugin,
             budget_bytes=self._budget,
-            max_concurrency=self.options.max_concurrent_io,
-            # Async take holds its writes until everything is staged (``release_writes``
-            # starts them): while the caller waits, they would only slow its copies down.
+            max_concurrency=_int(self.options.max_concurrent_io),
+            # Async take holds its writes until everything is staged (``release_writes``), and
+            # stages within the process's budget, shared with the snapshots still pending.
             batch_bytes=self.options.write_batch_bytes if self.pool is None else None,
-            # Async take stages within the process's staging budget, shared with the
-            # snapshots still pending: a second one waits for their writes to free blocks
-            # instead of staging a budget of its own.
             budget=self.pool.share(self._budget) if self.pool is not None else None,
             options=self.options,
             settle=self._stager.settle,
         )
-        # A take dropped before it finished (an async save's request never run) ends its
-        # writes when collected, or at exit: its workers would otherwise wait for ever.
         dropped = SnapshotError(f"the take of {self.path} was dropped before it finished")
-        weakref.finalize(self, pipeline.stop, dropped)
+        weakref.finalize(self, pipeline.stop, dropped)  # its writes end when it is collected
         return pipeline
-
-    async def _marker_written(self) -> None:
-        if self._marker_write is not None:
-            await self._marker_write
 
     async def _writes_done(self, pipeline: WritePipeline) -> IOStats:
         """This rank's writes and its pending marker, done."""
         stats = await pipeline.wait()
-        await self._marker_written()
+        if self._marker_write is not None:
+            await self._marker_write
         return stats
 
     # -- writing and commit -----------------------------------------------------------------
 
     def release_writes(self) -> None:
-        """On the caller's thread, after ``start`` (take: at its end; async take: the call's
-        last step): the staged writes go to the I/O loop, async take's from the copier thread.
-        Waking the loop from the caller's thread lets the GIL go (a socket write): the loop's
-        thread ran the writes' start in Python while the caller, about to return, waited up to
-        the switch interval. ``finish`` drains the pipeline once they are handed over."""
+        """On the caller's thread, after ``start``: the staged writes go to the I/O loop (async
+        take's from the copier thread). ``finish`` drains the pipeline once they are."""
         if self.pipeline is None:
             self._released.set()
         elif self.pool is None:
@@ -427,32 +339,24 @@ class TakeJob:
             self._released.set()
 
     def finish(self, coordinator: Coordinator | None = None) -> bytes | None:
-        """Waits for this rank's writes, agrees with the others, and commits (rank 0).
-
-        ``coordinator`` is whom to agree with: by default the one of ``start``; async take
-        passes one on a group of its own, so that this (on a background thread) never runs a
-        collective on a group the caller's thread may be using.
-
-        Returns the committed manifest's bytes on rank 0, None on the other ranks (which read
-        it from storage when they need it).
-        """
+        """Waits for this rank's writes, agrees with the others (through ``coordinator``: async
+        take's is on a group of its own), and commits; the manifest's bytes on rank 0."""
         coord = coordinator or self.coordinator
-        assert self.plan is not None
+        assert self.plan is not None and self.plugin is not None
         stats = None
-        # Until the caller has handed over what it staged, the pipeline may not be drained.
-        self._released.wait()
+        self._released.wait()  # until then, the pipeline may not be drained
         error = self._error
-        early = ready = None
+        early: dict[str, Made | None] | None = None
+        ready = None
         if error is None and self.pipeline is not None:
             writing = spawn(self._writes_done(self.pipeline))
             try:
-                # Most entries need no CRC from a write (slab members were checksummed when
-                # staged): they are made while the last writes and their fsyncs finish, and so
-                # is the manifest of a process alone when that is all of them.
+                # The entries that need no CRC from a write are made while the last writes
+                # finish; so is the manifest of a process alone when that is all of them.
                 with gc_paused():
                     early = self.plan.early_entries()
                     if coord.world_size == 1 and None not in early.values():
-                        ready = self._manifest([early])
+                        ready = self._manifest([cast(Mapping[str, Made], early)])
             except Exception as e:  # every rank learns of it at the next agreement
                 early = ready = None
                 error = e
@@ -465,7 +369,7 @@ class TakeJob:
                 error = error or e
         elif self.pipeline is not None:
             run(self.pipeline.wait_quietly())
-        t_written = time.perf_counter()
+        self._times["written"] = time.perf_counter() - self._times["start"]
         if self.pool is not None:
             self.pool.trim()  # this take's blocks are back: unlock pinned memory it dropped
         checksums = self.pipeline.checksums if self.pipeline is not None else {}
@@ -498,24 +402,39 @@ class TakeJob:
             raise
         run(self.plugin.close())
         assert stats is not None
-        self._log(stats, t_written, count)
+        self._log(stats, count)
         return data
 
-    def _manifest(self, parts: Sequence[Mapping[str, Entry | str]]) -> tuple[int, bytes]:
-        """The number of entries and the bytes of the manifest holding every rank's."""
-        return manifest_bytes(
-            parts,
-            world_size=self.coordinator.world_size,
-            replicated_once=bool(self._shared_paths),
-            strategies=self.strategies,
-            user=self.user_metadata,
-        )
-
-    # -- failure ----------------------------------------------------------------------------
+    def _manifest(self, parts: Sequence[Mapping[str, Made]]) -> tuple[int, bytes]:
+        """The number of entries and the bytes of the manifest holding every rank's entries
+        (``parts``, in rank order), in the lowest format version that holds them."""
+        world_size = self.coordinator.world_size
+        entries = sharded.merge_entries(parts)
+        kinds = set(map(type, entries.values()))
+        metadata = {
+            "library": f"statesnap {__version__}",
+            "torch": str(torch.__version__),
+            "created_unix": round(time.time(), 3),
+            **({"strategies": self.strategies} if self.strategies else {}),
+            **({"user": dict(self.user_metadata)} if self.user_metadata is not None else {}),
+        }
+        tensors = [e for e in entries.values() if type(e) is TensorEntry]
+        if self._shared_paths and world_size > 1:
+            version = mf.REPLICATED_ONCE_VERSION
+        else:
+            version = 2 if ShardedTensorEntry in kinds or ShardedObjectEntry in kinds else 1
+        if any(e.has_attrs for e in tensors):
+            version = mf.TENSOR_ATTRS_VERSION
+            if any(
+                e.digest is not None
+                or any(c.blob.startswith(mf.REFERENCE_PREFIX) for c in e.chunks)
+                for e in tensors
+            ):
+                version = mf.INCREMENTAL_VERSION
+        return len(entries), mf.dumps_entries(version, world_size, metadata, entries)
 
     def _abandon(self, error: BaseException) -> None:
-        """Stops the writes started while capturing (their workers end) and removes what was
-        written; once, whichever failure handler comes first."""
+        """Stops the writes and removes what was written; once, whichever handler comes first."""
         if self._abandoned:
             return
         self._abandoned = True
@@ -526,74 +445,167 @@ class TakeJob:
     def _close_after_failure(self) -> None:
         """After a failure: best effort removal of what this rank wrote, then storage closed."""
         if self.plugin is not None:
-            blobs = self._written_blobs()
+            blobs = [w.blob for w in self.plan.writes] if self.plan is not None else []
             run(remove_written(self.plugin, self.where, blobs, self._marker_write))
 
-    def _written_blobs(self) -> list[str]:
-        """The blobs this rank may have written so far."""
-        if self.plan is not None:
-            writes = self.plan.writes
-        elif self._own is not None and self.pipeline is not None:
-            # Failed while planning, with writes under way: what was placed so far.
-            writes = self._own.writes
-        else:  # nothing written yet (across ranks, writes wait for the first agreement)
-            writes = []
-        return [w.blob for w in writes]
-
-    def _log(self, stats: IOStats, t_written: float, entries: int) -> None:
-        t0 = self._times["start"]
-        total = time.perf_counter() - t0
+    def _log(self, stats: IOStats, entries: int) -> None:
+        times = self._times
+        total = time.perf_counter() - times["start"]
+        rank = self.coordinator.rank
         if self.reuse is not None and self.base is not None:
             logger.info(
                 "take %s (rank %d): %.1f MB of %.1f MB of tensors compared were unchanged since "
                 "base %s and not written again",
-                self.where,
-                self.coordinator.rank,
-                self.reuse.reused_bytes / 1e6,
-                self.reuse.hashed_bytes / 1e6,
+                self.where, rank, self.reuse.reused_bytes / 1e6, self.reuse.hashed_bytes / 1e6,
                 self.base,
-            )
+            )  # fmt: skip
         logger.info(
             "took snapshot %s (rank %d of %d): %d entries, %d blobs, %.1f MB in %.3f s (%.2f GB/s)",
-            self.where,
-            self.coordinator.rank,
-            self.coordinator.world_size,
-            entries,
-            stats.blobs,
-            stats.nbytes / 1e6,
-            total,
-            stats.nbytes / max(total, 1e-9) / 1e9,
-        )
+            self.where, rank, self.coordinator.world_size, entries, stats.blobs,
+            stats.nbytes / 1e6, total, stats.nbytes / max(total, 1e-9) / 1e9,
+        )  # fmt: skip
         logger.debug(
             "take %s phases: state_dict+plan %.3f s, staged by %.3f s, written by %.3f s "
             "(%.2f GB/s, peak staged %d B), committed by %.3f s",
-            self.where,
-            self._times["plan"],
-            self._times["staged"],
-            t_written - t0,
-            stats.gbps,
-            stats.peak_budget_bytes,
-            total,
-        )
+            self.where, times["plan"], times["staged"], times["written"], stats.gbps,
+            stats.peak_budget_bytes, total,
+        )  # fmt: skip
 
 
-def _same_location(a: str, b: str) -> bool:
-    """Whether two spellings of a snapshot's path name one location: equal, or equal but for
-    trailing slashes (and, for a local path, ``.`` and ``..`` parts)."""
-    if a == b:
-        return True
-    if "://" in a or "://" in b:
-        return a.rstrip("/") == b.rstrip("/")
-    return os.path.normpath(a) == os.path.normpath(b)
+def assign_writers(
+    signature: Sequence[tuple[str, int, int, str]], local_bytes: Sequence[int]
+) -> dict[tuple[str, int], int]:
+    """Which rank writes each replicated payload: greedily, largest first, to the rank that has
+    the fewest bytes to write so far (its own payloads included; ties go to the lower rank)."""
+    load = list(local_bytes)
+    writers: dict[tuple[str, int], int] = {}
+    for logical, index, nbytes, _ in sorted(signature, key=lambda s: (-s[2], s[0], s[1])):
+        rank = min(range(len(load)), key=lambda r: (load[r], r))
+        writers[(logical, index)] = rank
+        load[rank] += nbytes
+    return writers
 
 
 def _warn_path_ignored(own: str, used: str, rank: int) -> None:
-    """Tells a rank's caller that its path was not used: the snapshot is at rank 0's, which
-    the snapshot (or pending snapshot) the call returns names too."""
+    """Tells a rank's caller that its path was not used: the snapshot is at rank 0's."""
     warnings.warn(
         f"rank {rank} asked for a snapshot at {own!r}, but ranks of one process group take one "
         f"snapshot, at rank 0's path: it is written at {used!r}, and nothing at {own!r}",
         PathMismatchWarning,
-        # Past this function, _start, start and the take (or async_take): the caller's line.
-        stacklevel=5,
+        stacklevel=5,  # past this function, _start, start and the take: the caller's line
     )
+
+
+# ---------------------------------------------------------------------------------------------
+# The commit protocol.
+
+
+async def begin(plugin: StoragePlugin, where: str, options: Options) -> asyncio.Future[None]:
+    """Checks that the take may write at the snapshot's path (rank 0, before any blob), and
+    starts writing the pending marker: the commit and a failed take's cleanup wait for it.
+    Raises ``SnapshotExistsError`` (a snapshot, or another library's checkpoint, is there) or
+    ``PathNotEmptyError`` (files no snapshot wrote are)."""
+    names = (MANIFEST_NAME, *FOREIGN_MARKERS)
+
+    async def exists(name: str) -> bool:
+        found: bool = await call(
+            plugin, "check", name, where, lambda: plugin.exists(name), options=options
+        )
+        return found
+
+    listing = call(
+        plugin, "list", "", where, lambda: plugin.list_names(LISTED_NAMES), options=options
+    )
+    *found, listed = await asyncio.gather(*map(exists, names), listing)
+    if found[0]:
+        raise SnapshotExistsError(
+            f"{where} already holds a snapshot; take a new one at another path, "
+            "or delete this one first"
+        )
+    for name, there in zip(names[1:], found[1:], strict=True):
+        if there:
+            raise SnapshotExistsError(
+                f"{where} holds {FOREIGN_MARKERS[name]} ({name}), which statesnap never "
+                "writes into; take the snapshot at another path"
+            )
+    # Nor into a directory holding files of its own (stores that list cheaply only: local
+    # disk, memory, S3); missing, empty, or holding what an interrupted take left is fine.
+    names_there: list[str] = list(listed) if isinstance(listed, (list, tuple)) else []
+    others = sorted(n for n in names_there if TAKE_DEBRIS.fullmatch(n) is None)
+    if others:
+        shown = ", ".join(repr(n) for n in others[:5]) + (", ..." if len(others) > 5 else "")
+        raise PathNotEmptyError(
+            f"{where} is not empty: it holds {shown}, which no snapshot wrote; take the "
+            "snapshot at a new or empty directory, or move those files away first"
+        )
+    marker = f"pid {os.getpid()} started {time.time():.3f}\n".encode()
+
+    async def write() -> None:
+        await plugin.write(PENDING_NAME, [marker])
+
+    return asyncio.ensure_future(call(plugin, "write", PENDING_NAME, where, write, options=options))
+
+
+async def commit(plugin: StoragePlugin, manifest: bytes, options: Options) -> None:
+    """Makes the snapshot visible: blobs durable, then the manifest, then the manifest durable.
+    A crash at any point leaves either no manifest (an incomplete snapshot) or a complete one.
+    """
+    where = plugin_location(plugin)
+    lost = False
+
+    async def write() -> None:
+        # Only if no manifest is there: of two takes racing at one path, the first wins.
+        nonlocal lost
+        try:
+            await plugin.write_if_absent(MANIFEST_NAME, [manifest])
+        except FileExistsError:
+            # Ours, if an earlier attempt of this call landed but its answer was lost.
+            lost = await plugin.read(MANIFEST_NAME) != manifest
+
+    await call(plugin, "sync", "", where, plugin.sync, options=options)
+    await call(plugin, "write", MANIFEST_NAME, where, write, options=options)
+    if lost:
+        raise SnapshotExistsError(
+            f"{where}: another take committed a snapshot at this path while this one was "
+            "writing; that snapshot stays as it is, and nothing of this take is committed "
+            "(its blobs are removed)"
+        )
+    await call(plugin, "sync", "", where, plugin.sync, options=options)
+    try:
+        await plugin.delete(PENDING_NAME)
+    except FileNotFoundError:
+        pass
+    except OSError:
+        logger.warning("snapshot %s committed, but its pending marker could not be removed", where)
+
+
+async def remove_written(
+    plugin: StoragePlugin,
+    where: str,
+    blobs: list[str],
+    marker_write: asyncio.Future[None] | None,
+) -> None:
+    """Best effort removal of what a failed take wrote on this rank (``blobs``, and the pending
+    marker when this rank started writing it), then storage closed."""
+    blobs = list(blobs)
+    if marker_write is not None:
+        with contextlib.suppress(Exception):
+            await marker_write  # so that it cannot land after its deletion
+        blobs.append(PENDING_NAME)
+    failed: list[tuple[str, Exception]] = []
+    try:
+        for blob in blobs:  # each on its own: one that cannot be removed leaves the others
+            try:
+                await plugin.delete(blob)
+            except (FileNotFoundError, NotADirectoryError):
+                pass  # never written
+            except Exception as e:
+                failed.append((blob, e))
+    finally:
+        await plugin.close()
+    if failed:
+        blob, error = failed[0]
+        logger.warning(
+            "could not remove %d blob(s) of a failed take at %s; the first, %s: %s: %s",
+            len(failed), where, blob, type(error).__name__, error,
+        )  # fmt: skip
