@@ -34,21 +34,9 @@ from snapshot._engine.io.pipeline import IOStats, WritePipeline, plugin_location
 from snapshot._engine.io.staging import StagingPool
 from snapshot._engine.io.storage_calls import call, open_plugin
 from snapshot._engine.runtime import gc_paused, join, naming_snapshot, run, spawn
-from snapshot._engine.take.commit import (
-    LISTED_NAMES,
-    MANIFEST_NAME,
-    PENDING_NAME,
-    TAKE_DEBRIS,
-)
+from snapshot._engine.take.commit import LISTED_NAMES, MANIFEST_NAME, PENDING_NAME, TAKE_DEBRIS
 from snapshot._engine.take.incremental import Reuse
-from snapshot._engine.take.plan import (
-    Layout,
-    Made,
-    PrepareFunc,
-    TakePlan,
-    collect,
-    place,
-)
+from snapshot._engine.take.plan import Layout, Made, PrepareFunc, TakePlan, collect, place
 from snapshot.errors import (
     PathMismatchWarning,
     PathNotEmptyError,
