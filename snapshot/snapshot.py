@@ -17,7 +17,6 @@ from snapshot._engine.flatten import escape_key
 from snapshot._engine.format import writers
 from snapshot._engine.format.manifest_io import decode_manifest, read_manifest
 from snapshot._engine.io.async_queue import AsyncRequest
-from snapshot._engine.restore import read_ahead
 from snapshot._engine.restore.restore import rank_prefix, rank_view, read_object
 from snapshot._engine.restore.restore import restore as restore_app_state
 from snapshot._engine.take.take import TakeJob
@@ -337,40 +336,18 @@ class Snapshot:
         # The collector stays paused from the decoding to the end: a restore's one collection
         # over the entries decoded runs once it returns (``gc_paused``).
         with gc_paused():
-            ahead = None
-            if isinstance(self._decoded, bytes) and coordinator.world_size == 1:
-                # One process restoring: the store reads the keys' tensors while the manifest is
-                # decoded (in a group, which leaves a rank reads is known once it is).
-                ahead = read_ahead.early(
-                    [f"0/{escape_key(k)}" for k in app_state if isinstance(k, str)]
-                    if isinstance(app_state, dict)
-                    else [],
-                    self.path,
-                    self.storage_options,
-                    resolved,
-                )
-            try:
-                if ahead is not None and ahead.feed is not None:
-                    try:
-                        self._decode(ahead.feed.tensors)
-                    finally:
-                        ahead.feed.end()
-                # Only a snapshot whose parts a registered strategy reads is restored.
-                writers.check_readable(self._manifest.metadata, self.path)
-                restore_app_state(
-                    self._manifest,
-                    app_state,
-                    path=self.path,
-                    coordinator=coordinator,
-                    storage_options=self.storage_options,
-                    options=resolved,
-                    strict=strict,
-                    verify_first=verify_first,
-                    ahead=ahead,
-                )
-            finally:
-                if ahead is not None:
-                    ahead.close()
+            # Only a snapshot whose parts a registered strategy reads is restored.
+            writers.check_readable(self._manifest.metadata, self.path)
+            restore_app_state(
+                self._manifest,
+                app_state,
+                path=self.path,
+                coordinator=coordinator,
+                storage_options=self.storage_options,
+                options=resolved,
+                strict=strict,
+                verify_first=verify_first,
+            )
 
     def read_object(
         self,

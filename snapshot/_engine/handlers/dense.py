@@ -270,7 +270,7 @@ from typing import TYPE_CHECKING, Any  # noqa: E402
 from manifest import TensorEntry  # noqa: E402
 from snapshot._engine.format.serialization import DTYPES  # noqa: E402
 from snapshot._engine.handlers import sharded  # noqa: E402
-from snapshot._engine.restore.landing import Landing, tile_limit  # noqa: E402
+from snapshot._engine.restore.reads import Landing, tile_limit  # noqa: E402
 from snapshot._engine.restore.reads import (  # noqa: E402
     Need,
     TensorRead,

@@ -68,7 +68,7 @@ from snapshot._engine.format.checksum import LocationCheck  # noqa: E402
 from snapshot._engine.format.serialization import dtype_from_name, dtype_name, raw_memoryview  # noqa: E402
 from snapshot._engine.handlers import geometry, sharded  # noqa: E402
 from snapshot._engine.handlers.dense import is_dense_tensor  # noqa: E402
-from snapshot._engine.restore.landing import Landing, tile_limit  # noqa: E402
+from snapshot._engine.restore.reads import Landing, tile_limit  # noqa: E402
 from snapshot._engine.restore.reads import (  # noqa: E402
     Need,
     ScratchPool,

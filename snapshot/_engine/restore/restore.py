@@ -10,9 +10,10 @@ entry (or one container, whole) into new values, or into the caller's tensor.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -24,21 +25,17 @@ from snapshot._engine.context import gc_paused
 from snapshot._engine.dist import shared_reads
 from snapshot._engine.dist.dist import Coordinator
 from snapshot._engine.flatten import (
-    CONTAINER_TYPES,
-    child_prefix,
-    dict_names,
     escape_key,
     flatten,
     subtree,
 )
+from snapshot._engine.format.manifest_io import open_linked
 from snapshot._engine.handlers import sharded
 from snapshot._engine.handlers.dense import is_dense_tensor
-from snapshot._engine.restore import read_ahead, suggest
-from snapshot._engine.restore.claims import ClaimCheck
-from snapshot._engine.restore.linked import open_linked
-from snapshot._engine.restore.loader import PENDING, Loader, tile_bytes
-from snapshot._engine.restore.read_ahead import ReadAhead
-from snapshot._engine.restore.restore_guard import RestoreProgress
+from snapshot._engine.io.requests import ReadRequest
+from snapshot._engine.restore import suggest
+from snapshot._engine.restore.checks import ClaimCheck
+from snapshot._engine.restore.loader import Loader, tile_bytes
 from snapshot.errors import (
     EntryNotFoundError,
     InvalidArgumentError,
@@ -48,7 +45,7 @@ from snapshot.errors import (
     StateMismatchError,
 )
 from snapshot.options import Options
-from snapshot.sharding.mapping import ShardedTensorFactory, apply_factory_merges
+from snapshot.sharding.mapping import ShardedTensor, ShardedTensorFactory, apply_factory_merges
 
 logger = logging.getLogger("snapshot")
 
@@ -63,70 +60,39 @@ def restore(
     options: Options,
     strict: bool = True,
     verify_first: bool = False,
-    ahead: ReadAhead | None = None,
 ) -> None:
     """Loads each app_state value's entries in place, then calls its ``load_state_dict``.
 
     Each rank restores independently; the ranks then agree, so that when one fails every rank
     raises (naming it) rather than some carrying on with a half-restored group. ``strict`` and
-    ``verify_first``: as ``Snapshot.restore`` says; ``options``: the call's, resolved
-    (``snapshot.options.resolve``). The error a failed restore raises, of any kind, says which
-    of this rank's app_state keys it modified (``RestoreProgress.account``). ``ahead``: hints of
-    what the restore reads, given since before the manifest was decoded (``read_ahead.early``);
-    stopped when the reads begin, as the restore's own would be.
+    ``verify_first``: as ``Snapshot.restore`` says; ``options``: the call's, resolved. The
+    error a failed restore raises says which of this rank's app_state keys it modified
+    (``RestoreProgress.account``).
     """
     progress = RestoreProgress(app_state)
     try:
-        _restore_agreed(
-            manifest,
-            app_state,
-            path,
-            coordinator,
-            storage_options,
-            options=options,
-            strict=strict,
-            verify_first=verify_first,
-            progress=progress,
-            ahead=ahead,
-        )
+        error = None
+        try:
+            with gc_paused():
+                _restore(
+                    manifest,
+                    app_state,
+                    path,
+                    coordinator,
+                    storage_options,
+                    options=options,
+                    strict=strict,
+                    verify_first=verify_first,
+                    progress=progress,
+                )
+        except RankFailedError:
+            raise  # raised by an agreement inside, on every rank alike
+        except Exception as e:
+            error = e
+        coordinator.agree("restore", error=error)
     except BaseException as e:
         progress.account(e, coordinator.rank, coordinator.world_size)
         raise
-
-
-def _restore_agreed(
-    manifest: Manifest,
-    app_state: Mapping[str, Any],
-    path: str,
-    coordinator: Coordinator,
-    storage_options: dict[str, Any] | None,
-    *,
-    options: Options,
-    strict: bool,
-    verify_first: bool,
-    progress: RestoreProgress,
-    ahead: ReadAhead | None,
-) -> None:
-    error = None
-    try:
-        with gc_paused():
-            _restore(
-                manifest,
-                app_state,
-                path,
-                coordinator,
-                storage_options,
-                options=options,
-                strict=strict,
-                verify_first=verify_first,
-                progress=progress,
-                ahead=ahead,
-            )
-    except RankFailedError:
-        raise  # raised by an agreement inside, on every rank alike
-    except Exception as e:
-        error = e
-    coordinator.agree("restore", error=error)
 
 
 def rank_prefix(manifest: Manifest, rank: int) -> str:
@@ -170,8 +136,7 @@ def _restore(
     options: Options,
     strict: bool = True,
     verify_first: bool = False,
-    progress: RestoreProgress | None = None,
-    ahead: ReadAhead | None = None,
+    progress: RestoreProgress,
 ) -> None:
     check_app_state(app_state, path)
     t0 = time.perf_counter()
@@ -210,56 +175,19 @@ def _restore(
         claims=ClaimCheck(manifest, path, storage_options, options),
     )
     stats = None
-    # The values of the keys whose leaves wait for no read, rebuilt while the reads run on
-    # other threads (the caller's would only wait for them); the others after the reads.
-    early: dict[str, Any] = {}
-
-    def inflate_early() -> None:
-        for key in keys:
-            value = loader.inflate_ready(roots[key])
-            if value is not PENDING:
-                early[key] = value
-
+    t_plan = t0
+    plugin = None
+    with_factories = set()
     with contextlib.ExitStack() as stack:
-        plugin = None
         try:
             plugin = stack.enter_context(open_linked(path, manifest, storage_options, options))
-            # The device reads what the plan will ask for while the plan is made (and, with
-            # ``ahead`` given, since before the manifest was decoded).
-            walks: dict[str, list[str]] = {}  # each key's paths, where the read-ahead listed them
-            if ahead is None and read_ahead.takes_hints(plugin):
-                # In a group, replicated leaves are left out where one rank may read them for
-                # all (``shared_reads``; its hosts are known only at its agreement).
-                once = coordinator.world_size > 1 and shared_reads.decide(
-                    options.read_replicated_once, path, []
-                )
-                try:
-                    walks = {k: subtree(entries, roots[k]) for k in keys}  # the planning's too
-                    spans = read_ahead.ranges(entries, walks.values(), once)
-                except SnapshotError as e:
-                    # A damaged manifest: the planning next reports it, naming the snapshot.
-                    logger.debug("restore %s: no read-ahead: %s", path, e)
-                    walks, spans = {}, []
-                ahead = ReadAhead(plugin, spans)
-                stack.callback(ahead.close)
-            t_ahead = time.perf_counter()
-            with_factories = set()
             for key in keys:
                 targets, factories = _targets(states[key], roots[key])
                 if factories:
                     with_factories.add(key)
-                if progress is not None:
-                    progress.targets[key] = targets
-                loader.add_subtree(roots[key], targets, owner=key, paths=walks.get(key))
+                progress.targets[key] = targets
+                loader.add_subtree(roots[key], targets, owner=key)
             t_plan = time.perf_counter()
-            if ahead is not None:
-                ahead.stop()
-                logger.debug(
-                    "restore %s: %.1f MB read ahead before the reads (planning %.3f s)",
-                    path,
-                    ahead.nbytes / 1e6,
-                    t_plan - t_ahead,
-                )
             if verify_first:
                 checked = loader.verify_first(plugin, budget)
                 logger.debug(
@@ -281,17 +209,16 @@ def _restore(
             coordinator.agree("restore: verifying", error=error)
         try:
             if error is None and plugin is not None:
-                stats = loader.execute(plugin, budget, progress, meanwhile=inflate_early)
+                stats = loader.execute(plugin, budget, progress)
         except Exception as e:
             error = e
     coordinator.agree("restore: reading", error=error)
     assert stats is not None
     if shared is not None:
-        if progress is not None:
-            for _, leaf, _ in shared.items:
-                for key, root in roots.items():
-                    if leaf == root or leaf.startswith(root + "/"):
-                        progress.wrote(key)
+        for _, leaf, _ in shared.items:
+            for key, root in roots.items():
+                if leaf == root or leaf.startswith(root + "/"):
+                    progress.wrote(key)
         shared_reads.receive(shared, coordinator)
         logger.debug(
             "restore %s: %.1f MB of replicated tensors read once and broadcast",
@@ -300,13 +227,10 @@ def _restore(
         )
     t_read = time.perf_counter()
     for key in keys:
-        value = early.pop(key, PENDING)
-        if value is PENDING:
-            value = loader.inflate(roots[key])
-        if progress is not None:
-            # From here the key's own code runs on its state: whatever it does before it
-            # returns (or raises) counts as written.
-            progress.loading(key)
+        value = loader.inflate(roots[key])
+        # From here the key's own code runs on its state: whatever it does before it returns
+        # (or raises) counts as written.
+        progress.loading(key)
         if key in with_factories:  # what they built goes back through their merge_fn
             value = apply_factory_merges(value, states[key])
         stateful = app_state[key]
@@ -322,8 +246,7 @@ def _restore(
                 f"snapshot {path}: app_state[{key!r}].load_state_dict() raised "
                 f"{type(e).__name__}: {e}"
             ) from e
-        if progress is not None:
-            progress.loaded(key)
+        progress.loaded(key)
     t_end = time.perf_counter()
     logger.info(
         "restored %s from %s: %.1f MB in %.3f s (%.2f GB/s)",
@@ -405,19 +328,6 @@ def _restorable_keys(
 def _targets(state: Any, root: str) -> tuple[dict[str, Any], bool]:
     """The leaves of a state to restore, by path (what a ``ShardedTensorFactory`` builds
     stands in for it), and whether there was a factory."""
-    if type(state) is dict:
-        # Most states: a dict of tensors, paths and values taken in C-level passes; the few
-        # types among the values are asked about once each (``ShardedTensorFactory`` is an
-        # ABC: an ``isinstance`` per value runs Python code).
-        names = dict_names(state)
-        values = list(state.values())
-        kinds = set(map(type, values))
-        if (
-            names is not None
-            and not kinds & CONTAINER_TYPES
-            and not any(issubclass(kind, ShardedTensorFactory) for kind in kinds)
-        ):
-            return dict(zip(map(child_prefix(root).__add__, names), values, strict=True)), False
     targets: dict[str, Any] = {}
     factories = False
     for p, node, value in flatten(state, root):
@@ -431,6 +341,116 @@ def _targets(state: Any, root: str) -> tuple[dict[str, Any], bool]:
         else:
             targets[p] = value
     return targets, factories
+
+
+# ---------------------------------------------------------------------------------------------
+# What a failed restore did to the live state.
+#
+# A restore writes a value's live state in two ways: its reads land bytes in the tensors its
+# ``state_dict()`` returned (usually the object's own memory), then ``load_state_dict`` replaces
+# what it replaces. A read into a new tensor, or an object decoded, reaches it only through
+# ``load_state_dict``. ``RestoreProgress`` marks a key when a read request into one of its
+# targets starts, and when its ``load_state_dict`` is called; a key with targets sharing memory
+# with a written key's (a weight tied across two values) counts as written too.
+
+PARTIALLY = "partially"
+FULLY = "fully"
+
+
+class RestoreProgress:
+    """Per app_state key, whether the restore has begun to write its live state, and the
+    account of it that a failed restore's error carries (``SnapshotError.modified`` /
+    ``untouched``)."""
+
+    def __init__(self, app_state: Any) -> None:
+        # A non-mapping app_state is refused before anything is read: there are no keys.
+        self.keys: list[str] = list(app_state) if isinstance(app_state, Mapping) else []
+        self.written: dict[str, str] = {}
+        self.targets: dict[str, Mapping[str, Any]] = {}  # each key's targets, once planned
+
+    def wrote(self, key: str) -> None:
+        """Bytes may land in ``key``'s targets from now on."""
+        self.written.setdefault(key, PARTIALLY)
+
+    def loading(self, key: str) -> None:
+        """``key``'s ``load_state_dict`` is about to be called."""
+        self.written[key] = PARTIALLY
+
+    def loaded(self, key: str) -> None:
+        """``key``'s ``load_state_dict`` returned: it holds the snapshot's state."""
+        self.written[key] = FULLY
+
+    def watch(self, requests: Sequence[ReadRequest]) -> None:
+        """Makes each request that writes into targets mark their keys when it starts: its
+        first segment's ``dest`` (a need: a request never starts with a gap) marks them."""
+        for req in requests:
+            owners = {seg.owner for seg in req.segments if seg.owner is not None}
+            if owners:
+                first = req.segments[0]
+                assert first.dest is not None
+                first.dest = functools.partial(self._starting, tuple(owners), first.dest)
+
+    def _starting(self, keys: tuple[str, ...], dest: Callable[[], memoryview]) -> memoryview:
+        for key in keys:
+            self.wrote(key)
+        return dest()
+
+    def account(self, error: BaseException, rank: int, world_size: int) -> None:
+        """Sets the account on ``error``: ``modified``, ``untouched`` and the sentence its
+        message ends with on a ``SnapshotError``; that sentence as a note on any other."""
+        if not self.keys:
+            return
+        written = self._with_shared_memory()
+        modified = {k: written[k] for k in self.keys if k in written}
+        untouched = tuple(k for k in self.keys if k not in written)
+        where = f" on rank {rank}" if world_size > 1 else ""
+        changed = ", ".join(f"{k!r} ({how})" for k, how in modified.items()) or "none"
+        left = ", ".join(map(repr, untouched)) or "none"
+        sentence = (
+            f"app_state keys modified{where} before the failure: {changed}; untouched: {left}"
+        )
+        if isinstance(error, SnapshotError):
+            error.modified = modified
+            error.untouched = untouched
+            error.restore_account = sentence
+        else:
+            error.add_note(sentence)
+
+    def _with_shared_memory(self) -> dict[str, str]:
+        """``written``, with each key whose targets share a storage with a written key's
+        marked as partially written."""
+        written = dict(self.written)
+        if not written or len(written) == len(self.keys):
+            return written
+        memory = {k: _storages(t.values()) for k, t in self.targets.items()}
+        reached = set().union(*(memory.get(k, set()) for k in written))
+        for key, storages in memory.items():
+            if key not in written and not storages.isdisjoint(reached):
+                written[key] = PARTIALLY
+        return written
+
+
+def _storages(values: Iterable[Any]) -> set[tuple[str, int]]:
+    """The storages (device, address) that the tensors among ``values`` view (for a piece of
+    a sharded tensor or a DTensor, its local data's)."""
+    found: set[tuple[str, int]] = set()
+    for value in values:
+        if isinstance(value, ShardedTensor):
+            tensors = [] if value.data is None else [value.data]
+        elif callable(getattr(value, "local_shards", None)):  # torch's ShardedTensor
+            tensors = [shard.tensor for shard in value.local_shards()]
+        elif callable(getattr(value, "to_local", None)):  # a DTensor
+            tensors = [value.to_local()]
+        else:
+            tensors = [value] if isinstance(value, torch.Tensor) else []
+        for t in tensors:
+            try:
+                address = t.untyped_storage().data_ptr()
+            except (RuntimeError, NotImplementedError):  # no storage (a meta or fake tensor)
+                continue
+            if address:
+                found.add((str(t.device), address))
+    return found
 
 
 # ---------------------------------------------------------------------------------------------

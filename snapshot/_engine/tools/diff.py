@@ -32,7 +32,7 @@ from snapshot._engine.format.checksum import combine
 from snapshot._engine.format.manifest_io import load_manifest
 from snapshot._engine.io.io_loop import run
 from snapshot._engine.io.storage_calls import call
-from snapshot._engine.restore.linked import open_linked
+from snapshot._engine.format.manifest_io import open_linked
 from snapshot._engine.tools.inspection import JOBS, PIECE_BYTES, Progress, format_shape
 from snapshot.options import Options, resolve
 from storage_plugins import StoragePlugin

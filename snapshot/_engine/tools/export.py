@@ -50,7 +50,7 @@ from snapshot._engine.format.text import printable
 from snapshot._engine.handlers import sharded
 from snapshot._engine.io.io_loop import run
 from snapshot._engine.io.storage_calls import call
-from snapshot._engine.restore import claims
+from snapshot._engine.restore import checks as claims
 from snapshot._engine.restore.reads import check_tensor_entry
 from snapshot._engine.tools.export_folder import write_file
 from snapshot.errors import (
