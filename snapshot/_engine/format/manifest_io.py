@@ -157,7 +157,6 @@ def _manifest_errors() -> Iterator[None]:
         raise CorruptSnapshotError(printable_message(str(e))) from None
 
 
-
 def check_bases(
     path: str, manifest: Manifest, storage_options: dict[str, Any] | None, options: Options
 ) -> None:

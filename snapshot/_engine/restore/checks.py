@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 import functools
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -101,7 +101,7 @@ async def check_claims(
         for blob, paths in blobs:
             label = label_of(paths)
             size = await call(
-                plugin, "read", blob, label, lambda b=blob: plugin.size(b), options=options
+                plugin, "read", blob, label, functools.partial(plugin.size, blob), options=options
             )
             want = expected[blob]
             if size is not None and size < want:
@@ -239,7 +239,7 @@ def check_needs(
         for lo in range(0, loc.nbytes, piece_bytes):
             n = min(piece_bytes, loc.nbytes - lo)
             read = _CheckRead(n, scratch)
-            verify = None
+            verify: Callable[[int], None] | None = None
             if isinstance(check, LocationCheck):
                 verify = functools.partial(check.add, lo, n)
             elif check is not None:

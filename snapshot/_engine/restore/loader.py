@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Mapping, Sequence
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -42,6 +43,7 @@ from snapshot._engine.restore.reads import (
     direct_need,
     label_of,
     location_check,
+    piece_verify,
 )
 from snapshot.errors import CorruptSnapshotError, StateMismatchError
 from snapshot.options import Options
@@ -136,7 +138,8 @@ class Loader:
         """Adds the read of ``chunk``, whole, to ``address``: the memory of the caller's
         tensor for entry ``path`` (``dense.direct_address``)."""
         need = direct_need(path, chunk, 0, chunk.nbytes, address)
-        need.verify = location_check(path, chunk, 1, self.verify)
+        check = location_check(path, chunk, 1, self.verify)
+        need.verify = None if check is None else piece_verify(check, 0, chunk.nbytes)
         need.owner = self.owner
         self.needs.append(need)
         self._direct.append((path, need, address))
@@ -214,7 +217,9 @@ class Loader:
             return
         self._overlaps_checked = True
         spans = [(a, a + need.nbytes, i) for i, (_, need, a) in enumerate(self._direct)]
-        spans += [(*memory_span(t), len(self._direct) + j) for j, (_, t) in enumerate(self.indirect)]
+        spans += [
+            (*memory_span(t), len(self._direct) + j) for j, (_, t) in enumerate(self.indirect)
+        ]
         rows = len(self._direct)
 
         def path_of(i: int) -> str:
@@ -348,11 +353,15 @@ class Loader:
             for blob, reqs in blobs:
                 label = label_of(s.label for r in reqs for s in r.segments if isinstance(s, Need))
                 size = await call(
-                    plugin, "read", blob, label, lambda b=blob: plugin.size(b), options=self.options
+                    plugin, "read", blob, label, partial(plugin.size, blob), options=self.options
                 )
                 want = self.manifest.blob_sizes[blob]
                 # A base's blob (an incremental take's) may hold more than the ranges reused.
-                if size is not None and size != want and (size < want or reference_of(blob) is None):
+                if (
+                    size is not None
+                    and size != want
+                    and (size < want or reference_of(blob) is None)
+                ):
                     how = "longer" if size > want else "shorter"
                     raise CorruptSnapshotError(
                         f"{label}: blob {plugin.describe(blob)} is {how} than the manifest says "
@@ -386,9 +395,7 @@ class Loader:
                 ) from None
 
 
-def clashes(
-    spans: list[tuple[int, int, int]], source: Callable[[int], object]
-) -> list[list[int]]:
+def clashes(spans: list[tuple[int, int, int]], source: Callable[[int], object]) -> list[list[int]]:
     """The groups of memory ranges ``(start, end, index)`` that overlap and would receive
     different bytes, each a list of indices in ascending order. Ranges that are the same
     memory and read the same stored bytes (``source`` equal: tied weights restored from tied

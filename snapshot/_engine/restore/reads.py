@@ -354,8 +354,12 @@ def coalesce(
     if gaps:
         junk = memoryview(bytearray(max(gaps)))
         for seg in gaps.values():
-            seg.dest = functools.partial(junk.__getitem__, slice(0, seg.nbytes))
+            seg.dest = functools.partial(_head, junk, seg.nbytes)
     return requests
+
+
+def _head(buf: memoryview, nbytes: int) -> memoryview:
+    return buf[:nbytes]
 
 
 def _request(blob: str, segments: list[Segment], needs: list[Need]) -> ReadRequest:
