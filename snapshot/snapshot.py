@@ -9,7 +9,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed
 
-from manifest import Entry, Manifest, TensorsDecoded
+from manifest import Entry, Manifest
 from snapshot._engine import arguments, runtime
 from snapshot._engine.context import gc_paused
 from snapshot._engine.dist import dist
@@ -92,13 +92,11 @@ class Snapshot:
     def _manifest(self) -> Manifest:
         return self._decode()
 
-    def _decode(self, on_tensors: TensorsDecoded | None = None) -> Manifest:
-        """The manifest, decoded on first use (``on_tensors``: as ``manifest.loads``)."""
+    def _decode(self) -> Manifest:
+        """The manifest, decoded on first use."""
         m = self._decoded
         if isinstance(m, bytes):
-            m = self._decoded = decode_manifest(
-                m, self._where, verify=self._verify_manifest, on_tensors=on_tensors
-            )
+            m = self._decoded = decode_manifest(m, self._where, verify=self._verify_manifest)
         return m
 
     def __repr__(self) -> str:

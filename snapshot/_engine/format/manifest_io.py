@@ -11,8 +11,6 @@ reading anything but the recorded bytes of another committed snapshot."""
 from __future__ import annotations
 
 import contextlib
-import logging
-import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -40,8 +38,6 @@ from snapshot.options import Options
 from storage_plugins import Buffer, StoragePlugin, UnsafeBlobError
 from storage_plugins.registry import url_to_storage_plugin
 
-logger = logging.getLogger("snapshot")
-
 
 def load_manifest(
     path: str, storage_options: dict[str, Any] | None, options: Options | None = None
@@ -62,7 +58,6 @@ def read_manifest(
     bytes, checked as far as they can be without decoding the entries (``check_manifest``),
     for ``decode_manifest`` to decode when they are first needed; or another library's
     checkpoint, translated."""
-    t0 = time.perf_counter()
     with open_storage(path, storage_options, options) as plugin:
         where = plugin_location(plugin)
 
@@ -97,37 +92,16 @@ def read_manifest(
                 foreign = open_foreign(plugin, where, path, storage_options, options)
             if foreign is None:
                 raise SnapshotNotFoundError(f"no snapshot at {where} (no {MANIFEST_NAME} there)")
-            logger.debug(
-                "manifest of %s: %d entries translated from torchsnapshot's in %.3f s",
-                where,
-                len(foreign.entries),
-                time.perf_counter() - t0,
-            )
             return foreign, where
-    logger.debug(
-        "manifest of %s: %d bytes read in %.3f s", where, len(data), time.perf_counter() - t0
-    )
     check_manifest(data, where, verify=bool(options.checksums))
     return data, where
 
 
-def decode_manifest(
-    data: bytes, where: str, *, verify: bool, on_tensors: mf.TensorsDecoded | None = None
-) -> Manifest:
+def decode_manifest(data: bytes, where: str, *, verify: bool) -> Manifest:
     """The manifest in ``data``, read from the snapshot ``where`` (or just written there);
-    ``verify``: its recorded checksum is checked; ``on_tensors``: as ``manifest.loads``."""
-    t0 = time.perf_counter()
+    ``verify``: its recorded checksum is checked."""
     with _manifest_errors(), gc_paused():
-        manifest = mf.loads(
-            data, source=f"{where}/{MANIFEST_NAME}", verify=verify, on_tensors=on_tensors
-        )
-    logger.debug(
-        "manifest of %s: %d entries decoded in %.3f s",
-        where,
-        len(manifest.entries),
-        time.perf_counter() - t0,
-    )
-    return manifest
+        return mf.loads(data, source=f"{where}/{MANIFEST_NAME}", verify=verify)
 
 
 def check_manifest(data: bytes, where: str, *, verify: bool) -> None:
@@ -167,9 +141,6 @@ def check_bases(
         MissingBaseError: a sibling holds no committed snapshot.
         CorruptSnapshotError: a range lies outside what its sibling's manifest records.
     """
-    if not manifest.bases:
-        return
-    t = time.perf_counter()
     extents: dict[str, dict[str, int]] = {}
     for name in manifest.bases:
         where = checked_sibling(path, name)  # same store and parent, no link
@@ -193,9 +164,6 @@ def check_bases(
                 f"snapshot {path}: entries read up to byte {end:,} of blob {inner!r} of its base "
                 f"{sibling_path(path, name)}, whose manifest says otherwise ({what})"
             )
-    logger.debug(
-        "snapshot %s: %d base(s) checked in %.3f s", path, len(extents), time.perf_counter() - t
-    )
 
 
 @contextlib.contextmanager
@@ -205,12 +173,12 @@ def open_linked(
     """``open_storage`` for reading the snapshot at ``path`` whose manifest is ``manifest``:
     its own plugin when it points at no sibling, else a ``LinkedStorage`` over it, once the
     siblings have passed ``check_bases``."""
-    if not manifest.bases:
-        with open_storage(path, storage_options, options) as plugin:
-            yield plugin
-        return
-    check_bases(path, manifest, storage_options, options)
+    if manifest.bases:
+        check_bases(path, manifest, storage_options, options)
     with open_storage(path, storage_options, options) as plugin:
+        if not manifest.bases:
+            yield plugin
+            return
         linked = LinkedStorage(plugin, path, storage_options)
         try:
             yield linked

@@ -2,18 +2,14 @@
 a manifest claims against the blobs present (``ClaimCheck``), and the reads of
 ``verify_first``'s first pass (``check_needs``).
 
-A read that makes new memory for an entry (an object's buffer, a tensor read into no target)
-takes the size the manifest records, and a damaged or forged manifest can claim any size. So
-before such reads are planned the store is asked the size of each blob they touch, and a blob
-shorter than the manifest's last range in it is a ``CorruptSnapshotError`` before anything is
-allocated. Reads into the caller's tensors take no memory sized by the manifest: their byte
-counts are checked against the targets, and every blob read is compared with the manifest
-after the reads.
+A read into new memory (an object's buffer, a tensor read into no target) takes the size the
+manifest records, which a forged manifest can set to anything: the store is asked each blob's
+size first. Reads into the caller's tensors take no such memory (their sizes are checked
+against the targets), and every blob read is compared with the manifest after the reads.
 """
 
 from __future__ import annotations
 
-import asyncio
 import bisect
 import functools
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -26,8 +22,7 @@ from snapshot._engine.format.manifest_io import open_linked
 from snapshot._engine.handlers import sharded
 from snapshot._engine.handlers.dense import is_dense_tensor
 from snapshot._engine.io.io_loop import run
-from snapshot._engine.io.storage_calls import call
-from snapshot._engine.restore.reads import Need, label_of
+from snapshot._engine.restore.reads import Need, check_blob_sizes, label_of
 from snapshot.errors import CorruptSnapshotError
 from snapshot.options import Options
 from snapshot.sharding.mapping import LocalNonpersistentObject
@@ -42,8 +37,7 @@ CHECK_PIECE_BYTES = 1 << 20
 
 
 def allocates(entry: Entry, target: Any) -> bool:
-    """Whether reading ``entry`` into ``target`` (None: no target) takes memory of the size the
-    manifest records for it."""
+    """Whether reading ``entry`` into ``target`` takes memory of the size the manifest records."""
     if not entry.locations or isinstance(target, LocalNonpersistentObject):
         return False  # stored inline, or never read (the restoring rank's own object)
     if isinstance(entry, (TensorEntry, ShardedTensorEntry)):
@@ -54,8 +48,8 @@ def allocates(entry: Entry, target: Any) -> bool:
 def claimed_blobs(
     entries: Mapping[str, Entry], paths: Iterable[str], targets: Mapping[str, Any]
 ) -> tuple[dict[str, set[str]], int]:
-    """The blobs that reading the entries at ``paths`` into ``targets`` allocates for, each
-    with the paths that read it; and the bytes those entries claim."""
+    """The blobs that reading ``paths`` into ``targets`` allocates for, with the paths reading
+    each; and the bytes claimed."""
     claims: dict[str, set[str]] = {}
     claimed = 0
     for path in paths:
@@ -71,8 +65,8 @@ def claimed_blobs(
 
 
 def check_disjoint(path: str, locations: Sequence[Location]) -> None:
-    """Refuses an entry two of whose ranges share a byte: a snapshot stores each byte of a value
-    once, and repeated ranges would make a read allocate more than the blobs hold."""
+    """Refuses an entry two of whose ranges share a byte (a read would allocate more than the
+    blobs hold)."""
     blob, end = None, 0
     for loc in sorted(locations, key=lambda loc: (loc.blob, loc.offset)):
         if loc.blob != blob:
@@ -93,31 +87,10 @@ async def check_claims(
     jobs: int,
     options: Options,
 ) -> None:
-    """Asks the size of each blob in ``claims``, ``jobs`` at a time, and fails on the first
-    shorter than ``expected[blob]``. A store that cannot tell a size passes."""
-    blobs = iter(claims.items())
-
-    async def worker() -> None:
-        for blob, paths in blobs:
-            label = label_of(paths)
-            size = await call(
-                plugin, "read", blob, label, functools.partial(plugin.size, blob), options=options
-            )
-            want = expected[blob]
-            if size is not None and size < want:
-                raise CorruptSnapshotError(
-                    f"{label}: blob {plugin.describe(blob)} is shorter than the manifest says "
-                    f"({size:,} bytes; the manifest's last range in it ends at {want:,}), "
-                    "found before reading"
-                )
-
-    tasks = [asyncio.ensure_future(worker()) for _ in range(min(jobs, len(claims)))]
-    try:
-        await asyncio.gather(*tasks)
-    except BaseException:
-        for task in tasks:  # the others stop asking: the plugin is about to be closed
-            task.cancel()
-        raise
+    """Asks each claimed blob's size, ``jobs`` at a time; fails on one shorter than
+    ``expected`` (``claims``: blob -> the paths reading it)."""
+    labels = {blob: label_of(paths) for blob, paths in claims.items()}
+    await check_blob_sizes(plugin, labels, expected, jobs, options, before=True)
 
 
 @dataclass
@@ -135,8 +108,7 @@ class ClaimCheck:
     def check(
         self, entries: Mapping[str, Entry], paths: Iterable[str], targets: Mapping[str, Any]
     ) -> None:
-        """Raises ``CorruptSnapshotError`` when a blob that reading the entries at ``paths``
-        into ``targets`` allocates for is shorter than the manifest says."""
+        """Raises ``CorruptSnapshotError`` for a claimed blob shorter than the manifest says."""
         claims, claimed = claimed_blobs(entries, paths, targets)
         fresh = {blob: paths for blob, paths in claims.items() if blob not in self.checked}
         if not fresh:
@@ -159,8 +131,8 @@ class ClaimCheck:
 def locations_read(
     entries: Mapping[str, Entry], needs: Iterable[Need]
 ) -> list[tuple[str, Location]]:
-    """Each stored range that holds bytes of ``needs``, once, with its entry's path: the whole
-    range, even where a need reads part of it, since only the whole has a recorded CRC-32."""
+    """Each stored range holding bytes of ``needs``, once, whole (the unit of a CRC-32), with
+    its entry's path."""
     index: dict[str, dict[str, tuple[list[int], list[Location]]]] = {}
     found: dict[tuple[str, int, int], tuple[str, Location]] = {}
     for need in needs:
@@ -185,51 +157,14 @@ def _by_blob(locations: Iterable[Location]) -> dict[str, tuple[list[int], list[L
     return out
 
 
-class ScratchKeeper:
-    """Buffers the check reads land in, kept for the next read of the same size while
-    ``keep_bytes`` allows. Used on the I/O loop only."""
-
-    def __init__(self, keep_bytes: int) -> None:
-        self.keep_bytes = keep_bytes
-        self._free: dict[int, list[bytearray]] = {}
-        self._kept = 0
-
-    def take(self, nbytes: int) -> bytearray:
-        free = self._free.get(nbytes)
-        if free:
-            self._kept -= nbytes
-            return free.pop()
-        return bytearray(nbytes)
-
-    def give(self, buf: bytearray) -> None:
-        if self._kept + len(buf) <= self.keep_bytes:
-            self._free.setdefault(len(buf), []).append(buf)
-            self._kept += len(buf)
+def _scratch(nbytes: int) -> memoryview:
+    return memoryview(bytearray(nbytes))
 
 
-class _CheckRead:
-    """One check need's scratch: taken when its read runs, given back once it is done."""
-
-    def __init__(self, nbytes: int, scratch: ScratchKeeper) -> None:
-        self.nbytes = nbytes
-        self.scratch = scratch
-        self.buf: bytearray | None = None
-
-    def dest(self) -> memoryview:
-        self.buf = self.scratch.take(self.nbytes)
-        return memoryview(self.buf)
-
-    def done(self) -> None:
-        buf, self.buf = self.buf, None
-        assert buf is not None
-        self.scratch.give(buf)
-
-
-def check_needs(
-    ranges: Iterable[tuple[str, Location]], piece_bytes: int, scratch: ScratchKeeper
-) -> list[Need]:
-    """Needs that read each range in pieces of at most ``piece_bytes`` into ``scratch`` and
-    compare its bytes with its recorded CRC-32 (a range without one is read all the same)."""
+def check_needs(ranges: Iterable[tuple[str, Location]], piece_bytes: int) -> list[Need]:
+    """Needs that read each range in pieces of at most ``piece_bytes`` into scratch (charged
+    to the budget until the piece is checked) and compare its bytes with its recorded CRC-32
+    (a range without one is read all the same)."""
     needs: list[Need] = []
     for path, loc in ranges:
         count = -(-loc.nbytes // piece_bytes)
@@ -238,7 +173,6 @@ def check_needs(
             check = WholeCheck(path, loc) if count == 1 else LocationCheck(path, loc, count)
         for lo in range(0, loc.nbytes, piece_bytes):
             n = min(piece_bytes, loc.nbytes - lo)
-            read = _CheckRead(n, scratch)
             verify: Callable[[int], None] | None = None
             if isinstance(check, LocationCheck):
                 verify = functools.partial(check.add, lo, n)
@@ -249,8 +183,8 @@ def check_needs(
                     blob=loc.blob,
                     offset=loc.offset + lo,
                     nbytes=n,
-                    dest=read.dest,
-                    done=read.done,
+                    dest=functools.partial(_scratch, n),
+                    done=None,
                     scratch_bytes=n,
                     label=path,
                     verify=verify,

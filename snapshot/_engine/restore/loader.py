@@ -1,24 +1,20 @@
 """The loader: plans the reads that rebuild a set of manifest entries, runs them, and rebuilds
 the values (``inflate``).
 
-Each leaf entry is planned by the handler of its kind (``handler.restore(loader, path, entry,
-target)``), which adds its needs to the loader and records where its value will be
-(``tensors``, ``objects``). ``execute`` merges the needs into scatter reads (``coalesce``) and
-runs them under the memory budget; ``verify_first`` is the first pass of a restore that checks
-every stored range before it writes.
+Each leaf is planned by its kind's handler (``handler.restore(loader, path, entry, target)``),
+which adds needs and records where its value will be; ``execute`` merges the needs into
+scatter reads and runs them under the memory budget.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from manifest import Entry, Location, Manifest, TensorEntry, reference_of
+from manifest import Entry, Location, Manifest, TensorEntry
 from snapshot._engine.context import naming_snapshot
 from snapshot._engine.flatten import inflate, subtree
 from snapshot._engine.handlers import local
@@ -26,12 +22,10 @@ from snapshot._engine.handlers.table import for_entry
 from snapshot._engine.io.io_loop import run
 from snapshot._engine.io.pipeline import IOStats, read_all
 from snapshot._engine.io.requests import AnyReadRequest, ReadRequest
-from snapshot._engine.io.storage_calls import call
 from snapshot._engine.io.tensor_memory import memory_span
 from snapshot._engine.restore.checks import (
     CHECK_PIECE_BYTES,
     ClaimCheck,
-    ScratchKeeper,
     check_needs,
     locations_read,
 )
@@ -39,6 +33,7 @@ from snapshot._engine.restore.reads import (
     Landing,
     Need,
     ScratchPool,
+    check_blob_sizes,
     coalesce,
     direct_need,
     label_of,
@@ -57,8 +52,7 @@ logger = logging.getLogger(__name__)
 
 
 def tile_bytes(budget: int, options: Options) -> int:
-    """The scratch tile of one read, out of a budget of ``budget`` bytes: two tiles per
-    worker can be in flight, and their sum stays within the budget."""
+    """The scratch tile of one read: two per worker in flight stay within ``budget``."""
     assert options.max_concurrent_io is not None
     return max(1, budget // (2 * options.max_concurrent_io))
 
@@ -87,8 +81,7 @@ class Loader:
         claims: ClaimCheck | None = None,
     ) -> None:
         self.manifest = manifest
-        # Checks the sizes that reads which allocate claim, before the first is planned: the
-        # subtree being planned (root, targets) until then.
+        # The claims of reads that allocate, checked before the first: the subtree until then.
         self.claims = claims
         self._unclaimed: tuple[str, Mapping[str, Any]] | None = None
         self.entries = manifest.entries if entries is None else entries  # the rank's view
@@ -114,13 +107,11 @@ class Loader:
         self.fresh: dict[tuple[Any, ...], torch.Tensor] = {}
         self.made: dict[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor]] = {}
         self.views: list[tuple[str, TensorEntry]] = []
-        # The caller's CPU tensors filled in place: by whole stored ranges (``add_direct``:
-        # path, need, address), and by other needs (path, tensor). Checked for targets that
-        # share memory (``_separate_overlaps``).
+        # The caller's CPU tensors filled in place, by whole ranges (path, need, address) and
+        # by other needs (path, tensor): checked for shared memory (``_separate_overlaps``).
         self._direct: list[tuple[str, Need, int]] = []
         self.indirect: list[tuple[str, torch.Tensor]] = []
-        # Targets that share memory with another and receive other bytes: read into new
-        # tensors, then copied in planned order (``_land_overlapped``).
+        # Targets sharing memory that receive other bytes: read apart, then copied in order.
         self._overlapped: list[tuple[str, torch.Tensor]] = []
         self._overlaps_checked = False
 
@@ -135,8 +126,7 @@ class Loader:
         self.needs.extend(needs)
 
     def add_direct(self, path: str, chunk: Location, address: int) -> None:
-        """Adds the read of ``chunk``, whole, to ``address``: the memory of the caller's
-        tensor for entry ``path`` (``dense.direct_address``)."""
+        """Adds the read of ``chunk``, whole, into the caller's tensor at ``address``."""
         need = direct_need(path, chunk, 0, chunk.nbytes, address)
         check = location_check(path, chunk, 1, self.verify)
         need.verify = None if check is None else piece_verify(check, 0, chunk.nbytes)
@@ -150,13 +140,11 @@ class Loader:
         return bool(self.needs)
 
     def materialize(self) -> None:
-        """Settles the needs for the steps that work need by need (``shared_reads``): targets
-        that share memory are read apart first."""
+        """Settles the needs for ``shared_reads``: targets sharing memory are read apart."""
         self._separate_overlaps()
 
     def claim(self) -> None:
-        """Called by a kind before it plans a read that takes memory of the size the manifest
-        records: the claims of the subtree being planned are checked, once."""
+        """Called before planning a read into new memory: checks the subtree's claims, once."""
         unclaimed, self._unclaimed = self._unclaimed, None
         if unclaimed is not None and self.claims is not None:
             root, targets = unclaimed
@@ -194,8 +182,7 @@ class Loader:
         handler.restore(self, path, entry, target)
 
     def plan_deferred(self) -> None:
-        """Runs the planning steps that wait for every other read (``later``): view entries
-        read into no target, say, which become views of their base's new tensor."""
+        """Runs the planning steps that wait for every other read (``later``)."""
         with naming_snapshot(self.where):
             self._separate_overlaps()
             while self._later:
@@ -205,14 +192,9 @@ class Loader:
 
     def _separate_overlaps(self) -> None:
         """Finds the caller's tensors that share memory with another target and would receive
-        other bytes (views of one buffer restored from separate tensors; weights tied in the
-        model, not in the snapshot): reads into them would overwrite one another in any order,
-        and a CRC-32 checked over the landed memory would fail. Those read by whole ranges are
-        read into new tensors instead and copied in planned order after the reads.
-
-        Raises:
-            StateMismatchError: when one of such a group is filled in pieces or through a cast.
-        """
+        other bytes (weights tied in the model, not in the snapshot): their reads would race.
+        Those read by whole ranges are read into new tensors and copied in order after the
+        reads; a ``StateMismatchError`` where one is filled in pieces or through a cast."""
         if self._overlaps_checked:
             return
         self._overlaps_checked = True
@@ -263,8 +245,8 @@ class Loader:
         self.owner = owner
 
     def _land_overlapped(self) -> None:
-        """Copies the values read for targets that share memory into them, in planned order:
-        where targets overlap, the later one's value stays, as with ``load_state_dict``."""
+        """Copies the values read apart into their targets in planned order (the later one's
+        value stays, as with ``load_state_dict``)."""
         with torch.no_grad():
             for path, target in self._overlapped:
                 target.copy_(self.tensors[path])
@@ -285,17 +267,15 @@ class Loader:
         return stats
 
     def verify_first(self, plugin: StoragePlugin, budget_bytes: int) -> IOStats:
-        """The first pass of a restore that checks before it writes: reads the needs that
-        write no live state (objects, new tensors), and every stored range the other needs
-        read, whole, against its recorded CRC-32, into scratch. Leaves the other needs for
-        ``execute``, which reads their ranges a second time."""
+        """The first pass of a restore that checks before it writes: runs the needs that write
+        no live state, and checks every range the others read (whole, into scratch); leaves
+        the others for ``execute``."""
         self.plan_deferred()
         private = [n for n in self.needs if n.owner is None]
         writing = [n for n in self.needs if n.owner is not None]
         piece = min(CHECK_PIECE_BYTES, self.tile_bytes)
-        scratch = ScratchKeeper(max(0, budget_bytes - self.concurrency * self.tile_bytes))
         with naming_snapshot(self.where):
-            checks = check_needs(locations_read(self.entries, writing), piece, scratch)
+            checks = check_needs(locations_read(self.entries, writing), piece)
             stats = self._execute(plugin, budget_bytes, private + checks, None)
         self.needs = writing
         return stats
@@ -342,33 +322,14 @@ class Loader:
         return stats
 
     async def _check_sizes(self, plugin: StoragePlugin, requests: Sequence[ReadRequest]) -> None:
-        """Each blob read must be as long as the manifest says: not shorter (cut), and not
-        longer (bytes appended after the take, or a blob of another snapshot)."""
-        by_blob: dict[str, list[ReadRequest]] = {}
+        """Each blob read must be as long as the manifest says: not cut, nor appended to."""
+        paths: dict[str, list[str]] = {}
         for req in requests:
-            by_blob.setdefault(req.blob, []).append(req)
-        blobs = iter(by_blob.items())
-
-        async def worker() -> None:
-            for blob, reqs in blobs:
-                label = label_of(s.label for r in reqs for s in r.segments if isinstance(s, Need))
-                size = await call(
-                    plugin, "read", blob, label, partial(plugin.size, blob), options=self.options
-                )
-                want = self.manifest.blob_sizes[blob]
-                # A base's blob (an incremental take's) may hold more than the ranges reused.
-                if (
-                    size is not None
-                    and size != want
-                    and (size < want or reference_of(blob) is None)
-                ):
-                    how = "longer" if size > want else "shorter"
-                    raise CorruptSnapshotError(
-                        f"{label}: blob {plugin.describe(blob)} is {how} than the manifest says "
-                        f"({size:,} bytes; the manifest's last range in it ends at {want:,})"
-                    )
-
-        await asyncio.gather(*(worker() for _ in range(min(self.concurrency, len(by_blob)))))
+            got = paths.setdefault(req.blob, [])
+            got.extend(s.label for s in req.segments if isinstance(s, Need))
+        labels = {blob: label_of(p) for blob, p in paths.items()}
+        expected = self.manifest.blob_sizes
+        await check_blob_sizes(plugin, labels, expected, self.concurrency, self.options)
 
     # -- the values ------------------------------------------------------------------------------
 

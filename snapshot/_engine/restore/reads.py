@@ -1,15 +1,14 @@
-"""Planning a restore's reads: byte-range needs, the checks a tensor entry and its target pass
-before any byte is read, the merging of needs into scatter reads, and the landing of scratch
-tiles in targets.
+"""Planning a restore's reads: byte-range needs, the checks before any byte is read, their
+merging into scatter reads, and the landing of scratch tiles in targets.
 
-Each entry to load becomes needs: byte ranges of blobs that land in the target tensor's memory
-when dtype and layout agree (``direct_need``), or in scratch tiles otherwise, copied into the
-target by a ``Landing`` (``tile_need``). Needs in the same blob that lie close together are
-merged into one scatter read (``coalesce``).
+A need lands in the target tensor's memory when dtype and layout agree (``direct_need``), else
+in a scratch tile that a ``Landing`` copies into the target (``tile_need``); close needs of
+one blob merge into one scatter read (``coalesce``).
 """
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 import math
@@ -20,7 +19,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from manifest import Entry, Location, TensorEntry
+from manifest import Entry, Location, TensorEntry, reference_of
 from snapshot._engine.format.checksum import LocationCheck, WholeCheck
 from snapshot._engine.format.serialization import (
     as_copyable,
@@ -33,6 +32,7 @@ from snapshot._engine.format.serialization import (
 )
 from snapshot._engine.io import device
 from snapshot._engine.io.requests import ReadRequest, Segment
+from snapshot._engine.io.storage_calls import call
 from snapshot._engine.io.tensor_memory import (
     conjugated,
     negated,
@@ -45,6 +45,8 @@ from snapshot.errors import (
     StateMismatchError,
     UnsupportedValueError,
 )
+from snapshot.options import Options
+from storage_plugins import StoragePlugin
 
 logger = logging.getLogger(__name__)
 _T = TypeVar("_T")
@@ -53,9 +55,8 @@ _T = TypeVar("_T")
 @dataclass(slots=True, kw_only=True)
 class Need(Segment):
     """``nbytes`` bytes at ``offset`` of ``blob``, to land in ``dest()``; ``done`` then consumes
-    them. ``scratch_bytes`` is the memory ``dest`` allocates and ``done`` frees. ``owner`` is
-    the app_state key whose live state the bytes land in, None when they reach none (an
-    object, a new tensor)."""
+    them. ``scratch_bytes``: the memory ``dest`` allocates and ``done`` frees. ``owner``: the
+    app_state key whose live state the bytes land in (None: a new value)."""
 
     blob: str
     offset: int
@@ -94,14 +95,10 @@ def check_tensor_entry(path: str, entry: TensorEntry) -> torch.dtype:
 def resolve_view(
     entries: Mapping[str, Entry], path: str, entry: TensorEntry
 ) -> tuple[str, TensorEntry]:
-    """The path and entry of the base of ``entry``, a view, once the view is checked to be one
-    a take makes: its base is a tensor entry of the same dtype under the rank prefix of
-    ``path``, not itself a view (so no chain or cycle is followed), and holds every element
-    the view reaches; both entries' bytes add up to their shapes.
-
-    Raises:
-        CorruptSnapshotError: any of these does not hold.
-    """
+    """The path and entry of the base of ``entry``, a view, once checked to be a view a take
+    makes (else ``CorruptSnapshotError``): its base is a tensor entry of the same dtype under
+    the rank prefix of ``path``, not itself a view (no chain or cycle is followed), holding
+    every element the view reaches; both entries' bytes add up to their shapes."""
     view = entry.view
     assert view is not None
     base_path = path[: path.find("/") + 1] + view.base
@@ -133,8 +130,7 @@ def resolve_view(
 
 def check_target(path: str, entry: TensorEntry, target: torch.Tensor, dtype: torch.dtype) -> None:
     """Refuses a restore target that cannot receive this entry: another shape, the meta device,
-    or a dtype that the stored one does not cast to (``copy_`` casts as ``load_state_dict``
-    does; some pairs it refuses)."""
+    or a dtype that ``copy_`` does not cast the stored one to."""
     if target.shape != entry.shape:
         raise ShapeMismatchError(
             f"{path}: the snapshot holds shape {list(entry.shape)} ({entry.dtype}), "
@@ -151,8 +147,7 @@ def check_target(path: str, entry: TensorEntry, target: torch.Tensor, dtype: tor
 
 
 def check_receivable(path: str, target: torch.Tensor) -> None:
-    """Refuses a restore target whose memory cannot take distinct values: elements that share
-    memory (an expanded view), or a storage that ends before its last element (freed)."""
+    """Refuses a target whose elements share memory, or whose storage ends before them."""
     if shares_memory(target):
         raise StateMismatchError(
             f"{path}: the object being restored has elements that share memory (shape "
@@ -179,8 +174,7 @@ def casts(src: torch.dtype, dst: torch.dtype) -> bool:
 
 
 def lands_directly(target: torch.Tensor, dtype: torch.dtype) -> bool:
-    """Whether stored bytes of ``dtype`` can land straight in ``target``'s memory: a
-    contiguous CPU tensor of that dtype, not a conjugate or negative view."""
+    """Whether bytes of ``dtype`` land straight in ``target`` (contiguous, CPU, not lazy)."""
     return (
         target.is_cpu
         and target.dtype == dtype
@@ -191,8 +185,7 @@ def lands_directly(target: torch.Tensor, dtype: torch.dtype) -> bool:
 
 
 def allocate(path: str, nbytes: int, make: Callable[[], _T]) -> _T:
-    """``make()``, the memory a manifest entry asks for; a failed allocation (a damaged
-    manifest can claim any size) is reported as what it most likely is."""
+    """``make()``, the memory a manifest entry asks for; a failure is reported as damage."""
     try:
         return make()
     except (MemoryError, RuntimeError) as e:
@@ -209,9 +202,8 @@ def allocate(path: str, nbytes: int, make: Callable[[], _T]) -> _T:
 def location_check(
     path: str, loc: Location, pieces: int, verify: bool
 ) -> LocationCheck | WholeCheck | None:
-    """The check of ``loc``'s bytes read in ``pieces`` needs (with ``verify`` and a recorded
-    checksum only): a ``WholeCheck`` for one piece, else a ``LocationCheck`` that each need
-    adds its piece to (``piece_verify``)."""
+    """The check of ``loc``'s bytes read in ``pieces`` needs, with ``verify`` and a recorded
+    CRC-32: a ``WholeCheck`` for one piece, else a ``LocationCheck`` (``piece_verify``)."""
     if not verify or loc.crc32 is None:
         return None
     return WholeCheck(path, loc) if pieces == 1 else LocationCheck(path, loc, pieces)
@@ -240,8 +232,8 @@ def direct_need(path: str, chunk: Location, lo: int, nbytes: int, address: int) 
 
 
 class _TileCopy:
-    """A tile need's steps: takes its tile when its read is about to run (``dest``) and copies
-    it into ``count`` elements of ``target`` from ``first`` on once the bytes have landed."""
+    """A tile need's steps: takes a tile as its read starts, copies it into ``count`` elements
+    of ``target`` from ``first`` on once landed."""
 
     def __init__(
         self, target: torch.Tensor, first: int, count: int, dtype: torch.dtype, landing: Landing
@@ -270,10 +262,8 @@ def tile_need(
     target: torch.Tensor,
     landing: Landing,
 ) -> Need:
-    """The need of ``nbytes`` at ``lo`` in ``chunk``: elements ``first`` on of ``target`` in
-    row-major order, read into a scratch tile from ``landing`` and copied into the target once
-    landed. The tile (and the cast tile a device target of another dtype needs) is charged to
-    the read budget from the read's start to its ``done``."""
+    """The need of ``nbytes`` at ``lo`` in ``chunk``: elements ``first`` on of ``target``
+    (row-major), through a tile of ``landing``, charged to the budget until its ``done``."""
     count = nbytes // dtype.itemsize
     copy = _TileCopy(target, first, count, dtype, landing)
     return Need(
@@ -288,8 +278,7 @@ def tile_need(
 
 
 class ScratchPool:
-    """Scratch buffers handed from one read to the next (reused memory costs no page faults).
-    Used on the I/O loop only."""
+    """Scratch buffers handed from one read to the next; used on the I/O loop only."""
 
     def __init__(self) -> None:
         self._free: list[torch.Tensor] = []
@@ -313,11 +302,10 @@ def coalesce(
 ) -> list[ReadRequest]:
     """Merges needs of the same blob into few scatter reads.
 
-    Needs are sorted by position; a need joins the read before it when it starts at most
-    ``max_gap_bytes`` after that read ends (the gap is read into scratch and dropped), the read
-    stays within ``max_request_bytes`` and its scratch within ``max_scratch_bytes``. Overlapping
-    needs (one range restored into two targets) start a new read, so each read is one
-    sequential pass. Every gap lands in one scratch buffer, as large as the largest.
+    In offset order, a need joins the read before it when it starts at most ``max_gap_bytes``
+    after it (the gap is read into shared scratch and dropped) and the read stays within
+    ``max_request_bytes`` and ``max_scratch_bytes``. An overlapping need starts a new read:
+    each read is one sequential pass.
     """
     by_blob: dict[str, list[Need]] = {}
     for need in needs:
@@ -391,21 +379,53 @@ def label_of(paths: Iterable[str]) -> str:
     return first if len(labels) == 1 else f"{first} and {len(labels) - 1} more"
 
 
+async def check_blob_sizes(
+    plugin: StoragePlugin,
+    labels: Mapping[str, str],
+    expected: Mapping[str, int],
+    jobs: int,
+    options: Options,
+    *,
+    before: bool = False,
+) -> None:
+    """Asks each blob's size (``labels``: blob -> label), ``jobs`` at a time: fails on one
+    shorter than ``expected``, or after the reads (not ``before``) longer, but for a base's."""
+    blobs = iter(labels.items())
+
+    async def worker() -> None:
+        for blob, label in blobs:
+            ask = functools.partial(plugin.size, blob)
+            size = await call(plugin, "read", blob, label, ask, options=options)
+            want = expected[blob]
+            if size is None or size == want:
+                continue
+            if size > want and (before or reference_of(blob) is not None):
+                continue
+            how = "longer" if size > want else "shorter"
+            raise CorruptSnapshotError(
+                f"{label}: blob {plugin.describe(blob)} is {how} than the manifest says "
+                f"({size:,} bytes; the manifest's last range in it ends at {want:,})"
+                + (", found before reading" if before else "")
+            )
+
+    tasks = [asyncio.ensure_future(worker()) for _ in range(min(jobs, len(labels)))]
+    try:
+        await asyncio.gather(*tasks)
+    except BaseException:
+        for task in tasks:  # the others stop asking: the plugin is about to be closed
+            task.cancel()
+        raise
+
+
 # ---------------------------------------------------------------------------------------------
-# Landing: scratch tiles copied into targets, on the host or a CUDA device.
-#
-# Host targets get a ``copy_`` at once. CUDA targets get page-locked tiles copied non-blocking
-# on a copy stream of the read's own per device, made (``prepare``, on the caller's thread) to
-# wait for the caller's current stream there. A tile whose copy may be in flight stays
-# referenced until the event recorded after its copies has passed (``_reap``) or the streams
-# are synchronized (when the tiles kept and in flight pass ``spare_bytes``, and at ``finish``).
-# Every CUDA call goes through ``snapshot._engine.io.device``, which CPU tests replace with
-# ``tests/cuda_double.py``.
+# Landing. Host targets get a ``copy_`` at once. CUDA targets get page-locked tiles copied
+# non-blocking on a copy stream per device, made to wait for the caller's current stream; a
+# tile stays referenced until the event after its copies has passed or the streams are
+# synchronized. CUDA calls go through ``io.device`` (``tests/cuda_double.py`` replaces it).
 
 _pin_warned = False
 
-# The longest tile into a device target: pinned memory is locked at the host's page-locking
-# speed, so tiles stay short and are reused, about one per worker.
+# The longest tile into a device target: short tiles, reused, keep pinned memory small.
 DEVICE_TILE_BYTES = 8 << 20
 
 
@@ -418,8 +438,7 @@ def tile_limit(target: torch.Tensor, tile_bytes: int) -> int:
 
 
 class Tile:
-    """A scratch tile: ``data``, a 1-d host tensor of the stored dtype viewing ``block``
-    (pooled uint8 memory), and whether that memory is page-locked."""
+    """A scratch tile: ``data`` (stored dtype) viewing ``block`` (pooled bytes), maybe pinned."""
 
     def __init__(self, block: torch.Tensor, dtype: torch.dtype, pinned: bool) -> None:
         self.block = block
@@ -429,12 +448,8 @@ class Tile:
 
 class Landing:
     """The copies of one restore's scratch tiles into targets, and the pool of those tiles.
-
-    ``prepare`` runs on the caller's thread while reads are planned; ``tile``, ``land`` and
-    ``copy`` on the I/O loop; ``finish`` on the caller's thread after the reads (also after a
-    failure). ``spare_bytes``: what may be held beyond the reads' own charges (tiles kept for
-    reuse, pinned tiles in flight); past it free tiles are dropped, then the streams waited for.
-    """
+    ``spare_bytes``: what may be held beyond the reads' charges (free tiles, pinned tiles in
+    flight); past it free tiles are dropped, then the streams waited for."""
 
     def __init__(self, spare_bytes: int = 0) -> None:
         self.spare_bytes = spare_bytes
@@ -447,8 +462,7 @@ class Landing:
         self._in_flight_total = 0
 
     def prepare(self, target: torch.Tensor) -> None:
-        """For each target a tile will be copied into, before any read: the first time a
-        device is met, its copy stream is made to wait for the caller's current stream."""
+        """Before any read, per target: a device's copy stream waits for the caller's stream."""
         index = device.cuda_index(target)
         if index is None or index in self._streams:
             return
@@ -467,8 +481,7 @@ class Landing:
         return count * target.element_size()
 
     def tile(self, count: int, dtype: torch.dtype, target: torch.Tensor) -> Tile:
-        """A tile of ``count`` elements of ``dtype`` for ``target``: page-locked when a device
-        copy reads it (a CUDA target of that dtype) and pinning works, else pageable."""
+        """A tile for ``target``: pinned when a device copy reads it, else pageable."""
         pin = target.dtype is dtype and device.cuda_index(target) is not None
         return self._take(count, dtype, pin)
 
@@ -509,8 +522,8 @@ class Landing:
             self._free_total += nbytes
 
     def land(self, target: torch.Tensor, start: int, stop: int, tile: Tile) -> None:
-        """Copies ``tile`` into elements ``[start, stop)`` of ``target`` (row-major), casting
-        like ``copy_``: done on return on the host, queued on the copy stream for a device."""
+        """Copies ``tile`` into elements ``[start, stop)`` of ``target``, casting like
+        ``copy_``: done on the host, queued on the copy stream for a device."""
         index = device.cuda_index(target)
         if index is None:
             with torch.no_grad():
@@ -540,8 +553,7 @@ class Landing:
         self._settle()
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        """``dst.copy_(src)`` from pageable scratch reused once this returns: on the host at
-        once; to a device on the copy stream, synchronously."""
+        """``dst.copy_(src)`` from scratch reused on return (synchronously, on a device too)."""
         index = device.cuda_index(dst)
         with torch.no_grad():
             if index is None:
@@ -582,8 +594,7 @@ class Landing:
             self._give(Tile(block, torch.uint8, True))
 
     def finish(self) -> None:
-        """After the reads: waits for every device copy, so the targets hold their bytes and
-        no tile is read any more on return; then lets the pooled tiles go."""
+        """After the reads (a failure too): waits for every device copy, drops the pool."""
         if self._streams:
             self._drain()
         self._drop_free()

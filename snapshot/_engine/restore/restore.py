@@ -63,11 +63,8 @@ def restore(
 ) -> None:
     """Loads each app_state value's entries in place, then calls its ``load_state_dict``.
 
-    Each rank restores independently; the ranks then agree, so that when one fails every rank
-    raises (naming it) rather than some carrying on with a half-restored group. ``strict`` and
-    ``verify_first``: as ``Snapshot.restore`` says; ``options``: the call's, resolved. The
-    error a failed restore raises says which of this rank's app_state keys it modified
-    (``RestoreProgress.account``).
+    The ranks agree at the end, so that when one fails every rank raises (naming it); the
+    error says which of this rank's keys it modified (``RestoreProgress.account``).
     """
     progress = RestoreProgress(app_state)
     try:
@@ -107,25 +104,6 @@ def rank_view(manifest: Manifest, rank: int) -> Mapping[str, Entry]:
     return manifest.view(rank if rank < manifest.world_size else 0)
 
 
-def _not_restorable_here(
-    manifest: Manifest, entries: Mapping[str, Entry], root: str, rank: int
-) -> str | None:
-    """For a rank the snapshot did not have, the first path under ``root`` (a key of rank 0's)
-    that holds rank 0's own value, which that rank cannot use; None when every leaf there is
-    one value for all ranks (replicated, or a sharded tensor's entry, which lists every
-    shard)."""
-    for p in subtree(entries, root):
-        entry = entries.get(p)
-        if (
-            entry is not None
-            and not entry.replicated
-            and not mf.is_container(entry)
-            and not isinstance(entry, ShardedTensorEntry)
-        ):
-            return p
-    return None
-
-
 def _restore(
     manifest: Manifest,
     app_state: Mapping[str, Any],
@@ -134,8 +112,8 @@ def _restore(
     storage_options: dict[str, Any] | None,
     *,
     options: Options,
-    strict: bool = True,
-    verify_first: bool = False,
+    strict: bool,
+    verify_first: bool,
     progress: RestoreProgress,
 ) -> None:
     check_app_state(app_state, path)
@@ -145,18 +123,15 @@ def _restore(
     keys = ordered_keys(app_state)
     roots = {k: prefix + escape_key(k) for k in keys}
     # A value's state_dict() and load_state_dict() may be collectives (FSDP's are): every rank
-    # must call them, the same ones, even where this rank already knows the restore fails here.
-    # So the checks' outcome waits until every rank has its state dicts, and the ranks agree on
-    # it (and later on the reads') before any load_state_dict: a rank that fails never leaves
-    # the others waiting in a collective of the application's.
+    # calls the same ones, even where it knows the restore fails here; so the ranks agree on
+    # each step's outcome before any load_state_dict, and none is left waiting in one.
     error: Exception | None = None
     try:
         keys = _restorable_keys(manifest, entries, keys, roots, prefix, path, coordinator, strict)
     except SnapshotError as e:
         error = e
     states = {key: state_dict_of(key, app_state[key], path) for key in keys}
-    # Whether the ranks check before they write decides which agreements follow: it must be
-    # the same everywhere, or the ranks' collectives would pair up wrongly.
+    # Whether the ranks check before they write decides which agreements follow.
     chosen = coordinator.agree("restore: checks", value=verify_first, error=error)
     if len(set(chosen)) > 1:
         raise InvalidArgumentError(
@@ -175,11 +150,10 @@ def _restore(
         claims=ClaimCheck(manifest, path, storage_options, options),
     )
     stats = None
-    t_plan = t0
-    plugin = None
     with_factories = set()
     with contextlib.ExitStack() as stack:
-        try:
+        plugin = None
+        try:  # open, then plan
             plugin = stack.enter_context(open_linked(path, manifest, storage_options, options))
             for key in keys:
                 targets, factories = _targets(states[key], roots[key])
@@ -187,27 +161,18 @@ def _restore(
                     with_factories.add(key)
                 progress.targets[key] = targets
                 loader.add_subtree(roots[key], targets, owner=key)
-            t_plan = time.perf_counter()
             if verify_first:
-                checked = loader.verify_first(plugin, budget)
-                logger.debug(
-                    "restore %s: checked %.1f MB before writing any target in %.3f s",
-                    path,
-                    checked.nbytes / 1e6,
-                    time.perf_counter() - t_plan,
-                )
+                loader.verify_first(plugin, budget)
         except Exception as e:
             error = e
         # Replicated tensors read by one rank each and broadcast (a collective of every rank).
-        shared = (
-            shared_reads.plan(loader, entries, prefix, path, coordinator, options, error)
-            if coordinator.world_size > 1
-            else None
-        )
+        shared = None
+        if coordinator.world_size > 1:
+            shared = shared_reads.plan(loader, entries, prefix, path, coordinator, options, error)
         if verify_first:
             # No rank writes a target until every rank's bytes have passed their checks.
             coordinator.agree("restore: verifying", error=error)
-        try:
+        try:  # execute
             if error is None and plugin is not None:
                 stats = loader.execute(plugin, budget, progress)
         except Exception as e:
@@ -220,24 +185,16 @@ def _restore(
                 if leaf == root or leaf.startswith(root + "/"):
                     progress.wrote(key)
         shared_reads.receive(shared, coordinator)
-        logger.debug(
-            "restore %s: %.1f MB of replicated tensors read once and broadcast",
-            path,
-            shared.nbytes / 1e6,
-        )
-    t_read = time.perf_counter()
-    for key in keys:
+    for key in keys:  # land: each value's own load_state_dict
         value = loader.inflate(roots[key])
-        # From here the key's own code runs on its state: whatever it does before it returns
-        # (or raises) counts as written.
+        # From here the key's own code runs on its state: whatever it does counts as written.
         progress.loading(key)
         if key in with_factories:  # what they built goes back through their merge_fn
             value = apply_factory_merges(value, states[key])
         stateful = app_state[key]
         try:
             if not strict and isinstance(stateful, torch.nn.Module):
-                # torchsnapshot's strict=False, for modules: their own check of parameter and
-                # buffer names lets names missing on either side pass.
+                # torchsnapshot's strict=False, for modules: names missing on either side pass.
                 stateful.load_state_dict(value, strict=False)
             else:
                 stateful.load_state_dict(value)
@@ -247,25 +204,14 @@ def _restore(
                 f"{type(e).__name__}: {e}"
             ) from e
         progress.loaded(key)
-    t_end = time.perf_counter()
+    seconds = time.perf_counter() - t0
     logger.info(
         "restored %s from %s: %.1f MB in %.3f s (%.2f GB/s)",
         keys,
         path,
         stats.nbytes / 1e6,
-        t_end - t0,
-        stats.nbytes / max(t_end - t0, 1e-9) / 1e9,
-    )
-    logger.debug(
-        "restore %s phases: state_dict+plan %.3f s, read %.3f s (%d blobs, %.2f GB/s, peak "
-        "scratch %d B), load_state_dict %.3f s",
-        path,
-        t_plan - t0,
-        t_read - t_plan,
-        stats.blobs,
-        stats.gbps,
-        stats.peak_budget_bytes,
-        t_end - t_read,
+        seconds,
+        stats.nbytes / max(seconds, 1e-9) / 1e9,
     )
 
 
@@ -279,13 +225,9 @@ def _restorable_keys(
     coordinator: Coordinator,
     strict: bool,
 ) -> list[str]:
-    """The app_state keys this rank restores: all of them, less (``strict=False``) those the
-    snapshot lacks.
-
-    Raises:
-        StateMismatchError: a key is missing (``strict``), or this rank, which the snapshot did
-            not have, would need a value that differed between the ranks that took it.
-    """
+    """The app_state keys this rank restores: all, less (``strict=False``) those the snapshot
+    lacks. ``StateMismatchError``: a key is missing (``strict``), or this rank, which the
+    snapshot did not have, would need a value that differed between the ranks that took it."""
     missing = [k for k in keys if roots[k] not in entries]
     if missing:
         available = sorted(
@@ -306,8 +248,19 @@ def _restorable_keys(
         )
         keys = [k for k in keys if k not in missing]
     if prefix != f"{coordinator.rank}/":
+        # A rank the snapshot did not have can use only values that are one for all ranks
+        # (replicated, or a sharded tensor's entry, which lists every shard).
         for key in keys:
-            own = _not_restorable_here(manifest, entries, roots[key], coordinator.rank)
+            own = next(
+                (
+                    p
+                    for p in subtree(entries, roots[key])
+                    if not (p not in entries or entries[p].replicated)
+                    and not mf.is_container(entries[p])
+                    and not isinstance(entries[p], ShardedTensorEntry)
+                ),
+                None,
+            )
             if own is None:
                 continue
             logical = own[len(prefix) :]
@@ -344,14 +297,9 @@ def _targets(state: Any, root: str) -> tuple[dict[str, Any], bool]:
 
 
 # ---------------------------------------------------------------------------------------------
-# What a failed restore did to the live state.
-#
-# A restore writes a value's live state in two ways: its reads land bytes in the tensors its
-# ``state_dict()`` returned (usually the object's own memory), then ``load_state_dict`` replaces
-# what it replaces. A read into a new tensor, or an object decoded, reaches it only through
-# ``load_state_dict``. ``RestoreProgress`` marks a key when a read request into one of its
-# targets starts, and when its ``load_state_dict`` is called; a key with targets sharing memory
-# with a written key's (a weight tied across two values) counts as written too.
+# What a failed restore did to the live state: a key is written once a read into its targets
+# (usually the object's own memory) starts, or its ``load_state_dict`` is called; a key whose
+# targets share memory with a written key's (a tied weight) counts as written too.
 
 PARTIALLY = "partially"
 FULLY = "fully"
