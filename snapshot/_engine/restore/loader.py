@@ -134,11 +134,6 @@ class Loader:
         self.needs.append(need)
         self._direct.append((path, need, address))
 
-    @property
-    def planned(self) -> bool:
-        """Whether any read is planned."""
-        return bool(self.needs)
-
     def materialize(self) -> None:
         """Settles the needs for ``shared_reads``: targets sharing memory are read apart."""
         self._separate_overlaps()

@@ -188,7 +188,7 @@ def _restore(
     for key in keys:  # land: each value's own load_state_dict
         value = loader.inflate(roots[key])
         # From here the key's own code runs on its state: whatever it does counts as written.
-        progress.loading(key)
+        progress.wrote(key)
         if key in with_factories:  # what they built goes back through their merge_fn
             value = apply_factory_merges(value, states[key])
         stateful = app_state[key]
@@ -317,12 +317,8 @@ class RestoreProgress:
         self.targets: dict[str, Mapping[str, Any]] = {}  # each key's targets, once planned
 
     def wrote(self, key: str) -> None:
-        """Bytes may land in ``key``'s targets from now on."""
+        """``key``'s state may change from now on (a read into it, or its load_state_dict)."""
         self.written.setdefault(key, PARTIALLY)
-
-    def loading(self, key: str) -> None:
-        """``key``'s ``load_state_dict`` is about to be called."""
-        self.written[key] = PARTIALLY
 
     def loaded(self, key: str) -> None:
         """``key``'s ``load_state_dict`` returned: it holds the snapshot's state."""
@@ -445,7 +441,7 @@ def read_object(
         loader = Loader(manifest, options, tile, where=path, entries=entries, claims=claims)
         loader.add_subtree(logical_path, {logical_path: obj_out})
         loader.plan_deferred()
-        if loader.planned:
+        if loader.needs:
             with open_linked(path, manifest, storage_options, options) as plugin:
                 loader.execute(plugin, budget)
         return loader.inflate(logical_path)
