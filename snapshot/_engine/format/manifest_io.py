@@ -54,10 +54,8 @@ def load_manifest(
 def read_manifest(
     path: str, storage_options: dict[str, Any] | None, options: Options
 ) -> tuple[Manifest | bytes, str]:
-    """The committed manifest at ``path``, and the snapshot's location as messages name it: its
-    bytes, checked as far as they can be without decoding the entries (``check_manifest``),
-    for ``decode_manifest`` to decode when they are first needed; or another library's
-    checkpoint, translated."""
+    """The committed manifest at ``path`` (its bytes, checked short of decoding the entries; or
+    another library's checkpoint, translated), and the snapshot's location for messages."""
     with open_storage(path, storage_options, options) as plugin:
         where = plugin_location(plugin)
 
@@ -105,9 +103,7 @@ def decode_manifest(data: bytes, where: str, *, verify: bool) -> Manifest:
 
 
 def check_manifest(data: bytes, where: str, *, verify: bool) -> None:
-    """The checks of ``decode_manifest`` that decode none of the entries (its checksum line,
-    its header): a snapshot opened is known to be one this library reads before its entries
-    are decoded."""
+    """The checks of ``decode_manifest`` that decode none of the entries (checksum, header)."""
     with _manifest_errors():
         mf.check_head(data, source=f"{where}/{MANIFEST_NAME}", verify=verify)
 
@@ -170,9 +166,8 @@ def check_bases(
 def open_linked(
     path: str, manifest: Manifest, storage_options: dict[str, Any] | None, options: Options
 ) -> Iterator[StoragePlugin]:
-    """``open_storage`` for reading the snapshot at ``path`` whose manifest is ``manifest``:
-    its own plugin when it points at no sibling, else a ``LinkedStorage`` over it, once the
-    siblings have passed ``check_bases``."""
+    """``open_storage`` for reading the snapshot at ``path``: through a ``LinkedStorage``,
+    once its bases pass ``check_bases``, where ``manifest`` points at any."""
     if manifest.bases:
         check_bases(path, manifest, storage_options, options)
     with open_storage(path, storage_options, options) as plugin:

@@ -12,17 +12,22 @@ from __future__ import annotations
 
 import bisect
 import functools
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from manifest import Entry, Location, Manifest, ShardedTensorEntry, TensorEntry, is_container
-from snapshot._engine.format.checksum import LocationCheck, WholeCheck
 from snapshot._engine.format.manifest_io import open_linked
 from snapshot._engine.handlers import sharded
 from snapshot._engine.handlers.dense import is_dense_tensor
 from snapshot._engine.io.io_loop import run
-from snapshot._engine.restore.reads import Need, check_blob_sizes, label_of
+from snapshot._engine.restore.reads import (
+    Need,
+    check_blob_sizes,
+    label_of,
+    location_check,
+    piece_verify,
+)
 from snapshot.errors import CorruptSnapshotError
 from snapshot.options import Options
 from snapshot.sharding.mapping import LocalNonpersistentObject
@@ -167,17 +172,9 @@ def check_needs(ranges: Iterable[tuple[str, Location]], piece_bytes: int) -> lis
     (a range without one is read all the same)."""
     needs: list[Need] = []
     for path, loc in ranges:
-        count = -(-loc.nbytes // piece_bytes)
-        check: WholeCheck | LocationCheck | None = None
-        if loc.crc32 is not None:
-            check = WholeCheck(path, loc) if count == 1 else LocationCheck(path, loc, count)
+        check = location_check(path, loc, -(-loc.nbytes // piece_bytes), True)
         for lo in range(0, loc.nbytes, piece_bytes):
             n = min(piece_bytes, loc.nbytes - lo)
-            verify: Callable[[int], None] | None = None
-            if isinstance(check, LocationCheck):
-                verify = functools.partial(check.add, lo, n)
-            elif check is not None:
-                verify = check
             needs.append(
                 Need(
                     blob=loc.blob,
@@ -187,7 +184,7 @@ def check_needs(ranges: Iterable[tuple[str, Location]], piece_bytes: int) -> lis
                     done=None,
                     scratch_bytes=n,
                     label=path,
-                    verify=verify,
+                    verify=None if check is None else piece_verify(check, lo, n),
                 )
             )
     return needs

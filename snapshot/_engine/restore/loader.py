@@ -164,17 +164,15 @@ class Loader:
                     raise CorruptSnapshotError(
                         f"{p}: listed by its parent but missing from the manifest"
                     )
-                self._add(p, entry, targets.get(p))
-
-    def _add(self, path: str, entry: Entry, target: Any) -> None:
-        handler = for_entry(entry)
-        if handler is None:  # a container, which ``inflate`` rebuilds
-            return
-        if isinstance(target, LocalNonpersistentObject):
-            local.restore(self, path, entry, target)  # this rank's own, never read
-            return
-        assert handler.restore is not None
-        handler.restore(self, path, entry, target)
+                target = targets.get(p)
+                handler = for_entry(entry)
+                if handler is None:  # a container, which ``inflate`` rebuilds
+                    continue
+                if isinstance(target, LocalNonpersistentObject):
+                    local.restore(self, p, entry, target)  # this rank's own, never read
+                    continue
+                assert handler.restore is not None
+                handler.restore(self, p, entry, target)
 
     def plan_deferred(self) -> None:
         """Runs the planning steps that wait for every other read (``later``)."""
