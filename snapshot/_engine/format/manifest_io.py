@@ -42,8 +42,8 @@ from storage_plugins.registry import url_to_storage_plugin
 def load_manifest(
     path: str, storage_options: dict[str, Any] | None, options: Options | None = None
 ) -> Manifest:
-    """Reads and decodes the committed manifest at ``path``, with ``options`` (resolved; None:
-    the environment's, for callers with no options of their own, such as the command line)."""
+    """Reads and decodes the committed manifest at ``path``, with ``options`` (None: the
+    environment's)."""
     options = options if options is not None else Options.from_env()
     found, where = read_manifest(path, storage_options, options)
     if isinstance(found, Manifest):
@@ -130,13 +130,8 @@ def _manifest_errors() -> Iterator[None]:
 def check_bases(
     path: str, manifest: Manifest, storage_options: dict[str, Any] | None, options: Options
 ) -> None:
-    """Checks that every sibling snapshot ``manifest`` points at is committed and records each
-    range pointed at (see the module's docstring).
-
-    Raises:
-        MissingBaseError: a sibling holds no committed snapshot.
-        CorruptSnapshotError: a range lies outside what its sibling's manifest records.
-    """
+    """Checks that every base ``manifest`` points at is committed (else ``MissingBaseError``)
+    and records each range pointed at (else ``CorruptSnapshotError``)."""
     extents: dict[str, dict[str, int]] = {}
     for name in manifest.bases:
         where = checked_sibling(path, name)  # same store and parent, no link
@@ -182,9 +177,8 @@ def open_linked(
 
 
 class LinkedStorage(StoragePlugin):
-    """The reads of a snapshot whose manifest points at sibling snapshots: ``../<name>/<blob>``
-    goes to ``<name>``'s plugin, every other blob to ``own``. Writes and deletes reach
-    ``own`` only. ``close`` closes the siblings' plugins, not ``own`` (its opener does)."""
+    """Routes ``../<name>/<blob>`` to base ``<name>``'s plugin, all else (writes, deletes) to
+    ``own``; ``close`` closes the bases' plugins, not ``own`` (its opener does)."""
 
     def __init__(
         self, own: StoragePlugin, path: str, storage_options: dict[str, Any] | None

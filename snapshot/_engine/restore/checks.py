@@ -100,8 +100,7 @@ async def check_claims(
 
 @dataclass
 class ClaimCheck:
-    """The claims of a loader's reads that allocate, checked against the sizes the store at
-    ``url`` gives once they add up to more than ``UNCHECKED_BYTES``; each blob asked once."""
+    """Checks the claims of reads into new memory once they pass ``UNCHECKED_BYTES``."""
 
     manifest: Manifest
     url: str

@@ -251,8 +251,7 @@ class Loader:
     def execute(
         self, plugin: StoragePlugin, budget_bytes: int, progress: RestoreProgress | None = None
     ) -> IOStats:
-        """Runs the planned reads; ``progress`` records which app_state keys' targets they
-        begin to write."""
+        """Runs the planned reads; ``progress`` records the keys whose targets they write."""
         self.plan_deferred()
         with naming_snapshot(self.where):
             stats = self._execute(plugin, budget_bytes, self.needs, progress)
@@ -340,13 +339,10 @@ class Loader:
             try:
                 return inflate(self.entries, root, self.value, self.tensors)
             except KeyError as e:
-                raise CorruptSnapshotError(
-                    f"{root}: entry {e} is missing from the manifest"
-                ) from None
+                problem = f"entry {e} is missing from the manifest"
             except RecursionError:
-                raise CorruptSnapshotError(
-                    f"{root}: containers nested too deeply to rebuild"
-                ) from None
+                problem = "containers nested too deeply to rebuild"
+            raise CorruptSnapshotError(f"{root}: {problem}") from None
 
 
 def clashes(spans: list[tuple[int, int, int]], source: Callable[[int], object]) -> list[list[int]]:
@@ -357,18 +353,12 @@ def clashes(spans: list[tuple[int, int, int]], source: Callable[[int], object]) 
     out: list[list[int]] = []
     group: list[tuple[int, int, int]] = []
     reach = 0
-    for span in sorted(spans):
+    last = max((end for _, end, _ in spans), default=0)
+    for span in [*sorted(spans), (last, last, -1)]:  # the last closes the last group
         if group and span[0] >= reach:
-            _add_clash(group, source, out)
+            if len(group) > 1 and len({(s, e, source(i)) for s, e, i in group}) > 1:
+                out.append(sorted(i for _, _, i in group))
             group = []
+        reach = max(reach, span[1]) if group else span[1]
         group.append(span)
-        reach = max(reach, span[1]) if len(group) > 1 else span[1]
-    _add_clash(group, source, out)
     return out
-
-
-def _add_clash(
-    group: list[tuple[int, int, int]], source: Callable[[int], object], out: list[list[int]]
-) -> None:
-    if len(group) > 1 and len({(s, e, source(i)) for s, e, i in group}) > 1:
-        out.append(sorted(i for _, _, i in group))

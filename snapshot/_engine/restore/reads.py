@@ -202,8 +202,7 @@ def allocate(path: str, nbytes: int, make: Callable[[], _T]) -> _T:
 def location_check(
     path: str, loc: Location, pieces: int, verify: bool
 ) -> LocationCheck | WholeCheck | None:
-    """The check of ``loc``'s bytes read in ``pieces`` needs, with ``verify`` and a recorded
-    CRC-32: a ``WholeCheck`` for one piece, else a ``LocationCheck`` (``piece_verify``)."""
+    """The check of ``loc``'s bytes read in ``pieces`` needs (None: no ``verify`` or CRC-32)."""
     if not verify or loc.crc32 is None:
         return None
     return WholeCheck(path, loc) if pieces == 1 else LocationCheck(path, loc, pieces)
@@ -417,8 +416,7 @@ DEVICE_TILE_BYTES = 8 << 20
 
 
 def tile_limit(target: torch.Tensor, tile_bytes: int) -> int:
-    """The longest tile to read ``target``'s bytes through: ``tile_bytes``, or
-    ``DEVICE_TILE_BYTES`` at most for a target on a CUDA device."""
+    """The longest tile into ``target``: ``tile_bytes``, at most a device tile on a GPU."""
     if device.cuda_index(target) is None:
         return tile_bytes
     return min(tile_bytes, DEVICE_TILE_BYTES)
@@ -555,15 +553,11 @@ class Landing:
         """Keeps free and in-flight tiles within the spare bytes."""
         if self._free_total + self._in_flight_total <= self.spare_bytes:
             return
-        self._drop_free()
+        self._free, self._free_total = {}, 0
         if self._in_flight_total > self.spare_bytes:
             self._reap()
         if self._in_flight_total > self.spare_bytes:
             self._drain()
-
-    def _drop_free(self) -> None:
-        self._free.clear()
-        self._free_total = 0
 
     def _reap(self) -> None:
         """Frees the tiles whose copies are done, oldest first, without waiting."""
@@ -584,4 +578,4 @@ class Landing:
         """After the reads (a failure too): waits for every device copy, drops the pool."""
         if self._streams:
             self._drain()
-        self._drop_free()
+        self._free, self._free_total = {}, 0

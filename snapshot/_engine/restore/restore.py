@@ -1,10 +1,9 @@
-"""The steps of a restore, in order, and ``read_object``; the Snapshot facade calls these.
+"""The steps of a restore, and ``read_object``; the Snapshot facade calls these.
 
-A restore gets each app_state value's ``state_dict()``, plans the reads of its entries into the
-tensors found there (``Loader``, through the handler of each entry's kind), agrees with the
-other ranks that every rank's plan holds, runs the reads, agrees again, and hands each value
-its restored state (``load_state_dict``). ``read_object`` plans and runs the reads of one
-entry (or one container, whole) into new values, or into the caller's tensor.
+A restore opens the snapshot's storage (``open_linked``), plans the reads of each app_state
+value's entries into the tensors its ``state_dict()`` returned (``Loader.add_subtree``),
+executes them (``Loader.execute``), and lands each value through its ``load_state_dict``; the
+ranks agree after each step, so that a failure on one fails all.
 """
 
 from __future__ import annotations
@@ -94,7 +93,7 @@ def restore(
 
 def rank_prefix(manifest: Manifest, rank: int) -> str:
     """The prefix of the entries ``rank`` restores: its own, or rank 0's for a rank the
-    snapshot did not have (a larger world), which may then use replicated entries only."""
+    snapshot did not have (which may use replicated entries only)."""
     return f"{rank if rank < manifest.world_size else 0}/"
 
 
@@ -306,9 +305,8 @@ FULLY = "fully"
 
 
 class RestoreProgress:
-    """Per app_state key, whether the restore has begun to write its live state, and the
-    account of it that a failed restore's error carries (``SnapshotError.modified`` /
-    ``untouched``)."""
+    """Per app_state key, whether the restore has begun to write its live state; the account a
+    failed restore's error carries (``SnapshotError.modified`` / ``untouched``)."""
 
     def __init__(self, app_state: Any) -> None:
         # A non-mapping app_state is refused before anything is read: there are no keys.
@@ -411,12 +409,9 @@ def read_object(
     storage_options: dict[str, Any] | None,
     options: Options | None = None,
 ) -> Any:
-    """Reads the entry at ``logical_path`` (and everything below it, for a container), with
-    ``options`` (the call's, resolved; None: the environment's, for callers with no options of
-    their own, such as the command line).
-
-    A path under any rank's prefix finds the replicated leaves the manifest lists once, under
-    rank 0's (``"1/model/w"`` reads ``"0/model/w"`` when that is replicated)."""
+    """Reads the entry at ``logical_path`` (and all below it), with ``options`` (None: the
+    environment's). A path under any rank's prefix finds the replicated leaves the manifest
+    lists once, under rank 0's (``"1/model/w"`` reads a replicated ``"0/model/w"``)."""
     entries: Mapping[str, Entry] = manifest.entries
     head = logical_path.split("/", 1)[0]
     if head.isdigit() and 0 < int(head) < manifest.world_size:
@@ -448,10 +443,8 @@ def read_object(
 
 
 def _check_obj_out(entry: Entry, obj_out: Any, logical_path: str, where: str) -> None:
-    """Refuses a ``read_object`` target that is no tensor for a stored tensor, before any byte
-    is read (the rest of what a target must be, the loader checks: shape, dtype, memory).
-    Objects, primitives and containers are never loaded in place: their ``obj_out`` is
-    ignored."""
+    """Refuses a ``read_object`` target that is no tensor for a stored tensor (the loader
+    checks the rest; objects, primitives and containers ignore ``obj_out``)."""
     if not isinstance(entry, (TensorEntry, PickledTensorEntry, ShardedTensorEntry)):
         return
     if is_dense_tensor(obj_out) or sharded.is_sharded(obj_out):
