@@ -230,6 +230,30 @@ def direct_need(path: str, chunk: Location, lo: int, nbytes: int, address: int) 
     )
 
 
+class _TileCopy:
+    """A tile need's steps: takes a tile as its read starts, copies it into ``count`` elements
+    of ``target`` from ``first`` on once landed. Slotted: a column-wise restore plans tens of
+    thousands, and closures would hold several times its memory beside the budget."""
+
+    __slots__ = ("count", "dtype", "first", "landing", "target", "tile")
+
+    def __init__(
+        self, target: torch.Tensor, first: int, count: int, dtype: torch.dtype, landing: Landing
+    ) -> None:
+        self.target, self.first, self.count, self.dtype = target, first, count, dtype
+        self.landing = landing
+        self.tile: Tile | None = None
+
+    def dest(self) -> memoryview:
+        tile = self.tile = self.landing.tile(self.count, self.dtype, self.target)
+        return tensor_memoryview(tile.data)
+
+    def done(self) -> None:
+        tile, self.tile = self.tile, None
+        assert tile is not None
+        self.landing.land(self.target, self.first, self.first + self.count, tile)
+
+
 def tile_need(
     path: str,
     chunk: Location,
@@ -243,21 +267,13 @@ def tile_need(
     """The need of ``nbytes`` at ``lo`` in ``chunk``: elements ``first`` on of ``target``
     (row-major), through a tile of ``landing``, charged to the budget until its ``done``."""
     count = nbytes // dtype.itemsize
-    held: list[Tile] = []  # the tile, from the read's start to its ``done``
-
-    def dest() -> memoryview:
-        held.append(landing.tile(count, dtype, target))
-        return tensor_memoryview(held[0].data)
-
-    def done() -> None:
-        landing.land(target, first, first + count, held.pop())
-
+    copy = _TileCopy(target, first, count, dtype, landing)
     return Need(
         blob=chunk.blob,
         offset=chunk.offset + lo,
         nbytes=nbytes,
-        dest=dest,
-        done=done,
+        dest=copy.dest,
+        done=copy.done,
         scratch_bytes=nbytes + landing.cast_bytes(count, dtype, target),
         label=path,
     )
