@@ -91,7 +91,8 @@ def read_manifest(
             if foreign is None:
                 raise SnapshotNotFoundError(f"no snapshot at {where} (no {MANIFEST_NAME} there)")
             return foreign, where
-    check_manifest(data, where, verify=bool(options.checksums))
+    with _manifest_errors():  # the checks that decode no entry: checksum line, header
+        mf.check_head(data, source=f"{where}/{MANIFEST_NAME}", verify=bool(options.checksums))
     return data, where
 
 
@@ -100,12 +101,6 @@ def decode_manifest(data: bytes, where: str, *, verify: bool) -> Manifest:
     ``verify``: its recorded checksum is checked."""
     with _manifest_errors(), gc_paused():
         return mf.loads(data, source=f"{where}/{MANIFEST_NAME}", verify=verify)
-
-
-def check_manifest(data: bytes, where: str, *, verify: bool) -> None:
-    """The checks of ``decode_manifest`` that decode none of the entries (checksum, header)."""
-    with _manifest_errors():
-        mf.check_head(data, source=f"{where}/{MANIFEST_NAME}", verify=verify)
 
 
 @contextlib.contextmanager

@@ -118,8 +118,7 @@ class Loader:
     # -- what the kinds' restore functions call -------------------------------------------------
 
     def add_needs(self, needs: list[Need], *, into_target: bool) -> None:
-        """Adds a leaf's needs; ``into_target``: they land in the caller's target, and so
-        write the live state of the app_state key being planned (``owner``)."""
+        """Adds a leaf's needs; ``into_target``: they write the caller's target (``owner``'s)."""
         if into_target and self.owner is not None:
             for need in needs:
                 need.owner = self.owner
@@ -238,8 +237,7 @@ class Loader:
         self.owner = owner
 
     def _land_overlapped(self) -> None:
-        """Copies the values read apart into their targets in planned order (the later one's
-        value stays, as with ``load_state_dict``)."""
+        """Copies the values read apart into their targets, in planned order."""
         with torch.no_grad():
             for path, target in self._overlapped:
                 target.copy_(self.tensors[path])

@@ -231,9 +231,8 @@ def direct_need(path: str, chunk: Location, lo: int, nbytes: int, address: int) 
 
 
 class _TileCopy:
-    """A tile need's steps: takes a tile as its read starts, copies it into ``count`` elements
-    of ``target`` from ``first`` on once landed. Slotted: a column-wise restore plans tens of
-    thousands, and closures would hold several times its memory beside the budget."""
+    """A tile need's steps: a tile taken as its read starts, copied into ``count`` elements of
+    ``target`` from ``first`` on once landed (slotted: a restore may plan tens of thousands)."""
 
     __slots__ = ("count", "dtype", "first", "landing", "target", "tile")
 
@@ -369,13 +368,8 @@ def _request(blob: str, segments: list[Segment], needs: list[Need]) -> ReadReque
     )
 
 
-def needs_label(needs: Iterable[Need]) -> str:
-    """Names the entries some needs serve, for messages: ``"a"``, ``"a and 3 more"``."""
-    return label_of(n.label for n in needs)
-
-
 def label_of(paths: Iterable[str]) -> str:
-    """Names the entries at ``paths`` (some repeated): the first in order and how many more."""
+    """Names the entries at ``paths`` for messages: ``"a"``, ``"a and 3 more"``."""
     labels = set(paths)
     first = min(labels)
     return first if len(labels) == 1 else f"{first} and {len(labels) - 1} more"

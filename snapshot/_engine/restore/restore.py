@@ -92,14 +92,12 @@ def restore(
 
 
 def rank_prefix(manifest: Manifest, rank: int) -> str:
-    """The prefix of the entries ``rank`` restores: its own, or rank 0's for a rank the
-    snapshot did not have (which may use replicated entries only)."""
+    """The prefix ``rank`` restores: its own, or rank 0's for a rank the snapshot lacked."""
     return f"{rank if rank < manifest.world_size else 0}/"
 
 
 def rank_view(manifest: Manifest, rank: int) -> Mapping[str, Entry]:
-    """The entries ``rank`` restores from: with the replicated leaves the manifest lists once,
-    under rank 0's prefix, under its own prefix too (``Manifest.view``)."""
+    """The entries ``rank`` restores from, replicated leaves under its prefix too."""
     return manifest.view(rank if rank < manifest.world_size else 0)
 
 
@@ -278,8 +276,7 @@ def _restorable_keys(
 
 
 def _targets(state: Any, root: str) -> tuple[dict[str, Any], bool]:
-    """The leaves of a state to restore, by path (what a ``ShardedTensorFactory`` builds
-    stands in for it), and whether there was a factory."""
+    """A state's leaves by path (a factory's built ones for it), and whether any was one."""
     targets: dict[str, Any] = {}
     factories = False
     for p, node, value in flatten(state, root):
