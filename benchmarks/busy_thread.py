@@ -67,7 +67,7 @@ def _timed(fn: Callable[[], object], busy: bool) -> float:
     import importlib
 
     try:  # trees from before the checksums moved into serialization had a GIL heuristic
-        checksum = importlib.import_module("snapshot._engine.format.checksum")
+        checksum = importlib.import_module("snapshot._engine.format.serialization")
     except ImportError:
         checksum = None
     if hasattr(checksum, "_held_until"):

@@ -213,12 +213,12 @@ def main(argv: list[str] | None = None) -> int:
         "--device-tile-mib",
         type=int,
         help="an experiment: the longest tile statesnap lands device bytes through "
-        "(snapshot._engine.restore.landing.DEVICE_TILE_BYTES) for this run",
+        "(snapshot._engine.restore.reads.DEVICE_TILE_BYTES) for this run",
     )
     parser.add_argument("--cpu-dry-run", action="store_true")
     args = parser.parse_args(argv)
     if args.device_tile_mib:
-        from snapshot._engine.restore import landing
+        from snapshot._engine.restore import reads as landing
 
         landing.DEVICE_TILE_BYTES = args.device_tile_mib * MIB
     if not args.cpu_dry_run and not torch.cuda.is_available():

@@ -18,8 +18,7 @@ from typing import Any
 
 import torch
 
-from snapshot._engine.format.manifest_io import load_manifest
-from snapshot._engine.restore.linked import open_linked
+from snapshot._engine.format.manifest_io import load_manifest, open_linked
 from snapshot._engine.tools import export as engine
 from snapshot.errors import CorruptSnapshotError, IncompatibleSnapshotError, InvalidArgumentError
 from snapshot.options import Options, resolve

@@ -9,7 +9,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed
 
-from manifest import Entry, Manifest, TensorsDecoded
+from manifest import Entry, Manifest
 from snapshot._engine import arguments, runtime
 from snapshot._engine.dist import dist
 from snapshot._engine.flatten import escape_key
@@ -17,7 +17,6 @@ from snapshot._engine.format import serialization as writers
 from snapshot._engine.format.manifest_io import decode_manifest, read_manifest
 from snapshot._engine.io.async_queue import AsyncRequest
 from snapshot._engine.io.staging import process_pool
-from snapshot._engine.restore import read_ahead
 from snapshot._engine.restore.restore import rank_prefix, rank_view, read_object
 from snapshot._engine.restore.restore import restore as restore_app_state
 from snapshot._engine.runtime import gc_paused
@@ -83,13 +82,11 @@ class Snapshot:
     def _manifest(self) -> Manifest:
         return self._decode()
 
-    def _decode(self, on_tensors: TensorsDecoded | None = None) -> Manifest:
-        """The manifest, decoded on first use (``on_tensors``: as ``manifest.loads``)."""
+    def _decode(self) -> Manifest:
+        """The manifest, decoded on first use."""
         m = self._decoded
         if isinstance(m, bytes):
-            m = self._decoded = decode_manifest(
-                m, self._where, verify=self._verify_manifest, on_tensors=on_tensors
-            )
+            m = self._decoded = decode_manifest(m, self._where, verify=self._verify_manifest)
         return m
 
     def __repr__(self) -> str:
@@ -264,38 +261,18 @@ class Snapshot:
         resolved = resolve(options)
         coordinator = dist.resolve(self.pg, resolved)
         with gc_paused():
-            ahead = None
-            if isinstance(self._decoded, bytes) and coordinator.world_size == 1:
-                # One process: the store reads the keys' tensors while the manifest is decoded
-                # (in a group, what a rank reads is known only once it is).
-                keys = app_state if isinstance(app_state, dict) else {}
-                ahead = read_ahead.early(
-                    [f"0/{escape_key(k)}" for k in keys if isinstance(k, str)],
-                    self.path,
-                    self.storage_options,
-                    resolved,
-                )
-            try:
-                if ahead is not None and ahead.feed is not None:
-                    try:
-                        self._decode(ahead.feed.tensors)
-                    finally:
-                        ahead.feed.end()
-                writers.check_readable(self._manifest.metadata, self.path)
-                restore_app_state(
-                    self._manifest,
-                    app_state,
-                    path=self.path,
-                    coordinator=coordinator,
-                    storage_options=self.storage_options,
-                    options=resolved,
-                    strict=strict,
-                    verify_first=verify_first,
-                    ahead=ahead,
-                )
-            finally:
-                if ahead is not None:
-                    ahead.close()
+            # Only a snapshot whose parts a registered strategy reads is restored.
+            writers.check_readable(self._manifest.metadata, self.path)
+            restore_app_state(
+                self._manifest,
+                app_state,
+                path=self.path,
+                coordinator=coordinator,
+                storage_options=self.storage_options,
+                options=resolved,
+                strict=strict,
+                verify_first=verify_first,
+            )
 
     def read_object(
         self,

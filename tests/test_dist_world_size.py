@@ -477,8 +477,13 @@ def test_state_that_differs_per_rank_names_the_key_on_a_larger_world(tmp_path):
     # collective of the application's state_dict() meanwhile): the error reaches every rank as
     # a RankFailedError, caused by this rank's own.
     with pytest.raises(RankFailedError) as e:
-        restore._restore(
-            manifest, {"own": StateDict()}, "the/snap", Rank2(), None, options=Options.from_env()
+        restore.restore(
+            manifest,
+            {"own": StateDict()},
+            path="the/snap",
+            coordinator=Rank2(),
+            storage_options=None,
+            options=Options.from_env(),
         )
     assert isinstance(e.value.__cause__, StateMismatchError)
     message = str(e.value.__cause__)

@@ -37,7 +37,7 @@ from snapshot import (
     UnsafeSnapshotError,
 )
 from snapshot._engine.handlers import geometry
-from snapshot._engine.restore import claims
+from snapshot._engine.restore import checks as claims
 from snapshot.cli import EXIT_PROBLEM, main
 from snapshot.sharding.mapping import ShardedTensor
 from tests.helpers import open_decoded, seal_manifest

@@ -214,7 +214,7 @@ def test_pinned_tiles_are_reused_only_once_their_copies_have_landed(tmp_path, mo
     the reads' own tiles (the copy stream is synchronized during the reads to keep them so).
 
     Fails when a tile goes back to the pool as soon as its copy is issued."""
-    from snapshot._engine.restore import landing
+    from snapshot._engine.restore import reads as landing
 
     options = Options(memory_budget_bytes=64 * 1024, max_concurrent_io=4)
     cuda = CudaDouble(monkeypatch, devices=1)
@@ -449,7 +449,7 @@ def test_device_tiles_are_short_and_reused_once_their_copies_are_done(
 
     Fails when every tile is as long as the budget allows, or when a tile comes back only at
     a synchronization of the stream (12 tiles pinned for 4 workers)."""
-    from snapshot._engine.restore.landing import DEVICE_TILE_BYTES
+    from snapshot._engine.restore.reads import DEVICE_TILE_BYTES
 
     workers = 4
     options = Options(memory_budget_bytes=256 * _MIB, max_concurrent_io=workers)

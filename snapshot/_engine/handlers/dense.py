@@ -253,8 +253,8 @@ from typing import TYPE_CHECKING, Any  # noqa: E402
 from manifest import TensorEntry  # noqa: E402
 from snapshot._engine.format.serialization import DTYPES  # noqa: E402
 from snapshot._engine.handlers import sharded  # noqa: E402
-from snapshot._engine.restore.landing import Landing, tile_limit  # noqa: E402
-from snapshot._engine.restore.reads import (  # noqa: E402
+from snapshot._engine.restore.reads import (  # noqa: E402  # noqa: E402
+    Landing,
     Need,
     TensorRead,
     allocate,
@@ -265,6 +265,7 @@ from snapshot._engine.restore.reads import (  # noqa: E402
     location_check,
     piece_verify,
     resolve_view,
+    tile_limit,
     tile_need,
 )
 from snapshot.errors import CorruptSnapshotError, StateMismatchError  # noqa: E402

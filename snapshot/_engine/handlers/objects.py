@@ -77,8 +77,13 @@ from manifest import (  # noqa: E402
 from snapshot._engine.format.serialization import decode_object, dtype_from_name, dtype_name  # noqa: E402
 from snapshot._engine.handlers import geometry, sharded  # noqa: E402
 from snapshot._engine.handlers.dense import is_dense_tensor  # noqa: E402
-from snapshot._engine.restore.landing import Landing  # noqa: E402
-from snapshot._engine.restore.reads import Need, allocate, check_target, location_check  # noqa: E402
+from snapshot._engine.restore.reads import (  # noqa: E402
+    Landing,  # noqa: E402
+    Need,
+    allocate,
+    check_target,
+    location_check,
+)
 from snapshot.errors import (  # noqa: E402
     CorruptSnapshotError,
     StateMismatchError,

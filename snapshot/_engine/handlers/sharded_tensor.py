@@ -72,8 +72,8 @@ from snapshot._engine.format.serialization import (  # noqa: E402
 )
 from snapshot._engine.handlers import geometry, sharded  # noqa: E402
 from snapshot._engine.handlers.dense import is_dense_tensor  # noqa: E402
-from snapshot._engine.restore.landing import Landing, tile_limit  # noqa: E402
-from snapshot._engine.restore.reads import (  # noqa: E402
+from snapshot._engine.restore.reads import (  # noqa: E402  # noqa: E402
+    Landing,
     Need,
     ScratchPool,
     TensorRead,
@@ -81,6 +81,7 @@ from snapshot._engine.restore.reads import (  # noqa: E402
     casts,
     check_receivable,
     lands_directly,
+    tile_limit,
     tile_need,
 )
 from snapshot.errors import StateMismatchError  # noqa: E402

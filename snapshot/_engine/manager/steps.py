@@ -21,11 +21,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from snapshot._engine.format.manifest_io import load_manifest
+from snapshot._engine.format.manifest_io import load_manifest, sibling_path
 from snapshot._engine.io.storage_calls import open_storage
 from snapshot._engine.runtime import run
 from snapshot._engine.take.commit import MANIFEST_NAME, PENDING_NAME, left_by_a_take
-from snapshot._engine.take.incremental import sibling_path
 from snapshot.errors import InvalidArgumentError, SnapshotError, StorageError, UnsafeSnapshotError
 from snapshot.options import Options
 from storage_plugins.fs import FSStoragePlugin

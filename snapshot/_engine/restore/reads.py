@@ -1,58 +1,59 @@
-"""The read planning that every kind of entry shares: byte-range needs, and their merging into
-scatter reads.
+"""Planning a restore's reads: byte-range needs, the checks before any byte is read, their
+merging into scatter reads, and the landing of scratch tiles in targets.
 
-Each entry to load becomes needs: byte ranges of blobs that land in the target tensor's memory
-when dtype and layout agree (``direct_need``), or in budget-sized scratch tiles otherwise,
-copied into the target by the read's ``Landing`` (``tile_need``); needs in the same blob that
-lie close together are merged into one scatter read (``coalesce``). The checks a tensor entry
-and a restore target must pass before any byte is read are here too: the kinds that read
-tensors (``handlers/dense.py``, ``handlers/sharded_tensor.py``, ``handlers/objects.py``) share
-them, as the CLI's checks do (``resolve_view``).
+A need lands in the target tensor's memory when dtype and layout agree (``direct_need``), else
+in a scratch tile that a ``Landing`` copies into the target (``tile_need``); close needs of
+one blob merge into one scatter read (``coalesce``).
 """
 
 from __future__ import annotations
 
+import asyncio
 import functools
+import logging
 import math
-from bisect import bisect_right
+from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from itertools import chain, compress, count, pairwise
-from operator import add, attrgetter, ne, sub
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 
-from manifest import Entry, Location, TensorEntry
+from manifest import Entry, Location, TensorEntry, reference_of
 from snapshot._engine.format.serialization import (
     LocationCheck,
     WholeCheck,
+    as_copyable,
+    copy_elements,
     dtype_from_name,
     dtype_name,
+    range_views,
     raw_memoryview,
     shares_memory,
     storage_shortfall,
     tensor_memoryview,
 )
-from snapshot._engine.io.pipeline import ReadRequest, Segment, segment_bytes
-from snapshot._engine.restore.landing import Landing, Tile
+from snapshot._engine.io import device
+from snapshot._engine.io.pipeline import ReadRequest, Segment
+from snapshot._engine.io.storage_calls import call
 from snapshot.errors import (
     CorruptSnapshotError,
     ShapeMismatchError,
     StateMismatchError,
     UnsupportedValueError,
 )
+from snapshot.options import Options
+from storage_plugins import StoragePlugin
 
+logger = logging.getLogger(__name__)
 _T = TypeVar("_T")
 
 
 @dataclass(slots=True, kw_only=True)
 class Need(Segment):
     """``nbytes`` bytes at ``offset`` of ``blob``, to land in ``dest()``; ``done`` then consumes
-    them. ``scratch_bytes`` is the memory ``dest`` allocates and ``done`` frees. A need is the
-    segment of the read that serves it. ``owner`` is the app_state key whose live state the
-    bytes land in (a restore target given by its ``state_dict()``), None when they reach no
-    live state (an object, a new tensor)."""
+    them. ``scratch_bytes``: the memory ``dest`` allocates and ``done`` frees. ``owner``: the
+    app_state key whose live state the bytes land in (None: a new value)."""
 
     blob: str
     offset: int
@@ -77,14 +78,13 @@ def check_tensor_entry(path: str, entry: TensorEntry) -> torch.dtype:
     """The entry's dtype, after checking its bytes add up to its dtype and shape."""
     dtype = dtype_from_name(entry.dtype, path)
     expected = math.prod(entry.shape) * dtype.itemsize
-    chunks = entry.chunks
-    stored = chunks[0].nbytes if len(chunks) == 1 else sum(c.nbytes for c in chunks)
+    stored = sum(c.nbytes for c in entry.chunks)
     if stored != expected:
         raise CorruptSnapshotError(
             f"{path}: manifest records {stored} bytes for a {entry.dtype}{list(entry.shape)} "
             f"tensor, which needs {expected}"
         )
-    if len(chunks) > 1 and any(c.nbytes % dtype.itemsize for c in chunks):
+    if len(entry.chunks) > 1 and any(c.nbytes % dtype.itemsize for c in entry.chunks):
         raise CorruptSnapshotError(f"{path}: a chunk does not hold whole {entry.dtype} elements")
     return dtype
 
@@ -92,15 +92,10 @@ def check_tensor_entry(path: str, entry: TensorEntry) -> torch.dtype:
 def resolve_view(
     entries: Mapping[str, Entry], path: str, entry: TensorEntry
 ) -> tuple[str, TensorEntry]:
-    """The path and entry of the base of ``entry``, a view (``TensorEntry.view``), once the view
-    is checked to be one a take makes: its base is a tensor entry of the same rank (the view's
-    base path under the rank prefix of ``path``) and dtype, not itself a view (so no chain of
-    views, and no cycle, is ever followed), and holds every element the view reaches. Both
-    entries' bytes add up to their shapes. Constant work per view, whatever the manifest holds.
-
-    Raises:
-        CorruptSnapshotError: any of these does not hold.
-    """
+    """The path and entry of the base of ``entry``, a view, once checked to be a view a take
+    makes (else ``CorruptSnapshotError``): its base is a tensor entry of the same dtype under
+    the rank prefix of ``path``, not itself a view (no chain or cycle is followed), holding
+    every element the view reaches; both entries' bytes add up to their shapes."""
     view = entry.view
     assert view is not None
     base_path = path[: path.find("/") + 1] + view.base
@@ -132,8 +127,7 @@ def resolve_view(
 
 def check_target(path: str, entry: TensorEntry, target: torch.Tensor, dtype: torch.dtype) -> None:
     """Refuses a restore target that cannot receive this entry: another shape, the meta device,
-    or a dtype that the stored one does not cast to (a target of another dtype is filled by
-    ``copy_``, which casts as ``load_state_dict`` does; some pairs it refuses)."""
+    or a dtype that ``copy_`` does not cast the stored one to."""
     if target.shape != entry.shape:
         raise ShapeMismatchError(
             f"{path}: the snapshot holds shape {list(entry.shape)} ({entry.dtype}), "
@@ -150,10 +144,7 @@ def check_target(path: str, entry: TensorEntry, target: torch.Tensor, dtype: tor
 
 
 def check_receivable(path: str, target: torch.Tensor) -> None:
-    """Refuses a restore target whose memory cannot take distinct values: elements that share
-    memory (an expanded view: copying into it is torch's error, writing its bytes would keep
-    the last), or a storage that ends before its last element (freed: the bytes would land out
-    of bounds). Asked before any byte is read."""
+    """Refuses a target whose elements share memory, or whose storage ends before them."""
     if shares_memory(target):
         raise StateMismatchError(
             f"{path}: the object being restored has elements that share memory (shape "
@@ -180,8 +171,7 @@ def casts(src: torch.dtype, dst: torch.dtype) -> bool:
 
 
 def lands_directly(target: torch.Tensor, dtype: torch.dtype) -> bool:
-    """Whether stored bytes of ``dtype`` can land straight in ``target``'s memory: a
-    contiguous CPU tensor of that dtype, not a conjugate or negative view."""
+    """Whether bytes of ``dtype`` land straight in ``target`` (contiguous, CPU, not lazy)."""
     return (
         target.is_cpu
         and target.dtype == dtype
@@ -192,8 +182,7 @@ def lands_directly(target: torch.Tensor, dtype: torch.dtype) -> bool:
 
 
 def allocate(path: str, nbytes: int, make: Callable[[], _T]) -> _T:
-    """``make()``, the memory a manifest entry asks for; an allocation that fails (a damaged
-    manifest can claim any size) is reported as what it most likely is."""
+    """``make()``, the memory a manifest entry asks for; a failure is reported as damage."""
     try:
         return make()
     except (MemoryError, RuntimeError) as e:
@@ -210,10 +199,7 @@ def allocate(path: str, nbytes: int, make: Callable[[], _T]) -> _T:
 def location_check(
     path: str, loc: Location, pieces: int, verify: bool
 ) -> LocationCheck | WholeCheck | None:
-    """The check of ``loc``'s bytes read in ``pieces`` needs, with ``verify`` and a recorded
-    checksum only: for one piece a ``WholeCheck``, that need's ``verify`` (most tensors and
-    every object: no bookkeeping of pieces); else a ``LocationCheck``, whose ``add`` each need
-    gets for its offset and length (``piece_verify``)."""
+    """The check of ``loc``'s bytes read in ``pieces`` needs (None: no ``verify`` or CRC-32)."""
     if not verify or loc.crc32 is None:
         return None
     return WholeCheck(path, loc) if pieces == 1 else LocationCheck(path, loc, pieces)
@@ -222,9 +208,8 @@ def location_check(
 def piece_verify(
     check: LocationCheck | WholeCheck, offset: int, nbytes: int
 ) -> Callable[[int], None]:
-    """The ``verify`` of the need of ``nbytes`` at ``offset`` in a location checked by
-    ``check``."""
-    if type(check) is WholeCheck:
+    """The ``verify`` of the need of ``nbytes`` at ``offset`` in a location ``check`` checks."""
+    if isinstance(check, WholeCheck):
         return check
     return functools.partial(check.add, offset, nbytes)
 
@@ -243,22 +228,15 @@ def direct_need(path: str, chunk: Location, lo: int, nbytes: int, address: int) 
 
 
 class _TileCopy:
-    """What a tile need does: takes its tile when its read is about to run (``dest``) and
-    copies it into ``count`` elements of ``target`` from ``first`` on once the bytes have
-    landed (``done``). A record with two bound methods, not two closures: a column-wise
-    restore makes one per run, tens of thousands, and two closures with their cells hold
-    much more memory than this slotted record, which keeps a tile need close to the size of a
-    need read straight into its target."""
+    """A tile need's steps: a tile taken as its read starts, copied into ``count`` elements of
+    ``target`` from ``first`` on once landed (slotted: a restore may plan tens of thousands)."""
 
     __slots__ = ("count", "dtype", "first", "landing", "target", "tile")
 
     def __init__(
         self, target: torch.Tensor, first: int, count: int, dtype: torch.dtype, landing: Landing
     ) -> None:
-        self.target = target
-        self.first = first
-        self.count = count
-        self.dtype = dtype
+        self.target, self.first, self.count, self.dtype = target, first, count, dtype
         self.landing = landing
         self.tile: Tile | None = None
 
@@ -282,12 +260,8 @@ def tile_need(
     target: torch.Tensor,
     landing: Landing,
 ) -> Need:
-    """The need of ``nbytes`` at ``lo`` in ``chunk``: elements ``first`` on of ``target`` in
-    row-major order, read into a scratch tile that ``landing`` gives when the read is about to
-    run (pinned for a device target) and copies into the target once the bytes have landed.
-    The tile, and the cast tile a device target of another dtype needs, are charged to the
-    read budget from the read's start to its ``done``; a device copy still in flight then is
-    bounded and waited for by ``landing``."""
+    """The need of ``nbytes`` at ``lo`` in ``chunk``: elements ``first`` on of ``target``
+    (row-major), through a tile of ``landing``, charged to the budget until its ``done``."""
     count = nbytes // dtype.itemsize
     copy = _TileCopy(target, first, count, dtype, landing)
     return Need(
@@ -302,9 +276,7 @@ def tile_need(
 
 
 class ScratchPool:
-    """Scratch buffers handed from one box to the next: new memory costs page faults (a copy
-    into fresh memory faults in every page it writes, a copy into reused memory none), and a
-    box's buffer is free again as soon as its copy is done. Used on the I/O loop only."""
+    """Scratch buffers handed from one read to the next; used on the I/O loop only."""
 
     def __init__(self) -> None:
         self._free: list[torch.Tensor] = []
@@ -320,7 +292,7 @@ class ScratchPool:
 
 
 # ---------------------------------------------------------------------------------------------
-# Reads.
+# Scatter reads.
 
 
 def coalesce(
@@ -328,125 +300,56 @@ def coalesce(
 ) -> list[ReadRequest]:
     """Merges needs of the same blob into few scatter reads.
 
-    Needs are sorted by position; a need joins the read before it when it starts at most
-    ``max_gap_bytes`` after that read ends (the gap is read and dropped), the read stays within
-    ``max_request_bytes`` and its scratch memory within ``max_scratch_bytes``. Overlapping needs
-    (one blob range restored into two targets) start a new read, so every read is one
-    sequential pass.
-
-    A blob's needs that read into their targets (no scratch), neither overlap nor leave a gap
-    over ``max_gap_bytes``, each within ``max_request_bytes`` (a slab's thousands of small
-    tensors) are cut into reads in C-level passes, a bisection per read; other blobs' needs go
-    one by one. The gaps of every read land in one scratch buffer, as large as the largest.
+    In offset order, a need joins the read before it when it starts at most ``max_gap_bytes``
+    after it (the gap is read into shared scratch and dropped) and the read stays within
+    ``max_request_bytes`` and ``max_scratch_bytes``. An overlapping need starts a new read:
+    each read is one sequential pass.
     """
+    by_blob: dict[str, list[Need]] = {}
+    for need in needs:
+        by_blob.setdefault(need.blob, []).append(need)
     requests: list[ReadRequest] = []
-    gaps = _GapSegments()
-    for blob, group in _by_blob(needs).items():
-        group.sort(key=_offset)
-        offsets = list(map(_offset, group))
-        ends = list(map(add, offsets, map(segment_bytes, group)))
-        between = list(map(sub, offsets[1:], ends))  # ``ends`` is one longer: zip stops first
-        if (
-            not any(map(_scratch, group))
-            and (not between or (min(between) >= 0 and max(between) <= max_gap_bytes))
-            and max(map(segment_bytes, group)) <= max_request_bytes
-        ):
-            first = 0
-            while first < len(group):
-                # The needs that end within one request's reach of the first: ``ends`` ascends.
-                last = bisect_right(ends, offsets[first] + max_request_bytes, first + 1)
-                requests.append(_request(blob, group[first:last], between[first : last - 1], gaps))
-                first = last
-            continue
-        current: list[Need] = []
-        spaces: list[int] = []
+    gaps: dict[int, Segment] = {}
+    for blob, group in by_blob.items():
+        group.sort(key=lambda n: n.offset)
+        segments: list[Segment] = []
+        members: list[Need] = []
         end = size = scratch = 0
         for need in group:
             gap = need.offset - end
             if (
-                current
+                members
                 and 0 <= gap <= max_gap_bytes
                 and size + gap + need.nbytes <= max_request_bytes
                 and scratch + need.scratch_bytes <= max_scratch_bytes
             ):
-                current.append(need)
-                spaces.append(gap)
+                if gap:
+                    segments.append(gaps.setdefault(gap, Segment(nbytes=gap, dest=None)))
                 size += gap + need.nbytes
                 scratch += need.scratch_bytes
             else:
-                if current:
-                    requests.append(_request(blob, current, spaces, gaps))
-                current, spaces = [need], []
+                if members:
+                    requests.append(_request(blob, segments, members))
+                segments, members = [], []
                 size, scratch = need.nbytes, need.scratch_bytes
+            segments.append(need)
+            members.append(need)
             end = need.offset + need.nbytes
-        if current:
-            requests.append(_request(blob, current, spaces, gaps))
-    gaps.land()
+        if members:
+            requests.append(_request(blob, segments, members))
+    if gaps:
+        junk = memoryview(bytearray(max(gaps)))
+        for seg in gaps.values():
+            seg.dest = functools.partial(_head, junk, seg.nbytes)
     return requests
 
 
-_offset = attrgetter("offset")
-_scratch = attrgetter("scratch_bytes")
-_label = attrgetter("label")
-_done = attrgetter("done")
-_blob = attrgetter("blob")
+def _head(buf: memoryview, nbytes: int) -> memoryview:
+    return buf[:nbytes]
 
 
-def _by_blob(needs: Sequence[Need]) -> dict[str, list[Need]]:
-    """The needs of each blob, in their order; the runs of consecutive needs of one blob (a
-    blob's needs are mostly planned together) are found in C-level passes."""
-    groups: dict[str, list[Need]] = {}
-    if not needs:
-        return groups
-    blobs = list(map(_blob, needs))
-    cuts = [0, *compress(count(1), map(ne, blobs[1:], blobs)), len(needs)]
-    for lo, hi in pairwise(cuts):
-        groups.setdefault(blobs[lo], []).extend(needs[lo:hi])
-    return groups
-
-
-class _GapSegments(dict[int, "Segment | None"]):
-    """The segment of each gap length that coalesced reads skip (one object per length, shared
-    by every read; None for no gap). Each lands in one scratch buffer (``land``: once every
-    read is planned, the buffer as large as the largest gap)."""
-
-    def __missing__(self, nbytes: int) -> Segment | None:
-        seg = self[nbytes] = Segment(nbytes=nbytes, dest=None) if nbytes else None
-        return seg
-
-    def land(self) -> None:
-        segments = [seg for seg in self.values() if seg is not None]
-        if segments:
-            junk = memoryview(bytearray(max(seg.nbytes for seg in segments)))
-            for seg in segments:
-                seg.dest = functools.partial(junk.__getitem__, slice(0, seg.nbytes))
-
-
-def needs_label(needs: Iterable[Need]) -> str:
-    """Names the entries some needs serve, for messages: ``"a"``, ``"a and 3 more"``."""
-    return label_of(map(_label, needs))
-
-
-def label_of(paths: Iterable[str]) -> str:
-    """Names the entries at ``paths`` (some repeated), for messages: the first in order and
-    how many more."""
-    labels = set(paths)
-    first = min(labels)
-    return first if len(labels) == 1 else f"{first} and {len(labels) - 1} more"
-
-
-def _request(blob: str, needs: list[Need], spaces: list[int], gaps: _GapSegments) -> ReadRequest:
-    """The read of ``needs`` (ascending, not overlapping), ``spaces[i]`` bytes apart from
-    ``needs[i]`` to the next."""
-    if any(spaces):
-        # Each need, then the gap after it (None, filtered out, where there is none).
-        after = list(map(gaps.__getitem__, spaces))
-        after.append(None)
-        pairs = chain.from_iterable(zip(needs, after, strict=True))
-        segments: list[Segment] = list(filter(None, pairs))
-    else:
-        segments = list(needs)
-    dones = list(filter(None, map(_done, needs)))
+def _request(blob: str, segments: list[Segment], needs: list[Need]) -> ReadRequest:
+    dones = [n.done for n in needs if n.done is not None]
 
     def done() -> None:
         for d in dones:
@@ -456,7 +359,230 @@ def _request(blob: str, needs: list[Need], spaces: list[int], gaps: _GapSegments
         blob=blob,
         offset=needs[0].offset,
         segments=segments,
-        scratch_bytes=sum(map(_scratch, needs)),
+        scratch_bytes=sum(n.scratch_bytes for n in needs),
         done=done if dones else None,
-        label=needs_label(needs),
+        label=label_of(n.label for n in needs),
     )
+
+
+def label_of(paths: Iterable[str]) -> str:
+    """Names the entries at ``paths`` for messages: ``"a"``, ``"a and 3 more"``."""
+    labels = set(paths)
+    first = min(labels)
+    return first if len(labels) == 1 else f"{first} and {len(labels) - 1} more"
+
+
+async def check_blob_sizes(
+    plugin: StoragePlugin,
+    labels: Mapping[str, str],
+    expected: Mapping[str, int],
+    jobs: int,
+    options: Options,
+    *,
+    before: bool = False,
+) -> None:
+    """Asks each blob's size (``labels``: blob -> label), ``jobs`` at a time: fails on one
+    shorter than ``expected``, or after the reads (not ``before``) longer, but for a base's."""
+    blobs = iter(labels.items())
+
+    async def worker() -> None:
+        for blob, label in blobs:
+            ask = functools.partial(plugin.size, blob)
+            size = await call(plugin, "read", blob, label, ask, options=options)
+            want = expected[blob]
+            if size is None or size == want:
+                continue
+            if size > want and (before or reference_of(blob) is not None):
+                continue
+            how = "longer" if size > want else "shorter"
+            raise CorruptSnapshotError(
+                f"{label}: blob {plugin.describe(blob)} is {how} than the manifest says "
+                f"({size:,} bytes; the manifest's last range in it ends at {want:,})"
+                + (", found before reading" if before else "")
+            )
+
+    tasks = [asyncio.ensure_future(worker()) for _ in range(min(jobs, len(labels)))]
+    try:
+        await asyncio.gather(*tasks)
+    except BaseException:
+        for task in tasks:  # the others stop asking: the plugin is about to be closed
+            task.cancel()
+        raise
+
+
+# ---------------------------------------------------------------------------------------------
+# Landing. Host targets get a ``copy_`` at once. CUDA targets get page-locked tiles copied
+# non-blocking on a copy stream per device, made to wait for the caller's current stream; a
+# tile stays referenced until the event after its copies has passed or the streams are
+# synchronized. CUDA calls go through ``io.device`` (``tests/cuda_double.py`` replaces it).
+
+_pin_warned = False
+
+# The longest tile into a device target: short tiles, reused, keep pinned memory small.
+DEVICE_TILE_BYTES = 8 << 20
+
+
+def tile_limit(target: torch.Tensor, tile_bytes: int) -> int:
+    """The longest tile into ``target``: ``tile_bytes``, at most a device tile on a GPU."""
+    if device.cuda_index(target) is None:
+        return tile_bytes
+    return min(tile_bytes, DEVICE_TILE_BYTES)
+
+
+class Tile:
+    """A scratch tile: ``data`` (stored dtype) viewing ``block`` (pooled bytes), maybe pinned."""
+
+    def __init__(self, block: torch.Tensor, dtype: torch.dtype, pinned: bool) -> None:
+        self.block = block
+        self.data = block.view(dtype)
+        self.pinned = pinned
+
+
+class Landing:
+    """The copies of one restore's scratch tiles into targets, and the pool of those tiles.
+    ``spare_bytes``: what may be held beyond the reads' charges (free tiles, pinned tiles in
+    flight); past it free tiles are dropped, then the streams waited for."""
+
+    def __init__(self, spare_bytes: int = 0) -> None:
+        self.spare_bytes = spare_bytes
+        self._streams: dict[int, device.Stream] = {}  # device index -> copy stream
+        self._pinning = True  # until pinning fails once
+        self._free: dict[tuple[int, bool], list[torch.Tensor]] = {}  # by (bytes, pinned)
+        self._free_total = 0
+        # Pinned tiles whose copies may still read them, oldest first, with the event after.
+        self._in_flight: deque[tuple[torch.Tensor, Any]] = deque()
+        self._in_flight_total = 0
+
+    def prepare(self, target: torch.Tensor) -> None:
+        """Before any read, per target: a device's copy stream waits for the caller's stream."""
+        index = device.cuda_index(target)
+        if index is None or index in self._streams:
+            return
+        stream = device.new_stream(index)
+        device.wait_stream(stream, device.current_stream(index))
+        self._streams[index] = stream
+
+    def scratch_limit(self, tile_bytes: int) -> int:
+        """The most scratch one read may hold: one device tile once a device target is planned."""
+        return min(tile_bytes, DEVICE_TILE_BYTES) if self._streams else tile_bytes
+
+    def cast_bytes(self, count: int, dtype: torch.dtype, target: torch.Tensor) -> int:
+        """Host memory beside the tile for a device target of another dtype: the cast tile."""
+        if target.dtype is dtype or device.cuda_index(target) is None:
+            return 0
+        return count * target.element_size()
+
+    def tile(self, count: int, dtype: torch.dtype, target: torch.Tensor) -> Tile:
+        """A tile for ``target``: pinned when a device copy reads it, else pageable."""
+        pin = target.dtype is dtype and device.cuda_index(target) is not None
+        return self._take(count, dtype, pin)
+
+    def _take(self, count: int, dtype: torch.dtype, pin: bool) -> Tile:
+        global _pin_warned
+        nbytes = count * dtype.itemsize
+        pin = pin and self._pinning
+        free = self._free.get((nbytes, pin))
+        if pin and not free and self._in_flight:
+            self._reap()  # tiles whose copies are done are free again
+            free = self._free.get((nbytes, pin))
+            if not free and self._free_total + self._in_flight_total + nbytes > self.spare_bytes:
+                # Wait for the copies and reuse a tile rather than lock more memory.
+                self._drain()
+                free = self._free.get((nbytes, pin))
+        if free:
+            self._free_total -= nbytes
+            return Tile(free.pop(), dtype, pin)
+        if pin:
+            try:
+                return Tile(device.pinned_empty((nbytes,), torch.uint8), dtype, True)
+            except RuntimeError as e:
+                self._pinning = False
+                if not _pin_warned:
+                    _pin_warned = True
+                    logger.warning(
+                        "restore: cannot pin host memory (%s); copying to the device from "
+                        "pageable memory, synchronously",
+                        e,
+                    )
+        return Tile(torch.empty(nbytes, dtype=torch.uint8), dtype, False)
+
+    def _give(self, tile: Tile) -> None:
+        """Keeps a tile no copy reads any more for reuse, while the spare bytes allow."""
+        nbytes = tile.block.numel()
+        if self._free_total + self._in_flight_total + nbytes <= self.spare_bytes:
+            self._free.setdefault((nbytes, tile.pinned), []).append(tile.block)
+            self._free_total += nbytes
+
+    def land(self, target: torch.Tensor, start: int, stop: int, tile: Tile) -> None:
+        """Copies ``tile`` into elements ``[start, stop)`` of ``target``, casting like
+        ``copy_``: done on the host, queued on the copy stream for a device."""
+        index = device.cuda_index(target)
+        if index is None:
+            with torch.no_grad():
+                copy_elements(target, start, stop, tile.data)
+            self._give(tile)
+            return
+        src = tile
+        if target.dtype is not tile.data.dtype:
+            # Cast on the host into a pinned tile of the target's dtype: torch's cast from a
+            # pinned tile to a device would go through pageable memory, synchronously.
+            src = self._take(stop - start, target.dtype, True)
+            src.data.copy_(tile.data)
+            self._give(tile)
+        flat, target = as_copyable(src.data), as_copyable(target)
+        stream = self._streams[index]
+        with torch.no_grad(), device.use_stream(stream):
+            pos = 0
+            for view in range_views(target, start, stop):
+                n = view.numel()
+                device.copy(view, flat[pos : pos + n].view(view.shape), src.pinned)
+                pos += n
+        if not src.pinned:  # a synchronous copy: done
+            self._give(src)
+            return
+        self._in_flight.append((src.block, device.record_event(stream)))
+        self._in_flight_total += src.block.numel()
+        self._settle()
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """``dst.copy_(src)`` from scratch reused on return (synchronously, on a device too)."""
+        index = device.cuda_index(dst)
+        with torch.no_grad():
+            if index is None:
+                dst.copy_(src)
+                return
+            if dst.dtype is src.dtype:  # as bytes where torch has no copy kernel
+                dst, src = as_copyable(dst), as_copyable(src)
+            with device.use_stream(self._streams[index]):
+                device.copy(dst, src, False)
+
+    def _settle(self) -> None:
+        """Keeps free and in-flight tiles within the spare bytes."""
+        if self._free_total + self._in_flight_total <= self.spare_bytes:
+            return
+        self._free, self._free_total = {}, 0
+        if self._in_flight_total > self.spare_bytes:
+            self._reap()
+        if self._in_flight_total > self.spare_bytes:
+            self._drain()
+
+    def _reap(self) -> None:
+        """Frees the tiles whose copies are done, oldest first, without waiting."""
+        while self._in_flight and device.event_done(self._in_flight[0][1]):
+            block, _ = self._in_flight.popleft()
+            self._in_flight_total -= block.numel()
+            self._give(Tile(block, torch.uint8, True))
+
+    def _drain(self) -> None:
+        for stream in self._streams.values():
+            device.synchronize(stream)
+        landed, self._in_flight = self._in_flight, deque()
+        self._in_flight_total = 0
+        for block, _ in landed:
+            self._give(Tile(block, torch.uint8, True))
+
+    def finish(self) -> None:
+        """After the reads (a failure too): waits for every device copy, drops the pool."""
+        if self._streams:
+            self._drain()
+        self._free, self._free_total = {}, 0

@@ -1,18 +1,18 @@
-"""The steps of a restore, in order, and ``read_object``; the Snapshot facade calls these.
+"""The steps of a restore, and ``read_object``; the Snapshot facade calls these.
 
-A restore gets each app_state value's ``state_dict()``, plans the reads of its entries into the
-tensors found there (``Loader``, through the handler of each entry's kind), agrees with the
-other ranks that every rank's plan holds, runs the reads, agrees again, and hands each value
-its restored state (``load_state_dict``). ``read_object`` plans and runs the reads of one
-entry (or one container, whole) into new values, or into the caller's tensor.
+A restore opens the snapshot's storage (``open_linked``), plans the reads of each app_state
+value's entries into the tensors its ``state_dict()`` returned (``Loader.add_subtree``),
+executes them (``Loader.execute``), and lands each value through its ``load_state_dict``; the
+ranks agree after each step, so that a failure on one fails all.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -23,21 +23,17 @@ from snapshot._engine.arguments import check_app_state, ordered_keys, state_dict
 from snapshot._engine.dist import shared_reads
 from snapshot._engine.dist.dist import Coordinator
 from snapshot._engine.flatten import (
-    CONTAINER_TYPES,
-    child_prefix,
-    dict_names,
     escape_key,
     flatten,
     subtree,
 )
+from snapshot._engine.format.manifest_io import open_linked
 from snapshot._engine.handlers import sharded
 from snapshot._engine.handlers.dense import is_dense_tensor
-from snapshot._engine.restore import read_ahead, suggest
-from snapshot._engine.restore.claims import ClaimCheck
-from snapshot._engine.restore.linked import open_linked
-from snapshot._engine.restore.loader import PENDING, Loader, tile_bytes
-from snapshot._engine.restore.read_ahead import ReadAhead
-from snapshot._engine.restore.restore_guard import RestoreProgress
+from snapshot._engine.io.pipeline import ReadRequest
+from snapshot._engine.restore import suggest
+from snapshot._engine.restore.checks import ClaimCheck
+from snapshot._engine.restore.loader import Loader, tile_bytes
 from snapshot._engine.runtime import gc_paused
 from snapshot.errors import (
     EntryNotFoundError,
@@ -48,7 +44,7 @@ from snapshot.errors import (
     StateMismatchError,
 )
 from snapshot.options import Options
-from snapshot.sharding.mapping import ShardedTensorFactory, apply_factory_merges
+from snapshot.sharding.mapping import ShardedTensor, ShardedTensorFactory, apply_factory_merges
 
 logger = logging.getLogger("snapshot")
 
@@ -63,101 +59,46 @@ def restore(
     options: Options,
     strict: bool = True,
     verify_first: bool = False,
-    ahead: ReadAhead | None = None,
 ) -> None:
     """Loads each app_state value's entries in place, then calls its ``load_state_dict``.
 
-    Each rank restores independently; the ranks then agree, so that when one fails every rank
-    raises (naming it) rather than some carrying on with a half-restored group. ``strict`` and
-    ``verify_first``: as ``Snapshot.restore`` says; ``options``: the call's, resolved
-    (``snapshot.options.resolve``). The error a failed restore raises, of any kind, says which
-    of this rank's app_state keys it modified (``RestoreProgress.account``). ``ahead``: hints of
-    what the restore reads, given since before the manifest was decoded (``read_ahead.early``);
-    stopped when the reads begin, as the restore's own would be.
+    The ranks agree at the end, so that when one fails every rank raises (naming it); the
+    error says which of this rank's keys it modified (``RestoreProgress.account``).
     """
     progress = RestoreProgress(app_state)
     try:
-        _restore_agreed(
-            manifest,
-            app_state,
-            path,
-            coordinator,
-            storage_options,
-            options=options,
-            strict=strict,
-            verify_first=verify_first,
-            progress=progress,
-            ahead=ahead,
-        )
+        error = None
+        try:
+            with gc_paused():
+                _restore(
+                    manifest,
+                    app_state,
+                    path,
+                    coordinator,
+                    storage_options,
+                    options=options,
+                    strict=strict,
+                    verify_first=verify_first,
+                    progress=progress,
+                )
+        except RankFailedError:
+            raise  # raised by an agreement inside, on every rank alike
+        except Exception as e:
+            error = e
+        coordinator.agree("restore", error=error)
     except BaseException as e:
         progress.account(e, coordinator.rank, coordinator.world_size)
         raise
 
 
-def _restore_agreed(
-    manifest: Manifest,
-    app_state: Mapping[str, Any],
-    path: str,
-    coordinator: Coordinator,
-    storage_options: dict[str, Any] | None,
-    *,
-    options: Options,
-    strict: bool,
-    verify_first: bool,
-    progress: RestoreProgress,
-    ahead: ReadAhead | None,
-) -> None:
-    error = None
-    try:
-        with gc_paused():
-            _restore(
-                manifest,
-                app_state,
-                path,
-                coordinator,
-                storage_options,
-                options=options,
-                strict=strict,
-                verify_first=verify_first,
-                progress=progress,
-                ahead=ahead,
-            )
-    except RankFailedError:
-        raise  # raised by an agreement inside, on every rank alike
-    except Exception as e:
-        error = e
-    coordinator.agree("restore", error=error)
-
-
 def rank_prefix(manifest: Manifest, rank: int) -> str:
-    """The prefix of the entries ``rank`` restores: its own, or rank 0's for a rank the
-    snapshot did not have (a larger world), which may then use replicated entries only."""
+    """The prefix ``rank`` restores: its own, or rank 0's for a rank the snapshot lacked."""
     return f"{rank if rank < manifest.world_size else 0}/"
 
 
 def rank_view(manifest: Manifest, rank: int) -> Mapping[str, Entry]:
-    """The entries ``rank`` restores from: with the replicated leaves the manifest lists once,
-    under rank 0's prefix, under its own prefix too (``Manifest.view``)."""
+    """The entries ``rank`` restores from, replicated leaves under its prefix too."""
     return manifest.view(rank if rank < manifest.world_size else 0)
-
-
-def _not_restorable_here(
-    manifest: Manifest, entries: Mapping[str, Entry], root: str, rank: int
-) -> str | None:
-    """For a rank the snapshot did not have, the first path under ``root`` (a key of rank 0's)
-    that holds rank 0's own value, which that rank cannot use; None when every leaf there is
-    one value for all ranks (replicated, or a sharded tensor's entry, which lists every
-    shard)."""
-    for p in subtree(entries, root):
-        entry = entries.get(p)
-        if (
-            entry is not None
-            and not entry.replicated
-            and not mf.is_container(entry)
-            and not isinstance(entry, ShardedTensorEntry)
-        ):
-            return p
-    return None
 
 
 def _restore(
@@ -168,10 +109,9 @@ def _restore(
     storage_options: dict[str, Any] | None,
     *,
     options: Options,
-    strict: bool = True,
-    verify_first: bool = False,
-    progress: RestoreProgress | None = None,
-    ahead: ReadAhead | None = None,
+    strict: bool,
+    verify_first: bool,
+    progress: RestoreProgress,
 ) -> None:
     check_app_state(app_state, path)
     t0 = time.perf_counter()
@@ -180,18 +120,15 @@ def _restore(
     keys = ordered_keys(app_state)
     roots = {k: prefix + escape_key(k) for k in keys}
     # A value's state_dict() and load_state_dict() may be collectives (FSDP's are): every rank
-    # must call them, the same ones, even where this rank already knows the restore fails here.
-    # So the checks' outcome waits until every rank has its state dicts, and the ranks agree on
-    # it (and later on the reads') before any load_state_dict: a rank that fails never leaves
-    # the others waiting in a collective of the application's.
+    # calls the same ones, even where it knows the restore fails here; so the ranks agree on
+    # each step's outcome before any load_state_dict, and none is left waiting in one.
     error: Exception | None = None
     try:
         keys = _restorable_keys(manifest, entries, keys, roots, prefix, path, coordinator, strict)
     except SnapshotError as e:
         error = e
     states = {key: state_dict_of(key, app_state[key], path) for key in keys}
-    # Whether the ranks check before they write decides which agreements follow: it must be
-    # the same everywhere, or the ranks' collectives would pair up wrongly.
+    # Whether the ranks check before they write decides which agreements follow.
     chosen = coordinator.agree("restore: checks", value=verify_first, error=error)
     if len(set(chosen)) > 1:
         raise InvalidArgumentError(
@@ -210,110 +147,51 @@ def _restore(
         claims=ClaimCheck(manifest, path, storage_options, options),
     )
     stats = None
-    # The values of the keys whose leaves wait for no read, rebuilt while the reads run on
-    # other threads (the caller's would only wait for them); the others after the reads.
-    early: dict[str, Any] = {}
-
-    def inflate_early() -> None:
-        for key in keys:
-            value = loader.inflate_ready(roots[key])
-            if value is not PENDING:
-                early[key] = value
-
+    with_factories = set()
     with contextlib.ExitStack() as stack:
         plugin = None
-        try:
+        try:  # open, then plan
             plugin = stack.enter_context(open_linked(path, manifest, storage_options, options))
-            # The device reads what the plan will ask for while the plan is made (and, with
-            # ``ahead`` given, since before the manifest was decoded).
-            walks: dict[str, list[str]] = {}  # each key's paths, where the read-ahead listed them
-            if ahead is None and read_ahead.takes_hints(plugin):
-                # In a group, replicated leaves are left out where one rank may read them for
-                # all (``shared_reads``; its hosts are known only at its agreement).
-                once = coordinator.world_size > 1 and shared_reads.decide(
-                    options.read_replicated_once, path, []
-                )
-                try:
-                    walks = {k: subtree(entries, roots[k]) for k in keys}  # the planning's too
-                    spans = read_ahead.ranges(entries, walks.values(), once)
-                except SnapshotError as e:
-                    # A damaged manifest: the planning next reports it, naming the snapshot.
-                    logger.debug("restore %s: no read-ahead: %s", path, e)
-                    walks, spans = {}, []
-                ahead = ReadAhead(plugin, spans)
-                stack.callback(ahead.close)
-            t_ahead = time.perf_counter()
-            with_factories = set()
             for key in keys:
                 targets, factories = _targets(states[key], roots[key])
                 if factories:
                     with_factories.add(key)
-                if progress is not None:
-                    progress.targets[key] = targets
-                loader.add_subtree(roots[key], targets, owner=key, paths=walks.get(key))
-            t_plan = time.perf_counter()
-            if ahead is not None:
-                ahead.stop()
-                logger.debug(
-                    "restore %s: %.1f MB read ahead before the reads (planning %.3f s)",
-                    path,
-                    ahead.nbytes / 1e6,
-                    t_plan - t_ahead,
-                )
+                progress.targets[key] = targets
+                loader.add_subtree(roots[key], targets, owner=key)
             if verify_first:
-                checked = loader.verify_first(plugin, budget)
-                logger.debug(
-                    "restore %s: checked %.1f MB before writing any target in %.3f s",
-                    path,
-                    checked.nbytes / 1e6,
-                    time.perf_counter() - t_plan,
-                )
+                loader.verify_first(plugin, budget)
         except Exception as e:
             error = e
         # Replicated tensors read by one rank each and broadcast (a collective of every rank).
-        shared = (
-            shared_reads.plan(loader, entries, prefix, path, coordinator, options, error)
-            if coordinator.world_size > 1
-            else None
-        )
+        shared = None
+        if coordinator.world_size > 1:
+            shared = shared_reads.plan(loader, entries, prefix, path, coordinator, options, error)
         if verify_first:
             # No rank writes a target until every rank's bytes have passed their checks.
             coordinator.agree("restore: verifying", error=error)
-        try:
+        try:  # execute
             if error is None and plugin is not None:
-                stats = loader.execute(plugin, budget, progress, meanwhile=inflate_early)
+                stats = loader.execute(plugin, budget, progress)
         except Exception as e:
             error = e
     coordinator.agree("restore: reading", error=error)
     assert stats is not None
     if shared is not None:
-        if progress is not None:
-            for _, leaf, _ in shared.items:
-                for key, root in roots.items():
-                    if leaf == root or leaf.startswith(root + "/"):
-                        progress.wrote(key)
+        for _, leaf, _ in shared.items:
+            for key, root in roots.items():
+                if leaf == root or leaf.startswith(root + "/"):
+                    progress.wrote(key)
         shared_reads.receive(shared, coordinator)
-        logger.debug(
-            "restore %s: %.1f MB of replicated tensors read once and broadcast",
-            path,
-            shared.nbytes / 1e6,
-        )
-    t_read = time.perf_counter()
-    for key in keys:
-        value = early.pop(key, PENDING)
-        if value is PENDING:
-            value = loader.inflate(roots[key])
-        if progress is not None:
-            # From here the key's own code runs on its state: whatever it does before it
-            # returns (or raises) counts as written.
-            progress.loading(key)
+    for key in keys:  # land: each value's own load_state_dict
+        value = loader.inflate(roots[key])
+        # From here the key's own code runs on its state: whatever it does counts as written.
+        progress.wrote(key)
         if key in with_factories:  # what they built goes back through their merge_fn
             value = apply_factory_merges(value, states[key])
         stateful = app_state[key]
         try:
             if not strict and isinstance(stateful, torch.nn.Module):
-                # torchsnapshot's strict=False, for modules: their own check of parameter and
-                # buffer names lets names missing on either side pass.
+                # torchsnapshot's strict=False, for modules: names missing on either side pass.
                 stateful.load_state_dict(value, strict=False)
             else:
                 stateful.load_state_dict(value)
@@ -322,27 +200,15 @@ def _restore(
                 f"snapshot {path}: app_state[{key!r}].load_state_dict() raised "
                 f"{type(e).__name__}: {e}"
             ) from e
-        if progress is not None:
-            progress.loaded(key)
-    t_end = time.perf_counter()
+        progress.loaded(key)
+    seconds = time.perf_counter() - t0
     logger.info(
         "restored %s from %s: %.1f MB in %.3f s (%.2f GB/s)",
         keys,
         path,
         stats.nbytes / 1e6,
-        t_end - t0,
-        stats.nbytes / max(t_end - t0, 1e-9) / 1e9,
-    )
-    logger.debug(
-        "restore %s phases: state_dict+plan %.3f s, read %.3f s (%d blobs, %.2f GB/s, peak "
-        "scratch %d B), load_state_dict %.3f s",
-        path,
-        t_plan - t0,
-        t_read - t_plan,
-        stats.blobs,
-        stats.gbps,
-        stats.peak_budget_bytes,
-        t_end - t_read,
+        seconds,
+        stats.nbytes / max(seconds, 1e-9) / 1e9,
     )
 
 
@@ -356,13 +222,9 @@ def _restorable_keys(
     coordinator: Coordinator,
     strict: bool,
 ) -> list[str]:
-    """The app_state keys this rank restores: all of them, less (``strict=False``) those the
-    snapshot lacks.
-
-    Raises:
-        StateMismatchError: a key is missing (``strict``), or this rank, which the snapshot did
-            not have, would need a value that differed between the ranks that took it.
-    """
+    """The app_state keys this rank restores: all, less (``strict=False``) those the snapshot
+    lacks. ``StateMismatchError``: a key is missing (``strict``), or this rank, which the
+    snapshot did not have, would need a value that differed between the ranks that took it."""
     missing = [k for k in keys if roots[k] not in entries]
     if missing:
         available = sorted(
@@ -383,8 +245,19 @@ def _restorable_keys(
         )
         keys = [k for k in keys if k not in missing]
     if prefix != f"{coordinator.rank}/":
+        # A rank the snapshot did not have can use only values that are one for all ranks
+        # (replicated, or a sharded tensor's entry, which lists every shard).
         for key in keys:
-            own = _not_restorable_here(manifest, entries, roots[key], coordinator.rank)
+            own = next(
+                (
+                    p
+                    for p in subtree(entries, roots[key])
+                    if not (p not in entries or entries[p].replicated)
+                    and not mf.is_container(entries[p])
+                    and not isinstance(entries[p], ShardedTensorEntry)
+                ),
+                None,
+            )
             if own is None:
                 continue
             logical = own[len(prefix) :]
@@ -403,21 +276,7 @@ def _restorable_keys(
 
 
 def _targets(state: Any, root: str) -> tuple[dict[str, Any], bool]:
-    """The leaves of a state to restore, by path (what a ``ShardedTensorFactory`` builds
-    stands in for it), and whether there was a factory."""
-    if type(state) is dict:
-        # Most states: a dict of tensors, paths and values taken in C-level passes; the few
-        # types among the values are asked about once each (``ShardedTensorFactory`` is an
-        # ABC: an ``isinstance`` per value runs Python code).
-        names = dict_names(state)
-        values = list(state.values())
-        kinds = set(map(type, values))
-        if (
-            names is not None
-            and not kinds & CONTAINER_TYPES
-            and not any(issubclass(kind, ShardedTensorFactory) for kind in kinds)
-        ):
-            return dict(zip(map(child_prefix(root).__add__, names), values, strict=True)), False
+    """A state's leaves by path (a factory's built ones for it), and whether any was one."""
     targets: dict[str, Any] = {}
     factories = False
     for p, node, value in flatten(state, root):
@@ -434,6 +293,106 @@ def _targets(state: Any, root: str) -> tuple[dict[str, Any], bool]:
 
 
 # ---------------------------------------------------------------------------------------------
+# What a failed restore did to the live state: a key is written once a read into its targets
+# (usually the object's own memory) starts, or its ``load_state_dict`` is called; a key whose
+# targets share memory with a written key's (a tied weight) counts as written too.
+
+PARTIALLY = "partially"
+FULLY = "fully"
+
+
+class RestoreProgress:
+    """Per app_state key, whether the restore has begun to write its live state; the account a
+    failed restore's error carries (``SnapshotError.modified`` / ``untouched``)."""
+
+    def __init__(self, app_state: Any) -> None:
+        # A non-mapping app_state is refused before anything is read: there are no keys.
+        self.keys: list[str] = list(app_state) if isinstance(app_state, Mapping) else []
+        self.written: dict[str, str] = {}
+        self.targets: dict[str, Mapping[str, Any]] = {}  # each key's targets, once planned
+
+    def wrote(self, key: str) -> None:
+        """``key``'s state may change from now on (a read into it, or its load_state_dict)."""
+        self.written.setdefault(key, PARTIALLY)
+
+    def loaded(self, key: str) -> None:
+        """``key``'s ``load_state_dict`` returned: it holds the snapshot's state."""
+        self.written[key] = FULLY
+
+    def watch(self, requests: Sequence[ReadRequest]) -> None:
+        """Makes each request that writes into targets mark their keys when it starts: its
+        first segment's ``dest`` (a need: a request never starts with a gap) marks them."""
+        for req in requests:
+            owners = {seg.owner for seg in req.segments if seg.owner is not None}
+            if owners:
+                first = req.segments[0]
+                assert first.dest is not None
+                first.dest = functools.partial(self._starting, tuple(owners), first.dest)
+
+    def _starting(self, keys: tuple[str, ...], dest: Callable[[], memoryview]) -> memoryview:
+        for key in keys:
+            self.wrote(key)
+        return dest()
+
+    def account(self, error: BaseException, rank: int, world_size: int) -> None:
+        """Sets the account on ``error``: ``modified``, ``untouched`` and the sentence its
+        message ends with on a ``SnapshotError``; that sentence as a note on any other."""
+        if not self.keys:
+            return
+        written = self._with_shared_memory()
+        modified = {k: written[k] for k in self.keys if k in written}
+        untouched = tuple(k for k in self.keys if k not in written)
+        where = f" on rank {rank}" if world_size > 1 else ""
+        changed = ", ".join(f"{k!r} ({how})" for k, how in modified.items()) or "none"
+        left = ", ".join(map(repr, untouched)) or "none"
+        sentence = (
+            f"app_state keys modified{where} before the failure: {changed}; untouched: {left}"
+        )
+        if isinstance(error, SnapshotError):
+            error.modified = modified
+            error.untouched = untouched
+            error.restore_account = sentence
+        else:
+            error.add_note(sentence)
+
+    def _with_shared_memory(self) -> dict[str, str]:
+        """``written``, with each key whose targets share a storage with a written key's
+        marked as partially written."""
+        written = dict(self.written)
+        if not written or len(written) == len(self.keys):
+            return written
+        memory = {k: _storages(t.values()) for k, t in self.targets.items()}
+        reached = set().union(*(memory.get(k, set()) for k in written))
+        for key, storages in memory.items():
+            if key not in written and not storages.isdisjoint(reached):
+                written[key] = PARTIALLY
+        return written
+
+
+def _storages(values: Iterable[Any]) -> set[tuple[str, int]]:
+    """The storages (device, address) that the tensors among ``values`` view (for a piece of
+    a sharded tensor or a DTensor, its local data's)."""
+    found: set[tuple[str, int]] = set()
+    for value in values:
+        if isinstance(value, ShardedTensor):
+            tensors = [] if value.data is None else [value.data]
+        elif callable(getattr(value, "local_shards", None)):  # torch's ShardedTensor
+            tensors = [shard.tensor for shard in value.local_shards()]
+        elif callable(getattr(value, "to_local", None)):  # a DTensor
+            tensors = [value.to_local()]
+        else:
+            tensors = [value] if isinstance(value, torch.Tensor) else []
+        for t in tensors:
+            try:
+                address = t.untyped_storage().data_ptr()
+            except (RuntimeError, NotImplementedError):  # no storage (a meta or fake tensor)
+                continue
+            if address:
+                found.add((str(t.device), address))
+    return found
+
+
+# ---------------------------------------------------------------------------------------------
 # read_object.
 
 
@@ -447,12 +406,9 @@ def read_object(
     storage_options: dict[str, Any] | None,
     options: Options | None = None,
 ) -> Any:
-    """Reads the entry at ``logical_path`` (and everything below it, for a container), with
-    ``options`` (the call's, resolved; None: the environment's, for callers with no options of
-    their own, such as the command line).
-
-    A path under any rank's prefix finds the replicated leaves the manifest lists once, under
-    rank 0's (``"1/model/w"`` reads ``"0/model/w"`` when that is replicated)."""
+    """Reads the entry at ``logical_path`` (and all below it), with ``options`` (None: the
+    environment's). A path under any rank's prefix finds the replicated leaves the manifest
+    lists once, under rank 0's (``"1/model/w"`` reads a replicated ``"0/model/w"``)."""
     entries: Mapping[str, Entry] = manifest.entries
     head = logical_path.split("/", 1)[0]
     if head.isdigit() and 0 < int(head) < manifest.world_size:
@@ -477,17 +433,15 @@ def read_object(
         loader = Loader(manifest, options, tile, where=path, entries=entries, claims=claims)
         loader.add_subtree(logical_path, {logical_path: obj_out})
         loader.plan_deferred()
-        if loader.planned:
+        if loader.needs:
             with open_linked(path, manifest, storage_options, options) as plugin:
                 loader.execute(plugin, budget)
         return loader.inflate(logical_path)
 
 
 def _check_obj_out(entry: Entry, obj_out: Any, logical_path: str, where: str) -> None:
-    """Refuses a ``read_object`` target that is no tensor for a stored tensor, before any byte
-    is read (the rest of what a target must be, the loader checks: shape, dtype, memory).
-    Objects, primitives and containers are never loaded in place: their ``obj_out`` is
-    ignored."""
+    """Refuses a ``read_object`` target that is no tensor for a stored tensor (the loader
+    checks the rest; objects, primitives and containers ignore ``obj_out``)."""
     if not isinstance(entry, (TensorEntry, PickledTensorEntry, ShardedTensorEntry)):
         return
     if is_dense_tensor(obj_out) or sharded.is_sharded(obj_out):

@@ -1,14 +1,7 @@
 """Logical paths resembling one that is not in a manifest, for "did you mean" hints: difflib's
-close matches, at a cost bounded by the manifest's size.
-
-``difflib.get_close_matches`` computes the full similarity ratio of every candidate that passes
-two cheap bounds, and that ratio takes time of the product of the two strings' lengths in the
-worst case: a manifest of a few thousand long, similar keys (which it may hold: keys are the
-application's, or a forged manifest's) made one hint take minutes. Here only the first
-``_COMPARED`` characters of each path are compared, every candidate is scored by the cheap upper
-bound alone (a pass over its characters), and the full ratio is computed for the best
-``_SHORTLIST`` of them only.
-"""
+close matches at a cost bounded by the manifest's size (only the first ``_COMPARED`` characters
+compared, the full ratio computed for the ``_SHORTLIST`` best by difflib's cheap bound), since
+a manifest of many long, similar keys made ``difflib.get_close_matches`` take minutes."""
 
 from __future__ import annotations
 

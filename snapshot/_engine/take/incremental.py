@@ -27,20 +27,18 @@ from __future__ import annotations
 import logging
 import os
 import posixpath
-import stat
 from typing import TYPE_CHECKING, Any
 
 import torch
 import xxhash
 
 from manifest import SIBLING_NAME, Manifest, TensorEntry, new_location, reference_of
-from snapshot._engine.format.manifest_io import load_manifest
+from snapshot._engine.format.manifest_io import load_manifest, sibling_path, split_parent
 from snapshot._engine.format.serialization import dtype_name, tensor_memoryview
 from snapshot.errors import (
     InvalidArgumentError,
     MissingBaseError,
     SnapshotNotFoundError,
-    UnsafeSnapshotError,
 )
 
 if TYPE_CHECKING:
@@ -54,71 +52,6 @@ DIGEST_PREFIX = "xxh3_128:"
 def digest_of(tensor: torch.Tensor) -> str:
     """The digest of a contiguous CPU tensor's bytes, as ``TensorEntry.digest`` records it."""
     return DIGEST_PREFIX + xxhash.xxh3_128_hexdigest(tensor_memoryview(tensor))
-
-
-def split_parent(path: str) -> tuple[str, str]:
-    """``(parent, name)`` of a snapshot's path: a local path made absolute, a URL by its last
-    ``/``-separated part (trailing slashes ignored). A URL at the root of its store (a bucket,
-    ``memory://name``) has no parent: ``("", path)``; a ``file://`` URL's parent may be ``/``."""
-    if "://" in path:
-        protocol, _, location = path.partition("://")
-        parent, _, name = location.rstrip("/").rpartition("/")
-        if not parent.strip("/") and protocol != "file":
-            return "", path.rstrip("/")
-        return f"{protocol}://{parent}", name
-    full = os.path.abspath(path)
-    return os.path.dirname(full), os.path.basename(full)
-
-
-def sibling_path(path: str, name: str) -> str:
-    """The path of the sibling snapshot ``name`` of the snapshot at ``path``: in the same
-    store and parent folder (or prefix).
-
-    Raises:
-        UnsafeSnapshotError: ``path`` lies at the root of its store (a bucket, ``memory://x``),
-            where a sibling would be another bucket or store, or a local path.
-    """
-    parent, _ = split_parent(path)
-    if "://" in path:
-        if not parent:
-            raise UnsafeSnapshotError(
-                f"snapshot {path} names a sibling snapshot {name!r}, but it lies at the root of "
-                "its store, which has no folder beside it: a reference is resolved only within "
-                "the same store and parent"
-            )
-        return f"{parent}/{name}"
-    return os.path.join(parent, name)
-
-
-def checked_sibling(path: str, name: str) -> str:
-    """``sibling_path(path, name)``, once it is known to be a place a take could have made: on
-    local disk (a plain path or ``file://``) a directory, not a link to one. A missing sibling
-    passes (reading its manifest then says it is missing). The snapshot's own path may be a
-    link (the user chose it); only the sibling's own name is looked at, without following it.
-
-    Raises:
-        UnsafeSnapshotError: the sibling is a link or not a directory, or ``path`` has no
-            parent in its store (``sibling_path``).
-    """
-    where = sibling_path(path, name)
-    if "://" in where and not where.startswith("file://"):
-        return where
-    local = where.removeprefix("file://")
-    try:
-        mode = os.lstat(local).st_mode
-    except FileNotFoundError:
-        return where
-    except OSError as e:
-        raise UnsafeSnapshotError(
-            f"snapshot {path}: its base {local} cannot be looked at: {e}"
-        ) from e
-    if stat.S_ISLNK(mode) or not stat.S_ISDIR(mode):
-        what = "a symbolic link" if stat.S_ISLNK(mode) else "not a directory"
-        raise UnsafeSnapshotError(
-            f"snapshot {path} points at bytes of its base {local}, which is {what}: a base "
-            "must be a sibling folder a take made, and no link is followed. Nothing was read."
-        )
-    return where
 
 
 def base_name(path: str, base: str) -> str:

@@ -29,10 +29,9 @@ from manifest import (
     TensorEntry,
     TupleEntry,
 )
-from snapshot._engine.format.manifest_io import load_manifest
+from snapshot._engine.format.manifest_io import load_manifest, open_linked
 from snapshot._engine.format.serialization import combine
 from snapshot._engine.io.storage_calls import call
-from snapshot._engine.restore.linked import open_linked
 from snapshot._engine.tools.inspection import (
     JOBS,
     PIECE_BYTES,

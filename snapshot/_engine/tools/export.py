@@ -32,7 +32,7 @@ from snapshot._engine.format.serialization import crc32, dtype_from_name
 from snapshot._engine.format.text import printable
 from snapshot._engine.handlers import sharded
 from snapshot._engine.io.storage_calls import call
-from snapshot._engine.restore import claims
+from snapshot._engine.restore import checks as claims
 from snapshot._engine.restore.reads import check_tensor_entry
 from snapshot._engine.runtime import run
 from snapshot.errors import ChecksumError, InvalidArgumentError, StorageError, UnsupportedValueError

@@ -23,11 +23,10 @@ from manifest import (
     TensorEntry,
     reference_of,
 )
-from snapshot._engine.format.manifest_io import load_manifest
+from snapshot._engine.format.manifest_io import load_manifest, open_linked
 from snapshot._engine.format.serialization import crc32
 from snapshot._engine.handlers.objects import check_archive
 from snapshot._engine.io.storage_calls import call
-from snapshot._engine.restore.linked import open_linked
 from snapshot._engine.restore.reads import resolve_view
 from snapshot._engine.restore.restore import read_object
 from snapshot._engine.tools.inspection import JOBS, PIECE_BYTES, Progress, Tally, check_jobs, each

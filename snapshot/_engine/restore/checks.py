@@ -1,0 +1,189 @@
+"""Checks of a snapshot's bytes before a restore takes memory for them or writes them: the sizes
+a manifest claims against the blobs present (``ClaimCheck``), and the reads of
+``verify_first``'s first pass (``check_needs``).
+
+A read into new memory (an object's buffer, a tensor read into no target) takes the size the
+manifest records, which a forged manifest can set to anything: the store is asked each blob's
+size first. Reads into the caller's tensors take no such memory (their sizes are checked
+against the targets), and every blob read is compared with the manifest after the reads.
+"""
+
+from __future__ import annotations
+
+import bisect
+import functools
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from manifest import Entry, Location, Manifest, ShardedTensorEntry, TensorEntry, is_container
+from snapshot._engine.format.manifest_io import open_linked
+from snapshot._engine.handlers import sharded
+from snapshot._engine.handlers.dense import is_dense_tensor
+from snapshot._engine.restore.reads import (
+    Need,
+    check_blob_sizes,
+    label_of,
+    location_check,
+    piece_verify,
+)
+from snapshot._engine.runtime import run
+from snapshot.errors import CorruptSnapshotError
+from snapshot.options import Options
+from snapshot.sharding.mapping import LocalNonpersistentObject
+from storage_plugins import StoragePlugin
+
+# Reads into new memory that claim no more than this in all are planned without asking the
+# store (a small read_object would pay a request per blob); past it, each claim is asked about.
+UNCHECKED_BYTES = 64 << 20
+
+# The pieces the check before a restore reads each range in: small scratch, reused.
+CHECK_PIECE_BYTES = 1 << 20
+
+
+def allocates(entry: Entry, target: Any) -> bool:
+    """Whether reading ``entry`` into ``target`` takes memory of the size the manifest records."""
+    if not entry.locations or isinstance(target, LocalNonpersistentObject):
+        return False  # stored inline, or never read (the restoring rank's own object)
+    if isinstance(entry, (TensorEntry, ShardedTensorEntry)):
+        return not (is_dense_tensor(target) or sharded.is_sharded(target))
+    return True  # objects and pickled tensors: their bytes land in buffers of their length
+
+
+def claimed_blobs(
+    entries: Mapping[str, Entry], paths: Iterable[str], targets: Mapping[str, Any]
+) -> tuple[dict[str, set[str]], int]:
+    """The blobs that reading ``paths`` into ``targets`` allocates for, with the paths reading
+    each; and the bytes claimed."""
+    claims: dict[str, set[str]] = {}
+    claimed = 0
+    for path in paths:
+        entry = entries.get(path)
+        if entry is None or is_container(entry) or not allocates(entry, targets.get(path)):
+            continue  # a missing entry is reported by the planning that follows
+        if len(entry.locations) > 1:
+            check_disjoint(path, entry.locations)
+        for loc in entry.locations:
+            claims.setdefault(loc.blob, set()).add(path)
+            claimed += loc.nbytes
+    return claims, claimed
+
+
+def check_disjoint(path: str, locations: Sequence[Location]) -> None:
+    """Refuses an entry two of whose ranges share a byte (a read would allocate more than the
+    blobs hold)."""
+    blob, end = None, 0
+    for loc in sorted(locations, key=lambda loc: (loc.blob, loc.offset)):
+        if loc.blob != blob:
+            blob, end = loc.blob, 0
+        if loc.nbytes and loc.offset < end:
+            raise CorruptSnapshotError(
+                f"{path}: two of its stored ranges in blob {loc.blob} overlap (one ends at "
+                f"{end:,}, the next starts at {loc.offset:,}); a snapshot stores each byte of a "
+                "value once"
+            )
+        end = max(end, loc.offset + loc.nbytes)
+
+
+async def check_claims(
+    plugin: StoragePlugin,
+    claims: Mapping[str, set[str]],
+    expected: Mapping[str, int],
+    jobs: int,
+    options: Options,
+) -> None:
+    """Asks each claimed blob's size, ``jobs`` at a time; fails on one shorter than
+    ``expected`` (``claims``: blob -> the paths reading it)."""
+    labels = {blob: label_of(paths) for blob, paths in claims.items()}
+    await check_blob_sizes(plugin, labels, expected, jobs, options, before=True)
+
+
+@dataclass
+class ClaimCheck:
+    """Checks the claims of reads into new memory once they pass ``UNCHECKED_BYTES``."""
+
+    manifest: Manifest
+    url: str
+    storage_options: dict[str, Any] | None
+    options: Options
+    checked: set[str] = field(default_factory=set)
+    unchecked_bytes: int = 0  # claimed by the reads planned without asking
+
+    def check(
+        self, entries: Mapping[str, Entry], paths: Iterable[str], targets: Mapping[str, Any]
+    ) -> None:
+        """Raises ``CorruptSnapshotError`` for a claimed blob shorter than the manifest says."""
+        claims, claimed = claimed_blobs(entries, paths, targets)
+        fresh = {blob: paths for blob, paths in claims.items() if blob not in self.checked}
+        if not fresh:
+            return
+        if self.unchecked_bytes + claimed <= UNCHECKED_BYTES:
+            self.unchecked_bytes += claimed
+            return
+        with open_linked(self.url, self.manifest, self.storage_options, self.options) as plugin:
+            jobs = self.options.max_concurrent_io
+            assert jobs is not None
+            run(check_claims(plugin, fresh, self.manifest.blob_sizes, jobs, self.options))
+        self.checked.update(fresh)
+
+
+# ---------------------------------------------------------------------------------------------
+# verify_first: every stored range the in-place reads take bytes from, read into scratch and
+# compared with its recorded CRC-32 before any target is written.
+
+
+def locations_read(
+    entries: Mapping[str, Entry], needs: Iterable[Need]
+) -> list[tuple[str, Location]]:
+    """Each stored range holding bytes of ``needs``, once, whole (the unit of a CRC-32), with
+    its entry's path."""
+    index: dict[str, dict[str, tuple[list[int], list[Location]]]] = {}
+    found: dict[tuple[str, int, int], tuple[str, Location]] = {}
+    for need in needs:
+        by_blob = index.get(need.label)
+        if by_blob is None:
+            by_blob = index[need.label] = _by_blob(entries[need.label].locations)
+        starts, locs = by_blob[need.blob]
+        loc = locs[bisect.bisect_right(starts, need.offset) - 1]
+        found.setdefault((loc.blob, loc.offset, loc.nbytes), (need.label, loc))
+    return list(found.values())
+
+
+def _by_blob(locations: Iterable[Location]) -> dict[str, tuple[list[int], list[Location]]]:
+    """An entry's locations per blob, sorted by offset, with their offsets."""
+    grouped: dict[str, list[Location]] = {}
+    for loc in locations:
+        grouped.setdefault(loc.blob, []).append(loc)
+    out = {}
+    for blob, locs in grouped.items():
+        locs.sort(key=lambda loc: loc.offset)
+        out[blob] = ([loc.offset for loc in locs], locs)
+    return out
+
+
+def _scratch(nbytes: int) -> memoryview:
+    return memoryview(bytearray(nbytes))
+
+
+def check_needs(ranges: Iterable[tuple[str, Location]], piece_bytes: int) -> list[Need]:
+    """Needs that read each range in pieces of at most ``piece_bytes`` into scratch (charged
+    to the budget until the piece is checked) and compare its bytes with its recorded CRC-32
+    (a range without one is read all the same)."""
+    needs: list[Need] = []
+    for path, loc in ranges:
+        check = location_check(path, loc, -(-loc.nbytes // piece_bytes), True)
+        for lo in range(0, loc.nbytes, piece_bytes):
+            n = min(piece_bytes, loc.nbytes - lo)
+            needs.append(
+                Need(
+                    blob=loc.blob,
+                    offset=loc.offset + lo,
+                    nbytes=n,
+                    dest=functools.partial(_scratch, n),
+                    done=None,
+                    scratch_bytes=n,
+                    label=path,
+                    verify=None if check is None else piece_verify(check, lo, n),
+                )
+            )
+    return needs
