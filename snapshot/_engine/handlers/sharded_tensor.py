@@ -4,72 +4,20 @@ pieces that the target's regions cover."""
 
 from __future__ import annotations
 
-import typing
+import functools
+from collections.abc import Mapping
+from typing import Any
 
-from snapshot._engine.handlers.dense import take_tensor
-from snapshot._engine.handlers.table import Handler
-from snapshot._engine.take.drafts import ShardDraft
-from snapshot.errors import UnsupportedValueError
+import torch
 
-# ==== take ===================================================================================
-# Each piece of the global tensor that this rank holds as its main replica is written as a tensor
-# of its own (``dense.take_tensor``; never deduplicated against other ranks: each writes its
-# pieces), and every piece, written or not, is listed for the check that the ranks' pieces
-# cover the tensor (``sharded.check_coverage``). (``sharded`` and ``dtype_name`` are imported
-# with the restore section below.)
-
-if typing.TYPE_CHECKING:
-    from snapshot._engine.take.plan import Collector
-
-
-def take(
-    planner: Collector, path: str, logical: str, value: typing.Any, replicated: bool
-) -> ShardDraft:
-    """The draft of this rank's pieces of a global tensor."""
-    held = sharded.held(path, logical, value)
-    written: list[tuple[sharded.LocalPiece, typing.Any]] = []
-    for piece in held.pieces:
-        if piece.data.dtype != piece.dtype or tuple(piece.data.shape) != piece.sizes:
-            raise UnsupportedValueError(
-                f"{path}: the piece of {piece.key!r} holds a {dtype_name(piece.data.dtype)}"
-                f"{list(piece.data.shape)} tensor where {dtype_name(piece.dtype)}"
-                f"{list(piece.sizes)} was declared"
-            )
-        planner.out.pieces.append(
-            (
-                piece.key,
-                dtype_name(piece.dtype),
-                piece.shape,
-                piece.offsets,
-                piece.sizes,
-                piece.main,
-                path,
-            )
-        )
-        if piece.main:
-            written.append((piece, take_tensor(planner, path, logical, piece.data, False)))
-    return ShardDraft(held=held, written=written)
-
-
-# ==== restore ================================================================================
-# The target's regions (its own piece of a ShardedTensor or DTensor, each local shard of
-# torch's ShardedTensor; a whole plain tensor, or a new one) are filled from whatever shards
-# were stored: only the bytes of the stored shards that overlap each region are read, run by
-# run, or through their gaps in boxes of scratch.
-
-import functools  # noqa: E402
-from collections.abc import Mapping  # noqa: E402
-from typing import TYPE_CHECKING, Any  # noqa: E402
-
-import torch  # noqa: E402
-
-from manifest import ShardedTensorEntry  # noqa: E402
-from snapshot._engine.format.checksum import LocationCheck  # noqa: E402
-from snapshot._engine.format.serialization import dtype_from_name, dtype_name, raw_memoryview  # noqa: E402
-from snapshot._engine.handlers import geometry, sharded  # noqa: E402
-from snapshot._engine.handlers.dense import is_dense_tensor  # noqa: E402
-from snapshot._engine.restore.landing import Landing, tile_limit  # noqa: E402
-from snapshot._engine.restore.reads import (  # noqa: E402
+from manifest import ShardedTensorEntry
+from snapshot._engine.format.checksum import LocationCheck
+from snapshot._engine.format.serialization import dtype_from_name, dtype_name, raw_memoryview
+from snapshot._engine.handlers import geometry, sharded
+from snapshot._engine.handlers.dense import is_dense_tensor, take_tensor
+from snapshot._engine.handlers.table import Kind, ReadPlanner, TakeSink, TensorLayout
+from snapshot._engine.restore.landing import Landing, tile_limit
+from snapshot._engine.restore.reads import (
     Need,
     ScratchPool,
     TensorRead,
@@ -79,34 +27,12 @@ from snapshot._engine.restore.reads import (  # noqa: E402
     lands_directly,
     tile_need,
 )
-from snapshot.errors import StateMismatchError  # noqa: E402
-
-if TYPE_CHECKING:
-    from snapshot._engine.restore.loader import Loader
+from snapshot._engine.take.drafts import ShardDraft
+from snapshot.errors import StateMismatchError, UnsupportedValueError
 
 # Scratch of one box of a sharded read through its gaps: small enough to be in the CPU's cache
 # when it is copied into place.
 BOX_BYTES = 4 << 20
-
-
-def restore(loader: Loader, path: str, entry: ShardedTensorEntry, target: Any) -> None:
-    """Plans the reads of ``entry`` into ``target`` (``plan_sharded_read``); they write the
-    live state of the loader's ``owner`` when the target is a tensor or a piece of one."""
-    loader.claim()
-    read = plan_sharded_read(
-        path,
-        entry,
-        target,
-        loader.piece_bytes,
-        verify=loader.verify,
-        gap_bytes=loader.gap_bytes,
-        box_bytes=min(loader.tile_bytes, BOX_BYTES),
-        pool=loader.scratch,
-        tile_bytes=loader.tile_bytes,
-        landing=loader.landing,
-    )
-    loader.add_needs(read.needs, into_target=is_dense_tensor(target) or sharded.is_sharded(target))
-    loader.tensors[path] = read.result
 
 
 def plan_sharded_read(
@@ -277,13 +203,76 @@ def _box_needs(
     ]
 
 
-# ==== registration ===========================================================================
-# No type of its own to be found by (a DTensor, torch's ShardedTensor, the library's
-# ShardedTensor): asked by ``accepts``, after the dense kind.
-HANDLER = Handler(
-    name="sharded_tensor",
-    take=take,
-    restore=restore,
-    accepts=sharded.is_sharded,
-    entry_types=(ShardedTensorEntry,),
-)
+class ShardedTensorKind(Kind):
+    """Each piece of the global tensor that this rank holds as its main replica is written as a
+    tensor of its own (``dense.take_tensor``; never deduplicated against other ranks), and every
+    piece, written or not, is listed for the check that the ranks' pieces cover the tensor
+    (``sharded.check_coverage``). A restore fills the target's regions (its own piece of a
+    ShardedTensor or DTensor, each local shard of torch's ShardedTensor; a whole plain tensor, or
+    a new one) from whatever shards were stored (``plan_sharded_read``). No type of its own to be
+    found by: asked by ``accepts``, after the dense kind."""
+
+    name = "sharded_tensor"
+    entry_types = (ShardedTensorEntry,)
+    merged_types = (ShardedTensorEntry,)
+
+    def accepts(self, value: Any) -> bool:
+        return sharded.is_sharded(value)
+
+    def take(
+        self, sink: TakeSink, path: str, logical: str, value: Any, replicated: bool
+    ) -> ShardDraft:
+        held = sharded.held(path, logical, value)
+        written: list[tuple[sharded.LocalPiece, Any]] = []
+        for piece in held.pieces:
+            if piece.data.dtype != piece.dtype or tuple(piece.data.shape) != piece.sizes:
+                raise UnsupportedValueError(
+                    f"{path}: the piece of {piece.key!r} holds a {dtype_name(piece.data.dtype)}"
+                    f"{list(piece.data.shape)} tensor where {dtype_name(piece.dtype)}"
+                    f"{list(piece.sizes)} was declared"
+                )
+            dtype = dtype_name(piece.dtype)
+            sink.out.pieces.append(
+                (piece.key, dtype, piece.shape, piece.offsets, piece.sizes, piece.main, path)
+            )
+            if piece.main:
+                written.append((piece, take_tensor(sink, path, logical, piece.data, False)))
+        return ShardDraft(held=held, written=written)
+
+    def restore(
+        self, reader: ReadPlanner, path: str, entry: ShardedTensorEntry, target: Any
+    ) -> None:
+        """Its needs write the live state when the target is a tensor or a piece of one."""
+        reader.claim()
+        read = plan_sharded_read(
+            path,
+            entry,
+            target,
+            reader.piece_bytes,
+            verify=reader.verify,
+            gap_bytes=reader.gap_bytes,
+            box_bytes=min(reader.tile_bytes, BOX_BYTES),
+            pool=reader.scratch,
+            tile_bytes=reader.tile_bytes,
+            landing=reader.landing,
+        )
+        reader.add_needs(read.needs, into_target=not self.allocates(entry, target))
+        reader.tensors[path] = read.result
+
+    def merge(self, entries: dict[str, Any]) -> None:
+        sharded.merge_tensors(entries)
+
+    def allocates(self, entry: Any, target: Any) -> bool:
+        return not (is_dense_tensor(target) or sharded.is_sharded(target)) or sharded.is_sharded(
+            target
+        )
+
+    def tensor_layout(self, path: str, entry: ShardedTensorEntry) -> TensorLayout:
+        dtype = dtype_from_name(entry.dtype, path)
+        sharded.check_entry(path, entry, dtype)
+        return TensorLayout(
+            dtype, entry.shape, [(s.offsets, s.sizes, s.chunks) for s in entry.shards]
+        )
+
+
+SHARDED_TENSOR = ShardedTensorKind()

@@ -24,9 +24,8 @@ import asyncio
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from manifest import Entry, Location, Manifest, ShardedTensorEntry, TensorEntry, is_container
-from snapshot._engine.handlers import sharded
-from snapshot._engine.handlers.dense import is_dense_tensor
+from manifest import Entry, Location, Manifest, is_container
+from snapshot._engine.handlers import for_entry
 from snapshot._engine.io.io_loop import run
 from snapshot._engine.io.storage_calls import call
 from snapshot._engine.restore.linked import open_linked
@@ -41,9 +40,8 @@ def allocates(entry: Entry, target: Any) -> bool:
     manifest records for it."""
     if not entry.locations or isinstance(target, LocalNonpersistentObject):
         return False  # stored inline, or never read (the restoring rank's own object)
-    if isinstance(entry, (TensorEntry, ShardedTensorEntry)):
-        return not (is_dense_tensor(target) or sharded.is_sharded(target))
-    return True  # objects and pickled tensors: their bytes land in buffers of their length
+    kind = for_entry(entry)
+    return kind is None or kind.allocates(entry, target)
 
 
 def claimed_blobs(
@@ -55,8 +53,6 @@ def claimed_blobs(
     claimed = 0
     for path in paths:
         entry = entries.get(path)
-        if type(entry) is TensorEntry and is_dense_tensor(targets.get(path)):
-            continue  # most entries of a restore: read into the caller's tensor
         if entry is None or is_container(entry) or not allocates(entry, targets.get(path)):
             continue  # a missing entry is reported by the planning that follows
         locations = entry.locations

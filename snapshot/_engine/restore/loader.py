@@ -1,15 +1,14 @@
 """The loader: collects the reads that rebuild a set of manifest entries, runs them, and
 rebuilds the values (``inflate``).
 
-Each leaf entry is planned by the handler of its kind (``handlers.for_entry``:
-``handler.restore(loader, path, entry, target)``), which adds its needs to the loader and
-records where its value will be (``tensors``, ``objects``); the loader itself only knows the
-one kind of target every kind treats alike, a ``LocalNonpersistentObject`` (the restoring
-rank's own object, never read). The most common read, a tensor entry straight into the
-caller's tensor, is planned inline (``dense.direct_address``): a restore of many small tensors
-runs it once per leaf, and keeps it as a row of columns (``direct``: ``DirectReads``), not as a
-need. Then ``execute`` cuts the rows, and merges the needs, into scatter reads
-(``DirectReads.requests``, ``coalesce``) and runs them under the memory budget;
+Each leaf entry is planned by the kind that restores it (``handlers.table``:
+``kind.restore(loader, path, entry, target)``; the loader is the kinds' ``ReadPlanner``), which
+adds its needs to the loader and records where its value will be (``tensors``, ``objects``);
+the loader itself only knows the one kind of target every kind treats alike, a
+``LocalNonpersistentObject`` (the restoring rank's own object, never read). A whole stored
+range read straight into the caller's tensor is kept as a row of columns (``add_direct``:
+``DirectReads``), not as a need. Then ``execute`` cuts the rows, and merges the needs, into
+scatter reads (``DirectReads.requests``, ``coalesce``) and runs them under the memory budget;
 ``verify_first`` is the first pass of a restore that checks every stored range before it
 writes.
 """
@@ -27,14 +26,13 @@ import torch
 from manifest import Entry, Location, Manifest, TensorEntry, reference_of
 from snapshot._engine.context import naming_snapshot
 from snapshot._engine.flatten import inflate, subtree
-from snapshot._engine.handlers import local
-from snapshot._engine.handlers.dense import direct_address
-from snapshot._engine.handlers.table import Handler, for_entry
+from snapshot._engine.handlers.local import LOCAL
+from snapshot._engine.handlers.table import by_entry_type
 from snapshot._engine.io.io_loop import join, spawn
 from snapshot._engine.io.pipeline import IOStats, read_all
 from snapshot._engine.io.requests import AnyReadRequest, DirectRequest
 from snapshot._engine.io.storage_calls import call
-from snapshot._engine.io.tensor_memory import beside_others, memory_span
+from snapshot._engine.io.tensor_memory import memory_span
 from snapshot._engine.restore.claims import ClaimCheck
 from snapshot._engine.restore.direct_reads import DirectReads, clashes
 from snapshot._engine.restore.landing import Landing
@@ -68,11 +66,11 @@ def tile_bytes(budget: int, options: Options) -> int:
 class Loader:
     """Collects the reads that rebuild a set of manifest entries, runs them, and inflates.
 
-    What the kinds' ``restore`` functions use: ``entries``, ``where``; the read sizes
-    (``piece_bytes``: the longest need into a target's memory, ``tile_bytes``: the longest
-    through scratch, ``gap_bytes``) and ``verify``; ``add_needs``, ``add_direct``, ``claim``
-    and ``later``; where values land (``tensors``, ``objects``); and the scratch the reads
-    share (``scratch``, ``landing``).
+    The kinds' ``ReadPlanner`` (``handlers.table``): the read sizes (``piece_bytes``: the
+    longest need into a target's memory, ``tile_bytes``: the longest through scratch,
+    ``gap_bytes``) and ``verify``; ``add_needs``, ``add_direct``, ``claim`` and ``later``;
+    where values land (``tensors``, ``objects``, ``indirect``); the scratch the reads share
+    (``scratch``, ``landing``); and each kind's own state (``kind_state``).
     """
 
     def __init__(
@@ -108,26 +106,17 @@ class Loader:
         self.needs: list[Need] = []
         # The reads of whole stored ranges into the caller's tensors (most reads), as columns.
         self.direct = DirectReads()
-        # No Python thread runs beside the library's: set as each subtree is planned.
-        self.alone = False
         self.tensors: dict[str, Any] = {}
-        self.objects: dict[str, Any] = {}  # decoded objects, and primitives' values
-        self.local: dict[str, Any] = {}  # LocalNonpersistentObject values, by path
+        # Decoded objects, primitives' values, LocalNonpersistentObject values.
+        self.objects: dict[str, Any] = {}
         self.scratch = ScratchPool()  # for reads of sharded tensors through their gaps
         # The copies of scratch tiles into targets, and the device streams they run on
         # (made, and ordered after the caller's current streams, as targets are planned).
         self.landing = Landing()
         # Planning steps that wait until every other read is planned (``later``).
         self._later: list[Callable[[], None]] = []
-        # The dense kind's bookkeeping (``handlers/dense.py``): tensors read into no target
-        # share storage as torch.load's do: the new tensor of each stored range, by what it
-        # holds (entries recording the same bytes were one tensor when taken); what was made
-        # of them (a view, a Parameter, a tensor requiring grad), each with the tensor it was
-        # made of (kept alive, its id being part of the key); and the view entries waiting for
-        # every read to be planned.
-        self.fresh: dict[tuple[Any, ...], torch.Tensor] = {}
-        self.made: dict[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor]] = {}
-        self.views: list[tuple[str, TensorEntry]] = []
+        # Each kind's own bookkeeping, by the kind's name (the dense kind's new tensors).
+        self.kind_state: dict[str, Any] = {}
         # The caller's CPU tensors that reads planned as needs fill (not ``direct`` rows), by
         # path: with the rows, checked for targets that share memory (``_separate_overlaps``).
         self.indirect: list[tuple[str, torch.Tensor]] = []
@@ -193,13 +182,6 @@ class Loader:
         ``owner`` (``Need.owner``). ``paths``: ``subtree(entries, root)``, where the caller
         listed it already."""
         entries = self.entries
-        tensors = self.tensors
-        piece_bytes, verify = self.piece_bytes, self.verify
-        alone = self.alone = not beside_others()
-        direct = self.direct
-        # The columns' appends, bound once: the loop below runs once per leaf.
-        add_path, add_chunk = direct.paths.append, direct.chunks.append
-        add_address, add_owner = direct.addresses.append, direct.owners.append
         self.owner = owner
         self._overlaps_checked = False
         with naming_snapshot(self.where):
@@ -212,26 +194,12 @@ class Loader:
                         f"{p}: listed by its parent but missing from the manifest"
                     )
                 target = targets.get(p)
-                if type(entry) is TensorEntry:
-                    # The dense kind's most common read, inline: straight into the target.
-                    address = direct_address(p, entry, target, piece_bytes, verify, alone)
-                    if address is not None:
-                        add_path(p)
-                        add_chunk(entry.chunks[0])  # type: ignore[union-attr]
-                        add_address(address)
-                        add_owner(owner)
-                        tensors[p] = target
-                        continue
-                handler = for_entry(entry)
-                if handler is not None:  # None: a container, which ``inflate`` rebuilds
-                    self._add(handler, p, entry, target)
-
-    def _add(self, handler: Handler, path: str, entry: Entry, target: Any) -> None:
-        if isinstance(target, LocalNonpersistentObject):
-            local.restore(self, path, entry, target)  # this rank's own, never read
-            return
-        assert handler.restore is not None
-        handler.restore(self, path, entry, target)
+                kind = by_entry_type.get(type(entry))
+                if kind is None:
+                    continue  # a container, which ``inflate`` rebuilds
+                if isinstance(target, LocalNonpersistentObject):
+                    kind = LOCAL  # this rank's own, never read
+                kind.restore(self, p, entry, target)
 
     def plan_deferred(self) -> None:
         """Runs the planning steps that wait for every other read (``later``): view entries
@@ -317,10 +285,9 @@ class Loader:
         for path, _ in planned:
             target = self.tensors[path]
             entry = entries[path]
-            handler = for_entry(entry)
-            assert handler is not None and handler.restore is not None
+            kind = by_entry_type[type(entry)]
             self.owner = None  # a new tensor: no live state is written by its reads
-            handler.restore(self, path, entry, None)
+            kind.restore(self, path, entry, None)
             self._overlapped.append((path, target))
         self.owner = owner
 
@@ -468,8 +435,6 @@ class Loader:
         tensor = self.tensors.get(path)  # most leaves (a path is in one of these dicts at most)
         if tensor is not None:
             return tensor
-        if path in self.local:
-            return self.local[path]
         return self.objects[path]  # a KeyError: an entry that no read planned
 
     def inflate(self, root: str) -> Any:

@@ -23,7 +23,7 @@ import torch
 import manifest as mf
 from manifest import Entry, ShardedObjectEntry, ShardedTensorEntry, TensorEntry
 from snapshot._engine.format.torchsnapshot_format import FOREIGN_MARKERS
-from snapshot._engine.handlers import sharded
+from snapshot._engine.handlers.table import merge_entries
 from snapshot._engine.io.storage_calls import call
 from snapshot.errors import PathNotEmptyError, SnapshotExistsError
 from snapshot.version import __version__
@@ -130,7 +130,7 @@ def manifest_bytes(
     (``parts``, in rank order); ``replicated_once`` when replicated leaves are listed once,
     under rank 0's prefix; ``strategies``, the backend and version that wrote each part;
     ``user``, the caller's own metadata (``Snapshot.take(user_metadata=...)``)."""
-    entries = sharded.merge_entries(parts)
+    entries = merge_entries(parts)
     # Version 2 adds sharded entries; a manifest without any stays readable by version 1.
     kinds = set(map(type, entries.values()))
     with_shards = ShardedTensorEntry in kinds or ShardedObjectEntry in kinds

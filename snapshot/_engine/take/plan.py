@@ -22,8 +22,7 @@ import torch
 
 from manifest import Entry, EntryFormatter, TensorEntry, TensorView
 from snapshot._engine.flatten import flatten
-from snapshot._engine.handlers import dense, for_value, sharded
-from snapshot._engine.handlers.table import types_of
+from snapshot._engine.handlers import for_value, sharded
 from snapshot._engine.io.tensor_memory import conjugated, negated
 from snapshot._engine.take.drafts import (
     Draft,
@@ -41,8 +40,6 @@ if TYPE_CHECKING:
     from snapshot._engine.take.incremental import Reuse
     from snapshot._engine.take.placement import Placer, Recorder
 
-_TENSOR = torch.Tensor
-_STRIDED = torch.strided
 
 
 @dataclass
@@ -188,10 +185,10 @@ class TakePlan:
 class Collector:
     """Flattens state dicts into entries and payloads (no placement yet: ``own`` places).
 
-    Each leaf's entry is made by the handler of its kind (``handlers.for_value``), given this
-    collector: the handlers read ``prepare``, ``chunk_bytes`` and ``inline_max``, record into
-    ``out``, hand payloads over with ``emit`` (or, for a whole tensor, inline), and find tied
-    tensors in ``written``.
+    Each leaf's entry is made by its kind (``handlers.for_value``), given this collector as its
+    ``TakeSink`` (``handlers.table``): the kinds read ``prepare``, ``chunk_bytes``,
+    ``inline_max`` and ``reuse``, record into ``out``, hand payloads over with ``emit``, take
+    inner values with ``leaf``, and find tied tensors in ``written``.
     """
 
     def __init__(
@@ -256,49 +253,15 @@ class Collector:
         entries = self.out.entries
         cut = len(rank_prefix)
         check = bool(self.replicated)
-        # The types the table gives the dense kind now (tensor subclasses may be registered).
-        dense_types = types_of(dense.NAME)
-        take_tensor = dense.take_tensor
-        reuse = self.reuse
         for path, node, value in flatten(state, rank_prefix + key_path):
             if node is None:
                 replicated = check and self._is_replicated(path[cut:])
-                # Most leaves: straight to the tensor path (``is_dense_tensor``, inline).
-                if (
-                    (kind := type(value)) in dense_types
-                    and value.layout is _STRIDED
-                    and not value.is_quantized
-                    and not value.is_nested
-                ):
-                    if reuse is not None and self._hashable(value):
-                        entry = reuse.reused(path, value)
-                        if entry is not None:  # the base holds these bytes: nothing to write
-                            entries[path] = entry
-                            if kind is not _TENSOR or value.requires_grad:
-                                dense.record_grads(self, path, value)
-                            continue
-                    entries[path] = take_tensor(self, path, path[cut:], value, replicated)
-                    if kind is not _TENSOR or value.requires_grad:
-                        dense.record_grads(self, path, value)
-                else:
-                    entries[path] = for_value(value).take(self, path, path[cut:], value, replicated)
+                entries[path] = for_value(value).take(self, path, path[cut:], value, replicated)
             else:
                 # A container is never marked replicated, even where a glob matches it: each
                 # rank's entries keep their own (they list other keys only where the states
                 # differ), and only leaves are stored once for every rank.
                 entries[path] = node
-
-    def _hashable(self, tensor: torch.Tensor) -> bool:
-        """Whether an incremental take compares a tensor leaf with its base: one the fast path
-        of ``dense.take_tensor`` writes from its own memory, holding bytes."""
-        return (
-            self.prepare is None
-            and tensor.is_cpu
-            and tensor.is_contiguous()
-            and tensor.nbytes > 0
-            and not negated(tensor)
-            and not (tensor.dtype.is_complex and conjugated(tensor))
-        )
 
     def leaf(self, path: str, logical: str, value: Any, replicated: bool) -> Planned:
         """The entry (or draft) of one leaf, by the handler of its kind."""

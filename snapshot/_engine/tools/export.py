@@ -16,8 +16,8 @@ before any byte is read, so each file is written front to back. Outputs larger t
 ``model.safetensors.index.json`` mapping each name to its file, as Hugging Face writes them.
 
 Before anything is allocated or written, the manifest's claims get restore's own checks: each
-dense entry's chunks hold its shape's bytes in whole elements (``reads.check_tensor_entry``),
-each sharded entry's shards cover its shape exactly once (``sharded.check_entry``), no two
+entry's kind gives it as one tensor once checked (``Kind.tensor_layout``: a dense entry's
+chunks hold its shape's bytes, a sharded one's shards cover its shape exactly once), no two
 ranges of an entry overlap and every blob holds the ranges claimed in it
 (``claims.claimed_blobs``, ``claims.check_claims``). What an export then reads and allocates
 is bounded by the bytes present. Names the safetensors header cannot carry (``__metadata__``,
@@ -43,15 +43,13 @@ from typing import Any, BinaryIO
 
 import torch
 
-from manifest import Location, Manifest, ShardedTensorEntry, TensorEntry
+from manifest import Location, Manifest
 from snapshot._engine.format.checksum import crc32
-from snapshot._engine.format.serialization import dtype_from_name
 from snapshot._engine.format.text import printable
-from snapshot._engine.handlers import sharded
+from snapshot._engine.handlers import for_entry
 from snapshot._engine.io.io_loop import run
 from snapshot._engine.io.storage_calls import call
 from snapshot._engine.restore import claims
-from snapshot._engine.restore.reads import check_tensor_entry
 from snapshot._engine.tools.export_folder import write_file
 from snapshot.errors import (
     ChecksumError,
@@ -172,19 +170,17 @@ def collect(
     for path, entry in entries.items():
         if not path.startswith(prefix):
             continue
-        # Restore's checks of an entry read into new memory: its chunks hold its shape's bytes
-        # in whole elements; a sharded entry's shards cover its shape exactly once.
-        if isinstance(entry, TensorEntry):
-            t_dtype = check_tensor_entry(path, entry)
-            boxes = [Box((0,) * len(entry.shape), entry.shape, entry.chunks)]
-        elif isinstance(entry, ShardedTensorEntry):
-            t_dtype = dtype_from_name(entry.dtype, path)
-            sharded.check_entry(path, entry, t_dtype)
-            boxes = [Box(s.offsets, s.sizes, s.chunks) for s in entry.shards]
-        else:
+        # The entry as one tensor, by its kind, after restore's checks of an entry read into
+        # new memory (a dense one's chunks hold its shape's bytes in whole elements; a sharded
+        # one's shards cover its shape exactly once).
+        kind = for_entry(entry)
+        layout = kind.tensor_layout(path, entry) if kind is not None else None
+        if layout is None:
             if entry.locations or entry.type == "primitive":
                 skipped.append(path)
             continue
+        t_dtype = layout.dtype
+        boxes = [Box(offsets, sizes, chunks) for offsets, sizes, chunks in layout.boxes]
         name = output_name(path, prefix)
         if strip_prefix and name.startswith(strip_prefix):
             name = name[len(strip_prefix) :]
@@ -194,7 +190,7 @@ def collect(
             )
         names[name] = path
         out_dtype = dtype if dtype is not None and t_dtype.is_floating_point else t_dtype
-        sources.append(Source(name, path, t_dtype, tuple(entry.shape), boxes, out_dtype))
+        sources.append(Source(name, path, t_dtype, tuple(layout.shape), boxes, out_dtype))
     return sources, skipped
 
 
