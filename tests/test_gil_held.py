@@ -17,13 +17,10 @@ import zlib
 import pytest
 import torch
 
-from snapshot import Snapshot, StateDict
 from snapshot._engine.format import checksum
 from snapshot._engine.format.checksum import HELD_BYTES, HOLD_MAX_BYTES, crc32_each, crc32_held
-from snapshot._engine.handlers import dense
 from snapshot._engine.io import stage
 from snapshot._engine.io.tensor_memory import beside_others, conjugated, negated
-from snapshot._engine.restore import loader as loader_module
 
 SIZES = [
     0,
@@ -236,24 +233,6 @@ def test_the_busy_thread_benchmark_runs(capsys, tmp_path):
     for name in ("crc32 (isal)", "crc32_each", "Tensor.is_neg()", "negated"):
         assert f"| {name} |" in out
     assert list(tmp_path.iterdir()) == []  # the scratch directory is removed
-
-
-def test_planning_asks_the_dispatch_keys_only_beside_another_thread(tmp_path, monkeypatch):
-    """Alone (no Python thread but the caller's and the library's own), the planning of a read
-    into a target asks ``Tensor.is_neg()``, a quarter of the dispatch keys' cost; beside
-    another thread it asks the keys, which keep the GIL."""
-    path = str(tmp_path / "snap")
-    state = StateDict({f"t{i}": torch.randn(10) for i in range(20)})
-    Snapshot.take(path, {"s": state})
-    asked: list[int] = []
-    monkeypatch.setattr(dense, "negated", lambda t: asked.append(1) or negated(t))
-    for beside in (False, True):
-        monkeypatch.setattr(loader_module, "beside_others", lambda beside=beside: beside)
-        asked.clear()
-        out = StateDict({k: torch.zeros(10) for k in state})
-        Snapshot(path).restore({"s": out})
-        assert all(torch.equal(out[k], state[k]) for k in state)
-        assert len(asked) == (20 if beside else 0)
 
 
 def test_a_thread_of_the_application_is_one_beside_the_library(monkeypatch):

@@ -24,7 +24,6 @@ from snapshot import (
 )
 from snapshot._engine.format.serialization import encode_object, raw_memoryview, tensor_memoryview
 from snapshot._engine.handlers import objects
-from snapshot._engine.restore import loader as loader_module
 from snapshot._engine.take.restorable import check_object
 from tests.helpers import assert_same, random_tensor, raw_bytes
 
@@ -182,12 +181,9 @@ def test_numpy_arrays_and_scalars_round_trip(snapshot_url):
     assert list(out["mixed"]) == [{"x": 1}, None] and out["dtype"] == np.dtype("float32")
 
 
-@pytest.mark.parametrize("beside", [False, True])
-def test_restore_into_lazy_conjugate_and_negated_targets(snapshot_url, monkeypatch, beside):
+def test_restore_into_lazy_conjugate_and_negated_targets(snapshot_url):
     """A target whose memory holds the conjugate or the negation of its values (a lazy view)
-    is filled with the stored values, not the stored bytes: whether the planning asks
-    ``is_neg()`` (alone) or the dispatch keys (beside another thread)."""
-    monkeypatch.setattr(loader_module, "beside_others", lambda: beside)
+    is filled with the stored values, not the stored bytes."""
     z = torch.randn(4, 3, dtype=torch.complex64)
     x = torch.randn(5)
     z_target = torch.zeros(4, 3, dtype=torch.complex64).conj()
