@@ -1,22 +1,8 @@
-"""Sharded tensors: pieces of one global tensor held by several ranks (our ``ShardedTensor``, a
-``DTensor`` with Shard / Replicate placements, or torch's own ``ShardedTensor`` from
-``torch.distributed._shard``, as FSDP1's sharded state dicts and torchrec hold), stored once, and
-read back into any sharding.
-
-Take: each rank holding the main replica of a piece writes it like a tensor of its own (its
-bytes in row-major order, chunked like any tensor); the ranks check together, before anything is
-written, that the main replicas cover every global tensor exactly once; at the commit, the
-pieces of each global tensor are gathered into one ``ShardedTensorEntry`` that every rank's
-entry for it becomes.
-
-Restore and ``read_object``: the region a target needs (its piece of the global tensor, or all
-of it) is intersected with every stored shard; each overlap is read as the runs of consecutive
-bytes it makes in the stored shard, straight into the target's memory when the target is a
-contiguous CPU tensor of the stored dtype. Only overlapping bytes are asked for (the read
-planner may still read through small gaps between runs, up to ``STATESNAP_READ_GAP_BYTES``).
-The geometry (coverage, overlaps, runs, the read plan of a region) is in
-:mod:`snapshot._engine.handlers.geometry`; this module applies it to the values a rank holds
-and to the manifest's entries.
+"""Sharded tensors and objects, as the ranks hold them and as the manifest records them: the
+pieces a rank holds of a global tensor (our ``ShardedTensor``, a ``DTensor`` with Shard /
+Replicate placements, torch's own ``ShardedTensor``), the take's checks that the ranks' main
+replicas cover each tensor once, the commit's merge of every rank's entries, and the checks
+around reading a region (whose geometry is :mod:`snapshot._engine.handlers.geometry`'s).
 """
 
 from __future__ import annotations

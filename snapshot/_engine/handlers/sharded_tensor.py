@@ -36,36 +36,22 @@ BOX_BYTES = 4 << 20
 
 
 def plan_sharded_read(
-    path: str,
-    entry: ShardedTensorEntry,
-    target: Any,
-    piece_bytes: int,
-    verify: bool = True,
-    *,
-    gap_bytes: int = 0,
-    box_bytes: int = 4 << 20,
-    pool: ScratchPool | None = None,
-    tile_bytes: int | None = None,
-    landing: Landing | None = None,
+    reader: ReadPlanner, path: str, entry: ShardedTensorEntry, target: Any
 ) -> TensorRead:
-    """Needs for a target's regions of a sharded tensor: the target's own piece when it is a
-    ``ShardedTensor`` or ``DTensor``, or each local shard of torch's ``ShardedTensor`` (filled
-    in place; resharded from whatever shards were stored), the whole tensor into a plain tensor
-    target (in place, cast like ``copy_``) or a new one.
+    """Needs for a target's regions of a sharded tensor: the target's own piece(s) when it is a
+    sharded value (resharded from whatever shards were stored), else the whole tensor into a
+    plain tensor target (cast like ``copy_``) or a new one.
 
-    Only the bytes of the stored shards that overlap the region are asked for, run by run.
-    They land in the destination's memory when it is a contiguous CPU tensor of the stored
-    dtype; else (another dtype, not contiguous, on a device: every CUDA ShardedTensor or
-    DTensor) each run, cut into tiles of at most ``tile_bytes`` (default ``piece_bytes``), is
-    read into a scratch tile taken when its read is about to run and charged to the read
-    budget, and copied into its elements of the region by ``landing`` (``tile_need``). An
-    overlap made of many runs with gaps of at most ``gap_bytes`` between them (a column block
-    of a row-sharded tensor, say) is read instead through its gaps, in boxes of at most about
-    ``box_bytes`` of scratch (taken from ``pool`` and given back, so that boxes reuse memory;
-    small, so that a box is still in the CPU's cache when it is copied), each moved into place
-    by one strided copy. Chunks read whole are checked against their CRC-32s; a chunk read in
-    part cannot be.
+    Only the stored bytes overlapping a region are read, run by run: into the destination's
+    memory when it is a contiguous CPU tensor of the stored dtype, else through scratch tiles
+    copied in by the reader's ``landing`` (``tile_need``). An overlap of many runs with gaps of
+    at most ``gap_bytes`` (a column block of a row-sharded tensor) is read through its gaps in
+    boxes of scratch from the reader's pool, each moved into place by one strided copy. Chunks
+    read whole are checked against their CRC-32s; a chunk read in part cannot be.
     """
+    piece_bytes, verify, landing = reader.piece_bytes, reader.verify, reader.landing
+    gap_bytes, box_bytes = reader.gap_bytes, min(reader.tile_bytes, BOX_BYTES)
+    tile = min(piece_bytes, reader.tile_bytes)
     dtype = dtype_from_name(entry.dtype, path)
     sharded.check_entry(path, entry, dtype)
     whole = ((0,) * len(entry.shape), tuple(entry.shape))
@@ -76,9 +62,6 @@ def plan_sharded_read(
     else:
         result = allocate(path, entry.nbytes, lambda: torch.empty(entry.shape, dtype=dtype))
         regions = [(whole, result)]
-    if landing is None:
-        landing = Landing()
-    tile = piece_bytes if tile_bytes is None else min(piece_bytes, tile_bytes)
     planned: list[
         tuple[geometry.Region, torch.Tensor, list[geometry.Piece], list[geometry.Box]]
     ] = []
@@ -106,7 +89,7 @@ def plan_sharded_read(
         path, [p for _, _, d, b in planned for p in (*d, *(q for x in b for q in x.pieces))], verify
     )
     needs: list[Need] = []
-    pool = pool if pool is not None else ScratchPool()
+    pool = reader.scratch
     for _, dest, direct, boxes in planned:
         needs.extend(_region_needs(path, dtype, dest, direct, checks, landing))
         for box in boxes:
@@ -123,12 +106,8 @@ def _region_needs(
     landing: Landing,
 ) -> list[Need]:
     """Pieces landing at their place in the region's tensor ``dest``: straight into its memory
-    when it can take raw bytes; else each piece (a run of consecutive elements in both the
-    stored shard and the region, at most a tile long) through a scratch tile of its own,
-    taken when its read is about to run, charged to the read budget, and copied into the
-    region's elements once it has landed (``tile_need``). A scratch tensor of the whole
-    region, taken when the read was planned, held memory beyond the budget: with an 8 MiB
-    budget, four 32 MiB regions held 128 MiB before the first read."""
+    when it can take raw bytes; else each through a scratch tile of its own, taken when its
+    read is about to run (charged to the read budget) and copied in once landed."""
     if not planned:
         return []
     if not lands_directly(dest, dtype):
@@ -244,18 +223,7 @@ class ShardedTensorKind(Kind):
     ) -> None:
         """Its needs write the live state when the target is a tensor or a piece of one."""
         reader.claim()
-        read = plan_sharded_read(
-            path,
-            entry,
-            target,
-            reader.piece_bytes,
-            verify=reader.verify,
-            gap_bytes=reader.gap_bytes,
-            box_bytes=min(reader.tile_bytes, BOX_BYTES),
-            pool=reader.scratch,
-            tile_bytes=reader.tile_bytes,
-            landing=reader.landing,
-        )
+        read = plan_sharded_read(reader, path, entry, target)
         reader.add_needs(read.needs, into_target=not self.allocates(entry, target))
         reader.tensors[path] = read.result
 
