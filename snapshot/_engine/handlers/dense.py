@@ -62,6 +62,21 @@ def is_dense_tensor(value: object) -> bool:
     )
 
 
+def check_tensor_target(label: str, entry: Any, target: Any) -> None:
+    """Refuses, for a stored tensor, a target that is neither a dense tensor nor a piece of a
+    sharded one (the rest of what a target must be, the reads check: shape, dtype, memory)."""
+    if is_dense_tensor(target) or sharded.is_sharded(target):
+        return
+    what = type(target).__name__
+    if isinstance(target, torch.Tensor):
+        layout = "nested" if target.is_nested else str(target.layout).removeprefix("torch.")
+        what += f" ({layout}{' quantized' if target.is_quantized else ''})"
+    raise StateMismatchError(
+        f"{label}: the snapshot holds a {entry.dtype}{list(entry.shape)} tensor, which obj_out, "
+        f"a {what}, cannot receive in place; pass a dense tensor of that shape, or no obj_out"
+    )
+
+
 # ==== take ===================================================================================
 # A contiguous CPU tensor (nearly every one) is written from its own memory, through views:
 # whole in one range (``WholeTensor``, packed into a slab when small), or in chunks above the
@@ -93,14 +108,15 @@ def take_tensor(
 ) -> Planned:
     """The draft of a dense tensor's entry (its payloads handed to ``sink``), or its entry when
     it holds no bytes."""
-    if tensor.is_meta:
-        raise UnsupportedValueError(
-            f"{path}: tensor is on the meta device and holds no data to snapshot"
-        )
-    if storage_shortfall(tensor) is not None:  # its bytes would be read out of bounds
-        raise _without_memory(path, tensor)
     prepare = sink.prepare
     in_place = _in_place(sink, tensor)
+    if not in_place:
+        if tensor.is_meta:
+            raise UnsupportedValueError(
+                f"{path}: tensor is on the meta device and holds no data to snapshot"
+            )
+        if storage_shortfall(tensor) is not None:  # its bytes would be read out of bounds
+            raise _without_memory(path, tensor)
     if prepare is not None:
         traced = call_prepare(prepare, path, logical, tensor, tracing=True)
         dtype, shape = traced.dtype, tuple(traced.shape)
@@ -117,9 +133,12 @@ def take_tensor(
     # a tensor not written from its memory also by device, strides and flags.
     key: Any = None
     if in_place:
-        key = tensor.data_ptr()
-        if tensor.untyped_storage().nbytes() != nbytes:  # a part of its storage: maybe a view
+        held = tensor.untyped_storage().nbytes()
+        if held < tensor.storage_offset() * itemsize + nbytes:  # read out of bounds
+            raise _without_memory(path, tensor)
+        if held != nbytes:  # a part of its storage: maybe a view of another leaf
             sink.views_possible = True
+        key = tensor.data_ptr()
         earlier = sink.written.get(key)
         if earlier is not None and (earlier.dtype != name or earlier.shape != shape):
             sink.views_possible = True
@@ -291,7 +310,8 @@ def direct_address(
         or target.nbytes != nbytes
         or target.shape != entry.shape
         or not lands_directly(target, dtype)
-        or storage_shortfall(target) is not None
+        # A storage that ends before the bytes: the general path refuses it.
+        or target.untyped_storage().nbytes() < target.storage_offset() * dtype.itemsize + nbytes
     ):
         return None
     return target.data_ptr()
@@ -433,6 +453,9 @@ class Dense(Kind):
         if entry.parameter or entry.requires_grad:
             tensor = _loaded(reader, path, entry, tensor)
         reader.tensors[path] = tensor
+
+    def check_target(self, label: str, entry: TensorEntry, target: Any) -> None:
+        check_tensor_target(label, entry, target)
 
     def allocates(self, entry: Any, target: Any) -> bool:
         return not (is_dense_tensor(target) or sharded.is_sharded(target))

@@ -25,7 +25,7 @@ from snapshot._engine.format.serialization import (
     encode_object,
 )
 from snapshot._engine.handlers import geometry, sharded
-from snapshot._engine.handlers.dense import is_dense_tensor
+from snapshot._engine.handlers.dense import check_tensor_target, is_dense_tensor
 from snapshot._engine.handlers.table import (
     Kind,
     ReadPlanner,
@@ -312,6 +312,13 @@ class Objects(Kind):
             path, entry, t, reader.objects, verify=reader.verify, landing=reader.landing
         )
         reader.add_needs(needs, into_target=t is not None)
+
+    def archived(self, entry: Any) -> bool:
+        return isinstance(entry, PickledTensorEntry) or entry.serializer == "torch_save"
+
+    def check_target(self, label: str, entry: Any, target: Any) -> None:
+        if isinstance(entry, PickledTensorEntry):  # an object is never filled in place
+            check_tensor_target(label, entry, target)
 
 
 OBJECTS = Objects()

@@ -48,6 +48,9 @@ class ShardedObjectKind(Kind):
         need = objects.plan_object_read(path, entry, reader.objects, reader.verify)
         reader.add_needs([need], into_target=False)
 
+    def archived(self, entry: ShardedObjectEntry) -> bool:
+        return entry.serializer == "torch_save"
+
     def merge(self, entries: dict[str, Any]) -> None:
         sharded.merge_objects(entries)
 

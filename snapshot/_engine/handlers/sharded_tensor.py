@@ -14,7 +14,7 @@ from manifest import ShardedTensorEntry
 from snapshot._engine.format.checksum import LocationCheck
 from snapshot._engine.format.serialization import dtype_from_name, dtype_name, raw_memoryview
 from snapshot._engine.handlers import geometry, sharded
-from snapshot._engine.handlers.dense import is_dense_tensor, take_tensor
+from snapshot._engine.handlers.dense import check_tensor_target, is_dense_tensor, take_tensor
 from snapshot._engine.handlers.table import Kind, ReadPlanner, TakeSink, TensorLayout
 from snapshot._engine.restore.landing import Landing, tile_limit
 from snapshot._engine.restore.reads import (
@@ -229,6 +229,9 @@ class ShardedTensorKind(Kind):
 
     def merge(self, entries: dict[str, Any]) -> None:
         sharded.merge_tensors(entries)
+
+    def check_target(self, label: str, entry: ShardedTensorEntry, target: Any) -> None:
+        check_tensor_target(label, entry, target)
 
     def allocates(self, entry: Any, target: Any) -> bool:
         return not (is_dense_tensor(target) or sharded.is_sharded(target)) or sharded.is_sharded(

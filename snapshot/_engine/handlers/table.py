@@ -117,6 +117,10 @@ class Kind(ABC):
         then ``reader.tensors[path]`` or ``reader.objects[path]``, or set by a read's
         ``done``."""
 
+    def check_target(self, label: str, entry: Any, target: Any) -> None:  # noqa: B027
+        """Refuses (``StateMismatchError``, naming ``label``), before any read, a ``read_object``
+        target this kind cannot fill in place; by default none is ever filled (it is ignored)."""
+
     def allocates(self, entry: Any, target: Any) -> bool:
         """Whether restoring ``entry`` into ``target`` (None: no target) takes memory of the size
         the manifest claims (its claims are then checked against the store first)."""
@@ -125,6 +129,10 @@ class Kind(ABC):
     def tensor_layout(self, path: str, entry: Any) -> TensorLayout | None:
         """The entry as one tensor, for export (None: not a tensor)."""
         return None
+
+    def archived(self, entry: Any) -> bool:
+        """Whether the entry's ranges hold ``torch.save`` archives (verify checks them)."""
+        return False
 
     # The types of entries (or drafts) this kind rewrites once every rank's are together.
     merged_types: tuple[type, ...] = ()
@@ -239,11 +247,17 @@ class _Shared(Kind):
     def restore(self, reader: ReadPlanner, path: str, entry: Any, target: Any) -> None:
         self.owner(entry).restore(reader, path, entry, target)
 
+    def check_target(self, label: str, entry: Any, target: Any) -> None:
+        self.owner(entry).check_target(label, entry, target)
+
     def allocates(self, entry: Any, target: Any) -> bool:
         return self.owner(entry).allocates(entry, target)
 
     def tensor_layout(self, path: str, entry: Any) -> TensorLayout | None:
         return self.owner(entry).tensor_layout(path, entry)
+
+    def archived(self, entry: Any) -> bool:
+        return self.owner(entry).archived(entry)
 
 
 _kinds: list[Kind] = []
