@@ -3,6 +3,7 @@ pickled tensors are read here too."""
 
 from __future__ import annotations
 
+import functools
 import io
 import math
 import zipfile
@@ -11,7 +12,6 @@ from typing import Any, BinaryIO
 import torch
 
 from manifest import (
-    Location,
     ObjectEntry,
     PickledTensorEntry,
     Shard,
@@ -32,7 +32,6 @@ from snapshot._engine.handlers.table import (
     TakeSink,
     bytes_draft,
     bytes_need,
-    whole_check,
 )
 from snapshot._engine.restore.landing import Landing
 from snapshot._engine.restore.reads import (
@@ -178,65 +177,46 @@ def plan_pickled_tensor_read(
             )
         )
     remaining = [len(pieces)]
-    needs = []
-    for piece in pieces:
-        loc = piece.chunks[0]
-        buf: list[bytearray] = []
+    decoded: dict[str, Any] = {}  # each piece's value, once copied (``bytes_need``'s results)
 
-        def dest(loc: Location = loc, buf: list[bytearray] = buf) -> memoryview:
-            buf.append(allocate(path, loc.nbytes, lambda: bytearray(loc.nbytes)))
-            return memoryview(buf[0])
-
-        def done(piece: Shard = piece, buf: list[bytearray] = buf) -> None:
-            data = bytes(buf.pop())
-            check_archive(data, path)
-            value = decode_object(data, path)
-            box = tuple(piece.sizes)
-            if (
-                not isinstance(value, torch.Tensor)
-                or type(value) not in _PLAIN_TENSORS
-                or value.dtype != dtype
-                or tuple(value.shape) != box
-            ):
-                what = (
-                    f"a {dtype_name(value.dtype)}{list(value.shape)} tensor"
-                    if isinstance(value, torch.Tensor)
-                    else f"a {_type_name(value)}"
-                )
-                raise CorruptSnapshotError(
-                    f"{path}: the pickle of the piece at {list(piece.offsets)} holds {what}; the "
-                    f"manifest records a {entry.dtype}{list(box)} tensor"
-                )
-            if not result:  # one piece, the whole tensor, no target: the decoded one is it
-                results[path] = value.detach()
-                return
-            window = result[0][
-                tuple(slice(o, o + n) for o, n in zip(piece.offsets, box, strict=True))
-            ]
-            try:
-                copier.copy(window, value)
-            except RuntimeError as e:
-                raise StateMismatchError(
-                    f"{path}: cannot copy the stored {entry.dtype} values into the "
-                    f"{dtype_name(window.dtype)} tensor being restored: {e}"
-                ) from e
-            remaining[0] -= 1
-            if remaining[0] == 0:
-                results[path] = result[0]
-
-        needs.append(
-            Need(
-                blob=loc.blob,
-                offset=loc.offset,
-                nbytes=loc.nbytes,
-                dest=dest,
-                done=done,
-                scratch_bytes=loc.nbytes,
-                label=path,
-                verify=whole_check(path, loc, verify),
+    def place(piece: Shard, data: bytes) -> None:
+        check_archive(data, path)
+        value = decode_object(data, path)
+        box = tuple(piece.sizes)
+        if (
+            not isinstance(value, torch.Tensor)
+            or type(value) not in _PLAIN_TENSORS
+            or value.dtype != dtype
+            or tuple(value.shape) != box
+        ):
+            what = (
+                f"a {dtype_name(value.dtype)}{list(value.shape)} tensor"
+                if isinstance(value, torch.Tensor)
+                else f"a {_type_name(value)}"
             )
-        )
-    return needs
+            raise CorruptSnapshotError(
+                f"{path}: the pickle of the piece at {list(piece.offsets)} holds {what}; the "
+                f"manifest records a {entry.dtype}{list(box)} tensor"
+            )
+        if not result:  # one piece, the whole tensor, no target: the decoded one is it
+            results[path] = value.detach()
+            return
+        window = result[0][tuple(slice(o, o + n) for o, n in zip(piece.offsets, box, strict=True))]
+        try:
+            copier.copy(window, value)
+        except RuntimeError as e:
+            raise StateMismatchError(
+                f"{path}: cannot copy the stored {entry.dtype} values into the "
+                f"{dtype_name(window.dtype)} tensor being restored: {e}"
+            ) from e
+        remaining[0] -= 1
+        if remaining[0] == 0:
+            results[path] = result[0]
+
+    return [
+        bytes_need(path, piece.chunks[0], decoded, functools.partial(place, piece), verify)
+        for piece in pieces
+    ]
 
 
 def _check_pieces(path: str, entry: PickledTensorEntry) -> None:
