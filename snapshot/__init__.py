@@ -4,9 +4,12 @@ Public API: :class:`Snapshot`, :class:`PendingSnapshot`, :class:`StateDict`, :cl
 :class:`Stateful`, :class:`Options` (the tunables of one call), :class:`CheckpointManager`
 (step folders, retention, resume), the errors below
 :class:`SnapshotError` (and :class:`PathMismatchWarning`), and ``__version__``. Sharded state is
-described with :mod:`snapshot.sharding`.
+described with :mod:`snapshot.sharding`. A new kind of value is a :class:`Kind` given to
+:func:`register_kind` (a tensor subclass with attributes of its own, say).
 """
 
+from snapshot._engine.handlers import Kind, TensorLayout
+from snapshot._engine.handlers import register as register_kind
 from snapshot.errors import (
     ChecksumError,
     CorruptSnapshotError,
@@ -47,6 +50,7 @@ __all__ = [
     "IncompatibleSnapshotError",
     "IncompleteSnapshotError",
     "InvalidArgumentError",
+    "Kind",
     "MissingBaseError",
     "NotStatefulError",
     "Options",
@@ -65,8 +69,10 @@ __all__ = [
     "Stateful",
     "StatefulError",
     "StorageError",
+    "TensorLayout",
     "UnsafeObjectError",
     "UnsafeSnapshotError",
     "UnsupportedValueError",
     "__version__",
+    "register_kind",
 ]

@@ -57,7 +57,6 @@ streams, and everything torch does inside one copy. Those need a GPU (benchmarks
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import threading
 import weakref
 from collections import deque
@@ -220,7 +219,7 @@ class CudaDouble:
         classes = tuple(device_class(i) for i in range(devices))
         # The device tensor types join the dense kind in the handler table; the registration
         # is undone at teardown.
-        undo = register(dataclasses.replace(dense.HANDLER, value_types=classes, entry_types=()))
+        undo = register(dense.Dense(value_types=classes, entry_types=()))
         monkeypatch.setattr(_Registration(), "undo", undo)
         for name, fn in {
             "cuda_index": self.cuda_index,

@@ -425,7 +425,8 @@ def test_slab_members_are_checksummed_when_staged(pooled, checksums):
     write asks the plugin for none; a blob of its own leaves its CRC to the plugin."""
     from snapshot._engine.io.stage import stager
     from snapshot._engine.io.staging import StagingPool
-    from snapshot._engine.take.plan import Layout, collect, place
+    from snapshot._engine.take.plan import collect, place
+    from snapshot._engine.take.records import Layout
 
     layout = Layout(
         chunk_bytes=1 << 20, slab_threshold_bytes=4096, slab_bytes=1 << 20, checksums=checksums

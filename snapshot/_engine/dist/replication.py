@@ -9,7 +9,7 @@ one more agreement (``Pending.confirm``), run only when there are candidates. Th
 weeds out per-rank state; BLAKE2b makes a false match about as likely as a random 64-bit
 collision, and the CRC adds certainty for small differences.
 
-A replicated leaf is written by one rank (``take.assign_writers``) and listed once in the
+A replicated leaf is written by one rank (``assign_writers``) and listed once in the
 manifest, under rank 0's prefix. Only a take across ranks runs any of this.
 """
 
@@ -27,16 +27,8 @@ import torch
 from manifest import PrimitiveEntry, TensorEntry
 from snapshot._engine import runtime
 from snapshot._engine.format.serialization import combine, crc32, gather_elements
-from snapshot._engine.take.plan import (
-    Collected,
-    Layout,
-    ObjectDraft,
-    Payload,
-    Placer,
-    Stager,
-    TensorDraft,
-    WholeTensor,
-)
+from snapshot._engine.take.plan import Collected, Placer, Stager
+from snapshot._engine.take.records import Layout, ObjectDraft, Payload, TensorDraft, WholeTensor
 from snapshot.errors import SnapshotError
 
 _T = TypeVar("_T")
@@ -183,7 +175,7 @@ def describe(collected: Collected, rank_prefix: str) -> Facts:
 @dataclasses.dataclass
 class Decision:
     """What the agreements decided: the replicated leaves (logical path -> rank 0's ``Desc``,
-    in rank 0's order), their payloads for ``take.assign_writers``, and each rank's bytes
+    in rank 0's order), their payloads for ``assign_writers``, and each rank's bytes
     of its own once the decision is applied."""
 
     replicated: dict[str, Desc]
@@ -333,3 +325,17 @@ def _copy(p: Payload, logical: str, path: str, replicated: bool) -> Payload:
         logical, p.index, p.nbytes, path, replicated, tensor=p.tensor, address=p.address,
         data=p.data, source=p.source, start=p.start, stop=p.stop,
     )  # fmt: skip
+
+
+def assign_writers(
+    signature: Sequence[tuple[str, int, int, str]], local_bytes: Sequence[int]
+) -> dict[tuple[str, int], int]:
+    """Which rank writes each replicated payload: greedily, largest first, to the rank that has
+    the fewest bytes to write so far (its own payloads included; ties go to the lower rank)."""
+    load = list(local_bytes)
+    writers: dict[tuple[str, int], int] = {}
+    for logical, index, nbytes, _ in sorted(signature, key=lambda s: (-s[2], s[0], s[1])):
+        rank = min(range(len(load)), key=lambda r: (load[r], r))
+        writers[(logical, index)] = rank
+        load[rank] += nbytes
+    return writers

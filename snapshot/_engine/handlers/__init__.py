@@ -1,29 +1,41 @@
-"""The table of kinds of values: for each kind, what a take makes of a value (its entry and the
-byte payloads to write) and what a restore makes of its entry (the reads, and into what).
+"""The kinds of values: for each kind, what a take makes of a value (its entry and the byte
+payloads to write) and what a restore makes of its entry (the reads, and into what).
 
-The take planner looks a leaf's kind up by ``for_value`` and the restore path an entry's by
-``for_entry``; neither branches on kinds itself. A new kind is one module beside these with a
-``HANDLER`` and one entry in ``_BUILTIN`` below (or a ``register`` call). Kind modules import no
-planner or restore module: those pass themselves in (``take(planner, ...)``,
-``restore(loader, ...)``), so no import runs back up.
+Every path looks a leaf's kind up in the table (``table``: ``for_value``, ``for_entry``) and
+asks it through the ``Kind`` contract; none branches on kinds itself. A new kind is a ``Kind``
+subclass given to ``register`` (``snapshot.register_kind``). Kind modules import no planner or
+restore module: those pass themselves in (a ``TakeSink``, a ``ReadPlanner``).
 """
 
 from __future__ import annotations
 
-from snapshot._engine.handlers import (
-    dense,
-    factory,
-    local,
-    objects,
-    primitive,
-    sharded_object,
-    sharded_tensor,
+from snapshot._engine.handlers.dense import DENSE
+from snapshot._engine.handlers.factory import FACTORY
+from snapshot._engine.handlers.local import LOCAL
+from snapshot._engine.handlers.objects import OBJECTS
+from snapshot._engine.handlers.primitive import PRIMITIVE
+from snapshot._engine.handlers.sharded_object import SHARDED_OBJECT
+from snapshot._engine.handlers.sharded_tensor import SHARDED_TENSOR
+from snapshot._engine.handlers.table import (
+    Kind,
+    ReadPlanner,
+    TakeSink,
+    TensorLayout,
+    for_entry,
+    for_value,
+    register,
 )
-from snapshot._engine.handlers.table import Handler, for_entry, for_value, register
 
 # Registration order is the order ``accepts`` is asked in: the catch-all object kind last.
-_BUILTIN = (dense, primitive, sharded_tensor, sharded_object, factory, local, objects)
-for _kind in _BUILTIN:
-    register(_kind.HANDLER)
+for _kind in (DENSE, PRIMITIVE, SHARDED_TENSOR, SHARDED_OBJECT, FACTORY, LOCAL, OBJECTS):
+    register(_kind)
 
-__all__ = ["Handler", "for_entry", "for_value", "register"]
+__all__ = [
+    "Kind",
+    "ReadPlanner",
+    "TakeSink",
+    "TensorLayout",
+    "for_entry",
+    "for_value",
+    "register",
+]

@@ -4,42 +4,37 @@ place, or into new tensors."""
 
 from __future__ import annotations
 
+import functools
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
 import torch
 
-from snapshot._engine.handlers.table import Handler, handler_of_type
-
-_STRIDED = torch.strided
-NAME = "dense"
-
-
-def is_dense_tensor(value: object) -> bool:
-    """Whether ``value`` is stored as raw bytes: of a type the table gives this kind
-    (``torch.Tensor``, ``nn.Parameter``, or one registered since), strided and not quantized
-    (and not nested: its layout says strided but it has no one shape; torch.save stores it)."""
-    handler = handler_of_type(type(value))
-    return (
-        handler is not None
-        and handler.name == NAME
-        and value.layout is _STRIDED  # type: ignore[union-attr]
-        and not value.is_quantized  # type: ignore[union-attr]
-        and not value.is_nested  # type: ignore[union-attr]
-    )
-
-
-# ==== take ===================================================================================
-# A tensor whose bytes are its memory as it lies (a contiguous CPU tensor: nearly every one) is
-# written from that memory, through views: whole in one range (``WholeTensor``), or in chunks
-# above the chunk size. Any other (prepared, conjugate or negated views, non-contiguous, on a
-# device) is read through a ``TensorSource`` that staging resolves or gathers. The same memory
-# under two paths (tied weights) is written once.
-
-import math  # noqa: E402
-import typing  # noqa: E402
-from collections.abc import Sequence  # noqa: E402
-
-from manifest import new_tensor_entry  # noqa: E402
-from snapshot._engine.format.serialization import dtype_name, storage_shortfall  # noqa: E402
-from snapshot._engine.take.plan import (  # noqa: E402
+from manifest import TensorEntry, new_tensor_entry
+from snapshot._engine.format.serialization import (
+    DTYPES,
+    dtype_name,
+    storage_shortfall,
+)
+from snapshot._engine.handlers import sharded
+from snapshot._engine.handlers.table import Kind, ReadPlanner, TakeSink, TensorLayout, by_value_type
+from snapshot._engine.restore.reads import (
+    Landing,
+    Need,
+    TensorRead,
+    allocate,
+    check_target,
+    check_tensor_entry,
+    direct_need,
+    lands_directly,
+    location_check,
+    piece_verify,
+    resolve_view,
+    tile_limit,
+    tile_need,
+)
+from snapshot._engine.take.records import (
     Payload,
     PrepareFunc,
     TensorDraft,
@@ -48,118 +43,84 @@ from snapshot._engine.take.plan import (  # noqa: E402
     payloads_of,
     type_name,
 )
-from snapshot.errors import SnapshotError, UnsupportedValueError  # noqa: E402
+from snapshot.errors import (
+    CorruptSnapshotError,
+    SnapshotError,
+    StateMismatchError,
+    UnsupportedValueError,
+)
 
-if typing.TYPE_CHECKING:
-    from snapshot._engine.take.plan import Collector, Planned
-
-_TENSOR = torch.Tensor
-
-
-def take(
-    planner: Collector, path: str, logical: str, value: torch.Tensor, replicated: bool
-) -> Planned:
-    """A dense tensor leaf's draft (``take_tensor``), and what it records beyond its bytes."""
-    draft = take_tensor(planner, path, logical, value, replicated)
-    if type(value) is not _TENSOR or value.requires_grad:
-        record_grads(planner, path, value)
-    return draft
+if TYPE_CHECKING:
+    from snapshot._engine.take.records import Planned
 
 
-def record_grads(planner: Collector, path: str, tensor: torch.Tensor) -> None:
-    """Records that a tensor leaf is an ``nn.Parameter`` or requires grad
-    (``Collected.grads``). Not for a tensor given to a prepare function: what is written is
-    the function's tensor, of its own dtype."""
-    if planner.prepare is None:
-        planner.out.grads[path] = (type(tensor) is not _TENSOR, tensor.requires_grad)
+def is_dense_tensor(value: object) -> bool:
+    """Whether ``value`` is stored as raw bytes: of a type the table gives a dense kind
+    (``torch.Tensor``, ``nn.Parameter``, or one registered since), strided and not quantized
+    (and not nested: its layout says strided but it has no one shape; torch.save stores it)."""
+    return (
+        isinstance(by_value_type.get(type(value)), Dense)
+        and value.layout is torch.strided  # type: ignore[attr-defined]
+        and not value.is_quantized  # type: ignore[attr-defined]
+        and not value.is_nested  # type: ignore[attr-defined]
+    )
 
 
-def take_tensor(
-    planner: Collector, path: str, logical: str, tensor: torch.Tensor, replicated: bool
-) -> Planned:
-    """The draft of a dense tensor's entry (its payloads handed to the planner), or its entry
-    when it holds no bytes."""
-    if (
-        planner.prepare is None
+def check_tensor_target(label: str, entry: Any, target: Any) -> None:
+    """Refuses, for a stored tensor, a target that is neither a dense tensor nor a piece of a
+    sharded one (the rest of what a target must be, the reads check: shape, dtype, memory)."""
+    if is_dense_tensor(target) or sharded.is_sharded(target):
+        return
+    what = type(target).__name__
+    if isinstance(target, torch.Tensor):
+        layout = "nested" if target.is_nested else str(target.layout).removeprefix("torch.")
+        what += f" ({layout}{' quantized' if target.is_quantized else ''})"
+    raise StateMismatchError(
+        f"{label}: the snapshot holds a {entry.dtype}{list(entry.shape)} tensor, which obj_out, "
+        f"a {what}, cannot receive in place; pass a dense tensor of that shape, or no obj_out"
+    )
+
+
+# ==== take ===================================================================================
+# A contiguous CPU tensor (nearly every one) is written from its own memory, through views:
+# whole in one range (``WholeTensor``, packed into a slab when small), or in chunks above the
+# chunk size. Any other (prepared, conjugate or negated views, non-contiguous, on a device) is
+# read through a ``TensorSource`` that staging resolves or gathers. The same memory under two
+# paths (tied weights) is written once.
+
+
+def _in_place(sink: TakeSink, tensor: torch.Tensor) -> bool:
+    """Whether the bytes written are the tensor's memory as it lies."""
+    return (
+        sink.prepare is None
         and tensor.is_cpu
         and tensor.is_contiguous()
         and not tensor.is_neg()
-        # Only a complex tensor can carry the conjugate bit.
-        and not ((dtype := tensor.dtype).is_complex and tensor.is_conj())
-    ):
-        # The common case, kept lean (a take of 20,000 small tensors runs this 20,000
-        # times): the tensor's own memory is written, through views.
-        shape = tuple(tensor.shape)
-        nbytes = tensor.nbytes
-        name = dtype_name(dtype)
-        if nbytes == 0:
-            return new_tensor_entry(name, shape, (), replicated)
-        # Its bytes are read through its address: a storage that ends before them (freed,
-        # as FSDP frees unsharded parameters) would be read out of bounds.
-        # (``serialization.storage_shortfall`` for a contiguous tensor, inline.)
-        held = tensor.untyped_storage().nbytes()
-        if held < tensor.storage_offset() * dtype.itemsize + nbytes:
-            raise _without_memory(path, tensor)
-        if held != nbytes:  # a part of its storage, which another leaf may hold too
-            planner.views_possible = True
-        # The same memory under two paths (tied weights) is written once. It is found by
-        # its address (a tuple key cost more to make and hash than checking a hit), and
-        # another dtype or shape at an address known already by those too.
-        address = tensor.data_ptr()
-        key: int | tuple[typing.Any, ...] = address
-        written = planner.written
-        earlier = written.get(address)
-        if earlier is not None and (earlier.dtype != name or earlier.shape != shape):
-            planner.views_possible = True  # another view of the same memory (``relate``)
-            key = (address, name, shape)
-            earlier = written.get(key)
-        if earlier is not None and earlier.replicated == replicated:
-            return TensorDraft(name, shape, payloads_of(earlier), replicated)
-        if nbytes <= planner.chunk_bytes:
-            whole = WholeTensor(logical, path, tensor, address, nbytes, name, shape, replicated)
-            written[key] = whole
-            planner.emit([whole])
-            return whole
-        itemsize = dtype.itemsize
-        payloads = [
-            Payload(
-                logical,
-                i,
-                (stop - start) * itemsize,
-                path,
-                replicated,
-                tensor=tensor,
-                address=address + start * itemsize,
-            )
-            for i, (start, stop) in enumerate(_bounds(planner, nbytes // itemsize, itemsize))
-        ]
-        planner.emit(payloads)
-        draft = TensorDraft(name, shape, payloads, replicated)
-        written[key] = draft
-        return draft
-    return _tensor_source(planner, path, logical, tensor, replicated)
+        and not (tensor.dtype.is_complex and tensor.is_conj())
+    )
 
 
-def _bounds(planner: Collector, numel: int, itemsize: int) -> Sequence[tuple[int, int]]:
-    """The element ranges of a tensor's chunks."""
-    per_chunk = max(1, planner.chunk_bytes // itemsize)
-    if numel <= per_chunk:
-        return ((0, numel),)
-    return [(e, min(numel, e + per_chunk)) for e in range(0, numel, per_chunk)]
+def record_grads(sink: TakeSink, path: str, tensor: torch.Tensor) -> None:
+    """Records that a tensor leaf is an ``nn.Parameter`` or requires grad
+    (``Collected.grads``). Not for a prepared tensor: what is written is the function's."""
+    if sink.prepare is None and (type(tensor) is not torch.Tensor or tensor.requires_grad):
+        sink.out.grads[path] = (type(tensor) is not torch.Tensor, tensor.requires_grad)
 
 
-def _tensor_source(
-    planner: Collector, path: str, logical: str, tensor: torch.Tensor, replicated: bool
+def take_tensor(
+    sink: TakeSink, path: str, logical: str, tensor: torch.Tensor, replicated: bool
 ) -> Planned:
-    """A tensor whose bytes are not simply its memory: prepared, conjugate or negated
-    views, non-contiguous, on a device (or on the meta device: refused)."""
-    if tensor.is_meta:
-        raise UnsupportedValueError(
-            f"{path}: tensor is on the meta device and holds no data to snapshot"
-        )
-    if storage_shortfall(tensor) is not None:
-        raise _without_memory(path, tensor)
-    prepare = planner.prepare
+    """The draft of a dense tensor's entry (its payloads handed to ``sink``), or its entry when
+    it holds no bytes."""
+    prepare = sink.prepare
+    in_place = _in_place(sink, tensor)
+    if not in_place:
+        if tensor.is_meta:
+            raise UnsupportedValueError(
+                f"{path}: tensor is on the meta device and holds no data to snapshot"
+            )
+        if storage_shortfall(tensor) is not None:  # its bytes would be read out of bounds
+            raise _without_memory(path, tensor)
     if prepare is not None:
         traced = call_prepare(prepare, path, logical, tensor, tracing=True)
         dtype, shape = traced.dtype, tuple(traced.shape)
@@ -169,12 +130,24 @@ def _tensor_source(
     name = dtype_name(dtype)
     itemsize = dtype.itemsize
     numel = math.prod(shape)
-    if numel == 0:
+    nbytes = numel * itemsize
+    if nbytes == 0:
         return new_tensor_entry(name, shape, (), replicated)
-    # Tied weights again; a conjugate or negated view of the same memory holds other
-    # values, so those flags are part of the key.
-    key = None
-    if prepare is None:
+    # Tied weights: found by address (and, where another view starts there, dtype and shape);
+    # a tensor not written from its memory also by device, strides and flags.
+    key: Any = None
+    if in_place:
+        held = tensor.untyped_storage().nbytes()
+        if held < tensor.storage_offset() * itemsize + nbytes:  # read out of bounds
+            raise _without_memory(path, tensor)
+        if held != nbytes:  # a part of its storage: maybe a view of another leaf
+            sink.views_possible = True
+        key = tensor.data_ptr()
+        earlier = sink.written.get(key)
+        if earlier is not None and (earlier.dtype != name or earlier.shape != shape):
+            sink.views_possible = True
+            key = (key, name, shape)
+    elif prepare is None:
         key = (
             tensor.data_ptr(),
             tensor.get_device(),
@@ -184,35 +157,43 @@ def _tensor_source(
             tensor.is_conj(),
             tensor.is_neg(),
         )
-        earlier = planner.written.get(key)
+        if tensor.is_cpu:
+            sink.views_possible = True
+    if key is not None:
+        earlier = sink.written.get(key)
         if earlier is not None and earlier.replicated == replicated:
             return TensorDraft(name, shape, payloads_of(earlier), replicated)
-        if key[1] < 0:  # on the CPU: perhaps a view of another leaf (``relate``)
-            planner.views_possible = True
-    source = TensorSource(path, logical, tensor, prepare, dtype, shape)
-    payloads = [
-        Payload(
-            logical,
-            i,
-            (stop - start) * itemsize,
-            path,
-            replicated,
-            source=source,
-            start=start,
-            stop=stop,
+    draft: TensorDraft | WholeTensor
+    if in_place and nbytes <= sink.chunk_bytes:
+        draft = WholeTensor(
+            logical, path, tensor, tensor.data_ptr(), nbytes, name, shape, replicated
         )
-        for i, (start, stop) in enumerate(_bounds(planner, numel, itemsize))
-    ]
-    planner.emit(payloads)
-    draft = TensorDraft(name, shape, payloads, replicated)
+        sink.emit([draft])
+    else:
+        per_chunk = max(1, sink.chunk_bytes // itemsize)
+        bounds = [(e, min(numel, e + per_chunk)) for e in range(0, numel, per_chunk)]
+        if in_place:
+            address = tensor.data_ptr()
+            payloads = [
+                Payload(logical, i, (b - a) * itemsize, path, replicated, tensor=tensor,
+                        address=address + a * itemsize)
+                for i, (a, b) in enumerate(bounds)
+            ]  # fmt: skip
+        else:
+            source = TensorSource(path, logical, tensor, prepare, dtype, shape)
+            payloads = [
+                Payload(logical, i, (b - a) * itemsize, path, replicated, source=source,
+                        start=a, stop=b)
+                for i, (a, b) in enumerate(bounds)
+            ]  # fmt: skip
+        sink.emit(payloads)
+        draft = TensorDraft(name, shape, payloads, replicated)
     if key is not None:
-        planner.written[key] = draft
+        sink.written[key] = draft
     return draft
 
 
 def _without_memory(path: str, tensor: torch.Tensor) -> UnsupportedValueError:
-    """The error for a tensor whose storage does not hold the elements it views (its bytes
-    would be read out of bounds)."""
     needed, held = storage_shortfall(tensor) or (0, 0)
     return UnsupportedValueError(
         f"{path}: the {dtype_name(tensor.dtype)}{list(tensor.shape)} tensor views {needed} bytes "
@@ -240,80 +221,29 @@ def call_prepare(
 
 
 # ==== restore ================================================================================
-# Into the caller's tensor in place: most leaves in one read straight into its memory
-# (``direct_address``, which the loader also runs inline for every tensor entry), else through
-# ``plan_tensor_read``. With no tensor to fill, into new tensors that share storage as
-# ``torch.load``'s do: entries recording the same bytes (tied weights, written once) get one
-# tensor, a view entry becomes a view of its base's new tensor, and a Parameter or a tensor
-# requiring grad is one object per kind over it.
-
-import functools  # noqa: E402
-from typing import TYPE_CHECKING, Any  # noqa: E402
-
-from manifest import TensorEntry  # noqa: E402
-from snapshot._engine.format.serialization import DTYPES  # noqa: E402
-from snapshot._engine.handlers import sharded  # noqa: E402
-from snapshot._engine.restore.reads import (  # noqa: E402  # noqa: E402
-    Landing,
-    Need,
-    TensorRead,
-    allocate,
-    check_target,
-    check_tensor_entry,
-    direct_need,
-    lands_directly,
-    location_check,
-    piece_verify,
-    resolve_view,
-    tile_limit,
-    tile_need,
-)
-from snapshot.errors import CorruptSnapshotError, StateMismatchError  # noqa: E402
-
-if TYPE_CHECKING:
-    from snapshot._engine.restore.loader import Loader
+# Into the caller's tensor in place: a tensor in one range straight into its memory
+# (``direct_address``), else through ``plan_tensor_read``. With no tensor to fill, into new
+# tensors that share storage as ``torch.load``'s do: entries recording the same bytes (tied
+# weights, written once) get one tensor, a view entry becomes a view of its base's new tensor,
+# and a Parameter or a tensor requiring grad is one object per kind over it.
 
 
-def restore(loader: Loader, path: str, entry: TensorEntry, target: Any) -> None:
-    """Plans the reads of ``entry``: into ``target`` when it is a dense tensor (its needs
-    write the live state of the loader's ``owner``), else into a new tensor (a view entry's
-    waits until every other read is planned: ``plan_views``). A piece of a sharded tensor
-    cannot receive a whole one."""
-    if is_dense_tensor(target):
-        address = direct_address(path, entry, target, loader.piece_bytes, loader.verify)
-        if address is None:
-            read = plan_tensor_read(
-                path,
-                entry,
-                target,
-                loader.tile_bytes,
-                loader.piece_bytes,
-                verify=loader.verify,
-                landing=loader.landing,
-            )
-            loader.add_needs(read.needs, into_target=True)
-            if target.is_cpu:  # device memory is another address space: not compared
-                loader.indirect.append((path, target))
-        else:
-            loader.add_direct(path, entry.chunks[0], address)
-        loader.tensors[path] = target
-        return
-    loader.claim()  # a new tensor, of the size the manifest records
-    if sharded.is_sharded(target):
-        raise StateMismatchError(
-            f"{path}: the snapshot holds a whole tensor here, the object being restored "
-            "is a piece of a sharded one; restore it into a plain tensor, or take the "
-            "snapshot from sharded state"
-        )
-    if entry.view is not None:
-        if not loader.views:
-            loader.later(functools.partial(plan_views, loader))
-        loader.views.append((path, entry))
-        return
-    tensor = _new_tensor(loader, path, entry)
-    if entry.parameter or entry.requires_grad:
-        tensor = _loaded(loader, path, entry, tensor)
-    loader.tensors[path] = tensor
+@dataclass
+class _Fresh:
+    """A loader's new tensors (``ReadPlanner.kind_state``): by the bytes they hold; what was
+    made of them (a view, a Parameter), each with its tensor (kept alive: its id is part of the
+    key); and the view entries waiting for every other read to be planned."""
+
+    tensors: dict[tuple[Any, ...], torch.Tensor] = field(default_factory=dict)
+    made: dict[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    views: list[tuple[str, TensorEntry]] = field(default_factory=list)
+
+
+def _fresh(reader: ReadPlanner) -> _Fresh:
+    state = reader.kind_state.get(Dense.name)
+    if state is None:
+        state = reader.kind_state[Dense.name] = _Fresh()
+    return state  # type: ignore[no-any-return]
 
 
 def plan_tensor_read(
@@ -326,18 +256,10 @@ def plan_tensor_read(
     landing: Landing | None = None,
 ) -> TensorRead:
     """Needs for ``entry``: into ``target`` in place when given (cast like ``copy_``), else into
-    a new tensor.
-
-    Bytes land directly in the destination's memory when it is a contiguous CPU tensor of the
-    stored dtype, in pieces of at most ``piece_bytes`` (so one large tensor is read by several
-    workers); otherwise they go through scratch tiles of at most ``tile_bytes`` (whole elements,
-    never across chunks) copied into the target by ``landing``, whatever its layout or device
-    (``tile_need``; without a ``landing``, device copies are waited for one by one). With
-    ``verify``, each chunk's bytes are checked against its recorded CRC-32 as they land.
-
-    Callers try ``direct_address`` first: it plans the most common read in fewer steps (the
-    read this plans for it as one need, kept as a row of columns).
-    """
+    a new tensor. Bytes land in the destination's memory when it is a contiguous CPU tensor of
+    the stored dtype, in pieces of at most ``piece_bytes``; else through scratch tiles of at
+    most ``tile_bytes`` copied in by ``landing`` (``tile_need``). With ``verify``, each chunk is
+    checked against its recorded CRC-32 as it lands."""
     dtype = check_tensor_entry(path, entry)
     if target is None:
         target = allocate(path, entry.nbytes, lambda: torch.empty(entry.shape, dtype=dtype))
@@ -372,20 +294,14 @@ def plan_tensor_read(
 
 
 def direct_address(
-    path: str, entry: TensorEntry, target: Any, piece_bytes: int, verify: bool
+    path: str, entry: TensorEntry, target: torch.Tensor, piece_bytes: int, verify: bool
 ) -> int | None:
-    """Where the bytes of the most common read land (most tensors of a state), or None when
-    ``plan_tensor_read`` must plan it: a tensor stored in one range of at most ``piece_bytes``,
-    with a recorded CRC-32 when reads ``verify``, into a contiguous CPU tensor of the stored
-    dtype and shape, whose memory the bytes land in. The loader keeps such reads as columns
-    (``direct_reads.DirectReads``), not as needs.
-
-    The checks are ``plan_tensor_read``'s for that case, in fewer steps: a target of the stored
-    dtype and shape holding exactly the stored number of bytes is one the bytes fit, and
-    anything else (an error included) is left to the general path.
-    """
+    """Where a whole read lands, or None when ``plan_tensor_read`` must plan it: a tensor in one
+    range of at most ``piece_bytes`` (with a CRC-32 when reads ``verify``), into a contiguous
+    CPU tensor of the stored dtype and shape whose storage holds the bytes. Anything else (an
+    error included) is left to the general path, which words it."""
     chunks = entry.chunks
-    if len(chunks) != 1 or (kind := handler_of_type(type(target))) is None or kind.name != NAME:
+    if len(chunks) != 1:
         return None
     chunk = chunks[0]
     nbytes = chunk.nbytes
@@ -395,117 +311,164 @@ def direct_address(
         or not 0 < nbytes <= piece_bytes
         or (verify and chunk.crc32 is None)
         or target.dtype is not dtype
-        # Before ``nbytes``, which a sparse tensor raises on: the general path words it.
-        or target.layout is not _STRIDED
         or target.nbytes != nbytes
-        or target.is_nested
         or target.shape != entry.shape
-        or not target.is_cpu
-        or target.is_quantized
-        or not target.is_contiguous()
-        or target.is_neg()
-        or (dtype.is_complex and target.is_conj())
-        # A storage that ends before the bytes would be written out of bounds: the general
-        # path refuses it (``check_receivable``).
+        or not lands_directly(target, dtype)
+        # A storage that ends before the bytes: the general path refuses it.
         or target.untyped_storage().nbytes() < target.storage_offset() * dtype.itemsize + nbytes
     ):
         return None
     return target.data_ptr()
 
 
-def plan_views(loader: Loader) -> None:
-    """Plans each view entry read into no target, once every other read is planned: a view
-    of its base's new tensor when the base is read into one too (one storage, as
-    ``torch.load`` gives), else a tensor of the view's own bytes (a view read alone reads
-    no more than itself). Every view is checked (``resolve_view``) either way."""
-    views, loader.views = loader.views, []
+def plan_views(reader: ReadPlanner) -> None:
+    """Plans each view entry read into no target, once every other read is planned: a view of
+    its base's new tensor when the base is read into one too (one storage, as ``torch.load``
+    gives), else a tensor of the view's own bytes. Every view is checked (``resolve_view``)."""
+    fresh = _fresh(reader)
+    views, fresh.views = fresh.views, []
     for path, entry in views:
-        _, base = resolve_view(loader.entries, path, entry)
+        _, base = resolve_view(reader.entries, path, entry)
         key = _stored_key(base)
-        raw = loader.fresh.get(key) if key is not None else None
+        raw = fresh.tensors.get(key) if key is not None else None
         if raw is None:
-            value = _new_tensor(loader, path, entry)
+            value = _new_tensor(reader, path, entry)
         else:
-            value = _as_view(loader, raw, entry)
+            view = entry.view
+            assert view is not None
+            made_key = (id(raw), entry.shape, view.offset, view.stride)
+            made = fresh.made.get(made_key)
+            if made is None:
+                out = raw.as_strided(entry.shape, view.stride, raw.storage_offset() + view.offset)
+                made = fresh.made[made_key] = (raw, out)
+            value = made[1]
         if entry.parameter or entry.requires_grad:
-            value = _loaded(loader, path, entry, value)
-        loader.tensors[path] = value
+            value = _loaded(reader, path, entry, value)
+        reader.tensors[path] = value
 
 
-def _new_tensor(loader: Loader, path: str, entry: TensorEntry) -> torch.Tensor:
+def _new_tensor(reader: ReadPlanner, path: str, entry: TensorEntry) -> torch.Tensor:
     """The new tensor that receives ``entry``'s bytes: the one planned already for an entry
     recording the same bytes (tied weights, written once), else one planned now."""
+    fresh = _fresh(reader)
     key = _stored_key(entry)
-    tensor = loader.fresh.get(key) if key is not None else None
+    tensor = fresh.tensors.get(key) if key is not None else None
     if tensor is None:
         read = plan_tensor_read(
-            path,
-            entry,
-            None,
-            loader.tile_bytes,
-            loader.piece_bytes,
-            verify=loader.verify,
-            landing=loader.landing,
+            path, entry, None, reader.tile_bytes, reader.piece_bytes, reader.verify, reader.landing
         )
-        loader.add_needs(read.needs, into_target=False)
+        reader.add_needs(read.needs, into_target=False)
         tensor = read.result
         if key is not None:
-            loader.fresh[key] = tensor
+            fresh.tensors[key] = tensor
     return tensor
 
 
 def _stored_key(entry: TensorEntry) -> tuple[Any, ...] | None:
-    """What identifies the bytes an entry records, for sharing one new tensor among the
-    entries that record the same ones (None for an empty tensor: no bytes to share)."""
-    chunks = entry.chunks
-    if len(chunks) == 1:  # most tensors: the fields of the one range, not its record's hash
-        c = chunks[0]
-        return (entry.dtype, entry.shape, c.blob, c.offset, c.nbytes, c.crc32)
-    return (entry.dtype, entry.shape, chunks) if chunks else None
+    """What identifies the bytes an entry records (None for an empty tensor)."""
+    return (entry.dtype, entry.shape, entry.chunks) if entry.chunks else None
 
 
-def _as_view(loader: Loader, raw: torch.Tensor, entry: TensorEntry) -> torch.Tensor:
-    """``entry``'s view of ``raw``, its base's new tensor; one object for equal views."""
-    view = entry.view
-    assert view is not None
-    key = (id(raw), entry.shape, view.offset, view.stride)
-    made = loader.made.get(key)
-    if made is None:
-        out = raw.as_strided(entry.shape, view.stride, raw.storage_offset() + view.offset)
-        made = loader.made[key] = (raw, out)
-    return made[1]
-
-
-def _loaded(loader: Loader, path: str, entry: TensorEntry, tensor: torch.Tensor) -> torch.Tensor:
-    """What ``torch.load`` gives for ``entry``, recorded as an ``nn.Parameter`` or as
-    requiring grad, holding ``tensor``'s values: a new object sharing its storage, one per
-    kind, so that tied entries of one kind are one object."""
+def _loaded(
+    reader: ReadPlanner, path: str, entry: TensorEntry, tensor: torch.Tensor
+) -> torch.Tensor:
+    """What ``torch.load`` gives for ``entry``, recorded as an ``nn.Parameter`` or as requiring
+    grad, over ``tensor``'s storage: one object per kind, so tied entries of one kind are one."""
     parameter, requires_grad = entry.parameter, entry.requires_grad
     if requires_grad and not (tensor.is_floating_point() or tensor.is_complex()):
         raise CorruptSnapshotError(
             f"{path}: the manifest says this {entry.dtype} tensor requires grad, which only "
             "floating point and complex tensors can"
         )
+    made = _fresh(reader).made
     key = (id(tensor), parameter, requires_grad)
-    made = loader.made.get(key)
-    if made is None:
+    found = made.get(key)
+    if found is None:
+        out: torch.Tensor
         if parameter:
             out = torch.nn.Parameter(tensor, requires_grad=requires_grad)
         else:
             out = tensor.detach().requires_grad_()
-        made = loader.made[key] = (tensor, out)
-    return made[1]
+        found = made[key] = (tensor, out)
+    return found[1]
 
 
-# ==== registration ===========================================================================
-# Found by exact type, then confirmed by ``is_dense_tensor`` (a nested tensor is a plain
-# ``torch.Tensor`` too). Another tensor type is made dense by registering a handler of this
-# name for it (``register(dataclasses.replace(HANDLER, value_types=(cls,), entry_types=()))``).
-HANDLER = Handler(
-    name=NAME,
-    take=take,
-    restore=restore,
-    value_types=(torch.Tensor, torch.nn.Parameter),
-    accepts=is_dense_tensor,
-    entry_types=(TensorEntry,),
-)
+class Dense(Kind):
+    """The dense kind. Another tensor type is stored as dense by registering one more instance
+    for it: ``register(Dense(value_types=(cls,), entry_types=()))``."""
+
+    name = "dense"
+
+    def __init__(
+        self,
+        value_types: tuple[type, ...] = (torch.Tensor, torch.nn.Parameter),
+        entry_types: tuple[type[TensorEntry], ...] = (TensorEntry,),
+    ) -> None:
+        self.value_types = value_types
+        self.entry_types = entry_types
+
+    def accepts(self, value: Any) -> bool:
+        return is_dense_tensor(value)
+
+    def take(
+        self, sink: TakeSink, path: str, logical: str, value: torch.Tensor, replicated: bool
+    ) -> Planned:
+        reuse = sink.reuse
+        if reuse is not None and _in_place(sink, value) and value.nbytes > 0:
+            entry = reuse.reused(path, value)
+            if entry is not None:  # the base holds these bytes: nothing to write
+                record_grads(sink, path, value)
+                return entry
+        draft = take_tensor(sink, path, logical, value, replicated)
+        record_grads(sink, path, value)
+        return draft
+
+    def restore(self, reader: ReadPlanner, path: str, entry: TensorEntry, target: Any) -> None:
+        """Into ``target`` when it is a dense tensor (its needs write the live state), else
+        into a new tensor (a view entry's waits until every other read is planned)."""
+        if is_dense_tensor(target):
+            address = direct_address(path, entry, target, reader.piece_bytes, reader.verify)
+            if address is not None:
+                reader.add_direct(path, entry.chunks[0], address)
+            else:
+                read = plan_tensor_read(
+                    path, entry, target, reader.tile_bytes, reader.piece_bytes, reader.verify,
+                    reader.landing,
+                )  # fmt: skip
+                reader.add_needs(read.needs, into_target=True)
+                if target.is_cpu:  # checked for memory shared with other targets
+                    reader.indirect.append((path, target))
+            reader.tensors[path] = target
+            return
+        reader.claim()  # a new tensor, of the size the manifest records
+        if sharded.is_sharded(target):
+            raise StateMismatchError(
+                f"{path}: the snapshot holds a whole tensor here, the object being restored "
+                "is a piece of a sharded one; restore it into a plain tensor, or take the "
+                "snapshot from sharded state"
+            )
+        if entry.view is not None:
+            fresh = _fresh(reader)
+            if not fresh.views:
+                reader.later(functools.partial(plan_views, reader))
+            fresh.views.append((path, entry))
+            return
+        tensor = _new_tensor(reader, path, entry)
+        if entry.parameter or entry.requires_grad:
+            tensor = _loaded(reader, path, entry, tensor)
+        reader.tensors[path] = tensor
+
+    def check_target(self, label: str, entry: TensorEntry, target: Any) -> None:
+        check_tensor_target(label, entry, target)
+
+    def allocates(self, entry: Any, target: Any) -> bool:
+        return not (is_dense_tensor(target) or sharded.is_sharded(target))
+
+    def tensor_layout(self, path: str, entry: TensorEntry) -> TensorLayout:
+        dtype = check_tensor_entry(path, entry)
+        return TensorLayout(
+            dtype, entry.shape, [((0,) * len(entry.shape), entry.shape, entry.chunks)]
+        )
+
+
+DENSE = Dense()

@@ -3,121 +3,53 @@ pickled tensors are read here too."""
 
 from __future__ import annotations
 
-import typing
+import functools
+import io
+import math
+import zipfile
+from typing import Any, BinaryIO
 
-from snapshot._engine.format.serialization import encode_object
-from snapshot._engine.handlers.table import Handler
-from snapshot._engine.take.plan import ObjectDraft, Payload, type_name
-from snapshot._engine.take.restorable import check_object
-from snapshot.errors import UnsupportedValueError
+import torch
 
-# ==== take ===================================================================================
-# Pickled with torch.save, and refused at once when a restore would refuse it (``check_object``:
-# the take fails rather than commit a value found out only at restore, perhaps months later).
-# Long str and bytes values (``primitive``) and a sharded object's data are payloads made here
-# too (``bytes_draft``). (``torch`` is imported with the restore section below.)
-
-if typing.TYPE_CHECKING:
-    from snapshot._engine.take.plan import Collector
-
-
-def take(
-    planner: Collector, path: str, logical: str, value: typing.Any, replicated: bool
-) -> ObjectDraft:
-    """A value of no other kind: its pickle, as a payload (``bytes_draft``)."""
-    try:
-        data = encode_object(value)
-    except Exception as e:
-        raise UnsupportedValueError(
-            f"{path}: cannot serialize a {type_name(value)}: {type(e).__name__}: {e}"
-        ) from e
-    # A value a restore would refuse is refused now, not found out at restore time,
-    # perhaps months later: the take fails rather than commit it.
-    check_object(path, type_name(value), data, tensor_subclass=isinstance(value, torch.Tensor))
-    return bytes_draft(planner, path, logical, "torch_save", type_name(value), data, replicated)
-
-
-def bytes_draft(
-    planner: Collector,
-    path: str,
-    logical: str,
-    serializer: str,
-    obj_type: str,
-    data: bytes,
-    replicated: bool,
-) -> ObjectDraft:
-    """The draft of an object entry whose bytes are ``data``, handed to the planner."""
-    payload = Payload(logical, 0, len(data), path, replicated, data=data)
-    planner.emit([payload])
-    return ObjectDraft(
-        serializer=serializer, obj_type=obj_type, payload=payload, replicated=replicated
-    )
-
-
-# ==== restore ================================================================================
-# An object's bytes are read into a buffer of their length and decoded once they have landed
-# (and passed their CRC-32); a pickled tensor (torchsnapshot's, for dtypes it stored no raw
-# bytes of) is decoded piece by piece into the target, or into a new tensor.
-
-import io  # noqa: E402
-import math  # noqa: E402
-import zipfile  # noqa: E402
-from typing import TYPE_CHECKING, Any  # noqa: E402
-
-import torch  # noqa: E402
-
-from manifest import (  # noqa: E402
-    Location,
+from manifest import (
     ObjectEntry,
     PickledTensorEntry,
     Shard,
     ShardedObjectEntry,
     new_tensor_entry,
 )
-from snapshot._engine.format.serialization import decode_object, dtype_from_name, dtype_name  # noqa: E402
-from snapshot._engine.handlers import geometry, sharded  # noqa: E402
-from snapshot._engine.handlers.dense import is_dense_tensor  # noqa: E402
-from snapshot._engine.restore.reads import (  # noqa: E402
-    Landing,  # noqa: E402
+from snapshot._engine.format.serialization import (
+    decode_object,
+    dtype_from_name,
+    dtype_name,
+    encode_object,
+)
+from snapshot._engine.handlers import geometry, sharded
+from snapshot._engine.handlers.dense import check_tensor_target, is_dense_tensor
+from snapshot._engine.handlers.table import (
+    Kind,
+    ReadPlanner,
+    TakeSink,
+    bytes_draft,
+    bytes_need,
+)
+from snapshot._engine.restore.reads import (
+    Landing,
     Need,
     allocate,
     check_target,
-    location_check,
 )
-from snapshot.errors import (  # noqa: E402
+from snapshot._engine.take.records import ObjectDraft, type_name
+from snapshot._engine.take.restorable import check_object
+from snapshot.errors import (
     CorruptSnapshotError,
     StateMismatchError,
     UnsafeSnapshotError,
+    UnsupportedValueError,
 )
-
-if TYPE_CHECKING:
-    from snapshot._engine.restore.loader import Loader
 
 # What a pickled tensor's piece must decode to: a plain tensor (not a subclass).
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
-
-
-def restore(
-    loader: Loader, path: str, entry: ObjectEntry | PickledTensorEntry, target: Any
-) -> None:
-    """Plans the read of an object (decoded into the loader's ``objects``; a target is not
-    filled in place), or of a pickled tensor into ``target`` when it is a dense tensor (its
-    needs then write the live state of the loader's ``owner``), else into a new tensor."""
-    loader.claim()  # buffers of the stored length
-    if type(entry) is not PickledTensorEntry:
-        need = plan_object_read(path, entry, loader.objects, loader.verify)
-        loader.add_needs([need], into_target=False)
-        return
-    if sharded.is_sharded(target):
-        raise StateMismatchError(
-            f"{path}: the snapshot holds a whole tensor here (pickled), the object being "
-            "restored is a piece of a sharded one; restore it into a plain tensor"
-        )
-    t = target if is_dense_tensor(target) else None
-    needs = plan_pickled_tensor_read(
-        path, entry, t, loader.objects, verify=loader.verify, landing=loader.landing
-    )
-    loader.add_needs(needs, into_target=t is not None)
 
 
 def plan_object_read(
@@ -126,28 +58,9 @@ def plan_object_read(
     results: dict[str, Any],
     verify: bool = True,
 ) -> Need:
-    """The need of an object's bytes; ``done`` decodes them into ``results[path]`` (after, with
-    ``verify``, their CRC-32 was checked)."""
-    loc = entry.location
-    nbytes = loc.nbytes
-    buf: list[bytearray] = []
-
-    def dest() -> memoryview:
-        buf.append(allocate(path, nbytes, lambda: bytearray(nbytes)))
-        return memoryview(buf[0])
-
-    def done() -> None:
-        results[path] = decode_value(path, entry, bytes(buf.pop()))
-
-    return Need(
-        blob=loc.blob,
-        offset=loc.offset,
-        nbytes=nbytes,
-        dest=dest,
-        done=done,
-        scratch_bytes=nbytes,
-        label=path,
-        verify=location_check(path, loc, 1, verify),
+    """The need of an object's bytes, decoded into ``results[path]``."""
+    return bytes_need(
+        path, entry.location, results, lambda data: decode_value(path, entry, data), verify
     )
 
 
@@ -172,7 +85,7 @@ def decode_value(path: str, entry: ObjectEntry | ShardedObjectEntry, data: bytes
 _ZIP_MAGIC = b"PK\x03\x04"
 
 
-def check_archive(data: bytes | typing.BinaryIO, path: str) -> None:
+def check_archive(data: bytes | BinaryIO, path: str) -> None:
     """Checks, before ``torch.load`` sees them, that the ``torch.save`` bytes of the entry at
     ``path`` (``data``, or a seekable file of them: only the archive's directory is read)
     cannot expand past their own length.
@@ -264,65 +177,46 @@ def plan_pickled_tensor_read(
             )
         )
     remaining = [len(pieces)]
-    needs = []
-    for piece in pieces:
-        loc = piece.chunks[0]
-        buf: list[bytearray] = []
+    decoded: dict[str, Any] = {}  # each piece's value, once copied (``bytes_need``'s results)
 
-        def dest(loc: Location = loc, buf: list[bytearray] = buf) -> memoryview:
-            buf.append(allocate(path, loc.nbytes, lambda: bytearray(loc.nbytes)))
-            return memoryview(buf[0])
-
-        def done(piece: Shard = piece, buf: list[bytearray] = buf) -> None:
-            data = bytes(buf.pop())
-            check_archive(data, path)
-            value = decode_object(data, path)
-            box = tuple(piece.sizes)
-            if (
-                not isinstance(value, torch.Tensor)
-                or type(value) not in _PLAIN_TENSORS
-                or value.dtype != dtype
-                or tuple(value.shape) != box
-            ):
-                what = (
-                    f"a {dtype_name(value.dtype)}{list(value.shape)} tensor"
-                    if isinstance(value, torch.Tensor)
-                    else f"a {_type_name(value)}"
-                )
-                raise CorruptSnapshotError(
-                    f"{path}: the pickle of the piece at {list(piece.offsets)} holds {what}; the "
-                    f"manifest records a {entry.dtype}{list(box)} tensor"
-                )
-            if not result:  # one piece, the whole tensor, no target: the decoded one is it
-                results[path] = value.detach()
-                return
-            window = result[0][
-                tuple(slice(o, o + n) for o, n in zip(piece.offsets, box, strict=True))
-            ]
-            try:
-                copier.copy(window, value)
-            except RuntimeError as e:
-                raise StateMismatchError(
-                    f"{path}: cannot copy the stored {entry.dtype} values into the "
-                    f"{dtype_name(window.dtype)} tensor being restored: {e}"
-                ) from e
-            remaining[0] -= 1
-            if remaining[0] == 0:
-                results[path] = result[0]
-
-        needs.append(
-            Need(
-                blob=loc.blob,
-                offset=loc.offset,
-                nbytes=loc.nbytes,
-                dest=dest,
-                done=done,
-                scratch_bytes=loc.nbytes,
-                label=path,
-                verify=location_check(path, loc, 1, verify),
+    def place(piece: Shard, data: bytes) -> None:
+        check_archive(data, path)
+        value = decode_object(data, path)
+        box = tuple(piece.sizes)
+        if (
+            not isinstance(value, torch.Tensor)
+            or type(value) not in _PLAIN_TENSORS
+            or value.dtype != dtype
+            or tuple(value.shape) != box
+        ):
+            what = (
+                f"a {dtype_name(value.dtype)}{list(value.shape)} tensor"
+                if isinstance(value, torch.Tensor)
+                else f"a {_type_name(value)}"
             )
-        )
-    return needs
+            raise CorruptSnapshotError(
+                f"{path}: the pickle of the piece at {list(piece.offsets)} holds {what}; the "
+                f"manifest records a {entry.dtype}{list(box)} tensor"
+            )
+        if not result:  # one piece, the whole tensor, no target: the decoded one is it
+            results[path] = value.detach()
+            return
+        window = result[0][tuple(slice(o, o + n) for o, n in zip(piece.offsets, box, strict=True))]
+        try:
+            copier.copy(window, value)
+        except RuntimeError as e:
+            raise StateMismatchError(
+                f"{path}: cannot copy the stored {entry.dtype} values into the "
+                f"{dtype_name(window.dtype)} tensor being restored: {e}"
+            ) from e
+        remaining[0] -= 1
+        if remaining[0] == 0:
+            results[path] = result[0]
+
+    return [
+        bytes_need(path, piece.chunks[0], decoded, functools.partial(place, piece), verify)
+        for piece in pieces
+    ]
 
 
 def _check_pieces(path: str, entry: PickledTensorEntry) -> None:
@@ -356,12 +250,55 @@ def _type_name(value: object) -> str:
     return t.__qualname__ if t.__module__ == "builtins" else f"{t.__module__}.{t.__qualname__}"
 
 
-# ==== registration ===========================================================================
-# The catch-all: registered last, it takes every value no other kind accepts.
-HANDLER = Handler(
-    name="objects",
-    take=take,
-    restore=restore,
-    accepts=lambda value: True,
-    entry_types=(ObjectEntry, PickledTensorEntry),
-)
+class Objects(Kind):
+    """The catch-all, registered last: pickled with torch.save, and refused at once when a
+    restore would refuse it (``check_object``: the take fails rather than commit a value found
+    out only at restore, perhaps months later). Restored by the safe loader into the loader's
+    ``objects``; a pickled tensor (torchsnapshot's) into a dense target, or a new tensor."""
+
+    name = "objects"
+    entry_types = (ObjectEntry, PickledTensorEntry)
+
+    def accepts(self, value: Any) -> bool:
+        return True
+
+    def take(
+        self, sink: TakeSink, path: str, logical: str, value: Any, replicated: bool
+    ) -> ObjectDraft:
+        try:
+            data = encode_object(value)
+        except Exception as e:
+            raise UnsupportedValueError(
+                f"{path}: cannot serialize a {type_name(value)}: {type(e).__name__}: {e}"
+            ) from e
+        check_object(path, type_name(value), data, tensor_subclass=isinstance(value, torch.Tensor))
+        return bytes_draft(sink, path, logical, "torch_save", type_name(value), data, replicated)
+
+    def restore(
+        self, reader: ReadPlanner, path: str, entry: ObjectEntry | PickledTensorEntry, target: Any
+    ) -> None:
+        reader.claim()  # buffers of the stored length
+        if not isinstance(entry, PickledTensorEntry):
+            need = plan_object_read(path, entry, reader.objects, reader.verify)
+            reader.add_needs([need], into_target=False)
+            return
+        if sharded.is_sharded(target):
+            raise StateMismatchError(
+                f"{path}: the snapshot holds a whole tensor here (pickled), the object being "
+                "restored is a piece of a sharded one; restore it into a plain tensor"
+            )
+        t = target if is_dense_tensor(target) else None
+        needs = plan_pickled_tensor_read(
+            path, entry, t, reader.objects, verify=reader.verify, landing=reader.landing
+        )
+        reader.add_needs(needs, into_target=t is not None)
+
+    def archived(self, entry: Any) -> bool:
+        return isinstance(entry, PickledTensorEntry) or entry.serializer == "torch_save"
+
+    def check_target(self, label: str, entry: Any, target: Any) -> None:
+        if isinstance(entry, PickledTensorEntry):  # an object is never filled in place
+            check_tensor_target(label, entry, target)
+
+
+OBJECTS = Objects()

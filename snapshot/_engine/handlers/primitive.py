@@ -5,69 +5,55 @@ from __future__ import annotations
 
 import typing
 
-from manifest import int_fits
+from manifest import PrimitiveEntry, int_fits
 from snapshot._engine.flatten import int_refusal
 from snapshot._engine.handlers import objects
-from snapshot._engine.handlers.table import Handler
+from snapshot._engine.handlers.table import Kind, ReadPlanner, TakeSink
 from snapshot.errors import UnsupportedValueError
 
-# ==== take ===================================================================================
-# bool, int, float and None, and a str or bytes of at most ``inline_max_bytes`` (a str
-# encoded), are the manifest's own; a longer str or bytes is a payload of its own
-# (``objects.bytes_draft``), and a str that UTF-8 cannot encode is pickled. An int of more
-# digits than every reader converts (``manifest.int_fits``) is refused.
-# (``PrimitiveEntry`` is imported with the restore section below.)
-
 if typing.TYPE_CHECKING:
-    from snapshot._engine.take.plan import Collector, Planned
+    from snapshot._engine.take.records import Planned
 
 
-def take(
-    planner: Collector, path: str, logical: str, value: typing.Any, replicated: bool
-) -> Planned:
-    """A primitive's entry, or the draft of a long str's or bytes' payload."""
-    kind = type(value)
-    if kind is str:
-        try:
-            data = value.encode("utf-8")
-        except UnicodeEncodeError:  # lone surrogates: only pickle keeps them
-            return objects.take(planner, path, logical, value, replicated)
-        if len(data) <= planner.inline_max:
-            return PrimitiveEntry(value=value, replicated=replicated)
-        return objects.bytes_draft(planner, path, logical, "utf8", "str", data, replicated)
-    if kind is bytes:
-        if len(value) <= planner.inline_max:
-            return PrimitiveEntry(value=value, replicated=replicated)
-        return objects.bytes_draft(planner, path, logical, "bytes", "bytes", value, replicated)
-    if kind is int and not int_fits(value):
-        # ``flatten.check_nesting`` refuses it before the take writes anything; this guards
-        # any other way in.
-        raise UnsupportedValueError(int_refusal(path))
-    return PrimitiveEntry(value=value, replicated=replicated)
+class Primitive(Kind):
+    """bool, int, float and None, and a str or bytes of at most ``inline_max`` bytes (a str
+    encoded), are the manifest's own; a longer str or bytes is a payload of its own, and a str
+    that UTF-8 cannot encode is pickled. An int of more digits than every reader converts
+    (``manifest.int_fits``) is refused. By exact type only: a subclass (an IntEnum, a str enum)
+    is pickled, as the object it is."""
+
+    name = "primitive"
+    value_types = (bool, int, float, type(None), str, bytes)
+    entry_types = (PrimitiveEntry,)
+
+    def accepts(self, value: typing.Any) -> bool:
+        return type(value) in self.value_types
+
+    def take(
+        self, sink: TakeSink, path: str, logical: str, value: typing.Any, replicated: bool
+    ) -> Planned:
+        kind = type(value)
+        if kind is str:
+            try:
+                data = value.encode("utf-8")
+            except UnicodeEncodeError:  # lone surrogates: only pickle keeps them
+                return objects.OBJECTS.take(sink, path, logical, value, replicated)
+            if len(data) <= sink.inline_max:
+                return PrimitiveEntry(value=value, replicated=replicated)
+            return objects.bytes_draft(sink, path, logical, "utf8", "str", data, replicated)
+        if kind is bytes:
+            if len(value) <= sink.inline_max:
+                return PrimitiveEntry(value=value, replicated=replicated)
+            return objects.bytes_draft(sink, path, logical, "bytes", "bytes", value, replicated)
+        if kind is int and not int_fits(value):
+            raise UnsupportedValueError(int_refusal(path))  # ``flatten`` refuses it earlier
+        return PrimitiveEntry(value=value, replicated=replicated)
+
+    def restore(
+        self, reader: ReadPlanner, path: str, entry: PrimitiveEntry, target: typing.Any
+    ) -> None:
+        """The value recorded in the manifest, whatever the target (never filled in place)."""
+        reader.objects[path] = entry.value
 
 
-# ==== restore ================================================================================
-# Nothing to read: the value is the manifest's own (a long str or bytes has an ObjectEntry).
-
-from typing import TYPE_CHECKING, Any  # noqa: E402
-
-from manifest import PrimitiveEntry  # noqa: E402
-
-if TYPE_CHECKING:
-    from snapshot._engine.restore.loader import Loader
-
-
-def restore(loader: Loader, path: str, entry: PrimitiveEntry, target: Any) -> None:
-    """The value recorded in the manifest, whatever the target (never filled in place)."""
-    loader.objects[path] = entry.value
-
-
-# ==== registration ===========================================================================
-# By exact type only: a subclass (an IntEnum, a str enum) is pickled, as the object it is.
-HANDLER = Handler(
-    name="primitive",
-    take=take,
-    restore=restore,
-    value_types=(bool, int, float, type(None), str, bytes),
-    entry_types=(PrimitiveEntry,),
-)
+PRIMITIVE = Primitive()

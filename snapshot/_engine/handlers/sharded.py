@@ -1,22 +1,8 @@
-"""Sharded tensors: pieces of one global tensor held by several ranks (our ``ShardedTensor``, a
-``DTensor`` with Shard / Replicate placements, or torch's own ``ShardedTensor`` from
-``torch.distributed._shard``, as FSDP1's sharded state dicts and torchrec hold), stored once, and
-read back into any sharding.
-
-Take: each rank holding the main replica of a piece writes it like a tensor of its own (its
-bytes in row-major order, chunked like any tensor); the ranks check together, before anything is
-written, that the main replicas cover every global tensor exactly once; at the commit, the
-pieces of each global tensor are gathered into one ``ShardedTensorEntry`` that every rank's
-entry for it becomes.
-
-Restore and ``read_object``: the region a target needs (its piece of the global tensor, or all
-of it) is intersected with every stored shard; each overlap is read as the runs of consecutive
-bytes it makes in the stored shard, straight into the target's memory when the target is a
-contiguous CPU tensor of the stored dtype. Only overlapping bytes are asked for (the read
-planner may still read through small gaps between runs, up to ``STATESNAP_READ_GAP_BYTES``).
-The geometry (coverage, overlaps, runs, the read plan of a region) is in
-:mod:`snapshot._engine.handlers.geometry`; this module applies it to the values a rank holds and to the
-manifest's entries.
+"""Sharded tensors and objects, as the ranks hold them and as the manifest records them: the
+pieces a rank holds of a global tensor (our ``ShardedTensor``, a ``DTensor`` with Shard /
+Replicate placements, torch's own ``ShardedTensor``), the take's checks that the ranks' main
+replicas cover each tensor once, the commit's merge of every rank's entries, and the checks
+around reading a region (whose geometry is :mod:`snapshot._engine.handlers.geometry`'s).
 """
 
 from __future__ import annotations
@@ -24,13 +10,13 @@ from __future__ import annotations
 import functools
 import math
 import sys
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from manifest import Entry, Shard, ShardedObjectEntry, ShardedTensorEntry
+from manifest import Shard, ShardedObjectEntry, ShardedTensorEntry
 from snapshot._engine.format.serialization import LocationCheck
 from snapshot._engine.handlers.geometry import Piece, Region, cover_problem, find_overlap
 from snapshot.errors import (
@@ -296,49 +282,28 @@ def check_objects(objects: Sequence[Sequence[tuple[str, bool, str]]]) -> None:
             )
 
 
-_MERGED = (ShardedTensorEntry, ShardedObjectEntry, ObjectReplica)
-
-
-def merge_entries(parts: Iterable[Mapping[str, Any]]) -> dict[str, Entry | str]:
-    """Every rank's entries in one mapping, each rank's ``ShardedTensorEntry`` (the shards that
-    rank wrote) replaced by one listing every rank's shards of that tensor, and each
-    ``ObjectReplica`` by the entry of the rank that wrote the object. A tensor's entry given as
-    its manifest line (``str``) is kept as it is."""
-    merged: dict[str, Any] = {}
+def merge_tensors(entries: dict[str, Any]) -> None:
+    """Replaces each rank's ``ShardedTensorEntry`` (the shards that rank wrote) by one listing
+    every rank's shards of that tensor (each rank keeps its own entry, under the path it holds
+    its piece at, so any rank reads any region)."""
     shards: dict[str, list[Shard]] = {}
-    objects: dict[str, ShardedObjectEntry] = {}
-    replicas = False
-    for part in parts:
-        merged.update(part)
-        # Most parts hold none of the kinds merged here (a part of 20,000 lines, say): found
-        # out by one pass in C over the kinds of its entries.
-        if not any(issubclass(k, _MERGED) for k in set(map(type, part.values()))):
-            continue
-        for entry in part.values():
-            if isinstance(entry, ShardedTensorEntry):
-                shards.setdefault(entry.key, []).extend(entry.shards)
-            elif isinstance(entry, ShardedObjectEntry):
-                objects[entry.key] = entry
-            elif isinstance(entry, ObjectReplica):
-                replicas = True
-    if replicas:
-        for path, entry in merged.items():
-            if isinstance(entry, ObjectReplica):
-                merged[path] = objects[entry.key]
-    if not shards:
-        return merged
-    full = {key: tuple(sorted(found, key=lambda s: s.offsets)) for key, found in shards.items()}
-    for path, entry in merged.items():
+    for entry in entries.values():
         if isinstance(entry, ShardedTensorEntry):
-            merged[path] = ShardedTensorEntry(
-                key=entry.key,
-                dtype=entry.dtype,
-                shape=entry.shape,
-                shards=full[entry.key],
-                # Not "replicated": each rank keeps its own entry, under the path it holds
-                # its piece at (one listing every shard, so any rank reads any region).
+            shards.setdefault(entry.key, []).extend(entry.shards)
+    full = {key: tuple(sorted(found, key=lambda s: s.offsets)) for key, found in shards.items()}
+    for path, entry in entries.items():
+        if isinstance(entry, ShardedTensorEntry):
+            entries[path] = ShardedTensorEntry(
+                key=entry.key, dtype=entry.dtype, shape=entry.shape, shards=full[entry.key]
             )
-    return merged
+
+
+def merge_objects(entries: dict[str, Any]) -> None:
+    """Replaces each ``ObjectReplica`` by the entry of the rank that wrote the object."""
+    objects = {e.key: e for e in entries.values() if isinstance(e, ShardedObjectEntry)}
+    for path, entry in entries.items():
+        if isinstance(entry, ObjectReplica):
+            entries[path] = objects[entry.key]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -4,75 +4,23 @@ pieces that the target's regions cover."""
 
 from __future__ import annotations
 
-import typing
+import functools
+from collections.abc import Mapping
+from typing import Any
 
-from snapshot._engine.handlers.dense import take_tensor
-from snapshot._engine.handlers.table import Handler
-from snapshot._engine.take.plan import ShardDraft
-from snapshot.errors import UnsupportedValueError
+import torch
 
-# ==== take ===================================================================================
-# Each piece of the global tensor that this rank holds as its main replica is written as a tensor
-# of its own (``dense.take_tensor``; never deduplicated against other ranks: each writes its
-# pieces), and every piece, written or not, is listed for the check that the ranks' pieces
-# cover the tensor (``sharded.check_coverage``). (``sharded`` and ``dtype_name`` are imported
-# with the restore section below.)
-
-if typing.TYPE_CHECKING:
-    from snapshot._engine.take.plan import Collector
-
-
-def take(
-    planner: Collector, path: str, logical: str, value: typing.Any, replicated: bool
-) -> ShardDraft:
-    """The draft of this rank's pieces of a global tensor."""
-    held = sharded.held(path, logical, value)
-    written: list[tuple[sharded.LocalPiece, typing.Any]] = []
-    for piece in held.pieces:
-        if piece.data.dtype != piece.dtype or tuple(piece.data.shape) != piece.sizes:
-            raise UnsupportedValueError(
-                f"{path}: the piece of {piece.key!r} holds a {dtype_name(piece.data.dtype)}"
-                f"{list(piece.data.shape)} tensor where {dtype_name(piece.dtype)}"
-                f"{list(piece.sizes)} was declared"
-            )
-        planner.out.pieces.append(
-            (
-                piece.key,
-                dtype_name(piece.dtype),
-                piece.shape,
-                piece.offsets,
-                piece.sizes,
-                piece.main,
-                path,
-            )
-        )
-        if piece.main:
-            written.append((piece, take_tensor(planner, path, logical, piece.data, False)))
-    return ShardDraft(held=held, written=written)
-
-
-# ==== restore ================================================================================
-# The target's regions (its own piece of a ShardedTensor or DTensor, each local shard of
-# torch's ShardedTensor; a whole plain tensor, or a new one) are filled from whatever shards
-# were stored: only the bytes of the stored shards that overlap each region are read, run by
-# run, or through their gaps in boxes of scratch.
-
-import functools  # noqa: E402
-from collections.abc import Mapping  # noqa: E402
-from typing import TYPE_CHECKING, Any  # noqa: E402
-
-import torch  # noqa: E402
-
-from manifest import ShardedTensorEntry  # noqa: E402
-from snapshot._engine.format.serialization import (  # noqa: E402
+from manifest import ShardedTensorEntry
+from snapshot._engine.format.serialization import (
     LocationCheck,
     dtype_from_name,
     dtype_name,
     raw_memoryview,
 )
-from snapshot._engine.handlers import geometry, sharded  # noqa: E402
-from snapshot._engine.handlers.dense import is_dense_tensor  # noqa: E402
-from snapshot._engine.restore.reads import (  # noqa: E402  # noqa: E402
+from snapshot._engine.handlers import geometry, sharded
+from snapshot._engine.handlers.dense import check_tensor_target, is_dense_tensor, take_tensor
+from snapshot._engine.handlers.table import Kind, ReadPlanner, TakeSink, TensorLayout
+from snapshot._engine.restore.reads import (
     Landing,
     Need,
     ScratchPool,
@@ -84,67 +32,31 @@ from snapshot._engine.restore.reads import (  # noqa: E402  # noqa: E402
     tile_limit,
     tile_need,
 )
-from snapshot.errors import StateMismatchError  # noqa: E402
-
-if TYPE_CHECKING:
-    from snapshot._engine.restore.loader import Loader
+from snapshot._engine.take.records import ShardDraft
+from snapshot.errors import StateMismatchError, UnsupportedValueError
 
 # Scratch of one box of a sharded read through its gaps: small enough to be in the CPU's cache
 # when it is copied into place.
 BOX_BYTES = 4 << 20
 
 
-def restore(loader: Loader, path: str, entry: ShardedTensorEntry, target: Any) -> None:
-    """Plans the reads of ``entry`` into ``target`` (``plan_sharded_read``); they write the
-    live state of the loader's ``owner`` when the target is a tensor or a piece of one."""
-    loader.claim()
-    read = plan_sharded_read(
-        path,
-        entry,
-        target,
-        loader.piece_bytes,
-        verify=loader.verify,
-        gap_bytes=loader.gap_bytes,
-        box_bytes=min(loader.tile_bytes, BOX_BYTES),
-        pool=loader.scratch,
-        tile_bytes=loader.tile_bytes,
-        landing=loader.landing,
-    )
-    loader.add_needs(read.needs, into_target=is_dense_tensor(target) or sharded.is_sharded(target))
-    loader.tensors[path] = read.result
-
-
 def plan_sharded_read(
-    path: str,
-    entry: ShardedTensorEntry,
-    target: Any,
-    piece_bytes: int,
-    verify: bool = True,
-    *,
-    gap_bytes: int = 0,
-    box_bytes: int = 4 << 20,
-    pool: ScratchPool | None = None,
-    tile_bytes: int | None = None,
-    landing: Landing | None = None,
+    reader: ReadPlanner, path: str, entry: ShardedTensorEntry, target: Any
 ) -> TensorRead:
-    """Needs for a target's regions of a sharded tensor: the target's own piece when it is a
-    ``ShardedTensor`` or ``DTensor``, or each local shard of torch's ``ShardedTensor`` (filled
-    in place; resharded from whatever shards were stored), the whole tensor into a plain tensor
-    target (in place, cast like ``copy_``) or a new one.
+    """Needs for a target's regions of a sharded tensor: the target's own piece(s) when it is a
+    sharded value (resharded from whatever shards were stored), else the whole tensor into a
+    plain tensor target (cast like ``copy_``) or a new one.
 
-    Only the bytes of the stored shards that overlap the region are asked for, run by run.
-    They land in the destination's memory when it is a contiguous CPU tensor of the stored
-    dtype; else (another dtype, not contiguous, on a device: every CUDA ShardedTensor or
-    DTensor) each run, cut into tiles of at most ``tile_bytes`` (default ``piece_bytes``), is
-    read into a scratch tile taken when its read is about to run and charged to the read
-    budget, and copied into its elements of the region by ``landing`` (``tile_need``). An
-    overlap made of many runs with gaps of at most ``gap_bytes`` between them (a column block
-    of a row-sharded tensor, say) is read instead through its gaps, in boxes of at most about
-    ``box_bytes`` of scratch (taken from ``pool`` and given back, so that boxes reuse memory;
-    small, so that a box is still in the CPU's cache when it is copied), each moved into place
-    by one strided copy. Chunks read whole are checked against their CRC-32s; a chunk read in
-    part cannot be.
+    Only the stored bytes overlapping a region are read, run by run: into the destination's
+    memory when it is a contiguous CPU tensor of the stored dtype, else through scratch tiles
+    copied in by the reader's ``landing`` (``tile_need``). An overlap of many runs with gaps of
+    at most ``gap_bytes`` (a column block of a row-sharded tensor) is read through its gaps in
+    boxes of scratch from the reader's pool, each moved into place by one strided copy. Chunks
+    read whole are checked against their CRC-32s; a chunk read in part cannot be.
     """
+    piece_bytes, verify, landing = reader.piece_bytes, reader.verify, reader.landing
+    gap_bytes, box_bytes = reader.gap_bytes, min(reader.tile_bytes, BOX_BYTES)
+    tile = min(piece_bytes, reader.tile_bytes)
     dtype = dtype_from_name(entry.dtype, path)
     sharded.check_entry(path, entry, dtype)
     whole = ((0,) * len(entry.shape), tuple(entry.shape))
@@ -155,9 +67,6 @@ def plan_sharded_read(
     else:
         result = allocate(path, entry.nbytes, lambda: torch.empty(entry.shape, dtype=dtype))
         regions = [(whole, result)]
-    if landing is None:
-        landing = Landing()
-    tile = piece_bytes if tile_bytes is None else min(piece_bytes, tile_bytes)
     planned: list[
         tuple[geometry.Region, torch.Tensor, list[geometry.Piece], list[geometry.Box]]
     ] = []
@@ -185,7 +94,7 @@ def plan_sharded_read(
         path, [p for _, _, d, b in planned for p in (*d, *(q for x in b for q in x.pieces))], verify
     )
     needs: list[Need] = []
-    pool = pool if pool is not None else ScratchPool()
+    pool = reader.scratch
     for _, dest, direct, boxes in planned:
         needs.extend(_region_needs(path, dtype, dest, direct, checks, landing))
         for box in boxes:
@@ -202,12 +111,8 @@ def _region_needs(
     landing: Landing,
 ) -> list[Need]:
     """Pieces landing at their place in the region's tensor ``dest``: straight into its memory
-    when it can take raw bytes; else each piece (a run of consecutive elements in both the
-    stored shard and the region, at most a tile long) through a scratch tile of its own,
-    taken when its read is about to run, charged to the read budget, and copied into the
-    region's elements once it has landed (``tile_need``). A scratch tensor of the whole
-    region, taken when the read was planned, held memory beyond the budget: with an 8 MiB
-    budget, four 32 MiB regions held 128 MiB before the first read."""
+    when it can take raw bytes; else each through a scratch tile of its own, taken when its
+    read is about to run (charged to the read budget) and copied in once landed."""
     if not planned:
         return []
     if not lands_directly(dest, dtype):
@@ -282,13 +187,68 @@ def _box_needs(
     ]
 
 
-# ==== registration ===========================================================================
-# No type of its own to be found by (a DTensor, torch's ShardedTensor, the library's
-# ShardedTensor): asked by ``accepts``, after the dense kind.
-HANDLER = Handler(
-    name="sharded_tensor",
-    take=take,
-    restore=restore,
-    accepts=sharded.is_sharded,
-    entry_types=(ShardedTensorEntry,),
-)
+class ShardedTensorKind(Kind):
+    """Each piece of the global tensor that this rank holds as its main replica is written as a
+    tensor of its own (``dense.take_tensor``; never deduplicated against other ranks), and every
+    piece, written or not, is listed for the check that the ranks' pieces cover the tensor
+    (``sharded.check_coverage``). A restore fills the target's regions (its own piece of a
+    ShardedTensor or DTensor, each local shard of torch's ShardedTensor; a whole plain tensor, or
+    a new one) from whatever shards were stored (``plan_sharded_read``). No type of its own to be
+    found by: asked by ``accepts``, after the dense kind."""
+
+    name = "sharded_tensor"
+    entry_types = (ShardedTensorEntry,)
+    merged_types = (ShardedTensorEntry,)
+
+    def accepts(self, value: Any) -> bool:
+        return sharded.is_sharded(value)
+
+    def take(
+        self, sink: TakeSink, path: str, logical: str, value: Any, replicated: bool
+    ) -> ShardDraft:
+        held = sharded.held(path, logical, value)
+        written: list[tuple[sharded.LocalPiece, Any]] = []
+        for piece in held.pieces:
+            if piece.data.dtype != piece.dtype or tuple(piece.data.shape) != piece.sizes:
+                raise UnsupportedValueError(
+                    f"{path}: the piece of {piece.key!r} holds a {dtype_name(piece.data.dtype)}"
+                    f"{list(piece.data.shape)} tensor where {dtype_name(piece.dtype)}"
+                    f"{list(piece.sizes)} was declared"
+                )
+            dtype = dtype_name(piece.dtype)
+            sink.out.pieces.append(
+                (piece.key, dtype, piece.shape, piece.offsets, piece.sizes, piece.main, path)
+            )
+            if piece.main:
+                written.append((piece, take_tensor(sink, path, logical, piece.data, False)))
+        return ShardDraft(held=held, written=written)
+
+    def restore(
+        self, reader: ReadPlanner, path: str, entry: ShardedTensorEntry, target: Any
+    ) -> None:
+        """Its needs write the live state when the target is a tensor or a piece of one."""
+        reader.claim()
+        read = plan_sharded_read(reader, path, entry, target)
+        reader.add_needs(read.needs, into_target=not self.allocates(entry, target))
+        reader.tensors[path] = read.result
+
+    def merge(self, entries: dict[str, Any]) -> None:
+        sharded.merge_tensors(entries)
+
+    def check_target(self, label: str, entry: ShardedTensorEntry, target: Any) -> None:
+        check_tensor_target(label, entry, target)
+
+    def allocates(self, entry: Any, target: Any) -> bool:
+        return not (is_dense_tensor(target) or sharded.is_sharded(target)) or sharded.is_sharded(
+            target
+        )
+
+    def tensor_layout(self, path: str, entry: ShardedTensorEntry) -> TensorLayout:
+        dtype = dtype_from_name(entry.dtype, path)
+        sharded.check_entry(path, entry, dtype)
+        return TensorLayout(
+            dtype, entry.shape, [(s.offsets, s.sizes, s.chunks) for s in entry.shards]
+        )
+
+
+SHARDED_TENSOR = ShardedTensorKind()

@@ -16,10 +16,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from manifest import Entry, Location, Manifest, ShardedTensorEntry, TensorEntry, is_container
+from manifest import Entry, Location, Manifest, is_container
 from snapshot._engine.format.manifest_io import open_linked
-from snapshot._engine.handlers import sharded
-from snapshot._engine.handlers.dense import is_dense_tensor
+from snapshot._engine.handlers import for_entry
 from snapshot._engine.restore.reads import (
     Need,
     check_blob_sizes,
@@ -45,9 +44,8 @@ def allocates(entry: Entry, target: Any) -> bool:
     """Whether reading ``entry`` into ``target`` takes memory of the size the manifest records."""
     if not entry.locations or isinstance(target, LocalNonpersistentObject):
         return False  # stored inline, or never read (the restoring rank's own object)
-    if isinstance(entry, (TensorEntry, ShardedTensorEntry)):
-        return not (is_dense_tensor(target) or sharded.is_sharded(target))
-    return True  # objects and pickled tensors: their bytes land in buffers of their length
+    kind = for_entry(entry)
+    return kind is None or kind.allocates(entry, target)
 
 
 def claimed_blobs(

@@ -1,9 +1,10 @@
 """The loader: plans the reads that rebuild a set of manifest entries, runs them, and rebuilds
 the values (``inflate``).
 
-Each leaf is planned by its kind's handler (``handler.restore(loader, path, entry, target)``),
-which adds needs and records where its value will be; ``execute`` merges the needs into
-scatter reads and runs them under the memory budget.
+Each leaf is planned by the kind that restores it (``kind.restore(loader, path, entry,
+target)``: the loader is the kinds' ``ReadPlanner``, ``handlers.table``), which adds needs and
+records where its value will be; ``execute`` merges the needs into scatter reads and runs them
+under the memory budget.
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ import torch
 from manifest import Entry, Location, Manifest, TensorEntry
 from snapshot._engine.flatten import inflate, subtree
 from snapshot._engine.format.serialization import memory_span
-from snapshot._engine.handlers import local
-from snapshot._engine.handlers.table import for_entry
+from snapshot._engine.handlers.local import LOCAL
+from snapshot._engine.handlers.table import by_entry_type
 from snapshot._engine.io.pipeline import AnyReadRequest, IOStats, ReadRequest, read_all
 from snapshot._engine.restore.checks import (
     CHECK_PIECE_BYTES,
@@ -58,15 +59,12 @@ def tile_bytes(budget: int, options: Options) -> int:
 class Loader:
     """Plans the reads that rebuild a set of manifest entries, runs them, and inflates.
 
-    What handlers' ``restore`` functions use: ``entries``, ``where``; the read sizes
-    (``piece_bytes``: the longest need into a target's memory, ``tile_bytes``: the longest
-    through scratch, ``gap_bytes``) and ``verify``; ``add_needs``, ``add_direct``, ``claim``
-    and ``later``; where values land (``tensors``, ``objects``, ``local``); the caller's CPU
-    tensors filled by needs (``indirect``); the dense kind's bookkeeping (``fresh``, ``made``,
-    ``views``); and the scratch the reads share (``scratch``, ``landing``).
+    The kinds' ``ReadPlanner`` (``handlers.table``): the read sizes (``piece_bytes``: the
+    longest need into a target's memory, ``tile_bytes``: the longest through scratch,
+    ``gap_bytes``) and ``verify``; ``add_needs``, ``add_direct``, ``claim`` and ``later``;
+    where values land (``tensors``, ``objects``, ``indirect``); the scratch the reads share
+    (``scratch``, ``landing``); and each kind's own state (``kind_state``).
     """
-
-    alone = False  # kept for handlers that still pass it to ``dense.direct_address``
 
     def __init__(
         self,
@@ -95,16 +93,13 @@ class Loader:
         self.owner: str | None = None  # the app_state key being planned (``Need.owner``)
         self.needs: list[Need] = []
         self.tensors: dict[str, Any] = {}
-        self.objects: dict[str, Any] = {}  # decoded objects, and primitives' values
-        self.local: dict[str, Any] = {}  # LocalNonpersistentObject values, by path
+        # Decoded objects, primitives' values, LocalNonpersistentObject values.
+        self.objects: dict[str, Any] = {}
         self.scratch = ScratchPool()  # for reads of sharded tensors through their gaps
         self.landing = Landing()
         self._later: list[Callable[[], None]] = []
-        # The dense kind's: new tensors by the stored range they hold (shared, as torch.load
-        # shares them), what was made of them (views, Parameters), and views waiting to plan.
-        self.fresh: dict[tuple[Any, ...], torch.Tensor] = {}
-        self.made: dict[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor]] = {}
-        self.views: list[tuple[str, TensorEntry]] = []
+        # Each kind's own bookkeeping, by the kind's name (the dense kind's new tensors).
+        self.kind_state: dict[str, Any] = {}
         # The caller's CPU tensors filled in place, by whole ranges (path, need, address) and
         # by other needs (path, tensor): checked for shared memory (``_separate_overlaps``).
         self._direct: list[tuple[str, Need, int]] = []
@@ -162,14 +157,12 @@ class Loader:
                         f"{p}: listed by its parent but missing from the manifest"
                     )
                 target = targets.get(p)
-                handler = for_entry(entry)
-                if handler is None:  # a container, which ``inflate`` rebuilds
-                    continue
+                kind = by_entry_type.get(type(entry))
+                if kind is None:
+                    continue  # a container, which ``inflate`` rebuilds
                 if isinstance(target, LocalNonpersistentObject):
-                    local.restore(self, p, entry, target)  # this rank's own, never read
-                    continue
-                assert handler.restore is not None
-                handler.restore(self, p, entry, target)
+                    kind = LOCAL  # this rank's own, never read
+                kind.restore(self, p, entry, target)
 
     def plan_deferred(self) -> None:
         """Runs the planning steps that wait for every other read (``later``)."""
@@ -228,9 +221,7 @@ class Loader:
         for path in paths:
             target = self.tensors[path]
             entry = self.entries[path]
-            handler = for_entry(entry)
-            assert handler is not None and handler.restore is not None
-            handler.restore(self, path, entry, None)
+            by_entry_type[type(entry)].restore(self, path, entry, None)
             self._overlapped.append((path, target))
         self.owner = owner
 
@@ -325,8 +316,6 @@ class Loader:
         tensor = self.tensors.get(path)
         if tensor is not None:
             return tensor
-        if path in self.local:
-            return self.local[path]
         return self.objects[path]  # a KeyError: an entry that no read planned
 
     def inflate(self, root: str) -> Any:

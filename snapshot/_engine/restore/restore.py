@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 import manifest as mf
-from manifest import Entry, Manifest, PickledTensorEntry, ShardedTensorEntry, TensorEntry
+from manifest import Entry, Manifest, ShardedTensorEntry
 from snapshot._engine.arguments import check_app_state, ordered_keys, state_dict_of
 from snapshot._engine.dist import shared_reads
 from snapshot._engine.dist.dist import Coordinator
@@ -28,8 +28,7 @@ from snapshot._engine.flatten import (
     subtree,
 )
 from snapshot._engine.format.manifest_io import open_linked
-from snapshot._engine.handlers import sharded
-from snapshot._engine.handlers.dense import is_dense_tensor
+from snapshot._engine.handlers import for_entry
 from snapshot._engine.io.pipeline import ReadRequest
 from snapshot._engine.restore import suggest
 from snapshot._engine.restore.checks import ClaimCheck
@@ -418,8 +417,9 @@ def read_object(
         close = suggest.close_matches(logical_path, entries, n=3)
         hint = f"; did you mean {close}?" if close else "; see get_manifest() for the paths"
         raise EntryNotFoundError(f"snapshot {path} has no entry {logical_path!r}{hint}")
-    if obj_out is not None:
-        _check_obj_out(entry, obj_out, logical_path, path)
+    kind = for_entry(entry)
+    if obj_out is not None and kind is not None:  # refused before any byte is read
+        kind.check_target(f"snapshot {path}: {logical_path}", entry, obj_out)
     if memory_budget_bytes is not None and memory_budget_bytes < 1:
         raise InvalidArgumentError(
             f"snapshot {path}: memory_budget_bytes must be positive, got {memory_budget_bytes}"
@@ -437,25 +437,3 @@ def read_object(
             with open_linked(path, manifest, storage_options, options) as plugin:
                 loader.execute(plugin, budget)
         return loader.inflate(logical_path)
-
-
-def _check_obj_out(entry: Entry, obj_out: Any, logical_path: str, where: str) -> None:
-    """Refuses a ``read_object`` target that is no tensor for a stored tensor (the loader
-    checks the rest; objects, primitives and containers ignore ``obj_out``)."""
-    if not isinstance(entry, (TensorEntry, PickledTensorEntry, ShardedTensorEntry)):
-        return
-    if is_dense_tensor(obj_out) or sharded.is_sharded(obj_out):
-        return
-    raise StateMismatchError(
-        f"snapshot {where}: {logical_path}: the snapshot holds a {entry.dtype}"
-        f"{list(entry.shape)} tensor, which obj_out, a {_kind_of(obj_out)}, cannot receive in "
-        "place; pass a dense tensor of that shape, or no obj_out"
-    )
-
-
-def _kind_of(value: Any) -> str:
-    if isinstance(value, torch.Tensor):
-        layout = "nested" if value.is_nested else str(value.layout).removeprefix("torch.")
-        quantized = " quantized" if value.is_quantized else ""
-        return f"{type(value).__name__} ({layout}{quantized})"
-    return type(value).__name__

@@ -29,6 +29,7 @@ from snapshot._engine.dist.replication import Decision, Facts, Pending
 from snapshot._engine.flatten import check_nesting, escape_key
 from snapshot._engine.format.torchsnapshot_format import FOREIGN_MARKERS
 from snapshot._engine.handlers import sharded
+from snapshot._engine.handlers.table import merge_entries
 from snapshot._engine.io import stage
 from snapshot._engine.io.pipeline import IOStats, WritePipeline, plugin_location
 from snapshot._engine.io.staging import StagingPool
@@ -36,7 +37,8 @@ from snapshot._engine.io.storage_calls import call, open_plugin
 from snapshot._engine.runtime import gc_paused, join, naming_snapshot, run, spawn
 from snapshot._engine.take.commit import LISTED_NAMES, MANIFEST_NAME, PENDING_NAME, TAKE_DEBRIS
 from snapshot._engine.take.incremental import Reuse
-from snapshot._engine.take.plan import Layout, Made, PrepareFunc, TakePlan, collect, place
+from snapshot._engine.take.plan import TakePlan, collect, place
+from snapshot._engine.take.records import Layout, Made, PrepareFunc
 from snapshot.errors import (
     PathMismatchWarning,
     PathNotEmptyError,
@@ -150,7 +152,7 @@ class TakeJob:
         if decision is None:  # a process alone: its replicated payloads are its own to write
             writers = {(p.logical, p.index): 0 for p in self.collected.replicated}
         else:
-            writers = assign_writers(decision.signature, decision.local_bytes)
+            writers = replication.assign_writers(decision.signature, decision.local_bytes)
             own, self._shared_paths = replication.settle(
                 self.collected, decision.replicated, f"{coord.rank}/", layout, self._stager
             )
@@ -397,7 +399,7 @@ class TakeJob:
         """The number of entries and the bytes of the manifest holding every rank's entries
         (``parts``, in rank order), in the lowest format version that holds them."""
         world_size = self.coordinator.world_size
-        entries = sharded.merge_entries(parts)
+        entries = merge_entries(parts)
         kinds = set(map(type, entries.values()))
         metadata = {
             "library": f"statesnap {__version__}",
@@ -458,20 +460,6 @@ class TakeJob:
             self.where, times["plan"], times["staged"], times["written"], stats.gbps,
             stats.peak_budget_bytes, total,
         )  # fmt: skip
-
-
-def assign_writers(
-    signature: Sequence[tuple[str, int, int, str]], local_bytes: Sequence[int]
-) -> dict[tuple[str, int], int]:
-    """Which rank writes each replicated payload: greedily, largest first, to the rank that has
-    the fewest bytes to write so far (its own payloads included; ties go to the lower rank)."""
-    load = list(local_bytes)
-    writers: dict[tuple[str, int], int] = {}
-    for logical, index, nbytes, _ in sorted(signature, key=lambda s: (-s[2], s[0], s[1])):
-        rank = min(range(len(load)), key=lambda r: (load[r], r))
-        writers[(logical, index)] = rank
-        load[rank] += nbytes
-    return writers
 
 
 def _warn_path_ignored(own: str, used: str, rank: int) -> None:

@@ -27,13 +27,12 @@ from typing import Any, BinaryIO
 
 import torch
 
-from manifest import Location, Manifest, ShardedTensorEntry, TensorEntry
-from snapshot._engine.format.serialization import crc32, dtype_from_name
+from manifest import Location, Manifest
+from snapshot._engine.format.serialization import crc32
 from snapshot._engine.format.text import printable
-from snapshot._engine.handlers import sharded
+from snapshot._engine.handlers import for_entry
 from snapshot._engine.io.storage_calls import call
 from snapshot._engine.restore import checks as claims
-from snapshot._engine.restore.reads import check_tensor_entry
 from snapshot._engine.runtime import run
 from snapshot.errors import ChecksumError, InvalidArgumentError, StorageError, UnsupportedValueError
 from snapshot.options import Options
@@ -133,17 +132,17 @@ def collect(
     for path, entry in entries.items():
         if not path.startswith(prefix):
             continue
-        if isinstance(entry, TensorEntry):
-            t_dtype = check_tensor_entry(path, entry)
-            boxes = [Box((0,) * len(entry.shape), entry.shape, entry.chunks)]
-        elif isinstance(entry, ShardedTensorEntry):
-            t_dtype = dtype_from_name(entry.dtype, path)
-            sharded.check_entry(path, entry, t_dtype)
-            boxes = [Box(s.offsets, s.sizes, s.chunks) for s in entry.shards]
-        else:
+        # The entry as one tensor, by its kind, after restore's checks of an entry read into
+        # new memory (a dense one's chunks hold its shape's bytes in whole elements; a sharded
+        # one's shards cover its shape exactly once).
+        kind = for_entry(entry)
+        layout = kind.tensor_layout(path, entry) if kind is not None else None
+        if layout is None:
             if entry.locations or entry.type == "primitive":
                 skipped.append(path)
             continue
+        t_dtype = layout.dtype
+        boxes = [Box(offsets, sizes, chunks) for offsets, sizes, chunks in layout.boxes]
         name = output_name(path, prefix)
         if strip_prefix and name.startswith(strip_prefix):
             name = name[len(strip_prefix) :]
@@ -153,7 +152,7 @@ def collect(
             )
         names[name] = path
         out_dtype = dtype if dtype is not None and t_dtype.is_floating_point else t_dtype
-        sources.append(Source(name, path, t_dtype, tuple(entry.shape), boxes, out_dtype))
+        sources.append(Source(name, path, t_dtype, tuple(layout.shape), boxes, out_dtype))
     return sources, skipped
 
 

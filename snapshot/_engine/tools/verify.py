@@ -17,14 +17,12 @@ from typing import Any
 from manifest import (
     Location,
     Manifest,
-    ObjectEntry,
-    PickledTensorEntry,
-    ShardedObjectEntry,
     TensorEntry,
     reference_of,
 )
 from snapshot._engine.format.manifest_io import load_manifest, open_linked
 from snapshot._engine.format.serialization import crc32
+from snapshot._engine.handlers import for_entry
 from snapshot._engine.handlers.objects import check_archive
 from snapshot._engine.io.storage_calls import call
 from snapshot._engine.restore.reads import resolve_view
@@ -112,10 +110,9 @@ def _ranges_by_blob(manifest: Manifest) -> dict[str, list[_Range]]:
 
 
 def _is_archive(entry: Any) -> bool:
-    """Whether ``entry``'s ranges hold ``torch.save`` archives."""
-    if isinstance(entry, PickledTensorEntry):
-        return True
-    return isinstance(entry, (ObjectEntry, ShardedObjectEntry)) and entry.serializer == "torch_save"
+    """Whether ``entry``'s ranges hold ``torch.save`` archives (its kind says)."""
+    kind = for_entry(entry)
+    return kind is not None and kind.archived(entry)
 
 
 # How much of an archive's end verify keeps to find its zip directory: a torch.save archive's
@@ -411,10 +408,7 @@ def _decode_unchecked(
     damaged = {p for problem in report.problems for p in problem.paths}
     seen: set[tuple[tuple[str, int, int], ...]] = set()
     for key, entry in manifest.entries.items():
-        pickled = isinstance(entry, PickledTensorEntry) or (
-            isinstance(entry, (ObjectEntry, ShardedObjectEntry))
-            and entry.serializer == "torch_save"
-        )
+        pickled = _is_archive(entry)
         locations = entry.locations
         if not pickled or key in damaged or any(loc.crc32 is not None for loc in locations):
             continue
