@@ -1,0 +1,1 @@
+"""Process groups: coordination, replicated values, shared reads, lost ranks."""
