@@ -25,7 +25,7 @@ import warnings
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from snapshot._engine import arguments
+from snapshot._engine import state_dicts
 from snapshot._engine.dist.dist import RankZero
 from snapshot._engine.manager import preemption
 from snapshot._engine.manager.preemption import PreemptionHandler
@@ -86,11 +86,11 @@ class CheckpointManager:
         options: Options | None = None,
         raise_on_next_save: bool = False,
     ) -> None:
-        self.root = arguments.snapshot_path(root, "CheckpointManager", "root")
+        self.root = state_dicts.snapshot_path(root, "CheckpointManager", "root")
         self.policy = Policy(keep_last, keep_every_steps, keep_best, metric, mode)
         if type(max_in_flight) is not int or max_in_flight < 1:
             raise InvalidArgumentError(f"max_in_flight must be an int >= 1, got {max_in_flight!r}")
-        self.storage_options = arguments.options(storage_options, "CheckpointManager", self.root)
+        self.storage_options = state_dicts.options(storage_options, "CheckpointManager", self.root)
         self.pg = pg
         self.async_ = bool(async_)
         self.max_in_flight = max_in_flight
@@ -128,7 +128,7 @@ class CheckpointManager:
         self._check_open("save")
         if type(step) is not int or step < 0:
             raise InvalidArgumentError(f"step must be an int >= 0, got {step!r}")
-        recorded = arguments.metrics(metrics)
+        recorded = state_dicts.metrics(metrics)
         if self.raise_on_next_save:
             self._raise_background_error()
         # Across ranks, steps are agreed on by their order: each rank checks its own calls.

@@ -10,9 +10,8 @@ import torch
 import torch.distributed
 
 from manifest import Entry, Manifest
-from snapshot._engine import arguments, runtime
+from snapshot._engine import runtime, state_dicts
 from snapshot._engine.dist import dist
-from snapshot._engine.flatten import escape_key
 from snapshot._engine.format import serialization as writers
 from snapshot._engine.format.manifest_io import decode_manifest, read_manifest
 from snapshot._engine.io.async_queue import AsyncRequest
@@ -20,6 +19,7 @@ from snapshot._engine.io.staging import process_pool
 from snapshot._engine.restore.restore import rank_prefix, rank_view, read_object
 from snapshot._engine.restore.restore import restore as restore_app_state
 from snapshot._engine.runtime import gc_paused
+from snapshot._engine.state_dicts import escape_key
 from snapshot._engine.take.take import TakeJob
 from snapshot.errors import EntryNotFoundError
 from snapshot.metadata import SnapshotMetadata
@@ -61,9 +61,9 @@ class Snapshot:
         options: Options | None = None,
         _manifest: Manifest | bytes | None = None,
     ) -> None:
-        path = arguments.snapshot_path(path, "Snapshot")
-        arguments.process_group(pg, "Snapshot", path)
-        storage_options = arguments.options(storage_options, "Snapshot", path)
+        path = state_dicts.snapshot_path(path, "Snapshot")
+        state_dicts.process_group(pg, "Snapshot", path)
+        storage_options = state_dicts.options(storage_options, "Snapshot", path)
         resolved = resolve(options)
         self.path = path
         self.pg = pg
@@ -256,8 +256,8 @@ class Snapshot:
         rank wrote before the failure to ``"partially"`` or ``"fully"``, ``untouched`` names
         the keys left as they were, and the message ends with the same account.
         """
-        arguments.flag(strict, "Snapshot.restore", "strict", self.path)
-        arguments.flag(verify_first, "Snapshot.restore", "verify_first", self.path)
+        state_dicts.flag(strict, "Snapshot.restore", "strict", self.path)
+        state_dicts.flag(verify_first, "Snapshot.restore", "verify_first", self.path)
         resolved = resolve(options)
         coordinator = dist.resolve(self.pg, resolved)
         with gc_paused():
@@ -299,8 +299,8 @@ class Snapshot:
             InvalidArgumentError: ``path`` is not a str, or ``memory_budget_bytes`` is not a
                 positive int.
         """
-        arguments.logical_path(path, "Snapshot.read_object", "path", self.path)
-        arguments.byte_count(
+        state_dicts.logical_path(path, "Snapshot.read_object", "path", self.path)
+        state_dicts.byte_count(
             memory_budget_bytes, "Snapshot.read_object", "memory_budget_bytes", self.path
         )
         return read_object(
@@ -331,8 +331,8 @@ class Snapshot:
             InvalidArgumentError: ``key`` is not a str, or ``replicate_from_rank0`` not a bool.
         """
         call = "Snapshot.get_state_dict_for_key"
-        arguments.logical_path(key, call, "key", self.path)
-        arguments.flag(replicate_from_rank0, call, "replicate_from_rank0", self.path)
+        state_dicts.logical_path(key, call, "key", self.path)
+        state_dicts.flag(replicate_from_rank0, call, "replicate_from_rank0", self.path)
         manifest = self._manifest
         rank = 0 if replicate_from_rank0 else _rank(self.pg)
         prefix = rank_prefix(manifest, rank)
@@ -374,16 +374,16 @@ def take_job(
     """The take job of ``take`` / ``async_take``, its arguments checked before anything is
     written, and (``asynchronous``) the coordinator its commit runs on in the background.
     ``strategies``: the writers recorded (``writers.recorded()``'s by default)."""
-    where = arguments.snapshot_path(path, call)
-    arguments.process_group(pg, call, where)
-    arguments.function(prepare, call, "_custom_tensor_prepare_func", where)
-    globs = arguments.glob_list(replicated, call, where)
-    stored = arguments.options(storage_options, call, where)
+    where = state_dicts.snapshot_path(path, call)
+    state_dicts.process_group(pg, call, where)
+    state_dicts.function(prepare, call, "_custom_tensor_prepare_func", where)
+    globs = state_dicts.glob_list(replicated, call, where)
+    stored = state_dicts.options(storage_options, call, where)
     if base is None or isinstance(base, Snapshot):
         base_path = None if base is None else base.path
     else:
-        base_path = arguments.snapshot_path(base, call, "base")
-    user = arguments.user_metadata(user_metadata, call, where)
+        base_path = state_dicts.snapshot_path(base, call, "base")
+    user = state_dicts.user_metadata(user_metadata, call, where)
     resolved = resolve(options)
     job = TakeJob(
         where,

@@ -423,10 +423,10 @@ def test_slab_members_are_checksummed_when_staged(pooled, checksums):
     """A slab's staging gives the CRC-32 of each member (views of tensors, a non-contiguous
     tensor gathered, an object's bytes; copied into a pooled buffer for async take), so its
     write asks the plugin for none; a blob of its own leaves its CRC to the plugin."""
+    from snapshot._engine.handlers.table import Layout
     from snapshot._engine.io.stage import stager
     from snapshot._engine.io.staging import StagingPool
     from snapshot._engine.take.plan import collect, place
-    from snapshot._engine.take.records import Layout
 
     layout = Layout(
         chunk_bytes=1 << 20, slab_threshold_bytes=4096, slab_bytes=1 << 20, checksums=checksums

@@ -21,10 +21,10 @@ import torch
 
 from snapshot import Snapshot, SnapshotError, StateDict
 from snapshot._engine import runtime
+from snapshot._engine.handlers.table import Layout
 from snapshot._engine.io.stage import stager
 from snapshot._engine.io.staging import StagingPool, process_pool
 from snapshot._engine.take.plan import collect, place
-from snapshot._engine.take.records import Layout
 from snapshot._engine.tools.verify import verify
 from snapshot.options import Options
 from snapshot.strategies.tensor_aware import BasicTensorAwareStateDict

@@ -13,10 +13,9 @@ import pytest
 import torch
 
 from snapshot import CorruptSnapshotError, Snapshot, StateDict, StorageError
-from snapshot._engine.io.budget import ByteBudget
 from snapshot._engine.io.pipeline import ReadRequest, Segment, WritePipeline, WriteRequest, read_all
 from snapshot._engine.io.staging import StagingPool
-from snapshot._engine.runtime import io_loop, run
+from snapshot._engine.runtime import ByteBudget, io_loop, run
 from snapshot.options import Options
 from storage_plugins.memory import MemoryStoragePlugin
 

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from snapshot._engine import arguments
+from snapshot._engine import state_dicts
 from snapshot._engine.io.storage_calls import open_storage
 from snapshot._engine.manager.steps import delete_snapshot, join, local_path, survey
 from snapshot._engine.runtime import run
@@ -266,7 +266,7 @@ class StatesnapCheckpointIO(CheckpointIO):  # type: ignore[misc, valid-type]
         self, storage_options: dict[str, Any] | None = None, *, options: Options | None = None
     ) -> None:
         super().__init__()
-        self.storage_options = arguments.options(
+        self.storage_options = state_dicts.options(
             storage_options, type(self).__name__, "its checkpoints"
         )
         self.options = resolve(options)
@@ -295,7 +295,7 @@ class StatesnapCheckpointIO(CheckpointIO):  # type: ignore[misc, valid-type]
             SnapshotError: the newest version cannot be read (damaged, unsafe...).
         """
         self._settle()
-        root = arguments.snapshot_path(path, f"{type(self).__name__}.load_checkpoint")
+        root = state_dicts.snapshot_path(path, f"{type(self).__name__}.load_checkpoint")
         place = _placer(map_location)
         versions = list_versions(root, self.storage_options, self.options)
         committed = [v for v in versions if v.committed]
@@ -314,7 +314,7 @@ class StatesnapCheckpointIO(CheckpointIO):  # type: ignore[misc, valid-type]
     def remove_checkpoint(self, path: Any) -> None:
         """Deletes every version of the checkpoint at ``path`` (nothing when there is none)."""
         self._settle()
-        root = arguments.snapshot_path(path, f"{type(self).__name__}.remove_checkpoint")
+        root = state_dicts.snapshot_path(path, f"{type(self).__name__}.remove_checkpoint")
         remove_all(root, self.storage_options, self.options)
         logger.info("checkpoint %s removed", root)
 
@@ -331,12 +331,12 @@ class StatesnapCheckpointIO(CheckpointIO):  # type: ignore[misc, valid-type]
         """Calls ``take`` (``Snapshot.take`` or ``async_take``) into a new version at ``path``,
         in this process alone (a failure's leftovers are deleted)."""
         call = f"{type(self).__name__}.save_checkpoint"
-        root = arguments.snapshot_path(path, call)
+        root = state_dicts.snapshot_path(path, call)
         if not isinstance(checkpoint, dict):
             raise InvalidArgumentError(
                 f"{call} of {root}: checkpoint must be a dict, got {type(checkpoint).__name__}"
             )
-        extra = arguments.options(storage_options, call, root)
+        extra = state_dicts.options(storage_options, call, root)
         store = {**(self.storage_options or {}), **extra} if extra else self.storage_options
         older = list_versions(root, store, self.options)
         target = version_name(older[-1].counter + 1 if older else 1)

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from manifest import Manifest, ShardedObjectEntry, ShardedTensorEntry
-from snapshot._engine import arguments
+from snapshot._engine import state_dicts
 from snapshot._engine.format import serialization as writers
 from snapshot._engine.format.manifest_io import load_manifest
 from snapshot._engine.format.serialization import dtype_from_name
@@ -46,7 +46,7 @@ class SnapshotSaveStrategy(AsyncSaveShardedStrategy):
 
     def async_save(self, sharded_state_dict: Any, checkpoint_dir: str | Path) -> AsyncRequest:
         where = _dir(checkpoint_dir, "save")
-        state = arguments.state_mapping(sharded_state_dict, "save", "sharded_state_dict", where)
+        state = state_dicts.state_mapping(sharded_state_dict, "save", "sharded_state_dict", where)
         # The strategy API takes no options (the environment's), and records this strategy as
         # the writer of both parts.
         job, background = take_job(
@@ -93,7 +93,7 @@ class SnapshotLoadStrategy(LoadShardedStrategy, LoadCommonStrategy):
         """Loads ``sharded_state_dict``'s tensors in place and returns the loaded state
         (``verify_first``: as ``Snapshot.restore`` takes it)."""
         where = _dir(checkpoint_dir, "load")
-        given = arguments.state_mapping(sharded_state_dict, "load", "sharded_state_dict", where)
+        given = state_dicts.state_mapping(sharded_state_dict, "load", "sharded_state_dict", where)
         state = StateDict(given)
         Snapshot(where).restore({_STATE: state}, verify_first=verify_first)
         return dict(state)
@@ -159,7 +159,7 @@ class SnapshotSaveCommonStrategy(SaveCommonStrategy):
 
 def _dir(checkpoint_dir: object, call: str) -> str:
     """A checkpoint directory as a str (an empty one, or a non-path such as None, refused)."""
-    return arguments.snapshot_path(checkpoint_dir, call, "checkpoint_dir")
+    return state_dicts.snapshot_path(checkpoint_dir, call, "checkpoint_dir")
 
 
 def _common_dir(checkpoint_dir: str | Path) -> str:

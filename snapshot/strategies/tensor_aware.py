@@ -12,8 +12,8 @@ from typing import Any, TypeVar
 
 import torch
 
-from snapshot._engine.flatten import join
 from snapshot._engine.io import device
+from snapshot._engine.state_dicts import join
 from snapshot.errors import (
     HollowStateError,
     ShapeMismatchError,

@@ -28,7 +28,7 @@ from manifest import PrimitiveEntry, TensorEntry
 from snapshot._engine import runtime
 from snapshot._engine.format.serialization import combine, crc32, gather_elements
 from snapshot._engine.take.plan import Collected, Placer, Stager
-from snapshot._engine.take.records import Layout, ObjectDraft, Payload, TensorDraft, WholeTensor
+from snapshot._engine.handlers.table import Layout, ObjectDraft, Payload, TensorDraft, WholeTensor
 from snapshot.errors import SnapshotError
 
 _T = TypeVar("_T")

@@ -40,8 +40,8 @@ from manifest import (
     ShardedTensorEntry,
     TensorEntry,
 )
-from snapshot._engine.flatten import escape_key
 from snapshot._engine.format.text import printable_message
+from snapshot._engine.state_dicts import escape_key
 from snapshot.errors import CorruptSnapshotError, IncompatibleSnapshotError, UnsafeSnapshotError
 
 # The translated manifest holds at most this many entries (a replicated entry is copied under

@@ -18,7 +18,20 @@ from snapshot._engine.format.serialization import (
     storage_shortfall,
 )
 from snapshot._engine.handlers import sharded
-from snapshot._engine.handlers.table import Kind, ReadPlanner, TakeSink, TensorLayout, by_value_type
+from snapshot._engine.handlers.table import (
+    Kind,
+    Payload,
+    PrepareFunc,
+    ReadPlanner,
+    TakeSink,
+    TensorDraft,
+    TensorLayout,
+    TensorSource,
+    WholeTensor,
+    by_value_type,
+    payloads_of,
+    type_name,
+)
 from snapshot._engine.restore.reads import (
     Landing,
     Need,
@@ -34,15 +47,6 @@ from snapshot._engine.restore.reads import (
     tile_limit,
     tile_need,
 )
-from snapshot._engine.take.records import (
-    Payload,
-    PrepareFunc,
-    TensorDraft,
-    TensorSource,
-    WholeTensor,
-    payloads_of,
-    type_name,
-)
 from snapshot.errors import (
     CorruptSnapshotError,
     SnapshotError,
@@ -51,7 +55,7 @@ from snapshot.errors import (
 )
 
 if TYPE_CHECKING:
-    from snapshot._engine.take.records import Planned
+    from snapshot._engine.handlers.table import Planned
 
 
 def is_dense_tensor(value: object) -> bool:

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import typing
 
-from snapshot._engine.flatten import flatten
 from snapshot._engine.handlers.table import Kind, ReadPlanner, TakeSink
+from snapshot._engine.state_dicts import flatten
 from snapshot.sharding import mapping
 
 if typing.TYPE_CHECKING:
-    from snapshot._engine.take.records import Planned
+    from snapshot._engine.handlers.table import Planned
 
 
 class Factory(Kind):

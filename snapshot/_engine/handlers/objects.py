@@ -28,10 +28,12 @@ from snapshot._engine.handlers import geometry, sharded
 from snapshot._engine.handlers.dense import check_tensor_target, is_dense_tensor
 from snapshot._engine.handlers.table import (
     Kind,
+    ObjectDraft,
     ReadPlanner,
     TakeSink,
     bytes_draft,
     bytes_need,
+    type_name,
 )
 from snapshot._engine.restore.reads import (
     Landing,
@@ -39,7 +41,6 @@ from snapshot._engine.restore.reads import (
     allocate,
     check_target,
 )
-from snapshot._engine.take.records import ObjectDraft, type_name
 from snapshot._engine.take.restorable import check_object
 from snapshot.errors import (
     CorruptSnapshotError,

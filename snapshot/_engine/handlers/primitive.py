@@ -6,13 +6,13 @@ from __future__ import annotations
 import typing
 
 from manifest import PrimitiveEntry, int_fits
-from snapshot._engine.flatten import int_refusal
 from snapshot._engine.handlers import objects
 from snapshot._engine.handlers.table import Kind, ReadPlanner, TakeSink
+from snapshot._engine.state_dicts import int_refusal
 from snapshot.errors import UnsupportedValueError
 
 if typing.TYPE_CHECKING:
-    from snapshot._engine.take.records import Planned
+    from snapshot._engine.handlers.table import Planned
 
 
 class Primitive(Kind):

@@ -7,12 +7,11 @@ from typing import TYPE_CHECKING, Any
 
 from manifest import ShardedObjectEntry
 from snapshot._engine.handlers import objects, sharded
-from snapshot._engine.handlers.table import Kind, ReadPlanner, TakeSink
-from snapshot._engine.take.records import ShardedObjectDraft
+from snapshot._engine.handlers.table import Kind, ReadPlanner, ShardedObjectDraft, TakeSink
 from snapshot.sharding import mapping
 
 if TYPE_CHECKING:
-    from snapshot._engine.take.records import Planned
+    from snapshot._engine.handlers.table import Planned
 
 
 class ShardedObjectKind(Kind):

@@ -19,7 +19,7 @@ from snapshot._engine.format.serialization import (
 )
 from snapshot._engine.handlers import geometry, sharded
 from snapshot._engine.handlers.dense import check_tensor_target, is_dense_tensor, take_tensor
-from snapshot._engine.handlers.table import Kind, ReadPlanner, TakeSink, TensorLayout
+from snapshot._engine.handlers.table import Kind, ReadPlanner, ShardDraft, TakeSink, TensorLayout
 from snapshot._engine.restore.reads import (
     Landing,
     Need,
@@ -32,7 +32,6 @@ from snapshot._engine.restore.reads import (
     tile_limit,
     tile_need,
 )
-from snapshot._engine.take.records import ShardDraft
 from snapshot.errors import StateMismatchError, UnsupportedValueError
 
 # Scratch of one box of a sharded read through its gaps: small enough to be in the CPU's cache

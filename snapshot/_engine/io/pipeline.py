@@ -24,9 +24,8 @@ from operator import attrgetter
 from typing import TYPE_CHECKING, Any
 
 from snapshot._engine.format.serialization import WholeCheck, raw_memoryviews
-from snapshot._engine.io.budget import BudgetShare, ByteBudget
 from snapshot._engine.io.storage_calls import call, call_digesting
-from snapshot._engine.runtime import hold, io_loop, run
+from snapshot._engine.runtime import BudgetShare, ByteBudget, hold, io_loop, run
 from storage_plugins import Buffer, StoragePlugin
 
 if TYPE_CHECKING:

@@ -30,10 +30,10 @@ from snapshot._engine.format.serialization import (
     tensor_memoryview,
 )
 from snapshot._engine.handlers.dense import call_prepare
+from snapshot._engine.handlers.table import ALIGN, Payload, Staged, TensorSource
 from snapshot._engine.io import device
 from snapshot._engine.io.staging import Lease, StagingPool
 from snapshot._engine.take.plan import Slab, Stager
-from snapshot._engine.take.records import ALIGN, Payload, Staged, TensorSource
 from snapshot.errors import UnsupportedValueError
 
 if TYPE_CHECKING:

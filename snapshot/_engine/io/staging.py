@@ -16,7 +16,7 @@ import torch
 from snapshot._engine import runtime
 from snapshot._engine.format.serialization import tensor_memoryview
 from snapshot._engine.io import device
-from snapshot._engine.io.budget import BudgetShare, ByteBudget
+from snapshot._engine.runtime import BudgetShare, ByteBudget
 
 if TYPE_CHECKING:
     from snapshot.options import Options

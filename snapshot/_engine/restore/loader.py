@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from manifest import Entry, Location, Manifest, TensorEntry
-from snapshot._engine.flatten import inflate, subtree
 from snapshot._engine.format.serialization import memory_span
 from snapshot._engine.handlers.local import LOCAL
 from snapshot._engine.handlers.table import by_entry_type
@@ -39,6 +38,7 @@ from snapshot._engine.restore.reads import (
     piece_verify,
 )
 from snapshot._engine.runtime import naming_snapshot, run
+from snapshot._engine.state_dicts import inflate, subtree
 from snapshot.errors import CorruptSnapshotError, StateMismatchError
 from snapshot.options import Options
 from snapshot.sharding.mapping import LocalNonpersistentObject

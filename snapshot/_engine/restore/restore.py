@@ -19,14 +19,8 @@ import torch
 
 import manifest as mf
 from manifest import Entry, Manifest, ShardedTensorEntry
-from snapshot._engine.arguments import check_app_state, ordered_keys, state_dict_of
 from snapshot._engine.dist import shared_reads
 from snapshot._engine.dist.dist import Coordinator
-from snapshot._engine.flatten import (
-    escape_key,
-    flatten,
-    subtree,
-)
 from snapshot._engine.format.manifest_io import open_linked
 from snapshot._engine.handlers import for_entry
 from snapshot._engine.io.pipeline import ReadRequest
@@ -34,6 +28,14 @@ from snapshot._engine.restore import suggest
 from snapshot._engine.restore.checks import ClaimCheck
 from snapshot._engine.restore.loader import Loader, tile_bytes
 from snapshot._engine.runtime import gc_paused
+from snapshot._engine.state_dicts import (
+    check_app_state,
+    escape_key,
+    flatten,
+    ordered_keys,
+    state_dict_of,
+    subtree,
+)
 from snapshot.errors import (
     EntryNotFoundError,
     InvalidArgumentError,

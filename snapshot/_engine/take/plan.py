@@ -20,12 +20,8 @@ from manifest import (
     TensorEntry,
     TensorView,
 )
-from snapshot._engine.flatten import flatten
 from snapshot._engine.handlers import sharded
-from snapshot._engine.handlers.table import for_value
-from snapshot._engine.io import device
-from snapshot._engine.io.pipeline import WriteRequest
-from snapshot._engine.take.records import (
+from snapshot._engine.handlers.table import (
     ALIGN,
     Draft,
     Layout,
@@ -37,7 +33,11 @@ from snapshot._engine.take.records import (
     TensorDraft,
     WholeTensor,
     crc,
+    for_value,
 )
+from snapshot._engine.io import device
+from snapshot._engine.io.pipeline import WriteRequest
+from snapshot._engine.state_dicts import flatten
 from snapshot._engine.take.views import relate
 
 if TYPE_CHECKING:

@@ -21,24 +21,28 @@ import torch
 
 import manifest as mf
 from manifest import ShardedObjectEntry, ShardedTensorEntry, TensorEntry
-from snapshot._engine import arguments, runtime
-from snapshot._engine.arguments import check_app_state, ordered_keys, state_dict_of
+from snapshot._engine import runtime, state_dicts
 from snapshot._engine.dist import replication
 from snapshot._engine.dist.dist import Coordinator
 from snapshot._engine.dist.replication import Decision, Facts, Pending
-from snapshot._engine.flatten import check_nesting, escape_key
 from snapshot._engine.format.torchsnapshot_format import FOREIGN_MARKERS
 from snapshot._engine.handlers import sharded
-from snapshot._engine.handlers.table import merge_entries
+from snapshot._engine.handlers.table import Layout, Made, PrepareFunc, merge_entries
 from snapshot._engine.io import stage
 from snapshot._engine.io.pipeline import IOStats, WritePipeline, plugin_location
 from snapshot._engine.io.staging import StagingPool
 from snapshot._engine.io.storage_calls import call, open_plugin
 from snapshot._engine.runtime import gc_paused, join, naming_snapshot, run, spawn
+from snapshot._engine.state_dicts import (
+    check_app_state,
+    check_nesting,
+    escape_key,
+    ordered_keys,
+    state_dict_of,
+)
 from snapshot._engine.take.commit import LISTED_NAMES, MANIFEST_NAME, PENDING_NAME, TAKE_DEBRIS
 from snapshot._engine.take.incremental import Reuse
 from snapshot._engine.take.plan import TakePlan, collect, place
-from snapshot._engine.take.records import Layout, Made, PrepareFunc
 from snapshot.errors import (
     PathMismatchWarning,
     PathNotEmptyError,
@@ -88,7 +92,7 @@ class TakeJob:
         user_metadata: Mapping[str, Any] | None = None,
     ) -> None:
         check_app_state(app_state, path)
-        replicated = arguments.glob_list(replicated, "take", path)
+        replicated = state_dicts.glob_list(replicated, "take", path)
         self.path = path
         self.app_state = app_state
         self.coordinator = coordinator
@@ -167,7 +171,7 @@ class TakeJob:
                 del self.collected.entries[p]
         try:
             if self.plugin is None:
-                if not arguments.same_location(self.path, path):
+                if not state_dicts.same_location(self.path, path):
                     _warn_path_ignored(self.path, path, coord.rank)
                 self.path = path  # rank 0's path wins
                 self.plugin = open_plugin(path, self.storage_options)

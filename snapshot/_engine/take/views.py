@@ -11,7 +11,7 @@ import torch
 from manifest import TensorView
 
 if TYPE_CHECKING:
-    from snapshot._engine.take.records import Draft
+    from snapshot._engine.handlers.table import Draft
 
 
 def relate(
