@@ -13,7 +13,7 @@ graph follows what each module names.
 from __future__ import annotations
 
 import ast
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -349,3 +349,82 @@ def test_the_length_check_names_the_file_and_its_length(tmp_path):
     )
     found = oversized(find_modules(tmp_path, ["pkg"]), 600)
     assert found == [f"{tmp_path / 'pkg' / 'long.py'}: 601"]
+
+
+# ---------------------------------------------------------------------------------------------
+# The engine's concern folders (docs/architecture.md, "Rules between layers").
+
+ENGINE = "snapshot._engine"
+
+
+def _in(module: str, *folders: str) -> bool:
+    """Whether ``module`` is in one of the engine's ``folders`` (in the engine at all: none)."""
+    if not folders:
+        return module == ENGINE or module.startswith(f"{ENGINE}.")
+    return any(module == f"{ENGINE}.{f}" or module.startswith(f"{ENGINE}.{f}.") for f in folders)
+
+
+def folder_violations(graph: dict[str, set[str]]) -> list[str]:
+    """``"a imports b"`` for each import that crosses the engine's folders against the rules:
+    only the public face and tools/ drive tools/; manager/ is driven by the public face and
+    tools/; a take and a restore do not reach into each other; the kinds of values are handed
+    the planner and the loader, never import them; the bytes below (format/, io/) know nothing
+    of restores, process groups, tools or the manager; and only tools/ uses the public facade."""
+    rules: list[tuple[Callable[[str], bool], Callable[[str], bool]]] = [
+        (lambda a: _in(a) and not _in(a, "tools"), lambda b: _in(b, "tools")),
+        (lambda a: _in(a) and not _in(a, "tools", "manager"), lambda b: _in(b, "manager")),
+        (lambda a: _in(a, "take"), lambda b: _in(b, "restore")),
+        (lambda a: _in(a, "restore"), lambda b: _in(b, "take")),
+        (
+            lambda a: _in(a, "handlers"),
+            lambda b: (
+                b in {f"{ENGINE}.take.plan", f"{ENGINE}.take.take"}
+                or b in {f"{ENGINE}.restore.loader", f"{ENGINE}.restore.restore"}
+            ),
+        ),
+        (
+            lambda a: _in(a, "format", "io"),
+            lambda b: _in(b, "restore", "dist", "tools", "manager"),
+        ),
+        (
+            lambda a: _in(a) and not _in(a, "tools"),
+            lambda b: b in {"snapshot.snapshot", "snapshot.manager", "snapshot.export"},
+        ),
+    ]
+    return sorted(
+        f"{a} imports {b}"
+        for a, targets in graph.items()
+        for b in targets
+        for source, target in rules
+        if source(a) and target(b)
+    )
+
+
+def test_the_engine_folders_import_by_the_rules():
+    _, graph, _ = _library()
+    found = folder_violations(graph)
+    assert not found, "\n".join(found)
+
+
+def test_the_folder_rules_catch_a_crossing():
+    graph = {
+        f"{ENGINE}.io.stage": {f"{ENGINE}.restore.loader"},
+        f"{ENGINE}.runtime": {f"{ENGINE}.tools.verify", "snapshot.errors"},
+        f"{ENGINE}.tools.verify": {f"{ENGINE}.restore.loader", "snapshot.snapshot"},
+    }
+    assert folder_violations(graph) == [
+        f"{ENGINE}.io.stage imports {ENGINE}.restore.loader",
+        f"{ENGINE}.runtime imports {ENGINE}.tools.verify",
+    ]
+
+
+def test_every_folder_of_the_library_is_a_package():
+    # A folder without __init__.py imports as a namespace package from a checkout but is left
+    # out of a wheel built by package discovery.
+    missing = [
+        str(d.relative_to(ROOT))
+        for package in PACKAGES
+        for d in [ROOT / package, *(ROOT / package).rglob("*")]
+        if d.is_dir() and d.name != "__pycache__" and not (d / "__init__.py").exists()
+    ]
+    assert not missing, missing
