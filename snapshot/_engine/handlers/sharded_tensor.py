@@ -238,9 +238,7 @@ class ShardedTensorKind(Kind):
         check_tensor_target(label, entry, target)
 
     def allocates(self, entry: Any, target: Any) -> bool:
-        return not (is_dense_tensor(target) or sharded.is_sharded(target)) or sharded.is_sharded(
-            target
-        )
+        return not (is_dense_tensor(target) or sharded.is_sharded(target))
 
     def tensor_layout(self, path: str, entry: ShardedTensorEntry) -> TensorLayout:
         dtype = dtype_from_name(entry.dtype, path)
