@@ -38,9 +38,10 @@ def relate(
     for members in storages.values():
         if len(members) < 2:
             continue
-        # By where their elements start, the widest first: a leaf within the span of the
-        # contiguous leaf reaching furthest so far is a view of that one.
-        members.sort(key=lambda m: m[:2])
+        # By where their elements start, the widest first, contiguous ones first among equal
+        # spans (a transpose and its base): a leaf within the span of the contiguous leaf
+        # reaching furthest so far is a view of that one.
+        members.sort(key=lambda m: (m[0], m[1], not m[3].is_contiguous()))
         base: tuple[int, int, str, torch.Tensor, Draft] | None = None
         for start, neg_end, path, t, draft in members:
             if base is not None and -neg_end <= base[1]:
