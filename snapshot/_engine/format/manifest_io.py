@@ -11,8 +11,10 @@ reading anything but the recorded bytes of another committed snapshot."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import stat
+import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -38,6 +40,8 @@ from snapshot.errors import (
 from snapshot.options import Options
 from storage_plugins import Buffer, StoragePlugin, UnsafeBlobError
 from storage_plugins.registry import url_to_storage_plugin
+
+logger = logging.getLogger("snapshot")
 
 
 def split_parent(path: str) -> tuple[str, str]:
@@ -122,6 +126,7 @@ def read_manifest(
 ) -> tuple[Manifest | bytes, str]:
     """The committed manifest at ``path`` (its bytes, checked short of decoding the entries; or
     another library's checkpoint, translated), and the snapshot's location for messages."""
+    t0 = time.perf_counter()
     with open_storage(path, storage_options, options) as plugin:
         where = plugin_location(plugin)
 
@@ -157,6 +162,8 @@ def read_manifest(
             if foreign is None:
                 raise SnapshotNotFoundError(f"no snapshot at {where} (no {MANIFEST_NAME} there)")
             return foreign, where
+    elapsed = time.perf_counter() - t0
+    logger.debug("manifest of %s: %d bytes read in %.3f s", where, len(data), elapsed)
     with _manifest_errors():  # the checks that decode no entry: checksum line, header
         mf.check_head(data, source=f"{where}/{MANIFEST_NAME}", verify=bool(options.checksums))
     return data, where
@@ -165,8 +172,14 @@ def read_manifest(
 def decode_manifest(data: bytes, where: str, *, verify: bool) -> Manifest:
     """The manifest in ``data``, read from the snapshot ``where`` (or just written there);
     ``verify``: its recorded checksum is checked."""
+    t0 = time.perf_counter()
     with _manifest_errors(), gc_paused():
-        return mf.loads(data, source=f"{where}/{MANIFEST_NAME}", verify=verify)
+        manifest = mf.loads(data, source=f"{where}/{MANIFEST_NAME}", verify=verify)
+    elapsed = time.perf_counter() - t0
+    logger.debug(
+        "manifest of %s: %d entries decoded in %.3f s", where, len(manifest.entries), elapsed
+    )
+    return manifest
 
 
 @contextlib.contextmanager

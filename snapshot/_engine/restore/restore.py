@@ -170,12 +170,14 @@ def _restore(
         if verify_first:
             # No rank writes a target until every rank's bytes have passed their checks.
             coordinator.agree("restore: verifying", error=error)
+        t_plan = time.perf_counter()
         try:  # execute
             if error is None and plugin is not None:
                 stats = loader.execute(plugin, budget, progress)
         except Exception as e:
             error = e
     coordinator.agree("restore: reading", error=error)
+    t_read = time.perf_counter()
     assert stats is not None
     if shared is not None:
         for _, leaf, _ in shared.items:
@@ -202,7 +204,8 @@ def _restore(
                 f"{type(e).__name__}: {e}"
             ) from e
         progress.loaded(key)
-    seconds = time.perf_counter() - t0
+    t_end = time.perf_counter()
+    seconds = t_end - t0
     logger.info(
         "restored %s from %s: %.1f MB in %.3f s (%.2f GB/s)",
         keys,
@@ -210,6 +213,17 @@ def _restore(
         stats.nbytes / 1e6,
         seconds,
         stats.nbytes / max(seconds, 1e-9) / 1e9,
+    )
+    logger.debug(
+        "restore %s phases: state_dict+plan %.3f s, read %.3f s (%d blobs, %.2f GB/s, peak "
+        "scratch %d B), load_state_dict %.3f s",
+        path,
+        t_plan - t0,
+        t_read - t_plan,
+        stats.blobs,
+        stats.gbps,
+        stats.peak_budget_bytes,
+        t_end - t_read,
     )
 
 
