@@ -4,7 +4,6 @@ entry per line, its checksum line, strict reading); no I/O, no torch."""
 from manifest.codec import (
     MAX_DEPTH,
     EntryFormatter,
-    TensorsDecoded,
     check_head,
     dumps,
     dumps_entries,
@@ -77,7 +76,6 @@ __all__ = [
     "ShardedTensorEntry",
     "TensorEntry",
     "TensorView",
-    "TensorsDecoded",
     "TupleEntry",
     "UnsafeManifestError",
     "UnsupportedFormatError",

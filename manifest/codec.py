@@ -252,32 +252,8 @@ def nests_within(text: str, levels: int) -> bool:
     return not rest
 
 
-# The entries are decoded in pieces of lines, each piece's tensors handed to ``on_tensors`` once
-# decoded: the first piece of ``FIRST_PIECE_CHARS`` characters (the first hints come early),
-# each next twice the one before, up to ``PIECE_CHARS``.
-PIECE_CHARS = 256 << 10
-FIRST_PIECE_CHARS = 16 << 10
-
-TensorsDecoded = Callable[[list[tuple[str, TensorEntry]]], None]
-"""Called by ``loads`` with the tensor entries of each piece of the manifest as they are
-decoded, as (path, entry) pairs in the manifest's order."""
-
-
-def _pieces(lines: list[str]) -> list[list[str]]:
-    """``lines`` cut into consecutive pieces (``FIRST_PIECE_CHARS``, ``PIECE_CHARS``)."""
-    pieces: list[list[str]] = []
-    size, piece, chars = min(FIRST_PIECE_CHARS, PIECE_CHARS), [], 0
-    for line in lines:
-        piece.append(line)
-        chars += len(line) + 1
-        if chars >= size:
-            pieces.append(piece)
-            size, piece, chars = min(2 * size, PIECE_CHARS), [], 0
-    return [*pieces, piece] if piece else pieces
-
-
 def _parse_fast(
-    text: str, source: str = "manifest", on_tensors: TensorsDecoded | None = None
+    text: str, source: str = "manifest"
 ) -> tuple[Any, dict[str, Entry], ManifestDecodeError | None] | None:
     """The header, the decoded entries and the first entry's decoding error, if the text is
     laid out exactly as ``dumps`` writes it (one entry per line, JSON, nesting within
@@ -297,43 +273,29 @@ def _parse_fast(
     lines = body.split("\n")
     if lines[-1] == "":
         lines.pop()
+    joined = ",".join(lines)
+    # The lines are the values of ``entries`` (level 2): they may open MAX_DEPTH - 2 levels.
+    if not all(line.startswith('  "') for line in lines) or not nests_within(
+        joined, MAX_DEPTH - 2
+    ):
+        return None
+    try:
+        decoded = json.loads("{" + joined + "}")
+    except ValueError:
+        return None
+    if len(decoded) != len(lines):
+        return None  # a line of several entries, or a path repeated
     entries: dict[str, Entry] = {}
-    error: ManifestDecodeError | None = None
-    paths: set[str] = set()
     try:
         decode = _decoder(_header(doc, source)[0])
     except ManifestDecodeError as e:
-        decode, error = entry_from_dict, e  # ``loads`` reports it once the layout is known
-    count = 0
-    for piece in _pieces(lines):
-        joined = ",".join(piece)
-        # The lines are the values of ``entries`` (level 2): they may open MAX_DEPTH - 2 levels.
-        if not all(line.startswith('  "') for line in piece) or not nests_within(
-            joined, MAX_DEPTH - 2
-        ):
-            return None
+        return doc, entries, e  # ``loads`` reports it once the layout is known
+    for path, value in decoded.items():
         try:
-            decoded = json.loads("{" + joined + "}")
-        except ValueError:
-            return None
-        count += len(piece)
-        paths.update(decoded)
-        if len(paths) != count:
-            return None  # a line of several entries, or a path repeated
-        if error is not None:
-            continue
-        tensors = []
-        for path, value in decoded.items():
-            try:
-                entry = entries[path] = decode(value, path)
-            except ManifestDecodeError as e:
-                error = e
-                break
-            if type(entry) is TensorEntry:
-                tensors.append((path, entry))
-        if on_tensors is not None and tensors:
-            on_tensors(tensors)  # those before an error too: hints, trusted by no one
-    return doc, entries, error
+            entries[path] = decode(value, path)
+        except ManifestDecodeError as e:
+            return doc, entries, e
+    return doc, entries, None
 
 
 def _header(doc: Any, source: str) -> tuple[int, int, dict[str, Any]]:
@@ -397,14 +359,10 @@ def loads(
     source: str = "manifest",
     *,
     verify: bool = True,
-    on_tensors: TensorsDecoded | None = None,
 ) -> Manifest:
     """Parses manifest bytes; ``source`` names the file in error messages.
 
     With ``verify``, the bytes must end with the checksum line ``dumps`` writes, and match it.
-    ``on_tensors`` is given the tensor entries as they are decoded (some twice when a file
-    turns out not to be in the writer's layout), before the whole is checked: a caller may act
-    on them early (read-ahead hints), never trust them before ``loads`` returns.
 
     Raises:
         ManifestChecksumError: (with ``verify``) the checksum line is missing or does not match.
@@ -418,7 +376,7 @@ def loads(
         text = data[: _body_end(data, source, verify)].decode("utf-8")
     except UnicodeDecodeError as e:
         raise ManifestDecodeError(f"{source} is not valid YAML: {e}") from None
-    fast = _parse_fast(text, source, on_tensors)
+    fast = _parse_fast(text, source)
     if fast is not None:
         doc, entries, error = fast
         version, world_size, metadata = _header(doc, source)
@@ -437,8 +395,6 @@ def loads(
             except ManifestDecodeError as e:
                 error = e
                 break
-        if on_tensors is not None and error is None:
-            on_tensors([(p, e) for p, e in entries.items() if type(e) is TensorEntry])
     if error is not None:
         raise type(error)(f"{source}: {error}") from None  # the class says unsafe or damaged
     return Manifest(

@@ -166,17 +166,6 @@ class StoragePlugin(abc.ABC):
         else:
             _observe_all(outs, observe)
 
-    async def read_ahead(self, path: str, offset: int, nbytes: int) -> None:  # noqa: B027 - a hint
-        """A hint: the bytes ``[offset, offset + nbytes)`` of blob ``path`` are about to be
-        read; a plugin may start fetching them where that costs no memory of the process (the
-        page cache). The default does nothing; the library ignores the hints' errors."""
-
-    def read_ahead_now(self, path: str, offset: int, nbytes: int) -> bool:
-        """The hint of ``read_ahead``, given from a library thread, for a plugin that acts on it
-        at once with a short blocking call: True when it did. By default False: the library
-        awaits ``read_ahead`` on its I/O loop instead."""
-        return False
-
     async def size(self, path: str) -> int | None:
         """The length of blob ``path``, or None when this store cannot tell cheaply (the
         default); compared with the manifest, so that a blob that grew is noticed.

@@ -20,8 +20,7 @@ from collections.abc import Callable, Iterator, Sequence
 from itertools import islice
 from typing import Any, TypeVar
 
-from storage_plugins import host
-from storage_plugins import base
+from storage_plugins import base, host
 from storage_plugins.base import BlobTooLargeError, Buffer, StoragePlugin, UnsafeBlobError
 
 logger = logging.getLogger(__name__)
@@ -471,24 +470,6 @@ class FSStoragePlugin(StoragePlugin):
         if type(self).readv is not FSStoragePlugin.readv:  # as for write_observed
             return await super().readv_observed(path, offset, outs, observe)
         await self._run(self._readv_sync, path, offset, outs, observe)
-
-    def _read_ahead_sync(self, path: str, offset: int, nbytes: int) -> None:
-        """The kernel reads the range into the page cache in the background."""
-        if hasattr(os, "posix_fadvise"):
-            fd, _ = self._open_blob(path)  # as a read opens it: no link followed
-            try:
-                os.posix_fadvise(fd, offset, nbytes, os.POSIX_FADV_WILLNEED)
-            finally:
-                os.close(fd)
-
-    async def read_ahead(self, path: str, offset: int, nbytes: int) -> None:
-        await self._run(self._read_ahead_sync, path, offset, nbytes)
-
-    def read_ahead_now(self, path: str, offset: int, nbytes: int) -> bool:
-        if type(self).read_ahead is not FSStoragePlugin.read_ahead:
-            return False  # a subclass's own hint: the library awaits it
-        self._read_ahead_sync(path, offset, nbytes)
-        return True
 
     def _size_sync(self, path: str) -> int:
         fd, st = self._open_blob(path)

@@ -143,17 +143,6 @@ def test_range_digest_of_slab_members_with_padding():
     assert digest.values == [zlib.crc32(m) for m in members]
 
 
-def test_the_restore_steps_benchmark_runs_both_ways(capsys):
-    """``benchmarks/restore_steps.py`` at a small size: both ways of each step run, the two
-    digests agree (the script checks it) and every table row is printed."""
-    from benchmarks import restore_steps
-
-    restore_steps.main(["--count", "300", "--reps", "1"])
-    out = capsys.readouterr().out
-    assert "| first tensors arrive (ms) |" in out
-    assert "| 300 members (ms) |" in out
-
-
 def test_location_check_accepts_pieces_in_any_order():
     from manifest import Location
 

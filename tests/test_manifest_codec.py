@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 import math
 
 import pytest
@@ -359,11 +358,8 @@ def test_tensor_lines_out_of_the_common_layout_are_still_decoded_and_checked():
         mf.loads(big)
 
 
-@pytest.mark.parametrize("piece_chars", [1, 60, 200, 5_000, 1 << 20])
-def test_entries_decoded_in_pieces_are_those_decoded_whole(monkeypatch, piece_chars):
-    """The entry lines are decoded in pieces, each piece's tensors handed to ``on_tensors`` as
-    soon as they are made: whatever the pieces, the manifest is the same, and every tensor is
-    handed over once, in the manifest's order."""
+def test_many_tensor_lines_round_trip_in_order():
+    """Entry lines of many tensors decode to the manifest written, in the manifest's order."""
     entries = dict(GOLDEN.entries)
     for i in range(40):
         entries[f"0/t/{i}"] = TensorEntry(
@@ -373,40 +369,8 @@ def test_entries_decoded_in_pieces_are_those_decoded_whole(monkeypatch, piece_ch
             parameter=i == 7,
         )
     m = Manifest(entries=entries)
-    data = mf.dumps(m)
-    monkeypatch.setattr(codec, "PIECE_CHARS", piece_chars)
-    pieces: list[list[str]] = []
-    back = mf.loads(data, on_tensors=lambda items: pieces.append([p for p, _ in items]))
+    back = mf.loads(mf.dumps(m))
     assert back == m and list(back.entries) == list(entries)
-    handed = [p for piece in pieces for p in piece]
-    tensors = [p for p, e in entries.items() if type(e) is TensorEntry]
-    assert handed == tensors
-    assert len(pieces) > 2 if piece_chars <= 200 else len(pieces) <= 2
-
-
-def test_first_pieces_are_short_and_grow_to_the_longest():
-    """The first tensors are handed over a few hundred lines into the decoding (a restore
-    hints their bytes while the rest is decoded), and each next piece is twice as long, up to
-    ``PIECE_CHARS``: a large manifest is handed over in few calls."""
-    n = 12_000
-    entries: dict = {"0/m": DictEntry(keys=tuple(f"t{i}" for i in range(n)))}
-    for i in range(n):
-        loc = Location(blob="0/s0", offset=10240 * i, nbytes=10240, crc32=i)
-        entries[f"0/m/t{i}"] = TensorEntry(dtype="float32", shape=(2560,), chunks=(loc,))
-    m = Manifest(entries=entries)
-    data = mf.dumps(m)
-    counts: list[int] = []
-    back = mf.loads(data, on_tensors=lambda items: counts.append(len(items)))
-    assert back == m and sum(counts) == n
-    line = min(len(x) for x in data.splitlines() if b'"0/m/t' in x) + 1  # with its line end
-    # The first piece is the container's line alone (pieces end at a line's end), the next
-    # one twice as long.
-    assert counts[0] * line <= 2 * codec.FIRST_PIECE_CHARS + line
-    for before, after in itertools.pairwise(counts[:-1]):  # the last: what is left
-        # Twice the characters; later lines are a little longer (larger numbers), some fewer.
-        assert 0.9 * before <= after <= 2.1 * before
-    assert max(counts) * line <= codec.PIECE_CHARS + 2 * line
-    assert len(counts) < n * line // codec.PIECE_CHARS + 8
 
 
 def test_blob_sizes_and_bases_cover_every_kind_of_range():
