@@ -70,7 +70,7 @@ class Snapshot:
         self.storage_options = storage_options
         # Bytes handed over by a take are checked when decoded; bytes read here were checked
         # as they were read. Decoding waits for first use: a training script that takes a
-        # snapshot and goes on never pays for it, and a restore decodes while the store reads.
+        # snapshot and goes on never pays for it.
         self._verify_manifest = bool(resolved.checksums) and _manifest is not None
         self._where = path
         if _manifest is None:

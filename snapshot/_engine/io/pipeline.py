@@ -97,9 +97,7 @@ class WritePipeline:
 
     The staging budget is a ``ByteBudget`` of ``budget_bytes`` of its own, or ``budget``: a
     ``BudgetShare`` of one that other pipelines charge too (async takes pending at once).
-    ``options`` are the operation's (each write's retries and deadline, ``call``). ``settle``,
-    when given, makes every buffer staged so far whole (a stage may leave a copy running on
-    another thread): each hand-over to the I/O loop calls it first.
+    ``options`` are the operation's (each write's retries and deadline, ``call``).
     """
 
     def __init__(
@@ -111,10 +109,8 @@ class WritePipeline:
         batch_bytes: int | None,
         options: Options,
         budget: BudgetShare | None = None,
-        settle: Callable[[], None] | None = None,
     ) -> None:
         self._plugin = plugin
-        self._settle = settle
         self._options = options
         self._loop = io_loop()
         self.budget: ByteBudget | BudgetShare = (
@@ -191,8 +187,6 @@ class WritePipeline:
     def flush(self) -> None:
         """Hands what is staged to the I/O loop."""
         if self._batch:
-            if self._settle is not None:
-                self._settle()
             batch, self._batch, self._batch_bytes = self._batch, [], 0
             self._loop.call_soon_threadsafe(self._enqueue, batch)
 

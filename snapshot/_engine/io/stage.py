@@ -68,9 +68,6 @@ class _Direct:
         # A copy of the slab, and at most its gathered copies besides.
         return functools.partial(stage_slab, slab, checksums), slab.nbytes + slab.staging_bytes
 
-    def settle(self) -> None:
-        pass  # every stage is done when it returns
-
 
 class _Pooled:
     """Copies each write's payloads into one buffer of ``pool``; a pooled write costs the
@@ -84,9 +81,6 @@ class _Pooled:
     def blob(self, p: Payload, from_device: bool) -> tuple[Callable[[], Staged], int]:
         stage = _pooled(self.pool, [(0, p)], p.nbytes, False, from_device)
         return stage, self.pool.block_bytes(p.nbytes, from_device)
-
-    def settle(self) -> None:
-        pass  # every copy from host memory is done when its stage returns
 
     def slab(self, slab: Slab, checksums: bool) -> tuple[Callable[[], Staged], int]:
         stage = _pooled(self.pool, slab.members, slab.nbytes, checksums, slab.from_device)

@@ -66,16 +66,14 @@ class Slab:
 class Stager(Protocol):
     """How placed blobs are staged (``stage.stager``): ``blob`` and ``slab`` give a write's
     ``stage`` and the staging memory it costs (a slab's stage gives each member its CRC-32 with
-    ``checksums``); ``settle`` waits until every buffer staged so far holds its bytes. With
-    ``pooled`` (async take), every payload is copied into a pooled buffer."""
+    ``checksums``). With ``pooled`` (async take), every payload is copied into a pooled
+    buffer."""
 
     pooled: bool
 
     def blob(self, p: Payload, from_device: bool) -> tuple[Callable[[], Staged], int]: ...
 
     def slab(self, slab: Slab, checksums: bool) -> tuple[Callable[[], Staged], int]: ...
-
-    def settle(self) -> None: ...
 
 
 class Placer:

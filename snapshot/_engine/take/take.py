@@ -179,9 +179,6 @@ class TakeJob:
             self.pipeline = self._new_pipeline()
             for request in self.plan.writes:
                 self.pipeline.submit(request)
-            # Async take: copies still running on the copier thread land before the call
-            # returns (the caller may change its tensors then).
-            self._stager.settle()
             if self.pool is None:
                 self.release_writes()
         except Exception as e:
@@ -294,7 +291,6 @@ class TakeJob:
             batch_bytes=self.options.write_batch_bytes if self.pool is None else None,
             budget=self.pool.share(self._budget) if self.pool is not None else None,
             options=self.options,
-            settle=self._stager.settle,
         )
         dropped = SnapshotError(f"the take of {self.path} was dropped before it finished")
         weakref.finalize(self, pipeline.stop, dropped)  # its writes end when it is collected
@@ -326,7 +322,7 @@ class TakeJob:
         assert self.pipeline is not None
         try:
             self.pipeline.flush()
-        except Exception as e:  # a copy that failed (``settle``): ``finish`` reports it
+        except Exception as e:  # a write that failed: ``finish`` reports it
             self.pipeline.abort(e)
             self._error = self._error or e
         finally:
