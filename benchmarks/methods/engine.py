@@ -13,23 +13,15 @@ from __future__ import annotations
 def staging_figures() -> tuple[int, int, int]:
     """(bytes the default staging pool has allocated, bytes of it free now, the memory budget a
     take would compute now, counting the pool's free blocks as available)."""
-    try:  # the process's runtime holds the pool
-        from snapshot import Options
+    from snapshot import Options
+
+    try:  # the staging module makes the process's pool
         from snapshot._engine.io import staging
 
         pool = staging.process_pool(Options.from_env())
-    except ImportError:
-        try:
-            from snapshot._engine.io.staging import default_pool
-        except ImportError:  # a tree from before the engine moved to snapshot._engine
-            from snapshot.staging import default_pool  # type: ignore[no-redef]
-        pool = default_pool()
-    try:
-        from snapshot import Options
-    except ImportError:  # a tree from before snapshot.Options: the per-knob functions
-        from snapshot import knobs
+    except ImportError:  # a tree from before the engine's folders: the runtime makes it
+        from snapshot._engine import runtime
 
-        budget = knobs.memory_budget_bytes(pool.free_bytes)
-    else:
-        budget = Options.from_env().budget(pool.free_bytes)
+        pool = runtime.get().staging_pool(Options.from_env())  # type: ignore[attr-defined]
+    budget = Options.from_env().budget(pool.free_bytes)
     return pool.allocated_bytes, pool.free_bytes, budget
