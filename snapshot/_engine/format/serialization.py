@@ -415,11 +415,6 @@ class WholeCheck:
             raise _mismatch(self.label, self.location, value)
 
 
-def whole_crc(check: WholeCheck) -> int | None:
-    """The CRC-32 a ``WholeCheck`` expects."""
-    return check.location.crc32
-
-
 # ---------------------------------------------------------------------------------------------
 # Which backend and version wrote each part of a snapshot (sharded entries; the rest), recorded
 # under ``metadata["strategies"]`` at take and checked at restore: by default against
