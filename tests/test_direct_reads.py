@@ -10,7 +10,6 @@ import torch
 
 from manifest import Location
 from snapshot import Options, Snapshot, StateDict
-from snapshot._engine.format.serialization import raw_memoryviews
 from snapshot.errors import ChecksumError
 
 SMALL_SLABS = Options(slab_threshold_bytes=4096, slab_bytes=64 * 1024)
@@ -78,17 +77,3 @@ def test_tied_weights_restore_into_untied_targets(tmp_path):
     Snapshot(str(tmp_path / "snap")).restore({"m": out})
     assert torch.equal(out["a"], shared) and torch.equal(out["b"], shared)
     assert torch.equal(out["c"], shared * 2)
-
-
-def test_raw_memoryviews_are_each_raw_memoryview():
-    """The views of a read's members, made in C-level passes, are ``raw_memoryview``'s; an
-    empty size or a bad address goes through its checks."""
-    t = torch.arange(64, dtype=torch.uint8)
-    at = t.data_ptr()
-    got = raw_memoryviews([at, at + 10, at + 63], [5, 3, 1])
-    assert [bytes(v) for v in got] == [bytes(range(5)), bytes(range(10, 13)), bytes([63])]
-    assert not got[0].readonly
-    assert [len(v) for v in raw_memoryviews([at, at], [0, 2])] == [0, 2]
-    assert raw_memoryviews([], []) == []
-    with pytest.raises(ValueError, match="no memory at address 0"):
-        raw_memoryviews([0], [3])

@@ -101,11 +101,6 @@ def raw_memoryview(address: int, nbytes: int) -> memoryview:
     return memoryview((ctypes.c_char * nbytes).from_address(address)).cast("B")
 
 
-def raw_memoryviews(addresses: list[int], sizes: list[int]) -> list[memoryview]:
-    """``raw_memoryview`` of each address and size."""
-    return list(map(raw_memoryview, addresses, sizes))
-
-
 def range_views(t: torch.Tensor, start: int, stop: int) -> list[torch.Tensor]:
     """Views of ``t`` that together are its elements ``[start, stop)`` in row-major order.
 

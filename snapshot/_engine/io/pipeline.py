@@ -6,8 +6,8 @@ A take's plan is a list of ``WriteRequest``s, one per blob; ``WritePipeline`` ex
 caller's thread stages each request (a zero-copy view of CPU memory, or a copy when one is
 needed) under a byte budget and hands staged batches to the I/O loop, whose workers write them
 while the caller stages the next ones. A restore's reads are ``ReadRequest``s (segments into
-memory that callbacks supply) and ``DirectRequest``s (straight into tensors' memory), which
-``read_all`` performs on the I/O loop.
+memory that callbacks supply: a caller's tensor, or budgeted scratch), which ``read_all``
+performs on the I/O loop.
 """
 
 from __future__ import annotations
@@ -19,11 +19,10 @@ import os
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from itertools import accumulate, chain, compress
+from itertools import accumulate, compress
 from operator import attrgetter
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from snapshot._engine.format.serialization import WholeCheck, raw_memoryviews
 from snapshot._engine.io.storage_calls import call, call_digesting
 from snapshot._engine.runtime import BudgetShare, ByteBudget, hold, io_loop, run
 from storage_plugins import Buffer, StoragePlugin
@@ -353,72 +352,9 @@ class ReadRequest:
         return outs
 
 
-@dataclass(slots=True)
-class DirectRequest:
-    """One scatter read of ``blob`` from ``offset`` on, straight into the memory of tensors:
-    the ``sizes[i]`` bytes of member ``i`` land at ``addresses[i]`` (the caller keeps that
-    memory alive), with ``gaps[i]`` bytes skipped after it (dropped into ``junk``; ``gaps`` is
-    None where the members follow one another). What a ``ReadRequest`` of needs from
-    ``reads.direct_need`` does, for a slab's thousands of small tensors, without an object per
-    member: the columns are slices of ``direct_reads.DirectReads``.
-
-    ``expected``: each member's recorded CRC-32, which the bytes that land must have (None:
-    not checked); ``paths`` and ``chunks``: each member's entry path and stored range (for an
-    error). ``owners``: the app_state keys whose live state the members are; ``starting``, set
-    by ``RestoreProgress.watch``, runs just before the read.
-    """
-
-    blob: str
-    offset: int
-    addresses: list[int]
-    sizes: list[int]
-    gaps: list[int] | None
-    junk: memoryview | None
-    expected: list[int] | None
-    paths: list[str]
-    chunks: list[Any]
-    owners: tuple[str, ...]
-    label: str
-    starting: Callable[[], None] | None = None
-    scratch_bytes: int = 0
-    done: Callable[[], None] | None = None
-
-    @property
-    def nbytes(self) -> int:
-        return sum(self.sizes) + (sum(self.gaps) if self.gaps is not None else 0)
-
-    def destinations(self) -> list[memoryview]:
-        """Views of the members' memory, with a piece of ``junk`` for each gap between them;
-        runs ``starting`` first."""
-        if self.starting is not None:
-            self.starting()
-        views = raw_memoryviews(self.addresses, self.sizes)
-        if self.gaps is None:
-            return views
-        junk = self.junk
-        assert junk is not None
-        skipped = [junk[:n] if n else None for n in self.gaps]
-        skipped.append(None)
-        return list(filter(None, chain.from_iterable(zip(views, skipped, strict=True))))
-
-    def layout(self) -> tuple[list[int], list[bool]]:
-        """The lengths of the buffers ``destinations`` gives, and whether each is a member (not
-        a gap): how a digest finds the members' bytes among them."""
-        if self.gaps is None:
-            return self.sizes, [True] * len(self.sizes)
-        # Member, gap, member, ... (members are never empty; a gap of 0 is no buffer).
-        both = list(chain.from_iterable(zip(self.sizes, [*self.gaps, 0], strict=True)))
-        return list(compress(both, both)), list(compress([True, False] * len(self.sizes), both))
-
-
-AnyReadRequest = ReadRequest | DirectRequest
-"""Either kind of read request: both have ``blob``, ``offset``, ``nbytes``, ``scratch_bytes``,
-``done``, ``label`` and ``destinations()``."""
-
-
 async def read_all(
     plugin: StoragePlugin,
-    requests: Iterable[AnyReadRequest],
+    requests: Iterable[ReadRequest],
     *,
     budget_bytes: int,
     max_concurrency: int,
@@ -444,10 +380,7 @@ async def read_all(
                 return
             try:
                 outs = req.destinations()
-                if isinstance(req, DirectRequest):
-                    await _read_direct(plugin, req, outs, options)
-                else:
-                    await _read(plugin, req, outs, options)
+                await _read(plugin, req, outs, options)
                 if req.done is not None:
                     req.done()
                 totals[0] += 1
@@ -486,24 +419,9 @@ async def _read(
         verify(value)
 
 
-async def _read_direct(
-    plugin: StoragePlugin, req: DirectRequest, outs: list[memoryview], options: Options
-) -> None:
-    """One read straight into tensors' memory (``outs``: its ``destinations``), then each
-    member's CRC-32 compared with the recorded one: all of them in one comparison, and only
-    on a mismatch one by one (the first raises, naming its entry)."""
-    expected = req.expected
-    layout = req.layout() if expected is not None else None
-    values = await _read_into(plugin, req, outs, options, layout)
-    if expected is None or values == expected:
-        return
-    for path, chunk, value in zip(req.paths, req.chunks, values, strict=True):
-        WholeCheck(path, chunk)(value)
-
-
 async def _read_into(
     plugin: StoragePlugin,
-    req: AnyReadRequest,
+    req: ReadRequest,
     outs: list[memoryview],
     options: Options,
     layout: tuple[list[int], Sequence[object]] | None,

@@ -19,7 +19,7 @@ from manifest import Entry, Location, Manifest, TensorEntry
 from snapshot._engine.format.serialization import memory_span
 from snapshot._engine.handlers.local import LOCAL
 from snapshot._engine.handlers.table import by_entry_type
-from snapshot._engine.io.pipeline import AnyReadRequest, IOStats, ReadRequest, read_all
+from snapshot._engine.io.pipeline import IOStats, ReadRequest, read_all
 from snapshot._engine.restore.checks import (
     CHECK_PIECE_BYTES,
     ClaimCheck,
@@ -286,7 +286,7 @@ class Loader:
     async def _read(
         self, plugin: StoragePlugin, budget_bytes: int, requests: list[ReadRequest]
     ) -> IOStats:
-        reads: list[AnyReadRequest] = list(requests)
+        reads: list[ReadRequest] = list(requests)
         stats = await read_all(
             plugin,
             reads,
