@@ -145,11 +145,8 @@ class StoragePlugin(abc.ABC):
         copies the blob's bytes (a ``bytes`` buffer as it is), observes the copy, then writes
         it. ``observe`` may have a ``many(pieces)`` method, the same as calling it on each.
         """
-        if sum(len(b) for b in buffers) > OBSERVE_INLINE_BYTES:
-            copies = await asyncio.to_thread(copy_observed, buffers, observe)
-        else:
-            copies = copy_observed(buffers, observe)
-        await self.write(path, copies)
+        data = await off_loop(sum(map(len, buffers)), observed_copy, buffers, observe)
+        await self.write(path, [data])
 
     async def readv_observed(
         self,
@@ -161,10 +158,7 @@ class StoragePlugin(abc.ABC):
         """``readv``, with ``observe`` called on the bytes read, as ``write_observed`` does
         (the default reads, then observes each buffer)."""
         await self.readv(path, offset, outs)
-        if sum(len(o) for o in outs) > OBSERVE_INLINE_BYTES:
-            await asyncio.to_thread(_observe_all, outs, observe)
-        else:
-            _observe_all(outs, observe)
+        await off_loop(sum(map(len, outs)), _observe_all, outs, observe)
 
     async def size(self, path: str) -> int | None:
         """The length of blob ``path``, or None when this store cannot tell cheaply (the
@@ -224,13 +218,20 @@ class StoragePlugin(abc.ABC):
 OBSERVE_INLINE_BYTES = 1 << 20
 
 
-def copy_observed(buffers: Sequence[Buffer], observe: Callable[[memoryview], None]) -> list[bytes]:
-    """A private copy of each non-empty buffer (``bytes`` ones as they are: immutable), each
-    shown to ``observe`` in order."""
-    copies = [b if type(b) is bytes else bytes(b) for b in buffers if len(b)]
-    for c in copies:
-        observe(memoryview(c))
-    return copies
+async def off_loop(nbytes: int, fn: Callable[..., _T], *args: Any) -> _T:
+    """``fn(*args)``, on a thread when it handles more than ``OBSERVE_INLINE_BYTES``."""
+    if nbytes > OBSERVE_INLINE_BYTES:
+        return await asyncio.to_thread(fn, *args)
+    return fn(*args)
+
+
+def observed_copy(buffers: Sequence[Buffer], observe: Callable[[memoryview], None]) -> bytes:
+    """One private copy of the concatenated ``buffers`` (a lone ``bytes`` one as it is:
+    immutable), shown to ``observe``."""
+    data = b"".join(buffers)
+    if data:
+        observe(memoryview(data))
+    return data
 
 
 def _observe_all(buffers: Sequence[Buffer], observe: Callable[[memoryview], None]) -> None:

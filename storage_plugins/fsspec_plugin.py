@@ -3,21 +3,14 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import fsspec  # type: ignore[import-untyped]
 from fsspec.asyn import AsyncFileSystem  # type: ignore[import-untyped]
 
-from storage_plugins.base import OBSERVE_INLINE_BYTES, BlobTooLargeError, Buffer, StoragePlugin
+from storage_plugins.base import BlobTooLargeError, Buffer, StoragePlugin
 from storage_plugins.registry import check_below_root
-
-
-def _joined(buffers: Sequence[Buffer]) -> bytes:
-    """The blob's bytes, one private copy (a lone ``bytes`` buffer as it is)."""
-    if len(buffers) == 1:
-        return bytes(buffers[0])  # no copy of a ``bytes``
-    return b"".join(buffers)
 
 
 class FSSpecStoragePlugin(StoragePlugin):
@@ -60,25 +53,11 @@ class FSSpecStoragePlugin(StoragePlugin):
         return await asyncio.to_thread(getattr(self.fs, name), *args, **kwargs)
 
     async def write(self, path: str, buffers: Sequence[Buffer]) -> None:
-        await self._put(path, _joined(buffers))
-
-    async def write_observed(
-        self, path: str, buffers: Sequence[Buffer], observe: Callable[[memoryview], None]
-    ) -> None:
-        # The joined copy is what is sent, and what is observed.
-        data = _joined(buffers)
-        if len(data) > OBSERVE_INLINE_BYTES:
-            await asyncio.to_thread(observe, memoryview(data))
-        elif data:
-            observe(memoryview(data))
-        await self._put(path, data)
-
-    async def _put(self, path: str, data: bytes) -> None:
         full = self._full(path)
         parent = full.rpartition("/")[0]
         if not self._async and parent:
             await self._call("makedirs", parent, exist_ok=True)
-        await self._call("pipe_file", full, data)
+        await self._call("pipe_file", full, b"".join(buffers))
 
     async def read(self, path: str) -> bytes:
         return await self._call("cat_file", self._full(path))

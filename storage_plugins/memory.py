@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import asyncio
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
-from storage_plugins.base import OBSERVE_INLINE_BYTES, BlobTooLargeError, Buffer, StoragePlugin
+from storage_plugins.base import BlobTooLargeError, Buffer, StoragePlugin
 from storage_plugins.registry import check_below_root
 
 # One store per process, so that a snapshot taken to memory://x can be opened again by path.
@@ -48,18 +47,6 @@ class MemoryStoragePlugin(StoragePlugin):
 
     async def write(self, path: str, buffers: Sequence[Buffer]) -> None:
         data = b"".join(buffers)
-        with _LOCK:
-            _STORE[_key(self.root, path)] = data
-
-    async def write_observed(
-        self, path: str, buffers: Sequence[Buffer], observe: Callable[[memoryview], None]
-    ) -> None:
-        # The joined copy is what is stored, and what is observed.
-        data = b"".join(buffers)
-        if len(data) > OBSERVE_INLINE_BYTES:
-            await asyncio.to_thread(observe, memoryview(data))
-        elif data:
-            observe(memoryview(data))
         with _LOCK:
             _STORE[_key(self.root, path)] = data
 

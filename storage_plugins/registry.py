@@ -24,7 +24,7 @@ _BUILTIN: dict[str, tuple[str, str | None]] = {
     "s3": ("storage_plugins.s3:S3StoragePlugin", "pip install 'statesnap[s3]'"),
     "s3a": ("storage_plugins.s3:S3StoragePlugin", "pip install 'statesnap[s3]'"),
 }
-_FSSPEC = ("storage_plugins.fsspec_plugin:FSSpecStoragePlugin", None)
+_FSSPEC = "storage_plugins.fsspec_plugin:FSSpecStoragePlugin"
 
 _registered: dict[str, PluginFactory] = {}
 
@@ -61,11 +61,6 @@ def check_below_root(path: str, where: str) -> str:
     if any(part in (".", "..") for part in path.split("/")):
         raise UnsafeBlobError(f"{where}: not a path below the root")
     return path
-
-
-def _load(target: str) -> Any:
-    module, _, attr = target.partition(":")
-    return getattr(importlib.import_module(module), attr)
 
 
 # Scanning entry points reads every installed distribution's metadata: done once per process,
@@ -108,16 +103,17 @@ def resolve_factory(protocol: str) -> tuple[PluginFactory, str]:
         ep = _entry_point(protocol)
         if ep is not None:
             return ep, "entry point"
-    if target is None and _fsspec_knows(protocol):
-        target, hint = _FSSPEC
-    if target is None:
-        known = sorted({*_BUILTIN, *_registered})
-        raise ValueError(
-            f"no storage plugin for {protocol}://; built-in and registered: {', '.join(known)}. "
-            f"Third-party plugins register under the entry-point group {ENTRY_POINT_GROUP!r}."
-        )
+        if not _fsspec_knows(protocol):
+            known = sorted({*_BUILTIN, *_registered})
+            raise ValueError(
+                f"no storage plugin for {protocol}://; built-in and registered: "
+                f"{', '.join(known)}. Third-party plugins register under the entry-point group "
+                f"{ENTRY_POINT_GROUP!r}."
+            )
+        target = _FSSPEC
+    module, _, attr = target.partition(":")
     try:
-        return _load(target), "built-in"
+        return getattr(importlib.import_module(module), attr), "built-in"
     except ImportError as e:
         fix = f" ({hint})" if hint else ""
         raise ImportError(f"the storage plugin for {protocol}:// needs {e.name}{fix}") from e

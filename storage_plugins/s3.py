@@ -9,7 +9,7 @@ import os
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any
 
-from storage_plugins.base import BlobTooLargeError, Buffer, StoragePlugin, copy_observed
+from storage_plugins.base import BlobTooLargeError, Buffer, StoragePlugin, observed_copy, off_loop
 from storage_plugins.registry import check_below_root
 
 _MIB = 1 << 20
@@ -122,19 +122,21 @@ class S3StoragePlugin(StoragePlugin):
 
     # -- one request ---------------------------------------------------------------------------
 
-    async def _call(self, method: str, path: str, **kwargs: Any) -> Any:
-        """One S3 API call on the object ``path`` (a request slot held while it runs), its error
-        made one a caller knows."""
+    async def _call(self, method: str, path: str | None, **kwargs: Any) -> Any:
+        """One S3 API call on the object ``path`` (None: on the bucket) with a request slot held
+        while it runs, its error made one a caller knows."""
         async with self._slots:
             return await self._call_in_slot(method, path, **kwargs)
 
-    async def _call_in_slot(self, method: str, path: str, **kwargs: Any) -> Any:
+    async def _call_in_slot(self, method: str, path: str | None, **kwargs: Any) -> Any:
         """``_call``, for a caller that holds a request slot already (to read a response's
         body within it)."""
+        if path is not None:
+            kwargs["Key"] = self._key(path)
         try:
-            return await self.fs._call_s3(method, Bucket=self.bucket, Key=self._key(path), **kwargs)
+            return await self.fs._call_s3(method, Bucket=self.bucket, **kwargs)
         except Exception as e:
-            translated = self._translate(e, path)
+            translated = self._translate(e, path or "")
             if translated is e:
                 raise  # keeps the chain (s3fs's OSError caused by botocore's ClientError)
             raise translated from e
@@ -146,9 +148,7 @@ class S3StoragePlugin(StoragePlugin):
             return FileNotFoundError(errno.ENOENT, f"no object {where} ({code or status})")
         if code == "InvalidRange" or status == 416:
             return EOFError(f"{where}: the requested range starts beyond the object's end")
-        if isinstance(error, OSError):
-            if code is None:
-                return error
+        if isinstance(error, OSError) and code is not None:
             # s3fs's error says what kind of failure it is; add what S3 answered.
             return type(error)(error.errno, f"{code} (HTTP {status}): {error.strerror or error}")
         return error
@@ -184,8 +184,7 @@ class S3StoragePlugin(StoragePlugin):
             await self._multipart(path, views, total, observe)
             return
         if observe is not None:
-            copies = await asyncio.to_thread(copy_observed, views, observe)
-            views = [memoryview(c) for c in copies]
+            views = [memoryview(await off_loop(total, observed_copy, views, observe))]
         await self._call("put_object", path, Body=Body(views))
 
     async def write_if_absent(self, path: str, buffers: Sequence[Buffer]) -> None:
@@ -231,16 +230,14 @@ class S3StoragePlugin(StoragePlugin):
             for number, pieces in enumerate(split_parts(views, part_bytes), start=1):
                 if observe is not None:
                     await copies.acquire()
-                    failed = [e for t in tasks if t.done() and (e := t.exception()) is not None]
-                    if failed:
-                        copies.release()
-                        raise failed[0]
                     try:
-                        copied = await asyncio.to_thread(copy_observed, pieces, observe)
+                        if failed := [e for t in tasks if t.done() and (e := t.exception())]:
+                            raise failed[0]  # an upload failed: no more copies
+                        data = await asyncio.to_thread(observed_copy, pieces, observe)
                     except BaseException:
                         copies.release()
                         raise
-                    pieces = [memoryview(c) for c in copied]
+                    pieces = [memoryview(data)]
                 tasks.append(asyncio.ensure_future(upload(number, pieces, observe is not None)))
             parts = await asyncio.gather(*tasks)
             await self._call(
@@ -339,9 +336,8 @@ class S3StoragePlugin(StoragePlugin):
     async def size(self, path: str) -> int | None:
         """The object's length: as a ranged read of it reported it (no request), else from a
         HEAD request."""
-        known = self._sizes.get(path)
-        if known is not None:
-            return known
+        if path in self._sizes:
+            return self._sizes[path]
         head = await self._call("head_object", path)
         return int(head["ContentLength"])
 
@@ -360,18 +356,12 @@ class S3StoragePlugin(StoragePlugin):
         page: dict[str, Any] = {}
         while len(names) < limit:
             try:
-                async with self._slots:
-                    found = await self.fs._call_s3(
-                        "list_objects_v2", Bucket=self.bucket, Prefix=prefix, Delimiter="/",
-                        MaxKeys=max(1, min(limit - len(names), 1000)), **page,
-                    )  # fmt: skip
-            except Exception as e:
-                translated = self._translate(e, "")
-                if isinstance(translated, PermissionError):
-                    return None
-                if translated is e:
-                    raise
-                raise translated from e
+                found = await self._call(
+                    "list_objects_v2", None, Prefix=prefix, Delimiter="/",
+                    MaxKeys=max(1, min(limit - len(names), 1000)), **page,
+                )  # fmt: skip
+            except PermissionError:
+                return None
             names += [
                 p["Prefix"][len(prefix) :].rstrip("/") for p in found.get("CommonPrefixes", [])
             ]
@@ -392,15 +382,12 @@ class S3StoragePlugin(StoragePlugin):
         if not self.prefix:
             raise PermissionError(f"refusing to delete the whole bucket {self.bucket}")
         self._sizes.clear()
-        call = self.fs._call_s3
         while True:
-            async with self._slots:
-                found = await call("list_objects_v2", Bucket=self.bucket, Prefix=f"{self.prefix}/")
+            found = await self._call("list_objects_v2", None, Prefix=f"{self.prefix}/")
             keys = [{"Key": o["Key"]} for o in found.get("Contents", [])]
             if not keys:
                 return
-            async with self._slots:
-                done = await call("delete_objects", Bucket=self.bucket, Delete={"Objects": keys})
+            done = await self._call("delete_objects", None, Delete={"Objects": keys})
             # Keys refused one by one come back in the answer (listed again, they would be
             # tried for ever).
             if errors := done.get("Errors"):
