@@ -27,10 +27,11 @@ from typing import Any
 
 from snapshot._engine import state_dicts
 from snapshot._engine.dist.dist import RankZero
+from snapshot._engine.dist.dist import resolve as resolve_group
 from snapshot._engine.manager import preemption
 from snapshot._engine.manager.preemption import PreemptionHandler
 from snapshot._engine.manager.retention import Cleaner, Policy
-from snapshot._engine.manager.steps import COMMITTED, NOT_FOLDERS, UNREADABLE, Steps, step_name
+from snapshot._engine.manager.steps import COMMITTED, LEFT, NOT_FOLDERS, StepInfo, Steps, step_name
 from snapshot.errors import InvalidArgumentError, SnapshotError, SnapshotExistsError
 from snapshot.options import Options, resolve
 from snapshot.pending import PendingSnapshot
@@ -101,9 +102,8 @@ class CheckpointManager:
         # Rank 0 lists, decides and deletes; every rank gets its answers.
         self._ranks = RankZero(pg, self.options, self.root)
         self._rank, self._world = self._ranks.rank, self._ranks.world
-        # Saves not yet committed, oldest first: (step, pending snapshot or None for a
-        # synchronous one still running).
-        self._in_flight: list[tuple[int, PendingSnapshot | None]] = []
+        # The commit threads of the async saves under way, oldest first.
+        self._in_flight: list[threading.Thread] = []
         # Retention and deletions (rank 0's), and which steps the saves hold.
         self._cleaner = Cleaner(self._steps, self.policy, self.root)
         self._last_saved: int | None = None
@@ -172,16 +172,16 @@ class CheckpointManager:
         done = "captured" if self.async_ else "committed"
         logger.info("save of step %d under %s %s in %.3f s", step, self.root, done, _since(t))
         if isinstance(taken, PendingSnapshot):
-            pending = taken
-            with self._lock:
-                self._in_flight.append((step, pending))
             # Its own thread waits for the commit: the cleaner's thread must not hold it back.
-            threading.Thread(
+            thread = threading.Thread(
                 target=self._committed,
-                args=(step, pending, t),
+                args=(step, taken, t),
                 name=f"statesnap-commit-{step}",
                 daemon=True,
-            ).start()
+            )
+            with self._lock:
+                self._in_flight.append(thread)
+            thread.start()
         else:
             self._cleaner.end(step)
             if self._rank == 0:
@@ -191,18 +191,17 @@ class CheckpointManager:
     def _committed(self, step: int, pending: PendingSnapshot, t0: float) -> None:
         """On a thread of its own: waits for an async save, records its end, then hands
         retention to the worker (rank 0)."""
+        error = None
         try:
             pending.wait()
             logger.info(
                 "save of step %d under %s committed %.3f s after it began",
                 step,
                 self.root,
-                _since(t0),
+                time.perf_counter() - t0,
             )
         except BaseException as e:
-            with self._lock:
-                self._errors.append(e)
-            self._cleaner.failed(step)  # its folder is debris now, the worker's to delete
+            error = e
             logger.error(
                 "save of step %d under %s failed (training goes on; the newest committed step "
                 "stays; the error is raised by %s): %s",
@@ -211,12 +210,13 @@ class CheckpointManager:
                 "the next save" if self.raise_on_next_save else "wait() or close()",
                 e,
             )
-        finally:
-            # The cleaner's mark goes first: once ``_wait_for_saves`` returns, no save that
-            # ended is still held in flight for retention.
-            self._cleaner.end(step)
-            with self._lock:
-                self._in_flight = [(s, p) for s, p in self._in_flight if p is not pending]
+        # The cleaner's mark goes first (a failed save's folder is debris now, the worker's to
+        # delete): once ``_wait_for_saves`` returns, no save that ended is held in flight.
+        self._cleaner.end(step, failed=error is not None)
+        with self._lock:
+            if error is not None:
+                self._errors.append(error)
+            self._in_flight.remove(threading.current_thread())
         if self._rank == 0 and not self._closed:
             self._cleaner.run_round()
 
@@ -248,17 +248,8 @@ class CheckpointManager:
             with self._lock:
                 if len(self._in_flight) <= most:
                     return
-                _, oldest = self._in_flight[0]
-            if oldest is not None:
-                try:
-                    oldest.wait()
-                except BaseException:
-                    pass
-            while True:
-                with self._lock:
-                    if all(p is not oldest for _, p in self._in_flight):
-                        break
-                time.sleep(0.001)
+                oldest = self._in_flight[0]
+            oldest.join()
 
     def _clean_once(self) -> None:
         """Before the first save: incomplete folders an earlier run left (a crash mid-take or
@@ -296,30 +287,21 @@ class CheckpointManager:
                 ``step_0000000005``).
         """
 
-        def listing() -> tuple[list[tuple[int, str]], list[tuple[int, str, str]]]:
+        def listing() -> list[StepInfo]:
             found = self._steps.scan()
             self._cleaner.note(found)
-            good = [(s.step, s.name) for s in found if s.committed]
-            # (step, folder or "" for a link or a file, what blocks a save there or "")
-            others = [
-                (
-                    s.step,
-                    "" if s.reason in NOT_FOLDERS else s.name,
-                    "" if s.debris else s.state if s.state == UNREADABLE else s.reason,
-                )
-                for s in found
-                if not s.committed
-            ]
-            return good, others
+            return found
 
-        good, others = self._ranks.agreed(listing)
+        found: list[StepInfo] = self._ranks.agreed(listing)
         # A step has one folder at most (``Steps.scan``), beside which links may be named
         # like it: the folder is the one used.
-        self._folders = {step: name for step, name in good}
-        self._folders.update((step, name) for step, name, _ in others if name)
-        self._occupied = {step: what for step, _, what in others if what}
-        self._occupied.update((step, COMMITTED) for step, _ in good)
-        return [step for step, _ in good]
+        self._folders = {s.step: s.name for s in found if s.reason not in NOT_FOLDERS}
+        # What blocks a save at a step: anything but a take's debris.
+        self._occupied = {
+            s.step: s.reason if s.state == LEFT else s.state for s in found if not s.debris
+        }
+        self._occupied.update((s.step, COMMITTED) for s in found if s.committed)
+        return [s.step for s in found if s.committed]
 
     def latest_step(self) -> int | None:
         """The newest committed step, or None."""
@@ -407,7 +389,15 @@ class CheckpointManager:
         self._final_save(step, app_state)
 
     def _preemption_agreed(self) -> bool:
-        return preemption.agreed(self, self._world, self.pg, self.options)
+        """Whether a preemption signal arrived on any rank; sets ``preempted`` where another
+        rank received it."""
+        if self._world == 1:
+            return self.preempted
+        if any(resolve_group(self.pg, self.options).all_gather(self.preempted)):
+            if not self.preempted:
+                logger.warning("preempted: another rank received the signal")
+            self.preempted = True
+        return self.preempted
 
     def _drop_handler(self) -> None:
         if self._handler is not None:
@@ -424,14 +414,30 @@ class CheckpointManager:
             self._final_save(step, handler.app_state)
 
     def _final_save(self, step: int, app_state: dict[str, Any]) -> None:
-        """At a step boundary after a preemption signal: saves ``step`` once, waits for every
-        save and deletion, closes, then ends the process by the signal."""
+        """At a step boundary after a preemption signal: saves ``step`` synchronously unless it
+        is saved already, waits for every save and deletion, closes, then ends the process by
+        the signal."""
         self._ending = True
         handler = self._handler
         signum = handler.signum if handler is not None and handler.signum else signal.SIGTERM
         try:
             self._wait_for_saves(0)
-            preemption.save_last(self, step, app_state, self._last_saved)  # and closes
+            last = self._last_saved
+            if last is not None and step <= last:
+                logger.warning(
+                    "preempted: step %d is saved already under %s (the newest saved is %d)",
+                    step,
+                    self.root,
+                    last,
+                )
+            else:
+                logger.warning("preempted: saving step %d under %s before exiting", step, self.root)
+                self.async_, async_ = False, self.async_
+                try:
+                    self.save(step, app_state)
+                finally:
+                    self.async_ = async_
+            self.close()
         finally:
             self._drop_handler()  # where the save or the close failed: the error goes on
         preemption.end_by_signal(self.root, signum)

@@ -1,6 +1,6 @@
 """The checkpoint manager's preemption: the signal handler that records a scheduler's signal,
-the ranks' agreement on it, and the final save at a step boundary that ends the process by
-that signal (``CheckpointManager.handle_preemption`` and ``checkpoint_if_preempted``)."""
+and the end of the process by that signal after the final save
+(``CheckpointManager.handle_preemption`` and ``checkpoint_if_preempted``)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,6 @@ import logging
 import signal
 import sys
 from typing import TYPE_CHECKING, Any, NoReturn
-
-from snapshot.options import Options
 
 if TYPE_CHECKING:
     from snapshot.manager import CheckpointManager as Manager
@@ -56,42 +54,6 @@ class PreemptionHandler:
         for s, handler in self.previous.items():
             signal.signal(s, signal.SIG_DFL if handler is None else handler)
         self.previous = {}
-
-
-def agreed(manager: Manager, world: int, pg: Any | None, options: Options) -> bool:
-    """Whether a preemption signal arrived on any rank of ``pg`` (this rank alone when
-    ``world`` is 1); sets ``manager.preempted`` where another rank received it."""
-    if world == 1:
-        return manager.preempted
-    from snapshot._engine.dist import dist as coordination
-
-    flags = coordination.resolve(pg, options).all_gather(manager.preempted)
-    if any(flags) and not manager.preempted:
-        logger.warning("preempted: another rank received the signal")
-        manager.preempted = True
-    return bool(any(flags))
-
-
-def save_last(
-    manager: Manager, step: int, app_state: dict[str, Any], last_saved: int | None
-) -> None:
-    """The final save after a signal: saves ``step`` synchronously unless it is saved already
-    (``last_saved``), then closes the manager (which restores the earlier handlers)."""
-    if last_saved is not None and step <= last_saved:
-        logger.warning(
-            "preempted: step %d is saved already under %s (the newest saved is %d)",
-            step,
-            manager.root,
-            last_saved,
-        )
-    else:
-        logger.warning("preempted: saving step %d under %s before exiting", step, manager.root)
-        async_, manager.async_ = manager.async_, False
-        try:
-            manager.save(step, app_state)
-        finally:
-            manager.async_ = async_
-    manager.close()
 
 
 def end_by_signal(root: str, signum: int) -> NoReturn:

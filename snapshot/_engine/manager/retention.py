@@ -159,12 +159,6 @@ class Cleaner:
             self._in_flight.add(step)
             self._started.add(step)
 
-    def failed(self, step: int) -> None:
-        """The save of ``step`` failed: its folder is debris now, the worker's to delete."""
-        with self._lock:
-            self._started.discard(step)
-            self._failed.add(step)
-
     def end(self, step: int, failed: bool = False) -> None:
         """The save of ``step`` is no longer writing (``failed``: and it failed)."""
         with self._lock:
