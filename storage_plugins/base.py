@@ -323,22 +323,16 @@ class _Daemons:
         """Ends the threads once they have run the jobs queued (cancelled, with
         ``cancel_futures``); with ``wait``, waits for them."""
         with self.lock:
-            first, self.closed = not self.closed, True
-            ends = 0
+            self.closed = True
             while cancel_futures:
                 try:
                     job = self.jobs.get_nowait()
                 except queue.Empty:
                     break
-                if job is None:
-                    ends += 1
-                else:
+                if job is not None:
                     job[0].cancel()
-            for _ in range(ends):
+            for _ in self.threads:  # (one more each on a second call: never read)
                 self.jobs.put(None)
-            if first:
-                for _ in self.threads:
-                    self.jobs.put(None)
         if wait:
             for thread in self.threads:
                 if thread is not threading.current_thread():

@@ -6,7 +6,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-from storage_plugins.base import BlobTooLargeError, Buffer, StoragePlugin
+from storage_plugins.base import Buffer, StoragePlugin
 from storage_plugins.registry import check_below_root
 
 # One store per process, so that a snapshot taken to memory://x can be opened again by path.
@@ -59,12 +59,6 @@ class MemoryStoragePlugin(StoragePlugin):
 
     async def read(self, path: str) -> bytes:
         return self._get(path)
-
-    async def read_limited(self, path: str, limit: int) -> bytes:
-        data = self._get(path)
-        if len(data) > limit:
-            raise BlobTooLargeError(self.describe(path), limit, len(data))
-        return data
 
     async def read_into(self, path: str, offset: int, out: memoryview) -> None:
         await self.readv(path, offset, (out,))

@@ -379,9 +379,8 @@ class AsyncStatesnapCheckpointIO(StatesnapCheckpointIO):
         self, storage_options: dict[str, Any] | None = None, *, options: Options | None = None
     ) -> None:
         super().__init__(storage_options, options=options)
-        self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
-        self._errors: list[BaseException] = []
+        self._error: BaseException | None = None  # of the save under way, once it failed
 
     def save_checkpoint(
         self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None
@@ -392,15 +391,13 @@ class AsyncStatesnapCheckpointIO(StatesnapCheckpointIO):
         self.wait()
         pending, save = self._save(Snapshot.async_take, checkpoint, path, storage_options)
         logger.info("checkpoint %s captured in %.3f s", save.root, _since(save.t))
-        thread = threading.Thread(
+        self._thread = threading.Thread(
             target=self._commit,
             args=(pending, save),
             name="statesnap-lightning-commit",
             daemon=True,
         )
-        with self._lock:
-            self._thread = thread
-        thread.start()
+        self._thread.start()
 
     def _commit(self, pending: PendingSnapshot, save: _Save) -> None:
         """On a thread of its own: waits for the commit, then deletes what it replaced; or
@@ -409,8 +406,7 @@ class AsyncStatesnapCheckpointIO(StatesnapCheckpointIO):
             pending.wait()
         except BaseException as e:
             logger.error("checkpoint %s failed: %s", save.root, e)
-            with self._lock:
-                self._errors.append(e)
+            self._error = e
             self._clean(save, failed=True)
             return
         logger.info("checkpoint %s committed %.3f s after it began", save.root, _since(save.t))
@@ -418,17 +414,12 @@ class AsyncStatesnapCheckpointIO(StatesnapCheckpointIO):
 
     def wait(self) -> None:
         """Waits for the save under way and its deletions; raises its error if it failed."""
-        with self._lock:
-            thread = self._thread
-        if thread is not None:
-            thread.join()
-            with self._lock:
-                if self._thread is thread:
-                    self._thread = None
-        with self._lock:
-            errors, self._errors = self._errors, []
-        if errors:
-            raise errors[0]
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        error, self._error = self._error, None
+        if error is not None:
+            raise error
 
     def _settle(self) -> None:
         self.wait()

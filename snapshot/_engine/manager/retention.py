@@ -87,10 +87,8 @@ def to_keep(policy: Policy, steps: list[Step]) -> set[int]:
             and math.isfinite(value)
         ]
         # Ties go to the newer step.
-        if policy.mode == "min":
-            scored.sort(key=lambda vs: (vs[0], -vs[1]))
-        else:
-            scored.sort(key=lambda vs: (-vs[0], -vs[1]))
+        sign = 1 if policy.mode == "min" else -1
+        scored.sort(key=lambda vs: (sign * vs[0], -vs[1]))
         keep.update(step for _, step in scored[: policy.keep_best])
     return keep
 

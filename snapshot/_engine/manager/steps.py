@@ -128,15 +128,16 @@ def _contents(
 
 def _scan_local(path: str) -> list[tuple[str, str]]:
     """The entries of a local folder and their kinds, never following a link."""
-    out = []
     with os.scandir(path) as found:
-        for e in found:
-            is_dir = e.is_dir(follow_symlinks=False)
-            out.append((e.name, "file" if e.is_file(follow_symlinks=False) else _DIR[is_dir]))
-    return out
+        return [(e.name, _kind(e)) for e in found]
 
 
-_DIR = {True: "dir", False: "other"}
+def _kind(entry: os.DirEntry[str]) -> str:
+    if entry.is_symlink():
+        return "link"
+    if entry.is_file(follow_symlinks=False):
+        return "file"
+    return "dir" if entry.is_dir(follow_symlinks=False) else "other"
 
 
 def _survey_local(path: str) -> Contents:
@@ -254,11 +255,9 @@ class Steps:
                 if kind == "dir":
                     # A manifest that is a link counts: reading it says why it is refused.
                     there = os.path.lexists(os.path.join(self._local, n, MANIFEST_NAME))
-                    kind = "committed" if there else "folder"
+                    out.append((n, "committed" if there else "folder"))
                 else:
-                    link = os.path.islink(os.path.join(self._local, n))
-                    kind = A_LINK if link else NOT_A_FOLDER
-                out.append((n, kind))
+                    out.append((n, A_LINK if kind == "link" else NOT_A_FOLDER))
             return out
         with open_storage(self.root, self.storage_options, self.options) as plugin:
 
