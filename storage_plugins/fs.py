@@ -7,6 +7,7 @@ direct I/O and for checksums (which must see the very bytes written)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import functools
 import logging
@@ -30,6 +31,7 @@ Observer = Callable[[memoryview], None]
 
 # Paths below the root are opened one component at a time with O_NOFOLLOW (a link is refused),
 # files with O_NONBLOCK (a FIFO's open returns at once, then ``fstat`` refuses it).
+_NEW_FILE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 _NOT_NAMES = frozenset({"", ".", ".."})
@@ -366,62 +368,58 @@ class FSStoragePlugin(StoragePlugin):
         """Writes blob ``path`` through a temporary file renamed into place; ``exclusive``:
         linked into place instead, which fails (``FileExistsError``) when it exists."""
         *dirs, name = path.split("/")
-        final = self._abs(path)
         tmp = f".{name}.{uuid.uuid4().hex[:12]}.tmp"
         views = [memoryview(b).cast("B") for b in buffers if len(b)]
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
         direct = self._direct and sum(map(len, views)) >= _DIRECT_MIN_BYTES
         parent = self._open_dir(dirs, create=True)
         try:
-            try:
-                fd = os.open(tmp, flags | (O_DIRECT if direct else 0), 0o644, dir_fd=parent)
-            except OSError as e:
-                if not direct or e.errno != errno.EINVAL:
-                    raise
-                self._refused(final, e)
-                direct = False
-                try:
-                    os.unlink(tmp, dir_fd=parent)  # some kernels create the file, then refuse
-                except FileNotFoundError:
-                    pass
-                fd = os.open(tmp, flags, 0o644, dir_fd=parent)
-            try:
-                try:
-                    if not direct or not _write_direct(fd, views, observe):
-                        if direct:  # refused at the first write: the same file, through the cache
-                            import fcntl  # POSIX, as O_DIRECT is
-
-                            self._refused(final, OSError(errno.EINVAL, os.strerror(errno.EINVAL)))
-                            flags = fcntl.fcntl(fd, fcntl.F_GETFL)
-                            fcntl.fcntl(fd, fcntl.F_SETFL, flags & ~O_DIRECT)
-                        _write_all(fd, views, observe)
-                    if self._fsync:
-                        os.fsync(fd)
-                finally:
-                    os.close(fd)
-                if exclusive:
-                    # A hard link is made only where no entry ``name`` exists, atomically.
-                    os.link(tmp, name, src_dir_fd=parent, dst_dir_fd=parent, follow_symlinks=False)
-                    os.unlink(tmp, dir_fd=parent)
-                else:
-                    # Replaces the entry ``name``, whatever it was (a link too), unfollowed.
-                    os.replace(tmp, name, src_dir_fd=parent, dst_dir_fd=parent)
-            except BaseException:
-                try:
-                    os.unlink(tmp, dir_fd=parent)
-                except OSError:
-                    pass
-                raise
+            if not (direct and self._write_new(parent, tmp, views, observe, O_DIRECT)):
+                if direct:  # refused: the same file through the cache, and every later one
+                    if self._direct:  # (said once)
+                        self._direct = False
+                        what = "writing through the page cache from now on"
+                        logger.info("direct I/O refused for %s: %s", self._abs(path), what)
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(tmp, dir_fd=parent)  # some kernels create it, then refuse
+                self._write_new(parent, tmp, views, observe, 0)
+            if exclusive:
+                # A hard link is made only where no entry ``name`` exists, atomically.
+                os.link(tmp, name, src_dir_fd=parent, dst_dir_fd=parent, follow_symlinks=False)
+                os.unlink(tmp, dir_fd=parent)
+            else:
+                # Replaces the entry ``name``, whatever it was (a link too), unfollowed.
+                os.replace(tmp, name, src_dir_fd=parent, dst_dir_fd=parent)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp, dir_fd=parent)
+            raise
         finally:
             os.close(parent)
         if self._fsync:
             self._dirty_dirs.add(tuple(dirs))
 
-    def _refused(self, final: str, error: OSError) -> None:
-        if self._direct:
-            self._direct = False
-            what = "writing through the page cache from now on"
-            logger.info("direct I/O refused for %s (%s): %s", final, error, what)
+    def _write_new(
+        self, parent: int, tmp: str, views: list[memoryview], observe: Observer | None, direct: int
+    ) -> bool:
+        """Writes the new file ``tmp`` in ``parent`` (then fsyncs it, with fsync), opened with
+        ``direct`` (O_DIRECT or 0); False when the file system refuses direct I/O, at the open
+        or at the first write."""
+        try:
+            fd = os.open(tmp, _NEW_FILE | direct, 0o644, dir_fd=parent)
+        except OSError as e:
+            if direct and e.errno == errno.EINVAL:
+                return False
+            raise
+        try:
+            if not direct:
+                _write_all(fd, views, observe)
+            elif not _write_direct(fd, views, observe):
+                return False
+            if self._fsync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        return True
 
     async def write(self, path: str, buffers: Sequence[Buffer]) -> None:
         await self._run(self._write_sync, path, buffers)

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextlib
 import errno
+import itertools
 import os
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any
@@ -501,11 +503,9 @@ class Body:
 
     def __init__(self, views: list[memoryview]) -> None:
         self._views = views
-        self._size = sum(len(v) for v in views)
+        self._ends = list(itertools.accumulate(len(v) for v in views))  # each view's, in the body
+        self._size = self._ends[-1] if views else 0
         self._pos = 0
-        # Where sequential reads resume: the view holding ``_pos`` and its offset in the body.
-        self._index = 0
-        self._index_start = 0
 
     def __len__(self) -> int:
         return self._size
@@ -521,33 +521,22 @@ class Body:
         return self._pos
 
     def read(self, n: int | None = -1) -> bytes:
-        if n is None or n < 0:
-            n = self._size
-        pos, want = self._pos, min(n, max(0, self._size - self._pos))
-        views, i, start = self._views, self._index, self._index_start
-        if pos < start:  # a seek back: start over
-            i = start = 0
-        pieces: list[memoryview] = []
-        while want and i < len(views):
-            v = views[i]
-            if pos < start + len(v):
-                piece = v[pos - start : pos - start + want]
-                pieces.append(piece)
-                pos += len(piece)
-                want -= len(piece)
-                if pos < start + len(v):
-                    break  # this view has more for the next read
-            start += len(v)
+        end = self._size if n is None or n < 0 else min(self._size, self._pos + n)
+        pieces = []
+        i = bisect.bisect_right(self._ends, self._pos)  # the view holding ``_pos``
+        while self._pos < end:
+            start = self._ends[i] - len(self._views[i])
+            pieces.append(self._views[i][self._pos - start : end - start])
+            self._pos += len(pieces[-1])
             i += 1
-        self._pos, self._index, self._index_start = pos, i, start
-        return bytes(pieces[0]) if len(pieces) == 1 else b"".join(pieces)
+        return b"".join(pieces)
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
         while piece := self.read(_PIECE_BYTES):
             yield piece
 
     def close(self) -> None:
-        self._views = []
+        self._views, self._ends, self._size = [], [], 0
 
 
 def split_parts(views: list[memoryview], part_bytes: int) -> Iterator[list[memoryview]]:
