@@ -11,6 +11,11 @@ import os
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any
 
+import aiohttp
+import s3fs  # type: ignore[import-untyped]
+from botocore.config import Config  # type: ignore[import-untyped]
+from botocore.exceptions import HTTPClientError, ResponseStreamingError  # type: ignore[import-untyped]
+
 from storage_plugins.base import BlobTooLargeError, Buffer, StoragePlugin, observed_copy, off_loop
 from storage_plugins.registry import check_below_root
 
@@ -34,6 +39,15 @@ _TRANSIENT_CODES = frozenset(
     }
 )
 _NOT_FOUND_CODES = frozenset({"404", "NoSuchKey", "NotFound", "NoSuchBucket"})
+# Dropped, refused or timed-out connections and cut-off responses, as botocore and aiohttp
+# report them.
+_CONNECTION_ERRORS = (
+    HTTPClientError,
+    ResponseStreamingError,
+    asyncio.TimeoutError,
+    aiohttp.ClientConnectionError,
+    aiohttp.ClientPayloadError,
+)
 
 
 class S3StoragePlugin(StoragePlugin):
@@ -85,19 +99,11 @@ class S3StoragePlugin(StoragePlugin):
             )
         self.bucket = bucket
         self.prefix = prefix.strip("/")
-        try:
-            import s3fs  # type: ignore[import-untyped]
-        except ImportError as e:  # pragma: no cover - the registry names the extra to install
-            raise ImportError(
-                "s3:// paths need s3fs (pip install 'statesnap[s3]')", name="s3fs"
-            ) from e
         config = dict(options.pop("config_kwargs", None) or {})
         config.setdefault("retries", {"total_max_attempts": 1})
         # The library checks every byte against its own CRC-32: the SDK's per-request
         # checksums and payload signing would hash every byte again. (botocore before 1.36 has
         # neither option, and refuses options it does not know.)
-        from botocore.config import Config  # type: ignore[import-untyped]
-
         for option in ("request_checksum_calculation", "response_checksum_validation"):
             if option in getattr(Config, "OPTION_DEFAULTS", ()):
                 config.setdefault(option, "when_required")
@@ -160,7 +166,7 @@ class S3StoragePlugin(StoragePlugin):
             status, code = _status_and_code(e)
             if (status is not None and status >= 500) or code in _TRANSIENT_CODES:
                 return True
-            if _is_connection_error(e) or super().is_transient(e):
+            if isinstance(e, _CONNECTION_ERRORS) or super().is_transient(e):
                 return True
         return False
 
@@ -463,30 +469,6 @@ def _status_and_code(error: BaseException) -> tuple[int | None, str | None]:
             status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
             return status, response["Error"].get("Code")
     return None, None
-
-
-def _is_connection_error(error: BaseException) -> bool:
-    """Dropped, refused or timed-out connections and cut-off responses, as botocore and aiohttp
-    report them."""
-    try:
-        from botocore.exceptions import (  # type: ignore[import-untyped]
-            HTTPClientError,
-            ResponseStreamingError,
-        )
-    except ImportError:  # pragma: no cover - s3fs depends on botocore
-        return False
-    kinds: tuple[type[BaseException], ...] = (
-        HTTPClientError,
-        ResponseStreamingError,
-        asyncio.TimeoutError,
-    )
-    try:
-        import aiohttp
-
-        kinds += (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError)
-    except ImportError:  # pragma: no cover - aiobotocore depends on aiohttp
-        pass
-    return isinstance(error, kinds)
 
 
 # A piece of a request body: a 32 MiB body is 128 socket writes of pieces small enough to be
