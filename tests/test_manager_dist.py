@@ -47,7 +47,7 @@ def _two_ranks(rank: int, world_size: int, root: str) -> dict:
         manager.wait()
         out["steps"] = manager.steps()
         # Only rank 0 runs retention: no other rank ever starts the deleting thread.
-        out["deleter"] = manager._cleaner.worker is not None
+        out["deleter"] = manager._cleaner.last_round is not None
     # A restart: both ranks resume from the same step, each with its own part.
     with CheckpointManager(root, keep_last=2) as again:
         target = blank()

@@ -291,7 +291,9 @@ def test_a_dropped_manager_ends_its_thread(tmp_path):
     m.save(1, state(1))
     m.save(2, state(2))
     m.wait()
-    workers = [t for t in threading.enumerate() if t.name == "statesnap-checkpoint-manager"]
+    workers = [
+        t for t in threading.enumerate() if t.name.startswith("statesnap-checkpoint-manager")
+    ]
     assert workers
     del m
     gc.collect()

@@ -14,15 +14,16 @@ from __future__ import annotations
 
 import logging
 import math
-import queue
 import threading
-import weakref
-from collections.abc import Callable, Collection, Mapping, Set
+from collections.abc import Collection, Mapping, Set
+from concurrent import futures
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
 from snapshot._engine.manager.steps import COMMITTED, INCOMPLETE, UNREADABLE, StepInfo, Steps
 from snapshot.errors import InvalidArgumentError
+from storage_plugins.base import DaemonThreadPool
 
 logger = logging.getLogger("snapshot")
 
@@ -141,12 +142,11 @@ class Cleaner:
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
         self._warned: set[tuple[str, str]] = set()
-        # The worker runs one job at a time; ``None`` stops it. It holds no reference to the
-        # cleaner: a manager dropped without ``close`` is collected, then the cleaner, whose
-        # finalizer stops the thread once the jobs queued before are done.
-        self._work: queue.Queue[Callable[[], None] | None] = queue.Queue()
-        self.worker: threading.Thread | None = None
-        self._finalizer: weakref.finalize | None = None
+        # The worker thread runs the rounds in order. A manager dropped without ``close`` is
+        # collected, then the cleaner and its pool, which ends the thread once the rounds
+        # queued before are done.
+        self._pool = DaemonThreadPool(1, thread_name_prefix="statesnap-checkpoint-manager")
+        self.last_round: Future[None] | None = None  # None: no round queued, no thread started
 
     def begin(self, step: int) -> None:
         """A save of ``step`` begins: waits while the worker deletes debris at that step, then
@@ -167,32 +167,19 @@ class Cleaner:
 
     def run_round(self) -> None:
         """Queues a retention round on the worker thread (started on the first call)."""
-        if self.worker is None:
-            self.worker = threading.Thread(
-                target=_run_worker,
-                args=(self._work,),
-                name="statesnap-checkpoint-manager",
-                daemon=True,
-            )
-            self.worker.start()
-            # Stops the thread once the cleaner is collected, or at exit (a deletion cut short
-            # leaves marked debris).
-            self._finalizer = weakref.finalize(self, self._work.put, None)
-        self._work.put(self.retain)
+        with self._lock:
+            self.last_round = self._pool.submit(self.retain)
 
     def join(self) -> None:
         """Waits for the rounds queued so far."""
-        if self.worker is not None:
-            self._work.join()
+        with self._lock:
+            last = self.last_round
+        if last is not None:
+            futures.wait([last])
 
     def stop(self) -> None:
         """Ends the worker thread once the rounds queued so far are done."""
-        if self.worker is not None:
-            if self._finalizer is not None:
-                self._finalizer.detach()
-            self._work.put(None)
-            self.worker.join()
-            self.worker = None
+        self._pool.shutdown()
 
     def retain(self) -> None:
         """On the worker, after a commit: lists the steps, deletes the debris of takes no save
@@ -288,17 +275,3 @@ class Cleaner:
                 return
             self._warned.add((key, message))
         logger.warning(message, *args)
-
-
-def _run_worker(work: queue.Queue[Callable[[], None] | None]) -> None:
-    """The worker thread: runs the jobs of ``work`` until ``None``, keeping none (it may hold
-    the cleaner) while it waits."""
-    while True:
-        job = work.get()
-        try:
-            if job is None:
-                return
-            job()
-        finally:
-            job = None
-            work.task_done()
