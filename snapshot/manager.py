@@ -19,17 +19,16 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 import warnings
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from typing import Any, NoReturn
 
 from snapshot._engine import state_dicts
 from snapshot._engine.dist.dist import RankZero
 from snapshot._engine.dist.dist import resolve as resolve_group
-from snapshot._engine.manager import preemption
-from snapshot._engine.manager.preemption import PreemptionHandler
 from snapshot._engine.manager.retention import Cleaner, Policy
 from snapshot._engine.manager.steps import COMMITTED, LEFT, NOT_FOLDERS, StepInfo, Steps, step_name
 from snapshot.errors import InvalidArgumentError, SnapshotError, SnapshotExistsError
@@ -440,7 +439,7 @@ class CheckpointManager:
             self.close()
         finally:
             self._drop_handler()  # where the save or the close failed: the error goes on
-        preemption.end_by_signal(self.root, signum)
+        _end_by_signal(self.root, signum)
 
     def close(self) -> None:
         """Waits for the saves and deletions under way, then stops the cleaner's thread and the
@@ -469,6 +468,61 @@ class CheckpointManager:
     def _check_open(self, call: str) -> None:
         if self._closed:
             raise SnapshotError(f"CheckpointManager.{call}: the manager of {self.root} is closed")
+
+
+class PreemptionHandler:
+    """The signal handlers ``handle_preemption`` installs, and the ones they replaced. A handler
+    only records and logs the signal, so a save it interrupts completes."""
+
+    def __init__(
+        self,
+        manager: CheckpointManager,
+        app_state: dict[str, Any] | None,
+        signals: tuple[int, ...],
+    ) -> None:
+        self.manager = manager
+        self.app_state = app_state
+        self.signum: int | None = None  # the first signal received
+        self.previous = {s: signal.signal(s, self._on_signal) for s in signals}
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        if self.signum is not None:
+            logger.warning(
+                "signal %d received again by the checkpoint manager of %s: the final save "
+                "happens at the next step boundary",
+                signum,
+                self.manager.root,
+            )
+            return
+        self.signum = signum
+        self.manager.preempted = True
+        logger.warning(
+            "signal %d received by the checkpoint manager of %s: manager.preempted is set, "
+            "the final save happens at the next step boundary",
+            signum,
+            self.manager.root,
+        )
+
+    def uninstall(self) -> None:
+        """Puts back the handlers this one replaced (the default one where an earlier handler
+        was installed from outside Python)."""
+        for s, handler in self.previous.items():
+            signal.signal(s, signal.SIG_DFL if handler is None else handler)
+        self.previous = {}
+
+
+def _end_by_signal(root: str, signum: int) -> NoReturn:
+    """Ends the process by ``signum`` as the signal would have, the output flushed first;
+    ``SystemExit(128 + signum)`` if the process survives it."""
+    logger.warning("preempted: the saves under %s are committed; ending by signal %d", root, signum)
+    for stream in (sys.stdout, sys.stderr):  # a signal's default action flushes nothing
+        try:
+            if stream is not None:
+                stream.flush()
+        except (OSError, ValueError):
+            pass
+    signal.raise_signal(signum)
+    raise SystemExit(128 + signum)
 
 
 def _since(t: float) -> float:

@@ -1,1 +1,1 @@
-"""The checkpoint manager's step folders: scanning, retention, deletion, preemption."""
+"""The checkpoint manager's step folders: scanning, retention, deletion."""
