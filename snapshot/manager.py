@@ -146,7 +146,11 @@ class CheckpointManager:
             self._wait_for_saves(0)  # the base must be committed
             newest = self.latest_step()
             base = self._steps.path(self._folders[newest]) if newest is not None else None
-        self._clean_once()
+        if not self._cleaned and self._rank == 0:
+            # Before the first save: incomplete folders an earlier run left (a crash mid-take
+            # or mid-delete) are deleted, in the background.
+            self._cleaner.run_round()
+        self._cleaned = True
         # The folder found for this step (debris a take may replace), else the canonical name.
         path = self._steps.path(self._folders.get(step, step_name(step)))
         user = {"step": step, "metrics": recorded}
@@ -249,15 +253,6 @@ class CheckpointManager:
                     return
                 oldest = self._in_flight[0]
             oldest.join()
-
-    def _clean_once(self) -> None:
-        """Before the first save: incomplete folders an earlier run left (a crash mid-take or
-        mid-delete) are deleted on rank 0, in the background."""
-        if self._cleaned:
-            return
-        self._cleaned = True
-        if self._rank == 0:
-            self._cleaner.run_round()
 
     def wait(self) -> None:
         """Waits for the saves under way and the deletions queued; raises the first error of
@@ -412,10 +407,11 @@ class CheckpointManager:
         if self._preemption_agreed():
             self._final_save(step, handler.app_state)
 
-    def _final_save(self, step: int, app_state: dict[str, Any]) -> None:
+    def _final_save(self, step: int, app_state: dict[str, Any]) -> NoReturn:
         """At a step boundary after a preemption signal: saves ``step`` synchronously unless it
         is saved already, waits for every save and deletion, closes, then ends the process by
-        the signal."""
+        the signal as the signal would have, the output flushed first (``SystemExit(128 +
+        signum)`` if it survives that)."""
         self._ending = True
         handler = self._handler
         signum = handler.signum if handler is not None and handler.signum else signal.SIGTERM
@@ -439,7 +435,17 @@ class CheckpointManager:
             self.close()
         finally:
             self._drop_handler()  # where the save or the close failed: the error goes on
-        _end_by_signal(self.root, signum)
+        logger.warning(
+            "preempted: the saves under %s are committed; ending by signal %d", self.root, signum
+        )
+        for stream in (sys.stdout, sys.stderr):  # a signal's default action flushes nothing
+            try:
+                if stream is not None:
+                    stream.flush()
+            except (OSError, ValueError):
+                pass
+        signal.raise_signal(signum)
+        raise SystemExit(128 + signum)
 
     def close(self) -> None:
         """Waits for the saves and deletions under way, then stops the cleaner's thread and the
@@ -457,13 +463,13 @@ class CheckpointManager:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if exc[0] is None:
+        try:
             self.close()
-        else:  # the block's error goes on; a background one is logged, not raised over it
-            try:
-                self.close()
-            except Exception as e:
-                logger.error("closing the checkpoint manager of %s: %s", self.root, e)
+        except Exception as e:
+            if exc[0] is None:
+                raise
+            # The block's error goes on; a background one is logged, not raised over it.
+            logger.error("closing the checkpoint manager of %s: %s", self.root, e)
 
     def _check_open(self, call: str) -> None:
         if self._closed:
@@ -509,20 +515,6 @@ class PreemptionHandler:
         for s, handler in self.previous.items():
             signal.signal(s, signal.SIG_DFL if handler is None else handler)
         self.previous = {}
-
-
-def _end_by_signal(root: str, signum: int) -> NoReturn:
-    """Ends the process by ``signum`` as the signal would have, the output flushed first;
-    ``SystemExit(128 + signum)`` if the process survives it."""
-    logger.warning("preempted: the saves under %s are committed; ending by signal %d", root, signum)
-    for stream in (sys.stdout, sys.stderr):  # a signal's default action flushes nothing
-        try:
-            if stream is not None:
-                stream.flush()
-        except (OSError, ValueError):
-            pass
-    signal.raise_signal(signum)
-    raise SystemExit(128 + signum)
 
 
 def _since(t: float) -> float:

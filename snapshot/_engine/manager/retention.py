@@ -141,7 +141,7 @@ class Cleaner:
         self._deleting: set[int] = set()  # folders being deleted: a save there waits
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
-        self._warned: set[tuple[str, str]] = set()
+        self._warned: set[str] = set()
         # The worker thread runs the rounds in order. A manager dropped without ``close`` is
         # collected, then the cleaner and its pool, which ends the thread once the rounds
         # queued before are done.
@@ -216,7 +216,6 @@ class Cleaner:
         doomed = to_delete(self.policy, steps, in_flight, unreadable)
         if unreadable and to_delete(self.policy, steps, in_flight):
             self._warn_once(
-                "retention",
                 "retention under %s deletes no step while %s cannot be read (it may need any "
                 "other step as its base): upgrade statesnap to read it, or move it away",
                 self.root,
@@ -252,7 +251,6 @@ class Cleaner:
         for s in found:
             if s.state == UNREADABLE:
                 self._warn_once(
-                    s.name + s.reason,
                     "%s holds a committed snapshot that cannot be read: kept, never restored "
                     "as the latest step: %s",
                     self._steps.path(s.name),
@@ -262,16 +260,16 @@ class Cleaner:
                 s.step in self._started or s.step in self._failed
             ):
                 self._warn_once(
-                    s.name + s.reason,
                     "%s is left alone (the checkpoint manager deletes only what a take of its "
                     "own left): %s",
                     self._steps.path(s.name),
                     s.reason,
                 )
 
-    def _warn_once(self, key: str, message: str, *args: Any) -> None:
+    def _warn_once(self, message: str, *args: Any) -> None:
+        text = message % args
         with self._lock:
-            if (key, message) in self._warned:
+            if text in self._warned:
                 return
-            self._warned.add((key, message))
-        logger.warning(message, *args)
+            self._warned.add(text)
+        logger.warning(text)
