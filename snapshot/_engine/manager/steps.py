@@ -12,6 +12,7 @@ leaves the committed snapshot or marked debris (docs/reliability.md).
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import re
@@ -93,12 +94,6 @@ class Contents:
     refusal: str = ""
 
 
-def _refusal(foreign: list[str]) -> str:
-    shown = ", ".join(repr(n) for n in foreign[:_SHOWN])
-    more = f" and {len(foreign) - _SHOWN} more" if len(foreign) > _SHOWN else ""
-    return f"it holds {shown}{more}, which no take writes"
-
-
 def _contents(
     entries: list[tuple[str, str]], inner: Callable[[str], list[tuple[str, str]] | None]
 ) -> Contents:
@@ -123,7 +118,11 @@ def _contents(
                     foreign.append(f"{name}/{b}")
         else:
             foreign.append(name)
-    return Contents(True, manifest, marker, _refusal(foreign) if foreign else "")
+    if not foreign:
+        return Contents(True, manifest, marker)
+    shown = ", ".join(repr(n) for n in foreign[:_SHOWN])
+    more = f" and {len(foreign) - _SHOWN} more" if len(foreign) > _SHOWN else ""
+    return Contents(True, manifest, marker, f"it holds {shown}{more}, which no take writes")
 
 
 def _scan_local(path: str) -> list[tuple[str, str]]:
@@ -307,18 +306,15 @@ class Steps:
             else:
                 info = StepInfo(step, name, LEFT, reason=kind)
             out.append(info)
-        folders: dict[int, list[str]] = {}
-        for s in out:
-            if s.reason not in NOT_FOLDERS:
-                folders.setdefault(s.step, []).append(s.name)
-        for step, names in folders.items():
-            if len(names) > 1:
-                shown = " and ".join(self.path(n) for n in sorted(names))
+        out.sort(key=lambda s: (s.step, s.name))
+        folders = [s for s in out if s.reason not in NOT_FOLDERS]
+        for a, b in itertools.pairwise(folders):
+            if a.step == b.step:
                 raise InvalidArgumentError(
-                    f"two folders under {self.root} hold step {step}: {shown}; the checkpoint "
-                    "manager does not choose between them (nothing was deleted): move one away"
+                    f"two folders under {self.root} hold step {a.step}: {self.path(a.name)} and "
+                    f"{self.path(b.name)}; the checkpoint manager does not choose between them "
+                    "(nothing was deleted): move one away"
                 )
-        out.sort(key=lambda s: s.step)
         return out
 
     def _incomplete(self, step: int, name: str) -> StepInfo | None:
