@@ -294,7 +294,7 @@ class StatesnapCheckpointIO(CheckpointIO):  # type: ignore[misc, valid-type]
             FileNotFoundError: ``path`` holds no committed version.
             SnapshotError: the newest version cannot be read (damaged, unsafe...).
         """
-        self._settle()
+        self.wait()
         root = state_dicts.snapshot_path(path, f"{type(self).__name__}.load_checkpoint")
         place = _placer(map_location)
         versions = list_versions(root, self.storage_options, self.options)
@@ -313,13 +313,18 @@ class StatesnapCheckpointIO(CheckpointIO):  # type: ignore[misc, valid-type]
 
     def remove_checkpoint(self, path: Any) -> None:
         """Deletes every version of the checkpoint at ``path`` (nothing when there is none)."""
-        self._settle()
+        self.wait()
         root = state_dicts.snapshot_path(path, f"{type(self).__name__}.remove_checkpoint")
         remove_all(root, self.storage_options, self.options)
         logger.info("checkpoint %s removed", root)
 
-    def _settle(self) -> None:
-        """Before a load or a removal: the async plugin waits for its save under way."""
+    def wait(self) -> None:
+        """Waits for the save under way (before a load or a removal): none here, the async
+        plugin's saves commit in the background."""
+
+    def teardown(self) -> None:
+        """Called by Lightning when the strategy tears down: waits for the save under way."""
+        self.wait()
 
     def _save(
         self,
@@ -404,13 +409,11 @@ class AsyncStatesnapCheckpointIO(StatesnapCheckpointIO):
         records the error and deletes what the failed save left."""
         try:
             pending.wait()
+            logger.info("checkpoint %s committed %.3f s after it began", save.root, _since(save.t))
         except BaseException as e:
             logger.error("checkpoint %s failed: %s", save.root, e)
             self._error = e
-            self._clean(save, failed=True)
-            return
-        logger.info("checkpoint %s committed %.3f s after it began", save.root, _since(save.t))
-        self._clean(save, failed=False)
+        self._clean(save, failed=self._error is not None)
 
     def wait(self) -> None:
         """Waits for the save under way and its deletions; raises its error if it failed."""
@@ -420,13 +423,6 @@ class AsyncStatesnapCheckpointIO(StatesnapCheckpointIO):
         error, self._error = self._error, None
         if error is not None:
             raise error
-
-    def _settle(self) -> None:
-        self.wait()
-
-    def teardown(self) -> None:
-        """Called by Lightning when the strategy tears down: waits for the save under way."""
-        self.wait()
 
 
 def _register_with_the_other() -> None:
