@@ -173,18 +173,13 @@ class S3StoragePlugin(StoragePlugin):
     # -- writes ----------------------------------------------------------------------------------
 
     async def write(self, path: str, buffers: Sequence[Buffer]) -> None:
-        await self._write(path, buffers, None)
+        await self.write_observed(path, buffers, None)
 
     async def write_observed(
-        self, path: str, buffers: Sequence[Buffer], observe: Callable[[memoryview], None]
+        self, path: str, buffers: Sequence[Buffer], observe: Callable[[memoryview], None] | None
     ) -> None:
         # What is observed is what is sent: a copy (a part's, in a multipart upload), never
         # ``buffers``, which another thread may change meanwhile.
-        await self._write(path, buffers, observe)
-
-    async def _write(
-        self, path: str, buffers: Sequence[Buffer], observe: Callable[[memoryview], None] | None
-    ) -> None:
         self._sizes.pop(path, None)
         views = [memoryview(b).cast("B") for b in buffers if len(b)]
         total = sum(len(v) for v in views)
@@ -293,28 +288,19 @@ class S3StoragePlugin(StoragePlugin):
         return b"".join(pieces)
 
     async def read_into(self, path: str, offset: int, out: memoryview) -> None:
-        await self.readv(path, offset, [out])
+        await self.readv_observed(path, offset, [out], None)
 
     async def readv(self, path: str, offset: int, outs: Sequence[memoryview]) -> None:
-        await self._readv(path, offset, outs, None)
+        await self.readv_observed(path, offset, outs, None)
 
     async def readv_observed(
         self,
         path: str,
         offset: int,
         outs: Sequence[memoryview],
-        observe: Callable[[memoryview], None],
-    ) -> None:
-        # Each piece is observed as it lands, while it is in the CPU's cache.
-        await self._readv(path, offset, outs, observe)
-
-    async def _readv(
-        self,
-        path: str,
-        offset: int,
-        outs: Sequence[memoryview],
         observe: Callable[[memoryview], None] | None,
     ) -> None:
+        # Each piece is observed as it lands, while it is in the CPU's cache.
         total = sum(len(o) for o in outs)
         if total == 0:
             if not await self.exists(path):
