@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib
 import sys
 from collections.abc import Callable
@@ -63,18 +64,11 @@ def check_below_root(path: str, where: str) -> str:
     return path
 
 
-# Scanning entry points reads every installed distribution's metadata: done once per process,
-# again only when sys.path changes.
-_scanned: tuple[tuple[str, ...], dict[str, Any]] | None = None
-
-
-def _entry_point(protocol: str) -> PluginFactory | None:
-    global _scanned
-    key = tuple(sys.path)
-    if _scanned is None or _scanned[0] != key:
-        _scanned = (key, {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP)})
-    ep = _scanned[1].get(protocol)
-    return ep.load() if ep is not None else None
+@functools.lru_cache(maxsize=1)
+def _entry_points(path: tuple[str, ...]) -> dict[str, Any]:
+    """The group's entry points by name, for ``sys.path`` as ``path``: scanning them reads
+    every installed distribution's metadata, once per process and again when sys.path changes."""
+    return {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP)}
 
 
 def _fsspec_knows(protocol: str) -> bool:
@@ -100,9 +94,9 @@ def resolve_factory(protocol: str) -> tuple[PluginFactory, str]:
         return _registered[protocol], "registered"
     target, hint = _BUILTIN.get(protocol, (None, None))
     if target is None:
-        ep = _entry_point(protocol)
+        ep = _entry_points(tuple(sys.path)).get(protocol)
         if ep is not None:
-            return ep, "entry point"
+            return ep.load(), "entry point"
         if not _fsspec_knows(protocol):
             known = sorted({*_BUILTIN, *_registered})
             raise ValueError(
