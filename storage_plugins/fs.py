@@ -517,10 +517,8 @@ class FSStoragePlugin(StoragePlugin):
         removed, never followed); a root that is itself a link is refused."""
         if os.path.islink(self.root):
             raise UnsafeBlobError(f"{self.root}: the root is a symbolic link")
-        try:
+        with contextlib.suppress(FileNotFoundError):
             shutil.rmtree(self.root)
-        except FileNotFoundError:
-            pass
 
     def _delete_sync(self, path: str) -> None:
         """Removes blob ``path`` (a link there is removed itself: ``unlink`` does not follow

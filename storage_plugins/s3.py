@@ -310,7 +310,10 @@ class S3StoragePlugin(StoragePlugin):
             response = await self._call_in_slot(
                 "get_object", path, Range=f"bytes={offset}-{offset + total - 1}"
             )
-            self._note_size(path, response.get("ContentRange"))
+            # "bytes 0-99/1000": a ranged GET tells the object's length for free.
+            length = (response.get("ContentRange") or "").rpartition("/")[2]
+            if length.isdigit():
+                self._sizes[path] = int(length)
             async with response["Body"] as body:
                 got = await _scatter(body, outs, observe)
         if got < total:
@@ -320,12 +323,6 @@ class S3StoragePlugin(StoragePlugin):
             )
 
     # -- metadata --------------------------------------------------------------------------------
-
-    def _note_size(self, path: str, content_range: str | None) -> None:
-        # "bytes 0-99/1000": a ranged GET tells the object's length for free.
-        total = (content_range or "").rpartition("/")[2]
-        if total.isdigit():
-            self._sizes[path] = int(total)
 
     async def size(self, path: str) -> int | None:
         """The object's length: as a ranged read of it reported it (no request), else from a
