@@ -101,10 +101,6 @@ def _since(t: float) -> float:
     return time.perf_counter() - t
 
 
-def version_name(counter: int) -> str:
-    return f"v{counter:010d}_{uuid.uuid4().hex[:12]}"
-
-
 def list_versions(
     root: str,
     storage_options: dict[str, Any] | None,
@@ -344,7 +340,8 @@ class StatesnapCheckpointIO(CheckpointIO):  # type: ignore[misc, valid-type]
         extra = state_dicts.options(storage_options, call, root)
         store = {**(self.storage_options or {}), **extra} if extra else self.storage_options
         older = list_versions(root, store, self.options)
-        target = version_name(older[-1].counter + 1 if older else 1)
+        counter = older[-1].counter + 1 if older else 1
+        target = f"v{counter:010d}_{uuid.uuid4().hex[:12]}"
         save = _Save(root, store, target, older, time.perf_counter())
         try:
             taken = take(
