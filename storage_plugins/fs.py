@@ -271,11 +271,8 @@ class FSStoragePlugin(StoragePlugin):
         self._made_below: set[str] = set()
         self._dirty_dirs: set[tuple[str, ...]] = set()
 
-    def _abs(self, path: str) -> str:
-        return os.path.join(self.root, *path.split("/"))
-
     def describe(self, path: str) -> str:
-        return self._abs(path)
+        return os.path.join(self.root, *path.split("/"))
 
     async def _run(self, fn: Callable[..., _T], *args: Any) -> _T:
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
@@ -295,7 +292,7 @@ class FSStoragePlugin(StoragePlugin):
                 mode = stat.S_IFREG  # gone or unreadable: the open's own error stands
             if stat.S_ISREG(mode) or stat.S_ISDIR(mode):
                 raise
-            raise _unsafe(self._abs(path), mode) from error
+            raise _unsafe(self.describe(path), mode) from error
 
     def _make_root(self) -> None:
         """Creates the root and its missing ancestors, remembering which (under a lock)."""
@@ -343,7 +340,7 @@ class FSStoragePlugin(StoragePlugin):
         from the root without following a link (nor a ``..``, ``.`` or empty part)."""
         *dirs, name = parts = path.split("/")
         if any(part in _NOT_NAMES for part in parts):
-            raise UnsafeBlobError(f"{self._abs(path)}: not a path below the root")
+            raise UnsafeBlobError(f"{self.describe(path)}: not a path below the root")
         parent = self._open_dir(dirs)
         try:
             fd = self._openat(parent, name, _FILE_FLAGS, path)
@@ -352,7 +349,7 @@ class FSStoragePlugin(StoragePlugin):
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
-                raise _unsafe(self._abs(path), st.st_mode)
+                raise _unsafe(self.describe(path), st.st_mode)
         except BaseException:
             os.close(fd)
             raise
@@ -378,7 +375,7 @@ class FSStoragePlugin(StoragePlugin):
                     if self._direct:  # (said once)
                         self._direct = False
                         what = "writing through the page cache from now on"
-                        logger.info("direct I/O refused for %s: %s", self._abs(path), what)
+                        logger.info("direct I/O refused for %s: %s", self.describe(path), what)
                     with contextlib.suppress(FileNotFoundError):
                         os.unlink(tmp, dir_fd=parent)  # some kernels create it, then refuse
                 self._write_new(parent, tmp, views, observe, 0)
@@ -436,8 +433,8 @@ class FSStoragePlugin(StoragePlugin):
         fd, st = self._open_blob(path)
         try:
             if limit is not None and st.st_size > limit:
-                raise BlobTooLargeError(self._abs(path), limit, st.st_size)
-            return _read_to_end(fd, st.st_size, limit, self._abs(path))
+                raise BlobTooLargeError(self.describe(path), limit, st.st_size)
+            return _read_to_end(fd, st.st_size, limit, self.describe(path))
         finally:
             os.close(fd)
 
@@ -452,7 +449,7 @@ class FSStoragePlugin(StoragePlugin):
     ) -> None:
         fd, _ = self._open_blob(path)
         try:
-            _read_all(fd, offset, outs, self._abs(path), observe)
+            _read_all(fd, offset, outs, self.describe(path), observe)
         finally:
             os.close(fd)
 
@@ -492,7 +489,7 @@ class FSStoragePlugin(StoragePlugin):
             os.close(parent)
         if stat.S_ISREG(mode) or stat.S_ISDIR(mode):
             return stat.S_ISREG(mode)
-        raise _unsafe(self._abs(path), mode)
+        raise _unsafe(self.describe(path), mode)
 
     async def exists(self, path: str) -> bool:
         return await self._run(self._exists_sync, path)
