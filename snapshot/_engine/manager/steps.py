@@ -292,20 +292,17 @@ class Steps:
         for name, kind in kinds:
             step = step_of(name)
             assert step is not None
+            info: StepInfo | None
             if kind == "committed":
-                info = self._read.get(name)
-                if info is None:
-                    info = self._read_step(step, name)
-                    if info.committed:
-                        self._read[name] = info
+                info = self._read.get(name) or self._read_step(step, name)
+                if info.committed:
+                    self._read[name] = info
             elif kind == "folder":
-                found = self._incomplete(step, name)
-                if found is None:
-                    continue
-                info = found
+                info = self._incomplete(step, name)
             else:
                 info = StepInfo(step, name, LEFT, reason=kind)
-            out.append(info)
+            if info is not None:
+                out.append(info)
         out.sort(key=lambda s: (s.step, s.name))
         folders = [s for s in out if s.reason not in NOT_FOLDERS]
         for a, b in itertools.pairwise(folders):
