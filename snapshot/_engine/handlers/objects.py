@@ -138,8 +138,8 @@ def plan_pickled_tensor_read(
     entry: PickledTensorEntry,
     target: torch.Tensor | None,
     results: dict[str, Any],
-    verify: bool = True,
-    landing: Landing | None = None,
+    verify: bool,
+    landing: Landing,
 ) -> list[Need]:
     """The needs of a tensor stored as ``torch.save`` bytes, one per piece; when the last
     piece is decoded, ``results[path]`` holds the tensor: ``target`` filled in place (cast like
@@ -153,20 +153,10 @@ def plan_pickled_tensor_read(
     dtype = dtype_from_name(entry.dtype, path)
     shape = tuple(entry.shape)
     pieces = entry.pieces
-    _check_pieces(path, entry)
-    copier = landing if landing is not None else Landing()
+    _check_pieces(path, entry, dtype)
     if target is not None:
         check_target(path, new_tensor_entry(entry.dtype, shape, ()), target, dtype)
-        copier.prepare(target)
-    for piece in pieces:
-        # A piece's archive holds its values uncompressed (``check_archive``): a piece claiming
-        # more bytes than its pickle has is refused before the tensor is allocated.
-        need = math.prod(piece.sizes) * dtype.itemsize
-        if need > piece.chunks[0].nbytes:
-            raise CorruptSnapshotError(
-                f"{path}: the piece at {list(piece.offsets)} claims {need:,} bytes of values, "
-                f"but its pickle holds {piece.chunks[0].nbytes:,} bytes"
-            )
+        landing.prepare(target)
     whole = len(pieces) == 1 and tuple(pieces[0].sizes) == shape
     result: list[torch.Tensor] = []  # the tensor the pieces are copied into, once made
     if target is not None:
@@ -193,7 +183,7 @@ def plan_pickled_tensor_read(
             what = (
                 f"a {dtype_name(value.dtype)}{list(value.shape)} tensor"
                 if isinstance(value, torch.Tensor)
-                else f"a {_type_name(value)}"
+                else f"a {type_name(value)}"
             )
             raise CorruptSnapshotError(
                 f"{path}: the pickle of the piece at {list(piece.offsets)} holds {what}; the "
@@ -204,7 +194,7 @@ def plan_pickled_tensor_read(
             return
         window = result[0][tuple(slice(o, o + n) for o, n in zip(piece.offsets, box, strict=True))]
         try:
-            copier.copy(window, value)
+            landing.copy(window, value)
         except RuntimeError as e:
             raise StateMismatchError(
                 f"{path}: cannot copy the stored {entry.dtype} values into the "
@@ -220,22 +210,19 @@ def plan_pickled_tensor_read(
     ]
 
 
-def _check_pieces(path: str, entry: PickledTensorEntry) -> None:
-    """The pieces of a pickled tensor lie within its shape, one location each, and cover it
-    exactly once (their volumes add up to its own, and no two overlap)."""
+def _check_pieces(path: str, entry: PickledTensorEntry, dtype: torch.dtype) -> None:
+    """The pieces of a pickled tensor are one location each, of at least the bytes of their
+    values, and cover it exactly once (within its shape, their volumes adding up to its own,
+    no two overlapping)."""
     shape = tuple(entry.shape)
     for piece in entry.pieces:
-        offsets, sizes = tuple(piece.offsets), tuple(piece.sizes)
-        if (
-            len(piece.chunks) != 1
-            or len(offsets) != len(shape)
-            or len(sizes) != len(shape)
-            or any(o + n > s for o, n, s in zip(offsets, sizes, shape, strict=True))
-        ):
+        # A piece's archive holds its values uncompressed (``check_archive``): a piece claiming
+        # more bytes than its pickle has is refused before the tensor is allocated.
+        need = math.prod(piece.sizes) * dtype.itemsize
+        if len(piece.chunks) != 1 or need > piece.chunks[0].nbytes:
             raise CorruptSnapshotError(
-                f"{path}: a piece at {list(offsets)} of size {list(sizes)} in "
-                f"{len(piece.chunks)} locations does not fit a {entry.dtype}{list(shape)} "
-                "tensor stored as one pickle per piece"
+                f"{path}: the piece at {list(piece.offsets)} claims {need:,} bytes of values "
+                f"in {len(piece.chunks)} locations; one pickle holding them is stored per piece"
             )
     # Linear in the pieces (by their corners), where comparing every pair was quadratic.
     problem = geometry.cover_problem(shape, [(p.offsets, p.sizes) for p in entry.pieces])
@@ -244,11 +231,6 @@ def _check_pieces(path: str, entry: PickledTensorEntry) -> None:
             f"{path}: the pieces of this {entry.dtype}{list(shape)} tensor do not cover it "
             f"exactly once{f': {problem}' if problem else ''}"
         )
-
-
-def _type_name(value: object) -> str:
-    t = type(value)
-    return t.__qualname__ if t.__module__ == "builtins" else f"{t.__module__}.{t.__qualname__}"
 
 
 class Objects(Kind):

@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 
 class ShardedObjectKind(Kind):
     """Written by the rank holding its main replica, as an object; the other ranks' entries
-    are filled in from that rank's at the commit (``sharded.merge_entries``). Read and decoded
+    are filled in from that rank's at the commit (``merge``). Read and decoded
     as an object is (``objects.plan_object_read``)."""
 
     name = "sharded_object"
@@ -51,7 +51,11 @@ class ShardedObjectKind(Kind):
         return entry.serializer == "torch_save"
 
     def merge(self, entries: dict[str, Any]) -> None:
-        sharded.merge_objects(entries)
+        """Replaces each ``ObjectReplica`` by the entry of the rank that wrote the object."""
+        objects = {e.key: e for e in entries.values() if isinstance(e, ShardedObjectEntry)}
+        for path, entry in entries.items():
+            if isinstance(entry, sharded.ObjectReplica):
+                entries[path] = objects[entry.key]
 
 
 SHARDED_OBJECT = ShardedObjectKind()
