@@ -12,6 +12,7 @@ every value (``new_empty``), which the wrappers refuse: it is not supported.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -43,16 +44,7 @@ def _shard_chunk(data: torch.Tensor, sh_ten: ShardedTensor) -> ChunkStorageMetad
             f"ShardedTensor {sh_ten.key!r} has no data tensor (got {type(data).__name__}); "
             "DCP needs the local shard's values to save and a tensor to load into"
         )
-    if tuple(data.shape) != tuple(sh_ten.local_shape):
-        raise ValueError(
-            f"ShardedTensor {sh_ten.key!r}: data has shape {tuple(data.shape)} but local_shape "
-            f"is {tuple(sh_ten.local_shape)}"
-        )
-    if data.dtype != sh_ten.dtype:
-        raise ValueError(
-            f"ShardedTensor {sh_ten.key!r}: data has dtype {data.dtype} but the ShardedTensor "
-            f"says {sh_ten.dtype}; cast the data or fix the dtype"
-        )
+    dataclasses.replace(sh_ten, data=data)  # a description of ``data``: it validates itself
     offsets, sizes = sh_ten.global_region()
     return ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes))
 
@@ -121,9 +113,6 @@ class CheckpointableShardedTensor(_Wrapper):
         self._sh_ten = sh_ten
         self._chunk = chunk
         return self
-
-    def __init__(self, data: torch.Tensor, sh_ten: ShardedTensor) -> None:
-        super().__init__()  # everything happens in __new__
 
     @classmethod
     def from_sh_ten(cls, sh_ten: ShardedTensor) -> CheckpointableShardedTensor:
@@ -209,7 +198,8 @@ class CheckpointableShardedTensor(_Wrapper):
         )
 
     def _copy_into(self, src: Any, non_blocking: bool) -> None:
-        """Copies ``src`` (a wrapper of the same box, or a full global tensor) into the data."""
+        """Copies ``src`` (a wrapper of the same box, or a full global tensor) into the data (a
+        LocalShardsContainer refuses to be narrowed to the box)."""
         if isinstance(src, CheckpointableShardedTensor):
             if src._chunk != self._chunk:
                 raise ValueError(
@@ -219,10 +209,6 @@ class CheckpointableShardedTensor(_Wrapper):
                 )
             self._data.copy_(src._data, non_blocking=non_blocking)
             return
-        if not isinstance(src, torch.Tensor) or isinstance(src, LocalShardsContainer):
-            raise NotImplementedError(
-                f"copy_ into a {type(self).__name__} from {type(src).__name__} is not supported"
-            )
         if src.shape != self.shape:
             raise ValueError(
                 f"copy_ into shard {self._sh_ten.key!r} needs a tensor of the global shape "
@@ -287,9 +273,6 @@ class LocalShardsContainer(_Wrapper):
         self._shards = tuple(shards)
         return self
 
-    def __init__(self, local_shards: Sequence[torch.Tensor]) -> None:
-        super().__init__()
-
     @property
     def local_shards(self) -> tuple[CheckpointableShardedTensor, ...]:
         """The shards, in the order given."""
@@ -310,21 +293,14 @@ class LocalShardsContainer(_Wrapper):
         return [chunk for shard in self._shards for chunk in shard.__create_chunk_list__()]
 
     def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
-        """The tensor of the shard at ``index.offset``: the hint ``index.index`` is tried
-        first (DCP's global plan may rewrite it), then every shard."""
+        """The tensor of the shard at ``index.offset``, found by the offset alone: the hint
+        ``index.index`` may have been rewritten by DCP's global plan."""
         if index.offset is None:
             raise ValueError(
                 f"{index.fqn!r} is held as several shards on this rank; DCP must name the "
                 "shard by its offset"
             )
         wanted = torch.Size(index.offset)
-        hint = index.index
-        if (
-            hint is not None
-            and 0 <= hint < len(self._shards)
-            and self._shards[hint]._chunk.offsets == wanted
-        ):
-            return self._shards[hint].__get_tensor_shard__(index)
         for shard in self._shards:
             if shard._chunk.offsets == wanted:
                 return shard.__get_tensor_shard__(index)
