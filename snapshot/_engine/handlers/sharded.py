@@ -33,9 +33,6 @@ class LocalPiece:
     """What a rank holds of a global tensor: the box ``offsets`` .. ``offsets + sizes``, its
     values ``data`` (shaped ``sizes``), and whether this rank's copy is the one written."""
 
-    key: str
-    dtype: torch.dtype
-    shape: tuple[int, ...]
     offsets: tuple[int, ...]
     sizes: tuple[int, ...]
     data: torch.Tensor
@@ -84,47 +81,31 @@ def held(path: str, logical: str, value: Any) -> Held:
         except ValueError as e:
             raise UnsupportedValueError(f"{path}: {e}") from e
         offsets, sizes = value.global_region()
-        piece = LocalPiece(
-            key=value.key,
-            dtype=value.dtype,
-            shape=tuple(value.global_shape),
-            offsets=tuple(offsets),
-            sizes=tuple(sizes),
-            data=value.data.reshape(sizes) if value.prepend_axis_num else value.data,
-            main=is_main_replica(value.replica_id),
-        )
-    elif isinstance(value, _loaded(*_DTENSOR)):
-        piece = _dtensor_piece(path, logical, value)
-    else:
-        return _torch_sharded(path, logical, value)
-    return Held(piece.key, piece.dtype, piece.shape, (piece,))
-
-
-def _torch_sharded(path: str, logical: str, value: Any) -> Held:
-    """The local shards of torch's ``ShardedTensor``, each a piece of its own (torch checks
-    that they lie within its shape and agree with their tensors). Torch's ShardedTensor has no
-    replicas: each shard in its metadata is placed on one rank, which holds it as a local
-    shard, so every local shard is a main replica (two ranks holding the same box, as two
-    replica groups of HSDP would, fail the coverage check)."""
+        data = value.data.reshape(sizes) if value.prepend_axis_num else value.data
+        piece = LocalPiece(tuple(offsets), tuple(sizes), data, is_main_replica(value.replica_id))
+        return Held(value.key, value.dtype, tuple(value.global_shape), (piece,))
+    if isinstance(value, _loaded(*_DTENSOR)):
+        return _dtensor_held(path, logical, value)
+    # Torch's ShardedTensor: each local shard a piece (torch checks that they lie within its
+    # shape and agree with their tensors). It has no replicas: each shard in its metadata is
+    # placed on one rank, which holds it as a local shard, so every local shard is a main
+    # replica (two ranks holding the same box, as two replica groups of HSDP would, fail the
+    # coverage check).
     metadata = value.metadata()
-    dtype = metadata.tensor_properties.dtype
-    shape = tuple(metadata.size)
     pieces = tuple(
         LocalPiece(
-            key=logical,
-            dtype=dtype,
-            shape=shape,
-            offsets=tuple(shard.metadata.shard_offsets),
-            sizes=tuple(shard.metadata.shard_sizes),
-            data=shard.tensor,
-            main=True,
+            tuple(shard.metadata.shard_offsets),
+            tuple(shard.metadata.shard_sizes),
+            shard.tensor,
+            True,
         )
         for shard in value.local_shards()
     )
-    return Held(logical, dtype, shape, pieces)
+    return Held(logical, metadata.tensor_properties.dtype, tuple(metadata.size), pieces)
 
 
-def _dtensor_piece(path: str, logical: str, value: Any) -> LocalPiece:
+def _dtensor_held(path: str, logical: str, value: Any) -> Held:
+    """A DTensor's one piece; the copy at coordinate 0 of each Replicate axis is the main one."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
@@ -141,15 +122,8 @@ def _dtensor_piece(path: str, logical: str, value: Any) -> LocalPiece:
     main = coords is not None and all(
         coords[dim] == 0 for dim, p in enumerate(placements) if isinstance(p, Replicate)
     )
-    return LocalPiece(
-        key=logical,
-        dtype=value.dtype,
-        shape=shape,
-        offsets=tuple(offsets),
-        sizes=tuple(sizes),
-        data=value.to_local(),
-        main=main,
-    )
+    piece = LocalPiece(tuple(offsets), tuple(sizes), value.to_local(), main)
+    return Held(logical, value.dtype, shape, (piece,))
 
 
 def target_regions(

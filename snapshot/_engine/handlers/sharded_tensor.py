@@ -164,10 +164,10 @@ class ShardedTensorKind(Kind):
     ) -> ShardDraft:
         held = sharded.held(path, logical, value)
         written: list[tuple[sharded.LocalPiece, Any]] = []
+        dtype = dtype_name(held.dtype)
         for piece in held.pieces:
-            dtype = dtype_name(piece.dtype)
             sink.out.pieces.append(
-                (piece.key, dtype, piece.shape, piece.offsets, piece.sizes, piece.main, path)
+                (held.key, dtype, held.shape, piece.offsets, piece.sizes, piece.main, path)
             )
             if piece.main:
                 written.append((piece, take_tensor(sink, path, logical, piece.data, False)))
