@@ -36,41 +36,15 @@ __all__ = ["CheckpointableShardedTensor", "LocalShardsContainer", "to_dcp_state_
 _aten = torch.ops.aten
 
 
-def _shard_chunk(data: torch.Tensor, sh_ten: ShardedTensor) -> ChunkStorageMetadata:
-    """The global box a shard covers, after checking that ``data`` (passed separately, or
-    swapped in since ``sh_ten`` was built) fits ``sh_ten``."""
-    if not isinstance(data, torch.Tensor):
-        raise ValueError(
-            f"ShardedTensor {sh_ten.key!r} has no data tensor (got {type(data).__name__}); "
-            "DCP needs the local shard's values to save and a tensor to load into"
-        )
-    dataclasses.replace(sh_ten, data=data)  # a description of ``data``: it validates itself
-    offsets, sizes = sh_ten.global_region()
-    return ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes))
-
-
 class _Wrapper(torch.Tensor):
     """A tensor subclass with a global shape and no storage: every torch function goes to
-    ``__torch_dispatch__``, where ``_dispatch`` allows a few ops and the rest raise."""
+    ``__torch_dispatch__``, which allows a few ops and refuses the rest."""
 
     @classmethod
     def __torch_function__(
         cls, func: Any, types: Any, args: Any = (), kwargs: dict[str, Any] | None = None
     ) -> Any:
         return torch._C._disabled_torch_function_impl(func, types, args, kwargs or {})
-
-    @classmethod
-    def __torch_dispatch__(  # type: ignore[override]  # torch's stub binds func as self
-        cls, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
-    ) -> Any:
-        return cls._dispatch(func, args, kwargs or {})
-
-    @classmethod
-    def _dispatch(cls, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        raise NotImplementedError(
-            f"{cls.__name__} does not support {func}: it only groups this rank's shards for DCP; "
-            "operate on .local_shards[i].local_data instead"
-        )
 
     def __repr__(  # type: ignore[override]  # the same signature as torch's
         self, *, tensor_contents: Any = None
@@ -100,8 +74,15 @@ class CheckpointableShardedTensor(_Wrapper):
 
     @staticmethod
     def __new__(cls, data: torch.Tensor, sh_ten: ShardedTensor) -> CheckpointableShardedTensor:
-        """Wraps ``data`` described by ``sh_ten`` (``ValueError`` where they disagree)."""
-        chunk = _shard_chunk(data, sh_ten)
+        """Wraps ``data`` described by ``sh_ten`` (``ValueError`` where they disagree: ``data``
+        may have been passed separately, or swapped in since ``sh_ten`` was built)."""
+        if not isinstance(data, torch.Tensor):
+            raise ValueError(
+                f"ShardedTensor {sh_ten.key!r} has no data tensor (got {type(data).__name__}); "
+                "DCP needs the local shard's values to save and a tensor to load into"
+            )
+        dataclasses.replace(sh_ten, data=data)  # a description of ``data``: it validates itself
+        offsets, sizes = sh_ten.global_region()
         self = torch.Tensor._make_wrapper_subclass(
             cls,
             torch.Size(sh_ten.global_shape),
@@ -111,7 +92,7 @@ class CheckpointableShardedTensor(_Wrapper):
         )
         self._data = data
         self._sh_ten = sh_ten
-        self._chunk = chunk
+        self._chunk = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes))
         return self
 
     @classmethod
@@ -177,7 +158,10 @@ class CheckpointableShardedTensor(_Wrapper):
         return self._dcp_view()
 
     @classmethod
-    def _dispatch(cls, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def __torch_dispatch__(  # type: ignore[override]  # torch's stub binds func as self
+        cls, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
+    ) -> Any:
+        kwargs = kwargs or {}
         if func in (_aten.detach.default, _aten.alias.default, _aten.clone.default):
             src = args[0]
             return cls(func(src._data, *args[1:], **kwargs), src._sh_ten)
@@ -277,6 +261,15 @@ class LocalShardsContainer(_Wrapper):
     def local_shards(self) -> tuple[CheckpointableShardedTensor, ...]:
         """The shards, in the order given."""
         return self._shards
+
+    @classmethod
+    def __torch_dispatch__(  # type: ignore[override]  # torch's stub binds func as self
+        cls, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
+    ) -> Any:
+        raise NotImplementedError(
+            f"{cls.__name__} does not support {func}: it only groups this rank's shards for DCP; "
+            "operate on .local_shards[i].local_data instead"
+        )
 
     def __create_write_items__(
         self, fqn: str, local_shards_cont: LocalShardsContainer
