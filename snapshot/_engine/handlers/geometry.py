@@ -68,8 +68,16 @@ def cover_problem(shape: Sequence[int], boxes: Sequence[Region]) -> str | None:
     if not total:
         return None  # a tensor without elements: any boxes within it hold each of them once
     axes = [d for d in range(ndim) if any(o[d] != 0 or n[d] != shape[d] for o, n in solid)]
-    if len(axes) <= _MAX_SPLIT_AXES:
-        return _corner_problem(shape, solid, axes)
+    if len(axes) <= _MAX_SPLIT_AXES:  # by their signed corners along ``axes``
+        weights: dict[tuple[int, ...], int] = {}
+        signed = [(1, [(o[d], o[d] + n[d]) for d in axes]) for o, n in solid]
+        for sign, bounds in [*signed, (-1, [(0, shape[d]) for d in axes])]:
+            for picks in itertools.product((0, 1), repeat=len(axes)):  # 0: low end, 1: high
+                corner = tuple(b[i] for b, i in zip(bounds, picks, strict=True))
+                weights[corner] = weights.get(corner, 0) + (-sign if sum(picks) % 2 else sign)
+        return (
+            "some elements are in two boxes, and as many in none" if any(weights.values()) else None
+        )
     if len(solid) <= _MAX_PAIRWISE:  # within find_overlap's budget: it never gives up
         return None if find_overlap(solid) is None else "two of the boxes overlap"
     return (
@@ -77,28 +85,6 @@ def cover_problem(shape: Sequence[int], boxes: Sequence[Region]) -> str | None:
         f"tensors split along at most {_MAX_SPLIT_AXES} axes, or into at most "
         f"{_MAX_PAIRWISE} boxes"
     )
-
-
-def _corner_problem(shape: Sequence[int], solid: Sequence[Region], axes: list[int]) -> str | None:
-    """``cover_problem`` for boxes of the right total volume, by their signed corners along
-    ``axes``."""
-    weights: dict[tuple[int, ...], int] = {}
-    for offsets, sizes in solid:
-        _add_corners(weights, [(offsets[d], offsets[d] + sizes[d]) for d in axes], 1)
-    _add_corners(weights, [(0, shape[d]) for d in axes], -1)
-    if any(weights.values()):
-        return "some elements are in two boxes, and as many in none"
-    return None
-
-
-def _add_corners(
-    weights: dict[tuple[int, ...], int], bounds: list[tuple[int, int]], sign: int
-) -> None:
-    """Adds the signed corners of the box with ``(low, high)`` bounds on each axis, times
-    ``sign``, to ``weights``."""
-    for picks in itertools.product((0, 1), repeat=len(bounds)):
-        corner = tuple(b[i] for b, i in zip(bounds, picks, strict=True))
-        weights[corner] = weights.get(corner, 0) + (-sign if sum(picks) % 2 else sign)
 
 
 def find_overlap(boxes: Sequence[Region]) -> tuple[int, int] | None:

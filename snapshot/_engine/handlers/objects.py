@@ -53,18 +53,6 @@ from snapshot.errors import (
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 
 
-def plan_object_read(
-    path: str,
-    entry: ObjectEntry | ShardedObjectEntry,
-    results: dict[str, Any],
-    verify: bool = True,
-) -> Need:
-    """The need of an object's bytes, decoded into ``results[path]``."""
-    return bytes_need(
-        path, entry.location, results, lambda data: decode_value(path, entry, data), verify
-    )
-
-
 def decode_value(path: str, entry: ObjectEntry | ShardedObjectEntry, data: bytes) -> Any:
     """The value an object entry's bytes encode."""
     if entry.serializer == "bytes":
@@ -260,16 +248,16 @@ class Objects(Kind):
     def restore(
         self, reader: ReadPlanner, path: str, entry: ObjectEntry | PickledTensorEntry, target: Any
     ) -> None:
-        reader.claim()  # buffers of the stored length
         if not isinstance(entry, PickledTensorEntry):
-            need = plan_object_read(path, entry, reader.objects, reader.verify)
-            reader.add_needs([need], into_target=False)
+            decode = functools.partial(decode_value, path, entry)
+            self.read_bytes(reader, path, entry.location, decode)
             return
         if sharded.is_sharded(target):
             raise StateMismatchError(
                 f"{path}: the snapshot holds a whole tensor here (pickled), the object being "
                 "restored is a piece of a sharded one; restore it into a plain tensor"
             )
+        reader.claim()  # buffers of the stored length
         t = target if is_dense_tensor(target) else None
         needs = plan_pickled_tensor_read(
             path, entry, t, reader.objects, verify=reader.verify, landing=reader.landing
