@@ -88,10 +88,7 @@ def extract_matching(
         raise TypeError(
             f"extract_matching expects a dict or a list, got {type(sharded_state_dict).__name__}"
         )
-    return _split(sharded_state_dict, predicate)
-
-
-def _split(x: dict[Any, Any] | list[Any], predicate: Callable[[Any], bool]) -> tuple[Any, Any]:
+    x = sharded_state_dict
     matching: Any = {} if isinstance(x, dict) else []
     rest: Any = {} if isinstance(x, dict) else []
     items: Iterable[tuple[Any, Any]] = x.items() if isinstance(x, dict) else enumerate(x)
@@ -99,7 +96,7 @@ def _split(x: dict[Any, Any] | list[Any], predicate: Callable[[Any], bool]) -> t
         if not isinstance(v, (dict, list)):
             parts = [(matching if predicate(v) else rest, v)]
         elif v:
-            sub_matching, sub_rest = _split(v, predicate)
+            sub_matching, sub_rest = extract_matching(v, predicate)
             parts = [(out, sub) for out, sub in ((matching, sub_matching), (rest, sub_rest)) if sub]
         else:
             parts = [(rest, type(v)())]
