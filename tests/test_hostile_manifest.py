@@ -568,15 +568,15 @@ def test_the_pickled_pieces_check_is_linear():
     from manifest import Location, PickledTensorEntry, Shard
     from snapshot._engine.handlers.objects import _check_pieces
 
-    loc = (Location(blob="0/0", offset=0, nbytes=8),)
+    loc = (Location(blob="0/0", offset=0, nbytes=16),)
     pieces = tuple(Shard(offsets=(i, 0), sizes=(1, 4), chunks=loc) for i in range(20_000)) + tuple(
         Shard(offsets=(0, 0), sizes=(0, 4), chunks=loc) for _ in range(20_000)
     )
     entry = PickledTensorEntry(dtype="float32", shape=(20_000, 4), pieces=pieces)
-    _check_pieces("0/t", entry)  # 40,000 pieces: quadratic took minutes
+    _check_pieces("0/t", entry, torch.float32)  # 40,000 pieces: quadratic took minutes
     twice = PickledTensorEntry(dtype="float32", shape=(20_000, 4), pieces=pieces[1:] + pieces[2:3])
     with pytest.raises(CorruptSnapshotError, match="do not cover it exactly once"):
-        _check_pieces("0/t", twice)
+        _check_pieces("0/t", twice, torch.float32)
 
 
 # ---------------------------------------------------------------------------------------------

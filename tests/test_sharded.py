@@ -249,7 +249,6 @@ def test_snapshots_record_and_check_their_strategies(tmp_path, monkeypatch):
 def test_registry(monkeypatch):
     get_default_strategy(StrategyAction.SAVE_SHARDED, "statesnap", 1)  # built-ins registered
     monkeypatch.setattr(base, "default_strategies", base.defaultdict(dict))
-    monkeypatch.setattr(base, "_builtins_registered", True)
     saver = SnapshotSaveStrategy("mine", 3)
     base.register_default_strategy(StrategyAction.SAVE_SHARDED, "mine", 3, saver)
     assert get_default_strategy(StrategyAction.SAVE_SHARDED, "mine", 3) is saver

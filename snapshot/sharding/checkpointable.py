@@ -12,6 +12,7 @@ every value (``new_empty``), which the wrappers refuse: it is not supported.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -35,50 +36,15 @@ __all__ = ["CheckpointableShardedTensor", "LocalShardsContainer", "to_dcp_state_
 _aten = torch.ops.aten
 
 
-def _shard_chunk(data: torch.Tensor, sh_ten: ShardedTensor) -> ChunkStorageMetadata:
-    """The global box a shard covers, after checking that ``data`` (passed separately, or
-    swapped in since ``sh_ten`` was built) fits ``sh_ten``."""
-    if not isinstance(data, torch.Tensor):
-        raise ValueError(
-            f"ShardedTensor {sh_ten.key!r} has no data tensor (got {type(data).__name__}); "
-            "DCP needs the local shard's values to save and a tensor to load into"
-        )
-    if tuple(data.shape) != tuple(sh_ten.local_shape):
-        raise ValueError(
-            f"ShardedTensor {sh_ten.key!r}: data has shape {tuple(data.shape)} but local_shape "
-            f"is {tuple(sh_ten.local_shape)}"
-        )
-    if data.dtype != sh_ten.dtype:
-        raise ValueError(
-            f"ShardedTensor {sh_ten.key!r}: data has dtype {data.dtype} but the ShardedTensor "
-            f"says {sh_ten.dtype}; cast the data or fix the dtype"
-        )
-    offsets, sizes = sh_ten.global_region()
-    return ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes))
-
-
 class _Wrapper(torch.Tensor):
     """A tensor subclass with a global shape and no storage: every torch function goes to
-    ``__torch_dispatch__``, where ``_dispatch`` allows a few ops and the rest raise."""
+    ``__torch_dispatch__``, which allows a few ops and refuses the rest."""
 
     @classmethod
     def __torch_function__(
         cls, func: Any, types: Any, args: Any = (), kwargs: dict[str, Any] | None = None
     ) -> Any:
         return torch._C._disabled_torch_function_impl(func, types, args, kwargs or {})
-
-    @classmethod
-    def __torch_dispatch__(  # type: ignore[override]  # torch's stub binds func as self
-        cls, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
-    ) -> Any:
-        return cls._dispatch(func, args, kwargs or {})
-
-    @classmethod
-    def _dispatch(cls, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        raise NotImplementedError(
-            f"{cls.__name__} does not support {func}: it only groups this rank's shards for DCP; "
-            "operate on .local_shards[i].local_data instead"
-        )
 
     def __repr__(  # type: ignore[override]  # the same signature as torch's
         self, *, tensor_contents: Any = None
@@ -108,8 +74,15 @@ class CheckpointableShardedTensor(_Wrapper):
 
     @staticmethod
     def __new__(cls, data: torch.Tensor, sh_ten: ShardedTensor) -> CheckpointableShardedTensor:
-        """Wraps ``data`` described by ``sh_ten`` (``ValueError`` where they disagree)."""
-        chunk = _shard_chunk(data, sh_ten)
+        """Wraps ``data`` described by ``sh_ten`` (``ValueError`` where they disagree: ``data``
+        may have been passed separately, or swapped in since ``sh_ten`` was built)."""
+        if not isinstance(data, torch.Tensor):
+            raise ValueError(
+                f"ShardedTensor {sh_ten.key!r} has no data tensor (got {type(data).__name__}); "
+                "DCP needs the local shard's values to save and a tensor to load into"
+            )
+        dataclasses.replace(sh_ten, data=data)  # a description of ``data``: it validates itself
+        offsets, sizes = sh_ten.global_region()
         self = torch.Tensor._make_wrapper_subclass(
             cls,
             torch.Size(sh_ten.global_shape),
@@ -119,11 +92,8 @@ class CheckpointableShardedTensor(_Wrapper):
         )
         self._data = data
         self._sh_ten = sh_ten
-        self._chunk = chunk
+        self._chunk = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes))
         return self
-
-    def __init__(self, data: torch.Tensor, sh_ten: ShardedTensor) -> None:
-        super().__init__()  # everything happens in __new__
 
     @classmethod
     def from_sh_ten(cls, sh_ten: ShardedTensor) -> CheckpointableShardedTensor:
@@ -188,7 +158,10 @@ class CheckpointableShardedTensor(_Wrapper):
         return self._dcp_view()
 
     @classmethod
-    def _dispatch(cls, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def __torch_dispatch__(  # type: ignore[override]  # torch's stub binds func as self
+        cls, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
+    ) -> Any:
+        kwargs = kwargs or {}
         if func in (_aten.detach.default, _aten.alias.default, _aten.clone.default):
             src = args[0]
             return cls(func(src._data, *args[1:], **kwargs), src._sh_ten)
@@ -209,7 +182,8 @@ class CheckpointableShardedTensor(_Wrapper):
         )
 
     def _copy_into(self, src: Any, non_blocking: bool) -> None:
-        """Copies ``src`` (a wrapper of the same box, or a full global tensor) into the data."""
+        """Copies ``src`` (a wrapper of the same box, or a full global tensor) into the data (a
+        LocalShardsContainer refuses to be narrowed to the box)."""
         if isinstance(src, CheckpointableShardedTensor):
             if src._chunk != self._chunk:
                 raise ValueError(
@@ -219,10 +193,6 @@ class CheckpointableShardedTensor(_Wrapper):
                 )
             self._data.copy_(src._data, non_blocking=non_blocking)
             return
-        if not isinstance(src, torch.Tensor) or isinstance(src, LocalShardsContainer):
-            raise NotImplementedError(
-                f"copy_ into a {type(self).__name__} from {type(src).__name__} is not supported"
-            )
         if src.shape != self.shape:
             raise ValueError(
                 f"copy_ into shard {self._sh_ten.key!r} needs a tensor of the global shape "
@@ -287,13 +257,19 @@ class LocalShardsContainer(_Wrapper):
         self._shards = tuple(shards)
         return self
 
-    def __init__(self, local_shards: Sequence[torch.Tensor]) -> None:
-        super().__init__()
-
     @property
     def local_shards(self) -> tuple[CheckpointableShardedTensor, ...]:
         """The shards, in the order given."""
         return self._shards
+
+    @classmethod
+    def __torch_dispatch__(  # type: ignore[override]  # torch's stub binds func as self
+        cls, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
+    ) -> Any:
+        raise NotImplementedError(
+            f"{cls.__name__} does not support {func}: it only groups this rank's shards for DCP; "
+            "operate on .local_shards[i].local_data instead"
+        )
 
     def __create_write_items__(
         self, fqn: str, local_shards_cont: LocalShardsContainer
@@ -310,21 +286,14 @@ class LocalShardsContainer(_Wrapper):
         return [chunk for shard in self._shards for chunk in shard.__create_chunk_list__()]
 
     def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
-        """The tensor of the shard at ``index.offset``: the hint ``index.index`` is tried
-        first (DCP's global plan may rewrite it), then every shard."""
+        """The tensor of the shard at ``index.offset``, found by the offset alone: the hint
+        ``index.index`` may have been rewritten by DCP's global plan."""
         if index.offset is None:
             raise ValueError(
                 f"{index.fqn!r} is held as several shards on this rank; DCP must name the "
                 "shard by its offset"
             )
         wanted = torch.Size(index.offset)
-        hint = index.index
-        if (
-            hint is not None
-            and 0 <= hint < len(self._shards)
-            and self._shards[hint]._chunk.offsets == wanted
-        ):
-            return self._shards[hint].__get_tensor_shard__(index)
         for shard in self._shards:
             if shard._chunk.offsets == wanted:
                 return shard.__get_tensor_shard__(index)

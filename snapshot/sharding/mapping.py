@@ -14,7 +14,7 @@ from __future__ import annotations
 import abc
 import copy
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import torch
@@ -75,7 +75,7 @@ class ShardedTensor(ShardedBase):
     """
 
     key: str
-    data: torch.Tensor | None
+    data: torch.Tensor | None = field(repr=False)  # its repr shows the description only
     dtype: torch.dtype
     local_shape: tuple[int, ...]
     global_shape: tuple[int, ...]
@@ -234,13 +234,6 @@ class ShardedTensor(ShardedBase):
                     "the tensor is not evenly sharded"
                 )
         return tuple(v // s if s else empty for v, s in zip(values, sizes, strict=True))
-
-    def __repr__(self) -> str:
-        return (
-            f"ShardedTensor(key={self.key!r}, dtype={self.dtype}, local_shape={self.local_shape}, "
-            f"global_shape={self.global_shape}, global_offset={self.global_offset}, "
-            f"replica_id={self.replica_id})"
-        )
 
 
 @dataclass

@@ -88,38 +88,23 @@ def extract_matching(
         raise TypeError(
             f"extract_matching expects a dict or a list, got {type(sharded_state_dict).__name__}"
         )
-    return _split(sharded_state_dict, predicate)
-
-
-def _split(x: dict[Any, Any] | list[Any], predicate: Callable[[Any], bool]) -> tuple[Any, Any]:
-    matching: dict[Any, Any] | list[Any]
-    rest: dict[Any, Any] | list[Any]
-    if isinstance(x, dict):
-        matching, rest = {}, {}
-        items: Iterable[tuple[Any, Any]] = x.items()
-    else:
-        matching, rest = [], []
-        items = enumerate(x)
-
-    def put(target: dict[Any, Any] | list[Any], k: Any, v: Any) -> None:
-        if isinstance(target, dict):
-            target[k] = v
-        else:
-            target.append(v)
-
+    x = sharded_state_dict
+    matching: Any = {} if isinstance(x, dict) else []
+    rest: Any = {} if isinstance(x, dict) else []
+    items: Iterable[tuple[Any, Any]] = x.items() if isinstance(x, dict) else enumerate(x)
     for k, v in items:
-        if isinstance(v, (dict, list)) and v:
-            sub_matching, sub_rest = _split(v, predicate)
-            if sub_matching:
-                put(matching, k, sub_matching)
-            if sub_rest:
-                put(rest, k, sub_rest)
-        elif isinstance(v, (dict, list)):
-            put(rest, k, type(v)())
-        elif predicate(v):
-            put(matching, k, v)
+        if not isinstance(v, (dict, list)):
+            parts = [(matching if predicate(v) else rest, v)]
+        elif v:
+            sub_matching, sub_rest = extract_matching(v, predicate)
+            parts = [(out, sub) for out, sub in ((matching, sub_matching), (rest, sub_rest)) if sub]
         else:
-            put(rest, k, v)
+            parts = [(rest, type(v)())]
+        for out, value in parts:
+            if isinstance(out, dict):
+                out[k] = value
+            else:
+                out.append(value)
     return matching, rest
 
 
@@ -173,41 +158,40 @@ def replace_prefix_for_sharding(
 ) -> None:
     """Replaces ``old_prefix`` by ``new_prefix`` in every :class:`ShardedBase`'s key, in
     place; ``ValueError`` names a key without it (those before it are changed already)."""
-
-    def replace(x: Any) -> Any:
-        if isinstance(x, ShardedBase):
-            if not x.key.startswith(old_prefix):
-                raise ValueError(
-                    f"replace_prefix_for_sharding: key {x.key!r} does not start with prefix "
-                    f"{old_prefix!r}"
-                )
-            x.key = f"{new_prefix}{x.key[len(old_prefix) :]}"
-        return x
-
-    _map_leaves_inplace(replace, sharded_state_dict)
+    _rename(sharded_state_dict, {old_prefix: new_prefix}, strict=True)
 
 
 def apply_prefix_mapping(sharded_state_dict: ShardedStateDict, prefix_map: dict[str, str]) -> None:
     """Renames, in place, each :class:`ShardedBase`'s key by the first prefix of
     ``prefix_map`` (old -> new) it starts with; others are left as they are."""
+    _rename(sharded_state_dict, prefix_map, strict=False)
+
+
+def _rename(sharded_state_dict: ShardedStateDict, prefix_map: dict[str, str], strict: bool) -> None:
+    """``apply_prefix_mapping``; with ``strict``, a key that no prefix starts is refused."""
 
     def remap(x: Any) -> Any:
-        if isinstance(x, ShardedBase):
-            for old_prefix, new_prefix in prefix_map.items():
-                if x.key.startswith(old_prefix):
-                    x.key = f"{new_prefix}{x.key[len(old_prefix) :]}"
-                    break
+        if not isinstance(x, ShardedBase):
+            return x
+        for old_prefix, new_prefix in prefix_map.items():
+            if x.key.startswith(old_prefix):
+                x.key = f"{new_prefix}{x.key[len(old_prefix) :]}"
+                return x
+        if strict:
+            raise ValueError(
+                f"replace_prefix_for_sharding: key {x.key!r} does not start with prefix "
+                + " or ".join(map(repr, prefix_map))
+            )
         return x
 
     _map_leaves_inplace(remap, sharded_state_dict)
 
 
-def _fp8_dtypes() -> frozenset[torch.dtype]:
-    names = ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
-    return frozenset(getattr(torch, n) for n in names if hasattr(torch, n))
-
-
-_FP8_DTYPES = _fp8_dtypes()
+_FP8_DTYPES = frozenset(
+    getattr(torch, n)
+    for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
+    if hasattr(torch, n)
+)
 
 
 def _is_fp8(x: Any) -> bool:

@@ -3,7 +3,4 @@ the library (``base``: actions, strategy classes and the default-strategy regist
 the library's own strategies, registered when this package is imported; ``tensor_aware``: state
 dicts that lend out their tensors)."""
 
-from snapshot.strategies import base, default
-
-default.register()
-base._builtins_registered = True
+from snapshot.strategies import default  # noqa: F401  (registers the library's strategies)

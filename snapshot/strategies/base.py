@@ -65,10 +65,6 @@ def get_default_strategy(action: StrategyAction, backend: str, version: int) -> 
     return found
 
 
-# True once the package's import has registered the library's own strategies.
-_builtins_registered = False
-
-
 class SaveStrategyBase(abc.ABC):  # noqa: B024 - abstract in its subclasses' methods
     """A way of saving, writing format ``version`` of ``backend``."""
 
@@ -103,8 +99,11 @@ class LoadStrategyBase(abc.ABC):
         return False
 
 
-def check_compatible(strategy: LoadStrategyBase, backend: str, version: int) -> None:
-    """Both checks, their failures made the library's ``IncompatibleSnapshotError``."""
+def _check_part(part: str, backend: str, version: int) -> None:
+    """The engine's check of a part written by ``(backend, version)``: both checks of the
+    registered load strategy, their failures made the library's ``IncompatibleSnapshotError``."""
+    action = StrategyAction.LOAD_COMMON if part == "common" else StrategyAction.LOAD_SHARDED
+    strategy = get_default_strategy(action, backend, version)
     try:
         strategy.check_backend_compatibility(backend)
         strategy.check_version_compatibility(version)
@@ -114,12 +113,6 @@ def check_compatible(strategy: LoadStrategyBase, backend: str, version: int) -> 
         raise IncompatibleSnapshotError(
             f"{strategy} cannot load data saved by {backend} version {version}: {e}"
         ) from e
-
-
-def _check_part(part: str, backend: str, version: int) -> None:
-    """The engine's check of a part written by ``(backend, version)``."""
-    action = StrategyAction.LOAD_COMMON if part == "common" else StrategyAction.LOAD_SHARDED
-    check_compatible(get_default_strategy(action, backend, version), backend, version)
 
 
 writers.set_check(_check_part)

@@ -128,10 +128,10 @@ class SnapshotLoadStrategy(LoadShardedStrategy, LoadCommonStrategy):
         )
 
     def load_common(self, checkpoint_dir: str | Path) -> Any:
-        return Snapshot(_common_dir(checkpoint_dir)).read_object(f"0/{_STATE}")
+        return Snapshot(_part_dir(checkpoint_dir, "common")).read_object(f"0/{_STATE}")
 
     def load_sharded_objects(self, sharded_objects_state_dict: Any, checkpoint_dir: str | Path):
-        return self.load(sharded_objects_state_dict, _objects_dir(checkpoint_dir))
+        return self.load(sharded_objects_state_dict, _part_dir(checkpoint_dir, "sharded_objects"))
 
 
 class SnapshotSaveCommonStrategy(SaveCommonStrategy):
@@ -148,12 +148,12 @@ class SnapshotSaveCommonStrategy(SaveCommonStrategy):
 
     def save_common(self, common_state_dict: Any, checkpoint_dir: str | Path) -> None:
         SnapshotSaveStrategy(self.backend, self.version).save(
-            common_state_dict, _common_dir(checkpoint_dir)
+            common_state_dict, _part_dir(checkpoint_dir, "common")
         )
 
     def save_sharded_objects(self, sharded_objects_state_dict: Any, checkpoint_dir: str | Path):
         SnapshotSaveStrategy(self.backend, self.version).save(
-            sharded_objects_state_dict, _objects_dir(checkpoint_dir)
+            sharded_objects_state_dict, _part_dir(checkpoint_dir, "sharded_objects")
         )
 
 
@@ -162,27 +162,24 @@ def _dir(checkpoint_dir: object, call: str) -> str:
     return state_dicts.snapshot_path(checkpoint_dir, call, "checkpoint_dir")
 
 
-def _common_dir(checkpoint_dir: str | Path) -> str:
-    return f"{_dir(checkpoint_dir, 'the common part').rstrip('/')}/common"
-
-
-def _objects_dir(checkpoint_dir: str | Path) -> str:
-    return f"{_dir(checkpoint_dir, 'the sharded objects').rstrip('/')}/sharded_objects"
+def _part_dir(checkpoint_dir: str | Path, part: str) -> str:
+    """Where a part saved apart (``common``, ``sharded_objects``) is, under the checkpoint
+    directory."""
+    return f"{_dir(checkpoint_dir, f'the {part} part').rstrip('/')}/{part}"
 
 
 def _manifest(checkpoint_dir: str | Path) -> Manifest:
     return load_manifest(_dir(checkpoint_dir, "reading the metadata"), None)
 
 
-def register() -> None:
-    """Registers the library's strategies for (``statesnap``, 1)."""
-    loader = SnapshotLoadStrategy()
-    register_default_strategy(StrategyAction.SAVE_SHARDED, BACKEND, VERSION, SnapshotSaveStrategy())
-    register_default_strategy(
-        StrategyAction.SAVE_COMMON, BACKEND, VERSION, SnapshotSaveCommonStrategy()
-    )
-    register_default_strategy(StrategyAction.LOAD_SHARDED, BACKEND, VERSION, loader)
-    register_default_strategy(StrategyAction.LOAD_COMMON, BACKEND, VERSION, loader)
+# The library's strategies for (``statesnap``, 1), registered on import.
+_loader = SnapshotLoadStrategy()
+register_default_strategy(StrategyAction.SAVE_SHARDED, BACKEND, VERSION, SnapshotSaveStrategy())
+register_default_strategy(
+    StrategyAction.SAVE_COMMON, BACKEND, VERSION, SnapshotSaveCommonStrategy()
+)
+register_default_strategy(StrategyAction.LOAD_SHARDED, BACKEND, VERSION, _loader)
+register_default_strategy(StrategyAction.LOAD_COMMON, BACKEND, VERSION, _loader)
 
 
 __all__ = [
@@ -191,5 +188,4 @@ __all__ = [
     "SnapshotLoadStrategy",
     "SnapshotSaveCommonStrategy",
     "SnapshotSaveStrategy",
-    "register",
 ]

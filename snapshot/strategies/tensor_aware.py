@@ -152,7 +152,7 @@ class BasicTensorAwareStateDict(TensorAwareStateDict):
         first misfit's path, and the state stays hollow."""
         self._require("insert_tensors", hollow=True)
         given = list(tensors)
-        slots = self._placeholders()
+        slots = self._find(TensorPlaceholder)
         if len(given) != len(slots):
             raise StateMismatchError(
                 f"insert_tensors got {len(given)} tensors for {len(slots)} placeholders; pass "
@@ -168,7 +168,9 @@ class BasicTensorAwareStateDict(TensorAwareStateDict):
 
     def init_tensors(self) -> None:
         self._require("init_tensors", hollow=True)
-        self.insert_tensors([placeholder.empty() for _, placeholder in self._placeholders()])
+        self.insert_tensors(
+            [placeholder.empty() for _, placeholder in self._find(TensorPlaceholder)]
+        )
 
     def copy_tensors_to_cpu(self, non_blocking: bool = False) -> None:
         """Replaces the tensors by new CPU copies (CPU ones too), remembering each one's
@@ -226,9 +228,6 @@ class BasicTensorAwareStateDict(TensorAwareStateDict):
                 f"{operation}: the state is not hollow (it still holds its tensors); "
                 "call pop_tensors first"
             )
-
-    def _placeholders(self) -> list[tuple[str, TensorPlaceholder]]:
-        return self._find(TensorPlaceholder)
 
     def _find(self, kind: type[_Leaf]) -> list[tuple[str, _Leaf]]:
         """(path, leaf) of every leaf of type ``kind``, in traversal order."""

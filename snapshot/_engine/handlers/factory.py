@@ -32,14 +32,9 @@ class Factory(Kind):
     ) -> Planned:
         entries = sink.out.entries
         cut = len(path) - len(logical)
-        root = None
         for p, node, leaf in flatten(value.build(), path):
-            entry = node if node is not None else sink.leaf(p, p[cut:], leaf, False)
-            if p == path:
-                root = entry
-            entries[p] = entry
-        assert root is not None  # ``flatten`` yields ``path`` itself first
-        return root
+            entries[p] = node if node is not None else sink.leaf(p, p[cut:], leaf, False)
+        return entries[path]  # ``flatten`` yields ``path`` itself first
 
     def restore(
         self, reader: ReadPlanner, path: str, entry: typing.Any, target: typing.Any

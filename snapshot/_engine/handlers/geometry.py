@@ -68,8 +68,16 @@ def cover_problem(shape: Sequence[int], boxes: Sequence[Region]) -> str | None:
     if not total:
         return None  # a tensor without elements: any boxes within it hold each of them once
     axes = [d for d in range(ndim) if any(o[d] != 0 or n[d] != shape[d] for o, n in solid)]
-    if len(axes) <= _MAX_SPLIT_AXES:
-        return _corner_problem(shape, solid, axes)
+    if len(axes) <= _MAX_SPLIT_AXES:  # by their signed corners along ``axes``
+        weights: dict[tuple[int, ...], int] = {}
+        signed = [(1, [(o[d], o[d] + n[d]) for d in axes]) for o, n in solid]
+        for sign, bounds in [*signed, (-1, [(0, shape[d]) for d in axes])]:
+            for picks in itertools.product((0, 1), repeat=len(axes)):  # 0: low end, 1: high
+                corner = tuple(b[i] for b, i in zip(bounds, picks, strict=True))
+                weights[corner] = weights.get(corner, 0) + (-sign if sum(picks) % 2 else sign)
+        return (
+            "some elements are in two boxes, and as many in none" if any(weights.values()) else None
+        )
     if len(solid) <= _MAX_PAIRWISE:  # within find_overlap's budget: it never gives up
         return None if find_overlap(solid) is None else "two of the boxes overlap"
     return (
@@ -77,28 +85,6 @@ def cover_problem(shape: Sequence[int], boxes: Sequence[Region]) -> str | None:
         f"tensors split along at most {_MAX_SPLIT_AXES} axes, or into at most "
         f"{_MAX_PAIRWISE} boxes"
     )
-
-
-def _corner_problem(shape: Sequence[int], solid: Sequence[Region], axes: list[int]) -> str | None:
-    """``cover_problem`` for boxes of the right total volume, by their signed corners along
-    ``axes``."""
-    weights: dict[tuple[int, ...], int] = {}
-    for offsets, sizes in solid:
-        _add_corners(weights, [(offsets[d], offsets[d] + sizes[d]) for d in axes], 1)
-    _add_corners(weights, [(0, shape[d]) for d in axes], -1)
-    if any(weights.values()):
-        return "some elements are in two boxes, and as many in none"
-    return None
-
-
-def _add_corners(
-    weights: dict[tuple[int, ...], int], bounds: list[tuple[int, int]], sign: int
-) -> None:
-    """Adds the signed corners of the box with ``(low, high)`` bounds on each axis, times
-    ``sign``, to ``weights``."""
-    for picks in itertools.product((0, 1), repeat=len(bounds)):
-        corner = tuple(b[i] for b, i in zip(bounds, picks, strict=True))
-        weights[corner] = weights.get(corner, 0) + (-sign if sum(picks) % 2 else sign)
 
 
 def find_overlap(boxes: Sequence[Region]) -> tuple[int, int] | None:
@@ -149,6 +135,18 @@ def _strides(sizes: Sequence[int]) -> tuple[int, ...]:
     return tuple(out)
 
 
+def _run(stored: Region, wanted: Region, n: Sequence[int]) -> tuple[int, int]:
+    """``(d, count)`` for an overlap of sizes ``n`` (at least one axis): its runs are of
+    ``count`` elements, one per index of the axes before ``d``. A run is the innermost axis,
+    and the ones outside it while the overlap spans them whole in both boxes."""
+    d = len(n) - 1
+    count = n[d]
+    while d > 0 and n[d] == stored[1][d] == wanted[1][d]:
+        d -= 1
+        count *= n[d]
+    return d, count
+
+
 def runs(stored: Region, wanted: Region) -> Iterator[tuple[int, int, int]]:
     """``(source, dest, count)`` in elements, for each run of consecutive elements the overlap
     of the ``stored`` box and the ``wanted`` box makes: ``source`` counts from the start of the
@@ -164,12 +162,7 @@ def runs(stored: Region, wanted: Region) -> Iterator[tuple[int, int, int]]:
         yield 0, 0, 1
         return
     s_str, w_str = _strides(ss), _strides(ws)
-    # The run: the innermost axis, and the ones outside it while the overlap spans them whole.
-    d = ndim - 1
-    count = n[d]
-    while d > 0 and n[d] == ss[d] == ws[d]:
-        d -= 1
-        count *= n[d]
+    d, count = _run(stored, wanted, n)
     base_s = sum((lo[k] - so[k]) * s_str[k] for k in range(ndim))
     base_w = sum((lo[k] - wo[k]) * w_str[k] for k in range(ndim))
     for index in itertools.product(*(range(n[k]) for k in range(d))):
@@ -190,10 +183,11 @@ class Piece:
 
 
 def _cut(
-    shard: Shard, start: int, stop: int, dest: int, itemsize: int, piece_bytes: int
+    shard: Shard, first: int, count: int, dest: int, itemsize: int, piece_bytes: int
 ) -> Iterator[Piece]:
-    """Bytes ``[start, stop)`` of a stored shard as pieces: cut where its chunks end, and into
-    at most ``piece_bytes``; ``dest`` is where the first byte lands."""
+    """Elements ``first`` to ``first + count`` of a stored shard as pieces: cut where its
+    chunks end, and into at most ``piece_bytes``; the first lands at element ``dest``."""
+    start, stop, dest = first * itemsize, (first + count) * itemsize, dest * itemsize
     step = max(itemsize, piece_bytes - piece_bytes % itemsize)
     end = 0
     for chunk in shard.chunks:
@@ -243,41 +237,25 @@ def plan_region(
         box = _overlap(stored, region)
         if box is None:
             continue
-        layout = _box_layout(stored, region, box)
-        if layout is None or layout[1] * itemsize > gap_bytes:
+        gap = _gap(stored, region, box[1])
+        if gap is None or gap * itemsize > gap_bytes:
             for src, dst, count in runs(stored, region):
-                direct.extend(
-                    _cut(
-                        shard,
-                        src * itemsize,
-                        (src + count) * itemsize,
-                        dst * itemsize,
-                        itemsize,
-                        piece_bytes,
-                    )
-                )
+                direct.extend(_cut(shard, src, count, dst, itemsize, piece_bytes))
             continue
         boxes.extend(_boxes(shard, box, region, itemsize, piece_bytes, box_bytes))
     return direct, boxes
 
 
-def _box_layout(stored: Region, wanted: Region, box: Region) -> tuple[int, float] | None:
-    """(runs, average gap between them in the stored bytes, in elements) of an overlap, as
-    ``runs`` cuts it; None when it is one run."""
-    ss, ws, n = stored[1], wanted[1], box[1]
-    ndim = len(n)
-    if ndim < 2:
+def _gap(stored: Region, wanted: Region, n: Sequence[int]) -> float | None:
+    """The average gap between the runs of an overlap of sizes ``n`` in the stored bytes, in
+    elements, as ``runs`` cuts it; None when it is one run."""
+    if len(n) < 2:
         return None
-    d = ndim - 1
-    count = n[d]
-    while d > 0 and n[d] == ss[d] == ws[d]:
-        d -= 1
-        count *= n[d]
+    d, count = _run(stored, wanted, n)
     nruns = math.prod(n[:d])
     if nruns <= 1:
         return None
-    span = _span(n, _strides(ss))
-    return nruns, (span - nruns * count) / (nruns - 1)
+    return (_span(n, _strides(stored[1])) - nruns * count) / (nruns - 1)
 
 
 def _span(sizes: Sequence[int], strides: Sequence[int]) -> int:
@@ -290,22 +268,18 @@ def _boxes(
 ) -> Iterator[Box]:
     """The overlap ``box`` of ``shard``, cut along its first axis into boxes whose span (in the
     stored bytes) is at most about ``box_bytes``."""
-    (so, ss), (lo, n), (ro, _) = (shard.offsets, shard.sizes), box, region
-    strides = _strides(ss)
+    (lo, n), ro = box, region[0]
+    strides = _strides(shard.sizes)
+    origin = sum((a - b) * st for a, b, st in zip(lo, shard.offsets, strides, strict=True))
     rows = max(1, box_bytes // (strides[0] * itemsize))
     for r0 in range(0, n[0], rows):
         sizes = (min(rows, n[0] - r0), *n[1:])
-        first = (lo[0] + r0 - so[0]) * strides[0] + sum(
-            (lo[k] - so[k]) * strides[k] for k in range(1, len(n))
-        )
+        first = origin + r0 * strides[0]  # in the stored shard
         span = _span(sizes, strides)
-        at = (lo[0] + r0 - ro[0], *(lo[k] - ro[k] for k in range(1, len(n))))
         yield Box(
             sizes=sizes,
-            at=at,
+            at=(lo[0] + r0 - ro[0], *(a - b for a, b in zip(lo[1:], ro[1:], strict=True))),
             strides=strides,
             span=span,
-            pieces=list(
-                _cut(shard, first * itemsize, (first + span) * itemsize, 0, itemsize, piece_bytes)
-            ),
+            pieces=list(_cut(shard, first, span, 0, itemsize, piece_bytes)),
         )

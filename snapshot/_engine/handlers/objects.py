@@ -53,18 +53,6 @@ from snapshot.errors import (
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 
 
-def plan_object_read(
-    path: str,
-    entry: ObjectEntry | ShardedObjectEntry,
-    results: dict[str, Any],
-    verify: bool = True,
-) -> Need:
-    """The need of an object's bytes, decoded into ``results[path]``."""
-    return bytes_need(
-        path, entry.location, results, lambda data: decode_value(path, entry, data), verify
-    )
-
-
 def decode_value(path: str, entry: ObjectEntry | ShardedObjectEntry, data: bytes) -> Any:
     """The value an object entry's bytes encode."""
     if entry.serializer == "bytes":
@@ -138,8 +126,8 @@ def plan_pickled_tensor_read(
     entry: PickledTensorEntry,
     target: torch.Tensor | None,
     results: dict[str, Any],
-    verify: bool = True,
-    landing: Landing | None = None,
+    verify: bool,
+    landing: Landing,
 ) -> list[Need]:
     """The needs of a tensor stored as ``torch.save`` bytes, one per piece; when the last
     piece is decoded, ``results[path]`` holds the tensor: ``target`` filled in place (cast like
@@ -153,20 +141,10 @@ def plan_pickled_tensor_read(
     dtype = dtype_from_name(entry.dtype, path)
     shape = tuple(entry.shape)
     pieces = entry.pieces
-    _check_pieces(path, entry)
-    copier = landing if landing is not None else Landing()
+    _check_pieces(path, entry, dtype)
     if target is not None:
         check_target(path, new_tensor_entry(entry.dtype, shape, ()), target, dtype)
-        copier.prepare(target)
-    for piece in pieces:
-        # A piece's archive holds its values uncompressed (``check_archive``): a piece claiming
-        # more bytes than its pickle has is refused before the tensor is allocated.
-        need = math.prod(piece.sizes) * dtype.itemsize
-        if need > piece.chunks[0].nbytes:
-            raise CorruptSnapshotError(
-                f"{path}: the piece at {list(piece.offsets)} claims {need:,} bytes of values, "
-                f"but its pickle holds {piece.chunks[0].nbytes:,} bytes"
-            )
+        landing.prepare(target)
     whole = len(pieces) == 1 and tuple(pieces[0].sizes) == shape
     result: list[torch.Tensor] = []  # the tensor the pieces are copied into, once made
     if target is not None:
@@ -193,7 +171,7 @@ def plan_pickled_tensor_read(
             what = (
                 f"a {dtype_name(value.dtype)}{list(value.shape)} tensor"
                 if isinstance(value, torch.Tensor)
-                else f"a {_type_name(value)}"
+                else f"a {type_name(value)}"
             )
             raise CorruptSnapshotError(
                 f"{path}: the pickle of the piece at {list(piece.offsets)} holds {what}; the "
@@ -204,7 +182,7 @@ def plan_pickled_tensor_read(
             return
         window = result[0][tuple(slice(o, o + n) for o, n in zip(piece.offsets, box, strict=True))]
         try:
-            copier.copy(window, value)
+            landing.copy(window, value)
         except RuntimeError as e:
             raise StateMismatchError(
                 f"{path}: cannot copy the stored {entry.dtype} values into the "
@@ -220,22 +198,19 @@ def plan_pickled_tensor_read(
     ]
 
 
-def _check_pieces(path: str, entry: PickledTensorEntry) -> None:
-    """The pieces of a pickled tensor lie within its shape, one location each, and cover it
-    exactly once (their volumes add up to its own, and no two overlap)."""
+def _check_pieces(path: str, entry: PickledTensorEntry, dtype: torch.dtype) -> None:
+    """The pieces of a pickled tensor are one location each, of at least the bytes of their
+    values, and cover it exactly once (within its shape, their volumes adding up to its own,
+    no two overlapping)."""
     shape = tuple(entry.shape)
     for piece in entry.pieces:
-        offsets, sizes = tuple(piece.offsets), tuple(piece.sizes)
-        if (
-            len(piece.chunks) != 1
-            or len(offsets) != len(shape)
-            or len(sizes) != len(shape)
-            or any(o + n > s for o, n, s in zip(offsets, sizes, shape, strict=True))
-        ):
+        # A piece's archive holds its values uncompressed (``check_archive``): a piece claiming
+        # more bytes than its pickle has is refused before the tensor is allocated.
+        need = math.prod(piece.sizes) * dtype.itemsize
+        if len(piece.chunks) != 1 or need > piece.chunks[0].nbytes:
             raise CorruptSnapshotError(
-                f"{path}: a piece at {list(offsets)} of size {list(sizes)} in "
-                f"{len(piece.chunks)} locations does not fit a {entry.dtype}{list(shape)} "
-                "tensor stored as one pickle per piece"
+                f"{path}: the piece at {list(piece.offsets)} claims {need:,} bytes of values "
+                f"in {len(piece.chunks)} locations; one pickle holding them is stored per piece"
             )
     # Linear in the pieces (by their corners), where comparing every pair was quadratic.
     problem = geometry.cover_problem(shape, [(p.offsets, p.sizes) for p in entry.pieces])
@@ -244,11 +219,6 @@ def _check_pieces(path: str, entry: PickledTensorEntry) -> None:
             f"{path}: the pieces of this {entry.dtype}{list(shape)} tensor do not cover it "
             f"exactly once{f': {problem}' if problem else ''}"
         )
-
-
-def _type_name(value: object) -> str:
-    t = type(value)
-    return t.__qualname__ if t.__module__ == "builtins" else f"{t.__module__}.{t.__qualname__}"
 
 
 class Objects(Kind):
@@ -278,16 +248,16 @@ class Objects(Kind):
     def restore(
         self, reader: ReadPlanner, path: str, entry: ObjectEntry | PickledTensorEntry, target: Any
     ) -> None:
-        reader.claim()  # buffers of the stored length
         if not isinstance(entry, PickledTensorEntry):
-            need = plan_object_read(path, entry, reader.objects, reader.verify)
-            reader.add_needs([need], into_target=False)
+            decode = functools.partial(decode_value, path, entry)
+            self.read_bytes(reader, path, entry.location, decode)
             return
         if sharded.is_sharded(target):
             raise StateMismatchError(
                 f"{path}: the snapshot holds a whole tensor here (pickled), the object being "
                 "restored is a piece of a sharded one; restore it into a plain tensor"
             )
+        reader.claim()  # buffers of the stored length
         t = target if is_dense_tensor(target) else None
         needs = plan_pickled_tensor_read(
             path, entry, t, reader.objects, verify=reader.verify, landing=reader.landing

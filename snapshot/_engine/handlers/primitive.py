@@ -33,21 +33,18 @@ class Primitive(Kind):
         self, sink: TakeSink, path: str, logical: str, value: typing.Any, replicated: bool
     ) -> Planned:
         kind = type(value)
-        if kind is str:
-            try:
-                data = value.encode("utf-8")
-            except UnicodeEncodeError:  # lone surrogates: only pickle keeps them
-                return objects.OBJECTS.take(sink, path, logical, value, replicated)
-            if len(data) <= sink.inline_max:
-                return PrimitiveEntry(value=value, replicated=replicated)
-            return objects.bytes_draft(sink, path, logical, "utf8", "str", data, replicated)
-        if kind is bytes:
-            if len(value) <= sink.inline_max:
-                return PrimitiveEntry(value=value, replicated=replicated)
-            return objects.bytes_draft(sink, path, logical, "bytes", "bytes", value, replicated)
         if kind is int and not int_fits(value):
-            raise UnsupportedValueError(int_refusal(path))  # ``flatten`` refuses it earlier
-        return PrimitiveEntry(value=value, replicated=replicated)
+            raise UnsupportedValueError(int_refusal(path))  # ``check_nesting`` refuses most
+        if kind is not str and kind is not bytes:
+            return PrimitiveEntry(value=value, replicated=replicated)
+        try:
+            data = value.encode("utf-8") if kind is str else value
+        except UnicodeEncodeError:  # lone surrogates: only pickle keeps them
+            return objects.OBJECTS.take(sink, path, logical, value, replicated)
+        if len(data) <= sink.inline_max:
+            return PrimitiveEntry(value=value, replicated=replicated)
+        serializer = "utf8" if kind is str else "bytes"
+        return objects.bytes_draft(sink, path, logical, serializer, kind.__name__, data, replicated)
 
     def restore(
         self, reader: ReadPlanner, path: str, entry: PrimitiveEntry, target: typing.Any

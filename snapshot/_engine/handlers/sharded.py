@@ -7,7 +7,6 @@ around reading a region (whose geometry is :mod:`snapshot._engine.handlers.geome
 
 from __future__ import annotations
 
-import functools
 import math
 import sys
 from collections.abc import Mapping, Sequence
@@ -16,9 +15,9 @@ from typing import Any
 
 import torch
 
-from manifest import Shard, ShardedObjectEntry, ShardedTensorEntry
-from snapshot._engine.format.serialization import LocationCheck
+from manifest import ShardedTensorEntry
 from snapshot._engine.handlers.geometry import Piece, Region, cover_problem, find_overlap
+from snapshot._engine.restore.reads import location_check, piece_verify
 from snapshot.errors import (
     CorruptSnapshotError,
     ShapeMismatchError,
@@ -34,9 +33,6 @@ class LocalPiece:
     """What a rank holds of a global tensor: the box ``offsets`` .. ``offsets + sizes``, its
     values ``data`` (shaped ``sizes``), and whether this rank's copy is the one written."""
 
-    key: str
-    dtype: torch.dtype
-    shape: tuple[int, ...]
     offsets: tuple[int, ...]
     sizes: tuple[int, ...]
     data: torch.Tensor
@@ -55,33 +51,22 @@ class Held:
     pieces: tuple[LocalPiece, ...]
 
 
-# Where torch's own ShardedTensor lives (FSDP1's SHARDED_STATE_DICT, torchrec). Its base class
-# holds the shards and their metadata; ``ShardedTensor`` adds the process group.
-_TORCH_SHARDED_MODULE = "torch.distributed._shard.sharded_tensor.api"
+# A DTensor, and torch's own ShardedTensor (FSDP1's SHARDED_STATE_DICT, torchrec; its base class
+# holds the shards and their metadata): (module, type).
+_DTENSOR = ("torch.distributed.tensor", "DTensor")
+_TORCH_SHARDED = ("torch.distributed._shard.sharded_tensor.api", "ShardedTensorBase")
 
 
-def _dtensor_type() -> type | None:
-    # A DTensor exists only once its module was imported: looking it up costs nothing, where
-    # importing it would make the first take pay for importing torch.distributed.tensor.
-    module = sys.modules.get("torch.distributed.tensor")
-    return getattr(module, "DTensor", None)
-
-
-def _torch_sharded_type() -> type | None:
-    # The same for torch's ShardedTensor: no instance exists before its module is imported.
-    module = sys.modules.get(_TORCH_SHARDED_MODULE)
-    return getattr(module, "ShardedTensorBase", None)
+def _loaded(module: str, name: str) -> type:
+    """The type ``name`` of ``module``, or our ShardedTensor while the module is not imported (no
+    instance exists before: looking it up costs nothing, where importing it would make the
+    first take pay for importing torch.distributed.tensor)."""
+    return getattr(sys.modules.get(module), name, ShardedTensor)
 
 
 def is_sharded(value: object) -> bool:
     """Whether ``value`` is stored as pieces of a global tensor."""
-    if isinstance(value, ShardedTensor):
-        return True
-    dtensor = _dtensor_type()
-    if dtensor is not None and isinstance(value, dtensor):
-        return True
-    torch_sharded = _torch_sharded_type()
-    return torch_sharded is not None and isinstance(value, torch_sharded)
+    return isinstance(value, (ShardedTensor, _loaded(*_DTENSOR), _loaded(*_TORCH_SHARDED)))
 
 
 def held(path: str, logical: str, value: Any) -> Held:
@@ -91,55 +76,36 @@ def held(path: str, logical: str, value: Any) -> Held:
     if isinstance(value, ShardedTensor):
         if value.data is None:
             raise UnsupportedValueError(f"{path}: the ShardedTensor {value.key!r} holds no data")
+        try:  # its data may have been replaced since it was built
+            value.validate_metadata_integrity()
+        except ValueError as e:
+            raise UnsupportedValueError(f"{path}: {e}") from e
         offsets, sizes = value.global_region()
-        piece = LocalPiece(
-            key=value.key,
-            dtype=value.dtype,
-            shape=tuple(value.global_shape),
-            offsets=tuple(offsets),
-            sizes=tuple(sizes),
-            data=value.data.reshape(sizes) if value.prepend_axis_num else value.data,
-            main=is_main_replica(value.replica_id),
-        )
-    else:
-        dtensor = _dtensor_type()
-        if dtensor is None or not isinstance(value, dtensor):
-            return _torch_sharded(path, logical, value)
-        piece = _dtensor_piece(path, logical, value)
-    return Held(piece.key, piece.dtype, piece.shape, (piece,))
-
-
-def _torch_sharded(path: str, logical: str, value: Any) -> Held:
-    """The local shards of torch's ``ShardedTensor``, each a piece of its own. Torch's
-    ShardedTensor has no replicas: each shard in its metadata is placed on one rank, which
-    holds it as a local shard, so every local shard is a main replica (two ranks holding the
-    same box, as two replica groups of HSDP would, fail the coverage check)."""
+        data = value.data.reshape(sizes) if value.prepend_axis_num else value.data
+        piece = LocalPiece(tuple(offsets), tuple(sizes), data, is_main_replica(value.replica_id))
+        return Held(value.key, value.dtype, tuple(value.global_shape), (piece,))
+    if isinstance(value, _loaded(*_DTENSOR)):
+        return _dtensor_held(path, logical, value)
+    # Torch's ShardedTensor: each local shard a piece (torch checks that they lie within its
+    # shape and agree with their tensors). It has no replicas: each shard in its metadata is
+    # placed on one rank, which holds it as a local shard, so every local shard is a main
+    # replica (two ranks holding the same box, as two replica groups of HSDP would, fail the
+    # coverage check).
     metadata = value.metadata()
-    dtype = metadata.tensor_properties.dtype
-    shape = tuple(metadata.size)
-    pieces = []
-    for shard in value.local_shards():
-        box = shard.metadata
-        if len(box.shard_offsets) != len(shape) or len(box.shard_sizes) != len(shape):
-            raise UnsupportedValueError(
-                f"{path}: a local shard of this torch ShardedTensor of shape {list(shape)} is "
-                f"placed at {list(box.shard_offsets)} with size {list(box.shard_sizes)}"
-            )
-        pieces.append(
-            LocalPiece(
-                key=logical,
-                dtype=dtype,
-                shape=shape,
-                offsets=tuple(box.shard_offsets),
-                sizes=tuple(box.shard_sizes),
-                data=shard.tensor,
-                main=True,
-            )
+    pieces = tuple(
+        LocalPiece(
+            tuple(shard.metadata.shard_offsets),
+            tuple(shard.metadata.shard_sizes),
+            shard.tensor,
+            True,
         )
-    return Held(logical, dtype, shape, tuple(pieces))
+        for shard in value.local_shards()
+    )
+    return Held(logical, metadata.tensor_properties.dtype, tuple(metadata.size), pieces)
 
 
-def _dtensor_piece(path: str, logical: str, value: Any) -> LocalPiece:
+def _dtensor_held(path: str, logical: str, value: Any) -> Held:
+    """A DTensor's one piece; the copy at coordinate 0 of each Replicate axis is the main one."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
@@ -156,15 +122,8 @@ def _dtensor_piece(path: str, logical: str, value: Any) -> LocalPiece:
     main = coords is not None and all(
         coords[dim] == 0 for dim, p in enumerate(placements) if isinstance(p, Replicate)
     )
-    return LocalPiece(
-        key=logical,
-        dtype=value.dtype,
-        shape=shape,
-        offsets=tuple(offsets),
-        sizes=tuple(sizes),
-        data=value.to_local(),
-        main=main,
-    )
+    piece = LocalPiece(tuple(offsets), tuple(sizes), value.to_local(), main)
+    return Held(logical, value.dtype, shape, (piece,))
 
 
 def target_regions(
@@ -192,13 +151,9 @@ def target_regions(
             f"{list(mine.shape)}"
         )
     regions = [((p.offsets, p.sizes), p.data) for p in mine.pieces]
-    return regions, _restored_value(target)
-
-
-def _restored_value(target: Any) -> Any:
     # Our ShardedTensor gives back its (filled) data; a DTensor and torch's ShardedTensor
     # themselves, their local tensors filled in place.
-    return target.data if isinstance(target, ShardedTensor) else target
+    return regions, target.data if isinstance(target, ShardedTensor) else target
 
 
 # ---------------------------------------------------------------------------------------------
@@ -282,30 +237,6 @@ def check_objects(objects: Sequence[Sequence[tuple[str, bool, str]]]) -> None:
             )
 
 
-def merge_tensors(entries: dict[str, Any]) -> None:
-    """Replaces each rank's ``ShardedTensorEntry`` (the shards that rank wrote) by one listing
-    every rank's shards of that tensor (each rank keeps its own entry, under the path it holds
-    its piece at, so any rank reads any region)."""
-    shards: dict[str, list[Shard]] = {}
-    for entry in entries.values():
-        if isinstance(entry, ShardedTensorEntry):
-            shards.setdefault(entry.key, []).extend(entry.shards)
-    full = {key: tuple(sorted(found, key=lambda s: s.offsets)) for key, found in shards.items()}
-    for path, entry in entries.items():
-        if isinstance(entry, ShardedTensorEntry):
-            entries[path] = ShardedTensorEntry(
-                key=entry.key, dtype=entry.dtype, shape=entry.shape, shards=full[entry.key]
-            )
-
-
-def merge_objects(entries: dict[str, Any]) -> None:
-    """Replaces each ``ObjectReplica`` by the entry of the rank that wrote the object."""
-    objects = {e.key: e for e in entries.values() if isinstance(e, ShardedObjectEntry)}
-    for path, entry in entries.items():
-        if isinstance(entry, ObjectReplica):
-            entries[path] = objects[entry.key]
-
-
 # ---------------------------------------------------------------------------------------------
 # Reading a region: the checks around ``geometry.plan_region``.
 
@@ -329,53 +260,26 @@ def check_entry(path: str, entry: ShardedTensorEntry, dtype: torch.dtype) -> Non
         )
 
 
-def check_region(path: str, entry: ShardedTensorEntry, region: Region, dest: torch.Tensor) -> None:
-    """Refuses a region outside the stored tensor, or a destination of another shape."""
-    offsets, sizes = region
-    if len(offsets) != len(entry.shape) or any(
-        o + n > g for o, n, g in zip(offsets, sizes, entry.shape, strict=True)
-    ):
-        raise ShapeMismatchError(
-            f"{path}: the snapshot holds {entry.key!r} of global shape {list(entry.shape)} "
-            f"({entry.dtype}); the object being restored wants its region at {list(offsets)} "
-            f"of size {list(sizes)}"
-        )
-    if tuple(dest.shape) != tuple(sizes):
-        raise ShapeMismatchError(
-            f"{path}: a region of size {list(sizes)} cannot fill a tensor of shape "
-            f"{list(dest.shape)}"
-        )
-    if dest.is_meta:
-        raise UnsupportedValueError(f"{path}: cannot restore into a tensor on the meta device")
-
-
-def checks_for(
-    path: str, planned: Sequence[Piece], verify: bool
-) -> dict[tuple[str, int], LocationCheck]:
+def checks_for(path: str, planned: Sequence[Piece], verify: bool) -> dict[tuple[str, int], Any]:
     """One check per chunk that ``planned`` reads whole (in however many pieces): a chunk
     read in part cannot be checked against its recorded CRC-32. The pieces must tile the
     chunk, each starting where the one before ends: regions of several local shards of one
     target, read through their gaps, may read some stored bytes twice."""
-    if not verify:
-        return {}
     covered: dict[tuple[str, int], list[Piece]] = {}
     for p in planned:
         covered.setdefault((p.chunk.blob, p.chunk.offset), []).append(p)
     checks = {}
     for key, found in covered.items():
-        chunk = found[0].chunk
-        if chunk.crc32 is None or sum(p.nbytes for p in found) != chunk.nbytes:
-            continue
-        end = 0
+        end = 0  # where the pieces so far end, while they tile the chunk from its start; else -1
         for p in sorted(found, key=lambda p: p.lo):
-            if p.lo != end:
-                break
-            end += p.nbytes
-        else:
-            checks[key] = LocationCheck(path, chunk, len(found))
+            end = end + p.nbytes if p.lo == end else -1
+        check = location_check(path, found[0].chunk, len(found), verify)
+        if end == found[0].chunk.nbytes and check is not None:
+            checks[key] = check
     return checks
 
 
-def verifier(checks: Mapping[tuple[str, int], LocationCheck], p: Piece) -> Any:
+def verifier(checks: Mapping[tuple[str, int], Any], p: Piece) -> Any:
+    """The ``verify`` of a piece's need: its part of its chunk's check, if the chunk has one."""
     check = checks.get((p.chunk.blob, p.chunk.offset))
-    return functools.partial(check.add, p.lo, p.nbytes) if check is not None else None
+    return None if check is None else piece_verify(check, p.lo, p.nbytes)

@@ -3,6 +3,7 @@ holding its main replica, read by every rank that holds a replica."""
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, Any
 
 from manifest import ShardedObjectEntry
@@ -16,8 +17,8 @@ if TYPE_CHECKING:
 
 class ShardedObjectKind(Kind):
     """Written by the rank holding its main replica, as an object; the other ranks' entries
-    are filled in from that rank's at the commit (``sharded.merge_entries``). Read and decoded
-    as an object is (``objects.plan_object_read``)."""
+    are filled in from that rank's at the commit (``merge``). Read and decoded
+    as an object is (``objects.decode_value``)."""
 
     name = "sharded_object"
     value_types = (mapping.ShardedObject,)
@@ -43,15 +44,18 @@ class ShardedObjectKind(Kind):
     def restore(
         self, reader: ReadPlanner, path: str, entry: ShardedObjectEntry, target: Any
     ) -> None:
-        reader.claim()  # a buffer of the stored length
-        need = objects.plan_object_read(path, entry, reader.objects, reader.verify)
-        reader.add_needs([need], into_target=False)
+        decode = functools.partial(objects.decode_value, path, entry)
+        self.read_bytes(reader, path, entry.location, decode)
 
     def archived(self, entry: ShardedObjectEntry) -> bool:
         return entry.serializer == "torch_save"
 
     def merge(self, entries: dict[str, Any]) -> None:
-        sharded.merge_objects(entries)
+        """Replaces each ``ObjectReplica`` by the entry of the rank that wrote the object."""
+        objects = {e.key: e for e in entries.values() if isinstance(e, ShardedObjectEntry)}
+        for path, entry in entries.items():
+            if isinstance(entry, sharded.ObjectReplica):
+                entries[path] = objects[entry.key]
 
 
 SHARDED_OBJECT = ShardedObjectKind()

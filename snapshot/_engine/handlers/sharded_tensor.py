@@ -4,19 +4,15 @@ pieces that the target's regions cover."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
-from manifest import ShardedTensorEntry
-from snapshot._engine.format.serialization import (
-    LocationCheck,
-    dtype_from_name,
-    dtype_name,
-    raw_memoryview,
-)
+from manifest import Shard, ShardedTensorEntry, new_tensor_entry
+from snapshot._engine.format.serialization import dtype_from_name, dtype_name, raw_memoryview
 from snapshot._engine.handlers import geometry, sharded
 from snapshot._engine.handlers.dense import check_tensor_target, is_dense_tensor, take_tensor
 from snapshot._engine.handlers.table import Kind, ReadPlanner, ShardDraft, TakeSink, TensorLayout
@@ -26,13 +22,12 @@ from snapshot._engine.restore.reads import (
     ScratchPool,
     TensorRead,
     allocate,
-    casts,
-    check_receivable,
+    check_target,
+    direct_need,
     lands_directly,
     tile_limit,
     tile_need,
 )
-from snapshot.errors import StateMismatchError, UnsupportedValueError
 
 # Scratch of one box of a sharded read through its gaps: small enough to be in the CPU's cache
 # when it is copied into place.
@@ -53,9 +48,8 @@ def plan_sharded_read(
     boxes of scratch from the reader's pool, each moved into place by one strided copy. Chunks
     read whole are checked against their CRC-32s; a chunk read in part cannot be.
     """
-    piece_bytes, verify, landing = reader.piece_bytes, reader.verify, reader.landing
-    gap_bytes, box_bytes = reader.gap_bytes, min(reader.tile_bytes, BOX_BYTES)
-    tile = min(piece_bytes, reader.tile_bytes)
+    piece_bytes, landing = reader.piece_bytes, reader.landing
+    box_bytes = min(reader.tile_bytes, BOX_BYTES)
     dtype = dtype_from_name(entry.dtype, path)
     sharded.check_entry(path, entry, dtype)
     whole = ((0,) * len(entry.shape), tuple(entry.shape))
@@ -66,78 +60,41 @@ def plan_sharded_read(
     else:
         result = allocate(path, entry.nbytes, lambda: torch.empty(entry.shape, dtype=dtype))
         regions = [(whole, result)]
-    planned: list[
-        tuple[geometry.Region, torch.Tensor, list[geometry.Piece], list[geometry.Box]]
-    ] = []
+    planned: list[tuple[torch.Tensor, list[geometry.Piece], list[geometry.Box]]] = []
+    pieces: list[geometry.Piece] = []  # every region's
     for region, dest in regions:
-        sharded.check_region(path, entry, region, dest)
-        check_receivable(path, dest)
-        if dest.dtype != dtype and not casts(dtype, dest.dtype):
-            raise StateMismatchError(
-                f"{path}: the snapshot holds {entry.dtype}, the object being restored is "
-                f"{dtype_name(dest.dtype)}, and torch cannot copy the one into the other"
-            )
+        # The region's tensor: the shape of the region, and its memory able to take the values.
+        check_target(path, new_tensor_entry(entry.dtype, region[1], ()), dest, dtype)
         # Into the region's memory the pieces may be as long as a read request; through
         # scratch, as long as a tile.
         step = piece_bytes
         if not lands_directly(dest, dtype):
-            step = tile_limit(dest, tile)
+            step = tile_limit(dest, min(piece_bytes, reader.tile_bytes))
             landing.prepare(dest)
         direct, boxes = geometry.plan_region(
-            entry, region, dtype.itemsize, step, gap_bytes, box_bytes
+            entry, region, dtype.itemsize, step, reader.gap_bytes, box_bytes
         )
-        planned.append((region, dest, direct, boxes))
+        planned.append((dest, direct, boxes))
+        pieces.extend([*direct, *(p for box in boxes for p in box.pieces)])
     # One check per stored chunk over every region's pieces: a chunk that two local shards of
     # a torch ShardedTensor target read in parts is still read whole, and checked.
-    checks = sharded.checks_for(
-        path, [p for _, _, d, b in planned for p in (*d, *(q for x in b for q in x.pieces))], verify
-    )
+    checks = sharded.checks_for(path, pieces, reader.verify)
     needs: list[Need] = []
-    pool = reader.scratch
-    for _, dest, direct, boxes in planned:
-        needs.extend(_region_needs(path, dtype, dest, direct, checks, landing))
-        for box in boxes:
-            needs.extend(_box_needs(path, dtype, dest, box, checks, pool, landing))
-    return TensorRead(needs=needs, result=result)
-
-
-def _region_needs(
-    path: str,
-    dtype: torch.dtype,
-    dest: torch.Tensor,
-    planned: list[geometry.Piece],
-    checks: Mapping[tuple[str, int], LocationCheck],
-    landing: Landing,
-) -> list[Need]:
-    """Pieces landing at their place in the region's tensor ``dest``: straight into its memory
-    when it can take raw bytes; else each through a scratch tile of its own, taken when its
-    read is about to run (charged to the read budget) and copied in once landed."""
-    if not planned:
-        return []
-    if not lands_directly(dest, dtype):
-        itemsize = dtype.itemsize
-        needs = []
-        for p in planned:
-            need = tile_need(
-                path, p.chunk, p.lo, p.nbytes, p.dest // itemsize, dtype, dest, landing
-            )
+    for dest, direct, boxes in planned:
+        # A piece lands straight in the region's memory when it can take raw bytes; else
+        # through a scratch tile of its own, taken when its read is about to run (charged to
+        # the read budget) and copied in once landed.
+        for p in direct:
+            if lands_directly(dest, dtype):
+                need = direct_need(path, p.chunk, p.lo, p.nbytes, dest.data_ptr() + p.dest)
+            else:
+                first = p.dest // dtype.itemsize
+                need = tile_need(path, p.chunk, p.lo, p.nbytes, first, dtype, dest, landing)
             need.verify = sharded.verifier(checks, p)
             needs.append(need)
-        return needs
-    address = dest.data_ptr()
-    return [
-        Need(
-            blob=p.chunk.blob,
-            offset=p.chunk.offset + p.lo,
-            nbytes=p.nbytes,
-            dest=functools.partial(raw_memoryview, address + p.dest, p.nbytes),
-            done=None,
-            scratch_bytes=0,
-            label=path,
-            verify=sharded.verifier(checks, p),
-        )
-        for p in planned
-    ]
+        for box in boxes:
+            needs.extend(_box_needs(path, dtype, dest, box, checks, reader.scratch, landing))
+    return TensorRead(needs=needs, result=result)
 
 
 def _box_needs(
@@ -145,7 +102,7 @@ def _box_needs(
     dtype: torch.dtype,
     dest: torch.Tensor,
     box: geometry.Box,
-    checks: Mapping[tuple[str, int], LocationCheck],
+    checks: Mapping[tuple[str, int], Any],
     pool: ScratchPool,
     landing: Landing,
 ) -> list[Need]:
@@ -207,16 +164,10 @@ class ShardedTensorKind(Kind):
     ) -> ShardDraft:
         held = sharded.held(path, logical, value)
         written: list[tuple[sharded.LocalPiece, Any]] = []
+        dtype = dtype_name(held.dtype)
         for piece in held.pieces:
-            if piece.data.dtype != piece.dtype or tuple(piece.data.shape) != piece.sizes:
-                raise UnsupportedValueError(
-                    f"{path}: the piece of {piece.key!r} holds a {dtype_name(piece.data.dtype)}"
-                    f"{list(piece.data.shape)} tensor where {dtype_name(piece.dtype)}"
-                    f"{list(piece.sizes)} was declared"
-                )
-            dtype = dtype_name(piece.dtype)
             sink.out.pieces.append(
-                (piece.key, dtype, piece.shape, piece.offsets, piece.sizes, piece.main, path)
+                (held.key, dtype, held.shape, piece.offsets, piece.sizes, piece.main, path)
             )
             if piece.main:
                 written.append((piece, take_tensor(sink, path, logical, piece.data, False)))
@@ -232,7 +183,17 @@ class ShardedTensorKind(Kind):
         reader.tensors[path] = read.result
 
     def merge(self, entries: dict[str, Any]) -> None:
-        sharded.merge_tensors(entries)
+        """Replaces each rank's entry (the shards that rank wrote) by one listing every rank's
+        shards of that tensor (each rank keeps its own entry, under the path it holds its
+        piece at, so any rank reads any region)."""
+        shards: dict[str, list[Shard]] = {}
+        for entry in entries.values():
+            if isinstance(entry, ShardedTensorEntry):
+                shards.setdefault(entry.key, []).extend(entry.shards)
+        full = {key: tuple(sorted(found, key=lambda s: s.offsets)) for key, found in shards.items()}
+        for path, entry in entries.items():
+            if isinstance(entry, ShardedTensorEntry):
+                entries[path] = dataclasses.replace(entry, shards=full[entry.key])
 
     def check_target(self, label: str, entry: ShardedTensorEntry, target: Any) -> None:
         check_tensor_target(label, entry, target)
