@@ -75,10 +75,6 @@ class Heartbeat:
             )
             self.thread.start()
 
-    def tighten(self, rank_timeout: float) -> None:
-        """Beats at least as often as ``rank_timeout`` needs."""
-        self.every = min(self.every, interval(rank_timeout))
-
     def _beat(self, store: Any) -> None:
         failed = False
         while not self._stop.wait(self.every):
@@ -124,20 +120,16 @@ class Watch:
         if self.broken is not None:
             raise lost(self.broken, {})
         future = self._start(collective)
-        store = self.store
-        if store is None:
-            try:
-                return future.result()
-            except RuntimeError as e:
-                raise on_error(e, []) from e
+        store = self.store  # None: only gloo's timeout bounds the wait
         seen: dict[int, tuple[bytes, float]] = {}
         while True:
             try:
-                return future.result(timeout=interval(self.rank_timeout))
+                return future.result(timeout=None if store is None else interval(self.rank_timeout))
             except concurrent.futures.TimeoutError:
                 pass
             except RuntimeError as e:  # gloo's: a peer's connection closed
-                raise on_error(e, self._stopped_beating(store)) from e
+                raise on_error(e, [] if store is None else self._stopped_beating(store)) from e
+            assert store is not None
             try:
                 silent = self._silent(store, seen)
             except Exception as e:  # the store's own timeout, or its connection gone
