@@ -75,7 +75,6 @@ class GroupCoordinator(Coordinator):
         self.world_size = dist.get_world_size(pg)
         timeout, rank_timeout = options.collective_timeout_secs, options.rank_timeout_secs
         assert timeout is not None and rank_timeout is not None  # resolved options
-        self.timeout_secs = timeout
         # The library's gloo group for ``pg`` and its ``Watch``: made once per caller group and
         # use (foreground, or an async take's background work), kept by the runtime. A
         # collective abandoned on a silent peer would stay pending on the caller's own group,
@@ -95,7 +94,7 @@ class GroupCoordinator(Coordinator):
                 timeout=datetime.timedelta(seconds=timeout),
                 use_local_synchronization=len(ranks) < dist.get_world_size(),
             )
-            watch = liveness.Watch(dist.get_rank(group), ranks, rank_timeout)
+            watch = liveness.Watch(dist.get_rank(group), ranks, rank_timeout, timeout)
             cached = rt.gloo_groups[(id(group), background)] = (group, gloo, watch)
         self.group, self.watch = cached[1], cached[2]
         self.watch.set_timeout(rank_timeout)
@@ -116,32 +115,14 @@ class GroupCoordinator(Coordinator):
         self._run(lambda: dist.broadcast(tensor, src=root, group=self.group))
 
     def _run(self, collective: Callable[[], object]) -> None:
-        self.watch.run(collective, self._silent, self._lost)
+        self.watch.run(collective, self._lost)
 
-    def _silent(self, why: str, failures: dict[int, str]) -> RankFailedError:
-        """What a rank raises when a peer (or the store) fell silent while it waited."""
+    def _lost(self, why: str, failures: dict[int, str]) -> RankFailedError:
+        """What a rank raises when it lost contact with its peers while it waited."""
         return RankFailedError(
             f"rank {self.rank} of {self.world_size} lost contact with the other ranks while "
             f"they agreed on {self.step}: {why}; a take commits nothing",
             failures,
-        )
-
-    def _lost(self, error: RuntimeError, dead: list[int]) -> RankFailedError:
-        """What a rank raises when the collective itself failed: a peer's process ended
-        (``dead``: those whose heartbeat stopped, when the store could tell), or a live peer
-        did not arrive within the group's timeout."""
-        self.watch.broken = f"an earlier collective of the group failed ({error})"
-        who = (
-            f"rank(s) {dead} stopped (their process ended)"
-            if dead
-            else "a rank's process ended, or a live rank did not arrive within "
-            f"{self.timeout_secs} s (Options.collective_timeout_secs, "
-            "STATESNAP_COLLECTIVE_TIMEOUT_SECS)"
-        )
-        return RankFailedError(
-            f"rank {self.rank} of {self.world_size} lost contact with the other ranks while "
-            f"they agreed on {self.step}: {who}; a take commits nothing. gloo said: {error}",
-            {r: "process ended" for r in dead},
         )
 
 

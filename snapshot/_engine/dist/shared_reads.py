@@ -35,15 +35,6 @@ class Shared:
 
     items: list[tuple[int, str, torch.Tensor]]
 
-    @property
-    def nbytes(self) -> int:
-        return sum(t.nbytes for _, _, t in self.items)
-
-
-def is_local(path: str) -> bool:
-    """Whether ``path`` names a local directory (no URL scheme, ``fs://`` or ``file://``)."""
-    return split_url(path)[0] in ("fs", "file")
-
 
 def candidates(loader: Loader, entries: Mapping[str, Entry], prefix: str) -> dict[str, int]:
     """The replicated tensors this rank's planned reads put straight into a contiguous CPU
@@ -73,10 +64,11 @@ def candidates(loader: Loader, entries: Mapping[str, Entry], prefix: str) -> dic
 
 def decide(once: bool | None, path: str, hosts: list[str]) -> bool:
     """Whether replicated tensors are read once: ``once`` (the option) when set, else the
-    library's choice for a snapshot at ``path`` and ranks on ``hosts``."""
+    library's choice for a snapshot at ``path`` and ranks on ``hosts``: unless ``path`` names a
+    local directory (no URL scheme, ``fs://`` or ``file://``) and the ranks share one host."""
     if once is not None:
         return once
-    return not is_local(path) or len(set(hosts)) > 1
+    return split_url(path)[0] not in ("fs", "file") or len(set(hosts)) > 1
 
 
 def plan(
