@@ -138,7 +138,7 @@ class Runtime:
         if queue is not None:
             _step("wait for the pending snapshots", lambda: _drain(queue))
         if self._heartbeat is not None:  # after the pending snapshots: they agree with peers
-            _step("stop the heartbeat", self._heartbeat.stop)
+            _step("stop the heartbeat", self._heartbeat.stopped.set)
         loop = self._loop
         if loop is not None and self._thread is not None and self._thread.is_alive():
             for what, work in (

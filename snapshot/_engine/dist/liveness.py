@@ -63,21 +63,19 @@ class Heartbeat:
     def __init__(self, global_rank: int, rank_timeout: float) -> None:
         self.key = HEARTBEAT_KEY.format(global_rank)
         self.every = interval(rank_timeout)
-        self._stop = threading.Event()
-        self.thread: threading.Thread | None = None
+        self.stopped = threading.Event()  # set to stop it
         store = _default_store(max(rank_timeout, 1.0))
         if store is not None:
             store.add(self.key, 1)  # the key exists before any peer reads it
             with contextlib.suppress(Exception):  # left there by an earlier run of this rank
                 store.delete_key(LEFT_KEY.format(global_rank))
-            self.thread = threading.Thread(
-                target=self._beat, args=(store,), name="statesnap-heartbeat", daemon=True
-            )
-            self.thread.start()
+            beat = threading.Thread(target=self._beat, args=(store,), name="statesnap-heartbeat")
+            beat.daemon = True
+            beat.start()
 
     def _beat(self, store: Any) -> None:
         failed = False
-        while not self._stop.wait(self.every):
+        while not self.stopped.wait(self.every):
             try:
                 store.add(self.key, 1)
                 failed = False
@@ -85,9 +83,6 @@ class Heartbeat:
                 if not failed:
                     logger.debug("heartbeat: the store does not answer", exc_info=True)
                 failed = True
-
-    def stop(self) -> None:
-        self._stop.set()
 
 
 class Watch:
