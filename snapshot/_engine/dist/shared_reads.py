@@ -40,25 +40,20 @@ def candidates(loader: Loader, entries: Mapping[str, Entry], prefix: str) -> dic
     """The replicated tensors this rank's planned reads put straight into a contiguous CPU
     tensor of the stored dtype and shape (what a broadcast can fill): path below ``prefix`` ->
     size."""
-    direct: dict[str, bool] = {}
-    for need in loader.needs:
-        ok = need.scratch_bytes == 0 and need.done is None
-        direct[need.label] = direct.get(need.label, True) and ok
+    indirect = {need.label for need in loader.needs if need.scratch_bytes or need.done is not None}
     out: dict[str, int] = {}
-    cut = len(prefix)
-    for path, ok in direct.items():
-        entry = entries.get(path)
-        if not ok or type(entry) is not TensorEntry or not entry.replicated:
-            continue
-        target = loader.tensors.get(path)
+    for path in {need.label for need in loader.needs} - indirect:
+        entry, target = entries.get(path), loader.tensors.get(path)
         if (
-            isinstance(target, torch.Tensor)
+            type(entry) is TensorEntry
+            and entry.replicated
+            and path.startswith(prefix)
+            and isinstance(target, torch.Tensor)
             and target.is_cpu
             and target.is_contiguous()
             and target.nbytes == entry.nbytes
-            and path.startswith(prefix)
         ):
-            out[path[cut:]] = target.nbytes
+            out[path[len(prefix) :]] = target.nbytes
     return out
 
 
