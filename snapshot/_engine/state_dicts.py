@@ -171,38 +171,29 @@ def user_metadata(value: object, call: str, where: str) -> dict[str, Any] | None
         raise _refused(call, where, "user_metadata must be a dict", value)
 
     def plain(v: object, at: str, depth: int) -> Any:
+        def refused(why: str) -> InvalidArgumentError:
+            return InvalidArgumentError(f"{call} of {where}: user_metadata{at} {why}")
+
         if depth > _USER_DEPTH:
-            raise InvalidArgumentError(
-                f"{call} of {where}: user_metadata nests deeper than {_USER_DEPTH} at {at}"
-            )
+            raise refused(f"nests deeper than {_USER_DEPTH}")
         if isinstance(v, int) and not isinstance(v, bool) and not int_fits(v):
-            raise InvalidArgumentError(
-                f"{call} of {where}: user_metadata{at} is an int of more than "
-                f"{MAX_INT_DIGITS} digits, which a reader's decimal conversion refuses; "
-                "store it as a str"
+            raise refused(
+                f"is an int of more than {MAX_INT_DIGITS} digits, which a reader's decimal "
+                "conversion refuses; store it as a str"
             )
-        if v is None or isinstance(v, (bool, int, str)):
-            return v
-        if isinstance(v, float):
-            if v != v or v in (float("inf"), float("-inf")):
-                raise InvalidArgumentError(
-                    f"{call} of {where}: user_metadata{at} is {v}: only finite numbers"
-                )
+        if isinstance(v, float) and not math.isfinite(v):
+            raise refused(f"is {v}: only finite numbers")
+        if v is None or isinstance(v, (bool, int, float, str)):
             return v
         if isinstance(v, Mapping):
-            out = {}
-            for k, item in v.items():
+            for k in v:
                 if not isinstance(k, str):
-                    raise InvalidArgumentError(
-                        f"{call} of {where}: user_metadata{at} has key {_kind(k)}: keys are str"
-                    )
-                out[k] = plain(item, f"{at}[{k!r}]", depth + 1)
-            return out
+                    raise refused(f"has key {_kind(k)}: keys are str")
+            return {k: plain(item, f"{at}[{k!r}]", depth + 1) for k, item in v.items()}
         if isinstance(v, (list, tuple)):
             return [plain(item, f"{at}[{i}]", depth + 1) for i, item in enumerate(v)]
-        raise InvalidArgumentError(
-            f"{call} of {where}: user_metadata{at} is {_kind(v)}: only None, bool, int, "
-            "float, str, and lists and dicts of them"
+        raise refused(
+            f"is {_kind(v)}: only None, bool, int, float, str, and lists and dicts of them"
         )
 
     return plain(value, "", 0)
