@@ -2,17 +2,11 @@
 surrounds every operation (the I/O loop, errors naming their snapshot, the paused collector).
 
 ``get()`` is the process's ``Runtime``, made on first use (and made anew in a forked child: a
-child shares none of its parent's threads). It owns:
-
-- the I/O loop: one event loop on a daemon thread ("statesnap-io") that every storage call runs
-  on, so that callers need no loop of their own and can call the library from inside one
-  (``run``, ``spawn``, ``join``); and the tasks nobody awaits, held until done (``hold``);
-- the storage plugins kept open between operations (``KeptPlugins``);
-- the queue that runs async takes' background work in order (``queue``), the staging pool of
-  async take (``pool``, made by ``staging.process_pool``) and the thread that hands an async
-  take's writes over (``copier``);
-- the gloo groups the library coordinates on (``gloo_groups``), the heartbeat that lets peers
-  tell this process alive (``heartbeat``), the threads that digest payloads (``digest_pool``).
+child shares none of its parent's threads). Its parts are made on first use too: the I/O loop,
+one event loop on a daemon thread ("statesnap-io") that every storage call runs on, so that
+callers need no loop of their own and can call the library from inside one (``run``,
+``spawn``, ``join``); the storage plugins kept open between operations; the queue of async
+takes' background work; the gloo groups the library coordinates on and the heartbeat.
 
 At exit, one ``atexit`` hook (``shutdown``) waits for the pending async takes, ends the tasks
 left on the loop, closes the kept plugins and stops the loop, in that order. It runs after
