@@ -47,16 +47,14 @@ def _checked(what: str, value: int, minimum: int) -> int:
 def override_max_chunk_size_bytes(max_chunk_size_bytes: int) -> AbstractContextManager[None]:
     """Tensors larger than ``max_chunk_size_bytes`` are split into chunks of about that size
     (``Options.chunk_bytes``, which also cuts the pieces of sharded tensors)."""
-    value = _checked("max_chunk_size_bytes", max_chunk_size_bytes, 1)
-    return _override({"CHUNK_BYTES": value})
+    return _override({"CHUNK_BYTES": _checked("max_chunk_size_bytes", max_chunk_size_bytes, 1)})
 
 
 def override_max_shard_size_bytes(max_shard_size_bytes: int) -> AbstractContextManager[None]:
     """Each rank's piece of a sharded tensor is written in parts of at most about
     ``max_shard_size_bytes``. Such a piece is cut as any tensor is, so this sets the same knob
     as :func:`override_max_chunk_size_bytes` (with both open, the block entered last wins)."""
-    value = _checked("max_shard_size_bytes", max_shard_size_bytes, 1)
-    return _override({"CHUNK_BYTES": value})
+    return _override({"CHUNK_BYTES": _checked("max_shard_size_bytes", max_shard_size_bytes, 1)})
 
 
 def override_slab_size_threshold_bytes(

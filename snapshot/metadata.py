@@ -44,15 +44,10 @@ class SnapshotMetadata:
     def from_manifest(cls, manifest: Manifest) -> SnapshotMetadata:
         """The metadata of a decoded manifest (its entries and metadata copied)."""
         info = copy.deepcopy(manifest.metadata)
-        library = info.get("library")
-        if isinstance(library, str):
-            version: str | None = library.removeprefix(_LIBRARY_PREFIX)
-        else:
-            version = None
-        torch_version = info.get("torch")
+        library, torch_version = info.get("library"), info.get("torch")
         created = info.get("created_unix")
         return cls(
-            version=version,
+            version=library.removeprefix(_LIBRARY_PREFIX) if isinstance(library, str) else None,
             world_size=manifest.world_size,
             manifest=dict(manifest.entries),
             format_version=manifest.format_version,

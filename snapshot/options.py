@@ -16,57 +16,23 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from dataclasses import dataclass, fields
+from dataclasses import Field, dataclass, field, fields
+from typing import Any
 
 from snapshot.errors import InvalidArgumentError
 
 _MIB = 1 << 20
-
-# Field -> (default, minimum); the environment variable is STATESNAP_<FIELD IN CAPITALS>.
-# None: the default depends on the moment (``budget``, ``chunk``) or on the store.
-_FIELDS: dict[str, tuple[int | None, int]] = {
-    "checksums": (1, 0),
-    "digests": (0, 0),
-    "read_replicated_once": (None, 0),
-    "max_concurrent_io": (16, 1),
-    "memory_budget_bytes": (None, 1),
-    "inline_max_bytes": (1024, 0),
-    "write_batch_bytes": (_MIB, 1),
-    "chunk_bytes": (None, 1),
-    "slab_threshold_bytes": (_MIB, 0),
-    "slab_bytes": (32 * _MIB, 1),
-    "read_gap_bytes": (64 << 10, 0),
-    "read_request_bytes": (32 * _MIB, 1),
-    "collective_timeout_secs": (600, 1),
-    "rank_timeout_secs": (60, 1),
-    "io_retries": (4, 0),
-    "io_timeout_secs": (900, 1),
-    "keep_open_secs": (10, 0),
-    "max_manifest_bytes": (1 << 30, 1),
-}
-_FLAGS = frozenset({"checksums", "digests", "read_replicated_once"})
-_SECONDS = frozenset({"io_timeout_secs", "keep_open_secs", "rank_timeout_secs"})
 
 # Variable name (without STATESNAP_) -> the values of the ``override_*`` blocks open now, each
 # with its block's token, oldest first: the last one wins. Written by :mod:`snapshot.knobs`.
 OVERRIDES: dict[str, tuple[tuple[object, int], ...]] = {}
 
 
-def env_int(name: str, default: int | None, minimum: int) -> int | None:
-    """``STATESNAP_<name>`` (or the innermost override block setting it), else ``default``."""
-    overridden = OVERRIDES.get(name)
-    if overridden:
-        return overridden[-1][1]
-    raw = os.environ.get(f"STATESNAP_{name}", "")
-    if raw == "":
-        return default
-    try:
-        value = int(raw)
-    except ValueError:
-        raise InvalidArgumentError(f"STATESNAP_{name} must be an integer, got {raw!r}") from None
-    if value < minimum:
-        raise InvalidArgumentError(f"STATESNAP_{name} must be >= {minimum}, got {value}")
-    return value
+def _tunable(default: int | None, minimum: int) -> Any:
+    """A field whose ``None`` is filled in from ``STATESNAP_<FIELD IN CAPITALS>``, else from
+    ``default`` (None: it depends on the moment, ``budget`` / ``chunk``); ``minimum`` bounds
+    both. A ``bool`` field's variable is 0 or 1; a ``float`` field's, whole seconds."""
+    return field(default=None, metadata={"default": default, "minimum": minimum})
 
 
 @dataclass(frozen=True)
@@ -76,61 +42,58 @@ class Options:
     what each does."""
 
     #: Record a CRC-32 of every stored range at take; verify them at restore / read.
-    checksums: bool | None = None
+    checksums: bool | None = _tunable(1, 0)
     #: Record a 128-bit digest of each CPU tensor, so the snapshot can be an incremental base.
-    digests: bool | None = None
+    digests: bool | None = _tunable(0, 0)
     #: Restore each replicated tensor by one rank's read and a broadcast (True), or by every
     #: rank reading it (False); None: once unless the ranks read a local directory on one host.
-    read_replicated_once: bool | None = None
+    read_replicated_once: bool | None = _tunable(None, 0)
     #: Blob reads/writes in flight at once, per process.
-    max_concurrent_io: int | None = None
+    max_concurrent_io: int | None = _tunable(16, 1)
     #: Staging / scratch memory per take or restore (None: a quarter of the available memory,
     #: within [64 MiB, 4 GiB]).
-    memory_budget_bytes: int | None = None
+    memory_budget_bytes: int | None = _tunable(None, 1)
     #: Longest str/bytes value kept in the manifest itself.
-    inline_max_bytes: int | None = None
+    inline_max_bytes: int | None = _tunable(1024, 0)
     #: Staged bytes handed from the caller's thread to the I/O thread at a time (take).
-    write_batch_bytes: int | None = None
+    write_batch_bytes: int | None = _tunable(_MIB, 1)
     #: Tensors larger than this are split into chunks (None: 128 MiB, or the store's hint).
-    chunk_bytes: int | None = None
+    chunk_bytes: int | None = _tunable(None, 1)
     #: Payloads up to this size are packed into shared slabs (0: no slabs).
-    slab_threshold_bytes: int | None = None
+    slab_threshold_bytes: int | None = _tunable(_MIB, 0)
     #: Size a slab is filled to.
-    slab_bytes: int | None = None
+    slab_bytes: int | None = _tunable(32 * _MIB, 1)
     #: Unwanted bytes read through rather than splitting a read.
-    read_gap_bytes: int | None = None
+    read_gap_bytes: int | None = _tunable(64 << 10, 0)
     #: Largest single read.
-    read_request_bytes: int | None = None
+    read_request_bytes: int | None = _tunable(32 * _MIB, 1)
     #: How long a collective waits for a rank that is alive but has not arrived.
-    collective_timeout_secs: int | None = None
+    collective_timeout_secs: int | None = _tunable(600, 1)
     #: How long a collective waits for a silent rank (no heartbeat) before RankFailedError.
-    rank_timeout_secs: float | None = None
+    rank_timeout_secs: float | None = _tunable(60, 1)
     #: Retries of a storage call that failed with a transient error.
-    io_retries: int | None = None
+    io_retries: int | None = _tunable(4, 0)
     #: Longest one storage call may take, its retries included.
-    io_timeout_secs: float | None = None
+    io_timeout_secs: float | None = _tunable(900, 1)
     #: How long an expensive storage plugin (S3's) stays open after a read operation.
-    keep_open_secs: float | None = None
+    keep_open_secs: float | None = _tunable(10, 0)
     #: Largest manifest a snapshot is opened with: nothing records the manifest's length, so
     #: this bounds its reads (1 GiB admits millions of entries).
-    max_manifest_bytes: int | None = None
+    max_manifest_bytes: int | None = _tunable(1 << 30, 1)
 
     def __post_init__(self) -> None:
         for f in fields(self):
-            value = getattr(self, f.name)
+            value, kind, minimum = getattr(self, f.name), _kind(f), f.metadata["minimum"]
             if value is None:
                 continue
-            if f.name in _FLAGS:
-                if type(value) is not bool:
-                    raise InvalidArgumentError(f"Options.{f.name} must be a bool, got {value!r}")
-                continue
-            minimum = _FIELDS[f.name][1]
-            numeric = (int, float) if f.name in _SECONDS else (int,)
-            if type(value) not in numeric or value < minimum:
-                kind = "a number" if f.name in _SECONDS else "an int"
-                raise InvalidArgumentError(
-                    f"Options.{f.name} must be {kind} >= {minimum}, got {value!r}"
-                )
+            if kind == "bool":
+                ok, what = type(value) is bool, "a bool"
+            else:
+                numeric = (int, float) if kind == "float" else (int,)
+                ok = type(value) in numeric and value >= minimum
+                what = f"{'a number' if kind == 'float' else 'an int'} >= {minimum}"
+            if not ok:
+                raise InvalidArgumentError(f"Options.{f.name} must be {what}, got {value!r}")
 
     @classmethod
     def from_env(cls) -> Options:
@@ -138,19 +101,36 @@ class Options:
         return cls().resolved()
 
     def resolved(self) -> Options:
-        """These options with each ``None`` field filled in from the environment (the two
-        moment-dependent ones only where the environment sets them)."""
-        values: dict[str, bool | int | float | None] = {}
-        for name, (default, minimum) in _FIELDS.items():
-            if getattr(self, name) is not None:
+        """These options with each ``None`` field filled in from ``STATESNAP_<NAME>`` (or the
+        innermost override block setting it), else its default (the two moment-dependent ones
+        only where the environment sets them)."""
+        values: dict[str, bool | int | float] = {}
+        for f in fields(self):
+            if getattr(self, f.name) is not None:
                 continue
-            value = env_int(name.upper(), default, minimum)
-            if value is not None and name in _FLAGS:
-                values[name] = value != 0
-            elif value is not None and name in _SECONDS:
-                values[name] = float(value)
+            name, minimum = f.name.upper(), f.metadata["minimum"]
+            overridden = OVERRIDES.get(name)
+            raw = os.environ.get(f"STATESNAP_{name}", "")
+            if overridden:
+                value = overridden[-1][1]
+            elif raw == "":
+                value = f.metadata["default"]
             else:
-                values[name] = value
+                try:
+                    value = int(raw)
+                except ValueError:
+                    raise InvalidArgumentError(
+                        f"STATESNAP_{name} must be an integer, got {raw!r}"
+                    ) from None
+                if value < minimum:
+                    raise InvalidArgumentError(
+                        f"STATESNAP_{name} must be >= {minimum}, got {value}"
+                    )
+            if value is not None:
+                kind = _kind(f)
+                values[f.name] = (
+                    value != 0 if kind == "bool" else float(value) if kind == "float" else value
+                )
         return dataclasses.replace(self, **values) if values else self  # type: ignore[arg-type]
 
     def replace(self, **changes: bool | int | float | None) -> Options:
@@ -172,6 +152,11 @@ class Options:
         if self.chunk_bytes is not None:
             return self.chunk_bytes
         return 128 * _MIB if store_hint is None else min(128 * _MIB, store_hint)
+
+
+def _kind(f: Field[Any]) -> str:
+    """A field's type: ``"bool"``, ``"int"`` or ``"float"`` (its annotation, ``"int | None"``)."""
+    return str(f.type).split(" ")[0]
 
 
 def _available_memory_bytes() -> int | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -76,18 +77,15 @@ class Snapshot:
         if _manifest is None:
             _manifest, self._where = read_manifest(path, storage_options, resolved)
         self._decoded: Manifest | bytes = _manifest
-        self._metadata: SnapshotMetadata | None = None
 
     @property
     def _manifest(self) -> Manifest:
-        return self._decode()
-
-    def _decode(self) -> Manifest:
         """The manifest, decoded on first use."""
-        m = self._decoded
-        if isinstance(m, bytes):
-            m = self._decoded = decode_manifest(m, self._where, verify=self._verify_manifest)
-        return m
+        if isinstance(self._decoded, bytes):
+            self._decoded = decode_manifest(
+                self._decoded, self._where, verify=self._verify_manifest
+            )
+        return self._decoded
 
     def __repr__(self) -> str:
         return f"Snapshot(path={self.path!r})"
@@ -348,12 +346,10 @@ class Snapshot:
             )
         return self.read_object(root, options=options)
 
-    @property
+    @functools.cached_property
     def metadata(self) -> SnapshotMetadata:
         """Facts about the snapshot (:class:`~snapshot.metadata.SnapshotMetadata`)."""
-        if self._metadata is None:
-            self._metadata = SnapshotMetadata.from_manifest(self._manifest)
-        return self._metadata
+        return SnapshotMetadata.from_manifest(self._manifest)
 
 
 def take_job(
@@ -379,10 +375,9 @@ def take_job(
     state_dicts.function(prepare, call, "_custom_tensor_prepare_func", where)
     globs = state_dicts.glob_list(replicated, call, where)
     stored = state_dicts.options(storage_options, call, where)
-    if base is None or isinstance(base, Snapshot):
-        base_path = None if base is None else base.path
-    else:
-        base_path = state_dicts.snapshot_path(base, call, "base")
+    if isinstance(base, Snapshot):
+        base = base.path
+    base_path = None if base is None else state_dicts.snapshot_path(base, call, "base")
     user = state_dicts.user_metadata(user_metadata, call, where)
     resolved = resolve(options)
     job = TakeJob(

@@ -42,10 +42,6 @@ def lost(why, failures):
     return Lost(why, failures)
 
 
-def failed(error, dead):
-    return Lost(str(error), dead)
-
-
 def test_the_interval_is_a_twentieth_of_the_bound_within_limits():
     assert liveness.interval(60) == 0.5 and liveness.interval(3) == pytest.approx(0.15)
     assert liveness.interval(1) == 0.05 and liveness.interval(3600) == 0.5
@@ -55,17 +51,17 @@ def test_a_silent_peer_is_named_after_the_bound_and_the_group_is_broken(store):
     stop, release = threading.Event(), threading.Event()
     beat(store, 1, stop)  # alive, whatever it takes
     store.add(liveness.HEARTBEAT_KEY.format(2), 1)  # beat once, then silent
-    watch = liveness.Watch(0, [0, 1, 2], rank_timeout=1.0)
+    watch = liveness.Watch(0, [0, 1, 2], rank_timeout=1.0, collective_timeout=600)
     start = time.monotonic()
     with pytest.raises(Lost) as info:
-        watch.run(release.wait, lost, failed)  # a collective that never completes by itself
+        watch.run(release.wait, lost)  # a collective that never completes by itself
     waited = time.monotonic() - start
     why, failures = info.value.args
     assert "rank(s) [2] fell silent" in why and list(failures) == [2], info.value
     assert 1.0 <= waited < 3.0, waited
     # Nothing more runs on a group with a collective left behind: the next call fails at once.
     with pytest.raises(Lost, match="fell silent"):
-        watch.run(lambda: "never", lost, failed)
+        watch.run(lambda: "never", lost)
     release.set()
     stop.set()
 
@@ -73,8 +69,8 @@ def test_a_silent_peer_is_named_after_the_bound_and_the_group_is_broken(store):
 def test_live_peers_are_waited_for_past_the_bound(store):
     stop = threading.Event()
     beat(store, 1, stop)
-    watch = liveness.Watch(0, [0, 1], rank_timeout=1.0)
-    assert watch.run(lambda: time.sleep(2.5) or "done", lost, failed) == "done"
+    watch = liveness.Watch(0, [0, 1], rank_timeout=1.0, collective_timeout=600)
+    assert watch.run(lambda: time.sleep(2.5) or "done", lost) == "done"
     stop.set()
 
 
@@ -84,15 +80,16 @@ def test_a_failed_collective_names_the_peers_that_neither_beat_nor_left(store):
     store.add(liveness.HEARTBEAT_KEY.format(2), 1)  # raised and exited: it left on purpose
     store.set(liveness.LEFT_KEY.format(2), b"1")
     store.add(liveness.HEARTBEAT_KEY.format(3), 1)  # died
-    watch = liveness.Watch(0, [0, 1, 2, 3], rank_timeout=1.0)
+    watch = liveness.Watch(0, [0, 1, 2, 3], rank_timeout=1.0, collective_timeout=600)
 
     def collective():
         raise RuntimeError("Connection closed by peer")
 
     with pytest.raises(Lost) as info:
-        watch.run(collective, lost, failed)
-    message, dead = info.value.args
-    assert "Connection closed" in message and dead == [3], info.value
+        watch.run(collective, lost)
+    why, failures = info.value.args
+    assert "rank(s) [3] stopped" in why and "Connection closed" in why, info.value
+    assert failures == {3: "process ended"}, info.value
     assert store.check([liveness.LEFT_KEY.format(0)])  # this rank said it left, for the others
     stop.set()
 
@@ -103,9 +100,9 @@ def test_a_store_that_stops_answering_fails_the_wait(monkeypatch):
             raise RuntimeError("timed out after 1000ms")
 
     monkeypatch.setattr(liveness, "_default_store", lambda timeout: Gone())
-    watch = liveness.Watch(0, [0, 1], rank_timeout=1.0)
+    watch = liveness.Watch(0, [0, 1], rank_timeout=1.0, collective_timeout=600)
     with pytest.raises(Lost, match="store did not answer within 1 s"):
-        watch.run(threading.Event().wait, lost, failed)
+        watch.run(threading.Event().wait, lost)
 
 
 def test_rank_timeout_is_an_option_and_an_environment_variable(monkeypatch):

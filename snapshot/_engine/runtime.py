@@ -2,17 +2,11 @@
 surrounds every operation (the I/O loop, errors naming their snapshot, the paused collector).
 
 ``get()`` is the process's ``Runtime``, made on first use (and made anew in a forked child: a
-child shares none of its parent's threads). It owns:
-
-- the I/O loop: one event loop on a daemon thread ("statesnap-io") that every storage call runs
-  on, so that callers need no loop of their own and can call the library from inside one
-  (``run``, ``spawn``, ``join``); and the tasks nobody awaits, held until done (``hold``);
-- the storage plugins kept open between operations (``KeptPlugins``);
-- the queue that runs async takes' background work in order (``queue``), the staging pool of
-  async take (``pool``, made by ``staging.process_pool``) and the thread that hands an async
-  take's writes over (``copier``);
-- the gloo groups the library coordinates on (``gloo_groups``), the heartbeat that lets peers
-  tell this process alive (``heartbeat``), the threads that digest payloads (``digest_pool``).
+child shares none of its parent's threads). Its parts are made on first use too: the I/O loop,
+one event loop on a daemon thread ("statesnap-io") that every storage call runs on, so that
+callers need no loop of their own and can call the library from inside one (``run``,
+``spawn``, ``join``); the storage plugins kept open between operations; the queue of async
+takes' background work; the gloo groups the library coordinates on and the heartbeat.
 
 At exit, one ``atexit`` hook (``shutdown``) waits for the pending async takes, ends the tasks
 left on the loop, closes the kept plugins and stops the loop, in that order. It runs after
@@ -36,7 +30,7 @@ from collections import deque
 from collections.abc import Callable, Coroutine, Iterator
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from snapshot._engine.dist.liveness import Heartbeat
+from snapshot._engine.dist.liveness import Heartbeat, interval
 from snapshot._engine.format.text import printable_message
 from snapshot._engine.io.async_queue import AsyncCallsQueue
 from snapshot.errors import RankFailedError, SnapshotError
@@ -64,7 +58,9 @@ class Runtime:
         self._digests: DaemonThreadPool | None = None
         self._copier: DaemonThreadPool | None = None
         self._heartbeat: Heartbeat | None = None
-        self._shut_down = False
+        # Whether plugins may be kept open after an operation (not once shut down: nothing
+        # would close them).
+        self.keeps_plugins = True
         # Touched on the I/O loop only.
         self.kept = KeptPlugins()
         self.held: set[asyncio.Task[Any]] = set()
@@ -85,25 +81,6 @@ class Runtime:
                 self._thread.start()
             return self._loop
 
-    def on_loop_thread(self) -> bool:
-        """Whether the calling thread is the I/O loop's."""
-        return threading.current_thread() is self._thread
-
-    def _live_loop(self) -> asyncio.AbstractEventLoop | None:
-        alive = self._thread is not None and self._thread.is_alive()
-        return self._loop if alive else None
-
-    def hold(self, task: asyncio.Task[Any]) -> None:
-        """Keeps ``task`` (on the I/O loop, that nobody awaits) alive until it is done."""
-        self.held.add(task)
-        task.add_done_callback(self.held.discard)
-
-    @property
-    def keeps_plugins(self) -> bool:
-        """Whether plugins may be kept open after an operation (not once shut down: nothing
-        would close them)."""
-        return not self._shut_down
-
     def queue(self) -> AsyncCallsQueue:
         """The queue for async snapshots; the process waits for it before exiting."""
         with self.lock:
@@ -117,8 +94,7 @@ class Runtime:
         with self.lock:
             if self._heartbeat is None:
                 self._heartbeat = Heartbeat(global_rank, rank_timeout)
-            else:
-                self._heartbeat.tighten(rank_timeout)
+            self._heartbeat.every = min(self._heartbeat.every, interval(rank_timeout))
             return self._heartbeat
 
     def copier(self) -> DaemonThreadPool:
@@ -136,53 +112,34 @@ class Runtime:
                 self._digests = DaemonThreadPool(threads, thread_name_prefix="statesnap-digest")
             return self._digests
 
-    # -- shutdown --------------------------------------------------------------------------
-
-    def close_kept_plugins(self) -> None:
-        """Closes every plugin kept open for a next operation."""
-        loop = self._live_loop()
-        if loop is not None and len(self.kept):
-            asyncio.run_coroutine_threadsafe(self.kept.close_all(), loop).result()
-
-    def end_leftover_tasks(self, timeout: float = 5.0) -> None:
-        """Cancels the tasks still pending on the I/O loop (each would otherwise be destroyed
-        with a warning at exit), and waits ``timeout`` seconds at most for them to end."""
-        loop = self._live_loop()
-        if loop is None:
-            return
-
-        async def end_all() -> None:
-            me = asyncio.current_task()
-            left = [task for task in asyncio.all_tasks() if task is not me]
-            for task in left:
-                task.cancel()
-            if left:
-                await asyncio.wait(left, timeout=timeout)
-
-        asyncio.run_coroutine_threadsafe(end_all(), loop).result(timeout + 1)
-
-    def stop_loop(self, timeout: float = 5.0) -> None:
-        """Stops the I/O loop and waits ``timeout`` seconds at most for its thread to end."""
+    def stop_loop(self) -> None:
+        """Stops the I/O loop and waits 5 s at most for its thread to end."""
         with self.lock:
             loop, thread, self._loop, self._thread = self._loop, self._thread, None, None
         if loop is None or thread is None or not thread.is_alive():
             return
         loop.call_soon_threadsafe(loop.stop)
-        thread.join(timeout)
+        thread.join(5.0)
         if not thread.is_alive():
             loop.close()
 
     def shutdown(self) -> None:
-        """Waits for the pending async takes, ends the tasks left on the I/O loop, closes the
-        kept plugins, stops the loop; a step that fails is logged, and the next ones run."""
-        self._shut_down = True
+        """Waits for the pending async takes, ends the tasks left on the I/O loop (each would
+        otherwise be destroyed with a warning at exit), closes the kept plugins, stops the
+        loop; a step that fails is logged, and the next ones run."""
+        self.keeps_plugins = False
         queue = self._queue
         if queue is not None:
             _step("wait for the pending snapshots", lambda: _drain(queue))
         if self._heartbeat is not None:  # after the pending snapshots: they agree with peers
-            _step("stop the heartbeat", self._heartbeat.stop)
-        _step("end the I/O loop's leftover tasks", self.end_leftover_tasks)
-        _step("close the kept storage plugins", self.close_kept_plugins)
+            _step("stop the heartbeat", self._heartbeat.stopped.set)
+        loop = self._loop
+        if loop is not None and self._thread is not None and self._thread.is_alive():
+            for what, work in (
+                ("end the I/O loop's leftover tasks", _end_all),
+                ("close the kept storage plugins", self.kept.close_all),
+            ):
+                _step(what, asyncio.run_coroutine_threadsafe(work(), loop).result)
         _step("stop the I/O loop", self.stop_loop)
 
 
@@ -191,12 +148,19 @@ def _run_forever(loop: asyncio.AbstractEventLoop) -> None:
     loop.run_forever()
 
 
+async def _end_all() -> None:
+    """Cancels the other tasks of the running loop and waits 5 s at most for them to end."""
+    me = asyncio.current_task()
+    left = [task for task in asyncio.all_tasks() if task is not me]
+    for task in left:
+        task.cancel()
+    if left:
+        await asyncio.wait(left, timeout=5.0)
+
+
 def _drain(queue: AsyncCallsQueue) -> None:
-    if queue.get_num_unfinalized_calls():
-        logger.info(
-            "waiting for %d pending snapshot(s) before exiting",
-            queue.get_num_unfinalized_calls(),
-        )
+    if pending := queue.get_num_unfinalized_calls():
+        logger.info("waiting for %d pending snapshot(s) before exiting", pending)
     queue.close()
 
 
@@ -270,7 +234,7 @@ def spawn(coro: Coroutine[Any, Any, _T]) -> concurrent.futures.Future[_T]:
     (the caller does other work meanwhile)."""
     rt = get()
     loop = rt.loop()
-    if rt.on_loop_thread():
+    if threading.current_thread() is rt._thread:
         coro.close()
         raise RuntimeError("snapshot I/O called from the I/O loop itself; this would deadlock")
     return asyncio.run_coroutine_threadsafe(coro, loop)
@@ -286,9 +250,11 @@ def join(future: concurrent.futures.Future[_T]) -> _T:
 
 
 def hold(task: asyncio.Task[Any]) -> None:
-    """Keeps ``task`` alive until it is done: the loop itself keeps only weak references to
-    tasks, and a task nobody awaits could otherwise be collected mid-way."""
-    get().hold(task)
+    """Keeps ``task`` (on the I/O loop, that nobody awaits) alive until it is done: the loop
+    itself keeps only weak references to tasks, and it could otherwise be collected mid-way."""
+    held = get().held
+    held.add(task)
+    task.add_done_callback(held.discard)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -391,24 +357,21 @@ _gc_depth = 0
 _gc_was_enabled = False
 
 
-class gc_paused:  # used as a function: ``with gc_paused():``
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
     """Pauses the cyclic garbage collector while a phase builds many small acyclic objects
     (planning or decoding 100,000 entries), which would otherwise trigger full collections of
     every object of the process; it resumes, as it was, when the last overlapping phase (any
     thread) ends."""
-
-    __slots__ = ()
-
-    def __enter__(self) -> None:
-        global _gc_depth, _gc_was_enabled
-        with _gc_lock:
-            if _gc_depth == 0:
-                _gc_was_enabled = gc.isenabled()
-                gc.disable()
-            _gc_depth += 1
-
-    def __exit__(self, *exc: object) -> None:
-        global _gc_depth
+    global _gc_depth, _gc_was_enabled
+    with _gc_lock:
+        if _gc_depth == 0:
+            _gc_was_enabled = gc.isenabled()
+            gc.disable()
+        _gc_depth += 1
+    try:
+        yield
+    finally:
         with _gc_lock:
             _gc_depth -= 1
             if _gc_depth == 0 and _gc_was_enabled:
@@ -428,30 +391,20 @@ class ByteBudget:
 
     def __init__(self, capacity: int) -> None:
         self.capacity = max(1, capacity)
-        self._used = 0
-        self._peak = 0
+        self.used = 0  # the bytes held now
+        self.peak = 0  # the most bytes held at once so far
         self._cond = threading.Condition()
         self._async_waiters: deque[tuple[int, asyncio.AbstractEventLoop, asyncio.Future[None]]] = (
             deque()
         )
         self._error: BaseException | None = None
 
-    @property
-    def peak(self) -> int:
-        """The most bytes held at once so far."""
-        return self._peak
-
-    @property
-    def used(self) -> int:
-        """The bytes held now."""
-        return self._used
-
     def _fits(self, n: int) -> bool:
-        return self._used == 0 or self._used + n <= self.capacity
+        return self.used == 0 or self.used + n <= self.capacity
 
     def _take(self, n: int) -> None:
-        self._used += n
-        self._peak = max(self._peak, self._used)
+        self.used += n
+        self.peak = max(self.peak, self.used)
 
     def try_acquire(self, n: int) -> bool:
         with self._cond:
@@ -484,22 +437,17 @@ class ByteBudget:
 
     async def acquire_async(self, n: int) -> None:
         """Waits on the running loop until ``n`` bytes fit."""
-        if self.try_acquire(n):
-            return
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future[None] = loop.create_future()
-        with self._cond:
-            if self._error is not None:
-                raise self._error
-            if self._fits(n) and not self._async_waiters:
-                self._take(n)
+        with self._cond:  # (reentrant: ``try_acquire`` takes it too)
+            if self.try_acquire(n):
                 return
+            loop = asyncio.get_running_loop()
+            future: asyncio.Future[None] = loop.create_future()
             self._async_waiters.append((n, loop, future))
         await future
 
     def release(self, n: int) -> None:
         with self._cond:
-            self._used -= n
+            self.used -= n
             self._cond.notify_all()
             while self._async_waiters and self._fits(self._async_waiters[0][0]):
                 want, loop, future = self._async_waiters.popleft()
@@ -534,19 +482,14 @@ class BudgetShare:
     def __init__(self, shared: ByteBudget) -> None:
         self.shared = shared
         self._used = 0
-        self._peak = 0
+        self.peak = 0  # the most bytes this share held at once
         self._error: BaseException | None = None
         self._lock = threading.Lock()
-
-    @property
-    def peak(self) -> int:
-        """The most bytes this share held at once."""
-        return self._peak
 
     def _took(self, n: int) -> None:
         with self._lock:
             self._used += n
-            self._peak = max(self._peak, self._used)
+            self.peak = max(self.peak, self._used)
 
     def try_acquire(self, n: int) -> bool:
         if self._error is not None:

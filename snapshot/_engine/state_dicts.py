@@ -46,6 +46,11 @@ def _kind(value: object) -> str:
     return f"{type(value).__name__} {text}" if text and len(text) <= 80 else type(value).__name__
 
 
+def _refused(call: str, where: str, what: str, value: object) -> InvalidArgumentError:
+    """The error of ``call`` on snapshot ``where`` refusing ``value``: ``what`` it must be."""
+    return InvalidArgumentError(f"{call} of {where}: {what}, got {_kind(value)}")
+
+
 def snapshot_path(value: object, call: str, name: str = "path") -> str:
     """``value`` as the str of a snapshot's location: a str, or an ``os.PathLike`` giving one.
 
@@ -86,9 +91,7 @@ def glob_list(value: object, call: str, where: str) -> list[str]:
     if value is None:
         return []
     if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
-        raise InvalidArgumentError(
-            f"{call} of {where}: replicated must be a list of glob strings, got {_kind(value)}"
-        )
+        raise _refused(call, where, "replicated must be a list of glob strings", value)
     globs = list(value)
     for glob in globs:
         if not isinstance(glob, str):
@@ -104,10 +107,7 @@ def options(value: object, call: str, where: str) -> dict[str, Any] | None:
     if value is None:
         return None
     if not isinstance(value, Mapping):
-        raise InvalidArgumentError(
-            f"{call} of {where}: storage_options must be a dict of plugin options, got "
-            f"{_kind(value)}"
-        )
+        raise _refused(call, where, "storage_options must be a dict of plugin options", value)
     return value if isinstance(value, dict) else dict(value)
 
 
@@ -117,32 +117,27 @@ def process_group(value: object, call: str, where: str) -> None:
         return
     group = getattr(torch.distributed, "ProcessGroup", None)
     if group is None or not isinstance(value, group):
-        raise InvalidArgumentError(
-            f"{call} of {where}: pg must be a torch.distributed.ProcessGroup or None, got "
-            f"{_kind(value)}"
-        )
+        raise _refused(call, where, "pg must be a torch.distributed.ProcessGroup or None", value)
 
 
 def flag(value: object, call: str, name: str, where: str) -> bool:
     """A yes/no argument: a bool only (a string such as ``"no"`` would read as yes)."""
     if not isinstance(value, bool):
-        raise InvalidArgumentError(f"{call} of {where}: {name} must be a bool, got {_kind(value)}")
+        raise _refused(call, where, f"{name} must be a bool", value)
     return value
 
 
 def function(value: object, call: str, name: str, where: str) -> Callable[..., Any] | None:
     """An optional callable argument."""
     if value is not None and not callable(value):
-        raise InvalidArgumentError(
-            f"{call} of {where}: {name} must be callable or None, got {_kind(value)}"
-        )
+        raise _refused(call, where, f"{name} must be callable or None", value)
     return value
 
 
 def logical_path(value: object, call: str, name: str, where: str) -> str:
     """A manifest path or app_state key: a str (its content is the manifest's to find)."""
     if not isinstance(value, str):
-        raise InvalidArgumentError(f"{call} of {where}: {name} must be a str, got {_kind(value)}")
+        raise _refused(call, where, f"{name} must be a str", value)
     return value
 
 
@@ -151,18 +146,14 @@ def byte_count(value: object, call: str, name: str, where: str) -> int | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise InvalidArgumentError(
-            f"{call} of {where}: {name} must be a positive int or None, got {_kind(value)}"
-        )
+        raise _refused(call, where, f"{name} must be a positive int or None", value)
     return value
 
 
 def state_mapping(value: object, call: str, name: str, where: str) -> Mapping[str, Any]:
     """A state dict given to the strategy API: a mapping."""
     if not isinstance(value, Mapping):
-        raise InvalidArgumentError(
-            f"{call} of {where}: {name} must be a dict (a state dict), got {_kind(value)}"
-        )
+        raise _refused(call, where, f"{name} must be a dict (a state dict)", value)
     return value
 
 
@@ -177,43 +168,32 @@ def user_metadata(value: object, call: str, where: str) -> dict[str, Any] | None
     if value is None:
         return None
     if not isinstance(value, Mapping):
-        raise InvalidArgumentError(
-            f"{call} of {where}: user_metadata must be a dict, got {_kind(value)}"
-        )
+        raise _refused(call, where, "user_metadata must be a dict", value)
 
     def plain(v: object, at: str, depth: int) -> Any:
+        def refused(why: str) -> InvalidArgumentError:
+            return InvalidArgumentError(f"{call} of {where}: user_metadata{at} {why}")
+
         if depth > _USER_DEPTH:
-            raise InvalidArgumentError(
-                f"{call} of {where}: user_metadata nests deeper than {_USER_DEPTH} at {at}"
-            )
+            raise refused(f"nests deeper than {_USER_DEPTH}")
         if isinstance(v, int) and not isinstance(v, bool) and not int_fits(v):
-            raise InvalidArgumentError(
-                f"{call} of {where}: user_metadata{at} is an int of more than "
-                f"{MAX_INT_DIGITS} digits, which a reader's decimal conversion refuses; "
-                "store it as a str"
+            raise refused(
+                f"is an int of more than {MAX_INT_DIGITS} digits, which a reader's decimal "
+                "conversion refuses; store it as a str"
             )
-        if v is None or isinstance(v, (bool, int, str)):
-            return v
-        if isinstance(v, float):
-            if v != v or v in (float("inf"), float("-inf")):
-                raise InvalidArgumentError(
-                    f"{call} of {where}: user_metadata{at} is {v}: only finite numbers"
-                )
+        if isinstance(v, float) and not math.isfinite(v):
+            raise refused(f"is {v}: only finite numbers")
+        if v is None or isinstance(v, (bool, int, float, str)):
             return v
         if isinstance(v, Mapping):
-            out = {}
-            for k, item in v.items():
+            for k in v:
                 if not isinstance(k, str):
-                    raise InvalidArgumentError(
-                        f"{call} of {where}: user_metadata{at} has key {_kind(k)}: keys are str"
-                    )
-                out[k] = plain(item, f"{at}[{k!r}]", depth + 1)
-            return out
+                    raise refused(f"has key {_kind(k)}: keys are str")
+            return {k: plain(item, f"{at}[{k!r}]", depth + 1) for k, item in v.items()}
         if isinstance(v, (list, tuple)):
             return [plain(item, f"{at}[{i}]", depth + 1) for i, item in enumerate(v)]
-        raise InvalidArgumentError(
-            f"{call} of {where}: user_metadata{at} is {_kind(v)}: only None, bool, int, "
-            "float, str, and lists and dicts of them"
+        raise refused(
+            f"is {_kind(v)}: only None, bool, int, float, str, and lists and dicts of them"
         )
 
     return plain(value, "", 0)
@@ -334,8 +314,7 @@ def _encodable(s: str) -> bool:
     return True
 
 
-_CONTAINERS = (dict, OrderedDict, list, tuple)
-CONTAINER_TYPES = frozenset(_CONTAINERS)
+CONTAINER_TYPES = frozenset((dict, OrderedDict, list, tuple))
 """The types ``flatten`` descends into (exact types): every other value is a leaf."""
 _Node = DictEntry | ListEntry | TupleEntry
 
@@ -480,7 +459,7 @@ def flatten(obj: Any, path: str) -> Iterator[tuple[str, _Node | None, Any]]:
         prefix, children, parent = stack[-1]
         for name, value in children:
             p = prefix + name
-            if type(value) not in _CONTAINERS:
+            if type(value) not in CONTAINER_TYPES:
                 yield p, None, value
                 continue
             expanded = _expand(value)
@@ -503,11 +482,11 @@ def inflate(
     entries: Mapping[str, Entry],
     path: str,
     leaf: Callable[[str, Entry], Any],
-    known: Mapping[str, Any] | None = None,
+    known: Mapping[str, Any],
 ) -> Any:
     """Rebuilds the value at ``path`` from manifest entries; ``leaf`` supplies non-containers,
-    and ``known``, where given, the leaves at hand already (by path, none of them None: the
-    tensors a restore read into).
+    and ``known`` the leaves at hand already (by path, none of them None: the tensors a
+    restore read into).
 
     Raises:
         KeyError: a container's child path is missing from ``entries`` (the caller words it).
@@ -521,8 +500,8 @@ def inflate(
         raise KeyError(missing)
     values = []
     for p in paths:
-        value = known.get(p) if known is not None else None
-        values.append(value if value is not None else inflate(entries, p, leaf, known))
+        value = known.get(p)
+        values.append(inflate(entries, p, leaf, known) if value is None else value)
     if isinstance(entry, DictEntry):
         items = zip(entry.keys, values, strict=True)
         return OrderedDict(items) if entry.ordered else dict(items)

@@ -10,25 +10,16 @@ from __future__ import annotations
 
 import datetime
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
 from snapshot._engine import runtime
 from snapshot._engine.dist import liveness
-from snapshot.errors import InvalidArgumentError, RankFailedError, SnapshotError
+from snapshot.errors import InvalidArgumentError, RankFailedError
 
 if TYPE_CHECKING:
     from snapshot.options import Options
-
-
-@dataclass(frozen=True, slots=True)
-class Outcome:
-    """What one rank contributes to a collective: its result, or the error it met."""
-
-    value: Any = None
-    error: str | None = None  # "TypeName: message"
 
 
 class Coordinator:
@@ -57,13 +48,11 @@ class Coordinator:
             RankFailedError: on every rank when any failed, naming each failed rank and its
                 error (this rank's own chained).
         """
-        outcome = Outcome(
-            value=None if error else value,
-            error=None if error is None else f"{type(error).__name__}: {error}",
-        )
+        # Each rank's result, or the error it met ("TypeName: message").
+        outcome = (value, None) if error is None else (None, f"{type(error).__name__}: {error}")
         self.step = what
         outcomes = self.all_gather(outcome)
-        failures = {r: o.error for r, o in enumerate(outcomes) if o.error is not None}
+        failures = {r: failed for r, (_, failed) in enumerate(outcomes) if failed is not None}
         if failures:
             if self.world_size == 1 and error is not None:
                 raise error
@@ -72,7 +61,7 @@ class Coordinator:
                 f"{what} failed on rank(s) {sorted(failures)} of {self.world_size}: {detail}",
                 failures,
             ) from error
-        return [o.value for o in outcomes]
+        return [value for value, _ in outcomes]
 
 
 class GroupCoordinator(Coordinator):
@@ -82,14 +71,33 @@ class GroupCoordinator(Coordinator):
     ended fails the collective at once."""
 
     def __init__(self, pg: Any | None, options: Options, *, background: bool = False) -> None:
-        self.pg = pg
         self.rank = dist.get_rank(pg)
         self.world_size = dist.get_world_size(pg)
         timeout, rank_timeout = options.collective_timeout_secs, options.rank_timeout_secs
         assert timeout is not None and rank_timeout is not None  # resolved options
-        self.timeout_secs, self.rank_timeout = timeout, rank_timeout
-        self.group, self.watch = _gloo_group(pg, background, self.timeout_secs, self.rank_timeout)
-        self.watch.set_timeout(self.rank_timeout)
+        # The library's gloo group for ``pg`` and its ``Watch``: made once per caller group and
+        # use (foreground, or an async take's background work), kept by the runtime. A
+        # collective abandoned on a silent peer would stay pending on the caller's own group,
+        # so that one is never used.
+        group = pg if pg is not None else dist.group.WORLD
+        rt = runtime.get()
+        rt.heartbeat(dist.get_rank(), rank_timeout)
+        cached = rt.gloo_groups.get((id(group), background))
+        if cached is None:
+            # Only the caller's group's ranks are here: a subgroup synchronizes locally (its
+            # members alone make it), so disjoint subgroups taking snapshots at once neither
+            # hang nor join each other's groups.
+            ranks = dist.get_process_group_ranks(group)
+            gloo = dist.new_group(
+                ranks=ranks,
+                backend="gloo",
+                timeout=datetime.timedelta(seconds=timeout),
+                use_local_synchronization=len(ranks) < dist.get_world_size(),
+            )
+            watch = liveness.Watch(dist.get_rank(group), ranks, rank_timeout, timeout)
+            cached = rt.gloo_groups[(id(group), background)] = (group, gloo, watch)
+        self.group, self.watch = cached[1], cached[2]
+        self.watch.set_timeout(rank_timeout)
 
     def all_gather(self, value: Any) -> list[Any]:
         out: list[Any] = [None] * self.world_size
@@ -107,60 +115,15 @@ class GroupCoordinator(Coordinator):
         self._run(lambda: dist.broadcast(tensor, src=root, group=self.group))
 
     def _run(self, collective: Callable[[], object]) -> None:
-        self.watch.run(collective, self._silent, self._lost)
+        self.watch.run(collective, self._lost)
 
-    def _silent(self, why: str, failures: dict[int, str]) -> RankFailedError:
-        """What a rank raises when a peer (or the store) fell silent while it waited."""
+    def _lost(self, why: str, failures: dict[int, str]) -> RankFailedError:
+        """What a rank raises when it lost contact with its peers while it waited."""
         return RankFailedError(
             f"rank {self.rank} of {self.world_size} lost contact with the other ranks while "
             f"they agreed on {self.step}: {why}; a take commits nothing",
             failures,
         )
-
-    def _lost(self, error: RuntimeError, dead: list[int]) -> RankFailedError:
-        """What a rank raises when the collective itself failed: a peer's process ended
-        (``dead``: those whose heartbeat stopped, when the store could tell), or a live peer
-        did not arrive within the group's timeout."""
-        self.watch.broken = f"an earlier collective of the group failed ({error})"
-        who = (
-            f"rank(s) {dead} stopped (their process ended)"
-            if dead
-            else "a rank's process ended, or a live rank did not arrive within "
-            f"{self.timeout_secs} s (Options.collective_timeout_secs, "
-            "STATESNAP_COLLECTIVE_TIMEOUT_SECS)"
-        )
-        return RankFailedError(
-            f"rank {self.rank} of {self.world_size} lost contact with the other ranks while "
-            f"they agreed on {self.step}: {who}; a take commits nothing. gloo said: {error}",
-            {r: "process ended" for r in dead},
-        )
-
-
-def _gloo_group(
-    pg: Any | None, background: bool, timeout_secs: int, rank_timeout: float
-) -> tuple[Any, liveness.Watch]:
-    """The library's gloo group for ``pg`` and its ``Watch``: made once per caller group and
-    use (foreground, or an async take's background work), kept by the runtime. A collective
-    abandoned on a silent peer would stay pending on the caller's own group, so it is never
-    used."""
-    group = pg if pg is not None else dist.group.WORLD
-    rt = runtime.get()
-    rt.heartbeat(dist.get_rank(), rank_timeout)
-    cached = rt.gloo_groups.get((id(group), background))
-    if cached is None:
-        # Only the caller's group's ranks are here: a subgroup synchronizes locally (its
-        # members alone make it), so disjoint subgroups taking snapshots at once neither hang
-        # nor join each other's groups.
-        ranks = dist.get_process_group_ranks(group)
-        gloo = dist.new_group(
-            ranks=ranks,
-            backend="gloo",
-            timeout=datetime.timedelta(seconds=timeout_secs),
-            use_local_synchronization=len(ranks) < dist.get_world_size(),
-        )
-        watch = liveness.Watch(dist.get_rank(group), ranks, rank_timeout)
-        cached = rt.gloo_groups[(id(group), background)] = (group, gloo, watch)
-    return cached[1], cached[2]
 
 
 def resolve_background(pg: Any | None, options: Options) -> Coordinator:
@@ -176,9 +139,7 @@ def resolve(pg: Any | None, options: Options) -> Coordinator:
     and ``pg`` is None, else this process alone (so is a group of one rank)."""
     if pg is None and not (dist.is_available() and dist.is_initialized()):
         return Coordinator()
-    if dist.get_world_size(pg) == 1:
-        return Coordinator()
-    return GroupCoordinator(pg, options)
+    return Coordinator() if dist.get_world_size(pg) == 1 else GroupCoordinator(pg, options)
 
 
 class RankZero:
@@ -203,16 +164,14 @@ class RankZero:
         """``compute()`` on rank 0, given to every rank (a failure there fails every rank)."""
         if self.world == 1:
             return compute()
-        box: tuple[str, Any] | None = None
+        value = error = None
         if self.rank == 0:
             try:
-                box = ("ok", compute())
+                value = compute()
             except Exception as e:
-                box = ("error", f"{type(e).__name__}: {e}")
-        kind, value = resolve(self.pg, self.options).all_gather(box)[0]
-        if kind == "error":
-            raise SnapshotError(f"rank 0 of the checkpoint manager of {self.root} failed: {value}")
-        return value
+                error = e
+        coordinator = resolve(self.pg, self.options)
+        return coordinator.agree(f"the checkpoint manager of {self.root}", value, error)[0]
 
     def barrier(self) -> None:
         """Returns once every rank has called it."""

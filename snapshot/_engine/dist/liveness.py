@@ -63,25 +63,19 @@ class Heartbeat:
     def __init__(self, global_rank: int, rank_timeout: float) -> None:
         self.key = HEARTBEAT_KEY.format(global_rank)
         self.every = interval(rank_timeout)
-        self._stop = threading.Event()
-        self.thread: threading.Thread | None = None
+        self.stopped = threading.Event()  # set to stop it
         store = _default_store(max(rank_timeout, 1.0))
         if store is not None:
             store.add(self.key, 1)  # the key exists before any peer reads it
             with contextlib.suppress(Exception):  # left there by an earlier run of this rank
                 store.delete_key(LEFT_KEY.format(global_rank))
-            self.thread = threading.Thread(
-                target=self._beat, args=(store,), name="statesnap-heartbeat", daemon=True
-            )
-            self.thread.start()
-
-    def tighten(self, rank_timeout: float) -> None:
-        """Beats at least as often as ``rank_timeout`` needs."""
-        self.every = min(self.every, interval(rank_timeout))
+            beat = threading.Thread(target=self._beat, args=(store,), name="statesnap-heartbeat")
+            beat.daemon = True
+            beat.start()
 
     def _beat(self, store: Any) -> None:
         failed = False
-        while not self._stop.wait(self.every):
+        while not self.stopped.wait(self.every):
             try:
                 store.add(self.key, 1)
                 failed = False
@@ -90,16 +84,16 @@ class Heartbeat:
                     logger.debug("heartbeat: the store does not answer", exc_info=True)
                 failed = True
 
-    def stop(self) -> None:
-        self._stop.set()
-
 
 class Watch:
     """The collectives of one gloo group of the library's, each run on a thread of its own
     while the calling thread watches the peers' heartbeats."""
 
-    def __init__(self, rank: int, global_ranks: list[int], rank_timeout: float) -> None:
+    def __init__(
+        self, rank: int, global_ranks: list[int], rank_timeout: float, collective_timeout: float
+    ) -> None:
         self.rank = rank
+        self.collective_timeout = collective_timeout  # the gloo group's, for messages
         self.peers = [r for r in range(len(global_ranks)) if r != rank]
         self.keys = [HEARTBEAT_KEY.format(global_ranks[r]) for r in self.peers]
         self.left_keys = [LEFT_KEY.format(global_ranks[r]) for r in self.peers]
@@ -114,30 +108,34 @@ class Watch:
         self.rank_timeout = rank_timeout
 
     def run(
-        self,
-        collective: Callable[[], T],
-        lost: Callable[[str, dict[int, str]], Exception],
-        on_error: Callable[[RuntimeError, list[int]], Exception],
+        self, collective: Callable[[], T], lost: Callable[[str, dict[int, str]], Exception]
     ) -> T:
-        """``collective()``'s result. Raises ``lost(message, failures)`` when a peer (or the
-        store) falls silent while it waits, ``on_error(error, dead_ranks)`` when it fails."""
+        """``collective()``'s result. Raises ``lost(why, failures)`` (failed rank -> why) when
+        a peer (or the store) falls silent while it waits, or when the collective fails: a
+        peer's process ended (those whose heartbeat stopped, when the store can tell), or a
+        live peer did not arrive within the group's timeout."""
         if self.broken is not None:
             raise lost(self.broken, {})
         future = self._start(collective)
-        store = self.store
-        if store is None:
-            try:
-                return future.result()
-            except RuntimeError as e:
-                raise on_error(e, []) from e
+        store = self.store  # None: only gloo's timeout bounds the wait
         seen: dict[int, tuple[bytes, float]] = {}
         while True:
             try:
-                return future.result(timeout=interval(self.rank_timeout))
+                return future.result(timeout=None if store is None else interval(self.rank_timeout))
             except concurrent.futures.TimeoutError:
                 pass
-            except RuntimeError as e:  # gloo's: a peer's connection closed
-                raise on_error(e, self._stopped_beating(store)) from e
+            except RuntimeError as e:  # gloo's: a peer's connection closed, or its timeout
+                self.broken = f"an earlier collective of the group failed ({e})"
+                dead = [] if store is None else self._stopped_beating(store)
+                who = (
+                    f"rank(s) {dead} stopped (their process ended)"
+                    if dead
+                    else "a rank's process ended, or a live rank did not arrive within "
+                    f"{self.collective_timeout:g} s (Options.collective_timeout_secs, "
+                    "STATESNAP_COLLECTIVE_TIMEOUT_SECS)"
+                )
+                raise lost(f"{who} (gloo said: {e})", {r: "process ended" for r in dead}) from e
+            assert store is not None
             try:
                 silent = self._silent(store, seen)
             except Exception as e:  # the store's own timeout, or its connection gone

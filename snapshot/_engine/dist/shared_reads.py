@@ -35,48 +35,35 @@ class Shared:
 
     items: list[tuple[int, str, torch.Tensor]]
 
-    @property
-    def nbytes(self) -> int:
-        return sum(t.nbytes for _, _, t in self.items)
-
-
-def is_local(path: str) -> bool:
-    """Whether ``path`` names a local directory (no URL scheme, ``fs://`` or ``file://``)."""
-    return split_url(path)[0] in ("fs", "file")
-
 
 def candidates(loader: Loader, entries: Mapping[str, Entry], prefix: str) -> dict[str, int]:
     """The replicated tensors this rank's planned reads put straight into a contiguous CPU
     tensor of the stored dtype and shape (what a broadcast can fill): path below ``prefix`` ->
     size."""
-    direct: dict[str, bool] = {}
-    for need in loader.needs:
-        ok = need.scratch_bytes == 0 and need.done is None
-        direct[need.label] = direct.get(need.label, True) and ok
+    indirect = {need.label for need in loader.needs if need.scratch_bytes or need.done is not None}
     out: dict[str, int] = {}
-    cut = len(prefix)
-    for path, ok in direct.items():
-        entry = entries.get(path)
-        if not ok or type(entry) is not TensorEntry or not entry.replicated:
-            continue
-        target = loader.tensors.get(path)
+    for path in {need.label for need in loader.needs} - indirect:
+        entry, target = entries.get(path), loader.tensors.get(path)
         if (
-            isinstance(target, torch.Tensor)
+            type(entry) is TensorEntry
+            and entry.replicated
+            and path.startswith(prefix)
+            and isinstance(target, torch.Tensor)
             and target.is_cpu
             and target.is_contiguous()
             and target.nbytes == entry.nbytes
-            and path.startswith(prefix)
         ):
-            out[path[cut:]] = target.nbytes
+            out[path[len(prefix) :]] = target.nbytes
     return out
 
 
 def decide(once: bool | None, path: str, hosts: list[str]) -> bool:
     """Whether replicated tensors are read once: ``once`` (the option) when set, else the
-    library's choice for a snapshot at ``path`` and ranks on ``hosts``."""
+    library's choice for a snapshot at ``path`` and ranks on ``hosts``: unless ``path`` names a
+    local directory (no URL scheme, ``fs://`` or ``file://``) and the ranks share one host."""
     if once is not None:
         return once
-    return not is_local(path) or len(set(hosts)) > 1
+    return split_url(path)[0] not in ("fs", "file") or len(set(hosts)) > 1
 
 
 def plan(
