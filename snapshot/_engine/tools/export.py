@@ -19,10 +19,9 @@ import re
 import shutil
 import stat
 import struct
-import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, BinaryIO
 
 import torch
@@ -32,7 +31,6 @@ from snapshot._engine.format.serialization import crc32
 from snapshot._engine.format.text import printable
 from snapshot._engine.handlers import for_entry
 from snapshot._engine.io.storage_calls import call
-from snapshot._engine.restore import checks as claims
 from snapshot._engine.runtime import run
 from snapshot.errors import ChecksumError, InvalidArgumentError, StorageError, UnsupportedValueError
 from snapshot.options import Options
@@ -73,25 +71,16 @@ def parse_size(text: str | int) -> int:
 
 
 @dataclass
-class Box:
-    """The stored bytes of the box ``offsets .. offsets + sizes``, row-major across ``chunks``."""
-
-    offsets: tuple[int, ...]
-    sizes: tuple[int, ...]
-    chunks: tuple[Location, ...]
-
-
-@dataclass
 class Source:
     """One tensor to export: output ``name``, manifest ``path``, stored dtype, global shape,
-    boxes (one for a dense tensor) and output dtype."""
+    boxes (one for a dense tensor: ``TensorLayout.boxes``) and output dtype."""
 
     name: str
     path: str
     dtype: torch.dtype
     shape: tuple[int, ...]
-    boxes: list[Box]
-    out_dtype: torch.dtype = field(default=torch.float32)
+    boxes: list[tuple[tuple[int, ...], tuple[int, ...], tuple[Location, ...]]]
+    out_dtype: torch.dtype
 
     @property
     def numel(self) -> int:
@@ -100,13 +89,6 @@ class Source:
     @property
     def out_bytes(self) -> int:
         return self.numel * self.out_dtype.itemsize
-
-
-def output_name(logical: str, prefix: str) -> str:
-    """``0/model/layer.weight`` under ``0/model/`` -> ``layer.weight``: each component
-    unescaped (``flatten.escape_key``), joined by dots."""
-    parts = logical[len(prefix) :].split("/")
-    return ".".join(p.replace("%2F", "/").replace("%25", "%") for p in parts)
 
 
 def collect(
@@ -142,8 +124,9 @@ def collect(
                 skipped.append(path)
             continue
         t_dtype = layout.dtype
-        boxes = [Box(offsets, sizes, chunks) for offsets, sizes, chunks in layout.boxes]
-        name = output_name(path, prefix)
+        # Each component unescaped (``flatten.escape_key``), joined by dots: ``layer.weight``.
+        parts = path[len(prefix) :].split("/")
+        name = ".".join(p.replace("%2F", "/").replace("%25", "%") for p in parts)
         if strip_prefix and name.startswith(strip_prefix):
             name = name[len(strip_prefix) :]
         if name in names:
@@ -152,19 +135,8 @@ def collect(
             )
         names[name] = path
         out_dtype = dtype if dtype is not None and t_dtype.is_floating_point else t_dtype
-        sources.append(Source(name, path, t_dtype, tuple(layout.shape), boxes, out_dtype))
+        sources.append(Source(name, path, t_dtype, tuple(layout.shape), layout.boxes, out_dtype))
     return sources, skipped
-
-
-def check_claims(
-    plugin: StoragePlugin, manifest: Manifest, sources: Sequence[Source], options: Options
-) -> None:
-    """Restore's check of the sizes a manifest claims, for every blob the export reads (no
-    overlapping ranges; each blob holds its ranges), before anything is read or allocated."""
-    blobs, _ = claims.claimed_blobs(manifest.view(0), [s.path for s in sources], {})
-    jobs = options.max_concurrent_io
-    assert jobs is not None
-    run(claims.check_claims(plugin, blobs, manifest.blob_sizes, jobs, options))
 
 
 def plan_files(sources: Sequence[Source], max_bytes: int) -> list[list[Source]]:
@@ -172,25 +144,25 @@ def plan_files(sources: Sequence[Source], max_bytes: int) -> list[list[Source]]:
     files: list[list[Source]] = []
     size = 0
     for s in sources:
-        if not files or (size + s.out_bytes > max_bytes and files[-1]):
+        if not files or size + s.out_bytes > max_bytes:
             files.append([])
             size = 0
         files[-1].append(s)
         size += s.out_bytes
-    return files or [[]]
+    return files
 
 
 class BoxReader:
     """Reads a box's bytes front to back (``read(start, out)``), checking each chunk's CRC-32
-    once all of its bytes went by."""
+    once all of its bytes went by (when ``options.checksums``)."""
 
     def __init__(
-        self, plugin: StoragePlugin, box: Box, label: str, verify: bool, options: Options
+        self, plugin: StoragePlugin, chunks: Sequence[Location], label: str, options: Options
     ) -> None:
         self.plugin = plugin
-        self.box = box
+        self.chunks = chunks
         self.label = label
-        self.verify = verify
+        self.verify = bool(options.checksums)
         self.options = options
         self.chunk = 0  # the chunk being read
         self.chunk_start = 0  # where that chunk begins in the box's bytes
@@ -201,7 +173,7 @@ class BoxReader:
         end = start + len(out)
         filled = 0
         at = start
-        chunks = self.box.chunks
+        chunks = self.chunks
         while at < end:
             while self.chunk_start + chunks[self.chunk].nbytes <= at:
                 self._finish_chunk()
@@ -224,7 +196,7 @@ class BoxReader:
             self._finish_chunk()
 
     def _finish_chunk(self) -> None:
-        loc = self.box.chunks[self.chunk]
+        loc = self.chunks[self.chunk]
         whole = self.verify and loc.crc32 is not None and self.crc_upto == loc.nbytes
         if whole and self.crc != loc.crc32:
             raise ChecksumError(
@@ -257,20 +229,19 @@ def stream_tensor(
     plugin: StoragePlugin,
     source: Source,
     tile_bytes: int,
-    verify: bool,
     write: Callable[[memoryview], object],
     options: Options,
 ) -> None:
     """Writes ``source``'s bytes (cast to its output dtype) through ``write``, tile by tile."""
     if source.numel == 0:
         return
-    readers = [BoxReader(plugin, b, source.path, verify, options) for b in source.boxes]
+    readers = [BoxReader(plugin, chunks, source.path, options) for _, _, chunks in source.boxes]
     shape = source.shape or (1,)  # a 0-d tensor as one row
     for a, b in tiles(source, tile_bytes):
         tile = torch.empty((b - a, *shape[1:]), dtype=source.dtype)
-        covered = 0
-        for box, reader in zip(source.boxes, readers, strict=True):
-            offsets, sizes = box.offsets or (0,), box.sizes or (1,)
+        # The boxes were checked to cover the tensor exactly once (``collect``).
+        for (offsets, sizes, _), reader in zip(source.boxes, readers, strict=True):
+            offsets, sizes = offsets or (0,), sizes or (1,)
             lo, hi = max(a, offsets[0]), min(b, offsets[0] + sizes[0])
             if lo >= hi:
                 continue
@@ -278,26 +249,34 @@ def stream_tensor(
             if tuple(sizes[1:]) == tuple(shape[1:]):
                 # Whole rows (a dense tensor, a shard along the leading axis): read in place.
                 reader.read(start, _bytes_of(tile[lo - a : hi - a]))
-                covered += tile[lo - a : hi - a].numel()
                 continue
             piece = torch.empty((hi - lo, *sizes[1:]), dtype=source.dtype)
             if piece.numel():
                 reader.read(start, _bytes_of(piece))
-            covered += piece.numel()
             inner = tuple(slice(o, o + n) for o, n in zip(offsets[1:], sizes[1:], strict=True))
             tile[(slice(lo - a, hi - a), *inner)].copy_(piece)
-        if covered != tile.numel():  # the shards were checked to cover it exactly once
-            raise AssertionError(
-                f"{source.path}: the stored pieces cover {covered:,} of the {tile.numel():,} "
-                f"elements of rows {a}..{b}"
-            )
-        out = tile if source.out_dtype == source.dtype else tile.to(source.out_dtype)
-        write(_bytes_of(out))
+        write(_bytes_of(tile if source.out_dtype == source.dtype else tile.to(source.out_dtype)))
 
 
 def _bytes_of(t: torch.Tensor) -> memoryview:
     """A writable byte view of a contiguous CPU tensor (any dtype), without a copy."""
     return t.reshape(-1).view(torch.uint8).numpy().data
+
+
+def _read_whole(
+    plugin: StoragePlugin, s: Source, tile_bytes: int, options: Options
+) -> torch.Tensor:
+    """``s`` streamed into a new tensor of its output dtype."""
+    t = torch.empty(s.shape, dtype=s.out_dtype)
+    view, pos = _bytes_of(t), 0
+
+    def put(data: memoryview) -> None:
+        nonlocal pos
+        view[pos : pos + len(data)] = data
+        pos += len(data)
+
+    stream_tensor(plugin, s, tile_bytes, put, options)
+    return t
 
 
 RESERVED_NAME = "__metadata__"  # the header's key for the file's metadata
@@ -308,7 +287,7 @@ def check_safetensors(files: Sequence[Sequence[Source]]) -> None:
     """Builds every planned file's header before anything is written (refusing those larger
     than the format's readers accept)."""
     for group in files:
-        size = len(safetensors_header(group, {"format": "pt"})) - 8
+        size = len(safetensors_header(group)) - 8
         if size > MAX_HEADER_BYTES:
             raise UnsupportedValueError(
                 f"the safetensors header of the {len(group):,} tensors of one file would be "
@@ -317,10 +296,10 @@ def check_safetensors(files: Sequence[Sequence[Source]]) -> None:
             )
 
 
-def safetensors_header(sources: Sequence[Source], metadata: dict[str, str]) -> bytes:
+def safetensors_header(sources: Sequence[Source]) -> bytes:
     """A safetensors file's header for ``sources``: its 8-byte length and the JSON, padded with
     spaces to a multiple of 8 bytes. Refuses names it cannot carry."""
-    header: dict[str, Any] = {"__metadata__": metadata}
+    header: dict[str, Any] = {RESERVED_NAME: {"format": "pt"}}
     offset = 0
     for s in sources:
         if s.name == RESERVED_NAME:
@@ -354,95 +333,43 @@ def safetensors_header(sources: Sequence[Source], metadata: dict[str, str]) -> b
     return struct.pack("<Q", len(text)) + text
 
 
-@dataclass
-class Written:
-    """What an export wrote (``log_done``)."""
-
-    files: list[str]
-    tensors: int
-    nbytes: int
-    skipped: list[str]
-    seconds: float
-
-
-def _names(stem: str, ext: str, n: int) -> list[str]:
-    """``model.safetensors``, or ``model-0000i-of-0000N.safetensors`` for several files."""
-    return [f"{stem}{ext}"] if n == 1 else [f"{stem}-{i + 1:05d}-of-{n:05d}{ext}" for i in range(n)]
-
-
-def write_safetensors(
+def write_files(
     plugin: StoragePlugin,
     files: list[list[Source]],
     folder: str,
+    format: str,
     tile_bytes: int,
-    verify: bool,
     options: Options,
 ) -> list[str]:
-    """Writes the planned files (and, for several, the index) into ``folder``; returns their
-    names, the index last."""
-    names = _names("model", ".safetensors", len(files))
+    """Writes the planned files into ``folder``: safetensors ones (``model.safetensors``, or
+    ``model-0000i-of-0000N.safetensors``) streamed tile by tile, or ``torch.save`` ones
+    (``pytorch_model.bin``...) each made whole in memory, one file at a time; for several, the
+    index as Hugging Face writes it. Returns their names, the index last."""
+    stem, ext = ("model", ".safetensors") if format == "safetensors" else ("pytorch_model", ".bin")
+    n = len(files)
+    names = (
+        [f"{stem}{ext}"] if n == 1 else [f"{stem}-{i + 1:05d}-of-{n:05d}{ext}" for i in range(n)]
+    )
     for name, group in zip(names, files, strict=True):
 
         def fill(f: BinaryIO, group: list[Source] = group) -> None:
-            f.write(safetensors_header(group, {"format": "pt"}))
+            if format == "torch":
+                torch.save({s.name: _read_whole(plugin, s, tile_bytes, options) for s in group}, f)
+                return
+            f.write(safetensors_header(group))
             for s in group:
-                stream_tensor(plugin, s, tile_bytes, verify, f.write, options)
+                stream_tensor(plugin, s, tile_bytes, f.write, options)
 
         write_file(os.path.join(folder, name), fill)
-    return _with_index(folder, "model.safetensors.index.json", names, files)
-
-
-def write_torch(
-    plugin: StoragePlugin,
-    files: list[list[Source]],
-    folder: str,
-    tile_bytes: int,
-    verify: bool,
-    options: Options,
-) -> list[str]:
-    """``torch.save`` files of the planned groups (``pytorch_model.bin``...) in ``folder``;
-    returns their names. A torch file is made whole in memory, one file at a time."""
-    names = _names("pytorch_model", ".bin", len(files))
-    for name, group in zip(names, files, strict=True):
-        tensors = {}
-        for s in group:
-            t = tensors[s.name] = torch.empty(s.shape, dtype=s.out_dtype)
-            view, pos = _bytes_of(t), [0]
-
-            def put(data: memoryview, view: memoryview = view, pos: list[int] = pos) -> None:
-                view[pos[0] : pos[0] + len(data)] = data
-                pos[0] += len(data)
-
-            stream_tensor(plugin, s, tile_bytes, verify, put, options)
-        write_file(os.path.join(folder, name), functools.partial(torch.save, tensors))
-        del tensors
-    return _with_index(folder, "pytorch_model.bin.index.json", names, files)
-
-
-def _with_index(
-    folder: str, index_name: str, names: list[str], files: Sequence[Sequence[Source]]
-) -> list[str]:
-    """``names``, and the index of a split export (as Hugging Face writes it) when several."""
-    if len(names) == 1:
+    if n == 1:
         return names
     index = {
         "metadata": {"total_size": sum(s.out_bytes for g in files for s in g)},
         "weight_map": {s.name: name for name, g in zip(names, files, strict=True) for s in g},
     }
     data = json.dumps(index, indent=2, sort_keys=True).encode() + b"\n"
-    write_file(os.path.join(folder, index_name), lambda f: f.write(data))
-    return [*names, index_name]
-
-
-def log_done(where: str, out_dir: str, r: Written) -> None:
-    skipped = f"; {len(r.skipped)} other values skipped" if r.skipped else ""
-    mb, files = r.nbytes / 1e6, len(r.files)
-    msg = "exported %d tensors (%.1f MB) of %s to %d file(s) in %s in %.3f s%s"
-    logger.info(msg, r.tensors, mb, where, files, out_dir, r.seconds, skipped)
-
-
-def now() -> float:
-    return time.perf_counter()
+    write_file(os.path.join(folder, f"{stem}{ext}.index.json"), lambda f: f.write(data))
+    return [*names, f"{stem}{ext}.index.json"]
 
 
 # The files an export put in a folder: all that a later export with ``overwrite`` replaces.
