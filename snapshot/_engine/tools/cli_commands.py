@@ -13,7 +13,7 @@ import math
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, TextIO
 
 import torch
@@ -394,38 +394,6 @@ def run_export(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_export_parser(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
-    """Registers ``export`` on the command line's sub-parsers."""
-    p = sub.add_parser(
-        "export",
-        parents=[common],
-        help="write a snapshot's tensors as safetensors (or torch) files",
-        description="Writes the tensors of SNAPSHOT (rank 0's; sharded ones consolidated) into "
-        "the local folder OUT, streamed within the memory budget "
-        "(STATESNAP_MEMORY_BUDGET_BYTES): model.safetensors, or model-0000i-of-0000N."
-        "safetensors files with model.safetensors.index.json when larger than "
-        "--max-shard-size. The export is put in place only once every file is whole; a "
-        "folder holding an earlier export is refused unless --overwrite. Values that are not "
-        "tensors are skipped.",
-    )
-    p.add_argument("snapshot", metavar="SNAPSHOT", help="the snapshot (local path or URL)")
-    p.add_argument("out", metavar="OUT", help="the folder to write into (made if missing)")
-    p.add_argument("--format", choices=("safetensors", "torch"), default="safetensors")
-    p.add_argument("--key", help="only this app_state key, named as its module names them (model)")
-    p.add_argument("--strip-prefix", help="removed from the start of names (module.)")
-    p.add_argument("--dtype", help="cast floating point tensors (bf16, fp16, fp32, fp8)")
-    p.add_argument(
-        "--max-shard-size", default="5GB", help="the largest file (default 5GB; 500MiB...)"
-    )
-    p.add_argument(
-        "--overwrite",
-        action="store_true",
-        help="replace an earlier export in OUT (only the files an export recorded writing, "
-        "once the new one is complete)",
-    )
-    p.set_defaults(func=run_export)
-
-
 # ---------------------------------------------------------------------------------------------
 # steps and prune: a checkpoint manager's step folders (``snapshot.manager``)
 
@@ -503,48 +471,6 @@ def run_prune(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_step_parsers(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
-    """Registers ``steps`` and ``prune`` on the command line's sub-parsers."""
-    p_steps = sub.add_parser(
-        "steps",
-        parents=[common],
-        help="list the step folders under a checkpoint manager's root",
-        description="One row per step folder (step_<N>) under ROOT: committed, incomplete (a "
-        "take that never finished: its pending marker and blobs), unreadable (a manifest that "
-        "cannot be read: damaged, or of a newer statesnap) or left-alone (a link, another "
-        "library's or a user's folder), its size, the metrics it was saved with, and the bases "
-        "it needs (incremental snapshots).",
-    )
-    p_steps.add_argument("root", metavar="ROOT", help="the manager's root (local path or URL)")
-    p_steps.add_argument("--bytes", action="store_true", help="sizes as exact byte counts")
-    p_steps.set_defaults(func=run_steps)
-
-    p_prune = sub.add_parser(
-        "prune",
-        parents=[common],
-        help="delete the steps a retention policy lets go",
-        description="Keeps the union of what each policy keeps (and always the newest "
-        "committed step, and every base a kept step needs); deletes the other committed steps. "
-        "Never deletes a step it cannot read (and, while there is one, no step), a link, or a "
-        "folder holding files no take writes. Run it only while no job is saving under ROOT.",
-    )
-    p_prune.add_argument("root", metavar="ROOT", help="the manager's root (local path or URL)")
-    p_prune.add_argument("--keep-last", type=int, metavar="N", help="keep the newest N steps")
-    p_prune.add_argument("--keep-every", type=int, metavar="N", help="keep multiples of N")
-    p_prune.add_argument("--keep-best", type=int, metavar="N", help="keep the N best by --metric")
-    p_prune.add_argument("--metric", help="the metric --keep-best ranks by")
-    p_prune.add_argument(
-        "--mode", choices=("min", "max"), default="min", help="min: lower is better"
-    )
-    p_prune.add_argument(
-        "--incomplete",
-        action="store_true",
-        help="also delete the debris of takes that never finished (pending marker and blobs)",
-    )
-    p_prune.add_argument("--dry-run", action="store_true", help="say what would be deleted")
-    p_prune.set_defaults(func=run_prune)
-
-
 def _silence_stdout() -> None:
     """Points stdout at the null device: the reader went away (the flush at exit would fail)."""
     try:
@@ -557,3 +483,161 @@ def _silence_stdout() -> None:
         pass
     finally:
         os.close(devnull)
+
+
+# ---------------------------------------------------------------------------------------------
+# the parsers
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+# Each positional argument's help; its metavar is its name in capitals.
+_POSITIONALS = {
+    "path": "the snapshot (local path or URL)",
+    "snapshot": "the snapshot (local path or URL)",
+    "key": "the entry's logical path, as ls shows it",
+    "path_a": "the first snapshot (A)",
+    "path_b": "the second snapshot (B)",
+    "out": "the folder to write into (made if missing)",
+    "root": "the manager's root (local path or URL)",
+}
+
+
+def add_commands(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
+    """Registers every command but ``demo`` on the command line's sub-parsers (``common``: the
+    options every command takes)."""
+
+    def command(
+        name: str,
+        func: Callable[[argparse.Namespace], int],
+        positionals: str,
+        help: str,
+        description: str,
+    ) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, parents=[common], help=help, description=description)
+        for dest in positionals.split():
+            p.add_argument(dest, metavar=dest.upper(), help=_POSITIONALS[dest])
+        p.set_defaults(func=func)
+        return p
+
+    p_ls = command(
+        "ls",
+        run_ls,
+        "path",
+        "list the entries of a snapshot (from its manifest; reads no blob)",
+        "One row per manifest entry: logical path, kind, dtype (or the type of an object or "
+        "primitive), shape, bytes stored; totals at the end.",
+    )
+    p_ls.add_argument(
+        "--prefix", metavar="LOGICAL_PATH", help="only this entry and those below it (0/model)"
+    )
+    p_show = command(
+        "show",
+        run_show,
+        "path key",
+        "show one entry: a tensor's summary, any other value's repr",
+        "Reads one entry (a container: everything below it) and shows it: for a tensor its "
+        "dtype, shape, min/max/mean where the dtype allows them and its first values; for "
+        "anything else its repr, cut when long.",
+    )
+    p_show.add_argument(
+        "--values", type=_positive, default=8, help="tensor elements to show (default 8)"
+    )
+    p_show.add_argument(
+        "--max-chars", type=_positive, default=2000, help="cut a repr after this many characters"
+    )
+    p_verify = command(
+        "verify",
+        run_verify,
+        "path",
+        "read every blob and check sizes and checksums against the manifest",
+        "Reads every blob in pieces of at most 16 MiB and checks its length and every byte "
+        "range's CRC-32 against the manifest, naming each damaged entry. Exit code 0 when all "
+        "is well, 1 on any problem.",
+    )
+    p_du = command(
+        "du",
+        run_du,
+        "path",
+        "bytes per app_state key and rank, largest first",
+        "Bytes per top-level key per rank, largest first, with the total. Replicated entries "
+        "count for every rank that restores them, and once in 'stored'.",
+    )
+    p_diff = command(
+        "diff",
+        run_diff,
+        "path_a path_b",
+        "which entries of two snapshots differ",
+        "Compares two snapshots entry by entry: paths only in one, kind, dtype, shape, "
+        "primitive values, and bytes (through the recorded CRC-32s; entries without them are "
+        "read and compared). Exit code 0 when identical, 1 when they differ.",
+    )
+    for p in (p_verify, p_diff):
+        p.add_argument("--jobs", type=_positive, default=4, help="reads at once (default 4)")
+    p_steps = command(
+        "steps",
+        run_steps,
+        "root",
+        "list the step folders under a checkpoint manager's root",
+        "One row per step folder (step_<N>) under ROOT: committed, incomplete (a take that "
+        "never finished: its pending marker and blobs), unreadable (a manifest that cannot be "
+        "read: damaged, or of a newer statesnap) or left-alone (a link, another library's or a "
+        "user's folder), its size, the metrics it was saved with, and the bases it needs "
+        "(incremental snapshots).",
+    )
+    for p in (p_ls, p_du, p_steps):
+        p.add_argument("--bytes", action="store_true", help="sizes as exact byte counts")
+    p = command(
+        "prune",
+        run_prune,
+        "root",
+        "delete the steps a retention policy lets go",
+        "Keeps the union of what each policy keeps (and always the newest committed step, and "
+        "every base a kept step needs); deletes the other committed steps. Never deletes a step "
+        "it cannot read (and, while there is one, no step), a link, or a folder holding files "
+        "no take writes. Run it only while no job is saving under ROOT.",
+    )
+    p.add_argument("--keep-last", type=int, metavar="N", help="keep the newest N steps")
+    p.add_argument("--keep-every", type=int, metavar="N", help="keep multiples of N")
+    p.add_argument("--keep-best", type=int, metavar="N", help="keep the N best by --metric")
+    p.add_argument("--metric", help="the metric --keep-best ranks by")
+    p.add_argument("--mode", choices=("min", "max"), default="min", help="min: lower is better")
+    p.add_argument(
+        "--incomplete",
+        action="store_true",
+        help="also delete the debris of takes that never finished (pending marker and blobs)",
+    )
+    p.add_argument("--dry-run", action="store_true", help="say what would be deleted")
+    p = command(
+        "export",
+        run_export,
+        "snapshot out",
+        "write a snapshot's tensors as safetensors (or torch) files",
+        "Writes the tensors of SNAPSHOT (rank 0's; sharded ones consolidated) into the local "
+        "folder OUT, streamed within the memory budget (STATESNAP_MEMORY_BUDGET_BYTES): "
+        "model.safetensors, or model-0000i-of-0000N.safetensors files with "
+        "model.safetensors.index.json when larger than --max-shard-size. The export is put in "
+        "place only once every file is whole; a folder holding an earlier export is refused "
+        "unless --overwrite. Values that are not tensors are skipped.",
+    )
+    p.add_argument("--format", choices=("safetensors", "torch"), default="safetensors")
+    p.add_argument("--key", help="only this app_state key, named as its module names them (model)")
+    p.add_argument("--strip-prefix", help="removed from the start of names (module.)")
+    p.add_argument("--dtype", help="cast floating point tensors (bf16, fp16, fp32, fp8)")
+    p.add_argument(
+        "--max-shard-size", default="5GB", help="the largest file (default 5GB; 500MiB...)"
+    )
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace an earlier export in OUT (only the files an export recorded writing, "
+        "once the new one is complete)",
+    )
