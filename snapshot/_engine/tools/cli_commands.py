@@ -24,13 +24,14 @@ from snapshot._engine.manager.retention import Policy, Step, to_delete
 from snapshot._engine.manager.steps import INCOMPLETE, LEFT, UNREADABLE, Steps
 from snapshot._engine.tools.diff import diff
 from snapshot._engine.tools.inspection import (
+    Listing,
+    Usage,
     disk_usage,
     format_shape,
     human_bytes,
     list_entries,
     read_entry,
     summarize_tensor,
-    summarize_value,
 )
 from snapshot._engine.tools.verify import verify
 from snapshot.errors import EntryNotFoundError, InvalidArgumentError, SnapshotError
@@ -109,7 +110,17 @@ def _write_lines(lines: Sequence[str]) -> None:
         sys.stdout.write("\n".join(lines) + "\n")
         sys.stdout.flush()
     except BrokenPipeError:
-        _silence_stdout()
+        # Stdout pointed at the null device: the flush at exit would fail too.
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+        except OSError:
+            return
+        try:
+            os.dup2(devnull, sys.stdout.fileno())
+        except (OSError, ValueError, AttributeError):
+            pass
+        finally:
+            os.close(devnull)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -120,12 +131,9 @@ def run_ls(args: argparse.Namespace) -> int:
     listing = list_entries(load_manifest(args.path, args.storage_options), prefix=args.prefix)
     exact = args.bytes
     header = ["PATH", "KIND", "DTYPE", "SHAPE", "SIZE"]
-    replicated = listing.any_replicated
-    if replicated:
-        header.append("REPLICATED")
-    in_base = listing.any_in_base
-    if in_base:
-        header.append("IN BASE")
+    replicated = any(r.replicated for r in listing.rows)
+    in_base = any(r.base for r in listing.rows)
+    header += ["REPLICATED"] * replicated + ["IN BASE"] * in_base
     rows = []
     for r in listing.rows:
         row = [
@@ -135,37 +143,23 @@ def run_ls(args: argparse.Namespace) -> int:
             format_shape(r.shape) if r.shape is not None else "-",
             _size(r.nbytes, exact) if r.nbytes or r.kind in ("tensor", "object") else "-",
         ]
-        if replicated:
-            row.append("yes" if r.replicated else "")
-        if in_base:
-            row.append(printable(r.base))
+        row += ["yes" if r.replicated else ""] * replicated + [printable(r.base)] * in_base
         rows.append(row)
     lines = _table(header, rows, right={4})
-    counts = f"{_count(listing.entries, 'entry')}, {_count(listing.tensors, 'tensor')}"
-    once = "shared and replicated ranges counted once"
-    bases = listing.metadata.bases
-    lines.append(
-        _total(counts, listing.nbytes, listing.stored_bytes, listing.base_bytes, bases, once, exact)
-    )
+    counts = f"{_count(len(rows), 'entry')}, {_count(listing.tensors, 'tensor')}"
+    lines.append(_total(counts, listing, "shared and replicated ranges counted once", exact))
     _write_lines(lines)
     return 0
 
 
-def _total(
-    counts: str,
-    nbytes: int,
-    stored: int,
-    in_bases: int,
-    bases: Sequence[str],
-    once: str,
-    exact: bool,
-) -> str:
+def _total(counts: str, totals: Listing | Usage, once: str, exact: bool) -> str:
     """The last line of ``ls`` and ``du``: what is listed, and what the blobs hold of it."""
+    nbytes, stored, in_bases = totals.nbytes, totals.stored_bytes, totals.base_bytes
     total = f"total: {counts}, {_size(nbytes, exact)}" + ("" if exact else f" ({nbytes:,} bytes)")
     if stored != nbytes:
         total += f"; {_size(stored, exact)} stored ({once})"
     if in_bases:
-        names = ", ".join(map(printable, bases))
+        names = ", ".join(map(printable, totals.bases))
         total += f"; {_size(in_bases, exact)} of it in base snapshots ({names})"
     return total
 
@@ -226,17 +220,20 @@ def run_show(args: argparse.Namespace) -> int:
             more = f", ... ({s.numel - len(s.values):,} more)" if s.numel > len(s.values) else ""
             lines.append(f"  values  [{shown}{more}]")
     else:
-        v = summarize_value(value, max_chars=args.max_chars)
-        about = [printable(v.type_name)] if v.type_name != entry.type else []
-        if v.length is not None:
-            about.append(f"length {v.length:,}")
+        # Its type, length (containers, str, bytes) and repr, cut at --max-chars.
+        cls = type(value)
+        qualified = f"{cls.__module__}.{cls.__name__}"
+        type_name = cls.__qualname__ if cls.__module__ == "builtins" else qualified
+        about = [printable(type_name)] if type_name != entry.type else []
+        if isinstance(value, (dict, list, tuple, set, str, bytes)):
+            about.append(f"length {len(value):,}")
         if entry.nbytes:
             about.append(f"{human_bytes(entry.nbytes)} stored")
         lines.append(f"{name}: {printable(entry.type)} ({', '.join(about)})")
-        lines.append(
-            printable_message(v.text)
-            + (f"... ({v.omitted_chars:,} more characters)" if v.omitted_chars else "")
-        )
+        text = repr(value)
+        more = len(text) - args.max_chars
+        cut = f"... ({more:,} more characters)" if more > 0 else ""
+        lines.append(printable_message(text[: args.max_chars]) + cut)
     _write_lines(lines)
     return 0
 
@@ -330,10 +327,7 @@ def run_du(args: argparse.Namespace) -> int:
             )
         )
     once = "replicated entries and shared tensors counted once"
-    counts = _count(usage.entries, "entry")
-    lines.append(
-        _total(counts, usage.nbytes, usage.stored_bytes, usage.base_bytes, usage.bases, once, exact)
-    )
+    lines.append(_total(_count(usage.entries, "entry"), usage, once, exact))
     _write_lines(lines)
     return 0
 
@@ -469,20 +463,6 @@ def run_prune(args: argparse.Namespace) -> int:
     lines.append(f"kept {len(kept)} committed step(s): {', '.join(map(str, kept)) or 'none'}")
     _write_lines(lines)
     return 0
-
-
-def _silence_stdout() -> None:
-    """Points stdout at the null device: the reader went away (the flush at exit would fail)."""
-    try:
-        devnull = os.open(os.devnull, os.O_WRONLY)
-    except OSError:
-        return
-    try:
-        os.dup2(devnull, sys.stdout.fileno())
-    except (OSError, ValueError, AttributeError):
-        pass
-    finally:
-        os.close(devnull)
 
 
 # ---------------------------------------------------------------------------------------------

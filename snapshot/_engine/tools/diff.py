@@ -21,7 +21,6 @@ from manifest import (
     Entry,
     ListEntry,
     Location,
-    Manifest,
     ObjectEntry,
     PrimitiveEntry,
     ShardedObjectEntry,
@@ -37,7 +36,6 @@ from snapshot._engine.tools.inspection import (
     PIECE_BYTES,
     Progress,
     Tally,
-    check_jobs,
     each,
     format_shape,
 )
@@ -69,9 +67,7 @@ class DiffReport:
     entries_a: int
     entries_b: int
     differences: list[Difference]
-    compared_by_crc: int = 0  # entries whose bytes were compared through recorded CRC-32s
     compared_by_reading: int = 0  # entries whose bytes had to be read and compared
-    bytes_read: int = 0  # per side
 
     @property
     def identical(self) -> bool:
@@ -236,14 +232,12 @@ def diff(
         CorruptSnapshotError: a manifest is damaged, or a blob read for the comparison is
             missing or short.
     """
-    check_jobs(jobs, piece_bytes)
     options = resolve(options)
     ma = load_manifest(path_a, storage_options, options)
     mb = load_manifest(path_b, storage_options, options)
     a_entries, b_entries = ma.entries, mb.entries
     found: list[tuple[int, Difference]] = []
     to_read: list[tuple[int, str, Entry, Entry]] = []
-    by_crc = 0
     for i, (path, a) in enumerate(a_entries.items()):
         b = b_entries.get(path)
         if b is None:
@@ -254,66 +248,42 @@ def diff(
             found.append((i, outcome))
         elif outcome:
             to_read.append((i, path, a, b))
-        elif a.locations:
-            by_crc += 1
     n = len(a_entries)
     for j, (path, b) in enumerate(b_entries.items()):
         if path not in a_entries:
             found.append((n + j, Difference(path, "only in B", b.type)))
-    report = DiffReport(path_a, path_b, len(a_entries), len(b_entries), [], by_crc)
-    if to_read:
-        found.extend(
-            _compare_bytes(
-                report, (ma, mb), to_read, storage_options, jobs, piece_bytes, progress, options
-            )
-        )
+    report = DiffReport(path_a, path_b, len(a_entries), len(b_entries), [])
+    if to_read:  # the bytes of each ``(index, path, a, b)``, entries of the same size
+        tally = Tally(progress, len(to_read), sum(a.nbytes for _, _, a, _ in to_read))
+        size = max(1, min(piece_bytes, max(a.nbytes for _, _, a, _ in to_read)))
+        workers = max(1, min(jobs, len(to_read)))
+        buffers = [(bytearray(size), bytearray(size)) for _ in range(workers)]
+        with (
+            open_linked(path_a, ma, storage_options, options) as pa,
+            open_linked(path_b, mb, storage_options, options) as pb,
+        ):
+
+            async def compare(item: tuple[int, str, Entry, Entry], worker: int) -> None:
+                index, path, a, b = item
+                buf_a, buf_b = buffers[worker]
+                view_a, view_b = memoryview(buf_a), memoryview(buf_b)
+                for pos in range(0, a.nbytes, size):
+                    n = min(size, a.nbytes - pos)
+                    await asyncio.gather(
+                        _read_window(pa, path, a.locations, pos, view_a[:n], options),
+                        _read_window(pb, path, b.locations, pos, view_b[:n], options),
+                    )
+                    tally(n)
+                    # bytearray equality is a memcmp; slices copy, but only the last piece's.
+                    if not (buf_a == buf_b if n == size else buf_a[:n] == buf_b[:n]):
+                        at = pos + _first_difference(view_a[:n], view_b[:n])
+                        what = f"contents differ from byte {at:,}"
+                        found.append((index, Difference(path, "bytes", what)))
+                        tally(a.nbytes - pos - n)
+                        break
+                report.compared_by_reading += 1
+                tally(0, 1)
+
+            each(to_read, workers, compare)
     report.differences = [d for _, d in sorted(found, key=lambda x: x[0])]
     return report
-
-
-def _compare_bytes(
-    report: DiffReport,
-    manifests: tuple[Manifest, Manifest],
-    to_read: list[tuple[int, str, Entry, Entry]],
-    storage_options: dict[str, Any] | None,
-    jobs: int,
-    piece_bytes: int,
-    progress: Progress | None,
-    options: Options,
-) -> list[tuple[int, Difference]]:
-    """Reads and compares the bytes of each ``(index, path, a, b)``, entries of the same size."""
-    tally = Tally(progress, len(to_read), sum(a.nbytes for _, _, a, _ in to_read))
-    size = max(1, min(piece_bytes, max(a.nbytes for _, _, a, _ in to_read)))
-    workers = min(jobs, len(to_read))
-    buffers = [(bytearray(size), bytearray(size)) for _ in range(workers)]
-    found: list[tuple[int, Difference]] = []
-    with (
-        open_linked(report.path_a, manifests[0], storage_options, options) as pa,
-        open_linked(report.path_b, manifests[1], storage_options, options) as pb,
-    ):
-
-        async def compare(item: tuple[int, str, Entry, Entry], worker: int) -> None:
-            index, path, a, b = item
-            buf_a, buf_b = buffers[worker]
-            view_a, view_b = memoryview(buf_a), memoryview(buf_b)
-            for pos in range(0, a.nbytes, size):
-                n = min(size, a.nbytes - pos)
-                await asyncio.gather(
-                    _read_window(pa, path, a.locations, pos, view_a[:n], options),
-                    _read_window(pb, path, b.locations, pos, view_b[:n], options),
-                )
-                report.bytes_read += n
-                tally(n)
-                # bytearray equality is a memcmp; slices copy, but only the last piece's.
-                if not (buf_a == buf_b if n == size else buf_a[:n] == buf_b[:n]):
-                    at = pos + _first_difference(view_a[:n], view_b[:n])
-                    found.append(
-                        (index, Difference(path, "bytes", f"contents differ from byte {at:,}"))
-                    )
-                    tally(a.nbytes - pos - n)
-                    break
-            report.compared_by_reading += 1
-            tally(0, 1)
-
-        each(to_read, workers, compare)
-    return found

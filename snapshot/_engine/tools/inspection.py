@@ -32,7 +32,6 @@ from snapshot._engine.format.text import printable
 from snapshot._engine.restore import suggest
 from snapshot._engine.runtime import run
 from snapshot.errors import EntryNotFoundError
-from snapshot.metadata import SnapshotMetadata
 from snapshot.snapshot import Snapshot
 
 PIECE_BYTES = 16 << 20  # the most bytes ``verify`` and ``diff`` read in one request
@@ -75,24 +74,15 @@ def each(items: Iterable[T], jobs: int, work: Callable[[T, int], Awaitable[None]
     run(main())
 
 
-def check_jobs(jobs: int, piece_bytes: int) -> None:
-    if jobs < 1 or piece_bytes < 1:
-        raise ValueError(f"jobs and piece_bytes must be positive, got {jobs}, {piece_bytes}")
-
-
 _UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB")
 
 
 def human_bytes(n: int) -> str:
     """``n`` bytes for people: ``"512 B"``, ``"10.0 KiB"``, ``"3.4 GiB"`` (powers of 1024)."""
-    if n < 1024:
-        return f"{n} B"
-    value = float(n)
-    for unit in _UNITS[1:]:
-        value /= 1024
-        if value < 1024 or unit == _UNITS[-1]:
-            return f"{value:.1f} {unit}"
-    raise AssertionError("unreachable")  # pragma: no cover
+    value, unit = float(n), 0
+    while value >= 1024 and unit < len(_UNITS) - 1:
+        value, unit = value / 1024, unit + 1
+    return f"{n} B" if unit == 0 else f"{value:.1f} {_UNITS[unit]}"
 
 
 def format_shape(shape: Sequence[int]) -> str:
@@ -109,12 +99,6 @@ def _type_name(entry: Entry) -> str:
     if isinstance(entry, PrimitiveEntry):
         return entry.value_type
     return ""
-
-
-def _split_path(path: str) -> tuple[str, str]:
-    """``"0/model/layer.weight"`` -> ``("0", "model")``: the rank and the app_state key."""
-    parts = path.split("/", 2)
-    return parts[0], parts[1] if len(parts) > 1 else ""
 
 
 def _shared(entry: Entry) -> bool:
@@ -140,12 +124,6 @@ def _stored_bytes(entries: Iterable[Entry]) -> tuple[int, int]:
     return own, in_bases
 
 
-def _bases_of(entry: Entry) -> str:
-    """The base snapshots holding an entry's bytes, joined by commas ("" for none)."""
-    names = {ref[0] for loc in entry.locations if (ref := reference_of(loc.blob)) is not None}
-    return ",".join(sorted(names))
-
-
 # ---------------------------------------------------------------------------------------------
 # ls
 
@@ -159,7 +137,7 @@ class ListRow(NamedTuple):
     shape: tuple[int, ...] | None  # tensors only
     nbytes: int  # bytes in blobs (0 for primitives and containers, which live in the manifest)
     replicated: bool
-    base: str = ""  # the base snapshot(s) holding its bytes (``_bases_of``)
+    base: str  # the base snapshots holding its bytes, joined by commas ("" for none)
 
 
 @dataclass(frozen=True)
@@ -167,21 +145,11 @@ class Listing:
     """The rows of ``ls`` and their totals."""
 
     rows: list[ListRow]
-    entries: int
     tensors: int
     nbytes: int  # the sum of the rows' nbytes
     stored_bytes: int  # what the blobs hold for them, shared ranges counted once
-    world_size: int
-    metadata: SnapshotMetadata  # what ``Snapshot.metadata`` gives (the whole snapshot's)
-    base_bytes: int = 0  # of ``stored_bytes``, those in bases' blobs (an incremental take)
-
-    @property
-    def any_replicated(self) -> bool:
-        return any(r.replicated for r in self.rows)
-
-    @property
-    def any_in_base(self) -> bool:
-        return any(r.base for r in self.rows)
+    base_bytes: int  # of ``stored_bytes``, those in bases' blobs (an incremental take)
+    bases: tuple[str, ...]  # those bases (``Manifest.bases``)
 
 
 def list_entries(manifest: Manifest, prefix: str | None = None) -> Listing:
@@ -192,42 +160,35 @@ def list_entries(manifest: Manifest, prefix: str | None = None) -> Listing:
         EntryNotFoundError: ``prefix`` is given and no entry is at or below it.
     """
     entries = manifest.entries
+    items = list(entries.items())
     if prefix:
         prefix = prefix.rstrip("/")
-        below = prefix + "/"
-        items = [(p, e) for p, e in entries.items() if p == prefix or p.startswith(below)]
+        items = [(p, e) for p, e in items if p == prefix or p.startswith(prefix + "/")]
         if not items:
             close = close_matches(entries, prefix)
             hint = f"; close matches: {', '.join(map(printable, close))}" if close else ""
             raise EntryNotFoundError(f"no entry at or below {prefix!r}{hint}")
-    else:
-        items = list(entries.items())
     rows = []
-    tensors = total = 0
     for path, entry in items:
         # A sharded one: its global shape; a pickled one (torchsnapshot's): a tensor too.
-        if isinstance(entry, (TensorEntry, ShardedTensorEntry, PickledTensorEntry)):
-            tensors += 1
-            shape: tuple[int, ...] | None = entry.shape
-        else:
-            shape = None
-        nbytes = entry.nbytes
-        total += nbytes
-        row = ListRow(path, entry.type, _type_name(entry), shape, nbytes, _shared(entry))
-        if nbytes and manifest.bases:
-            row = row._replace(base=_bases_of(entry))
-        rows.append(row)
+        tensor = (TensorEntry, ShardedTensorEntry, PickledTensorEntry)
+        shape = entry.shape if isinstance(entry, tensor) else None
+        refs = {r[0] for loc in entry.locations if (r := reference_of(loc.blob)) is not None}
+        rows.append(
+            ListRow(
+                path,
+                entry.type,
+                _type_name(entry),
+                shape,
+                entry.nbytes,
+                _shared(entry),
+                ",".join(sorted(refs)),
+            )
+        )
     own, in_bases = _stored_bytes(e for _, e in items)
-    return Listing(
-        rows=rows,
-        entries=len(rows),
-        tensors=tensors,
-        nbytes=total,
-        stored_bytes=own + in_bases,
-        base_bytes=in_bases,
-        world_size=manifest.world_size,
-        metadata=SnapshotMetadata.from_manifest(manifest),
-    )
+    tensors = sum(r.shape is not None for r in rows)
+    nbytes = sum(r.nbytes for r in rows)
+    return Listing(rows, tensors, nbytes, own + in_bases, in_bases, manifest.bases)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -255,9 +216,8 @@ class Usage:
     replicated_bytes: int
     stored_bytes: int  # what the blobs hold: replicated and shared ranges counted once
     rank_bytes: dict[str, int]  # rank -> the sum of its rows' nbytes
-    world_size: int
-    base_bytes: int = 0  # of ``stored_bytes``, those in bases' blobs (an incremental take)
-    bases: tuple[str, ...] = ()  # those bases (``Manifest.bases``)
+    base_bytes: int  # of ``stored_bytes``, those in bases' blobs (an incremental take)
+    bases: tuple[str, ...]  # those bases (``Manifest.bases``)
 
 
 def disk_usage(manifest: Manifest) -> Usage:
@@ -265,34 +225,26 @@ def disk_usage(manifest: Manifest) -> Usage:
     stored once, count in every rank's row (restoring the key there reads them), whether the
     manifest lists it under every rank (before format 3) or once under rank 0;
     ``stored_bytes`` counts every distinct byte range once."""
-    counts: dict[tuple[str, str], list[int]] = {}
-    ranks: dict[str, int] = {}
-    total = replicated = count = 0
+    counts: dict[tuple[str, str], list[int]] = {}  # (rank, key) -> entries, bytes, replicated
     for path, entry in _as_every_rank_reads(manifest):
-        count += 1
-        rank_key = _split_path(path)
-        slot = counts.get(rank_key)
-        if slot is None:
-            slot = counts[rank_key] = [0, 0, 0]
-        nbytes = entry.nbytes
+        rank, _, rest = path.partition("/")
+        slot = counts.setdefault((rank, rest.partition("/")[0]), [0, 0, 0])
         slot[0] += 1
-        slot[1] += nbytes
-        total += nbytes
-        if _shared(entry):
-            slot[2] += nbytes
-            replicated += nbytes
-        ranks[rank_key[0]] = ranks.get(rank_key[0], 0) + nbytes
+        slot[1] += entry.nbytes
+        slot[2] += entry.nbytes if _shared(entry) else 0
     rows = [UsageRow(r, k, n, b, rb) for (r, k), (n, b, rb) in counts.items()]
     rows.sort(key=lambda row: (-row.nbytes, _rank_order(row.rank), row.key))
+    ranks: dict[str, int] = {}
+    for row in sorted(rows, key=lambda row: _rank_order(row.rank)):
+        ranks[row.rank] = ranks.get(row.rank, 0) + row.nbytes
     own, in_bases = _stored_bytes(manifest.entries.values())
     return Usage(
         rows=rows,
-        entries=count,
-        nbytes=total,
-        replicated_bytes=replicated,
+        entries=sum(r.entries for r in rows),
+        nbytes=sum(r.nbytes for r in rows),
+        replicated_bytes=sum(r.replicated_bytes for r in rows),
         stored_bytes=own + in_bases,
-        rank_bytes=dict(sorted(ranks.items(), key=lambda kv: _rank_order(kv[0]))),
-        world_size=manifest.world_size,
+        rank_bytes=ranks,
         base_bytes=in_bases,
         bases=manifest.bases,
     )
@@ -389,14 +341,6 @@ def _try(fn: Callable[[], Any]) -> Any:
         return None
 
 
-def _as_float64(flat: torch.Tensor) -> torch.Tensor | None:
-    """``flat`` in float64, through float32 for dtypes that convert to nothing else."""
-    t = _try(lambda: flat.to(torch.float64))
-    if t is None:
-        t = _try(lambda: flat.to(torch.float32).to(torch.float64))
-    return t
-
-
 def _stats(flat: torch.Tensor) -> tuple[Any, Any, Any, int | None]:
     """(min, max, mean, non-finite count) of a non-empty flat tensor, each None where its dtype
     does not allow it: bool has no mean, complex numbers no order, floating point values are
@@ -406,7 +350,9 @@ def _stats(flat: torch.Tensor) -> tuple[Any, Any, Any, int | None]:
         return bool(flat.all()), bool(flat.any()), None, None
     if dtype.is_complex:
         return None, None, _try(lambda: complex(flat.to(torch.complex128).mean().item())), None
-    f = _as_float64(flat)
+    f = _try(lambda: flat.to(torch.float64))
+    if f is None:  # through float32 for dtypes that convert to nothing else
+        f = _try(lambda: flat.to(torch.float32).to(torch.float64))
     if dtype.is_floating_point:
         if f is None:
             return None, None, None, None
@@ -456,26 +402,3 @@ def summarize_tensor(t: torch.Tensor, values: int = 8) -> TensorSummary:
         nonfinite=nonfinite,
         values=first,
     )
-
-
-@dataclass(frozen=True)
-class ValueSummary:
-    """What ``show`` says about a value that is not a tensor: its type, length (containers,
-    str, bytes) and repr, cut at ``max_chars``."""
-
-    type_name: str
-    length: int | None
-    text: str
-    omitted_chars: int  # how much of the repr was cut (0: none)
-
-
-def summarize_value(value: Any, max_chars: int = 2000) -> ValueSummary:
-    """``value``'s type and repr, the repr cut after ``max_chars`` characters."""
-    text = repr(value)
-    omitted = max(0, len(text) - max_chars)
-    if omitted:
-        text = text[:max_chars]
-    length = len(value) if isinstance(value, (dict, list, tuple, set, str, bytes)) else None
-    cls = type(value)
-    name = cls.__qualname__ if cls.__module__ == "builtins" else f"{cls.__module__}.{cls.__name__}"
-    return ValueSummary(type_name=name, length=length, text=text, omitted_chars=omitted)
