@@ -9,7 +9,6 @@ formats it.
 from __future__ import annotations
 
 import asyncio
-import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -30,17 +29,16 @@ from manifest import (
 )
 from snapshot._engine.format.manifest_io import load_manifest, open_linked
 from snapshot._engine.format.serialization import combine
-from snapshot._engine.io.storage_calls import call
 from snapshot._engine.tools.inspection import (
     JOBS,
     PIECE_BYTES,
+    BoxReader,
     Progress,
     Tally,
     each,
     format_shape,
 )
 from snapshot.options import Options, resolve
-from storage_plugins import StoragePlugin
 
 
 @dataclass(frozen=True)
@@ -183,32 +181,6 @@ def _first_difference(a: memoryview, b: memoryview) -> int:
     return int(torch.ne(ta, tb).nonzero()[0, 0])
 
 
-async def _read_window(
-    plugin: StoragePlugin,
-    label: str,
-    locations: Sequence[Location],
-    pos: int,
-    out: memoryview,
-    options: Options,
-) -> None:
-    """Fills ``out`` with the bytes ``[pos, pos + len(out))`` of the concatenation of
-    ``locations``."""
-    base = 0
-    filled = 0
-    end = pos + len(out)
-    for loc in locations:
-        lo, hi = max(pos, base), min(end, base + loc.nbytes)
-        if hi > lo:
-            dest = out[filled : filled + hi - lo]
-            offset = loc.offset + lo - base
-            read = functools.partial(plugin.read_into, loc.blob, offset, dest)
-            await call(plugin, "read", loc.blob, label, read, options=options)
-            filled += hi - lo
-        base += loc.nbytes
-        if base >= end:
-            break
-
-
 def diff(
     path_a: str,
     path_b: str,
@@ -267,12 +239,12 @@ def diff(
                 index, path, a, b = item
                 buf_a, buf_b = buffers[worker]
                 view_a, view_b = memoryview(buf_a), memoryview(buf_b)
+                # The bytes as stored: a CRC-32 either side recorded is not checked here.
+                read_a = BoxReader(pa, a.locations, path, options, verify=False)
+                read_b = BoxReader(pb, b.locations, path, options, verify=False)
                 for pos in range(0, a.nbytes, size):
                     n = min(size, a.nbytes - pos)
-                    await asyncio.gather(
-                        _read_window(pa, path, a.locations, pos, view_a[:n], options),
-                        _read_window(pb, path, b.locations, pos, view_b[:n], options),
-                    )
+                    await asyncio.gather(read_a.read(pos, view_a[:n]), read_b.read(pos, view_b[:n]))
                     tally(n)
                     # bytearray equality is a memcmp; slices copy, but only the last piece's.
                     if not (buf_a == buf_b if n == size else buf_a[:n] == buf_b[:n]):

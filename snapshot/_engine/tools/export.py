@@ -10,7 +10,6 @@ there is replaced only with ``overwrite``, and only the files its record lists.
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import math
@@ -27,12 +26,11 @@ from typing import Any, BinaryIO
 import torch
 
 from manifest import Location, Manifest
-from snapshot._engine.format.serialization import crc32
 from snapshot._engine.format.text import printable
 from snapshot._engine.handlers import for_entry
-from snapshot._engine.io.storage_calls import call
 from snapshot._engine.runtime import run
-from snapshot.errors import ChecksumError, InvalidArgumentError, StorageError, UnsupportedValueError
+from snapshot._engine.tools.inspection import BoxReader
+from snapshot.errors import InvalidArgumentError, StorageError, UnsupportedValueError
 from snapshot.options import Options
 from storage_plugins import StoragePlugin
 from storage_plugins.fs import missing_folders
@@ -152,64 +150,6 @@ def plan_files(sources: Sequence[Source], max_bytes: int) -> list[list[Source]]:
     return files
 
 
-class BoxReader:
-    """Reads a box's bytes front to back (``read(start, out)``), checking each chunk's CRC-32
-    once all of its bytes went by (when ``options.checksums``)."""
-
-    def __init__(
-        self, plugin: StoragePlugin, chunks: Sequence[Location], label: str, options: Options
-    ) -> None:
-        self.plugin = plugin
-        self.chunks = chunks
-        self.label = label
-        self.verify = bool(options.checksums)
-        self.options = options
-        self.chunk = 0  # the chunk being read
-        self.chunk_start = 0  # where that chunk begins in the box's bytes
-        self.crc = 0
-        self.crc_upto = 0  # bytes of the current chunk digested
-
-    def read(self, start: int, out: memoryview) -> None:
-        end = start + len(out)
-        filled = 0
-        at = start
-        chunks = self.chunks
-        while at < end:
-            while self.chunk_start + chunks[self.chunk].nbytes <= at:
-                self._finish_chunk()
-            loc = chunks[self.chunk]
-            inner = at - self.chunk_start
-            n = min(end - at, loc.nbytes - inner)
-            piece = out[filled : filled + n]
-            # Through restore's ``call``: its retries, deadline and errors.
-            read = functools.partial(self.plugin.read_into, loc.blob, loc.offset + inner, piece)
-            run(call(self.plugin, "read", loc.blob, self.label, read, options=self.options))
-            if self.verify and loc.crc32 is not None:
-                if inner == self.crc_upto:
-                    self.crc = crc32(piece, self.crc)
-                    self.crc_upto += n
-                else:  # a gap (a skipped part): this chunk can no longer be checked whole
-                    self.crc_upto = -1
-            filled += n
-            at += n
-        while self.chunk < len(chunks) and self.chunk_start + chunks[self.chunk].nbytes <= end:
-            self._finish_chunk()
-
-    def _finish_chunk(self) -> None:
-        loc = self.chunks[self.chunk]
-        whole = self.verify and loc.crc32 is not None and self.crc_upto == loc.nbytes
-        if whole and self.crc != loc.crc32:
-            raise ChecksumError(
-                f"{self.label}: blob {self.plugin.describe(loc.blob)} bytes "
-                f"{loc.offset:,}..{loc.offset + loc.nbytes:,} have CRC-32 {self.crc:#010x}, "
-                f"the snapshot recorded {loc.crc32:#010x}"
-            )
-        self.chunk_start += loc.nbytes
-        self.chunk += 1
-        self.crc = 0
-        self.crc_upto = 0
-
-
 def tiles(source: Source, tile_bytes: int) -> Iterator[tuple[int, int]]:
     """Row ranges ``[a, b)`` of the leading axis, each at most ``tile_bytes`` (of the larger of
     the stored and output dtypes), at least one row."""
@@ -235,7 +175,8 @@ def stream_tensor(
     """Writes ``source``'s bytes (cast to its output dtype) through ``write``, tile by tile."""
     if source.numel == 0:
         return
-    readers = [BoxReader(plugin, chunks, source.path, options) for _, _, chunks in source.boxes]
+    verify = bool(options.checksums)
+    readers = [BoxReader(plugin, c, source.path, options, verify) for _, _, c in source.boxes]
     shape = source.shape or (1,)  # a 0-d tensor as one row
     for a, b in tiles(source, tile_bytes):
         tile = torch.empty((b - a, *shape[1:]), dtype=source.dtype)
@@ -248,11 +189,11 @@ def stream_tensor(
             start = (lo - offsets[0]) * math.prod(sizes[1:]) * source.dtype.itemsize
             if tuple(sizes[1:]) == tuple(shape[1:]):
                 # Whole rows (a dense tensor, a shard along the leading axis): read in place.
-                reader.read(start, _bytes_of(tile[lo - a : hi - a]))
+                run(reader.read(start, _bytes_of(tile[lo - a : hi - a])))
                 continue
             piece = torch.empty((hi - lo, *sizes[1:]), dtype=source.dtype)
             if piece.numel():
-                reader.read(start, _bytes_of(piece))
+                run(reader.read(start, _bytes_of(piece)))
             inner = tuple(slice(o, o + n) for o, n in zip(offsets[1:], sizes[1:], strict=True))
             tile[(slice(lo - a, hi - a), *inner)].copy_(piece)
         write(_bytes_of(tile if source.out_dtype == source.dtype else tile.to(source.out_dtype)))
@@ -429,12 +370,13 @@ def earlier_export(out_dir: str, overwrite: bool) -> list[str]:
     except OSError as e:
         raise StorageError(f"export: cannot list the folder {out_dir}: {e}") from e
     found = sorted(n for n in names if EXPORT_NAME.fullmatch(n))
-    how = "remove it yourself, or choose another folder"
-    if RECORD in names and not stat.S_ISREG(os.lstat(os.path.join(out_dir, RECORD)).st_mode):
-        raise InvalidArgumentError(
-            f"export: {os.path.join(out_dir, RECORD)} is not a regular file (a link, or a "
-            f"folder), where an export keeps its record: {how}"
-        )
+    for n in [RECORD, *found] if RECORD in names else found:
+        if not stat.S_ISREG(os.lstat(os.path.join(out_dir, n)).st_mode):
+            raise InvalidArgumentError(
+                f"export: {os.path.join(out_dir, n)} is not a regular file (a link, or a "
+                f"folder); an export replaces only files it wrote, and keeps its record in "
+                f"{RECORD}: remove it yourself, or choose another folder"
+            )
     if found and not overwrite:
         raise InvalidArgumentError(
             f"export: {out_dir} already holds an export ({', '.join(found)}); pass "
@@ -449,12 +391,6 @@ def earlier_export(out_dir: str, overwrite: bool) -> list[str]:
             f"recorded writing ({RECORD} does not list them); an export replaces only files it "
             "wrote: remove them yourself, or choose another folder"
         )
-    for n in found:
-        if not stat.S_ISREG(os.lstat(os.path.join(out_dir, n)).st_mode):
-            raise InvalidArgumentError(
-                f"export: {os.path.join(out_dir, n)} is not a regular file (a link, or a "
-                f"folder); an export replaces only files it wrote: {how}"
-            )
     return found
 
 

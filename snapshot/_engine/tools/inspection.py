@@ -1,5 +1,6 @@
 """Looking into a snapshot without restoring it: what ``statesnap ls / show / du`` compute,
-and what ``verify`` and ``diff`` share (``Tally``, ``each``, :data:`PIECE_BYTES`, :data:`JOBS`).
+and what ``verify`` and ``diff`` share (``Tally``, ``each``, :data:`PIECE_BYTES`, :data:`JOBS`;
+``BoxReader``, which export reads with too).
 
 Every function returns data and prints nothing. ``ls`` and ``du`` read only the manifest,
 which records every entry's kind, dtype, shape, byte ranges and CRC-32s. ``verify`` and ``diff``
@@ -9,6 +10,7 @@ read blobs in pieces of at most :data:`PIECE_BYTES`, a few at a time.
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple, TypeVar
@@ -17,6 +19,7 @@ import torch
 
 from manifest import (
     Entry,
+    Location,
     Manifest,
     ObjectEntry,
     PickledTensorEntry,
@@ -27,12 +30,15 @@ from manifest import (
     is_container,
     reference_of,
 )
-from snapshot._engine.format.serialization import dtype_name
+from snapshot._engine.format.serialization import crc32, dtype_name
 from snapshot._engine.format.text import printable
+from snapshot._engine.io.storage_calls import call
 from snapshot._engine.restore import suggest
 from snapshot._engine.runtime import run
-from snapshot.errors import EntryNotFoundError
+from snapshot.errors import ChecksumError, EntryNotFoundError
+from snapshot.options import Options
 from snapshot.snapshot import Snapshot
+from storage_plugins import StoragePlugin
 
 PIECE_BYTES = 16 << 20  # the most bytes ``verify`` and ``diff`` read in one request
 JOBS = 4  # blobs (``verify``) or entries (``diff``) read at once by default
@@ -72,6 +78,70 @@ def each(items: Iterable[T], jobs: int, work: Callable[[T, int], Awaitable[None]
         await asyncio.gather(*(worker(i) for i in range(jobs)))
 
     run(main())
+
+
+class BoxReader:
+    """Reads the bytes of ``chunks``, one after another, front to back (``read(start, out)``),
+    checking each chunk's CRC-32 once all of its bytes went by when ``verify``: an exported
+    box's, or an entry's that ``diff`` compares."""
+
+    def __init__(
+        self,
+        plugin: StoragePlugin,
+        chunks: Sequence[Location],
+        label: str,
+        options: Options,
+        verify: bool,
+    ) -> None:
+        self.plugin = plugin
+        self.chunks = chunks
+        self.label = label
+        self.verify = verify
+        self.options = options
+        self.chunk = 0  # the chunk being read
+        self.chunk_start = 0  # where that chunk begins in the box's bytes
+        self.crc = 0
+        self.crc_upto = 0  # bytes of the current chunk digested
+
+    async def read(self, start: int, out: memoryview) -> None:
+        end = start + len(out)
+        filled = 0
+        at = start
+        chunks = self.chunks
+        while at < end:
+            while self.chunk_start + chunks[self.chunk].nbytes <= at:
+                self._finish_chunk()
+            loc = chunks[self.chunk]
+            inner = at - self.chunk_start
+            n = min(end - at, loc.nbytes - inner)
+            piece = out[filled : filled + n]
+            # Through restore's ``call``: its retries, deadline and errors.
+            read = functools.partial(self.plugin.read_into, loc.blob, loc.offset + inner, piece)
+            await call(self.plugin, "read", loc.blob, self.label, read, options=self.options)
+            if self.verify and loc.crc32 is not None:
+                if inner == self.crc_upto:
+                    self.crc = crc32(piece, self.crc)
+                    self.crc_upto += n
+                else:  # a gap (a skipped part): this chunk can no longer be checked whole
+                    self.crc_upto = -1
+            filled += n
+            at += n
+        while self.chunk < len(chunks) and self.chunk_start + chunks[self.chunk].nbytes <= end:
+            self._finish_chunk()
+
+    def _finish_chunk(self) -> None:
+        loc = self.chunks[self.chunk]
+        whole = self.verify and loc.crc32 is not None and self.crc_upto == loc.nbytes
+        if whole and self.crc != loc.crc32:
+            raise ChecksumError(
+                f"{self.label}: blob {self.plugin.describe(loc.blob)} bytes "
+                f"{loc.offset:,}..{loc.offset + loc.nbytes:,} have CRC-32 {self.crc:#010x}, "
+                f"the snapshot recorded {loc.crc32:#010x}"
+            )
+        self.chunk_start += loc.nbytes
+        self.chunk += 1
+        self.crc = 0
+        self.crc_upto = 0
 
 
 _UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB")

@@ -50,7 +50,6 @@ class Problem:
 class VerifyReport:
     """What ``verify`` found. ``problems`` are sorted by blob and offset."""
 
-    where: str
     entries: int
     blobs: int
     bytes_read: int = 0
@@ -137,9 +136,6 @@ class _ArchiveView(io.RawIOBase):
 
     def seekable(self) -> bool:
         return True
-
-    def tell(self) -> int:
-        return self.pos
 
     def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
         base = {io.SEEK_SET: 0, io.SEEK_CUR: self.pos, io.SEEK_END: self.size}[whence]
@@ -313,8 +309,8 @@ def verify(
     manifest = load_manifest(path, storage_options, options)
     by_blob = _ranges_by_blob(manifest)
     sizes = manifest.blob_sizes
-    report = VerifyReport(where=path, entries=len(manifest.entries), blobs=len(by_blob))
-    report.ranges = sum(len(r) for r in by_blob.values())
+    ranges = sum(len(r) for r in by_blob.values())
+    report = VerifyReport(len(manifest.entries), len(by_blob), ranges=ranges)
     tally = Tally(progress, len(by_blob), sum(sizes.values()))
     workers = max(1, min(jobs, len(by_blob)))
     size = max(1, min(piece_bytes, max(sizes.values(), default=0)))
