@@ -136,14 +136,6 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _message(error: BaseException) -> str:
-    """The library's errors say what happened on their own; others get their type's name."""
-    text = str(error)
-    if isinstance(error, SnapshotError) and text:
-        return text
-    return f"{type(error).__name__}: {text}" if text else type(error).__name__
-
-
 def _exit_code(error: BaseException) -> int:
     """The code of an error that stopped a command (:data:`EXIT_CODES`)."""
     if isinstance(error, CorruptSnapshotError):  # damaged or unsafe: checksums, symlinks...
@@ -161,8 +153,12 @@ _LINE_BREAK = re.compile(r"\s*\n\s*")
 def _error_line(error: BaseException) -> str:
     """The one line on stderr for an error that stopped a command: its message on one line
     (a parser's message quoting the place it failed spans lines), cut when very long, and
-    escaped (it may quote what a snapshot holds)."""
-    text = _LINE_BREAK.sub(" ", _message(error).strip())
+    escaped (it may quote what a snapshot holds). The library's errors say what happened on
+    their own; others get their type's name."""
+    text = str(error)
+    if not (isinstance(error, SnapshotError) and text):
+        text = f"{type(error).__name__}: {text}" if text else type(error).__name__
+    text = _LINE_BREAK.sub(" ", text.strip())
     if len(text) > _MESSAGE_CHARS:
         more = len(text) - _MESSAGE_CHARS
         text = f"{text[:_MESSAGE_CHARS]}... ({more:,} more characters; -v shows them)"
@@ -170,11 +166,6 @@ def _error_line(error: BaseException) -> str:
     if _exit_code(error) == EXIT_INTERNAL:
         return f"statesnap: internal error: {text} (a bug in statesnap; -v shows the traceback)"
     return f"statesnap: error: {text}"
-
-
-def _traceback(error: BaseException) -> str:
-    """``error``'s traceback, each line escaped: its messages may quote a snapshot's keys."""
-    return printable_message("".join(traceback.format_exception(error)).rstrip("\n"))
 
 
 def _say(text: str) -> None:
@@ -228,8 +219,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         _say("statesnap: interrupted")
         return EXIT_INTERRUPTED
     except Exception as e:
-        if args.verbose:
-            _say(_traceback(e))
+        if args.verbose:  # escaped: its messages may quote a snapshot's keys
+            _say(printable_message("".join(traceback.format_exception(e)).rstrip("\n")))
         _say(_error_line(e))
         return _exit_code(e)
 

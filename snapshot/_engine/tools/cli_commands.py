@@ -471,12 +471,11 @@ def run_prune(args: argparse.Namespace) -> int:
 
 def _positive(text: str) -> int:
     try:
-        value = int(text)
+        if int(text) >= 1:
+            return int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
+        pass
+    raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
 
 
 # Each positional argument's help; its metavar is its name in capitals.

@@ -95,13 +95,13 @@ def _tensor_type(entry: TensorEntry) -> str:
     return f"{name} (requires_grad)" if entry.requires_grad else name
 
 
-def _compare(path: str, a: Entry, b: Entry) -> Difference | bool:
+def _compare(path: str, a: Entry, other: Entry) -> Difference | bool:
     """A difference seen in the manifests, else whether the bytes must be read to tell
     (False: the entries are the same)."""
-    if type(a) is not type(b):
-        return Difference(path, "kind", f"{a.type} -> {b.type}")
+    if type(a) is not type(other):
+        return Difference(path, "kind", f"{a.type} -> {other.type}")
+    b: Any = other  # of ``a``'s type
     if isinstance(a, TensorEntry):
-        assert isinstance(b, TensorEntry)
         what = []
         if a.dtype != b.dtype:
             what.append(("dtype", f"{a.dtype} -> {b.dtype}"))
@@ -114,7 +114,6 @@ def _compare(path: str, a: Entry, b: Entry) -> Difference | bool:
         if what:
             return Difference(path, ", ".join(w for w, _ in what), "; ".join(d for _, d in what))
     elif isinstance(a, ShardedTensorEntry):
-        assert isinstance(b, ShardedTensorEntry)
         if (a.dtype, a.shape) != (b.dtype, b.shape):
             return Difference(
                 path,
@@ -131,11 +130,9 @@ def _compare(path: str, a: Entry, b: Entry) -> Difference | bool:
                 "compared)",
             )
     elif isinstance(a, (ObjectEntry, ShardedObjectEntry)):
-        assert isinstance(b, (ObjectEntry, ShardedObjectEntry))
         if (a.obj_type, a.serializer) != (b.obj_type, b.serializer):
             return Difference(path, "type", f"{a.obj_type} -> {b.obj_type}")
     elif isinstance(a, PrimitiveEntry):
-        assert isinstance(b, PrimitiveEntry)
         # repr tells 1 from True and 1.0, -0.0 from 0.0, and finds nan equal to nan.
         if (a.value_type, repr(a.value)) != (b.value_type, repr(b.value)):
             return Difference(
@@ -143,7 +140,6 @@ def _compare(path: str, a: Entry, b: Entry) -> Difference | bool:
             )
         return False
     elif isinstance(a, DictEntry):
-        assert isinstance(b, DictEntry)
         if a.keys != b.keys or a.ordered != b.ordered:
             # Sets: asking a tuple of keys for each key is quadratic in a dict's size.
             kept_a, kept_b = set(a.keys), set(b.keys)
@@ -158,7 +154,6 @@ def _compare(path: str, a: Entry, b: Entry) -> Difference | bool:
             return Difference(path, "keys", detail)
         return False
     elif isinstance(a, (ListEntry, TupleEntry)):
-        assert isinstance(b, (ListEntry, TupleEntry))
         if a.length != b.length:
             return Difference(path, "length", f"{a.length} -> {b.length}")
         return False
