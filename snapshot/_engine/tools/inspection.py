@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple, TypeVar
 
@@ -235,8 +235,7 @@ def list_entries(manifest: Manifest, prefix: str | None = None) -> Listing:
         prefix = prefix.rstrip("/")
         items = [(p, e) for p, e in items if p == prefix or p.startswith(prefix + "/")]
         if not items:
-            close = close_matches(entries, prefix)
-            hint = f"; close matches: {', '.join(map(printable, close))}" if close else ""
+            hint = _close_matches(entries, prefix)
             raise EntryNotFoundError(f"no entry at or below {prefix!r}{hint}")
     rows = []
     for path, entry in items:
@@ -355,15 +354,12 @@ def _rank_order(rank: str) -> tuple[int, str]:
 # show
 
 
-def close_matches(entries: Sequence[str] | dict[str, Any], key: str, n: int = 5) -> list[str]:
-    """Logical paths resembling ``key``: the same path under rank 0 first, then difflib's
-    closest (``suggest.close_matches``)."""
-    paths = list(entries)
+def _close_matches(entries: Mapping[str, Any], key: str) -> str:
+    """``"; close matches: ..."``, naming logical paths resembling ``key`` (the same path under
+    rank 0 first, then difflib's closest: ``suggest.close_matches``), or "" for none."""
     found = [f"0/{key}"] if f"0/{key}" in entries else []
-    for p in suggest.close_matches(key, paths, n=n, cutoff=0.6):
-        if p not in found:
-            found.append(p)
-    return found[:n]
+    found += [p for p in suggest.close_matches(key, entries, n=5) if p not in found]
+    return f"; close matches: {', '.join(map(printable, found[:5]))}" if found else ""
 
 
 def read_entry(path: str, key: str, storage_options: dict[str, Any] | None) -> tuple[Entry, Any]:
@@ -377,11 +373,9 @@ def read_entry(path: str, key: str, storage_options: dict[str, Any] | None) -> t
     entries = snap.get_manifest()
     entry = entries.get(key)
     if entry is None:
-        close = close_matches(entries, key)
         hint = (
-            f"; close matches: {', '.join(map(printable, close))}"
-            if close
-            else f"; `statesnap ls {path}` lists its {len(entries)} entries"
+            _close_matches(entries, key)
+            or f"; `statesnap ls {path}` lists its {len(entries)} entries"
         )
         raise EntryNotFoundError(f"snapshot {path} has no entry {key!r}{hint}")
     return entry, snap.read_object(key)

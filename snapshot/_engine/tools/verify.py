@@ -309,8 +309,8 @@ def verify(
     manifest = load_manifest(path, storage_options, options)
     by_blob = _ranges_by_blob(manifest)
     sizes = manifest.blob_sizes
-    ranges = sum(len(r) for r in by_blob.values())
-    report = VerifyReport(len(manifest.entries), len(by_blob), ranges=ranges)
+    report = VerifyReport(len(manifest.entries), len(by_blob))
+    report.ranges = sum(len(r) for r in by_blob.values())
     tally = Tally(progress, len(by_blob), sum(sizes.values()))
     workers = max(1, min(jobs, len(by_blob)))
     size = max(1, min(piece_bytes, max(sizes.values(), default=0)))
@@ -326,69 +326,48 @@ def verify(
         each(by_blob.items(), workers, check)
     if manifest.metadata.get("format") == "torchsnapshot":
         report.foreign = str(manifest.metadata.get("library", "torchsnapshot"))
-    _decode_unchecked(manifest, path, storage_options, report, options)
-    _check_views(manifest, report)
+    # A pickle without a recorded CRC-32 whose blob showed no problem is decoded by the safe
+    # loader (then the only check), once per byte range; one needing a type the loader does not
+    # allow is named in ``not_decoded``, not counted as damage. A tensor recorded as a view of
+    # another's storage is refused where a read would refuse it (``reads.resolve_view``).
+    damaged = {p for problem in report.problems for p in problem.paths}
+    decoded: set[tuple[tuple[str, int, int], ...]] = set()
+    for key, entry in manifest.entries.items():
+        locations, what = entry.locations, ""
+        stored = tuple((loc.blob, loc.offset, loc.nbytes) for loc in locations)
+        if type(entry) is TensorEntry and entry.view is not None:
+            try:
+                resolve_view(manifest.entries, key, entry)
+            except SnapshotError as e:
+                what = f"a view that a read refuses: {e}"
+        elif (
+            _is_archive(entry)
+            and key not in damaged
+            and all(loc.crc32 is None for loc in locations)
+            and stored not in decoded
+        ):
+            decoded.add(stored)
+            try:
+                read_object(
+                    manifest,
+                    key,
+                    None,
+                    None,
+                    path=path,
+                    storage_options=storage_options,
+                    options=options,
+                )
+            except UnsafeObjectError:
+                report.not_decoded.append(key)
+            except SnapshotError as e:
+                what = f"cannot be decoded: {e}"
+            else:
+                report.decoded += 1
+        if what:  # placed at the entry's first stored range
+            first = locations[0] if locations else Location(blob="", offset=0, nbytes=0)
+            end = first.offset + first.nbytes
+            report.problems.append(Problem(first.blob, first.offset, end, (key,), what))
     # Per blob: its own problems (length) first, then its entries' by offset.
     report.problems.sort(key=lambda p: (p.blob, bool(p.paths), p.start, p.end, p.paths))
     report.sizes_unknown.sort()
     return report
-
-
-def _check_views(manifest: Manifest, report: VerifyReport) -> None:
-    """Reports each tensor entry recorded as a view of another's storage whose base a read
-    would refuse (``reads.resolve_view``), as listed."""
-    entries = manifest.entries
-    for key, entry in entries.items():
-        if type(entry) is not TensorEntry or entry.view is None:
-            continue
-        try:
-            resolve_view(entries, key, entry)
-        except SnapshotError as e:
-            report.problems.append(
-                _entry_problem(key, entry.chunks, f"a view that a read refuses: {e}")
-            )
-
-
-def _entry_problem(key: str, locations: Sequence[Location], what: str) -> Problem:
-    """A problem of entry ``key`` as a whole, placed at its first stored range."""
-    first = locations[0] if locations else Location(blob="", offset=0, nbytes=0)
-    return Problem(first.blob, first.offset, first.offset + first.nbytes, (key,), what)
-
-
-def _decode_unchecked(
-    manifest: Manifest,
-    path: str,
-    storage_options: dict[str, Any] | None,
-    report: VerifyReport,
-    options: Options,
-) -> None:
-    """Decodes with the safe loader each pickle without a recorded CRC-32 whose blob showed no
-    problem (decoding is then the only check), once per byte range; one needing a type the
-    loader does not allow is named in ``not_decoded``, not counted as damage."""
-    damaged = {p for problem in report.problems for p in problem.paths}
-    seen: set[tuple[tuple[str, int, int], ...]] = set()
-    for key, entry in manifest.entries.items():
-        pickled = _is_archive(entry)
-        locations = entry.locations
-        if not pickled or key in damaged or any(loc.crc32 is not None for loc in locations):
-            continue
-        ranges = tuple((loc.blob, loc.offset, loc.nbytes) for loc in locations)
-        if ranges in seen:
-            continue
-        seen.add(ranges)
-        try:
-            read_object(
-                manifest,
-                key,
-                None,
-                None,
-                path=path,
-                storage_options=storage_options,
-                options=options,
-            )
-        except UnsafeObjectError:
-            report.not_decoded.append(key)
-        except SnapshotError as e:
-            report.problems.append(_entry_problem(key, locations, f"cannot be decoded: {e}"))
-        else:
-            report.decoded += 1
