@@ -14,7 +14,7 @@ import os
 import sys
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, TextIO
+from typing import Any
 
 import torch
 
@@ -39,41 +39,32 @@ from snapshot.options import Options
 
 
 class _ProgressLine:
-    """One line on a terminal, rewritten as a long operation advances; nothing at all when the
-    stream is not a terminal (a pipe, a file, a CI log)."""
+    """One line on stderr when it is a terminal, rewritten at most every tenth of a second as a
+    long operation advances; nothing at all on a pipe, a file, a CI log."""
 
-    _INTERVAL_SECS = 0.1
-
-    def __init__(self, stream: TextIO, label: str, unit: str) -> None:
-        self.stream = stream
-        self.label = label
-        self.unit = unit
+    def __init__(self, label: str, unit: str) -> None:
+        self.label, self.unit, self.last, self.shown = label, unit, -math.inf, False
         try:
-            self.enabled = bool(stream.isatty())
+            self.enabled = bool(sys.stderr.isatty())
         except (AttributeError, ValueError, OSError):
             self.enabled = False
-        self._last = -math.inf
-        self._shown = False
 
     def __call__(self, done: int, total: int, done_bytes: int, total_bytes: int) -> None:
-        if not self.enabled:
-            return
         now = time.monotonic()
-        if done < total and now - self._last < self._INTERVAL_SECS:
+        if not self.enabled or (done < total and now - self.last < 0.1):
             return
-        self._last = now
-        self.stream.write(
+        self.last, self.shown = now, True
+        sys.stderr.write(
             f"\r{self.label}: {done}/{total} {self.unit}, "
             f"{human_bytes(done_bytes)} / {human_bytes(total_bytes)}\x1b[K"
         )
-        self.stream.flush()
-        self._shown = True
+        sys.stderr.flush()
 
     def clear(self) -> None:
-        if self._shown:
-            self.stream.write("\r\x1b[K")
-            self.stream.flush()
-            self._shown = False
+        if self.shown:
+            sys.stderr.write("\r\x1b[K")
+            sys.stderr.flush()
+            self.shown = False
 
 
 def _table(header: Sequence[str], rows: Sequence[Sequence[str]], right: set[int]) -> list[str]:
@@ -243,7 +234,7 @@ def run_show(args: argparse.Namespace) -> int:
 
 
 def run_verify(args: argparse.Namespace) -> int:
-    progress = _ProgressLine(sys.stderr, "verify", "blobs")
+    progress = _ProgressLine("verify", "blobs")
     try:
         report = verify(args.path, args.storage_options, jobs=args.jobs, progress=progress)
     finally:
@@ -337,7 +328,7 @@ def run_du(args: argparse.Namespace) -> int:
 
 
 def run_diff(args: argparse.Namespace) -> int:
-    progress = _ProgressLine(sys.stderr, "diff", "entries")
+    progress = _ProgressLine("diff", "entries")
     try:
         report = diff(
             args.path_a, args.path_b, args.storage_options, jobs=args.jobs, progress=progress
@@ -373,17 +364,9 @@ def run_diff(args: argparse.Namespace) -> int:
 def run_export(args: argparse.Namespace) -> int:
     from snapshot.export import export
 
-    files = export(
-        args.snapshot,
-        args.out,
-        format=args.format,
-        key=args.key,
-        strip_prefix=args.strip_prefix,
-        dtype=args.dtype,
-        max_shard_size=args.max_shard_size,
-        storage_options=args.storage_options,
-        overwrite=args.overwrite,
-    )
+    names = ("format", "key", "strip_prefix", "dtype", "max_shard_size", "overwrite")
+    flags = {name: getattr(args, name) for name in names}
+    files = export(args.snapshot, args.out, storage_options=args.storage_options, **flags)
     _write_lines([f"wrote {printable(f)}" for f in files])
     return 0
 

@@ -239,7 +239,7 @@ def diff(
                 read_b = BoxReader(pb, b.locations, path, options, verify=False)
                 for pos in range(0, a.nbytes, size):
                     n = min(size, a.nbytes - pos)
-                    await asyncio.gather(read_a.read(pos, view_a[:n]), read_b.read(pos, view_b[:n]))
+                    await asyncio.gather(read_a.read(view_a[:n]), read_b.read(view_b[:n]))
                     tally(n)
                     # bytearray equality is a memcmp; slices copy, but only the last piece's.
                     if not (buf_a == buf_b if n == size else buf_a[:n] == buf_b[:n]):

@@ -186,14 +186,12 @@ def stream_tensor(
             lo, hi = max(a, offsets[0]), min(b, offsets[0] + sizes[0])
             if lo >= hi:
                 continue
-            start = (lo - offsets[0]) * math.prod(sizes[1:]) * source.dtype.itemsize
             if tuple(sizes[1:]) == tuple(shape[1:]):
                 # Whole rows (a dense tensor, a shard along the leading axis): read in place.
-                run(reader.read(start, _bytes_of(tile[lo - a : hi - a])))
+                run(reader.read(_bytes_of(tile[lo - a : hi - a])))
                 continue
             piece = torch.empty((hi - lo, *sizes[1:]), dtype=source.dtype)
-            if piece.numel():
-                run(reader.read(start, _bytes_of(piece)))
+            run(reader.read(_bytes_of(piece)))
             inner = tuple(slice(o, o + n) for o, n in zip(offsets[1:], sizes[1:], strict=True))
             tile[(slice(lo - a, hi - a), *inner)].copy_(piece)
         write(_bytes_of(tile if source.out_dtype == source.dtype else tile.to(source.out_dtype)))

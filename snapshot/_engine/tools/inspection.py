@@ -81,9 +81,9 @@ def each(items: Iterable[T], jobs: int, work: Callable[[T, int], Awaitable[None]
 
 
 class BoxReader:
-    """Reads the bytes of ``chunks``, one after another, front to back (``read(start, out)``),
-    checking each chunk's CRC-32 once all of its bytes went by when ``verify``: an exported
-    box's, or an entry's that ``diff`` compares."""
+    """Reads the bytes of ``chunks``, one after another, front to back: ``read(out)`` fills
+    ``out`` with the next ``len(out)``. When ``verify``, each chunk's CRC-32 is checked once all
+    of its bytes went by. An exported box's bytes, or an entry's that ``diff`` compares."""
 
     def __init__(
         self,
@@ -96,52 +96,36 @@ class BoxReader:
         self.plugin = plugin
         self.chunks = chunks
         self.label = label
-        self.verify = verify
         self.options = options
+        self.verify = verify
         self.chunk = 0  # the chunk being read
-        self.chunk_start = 0  # where that chunk begins in the box's bytes
-        self.crc = 0
-        self.crc_upto = 0  # bytes of the current chunk digested
+        self.inner = 0  # its bytes read
+        self.crc = 0  # their CRC-32
 
-    async def read(self, start: int, out: memoryview) -> None:
-        end = start + len(out)
+    async def read(self, out: memoryview) -> None:
         filled = 0
-        at = start
-        chunks = self.chunks
-        while at < end:
-            while self.chunk_start + chunks[self.chunk].nbytes <= at:
-                self._finish_chunk()
-            loc = chunks[self.chunk]
-            inner = at - self.chunk_start
-            n = min(end - at, loc.nbytes - inner)
+        while filled < len(out):
+            loc = self.chunks[self.chunk]
+            n = min(len(out) - filled, loc.nbytes - self.inner)
             piece = out[filled : filled + n]
             # Through restore's ``call``: its retries, deadline and errors.
-            read = functools.partial(self.plugin.read_into, loc.blob, loc.offset + inner, piece)
+            read = functools.partial(
+                self.plugin.read_into, loc.blob, loc.offset + self.inner, piece
+            )
             await call(self.plugin, "read", loc.blob, self.label, read, options=self.options)
             if self.verify and loc.crc32 is not None:
-                if inner == self.crc_upto:
-                    self.crc = crc32(piece, self.crc)
-                    self.crc_upto += n
-                else:  # a gap (a skipped part): this chunk can no longer be checked whole
-                    self.crc_upto = -1
+                self.crc = crc32(piece, self.crc)
             filled += n
-            at += n
-        while self.chunk < len(chunks) and self.chunk_start + chunks[self.chunk].nbytes <= end:
-            self._finish_chunk()
-
-    def _finish_chunk(self) -> None:
-        loc = self.chunks[self.chunk]
-        whole = self.verify and loc.crc32 is not None and self.crc_upto == loc.nbytes
-        if whole and self.crc != loc.crc32:
-            raise ChecksumError(
-                f"{self.label}: blob {self.plugin.describe(loc.blob)} bytes "
-                f"{loc.offset:,}..{loc.offset + loc.nbytes:,} have CRC-32 {self.crc:#010x}, "
-                f"the snapshot recorded {loc.crc32:#010x}"
-            )
-        self.chunk_start += loc.nbytes
-        self.chunk += 1
-        self.crc = 0
-        self.crc_upto = 0
+            self.inner += n
+            if self.inner < loc.nbytes:
+                continue
+            if self.verify and loc.crc32 is not None and self.crc != loc.crc32:
+                raise ChecksumError(
+                    f"{self.label}: blob {self.plugin.describe(loc.blob)} bytes "
+                    f"{loc.offset:,}..{loc.offset + loc.nbytes:,} have CRC-32 {self.crc:#010x}, "
+                    f"the snapshot recorded {loc.crc32:#010x}"
+                )
+            self.chunk, self.inner, self.crc = self.chunk + 1, 0, 0
 
 
 _UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB")
