@@ -103,8 +103,9 @@ def export(
             f"export: snapshot {path} has no tensors under {key or 'any key'}"
         )
     files = engine.plan_files(sources, max_bytes)
-    if format == "safetensors":
-        engine.check_safetensors(files)
+    if format == "safetensors":  # every header built now, refusing what the format cannot hold
+        for group in files:
+            engine.safetensors_header(group)
     engine.earlier_export(out, overwrite)  # refused now, before an hour of writing
     # A tile, a box's piece of it, the cast copy and the plugin's read buffer: a quarter of
     # the budget each at most.

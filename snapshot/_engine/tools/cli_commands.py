@@ -70,8 +70,7 @@ class _ProgressLine:
 def _table(header: Sequence[str], rows: Sequence[Sequence[str]], right: set[int]) -> list[str]:
     """Aligned text columns (those in ``right`` right-aligned), without trailing spaces."""
     widths = [max([len(h), *(len(row[i]) for row in rows)]) for i, h in enumerate(header)]
-    template = "  ".join(f"{{:{'>' if i in right else '<'}{w}}}" for i, w in enumerate(widths))
-    fmt = template.format
+    fmt = "  ".join(f"{{:{'>' if i in right else '<'}{w}}}" for i, w in enumerate(widths)).format
     return [fmt(*header).rstrip(), *(fmt(*row).rstrip() for row in rows)]
 
 
@@ -95,8 +94,6 @@ def _size(n: int, exact: bool) -> str:
 def _write_lines(lines: Sequence[str]) -> None:
     """Writes ``lines`` to stdout in one call. A reader that went away (``statesnap ls | head``)
     ends the output quietly; the command still returns its own exit code."""
-    if not lines:
-        return
     try:
         sys.stdout.write("\n".join(lines) + "\n")
         sys.stdout.flush()
@@ -104,14 +101,10 @@ def _write_lines(lines: Sequence[str]) -> None:
         # Stdout pointed at the null device: the flush at exit would fail too.
         try:
             devnull = os.open(os.devnull, os.O_WRONLY)
-        except OSError:
-            return
-        try:
             os.dup2(devnull, sys.stdout.fileno())
+            os.close(devnull)
         except (OSError, ValueError, AttributeError):
             pass
-        finally:
-            os.close(devnull)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -162,8 +155,6 @@ def _total(counts: str, totals: Listing | Usage, once: str, exact: bool) -> str:
 def _number(value: Any) -> str:
     if value is None:
         return "n/a"
-    if isinstance(value, bool):
-        return str(value)
     if isinstance(value, float):
         text = f"{value:.6g}"
         # 1.0, not 1: say it is a float

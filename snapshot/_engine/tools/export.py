@@ -222,22 +222,10 @@ RESERVED_NAME = "__metadata__"  # the header's key for the file's metadata
 MAX_HEADER_BYTES = 100_000_000  # the safetensors library's ``MAX_HEADER_SIZE``
 
 
-def check_safetensors(files: Sequence[Sequence[Source]]) -> None:
-    """Builds every planned file's header before anything is written (refusing those larger
-    than the format's readers accept)."""
-    for group in files:
-        size = len(safetensors_header(group)) - 8
-        if size > MAX_HEADER_BYTES:
-            raise UnsupportedValueError(
-                f"the safetensors header of the {len(group):,} tensors of one file would be "
-                f"{size:,} bytes, over the {MAX_HEADER_BYTES:,} the format's readers accept; "
-                "pass a smaller max_shard_size (--max-shard-size) to split them"
-            )
-
-
 def safetensors_header(sources: Sequence[Source]) -> bytes:
     """A safetensors file's header for ``sources``: its 8-byte length and the JSON, padded with
-    spaces to a multiple of 8 bytes. Refuses names it cannot carry."""
+    spaces to a multiple of 8 bytes. Refuses names it cannot carry, and a header larger than the
+    format's readers accept."""
     header: dict[str, Any] = {RESERVED_NAME: {"format": "pt"}}
     offset = 0
     for s in sources:
@@ -269,6 +257,12 @@ def safetensors_header(sources: Sequence[Source]) -> bytes:
         offset += s.out_bytes
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-(len(text) + 8) % 8)
+    if len(text) > MAX_HEADER_BYTES:
+        raise UnsupportedValueError(
+            f"the safetensors header of the {len(sources):,} tensors of one file would be "
+            f"{len(text):,} bytes, over the {MAX_HEADER_BYTES:,} the format's readers accept; "
+            "pass a smaller max_shard_size (--max-shard-size) to split them"
+        )
     return struct.pack("<Q", len(text)) + text
 
 
