@@ -28,6 +28,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 import manifest as mf
 from manifest import (
     DictEntry,
@@ -52,24 +54,9 @@ _MAX_ENTRIES = 10_000_000
 _MAX_NUMEL = 1 << 62
 
 # torchsnapshot 0.1.0's dtype names ("torch.float32") and their sizes in bytes.
-_DTYPES: dict[str, int] = {
-    "float64": 8,
-    "float32": 4,
-    "float16": 2,
-    "bfloat16": 2,
-    "complex128": 16,
-    "complex64": 8,
-    "int64": 8,
-    "int32": 4,
-    "int16": 2,
-    "int8": 1,
-    "uint8": 1,
-    "bool": 1,
-    "qint32": 4,
-    "qint8": 1,
-    "quint8": 1,
-}
 _QUANTIZED = {"qint32", "qint8", "quint8"}
+_RAW = "float64 float32 float16 bfloat16 complex128 complex64 int64 int32 int16 int8 uint8 bool"
+_DTYPES = {name: getattr(torch, name).itemsize for name in [*_RAW.split(), *_QUANTIZED]}
 _PRIMITIVES = {"int", "float", "str", "bool", "bytes"}
 _INT_TEXT = re.compile(r"[-+]?[0-9]{1,4000}")
 _RANK = re.compile(r"0|[1-9][0-9]{0,8}")
