@@ -334,22 +334,6 @@ def sync_folder(path: str) -> None:
         os.close(fd)
 
 
-def recorded_names(out_dir: str) -> set[str]:
-    """The export names ``out_dir``'s record lists (anyone can edit it: other names are
-    ignored); empty when it is missing, a link, not a regular file, too large or not JSON."""
-    try:
-        fd = os.open(os.path.join(out_dir, RECORD), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-        with os.fdopen(fd, "rb") as f:
-            regular = stat.S_ISREG(os.fstat(fd).st_mode)
-            data = f.read(_MAX_RECORD_BYTES + 1) if regular else b""
-        record = json.loads(data) if 0 < len(data) <= _MAX_RECORD_BYTES else None
-    except (OSError, ValueError):
-        return set()
-    listed = record.get("files") if isinstance(record, dict) else None
-    names = listed if isinstance(listed, list) else []
-    return {n for n in names if isinstance(n, str) and EXPORT_NAME.fullmatch(n)}
-
-
 def earlier_export(out_dir: str, overwrite: bool) -> list[str]:
     """The earlier export's files in ``out_dir`` that this one replaces (reads only); refuses
     any without ``overwrite``, and one the record does not list or that is not a regular file."""
@@ -375,8 +359,18 @@ def earlier_export(out_dir: str, overwrite: bool) -> list[str]:
             "overwrite=True (statesnap export --overwrite) to replace it, or choose another "
             "folder"
         )
-    recorded = recorded_names(out_dir) if found else set()
-    unrecorded = [n for n in found if n not in recorded]
+    # The export names the record lists (anyone can edit it: other names are ignored); none when
+    # it is missing, a link, not a regular file, too large or not JSON.
+    recorded: Any = None
+    try:
+        fd = os.open(os.path.join(out_dir, RECORD), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        with os.fdopen(fd, "rb") as f:
+            data = f.read(_MAX_RECORD_BYTES + 1) if stat.S_ISREG(os.fstat(fd).st_mode) else b""
+        recorded = json.loads(data) if 0 < len(data) <= _MAX_RECORD_BYTES else None
+    except (OSError, ValueError):
+        pass
+    listed = recorded.get("files") if isinstance(recorded, dict) else None
+    unrecorded = [n for n in found if not (isinstance(listed, list) and n in listed)]
     if unrecorded:
         raise InvalidArgumentError(
             f"export: {out_dir} holds {', '.join(unrecorded)}, which no statesnap export "
