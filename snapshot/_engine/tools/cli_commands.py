@@ -366,12 +366,8 @@ def run_export(args: argparse.Namespace) -> int:
 # steps and prune: a checkpoint manager's step folders (``snapshot.manager``)
 
 
-def _steps(args: argparse.Namespace) -> Steps:
-    return Steps(args.root, args.storage_options, Options.from_env())
-
-
 def run_steps(args: argparse.Namespace) -> int:
-    found = _steps(args).scan()
+    found = Steps(args.root, args.storage_options, Options.from_env()).scan()
     exact = args.bytes
     rows = []
     for s in found:
@@ -406,7 +402,7 @@ def run_prune(args: argparse.Namespace) -> int:
         raise InvalidArgumentError(
             "prune: give at least one of --keep-last, --keep-every, --keep-best"
         )
-    steps = _steps(args)
+    steps = Steps(args.root, args.storage_options, Options.from_env())
     found = steps.scan()
     committed = [Step(s.step, s.name, s.metrics, s.bases) for s in found if s.committed]
     unreadable = [s.name for s in found if s.state == UNREADABLE]
