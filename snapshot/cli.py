@@ -20,15 +20,7 @@ from typing import Any
 
 from snapshot import __version__
 from snapshot._engine.format.text import printable_message
-from snapshot._engine.tools.cli_commands import (
-    add_export_parser,
-    add_step_parsers,
-    run_diff,
-    run_du,
-    run_ls,
-    run_show,
-    run_verify,
-)
+from snapshot._engine.tools.cli_commands import add_commands
 from snapshot.errors import CorruptSnapshotError, SnapshotError
 
 EXIT_OK = 0
@@ -102,16 +94,6 @@ def storage_options_from(pairs: Sequence[tuple[tuple[str, ...], Any]]) -> dict[s
     return options
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
-
-
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="statesnap",
@@ -123,33 +105,25 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "-v", "--verbose", action="count", default=0, help="more logging, and tracebacks of errors"
     )
-    parser.add_argument(
-        "--storage-option",
-        dest="storage_option",
-        metavar="KEY=VALUE",
-        action="append",
-        type=_storage_option,
-        default=[],
-        help="an option for the storage plugin (repeatable); VALUE is parsed as JSON when it "
-        "can be, else kept as a string; a dotted KEY (client_kwargs.region_name=us-east-1) "
-        "makes nested options",
-    )
-    parser.add_argument("--version", action="version", version=f"statesnap {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-
     # The storage option is accepted after the command too (``statesnap ls PATH --storage-option
     # ...``), under another name: a sub-parser's default would overwrite the main parser's value.
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument(
-        "--storage-option",
-        dest="sub_storage_option",
-        metavar="KEY=VALUE",
-        action="append",
-        type=_storage_option,
-        default=[],
-        help="as before the command",
+    option: dict[str, Any] = dict(
+        metavar="KEY=VALUE", action="append", type=_storage_option, default=[]
     )
-
+    parser.add_argument(
+        "--storage-option",
+        dest="storage_option",
+        help="an option for the storage plugin (repeatable); VALUE is parsed as JSON when it "
+        "can be, else kept as a string; a dotted KEY (client_kwargs.region_name=us-east-1) "
+        "makes nested options",
+        **option,
+    )
+    common.add_argument(
+        "--storage-option", dest="sub_storage_option", help="as before the command", **option
+    )
+    parser.add_argument("--version", action="version", version=f"statesnap {__version__}")
     p_demo = sub.add_parser(
         "demo", help="train a small model, snapshot it, restore it, check training continues"
     )
@@ -158,79 +132,8 @@ def _parser() -> argparse.ArgumentParser:
     )
     p_demo.add_argument("--steps", type=int, default=5, help="training steps before and after")
     p_demo.set_defaults(func=_demo)
-
-    def command(name: str, func: Any, help: str, description: str) -> argparse.ArgumentParser:
-        p = sub.add_parser(name, parents=[common], help=help, description=description)
-        if name != "diff":
-            p.add_argument("path", metavar="PATH", help="the snapshot (local path or URL)")
-        p.set_defaults(func=func)
-        return p
-
-    p_ls = command(
-        "ls",
-        run_ls,
-        "list the entries of a snapshot (from its manifest; reads no blob)",
-        "One row per manifest entry: logical path, kind, dtype (or the type of an object or "
-        "primitive), shape, bytes stored; totals at the end.",
-    )
-    p_ls.add_argument(
-        "--prefix", metavar="LOGICAL_PATH", help="only this entry and those below it (0/model)"
-    )
-    p_show = command(
-        "show",
-        run_show,
-        "show one entry: a tensor's summary, any other value's repr",
-        "Reads one entry (a container: everything below it) and shows it: for a tensor its "
-        "dtype, shape, min/max/mean where the dtype allows them and its first values; for "
-        "anything else its repr, cut when long.",
-    )
-    p_show.add_argument("key", metavar="KEY", help="the entry's logical path, as ls shows it")
-    p_show.add_argument(
-        "--values", type=_positive, default=8, help="tensor elements to show (default 8)"
-    )
-    p_show.add_argument(
-        "--max-chars", type=_positive, default=2000, help="cut a repr after this many characters"
-    )
-    p_verify = command(
-        "verify",
-        run_verify,
-        "read every blob and check sizes and checksums against the manifest",
-        "Reads every blob in pieces of at most 16 MiB and checks its length and every byte "
-        "range's CRC-32 against the manifest, naming each damaged entry. Exit code 0 when all "
-        "is well, 1 on any problem.",
-    )
-    p_du = command(
-        "du",
-        run_du,
-        "bytes per app_state key and rank, largest first",
-        "Bytes per top-level key per rank, largest first, with the total. Replicated entries "
-        "count for every rank that restores them, and once in 'stored'.",
-    )
-    for p in (p_ls, p_du):
-        p.add_argument("--bytes", action="store_true", help="sizes as exact byte counts")
-    p_diff = command(
-        "diff",
-        run_diff,
-        "which entries of two snapshots differ",
-        "Compares two snapshots entry by entry: paths only in one, kind, dtype, shape, "
-        "primitive values, and bytes (through the recorded CRC-32s; entries without them are "
-        "read and compared). Exit code 0 when identical, 1 when they differ.",
-    )
-    p_diff.add_argument("path_a", metavar="PATH_A", help="the first snapshot (A)")
-    p_diff.add_argument("path_b", metavar="PATH_B", help="the second snapshot (B)")
-    for p in (p_verify, p_diff):
-        p.add_argument("--jobs", type=_positive, default=4, help="reads at once (default 4)")
-    add_step_parsers(sub, common)
-    add_export_parser(sub, common)
+    add_commands(sub, common)
     return parser
-
-
-def _message(error: BaseException) -> str:
-    """The library's errors say what happened on their own; others get their type's name."""
-    text = str(error)
-    if isinstance(error, SnapshotError) and text:
-        return text
-    return f"{type(error).__name__}: {text}" if text else type(error).__name__
 
 
 def _exit_code(error: BaseException) -> int:
@@ -250,8 +153,12 @@ _LINE_BREAK = re.compile(r"\s*\n\s*")
 def _error_line(error: BaseException) -> str:
     """The one line on stderr for an error that stopped a command: its message on one line
     (a parser's message quoting the place it failed spans lines), cut when very long, and
-    escaped (it may quote what a snapshot holds)."""
-    text = _LINE_BREAK.sub(" ", _message(error).strip())
+    escaped (it may quote what a snapshot holds). The library's errors say what happened on
+    their own; others get their type's name."""
+    text = str(error)
+    if not (isinstance(error, SnapshotError) and text):
+        text = f"{type(error).__name__}: {text}" if text else type(error).__name__
+    text = _LINE_BREAK.sub(" ", text.strip())
     if len(text) > _MESSAGE_CHARS:
         more = len(text) - _MESSAGE_CHARS
         text = f"{text[:_MESSAGE_CHARS]}... ({more:,} more characters; -v shows them)"
@@ -259,11 +166,6 @@ def _error_line(error: BaseException) -> str:
     if _exit_code(error) == EXIT_INTERNAL:
         return f"statesnap: internal error: {text} (a bug in statesnap; -v shows the traceback)"
     return f"statesnap: error: {text}"
-
-
-def _traceback(error: BaseException) -> str:
-    """``error``'s traceback, each line escaped: its messages may quote a snapshot's keys."""
-    return printable_message("".join(traceback.format_exception(error)).rstrip("\n"))
 
 
 def _say(text: str) -> None:
@@ -311,16 +213,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as e:  # --help, --version, usage errors (argparse printed them)
         return e.code if isinstance(e.code, int) else (EXIT_OK if e.code is None else EXIT_ERROR)
     _setup_output(args.verbose)
-    if args.command == "demo":
-        return int(args.func(args))
     try:
         return int(args.func(args))
     except KeyboardInterrupt:
         _say("statesnap: interrupted")
         return EXIT_INTERRUPTED
     except Exception as e:
-        if args.verbose:
-            _say(_traceback(e))
+        if args.verbose:  # escaped: its messages may quote a snapshot's keys
+            _say(printable_message("".join(traceback.format_exception(e)).rstrip("\n")))
         _say(_error_line(e))
         return _exit_code(e)
 

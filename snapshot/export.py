@@ -11,7 +11,9 @@ anything is allocated or written (``snapshot._engine.tools.export``).
 
 from __future__ import annotations
 
+import logging
 import os
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -19,12 +21,16 @@ from typing import Any
 import torch
 
 from snapshot._engine.format.manifest_io import load_manifest, open_linked
+from snapshot._engine.restore import checks as claims
+from snapshot._engine.runtime import run
 from snapshot._engine.tools import export as engine
 from snapshot.errors import CorruptSnapshotError, IncompatibleSnapshotError, InvalidArgumentError
 from snapshot.options import Options, resolve
 from snapshot.snapshot import Snapshot
 
 # The names ``dtype`` accepts.
+logger = logging.getLogger("snapshot")
+
 DTYPES = {
     **dict.fromkeys(("bf16", "bfloat16"), torch.bfloat16),
     **dict.fromkeys(("fp16", "f16", "float16", "half"), torch.float16),
@@ -87,7 +93,7 @@ def export(
     out = os.fspath(out_dir)
     if "://" in out:
         raise InvalidArgumentError(f"export: out_dir must be a local folder, got {out!r}")
-    t = engine.now()
+    t = time.perf_counter()
     with _naming(path):
         sources, skipped = engine.collect(
             manifest, key=key, strip_prefix=strip_prefix, dtype=out_dtype, where=path
@@ -97,26 +103,37 @@ def export(
             f"export: snapshot {path} has no tensors under {key or 'any key'}"
         )
     files = engine.plan_files(sources, max_bytes)
-    if format == "safetensors":
-        engine.check_safetensors(files)
+    if format == "safetensors":  # every header built now, refusing what the format cannot hold
+        for group in files:
+            engine.safetensors_header(group)
     engine.earlier_export(out, overwrite)  # refused now, before an hour of writing
     # A tile, a box's piece of it, the cast copy and the plugin's read buffer: a quarter of
     # the budget each at most.
     tile = max(1 << 20, resolved.budget() // 4)
-    write = engine.write_safetensors if format == "safetensors" else engine.write_torch
-    verify = bool(resolved.checksums)
     with open_linked(path, manifest, storage_options, resolved) as plugin:
+        # Restore's check of the sizes the manifest claims for every blob read (no overlapping
+        # ranges; each blob holds its ranges), before anything is read or allocated.
+        jobs = resolved.max_concurrent_io
+        assert jobs is not None
         with _naming(path):
-            engine.check_claims(plugin, manifest, sources, resolved)
+            blobs, _ = claims.claimed_blobs(manifest.view(0), [s.path for s in sources], {})
+            run(claims.check_claims(plugin, blobs, manifest.blob_sizes, jobs, resolved))
         written = engine.stage(
             out,
             overwrite,
-            lambda folder: write(plugin, files, folder, tile, verify, resolved),
+            lambda folder: engine.write_files(plugin, files, folder, format, tile, resolved),
         )
-    result = engine.Written(
-        written, len(sources), sum(s.out_bytes for s in sources), skipped, engine.now() - t
+    skipped_note = f"; {len(skipped)} other values skipped" if skipped else ""
+    logger.info(
+        "exported %d tensors (%.1f MB) of %s to %d file(s) in %s in %.3f s%s",
+        len(sources),
+        sum(s.out_bytes for s in sources) / 1e6,
+        path,
+        len(written),
+        out,
+        time.perf_counter() - t,
+        skipped_note,
     )
-    engine.log_done(path, out, result)
     return written
 
 

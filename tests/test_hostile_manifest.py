@@ -556,8 +556,9 @@ def test_du_walks_the_ranks_listed_not_the_world_size_claimed(snap):
     body = body.replace(w, w[:-1] + ', "replicated": true}')
     b = _line(body, "0/model/b")  # rank 7 lists a key of its own: only it gets rank 0's copy
     _forge(snap, body.replace(b, b + "\n" + b.replace('"0/model/b"', '"7/model"', 1)))
-    usage = disk_usage(load_manifest(snap, None))
-    assert usage.world_size == 10**12
+    manifest = load_manifest(snap, None)
+    assert manifest.world_size == 10**12
+    usage = disk_usage(manifest)
     assert {(r.rank, r.key) for r in usage.rows} == {("0", "model"), ("0", "extra"), ("7", "model")}
     (seven,) = [r for r in usage.rows if r.rank == "7"]
     assert seven.replicated_bytes == 64 * 4

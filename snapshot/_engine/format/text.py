@@ -39,16 +39,12 @@ def printable(text: str) -> str:
     for i, ch in enumerate(text):
         if not ch.isprintable():
             out.append(_escape(ch))
-        elif ch == "\\" and i < last and _starts_escape(text[i + 1]):
+        # A backslash before a character that would make the pair read as an escape.
+        elif ch == "\\" and i < last and (text[i + 1] in "\\xuU" or not text[i + 1].isprintable()):
             out.append("\\\\")
         else:
             out.append(ch)
     return "".join(out)
-
-
-def _starts_escape(ch: str) -> bool:
-    """Whether ``ch``, shown right after a backslash, would make the pair read as an escape."""
-    return ch in "\\xuU" or not ch.isprintable()
 
 
 def printable_message(text: str) -> str:

@@ -15,6 +15,7 @@ import asyncio
 import json
 import logging
 import os
+import stat
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
@@ -22,7 +23,7 @@ import manifest as mf
 from manifest import Manifest, ShardedTensorEntry
 from snapshot._engine.format.text import printable_message
 from snapshot._engine.format.torchsnapshot_translator import Translator
-from snapshot._engine.io.storage_calls import call, open_plugin, read_unrecorded, refused
+from snapshot._engine.io.storage_calls import call, read_unrecorded, refused
 from snapshot._engine.runtime import run
 from snapshot.errors import (
     CorruptSnapshotError,
@@ -90,7 +91,7 @@ def open_foreign(
             "torch.distributed.checkpoint.format_utils.dcp_to_torch_save"
             f"({url!r}, 'checkpoint.pt')"
         )
-    kind = _single_file(url, storage_options)
+    kind = _single_file(url)
     if kind is not None:
         raise IncompatibleSnapshotError(
             f"{where} is {kind}, not a statesnap snapshot (a directory): load it with "
@@ -117,48 +118,22 @@ async def _exists(plugin: StoragePlugin, where: str, name: str, options: Options
         return False
 
 
-def _single_file(url: str, storage_options: dict[str, Any] | None) -> str | None:
-    """What the local file at ``url`` is, when ``torch.save`` wrote it: a snapshot's path names
-    a directory, so the file is looked for in its parent. None when it is not such a file, or
-    ``url`` is not a local path (best effort: only the message differs; on an object store the
-    look would cost a second client and a request for every path without a snapshot)."""
+def _single_file(url: str) -> str | None:
+    """What the local file at ``url`` is, when ``torch.save`` wrote it. None when it is not such
+    a file, or ``url`` is not a local path (best effort: only the message differs; on an object
+    store the look would cost a request for every path without a snapshot)."""
     if "://" in url and not url.startswith("file://"):
         return None
-    # The path the user named may be a link (their choice, so it is followed, once); the
-    # plugin then opens the file without following anything.
-    parent, name = os.path.split(os.path.realpath(os.path.expanduser(url.removeprefix("file://"))))
-    if not name:
-        return None
+    # The path the user named may be a link (their choice, so it is followed); the file is then
+    # opened without following one, and read only when it is a regular file.
+    path = os.path.realpath(os.path.expanduser(url.removeprefix("file://")))
     try:
-        plugin = open_plugin(parent, storage_options)
-    except SnapshotError:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        with os.fdopen(fd, "rb") as f:
+            head = f.read(512) if stat.S_ISREG(os.fstat(fd).st_mode) else b""
+    except OSError:
         return None
-    try:
-        head = run(_head(plugin, name, 512))
-    except Exception:
-        logger.debug("could not look at %s as a file", url, exc_info=True)
-        return None
-    finally:
-        run(plugin.close())
-    return _torch_save_kind(head) if head is not None else None
-
-
-async def _head(plugin: StoragePlugin, name: str, limit: int) -> bytes | None:
-    """The first ``limit`` bytes (or fewer, if it is shorter) of blob ``name``; None when there
-    is no such blob."""
-    if not await plugin.exists(name):
-        return None
-    size = await plugin.size(name)
-    if size is None:
-        out = memoryview(bytearray(limit))
-        try:
-            await plugin.read_into(name, 0, out)
-            return bytes(out)
-        except EOFError:
-            return await plugin.read(name)  # shorter than ``limit``
-    out = memoryview(bytearray(min(size, limit)))
-    await plugin.read_into(name, 0, out)
-    return bytes(out)
+    return _torch_save_kind(head)
 
 
 # torch.save's legacy format starts with the pickle (protocol 2) of its magic number.

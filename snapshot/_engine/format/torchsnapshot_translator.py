@@ -25,7 +25,10 @@ import math
 import re
 import struct
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
+
+import torch
 
 import manifest as mf
 from manifest import (
@@ -51,45 +54,30 @@ _MAX_ENTRIES = 10_000_000
 _MAX_NUMEL = 1 << 62
 
 # torchsnapshot 0.1.0's dtype names ("torch.float32") and their sizes in bytes.
-_DTYPES: dict[str, int] = {
-    "float64": 8,
-    "float32": 4,
-    "float16": 2,
-    "bfloat16": 2,
-    "complex128": 16,
-    "complex64": 8,
-    "int64": 8,
-    "int32": 4,
-    "int16": 2,
-    "int8": 1,
-    "uint8": 1,
-    "bool": 1,
-    "qint32": 4,
-    "qint8": 1,
-    "quint8": 1,
-}
 _QUANTIZED = {"qint32", "qint8", "quint8"}
+_RAW = "float64 float32 float16 bfloat16 complex128 complex64 int64 int32 int16 int8 uint8 bool"
+_DTYPES = {name: getattr(torch, name).itemsize for name in [*_RAW.split(), *_QUANTIZED]}
 _PRIMITIVES = {"int", "float", "str", "bool", "bytes"}
 _INT_TEXT = re.compile(r"[-+]?[0-9]{1,4000}")
 _RANK = re.compile(r"0|[1-9][0-9]{0,8}")
 
 SizeOf = Callable[[str], int]
+# A stored tensor (alone, or a chunk's or shard's): dtype, shape, whether pickled, its bytes.
+Stored = tuple[str, tuple[int, ...], bool, Location]
 
 # What a list entry stands as until every entry is known (then its length is counted).
 _LIST = ListEntry(length=0)
 
 
+@dataclass
 class Translator:
     """One pass over a torchsnapshot manifest: its entries, checked, as this library's."""
 
-    def __init__(
-        self, source: str, version: str, world_size: int, raw: dict[Any, Any], size_of: SizeOf
-    ) -> None:
-        self.source = source
-        self.version = version
-        self.world_size = world_size
-        self.raw = raw
-        self.size_of = size_of
+    source: str
+    version: str
+    world_size: int
+    raw: dict[Any, Any]
+    size_of: SizeOf
 
     # Messages quote the manifest: escaped, so that they carry none of its control characters.
 
@@ -217,8 +205,14 @@ class Translator:
                 replicated=self.replicated(path, raw),
             )
         if kind == "Tensor":
-            box = self.tensor(path, raw)
-            return self.stored_whole(path, logical, box, self.replicated(path, raw))
+            dtype, shape, pickled, loc = self.tensor(path, raw)
+            replicated = self.replicated(path, raw)
+            if pickled:
+                piece = Shard(offsets=(0,) * len(shape), sizes=shape, chunks=(loc,))
+                return PickledTensorEntry(
+                    dtype=dtype, shape=shape, pieces=(piece,), replicated=replicated
+                )
+            return TensorEntry(dtype=dtype, shape=shape, chunks=(loc,), replicated=replicated)
         if kind == "ChunkedTensor":
             self.fields(path, raw, {"type", "dtype", "shape", "chunks", "replicated"})
             return self.chunked(path, logical, raw)
@@ -309,7 +303,7 @@ class Translator:
             raise self.unknown(path, f"dtype {value!r}")
         return name
 
-    def tensor(self, path: str, raw: Any) -> tuple[str, tuple[int, ...], bool, Location]:
+    def tensor(self, path: str, raw: Any) -> Stored:
         """A stored ``Tensor`` entry (alone, or a chunk's or shard's): dtype, shape, whether it
         is pickled, and where its bytes are."""
         if not isinstance(raw, dict) or raw.get("type") != "Tensor":
@@ -356,34 +350,34 @@ class Translator:
             return dtype, shape, True, loc
         raise self.unknown(path, f"tensor serializer {serializer!r}")
 
-    def stored_whole(
+    def boxes(
         self,
         path: str,
-        logical: str,
-        box: tuple[str, tuple[int, ...], bool, Location],
-        replicated: bool,
-    ) -> Entry:
-        dtype, shape, pickled, loc = box
-        if pickled:
-            piece = Shard(offsets=(0,) * len(shape), sizes=shape, chunks=(loc,))
-            return PickledTensorEntry(
-                dtype=dtype, shape=shape, pieces=(piece,), replicated=replicated
-            )
-        return TensorEntry(dtype=dtype, shape=shape, chunks=(loc,), replicated=replicated)
-
-    def boxes(
-        self, path: str, dtype: str, shape: tuple[int, ...], raw_list: list[Any], what: str
-    ) -> tuple[list[Shard], bool]:
-        """The pieces of a chunked or sharded tensor, by offset, and whether they are pickled."""
-        pieces = []
-        pickled_kinds = set()
+        raw_list: list[Any],
+        what: str,
+        dtype: str | None = None,
+        shape: tuple[int, ...] | None = None,
+    ) -> tuple[str, tuple[int, ...], list[Shard], bool]:
+        """The dtype, shape and pieces (by offset) of a chunked tensor of ``dtype`` and
+        ``shape``, or of a sharded one (its first shard's dtype; the far corner of its shards as
+        its shape, which torchsnapshot does not record); and whether the pieces are pickled."""
+        parsed: list[tuple[tuple[int, ...], tuple[int, ...], Stored]] = []
         for raw in raw_list:
             if not isinstance(raw, dict) or set(raw) != {"offsets", "sizes", "tensor"}:
                 raise self.corrupt(path, f"expected a {what} {{offsets, sizes, tensor}}")
             offsets = self.dims(path, raw["offsets"], f"a {what}'s offsets")
             sizes = self.dims(path, raw["sizes"], f"a {what}'s sizes")
-            t_dtype, t_shape, pickled, loc = self.tensor(path, raw["tensor"])
-            if len(offsets) != len(shape) or len(sizes) != len(shape):
+            parsed.append((offsets, sizes, self.tensor(path, raw["tensor"])))
+        if len({len(o) for o, _, _ in parsed} | {len(n) for _, n, _ in parsed}) != 1:
+            raise self.corrupt(path, f"{what}s of different dimensions")
+        dtype = dtype or parsed[0][2][0]
+        if shape is None:
+            corner = [max(o[i] + n[i] for o, n, _ in parsed) for i in range(len(parsed[0][0]))]
+            shape = self.dims(path, corner, "the global shape")
+        pieces = []
+        pickled_kinds = set()
+        for offsets, sizes, (t_dtype, t_shape, pickled, loc) in parsed:
+            if len(offsets) != len(shape):
                 raise self.corrupt(path, f"a {what} at {list(offsets)} of a {len(shape)}-d tensor")
             if any(o + n > s for o, n, s in zip(offsets, sizes, shape, strict=True)):
                 raise self.corrupt(
@@ -400,7 +394,7 @@ class Translator:
         if len(pickled_kinds) > 1:
             raise self.unknown(path, f"some {what}s pickled and others raw")
         pieces.sort(key=lambda p: p.offsets)
-        return pieces, pickled_kinds == {True}
+        return dtype, shape, pieces, pickled_kinds == {True}
 
     def chunked(self, path: str, logical: str, raw: dict[str, Any]) -> Entry:
         dtype = self.dtype(path, raw["dtype"])
@@ -411,7 +405,7 @@ class Translator:
             raise self.corrupt(path, "chunks must be a non-empty list")
         # torchsnapshot cuts a 0-d tensor as its 1-element view: one chunk of it.
         view = shape if shape else (1,)
-        pieces, pickled = self.boxes(path, dtype, view, chunks, "chunk")
+        _, _, pieces, pickled = self.boxes(path, chunks, "chunk", dtype, view)
         if not shape:
             if len(pieces) != 1 or pickled:
                 raise self.unknown(path, "a 0-d tensor cut into chunks")
@@ -432,27 +426,10 @@ class Translator:
     def sharded(self, logical: str, shards: list[tuple[int, Any]]) -> Entry:
         """One entry for every rank's shards of the sharded tensor at ``logical``."""
         path = f"{shards[0][0]}/{logical}"
-        raws = [s for _, s in shards]
-        first = raws[0].get("tensor") if isinstance(raws[0], dict) else None
-        if not isinstance(first, dict) or not isinstance(raws[0].get("sizes"), list):
-            raise self.corrupt(path, "expected a shard {offsets, sizes, tensor}")
-        dtype = self.dtype(path, first.get("dtype"))
-        ndim = len(raws[0]["sizes"])
-        # The global shape: the far corner of the shards (torchsnapshot records no shape).
-        shape = [0] * ndim
-        for raw in raws:
-            if not isinstance(raw, dict):
-                raise self.corrupt(path, "expected a shard {offsets, sizes, tensor}")
-            offsets = self.dims(path, raw.get("offsets"), "a shard's offsets")
-            sizes = self.dims(path, raw.get("sizes"), "a shard's sizes")
-            if len(offsets) != ndim or len(sizes) != ndim:
-                raise self.corrupt(path, "shards of different dimensions")
-            shape = [max(g, o + n) for g, o, n in zip(shape, offsets, sizes, strict=True)]
-        dims = self.dims(path, shape, "the global shape")
-        pieces, pickled = self.boxes(path, dtype, dims, raws, "shard")
+        dtype, shape, pieces, pickled = self.boxes(path, [s for _, s in shards], "shard")
         if pickled:
-            return PickledTensorEntry(dtype=dtype, shape=dims, pieces=tuple(pieces))
-        return ShardedTensorEntry(key=logical, dtype=dtype, shape=dims, shards=tuple(pieces))
+            return PickledTensorEntry(dtype=dtype, shape=shape, pieces=tuple(pieces))
+        return ShardedTensorEntry(key=logical, dtype=dtype, shape=shape, shards=tuple(pieces))
 
 
 def _row_blocks(shape: tuple[int, ...], pieces: list[Shard]) -> bool:

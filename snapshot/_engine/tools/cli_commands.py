@@ -13,8 +13,8 @@ import math
 import os
 import sys
 import time
-from collections.abc import Sequence
-from typing import Any, TextIO
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -24,13 +24,14 @@ from snapshot._engine.manager.retention import Policy, Step, to_delete
 from snapshot._engine.manager.steps import INCOMPLETE, LEFT, UNREADABLE, Steps
 from snapshot._engine.tools.diff import diff
 from snapshot._engine.tools.inspection import (
+    Listing,
+    Usage,
     disk_usage,
     format_shape,
     human_bytes,
     list_entries,
     read_entry,
     summarize_tensor,
-    summarize_value,
 )
 from snapshot._engine.tools.verify import verify
 from snapshot.errors import EntryNotFoundError, InvalidArgumentError, SnapshotError
@@ -38,48 +39,38 @@ from snapshot.options import Options
 
 
 class _ProgressLine:
-    """One line on a terminal, rewritten as a long operation advances; nothing at all when the
-    stream is not a terminal (a pipe, a file, a CI log)."""
+    """One line on stderr when it is a terminal, rewritten at most every tenth of a second as a
+    long operation advances; nothing at all on a pipe, a file, a CI log."""
 
-    _INTERVAL_SECS = 0.1
-
-    def __init__(self, stream: TextIO, label: str, unit: str) -> None:
-        self.stream = stream
-        self.label = label
-        self.unit = unit
+    def __init__(self, label: str, unit: str) -> None:
+        self.label, self.unit, self.last, self.shown = label, unit, -math.inf, False
         try:
-            self.enabled = bool(stream.isatty())
+            self.enabled = bool(sys.stderr.isatty())
         except (AttributeError, ValueError, OSError):
             self.enabled = False
-        self._last = -math.inf
-        self._shown = False
 
     def __call__(self, done: int, total: int, done_bytes: int, total_bytes: int) -> None:
-        if not self.enabled:
-            return
         now = time.monotonic()
-        if done < total and now - self._last < self._INTERVAL_SECS:
+        if not self.enabled or (done < total and now - self.last < 0.1):
             return
-        self._last = now
-        self.stream.write(
+        self.last, self.shown = now, True
+        sys.stderr.write(
             f"\r{self.label}: {done}/{total} {self.unit}, "
             f"{human_bytes(done_bytes)} / {human_bytes(total_bytes)}\x1b[K"
         )
-        self.stream.flush()
-        self._shown = True
+        sys.stderr.flush()
 
     def clear(self) -> None:
-        if self._shown:
-            self.stream.write("\r\x1b[K")
-            self.stream.flush()
-            self._shown = False
+        if self.shown:
+            sys.stderr.write("\r\x1b[K")
+            sys.stderr.flush()
+            self.shown = False
 
 
 def _table(header: Sequence[str], rows: Sequence[Sequence[str]], right: set[int]) -> list[str]:
     """Aligned text columns (those in ``right`` right-aligned), without trailing spaces."""
     widths = [max([len(h), *(len(row[i]) for row in rows)]) for i, h in enumerate(header)]
-    template = "  ".join(f"{{:{'>' if i in right else '<'}{w}}}" for i, w in enumerate(widths))
-    fmt = template.format
+    fmt = "  ".join(f"{{:{'>' if i in right else '<'}{w}}}" for i, w in enumerate(widths)).format
     return [fmt(*header).rstrip(), *(fmt(*row).rstrip() for row in rows)]
 
 
@@ -103,13 +94,17 @@ def _size(n: int, exact: bool) -> str:
 def _write_lines(lines: Sequence[str]) -> None:
     """Writes ``lines`` to stdout in one call. A reader that went away (``statesnap ls | head``)
     ends the output quietly; the command still returns its own exit code."""
-    if not lines:
-        return
     try:
         sys.stdout.write("\n".join(lines) + "\n")
         sys.stdout.flush()
     except BrokenPipeError:
-        _silence_stdout()
+        # Stdout pointed at the null device: the flush at exit would fail too.
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+            os.close(devnull)
+        except (OSError, ValueError, AttributeError):
+            pass
 
 
 # ---------------------------------------------------------------------------------------------
@@ -120,12 +115,9 @@ def run_ls(args: argparse.Namespace) -> int:
     listing = list_entries(load_manifest(args.path, args.storage_options), prefix=args.prefix)
     exact = args.bytes
     header = ["PATH", "KIND", "DTYPE", "SHAPE", "SIZE"]
-    replicated = listing.any_replicated
-    if replicated:
-        header.append("REPLICATED")
-    in_base = listing.any_in_base
-    if in_base:
-        header.append("IN BASE")
+    replicated = any(r.replicated for r in listing.rows)
+    in_base = any(r.base for r in listing.rows)
+    header += ["REPLICATED"] * replicated + ["IN BASE"] * in_base
     rows = []
     for r in listing.rows:
         row = [
@@ -135,37 +127,23 @@ def run_ls(args: argparse.Namespace) -> int:
             format_shape(r.shape) if r.shape is not None else "-",
             _size(r.nbytes, exact) if r.nbytes or r.kind in ("tensor", "object") else "-",
         ]
-        if replicated:
-            row.append("yes" if r.replicated else "")
-        if in_base:
-            row.append(printable(r.base))
+        row += ["yes" if r.replicated else ""] * replicated + [printable(r.base)] * in_base
         rows.append(row)
     lines = _table(header, rows, right={4})
-    counts = f"{_count(listing.entries, 'entry')}, {_count(listing.tensors, 'tensor')}"
-    once = "shared and replicated ranges counted once"
-    bases = listing.metadata.bases
-    lines.append(
-        _total(counts, listing.nbytes, listing.stored_bytes, listing.base_bytes, bases, once, exact)
-    )
+    counts = f"{_count(len(rows), 'entry')}, {_count(listing.tensors, 'tensor')}"
+    lines.append(_total(counts, listing, "shared and replicated ranges counted once", exact))
     _write_lines(lines)
     return 0
 
 
-def _total(
-    counts: str,
-    nbytes: int,
-    stored: int,
-    in_bases: int,
-    bases: Sequence[str],
-    once: str,
-    exact: bool,
-) -> str:
+def _total(counts: str, totals: Listing | Usage, once: str, exact: bool) -> str:
     """The last line of ``ls`` and ``du``: what is listed, and what the blobs hold of it."""
+    nbytes, stored, in_bases = totals.nbytes, totals.stored_bytes, totals.base_bytes
     total = f"total: {counts}, {_size(nbytes, exact)}" + ("" if exact else f" ({nbytes:,} bytes)")
     if stored != nbytes:
         total += f"; {_size(stored, exact)} stored ({once})"
     if in_bases:
-        names = ", ".join(map(printable, bases))
+        names = ", ".join(map(printable, totals.bases))
         total += f"; {_size(in_bases, exact)} of it in base snapshots ({names})"
     return total
 
@@ -177,8 +155,6 @@ def _total(
 def _number(value: Any) -> str:
     if value is None:
         return "n/a"
-    if isinstance(value, bool):
-        return str(value)
     if isinstance(value, float):
         text = f"{value:.6g}"
         # 1.0, not 1: say it is a float
@@ -226,17 +202,20 @@ def run_show(args: argparse.Namespace) -> int:
             more = f", ... ({s.numel - len(s.values):,} more)" if s.numel > len(s.values) else ""
             lines.append(f"  values  [{shown}{more}]")
     else:
-        v = summarize_value(value, max_chars=args.max_chars)
-        about = [printable(v.type_name)] if v.type_name != entry.type else []
-        if v.length is not None:
-            about.append(f"length {v.length:,}")
+        # Its type, length (containers, str, bytes) and repr, cut at --max-chars.
+        cls = type(value)
+        qualified = f"{cls.__module__}.{cls.__name__}"
+        type_name = cls.__qualname__ if cls.__module__ == "builtins" else qualified
+        about = [printable(type_name)] if type_name != entry.type else []
+        if isinstance(value, (dict, list, tuple, set, str, bytes)):
+            about.append(f"length {len(value):,}")
         if entry.nbytes:
             about.append(f"{human_bytes(entry.nbytes)} stored")
         lines.append(f"{name}: {printable(entry.type)} ({', '.join(about)})")
-        lines.append(
-            printable_message(v.text)
-            + (f"... ({v.omitted_chars:,} more characters)" if v.omitted_chars else "")
-        )
+        text = repr(value)
+        more = len(text) - args.max_chars
+        cut = f"... ({more:,} more characters)" if more > 0 else ""
+        lines.append(printable_message(text[: args.max_chars]) + cut)
     _write_lines(lines)
     return 0
 
@@ -246,7 +225,7 @@ def run_show(args: argparse.Namespace) -> int:
 
 
 def run_verify(args: argparse.Namespace) -> int:
-    progress = _ProgressLine(sys.stderr, "verify", "blobs")
+    progress = _ProgressLine("verify", "blobs")
     try:
         report = verify(args.path, args.storage_options, jobs=args.jobs, progress=progress)
     finally:
@@ -330,10 +309,7 @@ def run_du(args: argparse.Namespace) -> int:
             )
         )
     once = "replicated entries and shared tensors counted once"
-    counts = _count(usage.entries, "entry")
-    lines.append(
-        _total(counts, usage.nbytes, usage.stored_bytes, usage.base_bytes, usage.bases, once, exact)
-    )
+    lines.append(_total(_count(usage.entries, "entry"), usage, once, exact))
     _write_lines(lines)
     return 0
 
@@ -343,7 +319,7 @@ def run_du(args: argparse.Namespace) -> int:
 
 
 def run_diff(args: argparse.Namespace) -> int:
-    progress = _ProgressLine(sys.stderr, "diff", "entries")
+    progress = _ProgressLine("diff", "entries")
     try:
         report = diff(
             args.path_a, args.path_b, args.storage_options, jobs=args.jobs, progress=progress
@@ -379,63 +355,19 @@ def run_diff(args: argparse.Namespace) -> int:
 def run_export(args: argparse.Namespace) -> int:
     from snapshot.export import export
 
-    files = export(
-        args.snapshot,
-        args.out,
-        format=args.format,
-        key=args.key,
-        strip_prefix=args.strip_prefix,
-        dtype=args.dtype,
-        max_shard_size=args.max_shard_size,
-        storage_options=args.storage_options,
-        overwrite=args.overwrite,
-    )
+    names = ("format", "key", "strip_prefix", "dtype", "max_shard_size", "overwrite")
+    flags = {name: getattr(args, name) for name in names}
+    files = export(args.snapshot, args.out, storage_options=args.storage_options, **flags)
     _write_lines([f"wrote {printable(f)}" for f in files])
     return 0
-
-
-def add_export_parser(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
-    """Registers ``export`` on the command line's sub-parsers."""
-    p = sub.add_parser(
-        "export",
-        parents=[common],
-        help="write a snapshot's tensors as safetensors (or torch) files",
-        description="Writes the tensors of SNAPSHOT (rank 0's; sharded ones consolidated) into "
-        "the local folder OUT, streamed within the memory budget "
-        "(STATESNAP_MEMORY_BUDGET_BYTES): model.safetensors, or model-0000i-of-0000N."
-        "safetensors files with model.safetensors.index.json when larger than "
-        "--max-shard-size. The export is put in place only once every file is whole; a "
-        "folder holding an earlier export is refused unless --overwrite. Values that are not "
-        "tensors are skipped.",
-    )
-    p.add_argument("snapshot", metavar="SNAPSHOT", help="the snapshot (local path or URL)")
-    p.add_argument("out", metavar="OUT", help="the folder to write into (made if missing)")
-    p.add_argument("--format", choices=("safetensors", "torch"), default="safetensors")
-    p.add_argument("--key", help="only this app_state key, named as its module names them (model)")
-    p.add_argument("--strip-prefix", help="removed from the start of names (module.)")
-    p.add_argument("--dtype", help="cast floating point tensors (bf16, fp16, fp32, fp8)")
-    p.add_argument(
-        "--max-shard-size", default="5GB", help="the largest file (default 5GB; 500MiB...)"
-    )
-    p.add_argument(
-        "--overwrite",
-        action="store_true",
-        help="replace an earlier export in OUT (only the files an export recorded writing, "
-        "once the new one is complete)",
-    )
-    p.set_defaults(func=run_export)
 
 
 # ---------------------------------------------------------------------------------------------
 # steps and prune: a checkpoint manager's step folders (``snapshot.manager``)
 
 
-def _steps(args: argparse.Namespace) -> Steps:
-    return Steps(args.root, args.storage_options, Options.from_env())
-
-
 def run_steps(args: argparse.Namespace) -> int:
-    found = _steps(args).scan()
+    found = Steps(args.root, args.storage_options, Options.from_env()).scan()
     exact = args.bytes
     rows = []
     for s in found:
@@ -470,7 +402,7 @@ def run_prune(args: argparse.Namespace) -> int:
         raise InvalidArgumentError(
             "prune: give at least one of --keep-last, --keep-every, --keep-best"
         )
-    steps = _steps(args)
+    steps = Steps(args.root, args.storage_options, Options.from_env())
     found = steps.scan()
     committed = [Step(s.step, s.name, s.metrics, s.bases) for s in found if s.committed]
     unreadable = [s.name for s in found if s.state == UNREADABLE]
@@ -503,57 +435,158 @@ def run_prune(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_step_parsers(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
-    """Registers ``steps`` and ``prune`` on the command line's sub-parsers."""
-    p_steps = sub.add_parser(
-        "steps",
-        parents=[common],
-        help="list the step folders under a checkpoint manager's root",
-        description="One row per step folder (step_<N>) under ROOT: committed, incomplete (a "
-        "take that never finished: its pending marker and blobs), unreadable (a manifest that "
-        "cannot be read: damaged, or of a newer statesnap) or left-alone (a link, another "
-        "library's or a user's folder), its size, the metrics it was saved with, and the bases "
-        "it needs (incremental snapshots).",
-    )
-    p_steps.add_argument("root", metavar="ROOT", help="the manager's root (local path or URL)")
-    p_steps.add_argument("--bytes", action="store_true", help="sizes as exact byte counts")
-    p_steps.set_defaults(func=run_steps)
+# ---------------------------------------------------------------------------------------------
+# the parsers
 
-    p_prune = sub.add_parser(
+
+def _positive(text: str) -> int:
+    try:
+        if int(text) >= 1:
+            return int(text)
+    except ValueError:
+        pass
+    raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+
+
+# Each positional argument's help; its metavar is its name in capitals.
+_POSITIONALS = {
+    "path": "the snapshot (local path or URL)",
+    "snapshot": "the snapshot (local path or URL)",
+    "key": "the entry's logical path, as ls shows it",
+    "path_a": "the first snapshot (A)",
+    "path_b": "the second snapshot (B)",
+    "out": "the folder to write into (made if missing)",
+    "root": "the manager's root (local path or URL)",
+}
+
+
+def add_commands(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
+    """Registers every command but ``demo`` on the command line's sub-parsers (``common``: the
+    options every command takes)."""
+
+    def command(
+        name: str,
+        func: Callable[[argparse.Namespace], int],
+        positionals: str,
+        help: str,
+        description: str,
+    ) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, parents=[common], help=help, description=description)
+        for dest in positionals.split():
+            p.add_argument(dest, metavar=dest.upper(), help=_POSITIONALS[dest])
+        p.set_defaults(func=func)
+        return p
+
+    p_ls = command(
+        "ls",
+        run_ls,
+        "path",
+        "list the entries of a snapshot (from its manifest; reads no blob)",
+        "One row per manifest entry: logical path, kind, dtype (or the type of an object or "
+        "primitive), shape, bytes stored; totals at the end.",
+    )
+    p_ls.add_argument(
+        "--prefix", metavar="LOGICAL_PATH", help="only this entry and those below it (0/model)"
+    )
+    p_show = command(
+        "show",
+        run_show,
+        "path key",
+        "show one entry: a tensor's summary, any other value's repr",
+        "Reads one entry (a container: everything below it) and shows it: for a tensor its "
+        "dtype, shape, min/max/mean where the dtype allows them and its first values; for "
+        "anything else its repr, cut when long.",
+    )
+    p_show.add_argument(
+        "--values", type=_positive, default=8, help="tensor elements to show (default 8)"
+    )
+    p_show.add_argument(
+        "--max-chars", type=_positive, default=2000, help="cut a repr after this many characters"
+    )
+    p_verify = command(
+        "verify",
+        run_verify,
+        "path",
+        "read every blob and check sizes and checksums against the manifest",
+        "Reads every blob in pieces of at most 16 MiB and checks its length and every byte "
+        "range's CRC-32 against the manifest, naming each damaged entry. Exit code 0 when all "
+        "is well, 1 on any problem.",
+    )
+    p_du = command(
+        "du",
+        run_du,
+        "path",
+        "bytes per app_state key and rank, largest first",
+        "Bytes per top-level key per rank, largest first, with the total. Replicated entries "
+        "count for every rank that restores them, and once in 'stored'.",
+    )
+    p_diff = command(
+        "diff",
+        run_diff,
+        "path_a path_b",
+        "which entries of two snapshots differ",
+        "Compares two snapshots entry by entry: paths only in one, kind, dtype, shape, "
+        "primitive values, and bytes (through the recorded CRC-32s; entries without them are "
+        "read and compared). Exit code 0 when identical, 1 when they differ.",
+    )
+    for p in (p_verify, p_diff):
+        p.add_argument("--jobs", type=_positive, default=4, help="reads at once (default 4)")
+    p_steps = command(
+        "steps",
+        run_steps,
+        "root",
+        "list the step folders under a checkpoint manager's root",
+        "One row per step folder (step_<N>) under ROOT: committed, incomplete (a take that "
+        "never finished: its pending marker and blobs), unreadable (a manifest that cannot be "
+        "read: damaged, or of a newer statesnap) or left-alone (a link, another library's or a "
+        "user's folder), its size, the metrics it was saved with, and the bases it needs "
+        "(incremental snapshots).",
+    )
+    for p in (p_ls, p_du, p_steps):
+        p.add_argument("--bytes", action="store_true", help="sizes as exact byte counts")
+    p = command(
         "prune",
-        parents=[common],
-        help="delete the steps a retention policy lets go",
-        description="Keeps the union of what each policy keeps (and always the newest "
-        "committed step, and every base a kept step needs); deletes the other committed steps. "
-        "Never deletes a step it cannot read (and, while there is one, no step), a link, or a "
-        "folder holding files no take writes. Run it only while no job is saving under ROOT.",
+        run_prune,
+        "root",
+        "delete the steps a retention policy lets go",
+        "Keeps the union of what each policy keeps (and always the newest committed step, and "
+        "every base a kept step needs); deletes the other committed steps. Never deletes a step "
+        "it cannot read (and, while there is one, no step), a link, or a folder holding files "
+        "no take writes. Run it only while no job is saving under ROOT.",
     )
-    p_prune.add_argument("root", metavar="ROOT", help="the manager's root (local path or URL)")
-    p_prune.add_argument("--keep-last", type=int, metavar="N", help="keep the newest N steps")
-    p_prune.add_argument("--keep-every", type=int, metavar="N", help="keep multiples of N")
-    p_prune.add_argument("--keep-best", type=int, metavar="N", help="keep the N best by --metric")
-    p_prune.add_argument("--metric", help="the metric --keep-best ranks by")
-    p_prune.add_argument(
-        "--mode", choices=("min", "max"), default="min", help="min: lower is better"
-    )
-    p_prune.add_argument(
+    p.add_argument("--keep-last", type=int, metavar="N", help="keep the newest N steps")
+    p.add_argument("--keep-every", type=int, metavar="N", help="keep multiples of N")
+    p.add_argument("--keep-best", type=int, metavar="N", help="keep the N best by --metric")
+    p.add_argument("--metric", help="the metric --keep-best ranks by")
+    p.add_argument("--mode", choices=("min", "max"), default="min", help="min: lower is better")
+    p.add_argument(
         "--incomplete",
         action="store_true",
         help="also delete the debris of takes that never finished (pending marker and blobs)",
     )
-    p_prune.add_argument("--dry-run", action="store_true", help="say what would be deleted")
-    p_prune.set_defaults(func=run_prune)
-
-
-def _silence_stdout() -> None:
-    """Points stdout at the null device: the reader went away (the flush at exit would fail)."""
-    try:
-        devnull = os.open(os.devnull, os.O_WRONLY)
-    except OSError:
-        return
-    try:
-        os.dup2(devnull, sys.stdout.fileno())
-    except (OSError, ValueError, AttributeError):
-        pass
-    finally:
-        os.close(devnull)
+    p.add_argument("--dry-run", action="store_true", help="say what would be deleted")
+    p = command(
+        "export",
+        run_export,
+        "snapshot out",
+        "write a snapshot's tensors as safetensors (or torch) files",
+        "Writes the tensors of SNAPSHOT (rank 0's; sharded ones consolidated) into the local "
+        "folder OUT, streamed within the memory budget (STATESNAP_MEMORY_BUDGET_BYTES): "
+        "model.safetensors, or model-0000i-of-0000N.safetensors files with "
+        "model.safetensors.index.json when larger than --max-shard-size. The export is put in "
+        "place only once every file is whole; a folder holding an earlier export is refused "
+        "unless --overwrite. Values that are not tensors are skipped.",
+    )
+    p.add_argument("--format", choices=("safetensors", "torch"), default="safetensors")
+    p.add_argument("--key", help="only this app_state key, named as its module names them (model)")
+    p.add_argument("--strip-prefix", help="removed from the start of names (module.)")
+    p.add_argument("--dtype", help="cast floating point tensors (bf16, fp16, fp32, fp8)")
+    p.add_argument(
+        "--max-shard-size", default="5GB", help="the largest file (default 5GB; 500MiB...)"
+    )
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace an earlier export in OUT (only the files an export recorded writing, "
+        "once the new one is complete)",
+    )

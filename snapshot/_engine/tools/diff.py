@@ -9,7 +9,6 @@ formats it.
 from __future__ import annotations
 
 import asyncio
-import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -21,7 +20,6 @@ from manifest import (
     Entry,
     ListEntry,
     Location,
-    Manifest,
     ObjectEntry,
     PrimitiveEntry,
     ShardedObjectEntry,
@@ -31,18 +29,16 @@ from manifest import (
 )
 from snapshot._engine.format.manifest_io import load_manifest, open_linked
 from snapshot._engine.format.serialization import combine
-from snapshot._engine.io.storage_calls import call
 from snapshot._engine.tools.inspection import (
     JOBS,
     PIECE_BYTES,
+    BoxReader,
     Progress,
     Tally,
-    check_jobs,
     each,
     format_shape,
 )
 from snapshot.options import Options, resolve
-from storage_plugins import StoragePlugin
 
 
 @dataclass(frozen=True)
@@ -69,9 +65,7 @@ class DiffReport:
     entries_a: int
     entries_b: int
     differences: list[Difference]
-    compared_by_crc: int = 0  # entries whose bytes were compared through recorded CRC-32s
     compared_by_reading: int = 0  # entries whose bytes had to be read and compared
-    bytes_read: int = 0  # per side
 
     @property
     def identical(self) -> bool:
@@ -101,13 +95,13 @@ def _tensor_type(entry: TensorEntry) -> str:
     return f"{name} (requires_grad)" if entry.requires_grad else name
 
 
-def _compare(path: str, a: Entry, b: Entry) -> Difference | bool:
+def _compare(path: str, a: Entry, other: Entry) -> Difference | bool:
     """A difference seen in the manifests, else whether the bytes must be read to tell
     (False: the entries are the same)."""
-    if type(a) is not type(b):
-        return Difference(path, "kind", f"{a.type} -> {b.type}")
+    if type(a) is not type(other):
+        return Difference(path, "kind", f"{a.type} -> {other.type}")
+    b: Any = other  # of ``a``'s type
     if isinstance(a, TensorEntry):
-        assert isinstance(b, TensorEntry)
         what = []
         if a.dtype != b.dtype:
             what.append(("dtype", f"{a.dtype} -> {b.dtype}"))
@@ -120,7 +114,6 @@ def _compare(path: str, a: Entry, b: Entry) -> Difference | bool:
         if what:
             return Difference(path, ", ".join(w for w, _ in what), "; ".join(d for _, d in what))
     elif isinstance(a, ShardedTensorEntry):
-        assert isinstance(b, ShardedTensorEntry)
         if (a.dtype, a.shape) != (b.dtype, b.shape):
             return Difference(
                 path,
@@ -137,11 +130,9 @@ def _compare(path: str, a: Entry, b: Entry) -> Difference | bool:
                 "compared)",
             )
     elif isinstance(a, (ObjectEntry, ShardedObjectEntry)):
-        assert isinstance(b, (ObjectEntry, ShardedObjectEntry))
         if (a.obj_type, a.serializer) != (b.obj_type, b.serializer):
             return Difference(path, "type", f"{a.obj_type} -> {b.obj_type}")
     elif isinstance(a, PrimitiveEntry):
-        assert isinstance(b, PrimitiveEntry)
         # repr tells 1 from True and 1.0, -0.0 from 0.0, and finds nan equal to nan.
         if (a.value_type, repr(a.value)) != (b.value_type, repr(b.value)):
             return Difference(
@@ -149,7 +140,6 @@ def _compare(path: str, a: Entry, b: Entry) -> Difference | bool:
             )
         return False
     elif isinstance(a, DictEntry):
-        assert isinstance(b, DictEntry)
         if a.keys != b.keys or a.ordered != b.ordered:
             # Sets: asking a tuple of keys for each key is quadratic in a dict's size.
             kept_a, kept_b = set(a.keys), set(b.keys)
@@ -164,7 +154,6 @@ def _compare(path: str, a: Entry, b: Entry) -> Difference | bool:
             return Difference(path, "keys", detail)
         return False
     elif isinstance(a, (ListEntry, TupleEntry)):
-        assert isinstance(b, (ListEntry, TupleEntry))
         if a.length != b.length:
             return Difference(path, "length", f"{a.length} -> {b.length}")
         return False
@@ -185,32 +174,6 @@ def _first_difference(a: memoryview, b: memoryview) -> int:
     ta = torch.frombuffer(a, dtype=torch.uint8)
     tb = torch.frombuffer(b, dtype=torch.uint8)
     return int(torch.ne(ta, tb).nonzero()[0, 0])
-
-
-async def _read_window(
-    plugin: StoragePlugin,
-    label: str,
-    locations: Sequence[Location],
-    pos: int,
-    out: memoryview,
-    options: Options,
-) -> None:
-    """Fills ``out`` with the bytes ``[pos, pos + len(out))`` of the concatenation of
-    ``locations``."""
-    base = 0
-    filled = 0
-    end = pos + len(out)
-    for loc in locations:
-        lo, hi = max(pos, base), min(end, base + loc.nbytes)
-        if hi > lo:
-            dest = out[filled : filled + hi - lo]
-            offset = loc.offset + lo - base
-            read = functools.partial(plugin.read_into, loc.blob, offset, dest)
-            await call(plugin, "read", loc.blob, label, read, options=options)
-            filled += hi - lo
-        base += loc.nbytes
-        if base >= end:
-            break
 
 
 def diff(
@@ -236,14 +199,12 @@ def diff(
         CorruptSnapshotError: a manifest is damaged, or a blob read for the comparison is
             missing or short.
     """
-    check_jobs(jobs, piece_bytes)
     options = resolve(options)
     ma = load_manifest(path_a, storage_options, options)
     mb = load_manifest(path_b, storage_options, options)
     a_entries, b_entries = ma.entries, mb.entries
     found: list[tuple[int, Difference]] = []
     to_read: list[tuple[int, str, Entry, Entry]] = []
-    by_crc = 0
     for i, (path, a) in enumerate(a_entries.items()):
         b = b_entries.get(path)
         if b is None:
@@ -254,66 +215,42 @@ def diff(
             found.append((i, outcome))
         elif outcome:
             to_read.append((i, path, a, b))
-        elif a.locations:
-            by_crc += 1
     n = len(a_entries)
     for j, (path, b) in enumerate(b_entries.items()):
         if path not in a_entries:
             found.append((n + j, Difference(path, "only in B", b.type)))
-    report = DiffReport(path_a, path_b, len(a_entries), len(b_entries), [], by_crc)
-    if to_read:
-        found.extend(
-            _compare_bytes(
-                report, (ma, mb), to_read, storage_options, jobs, piece_bytes, progress, options
-            )
-        )
+    report = DiffReport(path_a, path_b, len(a_entries), len(b_entries), [])
+    if to_read:  # the bytes of each ``(index, path, a, b)``, entries of the same size
+        tally = Tally(progress, len(to_read), sum(a.nbytes for _, _, a, _ in to_read))
+        size = max(1, min(piece_bytes, max(a.nbytes for _, _, a, _ in to_read)))
+        workers = max(1, min(jobs, len(to_read)))
+        buffers = [(bytearray(size), bytearray(size)) for _ in range(workers)]
+        with (
+            open_linked(path_a, ma, storage_options, options) as pa,
+            open_linked(path_b, mb, storage_options, options) as pb,
+        ):
+
+            async def compare(item: tuple[int, str, Entry, Entry], worker: int) -> None:
+                index, path, a, b = item
+                buf_a, buf_b = buffers[worker]
+                view_a, view_b = memoryview(buf_a), memoryview(buf_b)
+                # The bytes as stored: a CRC-32 either side recorded is not checked here.
+                read_a = BoxReader(pa, a.locations, path, options, verify=False)
+                read_b = BoxReader(pb, b.locations, path, options, verify=False)
+                for pos in range(0, a.nbytes, size):
+                    n = min(size, a.nbytes - pos)
+                    await asyncio.gather(read_a.read(view_a[:n]), read_b.read(view_b[:n]))
+                    tally(n)
+                    # bytearray equality is a memcmp; slices copy, but only the last piece's.
+                    if not (buf_a == buf_b if n == size else buf_a[:n] == buf_b[:n]):
+                        at = pos + _first_difference(view_a[:n], view_b[:n])
+                        what = f"contents differ from byte {at:,}"
+                        found.append((index, Difference(path, "bytes", what)))
+                        tally(a.nbytes - pos - n)
+                        break
+                report.compared_by_reading += 1
+                tally(0, 1)
+
+            each(to_read, workers, compare)
     report.differences = [d for _, d in sorted(found, key=lambda x: x[0])]
     return report
-
-
-def _compare_bytes(
-    report: DiffReport,
-    manifests: tuple[Manifest, Manifest],
-    to_read: list[tuple[int, str, Entry, Entry]],
-    storage_options: dict[str, Any] | None,
-    jobs: int,
-    piece_bytes: int,
-    progress: Progress | None,
-    options: Options,
-) -> list[tuple[int, Difference]]:
-    """Reads and compares the bytes of each ``(index, path, a, b)``, entries of the same size."""
-    tally = Tally(progress, len(to_read), sum(a.nbytes for _, _, a, _ in to_read))
-    size = max(1, min(piece_bytes, max(a.nbytes for _, _, a, _ in to_read)))
-    workers = min(jobs, len(to_read))
-    buffers = [(bytearray(size), bytearray(size)) for _ in range(workers)]
-    found: list[tuple[int, Difference]] = []
-    with (
-        open_linked(report.path_a, manifests[0], storage_options, options) as pa,
-        open_linked(report.path_b, manifests[1], storage_options, options) as pb,
-    ):
-
-        async def compare(item: tuple[int, str, Entry, Entry], worker: int) -> None:
-            index, path, a, b = item
-            buf_a, buf_b = buffers[worker]
-            view_a, view_b = memoryview(buf_a), memoryview(buf_b)
-            for pos in range(0, a.nbytes, size):
-                n = min(size, a.nbytes - pos)
-                await asyncio.gather(
-                    _read_window(pa, path, a.locations, pos, view_a[:n], options),
-                    _read_window(pb, path, b.locations, pos, view_b[:n], options),
-                )
-                report.bytes_read += n
-                tally(n)
-                # bytearray equality is a memcmp; slices copy, but only the last piece's.
-                if not (buf_a == buf_b if n == size else buf_a[:n] == buf_b[:n]):
-                    at = pos + _first_difference(view_a[:n], view_b[:n])
-                    found.append(
-                        (index, Difference(path, "bytes", f"contents differ from byte {at:,}"))
-                    )
-                    tally(a.nbytes - pos - n)
-                    break
-            report.compared_by_reading += 1
-            tally(0, 1)
-
-        each(to_read, workers, compare)
-    return found

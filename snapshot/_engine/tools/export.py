@@ -10,7 +10,6 @@ there is replaced only with ``overwrite``, and only the files its record lists.
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import math
@@ -19,22 +18,19 @@ import re
 import shutil
 import stat
 import struct
-import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, BinaryIO
 
 import torch
 
 from manifest import Location, Manifest
-from snapshot._engine.format.serialization import crc32
 from snapshot._engine.format.text import printable
 from snapshot._engine.handlers import for_entry
-from snapshot._engine.io.storage_calls import call
-from snapshot._engine.restore import checks as claims
 from snapshot._engine.runtime import run
-from snapshot.errors import ChecksumError, InvalidArgumentError, StorageError, UnsupportedValueError
+from snapshot._engine.tools.inspection import BoxReader
+from snapshot.errors import InvalidArgumentError, StorageError, UnsupportedValueError
 from snapshot.options import Options
 from storage_plugins import StoragePlugin
 from storage_plugins.fs import missing_folders
@@ -73,25 +69,16 @@ def parse_size(text: str | int) -> int:
 
 
 @dataclass
-class Box:
-    """The stored bytes of the box ``offsets .. offsets + sizes``, row-major across ``chunks``."""
-
-    offsets: tuple[int, ...]
-    sizes: tuple[int, ...]
-    chunks: tuple[Location, ...]
-
-
-@dataclass
 class Source:
     """One tensor to export: output ``name``, manifest ``path``, stored dtype, global shape,
-    boxes (one for a dense tensor) and output dtype."""
+    boxes (one for a dense tensor: ``TensorLayout.boxes``) and output dtype."""
 
     name: str
     path: str
     dtype: torch.dtype
     shape: tuple[int, ...]
-    boxes: list[Box]
-    out_dtype: torch.dtype = field(default=torch.float32)
+    boxes: list[tuple[tuple[int, ...], tuple[int, ...], tuple[Location, ...]]]
+    out_dtype: torch.dtype
 
     @property
     def numel(self) -> int:
@@ -100,13 +87,6 @@ class Source:
     @property
     def out_bytes(self) -> int:
         return self.numel * self.out_dtype.itemsize
-
-
-def output_name(logical: str, prefix: str) -> str:
-    """``0/model/layer.weight`` under ``0/model/`` -> ``layer.weight``: each component
-    unescaped (``flatten.escape_key``), joined by dots."""
-    parts = logical[len(prefix) :].split("/")
-    return ".".join(p.replace("%2F", "/").replace("%25", "%") for p in parts)
 
 
 def collect(
@@ -142,8 +122,9 @@ def collect(
                 skipped.append(path)
             continue
         t_dtype = layout.dtype
-        boxes = [Box(offsets, sizes, chunks) for offsets, sizes, chunks in layout.boxes]
-        name = output_name(path, prefix)
+        # Each component unescaped (``flatten.escape_key``), joined by dots: ``layer.weight``.
+        parts = path[len(prefix) :].split("/")
+        name = ".".join(p.replace("%2F", "/").replace("%25", "%") for p in parts)
         if strip_prefix and name.startswith(strip_prefix):
             name = name[len(strip_prefix) :]
         if name in names:
@@ -152,19 +133,8 @@ def collect(
             )
         names[name] = path
         out_dtype = dtype if dtype is not None and t_dtype.is_floating_point else t_dtype
-        sources.append(Source(name, path, t_dtype, tuple(layout.shape), boxes, out_dtype))
+        sources.append(Source(name, path, t_dtype, tuple(layout.shape), layout.boxes, out_dtype))
     return sources, skipped
-
-
-def check_claims(
-    plugin: StoragePlugin, manifest: Manifest, sources: Sequence[Source], options: Options
-) -> None:
-    """Restore's check of the sizes a manifest claims, for every blob the export reads (no
-    overlapping ranges; each blob holds its ranges), before anything is read or allocated."""
-    blobs, _ = claims.claimed_blobs(manifest.view(0), [s.path for s in sources], {})
-    jobs = options.max_concurrent_io
-    assert jobs is not None
-    run(claims.check_claims(plugin, blobs, manifest.blob_sizes, jobs, options))
 
 
 def plan_files(sources: Sequence[Source], max_bytes: int) -> list[list[Source]]:
@@ -172,70 +142,12 @@ def plan_files(sources: Sequence[Source], max_bytes: int) -> list[list[Source]]:
     files: list[list[Source]] = []
     size = 0
     for s in sources:
-        if not files or (size + s.out_bytes > max_bytes and files[-1]):
+        if not files or size + s.out_bytes > max_bytes:
             files.append([])
             size = 0
         files[-1].append(s)
         size += s.out_bytes
-    return files or [[]]
-
-
-class BoxReader:
-    """Reads a box's bytes front to back (``read(start, out)``), checking each chunk's CRC-32
-    once all of its bytes went by."""
-
-    def __init__(
-        self, plugin: StoragePlugin, box: Box, label: str, verify: bool, options: Options
-    ) -> None:
-        self.plugin = plugin
-        self.box = box
-        self.label = label
-        self.verify = verify
-        self.options = options
-        self.chunk = 0  # the chunk being read
-        self.chunk_start = 0  # where that chunk begins in the box's bytes
-        self.crc = 0
-        self.crc_upto = 0  # bytes of the current chunk digested
-
-    def read(self, start: int, out: memoryview) -> None:
-        end = start + len(out)
-        filled = 0
-        at = start
-        chunks = self.box.chunks
-        while at < end:
-            while self.chunk_start + chunks[self.chunk].nbytes <= at:
-                self._finish_chunk()
-            loc = chunks[self.chunk]
-            inner = at - self.chunk_start
-            n = min(end - at, loc.nbytes - inner)
-            piece = out[filled : filled + n]
-            # Through restore's ``call``: its retries, deadline and errors.
-            read = functools.partial(self.plugin.read_into, loc.blob, loc.offset + inner, piece)
-            run(call(self.plugin, "read", loc.blob, self.label, read, options=self.options))
-            if self.verify and loc.crc32 is not None:
-                if inner == self.crc_upto:
-                    self.crc = crc32(piece, self.crc)
-                    self.crc_upto += n
-                else:  # a gap (a skipped part): this chunk can no longer be checked whole
-                    self.crc_upto = -1
-            filled += n
-            at += n
-        while self.chunk < len(chunks) and self.chunk_start + chunks[self.chunk].nbytes <= end:
-            self._finish_chunk()
-
-    def _finish_chunk(self) -> None:
-        loc = self.box.chunks[self.chunk]
-        whole = self.verify and loc.crc32 is not None and self.crc_upto == loc.nbytes
-        if whole and self.crc != loc.crc32:
-            raise ChecksumError(
-                f"{self.label}: blob {self.plugin.describe(loc.blob)} bytes "
-                f"{loc.offset:,}..{loc.offset + loc.nbytes:,} have CRC-32 {self.crc:#010x}, "
-                f"the snapshot recorded {loc.crc32:#010x}"
-            )
-        self.chunk_start += loc.nbytes
-        self.chunk += 1
-        self.crc = 0
-        self.crc_upto = 0
+    return files
 
 
 def tiles(source: Source, tile_bytes: int) -> Iterator[tuple[int, int]]:
@@ -257,42 +169,32 @@ def stream_tensor(
     plugin: StoragePlugin,
     source: Source,
     tile_bytes: int,
-    verify: bool,
     write: Callable[[memoryview], object],
     options: Options,
 ) -> None:
     """Writes ``source``'s bytes (cast to its output dtype) through ``write``, tile by tile."""
     if source.numel == 0:
         return
-    readers = [BoxReader(plugin, b, source.path, verify, options) for b in source.boxes]
+    verify = bool(options.checksums)
+    readers = [BoxReader(plugin, c, source.path, options, verify) for _, _, c in source.boxes]
     shape = source.shape or (1,)  # a 0-d tensor as one row
     for a, b in tiles(source, tile_bytes):
         tile = torch.empty((b - a, *shape[1:]), dtype=source.dtype)
-        covered = 0
-        for box, reader in zip(source.boxes, readers, strict=True):
-            offsets, sizes = box.offsets or (0,), box.sizes or (1,)
+        # The boxes were checked to cover the tensor exactly once (``collect``).
+        for (offsets, sizes, _), reader in zip(source.boxes, readers, strict=True):
+            offsets, sizes = offsets or (0,), sizes or (1,)
             lo, hi = max(a, offsets[0]), min(b, offsets[0] + sizes[0])
             if lo >= hi:
                 continue
-            start = (lo - offsets[0]) * math.prod(sizes[1:]) * source.dtype.itemsize
             if tuple(sizes[1:]) == tuple(shape[1:]):
                 # Whole rows (a dense tensor, a shard along the leading axis): read in place.
-                reader.read(start, _bytes_of(tile[lo - a : hi - a]))
-                covered += tile[lo - a : hi - a].numel()
+                run(reader.read(_bytes_of(tile[lo - a : hi - a])))
                 continue
             piece = torch.empty((hi - lo, *sizes[1:]), dtype=source.dtype)
-            if piece.numel():
-                reader.read(start, _bytes_of(piece))
-            covered += piece.numel()
+            run(reader.read(_bytes_of(piece)))
             inner = tuple(slice(o, o + n) for o, n in zip(offsets[1:], sizes[1:], strict=True))
             tile[(slice(lo - a, hi - a), *inner)].copy_(piece)
-        if covered != tile.numel():  # the shards were checked to cover it exactly once
-            raise AssertionError(
-                f"{source.path}: the stored pieces cover {covered:,} of the {tile.numel():,} "
-                f"elements of rows {a}..{b}"
-            )
-        out = tile if source.out_dtype == source.dtype else tile.to(source.out_dtype)
-        write(_bytes_of(out))
+        write(_bytes_of(tile if source.out_dtype == source.dtype else tile.to(source.out_dtype)))
 
 
 def _bytes_of(t: torch.Tensor) -> memoryview:
@@ -300,27 +202,31 @@ def _bytes_of(t: torch.Tensor) -> memoryview:
     return t.reshape(-1).view(torch.uint8).numpy().data
 
 
+def _read_whole(
+    plugin: StoragePlugin, s: Source, tile_bytes: int, options: Options
+) -> torch.Tensor:
+    """``s`` streamed into a new tensor of its output dtype."""
+    t = torch.empty(s.shape, dtype=s.out_dtype)
+    view, pos = _bytes_of(t), 0
+
+    def put(data: memoryview) -> None:
+        nonlocal pos
+        view[pos : pos + len(data)] = data
+        pos += len(data)
+
+    stream_tensor(plugin, s, tile_bytes, put, options)
+    return t
+
+
 RESERVED_NAME = "__metadata__"  # the header's key for the file's metadata
 MAX_HEADER_BYTES = 100_000_000  # the safetensors library's ``MAX_HEADER_SIZE``
 
 
-def check_safetensors(files: Sequence[Sequence[Source]]) -> None:
-    """Builds every planned file's header before anything is written (refusing those larger
-    than the format's readers accept)."""
-    for group in files:
-        size = len(safetensors_header(group, {"format": "pt"})) - 8
-        if size > MAX_HEADER_BYTES:
-            raise UnsupportedValueError(
-                f"the safetensors header of the {len(group):,} tensors of one file would be "
-                f"{size:,} bytes, over the {MAX_HEADER_BYTES:,} the format's readers accept; "
-                "pass a smaller max_shard_size (--max-shard-size) to split them"
-            )
-
-
-def safetensors_header(sources: Sequence[Source], metadata: dict[str, str]) -> bytes:
+def safetensors_header(sources: Sequence[Source]) -> bytes:
     """A safetensors file's header for ``sources``: its 8-byte length and the JSON, padded with
-    spaces to a multiple of 8 bytes. Refuses names it cannot carry."""
-    header: dict[str, Any] = {"__metadata__": metadata}
+    spaces to a multiple of 8 bytes. Refuses names it cannot carry, and a header larger than the
+    format's readers accept."""
+    header: dict[str, Any] = {RESERVED_NAME: {"format": "pt"}}
     offset = 0
     for s in sources:
         if s.name == RESERVED_NAME:
@@ -351,98 +257,52 @@ def safetensors_header(sources: Sequence[Source], metadata: dict[str, str]) -> b
         offset += s.out_bytes
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-(len(text) + 8) % 8)
+    if len(text) > MAX_HEADER_BYTES:
+        raise UnsupportedValueError(
+            f"the safetensors header of the {len(sources):,} tensors of one file would be "
+            f"{len(text):,} bytes, over the {MAX_HEADER_BYTES:,} the format's readers accept; "
+            "pass a smaller max_shard_size (--max-shard-size) to split them"
+        )
     return struct.pack("<Q", len(text)) + text
 
 
-@dataclass
-class Written:
-    """What an export wrote (``log_done``)."""
-
-    files: list[str]
-    tensors: int
-    nbytes: int
-    skipped: list[str]
-    seconds: float
-
-
-def _names(stem: str, ext: str, n: int) -> list[str]:
-    """``model.safetensors``, or ``model-0000i-of-0000N.safetensors`` for several files."""
-    return [f"{stem}{ext}"] if n == 1 else [f"{stem}-{i + 1:05d}-of-{n:05d}{ext}" for i in range(n)]
-
-
-def write_safetensors(
+def write_files(
     plugin: StoragePlugin,
     files: list[list[Source]],
     folder: str,
+    format: str,
     tile_bytes: int,
-    verify: bool,
     options: Options,
 ) -> list[str]:
-    """Writes the planned files (and, for several, the index) into ``folder``; returns their
-    names, the index last."""
-    names = _names("model", ".safetensors", len(files))
+    """Writes the planned files into ``folder``: safetensors ones (``model.safetensors``, or
+    ``model-0000i-of-0000N.safetensors``) streamed tile by tile, or ``torch.save`` ones
+    (``pytorch_model.bin``...) each made whole in memory, one file at a time; for several, the
+    index as Hugging Face writes it. Returns their names, the index last."""
+    stem, ext = ("model", ".safetensors") if format == "safetensors" else ("pytorch_model", ".bin")
+    n = len(files)
+    names = (
+        [f"{stem}{ext}"] if n == 1 else [f"{stem}-{i + 1:05d}-of-{n:05d}{ext}" for i in range(n)]
+    )
     for name, group in zip(names, files, strict=True):
 
         def fill(f: BinaryIO, group: list[Source] = group) -> None:
-            f.write(safetensors_header(group, {"format": "pt"}))
+            if format == "torch":
+                torch.save({s.name: _read_whole(plugin, s, tile_bytes, options) for s in group}, f)
+                return
+            f.write(safetensors_header(group))
             for s in group:
-                stream_tensor(plugin, s, tile_bytes, verify, f.write, options)
+                stream_tensor(plugin, s, tile_bytes, f.write, options)
 
         write_file(os.path.join(folder, name), fill)
-    return _with_index(folder, "model.safetensors.index.json", names, files)
-
-
-def write_torch(
-    plugin: StoragePlugin,
-    files: list[list[Source]],
-    folder: str,
-    tile_bytes: int,
-    verify: bool,
-    options: Options,
-) -> list[str]:
-    """``torch.save`` files of the planned groups (``pytorch_model.bin``...) in ``folder``;
-    returns their names. A torch file is made whole in memory, one file at a time."""
-    names = _names("pytorch_model", ".bin", len(files))
-    for name, group in zip(names, files, strict=True):
-        tensors = {}
-        for s in group:
-            t = tensors[s.name] = torch.empty(s.shape, dtype=s.out_dtype)
-            view, pos = _bytes_of(t), [0]
-
-            def put(data: memoryview, view: memoryview = view, pos: list[int] = pos) -> None:
-                view[pos[0] : pos[0] + len(data)] = data
-                pos[0] += len(data)
-
-            stream_tensor(plugin, s, tile_bytes, verify, put, options)
-        write_file(os.path.join(folder, name), functools.partial(torch.save, tensors))
-        del tensors
-    return _with_index(folder, "pytorch_model.bin.index.json", names, files)
-
-
-def _with_index(
-    folder: str, index_name: str, names: list[str], files: Sequence[Sequence[Source]]
-) -> list[str]:
-    """``names``, and the index of a split export (as Hugging Face writes it) when several."""
-    if len(names) == 1:
+    if n == 1:
         return names
     index = {
         "metadata": {"total_size": sum(s.out_bytes for g in files for s in g)},
         "weight_map": {s.name: name for name, g in zip(names, files, strict=True) for s in g},
     }
     data = json.dumps(index, indent=2, sort_keys=True).encode() + b"\n"
-    write_file(os.path.join(folder, index_name), lambda f: f.write(data))
-    return [*names, index_name]
-
-
-def log_done(where: str, out_dir: str, r: Written) -> None:
-    skipped = f"; {len(r.skipped)} other values skipped" if r.skipped else ""
-    mb, files = r.nbytes / 1e6, len(r.files)
-    msg = "exported %d tensors (%.1f MB) of %s to %d file(s) in %s in %.3f s%s"
-    logger.info(msg, r.tensors, mb, where, files, out_dir, r.seconds, skipped)
-
-
-def now() -> float:
-    return time.perf_counter()
+    write_file(os.path.join(folder, f"{stem}{ext}.index.json"), lambda f: f.write(data))
+    return [*names, f"{stem}{ext}.index.json"]
 
 
 # The files an export put in a folder: all that a later export with ``overwrite`` replaces.
@@ -474,22 +334,6 @@ def sync_folder(path: str) -> None:
         os.close(fd)
 
 
-def recorded_names(out_dir: str) -> set[str]:
-    """The export names ``out_dir``'s record lists (anyone can edit it: other names are
-    ignored); empty when it is missing, a link, not a regular file, too large or not JSON."""
-    try:
-        fd = os.open(os.path.join(out_dir, RECORD), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-        with os.fdopen(fd, "rb") as f:
-            regular = stat.S_ISREG(os.fstat(fd).st_mode)
-            data = f.read(_MAX_RECORD_BYTES + 1) if regular else b""
-        record = json.loads(data) if 0 < len(data) <= _MAX_RECORD_BYTES else None
-    except (OSError, ValueError):
-        return set()
-    listed = record.get("files") if isinstance(record, dict) else None
-    names = listed if isinstance(listed, list) else []
-    return {n for n in names if isinstance(n, str) and EXPORT_NAME.fullmatch(n)}
-
-
 def earlier_export(out_dir: str, overwrite: bool) -> list[str]:
     """The earlier export's files in ``out_dir`` that this one replaces (reads only); refuses
     any without ``overwrite``, and one the record does not list or that is not a regular file."""
@@ -502,32 +346,37 @@ def earlier_export(out_dir: str, overwrite: bool) -> list[str]:
     except OSError as e:
         raise StorageError(f"export: cannot list the folder {out_dir}: {e}") from e
     found = sorted(n for n in names if EXPORT_NAME.fullmatch(n))
-    how = "remove it yourself, or choose another folder"
-    if RECORD in names and not stat.S_ISREG(os.lstat(os.path.join(out_dir, RECORD)).st_mode):
-        raise InvalidArgumentError(
-            f"export: {os.path.join(out_dir, RECORD)} is not a regular file (a link, or a "
-            f"folder), where an export keeps its record: {how}"
-        )
+    for n in [RECORD, *found] if RECORD in names else found:
+        if not stat.S_ISREG(os.lstat(os.path.join(out_dir, n)).st_mode):
+            raise InvalidArgumentError(
+                f"export: {os.path.join(out_dir, n)} is not a regular file (a link, or a "
+                f"folder); an export replaces only files it wrote, and keeps its record in "
+                f"{RECORD}: remove it yourself, or choose another folder"
+            )
     if found and not overwrite:
         raise InvalidArgumentError(
             f"export: {out_dir} already holds an export ({', '.join(found)}); pass "
             "overwrite=True (statesnap export --overwrite) to replace it, or choose another "
             "folder"
         )
-    recorded = recorded_names(out_dir) if found else set()
-    unrecorded = [n for n in found if n not in recorded]
+    # The export names the record lists (anyone can edit it: other names are ignored); none when
+    # it is missing, a link, not a regular file, too large or not JSON.
+    recorded: Any = None
+    try:
+        fd = os.open(os.path.join(out_dir, RECORD), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        with os.fdopen(fd, "rb") as f:
+            data = f.read(_MAX_RECORD_BYTES + 1) if stat.S_ISREG(os.fstat(fd).st_mode) else b""
+        recorded = json.loads(data) if 0 < len(data) <= _MAX_RECORD_BYTES else None
+    except (OSError, ValueError):
+        pass
+    listed = recorded.get("files") if isinstance(recorded, dict) else None
+    unrecorded = [n for n in found if not (isinstance(listed, list) and n in listed)]
     if unrecorded:
         raise InvalidArgumentError(
             f"export: {out_dir} holds {', '.join(unrecorded)}, which no statesnap export "
             f"recorded writing ({RECORD} does not list them); an export replaces only files it "
             "wrote: remove them yourself, or choose another folder"
         )
-    for n in found:
-        if not stat.S_ISREG(os.lstat(os.path.join(out_dir, n)).st_mode):
-            raise InvalidArgumentError(
-                f"export: {os.path.join(out_dir, n)} is not a regular file (a link, or a "
-                f"folder); an export replaces only files it wrote: {how}"
-            )
     return found
 
 

@@ -1,5 +1,6 @@
 """Looking into a snapshot without restoring it: what ``statesnap ls / show / du`` compute,
-and what ``verify`` and ``diff`` share (``Tally``, ``each``, :data:`PIECE_BYTES`, :data:`JOBS`).
+and what ``verify`` and ``diff`` share (``Tally``, ``each``, :data:`PIECE_BYTES`, :data:`JOBS`;
+``BoxReader``, which export reads with too).
 
 Every function returns data and prints nothing. ``ls`` and ``du`` read only the manifest,
 which records every entry's kind, dtype, shape, byte ranges and CRC-32s. ``verify`` and ``diff``
@@ -9,7 +10,8 @@ read blobs in pieces of at most :data:`PIECE_BYTES`, a few at a time.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
+import functools
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple, TypeVar
 
@@ -17,6 +19,7 @@ import torch
 
 from manifest import (
     Entry,
+    Location,
     Manifest,
     ObjectEntry,
     PickledTensorEntry,
@@ -27,13 +30,15 @@ from manifest import (
     is_container,
     reference_of,
 )
-from snapshot._engine.format.serialization import dtype_name
+from snapshot._engine.format.serialization import crc32, dtype_name
 from snapshot._engine.format.text import printable
+from snapshot._engine.io.storage_calls import call
 from snapshot._engine.restore import suggest
 from snapshot._engine.runtime import run
-from snapshot.errors import EntryNotFoundError
-from snapshot.metadata import SnapshotMetadata
+from snapshot.errors import ChecksumError, EntryNotFoundError
+from snapshot.options import Options
 from snapshot.snapshot import Snapshot
+from storage_plugins import StoragePlugin
 
 PIECE_BYTES = 16 << 20  # the most bytes ``verify`` and ``diff`` read in one request
 JOBS = 4  # blobs (``verify``) or entries (``diff``) read at once by default
@@ -75,9 +80,52 @@ def each(items: Iterable[T], jobs: int, work: Callable[[T, int], Awaitable[None]
     run(main())
 
 
-def check_jobs(jobs: int, piece_bytes: int) -> None:
-    if jobs < 1 or piece_bytes < 1:
-        raise ValueError(f"jobs and piece_bytes must be positive, got {jobs}, {piece_bytes}")
+class BoxReader:
+    """Reads the bytes of ``chunks``, one after another, front to back: ``read(out)`` fills
+    ``out`` with the next ``len(out)``. When ``verify``, each chunk's CRC-32 is checked once all
+    of its bytes went by. An exported box's bytes, or an entry's that ``diff`` compares."""
+
+    def __init__(
+        self,
+        plugin: StoragePlugin,
+        chunks: Sequence[Location],
+        label: str,
+        options: Options,
+        verify: bool,
+    ) -> None:
+        self.plugin = plugin
+        self.chunks = chunks
+        self.label = label
+        self.options = options
+        self.verify = verify
+        self.chunk = 0  # the chunk being read
+        self.inner = 0  # its bytes read
+        self.crc = 0  # their CRC-32
+
+    async def read(self, out: memoryview) -> None:
+        filled = 0
+        while filled < len(out):
+            loc = self.chunks[self.chunk]
+            n = min(len(out) - filled, loc.nbytes - self.inner)
+            piece = out[filled : filled + n]
+            # Through restore's ``call``: its retries, deadline and errors.
+            read = functools.partial(
+                self.plugin.read_into, loc.blob, loc.offset + self.inner, piece
+            )
+            await call(self.plugin, "read", loc.blob, self.label, read, options=self.options)
+            if self.verify and loc.crc32 is not None:
+                self.crc = crc32(piece, self.crc)
+            filled += n
+            self.inner += n
+            if self.inner < loc.nbytes:
+                continue
+            if self.verify and loc.crc32 is not None and self.crc != loc.crc32:
+                raise ChecksumError(
+                    f"{self.label}: blob {self.plugin.describe(loc.blob)} bytes "
+                    f"{loc.offset:,}..{loc.offset + loc.nbytes:,} have CRC-32 {self.crc:#010x}, "
+                    f"the snapshot recorded {loc.crc32:#010x}"
+                )
+            self.chunk, self.inner, self.crc = self.chunk + 1, 0, 0
 
 
 _UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB")
@@ -85,14 +133,10 @@ _UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB")
 
 def human_bytes(n: int) -> str:
     """``n`` bytes for people: ``"512 B"``, ``"10.0 KiB"``, ``"3.4 GiB"`` (powers of 1024)."""
-    if n < 1024:
-        return f"{n} B"
-    value = float(n)
-    for unit in _UNITS[1:]:
-        value /= 1024
-        if value < 1024 or unit == _UNITS[-1]:
-            return f"{value:.1f} {unit}"
-    raise AssertionError("unreachable")  # pragma: no cover
+    value, unit = float(n), 0
+    while value >= 1024 and unit < len(_UNITS) - 1:
+        value, unit = value / 1024, unit + 1
+    return f"{n} B" if unit == 0 else f"{value:.1f} {_UNITS[unit]}"
 
 
 def format_shape(shape: Sequence[int]) -> str:
@@ -109,12 +153,6 @@ def _type_name(entry: Entry) -> str:
     if isinstance(entry, PrimitiveEntry):
         return entry.value_type
     return ""
-
-
-def _split_path(path: str) -> tuple[str, str]:
-    """``"0/model/layer.weight"`` -> ``("0", "model")``: the rank and the app_state key."""
-    parts = path.split("/", 2)
-    return parts[0], parts[1] if len(parts) > 1 else ""
 
 
 def _shared(entry: Entry) -> bool:
@@ -140,12 +178,6 @@ def _stored_bytes(entries: Iterable[Entry]) -> tuple[int, int]:
     return own, in_bases
 
 
-def _bases_of(entry: Entry) -> str:
-    """The base snapshots holding an entry's bytes, joined by commas ("" for none)."""
-    names = {ref[0] for loc in entry.locations if (ref := reference_of(loc.blob)) is not None}
-    return ",".join(sorted(names))
-
-
 # ---------------------------------------------------------------------------------------------
 # ls
 
@@ -159,7 +191,7 @@ class ListRow(NamedTuple):
     shape: tuple[int, ...] | None  # tensors only
     nbytes: int  # bytes in blobs (0 for primitives and containers, which live in the manifest)
     replicated: bool
-    base: str = ""  # the base snapshot(s) holding its bytes (``_bases_of``)
+    base: str  # the base snapshots holding its bytes, joined by commas ("" for none)
 
 
 @dataclass(frozen=True)
@@ -167,21 +199,11 @@ class Listing:
     """The rows of ``ls`` and their totals."""
 
     rows: list[ListRow]
-    entries: int
     tensors: int
     nbytes: int  # the sum of the rows' nbytes
     stored_bytes: int  # what the blobs hold for them, shared ranges counted once
-    world_size: int
-    metadata: SnapshotMetadata  # what ``Snapshot.metadata`` gives (the whole snapshot's)
-    base_bytes: int = 0  # of ``stored_bytes``, those in bases' blobs (an incremental take)
-
-    @property
-    def any_replicated(self) -> bool:
-        return any(r.replicated for r in self.rows)
-
-    @property
-    def any_in_base(self) -> bool:
-        return any(r.base for r in self.rows)
+    base_bytes: int  # of ``stored_bytes``, those in bases' blobs (an incremental take)
+    bases: tuple[str, ...]  # those bases (``Manifest.bases``)
 
 
 def list_entries(manifest: Manifest, prefix: str | None = None) -> Listing:
@@ -192,42 +214,34 @@ def list_entries(manifest: Manifest, prefix: str | None = None) -> Listing:
         EntryNotFoundError: ``prefix`` is given and no entry is at or below it.
     """
     entries = manifest.entries
+    items = list(entries.items())
     if prefix:
         prefix = prefix.rstrip("/")
-        below = prefix + "/"
-        items = [(p, e) for p, e in entries.items() if p == prefix or p.startswith(below)]
+        items = [(p, e) for p, e in items if p == prefix or p.startswith(prefix + "/")]
         if not items:
-            close = close_matches(entries, prefix)
-            hint = f"; close matches: {', '.join(map(printable, close))}" if close else ""
+            hint = _close_matches(entries, prefix)
             raise EntryNotFoundError(f"no entry at or below {prefix!r}{hint}")
-    else:
-        items = list(entries.items())
     rows = []
-    tensors = total = 0
     for path, entry in items:
         # A sharded one: its global shape; a pickled one (torchsnapshot's): a tensor too.
-        if isinstance(entry, (TensorEntry, ShardedTensorEntry, PickledTensorEntry)):
-            tensors += 1
-            shape: tuple[int, ...] | None = entry.shape
-        else:
-            shape = None
-        nbytes = entry.nbytes
-        total += nbytes
-        row = ListRow(path, entry.type, _type_name(entry), shape, nbytes, _shared(entry))
-        if nbytes and manifest.bases:
-            row = row._replace(base=_bases_of(entry))
-        rows.append(row)
+        tensor = (TensorEntry, ShardedTensorEntry, PickledTensorEntry)
+        shape = entry.shape if isinstance(entry, tensor) else None
+        refs = {r[0] for loc in entry.locations if (r := reference_of(loc.blob)) is not None}
+        rows.append(
+            ListRow(
+                path,
+                entry.type,
+                _type_name(entry),
+                shape,
+                entry.nbytes,
+                _shared(entry),
+                ",".join(sorted(refs)),
+            )
+        )
     own, in_bases = _stored_bytes(e for _, e in items)
-    return Listing(
-        rows=rows,
-        entries=len(rows),
-        tensors=tensors,
-        nbytes=total,
-        stored_bytes=own + in_bases,
-        base_bytes=in_bases,
-        world_size=manifest.world_size,
-        metadata=SnapshotMetadata.from_manifest(manifest),
-    )
+    tensors = sum(r.shape is not None for r in rows)
+    nbytes = sum(r.nbytes for r in rows)
+    return Listing(rows, tensors, nbytes, own + in_bases, in_bases, manifest.bases)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -255,9 +269,8 @@ class Usage:
     replicated_bytes: int
     stored_bytes: int  # what the blobs hold: replicated and shared ranges counted once
     rank_bytes: dict[str, int]  # rank -> the sum of its rows' nbytes
-    world_size: int
-    base_bytes: int = 0  # of ``stored_bytes``, those in bases' blobs (an incremental take)
-    bases: tuple[str, ...] = ()  # those bases (``Manifest.bases``)
+    base_bytes: int  # of ``stored_bytes``, those in bases' blobs (an incremental take)
+    bases: tuple[str, ...]  # those bases (``Manifest.bases``)
 
 
 def disk_usage(manifest: Manifest) -> Usage:
@@ -265,34 +278,26 @@ def disk_usage(manifest: Manifest) -> Usage:
     stored once, count in every rank's row (restoring the key there reads them), whether the
     manifest lists it under every rank (before format 3) or once under rank 0;
     ``stored_bytes`` counts every distinct byte range once."""
-    counts: dict[tuple[str, str], list[int]] = {}
-    ranks: dict[str, int] = {}
-    total = replicated = count = 0
+    counts: dict[tuple[str, str], list[int]] = {}  # (rank, key) -> entries, bytes, replicated
     for path, entry in _as_every_rank_reads(manifest):
-        count += 1
-        rank_key = _split_path(path)
-        slot = counts.get(rank_key)
-        if slot is None:
-            slot = counts[rank_key] = [0, 0, 0]
-        nbytes = entry.nbytes
+        rank, _, rest = path.partition("/")
+        slot = counts.setdefault((rank, rest.partition("/")[0]), [0, 0, 0])
         slot[0] += 1
-        slot[1] += nbytes
-        total += nbytes
-        if _shared(entry):
-            slot[2] += nbytes
-            replicated += nbytes
-        ranks[rank_key[0]] = ranks.get(rank_key[0], 0) + nbytes
+        slot[1] += entry.nbytes
+        slot[2] += entry.nbytes if _shared(entry) else 0
     rows = [UsageRow(r, k, n, b, rb) for (r, k), (n, b, rb) in counts.items()]
     rows.sort(key=lambda row: (-row.nbytes, _rank_order(row.rank), row.key))
+    ranks: dict[str, int] = {}
+    for row in sorted(rows, key=lambda row: _rank_order(row.rank)):
+        ranks[row.rank] = ranks.get(row.rank, 0) + row.nbytes
     own, in_bases = _stored_bytes(manifest.entries.values())
     return Usage(
         rows=rows,
-        entries=count,
-        nbytes=total,
-        replicated_bytes=replicated,
+        entries=sum(r.entries for r in rows),
+        nbytes=sum(r.nbytes for r in rows),
+        replicated_bytes=sum(r.replicated_bytes for r in rows),
         stored_bytes=own + in_bases,
-        rank_bytes=dict(sorted(ranks.items(), key=lambda kv: _rank_order(kv[0]))),
-        world_size=manifest.world_size,
+        rank_bytes=ranks,
         base_bytes=in_bases,
         bases=manifest.bases,
     )
@@ -333,15 +338,12 @@ def _rank_order(rank: str) -> tuple[int, str]:
 # show
 
 
-def close_matches(entries: Sequence[str] | dict[str, Any], key: str, n: int = 5) -> list[str]:
-    """Logical paths resembling ``key``: the same path under rank 0 first, then difflib's
-    closest (``suggest.close_matches``)."""
-    paths = list(entries)
+def _close_matches(entries: Mapping[str, Any], key: str) -> str:
+    """``"; close matches: ..."``, naming logical paths resembling ``key`` (the same path under
+    rank 0 first, then difflib's closest: ``suggest.close_matches``), or "" for none."""
     found = [f"0/{key}"] if f"0/{key}" in entries else []
-    for p in suggest.close_matches(key, paths, n=n, cutoff=0.6):
-        if p not in found:
-            found.append(p)
-    return found[:n]
+    found += [p for p in suggest.close_matches(key, entries, n=5) if p not in found]
+    return f"; close matches: {', '.join(map(printable, found[:5]))}" if found else ""
 
 
 def read_entry(path: str, key: str, storage_options: dict[str, Any] | None) -> tuple[Entry, Any]:
@@ -355,11 +357,9 @@ def read_entry(path: str, key: str, storage_options: dict[str, Any] | None) -> t
     entries = snap.get_manifest()
     entry = entries.get(key)
     if entry is None:
-        close = close_matches(entries, key)
         hint = (
-            f"; close matches: {', '.join(map(printable, close))}"
-            if close
-            else f"; `statesnap ls {path}` lists its {len(entries)} entries"
+            _close_matches(entries, key)
+            or f"; `statesnap ls {path}` lists its {len(entries)} entries"
         )
         raise EntryNotFoundError(f"snapshot {path} has no entry {key!r}{hint}")
     return entry, snap.read_object(key)
@@ -389,14 +389,6 @@ def _try(fn: Callable[[], Any]) -> Any:
         return None
 
 
-def _as_float64(flat: torch.Tensor) -> torch.Tensor | None:
-    """``flat`` in float64, through float32 for dtypes that convert to nothing else."""
-    t = _try(lambda: flat.to(torch.float64))
-    if t is None:
-        t = _try(lambda: flat.to(torch.float32).to(torch.float64))
-    return t
-
-
 def _stats(flat: torch.Tensor) -> tuple[Any, Any, Any, int | None]:
     """(min, max, mean, non-finite count) of a non-empty flat tensor, each None where its dtype
     does not allow it: bool has no mean, complex numbers no order, floating point values are
@@ -406,7 +398,9 @@ def _stats(flat: torch.Tensor) -> tuple[Any, Any, Any, int | None]:
         return bool(flat.all()), bool(flat.any()), None, None
     if dtype.is_complex:
         return None, None, _try(lambda: complex(flat.to(torch.complex128).mean().item())), None
-    f = _as_float64(flat)
+    f = _try(lambda: flat.to(torch.float64))
+    if f is None:  # through float32 for dtypes that convert to nothing else
+        f = _try(lambda: flat.to(torch.float32).to(torch.float64))
     if dtype.is_floating_point:
         if f is None:
             return None, None, None, None
@@ -456,26 +450,3 @@ def summarize_tensor(t: torch.Tensor, values: int = 8) -> TensorSummary:
         nonfinite=nonfinite,
         values=first,
     )
-
-
-@dataclass(frozen=True)
-class ValueSummary:
-    """What ``show`` says about a value that is not a tensor: its type, length (containers,
-    str, bytes) and repr, cut at ``max_chars``."""
-
-    type_name: str
-    length: int | None
-    text: str
-    omitted_chars: int  # how much of the repr was cut (0: none)
-
-
-def summarize_value(value: Any, max_chars: int = 2000) -> ValueSummary:
-    """``value``'s type and repr, the repr cut after ``max_chars`` characters."""
-    text = repr(value)
-    omitted = max(0, len(text) - max_chars)
-    if omitted:
-        text = text[:max_chars]
-    length = len(value) if isinstance(value, (dict, list, tuple, set, str, bytes)) else None
-    cls = type(value)
-    name = cls.__qualname__ if cls.__module__ == "builtins" else f"{cls.__module__}.{cls.__name__}"
-    return ValueSummary(type_name=name, length=length, text=text, omitted_chars=omitted)

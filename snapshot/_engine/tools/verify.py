@@ -9,6 +9,7 @@ from their first bytes and last ``ARCHIVE_TAIL`` bytes, kept as they are read.
 
 from __future__ import annotations
 
+import functools
 import io
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -27,7 +28,7 @@ from snapshot._engine.handlers.objects import check_archive
 from snapshot._engine.io.storage_calls import call
 from snapshot._engine.restore.reads import resolve_view
 from snapshot._engine.restore.restore import read_object
-from snapshot._engine.tools.inspection import JOBS, PIECE_BYTES, Progress, Tally, check_jobs, each
+from snapshot._engine.tools.inspection import JOBS, PIECE_BYTES, Progress, Tally, each
 from snapshot.errors import SnapshotError, UnsafeObjectError
 from snapshot.options import Options, resolve
 from storage_plugins import StoragePlugin, UnsafeBlobError
@@ -49,7 +50,6 @@ class Problem:
 class VerifyReport:
     """What ``verify`` found. ``problems`` are sorted by blob and offset."""
 
-    where: str
     entries: int
     blobs: int
     bytes_read: int = 0
@@ -137,9 +137,6 @@ class _ArchiveView(io.RawIOBase):
     def seekable(self) -> bool:
         return True
 
-    def tell(self) -> int:
-        return self.pos
-
     def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
         base = {io.SEEK_SET: 0, io.SEEK_CUR: self.pos, io.SEEK_END: self.size}[whence]
         self.pos = max(0, base + offset)
@@ -160,164 +157,128 @@ class _ArchiveView(io.RawIOBase):
         return len(data)
 
 
-class _BlobCheck:
-    """Reads one blob in pieces and checks its size and every range's CRC-32."""
+def _keep_archive(r: _Range, data: memoryview, lo: int, hi: int) -> str | None:
+    """Keeps what ``r``'s archive check needs of its bytes ``[lo, hi)`` (``data``); once the
+    last of them is read and its CRC-32 matched, returns what the check finds wrong."""
+    if lo == r.offset:
+        r.head = bytes(data[:4])
+    keep_from = max(lo, r.end - ARCHIVE_TAIL)
+    if keep_from < hi:
+        r.tail += data[keep_from - lo :]
+    if hi < r.end:
+        return None
+    head, tail = r.head, bytes(r.tail)
+    r.head, r.tail = b"", bytearray()
+    if r.value != r.crc32:
+        return None  # reported as a checksum mismatch
+    try:
+        check_archive(io.BufferedReader(_ArchiveView(r.nbytes, head, tail)), r.paths[0])
+    except _Unavailable:
+        pass  # a directory larger than the tail kept: a restore still checks it
+    except SnapshotError as e:
+        return str(e)
+    return None
 
-    def __init__(
-        self,
-        plugin: StoragePlugin,
-        blob: str,
-        expected: int,
-        ranges: list[_Range],
-        report: VerifyReport,
-        tick: Callable[[int], None],
-        options: Options,
-    ) -> None:
-        self.plugin = plugin
-        self.options = options
-        self.blob = blob
-        self.expected = expected
-        self.ranges = ranges
-        self.report = report
-        self.tick = tick
-        self.label = ranges[0].paths[0] if ranges else blob
-        self.read_failure = ""  # why the read stopped short, when it did
 
-    def _problem(self, start: int, end: int, paths: Sequence[str], what: str) -> None:
-        self.report.problems.append(Problem(self.blob, start, end, tuple(paths), what))
+async def _check_blob(
+    plugin: StoragePlugin,
+    blob: str,
+    expected: int,
+    ranges: list[_Range],
+    report: VerifyReport,
+    tick: Callable[[int], None],
+    buffer: memoryview,
+    options: Options,
+) -> None:
+    """Reads one blob in pieces of ``buffer``'s length and checks its size and every range's
+    CRC-32, adding what is wrong to ``report``."""
+    label = ranges[0].paths[0] if ranges else blob
 
-    async def _call(self, op: Callable[[], Any]) -> Any:
+    def problem(start: int, end: int, paths: Sequence[str], what: str) -> None:
+        report.problems.append(Problem(blob, start, end, tuple(paths), what))
+
+    def read(op: Callable[[], Any]) -> Any:
         # Transient errors are retried; the plugin's own error comes out at the end.
-        plugin, blob, label = self.plugin, self.blob, self.label
-        return await call(plugin, "read", blob, label, op, options=self.options, convert=False)
+        return call(plugin, "read", blob, label, op, options=options, convert=False)
 
-    async def run(self, buffer: memoryview, piece_bytes: int) -> None:
-        blob, expected, plugin = self.blob, self.expected, self.plugin
-        failure: str | None = None
-        limit = expected
+    failure = ""
+    try:
+        size = await read(lambda: plugin.size(blob))
+        if size is None and expected == 0 and not await read(lambda: plugin.exists(blob)):
+            raise FileNotFoundError(blob)
+    except FileNotFoundError:
+        failure = "the blob is missing"
+    except UnsafeBlobError as e:
+        failure = f"refused, not read: {e}"
+    except Exception as e:
+        failure = f"cannot get the blob's size: {type(e).__name__}: {e}"
+    if failure:
+        for r in ranges:
+            problem(r.offset, r.end, r.paths, failure)
+        return
+    limit = expected
+    if size is None:
+        report.sizes_unknown.append(blob)
+    elif size > expected and reference_of(blob) is None:
+        # (A sibling snapshot's blob holds more than the ranges this snapshot reuses.)
+        problem(
+            expected,
+            size,
+            (),
+            f"the blob is {size:,} bytes, {size - expected:,} more than the manifest "
+            f"records ({expected:,}): bytes were added after the take, or the blob was "
+            "replaced",
+        )
+    elif size < expected:
+        problem(
+            size,
+            expected,
+            (),
+            f"the blob is {size:,} bytes, {expected - size:,} fewer than the manifest "
+            f"records ({expected:,}): it was cut short",
+        )
+        limit = size
+        failure = f"cut off: the blob ends at byte {size:,}"
+    first = 0  # ranges before this one end before the current piece
+    pos = 0
+    while pos < limit:
+        n = min(len(buffer), limit - pos)
+        end, piece = pos + n, buffer[:n]
         try:
-            size = await self._call(lambda: plugin.size(blob))
-            if size is None and expected == 0 and not await self._call(lambda: plugin.exists(blob)):
-                raise FileNotFoundError(blob)
+            await read(functools.partial(plugin.read_into, blob, pos, piece))
         except FileNotFoundError:
-            self._fail_all("the blob is missing")
-            return
-        except UnsafeBlobError as e:
-            self._fail_all(f"refused, not read: {e}")
-            return
+            failure = "the blob is missing"
+            break
+        except EOFError as e:
+            failure = f"the blob ends before this range does ({e})"
+            break
         except Exception as e:
-            self._fail_all(f"cannot get the blob's size: {type(e).__name__}: {e}")
-            return
-        if size is None:
-            self.report.sizes_unknown.append(blob)
-        elif size > expected and reference_of(blob) is None:
-            # (A sibling snapshot's blob holds more than the ranges this snapshot reuses.)
-            self._problem(
-                expected,
-                size,
-                (),
-                f"the blob is {size:,} bytes, {size - expected:,} more than the manifest "
-                f"records ({expected:,}): bytes were added after the take, or the blob was "
-                "replaced",
-            )
-        elif size < expected:
-            self._problem(
-                size,
-                expected,
-                (),
-                f"the blob is {size:,} bytes, {expected - size:,} fewer than the manifest "
-                f"records ({expected:,}): it was cut short",
-            )
-            limit = size
-            failure = f"cut off: the blob ends at byte {size:,}"
-        pos = await self._read(buffer, piece_bytes, limit)
-        if pos < limit:
-            failure = self.read_failure
-        self._finish(pos, failure)
-
-    async def _read(self, buffer: memoryview, piece_bytes: int, limit: int) -> int:
-        """Reads ``[0, limit)`` piece by piece, adding to each range's CRC; returns how far it
-        got (short of ``limit`` on an error, described then in ``read_failure``)."""
-        ranges = self.ranges
-        first = 0  # ranges before this one end before the current piece
-        pos = 0
-        while pos < limit:
-            n = min(piece_bytes, limit - pos)
-            end = pos + n
-            while first < len(ranges) and ranges[first].end <= pos:
-                first += 1
-            touched: list[_Range] = []
-            for r in ranges[first:]:
-                if r.offset >= end:
-                    break
-                if r.end > pos and r.nbytes:
-                    touched.append(r)
-            try:
-                await self._read_piece(pos, buffer[:n], touched)
-            except FileNotFoundError:
-                self.read_failure = "the blob is missing"
-                return pos
-            except EOFError as e:
-                self.read_failure = f"the blob ends before this range does ({e})"
-                return pos
-            except Exception as e:
-                self.read_failure = f"cannot read: {type(e).__name__}: {e}"
-                return pos
-            pos = end
-            self.report.bytes_read += n
-            self.tick(n)
-        return pos
-
-    async def _read_piece(self, start: int, out: memoryview, touched: list[_Range]) -> None:
-        """Reads one piece into ``out``, adding the CRC of each touched range's part of it to
-        the range's."""
-        blob, plugin = self.blob, self.plugin
-        await self._call(lambda: plugin.read_into(blob, start, out))
-        for r in touched:
-            if r.crc32 is not None:
-                lo, hi = max(r.offset, start), min(r.end, start + len(out))
-                r.value = crc32(out[lo - start : hi - start], r.value)
-                if r.archive:
-                    self._keep_archive(r, out[lo - start : hi - start], lo, hi)
-
-    def _keep_archive(self, r: _Range, data: memoryview, lo: int, hi: int) -> None:
-        """Keeps what ``r``'s archive check needs of its bytes ``[lo, hi)`` (``data``), and
-        checks the archive once the last of it is read and its CRC-32 matched."""
-        if lo == r.offset:
-            r.head = bytes(data[:4])
-        keep_from = max(lo, r.end - ARCHIVE_TAIL)
-        if keep_from < hi:
-            r.tail += data[keep_from - lo :]
-        if hi < r.end:
-            return
-        head, tail = r.head, bytes(r.tail)
-        r.head, r.tail = b"", bytearray()
-        if r.value != r.crc32:
-            return  # reported as a checksum mismatch
-        try:
-            check_archive(io.BufferedReader(_ArchiveView(r.nbytes, head, tail)), r.paths[0])
-        except _Unavailable:
-            pass  # a directory larger than the tail kept: a restore still checks it
-        except SnapshotError as e:
-            self._problem(r.offset, r.end, r.paths, str(e))
-
-    def _fail_all(self, what: str) -> None:
-        """Every range of the blob is bad, for reason ``what``."""
-        for r in self.ranges:
-            self._problem(r.offset, r.end, r.paths, what)
-
-    def _finish(self, pos: int, failure: str | None) -> None:
-        report = self.report
-        for r in self.ranges:
-            if r.end > pos:
-                self._problem(r.offset, r.end, r.paths, failure or "not read")
-                continue
-            if r.crc32 is None:
-                report.checksums_missing += 1
-                continue
+            failure = f"cannot read: {type(e).__name__}: {e}"
+            break
+        # Each range the piece holds part of gets that part's CRC added to its own.
+        while first < len(ranges) and ranges[first].end <= pos:
+            first += 1
+        for r in ranges[first:]:
+            if r.offset >= end:
+                break
+            if r.end > pos and r.nbytes and r.crc32 is not None:
+                lo, hi = max(r.offset, pos), min(r.end, end)
+                r.value = crc32(piece[lo - pos : hi - pos], r.value)
+                bad = _keep_archive(r, piece[lo - pos : hi - pos], lo, hi) if r.archive else None
+                if bad:
+                    problem(r.offset, r.end, r.paths, bad)
+        pos = end
+        report.bytes_read += n
+        tick(n)
+    for r in ranges:
+        if r.end > pos:
+            problem(r.offset, r.end, r.paths, failure or "not read")
+        elif r.crc32 is None:
+            report.checksums_missing += 1
+        else:
             report.checksums_checked += 1
             if r.value != r.crc32:
-                self._problem(
+                problem(
                     r.offset,
                     r.end,
                     r.paths,
@@ -344,91 +305,69 @@ def verify(
         SnapshotNotFoundError: no snapshot at ``path``.
         CorruptSnapshotError: the manifest itself is damaged (``ChecksumError``) or undecodable.
     """
-    check_jobs(jobs, piece_bytes)
     options = resolve(options)
     manifest = load_manifest(path, storage_options, options)
     by_blob = _ranges_by_blob(manifest)
     sizes = manifest.blob_sizes
-    report = VerifyReport(where=path, entries=len(manifest.entries), blobs=len(by_blob))
+    report = VerifyReport(len(manifest.entries), len(by_blob))
     report.ranges = sum(len(r) for r in by_blob.values())
     tally = Tally(progress, len(by_blob), sum(sizes.values()))
-    workers = min(jobs, len(by_blob))
+    workers = max(1, min(jobs, len(by_blob)))
     size = max(1, min(piece_bytes, max(sizes.values(), default=0)))
     buffers = [memoryview(bytearray(size)) for _ in range(workers)]
     with open_linked(path, manifest, storage_options, options) as plugin:
 
         async def check(item: tuple[str, list[_Range]], worker: int) -> None:
             blob, ranges = item
-            checker = _BlobCheck(plugin, blob, sizes[blob], ranges, report, tally, options)
-            await checker.run(buffers[worker], piece_bytes)
+            buffer = buffers[worker]
+            await _check_blob(plugin, blob, sizes[blob], ranges, report, tally, buffer, options)
             tally(0, 1)
 
         each(by_blob.items(), workers, check)
     if manifest.metadata.get("format") == "torchsnapshot":
         report.foreign = str(manifest.metadata.get("library", "torchsnapshot"))
-    _decode_unchecked(manifest, path, storage_options, report, options)
-    _check_views(manifest, report)
+    # A pickle without a recorded CRC-32 whose blob showed no problem is decoded by the safe
+    # loader (then the only check), once per byte range; one needing a type the loader does not
+    # allow is named in ``not_decoded``, not counted as damage. A tensor recorded as a view of
+    # another's storage is refused where a read would refuse it (``reads.resolve_view``).
+    damaged = {p for problem in report.problems for p in problem.paths}
+    decoded: set[tuple[tuple[str, int, int], ...]] = set()
+    for key, entry in manifest.entries.items():
+        locations, what = entry.locations, ""
+        stored = tuple((loc.blob, loc.offset, loc.nbytes) for loc in locations)
+        if type(entry) is TensorEntry and entry.view is not None:
+            try:
+                resolve_view(manifest.entries, key, entry)
+            except SnapshotError as e:
+                what = f"a view that a read refuses: {e}"
+        elif (
+            _is_archive(entry)
+            and key not in damaged
+            and all(loc.crc32 is None for loc in locations)
+            and stored not in decoded
+        ):
+            decoded.add(stored)
+            try:
+                read_object(
+                    manifest,
+                    key,
+                    None,
+                    None,
+                    path=path,
+                    storage_options=storage_options,
+                    options=options,
+                )
+            except UnsafeObjectError:
+                report.not_decoded.append(key)
+            except SnapshotError as e:
+                what = f"cannot be decoded: {e}"
+            else:
+                report.decoded += 1
+        if what:  # placed at the entry's first stored range
+            first = locations[0] if locations else Location(blob="", offset=0, nbytes=0)
+            end = first.offset + first.nbytes
+            report.problems.append(Problem(first.blob, first.offset, end, (key,), what))
     # Per blob: its own problems (length) first, then its entries' by offset.
     report.problems.sort(key=lambda p: (p.blob, bool(p.paths), p.start, p.end, p.paths))
     report.sizes_unknown.sort()
     return report
-
-
-def _check_views(manifest: Manifest, report: VerifyReport) -> None:
-    """Reports each tensor entry recorded as a view of another's storage whose base a read
-    would refuse (``reads.resolve_view``), as listed."""
-    entries = manifest.entries
-    for key, entry in entries.items():
-        if type(entry) is not TensorEntry or entry.view is None:
-            continue
-        try:
-            resolve_view(entries, key, entry)
-        except SnapshotError as e:
-            report.problems.append(
-                _entry_problem(key, entry.chunks, f"a view that a read refuses: {e}")
-            )
-
-
-def _entry_problem(key: str, locations: Sequence[Location], what: str) -> Problem:
-    """A problem of entry ``key`` as a whole, placed at its first stored range."""
-    first = locations[0] if locations else Location(blob="", offset=0, nbytes=0)
-    return Problem(first.blob, first.offset, first.offset + first.nbytes, (key,), what)
-
-
-def _decode_unchecked(
-    manifest: Manifest,
-    path: str,
-    storage_options: dict[str, Any] | None,
-    report: VerifyReport,
-    options: Options,
-) -> None:
-    """Decodes with the safe loader each pickle without a recorded CRC-32 whose blob showed no
-    problem (decoding is then the only check), once per byte range; one needing a type the
-    loader does not allow is named in ``not_decoded``, not counted as damage."""
-    damaged = {p for problem in report.problems for p in problem.paths}
-    seen: set[tuple[tuple[str, int, int], ...]] = set()
-    for key, entry in manifest.entries.items():
-        pickled = _is_archive(entry)
-        locations = entry.locations
-        if not pickled or key in damaged or any(loc.crc32 is not None for loc in locations):
-            continue
-        ranges = tuple((loc.blob, loc.offset, loc.nbytes) for loc in locations)
-        if ranges in seen:
-            continue
-        seen.add(ranges)
-        try:
-            read_object(
-                manifest,
-                key,
-                None,
-                None,
-                path=path,
-                storage_options=storage_options,
-                options=options,
-            )
-        except UnsafeObjectError:
-            report.not_decoded.append(key)
-        except SnapshotError as e:
-            report.problems.append(_entry_problem(key, locations, f"cannot be decoded: {e}"))
-        else:
-            report.decoded += 1
