@@ -15,24 +15,24 @@ import uuid
 import warnings
 import weakref
 from collections.abc import Mapping, Sequence
-from typing import Any, cast
+from typing import Any
 
 import torch
 
 import manifest as mf
 from manifest import ShardedObjectEntry, ShardedTensorEntry, TensorEntry
-from snapshot._engine import runtime, state_dicts
+from snapshot._engine import state_dicts
 from snapshot._engine.dist import replication
 from snapshot._engine.dist.dist import Coordinator
 from snapshot._engine.dist.replication import Decision, Facts, Pending
 from snapshot._engine.format.torchsnapshot_format import FOREIGN_MARKERS
 from snapshot._engine.handlers import sharded
 from snapshot._engine.handlers.table import Layout, Made, PrepareFunc, merge_entries
-from snapshot._engine.io import stage
 from snapshot._engine.io.pipeline import IOStats, WritePipeline, plugin_location
+from snapshot._engine.io.stage import Stager
 from snapshot._engine.io.staging import StagingPool
 from snapshot._engine.io.storage_calls import call, open_plugin
-from snapshot._engine.runtime import gc_paused, join, naming_snapshot, run, spawn
+from snapshot._engine.runtime import gc_paused, naming_snapshot, run
 from snapshot._engine.state_dicts import (
     check_app_state,
     check_nesting,
@@ -121,7 +121,7 @@ class TakeJob:
         self._released = threading.Event()  # set once the caller handed every staged write over
         self._times: dict[str, float] = {}  # when it started; then each step's seconds
         self._budget = 0  # bytes of staging this take may hold, fixed when it captures
-        self._stager = stage.stager(pool)  # through the pool's buffers when there is one
+        self._stager = Stager(pool)  # through the pool's buffers when there is one
         self._abandoned = False
 
     # -- capture, plan, execute ---------------------------------------------------------------
@@ -244,7 +244,9 @@ class TakeJob:
         if coord.world_size > 1:  # what its leaves are, compared across ranks
             facts = self._facts = replication.describe(self.collected, f"{coord.rank}/")
             info["marked"], info["prints"] = facts.marked, facts.prints
-            info["own_bytes"] = self.collected.own_bytes
+            info["own_bytes"] = self.collected.own_bytes = sum(
+                p.nbytes for p in self.collected.payloads
+            )
         return info
 
     def _agree_layout(self, infos: list[dict[str, Any]]) -> tuple[str, Layout, Pending | None]:
@@ -306,23 +308,13 @@ class TakeJob:
     # -- writing and commit -----------------------------------------------------------------
 
     def release_writes(self) -> None:
-        """On the caller's thread, after ``start``: the staged writes go to the I/O loop (async
-        take's from the copier thread). ``finish`` drains the pipeline once they are."""
-        if self.pipeline is None:
-            self._released.set()
-        elif self.pool is None:
-            self._hand_over()
-        else:
-            try:
-                runtime.get().copier().submit(self._hand_over)
-            except RuntimeError:  # the interpreter is shutting down: no new threads' work
-                self._hand_over()
-
-    def _hand_over(self) -> None:
-        assert self.pipeline is not None
+        """On the caller's thread, after ``start``: the staged writes go to the I/O loop.
+        ``finish`` drains the pipeline once they are."""
         try:
-            self.pipeline.flush()
+            if self.pipeline is not None:
+                self.pipeline.flush()
         except Exception as e:  # a write that failed: ``finish`` reports it
+            assert self.pipeline is not None
             self.pipeline.abort(e)
             self._error = self._error or e
         finally:
@@ -336,27 +328,11 @@ class TakeJob:
         stats = None
         self._released.wait()  # until then, the pipeline may not be drained
         error = self._error
-        early: dict[str, Made | None] | None = None
-        ready = None
         if error is None and self.pipeline is not None:
-            writing = spawn(self._writes_done(self.pipeline))
             try:
-                # The entries that need no CRC from a write are made while the last writes
-                # finish; so is the manifest of a process alone when that is all of them.
-                with gc_paused():
-                    early = self.plan.early_entries()
-                    if coord.world_size == 1 and None not in early.values():
-                        ready = self._manifest([cast(Mapping[str, Made], early)])
-            except Exception as e:  # every rank learns of it at the next agreement
-                early = ready = None
-                error = e
-            except BaseException:  # KeyboardInterrupt: stop waiting, as ``run`` does
-                writing.cancel()
-                raise
-            try:
-                stats = join(writing)
+                stats = run(self._writes_done(self.pipeline))
             except Exception as e:
-                error = error or e
+                error = e
         elif self.pipeline is not None:
             run(self.pipeline.wait_quietly())
         self._times["written"] = time.perf_counter() - self._times["start"]
@@ -370,8 +346,7 @@ class TakeJob:
             for part in coord.agree("take: writing", value=shared, error=error):
                 checksums.update(part)
             with gc_paused():
-                entries = self.plan.entries(checksums, early)
-                del early
+                entries = self.plan.entries(checksums)
                 parts = coord.gather(entries)
         except BaseException:
             self._close_after_failure()
@@ -381,7 +356,7 @@ class TakeJob:
         if parts is not None:  # rank 0: write the manifest of every rank's entries
             try:
                 with gc_paused():
-                    count, data = ready if ready is not None else self._manifest(parts)
+                    count, data = self._manifest(parts)
                 run(commit(self.plugin, data, self.options))
             except Exception as e:
                 error = e
