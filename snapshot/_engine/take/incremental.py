@@ -102,12 +102,12 @@ def _has_digests(entries: dict[str, Any]) -> bool:
 class Reuse:
     """What one rank's take on a base compares and reuses.
 
-    ``reused(path, tensor)`` is called by the planner for each dense tensor leaf (of a take
-    without a prepare function). For one written from its own memory, it returns the entry that
-    points at the base's bytes when the base holds the same bytes at the same path (same dtype
-    and shape, equal digest), or None after recording the tensor's digest (``digests``) for the
-    entry the planner makes. Without a base (a take that only
-    records digests) it always records.
+    ``reused(path, tensor)`` is called by the planner for each dense tensor leaf written from
+    its own memory (a contiguous CPU tensor holding bytes, of a take without a prepare
+    function). It returns the entry that points at the base's bytes when the base holds the
+    same bytes at the same path (same dtype and shape, equal digest), or None after recording
+    the tensor's digest (``digests``) for the entry the planner makes. Without a base (a take
+    that only records digests) it always records.
     """
 
     def __init__(self, name: str | None, manifest: Manifest | None, rank: int) -> None:
@@ -149,14 +149,6 @@ class Reuse:
         return cls(name, manifest, rank)
 
     def reused(self, path: str, tensor: torch.Tensor) -> TensorEntry | None:
-        if not (
-            tensor.is_cpu
-            and tensor.is_contiguous()
-            and tensor.nbytes > 0
-            and not tensor.is_neg()
-            and not (tensor.dtype.is_complex and tensor.is_conj())
-        ):
-            return None  # not written from its own memory: written in full, without a digest
         digest = digest_of(tensor)
         self.hashed_bytes += tensor.nbytes
         old = self.entries.get(path)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import threading
@@ -49,7 +50,7 @@ from snapshot.errors import (
     SnapshotError,
     SnapshotExistsError,
 )
-from snapshot.options import Options, resolve
+from snapshot.options import Options
 from snapshot.version import __version__
 from storage_plugins import StoragePlugin
 from storage_plugins.registry import chunk_bytes_hint
@@ -86,13 +87,12 @@ class TakeJob:
         storage_options: dict[str, Any] | None,
         prepare: PrepareFunc | None,
         pool: StagingPool | None,
-        options: Options | None = None,
+        options: Options,
         strategies: dict[str, list[Any]] | None = None,
         base: str | None = None,
         user_metadata: Mapping[str, Any] | None = None,
     ) -> None:
         check_app_state(app_state, path)
-        replicated = state_dicts.glob_list(replicated, "take", path)
         self.path = path
         self.app_state = app_state
         self.coordinator = coordinator
@@ -105,7 +105,7 @@ class TakeJob:
         self.storage_options = storage_options
         self.prepare = prepare
         self.pool = pool
-        self.options = options if options is not None else resolve(None)
+        self.options = options
         self.strategies = strategies  # the backend and version that write each part
         self.base = base  # an incremental take's base (a sibling snapshot's path)
         self.reuse: Reuse | None = None
@@ -172,7 +172,13 @@ class TakeJob:
         try:
             if self.plugin is None:
                 if not state_dicts.same_location(self.path, path):
-                    _warn_path_ignored(self.path, path, coord.rank)
+                    warnings.warn(
+                        f"rank {coord.rank} asked for a snapshot at {self.path!r}, but ranks of "
+                        "one process group take one snapshot, at rank 0's path: it is written "
+                        f"at {path!r}, and nothing at {self.path!r}",
+                        PathMismatchWarning,
+                        stacklevel=4,  # past _start, start and the take: the caller's line
+                    )
                 self.path = path  # rank 0's path wins
                 self.plugin = open_plugin(path, self.storage_options)
                 self.where = plugin_location(self.plugin)
@@ -437,16 +443,6 @@ class TakeJob:
         )  # fmt: skip
 
 
-def _warn_path_ignored(own: str, used: str, rank: int) -> None:
-    """Tells a rank's caller that its path was not used: the snapshot is at rank 0's."""
-    warnings.warn(
-        f"rank {rank} asked for a snapshot at {own!r}, but ranks of one process group take one "
-        f"snapshot, at rank 0's path: it is written at {used!r}, and nothing at {own!r}",
-        PathMismatchWarning,
-        stacklevel=5,  # past this function, _start, start and the take: the caller's line
-    )
-
-
 # ---------------------------------------------------------------------------------------------
 # The commit protocol.
 
@@ -457,17 +453,14 @@ async def begin(plugin: StoragePlugin, where: str, options: Options) -> asyncio.
     Raises ``SnapshotExistsError`` (a snapshot, or another library's checkpoint, is there) or
     ``PathNotEmptyError`` (files no snapshot wrote are)."""
     names = (MANIFEST_NAME, *FOREIGN_MARKERS)
-
-    async def exists(name: str) -> bool:
-        found: bool = await call(
-            plugin, "check", name, where, lambda: plugin.exists(name), options=options
-        )
-        return found
-
-    listing = call(
-        plugin, "list", "", where, lambda: plugin.list_names(LISTED_NAMES), options=options
+    checks = [
+        call(plugin, "check", n, where, functools.partial(plugin.exists, n), options=options)
+        for n in names
+    ]
+    listing = functools.partial(plugin.list_names, LISTED_NAMES)
+    *found, listed = await asyncio.gather(
+        *checks, call(plugin, "list", "", where, listing, options=options)
     )
-    *found, listed = await asyncio.gather(*map(exists, names), listing)
     if found[0]:
         raise SnapshotExistsError(
             f"{where} already holds a snapshot; take a new one at another path, "
@@ -490,10 +483,7 @@ async def begin(plugin: StoragePlugin, where: str, options: Options) -> asyncio.
             "snapshot at a new or empty directory, or move those files away first"
         )
     marker = f"pid {os.getpid()} started {time.time():.3f}\n".encode()
-
-    async def write() -> None:
-        await plugin.write(PENDING_NAME, [marker])
-
+    write = functools.partial(plugin.write, PENDING_NAME, [marker])
     return asyncio.ensure_future(call(plugin, "write", PENDING_NAME, where, write, options=options))
 
 
