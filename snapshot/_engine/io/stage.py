@@ -42,18 +42,16 @@ _SMALL_COPY = 1 << 20
 
 class Slab:
     """The payloads of one blob (``members``, in order, each at its ``pos``): small ones packed
-    after the padding that aligns each, or one payload ``alone``. ``gathered``: the bytes of
-    members copied out of a ``TensorSource`` (staging memory); ``from_device``: a member is
+    after the padding that aligns each, or one payload ``alone``. ``from_device``: a member is
     copied from a CUDA device (async take pins its buffer)."""
 
-    __slots__ = ("alone", "blob", "from_device", "gathered", "members", "nbytes")
+    __slots__ = ("alone", "blob", "from_device", "members", "nbytes")
 
     def __init__(self, blob: str, alone: bool = False) -> None:
         self.blob = blob
         self.alone = alone
         self.members: list[Payload] = []
         self.nbytes = 0
-        self.gathered = 0
         self.from_device = False
 
     def label(self) -> str:
@@ -81,12 +79,11 @@ class Stager:
         if pool is not None:
             stage = functools.partial(_stage_pooled, pool, slab, checksums and not slab.alone)
             cost = pool.block_bytes(slab.nbytes, slab.from_device)
-        elif slab.alone:
+        elif slab.alone:  # a view, or a gathered copy of a source's piece
             stage = functools.partial(stage_payload, slab.members[0])
-            cost = slab.gathered
-        else:  # a copy of the slab, and at most its gathered copies besides
-            stage = functools.partial(stage_slab, slab, checksums)
-            cost = slab.nbytes + slab.gathered
+            cost = slab.nbytes if slab.members[0].source is not None else 0
+        else:
+            stage, cost = functools.partial(stage_slab, slab, checksums), slab.nbytes
         ranges = ((0, slab.nbytes),) if slab.alone and checksums else ()
         return WriteRequest(slab.blob, slab.nbytes, cost, stage, slab.label(), ranges)
 
@@ -95,93 +92,78 @@ def stage_payload(p: Payload) -> Staged:
     """Buffers to write a payload from, and what must stay alive while they are written."""
     t = p.tensor
     if t is not None:
-        return [payload_view(p)], t
+        at = p.address - t.data_ptr()
+        return [tensor_memoryview(t)[at : at + p.nbytes]], t
     if p.data is not None:
         return [p.data], None
     assert p.source is not None
     return piece(p.source, p.start, p.stop)
 
 
-def payload_view(p: Payload) -> memoryview:
-    """The bytes of a payload of a contiguous CPU tensor (``p.tensor``, which the payload's
-    bytes lie in from ``p.address`` on), as a view of the tensor's memory."""
-    assert p.tensor is not None
-    at = p.address - p.tensor.data_ptr()
-    return tensor_memoryview(p.tensor)[at : at + p.nbytes]
-
-
 def copy_payload(p: Payload, buf: torch.Tensor, pos: int) -> None:
     """Copies a payload's bytes into ``buf[pos : pos + nbytes]`` of a staging buffer ``buf``
     (a 1-d uint8 CPU tensor), from host memory (a source's: ``copy_source``)."""
-    nbytes = p.nbytes
-    if p.tensor is not None and nbytes <= _SMALL_COPY:
-        ctypes.memmove(buf.data_ptr() + pos, p.address, nbytes)
-    elif p.tensor is not None:
-        buf[pos : pos + nbytes].copy_(torch.frombuffer(payload_view(p), dtype=torch.uint8))
-    elif p.data is not None:
-        ctypes.memmove(buf.data_ptr() + pos, p.data, nbytes)
+    if p.tensor is not None and p.nbytes > _SMALL_COPY:
+        (view,), _ = stage_payload(p)
+        buf[pos : pos + p.nbytes].copy_(torch.frombuffer(view, dtype=torch.uint8))
+    elif p.tensor is not None or p.data is not None:
+        ctypes.memmove(buf.data_ptr() + pos, p.address if p.data is None else p.data, p.nbytes)
     else:
         assert p.source is not None
         copy_source(p.source, p.start, p.stop, buf, pos)
 
 
 def stage_slab(slab: Slab, checksums: bool) -> Staged:
-    """A slab's bytes, copied into one new buffer (zeros in the padding between members); with
-    ``checksums``, each member's CRC-32, of that copy, goes to its ``crc32``."""
-    buf = bytearray(slab.nbytes)  # zeroed: the padding
-    out = memoryview(buf)
-    start = ctypes.addressof(ctypes.c_char.from_buffer(buf)) if buf else 0
-    memmove = ctypes.memmove
-    for p in slab.members:
-        pos = p.pos
-        if p.tensor is not None:  # most members: a tensor's memory
-            memmove(start + pos, p.address, p.nbytes)
-        else:
-            bufs, keepalive = stage_payload(p)
-            for b in bufs:
-                view = memoryview(b).cast("B")
-                out[pos : pos + len(view)] = view
-                pos += len(view)
-            del bufs, keepalive  # a gathered copy is freed before the next member's
-        if checksums:
-            p.crc32 = crc32(out[p.pos : p.pos + p.nbytes])
-    return [out], None
+    """A slab's bytes, copied into one new buffer (``_fill``)."""
+    buf = torch.empty(slab.nbytes, dtype=torch.uint8)
+    view = tensor_memoryview(buf)
+    _fill(slab, buf, view, checksums, None)
+    return [view], buf
 
 
 def _stage_pooled(pool: StagingPool, slab: Slab, checksums: bool) -> Staged:
-    """Stages a slab by copying its members into one buffer of ``pool`` (pinned when a member
-    is on a device); with ``checksums``, each member's CRC-32 goes to its ``crc32``, taken once
-    its bytes are there: right after a copy from host memory, after ``lease.ready()`` for a
-    (non-blocking) copy from a device. A stage that fails releases its lease, which first waits
-    for the copies already issued into it."""
+    """A slab's bytes, copied into one buffer of ``pool`` (``_fill``; pinned when a member is
+    on a device). A stage that fails releases its lease, which first waits for the copies
+    already issued into it."""
     lease = pool.acquire(slab.nbytes, slab.from_device)
     try:
-        buf, view = lease.tensor, lease.view
-        start = buf.data_ptr()
-        memmove = ctypes.memmove
-        end = 0
-        late: list[Payload] = []  # copies from a device, still in flight
-        for p in slab.members:
-            pos = p.pos
-            if pos > end:
-                view[end:pos] = bytes(pos - end)  # the padding
-            end = pos + p.nbytes
-            if p.tensor is not None and p.nbytes <= _SMALL_COPY:
-                memmove(start + pos, p.address, p.nbytes)
-            elif p.source is None:  # a large tensor, an object's bytes
-                copy_payload(p, buf, pos)
-            elif copy_source(p.source, p.start, p.stop, buf, pos, lease):
-                late.append(p)  # issued from a device: readable after ``ready``
-                continue
-            if checksums:
-                p.crc32 = crc32(view[pos:end])
-        lease.ready()
-        for p in late if checksums else ():
-            p.crc32 = crc32(view[p.pos : p.pos + p.nbytes])
+        _fill(slab, lease.tensor, lease.view, checksums, lease)
     except BaseException:
-        lease.release()  # waits for the copies already issued before lending it again
+        lease.release()
         raise
     return [lease.view], lease
+
+
+def _fill(
+    slab: Slab, buf: torch.Tensor, view: memoryview, checksums: bool, lease: Lease | None
+) -> None:
+    """Copies the members of ``slab`` into ``buf`` (a 1-d uint8 CPU tensor, ``view`` its bytes),
+    zeros in the padding between them; from a device through ``lease`` (``copy_source``). With
+    ``checksums``, each member's CRC-32, of that copy (what is written, even while another
+    thread changes the tensors), goes to its ``crc32``, taken once its bytes are there: right
+    after a copy from host memory, after ``lease.ready()`` for a copy from a device."""
+    start = buf.data_ptr()
+    memmove = ctypes.memmove
+    end = 0
+    late: list[Payload] = []  # copies from a device, still in flight
+    for p in slab.members:
+        pos = p.pos
+        if pos > end:
+            view[end:pos] = bytes(pos - end)  # the padding
+        end = pos + p.nbytes
+        if p.tensor is not None and p.nbytes <= _SMALL_COPY:  # most members
+            memmove(start + pos, p.address, p.nbytes)
+        elif p.source is None:  # a large tensor, an object's bytes
+            copy_payload(p, buf, pos)
+        elif copy_source(p.source, p.start, p.stop, buf, pos, lease):
+            late.append(p)  # issued from a device: readable after ``ready``
+            continue
+        if checksums:
+            p.crc32 = crc32(view[pos:end])
+    if lease is not None:
+        lease.ready()
+    for p in late if checksums else ():
+        p.crc32 = crc32(view[p.pos : p.pos + p.nbytes])
 
 
 # ---------------------------------------------------------------------------------------------

@@ -88,7 +88,6 @@ class Placer:
         slab.nbytes = pos + nbytes
         source = p.source
         if source is not None:
-            slab.gathered += nbytes
             if self.stager.pool is not None and device.cuda_index(source.tensor) is not None:
                 slab.from_device = True  # its pooled buffer is pinned
             if self.mine:
