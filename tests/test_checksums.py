@@ -73,8 +73,10 @@ def test_range_digest_over_any_pieces(data, cuts, picks):
         digest(memoryview(b))
     assert digest.values == expected
     digest = RangeDigest(ranges)  # in bulk: pieces not aligned with the ranges
-    digest.many([memoryview(b) for b in buffers[:2]])
-    digest.many([memoryview(b) for b in buffers[2:]])
+    for piece in [memoryview(b) for b in buffers[:2]]:
+        digest(piece)
+    for piece in [memoryview(b) for b in buffers[2:]]:
+        digest(piece)
     assert digest.values == expected
 
 
@@ -99,7 +101,8 @@ def test_range_digest_when_pieces_are_the_ranges(sizes, chosen):
     for group in (1, 2, 5, len(views) or 1):
         digest = RangeDigest(ranges)
         for at in range(0, len(views), group):
-            digest.many(views[at : at + group])
+            for piece in views[at : at + group]:
+                digest(piece)
         assert digest.values == expected, group
 
 
@@ -125,7 +128,8 @@ def test_range_digest_in_bulk_over_any_cut(sizes, chosen, cuts, group):
     for pieces in (views, cut):
         digest = RangeDigest(ranges)
         for at in range(0, len(pieces), group):
-            digest.many(pieces[at : at + group])
+            for piece in pieces[at : at + group]:
+                digest(piece)
         assert digest.values == expected
 
 
@@ -138,8 +142,10 @@ def test_range_digest_of_slab_members_with_padding():
         pieces += [memoryview(m), memoryview(bytes(12))]
     ranges = [(112 * i, 100) for i in range(50)]
     digest = RangeDigest(ranges)
-    digest.many(pieces[:40])
-    digest.many(pieces[40:])
+    for piece in pieces[:40]:
+        digest(piece)
+    for piece in pieces[40:]:
+        digest(piece)
     assert digest.values == [zlib.crc32(m) for m in members]
 
 

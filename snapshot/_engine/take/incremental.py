@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import xxhash
 
-from manifest import SIBLING_NAME, Manifest, TensorEntry, new_location, reference_of
+from manifest import SIBLING_NAME, TensorEntry, new_location, reference_of
 from snapshot._engine.format.manifest_io import load_manifest, sibling_path, split_parent
 from snapshot._engine.format.serialization import dtype_name, tensor_memoryview
 from snapshot.errors import (
@@ -69,10 +69,14 @@ def base_name(path: str, base: str) -> str:
     else:
         same = posixpath.normpath(parent) == posixpath.normpath(b_parent) and parent != ""
     if not same:
+        if "://" in path and not parent:
+            sibling = f"none: {path} lies at the root of its store"
+        else:
+            sibling = sibling_path(path, b_name or "<name>")
         raise InvalidArgumentError(
             f"base {base!r} of the take at {path!r} must be a snapshot in the same folder "
-            f"(a sibling: {_sibling_hint(path, b_name)!r}): an incremental snapshot "
-            "points at its base's bytes by the base's name"
+            f"(a sibling: {sibling!r}): an incremental snapshot points at its base's bytes by "
+            "the base's name"
         )
     if b_name == name:
         raise InvalidArgumentError(f"the take at {path!r} cannot be its own base")
@@ -84,36 +88,38 @@ def base_name(path: str, base: str) -> str:
     return b_name
 
 
-def _sibling_hint(path: str, name: str) -> str:
-    """Where a sibling ``name`` of ``path`` would be, for a message (no parent: said so)."""
-    parent, _ = split_parent(path)
-    if "://" in path and not parent:
-        return f"none: {path} lies at the root of its store"
-    return sibling_path(path, name or "<name>")
-
-
-def _has_digests(entries: dict[str, Any]) -> bool:
-    """Whether any tensor entry among ``entries`` records a digest; True when there is no
-    tensor to compare at all."""
-    tensors = [e for e in entries.values() if type(e) is TensorEntry]
-    return not tensors or any(e.digest is not None for e in tensors)
-
-
 class Reuse:
-    """What one rank's take on a base compares and reuses.
+    """What one rank's take at ``path`` compares with its ``base`` (the base's manifest, read by
+    every rank) and reuses; without a base, a take that only records digests.
 
     ``reused(path, tensor)`` is called by the planner for each dense tensor leaf written from
     its own memory (a contiguous CPU tensor holding bytes, of a take without a prepare
     function). It returns the entry that points at the base's bytes when the base holds the
     same bytes at the same path (same dtype and shape, equal digest), or None after recording
-    the tensor's digest (``digests``) for the entry the planner makes. Without a base (a take
-    that only records digests) it always records.
+    the tensor's digest (``digests``) for the entry the planner makes.
     """
 
-    def __init__(self, name: str | None, manifest: Manifest | None, rank: int) -> None:
-        self.name = name
-        self.entries: dict[str, Any] = manifest.view(rank) if manifest is not None else {}
-        if name is not None and not _has_digests(self.entries):
+    def __init__(
+        self,
+        path: str,
+        base: str | None,
+        storage_options: dict[str, Any] | None,
+        options: Options,
+        rank: int,
+    ) -> None:
+        self.name = None if base is None else base_name(path, base)
+        self.entries: dict[str, Any] = {}
+        self.digests: dict[str, str] = {}
+        self.reused_bytes = 0
+        self.hashed_bytes = 0
+        if base is None:
+            return
+        try:
+            self.entries = load_manifest(base, storage_options, options).view(rank)
+        except SnapshotNotFoundError as e:
+            raise MissingBaseError(f"cannot take {path} on base {base}: {e}", base=base) from e
+        tensors = [e for e in self.entries.values() if type(e) is TensorEntry]
+        if tensors and all(e.digest is None for e in tensors):
             # Nothing to compare with: every tensor is written again. Digests are off by
             # default (their cost on a take of many small tensors), so a chain's first
             # snapshot often lacks them; the take says how to start one that has them.
@@ -122,31 +128,8 @@ class Reuse:
                 "can be reused and every tensor is written in full; take the base with "
                 "Options(digests=True) (or STATESNAP_DIGESTS=1). This snapshot records them: "
                 "a take on it reuses what is unchanged",
-                name,
+                self.name,
             )
-        self.digests: dict[str, str] = {}
-        self.reused_bytes = 0
-        self.hashed_bytes = 0
-
-    @classmethod
-    def load(
-        cls,
-        path: str,
-        base: str | None,
-        storage_options: dict[str, Any] | None,
-        options: Options,
-        rank: int,
-    ) -> Reuse:
-        """What the take at ``path`` compares with its ``base`` (the base's manifest, read by
-        every rank), or, without a base, only records digests into."""
-        if base is None:
-            return cls(None, None, rank)
-        name = base_name(path, base)
-        try:
-            manifest = load_manifest(base, storage_options, options)
-        except SnapshotNotFoundError as e:
-            raise MissingBaseError(f"cannot take {path} on base {base}: {e}", base=base) from e
-        return cls(name, manifest, rank)
 
     def reused(self, path: str, tensor: torch.Tensor) -> TensorEntry | None:
         digest = digest_of(tensor)

@@ -224,9 +224,7 @@ class TakeJob:
             take_id=uuid.uuid4().hex[:8],
         )
         if self.base is not None or opts.digests:
-            self.reuse = Reuse.load(
-                self.path, self.base, self.storage_options, opts, self.coordinator.rank
-            )
+            self.reuse = Reuse(self.path, self.base, self.storage_options, opts, coord.rank)
         if coord.rank == 0:
             self.plugin = open_plugin(self.path, self.storage_options)
             self.where = plugin_location(self.plugin)
