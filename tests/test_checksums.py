@@ -419,7 +419,6 @@ def test_slab_members_are_checksummed_when_staged(pooled, checksums):
     tensor gathered, an object's bytes; copied into a pooled buffer for async take), so its
     write asks the plugin for none; a blob of its own leaves its CRC to the plugin."""
     from snapshot._engine.handlers.table import Layout
-    from snapshot._engine.io.stage import Stager
     from snapshot._engine.io.staging import StagingPool
     from snapshot._engine.take.plan import collect, place
 
@@ -442,7 +441,7 @@ def test_slab_members_are_checksummed_when_staged(pooled, checksums):
         inline_max_bytes=64,
         chunk_bytes=1 << 20,
     )
-    plan = place(out, rank=0, layout=layout, writer_of={}, stager=Stager(pool))
+    plan = place(out, rank=0, layout=layout, writer_of={}, stager=pool)
     assert [w.blob for w in plan.writes] == ["0/1", "0/s0"]  # "big" first: slabs close last
     single, slab = plan.writes
     drafts = [out.entries[f"0/s/{k}"] for k in ("a", "odd", "b", "text")]

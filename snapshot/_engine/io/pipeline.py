@@ -302,38 +302,34 @@ async def read_all(
     (``options``: each read's retries and deadline, ``call``)."""
     budget = ByteBudget(budget_bytes)
     pending = iter(requests)
-    totals = [0, 0]
-    error: list[BaseException] = []
+    done: list[ReadRequest] = []
+    errors: list[BaseException] = []  # the first one stops every worker
     start = time.perf_counter()
 
     async def worker() -> None:
         for req in pending:
-            if error:
+            if errors:
                 return
+            held = 0
             try:
                 await budget.acquire_async(req.scratch_bytes)
-            except BaseException as e:  # the budget was aborted by another worker's error
-                if not error:
-                    error.append(e)
-                return
-            try:
+                held = req.scratch_bytes
                 await _read(plugin, req, options)
                 if req.done is not None:
                     req.done()
-                totals[0] += 1
-                totals[1] += req.nbytes
+                done.append(req)
             except BaseException as e:
-                if not error:
-                    error.append(e)
+                errors.append(e)
                 budget.abort(e)
                 return
             finally:
-                budget.release(req.scratch_bytes)
+                budget.release(held)
 
     await asyncio.gather(*(worker() for _ in range(max_concurrency)))
-    if error:
-        raise error[0]
-    return IOStats(totals[0], totals[1], time.perf_counter() - start, budget.peak)
+    if errors:
+        raise errors[0]
+    nbytes = sum(req.nbytes for req in done)
+    return IOStats(len(done), nbytes, time.perf_counter() - start, budget.peak)
 
 
 async def _read(plugin: StoragePlugin, req: ReadRequest, options: Options) -> None:

@@ -1,8 +1,8 @@
 """The staging of a take's bytes, on the caller's thread: what each write request's ``stage``
 runs, just before its blob is written.
 
-A placed blob is a ``Slab``: small payloads packed at aligned offsets, or one payload alone.
-``Stager.request`` makes its write. Without a pool (take), a payload alone is written from a
+A placed blob is a ``Slab``: small payloads packed at aligned offsets, or one payload alone;
+``write_request`` makes its write. Without a pool (take), a payload alone is written from a
 view of its tensor's memory, or from a gathered copy when its tensor cannot be viewed
 (``TensorSource`` pieces: prepared, conjugate or negated, non-contiguous, on a device); a
 slab's members are copied into one buffer, which is written. With a ``StagingPool`` (async
@@ -62,30 +62,21 @@ class Slab:
         return f"{first}{more} (slab {self.blob})"
 
 
-class Stager:
-    """How placed blobs are staged: from the payloads' own memory, or, with ``pool`` (async
-    take), through pooled buffers, each write's payloads copied into one block (a pooled write
-    costs the budget its whole block, ``StagingPool.block_bytes``)."""
-
-    __slots__ = ("pool",)
-
-    def __init__(self, pool: StagingPool | None = None) -> None:
-        self.pool = pool
-
-    def request(self, slab: Slab, checksums: bool) -> WriteRequest:
-        """The write of ``slab``; with ``checksums``, each member's CRC-32 (a slab's, taken as
-        it is staged; a payload alone's, by the plugin as it writes)."""
-        pool = self.pool
-        if pool is not None:
-            stage = functools.partial(_stage_pooled, pool, slab, checksums and not slab.alone)
-            cost = pool.block_bytes(slab.nbytes, slab.from_device)
-        elif slab.alone:  # a view, or a gathered copy of a source's piece
-            stage = functools.partial(stage_payload, slab.members[0])
-            cost = slab.nbytes if slab.members[0].source is not None else 0
-        else:
-            stage, cost = functools.partial(stage_slab, slab, checksums), slab.nbytes
-        ranges = ((0, slab.nbytes),) if slab.alone and checksums else ()
-        return WriteRequest(slab.blob, slab.nbytes, cost, stage, slab.label(), ranges)
+def write_request(slab: Slab, pool: StagingPool | None, checksums: bool) -> WriteRequest:
+    """The write of ``slab``: staged from the payloads' own memory, or, with ``pool`` (async
+    take), copied into one pooled block (which the write costs the budget whole,
+    ``StagingPool.block_bytes``). With ``checksums``, each member's CRC-32: a slab's taken as
+    it is staged, a payload alone's by the plugin as it writes."""
+    if pool is not None:
+        stage = functools.partial(_stage_pooled, pool, slab, checksums and not slab.alone)
+        cost = pool.block_bytes(slab.nbytes, slab.from_device)
+    elif slab.alone:  # a view, or a gathered copy of a source's piece
+        stage = functools.partial(stage_payload, slab.members[0])
+        cost = slab.nbytes if slab.members[0].source is not None else 0
+    else:
+        stage, cost = functools.partial(stage_slab, slab, checksums), slab.nbytes
+    ranges = ((0, slab.nbytes),) if slab.alone and checksums else ()
+    return WriteRequest(slab.blob, slab.nbytes, cost, stage, slab.label(), ranges)
 
 
 def stage_payload(p: Payload) -> Staged:

@@ -67,21 +67,15 @@ def open_storage(
     plugin = run(table.reclaim(key)) if key is not None else None
     if plugin is None:
         plugin = open_plugin(url, storage_options)
-    done = False
     try:
         yield plugin
-        done = True
-    finally:
-        if (
-            done
-            and key is not None
-            and type(plugin).keep_open
-            and keep_secs > 0
-            and runtime.get().keeps_plugins
-        ):
-            run(table.keep(key, plugin, keep_secs))
-        else:
-            run(plugin.close())
+    except BaseException:
+        run(plugin.close())
+        raise
+    if key is not None and type(plugin).keep_open and keep_secs > 0 and runtime.get().keeps_plugins:
+        run(table.keep(key, plugin, keep_secs))
+    else:
+        run(plugin.close())
 
 
 def _storage_error(

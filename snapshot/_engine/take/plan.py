@@ -35,11 +35,16 @@ from snapshot._engine.handlers.table import (
 )
 from snapshot._engine.io import device
 from snapshot._engine.io.pipeline import WriteRequest
-from snapshot._engine.io.stage import Slab, Stager
+from snapshot._engine.io.stage import Slab, write_request
+from snapshot._engine.io.staging import StagingPool
 from snapshot._engine.state_dicts import flatten
 
 if TYPE_CHECKING:
     from snapshot._engine.take.incremental import Reuse
+
+# What placed blobs are staged through: an async take's staging pool (every payload copied into
+# pooled buffers), or None (from the payloads' own memory).
+Stager = StagingPool | None
 
 # ---------------------------------------------------------------------------------------------
 # Placement.
@@ -88,18 +93,18 @@ class Placer:
         slab.nbytes = pos + nbytes
         source = p.source
         if source is not None:
-            if self.stager.pool is not None and device.cuda_index(source.tensor) is not None:
+            if self.stager is not None and device.cuda_index(source.tensor) is not None:
                 slab.from_device = True  # its pooled buffer is pinned
             if self.mine:
                 source.remaining += 1
         if slab.alone and self.mine:
-            self.writes.append(self.stager.request(slab, self.checksums))
+            self.writes.append(write_request(slab, self.stager, self.checksums))
 
     def close(self) -> None:
         """Makes the write of the open slab."""
         slab, self._slab = self._slab, None
         if slab is not None and self.mine:
-            self.writes.append(self.stager.request(slab, self.checksums))
+            self.writes.append(write_request(slab, self.stager, self.checksums))
 
 
 def place(

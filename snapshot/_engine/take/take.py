@@ -30,7 +30,6 @@ from snapshot._engine.format.torchsnapshot_format import FOREIGN_MARKERS
 from snapshot._engine.handlers import sharded
 from snapshot._engine.handlers.table import Layout, Made, PrepareFunc, merge_entries
 from snapshot._engine.io.pipeline import IOStats, WritePipeline, plugin_location
-from snapshot._engine.io.stage import Stager
 from snapshot._engine.io.staging import StagingPool
 from snapshot._engine.io.storage_calls import call, open_plugin
 from snapshot._engine.runtime import gc_paused, naming_snapshot, run
@@ -121,7 +120,6 @@ class TakeJob:
         self._released = threading.Event()  # set once the caller handed every staged write over
         self._times: dict[str, float] = {}  # when it started; then each step's seconds
         self._budget = 0  # bytes of staging this take may hold, fixed when it captures
-        self._stager = Stager(pool)  # through the pool's buffers when there is one
         self._abandoned = False
 
     # -- capture, plan, execute ---------------------------------------------------------------
@@ -158,12 +156,12 @@ class TakeJob:
         else:
             writers = replication.assign_writers(decision.signature, decision.local_bytes)
             own, self._shared_paths = replication.settle(
-                self.collected, decision.replicated, f"{coord.rank}/", layout, self._stager
+                self.collected, decision.replicated, f"{coord.rank}/", layout, self.pool
             )
             self._facts = None
         self.plan = place(
             self.collected, rank=coord.rank, layout=layout, writer_of=writers,
-            stager=self._stager, own=own,
+            stager=self.pool, own=own,
         )  # fmt: skip
         if coord.rank != 0:
             # The manifest lists a replicated leaf once, under rank 0's prefix: rank 0 gives it.
