@@ -169,9 +169,18 @@ class WritePipeline:
         for item in batch:
             self._queue.put_nowait(item)
 
+    def ready(self) -> None:
+        """Waits for the copies into the pooled buffers of what is staged (``Lease.ready``),
+        and raises the error of one that failed."""
+        for _, _, keepalive in self._batch:
+            ready = getattr(keepalive, "ready", None)
+            if ready is not None:
+                ready()
+
     def flush(self) -> None:
-        """Hands what is staged to the I/O loop."""
+        """Hands what is staged to the I/O loop, once its copies have landed (``ready``)."""
         if self._batch:
+            self.ready()
             batch, self._batch, self._batch_bytes = self._batch, [], 0
             self._loop.call_soon_threadsafe(self._enqueue, batch)
 

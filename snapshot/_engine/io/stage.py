@@ -30,7 +30,7 @@ from snapshot._engine.format.serialization import (
 )
 from snapshot._engine.handlers.dense import call_prepare
 from snapshot._engine.handlers.table import Payload, Staged, TensorSource
-from snapshot._engine.io import device
+from snapshot._engine.io import copier, device
 from snapshot._engine.io.pipeline import WriteRequest
 from snapshot._engine.io.staging import Lease, StagingPool
 from snapshot.errors import UnsupportedValueError
@@ -144,6 +144,10 @@ def _fill(
         end = pos + p.nbytes
         if p.tensor is not None and p.nbytes <= _SMALL_COPY:  # most members
             memmove(start + pos, p.address, p.nbytes)
+        elif lease is not None and slab.alone and p.tensor is not None and (
+            p.nbytes >= copier.MIN_BYTES
+        ):  # checksummed by the plugin, once the lease is ready
+            lease.copying(copier.start(functools.partial(copy_payload, p, buf, pos)))
         elif p.source is None:  # a large tensor, an object's bytes
             copy_payload(p, buf, pos)
         elif copy_source(p.source, p.start, p.stop, buf, pos, lease):
@@ -151,7 +155,8 @@ def _fill(
             continue
         if checksums:
             p.crc32 = crc32(view[pos:end])
-    if lease is not None:
+    if late and checksums:
+        assert lease is not None
         lease.ready()
     for p in late if checksums else ():
         p.crc32 = crc32(view[p.pos : p.pos + p.nbytes])

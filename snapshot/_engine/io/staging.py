@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
 import torch
@@ -39,12 +40,12 @@ class Lease:
     """A pooled staging buffer lent to one write: ``tensor`` is a 1-d uint8 CPU tensor of the
     requested size (``pinned``: page-locked), ``view`` the same memory as a memoryview.
 
-    Copies from a device into it are issued on that device's staging stream (``stream``); its
-    bytes may be read only after ``ready`` has waited for them. ``release`` gives the buffer
-    back to the pool.
+    Copies from a device into it are issued on that device's staging stream (``stream``), a
+    copy from host memory may run on the copier thread (``copying``); its bytes may be read
+    only after ``ready`` has waited for them. ``release`` gives the buffer back to the pool.
     """
 
-    __slots__ = ("_block", "_keep", "_pool", "_streams", "pinned", "tensor", "view")
+    __slots__ = ("_block", "_copy", "_keep", "_pool", "_streams", "pinned", "tensor", "view")
 
     def __init__(self, pool: StagingPool, block: torch.Tensor, nbytes: int, pinned: bool) -> None:
         self._pool: StagingPool | None = pool
@@ -56,6 +57,11 @@ class Lease:
         # tensors those copies read (a prepared one may have no other owner).
         self._streams: dict[int, device.Stream] = {}
         self._keep: list[torch.Tensor] = []
+        self._copy: Future[None] | None = None  # on the copier thread, until ``ready``
+
+    def copying(self, copy: Future[None] | None) -> None:
+        """Records the copy into this buffer running on the copier thread (``copier``)."""
+        self._copy = copy
 
     def stream(self, index: int, reads: torch.Tensor) -> device.Stream:
         """The stream to issue this lease's copies from device ``index`` on: the pool's staging
@@ -71,7 +77,11 @@ class Lease:
         return stream
 
     def ready(self) -> None:
-        """Waits for every staging stream this lease issued copies on."""
+        """Waits for the copy on the copier thread and for every staging stream this lease
+        issued copies on; raises what the copy raised."""
+        copy, self._copy = self._copy, None
+        if copy is not None:
+            copy.result()
         streams, self._streams = self._streams, {}
         for stream in streams.values():
             device.synchronize(stream)

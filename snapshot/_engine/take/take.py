@@ -183,6 +183,7 @@ class TakeJob:
             self.pipeline = self._new_pipeline()
             for request in self.plan.writes:
                 self.pipeline.submit(request)
+            self.pipeline.ready()  # async take: the call returns once every copy has landed
             if self.pool is None:
                 self.release_writes()
         except Exception as e:
