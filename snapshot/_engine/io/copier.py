@@ -4,10 +4,10 @@ rest. torch's copy lets the GIL go, so the caller's Python and the copy run at o
 cores, the call of a state that is mostly large tensors stalls its caller for about the longer
 of the two, not their sum (the async case of ``benchmarks.bench_io``).
 
-A copy started here is awaited by the lease it fills (``Lease.ready``), which the write
-pipeline readies before it hands the write over (``WritePipeline.flush``), and which waits
-before its block is lent again: no write reads a buffer before its copy landed, and the call
-returns with every copy done.
+A copy started here is awaited by the lease it fills (``Lease.copy``, ``Lease.ready``), which
+the write pipeline readies before it hands the write over (``WritePipeline.flush``), and which
+waits before its block is lent again: no write reads a buffer before its copy landed, and the
+call returns with every copy done (``TakeJob`` readies every lease before it returns).
 """
 
 from __future__ import annotations

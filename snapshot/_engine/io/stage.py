@@ -92,16 +92,14 @@ def stage_payload(p: Payload) -> Staged:
 
 
 def copy_payload(p: Payload, buf: torch.Tensor, pos: int) -> None:
-    """Copies a payload's bytes into ``buf[pos : pos + nbytes]`` of a staging buffer ``buf``
-    (a 1-d uint8 CPU tensor), from host memory (a source's: ``copy_source``)."""
-    if p.tensor is not None and p.nbytes > _SMALL_COPY:
+    """Copies a payload of host memory (an object's bytes, or a tensor's, by torch's copy,
+    which spreads them over its threads) into ``buf[pos : pos + nbytes]`` of a staging buffer
+    ``buf`` (a 1-d uint8 CPU tensor)."""
+    if p.data is not None:
+        ctypes.memmove(buf.data_ptr() + pos, p.data, p.nbytes)
+    else:
         (view,), _ = stage_payload(p)
         buf[pos : pos + p.nbytes].copy_(torch.frombuffer(view, dtype=torch.uint8))
-    elif p.tensor is not None or p.data is not None:
-        ctypes.memmove(buf.data_ptr() + pos, p.address if p.data is None else p.data, p.nbytes)
-    else:
-        assert p.source is not None
-        copy_source(p.source, p.start, p.stop, buf, pos)
 
 
 def stage_slab(slab: Slab, checksums: bool) -> Staged:
@@ -144,15 +142,15 @@ def _fill(
         end = pos + p.nbytes
         if p.tensor is not None and p.nbytes <= _SMALL_COPY:  # most members
             memmove(start + pos, p.address, p.nbytes)
-        elif lease is not None and slab.alone and p.tensor is not None and (
-            p.nbytes >= copier.MIN_BYTES
-        ):  # checksummed by the plugin, once the lease is ready
-            lease.copying(copier.start(functools.partial(copy_payload, p, buf, pos)))
-        elif p.source is None:  # a large tensor, an object's bytes
+        elif p.source is not None:
+            if copy_source(p.source, p.start, p.stop, buf, pos, lease):
+                late.append(p)  # issued from a device: readable after ``ready``
+                continue
+        elif lease is not None and slab.alone and p.nbytes >= copier.MIN_BYTES:
+            # Checksummed by the plugin, once the lease is ready.
+            lease.copy = copier.start(functools.partial(copy_payload, p, buf, pos))
+        else:  # a large tensor, an object's bytes
             copy_payload(p, buf, pos)
-        elif copy_source(p.source, p.start, p.stop, buf, pos, lease):
-            late.append(p)  # issued from a device: readable after ``ready``
-            continue
         if checksums:
             p.crc32 = crc32(view[pos:end])
     if late and checksums:

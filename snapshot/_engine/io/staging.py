@@ -41,11 +41,12 @@ class Lease:
     requested size (``pinned``: page-locked), ``view`` the same memory as a memoryview.
 
     Copies from a device into it are issued on that device's staging stream (``stream``), a
-    copy from host memory may run on the copier thread (``copying``); its bytes may be read
-    only after ``ready`` has waited for them. ``release`` gives the buffer back to the pool.
+    copy from host memory may run on the copier thread (``copy``, its future); its bytes may
+    be read only after ``ready`` has waited for them. ``release`` gives the buffer back to the
+    pool.
     """
 
-    __slots__ = ("_block", "_copy", "_keep", "_pool", "_streams", "pinned", "tensor", "view")
+    __slots__ = ("_block", "_keep", "_pool", "_streams", "copy", "pinned", "tensor", "view")
 
     def __init__(self, pool: StagingPool, block: torch.Tensor, nbytes: int, pinned: bool) -> None:
         self._pool: StagingPool | None = pool
@@ -57,11 +58,7 @@ class Lease:
         # tensors those copies read (a prepared one may have no other owner).
         self._streams: dict[int, device.Stream] = {}
         self._keep: list[torch.Tensor] = []
-        self._copy: Future[None] | None = None  # on the copier thread, until ``ready``
-
-    def copying(self, copy: Future[None] | None) -> None:
-        """Records the copy into this buffer running on the copier thread (``copier``)."""
-        self._copy = copy
+        self.copy: Future[None] | None = None  # on the copier thread, until ``ready``
 
     def stream(self, index: int, reads: torch.Tensor) -> device.Stream:
         """The stream to issue this lease's copies from device ``index`` on: the pool's staging
@@ -79,7 +76,7 @@ class Lease:
     def ready(self) -> None:
         """Waits for the copy on the copier thread and for every staging stream this lease
         issued copies on; raises what the copy raised."""
-        copy, self._copy = self._copy, None
+        copy, self.copy = self.copy, None
         if copy is not None:
             copy.result()
         streams, self._streams = self._streams, {}

@@ -27,12 +27,13 @@ from __future__ import annotations
 import logging
 import os
 import posixpath
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import torch
 import xxhash
 
-from manifest import SIBLING_NAME, TensorEntry, new_location, reference_of
+from manifest import SIBLING_NAME, TensorEntry, reference_of
 from snapshot._engine.format.manifest_io import load_manifest, sibling_path, split_parent
 from snapshot._engine.format.serialization import dtype_name, tensor_memoryview
 from snapshot.errors import (
@@ -46,12 +47,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("snapshot")
 
+# How ``TensorEntry.digest`` records the digest of a tensor's bytes.
 DIGEST_PREFIX = "xxh3_128:"
-
-
-def digest_of(tensor: torch.Tensor) -> str:
-    """The digest of a contiguous CPU tensor's bytes, as ``TensorEntry.digest`` records it."""
-    return DIGEST_PREFIX + xxhash.xxh3_128_hexdigest(tensor_memoryview(tensor))
 
 
 def base_name(path: str, base: str) -> str:
@@ -132,7 +129,7 @@ class Reuse:
             )
 
     def reused(self, path: str, tensor: torch.Tensor) -> TensorEntry | None:
-        digest = digest_of(tensor)
+        digest = DIGEST_PREFIX + xxhash.xxh3_128_hexdigest(tensor_memoryview(tensor))
         self.hashed_bytes += tensor.nbytes
         old = self.entries.get(path)
         if (
@@ -143,16 +140,12 @@ class Reuse:
             and sum(c.nbytes for c in old.chunks) == tensor.nbytes
         ):
             self.reused_bytes += tensor.nbytes
+            # A base's blob is named through the base, or, for a range the base itself reused,
+            # through the snapshot that holds it (a sibling of both).
             chunks = tuple(
-                new_location(self._blob(c.blob), c.offset, c.nbytes, c.crc32) for c in old.chunks
+                c if reference_of(c.blob) else replace(c, blob=f"../{self.name}/{c.blob}")
+                for c in old.chunks
             )
             return TensorEntry(dtype=old.dtype, shape=old.shape, chunks=chunks, digest=digest)
         self.digests[path] = digest
         return None
-
-    def _blob(self, blob: str) -> str:
-        """A base's blob as the new snapshot names it: through the base, or, for a range the
-        base itself reused, through the snapshot that holds it (a sibling of both)."""
-        if reference_of(blob) is not None:
-            return blob
-        return f"../{self.name}/{blob}"

@@ -180,7 +180,18 @@ class TakeJob:
                 self.path = path  # rank 0's path wins
                 self.plugin = open_plugin(path, self.storage_options)
                 self.where = plugin_location(self.plugin)
-            self.pipeline = self._new_pipeline()
+            self.pipeline = WritePipeline(
+                self.plugin,
+                budget_bytes=self._budget,
+                max_concurrency=_int(self.options.max_concurrent_io),
+                # Async take holds its writes until everything is staged (``release_writes``),
+                # and stages within the process's budget, shared with the snapshots pending.
+                batch_bytes=self.options.write_batch_bytes if self.pool is None else None,
+                budget=self.pool.share(self._budget) if self.pool is not None else None,
+                options=self.options,
+            )
+            dropped = SnapshotError(f"the take of {self.path} was dropped before it finished")
+            weakref.finalize(self, self.pipeline.stop, dropped)  # its writes end with the job
             for request in self.plan.writes:
                 self.pipeline.submit(request)
             self.pipeline.ready()  # async take: the call returns once every copy has landed
@@ -284,22 +295,6 @@ class TakeJob:
         except Exception as e:
             error = e
         return pending.confirm(self.coordinator.agree("take: digests", digests, error))
-
-    def _new_pipeline(self) -> WritePipeline:
-        assert self.plugin is not None
-        pipeline = WritePipeline(
-            self.plugin,
-            budget_bytes=self._budget,
-            max_concurrency=_int(self.options.max_concurrent_io),
-            # Async take holds its writes until everything is staged (``release_writes``), and
-            # stages within the process's budget, shared with the snapshots still pending.
-            batch_bytes=self.options.write_batch_bytes if self.pool is None else None,
-            budget=self.pool.share(self._budget) if self.pool is not None else None,
-            options=self.options,
-        )
-        dropped = SnapshotError(f"the take of {self.path} was dropped before it finished")
-        weakref.finalize(self, pipeline.stop, dropped)  # its writes end when it is collected
-        return pipeline
 
     async def _writes_done(self, pipeline: WritePipeline) -> IOStats:
         """This rank's writes and its pending marker, done."""
