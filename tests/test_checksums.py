@@ -73,8 +73,10 @@ def test_range_digest_over_any_pieces(data, cuts, picks):
         digest(memoryview(b))
     assert digest.values == expected
     digest = RangeDigest(ranges)  # in bulk: pieces not aligned with the ranges
-    digest.many([memoryview(b) for b in buffers[:2]])
-    digest.many([memoryview(b) for b in buffers[2:]])
+    for piece in [memoryview(b) for b in buffers[:2]]:
+        digest(piece)
+    for piece in [memoryview(b) for b in buffers[2:]]:
+        digest(piece)
     assert digest.values == expected
 
 
@@ -99,7 +101,8 @@ def test_range_digest_when_pieces_are_the_ranges(sizes, chosen):
     for group in (1, 2, 5, len(views) or 1):
         digest = RangeDigest(ranges)
         for at in range(0, len(views), group):
-            digest.many(views[at : at + group])
+            for piece in views[at : at + group]:
+                digest(piece)
         assert digest.values == expected, group
 
 
@@ -125,7 +128,8 @@ def test_range_digest_in_bulk_over_any_cut(sizes, chosen, cuts, group):
     for pieces in (views, cut):
         digest = RangeDigest(ranges)
         for at in range(0, len(pieces), group):
-            digest.many(pieces[at : at + group])
+            for piece in pieces[at : at + group]:
+                digest(piece)
         assert digest.values == expected
 
 
@@ -138,8 +142,10 @@ def test_range_digest_of_slab_members_with_padding():
         pieces += [memoryview(m), memoryview(bytes(12))]
     ranges = [(112 * i, 100) for i in range(50)]
     digest = RangeDigest(ranges)
-    digest.many(pieces[:40])
-    digest.many(pieces[40:])
+    for piece in pieces[:40]:
+        digest(piece)
+    for piece in pieces[40:]:
+        digest(piece)
     assert digest.values == [zlib.crc32(m) for m in members]
 
 
@@ -413,7 +419,6 @@ def test_slab_members_are_checksummed_when_staged(pooled, checksums):
     tensor gathered, an object's bytes; copied into a pooled buffer for async take), so its
     write asks the plugin for none; a blob of its own leaves its CRC to the plugin."""
     from snapshot._engine.handlers.table import Layout
-    from snapshot._engine.io.stage import stager
     from snapshot._engine.io.staging import StagingPool
     from snapshot._engine.take.plan import collect, place
 
@@ -436,7 +441,7 @@ def test_slab_members_are_checksummed_when_staged(pooled, checksums):
         inline_max_bytes=64,
         chunk_bytes=1 << 20,
     )
-    plan = place(out, rank=0, layout=layout, writer_of={}, stager=stager(pool))
+    plan = place(out, rank=0, layout=layout, writer_of={}, stager=pool)
     assert [w.blob for w in plan.writes] == ["0/1", "0/s0"]  # "big" first: slabs close last
     single, slab = plan.writes
     drafts = [out.entries[f"0/s/{k}"] for k in ("a", "odd", "b", "text")]

@@ -22,7 +22,6 @@ import torch
 from snapshot import Snapshot, SnapshotError, StateDict
 from snapshot._engine import runtime
 from snapshot._engine.handlers.table import Layout
-from snapshot._engine.io.stage import stager
 from snapshot._engine.io.staging import StagingPool, process_pool
 from snapshot._engine.take.plan import collect, place
 from snapshot._engine.tools.verify import verify
@@ -129,7 +128,7 @@ def test_ready_waits_for_every_stream_the_lease_used(monkeypatch):
         inline_max_bytes=64,
         chunk_bytes=1 << 20,
     )
-    plan = place(out, rank=0, layout=layout, writer_of={}, stager=stager(pool))
+    plan = place(out, rank=0, layout=layout, writer_of={}, stager=pool)
     (slab,) = plan.writes
     buffers, lease = slab.stage()
     data = bytes(buffers[0])
@@ -235,7 +234,8 @@ def test_the_host_cache_is_emptied_when_the_pool_trims_pinned_blocks(monkeypatch
     assert cuda.host_cache_emptied == 1
     pool.trim()  # nothing pinned dropped since: no call
     assert cuda.host_cache_emptied == 1
-    pool.clear()  # the kept block goes too
+    pool.keep_bytes = 0
+    pool.trim()  # the kept block goes too
     assert pool.free_bytes == 0 and cuda.host_cache_emptied == 2
     host = StagingPool(keep_bytes=0)
     host.acquire(100_000).release()

@@ -426,18 +426,18 @@ def test_missing_and_short_blobs(tmp_path):
 
 
 @pytest.mark.parametrize("pooled", [False, True])
-def test_a_take_whose_early_entries_fail_removes_what_it_wrote(recorded, monkeypatch, pooled):
-    """Entries are made while the last writes finish: an error there fails the take once the
-    writes are done (none is left running), and everything they wrote is removed."""
+def test_a_take_whose_entries_fail_removes_what_it_wrote(recorded, monkeypatch, pooled):
+    """Entries are made once the writes are done: an error there fails the take (no write is
+    left running), and everything they wrote is removed."""
     from snapshot._engine.take.plan import TakePlan
 
     url, log = recorded
     root = url.removeprefix("recording://")
 
-    def broken(self):
+    def broken(self, checksums):
         raise RuntimeError("cannot format the entries")
 
-    monkeypatch.setattr(TakePlan, "early_entries", broken)
+    monkeypatch.setattr(TakePlan, "entries", broken)
     state = StateDict({f"b{i}": torch.full((1024,), float(i)) for i in range(10)})
     # Async take reports it, as every error of its background part, as a SnapshotError.
     with pytest.raises(SnapshotError if pooled else RuntimeError, match="cannot format the"):

@@ -73,6 +73,12 @@ def _plugin() -> MemoryStoragePlugin:
     return run(make())
 
 
+def _finish(pipeline: WritePipeline):
+    """Hands over what is staged and waits for every write."""
+    pipeline.flush()
+    return run(pipeline.wait())
+
+
 def test_pipeline_keeps_staged_bytes_within_budget():
     plugin = _plugin()
     staged_now = [0]
@@ -106,7 +112,7 @@ def test_pipeline_keeps_staged_bytes_within_budget():
                 blob=f"b{i}", nbytes=3000, staging_bytes=3000, stage=stager(3000), label=f"t{i}"
             )
         )
-    stats = pipeline.finish()
+    stats = _finish(pipeline)
     assert stats.blobs == 100 and stats.nbytes == 300_000
     assert stats.peak_budget_bytes <= 10_000 and high_water[0] <= 10_000
     assert run(slow.read("b99")) == bytes(3000)
@@ -143,7 +149,7 @@ def test_an_idle_pipeline_holds_no_written_buffer():
         time.sleep(0.01)
     assert Keepalive.released == 10
     assert [r for r in refs if r() is not None] == []  # the 4 idle workers hold none of them
-    assert pipeline.finish().blobs == 10
+    assert _finish(pipeline).blobs == 10
 
 
 def test_a_released_lease_holds_no_memory():
@@ -228,7 +234,7 @@ def test_pipeline_error_stops_the_caller_and_names_the_path():
                     label=f"0/x/t{i}",
                 )
             )
-        pipeline.finish()
+        _finish(pipeline)
     pipeline.abort(RuntimeError("cleanup"))
 
 

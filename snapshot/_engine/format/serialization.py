@@ -33,7 +33,7 @@ DTYPES: dict[str, torch.dtype] = {
 }
 
 
-_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
+_NAMES = {v: k for k, v in DTYPES.items()}
 
 # One-byte dtypes torch has no copy kernel for (int1-int7, uint1-uint7 hold a byte per element):
 # their bytes are moved through uint8 views of the same shape and strides (``as_copyable``), so
@@ -353,11 +353,6 @@ class RangeDigest:
             i += 1
         self._next = i
 
-    def many(self, pieces: Sequence[memoryview]) -> None:
-        """The same as calling the digest on each of ``pieces``, in order."""
-        for piece in pieces:
-            self(piece)
-
 
 def _mismatch(label: str, loc: Location, got: int) -> ChecksumError:
     return ChecksumError(
@@ -418,9 +413,6 @@ class WholeCheck:
 
 BACKEND = "statesnap"
 VERSION = 1
-PARTS = ("common", "sharded")
-# Manifests written before strategies were recorded were written by this pair.
-_UNRECORDED = {"sharded": [BACKEND, 1], "common": [BACKEND, 1]}
 
 # (part, backend, version) -> None, or raises IncompatibleSnapshotError.
 Check = Callable[[str, str, int], None]
@@ -457,8 +449,9 @@ def check_readable(metadata: Mapping[str, Any], where: str) -> None:
         IncompatibleSnapshotError: the manifest does not say who wrote a part, or nothing
             reads what it says.
     """
-    written = metadata.get("strategies", _UNRECORDED)
-    for part in PARTS:
+    # Manifests written before strategies were recorded were written by this version.
+    written = metadata.get("strategies", recorded(BACKEND, 1))
+    for part in ("common", "sharded"):
         writer = written.get(part) if isinstance(written, dict) else None
         if (
             not isinstance(writer, list)

@@ -14,7 +14,7 @@ import threading
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from snapshot.errors import SnapshotError
@@ -54,13 +54,6 @@ class AsyncRequest:
         return dataclasses.replace(self, is_frozen=True)
 
 
-@dataclass
-class _Call:
-    index: int
-    request: AsyncRequest
-    future: Future[Any] = field(repr=False)
-
-
 class AsyncCallsQueue:
     """Runs scheduled requests one at a time, in the order scheduled, on one background thread,
     and finalizes finished ones when asked.
@@ -71,27 +64,25 @@ class AsyncCallsQueue:
 
     def __init__(self) -> None:
         self._executor = DaemonThreadPool(1, thread_name_prefix="statesnap-async")
-        self._calls: deque[_Call] = deque()
+        self._calls: deque[tuple[int, AsyncRequest, Future[Any]]] = deque()  # unfinalized
         self._next = 0
         self._lock = threading.Lock()
 
     def schedule_async_request(self, request: AsyncRequest) -> int:
         """Starts ``request`` in the background; returns its call index."""
         request = request.freeze()
+        fn = request.async_fn or (lambda *_: None)
         with self._lock:
-            index = self._next
-            self._next += 1
-            fn = request.async_fn or (lambda *_: None)
-            future = self._executor.submit(fn, *request.async_fn_args)
-            self._calls.append(_Call(index, request, future))
+            index, self._next = self._next, self._next + 1
+            self._calls.append((index, request, self._executor.submit(fn, *request.async_fn_args)))
         return index
 
     def future(self, index: int) -> Future[Any]:
         """The future of an unfinalized call."""
         with self._lock:
-            for call in self._calls:
-                if call.index == index:
-                    return call.future
+            for i, _, future in self._calls:
+                if i == index:
+                    return future
         raise KeyError(f"no unfinalized call {index}")
 
     def maybe_finalize_async_calls(
@@ -105,26 +96,21 @@ class AsyncCallsQueue:
             with self._lock:
                 if not self._calls:
                     return done
-                call = self._calls[0]
-                if up_to is not None and call.index > up_to:
-                    return done
-                if not blocking and not call.future.done():
+                index, request, future = self._calls[0]
+                if (up_to is not None and index > up_to) or not (blocking or future.done()):
                     return done
             try:
-                call.future.result()
+                future.result()
+            except SnapshotError:
+                raise
             except BaseException as e:
+                raise SnapshotError(f"async call {index} failed: {type(e).__name__}: {e}") from e
+            finally:
                 with self._lock:
                     self._calls.popleft()
-                if isinstance(e, SnapshotError):
-                    raise
-                raise SnapshotError(
-                    f"async call {call.index} failed: {type(e).__name__}: {e}"
-                ) from e
-            with self._lock:
-                self._calls.popleft()
-            for fn in call.request.finalize_fns:
+            for fn in request.finalize_fns:
                 fn()
-            done.append(call.index)
+            done.append(index)
 
     def get_num_unfinalized_calls(self) -> int:
         with self._lock:

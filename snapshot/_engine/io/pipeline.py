@@ -20,7 +20,6 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from itertools import accumulate, compress
-from operator import attrgetter
 from typing import TYPE_CHECKING
 
 from snapshot._engine.io.storage_calls import call, call_digesting
@@ -85,10 +84,10 @@ _Staged = tuple[WriteRequest, Sequence[Buffer], object]
 class WritePipeline:
     """Stages write requests on the caller's thread and writes them on the I/O loop.
 
-    Call sequence: ``submit`` any number of times on the caller's thread, then either ``finish``
-    on that thread, or ``flush`` (on that thread or, once the caller is done submitting, on any
-    one thread) and ``await wait()`` on the I/O loop; ``abort`` on failure. ``submit`` blocks
-    only while the staging budget is full.
+    Call sequence: ``submit`` any number of times on the caller's thread, then ``flush`` (on
+    that thread or, once the caller is done submitting, on any one thread) and ``await wait()``
+    on the I/O loop; ``abort`` on failure. ``submit`` blocks only while the staging budget is
+    full.
 
     Staged writes are handed to the I/O loop in batches of ``batch_bytes``, so writing overlaps
     staging. With ``batch_bytes=None`` they are held until ``flush`` (or until the budget is full
@@ -112,9 +111,7 @@ class WritePipeline:
         self._plugin = plugin
         self._options = options
         self._loop = io_loop()
-        self.budget: ByteBudget | BudgetShare = (
-            ByteBudget(budget_bytes) if budget is None else budget
-        )
+        self.budget = BudgetShare(ByteBudget(budget_bytes)) if budget is None else budget
         self._batch: list[_Staged] = []
         self._batch_bytes = 0
         self._batch_limit = batch_bytes
@@ -124,21 +121,15 @@ class WritePipeline:
         # (blob, offset) -> CRC-32 of each range of ``checksum_ranges`` written so far.
         self.checksums: dict[tuple[str, int], int] = {}
         self._start = time.perf_counter()
-        self._queue: asyncio.Queue[_Staged | None]
-        self._workers: list[asyncio.Task[None]] = []
-        self._concurrency = max_concurrency
+        self._queue: asyncio.Queue[_Staged | None] = asyncio.Queue()
         self._pid = os.getpid()  # a forked child's copy never touches its parent's loop
-        run(self._start_workers())
+        self._workers = run(self._start_workers(max_concurrency))
 
-    async def _start_workers(self) -> None:
-        self._queue = asyncio.Queue()
-        self._workers = [asyncio.create_task(self._worker()) for _ in range(self._concurrency)]
+    async def _start_workers(self, n: int) -> list[asyncio.Task[None]]:
+        return [asyncio.create_task(self._worker()) for _ in range(n)]
 
     async def _worker(self) -> None:
-        while True:
-            item = await self._queue.get()
-            if item is None:
-                return
+        while (item := await self._queue.get()) is not None:
             req, buffers, keepalive = item
             try:
                 if self._error is None:
@@ -154,21 +145,16 @@ class WritePipeline:
 
     async def _write(self, req: WriteRequest, buffers: Sequence[Buffer]) -> None:
         """Writes one staged request, with the checksums of its ranges when it asks for them."""
-        plugin = self._plugin
-        ranges = req.checksum_ranges
+        plugin, ranges = self._plugin, req.checksum_ranges
         if not ranges:
             op = functools.partial(plugin.write, req.blob, buffers)
             await call(plugin, "write", req.blob, req.label, op, options=self._options)
         else:
             values = await call_digesting(
-                plugin,
-                "write",
-                req.blob,
-                req.label,
-                ranges,
+                plugin, "write", req.blob, req.label, ranges,
                 lambda digest: plugin.write_observed(req.blob, buffers, digest),
                 options=self._options,
-            )
+            )  # fmt: skip
             for (offset, _), value in zip(ranges, values, strict=True):
                 self.checksums[(req.blob, offset)] = value
         self._nbytes += req.nbytes
@@ -183,9 +169,18 @@ class WritePipeline:
         for item in batch:
             self._queue.put_nowait(item)
 
+    def ready(self) -> None:
+        """Waits for the copies into the pooled buffers of what is staged (``Lease.ready``),
+        and raises the error of one that failed."""
+        for _, _, keepalive in self._batch:
+            ready = getattr(keepalive, "ready", None)
+            if ready is not None:
+                ready()
+
     def flush(self) -> None:
-        """Hands what is staged to the I/O loop."""
+        """Hands what is staged to the I/O loop, once its copies have landed (``ready``)."""
         if self._batch:
+            self.ready()
             batch, self._batch, self._batch_bytes = self._batch, [], 0
             self._loop.call_soon_threadsafe(self._enqueue, batch)
 
@@ -206,42 +201,24 @@ class WritePipeline:
         if self._batch_limit is not None and self._batch_bytes >= self._batch_limit:
             self.flush()
 
-    async def _drain(self) -> None:
+    async def wait(self) -> IOStats:
+        """On the I/O loop, after the last ``flush``: waits until every queued write is done,
+        and raises the first error any of them met."""
         for _ in self._workers:
             self._queue.put_nowait(None)
         await asyncio.gather(*self._workers)
-
-    def _settle_budget(self) -> None:
-        close = getattr(self.budget, "close", None)  # a share gives back what it still holds
-        if close is not None:
-            close()
-
-    async def wait(self) -> IOStats:
-        """On the I/O loop, after the last ``submit``: waits until every queued write is done,
-        and raises the first error any of them met."""
-        await self._drain()
-        self._settle_budget()
+        self.budget.close()  # a share gives back what it still holds
         if self._error is not None:
             raise self._error
-        return IOStats(
-            blobs=self._blobs,
-            nbytes=self._nbytes,
-            seconds=time.perf_counter() - self._start,
-            peak_budget_bytes=self.budget.peak,
-        )
+        seconds = time.perf_counter() - self._start
+        return IOStats(self._blobs, self._nbytes, seconds, self.budget.peak)
 
     async def wait_quietly(self) -> None:
         """Waits for the workers to stop, ignoring errors (after ``abort``)."""
         try:
-            await self._drain()
+            await self.wait()
         except Exception:
             logger.debug("error while draining aborted writes", exc_info=True)
-        self._settle_budget()
-
-    def finish(self) -> IOStats:
-        """From the caller's thread: hands over what is staged, then ``wait``."""
-        self.flush()
-        return run(self.wait())
 
     def _drop_batch(self) -> None:
         """Gives back what is staged and not handed over (a shared budget outlives this)."""
@@ -254,41 +231,23 @@ class WritePipeline:
         """Stops writing (what is queued is dropped) and waits for the workers to stop."""
         self._drop_batch()
         self._loop.call_soon_threadsafe(self._fail, error)
-        try:
-            run(self._drain())
-        except Exception:  # the workers record errors; nothing more to report here
-            logger.debug("error while draining aborted writes", exc_info=True)
-        self._settle_budget()
+        run(self.wait_quietly())
 
     def stop(self, error: BaseException) -> None:
         """Ends a pipeline that nobody will wait for (its take was dropped unfinished): what is
         staged is given back, the workers skip what is queued and end. Otherwise they would wait
         on the queue for ever, and be reported as tasks destroyed while pending when collected
-        (at exit at the latest). Waits for them, except on the I/O loop's own thread (a
-        collection can run there), where they end on their own. Nothing once drained, nor once
-        the loop was stopped (at exit, after the runtime's shutdown ended its tasks)."""
-        if os.getpid() != self._pid or (
-            not self._batch and all(worker.done() for worker in self._workers)
-        ):
+        (at exit at the latest). Nothing once drained, nor in a forked child, nor once the loop
+        was stopped (at exit, after the runtime's shutdown ended its tasks)."""
+        if os.getpid() != self._pid or all(worker.done() for worker in self._workers):
             return
         self._drop_batch()
-        if not self._loop.is_running():
-            return
-        try:
-            running = asyncio.get_running_loop()
-        except RuntimeError:
-            running = None
-        if running is self._loop:
-            hold(self._loop.create_task(self._wind_down(error)))
-            return
-        try:
-            asyncio.run_coroutine_threadsafe(self._wind_down(error), self._loop).result()
-        except Exception:
-            logger.debug("error while ending a dropped write pipeline", exc_info=True)
+        if self._loop.is_running():
+            self._loop.call_soon_threadsafe(self._wind_down, error)
 
-    async def _wind_down(self, error: BaseException) -> None:
+    def _wind_down(self, error: BaseException) -> None:
         self._fail(error)
-        await self.wait_quietly()
+        hold(self._loop.create_task(self.wait_quietly()))
 
 
 def _release(keepalive: object) -> None:
@@ -318,10 +277,6 @@ class Segment:
     owner: str | None = None
 
 
-segment_bytes = attrgetter("nbytes")
-segment_owner = attrgetter("owner")
-
-
 @dataclass(slots=True)
 class ReadRequest:
     """One scatter read: the bytes of ``blob`` from ``offset`` on, into ``segments`` in order.
@@ -343,14 +298,6 @@ class ReadRequest:
     def nbytes(self) -> int:
         return sum(s.nbytes for s in self.segments)
 
-    def destinations(self) -> list[memoryview]:
-        """Where the bytes land, one buffer per segment: each ``dest()``, in order."""
-        outs = []
-        for s in self.segments:
-            assert s.dest is not None
-            outs.append(s.dest())
-        return outs
-
 
 async def read_all(
     plugin: StoragePlugin,
@@ -364,84 +311,53 @@ async def read_all(
     (``options``: each read's retries and deadline, ``call``)."""
     budget = ByteBudget(budget_bytes)
     pending = iter(requests)
-    totals = [0, 0]
-    error: list[BaseException] = []
+    done: list[ReadRequest] = []
+    errors: list[BaseException] = []  # the first one stops every worker
     start = time.perf_counter()
 
     async def worker() -> None:
         for req in pending:
-            if error:
+            if errors:
                 return
+            held = 0
             try:
                 await budget.acquire_async(req.scratch_bytes)
-            except BaseException as e:  # the budget was aborted by another worker's error
-                if not error:
-                    error.append(e)
-                return
-            try:
-                outs = req.destinations()
-                await _read(plugin, req, outs, options)
+                held = req.scratch_bytes
+                await _read(plugin, req, options)
                 if req.done is not None:
                     req.done()
-                totals[0] += 1
-                totals[1] += req.nbytes
+                done.append(req)
             except BaseException as e:
-                if not error:
-                    error.append(e)
+                errors.append(e)
                 budget.abort(e)
                 return
             finally:
-                budget.release(req.scratch_bytes)
+                budget.release(held)
 
     await asyncio.gather(*(worker() for _ in range(max_concurrency)))
-    if error:
-        raise error[0]
-    return IOStats(
-        blobs=totals[0],
-        nbytes=totals[1],
-        seconds=time.perf_counter() - start,
-        peak_budget_bytes=budget.peak,
-    )
+    if errors:
+        raise errors[0]
+    nbytes = sum(req.nbytes for req in done)
+    return IOStats(len(done), nbytes, time.perf_counter() - start, budget.peak)
 
 
-async def _read(
-    plugin: StoragePlugin, req: ReadRequest, outs: list[memoryview], options: Options
-) -> None:
-    """One read request into ``outs`` (one per segment), then each segment's ``verify`` with
-    the CRC-32 of what landed in it."""
+async def _read(plugin: StoragePlugin, req: ReadRequest, options: Options) -> None:
+    """One read request into its segments' ``dest()``s, then each segment's ``verify`` with the
+    CRC-32 of what landed in it, computed by the plugin as the bytes land
+    (``readv_observed``)."""
+    outs = [s.dest() for s in req.segments]  # type: ignore[misc]  # set once planned
     verifiers = [s.verify for s in req.segments]
     if not any(verifiers):
-        await _read_into(plugin, req, outs, options, None)
-        return
-    sizes = [s.nbytes for s in req.segments]
-    values = await _read_into(plugin, req, outs, options, (sizes, verifiers))
-    for verify, value in zip([v for v in verifiers if v is not None], values, strict=True):
-        verify(value)
-
-
-async def _read_into(
-    plugin: StoragePlugin,
-    req: ReadRequest,
-    outs: list[memoryview],
-    options: Options,
-    layout: tuple[list[int], Sequence[object]] | None,
-) -> list[int]:
-    """The read of ``req`` into ``outs``; with ``layout`` (the lengths of ``outs``, and which
-    of them are checked: truthy), the CRC-32 of each checked buffer, computed by the plugin as
-    the bytes land (``readv_observed``)."""
-    if layout is None:
         op = functools.partial(plugin.readv, req.blob, req.offset, outs)
         await call(plugin, "read", req.blob, req.label, op, options=options)
-        return []
-    sizes, chosen = layout
+        return
+    sizes = [s.nbytes for s in req.segments]
     starts = accumulate(sizes, initial=0)  # one more value than sizes: zip stops first
-    ranges = list(compress(zip(starts, sizes, strict=False), chosen))
-    return await call_digesting(
-        plugin,
-        "read",
-        req.blob,
-        req.label,
-        ranges,
+    ranges = list(compress(zip(starts, sizes, strict=False), verifiers))
+    values = await call_digesting(
+        plugin, "read", req.blob, req.label, ranges,
         lambda digest: plugin.readv_observed(req.blob, req.offset, outs, digest),
         options=options,
-    )
+    )  # fmt: skip
+    for verify, value in zip([v for v in verifiers if v is not None], values, strict=True):
+        verify(value)

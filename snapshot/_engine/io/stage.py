@@ -1,22 +1,21 @@
-"""The staging of a take's bytes, on the caller's thread (what each write request's ``stage``
-runs, just before its blob is written).
+"""The staging of a take's bytes, on the caller's thread: what each write request's ``stage``
+runs, just before its blob is written.
 
-Without a pool (take), a payload of a blob of its own is written from a view of its tensor's
-memory (``stage_payload``), or from a gathered copy when its tensor cannot be viewed
-(``TensorSource`` pieces: prepared, conjugate or negated, non-contiguous, on a device); a slab's
-members are copied into one buffer, which is written (``stage_slab``). With a ``StagingPool``
-(async take), every payload of a write is copied into one pooled buffer (``_pooled``), so that
-nothing written later reads the application's memory. A slab's members get their CRC-32s here,
-from the copy that is written (see ``plan.Placer``). ``stager(pool)`` is what the take
-gives its placers (``plan.Stager``).
+A placed blob is a ``Slab``: small payloads packed at aligned offsets, or one payload alone;
+``write_request`` makes its write. Without a pool (take), a payload alone is written from a
+view of its tensor's memory, or from a gathered copy when its tensor cannot be viewed
+(``TensorSource`` pieces: prepared, conjugate or negated, non-contiguous, on a device); a
+slab's members are copied into one buffer, which is written. With a ``StagingPool`` (async
+take), every payload of a write is copied into one pooled buffer, so that nothing written later
+reads the application's memory. A slab's members get their CRC-32s here, from the copy that is
+written (even while another thread changes the tensors); a payload alone gets its CRC-32 from
+the plugin as it writes.
 """
 
 from __future__ import annotations
 
+import ctypes
 import functools
-import logging
-from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -30,170 +29,135 @@ from snapshot._engine.format.serialization import (
     tensor_memoryview,
 )
 from snapshot._engine.handlers.dense import call_prepare
-from snapshot._engine.handlers.table import ALIGN, Payload, Staged, TensorSource
-from snapshot._engine.io import device
+from snapshot._engine.handlers.table import Payload, Staged, TensorSource
+from snapshot._engine.io import copier, device
+from snapshot._engine.io.pipeline import WriteRequest
 from snapshot._engine.io.staging import Lease, StagingPool
-from snapshot._engine.take.plan import Slab, Stager
 from snapshot.errors import UnsupportedValueError
 
-if TYPE_CHECKING:
-    from snapshot._engine.io.staging import Lease, StagingPool
-
-logger = logging.getLogger(__name__)
-
-_ZEROS = memoryview(bytes(ALIGN))
-
-# Up to this size a payload is copied by a slice assignment of its bytes; above it, torch's
-# copy spreads the bytes over its threads.
+# Up to this size a tensor's bytes are copied by one ``memmove`` (slabs hold thousands, and a
+# torch copy pays its dispatch each time); above it, torch's copy spreads them over its threads.
 _SMALL_COPY = 1 << 20
 
 
-def stager(pool: StagingPool | None) -> Stager:
-    """How placed blobs are staged: from the payloads' own memory, or, with ``pool`` (async
-    take), through pooled buffers."""
-    return _Direct() if pool is None else _Pooled(pool)
+class Slab:
+    """The payloads of one blob (``members``, in order, each at its ``pos``): small ones packed
+    after the padding that aligns each, or one payload ``alone``. ``from_device``: a member is
+    copied from a CUDA device (async take pins its buffer)."""
+
+    __slots__ = ("alone", "blob", "from_device", "members", "nbytes")
+
+    def __init__(self, blob: str, alone: bool = False) -> None:
+        self.blob = blob
+        self.alone = alone
+        self.members: list[Payload] = []
+        self.nbytes = 0
+        self.from_device = False
+
+    def label(self) -> str:
+        first = self.members[0].label
+        if self.alone:
+            return first
+        more = f" and {len(self.members) - 1} more" if len(self.members) > 1 else ""
+        return f"{first}{more} (slab {self.blob})"
 
 
-class _Direct:
-    """Writes a blob of its own from its payload's memory (a view; a gathered copy of a
-    tensor that cannot be viewed, which costs its bytes of staging memory), a slab from a
-    copy of its members (``stage_slab``)."""
-
-    pooled = False
-
-    def blob(self, p: Payload, from_device: bool) -> tuple[Callable[[], Staged], int]:
-        return functools.partial(stage_payload, p), p.staging_bytes
-
-    def slab(self, slab: Slab, checksums: bool) -> tuple[Callable[[], Staged], int]:
-        # A copy of the slab, and at most its gathered copies besides.
-        return functools.partial(stage_slab, slab, checksums), slab.nbytes + slab.staging_bytes
-
-
-class _Pooled:
-    """Copies each write's payloads into one buffer of ``pool``; a pooled write costs the
-    budget its whole block (``StagingPool.block_bytes``)."""
-
-    pooled = True
-
-    def __init__(self, pool: StagingPool) -> None:
-        self.pool = pool
-
-    def blob(self, p: Payload, from_device: bool) -> tuple[Callable[[], Staged], int]:
-        stage = _pooled(self.pool, [(0, p)], p.nbytes, False, from_device)
-        return stage, self.pool.block_bytes(p.nbytes, from_device)
-
-    def slab(self, slab: Slab, checksums: bool) -> tuple[Callable[[], Staged], int]:
-        stage = _pooled(self.pool, slab.members, slab.nbytes, checksums, slab.from_device)
-        return stage, self.pool.block_bytes(slab.nbytes, slab.from_device)
+def write_request(slab: Slab, pool: StagingPool | None, checksums: bool) -> WriteRequest:
+    """The write of ``slab``: staged from the payloads' own memory, or, with ``pool`` (async
+    take), copied into one pooled block (which the write costs the budget whole,
+    ``StagingPool.block_bytes``). With ``checksums``, each member's CRC-32: a slab's taken as
+    it is staged, a payload alone's by the plugin as it writes."""
+    if pool is not None:
+        stage = functools.partial(_stage_pooled, pool, slab, checksums and not slab.alone)
+        cost = pool.block_bytes(slab.nbytes, slab.from_device)
+    elif slab.alone:  # a view, or a gathered copy of a source's piece
+        stage = functools.partial(stage_payload, slab.members[0])
+        cost = slab.nbytes if slab.members[0].source is not None else 0
+    else:
+        stage, cost = functools.partial(stage_slab, slab, checksums), slab.nbytes
+    ranges = ((0, slab.nbytes),) if slab.alone and checksums else ()
+    return WriteRequest(slab.blob, slab.nbytes, cost, stage, slab.label(), ranges)
 
 
 def stage_payload(p: Payload) -> Staged:
     """Buffers to write a payload from, and what must stay alive while they are written."""
     t = p.tensor
     if t is not None:
-        return [payload_view(p)], t
+        at = p.address - t.data_ptr()
+        return [tensor_memoryview(t)[at : at + p.nbytes]], t
     if p.data is not None:
         return [p.data], None
     assert p.source is not None
     return piece(p.source, p.start, p.stop)
 
 
-def payload_view(p: Payload) -> memoryview:
-    """The bytes of a payload of a contiguous CPU tensor (``p.tensor``, which the payload's
-    bytes lie in from ``p.address`` on), as a view of the tensor's memory."""
-    assert p.tensor is not None
-    at = p.address - p.tensor.data_ptr() if p.nbytes else 0
-    return tensor_memoryview(p.tensor)[at : at + p.nbytes]
-
-
 def copy_payload(p: Payload, buf: torch.Tensor, pos: int) -> None:
-    """Copies a payload's bytes into ``buf[pos : pos + nbytes]`` of a staging buffer ``buf``
-    (a 1-d uint8 CPU tensor), from host memory (a source's: ``copy_source``)."""
-    nbytes = p.nbytes
-    if p.tensor is None and p.data is None:
-        assert p.source is not None
-        copy_source(p.source, p.start, p.stop, buf, pos)
-        return
-    src = payload_view(p) if p.tensor is not None else memoryview(p.data or b"").cast("B")
-    dst = buf[pos : pos + nbytes]
-    if nbytes <= _SMALL_COPY:
-        tensor_memoryview(dst)[:] = src
+    """Copies a payload of host memory (an object's bytes, or a tensor's, by torch's copy,
+    which spreads them over its threads) into ``buf[pos : pos + nbytes]`` of a staging buffer
+    ``buf`` (a 1-d uint8 CPU tensor)."""
+    if p.data is not None:
+        ctypes.memmove(buf.data_ptr() + pos, p.data, p.nbytes)
     else:
-        dst.copy_(torch.frombuffer(src, dtype=torch.uint8))
+        (view,), _ = stage_payload(p)
+        buf[pos : pos + p.nbytes].copy_(torch.frombuffer(view, dtype=torch.uint8))
 
 
 def stage_slab(slab: Slab, checksums: bool) -> Staged:
-    """A slab's bytes, copied into one new buffer (zeros in the padding between members); with
+    """A slab's bytes, copied into one new buffer (``_fill``)."""
+    buf = torch.empty(slab.nbytes, dtype=torch.uint8)
+    view = tensor_memoryview(buf)
+    _fill(slab, buf, view, checksums, None)
+    return [view], buf
+
+
+def _stage_pooled(pool: StagingPool, slab: Slab, checksums: bool) -> Staged:
+    """A slab's bytes, copied into one buffer of ``pool`` (``_fill``; pinned when a member is
+    on a device). A stage that fails releases its lease, which first waits for the copies
+    already issued into it."""
+    lease = pool.acquire(slab.nbytes, slab.from_device)
+    try:
+        _fill(slab, lease.tensor, lease.view, checksums, lease)
+    except BaseException:
+        lease.release()
+        raise
+    return [lease.view], lease
+
+
+def _fill(
+    slab: Slab, buf: torch.Tensor, view: memoryview, checksums: bool, lease: Lease | None
+) -> None:
+    """Copies the members of ``slab`` into ``buf`` (a 1-d uint8 CPU tensor, ``view`` its bytes),
+    zeros in the padding between them; from a device through ``lease`` (``copy_source``). With
     ``checksums``, each member's CRC-32, of that copy (what is written, even while another
-    thread changes the tensors), goes to its ``crc32``."""
-    out = memoryview(bytearray(slab.nbytes))  # zeroed: the padding
-    pos = 0
-    for pad, p in slab.members:
-        pos += pad
-        nbytes = p.nbytes
-        if p.tensor is not None:  # most members: a tensor's memory
-            out[pos : pos + nbytes] = payload_view(p)
-        else:
-            bufs, keepalive = stage_payload(p)
-            at = pos
-            for b in bufs:
-                view = memoryview(b).cast("B")
-                out[at : at + len(view)] = view
-                at += len(view)
-            del bufs, keepalive  # a gathered copy is freed before the next member's
+    thread changes the tensors), goes to its ``crc32``, taken once its bytes are there: right
+    after a copy from host memory, after ``lease.ready()`` for a copy from a device."""
+    start = buf.data_ptr()
+    memmove = ctypes.memmove
+    end = 0
+    late: list[Payload] = []  # copies from a device, still in flight
+    for p in slab.members:
+        pos = p.pos
+        if pos > end:
+            view[end:pos] = bytes(pos - end)  # the padding
+        end = pos + p.nbytes
+        if p.tensor is not None and p.nbytes <= _SMALL_COPY:  # most members
+            memmove(start + pos, p.address, p.nbytes)
+        elif p.source is not None:
+            if copy_source(p.source, p.start, p.stop, buf, pos, lease):
+                late.append(p)  # issued from a device: readable after ``ready``
+                continue
+        elif lease is not None and slab.alone and p.nbytes >= copier.MIN_BYTES:
+            # Checksummed by the plugin, once the lease is ready.
+            lease.copy = copier.start(functools.partial(copy_payload, p, buf, pos))
+        else:  # a large tensor, an object's bytes
+            copy_payload(p, buf, pos)
         if checksums:
-            p.crc32 = crc32(out[pos : pos + nbytes])
-        pos += nbytes
-    return [out], None
-
-
-def _pooled(
-    pool: StagingPool,
-    members: list[tuple[int, Payload]],
-    nbytes: int,
-    checksums: bool,
-    from_device: bool,
-) -> Callable[[], Staged]:
-    """Stages ``members`` by copying them into one buffer of ``pool`` (pinned when
-    ``from_device``); with ``checksums``, each member's CRC-32 goes to its ``crc32``, taken
-    once its bytes are there: right after a copy from host memory, after ``lease.ready()`` for
-    a (non-blocking) copy from a device. A stage that fails releases its lease, which first
-    waits for the copies already issued into it."""
-
-    def stage() -> Staged:
-        lease = pool.acquire(nbytes, from_device)
-        try:
-            buf = lease.tensor
-            view = lease.view
-            pos = 0
-            late: list[tuple[int, Payload]] | None = None  # copies still in flight
-            for pad, p in members:
-                if pad:
-                    view[pos : pos + pad] = _ZEROS[:pad]
-                    pos += pad
-                source = p.source
-                if source is None:  # host memory: a tensor's, an object's bytes
-                    copy_payload(p, buf, pos)
-                    if checksums:
-                        p.crc32 = crc32(view[pos : pos + p.nbytes])
-                elif copy_source(source, p.start, p.stop, buf, pos, lease):
-                    if checksums:  # issued from a device: readable after ``ready``
-                        if late is None:
-                            late = []
-                        late.append((pos, p))
-                elif checksums:
-                    p.crc32 = crc32(view[pos : pos + p.nbytes])
-                pos += p.nbytes
-            lease.ready()
-            if late is not None:
-                for at, p in late:
-                    p.crc32 = crc32(view[at : at + p.nbytes])
-        except BaseException:
-            lease.release()  # waits for the copies already issued before lending it again
-            raise
-        return [lease.view], lease
-
-    return stage
+            p.crc32 = crc32(view[pos:end])
+    if late and checksums:
+        assert lease is not None
+        lease.ready()
+    for p in late if checksums else ():
+        p.crc32 = crc32(view[p.pos : p.pos + p.nbytes])
 
 
 # ---------------------------------------------------------------------------------------------

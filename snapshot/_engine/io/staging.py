@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
 import torch
@@ -39,20 +40,13 @@ class Lease:
     """A pooled staging buffer lent to one write: ``tensor`` is a 1-d uint8 CPU tensor of the
     requested size (``pinned``: page-locked), ``view`` the same memory as a memoryview.
 
-    Copies from a device into it are issued on that device's staging stream (``stream``); its
-    bytes may be read only after ``ready`` has waited for them. ``release`` gives the buffer
-    back to the pool.
+    Copies from a device into it are issued on that device's staging stream (``stream``), a
+    copy from host memory may run on the copier thread (``copy``, its future); its bytes may
+    be read only after ``ready`` has waited for them. ``release`` gives the buffer back to the
+    pool.
     """
 
-    __slots__ = (
-        "_block",
-        "_keep",
-        "_pool",
-        "_streams",
-        "pinned",
-        "tensor",
-        "view",
-    )
+    __slots__ = ("_block", "_keep", "_pool", "_streams", "copy", "pinned", "tensor", "view")
 
     def __init__(self, pool: StagingPool, block: torch.Tensor, nbytes: int, pinned: bool) -> None:
         self._pool: StagingPool | None = pool
@@ -62,8 +56,9 @@ class Lease:
         self.view = tensor_memoryview(self.tensor)
         # Until ``ready``: device index -> the staging stream copies were issued on, and the
         # tensors those copies read (a prepared one may have no other owner).
-        self._streams: dict[int, device.Stream] | None = None
-        self._keep: list[torch.Tensor] | None = None
+        self._streams: dict[int, device.Stream] = {}
+        self._keep: list[torch.Tensor] = []
+        self.copy: Future[None] | None = None  # on the copier thread, until ``ready``
 
     def stream(self, index: int, reads: torch.Tensor) -> device.Stream:
         """The stream to issue this lease's copies from device ``index`` on: the pool's staging
@@ -71,26 +66,23 @@ class Lease:
         queued so far on the device's current stream. ``reads``, the tensor a copy reads, is
         kept alive until ``ready``."""
         assert self._pool is not None, "a released lease"
-        streams = self._streams
-        if streams is None:
-            streams = self._streams = {}
-            self._keep = []
-        stream = streams.get(index)
+        stream = self._streams.get(index)
         if stream is None:
-            stream = self._pool.stream(index)
+            stream = self._streams[index] = self._pool.stream(index)
             device.wait_stream(stream, device.current_stream(index))
-            streams[index] = stream
-        self._keep.append(reads)  # type: ignore[union-attr]
+        self._keep.append(reads)
         return stream
 
     def ready(self) -> None:
-        """Waits for every staging stream this lease issued copies on."""
-        streams = self._streams
-        if streams is not None:
-            self._streams = None
-            for stream in streams.values():
-                device.synchronize(stream)
-            self._keep = None
+        """Waits for the copy on the copier thread and for every staging stream this lease
+        issued copies on; raises what the copy raised."""
+        copy, self.copy = self.copy, None
+        if copy is not None:
+            copy.result()
+        streams, self._streams = self._streams, {}
+        for stream in streams.values():
+            device.synchronize(stream)
+        self._keep = []
 
     def release(self) -> None:
         """Gives the buffer back, once the copies still in flight into it (a stage that failed
@@ -107,11 +99,13 @@ class Lease:
                 "set aside, never reused",
                 exc_info=True,
             )
-            pool._set_aside(self._block, self._keep)
+            with pool._lock:
+                pool.leased_bytes -= self._block.numel()
+                pool._aside.append((self._block, self._keep))
         else:
             pool._give_back(self._block, self.pinned)
         self._block = self.tensor = self.view = None  # type: ignore[assignment]
-        self._keep = None
+        self._keep = []
 
 
 class StagingPool:
@@ -121,7 +115,8 @@ class StagingPool:
 
     Blocks come in size classes of at least 64 KiB, so a block freed by one write fits the next
     of a similar size: powers of two and 1.5 times them; powers of two only when pinned (torch
-    rounds pinned allocations up to one). At most ``keep_bytes`` of free blocks are kept.
+    rounds pinned allocations up to one). At most ``keep_bytes`` of free blocks are kept
+    (``free_bytes`` of them now; ``leased_bytes`` are lent out).
 
     A block is pinned only for a write that copies from a device; when pinning fails, the pool
     warns once and stages in pageable memory (with synchronous copies) from then on.
@@ -131,15 +126,13 @@ class StagingPool:
 
     def __init__(self, keep_bytes: int, pin: bool | None = None) -> None:
         self.keep_bytes = keep_bytes
-        # Whether blocks for copies from a device may be pinned (None: yes).
-        self.pin = pin is not False
+        self.pin = pin is not False  # whether blocks for copies from a device may be pinned
         self.budget = ByteBudget(keep_bytes)
         self._streams: dict[int, device.Stream] = {}
         self._free: dict[tuple[bool, int], list[torch.Tensor]] = {}
-        self._free_bytes = 0
-        self._leased_bytes = 0
+        self.free_bytes = 0
+        self.leased_bytes = 0
         self._lock = threading.Lock()
-        self._pin_failed = False
         self._dropped_pinned = False  # a pinned block was dropped since the last trim
         self._aside: list[object] = []  # blocks a failed wait left possibly still being written
         self.allocated_bytes = 0  # every block this pool ever allocated, for tests and logs
@@ -149,18 +142,13 @@ class StagingPool:
     def size_class(cls, nbytes: int, pinned: bool = False) -> int:
         size = max(nbytes, cls._MIN_BLOCK)
         power = 1 << (size - 1).bit_length()
-        if pinned:
-            return power
         three_quarters = power // 4 * 3
-        return three_quarters if size <= three_quarters else power
-
-    def _pins(self, from_device: bool) -> bool:
-        return from_device and self.pin and not self._pin_failed
+        return three_quarters if size <= three_quarters and not pinned else power
 
     def block_bytes(self, nbytes: int, from_device: bool) -> int:
         """The bytes of the block ``acquire(nbytes, from_device)`` lends: what a write staged
         through this pool costs the staging budget."""
-        return self.size_class(nbytes, self._pins(from_device))
+        return self.size_class(nbytes, from_device and self.pin)
 
     def share(self, budget_bytes: int) -> BudgetShare:
         """A write pipeline's share of the process's staging budget, which becomes
@@ -172,30 +160,28 @@ class StagingPool:
         return BudgetShare(self.budget)
 
     def stream(self, index: int) -> device.Stream:
-        """The staging stream of device ``index``, made the first time one is needed."""
-        stream = self._streams.get(index)
-        if stream is None:
-            with self._lock:
-                stream = self._streams.get(index)
-                if stream is None:  # only a GPU run makes a real one
-                    stream = self._streams[index] = device.new_stream(index)
-        return stream
+        """The staging stream of device ``index``, made the first time one is needed (only a
+        GPU run makes a real one)."""
+        with self._lock:
+            if index not in self._streams:
+                self._streams[index] = device.new_stream(index)
+            return self._streams[index]
 
     def acquire(self, nbytes: int, from_device: bool = False) -> Lease:
         """A buffer of at least ``nbytes``: a free block of its size class, or a new one;
         pinned when ``from_device`` (its copies come from a device) and pinning works."""
-        pinned = self._pins(from_device)
+        pinned = from_device and self.pin
         size = self.size_class(nbytes, pinned)
         with self._lock:
             blocks = self._free.get((pinned, size))
             block = blocks.pop() if blocks else None
             if block is not None:
-                self._free_bytes -= size
-                self._leased_bytes += size
+                self.free_bytes -= size
+                self.leased_bytes += size
         if block is None:
             block, pinned = self._new_block(nbytes, pinned)
             with self._lock:
-                self._leased_bytes += block.numel()
+                self.leased_bytes += block.numel()
         return Lease(self, block, nbytes, pinned)
 
     def _new_block(self, nbytes: int, pinned: bool) -> tuple[torch.Tensor, bool]:
@@ -205,7 +191,7 @@ class StagingPool:
                 block = device.pinned_empty((size,), torch.uint8)
             except RuntimeError as e:
                 with self._lock:
-                    first, self._pin_failed = not self._pin_failed, True
+                    first, self.pin = self.pin, False
                 if first:
                     logger.warning(
                         "staging: cannot pin %d bytes of host memory (%s); async take stages "
@@ -219,66 +205,35 @@ class StagingPool:
                 self.pinned_bytes += size
                 return block, True
         size = self.size_class(nbytes)
-        block = torch.empty(size, dtype=torch.uint8)
         self.allocated_bytes += size
-        return block, False
+        return torch.empty(size, dtype=torch.uint8), False
 
     def _give_back(self, block: torch.Tensor, pinned: bool) -> None:
         size = block.numel()
         with self._lock:
-            self._leased_bytes -= size
-            if self._free_bytes + size <= self.keep_bytes:
+            self.leased_bytes -= size
+            if self.free_bytes + size <= self.keep_bytes:
                 self._free.setdefault((pinned, size), []).append(block)
-                self._free_bytes += size
+                self.free_bytes += size
             elif pinned:
                 self._dropped_pinned = True  # still locked in torch's host cache until trim
 
-    def _set_aside(self, block: torch.Tensor, keep: object) -> None:
-        with self._lock:
-            self._leased_bytes -= block.numel()
-            self._aside.append((block, keep))
-
-    @property
-    def free_bytes(self) -> int:
-        """Bytes of the free blocks the pool keeps."""
-        return self._free_bytes
-
-    @property
-    def leased_bytes(self) -> int:
-        """Bytes of the blocks lent out now."""
-        return self._leased_bytes
-
     def trim(self) -> None:
-        """Drops free blocks beyond ``keep_bytes``; if pinned blocks were dropped since the last
-        trim, empties torch's host cache, which keeps them locked until then (async take's
-        background commit runs it once its writes are done)."""
+        """Drops free blocks, largest first, beyond ``keep_bytes``; if pinned blocks were
+        dropped since the last trim, empties torch's host cache, which keeps them locked until
+        then (async take's background commit runs it once its writes are done)."""
+        dropped: list[torch.Tensor] = []
         with self._lock:
-            dropped = self._drop(self.keep_bytes)
-            pinned = self._dropped_pinned or any(p for p, _ in dropped)
+            pinned = self._dropped_pinned
+            for key in sorted(self._free, key=lambda k: -k[1]):
+                blocks = self._free[key]
+                while blocks and self.free_bytes > self.keep_bytes:
+                    dropped.append(blocks.pop())
+                    self.free_bytes -= key[1]
+                    pinned = pinned or key[0]
+                if not blocks:
+                    del self._free[key]
             self._dropped_pinned = False
-        del dropped
+        del dropped  # freed outside the lock
         if pinned:  # only a GPU run frees pinned memory for real
             device.empty_host_cache()
-
-    def clear(self) -> None:
-        """Gives every free block back (pinned memory back to the system)."""
-        with self._lock:
-            keep, self.keep_bytes = self.keep_bytes, 0
-        try:
-            self.trim()
-        finally:
-            with self._lock:
-                self.keep_bytes = keep
-
-    def _drop(self, limit: int) -> list[tuple[bool, torch.Tensor]]:
-        """Takes free blocks out, largest first, until at most ``limit`` bytes are kept (with
-        the lock held; the caller frees them outside it)."""
-        dropped: list[tuple[bool, torch.Tensor]] = []
-        for pinned, size in sorted(self._free, key=lambda k: -k[1]):
-            blocks = self._free[(pinned, size)]
-            while blocks and self._free_bytes > limit:
-                dropped.append((pinned, blocks.pop()))
-                self._free_bytes -= size
-            if not blocks:
-                del self._free[(pinned, size)]
-        return dropped

@@ -67,21 +67,15 @@ def open_storage(
     plugin = run(table.reclaim(key)) if key is not None else None
     if plugin is None:
         plugin = open_plugin(url, storage_options)
-    done = False
     try:
         yield plugin
-        done = True
-    finally:
-        if (
-            done
-            and key is not None
-            and type(plugin).keep_open
-            and keep_secs > 0
-            and runtime.get().keeps_plugins
-        ):
-            run(table.keep(key, plugin, keep_secs))
-        else:
-            run(plugin.close())
+    except BaseException:
+        run(plugin.close())
+        raise
+    if key is not None and type(plugin).keep_open and keep_secs > 0 and runtime.get().keeps_plugins:
+        run(table.keep(key, plugin, keep_secs))
+    else:
+        run(plugin.close())
 
 
 def _storage_error(
@@ -134,8 +128,8 @@ async def call(
     running on a worker thread cannot be stopped; it is abandoned).
     """
     loop = asyncio.get_running_loop()
-    timeout = options.io_timeout_secs
-    assert timeout is not None, "resolved options"
+    timeout, retries = options.io_timeout_secs, options.io_retries
+    assert timeout is not None and retries is not None, "resolved options"
     deadline = loop.time() + timeout
     delay = _FIRST_BACKOFF_SECS
     attempt = 1
@@ -151,30 +145,21 @@ async def call(
                     f"STATESNAP_IO_TIMEOUT_SECS) after {attempt} attempt(s)"
                 ) from None
         except Exception as e:
-            if loop.time() >= deadline:
-                if not convert:
-                    raise
-                raise _storage_error(plugin, verb, blob, label, e, attempt) from e
-            retries = options.io_retries
-            assert retries is not None, "resolved options"
             # A refused blob is refused again on every attempt, whatever the plugin says.
-            refused = isinstance(e, RefusedBlobError)
-            if attempt > retries or refused or not plugin.is_transient(e):
+            if (
+                loop.time() >= deadline
+                or attempt > retries
+                or isinstance(e, RefusedBlobError)
+                or not plugin.is_transient(e)
+            ):
                 if not convert:
                     raise
                 raise _storage_error(plugin, verb, blob, label, e, attempt) from e
             pause = delay * random.uniform(0.5, 1.0)
             logger.warning(
                 "%s: %s of blob %s failed (%s: %s); retrying in %.2f s (retry %d of %d)",
-                label,
-                verb,
-                plugin.describe(blob),
-                type(e).__name__,
-                e,
-                pause,
-                attempt,
-                retries,
-            )
+                label, verb, plugin.describe(blob), type(e).__name__, e, pause, attempt, retries,
+            )  # fmt: skip
             await asyncio.sleep(min(pause, max(deadline - loop.time(), 0)))
             delay = min(delay * 2, _MAX_BACKOFF_SECS)
             attempt += 1

@@ -27,12 +27,13 @@ from __future__ import annotations
 import logging
 import os
 import posixpath
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import torch
 import xxhash
 
-from manifest import SIBLING_NAME, Manifest, TensorEntry, new_location, reference_of
+from manifest import SIBLING_NAME, TensorEntry, reference_of
 from snapshot._engine.format.manifest_io import load_manifest, sibling_path, split_parent
 from snapshot._engine.format.serialization import dtype_name, tensor_memoryview
 from snapshot.errors import (
@@ -46,12 +47,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("snapshot")
 
+# How ``TensorEntry.digest`` records the digest of a tensor's bytes.
 DIGEST_PREFIX = "xxh3_128:"
-
-
-def digest_of(tensor: torch.Tensor) -> str:
-    """The digest of a contiguous CPU tensor's bytes, as ``TensorEntry.digest`` records it."""
-    return DIGEST_PREFIX + xxhash.xxh3_128_hexdigest(tensor_memoryview(tensor))
 
 
 def base_name(path: str, base: str) -> str:
@@ -69,10 +66,14 @@ def base_name(path: str, base: str) -> str:
     else:
         same = posixpath.normpath(parent) == posixpath.normpath(b_parent) and parent != ""
     if not same:
+        if "://" in path and not parent:
+            sibling = f"none: {path} lies at the root of its store"
+        else:
+            sibling = sibling_path(path, b_name or "<name>")
         raise InvalidArgumentError(
             f"base {base!r} of the take at {path!r} must be a snapshot in the same folder "
-            f"(a sibling: {_sibling_hint(path, b_name)!r}): an incremental snapshot "
-            "points at its base's bytes by the base's name"
+            f"(a sibling: {sibling!r}): an incremental snapshot points at its base's bytes by "
+            "the base's name"
         )
     if b_name == name:
         raise InvalidArgumentError(f"the take at {path!r} cannot be its own base")
@@ -84,36 +85,38 @@ def base_name(path: str, base: str) -> str:
     return b_name
 
 
-def _sibling_hint(path: str, name: str) -> str:
-    """Where a sibling ``name`` of ``path`` would be, for a message (no parent: said so)."""
-    parent, _ = split_parent(path)
-    if "://" in path and not parent:
-        return f"none: {path} lies at the root of its store"
-    return sibling_path(path, name or "<name>")
-
-
-def _has_digests(entries: dict[str, Any]) -> bool:
-    """Whether any tensor entry among ``entries`` records a digest; True when there is no
-    tensor to compare at all."""
-    tensors = [e for e in entries.values() if type(e) is TensorEntry]
-    return not tensors or any(e.digest is not None for e in tensors)
-
-
 class Reuse:
-    """What one rank's take on a base compares and reuses.
+    """What one rank's take at ``path`` compares with its ``base`` (the base's manifest, read by
+    every rank) and reuses; without a base, a take that only records digests.
 
-    ``reused(path, tensor)`` is called by the planner for each dense tensor leaf (of a take
-    without a prepare function). For one written from its own memory, it returns the entry that
-    points at the base's bytes when the base holds the same bytes at the same path (same dtype
-    and shape, equal digest), or None after recording the tensor's digest (``digests``) for the
-    entry the planner makes. Without a base (a take that only
-    records digests) it always records.
+    ``reused(path, tensor)`` is called by the planner for each dense tensor leaf written from
+    its own memory (a contiguous CPU tensor holding bytes, of a take without a prepare
+    function). It returns the entry that points at the base's bytes when the base holds the
+    same bytes at the same path (same dtype and shape, equal digest), or None after recording
+    the tensor's digest (``digests``) for the entry the planner makes.
     """
 
-    def __init__(self, name: str | None, manifest: Manifest | None, rank: int) -> None:
-        self.name = name
-        self.entries: dict[str, Any] = manifest.view(rank) if manifest is not None else {}
-        if name is not None and not _has_digests(self.entries):
+    def __init__(
+        self,
+        path: str,
+        base: str | None,
+        storage_options: dict[str, Any] | None,
+        options: Options,
+        rank: int,
+    ) -> None:
+        self.name = None if base is None else base_name(path, base)
+        self.entries: dict[str, Any] = {}
+        self.digests: dict[str, str] = {}
+        self.reused_bytes = 0
+        self.hashed_bytes = 0
+        if base is None:
+            return
+        try:
+            self.entries = load_manifest(base, storage_options, options).view(rank)
+        except SnapshotNotFoundError as e:
+            raise MissingBaseError(f"cannot take {path} on base {base}: {e}", base=base) from e
+        tensors = [e for e in self.entries.values() if type(e) is TensorEntry]
+        if tensors and all(e.digest is None for e in tensors):
             # Nothing to compare with: every tensor is written again. Digests are off by
             # default (their cost on a take of many small tensors), so a chain's first
             # snapshot often lacks them; the take says how to start one that has them.
@@ -122,42 +125,11 @@ class Reuse:
                 "can be reused and every tensor is written in full; take the base with "
                 "Options(digests=True) (or STATESNAP_DIGESTS=1). This snapshot records them: "
                 "a take on it reuses what is unchanged",
-                name,
+                self.name,
             )
-        self.digests: dict[str, str] = {}
-        self.reused_bytes = 0
-        self.hashed_bytes = 0
-
-    @classmethod
-    def load(
-        cls,
-        path: str,
-        base: str | None,
-        storage_options: dict[str, Any] | None,
-        options: Options,
-        rank: int,
-    ) -> Reuse:
-        """What the take at ``path`` compares with its ``base`` (the base's manifest, read by
-        every rank), or, without a base, only records digests into."""
-        if base is None:
-            return cls(None, None, rank)
-        name = base_name(path, base)
-        try:
-            manifest = load_manifest(base, storage_options, options)
-        except SnapshotNotFoundError as e:
-            raise MissingBaseError(f"cannot take {path} on base {base}: {e}", base=base) from e
-        return cls(name, manifest, rank)
 
     def reused(self, path: str, tensor: torch.Tensor) -> TensorEntry | None:
-        if not (
-            tensor.is_cpu
-            and tensor.is_contiguous()
-            and tensor.nbytes > 0
-            and not tensor.is_neg()
-            and not (tensor.dtype.is_complex and tensor.is_conj())
-        ):
-            return None  # not written from its own memory: written in full, without a digest
-        digest = digest_of(tensor)
+        digest = DIGEST_PREFIX + xxhash.xxh3_128_hexdigest(tensor_memoryview(tensor))
         self.hashed_bytes += tensor.nbytes
         old = self.entries.get(path)
         if (
@@ -168,16 +140,12 @@ class Reuse:
             and sum(c.nbytes for c in old.chunks) == tensor.nbytes
         ):
             self.reused_bytes += tensor.nbytes
+            # A base's blob is named through the base, or, for a range the base itself reused,
+            # through the snapshot that holds it (a sibling of both).
             chunks = tuple(
-                new_location(self._blob(c.blob), c.offset, c.nbytes, c.crc32) for c in old.chunks
+                c if reference_of(c.blob) else replace(c, blob=f"../{self.name}/{c.blob}")
+                for c in old.chunks
             )
             return TensorEntry(dtype=old.dtype, shape=old.shape, chunks=chunks, digest=digest)
         self.digests[path] = digest
         return None
-
-    def _blob(self, blob: str) -> str:
-        """A base's blob as the new snapshot names it: through the base, or, for a range the
-        base itself reused, through the snapshot that holds it (a sibling of both)."""
-        if reference_of(blob) is not None:
-            return blob
-        return f"../{self.name}/{blob}"

@@ -2,24 +2,22 @@
 drafts of its manifest entries, without any I/O.
 
 ``collect`` flattens the state dicts into entries and byte payloads (each leaf's by the handler
-of its kind); ``place`` gives the payloads their blobs (small ones packed into slabs: ``Placer``)
-and makes one ``WriteRequest`` per blob. The take executes the writes and completes the drafts
-into the manifest's entries with the CRC-32s the writes (or staging) reported.
+of its kind) and finds the leaves that view another leaf's memory (``relate``); ``place`` gives
+the payloads their blobs (small ones packed into slabs: ``Placer``) and makes one
+``WriteRequest`` per blob. The take executes the writes and completes the drafts into the
+manifest's entries with the CRC-32s the writes (or staging) reported.
 """
 
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
-from manifest import (
-    Entry,
-    EntryFormatter,
-    TensorEntry,
-    TensorView,
-)
+import torch
+
+from manifest import Entry, EntryFormatter, TensorEntry, TensorView
 from snapshot._engine.handlers import sharded
 from snapshot._engine.handlers.table import (
     ALIGN,
@@ -29,51 +27,27 @@ from snapshot._engine.handlers.table import (
     Payload,
     Planned,
     PrepareFunc,
-    Staged,
     TensorDraft,
     WholeTensor,
+    by_value_type,
     crc,
     for_value,
 )
 from snapshot._engine.io import device
 from snapshot._engine.io.pipeline import WriteRequest
+from snapshot._engine.io.stage import Slab, write_request
+from snapshot._engine.io.staging import StagingPool
 from snapshot._engine.state_dicts import flatten
-from snapshot._engine.take.views import relate
 
 if TYPE_CHECKING:
     from snapshot._engine.take.incremental import Reuse
 
+# What placed blobs are staged through: an async take's staging pool (every payload copied into
+# pooled buffers), or None (from the payloads' own memory).
+Stager = StagingPool | None
+
 # ---------------------------------------------------------------------------------------------
 # Placement.
-
-
-@dataclass(eq=False)
-class Slab:
-    """Small payloads packed into one blob, each after the padding that aligns it."""
-
-    blob: str
-    members: list[tuple[int, Payload]] = field(default_factory=list)  # (padding before, payload)
-    nbytes: int = 0
-    staging_bytes: int = 0
-    from_device: bool = False  # a member is copied from a device (async take pins its buffer)
-
-    def label(self) -> str:
-        first = self.members[0][1].label
-        more = f" and {len(self.members) - 1} more" if len(self.members) > 1 else ""
-        return f"{first}{more} (slab {self.blob})"
-
-
-class Stager(Protocol):
-    """How placed blobs are staged (``stage.stager``): ``blob`` and ``slab`` give a write's
-    ``stage`` and the staging memory it costs (a slab's stage gives each member its CRC-32 with
-    ``checksums``). With ``pooled`` (async take), every payload is copied into a pooled
-    buffer."""
-
-    pooled: bool
-
-    def blob(self, p: Payload, from_device: bool) -> tuple[Callable[[], Staged], int]: ...
-
-    def slab(self, slab: Slab, checksums: bool) -> tuple[Callable[[], Staged], int]: ...
 
 
 class Placer:
@@ -86,53 +60,51 @@ class Placer:
             folder, _, rest = prefix.rpartition("/")
             prefix = f"{folder}/{layout.take_id}-{rest}" if folder else f"{layout.take_id}-{rest}"
         self.prefix = prefix
-        self.layout = layout
+        self.threshold = layout.slab_threshold_bytes
+        self.slab_bytes = layout.slab_bytes
+        self.checksums = layout.checksums
         self.mine = mine
         self.stager = stager
         self.writes: list[WriteRequest] = []
         self._next = 0
         self._slab: Slab | None = None
 
-    def _blob(self, kind: str = "") -> str:
-        name = f"{self.prefix}{kind}{self._next}"
+    def _new(self, kind: str, alone: bool) -> Slab:
+        slab = Slab(f"{self.prefix}{kind}{self._next}", alone)
         self._next += 1
-        return name
+        return slab
 
     def place(self, p: Payload) -> None:
         """In the open slab when small, else in a blob of its own."""
-        pooled = self.stager.pooled
-        if p.nbytes <= self.layout.slab_threshold_bytes:
-            slab = self._slab
-            pad = -slab.nbytes % ALIGN if slab is not None else 0
-            if slab is None or slab.nbytes + pad + p.nbytes > self.layout.slab_bytes:
-                self.close()
-                slab = self._slab = Slab(blob=self._blob("s"))
-                pad = 0
-            slab.members.append((pad, p))
-            p.blob, p.pos = slab.blob, slab.nbytes + pad
-            slab.nbytes += pad + p.nbytes
-            slab.staging_bytes += p.nbytes if pooled else p.staging_bytes
-            slab.from_device = slab.from_device or (pooled and _from_device(p))
+        nbytes = p.nbytes
+        open_slab = self._slab
+        if nbytes > self.threshold:
+            slab, pos = self._new("", alone=True), 0
+        elif open_slab is None or open_slab.nbytes + -open_slab.nbytes % ALIGN + nbytes > (
+            self.slab_bytes
+        ):
+            self.close()
+            slab = self._slab = self._new("s", alone=False)
+            pos = 0
         else:
-            p.blob, p.pos = self._blob(), 0
+            slab, pos = open_slab, open_slab.nbytes + -open_slab.nbytes % ALIGN
+        slab.members.append(p)
+        p.blob, p.pos = slab.blob, pos
+        slab.nbytes = pos + nbytes
+        source = p.source
+        if source is not None:
+            if self.stager is not None and device.cuda_index(source.tensor) is not None:
+                slab.from_device = True  # its pooled buffer is pinned
             if self.mine:
-                stage, staging = self.stager.blob(p, pooled and _from_device(p))
-                ranges = ((0, p.nbytes),) if self.layout.checksums else ()
-                self.writes.append(WriteRequest(p.blob, p.nbytes, staging, stage, p.label, ranges))
-        if self.mine and p.source is not None:
-            p.source.remaining += 1
+                source.remaining += 1
+        if slab.alone and self.mine:
+            self.writes.append(write_request(slab, self.stager, self.checksums))
 
     def close(self) -> None:
-        """Makes the write of the open slab (its members are checksummed as it is staged)."""
+        """Makes the write of the open slab."""
         slab, self._slab = self._slab, None
-        if slab is not None and slab.members and self.mine:
-            stage, staging = self.stager.slab(slab, self.layout.checksums)
-            self.writes.append(WriteRequest(slab.blob, slab.nbytes, staging, stage, slab.label()))
-
-
-def _from_device(p: Payload) -> bool:
-    """Whether a payload is copied from a CUDA device (its pooled buffer is then pinned)."""
-    return p.source is not None and device.cuda_index(p.source.tensor) is not None
+        if slab is not None and self.mine:
+            self.writes.append(write_request(slab, self.stager, self.checksums))
 
 
 def place(
@@ -182,7 +154,7 @@ class Collected:
     entries: dict[str, Planned] = field(default_factory=dict)
     payloads: list[Payload] = field(default_factory=list)
     replicated: list[Payload] = field(default_factory=list)
-    own_bytes: int = 0
+    own_bytes: int = 0  # of ``payloads`` (across ranks: set by the take, then by ``settle``)
     # (key, dtype, global shape, offsets, sizes, main, path) of each piece of a global tensor
     pieces: list[tuple[Any, ...]] = field(default_factory=list)
     # (unique key, main, path) of each sharded object
@@ -202,16 +174,12 @@ class Collector:
 
     def __init__(
         self,
-        rank: int,
         prepare: PrepareFunc | None,
-        replicated: Sequence[str],
         inline_max_bytes: int,
         chunk_bytes: int,
         reuse: Reuse | None = None,
     ) -> None:
-        self.rank = rank
         self.prepare = prepare
-        self.replicated = tuple(replicated)
         self.inline_max = inline_max_bytes
         self.chunk_bytes = chunk_bytes
         self.reuse = reuse
@@ -222,28 +190,13 @@ class Collector:
     def emit(self, payloads: list[Payload]) -> None:
         """Records one value's payloads (all replicated, or all this rank's own)."""
         if payloads[0].replicated:
-            self.out.replicated.extend(payloads)
+            self.out.replicated += payloads
         else:
-            self.out.payloads.extend(payloads)
-            self.out.own_bytes += sum(p.nbytes for p in payloads)
+            self.out.payloads += payloads
 
     def leaf(self, path: str, logical: str, value: Any, replicated: bool) -> Planned:
         """The entry (or draft) of one leaf, by its kind (``handlers.for_value``)."""
         return for_value(value).take(self, path, logical, value, replicated)
-
-    def add(self, key_path: str, state: Any) -> None:
-        """Plans one state dict, at ``<rank>/<key_path>``. A container is never replicated,
-        even where a glob matches it: only leaves are stored once for every rank."""
-        prefix = f"{self.rank}/"
-        for path, node, value in flatten(state, prefix + key_path):
-            if node is None:
-                logical = path[len(prefix) :]
-                replicated = bool(self.replicated) and any(
-                    fnmatch.fnmatchcase(logical, g) for g in self.replicated
-                )
-                self.out.entries[path] = self.leaf(path, logical, value, replicated)
-            else:
-                self.out.entries[path] = node
 
 
 def collect(
@@ -259,18 +212,80 @@ def collect(
     """Flattens ``(key_path, state_dict)`` pairs of process ``rank`` into entries and payloads.
 
     Manifest paths are ``"<rank>/<key_path>/..."``; ``prepare`` and the ``replicated`` globs see
-    the logical path without the rank. Tensors are split into chunks of ``chunk_bytes``.
+    the logical path without the rank. Tensors are split into chunks of ``chunk_bytes``. A
+    container is never replicated, even where a glob matches it: only leaves are stored once
+    for every rank.
     """
-    collector = Collector(rank, prepare, replicated, inline_max_bytes, chunk_bytes, reuse)
+    collector = Collector(prepare, inline_max_bytes, chunk_bytes, reuse)
+    entries = collector.out.entries
+    prefix = f"{rank}/"
+    cut = len(prefix)
+    globs = tuple(replicated)
     for key_path, state in states:
-        collector.add(key_path, state)
+        for path, node, value in flatten(state, prefix + key_path):
+            if node is not None:
+                entries[path] = node
+                continue
+            logical = path[cut:]
+            shared = bool(globs) and any(fnmatch.fnmatchcase(logical, g) for g in globs)
+            kind = by_value_type.get(type(value))  # ``for_value``, its lookup inline
+            if kind is None or not kind.accepts(value):
+                kind = for_value(value)
+            entries[path] = kind.take(collector, path, logical, value, shared)
     if reuse is not None:
         collector.out.digests = reuse.digests
     if prepare is None and collector.views_possible:
-        entries = collector.out.entries.items()
-        drafts = [(p, d) for p, d in entries if isinstance(d, (WholeTensor, TensorDraft))]
-        collector.out.views = relate(drafts, f"{rank}/")
+        drafts = [(p, d) for p, d in entries.items() if isinstance(d, (WholeTensor, TensorDraft))]
+        collector.out.views = relate(drafts, prefix)
     return collector.out
+
+
+def relate(
+    drafts: Iterable[tuple[str, Draft]], rank_prefix: str
+) -> dict[str, tuple[TensorView, Draft]]:
+    """Each CPU tensor leaf (of ``drafts``, by path) whose elements lie within the memory of a
+    contiguous leaf of its storage and dtype, as a view of it, with that leaf's draft (never a
+    view of a view), so that a restore into new tensors makes one storage of them, as
+    ``torch.load`` does. Tied leaves (the same view of one memory) share payloads and need no
+    record; negated or conjugate tensors hold other values than their memory, and are left
+    alone. For a take without a prepare function, when planning met a leaf that may be such a
+    view."""
+    cut = len(rank_prefix)
+    storages: dict[tuple[Any, ...], list[tuple[int, int, str, torch.Tensor, Draft]]] = {}
+    views: dict[str, tuple[TensorView, Draft]] = {}
+    for path, draft in drafts:
+        first = draft.payloads[0]
+        t = first.tensor if first.source is None else first.source.tensor
+        if t is None or not t.is_cpu or t.is_neg() or t.is_conj():
+            continue
+        start = int(t.storage_offset())
+        end = start + 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True))
+        key = (t.untyped_storage().data_ptr(), t.dtype)
+        storages.setdefault(key, []).append((start, -end, path, t, draft))
+    for members in storages.values():
+        if len(members) < 2:
+            continue
+        # By where their elements start, the widest first, contiguous ones first among equal
+        # spans (a transpose and its base): a leaf within the span of the contiguous leaf
+        # reaching furthest so far is a view of that one.
+        members.sort(key=lambda m: (m[0], m[1], not m[3].is_contiguous()))
+        base: tuple[int, int, str, torch.Tensor, Draft] | None = None
+        for start, neg_end, path, t, draft in members:
+            if base is not None and -neg_end <= base[1]:
+                b_start, _, b_path, b_t, b_draft = base
+                tied = (
+                    start == b_start
+                    and t.shape == b_t.shape
+                    and t.stride() == b_t.stride()
+                    and draft.payloads[0] is b_draft.payloads[0]
+                )
+                if not tied:
+                    offset, stride = start - b_start, tuple(t.stride())
+                    view = TensorView(base=b_path[cut:], offset=offset, stride=stride)
+                    views[path] = (view, b_draft)
+            elif t.is_contiguous():
+                base = (start, -neg_end, path, t, draft)
+    return views
 
 
 # ---------------------------------------------------------------------------------------------
@@ -300,54 +315,36 @@ class TakePlan:
             out[(p.blob, p.pos)] = value
         return out
 
-    def early_entries(self) -> dict[str, Made | None]:
-        """The entries that need no CRC from a write (None in place of the others), made while
-        the last writes finish: a whole tensor staged in a slab (checksummed then) or recorded
-        without a CRC, and every entry made while planning."""
-        return self._made(None, {}, early=True)
-
-    def entries(
-        self,
-        checksums: Mapping[tuple[str, int], int],
-        early: Mapping[str, Made | None] | None = None,
-    ) -> dict[str, Made]:
+    def entries(self, checksums: Mapping[tuple[str, int], int]) -> dict[str, Made]:
         """The manifest's entries, in flatten order; ``checksums`` maps each written range
-        ``(blob, offset)`` to its CRC-32 (ignored when the take records none); what
-        ``early_entries`` made is taken from ``early``. A dense tensor's entry is its manifest
-        line (``str``: see ``manifest.dumps_entries``); rank 0 merges the sharded ones."""
-        made = self._made(checksums if self.checksums else None, early or {}, early=False)
-        out = {path: e for path, e in made.items() if e is not None}
-        assert len(out) == len(made)
-        return out
-
-    def _made(
-        self,
-        checksums: Mapping[tuple[str, int], int] | None,
-        known: Mapping[str, Made | None],
-        early: bool,
-    ) -> dict[str, Made | None]:
-        """Each entry: from ``known``, or made from its draft (when ``early``, only those that
-        need no CRC from a write). A leaf with attributes gets a ``TensorEntry`` recording them."""
+        ``(blob, offset)`` to its CRC-32 (ignored when the take records none). A tensor in one
+        range is given as its manifest line (``str``: see ``manifest.dumps_entries``), made
+        from its fields; rank 0 merges the sharded entries. A leaf with attributes (parameter
+        flags, a view, a digest) gets a ``TensorEntry`` recording them."""
+        sums = checksums if self.checksums else None
+        line = EntryFormatter().tensor
         c = self.collected
-        fmt = EntryFormatter()
-        out: dict[str, Made | None] = {}
+        out: dict[str, Made] = {}
         for path, e in c.entries.items():
-            done = known.get(path)
-            if done is not None:
-                out[path] = done
-            elif isinstance(e, (WholeTensor, TensorDraft)):  # most entries
-                ready = isinstance(e, WholeTensor) and (e.crc32 is not None or not self.checksums)
-                out[path] = _line(path, e, checksums, fmt) if ready or not early else None
+            if isinstance(e, WholeTensor):  # most entries
+                p: Payload = e
+            elif isinstance(e, TensorDraft) and len(e.payloads) == 1:
+                p = e.payloads[0]
             elif isinstance(e, (Entry, sharded.ObjectReplica)):
                 out[path] = e
+                continue
             else:
-                out[path] = None if early else e.build(checksums)
+                out[path] = e.build(sums)
+                continue
+            assert p.blob is not None
+            value = crc(p, sums)
+            out[path] = line(path, e.dtype, e.shape, p.blob, p.pos, p.nbytes, value, e.replicated)
         for path in dict.fromkeys([*c.grads, *c.views, *c.digests]):
-            if out.get(path) is None or known.get(path) is not None:
-                continue  # not made yet, or made (with its attributes) by the early pass
+            if path not in out:
+                continue  # listed once, under rank 0's prefix, by rank 0
             draft = c.entries[path]
             assert isinstance(draft, (TensorEntry, WholeTensor, TensorDraft))
-            entry = draft if isinstance(draft, TensorEntry) else draft.build(checksums)
+            entry = draft if isinstance(draft, TensorEntry) else draft.build(sums)
             parameter, requires_grad = c.grads.get(path, (False, False))
             view, base = c.views.get(path, (None, None))
             # A leaf listed once for every rank is read under each rank's prefix, where its
@@ -362,20 +359,3 @@ class TakePlan:
                 digest=c.digests.get(path, entry.digest),
             )
         return out
-
-
-def _line(
-    path: str, draft: Draft, checksums: Mapping[tuple[str, int], int] | None, fmt: EntryFormatter
-) -> str:
-    """A tensor entry's manifest line; one in one range is formatted from its fields."""
-    if isinstance(draft, TensorDraft):
-        if len(draft.payloads) != 1:
-            return fmt.entry(path, draft.build(checksums))
-        p = draft.payloads[0]
-    else:
-        p = draft
-    assert p.blob is not None
-    return fmt.tensor(
-        path, draft.dtype, draft.shape, p.blob, p.pos, p.nbytes, crc(p, checksums),
-        draft.replicated,
-    )  # fmt: skip

@@ -94,30 +94,10 @@ def _loader_reason(e: BaseException) -> str:
     return found.group(1).strip() if found else text.splitlines()[0]
 
 
-def _record(data: bytes) -> bytes | None:
-    """The pickle inside ``torch.save``'s zip archive (``<archive>/data.pkl``)."""
-    try:
-        with zipfile.ZipFile(io.BytesIO(data)) as archive:
-            for name in archive.namelist():
-                if name.endswith("/data.pkl") or name == "data.pkl":
-                    return archive.read(name)
-    except zipfile.BadZipFile:
-        return None
-    return None
-
-
-def _globals(pickled: bytes) -> set[str]:
-    """The ``module.name`` of each GLOBAL opcode (``torch.save`` pickles with protocol 2,
-    whose globals are all GLOBAL opcodes)."""
-    return {
-        str(arg).replace(" ", ".")
-        for op, arg, _ in pickletools.genops(pickled)
-        if op.name == "GLOBAL"
-    }
-
-
 def _group_types_in(data: bytes) -> list[str]:
-    """The process-group types (torch ShardedTensor, DTensor, DeviceMesh) the pickle names."""
+    """The process-group types (torch ShardedTensor, DTensor, DeviceMesh) the pickle names:
+    the ``module.name`` of its GLOBAL opcodes (``torch.save`` pickles with protocol 2, whose
+    globals are all GLOBAL opcodes) in ``<archive>/data.pkl`` of its zip archive."""
     wanted = set()
     for module, names in _GROUP_MODULES.items():
         loaded = sys.modules.get(module)
@@ -129,10 +109,15 @@ def _group_types_in(data: bytes) -> list[str]:
     # torch.save stores its records uncompressed, so the names are in ``data`` as written.
     if not wanted or b"torch.distributed" not in data:
         return []
-    pickled = _record(data)
-    if pickled is None:
+    try:
+        with zipfile.ZipFile(io.BytesIO(data)) as archive:
+            records = [n for n in archive.namelist() if n.endswith("/data.pkl") or n == "data.pkl"]
+            pickled = archive.read(records[0]) if records else b""
+    except zipfile.BadZipFile:
         return []
-    return sorted(_globals(pickled) & wanted)
+    ops = pickletools.genops(pickled)
+    found = {str(arg).replace(" ", ".") for op, arg, _ in ops if op.name == "GLOBAL"}
+    return sorted(found & wanted)
 
 
 def _unsafe_globals(data: bytes) -> list[str]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import threading
@@ -15,24 +16,23 @@ import uuid
 import warnings
 import weakref
 from collections.abc import Mapping, Sequence
-from typing import Any, cast
+from typing import Any
 
 import torch
 
 import manifest as mf
 from manifest import ShardedObjectEntry, ShardedTensorEntry, TensorEntry
-from snapshot._engine import runtime, state_dicts
+from snapshot._engine import state_dicts
 from snapshot._engine.dist import replication
 from snapshot._engine.dist.dist import Coordinator
 from snapshot._engine.dist.replication import Decision, Facts, Pending
 from snapshot._engine.format.torchsnapshot_format import FOREIGN_MARKERS
 from snapshot._engine.handlers import sharded
 from snapshot._engine.handlers.table import Layout, Made, PrepareFunc, merge_entries
-from snapshot._engine.io import stage
 from snapshot._engine.io.pipeline import IOStats, WritePipeline, plugin_location
 from snapshot._engine.io.staging import StagingPool
 from snapshot._engine.io.storage_calls import call, open_plugin
-from snapshot._engine.runtime import gc_paused, join, naming_snapshot, run, spawn
+from snapshot._engine.runtime import gc_paused, naming_snapshot, run
 from snapshot._engine.state_dicts import (
     check_app_state,
     check_nesting,
@@ -49,7 +49,7 @@ from snapshot.errors import (
     SnapshotError,
     SnapshotExistsError,
 )
-from snapshot.options import Options, resolve
+from snapshot.options import Options
 from snapshot.version import __version__
 from storage_plugins import StoragePlugin
 from storage_plugins.registry import chunk_bytes_hint
@@ -86,13 +86,12 @@ class TakeJob:
         storage_options: dict[str, Any] | None,
         prepare: PrepareFunc | None,
         pool: StagingPool | None,
-        options: Options | None = None,
+        options: Options,
         strategies: dict[str, list[Any]] | None = None,
         base: str | None = None,
         user_metadata: Mapping[str, Any] | None = None,
     ) -> None:
         check_app_state(app_state, path)
-        replicated = state_dicts.glob_list(replicated, "take", path)
         self.path = path
         self.app_state = app_state
         self.coordinator = coordinator
@@ -105,7 +104,7 @@ class TakeJob:
         self.storage_options = storage_options
         self.prepare = prepare
         self.pool = pool
-        self.options = options if options is not None else resolve(None)
+        self.options = options
         self.strategies = strategies  # the backend and version that write each part
         self.base = base  # an incremental take's base (a sibling snapshot's path)
         self.reuse: Reuse | None = None
@@ -121,7 +120,6 @@ class TakeJob:
         self._released = threading.Event()  # set once the caller handed every staged write over
         self._times: dict[str, float] = {}  # when it started; then each step's seconds
         self._budget = 0  # bytes of staging this take may hold, fixed when it captures
-        self._stager = stage.stager(pool)  # through the pool's buffers when there is one
         self._abandoned = False
 
     # -- capture, plan, execute ---------------------------------------------------------------
@@ -158,12 +156,12 @@ class TakeJob:
         else:
             writers = replication.assign_writers(decision.signature, decision.local_bytes)
             own, self._shared_paths = replication.settle(
-                self.collected, decision.replicated, f"{coord.rank}/", layout, self._stager
+                self.collected, decision.replicated, f"{coord.rank}/", layout, self.pool
             )
             self._facts = None
         self.plan = place(
             self.collected, rank=coord.rank, layout=layout, writer_of=writers,
-            stager=self._stager, own=own,
+            stager=self.pool, own=own,
         )  # fmt: skip
         if coord.rank != 0:
             # The manifest lists a replicated leaf once, under rank 0's prefix: rank 0 gives it.
@@ -172,13 +170,31 @@ class TakeJob:
         try:
             if self.plugin is None:
                 if not state_dicts.same_location(self.path, path):
-                    _warn_path_ignored(self.path, path, coord.rank)
+                    warnings.warn(
+                        f"rank {coord.rank} asked for a snapshot at {self.path!r}, but ranks of "
+                        "one process group take one snapshot, at rank 0's path: it is written "
+                        f"at {path!r}, and nothing at {self.path!r}",
+                        PathMismatchWarning,
+                        stacklevel=4,  # past _start, start and the take: the caller's line
+                    )
                 self.path = path  # rank 0's path wins
                 self.plugin = open_plugin(path, self.storage_options)
                 self.where = plugin_location(self.plugin)
-            self.pipeline = self._new_pipeline()
+            self.pipeline = WritePipeline(
+                self.plugin,
+                budget_bytes=self._budget,
+                max_concurrency=_int(self.options.max_concurrent_io),
+                # Async take holds its writes until everything is staged (``release_writes``),
+                # and stages within the process's budget, shared with the snapshots pending.
+                batch_bytes=self.options.write_batch_bytes if self.pool is None else None,
+                budget=self.pool.share(self._budget) if self.pool is not None else None,
+                options=self.options,
+            )
+            dropped = SnapshotError(f"the take of {self.path} was dropped before it finished")
+            weakref.finalize(self, self.pipeline.stop, dropped)  # its writes end with the job
             for request in self.plan.writes:
                 self.pipeline.submit(request)
+            self.pipeline.ready()  # async take: the call returns once every copy has landed
             if self.pool is None:
                 self.release_writes()
         except Exception as e:
@@ -218,9 +234,7 @@ class TakeJob:
             take_id=uuid.uuid4().hex[:8],
         )
         if self.base is not None or opts.digests:
-            self.reuse = Reuse.load(
-                self.path, self.base, self.storage_options, opts, self.coordinator.rank
-            )
+            self.reuse = Reuse(self.path, self.base, self.storage_options, opts, coord.rank)
         if coord.rank == 0:
             self.plugin = open_plugin(self.path, self.storage_options)
             self.where = plugin_location(self.plugin)
@@ -244,7 +258,9 @@ class TakeJob:
         if coord.world_size > 1:  # what its leaves are, compared across ranks
             facts = self._facts = replication.describe(self.collected, f"{coord.rank}/")
             info["marked"], info["prints"] = facts.marked, facts.prints
-            info["own_bytes"] = self.collected.own_bytes
+            info["own_bytes"] = self.collected.own_bytes = sum(
+                p.nbytes for p in self.collected.payloads
+            )
         return info
 
     def _agree_layout(self, infos: list[dict[str, Any]]) -> tuple[str, Layout, Pending | None]:
@@ -280,22 +296,6 @@ class TakeJob:
             error = e
         return pending.confirm(self.coordinator.agree("take: digests", digests, error))
 
-    def _new_pipeline(self) -> WritePipeline:
-        assert self.plugin is not None
-        pipeline = WritePipeline(
-            self.plugin,
-            budget_bytes=self._budget,
-            max_concurrency=_int(self.options.max_concurrent_io),
-            # Async take holds its writes until everything is staged (``release_writes``), and
-            # stages within the process's budget, shared with the snapshots still pending.
-            batch_bytes=self.options.write_batch_bytes if self.pool is None else None,
-            budget=self.pool.share(self._budget) if self.pool is not None else None,
-            options=self.options,
-        )
-        dropped = SnapshotError(f"the take of {self.path} was dropped before it finished")
-        weakref.finalize(self, pipeline.stop, dropped)  # its writes end when it is collected
-        return pipeline
-
     async def _writes_done(self, pipeline: WritePipeline) -> IOStats:
         """This rank's writes and its pending marker, done."""
         stats = await pipeline.wait()
@@ -306,23 +306,13 @@ class TakeJob:
     # -- writing and commit -----------------------------------------------------------------
 
     def release_writes(self) -> None:
-        """On the caller's thread, after ``start``: the staged writes go to the I/O loop (async
-        take's from the copier thread). ``finish`` drains the pipeline once they are."""
-        if self.pipeline is None:
-            self._released.set()
-        elif self.pool is None:
-            self._hand_over()
-        else:
-            try:
-                runtime.get().copier().submit(self._hand_over)
-            except RuntimeError:  # the interpreter is shutting down: no new threads' work
-                self._hand_over()
-
-    def _hand_over(self) -> None:
-        assert self.pipeline is not None
+        """On the caller's thread, after ``start``: the staged writes go to the I/O loop.
+        ``finish`` drains the pipeline once they are."""
         try:
-            self.pipeline.flush()
+            if self.pipeline is not None:
+                self.pipeline.flush()
         except Exception as e:  # a write that failed: ``finish`` reports it
+            assert self.pipeline is not None
             self.pipeline.abort(e)
             self._error = self._error or e
         finally:
@@ -336,27 +326,11 @@ class TakeJob:
         stats = None
         self._released.wait()  # until then, the pipeline may not be drained
         error = self._error
-        early: dict[str, Made | None] | None = None
-        ready = None
         if error is None and self.pipeline is not None:
-            writing = spawn(self._writes_done(self.pipeline))
             try:
-                # The entries that need no CRC from a write are made while the last writes
-                # finish; so is the manifest of a process alone when that is all of them.
-                with gc_paused():
-                    early = self.plan.early_entries()
-                    if coord.world_size == 1 and None not in early.values():
-                        ready = self._manifest([cast(Mapping[str, Made], early)])
-            except Exception as e:  # every rank learns of it at the next agreement
-                early = ready = None
-                error = e
-            except BaseException:  # KeyboardInterrupt: stop waiting, as ``run`` does
-                writing.cancel()
-                raise
-            try:
-                stats = join(writing)
+                stats = run(self._writes_done(self.pipeline))
             except Exception as e:
-                error = error or e
+                error = e
         elif self.pipeline is not None:
             run(self.pipeline.wait_quietly())
         self._times["written"] = time.perf_counter() - self._times["start"]
@@ -370,8 +344,7 @@ class TakeJob:
             for part in coord.agree("take: writing", value=shared, error=error):
                 checksums.update(part)
             with gc_paused():
-                entries = self.plan.entries(checksums, early)
-                del early
+                entries = self.plan.entries(checksums)
                 parts = coord.gather(entries)
         except BaseException:
             self._close_after_failure()
@@ -381,7 +354,7 @@ class TakeJob:
         if parts is not None:  # rank 0: write the manifest of every rank's entries
             try:
                 with gc_paused():
-                    count, data = ready if ready is not None else self._manifest(parts)
+                    count, data = self._manifest(parts)
                 run(commit(self.plugin, data, self.options))
             except Exception as e:
                 error = e
@@ -462,16 +435,6 @@ class TakeJob:
         )  # fmt: skip
 
 
-def _warn_path_ignored(own: str, used: str, rank: int) -> None:
-    """Tells a rank's caller that its path was not used: the snapshot is at rank 0's."""
-    warnings.warn(
-        f"rank {rank} asked for a snapshot at {own!r}, but ranks of one process group take one "
-        f"snapshot, at rank 0's path: it is written at {used!r}, and nothing at {own!r}",
-        PathMismatchWarning,
-        stacklevel=5,  # past this function, _start, start and the take: the caller's line
-    )
-
-
 # ---------------------------------------------------------------------------------------------
 # The commit protocol.
 
@@ -482,17 +445,14 @@ async def begin(plugin: StoragePlugin, where: str, options: Options) -> asyncio.
     Raises ``SnapshotExistsError`` (a snapshot, or another library's checkpoint, is there) or
     ``PathNotEmptyError`` (files no snapshot wrote are)."""
     names = (MANIFEST_NAME, *FOREIGN_MARKERS)
-
-    async def exists(name: str) -> bool:
-        found: bool = await call(
-            plugin, "check", name, where, lambda: plugin.exists(name), options=options
-        )
-        return found
-
-    listing = call(
-        plugin, "list", "", where, lambda: plugin.list_names(LISTED_NAMES), options=options
+    checks = [
+        call(plugin, "check", n, where, functools.partial(plugin.exists, n), options=options)
+        for n in names
+    ]
+    listing = functools.partial(plugin.list_names, LISTED_NAMES)
+    *found, listed = await asyncio.gather(
+        *checks, call(plugin, "list", "", where, listing, options=options)
     )
-    *found, listed = await asyncio.gather(*map(exists, names), listing)
     if found[0]:
         raise SnapshotExistsError(
             f"{where} already holds a snapshot; take a new one at another path, "
@@ -515,10 +475,7 @@ async def begin(plugin: StoragePlugin, where: str, options: Options) -> asyncio.
             "snapshot at a new or empty directory, or move those files away first"
         )
     marker = f"pid {os.getpid()} started {time.time():.3f}\n".encode()
-
-    async def write() -> None:
-        await plugin.write(PENDING_NAME, [marker])
-
+    write = functools.partial(plugin.write, PENDING_NAME, [marker])
     return asyncio.ensure_future(call(plugin, "write", PENDING_NAME, where, write, options=options))
 
 
