@@ -13,7 +13,7 @@ from __future__ import annotations
 import base64
 import json
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import yaml  # type: ignore[import-untyped]
@@ -21,8 +21,6 @@ from isal import isal_zlib
 
 from manifest.entries import (
     FORMAT_VERSION,
-    INCREMENTAL_VERSION,
-    REFERENCE_PREFIX,
     DictEntry,
     Entry,
     ListEntry,
@@ -34,7 +32,7 @@ from manifest.entries import (
     ShardedTensorEntry,
     TensorEntry,
     TupleEntry,
-    entry_from_dict,
+    EntryDecoder,
 )
 from manifest.errors import (
     ManifestChecksumError,
@@ -287,7 +285,7 @@ def _parse_fast(
         return None  # a line of several entries, or a path repeated
     entries: dict[str, Entry] = {}
     try:
-        decode = _decoder(_header(doc, source)[0])
+        decode = EntryDecoder(_header(doc, source)[0])
     except ManifestDecodeError as e:
         return doc, entries, e  # ``loads`` reports it once the layout is known
     for path, value in decoded.items():
@@ -336,24 +334,6 @@ def check_head(data: bytes, source: str = "manifest", *, verify: bool = True) ->
     _header(load_yaml(head, source), source)
 
 
-def _decoder(version: int) -> Callable[[Any, str], Entry]:
-    """``entry_from_dict``, refusing a blob in a sibling snapshot before version 5."""
-    if version >= INCREMENTAL_VERSION:
-        return entry_from_dict
-
-    def decode(value: Any, path: str) -> Entry:
-        entry = entry_from_dict(value, path)
-        for loc in entry.locations:
-            if loc.blob.startswith(REFERENCE_PREFIX):
-                raise UnsafeManifestError(
-                    f"{path}: unsafe blob path {loc.blob!r}: a manifest of format version "
-                    f"{version} keeps every blob under its root"
-                )
-        return entry
-
-    return decode
-
-
 def loads(
     data: bytes,
     source: str = "manifest",
@@ -386,7 +366,7 @@ def loads(
         raw = doc.get("entries")
         if not isinstance(raw, dict):
             raise ManifestDecodeError(f"{source}: entries missing or not a mapping")
-        entries, error, decode = {}, None, _decoder(version)
+        entries, error, decode = {}, None, EntryDecoder(version)
         for path, value in raw.items():
             if type(path) is not str:
                 raise ManifestDecodeError(f"{source}: entry path {path!r} is not a string")

@@ -19,13 +19,7 @@ from typing import Any
 from manifest import Entry, Location, Manifest, is_container
 from snapshot._engine.format.manifest_io import open_linked
 from snapshot._engine.handlers import for_entry
-from snapshot._engine.restore.reads import (
-    Need,
-    check_blob_sizes,
-    label_of,
-    location_check,
-    piece_verify,
-)
+from snapshot._engine.restore.reads import Need, check_blob_sizes, pieces
 from snapshot._engine.runtime import run
 from snapshot.errors import CorruptSnapshotError
 from snapshot.options import Options
@@ -92,8 +86,7 @@ async def check_claims(
 ) -> None:
     """Asks each claimed blob's size, ``jobs`` at a time; fails on one shorter than
     ``expected`` (``claims``: blob -> the paths reading it)."""
-    labels = {blob: label_of(paths) for blob, paths in claims.items()}
-    await check_blob_sizes(plugin, labels, expected, jobs, options, before=True)
+    await check_blob_sizes(plugin, claims, expected, jobs, options, before=True)
 
 
 @dataclass
@@ -167,21 +160,17 @@ def check_needs(ranges: Iterable[tuple[str, Location]], piece_bytes: int) -> lis
     """Needs that read each range in pieces of at most ``piece_bytes`` into scratch (charged
     to the budget until the piece is checked) and compare its bytes with its recorded CRC-32
     (a range without one is read all the same)."""
-    needs: list[Need] = []
-    for path, loc in ranges:
-        check = location_check(path, loc, -(-loc.nbytes // piece_bytes), True)
-        for lo in range(0, loc.nbytes, piece_bytes):
-            n = min(piece_bytes, loc.nbytes - lo)
-            needs.append(
-                Need(
-                    blob=loc.blob,
-                    offset=loc.offset + lo,
-                    nbytes=n,
-                    dest=functools.partial(_scratch, n),
-                    done=None,
-                    scratch_bytes=n,
-                    label=path,
-                    verify=None if check is None else piece_verify(check, lo, n),
-                )
-            )
-    return needs
+    return [
+        Need(
+            blob=loc.blob,
+            offset=loc.offset + lo,
+            nbytes=n,
+            dest=functools.partial(_scratch, n),
+            done=None,
+            scratch_bytes=n,
+            label=path,
+            verify=check,
+        )
+        for path, loc in ranges
+        for lo, n, check in pieces(path, loc, piece_bytes, True)
+    ]
