@@ -292,19 +292,19 @@ def _restorable_keys(
 
 def _targets(state: Any, root: str) -> tuple[dict[str, Any], bool]:
     """A state's leaves by path (a factory's built ones for it), and whether any was one."""
+    leaves = {p: value for p, node, value in flatten(state, root) if node is None}
+    # A factory is found by its type (an isinstance check of the ABC per leaf costs more).
+    if not any(issubclass(t, ShardedTensorFactory) for t in set(map(type, leaves.values()))):
+        return leaves, False
     targets: dict[str, Any] = {}
-    factories = False
-    for p, node, value in flatten(state, root):
-        if node is not None:
-            continue
+    for p, value in leaves.items():
         if isinstance(value, ShardedTensorFactory):
-            factories = True
             for q, inner, built in flatten(value.build(), p):
                 if inner is None:
                     targets[q] = built
         else:
             targets[p] = value
-    return targets, factories
+    return targets, True
 
 
 # ---------------------------------------------------------------------------------------------
