@@ -24,6 +24,7 @@ from manifest.entries import (
     FORMAT_VERSION,
     DictEntry,
     Entry,
+    EntryDecoder,
     ListEntry,
     Location,
     Manifest,
@@ -33,7 +34,6 @@ from manifest.entries import (
     ShardedTensorEntry,
     TensorEntry,
     TupleEntry,
-    EntryDecoder,
 )
 from manifest.errors import (
     ManifestChecksumError,

@@ -44,7 +44,7 @@ def int_fits(value: int) -> bool:
     return -_INT_BOUND < value < _INT_BOUND
 
 
-@dataclass(kw_only=True, slots=True, unsafe_hash=True)
+@dataclass(slots=True, unsafe_hash=True)
 class Location:
     """A byte range of a blob: ``nbytes`` bytes starting at ``offset`` of blob ``blob``.
 
@@ -61,7 +61,7 @@ class Location:
 
 def new_location(blob: str, offset: int, nbytes: int, crc32: int | None = None) -> Location:
     """``Location(blob=blob, offset=offset, nbytes=nbytes, crc32=crc32)``, positionally."""
-    return Location(blob=blob, offset=offset, nbytes=nbytes, crc32=crc32)
+    return Location(blob, offset, nbytes, crc32)
 
 
 @dataclass(kw_only=True, slots=True, unsafe_hash=True)
@@ -93,7 +93,7 @@ class TensorView:
     stride: tuple[int, ...]
 
 
-@dataclass(kw_only=True, slots=True, unsafe_hash=True)
+@dataclass(slots=True, unsafe_hash=True, init=False)
 class TensorEntry(Entry):
     """A dense tensor, stored as its raw bytes in row-major (C) order: the concatenation of
     ``chunks``, each of which may live in a different blob.
@@ -113,6 +113,23 @@ class TensorEntry(Entry):
     view: TensorView | None = None
     digest: str | None = None
 
+    def __init__(
+        self,
+        dtype: str,
+        shape: tuple[int, ...],
+        chunks: tuple[Location, ...],
+        parameter: bool = False,
+        requires_grad: bool = False,
+        view: TensorView | None = None,
+        digest: str | None = None,
+        replicated: bool = False,
+    ) -> None:
+        # Positional too (the generated one takes keywords only, the base's field with a
+        # default coming first): a manifest of many tensors makes one per line.
+        self.dtype, self.shape, self.chunks = dtype, shape, chunks
+        self.parameter, self.requires_grad = parameter, requires_grad
+        self.view, self.digest, self.replicated = view, digest, replicated
+
     @property
     def has_attrs(self) -> bool:
         """Whether the entry holds any field of format version 4 or 5."""
@@ -128,8 +145,8 @@ class TensorEntry(Entry):
 def new_tensor_entry(
     dtype: str, shape: tuple[int, ...], chunks: tuple[Location, ...], replicated: bool = False
 ) -> TensorEntry:
-    """``TensorEntry(dtype=..., shape=..., chunks=..., replicated=...)``, positionally."""
-    return TensorEntry(dtype=dtype, shape=shape, chunks=chunks, replicated=replicated)
+    """``TensorEntry(dtype=..., shape=..., chunks=..., replicated=...)``."""
+    return TensorEntry(dtype, shape, chunks, replicated=replicated)
 
 
 @dataclass(kw_only=True, slots=True, unsafe_hash=True)
@@ -414,7 +431,10 @@ class EntryDecoder:
             raise _fail(
                 where, f"{tag} entry: missing fields {sorted(missing)}, unknown {sorted(unknown)}"
             )
-        entry: Entry = decode(self, d, where, _bool(d.get("replicated", False), where))
+        replicated = _bool(d.get("replicated", False), where)
+        entry: Entry = decode(self, d, where)
+        if replicated:
+            entry.replicated = True
         return entry
 
     def location(self, value: Any, where: str) -> Location:
@@ -438,17 +458,17 @@ class EntryDecoder:
                     f"{where}: unsafe blob path {blob!r}: a manifest of format version "
                     f"{self.version} keeps every blob under its root"
                 )
-        return Location(blob=known, offset=offset, nbytes=nbytes, crc32=crc)
+        return Location(known, offset, nbytes, crc)
 
     def locations(self, value: Any, where: str, what: str = "chunks") -> tuple[Location, ...]:
         return tuple([self.location(c, where) for c in _list(value, where, what)])
 
 
-def _tensor(dec: EntryDecoder, d: dict[str, Any], where: str, replicated: bool) -> TensorEntry:
+def _tensor(dec: EntryDecoder, d: dict[str, Any], where: str) -> TensorEntry:
     shape = _ints(d["shape"], where, "shape")
     if len(d) == 4:  # type, dtype, shape, chunks: a plain tensor (most are)
         dtype = _str(d["dtype"], where)
-        return TensorEntry(dtype=dtype, shape=shape, chunks=dec.locations(d["chunks"], where))
+        return TensorEntry(dtype, shape, dec.locations(d["chunks"], where))
     view, digest = d.get("view"), d.get("digest")
     if view is not None:
         if type(view) is not dict or view.keys() != {"base", "offset", "stride"}:
@@ -468,35 +488,24 @@ def _tensor(dec: EntryDecoder, d: dict[str, Any], where: str, replicated: bool) 
         requires_grad=_bool(d.get("requires_grad", False), where),
         view=view,
         digest=digest,
-        replicated=replicated,
     )
 
 
-def _object(dec: EntryDecoder, d: dict[str, Any], where: str, replicated: bool) -> ObjectEntry:
-    return ObjectEntry(
-        serializer=_str(d["serializer"], where),
-        obj_type=_str(d["obj_type"], where),
-        location=dec.location(d["location"], where),
-        replicated=replicated,
-    )
-
-
-def _sharded_object(
-    dec: EntryDecoder, d: dict[str, Any], where: str, replicated: bool
-) -> ShardedObjectEntry:
-    return ShardedObjectEntry(
-        key=_str(d["key"], where),
-        serializer=_str(d["serializer"], where),
-        obj_type=_str(d["obj_type"], where),
-        location=dec.location(d["location"], where),
-        replicated=replicated,
-    )
+def _object(dec: EntryDecoder, d: dict[str, Any], where: str) -> Entry:
+    serializer, obj_type = _str(d["serializer"], where), _str(d["obj_type"], where)
+    location = dec.location(d["location"], where)
+    if "key" in d:  # (required of a sharded object's piece, unknown to an object)
+        key = _str(d["key"], where)
+        return ShardedObjectEntry(
+            key=key, serializer=serializer, obj_type=obj_type, location=location
+        )
+    return ObjectEntry(serializer=serializer, obj_type=obj_type, location=location)
 
 
 _PRIMITIVE_TYPES: dict[str, type] = {"int": int, "str": str, "bool": bool, "None": type(None)}
 
 
-def _primitive(dec: EntryDecoder, d: dict[str, Any], where: str, replicated: bool) -> PrimitiveEntry:
+def _primitive(dec: EntryDecoder, d: dict[str, Any], where: str) -> PrimitiveEntry:
     value_type, value = _str(d["value_type"], where), d["value"]
     if value_type == "bytes":
         try:
@@ -512,31 +521,20 @@ def _primitive(dec: EntryDecoder, d: dict[str, Any], where: str, replicated: boo
         raise _fail(where, f"unknown primitive type {value_type!r}")
     elif type(value) is not _PRIMITIVE_TYPES[value_type]:
         raise _fail(where, f"value {value!r} is not of type {value_type}")
-    return PrimitiveEntry(value=value, replicated=replicated)
+    return PrimitiveEntry(value=value)
 
 
-def _dict(dec: EntryDecoder, d: dict[str, Any], where: str, replicated: bool) -> DictEntry:
+def _dict(dec: EntryDecoder, d: dict[str, Any], where: str) -> DictEntry:
     keys = _list(d["keys"], where, "keys")
     for k in keys:
         if k is not None and type(k) not in (str, int, bool):
             raise _fail(where, f"unsupported dict key {k!r}")
     if len(set(keys)) != len(keys):
         raise _fail(where, "duplicate dict keys")
-    ordered = _bool(d.get("ordered", False), where)
-    return DictEntry(keys=tuple(keys), ordered=ordered, replicated=replicated)
+    return DictEntry(keys=tuple(keys), ordered=_bool(d.get("ordered", False), where))
 
 
-def _list_entry(dec: EntryDecoder, d: dict[str, Any], where: str, replicated: bool) -> ListEntry:
-    return ListEntry(length=_int(d["length"], where), replicated=replicated)
-
-
-def _tuple_entry(dec: EntryDecoder, d: dict[str, Any], where: str, replicated: bool) -> TupleEntry:
-    return TupleEntry(length=_int(d["length"], where), replicated=replicated)
-
-
-def _sharded_tensor(
-    dec: EntryDecoder, d: dict[str, Any], where: str, replicated: bool
-) -> ShardedTensorEntry:
+def _sharded_tensor(dec: EntryDecoder, d: dict[str, Any], where: str) -> ShardedTensorEntry:
     shape = _ints(d["shape"], where, "shape")
     shards = []
     for s in _list(d["shards"], where, "shards"):
@@ -553,13 +551,8 @@ def _sharded_tensor(
             )
         chunks = dec.locations(s["chunks"], where, "a shard's chunks")
         shards.append(Shard(offsets=offsets, sizes=sizes, chunks=chunks))
-    return ShardedTensorEntry(
-        key=_str(d["key"], where),
-        dtype=_str(d["dtype"], where),
-        shape=shape,
-        shards=tuple(shards),
-        replicated=replicated,
-    )
+    key, dtype = _str(d["key"], where), _str(d["dtype"], where)
+    return ShardedTensorEntry(key=key, dtype=dtype, shape=shape, shards=tuple(shards))
 
 
 # What a manifest file may hold (``PickledTensorEntry`` is no such entry): each type's decoder,
@@ -576,10 +569,10 @@ _DECODERS: dict[str, tuple[Any, frozenset[str], frozenset[str]]] = {
         ("object", _object, ("serializer", "obj_type", "location"), ()),
         ("primitive", _primitive, ("value_type", "value"), ()),
         ("dict", _dict, ("keys",), ("ordered",)),
-        ("list", _list_entry, ("length",), ()),
-        ("tuple", _tuple_entry, ("length",), ()),
+        ("list", lambda _, d, where: ListEntry(length=_int(d["length"], where)), ("length",), ()),
+        ("tuple", lambda _, d, where: TupleEntry(length=_int(d["length"], where)), ("length",), ()),
         ("sharded_tensor", _sharded_tensor, ("key", "dtype", "shape", "shards"), ()),
-        ("sharded_object", _sharded_object, ("key", "serializer", "obj_type", "location"), ()),
+        ("sharded_object", _object, ("key", "serializer", "obj_type", "location"), ()),
     )
 }
 

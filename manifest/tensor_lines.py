@@ -45,12 +45,8 @@ def split(body: str) -> tuple[list[tuple[str, TensorEntry] | None], list[str]] |
             dims = shapes.get(shape)
             if dims is None:
                 dims = shapes[shape] = tuple(map(int, shape.split(", "))) if shape else ()
-            loc = Location(
-                blob=blobs.setdefault(blob, blob), offset=int(offset), nbytes=int(nbytes),
-                crc32=int(crc),
-            )  # fmt: skip
-            entry = TensorEntry(dtype=dtype, shape=dims, chunks=(loc,), replicated=bool(replicated))
-            items.append((path, entry))
+            loc = Location(blobs.setdefault(blob, blob), int(offset), int(nbytes), int(crc))
+            items.append((path, TensorEntry(dtype, dims, (loc,), replicated=bool(replicated))))
         else:
             items.append(None)
             others.append(other)

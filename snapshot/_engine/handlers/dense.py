@@ -29,7 +29,6 @@ from snapshot._engine.handlers.table import (
     TensorSource,
     WholeTensor,
     by_value_type,
-    payloads_of,
     type_name,
 )
 from snapshot._engine.restore.reads import (
@@ -164,7 +163,7 @@ def take_tensor(
     if key is not None:
         earlier = sink.written.get(key)
         if earlier is not None and earlier.replicated == replicated:
-            return TensorDraft(name, shape, payloads_of(earlier), replicated)
+            return TensorDraft(name, shape, earlier.payloads, replicated)
     draft: TensorDraft | WholeTensor
     if in_place and nbytes <= sink.chunk_bytes:
         draft = WholeTensor(
@@ -283,6 +282,9 @@ def plan_tensor_read(
     return TensorRead(needs=needs, result=target)
 
 
+_QUANTIZED = {torch.qint8, torch.quint8, torch.qint32, torch.quint4x2, torch.quint2x4}
+
+
 def direct_address(entry: TensorEntry, target: Any, piece_bytes: int, verify: bool) -> int | None:
     """Where the bytes of the most common read land (most tensors of a state), or None when
     ``plan_tensor_read`` must plan it: a tensor stored in one range of at most ``piece_bytes``
@@ -297,6 +299,7 @@ def direct_address(entry: TensorEntry, target: Any, piece_bytes: int, verify: bo
     dtype = DTYPES.get(entry.dtype)
     if (
         dtype is None
+        or dtype in _QUANTIZED  # (so a target of the stored dtype is not quantized)
         or not 0 < nbytes <= piece_bytes
         or (verify and chunk.crc32 is None)
         or target.dtype is not dtype
@@ -304,10 +307,9 @@ def direct_address(entry: TensorEntry, target: Any, piece_bytes: int, verify: bo
         or target.is_nested
         or target.shape != entry.shape
         or target.nbytes != nbytes  # (the manifest's length, checked against the shape)
-        or target.is_quantized
         or not target.is_cpu
         or not target.is_contiguous()
-        or target.is_conj()
+        or (dtype.is_complex and target.is_conj())  # (only a complex tensor is conjugated)
         or target.is_neg()
         # A storage that ends before the bytes: the general path refuses it.
         or target.untyped_storage().nbytes() < target.storage_offset() * dtype.itemsize + nbytes
@@ -417,34 +419,31 @@ class Dense(Kind):
         return draft
 
     def restore_all(self, reader: ReadPlanner, leaves: list[tuple[str, Any, Any]]) -> None:
-        """The reads straight into the caller's tensors (``direct_address``) in one batch; the
-        other leaves one by one (``restore``)."""
+        """Into each target that is a dense tensor (its needs write the live state): the reads
+        straight into its memory (``direct_address``) planned in one batch; else into a new
+        tensor (a view entry's waits until every other read is planned)."""
         piece_bytes, verify, tensors = reader.piece_bytes, reader.verify, reader.tensors
         direct = []
         for path, entry, target in leaves:
             address = direct_address(entry, target, piece_bytes, verify)
-            if address is None:
-                self.restore(reader, path, entry, target)
-            else:
-                tensors[path] = target
-                direct.append((path, entry.chunks[0], address))
-        if direct:
-            reader.add_direct(direct)
-
-    def restore(self, reader: ReadPlanner, path: str, entry: TensorEntry, target: Any) -> None:
-        """Into ``target`` when it is a dense tensor (its needs write the live state), else
-        into a new tensor (a view entry's waits until every other read is planned)."""
-        if is_dense_tensor(target):
-            address = direct_address(entry, target, reader.piece_bytes, reader.verify)
             if address is not None:
-                reader.add_direct([(path, entry.chunks[0], address)])
-            else:
+                direct.append((path, entry.chunks[0], address))
+            elif is_dense_tensor(target):
                 read = plan_tensor_read(reader, path, entry, target)
                 reader.add_needs(read.needs, into_target=True)
                 if target.is_cpu:  # checked for memory shared with other targets
                     reader.indirect.append((path, target))
-            reader.tensors[path] = target
-            return
+            else:
+                self._restore_new(reader, path, entry, target)
+                continue
+            tensors[path] = target
+        if direct:
+            reader.add_direct(direct)
+
+    def restore(self, reader: ReadPlanner, path: str, entry: TensorEntry, target: Any) -> None:
+        self.restore_all(reader, [(path, entry, target)])
+
+    def _restore_new(self, reader: ReadPlanner, path: str, entry: TensorEntry, target: Any) -> None:
         reader.claim()  # a new tensor, of the size the manifest records
         if sharded.is_sharded(target):
             raise StateMismatchError(

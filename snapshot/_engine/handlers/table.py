@@ -239,10 +239,6 @@ Planned = (
 Made = Entry | str | sharded.ObjectReplica
 
 
-def payloads_of(draft: Draft) -> list[Payload]:  # the payloads of a tensor's draft
-    return draft.payloads
-
-
 class TakeSink(Protocol):
     """What the take planner (``take.plan.Collector``) offers a kind's ``take``: its settings,
     the tensors written so far by memory (tied weights are written once), what it collects

@@ -24,7 +24,6 @@ from snapshot._engine.runtime import run
 from snapshot.errors import CorruptSnapshotError
 from snapshot.options import Options
 from snapshot.sharding.mapping import LocalNonpersistentObject
-from storage_plugins import StoragePlugin
 
 # Reads into new memory that claim no more than this in all are planned without asking the
 # store (a small read_object would pay a request per blob); past it, each claim is asked about.
@@ -77,18 +76,6 @@ def check_disjoint(path: str, locations: Sequence[Location]) -> None:
         end = max(end, loc.offset + loc.nbytes)
 
 
-async def check_claims(
-    plugin: StoragePlugin,
-    claims: Mapping[str, set[str]],
-    expected: Mapping[str, int],
-    jobs: int,
-    options: Options,
-) -> None:
-    """Asks each claimed blob's size, ``jobs`` at a time; fails on one shorter than
-    ``expected`` (``claims``: blob -> the paths reading it)."""
-    await check_blob_sizes(plugin, claims, expected, jobs, options, before=True)
-
-
 @dataclass
 class ClaimCheck:
     """Checks the claims of reads into new memory once they pass ``UNCHECKED_BYTES``."""
@@ -114,7 +101,8 @@ class ClaimCheck:
         with open_linked(self.url, self.manifest, self.storage_options, self.options) as plugin:
             jobs = self.options.max_concurrent_io
             assert jobs is not None
-            run(check_claims(plugin, fresh, self.manifest.blob_sizes, jobs, self.options))
+            expected = self.manifest.blob_sizes
+            run(check_blob_sizes(plugin, fresh, expected, jobs, self.options, before=True))
         self.checked.update(fresh)
 
 

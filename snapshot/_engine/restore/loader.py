@@ -98,11 +98,10 @@ class Loader:
         self._later: list[Callable[[], None]] = []
         # Each kind's own bookkeeping, by the kind's name (the dense kind's new tensors).
         self.kind_state: dict[str, Any] = {}
-        # The caller's CPU tensors filled in place, by whole chunks (``add_direct``'s reads, and
-        # beside them their needs) and by other needs (path, tensor): checked for shared memory
-        # (``_separate_overlaps``).
-        self._direct: list[tuple[str, Location, int]] = []
-        self._direct_needs: list[Need] = []
+        # The caller's CPU tensors filled in place, checked for shared memory
+        # (``_separate_overlaps``): by whole chunks, (path, address, need) each, and by other
+        # needs, (path, tensor) each.
+        self._direct: list[tuple[str, int, Need]] = []
         self.indirect: list[tuple[str, torch.Tensor]] = []
         # Targets sharing memory that receive other bytes: read apart, then copied in order.
         self._overlapped: list[tuple[str, torch.Tensor]] = []
@@ -120,25 +119,14 @@ class Loader:
     def add_direct(self, reads: list[tuple[str, Location, int]]) -> None:
         """Adds reads of whole chunks into the caller's CPU tensors: ``(path, chunk, address
         of the tensor's memory)`` each (the owner's live state)."""
-        owner, verify, needs = self.owner, self.verify, self.needs
-        added = []
+        owner, verify, needs, direct = self.owner, self.verify, self.needs, self._direct
         for path, chunk, address in reads:
-            nbytes = chunk.nbytes
-            need = Need(
-                blob=chunk.blob,
-                offset=chunk.offset,
-                nbytes=nbytes,
-                dest=functools.partial(raw_memoryview, address, nbytes),
-                done=None,
-                scratch_bytes=0,
-                label=path,
-                owner=owner,
-                verify=WholeCheck(path, chunk) if verify and chunk.crc32 is not None else None,
-            )
+            n = chunk.nbytes
+            check = WholeCheck(path, chunk) if verify and chunk.crc32 is not None else None
+            dest = functools.partial(raw_memoryview, address, n)
+            need = Need(chunk.blob, chunk.offset, n, dest, path, None, 0, check, owner)
             needs.append(need)
-            added.append(need)
-        self._direct += reads
-        self._direct_needs += added
+            direct.append((path, address, need))
 
     def materialize(self) -> None:
         """Settles the needs for ``shared_reads``: targets sharing memory are read apart."""
@@ -205,8 +193,8 @@ class Loader:
             return
         self._overlaps_checked = True
         direct, rows = self._direct, len(self._direct)
-        spans = [(a, a + chunk.nbytes, i) for i, (_, chunk, a) in enumerate(direct)]
-        spans += [(*memory_span(t), rows + j) for j, (_, t) in enumerate(self.indirect)]
+        spans = [(a, a + need.nbytes) for _, a, need in direct]
+        spans += [memory_span(t) for _, t in self.indirect]
 
         def path_of(i: int) -> str:
             return direct[i][0] if i < rows else self.indirect[i - rows][0]
@@ -234,11 +222,9 @@ class Loader:
             self.where,
             len(moved),
         )
-        gone = {id(self._direct_needs[i]) for i in moved}
+        gone = {id(direct[i][2]) for i in moved}
         self.needs = [n for n in self.needs if id(n) not in gone]
-        kept = [i for i in range(rows) if id(self._direct_needs[i]) not in gone]
-        self._direct = [direct[i] for i in kept]
-        self._direct_needs = [self._direct_needs[i] for i in kept]
+        self._direct = [d for d in direct if id(d[2]) not in gone]
         owner, self.owner = self.owner, None  # new tensors: no live state written
         for path in [direct[i][0] for i in moved]:
             target = self.tensors[path]
@@ -351,20 +337,21 @@ class Loader:
             raise CorruptSnapshotError(f"{root}: {problem}") from None
 
 
-def clashes(spans: list[tuple[int, int, int]], source: Callable[[int], object]) -> list[list[int]]:
-    """The groups of memory ranges ``(start, end, index)`` that overlap and would receive
-    different bytes, each a list of indices in ascending order. Ranges that are the same
-    memory and read the same stored bytes (``source`` equal: tied weights restored from tied
-    weights) write the same values, and are no clash."""
-    spans = sorted(spans)
-    if all(map(operator.le, [s[1] for s in spans[:-1]], [s[0] for s in spans[1:]])):
-        return []  # each range ends before the next starts (the usual case)
+def clashes(spans: list[tuple[int, int]], source: Callable[[int], object]) -> list[list[int]]:
+    """The groups of memory ranges ``[start, end)`` (by index in ``spans``) that overlap and
+    would receive different bytes, each a list of indices in ascending order. Ranges that are
+    the same memory and read the same stored bytes (``source`` equal: tied weights restored
+    from tied weights) write the same values, and are no clash."""
+    # No two ranges overlap when, both sorted, each end is at or before the next start.
+    starts, ends = sorted(s for s, _ in spans), sorted(e for _, e in spans)
+    if all(map(operator.le, ends, starts[1:])):
+        return []
     out: list[list[int]] = []
     group: list[tuple[int, int, int]] = []
     reach = 0
-    last = max(end for _, end, _ in spans)
-    for span in [*spans, (last, last, -1)]:  # the last closes the last group
-        if group and span[0] >= reach:
+    last = ends[-1]
+    for span in [*sorted((s, e, i) for i, (s, e) in enumerate(spans)), (last, last, -1)]:
+        if group and span[0] >= reach:  # (the last span closes the last group)
             if len(group) > 1 and len({(s, e, source(i)) for s, e, i in group}) > 1:
                 out.append(sorted(i for _, _, i in group))
             group = []

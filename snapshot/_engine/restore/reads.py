@@ -50,7 +50,7 @@ logger = logging.getLogger(__name__)
 _T = TypeVar("_T")
 
 
-@dataclass(slots=True, kw_only=True)
+@dataclass(slots=True, init=False)
 class Need(Segment):
     """``nbytes`` bytes at ``offset`` of ``blob``, to land in ``dest()``; ``done`` then consumes
     them. ``scratch_bytes``: the memory ``dest`` allocates and ``done`` frees. ``owner``: the
@@ -61,6 +61,24 @@ class Need(Segment):
     done: Callable[[], None] | None
     scratch_bytes: int
     label: str
+
+    def __init__(
+        self,
+        blob: str,
+        offset: int,
+        nbytes: int,
+        dest: Callable[[], memoryview] | None,
+        label: str,
+        done: Callable[[], None] | None = None,
+        scratch_bytes: int = 0,
+        verify: Callable[[int], None] | None = None,
+        owner: str | None = None,
+    ) -> None:
+        # Positional too (the generated one takes keywords only): a restore makes one per
+        # tensor, most of them straight into the tensor's memory.
+        self.blob, self.offset, self.nbytes, self.dest = blob, offset, nbytes, dest
+        self.label, self.done, self.scratch_bytes = label, done, scratch_bytes
+        self.verify, self.owner = verify, owner
 
 
 @dataclass
@@ -323,11 +341,14 @@ def coalesce(
         scratch = 0
         for need in group:
             gap = need.offset - end
-            if not (
-                0 <= gap <= max_gap_bytes
-                and end + gap + need.nbytes - start <= max_request_bytes
-                and scratch + need.scratch_bytes <= max_scratch_bytes
-            ) and segments:
+            if (
+                not (
+                    0 <= gap <= max_gap_bytes
+                    and end + gap + need.nbytes - start <= max_request_bytes
+                    and scratch + need.scratch_bytes <= max_scratch_bytes
+                )
+                and segments
+            ):
                 requests.append(_request(blob, start, segments))
                 segments, start, scratch, gap = [], need.offset, 0, 0
             if gap:
