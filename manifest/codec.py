@@ -13,18 +13,18 @@ from __future__ import annotations
 import base64
 import json
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import yaml  # type: ignore[import-untyped]
 from isal import isal_zlib
 
+from manifest import tensor_lines
 from manifest.entries import (
     FORMAT_VERSION,
-    INCREMENTAL_VERSION,
-    REFERENCE_PREFIX,
     DictEntry,
     Entry,
+    EntryDecoder,
     ListEntry,
     Location,
     Manifest,
@@ -34,7 +34,6 @@ from manifest.entries import (
     ShardedTensorEntry,
     TensorEntry,
     TupleEntry,
-    entry_from_dict,
 )
 from manifest.errors import (
     ManifestChecksumError,
@@ -252,13 +251,11 @@ def nests_within(text: str, levels: int) -> bool:
     return not rest
 
 
-def _parse_fast(
-    text: str, source: str = "manifest"
-) -> tuple[Any, dict[str, Entry], ManifestDecodeError | None] | None:
-    """The header, the decoded entries and the first entry's decoding error, if the text is
-    laid out exactly as ``dumps`` writes it (one entry per line, JSON, nesting within
-    ``MAX_DEPTH``, no path twice); else None (``load_yaml`` then reads, or refuses, it). Entries
-    after a decoding error are not decoded (but their lines are checked)."""
+def _parse_fast(text: str, source: str = "manifest") -> dict[str, Any] | None:
+    """The document, if the text is laid out exactly as ``dumps`` writes it (one entry per line,
+    JSON, nesting within ``MAX_DEPTH``, no path twice); else None (``load_yaml`` then reads, or
+    refuses, it). Its ``entries`` map each path to the entry's plain data, or, for a tensor line
+    of the writer's common layout, to its entry (``tensor_lines``)."""
     head, sep, body = text.partition(f"\n{_ENTRIES_LINE}\n")
     if not sep:
         return None
@@ -268,14 +265,13 @@ def _parse_fast(
         raise
     except ManifestDecodeError:
         return None
-    if not isinstance(doc, dict) or "entries" in doc:
+    found = tensor_lines.split(body) if body else ([], [])
+    if not isinstance(doc, dict) or "entries" in doc or found is None:
         return None
-    lines = body.split("\n")
-    if lines[-1] == "":
-        lines.pop()
-    joined = ",".join(lines)
+    items, others = found
+    joined = ",".join(others)
     # The lines are the values of ``entries`` (level 2): they may open MAX_DEPTH - 2 levels.
-    if not all(line.startswith('  "') for line in lines) or not nests_within(
+    if not all(line.startswith('  "') for line in others) or not nests_within(
         joined, MAX_DEPTH - 2
     ):
         return None
@@ -283,19 +279,14 @@ def _parse_fast(
         decoded = json.loads("{" + joined + "}")
     except ValueError:
         return None
-    if len(decoded) != len(lines):
+    if len(decoded) != len(others):
         return None  # a line of several entries, or a path repeated
-    entries: dict[str, Entry] = {}
-    try:
-        decode = _decoder(_header(doc, source)[0])
-    except ManifestDecodeError as e:
-        return doc, entries, e  # ``loads`` reports it once the layout is known
-    for path, value in decoded.items():
-        try:
-            entries[path] = decode(value, path)
-        except ManifestDecodeError as e:
-            return doc, entries, e
-    return doc, entries, None
+    rest = iter(decoded.items())
+    entries = dict(item if item is not None else next(rest) for item in items)
+    if len(entries) != len(items):
+        return None  # a path repeated
+    doc["entries"] = entries
+    return doc
 
 
 def _header(doc: Any, source: str) -> tuple[int, int, dict[str, Any]]:
@@ -336,24 +327,6 @@ def check_head(data: bytes, source: str = "manifest", *, verify: bool = True) ->
     _header(load_yaml(head, source), source)
 
 
-def _decoder(version: int) -> Callable[[Any, str], Entry]:
-    """``entry_from_dict``, refusing a blob in a sibling snapshot before version 5."""
-    if version >= INCREMENTAL_VERSION:
-        return entry_from_dict
-
-    def decode(value: Any, path: str) -> Entry:
-        entry = entry_from_dict(value, path)
-        for loc in entry.locations:
-            if loc.blob.startswith(REFERENCE_PREFIX):
-                raise UnsafeManifestError(
-                    f"{path}: unsafe blob path {loc.blob!r}: a manifest of format version "
-                    f"{version} keeps every blob under its root"
-                )
-        return entry
-
-    return decode
-
-
 def loads(
     data: bytes,
     source: str = "manifest",
@@ -376,27 +349,25 @@ def loads(
         text = data[: _body_end(data, source, verify)].decode("utf-8")
     except UnicodeDecodeError as e:
         raise ManifestDecodeError(f"{source} is not valid YAML: {e}") from None
-    fast = _parse_fast(text, source)
-    if fast is not None:
-        doc, entries, error = fast
-        version, world_size, metadata = _header(doc, source)
-    else:
+    doc = _parse_fast(text, source)
+    if doc is None:
         doc = load_yaml(text, source)
-        version, world_size, metadata = _header(doc, source)
-        raw = doc.get("entries")
-        if not isinstance(raw, dict):
-            raise ManifestDecodeError(f"{source}: entries missing or not a mapping")
-        entries, error, decode = {}, None, _decoder(version)
-        for path, value in raw.items():
-            if type(path) is not str:
-                raise ManifestDecodeError(f"{source}: entry path {path!r} is not a string")
-            try:
-                entries[path] = decode(value, path)
-            except ManifestDecodeError as e:
-                error = e
-                break
-    if error is not None:
-        raise type(error)(f"{source}: {error}") from None  # the class says unsafe or damaged
+    version, world_size, metadata = _header(doc, source)
+    raw = doc.get("entries")
+    if not isinstance(raw, dict):
+        raise ManifestDecodeError(f"{source}: entries missing or not a mapping")
+    entries: dict[str, Entry] = {}
+    decode = EntryDecoder(version)
+    for path, value in raw.items():
+        if type(value) is TensorEntry:  # a tensor line, decoded (and checked) already
+            entries[path] = value
+            continue
+        if type(path) is not str:
+            raise ManifestDecodeError(f"{source}: entry path {path!r} is not a string")
+        try:
+            entries[path] = decode(value, path)
+        except ManifestDecodeError as e:
+            raise type(e)(f"{source}: {e}") from None  # the class says unsafe or damaged
     return Manifest(
         format_version=version, world_size=world_size, entries=entries, metadata=metadata
     )

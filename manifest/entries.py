@@ -44,7 +44,7 @@ def int_fits(value: int) -> bool:
     return -_INT_BOUND < value < _INT_BOUND
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
+@dataclass(slots=True, unsafe_hash=True)
 class Location:
     """A byte range of a blob: ``nbytes`` bytes starting at ``offset`` of blob ``blob``.
 
@@ -61,10 +61,10 @@ class Location:
 
 def new_location(blob: str, offset: int, nbytes: int, crc32: int | None = None) -> Location:
     """``Location(blob=blob, offset=offset, nbytes=nbytes, crc32=crc32)``, positionally."""
-    return Location(blob=blob, offset=offset, nbytes=nbytes, crc32=crc32)
+    return Location(blob, offset, nbytes, crc32)
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
+@dataclass(kw_only=True, slots=True, unsafe_hash=True)
 class Entry:
     """Base of every entry; ``type`` tags the kind in the manifest file."""
 
@@ -82,7 +82,7 @@ class Entry:
         return ()
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
+@dataclass(kw_only=True, slots=True, unsafe_hash=True)
 class TensorView:
     """Where a tensor's elements lie in the storage of another tensor entry of the same rank:
     ``base.as_strided(shape, stride, offset)``, ``base`` being that entry's logical path without
@@ -93,7 +93,7 @@ class TensorView:
     stride: tuple[int, ...]
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
+@dataclass(slots=True, unsafe_hash=True, init=False)
 class TensorEntry(Entry):
     """A dense tensor, stored as its raw bytes in row-major (C) order: the concatenation of
     ``chunks``, each of which may live in a different blob.
@@ -113,6 +113,23 @@ class TensorEntry(Entry):
     view: TensorView | None = None
     digest: str | None = None
 
+    def __init__(
+        self,
+        dtype: str,
+        shape: tuple[int, ...],
+        chunks: tuple[Location, ...],
+        parameter: bool = False,
+        requires_grad: bool = False,
+        view: TensorView | None = None,
+        digest: str | None = None,
+        replicated: bool = False,
+    ) -> None:
+        # Positional too (the generated one takes keywords only, the base's field with a
+        # default coming first): a manifest of many tensors makes one per line.
+        self.dtype, self.shape, self.chunks = dtype, shape, chunks
+        self.parameter, self.requires_grad = parameter, requires_grad
+        self.view, self.digest, self.replicated = view, digest, replicated
+
     @property
     def has_attrs(self) -> bool:
         """Whether the entry holds any field of format version 4 or 5."""
@@ -128,11 +145,11 @@ class TensorEntry(Entry):
 def new_tensor_entry(
     dtype: str, shape: tuple[int, ...], chunks: tuple[Location, ...], replicated: bool = False
 ) -> TensorEntry:
-    """``TensorEntry(dtype=..., shape=..., chunks=..., replicated=...)``, positionally."""
-    return TensorEntry(dtype=dtype, shape=shape, chunks=chunks, replicated=replicated)
+    """``TensorEntry(dtype=..., shape=..., chunks=..., replicated=...)``."""
+    return TensorEntry(dtype, shape, chunks, replicated=replicated)
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
+@dataclass(kw_only=True, slots=True, unsafe_hash=True)
 class Shard:
     """One stored piece of a sharded tensor: the box ``offsets`` .. ``offsets + sizes`` of the
     global tensor (one number per axis), its bytes in row-major order across ``chunks``."""
@@ -142,7 +159,7 @@ class Shard:
     chunks: tuple[Location, ...]
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
+@dataclass(kw_only=True, slots=True, unsafe_hash=True)
 class ShardedTensorEntry(Entry):
     """A global tensor stored as shards written by the ranks that held them.
 
@@ -161,7 +178,7 @@ class ShardedTensorEntry(Entry):
         return tuple(c for s in self.shards for c in s.chunks)
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
+@dataclass(kw_only=True, slots=True, unsafe_hash=True)
 class ObjectEntry(Entry):
     """A value serialized into a blob. ``serializer``: ``"torch_save"`` (decoded with a
     restricted unpickler), ``"bytes"`` (a ``bytes`` value) or ``"utf8"`` (a long ``str``);
@@ -177,7 +194,7 @@ class ObjectEntry(Entry):
         return (self.location,)
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
+@dataclass(kw_only=True, slots=True, unsafe_hash=True)
 class PrimitiveEntry(Entry):
     """An int, float, str, bool, None or bytes value stored in the manifest itself."""
 
@@ -189,7 +206,7 @@ class PrimitiveEntry(Entry):
         return type(self.value).__name__ if self.value is not None else "None"
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
+@dataclass(kw_only=True, slots=True, unsafe_hash=True)
 class DictEntry(Entry):
     """A dict (or OrderedDict when ``ordered``); children live at ``<path>/<escaped key>``."""
 
@@ -198,7 +215,7 @@ class DictEntry(Entry):
     ordered: bool = False
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
+@dataclass(kw_only=True, slots=True, unsafe_hash=True)
 class ListEntry(Entry):
     """A list of ``length`` items; children live at ``<path>/0`` ... ``<path>/<length-1>``."""
 
@@ -206,7 +223,7 @@ class ListEntry(Entry):
     length: int
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
+@dataclass(kw_only=True, slots=True, unsafe_hash=True)
 class TupleEntry(Entry):
     """A tuple of ``length`` items; children live at ``<path>/0`` ...."""
 
@@ -214,7 +231,7 @@ class TupleEntry(Entry):
     length: int
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
+@dataclass(kw_only=True, slots=True, unsafe_hash=True)
 class ShardedObjectEntry(Entry):
     """One piece of a sharded object, serialized like an ``ObjectEntry``, written once and
     found by ``key`` (the object's key with its offset in the global grid) by every rank that
@@ -231,7 +248,7 @@ class ShardedObjectEntry(Entry):
         return (self.location,)
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
+@dataclass(kw_only=True, slots=True, unsafe_hash=True)
 class PickledTensorEntry(Entry):
     """A dense tensor stored as ``torch.save`` bytes: what torchsnapshot wrote for dtypes it
     had no raw layout for. Read-only: translated from a torchsnapshot manifest, never written.
@@ -386,32 +403,72 @@ def _list(value: Any, where: str, what: str) -> list[Any]:
 
 
 def _ints(value: Any, where: str, what: str) -> tuple[int, ...]:
-    return tuple([_int(x, where) for x in _list(value, where, what)])
+    for x in _list(value, where, what):
+        _int(x, where)
+    return tuple(value)
 
 
-def _location(value: Any, where: str) -> Location:
-    if type(value) is not list or len(value) not in (3, 4):
-        raise _fail(where, f"expected [blob, offset, nbytes, crc32], got {value!r}")
-    blob, offset, nbytes = value[:3]
-    crc = value[3] if len(value) == 4 else None
-    if (
-        type(offset) is not int
-        or type(nbytes) is not int
-        or offset < 0
-        or nbytes < 0
-        or not (crc is None or (type(crc) is int and 0 <= crc <= MAX_CRC32))
-    ):
-        raise _fail(where, f"expected [blob, offset, nbytes, crc32], got {value!r}")
-    blob = check_blob_path(_str(blob, where), where)
-    return Location(blob=blob, offset=offset, nbytes=nbytes, crc32=crc)
+class EntryDecoder:
+    """Decodes entries from their plain-data form, checking every field: anything unexpected
+    is a ``ManifestDecodeError`` naming the entry's path (an ``UnsafeManifestError`` for a
+    blob path that could leave the root, or, before format ``version`` 5, that points into a
+    sibling snapshot). One decoder reads one manifest: each blob path there is checked once,
+    and every range in that blob shares one string."""
+
+    def __init__(self, version: int = FORMAT_VERSION) -> None:
+        self.version = version
+        self.blobs: dict[str, str] = {}
+
+    def __call__(self, d: Any, where: str) -> Entry:
+        if type(d) is not dict:
+            raise _fail(where, f"expected a mapping, got {d!r}")
+        tag = d.get("type")
+        if type(tag) is not str or tag not in _DECODERS:
+            raise _fail(where, f"unknown entry type {tag!r}; known: {', '.join(_DECODERS)}")
+        decode, required, allowed = _DECODERS[tag]
+        if not required <= d.keys() <= allowed:
+            missing, unknown = required - d.keys(), d.keys() - allowed
+            raise _fail(
+                where, f"{tag} entry: missing fields {sorted(missing)}, unknown {sorted(unknown)}"
+            )
+        replicated = _bool(d.get("replicated", False), where)
+        entry: Entry = decode(self, d, where)
+        if replicated:
+            entry.replicated = True
+        return entry
+
+    def location(self, value: Any, where: str) -> Location:
+        if type(value) is not list or len(value) not in (3, 4):
+            raise _fail(where, f"expected [blob, offset, nbytes, crc32], got {value!r}")
+        blob, offset, nbytes = value[0], value[1], value[2]
+        crc = value[3] if len(value) == 4 else None
+        if (
+            type(offset) is not int
+            or type(nbytes) is not int
+            or offset < 0
+            or nbytes < 0
+            or not (crc is None or (type(crc) is int and 0 <= crc <= MAX_CRC32))
+        ):
+            raise _fail(where, f"expected [blob, offset, nbytes, crc32], got {value!r}")
+        known = self.blobs.get(_str(blob, where))
+        if known is None:  # a blob not met before in this manifest
+            known = self.blobs[blob] = check_blob_path(blob, where)
+            if self.version < INCREMENTAL_VERSION and blob.startswith(REFERENCE_PREFIX):
+                raise UnsafeManifestError(
+                    f"{where}: unsafe blob path {blob!r}: a manifest of format version "
+                    f"{self.version} keeps every blob under its root"
+                )
+        return Location(known, offset, nbytes, crc)
+
+    def locations(self, value: Any, where: str, what: str = "chunks") -> tuple[Location, ...]:
+        return tuple([self.location(c, where) for c in _list(value, where, what)])
 
 
-def _locations(value: Any, where: str, what: str) -> tuple[Location, ...]:
-    return tuple([_location(c, where) for c in _list(value, where, what)])
-
-
-def _tensor(d: dict[str, Any], where: str, replicated: bool) -> TensorEntry:
+def _tensor(dec: EntryDecoder, d: dict[str, Any], where: str) -> TensorEntry:
     shape = _ints(d["shape"], where, "shape")
+    if len(d) == 4:  # type, dtype, shape, chunks: a plain tensor (most are)
+        dtype = _str(d["dtype"], where)
+        return TensorEntry(dtype, shape, dec.locations(d["chunks"], where))
     view, digest = d.get("view"), d.get("digest")
     if view is not None:
         if type(view) is not dict or view.keys() != {"base", "offset", "stride"}:
@@ -426,38 +483,29 @@ def _tensor(d: dict[str, Any], where: str, replicated: bool) -> TensorEntry:
     return TensorEntry(
         dtype=_str(d["dtype"], where),
         shape=shape,
-        chunks=_locations(d["chunks"], where, "chunks"),
+        chunks=dec.locations(d["chunks"], where),
         parameter=_bool(d.get("parameter", False), where),
         requires_grad=_bool(d.get("requires_grad", False), where),
         view=view,
         digest=digest,
-        replicated=replicated,
     )
 
 
-def _object(d: dict[str, Any], where: str, replicated: bool) -> ObjectEntry:
-    return ObjectEntry(
-        serializer=_str(d["serializer"], where),
-        obj_type=_str(d["obj_type"], where),
-        location=_location(d["location"], where),
-        replicated=replicated,
-    )
-
-
-def _sharded_object(d: dict[str, Any], where: str, replicated: bool) -> ShardedObjectEntry:
-    return ShardedObjectEntry(
-        key=_str(d["key"], where),
-        serializer=_str(d["serializer"], where),
-        obj_type=_str(d["obj_type"], where),
-        location=_location(d["location"], where),
-        replicated=replicated,
-    )
+def _object(dec: EntryDecoder, d: dict[str, Any], where: str) -> Entry:
+    serializer, obj_type = _str(d["serializer"], where), _str(d["obj_type"], where)
+    location = dec.location(d["location"], where)
+    if "key" in d:  # (required of a sharded object's piece, unknown to an object)
+        key = _str(d["key"], where)
+        return ShardedObjectEntry(
+            key=key, serializer=serializer, obj_type=obj_type, location=location
+        )
+    return ObjectEntry(serializer=serializer, obj_type=obj_type, location=location)
 
 
 _PRIMITIVE_TYPES: dict[str, type] = {"int": int, "str": str, "bool": bool, "None": type(None)}
 
 
-def _primitive(d: dict[str, Any], where: str, replicated: bool) -> PrimitiveEntry:
+def _primitive(dec: EntryDecoder, d: dict[str, Any], where: str) -> PrimitiveEntry:
     value_type, value = _str(d["value_type"], where), d["value"]
     if value_type == "bytes":
         try:
@@ -473,29 +521,20 @@ def _primitive(d: dict[str, Any], where: str, replicated: bool) -> PrimitiveEntr
         raise _fail(where, f"unknown primitive type {value_type!r}")
     elif type(value) is not _PRIMITIVE_TYPES[value_type]:
         raise _fail(where, f"value {value!r} is not of type {value_type}")
-    return PrimitiveEntry(value=value, replicated=replicated)
+    return PrimitiveEntry(value=value)
 
 
-def _dict(d: dict[str, Any], where: str, replicated: bool) -> DictEntry:
+def _dict(dec: EntryDecoder, d: dict[str, Any], where: str) -> DictEntry:
     keys = _list(d["keys"], where, "keys")
     for k in keys:
         if k is not None and type(k) not in (str, int, bool):
             raise _fail(where, f"unsupported dict key {k!r}")
     if len(set(keys)) != len(keys):
         raise _fail(where, "duplicate dict keys")
-    ordered = _bool(d.get("ordered", False), where)
-    return DictEntry(keys=tuple(keys), ordered=ordered, replicated=replicated)
+    return DictEntry(keys=tuple(keys), ordered=_bool(d.get("ordered", False), where))
 
 
-def _list_entry(d: dict[str, Any], where: str, replicated: bool) -> ListEntry:
-    return ListEntry(length=_int(d["length"], where), replicated=replicated)
-
-
-def _tuple_entry(d: dict[str, Any], where: str, replicated: bool) -> TupleEntry:
-    return TupleEntry(length=_int(d["length"], where), replicated=replicated)
-
-
-def _sharded_tensor(d: dict[str, Any], where: str, replicated: bool) -> ShardedTensorEntry:
+def _sharded_tensor(dec: EntryDecoder, d: dict[str, Any], where: str) -> ShardedTensorEntry:
     shape = _ints(d["shape"], where, "shape")
     shards = []
     for s in _list(d["shards"], where, "shards"):
@@ -510,15 +549,10 @@ def _sharded_tensor(d: dict[str, Any], where: str, replicated: bool) -> ShardedT
                 where,
                 f"shard at {list(offsets)} of size {list(sizes)} exceeds the shape {list(shape)}",
             )
-        chunks = _locations(s["chunks"], where, "a shard's chunks")
+        chunks = dec.locations(s["chunks"], where, "a shard's chunks")
         shards.append(Shard(offsets=offsets, sizes=sizes, chunks=chunks))
-    return ShardedTensorEntry(
-        key=_str(d["key"], where),
-        dtype=_str(d["dtype"], where),
-        shape=shape,
-        shards=tuple(shards),
-        replicated=replicated,
-    )
+    key, dtype = _str(d["key"], where), _str(d["dtype"], where)
+    return ShardedTensorEntry(key=key, dtype=dtype, shape=shape, shards=tuple(shards))
 
 
 # What a manifest file may hold (``PickledTensorEntry`` is no such entry): each type's decoder,
@@ -535,28 +569,14 @@ _DECODERS: dict[str, tuple[Any, frozenset[str], frozenset[str]]] = {
         ("object", _object, ("serializer", "obj_type", "location"), ()),
         ("primitive", _primitive, ("value_type", "value"), ()),
         ("dict", _dict, ("keys",), ("ordered",)),
-        ("list", _list_entry, ("length",), ()),
-        ("tuple", _tuple_entry, ("length",), ()),
+        ("list", lambda _, d, where: ListEntry(length=_int(d["length"], where)), ("length",), ()),
+        ("tuple", lambda _, d, where: TupleEntry(length=_int(d["length"], where)), ("length",), ()),
         ("sharded_tensor", _sharded_tensor, ("key", "dtype", "shape", "shards"), ()),
-        ("sharded_object", _sharded_object, ("key", "serializer", "obj_type", "location"), ()),
+        ("sharded_object", _object, ("key", "serializer", "obj_type", "location"), ()),
     )
 }
 
 
 def entry_from_dict(d: Any, where: str) -> Entry:
-    """Decodes one entry from its plain-data form, checking every field: anything unexpected
-    is a ``ManifestDecodeError`` naming ``where`` (an ``UnsafeManifestError`` for a blob path
-    that could leave the root)."""
-    if type(d) is not dict:
-        raise _fail(where, f"expected a mapping, got {d!r}")
-    tag = d.get("type")
-    if type(tag) is not str or tag not in _DECODERS:
-        raise _fail(where, f"unknown entry type {tag!r}; known: {', '.join(_DECODERS)}")
-    decode, required, allowed = _DECODERS[tag]
-    if not required <= d.keys() <= allowed:
-        missing, unknown = required - d.keys(), d.keys() - allowed
-        raise _fail(
-            where, f"{tag} entry: missing fields {sorted(missing)}, unknown {sorted(unknown)}"
-        )
-    entry: Entry = decode(d, where, _bool(d.get("replicated", False), where))
-    return entry
+    """Decodes one entry from its plain-data form (``EntryDecoder``, of the newest format)."""
+    return EntryDecoder()(d, where)

@@ -114,14 +114,15 @@ def test_location_checksums_are_checked_integers():
 
 
 def _fast(text):
-    """The fast reading of a manifest's text, its entries put back in the plain-data form a
-    YAML reader gives; None when the text is not in the writer's layout."""
+    """The fast reading of a manifest's text, its entries in the plain-data form a YAML reader
+    gives (the tensor lines it decoded straight into entries put back in that form); None when
+    the text is not in the writer's layout."""
     fast = codec._parse_fast(text)
     if fast is None:
         return None
-    doc, entries, error = fast
-    assert error is None
-    return {**doc, "entries": {p: mf.entry_to_dict(e) for p, e in entries.items()}}
+    entries = fast["entries"]
+    plain = {p: e if isinstance(e, dict) else mf.entry_to_dict(e) for p, e in entries.items()}
+    return {**fast, "entries": plain}
 
 
 def _text(data):

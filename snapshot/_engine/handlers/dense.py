@@ -29,11 +29,9 @@ from snapshot._engine.handlers.table import (
     TensorSource,
     WholeTensor,
     by_value_type,
-    payloads_of,
     type_name,
 )
 from snapshot._engine.restore.reads import (
-    Landing,
     Need,
     TensorRead,
     allocate,
@@ -41,8 +39,7 @@ from snapshot._engine.restore.reads import (
     check_tensor_entry,
     direct_need,
     lands_directly,
-    location_check,
-    piece_verify,
+    pieces,
     resolve_view,
     tile_limit,
     tile_need,
@@ -166,7 +163,7 @@ def take_tensor(
     if key is not None:
         earlier = sink.written.get(key)
         if earlier is not None and earlier.replicated == replicated:
-            return TensorDraft(name, shape, payloads_of(earlier), replicated)
+            return TensorDraft(name, shape, earlier.payloads, replicated)
     draft: TensorDraft | WholeTensor
     if in_place and nbytes <= sink.chunk_bytes:
         draft = WholeTensor(
@@ -251,19 +248,13 @@ def _fresh(reader: ReadPlanner) -> _Fresh:
 
 
 def plan_tensor_read(
-    path: str,
-    entry: TensorEntry,
-    target: torch.Tensor | None,
-    tile_bytes: int,
-    piece_bytes: int,
-    verify: bool = True,
-    landing: Landing | None = None,
+    reader: ReadPlanner, path: str, entry: TensorEntry, target: torch.Tensor | None
 ) -> TensorRead:
     """Needs for ``entry``: into ``target`` in place when given (cast like ``copy_``), else into
     a new tensor. Bytes land in the destination's memory when it is a contiguous CPU tensor of
-    the stored dtype, in pieces of at most ``piece_bytes``; else through scratch tiles of at
-    most ``tile_bytes`` copied in by ``landing`` (``tile_need``). With ``verify``, each chunk is
-    checked against its recorded CRC-32 as it lands."""
+    the stored dtype, in pieces of at most the reader's ``piece_bytes``; else through scratch
+    tiles of at most its ``tile_bytes`` that its ``landing`` copies in (``tile_need``). Each
+    chunk is checked against its recorded CRC-32 as it lands when the reader ``verify``s."""
     dtype = check_tensor_entry(path, entry)
     if target is None:
         target = allocate(path, entry.nbytes, lambda: torch.empty(entry.shape, dtype=dtype))
@@ -271,58 +262,60 @@ def plan_tensor_read(
         check_target(path, entry, target, dtype)
     itemsize = dtype.itemsize
     direct = lands_directly(target, dtype)
-    if landing is None:
-        landing = Landing()
     if not direct:
-        landing.prepare(target)
+        reader.landing.prepare(target)
     needs: list[Need] = []
-    step = piece_bytes if direct else tile_limit(target, tile_bytes)
+    step = reader.piece_bytes if direct else tile_limit(target, reader.tile_bytes)
     step = max(itemsize, step - step % itemsize)
     address = target.data_ptr() if direct else 0
     base = 0
     for chunk in entry.chunks:
-        check = location_check(path, chunk, -(-chunk.nbytes // step), verify)
-        for lo in range(0, chunk.nbytes, step):
-            n = min(step, chunk.nbytes - lo)
+        for lo, n, check in pieces(path, chunk, step, reader.verify):
             if direct:
                 need = direct_need(path, chunk, lo, n, address + base + lo)
             else:
-                need = tile_need(
-                    path, chunk, lo, n, (base + lo) // itemsize, dtype, target, landing
-                )
-            if check is not None:
-                need.verify = piece_verify(check, lo, n)
+                first = (base + lo) // itemsize
+                need = tile_need(path, chunk, lo, n, first, dtype, target, reader.landing)
+            need.verify = check
             needs.append(need)
         base += chunk.nbytes
     return TensorRead(needs=needs, result=target)
 
 
-def direct_address(
-    path: str, entry: TensorEntry, target: torch.Tensor, piece_bytes: int, verify: bool
-) -> int | None:
-    """Where a whole read lands, or None when ``plan_tensor_read`` must plan it: a tensor in one
-    range of at most ``piece_bytes`` (with a CRC-32 when reads ``verify``), into a contiguous
-    CPU tensor of the stored dtype and shape whose storage holds the bytes. Anything else (an
-    error included) is left to the general path, which words it."""
+_QUANTIZED = {torch.qint8, torch.quint8, torch.qint32, torch.quint4x2, torch.quint2x4}
+
+
+def direct_address(entry: TensorEntry, target: Any, piece_bytes: int, verify: bool) -> int | None:
+    """Where the bytes of the most common read land (most tensors of a state), or None when
+    ``plan_tensor_read`` must plan it: a tensor stored in one range of at most ``piece_bytes``
+    (with a CRC-32 when reads ``verify``), into a dense, contiguous CPU tensor of the stored
+    dtype and shape whose storage holds the bytes. Anything else (an error included) is left to
+    the general path, which words it."""
     chunks = entry.chunks
-    if len(chunks) != 1:
+    if len(chunks) != 1 or not isinstance(by_value_type.get(type(target)), Dense):
         return None
     chunk = chunks[0]
     nbytes = chunk.nbytes
     dtype = DTYPES.get(entry.dtype)
     if (
         dtype is None
+        or dtype in _QUANTIZED  # (so a target of the stored dtype is not quantized)
         or not 0 < nbytes <= piece_bytes
         or (verify and chunk.crc32 is None)
         or target.dtype is not dtype
-        or target.nbytes != nbytes
+        or target.layout is not torch.strided  # (before ``shape``: a nested tensor has none)
+        or target.is_nested
         or target.shape != entry.shape
-        or not lands_directly(target, dtype)
+        or target.nbytes != nbytes  # (the manifest's length, checked against the shape)
+        or not target.is_cpu
+        or not target.is_contiguous()
+        or (dtype.is_complex and target.is_conj())  # (only a complex tensor is conjugated)
+        or target.is_neg()
         # A storage that ends before the bytes: the general path refuses it.
         or target.untyped_storage().nbytes() < target.storage_offset() * dtype.itemsize + nbytes
     ):
         return None
-    return target.data_ptr()
+    return target.data_ptr()  # type: ignore[no-any-return]
 
 
 def plan_views(reader: ReadPlanner) -> None:
@@ -358,9 +351,7 @@ def _new_tensor(reader: ReadPlanner, path: str, entry: TensorEntry) -> torch.Ten
     key = _stored_key(entry)
     tensor = fresh.tensors.get(key) if key is not None else None
     if tensor is None:
-        read = plan_tensor_read(
-            path, entry, None, reader.tile_bytes, reader.piece_bytes, reader.verify, reader.landing
-        )
+        read = plan_tensor_read(reader, path, entry, None)
         reader.add_needs(read.needs, into_target=False)
         tensor = read.result
         if key is not None:
@@ -427,23 +418,32 @@ class Dense(Kind):
         record_grads(sink, path, value)
         return draft
 
-    def restore(self, reader: ReadPlanner, path: str, entry: TensorEntry, target: Any) -> None:
-        """Into ``target`` when it is a dense tensor (its needs write the live state), else
-        into a new tensor (a view entry's waits until every other read is planned)."""
-        if is_dense_tensor(target):
-            address = direct_address(path, entry, target, reader.piece_bytes, reader.verify)
+    def restore_all(self, reader: ReadPlanner, leaves: list[tuple[str, Any, Any]]) -> None:
+        """Into each target that is a dense tensor (its needs write the live state): the reads
+        straight into its memory (``direct_address``) planned in one batch; else into a new
+        tensor (a view entry's waits until every other read is planned)."""
+        piece_bytes, verify, tensors = reader.piece_bytes, reader.verify, reader.tensors
+        direct = []
+        for path, entry, target in leaves:
+            address = direct_address(entry, target, piece_bytes, verify)
             if address is not None:
-                reader.add_direct(path, entry.chunks[0], address)
-            else:
-                read = plan_tensor_read(
-                    path, entry, target, reader.tile_bytes, reader.piece_bytes, reader.verify,
-                    reader.landing,
-                )  # fmt: skip
+                direct.append((path, entry.chunks[0], address))
+            elif is_dense_tensor(target):
+                read = plan_tensor_read(reader, path, entry, target)
                 reader.add_needs(read.needs, into_target=True)
                 if target.is_cpu:  # checked for memory shared with other targets
                     reader.indirect.append((path, target))
-            reader.tensors[path] = target
-            return
+            else:
+                self._restore_new(reader, path, entry, target)
+                continue
+            tensors[path] = target
+        if direct:
+            reader.add_direct(direct)
+
+    def restore(self, reader: ReadPlanner, path: str, entry: TensorEntry, target: Any) -> None:
+        self.restore_all(reader, [(path, entry, target)])
+
+    def _restore_new(self, reader: ReadPlanner, path: str, entry: TensorEntry, target: Any) -> None:
         reader.claim()  # a new tensor, of the size the manifest records
         if sharded.is_sharded(target):
             raise StateMismatchError(

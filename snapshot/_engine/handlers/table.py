@@ -23,9 +23,9 @@ from manifest import (
     new_location,
     new_tensor_entry,
 )
-from snapshot._engine.format.serialization import dtype_name
+from snapshot._engine.format.serialization import WholeCheck, dtype_name
 from snapshot._engine.handlers import sharded
-from snapshot._engine.restore.reads import Need, allocate, location_check, piece_verify
+from snapshot._engine.restore.reads import Need, allocate
 from storage_plugins import Buffer
 
 if TYPE_CHECKING:
@@ -239,10 +239,6 @@ Planned = (
 Made = Entry | str | sharded.ObjectReplica
 
 
-def payloads_of(draft: Draft) -> list[Payload]:  # the payloads of a tensor's draft
-    return draft.payloads
-
-
 class TakeSink(Protocol):
     """What the take planner (``take.plan.Collector``) offers a kind's ``take``: its settings,
     the tensors written so far by memory (tied weights are written once), what it collects
@@ -285,8 +281,9 @@ class ReadPlanner(Protocol):
     def add_needs(self, needs: list[Need], *, into_target: bool) -> None:
         """Adds reads; ``into_target``: they write the caller's live state."""
 
-    def add_direct(self, path: str, chunk: Location, address: int) -> None:
-        """Adds the read of ``chunk``, whole, into the memory at ``address``."""
+    def add_direct(self, reads: list[tuple[str, Location, int]]) -> None:
+        """Adds reads of whole chunks into the caller's CPU tensors: ``(path, chunk, address
+        of the tensor's memory)`` each."""
 
     def claim(self) -> None:
         """Called before planning a read that allocates memory of a size the manifest claims."""
@@ -336,6 +333,12 @@ class Kind(ABC):
         """Plans the reads that rebuild ``entry`` (into ``target`` where it can); the value is
         then ``reader.tensors[path]`` or ``reader.objects[path]``, or set by a read's
         ``done``."""
+
+    def restore_all(self, reader: ReadPlanner, leaves: list[tuple[str, Any, Any]]) -> None:
+        """``restore`` of each ``(path, entry, target)``, in order: the loader hands a kind
+        the consecutive leaves it restores at once (a kind may plan them as one batch)."""
+        for path, entry, target in leaves:
+            self.restore(reader, path, entry, target)
 
     def check_target(self, label: str, entry: Any, target: Any) -> None:  # noqa: B027
         """Refuses (``StateMismatchError``, naming ``label``), before any read, a ``read_object``
@@ -404,12 +407,6 @@ def bytes_draft(
     )
 
 
-def whole_check(path: str, loc: Location, verify: bool) -> Callable[[int], None] | None:
-    """The check of a location read whole, with ``verify`` and a recorded CRC-32 only."""
-    check = location_check(path, loc, 1, verify)
-    return None if check is None else piece_verify(check, 0, loc.nbytes)
-
-
 def bytes_need(
     path: str,
     location: Location,
@@ -437,7 +434,7 @@ def bytes_need(
         done=done,
         scratch_bytes=nbytes,
         label=path,
-        verify=whole_check(path, location, verify),
+        verify=WholeCheck(path, location) if verify and location.crc32 is not None else None,
     )
 
 

@@ -19,18 +19,11 @@ from typing import Any
 from manifest import Entry, Location, Manifest, is_container
 from snapshot._engine.format.manifest_io import open_linked
 from snapshot._engine.handlers import for_entry
-from snapshot._engine.restore.reads import (
-    Need,
-    check_blob_sizes,
-    label_of,
-    location_check,
-    piece_verify,
-)
+from snapshot._engine.restore.reads import Need, check_blob_sizes, pieces
 from snapshot._engine.runtime import run
 from snapshot.errors import CorruptSnapshotError
 from snapshot.options import Options
 from snapshot.sharding.mapping import LocalNonpersistentObject
-from storage_plugins import StoragePlugin
 
 # Reads into new memory that claim no more than this in all are planned without asking the
 # store (a small read_object would pay a request per blob); past it, each claim is asked about.
@@ -83,19 +76,6 @@ def check_disjoint(path: str, locations: Sequence[Location]) -> None:
         end = max(end, loc.offset + loc.nbytes)
 
 
-async def check_claims(
-    plugin: StoragePlugin,
-    claims: Mapping[str, set[str]],
-    expected: Mapping[str, int],
-    jobs: int,
-    options: Options,
-) -> None:
-    """Asks each claimed blob's size, ``jobs`` at a time; fails on one shorter than
-    ``expected`` (``claims``: blob -> the paths reading it)."""
-    labels = {blob: label_of(paths) for blob, paths in claims.items()}
-    await check_blob_sizes(plugin, labels, expected, jobs, options, before=True)
-
-
 @dataclass
 class ClaimCheck:
     """Checks the claims of reads into new memory once they pass ``UNCHECKED_BYTES``."""
@@ -121,7 +101,8 @@ class ClaimCheck:
         with open_linked(self.url, self.manifest, self.storage_options, self.options) as plugin:
             jobs = self.options.max_concurrent_io
             assert jobs is not None
-            run(check_claims(plugin, fresh, self.manifest.blob_sizes, jobs, self.options))
+            expected = self.manifest.blob_sizes
+            run(check_blob_sizes(plugin, fresh, expected, jobs, self.options, before=True))
         self.checked.update(fresh)
 
 
@@ -167,21 +148,17 @@ def check_needs(ranges: Iterable[tuple[str, Location]], piece_bytes: int) -> lis
     """Needs that read each range in pieces of at most ``piece_bytes`` into scratch (charged
     to the budget until the piece is checked) and compare its bytes with its recorded CRC-32
     (a range without one is read all the same)."""
-    needs: list[Need] = []
-    for path, loc in ranges:
-        check = location_check(path, loc, -(-loc.nbytes // piece_bytes), True)
-        for lo in range(0, loc.nbytes, piece_bytes):
-            n = min(piece_bytes, loc.nbytes - lo)
-            needs.append(
-                Need(
-                    blob=loc.blob,
-                    offset=loc.offset + lo,
-                    nbytes=n,
-                    dest=functools.partial(_scratch, n),
-                    done=None,
-                    scratch_bytes=n,
-                    label=path,
-                    verify=None if check is None else piece_verify(check, lo, n),
-                )
-            )
-    return needs
+    return [
+        Need(
+            blob=loc.blob,
+            offset=loc.offset + lo,
+            nbytes=n,
+            dest=functools.partial(_scratch, n),
+            done=None,
+            scratch_bytes=n,
+            label=path,
+            verify=check,
+        )
+        for path, loc in ranges
+        for lo, n, check in pieces(path, loc, piece_bytes, True)
+    ]

@@ -9,14 +9,16 @@ under the memory budget.
 
 from __future__ import annotations
 
+import functools
 import logging
+import operator
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from manifest import Entry, Location, Manifest, TensorEntry
-from snapshot._engine.format.serialization import memory_span
+from snapshot._engine.format.serialization import WholeCheck, memory_span, raw_memoryview
 from snapshot._engine.handlers.local import LOCAL
 from snapshot._engine.handlers.table import by_entry_type
 from snapshot._engine.io.pipeline import IOStats, ReadRequest, read_all
@@ -32,10 +34,6 @@ from snapshot._engine.restore.reads import (
     ScratchPool,
     check_blob_sizes,
     coalesce,
-    direct_need,
-    label_of,
-    location_check,
-    piece_verify,
 )
 from snapshot._engine.runtime import naming_snapshot, run
 from snapshot._engine.state_dicts import inflate, subtree
@@ -100,9 +98,10 @@ class Loader:
         self._later: list[Callable[[], None]] = []
         # Each kind's own bookkeeping, by the kind's name (the dense kind's new tensors).
         self.kind_state: dict[str, Any] = {}
-        # The caller's CPU tensors filled in place, by whole ranges (path, need, address) and
-        # by other needs (path, tensor): checked for shared memory (``_separate_overlaps``).
-        self._direct: list[tuple[str, Need, int]] = []
+        # The caller's CPU tensors filled in place, checked for shared memory
+        # (``_separate_overlaps``): by whole chunks, (path, address, need) each, and by other
+        # needs, (path, tensor) each.
+        self._direct: list[tuple[str, int, Need]] = []
         self.indirect: list[tuple[str, torch.Tensor]] = []
         # Targets sharing memory that receive other bytes: read apart, then copied in order.
         self._overlapped: list[tuple[str, torch.Tensor]] = []
@@ -117,14 +116,17 @@ class Loader:
                 need.owner = self.owner
         self.needs.extend(needs)
 
-    def add_direct(self, path: str, chunk: Location, address: int) -> None:
-        """Adds the read of ``chunk``, whole, into the caller's tensor at ``address``."""
-        need = direct_need(path, chunk, 0, chunk.nbytes, address)
-        check = location_check(path, chunk, 1, self.verify)
-        need.verify = None if check is None else piece_verify(check, 0, chunk.nbytes)
-        need.owner = self.owner
-        self.needs.append(need)
-        self._direct.append((path, need, address))
+    def add_direct(self, reads: list[tuple[str, Location, int]]) -> None:
+        """Adds reads of whole chunks into the caller's CPU tensors: ``(path, chunk, address
+        of the tensor's memory)`` each (the owner's live state)."""
+        owner, verify, needs, direct = self.owner, self.verify, self.needs, self._direct
+        for path, chunk, address in reads:
+            n = chunk.nbytes
+            check = WholeCheck(path, chunk) if verify and chunk.crc32 is not None else None
+            dest = functools.partial(raw_memoryview, address, n)
+            need = Need(chunk.blob, chunk.offset, n, dest, path, None, 0, check, owner)
+            needs.append(need)
+            direct.append((path, address, need))
 
     def materialize(self) -> None:
         """Settles the needs for ``shared_reads``: targets sharing memory are read apart."""
@@ -150,19 +152,28 @@ class Loader:
         self._overlaps_checked = False
         with naming_snapshot(self.where):
             self._unclaimed = (root, targets)
-            for p in subtree(self.entries, root):
-                entry = self.entries.get(p)
+            entries = self.entries
+            run: list[tuple[str, Any, Any]] = []  # consecutive leaves of one kind
+            run_kind = None
+            for p in subtree(entries, root):
+                entry = entries.get(p)
                 if entry is None:
                     raise CorruptSnapshotError(
                         f"{p}: listed by its parent but missing from the manifest"
                     )
-                target = targets.get(p)
                 kind = by_entry_type.get(type(entry))
                 if kind is None:
                     continue  # a container, which ``inflate`` rebuilds
+                target = targets.get(p)
                 if isinstance(target, LocalNonpersistentObject):
                     kind = LOCAL  # this rank's own, never read
-                kind.restore(self, p, entry, target)
+                if kind is not run_kind:
+                    if run_kind is not None:
+                        run_kind.restore_all(self, run)
+                    run_kind, run = kind, []
+                run.append((p, entry, target))
+            if run_kind is not None:
+                run_kind.restore_all(self, run)
 
     def plan_deferred(self) -> None:
         """Runs the planning steps that wait for every other read (``later``)."""
@@ -181,14 +192,12 @@ class Loader:
         if self._overlaps_checked:
             return
         self._overlaps_checked = True
-        spans = [(a, a + need.nbytes, i) for i, (_, need, a) in enumerate(self._direct)]
-        spans += [
-            (*memory_span(t), len(self._direct) + j) for j, (_, t) in enumerate(self.indirect)
-        ]
-        rows = len(self._direct)
+        direct, rows = self._direct, len(self._direct)
+        spans = [(a, a + need.nbytes) for _, a, need in direct]
+        spans += [memory_span(t) for _, t in self.indirect]
 
         def path_of(i: int) -> str:
-            return self._direct[i][0] if i < rows else self.indirect[i - rows][0]
+            return direct[i][0] if i < rows else self.indirect[i - rows][0]
 
         def source(i: int) -> object:
             entry = self.entries[path_of(i)]
@@ -213,12 +222,11 @@ class Loader:
             self.where,
             len(moved),
         )
-        gone = {id(self._direct[i][1]) for i in moved}
+        gone = {id(direct[i][2]) for i in moved}
         self.needs = [n for n in self.needs if id(n) not in gone]
-        paths = [self._direct[i][0] for i in moved]
-        self._direct = [d for d in self._direct if id(d[1]) not in gone]
+        self._direct = [d for d in direct if id(d[2]) not in gone]
         owner, self.owner = self.owner, None  # new tensors: no live state written
-        for path in paths:
+        for path in [direct[i][0] for i in moved]:
             target = self.tensors[path]
             entry = self.entries[path]
             by_entry_type[type(entry)].restore(self, path, entry, None)
@@ -306,9 +314,8 @@ class Loader:
         for req in requests:
             got = paths.setdefault(req.blob, [])
             got.extend(s.label for s in req.segments if isinstance(s, Need))
-        labels = {blob: label_of(p) for blob, p in paths.items()}
         expected = self.manifest.blob_sizes
-        await check_blob_sizes(plugin, labels, expected, self.concurrency, self.options)
+        await check_blob_sizes(plugin, paths, expected, self.concurrency, self.options)
 
     # -- the values ------------------------------------------------------------------------------
 
@@ -330,17 +337,21 @@ class Loader:
             raise CorruptSnapshotError(f"{root}: {problem}") from None
 
 
-def clashes(spans: list[tuple[int, int, int]], source: Callable[[int], object]) -> list[list[int]]:
-    """The groups of memory ranges ``(start, end, index)`` that overlap and would receive
-    different bytes, each a list of indices in ascending order. Ranges that are the same
-    memory and read the same stored bytes (``source`` equal: tied weights restored from tied
-    weights) write the same values, and are no clash."""
+def clashes(spans: list[tuple[int, int]], source: Callable[[int], object]) -> list[list[int]]:
+    """The groups of memory ranges ``[start, end)`` (by index in ``spans``) that overlap and
+    would receive different bytes, each a list of indices in ascending order. Ranges that are
+    the same memory and read the same stored bytes (``source`` equal: tied weights restored
+    from tied weights) write the same values, and are no clash."""
+    # No two ranges overlap when, both sorted, each end is at or before the next start.
+    starts, ends = sorted(s for s, _ in spans), sorted(e for _, e in spans)
+    if all(map(operator.le, ends, starts[1:])):
+        return []
     out: list[list[int]] = []
     group: list[tuple[int, int, int]] = []
     reach = 0
-    last = max((end for _, end, _ in spans), default=0)
-    for span in [*sorted(spans), (last, last, -1)]:  # the last closes the last group
-        if group and span[0] >= reach:
+    last = ends[-1]
+    for span in [*sorted((s, e, i) for i, (s, e) in enumerate(spans)), (last, last, -1)]:
+        if group and span[0] >= reach:  # (the last span closes the last group)
             if len(group) > 1 and len({(s, e, source(i)) for s, e, i in group}) > 1:
                 out.append(sorted(i for _, _, i in group))
             group = []

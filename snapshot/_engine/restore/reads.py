@@ -12,8 +12,9 @@ import asyncio
 import functools
 import logging
 import math
+import operator
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -49,7 +50,7 @@ logger = logging.getLogger(__name__)
 _T = TypeVar("_T")
 
 
-@dataclass(slots=True, kw_only=True)
+@dataclass(slots=True, init=False)
 class Need(Segment):
     """``nbytes`` bytes at ``offset`` of ``blob``, to land in ``dest()``; ``done`` then consumes
     them. ``scratch_bytes``: the memory ``dest`` allocates and ``done`` frees. ``owner``: the
@@ -60,6 +61,24 @@ class Need(Segment):
     done: Callable[[], None] | None
     scratch_bytes: int
     label: str
+
+    def __init__(
+        self,
+        blob: str,
+        offset: int,
+        nbytes: int,
+        dest: Callable[[], memoryview] | None,
+        label: str,
+        done: Callable[[], None] | None = None,
+        scratch_bytes: int = 0,
+        verify: Callable[[int], None] | None = None,
+        owner: str | None = None,
+    ) -> None:
+        # Positional too (the generated one takes keywords only): a restore makes one per
+        # tensor, most of them straight into the tensor's memory.
+        self.blob, self.offset, self.nbytes, self.dest = blob, offset, nbytes, dest
+        self.label, self.done, self.scratch_bytes = label, done, scratch_bytes
+        self.verify, self.owner = verify, owner
 
 
 @dataclass
@@ -196,22 +215,20 @@ def allocate(path: str, nbytes: int, make: Callable[[], _T]) -> _T:
 # Needs.
 
 
-def location_check(
-    path: str, loc: Location, pieces: int, verify: bool
-) -> LocationCheck | WholeCheck | None:
-    """The check of ``loc``'s bytes read in ``pieces`` needs (None: no ``verify`` or CRC-32)."""
-    if not verify or loc.crc32 is None:
-        return None
-    return WholeCheck(path, loc) if pieces == 1 else LocationCheck(path, loc, pieces)
-
-
-def piece_verify(
-    check: LocationCheck | WholeCheck, offset: int, nbytes: int
-) -> Callable[[int], None]:
-    """The ``verify`` of the need of ``nbytes`` at ``offset`` in a location ``check`` checks."""
-    if isinstance(check, WholeCheck):
-        return check
-    return functools.partial(check.add, offset, nbytes)
+def pieces(
+    path: str, loc: Location, step: int, verify: bool
+) -> Iterator[tuple[int, int, Callable[[int], None] | None]]:
+    """The pieces of at most ``step`` bytes that ``loc`` is read in: (offset within it, length,
+    the check of its CRC-32 as it lands; None without ``verify`` or a recorded CRC-32)."""
+    checked = verify and loc.crc32 is not None
+    if loc.nbytes <= step:
+        if loc.nbytes:
+            yield 0, loc.nbytes, WholeCheck(path, loc) if checked else None
+        return
+    check = LocationCheck(path, loc, -(-loc.nbytes // step)) if checked else None
+    for lo in range(0, loc.nbytes, step):
+        n = min(step, loc.nbytes - lo)
+        yield lo, n, None if check is None else functools.partial(check.add, lo, n)
 
 
 def direct_need(path: str, chunk: Location, lo: int, nbytes: int, address: int) -> Need:
@@ -294,6 +311,8 @@ class ScratchPool:
 # ---------------------------------------------------------------------------------------------
 # Scatter reads.
 
+_offset = operator.attrgetter("offset")
+
 
 def coalesce(
     needs: Sequence[Need], *, max_gap_bytes: int, max_request_bytes: int, max_scratch_bytes: int
@@ -307,36 +326,37 @@ def coalesce(
     """
     by_blob: dict[str, list[Need]] = {}
     for need in needs:
-        by_blob.setdefault(need.blob, []).append(need)
+        group = by_blob.get(need.blob)
+        if group is None:
+            by_blob[need.blob] = [need]
+        else:
+            group.append(need)
     requests: list[ReadRequest] = []
     gaps: dict[int, Segment] = {}
     for blob, group in by_blob.items():
-        group.sort(key=lambda n: n.offset)
+        group.sort(key=_offset)
         segments: list[Segment] = []
-        members: list[Need] = []
-        end = size = scratch = 0
+        first = group[0]
+        end = start = first.offset
+        scratch = 0
         for need in group:
             gap = need.offset - end
             if (
-                members
-                and 0 <= gap <= max_gap_bytes
-                and size + gap + need.nbytes <= max_request_bytes
-                and scratch + need.scratch_bytes <= max_scratch_bytes
+                not (
+                    0 <= gap <= max_gap_bytes
+                    and end + gap + need.nbytes - start <= max_request_bytes
+                    and scratch + need.scratch_bytes <= max_scratch_bytes
+                )
+                and segments
             ):
-                if gap:
-                    segments.append(gaps.setdefault(gap, Segment(nbytes=gap, dest=None)))
-                size += gap + need.nbytes
-                scratch += need.scratch_bytes
-            else:
-                if members:
-                    requests.append(_request(blob, segments, members))
-                segments, members = [], []
-                size, scratch = need.nbytes, need.scratch_bytes
+                requests.append(_request(blob, start, segments))
+                segments, start, scratch, gap = [], need.offset, 0, 0
+            if gap:
+                segments.append(gaps.setdefault(gap, Segment(nbytes=gap, dest=None)))
             segments.append(need)
-            members.append(need)
+            scratch += need.scratch_bytes
             end = need.offset + need.nbytes
-        if members:
-            requests.append(_request(blob, segments, members))
+        requests.append(_request(blob, start, segments))
     if gaps:
         junk = memoryview(bytearray(max(gaps)))
         for seg in gaps.values():
@@ -348,8 +368,9 @@ def _head(buf: memoryview, nbytes: int) -> memoryview:
     return buf[:nbytes]
 
 
-def _request(blob: str, segments: list[Segment], needs: list[Need]) -> ReadRequest:
-    dones = [n.done for n in needs if n.done is not None]
+def _request(blob: str, offset: int, segments: list[Segment]) -> ReadRequest:
+    needs = [s for s in segments if type(s) is not Segment]
+    dones = [n.done for n in needs if n.done is not None]  # type: ignore[attr-defined]
 
     def done() -> None:
         for d in dones:
@@ -357,11 +378,11 @@ def _request(blob: str, segments: list[Segment], needs: list[Need]) -> ReadReque
 
     return ReadRequest(
         blob=blob,
-        offset=needs[0].offset,
+        offset=offset,
         segments=segments,
-        scratch_bytes=sum(n.scratch_bytes for n in needs),
+        scratch_bytes=sum(n.scratch_bytes for n in needs),  # type: ignore[attr-defined]
         done=done if dones else None,
-        label=label_of(n.label for n in needs),
+        label=label_of(n.label for n in needs),  # type: ignore[attr-defined]
     )
 
 
@@ -374,19 +395,21 @@ def label_of(paths: Iterable[str]) -> str:
 
 async def check_blob_sizes(
     plugin: StoragePlugin,
-    labels: Mapping[str, str],
+    paths: Mapping[str, Iterable[str]],
     expected: Mapping[str, int],
     jobs: int,
     options: Options,
     *,
     before: bool = False,
 ) -> None:
-    """Asks each blob's size (``labels``: blob -> label), ``jobs`` at a time: fails on one
-    shorter than ``expected``, or after the reads (not ``before``) longer, but for a base's."""
-    blobs = iter(labels.items())
+    """Asks the size of each blob of ``paths`` (blob -> the entries reading it), ``jobs`` at a
+    time: fails on one shorter than ``expected``, or after the reads (not ``before``) longer,
+    but for a base's."""
+    blobs = iter(paths.items())
 
     async def worker() -> None:
-        for blob, label in blobs:
+        for blob, readers in blobs:
+            label = label_of(readers)
             ask = functools.partial(plugin.size, blob)
             size = await call(plugin, "read", blob, label, ask, options=options)
             want = expected[blob]
@@ -401,7 +424,7 @@ async def check_blob_sizes(
                 + (", found before reading" if before else "")
             )
 
-    tasks = [asyncio.ensure_future(worker()) for _ in range(min(jobs, len(labels)))]
+    tasks = [asyncio.ensure_future(worker()) for _ in range(min(jobs, len(paths)))]
     try:
         await asyncio.gather(*tasks)
     except BaseException:

@@ -29,7 +29,10 @@ from snapshot._engine.restore.checks import ClaimCheck
 from snapshot._engine.restore.loader import Loader, tile_bytes
 from snapshot._engine.runtime import gc_paused
 from snapshot._engine.state_dicts import (
+    CONTAINER_TYPES,
     check_app_state,
+    child_prefix,
+    dict_names,
     escape_key,
     flatten,
     ordered_keys,
@@ -292,19 +295,24 @@ def _restorable_keys(
 
 def _targets(state: Any, root: str) -> tuple[dict[str, Any], bool]:
     """A state's leaves by path (a factory's built ones for it), and whether any was one."""
+    names = dict_names(state) if type(state) is dict else None
+    if names is not None and CONTAINER_TYPES.isdisjoint(map(type, state.values())):
+        # A dict of leaves (most states), without a step per leaf.
+        leaves = dict(zip(map(child_prefix(root).__add__, names), state.values(), strict=True))
+    else:
+        leaves = {p: value for p, node, value in flatten(state, root) if node is None}
+    # A factory is found by its type (an isinstance check of the ABC per leaf costs more).
+    if not any(issubclass(t, ShardedTensorFactory) for t in set(map(type, leaves.values()))):
+        return leaves, False
     targets: dict[str, Any] = {}
-    factories = False
-    for p, node, value in flatten(state, root):
-        if node is not None:
-            continue
+    for p, value in leaves.items():
         if isinstance(value, ShardedTensorFactory):
-            factories = True
             for q, inner, built in flatten(value.build(), p):
                 if inner is None:
                     targets[q] = built
         else:
             targets[p] = value
-    return targets, factories
+    return targets, True
 
 
 # ---------------------------------------------------------------------------------------------
