@@ -117,7 +117,11 @@ def export(
         assert jobs is not None
         with _naming(path):
             blobs, _ = claims.claimed_blobs(manifest.view(0), [s.path for s in sources], {})
-            run(claims.check_claims(plugin, blobs, manifest.blob_sizes, jobs, resolved))
+            run(
+                claims.check_blob_sizes(
+                    plugin, blobs, manifest.blob_sizes, jobs, resolved, before=True
+                )
+            )
         written = engine.stage(
             out,
             overwrite,

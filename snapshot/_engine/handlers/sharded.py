@@ -7,6 +7,7 @@ around reading a region (whose geometry is :mod:`snapshot._engine.handlers.geome
 
 from __future__ import annotations
 
+import functools
 import math
 import sys
 from collections.abc import Mapping, Sequence
@@ -16,8 +17,8 @@ from typing import Any
 import torch
 
 from manifest import ShardedTensorEntry
+from snapshot._engine.format.serialization import LocationCheck, WholeCheck
 from snapshot._engine.handlers.geometry import Piece, Region, cover_problem, find_overlap
-from snapshot._engine.restore.reads import location_check, piece_verify
 from snapshot.errors import (
     CorruptSnapshotError,
     ShapeMismatchError,
@@ -273,13 +274,19 @@ def checks_for(path: str, planned: Sequence[Piece], verify: bool) -> dict[tuple[
         end = 0  # where the pieces so far end, while they tile the chunk from its start; else -1
         for p in sorted(found, key=lambda p: p.lo):
             end = end + p.nbytes if p.lo == end else -1
-        check = location_check(path, found[0].chunk, len(found), verify)
-        if end == found[0].chunk.nbytes and check is not None:
-            checks[key] = check
+        chunk = found[0].chunk
+        if verify and chunk.crc32 is not None and end == chunk.nbytes:
+            checks[key] = (
+                WholeCheck(path, chunk)
+                if len(found) == 1
+                else LocationCheck(path, chunk, len(found))
+            )
     return checks
 
 
 def verifier(checks: Mapping[tuple[str, int], Any], p: Piece) -> Any:
     """The ``verify`` of a piece's need: its part of its chunk's check, if the chunk has one."""
     check = checks.get((p.chunk.blob, p.chunk.offset))
-    return None if check is None else piece_verify(check, p.lo, p.nbytes)
+    if check is None or isinstance(check, WholeCheck):
+        return check
+    return functools.partial(check.add, p.lo, p.nbytes)

@@ -10,20 +10,23 @@ against the targets), and every blob read is compared with the manifest after th
 
 from __future__ import annotations
 
+import asyncio
 import bisect
 import functools
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from manifest import Entry, Location, Manifest, is_container
+from manifest import Entry, Location, Manifest, is_container, reference_of
 from snapshot._engine.format.manifest_io import open_linked
 from snapshot._engine.handlers import for_entry
-from snapshot._engine.restore.reads import Need, check_blob_sizes, pieces
+from snapshot._engine.io.storage_calls import call
+from snapshot._engine.restore.reads import Need, label_of, pieces
 from snapshot._engine.runtime import run
 from snapshot.errors import CorruptSnapshotError
 from snapshot.options import Options
 from snapshot.sharding.mapping import LocalNonpersistentObject
+from storage_plugins import StoragePlugin
 
 # Reads into new memory that claim no more than this in all are planned without asking the
 # store (a small read_object would pay a request per blob); past it, each claim is asked about.
@@ -74,6 +77,46 @@ def check_disjoint(path: str, locations: Sequence[Location]) -> None:
                 "value once"
             )
         end = max(end, loc.offset + loc.nbytes)
+
+
+async def check_blob_sizes(
+    plugin: StoragePlugin,
+    paths: Mapping[str, Iterable[str]],
+    expected: Mapping[str, int],
+    jobs: int,
+    options: Options,
+    *,
+    before: bool = False,
+) -> None:
+    """Asks the size of each blob of ``paths`` (blob -> the entries reading it), ``jobs`` at a
+    time: fails on one shorter than ``expected``, or after the reads (not ``before``) longer,
+    but for a base's."""
+    blobs = iter(paths.items())
+
+    async def worker() -> None:
+        for blob, readers in blobs:
+            label = label_of(readers)
+            ask = functools.partial(plugin.size, blob)
+            size = await call(plugin, "read", blob, label, ask, options=options)
+            want = expected[blob]
+            if size is None or size == want:
+                continue
+            if size > want and (before or reference_of(blob) is not None):
+                continue
+            how = "longer" if size > want else "shorter"
+            raise CorruptSnapshotError(
+                f"{label}: blob {plugin.describe(blob)} is {how} than the manifest says "
+                f"({size:,} bytes; the manifest's last range in it ends at {want:,})"
+                + (", found before reading" if before else "")
+            )
+
+    tasks = [asyncio.ensure_future(worker()) for _ in range(min(jobs, len(paths)))]
+    try:
+        await asyncio.gather(*tasks)
+    except BaseException:
+        for task in tasks:  # the others stop asking: the plugin is about to be closed
+            task.cancel()
+        raise
 
 
 @dataclass

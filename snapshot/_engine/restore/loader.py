@@ -25,6 +25,7 @@ from snapshot._engine.io.pipeline import IOStats, ReadRequest, read_all
 from snapshot._engine.restore.checks import (
     CHECK_PIECE_BYTES,
     ClaimCheck,
+    check_blob_sizes,
     check_needs,
     locations_read,
 )
@@ -32,7 +33,6 @@ from snapshot._engine.restore.reads import (
     Landing,
     Need,
     ScratchPool,
-    check_blob_sizes,
     coalesce,
 )
 from snapshot._engine.runtime import naming_snapshot, run

@@ -8,7 +8,6 @@ one blob merge into one scatter read (``coalesce``).
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import logging
 import math
@@ -20,7 +19,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from manifest import Entry, Location, TensorEntry, reference_of
+from manifest import Entry, Location, TensorEntry
 from snapshot._engine.format.serialization import (
     LocationCheck,
     WholeCheck,
@@ -36,15 +35,12 @@ from snapshot._engine.format.serialization import (
 )
 from snapshot._engine.io import device
 from snapshot._engine.io.pipeline import ReadRequest, Segment
-from snapshot._engine.io.storage_calls import call
 from snapshot.errors import (
     CorruptSnapshotError,
     ShapeMismatchError,
     StateMismatchError,
     UnsupportedValueError,
 )
-from snapshot.options import Options
-from storage_plugins import StoragePlugin
 
 logger = logging.getLogger(__name__)
 _T = TypeVar("_T")
@@ -56,11 +52,12 @@ class Need(Segment):
     them. ``scratch_bytes``: the memory ``dest`` allocates and ``done`` frees. ``owner``: the
     app_state key whose live state the bytes land in (None: a new value)."""
 
-    blob: str
-    offset: int
-    done: Callable[[], None] | None
-    scratch_bytes: int
-    label: str
+    # Defaults only because Segment's last fields have them; ``__init__`` below sets all.
+    blob: str = ""
+    offset: int = 0
+    done: Callable[[], None] | None = None
+    scratch_bytes: int = 0
+    label: str = ""
 
     def __init__(
         self,
@@ -391,46 +388,6 @@ def label_of(paths: Iterable[str]) -> str:
     labels = set(paths)
     first = min(labels)
     return first if len(labels) == 1 else f"{first} and {len(labels) - 1} more"
-
-
-async def check_blob_sizes(
-    plugin: StoragePlugin,
-    paths: Mapping[str, Iterable[str]],
-    expected: Mapping[str, int],
-    jobs: int,
-    options: Options,
-    *,
-    before: bool = False,
-) -> None:
-    """Asks the size of each blob of ``paths`` (blob -> the entries reading it), ``jobs`` at a
-    time: fails on one shorter than ``expected``, or after the reads (not ``before``) longer,
-    but for a base's."""
-    blobs = iter(paths.items())
-
-    async def worker() -> None:
-        for blob, readers in blobs:
-            label = label_of(readers)
-            ask = functools.partial(plugin.size, blob)
-            size = await call(plugin, "read", blob, label, ask, options=options)
-            want = expected[blob]
-            if size is None or size == want:
-                continue
-            if size > want and (before or reference_of(blob) is not None):
-                continue
-            how = "longer" if size > want else "shorter"
-            raise CorruptSnapshotError(
-                f"{label}: blob {plugin.describe(blob)} is {how} than the manifest says "
-                f"({size:,} bytes; the manifest's last range in it ends at {want:,})"
-                + (", found before reading" if before else "")
-            )
-
-    tasks = [asyncio.ensure_future(worker()) for _ in range(min(jobs, len(paths)))]
-    try:
-        await asyncio.gather(*tasks)
-    except BaseException:
-        for task in tasks:  # the others stop asking: the plugin is about to be closed
-            task.cancel()
-        raise
 
 
 # ---------------------------------------------------------------------------------------------
