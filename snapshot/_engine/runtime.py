@@ -98,8 +98,8 @@ class Runtime:
             return self._heartbeat
 
     def copier(self) -> DaemonThreadPool:
-        """The thread that hands an async take's staged writes over to the I/O loop while its
-        call returns (``take.release_writes``)."""
+        """The thread that copies an async take's large host tensors into their pooled
+        buffers while the caller plans the rest (``io/copier.py``)."""
         with self.lock:
             if self._copier is None:
                 self._copier = DaemonThreadPool(1, thread_name_prefix="statesnap-stage")
