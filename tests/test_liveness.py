@@ -66,6 +66,27 @@ def test_a_silent_peer_is_named_after_the_bound_and_the_group_is_broken(store):
     stop.set()
 
 
+def test_peers_silent_in_the_same_outage_are_named_together(store):
+    """A host cut off stops its ranks' beats at once, but each last beat lands at its own time:
+    when the first passes the bound, a peer still for half of it is named with it; a live one
+    is not."""
+    stop, stop_3, release = threading.Event(), threading.Event(), threading.Event()
+    beat(store, 1, stop)  # alive throughout
+    store.add(liveness.HEARTBEAT_KEY.format(2), 1)  # silent from the start
+    beat(store, 3, stop_3)  # silent a third of the bound later
+    threading.Timer(0.35, stop_3.set).start()
+    watch = liveness.Watch(0, [0, 1, 2, 3], rank_timeout=1.0, collective_timeout=600)
+    with pytest.raises(Lost) as info:
+        watch.run(release.wait, lost)
+    why, failures = info.value.args
+    assert "rank(s) [2, 3] fell silent" in why and sorted(failures) == [2, 3], info.value
+    assert "no heartbeat for 1.0 s" in failures[2], failures
+    still_3 = float(failures[3].split("for ")[1].split(" s")[0])
+    assert 0.5 <= still_3 < 1.0, failures
+    release.set()
+    stop.set()
+
+
 def test_live_peers_are_waited_for_past_the_bound(store):
     stop = threading.Event()
     beat(store, 1, stop)

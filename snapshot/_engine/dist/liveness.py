@@ -147,10 +147,13 @@ class Watch:
             if silent:
                 why = f"no heartbeat for {self.rank_timeout:g} s"
                 self.broken = (
-                    f"rank(s) {silent} fell silent: {why} (Options.rank_timeout_secs, "
+                    f"rank(s) {sorted(silent)} fell silent: {why} (Options.rank_timeout_secs, "
                     "STATESNAP_RANK_TIMEOUT_SECS); a process frozen or its host unreachable"
                 )
-                failures = {r: f"{why} (process frozen, or its host unreachable)" for r in silent}
+                failures = {
+                    r: f"no heartbeat for {still:.1f} s (process frozen, or its host unreachable)"
+                    for r, still in sorted(silent.items())
+                }
                 raise lost(self.broken, failures)
 
     @staticmethod
@@ -168,18 +171,24 @@ class Watch:
         threading.Thread(target=run, name="statesnap-collective", daemon=True).start()
         return future
 
-    def _silent(self, store: Any, seen: dict[int, tuple[bytes, float]]) -> list[int]:
-        """The peers whose heartbeat has not moved for ``rank_timeout`` seconds of this rank's
-        clock (counted from this wait's first read, at the earliest)."""
+    def _silent(self, store: Any, seen: dict[int, tuple[bytes, float]]) -> dict[int, float]:
+        """Peer -> seconds its heartbeat has not moved (of this rank's clock, counted from this
+        wait's first read at the earliest), once one peer's reaches ``rank_timeout``; {} before.
+        With it go the peers still for half the bound or more: a live peer beats every
+        ``interval``, so those missed ten beats in a row and are in the same outage (a host
+        cut off stops all its ranks' beats at once, but each last beat landed at its own time).
+        """
         now = time.monotonic()
-        silent = []
+        still: dict[int, float] = {}
         for peer, value in zip(self.peers, store.multi_get(self.keys), strict=True):
             last = seen.get(peer)
             if last is None or last[0] != value:
                 seen[peer] = (value, now)
-            elif now - last[1] >= self.rank_timeout:
-                silent.append(peer)
-        return silent
+            else:
+                still[peer] = now - last[1]
+        if not any(s >= self.rank_timeout for s in still.values()):
+            return {}
+        return {p: s for p, s in still.items() if s >= self.rank_timeout / 2}
 
     def _stopped_beating(self, store: Any) -> list[int]:
         """After the collective failed: the peers that neither beat within a short window nor

@@ -453,7 +453,9 @@ async def begin(plugin: StoragePlugin, where: str, options: Options) -> asyncio.
     *found, listed = await asyncio.gather(
         *checks, call(plugin, "list", "", where, listing, options=options)
     )
-    if found[0]:
+    names_there: list[str] = list(listed) if isinstance(listed, (list, tuple)) else []
+    # The listing ran beside the checks: a take racing this one may have committed between.
+    if found[0] or MANIFEST_NAME in names_there:
         raise SnapshotExistsError(
             f"{where} already holds a snapshot; take a new one at another path, "
             "or delete this one first"
@@ -466,7 +468,6 @@ async def begin(plugin: StoragePlugin, where: str, options: Options) -> asyncio.
             )
     # Nor into a directory holding files of its own (stores that list cheaply only: local
     # disk, memory, S3); missing, empty, or holding what an interrupted take left is fine.
-    names_there: list[str] = list(listed) if isinstance(listed, (list, tuple)) else []
     others = sorted(n for n in names_there if TAKE_DEBRIS.fullmatch(n) is None)
     if others:
         shown = ", ".join(repr(n) for n in others[:5]) + (", ..." if len(others) > 5 else "")
