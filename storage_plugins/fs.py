@@ -136,21 +136,28 @@ def _fill(buf: memoryview, views: Sequence[memoryview]) -> Iterator[int]:
         yield fill
 
 
-def _write_direct(fd: int, views: Sequence[memoryview], observe: Observer | None) -> bool:
-    """Writes ``views`` to ``fd`` (opened with O_DIRECT, at offset 0) through this thread's
-    aligned buffer, observing each piece from the buffer after its write. False when the first
-    write is refused (EINVAL): nothing is then written or observed."""
+def _write_all(fd: int, views: list[memoryview], observe: Observer | None, direct: bool) -> bool:
+    """Writes ``views`` to ``fd`` (at offset 0). Unobserved page-cache writes go from ``views``
+    by vectored calls; the others through this thread's aligned buffer, each buffer-full
+    observed once written (never ``views``, which another thread may change meanwhile). With
+    ``direct`` (``fd`` opened with O_DIRECT) each piece is padded to ``_DIRECT_ALIGN`` and the
+    file cut back; False when the first direct write is refused (EINVAL): nothing is then
+    written or observed."""
+    write = functools.partial(os.writev, fd)
+    if observe is None and not direct:
+        _move(views, write, _MAX_CALL_BYTES)
+        return True
     buf = _bounce_buffer()
     pos = 0
     for fill in _fill(buf, views):
-        padded = -(-fill // _DIRECT_ALIGN) * _DIRECT_ALIGN
-        buf[fill:padded] = bytes(padded - fill)  # no stale memory reaches the disk
+        end = -(-fill // _DIRECT_ALIGN) * _DIRECT_ALIGN if direct else fill
+        buf[fill:end] = bytes(end - fill)  # no stale memory reaches the disk
         done = 0
-        while done < padded:
+        while done < end:
             try:
-                n = os.pwrite(fd, buf[done:padded], pos + done)
+                n = os.pwrite(fd, buf[done:end], pos + done) if direct else write([buf[done:end]])
             except OSError as e:
-                if pos == 0 and done == 0 and e.errno == errno.EINVAL:
+                if direct and pos == done == 0 and e.errno == errno.EINVAL:
                     return False
                 raise
             if n <= 0:
@@ -159,22 +166,9 @@ def _write_direct(fd: int, views: Sequence[memoryview], observe: Observer | None
         if observe is not None:
             observe(buf[:fill])
         pos += fill
-        if fill < padded:
+        if fill < end:
             os.ftruncate(fd, pos)
     return True
-
-
-def _write_all(fd: int, views: list[memoryview], observe: Observer | None) -> None:
-    """Writes ``views``; with ``observe``, through this thread's buffer, each buffer-full
-    observed once written (never ``views``, which another thread may change meanwhile)."""
-    write = functools.partial(os.writev, fd)
-    if observe is None:
-        _move(views, write, _MAX_CALL_BYTES)
-        return
-    buf = _bounce_buffer()
-    for fill in _fill(buf, views):
-        _move([buf[:fill]], write, _MAX_CALL_BYTES)
-        observe(buf[:fill])
 
 
 def _read_all(
@@ -408,9 +402,7 @@ class FSStoragePlugin(StoragePlugin):
                 return False
             raise
         try:
-            if not direct:
-                _write_all(fd, views, observe)
-            elif not _write_direct(fd, views, observe):
+            if not _write_all(fd, views, observe, bool(direct)):
                 return False
             if self._fsync:
                 os.fsync(fd)

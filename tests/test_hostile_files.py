@@ -495,10 +495,10 @@ def test_a_take_at_a_path_that_is_a_link_the_user_chose_works(tmp_path):
 def test_a_take_that_fails_on_a_full_disk_leaves_no_folders(tmp_path, monkeypatch, depth):
     real_write = fs_plugin._write_all
 
-    def full_disk(fd: int, views: Any, *args: Any, **kwargs: Any) -> None:
+    def full_disk(fd: int, views: Any, *args: Any, **kwargs: Any) -> bool:
         if sum(map(len, views)) > 256:  # the blobs; the pending marker goes through
             raise OSError(errno.ENOSPC, "No space left on device")
-        real_write(fd, views, *args, **kwargs)
+        return real_write(fd, views, *args, **kwargs)
 
     monkeypatch.setattr(fs_plugin, "_write_all", full_disk)
     target = tmp_path.joinpath(*[f"parent{i}" for i in range(depth)], "snap")
