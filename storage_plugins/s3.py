@@ -8,6 +8,7 @@ import contextlib
 import errno
 import itertools
 import os
+import sys
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any
 
@@ -261,10 +262,7 @@ class S3StoragePlugin(StoragePlugin):
     # -- reads -----------------------------------------------------------------------------------
 
     async def read(self, path: str) -> bytes:
-        async with self._slots:
-            response = await self._call_in_slot("get_object", path)
-            async with response["Body"] as body:
-                return await body.read()
+        return await self.read_limited(path, sys.maxsize)
 
     async def read_limited(self, path: str, limit: int) -> bytes:
         # One GET: its Content-Length is checked before any of the body is read, and the body
