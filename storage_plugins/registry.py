@@ -25,7 +25,6 @@ _BUILTIN: dict[str, tuple[str, str | None]] = {
     "s3": ("storage_plugins.s3:S3StoragePlugin", "pip install 'statesnap[s3]'"),
     "s3a": ("storage_plugins.s3:S3StoragePlugin", "pip install 'statesnap[s3]'"),
 }
-_FSSPEC = "storage_plugins.fsspec_plugin:FSSpecStoragePlugin"
 
 _registered: dict[str, PluginFactory] = {}
 
@@ -71,17 +70,6 @@ def _entry_points(path: tuple[str, ...]) -> dict[str, Any]:
     return {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP)}
 
 
-def _fsspec_knows(protocol: str) -> bool:
-    try:
-        from fsspec.registry import (  # type: ignore[import-untyped]
-            known_implementations,
-            registry,
-        )
-    except ImportError:
-        return False
-    return protocol in registry or protocol in known_implementations
-
-
 def resolve_factory(protocol: str) -> tuple[PluginFactory, str]:
     """Finds the factory for ``protocol`` and says where it came from.
 
@@ -97,14 +85,16 @@ def resolve_factory(protocol: str) -> tuple[PluginFactory, str]:
         ep = _entry_points(tuple(sys.path)).get(protocol)
         if ep is not None:
             return ep.load(), "entry point"
-        if not _fsspec_knows(protocol):
+        from fsspec.registry import known_implementations, registry  # type: ignore[import-untyped]
+
+        if protocol not in registry and protocol not in known_implementations:
             known = sorted({*_BUILTIN, *_registered})
             raise ValueError(
                 f"no storage plugin for {protocol}://; built-in and registered: "
                 f"{', '.join(known)}. Third-party plugins register under the entry-point group "
                 f"{ENTRY_POINT_GROUP!r}."
             )
-        target = _FSSPEC
+        target = "storage_plugins.fsspec_plugin:FSSpecStoragePlugin"
     module, _, attr = target.partition(":")
     try:
         return getattr(importlib.import_module(module), attr), "built-in"
