@@ -6,7 +6,6 @@ import abc
 import asyncio
 import errno
 import functools
-import os
 import queue
 import threading
 import weakref
@@ -268,9 +267,8 @@ class DaemonThreadPool(ThreadPoolExecutor):
     """
 
     def __init__(self, max_workers: int | None = None, thread_name_prefix: str = "") -> None:
-        super().__init__(max_workers, thread_name_prefix)
-        most = max_workers if max_workers is not None else min(32, (os.cpu_count() or 1) + 4)
-        self._daemons = _Daemons(most, thread_name_prefix or "pool")
+        super().__init__(max_workers, thread_name_prefix)  # (sets ``_max_workers``)
+        self._daemons = _Daemons(self._max_workers, thread_name_prefix or "pool")
         # A pool dropped without ``shutdown`` lets its threads go; not at exit (see above).
         weakref.finalize(self, self._daemons.stop, False).atexit = False
 

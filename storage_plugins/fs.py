@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator, Sequence
 from itertools import islice
 from typing import Any, TypeVar
 
-from storage_plugins import base, host
+from storage_plugins import base
 from storage_plugins.base import BlobTooLargeError, Buffer, StoragePlugin, UnsafeBlobError
 
 logger = logging.getLogger(__name__)
@@ -34,7 +34,6 @@ Observer = Callable[[memoryview], None]
 _NEW_FILE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
-_NOT_NAMES = frozenset({"", ".", ".."})
 _KINDS = (
     (stat.S_ISLNK, "a symbolic link"),
     (stat.S_ISFIFO, "a FIFO"),
@@ -70,6 +69,46 @@ _DIRECT_PIECE_BYTES = 4 << 20
 # Smaller files go through the page cache: a direct write of a few KiB waits on the device.
 _DIRECT_MIN_BYTES = 1 << 20
 _bounce = threading.local()
+
+# A VM guest whose kernel reports its free memory to the host (virtio-balloon's free page
+# reporting) gives freed pages back a second or two after they are freed, and allocating them
+# again then faults on the host: writing through the page cache then pays those faults for
+# every page, where direct I/O reuses one buffer per thread (figures:
+# benchmarks/results/2026-11-23-ba9f183-8e60bb4-settled-memory.md). On such a machine "auto"
+# writes directly also without fsync. Read from sysfs: the balloon device (virtio device id 5)
+# and its negotiated feature bits, one character per bit (VIRTIO_BALLOON_F_REPORTING is bit 5).
+_VIRTIO_DEVICES = "/sys/bus/virtio/devices"
+_VIRTIO_ID_BALLOON = 5
+_VIRTIO_BALLOON_F_REPORTING = 5
+
+
+@functools.cache
+def direct_without_fsync() -> bool:
+    """Whether the local plugin's ``direct_io="auto"`` writes directly also without fsync: on a
+    VM that hands its free memory back to the host, a virtio balloon device with free page
+    reporting (decided once per process, said once)."""
+    try:
+        names = os.listdir(_VIRTIO_DEVICES)
+    except OSError:
+        return False
+    for name in names:
+        try:
+            with open(os.path.join(_VIRTIO_DEVICES, name, "device")) as f:
+                if int(f.read().strip(), 16) != _VIRTIO_ID_BALLOON:
+                    continue
+            with open(os.path.join(_VIRTIO_DEVICES, name, "features")) as f:
+                bits = f.read().strip()
+        except (OSError, ValueError):
+            continue
+        if len(bits) > _VIRTIO_BALLOON_F_REPORTING and bits[_VIRTIO_BALLOON_F_REPORTING] == "1":
+            logger.info(
+                "this machine hands its free memory back to the host (virtio-balloon free page "
+                "reporting), which makes page-cache memory slow to allocate: files of 1 MiB and "
+                "more are written with direct I/O also without fsync "
+                "(storage_options direct_io=False writes them through the page cache)"
+            )
+            return True
+    return False
 
 
 def _bounce_buffer() -> memoryview:
@@ -210,12 +249,9 @@ def missing_folders(path: str) -> list[str]:
     ``os.makedirs(path)`` would make."""
     missing = []
     path = os.path.abspath(path)
-    while not os.path.lexists(path):
+    while not os.path.lexists(path):  # ("/" exists)
         missing.append(path)
-        parent = os.path.dirname(path)
-        if parent == path:
-            break
-        path = parent
+        path = os.path.dirname(path)
     return missing
 
 
@@ -252,7 +288,7 @@ class FSStoragePlugin(StoragePlugin):
             raise ValueError("direct_io=True needs O_DIRECT, which this platform does not have")
         # Turned off for good when the file system refuses direct I/O.
         if direct == "auto":
-            direct = self._fsync or (bool(O_DIRECT) and host.direct_without_fsync())
+            direct = self._fsync or (bool(O_DIRECT) and direct_without_fsync())
         self._direct = bool(O_DIRECT) and direct
         self.root = os.path.abspath(os.path.expanduser(root.removeprefix("file://")))
         # The root as the user named it may be a link (their choice): resolved once, here.
@@ -288,16 +324,6 @@ class FSStoragePlugin(StoragePlugin):
                 raise
             raise _unsafe(self.describe(path), mode) from error
 
-    def _make_root(self) -> None:
-        """Creates the root and its missing ancestors, remembering which (under a lock)."""
-        with self._making_root:
-            for path in reversed(missing_folders(self._base)):
-                try:
-                    os.mkdir(path)
-                except FileExistsError:
-                    continue  # made meanwhile (another process, another rank)
-                self._made_above.append(path)
-
     def _open_dir(self, parts: Sequence[str], create: bool = False) -> int:
         """A descriptor of the directory ``root/parts...``, each component opened relative to
         its parent without following a link; with ``create``, missing ones are made."""
@@ -306,7 +332,13 @@ class FSStoragePlugin(StoragePlugin):
         except FileNotFoundError:
             if not create:
                 raise
-            self._make_root()
+            with self._making_root:  # the root and its missing ancestors, remembered
+                for folder in reversed(missing_folders(self._base)):
+                    try:
+                        os.mkdir(folder)
+                    except FileExistsError:
+                        continue  # made meanwhile (another process, another rank)
+                    self._made_above.append(folder)
             fd = self._openat(None, self._base, _DIR_FLAGS, "")
         try:
             for i, name in enumerate(parts):
@@ -333,7 +365,7 @@ class FSStoragePlugin(StoragePlugin):
         """A read-only descriptor of blob ``path`` and its ``fstat``: a regular file reached
         from the root without following a link (nor a ``..``, ``.`` or empty part)."""
         *dirs, name = parts = path.split("/")
-        if any(part in _NOT_NAMES for part in parts):
+        if any(part in ("", ".", "..") for part in parts):
             raise UnsafeBlobError(f"{self.describe(path)}: not a path below the root")
         parent = self._open_dir(dirs)
         try:

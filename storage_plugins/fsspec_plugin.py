@@ -41,8 +41,7 @@ class FSSpecStoragePlugin(StoragePlugin):
         self.fs = cls(**options)
 
     def _full(self, path: str) -> str:
-        where = f"{self.protocol}://{self.root}/{path}"
-        return f"{self.root}/{check_below_root(path, where)}"
+        return f"{self.root}/{check_below_root(path, self.describe(path))}"
 
     def describe(self, path: str) -> str:
         return f"{self.protocol}://{self.root}/{path}"

@@ -461,7 +461,7 @@ def test_fs_direct_writes_every_byte_once_from_aligned_memory(tmp_path, monkeypa
 
 
 class _FakeVirtio:
-    """A sysfs tree of virtio devices for ``host.reports_free_memory`` to read."""
+    """A sysfs tree of virtio devices for ``fs.direct_without_fsync`` to read."""
 
     def __init__(self, root) -> None:
         self.root = root
@@ -478,12 +478,12 @@ class _FakeVirtio:
 
 @pytest.fixture
 def fake_virtio(tmp_path, monkeypatch):
-    from storage_plugins import host
+    from storage_plugins import fs
 
-    monkeypatch.setattr(host, "_VIRTIO_DEVICES", str(tmp_path / "virtio-devices"))
-    host.direct_without_fsync.cache_clear()  # decided once per process: again from the fake
+    monkeypatch.setattr(fs, "_VIRTIO_DEVICES", str(tmp_path / "virtio-devices"))
+    fs.direct_without_fsync.cache_clear()  # decided once per process: again from the fake
     yield _FakeVirtio(tmp_path / "virtio-devices")
-    host.direct_without_fsync.cache_clear()  # and again from the machine after the test
+    fs.direct_without_fsync.cache_clear()  # and again from the machine after the test
 
 
 @pytest.mark.parametrize(
@@ -498,18 +498,22 @@ def fake_virtio(tmp_path, monkeypatch):
     ],
 )
 def test_fs_reports_free_memory_reads_the_balloon_device_features(fake_virtio, devices, expected):
-    from storage_plugins import host
+    from storage_plugins import fs
 
     for name, ident, bits in devices:
         fake_virtio.device(name, ident, bits)
-    assert host.reports_free_memory() is expected
+    assert fs.direct_without_fsync() is expected
 
 
 def test_fs_reports_free_memory_is_false_without_virtio(tmp_path, monkeypatch):
-    from storage_plugins import host
+    from storage_plugins import fs
 
-    monkeypatch.setattr(host, "_VIRTIO_DEVICES", str(tmp_path / "missing"))
-    assert host.reports_free_memory() is False
+    monkeypatch.setattr(fs, "_VIRTIO_DEVICES", str(tmp_path / "missing"))
+    fs.direct_without_fsync.cache_clear()
+    try:
+        assert fs.direct_without_fsync() is False
+    finally:
+        fs.direct_without_fsync.cache_clear()
 
 
 def test_fs_auto_direct_without_fsync_is_said_once_per_process(fake_virtio, caplog):
