@@ -233,6 +233,12 @@ def observed_copy(buffers: Sequence[Buffer], observe: Callable[[memoryview], Non
     return data
 
 
+def short_read(where: str, end: int, wanted: int) -> EOFError:
+    """The error for a read of the blob ``where``, which ends at byte ``end``, of the bytes up
+    to ``wanted``."""
+    return EOFError(f"{where} ends at byte {end}, but bytes up to {wanted} were requested")
+
+
 def _observe_all(buffers: Sequence[Buffer], observe: Callable[[memoryview], None]) -> None:
     for b in buffers:
         if len(b):

@@ -222,7 +222,7 @@ def _read_all(
         nonlocal pos
         n = os.preadv(fd, batch, pos)
         if n == 0:
-            raise EOFError(f"{name} ends at byte {pos}, but bytes up to {total} were requested")
+            raise base.short_read(name, pos, total)
         pos += n
         return n
 

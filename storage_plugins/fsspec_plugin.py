@@ -9,7 +9,7 @@ from typing import Any
 import fsspec  # type: ignore[import-untyped]
 from fsspec.asyn import AsyncFileSystem  # type: ignore[import-untyped]
 
-from storage_plugins.base import BlobTooLargeError, Buffer, StoragePlugin
+from storage_plugins.base import BlobTooLargeError, Buffer, StoragePlugin, short_read
 from storage_plugins.registry import check_below_root
 
 
@@ -76,15 +76,11 @@ class FSSpecStoragePlugin(StoragePlugin):
 
     async def read_into(self, path: str, offset: int, out: memoryview) -> None:
         if len(out) == 0:
-            if not await self.exists(path):
-                raise FileNotFoundError(f"no blob {self.describe(path)}")
+            await self.size(path)  # FileNotFoundError when there is none
             return
         data = await self._call("cat_file", self._full(path), start=offset, end=offset + len(out))
         if len(data) != len(out):
-            raise EOFError(
-                f"{self.describe(path)} ends at byte {offset + len(data)}, "
-                f"but bytes up to {offset + len(out)} were requested"
-            )
+            raise short_read(self.describe(path), offset + len(data), offset + len(out))
         out[:] = data
 
     async def size(self, path: str) -> int | None:

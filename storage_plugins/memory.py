@@ -6,7 +6,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-from storage_plugins.base import Buffer, StoragePlugin
+from storage_plugins.base import Buffer, StoragePlugin, short_read
 from storage_plugins.registry import check_below_root
 
 # One store per process, so that a snapshot taken to memory://x can be opened again by path.
@@ -67,10 +67,7 @@ class MemoryStoragePlugin(StoragePlugin):
         data = memoryview(self._get(path))
         end = offset + sum(len(o) for o in outs)
         if end > len(data):
-            raise EOFError(
-                f"{self.describe(path)} holds {len(data)} bytes, "
-                f"but bytes up to {end} were requested"
-            )
+            raise short_read(self.describe(path), len(data), end)
         for out in outs:
             out[:] = data[offset : offset + len(out)]
             offset += len(out)
@@ -100,8 +97,6 @@ class MemoryStoragePlugin(StoragePlugin):
             return _key(self.root, path) in _STORE
 
     async def delete(self, path: str) -> None:
+        self._get(path)  # FileNotFoundError when there is none
         with _LOCK:
-            try:
-                del _STORE[_key(self.root, path)]
-            except KeyError:
-                raise FileNotFoundError(f"no blob {self.describe(path)}") from None
+            _STORE.pop(_key(self.root, path), None)

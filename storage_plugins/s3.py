@@ -17,7 +17,8 @@ import s3fs  # type: ignore[import-untyped]
 from botocore.config import Config  # type: ignore[import-untyped]
 from botocore.exceptions import HTTPClientError, ResponseStreamingError  # type: ignore[import-untyped]
 
-from storage_plugins.base import BlobTooLargeError, Buffer, StoragePlugin, observed_copy, off_loop
+from storage_plugins import base
+from storage_plugins.base import BlobTooLargeError, Buffer, StoragePlugin
 from storage_plugins.registry import check_below_root
 
 _MIB = 1 << 20
@@ -188,7 +189,7 @@ class S3StoragePlugin(StoragePlugin):
             await self._multipart(path, views, total, observe)
             return
         if observe is not None:
-            views = [memoryview(await off_loop(total, observed_copy, views, observe))]
+            views = [memoryview(await base.off_loop(total, base.observed_copy, views, observe))]
         await self._call("put_object", path, Body=Body(views))
 
     async def write_if_absent(self, path: str, buffers: Sequence[Buffer]) -> None:
@@ -237,7 +238,7 @@ class S3StoragePlugin(StoragePlugin):
                     try:
                         if failed := [e for t in tasks if t.done() and (e := t.exception())]:
                             raise failed[0]  # an upload failed: no more copies
-                        data = await asyncio.to_thread(observed_copy, pieces, observe)
+                        data = await asyncio.to_thread(base.observed_copy, pieces, observe)
                     except BaseException:
                         copies.release()
                         raise
@@ -301,8 +302,7 @@ class S3StoragePlugin(StoragePlugin):
         # Each piece is observed as it lands, while it is in the CPU's cache.
         total = sum(len(o) for o in outs)
         if total == 0:
-            if not await self.exists(path):
-                raise FileNotFoundError(errno.ENOENT, f"no object {self.describe(path)}")
+            await self._call("head_object", path)  # FileNotFoundError when there is none
             return
         async with self._slots:
             response = await self._call_in_slot(
@@ -315,10 +315,7 @@ class S3StoragePlugin(StoragePlugin):
             async with response["Body"] as body:
                 got = await _scatter(body, outs, observe)
         if got < total:
-            raise EOFError(
-                f"{self.describe(path)} ends at byte {offset + got}, "
-                f"but bytes up to {offset + total} were requested"
-            )
+            raise base.short_read(self.describe(path), offset + got, offset + total)
 
     # -- metadata --------------------------------------------------------------------------------
 
