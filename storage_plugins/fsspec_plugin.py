@@ -91,10 +91,8 @@ class FSSpecStoragePlugin(StoragePlugin):
         return bool(await self._call("exists", self._full(path)))
 
     async def delete(self, path: str) -> None:
-        full = self._full(path)
-        if not await self._call("exists", full):
-            raise FileNotFoundError(f"no blob {self.describe(path)}")
-        await self._call("rm_file", full)
+        await self.size(path)  # FileNotFoundError when there is none
+        await self._call("rm_file", self._full(path))
 
     async def delete_all(self) -> None:
         if await self._call("exists", self.root):
