@@ -13,7 +13,7 @@ every value (``new_empty``), which the wrappers refuse: it is not supported.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -28,6 +28,7 @@ from snapshot.sharding.mapping import (
     LocalNonpersistentObject,
     ShardedBase,
     ShardedTensor,
+    _leaves,
     is_main_replica,
 )
 
@@ -293,20 +294,6 @@ class LocalShardsContainer(_Wrapper):
         return f"key={key!r}, global_shape={tuple(self.shape)}, shards=[{shards}]"
 
 
-def _leaves(tree: Any, path: str) -> Iterator[tuple[str, Any]]:
-    """(dotted path, leaf) for every leaf below the dicts and lists of ``tree``, in order
-    (tuples are leaves, as everywhere in :mod:`snapshot.sharding`)."""
-    if isinstance(tree, Mapping):
-        items: Iterable[tuple[Any, Any]] = tree.items()
-    elif isinstance(tree, list):
-        items = enumerate(tree)
-    else:
-        yield path, tree
-        return
-    for k, v in items:
-        yield from _leaves(v, f"{path}.{k}" if path else str(k))
-
-
 def to_dcp_state_dict(sharded_state_dict: Mapping[str, Any]) -> dict[str, Any]:
     """A flat state dict for ``torch.distributed.checkpoint.save`` / ``load``.
 
@@ -319,7 +306,8 @@ def to_dcp_state_dict(sharded_state_dict: Mapping[str, Any]) -> dict[str, Any]:
     """
     shards: dict[str, list[CheckpointableShardedTensor]] = {}
     others: dict[str, Any] = {}
-    for path, leaf in _leaves(sharded_state_dict, ""):
+    for names, leaf in _leaves(dict(sharded_state_dict)):
+        path = ".".join(map(str, names))
         if isinstance(leaf, ShardedTensor):
             shards.setdefault(leaf.key, []).append(CheckpointableShardedTensor.from_sh_ten(leaf))
         elif isinstance(leaf, ShardedBase):

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import abc
 import copy
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -354,15 +354,19 @@ def apply_factories(sharded_state_dict: ShardedStateDict) -> None:
     _map_leaves_inplace(build, sharded_state_dict)
 
 
+def _leaves(x: Any, path: tuple[Any, ...] = ()) -> Iterator[tuple[tuple[Any, ...], Any]]:
+    """(path, leaf) for every leaf below the dicts and lists of ``x`` (tuples are leaves), in
+    order; ``x`` itself, at ``()``, when it is a leaf."""
+    if not isinstance(x, (dict, list)):
+        yield path, x
+        return
+    for k, v in x.items() if isinstance(x, dict) else enumerate(x):
+        yield from _leaves(v, (*path, k))
+
+
 def _factories_in(x: Any) -> list[ShardedTensorFactory]:
     """The factories in the dicts and lists of ``x``, in order (``x`` is not changed)."""
-    if isinstance(x, ShardedTensorFactory):
-        return [x]
-    if isinstance(x, dict):
-        return [f for v in x.values() for f in _factories_in(v)]
-    if isinstance(x, list):
-        return [f for v in x for f in _factories_in(v)]
-    return []
+    return [leaf for _, leaf in _leaves(x) if isinstance(leaf, ShardedTensorFactory)]
 
 
 def apply_factory_merges(x: Any, factories: Any) -> Any:
