@@ -8,10 +8,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from manifest import Manifest, ShardedObjectEntry, ShardedTensorEntry
+from manifest import ShardedObjectEntry, ShardedTensorEntry
 from snapshot._engine import state_dicts
 from snapshot._engine.format import serialization as writers
-from snapshot._engine.format.manifest_io import load_manifest
 from snapshot._engine.format.serialization import dtype_from_name
 from snapshot._engine.io.async_queue import AsyncRequest
 from snapshot.errors import IncompatibleSnapshotError, SnapshotError
@@ -34,8 +33,10 @@ VERSION = writers.VERSION
 _STATE = "state"
 
 
-class SnapshotSaveStrategy(AsyncSaveShardedStrategy):
-    """Takes a snapshot of a whole state, both parts, in one pass."""
+class SnapshotSaveStrategy(AsyncSaveShardedStrategy, SaveCommonStrategy):
+    """Takes a snapshot of a whole state, both parts, in one pass; for callers that save the
+    parts separately, the common part and the sharded objects each in a snapshot of its own
+    under the checkpoint directory (``common``, ``sharded_objects``)."""
 
     def __init__(self, backend: str = BACKEND, version: int = VERSION) -> None:
         super().__init__(backend, version)
@@ -59,6 +60,12 @@ class SnapshotSaveStrategy(AsyncSaveShardedStrategy):
         job.start()
         job.release_writes()
         return AsyncRequest(async_fn=job.finish, async_fn_args=(background,))
+
+    def save_common(self, common_state_dict: Any, checkpoint_dir: str | Path) -> None:
+        self.save(common_state_dict, _part_dir(checkpoint_dir, "common"))
+
+    def save_sharded_objects(self, sharded_objects_state_dict: Any, checkpoint_dir: str | Path):
+        self.save(sharded_objects_state_dict, _part_dir(checkpoint_dir, "sharded_objects"))
 
 
 class SnapshotLoadStrategy(LoadShardedStrategy, LoadCommonStrategy):
@@ -100,7 +107,7 @@ class SnapshotLoadStrategy(LoadShardedStrategy, LoadCommonStrategy):
 
     def load_tensors_metadata(self, checkpoint_dir: str | Path) -> dict[str, Any]:
         found: dict[str, Any] = {}
-        for path, entry in _manifest(checkpoint_dir).entries.items():
+        for path, entry in _entries(checkpoint_dir).items():
             if isinstance(entry, ShardedTensorEntry) and entry.key not in found:
                 shape = tuple(entry.shape)
                 found[entry.key] = ShardedTensor(
@@ -116,7 +123,7 @@ class SnapshotLoadStrategy(LoadShardedStrategy, LoadCommonStrategy):
 
     def load_sharded_metadata(self, checkpoint_dir: str | Path) -> dict[str, Any]:
         found = self.load_tensors_metadata(checkpoint_dir)
-        for entry in _manifest(checkpoint_dir).entries.values():
+        for entry in _entries(checkpoint_dir).values():
             if isinstance(entry, ShardedObjectEntry):
                 found.setdefault(entry.key, ShardedObject.empty_from_unique_key(entry.key))
         return found
@@ -134,27 +141,9 @@ class SnapshotLoadStrategy(LoadShardedStrategy, LoadCommonStrategy):
         return self.load(sharded_objects_state_dict, _part_dir(checkpoint_dir, "sharded_objects"))
 
 
-class SnapshotSaveCommonStrategy(SaveCommonStrategy):
-    """The common part and the sharded objects, each in a snapshot of its own under the
-    checkpoint directory (``common``, ``sharded_objects``), for callers that save the parts
-    separately."""
-
-    def __init__(self, backend: str = BACKEND, version: int = VERSION) -> None:
-        super().__init__(backend, version)
-
-    @property
-    def can_handle_sharded_objects(self) -> bool:
-        return True
-
-    def save_common(self, common_state_dict: Any, checkpoint_dir: str | Path) -> None:
-        SnapshotSaveStrategy(self.backend, self.version).save(
-            common_state_dict, _part_dir(checkpoint_dir, "common")
-        )
-
-    def save_sharded_objects(self, sharded_objects_state_dict: Any, checkpoint_dir: str | Path):
-        SnapshotSaveStrategy(self.backend, self.version).save(
-            sharded_objects_state_dict, _part_dir(checkpoint_dir, "sharded_objects")
-        )
+class SnapshotSaveCommonStrategy(SnapshotSaveStrategy):
+    """The strategy registered for the common part: :class:`SnapshotSaveStrategy`, which also
+    saves the parts apart."""
 
 
 def _dir(checkpoint_dir: object, call: str) -> str:
@@ -168,8 +157,9 @@ def _part_dir(checkpoint_dir: str | Path, part: str) -> str:
     return f"{_dir(checkpoint_dir, f'the {part} part').rstrip('/')}/{part}"
 
 
-def _manifest(checkpoint_dir: str | Path) -> Manifest:
-    return load_manifest(_dir(checkpoint_dir, "reading the metadata"), None)
+def _entries(checkpoint_dir: str | Path) -> dict[str, Any]:
+    """The entries of the snapshot at ``checkpoint_dir``, by logical path."""
+    return Snapshot(_dir(checkpoint_dir, "reading the metadata")).get_manifest()
 
 
 # The library's strategies for (``statesnap``, 1), registered on import.
