@@ -364,55 +364,47 @@ def _leaves(x: Any, path: tuple[Any, ...] = ()) -> Iterator[tuple[tuple[Any, ...
         yield from _leaves(v, (*path, k))
 
 
-def _factories_in(x: Any) -> list[ShardedTensorFactory]:
-    """The factories in the dicts and lists of ``x``, in order (``x`` is not changed)."""
-    return [leaf for _, leaf in _leaves(x) if isinstance(leaf, ShardedTensorFactory)]
-
-
 def apply_factory_merges(x: Any, factories: Any) -> Any:
     """Undoes :func:`apply_factories` on a loaded state, in place: where ``factories`` (the
     state before building) holds a factory, what ``x`` holds at that place becomes
     ``merge_fn(loaded)``; the rest is left as it is. ``ValueError`` (naming the path and the
-    factory) where ``x`` lacks the structure of ``factories`` around a factory."""
+    factory) where ``x`` lacks the structure of ``factories`` on the way to a factory."""
 
     def where(path: tuple[Any, ...]) -> str:
         return "/".join(map(str, path)) or "<root>"
 
-    def built_by(sub: Any) -> str:
-        return "factory " + ", ".join(repr(f.key) for f in _factories_in(sub))
-
-    def merge(loaded: Any, expected: Any, path: tuple[Any, ...]) -> Any:
-        if isinstance(expected, ShardedTensorFactory):
-            return expected.merge_fn(loaded)
-        if not _factories_in(expected):
-            return loaded
-        if isinstance(expected, dict):
-            if not isinstance(loaded, dict):
-                raise ValueError(
-                    f"apply_factory_merges: expected a dict at {where(path)!r} of the loaded "
-                    f"state (built by {built_by(expected)}), got {type(loaded).__name__}"
-                )
-            for k, v in expected.items():
-                if k in loaded:
-                    loaded[k] = merge(loaded[k], v, (*path, k))
-                elif _factories_in(v):
+    for path, factory in _leaves(factories):
+        if not isinstance(factory, ShardedTensorFactory):
+            continue
+        if not path:
+            return factory.merge_fn(x)
+        built = f"built by factory {factory.key!r}"
+        loaded, expected = x, factories
+        for depth, k in enumerate(path):
+            here = where(path[:depth])
+            if isinstance(expected, dict):
+                if not isinstance(loaded, dict):
                     raise ValueError(
-                        f"apply_factory_merges: key {where((*path, k))!r} (built by "
-                        f"{built_by(v)}) is missing from the loaded state"
+                        f"apply_factory_merges: expected a dict at {here!r} of the loaded "
+                        f"state ({built}), got {type(loaded).__name__}"
                     )
-            return loaded
-        # A list, since it holds a factory.
-        if not isinstance(loaded, list) or len(loaded) != len(expected):
-            got = f"a list of {len(loaded)}" if isinstance(loaded, list) else type(loaded).__name__
-            raise ValueError(
-                f"apply_factory_merges: expected a list of {len(expected)} at {where(path)!r} "
-                f"of the loaded state (built by {built_by(expected)}), got {got}"
-            )
-        for i, v in enumerate(expected):
-            loaded[i] = merge(loaded[i], v, (*path, i))
-        return loaded
-
-    return merge(x, factories, ())
+                if k not in loaded:
+                    raise ValueError(
+                        f"apply_factory_merges: key {where(path[: depth + 1])!r} ({built}) is "
+                        "missing from the loaded state"
+                    )
+            elif not isinstance(loaded, list) or len(loaded) != len(expected):
+                got = type(loaded).__name__
+                if isinstance(loaded, list):
+                    got = f"a list of {len(loaded)}"
+                raise ValueError(
+                    f"apply_factory_merges: expected a list of {len(expected)} at {here!r} "
+                    f"of the loaded state ({built}), got {got}"
+                )
+            if depth < len(path) - 1:
+                loaded, expected = loaded[k], expected[k]
+        loaded[path[-1]] = factory.merge_fn(loaded[path[-1]])
+    return x
 
 
 __all__ = [
