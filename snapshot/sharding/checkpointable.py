@@ -237,7 +237,8 @@ class LocalShardsContainer(_Wrapper):
         if not local_shards:
             raise ValueError("a LocalShardsContainer needs at least one shard")
         shards: list[CheckpointableShardedTensor] = []
-        for shard in local_shards:
+        seen: dict[torch.Size, int] = {}
+        for i, shard in enumerate(local_shards):
             if not isinstance(shard, CheckpointableShardedTensor):
                 raise ValueError(
                     "LocalShardsContainer holds CheckpointableShardedTensors, got "
@@ -245,9 +246,7 @@ class LocalShardsContainer(_Wrapper):
                     "CheckpointableShardedTensor.from_sh_ten"
                 )
             shards.append(shard)
-        first = shards[0]
-        seen: dict[torch.Size, int] = {}
-        for i, shard in enumerate(shards):
+            first = shards[0]
             mine = (shard._sh_ten.key, tuple(shard.shape), shard.dtype, shard.device)
             theirs = (first._sh_ten.key, tuple(first.shape), first.dtype, first.device)
             if mine != theirs:

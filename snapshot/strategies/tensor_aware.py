@@ -218,14 +218,12 @@ class BasicTensorAwareStateDict(TensorAwareStateDict):
 
     def _require(self, operation: str, hollow: bool) -> None:
         """Raises ``HollowStateError`` unless the state is hollow (``hollow``) or full."""
-        if self._hollow and not hollow:
+        if self._hollow != hollow:
             raise HollowStateError(
                 f"{operation}: the state is hollow (its tensors were popped and not inserted "
                 "back); call insert_tensors or init_tensors first"
-            )
-        if hollow and not self._hollow:
-            raise HollowStateError(
-                f"{operation}: the state is not hollow (it still holds its tensors); "
+                if self._hollow
+                else f"{operation}: the state is not hollow (it still holds its tensors); "
                 "call pop_tensors first"
             )
 
