@@ -333,15 +333,14 @@ class LocalNonpersistentObject:
 def _map_leaves_inplace(fn: Callable[[Any], Any], x: Any) -> Any:
     """Replaces every leaf below the dicts and lists of ``x`` (tuples are leaves) by
     ``fn(leaf)``, in place; returns ``x``, or ``fn(x)`` for a leaf."""
-    if isinstance(x, dict):
-        for k, v in x.items():
-            x[k] = _map_leaves_inplace(fn, v)
-        return x
-    if isinstance(x, list):
-        for i, v in enumerate(x):
-            x[i] = _map_leaves_inplace(fn, v)
-        return x
-    return fn(x)
+    for path, leaf in _leaves(x):
+        if not path:
+            return fn(leaf)
+        parent = x
+        for k in path[:-1]:
+            parent = parent[k]
+        parent[path[-1]] = fn(leaf)
+    return x
 
 
 def apply_factories(sharded_state_dict: ShardedStateDict) -> None:
