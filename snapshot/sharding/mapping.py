@@ -51,6 +51,9 @@ class ShardedBase(abc.ABC):
     def validate_metadata_integrity(self) -> None:
         """Raises ``ValueError`` (naming the key) if the description is inconsistent."""
 
+    def _error(self, message: str) -> ValueError:
+        return ValueError(f"{type(self).__name__} {self.key!r}: {message}")
+
     def without_data(self: _Sharded) -> _Sharded:
         """A copy with the same description and ``data=None``, e.g. to exchange metadata
         between ranks without the payload."""
@@ -94,9 +97,6 @@ class ShardedTensor(ShardedBase):
         if self.axis_fragmentations is not None:
             self.axis_fragmentations = _int_tuple(self.axis_fragmentations)
         self.validate_metadata_integrity()
-
-    def _error(self, message: str) -> ValueError:
-        return ValueError(f"ShardedTensor {self.key!r}: {message}")
 
     def validate_metadata_integrity(self) -> None:
         """Checks that data, shapes and offset agree; raises ``ValueError`` naming the key."""
@@ -255,15 +255,15 @@ class ShardedObject(ShardedBase):
     def validate_metadata_integrity(self) -> None:
         """Checks that the offset is a position in the grid."""
         if len(self.global_shape) != len(self.global_offset):
-            raise ValueError(
-                f"ShardedObject {self.key!r}: global_shape {self.global_shape} and global_offset "
-                f"{self.global_offset} have different numbers of axes"
+            raise self._error(
+                f"global_shape {self.global_shape} and global_offset {self.global_offset} have "
+                "different numbers of axes"
             )
         for axis, (off, glob) in enumerate(zip(self.global_offset, self.global_shape, strict=True)):
             if not 0 <= off < glob:
-                raise ValueError(
-                    f"ShardedObject {self.key!r}: global_offset {self.global_offset} is outside "
-                    f"global_shape {self.global_shape} on axis {axis}"
+                raise self._error(
+                    f"global_offset {self.global_offset} is outside global_shape "
+                    f"{self.global_shape} on axis {axis}"
                 )
 
     @property
@@ -312,7 +312,7 @@ class ShardedTensorFactory(ShardedBase):
     def build(self) -> Any:
         """The sharded state dict this factory stands for."""
         if self.data is None:
-            raise ValueError(f"ShardedTensorFactory {self.key!r} has no data to build from")
+            raise self._error("no data to build from")
         return self.build_fn(self.key, self.data, self.replica_id, self.flattened_range)
 
     def validate_metadata_integrity(self) -> None:

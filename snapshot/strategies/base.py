@@ -72,10 +72,8 @@ class SaveStrategyBase(abc.ABC):  # noqa: B024 - abstract in its subclasses' met
         self.backend = backend
         self.version = version
 
-    @property
-    def can_handle_sharded_objects(self) -> bool:
-        """Whether this strategy also saves ``ShardedObject`` leaves."""
-        return False
+    can_handle_sharded_objects: bool = False
+    """Whether this strategy also saves ``ShardedObject`` leaves."""
 
     def __str__(self) -> str:
         return f"{type(self).__name__}({self.backend}, {self.version})"
@@ -93,10 +91,8 @@ class LoadStrategyBase(abc.ABC):
         """Raises when data saved in format ``loaded_version`` cannot be loaded by this
         strategy."""
 
-    @property
-    def can_handle_sharded_objects(self) -> bool:
-        """Whether this strategy also loads ``ShardedObject`` leaves."""
-        return False
+    can_handle_sharded_objects: bool = False
+    """Whether this strategy also loads ``ShardedObject`` leaves."""
 
 
 def _check_part(part: str, backend: str, version: int) -> None:

@@ -38,12 +38,10 @@ class SnapshotSaveStrategy(AsyncSaveShardedStrategy, SaveCommonStrategy):
     parts separately, the common part and the sharded objects each in a snapshot of its own
     under the checkpoint directory (``common``, ``sharded_objects``)."""
 
+    can_handle_sharded_objects = True
+
     def __init__(self, backend: str = BACKEND, version: int = VERSION) -> None:
         super().__init__(backend, version)
-
-    @property
-    def can_handle_sharded_objects(self) -> bool:
-        return True
 
     def async_save(self, sharded_state_dict: Any, checkpoint_dir: str | Path) -> AsyncRequest:
         where = _dir(checkpoint_dir, "save")
@@ -71,16 +69,14 @@ class SnapshotSaveStrategy(AsyncSaveShardedStrategy, SaveCommonStrategy):
 class SnapshotLoadStrategy(LoadShardedStrategy, LoadCommonStrategy):
     """Loads snapshots whose parts were written by ``backend`` in one of ``versions``."""
 
+    can_handle_sharded_objects = True
+
     def __init__(self, backend: str = BACKEND, versions: tuple[int, ...] = (VERSION,)) -> None:
         self.backend = backend
         self.versions = versions
 
     def __str__(self) -> str:
         return f"{type(self).__name__}({self.backend}, versions {list(self.versions)})"
-
-    @property
-    def can_handle_sharded_objects(self) -> bool:
-        return True
 
     def check_backend_compatibility(self, loaded_backend: str) -> None:
         if loaded_backend != self.backend:
