@@ -42,8 +42,7 @@ def register_default_strategy(
     """Makes ``strategy`` the default for ``action`` on ``(backend, version)``."""
     if not isinstance(action, StrategyAction):
         raise TypeError(f"action must be a StrategyAction, got {action!r}")
-    saving = action in (StrategyAction.SAVE_COMMON, StrategyAction.SAVE_SHARDED)
-    expected = SaveStrategyBase if saving else LoadStrategyBase
+    expected = SaveStrategyBase if action.value.startswith("save") else LoadStrategyBase
     if not isinstance(strategy, expected):
         raise TypeError(
             f"a strategy for {action.value} must be a {expected.__name__}, got "

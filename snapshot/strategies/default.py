@@ -102,27 +102,10 @@ class SnapshotLoadStrategy(LoadShardedStrategy, LoadCommonStrategy):
         return dict(state)
 
     def load_tensors_metadata(self, checkpoint_dir: str | Path) -> dict[str, Any]:
-        found: dict[str, Any] = {}
-        for path, entry in _entries(checkpoint_dir).items():
-            if isinstance(entry, ShardedTensorEntry) and entry.key not in found:
-                shape = tuple(entry.shape)
-                found[entry.key] = ShardedTensor(
-                    key=entry.key,
-                    data=None,
-                    dtype=dtype_from_name(entry.dtype, path),
-                    local_shape=shape,
-                    global_shape=shape,
-                    global_offset=(0,) * len(shape),
-                    axis_fragmentations=(1,) * len(shape),
-                )
-        return found
+        return _described(checkpoint_dir, objects=False)
 
     def load_sharded_metadata(self, checkpoint_dir: str | Path) -> dict[str, Any]:
-        found = self.load_tensors_metadata(checkpoint_dir)
-        for entry in _entries(checkpoint_dir).values():
-            if isinstance(entry, ShardedObjectEntry):
-                found.setdefault(entry.key, ShardedObject.empty_from_unique_key(entry.key))
-        return found
+        return _described(checkpoint_dir, objects=True)
 
     def remove_sharded_tensors(self, checkpoint_dir: str | Path, key_prefix: str) -> None:
         raise SnapshotError(
@@ -153,9 +136,21 @@ def _part_dir(checkpoint_dir: str | Path, part: str) -> str:
     return f"{_dir(checkpoint_dir, f'the {part} part').rstrip('/')}/{part}"
 
 
-def _entries(checkpoint_dir: str | Path) -> dict[str, Any]:
-    """The entries of the snapshot at ``checkpoint_dir``, by logical path."""
-    return Snapshot(_dir(checkpoint_dir, "reading the metadata")).get_manifest()
+def _described(checkpoint_dir: str | Path, objects: bool) -> dict[str, Any]:
+    """Key -> data-less ``ShardedTensor`` (whole: its global shape and dtype) for each sharded
+    tensor of the snapshot at ``checkpoint_dir``; then, with ``objects``, unique key ->
+    data-less ``ShardedObject`` for each sharded object."""
+    entries = Snapshot(_dir(checkpoint_dir, "reading the metadata")).get_manifest()
+    found: dict[str, Any] = {}
+    for path, entry in entries.items():
+        if isinstance(entry, ShardedTensorEntry) and entry.key not in found:
+            shape, dtype = tuple(entry.shape), dtype_from_name(entry.dtype, path)
+            whole = ((0,) * len(shape), (1,) * len(shape))
+            found[entry.key] = ShardedTensor(entry.key, None, dtype, shape, shape, *whole)
+    for entry in entries.values() if objects else ():
+        if isinstance(entry, ShardedObjectEntry):
+            found.setdefault(entry.key, ShardedObject.empty_from_unique_key(entry.key))
+    return found
 
 
 # The library's strategies for (``statesnap``, 1), registered on import.
