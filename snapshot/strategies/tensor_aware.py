@@ -186,9 +186,8 @@ class BasicTensorAwareStateDict(TensorAwareStateDict):
         for path, tensor in found:
             if id(tensor) not in copies:
                 copies[id(tensor)] = _cpu_copy(path, tensor, non_blocking)
-        old_homes = self._homes
         self._visit(lambda _, leaf: copies[id(leaf)] if isinstance(leaf, torch.Tensor) else leaf)
-        self._homes = old_homes or [tensor.device for _, tensor in found]
+        self._homes = self._homes or [tensor.device for _, tensor in found]
 
     def restore_tensor_device(self, non_blocking: bool = True) -> None:
         """Moves every tensor not on the device it belongs on back there (asynchronously with
