@@ -212,13 +212,10 @@ def force_all_tensors_to_non_fp8(sharded_state_dict: ShardedStateDict) -> None:
     too), factories and plain leaves alike."""
 
     def convert(x: Any) -> Any:
-        if isinstance(x, ShardedTensor):
-            if _is_fp8(x.data):
-                x.data = _to_high_precision(x.data)
+        if isinstance(x, (ShardedTensor, ShardedTensorFactory)) and _is_fp8(x.data):
+            x.data = _to_high_precision(x.data)
+            if isinstance(x, ShardedTensor):
                 x.dtype = x.data.dtype
-        elif isinstance(x, ShardedTensorFactory):
-            if _is_fp8(x.data):
-                x.data = _to_high_precision(x.data)
         elif isinstance(x, torch.Tensor) and _is_fp8(x):
             return _to_high_precision(x)
         return x
