@@ -13,7 +13,7 @@ every value (``new_empty``), which the wrappers refuse: it is not supported.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -28,6 +28,7 @@ from snapshot.sharding.mapping import (
     LocalNonpersistentObject,
     ShardedBase,
     ShardedTensor,
+    _leaves,
     is_main_replica,
 )
 
@@ -55,6 +56,58 @@ class _Wrapper(torch.Tensor):
 
     def _describe(self) -> str:
         return ""
+
+    def _pieces(self) -> tuple[CheckpointableShardedTensor, ...]:
+        """The shards this value stands for: itself, or a container's."""
+        return (self,)  # type: ignore[return-value]  # a container overrides this
+
+    def __create_write_items__(
+        self, fqn: str, value: _Wrapper, index: int | None = None
+    ) -> list[WriteItem]:
+        """One ``SHARD`` write item at each shard's offset where this rank holds the main
+        replica, none for the other replicas. ``value`` is the value itself. The item's lookup
+        hint is ``index`` for a lone shard, the shard's position in a container."""
+        lone = isinstance(self, CheckpointableShardedTensor)
+        return [
+            WriteItem(
+                index=MetadataIndex(fqn, shard._chunk.offsets, index if lone else i),
+                type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(
+                    chunk=shard.chunk,
+                    properties=TensorProperties.create_from_tensor(shard._data),
+                    size=torch.Size(shard._sh_ten.global_shape),
+                ),
+            )
+            for i, shard in enumerate(self._pieces())
+            if is_main_replica(shard._sh_ten.replica_id)
+        ]
+
+    def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
+        """The boxes this rank wants loaded, in shard order, on every replica (all of them
+        load; DCP's read items carry a box's position as their hint)."""
+        return [shard.chunk for shard in self._pieces()]
+
+    def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
+        """The tensor DCP reads bytes from or copies bytes into: a view of the data of the
+        shard at ``index.offset``, found by the offset alone (DCP's global plan may have
+        rewritten the hint ``index.index``); a lone shard answers for no offset too."""
+        shards = self._pieces()
+        if index.offset is None:
+            if isinstance(self, CheckpointableShardedTensor):
+                return self._dcp_view()
+            raise ValueError(
+                f"{index.fqn!r} is held as several shards on this rank; DCP must name the "
+                "shard by its offset"
+            )
+        wanted = torch.Size(index.offset)
+        for shard in shards:
+            if shard._chunk.offsets == wanted:
+                return shard._dcp_view()
+        held = ", ".join(str(tuple(s._chunk.offsets)) for s in shards)
+        raise ValueError(
+            f"{index.fqn!r}: no shard on this rank at offset {tuple(wanted)}, the offset DCP "
+            f"asked for; this rank holds {'the one' if len(shards) == 1 else 'shards'} at {held}"
+        )
 
 
 class CheckpointableShardedTensor(_Wrapper):
@@ -117,45 +170,7 @@ class CheckpointableShardedTensor(_Wrapper):
 
     def _dcp_view(self) -> torch.Tensor:
         """The data with a size-1 axis per prepended axis: the chunk's shape, sharing storage."""
-        view = self._data
-        for _ in range(self._sh_ten.prepend_axis_num):
-            view = view.unsqueeze(0)
-        return view
-
-    def __create_write_items__(
-        self, fqn: str, sh_ten: CheckpointableShardedTensor, index: int | None = None
-    ) -> list[WriteItem]:
-        """One ``SHARD`` write item at this shard's offset on the main replica, none on the
-        others. ``sh_ten`` is the value itself; ``index``, the shard's position in a
-        :class:`LocalShardsContainer`, becomes the item's lookup hint."""
-        if not is_main_replica(self._sh_ten.replica_id):
-            return []
-        chunk = self.chunk
-        return [
-            WriteItem(
-                index=MetadataIndex(fqn, chunk.offsets, index),
-                type=WriteItemType.SHARD,
-                tensor_data=TensorWriteData(
-                    chunk=chunk,
-                    properties=TensorProperties.create_from_tensor(self._data),
-                    size=torch.Size(self._sh_ten.global_shape),
-                ),
-            )
-        ]
-
-    def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
-        """The box this rank wants loaded: ``[chunk]``, on every replica (all of them load)."""
-        return [self.chunk]
-
-    def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
-        """The tensor DCP reads bytes from or copies bytes into (``ValueError`` for another
-        offset than this shard's)."""
-        if index.offset is not None and torch.Size(index.offset) != self._chunk.offsets:
-            raise ValueError(
-                f"{index.fqn!r}: DCP asked for the shard at offset {tuple(index.offset)}, but "
-                f"this rank holds the one at {tuple(self._chunk.offsets)}"
-            )
-        return self._dcp_view()
+        return self._data[(None,) * self._sh_ten.prepend_axis_num]
 
     @classmethod
     def __torch_dispatch__(  # type: ignore[override]  # torch's stub binds func as self
@@ -198,11 +213,7 @@ class CheckpointableShardedTensor(_Wrapper):
                 f"copy_ into shard {self._sh_ten.key!r} needs a tensor of the global shape "
                 f"{tuple(self.shape)}, got {tuple(src.shape)}"
             )
-        region = src
-        chunk = self._chunk
-        for axis, (offset, size) in enumerate(zip(chunk.offsets, chunk.sizes, strict=True)):
-            region = region.narrow(axis, offset, size)
-        self._dcp_view().copy_(region, non_blocking=non_blocking)
+        self._dcp_view().copy_(src[self._sh_ten.global_slice()], non_blocking=non_blocking)
 
     def _describe(self) -> str:
         return (
@@ -226,7 +237,8 @@ class LocalShardsContainer(_Wrapper):
         if not local_shards:
             raise ValueError("a LocalShardsContainer needs at least one shard")
         shards: list[CheckpointableShardedTensor] = []
-        for shard in local_shards:
+        seen: dict[torch.Size, int] = {}
+        for i, shard in enumerate(local_shards):
             if not isinstance(shard, CheckpointableShardedTensor):
                 raise ValueError(
                     "LocalShardsContainer holds CheckpointableShardedTensors, got "
@@ -234,9 +246,7 @@ class LocalShardsContainer(_Wrapper):
                     "CheckpointableShardedTensor.from_sh_ten"
                 )
             shards.append(shard)
-        first = shards[0]
-        seen: dict[torch.Size, int] = {}
-        for i, shard in enumerate(shards):
+            first = shards[0]
             mine = (shard._sh_ten.key, tuple(shard.shape), shard.dtype, shard.device)
             theirs = (first._sh_ten.key, tuple(first.shape), first.dtype, first.device)
             if mine != theirs:
@@ -262,6 +272,9 @@ class LocalShardsContainer(_Wrapper):
         """The shards, in the order given."""
         return self._shards
 
+    def _pieces(self) -> tuple[CheckpointableShardedTensor, ...]:
+        return self._shards
+
     @classmethod
     def __torch_dispatch__(  # type: ignore[override]  # torch's stub binds func as self
         cls, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
@@ -271,38 +284,6 @@ class LocalShardsContainer(_Wrapper):
             "operate on .local_shards[i].local_data instead"
         )
 
-    def __create_write_items__(
-        self, fqn: str, local_shards_cont: LocalShardsContainer
-    ) -> list[WriteItem]:
-        """Every shard's write items, each hinted with its position here."""
-        return [
-            item
-            for i, shard in enumerate(self._shards)
-            for item in shard.__create_write_items__(fqn, shard, index=i)
-        ]
-
-    def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
-        """Every shard's chunk, in shard order (DCP's read items carry it as their hint)."""
-        return [chunk for shard in self._shards for chunk in shard.__create_chunk_list__()]
-
-    def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
-        """The tensor of the shard at ``index.offset``, found by the offset alone: the hint
-        ``index.index`` may have been rewritten by DCP's global plan."""
-        if index.offset is None:
-            raise ValueError(
-                f"{index.fqn!r} is held as several shards on this rank; DCP must name the "
-                "shard by its offset"
-            )
-        wanted = torch.Size(index.offset)
-        for shard in self._shards:
-            if shard._chunk.offsets == wanted:
-                return shard.__get_tensor_shard__(index)
-        held = [tuple(s._chunk.offsets) for s in self._shards]
-        raise ValueError(
-            f"{index.fqn!r}: no shard on this rank at offset {tuple(wanted)} (shards held at "
-            f"{held})"
-        )
-
     def _describe(self) -> str:
         shards = ", ".join(
             f"(offsets={tuple(s._chunk.offsets)}, sizes={tuple(s._chunk.sizes)})"
@@ -310,20 +291,6 @@ class LocalShardsContainer(_Wrapper):
         )
         key = self._shards[0]._sh_ten.key
         return f"key={key!r}, global_shape={tuple(self.shape)}, shards=[{shards}]"
-
-
-def _leaves(tree: Any, path: str) -> Iterator[tuple[str, Any]]:
-    """(dotted path, leaf) for every leaf below the dicts and lists of ``tree``, in order
-    (tuples are leaves, as everywhere in :mod:`snapshot.sharding`)."""
-    if isinstance(tree, Mapping):
-        items: Iterable[tuple[Any, Any]] = tree.items()
-    elif isinstance(tree, list):
-        items = enumerate(tree)
-    else:
-        yield path, tree
-        return
-    for k, v in items:
-        yield from _leaves(v, f"{path}.{k}" if path else str(k))
 
 
 def to_dcp_state_dict(sharded_state_dict: Mapping[str, Any]) -> dict[str, Any]:
@@ -338,7 +305,8 @@ def to_dcp_state_dict(sharded_state_dict: Mapping[str, Any]) -> dict[str, Any]:
     """
     shards: dict[str, list[CheckpointableShardedTensor]] = {}
     others: dict[str, Any] = {}
-    for path, leaf in _leaves(sharded_state_dict, ""):
+    for names, leaf in _leaves(dict(sharded_state_dict)):
+        path = ".".join(map(str, names))
         if isinstance(leaf, ShardedTensor):
             shards.setdefault(leaf.key, []).append(CheckpointableShardedTensor.from_sh_ten(leaf))
         elif isinstance(leaf, ShardedBase):

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import abc
 import copy
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -50,6 +50,9 @@ class ShardedBase(abc.ABC):
     @abc.abstractmethod
     def validate_metadata_integrity(self) -> None:
         """Raises ``ValueError`` (naming the key) if the description is inconsistent."""
+
+    def _error(self, message: str) -> ValueError:
+        return ValueError(f"{type(self).__name__} {self.key!r}: {message}")
 
     def without_data(self: _Sharded) -> _Sharded:
         """A copy with the same description and ``data=None``, e.g. to exchange metadata
@@ -94,9 +97,6 @@ class ShardedTensor(ShardedBase):
         if self.axis_fragmentations is not None:
             self.axis_fragmentations = _int_tuple(self.axis_fragmentations)
         self.validate_metadata_integrity()
-
-    def _error(self, message: str) -> ValueError:
-        return ValueError(f"ShardedTensor {self.key!r}: {message}")
 
     def validate_metadata_integrity(self) -> None:
         """Checks that data, shapes and offset agree; raises ``ValueError`` naming the key."""
@@ -255,15 +255,15 @@ class ShardedObject(ShardedBase):
     def validate_metadata_integrity(self) -> None:
         """Checks that the offset is a position in the grid."""
         if len(self.global_shape) != len(self.global_offset):
-            raise ValueError(
-                f"ShardedObject {self.key!r}: global_shape {self.global_shape} and global_offset "
-                f"{self.global_offset} have different numbers of axes"
+            raise self._error(
+                f"global_shape {self.global_shape} and global_offset {self.global_offset} have "
+                "different numbers of axes"
             )
         for axis, (off, glob) in enumerate(zip(self.global_offset, self.global_shape, strict=True)):
             if not 0 <= off < glob:
-                raise ValueError(
-                    f"ShardedObject {self.key!r}: global_offset {self.global_offset} is outside "
-                    f"global_shape {self.global_shape} on axis {axis}"
+                raise self._error(
+                    f"global_offset {self.global_offset} is outside global_shape "
+                    f"{self.global_shape} on axis {axis}"
                 )
 
     @property
@@ -312,7 +312,7 @@ class ShardedTensorFactory(ShardedBase):
     def build(self) -> Any:
         """The sharded state dict this factory stands for."""
         if self.data is None:
-            raise ValueError(f"ShardedTensorFactory {self.key!r} has no data to build from")
+            raise self._error("no data to build from")
         return self.build_fn(self.key, self.data, self.replica_id, self.flattened_range)
 
     def validate_metadata_integrity(self) -> None:
@@ -333,15 +333,14 @@ class LocalNonpersistentObject:
 def _map_leaves_inplace(fn: Callable[[Any], Any], x: Any) -> Any:
     """Replaces every leaf below the dicts and lists of ``x`` (tuples are leaves) by
     ``fn(leaf)``, in place; returns ``x``, or ``fn(x)`` for a leaf."""
-    if isinstance(x, dict):
-        for k, v in x.items():
-            x[k] = _map_leaves_inplace(fn, v)
-        return x
-    if isinstance(x, list):
-        for i, v in enumerate(x):
-            x[i] = _map_leaves_inplace(fn, v)
-        return x
-    return fn(x)
+    for path, leaf in _leaves(x):
+        if not path:
+            return fn(leaf)
+        parent = x
+        for k in path[:-1]:
+            parent = parent[k]
+        parent[path[-1]] = fn(leaf)
+    return x
 
 
 def apply_factories(sharded_state_dict: ShardedStateDict) -> None:
@@ -354,61 +353,57 @@ def apply_factories(sharded_state_dict: ShardedStateDict) -> None:
     _map_leaves_inplace(build, sharded_state_dict)
 
 
-def _factories_in(x: Any) -> list[ShardedTensorFactory]:
-    """The factories in the dicts and lists of ``x``, in order (``x`` is not changed)."""
-    if isinstance(x, ShardedTensorFactory):
-        return [x]
-    if isinstance(x, dict):
-        return [f for v in x.values() for f in _factories_in(v)]
-    if isinstance(x, list):
-        return [f for v in x for f in _factories_in(v)]
-    return []
+def _leaves(x: Any, path: tuple[Any, ...] = ()) -> Iterator[tuple[tuple[Any, ...], Any]]:
+    """(path, leaf) for every leaf below the dicts and lists of ``x`` (tuples are leaves), in
+    order; ``x`` itself, at ``()``, when it is a leaf."""
+    if not isinstance(x, (dict, list)):
+        yield path, x
+        return
+    for k, v in x.items() if isinstance(x, dict) else enumerate(x):
+        yield from _leaves(v, (*path, k))
 
 
 def apply_factory_merges(x: Any, factories: Any) -> Any:
     """Undoes :func:`apply_factories` on a loaded state, in place: where ``factories`` (the
     state before building) holds a factory, what ``x`` holds at that place becomes
     ``merge_fn(loaded)``; the rest is left as it is. ``ValueError`` (naming the path and the
-    factory) where ``x`` lacks the structure of ``factories`` around a factory."""
+    factory) where ``x`` lacks the structure of ``factories`` on the way to a factory."""
 
     def where(path: tuple[Any, ...]) -> str:
         return "/".join(map(str, path)) or "<root>"
 
-    def built_by(sub: Any) -> str:
-        return "factory " + ", ".join(repr(f.key) for f in _factories_in(sub))
-
-    def merge(loaded: Any, expected: Any, path: tuple[Any, ...]) -> Any:
-        if isinstance(expected, ShardedTensorFactory):
-            return expected.merge_fn(loaded)
-        if not _factories_in(expected):
-            return loaded
-        if isinstance(expected, dict):
-            if not isinstance(loaded, dict):
-                raise ValueError(
-                    f"apply_factory_merges: expected a dict at {where(path)!r} of the loaded "
-                    f"state (built by {built_by(expected)}), got {type(loaded).__name__}"
-                )
-            for k, v in expected.items():
-                if k in loaded:
-                    loaded[k] = merge(loaded[k], v, (*path, k))
-                elif _factories_in(v):
+    for path, factory in _leaves(factories):
+        if not isinstance(factory, ShardedTensorFactory):
+            continue
+        if not path:
+            return factory.merge_fn(x)
+        built = f"built by factory {factory.key!r}"
+        loaded, expected = x, factories
+        for depth, k in enumerate(path):
+            here = where(path[:depth])
+            if isinstance(expected, dict):
+                if not isinstance(loaded, dict):
                     raise ValueError(
-                        f"apply_factory_merges: key {where((*path, k))!r} (built by "
-                        f"{built_by(v)}) is missing from the loaded state"
+                        f"apply_factory_merges: expected a dict at {here!r} of the loaded "
+                        f"state ({built}), got {type(loaded).__name__}"
                     )
-            return loaded
-        # A list, since it holds a factory.
-        if not isinstance(loaded, list) or len(loaded) != len(expected):
-            got = f"a list of {len(loaded)}" if isinstance(loaded, list) else type(loaded).__name__
-            raise ValueError(
-                f"apply_factory_merges: expected a list of {len(expected)} at {where(path)!r} "
-                f"of the loaded state (built by {built_by(expected)}), got {got}"
-            )
-        for i, v in enumerate(expected):
-            loaded[i] = merge(loaded[i], v, (*path, i))
-        return loaded
-
-    return merge(x, factories, ())
+                if k not in loaded:
+                    raise ValueError(
+                        f"apply_factory_merges: key {where(path[: depth + 1])!r} ({built}) is "
+                        "missing from the loaded state"
+                    )
+            elif not isinstance(loaded, list) or len(loaded) != len(expected):
+                got = type(loaded).__name__
+                if isinstance(loaded, list):
+                    got = f"a list of {len(loaded)}"
+                raise ValueError(
+                    f"apply_factory_merges: expected a list of {len(expected)} at {here!r} "
+                    f"of the loaded state ({built}), got {got}"
+                )
+            if depth < len(path) - 1:
+                loaded, expected = loaded[k], expected[k]
+        loaded[path[-1]] = factory.merge_fn(loaded[path[-1]])
+    return x
 
 
 __all__ = [

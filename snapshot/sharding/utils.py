@@ -7,6 +7,7 @@ rest)``, each with the input's nesting, so a part can be handled apart and put b
 
 from __future__ import annotations
 
+import collections
 import contextvars
 import logging
 import time
@@ -44,33 +45,31 @@ def zip_strict(*args: Iterable[Any]) -> Iterator[tuple[Any, ...]]:
 
 
 def _zip_strict_lazy(args: tuple[Iterable[Any], ...]) -> Iterator[tuple[Any, ...]]:
-    iterators = [iter(a) for a in args]
-    count = 0
-    done = object()
-    while True:
-        items = [next(it, done) for it in iterators]
-        finished = [item is done for item in items]
-        if all(finished):
-            return
-        if any(finished):
-            lengths = [
-                count + (0 if fin else 1 + sum(1 for _ in it))
-                for fin, it in zip(finished, iterators, strict=True)
-            ]
-            raise ValueError(f"zip_strict: iterables of unequal lengths {lengths}")
-        yield tuple(items)
-        count += 1
+    counts = [0] * len(args)
+
+    def counted(i: int, iterable: Iterable[Any]) -> Iterator[Any]:
+        for item in iterable:
+            counts[i] += 1
+            yield item
+
+    iterators = [counted(i, a) for i, a in enumerate(args)]
+    try:
+        yield from zip(*iterators, strict=True)
+    except ValueError as e:
+        if not str(e).startswith("zip()"):
+            raise  # an iterable's own error
+        for it in iterators:
+            collections.deque(it, maxlen=0)  # drained, so that each length is counted
+        raise ValueError(f"zip_strict: iterables of unequal lengths {counts}") from None
 
 
-def sharded_tensor_shard_id(sharded_tensor: ShardedTensor) -> ShardId:
-    """``(key, global_offset)``: the same on every rank holding a replica of the block."""
-    return sharded_tensor.key, tuple(sharded_tensor.global_offset)
+def sharded_tensor_shard_id(sharded: ShardedTensor | ShardedObject) -> ShardId:
+    """``(key, global_offset)``: the same on every rank holding a replica of the block (of a
+    ShardedTensor) or piece (of a ShardedObject)."""
+    return sharded.key, tuple(sharded.global_offset)
 
 
-def sharded_object_id(sharded_object: ShardedObject) -> ShardId:
-    """``(key, global_offset)``: the same on every rank holding a replica of the piece."""
-    return sharded_object.key, tuple(sharded_object.global_offset)
-
+sharded_object_id = sharded_tensor_shard_id
 
 _sharded_tensor_shard_id = sharded_tensor_shard_id
 _sharded_object_id = sharded_object_id
@@ -213,13 +212,10 @@ def force_all_tensors_to_non_fp8(sharded_state_dict: ShardedStateDict) -> None:
     too), factories and plain leaves alike."""
 
     def convert(x: Any) -> Any:
-        if isinstance(x, ShardedTensor):
-            if _is_fp8(x.data):
-                x.data = _to_high_precision(x.data)
+        if isinstance(x, (ShardedTensor, ShardedTensorFactory)) and _is_fp8(x.data):
+            x.data = _to_high_precision(x.data)
+            if isinstance(x, ShardedTensor):
                 x.dtype = x.data.dtype
-        elif isinstance(x, ShardedTensorFactory):
-            if _is_fp8(x.data):
-                x.data = _to_high_precision(x.data)
         elif isinstance(x, torch.Tensor) and _is_fp8(x):
             return _to_high_precision(x)
         return x
@@ -230,12 +226,10 @@ def force_all_tensors_to_non_fp8(sharded_state_dict: ShardedStateDict) -> None:
 fallback_logger = logging.getLogger(__name__)
 """Where :func:`logger_stack` users log when no logger was pushed."""
 
-# Context variables: each thread and asyncio task sees its own stack.
-_NAME_STACK: contextvars.ContextVar[tuple[str, ...]] = contextvars.ContextVar(
-    "statesnap_sharding_name_stack", default=()
-)
-_LOGGER_STACK: contextvars.ContextVar[tuple[logging.Logger, ...]] = contextvars.ContextVar(
-    "statesnap_sharding_logger_stack", default=()
+# The scopes entered, innermost last, as (name, logger) pairs (either may be None); a context
+# variable, so each thread and asyncio task sees its own.
+_SCOPES: contextvars.ContextVar[tuple[tuple[str | None, logging.Logger | None], ...]] = (
+    contextvars.ContextVar("statesnap_sharding_scopes", default=())
 )
 
 
@@ -246,18 +240,13 @@ def logger_stack(
     """A named logging scope: pushes ``name`` and ``current_logger`` (those given) for the
     block. Yields the enclosing scopes' names joined by ``"."`` and the innermost logger
     (else :data:`fallback_logger`)."""
-    name_token = _NAME_STACK.set((*_NAME_STACK.get(), name)) if name else None
-    logger_token = (
-        _LOGGER_STACK.set((*_LOGGER_STACK.get(), current_logger)) if current_logger else None
-    )
-    loggers = _LOGGER_STACK.get()
+    token = _SCOPES.set((*_SCOPES.get(), (name, current_logger)))
+    scopes = _SCOPES.get()
+    loggers = [logger for _, logger in scopes if logger]
     try:
-        yield ".".join(_NAME_STACK.get()), loggers[-1] if loggers else fallback_logger
+        yield ".".join(n for n, _ in scopes if n), loggers[-1] if loggers else fallback_logger
     finally:
-        if logger_token is not None:
-            _LOGGER_STACK.reset(logger_token)
-        if name_token is not None:
-            _NAME_STACK.reset(name_token)
+        _SCOPES.reset(token)
 
 
 @contextmanager
@@ -285,10 +274,7 @@ def debug_time(
 def debug_msg(msg: str) -> None:
     """Logs ``msg`` at DEBUG to the current scope's logger, after the scope's names."""
     with logger_stack() as (names, scope_logger):
-        if names:
-            scope_logger.debug("%s %s", names, msg)
-        else:
-            scope_logger.debug("%s", msg)
+        scope_logger.debug("%s", f"{names} {msg}" if names else msg)
 
 
 __all__ = [

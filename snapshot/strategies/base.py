@@ -42,8 +42,7 @@ def register_default_strategy(
     """Makes ``strategy`` the default for ``action`` on ``(backend, version)``."""
     if not isinstance(action, StrategyAction):
         raise TypeError(f"action must be a StrategyAction, got {action!r}")
-    saving = action in (StrategyAction.SAVE_COMMON, StrategyAction.SAVE_SHARDED)
-    expected = SaveStrategyBase if saving else LoadStrategyBase
+    expected = SaveStrategyBase if action.value.startswith("save") else LoadStrategyBase
     if not isinstance(strategy, expected):
         raise TypeError(
             f"a strategy for {action.value} must be a {expected.__name__}, got "
@@ -72,10 +71,8 @@ class SaveStrategyBase(abc.ABC):  # noqa: B024 - abstract in its subclasses' met
         self.backend = backend
         self.version = version
 
-    @property
-    def can_handle_sharded_objects(self) -> bool:
-        """Whether this strategy also saves ``ShardedObject`` leaves."""
-        return False
+    can_handle_sharded_objects: bool = False
+    """Whether this strategy also saves ``ShardedObject`` leaves."""
 
     def __str__(self) -> str:
         return f"{type(self).__name__}({self.backend}, {self.version})"
@@ -93,10 +90,8 @@ class LoadStrategyBase(abc.ABC):
         """Raises when data saved in format ``loaded_version`` cannot be loaded by this
         strategy."""
 
-    @property
-    def can_handle_sharded_objects(self) -> bool:
-        """Whether this strategy also loads ``ShardedObject`` leaves."""
-        return False
+    can_handle_sharded_objects: bool = False
+    """Whether this strategy also loads ``ShardedObject`` leaves."""
 
 
 def _check_part(part: str, backend: str, version: int) -> None:

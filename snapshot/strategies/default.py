@@ -8,10 +8,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from manifest import Manifest, ShardedObjectEntry, ShardedTensorEntry
+from manifest import ShardedObjectEntry, ShardedTensorEntry
 from snapshot._engine import state_dicts
 from snapshot._engine.format import serialization as writers
-from snapshot._engine.format.manifest_io import load_manifest
 from snapshot._engine.format.serialization import dtype_from_name
 from snapshot._engine.io.async_queue import AsyncRequest
 from snapshot.errors import IncompatibleSnapshotError, SnapshotError
@@ -34,15 +33,15 @@ VERSION = writers.VERSION
 _STATE = "state"
 
 
-class SnapshotSaveStrategy(AsyncSaveShardedStrategy):
-    """Takes a snapshot of a whole state, both parts, in one pass."""
+class SnapshotSaveStrategy(AsyncSaveShardedStrategy, SaveCommonStrategy):
+    """Takes a snapshot of a whole state, both parts, in one pass; for callers that save the
+    parts separately, the common part and the sharded objects each in a snapshot of its own
+    under the checkpoint directory (``common``, ``sharded_objects``)."""
+
+    can_handle_sharded_objects = True
 
     def __init__(self, backend: str = BACKEND, version: int = VERSION) -> None:
         super().__init__(backend, version)
-
-    @property
-    def can_handle_sharded_objects(self) -> bool:
-        return True
 
     def async_save(self, sharded_state_dict: Any, checkpoint_dir: str | Path) -> AsyncRequest:
         where = _dir(checkpoint_dir, "save")
@@ -60,9 +59,17 @@ class SnapshotSaveStrategy(AsyncSaveShardedStrategy):
         job.release_writes()
         return AsyncRequest(async_fn=job.finish, async_fn_args=(background,))
 
+    def save_common(self, common_state_dict: Any, checkpoint_dir: str | Path) -> None:
+        self.save(common_state_dict, _part_dir(checkpoint_dir, "common"))
+
+    def save_sharded_objects(self, sharded_objects_state_dict: Any, checkpoint_dir: str | Path):
+        self.save(sharded_objects_state_dict, _part_dir(checkpoint_dir, "sharded_objects"))
+
 
 class SnapshotLoadStrategy(LoadShardedStrategy, LoadCommonStrategy):
     """Loads snapshots whose parts were written by ``backend`` in one of ``versions``."""
+
+    can_handle_sharded_objects = True
 
     def __init__(self, backend: str = BACKEND, versions: tuple[int, ...] = (VERSION,)) -> None:
         self.backend = backend
@@ -70,10 +77,6 @@ class SnapshotLoadStrategy(LoadShardedStrategy, LoadCommonStrategy):
 
     def __str__(self) -> str:
         return f"{type(self).__name__}({self.backend}, versions {list(self.versions)})"
-
-    @property
-    def can_handle_sharded_objects(self) -> bool:
-        return True
 
     def check_backend_compatibility(self, loaded_backend: str) -> None:
         if loaded_backend != self.backend:
@@ -99,27 +102,10 @@ class SnapshotLoadStrategy(LoadShardedStrategy, LoadCommonStrategy):
         return dict(state)
 
     def load_tensors_metadata(self, checkpoint_dir: str | Path) -> dict[str, Any]:
-        found: dict[str, Any] = {}
-        for path, entry in _manifest(checkpoint_dir).entries.items():
-            if isinstance(entry, ShardedTensorEntry) and entry.key not in found:
-                shape = tuple(entry.shape)
-                found[entry.key] = ShardedTensor(
-                    key=entry.key,
-                    data=None,
-                    dtype=dtype_from_name(entry.dtype, path),
-                    local_shape=shape,
-                    global_shape=shape,
-                    global_offset=(0,) * len(shape),
-                    axis_fragmentations=(1,) * len(shape),
-                )
-        return found
+        return _described(checkpoint_dir, objects=False)
 
     def load_sharded_metadata(self, checkpoint_dir: str | Path) -> dict[str, Any]:
-        found = self.load_tensors_metadata(checkpoint_dir)
-        for entry in _manifest(checkpoint_dir).entries.values():
-            if isinstance(entry, ShardedObjectEntry):
-                found.setdefault(entry.key, ShardedObject.empty_from_unique_key(entry.key))
-        return found
+        return _described(checkpoint_dir, objects=True)
 
     def remove_sharded_tensors(self, checkpoint_dir: str | Path, key_prefix: str) -> None:
         raise SnapshotError(
@@ -134,27 +120,9 @@ class SnapshotLoadStrategy(LoadShardedStrategy, LoadCommonStrategy):
         return self.load(sharded_objects_state_dict, _part_dir(checkpoint_dir, "sharded_objects"))
 
 
-class SnapshotSaveCommonStrategy(SaveCommonStrategy):
-    """The common part and the sharded objects, each in a snapshot of its own under the
-    checkpoint directory (``common``, ``sharded_objects``), for callers that save the parts
-    separately."""
-
-    def __init__(self, backend: str = BACKEND, version: int = VERSION) -> None:
-        super().__init__(backend, version)
-
-    @property
-    def can_handle_sharded_objects(self) -> bool:
-        return True
-
-    def save_common(self, common_state_dict: Any, checkpoint_dir: str | Path) -> None:
-        SnapshotSaveStrategy(self.backend, self.version).save(
-            common_state_dict, _part_dir(checkpoint_dir, "common")
-        )
-
-    def save_sharded_objects(self, sharded_objects_state_dict: Any, checkpoint_dir: str | Path):
-        SnapshotSaveStrategy(self.backend, self.version).save(
-            sharded_objects_state_dict, _part_dir(checkpoint_dir, "sharded_objects")
-        )
+class SnapshotSaveCommonStrategy(SnapshotSaveStrategy):
+    """The strategy registered for the common part: :class:`SnapshotSaveStrategy`, which also
+    saves the parts apart."""
 
 
 def _dir(checkpoint_dir: object, call: str) -> str:
@@ -168,8 +136,21 @@ def _part_dir(checkpoint_dir: str | Path, part: str) -> str:
     return f"{_dir(checkpoint_dir, f'the {part} part').rstrip('/')}/{part}"
 
 
-def _manifest(checkpoint_dir: str | Path) -> Manifest:
-    return load_manifest(_dir(checkpoint_dir, "reading the metadata"), None)
+def _described(checkpoint_dir: str | Path, objects: bool) -> dict[str, Any]:
+    """Key -> data-less ``ShardedTensor`` (whole: its global shape and dtype) for each sharded
+    tensor of the snapshot at ``checkpoint_dir``; then, with ``objects``, unique key ->
+    data-less ``ShardedObject`` for each sharded object."""
+    entries = Snapshot(_dir(checkpoint_dir, "reading the metadata")).get_manifest()
+    found: dict[str, Any] = {}
+    for path, entry in entries.items():
+        if isinstance(entry, ShardedTensorEntry) and entry.key not in found:
+            shape, dtype = tuple(entry.shape), dtype_from_name(entry.dtype, path)
+            whole = ((0,) * len(shape), (1,) * len(shape))
+            found[entry.key] = ShardedTensor(entry.key, None, dtype, shape, shape, *whole)
+    for entry in entries.values() if objects else ():
+        if isinstance(entry, ShardedObjectEntry):
+            found.setdefault(entry.key, ShardedObject.empty_from_unique_key(entry.key))
+    return found
 
 
 # The library's strategies for (``statesnap``, 1), registered on import.

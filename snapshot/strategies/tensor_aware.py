@@ -186,9 +186,8 @@ class BasicTensorAwareStateDict(TensorAwareStateDict):
         for path, tensor in found:
             if id(tensor) not in copies:
                 copies[id(tensor)] = _cpu_copy(path, tensor, non_blocking)
-        old_homes = self._homes
         self._visit(lambda _, leaf: copies[id(leaf)] if isinstance(leaf, torch.Tensor) else leaf)
-        self._homes = old_homes or [tensor.device for _, tensor in found]
+        self._homes = self._homes or [tensor.device for _, tensor in found]
 
     def restore_tensor_device(self, non_blocking: bool = True) -> None:
         """Moves every tensor not on the device it belongs on back there (asynchronously with
@@ -218,14 +217,12 @@ class BasicTensorAwareStateDict(TensorAwareStateDict):
 
     def _require(self, operation: str, hollow: bool) -> None:
         """Raises ``HollowStateError`` unless the state is hollow (``hollow``) or full."""
-        if self._hollow and not hollow:
+        if self._hollow != hollow:
             raise HollowStateError(
                 f"{operation}: the state is hollow (its tensors were popped and not inserted "
                 "back); call insert_tensors or init_tensors first"
-            )
-        if hollow and not self._hollow:
-            raise HollowStateError(
-                f"{operation}: the state is not hollow (it still holds its tensors); "
+                if self._hollow
+                else f"{operation}: the state is not hollow (it still holds its tensors); "
                 "call pop_tensors first"
             )
 
