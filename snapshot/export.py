@@ -14,23 +14,21 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import torch
 
 from snapshot._engine.format.manifest_io import load_manifest, open_linked
 from snapshot._engine.restore import checks as claims
-from snapshot._engine.runtime import run
+from snapshot._engine.runtime import naming_snapshot, run
 from snapshot._engine.tools import export as engine
-from snapshot.errors import CorruptSnapshotError, IncompatibleSnapshotError, InvalidArgumentError
+from snapshot.errors import InvalidArgumentError
 from snapshot.options import Options, resolve
 from snapshot.snapshot import Snapshot
 
-# The names ``dtype`` accepts.
 logger = logging.getLogger("snapshot")
 
+# The names ``dtype`` accepts.
 DTYPES = {
     **dict.fromkeys(("bf16", "bfloat16"), torch.bfloat16),
     **dict.fromkeys(("fp16", "f16", "float16", "half"), torch.float16),
@@ -94,7 +92,7 @@ def export(
     if "://" in out:
         raise InvalidArgumentError(f"export: out_dir must be a local folder, got {out!r}")
     t = time.perf_counter()
-    with _naming(path):
+    with naming_snapshot(path):
         sources, skipped = engine.collect(
             manifest, key=key, strip_prefix=strip_prefix, dtype=out_dtype, where=path
         )
@@ -115,7 +113,7 @@ def export(
         # ranges; each blob holds its ranges), before anything is read or allocated.
         jobs = resolved.max_concurrent_io
         assert jobs is not None
-        with _naming(path):
+        with naming_snapshot(path):
             blobs, _ = claims.claimed_blobs(manifest.view(0), [s.path for s in sources], {})
             run(
                 claims.check_blob_sizes(
@@ -139,17 +137,6 @@ def export(
         skipped_note,
     )
     return written
-
-
-@contextmanager
-def _naming(path: str) -> Iterator[None]:
-    """A refusal of the snapshot's manifest, named with the snapshot."""
-    try:
-        yield
-    except (CorruptSnapshotError, IncompatibleSnapshotError) as e:
-        if path in str(e):
-            raise
-        raise type(e)(f"export: snapshot {path}: {e}") from e
 
 
 def _dtype(value: str | torch.dtype | None) -> torch.dtype | None:
