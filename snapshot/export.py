@@ -119,7 +119,14 @@ def export(
         raise InvalidArgumentError(
             f"export: snapshot {path} has no tensors under {key or 'any key'}"
         )
-    files = plan_files(sources, max_bytes)
+    files: list[list[Source]] = []  # in order, files of at most max_bytes (or one tensor)
+    size = 0
+    for s in sources:
+        if not files or size + s.out_bytes > max_bytes:
+            files.append([])
+            size = 0
+        files[-1].append(s)
+        size += s.out_bytes
     if format == "safetensors":  # every header built now, refusing what the format cannot hold
         for group in files:
             safetensors_header(group)
@@ -266,19 +273,6 @@ def collect(
         out_dtype = dtype if dtype is not None and t_dtype.is_floating_point else t_dtype
         sources.append(Source(name, path, t_dtype, tuple(layout.shape), layout.boxes, out_dtype))
     return sources, skipped
-
-
-def plan_files(sources: Sequence[Source], max_bytes: int) -> list[list[Source]]:
-    """Tensors grouped in order into files of at most ``max_bytes`` (or one larger tensor)."""
-    files: list[list[Source]] = []
-    size = 0
-    for s in sources:
-        if not files or size + s.out_bytes > max_bytes:
-            files.append([])
-            size = 0
-        files[-1].append(s)
-        size += s.out_bytes
-    return files
 
 
 def tiles(source: Source, tile_bytes: int) -> Iterator[tuple[int, int]]:

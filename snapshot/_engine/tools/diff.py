@@ -38,7 +38,7 @@ from snapshot._engine.tools.inspection import (
     each,
     format_shape,
 )
-from snapshot.options import Options, resolve
+from snapshot.options import resolve
 
 
 @dataclass(frozen=True)
@@ -182,24 +182,21 @@ def diff(
     storage_options: dict[str, Any] | None,
     *,
     jobs: int = JOBS,
-    piece_bytes: int = PIECE_BYTES,
     progress: Progress | None = None,
-    options: Options | None = None,
 ) -> DiffReport:
     """How the snapshots at ``path_a`` and ``path_b`` differ, entry by entry.
 
     Kinds, dtypes, shapes, container keys and primitive values come from the manifests; bytes
     are compared through the entries' recorded CRC-32s (combined over chunks, so chunking does
     not matter). Only entries whose CRC-32s are missing on either side are read, from both
-    snapshots, ``piece_bytes`` at a time, ``jobs`` entries at once. ``options`` (None: the
-    environment's) set how the manifests are read.
+    snapshots, :data:`PIECE_BYTES` at a time, ``jobs`` entries at once.
 
     Raises:
         SnapshotNotFoundError: no snapshot at either path.
         CorruptSnapshotError: a manifest is damaged, or a blob read for the comparison is
             missing or short.
     """
-    options = resolve(options)
+    options = resolve(None)
     ma = load_manifest(path_a, storage_options, options)
     mb = load_manifest(path_b, storage_options, options)
     a_entries, b_entries = ma.entries, mb.entries
@@ -222,7 +219,7 @@ def diff(
     report = DiffReport(path_a, path_b, len(a_entries), len(b_entries), [])
     if to_read:  # the bytes of each ``(index, path, a, b)``, entries of the same size
         tally = Tally(progress, len(to_read), sum(a.nbytes for _, _, a, _ in to_read))
-        size = max(1, min(piece_bytes, max(a.nbytes for _, _, a, _ in to_read)))
+        size = max(1, min(PIECE_BYTES, max(a.nbytes for _, _, a, _ in to_read)))
         workers = max(1, min(jobs, len(to_read)))
         buffers = [(bytearray(size), bytearray(size)) for _ in range(workers)]
         with (

@@ -201,75 +201,66 @@ async def _check_blob(
         # Transient errors are retried; the plugin's own error comes out at the end.
         return call(plugin, "read", blob, label, op, options=options, convert=False)
 
-    failure = ""
+    failure, pos = "", -1  # -1: not even the blob's size is known
     try:
         size = await read(lambda: plugin.size(blob))
         if size is None and expected == 0 and not await read(lambda: plugin.exists(blob)):
             raise FileNotFoundError(blob)
+        limit = expected
+        if size is None:
+            report.sizes_unknown.append(blob)
+        elif size > expected and reference_of(blob) is None:
+            # (A sibling snapshot's blob holds more than the ranges this snapshot reuses.)
+            problem(
+                expected,
+                size,
+                (),
+                f"the blob is {size:,} bytes, {size - expected:,} more than the manifest "
+                f"records ({expected:,}): bytes were added after the take, or the blob was "
+                "replaced",
+            )
+        elif size < expected:
+            problem(
+                size,
+                expected,
+                (),
+                f"the blob is {size:,} bytes, {expected - size:,} fewer than the manifest "
+                f"records ({expected:,}): it was cut short",
+            )
+            limit = size
+            failure = f"cut off: the blob ends at byte {size:,}"
+        first = pos = 0  # ranges before ``first`` end before the current piece
+        while pos < limit:
+            n = min(len(buffer), limit - pos)
+            end, piece = pos + n, buffer[:n]
+            await read(functools.partial(plugin.read_into, blob, pos, piece))
+            # Each range the piece holds part of gets that part's CRC added to its own.
+            while first < len(ranges) and ranges[first].end <= pos:
+                first += 1
+            for r in ranges[first:]:
+                if r.offset >= end:
+                    break
+                if r.end > pos and r.nbytes and r.crc32 is not None:
+                    lo, hi = max(r.offset, pos), min(r.end, end)
+                    data = piece[lo - pos : hi - pos]
+                    r.value = crc32(data, r.value)
+                    bad = _keep_archive(r, data, lo, hi) if r.archive else None
+                    if bad:
+                        problem(r.offset, r.end, r.paths, bad)
+            pos = end
+            report.bytes_read += n
+            tick(n)
     except FileNotFoundError:
         failure = "the blob is missing"
-    except UnsafeBlobError as e:
-        failure = f"refused, not read: {e}"
+    except EOFError as e:
+        failure = f"the blob ends before this range does ({e})"
     except Exception as e:
-        failure = f"cannot get the blob's size: {type(e).__name__}: {e}"
-    if failure:
-        for r in ranges:
-            problem(r.offset, r.end, r.paths, failure)
-        return
-    limit = expected
-    if size is None:
-        report.sizes_unknown.append(blob)
-    elif size > expected and reference_of(blob) is None:
-        # (A sibling snapshot's blob holds more than the ranges this snapshot reuses.)
-        problem(
-            expected,
-            size,
-            (),
-            f"the blob is {size:,} bytes, {size - expected:,} more than the manifest "
-            f"records ({expected:,}): bytes were added after the take, or the blob was "
-            "replaced",
-        )
-    elif size < expected:
-        problem(
-            size,
-            expected,
-            (),
-            f"the blob is {size:,} bytes, {expected - size:,} fewer than the manifest "
-            f"records ({expected:,}): it was cut short",
-        )
-        limit = size
-        failure = f"cut off: the blob ends at byte {size:,}"
-    first = 0  # ranges before this one end before the current piece
-    pos = 0
-    while pos < limit:
-        n = min(len(buffer), limit - pos)
-        end, piece = pos + n, buffer[:n]
-        try:
-            await read(functools.partial(plugin.read_into, blob, pos, piece))
-        except FileNotFoundError:
-            failure = "the blob is missing"
-            break
-        except EOFError as e:
-            failure = f"the blob ends before this range does ({e})"
-            break
-        except Exception as e:
+        if pos >= 0:
             failure = f"cannot read: {type(e).__name__}: {e}"
-            break
-        # Each range the piece holds part of gets that part's CRC added to its own.
-        while first < len(ranges) and ranges[first].end <= pos:
-            first += 1
-        for r in ranges[first:]:
-            if r.offset >= end:
-                break
-            if r.end > pos and r.nbytes and r.crc32 is not None:
-                lo, hi = max(r.offset, pos), min(r.end, end)
-                r.value = crc32(piece[lo - pos : hi - pos], r.value)
-                bad = _keep_archive(r, piece[lo - pos : hi - pos], lo, hi) if r.archive else None
-                if bad:
-                    problem(r.offset, r.end, r.paths, bad)
-        pos = end
-        report.bytes_read += n
-        tick(n)
+        elif isinstance(e, UnsafeBlobError):
+            failure = f"refused, not read: {e}"
+        else:
+            failure = f"cannot get the blob's size: {type(e).__name__}: {e}"
     for r in ranges:
         if r.end > pos:
             problem(r.offset, r.end, r.paths, failure or "not read")
