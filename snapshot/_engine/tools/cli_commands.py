@@ -22,7 +22,6 @@ from snapshot._engine.format.manifest_io import load_manifest
 from snapshot._engine.format.text import printable, printable_message
 from snapshot._engine.manager.retention import Policy, Step, to_delete
 from snapshot._engine.manager.steps import INCOMPLETE, LEFT, UNREADABLE, Steps
-from snapshot._engine.tools.diff import diff
 from snapshot._engine.tools.inspection import (
     Listing,
     Usage,
@@ -33,7 +32,7 @@ from snapshot._engine.tools.inspection import (
     read_entry,
     summarize_tensor,
 )
-from snapshot._engine.tools.verify import verify
+from snapshot._engine.tools.verify import diff, verify
 from snapshot.errors import InvalidArgumentError, SnapshotError
 from snapshot.options import Options
 
