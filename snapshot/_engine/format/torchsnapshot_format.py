@@ -189,7 +189,18 @@ def translate(
     """
     source = f"{where}/{METADATA_NAME}"
     doc = _parse(data, source)
-    version, world_size, raw = _header(doc, source)
+    if not isinstance(doc, dict) or set(doc) != {"version", "world_size", "manifest"}:
+        keys = sorted(map(str, doc)) if isinstance(doc, dict) else type(doc).__name__
+        raise CorruptSnapshotError(
+            f"{source}: expected a mapping of version, world_size and manifest, got {keys}"
+        )
+    version, world_size, raw = doc["version"], doc["world_size"], doc["manifest"]
+    if type(version) is not str or len(version) > 100:
+        raise CorruptSnapshotError(f"{source}: version must be a short string, got {version!r}")
+    if type(world_size) is not int or world_size < 1:
+        raise CorruptSnapshotError(f"{source}: world_size must be >= 1, got {world_size!r}")
+    if not isinstance(raw, dict):
+        raise CorruptSnapshotError(f"{source}: manifest must be a mapping")
     # Two passes: the first checks everything and learns which blobs hold pickles (whose
     # lengths the store must give), the second builds the entries with those lengths.
     wanted: set[str] = set()
@@ -233,19 +244,3 @@ def _parse(data: bytes, source: str) -> Any:
         raise CorruptSnapshotError(
             printable_message(f"{source} is neither JSON nor YAML: {e}")
         ) from None
-
-
-def _header(doc: Any, source: str) -> tuple[str, int, dict[str, Any]]:
-    if not isinstance(doc, dict) or set(doc) != {"version", "world_size", "manifest"}:
-        keys = sorted(map(str, doc)) if isinstance(doc, dict) else type(doc).__name__
-        raise CorruptSnapshotError(
-            f"{source}: expected a mapping of version, world_size and manifest, got {keys}"
-        )
-    version, world_size, raw = doc["version"], doc["world_size"], doc["manifest"]
-    if type(version) is not str or len(version) > 100:
-        raise CorruptSnapshotError(f"{source}: version must be a short string, got {version!r}")
-    if type(world_size) is not int or world_size < 1:
-        raise CorruptSnapshotError(f"{source}: world_size must be >= 1, got {world_size!r}")
-    if not isinstance(raw, dict):
-        raise CorruptSnapshotError(f"{source}: manifest must be a mapping")
-    return version, world_size, raw
