@@ -13,8 +13,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+import snapshot.export as engine
 from snapshot import ChecksumError, InvalidArgumentError, Options, Snapshot, StateDict
-from snapshot._engine.tools import export as engine
 from snapshot.export import export
 from snapshot.sharding import ShardedTensor
 from tests.multirank import run_ranks

@@ -14,6 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+import snapshot.export as engine
 from snapshot import (
     CorruptSnapshotError,
     IncompatibleSnapshotError,
@@ -23,7 +24,6 @@ from snapshot import (
     StorageError,
     UnsupportedValueError,
 )
-from snapshot._engine.tools import export as engine
 from snapshot.export import export
 from snapshot.sharding import ShardedTensor
 from tests.helpers import seal_manifest

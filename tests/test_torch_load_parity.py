@@ -16,9 +16,8 @@ import yaml
 
 import manifest as mf
 from snapshot import CorruptSnapshotError, Snapshot, StateDict
-from snapshot._engine.tools.diff import diff
 from snapshot._engine.tools.inspection import disk_usage, list_entries
-from snapshot._engine.tools.verify import verify
+from snapshot._engine.tools.verify import diff, verify
 from tests.helpers import raw_bytes, seal_manifest
 from tests.multirank import run_ranks
 

@@ -72,18 +72,30 @@ def open_foreign(
             translator does not know.
         CorruptSnapshotError: the torchsnapshot manifest is damaged.
     """
+
+    async def look() -> bytes | bool:
+        # The torchsnapshot manifest's bytes; else whether DCP's metadata file is there.
+        try:
+            return await read_unrecorded(plugin, METADATA_NAME, where, options)
+        except (FileNotFoundError, NotADirectoryError):
+            pass
+        name, exists = DCP_METADATA_NAME, lambda: plugin.exists(DCP_METADATA_NAME)
+        try:
+            return await call(plugin, "check", name, where, exists, options=options, convert=False)
+        except (FileNotFoundError, NotADirectoryError):
+            return False
+
     try:
-        data = run(_read_if_present(plugin, where, METADATA_NAME, options))
-        if data is not None:
-            return translate(data, where, lambda blobs: _blob_sizes(plugin, where, options, blobs))
-        dcp = run(_exists(plugin, where, DCP_METADATA_NAME, options))
+        found = run(look())
+        if isinstance(found, bytes):
+            return translate(found, where, lambda blobs: _blob_sizes(plugin, where, options, blobs))
     except SnapshotError:
         raise
     except UnsafeBlobError as e:  # DCP's marker, or a link on the way to it
         raise refused(where, e) from e
     except Exception as e:
         raise StorageError(f"cannot read the torchsnapshot manifest of {where}: {e}") from e
-    if dcp:
+    if found:
         raise IncompatibleSnapshotError(
             f"{where} holds a torch.distributed.checkpoint (DCP) checkpoint ({DCP_METADATA_NAME}"
             "), not a statesnap snapshot: load it with torch.distributed.checkpoint.load("
@@ -101,27 +113,15 @@ def open_foreign(
     return None
 
 
-async def _read_if_present(
-    plugin: StoragePlugin, where: str, name: str, options: Options
-) -> bytes | None:
-    try:
-        return await read_unrecorded(plugin, name, where, options)
-    except (FileNotFoundError, NotADirectoryError):
-        return None
-
-
-async def _exists(plugin: StoragePlugin, where: str, name: str, options: Options) -> bool:
-    try:
-        exists = lambda: plugin.exists(name)  # noqa: E731
-        return await call(plugin, "check", name, where, exists, options=options, convert=False)
-    except (FileNotFoundError, NotADirectoryError):
-        return False
+# torch.save's legacy format starts with the pickle (protocol 2) of its magic number.
+_LEGACY_TORCH_SAVE = b"\x80\x02\x8a\x0al\xfc\x9cF\xf9 j\xa8P\x19"
 
 
 def _single_file(url: str) -> str | None:
-    """What the local file at ``url`` is, when ``torch.save`` wrote it. None when it is not such
-    a file, or ``url`` is not a local path (best effort: only the message differs; on an object
-    store the look would cost a request for every path without a snapshot)."""
+    """What the local file at ``url`` is (which of its formats), when ``torch.save`` wrote it.
+    None when it is not such a file, or ``url`` is not a local path (best effort: only the
+    message differs; on an object store the look would cost a request for every path without a
+    snapshot)."""
     if "://" in url and not url.startswith("file://"):
         return None
     # The path the user named may be a link (their choice, so it is followed); the file is then
@@ -133,17 +133,8 @@ def _single_file(url: str) -> str | None:
             head = f.read(512) if stat.S_ISREG(os.fstat(fd).st_mode) else b""
     except OSError:
         return None
-    return _torch_save_kind(head)
-
-
-# torch.save's legacy format starts with the pickle (protocol 2) of its magic number.
-_LEGACY_TORCH_SAVE = b"\x80\x02\x8a\x0al\xfc\x9cF\xf9 j\xa8P\x19"
-
-
-def _torch_save_kind(head: bytes) -> str | None:
-    """Whether bytes starting with ``head`` are a ``torch.save`` file, and which format."""
+    # A zip archive whose first member is "<archive name>/data.pkl": torch.save's.
     if head.startswith(b"PK\x03\x04") and len(head) >= 30:
-        # A zip archive whose first member is "<archive name>/data.pkl": torch.save's.
         name_len = int.from_bytes(head[26:28], "little")
         name = head[30 : 30 + name_len]
         if name == b"data.pkl" or name.endswith(b"/data.pkl"):
@@ -198,7 +189,18 @@ def translate(
     """
     source = f"{where}/{METADATA_NAME}"
     doc = _parse(data, source)
-    version, world_size, raw = _header(doc, source)
+    if not isinstance(doc, dict) or set(doc) != {"version", "world_size", "manifest"}:
+        keys = sorted(map(str, doc)) if isinstance(doc, dict) else type(doc).__name__
+        raise CorruptSnapshotError(
+            f"{source}: expected a mapping of version, world_size and manifest, got {keys}"
+        )
+    version, world_size, raw = doc["version"], doc["world_size"], doc["manifest"]
+    if type(version) is not str or len(version) > 100:
+        raise CorruptSnapshotError(f"{source}: version must be a short string, got {version!r}")
+    if type(world_size) is not int or world_size < 1:
+        raise CorruptSnapshotError(f"{source}: world_size must be >= 1, got {world_size!r}")
+    if not isinstance(raw, dict):
+        raise CorruptSnapshotError(f"{source}: manifest must be a mapping")
     # Two passes: the first checks everything and learns which blobs hold pickles (whose
     # lengths the store must give), the second builds the entries with those lengths.
     wanted: set[str] = set()
@@ -242,19 +244,3 @@ def _parse(data: bytes, source: str) -> Any:
         raise CorruptSnapshotError(
             printable_message(f"{source} is neither JSON nor YAML: {e}")
         ) from None
-
-
-def _header(doc: Any, source: str) -> tuple[str, int, dict[str, Any]]:
-    if not isinstance(doc, dict) or set(doc) != {"version", "world_size", "manifest"}:
-        keys = sorted(map(str, doc)) if isinstance(doc, dict) else type(doc).__name__
-        raise CorruptSnapshotError(
-            f"{source}: expected a mapping of version, world_size and manifest, got {keys}"
-        )
-    version, world_size, raw = doc["version"], doc["world_size"], doc["manifest"]
-    if type(version) is not str or len(version) > 100:
-        raise CorruptSnapshotError(f"{source}: version must be a short string, got {version!r}")
-    if type(world_size) is not int or world_size < 1:
-        raise CorruptSnapshotError(f"{source}: world_size must be >= 1, got {world_size!r}")
-    if not isinstance(raw, dict):
-        raise CorruptSnapshotError(f"{source}: manifest must be a mapping")
-    return version, world_size, raw

@@ -19,10 +19,9 @@ from typing import Any
 import torch
 
 from snapshot._engine.format.manifest_io import load_manifest
-from snapshot._engine.format.text import printable, printable_message, unescape
+from snapshot._engine.format.text import printable, printable_message
 from snapshot._engine.manager.retention import Policy, Step, to_delete
 from snapshot._engine.manager.steps import INCOMPLETE, LEFT, UNREADABLE, Steps
-from snapshot._engine.tools.diff import diff
 from snapshot._engine.tools.inspection import (
     Listing,
     Usage,
@@ -33,8 +32,8 @@ from snapshot._engine.tools.inspection import (
     read_entry,
     summarize_tensor,
 )
-from snapshot._engine.tools.verify import verify
-from snapshot.errors import EntryNotFoundError, InvalidArgumentError, SnapshotError
+from snapshot._engine.tools.verify import diff, verify
+from snapshot.errors import InvalidArgumentError, SnapshotError
 from snapshot.options import Options
 
 
@@ -164,23 +163,8 @@ def _number(value: Any) -> str:
     return str(value)
 
 
-def _read_shown_key(args: argparse.Namespace) -> tuple[str, Any, Any]:
-    """The logical path, entry and value at KEY, given as ``ls`` shows it (control characters
-    escaped) or as it is."""
-    try:
-        return args.key, *read_entry(args.path, args.key, args.storage_options)
-    except EntryNotFoundError as not_found:
-        key = unescape(args.key)
-        if key == args.key:
-            raise
-        try:
-            return key, *read_entry(args.path, key, args.storage_options)
-        except EntryNotFoundError:
-            raise not_found from None  # the message about KEY as it was typed
-
-
 def run_show(args: argparse.Namespace) -> int:
-    key, entry, value = _read_shown_key(args)
+    key, entry, value = read_entry(args.path, args.key, args.storage_options)
     name = printable(key)
     lines = []
     if isinstance(value, torch.Tensor):

@@ -31,7 +31,7 @@ from manifest import (
     reference_of,
 )
 from snapshot._engine.format.serialization import crc32, dtype_name
-from snapshot._engine.format.text import printable
+from snapshot._engine.format.text import printable, unescape
 from snapshot._engine.io.storage_calls import call
 from snapshot._engine.restore import suggest
 from snapshot._engine.runtime import run
@@ -346,23 +346,27 @@ def _close_matches(entries: Mapping[str, Any], key: str) -> str:
     return f"; close matches: {', '.join(map(printable, found[:5]))}" if found else ""
 
 
-def read_entry(path: str, key: str, storage_options: dict[str, Any] | None) -> tuple[Entry, Any]:
-    """The manifest entry at logical path ``key`` and its value, read with
-    ``Snapshot.read_object`` (a container's value is the whole rebuilt container).
+def read_entry(
+    path: str, key: str, storage_options: dict[str, Any] | None
+) -> tuple[str, Entry, Any]:
+    """The logical path at ``key``, given as ``ls`` shows it (control characters escaped) or
+    as it is, its manifest entry and its value, read with ``Snapshot.read_object`` (a
+    container's value is the whole rebuilt container).
 
     Raises:
-        EntryNotFoundError: no entry ``key``; the message lists close matches.
+        EntryNotFoundError: no entry ``key``; the message, about ``key`` as it was given, lists
+            close matches.
     """
     snap = Snapshot(path, storage_options=storage_options)
     entries = snap.get_manifest()
-    entry = entries.get(key)
-    if entry is None:
+    found = next((k for k in (key, unescape(key)) if k in entries), None)
+    if found is None:
         hint = (
             _close_matches(entries, key)
             or f"; `statesnap ls {path}` lists its {len(entries)} entries"
         )
         raise EntryNotFoundError(f"snapshot {path} has no entry {key!r}{hint}")
-    return entry, snap.read_object(key)
+    return found, entries[found], snap.read_object(found)
 
 
 @dataclass(frozen=True)
