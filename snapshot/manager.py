@@ -114,7 +114,11 @@ class CheckpointManager:
         self._occupied: dict[int, str] = {}
         self._cleaned = False  # incomplete folders left by an earlier run were cleaned
         self._closed = False
-        self._handler: PreemptionHandler | None = None
+        # The signal handlers handle_preemption replaced (empty: none installed), the
+        # app_state it was given, the first signal received.
+        self._previous: dict[int, Any] = {}
+        self._preempt_state: dict[str, Any] | None = None
+        self._signum: int | None = None
         # Set by the handler handle_preemption installs when its signal arrives.
         self.preempted = False
         self._ending = False  # the final save after a preemption signal is under way
@@ -189,7 +193,9 @@ class CheckpointManager:
             self._cleaner.end(step)
             if self._rank == 0:
                 self._cleaner.run_round()
-        self._after_save(step)  # under handle_preemption(app_state, step_fn): maybe the last
+        if self._preempt_state is not None and not self._ending:
+            # Under handle_preemption(app_state, step_fn): after a signal, the final save.
+            self.checkpoint_if_preempted(step)
 
     def _committed(self, step: int, pending: PendingSnapshot, t0: float) -> None:
         """On a thread of its own: waits for an async save, records its end, then hands
@@ -360,7 +366,23 @@ class CheckpointManager:
                 stacklevel=2,
             )
         self._drop_handler()
-        self._handler = PreemptionHandler(self, app_state, tuple(signals))
+        self._preempt_state, self._signum = app_state, None
+        self._previous = {s: signal.signal(s, self._on_signal) for s in signals}
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        """The handler ``handle_preemption`` installs: it only records and logs the signal,
+        so a save it interrupts completes."""
+        again = self._signum is not None
+        self._signum = self._signum or signum
+        self.preempted = True
+        logger.warning(
+            "signal %d received %sby the checkpoint manager of %s: %sthe final save happens at "
+            "the next step boundary",
+            signum,
+            "again " if again else "",
+            self.root,
+            "" if again else "manager.preempted is set, ",
+        )
 
     def checkpoint_if_preempted(self, step: int, app_state: dict[str, Any] | None = None) -> None:
         """Marks a step boundary (``app_state`` holds the state after step ``step``). Returns
@@ -374,12 +396,11 @@ class CheckpointManager:
         self._check_open("checkpoint_if_preempted")
         if not self._preemption_agreed():
             return
+        app_state = self._preempt_state if app_state is None else app_state
         if app_state is None:
-            app_state = self._handler.app_state if self._handler is not None else None
-            if app_state is None:
-                raise InvalidArgumentError(
-                    "checkpoint_if_preempted needs app_state (none was given to handle_preemption)"
-                )
+            raise InvalidArgumentError(
+                "checkpoint_if_preempted needs app_state (none was given to handle_preemption)"
+            )
         self._final_save(step, app_state)
 
     def _preemption_agreed(self) -> bool:
@@ -394,18 +415,11 @@ class CheckpointManager:
         return self.preempted
 
     def _drop_handler(self) -> None:
-        if self._handler is not None:
-            self._handler.uninstall()
-            self._handler = None
-
-    def _after_save(self, step: int) -> None:
-        """End of :meth:`save` under ``handle_preemption(app_state, step_fn)``: after a
-        signal, that save is the final one."""
-        handler = self._handler
-        if handler is None or handler.app_state is None or self._ending:
-            return
-        if self._preemption_agreed():
-            self._final_save(step, handler.app_state)
+        """Puts back the signal handlers ``handle_preemption`` replaced (the default one where
+        an earlier handler was installed from outside Python)."""
+        for s, handler in self._previous.items():
+            signal.signal(s, signal.SIG_DFL if handler is None else handler)
+        self._previous, self._preempt_state = {}, None
 
     def _final_save(self, step: int, app_state: dict[str, Any]) -> NoReturn:
         """At a step boundary after a preemption signal: saves ``step`` synchronously unless it
@@ -413,8 +427,7 @@ class CheckpointManager:
         the signal as the signal would have, the output flushed first (``SystemExit(128 +
         signum)`` if it survives that)."""
         self._ending = True
-        handler = self._handler
-        signum = handler.signum if handler is not None and handler.signum else signal.SIGTERM
+        signum = self._signum or signal.SIGTERM
         try:
             self._wait_for_saves(0)
             last = self._last_saved
@@ -474,47 +487,6 @@ class CheckpointManager:
     def _check_open(self, call: str) -> None:
         if self._closed:
             raise SnapshotError(f"CheckpointManager.{call}: the manager of {self.root} is closed")
-
-
-class PreemptionHandler:
-    """The signal handlers ``handle_preemption`` installs, and the ones they replaced. A handler
-    only records and logs the signal, so a save it interrupts completes."""
-
-    def __init__(
-        self,
-        manager: CheckpointManager,
-        app_state: dict[str, Any] | None,
-        signals: tuple[int, ...],
-    ) -> None:
-        self.manager = manager
-        self.app_state = app_state
-        self.signum: int | None = None  # the first signal received
-        self.previous = {s: signal.signal(s, self._on_signal) for s in signals}
-
-    def _on_signal(self, signum: int, frame: Any) -> None:
-        if self.signum is not None:
-            logger.warning(
-                "signal %d received again by the checkpoint manager of %s: the final save "
-                "happens at the next step boundary",
-                signum,
-                self.manager.root,
-            )
-            return
-        self.signum = signum
-        self.manager.preempted = True
-        logger.warning(
-            "signal %d received by the checkpoint manager of %s: manager.preempted is set, "
-            "the final save happens at the next step boundary",
-            signum,
-            self.manager.root,
-        )
-
-    def uninstall(self) -> None:
-        """Puts back the handlers this one replaced (the default one where an earlier handler
-        was installed from outside Python)."""
-        for s, handler in self.previous.items():
-            signal.signal(s, signal.SIG_DFL if handler is None else handler)
-        self.previous = {}
 
 
 def _since(t: float) -> float:

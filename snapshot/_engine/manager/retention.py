@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import math
 import threading
-from collections.abc import Collection, Mapping, Set
+from collections.abc import Collection, Set
 from concurrent import futures
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -55,15 +55,9 @@ class Policy:
         return self.keep_last is None and self.keep_every_steps is None and self.keep_best is None
 
 
-@dataclass(frozen=True)
-class Step:
-    """A committed step as retention sees it: its metrics and the names of the steps (folders)
-    whose bytes it needs."""
-
-    step: int
-    name: str
-    metrics: Mapping[str, float]
-    bases: tuple[str, ...] = ()
+# A committed step as retention sees it: its metrics and the names of the steps (folders)
+# whose bytes it needs (``Step(step, name, metrics, bases)``).
+Step = StepInfo
 
 
 def to_keep(policy: Policy, steps: list[Step]) -> set[int]:
@@ -211,7 +205,7 @@ class Cleaner:
                     "a save that failed" if s.step in failed else s.reason,
                 )
                 self._delete(s, unmarked=s.step in failed)
-        steps = [Step(s.step, s.name, s.metrics, s.bases) for s in found if s.committed]
+        steps = [s for s in found if s.committed]
         unreadable = [s.name for s in found if s.state == UNREADABLE]
         doomed = to_delete(self.policy, steps, in_flight, unreadable)
         if unreadable and to_delete(self.policy, steps, in_flight):
@@ -221,9 +215,8 @@ class Cleaner:
                 self.root,
                 ", ".join(unreadable),
             )
-        by_name = {s.name: s for s in found}
         for d in doomed:
-            self._delete(by_name[d.name])
+            self._delete(d)
 
     def _delete(self, s: StepInfo, unmarked: bool = False) -> None:
         """Deletes the folder of ``s`` (checked whole first), unless a save of this manager began

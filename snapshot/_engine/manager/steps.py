@@ -18,7 +18,7 @@ import os
 import re
 import stat
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -207,14 +207,16 @@ def survey(path: str, storage_options: dict[str, Any] | None, options: Options) 
 @dataclass(frozen=True)
 class StepInfo:
     """One step folder: its ``state``; for a committed one, what its manifest records (metrics,
-    bases, the bytes of its own blobs); else ``reason``, why it is not committed or deleted.
-    ``debris``: nothing but what a take writes, with or without the pending marker."""
+    the names of the steps whose bytes it needs, the bytes of its own blobs); else ``reason``,
+    why it is not committed or deleted. ``debris``: nothing but what a take writes, with or
+    without the pending marker. Retention takes the committed ones
+    (``retention.Step(step, name, metrics, bases)``)."""
 
     step: int
     name: str
-    state: str
-    metrics: dict[str, Any] = field(default_factory=dict)
+    metrics: Mapping[str, Any] = field(default_factory=dict)
     bases: tuple[str, ...] = ()
+    state: str = COMMITTED
     nbytes: int = 0
     reason: str = ""
     debris: bool = False
@@ -300,7 +302,7 @@ class Steps:
             elif kind == "folder":
                 info = self._incomplete(step, name)
             else:
-                info = StepInfo(step, name, LEFT, reason=kind)
+                info = StepInfo(step, name, state=LEFT, reason=kind)
             if info is not None:
                 out.append(info)
         out.sort(key=lambda s: (s.step, s.name))
@@ -321,33 +323,29 @@ class Steps:
         if not c.exists:
             return None
         if c.refusal:
-            return StepInfo(step, name, LEFT, reason=c.refusal)
+            return StepInfo(step, name, state=LEFT, reason=c.refusal)
         if not c.marker:
             return StepInfo(
                 step,
                 name,
-                LEFT,
+                state=LEFT,
                 reason="it holds no pending marker: nothing proves a take of statesnap left it",
                 debris=True,
             )
-        return StepInfo(step, name, INCOMPLETE, reason="a take that never finished", debris=True)
+        return StepInfo(
+            step, name, state=INCOMPLETE, reason="a take that never finished", debris=True
+        )
 
     def _read_step(self, step: int, name: str) -> StepInfo:
         try:
             m = load_manifest(self.path(name), self.storage_options, self.options)
         except SnapshotError as e:
-            return StepInfo(step, name, UNREADABLE, reason=str(e))
+            return StepInfo(step, name, state=UNREADABLE, reason=str(e))
         user = m.metadata.get("user")
         metrics = user.get("metrics") if isinstance(user, dict) else None
         own = sum(end for blob, end in m.blob_sizes.items() if not blob.startswith("../"))
-        return StepInfo(
-            step,
-            name,
-            COMMITTED,
-            metrics=dict(metrics) if isinstance(metrics, dict) else {},
-            bases=m.bases,
-            nbytes=own,
-        )
+        metrics = dict(metrics) if isinstance(metrics, dict) else {}
+        return StepInfo(step, name, metrics, m.bases, nbytes=own)
 
     def delete(self, name: str, *, unmarked: bool = False) -> None:
         """Deletes the step folder ``name`` (``delete_snapshot``)."""
