@@ -12,6 +12,7 @@ leaves the committed snapshot or marked debris (docs/reliability.md).
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import os
@@ -139,27 +140,6 @@ def _kind(entry: os.DirEntry[str]) -> str:
     return "dir" if entry.is_dir(follow_symlinks=False) else "other"
 
 
-def _survey_local(path: str) -> Contents:
-    """``survey`` on local disk: ``lstat`` and ``scandir``, never following a link."""
-    try:
-        mode = os.lstat(path).st_mode
-        if stat.S_ISLNK(mode):
-            return Contents(True, refusal=A_LINK)
-        if not stat.S_ISDIR(mode):
-            return Contents(True, refusal=NOT_A_FOLDER)
-        entries = _scan_local(path)
-    except FileNotFoundError:  # (or deleted since, by the manager's worker)
-        return Contents(False)
-
-    def inner(name: str) -> list[tuple[str, str]]:
-        try:
-            return _scan_local(os.path.join(path, name))
-        except FileNotFoundError:
-            return []
-
-    return _contents(entries, inner)
-
-
 def _survey_store(path: str, storage_options: dict[str, Any] | None, options: Options) -> Contents:
     """``survey`` through the storage plugin (object stores hold no links)."""
     with open_storage(path, storage_options, options) as plugin:
@@ -188,16 +168,25 @@ def _survey_store(path: str, storage_options: dict[str, Any] | None, options: Op
 
 
 def survey(path: str, storage_options: dict[str, Any] | None, options: Options) -> Contents:
-    """What the folder at ``path`` holds (``Contents``).
+    """What the folder at ``path`` holds (``Contents``): on local disk by ``lstat`` and
+    ``scandir``, never following a link; elsewhere through the storage plugin (object stores
+    hold no links).
 
     Raises:
         StorageError: the store failed to list it.
     """
+    local = local_path(path)
     try:
-        local = local_path(path)
-        if local is not None:
-            return _survey_local(local)
-        return _survey_store(path, storage_options, options)
+        if local is None:
+            return _survey_store(path, storage_options, options)
+        mode = os.lstat(local).st_mode
+        if stat.S_ISLNK(mode):
+            return Contents(True, refusal=A_LINK)
+        if not stat.S_ISDIR(mode):
+            return Contents(True, refusal=NOT_A_FOLDER)
+        return _contents(_scan_local(local), lambda name: _scan_local(os.path.join(local, name)))
+    except FileNotFoundError:  # (or deleted since, by the manager's worker)
+        return Contents(False)
     except SnapshotError:
         raise
     except Exception as e:
@@ -389,30 +378,21 @@ def delete_snapshot(
                 if not c.marker:
                     await plugin.write(PENDING_NAME, [b"deleting\n"])
                     await plugin.sync()
-                try:
+                with contextlib.suppress(FileNotFoundError):
                     await plugin.delete(MANIFEST_NAME)
-                except FileNotFoundError:
-                    pass
             names = await plugin.list_names(LIST_LIMIT)
             return [n for n in names or () if n != PENDING_NAME]
 
         try:
-            rest = run(mark())
-            for n in rest:
+            for n in run(mark()):
                 if _RANK.fullmatch(n):
                     with open_storage(join(path, n), storage_options, options) as rank:
                         run(rank.delete_all())
                 elif left_by_a_take(n):
                     run(plugin.delete(n))
-
-            async def finish() -> None:
-                try:
-                    await plugin.delete(PENDING_NAME)
-                except FileNotFoundError:
-                    pass
-                await plugin.delete_all()
-
-            run(finish())
+            with contextlib.suppress(FileNotFoundError):
+                run(plugin.delete(PENDING_NAME))
+            run(plugin.delete_all())
         except SnapshotError:
             raise
         except Exception as e:
