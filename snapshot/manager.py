@@ -121,7 +121,6 @@ class CheckpointManager:
         self._signum: int | None = None
         # Set by the handler handle_preemption installs when its signal arrives.
         self.preempted = False
-        self._ending = False  # the final save after a preemption signal is under way
 
     def save(
         self, step: int, app_state: dict[str, Any], metrics: Mapping[str, float] | None = None
@@ -142,12 +141,12 @@ class CheckpointManager:
                 "must increase (restore() first to resume, or use another root)"
             )
         self._refuse_occupied(step)
-        self._wait_for_saves(self.max_in_flight - 1)
+        # An incremental save's base must be committed.
+        self._wait_for_saves(0 if self.incremental else self.max_in_flight - 1)
         if self.raise_on_next_save:  # of a save that ended while this one waited for room
             self._raise_background_error()
         base = None
         if self.incremental:
-            self._wait_for_saves(0)  # the base must be committed
             newest = self.latest_step()
             base = self._steps.path(self._folders[newest]) if newest is not None else None
         if not self._cleaned and self._rank == 0:
@@ -193,7 +192,7 @@ class CheckpointManager:
             self._cleaner.end(step)
             if self._rank == 0:
                 self._cleaner.run_round()
-        if self._preempt_state is not None and not self._ending:
+        if self._preempt_state is not None:
             # Under handle_preemption(app_state, step_fn): after a signal, the final save.
             self.checkpoint_if_preempted(step)
 
@@ -207,7 +206,7 @@ class CheckpointManager:
                 "save of step %d under %s committed %.3f s after it began",
                 step,
                 self.root,
-                time.perf_counter() - t0,
+                _since(t0),
             )
         except BaseException as e:
             error = e
@@ -426,7 +425,7 @@ class CheckpointManager:
         is saved already, waits for every save and deletion, closes, then ends the process by
         the signal as the signal would have, the output flushed first (``SystemExit(128 +
         signum)`` if it survives that)."""
-        self._ending = True
+        self._preempt_state = None  # the save below is the final one, not a trigger
         signum = self._signum or signal.SIGTERM
         try:
             self._wait_for_saves(0)

@@ -27,6 +27,9 @@ from storage_plugins.base import DaemonThreadPool
 
 logger = logging.getLogger("snapshot")
 
+# What became of a save of the manager's (``Cleaner._saves``).
+WRITING, SAVED, FAILED = "writing", "saved", "failed"
+
 
 @dataclass(frozen=True)
 class Policy:
@@ -127,11 +130,10 @@ class Cleaner:
         self._steps = steps
         self.policy = policy
         self.root = root
-        self._in_flight: set[int] = set()  # saves writing (not yet committed nor failed)
-        # Every step the manager began saving: never taken for an earlier run's debris.
-        self._started: set[int] = set()
-        # Steps whose save failed: debris, deleted even without the pending marker.
-        self._failed: set[int] = set()
+        # Each step the manager began saving: WRITING (not yet committed nor failed) and SAVED
+        # are never taken for an earlier run's debris; FAILED is debris, deleted even without
+        # the pending marker.
+        self._saves: dict[int, str] = {}
         self._deleting: set[int] = set()  # folders being deleted: a save there waits
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
@@ -148,16 +150,12 @@ class Cleaner:
         with self._changed:
             while step in self._deleting:  # debris at this step, being deleted
                 self._changed.wait()
-            self._in_flight.add(step)
-            self._started.add(step)
+            self._saves[step] = WRITING
 
     def end(self, step: int, failed: bool = False) -> None:
         """The save of ``step`` is no longer writing (``failed``: and it failed)."""
         with self._lock:
-            self._in_flight.discard(step)
-            if failed:
-                self._started.discard(step)
-                self._failed.add(step)
+            self._saves[step] = FAILED if failed else SAVED
 
     def run_round(self) -> None:
         """Queues a retention round on the worker thread (started on the first call)."""
@@ -188,23 +186,23 @@ class Cleaner:
                 e,
             )
             return
-        # Read after the listing: every folder of this manager's that it saw is in
-        # ``_started`` even if its save began, or committed, meanwhile.
+        # Read after the listing: every folder of this manager's that it saw is in ``_saves``
+        # even if its save began, or committed, meanwhile.
         with self._lock:
-            in_flight = set(self._in_flight)
-            started = set(self._started)
-            failed = set(self._failed)
+            saves = dict(self._saves)
+        in_flight = {step for step, state in saves.items() if state == WRITING}
         self.note(found)
         for s in found:
-            if s.step in in_flight or s.step in started or not s.debris:
+            if saves.get(s.step) in (WRITING, SAVED) or not s.debris:
                 continue
-            if s.state == INCOMPLETE or s.step in failed:
+            failed = saves.get(s.step) == FAILED
+            if s.state == INCOMPLETE or failed:
                 logger.warning(
                     "%s holds no committed snapshot (%s): deleting it",
                     self._steps.path(s.name),
-                    "a save that failed" if s.step in failed else s.reason,
+                    "a save that failed" if failed else s.reason,
                 )
-                self._delete(s, unmarked=s.step in failed)
+                self._delete(s, unmarked=failed)
         steps = [s for s in found if s.committed]
         unreadable = [s.name for s in found if s.state == UNREADABLE]
         doomed = to_delete(self.policy, steps, in_flight, unreadable)
@@ -222,7 +220,7 @@ class Cleaner:
         """Deletes the folder of ``s`` (checked whole first), unless a save of this manager began
         writing there since the listing; a failure is logged."""
         with self._changed:
-            if not s.committed and s.step in self._started:
+            if not s.committed and self._saves.get(s.step, FAILED) != FAILED:
                 return
             self._deleting.add(s.step)
         try:
@@ -249,9 +247,7 @@ class Cleaner:
                     self._steps.path(s.name),
                     s.reason,
                 )
-            elif s.state not in (COMMITTED, INCOMPLETE) and not (
-                s.step in self._started or s.step in self._failed
-            ):
+            elif s.state not in (COMMITTED, INCOMPLETE) and s.step not in self._saves:
                 self._warn_once(
                     "%s is left alone (the checkpoint manager deletes only what a take of its "
                     "own left): %s",
