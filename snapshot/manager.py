@@ -24,7 +24,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any, NoReturn
+from typing import Any
 
 from snapshot._engine import state_dicts
 from snapshot._engine.dist.dist import RankZero
@@ -393,38 +393,17 @@ class CheckpointManager:
         background save are raised. ``app_state`` defaults to ``handle_preemption``'s.
         """
         self._check_open("checkpoint_if_preempted")
-        if not self._preemption_agreed():
+        if self._world > 1 and any(resolve_group(self.pg, self.options).all_gather(self.preempted)):
+            if not self.preempted:
+                logger.warning("preempted: another rank received the signal")
+            self.preempted = True
+        if not self.preempted:
             return
         app_state = self._preempt_state if app_state is None else app_state
         if app_state is None:
             raise InvalidArgumentError(
                 "checkpoint_if_preempted needs app_state (none was given to handle_preemption)"
             )
-        self._final_save(step, app_state)
-
-    def _preemption_agreed(self) -> bool:
-        """Whether a preemption signal arrived on any rank; sets ``preempted`` where another
-        rank received it."""
-        if self._world == 1:
-            return self.preempted
-        if any(resolve_group(self.pg, self.options).all_gather(self.preempted)):
-            if not self.preempted:
-                logger.warning("preempted: another rank received the signal")
-            self.preempted = True
-        return self.preempted
-
-    def _drop_handler(self) -> None:
-        """Puts back the signal handlers ``handle_preemption`` replaced (the default one where
-        an earlier handler was installed from outside Python)."""
-        for s, handler in self._previous.items():
-            signal.signal(s, signal.SIG_DFL if handler is None else handler)
-        self._previous, self._preempt_state = {}, None
-
-    def _final_save(self, step: int, app_state: dict[str, Any]) -> NoReturn:
-        """At a step boundary after a preemption signal: saves ``step`` synchronously unless it
-        is saved already, waits for every save and deletion, closes, then ends the process by
-        the signal as the signal would have, the output flushed first (``SystemExit(128 +
-        signum)`` if it survives that)."""
         self._preempt_state = None  # the save below is the final one, not a trigger
         signum = self._signum or signal.SIGTERM
         try:
@@ -458,6 +437,13 @@ class CheckpointManager:
                 pass
         signal.raise_signal(signum)
         raise SystemExit(128 + signum)
+
+    def _drop_handler(self) -> None:
+        """Puts back the signal handlers ``handle_preemption`` replaced (the default one where
+        an earlier handler was installed from outside Python)."""
+        for s, handler in self._previous.items():
+            signal.signal(s, signal.SIG_DFL if handler is None else handler)
+        self._previous, self._preempt_state = {}, None
 
     def close(self) -> None:
         """Waits for the saves and deletions under way, then stops the cleaner's thread and the
