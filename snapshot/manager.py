@@ -100,7 +100,6 @@ class CheckpointManager:
         self._steps = Steps(self.root, self.storage_options, self.options)
         # Rank 0 lists, decides and deletes; every rank gets its answers.
         self._ranks = RankZero(pg, self.options, self.root)
-        self._rank, self._world = self._ranks.rank, self._ranks.world
         # The commit threads of the async saves under way, oldest first.
         self._in_flight: list[threading.Thread] = []
         # Retention and deletions (rank 0's), and which steps the saves hold.
@@ -149,7 +148,7 @@ class CheckpointManager:
         if self.incremental:
             newest = self.latest_step()
             base = self._steps.path(self._folders[newest]) if newest is not None else None
-        if not self._cleaned and self._rank == 0:
+        if not self._cleaned and self._ranks.rank == 0:
             # Before the first save: incomplete folders an earlier run left (a crash mid-take
             # or mid-delete) are deleted, in the background.
             self._cleaner.run_round()
@@ -190,7 +189,7 @@ class CheckpointManager:
             thread.start()
         else:
             self._cleaner.end(step)
-            if self._rank == 0:
+            if self._ranks.rank == 0:
                 self._cleaner.run_round()
         if self._preempt_state is not None:
             # Under handle_preemption(app_state, step_fn): after a signal, the final save.
@@ -225,7 +224,7 @@ class CheckpointManager:
             if error is not None:
                 self._errors.append(error)
             self._in_flight.remove(threading.current_thread())
-        if self._rank == 0 and not self._closed:
+        if self._ranks.rank == 0 and not self._closed:
             self._cleaner.run_round()
 
     def _refuse_occupied(self, step: int) -> None:
@@ -393,7 +392,7 @@ class CheckpointManager:
         background save are raised. ``app_state`` defaults to ``handle_preemption``'s.
         """
         self._check_open("checkpoint_if_preempted")
-        if self._world > 1 and any(resolve_group(self.pg, self.options).all_gather(self.preempted)):
+        if any(resolve_group(self.pg, self.options).all_gather(self.preempted)):
             if not self.preempted:
                 logger.warning("preempted: another rank received the signal")
             self.preempted = True

@@ -137,38 +137,6 @@ def list_versions(
     return sorted(found, key=lambda v: (v.counter, v.name))
 
 
-def remove_all(root: str, storage_options: dict[str, Any] | None, options: Options) -> None:
-    """Deletes the checkpoint at ``root`` once all of it is checked to be no link and to hold
-    only version folders of what a take writes: each version oldest first (an interrupted
-    removal never leaves an older one the newest), then ``root``. Otherwise raises
-    ``UnsafeSnapshotError`` and deletes nothing."""
-    local = local_path(root)
-    if local is not None and os.path.islink(local):
-        raise UnsafeSnapshotError(
-            f"the checkpoint {root} is not removed: it is a symbolic link (never followed); "
-            "nothing was deleted"
-        )
-    others: list[str] = []
-    versions = list_versions(root, storage_options, options, others)
-    problems = [repr(n) for n in sorted(others)]
-    for v in versions:
-        found = survey(join(root, v.name), storage_options, options)
-        if found.refusal:
-            problems.append(f"{v.name!r} ({found.refusal})")
-    if problems:
-        raise UnsafeSnapshotError(
-            f"the checkpoint {root} is not removed: it holds {', '.join(problems[:5])}, which "
-            "no save of statesnap wrote; nothing was deleted: move those away first"
-        )
-    for v in versions:
-        delete_snapshot(join(root, v.name), storage_options, options, unmarked=True)
-    with open_storage(root, storage_options, options) as plugin:
-        try:
-            run(plugin.delete_all())
-        except Exception as e:
-            raise StorageError(f"cannot remove the checkpoint {root}: {e}") from e
-
-
 def _placer(map_location: Any) -> Callable[[torch.Tensor], torch.Tensor] | None:
     """What ``map_location`` does to one tensor read onto the CPU, or None to leave them."""
     if isinstance(map_location, dict):  # tensors are read onto the CPU: its entry applies
@@ -366,10 +334,39 @@ class StatesnapCheckpointIO(CheckpointIO):  # type: ignore[misc, valid-type]
         return checkpoint
 
     def remove_checkpoint(self, path: Any) -> None:
-        """Deletes every version of the checkpoint at ``path`` (nothing when there is none)."""
+        """Deletes every version of the checkpoint at ``path`` (nothing when there is none),
+        once all of it is checked to be no link and to hold only version folders of what a
+        take writes: each version oldest first (an interrupted removal never leaves an older
+        one the newest), then ``path``. Otherwise raises ``UnsafeSnapshotError`` and deletes
+        nothing."""
         self.wait()
         root = state_dicts.snapshot_path(path, f"{type(self).__name__}.remove_checkpoint")
-        remove_all(root, self.storage_options, self.options)
+        store, options = self.storage_options, self.options
+        local = local_path(root)
+        if local is not None and os.path.islink(local):
+            raise UnsafeSnapshotError(
+                f"the checkpoint {root} is not removed: it is a symbolic link (never followed); "
+                "nothing was deleted"
+            )
+        others: list[str] = []
+        versions = list_versions(root, store, options, others)
+        problems = [repr(n) for n in sorted(others)]
+        for v in versions:
+            found = survey(join(root, v.name), store, options)
+            if found.refusal:
+                problems.append(f"{v.name!r} ({found.refusal})")
+        if problems:
+            raise UnsafeSnapshotError(
+                f"the checkpoint {root} is not removed: it holds {', '.join(problems[:5])}, which "
+                "no save of statesnap wrote; nothing was deleted: move those away first"
+            )
+        for v in versions:
+            delete_snapshot(join(root, v.name), store, options, unmarked=True)
+        with open_storage(root, store, options) as plugin:
+            try:
+                run(plugin.delete_all())
+            except Exception as e:
+                raise StorageError(f"cannot remove the checkpoint {root}: {e}") from e
         logger.info("checkpoint %s removed", root)
 
     def wait(self) -> None:
