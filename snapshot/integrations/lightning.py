@@ -265,33 +265,25 @@ class StatesnapCheckpointIO(CheckpointIO):  # type: ignore[misc, valid-type]
             self._delete(replaced, store)
             return
         logger.info("checkpoint %s captured in %.3f s", root, _since(t))
+        pending = taken
+
+        def commit() -> None:
+            """On a thread of its own: waits for the commit, then deletes the versions it
+            replaces; or records its error and deletes what it left."""
+            try:
+                pending.wait()
+                logger.info("checkpoint %s committed %.3f s after it began", root, _since(t))
+            except BaseException as e:
+                logger.error("checkpoint %s failed: %s", root, e)
+                self._error = e
+                self._delete([target], store)
+            else:
+                self._delete(replaced, store)
+
         self._thread = threading.Thread(
-            target=self._commit,
-            args=(taken, root, store, target, replaced, t),
-            name="statesnap-lightning-commit",
-            daemon=True,
+            target=commit, name="statesnap-lightning-commit", daemon=True
         )
         self._thread.start()
-
-    def _commit(
-        self,
-        pending: PendingSnapshot,
-        root: str,
-        store: dict[str, Any] | None,
-        target: str,
-        replaced: list[str],
-        t: float,
-    ) -> None:
-        """On a thread of its own: waits for an async save's commit, then deletes the versions
-        it replaces; or records its error and deletes what it left."""
-        try:
-            pending.wait()
-            logger.info("checkpoint %s committed %.3f s after it began", root, _since(t))
-        except BaseException as e:
-            logger.error("checkpoint %s failed: %s", root, e)
-            self._error = e
-            replaced = [target]
-        self._delete(replaced, store)
 
     def _delete(self, versions: list[str], store: dict[str, Any] | None) -> None:
         """Deletes version folders; a failure is logged, the next save tries again."""

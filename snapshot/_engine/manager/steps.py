@@ -19,7 +19,7 @@ import os
 import re
 import stat
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,6 +52,18 @@ LEFT = "left alone"  # anything else (a link, a file, another library's or a use
 A_LINK = "it is a symbolic link (never followed)"
 NOT_A_FOLDER = "it is not a folder"
 NOT_FOLDERS = (A_LINK, NOT_A_FOLDER)
+
+
+@contextlib.contextmanager
+def storage_errors(what: str) -> Iterator[None]:
+    """Raises an error of the block as a ``StorageError`` saying ``what`` failed (the library's
+    own errors as they are)."""
+    try:
+        yield
+    except SnapshotError:
+        raise
+    except Exception as e:
+        raise StorageError(f"{what}: {e}") from e
 
 
 def step_name(step: int) -> str:
@@ -176,21 +188,18 @@ def survey(path: str, storage_options: dict[str, Any] | None, options: Options) 
         StorageError: the store failed to list it.
     """
     local = local_path(path)
-    try:
+    with storage_errors(f"cannot list what {path} holds"):
         if local is None:
             return _survey_store(path, storage_options, options)
-        mode = os.lstat(local).st_mode
-        if stat.S_ISLNK(mode):
-            return Contents(True, refusal=A_LINK)
-        if not stat.S_ISDIR(mode):
-            return Contents(True, refusal=NOT_A_FOLDER)
-        return _contents(_scan_local(local), lambda name: _scan_local(os.path.join(local, name)))
-    except FileNotFoundError:  # (or deleted since, by the manager's worker)
-        return Contents(False)
-    except SnapshotError:
-        raise
-    except Exception as e:
-        raise StorageError(f"cannot list what {path} holds: {e}") from e
+        try:
+            mode = os.lstat(local).st_mode
+            if stat.S_ISLNK(mode):
+                return Contents(True, refusal=A_LINK)
+            if not stat.S_ISDIR(mode):
+                return Contents(True, refusal=NOT_A_FOLDER)
+            return _contents(_scan_local(local), lambda n: _scan_local(os.path.join(local, n)))
+        except FileNotFoundError:  # (or deleted since, by the manager's worker)
+            return Contents(False)
 
 
 @dataclass(frozen=True)
@@ -273,12 +282,8 @@ class Steps:
             StorageError: the root, or a folder's contents, could not be listed.
             InvalidArgumentError: two folders hold the same step (``step_5``, ``step_05``).
         """
-        try:
+        with storage_errors(f"cannot list the steps under {self.root}"):
             kinds = self._kinds()
-        except SnapshotError:
-            raise
-        except Exception as e:
-            raise StorageError(f"cannot list the steps under {self.root}: {e}") from e
         out = []
         for name, kind in kinds:
             step = step_of(name)
@@ -383,7 +388,7 @@ def delete_snapshot(
             names = await plugin.list_names(LIST_LIMIT)
             return [n for n in names or () if n != PENDING_NAME]
 
-        try:
+        with storage_errors(f"cannot delete {path}"):
             for n in run(mark()):
                 if _RANK.fullmatch(n):
                     with open_storage(join(path, n), storage_options, options) as rank:
@@ -393,7 +398,3 @@ def delete_snapshot(
             with contextlib.suppress(FileNotFoundError):
                 run(plugin.delete(PENDING_NAME))
             run(plugin.delete_all())
-        except SnapshotError:
-            raise
-        except Exception as e:
-            raise StorageError(f"cannot delete {path}: {e}") from e
