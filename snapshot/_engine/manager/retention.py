@@ -164,8 +164,7 @@ class Cleaner:
 
     def join(self) -> None:
         """Waits for the rounds queued so far."""
-        with self._lock:
-            last = self.last_round
+        last = self.last_round  # (one read: a round queued meanwhile is not waited for)
         if last is not None:
             futures.wait([last])
 

@@ -288,17 +288,27 @@ class Steps:
         for name, kind in kinds:
             step = step_of(name)
             assert step is not None
-            info: StepInfo | None
             if kind == "committed":
                 info = self._read.get(name) or self._read_step(step, name)
                 if info.committed:
                     self._read[name] = info
-            elif kind == "folder":
-                info = self._incomplete(step, name)
-            else:
+            elif kind != "folder":
                 info = StepInfo(step, name, state=LEFT, reason=kind)
-            if info is not None:
-                out.append(info)
+            else:
+                # No manifest: INCOMPLETE when it holds the pending marker and only take
+                # debris, else LEFT; skipped when it is gone (or empty, on an object store).
+                c = survey(self.path(name), self.storage_options, self.options)
+                if not c.exists:
+                    continue
+                if c.refusal:
+                    info = StepInfo(step, name, state=LEFT, reason=c.refusal)
+                elif not c.marker:
+                    why = "it holds no pending marker: nothing proves a take of statesnap left it"
+                    info = StepInfo(step, name, state=LEFT, reason=why, debris=True)
+                else:
+                    why = "a take that never finished"
+                    info = StepInfo(step, name, state=INCOMPLETE, reason=why, debris=True)
+            out.append(info)
         out.sort(key=lambda s: (s.step, s.name))
         folders = [s for s in out if s.reason not in NOT_FOLDERS]
         for a, b in itertools.pairwise(folders):
@@ -309,26 +319,6 @@ class Steps:
                     "(nothing was deleted): move one away"
                 )
         return out
-
-    def _incomplete(self, step: int, name: str) -> StepInfo | None:
-        """A folder without a manifest: ``INCOMPLETE`` when it holds the pending marker and only
-        take debris, else ``LEFT``; None when it is gone (or empty, on an object store)."""
-        c = survey(self.path(name), self.storage_options, self.options)
-        if not c.exists:
-            return None
-        if c.refusal:
-            return StepInfo(step, name, state=LEFT, reason=c.refusal)
-        if not c.marker:
-            return StepInfo(
-                step,
-                name,
-                state=LEFT,
-                reason="it holds no pending marker: nothing proves a take of statesnap left it",
-                debris=True,
-            )
-        return StepInfo(
-            step, name, state=INCOMPLETE, reason="a take that never finished", debris=True
-        )
 
     def _read_step(self, step: int, name: str) -> StepInfo:
         try:
