@@ -366,25 +366,22 @@ def delete_snapshot(
             f"{path} is not deleted: it holds neither a manifest nor the pending marker of a "
             "take, so nothing proves statesnap wrote it"
         )
-    with open_storage(path, storage_options, options) as plugin:
-
-        async def mark() -> list[str]:
-            if c.manifest:
-                if not c.marker:
-                    await plugin.write(PENDING_NAME, [b"deleting\n"])
-                    await plugin.sync()
-                with contextlib.suppress(FileNotFoundError):
-                    await plugin.delete(MANIFEST_NAME)
-            names = await plugin.list_names(LIST_LIMIT)
-            return [n for n in names or () if n != PENDING_NAME]
-
-        with storage_errors(f"cannot delete {path}"):
-            for n in run(mark()):
-                if _RANK.fullmatch(n):
-                    with open_storage(join(path, n), storage_options, options) as rank:
-                        run(rank.delete_all())
-                elif left_by_a_take(n):
-                    run(plugin.delete(n))
+    with (
+        open_storage(path, storage_options, options) as plugin,
+        storage_errors(f"cannot delete {path}"),
+    ):
+        if c.manifest:
+            if not c.marker:
+                run(plugin.write(PENDING_NAME, [b"deleting\n"]))
+                run(plugin.sync())
             with contextlib.suppress(FileNotFoundError):
-                run(plugin.delete(PENDING_NAME))
-            run(plugin.delete_all())
+                run(plugin.delete(MANIFEST_NAME))
+        for n in run(plugin.list_names(LIST_LIMIT)) or ():
+            if _RANK.fullmatch(n):
+                with open_storage(join(path, n), storage_options, options) as rank:
+                    run(rank.delete_all())
+            elif n != PENDING_NAME and left_by_a_take(n):
+                run(plugin.delete(n))
+        with contextlib.suppress(FileNotFoundError):
+            run(plugin.delete(PENDING_NAME))
+        run(plugin.delete_all())
