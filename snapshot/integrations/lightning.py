@@ -105,10 +105,10 @@ def list_versions(
             "checkpoint loads with torch.load or Lightning's TorchCheckpointIO; save to "
             "another path, or delete it first"
         )
+    found = []
     with open_storage(root, storage_options, options) as plugin:
-
-        async def listing() -> list[Version]:
-            names = await plugin.list_names(LIST_LIMIT)
+        try:
+            names = run(plugin.list_names(LIST_LIMIT))
             if names is None:
                 raise StorageError(
                     f"the store at {root} cannot list a folder: a statesnap checkpoint finds its "
@@ -118,18 +118,13 @@ def list_versions(
                 raise StorageError(
                     f"{root} holds {LIST_LIMIT} entries or more: not a statesnap checkpoint folder"
                 )
-            found = []
             for name in names:
                 m = _VERSION.fullmatch(name)
                 if m is not None:
-                    committed = await plugin.exists(f"{name}/{MANIFEST_NAME}")
+                    committed = run(plugin.exists(f"{name}/{MANIFEST_NAME}"))
                     found.append(Version(int(m.group(1)), name, committed))
                 elif others is not None:
                     others.append(name)
-            return found
-
-        try:
-            found = run(listing())
         except SnapshotError:
             raise
         except Exception as e:

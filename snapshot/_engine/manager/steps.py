@@ -153,21 +153,17 @@ def _kind(entry: os.DirEntry[str]) -> str:
 
 
 def _survey_store(path: str, storage_options: dict[str, Any] | None, options: Options) -> Contents:
-    """``survey`` through the storage plugin (object stores hold no links)."""
+    """``survey`` through the storage plugin (object stores hold no links): a rank-named
+    name is a folder, the manifest and the marker count when they are objects."""
     with open_storage(path, storage_options, options) as plugin:
-
-        async def top() -> list[tuple[str, str]] | None:
-            names = await plugin.list_names(LIST_LIMIT)
-            if names is None:
-                return None
-            marked = {n for n in (MANIFEST_NAME, PENDING_NAME) if n in names}
-            there = {n for n in marked if await plugin.exists(n)}
-            kinds = {n: "file" if n in there else "other" for n in marked}
-            return [(n, kinds.get(n, "dir" if _RANK.fullmatch(n) else "file")) for n in names]
-
-        entries = run(top())
-    if entries is None:
-        return Contents(True, refusal=f"the store at {path} cannot list what it holds")
+        names = run(plugin.list_names(LIST_LIMIT))
+        if names is None:
+            return Contents(True, refusal=f"the store at {path} cannot list what it holds")
+        marked = (MANIFEST_NAME, PENDING_NAME)
+        prefixes = {n for n in marked if n in names and not run(plugin.exists(n))}
+    entries = [
+        (n, "other" if n in prefixes else "dir" if _RANK.fullmatch(n) else "file") for n in names
+    ]
     if not entries:
         return Contents(False)
 
@@ -259,21 +255,18 @@ class Steps:
                     out.append((n, A_LINK if kind == "link" else NOT_A_FOLDER))
             return out
         with open_storage(self.root, self.storage_options, self.options) as plugin:
-
-            async def listing() -> list[tuple[str, str]]:
-                names = await plugin.list_names(LIST_LIMIT)
-                if names is None:
-                    raise StorageError(
-                        f"the store at {self.root} cannot list its folders: a checkpoint "
-                        "manager finds its steps by listing the root"
-                    )
-                found = [n for n in names if step_of(n) is not None]
-                return [
-                    (n, "committed" if await plugin.exists(f"{n}/{MANIFEST_NAME}") else "folder")
-                    for n in found
-                ]
-
-            return run(listing())
+            names = run(plugin.list_names(LIST_LIMIT))
+            if names is None:
+                raise StorageError(
+                    f"the store at {self.root} cannot list its folders: a checkpoint manager "
+                    "finds its steps by listing the root"
+                )
+            out = []
+            for n in names:
+                if step_of(n) is not None:
+                    there = run(plugin.exists(f"{n}/{MANIFEST_NAME}"))
+                    out.append((n, "committed" if there else "folder"))
+        return out
 
     def scan(self) -> list[StepInfo]:
         """Every step-named entry under the root, by step ([] when the root does not exist).
