@@ -284,13 +284,7 @@ class CheckpointManager:
             InvalidArgumentError: two folders hold one step (``step_5`` and
                 ``step_0000000005``).
         """
-
-        def listing() -> list[StepInfo]:
-            found = self._steps.scan()
-            self._cleaner.note(found)
-            return found
-
-        found: list[StepInfo] = self._ranks.agreed(listing)
+        found: list[StepInfo] = self._ranks.agreed(self._cleaner.scan)
         # A step has one folder at most (``Steps.scan``), beside which links may be named
         # like it: the folder is the one used.
         self._folders = {s.step: s.name for s in found if s.reason not in NOT_FOLDERS}

@@ -176,7 +176,7 @@ class Cleaner:
         """On the worker, after a commit: lists the steps, deletes the debris of takes no save
         of this manager is writing, and the committed steps the policy lets go."""
         try:
-            found = self._steps.scan()
+            found = self.scan()
         except Exception as e:
             logger.warning(
                 "retention under %s deleted nothing this round (tried again after the next "
@@ -190,7 +190,6 @@ class Cleaner:
         with self._lock:
             saves = dict(self._saves)
         in_flight = {step for step, state in saves.items() if state == WRITING}
-        self.note(found)
         for s in found:
             if saves.get(s.step) in (WRITING, SAVED) or not s.debris:
                 continue
@@ -235,9 +234,10 @@ class Cleaner:
                 self._deleting.discard(s.step)
                 self._changed.notify_all()
 
-    def note(self, found: list[StepInfo]) -> None:
-        """Warns, once per folder and reason, of the folders kept because the manager cannot
-        read them or did not make them."""
+    def scan(self) -> list[StepInfo]:
+        """``Steps.scan``, warning once per folder and reason of the folders kept because the
+        manager cannot read them or did not make them."""
+        found = self._steps.scan()
         for s in found:
             if s.state == UNREADABLE:
                 self._warn_once(
@@ -253,6 +253,7 @@ class Cleaner:
                     self._steps.path(s.name),
                     s.reason,
                 )
+        return found
 
     def _warn_once(self, message: str, *args: Any) -> None:
         text = message % args
