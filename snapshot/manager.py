@@ -24,7 +24,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any, NoReturn
+from typing import Any
 
 from snapshot._engine import state_dicts
 from snapshot._engine.dist.dist import RankZero
@@ -100,7 +100,6 @@ class CheckpointManager:
         self._steps = Steps(self.root, self.storage_options, self.options)
         # Rank 0 lists, decides and deletes; every rank gets its answers.
         self._ranks = RankZero(pg, self.options, self.root)
-        self._rank, self._world = self._ranks.rank, self._ranks.world
         # The commit threads of the async saves under way, oldest first.
         self._in_flight: list[threading.Thread] = []
         # Retention and deletions (rank 0's), and which steps the saves hold.
@@ -114,10 +113,13 @@ class CheckpointManager:
         self._occupied: dict[int, str] = {}
         self._cleaned = False  # incomplete folders left by an earlier run were cleaned
         self._closed = False
-        self._handler: PreemptionHandler | None = None
+        # The signal handlers handle_preemption replaced (empty: none installed), the
+        # app_state it was given, the first signal received.
+        self._previous: dict[int, Any] = {}
+        self._preempt_state: dict[str, Any] | None = None
+        self._signum: int | None = None
         # Set by the handler handle_preemption installs when its signal arrives.
         self.preempted = False
-        self._ending = False  # the final save after a preemption signal is under way
 
     def save(
         self, step: int, app_state: dict[str, Any], metrics: Mapping[str, float] | None = None
@@ -138,15 +140,15 @@ class CheckpointManager:
                 "must increase (restore() first to resume, or use another root)"
             )
         self._refuse_occupied(step)
-        self._wait_for_saves(self.max_in_flight - 1)
+        # An incremental save's base must be committed.
+        self._wait_for_saves(0 if self.incremental else self.max_in_flight - 1)
         if self.raise_on_next_save:  # of a save that ended while this one waited for room
             self._raise_background_error()
         base = None
         if self.incremental:
-            self._wait_for_saves(0)  # the base must be committed
             newest = self.latest_step()
             base = self._steps.path(self._folders[newest]) if newest is not None else None
-        if not self._cleaned and self._rank == 0:
+        if not self._cleaned and self._ranks.rank == 0:
             # Before the first save: incomplete folders an earlier run left (a crash mid-take
             # or mid-delete) are deleted, in the background.
             self._cleaner.run_round()
@@ -187,9 +189,11 @@ class CheckpointManager:
             thread.start()
         else:
             self._cleaner.end(step)
-            if self._rank == 0:
+            if self._ranks.rank == 0:
                 self._cleaner.run_round()
-        self._after_save(step)  # under handle_preemption(app_state, step_fn): maybe the last
+        if self._preempt_state is not None:
+            # Under handle_preemption(app_state, step_fn): after a signal, the final save.
+            self.checkpoint_if_preempted(step)
 
     def _committed(self, step: int, pending: PendingSnapshot, t0: float) -> None:
         """On a thread of its own: waits for an async save, records its end, then hands
@@ -201,7 +205,7 @@ class CheckpointManager:
                 "save of step %d under %s committed %.3f s after it began",
                 step,
                 self.root,
-                time.perf_counter() - t0,
+                _since(t0),
             )
         except BaseException as e:
             error = e
@@ -220,7 +224,7 @@ class CheckpointManager:
             if error is not None:
                 self._errors.append(error)
             self._in_flight.remove(threading.current_thread())
-        if self._rank == 0 and not self._closed:
+        if self._ranks.rank == 0 and not self._closed:
             self._cleaner.run_round()
 
     def _refuse_occupied(self, step: int) -> None:
@@ -280,13 +284,7 @@ class CheckpointManager:
             InvalidArgumentError: two folders hold one step (``step_5`` and
                 ``step_0000000005``).
         """
-
-        def listing() -> list[StepInfo]:
-            found = self._steps.scan()
-            self._cleaner.note(found)
-            return found
-
-        found: list[StepInfo] = self._ranks.agreed(listing)
+        found: list[StepInfo] = self._ranks.agreed(self._cleaner.scan)
         # A step has one folder at most (``Steps.scan``), beside which links may be named
         # like it: the folder is the one used.
         self._folders = {s.step: s.name for s in found if s.reason not in NOT_FOLDERS}
@@ -360,7 +358,23 @@ class CheckpointManager:
                 stacklevel=2,
             )
         self._drop_handler()
-        self._handler = PreemptionHandler(self, app_state, tuple(signals))
+        self._preempt_state, self._signum = app_state, None
+        self._previous = {s: signal.signal(s, self._on_signal) for s in signals}
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        """The handler ``handle_preemption`` installs: it only records and logs the signal,
+        so a save it interrupts completes."""
+        again = self._signum is not None
+        self._signum = self._signum or signum
+        self.preempted = True
+        logger.warning(
+            "signal %d received %sby the checkpoint manager of %s: %sthe final save happens at "
+            "the next step boundary",
+            signum,
+            "again " if again else "",
+            self.root,
+            "" if again else "manager.preempted is set, ",
+        )
 
     def checkpoint_if_preempted(self, step: int, app_state: dict[str, Any] | None = None) -> None:
         """Marks a step boundary (``app_state`` holds the state after step ``step``). Returns
@@ -372,49 +386,19 @@ class CheckpointManager:
         background save are raised. ``app_state`` defaults to ``handle_preemption``'s.
         """
         self._check_open("checkpoint_if_preempted")
-        if not self._preemption_agreed():
-            return
-        if app_state is None:
-            app_state = self._handler.app_state if self._handler is not None else None
-            if app_state is None:
-                raise InvalidArgumentError(
-                    "checkpoint_if_preempted needs app_state (none was given to handle_preemption)"
-                )
-        self._final_save(step, app_state)
-
-    def _preemption_agreed(self) -> bool:
-        """Whether a preemption signal arrived on any rank; sets ``preempted`` where another
-        rank received it."""
-        if self._world == 1:
-            return self.preempted
         if any(resolve_group(self.pg, self.options).all_gather(self.preempted)):
             if not self.preempted:
                 logger.warning("preempted: another rank received the signal")
             self.preempted = True
-        return self.preempted
-
-    def _drop_handler(self) -> None:
-        if self._handler is not None:
-            self._handler.uninstall()
-            self._handler = None
-
-    def _after_save(self, step: int) -> None:
-        """End of :meth:`save` under ``handle_preemption(app_state, step_fn)``: after a
-        signal, that save is the final one."""
-        handler = self._handler
-        if handler is None or handler.app_state is None or self._ending:
+        if not self.preempted:
             return
-        if self._preemption_agreed():
-            self._final_save(step, handler.app_state)
-
-    def _final_save(self, step: int, app_state: dict[str, Any]) -> NoReturn:
-        """At a step boundary after a preemption signal: saves ``step`` synchronously unless it
-        is saved already, waits for every save and deletion, closes, then ends the process by
-        the signal as the signal would have, the output flushed first (``SystemExit(128 +
-        signum)`` if it survives that)."""
-        self._ending = True
-        handler = self._handler
-        signum = handler.signum if handler is not None and handler.signum else signal.SIGTERM
+        app_state = self._preempt_state if app_state is None else app_state
+        if app_state is None:
+            raise InvalidArgumentError(
+                "checkpoint_if_preempted needs app_state (none was given to handle_preemption)"
+            )
+        self._preempt_state = None  # the save below is the final one, not a trigger
+        signum = self._signum or signal.SIGTERM
         try:
             self._wait_for_saves(0)
             last = self._last_saved
@@ -447,6 +431,13 @@ class CheckpointManager:
         signal.raise_signal(signum)
         raise SystemExit(128 + signum)
 
+    def _drop_handler(self) -> None:
+        """Puts back the signal handlers ``handle_preemption`` replaced (the default one where
+        an earlier handler was installed from outside Python)."""
+        for s, handler in self._previous.items():
+            signal.signal(s, signal.SIG_DFL if handler is None else handler)
+        self._previous, self._preempt_state = {}, None
+
     def close(self) -> None:
         """Waits for the saves and deletions under way, then stops the cleaner's thread and the
         preemption handler. Raises a background save's error, if any."""
@@ -474,47 +465,6 @@ class CheckpointManager:
     def _check_open(self, call: str) -> None:
         if self._closed:
             raise SnapshotError(f"CheckpointManager.{call}: the manager of {self.root} is closed")
-
-
-class PreemptionHandler:
-    """The signal handlers ``handle_preemption`` installs, and the ones they replaced. A handler
-    only records and logs the signal, so a save it interrupts completes."""
-
-    def __init__(
-        self,
-        manager: CheckpointManager,
-        app_state: dict[str, Any] | None,
-        signals: tuple[int, ...],
-    ) -> None:
-        self.manager = manager
-        self.app_state = app_state
-        self.signum: int | None = None  # the first signal received
-        self.previous = {s: signal.signal(s, self._on_signal) for s in signals}
-
-    def _on_signal(self, signum: int, frame: Any) -> None:
-        if self.signum is not None:
-            logger.warning(
-                "signal %d received again by the checkpoint manager of %s: the final save "
-                "happens at the next step boundary",
-                signum,
-                self.manager.root,
-            )
-            return
-        self.signum = signum
-        self.manager.preempted = True
-        logger.warning(
-            "signal %d received by the checkpoint manager of %s: manager.preempted is set, "
-            "the final save happens at the next step boundary",
-            signum,
-            self.manager.root,
-        )
-
-    def uninstall(self) -> None:
-        """Puts back the handlers this one replaced (the default one where an earlier handler
-        was installed from outside Python)."""
-        for s, handler in self.previous.items():
-            signal.signal(s, signal.SIG_DFL if handler is None else handler)
-        self.previous = {}
 
 
 def _since(t: float) -> float:

@@ -86,17 +86,6 @@ class Version:
     committed: bool
 
 
-@dataclass(frozen=True)
-class _Save:
-    """A save under way: its root and storage options, its new version, those it replaces."""
-
-    root: str
-    store: dict[str, Any] | None
-    target: str
-    older: list[Version]
-    t: float
-
-
 def _since(t: float) -> float:
     return time.perf_counter() - t
 
@@ -116,10 +105,10 @@ def list_versions(
             "checkpoint loads with torch.load or Lightning's TorchCheckpointIO; save to "
             "another path, or delete it first"
         )
+    found = []
     with open_storage(root, storage_options, options) as plugin:
-
-        async def listing() -> list[Version]:
-            names = await plugin.list_names(LIST_LIMIT)
+        try:
+            names = run(plugin.list_names(LIST_LIMIT))
             if names is None:
                 raise StorageError(
                     f"the store at {root} cannot list a folder: a statesnap checkpoint finds its "
@@ -129,55 +118,18 @@ def list_versions(
                 raise StorageError(
                     f"{root} holds {LIST_LIMIT} entries or more: not a statesnap checkpoint folder"
                 )
-            found = []
             for name in names:
                 m = _VERSION.fullmatch(name)
                 if m is not None:
-                    committed = await plugin.exists(f"{name}/{MANIFEST_NAME}")
+                    committed = run(plugin.exists(f"{name}/{MANIFEST_NAME}"))
                     found.append(Version(int(m.group(1)), name, committed))
                 elif others is not None:
                     others.append(name)
-            return found
-
-        try:
-            found = run(listing())
         except SnapshotError:
             raise
         except Exception as e:
             raise StorageError(f"cannot list the checkpoint versions under {root}: {e}") from e
     return sorted(found, key=lambda v: (v.counter, v.name))
-
-
-def remove_all(root: str, storage_options: dict[str, Any] | None, options: Options) -> None:
-    """Deletes the checkpoint at ``root`` once all of it is checked to be no link and to hold
-    only version folders of what a take writes: each version oldest first (an interrupted
-    removal never leaves an older one the newest), then ``root``. Otherwise raises
-    ``UnsafeSnapshotError`` and deletes nothing."""
-    local = local_path(root)
-    if local is not None and os.path.islink(local):
-        raise UnsafeSnapshotError(
-            f"the checkpoint {root} is not removed: it is a symbolic link (never followed); "
-            "nothing was deleted"
-        )
-    others: list[str] = []
-    versions = list_versions(root, storage_options, options, others)
-    problems = [repr(n) for n in sorted(others)]
-    for v in versions:
-        found = survey(join(root, v.name), storage_options, options)
-        if found.refusal:
-            problems.append(f"{v.name!r} ({found.refusal})")
-    if problems:
-        raise UnsafeSnapshotError(
-            f"the checkpoint {root} is not removed: it holds {', '.join(problems[:5])}, which "
-            "no save of statesnap wrote; nothing was deleted: move those away first"
-        )
-    for v in versions:
-        delete_snapshot(join(root, v.name), storage_options, options, unmarked=True)
-    with open_storage(root, storage_options, options) as plugin:
-        try:
-            run(plugin.delete_all())
-        except Exception as e:
-            raise StorageError(f"cannot remove the checkpoint {root}: {e}") from e
 
 
 def _placer(map_location: Any) -> Callable[[torch.Tensor], torch.Tensor] | None:
@@ -249,7 +201,7 @@ def alone() -> Any | None:
 class StatesnapCheckpointIO(CheckpointIO):  # type: ignore[misc, valid-type]
     """A Lightning ``CheckpointIO`` that stores each checkpoint as a statesnap snapshot.
 
-    ``save_checkpoint`` returns once the checkpoint is committed, then deletes the version it
+    ``save_checkpoint`` returns once the checkpoint is committed, then deletes the versions it
     replaces (a failed deletion is logged; the next save tries again).
 
     Args:
@@ -257,6 +209,9 @@ class StatesnapCheckpointIO(CheckpointIO):  # type: ignore[misc, valid-type]
             Lightning passes to one save are added to these for that save.
         options: the :class:`~snapshot.Options` of every take and read.
     """
+
+    # AsyncStatesnapCheckpointIO: a save returns once captured, its commit on a thread.
+    _async = False
 
     def __init__(
         self, storage_options: dict[str, Any] | None = None, *, options: Options | None = None
@@ -266,15 +221,73 @@ class StatesnapCheckpointIO(CheckpointIO):  # type: ignore[misc, valid-type]
             storage_options, type(self).__name__, "its checkpoints"
         )
         self.options = resolve(options)
+        self._thread: threading.Thread | None = None  # the async save under way
+        self._error: BaseException | None = None  # of the async save under way, once it failed
 
     def save_checkpoint(
         self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None
     ) -> None:
-        """Stores ``checkpoint`` at ``path`` as a new version, then deletes the older ones.
-        Raises ``SnapshotError`` when the take failed (the earlier version is as it was)."""
-        _, save = self._save(Snapshot.take, checkpoint, path, storage_options)
-        logger.info("checkpoint %s saved in %.3f s", save.root, _since(save.t))
-        self._clean(save, failed=False)
+        """Stores ``checkpoint`` at ``path`` as a new version, in this process alone, then
+        deletes the older ones. Raises ``SnapshotError`` when the take failed (the earlier
+        version is as it was; what the failed one left is deleted)."""
+        self.wait()
+        call = f"{type(self).__name__}.save_checkpoint"
+        root = state_dicts.snapshot_path(path, call)
+        if not isinstance(checkpoint, dict):
+            raise InvalidArgumentError(
+                f"{call} of {root}: checkpoint must be a dict, got {type(checkpoint).__name__}"
+            )
+        extra = state_dicts.options(storage_options, call, root)
+        store = {**(self.storage_options or {}), **extra} if extra else self.storage_options
+        older = list_versions(root, store, self.options)
+        counter = older[-1].counter + 1 if older else 1
+        target = join(root, f"v{counter:010d}_{uuid.uuid4().hex[:12]}")
+        t = time.perf_counter()
+        try:
+            taken = (Snapshot.async_take if self._async else Snapshot.take)(
+                target,
+                {KEY: StateDict(checkpoint)},
+                pg=alone(),
+                storage_options=store,
+                options=self.options,
+            )
+        except Exception:
+            self._delete([target], store)
+            raise
+        replaced = [join(root, v.name) for v in older]
+        if not isinstance(taken, PendingSnapshot):
+            logger.info("checkpoint %s saved in %.3f s", root, _since(t))
+            self._delete(replaced, store)
+            return
+        logger.info("checkpoint %s captured in %.3f s", root, _since(t))
+        pending = taken
+
+        def commit() -> None:
+            """On a thread of its own: waits for the commit, then deletes the versions it
+            replaces; or records its error and deletes what it left."""
+            try:
+                pending.wait()
+                logger.info("checkpoint %s committed %.3f s after it began", root, _since(t))
+            except BaseException as e:
+                logger.error("checkpoint %s failed: %s", root, e)
+                self._error = e
+                self._delete([target], store)
+            else:
+                self._delete(replaced, store)
+
+        self._thread = threading.Thread(
+            target=commit, name="statesnap-lightning-commit", daemon=True
+        )
+        self._thread.start()
+
+    def _delete(self, versions: list[str], store: dict[str, Any] | None) -> None:
+        """Deletes version folders; a failure is logged, the next save tries again."""
+        for version in versions:
+            try:
+                # A version's name is the plugin's own: unmarked debris goes too.
+                delete_snapshot(version, store, self.options, unmarked=True)
+            except Exception as e:
+                logger.warning("cannot delete %s: %s", version, e)
 
     def load_checkpoint(
         self, path: Any, map_location: Any | None = None, weights_only: bool | None = None
@@ -308,64 +321,54 @@ class StatesnapCheckpointIO(CheckpointIO):  # type: ignore[misc, valid-type]
         return checkpoint
 
     def remove_checkpoint(self, path: Any) -> None:
-        """Deletes every version of the checkpoint at ``path`` (nothing when there is none)."""
+        """Deletes every version of the checkpoint at ``path`` (nothing when there is none),
+        once all of it is checked to be no link and to hold only version folders of what a
+        take writes: each version oldest first (an interrupted removal never leaves an older
+        one the newest), then ``path``. Otherwise raises ``UnsafeSnapshotError`` and deletes
+        nothing."""
         self.wait()
         root = state_dicts.snapshot_path(path, f"{type(self).__name__}.remove_checkpoint")
-        remove_all(root, self.storage_options, self.options)
+        store, options = self.storage_options, self.options
+        local = local_path(root)
+        if local is not None and os.path.islink(local):
+            raise UnsafeSnapshotError(
+                f"the checkpoint {root} is not removed: it is a symbolic link (never followed); "
+                "nothing was deleted"
+            )
+        others: list[str] = []
+        versions = list_versions(root, store, options, others)
+        problems = [repr(n) for n in sorted(others)]
+        for v in versions:
+            found = survey(join(root, v.name), store, options)
+            if found.refusal:
+                problems.append(f"{v.name!r} ({found.refusal})")
+        if problems:
+            raise UnsafeSnapshotError(
+                f"the checkpoint {root} is not removed: it holds {', '.join(problems[:5])}, which "
+                "no save of statesnap wrote; nothing was deleted: move those away first"
+            )
+        for v in versions:
+            delete_snapshot(join(root, v.name), store, options, unmarked=True)
+        with open_storage(root, store, options) as plugin:
+            try:
+                run(plugin.delete_all())
+            except Exception as e:
+                raise StorageError(f"cannot remove the checkpoint {root}: {e}") from e
         logger.info("checkpoint %s removed", root)
 
     def wait(self) -> None:
-        """Waits for the save under way (before a load or a removal): none here, the async
-        plugin's saves commit in the background."""
+        """Waits for the async save under way and its deletions; raises its error if it
+        failed."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        error, self._error = self._error, None
+        if error is not None:
+            raise error
 
     def teardown(self) -> None:
         """Called by Lightning when the strategy tears down: waits for the save under way."""
         self.wait()
-
-    def _save(
-        self,
-        take: Callable[..., Any],
-        checkpoint: dict[str, Any],
-        path: Any,
-        storage_options: Any | None,
-    ) -> tuple[Any, _Save]:
-        """Calls ``take`` (``Snapshot.take`` or ``async_take``) into a new version at ``path``,
-        in this process alone (a failure's leftovers are deleted)."""
-        call = f"{type(self).__name__}.save_checkpoint"
-        root = state_dicts.snapshot_path(path, call)
-        if not isinstance(checkpoint, dict):
-            raise InvalidArgumentError(
-                f"{call} of {root}: checkpoint must be a dict, got {type(checkpoint).__name__}"
-            )
-        extra = state_dicts.options(storage_options, call, root)
-        store = {**(self.storage_options or {}), **extra} if extra else self.storage_options
-        older = list_versions(root, store, self.options)
-        counter = older[-1].counter + 1 if older else 1
-        target = f"v{counter:010d}_{uuid.uuid4().hex[:12]}"
-        save = _Save(root, store, target, older, time.perf_counter())
-        try:
-            taken = take(
-                join(root, target),
-                {KEY: StateDict(checkpoint)},
-                pg=alone(),
-                storage_options=store,
-                options=self.options,
-            )
-        except Exception:
-            self._clean(save, failed=True)
-            raise
-        return taken, save
-
-    def _clean(self, save: _Save, failed: bool) -> None:
-        """After a save: deletes what a failed one left, or the versions a committed one
-        replaces (listed before it began). A failure is logged; the next save retries."""
-        names = [save.target] if failed else [v.name for v in save.older]
-        for name in names:
-            try:
-                # A version's name is the plugin's own: unmarked debris goes too.
-                delete_snapshot(join(save.root, name), save.store, self.options, unmarked=True)
-            except Exception as e:
-                logger.warning("cannot delete %s: %s", join(save.root, name), e)
 
 
 class AsyncStatesnapCheckpointIO(StatesnapCheckpointIO):
@@ -374,52 +377,11 @@ class AsyncStatesnapCheckpointIO(StatesnapCheckpointIO):
 
     One save is under way at a time: the next ``save_checkpoint``, ``load_checkpoint``,
     ``remove_checkpoint``, ``wait`` and ``teardown`` first wait for it to commit, and raise
-    its error if it failed. Its thread deletes the versions it replaces once it commits.
+    its error if it failed (the next save is then not begun). Its thread deletes the versions
+    it replaces once it commits.
     """
 
-    def __init__(
-        self, storage_options: dict[str, Any] | None = None, *, options: Options | None = None
-    ) -> None:
-        super().__init__(storage_options, options=options)
-        self._thread: threading.Thread | None = None
-        self._error: BaseException | None = None  # of the save under way, once it failed
-
-    def save_checkpoint(
-        self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None
-    ) -> None:
-        """Captures ``checkpoint`` for a new version at ``path``; the commit and the deletion
-        of older versions follow in the background. Raises the previous save's error (this
-        one is then not begun), or this capture's."""
-        self.wait()
-        pending, save = self._save(Snapshot.async_take, checkpoint, path, storage_options)
-        logger.info("checkpoint %s captured in %.3f s", save.root, _since(save.t))
-        self._thread = threading.Thread(
-            target=self._commit,
-            args=(pending, save),
-            name="statesnap-lightning-commit",
-            daemon=True,
-        )
-        self._thread.start()
-
-    def _commit(self, pending: PendingSnapshot, save: _Save) -> None:
-        """On a thread of its own: waits for the commit, then deletes what it replaced; or
-        records the error and deletes what the failed save left."""
-        try:
-            pending.wait()
-            logger.info("checkpoint %s committed %.3f s after it began", save.root, _since(save.t))
-        except BaseException as e:
-            logger.error("checkpoint %s failed: %s", save.root, e)
-            self._error = e
-        self._clean(save, failed=self._error is not None)
-
-    def wait(self) -> None:
-        """Waits for the save under way and its deletions; raises its error if it failed."""
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
-        error, self._error = self._error, None
-        if error is not None:
-            raise error
+    _async = True
 
 
 def _register_with_the_other() -> None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import math
 import threading
-from collections.abc import Collection, Mapping, Set
+from collections.abc import Collection, Set
 from concurrent import futures
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -26,6 +26,9 @@ from snapshot.errors import InvalidArgumentError
 from storage_plugins.base import DaemonThreadPool
 
 logger = logging.getLogger("snapshot")
+
+# What became of a save of the manager's (``Cleaner._saves``).
+WRITING, SAVED, FAILED = "writing", "saved", "failed"
 
 
 @dataclass(frozen=True)
@@ -55,15 +58,9 @@ class Policy:
         return self.keep_last is None and self.keep_every_steps is None and self.keep_best is None
 
 
-@dataclass(frozen=True)
-class Step:
-    """A committed step as retention sees it: its metrics and the names of the steps (folders)
-    whose bytes it needs."""
-
-    step: int
-    name: str
-    metrics: Mapping[str, float]
-    bases: tuple[str, ...] = ()
+# A committed step as retention sees it: its metrics and the names of the steps (folders)
+# whose bytes it needs (``Step(step, name, metrics, bases)``).
+Step = StepInfo
 
 
 def to_keep(policy: Policy, steps: list[Step]) -> set[int]:
@@ -133,11 +130,10 @@ class Cleaner:
         self._steps = steps
         self.policy = policy
         self.root = root
-        self._in_flight: set[int] = set()  # saves writing (not yet committed nor failed)
-        # Every step the manager began saving: never taken for an earlier run's debris.
-        self._started: set[int] = set()
-        # Steps whose save failed: debris, deleted even without the pending marker.
-        self._failed: set[int] = set()
+        # Each step the manager began saving: WRITING (not yet committed nor failed) and SAVED
+        # are never taken for an earlier run's debris; FAILED is debris, deleted even without
+        # the pending marker.
+        self._saves: dict[int, str] = {}
         self._deleting: set[int] = set()  # folders being deleted: a save there waits
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
@@ -154,16 +150,12 @@ class Cleaner:
         with self._changed:
             while step in self._deleting:  # debris at this step, being deleted
                 self._changed.wait()
-            self._in_flight.add(step)
-            self._started.add(step)
+            self._saves[step] = WRITING
 
     def end(self, step: int, failed: bool = False) -> None:
         """The save of ``step`` is no longer writing (``failed``: and it failed)."""
         with self._lock:
-            self._in_flight.discard(step)
-            if failed:
-                self._started.discard(step)
-                self._failed.add(step)
+            self._saves[step] = FAILED if failed else SAVED
 
     def run_round(self) -> None:
         """Queues a retention round on the worker thread (started on the first call)."""
@@ -172,8 +164,7 @@ class Cleaner:
 
     def join(self) -> None:
         """Waits for the rounds queued so far."""
-        with self._lock:
-            last = self.last_round
+        last = self.last_round  # (one read: a round queued meanwhile is not waited for)
         if last is not None:
             futures.wait([last])
 
@@ -185,7 +176,7 @@ class Cleaner:
         """On the worker, after a commit: lists the steps, deletes the debris of takes no save
         of this manager is writing, and the committed steps the policy lets go."""
         try:
-            found = self._steps.scan()
+            found = self.scan()
         except Exception as e:
             logger.warning(
                 "retention under %s deleted nothing this round (tried again after the next "
@@ -194,24 +185,23 @@ class Cleaner:
                 e,
             )
             return
-        # Read after the listing: every folder of this manager's that it saw is in
-        # ``_started`` even if its save began, or committed, meanwhile.
+        # Read after the listing: every folder of this manager's that it saw is in ``_saves``
+        # even if its save began, or committed, meanwhile.
         with self._lock:
-            in_flight = set(self._in_flight)
-            started = set(self._started)
-            failed = set(self._failed)
-        self.note(found)
+            saves = dict(self._saves)
+        in_flight = {step for step, state in saves.items() if state == WRITING}
         for s in found:
-            if s.step in in_flight or s.step in started or not s.debris:
+            if saves.get(s.step) in (WRITING, SAVED) or not s.debris:
                 continue
-            if s.state == INCOMPLETE or s.step in failed:
+            failed = saves.get(s.step) == FAILED
+            if s.state == INCOMPLETE or failed:
                 logger.warning(
                     "%s holds no committed snapshot (%s): deleting it",
                     self._steps.path(s.name),
-                    "a save that failed" if s.step in failed else s.reason,
+                    "a save that failed" if failed else s.reason,
                 )
-                self._delete(s, unmarked=s.step in failed)
-        steps = [Step(s.step, s.name, s.metrics, s.bases) for s in found if s.committed]
+                self._delete(s, unmarked=failed)
+        steps = [s for s in found if s.committed]
         unreadable = [s.name for s in found if s.state == UNREADABLE]
         doomed = to_delete(self.policy, steps, in_flight, unreadable)
         if unreadable and to_delete(self.policy, steps, in_flight):
@@ -221,15 +211,14 @@ class Cleaner:
                 self.root,
                 ", ".join(unreadable),
             )
-        by_name = {s.name: s for s in found}
         for d in doomed:
-            self._delete(by_name[d.name])
+            self._delete(d)
 
     def _delete(self, s: StepInfo, unmarked: bool = False) -> None:
         """Deletes the folder of ``s`` (checked whole first), unless a save of this manager began
         writing there since the listing; a failure is logged."""
         with self._changed:
-            if not s.committed and s.step in self._started:
+            if not s.committed and self._saves.get(s.step, FAILED) != FAILED:
                 return
             self._deleting.add(s.step)
         try:
@@ -245,9 +234,10 @@ class Cleaner:
                 self._deleting.discard(s.step)
                 self._changed.notify_all()
 
-    def note(self, found: list[StepInfo]) -> None:
-        """Warns, once per folder and reason, of the folders kept because the manager cannot
-        read them or did not make them."""
+    def scan(self) -> list[StepInfo]:
+        """``Steps.scan``, warning once per folder and reason of the folders kept because the
+        manager cannot read them or did not make them."""
+        found = self._steps.scan()
         for s in found:
             if s.state == UNREADABLE:
                 self._warn_once(
@@ -256,15 +246,14 @@ class Cleaner:
                     self._steps.path(s.name),
                     s.reason,
                 )
-            elif s.state not in (COMMITTED, INCOMPLETE) and not (
-                s.step in self._started or s.step in self._failed
-            ):
+            elif s.state not in (COMMITTED, INCOMPLETE) and s.step not in self._saves:
                 self._warn_once(
                     "%s is left alone (the checkpoint manager deletes only what a take of its "
                     "own left): %s",
                     self._steps.path(s.name),
                     s.reason,
                 )
+        return found
 
     def _warn_once(self, message: str, *args: Any) -> None:
         text = message % args

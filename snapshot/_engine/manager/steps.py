@@ -12,13 +12,14 @@ leaves the committed snapshot or marked debris (docs/reliability.md).
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import os
 import re
 import stat
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,6 +52,18 @@ LEFT = "left alone"  # anything else (a link, a file, another library's or a use
 A_LINK = "it is a symbolic link (never followed)"
 NOT_A_FOLDER = "it is not a folder"
 NOT_FOLDERS = (A_LINK, NOT_A_FOLDER)
+
+
+@contextlib.contextmanager
+def storage_errors(what: str) -> Iterator[None]:
+    """Raises an error of the block as a ``StorageError`` saying ``what`` failed (the library's
+    own errors as they are)."""
+    try:
+        yield
+    except SnapshotError:
+        raise
+    except Exception as e:
+        raise StorageError(f"{what}: {e}") from e
 
 
 def step_name(step: int) -> str:
@@ -139,43 +152,18 @@ def _kind(entry: os.DirEntry[str]) -> str:
     return "dir" if entry.is_dir(follow_symlinks=False) else "other"
 
 
-def _survey_local(path: str) -> Contents:
-    """``survey`` on local disk: ``lstat`` and ``scandir``, never following a link."""
-    try:
-        mode = os.lstat(path).st_mode
-        if stat.S_ISLNK(mode):
-            return Contents(True, refusal=A_LINK)
-        if not stat.S_ISDIR(mode):
-            return Contents(True, refusal=NOT_A_FOLDER)
-        entries = _scan_local(path)
-    except FileNotFoundError:  # (or deleted since, by the manager's worker)
-        return Contents(False)
-
-    def inner(name: str) -> list[tuple[str, str]]:
-        try:
-            return _scan_local(os.path.join(path, name))
-        except FileNotFoundError:
-            return []
-
-    return _contents(entries, inner)
-
-
 def _survey_store(path: str, storage_options: dict[str, Any] | None, options: Options) -> Contents:
-    """``survey`` through the storage plugin (object stores hold no links)."""
+    """``survey`` through the storage plugin (object stores hold no links): a rank-named
+    name is a folder, the manifest and the marker count when they are objects."""
     with open_storage(path, storage_options, options) as plugin:
-
-        async def top() -> list[tuple[str, str]] | None:
-            names = await plugin.list_names(LIST_LIMIT)
-            if names is None:
-                return None
-            marked = {n for n in (MANIFEST_NAME, PENDING_NAME) if n in names}
-            there = {n for n in marked if await plugin.exists(n)}
-            kinds = {n: "file" if n in there else "other" for n in marked}
-            return [(n, kinds.get(n, "dir" if _RANK.fullmatch(n) else "file")) for n in names]
-
-        entries = run(top())
-    if entries is None:
-        return Contents(True, refusal=f"the store at {path} cannot list what it holds")
+        names = run(plugin.list_names(LIST_LIMIT))
+        if names is None:
+            return Contents(True, refusal=f"the store at {path} cannot list what it holds")
+        marked = (MANIFEST_NAME, PENDING_NAME)
+        prefixes = {n for n in marked if n in names and not run(plugin.exists(n))}
+    entries = [
+        (n, "other" if n in prefixes else "dir" if _RANK.fullmatch(n) else "file") for n in names
+    ]
     if not entries:
         return Contents(False)
 
@@ -188,33 +176,41 @@ def _survey_store(path: str, storage_options: dict[str, Any] | None, options: Op
 
 
 def survey(path: str, storage_options: dict[str, Any] | None, options: Options) -> Contents:
-    """What the folder at ``path`` holds (``Contents``).
+    """What the folder at ``path`` holds (``Contents``): on local disk by ``lstat`` and
+    ``scandir``, never following a link; elsewhere through the storage plugin (object stores
+    hold no links).
 
     Raises:
         StorageError: the store failed to list it.
     """
-    try:
-        local = local_path(path)
-        if local is not None:
-            return _survey_local(local)
-        return _survey_store(path, storage_options, options)
-    except SnapshotError:
-        raise
-    except Exception as e:
-        raise StorageError(f"cannot list what {path} holds: {e}") from e
+    local = local_path(path)
+    with storage_errors(f"cannot list what {path} holds"):
+        if local is None:
+            return _survey_store(path, storage_options, options)
+        try:
+            mode = os.lstat(local).st_mode
+            if stat.S_ISLNK(mode):
+                return Contents(True, refusal=A_LINK)
+            if not stat.S_ISDIR(mode):
+                return Contents(True, refusal=NOT_A_FOLDER)
+            return _contents(_scan_local(local), lambda n: _scan_local(os.path.join(local, n)))
+        except FileNotFoundError:  # (or deleted since, by the manager's worker)
+            return Contents(False)
 
 
 @dataclass(frozen=True)
 class StepInfo:
     """One step folder: its ``state``; for a committed one, what its manifest records (metrics,
-    bases, the bytes of its own blobs); else ``reason``, why it is not committed or deleted.
-    ``debris``: nothing but what a take writes, with or without the pending marker."""
+    the names of the steps whose bytes it needs, the bytes of its own blobs); else ``reason``,
+    why it is not committed or deleted. ``debris``: nothing but what a take writes, with or
+    without the pending marker. Retention takes the committed ones
+    (``retention.Step(step, name, metrics, bases)``)."""
 
     step: int
     name: str
-    state: str
-    metrics: dict[str, Any] = field(default_factory=dict)
+    metrics: Mapping[str, Any] = field(default_factory=dict)
     bases: tuple[str, ...] = ()
+    state: str = COMMITTED
     nbytes: int = 0
     reason: str = ""
     debris: bool = False
@@ -259,21 +255,18 @@ class Steps:
                     out.append((n, A_LINK if kind == "link" else NOT_A_FOLDER))
             return out
         with open_storage(self.root, self.storage_options, self.options) as plugin:
-
-            async def listing() -> list[tuple[str, str]]:
-                names = await plugin.list_names(LIST_LIMIT)
-                if names is None:
-                    raise StorageError(
-                        f"the store at {self.root} cannot list its folders: a checkpoint "
-                        "manager finds its steps by listing the root"
-                    )
-                found = [n for n in names if step_of(n) is not None]
-                return [
-                    (n, "committed" if await plugin.exists(f"{n}/{MANIFEST_NAME}") else "folder")
-                    for n in found
-                ]
-
-            return run(listing())
+            names = run(plugin.list_names(LIST_LIMIT))
+            if names is None:
+                raise StorageError(
+                    f"the store at {self.root} cannot list its folders: a checkpoint manager "
+                    "finds its steps by listing the root"
+                )
+            out = []
+            for n in names:
+                if step_of(n) is not None:
+                    there = run(plugin.exists(f"{n}/{MANIFEST_NAME}"))
+                    out.append((n, "committed" if there else "folder"))
+        return out
 
     def scan(self) -> list[StepInfo]:
         """Every step-named entry under the root, by step ([] when the root does not exist).
@@ -282,27 +275,33 @@ class Steps:
             StorageError: the root, or a folder's contents, could not be listed.
             InvalidArgumentError: two folders hold the same step (``step_5``, ``step_05``).
         """
-        try:
+        with storage_errors(f"cannot list the steps under {self.root}"):
             kinds = self._kinds()
-        except SnapshotError:
-            raise
-        except Exception as e:
-            raise StorageError(f"cannot list the steps under {self.root}: {e}") from e
         out = []
         for name, kind in kinds:
             step = step_of(name)
             assert step is not None
-            info: StepInfo | None
             if kind == "committed":
                 info = self._read.get(name) or self._read_step(step, name)
                 if info.committed:
                     self._read[name] = info
-            elif kind == "folder":
-                info = self._incomplete(step, name)
+            elif kind != "folder":
+                info = StepInfo(step, name, state=LEFT, reason=kind)
             else:
-                info = StepInfo(step, name, LEFT, reason=kind)
-            if info is not None:
-                out.append(info)
+                # No manifest: INCOMPLETE when it holds the pending marker and only take
+                # debris, else LEFT; skipped when it is gone (or empty, on an object store).
+                c = survey(self.path(name), self.storage_options, self.options)
+                if not c.exists:
+                    continue
+                if c.refusal:
+                    info = StepInfo(step, name, state=LEFT, reason=c.refusal)
+                elif not c.marker:
+                    why = "it holds no pending marker: nothing proves a take of statesnap left it"
+                    info = StepInfo(step, name, state=LEFT, reason=why, debris=True)
+                else:
+                    why = "a take that never finished"
+                    info = StepInfo(step, name, state=INCOMPLETE, reason=why, debris=True)
+            out.append(info)
         out.sort(key=lambda s: (s.step, s.name))
         folders = [s for s in out if s.reason not in NOT_FOLDERS]
         for a, b in itertools.pairwise(folders):
@@ -314,40 +313,16 @@ class Steps:
                 )
         return out
 
-    def _incomplete(self, step: int, name: str) -> StepInfo | None:
-        """A folder without a manifest: ``INCOMPLETE`` when it holds the pending marker and only
-        take debris, else ``LEFT``; None when it is gone (or empty, on an object store)."""
-        c = survey(self.path(name), self.storage_options, self.options)
-        if not c.exists:
-            return None
-        if c.refusal:
-            return StepInfo(step, name, LEFT, reason=c.refusal)
-        if not c.marker:
-            return StepInfo(
-                step,
-                name,
-                LEFT,
-                reason="it holds no pending marker: nothing proves a take of statesnap left it",
-                debris=True,
-            )
-        return StepInfo(step, name, INCOMPLETE, reason="a take that never finished", debris=True)
-
     def _read_step(self, step: int, name: str) -> StepInfo:
         try:
             m = load_manifest(self.path(name), self.storage_options, self.options)
         except SnapshotError as e:
-            return StepInfo(step, name, UNREADABLE, reason=str(e))
+            return StepInfo(step, name, state=UNREADABLE, reason=str(e))
         user = m.metadata.get("user")
         metrics = user.get("metrics") if isinstance(user, dict) else None
         own = sum(end for blob, end in m.blob_sizes.items() if not blob.startswith("../"))
-        return StepInfo(
-            step,
-            name,
-            COMMITTED,
-            metrics=dict(metrics) if isinstance(metrics, dict) else {},
-            bases=m.bases,
-            nbytes=own,
-        )
+        metrics = dict(metrics) if isinstance(metrics, dict) else {}
+        return StepInfo(step, name, metrics, m.bases, nbytes=own)
 
     def delete(self, name: str, *, unmarked: bool = False) -> None:
         """Deletes the step folder ``name`` (``delete_snapshot``)."""
@@ -384,38 +359,22 @@ def delete_snapshot(
             f"{path} is not deleted: it holds neither a manifest nor the pending marker of a "
             "take, so nothing proves statesnap wrote it"
         )
-    with open_storage(path, storage_options, options) as plugin:
-
-        async def mark() -> list[str]:
-            if c.manifest:
-                if not c.marker:
-                    await plugin.write(PENDING_NAME, [b"deleting\n"])
-                    await plugin.sync()
-                try:
-                    await plugin.delete(MANIFEST_NAME)
-                except FileNotFoundError:
-                    pass
-            names = await plugin.list_names(LIST_LIMIT)
-            return [n for n in names or () if n != PENDING_NAME]
-
-        try:
-            rest = run(mark())
-            for n in rest:
-                if _RANK.fullmatch(n):
-                    with open_storage(join(path, n), storage_options, options) as rank:
-                        run(rank.delete_all())
-                elif left_by_a_take(n):
-                    run(plugin.delete(n))
-
-            async def finish() -> None:
-                try:
-                    await plugin.delete(PENDING_NAME)
-                except FileNotFoundError:
-                    pass
-                await plugin.delete_all()
-
-            run(finish())
-        except SnapshotError:
-            raise
-        except Exception as e:
-            raise StorageError(f"cannot delete {path}: {e}") from e
+    with (
+        open_storage(path, storage_options, options) as plugin,
+        storage_errors(f"cannot delete {path}"),
+    ):
+        if c.manifest:
+            if not c.marker:
+                run(plugin.write(PENDING_NAME, [b"deleting\n"]))
+                run(plugin.sync())
+            with contextlib.suppress(FileNotFoundError):
+                run(plugin.delete(MANIFEST_NAME))
+        for n in run(plugin.list_names(LIST_LIMIT)) or ():
+            if _RANK.fullmatch(n):
+                with open_storage(join(path, n), storage_options, options) as rank:
+                    run(rank.delete_all())
+            elif n != PENDING_NAME and left_by_a_take(n):
+                run(plugin.delete(n))
+        with contextlib.suppress(FileNotFoundError):
+            run(plugin.delete(PENDING_NAME))
+        run(plugin.delete_all())
