@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import math
+import sys
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -17,7 +18,6 @@ from snapshot._engine.format.serialization import (
     dtype_name,
     storage_shortfall,
 )
-from snapshot._engine.handlers import sharded
 from snapshot._engine.handlers.table import (
     Kind,
     Payload,
@@ -50,9 +50,28 @@ from snapshot.errors import (
     StateMismatchError,
     UnsupportedValueError,
 )
+from snapshot.sharding.mapping import ShardedTensor
 
 if TYPE_CHECKING:
     from snapshot._engine.handlers.table import Planned
+
+
+# A DTensor, and torch's own ShardedTensor (FSDP1's SHARDED_STATE_DICT, torchrec; its base class
+# holds the shards and their metadata): (module, type).
+DTENSOR = ("torch.distributed.tensor", "DTensor")
+TORCH_SHARDED = ("torch.distributed._shard.sharded_tensor.api", "ShardedTensorBase")
+
+
+def loaded(module: str, name: str) -> type:
+    """The type ``name`` of ``module``, or our ShardedTensor while the module is not imported (no
+    instance exists before: looking it up costs nothing, where importing it would make the
+    first take pay for importing torch.distributed.tensor)."""
+    return getattr(sys.modules.get(module), name, ShardedTensor)
+
+
+def is_sharded(value: object) -> bool:
+    """Whether ``value`` is stored as pieces of a global tensor."""
+    return isinstance(value, (ShardedTensor, loaded(*DTENSOR), loaded(*TORCH_SHARDED)))
 
 
 def is_dense_tensor(value: object) -> bool:
@@ -70,7 +89,7 @@ def is_dense_tensor(value: object) -> bool:
 def check_tensor_target(label: str, entry: Any, target: Any) -> None:
     """Refuses, for a stored tensor, a target that is neither a dense tensor nor a piece of a
     sharded one (the rest of what a target must be, the reads check: shape, dtype, memory)."""
-    if is_dense_tensor(target) or sharded.is_sharded(target):
+    if is_dense_tensor(target) or is_sharded(target):
         return
     what = type(target).__name__
     if isinstance(target, torch.Tensor):
@@ -445,7 +464,7 @@ class Dense(Kind):
 
     def _restore_new(self, reader: ReadPlanner, path: str, entry: TensorEntry, target: Any) -> None:
         reader.claim()  # a new tensor, of the size the manifest records
-        if sharded.is_sharded(target):
+        if is_sharded(target):
             raise StateMismatchError(
                 f"{path}: the snapshot holds a whole tensor here, the object being restored "
                 "is a piece of a sharded one; restore it into a plain tensor, or take the "
@@ -466,7 +485,7 @@ class Dense(Kind):
         check_tensor_target(label, entry, target)
 
     def allocates(self, entry: Any, target: Any) -> bool:
-        return not (is_dense_tensor(target) or sharded.is_sharded(target))
+        return not (is_dense_tensor(target) or is_sharded(target))
 
     def tensor_layout(self, path: str, entry: TensorEntry) -> TensorLayout:
         dtype = check_tensor_entry(path, entry)

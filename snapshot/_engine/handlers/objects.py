@@ -1,5 +1,7 @@
-"""Any other value: pickled with torch.save (and checked to be restorable at take); torchsnapshot's
-pickled tensors are read here too."""
+"""Values that are not tensors: primitives (bool, int, float, None, and short str / bytes) kept in
+the manifest itself, longer str / bytes given a payload of their own; and any other value,
+pickled with torch.save (and checked to be restorable at take). torchsnapshot's pickled tensors
+are read here too."""
 
 from __future__ import annotations
 
@@ -7,15 +9,17 @@ import functools
 import io
 import math
 import zipfile
-from typing import Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 import torch
 
 from manifest import (
     ObjectEntry,
     PickledTensorEntry,
+    PrimitiveEntry,
     Shard,
     ShardedObjectEntry,
+    int_fits,
     new_tensor_entry,
 )
 from snapshot._engine.format.serialization import (
@@ -24,14 +28,13 @@ from snapshot._engine.format.serialization import (
     dtype_name,
     encode_object,
 )
-from snapshot._engine.handlers import geometry, sharded
-from snapshot._engine.handlers.dense import check_tensor_target, is_dense_tensor
+from snapshot._engine.handlers import geometry
+from snapshot._engine.handlers.dense import check_tensor_target, is_dense_tensor, is_sharded
 from snapshot._engine.handlers.table import (
     Kind,
     ObjectDraft,
     ReadPlanner,
     TakeSink,
-    bytes_draft,
     bytes_need,
     type_name,
 )
@@ -41,6 +44,7 @@ from snapshot._engine.restore.reads import (
     allocate,
     check_target,
 )
+from snapshot._engine.state_dicts import int_refusal
 from snapshot._engine.take.restorable import check_object
 from snapshot.errors import (
     CorruptSnapshotError,
@@ -48,6 +52,9 @@ from snapshot.errors import (
     UnsafeSnapshotError,
     UnsupportedValueError,
 )
+
+if TYPE_CHECKING:
+    from snapshot._engine.handlers.table import Planned
 
 # What a pickled tensor's piece must decode to: a plain tensor (not a subclass).
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
@@ -242,8 +249,11 @@ class Objects(Kind):
             raise UnsupportedValueError(
                 f"{path}: cannot serialize a {type_name(value)}: {type(e).__name__}: {e}"
             ) from e
-        check_object(path, type_name(value), data, tensor_subclass=isinstance(value, torch.Tensor))
-        return bytes_draft(sink, path, logical, "torch_save", type_name(value), data, replicated)
+        obj_type = type_name(value)
+        check_object(path, obj_type, data, tensor_subclass=isinstance(value, torch.Tensor))
+        return self.write_bytes(
+            sink, path, logical, data, replicated, serializer="torch_save", obj_type=obj_type
+        )
 
     def restore(
         self, reader: ReadPlanner, path: str, entry: ObjectEntry | PickledTensorEntry, target: Any
@@ -252,7 +262,7 @@ class Objects(Kind):
             decode = functools.partial(decode_value, path, entry)
             self.read_bytes(reader, path, entry.location, decode)
             return
-        if sharded.is_sharded(target):
+        if is_sharded(target):
             raise StateMismatchError(
                 f"{path}: the snapshot holds a whole tensor here (pickled), the object being "
                 "restored is a piece of a sharded one; restore it into a plain tensor"
@@ -265,7 +275,7 @@ class Objects(Kind):
         reader.add_needs(needs, into_target=t is not None)
 
     def archived(self, entry: Any) -> bool:
-        return isinstance(entry, PickledTensorEntry) or entry.serializer == "torch_save"
+        return isinstance(entry, PickledTensorEntry) or super().archived(entry)
 
     def check_target(self, label: str, entry: Any, target: Any) -> None:
         if isinstance(entry, PickledTensorEntry):  # an object is never filled in place
@@ -273,3 +283,44 @@ class Objects(Kind):
 
 
 OBJECTS = Objects()
+
+
+class Primitive(Kind):
+    """bool, int, float and None, and a str or bytes of at most ``inline_max`` bytes (a str
+    encoded), are the manifest's own; a longer str or bytes is a payload of its own, and a str
+    that UTF-8 cannot encode is pickled. An int of more digits than every reader converts
+    (``manifest.int_fits``) is refused. By exact type only: a subclass (an IntEnum, a str enum)
+    is pickled, as the object it is."""
+
+    name = "primitive"
+    value_types = (bool, int, float, type(None), str, bytes)
+    entry_types = (PrimitiveEntry,)
+
+    def accepts(self, value: Any) -> bool:
+        return type(value) in self.value_types
+
+    def take(
+        self, sink: TakeSink, path: str, logical: str, value: Any, replicated: bool
+    ) -> Planned:
+        kind = type(value)
+        if kind is int and not int_fits(value):
+            raise UnsupportedValueError(int_refusal(path))  # ``check_nesting`` refuses most
+        if kind is not str and kind is not bytes:
+            return PrimitiveEntry(value=value, replicated=replicated)
+        try:
+            data = value.encode("utf-8") if kind is str else value
+        except UnicodeEncodeError:  # lone surrogates: only pickle keeps them
+            return OBJECTS.take(sink, path, logical, value, replicated)
+        if len(data) <= sink.inline_max:
+            return PrimitiveEntry(value=value, replicated=replicated)
+        serializer = "utf8" if kind is str else "bytes"
+        return self.write_bytes(
+            sink, path, logical, data, replicated, serializer=serializer, obj_type=kind.__name__
+        )
+
+    def restore(self, reader: ReadPlanner, path: str, entry: PrimitiveEntry, target: Any) -> None:
+        """The value recorded in the manifest, whatever the target (never filled in place)."""
+        reader.objects[path] = entry.value
+
+
+PRIMITIVE = Primitive()
