@@ -29,7 +29,7 @@ from snapshot._engine.format.serialization import (
     encode_object,
 )
 from snapshot._engine.handlers import geometry
-from snapshot._engine.handlers.dense import check_tensor_target, is_dense_tensor, is_sharded
+from snapshot._engine.handlers.dense import DENSE, is_dense_tensor, is_sharded
 from snapshot._engine.handlers.table import (
     Kind,
     ObjectDraft,
@@ -39,8 +39,6 @@ from snapshot._engine.handlers.table import (
     type_name,
 )
 from snapshot._engine.restore.reads import (
-    Landing,
-    Need,
     allocate,
     check_target,
 )
@@ -128,40 +126,36 @@ def check_archive(data: bytes | BinaryIO, path: str) -> None:
             )
 
 
-def plan_pickled_tensor_read(
-    path: str,
-    entry: PickledTensorEntry,
-    target: torch.Tensor | None,
-    results: dict[str, Any],
-    verify: bool,
-    landing: Landing,
-) -> list[Need]:
-    """The needs of a tensor stored as ``torch.save`` bytes, one per piece; when the last
-    piece is decoded, ``results[path]`` holds the tensor: ``target`` filled in place (cast like
-    ``copy_``; on a device, by ``landing``'s copy stream) when given, else a new one (the
-    decoded tensor itself when one piece holds it all).
+def restore_pickled_tensor(
+    reader: ReadPlanner, path: str, entry: PickledTensorEntry, target: Any
+) -> None:
+    """Plans the needs of a tensor stored as ``torch.save`` bytes, one per piece; when the last
+    piece is decoded, ``reader.objects[path]`` holds the tensor: ``target`` filled in place
+    (cast like ``copy_``; on a device, by the reader's ``landing`` copy stream) when it is a
+    dense tensor, else a new one (the decoded tensor itself when one piece holds it all).
 
     The pickles are decoded by the safe loader, and each must hold a plain tensor of the
     recorded dtype and of its piece's size: the manifest says what a restore may expect, and
     the bytes must not bring anything else (another type, another shape).
     """
+    if is_sharded(target):
+        raise StateMismatchError(
+            f"{path}: the snapshot holds a whole tensor here (pickled), the object being "
+            "restored is a piece of a sharded one; restore it into a plain tensor"
+        )
+    reader.claim()  # buffers of the stored length
     dtype = dtype_from_name(entry.dtype, path)
-    shape = tuple(entry.shape)
-    pieces = entry.pieces
+    shape, pieces, landing = tuple(entry.shape), entry.pieces, reader.landing
     _check_pieces(path, entry, dtype)
-    if target is not None:
+    into_target = is_dense_tensor(target)
+    dest: torch.Tensor | None = None  # the tensor the pieces are copied into
+    if into_target:
         check_target(path, new_tensor_entry(entry.dtype, shape, ()), target, dtype)
         landing.prepare(target)
-    whole = len(pieces) == 1 and tuple(pieces[0].sizes) == shape
-    result: list[torch.Tensor] = []  # the tensor the pieces are copied into, once made
-    if target is not None:
-        result.append(target)
-    elif not whole:
-        result.append(
-            allocate(
-                path, math.prod(shape) * dtype.itemsize, lambda: torch.empty(shape, dtype=dtype)
-            )
-        )
+        dest = target
+    elif len(pieces) != 1 or tuple(pieces[0].sizes) != shape:
+        nbytes = math.prod(shape) * dtype.itemsize
+        dest = allocate(path, nbytes, lambda: torch.empty(shape, dtype=dtype))
     remaining = [len(pieces)]
     decoded: dict[str, Any] = {}  # each piece's value, once copied (``bytes_need``'s results)
 
@@ -184,10 +178,10 @@ def plan_pickled_tensor_read(
                 f"{path}: the pickle of the piece at {list(piece.offsets)} holds {what}; the "
                 f"manifest records a {entry.dtype}{list(box)} tensor"
             )
-        if not result:  # one piece, the whole tensor, no target: the decoded one is it
-            results[path] = value.detach()
+        if dest is None:  # one piece, the whole tensor, no target: the decoded one is it
+            reader.objects[path] = value.detach()
             return
-        window = result[0][tuple(slice(o, o + n) for o, n in zip(piece.offsets, box, strict=True))]
+        window = dest[tuple(slice(o, o + n) for o, n in zip(piece.offsets, box, strict=True))]
         try:
             landing.copy(window, value)
         except RuntimeError as e:
@@ -197,12 +191,13 @@ def plan_pickled_tensor_read(
             ) from e
         remaining[0] -= 1
         if remaining[0] == 0:
-            results[path] = result[0]
+            reader.objects[path] = dest
 
-    return [
-        bytes_need(path, piece.chunks[0], decoded, functools.partial(place, piece), verify)
-        for piece in pieces
+    needs = [
+        bytes_need(path, p.chunks[0], decoded, functools.partial(place, p), reader.verify)
+        for p in pieces
     ]
+    reader.add_needs(needs, into_target=into_target)
 
 
 def _check_pieces(path: str, entry: PickledTensorEntry, dtype: torch.dtype) -> None:
@@ -262,24 +257,14 @@ class Objects(Kind):
             decode = functools.partial(decode_value, path, entry)
             self.read_bytes(reader, path, entry.location, decode)
             return
-        if is_sharded(target):
-            raise StateMismatchError(
-                f"{path}: the snapshot holds a whole tensor here (pickled), the object being "
-                "restored is a piece of a sharded one; restore it into a plain tensor"
-            )
-        reader.claim()  # buffers of the stored length
-        t = target if is_dense_tensor(target) else None
-        needs = plan_pickled_tensor_read(
-            path, entry, t, reader.objects, verify=reader.verify, landing=reader.landing
-        )
-        reader.add_needs(needs, into_target=t is not None)
+        restore_pickled_tensor(reader, path, entry, target)
 
     def archived(self, entry: Any) -> bool:
         return isinstance(entry, PickledTensorEntry) or super().archived(entry)
 
     def check_target(self, label: str, entry: Any, target: Any) -> None:
         if isinstance(entry, PickledTensorEntry):  # an object is never filled in place
-            check_tensor_target(label, entry, target)
+            DENSE.check_target(label, entry, target)
 
 
 OBJECTS = Objects()

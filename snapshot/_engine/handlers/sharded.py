@@ -32,7 +32,7 @@ from snapshot._engine.format.serialization import (
 from snapshot._engine.handlers import objects
 from snapshot._engine.handlers.dense import (
     DTENSOR,
-    check_tensor_target,
+    TensorKind,
     is_dense_tensor,
     is_sharded,
     loaded,
@@ -41,7 +41,6 @@ from snapshot._engine.handlers.dense import (
 from snapshot._engine.handlers.geometry import (
     Box,
     Piece,
-    Region,
     cover_problem,
     find_overlap,
     plan_region,
@@ -157,36 +156,6 @@ def _dtensor_held(path: str, logical: str, value: Any) -> Held:
     )
     piece = LocalPiece(tuple(offsets), tuple(sizes), value.to_local(), main)
     return Held(logical, value.dtype, shape, (piece,))
-
-
-def target_regions(
-    path: str, entry: ShardedTensorEntry, target: Any
-) -> tuple[list[tuple[Region, torch.Tensor]], Any]:
-    """Where a restore target's bytes belong: each of its regions of the global tensor with
-    the tensor to fill (shaped like the region; one for our ShardedTensor and a DTensor, one
-    per local shard of torch's ShardedTensor, none on a rank holding no shard), and the value
-    the restored state gets back.
-
-    Raises:
-        ShapeMismatchError: the target is a piece of a global tensor of another shape.
-    """
-    mine = held(path, path.partition("/")[2], target)
-    if mine.key != entry.key:
-        raise StateMismatchError(
-            f"{path}: the snapshot holds sharded tensor {entry.key!r} here; the object being "
-            f"restored is a piece of {mine.key!r} (pieces are matched by logical path, and "
-            "the keys must agree)"
-        )
-    if mine.shape != tuple(entry.shape):
-        raise ShapeMismatchError(
-            f"{path}: the snapshot holds {entry.key!r} of global shape {list(entry.shape)} "
-            f"({entry.dtype}); the object being restored is a piece of a global tensor of shape "
-            f"{list(mine.shape)}"
-        )
-    regions = [((p.offsets, p.sizes), p.data) for p in mine.pieces]
-    # Our ShardedTensor gives back its (filled) data; a DTensor and torch's ShardedTensor
-    # themselves, their local tensors filled in place.
-    return regions, target.data if isinstance(target, ShardedTensor) else target
 
 
 # ---------------------------------------------------------------------------------------------
@@ -344,7 +313,26 @@ def plan_sharded_read(
     check_entry(path, entry, dtype)
     whole = ((0,) * len(entry.shape), tuple(entry.shape))
     if is_sharded(target):
-        regions, result = target_regions(path, entry, target)
+        # The target's regions of the global tensor, each with the tensor to fill (one for our
+        # ShardedTensor and a DTensor, one per local shard of torch's ShardedTensor, none on a
+        # rank holding no shard).
+        mine = held(path, path.partition("/")[2], target)
+        if mine.key != entry.key:
+            raise StateMismatchError(
+                f"{path}: the snapshot holds sharded tensor {entry.key!r} here; the object "
+                f"being restored is a piece of {mine.key!r} (pieces are matched by logical "
+                "path, and the keys must agree)"
+            )
+        if mine.shape != tuple(entry.shape):
+            raise ShapeMismatchError(
+                f"{path}: the snapshot holds {entry.key!r} of global shape {list(entry.shape)} "
+                f"({entry.dtype}); the object being restored is a piece of a global tensor "
+                f"of shape {list(mine.shape)}"
+            )
+        regions = [((p.offsets, p.sizes), p.data) for p in mine.pieces]
+        # Our ShardedTensor gives back its (filled) data; a DTensor and torch's ShardedTensor
+        # themselves, their local tensors filled in place.
+        result: Any = target.data if isinstance(target, ShardedTensor) else target
     elif isinstance(target, torch.Tensor) and is_dense_tensor(target):
         regions, result = [(whole, target)], target
     else:
@@ -433,7 +421,7 @@ def _box_needs(
     ]
 
 
-class ShardedTensorKind(Kind):
+class ShardedTensorKind(TensorKind):
     """Each piece of the global tensor that this rank holds as its main replica is written as a
     tensor of its own (``dense.take_tensor``; never deduplicated against other ranks), and every
     piece, written or not, is listed for the check that the ranks' pieces cover the tensor
@@ -485,12 +473,6 @@ class ShardedTensorKind(Kind):
             if isinstance(entry, ShardedTensorEntry):
                 entries[path] = dataclasses.replace(entry, shards=full[entry.key])
 
-    def check_target(self, label: str, entry: ShardedTensorEntry, target: Any) -> None:
-        check_tensor_target(label, entry, target)
-
-    def allocates(self, entry: Any, target: Any) -> bool:
-        return not (is_dense_tensor(target) or is_sharded(target))
-
     def tensor_layout(self, path: str, entry: ShardedTensorEntry) -> TensorLayout:
         dtype = dtype_from_name(entry.dtype, path)
         check_entry(path, entry, dtype)
@@ -533,9 +515,6 @@ class ShardedObjectKind(Kind):
     ) -> None:
         decode = functools.partial(objects.decode_value, path, entry)
         self.read_bytes(reader, path, entry.location, decode)
-
-    def archived(self, entry: ShardedObjectEntry) -> bool:
-        return entry.serializer == "torch_save"
 
     def merge(self, entries: dict[str, Any]) -> None:
         """Replaces each ``ObjectReplica`` by the entry of the rank that wrote the object."""

@@ -459,19 +459,24 @@ class _Shared(Kind):
         self.owner(entry).restore(reader, path, entry, target)
 
 
-_kinds: list[Kind] = []
+_kinds: list[Kind] = []  # in the order ``accepts`` is asked
+_registered: list[Kind] = []  # in the order of registration
 by_value_type: dict[type, Kind] = {}
 # The kind restoring each entry type (a ``_Shared`` one where several kinds register it): a
 # dict lookup, no call, on the restore's path.
 by_entry_type: dict[type, Kind] = {}
-_entry_kinds: dict[type, list[Kind]] = {}
 
 
-def _index_entry_type(t: type) -> None:
-    kinds = _entry_kinds.get(t, [])
-    if not kinds:
-        by_entry_type.pop(t, None)
-    else:
+def _index() -> None:
+    """Both lookups from the kinds registered, a later kind taking a type over."""
+    by_value_type.clear()
+    by_entry_type.clear()
+    entry_kinds: dict[type, list[Kind]] = {}
+    for kind in _registered:
+        by_value_type.update(dict.fromkeys(kind.value_types, kind))
+        for t in kind.entry_types:
+            entry_kinds.setdefault(t, []).insert(0, kind)
+    for t, kinds in entry_kinds.items():
         by_entry_type[t] = kinds[0] if len(kinds) == 1 else _Shared(kinds)
 
 
@@ -484,23 +489,13 @@ def register(kind: Kind, *, before: str | None = None) -> Callable[[], None]:
     if before is not None:
         at = next(i for i, k in enumerate(_kinds) if k.name == before)
     _kinds.insert(at, kind)
-    earlier = {t: by_value_type.get(t) for t in kind.value_types}
-    for t in kind.value_types:
-        by_value_type[t] = kind
-    for t in kind.entry_types:
-        _entry_kinds.setdefault(t, []).insert(0, kind)
-        _index_entry_type(t)
+    _registered.append(kind)
+    _index()
 
     def undo() -> None:
         _kinds.remove(kind)
-        for t, k in earlier.items():
-            if k is None:
-                by_value_type.pop(t, None)
-            else:
-                by_value_type[t] = k
-        for t in kind.entry_types:
-            _entry_kinds[t].remove(kind)
-            _index_entry_type(t)
+        _registered.remove(kind)
+        _index()
 
     return undo
 
