@@ -10,12 +10,9 @@ restore module: those pass themselves in (a ``TakeSink``, a ``ReadPlanner``).
 from __future__ import annotations
 
 from snapshot._engine.handlers.dense import DENSE
-from snapshot._engine.handlers.factory import FACTORY
-from snapshot._engine.handlers.local import LOCAL
-from snapshot._engine.handlers.objects import OBJECTS
-from snapshot._engine.handlers.primitive import PRIMITIVE
-from snapshot._engine.handlers.sharded_object import SHARDED_OBJECT
-from snapshot._engine.handlers.sharded_tensor import SHARDED_TENSOR
+from snapshot._engine.handlers.local import FACTORY, LOCAL
+from snapshot._engine.handlers.objects import OBJECTS, PRIMITIVE
+from snapshot._engine.handlers.sharded import SHARDED_OBJECT, SHARDED_TENSOR
 from snapshot._engine.handlers.table import (
     Kind,
     ReadPlanner,

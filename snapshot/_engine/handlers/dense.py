@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import math
+import sys
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -17,7 +18,6 @@ from snapshot._engine.format.serialization import (
     dtype_name,
     storage_shortfall,
 )
-from snapshot._engine.handlers import sharded
 from snapshot._engine.handlers.table import (
     Kind,
     Payload,
@@ -50,9 +50,28 @@ from snapshot.errors import (
     StateMismatchError,
     UnsupportedValueError,
 )
+from snapshot.sharding.mapping import ShardedTensor
 
 if TYPE_CHECKING:
     from snapshot._engine.handlers.table import Planned
+
+
+# A DTensor, and torch's own ShardedTensor (FSDP1's SHARDED_STATE_DICT, torchrec; its base class
+# holds the shards and their metadata): (module, type).
+DTENSOR = ("torch.distributed.tensor", "DTensor")
+TORCH_SHARDED = ("torch.distributed._shard.sharded_tensor.api", "ShardedTensorBase")
+
+
+def loaded(module: str, name: str) -> type:
+    """The type ``name`` of ``module``, or our ShardedTensor while the module is not imported (no
+    instance exists before: looking it up costs nothing, where importing it would make the
+    first take pay for importing torch.distributed.tensor)."""
+    return getattr(sys.modules.get(module), name, ShardedTensor)
+
+
+def is_sharded(value: object) -> bool:
+    """Whether ``value`` is stored as pieces of a global tensor."""
+    return isinstance(value, (ShardedTensor, loaded(*DTENSOR), loaded(*TORCH_SHARDED)))
 
 
 def is_dense_tensor(value: object) -> bool:
@@ -64,21 +83,6 @@ def is_dense_tensor(value: object) -> bool:
         and value.layout is torch.strided  # type: ignore[attr-defined]
         and not value.is_quantized  # type: ignore[attr-defined]
         and not value.is_nested  # type: ignore[attr-defined]
-    )
-
-
-def check_tensor_target(label: str, entry: Any, target: Any) -> None:
-    """Refuses, for a stored tensor, a target that is neither a dense tensor nor a piece of a
-    sharded one (the rest of what a target must be, the reads check: shape, dtype, memory)."""
-    if is_dense_tensor(target) or sharded.is_sharded(target):
-        return
-    what = type(target).__name__
-    if isinstance(target, torch.Tensor):
-        layout = "nested" if target.is_nested else str(target.layout).removeprefix("torch.")
-        what += f" ({layout}{' quantized' if target.is_quantized else ''})"
-    raise StateMismatchError(
-        f"{label}: the snapshot holds a {entry.dtype}{list(entry.shape)} tensor, which obj_out, "
-        f"a {what}, cannot receive in place; pass a dense tensor of that shape, or no obj_out"
     )
 
 
@@ -99,13 +103,6 @@ def _in_place(sink: TakeSink, tensor: torch.Tensor) -> bool:
         and not tensor.is_neg()
         and not (tensor.dtype.is_complex and tensor.is_conj())
     )
-
-
-def record_grads(sink: TakeSink, path: str, tensor: torch.Tensor) -> None:
-    """Records that a tensor leaf is an ``nn.Parameter`` or requires grad
-    (``Collected.grads``). Not for a prepared tensor: what is written is the function's."""
-    if sink.prepare is None and (type(tensor) is not torch.Tensor or tensor.requires_grad):
-        sink.out.grads[path] = (type(tensor) is not torch.Tensor, tensor.requires_grad)
 
 
 def take_tensor(
@@ -388,7 +385,30 @@ def _loaded(
     return found[1]
 
 
-class Dense(Kind):
+class TensorKind(Kind):
+    """A kind storing tensors: filled in place when the target is a dense tensor or a piece of a
+    sharded one, else read into new memory."""
+
+    def check_target(self, label: str, entry: Any, target: Any) -> None:
+        """Refuses a target that cannot receive the stored tensor (the rest of what a target
+        must be, the reads check: shape, dtype, memory)."""
+        if not self.allocates(entry, target):
+            return
+        what = type(target).__name__
+        if isinstance(target, torch.Tensor):
+            layout = "nested" if target.is_nested else str(target.layout).removeprefix("torch.")
+            what += f" ({layout}{' quantized' if target.is_quantized else ''})"
+        raise StateMismatchError(
+            f"{label}: the snapshot holds a {entry.dtype}{list(entry.shape)} tensor, which "
+            f"obj_out, a {what}, cannot receive in place; pass a dense tensor of that shape, or "
+            "no obj_out"
+        )
+
+    def allocates(self, entry: Any, target: Any) -> bool:
+        return not (is_dense_tensor(target) or is_sharded(target))
+
+
+class Dense(TensorKind):
     """The dense kind. Another tensor type is stored as dense by registering one more instance
     for it: ``register(Dense(value_types=(cls,), entry_types=()))``."""
 
@@ -409,14 +429,16 @@ class Dense(Kind):
         self, sink: TakeSink, path: str, logical: str, value: torch.Tensor, replicated: bool
     ) -> Planned:
         reuse = sink.reuse
+        planned: Planned | None = None
         if reuse is not None and _in_place(sink, value) and value.nbytes > 0:
-            entry = reuse.reused(path, value)
-            if entry is not None:  # the base holds these bytes: nothing to write
-                record_grads(sink, path, value)
-                return entry
-        draft = take_tensor(sink, path, logical, value, replicated)
-        record_grads(sink, path, value)
-        return draft
+            planned = reuse.reused(path, value)  # the base holds these bytes: nothing to write
+        if planned is None:
+            planned = take_tensor(sink, path, logical, value, replicated)
+        # Whether it is an ``nn.Parameter`` or requires grad (``Collected.grads``); not for a
+        # prepared tensor: what is written is the function's.
+        if sink.prepare is None and (type(value) is not torch.Tensor or value.requires_grad):
+            sink.out.grads[path] = (type(value) is not torch.Tensor, value.requires_grad)
+        return planned
 
     def restore_all(self, reader: ReadPlanner, leaves: list[tuple[str, Any, Any]]) -> None:
         """Into each target that is a dense tensor (its needs write the live state): the reads
@@ -445,7 +467,7 @@ class Dense(Kind):
 
     def _restore_new(self, reader: ReadPlanner, path: str, entry: TensorEntry, target: Any) -> None:
         reader.claim()  # a new tensor, of the size the manifest records
-        if sharded.is_sharded(target):
+        if is_sharded(target):
             raise StateMismatchError(
                 f"{path}: the snapshot holds a whole tensor here, the object being restored "
                 "is a piece of a sharded one; restore it into a plain tensor, or take the "
@@ -461,12 +483,6 @@ class Dense(Kind):
         if entry.parameter or entry.requires_grad:
             tensor = _loaded(reader, path, entry, tensor)
         reader.tensors[path] = tensor
-
-    def check_target(self, label: str, entry: TensorEntry, target: Any) -> None:
-        check_tensor_target(label, entry, target)
-
-    def allocates(self, entry: Any, target: Any) -> bool:
-        return not (is_dense_tensor(target) or sharded.is_sharded(target))
 
     def tensor_layout(self, path: str, entry: TensorEntry) -> TensorLayout:
         dtype = check_tensor_entry(path, entry)

@@ -1,5 +1,7 @@
-"""Any other value: pickled with torch.save (and checked to be restorable at take); torchsnapshot's
-pickled tensors are read here too."""
+"""Values that are not tensors: primitives (bool, int, float, None, and short str / bytes) kept in
+the manifest itself, longer str / bytes given a payload of their own; and any other value,
+pickled with torch.save (and checked to be restorable at take). torchsnapshot's pickled tensors
+are read here too."""
 
 from __future__ import annotations
 
@@ -7,15 +9,17 @@ import functools
 import io
 import math
 import zipfile
-from typing import Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 import torch
 
 from manifest import (
     ObjectEntry,
     PickledTensorEntry,
+    PrimitiveEntry,
     Shard,
     ShardedObjectEntry,
+    int_fits,
     new_tensor_entry,
 )
 from snapshot._engine.format.serialization import (
@@ -24,23 +28,21 @@ from snapshot._engine.format.serialization import (
     dtype_name,
     encode_object,
 )
-from snapshot._engine.handlers import geometry, sharded
-from snapshot._engine.handlers.dense import check_tensor_target, is_dense_tensor
+from snapshot._engine.handlers import geometry
+from snapshot._engine.handlers.dense import DENSE, is_dense_tensor, is_sharded
 from snapshot._engine.handlers.table import (
     Kind,
     ObjectDraft,
     ReadPlanner,
     TakeSink,
-    bytes_draft,
     bytes_need,
     type_name,
 )
 from snapshot._engine.restore.reads import (
-    Landing,
-    Need,
     allocate,
     check_target,
 )
+from snapshot._engine.state_dicts import int_refusal
 from snapshot._engine.take.restorable import check_object
 from snapshot.errors import (
     CorruptSnapshotError,
@@ -48,6 +50,9 @@ from snapshot.errors import (
     UnsafeSnapshotError,
     UnsupportedValueError,
 )
+
+if TYPE_CHECKING:
+    from snapshot._engine.handlers.table import Planned
 
 # What a pickled tensor's piece must decode to: a plain tensor (not a subclass).
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
@@ -121,40 +126,36 @@ def check_archive(data: bytes | BinaryIO, path: str) -> None:
             )
 
 
-def plan_pickled_tensor_read(
-    path: str,
-    entry: PickledTensorEntry,
-    target: torch.Tensor | None,
-    results: dict[str, Any],
-    verify: bool,
-    landing: Landing,
-) -> list[Need]:
-    """The needs of a tensor stored as ``torch.save`` bytes, one per piece; when the last
-    piece is decoded, ``results[path]`` holds the tensor: ``target`` filled in place (cast like
-    ``copy_``; on a device, by ``landing``'s copy stream) when given, else a new one (the
-    decoded tensor itself when one piece holds it all).
+def restore_pickled_tensor(
+    reader: ReadPlanner, path: str, entry: PickledTensorEntry, target: Any
+) -> None:
+    """Plans the needs of a tensor stored as ``torch.save`` bytes, one per piece; when the last
+    piece is decoded, ``reader.objects[path]`` holds the tensor: ``target`` filled in place
+    (cast like ``copy_``; on a device, by the reader's ``landing`` copy stream) when it is a
+    dense tensor, else a new one (the decoded tensor itself when one piece holds it all).
 
     The pickles are decoded by the safe loader, and each must hold a plain tensor of the
     recorded dtype and of its piece's size: the manifest says what a restore may expect, and
     the bytes must not bring anything else (another type, another shape).
     """
+    if is_sharded(target):
+        raise StateMismatchError(
+            f"{path}: the snapshot holds a whole tensor here (pickled), the object being "
+            "restored is a piece of a sharded one; restore it into a plain tensor"
+        )
+    reader.claim()  # buffers of the stored length
     dtype = dtype_from_name(entry.dtype, path)
-    shape = tuple(entry.shape)
-    pieces = entry.pieces
+    shape, pieces, landing = tuple(entry.shape), entry.pieces, reader.landing
     _check_pieces(path, entry, dtype)
-    if target is not None:
+    into_target = is_dense_tensor(target)
+    dest: torch.Tensor | None = None  # the tensor the pieces are copied into
+    if into_target:
         check_target(path, new_tensor_entry(entry.dtype, shape, ()), target, dtype)
         landing.prepare(target)
-    whole = len(pieces) == 1 and tuple(pieces[0].sizes) == shape
-    result: list[torch.Tensor] = []  # the tensor the pieces are copied into, once made
-    if target is not None:
-        result.append(target)
-    elif not whole:
-        result.append(
-            allocate(
-                path, math.prod(shape) * dtype.itemsize, lambda: torch.empty(shape, dtype=dtype)
-            )
-        )
+        dest = target
+    elif len(pieces) != 1 or tuple(pieces[0].sizes) != shape:
+        nbytes = math.prod(shape) * dtype.itemsize
+        dest = allocate(path, nbytes, lambda: torch.empty(shape, dtype=dtype))
     remaining = [len(pieces)]
     decoded: dict[str, Any] = {}  # each piece's value, once copied (``bytes_need``'s results)
 
@@ -177,10 +178,10 @@ def plan_pickled_tensor_read(
                 f"{path}: the pickle of the piece at {list(piece.offsets)} holds {what}; the "
                 f"manifest records a {entry.dtype}{list(box)} tensor"
             )
-        if not result:  # one piece, the whole tensor, no target: the decoded one is it
-            results[path] = value.detach()
+        if dest is None:  # one piece, the whole tensor, no target: the decoded one is it
+            reader.objects[path] = value.detach()
             return
-        window = result[0][tuple(slice(o, o + n) for o, n in zip(piece.offsets, box, strict=True))]
+        window = dest[tuple(slice(o, o + n) for o, n in zip(piece.offsets, box, strict=True))]
         try:
             landing.copy(window, value)
         except RuntimeError as e:
@@ -190,12 +191,13 @@ def plan_pickled_tensor_read(
             ) from e
         remaining[0] -= 1
         if remaining[0] == 0:
-            results[path] = result[0]
+            reader.objects[path] = dest
 
-    return [
-        bytes_need(path, piece.chunks[0], decoded, functools.partial(place, piece), verify)
-        for piece in pieces
+    needs = [
+        bytes_need(path, p.chunks[0], decoded, functools.partial(place, p), reader.verify)
+        for p in pieces
     ]
+    reader.add_needs(needs, into_target=into_target)
 
 
 def _check_pieces(path: str, entry: PickledTensorEntry, dtype: torch.dtype) -> None:
@@ -242,8 +244,11 @@ class Objects(Kind):
             raise UnsupportedValueError(
                 f"{path}: cannot serialize a {type_name(value)}: {type(e).__name__}: {e}"
             ) from e
-        check_object(path, type_name(value), data, tensor_subclass=isinstance(value, torch.Tensor))
-        return bytes_draft(sink, path, logical, "torch_save", type_name(value), data, replicated)
+        obj_type = type_name(value)
+        check_object(path, obj_type, data, tensor_subclass=isinstance(value, torch.Tensor))
+        return self.write_bytes(
+            sink, path, logical, data, replicated, serializer="torch_save", obj_type=obj_type
+        )
 
     def restore(
         self, reader: ReadPlanner, path: str, entry: ObjectEntry | PickledTensorEntry, target: Any
@@ -252,24 +257,55 @@ class Objects(Kind):
             decode = functools.partial(decode_value, path, entry)
             self.read_bytes(reader, path, entry.location, decode)
             return
-        if sharded.is_sharded(target):
-            raise StateMismatchError(
-                f"{path}: the snapshot holds a whole tensor here (pickled), the object being "
-                "restored is a piece of a sharded one; restore it into a plain tensor"
-            )
-        reader.claim()  # buffers of the stored length
-        t = target if is_dense_tensor(target) else None
-        needs = plan_pickled_tensor_read(
-            path, entry, t, reader.objects, verify=reader.verify, landing=reader.landing
-        )
-        reader.add_needs(needs, into_target=t is not None)
+        restore_pickled_tensor(reader, path, entry, target)
 
     def archived(self, entry: Any) -> bool:
-        return isinstance(entry, PickledTensorEntry) or entry.serializer == "torch_save"
+        return isinstance(entry, PickledTensorEntry) or super().archived(entry)
 
     def check_target(self, label: str, entry: Any, target: Any) -> None:
         if isinstance(entry, PickledTensorEntry):  # an object is never filled in place
-            check_tensor_target(label, entry, target)
+            DENSE.check_target(label, entry, target)
 
 
 OBJECTS = Objects()
+
+
+class Primitive(Kind):
+    """bool, int, float and None, and a str or bytes of at most ``inline_max`` bytes (a str
+    encoded), are the manifest's own; a longer str or bytes is a payload of its own, and a str
+    that UTF-8 cannot encode is pickled. An int of more digits than every reader converts
+    (``manifest.int_fits``) is refused. By exact type only: a subclass (an IntEnum, a str enum)
+    is pickled, as the object it is."""
+
+    name = "primitive"
+    value_types = (bool, int, float, type(None), str, bytes)
+    entry_types = (PrimitiveEntry,)
+
+    def accepts(self, value: Any) -> bool:
+        return type(value) in self.value_types
+
+    def take(
+        self, sink: TakeSink, path: str, logical: str, value: Any, replicated: bool
+    ) -> Planned:
+        kind = type(value)
+        if kind is int and not int_fits(value):
+            raise UnsupportedValueError(int_refusal(path))  # ``check_nesting`` refuses most
+        if kind is not str and kind is not bytes:
+            return PrimitiveEntry(value=value, replicated=replicated)
+        try:
+            data = value.encode("utf-8") if kind is str else value
+        except UnicodeEncodeError:  # lone surrogates: only pickle keeps them
+            return OBJECTS.take(sink, path, logical, value, replicated)
+        if len(data) <= sink.inline_max:
+            return PrimitiveEntry(value=value, replicated=replicated)
+        serializer = "utf8" if kind is str else "bytes"
+        return self.write_bytes(
+            sink, path, logical, data, replicated, serializer=serializer, obj_type=kind.__name__
+        )
+
+    def restore(self, reader: ReadPlanner, path: str, entry: PrimitiveEntry, target: Any) -> None:
+        """The value recorded in the manifest, whatever the target (never filled in place)."""
+        reader.objects[path] = entry.value
+
+
+PRIMITIVE = Primitive()

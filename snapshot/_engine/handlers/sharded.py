@@ -1,24 +1,72 @@
-"""Sharded tensors and objects, as the ranks hold them and as the manifest records them: the
-pieces a rank holds of a global tensor (our ``ShardedTensor``, a ``DTensor`` with Shard /
-Replicate placements, torch's own ``ShardedTensor``), the take's checks that the ranks' main
-replicas cover each tensor once, the commit's merge of every rank's entries, and the checks
-around reading a region (whose geometry is :mod:`snapshot._engine.handlers.geometry`'s).
+"""Sharded tensors and objects: the pieces a rank holds of a global tensor (our
+``ShardedTensor``, a ``DTensor`` with Shard / Replicate placements, torch's own
+``ShardedTensor``), the take's checks that the ranks' main replicas cover each tensor once and
+that each sharded object has one, the commit's merge of every rank's entries, and the reads of
+a target's regions (whose geometry is :mod:`snapshot._engine.handlers.geometry`'s).
+
+Their two kinds: a sharded tensor, each rank writing the pieces whose main replica it holds and
+a restore reading the boxes of the stored pieces that the target's regions cover; and a sharded
+object (``snapshot.sharding.ShardedObject``), written by the rank holding its main replica and
+read by every rank that holds a replica.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
-import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from manifest import ShardedTensorEntry
-from snapshot._engine.format.serialization import LocationCheck, WholeCheck
-from snapshot._engine.handlers.geometry import Piece, Region, cover_problem, find_overlap
+from manifest import Shard, ShardedObjectEntry, ShardedTensorEntry, new_tensor_entry
+from snapshot._engine.format.serialization import (
+    LocationCheck,
+    WholeCheck,
+    dtype_from_name,
+    dtype_name,
+    raw_memoryview,
+)
+from snapshot._engine.handlers import objects
+from snapshot._engine.handlers.dense import (
+    DTENSOR,
+    TensorKind,
+    is_dense_tensor,
+    is_sharded,
+    loaded,
+    take_tensor,
+)
+from snapshot._engine.handlers.geometry import (
+    Box,
+    Piece,
+    cover_problem,
+    find_overlap,
+    plan_region,
+)
+from snapshot._engine.handlers.table import (
+    Kind,
+    ObjectReplica,
+    Planned,
+    ReadPlanner,
+    ShardDraft,
+    ShardedObjectDraft,
+    TakeSink,
+    TensorLayout,
+)
+from snapshot._engine.restore.reads import (
+    Landing,
+    Need,
+    ScratchPool,
+    TensorRead,
+    allocate,
+    check_target,
+    direct_need,
+    lands_directly,
+    tile_limit,
+    tile_need,
+)
 from snapshot.errors import (
     CorruptSnapshotError,
     ShapeMismatchError,
@@ -26,6 +74,7 @@ from snapshot.errors import (
     StateMismatchError,
     UnsupportedValueError,
 )
+from snapshot.sharding import mapping
 from snapshot.sharding.mapping import ShardedTensor, is_main_replica
 
 
@@ -52,24 +101,6 @@ class Held:
     pieces: tuple[LocalPiece, ...]
 
 
-# A DTensor, and torch's own ShardedTensor (FSDP1's SHARDED_STATE_DICT, torchrec; its base class
-# holds the shards and their metadata): (module, type).
-_DTENSOR = ("torch.distributed.tensor", "DTensor")
-_TORCH_SHARDED = ("torch.distributed._shard.sharded_tensor.api", "ShardedTensorBase")
-
-
-def _loaded(module: str, name: str) -> type:
-    """The type ``name`` of ``module``, or our ShardedTensor while the module is not imported (no
-    instance exists before: looking it up costs nothing, where importing it would make the
-    first take pay for importing torch.distributed.tensor)."""
-    return getattr(sys.modules.get(module), name, ShardedTensor)
-
-
-def is_sharded(value: object) -> bool:
-    """Whether ``value`` is stored as pieces of a global tensor."""
-    return isinstance(value, (ShardedTensor, _loaded(*_DTENSOR), _loaded(*_TORCH_SHARDED)))
-
-
 def held(path: str, logical: str, value: Any) -> Held:
     """The pieces a ``ShardedTensor`` (ours or torch's) or ``DTensor`` holds. A DTensor's and a
     torch ShardedTensor's global tensor is named by its logical path (without the rank), our
@@ -85,7 +116,7 @@ def held(path: str, logical: str, value: Any) -> Held:
         data = value.data.reshape(sizes) if value.prepend_axis_num else value.data
         piece = LocalPiece(tuple(offsets), tuple(sizes), data, is_main_replica(value.replica_id))
         return Held(value.key, value.dtype, tuple(value.global_shape), (piece,))
-    if isinstance(value, _loaded(*_DTENSOR)):
+    if isinstance(value, loaded(*DTENSOR)):
         return _dtensor_held(path, logical, value)
     # Torch's ShardedTensor: each local shard a piece (torch checks that they lie within its
     # shape and agree with their tensors). It has no replicas: each shard in its metadata is
@@ -125,36 +156,6 @@ def _dtensor_held(path: str, logical: str, value: Any) -> Held:
     )
     piece = LocalPiece(tuple(offsets), tuple(sizes), value.to_local(), main)
     return Held(logical, value.dtype, shape, (piece,))
-
-
-def target_regions(
-    path: str, entry: ShardedTensorEntry, target: Any
-) -> tuple[list[tuple[Region, torch.Tensor]], Any]:
-    """Where a restore target's bytes belong: each of its regions of the global tensor with
-    the tensor to fill (shaped like the region; one for our ShardedTensor and a DTensor, one
-    per local shard of torch's ShardedTensor, none on a rank holding no shard), and the value
-    the restored state gets back.
-
-    Raises:
-        ShapeMismatchError: the target is a piece of a global tensor of another shape.
-    """
-    mine = held(path, path.partition("/")[2], target)
-    if mine.key != entry.key:
-        raise StateMismatchError(
-            f"{path}: the snapshot holds sharded tensor {entry.key!r} here; the object being "
-            f"restored is a piece of {mine.key!r} (pieces are matched by logical path, and "
-            "the keys must agree)"
-        )
-    if mine.shape != tuple(entry.shape):
-        raise ShapeMismatchError(
-            f"{path}: the snapshot holds {entry.key!r} of global shape {list(entry.shape)} "
-            f"({entry.dtype}); the object being restored is a piece of a global tensor of shape "
-            f"{list(mine.shape)}"
-        )
-    regions = [((p.offsets, p.sizes), p.data) for p in mine.pieces]
-    # Our ShardedTensor gives back its (filled) data; a DTensor and torch's ShardedTensor
-    # themselves, their local tensors filled in place.
-    return regions, target.data if isinstance(target, ShardedTensor) else target
 
 
 # ---------------------------------------------------------------------------------------------
@@ -210,15 +211,6 @@ def check_coverage(pieces: Sequence[Sequence[tuple[Any, ...]]]) -> None:
             f"ranks {holders} cover {covered} of its {math.prod(shape)} elements; every "
             "element must be in exactly one main replica (replica_id 0)"
         )
-
-
-@dataclass(frozen=True)
-class ObjectReplica:
-    """In a rank's entries, a sharded object whose main replica another rank wrote: the
-    commit replaces it with that rank's entry for ``key`` (its unique key)."""
-
-    key: str
-    replicated: bool = True
 
 
 def check_objects(objects: Sequence[Sequence[tuple[str, bool, str]]]) -> None:
@@ -290,3 +282,246 @@ def verifier(checks: Mapping[tuple[str, int], Any], p: Piece) -> Any:
     if check is None or isinstance(check, WholeCheck):
         return check
     return functools.partial(check.add, p.lo, p.nbytes)
+
+
+# ---------------------------------------------------------------------------------------------
+# The kinds.
+
+
+# Scratch of one box of a sharded read through its gaps: small enough to be in the CPU's cache
+# when it is copied into place.
+BOX_BYTES = 4 << 20
+
+
+def plan_sharded_read(
+    reader: ReadPlanner, path: str, entry: ShardedTensorEntry, target: Any
+) -> TensorRead:
+    """Needs for a target's regions of a sharded tensor: the target's own piece(s) when it is a
+    sharded value (resharded from whatever shards were stored), else the whole tensor into a
+    plain tensor target (cast like ``copy_``) or a new one.
+
+    Only the stored bytes overlapping a region are read, run by run: into the destination's
+    memory when it is a contiguous CPU tensor of the stored dtype, else through scratch tiles
+    copied in by the reader's ``landing`` (``tile_need``). An overlap of many runs with gaps of
+    at most ``gap_bytes`` (a column block of a row-sharded tensor) is read through its gaps in
+    boxes of scratch from the reader's pool, each moved into place by one strided copy. Chunks
+    read whole are checked against their CRC-32s; a chunk read in part cannot be.
+    """
+    piece_bytes, landing = reader.piece_bytes, reader.landing
+    box_bytes = min(reader.tile_bytes, BOX_BYTES)
+    dtype = dtype_from_name(entry.dtype, path)
+    check_entry(path, entry, dtype)
+    whole = ((0,) * len(entry.shape), tuple(entry.shape))
+    if is_sharded(target):
+        # The target's regions of the global tensor, each with the tensor to fill (one for our
+        # ShardedTensor and a DTensor, one per local shard of torch's ShardedTensor, none on a
+        # rank holding no shard).
+        mine = held(path, path.partition("/")[2], target)
+        if mine.key != entry.key:
+            raise StateMismatchError(
+                f"{path}: the snapshot holds sharded tensor {entry.key!r} here; the object "
+                f"being restored is a piece of {mine.key!r} (pieces are matched by logical "
+                "path, and the keys must agree)"
+            )
+        if mine.shape != tuple(entry.shape):
+            raise ShapeMismatchError(
+                f"{path}: the snapshot holds {entry.key!r} of global shape {list(entry.shape)} "
+                f"({entry.dtype}); the object being restored is a piece of a global tensor "
+                f"of shape {list(mine.shape)}"
+            )
+        regions = [((p.offsets, p.sizes), p.data) for p in mine.pieces]
+        # Our ShardedTensor gives back its (filled) data; a DTensor and torch's ShardedTensor
+        # themselves, their local tensors filled in place.
+        result: Any = target.data if isinstance(target, ShardedTensor) else target
+    elif isinstance(target, torch.Tensor) and is_dense_tensor(target):
+        regions, result = [(whole, target)], target
+    else:
+        result = allocate(path, entry.nbytes, lambda: torch.empty(entry.shape, dtype=dtype))
+        regions = [(whole, result)]
+    planned: list[tuple[torch.Tensor, list[Piece], list[Box]]] = []
+    pieces: list[Piece] = []  # every region's
+    for region, dest in regions:
+        # The region's tensor: the shape of the region, and its memory able to take the values.
+        check_target(path, new_tensor_entry(entry.dtype, region[1], ()), dest, dtype)
+        # Into the region's memory the pieces may be as long as a read request; through
+        # scratch, as long as a tile.
+        step = piece_bytes
+        if not lands_directly(dest, dtype):
+            step = tile_limit(dest, min(piece_bytes, reader.tile_bytes))
+            landing.prepare(dest)
+        direct, boxes = plan_region(
+            entry, region, dtype.itemsize, step, reader.gap_bytes, box_bytes
+        )
+        planned.append((dest, direct, boxes))
+        pieces.extend([*direct, *(p for box in boxes for p in box.pieces)])
+    # One check per stored chunk over every region's pieces: a chunk that two local shards of
+    # a torch ShardedTensor target read in parts is still read whole, and checked.
+    checks = checks_for(path, pieces, reader.verify)
+    needs: list[Need] = []
+    for dest, direct, boxes in planned:
+        # A piece lands straight in the region's memory when it can take raw bytes; else
+        # through a scratch tile of its own, taken when its read is about to run (charged to
+        # the read budget) and copied in once landed.
+        for p in direct:
+            if lands_directly(dest, dtype):
+                need = direct_need(path, p.chunk, p.lo, p.nbytes, dest.data_ptr() + p.dest)
+            else:
+                first = p.dest // dtype.itemsize
+                need = tile_need(path, p.chunk, p.lo, p.nbytes, first, dtype, dest, landing)
+            need.verify = verifier(checks, p)
+            needs.append(need)
+        for box in boxes:
+            needs.extend(_box_needs(path, dtype, dest, box, checks, reader.scratch, landing))
+    return TensorRead(needs=needs, result=result)
+
+
+def _box_needs(
+    path: str,
+    dtype: torch.dtype,
+    dest: torch.Tensor,
+    box: Box,
+    checks: Mapping[tuple[str, int], Any],
+    pool: ScratchPool,
+    landing: Landing,
+) -> list[Need]:
+    """A box's pieces, into a scratch buffer taken when the first of them is about to be read;
+    once all have landed, one strided copy moves the box into ``dest`` (on a device, a
+    synchronous one on the read's copy stream: ``Landing.copy``), and the buffer goes back to
+    the pool."""
+    scratch: list[torch.Tensor] = []
+    remaining = [len(box.pieces)]
+    nbytes = box.span * dtype.itemsize
+
+    def into(p: Piece) -> memoryview:
+        if not scratch:
+            scratch.append(pool.take(nbytes))
+        return raw_memoryview(scratch[0].data_ptr() + p.dest, p.nbytes)
+
+    def done() -> None:
+        remaining[0] -= 1
+        if remaining[0] == 0:
+            buffer = scratch.pop()
+            source = torch.as_strided(buffer[:nbytes].view(dtype), box.sizes, box.strides)
+            window = dest[tuple(slice(a, a + n) for a, n in zip(box.at, box.sizes, strict=True))]
+            landing.copy(window, source)
+            pool.give(buffer)
+
+    return [
+        Need(
+            blob=p.chunk.blob,
+            offset=p.chunk.offset + p.lo,
+            nbytes=p.nbytes,
+            dest=functools.partial(into, p),
+            done=done,
+            scratch_bytes=p.nbytes,
+            label=path,
+            verify=verifier(checks, p),
+        )
+        for p in box.pieces
+    ]
+
+
+class ShardedTensorKind(TensorKind):
+    """Each piece of the global tensor that this rank holds as its main replica is written as a
+    tensor of its own (``dense.take_tensor``; never deduplicated against other ranks), and every
+    piece, written or not, is listed for the check that the ranks' pieces cover the tensor
+    (``check_coverage``). A restore fills the target's regions (its own piece of a
+    ShardedTensor or DTensor, each local shard of torch's ShardedTensor; a whole plain tensor, or
+    a new one) from whatever shards were stored (``plan_sharded_read``). No type of its own to be
+    found by: asked by ``accepts``, after the dense kind."""
+
+    name = "sharded_tensor"
+    entry_types = (ShardedTensorEntry,)
+    merged_types = (ShardedTensorEntry,)
+
+    def accepts(self, value: Any) -> bool:
+        return is_sharded(value)
+
+    def take(
+        self, sink: TakeSink, path: str, logical: str, value: Any, replicated: bool
+    ) -> ShardDraft:
+        mine = held(path, logical, value)
+        written: list[tuple[LocalPiece, Any]] = []
+        dtype = dtype_name(mine.dtype)
+        for piece in mine.pieces:
+            sink.out.pieces.append(
+                (mine.key, dtype, mine.shape, piece.offsets, piece.sizes, piece.main, path)
+            )
+            if piece.main:
+                written.append((piece, take_tensor(sink, path, logical, piece.data, False)))
+        return ShardDraft(held=mine, written=written)
+
+    def restore(
+        self, reader: ReadPlanner, path: str, entry: ShardedTensorEntry, target: Any
+    ) -> None:
+        """Its needs write the live state when the target is a tensor or a piece of one."""
+        reader.claim()
+        read = plan_sharded_read(reader, path, entry, target)
+        reader.add_needs(read.needs, into_target=not self.allocates(entry, target))
+        reader.tensors[path] = read.result
+
+    def merge(self, entries: dict[str, Any]) -> None:
+        """Replaces each rank's entry (the shards that rank wrote) by one listing every rank's
+        shards of that tensor (each rank keeps its own entry, under the path it holds its
+        piece at, so any rank reads any region)."""
+        shards: dict[str, list[Shard]] = {}
+        for entry in entries.values():
+            if isinstance(entry, ShardedTensorEntry):
+                shards.setdefault(entry.key, []).extend(entry.shards)
+        full = {key: tuple(sorted(found, key=lambda s: s.offsets)) for key, found in shards.items()}
+        for path, entry in entries.items():
+            if isinstance(entry, ShardedTensorEntry):
+                entries[path] = dataclasses.replace(entry, shards=full[entry.key])
+
+    def tensor_layout(self, path: str, entry: ShardedTensorEntry) -> TensorLayout:
+        dtype = dtype_from_name(entry.dtype, path)
+        check_entry(path, entry, dtype)
+        return TensorLayout(
+            dtype, entry.shape, [(s.offsets, s.sizes, s.chunks) for s in entry.shards]
+        )
+
+
+SHARDED_TENSOR = ShardedTensorKind()
+
+
+class ShardedObjectKind(Kind):
+    """Written by the rank holding its main replica, as an object; the other ranks' entries
+    are filled in from that rank's at the commit (``merge``). Read and decoded
+    as an object is (``objects.decode_value``)."""
+
+    name = "sharded_object"
+    value_types = (mapping.ShardedObject,)
+    entry_types = (ShardedObjectEntry,)
+    merged_types = (ObjectReplica,)
+
+    def take(
+        self,
+        sink: TakeSink,
+        path: str,
+        logical: str,
+        value: mapping.ShardedObject,
+        replicated: bool,
+    ) -> Planned:
+        key = value.unique_key
+        main = mapping.is_main_replica(value.replica_id)
+        sink.out.objects.append((key, main, path))
+        if not main:
+            return ObjectReplica(key)
+        draft = objects.OBJECTS.take(sink, path, logical, value.data, False)
+        return ShardedObjectDraft(key=key, draft=draft)
+
+    def restore(
+        self, reader: ReadPlanner, path: str, entry: ShardedObjectEntry, target: Any
+    ) -> None:
+        decode = functools.partial(objects.decode_value, path, entry)
+        self.read_bytes(reader, path, entry.location, decode)
+
+    def merge(self, entries: dict[str, Any]) -> None:
+        """Replaces each ``ObjectReplica`` by the entry of the rank that wrote the object."""
+        objects = {e.key: e for e in entries.values() if isinstance(e, ShardedObjectEntry)}
+        for path, entry in entries.items():
+            if isinstance(entry, ObjectReplica):
+                entries[path] = objects[entry.key]
+
+
+SHARDED_OBJECT = ShardedObjectKind()

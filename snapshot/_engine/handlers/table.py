@@ -24,11 +24,11 @@ from manifest import (
     new_tensor_entry,
 )
 from snapshot._engine.format.serialization import WholeCheck, dtype_name
-from snapshot._engine.handlers import sharded
 from snapshot._engine.restore.reads import Need, allocate
 from storage_plugins import Buffer
 
 if TYPE_CHECKING:
+    from snapshot._engine.handlers import sharded
     from snapshot._engine.restore.reads import Landing, ScratchPool
     from snapshot._engine.take.incremental import Reuse
     from snapshot._engine.take.plan import Collected
@@ -224,6 +224,15 @@ class ShardedObjectDraft:
         )
 
 
+@dataclass(frozen=True)
+class ObjectReplica:
+    """In a rank's entries, a sharded object whose main replica another rank wrote: the
+    commit replaces it with that rank's entry for ``key`` (its unique key)."""
+
+    key: str
+    replicated: bool = True
+
+
 # The draft of a tensor leaf's entry that has bytes.
 Draft = TensorDraft | WholeTensor
 # What planning records at a path: an entry made at once (a container, a primitive, an empty
@@ -231,12 +240,12 @@ Draft = TensorDraft | WholeTensor
 # payloads are written.
 Planned = (
     Entry | TensorDraft | WholeTensor | ObjectDraft | ShardDraft | ShardedObjectDraft
-    | sharded.ObjectReplica
+    | ObjectReplica
 )  # fmt: skip
 
 # What a rank's part of the manifest holds at a path: an entry, a tensor's manifest line, or a
 # sharded object's replica (the commit replaces it with the writer's entry).
-Made = Entry | str | sharded.ObjectReplica
+Made = Entry | str | ObjectReplica
 
 
 class TakeSink(Protocol):
@@ -354,8 +363,9 @@ class Kind(ABC):
         return None
 
     def archived(self, entry: Any) -> bool:
-        """Whether the entry's ranges hold ``torch.save`` archives (verify checks them)."""
-        return False
+        """Whether the entry's ranges hold ``torch.save`` archives (verify checks them): by
+        default, an entry recording the ``torch_save`` serializer."""
+        return getattr(entry, "serializer", None) == "torch_save"
 
     # The types of entries (or drafts) this kind rewrites once every rank's are together.
     merged_types: tuple[type, ...] = ()
@@ -375,9 +385,12 @@ class Kind(ABC):
         *,
         serializer: str = "bytes",
         obj_type: str = "bytes",
-    ) -> Planned:
-        """An object entry whose bytes are ``data`` (recorded with ``serializer``, ``obj_type``)."""
-        return bytes_draft(sink, path, logical, serializer, obj_type, data, replicated)
+    ) -> ObjectDraft:
+        """An object entry whose bytes are ``data`` (recorded with ``serializer``, ``obj_type``),
+        its payload handed to the planner."""
+        payload = Payload(logical, 0, len(data), path, replicated, data=data)
+        sink.emit([payload])
+        return ObjectDraft(serializer, obj_type, payload, replicated)
 
     def read_bytes(
         self, reader: ReadPlanner, path: str, location: Location, done: Callable[[bytes], Any]
@@ -388,23 +401,6 @@ class Kind(ABC):
         reader.add_needs(
             [bytes_need(path, location, reader.objects, done, reader.verify)], into_target=False
         )
-
-
-def bytes_draft(
-    sink: TakeSink,
-    path: str,
-    logical: str,
-    serializer: str,
-    obj_type: str,
-    data: bytes,
-    replicated: bool,
-) -> ObjectDraft:
-    """The draft of an object entry whose bytes are ``data``, handed to the planner."""
-    payload = Payload(logical, 0, len(data), path, replicated, data=data)
-    sink.emit([payload])
-    return ObjectDraft(
-        serializer=serializer, obj_type=obj_type, payload=payload, replicated=replicated
-    )
 
 
 def bytes_need(
@@ -440,7 +436,8 @@ def bytes_need(
 
 class _Shared(Kind):
     """The kinds registered for one entry type, asked by ``owns`` (the one registered last
-    first): the table's entry for a type more than one kind restores."""
+    first): the table's entry for a type more than one kind restores. The loader restores
+    through it; ``for_entry`` answers with the owner itself."""
 
     name = "shared"
 
@@ -453,9 +450,6 @@ class _Shared(Kind):
                 return kind
         return self.kinds[-1]
 
-    def owns(self, entry: Entry) -> bool:
-        return any(kind.owns(entry) for kind in self.kinds)
-
     def take(
         self, sink: TakeSink, path: str, logical: str, value: Any, replicated: bool
     ) -> Planned:
@@ -464,32 +458,25 @@ class _Shared(Kind):
     def restore(self, reader: ReadPlanner, path: str, entry: Any, target: Any) -> None:
         self.owner(entry).restore(reader, path, entry, target)
 
-    def check_target(self, label: str, entry: Any, target: Any) -> None:
-        self.owner(entry).check_target(label, entry, target)
 
-    def allocates(self, entry: Any, target: Any) -> bool:
-        return self.owner(entry).allocates(entry, target)
-
-    def tensor_layout(self, path: str, entry: Any) -> TensorLayout | None:
-        return self.owner(entry).tensor_layout(path, entry)
-
-    def archived(self, entry: Any) -> bool:
-        return self.owner(entry).archived(entry)
-
-
-_kinds: list[Kind] = []
+_kinds: list[Kind] = []  # in the order ``accepts`` is asked
+_registered: list[Kind] = []  # in the order of registration
 by_value_type: dict[type, Kind] = {}
 # The kind restoring each entry type (a ``_Shared`` one where several kinds register it): a
 # dict lookup, no call, on the restore's path.
 by_entry_type: dict[type, Kind] = {}
-_entry_kinds: dict[type, list[Kind]] = {}
 
 
-def _index_entry_type(t: type) -> None:
-    kinds = _entry_kinds.get(t, [])
-    if not kinds:
-        by_entry_type.pop(t, None)
-    else:
+def _index() -> None:
+    """Both lookups from the kinds registered, a later kind taking a type over."""
+    by_value_type.clear()
+    by_entry_type.clear()
+    entry_kinds: dict[type, list[Kind]] = {}
+    for kind in _registered:
+        by_value_type.update(dict.fromkeys(kind.value_types, kind))
+        for t in kind.entry_types:
+            entry_kinds.setdefault(t, []).insert(0, kind)
+    for t, kinds in entry_kinds.items():
         by_entry_type[t] = kinds[0] if len(kinds) == 1 else _Shared(kinds)
 
 
@@ -502,23 +489,13 @@ def register(kind: Kind, *, before: str | None = None) -> Callable[[], None]:
     if before is not None:
         at = next(i for i, k in enumerate(_kinds) if k.name == before)
     _kinds.insert(at, kind)
-    earlier = {t: by_value_type.get(t) for t in kind.value_types}
-    for t in kind.value_types:
-        by_value_type[t] = kind
-    for t in kind.entry_types:
-        _entry_kinds.setdefault(t, []).insert(0, kind)
-        _index_entry_type(t)
+    _registered.append(kind)
+    _index()
 
     def undo() -> None:
         _kinds.remove(kind)
-        for t, k in earlier.items():
-            if k is None:
-                by_value_type.pop(t, None)
-            else:
-                by_value_type[t] = k
-        for t in kind.entry_types:
-            _entry_kinds[t].remove(kind)
-            _index_entry_type(t)
+        _registered.remove(kind)
+        _index()
 
     return undo
 
@@ -550,4 +527,5 @@ def merge_entries(parts: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
 
 def for_entry(entry: Entry) -> Kind | None:
     """The kind that restores ``entry`` (None for a container: ``flatten`` rebuilds those)."""
-    return by_entry_type.get(type(entry))
+    kind = by_entry_type.get(type(entry))
+    return kind.owner(entry) if isinstance(kind, _Shared) else kind
