@@ -28,11 +28,9 @@ from manifest.entries import (
     EntryDecoder,
     Location,
     Manifest,
-    TensorEntry,
-)
-from manifest.errors import (
     ManifestChecksumError,
     ManifestDecodeError,
+    TensorEntry,
     UnsafeManifestError,
     UnsupportedFormatError,
 )

@@ -1,5 +1,6 @@
-"""Manifest entry types: frozen records of what a snapshot holds at each logical path, and the
-strict decoding of their plain-data form (``entry_from_dict``)."""
+"""Manifest entry types: frozen records of what a snapshot holds at each logical path, the
+strict decoding of their plain-data form (``entry_from_dict``), and the errors of reading a
+manifest (every one a ``ManifestDecodeError``, a ``ValueError``)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,25 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from manifest.errors import ManifestDecodeError, UnsafeManifestError
+
+class ManifestDecodeError(ValueError):
+    """The bytes are not a manifest this version of the library can read."""
+
+
+class UnsupportedFormatError(ManifestDecodeError):
+    """The manifest was written in a newer format version."""
+
+
+class ManifestChecksumError(ManifestDecodeError):
+    """The manifest's bytes do not have the CRC-32 its last line records, or it has no such
+    line (it was cut short)."""
+
+
+class UnsafeManifestError(ManifestDecodeError):
+    """The manifest uses what this library never writes, and will not expand or follow: YAML
+    anchors and aliases, tags, merge keys, collections as mapping keys, plain scalars of types
+    JSON has no form for (timestamps), or nesting deeper than ``MAX_DEPTH``."""
+
 
 # The values a manifest stores inline. bytes are stored base64-encoded.
 Primitive = int | float | str | bool | None | bytes
