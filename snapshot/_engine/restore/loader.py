@@ -124,7 +124,7 @@ class Loader:
             n = chunk.nbytes
             check = WholeCheck(path, chunk) if verify and chunk.crc32 is not None else None
             dest = functools.partial(raw_memoryview, address, n)
-            need = Need(chunk.blob, chunk.offset, n, dest, path, None, 0, check, owner)
+            need = Need(n, dest, check, owner, chunk.blob, chunk.offset, None, 0, path)
             needs.append(need)
             direct.append((path, address, need))
 
