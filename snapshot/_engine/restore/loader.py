@@ -70,15 +70,15 @@ class Loader:
         options: Options,
         tile_bytes: int,
         where: str,
-        entries: Mapping[str, Entry] | None = None,
+        storage_options: dict[str, Any] | None,
+        entries: Mapping[str, Entry],
         verify: bool | None = None,
-        claims: ClaimCheck | None = None,
     ) -> None:
         self.manifest = manifest
         # The claims of reads that allocate, checked before the first: the subtree until then.
-        self.claims = claims
+        self.claims = ClaimCheck(manifest, where, storage_options, options)
         self._unclaimed: tuple[str, Mapping[str, Any]] | None = None
-        self.entries = manifest.entries if entries is None else entries  # the rank's view
+        self.entries = entries  # the rank's view
         self.where = where
         self.tile_bytes = tile_bytes
         assert options.read_request_bytes is not None and options.read_gap_bytes is not None
@@ -131,7 +131,7 @@ class Loader:
     def claim(self) -> None:
         """Called before planning a read into new memory: checks the subtree's claims, once."""
         unclaimed, self._unclaimed = self._unclaimed, None
-        if unclaimed is not None and self.claims is not None:
+        if unclaimed is not None:
             root, targets = unclaimed
             self.claims.check(self.entries, subtree(self.entries, root), targets)
 
