@@ -27,6 +27,8 @@ from manifest.entries import (
     ListEntry,
     Location,
     Manifest,
+    ManifestChecksumError,
+    ManifestDecodeError,
     ObjectEntry,
     PickledTensorEntry,
     PrimitiveEntry,
@@ -36,6 +38,8 @@ from manifest.entries import (
     TensorEntry,
     TensorView,
     TupleEntry,
+    UnsafeManifestError,
+    UnsupportedFormatError,
     check_blob_path,
     entry_from_dict,
     int_fits,
@@ -43,12 +47,6 @@ from manifest.entries import (
     new_location,
     new_tensor_entry,
     reference_of,
-)
-from manifest.errors import (
-    ManifestChecksumError,
-    ManifestDecodeError,
-    UnsafeManifestError,
-    UnsupportedFormatError,
 )
 
 __all__ = [

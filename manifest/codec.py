@@ -13,31 +13,24 @@ from __future__ import annotations
 import base64
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import yaml  # type: ignore[import-untyped]
 from isal import isal_zlib
 
-from manifest import tensor_lines
 from manifest.entries import (
     FORMAT_VERSION,
-    DictEntry,
+    MAX_CRC32,
+    PLAIN_BLOB,
+    TYPES,
     Entry,
     EntryDecoder,
-    ListEntry,
     Location,
     Manifest,
-    ObjectEntry,
-    PrimitiveEntry,
-    ShardedObjectEntry,
-    ShardedTensorEntry,
-    TensorEntry,
-    TupleEntry,
-)
-from manifest.errors import (
     ManifestChecksumError,
     ManifestDecodeError,
+    TensorEntry,
     UnsafeManifestError,
     UnsupportedFormatError,
 )
@@ -97,58 +90,49 @@ def _location_to_list(loc: Location) -> list[Any]:
     return [loc.blob, loc.offset, loc.nbytes, loc.crc32]
 
 
+def _plain_value(value: Any) -> Any:
+    """A primitive's value as written: floats as their ``repr`` in a string (exact, and the same
+    to JSON and YAML readers), bytes as base64."""
+    if isinstance(value, bytes):
+        return base64.b64encode(value).decode("ascii")
+    return repr(value) if isinstance(value, float) else value
+
+
+# How each field of ``TYPES`` is written, from the entry's attribute of that name (the rest
+# are written as they are).
+_ENCODERS: dict[str, Callable[[Any], Any]] = {
+    "shape": list,
+    "keys": list,
+    "chunks": lambda chunks: [_location_to_list(c) for c in chunks],
+    "location": _location_to_list,
+    "view": lambda v: {"base": v.base, "offset": v.offset, "stride": list(v.stride)},
+    "value": _plain_value,
+    "shards": lambda shards: [
+        {
+            "offsets": list(s.offsets),
+            "sizes": list(s.sizes),
+            "chunks": _ENCODERS["chunks"](s.chunks),
+        }
+        for s in shards
+    ],
+}
+
+
 def entry_to_dict(entry: Entry) -> dict[str, Any]:
-    """The plain-data form of an entry, as written in the manifest file. Floats are written as
-    their ``repr`` in a string (exact, and the same to JSON and YAML readers); bytes as base64;
-    optional fields only when set."""
-    out: dict[str, Any] = {"type": entry.type}
-    if isinstance(entry, TensorEntry):
-        out["dtype"] = entry.dtype
-        out["shape"] = list(entry.shape)
-        out["chunks"] = [_location_to_list(c) for c in entry.chunks]
-        if entry.parameter:
-            out["parameter"] = True
-        if entry.requires_grad:
-            out["requires_grad"] = True
-        view = entry.view
-        if view is not None:
-            out["view"] = {"base": view.base, "offset": view.offset, "stride": list(view.stride)}
-        if entry.digest is not None:
-            out["digest"] = entry.digest
-    elif isinstance(entry, (ObjectEntry, ShardedObjectEntry)):
-        if isinstance(entry, ShardedObjectEntry):
-            out["key"] = entry.key
-        out["serializer"] = entry.serializer
-        out["obj_type"] = entry.obj_type
-        out["location"] = _location_to_list(entry.location)
-    elif isinstance(entry, PrimitiveEntry):
-        value = entry.value
-        out["value_type"] = entry.value_type
-        if isinstance(value, bytes):
-            value = base64.b64encode(value).decode("ascii")
-        elif isinstance(value, float):
-            value = repr(value)
-        out["value"] = value
-    elif isinstance(entry, DictEntry):
-        out["keys"] = list(entry.keys)
-        if entry.ordered:
-            out["ordered"] = True
-    elif isinstance(entry, (ListEntry, TupleEntry)):
-        out["length"] = entry.length
-    elif isinstance(entry, ShardedTensorEntry):
-        out["key"] = entry.key
-        out["dtype"] = entry.dtype
-        out["shape"] = list(entry.shape)
-        out["shards"] = [
-            {
-                "offsets": list(s.offsets),
-                "sizes": list(s.sizes),
-                "chunks": [_location_to_list(c) for c in s.chunks],
-            }
-            for s in entry.shards
-        ]
-    else:
+    """The plain-data form of an entry, as written in the manifest file; optional fields only
+    when set."""
+    spec = TYPES.get(entry.type)
+    if spec is None or not isinstance(entry, spec[0]):
         raise TypeError(f"unknown entry class {type(entry).__name__}")
+    _, required, optional, _ = spec
+    out: dict[str, Any] = {"type": entry.type}
+    for name in required:
+        value = getattr(entry, name)
+        out[name] = _ENCODERS[name](value) if name in _ENCODERS else value
+    for name in optional:
+        value = getattr(entry, name)
+        if value is not None and value is not False:
+            out[name] = _ENCODERS[name](value) if name in _ENCODERS else value
     if entry.replicated:
         out["replicated"] = True
     return out
@@ -251,11 +235,57 @@ def nests_within(text: str, levels: int) -> bool:
     return not rest
 
 
+# The common tensor line: most lines of a manifest are tensors stored in one range with a CRC-32,
+# written by ``EntryFormatter.tensor`` with every string verbatim. ``_tensor_lines`` matches each
+# such line with one regular expression, over the whole text in C, and builds its entry from the
+# matched fields: it skips, for nearly every line, the JSON decoder's mapping, the field-by-field
+# checks of ``EntryDecoder`` and the depth scan the other lines get (the pattern is those checks),
+# which made most of the time of reading a manifest of many small tensors.
+
+# Decimal numbers as JSON writes them, short enough for ``int`` (longer ones: the JSON path).
+_NUMBER = "0|[1-9][0-9]{0,30}"
+# A line exactly as ``EntryFormatter.tensor`` writes a path, dtype and blob JSON leaves as they
+# are (a blob name the writer makes, so safe), with one range and its CRC-32; or any other line.
+_TENSOR_LINE = re.compile(
+    rf'^(?:  "([ !#-\[\]-~]*)": \{{"type": "tensor", "dtype": "([a-z0-9_]+)", '
+    rf'"shape": \[((?:{_NUMBER})(?:, (?:{_NUMBER}))*)?\], '
+    rf'"chunks": \[\["({PLAIN_BLOB.pattern})", ({_NUMBER}), ({_NUMBER}), ({_NUMBER})\]\]'
+    rf'(, "replicated": true)?\}}|(.*))$',
+    re.MULTILINE,
+)
+
+
+def _tensor_lines(body: str) -> tuple[list[tuple[str, TensorEntry] | None], list[str]] | None:
+    """The lines of ``body`` (``\\n``-separated, the last one ended): each tensor line's path
+    and entry, in order, with None in place of every other line; and those other lines. None
+    for a CRC-32 out of range (the YAML path reports it)."""
+    if body.endswith("\n"):
+        body = body[:-1]
+    items: list[tuple[str, TensorEntry] | None] = []
+    others: list[str] = []
+    shapes: dict[str, tuple[int, ...]] = {}  # by their text: most tensors share a few shapes
+    blobs: dict[str, str] = {}  # each blob name kept once
+    rows = _TENSOR_LINE.findall(body)
+    for path, dtype, shape, blob, offset, nbytes, crc, replicated, other in rows:
+        if dtype:
+            if int(crc) > MAX_CRC32:
+                return None
+            dims = shapes.get(shape)
+            if dims is None:
+                dims = shapes[shape] = tuple(map(int, shape.split(", "))) if shape else ()
+            loc = Location(blobs.setdefault(blob, blob), int(offset), int(nbytes), int(crc))
+            items.append((path, TensorEntry(dtype, dims, (loc,), replicated=bool(replicated))))
+        else:
+            items.append(None)
+            others.append(other)
+    return items, others
+
+
 def _parse_fast(text: str, source: str = "manifest") -> dict[str, Any] | None:
     """The document, if the text is laid out exactly as ``dumps`` writes it (one entry per line,
     JSON, nesting within ``MAX_DEPTH``, no path twice); else None (``load_yaml`` then reads, or
     refuses, it). Its ``entries`` map each path to the entry's plain data, or, for a tensor line
-    of the writer's common layout, to its entry (``tensor_lines``)."""
+    of the writer's common layout, to its entry (``_tensor_lines``)."""
     head, sep, body = text.partition(f"\n{_ENTRIES_LINE}\n")
     if not sep:
         return None
@@ -265,7 +295,7 @@ def _parse_fast(text: str, source: str = "manifest") -> dict[str, Any] | None:
         raise
     except ManifestDecodeError:
         return None
-    found = tensor_lines.split(body) if body else ([], [])
+    found = _tensor_lines(body) if body else ([], [])
     if not isinstance(doc, dict) or "entries" in doc or found is None:
         return None
     items, others = found

@@ -1,5 +1,6 @@
-"""Manifest entry types: frozen records of what a snapshot holds at each logical path, and the
-strict decoding of their plain-data form (``entry_from_dict``)."""
+"""Manifest entry types: frozen records of what a snapshot holds at each logical path, the
+strict decoding of their plain-data form (``entry_from_dict``), and the errors of reading a
+manifest (every one a ``ManifestDecodeError``, a ``ValueError``)."""
 
 from __future__ import annotations
 
@@ -7,10 +8,29 @@ import base64
 import binascii
 import functools
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from manifest.errors import ManifestDecodeError, UnsafeManifestError
+
+class ManifestDecodeError(ValueError):
+    """The bytes are not a manifest this version of the library can read."""
+
+
+class UnsupportedFormatError(ManifestDecodeError):
+    """The manifest was written in a newer format version."""
+
+
+class ManifestChecksumError(ManifestDecodeError):
+    """The manifest's bytes do not have the CRC-32 its last line records, or it has no such
+    line (it was cut short)."""
+
+
+class UnsafeManifestError(ManifestDecodeError):
+    """The manifest uses what this library never writes, and will not expand or follow: YAML
+    anchors and aliases, tags, merge keys, collections as mapping keys, plain scalars of types
+    JSON has no form for (timestamps), or nesting deeper than ``MAX_DEPTH``."""
+
 
 # The values a manifest stores inline. bytes are stored base64-encoded.
 Primitive = int | float | str | bool | None | bytes
@@ -59,17 +79,16 @@ class Location:
     crc32: int | None = None
 
 
-def new_location(blob: str, offset: int, nbytes: int, crc32: int | None = None) -> Location:
-    """``Location(blob=blob, offset=offset, nbytes=nbytes, crc32=crc32)``, positionally."""
-    return Location(blob, offset, nbytes, crc32)
+new_location = Location  # (its fields positionally: blob, offset, nbytes, crc32)
 
 
-@dataclass(kw_only=True, slots=True, unsafe_hash=True)
+@dataclass(slots=True, unsafe_hash=True)
 class Entry:
-    """Base of every entry; ``type`` tags the kind in the manifest file."""
+    """Base of every entry; ``type`` tags the kind in the manifest file. ``replicated`` is a
+    keyword argument of every entry, after the fields of its own."""
 
     type: ClassVar[str] = ""
-    replicated: bool = False
+    replicated: bool = field(default=False, kw_only=True)
 
     @property
     def nbytes(self) -> int:
@@ -93,7 +112,7 @@ class TensorView:
     stride: tuple[int, ...]
 
 
-@dataclass(slots=True, unsafe_hash=True, init=False)
+@dataclass(slots=True, unsafe_hash=True)
 class TensorEntry(Entry):
     """A dense tensor, stored as its raw bytes in row-major (C) order: the concatenation of
     ``chunks``, each of which may live in a different blob.
@@ -112,23 +131,6 @@ class TensorEntry(Entry):
     requires_grad: bool = False
     view: TensorView | None = None
     digest: str | None = None
-
-    def __init__(
-        self,
-        dtype: str,
-        shape: tuple[int, ...],
-        chunks: tuple[Location, ...],
-        parameter: bool = False,
-        requires_grad: bool = False,
-        view: TensorView | None = None,
-        digest: str | None = None,
-        replicated: bool = False,
-    ) -> None:
-        # Positional too (the generated one takes keywords only, the base's field with a
-        # default coming first): a manifest of many tensors makes one per line.
-        self.dtype, self.shape, self.chunks = dtype, shape, chunks
-        self.parameter, self.requires_grad = parameter, requires_grad
-        self.view, self.digest, self.replicated = view, digest, replicated
 
     @property
     def has_attrs(self) -> bool:
@@ -264,8 +266,6 @@ class PickledTensorEntry(Entry):
         return tuple(c for p in self.pieces for c in p.chunks)
 
 
-ContainerEntry = DictEntry | ListEntry | TupleEntry
-
 # Entries that are never listed once for every rank (``Manifest.view``).
 _NOT_SHARED = (DictEntry, ListEntry, TupleEntry, ShardedTensorEntry, ShardedObjectEntry)
 
@@ -338,7 +338,7 @@ def reference_of(blob: str) -> tuple[str, str] | None:
     return name, rest
 
 
-# -- strict decoding -------------------------------------------------------------------------
+# -- the plain-data form, and its strict decoding --------------------------------------------
 
 # The names the writer gives blobs ("0/17", "3/s2", "0/1f2e3d4c-s2", "1/1f2e3d4c-rs0").
 PLAIN_BLOB = re.compile(r"[0-9]+/(?:[0-9a-f]{8}-)?[a-z]{0,2}[0-9]+")
@@ -423,16 +423,27 @@ class EntryDecoder:
         if type(d) is not dict:
             raise _fail(where, f"expected a mapping, got {d!r}")
         tag = d.get("type")
-        if type(tag) is not str or tag not in _DECODERS:
-            raise _fail(where, f"unknown entry type {tag!r}; known: {', '.join(_DECODERS)}")
-        decode, required, allowed = _DECODERS[tag]
-        if not required <= d.keys() <= allowed:
-            missing, unknown = required - d.keys(), d.keys() - allowed
+        if type(tag) is not str or tag not in TYPES:
+            raise _fail(where, f"unknown entry type {tag!r}; known: {', '.join(TYPES)}")
+        cls, required, optional, allowed = TYPES[tag]
+        if not required.keys() <= d.keys() <= allowed:
+            missing, unknown = required.keys() - d.keys(), d.keys() - allowed
             raise _fail(
                 where, f"{tag} entry: missing fields {sorted(missing)}, unknown {sorted(unknown)}"
             )
         replicated = _bool(d.get("replicated", False), where)
-        entry: Entry = decode(self, d, where)
+        if len(d) == 4 and cls is TensorEntry:  # type, dtype, shape, chunks: most tensors
+            shape = _ints(d["shape"], where, "shape")
+            entry: Entry = TensorEntry(
+                _str(d["dtype"], where), shape, self.locations(d["chunks"], where)
+            )
+        else:
+            # In the table's order: a field checked against another comes after it.
+            got: dict[str, Any] = {}
+            for name in (*required, *(n for n in optional if n in d)):
+                got[name] = _FIELDS[name](self, d[name], where, got)
+            got.pop("value_type", None)  # (a primitive's, checked with its value)
+            entry = cls(**got)
         if replicated:
             entry.replicated = True
         return entry
@@ -464,80 +475,58 @@ class EntryDecoder:
         return tuple([self.location(c, where) for c in _list(value, where, what)])
 
 
-def _tensor(dec: EntryDecoder, d: dict[str, Any], where: str) -> TensorEntry:
-    shape = _ints(d["shape"], where, "shape")
-    if len(d) == 4:  # type, dtype, shape, chunks: a plain tensor (most are)
-        dtype = _str(d["dtype"], where)
-        return TensorEntry(dtype, shape, dec.locations(d["chunks"], where))
-    view, digest = d.get("view"), d.get("digest")
-    if view is not None:
-        if type(view) is not dict or view.keys() != {"base", "offset", "stride"}:
-            raise _fail(where, f"expected a view {{base, offset, stride}}, got {view!r}")
-        stride = _ints(view["stride"], where, "a view's stride")
-        if len(stride) != len(shape):
-            raise _fail(where, f"a view of a {len(shape)}-d tensor has stride {list(stride)}")
-        base, offset = _str(view["base"], where), _int(view["offset"], where)
-        view = TensorView(base=base, offset=offset, stride=stride)
-    if digest is not None and (type(digest) is not str or not DIGEST.fullmatch(digest)):
-        raise _fail(where, f"digest must be 'xxh3_128:' and 32 hex digits, got {digest!r}")
-    return TensorEntry(
-        dtype=_str(d["dtype"], where),
-        shape=shape,
-        chunks=dec.locations(d["chunks"], where),
-        parameter=_bool(d.get("parameter", False), where),
-        requires_grad=_bool(d.get("requires_grad", False), where),
-        view=view,
-        digest=digest,
+def _view(dec: EntryDecoder, view: Any, where: str, got: dict[str, Any]) -> TensorView:
+    if type(view) is not dict or view.keys() != {"base", "offset", "stride"}:
+        raise _fail(where, f"expected a view {{base, offset, stride}}, got {view!r}")
+    stride = _ints(view["stride"], where, "a view's stride")
+    if len(stride) != len(got["shape"]):
+        raise _fail(where, f"a view of a {len(got['shape'])}-d tensor has stride {list(stride)}")
+    return TensorView(
+        base=_str(view["base"], where), offset=_int(view["offset"], where), stride=stride
     )
 
 
-def _object(dec: EntryDecoder, d: dict[str, Any], where: str) -> Entry:
-    serializer, obj_type = _str(d["serializer"], where), _str(d["obj_type"], where)
-    location = dec.location(d["location"], where)
-    if "key" in d:  # (required of a sharded object's piece, unknown to an object)
-        key = _str(d["key"], where)
-        return ShardedObjectEntry(
-            key=key, serializer=serializer, obj_type=obj_type, location=location
-        )
-    return ObjectEntry(serializer=serializer, obj_type=obj_type, location=location)
+def _digest(dec: EntryDecoder, digest: Any, where: str, got: dict[str, Any]) -> str:
+    if type(digest) is not str or not DIGEST.fullmatch(digest):
+        raise _fail(where, f"digest must be 'xxh3_128:' and 32 hex digits, got {digest!r}")
+    return digest
 
 
-_PRIMITIVE_TYPES: dict[str, type] = {"int": int, "str": str, "bool": bool, "None": type(None)}
+_PRIMITIVETYPES: dict[str, type] = {"int": int, "str": str, "bool": bool, "None": type(None)}
 
 
-def _primitive(dec: EntryDecoder, d: dict[str, Any], where: str) -> PrimitiveEntry:
-    value_type, value = _str(d["value_type"], where), d["value"]
+def _value(dec: EntryDecoder, value: Any, where: str, got: dict[str, Any]) -> Any:
+    value_type = got["value_type"]
     if value_type == "bytes":
         try:
-            value = base64.b64decode(_str(value, where), validate=True)
+            return base64.b64decode(_str(value, where), validate=True)
         except binascii.Error as e:
             raise _fail(where, f"bytes value is not valid base64: {e}") from None
-    elif value_type == "float":
+    if value_type == "float":
         try:
-            value = float(_str(value, where))
+            return float(_str(value, where))
         except ValueError:
             raise _fail(where, f"float value {value!r} is not a number") from None
-    elif value_type not in _PRIMITIVE_TYPES:
+    if value_type not in _PRIMITIVETYPES:
         raise _fail(where, f"unknown primitive type {value_type!r}")
-    elif type(value) is not _PRIMITIVE_TYPES[value_type]:
+    if type(value) is not _PRIMITIVETYPES[value_type]:
         raise _fail(where, f"value {value!r} is not of type {value_type}")
-    return PrimitiveEntry(value=value)
+    return value
 
 
-def _dict(dec: EntryDecoder, d: dict[str, Any], where: str) -> DictEntry:
-    keys = _list(d["keys"], where, "keys")
-    for k in keys:
+def _keys(dec: EntryDecoder, keys: Any, where: str, got: dict[str, Any]) -> tuple[DictKey, ...]:
+    for k in _list(keys, where, "keys"):
         if k is not None and type(k) not in (str, int, bool):
             raise _fail(where, f"unsupported dict key {k!r}")
     if len(set(keys)) != len(keys):
         raise _fail(where, "duplicate dict keys")
-    return DictEntry(keys=tuple(keys), ordered=_bool(d.get("ordered", False), where))
+    return tuple(keys)
 
 
-def _sharded_tensor(dec: EntryDecoder, d: dict[str, Any], where: str) -> ShardedTensorEntry:
-    shape = _ints(d["shape"], where, "shape")
+def _shards(dec: EntryDecoder, value: Any, where: str, got: dict[str, Any]) -> tuple[Shard, ...]:
+    shape = got["shape"]
     shards = []
-    for s in _list(d["shards"], where, "shards"):
+    for s in _list(value, where, "shards"):
         if type(s) is not dict or s.keys() != {"offsets", "sizes", "chunks"}:
             raise _fail(where, f"expected a shard {{offsets, sizes, chunks}}, got {s!r}")
         offsets = _ints(s["offsets"], where, "a shard's offsets")
@@ -551,28 +540,51 @@ def _sharded_tensor(dec: EntryDecoder, d: dict[str, Any], where: str) -> Sharded
             )
         chunks = dec.locations(s["chunks"], where, "a shard's chunks")
         shards.append(Shard(offsets=offsets, sizes=sizes, chunks=chunks))
-    key, dtype = _str(d["key"], where), _str(d["dtype"], where)
-    return ShardedTensorEntry(key=key, dtype=dtype, shape=shape, shards=tuple(shards))
+    return tuple(shards)
 
 
-# What a manifest file may hold (``PickledTensorEntry`` is no such entry): each type's decoder,
-# its required fields, and every field it may have.
-_DECODERS: dict[str, tuple[Any, frozenset[str], frozenset[str]]] = {
-    tag: (decode, frozenset(required), frozenset({"type", "replicated", *required, *optional}))
-    for tag, decode, required, optional in (
+# How each field an entry's plain data may hold is decoded and checked: ``(decoder, value, the
+# entry's path, the fields decoded before it)``; ``codec._ENCODERS`` writes them.
+_FIELDS: dict[str, Callable[[EntryDecoder, Any, str, dict[str, Any]], Any]] = {
+    **dict.fromkeys(
+        ("dtype", "serializer", "obj_type", "key", "value_type"), lambda _, v, at, __: _str(v, at)
+    ),
+    **dict.fromkeys(("parameter", "requires_grad", "ordered"), lambda _, v, at, __: _bool(v, at)),
+    "length": lambda _, v, at, __: _int(v, at),
+    "shape": lambda _, v, at, __: _ints(v, at, "shape"),
+    "chunks": lambda dec, v, at, _: dec.locations(v, at),
+    "location": lambda dec, v, at, _: dec.location(v, at),
+    "view": _view,
+    "digest": _digest,
+    "value": _value,
+    "keys": _keys,
+    "shards": _shards,
+}
+
+# What a manifest file may hold (``PickledTensorEntry`` is no such entry), for the decoder and
+# the writer (``codec.entry_to_dict``) alike: each type's class, its required fields, the
+# optional ones (written only when set), and every field it may have.
+TYPES: dict[str, tuple[Any, dict[str, None], tuple[str, ...], frozenset[str]]] = {
+    tag: (
+        cls,
+        dict.fromkeys(required),
+        optional,
+        frozenset(("type", "replicated", *required, *optional)),
+    )
+    for tag, cls, required, optional in (
         (
             "tensor",
-            _tensor,
+            TensorEntry,
             ("dtype", "shape", "chunks"),
             ("parameter", "requires_grad", "view", "digest"),
         ),
-        ("object", _object, ("serializer", "obj_type", "location"), ()),
-        ("primitive", _primitive, ("value_type", "value"), ()),
-        ("dict", _dict, ("keys",), ("ordered",)),
-        ("list", lambda _, d, where: ListEntry(length=_int(d["length"], where)), ("length",), ()),
-        ("tuple", lambda _, d, where: TupleEntry(length=_int(d["length"], where)), ("length",), ()),
-        ("sharded_tensor", _sharded_tensor, ("key", "dtype", "shape", "shards"), ()),
-        ("sharded_object", _object, ("key", "serializer", "obj_type", "location"), ()),
+        ("object", ObjectEntry, ("serializer", "obj_type", "location"), ()),
+        ("primitive", PrimitiveEntry, ("value_type", "value"), ()),
+        ("dict", DictEntry, ("keys",), ("ordered",)),
+        ("list", ListEntry, ("length",), ()),
+        ("tuple", TupleEntry, ("length",), ()),
+        ("sharded_tensor", ShardedTensorEntry, ("key", "dtype", "shape", "shards"), ()),
+        ("sharded_object", ShardedObjectEntry, ("key", "serializer", "obj_type", "location"), ()),
     )
 }
 

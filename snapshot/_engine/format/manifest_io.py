@@ -250,6 +250,17 @@ def open_linked(
             run(linked.close())
 
 
+def _routed(name: str) -> Callable[..., Any]:
+    """``LinkedStorage``'s method ``name``: the same call on the plugin holding the blob."""
+
+    async def method(self: Any, path: str, *args: Any) -> Any:
+        plugin, blob = self._route(path)
+        return await getattr(plugin, name)(blob, *args)
+
+    method.__name__ = name
+    return method
+
+
 class LinkedStorage(StoragePlugin):
     """Routes ``../<name>/<blob>`` to base ``<name>``'s plugin, all else (writes, deletes) to
     ``own``; ``close`` closes the bases' plugins, not ``own`` (its opener does)."""
@@ -277,39 +288,14 @@ class LinkedStorage(StoragePlugin):
     async def write(self, path: str, buffers: Sequence[Buffer]) -> None:
         await self.own.write(path, buffers)
 
-    async def read(self, path: str) -> bytes:
-        plugin, blob = self._route(path)
-        return await plugin.read(blob)
-
-    async def read_limited(self, path: str, limit: int) -> bytes:
-        plugin, blob = self._route(path)
-        return await plugin.read_limited(blob, limit)
-
-    async def read_into(self, path: str, offset: int, out: memoryview) -> None:
-        plugin, blob = self._route(path)
-        await plugin.read_into(blob, offset, out)
-
-    async def readv(self, path: str, offset: int, outs: Sequence[memoryview]) -> None:
-        plugin, blob = self._route(path)
-        await plugin.readv(blob, offset, outs)
-
-    async def readv_observed(
-        self,
-        path: str,
-        offset: int,
-        outs: Sequence[memoryview],
-        observe: Callable[[memoryview], None],
-    ) -> None:
-        plugin, blob = self._route(path)
-        await plugin.readv_observed(blob, offset, outs, observe)
-
-    async def size(self, path: str) -> int | None:
-        plugin, blob = self._route(path)
-        return await plugin.size(blob)
-
-    async def exists(self, path: str) -> bool:
-        plugin, blob = self._route(path)
-        return await plugin.exists(blob)
+    # The calls that read a blob (or ask about one), wherever it lies.
+    read = _routed("read")
+    read_limited = _routed("read_limited")
+    read_into = _routed("read_into")
+    readv = _routed("readv")
+    readv_observed = _routed("readv_observed")
+    size = _routed("size")
+    exists = _routed("exists")
 
     async def list_names(self, limit: int) -> list[str] | None:
         return await self.own.list_names(limit)

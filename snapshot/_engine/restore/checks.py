@@ -159,28 +159,17 @@ def locations_read(
 ) -> list[tuple[str, Location]]:
     """Each stored range holding bytes of ``needs``, once, whole (the unit of a CRC-32), with
     its entry's path."""
-    index: dict[str, dict[str, tuple[list[int], list[Location]]]] = {}
+    index: dict[str, tuple[list[tuple[str, int]], list[Location]]] = {}
     found: dict[tuple[str, int, int], tuple[str, Location]] = {}
     for need in needs:
-        by_blob = index.get(need.label)
-        if by_blob is None:
-            by_blob = index[need.label] = _by_blob(entries[need.label].locations)
-        starts, locs = by_blob[need.blob]
-        loc = locs[bisect.bisect_right(starts, need.offset) - 1]
+        by_start = index.get(need.label)
+        if by_start is None:  # the entry's ranges by (blob, offset)
+            locs = sorted(entries[need.label].locations, key=lambda loc: (loc.blob, loc.offset))
+            by_start = index[need.label] = ([(loc.blob, loc.offset) for loc in locs], locs)
+        starts, locs = by_start
+        loc = locs[bisect.bisect_right(starts, (need.blob, need.offset)) - 1]
         found.setdefault((loc.blob, loc.offset, loc.nbytes), (need.label, loc))
     return list(found.values())
-
-
-def _by_blob(locations: Iterable[Location]) -> dict[str, tuple[list[int], list[Location]]]:
-    """An entry's locations per blob, sorted by offset, with their offsets."""
-    grouped: dict[str, list[Location]] = {}
-    for loc in locations:
-        grouped.setdefault(loc.blob, []).append(loc)
-    out = {}
-    for blob, locs in grouped.items():
-        locs.sort(key=lambda loc: loc.offset)
-        out[blob] = ([loc.offset for loc in locs], locs)
-    return out
 
 
 def _scratch(nbytes: int) -> memoryview:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import logging
 import operator
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -21,7 +21,7 @@ from manifest import Entry, Location, Manifest, TensorEntry
 from snapshot._engine.format.serialization import WholeCheck, memory_span, raw_memoryview
 from snapshot._engine.handlers.local import LOCAL
 from snapshot._engine.handlers.table import by_entry_type
-from snapshot._engine.io.pipeline import IOStats, ReadRequest, read_all
+from snapshot._engine.io.pipeline import IOStats, read_all
 from snapshot._engine.restore.checks import (
     CHECK_PIECE_BYTES,
     ClaimCheck,
@@ -70,15 +70,15 @@ class Loader:
         options: Options,
         tile_bytes: int,
         where: str,
-        entries: Mapping[str, Entry] | None = None,
+        storage_options: dict[str, Any] | None,
+        entries: Mapping[str, Entry],
         verify: bool | None = None,
-        claims: ClaimCheck | None = None,
     ) -> None:
         self.manifest = manifest
         # The claims of reads that allocate, checked before the first: the subtree until then.
-        self.claims = claims
+        self.claims = ClaimCheck(manifest, where, storage_options, options)
         self._unclaimed: tuple[str, Mapping[str, Any]] | None = None
-        self.entries = manifest.entries if entries is None else entries  # the rank's view
+        self.entries = entries  # the rank's view
         self.where = where
         self.tile_bytes = tile_bytes
         assert options.read_request_bytes is not None and options.read_gap_bytes is not None
@@ -99,7 +99,7 @@ class Loader:
         # Each kind's own bookkeeping, by the kind's name (the dense kind's new tensors).
         self.kind_state: dict[str, Any] = {}
         # The caller's CPU tensors filled in place, checked for shared memory
-        # (``_separate_overlaps``): by whole chunks, (path, address, need) each, and by other
+        # (``materialize``): by whole chunks, (path, address, need) each, and by other
         # needs, (path, tensor) each.
         self._direct: list[tuple[str, int, Need]] = []
         self.indirect: list[tuple[str, torch.Tensor]] = []
@@ -124,18 +124,14 @@ class Loader:
             n = chunk.nbytes
             check = WholeCheck(path, chunk) if verify and chunk.crc32 is not None else None
             dest = functools.partial(raw_memoryview, address, n)
-            need = Need(chunk.blob, chunk.offset, n, dest, path, None, 0, check, owner)
+            need = Need(n, dest, check, owner, chunk.blob, chunk.offset, None, 0, path)
             needs.append(need)
             direct.append((path, address, need))
-
-    def materialize(self) -> None:
-        """Settles the needs for ``shared_reads``: targets sharing memory are read apart."""
-        self._separate_overlaps()
 
     def claim(self) -> None:
         """Called before planning a read into new memory: checks the subtree's claims, once."""
         unclaimed, self._unclaimed = self._unclaimed, None
-        if unclaimed is not None and self.claims is not None:
+        if unclaimed is not None:
             root, targets = unclaimed
             self.claims.check(self.entries, subtree(self.entries, root), targets)
 
@@ -178,17 +174,18 @@ class Loader:
     def plan_deferred(self) -> None:
         """Runs the planning steps that wait for every other read (``later``)."""
         with naming_snapshot(self.where):
-            self._separate_overlaps()
+            self.materialize()
             while self._later:
                 steps, self._later = self._later, []
                 for step in steps:
                     step()
 
-    def _separate_overlaps(self) -> None:
-        """Finds the caller's tensors that share memory with another target and would receive
-        other bytes (weights tied in the model, not in the snapshot): their reads would race.
-        Those read by whole ranges are read into new tensors and copied in order after the
-        reads; a ``StateMismatchError`` where one is filled in pieces or through a cast."""
+    def materialize(self) -> None:
+        """Settles the needs (``shared_reads`` too calls it): finds the caller's tensors that
+        share memory with another target and would receive other bytes (weights tied in the
+        model, not in the snapshot): their reads would race. Those read by whole ranges are
+        read into new tensors and copied in order after the reads; a ``StateMismatchError``
+        where one is filled in pieces or through a cast."""
         if self._overlaps_checked:
             return
         self._overlaps_checked = True
@@ -285,37 +282,30 @@ class Loader:
         )
         if progress is not None:
             progress.watch(requests)
+        options, jobs = self.options, self.concurrency
+
+        async def read() -> IOStats:
+            stats = await read_all(
+                plugin, requests, budget_bytes=budget_bytes, max_concurrency=jobs, options=options
+            )
+            if self.verify:
+                # After the reads: a store may learn sizes from them (an S3 ranged GET's answer
+                # carries the object's length), and a blob cut short has failed its read
+                # already. Each blob read must be as long as the manifest says: not cut, nor
+                # appended to.
+                paths: dict[str, list[str]] = {}
+                for req in requests:
+                    got = paths.setdefault(req.blob, [])
+                    got.extend(s.label for s in req.segments if isinstance(s, Need))
+                expected = self.manifest.blob_sizes
+                await check_blob_sizes(plugin, paths, expected, jobs, options)
+            return stats
+
         try:
-            return run(self._read(plugin, budget_bytes, requests))
+            return run(read())
         finally:
             # After every read (a failed one too): waits for device copies still in flight.
             self.landing.finish()
-
-    async def _read(
-        self, plugin: StoragePlugin, budget_bytes: int, requests: list[ReadRequest]
-    ) -> IOStats:
-        reads: list[ReadRequest] = list(requests)
-        stats = await read_all(
-            plugin,
-            reads,
-            budget_bytes=budget_bytes,
-            max_concurrency=self.concurrency,
-            options=self.options,
-        )
-        if self.verify:
-            # After the reads: a store may learn sizes from them (an S3 ranged GET's answer
-            # carries the object's length), and a blob cut short has failed its read already.
-            await self._check_sizes(plugin, requests)
-        return stats
-
-    async def _check_sizes(self, plugin: StoragePlugin, requests: Sequence[ReadRequest]) -> None:
-        """Each blob read must be as long as the manifest says: not cut, nor appended to."""
-        paths: dict[str, list[str]] = {}
-        for req in requests:
-            got = paths.setdefault(req.blob, [])
-            got.extend(s.label for s in req.segments if isinstance(s, Need))
-        expected = self.manifest.blob_sizes
-        await check_blob_sizes(plugin, paths, expected, self.concurrency, self.options)
 
     # -- the values ------------------------------------------------------------------------------
 

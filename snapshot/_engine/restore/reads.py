@@ -46,36 +46,20 @@ logger = logging.getLogger(__name__)
 _T = TypeVar("_T")
 
 
-@dataclass(slots=True, init=False)
+@dataclass(slots=True)
 class Need(Segment):
     """``nbytes`` bytes at ``offset`` of ``blob``, to land in ``dest()``; ``done`` then consumes
     them. ``scratch_bytes``: the memory ``dest`` allocates and ``done`` frees. ``owner``: the
-    app_state key whose live state the bytes land in (None: a new value)."""
+    app_state key whose live state the bytes land in (None: a new value). Given by keyword
+    but where a restore makes one per tensor (``Loader.add_direct``): after Segment's
+    ``nbytes, dest, verify, owner``, its own fields in order (their defaults only because
+    Segment's last fields have them)."""
 
-    # Defaults only because Segment's last fields have them; ``__init__`` below sets all.
     blob: str = ""
     offset: int = 0
     done: Callable[[], None] | None = None
     scratch_bytes: int = 0
     label: str = ""
-
-    def __init__(
-        self,
-        blob: str,
-        offset: int,
-        nbytes: int,
-        dest: Callable[[], memoryview] | None,
-        label: str,
-        done: Callable[[], None] | None = None,
-        scratch_bytes: int = 0,
-        verify: Callable[[int], None] | None = None,
-        owner: str | None = None,
-    ) -> None:
-        # Positional too (the generated one takes keywords only): a restore makes one per
-        # tensor, most of them straight into the tensor's memory.
-        self.blob, self.offset, self.nbytes, self.dest = blob, offset, nbytes, dest
-        self.label, self.done, self.scratch_bytes = label, done, scratch_bytes
-        self.verify, self.owner = verify, owner
 
 
 @dataclass

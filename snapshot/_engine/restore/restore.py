@@ -25,7 +25,6 @@ from snapshot._engine.format.manifest_io import open_linked
 from snapshot._engine.handlers import for_entry
 from snapshot._engine.io.pipeline import ReadRequest
 from snapshot._engine.restore import suggest
-from snapshot._engine.restore.checks import ClaimCheck
 from snapshot._engine.restore.loader import Loader, tile_bytes
 from snapshot._engine.runtime import gc_paused
 from snapshot._engine.state_dicts import (
@@ -140,16 +139,10 @@ def _restore(
             f"({dict(enumerate(chosen))}, by rank); pass the same on every rank"
         )
     budget = options.budget()
-    loader = Loader(
-        manifest,
-        options,
-        tile_bytes=tile_bytes(budget, options),
-        where=path,
-        entries=entries,
-        # Asked to check first, the restore checks every recorded CRC-32, whatever the options.
-        verify=bool(options.checksums) or verify_first,
-        claims=ClaimCheck(manifest, path, storage_options, options),
-    )
+    # Asked to check first, the restore checks every recorded CRC-32, whatever the options.
+    verify = bool(options.checksums) or verify_first
+    tile = tile_bytes(budget, options)
+    loader = Loader(manifest, options, tile, path, storage_options, entries, verify)
     stats = None
     with_factories = set()
     with contextlib.ExitStack() as stack:
@@ -453,8 +446,7 @@ def read_object(
     budget = memory_budget_bytes or options.budget()
     tile = memory_budget_bytes or tile_bytes(budget, options)
     with gc_paused():
-        claims = ClaimCheck(manifest, path, storage_options, options)
-        loader = Loader(manifest, options, tile, where=path, entries=entries, claims=claims)
+        loader = Loader(manifest, options, tile, path, storage_options, entries)
         loader.add_subtree(logical_path, {logical_path: obj_out})
         loader.plan_deferred()
         if loader.needs:
