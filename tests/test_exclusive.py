@@ -114,9 +114,15 @@ def test_two_processes_racing_on_s3(s3_bucket: S3Bucket):
 
 def test_two_async_takes_pending_at_one_path_in_one_process(tmp_path):
     url = str(tmp_path / "snap")
-    pending = [Snapshot.async_take(url, state_of(w, 0)) for w in range(2)]
     outcomes: dict[int, str] = {}
-    for w, p in enumerate(pending):  # the first to commit wins, whichever started first
+    pending = {}
+    for w in range(2):  # the path is checked when a take starts: the first may have committed
+        try:
+            pending[w] = Snapshot.async_take(url, state_of(w, 0))
+        except SnapshotExistsError as e:
+            assert "already holds a snapshot" in str(e), e
+            outcomes[w] = "exists"
+    for w, p in pending.items():  # then the first to commit wins, whichever started first
         try:
             assert p.wait().read_object("0/m/writer") == w
             outcomes[w] = "ok"
