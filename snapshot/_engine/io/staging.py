@@ -102,10 +102,14 @@ class Lease:
         stream for that device, made to wait (the first time this lease asks) for the kernels
         queued so far on the device's current stream. ``reads``, the tensor a copy reads, is
         kept alive until ``ready``."""
-        assert self._pool is not None, "a released lease"
+        pool = self._pool
+        assert pool is not None, "a released lease"
         stream = self._streams.get(index)
         if stream is None:
-            stream = self._streams[index] = self._pool.stream(index)
+            with pool._lock:  # made the first time a lease needs one
+                if index not in pool._streams:
+                    pool._streams[index] = device.new_stream(index)
+                stream = self._streams[index] = pool._streams[index]
             device.wait_stream(stream, device.current_stream(index))
         self._keep.append(reads)
         return stream
@@ -165,7 +169,7 @@ class StagingPool:
         self.keep_bytes = keep_bytes
         self.pin = pin is not False  # whether blocks for copies from a device may be pinned
         self.budget = ByteBudget(keep_bytes)
-        self._streams: dict[int, device.Stream] = {}
+        self._streams: dict[int, device.Stream] = {}  # by device index: copies from it
         self._free: dict[tuple[bool, int], list[torch.Tensor]] = {}
         self.free_bytes = 0
         self.leased_bytes = 0
@@ -196,14 +200,6 @@ class StagingPool:
         self.budget.wake()  # waiters re-check against the new capacity
         return BudgetShare(self.budget)
 
-    def stream(self, index: int) -> device.Stream:
-        """The staging stream of device ``index``, made the first time one is needed (only a
-        GPU run makes a real one)."""
-        with self._lock:
-            if index not in self._streams:
-                self._streams[index] = device.new_stream(index)
-            return self._streams[index]
-
     def acquire(self, nbytes: int, from_device: bool = False) -> Lease:
         """A buffer of at least ``nbytes``: a free block of its size class, or a new one;
         pinned when ``from_device`` (its copies come from a device) and pinning works."""
@@ -215,17 +211,12 @@ class StagingPool:
             if block is not None:
                 self.free_bytes -= size
                 self.leased_bytes += size
-        if block is None:
-            block, pinned = self._new_block(nbytes, pinned)
-            with self._lock:
-                self.leased_bytes += block.numel()
-        return Lease(self, block, nbytes, pinned)
-
-    def _new_block(self, nbytes: int, pinned: bool) -> tuple[torch.Tensor, bool]:
+        if block is not None:
+            return Lease(self, block, nbytes, pinned)
         if pinned:
-            size = self.size_class(nbytes, True)
             try:  # only a GPU run pins for real
                 block = device.pinned_empty((size,), torch.uint8)
+                self.pinned_bytes += size
             except RuntimeError as e:
                 with self._lock:
                     first, self.pin = self.pin, False
@@ -237,13 +228,13 @@ class StagingPool:
                         size,
                         e,
                     )
-            else:
-                self.allocated_bytes += size
-                self.pinned_bytes += size
-                return block, True
-        size = self.size_class(nbytes)
+                pinned, size = False, self.size_class(nbytes)
+        if block is None:
+            block = torch.empty(size, dtype=torch.uint8)
         self.allocated_bytes += size
-        return torch.empty(size, dtype=torch.uint8), False
+        with self._lock:
+            self.leased_bytes += size
+        return Lease(self, block, nbytes, pinned)
 
     def _give_back(self, block: torch.Tensor, pinned: bool) -> None:
         size = block.numel()
@@ -304,7 +295,7 @@ def write_request(slab: Slab, pool: StagingPool | None, checksums: bool) -> Writ
     ``StagingPool.block_bytes``). With ``checksums``, each member's CRC-32: a slab's taken as
     it is staged, a payload alone's by the plugin as it writes."""
     if pool is not None:
-        stage = functools.partial(_stage_pooled, pool, slab, checksums and not slab.alone)
+        stage = functools.partial(stage_slab, slab, checksums and not slab.alone, pool)
         cost = pool.block_bytes(slab.nbytes, slab.from_device)
     elif slab.alone:  # a view, or a gathered copy of a source's piece
         stage = functools.partial(stage_payload, slab.members[0])
@@ -338,18 +329,15 @@ def copy_payload(p: Payload, buf: torch.Tensor, pos: int) -> None:
         buf[pos : pos + p.nbytes].copy_(torch.frombuffer(view, dtype=torch.uint8))
 
 
-def stage_slab(slab: Slab, checksums: bool) -> Staged:
-    """A slab's bytes, copied into one new buffer (``_fill``)."""
-    buf = torch.empty(slab.nbytes, dtype=torch.uint8)
-    view = tensor_memoryview(buf)
-    _fill(slab, buf, view, checksums, None)
-    return [view], buf
-
-
-def _stage_pooled(pool: StagingPool, slab: Slab, checksums: bool) -> Staged:
-    """A slab's bytes, copied into one buffer of ``pool`` (``_fill``; pinned when a member is
-    on a device). A stage that fails releases its lease, which first waits for the copies
-    already issued into it."""
+def stage_slab(slab: Slab, checksums: bool, pool: StagingPool | None = None) -> Staged:
+    """A slab's bytes, copied into one buffer (``_fill``): a new one, or one of ``pool``
+    (pinned when a member is on a device). A stage that fails releases its lease, which first
+    waits for the copies already issued into it."""
+    if pool is None:
+        buf = torch.empty(slab.nbytes, dtype=torch.uint8)
+        view = tensor_memoryview(buf)
+        _fill(slab, buf, view, checksums, None)
+        return [view], buf
     lease = pool.acquire(slab.nbytes, slab.from_device)
     try:
         _fill(slab, lease.tensor, lease.view, checksums, lease)
