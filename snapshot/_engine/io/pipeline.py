@@ -213,8 +213,10 @@ class WritePipeline:
         seconds = time.perf_counter() - self._start
         return IOStats(self._blobs, self._nbytes, seconds, self.budget.peak)
 
-    async def wait_quietly(self) -> None:
-        """Waits for the workers to stop, ignoring errors (after ``abort``)."""
+    async def _end(self, error: BaseException) -> None:
+        """Stops writing with ``error`` (the workers skip what is queued) and waits for the
+        workers to stop."""
+        self._fail(error)
         try:
             await self.wait()
         except Exception:
@@ -230,8 +232,7 @@ class WritePipeline:
     def abort(self, error: BaseException) -> None:
         """Stops writing (what is queued is dropped) and waits for the workers to stop."""
         self._drop_batch()
-        self._loop.call_soon_threadsafe(self._fail, error)
-        run(self.wait_quietly())
+        run(self._end(error))
 
     def stop(self, error: BaseException) -> None:
         """Ends a pipeline that nobody will wait for (its take was dropped unfinished): what is
@@ -243,11 +244,7 @@ class WritePipeline:
             return
         self._drop_batch()
         if self._loop.is_running():
-            self._loop.call_soon_threadsafe(self._wind_down, error)
-
-    def _wind_down(self, error: BaseException) -> None:
-        self._fail(error)
-        hold(self._loop.create_task(self.wait_quietly()))
+            self._loop.call_soon_threadsafe(lambda: hold(self._loop.create_task(self._end(error))))
 
 
 def _release(keepalive: object) -> None:

@@ -191,9 +191,10 @@ class TakeJob:
             weakref.finalize(self, self.pipeline.stop, dropped)  # its writes end with the job
             for request in self.plan.writes:
                 self.pipeline.submit(request)
-            self.pipeline.ready()  # async take: the call returns once every copy has landed
             if self.pool is None:
                 self.release_writes()
+            else:  # async take: the call returns once every copy has landed
+                self.pipeline.ready()
         except Exception as e:
             if coord.world_size == 1:
                 self._abandon(e)
