@@ -4,7 +4,7 @@ consumes), with the requests both are given.
 
 A take's plan is a list of ``WriteRequest``s, one per blob; ``WritePipeline`` executes it: the
 caller's thread stages each request (a zero-copy view of CPU memory, or a copy when one is
-needed) under a byte budget and hands staged batches to the I/O loop, whose workers write them
+needed) under a byte budget and hands staged batches to the I/O loop, which writes them
 while the caller stages the next ones. A restore's reads are ``ReadRequest``s (segments into
 memory that callbacks supply: a caller's tensor, or budgeted scratch), which ``read_all``
 performs on the I/O loop.
@@ -207,8 +207,8 @@ class WritePipeline:
         return IOStats(self._blobs, self._nbytes, seconds, self.budget.peak)
 
     async def _end(self, error: BaseException) -> None:
-        """Stops writing with ``error`` (the workers skip what is queued) and waits for the
-        workers to stop."""
+        """Stops writing with ``error`` (the writes not yet started are skipped) and waits for
+        those under way to end."""
         self._fail(error)
         try:
             await self.wait()
@@ -223,7 +223,8 @@ class WritePipeline:
         self._batch = []
 
     def abort(self, error: BaseException) -> None:
-        """Stops writing (what is queued is dropped) and waits for the workers to stop."""
+        """Stops writing (what is staged or queued is dropped) and waits for the writes under
+        way to end."""
         self._drop_batch()
         run(self._end(error))
 
