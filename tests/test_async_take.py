@@ -234,9 +234,9 @@ def _slow_copies(monkeypatch, fail: int | None = None):
     """Makes each copy of a large tensor into a staging buffer wait 0.1 s first (a write
     that started before the copy landed would write what the buffer held before), and with
     ``fail``, raises in the copy of a tensor of that many bytes."""
-    from snapshot._engine.io import stage
+    from snapshot._engine.io import staging
 
-    original = stage.copy_payload
+    original = staging.copy_payload
 
     def copy(p, buf, pos):
         if p.nbytes >= 4 << 20:
@@ -245,7 +245,7 @@ def _slow_copies(monkeypatch, fail: int | None = None):
                 raise RuntimeError("copy failed")
         original(p, buf, pos)
 
-    monkeypatch.setattr(stage, "copy_payload", copy)
+    monkeypatch.setattr(staging, "copy_payload", copy)
 
 
 @pytest.mark.parametrize("budget", [None, 20 * 1024 * 1024])

@@ -4,7 +4,7 @@ consumes), with the requests both are given.
 
 A take's plan is a list of ``WriteRequest``s, one per blob; ``WritePipeline`` executes it: the
 caller's thread stages each request (a zero-copy view of CPU memory, or a copy when one is
-needed) under a byte budget and hands staged batches to the I/O loop, whose workers write them
+needed) under a byte budget and hands staged batches to the I/O loop, which writes them
 while the caller stages the next ones. A restore's reads are ``ReadRequest``s (segments into
 memory that callbacks supply: a caller's tensor, or budgeted scratch), which ``read_all``
 performs on the I/O loop.
@@ -23,7 +23,7 @@ from itertools import accumulate, compress
 from typing import TYPE_CHECKING
 
 from snapshot._engine.io.storage_calls import call, call_digesting
-from snapshot._engine.runtime import BudgetShare, ByteBudget, hold, io_loop, run
+from snapshot._engine.runtime import BudgetShare, ByteBudget, io_loop, run
 from storage_plugins import Buffer, StoragePlugin
 
 if TYPE_CHECKING:
@@ -121,27 +121,23 @@ class WritePipeline:
         # (blob, offset) -> CRC-32 of each range of ``checksum_ranges`` written so far.
         self.checksums: dict[tuple[str, int], int] = {}
         self._start = time.perf_counter()
-        self._queue: asyncio.Queue[_Staged | None] = asyncio.Queue()
-        self._pid = os.getpid()  # a forked child's copy never touches its parent's loop
-        self._workers = run(self._start_workers(max_concurrency))
+        # One task per write handed over, ``max_concurrency`` of them writing at once.
+        self._slots = asyncio.Semaphore(max_concurrency)
+        self._tasks: list[asyncio.Task[None]] = []
+        self._pid = os.getpid()  # a forked child's copy leaves its parent's writes alone
 
-    async def _start_workers(self, n: int) -> list[asyncio.Task[None]]:
-        return [asyncio.create_task(self._worker()) for _ in range(n)]
-
-    async def _worker(self) -> None:
-        while (item := await self._queue.get()) is not None:
-            req, buffers, keepalive = item
-            try:
+    async def _write_staged(
+        self, req: WriteRequest, buffers: Sequence[Buffer], keepalive: object
+    ) -> None:
+        try:
+            async with self._slots:
                 if self._error is None:
                     await self._write(req, buffers)
-            except Exception as e:  # already the library's error (``call`` converts)
-                self._fail(e)
-            finally:
-                # Nothing of the item may outlive its write: an idle worker would otherwise keep
-                # its last buffer alive, beyond the budget.
-                _release(keepalive)
-                del buffers, item, keepalive
-                self.budget.release(req.staging_bytes)
+        except Exception as e:  # already the library's error (``call`` converts)
+            self._fail(e)
+        finally:
+            _release(keepalive)
+            self.budget.release(req.staging_bytes)
 
     async def _write(self, req: WriteRequest, buffers: Sequence[Buffer]) -> None:
         """Writes one staged request, with the checksums of its ranges when it asks for them."""
@@ -166,8 +162,7 @@ class WritePipeline:
         self.budget.abort(self._error)
 
     def _enqueue(self, batch: list[_Staged]) -> None:
-        for item in batch:
-            self._queue.put_nowait(item)
+        self._tasks += [self._loop.create_task(self._write_staged(*item)) for item in batch]
 
     def ready(self) -> None:
         """Waits for the copies into the pooled buffers of what is staged (``Lease.ready``),
@@ -204,17 +199,17 @@ class WritePipeline:
     async def wait(self) -> IOStats:
         """On the I/O loop, after the last ``flush``: waits until every queued write is done,
         and raises the first error any of them met."""
-        for _ in self._workers:
-            self._queue.put_nowait(None)
-        await asyncio.gather(*self._workers)
+        await asyncio.gather(*self._tasks)
         self.budget.close()  # a share gives back what it still holds
         if self._error is not None:
             raise self._error
         seconds = time.perf_counter() - self._start
         return IOStats(self._blobs, self._nbytes, seconds, self.budget.peak)
 
-    async def wait_quietly(self) -> None:
-        """Waits for the workers to stop, ignoring errors (after ``abort``)."""
+    async def _end(self, error: BaseException) -> None:
+        """Stops writing with ``error`` (the writes not yet started are skipped) and waits for
+        those under way to end."""
+        self._fail(error)
         try:
             await self.wait()
         except Exception:
@@ -228,26 +223,18 @@ class WritePipeline:
         self._batch = []
 
     def abort(self, error: BaseException) -> None:
-        """Stops writing (what is queued is dropped) and waits for the workers to stop."""
+        """Stops writing (what is staged or queued is dropped) and waits for the writes under
+        way to end."""
         self._drop_batch()
-        self._loop.call_soon_threadsafe(self._fail, error)
-        run(self.wait_quietly())
+        run(self._end(error))
 
     def stop(self, error: BaseException) -> None:
         """Ends a pipeline that nobody will wait for (its take was dropped unfinished): what is
-        staged is given back, the workers skip what is queued and end. Otherwise they would wait
-        on the queue for ever, and be reported as tasks destroyed while pending when collected
-        (at exit at the latest). Nothing once drained, nor in a forked child, nor once the loop
-        was stopped (at exit, after the runtime's shutdown ended its tasks)."""
-        if os.getpid() != self._pid or all(worker.done() for worker in self._workers):
-            return
-        self._drop_batch()
-        if self._loop.is_running():
-            self._loop.call_soon_threadsafe(self._wind_down, error)
-
-    def _wind_down(self, error: BaseException) -> None:
-        self._fail(error)
-        hold(self._loop.create_task(self.wait_quietly()))
+        staged is given back, and the writes handed over that have not started are skipped.
+        Once drained, nothing is left to end; nothing in a forked child."""
+        if os.getpid() == self._pid:
+            self._drop_batch()
+            self._fail(error)
 
 
 def _release(keepalive: object) -> None:

@@ -35,8 +35,7 @@ from snapshot._engine.handlers.table import (
 )
 from snapshot._engine.io import device
 from snapshot._engine.io.pipeline import WriteRequest
-from snapshot._engine.io.stage import Slab, write_request
-from snapshot._engine.io.staging import StagingPool
+from snapshot._engine.io.staging import Slab, StagingPool, write_request
 from snapshot._engine.state_dicts import flatten
 
 if TYPE_CHECKING:

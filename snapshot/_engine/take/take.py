@@ -25,7 +25,7 @@ from manifest import ShardedObjectEntry, ShardedTensorEntry, TensorEntry
 from snapshot._engine import state_dicts
 from snapshot._engine.dist import replication
 from snapshot._engine.dist.dist import Coordinator
-from snapshot._engine.dist.replication import Decision, Facts, Pending
+from snapshot._engine.dist.replication import Decision, Facts
 from snapshot._engine.format.torchsnapshot_format import FOREIGN_MARKERS
 from snapshot._engine.handlers import sharded
 from snapshot._engine.handlers.table import Layout, Made, PrepareFunc, merge_entries
@@ -120,7 +120,6 @@ class TakeJob:
         self._released = threading.Event()  # set once the caller handed every staged write over
         self._times: dict[str, float] = {}  # when it started; then each step's seconds
         self._budget = 0  # bytes of staging this take may hold, fixed when it captures
-        self._abandoned = False
 
     # -- capture, plan, execute ---------------------------------------------------------------
 
@@ -143,10 +142,8 @@ class TakeJob:
         except Exception as e:
             error = e
         try:
-            infos = coord.agree("take", info, error)
-            path, layout, pending = self._agree_layout(infos)
-            decision = None if pending is None else self._confirm(pending)
-        except BaseException as e:
+            path, layout, decision = self._agree(coord.agree("take", info, error))
+        except Exception as e:
             self._abandon(e)
             raise
         self._times["plan"] = time.perf_counter() - t0
@@ -194,15 +191,16 @@ class TakeJob:
             weakref.finalize(self, self.pipeline.stop, dropped)  # its writes end with the job
             for request in self.plan.writes:
                 self.pipeline.submit(request)
-            self.pipeline.ready()  # async take: the call returns once every copy has landed
             if self.pool is None:
                 self.release_writes()
+            else:  # async take: the call returns once every copy has landed
+                self.pipeline.ready()
         except Exception as e:
+            if coord.world_size == 1:
+                self._abandon(e)
+                raise
             if self.pipeline is not None:
                 self.pipeline.abort(e)
-            if coord.world_size == 1:
-                self._close_after_failure()
-                raise
             self._error = e  # the others learn of it at the next agreement
             self._released.set()  # nothing left to hand over
         self._times["staged"] = time.perf_counter() - t0
@@ -263,9 +261,9 @@ class TakeJob:
             )
         return info
 
-    def _agree_layout(self, infos: list[dict[str, Any]]) -> tuple[str, Layout, Pending | None]:
-        """Rank 0's path and layout; across ranks, which leaves are replicated, pending the
-        confirmation of those whose CRCs matched (None for a process alone). Every rank
+    def _agree(self, infos: list[dict[str, Any]]) -> tuple[str, Layout, Decision | None]:
+        """Rank 0's path and layout; across ranks, which leaves are replicated (None for a
+        process alone), those whose CRCs matched confirmed by their digests. Every rank
         computes the same answer from the same facts, so checks fail on all ranks alike."""
         first = infos[0]
         for rank, info in enumerate(infos[1:], start=1):
@@ -281,20 +279,19 @@ class TakeJob:
             sharded.check_coverage([info["pieces"] for info in infos])
         if any(info["objects"] for info in infos):
             sharded.check_objects([info["objects"] for info in infos])
-        decision = replication.decide(first["path"], infos) if len(infos) > 1 else None
-        return first["path"], first["layout"], decision
-
-    def _confirm(self, pending: Pending) -> Decision:
-        """The leaves whose CRCs matched on every rank, confirmed by their digests."""
+        if len(infos) == 1:
+            return first["path"], first["layout"], None
+        pending = replication.decide(first["path"], infos)
         if not pending.to_confirm:
-            return pending.confirm(None)
+            return first["path"], first["layout"], pending.confirm(None)
         digests = error = None
         try:
             assert self._facts is not None
             digests = replication.joined(self._facts.sources, pending.to_confirm)
         except Exception as e:
             error = e
-        return pending.confirm(self.coordinator.agree("take: digests", digests, error))
+        decision = pending.confirm(self.coordinator.agree("take: digests", digests, error))
+        return first["path"], first["layout"], decision
 
     async def _writes_done(self, pipeline: WritePipeline) -> IOStats:
         """This rank's writes and its pending marker, done."""
@@ -326,13 +323,11 @@ class TakeJob:
         stats = None
         self._released.wait()  # until then, the pipeline may not be drained
         error = self._error
-        if error is None and self.pipeline is not None:
+        if self.pipeline is not None:  # once aborted, it raises the error that stopped it
             try:
                 stats = run(self._writes_done(self.pipeline))
             except Exception as e:
-                error = e
-        elif self.pipeline is not None:
-            run(self.pipeline.wait_quietly())
+                error = error or e
         self._times["written"] = time.perf_counter() - self._times["start"]
         if self.pool is not None:
             self.pool.trim()  # this take's blocks are back: unlock pinned memory it dropped
@@ -347,7 +342,7 @@ class TakeJob:
                 entries = self.plan.entries(checksums)
                 parts = coord.gather(entries)
         except BaseException:
-            self._close_after_failure()
+            self._abandon()
             raise
         data = error = None
         count = len(entries)
@@ -361,7 +356,7 @@ class TakeJob:
         try:
             coord.agree("take: commit", error=error)
         except BaseException:
-            self._close_after_failure()
+            self._abandon()
             raise
         run(self.plugin.close())
         assert stats is not None
@@ -396,17 +391,11 @@ class TakeJob:
                 version = mf.INCREMENTAL_VERSION
         return len(entries), mf.dumps_entries(version, world_size, metadata, entries)
 
-    def _abandon(self, error: BaseException) -> None:
-        """Stops the writes and removes what was written; once, whichever handler comes first."""
-        if self._abandoned:
-            return
-        self._abandoned = True
-        if self.pipeline is not None:
+    def _abandon(self, error: BaseException | None = None) -> None:
+        """After a failure: the writes stopped (with ``error``, while they may still run), then
+        best effort removal of what this rank wrote, and storage closed."""
+        if error is not None and self.pipeline is not None:
             self.pipeline.abort(error)
-        self._close_after_failure()
-
-    def _close_after_failure(self) -> None:
-        """After a failure: best effort removal of what this rank wrote, then storage closed."""
         if self.plugin is not None:
             blobs = [w.blob for w in self.plan.writes] if self.plan is not None else []
             run(remove_written(self.plugin, self.where, blobs, self._marker_write))
