@@ -263,6 +263,33 @@ def test_a_storage_error_on_one_rank_commits_nothing(tmp_path, use_async):
     assert [f for _, _, fs in os.walk(inner) for f in fs] == []  # every rank removed its blobs
 
 
+def _storage_opens_on_rank_zero_only(rank: int, world: int, inner: str) -> str:
+    from storage_plugins import register_storage_plugin
+    from storage_plugins.fs import FSStoragePlugin
+
+    class NoStorage(FSStoragePlugin):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            raise ValueError("no credentials on this rank")
+
+    register_storage_plugin("flaky", FSStoragePlugin if rank == 0 else NoStorage)
+    try:
+        Snapshot.take(f"flaky://{inner}", {"s": StateDict(t=torch.full((10,), rank))})
+    except RankFailedError as e:
+        return str(e)
+    raise AssertionError("take did not fail")
+
+
+def test_storage_that_cannot_open_on_one_rank_fails_every_rank(tmp_path):
+    """Rank 0 opens the storage first; another rank that cannot open it reports why at the
+    next agreement, and every rank raises it (none waits for a collective it will not join)."""
+    inner = str(tmp_path / "snap")
+    messages = run_ranks(2, _storage_opens_on_rank_zero_only, inner, timeout=120)
+    for message in messages:
+        assert "rank(s) [1]" in message and "no credentials on this rank" in message, message
+    with pytest.raises(SnapshotNotFoundError):
+        Snapshot(inner)
+
+
 def _paths_differ(rank: int, world: int, base: str) -> str:
     snap = Snapshot.take(os.path.join(base, f"snap-of-rank-{rank}"), {"s": StateDict(r=rank)})
     return snap.path

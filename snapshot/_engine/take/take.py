@@ -319,7 +319,7 @@ class TakeJob:
         """Waits for this rank's writes, agrees with the others (through ``coordinator``: async
         take's is on a group of its own), and commits; the manifest's bytes on rank 0."""
         coord = coordinator or self.coordinator
-        assert self.plan is not None and self.plugin is not None
+        assert self.plan is not None  # the plugin may be missing: a rank that could not open it
         stats = None
         self._released.wait()  # until then, the pipeline may not be drained
         error = self._error
@@ -350,6 +350,7 @@ class TakeJob:
             try:
                 with gc_paused():
                     count, data = self._manifest(parts)
+                assert self.plugin is not None  # rank 0 opened it before the first agreement
                 run(commit(self.plugin, data, self.options))
             except Exception as e:
                 error = e
@@ -358,8 +359,8 @@ class TakeJob:
         except BaseException:
             self._abandon()
             raise
+        assert self.plugin is not None and stats is not None  # no error: both are there
         run(self.plugin.close())
-        assert stats is not None
         self._log(stats, count)
         return data
 
