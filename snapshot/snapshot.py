@@ -332,7 +332,11 @@ class Snapshot:
         state_dicts.logical_path(key, call, "key", self.path)
         state_dicts.flag(replicate_from_rank0, call, "replicate_from_rank0", self.path)
         manifest = self._manifest
-        rank = 0 if replicate_from_rank0 else _rank(self.pg)
+        # Asks torch only: ``dist.resolve`` may make a group, a collective, and this runs on
+        # one rank alone.
+        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+        alone = self.pg is None and not distributed
+        rank = 0 if replicate_from_rank0 or alone else torch.distributed.get_rank(self.pg)
         prefix = rank_prefix(manifest, rank)
         root = prefix + escape_key(key)
         entries = rank_view(manifest, rank)  # rank 0's replicated leaves too
@@ -380,11 +384,12 @@ def take_job(
     base_path = None if base is None else state_dicts.snapshot_path(base, call, "base")
     user = state_dicts.user_metadata(user_metadata, call, where)
     resolved = resolve(options)
+    coordinator = dist.resolve(pg, resolved)
     job = TakeJob(
         where,
         app_state,
         strategies=writers.recorded() if strategies is None else strategies,
-        coordinator=dist.resolve(pg, resolved),
+        coordinator=coordinator,
         replicated=globs,
         storage_options=stored,
         prepare=prepare,
@@ -393,12 +398,8 @@ def take_job(
         base=base_path,
         user_metadata=user,
     )
-    return job, dist.resolve_background(pg, resolved) if asynchronous else None
-
-
-def _rank(pg: Any | None) -> int:
-    """This process's rank in ``pg`` (0 outside ``torch.distributed``). Asks torch only:
-    ``dist.resolve`` may make a group, a collective, and this runs on one rank alone."""
-    if pg is None and not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        return 0
-    return torch.distributed.get_rank(pg)
+    if not asynchronous or coordinator.world_size == 1:
+        return job, coordinator if asynchronous else None
+    # The background work agrees on a second gloo group, while the caller's thread uses the
+    # first; making it is a collective, run here on every rank at the same point.
+    return job, dist.GroupCoordinator(pg, resolved, background=True)
