@@ -254,8 +254,8 @@ class Snapshot:
         rank wrote before the failure to ``"partially"`` or ``"fully"``, ``untouched`` names
         the keys left as they were, and the message ends with the same account.
         """
-        state_dicts.flag(strict, "Snapshot.restore", "strict", self.path)
-        state_dicts.flag(verify_first, "Snapshot.restore", "verify_first", self.path)
+        state_dicts.typed(strict, bool, "Snapshot.restore", "strict", self.path)
+        state_dicts.typed(verify_first, bool, "Snapshot.restore", "verify_first", self.path)
         resolved = resolve(options)
         coordinator = dist.resolve(self.pg, resolved)
         with gc_paused():
@@ -297,7 +297,7 @@ class Snapshot:
             InvalidArgumentError: ``path`` is not a str, or ``memory_budget_bytes`` is not a
                 positive int.
         """
-        state_dicts.logical_path(path, "Snapshot.read_object", "path", self.path)
+        state_dicts.typed(path, str, "Snapshot.read_object", "path", self.path)
         state_dicts.byte_count(
             memory_budget_bytes, "Snapshot.read_object", "memory_budget_bytes", self.path
         )
@@ -329,8 +329,8 @@ class Snapshot:
             InvalidArgumentError: ``key`` is not a str, or ``replicate_from_rank0`` not a bool.
         """
         call = "Snapshot.get_state_dict_for_key"
-        state_dicts.logical_path(key, call, "key", self.path)
-        state_dicts.flag(replicate_from_rank0, call, "replicate_from_rank0", self.path)
+        state_dicts.typed(key, str, call, "key", self.path)
+        state_dicts.typed(replicate_from_rank0, bool, call, "replicate_from_rank0", self.path)
         manifest = self._manifest
         # Asks torch only: ``dist.resolve`` may make a group, a collective, and this runs on
         # one rank alone.

@@ -121,24 +121,18 @@ def process_group(value: object, call: str, where: str) -> None:
         raise _refused(call, where, "pg must be a torch.distributed.ProcessGroup or None", value)
 
 
-def flag(value: object, call: str, name: str, where: str) -> bool:
-    """A yes/no argument: a bool only (a string such as ``"no"`` would read as yes)."""
-    if not isinstance(value, bool):
-        raise _refused(call, where, f"{name} must be a bool", value)
-    return value
+def typed(value: object, kind: type, call: str, name: str, where: str) -> None:
+    """An argument that must be a ``kind``: a yes/no one a bool only (a string such as ``"no"``
+    would read as yes); a manifest path or app_state key a str (its content is the manifest's
+    to find)."""
+    if not isinstance(value, kind):
+        raise _refused(call, where, f"{name} must be a {kind.__name__}", value)
 
 
 def function(value: object, call: str, name: str, where: str) -> Callable[..., Any] | None:
     """An optional callable argument."""
     if value is not None and not callable(value):
         raise _refused(call, where, f"{name} must be callable or None", value)
-    return value
-
-
-def logical_path(value: object, call: str, name: str, where: str) -> str:
-    """A manifest path or app_state key: a str (its content is the manifest's to find)."""
-    if not isinstance(value, str):
-        raise _refused(call, where, f"{name} must be a str", value)
     return value
 
 
@@ -468,7 +462,7 @@ def flatten(obj: Any, path: str) -> Iterator[tuple[str, _Node | None, Any]]:
             if CONTAINER_TYPES.isdisjoint(kinds):
                 yield from zip(map(prefix.__add__, names), repeat(None), values)
             else:
-                stack.append((prefix, zip(names, values, kinds), value))
+                stack.append((prefix, zip(names, values, kinds, strict=True), value))
                 on_path.add(id(value))
             opened = None
         if not stack:
