@@ -59,7 +59,7 @@ class RNGState:
         name, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
         state["numpy"] = {
             "bit_generator": name,
-            "keys": torch.from_numpy(keys.astype(np.int64)),
+            "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)),
             "pos": int(pos),
             "has_gauss": int(has_gauss),
             "cached_gaussian": float(cached),
