@@ -22,20 +22,13 @@ _lock = threading.Lock()
 
 @contextlib.contextmanager
 def _override(values: dict[str, int]) -> Iterator[None]:
-    token = object()
     with _lock:
-        for name, value in values.items():
-            OVERRIDES[name] = (*OVERRIDES.get(name, ()), (token, value))
+        OVERRIDES.append(values)
     try:
         yield
     finally:
-        with _lock:
-            for name in values:
-                rest = tuple(o for o in OVERRIDES[name] if o[0] is not token)
-                if rest:
-                    OVERRIDES[name] = rest
-                else:
-                    del OVERRIDES[name]
+        with _lock:  # this block's own dict, wherever it is now
+            del OVERRIDES[next(i for i, block in enumerate(OVERRIDES) if block is values)]
 
 
 def _checked(what: str, value: int, minimum: int) -> int:

@@ -23,9 +23,9 @@ from snapshot.errors import InvalidArgumentError
 
 _MIB = 1 << 20
 
-# Variable name (without STATESNAP_) -> the values of the ``override_*`` blocks open now, each
-# with its block's token, oldest first: the last one wins. Written by :mod:`snapshot.knobs`.
-OVERRIDES: dict[str, tuple[tuple[object, int], ...]] = {}
+# The ``override_*`` blocks open now, oldest first, each variable name (without STATESNAP_) ->
+# value: the last block setting a name wins. Written by :mod:`snapshot.knobs`.
+OVERRIDES: list[dict[str, int]] = []
 
 
 def _tunable(default: int | None, minimum: int) -> Any:
@@ -109,10 +109,10 @@ class Options:
             if getattr(self, f.name) is not None:
                 continue
             name, minimum = f.name.upper(), f.metadata["minimum"]
-            overridden = OVERRIDES.get(name)
+            overridden = [block[name] for block in OVERRIDES[:] if name in block]
             raw = os.environ.get(f"STATESNAP_{name}", "")
             if overridden:
-                value = overridden[-1][1]
+                value = overridden[-1]
             elif raw == "":
                 value = f.metadata["default"]
             else:

@@ -254,8 +254,8 @@ class Snapshot:
         rank wrote before the failure to ``"partially"`` or ``"fully"``, ``untouched`` names
         the keys left as they were, and the message ends with the same account.
         """
-        state_dicts.flag(strict, "Snapshot.restore", "strict", self.path)
-        state_dicts.flag(verify_first, "Snapshot.restore", "verify_first", self.path)
+        state_dicts.typed(strict, bool, "Snapshot.restore", "strict", self.path)
+        state_dicts.typed(verify_first, bool, "Snapshot.restore", "verify_first", self.path)
         resolved = resolve(options)
         coordinator = dist.resolve(self.pg, resolved)
         with gc_paused():
@@ -297,7 +297,7 @@ class Snapshot:
             InvalidArgumentError: ``path`` is not a str, or ``memory_budget_bytes`` is not a
                 positive int.
         """
-        state_dicts.logical_path(path, "Snapshot.read_object", "path", self.path)
+        state_dicts.typed(path, str, "Snapshot.read_object", "path", self.path)
         state_dicts.byte_count(
             memory_budget_bytes, "Snapshot.read_object", "memory_budget_bytes", self.path
         )
@@ -329,10 +329,14 @@ class Snapshot:
             InvalidArgumentError: ``key`` is not a str, or ``replicate_from_rank0`` not a bool.
         """
         call = "Snapshot.get_state_dict_for_key"
-        state_dicts.logical_path(key, call, "key", self.path)
-        state_dicts.flag(replicate_from_rank0, call, "replicate_from_rank0", self.path)
+        state_dicts.typed(key, str, call, "key", self.path)
+        state_dicts.typed(replicate_from_rank0, bool, call, "replicate_from_rank0", self.path)
         manifest = self._manifest
-        rank = 0 if replicate_from_rank0 else _rank(self.pg)
+        # Asks torch only: ``dist.resolve`` may make a group, a collective, and this runs on
+        # one rank alone.
+        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+        alone = self.pg is None and not distributed
+        rank = 0 if replicate_from_rank0 or alone else torch.distributed.get_rank(self.pg)
         prefix = rank_prefix(manifest, rank)
         root = prefix + escape_key(key)
         entries = rank_view(manifest, rank)  # rank 0's replicated leaves too
@@ -380,11 +384,12 @@ def take_job(
     base_path = None if base is None else state_dicts.snapshot_path(base, call, "base")
     user = state_dicts.user_metadata(user_metadata, call, where)
     resolved = resolve(options)
+    coordinator = dist.resolve(pg, resolved)
     job = TakeJob(
         where,
         app_state,
         strategies=writers.recorded() if strategies is None else strategies,
-        coordinator=dist.resolve(pg, resolved),
+        coordinator=coordinator,
         replicated=globs,
         storage_options=stored,
         prepare=prepare,
@@ -393,12 +398,8 @@ def take_job(
         base=base_path,
         user_metadata=user,
     )
-    return job, dist.resolve_background(pg, resolved) if asynchronous else None
-
-
-def _rank(pg: Any | None) -> int:
-    """This process's rank in ``pg`` (0 outside ``torch.distributed``). Asks torch only:
-    ``dist.resolve`` may make a group, a collective, and this runs on one rank alone."""
-    if pg is None and not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        return 0
-    return torch.distributed.get_rank(pg)
+    if not asynchronous or coordinator.world_size == 1:
+        return job, coordinator if asynchronous else None
+    # The background work agrees on a second gloo group, while the caller's thread uses the
+    # first; making it is a collective, run here on every rank at the same point.
+    return job, dist.GroupCoordinator(pg, resolved, background=True)

@@ -7,6 +7,7 @@ import random
 from collections import UserDict
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
+import numpy as np
 import torch
 
 logger = logging.getLogger(__name__)
@@ -39,14 +40,6 @@ class StateDict(UserDict):  # type: ignore[type-arg]
         self.data.update(state_dict)
 
 
-def _numpy() -> Any:
-    try:
-        import numpy
-    except ImportError:
-        return None
-    return numpy
-
-
 class RNGState:
     """The process's global random number generators, as one :class:`Stateful`: Python's,
     NumPy's, torch's CPU one and every CUDA device's. Capturing advances none of them, and a
@@ -63,16 +56,14 @@ class RNGState:
                 "gauss_next": gauss_next,
             },
         }
-        np = _numpy()
-        if np is not None:
-            name, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
-            state["numpy"] = {
-                "bit_generator": name,
-                "keys": torch.from_numpy(keys.astype(np.int64)),
-                "pos": int(pos),
-                "has_gauss": int(has_gauss),
-                "cached_gaussian": float(cached),
-            }
+        name, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
+        state["numpy"] = {
+            "bit_generator": name,
+            "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached),
+        }
         if torch.cuda.is_available():
             state["cuda"] = torch.cuda.get_rng_state_all()
         return state
@@ -88,15 +79,11 @@ class RNGState:
         internal = tuple(int(x) for x in py["state"].tolist())
         random.setstate((py["version"], internal, py["gauss_next"]))
         if "numpy" in state_dict:
-            np = _numpy()
-            if np is None:
-                logger.warning("snapshot holds NumPy's RNG state, but NumPy is not importable")
-            else:
-                s = state_dict["numpy"]
-                keys = s["keys"].numpy().astype(np.uint32)
-                np.random.set_state(
-                    (s["bit_generator"], keys, s["pos"], s["has_gauss"], s["cached_gaussian"])
-                )
+            s = state_dict["numpy"]
+            keys = s["keys"].numpy().astype(np.uint32)
+            np.random.set_state(
+                (s["bit_generator"], keys, s["pos"], s["has_gauss"], s["cached_gaussian"])
+            )
         if "cuda" in state_dict:
             _set_cuda_rng_states(list(state_dict["cuda"]))
 

@@ -31,8 +31,8 @@ from snapshot._engine.dist.replication import (
     decide,
     joined,
     strong_of,
-    tensor_bytes,
 )
+from snapshot._engine.format.serialization import tensor_memoryview as tensor_bytes
 from snapshot._engine.tools.inspection import disk_usage, list_entries
 from tests.helpers import assert_same, raw_bytes
 from tests.multirank import run_ranks

@@ -4,9 +4,9 @@ surrounds every operation (the I/O loop, errors naming their snapshot, the pause
 ``get()`` is the process's ``Runtime``, made on first use (and made anew in a forked child: a
 child shares none of its parent's threads). Its parts are made on first use too: the I/O loop,
 one event loop on a daemon thread ("statesnap-io") that every storage call runs on, so that
-callers need no loop of their own and can call the library from inside one (``run``,
-``spawn``, ``join``); the storage plugins kept open between operations; the queue of async
-takes' background work; the gloo groups the library coordinates on and the heartbeat.
+callers need no loop of their own and can call the library from inside one (``run``); the
+storage plugins kept open between operations; the queue of async takes' background work; the
+gloo groups the library coordinates on and the heartbeat.
 
 At exit, one ``atexit`` hook (``shutdown``) waits for the pending async takes, ends the tasks
 left on the loop, closes the kept plugins and stops the loop, in that order. It runs after
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import atexit
-import concurrent.futures
 import contextlib
 import gc
 import json
@@ -226,22 +225,12 @@ def io_loop() -> asyncio.AbstractEventLoop:
 
 def run(coro: Coroutine[Any, Any, _T]) -> _T:
     """Runs ``coro`` on the I/O loop and waits for its result, from any thread but the loop's."""
-    return join(spawn(coro))
-
-
-def spawn(coro: Coroutine[Any, Any, _T]) -> concurrent.futures.Future[_T]:
-    """Starts ``coro`` on the I/O loop, from any thread but the loop's; ``join`` waits for it
-    (the caller does other work meanwhile)."""
     rt = get()
     loop = rt.loop()
     if threading.current_thread() is rt._thread:
         coro.close()
         raise RuntimeError("snapshot I/O called from the I/O loop itself; this would deadlock")
-    return asyncio.run_coroutine_threadsafe(coro, loop)
-
-
-def join(future: concurrent.futures.Future[_T]) -> _T:
-    """Waits for what ``spawn`` started, and gives its result or raises its error."""
+    future = asyncio.run_coroutine_threadsafe(coro, loop)
     try:
         return future.result()
     except BaseException:

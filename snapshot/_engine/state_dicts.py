@@ -13,7 +13,8 @@ from __future__ import annotations
 import math
 import os
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from itertools import repeat
 from typing import Any
 
 import torch.distributed
@@ -120,24 +121,18 @@ def process_group(value: object, call: str, where: str) -> None:
         raise _refused(call, where, "pg must be a torch.distributed.ProcessGroup or None", value)
 
 
-def flag(value: object, call: str, name: str, where: str) -> bool:
-    """A yes/no argument: a bool only (a string such as ``"no"`` would read as yes)."""
-    if not isinstance(value, bool):
-        raise _refused(call, where, f"{name} must be a bool", value)
-    return value
+def typed(value: object, kind: type, call: str, name: str, where: str) -> None:
+    """An argument that must be a ``kind``: a yes/no one a bool only (a string such as ``"no"``
+    would read as yes); a manifest path or app_state key a str (its content is the manifest's
+    to find)."""
+    if not isinstance(value, kind):
+        raise _refused(call, where, f"{name} must be a {kind.__name__}", value)
 
 
 def function(value: object, call: str, name: str, where: str) -> Callable[..., Any] | None:
     """An optional callable argument."""
     if value is not None and not callable(value):
         raise _refused(call, where, f"{name} must be callable or None", value)
-    return value
-
-
-def logical_path(value: object, call: str, name: str, where: str) -> str:
-    """A manifest path or app_state key: a str (its content is the manifest's to find)."""
-    if not isinstance(value, str):
-        raise _refused(call, where, f"{name} must be a str", value)
     return value
 
 
@@ -291,8 +286,14 @@ def dict_names(d: Mapping[Any, Any]) -> list[str] | None:
     """The path components of a dict's keys, or None when the keys cannot be recorded in the
     manifest (str, int, bool or None; an int the manifest can write in decimal) or would not
     give distinct child paths."""
+    keys = list(d)
+    # Most dicts: str keys that are their own path components, found in a few passes in C.
+    if set(map(type, keys)) <= {str}:
+        text = "".join(keys)
+        if "%" not in text and "/" not in text and _encodable(text):
+            return keys
     names = []
-    for k in d:
+    for k in keys:
         kind = type(k)
         if (
             kind not in _KEY_TYPES
@@ -319,21 +320,18 @@ CONTAINER_TYPES = frozenset((dict, OrderedDict, list, tuple))
 _Node = DictEntry | ListEntry | TupleEntry
 
 
-def _expand(value: Any) -> tuple[_Node, Iterator[tuple[str, Any]]] | None:
-    """The entry of a container and its ``(path component, child)`` pairs; None for a leaf."""
+def _open(value: Any) -> tuple[_Node, Sequence[str], Sequence[Any]] | None:
+    """Container ``value``'s entry, its children's path components and its children; None for
+    a dict stored whole (``dict_names`` refuses its keys)."""
     kind = type(value)
-    if kind is list or kind is tuple:
-        node: _Node = (
-            ListEntry(length=len(value)) if kind is list else TupleEntry(length=len(value))
-        )
-        return node, zip(map(str, range(len(value))), value, strict=True)
     if kind is dict or kind is OrderedDict:
         names = dict_names(value)
         if names is None:
             return None
         node = DictEntry(keys=tuple(value), ordered=kind is OrderedDict)
-        return node, zip(names, value.values(), strict=True)
-    return None
+        return node, names, list(value.values())
+    n = len(value)
+    return (ListEntry if kind is list else TupleEntry)(length=n), list(map(str, range(n))), value
 
 
 def int_refusal(where: str) -> str:
@@ -445,33 +443,38 @@ def flatten(obj: Any, path: str) -> Iterator[tuple[str, _Node | None, Any]]:
     Raises:
         UnsupportedValueError: ``obj`` contains itself.
     """
-    expanded = _expand(obj)
-    if expanded is None:
+    opened = _open(obj) if type(obj) in CONTAINER_TYPES else None
+    if opened is None:
         yield path, None, obj
         return
-    node, children = expanded
-    yield path, node, obj
-    # One iterator per open container: a leaf is yielded the moment it is met (a state dict
-    # is mostly leaves), a container is opened and walked before its next sibling.
-    stack = [(child_prefix(path), children, obj)]
-    on_path = {id(obj)}
-    while stack:
+    # Each frame: the path prefix of an open container's children, the (name, child, type)
+    # triples left to walk, and the container. Only containers holding containers get one:
+    # the children of the others are yielded in one pass in C.
+    stack: list[tuple[str, Iterator[tuple[str, Any, type]], Any]] = []
+    on_path: set[int] = set()
+    p, value = path, obj
+    while True:
+        if opened is not None:  # enter ``value``, at ``p``
+            node, names, values = opened
+            yield p, node, value
+            kinds = list(map(type, values))
+            prefix = child_prefix(p)
+            if CONTAINER_TYPES.isdisjoint(kinds):
+                yield from zip(map(prefix.__add__, names), repeat(None), values)
+            else:
+                stack.append((prefix, zip(names, values, kinds, strict=True), value))
+                on_path.add(id(value))
+            opened = None
+        if not stack:
+            return
         prefix, children, parent = stack[-1]
-        for name, value in children:
+        for name, value, kind in children:
             p = prefix + name
-            if type(value) not in CONTAINER_TYPES:
-                yield p, None, value
-                continue
-            expanded = _expand(value)
-            if expanded is None:
+            if kind not in CONTAINER_TYPES or (opened := _open(value)) is None:
                 yield p, None, value
                 continue
             if id(value) in on_path:
                 raise UnsupportedValueError(f"{p}: the structure contains itself")
-            on_path.add(id(value))
-            node, inner = expanded
-            yield p, node, value
-            stack.append((child_prefix(p), inner, value))
             break
         else:
             stack.pop()

@@ -101,21 +101,18 @@ class GroupCoordinator(Coordinator):
 
     def all_gather(self, value: Any) -> list[Any]:
         out: list[Any] = [None] * self.world_size
-        self._run(lambda: dist.all_gather_object(out, value, group=self.group))
+        self.watch.run(lambda: dist.all_gather_object(out, value, group=self.group), self._lost)
         return out
 
     def gather(self, value: Any) -> list[Any] | None:
         out: list[Any] | None = [None] * self.world_size if self.rank == 0 else None
         dst = dist.get_global_rank(self.group, 0)
-        self._run(lambda: dist.gather_object(value, out, dst=dst, group=self.group))
+        self.watch.run(lambda: dist.gather_object(value, out, dst, self.group), self._lost)
         return out
 
     def broadcast(self, tensor: Any, src: int) -> None:
         root = dist.get_global_rank(self.group, src)
-        self._run(lambda: dist.broadcast(tensor, src=root, group=self.group))
-
-    def _run(self, collective: Callable[[], object]) -> None:
-        self.watch.run(collective, self._lost)
+        self.watch.run(lambda: dist.broadcast(tensor, src=root, group=self.group), self._lost)
 
     def _lost(self, why: str, failures: dict[int, str]) -> RankFailedError:
         """What a rank raises when it lost contact with its peers while it waited."""
@@ -124,14 +121,6 @@ class GroupCoordinator(Coordinator):
             f"they agreed on {self.step}: {why}; a take commits nothing",
             failures,
         )
-
-
-def resolve_background(pg: Any | None, options: Options) -> Coordinator:
-    """Like ``resolve``, on a second gloo group: the one an async take's background work
-    agrees on while the caller's thread uses the foreground one. Making it is a collective:
-    call it on the caller's thread, on every rank, at the same point."""
-    coord = resolve(pg, options)
-    return GroupCoordinator(pg, options, background=True) if coord.world_size > 1 else coord
 
 
 def resolve(pg: Any | None, options: Options) -> Coordinator:

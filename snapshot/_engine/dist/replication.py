@@ -26,9 +26,9 @@ import torch
 
 from manifest import PrimitiveEntry, TensorEntry
 from snapshot._engine import runtime
-from snapshot._engine.format.serialization import combine, crc32, gather_elements
-from snapshot._engine.take.plan import Collected, Placer, Stager
+from snapshot._engine.format.serialization import combine, crc32, gather_elements, tensor_memoryview
 from snapshot._engine.handlers.table import Layout, ObjectDraft, Payload, TensorDraft, WholeTensor
+from snapshot._engine.take.plan import Collected, Placer, Stager
 from snapshot.errors import SnapshotError
 
 _T = TypeVar("_T")
@@ -45,11 +45,6 @@ object's serialized bytes), or a tensor to gather piece by piece (strided, on a 
 conjugate or negated)."""
 
 
-def tensor_bytes(t: torch.Tensor) -> memoryview:
-    """The bytes of a contiguous CPU tensor, without a copy."""
-    return t.detach().reshape(-1).view(torch.uint8).numpy().data
-
-
 def _map_pieces(src: Source, fn: Callable[[memoryview], _T]) -> list[tuple[_T, int]]:
     """``fn`` of each consecutive piece of ``_PIECE`` bytes of ``src`` (the last one shorter),
     with its length; on the threads when there are several. A tensor to gather is gathered one
@@ -57,7 +52,7 @@ def _map_pieces(src: Source, fn: Callable[[memoryview], _T]) -> list[tuple[_T, i
     if isinstance(src, torch.Tensor):
         t = src.detach().resolve_conj().resolve_neg()
         if t.is_cpu and t.is_contiguous():
-            src = tensor_bytes(t)
+            src = tensor_memoryview(t)
     if isinstance(src, memoryview):
         view = src
         nbytes = view.nbytes
@@ -70,7 +65,7 @@ def _map_pieces(src: Source, fn: Callable[[memoryview], _T]) -> list[tuple[_T, i
         nbytes = t.numel() * itemsize
 
         def piece(lo: int, hi: int) -> _T:
-            return fn(tensor_bytes(gather_elements(t, lo // itemsize, hi // itemsize)))
+            return fn(tensor_memoryview(gather_elements(t, lo // itemsize, hi // itemsize)))
 
     bounds = [(lo, min(nbytes, lo + _PIECE)) for lo in range(0, nbytes, _PIECE)] or [(0, 0)]
     sizes = [hi - lo for lo, hi in bounds]
