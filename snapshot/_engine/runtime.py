@@ -98,7 +98,7 @@ class Runtime:
 
     def copier(self) -> DaemonThreadPool:
         """The thread that copies an async take's large host tensors into their pooled
-        buffers while the caller plans the rest (``io/copier.py``)."""
+        buffers while the caller plans the rest (``io/staging.py``)."""
         with self.lock:
             if self._copier is None:
                 self._copier = DaemonThreadPool(1, thread_name_prefix="statesnap-stage")
