@@ -17,7 +17,16 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-_CTX = mp.get_context("spawn")
+# Ranks start from a fork server that has imported torch once, not from a fresh interpreter
+# each: importing torch is most of a rank's start-up, and a test run starts a few hundred ranks.
+# A forked rank takes its environment from the server, so each rank is handed the caller's
+# environment as it is at ``run_ranks`` (a test's ``monkeypatch.setenv`` reaches the ranks).
+PROCESS_CONTEXT = mp.get_context("forkserver")
+PROCESS_CONTEXT.set_forkserver_preload(["torch", "torch.distributed"])
+# Ranks in network namespaces (``hosts``) are still spawned: under the fork server a rank of
+# the host that stays up can find rank 0 gone (it raised and ended) before its own watch names
+# the ranks that fell silent, and the host-cut test asserts what every such rank reports.
+_SPAWN = mp.get_context("spawn")
 
 
 def _entry(
@@ -29,7 +38,10 @@ def _entry(
     results: Any,
     host: str | None,
     init_method: str | None,
+    environ: dict[str, str],
 ) -> None:
+    os.environ.clear()
+    os.environ.update(environ)
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # N processes share 2 cores
     try:
         if host is not None:  # a "host" of tests/netns.py: enter it before any socket opens
@@ -37,8 +49,10 @@ def _entry(
 
             netns.enter(host)
             os.environ["GLOO_SOCKET_IFNAME"] = netns.IFNAME
+        import torch
         import torch.distributed as dist
 
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))  # (read by torch at import)
         timeout = timedelta(seconds=60)
         if init_method is not None:
             dist.init_process_group(
@@ -78,9 +92,10 @@ def run_ranks(
     ``init_method`` (``tcp://address:port``, rank 0's host) as the rendezvous; by default the
     ranks share this machine's network and meet through a file store."""
     with tempfile.TemporaryDirectory(prefix="statesnap-ranks-") as tmp:
-        results = _CTX.Queue()
+        ctx = PROCESS_CONTEXT if hosts is None else _SPAWN
+        results = ctx.Queue()
         procs = [
-            _CTX.Process(
+            ctx.Process(
                 target=_entry,
                 args=(
                     rank,
@@ -91,6 +106,7 @@ def run_ranks(
                     results,
                     None if hosts is None else hosts[rank],
                     init_method,
+                    dict(os.environ),
                 ),
                 daemon=True,
             )

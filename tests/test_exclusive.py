@@ -4,7 +4,6 @@ of its own names; the manifest is created only where none exists)."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import threading
 from typing import Any
@@ -16,10 +15,11 @@ from snapshot import Snapshot, SnapshotError, SnapshotExistsError, StateDict
 from snapshot._engine.take.commit import MANIFEST_NAME
 from storage_plugins import register_storage_plugin, unregister_storage_plugin
 from storage_plugins.fs import FSStoragePlugin
+from tests.multirank import PROCESS_CONTEXT
 from tests.s3server import S3Bucket
 
 TRIALS = 20
-_CTX = mp.get_context("spawn")
+_CTX = PROCESS_CONTEXT  # torch already imported in the fork server
 
 
 def state_of(writer: int, trial: int) -> dict[str, Any]:
