@@ -10,12 +10,9 @@ at the path works.
 
 from __future__ import annotations
 
-import os
 import random
-import signal
-import subprocess
-import sys
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -27,24 +24,13 @@ from snapshot import (
     SnapshotNotFoundError,
     StateDict,
 )
+from tests.multirank import PROCESS_CONTEXT
 
 pytestmark = pytest.mark.slow  # kills real processes; -m 'not slow' skips them
 
 TRIALS = 20
 TENSORS = 50
 NUMEL = 1 << 20  # 50 int32 tensors of 4 MiB: 200 MiB, plus 400 small ones for slabs
-
-CHILD = """
-import sys, time, torch
-from snapshot import Snapshot, StateDict
-sys.path.insert(0, {root!r})
-from tests.test_kill import state
-s = state()
-print("taking", flush=True)
-t0 = time.perf_counter()
-Snapshot.take(sys.argv[1], {{"s": s}})
-print(f"done {{time.perf_counter() - t0:.3f}}", flush=True)
-"""
 
 
 def state() -> StateDict:
@@ -54,18 +40,22 @@ def state() -> StateDict:
     return StateDict({**big, **small, "step": 1234})
 
 
-def _spawn(path: str) -> subprocess.Popen[str]:
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    proc = subprocess.Popen(
-        [sys.executable, "-c", CHILD.format(root=root), path],
-        stdout=subprocess.PIPE,
-        text=True,
-        cwd=root,
-    )
-    assert proc.stdout is not None
-    line = proc.stdout.readline()
-    assert line.strip() == "taking", f"child did not start its take: {line!r}"
-    return proc
+def _child(path: str, started: Any, took: Any) -> None:
+    s = state()
+    started.set()
+    t0 = time.perf_counter()
+    Snapshot.take(path, {"s": s})
+    took.put(time.perf_counter() - t0)
+
+
+def _start(path: str) -> tuple[Any, Any]:
+    """A child process that takes the state at ``path``, once it has started its take; and the
+    queue its take's duration arrives on."""
+    started, took = PROCESS_CONTEXT.Event(), PROCESS_CONTEXT.Queue()
+    proc = PROCESS_CONTEXT.Process(target=_child, args=(path, started, took), daemon=True)
+    proc.start()
+    assert started.wait(120), "child did not start its take"
+    return proc, took
 
 
 def _check_complete(path: str) -> None:
@@ -87,20 +77,20 @@ def test_sigkill_at_any_moment_never_leaves_half_a_snapshot(tmp_path):
     Snapshot.take(sibling, {"s": StateDict(t=torch.arange(1000), note="earlier")})
 
     # How long a whole take runs in a child, to spread the kills over it.
-    proc = _spawn(str(tmp_path / "calibration"))
-    out, _ = proc.communicate(timeout=300)
-    assert proc.returncode == 0 and out.startswith("done"), out
-    duration = float(out.split()[1])
+    proc, took = _start(str(tmp_path / "calibration"))
+    duration = took.get(timeout=300)
+    proc.join(60)
+    assert proc.exitcode == 0, proc.exitcode
     _check_complete(str(tmp_path / "calibration"))
 
     rng = random.Random(20261122)
     outcomes = {"none": 0, "incomplete": 0, "complete": 0}
     for trial in range(TRIALS):
         path = str(tmp_path / f"trial{trial}")
-        proc = _spawn(path)
+        proc, _ = _start(path)
         time.sleep(rng.uniform(0.0, duration * 1.1))
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(timeout=60)
+        proc.kill()  # SIGKILL
+        proc.join(60)
         try:
             Snapshot(path)
         except IncompleteSnapshotError:
