@@ -70,13 +70,7 @@ _DIRECT_PIECE_BYTES = 4 << 20
 _DIRECT_MIN_BYTES = 1 << 20
 _bounce = threading.local()
 
-# A VM guest whose kernel reports its free memory to the host (virtio-balloon's free page
-# reporting) gives freed pages back a second or two after they are freed, and allocating them
-# again then faults on the host: writing through the page cache then pays those faults for
-# every page, where direct I/O reuses one buffer per thread (figures:
-# benchmarks/results/2026-11-23-ba9f183-8e60bb4-settled-memory.md). On such a machine "auto"
-# writes directly also without fsync. Read from sysfs: the balloon device (virtio device id 5)
-# and its negotiated feature bits, one character per bit (VIRTIO_BALLOON_F_REPORTING is bit 5).
+# The balloon device (virtio device id 5) and its feature bit for free page reporting.
 _VIRTIO_DEVICES = "/sys/bus/virtio/devices"
 _VIRTIO_ID_BALLOON = 5
 _VIRTIO_BALLOON_F_REPORTING = 5
@@ -84,9 +78,11 @@ _VIRTIO_BALLOON_F_REPORTING = 5
 
 @functools.cache
 def direct_without_fsync() -> bool:
-    """Whether the local plugin's ``direct_io="auto"`` writes directly also without fsync: on a
-    VM that hands its free memory back to the host, a virtio balloon device with free page
-    reporting (decided once per process, said once)."""
+    """Whether ``direct_io="auto"`` writes directly also without fsync: on a VM guest whose
+    kernel hands freed pages back to the host (virtio-balloon free page reporting), allocating
+    page-cache memory faults on the host for every page, where direct I/O reuses one buffer per
+    thread (benchmarks/results/2026-11-23-ba9f183-8e60bb4-settled-memory.md). Read once per
+    process from sysfs (negotiated feature bits, one character per bit), said once."""
     try:
         names = os.listdir(_VIRTIO_DEVICES)
     except OSError:
@@ -208,40 +204,6 @@ def _write_all(fd: int, views: list[memoryview], observe: Observer | None, direc
         if fill < end:
             os.ftruncate(fd, pos)
     return True
-
-
-def _read_all(
-    fd: int, offset: int, outs: Sequence[memoryview], name: str, observe: Observer | None
-) -> None:
-    """Fills every buffer in order from ``offset`` on, resuming after short reads."""
-    views = [o for o in outs if len(o)]
-    total = offset + sum(map(len, views))
-    pos = offset
-
-    def read(batch: list[memoryview]) -> int:
-        nonlocal pos
-        n = os.preadv(fd, batch, pos)
-        if n == 0:
-            raise base.short_read(name, pos, total)
-        pos += n
-        return n
-
-    _move(views, read, _MAX_CALL_BYTES if observe is None else _OBSERVED_READ_BYTES, observe)
-
-
-def _read_to_end(fd: int, reported: int, limit: int | None, name: str) -> bytes:
-    """The rest of the file ``fd``, whose ``fstat`` said ``reported`` bytes (which may be
-    wrong: a file still growing); past ``limit`` bytes, ``BlobTooLargeError``."""
-    pieces: list[bytes] = []
-    got = 0
-    while limit is None or got <= limit:
-        want = max(reported - got + 1, _MIN_READ_BYTES)
-        piece = os.read(fd, want if limit is None else min(want, limit + 1 - got))
-        if not piece:
-            return b"".join(pieces)
-        pieces.append(piece)
-        got += len(piece)
-    raise BlobTooLargeError(name, limit)
 
 
 def missing_folders(path: str) -> list[str]:
@@ -454,11 +416,22 @@ class FSStoragePlugin(StoragePlugin):
         await self._run(self._write_sync, path, buffers, observe)
 
     def _read_sync(self, path: str, limit: int | None = None) -> bytes:
+        """The whole blob, read to its end (``fstat``'s length may be wrong: a file still
+        growing); past ``limit`` bytes, ``BlobTooLargeError``."""
         fd, st = self._open_blob(path)
         try:
             if limit is not None and st.st_size > limit:
                 raise BlobTooLargeError(self.describe(path), limit, st.st_size)
-            return _read_to_end(fd, st.st_size, limit, self.describe(path))
+            pieces: list[bytes] = []
+            got = 0
+            while limit is None or got <= limit:
+                want = max(st.st_size - got + 1, _MIN_READ_BYTES)
+                piece = os.read(fd, want if limit is None else min(want, limit + 1 - got))
+                if not piece:
+                    return b"".join(pieces)
+                pieces.append(piece)
+                got += len(piece)
+            raise BlobTooLargeError(self.describe(path), limit)
         finally:
             os.close(fd)
 
@@ -471,9 +444,21 @@ class FSStoragePlugin(StoragePlugin):
     def _readv_sync(
         self, path: str, offset: int, outs: Sequence[memoryview], observe: Observer | None = None
     ) -> None:
+        """Fills every buffer in order from ``offset`` on, resuming after short reads."""
         fd, _ = self._open_blob(path)
+        pos, end = offset, offset + sum(map(len, outs))
+
+        def read(batch: list[memoryview]) -> int:
+            nonlocal pos
+            n = os.preadv(fd, batch, pos)
+            if n == 0:
+                raise base.short_read(self.describe(path), pos, end)
+            pos += n
+            return n
+
         try:
-            _read_all(fd, offset, outs, self.describe(path), observe)
+            views = [o for o in outs if len(o)]
+            _move(views, read, _MAX_CALL_BYTES if observe is None else _OBSERVED_READ_BYTES, observe)
         finally:
             os.close(fd)
 
