@@ -58,8 +58,7 @@ class Policy:
         return self.keep_last is None and self.keep_every_steps is None and self.keep_best is None
 
 
-# A committed step as retention sees it: its metrics and the names of the steps (folders)
-# whose bytes it needs (``Step(step, name, metrics, bases)``).
+# A committed step as retention sees it: ``Step(step, name, metrics, bases)``.
 Step = StepInfo
 
 
@@ -191,10 +190,9 @@ class Cleaner:
             saves = dict(self._saves)
         in_flight = {step for step, state in saves.items() if state == WRITING}
         for s in found:
-            if saves.get(s.step) in (WRITING, SAVED) or not s.debris:
-                continue
+            # A take's debris: this manager's failed save's, or an earlier run's marked one.
             failed = saves.get(s.step) == FAILED
-            if s.state == INCOMPLETE or failed:
+            if s.debris and (failed or (s.state == INCOMPLETE and s.step not in saves)):
                 logger.warning(
                     "%s holds no committed snapshot (%s): deleting it",
                     self._steps.path(s.name),
@@ -203,8 +201,9 @@ class Cleaner:
                 self._delete(s, unmarked=failed)
         steps = [s for s in found if s.committed]
         unreadable = [s.name for s in found if s.state == UNREADABLE]
-        doomed = to_delete(self.policy, steps, in_flight, unreadable)
-        if unreadable and to_delete(self.policy, steps, in_flight):
+        doomed = to_delete(self.policy, steps, in_flight)
+        if unreadable and doomed:
+            doomed = []
             self._warn_once(
                 "retention under %s deletes no step while %s cannot be read (it may need any "
                 "other step as its base): upgrade statesnap to read it, or move it away",
