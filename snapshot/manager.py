@@ -16,6 +16,7 @@ through a link (docs/reliability.md, "Checkpoint manager and deletions").
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -326,8 +327,7 @@ class CheckpointManager:
             path, pg=self.pg, storage_options=self.storage_options, options=self.options
         ).restore(app_state, options=self.options)
         logger.info("restored step %d from %s in %.3f s", step, path, _since(t))
-        if self._last_saved is None or step > self._last_saved:
-            self._last_saved = step
+        self._last_saved = max(step, self._last_saved or 0)
         return step
 
     def handle_preemption(
@@ -364,16 +364,13 @@ class CheckpointManager:
     def _on_signal(self, signum: int, frame: Any) -> None:
         """The handler ``handle_preemption`` installs: it only records and logs the signal,
         so a save it interrupts completes."""
-        again = self._signum is not None
         self._signum = self._signum or signum
         self.preempted = True
         logger.warning(
-            "signal %d received %sby the checkpoint manager of %s: %sthe final save happens at "
-            "the next step boundary",
+            "signal %d received by the checkpoint manager of %s: manager.preempted is set, the "
+            "final save happens at the next step boundary",
             signum,
-            "again " if again else "",
             self.root,
-            "" if again else "manager.preempted is set, ",
         )
 
     def checkpoint_if_preempted(self, step: int, app_state: dict[str, Any] | None = None) -> None:
@@ -423,11 +420,9 @@ class CheckpointManager:
             "preempted: the saves under %s are committed; ending by signal %d", self.root, signum
         )
         for stream in (sys.stdout, sys.stderr):  # a signal's default action flushes nothing
-            try:
+            with contextlib.suppress(OSError, ValueError):
                 if stream is not None:
                     stream.flush()
-            except (OSError, ValueError):
-                pass
         signal.raise_signal(signum)
         raise SystemExit(128 + signum)
 
