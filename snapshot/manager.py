@@ -131,8 +131,6 @@ class CheckpointManager:
         if type(step) is not int or step < 0:
             raise InvalidArgumentError(f"step must be an int >= 0, got {step!r}")
         recorded = state_dicts.metrics(metrics)
-        if self.raise_on_next_save:
-            self._raise_background_error()
         # Across ranks, steps are agreed on by their order: each rank checks its own calls.
         latest = self._last_saved if self._last_saved is not None else self.latest_step()
         if latest is not None and step <= latest:
@@ -143,7 +141,7 @@ class CheckpointManager:
         self._refuse_occupied(step)
         # An incremental save's base must be committed.
         self._wait_for_saves(0 if self.incremental else self.max_in_flight - 1)
-        if self.raise_on_next_save:  # of a save that ended while this one waited for room
+        if self.raise_on_next_save:
             self._raise_background_error()
         base = None
         if self.incremental:
