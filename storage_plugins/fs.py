@@ -13,6 +13,7 @@ import functools
 import logging
 import mmap
 import os
+import pathlib
 import shutil
 import stat
 import threading
@@ -83,20 +84,13 @@ def direct_without_fsync() -> bool:
     page-cache memory faults on the host for every page, where direct I/O reuses one buffer per
     thread (benchmarks/results/2026-11-23-ba9f183-8e60bb4-settled-memory.md). Read once per
     process from sysfs (negotiated feature bits, one character per bit), said once."""
-    try:
-        names = os.listdir(_VIRTIO_DEVICES)
-    except OSError:
-        return False
-    for name in names:
+    for device in pathlib.Path(_VIRTIO_DEVICES).glob("*"):  # (none when it does not exist)
         try:
-            with open(os.path.join(_VIRTIO_DEVICES, name, "device")) as f:
-                if int(f.read().strip(), 16) != _VIRTIO_ID_BALLOON:
-                    continue
-            with open(os.path.join(_VIRTIO_DEVICES, name, "features")) as f:
-                bits = f.read().strip()
+            balloon = int((device / "device").read_text(), 16) == _VIRTIO_ID_BALLOON
+            bits = (device / "features").read_text() if balloon else ""
         except (OSError, ValueError):
             continue
-        if len(bits) > _VIRTIO_BALLOON_F_REPORTING and bits[_VIRTIO_BALLOON_F_REPORTING] == "1":
+        if bits[_VIRTIO_BALLOON_F_REPORTING : _VIRTIO_BALLOON_F_REPORTING + 1] == "1":
             logger.info(
                 "this machine hands its free memory back to the host (virtio-balloon free page "
                 "reporting), which makes page-cache memory slow to allocate: files of 1 MiB and "

@@ -64,12 +64,10 @@ Step = StepInfo
 
 def to_keep(policy: Policy, steps: list[Step]) -> set[int]:
     """The steps ``policy`` keeps among the committed ``steps`` (before closing over bases)."""
-    if not steps:
-        return set()
     ordered = sorted(s.step for s in steps)
     if policy.keeps_everything:
         return set(ordered)
-    keep = {ordered[-1]}  # the newest committed step, always
+    keep = set(ordered[-1:])  # the newest committed step, always
     if policy.keep_last is not None:
         keep.update(ordered[-policy.keep_last :])
     if policy.keep_every_steps is not None:
