@@ -352,15 +352,15 @@ class FSStoragePlugin(StoragePlugin):
         direct = self._direct and sum(map(len, views)) >= _DIRECT_MIN_BYTES
         parent = self._open_dir(dirs, create=True)
         try:
-            if not (direct and self._write_new(parent, tmp, views, observe, O_DIRECT)):
-                if direct:  # refused: the same file through the cache, and every later one
-                    if self._direct:  # (said once)
-                        self._direct = False
-                        what = "writing through the page cache from now on"
-                        logger.info("direct I/O refused for %s: %s", self.describe(path), what)
-                    with contextlib.suppress(FileNotFoundError):
-                        os.unlink(tmp, dir_fd=parent)  # some kernels create it, then refuse
-                self._write_new(parent, tmp, views, observe, 0)
+            if not self._write_new(parent, tmp, views, observe, direct):
+                # Refused: the same file through the cache, and every later one (said once).
+                if self._direct:
+                    self._direct = False
+                    what = "writing through the page cache from now on"
+                    logger.info("direct I/O refused for %s: %s", self.describe(path), what)
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(tmp, dir_fd=parent)  # some kernels create it, then refuse
+                self._write_new(parent, tmp, views, observe, False)
             if exclusive:
                 # A hard link is made only where no entry ``name`` exists, atomically.
                 os.link(tmp, name, src_dir_fd=parent, dst_dir_fd=parent, follow_symlinks=False)
@@ -378,19 +378,19 @@ class FSStoragePlugin(StoragePlugin):
             self._dirty_dirs.add(tuple(dirs))
 
     def _write_new(
-        self, parent: int, tmp: str, views: list[memoryview], observe: Observer | None, direct: int
+        self, parent: int, tmp: str, views: list[memoryview], observe: Observer | None, direct: bool
     ) -> bool:
-        """Writes the new file ``tmp`` in ``parent`` (then fsyncs it, with fsync), opened with
-        ``direct`` (O_DIRECT or 0); False when the file system refuses direct I/O, at the open
-        or at the first write."""
+        """Writes the new file ``tmp`` in ``parent`` (then fsyncs it, with fsync), with direct
+        I/O when ``direct``; False when the file system refuses direct I/O, at the open or at
+        the first write."""
         try:
-            fd = os.open(tmp, _NEW_FILE | direct, 0o644, dir_fd=parent)
+            fd = os.open(tmp, _NEW_FILE | (O_DIRECT if direct else 0), 0o644, dir_fd=parent)
         except OSError as e:
             if direct and e.errno == errno.EINVAL:
                 return False
             raise
         try:
-            if not _write_all(fd, views, observe, bool(direct)):
+            if not _write_all(fd, views, observe, direct):
                 return False
             if self._fsync:
                 os.fsync(fd)
