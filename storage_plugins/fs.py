@@ -290,11 +290,9 @@ class FSStoragePlugin(StoragePlugin):
                 raise
             with self._making_root:  # the root and its missing ancestors, remembered
                 for folder in reversed(missing_folders(self._base)):
-                    try:
+                    with contextlib.suppress(FileExistsError):  # (made by another rank)
                         os.mkdir(folder)
-                    except FileExistsError:
-                        continue  # made meanwhile (another process, another rank)
-                    self._made_above.append(folder)
+                        self._made_above.append(folder)
             fd = self._openat(None, self._base, _DIR_FLAGS, "")
         try:
             for i, name in enumerate(parts):
@@ -304,11 +302,9 @@ class FSStoragePlugin(StoragePlugin):
                 except FileNotFoundError:
                     if not create:
                         raise
-                    try:
+                    with contextlib.suppress(FileExistsError):  # (made by another thread)
                         os.mkdir(name, dir_fd=fd)
                         self._made_below.add(path)
-                    except FileExistsError:
-                        pass  # made meanwhile (another thread or rank)
                     child = self._openat(fd, name, _DIR_FLAGS, path)
                 os.close(fd)
                 fd = child
@@ -450,9 +446,9 @@ class FSStoragePlugin(StoragePlugin):
             pos += n
             return n
 
+        limit = _MAX_CALL_BYTES if observe is None else _OBSERVED_READ_BYTES
         try:
-            views = [o for o in outs if len(o)]
-            _move(views, read, _MAX_CALL_BYTES if observe is None else _OBSERVED_READ_BYTES, observe)
+            _move([o for o in outs if len(o)], read, limit, observe)
         finally:
             os.close(fd)
 
