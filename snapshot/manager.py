@@ -104,7 +104,7 @@ class CheckpointManager:
         # The commit threads of the async saves under way, oldest first.
         self._in_flight: list[threading.Thread] = []
         # Retention and deletions (rank 0's), and which steps the saves hold.
-        self._cleaner = Cleaner(self._steps, self.policy, self.root)
+        self._cleaner = Cleaner(self._steps, self.policy)
         self._last_saved: int | None = None
         self._errors: list[BaseException] = []
         self._lock = threading.Lock()  # guards _in_flight and _errors

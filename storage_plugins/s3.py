@@ -109,9 +109,7 @@ class S3StoragePlugin(StoragePlugin):
         for option in ("request_checksum_calculation", "response_checksum_validation"):
             if option in getattr(Config, "OPTION_DEFAULTS", ()):
                 config.setdefault(option, "when_required")
-        s3_config = dict(config.get("s3") or {})
-        s3_config.setdefault("payload_signing_enabled", False)
-        config["s3"] = s3_config
+        config["s3"] = {"payload_signing_enabled": False, **(config.get("s3") or {})}
         options.setdefault("skip_instance_cache", True)  # a cached instance may be another loop's
         self.fs = s3fs.S3FileSystem(
             asynchronous=True, loop=asyncio.get_running_loop(), config_kwargs=config, **options

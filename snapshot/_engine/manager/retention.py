@@ -21,7 +21,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
-from snapshot._engine.manager.steps import COMMITTED, INCOMPLETE, UNREADABLE, StepInfo, Steps
+from snapshot._engine.manager.steps import INCOMPLETE, LEFT, UNREADABLE, StepInfo, Steps
 from snapshot.errors import InvalidArgumentError
 from storage_plugins.base import DaemonThreadPool
 
@@ -123,10 +123,10 @@ class Cleaner:
     """Retention and every deletion of one checkpoint manager, on one worker thread (started by
     the first round queued), and which steps the manager's saves hold."""
 
-    def __init__(self, steps: Steps, policy: Policy, root: str) -> None:
+    def __init__(self, steps: Steps, policy: Policy) -> None:
         self._steps = steps
         self.policy = policy
-        self.root = root
+        self.root = steps.root
         # Each step the manager began saving: WRITING (not yet committed nor failed) and SAVED
         # are never taken for an earlier run's debris; FAILED is debris, deleted even without
         # the pending marker.
@@ -243,7 +243,7 @@ class Cleaner:
                     self._steps.path(s.name),
                     s.reason,
                 )
-            elif s.state not in (COMMITTED, INCOMPLETE) and s.step not in self._saves:
+            elif s.state == LEFT and s.step not in self._saves:
                 self._warn_once(
                     "%s is left alone (the checkpoint manager deletes only what a take of its "
                     "own left): %s",
