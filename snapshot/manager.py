@@ -16,6 +16,7 @@ through a link (docs/reliability.md, "Checkpoint manager and deletions").
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -103,7 +104,7 @@ class CheckpointManager:
         # The commit threads of the async saves under way, oldest first.
         self._in_flight: list[threading.Thread] = []
         # Retention and deletions (rank 0's), and which steps the saves hold.
-        self._cleaner = Cleaner(self._steps, self.policy, self.root)
+        self._cleaner = Cleaner(self._steps, self.policy)
         self._last_saved: int | None = None
         self._errors: list[BaseException] = []
         self._lock = threading.Lock()  # guards _in_flight and _errors
@@ -130,8 +131,6 @@ class CheckpointManager:
         if type(step) is not int or step < 0:
             raise InvalidArgumentError(f"step must be an int >= 0, got {step!r}")
         recorded = state_dicts.metrics(metrics)
-        if self.raise_on_next_save:
-            self._raise_background_error()
         # Across ranks, steps are agreed on by their order: each rank checks its own calls.
         latest = self._last_saved if self._last_saved is not None else self.latest_step()
         if latest is not None and step <= latest:
@@ -142,7 +141,7 @@ class CheckpointManager:
         self._refuse_occupied(step)
         # An incremental save's base must be committed.
         self._wait_for_saves(0 if self.incremental else self.max_in_flight - 1)
-        if self.raise_on_next_save:  # of a save that ended while this one waited for room
+        if self.raise_on_next_save:
             self._raise_background_error()
         base = None
         if self.incremental:
@@ -326,8 +325,7 @@ class CheckpointManager:
             path, pg=self.pg, storage_options=self.storage_options, options=self.options
         ).restore(app_state, options=self.options)
         logger.info("restored step %d from %s in %.3f s", step, path, _since(t))
-        if self._last_saved is None or step > self._last_saved:
-            self._last_saved = step
+        self._last_saved = max(step, self._last_saved or 0)
         return step
 
     def handle_preemption(
@@ -364,16 +362,13 @@ class CheckpointManager:
     def _on_signal(self, signum: int, frame: Any) -> None:
         """The handler ``handle_preemption`` installs: it only records and logs the signal,
         so a save it interrupts completes."""
-        again = self._signum is not None
         self._signum = self._signum or signum
         self.preempted = True
         logger.warning(
-            "signal %d received %sby the checkpoint manager of %s: %sthe final save happens at "
-            "the next step boundary",
+            "signal %d received by the checkpoint manager of %s: manager.preempted is set, the "
+            "final save happens at the next step boundary",
             signum,
-            "again " if again else "",
             self.root,
-            "" if again else "manager.preempted is set, ",
         )
 
     def checkpoint_if_preempted(self, step: int, app_state: dict[str, Any] | None = None) -> None:
@@ -423,11 +418,9 @@ class CheckpointManager:
             "preempted: the saves under %s are committed; ending by signal %d", self.root, signum
         )
         for stream in (sys.stdout, sys.stderr):  # a signal's default action flushes nothing
-            try:
+            with contextlib.suppress(OSError, ValueError):
                 if stream is not None:
                     stream.flush()
-            except (OSError, ValueError):
-                pass
         signal.raise_signal(signum)
         raise SystemExit(128 + signum)
 

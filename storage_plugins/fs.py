@@ -13,6 +13,7 @@ import functools
 import logging
 import mmap
 import os
+import pathlib
 import shutil
 import stat
 import threading
@@ -70,13 +71,7 @@ _DIRECT_PIECE_BYTES = 4 << 20
 _DIRECT_MIN_BYTES = 1 << 20
 _bounce = threading.local()
 
-# A VM guest whose kernel reports its free memory to the host (virtio-balloon's free page
-# reporting) gives freed pages back a second or two after they are freed, and allocating them
-# again then faults on the host: writing through the page cache then pays those faults for
-# every page, where direct I/O reuses one buffer per thread (figures:
-# benchmarks/results/2026-11-23-ba9f183-8e60bb4-settled-memory.md). On such a machine "auto"
-# writes directly also without fsync. Read from sysfs: the balloon device (virtio device id 5)
-# and its negotiated feature bits, one character per bit (VIRTIO_BALLOON_F_REPORTING is bit 5).
+# The balloon device (virtio device id 5) and its feature bit for free page reporting.
 _VIRTIO_DEVICES = "/sys/bus/virtio/devices"
 _VIRTIO_ID_BALLOON = 5
 _VIRTIO_BALLOON_F_REPORTING = 5
@@ -84,23 +79,18 @@ _VIRTIO_BALLOON_F_REPORTING = 5
 
 @functools.cache
 def direct_without_fsync() -> bool:
-    """Whether the local plugin's ``direct_io="auto"`` writes directly also without fsync: on a
-    VM that hands its free memory back to the host, a virtio balloon device with free page
-    reporting (decided once per process, said once)."""
-    try:
-        names = os.listdir(_VIRTIO_DEVICES)
-    except OSError:
-        return False
-    for name in names:
+    """Whether ``direct_io="auto"`` writes directly also without fsync: on a VM guest whose
+    kernel hands freed pages back to the host (virtio-balloon free page reporting), allocating
+    page-cache memory faults on the host for every page, where direct I/O reuses one buffer per
+    thread (benchmarks/results/2026-11-23-ba9f183-8e60bb4-settled-memory.md). Read once per
+    process from sysfs (negotiated feature bits, one character per bit), said once."""
+    for device in pathlib.Path(_VIRTIO_DEVICES).glob("*"):  # (none when it does not exist)
         try:
-            with open(os.path.join(_VIRTIO_DEVICES, name, "device")) as f:
-                if int(f.read().strip(), 16) != _VIRTIO_ID_BALLOON:
-                    continue
-            with open(os.path.join(_VIRTIO_DEVICES, name, "features")) as f:
-                bits = f.read().strip()
+            balloon = int((device / "device").read_text(), 16) == _VIRTIO_ID_BALLOON
+            bits = (device / "features").read_text() if balloon else ""
         except (OSError, ValueError):
             continue
-        if len(bits) > _VIRTIO_BALLOON_F_REPORTING and bits[_VIRTIO_BALLOON_F_REPORTING] == "1":
+        if bits[_VIRTIO_BALLOON_F_REPORTING : _VIRTIO_BALLOON_F_REPORTING + 1] == "1":
             logger.info(
                 "this machine hands its free memory back to the host (virtio-balloon free page "
                 "reporting), which makes page-cache memory slow to allocate: files of 1 MiB and "
@@ -210,40 +200,6 @@ def _write_all(fd: int, views: list[memoryview], observe: Observer | None, direc
     return True
 
 
-def _read_all(
-    fd: int, offset: int, outs: Sequence[memoryview], name: str, observe: Observer | None
-) -> None:
-    """Fills every buffer in order from ``offset`` on, resuming after short reads."""
-    views = [o for o in outs if len(o)]
-    total = offset + sum(map(len, views))
-    pos = offset
-
-    def read(batch: list[memoryview]) -> int:
-        nonlocal pos
-        n = os.preadv(fd, batch, pos)
-        if n == 0:
-            raise base.short_read(name, pos, total)
-        pos += n
-        return n
-
-    _move(views, read, _MAX_CALL_BYTES if observe is None else _OBSERVED_READ_BYTES, observe)
-
-
-def _read_to_end(fd: int, reported: int, limit: int | None, name: str) -> bytes:
-    """The rest of the file ``fd``, whose ``fstat`` said ``reported`` bytes (which may be
-    wrong: a file still growing); past ``limit`` bytes, ``BlobTooLargeError``."""
-    pieces: list[bytes] = []
-    got = 0
-    while limit is None or got <= limit:
-        want = max(reported - got + 1, _MIN_READ_BYTES)
-        piece = os.read(fd, want if limit is None else min(want, limit + 1 - got))
-        if not piece:
-            return b"".join(pieces)
-        pieces.append(piece)
-        got += len(piece)
-    raise BlobTooLargeError(name, limit)
-
-
 def missing_folders(path: str) -> list[str]:
     """``path`` and those of its parents that do not exist, deepest first: the folders
     ``os.makedirs(path)`` would make."""
@@ -334,11 +290,9 @@ class FSStoragePlugin(StoragePlugin):
                 raise
             with self._making_root:  # the root and its missing ancestors, remembered
                 for folder in reversed(missing_folders(self._base)):
-                    try:
+                    with contextlib.suppress(FileExistsError):  # (made by another rank)
                         os.mkdir(folder)
-                    except FileExistsError:
-                        continue  # made meanwhile (another process, another rank)
-                    self._made_above.append(folder)
+                        self._made_above.append(folder)
             fd = self._openat(None, self._base, _DIR_FLAGS, "")
         try:
             for i, name in enumerate(parts):
@@ -348,11 +302,9 @@ class FSStoragePlugin(StoragePlugin):
                 except FileNotFoundError:
                     if not create:
                         raise
-                    try:
+                    with contextlib.suppress(FileExistsError):  # (made by another thread)
                         os.mkdir(name, dir_fd=fd)
                         self._made_below.add(path)
-                    except FileExistsError:
-                        pass  # made meanwhile (another thread or rank)
                     child = self._openat(fd, name, _DIR_FLAGS, path)
                 os.close(fd)
                 fd = child
@@ -396,15 +348,15 @@ class FSStoragePlugin(StoragePlugin):
         direct = self._direct and sum(map(len, views)) >= _DIRECT_MIN_BYTES
         parent = self._open_dir(dirs, create=True)
         try:
-            if not (direct and self._write_new(parent, tmp, views, observe, O_DIRECT)):
-                if direct:  # refused: the same file through the cache, and every later one
-                    if self._direct:  # (said once)
-                        self._direct = False
-                        what = "writing through the page cache from now on"
-                        logger.info("direct I/O refused for %s: %s", self.describe(path), what)
-                    with contextlib.suppress(FileNotFoundError):
-                        os.unlink(tmp, dir_fd=parent)  # some kernels create it, then refuse
-                self._write_new(parent, tmp, views, observe, 0)
+            if not self._write_new(parent, tmp, views, observe, direct):
+                # Refused: the same file through the cache, and every later one (said once).
+                if self._direct:
+                    self._direct = False
+                    what = "writing through the page cache from now on"
+                    logger.info("direct I/O refused for %s: %s", self.describe(path), what)
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(tmp, dir_fd=parent)  # some kernels create it, then refuse
+                self._write_new(parent, tmp, views, observe, False)
             if exclusive:
                 # A hard link is made only where no entry ``name`` exists, atomically.
                 os.link(tmp, name, src_dir_fd=parent, dst_dir_fd=parent, follow_symlinks=False)
@@ -422,19 +374,19 @@ class FSStoragePlugin(StoragePlugin):
             self._dirty_dirs.add(tuple(dirs))
 
     def _write_new(
-        self, parent: int, tmp: str, views: list[memoryview], observe: Observer | None, direct: int
+        self, parent: int, tmp: str, views: list[memoryview], observe: Observer | None, direct: bool
     ) -> bool:
-        """Writes the new file ``tmp`` in ``parent`` (then fsyncs it, with fsync), opened with
-        ``direct`` (O_DIRECT or 0); False when the file system refuses direct I/O, at the open
-        or at the first write."""
+        """Writes the new file ``tmp`` in ``parent`` (then fsyncs it, with fsync), with direct
+        I/O when ``direct``; False when the file system refuses direct I/O, at the open or at
+        the first write."""
         try:
-            fd = os.open(tmp, _NEW_FILE | direct, 0o644, dir_fd=parent)
+            fd = os.open(tmp, _NEW_FILE | (O_DIRECT if direct else 0), 0o644, dir_fd=parent)
         except OSError as e:
             if direct and e.errno == errno.EINVAL:
                 return False
             raise
         try:
-            if not _write_all(fd, views, observe, bool(direct)):
+            if not _write_all(fd, views, observe, direct):
                 return False
             if self._fsync:
                 os.fsync(fd)
@@ -454,11 +406,22 @@ class FSStoragePlugin(StoragePlugin):
         await self._run(self._write_sync, path, buffers, observe)
 
     def _read_sync(self, path: str, limit: int | None = None) -> bytes:
+        """The whole blob, read to its end (``fstat``'s length may be wrong: a file still
+        growing); past ``limit`` bytes, ``BlobTooLargeError``."""
         fd, st = self._open_blob(path)
         try:
             if limit is not None and st.st_size > limit:
                 raise BlobTooLargeError(self.describe(path), limit, st.st_size)
-            return _read_to_end(fd, st.st_size, limit, self.describe(path))
+            pieces: list[bytes] = []
+            got = 0
+            while limit is None or got <= limit:
+                want = max(st.st_size - got + 1, _MIN_READ_BYTES)
+                piece = os.read(fd, want if limit is None else min(want, limit + 1 - got))
+                if not piece:
+                    return b"".join(pieces)
+                pieces.append(piece)
+                got += len(piece)
+            raise BlobTooLargeError(self.describe(path), limit)
         finally:
             os.close(fd)
 
@@ -471,9 +434,21 @@ class FSStoragePlugin(StoragePlugin):
     def _readv_sync(
         self, path: str, offset: int, outs: Sequence[memoryview], observe: Observer | None = None
     ) -> None:
+        """Fills every buffer in order from ``offset`` on, resuming after short reads."""
         fd, _ = self._open_blob(path)
+        pos, end = offset, offset + sum(map(len, outs))
+
+        def read(batch: list[memoryview]) -> int:
+            nonlocal pos
+            n = os.preadv(fd, batch, pos)
+            if n == 0:
+                raise base.short_read(self.describe(path), pos, end)
+            pos += n
+            return n
+
+        limit = _MAX_CALL_BYTES if observe is None else _OBSERVED_READ_BYTES
         try:
-            _read_all(fd, offset, outs, self.describe(path), observe)
+            _move([o for o in outs if len(o)], read, limit, observe)
         finally:
             os.close(fd)
 

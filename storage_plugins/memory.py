@@ -97,6 +97,6 @@ class MemoryStoragePlugin(StoragePlugin):
             return _key(self.root, path) in _STORE
 
     async def delete(self, path: str) -> None:
-        self._get(path)  # FileNotFoundError when there is none
         with _LOCK:
-            _STORE.pop(_key(self.root, path), None)
+            if _STORE.pop(_key(self.root, path), None) is None:
+                raise FileNotFoundError(f"no blob {self.describe(path)}")

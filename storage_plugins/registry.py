@@ -50,10 +50,8 @@ def split_url(url: str) -> tuple[str, str]:
 
 
 def check_below_root(path: str, where: str) -> str:
-    """``path``, a blob path relative to a plugin's root, once it is known to stay below it: no
-    ``.`` or ``..`` part. Object stores take keys literally, but some (and fsspec's path
-    handling) normalize them; a reference to a sibling snapshot (``../<name>/<blob>``) is
-    resolved by the library to a plugin of its own, never passed to a plugin as a path.
+    """``path``, a blob path relative to a plugin's root, once it is known to have no ``.`` or
+    ``..`` part (which some object stores, and fsspec, would normalize out of the root).
 
     Raises:
         UnsafeBlobError: ``path`` has a ``.`` or ``..`` part (``where`` names it).

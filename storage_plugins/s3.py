@@ -109,9 +109,7 @@ class S3StoragePlugin(StoragePlugin):
         for option in ("request_checksum_calculation", "response_checksum_validation"):
             if option in getattr(Config, "OPTION_DEFAULTS", ()):
                 config.setdefault(option, "when_required")
-        s3_config = dict(config.get("s3") or {})
-        s3_config.setdefault("payload_signing_enabled", False)
-        config["s3"] = s3_config
+        config["s3"] = {"payload_signing_enabled": False, **(config.get("s3") or {})}
         options.setdefault("skip_instance_cache", True)  # a cached instance may be another loop's
         self.fs = s3fs.S3FileSystem(
             asynchronous=True, loop=asyncio.get_running_loop(), config_kwargs=config, **options
@@ -209,41 +207,39 @@ class S3StoragePlugin(StoragePlugin):
         path: str,
         views: list[memoryview],
         total: int,
-        observe: Callable[[memoryview], None] | None = None,
+        observe: Callable[[memoryview], None] | None,
     ) -> None:
-        """A multipart upload of ``views``, its parts sent concurrently. With ``observe``,
-        each part is first copied, in order, the copy observed and sent (parts are read
-        concurrently as they are sent, and ``observe`` must see the bytes in order): at most
-        ``max_concurrent_requests`` copies are held at once."""
+        """A multipart upload of ``views``, at most ``max_concurrent_requests`` parts held at
+        once (sent concurrently). With ``observe``, each part is first copied, in order, and
+        the copy observed and sent; an upload that failed stops the copying."""
         part_bytes = max(self._part_bytes, -(-total // _MAX_PARTS))
         created = await self._call("create_multipart_upload", path)
         upload_id = created["UploadId"]
-        copies = asyncio.Semaphore(self._concurrency)
+        held = asyncio.Semaphore(self._concurrency)
 
-        async def upload(number: int, pieces: list[memoryview], copied: bool) -> dict[str, Any]:
+        async def upload(number: int, pieces: list[memoryview]) -> dict[str, Any]:
             try:
                 done = await self._call(
                     "upload_part", path, UploadId=upload_id, PartNumber=number, Body=Body(pieces)
                 )
             finally:
-                if copied:
-                    copies.release()
+                held.release()
             return {"PartNumber": number, "ETag": done["ETag"]}
 
         tasks: list[asyncio.Future[dict[str, Any]]] = []
         try:
             for number, pieces in enumerate(split_parts(views, part_bytes), start=1):
-                if observe is not None:
-                    await copies.acquire()
-                    try:
-                        if failed := [e for t in tasks if t.done() and (e := t.exception())]:
-                            raise failed[0]  # an upload failed: no more copies
+                await held.acquire()
+                try:
+                    if failed := [e for t in tasks if t.done() and (e := t.exception())]:
+                        raise failed[0]
+                    if observe is not None:
                         data = await asyncio.to_thread(base.observed_copy, pieces, observe)
-                    except BaseException:
-                        copies.release()
-                        raise
-                    pieces = [memoryview(data)]
-                tasks.append(asyncio.ensure_future(upload(number, pieces, observe is not None)))
+                        pieces = [memoryview(data)]
+                except BaseException:
+                    held.release()
+                    raise
+                tasks.append(asyncio.ensure_future(upload(number, pieces)))
             parts = await asyncio.gather(*tasks)
             await self._call(
                 "complete_multipart_upload",

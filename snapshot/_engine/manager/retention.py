@@ -21,7 +21,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
-from snapshot._engine.manager.steps import COMMITTED, INCOMPLETE, UNREADABLE, StepInfo, Steps
+from snapshot._engine.manager.steps import INCOMPLETE, LEFT, UNREADABLE, StepInfo, Steps
 from snapshot.errors import InvalidArgumentError
 from storage_plugins.base import DaemonThreadPool
 
@@ -58,19 +58,16 @@ class Policy:
         return self.keep_last is None and self.keep_every_steps is None and self.keep_best is None
 
 
-# A committed step as retention sees it: its metrics and the names of the steps (folders)
-# whose bytes it needs (``Step(step, name, metrics, bases)``).
+# A committed step as retention sees it: ``Step(step, name, metrics, bases)``.
 Step = StepInfo
 
 
 def to_keep(policy: Policy, steps: list[Step]) -> set[int]:
     """The steps ``policy`` keeps among the committed ``steps`` (before closing over bases)."""
-    if not steps:
-        return set()
     ordered = sorted(s.step for s in steps)
     if policy.keeps_everything:
         return set(ordered)
-    keep = {ordered[-1]}  # the newest committed step, always
+    keep = set(ordered[-1:])  # the newest committed step, always
     if policy.keep_last is not None:
         keep.update(ordered[-policy.keep_last :])
     if policy.keep_every_steps is not None:
@@ -126,10 +123,10 @@ class Cleaner:
     """Retention and every deletion of one checkpoint manager, on one worker thread (started by
     the first round queued), and which steps the manager's saves hold."""
 
-    def __init__(self, steps: Steps, policy: Policy, root: str) -> None:
+    def __init__(self, steps: Steps, policy: Policy) -> None:
         self._steps = steps
         self.policy = policy
-        self.root = root
+        self.root = steps.root
         # Each step the manager began saving: WRITING (not yet committed nor failed) and SAVED
         # are never taken for an earlier run's debris; FAILED is debris, deleted even without
         # the pending marker.
@@ -191,10 +188,9 @@ class Cleaner:
             saves = dict(self._saves)
         in_flight = {step for step, state in saves.items() if state == WRITING}
         for s in found:
-            if saves.get(s.step) in (WRITING, SAVED) or not s.debris:
-                continue
+            # A take's debris: this manager's failed save's, or an earlier run's marked one.
             failed = saves.get(s.step) == FAILED
-            if s.state == INCOMPLETE or failed:
+            if s.debris and (failed or (s.state == INCOMPLETE and s.step not in saves)):
                 logger.warning(
                     "%s holds no committed snapshot (%s): deleting it",
                     self._steps.path(s.name),
@@ -203,8 +199,9 @@ class Cleaner:
                 self._delete(s, unmarked=failed)
         steps = [s for s in found if s.committed]
         unreadable = [s.name for s in found if s.state == UNREADABLE]
-        doomed = to_delete(self.policy, steps, in_flight, unreadable)
-        if unreadable and to_delete(self.policy, steps, in_flight):
+        doomed = to_delete(self.policy, steps, in_flight)
+        if unreadable and doomed:
+            doomed = []
             self._warn_once(
                 "retention under %s deletes no step while %s cannot be read (it may need any "
                 "other step as its base): upgrade statesnap to read it, or move it away",
@@ -246,7 +243,7 @@ class Cleaner:
                     self._steps.path(s.name),
                     s.reason,
                 )
-            elif s.state not in (COMMITTED, INCOMPLETE) and s.step not in self._saves:
+            elif s.state == LEFT and s.step not in self._saves:
                 self._warn_once(
                     "%s is left alone (the checkpoint manager deletes only what a take of its "
                     "own left): %s",

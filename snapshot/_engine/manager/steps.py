@@ -235,37 +235,37 @@ class Steps:
     def path(self, name: str) -> str:
         return join(self.root, name)
 
-    def _kinds(self) -> list[tuple[str, str]]:
-        """Each step-named entry under the root and what it is: ``"committed"`` (a manifest
-        there), ``"folder"`` (none), or why it is no step folder (a link, a file)."""
-        if self._local is not None:
-            try:
-                found = _scan_local(self._local)
-            except FileNotFoundError:
-                return []
-            out = []
-            for n, kind in found:
-                if step_of(n) is None:
-                    continue
-                if kind == "dir":
-                    # A manifest that is a link counts: reading it says why it is refused.
-                    there = os.path.lexists(os.path.join(self._local, n, MANIFEST_NAME))
-                    out.append((n, "committed" if there else "folder"))
-                else:
-                    out.append((n, A_LINK if kind == "link" else NOT_A_FOLDER))
-            return out
-        with open_storage(self.root, self.storage_options, self.options) as plugin:
-            names = run(plugin.list_names(LIST_LIMIT))
-            if names is None:
-                raise StorageError(
-                    f"the store at {self.root} cannot list its folders: a checkpoint manager "
-                    "finds its steps by listing the root"
-                )
-            out = []
-            for n in names:
-                if step_of(n) is not None:
-                    there = run(plugin.exists(f"{n}/{MANIFEST_NAME}"))
-                    out.append((n, "committed" if there else "folder"))
+    def _kinds(self) -> list[tuple[int, str, str]]:
+        """Each step-named entry under the root, its step and what it is: ``"committed"`` (a
+        manifest there), ``"folder"`` (none), or why it is no step folder (a link, a file)."""
+        if self._local is None:
+            with open_storage(self.root, self.storage_options, self.options) as plugin:
+                names = run(plugin.list_names(LIST_LIMIT))
+                if names is None:
+                    raise StorageError(
+                        f"the store at {self.root} cannot list its folders: a checkpoint manager "
+                        "finds its steps by listing the root"
+                    )
+                out = []
+                for n in names:
+                    if (step := step_of(n)) is not None:
+                        there = run(plugin.exists(f"{n}/{MANIFEST_NAME}"))
+                        out.append((step, n, "committed" if there else "folder"))
+                return out
+        try:
+            found = _scan_local(self._local)
+        except FileNotFoundError:
+            return []
+        out = []
+        for n, kind in found:
+            if (step := step_of(n)) is None:
+                continue
+            if kind == "dir":
+                # A manifest that is a link counts: reading it says why it is refused.
+                there = os.path.lexists(os.path.join(self._local, n, MANIFEST_NAME))
+                out.append((step, n, "committed" if there else "folder"))
+            else:
+                out.append((step, n, A_LINK if kind == "link" else NOT_A_FOLDER))
         return out
 
     def scan(self) -> list[StepInfo]:
@@ -278,9 +278,7 @@ class Steps:
         with storage_errors(f"cannot list the steps under {self.root}"):
             kinds = self._kinds()
         out = []
-        for name, kind in kinds:
-            step = step_of(name)
-            assert step is not None
+        for step, name, kind in kinds:
             if kind == "committed":
                 info = self._read.get(name) or self._read_step(step, name)
                 if info.committed:
