@@ -204,6 +204,10 @@ def _keep_archive(r: _Range, data: memoryview, lo: int, hi: int) -> str | None:
     return None
 
 
+class _StoreError(Exception):
+    """A plugin call failed; its error is the ``__cause__``."""
+
+
 async def _check_blob(
     plugin: StoragePlugin,
     blob: str,
@@ -221,15 +225,19 @@ async def _check_blob(
     def problem(start: int, end: int, paths: Sequence[str], what: str) -> None:
         report.problems.append(Problem(blob, start, end, tuple(paths), what))
 
-    def read(op: Callable[[], Any]) -> Any:
-        # Transient errors are retried; the plugin's own error comes out at the end.
-        return call(plugin, "read", blob, label, op, options=options, convert=False)
+    async def read(op: Callable[[], Any]) -> Any:
+        # Transient errors are retried; the plugin's own error comes out at the end, as the
+        # cause of a ``_StoreError`` (an error of the checks below is a bug: it propagates).
+        try:
+            return await call(plugin, "read", blob, label, op, options=options, convert=False)
+        except Exception as e:
+            raise _StoreError from e
 
     failure, pos = "", -1  # -1: not even the blob's size is known
     try:
         size = await read(lambda: plugin.size(blob))
         if size is None and expected == 0 and not await read(lambda: plugin.exists(blob)):
-            raise FileNotFoundError(blob)
+            raise _StoreError from FileNotFoundError(blob)
         limit = expected
         if size is None:
             report.sizes_unknown.append(blob)
@@ -274,12 +282,13 @@ async def _check_blob(
             pos = end
             report.bytes_read += n
             tick(n)
-    except FileNotFoundError:
-        failure = "the blob is missing"
-    except EOFError as e:
-        failure = f"the blob ends before this range does ({e})"
-    except Exception as e:
-        if pos >= 0:
+    except _StoreError as failed:
+        e = failed.__cause__
+        if isinstance(e, FileNotFoundError):
+            failure = "the blob is missing"
+        elif isinstance(e, EOFError):
+            failure = f"the blob ends before this range does ({e})"
+        elif pos >= 0:
             failure = f"cannot read: {type(e).__name__}: {e}"
         elif isinstance(e, UnsafeBlobError):
             failure = f"refused, not read: {e}"
