@@ -99,11 +99,9 @@ def export(
     max_bytes = parse_size(max_shard_size)
     resolved = resolve(options)
     if isinstance(snapshot, Snapshot):
-        path = snapshot.path
-        storage_options = (
-            storage_options if storage_options is not None else snapshot.storage_options
-        )
-        manifest = snapshot._manifest
+        path, manifest = snapshot.path, snapshot._manifest
+        if storage_options is None:
+            storage_options = snapshot.storage_options
     else:
         path = os.fspath(snapshot)
         manifest = load_manifest(path, storage_options, resolved)
@@ -219,12 +217,8 @@ class Source:
     out_dtype: torch.dtype
 
     @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-    @property
     def out_bytes(self) -> int:
-        return self.numel * self.out_dtype.itemsize
+        return math.prod(self.shape) * self.out_dtype.itemsize
 
 
 def collect(
@@ -298,8 +292,6 @@ def stream_tensor(
     options: Options,
 ) -> None:
     """Writes ``source``'s bytes (cast to its output dtype) through ``write``, tile by tile."""
-    if source.numel == 0:
-        return
     verify = bool(options.checksums)
     readers = [BoxReader(plugin, c, source.path, options, verify) for _, _, c in source.boxes]
     shape = source.shape or (1,)  # a 0-d tensor as one row
