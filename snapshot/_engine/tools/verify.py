@@ -209,16 +209,16 @@ class _StoreError(Exception):
 
 async def _check_blob(
     plugin: StoragePlugin,
-    blob: str,
-    expected: int,
-    ranges: list[_Range],
     report: VerifyReport,
-    tick: Callable[[int], None],
-    buffer: memoryview,
     options: Options,
+    item: tuple[str, int, list[_Range]],
+    buffer: memoryview,
+    tick: Callable[[int], None],
 ) -> None:
-    """Reads one blob in pieces of ``buffer``'s length and checks its size and every range's
-    CRC-32, adding what is wrong to ``report``."""
+    """Reads the blob of ``item`` (its name, the size the manifest records and its ranges) in
+    pieces of ``buffer``'s length and checks its size and every range's CRC-32, adding what is
+    wrong to ``report``."""
+    blob, expected, ranges = item
     label = ranges[0].paths[0] if ranges else blob
 
     def problem(start: int, end: int, paths: Sequence[str], what: str) -> None:
@@ -332,18 +332,13 @@ def verify(
     manifest = load_manifest(path, storage_options, options)
     by_blob = _ranges_by_blob(manifest)
     sizes = manifest.blob_sizes
-    report = VerifyReport(len(manifest.entries), len(by_blob))
-    report.ranges = sum(len(r) for r in by_blob.values())
+    n_ranges = sum(len(r) for r in by_blob.values())
+    report = VerifyReport(len(manifest.entries), len(by_blob), ranges=n_ranges)
     size = max(1, min(piece_bytes, max(sizes.values(), default=0)))
+    items = [(blob, sizes[blob], ranges) for blob, ranges in by_blob.items()]
     with open_linked(path, manifest, storage_options, options) as plugin:
-
-        async def check(
-            item: tuple[str, list[_Range]], buffer: memoryview, tick: Callable[[int], None]
-        ) -> None:
-            blob, ranges = item
-            await _check_blob(plugin, blob, sizes[blob], ranges, report, tick, buffer, options)
-
-        each(list(by_blob.items()), jobs, size, sum(sizes.values()), progress, check)
+        check = functools.partial(_check_blob, plugin, report, options)
+        each(items, jobs, size, sum(sizes.values()), progress, check)
     if manifest.metadata.get("format") == "torchsnapshot":
         report.foreign = str(manifest.metadata.get("library", "torchsnapshot"))
     # A pickle without a recorded CRC-32 whose blob showed no problem is decoded by the safe
