@@ -271,14 +271,9 @@ def collect(
 
 def tiles(source: Source, tile_bytes: int) -> Iterator[tuple[int, int]]:
     """Row ranges ``[a, b)`` of the leading axis, each at most ``tile_bytes`` (of the larger of
-    the stored and output dtypes), at least one row."""
-    if not source.shape:
-        yield (0, 1)
-        return
-    rows = source.shape[0]
-    per_row = max(1, math.prod(source.shape[1:])) * max(
-        source.dtype.itemsize, source.out_dtype.itemsize
-    )
+    the stored and output dtypes), at least one row; a 0-d tensor is one row."""
+    rows, *inner = source.shape or (1,)
+    per_row = max(1, math.prod(inner)) * max(source.dtype.itemsize, source.out_dtype.itemsize)
     step = max(1, tile_bytes // per_row)
     for a in range(0, rows, step):
         yield (a, min(rows, a + step))
