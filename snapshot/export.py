@@ -99,11 +99,9 @@ def export(
     max_bytes = parse_size(max_shard_size)
     resolved = resolve(options)
     if isinstance(snapshot, Snapshot):
-        path = snapshot.path
-        storage_options = (
-            storage_options if storage_options is not None else snapshot.storage_options
-        )
-        manifest = snapshot._manifest
+        path, manifest = snapshot.path, snapshot._manifest
+        if storage_options is None:
+            storage_options = snapshot.storage_options
     else:
         path = os.fspath(snapshot)
         manifest = load_manifest(path, storage_options, resolved)
@@ -219,12 +217,8 @@ class Source:
     out_dtype: torch.dtype
 
     @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-    @property
     def out_bytes(self) -> int:
-        return self.numel * self.out_dtype.itemsize
+        return math.prod(self.shape) * self.out_dtype.itemsize
 
 
 def collect(
@@ -277,14 +271,9 @@ def collect(
 
 def tiles(source: Source, tile_bytes: int) -> Iterator[tuple[int, int]]:
     """Row ranges ``[a, b)`` of the leading axis, each at most ``tile_bytes`` (of the larger of
-    the stored and output dtypes), at least one row."""
-    if not source.shape:
-        yield (0, 1)
-        return
-    rows = source.shape[0]
-    per_row = max(1, math.prod(source.shape[1:])) * max(
-        source.dtype.itemsize, source.out_dtype.itemsize
-    )
+    the stored and output dtypes), at least one row; a 0-d tensor is one row."""
+    rows, *inner = source.shape or (1,)
+    per_row = max(1, math.prod(inner)) * max(source.dtype.itemsize, source.out_dtype.itemsize)
     step = max(1, tile_bytes // per_row)
     for a in range(0, rows, step):
         yield (a, min(rows, a + step))
@@ -298,8 +287,6 @@ def stream_tensor(
     options: Options,
 ) -> None:
     """Writes ``source``'s bytes (cast to its output dtype) through ``write``, tile by tile."""
-    if source.numel == 0:
-        return
     verify = bool(options.checksums)
     readers = [BoxReader(plugin, c, source.path, options, verify) for _, _, c in source.boxes]
     shape = source.shape or (1,)  # a 0-d tensor as one row

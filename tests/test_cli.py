@@ -515,6 +515,20 @@ def test_verify_reads_every_blob_once_in_bounded_pieces(reads):
     ]
 
 
+def test_verify_lets_an_error_of_its_own_checks_surface(tmp_path, monkeypatch):
+    """A bug in verify's checks is raised, not reported as a blob that cannot be read."""
+    from snapshot._engine.tools import verify as verify_module
+
+    path = _take(str(tmp_path / "snap"))
+
+    def broken(data: Any, value: int = 0) -> int:
+        raise ZeroDivisionError("a bug")
+
+    monkeypatch.setattr(verify_module, "crc32", broken)
+    with pytest.raises(ZeroDivisionError, match="a bug"):
+        verify(path, None)
+
+
 def test_verify_when_the_store_cannot_tell_sizes(capsys, reads):
     local = reads.removeprefix("reads://")
     _take(local)

@@ -1,5 +1,5 @@
 """Looking into a snapshot without restoring it: what ``statesnap ls / show / du`` compute,
-and what ``verify`` and ``diff`` share (``Tally``, ``each``, :data:`PIECE_BYTES`, :data:`JOBS`;
+and what ``verify`` and ``diff`` share (``each``, :data:`PIECE_BYTES`, :data:`JOBS`;
 ``BoxReader``, which export reads with too).
 
 Every function returns data and prints nothing. ``ls`` and ``du`` read only the manifest,
@@ -50,33 +50,36 @@ after each piece read and each item finished."""
 T = TypeVar("T")
 
 
-class Tally:
-    """Items and bytes done of ``items`` and ``nbytes``, told to ``progress`` as they grow."""
-
-    def __init__(self, progress: Progress | None, items: int, nbytes: int) -> None:
-        self.progress, self.items, self.nbytes = progress, items, nbytes
-        self.items_done = self.bytes_done = 0
-        self(0)
-
-    def __call__(self, nbytes: int, items: int = 0) -> None:
-        self.items_done += items
-        self.bytes_done += nbytes
-        if self.progress is not None:
-            self.progress(self.items_done, self.items, self.bytes_done, self.nbytes)
-
-
-def each(items: Iterable[T], jobs: int, work: Callable[[T, int], Awaitable[None]]) -> None:
-    """Runs ``work(item, worker)`` for every item, ``jobs`` workers at a time, on the I/O loop
-    (``worker``: the index of the one running it, whose buffers it uses)."""
+def each(
+    items: Sequence[T],
+    jobs: int,
+    buffer_bytes: int,
+    nbytes: int,
+    progress: Progress | None,
+    work: Callable[[T, memoryview, Callable[[int], None]], Awaitable[None]],
+) -> None:
+    """Runs ``work(item, buffer, tick)`` for every item on the I/O loop, at most ``jobs`` at
+    once, each worker with a ``buffer`` of ``buffer_bytes`` of its own. ``tick(n)`` counts
+    ``n`` of the ``nbytes`` bytes done; ``progress`` hears of every byte and item done."""
     todo = iter(items)
+    done = [0, 0]  # items, bytes
 
-    async def worker(i: int) -> None:
+    def tick(n: int, finished: int = 0) -> None:
+        done[0] += finished
+        done[1] += n
+        if progress is not None:
+            progress(done[0], len(items), done[1], nbytes)
+
+    async def worker() -> None:
+        buffer = memoryview(bytearray(buffer_bytes))
         for item in todo:
-            await work(item, i)
+            await work(item, buffer, tick)
+            tick(0, 1)
 
     async def main() -> None:
-        await asyncio.gather(*(worker(i) for i in range(jobs)))
+        await asyncio.gather(*(worker() for _ in range(max(1, min(jobs, len(items))))))
 
+    tick(0)
     run(main())
 
 

@@ -49,7 +49,6 @@ from snapshot._engine.tools.inspection import (
     PIECE_BYTES,
     BoxReader,
     Progress,
-    Tally,
     each,
     format_shape,
 )
@@ -204,32 +203,40 @@ def _keep_archive(r: _Range, data: memoryview, lo: int, hi: int) -> str | None:
     return None
 
 
+class _StoreError(Exception):
+    """A plugin call failed; its error is the ``__cause__``."""
+
+
 async def _check_blob(
     plugin: StoragePlugin,
-    blob: str,
-    expected: int,
-    ranges: list[_Range],
     report: VerifyReport,
-    tick: Callable[[int], None],
-    buffer: memoryview,
     options: Options,
+    item: tuple[str, int, list[_Range]],
+    buffer: memoryview,
+    tick: Callable[[int], None],
 ) -> None:
-    """Reads one blob in pieces of ``buffer``'s length and checks its size and every range's
-    CRC-32, adding what is wrong to ``report``."""
+    """Reads the blob of ``item`` (its name, the size the manifest records and its ranges) in
+    pieces of ``buffer``'s length and checks its size and every range's CRC-32, adding what is
+    wrong to ``report``."""
+    blob, expected, ranges = item
     label = ranges[0].paths[0] if ranges else blob
 
     def problem(start: int, end: int, paths: Sequence[str], what: str) -> None:
         report.problems.append(Problem(blob, start, end, tuple(paths), what))
 
-    def read(op: Callable[[], Any]) -> Any:
-        # Transient errors are retried; the plugin's own error comes out at the end.
-        return call(plugin, "read", blob, label, op, options=options, convert=False)
+    async def read(op: Callable[[], Any]) -> Any:
+        # Transient errors are retried; the plugin's own error comes out at the end, as the
+        # cause of a ``_StoreError`` (an error of the checks below is a bug: it propagates).
+        try:
+            return await call(plugin, "read", blob, label, op, options=options, convert=False)
+        except Exception as e:
+            raise _StoreError from e
 
     failure, pos = "", -1  # -1: not even the blob's size is known
     try:
         size = await read(lambda: plugin.size(blob))
         if size is None and expected == 0 and not await read(lambda: plugin.exists(blob)):
-            raise FileNotFoundError(blob)
+            raise _StoreError from FileNotFoundError(blob)
         limit = expected
         if size is None:
             report.sizes_unknown.append(blob)
@@ -274,12 +281,13 @@ async def _check_blob(
             pos = end
             report.bytes_read += n
             tick(n)
-    except FileNotFoundError:
-        failure = "the blob is missing"
-    except EOFError as e:
-        failure = f"the blob ends before this range does ({e})"
-    except Exception as e:
-        if pos >= 0:
+    except _StoreError as failed:
+        e = failed.__cause__
+        if isinstance(e, FileNotFoundError):
+            failure = "the blob is missing"
+        elif isinstance(e, EOFError):
+            failure = f"the blob ends before this range does ({e})"
+        elif pos >= 0:
             failure = f"cannot read: {type(e).__name__}: {e}"
         elif isinstance(e, UnsafeBlobError):
             failure = f"refused, not read: {e}"
@@ -324,21 +332,13 @@ def verify(
     manifest = load_manifest(path, storage_options, options)
     by_blob = _ranges_by_blob(manifest)
     sizes = manifest.blob_sizes
-    report = VerifyReport(len(manifest.entries), len(by_blob))
-    report.ranges = sum(len(r) for r in by_blob.values())
-    tally = Tally(progress, len(by_blob), sum(sizes.values()))
-    workers = max(1, min(jobs, len(by_blob)))
+    n_ranges = sum(len(r) for r in by_blob.values())
+    report = VerifyReport(len(manifest.entries), len(by_blob), ranges=n_ranges)
     size = max(1, min(piece_bytes, max(sizes.values(), default=0)))
-    buffers = [memoryview(bytearray(size)) for _ in range(workers)]
+    items = [(blob, sizes[blob], ranges) for blob, ranges in by_blob.items()]
     with open_linked(path, manifest, storage_options, options) as plugin:
-
-        async def check(item: tuple[str, list[_Range]], worker: int) -> None:
-            blob, ranges = item
-            buffer = buffers[worker]
-            await _check_blob(plugin, blob, sizes[blob], ranges, report, tally, buffer, options)
-            tally(0, 1)
-
-        each(by_blob.items(), workers, check)
+        check = functools.partial(_check_blob, plugin, report, options)
+        each(items, jobs, size, sum(sizes.values()), progress, check)
     if manifest.metadata.get("format") == "torchsnapshot":
         report.foreign = str(manifest.metadata.get("library", "torchsnapshot"))
     # A pickle without a recorded CRC-32 whose blob showed no problem is decoded by the safe
@@ -516,13 +516,6 @@ def _compare(path: str, a: Entry, other: Entry) -> Difference | bool:
     return True
 
 
-def _first_difference(a: memoryview, b: memoryview) -> int:
-    """The index of the first byte where the equally long ``a`` and ``b`` differ."""
-    ta = torch.frombuffer(a, dtype=torch.uint8)
-    tb = torch.frombuffer(b, dtype=torch.uint8)
-    return int(torch.ne(ta, tb).nonzero()[0, 0])
-
-
 def diff(
     path_a: str,
     path_b: str,
@@ -565,36 +558,36 @@ def diff(
             found.append((n + j, Difference(path, "only in B", b.type)))
     report = DiffReport(path_a, path_b, len(a_entries), len(b_entries), [])
     if to_read:  # the bytes of each ``(index, path, a, b)``, entries of the same size
-        tally = Tally(progress, len(to_read), sum(a.nbytes for _, _, a, _ in to_read))
         size = max(1, min(PIECE_BYTES, max(a.nbytes for _, _, a, _ in to_read)))
-        workers = max(1, min(jobs, len(to_read)))
-        buffers = [(bytearray(size), bytearray(size)) for _ in range(workers)]
         with (
             open_linked(path_a, ma, storage_options, options) as pa,
             open_linked(path_b, mb, storage_options, options) as pb,
         ):
 
-            async def compare(item: tuple[int, str, Entry, Entry], worker: int) -> None:
+            async def compare(
+                item: tuple[int, str, Entry, Entry],
+                buffer: memoryview,
+                tick: Callable[[int], None],
+            ) -> None:
                 index, path, a, b = item
-                buf_a, buf_b = buffers[worker]
-                view_a, view_b = memoryview(buf_a), memoryview(buf_b)
+                view_a, view_b = buffer[:size], buffer[size:]
                 # The bytes as stored: a CRC-32 either side recorded is not checked here.
                 read_a = BoxReader(pa, a.locations, path, options, verify=False)
                 read_b = BoxReader(pb, b.locations, path, options, verify=False)
                 for pos in range(0, a.nbytes, size):
                     n = min(size, a.nbytes - pos)
                     await asyncio.gather(read_a.read(view_a[:n]), read_b.read(view_b[:n]))
-                    tally(n)
-                    # bytearray equality is a memcmp; slices copy, but only the last piece's.
-                    if not (buf_a == buf_b if n == size else buf_a[:n] == buf_b[:n]):
-                        at = pos + _first_difference(view_a[:n], view_b[:n])
+                    tick(n)
+                    ta, tb = (torch.frombuffer(v[:n], dtype=torch.uint8) for v in (view_a, view_b))
+                    if not torch.equal(ta, tb):
+                        at = pos + int(torch.ne(ta, tb).nonzero()[0, 0])
                         what = f"contents differ from byte {at:,}"
                         found.append((index, Difference(path, "bytes", what)))
-                        tally(a.nbytes - pos - n)
+                        tick(a.nbytes - pos - n)
                         break
                 report.compared_by_reading += 1
-                tally(0, 1)
 
-            each(to_read, workers, compare)
+            total = sum(a.nbytes for _, _, a, _ in to_read)
+            each(to_read, jobs, 2 * size, total, progress, compare)
     report.differences = [d for _, d in sorted(found, key=lambda x: x[0])]
     return report
