@@ -206,7 +206,6 @@ async def call_digesting(
     op: Callable[[RangeDigest], Awaitable[None]],
     *,
     options: Options,
-    convert: bool = True,
 ) -> list[int]:
     """``call`` of a plugin operation that shows its bytes to a digest of ``ranges`` (a new
     one for every attempt, so that a retry starts over); the ranges' CRC-32s."""
@@ -216,5 +215,5 @@ async def call_digesting(
         digests.append(RangeDigest(ranges))
         return op(digests[-1])
 
-    await call(plugin, verb, blob, label, attempt, options=options, convert=convert)
+    await call(plugin, verb, blob, label, attempt, options=options)
     return digests[-1].values
