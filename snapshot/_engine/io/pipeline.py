@@ -225,13 +225,10 @@ def _release(keepalive: object) -> None:
 
 @dataclass(slots=True)
 class Segment:
-    """``nbytes`` consecutive bytes of a read, into ``dest()``. A plain segment is a gap between
-    two wanted ranges, cheaper to read than to ask for separately: its ``dest`` is scratch that
-    the bytes are dropped into (set once the reads are planned). When ``verify`` is set, it is
-    given the CRC-32 of the bytes that landed (computed by the plugin as it reads:
-    ``readv_observed``), before the read's ``done`` runs; it raises if they are not the bytes
-    expected. ``owner``: the app_state key whose live state the bytes land in (a ``Need``'s),
-    None for a gap."""
+    """``nbytes`` consecutive bytes of a read, into ``dest()`` (scratch for a gap between two
+    wanted ranges). ``verify``, when set, is given the CRC-32 of what landed before the read's
+    ``done`` runs, and raises if those are not the bytes expected. ``owner``: the app_state key
+    whose live state the bytes land in, None for a gap."""
 
     nbytes: int
     dest: Callable[[], memoryview] | None
@@ -241,12 +238,9 @@ class Segment:
 
 @dataclass(slots=True)
 class ReadRequest:
-    """One scatter read: the bytes of ``blob`` from ``offset`` on, into ``segments`` in order.
-
-    Each segment's ``dest`` is called on the I/O loop just before the read (so memory is
-    allocated only when the budget allows); ``done`` runs after the bytes have landed.
-    ``scratch_bytes`` is the memory the ``dest`` calls allocate that ``done`` frees (0 when
-    reading straight into destination tensors).
+    """One scatter read of ``blob`` from ``offset`` on, into ``segments`` in order. The
+    ``dest`` calls run on the I/O loop just before the read and allocate ``scratch_bytes``
+    (held against the budget), which ``done``, run once the bytes have landed, frees.
     """
 
     blob: str
@@ -304,9 +298,7 @@ async def read_all(
 
 
 async def _read(plugin: StoragePlugin, req: ReadRequest, options: Options) -> None:
-    """One read request into its segments' ``dest()``s, then each segment's ``verify`` with the
-    CRC-32 of what landed in it, computed by the plugin as the bytes land
-    (``readv_observed``)."""
+    """One read request into its segments' ``dest()``s, then each segment's ``verify``."""
     outs = [s.dest() for s in req.segments]  # type: ignore[misc]  # set once planned
     verifiers = [s.verify for s in req.segments]
     if not any(verifiers):
