@@ -455,4 +455,3 @@ def _copy_from_device(flat: torch.Tensor, views: list[torch.Tensor], non_blockin
         n = v.numel()
         device.copy(flat[pos : pos + n].view(v.shape), v, non_blocking)
         pos += n
-

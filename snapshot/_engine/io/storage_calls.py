@@ -75,28 +75,22 @@ def open_storage(
 
 
 def _storage_error(
-    plugin: StoragePlugin, verb: str, blob: str, label: str, e: Exception, attempts: int = 1
+    plugin: StoragePlugin, verb: str, blob: str, label: str, e: Exception, attempts: int
 ) -> Exception:
-    """The library's error for a failed plugin call, with ``e`` as its cause."""
+    """The library's error for a failed plugin call (raised from ``e``)."""
     if isinstance(e, SnapshotError):
         return e
     where = plugin.describe(blob)
-    error: SnapshotError
     if isinstance(e, UnsafeBlobError):
-        error = UnsafeSnapshotError(f"{label}: blob {blob}: {e}")  # ``e`` names the full path
-    elif verb == "read" and isinstance(e, FileNotFoundError):
-        error = CorruptSnapshotError(f"{label}: blob {where} is missing")
-    elif verb == "read" and isinstance(e, EOFError):
-        error = CorruptSnapshotError(
+        return UnsafeSnapshotError(f"{label}: blob {blob}: {e}")  # ``e`` names the full path
+    if verb == "read" and isinstance(e, FileNotFoundError):
+        return CorruptSnapshotError(f"{label}: blob {where} is missing")
+    if verb == "read" and isinstance(e, EOFError):
+        return CorruptSnapshotError(
             f"{label}: blob {where} is shorter than the manifest says ({e})"
         )
-    else:
-        tries = f" ({attempts} attempts)" if attempts > 1 else ""
-        error = StorageError(
-            f"{label}: failed to {verb} blob {where}{tries}: {type(e).__name__}: {e}"
-        )
-    error.__cause__ = e
-    return error
+    tries = f" ({attempts} attempts)" if attempts > 1 else ""
+    return StorageError(f"{label}: failed to {verb} blob {where}{tries}: {type(e).__name__}: {e}")
 
 
 _FIRST_BACKOFF_SECS = 0.05
