@@ -251,22 +251,17 @@ def relate(
         # spans (a transpose and its base): a leaf within the span of the contiguous leaf
         # reaching furthest so far is a view of that one.
         members.sort(key=lambda m: (m[0], m[1], not m[3].is_contiguous()))
-        base: tuple[int, int, str, torch.Tensor, Draft] | None = None
+        base: tuple[int, int, str, Draft] | None = None
         for start, neg_end, path, t, draft in members:
             if base is not None and -neg_end <= base[1]:
-                b_start, _, b_path, b_t, b_draft = base
-                tied = (
-                    start == b_start
-                    and t.shape == b_t.shape
-                    and t.stride() == b_t.stride()
-                    and draft.payloads[0] is b_draft.payloads[0]
-                )
-                if not tied:
-                    offset, stride = start - b_start, tuple(t.stride())
-                    view = TensorView(base=b_path[cut:], offset=offset, stride=stride)
+                b_start, _, b_path, b_draft = base
+                # Tied leaves (the same memory, dtype, shape and strides) share their payloads.
+                if draft.payloads[0] is not b_draft.payloads[0]:
+                    stride = tuple(t.stride())
+                    view = TensorView(base=b_path[cut:], offset=start - b_start, stride=stride)
                     views[path] = (view, b_draft)
             elif t.is_contiguous():
-                base = (start, -neg_end, path, t, draft)
+                base = (start, -neg_end, path, draft)
     return views
 
 
