@@ -1,9 +1,6 @@
-"""Background work: ``AsyncRequest`` (work to run in the background, and what to run once it is
-done) and ``AsyncCallsQueue`` (runs requests one at a time, in order, on one thread).
-
-Async take hands its rest (wait for the writes, agree, commit) to the process's queue
-(``runtime.get().queue()``); the strategy API's ``async_save`` returns an ``AsyncRequest`` for
-its caller to schedule or run.
+"""Background work: ``AsyncRequest`` (work, and what to run once it is done) and
+``AsyncCallsQueue`` (runs requests one at a time, in order, on one thread). Async take hands its
+commit to the process's queue; the strategy API's ``async_save`` returns an ``AsyncRequest``.
 """
 
 from __future__ import annotations
@@ -25,12 +22,8 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class AsyncRequest:
-    """Work to run in the background, and what to run once it is done.
-
-    ``async_fn(*async_fn_args)`` runs on the queue's background thread; ``finalize_fns`` run
-    afterwards, in order, on the thread that finalizes the call (the caller's), only if
-    ``async_fn`` succeeded. A request is frozen once scheduled.
-    """
+    """``async_fn(*async_fn_args)`` to run in the background, then, if it succeeded,
+    ``finalize_fns`` in order on the thread that finalizes the call. Frozen once scheduled."""
 
     async_fn: Callable[..., Any] | None
     async_fn_args: tuple[Any, ...] = ()
@@ -55,11 +48,8 @@ class AsyncRequest:
 
 
 class AsyncCallsQueue:
-    """Runs scheduled requests one at a time, in the order scheduled, on one background thread,
-    and finalizes finished ones when asked.
-
-    One thread means the calls' work never overlaps, so a later snapshot's commit always follows
-    an earlier one's.
+    """Runs scheduled requests one at a time, in order, on one background thread (a later
+    snapshot's commit always follows an earlier one's), and finalizes finished ones when asked.
     """
 
     def __init__(self) -> None:

@@ -1,12 +1,9 @@
-"""The library's calls into CUDA for staging, in one place: which stream is current, making a
-stream, ordering one stream after another, the non-blocking copy, events, waiting for a stream,
-pinned allocation, emptying torch's pinned-memory cache.
+"""The library's calls into CUDA (streams, copies, events, pinned memory), in one place.
 
 Only a machine with a GPU runs them (all but ``cuda_index``; benchmarks/gpu_check.py checks
-them). Tests on CPU replace them with a double (``tests/cuda_double.py``) that holds each
-non-blocking copy until its stream is synchronized: callers look them up on this module at call
-time (``device.copy(...)``). Callers ask ``cuda_index`` first, so a state without device
-tensors never creates a CUDA context.
+them). Tests on CPU replace them with a double (``tests/cuda_double.py``), so callers look them
+up on this module at call time (``device.copy(...)``), and ask ``cuda_index`` first, so that a
+state without device tensors never creates a CUDA context.
 """
 
 from __future__ import annotations
@@ -21,14 +18,12 @@ Stream = Any
 
 
 def cuda_index(t: torch.Tensor) -> int | None:
-    """The index of the CUDA device holding ``t``'s memory; None for host memory (and for
-    other device types, whose copies the library makes synchronously)."""
+    """The index of the CUDA device holding ``t``'s memory; None for any other memory."""
     return t.device.index if t.is_cuda else None
 
 
 def current_stream(index: int) -> Stream:
-    """The calling thread's current stream on device ``index``, where the application's kernels
-    are queued."""
+    """The calling thread's current stream on device ``index``."""
     return torch.cuda.current_stream(index)
 
 
@@ -38,8 +33,7 @@ def new_stream(index: int) -> Stream:
 
 
 def wait_stream(stream: Stream, other: Stream) -> None:
-    """Work queued on ``stream`` from now on starts after the work queued on ``other`` so far
-    (both on one device). Does not block the host."""
+    """Work queued on ``stream`` from now on starts after that queued on ``other`` so far."""
     stream.wait_stream(other)
 
 
@@ -49,23 +43,19 @@ def use_stream(stream: Stream) -> contextlib.AbstractContextManager[Any]:
 
 
 def copy(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool) -> None:
-    """``dst.copy_(src)`` between host memory and a device, on the device's current stream; with
-    ``non_blocking`` and pinned host memory, the bytes are there once that stream is
-    synchronized."""
+    """``dst.copy_(src)`` between host and device, on the device's current stream."""
     dst.copy_(src, non_blocking=non_blocking)
 
 
 def record_event(stream: Stream) -> Any:
-    """A marker after the work queued on ``stream`` so far (``event_done`` asks whether the
-    device has passed it). Does not block the host."""
+    """A marker after the work queued on ``stream`` so far (``event_done`` asks about it)."""
     event = torch.cuda.Event()
     event.record(stream)
     return event
 
 
 def event_done(event: Any) -> bool:
-    """Whether the device has run everything queued before ``event`` was recorded; never
-    blocks."""
+    """Whether the device has run everything queued before ``event``; never blocks."""
     return bool(event.query())
 
 
@@ -75,13 +65,12 @@ def synchronize(stream: Stream) -> None:
 
 
 def pinned_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A new page-locked host tensor; RuntimeError when pinning fails (``ulimit -l``, no
-    driver)."""
+    """A new page-locked host tensor; RuntimeError when pinning fails."""
     return torch.empty(shape, dtype=dtype, pin_memory=True)
 
 
 def empty_host_cache() -> None:
-    """Hands the freed pinned blocks torch's host allocator keeps locked back to the system."""
+    """Hands the freed pinned blocks torch's host allocator keeps back to the system."""
     empty = getattr(getattr(torch, "accelerator", None), "empty_host_cache", None)
     if empty is None:  # an older torch, with no public call for it
         empty = torch._C._host_emptyCache

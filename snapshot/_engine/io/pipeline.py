@@ -1,13 +1,7 @@
-"""The I/O of a take and a restore: the write pipeline (stage on the caller's thread, write on the
-I/O loop) and the reads (into destination memory, or into budgeted scratch memory that a callback
-consumes), with the requests both are given.
-
-A take's plan is a list of ``WriteRequest``s, one per blob; ``WritePipeline`` executes it: the
-caller's thread stages each request (a zero-copy view of CPU memory, or a copy when one is
-needed) under a byte budget and hands staged batches to the I/O loop, which writes them
-while the caller stages the next ones. A restore's reads are ``ReadRequest``s (segments into
-memory that callbacks supply: a caller's tensor, or budgeted scratch), which ``read_all``
-performs on the I/O loop.
+"""The I/O of a take and a restore: ``WritePipeline`` executes a take's ``WriteRequest``s
+(staged on the caller's thread under a byte budget, written on the I/O loop while the next ones
+stage); ``read_all`` performs a restore's ``ReadRequest``s (segments into memory that callbacks
+supply) on the I/O loop.
 """
 
 from __future__ import annotations
@@ -57,16 +51,11 @@ class IOStats:
 
 @dataclass(slots=True)
 class WriteRequest:
-    """One blob to write.
-
-    ``stage`` runs on the caller's thread and returns the buffers to write (their concatenation
-    is the blob, ``nbytes`` long) and an object to keep alive until the write is done (the tensor
-    the buffers view, or a pooled buffer's lease, released when the write is done).
-    ``staging_bytes`` is the memory ``stage`` allocates, held against the budget until the
-    write completes: 0 for zero-copy views. The CRC-32 of each ``(offset, nbytes)`` range of
-    ``checksum_ranges`` is computed by the plugin as it writes (``write_observed``), and kept
-    in the pipeline's ``checksums`` under ``(blob, offset)``. (A request whose ``stage``
-    checksums its bytes itself, as a slab's does, lists no ranges.)
+    """One blob to write. ``stage`` (on the caller's thread) returns the buffers whose
+    concatenation is the blob, and an object to keep alive until it is written (a lease is
+    released then); ``staging_bytes`` is what it allocates, held against the budget until the
+    write ends. The plugin computes the CRC-32 of each ``(offset, nbytes)`` of
+    ``checksum_ranges`` as it writes, kept in the pipeline's ``checksums`` by ``(blob, offset)``.
     """
 
     blob: str
@@ -82,20 +71,14 @@ _Staged = tuple[WriteRequest, Sequence[Buffer], object]
 
 
 class WritePipeline:
-    """Stages write requests on the caller's thread and writes them on the I/O loop.
+    """Stages write requests on the caller's thread and writes them on the I/O loop:
+    ``submit`` each (blocks only while the staging budget is full), then ``flush`` and
+    ``await wait()`` on the I/O loop; ``abort`` on failure.
 
-    Call sequence: ``submit`` any number of times on the caller's thread, then ``flush`` (on
-    that thread or, once the caller is done submitting, on any one thread) and ``await wait()``
-    on the I/O loop; ``abort`` on failure. ``submit`` blocks only while the staging budget is
-    full.
-
-    Staged writes are handed to the I/O loop in batches of ``batch_bytes``, so writing overlaps
-    staging. With ``batch_bytes=None`` they are held until ``flush`` (or until the budget is full
-    and writes must start to free it): async take's writes start once the caller is free to go.
-
-    The staging budget is a ``ByteBudget`` of ``budget_bytes`` of its own, or ``budget``: a
-    ``BudgetShare`` of one that other pipelines charge too (async takes pending at once).
-    ``options`` are the operation's (each write's retries and deadline, ``call``).
+    Staged writes go to the loop in batches of ``batch_bytes``; with None they are held until
+    ``flush`` (or until the budget is full): async take's writes start once its caller is free.
+    The budget is ``budget_bytes`` of its own, or ``budget``, a share of one that pending async
+    takes charge too; ``options`` give each write's retries and deadline (``call``).
     """
 
     def __init__(
@@ -129,32 +112,29 @@ class WritePipeline:
     async def _write_staged(
         self, req: WriteRequest, buffers: Sequence[Buffer], keepalive: object
     ) -> None:
+        plugin, ranges = self._plugin, req.checksum_ranges
         try:
             async with self._slots:
-                if self._error is None:
-                    await self._write(req, buffers)
+                if self._error is not None:
+                    return
+                if not ranges:
+                    op = functools.partial(plugin.write, req.blob, buffers)
+                    await call(plugin, "write", req.blob, req.label, op, options=self._options)
+                else:
+                    values = await call_digesting(
+                        plugin, "write", req.blob, req.label, ranges,
+                        lambda digest: plugin.write_observed(req.blob, buffers, digest),
+                        options=self._options,
+                    )  # fmt: skip
+                    for (offset, _), value in zip(ranges, values, strict=True):
+                        self.checksums[(req.blob, offset)] = value
+                self._nbytes += req.nbytes
+                self._blobs += 1
         except Exception as e:  # already the library's error (``call`` converts)
             self._fail(e)
         finally:
             _release(keepalive)
             self.budget.release(req.staging_bytes)
-
-    async def _write(self, req: WriteRequest, buffers: Sequence[Buffer]) -> None:
-        """Writes one staged request, with the checksums of its ranges when it asks for them."""
-        plugin, ranges = self._plugin, req.checksum_ranges
-        if not ranges:
-            op = functools.partial(plugin.write, req.blob, buffers)
-            await call(plugin, "write", req.blob, req.label, op, options=self._options)
-        else:
-            values = await call_digesting(
-                plugin, "write", req.blob, req.label, ranges,
-                lambda digest: plugin.write_observed(req.blob, buffers, digest),
-                options=self._options,
-            )  # fmt: skip
-            for (offset, _), value in zip(ranges, values, strict=True):
-                self.checksums[(req.blob, offset)] = value
-        self._nbytes += req.nbytes
-        self._blobs += 1
 
     def _fail(self, error: BaseException) -> None:
         if self._error is None:
@@ -206,15 +186,6 @@ class WritePipeline:
         seconds = time.perf_counter() - self._start
         return IOStats(self._blobs, self._nbytes, seconds, self.budget.peak)
 
-    async def _end(self, error: BaseException) -> None:
-        """Stops writing with ``error`` (the writes not yet started are skipped) and waits for
-        those under way to end."""
-        self._fail(error)
-        try:
-            await self.wait()
-        except Exception:
-            logger.debug("error while draining aborted writes", exc_info=True)
-
     def _drop_batch(self) -> None:
         """Gives back what is staged and not handed over (a shared budget outlives this)."""
         for req, _, keepalive in self._batch:
@@ -226,7 +197,11 @@ class WritePipeline:
         """Stops writing (what is staged or queued is dropped) and waits for the writes under
         way to end."""
         self._drop_batch()
-        run(self._end(error))
+        self._fail(error)  # the writes not yet started are skipped
+        try:
+            run(self.wait())
+        except Exception:
+            logger.debug("error while draining aborted writes", exc_info=True)
 
     def stop(self, error: BaseException) -> None:
         """Ends a pipeline that nobody will wait for (its take was dropped unfinished): what is
@@ -250,13 +225,10 @@ def _release(keepalive: object) -> None:
 
 @dataclass(slots=True)
 class Segment:
-    """``nbytes`` consecutive bytes of a read, into ``dest()``. A plain segment is a gap between
-    two wanted ranges, cheaper to read than to ask for separately: its ``dest`` is scratch that
-    the bytes are dropped into (set once the reads are planned). When ``verify`` is set, it is
-    given the CRC-32 of the bytes that landed (computed by the plugin as it reads:
-    ``readv_observed``), before the read's ``done`` runs; it raises if they are not the bytes
-    expected. ``owner``: the app_state key whose live state the bytes land in (a ``Need``'s),
-    None for a gap."""
+    """``nbytes`` consecutive bytes of a read, into ``dest()`` (scratch for a gap between two
+    wanted ranges). ``verify``, when set, is given the CRC-32 of what landed before the read's
+    ``done`` runs, and raises if those are not the bytes expected. ``owner``: the app_state key
+    whose live state the bytes land in, None for a gap."""
 
     nbytes: int
     dest: Callable[[], memoryview] | None
@@ -266,12 +238,9 @@ class Segment:
 
 @dataclass(slots=True)
 class ReadRequest:
-    """One scatter read: the bytes of ``blob`` from ``offset`` on, into ``segments`` in order.
-
-    Each segment's ``dest`` is called on the I/O loop just before the read (so memory is
-    allocated only when the budget allows); ``done`` runs after the bytes have landed.
-    ``scratch_bytes`` is the memory the ``dest`` calls allocate that ``done`` frees (0 when
-    reading straight into destination tensors).
+    """One scatter read of ``blob`` from ``offset`` on, into ``segments`` in order. The
+    ``dest`` calls run on the I/O loop just before the read and allocate ``scratch_bytes``
+    (held against the budget), which ``done``, run once the bytes have landed, frees.
     """
 
     blob: str
@@ -329,9 +298,7 @@ async def read_all(
 
 
 async def _read(plugin: StoragePlugin, req: ReadRequest, options: Options) -> None:
-    """One read request into its segments' ``dest()``s, then each segment's ``verify`` with the
-    CRC-32 of what landed in it, computed by the plugin as the bytes land
-    (``readv_observed``)."""
+    """One read request into its segments' ``dest()``s, then each segment's ``verify``."""
     outs = [s.dest() for s in req.segments]  # type: ignore[misc]  # set once planned
     verifiers = [s.verify for s in req.segments]
     if not any(verifiers):

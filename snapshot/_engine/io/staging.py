@@ -1,24 +1,13 @@
-"""The staging of a take's bytes, on the caller's thread: what each write request's ``stage``
-runs, just before its blob is written, and the staging pool of async take.
+"""The staging of a take's bytes on the caller's thread (what each write request's ``stage``
+runs, just before its blob is written), and async take's staging pool.
 
 A placed blob is a ``Slab``: small payloads packed at aligned offsets, or one payload alone;
-``write_request`` makes its write. Without a pool (take), a payload alone is written from a
-view of its tensor's memory, or from a gathered copy when its tensor cannot be viewed
-(``TensorSource`` pieces: prepared, conjugate or negated, non-contiguous, on a device); a
-slab's members are copied into one buffer, which is written. A slab's members get their
-CRC-32s here, from the copy that is written (even while another thread changes the tensors); a
-payload alone gets its CRC-32 from the plugin as it writes.
-
-With a ``StagingPool`` (async take), every payload of a write is copied into one pooled buffer
-(a ``Lease``), so that nothing written later reads the application's memory. The pool keeps its
-host buffers from one snapshot to the next, within one staging budget for the process; the
-process's pool is the runtime's (``process_pool``). A large host tensor, a blob of its own, is
-copied on the runtime's copier thread while the caller goes on planning and staging the rest:
-torch's copy lets the GIL go, so on two cores the call of a state that is mostly large tensors
-stalls its caller for about the longer of the two, not their sum (the async case of
-``benchmarks.bench_io``). Its lease awaits that copy (``Lease.ready``) before the write is
-handed over (``WritePipeline.flush``) and before its block is lent again, and the call returns
-with every copy done.
+``write_request`` makes its write. Without a pool, a payload alone is written from a view of its
+memory (or a gathered copy of a ``TensorSource`` piece) and the plugin checksums it; a slab's
+members are copied into one buffer and checksummed from that copy. With a ``StagingPool`` (async
+take) every write is copied into a pooled buffer (a ``Lease``), so that nothing written later
+reads the application's memory; a large host tensor alone is copied on the runtime's copier
+thread while the caller stages the rest, and ``Lease.ready`` waits for that copy.
 """
 
 from __future__ import annotations
@@ -63,9 +52,7 @@ _COPIER_MIN_BYTES = 4 << 20
 
 
 def process_pool(options: Options) -> StagingPool:
-    """The process's staging pool (held by its runtime), made keeping up to
-    ``options.budget()`` of free blocks; its ``budget`` is the staging budget every async take
-    of the process shares (each take sets it to its own, ``StagingPool.share``)."""
+    """The process's staging pool (its runtime's), whose budget every async take shares."""
     rt = runtime.get()
     with rt.lock:
         if rt.pool is None:
@@ -74,14 +61,10 @@ def process_pool(options: Options) -> StagingPool:
 
 
 class Lease:
-    """A pooled staging buffer lent to one write: ``tensor`` is a 1-d uint8 CPU tensor of the
-    requested size (``pinned``: page-locked), ``view`` the same memory as a memoryview.
-
-    Copies from a device into it are issued on that device's staging stream (``stream``), a
-    copy from host memory may run on the copier thread (``copy``, its future); its bytes may
-    be read only after ``ready`` has waited for them. ``release`` gives the buffer back to the
-    pool.
-    """
+    """A pooled staging buffer lent to one write: ``tensor``, a 1-d uint8 CPU tensor of the
+    requested size (``pinned``: page-locked), and ``view``, its memory. Copies into it (on a
+    device's staging stream, ``stream``, or on the copier thread, ``copy``) may be read after
+    ``ready``; ``release`` gives the buffer back."""
 
     __slots__ = ("_block", "_keep", "_pool", "_streams", "copy", "pinned", "tensor", "view")
 
@@ -98,10 +81,9 @@ class Lease:
         self.copy: Future[None] | None = None  # on the copier thread, until ``ready``
 
     def stream(self, index: int, reads: torch.Tensor) -> device.Stream:
-        """The stream to issue this lease's copies from device ``index`` on: the pool's staging
-        stream for that device, made to wait (the first time this lease asks) for the kernels
-        queued so far on the device's current stream. ``reads``, the tensor a copy reads, is
-        kept alive until ``ready``."""
+        """The pool's staging stream of device ``index``, ordered (the first time this lease
+        asks) after the kernels queued on the device's current stream; ``reads``, the tensor a
+        copy reads, is kept alive until ``ready``."""
         pool = self._pool
         assert pool is not None, "a released lease"
         stream = self._streams.get(index)
@@ -115,8 +97,7 @@ class Lease:
         return stream
 
     def ready(self) -> None:
-        """Waits for the copy on the copier thread and for every staging stream this lease
-        issued copies on; raises what the copy raised."""
+        """Waits for every copy into the buffer; raises what the copy raised."""
         copy, self.copy = self.copy, None
         if copy is not None:
             copy.result()
@@ -126,9 +107,8 @@ class Lease:
         self._keep = []
 
     def release(self) -> None:
-        """Gives the buffer back, once the copies still in flight into it (a stage that failed
-        midway) are done; if that wait fails (a device error), the block is never lent again.
-        """
+        """Gives the buffer back once the copies into it are done (a block whose wait fails
+        is never lent again)."""
         pool, self._pool = self._pool, None
         if pool is None:
             return
@@ -150,17 +130,13 @@ class Lease:
 
 
 class StagingPool:
-    """Host buffers for async take, reused across snapshots (a copy into fresh memory pays a
-    page fault per page), within one staging budget for the process (``budget``, which each
-    take's write pipeline charges through a ``share``).
+    """Host buffers for async take, reused across snapshots (fresh memory pays a page fault per
+    page), within one staging budget for the process (``budget``, charged through ``share``).
 
-    Blocks come in size classes of at least 64 KiB, so a block freed by one write fits the next
-    of a similar size: powers of two and 1.5 times them; powers of two only when pinned (torch
-    rounds pinned allocations up to one). At most ``keep_bytes`` of free blocks are kept
-    (``free_bytes`` of them now; ``leased_bytes`` are lent out).
-
-    A block is pinned only for a write that copies from a device; when pinning fails, the pool
-    warns once and stages in pageable memory (with synchronous copies) from then on.
+    Blocks come in size classes of at least 64 KiB: powers of two and 1.5 times them (powers of
+    two only when pinned, as torch rounds pinned allocations); at most ``keep_bytes`` of free
+    blocks are kept. A block is pinned only for copies from a device; when pinning fails, the
+    pool warns once and stages in pageable memory from then on.
     """
 
     _MIN_BLOCK = 64 * 1024
@@ -187,13 +163,11 @@ class StagingPool:
         return three_quarters if size <= three_quarters and not pinned else power
 
     def block_bytes(self, nbytes: int, from_device: bool) -> int:
-        """The bytes of the block ``acquire(nbytes, from_device)`` lends: what a write staged
-        through this pool costs the staging budget."""
+        """The bytes of the block ``acquire(nbytes, from_device)`` lends."""
         return self.size_class(nbytes, from_device and self.pin)
 
     def share(self, budget_bytes: int) -> BudgetShare:
-        """A write pipeline's share of the process's staging budget, which becomes
-        ``budget_bytes`` (the budget as of this take; the pool keeps as many free bytes)."""
+        """A write pipeline's share of the process's staging budget, now ``budget_bytes``."""
         with self._lock:
             self.keep_bytes = budget_bytes
         self.budget.capacity = max(1, budget_bytes)
@@ -247,9 +221,8 @@ class StagingPool:
                 self._dropped_pinned = True  # still locked in torch's host cache until trim
 
     def trim(self) -> None:
-        """Drops free blocks, largest first, beyond ``keep_bytes``; if pinned blocks were
-        dropped since the last trim, empties torch's host cache, which keeps them locked until
-        then (async take's background commit runs it once its writes are done)."""
+        """Drops free blocks, largest first, beyond ``keep_bytes``; empties torch's host cache,
+        which keeps dropped pinned blocks locked, if any were dropped since the last trim."""
         dropped: list[torch.Tensor] = []
         with self._lock:
             pinned = self._dropped_pinned
@@ -290,10 +263,8 @@ class Slab:
 
 
 def write_request(slab: Slab, pool: StagingPool | None, checksums: bool) -> WriteRequest:
-    """The write of ``slab``: staged from the payloads' own memory, or, with ``pool`` (async
-    take), copied into one pooled block (which the write costs the budget whole,
-    ``StagingPool.block_bytes``). With ``checksums``, each member's CRC-32: a slab's taken as
-    it is staged, a payload alone's by the plugin as it writes."""
+    """The write of ``slab``, staged from the payloads' own memory or, with ``pool``, copied
+    into one pooled block; with ``checksums``, each member's CRC-32 is recorded."""
     if pool is not None:
         stage = functools.partial(stage_slab, slab, checksums and not slab.alone, pool)
         cost = pool.block_bytes(slab.nbytes, slab.from_device)
@@ -319,9 +290,7 @@ def stage_payload(p: Payload) -> Staged:
 
 
 def copy_payload(p: Payload, buf: torch.Tensor, pos: int) -> None:
-    """Copies a payload of host memory (an object's bytes, or a tensor's, by torch's copy,
-    which spreads them over its threads) into ``buf[pos : pos + nbytes]`` of a staging buffer
-    ``buf`` (a 1-d uint8 CPU tensor)."""
+    """Copies a payload of host memory into ``buf[pos : pos + nbytes]`` (a uint8 CPU tensor)."""
     if p.data is not None:
         ctypes.memmove(buf.data_ptr() + pos, p.data, p.nbytes)
     else:
@@ -330,9 +299,7 @@ def copy_payload(p: Payload, buf: torch.Tensor, pos: int) -> None:
 
 
 def stage_slab(slab: Slab, checksums: bool, pool: StagingPool | None = None) -> Staged:
-    """A slab's bytes, copied into one buffer (``_fill``): a new one, or one of ``pool``
-    (pinned when a member is on a device). A stage that fails releases its lease, which first
-    waits for the copies already issued into it."""
+    """A slab's bytes, copied into a new buffer or a lease of ``pool``."""
     if pool is None:
         buf = torch.empty(slab.nbytes, dtype=torch.uint8)
         view = tensor_memoryview(buf)
@@ -350,11 +317,9 @@ def stage_slab(slab: Slab, checksums: bool, pool: StagingPool | None = None) -> 
 def _fill(
     slab: Slab, buf: torch.Tensor, view: memoryview, checksums: bool, lease: Lease | None
 ) -> None:
-    """Copies the members of ``slab`` into ``buf`` (a 1-d uint8 CPU tensor, ``view`` its bytes),
-    zeros in the padding between them; from a device through ``lease`` (``copy_source``). With
-    ``checksums``, each member's CRC-32, of that copy (what is written, even while another
-    thread changes the tensors), goes to its ``crc32``, taken once its bytes are there: right
-    after a copy from host memory, after ``lease.ready()`` for a copy from a device."""
+    """Copies the members of ``slab`` into ``buf`` (``view``: its bytes), zeros between them;
+    with ``checksums``, sets each member's ``crc32`` from the copy (what is written, even while
+    another thread changes the tensors)."""
     start = buf.data_ptr()
     memmove = ctypes.memmove
     end = 0
@@ -393,9 +358,8 @@ def _fill(
 
 
 def _resolve(source: TensorSource) -> torch.Tensor:
-    """The tensor whose elements are written: the prepare function's (checked against what it
-    returned when tracing), detached, conjugate and negation resolved; kept from the first
-    piece this rank stages to the last."""
+    """The tensor whose elements are written (prepared, detached, conjugate and negation
+    resolved), kept from the first piece this rank stages to the last."""
     if source.base is not None:
         return source.base
     t = source.tensor
@@ -440,14 +404,9 @@ def copy_source(
     pos: int,
     lease: Lease | None = None,
 ) -> bool:
-    """Copies elements ``[start, stop)`` into the uint8 staging buffer ``buf`` at ``pos``.
-
-    From host memory the copy is done when this returns (False). From a CUDA device with a
-    ``lease`` (``buf`` is its tensor), the copies are issued on the lease's staging stream
-    for that device, after the work queued on the device's current stream, non-blocking
-    when the buffer is pinned; this returns True and the bytes may be read only after
-    ``lease.ready()``. Without a lease, a device's copies are synchronous.
-    """
+    """Copies elements ``[start, stop)`` into the uint8 buffer ``buf`` at ``pos``. True when
+    the copies were issued on the ``lease``'s staging stream of a CUDA device (readable after
+    ``lease.ready()``); False when done (host memory, or a device without a lease)."""
     dst = buf[pos : pos + (stop - start) * source.dtype.itemsize]
     try:
         base = _resolve(source)
@@ -490,11 +449,9 @@ def _staged_one(source: TensorSource) -> None:
 
 
 def _copy_from_device(flat: torch.Tensor, views: list[torch.Tensor], non_blocking: bool) -> None:
-    """Copies ``views`` (of a device's memory), laid end to end, into the 1-d host tensor
-    ``flat``, on the device's current stream (``device.copy``)."""
+    """Copies ``views`` of a device's memory end to end into the 1-d host tensor ``flat``."""
     pos = 0
     for v in views:
         n = v.numel()
         device.copy(flat[pos : pos + n].view(v.shape), v, non_blocking)
         pos += n
-

@@ -1,9 +1,6 @@
 """Calls to storage: opening a plugin (and keeping one open between operations), and each
-plugin call with its retries, backoff and deadline, its errors made the library's.
-
-Every tunable comes from the ``Options`` of the operation, passed in: ``io_retries`` and
-``io_timeout_secs`` (``call``), ``keep_open_secs`` (``open_storage``), ``max_manifest_bytes``
-(``read_unrecorded``).
+plugin call with its retries, backoff and deadline, its errors made the library's; every
+tunable comes from the operation's ``Options``.
 """
 
 from __future__ import annotations
@@ -56,10 +53,9 @@ def open_plugin(url: str, storage_options: dict[str, Any] | None) -> StoragePlug
 def open_storage(
     url: str, storage_options: dict[str, Any] | None, options: Options
 ) -> Iterator[StoragePlugin]:
-    """A storage plugin for ``url``, built on the I/O loop and closed on exit; or, for a plugin
-    class that asks for it (``keep_open``), kept open ``options.keep_open_secs`` after a
-    successful exit and handed to the next ``open_storage`` of the same ``url`` and storage
-    options (``runtime.KeptPlugins``)."""
+    """A storage plugin for ``url``, closed on exit; or, for a plugin class that asks for it
+    (``keep_open``), kept open ``options.keep_open_secs`` after a successful exit for the next
+    ``open_storage`` of the same ``url`` and storage options."""
     keep_secs = options.keep_open_secs
     assert keep_secs is not None, "resolved options"
     table = runtime.get().kept
@@ -79,28 +75,22 @@ def open_storage(
 
 
 def _storage_error(
-    plugin: StoragePlugin, verb: str, blob: str, label: str, e: Exception, attempts: int = 1
+    plugin: StoragePlugin, verb: str, blob: str, label: str, e: Exception, attempts: int
 ) -> Exception:
-    """The library's error for a failed plugin call, with ``e`` as its cause."""
+    """The library's error for a failed plugin call (raised from ``e``)."""
     if isinstance(e, SnapshotError):
         return e
     where = plugin.describe(blob)
-    error: SnapshotError
     if isinstance(e, UnsafeBlobError):
-        error = UnsafeSnapshotError(f"{label}: blob {blob}: {e}")  # ``e`` names the full path
-    elif verb == "read" and isinstance(e, FileNotFoundError):
-        error = CorruptSnapshotError(f"{label}: blob {where} is missing")
-    elif verb == "read" and isinstance(e, EOFError):
-        error = CorruptSnapshotError(
+        return UnsafeSnapshotError(f"{label}: blob {blob}: {e}")  # ``e`` names the full path
+    if verb == "read" and isinstance(e, FileNotFoundError):
+        return CorruptSnapshotError(f"{label}: blob {where} is missing")
+    if verb == "read" and isinstance(e, EOFError):
+        return CorruptSnapshotError(
             f"{label}: blob {where} is shorter than the manifest says ({e})"
         )
-    else:
-        tries = f" ({attempts} attempts)" if attempts > 1 else ""
-        error = StorageError(
-            f"{label}: failed to {verb} blob {where}{tries}: {type(e).__name__}: {e}"
-        )
-    error.__cause__ = e
-    return error
+    tries = f" ({attempts} attempts)" if attempts > 1 else ""
+    return StorageError(f"{label}: failed to {verb} blob {where}{tries}: {type(e).__name__}: {e}")
 
 
 _FIRST_BACKOFF_SECS = 0.05
@@ -117,15 +107,13 @@ async def call(
     options: Options,
     convert: bool = True,
 ) -> _T:
-    """Awaits ``op()``, one plugin call, and turns its errors into the library's (or, with
-    ``convert=False``, raises the plugin's own error once retries are spent).
+    """Awaits ``op()``, one plugin call, its errors made the library's (with ``convert=False``,
+    the plugin's own error is raised once retries are spent).
 
-    A transient error (``plugin.is_transient``) makes the call again (a write replaces the
-    whole blob, a read fills the whole range again), up to ``options.io_retries`` times, after
-    a backoff that doubles, with jitter so that many workers do not retry in step; each retry
-    is logged. The call, retries included, must end within ``options.io_timeout_secs``: a
-    stalled upload fails the operation, naming the blob, instead of hanging it (an attempt
-    running on a worker thread cannot be stopped; it is abandoned).
+    A transient error (``plugin.is_transient``) makes the whole call again, up to
+    ``options.io_retries`` times, after a jittered backoff that doubles; each retry is logged.
+    The call, retries included, must end within ``options.io_timeout_secs``, or it fails naming
+    the blob (an attempt running on a worker thread is abandoned).
     """
     loop = asyncio.get_running_loop()
     timeout, retries = options.io_timeout_secs, options.io_retries
@@ -166,14 +154,12 @@ async def call(
 
 
 async def read_unrecorded(plugin: StoragePlugin, blob: str, where: str, options: Options) -> bytes:
-    """The whole of ``blob``, a file of the snapshot ``where`` whose length nothing records (a
-    manifest), read through ``call`` and bounded by ``options.max_manifest_bytes``.
+    """The whole of ``blob`` of the snapshot ``where`` whose length nothing records (a
+    manifest), bounded by ``options.max_manifest_bytes``.
 
     Raises:
-        UnsafeSnapshotError: the blob is over the limit, or the plugin refused what the store
-            holds at its path (a link, a FIFO, a device).
-        FileNotFoundError, NotADirectoryError, ...: the plugin's own errors, as they are (the
-            caller tells "no snapshot here" by them).
+        UnsafeSnapshotError: over the limit, or the plugin refused what is at its path.
+        FileNotFoundError, NotADirectoryError, ...: the plugin's own errors, as they are.
     """
     limit = options.max_manifest_bytes
     assert limit is not None, "resolved options"
@@ -206,15 +192,14 @@ async def call_digesting(
     op: Callable[[RangeDigest], Awaitable[None]],
     *,
     options: Options,
-    convert: bool = True,
 ) -> list[int]:
-    """``call`` of a plugin operation that shows its bytes to a digest of ``ranges`` (a new
-    one for every attempt, so that a retry starts over); the ranges' CRC-32s."""
+    """``call`` of an operation that shows its bytes to a digest of ``ranges`` (a new one for
+    each attempt); the ranges' CRC-32s."""
     digests: list[RangeDigest] = []
 
     def attempt() -> Awaitable[None]:
         digests.append(RangeDigest(ranges))
         return op(digests[-1])
 
-    await call(plugin, verb, blob, label, attempt, options=options, convert=convert)
+    await call(plugin, verb, blob, label, attempt, options=options)
     return digests[-1].values

@@ -1,25 +1,14 @@
 """Incremental takes: a tensor whose bytes did not change since a base snapshot is not written
-again; its entry points at the base's bytes.
+again; its entry points at the base's bytes, ``../<base name>/<blob>`` (``manifest.reference_of``).
 
-Whether a tensor changed is decided by a digest of its bytes: XXH3 with 128 bits
-(``xxhash``), recorded in each tensor's entry (``TensorEntry.digest``) by every take that may
-serve as a base. Two different byte strings get the same digest by accident with a chance of
-about 2^-128, far below the 2^-64 per tensor a checkpoint can afford; a CRC-32 (2^-32) could
-not be trusted for it. The digest is a fast hash, not a cryptographic one: it guards against
-accidents, not against someone who crafts a tensor to collide (the bases are the user's own
-earlier snapshots).
-
-A reused range is written ``../<base name>/<blob>`` (``manifest.reference_of``): bases are
-siblings, folders (or prefixes) in the same parent as the new snapshot, as a checkpoint
-manager's step folders are. A range the base itself had from its own base keeps pointing at
-that snapshot, so a chain of increments never reads through more than one hop. Readers follow
-references through ``linked.LinkedStorage``, each resolved by ``checked_sibling``: within the
-snapshot's own store and parent only, and on local disk never through a link.
-
-Which tensors are compared: those of the planner's fast path (contiguous CPU tensors written
-from their own memory, without a prepare function). Others (CUDA tensors, non-contiguous views,
-prepared ones) are written in full and carry no digest: hashing them would first need a
-host copy that the take makes only later, while staging.
+A change is told by an XXH3-128 digest of the bytes (``TensorEntry.digest``, recorded by every
+take that may serve as a base): two byte strings share one by accident with a chance of about
+2^-128, where a CRC-32 could not be trusted; it guards against accidents, not crafted collisions.
+Bases are siblings (in the new snapshot's parent, as a manager's step folders are); a range the
+base itself reused keeps pointing at the snapshot holding it, so a chain never reads through more
+than one hop (readers resolve each by ``checked_sibling``). Only tensors of the planner's fast
+path (contiguous CPU tensors written from their own memory, without a prepare function) are
+compared; others are written in full and carry no digest.
 """
 
 from __future__ import annotations
@@ -86,14 +75,10 @@ def base_name(path: str, base: str) -> str:
 
 
 class Reuse:
-    """What one rank's take at ``path`` compares with its ``base`` (the base's manifest, read by
-    every rank) and reuses; without a base, a take that only records digests.
-
-    ``reused(path, tensor)`` is called by the planner for each dense tensor leaf written from
-    its own memory (a contiguous CPU tensor holding bytes, of a take without a prepare
-    function). It returns the entry that points at the base's bytes when the base holds the
-    same bytes at the same path (same dtype and shape, equal digest), or None after recording
-    the tensor's digest (``digests``) for the entry the planner makes.
+    """What one rank's take at ``path`` reuses of its ``base`` (whose manifest every rank
+    reads); without a base, a take that only records digests. ``reused(path, tensor)``, for
+    each tensor of the planner's fast path: the entry pointing at the base's bytes when the base
+    holds the same ones at ``path``, else None, the tensor's digest recorded in ``digests``.
     """
 
     def __init__(

@@ -1,16 +1,14 @@
-"""The take planner: from state dicts to a ``TakePlan``, the write requests of a take and the
-drafts of its manifest entries, without any I/O.
+"""The take planner: from state dicts to a ``TakePlan`` (the write requests of a take and the
+drafts of its manifest entries), without any I/O.
 
-``collect`` flattens the state dicts into entries and byte payloads (each leaf's by the handler
-of its kind) and finds the leaves that view another leaf's memory (``relate``); ``place`` gives
-the payloads their blobs (small ones packed into slabs: ``Placer``) and makes one
-``WriteRequest`` per blob. The take executes the writes and completes the drafts into the
-manifest's entries with the CRC-32s the writes (or staging) reported.
+``collect`` flattens the state dicts into entries and byte payloads, each leaf by the handler of
+its kind; ``place`` packs the payloads into blobs (``Placer``), one ``WriteRequest`` per blob.
 """
 
 from __future__ import annotations
 
 import fnmatch
+import itertools
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
@@ -65,25 +63,20 @@ class Placer:
         self.mine = mine
         self.stager = stager
         self.writes: list[WriteRequest] = []
-        self._next = 0
+        self._count = itertools.count()  # numbers the blobs
         self._slab: Slab | None = None
-
-    def _new(self, kind: str, alone: bool) -> Slab:
-        slab = Slab(f"{self.prefix}{kind}{self._next}", alone)
-        self._next += 1
-        return slab
 
     def place(self, p: Payload) -> None:
         """In the open slab when small, else in a blob of its own."""
         nbytes = p.nbytes
         open_slab = self._slab
         if nbytes > self.threshold:
-            slab, pos = self._new("", alone=True), 0
+            slab, pos = Slab(f"{self.prefix}{next(self._count)}", alone=True), 0
         elif open_slab is None or open_slab.nbytes + -open_slab.nbytes % ALIGN + nbytes > (
             self.slab_bytes
         ):
             self.close()
-            slab = self._slab = self._new("s", alone=False)
+            slab = self._slab = Slab(f"{self.prefix}s{next(self._count)}")
             pos = 0
         else:
             slab, pos = open_slab, open_slab.nbytes + -open_slab.nbytes % ALIGN
@@ -115,12 +108,10 @@ def place(
     stager: Stager,
     own: Placer | None = None,
 ) -> TakePlan:
-    """The plan: this rank's own writes (its payloads placed by ``own``, when a take across
-    ranks did so, ``replication.settle``; else here) and those of the replicated payloads
-    ``rank`` writes. A replicated payload is written once, by ``writer_of[(logical, index)]``,
-    into that writer's blobs ``<writer>/r<n>`` and ``<writer>/rs<n>``: every rank places them
-    all the same way (in sorted order, with the agreed ``layout``), so every rank knows every
-    location without asking.
+    """The plan: this rank's own writes (placed by ``own`` when ``replication.settle`` did so)
+    and those of the replicated payloads it writes. Each replicated payload is written once, by
+    ``writer_of[(logical, index)]``, into ``<writer>/r...`` blobs: every rank places them all
+    alike (sorted, with the agreed ``layout``), so every rank knows every location.
     """
     if own is None:
         own = Placer(f"{rank}/", layout, mine=True, stager=stager)
@@ -164,12 +155,10 @@ class Collected:
 
 
 class Collector:
-    """Flattens state dicts into entries and payloads; places nothing. Its interface for the
-    handlers' ``take(planner, path, logical, value, replicated)``: ``prepare``, ``chunk_bytes``
-    (the size above which a tensor is split), ``inline_max`` (the largest str or bytes kept in
-    the manifest), ``out`` (the ``Collected`` they record into), ``written`` (tensor drafts by
-    memory: tied tensors), ``views_possible`` (set when a leaf may be a view of another's
-    memory), ``emit(payloads)`` and ``leaf(path, logical, value, replicated)``."""
+    """What the handlers' ``take(planner, path, logical, value, replicated)`` is given:
+    ``prepare``, ``chunk_bytes`` (above which a tensor is split), ``inline_max`` (the largest str
+    or bytes kept in the manifest), ``out`` (the ``Collected`` they record into), ``written``
+    (tensor drafts by memory: tied tensors), ``views_possible``, ``emit`` and ``leaf``."""
 
     def __init__(
         self,
@@ -208,12 +197,9 @@ def collect(
     chunk_bytes: int,
     reuse: Reuse | None = None,
 ) -> Collected:
-    """Flattens ``(key_path, state_dict)`` pairs of process ``rank`` into entries and payloads.
-
-    Manifest paths are ``"<rank>/<key_path>/..."``; ``prepare`` and the ``replicated`` globs see
-    the logical path without the rank. Tensors are split into chunks of ``chunk_bytes``. A
-    container is never replicated, even where a glob matches it: only leaves are stored once
-    for every rank.
+    """Flattens ``(key_path, state_dict)`` pairs of process ``rank`` into entries (at
+    ``"<rank>/<key_path>/..."``) and payloads. ``prepare`` and the ``replicated`` globs see the
+    path without the rank; only leaves, never containers, are stored once for every rank.
     """
     collector = Collector(prepare, inline_max_bytes, chunk_bytes, reuse)
     entries = collector.out.entries
@@ -242,13 +228,10 @@ def collect(
 def relate(
     drafts: Iterable[tuple[str, Draft]], rank_prefix: str
 ) -> dict[str, tuple[TensorView, Draft]]:
-    """Each CPU tensor leaf (of ``drafts``, by path) whose elements lie within the memory of a
-    contiguous leaf of its storage and dtype, as a view of it, with that leaf's draft (never a
-    view of a view), so that a restore into new tensors makes one storage of them, as
-    ``torch.load`` does. Tied leaves (the same view of one memory) share payloads and need no
-    record; negated or conjugate tensors hold other values than their memory, and are left
-    alone. For a take without a prepare function, when planning met a leaf that may be such a
-    view."""
+    """Each CPU tensor leaf of ``drafts`` whose elements lie within the memory of a contiguous
+    leaf of its storage and dtype, as a view of that leaf, with its draft: a restore into new
+    tensors then makes one storage of them, as ``torch.load`` does. Tied leaves (sharing their
+    payloads) and negated or conjugate tensors get no view."""
     cut = len(rank_prefix)
     storages: dict[tuple[Any, ...], list[tuple[int, int, str, torch.Tensor, Draft]]] = {}
     views: dict[str, tuple[TensorView, Draft]] = {}
@@ -268,22 +251,17 @@ def relate(
         # spans (a transpose and its base): a leaf within the span of the contiguous leaf
         # reaching furthest so far is a view of that one.
         members.sort(key=lambda m: (m[0], m[1], not m[3].is_contiguous()))
-        base: tuple[int, int, str, torch.Tensor, Draft] | None = None
+        base: tuple[int, int, str, Draft] | None = None
         for start, neg_end, path, t, draft in members:
             if base is not None and -neg_end <= base[1]:
-                b_start, _, b_path, b_t, b_draft = base
-                tied = (
-                    start == b_start
-                    and t.shape == b_t.shape
-                    and t.stride() == b_t.stride()
-                    and draft.payloads[0] is b_draft.payloads[0]
-                )
-                if not tied:
-                    offset, stride = start - b_start, tuple(t.stride())
-                    view = TensorView(base=b_path[cut:], offset=offset, stride=stride)
+                b_start, _, b_path, b_draft = base
+                # Tied leaves (the same memory, dtype, shape and strides) share their payloads.
+                if draft.payloads[0] is not b_draft.payloads[0]:
+                    stride = tuple(t.stride())
+                    view = TensorView(base=b_path[cut:], offset=start - b_start, stride=stride)
                     views[path] = (view, b_draft)
             elif t.is_contiguous():
-                base = (start, -neg_end, path, t, draft)
+                base = (start, -neg_end, path, draft)
     return views
 
 
@@ -315,11 +293,9 @@ class TakePlan:
         return out
 
     def entries(self, checksums: Mapping[tuple[str, int], int]) -> dict[str, Made]:
-        """The manifest's entries, in flatten order; ``checksums`` maps each written range
-        ``(blob, offset)`` to its CRC-32 (ignored when the take records none). A tensor in one
-        range is given as its manifest line (``str``: see ``manifest.dumps_entries``), made
-        from its fields; rank 0 merges the sharded entries. A leaf with attributes (parameter
-        flags, a view, a digest) gets a ``TensorEntry`` recording them."""
+        """The manifest's entries, in flatten order, given the CRC-32 of each written range
+        ``(blob, offset)``; a tensor in one range as its manifest line (``str``), one with
+        attributes (parameter flags, a view, a digest) as a ``TensorEntry``."""
         sums = checksums if self.checksums else None
         line = EntryFormatter().tensor
         c = self.collected

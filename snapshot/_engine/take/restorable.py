@@ -1,18 +1,11 @@
 """Take-time refusal of values a restore would refuse: a take never commits a snapshot that
 cannot be restored.
 
-An object (any value that is not a tensor, a primitive or a plain container) is stored as
-``torch.save`` bytes and restored by ``torch.load(weights_only=True)``, which rebuilds only
-tensors, primitives, containers and the types allowed by
-``torch.serialization.add_safe_globals``. Take decodes each object's bytes once, with that same
-loader, and refuses the value (``UnsupportedValueError``, naming its path and what to do) when
-the decode fails: a restore would fail the same way, perhaps months later.
-
-Some values decode at take and still fail at restore, so they are refused before the decode:
-a torch ``ShardedTensor``, a ``DTensor`` or a ``DeviceMesh`` inside a value stored whole (its
-pickle rebuilds it against the process group of the take's process, which a restore in another
-job, or world size, does not have; at a leaf of dicts, lists and tuples such values are stored
-as pieces of a global tensor instead).
+An object (not a tensor, primitive or plain container) is stored as ``torch.save`` bytes and
+restored by ``torch.load(weights_only=True)``. Take decodes each object's bytes once with that
+loader and refuses the value (``UnsupportedValueError``, naming its path and what to do) when
+the decode fails. A torch ``ShardedTensor``, ``DTensor`` or ``DeviceMesh`` inside a value
+stored whole is refused before the decode: its pickle needs the take's process group.
 """
 
 from __future__ import annotations
@@ -95,9 +88,8 @@ def _loader_reason(e: BaseException) -> str:
 
 
 def _group_types_in(data: bytes) -> list[str]:
-    """The process-group types (torch ShardedTensor, DTensor, DeviceMesh) the pickle names:
-    the ``module.name`` of its GLOBAL opcodes (``torch.save`` pickles with protocol 2, whose
-    globals are all GLOBAL opcodes) in ``<archive>/data.pkl`` of its zip archive."""
+    """The process-group types the pickle names: the GLOBAL opcodes (``torch.save`` pickles
+    with protocol 2) of ``data.pkl`` in its zip archive."""
     wanted = set()
     for module, names in _GROUP_MODULES.items():
         loaded = sys.modules.get(module)
@@ -121,8 +113,7 @@ def _group_types_in(data: bytes) -> list[str]:
 
 
 def _unsafe_globals(data: bytes) -> list[str]:
-    """What the safe loader would refuse in ``data``, as ``add_safe_globals`` takes it (a
-    builtin by its bare name)."""
+    """What the safe loader would refuse in ``data``, named as ``add_safe_globals`` takes it."""
     try:
         names = torch.serialization.get_unsafe_globals_in_checkpoint(io.BytesIO(data))
     except Exception:  # a name we cannot list is still refused by the decode

@@ -206,9 +206,8 @@ class TakeJob:
         self._times["staged"] = time.perf_counter() - t0
 
     def _capture(self) -> dict[str, Any]:
-        """This rank's part before the first agreement: state dicts and their plan (across
-        ranks, with what its leaves are: ``replication.describe``); on rank 0 also the
-        existence checks and the pending marker."""
+        """This rank's part before the first agreement: its state dicts collected (and described
+        across ranks: ``replication.describe``); on rank 0, ``begin``."""
         coord = self.coordinator
         states = [
             (k, state_dict_of(k, self.app_state[k], self.path))
@@ -262,9 +261,8 @@ class TakeJob:
         return info
 
     def _agree(self, infos: list[dict[str, Any]]) -> tuple[str, Layout, Decision | None]:
-        """Rank 0's path and layout; across ranks, which leaves are replicated (None for a
-        process alone), those whose CRCs matched confirmed by their digests. Every rank
-        computes the same answer from the same facts, so checks fail on all ranks alike."""
+        """Rank 0's path and layout, and which leaves are replicated (None for a process alone);
+        every rank computes it from the same facts, so checks fail on all ranks alike."""
         first = infos[0]
         for rank, info in enumerate(infos[1:], start=1):
             if info["layout"] != first["layout"]:
@@ -303,8 +301,7 @@ class TakeJob:
     # -- writing and commit -----------------------------------------------------------------
 
     def release_writes(self) -> None:
-        """On the caller's thread, after ``start``: the staged writes go to the I/O loop.
-        ``finish`` drains the pipeline once they are."""
+        """On the caller's thread, after ``start``: the staged writes go to the I/O loop."""
         try:
             if self.pipeline is not None:
                 self.pipeline.flush()
@@ -365,8 +362,8 @@ class TakeJob:
         return data
 
     def _manifest(self, parts: Sequence[Mapping[str, Made]]) -> tuple[int, bytes]:
-        """The number of entries and the bytes of the manifest holding every rank's entries
-        (``parts``, in rank order), in the lowest format version that holds them."""
+        """The number of entries and the manifest of every rank's entries (``parts``, in rank
+        order), in the lowest format version that holds them."""
         world_size = self.coordinator.world_size
         entries = merge_entries(parts)
         kinds = set(map(type, entries.values()))
@@ -393,8 +390,7 @@ class TakeJob:
         return len(entries), mf.dumps_entries(version, world_size, metadata, entries)
 
     def _abandon(self, error: BaseException | None = None) -> None:
-        """After a failure: the writes stopped (with ``error``, while they may still run), then
-        best effort removal of what this rank wrote, and storage closed."""
+        """After a failure: the writes stopped (with ``error``), what this rank wrote removed."""
         if error is not None and self.pipeline is not None:
             self.pipeline.abort(error)
         if self.plugin is not None:
@@ -430,10 +426,9 @@ class TakeJob:
 
 
 async def begin(plugin: StoragePlugin, where: str, options: Options) -> asyncio.Future[None]:
-    """Checks that the take may write at the snapshot's path (rank 0, before any blob), and
-    starts writing the pending marker: the commit and a failed take's cleanup wait for it.
-    Raises ``SnapshotExistsError`` (a snapshot, or another library's checkpoint, is there) or
-    ``PathNotEmptyError`` (files no snapshot wrote are)."""
+    """On rank 0 before any blob: checks that the take may write at its path, and starts
+    writing the pending marker (which the commit and a failed take's cleanup wait for).
+    Raises ``SnapshotExistsError`` or ``PathNotEmptyError``."""
     names = (MANIFEST_NAME, *FOREIGN_MARKERS)
     checks = [
         call(plugin, "check", n, where, functools.partial(plugin.exists, n), options=options)
@@ -475,20 +470,18 @@ async def commit(plugin: StoragePlugin, manifest: bytes, options: Options) -> No
     A crash at any point leaves either no manifest (an incomplete snapshot) or a complete one.
     """
     where = plugin_location(plugin)
-    lost = False
 
-    async def write() -> None:
+    async def lost() -> bool:
         # Only if no manifest is there: of two takes racing at one path, the first wins.
-        nonlocal lost
         try:
             await plugin.write_if_absent(MANIFEST_NAME, [manifest])
         except FileExistsError:
             # Ours, if an earlier attempt of this call landed but its answer was lost.
-            lost = await plugin.read(MANIFEST_NAME) != manifest
+            return await plugin.read(MANIFEST_NAME) != manifest
+        return False
 
     await call(plugin, "sync", "", where, plugin.sync, options=options)
-    await call(plugin, "write", MANIFEST_NAME, where, write, options=options)
-    if lost:
+    if await call(plugin, "write", MANIFEST_NAME, where, lost, options=options):
         raise SnapshotExistsError(
             f"{where}: another take committed a snapshot at this path while this one was "
             "writing; that snapshot stays as it is, and nothing of this take is committed "
@@ -511,11 +504,10 @@ async def remove_written(
 ) -> None:
     """Best effort removal of what a failed take wrote on this rank (``blobs``, and the pending
     marker when this rank started writing it), then storage closed."""
-    blobs = list(blobs)
     if marker_write is not None:
         with contextlib.suppress(Exception):
             await marker_write  # so that it cannot land after its deletion
-        blobs.append(PENDING_NAME)
+        blobs = [*blobs, PENDING_NAME]
     failed: list[tuple[str, Exception]] = []
     try:
         for blob in blobs:  # each on its own: one that cannot be removed leaves the others
