@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import os
 import zlib
+from typing import Any
 
 import pytest
 import torch
@@ -288,6 +289,38 @@ def test_storage_that_cannot_open_on_one_rank_fails_every_rank(tmp_path):
         assert "rank(s) [1]" in message and "no credentials on this rank" in message, message
     with pytest.raises(SnapshotNotFoundError):
         Snapshot(inner)
+
+
+def _commit_agreement_lost(rank: int, world: int, path: str) -> str:
+    """Rank 1 loses the group right after rank 0 committed: its last agreement raises."""
+    from snapshot._engine.dist import dist as coordination
+
+    if rank == 1:
+        agree = coordination.GroupCoordinator.agree
+
+        def losing(self, what, value=None, error=None):
+            if what == "take: commit":
+                raise ConnectionError("the group was lost after the commit")
+            return agree(self, what, value, error)
+
+        coordination.GroupCoordinator.agree = losing  # type: ignore[method-assign]
+    try:
+        Snapshot.take(path, {"s": StateDict(t=torch.arange(1000) * (rank + 1))})
+    except Exception as e:
+        return type(e).__name__
+    return "ok"
+
+
+def test_a_failure_after_the_commit_leaves_the_snapshot_whole(tmp_path):
+    """Once rank 0 has committed the manifest, no rank removes a blob it names: a failure of
+    the last agreement raises, and the committed snapshot still restores bitwise."""
+    path = str(tmp_path / "snap")
+    outcomes = run_ranks(2, _commit_agreement_lost, path, timeout=120)
+    assert outcomes[1] == "ConnectionError", outcomes
+    assert outcomes[0] in ("ok", "RankFailedError"), outcomes
+    snap = Snapshot(path)
+    for rank in range(2):
+        assert torch.equal(snap.read_object(f"{rank}/s/t"), torch.arange(1000) * (rank + 1))
 
 
 def _paths_differ(rank: int, world: int, base: str) -> str:

@@ -46,6 +46,7 @@ from snapshot._engine.take.plan import TakePlan, collect, place
 from snapshot.errors import (
     PathMismatchWarning,
     PathNotEmptyError,
+    RankFailedError,
     SnapshotError,
     SnapshotExistsError,
 )
@@ -337,24 +338,40 @@ class TakeJob:
                 checksums.update(part)
             with gc_paused():
                 entries = self.plan.entries(checksums)
-                parts = coord.gather(entries)
         except BaseException:
             self._abandon()
             raise
+        # From the gather on, rank 0 may commit a manifest that names every rank's blobs: after
+        # a failure a rank removes its blobs only when it knows no manifest of this take landed.
         data = error = None
         count = len(entries)
-        if parts is not None:  # rank 0: write the manifest of every rank's entries
-            try:
-                with gc_paused():
-                    count, data = self._manifest(parts)
-                assert self.plugin is not None  # rank 0 opened it before the first agreement
-                run(commit(self.plugin, data, self.options))
-            except Exception as e:
-                error = e
+        may_have_landed = False  # rank 0: from the moment its manifest write begins
         try:
+            with gc_paused():
+                parts = coord.gather(entries)
+            if parts is not None:  # rank 0: write the manifest of every rank's entries
+                assert self.plugin is not None  # rank 0 opened it before the first agreement
+                try:
+                    with gc_paused():
+                        count, data = self._manifest(parts)
+                    may_have_landed = True
+                    run(commit(self.plugin, data, self.options))
+                except SnapshotExistsError as e:  # another take's manifest holds the path
+                    error, may_have_landed = e, False
+                except Exception as e:
+                    error = e
+                    may_have_landed = not run(_not_committed(self.plugin, data))
             coord.agree("take: commit", error=error)
-        except BaseException:
-            self._abandon()
+        except BaseException as e:
+            if (coord.rank == 0 and not may_have_landed) or _lost_to_another_take(e):
+                self._abandon()
+            else:
+                logger.warning(
+                    "take %s (rank %d) failed after its manifest may have been committed: its "
+                    "blobs are left in place", self.where, coord.rank,
+                )  # fmt: skip
+                if self.plugin is not None:
+                    run(self.plugin.close())
             raise
         assert self.plugin is not None and stats is not None  # no error: both are there
         run(self.plugin.close())
@@ -494,6 +511,27 @@ async def commit(plugin: StoragePlugin, manifest: bytes, options: Options) -> No
         pass
     except OSError:
         logger.warning("snapshot %s committed, but its pending marker could not be removed", where)
+
+
+async def _not_committed(plugin: StoragePlugin, manifest: bytes | None) -> bool:
+    """After a failed commit: whether the path surely holds no manifest of this take (read back;
+    an answer lost on its way back may hide a write that landed)."""
+    if manifest is None:
+        return True
+    try:
+        return await plugin.read(MANIFEST_NAME) != manifest
+    except FileNotFoundError:
+        return True
+    except Exception:
+        return False
+
+
+def _lost_to_another_take(error: BaseException) -> bool:
+    """Whether ``error``, raised by the commit's agreement, says that rank 0 found another take's
+    manifest at the path: then no manifest names this take's blobs."""
+    return isinstance(error, RankFailedError) and error.failures.get(0, "").startswith(
+        f"{SnapshotExistsError.__name__}:"
+    )
 
 
 async def remove_written(
