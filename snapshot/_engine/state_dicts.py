@@ -15,6 +15,7 @@ import os
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from itertools import repeat
+from operator import is_not
 from typing import Any
 
 import torch.distributed
@@ -495,20 +496,21 @@ def inflate(
         KeyError: a container's child path is missing from ``entries`` (the caller words it).
     """
     entry = entries[path]
-    if not isinstance(entry, (DictEntry, ListEntry, TupleEntry)):
+    if not isinstance(entry, _CONTAINER_ENTRIES):
         return leaf(path, entry)
     paths = _children(entries, path, entry)
-    missing = next((p for p in paths if p not in entries), None)
-    if missing is not None:
-        raise KeyError(missing)
-    values = []
-    for p in paths:
-        value = known.get(p)
-        values.append(inflate(entries, p, leaf, known) if value is None else value)
+    values = list(map(known.get, paths))
+    if not all(map(is_not, values, repeat(None))):
+        for i, p in enumerate(paths):
+            if values[i] is None:
+                values[i] = inflate(entries, p, leaf, known)
     if isinstance(entry, DictEntry):
         items = zip(entry.keys, values, strict=True)
         return OrderedDict(items) if entry.ordered else dict(items)
     return values if isinstance(entry, ListEntry) else tuple(values)
+
+
+_CONTAINER_ENTRIES = (DictEntry, ListEntry, TupleEntry)
 
 
 def subtree(entries: Mapping[str, Entry], path: str) -> list[str]:
@@ -520,8 +522,13 @@ def subtree(entries: Mapping[str, Entry], path: str) -> list[str]:
         p = stack.pop()
         out.append(p)
         entry = entries.get(p)
-        if isinstance(entry, (DictEntry, ListEntry, TupleEntry)):
-            stack.extend(reversed(_children(entries, p, entry)))
+        if isinstance(entry, _CONTAINER_ENTRIES):
+            children = _children(entries, p, entry)
+            kinds = set(map(type, map(entries.get, children)))
+            if kinds.isdisjoint(_CONTAINER_ENTRIES):
+                out += children  # leaves only (most containers): in one pass
+            else:
+                stack.extend(reversed(children))
     return out
 
 
@@ -531,7 +538,12 @@ def _children(
     """The paths of a container entry's children, in order."""
     prefix = child_prefix(path)
     if isinstance(entry, DictEntry):
-        return [prefix + escape_key(k) for k in entry.keys]
+        keys = entry.keys
+        if set(map(type, keys)) <= {str}:
+            text = "".join(keys)  # type: ignore[arg-type]
+            if "%" not in text and "/" not in text:
+                return list(map(prefix.__add__, keys))  # type: ignore[arg-type]
+        return [prefix + escape_key(k) for k in keys]
     if entry.length > len(entries):  # a damaged length: never build or walk that many paths
         raise CorruptSnapshotError(
             f"{path}: a {entry.type} of {entry.length:,} items, but the manifest holds only "

@@ -285,11 +285,11 @@ _QUANTIZED = {torch.qint8, torch.quint8, torch.qint32, torch.quint4x2, torch.qui
 def direct_address(entry: TensorEntry, target: Any, piece_bytes: int, verify: bool) -> int | None:
     """Where the bytes of the most common read land (most tensors of a state), or None when
     ``plan_tensor_read`` must plan it: a tensor stored in one range of at most ``piece_bytes``
-    (with a CRC-32 when reads ``verify``), into a dense, contiguous CPU tensor of the stored
-    dtype and shape whose storage holds the bytes. Anything else (an error included) is left to
-    the general path, which words it."""
+    (with a CRC-32 when reads ``verify``), into ``target`` (of a dense kind's value type) when
+    it is a dense, contiguous CPU tensor of the stored dtype and shape whose storage holds the
+    bytes. Anything else (an error included) is left to the general path, which words it."""
     chunks = entry.chunks
-    if len(chunks) != 1 or not isinstance(by_value_type.get(type(target)), Dense):
+    if len(chunks) != 1:
         return None
     chunk = chunks[0]
     nbytes = chunk.nbytes
@@ -300,7 +300,7 @@ def direct_address(entry: TensorEntry, target: Any, piece_bytes: int, verify: bo
         or not 0 < nbytes <= piece_bytes
         or (verify and chunk.crc32 is None)
         or target.dtype is not dtype
-        or target.layout is not torch.strided  # (before ``shape``: a nested tensor has none)
+        or target.layout is not _STRIDED  # (before ``shape``: a nested tensor has none)
         or target.is_nested
         or target.shape != entry.shape
         or target.nbytes != nbytes  # (the manifest's length, checked against the shape)
@@ -313,6 +313,9 @@ def direct_address(entry: TensorEntry, target: Any, piece_bytes: int, verify: bo
     ):
         return None
     return target.data_ptr()  # type: ignore[no-any-return]
+
+
+_STRIDED = torch.strided
 
 
 def plan_views(reader: ReadPlanner) -> None:
@@ -446,8 +449,12 @@ class Dense(TensorKind):
         tensor (a view entry's waits until every other read is planned)."""
         piece_bytes, verify, tensors = reader.piece_bytes, reader.verify, reader.tensors
         direct = []
+        last_type, dense_type = None, False  # the kind is looked up once per run of a type
         for path, entry, target in leaves:
-            address = direct_address(entry, target, piece_bytes, verify)
+            if type(target) is not last_type:
+                last_type = type(target)
+                dense_type = isinstance(by_value_type.get(last_type), Dense)
+            address = direct_address(entry, target, piece_bytes, verify) if dense_type else None
             if address is not None:
                 direct.append((path, entry.chunks[0], address))
             elif is_dense_tensor(target):

@@ -149,18 +149,20 @@ class Loader:
         with naming_snapshot(self.where):
             self._unclaimed = (root, targets)
             entries = self.entries
+            paths = subtree(entries, root)
             run: list[tuple[str, Any, Any]] = []  # consecutive leaves of one kind
-            run_kind = None
-            for p in subtree(entries, root):
-                entry = entries.get(p)
-                if entry is None:
-                    raise CorruptSnapshotError(
-                        f"{p}: listed by its parent but missing from the manifest"
-                    )
-                kind = by_entry_type.get(type(entry))
+            run_kind = entry_type = entry_kind = None
+            for p, entry, target in zip(paths, map(entries.get, paths), map(targets.get, paths)):
+                if type(entry) is not entry_type:
+                    if entry is None:
+                        raise CorruptSnapshotError(
+                            f"{p}: listed by its parent but missing from the manifest"
+                        )
+                    entry_type = type(entry)
+                    entry_kind = by_entry_type.get(entry_type)
+                kind = entry_kind
                 if kind is None:
                     continue  # a container, which ``inflate`` rebuilds
-                target = targets.get(p)
                 if isinstance(target, LocalNonpersistentObject):
                     kind = LOCAL  # this rank's own, never read
                 if kind is not run_kind:
