@@ -345,24 +345,6 @@ def int_refusal(where: str) -> str:
     )
 
 
-def _items(value: Any) -> Iterable[tuple[Any, Any]]:
-    """The ``(key, child)`` pairs of a container."""
-    return value.items() if type(value) in (dict, OrderedDict) else enumerate(value)
-
-
-def _long_int(value: Any) -> str | None:
-    """Where container ``value`` holds an int too long for the manifest (``/<key>`` for a
-    value, ``": a dict key"``), or None."""
-    for key, item in _items(value):
-        if type(item) is int and not int_fits(item):
-            return f"/{_shown(key)}"
-    if type(value) in (dict, OrderedDict) and any(
-        type(k) is int and not int_fits(k) for k in value
-    ):
-        return ": a dict key"
-    return None
-
-
 def _shown(key: Any) -> str:
     """A key as a path component, for a message (an int too long to print is described)."""
     if type(key) is int and not int_fits(key):
@@ -382,49 +364,54 @@ def check_nesting(obj: Any, path: str) -> None:
     Raises:
         UnsupportedValueError: naming the path of the first value at fault.
     """
-    if type(obj) not in CONTAINER_TYPES:
-        return
-    # Each frame: an open container, its key in its parent, and its children left to walk.
-    stack: list[tuple[Any, Any, Iterator[tuple[Any, Any]]]] = []
+    chain: list[tuple[Any, Any]] = []  # the open containers from ``obj`` down, with their keys
     on_path: set[int] = set()
 
-    def enter(container: Any, key: Any) -> None:
-        stack.append((container, key, iter(_items(container))))
-        on_path.add(id(container))
-        where = _long_int(container)
-        if where is not None:
-            at = path + "".join("/" + _shown(f[1]) for f in stack[1:])
-            raise UnsupportedValueError(int_refusal(at + where))
+    def where(frames: list[tuple[Any, Any]]) -> str:
+        return path + "".join("/" + _shown(key) for _, key in frames[1:])
 
-    enter(obj, None)
-    while stack:
-        container, _, children = stack[-1]
-        for key, child in children:
-            if type(child) not in CONTAINER_TYPES:
-                continue
-            looped = id(child) in on_path
-            if not looped and len(stack) < MAX_NESTING:
-                enter(child, key)
-                break
-            frames = [*stack, (child, key, iter(()))]
-            whole = next((i for i, f in enumerate(frames) if _stored_whole(f[0])), None)
-            if whole is None:
-                where = path + "".join("/" + _shown(f[1]) for f in frames[1:])
-                if looped:
-                    raise UnsupportedValueError(f"{where}: the structure contains itself")
-                raise UnsupportedValueError(
-                    f"{where}: containers (dict, list, tuple) nested deeper than "
-                    f"{MAX_NESTING} levels below the app_state key, more than a restore "
-                    "rebuilds; flatten the structure, or store it as one object (a dict "
-                    "with a non-string key, say, is pickled whole)"
-                )
-            for frame in stack[whole:]:  # stored whole: nothing below it is an entry
-                on_path.discard(id(frame[0]))
-            del stack[whole:]
-            break
-        else:
-            stack.pop()
+    def walk(container: Any, key: Any) -> int | None:
+        """Walks ``container``; the level to return to (of a dict stored whole, above a
+        container too deep or looped), or None."""
+        chain.append((container, key))
+        on_path.add(id(container))
+        try:
+            is_dict = type(container) in (dict, OrderedDict)
+            for k, item in container.items() if is_dict else enumerate(container):
+                if type(item) is int and not int_fits(item):
+                    raise UnsupportedValueError(int_refusal(f"{where(chain)}/{_shown(k)}"))
+            if is_dict and any(type(k) is int and not int_fits(k) for k in container):
+                raise UnsupportedValueError(int_refusal(f"{where(chain)}: a dict key"))
+            for k, child in container.items() if is_dict else enumerate(container):
+                if type(child) not in CONTAINER_TYPES:
+                    continue
+                looped = id(child) in on_path
+                if not looped and len(chain) < MAX_NESTING:
+                    level = walk(child, k)
+                    if level is not None and level < len(chain):
+                        return level
+                    continue
+                frames = [*chain, (child, k)]
+                level = next((i for i, (c, _) in enumerate(frames) if _stored_whole(c)), None)
+                if level is None:
+                    if looped:
+                        problem = "the structure contains itself"
+                        raise UnsupportedValueError(f"{where(frames)}: {problem}")
+                    raise UnsupportedValueError(
+                        f"{where(frames)}: containers (dict, list, tuple) nested deeper than "
+                        f"{MAX_NESTING} levels below the app_state key, more than a restore "
+                        "rebuilds; flatten the structure, or store it as one object (a dict "
+                        "with a non-string key, say, is pickled whole)"
+                    )
+                if level < len(chain):  # stored whole: nothing below it is an entry
+                    return level
+            return None
+        finally:
+            chain.pop()
             on_path.discard(id(container))
+
+    if type(obj) in CONTAINER_TYPES:
+        walk(obj, None)
 
 
 def _stored_whole(value: Any) -> bool:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import functools
 import math
 import sys
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -226,15 +225,15 @@ def call_prepare(
 # and a Parameter or a tensor requiring grad is one object per kind over it.
 
 
-@dataclass
 class _Fresh:
     """A loader's new tensors (``ReadPlanner.kind_state``): by the bytes they hold; what was
     made of them (a view, a Parameter), each with its tensor (kept alive: its id is part of the
     key); and the view entries waiting for every other read to be planned."""
 
-    tensors: dict[tuple[Any, ...], torch.Tensor] = field(default_factory=dict)
-    made: dict[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
-    views: list[tuple[str, TensorEntry]] = field(default_factory=list)
+    def __init__(self) -> None:
+        self.tensors: dict[tuple[Any, ...], torch.Tensor] = {}
+        self.made: dict[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor]] = {}
+        self.views: list[tuple[str, TensorEntry]] = []
 
 
 def _fresh(reader: ReadPlanner) -> _Fresh:
