@@ -127,7 +127,8 @@ def resolve_view(
 
 def check_target(path: str, entry: TensorEntry, target: torch.Tensor, dtype: torch.dtype) -> None:
     """Refuses a restore target that cannot receive this entry: another shape, the meta device,
-    or a dtype that ``copy_`` does not cast the stored one to."""
+    elements that share memory, a storage that ends before them, or a dtype that ``copy_``
+    does not cast the stored one to."""
     if target.shape != entry.shape:
         raise ShapeMismatchError(
             f"{path}: the snapshot holds shape {list(entry.shape)} ({entry.dtype}), "
@@ -135,16 +136,6 @@ def check_target(path: str, entry: TensorEntry, target: torch.Tensor, dtype: tor
         )
     if target.is_meta:
         raise UnsupportedValueError(f"{path}: cannot restore into a tensor on the meta device")
-    check_receivable(path, target)
-    if target.dtype != dtype and not casts(dtype, target.dtype):
-        raise StateMismatchError(
-            f"{path}: the snapshot holds {entry.dtype}, the object being restored is "
-            f"{dtype_name(target.dtype)}, and torch cannot copy the one into the other"
-        )
-
-
-def check_receivable(path: str, target: torch.Tensor) -> None:
-    """Refuses a target whose elements share memory, or whose storage ends before them."""
     if shares_memory(target):
         raise StateMismatchError(
             f"{path}: the object being restored has elements that share memory (shape "
@@ -157,6 +148,11 @@ def check_receivable(path: str, target: torch.Tensor) -> None:
         raise StateMismatchError(
             f"{path}: the object being restored views {short[0]} bytes of a storage that holds "
             f"{short[1]} (its memory was freed or shrunk); restore into a tensor with memory"
+        )
+    if target.dtype != dtype and not casts(dtype, target.dtype):
+        raise StateMismatchError(
+            f"{path}: the snapshot holds {entry.dtype}, the object being restored is "
+            f"{dtype_name(target.dtype)}, and torch cannot copy the one into the other"
         )
 
 
@@ -407,8 +403,8 @@ class Landing:
     ``spare_bytes``: what may be held beyond the reads' charges (free tiles, pinned tiles in
     flight); past it free tiles are dropped, then the streams waited for."""
 
-    def __init__(self, spare_bytes: int = 0) -> None:
-        self.spare_bytes = spare_bytes
+    def __init__(self) -> None:
+        self.spare_bytes = 0  # set by the loader before the reads
         self._streams: dict[int, device.Stream] = {}  # device index -> copy stream
         self._pinning = True  # until pinning fails once
         self._free: dict[tuple[int, bool], list[torch.Tensor]] = {}  # by (bytes, pinned)
