@@ -14,6 +14,7 @@ import functools
 import logging
 import operator
 from collections.abc import Callable, Mapping
+from itertools import groupby
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -49,6 +50,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+
+_blob = operator.attrgetter("blob")
+_label = operator.attrgetter("label")
 
 # The needs merged into the first batch of reads (``Loader._execute``).
 FIRST_BATCH = 1024
@@ -324,9 +328,9 @@ class Loader:
                                         max_scratch_bytes=scratch_limit)  # fmt: skip
                     if progress is not None:
                         progress.watch(requests)
-                    for req in requests:
-                        got = readers.setdefault(req.blob, [])
-                        got.extend(s.label for s in req.segments if isinstance(s, Need))
+                    if self.verify:  # (in runs of one blob, as most needs come)
+                        for blob, run in groupby(needs[lo : lo + size], _blob):
+                            readers.setdefault(blob, []).extend(map(_label, run))
                     loop.call_soon_threadsafe(batches.put_nowait, requests)
                     lo, size = lo + size, 2 * size
             finally:

@@ -15,6 +15,7 @@ import operator
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from itertools import groupby
 from typing import Any, TypeVar
 
 import torch
@@ -289,6 +290,9 @@ class ScratchPool:
 # Scatter reads.
 
 _offset = operator.attrgetter("offset")
+_blob = operator.attrgetter("blob")
+_label = operator.attrgetter("label")
+_done = operator.attrgetter("done")
 
 
 def coalesce(
@@ -302,17 +306,14 @@ def coalesce(
     each read is one sequential pass.
     """
     by_blob: dict[str, list[Need]] = {}
-    for need in needs:
-        group = by_blob.get(need.blob)
-        if group is None:
-            by_blob[need.blob] = [need]
-        else:
-            group.append(need)
+    for blob, run in groupby(needs, _blob):  # (most needs come in runs of one blob)
+        by_blob.setdefault(blob, []).extend(run)
     requests: list[ReadRequest] = []
     gaps: dict[int, Segment] = {}
     for blob, group in by_blob.items():
         group.sort(key=_offset)
         segments: list[Segment] = []
+        members: list[Need] = []  # the segments but gaps
         first = group[0]
         end = start = first.offset
         scratch = 0
@@ -326,14 +327,15 @@ def coalesce(
                 )
                 and segments
             ):
-                requests.append(_request(blob, start, segments))
-                segments, start, scratch, gap = [], need.offset, 0, 0
+                requests.append(_request(blob, start, segments, members, scratch))
+                segments, members, start, scratch, gap = [], [], need.offset, 0, 0
             if gap:
                 segments.append(gaps.setdefault(gap, Segment(nbytes=gap, dest=None)))
             segments.append(need)
+            members.append(need)
             scratch += need.scratch_bytes
             end = need.offset + need.nbytes
-        requests.append(_request(blob, start, segments))
+        requests.append(_request(blob, start, segments, members, scratch))
     if gaps:
         junk = memoryview(bytearray(max(gaps)))
         for seg in gaps.values():
@@ -345,9 +347,10 @@ def _head(buf: memoryview, nbytes: int) -> memoryview:
     return buf[:nbytes]
 
 
-def _request(blob: str, offset: int, segments: list[Segment]) -> ReadRequest:
-    needs = [s for s in segments if type(s) is not Segment]
-    dones = [n.done for n in needs if n.done is not None]  # type: ignore[attr-defined]
+def _request(
+    blob: str, offset: int, segments: list[Segment], needs: list[Need], scratch: int
+) -> ReadRequest:
+    dones = list(filter(None, map(_done, needs)))
 
     def done() -> None:
         for d in dones:
@@ -357,9 +360,9 @@ def _request(blob: str, offset: int, segments: list[Segment]) -> ReadRequest:
         blob=blob,
         offset=offset,
         segments=segments,
-        scratch_bytes=sum(n.scratch_bytes for n in needs),  # type: ignore[attr-defined]
+        scratch_bytes=scratch,
         done=done if dones else None,
-        label=label_of(n.label for n in needs),  # type: ignore[attr-defined]
+        label=label_of(map(_label, needs)),
     )
 
 
