@@ -15,6 +15,7 @@ import os
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from itertools import repeat
+from operator import is_not
 from typing import Any
 
 import torch.distributed
@@ -344,24 +345,6 @@ def int_refusal(where: str) -> str:
     )
 
 
-def _items(value: Any) -> Iterable[tuple[Any, Any]]:
-    """The ``(key, child)`` pairs of a container."""
-    return value.items() if type(value) in (dict, OrderedDict) else enumerate(value)
-
-
-def _long_int(value: Any) -> str | None:
-    """Where container ``value`` holds an int too long for the manifest (``/<key>`` for a
-    value, ``": a dict key"``), or None."""
-    for key, item in _items(value):
-        if type(item) is int and not int_fits(item):
-            return f"/{_shown(key)}"
-    if type(value) in (dict, OrderedDict) and any(
-        type(k) is int and not int_fits(k) for k in value
-    ):
-        return ": a dict key"
-    return None
-
-
 def _shown(key: Any) -> str:
     """A key as a path component, for a message (an int too long to print is described)."""
     if type(key) is int and not int_fits(key):
@@ -381,49 +364,54 @@ def check_nesting(obj: Any, path: str) -> None:
     Raises:
         UnsupportedValueError: naming the path of the first value at fault.
     """
-    if type(obj) not in CONTAINER_TYPES:
-        return
-    # Each frame: an open container, its key in its parent, and its children left to walk.
-    stack: list[tuple[Any, Any, Iterator[tuple[Any, Any]]]] = []
+    chain: list[tuple[Any, Any]] = []  # the open containers from ``obj`` down, with their keys
     on_path: set[int] = set()
 
-    def enter(container: Any, key: Any) -> None:
-        stack.append((container, key, iter(_items(container))))
-        on_path.add(id(container))
-        where = _long_int(container)
-        if where is not None:
-            at = path + "".join("/" + _shown(f[1]) for f in stack[1:])
-            raise UnsupportedValueError(int_refusal(at + where))
+    def where(frames: list[tuple[Any, Any]]) -> str:
+        return path + "".join("/" + _shown(key) for _, key in frames[1:])
 
-    enter(obj, None)
-    while stack:
-        container, _, children = stack[-1]
-        for key, child in children:
-            if type(child) not in CONTAINER_TYPES:
-                continue
-            looped = id(child) in on_path
-            if not looped and len(stack) < MAX_NESTING:
-                enter(child, key)
-                break
-            frames = [*stack, (child, key, iter(()))]
-            whole = next((i for i, f in enumerate(frames) if _stored_whole(f[0])), None)
-            if whole is None:
-                where = path + "".join("/" + _shown(f[1]) for f in frames[1:])
-                if looped:
-                    raise UnsupportedValueError(f"{where}: the structure contains itself")
-                raise UnsupportedValueError(
-                    f"{where}: containers (dict, list, tuple) nested deeper than "
-                    f"{MAX_NESTING} levels below the app_state key, more than a restore "
-                    "rebuilds; flatten the structure, or store it as one object (a dict "
-                    "with a non-string key, say, is pickled whole)"
-                )
-            for frame in stack[whole:]:  # stored whole: nothing below it is an entry
-                on_path.discard(id(frame[0]))
-            del stack[whole:]
-            break
-        else:
-            stack.pop()
+    def walk(container: Any, key: Any) -> int | None:
+        """Walks ``container``; the level to return to (of a dict stored whole, above a
+        container too deep or looped), or None."""
+        chain.append((container, key))
+        on_path.add(id(container))
+        try:
+            is_dict = type(container) in (dict, OrderedDict)
+            for k, item in container.items() if is_dict else enumerate(container):
+                if type(item) is int and not int_fits(item):
+                    raise UnsupportedValueError(int_refusal(f"{where(chain)}/{_shown(k)}"))
+            if is_dict and any(type(k) is int and not int_fits(k) for k in container):
+                raise UnsupportedValueError(int_refusal(f"{where(chain)}: a dict key"))
+            for k, child in container.items() if is_dict else enumerate(container):
+                if type(child) not in CONTAINER_TYPES:
+                    continue
+                looped = id(child) in on_path
+                if not looped and len(chain) < MAX_NESTING:
+                    level = walk(child, k)
+                    if level is not None and level < len(chain):
+                        return level
+                    continue
+                frames = [*chain, (child, k)]
+                level = next((i for i, (c, _) in enumerate(frames) if _stored_whole(c)), None)
+                if level is None:
+                    if looped:
+                        problem = "the structure contains itself"
+                        raise UnsupportedValueError(f"{where(frames)}: {problem}")
+                    raise UnsupportedValueError(
+                        f"{where(frames)}: containers (dict, list, tuple) nested deeper than "
+                        f"{MAX_NESTING} levels below the app_state key, more than a restore "
+                        "rebuilds; flatten the structure, or store it as one object (a dict "
+                        "with a non-string key, say, is pickled whole)"
+                    )
+                if level < len(chain):  # stored whole: nothing below it is an entry
+                    return level
+            return None
+        finally:
+            chain.pop()
             on_path.discard(id(container))
+
+    if type(obj) in CONTAINER_TYPES:
+        walk(obj, None)
 
 
 def _stored_whole(value: Any) -> bool:
@@ -495,20 +483,21 @@ def inflate(
         KeyError: a container's child path is missing from ``entries`` (the caller words it).
     """
     entry = entries[path]
-    if not isinstance(entry, (DictEntry, ListEntry, TupleEntry)):
+    if not isinstance(entry, _CONTAINER_ENTRIES):
         return leaf(path, entry)
     paths = _children(entries, path, entry)
-    missing = next((p for p in paths if p not in entries), None)
-    if missing is not None:
-        raise KeyError(missing)
-    values = []
-    for p in paths:
-        value = known.get(p)
-        values.append(inflate(entries, p, leaf, known) if value is None else value)
+    values = list(map(known.get, paths))
+    if not all(map(is_not, values, repeat(None))):
+        for i, p in enumerate(paths):
+            if values[i] is None:
+                values[i] = inflate(entries, p, leaf, known)
     if isinstance(entry, DictEntry):
         items = zip(entry.keys, values, strict=True)
         return OrderedDict(items) if entry.ordered else dict(items)
     return values if isinstance(entry, ListEntry) else tuple(values)
+
+
+_CONTAINER_ENTRIES = (DictEntry, ListEntry, TupleEntry)
 
 
 def subtree(entries: Mapping[str, Entry], path: str) -> list[str]:
@@ -520,8 +509,13 @@ def subtree(entries: Mapping[str, Entry], path: str) -> list[str]:
         p = stack.pop()
         out.append(p)
         entry = entries.get(p)
-        if isinstance(entry, (DictEntry, ListEntry, TupleEntry)):
-            stack.extend(reversed(_children(entries, p, entry)))
+        if isinstance(entry, _CONTAINER_ENTRIES):
+            children = _children(entries, p, entry)
+            kinds = set(map(type, map(entries.get, children)))
+            if kinds.isdisjoint(_CONTAINER_ENTRIES):
+                out += children  # leaves only (most containers): in one pass
+            else:
+                stack.extend(reversed(children))
     return out
 
 
@@ -531,7 +525,12 @@ def _children(
     """The paths of a container entry's children, in order."""
     prefix = child_prefix(path)
     if isinstance(entry, DictEntry):
-        return [prefix + escape_key(k) for k in entry.keys]
+        keys = entry.keys
+        if set(map(type, keys)) <= {str}:
+            text = "".join(keys)  # type: ignore[arg-type]
+            if "%" not in text and "/" not in text:
+                return list(map(prefix.__add__, keys))  # type: ignore[arg-type]
+        return [prefix + escape_key(k) for k in keys]
     if entry.length > len(entries):  # a damaged length: never build or walk that many paths
         raise CorruptSnapshotError(
             f"{path}: a {entry.type} of {entry.length:,} items, but the manifest holds only "

@@ -7,7 +7,6 @@ from __future__ import annotations
 import functools
 import math
 import sys
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -226,15 +225,15 @@ def call_prepare(
 # and a Parameter or a tensor requiring grad is one object per kind over it.
 
 
-@dataclass
 class _Fresh:
     """A loader's new tensors (``ReadPlanner.kind_state``): by the bytes they hold; what was
     made of them (a view, a Parameter), each with its tensor (kept alive: its id is part of the
     key); and the view entries waiting for every other read to be planned."""
 
-    tensors: dict[tuple[Any, ...], torch.Tensor] = field(default_factory=dict)
-    made: dict[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
-    views: list[tuple[str, TensorEntry]] = field(default_factory=list)
+    def __init__(self) -> None:
+        self.tensors: dict[tuple[Any, ...], torch.Tensor] = {}
+        self.made: dict[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor]] = {}
+        self.views: list[tuple[str, TensorEntry]] = []
 
 
 def _fresh(reader: ReadPlanner) -> _Fresh:
@@ -285,11 +284,11 @@ _QUANTIZED = {torch.qint8, torch.quint8, torch.qint32, torch.quint4x2, torch.qui
 def direct_address(entry: TensorEntry, target: Any, piece_bytes: int, verify: bool) -> int | None:
     """Where the bytes of the most common read land (most tensors of a state), or None when
     ``plan_tensor_read`` must plan it: a tensor stored in one range of at most ``piece_bytes``
-    (with a CRC-32 when reads ``verify``), into a dense, contiguous CPU tensor of the stored
-    dtype and shape whose storage holds the bytes. Anything else (an error included) is left to
-    the general path, which words it."""
+    (with a CRC-32 when reads ``verify``), into ``target`` (of a dense kind's value type) when
+    it is a dense, contiguous CPU tensor of the stored dtype and shape whose storage holds the
+    bytes. Anything else (an error included) is left to the general path, which words it."""
     chunks = entry.chunks
-    if len(chunks) != 1 or not isinstance(by_value_type.get(type(target)), Dense):
+    if len(chunks) != 1:
         return None
     chunk = chunks[0]
     nbytes = chunk.nbytes
@@ -300,7 +299,7 @@ def direct_address(entry: TensorEntry, target: Any, piece_bytes: int, verify: bo
         or not 0 < nbytes <= piece_bytes
         or (verify and chunk.crc32 is None)
         or target.dtype is not dtype
-        or target.layout is not torch.strided  # (before ``shape``: a nested tensor has none)
+        or target.layout is not _STRIDED  # (before ``shape``: a nested tensor has none)
         or target.is_nested
         or target.shape != entry.shape
         or target.nbytes != nbytes  # (the manifest's length, checked against the shape)
@@ -313,6 +312,9 @@ def direct_address(entry: TensorEntry, target: Any, piece_bytes: int, verify: bo
     ):
         return None
     return target.data_ptr()  # type: ignore[no-any-return]
+
+
+_STRIDED = torch.strided
 
 
 def plan_views(reader: ReadPlanner) -> None:
@@ -446,8 +448,12 @@ class Dense(TensorKind):
         tensor (a view entry's waits until every other read is planned)."""
         piece_bytes, verify, tensors = reader.piece_bytes, reader.verify, reader.tensors
         direct = []
+        last_type, dense_type = None, False  # the kind is looked up once per run of a type
         for path, entry, target in leaves:
-            address = direct_address(entry, target, piece_bytes, verify)
+            if type(target) is not last_type:
+                last_type = type(target)
+                dense_type = isinstance(by_value_type.get(last_type), Dense)
+            address = direct_address(entry, target, piece_bytes, verify) if dense_type else None
             if address is not None:
                 direct.append((path, entry.chunks[0], address))
             elif is_dense_tensor(target):

@@ -14,10 +14,9 @@ import asyncio
 import bisect
 import functools
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from manifest import Entry, Location, Manifest, is_container, reference_of
+from manifest import Entry, Location, is_container, reference_of
 from snapshot._engine.format.manifest_io import open_linked
 from snapshot._engine.handlers import for_entry
 from snapshot._engine.io.storage_calls import call
@@ -27,6 +26,9 @@ from snapshot.errors import CorruptSnapshotError
 from snapshot.options import Options
 from snapshot.sharding.mapping import LocalNonpersistentObject
 from storage_plugins import StoragePlugin
+
+if TYPE_CHECKING:
+    from snapshot._engine.restore.loader import Loader
 
 # Reads into new memory that claim no more than this in all are planned without asking the
 # store (a small read_object would pay a request per blob); past it, each claim is asked about.
@@ -119,34 +121,26 @@ async def check_blob_sizes(
         raise
 
 
-@dataclass
-class ClaimCheck:
-    """Checks the claims of reads into new memory once they pass ``UNCHECKED_BYTES``."""
-
-    manifest: Manifest
-    url: str
-    storage_options: dict[str, Any] | None
-    options: Options
-    checked: set[str] = field(default_factory=set)
-    unchecked_bytes: int = 0  # claimed by the reads planned without asking
-
-    def check(
-        self, entries: Mapping[str, Entry], paths: Iterable[str], targets: Mapping[str, Any]
-    ) -> None:
-        """Raises ``CorruptSnapshotError`` for a claimed blob shorter than the manifest says."""
-        claims, claimed = claimed_blobs(entries, paths, targets)
-        fresh = {blob: paths for blob, paths in claims.items() if blob not in self.checked}
-        if not fresh:
-            return
-        if self.unchecked_bytes + claimed <= UNCHECKED_BYTES:
-            self.unchecked_bytes += claimed
-            return
-        with open_linked(self.url, self.manifest, self.storage_options, self.options) as plugin:
-            jobs = self.options.max_concurrent_io
-            assert jobs is not None
-            expected = self.manifest.blob_sizes
-            run(check_blob_sizes(plugin, fresh, expected, jobs, self.options, before=True))
-        self.checked.update(fresh)
+def check_claims(
+    loader: Loader, paths: Iterable[str], targets: Mapping[str, Any], checked: set[str]
+) -> None:
+    """Checks the claims of the reads of ``paths`` into new memory once the loader's reads
+    planned without asking pass ``UNCHECKED_BYTES``: ``CorruptSnapshotError`` for a claimed
+    blob shorter than the manifest says; ``checked`` holds the blobs asked about already."""
+    claims, claimed = claimed_blobs(loader.entries, paths, targets)
+    fresh = {blob: paths for blob, paths in claims.items() if blob not in checked}
+    if not fresh:
+        return
+    if loader.unchecked_bytes + claimed <= UNCHECKED_BYTES:
+        loader.unchecked_bytes += claimed
+        return
+    manifest, options = loader.manifest, loader.options
+    with open_linked(loader.where, manifest, loader.storage_options, options) as plugin:
+        sizes = check_blob_sizes(
+            plugin, fresh, manifest.blob_sizes, loader.concurrency, options, before=True
+        )
+        run(sizes)
+    checked.update(fresh)
 
 
 # ---------------------------------------------------------------------------------------------

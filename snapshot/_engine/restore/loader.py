@@ -9,23 +9,26 @@ under the memory budget.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 import operator
 from collections.abc import Callable, Mapping
+from itertools import groupby
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from manifest import Entry, Location, Manifest, TensorEntry
+from snapshot._engine import runtime
 from snapshot._engine.format.serialization import WholeCheck, memory_span, raw_memoryview
 from snapshot._engine.handlers.local import LOCAL
 from snapshot._engine.handlers.table import by_entry_type
-from snapshot._engine.io.pipeline import IOStats, read_all
+from snapshot._engine.io.pipeline import IOStats, ReadRequest, read_all
 from snapshot._engine.restore.checks import (
     CHECK_PIECE_BYTES,
-    ClaimCheck,
     check_blob_sizes,
+    check_claims,
     check_needs,
     locations_read,
 )
@@ -35,7 +38,7 @@ from snapshot._engine.restore.reads import (
     ScratchPool,
     coalesce,
 )
-from snapshot._engine.runtime import naming_snapshot, run
+from snapshot._engine.runtime import naming_snapshot
 from snapshot._engine.state_dicts import inflate, subtree
 from snapshot.errors import CorruptSnapshotError, StateMismatchError
 from snapshot.options import Options
@@ -46,6 +49,13 @@ if TYPE_CHECKING:
     from snapshot._engine.restore.restore import RestoreProgress
 
 logger = logging.getLogger(__name__)
+
+
+_blob = operator.attrgetter("blob")
+_label = operator.attrgetter("label")
+
+# The needs merged into the first batch of reads (``Loader._execute``).
+FIRST_BATCH = 1024
 
 
 def tile_bytes(budget: int, options: Options) -> int:
@@ -76,8 +86,10 @@ class Loader:
     ) -> None:
         self.manifest = manifest
         # The claims of reads that allocate, checked before the first: the subtree until then.
-        self.claims = ClaimCheck(manifest, where, storage_options, options)
         self._unclaimed: tuple[str, Mapping[str, Any]] | None = None
+        self._checked: set[str] = set()  # the blobs whose claims were checked
+        self.unchecked_bytes = 0  # claimed by the reads planned without asking the store
+        self.storage_options = storage_options
         self.entries = entries  # the rank's view
         self.where = where
         self.tile_bytes = tile_bytes
@@ -133,7 +145,7 @@ class Loader:
         unclaimed, self._unclaimed = self._unclaimed, None
         if unclaimed is not None:
             root, targets = unclaimed
-            self.claims.check(self.entries, subtree(self.entries, root), targets)
+            check_claims(self, subtree(self.entries, root), targets, self._checked)
 
     def later(self, step: Callable[[], None]) -> None:
         """Runs ``step`` once every read is planned, before the reads run (``plan_deferred``)."""
@@ -149,18 +161,21 @@ class Loader:
         with naming_snapshot(self.where):
             self._unclaimed = (root, targets)
             entries = self.entries
+            paths = subtree(entries, root)
             run: list[tuple[str, Any, Any]] = []  # consecutive leaves of one kind
-            run_kind = None
-            for p in subtree(entries, root):
-                entry = entries.get(p)
-                if entry is None:
-                    raise CorruptSnapshotError(
-                        f"{p}: listed by its parent but missing from the manifest"
-                    )
-                kind = by_entry_type.get(type(entry))
+            run_kind = entry_type = entry_kind = None
+            found = zip(paths, map(entries.get, paths), map(targets.get, paths), strict=True)
+            for p, entry, target in found:
+                if type(entry) is not entry_type:
+                    if entry is None:
+                        raise CorruptSnapshotError(
+                            f"{p}: listed by its parent but missing from the manifest"
+                        )
+                    entry_type = type(entry)
+                    entry_kind = by_entry_type.get(entry_type)
+                kind = entry_kind
                 if kind is None:
                     continue  # a container, which ``inflate`` rebuilds
-                target = targets.get(p)
                 if isinstance(target, LocalNonpersistentObject):
                     kind = LOCAL  # this rank's own, never read
                 if kind is not run_kind:
@@ -271,38 +286,59 @@ class Loader:
         needs: list[Need],
         progress: RestoreProgress | None,
     ) -> IOStats:
+        """Runs ``needs``: the caller's thread merges them into scatter reads a batch at a
+        time (the first small, each next twice as large) and hands each batch to the I/O loop
+        as it is cut, so that the first bytes are read while the rest are cut; the loop reads
+        the batches in turn, each within the whole budget."""
         # The reads hold up to one tile of scratch per worker; the rest of the budget bounds
         # what the landing keeps beside them (tiles for reuse, pinned tiles in flight).
         self.landing.spare_bytes = max(0, budget_bytes - self.concurrency * self.tile_bytes)
-        requests = coalesce(
-            needs,
-            max_gap_bytes=self.gap_bytes,
-            max_request_bytes=self.piece_bytes,
-            max_scratch_bytes=self.landing.scratch_limit(self.tile_bytes),
-        )
-        if progress is not None:
-            progress.watch(requests)
+        scratch_limit = self.landing.scratch_limit(self.tile_bytes)
         options, jobs = self.options, self.concurrency
+        readers: dict[str, list[str]] = {}  # blob -> the entries reading it
+        batches: asyncio.Queue[list[ReadRequest] | None] = asyncio.Queue()
 
         async def read() -> IOStats:
-            stats = await read_all(
-                plugin, requests, budget_bytes=budget_bytes, max_concurrency=jobs, options=options
-            )
+            done: list[IOStats] = []
+            while (batch := await batches.get()) is not None:
+                done.append(await read_all(plugin, batch, budget_bytes=budget_bytes,
+                                           max_concurrency=jobs, options=options))  # fmt: skip
             if self.verify:
                 # After the reads: a store may learn sizes from them (an S3 ranged GET's answer
                 # carries the object's length), and a blob cut short has failed its read
                 # already. Each blob read must be as long as the manifest says: not cut, nor
                 # appended to.
-                paths: dict[str, list[str]] = {}
-                for req in requests:
-                    got = paths.setdefault(req.blob, [])
-                    got.extend(s.label for s in req.segments if isinstance(s, Need))
                 expected = self.manifest.blob_sizes
-                await check_blob_sizes(plugin, paths, expected, jobs, options)
-            return stats
+                await check_blob_sizes(plugin, readers, expected, jobs, options)
+            return IOStats(
+                sum(s.blobs for s in done),
+                sum(s.nbytes for s in done),
+                sum(s.seconds for s in done),
+                max((s.peak_budget_bytes for s in done), default=0),
+            )
 
+        loop = runtime.get().loop()
+        future = asyncio.run_coroutine_threadsafe(read(), loop)
         try:
-            return run(read())
+            try:
+                lo, size = 0, FIRST_BATCH
+                while lo < len(needs) and not future.done():  # (done: a read failed)
+                    requests = coalesce(needs[lo : lo + size], max_gap_bytes=self.gap_bytes,
+                                        max_request_bytes=self.piece_bytes,
+                                        max_scratch_bytes=scratch_limit)  # fmt: skip
+                    if progress is not None:
+                        progress.watch(requests)
+                    if self.verify:  # (in runs of one blob, as most needs come)
+                        for blob, run in groupby(needs[lo : lo + size], _blob):
+                            readers.setdefault(blob, []).extend(map(_label, run))
+                    loop.call_soon_threadsafe(batches.put_nowait, requests)
+                    lo, size = lo + size, 2 * size
+            finally:
+                loop.call_soon_threadsafe(batches.put_nowait, None)
+            return future.result()
+        except BaseException:
+            future.cancel()  # KeyboardInterrupt in the caller: stop the reads, as ``run`` does
+            raise
         finally:
             # After every read (a failed one too): waits for device copies still in flight.
             self.landing.finish()

@@ -15,6 +15,7 @@ import operator
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from itertools import groupby
 from typing import Any, TypeVar
 
 import torch
@@ -127,7 +128,8 @@ def resolve_view(
 
 def check_target(path: str, entry: TensorEntry, target: torch.Tensor, dtype: torch.dtype) -> None:
     """Refuses a restore target that cannot receive this entry: another shape, the meta device,
-    or a dtype that ``copy_`` does not cast the stored one to."""
+    elements that share memory, a storage that ends before them, or a dtype that ``copy_``
+    does not cast the stored one to."""
     if target.shape != entry.shape:
         raise ShapeMismatchError(
             f"{path}: the snapshot holds shape {list(entry.shape)} ({entry.dtype}), "
@@ -135,16 +137,6 @@ def check_target(path: str, entry: TensorEntry, target: torch.Tensor, dtype: tor
         )
     if target.is_meta:
         raise UnsupportedValueError(f"{path}: cannot restore into a tensor on the meta device")
-    check_receivable(path, target)
-    if target.dtype != dtype and not casts(dtype, target.dtype):
-        raise StateMismatchError(
-            f"{path}: the snapshot holds {entry.dtype}, the object being restored is "
-            f"{dtype_name(target.dtype)}, and torch cannot copy the one into the other"
-        )
-
-
-def check_receivable(path: str, target: torch.Tensor) -> None:
-    """Refuses a target whose elements share memory, or whose storage ends before them."""
     if shares_memory(target):
         raise StateMismatchError(
             f"{path}: the object being restored has elements that share memory (shape "
@@ -157,6 +149,11 @@ def check_receivable(path: str, target: torch.Tensor) -> None:
         raise StateMismatchError(
             f"{path}: the object being restored views {short[0]} bytes of a storage that holds "
             f"{short[1]} (its memory was freed or shrunk); restore into a tensor with memory"
+        )
+    if target.dtype != dtype and not casts(dtype, target.dtype):
+        raise StateMismatchError(
+            f"{path}: the snapshot holds {entry.dtype}, the object being restored is "
+            f"{dtype_name(target.dtype)}, and torch cannot copy the one into the other"
         )
 
 
@@ -293,6 +290,9 @@ class ScratchPool:
 # Scatter reads.
 
 _offset = operator.attrgetter("offset")
+_blob = operator.attrgetter("blob")
+_label = operator.attrgetter("label")
+_done = operator.attrgetter("done")
 
 
 def coalesce(
@@ -306,17 +306,14 @@ def coalesce(
     each read is one sequential pass.
     """
     by_blob: dict[str, list[Need]] = {}
-    for need in needs:
-        group = by_blob.get(need.blob)
-        if group is None:
-            by_blob[need.blob] = [need]
-        else:
-            group.append(need)
+    for blob, run in groupby(needs, _blob):  # (most needs come in runs of one blob)
+        by_blob.setdefault(blob, []).extend(run)
     requests: list[ReadRequest] = []
     gaps: dict[int, Segment] = {}
     for blob, group in by_blob.items():
         group.sort(key=_offset)
         segments: list[Segment] = []
+        members: list[Need] = []  # the segments but gaps
         first = group[0]
         end = start = first.offset
         scratch = 0
@@ -330,14 +327,15 @@ def coalesce(
                 )
                 and segments
             ):
-                requests.append(_request(blob, start, segments))
-                segments, start, scratch, gap = [], need.offset, 0, 0
+                requests.append(_request(blob, start, segments, members, scratch))
+                segments, members, start, scratch, gap = [], [], need.offset, 0, 0
             if gap:
                 segments.append(gaps.setdefault(gap, Segment(nbytes=gap, dest=None)))
             segments.append(need)
+            members.append(need)
             scratch += need.scratch_bytes
             end = need.offset + need.nbytes
-        requests.append(_request(blob, start, segments))
+        requests.append(_request(blob, start, segments, members, scratch))
     if gaps:
         junk = memoryview(bytearray(max(gaps)))
         for seg in gaps.values():
@@ -349,9 +347,10 @@ def _head(buf: memoryview, nbytes: int) -> memoryview:
     return buf[:nbytes]
 
 
-def _request(blob: str, offset: int, segments: list[Segment]) -> ReadRequest:
-    needs = [s for s in segments if type(s) is not Segment]
-    dones = [n.done for n in needs if n.done is not None]  # type: ignore[attr-defined]
+def _request(
+    blob: str, offset: int, segments: list[Segment], needs: list[Need], scratch: int
+) -> ReadRequest:
+    dones = list(filter(None, map(_done, needs)))
 
     def done() -> None:
         for d in dones:
@@ -361,9 +360,9 @@ def _request(blob: str, offset: int, segments: list[Segment]) -> ReadRequest:
         blob=blob,
         offset=offset,
         segments=segments,
-        scratch_bytes=sum(n.scratch_bytes for n in needs),  # type: ignore[attr-defined]
+        scratch_bytes=scratch,
         done=done if dones else None,
-        label=label_of(n.label for n in needs),  # type: ignore[attr-defined]
+        label=label_of(map(_label, needs)),
     )
 
 
@@ -407,8 +406,8 @@ class Landing:
     ``spare_bytes``: what may be held beyond the reads' charges (free tiles, pinned tiles in
     flight); past it free tiles are dropped, then the streams waited for."""
 
-    def __init__(self, spare_bytes: int = 0) -> None:
-        self.spare_bytes = spare_bytes
+    def __init__(self) -> None:
+        self.spare_bytes = 0  # set by the loader before the reads
         self._streams: dict[int, device.Stream] = {}  # device index -> copy stream
         self._pinning = True  # until pinning fails once
         self._free: dict[tuple[int, bool], list[torch.Tensor]] = {}  # by (bytes, pinned)
