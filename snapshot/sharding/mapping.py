@@ -73,8 +73,9 @@ class ShardedTensor(ShardedBase):
     ``local_shape`` is ``data``'s shape; ``global_shape`` and ``global_offset`` locate it. The
     first ``prepend_axis_num`` global axes do not exist locally (one layer of a stack of
     layers): the block spans one index of each. ``axis_fragmentations``: blocks per axis when
-    evenly sharded (None: unknown). ``allow_shape_mismatch`` lets a restore accept a stored
-    tensor of another shape. ``flattened_range`` is not supported.
+    evenly sharded (None: unknown). ``allow_shape_mismatch`` is kept for Megatron's API but
+    read by nothing: a restore always needs the stored global shape. ``flattened_range`` is not
+    supported.
     """
 
     key: str
