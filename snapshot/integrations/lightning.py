@@ -21,6 +21,7 @@ calling process alone (on a group of that one rank), so no other rank need join.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import logging
 import os
 import re
@@ -58,16 +59,11 @@ LIST_LIMIT = 1000
 
 def _checkpoint_io_base() -> type:
     """Lightning's ``CheckpointIO``: from ``lightning.pytorch``, else ``pytorch_lightning``
-    (only a missing package falls through; one that fails to import raises its error)."""
-    for package in ("lightning.pytorch", "pytorch_lightning"):
-        target = f"{package}.plugins.io"
-        try:
-            module = importlib.import_module(target)
-        except ModuleNotFoundError as e:
-            if e.name is None or not (target == e.name or target.startswith(f"{e.name}.")):
-                raise
-            continue
-        return module.CheckpointIO
+    (an installed package that fails to import raises its error)."""
+    for package in ("lightning", "pytorch_lightning"):
+        if importlib.util.find_spec(package) is not None:
+            pytorch = "lightning.pytorch" if package == "lightning" else package
+            return importlib.import_module(f"{pytorch}.plugins.io").CheckpointIO
     raise ImportError(
         "snapshot.integrations.lightning needs Lightning (lightning.pytorch or "
         "pytorch_lightning): pip install 'statesnap[lightning]'"

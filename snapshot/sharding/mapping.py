@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import abc
 import copy
+import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -38,6 +39,9 @@ def is_main_replica(replica_id: ReplicaId) -> bool:
 
 
 _Sharded = TypeVar("_Sharded", bound="ShardedBase")
+
+# A ShardedObject's unique key: "<key>/shard_<offset>_<shape>", offset and shape dot-separated.
+_UNIQUE_KEY = re.compile(r"(.*)/shard_((?:\d+(?:\.\d+)*)?)_((?:\d+(?:\.\d+)*)?)", re.DOTALL)
 
 
 class ShardedBase(abc.ABC):
@@ -73,8 +77,9 @@ class ShardedTensor(ShardedBase):
     ``local_shape`` is ``data``'s shape; ``global_shape`` and ``global_offset`` locate it. The
     first ``prepend_axis_num`` global axes do not exist locally (one layer of a stack of
     layers): the block spans one index of each. ``axis_fragmentations``: blocks per axis when
-    evenly sharded (None: unknown). ``allow_shape_mismatch`` lets a restore accept a stored
-    tensor of another shape. ``flattened_range`` is not supported.
+    evenly sharded (None: unknown). ``allow_shape_mismatch`` is kept for Megatron's API but
+    read by nothing: a restore always needs the stored global shape. ``flattened_range`` is not
+    supported.
     """
 
     key: str
@@ -276,24 +281,14 @@ class ShardedObject(ShardedBase):
     @classmethod
     def empty_from_unique_key(cls, unique_key: str, replica_id: ReplicaId = 0) -> ShardedObject:
         """The data-less :class:`ShardedObject` whose :attr:`unique_key` is ``unique_key``."""
-        key, sep, shard = unique_key.rpartition("/")
-        parts = shard.split("_")
-        if not sep or len(parts) != 3 or parts[0] != "shard":
+        m = _UNIQUE_KEY.fullmatch(unique_key)
+        if m is None:
             raise ValueError(
-                f"{unique_key!r} is not a ShardedObject unique key (<key>/shard_<offset>_<shape>)"
+                f"{unique_key!r} is not a ShardedObject unique key (<key>/shard_<offset>_<shape>, "
+                "offset and shape dot-separated integers)"
             )
-
-        def ints(text: str) -> tuple[int, ...]:
-            return tuple(int(p) for p in text.split(".")) if text else ()
-
-        try:
-            offset, shape = ints(parts[1]), ints(parts[2])
-        except ValueError:
-            raise ValueError(
-                f"{unique_key!r} is not a ShardedObject unique key: offset and shape must be "
-                "dot-separated integers"
-            ) from None
-        return cls(key, None, shape, offset, replica_id=replica_id)
+        offset, shape = (tuple(map(int, g.split("."))) if g else () for g in m.group(2, 3))
+        return cls(m.group(1), None, shape, offset, replica_id=replica_id)
 
 
 @dataclass

@@ -7,7 +7,6 @@ rest)``, each with the input's nesting, so a part can be handled apart and put b
 
 from __future__ import annotations
 
-import collections
 import contextvars
 import logging
 import time
@@ -31,36 +30,23 @@ from snapshot.sharding.mapping import (
 ShardId = tuple[str, tuple[int, ...]]
 """Identifies a shard's data across ranks: ``(key, global_offset)``."""
 
+_Split = tuple[ShardedStateDict, StateDict]
+
 
 def zip_strict(*args: Iterable[Any]) -> Iterator[tuple[Any, ...]]:
     """``zip(*args, strict=True)`` whose ``ValueError`` names every iterable's length: at the
-    call when all have a length, else when the first runs out (the others are drained to be
+    call when all have a length, else at the first item (the others are read into lists to be
     counted)."""
     if all(isinstance(a, Sized) for a in args):
         lengths = [len(a) for a in args]  # type: ignore[arg-type]
         if len(set(lengths)) > 1:
             raise ValueError(f"zip_strict: iterables of unequal lengths {lengths}")
         return zip(*args, strict=True)
-    return _zip_strict_lazy(args)
+    return _zip_lists(args)
 
 
-def _zip_strict_lazy(args: tuple[Iterable[Any], ...]) -> Iterator[tuple[Any, ...]]:
-    counts = [0] * len(args)
-
-    def counted(i: int, iterable: Iterable[Any]) -> Iterator[Any]:
-        for item in iterable:
-            counts[i] += 1
-            yield item
-
-    iterators = [counted(i, a) for i, a in enumerate(args)]
-    try:
-        yield from zip(*iterators, strict=True)
-    except ValueError as e:
-        if not str(e).startswith("zip()"):
-            raise  # an iterable's own error
-        for it in iterators:
-            collections.deque(it, maxlen=0)  # drained, so that each length is counted
-        raise ValueError(f"zip_strict: iterables of unequal lengths {counts}") from None
+def _zip_lists(args: tuple[Iterable[Any], ...]) -> Iterator[tuple[Any, ...]]:
+    yield from zip_strict(*(a if isinstance(a, Sized) else list(a) for a in args))
 
 
 def sharded_tensor_shard_id(sharded: ShardedTensor | ShardedObject) -> ShardId:
@@ -107,44 +93,34 @@ def extract_matching(
     return matching, rest
 
 
-def extract_sharded_tensors(
-    sharded_state_dict: ShardedStateDict,
-) -> tuple[ShardedStateDict, StateDict]:
+def _of(*kinds: type) -> Callable[[Any], bool]:
+    return lambda v: isinstance(v, kinds)
+
+
+def extract_sharded_tensors(sharded_state_dict: ShardedStateDict) -> _Split:
     """``(ShardedTensors, everything else)``."""
-    return extract_matching(sharded_state_dict, lambda v: isinstance(v, ShardedTensor))
+    return extract_matching(sharded_state_dict, _of(ShardedTensor))
 
 
-def extract_sharded_tensors_and_factories(
-    sharded_state_dict: ShardedStateDict,
-) -> tuple[ShardedStateDict, StateDict]:
+def extract_sharded_tensors_and_factories(sharded_state_dict: ShardedStateDict) -> _Split:
     """``(ShardedTensors and ShardedTensorFactories, everything else)``."""
-    return extract_matching(
-        sharded_state_dict, lambda v: isinstance(v, (ShardedTensor, ShardedTensorFactory))
-    )
+    return extract_matching(sharded_state_dict, _of(ShardedTensor, ShardedTensorFactory))
 
 
-def extract_sharded_tensors_or_nonpersistent(
-    sharded_state_dict: ShardedStateDict,
-) -> tuple[ShardedStateDict, StateDict]:
+def extract_sharded_tensors_or_nonpersistent(sharded_state_dict: ShardedStateDict) -> _Split:
     """``(ShardedTensors, factories and LocalNonpersistentObjects, everything else)``."""
-    return extract_matching(
-        sharded_state_dict,
-        lambda v: isinstance(v, (ShardedTensor, ShardedTensorFactory, LocalNonpersistentObject)),
-    )
+    kinds = _of(ShardedTensor, ShardedTensorFactory, LocalNonpersistentObject)
+    return extract_matching(sharded_state_dict, kinds)
 
 
-def extract_sharded_base(
-    sharded_state_dict: ShardedStateDict,
-) -> tuple[ShardedStateDict, StateDict]:
+def extract_sharded_base(sharded_state_dict: ShardedStateDict) -> _Split:
     """``(every ShardedBase, everything else)``."""
-    return extract_matching(sharded_state_dict, lambda v: isinstance(v, ShardedBase))
+    return extract_matching(sharded_state_dict, _of(ShardedBase))
 
 
-def extract_nonpersistent(
-    sharded_state_dict: ShardedStateDict,
-) -> tuple[ShardedStateDict, StateDict]:
+def extract_nonpersistent(sharded_state_dict: ShardedStateDict) -> _Split:
     """``(LocalNonpersistentObjects, everything else)``."""
-    return extract_matching(sharded_state_dict, lambda v: isinstance(v, LocalNonpersistentObject))
+    return extract_matching(sharded_state_dict, _of(LocalNonpersistentObject))
 
 
 def add_prefix_for_sharding(sharded_state_dict: ShardedStateDict, prefix: str) -> None:

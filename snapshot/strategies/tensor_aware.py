@@ -298,9 +298,8 @@ _pin_warned = False
 
 def _cpu_copy(path: str, tensor: torch.Tensor, non_blocking: bool) -> torch.Tensor:
     global _pin_warned
-    index = device.cuda_index(tensor)
     copy = None
-    if non_blocking and index is not None:
+    if non_blocking and tensor.is_cuda:
         # A device-to-host copy is asynchronous only into page-locked memory, so the
         # destination is pinned when the copy may be asynchronous; if pinning fails, the copy
         # goes to pageable memory, synchronously. Only a GPU run proves these lines for real.
@@ -314,16 +313,13 @@ def _cpu_copy(path: str, tensor: torch.Tensor, non_blocking: bool) -> torch.Tens
                     "memory, synchronously",
                     e,
                 )
-            non_blocking = False
     if copy is None:
-        copy = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu")
+        copy, non_blocking = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu"), False
     try:
         # no_grad: a copy of a tensor that requires grad would otherwise join its graph.
+        # A CUDA copy is queued on the current stream of the tensor's device.
         with torch.no_grad():
-            if index is None:
-                copy.copy_(tensor)
-            else:  # queued on the current stream of the tensor's device
-                device.copy(copy, tensor, non_blocking)
+            device.copy(copy, tensor, non_blocking)
     except (RuntimeError, NotImplementedError) as e:
         raise UnsupportedValueError(
             f"{path}: cannot copy this {tensor.layout} tensor on {tensor.device} to CPU ({e}); "
