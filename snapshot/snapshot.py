@@ -142,18 +142,10 @@ class Snapshot:
         # allocates would otherwise set off collections that walk them.
         with gc_paused():
             job, _ = take_job(
-                "Snapshot.take",
-                path,
-                app_state,
-                asynchronous=False,
-                pg=pg,
-                replicated=replicated,
-                storage_options=storage_options,
-                prepare=_custom_tensor_prepare_func,
-                options=options,
-                base=base,
+                "Snapshot.take", path, app_state, False, pg, replicated, storage_options,
+                _custom_tensor_prepare_func, options=options, base=base,
                 user_metadata=user_metadata,
-            )
+            )  # fmt: skip
             job.start()
             manifest = job.finish()
             taken_at, storage_options = job.path, job.storage_options
@@ -184,18 +176,9 @@ class Snapshot:
         the background work by :meth:`PendingSnapshot.wait`. A ``base`` must be committed.
         """
         job, background = take_job(
-            "Snapshot.async_take",
-            path,
-            app_state,
-            asynchronous=True,
-            pg=pg,
-            replicated=replicated,
-            storage_options=storage_options,
-            prepare=_custom_tensor_prepare_func,
-            options=options,
-            base=base,
-            user_metadata=user_metadata,
-        )
+            "Snapshot.async_take", path, app_state, True, pg, replicated, storage_options,
+            _custom_tensor_prepare_func, options=options, base=base, user_metadata=user_metadata,
+        )  # fmt: skip
         job.start()
         try:
             queue = runtime.get().queue()
@@ -360,12 +343,12 @@ def take_job(
     call: str,
     path: object,
     app_state: dict[str, Any],
-    *,
     asynchronous: bool,
     pg: Any = None,
     replicated: object = None,
     storage_options: object = None,
     prepare: Any = None,
+    *,
     options: Options | None = None,
     base: object = None,
     user_metadata: object = None,

@@ -62,7 +62,6 @@ class Runtime:
         self.keeps_plugins = True
         # Touched on the I/O loop only.
         self.kept = KeptPlugins()
-        self.held: set[asyncio.Task[Any]] = set()
         # Per caller group (by id, holding the group so the id stays its own) and use
         # (background or not), the gloo group the library coordinates on.
         self.gloo_groups: dict[tuple[int, bool], tuple[Any, Any, Any]] = {}
@@ -236,14 +235,6 @@ def run(coro: Coroutine[Any, Any, _T]) -> _T:
     except BaseException:
         future.cancel()  # KeyboardInterrupt in the caller: stop the work, don't leave it running
         raise
-
-
-def hold(task: asyncio.Task[Any]) -> None:
-    """Keeps ``task`` (on the I/O loop, that nobody awaits) alive until it is done: the loop
-    itself keeps only weak references to tasks, and it could otherwise be collected mid-way."""
-    held = get().held
-    held.add(task)
-    task.add_done_callback(held.discard)
 
 
 # ---------------------------------------------------------------------------------------------
