@@ -62,20 +62,18 @@ class Snapshot:
         options: Options | None = None,
         _manifest: Manifest | bytes | None = None,
     ) -> None:
-        path = state_dicts.snapshot_path(path, "Snapshot")
+        self.path = path = state_dicts.snapshot_path(path, "Snapshot")
         state_dicts.process_group(pg, "Snapshot", path)
-        storage_options = state_dicts.options(storage_options, "Snapshot", path)
-        resolved = resolve(options)
-        self.path = path
         self.pg = pg
-        self.storage_options = storage_options
+        self.storage_options = state_dicts.options(storage_options, "Snapshot", path)
+        resolved = resolve(options)
         # Bytes handed over by a take are checked when decoded; bytes read here were checked
         # as they were read. Decoding waits for first use: a training script that takes a
         # snapshot and goes on never pays for it.
         self._verify_manifest = bool(resolved.checksums) and _manifest is not None
         self._where = path
         if _manifest is None:
-            _manifest, self._where = read_manifest(path, storage_options, resolved)
+            _manifest, self._where = read_manifest(path, self.storage_options, resolved)
         self._decoded: Manifest | bytes = _manifest
 
     @property
