@@ -179,10 +179,8 @@ def _available_memory_bytes() -> int | None:
 def resolve(options: Options | None) -> Options:
     """The options a call runs with: ``options`` (or none given) filled in from the
     environment. Raises :class:`InvalidArgumentError` for anything else than an Options."""
-    if options is None:
-        return Options.from_env()
-    if not isinstance(options, Options):
+    if not isinstance(options, Options | None):
         raise InvalidArgumentError(
             f"options must be a snapshot.Options, got {type(options).__name__}"
         )
-    return options.resolved()
+    return (options or Options()).resolved()

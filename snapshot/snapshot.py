@@ -62,20 +62,18 @@ class Snapshot:
         options: Options | None = None,
         _manifest: Manifest | bytes | None = None,
     ) -> None:
-        path = state_dicts.snapshot_path(path, "Snapshot")
+        self.path = path = state_dicts.snapshot_path(path, "Snapshot")
         state_dicts.process_group(pg, "Snapshot", path)
-        storage_options = state_dicts.options(storage_options, "Snapshot", path)
-        resolved = resolve(options)
-        self.path = path
         self.pg = pg
-        self.storage_options = storage_options
+        self.storage_options = state_dicts.options(storage_options, "Snapshot", path)
+        resolved = resolve(options)
         # Bytes handed over by a take are checked when decoded; bytes read here were checked
         # as they were read. Decoding waits for first use: a training script that takes a
         # snapshot and goes on never pays for it.
         self._verify_manifest = bool(resolved.checksums) and _manifest is not None
         self._where = path
         if _manifest is None:
-            _manifest, self._where = read_manifest(path, storage_options, resolved)
+            _manifest, self._where = read_manifest(path, self.storage_options, resolved)
         self._decoded: Manifest | bytes = _manifest
 
     @property
@@ -142,18 +140,10 @@ class Snapshot:
         # allocates would otherwise set off collections that walk them.
         with gc_paused():
             job, _ = take_job(
-                "Snapshot.take",
-                path,
-                app_state,
-                asynchronous=False,
-                pg=pg,
-                replicated=replicated,
-                storage_options=storage_options,
-                prepare=_custom_tensor_prepare_func,
-                options=options,
-                base=base,
+                "Snapshot.take", path, app_state, False, pg, replicated, storage_options,
+                _custom_tensor_prepare_func, options=options, base=base,
                 user_metadata=user_metadata,
-            )
+            )  # fmt: skip
             job.start()
             manifest = job.finish()
             taken_at, storage_options = job.path, job.storage_options
@@ -184,18 +174,9 @@ class Snapshot:
         the background work by :meth:`PendingSnapshot.wait`. A ``base`` must be committed.
         """
         job, background = take_job(
-            "Snapshot.async_take",
-            path,
-            app_state,
-            asynchronous=True,
-            pg=pg,
-            replicated=replicated,
-            storage_options=storage_options,
-            prepare=_custom_tensor_prepare_func,
-            options=options,
-            base=base,
-            user_metadata=user_metadata,
-        )
+            "Snapshot.async_take", path, app_state, True, pg, replicated, storage_options,
+            _custom_tensor_prepare_func, options=options, base=base, user_metadata=user_metadata,
+        )  # fmt: skip
         job.start()
         try:
             queue = runtime.get().queue()
@@ -360,12 +341,12 @@ def take_job(
     call: str,
     path: object,
     app_state: dict[str, Any],
-    *,
     asynchronous: bool,
     pg: Any = None,
     replicated: object = None,
     storage_options: object = None,
     prepare: Any = None,
+    *,
     options: Options | None = None,
     base: object = None,
     user_metadata: object = None,

@@ -1,18 +1,16 @@
 """The process-wide state of the library, in one object, its one shutdown path, and what
-surrounds every operation (the I/O loop, errors naming their snapshot, the paused collector).
+surrounds every operation (the I/O loop, errors naming their snapshot, the paused collector,
+the byte budgets).
 
-``get()`` is the process's ``Runtime``, made on first use (and made anew in a forked child: a
-child shares none of its parent's threads). Its parts are made on first use too: the I/O loop,
-one event loop on a daemon thread ("statesnap-io") that every storage call runs on, so that
-callers need no loop of their own and can call the library from inside one (``run``); the
-storage plugins kept open between operations; the queue of async takes' background work; the
-gloo groups the library coordinates on and the heartbeat.
+``get()`` is the process's ``Runtime``, made on first use (and anew in a forked child: a child
+shares none of its parent's threads); each of its parts is made on first use too. The I/O loop
+is one event loop on a daemon thread ("statesnap-io") that every storage call runs on
+(``run``), so callers need no loop of their own and may call the library from inside one.
 
-At exit, one ``atexit`` hook (``shutdown``) waits for the pending async takes, ends the tasks
-left on the loop, closes the kept plugins and stops the loop, in that order. It runs after
-``concurrent.futures`` has shut every standard thread pool down, while the pending takes' I/O
-still needs threads: every pool on their way, the loop's default executor (``to_thread``,
-``getaddrinfo``) included, is a ``storage_plugins.base.DaemonThreadPool``, which keeps working.
+At exit one ``atexit`` hook (``Runtime.shutdown``) waits for the pending async takes, then shuts
+the rest down. It runs after ``concurrent.futures`` has shut the standard thread pools down, so
+every pool the pending takes' I/O uses, the loop's default executor included, is a
+``storage_plugins.base.DaemonThreadPool``, which keeps working.
 """
 
 from __future__ import annotations
@@ -62,7 +60,6 @@ class Runtime:
         self.keeps_plugins = True
         # Touched on the I/O loop only.
         self.kept = KeptPlugins()
-        self.held: set[asyncio.Task[Any]] = set()
         # Per caller group (by id, holding the group so the id stays its own) and use
         # (background or not), the gloo group the library coordinates on.
         self.gloo_groups: dict[tuple[int, bool], tuple[Any, Any, Any]] = {}
@@ -236,14 +233,6 @@ def run(coro: Coroutine[Any, Any, _T]) -> _T:
     except BaseException:
         future.cancel()  # KeyboardInterrupt in the caller: stop the work, don't leave it running
         raise
-
-
-def hold(task: asyncio.Task[Any]) -> None:
-    """Keeps ``task`` (on the I/O loop, that nobody awaits) alive until it is done: the loop
-    itself keeps only weak references to tasks, and it could otherwise be collected mid-way."""
-    held = get().held
-    held.add(task)
-    task.add_done_callback(held.discard)
 
 
 # ---------------------------------------------------------------------------------------------

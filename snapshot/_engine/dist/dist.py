@@ -139,15 +139,13 @@ class RankZero:
         self.pg = pg
         self.options = options
         self.root = root
-        if not (dist.is_available() and dist.is_initialized()):
-            if pg is not None:
-                raise InvalidArgumentError(
-                    "CheckpointManager got a process group, but torch.distributed is not "
-                    "initialized"
-                )
-            self.rank, self.world = 0, 1
-        else:
+        self.rank, self.world = 0, 1
+        if dist.is_available() and dist.is_initialized():
             self.rank, self.world = dist.get_rank(pg), dist.get_world_size(pg)
+        elif pg is not None:
+            raise InvalidArgumentError(
+                "CheckpointManager got a process group, but torch.distributed is not initialized"
+            )
 
     def agreed(self, compute: Callable[[], Any]) -> Any:
         """``compute()`` on rank 0, given to every rank (a failure there fails every rank)."""

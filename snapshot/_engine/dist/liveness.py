@@ -69,9 +69,9 @@ class Heartbeat:
             store.add(self.key, 1)  # the key exists before any peer reads it
             with contextlib.suppress(Exception):  # left there by an earlier run of this rank
                 store.delete_key(LEFT_KEY.format(global_rank))
-            beat = threading.Thread(target=self._beat, args=(store,), name="statesnap-heartbeat")
-            beat.daemon = True
-            beat.start()
+            threading.Thread(
+                target=self._beat, args=(store,), name="statesnap-heartbeat", daemon=True
+            ).start()
 
     def _beat(self, store: Any) -> None:
         failed = False

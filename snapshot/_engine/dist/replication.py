@@ -191,9 +191,8 @@ class Pending:
         """The ``Decision``, given every rank's ``joined`` digests of ``to_confirm`` (None when
         there is nothing to confirm)."""
         replicated = dict(self.replicated)
-        for i, logical in enumerate(self.to_confirm if digests else ()):
-            assert digests is not None
-            if len({d[8 * i : 8 * i + 8] for d in digests}) > 1:
+        for i, logical in enumerate(self.to_confirm):
+            if digests and len({d[8 * i : 8 * i + 8] for d in digests}) > 1:
                 del replicated[logical]
         # A leaf sharing an earlier one's payloads is one value only when that one is.
         for logical in [p for p, d in replicated.items() if d.alias is not None]:

@@ -1,13 +1,9 @@
 """Replicated tensors read once per restore: one rank reads each, the others receive it.
 
-Where the bytes are far (an object store, a file system several hosts share), every rank
-reading a replicated value fetches it once per rank. ``plan`` makes it once per restore: the
-ranks agree on the replicated tensors each reads straight into a CPU tensor of its own, give
-each to one rank (the largest first, to the rank with the fewest bytes so far), and the others
-drop their reads; once every rank's reads succeeded, ``receive`` broadcasts each from its
-reader (small ones packed into buffers of ``PACK_BYTES``). ``decide``: the option when set;
-else when reading from elsewhere than a local directory, or from more than one host (ranks of
-one host share its page cache, which a broadcast does not beat).
+Where every rank would fetch a replicated value from far (an object store, a file system several
+hosts share), ``plan`` gives each such tensor to one reader and ``receive`` broadcasts it once the
+reads succeeded. Ranks of one host reading a local directory share its page cache instead, which
+a broadcast does not beat (``decide``).
 """
 
 from __future__ import annotations
@@ -126,12 +122,12 @@ def receive(shared: Shared, coordinator: Coordinator) -> None:
                 coordinator.broadcast(_bytes_of(target), src)
                 continue
             if size + target.nbytes > PACK_BYTES:
-                _broadcast_packed(pack, size, src, coordinator)
+                _broadcast_packed(pack, src, coordinator)
                 pack, size = [], 0
             pack.append(target)
             size += target.nbytes
         if pack:
-            _broadcast_packed(pack, size, src, coordinator)
+            _broadcast_packed(pack, src, coordinator)
 
 
 def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
@@ -139,18 +135,12 @@ def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().reshape(-1).view(torch.uint8)
 
 
-def _broadcast_packed(
-    targets: list[torch.Tensor], size: int, src: int, coordinator: Coordinator
-) -> None:
-    buf = torch.empty(size, dtype=torch.uint8)
-    sending = coordinator.rank == src
-    pos = 0
-    if sending:
-        for t in targets:
-            buf[pos : pos + t.nbytes].copy_(_bytes_of(t))
-            pos += t.nbytes
+def _broadcast_packed(targets: list[torch.Tensor], src: int, coordinator: Coordinator) -> None:
+    views = [_bytes_of(t) for t in targets]
+    if coordinator.rank == src:
+        coordinator.broadcast(torch.cat(views), src)
+        return
+    buf = torch.empty(sum(v.numel() for v in views), dtype=torch.uint8)
     coordinator.broadcast(buf, src)
-    if not sending:
-        for t in targets:
-            _bytes_of(t).copy_(buf[pos : pos + t.nbytes])
-            pos += t.nbytes
+    for view, part in zip(views, buf.split([v.numel() for v in views]), strict=True):
+        view.copy_(part)
