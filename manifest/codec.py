@@ -5,7 +5,7 @@ in JSON syntax, which is also YAML. So any YAML reader can read it, while ``load
 entry lines with the JSON decoder (a YAML loader is slow on many entries). A file not laid out
 as ``dumps`` lays it out (hand-edited) is read with ``load_yaml``, the safe subset of YAML the
 writer emits: no tags, anchors, aliases or merge keys, nesting at most ``MAX_DEPTH``. Both
-paths feed the same strict decoding of every entry (``entry_from_dict``).
+paths feed the same strict decoding of every entry (``EntryDecoder``).
 """
 
 from __future__ import annotations
@@ -235,21 +235,22 @@ def nests_within(text: str, levels: int) -> bool:
     return not rest
 
 
-# The common tensor line: most lines of a manifest are tensors stored in one range with a CRC-32,
-# written by ``EntryFormatter.tensor`` with every string verbatim. ``_tensor_lines`` matches each
-# such line with one regular expression, over the whole text in C, and builds its entry from the
-# matched fields: it skips, for nearly every line, the JSON decoder's mapping, the field-by-field
-# checks of ``EntryDecoder`` and the depth scan the other lines get (the pattern is those checks),
-# which made most of the time of reading a manifest of many small tensors.
+# The common tensor line: most lines of a manifest are tensors stored in one range (its CRC-32 or
+# none), written by ``EntryFormatter.tensor`` with every string verbatim. ``_tensor_lines``
+# matches each such line with one regular expression, over the whole text in C, and builds its
+# entry from the matched fields: it skips, for nearly every line, the JSON decoder's mapping, the
+# field-by-field checks of ``EntryDecoder`` and the depth scan the other lines get (the pattern
+# is those checks), which made most of the time of reading a manifest of many small tensors.
 
 # Decimal numbers as JSON writes them, short enough for ``int`` (longer ones: the JSON path).
 _NUMBER = "0|[1-9][0-9]{0,30}"
 # A line exactly as ``EntryFormatter.tensor`` writes a path, dtype and blob JSON leaves as they
-# are (a blob name the writer makes, so safe), with one range and its CRC-32; or any other line.
+# are (a blob name the writer makes, so safe), with one range and its CRC-32 if any; or any other
+# line.
 _TENSOR_LINE = re.compile(
     rf'^(?:  "([ !#-\[\]-~]*)": \{{"type": "tensor", "dtype": "([a-z0-9_]+)", '
     rf'"shape": \[((?:{_NUMBER})(?:, (?:{_NUMBER}))*)?\], '
-    rf'"chunks": \[\["({PLAIN_BLOB.pattern})", ({_NUMBER}), ({_NUMBER}), ({_NUMBER})\]\]'
+    rf'"chunks": \[\["({PLAIN_BLOB.pattern})", ({_NUMBER}), ({_NUMBER})(?:, ({_NUMBER}))?\]\]'
     rf'(, "replicated": true)?\}}|(.*))$',
     re.MULTILINE,
 )
@@ -268,12 +269,13 @@ def _tensor_lines(body: str) -> tuple[list[tuple[str, TensorEntry] | None], list
     rows = _TENSOR_LINE.findall(body)
     for path, dtype, shape, blob, offset, nbytes, crc, replicated, other in rows:
         if dtype:
-            if int(crc) > MAX_CRC32:
+            crc32 = int(crc) if crc else None
+            if crc32 is not None and crc32 > MAX_CRC32:
                 return None
             dims = shapes.get(shape)
             if dims is None:
                 dims = shapes[shape] = tuple(map(int, shape.split(", "))) if shape else ()
-            loc = Location(blobs.setdefault(blob, blob), int(offset), int(nbytes), int(crc))
+            loc = Location(blobs.setdefault(blob, blob), int(offset), int(nbytes), crc32)
             items.append((path, TensorEntry(dtype, dims, (loc,), replicated=bool(replicated))))
         else:
             items.append(None)
