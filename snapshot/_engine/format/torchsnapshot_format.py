@@ -82,6 +82,18 @@ _QUANTIZED = {"qint32", "qint8", "quint8"}
 _RAW = "float64 float32 float16 bfloat16 complex128 complex64 int64 int32 int16 int8 uint8 bool"
 _DTYPES = {name: getattr(torch, name).itemsize for name in [*_RAW.split(), *_QUANTIZED]}
 _PRIMITIVES = {"int", "float", "str", "bool", "bytes"}
+_REPLICABLE = {"type", "replicated"}
+# Each entry type's fields: the required ones, and the optional ones.
+_FIELDS: dict[str, tuple[set[str], set[str]]] = {
+    "list": ({"type"}, set()),
+    "dict": ({"type", "keys"}, set()),
+    "OrderedDict": ({"type", "keys"}, set()),
+    "ShardedTensor": ({"type", "shards"}, set()),
+    "Tensor": ({*_REPLICABLE, "location", "serializer", "dtype", "shape"}, {"byte_range"}),
+    "ChunkedTensor": ({*_REPLICABLE, "dtype", "shape", "chunks"}, set()),
+    "object": ({*_REPLICABLE, "location", "serializer", "obj_type"}, set()),
+    **dict.fromkeys(_PRIMITIVES, ({*_REPLICABLE, "serialized_value"}, {"readable"})),
+}
 _INT_TEXT = re.compile(r"[-+]?[0-9]{1,4000}")
 _RANK = re.compile(r"0|[1-9][0-9]{0,8}")
 
@@ -206,7 +218,7 @@ class _Translator:
             if not isinstance(value, dict):
                 raise self.corrupt(path, f"expected a mapping, got {type(value).__name__}")
             if value.get("type") == "ShardedTensor":
-                self.fields(path, value, {"type", "shards"})
+                self.fields(path, value)
                 shards = value["shards"]
                 if not isinstance(shards, list) or not shards:
                     raise self.corrupt(path, "shards must be a non-empty list")
@@ -257,44 +269,40 @@ class _Translator:
 
     # -- one entry --------------------------------------------------------------------------
 
-    def fields(
-        self, path: str, raw: dict[str, Any], required: set[str], optional: Iterable[str] = ()
-    ) -> None:
-        keys = set(raw)
-        missing = required - keys
-        unknown = keys - required - set(optional)
+    def fields(self, path: str, raw: dict[str, Any]) -> bool:
+        """Checks that ``raw`` holds the fields of its type (``_FIELDS``); whether it is
+        replicated."""
+        kind = raw.get("type")
+        if kind not in _FIELDS:
+            raise self.unknown(path, f"unknown entry type {kind!r}")
+        required, optional = _FIELDS[kind]
+        missing = required - raw.keys()
+        unknown = raw.keys() - required - optional
         if missing or unknown:
             raise self.corrupt(
                 path,
-                f"{raw.get('type')} entry: missing fields {sorted(missing)}, unknown "
+                f"{kind} entry: missing fields {sorted(missing)}, unknown "
                 f"{sorted(map(str, unknown))}",
             )
-
-    def replicated(self, path: str, raw: dict[str, Any]) -> bool:
-        value = raw["replicated"]
-        if type(value) is not bool:
-            raise self.corrupt(path, f"replicated must be true or false, got {value!r}")
-        return value
+        replicated = raw.get("replicated", False)
+        if type(replicated) is not bool:
+            raise self.corrupt(path, f"replicated must be true or false, got {replicated!r}")
+        return replicated
 
     def entry(self, path: str, logical: str, raw: dict[str, Any]) -> Entry:
         """The entry of one path; ``_LIST`` for a list (its length is counted once every entry
         is known)."""
         kind = raw.get("type")
+        replicated = self.fields(path, raw)
         if kind == "list":
-            self.fields(path, raw, {"type"})
             return _LIST
         if kind in ("dict", "OrderedDict"):
-            self.fields(path, raw, {"type", "keys"})
             return DictEntry(keys=self.keys(path, raw["keys"]), ordered=kind == "OrderedDict")
         if kind in _PRIMITIVES:
-            self.fields(path, raw, {"type", "serialized_value", "replicated"}, {"readable"})
-            return PrimitiveEntry(
-                value=self.primitive(path, kind, raw["serialized_value"]),
-                replicated=self.replicated(path, raw),
-            )
+            value = self.primitive(path, kind, raw["serialized_value"])
+            return PrimitiveEntry(value=value, replicated=replicated)
         if kind == "Tensor":
             dtype, shape, pickled, loc = self.tensor(path, raw)
-            replicated = self.replicated(path, raw)
             if pickled:
                 piece = Shard(offsets=(0,) * len(shape), sizes=shape, chunks=(loc,))
                 return PickledTensorEntry(
@@ -302,10 +310,8 @@ class _Translator:
                 )
             return TensorEntry(dtype=dtype, shape=shape, chunks=(loc,), replicated=replicated)
         if kind == "ChunkedTensor":
-            self.fields(path, raw, {"type", "dtype", "shape", "chunks", "replicated"})
-            return self.chunked(path, logical, raw)
+            return self.chunked(path, logical, raw, replicated)
         if kind == "object":
-            self.fields(path, raw, {"type", "location", "serializer", "obj_type", "replicated"})
             if raw["serializer"] != "torch_save":
                 raise self.unknown(path, f"object serializer {raw['serializer']!r}")
             obj_type = raw["obj_type"]
@@ -316,7 +322,7 @@ class _Translator:
                 serializer="torch_save",
                 obj_type=obj_type.removeprefix("builtins."),
                 location=self.whole_file(blob),
-                replicated=self.replicated(path, raw),
+                replicated=replicated,
             )
         raise self.unknown(path, f"unknown entry type {kind!r}")
 
@@ -402,13 +408,7 @@ class _Translator:
         is pickled, and where its bytes are."""
         if not isinstance(raw, dict) or raw.get("type") != "Tensor":
             raise self.corrupt(path, f"expected a Tensor entry, got {raw!r:.200}")
-        self.fields(
-            path,
-            raw,
-            {"type", "location", "serializer", "dtype", "shape", "replicated"},
-            {"byte_range"},
-        )
-        self.replicated(path, raw)
+        self.fields(path, raw)
         dtype = self.dtype(path, raw["dtype"])
         shape = self.dims(path, raw["shape"], "shape")
         blob = self.blob(path, raw["location"])
@@ -488,10 +488,9 @@ class _Translator:
         pieces.sort(key=lambda p: p.offsets)
         return dtype, shape, pieces, pickled_kinds == {True}
 
-    def chunked(self, path: str, logical: str, raw: dict[str, Any]) -> Entry:
+    def chunked(self, path: str, logical: str, raw: dict[str, Any], replicated: bool) -> Entry:
         dtype = self.dtype(path, raw["dtype"])
         shape = self.dims(path, raw["shape"], "shape")
-        replicated = self.replicated(path, raw)
         chunks = raw["chunks"]
         if not isinstance(chunks, list) or not chunks:
             raise self.corrupt(path, "chunks must be a non-empty list")
