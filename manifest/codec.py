@@ -256,14 +256,14 @@ _TENSOR_LINE = re.compile(
 )
 
 
-def _tensor_lines(body: str) -> tuple[list[tuple[str, TensorEntry] | None], list[str]] | None:
+def _tensor_lines(body: str) -> tuple[list[Any], list[tuple[int, str]]] | None:
     """The lines of ``body`` (``\\n``-separated, the last one ended): each tensor line's path
-    and entry, in order, with None in place of every other line; and those other lines. None
-    for a CRC-32 out of range (the YAML path reports it)."""
+    and entry, in order, with None in place of every other line; and those other lines, each
+    with its place. None for a CRC-32 out of range (the YAML path reports it)."""
     if body.endswith("\n"):
         body = body[:-1]
-    items: list[tuple[str, TensorEntry] | None] = []
-    others: list[str] = []
+    items: list[Any] = []
+    others: list[tuple[int, str]] = []
     shapes: dict[str, tuple[int, ...]] = {}  # by their text: most tensors share a few shapes
     blobs: dict[str, str] = {}  # each blob name kept once
     rows = _TENSOR_LINE.findall(body)
@@ -276,10 +276,13 @@ def _tensor_lines(body: str) -> tuple[list[tuple[str, TensorEntry] | None], list
             if dims is None:
                 dims = shapes[shape] = tuple(map(int, shape.split(", "))) if shape else ()
             loc = Location(blobs.setdefault(blob, blob), int(offset), int(nbytes), crc32)
-            items.append((path, TensorEntry(dtype, dims, (loc,), replicated=bool(replicated))))
+            entry = TensorEntry(dtype, dims, (loc,))
+            if replicated:  # (rare: the keyword costs every other line its handling)
+                entry.replicated = True
+            items.append((path, entry))
         else:
+            others.append((len(items), other))
             items.append(None)
-            others.append(other)
     return items, others
 
 
@@ -301,9 +304,9 @@ def _parse_fast(text: str, source: str = "manifest") -> dict[str, Any] | None:
     if not isinstance(doc, dict) or "entries" in doc or found is None:
         return None
     items, others = found
-    joined = ",".join(others)
+    joined = ",".join(line for _, line in others)
     # The lines are the values of ``entries`` (level 2): they may open MAX_DEPTH - 2 levels.
-    if not all(line.startswith('  "') for line in others) or not nests_within(
+    if not all(line.startswith('  "') for _, line in others) or not nests_within(
         joined, MAX_DEPTH - 2
     ):
         return None
@@ -313,8 +316,9 @@ def _parse_fast(text: str, source: str = "manifest") -> dict[str, Any] | None:
         return None
     if len(decoded) != len(others):
         return None  # a line of several entries, or a path repeated
-    rest = iter(decoded.items())
-    entries = dict(item if item is not None else next(rest) for item in items)
+    for (place, _), item in zip(others, decoded.items(), strict=True):
+        items[place] = item
+    entries = dict(items)
     if len(entries) != len(items):
         return None  # a path repeated
     doc["entries"] = entries
@@ -388,16 +392,14 @@ def loads(
     raw = doc.get("entries")
     if not isinstance(raw, dict):
         raise ManifestDecodeError(f"{source}: entries missing or not a mapping")
-    entries: dict[str, Entry] = {}
+    # Decoded in place: the tensor lines of ``_parse_fast`` are entries (checked) already.
+    entries: dict[str, Entry] = raw
     decode = EntryDecoder(version)
-    for path, value in raw.items():
-        if type(value) is TensorEntry:  # a tensor line, decoded (and checked) already
-            entries[path] = value
-            continue
+    for path in [p for p, value in raw.items() if type(value) is not TensorEntry]:
         if type(path) is not str:
             raise ManifestDecodeError(f"{source}: entry path {path!r} is not a string")
         try:
-            entries[path] = decode(value, path)
+            entries[path] = decode(raw[path], path)
         except ManifestDecodeError as e:
             raise type(e)(f"{source}: {e}") from None  # the class says unsafe or damaged
     return Manifest(
