@@ -177,8 +177,8 @@ def read_manifest(
             raise refused(where, e) from e
         except Exception as e:
             raise StorageError(f"cannot read the manifest of {where}: {e}") from e
-    if data is None:
-        _refuse_other(name, where, path)
+        if data is None:  # raised inside: a failed operation keeps no plugin open
+            _refuse_other(name, where, path)
     elapsed = time.perf_counter() - t0
     logger.debug("manifest of %s: %d bytes read in %.3f s", where, len(data), elapsed)
     with _manifest_errors():  # the checks that decode no entry: checksum line, header
