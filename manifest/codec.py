@@ -5,7 +5,7 @@ in JSON syntax, which is also YAML. So any YAML reader can read it, while ``load
 entry lines with the JSON decoder (a YAML loader is slow on many entries). A file not laid out
 as ``dumps`` lays it out (hand-edited) is read with ``load_yaml``, the safe subset of YAML the
 writer emits: no tags, anchors, aliases or merge keys, nesting at most ``MAX_DEPTH``. Both
-paths feed the same strict decoding of every entry (``entry_from_dict``).
+paths feed the same strict decoding of every entry (``EntryDecoder``).
 """
 
 from __future__ import annotations
@@ -235,49 +235,54 @@ def nests_within(text: str, levels: int) -> bool:
     return not rest
 
 
-# The common tensor line: most lines of a manifest are tensors stored in one range with a CRC-32,
-# written by ``EntryFormatter.tensor`` with every string verbatim. ``_tensor_lines`` matches each
-# such line with one regular expression, over the whole text in C, and builds its entry from the
-# matched fields: it skips, for nearly every line, the JSON decoder's mapping, the field-by-field
-# checks of ``EntryDecoder`` and the depth scan the other lines get (the pattern is those checks),
-# which made most of the time of reading a manifest of many small tensors.
+# The common tensor line: most lines of a manifest are tensors stored in one range (its CRC-32 or
+# none), written by ``EntryFormatter.tensor`` with every string verbatim. ``_tensor_lines``
+# matches each such line with one regular expression, over the whole text in C, and builds its
+# entry from the matched fields: it skips, for nearly every line, the JSON decoder's mapping, the
+# field-by-field checks of ``EntryDecoder`` and the depth scan the other lines get (the pattern
+# is those checks), which made most of the time of reading a manifest of many small tensors.
 
 # Decimal numbers as JSON writes them, short enough for ``int`` (longer ones: the JSON path).
 _NUMBER = "0|[1-9][0-9]{0,30}"
 # A line exactly as ``EntryFormatter.tensor`` writes a path, dtype and blob JSON leaves as they
-# are (a blob name the writer makes, so safe), with one range and its CRC-32; or any other line.
+# are (a blob name the writer makes, so safe), with one range and its CRC-32 if any; or any other
+# line.
 _TENSOR_LINE = re.compile(
     rf'^(?:  "([ !#-\[\]-~]*)": \{{"type": "tensor", "dtype": "([a-z0-9_]+)", '
     rf'"shape": \[((?:{_NUMBER})(?:, (?:{_NUMBER}))*)?\], '
-    rf'"chunks": \[\["({PLAIN_BLOB.pattern})", ({_NUMBER}), ({_NUMBER}), ({_NUMBER})\]\]'
+    rf'"chunks": \[\["({PLAIN_BLOB.pattern})", ({_NUMBER}), ({_NUMBER})(?:, ({_NUMBER}))?\]\]'
     rf'(, "replicated": true)?\}}|(.*))$',
     re.MULTILINE,
 )
 
 
-def _tensor_lines(body: str) -> tuple[list[tuple[str, TensorEntry] | None], list[str]] | None:
+def _tensor_lines(body: str) -> tuple[list[Any], list[tuple[int, str]]] | None:
     """The lines of ``body`` (``\\n``-separated, the last one ended): each tensor line's path
-    and entry, in order, with None in place of every other line; and those other lines. None
-    for a CRC-32 out of range (the YAML path reports it)."""
+    and entry, in order, with None in place of every other line; and those other lines, each
+    with its place. None for a CRC-32 out of range (the YAML path reports it)."""
     if body.endswith("\n"):
         body = body[:-1]
-    items: list[tuple[str, TensorEntry] | None] = []
-    others: list[str] = []
+    items: list[Any] = []
+    others: list[tuple[int, str]] = []
     shapes: dict[str, tuple[int, ...]] = {}  # by their text: most tensors share a few shapes
     blobs: dict[str, str] = {}  # each blob name kept once
     rows = _TENSOR_LINE.findall(body)
     for path, dtype, shape, blob, offset, nbytes, crc, replicated, other in rows:
         if dtype:
-            if int(crc) > MAX_CRC32:
+            crc32 = int(crc) if crc else None
+            if crc32 is not None and crc32 > MAX_CRC32:
                 return None
             dims = shapes.get(shape)
             if dims is None:
                 dims = shapes[shape] = tuple(map(int, shape.split(", "))) if shape else ()
-            loc = Location(blobs.setdefault(blob, blob), int(offset), int(nbytes), int(crc))
-            items.append((path, TensorEntry(dtype, dims, (loc,), replicated=bool(replicated))))
+            loc = Location(blobs.setdefault(blob, blob), int(offset), int(nbytes), crc32)
+            entry = TensorEntry(dtype, dims, (loc,))
+            if replicated:  # (rare: the keyword costs every other line its handling)
+                entry.replicated = True
+            items.append((path, entry))
         else:
+            others.append((len(items), other))
             items.append(None)
-            others.append(other)
     return items, others
 
 
@@ -299,9 +304,9 @@ def _parse_fast(text: str, source: str = "manifest") -> dict[str, Any] | None:
     if not isinstance(doc, dict) or "entries" in doc or found is None:
         return None
     items, others = found
-    joined = ",".join(others)
+    joined = ",".join(line for _, line in others)
     # The lines are the values of ``entries`` (level 2): they may open MAX_DEPTH - 2 levels.
-    if not all(line.startswith('  "') for line in others) or not nests_within(
+    if not all(line.startswith('  "') for _, line in others) or not nests_within(
         joined, MAX_DEPTH - 2
     ):
         return None
@@ -311,8 +316,9 @@ def _parse_fast(text: str, source: str = "manifest") -> dict[str, Any] | None:
         return None
     if len(decoded) != len(others):
         return None  # a line of several entries, or a path repeated
-    rest = iter(decoded.items())
-    entries = dict(item if item is not None else next(rest) for item in items)
+    for (place, _), item in zip(others, decoded.items(), strict=True):
+        items[place] = item
+    entries = dict(items)
     if len(entries) != len(items):
         return None  # a path repeated
     doc["entries"] = entries
@@ -386,16 +392,14 @@ def loads(
     raw = doc.get("entries")
     if not isinstance(raw, dict):
         raise ManifestDecodeError(f"{source}: entries missing or not a mapping")
-    entries: dict[str, Entry] = {}
+    # Decoded in place: the tensor lines of ``_parse_fast`` are entries (checked) already.
+    entries: dict[str, Entry] = raw
     decode = EntryDecoder(version)
-    for path, value in raw.items():
-        if type(value) is TensorEntry:  # a tensor line, decoded (and checked) already
-            entries[path] = value
-            continue
+    for path in [p for p, value in raw.items() if type(value) is not TensorEntry]:
         if type(path) is not str:
             raise ManifestDecodeError(f"{source}: entry path {path!r} is not a string")
         try:
-            entries[path] = decode(value, path)
+            entries[path] = decode(raw[path], path)
         except ManifestDecodeError as e:
             raise type(e)(f"{source}: {e}") from None  # the class says unsafe or damaged
     return Manifest(

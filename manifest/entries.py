@@ -1,5 +1,5 @@
 """Manifest entry types: frozen records of what a snapshot holds at each logical path, the
-strict decoding of their plain-data form (``entry_from_dict``), and the errors of reading a
+strict decoding of their plain-data form (``EntryDecoder``), and the errors of reading a
 manifest (every one a ``ManifestDecodeError``, a ``ValueError``)."""
 
 from __future__ import annotations
@@ -588,7 +588,3 @@ TYPES: dict[str, tuple[Any, dict[str, None], tuple[str, ...], frozenset[str]]] =
     )
 }
 
-
-def entry_from_dict(d: Any, where: str) -> Entry:
-    """Decodes one entry from its plain-data form (``EntryDecoder``, of the newest format)."""
-    return EntryDecoder()(d, where)

@@ -10,18 +10,23 @@ reading anything but the recorded bytes of another committed snapshot."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import os
 import stat
 import time
-from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
+from typing import Any, NoReturn
 
 import manifest as mf
 from manifest import Manifest, reference_of
 from snapshot._engine.format.text import printable_message
-from snapshot._engine.format.torchsnapshot_format import open_foreign
+from snapshot._engine.format.torchsnapshot_format import (
+    DCP_METADATA_NAME,
+    METADATA_NAME,
+    translate,
+)
 from snapshot._engine.io.pipeline import plugin_location
 from snapshot._engine.io.storage_calls import call, open_storage, read_unrecorded, refused
 from snapshot._engine.runtime import gc_paused, run
@@ -125,48 +130,144 @@ def read_manifest(
     path: str, storage_options: dict[str, Any] | None, options: Options
 ) -> tuple[Manifest | bytes, str]:
     """The committed manifest at ``path`` (its bytes, checked short of decoding the entries; or
-    another library's checkpoint, translated), and the snapshot's location for messages."""
+    a torchsnapshot snapshot's manifest, translated), and the snapshot's location for messages.
+
+    Raises:
+        IncompleteSnapshotError: a take started there and never committed.
+        IncompatibleSnapshotError: ``path`` holds a DCP checkpoint or is a ``torch.save`` file
+            (the message says how to load it), or a torchsnapshot snapshot of a layout this
+            library does not read.
+        SnapshotNotFoundError: nothing of the kind is there.
+    """
     t0 = time.perf_counter()
     with open_storage(path, storage_options, options) as plugin:
         where = plugin_location(plugin)
 
-        async def fetch() -> bytes | None:
+        async def exists(name: str) -> bool:
+            look = lambda: plugin.exists(name)  # noqa: E731
             try:
-                return await read_unrecorded(plugin, MANIFEST_NAME, where, options)
-            except (FileNotFoundError, NotADirectoryError):  # (the path is a file)
-                exists = lambda: plugin.exists(PENDING_NAME)  # noqa: E731
-                pending = await call(
-                    plugin, "check", PENDING_NAME, where, exists, options=options, convert=False
+                return await call(
+                    plugin, "check", name, where, look, options=options, convert=False
                 )
-                if pending:
-                    raise IncompleteSnapshotError(
-                        f"{where} holds an incomplete snapshot: a take started there but never "
-                        "committed (it was interrupted or failed). Its blobs are not usable; "
-                        "taking a new snapshot at this path replaces them."
-                    ) from None
-                return None
+            except (FileNotFoundError, NotADirectoryError):  # (the path is a file)
+                return False
+
+        async def fetch() -> tuple[str, bytes | None]:
+            # Our manifest's name and bytes, else torchsnapshot's; else the name of the marker
+            # found there ("" for none) and None.
+            for name in (MANIFEST_NAME, METADATA_NAME):
+                try:
+                    return name, await read_unrecorded(plugin, name, where, options)
+                except (FileNotFoundError, NotADirectoryError):
+                    if name == MANIFEST_NAME and await exists(PENDING_NAME):
+                        return PENDING_NAME, None
+            return (DCP_METADATA_NAME if await exists(DCP_METADATA_NAME) else ""), None
 
         try:
-            data = run(fetch())
+            name, data = run(fetch())
+            if name == METADATA_NAME and data is not None:
+                # torchsnapshot's: translated (read-only), the lengths of its pickles' files
+                # asked of the store.
+                with gc_paused():
+                    sizes_of = lambda blobs: _blob_sizes(plugin, where, options, blobs)  # noqa: E731
+                    return translate(data, where, sizes_of), where
         except SnapshotError:
             raise
-        except UnsafeBlobError as e:  # the pending marker, or a link on the way to it
+        except UnsafeBlobError as e:  # a marker, or a link on the way to one
             raise refused(where, e) from e
         except Exception as e:
             raise StorageError(f"cannot read the manifest of {where}: {e}") from e
-        if data is None:
-            # Another library's checkpoint: torchsnapshot's is translated (read-only), others
-            # are refused with what to load them with.
-            with gc_paused():
-                foreign = open_foreign(plugin, where, path, storage_options, options)
-            if foreign is None:
-                raise SnapshotNotFoundError(f"no snapshot at {where} (no {MANIFEST_NAME} there)")
-            return foreign, where
+        if data is None:  # raised inside: a failed operation keeps no plugin open
+            _refuse_other(name, where, path)
     elapsed = time.perf_counter() - t0
     logger.debug("manifest of %s: %d bytes read in %.3f s", where, len(data), elapsed)
     with _manifest_errors():  # the checks that decode no entry: checksum line, header
         mf.check_head(data, source=f"{where}/{MANIFEST_NAME}", verify=bool(options.checksums))
     return data, where
+
+
+def _refuse_other(marker: str, where: str, url: str) -> NoReturn:
+    """Raises what the snapshot path ``url`` (``where``) holds instead of a snapshot: an
+    incomplete take, another library's checkpoint (with what to load it with), or nothing."""
+    if marker == PENDING_NAME:
+        raise IncompleteSnapshotError(
+            f"{where} holds an incomplete snapshot: a take started there but never "
+            "committed (it was interrupted or failed). Its blobs are not usable; "
+            "taking a new snapshot at this path replaces them."
+        )
+    if marker == DCP_METADATA_NAME:
+        raise IncompatibleSnapshotError(
+            f"{where} holds a torch.distributed.checkpoint (DCP) checkpoint ({DCP_METADATA_NAME}"
+            "), not a statesnap snapshot: load it with torch.distributed.checkpoint.load("
+            f"state_dict, checkpoint_id={url!r}), or convert it to one torch.save file with "
+            "torch.distributed.checkpoint.format_utils.dcp_to_torch_save"
+            f"({url!r}, 'checkpoint.pt')"
+        )
+    kind = _single_file(url)
+    if kind is not None:
+        raise IncompatibleSnapshotError(
+            f"{where} is {kind}, not a statesnap snapshot (a directory): load it with "
+            f"torch.load({url!r}, weights_only=True) and give each object its part "
+            "(model.load_state_dict(...))"
+        )
+    raise SnapshotNotFoundError(f"no snapshot at {where} (no {MANIFEST_NAME} there)")
+
+
+# torch.save's legacy format starts with the pickle (protocol 2) of its magic number.
+_LEGACY_TORCH_SAVE = b"\x80\x02\x8a\x0al\xfc\x9cF\xf9 j\xa8P\x19"
+
+
+def _single_file(url: str) -> str | None:
+    """What the local file at ``url`` is (which of its formats), when ``torch.save`` wrote it.
+    None when it is not such a file, or ``url`` is not a local path (best effort: only the
+    message differs; on an object store the look would cost a request for every path without a
+    snapshot)."""
+    if "://" in url and not url.startswith("file://"):
+        return None
+    # The path the user named may be a link (their choice, so it is followed); the file is then
+    # opened without following one, and read only when it is a regular file.
+    path = os.path.realpath(os.path.expanduser(url.removeprefix("file://")))
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        with os.fdopen(fd, "rb") as f:
+            head = f.read(512) if stat.S_ISREG(os.fstat(fd).st_mode) else b""
+    except OSError:
+        return None
+    # A zip archive whose first member is "<archive name>/data.pkl": torch.save's.
+    if head.startswith(b"PK\x03\x04") and len(head) >= 30:
+        name_len = int.from_bytes(head[26:28], "little")
+        name = head[30 : 30 + name_len]
+        if name == b"data.pkl" or name.endswith(b"/data.pkl"):
+            return "a torch.save file (zip format)"
+    if head.startswith(_LEGACY_TORCH_SAVE):
+        return "a torch.save file (legacy format)"
+    return None
+
+
+def _blob_sizes(
+    plugin: StoragePlugin, where: str, options: Options, blobs: Iterable[str]
+) -> dict[str, int]:
+    """The lengths of whole-file blobs, asked of the store at most ``max_concurrent_io`` at a
+    time; a missing blob counts as empty (reading it later fails naming it)."""
+    limit = asyncio.Semaphore(options.max_concurrent_io or 1)
+
+    async def one(blob: str) -> tuple[str, int]:
+        def ask(what: str, fn: Callable[[], Awaitable[Any]]) -> Awaitable[Any]:
+            return call(plugin, what, blob, where, fn, options=options, convert=False)
+
+        async with limit:
+            try:
+                size = await ask("check", lambda: plugin.size(blob))
+                if size is None:  # the store cannot tell: the pickle is read to learn it
+                    size = len(await ask("read", lambda: plugin.read(blob)))
+            except (FileNotFoundError, NotADirectoryError):
+                size = 0
+            return blob, size
+
+    async def every() -> dict[str, int]:
+        return dict(await asyncio.gather(*(one(b) for b in sorted(set(blobs)))))
+
+    return run(every())
 
 
 def decode_manifest(data: bytes, where: str, *, verify: bool) -> Manifest:

@@ -1,41 +1,63 @@
 """Snapshots of other formats at a snapshot's path.
 
 torchsnapshot 0.1.0: its manifest (``.snapshot_metadata``) is translated into this library's
-``Manifest`` when the snapshot is opened (:mod:`.torchsnapshot_translator`), so the one loader
-reads it; this module finds and parses it, and asks the store for the lengths of pickles' files,
-which torchsnapshot does not record (nor checksums). Every byte of it is untrusted.
+``Manifest`` when the snapshot is opened, so the one loader reads it. torchsnapshot records no
+checksums, nor the lengths of pickles' files (``translate`` asks for them). Its entries map so:
 
-A torch.distributed.checkpoint directory, or a single ``torch.save`` file, given as a snapshot's
-path is recognized too, and refused with what to load it with instead.
+- ``Tensor``: a ``TensorEntry`` of one range (the file, or ``byte_range`` of a batched file);
+  with serializer ``torch_save``, a ``PickledTensorEntry`` whose one piece is the file.
+- ``ChunkedTensor``: row blocks make a ``TensorEntry`` of their ranges in order; chunks cut
+  otherwise a ``ShardedTensorEntry``; pickled chunks a ``PickledTensorEntry`` of several pieces.
+- ``ShardedTensor``: every rank's shards of one logical path merged into one
+  ``ShardedTensorEntry`` (``PickledTensorEntry`` when pickled), under every rank that had it.
+- ``object`` (``torch_save``): an ``ObjectEntry``; ``int`` / ``float`` / ``str`` / ``bool`` /
+  ``bytes``: a ``PrimitiveEntry``; ``dict`` / ``OrderedDict`` / ``list``: ``DictEntry`` /
+  ``DictEntry(ordered=True)`` / ``ListEntry`` (its length counted from its children).
+- A replicated entry, stored under rank 0 only, is copied under every other rank the manifest
+  lists that lacks it.
+
+Every byte of it is untrusted: each field is checked for type and range, blob paths by the
+manifest's check, and sizes against dtypes and shapes.
+
+A torch.distributed.checkpoint directory is recognized by its marker (``FOREIGN_MARKERS``),
+and refused with what to load it with instead (:mod:`.manifest_io`).
 """
 
 from __future__ import annotations
 
-import asyncio
+import base64
+import binascii
 import json
-import logging
-import os
-import stat
-from collections.abc import Awaitable, Callable, Iterable
+import math
+import re
+import struct
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 import manifest as mf
-from manifest import Manifest, ShardedTensorEntry
+from manifest import (
+    DictEntry,
+    Entry,
+    ListEntry,
+    Location,
+    Manifest,
+    ObjectEntry,
+    PickledTensorEntry,
+    PrimitiveEntry,
+    Shard,
+    ShardedTensorEntry,
+    TensorEntry,
+)
 from snapshot._engine.format.text import printable_message
-from snapshot._engine.format.torchsnapshot_translator import Translator
-from snapshot._engine.io.storage_calls import call, read_unrecorded, refused
-from snapshot._engine.runtime import run
+from snapshot._engine.state_dicts import escape_key
 from snapshot.errors import (
     CorruptSnapshotError,
     IncompatibleSnapshotError,
-    SnapshotError,
-    StorageError,
     UnsafeSnapshotError,
 )
-from snapshot.options import Options
-from storage_plugins import StoragePlugin, UnsafeBlobError
-
-logger = logging.getLogger("snapshot")
 
 METADATA_NAME = ".snapshot_metadata"
 """torchsnapshot's manifest, at the root of its snapshot."""
@@ -49,129 +71,37 @@ FOREIGN_MARKERS = {
 }
 """Files that say a path holds another library's checkpoint, which a take must not write into."""
 
+# The translated manifest holds at most this many entries (a replicated entry is copied under
+# every listed rank: ranks times replicated leaves grows as the square of the manifest's size).
+_MAX_ENTRIES = 10_000_000
+# The largest number of elements a tensor may claim (a damaged shape must not overflow sizes).
+_MAX_NUMEL = 1 << 62
 
-# ---------------------------------------------------------------------------------------------
-# Opening a path that holds no manifest of ours.
+# torchsnapshot 0.1.0's dtype names ("torch.float32") and their sizes in bytes.
+_QUANTIZED = {"qint32", "qint8", "quint8"}
+_RAW = "float64 float32 float16 bfloat16 complex128 complex64 int64 int32 int16 int8 uint8 bool"
+_DTYPES = {name: getattr(torch, name).itemsize for name in [*_RAW.split(), *_QUANTIZED]}
+_PRIMITIVES = {"int", "float", "str", "bool", "bytes"}
+_REPLICABLE = {"type", "replicated"}
+# Each entry type's fields: the required ones, and the optional ones.
+_FIELDS: dict[str, tuple[set[str], set[str]]] = {
+    "list": ({"type"}, set()),
+    "dict": ({"type", "keys"}, set()),
+    "OrderedDict": ({"type", "keys"}, set()),
+    "ShardedTensor": ({"type", "shards"}, set()),
+    "Tensor": ({*_REPLICABLE, "location", "serializer", "dtype", "shape"}, {"byte_range"}),
+    "ChunkedTensor": ({*_REPLICABLE, "dtype", "shape", "chunks"}, set()),
+    "object": ({*_REPLICABLE, "location", "serializer", "obj_type"}, set()),
+    **dict.fromkeys(_PRIMITIVES, ({*_REPLICABLE, "serialized_value"}, {"readable"})),
+}
+_INT_TEXT = re.compile(r"[-+]?[0-9]{1,4000}")
+_RANK = re.compile(r"0|[1-9][0-9]{0,8}")
 
+# A stored tensor (alone, or a chunk's or shard's): dtype, shape, whether pickled, its bytes.
+Stored = tuple[str, tuple[int, ...], bool, Location]
 
-def open_foreign(
-    plugin: StoragePlugin,
-    where: str,
-    url: str,
-    storage_options: dict[str, Any] | None,
-    options: Options,
-) -> Manifest | None:
-    """What ``url`` (opened as ``plugin``, described as ``where``) holds when it has no
-    ``manifest.yaml``: a torchsnapshot snapshot's manifest, translated; None when nothing is
-    recognized there. ``options`` (resolved) are the call's: its storage calls' retries and
-    deadline, and how many length requests are in flight at once (``max_concurrent_io``).
-
-    Raises:
-        IncompatibleSnapshotError: ``url`` holds a DCP checkpoint or is a ``torch.save`` file
-            (the message says how to load it), or a torchsnapshot snapshot of a layout this
-            translator does not know.
-        CorruptSnapshotError: the torchsnapshot manifest is damaged.
-    """
-
-    async def look() -> bytes | bool:
-        # The torchsnapshot manifest's bytes; else whether DCP's metadata file is there.
-        try:
-            return await read_unrecorded(plugin, METADATA_NAME, where, options)
-        except (FileNotFoundError, NotADirectoryError):
-            pass
-        name, exists = DCP_METADATA_NAME, lambda: plugin.exists(DCP_METADATA_NAME)
-        try:
-            return await call(plugin, "check", name, where, exists, options=options, convert=False)
-        except (FileNotFoundError, NotADirectoryError):
-            return False
-
-    try:
-        found = run(look())
-        if isinstance(found, bytes):
-            return translate(found, where, lambda blobs: _blob_sizes(plugin, where, options, blobs))
-    except SnapshotError:
-        raise
-    except UnsafeBlobError as e:  # DCP's marker, or a link on the way to it
-        raise refused(where, e) from e
-    except Exception as e:
-        raise StorageError(f"cannot read the torchsnapshot manifest of {where}: {e}") from e
-    if found:
-        raise IncompatibleSnapshotError(
-            f"{where} holds a torch.distributed.checkpoint (DCP) checkpoint ({DCP_METADATA_NAME}"
-            "), not a statesnap snapshot: load it with torch.distributed.checkpoint.load("
-            f"state_dict, checkpoint_id={url!r}), or convert it to one torch.save file with "
-            "torch.distributed.checkpoint.format_utils.dcp_to_torch_save"
-            f"({url!r}, 'checkpoint.pt')"
-        )
-    kind = _single_file(url)
-    if kind is not None:
-        raise IncompatibleSnapshotError(
-            f"{where} is {kind}, not a statesnap snapshot (a directory): load it with "
-            f"torch.load({url!r}, weights_only=True) and give each object its part "
-            "(model.load_state_dict(...))"
-        )
-    return None
-
-
-# torch.save's legacy format starts with the pickle (protocol 2) of its magic number.
-_LEGACY_TORCH_SAVE = b"\x80\x02\x8a\x0al\xfc\x9cF\xf9 j\xa8P\x19"
-
-
-def _single_file(url: str) -> str | None:
-    """What the local file at ``url`` is (which of its formats), when ``torch.save`` wrote it.
-    None when it is not such a file, or ``url`` is not a local path (best effort: only the
-    message differs; on an object store the look would cost a request for every path without a
-    snapshot)."""
-    if "://" in url and not url.startswith("file://"):
-        return None
-    # The path the user named may be a link (their choice, so it is followed); the file is then
-    # opened without following one, and read only when it is a regular file.
-    path = os.path.realpath(os.path.expanduser(url.removeprefix("file://")))
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-        with os.fdopen(fd, "rb") as f:
-            head = f.read(512) if stat.S_ISREG(os.fstat(fd).st_mode) else b""
-    except OSError:
-        return None
-    # A zip archive whose first member is "<archive name>/data.pkl": torch.save's.
-    if head.startswith(b"PK\x03\x04") and len(head) >= 30:
-        name_len = int.from_bytes(head[26:28], "little")
-        name = head[30 : 30 + name_len]
-        if name == b"data.pkl" or name.endswith(b"/data.pkl"):
-            return "a torch.save file (zip format)"
-    if head.startswith(_LEGACY_TORCH_SAVE):
-        return "a torch.save file (legacy format)"
-    return None
-
-
-def _blob_sizes(
-    plugin: StoragePlugin, where: str, options: Options, blobs: Iterable[str]
-) -> dict[str, int]:
-    """The lengths of whole-file blobs, asked of the store at most ``max_concurrent_io`` at a
-    time; a missing blob counts as empty (reading it later fails naming it)."""
-    limit = asyncio.Semaphore(options.max_concurrent_io or 1)
-
-    async def one(blob: str) -> tuple[str, int]:
-        def ask(what: str, fn: Callable[[], Awaitable[Any]]) -> Awaitable[Any]:
-            return call(plugin, what, blob, where, fn, options=options, convert=False)
-
-        async with limit:
-            try:
-                size = await ask("check", lambda: plugin.size(blob))
-                if size is None:  # the store cannot tell: the pickle is read to learn it
-                    size = len(await ask("read", lambda: plugin.read(blob)))
-            except (FileNotFoundError, NotADirectoryError):
-                size = 0
-            return blob, size
-
-    async def every() -> dict[str, int]:
-        return dict(await asyncio.gather(*(one(b) for b in sorted(set(blobs)))))
-
-    return run(every())
-
-
-# ---------------------------------------------------------------------------------------------
-# Translation.
+# What a list entry stands as until every entry is known (then its length is counted).
+_LIST = ListEntry(length=0)
 
 
 def translate(
@@ -201,17 +131,13 @@ def translate(
         raise CorruptSnapshotError(f"{source}: world_size must be >= 1, got {world_size!r}")
     if not isinstance(raw, dict):
         raise CorruptSnapshotError(f"{source}: manifest must be a mapping")
-    # Two passes: the first checks everything and learns which blobs hold pickles (whose
-    # lengths the store must give), the second builds the entries with those lengths.
-    wanted: set[str] = set()
-
-    def record(blob: str) -> int:
-        wanted.add(blob)
-        return 0
-
-    Translator(source, version, world_size, raw, record).run()
-    sizes = sizes_of(wanted) if wanted else {}
-    entries = Translator(source, version, world_size, raw, sizes.__getitem__).run()
+    translator = _Translator(source, version, world_size)
+    entries = translator.entries(raw)
+    # Every entry checked, the lengths of the pickles' files are asked once for all.
+    whole = translator.whole_files
+    sizes = sizes_of({loc.blob for loc in whole}) if whole else {}
+    for loc in whole:
+        loc.nbytes = sizes[loc.blob]
     sharded = any(type(e) is ShardedTensorEntry for e in entries.values())
     return Manifest(
         format_version=2 if sharded else 1,
@@ -244,3 +170,367 @@ def _parse(data: bytes, source: str) -> Any:
         raise CorruptSnapshotError(
             printable_message(f"{source} is neither JSON nor YAML: {e}")
         ) from None
+
+
+@dataclass
+class _Translator:
+    """Checks a torchsnapshot manifest's entries and translates them into this library's.
+    ``whole_files`` are the locations of whole-file pickles: their lengths are filled in once
+    every entry is checked (``translate``)."""
+
+    source: str
+    version: str
+    world_size: int
+    whole_files: list[Location] = field(default_factory=list)
+
+    # Messages quote the manifest: escaped, so that they carry none of its control characters.
+
+    def corrupt(self, path: str, what: str) -> CorruptSnapshotError:
+        return CorruptSnapshotError(printable_message(f"{self.source}: {path}: {what}"))
+
+    def unknown(self, path: str, what: str) -> IncompatibleSnapshotError:
+        return IncompatibleSnapshotError(
+            printable_message(
+                f"{self.source}: {path}: {what}; the snapshot was written by torchsnapshot "
+                f"{self.version}, and statesnap reads the layout of torchsnapshot 0.1.0"
+            )
+        )
+
+    # -- the whole manifest -----------------------------------------------------------------
+
+    def entries(self, raw: dict[Any, Any]) -> dict[str, Entry]:
+        """Every rank's entries, rank by rank: the shards of a sharded tensor merged, a
+        replicated leaf of rank 0 copied under every other rank the manifest lists (not every
+        rank of ``world_size``, which a few bytes can make millions) that lacks it, at most
+        ``_MAX_ENTRIES`` in all; list lengths counted."""
+        # Per rank, its (logical path, entry) in order; None for a sharded tensor's place.
+        by_rank: dict[int, list[tuple[str, Entry | None]]] = {}
+        sharded: dict[str, list[tuple[int, Any]]] = {}  # logical path -> shards
+        for path, value in raw.items():
+            if type(path) is not str:
+                raise CorruptSnapshotError(f"{self.source}: entry path {path!r} is not a string")
+            rank_text, sep, logical = path.partition("/")
+            if not sep or not logical or not _RANK.fullmatch(rank_text):
+                raise self.corrupt(path, "a path must start with a rank: '<rank>/<key>...'")
+            rank = int(rank_text)
+            if rank >= self.world_size:
+                raise self.corrupt(path, f"rank {rank} of a world of {self.world_size}")
+            if not isinstance(value, dict):
+                raise self.corrupt(path, f"expected a mapping, got {type(value).__name__}")
+            if value.get("type") == "ShardedTensor":
+                self.fields(path, value)
+                shards = value["shards"]
+                if not isinstance(shards, list) or not shards:
+                    raise self.corrupt(path, "shards must be a non-empty list")
+                sharded.setdefault(logical, []).extend((rank, s) for s in shards)
+                entry: Entry | None = None  # made once every rank's shards are known
+            else:
+                entry = self.entry(path, logical, value)
+            by_rank.setdefault(rank, []).append((logical, entry))
+        merged = {logical: self.sharded(logical, shards) for logical, shards in sharded.items()}
+        replicated = [
+            (logical, e)
+            for logical, e in by_rank.get(0, [])
+            if e is not None and e.replicated and not mf.is_container(e)
+        ]
+        ranks = sorted(by_rank)
+        total = sum(map(len, by_rank.values()))
+        if replicated and total + len(replicated) * (len(ranks) - 1) > _MAX_ENTRIES:
+            raise CorruptSnapshotError(
+                f"{self.source}: {len(replicated)} replicated entries copied under each of "
+                f"{len(ranks)} ranks would make more than {_MAX_ENTRIES:,} entries"
+            )
+        entries: dict[str, Entry] = {}
+        for rank in ranks:
+            prefix = f"{rank}/"
+            for logical, entry in by_rank[rank]:
+                entries[prefix + logical] = entry if entry is not None else merged[logical]
+            if rank:
+                for logical, entry in replicated:
+                    entries.setdefault(prefix + logical, entry)
+        return self.count_lists(entries)
+
+    def count_lists(self, entries: dict[str, Entry]) -> dict[str, Entry]:
+        """torchsnapshot's list entries record no length: each is the number of its children
+        (``<list>/0``, ``<list>/1``, ...), which must be numbered from 0 without a gap."""
+        children: dict[str, set[str]] = {p: set() for p, e in entries.items() if e is _LIST}
+        for path in entries:
+            parent, _, name = path.rpartition("/")
+            if parent in children:
+                children[parent].add(name)
+        for path, names in children.items():
+            length = len(names)
+            if names != {str(i) for i in range(length)}:
+                raise self.corrupt(
+                    path, f"a list's children must be numbered 0 to {length - 1}, got {names}"
+                )
+            entries[path] = ListEntry(length=length)
+        return entries
+
+    # -- one entry --------------------------------------------------------------------------
+
+    def fields(self, path: str, raw: dict[str, Any]) -> bool:
+        """Checks that ``raw`` holds the fields of its type (``_FIELDS``); whether it is
+        replicated."""
+        kind = raw.get("type")
+        if kind not in _FIELDS:
+            raise self.unknown(path, f"unknown entry type {kind!r}")
+        required, optional = _FIELDS[kind]
+        missing = required - raw.keys()
+        unknown = raw.keys() - required - optional
+        if missing or unknown:
+            raise self.corrupt(
+                path,
+                f"{kind} entry: missing fields {sorted(missing)}, unknown "
+                f"{sorted(map(str, unknown))}",
+            )
+        replicated = raw.get("replicated", False)
+        if type(replicated) is not bool:
+            raise self.corrupt(path, f"replicated must be true or false, got {replicated!r}")
+        return replicated
+
+    def entry(self, path: str, logical: str, raw: dict[str, Any]) -> Entry:
+        """The entry of one path; ``_LIST`` for a list (its length is counted once every entry
+        is known)."""
+        kind = raw.get("type")
+        replicated = self.fields(path, raw)
+        if kind == "list":
+            return _LIST
+        if kind in ("dict", "OrderedDict"):
+            return DictEntry(keys=self.keys(path, raw["keys"]), ordered=kind == "OrderedDict")
+        if kind in _PRIMITIVES:
+            value = self.primitive(path, kind, raw["serialized_value"])
+            return PrimitiveEntry(value=value, replicated=replicated)
+        if kind == "Tensor":
+            dtype, shape, pickled, loc = self.tensor(path, raw)
+            if pickled:
+                piece = Shard(offsets=(0,) * len(shape), sizes=shape, chunks=(loc,))
+                return PickledTensorEntry(
+                    dtype=dtype, shape=shape, pieces=(piece,), replicated=replicated
+                )
+            return TensorEntry(dtype=dtype, shape=shape, chunks=(loc,), replicated=replicated)
+        if kind == "ChunkedTensor":
+            return self.chunked(path, logical, raw, replicated)
+        if kind == "object":
+            if raw["serializer"] != "torch_save":
+                raise self.unknown(path, f"object serializer {raw['serializer']!r}")
+            obj_type = raw["obj_type"]
+            if type(obj_type) is not str:
+                raise self.corrupt(path, f"obj_type must be a string, got {obj_type!r}")
+            blob = self.blob(path, raw["location"])
+            return ObjectEntry(
+                serializer="torch_save",
+                obj_type=obj_type.removeprefix("builtins."),
+                location=self.whole_file(blob),
+                replicated=replicated,
+            )
+        raise self.unknown(path, f"unknown entry type {kind!r}")
+
+    def keys(self, path: str, keys: Any) -> tuple[Any, ...]:
+        if not isinstance(keys, list):
+            raise self.corrupt(path, f"keys must be a list, got {keys!r}")
+        names = set()
+        for k in keys:
+            if type(k) not in (str, int, bool):
+                raise self.corrupt(path, f"unsupported dict key {k!r}")
+            names.add(escape_key(k))
+        if len(names) != len(keys):
+            raise self.corrupt(path, "two keys name the same child")
+        return tuple(keys)
+
+    def primitive(self, path: str, kind: str, text: Any) -> Any:
+        if type(text) is not str:
+            raise self.corrupt(path, f"serialized_value must be a string, got {text!r}")
+        if kind == "str":
+            return text
+        if kind == "int":
+            if not _INT_TEXT.fullmatch(text):
+                raise self.corrupt(path, f"{text[:40]!r} is not an integer")
+            return int(text)
+        if kind == "bool":
+            if text not in ("True", "False"):
+                raise self.corrupt(path, f"{text[:40]!r} is not True or False")
+            return text == "True"
+        try:
+            raw = base64.b64decode(text, validate=True)
+        except binascii.Error as e:
+            raise self.corrupt(path, f"{kind} value is not valid base64: {e}") from None
+        if kind == "bytes":
+            return raw
+        if len(raw) != 8:  # a float: a C double, in the byte order of the writer (as tensors)
+            raise self.corrupt(path, f"a float is 8 bytes, got {len(raw)}")
+        return struct.unpack("d", raw)[0]
+
+    def blob(self, path: str, location: Any) -> str:
+        if type(location) is not str:
+            raise self.corrupt(path, f"location must be a string, got {location!r}")
+        try:
+            blob = mf.check_blob_path(location, "location")
+        except mf.UnsafeManifestError as e:  # a path leaving the root: never followed
+            raise UnsafeSnapshotError(printable_message(f"{self.source}: {path}: {e}")) from None
+        # The codec's check lets one leading ``../<name>/`` through (an incremental take's
+        # reference to a sibling snapshot); torchsnapshot never wrote one, so a location here
+        # is a plain path inside the snapshot, or refused.
+        if mf.reference_of(blob) is not None:
+            raise UnsafeSnapshotError(
+                printable_message(
+                    f"{self.source}: {path}: location {location!r} names a sibling snapshot; a "
+                    "torchsnapshot manifest holds no references, only paths inside the snapshot"
+                )
+            )
+        return blob
+
+    def whole_file(self, blob: str) -> Location:
+        """The location of all of ``blob``, whose length ``translate`` fills in."""
+        loc = Location(blob=blob, offset=0, nbytes=0)
+        self.whole_files.append(loc)
+        return loc
+
+    def dims(self, path: str, value: Any, what: str) -> tuple[int, ...]:
+        if not isinstance(value, list) or len(value) > 64:
+            raise self.corrupt(path, f"{what} must be a list of at most 64 sizes, got {value!r}")
+        if not all(type(x) is int and 0 <= x <= _MAX_NUMEL for x in value):
+            raise self.corrupt(path, f"{what} must hold sizes >= 0, got {value!r}")
+        if math.prod(value) > _MAX_NUMEL:
+            raise self.corrupt(path, f"{what} {value} holds too many elements")
+        return tuple(value)
+
+    def dtype(self, path: str, value: Any) -> str:
+        if type(value) is not str or not value.startswith("torch."):
+            raise self.corrupt(path, f"dtype must be a string 'torch.<name>', got {value!r}")
+        name = value.removeprefix("torch.")
+        if name not in _DTYPES:
+            raise self.unknown(path, f"dtype {value!r}")
+        return name
+
+    def tensor(self, path: str, raw: Any) -> Stored:
+        """A stored ``Tensor`` entry (alone, or a chunk's or shard's): dtype, shape, whether it
+        is pickled, and where its bytes are."""
+        if not isinstance(raw, dict) or raw.get("type") != "Tensor":
+            raise self.corrupt(path, f"expected a Tensor entry, got {raw!r:.200}")
+        self.fields(path, raw)
+        dtype = self.dtype(path, raw["dtype"])
+        shape = self.dims(path, raw["shape"], "shape")
+        blob = self.blob(path, raw["location"])
+        serializer = raw["serializer"]
+        byte_range = raw.get("byte_range")
+        if byte_range is None:
+            if serializer == "torch_save":
+                return dtype, shape, True, self.whole_file(blob)
+            byte_range = [0, math.prod(shape) * _DTYPES[dtype]]  # the file is the tensor
+        elif (
+            not isinstance(byte_range, list)
+            or len(byte_range) != 2
+            or not all(type(x) is int for x in byte_range)
+            or not 0 <= byte_range[0] <= byte_range[1]
+        ):
+            raise self.corrupt(path, f"byte_range must be [start, end], got {byte_range!r}")
+        start, end = byte_range
+        loc = Location(blob=blob, offset=start, nbytes=end - start)
+        if serializer == "torch_save":
+            return dtype, shape, True, loc
+        if serializer == "buffer_protocol":
+            if dtype in _QUANTIZED:
+                raise self.corrupt(path, f"a {dtype} tensor has no raw layout")
+            nbytes = math.prod(shape) * _DTYPES[dtype]
+            if end - start != nbytes:
+                raise self.corrupt(
+                    path,
+                    f"byte_range {byte_range} holds {end - start} bytes; a "
+                    f"{dtype}{list(shape)} tensor needs {nbytes}",
+                )
+            return dtype, shape, False, loc
+        raise self.unknown(path, f"tensor serializer {serializer!r}")
+
+    def boxes(
+        self,
+        path: str,
+        raw_list: list[Any],
+        what: str,
+        dtype: str | None = None,
+        shape: tuple[int, ...] | None = None,
+    ) -> tuple[str, tuple[int, ...], list[Shard], bool]:
+        """The dtype, shape and pieces (by offset) of a chunked tensor of ``dtype`` and
+        ``shape``, or of a sharded one (its first shard's dtype; the far corner of its shards as
+        its shape, which torchsnapshot does not record); and whether the pieces are pickled."""
+        parsed: list[tuple[tuple[int, ...], tuple[int, ...], Stored]] = []
+        for raw in raw_list:
+            if not isinstance(raw, dict) or set(raw) != {"offsets", "sizes", "tensor"}:
+                raise self.corrupt(path, f"expected a {what} {{offsets, sizes, tensor}}")
+            offsets = self.dims(path, raw["offsets"], f"a {what}'s offsets")
+            sizes = self.dims(path, raw["sizes"], f"a {what}'s sizes")
+            parsed.append((offsets, sizes, self.tensor(path, raw["tensor"])))
+        if len({len(o) for o, _, _ in parsed} | {len(n) for _, n, _ in parsed}) != 1:
+            raise self.corrupt(path, f"{what}s of different dimensions")
+        dtype = dtype or parsed[0][2][0]
+        if shape is None:
+            corner = [max(o[i] + n[i] for o, n, _ in parsed) for i in range(len(parsed[0][0]))]
+            shape = self.dims(path, corner, "the global shape")
+        pieces = []
+        pickled_kinds = set()
+        for offsets, sizes, (t_dtype, t_shape, pickled, loc) in parsed:
+            if len(offsets) != len(shape):
+                raise self.corrupt(path, f"a {what} at {list(offsets)} of a {len(shape)}-d tensor")
+            if any(o + n > s for o, n, s in zip(offsets, sizes, shape, strict=True)):
+                raise self.corrupt(
+                    path, f"a {what} at {list(offsets)} of size {list(sizes)} exceeds {list(shape)}"
+                )
+            if t_dtype != dtype or t_shape != sizes:
+                raise self.corrupt(
+                    path,
+                    f"a {what} of size {list(sizes)} holds a {t_dtype}{list(t_shape)} tensor; "
+                    f"the entry is {dtype}",
+                )
+            pickled_kinds.add(pickled)
+            pieces.append(Shard(offsets=offsets, sizes=sizes, chunks=(loc,)))
+        if len(pickled_kinds) > 1:
+            raise self.unknown(path, f"some {what}s pickled and others raw")
+        pieces.sort(key=lambda p: p.offsets)
+        return dtype, shape, pieces, pickled_kinds == {True}
+
+    def chunked(self, path: str, logical: str, raw: dict[str, Any], replicated: bool) -> Entry:
+        dtype = self.dtype(path, raw["dtype"])
+        shape = self.dims(path, raw["shape"], "shape")
+        chunks = raw["chunks"]
+        if not isinstance(chunks, list) or not chunks:
+            raise self.corrupt(path, "chunks must be a non-empty list")
+        # torchsnapshot cuts a 0-d tensor as its 1-element view: one chunk of it.
+        view = shape if shape else (1,)
+        _, _, pieces, pickled = self.boxes(path, chunks, "chunk", dtype, view)
+        if not shape:
+            if len(pieces) != 1 or pickled:
+                raise self.unknown(path, "a 0-d tensor cut into chunks")
+            chunk = pieces[0].chunks
+            return TensorEntry(dtype=dtype, shape=shape, chunks=chunk, replicated=replicated)
+        if pickled:
+            return PickledTensorEntry(
+                dtype=dtype, shape=shape, pieces=tuple(pieces), replicated=replicated
+            )
+        if _row_blocks(shape, pieces):
+            # Row blocks, in order: their bytes, one after another, are the tensor's.
+            locs = tuple(p.chunks[0] for p in pieces)
+            return TensorEntry(dtype=dtype, shape=shape, chunks=locs, replicated=replicated)
+        return ShardedTensorEntry(
+            key=logical, dtype=dtype, shape=shape, shards=tuple(pieces), replicated=replicated
+        )
+
+    def sharded(self, logical: str, shards: list[tuple[int, Any]]) -> Entry:
+        """One entry for every rank's shards of the sharded tensor at ``logical``."""
+        path = f"{shards[0][0]}/{logical}"
+        dtype, shape, pieces, pickled = self.boxes(path, [s for _, s in shards], "shard")
+        if pickled:
+            return PickledTensorEntry(dtype=dtype, shape=shape, pieces=tuple(pieces))
+        return ShardedTensorEntry(key=logical, dtype=dtype, shape=shape, shards=tuple(pieces))
+
+
+def _row_blocks(shape: tuple[int, ...], pieces: list[Shard]) -> bool:
+    """Whether ``pieces`` (by offset) are whole rows ``[a, b)``, ``[b, c)``, ... covering
+    ``shape``'s first axis."""
+    row = 0
+    for p in pieces:
+        if p.offsets[0] != row or p.offsets[1:] != (0,) * (len(shape) - 1):
+            return False
+        if p.sizes[1:] != shape[1:]:
+            return False
+        row += p.sizes[0]
+    return row == shape[0]
