@@ -9,7 +9,6 @@ under the memory budget.
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import logging
 import operator
@@ -20,11 +19,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from manifest import Entry, Location, Manifest, TensorEntry
-from snapshot._engine import runtime
 from snapshot._engine.format.serialization import WholeCheck, memory_span, raw_memoryview
 from snapshot._engine.handlers.local import LOCAL
 from snapshot._engine.handlers.table import by_entry_type
-from snapshot._engine.io.pipeline import IOStats, ReadRequest, read_all
+from snapshot._engine.io.pipeline import IOStats, read_all
 from snapshot._engine.restore.checks import (
     CHECK_PIECE_BYTES,
     check_blob_sizes,
@@ -38,7 +36,7 @@ from snapshot._engine.restore.reads import (
     ScratchPool,
     coalesce,
 )
-from snapshot._engine.runtime import naming_snapshot
+from snapshot._engine.runtime import naming_snapshot, run
 from snapshot._engine.state_dicts import inflate, subtree
 from snapshot.errors import CorruptSnapshotError, StateMismatchError
 from snapshot.options import Options
@@ -53,9 +51,6 @@ logger = logging.getLogger(__name__)
 
 _blob = operator.attrgetter("blob")
 _label = operator.attrgetter("label")
-
-# The needs merged into the first batch of reads (``Loader._execute``).
-FIRST_BATCH = 1024
 
 
 def tile_bytes(budget: int, options: Options) -> int:
@@ -286,59 +281,39 @@ class Loader:
         needs: list[Need],
         progress: RestoreProgress | None,
     ) -> IOStats:
-        """Runs ``needs``: the caller's thread merges them into scatter reads a batch at a
-        time (the first small, each next twice as large) and hands each batch to the I/O loop
-        as it is cut, so that the first bytes are read while the rest are cut; the loop reads
-        the batches in turn, each within the whole budget."""
+        """Runs ``needs``: merged into scatter reads, read within the budget, each blob read
+        then checked against the manifest's length when reads verify."""
         # The reads hold up to one tile of scratch per worker; the rest of the budget bounds
         # what the landing keeps beside them (tiles for reuse, pinned tiles in flight).
         self.landing.spare_bytes = max(0, budget_bytes - self.concurrency * self.tile_bytes)
-        scratch_limit = self.landing.scratch_limit(self.tile_bytes)
+        requests = coalesce(
+            needs,
+            max_gap_bytes=self.gap_bytes,
+            max_request_bytes=self.piece_bytes,
+            max_scratch_bytes=self.landing.scratch_limit(self.tile_bytes),
+        )
+        if progress is not None:
+            progress.watch(requests)
         options, jobs = self.options, self.concurrency
-        readers: dict[str, list[str]] = {}  # blob -> the entries reading it
-        batches: asyncio.Queue[list[ReadRequest] | None] = asyncio.Queue()
 
         async def read() -> IOStats:
-            done: list[IOStats] = []
-            while (batch := await batches.get()) is not None:
-                done.append(await read_all(plugin, batch, budget_bytes=budget_bytes,
-                                           max_concurrency=jobs, options=options))  # fmt: skip
+            stats = await read_all(
+                plugin, requests, budget_bytes=budget_bytes, max_concurrency=jobs, options=options
+            )
             if self.verify:
                 # After the reads: a store may learn sizes from them (an S3 ranged GET's answer
                 # carries the object's length), and a blob cut short has failed its read
                 # already. Each blob read must be as long as the manifest says: not cut, nor
                 # appended to.
+                readers: dict[str, list[str]] = {}  # (in runs of one blob, as most needs come)
+                for blob, run_ in groupby(needs, _blob):
+                    readers.setdefault(blob, []).extend(map(_label, run_))
                 expected = self.manifest.blob_sizes
                 await check_blob_sizes(plugin, readers, expected, jobs, options)
-            return IOStats(
-                sum(s.blobs for s in done),
-                sum(s.nbytes for s in done),
-                sum(s.seconds for s in done),
-                max((s.peak_budget_bytes for s in done), default=0),
-            )
+            return stats
 
-        loop = runtime.get().loop()
-        future = asyncio.run_coroutine_threadsafe(read(), loop)
         try:
-            try:
-                lo, size = 0, FIRST_BATCH
-                while lo < len(needs) and not future.done():  # (done: a read failed)
-                    requests = coalesce(needs[lo : lo + size], max_gap_bytes=self.gap_bytes,
-                                        max_request_bytes=self.piece_bytes,
-                                        max_scratch_bytes=scratch_limit)  # fmt: skip
-                    if progress is not None:
-                        progress.watch(requests)
-                    if self.verify:  # (in runs of one blob, as most needs come)
-                        for blob, run in groupby(needs[lo : lo + size], _blob):
-                            readers.setdefault(blob, []).extend(map(_label, run))
-                    loop.call_soon_threadsafe(batches.put_nowait, requests)
-                    lo, size = lo + size, 2 * size
-            finally:
-                loop.call_soon_threadsafe(batches.put_nowait, None)
-            return future.result()
-        except BaseException:
-            future.cancel()  # KeyboardInterrupt in the caller: stop the reads, as ``run`` does
-            raise
+            return run(read())
         finally:
             # After every read (a failed one too): waits for device copies still in flight.
             self.landing.finish()
