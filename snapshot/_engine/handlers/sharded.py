@@ -83,9 +83,8 @@ class LocalPiece:
 
 @dataclass(frozen=True)
 class Held:
-    """What a rank holds of one global tensor: its name, dtype and shape, and its pieces (one
-    for our ``ShardedTensor`` and a ``DTensor``; any number, none included, for torch's
-    ``ShardedTensor``, whose ranks may hold several shards or none)."""
+    """What a rank holds of one global tensor: its name, dtype and shape, and its pieces (any
+    number, none included, for torch's ``ShardedTensor``; else one)."""
 
     key: str
     dtype: torch.dtype
@@ -409,9 +408,8 @@ class ShardedTensorKind(TensorKind):
         reader.tensors[path] = result
 
     def merge(self, entries: dict[str, Any]) -> None:
-        """Replaces each rank's entry (the shards that rank wrote) by one listing every rank's
-        shards of that tensor (each rank keeps its own entry, under the path it holds its
-        piece at, so any rank reads any region)."""
+        """Makes each rank's entry (the shards it wrote) list every rank's shards of that
+        tensor, so any rank reads any region."""
         shards: dict[str, list[Shard]] = {}
         for entry in entries.values():
             if isinstance(entry, ShardedTensorEntry):

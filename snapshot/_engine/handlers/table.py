@@ -249,8 +249,8 @@ Made = Entry | str | ObjectReplica
 
 class TakeSink(Protocol):
     """What the take planner (``take.plan.Collector``) offers a kind's ``take``: its settings,
-    the tensors written so far by memory (tied weights are written once), what it collects
-    (``out``: entries, parameter flags, pieces of sharded values), and where payloads go."""
+    the tensors written so far by memory (``written``), what it collects (``out``), and
+    where payloads go."""
 
     prepare: PrepareFunc | None
     chunk_bytes: int
