@@ -23,8 +23,8 @@ from snapshot._engine.handlers.table import (
     register,
 )
 
-# Registration order is the order ``accepts`` is asked in: the catch-all object kind last.
-for _kind in (DENSE, PRIMITIVE, SHARDED_TENSOR, SHARDED_OBJECT, FACTORY, LOCAL, OBJECTS):
+# The kind registered last is asked first: the catch-all object kind first, so asked last.
+for _kind in (OBJECTS, LOCAL, FACTORY, SHARDED_OBJECT, SHARDED_TENSOR, PRIMITIVE, DENSE):
     register(_kind)
 
 __all__ = [

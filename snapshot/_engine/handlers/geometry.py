@@ -1,10 +1,7 @@
-"""The geometry of sharded tensors: boxes of a global tensor (``Region``: offsets and sizes per
-axis), whether a set of boxes covers a tensor exactly once (``cover_problem``, ``find_overlap``),
-the runs of consecutive elements two boxes share (``runs``), and how to read a wanted region from
-the stored shards (``plan_region``: ``Piece``s that land straight in the destination, ``Box``es
-read through a scratch buffer). Pure arithmetic over the manifest's shard records: no tensors,
-no I/O; :mod:`snapshot._engine.handlers.sharded` applies it to the values a rank holds.
-"""
+"""The geometry of sharded tensors, pure arithmetic over boxes (``Region``: offsets and sizes
+per axis): whether boxes cover a tensor exactly once (``cover_problem``, ``find_overlap``), the
+runs of consecutive elements two boxes share (``runs``), and how to read a wanted region from the
+stored shards (``plan_region``)."""
 
 from __future__ import annotations
 
@@ -23,28 +20,20 @@ Region = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes) per global 
 # Covering a tensor exactly once.
 
 
-# Whether boxes cover a tensor exactly once is decided from their corners (``cover_problem``):
-# a box split along k axes has 2**k of them. Shardings split one axis or two (rows; rows and
-# columns), a DTensor at most one per dimension of its mesh; past this many split axes the
-# corners would cost many times the boxes' own description in the manifest.
+# ``cover_problem`` counts a box's 2**k corners along the k split axes: shardings split one
+# axis or two, a DTensor one per mesh dimension. Past this many, a tensor of at most
+# ``_MAX_PAIRWISE`` boxes is checked pair by pair; more boxes are refused.
 _MAX_SPLIT_AXES = 6
-# Up to this many boxes, a tensor split along more axes is checked pair by pair instead: fewer
-# comparisons than this many per box. More boxes along more axes are refused.
 _MAX_PAIRWISE = 1 << _MAX_SPLIT_AXES
 
 
 def cover_problem(shape: Sequence[int], boxes: Sequence[Region]) -> str | None:
     """None when ``boxes`` (offsets, sizes) cover the box ``[0, shape)`` exactly once; else
-    what is wrong, in words. In time linear in the number of boxes.
-
-    Each box is the sum of signed points at its corners: +1 at its low corner, and the sign
-    flipping with each axis on which a corner takes the box's high end; the count of boxes
-    holding an element is the sum of the signed points below it on every axis (the inverse of
-    that difference, a prefix sum). So the boxes hold every element of the tensor exactly once
-    if and only if their signed corners add up to the tensor's own: a dictionary of corners,
-    2**k entries per box along the k axes some box does not span whole. Empty boxes hold
-    nothing and are left out (a rank may hold an empty piece), and so are the axes every box
-    spans whole, which change nothing.
+    what is wrong, in words. In time linear in the number of boxes: each box is a sum of
+    signed points at its corners (+1 at its low corner, the sign flipping with each axis on
+    which a corner takes the high end), and the boxes hold every element exactly once if and
+    only if their signed corners add up to the tensor's own. Empty boxes, and the axes every
+    box spans whole, are left out.
     """
     ndim = len(shape)
     total = math.prod(shape)
@@ -89,9 +78,8 @@ def cover_problem(shape: Sequence[int], boxes: Sequence[Region]) -> str | None:
 
 def find_overlap(boxes: Sequence[Region]) -> tuple[int, int] | None:
     """The indices of two boxes that share an element, or None: a sweep along the first axis,
-    comparing each box with the boxes still open where it starts. It gives up (None) after
-    ``_MAX_PAIRWISE`` comparisons per box, which only many boxes spanning one stretch of the
-    first axis together can need."""
+    comparing each box with those still open where it starts; it gives up (None) after
+    ``_MAX_PAIRWISE`` comparisons per box."""
     if len(boxes) < 2:
         return None
     if not boxes[0][0]:  # 0-d: every box is the one element
@@ -223,13 +211,9 @@ def plan_region(
     box_bytes: int,
 ) -> tuple[list[Piece], list[Box]]:
     """How to read ``region``: pieces that land straight in the region's tensor, and boxes.
-
-    An overlap whose runs are separated by gaps of at most ``gap_bytes`` on average (the
-    ``STATESNAP_READ_GAP_BYTES`` rule of every other read) is read as boxes of at most about
-    ``box_bytes`` through a scratch buffer: a column block of a row-sharded tensor is
-    thousands of runs of a few KiB, each a read request of its own otherwise. Others are read
-    run by run, only the bytes wanted.
-    """
+    An overlap whose runs are separated by gaps of at most ``gap_bytes`` on average (a column
+    block of a row-sharded tensor) is read as boxes of about ``box_bytes`` through a scratch
+    buffer; others run by run, only the bytes wanted."""
     direct: list[Piece] = []
     boxes: list[Box] = []
     for shard in entry.shards:
@@ -238,11 +222,11 @@ def plan_region(
         if box is None:
             continue
         gap = _gap(stored, region, box[1])
-        if gap is None or gap * itemsize > gap_bytes:
+        if gap is not None and gap * itemsize <= gap_bytes:
+            boxes.extend(_boxes(shard, box, region, itemsize, piece_bytes, box_bytes))
+        else:
             for src, dst, count in runs(stored, region):
                 direct.extend(_cut(shard, src, count, dst, itemsize, piece_bytes))
-            continue
-        boxes.extend(_boxes(shard, box, region, itemsize, piece_bytes, box_bytes))
     return direct, boxes
 
 

@@ -81,14 +81,10 @@ _ZIP_MAGIC = b"PK\x03\x04"
 
 def check_archive(data: bytes | BinaryIO, path: str) -> None:
     """Checks, before ``torch.load`` sees them, that the ``torch.save`` bytes of the entry at
-    ``path`` (``data``, or a seekable file of them: only the archive's directory is read)
-    cannot expand past their own length.
-
-    ``torch.save`` writes a zip archive whose members are stored (not compressed); torch's
-    reader would inflate a deflated member, so a few KiB could decode to gigabytes. Each member
-    must therefore be stored, and declare no more bytes than it occupies (the sum of what the
-    members declare is then at most the archive's length). The legacy (pre-zip) format is
-    refused: its loader allocates every storage at the size its pickle claims before reading.
+    ``path`` (``data``, or a seekable file of them) cannot expand past their own length: each
+    member of the zip archive is stored (torch's reader would inflate a deflated one) and
+    declares no more bytes than it occupies. The legacy (pre-zip) format is refused: its loader
+    allocates what its pickle claims before reading.
 
     Raises:
         UnsafeSnapshotError: a member is compressed.
@@ -129,14 +125,10 @@ def check_archive(data: bytes | BinaryIO, path: str) -> None:
 def restore_pickled_tensor(
     reader: ReadPlanner, path: str, entry: PickledTensorEntry, target: Any
 ) -> None:
-    """Plans the needs of a tensor stored as ``torch.save`` bytes, one per piece; when the last
-    piece is decoded, ``reader.objects[path]`` holds the tensor: ``target`` filled in place
-    (cast like ``copy_``; on a device, by the reader's ``landing`` copy stream) when it is a
-    dense tensor, else a new one (the decoded tensor itself when one piece holds it all).
-
-    The pickles are decoded by the safe loader, and each must hold a plain tensor of the
-    recorded dtype and of its piece's size: the manifest says what a restore may expect, and
-    the bytes must not bring anything else (another type, another shape).
+    """Plans the needs of a tensor stored as ``torch.save`` bytes, one per piece; once all are
+    decoded (by the safe loader, each a plain tensor of the recorded dtype and its piece's
+    size), ``reader.objects[path]`` is ``target`` filled in place (cast like ``copy_``) when it
+    is a dense tensor, else a new one (the decoded tensor itself when one piece holds it all).
     """
     if is_sharded(target):
         raise StateMismatchError(
@@ -202,19 +194,15 @@ def restore_pickled_tensor(
 
 def _check_pieces(path: str, entry: PickledTensorEntry, dtype: torch.dtype) -> None:
     """The pieces of a pickled tensor are one location each, of at least the bytes of their
-    values, and cover it exactly once (within its shape, their volumes adding up to its own,
-    no two overlapping)."""
+    values (uncompressed in the archive: ``check_archive``), and cover it exactly once."""
     shape = tuple(entry.shape)
     for piece in entry.pieces:
-        # A piece's archive holds its values uncompressed (``check_archive``): a piece claiming
-        # more bytes than its pickle has is refused before the tensor is allocated.
         need = math.prod(piece.sizes) * dtype.itemsize
         if len(piece.chunks) != 1 or need > piece.chunks[0].nbytes:
             raise CorruptSnapshotError(
                 f"{path}: the piece at {list(piece.offsets)} claims {need:,} bytes of values "
                 f"in {len(piece.chunks)} locations; one pickle holding them is stored per piece"
             )
-    # Linear in the pieces (by their corners), where comparing every pair was quadratic.
     problem = geometry.cover_problem(shape, [(p.offsets, p.sizes) for p in entry.pieces])
     if problem is not None or not entry.pieces:
         raise CorruptSnapshotError(
@@ -224,10 +212,9 @@ def _check_pieces(path: str, entry: PickledTensorEntry, dtype: torch.dtype) -> N
 
 
 class Objects(Kind):
-    """The catch-all, registered last: pickled with torch.save, and refused at once when a
-    restore would refuse it (``check_object``: the take fails rather than commit a value found
-    out only at restore, perhaps months later). Restored by the safe loader into the loader's
-    ``objects``; a pickled tensor (torchsnapshot's) into a dense target, or a new tensor."""
+    """The catch-all, asked last: pickled with torch.save, and refused at take when a restore
+    would refuse it (``check_object``). Restored by the safe loader; a pickled tensor
+    (torchsnapshot's) into a dense target, or a new tensor."""
 
     name = "objects"
     entry_types = (ObjectEntry, PickledTensorEntry)
@@ -253,11 +240,11 @@ class Objects(Kind):
     def restore(
         self, reader: ReadPlanner, path: str, entry: ObjectEntry | PickledTensorEntry, target: Any
     ) -> None:
-        if not isinstance(entry, PickledTensorEntry):
+        if isinstance(entry, PickledTensorEntry):
+            restore_pickled_tensor(reader, path, entry, target)
+        else:
             decode = functools.partial(decode_value, path, entry)
             self.read_bytes(reader, path, entry.location, decode)
-            return
-        restore_pickled_tensor(reader, path, entry, target)
 
     def archived(self, entry: Any) -> bool:
         return isinstance(entry, PickledTensorEntry) or super().archived(entry)

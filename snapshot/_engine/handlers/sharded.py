@@ -1,13 +1,7 @@
-"""Sharded tensors and objects: the pieces a rank holds of a global tensor (our
-``ShardedTensor``, a ``DTensor`` with Shard / Replicate placements, torch's own
-``ShardedTensor``), the take's checks that the ranks' main replicas cover each tensor once and
-that each sharded object has one, the commit's merge of every rank's entries, and the reads of
-a target's regions (whose geometry is :mod:`snapshot._engine.handlers.geometry`'s).
-
-Their two kinds: a sharded tensor, each rank writing the pieces whose main replica it holds and
-a restore reading the boxes of the stored pieces that the target's regions cover; and a sharded
-object (``snapshot.sharding.ShardedObject``), written by the rank holding its main replica and
-read by every rank that holds a replica.
+"""Sharded tensors (our ``ShardedTensor``, a ``DTensor`` with Shard / Replicate placements,
+torch's ``ShardedTensor``) and sharded objects: the take's checks that the ranks' main replicas
+cover each tensor once and each object once, the commit's merge of every rank's entries, and
+the reads of a target's regions (their geometry is :mod:`snapshot._engine.handlers.geometry`'s).
 """
 
 from __future__ import annotations
@@ -24,7 +18,6 @@ import torch
 from manifest import Shard, ShardedObjectEntry, ShardedTensorEntry, new_tensor_entry
 from snapshot._engine.format.serialization import (
     LocationCheck,
-    WholeCheck,
     dtype_from_name,
     dtype_name,
     raw_memoryview,
@@ -59,7 +52,6 @@ from snapshot._engine.restore.reads import (
     Landing,
     Need,
     ScratchPool,
-    TensorRead,
     allocate,
     check_target,
     direct_need,
@@ -91,9 +83,8 @@ class LocalPiece:
 
 @dataclass(frozen=True)
 class Held:
-    """What a rank holds of one global tensor: its name, dtype and shape, and its pieces (one
-    for our ``ShardedTensor`` and a ``DTensor``; any number, none included, for torch's
-    ``ShardedTensor``, whose ranks may hold several shards or none)."""
+    """What a rank holds of one global tensor: its name, dtype and shape, and its pieces (any
+    number, none included, for torch's ``ShardedTensor``; else one)."""
 
     key: str
     dtype: torch.dtype
@@ -118,20 +109,12 @@ def held(path: str, logical: str, value: Any) -> Held:
         return Held(value.key, value.dtype, tuple(value.global_shape), (piece,))
     if isinstance(value, loaded(*DTENSOR)):
         return _dtensor_held(path, logical, value)
-    # Torch's ShardedTensor: each local shard a piece (torch checks that they lie within its
-    # shape and agree with their tensors). It has no replicas: each shard in its metadata is
-    # placed on one rank, which holds it as a local shard, so every local shard is a main
-    # replica (two ranks holding the same box, as two replica groups of HSDP would, fail the
-    # coverage check).
+    # Torch's ShardedTensor has no replicas: every local shard is a main one (two ranks holding
+    # the same box, as two replica groups of HSDP would, fail the coverage check).
     metadata = value.metadata()
     pieces = tuple(
-        LocalPiece(
-            tuple(shard.metadata.shard_offsets),
-            tuple(shard.metadata.shard_sizes),
-            shard.tensor,
-            True,
-        )
-        for shard in value.local_shards()
+        LocalPiece(tuple(s.metadata.shard_offsets), tuple(s.metadata.shard_sizes), s.tensor, True)
+        for s in value.local_shards()
     )
     return Held(logical, metadata.tensor_properties.dtype, tuple(metadata.size), pieces)
 
@@ -253,35 +236,24 @@ def check_entry(path: str, entry: ShardedTensorEntry, dtype: torch.dtype) -> Non
         )
 
 
-def checks_for(path: str, planned: Sequence[Piece], verify: bool) -> dict[tuple[str, int], Any]:
-    """One check per chunk that ``planned`` reads whole (in however many pieces): a chunk
-    read in part cannot be checked against its recorded CRC-32. The pieces must tile the
-    chunk, each starting where the one before ends: regions of several local shards of one
-    target, read through their gaps, may read some stored bytes twice."""
+def checks_for(path: str, planned: Sequence[Piece], verify: bool) -> dict[int, Any]:
+    """The ``verify`` of each piece's need (by ``id``): its part of the check of a chunk that
+    ``planned`` reads whole, in pieces that tile it (a chunk read in part cannot be checked
+    against its CRC-32; regions of several local shards of one target, read through their
+    gaps, may read some stored bytes twice)."""
     covered: dict[tuple[str, int], list[Piece]] = {}
     for p in planned:
         covered.setdefault((p.chunk.blob, p.chunk.offset), []).append(p)
-    checks = {}
-    for key, found in covered.items():
+    verifiers: dict[int, Any] = {}
+    for found in covered.values():
         end = 0  # where the pieces so far end, while they tile the chunk from its start; else -1
         for p in sorted(found, key=lambda p: p.lo):
             end = end + p.nbytes if p.lo == end else -1
         chunk = found[0].chunk
         if verify and chunk.crc32 is not None and end == chunk.nbytes:
-            checks[key] = (
-                WholeCheck(path, chunk)
-                if len(found) == 1
-                else LocationCheck(path, chunk, len(found))
-            )
-    return checks
-
-
-def verifier(checks: Mapping[tuple[str, int], Any], p: Piece) -> Any:
-    """The ``verify`` of a piece's need: its part of its chunk's check, if the chunk has one."""
-    check = checks.get((p.chunk.blob, p.chunk.offset))
-    if check is None or isinstance(check, WholeCheck):
-        return check
-    return functools.partial(check.add, p.lo, p.nbytes)
+            check = LocationCheck(path, chunk, len(found))
+            verifiers.update((id(p), functools.partial(check.add, p.lo, p.nbytes)) for p in found)
+    return verifiers
 
 
 # ---------------------------------------------------------------------------------------------
@@ -293,94 +265,12 @@ def verifier(checks: Mapping[tuple[str, int], Any], p: Piece) -> Any:
 BOX_BYTES = 4 << 20
 
 
-def plan_sharded_read(
-    reader: ReadPlanner, path: str, entry: ShardedTensorEntry, target: Any
-) -> TensorRead:
-    """Needs for a target's regions of a sharded tensor: the target's own piece(s) when it is a
-    sharded value (resharded from whatever shards were stored), else the whole tensor into a
-    plain tensor target (cast like ``copy_``) or a new one.
-
-    Only the stored bytes overlapping a region are read, run by run: into the destination's
-    memory when it is a contiguous CPU tensor of the stored dtype, else through scratch tiles
-    copied in by the reader's ``landing`` (``tile_need``). An overlap of many runs with gaps of
-    at most ``gap_bytes`` (a column block of a row-sharded tensor) is read through its gaps in
-    boxes of scratch from the reader's pool, each moved into place by one strided copy. Chunks
-    read whole are checked against their CRC-32s; a chunk read in part cannot be.
-    """
-    piece_bytes, landing = reader.piece_bytes, reader.landing
-    box_bytes = min(reader.tile_bytes, BOX_BYTES)
-    dtype = dtype_from_name(entry.dtype, path)
-    check_entry(path, entry, dtype)
-    whole = ((0,) * len(entry.shape), tuple(entry.shape))
-    if is_sharded(target):
-        # The target's regions of the global tensor, each with the tensor to fill (one for our
-        # ShardedTensor and a DTensor, one per local shard of torch's ShardedTensor, none on a
-        # rank holding no shard).
-        mine = held(path, path.partition("/")[2], target)
-        if mine.key != entry.key:
-            raise StateMismatchError(
-                f"{path}: the snapshot holds sharded tensor {entry.key!r} here; the object "
-                f"being restored is a piece of {mine.key!r} (pieces are matched by logical "
-                "path, and the keys must agree)"
-            )
-        if mine.shape != tuple(entry.shape):
-            raise ShapeMismatchError(
-                f"{path}: the snapshot holds {entry.key!r} of global shape {list(entry.shape)} "
-                f"({entry.dtype}); the object being restored is a piece of a global tensor "
-                f"of shape {list(mine.shape)}"
-            )
-        regions = [((p.offsets, p.sizes), p.data) for p in mine.pieces]
-        # Our ShardedTensor gives back its (filled) data; a DTensor and torch's ShardedTensor
-        # themselves, their local tensors filled in place.
-        result: Any = target.data if isinstance(target, ShardedTensor) else target
-    elif isinstance(target, torch.Tensor) and is_dense_tensor(target):
-        regions, result = [(whole, target)], target
-    else:
-        result = allocate(path, entry.nbytes, lambda: torch.empty(entry.shape, dtype=dtype))
-        regions = [(whole, result)]
-    planned: list[tuple[torch.Tensor, list[Piece], list[Box]]] = []
-    pieces: list[Piece] = []  # every region's
-    for region, dest in regions:
-        # The region's tensor: the shape of the region, and its memory able to take the values.
-        check_target(path, new_tensor_entry(entry.dtype, region[1], ()), dest, dtype)
-        # Into the region's memory the pieces may be as long as a read request; through
-        # scratch, as long as a tile.
-        step = piece_bytes
-        if not lands_directly(dest, dtype):
-            step = tile_limit(dest, min(piece_bytes, reader.tile_bytes))
-            landing.prepare(dest)
-        direct, boxes = plan_region(
-            entry, region, dtype.itemsize, step, reader.gap_bytes, box_bytes
-        )
-        planned.append((dest, direct, boxes))
-        pieces.extend([*direct, *(p for box in boxes for p in box.pieces)])
-    # One check per stored chunk over every region's pieces: a chunk that two local shards of
-    # a torch ShardedTensor target read in parts is still read whole, and checked.
-    checks = checks_for(path, pieces, reader.verify)
-    needs: list[Need] = []
-    for dest, direct, boxes in planned:
-        # A piece lands straight in the region's memory when it can take raw bytes; else
-        # through a scratch tile of its own, taken when its read is about to run (charged to
-        # the read budget) and copied in once landed.
-        for p in direct:
-            if lands_directly(dest, dtype):
-                need = direct_need(path, p.chunk, p.lo, p.nbytes, dest.data_ptr() + p.dest)
-            else:
-                first = p.dest // dtype.itemsize
-                need = tile_need(path, p.chunk, p.lo, p.nbytes, first, dtype, dest, landing)
-            need.verify = verifier(checks, p)
-            needs.append(need)
-        for box in boxes:
-            needs.extend(_box_needs(path, dtype, dest, box, checks, reader.scratch, landing))
-    return TensorRead(needs=needs, result=result)
-
-
 def _box_needs(
     path: str,
     dtype: torch.dtype,
     dest: torch.Tensor,
     box: Box,
-    checks: Mapping[tuple[str, int], Any],
+    checks: Mapping[int, Any],
     pool: ScratchPool,
     landing: Landing,
 ) -> list[Need]:
@@ -415,20 +305,17 @@ def _box_needs(
             done=done,
             scratch_bytes=p.nbytes,
             label=path,
-            verify=verifier(checks, p),
+            verify=checks.get(id(p)),
         )
         for p in box.pieces
     ]
 
 
 class ShardedTensorKind(TensorKind):
-    """Each piece of the global tensor that this rank holds as its main replica is written as a
-    tensor of its own (``dense.take_tensor``; never deduplicated against other ranks), and every
-    piece, written or not, is listed for the check that the ranks' pieces cover the tensor
-    (``check_coverage``). A restore fills the target's regions (its own piece of a
-    ShardedTensor or DTensor, each local shard of torch's ShardedTensor; a whole plain tensor, or
-    a new one) from whatever shards were stored (``plan_sharded_read``). No type of its own to be
-    found by: asked by ``accepts``, after the dense kind."""
+    """Each piece this rank holds as its main replica is written as a tensor of its own
+    (``dense.take_tensor``), and every piece is listed for ``check_coverage``; a restore fills
+    the target's regions from whatever shards were stored (``restore``). Found by
+    ``accepts`` (no type of its own)."""
 
     name = "sharded_tensor"
     entry_types = (ShardedTensorEntry,)
@@ -454,16 +341,75 @@ class ShardedTensorKind(TensorKind):
     def restore(
         self, reader: ReadPlanner, path: str, entry: ShardedTensorEntry, target: Any
     ) -> None:
-        """Its needs write the live state when the target is a tensor or a piece of one."""
+        """Reads the target's regions of a sharded tensor: the target's own piece(s) when it
+        is a sharded value (resharded from whatever shards were stored), else the whole tensor
+        into a plain tensor target (cast like ``copy_``) or a new one. Only the stored bytes
+        overlapping a region are read (``geometry.plan_region``): straight into the
+        destination when it takes raw bytes, else through scratch tiles (``tile_need``) or
+        boxes (``_box_needs``)."""
         reader.claim()
-        read = plan_sharded_read(reader, path, entry, target)
-        reader.add_needs(read.needs, into_target=not self.allocates(entry, target))
-        reader.tensors[path] = read.result
+        piece_bytes, landing = reader.piece_bytes, reader.landing
+        box_bytes = min(reader.tile_bytes, BOX_BYTES)
+        dtype = dtype_from_name(entry.dtype, path)
+        check_entry(path, entry, dtype)
+        whole = ((0,) * len(entry.shape), tuple(entry.shape))
+        if is_sharded(target):
+            mine = held(path, path.partition("/")[2], target)
+            if mine.key != entry.key:
+                raise StateMismatchError(
+                    f"{path}: the snapshot holds sharded tensor {entry.key!r} here; the object "
+                    f"being restored is a piece of {mine.key!r} (pieces are matched by logical "
+                    "path, and the keys must agree)"
+                )
+            if mine.shape != tuple(entry.shape):
+                raise ShapeMismatchError(
+                    f"{path}: the snapshot holds {entry.key!r} of global shape {list(entry.shape)} "
+                    f"({entry.dtype}); the object being restored is a piece of a global tensor "
+                    f"of shape {list(mine.shape)}"
+                )
+            regions = [((p.offsets, p.sizes), p.data) for p in mine.pieces]
+            # Our ShardedTensor gives back its (filled) data; a DTensor and torch's ShardedTensor
+            # themselves, their local tensors filled in place.
+            result: Any = target.data if isinstance(target, ShardedTensor) else target
+        elif isinstance(target, torch.Tensor) and is_dense_tensor(target):
+            regions, result = [(whole, target)], target
+        else:
+            result = allocate(path, entry.nbytes, lambda: torch.empty(entry.shape, dtype=dtype))
+            regions = [(whole, result)]
+        planned: list[tuple[torch.Tensor, list[Piece], list[Box]]] = []
+        pieces: list[Piece] = []  # every region's
+        for region, dest in regions:
+            check_target(path, new_tensor_entry(entry.dtype, region[1], ()), dest, dtype)
+            # As long as a read request into the region's memory; through scratch, as a tile.
+            step = piece_bytes
+            if not lands_directly(dest, dtype):
+                step = tile_limit(dest, min(piece_bytes, reader.tile_bytes))
+                landing.prepare(dest)
+            direct, boxes = plan_region(
+                entry, region, dtype.itemsize, step, reader.gap_bytes, box_bytes
+            )
+            planned.append((dest, direct, boxes))
+            pieces.extend([*direct, *(p for box in boxes for p in box.pieces)])
+        # Over every region's pieces: a chunk two local shards read in parts is still checked.
+        checks = checks_for(path, pieces, reader.verify)
+        needs: list[Need] = []
+        for dest, direct, boxes in planned:
+            for p in direct:
+                if lands_directly(dest, dtype):
+                    need = direct_need(path, p.chunk, p.lo, p.nbytes, dest.data_ptr() + p.dest)
+                else:
+                    first = p.dest // dtype.itemsize
+                    need = tile_need(path, p.chunk, p.lo, p.nbytes, first, dtype, dest, landing)
+                need.verify = checks.get(id(p))
+                needs.append(need)
+            for box in boxes:
+                needs.extend(_box_needs(path, dtype, dest, box, checks, reader.scratch, landing))
+        reader.add_needs(needs, into_target=not self.allocates(entry, target))
+        reader.tensors[path] = result
 
     def merge(self, entries: dict[str, Any]) -> None:
-        """Replaces each rank's entry (the shards that rank wrote) by one listing every rank's
-        shards of that tensor (each rank keeps its own entry, under the path it holds its
-        piece at, so any rank reads any region)."""
+        """Makes each rank's entry (the shards it wrote) list every rank's shards of that
+        tensor, so any rank reads any region."""
         shards: dict[str, list[Shard]] = {}
         for entry in entries.values():
             if isinstance(entry, ShardedTensorEntry):
@@ -485,9 +431,8 @@ SHARDED_TENSOR = ShardedTensorKind()
 
 
 class ShardedObjectKind(Kind):
-    """Written by the rank holding its main replica, as an object; the other ranks' entries
-    are filled in from that rank's at the commit (``merge``). Read and decoded
-    as an object is (``objects.decode_value``)."""
+    """Written as an object by the rank holding its main replica; the other ranks' entries are
+    filled in from that rank's at the commit (``merge``)."""
 
     name = "sharded_object"
     value_types = (mapping.ShardedObject,)

@@ -1,7 +1,6 @@
 """The contract between the engine and the kinds of values: the records a kind gives the take
-(byte payloads, and the drafts of manifest entries they complete), the ``Kind`` ABC, what a kind
-may use of the take planner (``TakeSink``) and of the restore's loader (``ReadPlanner``), and the
-lookups by value and by entry that every path (take, restore, read_object, export) goes through."""
+(byte payloads, drafts of entries), the ``Kind`` ABC, what a kind may use of the take planner
+(``TakeSink``) and the restore's loader (``ReadPlanner``), and the table of kinds."""
 
 from __future__ import annotations
 
@@ -116,8 +115,8 @@ def crc(p: Payload, checksums: Mapping[tuple[str, int], int] | None) -> int | No
 @dataclass(slots=True, eq=False)
 class TensorSource:
     """A tensor whose bytes cannot simply be viewed (prepared, conjugate or negated, not
-    contiguous, on a device): staging resolves it at its first piece, into ``base``, and drops
-    that after the last piece this rank stages (``remaining``, counted as placed)."""
+    contiguous, on a device): staging resolves it into ``base`` at its first piece, and drops
+    that after the last (``remaining``)."""
 
     path: str
     logical: str
@@ -250,8 +249,8 @@ Made = Entry | str | ObjectReplica
 
 class TakeSink(Protocol):
     """What the take planner (``take.plan.Collector``) offers a kind's ``take``: its settings,
-    the tensors written so far by memory (tied weights are written once), what it collects
-    (``out``: entries, parameter flags, pieces of sharded values), and where payloads go."""
+    the tensors written so far by memory (``written``), what it collects (``out``), and
+    where payloads go."""
 
     prepare: PrepareFunc | None
     chunk_bytes: int
@@ -269,11 +268,10 @@ class TakeSink(Protocol):
 
 
 class ReadPlanner(Protocol):
-    """What the restore's loader (``restore.loader.Loader``) offers a kind's ``restore``: the
-    entries, the read sizes and checks, where values land (``tensors`` for tensors, ``objects``
-    for anything else), the caller's CPU tensors filled by needs (``indirect``: checked for
-    shared memory), the scratch the reads share, a kind's own state (``kind_state``, by the
-    kind's name), and the calls that add reads."""
+    """What the restore's loader (``restore.loader.Loader``) offers a kind's ``restore``: where
+    values land (``tensors``; ``objects`` for anything else), the caller's CPU tensors filled
+    by needs (``indirect``), a kind's own state (``kind_state``, by its name), and the calls
+    that add reads."""
 
     entries: Mapping[str, Entry]
     verify: bool
@@ -315,8 +313,8 @@ class Kind(ABC):
     """One kind of value: what a take makes of a value, and what a restore makes of its entry.
 
     A value is found by its exact type among ``value_types`` (confirmed by ``accepts``), else
-    by the first kind, in registration order, whose ``accepts`` does. An entry is found by its
-    type among ``entry_types`` (the kind registered last first), confirmed by ``owns``.
+    by ``accepts``; an entry by its type among ``entry_types``, confirmed by ``owns``. Either
+    way the kind registered last is asked first.
     """
 
     name: ClassVar[str]
@@ -435,9 +433,8 @@ def bytes_need(
 
 
 class _Shared(Kind):
-    """The kinds registered for one entry type, asked by ``owns`` (the one registered last
-    first): the table's entry for a type more than one kind restores. The loader restores
-    through it; ``for_entry`` answers with the owner itself."""
+    """The kinds restoring one entry type, asked by ``owns`` (the one registered last first);
+    the loader restores through it, ``for_entry`` answers with the owner itself."""
 
     name = "shared"
 
@@ -459,8 +456,7 @@ class _Shared(Kind):
         self.owner(entry).restore(reader, path, entry, target)
 
 
-_kinds: list[Kind] = []  # in the order ``accepts`` is asked
-_registered: list[Kind] = []  # in the order of registration
+_kinds: list[Kind] = []  # in the order of registration; ``accepts`` is asked the other way
 by_value_type: dict[type, Kind] = {}
 # The kind restoring each entry type (a ``_Shared`` one where several kinds register it): a
 # dict lookup, no call, on the restore's path.
@@ -470,50 +466,45 @@ by_entry_type: dict[type, Kind] = {}
 def _index() -> None:
     """Both lookups from the kinds registered, a later kind taking a type over."""
     by_value_type.clear()
-    by_entry_type.clear()
     entry_kinds: dict[type, list[Kind]] = {}
-    for kind in _registered:
+    for kind in _kinds:
         by_value_type.update(dict.fromkeys(kind.value_types, kind))
         for t in kind.entry_types:
             entry_kinds.setdefault(t, []).insert(0, kind)
+    by_entry_type.clear()
     for t, kinds in entry_kinds.items():
         by_entry_type[t] = kinds[0] if len(kinds) == 1 else _Shared(kinds)
 
 
-def register(kind: Kind, *, before: str | None = None) -> Callable[[], None]:
-    """Adds ``kind`` to the table (before the kind named ``before``: its ``accepts`` is then
-    asked first). Its ``value_types`` take over those types from kinds registered earlier, and
-    entries of its ``entry_types`` are offered to it (``owns``) first. Returns a function that
-    undoes the registration."""
-    at = len(_kinds)
-    if before is not None:
-        at = next(i for i, k in enumerate(_kinds) if k.name == before)
-    _kinds.insert(at, kind)
-    _registered.append(kind)
+def register(kind: Kind) -> Callable[[], None]:
+    """Adds ``kind`` to the table: its ``value_types`` take over those types from kinds
+    registered earlier, and entries of its ``entry_types`` are offered to it (``owns``) first.
+    Returns a function that undoes the registration."""
+    _kinds.append(kind)
     _index()
 
     def undo() -> None:
         _kinds.remove(kind)
-        _registered.remove(kind)
         _index()
 
     return undo
 
 
 def for_value(value: Any) -> Kind:
-    """The kind of a leaf value: by its exact type, else the first whose ``accepts`` does."""
+    """The kind of a leaf value: by its exact type, else the kind registered last whose
+    ``accepts`` does."""
     kind = by_value_type.get(type(value))
     if kind is not None and kind.accepts(value):
         return kind
-    for kind in _kinds:
+    for kind in reversed(_kinds):
         if kind.accepts(value):
             return kind
     raise LookupError(f"no kind for a {type(value).__name__}")  # the object kind takes all
 
 
 def merge_entries(parts: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
-    """Every rank's entries in one mapping, rewritten by each kind that merges its entries
-    across ranks (``Kind.merge``), only where any of its ``merged_types`` is there."""
+    """Every rank's entries in one mapping, rewritten by each kind (``Kind.merge``) one of
+    whose ``merged_types`` is there."""
     merged: dict[str, Any] = {}
     found: set[type] = set()
     for part in parts:
