@@ -121,13 +121,12 @@ async def check_blob_sizes(
         raise
 
 
-def check_claims(
-    loader: Loader, paths: Iterable[str], targets: Mapping[str, Any], checked: set[str]
-) -> None:
+def check_claims(loader: Loader, paths: Iterable[str], targets: Mapping[str, Any]) -> None:
     """Checks the claims of the reads of ``paths`` into new memory once the loader's reads
     planned without asking pass ``UNCHECKED_BYTES``: ``CorruptSnapshotError`` for a claimed
-    blob shorter than the manifest says; ``checked`` holds the blobs asked about already."""
+    blob shorter than the manifest says (``loader.checked_blobs``: those asked about already)."""
     claims, claimed = claimed_blobs(loader.entries, paths, targets)
+    checked = loader.checked_blobs
     fresh = {blob: paths for blob, paths in claims.items() if blob not in checked}
     if not fresh:
         return

@@ -82,7 +82,7 @@ class Loader:
         self.manifest = manifest
         # The claims of reads that allocate, checked before the first: the subtree until then.
         self._unclaimed: tuple[str, Mapping[str, Any]] | None = None
-        self._checked: set[str] = set()  # the blobs whose claims were checked
+        self.checked_blobs: set[str] = set()  # the blobs whose claims were checked
         self.unchecked_bytes = 0  # claimed by the reads planned without asking the store
         self.storage_options = storage_options
         self.entries = entries  # the rank's view
@@ -140,7 +140,7 @@ class Loader:
         unclaimed, self._unclaimed = self._unclaimed, None
         if unclaimed is not None:
             root, targets = unclaimed
-            check_claims(self, subtree(self.entries, root), targets, self._checked)
+            check_claims(self, subtree(self.entries, root), targets)
 
     def later(self, step: Callable[[], None]) -> None:
         """Runs ``step`` once every read is planned, before the reads run (``plan_deferred``)."""
