@@ -1,5 +1,5 @@
 """Checks of a snapshot's bytes before a restore takes memory for them or writes them: the sizes
-a manifest claims against the blobs present (``ClaimCheck``), and the reads of
+a manifest claims against the blobs present (``check_claims``), and the reads of
 ``verify_first``'s first pass (``check_needs``).
 
 A read into new memory (an object's buffer, a tensor read into no target) takes the size the
