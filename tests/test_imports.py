@@ -251,6 +251,42 @@ def test_no_module_is_longer_than_the_limit():
     assert not found, f"modules over {MAX_LINES} lines:\n" + "\n".join(found)
 
 
+# Interpreter and torch internals the library must not reach for: the C API through ctypes,
+# ctypes' private function addresses, torch's dispatch keys, threading's private exit hooks.
+INTERNALS = frozenset(
+    {"pythonapi", "_memmove_addr", "_memset_addr", "_dispatch_keys", "_register_atexit"}
+)
+
+
+def internals_used(modules: dict[str, Path]) -> list[str]:
+    """``module:line name`` for each attribute or imported name in ``INTERNALS``."""
+    found = []
+    for name, path in sorted(modules.items()):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Attribute) and node.attr in INTERNALS:
+                found.append(f"{name}:{node.lineno} {node.attr}")
+            elif isinstance(node, ast.ImportFrom):
+                found += [
+                    f"{name}:{node.lineno} {a.name}" for a in node.names if a.name in INTERNALS
+                ]
+    return found
+
+
+def test_no_interpreter_internals():
+    modules, _, _ = _library()
+    found = internals_used(modules)
+    assert not found, "interpreter or torch internals used:\n" + "\n".join(found)
+
+
+def test_the_internals_check_finds_each_form(tmp_path):
+    (tmp_path / "m.py").write_text(
+        "import ctypes\nfrom threading import _register_atexit\n"
+        "api = ctypes.pythonapi\nkeys = torch._C._dispatch_keys(t)\n"
+    )
+    found = internals_used({"m": tmp_path / "m.py"})
+    assert found == ["m:2 _register_atexit", "m:3 pythonapi", "m:4 _dispatch_keys"]
+
+
 def test_the_library_is_found():
     modules, graph, _ = _library()
     assert {"snapshot", "snapshot.snapshot", "manifest.codec", "storage_plugins.fs"} <= set(modules)
