@@ -231,3 +231,87 @@ def test_one_rank_restores_on_two_stages(tmp_path):
     taken = _pack(train.copy())
     _, losses = map(_unpack, run_ranks(2, _restore_stages, path, taken))
     assert losses == _uninterrupted()[TAKEN_AT:]
+
+
+# -- the rule, on manifests of primitives (no blobs: nothing to read), in one process ---------
+
+
+def _restore_on(manifest: Any, app_state: dict, path: str, rank: int = 0, world: int = 1, **kw):
+    from snapshot._engine.dist.dist import Coordinator
+    from snapshot._engine.restore import restore
+    from snapshot.options import Options
+
+    class At(Coordinator):
+        pass
+
+    At.rank, At.world_size = rank, world
+    restore.restore(
+        manifest,
+        app_state,
+        path=path,
+        coordinator=At(),
+        storage_options=None,
+        options=Options.from_env(),
+        **kw,
+    )
+
+
+def _saved(world: int, ranks: dict[int, dict[str, Any]], replicated: dict[str, Any]) -> Any:
+    """A manifest of ``world`` ranks, each rank's ``s`` a dict of primitives (lists of them),
+    and ``replicated`` ones listed once, under rank 0."""
+    import manifest as mf
+
+    entries: dict[str, mf.Entry] = {}
+    for rank, values in ranks.items():
+        entries[f"{rank}/s"] = mf.DictEntry(keys=(*values, *replicated))
+        for k, v in values.items():
+            if isinstance(v, list):
+                entries[f"{rank}/s/{k}"] = mf.ListEntry(length=len(v))
+                for i, item in enumerate(v):
+                    entries[f"{rank}/s/{k}/{i}"] = mf.PrimitiveEntry(value=item)
+            else:
+                entries[f"{rank}/s/{k}"] = mf.PrimitiveEntry(value=v)
+    for k, v in replicated.items():
+        entries[f"0/s/{k}"] = mf.PrimitiveEntry(value=v, replicated=True)
+    return mf.Manifest(format_version=3, world_size=world, entries=entries)
+
+
+def test_a_key_comes_from_the_one_saved_rank_holding_it_or_fails_naming_it(tmp_path, caplog):
+    from snapshot import StateDict
+
+    path = str(tmp_path)
+    two = _saved(2, {0: {"a": 1}, 1: {"b": 2}}, {"r": 5})
+    state = StateDict(a=0, b=0, r=0)
+    _restore_on(two, {"s": state}, path)
+    assert dict(state) == {"a": 1, "r": 5, "b": 2}
+
+    # Held by no saved rank: named, nothing changed; strict=False leaves it as it is.
+    state = StateDict(a=0, b=0, c=0)
+    with pytest.raises(StateMismatchError, match=r"no saved rank holds .*'s/c'") as info:
+        _restore_on(two, {"s": state}, path)
+    assert "'s/b'" not in str(info.value)
+    assert dict(state) == {"a": 0, "b": 0, "c": 0}
+    with caplog.at_level("WARNING", logger="snapshot"):
+        _restore_on(two, {"s": state}, path, strict=False)
+    assert dict(state) == {"a": 1, "b": 2, "c": 0, "r": 5}
+    assert any(
+        "'s/c'" in r.getMessage() and "left as they are" in r.getMessage() for r in caplog.records
+    )
+
+    # Held by two saved ranks with different values: none is chosen.
+    three = _saved(3, {0: {"a": 1}, 1: {"b": 2}, 2: {"b": 3}}, {})
+    state = StateDict(a=0, b=0)
+    with pytest.raises(StateMismatchError, match=r"several saved ranks hold different .*'s/b'"):
+        _restore_on(three, {"s": state}, path)
+    assert dict(state) == {"a": 0, "b": 0}
+
+    # A list is never merged across ranks: rank 0's is the list.
+    lists = _saved(2, {0: {"l": [1]}, 1: {"l": [1, 2]}}, {})
+    with pytest.raises(StateMismatchError, match=r"'s/l/1'.*a list or tuple is never merged"):
+        _restore_on(lists, {"s": StateDict(l=[0, 0])}, path)
+
+    # A rank the snapshot did not have takes a leaf that rank 0 alone held.
+    one = _saved(1, {0: {"a": 1}}, {})
+    state = StateDict(a=0)
+    _restore_on(one, {"s": state}, path, rank=2, world=3)
+    assert dict(state) == {"a": 1}
