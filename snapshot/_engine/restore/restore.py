@@ -9,6 +9,7 @@ ranks agree after each step, so that a failure on one fails all.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
 import time
@@ -18,7 +19,7 @@ from typing import Any
 import torch
 
 import manifest as mf
-from manifest import Entry, Manifest, ShardedTensorEntry
+from manifest import DictEntry, Entry, Manifest, ShardedTensorEntry
 from snapshot._engine.dist import shared_reads
 from snapshot._engine.dist.dist import Coordinator
 from snapshot._engine.format.manifest_io import open_linked
@@ -131,6 +132,18 @@ def _restore(
     except SnapshotError as e:
         error = e
     states = {key: state_dict_of(key, app_state[key], path) for key in keys}
+    planned: dict[str, tuple[dict[str, Any], bool]] = {}
+    if error is None:
+        try:
+            planned = {key: _targets(states[key], roots[key]) for key in keys}
+            if manifest.world_size != coordinator.world_size:
+                # Before anything is read: a target's key that no saved rank holds fails here.
+                targets = {key: planned[key][0] for key in keys}
+                entries = _merged_view(
+                    manifest, entries, prefix, targets, path, coordinator, strict
+                )
+        except Exception as e:
+            error = e
     # Whether the ranks check before they write decides which agreements follow.
     chosen = coordinator.agree("restore: checks", value=verify_first, error=error)
     if len(set(chosen)) > 1:
@@ -150,7 +163,7 @@ def _restore(
         try:  # open, then plan
             plugin = stack.enter_context(open_linked(path, manifest, storage_options, options))
             for key in keys:
-                targets, factories = _targets(states[key], roots[key])
+                targets, factories = planned[key]
                 if factories:
                     with_factories.add(key)
                 progress.targets[key] = targets
@@ -256,8 +269,11 @@ def _restorable_keys(
         )
         keys = [k for k in keys if k not in missing]
     if prefix != f"{coordinator.rank}/":
-        # A rank the snapshot did not have can use only values that are one for all ranks
-        # (replicated, or a sharded tensor's entry, which lists every shard).
+        # A rank the snapshot did not have can use only values that are one for all ranks:
+        # replicated, a sharded tensor's entry (which lists every shard), or a leaf that no
+        # saved rank but rank 0 holds (a pipeline stage's, say).
+        cut = len(prefix)
+        others = range(1, manifest.world_size)
         for key in keys:
             own = next(
                 (
@@ -266,6 +282,7 @@ def _restorable_keys(
                     if not (p not in entries or entries[p].replicated)
                     and not mf.is_container(entries[p])
                     and not isinstance(entries[p], ShardedTensorEntry)
+                    and any(f"{q}/{p[cut:]}" in manifest.entries for q in others)
                 ),
                 None,
             )
@@ -284,6 +301,98 @@ def _restorable_keys(
                 f"with Snapshot.read_object('<rank>/{logical}') and load it yourself"
             )
     return keys
+
+
+def _merged_view(
+    manifest: Manifest,
+    entries: Mapping[str, Entry],
+    prefix: str,
+    targets: Mapping[str, Mapping[str, Any]],
+    path: str,
+    coordinator: Coordinator,
+    strict: bool,
+) -> Mapping[str, Entry]:
+    """This rank's view (``entries``, under ``prefix``) with each target leaf it lacks taken
+    from the saved rank that holds it, on a restore at another world size than the take's.
+
+    A leaf is taken when exactly one saved rank holds it, or several hold one value (a
+    replicated leaf, or a sharded tensor's entry, which lists every shard); it comes with
+    the containers above it that this view lacks, each whole from that rank, and its name
+    is added to the nearest dict above it that this view has (a list or tuple is never
+    merged across ranks). ``StateMismatchError``, before anything is read: a leaf no saved
+    rank holds (``strict``; else a warning, and the leaf is left as it is), or one that
+    several hold with different values. The manifest's entries are never changed."""
+    cut, saved, world = len(prefix), manifest.entries, manifest.world_size
+    added: dict[str, Entry] = {}
+    missing: dict[str, list[str]] = {}
+    differing: dict[str, list[str]] = {}
+    for key, leaves in targets.items():
+        for p in [p for p in leaves if p not in entries]:
+            if p in added:
+                continue  # taken with a container above it
+            parent, _, name = p.rpartition("/")
+            while parent not in added and parent not in entries and "/" in parent:
+                parent, _, name = parent.rpartition("/")
+            above = added.get(parent) or entries.get(parent)
+            if not isinstance(above, DictEntry):
+                if above is None or mf.is_container(above):  # none, or a list or tuple
+                    missing.setdefault(key, []).append(p[cut:])
+                continue  # else inside a leaf saved whole (a dict stored as one object)
+            logical = p[cut:]
+            holders = [q for q in range(world) if f"{q}/{logical}" in saved]
+            found = [saved[f"{q}/{logical}"] for q in holders]
+            if not holders:
+                missing.setdefault(key, []).append(logical)
+                continue
+            if len(holders) > 1 and not (
+                all(e.replicated for e in found)
+                or all(isinstance(e, ShardedTensorEntry) for e in found)
+            ):
+                differing.setdefault(key, []).append(logical)
+                continue
+            source = manifest.view(holders[0])
+            top = f"{parent}/{name}"
+            there = f"{holders[0]}/"
+            for sp in subtree(source, there + top[cut:]):
+                added[prefix + sp[len(there) :]] = source[sp]
+            theirs = source.get(there + parent[cut:])
+            real = next((k for k in getattr(theirs, "keys", ()) if escape_key(k) == name), name)
+            added[parent] = dataclasses.replace(above, keys=(*above.keys, real))
+    where = (
+        f"snapshot {path}: taken on {world} ranks and restored on {coordinator.world_size}, "
+        f"rank {coordinator.rank}"
+    )
+    if differing:
+        raise StateMismatchError(
+            f"{where}: its own saved state lacks these keys of the state_dict(), and several "
+            f"saved ranks hold different values for each, so none can be chosen: "
+            f"{_listed(differing)}; restore on "
+            f"{world} ranks, or read the value a given rank took with "
+            "Snapshot.read_object('<rank>/<path>') and load it yourself"
+        )
+    if missing:
+        problem = (
+            f"{where}: no saved rank holds these keys of the state_dict(): "
+            f"{_listed(missing)} (searched the saved states of ranks 0-{world - 1}; a key "
+            "this rank's own saved state lacks is taken from the one rank that holds it, but "
+            "a list or tuple is never merged across ranks)"
+        )
+        if strict:
+            raise StateMismatchError(
+                f"{problem}; nothing was modified. Restore on {world} ranks, or pass "
+                "strict=False to leave those as they are"
+            )
+        logger.warning("%s (strict=False): left as they are", problem)
+    return {**entries, **added} if added else entries
+
+
+def _listed(paths: Mapping[str, list[str]]) -> str:
+    """Paths by app_state key, the first few of each, for a message."""
+    return "; ".join(
+        f"app_state[{key!r}]: {len(ps)} key(s), {', '.join(map(repr, ps[:8]))}"
+        + (f" and {len(ps) - 8} more" if len(ps) > 8 else "")
+        for key, ps in paths.items()
+    )
 
 
 def _targets(state: Any, root: str) -> tuple[dict[str, Any], bool]:
