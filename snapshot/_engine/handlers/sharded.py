@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -120,25 +121,89 @@ def held(path: str, logical: str, value: Any) -> Held:
 
 
 def _dtensor_held(path: str, logical: str, value: Any) -> Held:
-    """A DTensor's one piece; the copy at coordinate 0 of each Replicate axis is the main one."""
-    from torch.distributed.tensor import Replicate, Shard
+    """A DTensor's one piece. Shard, ``_StridedShard`` (FSDP2 over TP: sharded on the TP mesh
+    dimension first) and Replicate placements are stored as they are, when each rank's piece is
+    one box (``_layout_problem``). A Partial one (each rank holds a term of a sum, not a piece)
+    is refused, not reduced: reducing it is a collective the caller's ranks must all enter, and
+    it changes the value the caller holds; the message says how to reduce it first.
+
+    Its copies are the ranks at different coordinates of its Replicate axes, and, when its mesh
+    is a submesh (``mesh["dp"]`` of a ``("dp", "tp")`` mesh), of the root mesh's dimensions the
+    submesh leaves out. The main one is the copy at coordinate 0 of each: on each Replicate axis,
+    and in the submesh that holds the root mesh's first rank."""
+    from torch.distributed.tensor import Partial, Replicate, Shard
+
+    # torch has no public name for the placement FSDP2 makes over TP.
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    mesh, placements = value.device_mesh, tuple(value.placements)
+    shape = tuple(value.shape)
+    for p in placements:
+        if isinstance(p, Partial):
+            raise UnsupportedValueError(
+                f"{path}: a DTensor with placement {p} (Partial: each rank holds a term of a "
+                "sum, not a piece of the tensor) cannot be stored; reduce it first, e.g. "
+                "value.redistribute(placements=[Replicate()] * mesh.ndim) or to Shard "
+                "placements, on every rank, and take that"
+            )
+        if not isinstance(p, (Shard, Replicate, _StridedShard)):
+            raise UnsupportedValueError(
+                f"{path}: a DTensor with placement {p} cannot be stored; only Shard, "
+                "_StridedShard and Replicate placements are (redistribute it to those first)"
+            )
+    strided = any(isinstance(p, _StridedShard) for p in placements)
+    problem = strided and _layout_problem(shape, tuple(mesh.shape), placements)
+    if problem:
+        raise UnsupportedValueError(
+            f"{path}: a DTensor of shape {list(shape)} with placements "
+            f"({', '.join(map(str, placements))}) on a "
+            f"mesh of shape {list(mesh.shape)} cannot be stored or restored in place: {problem}; "
+            "redistribute it to Shard / Replicate placements first"
+        )
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    mesh, placements = value.device_mesh, value.placements
-    for p in placements:
-        if not isinstance(p, (Shard, Replicate)):
-            raise UnsupportedValueError(
-                f"{path}: a DTensor with placement {p} cannot be stored as it is; only Shard and "
-                "Replicate placements are (reduce a Partial one first, e.g. with redistribute)"
-            )
-    shape = tuple(value.shape)
     sizes, offsets = compute_local_shape_and_global_offset(shape, mesh, placements)
     coords = mesh.get_coordinate()
     main = coords is not None and all(
         coords[dim] == 0 for dim, p in enumerate(placements) if isinstance(p, Replicate)
     )
+    # DeviceMesh has no public name for the mesh a submesh was cut from: ``_get_root_mesh``
+    # (the mesh itself when it is not a submesh) is the one way to know the submesh's copies.
+    root = mesh._get_root_mesh()
+    if main and root is not mesh:
+        main = bool((mesh.mesh == root.mesh.reshape(-1)[0]).any())
     piece = LocalPiece(tuple(offsets), tuple(sizes), value.to_local(), main)
     return Held(logical, value.dtype, shape, (piece,))
+
+
+@functools.lru_cache(maxsize=256)
+def _layout_problem(
+    shape: tuple[int, ...], mesh_shape: tuple[int, ...], placements: tuple[Any, ...]
+) -> str | None:
+    """None when every rank's piece of a DTensor of this layout (one with a ``_StridedShard``:
+    elements taken with a stride) is one box, as torch's offset of its first element and its
+    local shape say; else why not. The boxes of every mesh coordinate along the sharding
+    dimensions must cover the tensor exactly once: each tensor dimension's index sets partition
+    it, so a piece that is not its box makes two boxes overlap."""
+    # The public ``compute_local_shape_and_global_offset`` answers for this rank only; its
+    # private worker takes any coordinate.
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+
+    axes = [
+        range(1) if isinstance(p, Replicate) else range(n)
+        for p, n in zip(placements, mesh_shape, strict=True)
+    ]
+    boxes = set()
+    for coord in itertools.product(*axes):
+        sizes, offsets = _compute_local_shape_and_global_offset(
+            shape, mesh_shape, list(coord), placements
+        )
+        boxes.add((tuple(offsets), tuple(sizes)))
+    problem = cover_problem(shape, sorted(boxes))
+    if problem is None:
+        return None
+    return f"a rank's local piece is not one box of the tensor ({problem})"
 
 
 # ---------------------------------------------------------------------------------------------
