@@ -259,9 +259,11 @@ def test_strided_shards_and_the_submesh_head_are_stored_once(taken):
             assert manifest[f"{rank}/app/model/{name}"] == entry
         stored = sum(c.nbytes for s in entry.shards for c in s.chunks)
         assert stored == 4 * shape[0] * shape[1], name  # each element once
-    # The head: two pieces (uneven, 2 and 1 rows), from the dp ranks of tp rank 0 only.
+    # The head: two pieces (uneven, 2 and 1 rows), written by the ranks at tp coordinate 0
+    # (ranks 0 and 2) only, the lower rank of each pair of copies.
     head = manifest["0/app/model/head.weight"]
     assert sorted(s.sizes for s in head.shards) == [(1, 6), (2, 6)]
+    assert {c.blob.split("/")[0] for s in head.shards for c in s.chunks} == {"0", "2"}
     moment = manifest["0/app/optim/state/head.weight/exp_avg"]
     assert sum(c.nbytes for s in moment.shards for c in s.chunks) == 4 * 3 * 6
 

@@ -85,12 +85,14 @@ class LocalPiece:
 @dataclass(frozen=True)
 class Held:
     """What a rank holds of one global tensor: its name, dtype and shape, and its pieces (any
-    number, none included, for torch's ``ShardedTensor``; else one)."""
+    number, none included, for torch's ``ShardedTensor``; else one), and whether ranks outside
+    its mesh may hold copies of them (a DTensor on a submesh: ``copies``)."""
 
     key: str
     dtype: torch.dtype
     shape: tuple[int, ...]
     pieces: tuple[LocalPiece, ...]
+    copied: bool = False  # ranks outside its mesh may hold copies of its main pieces
 
 
 def held(path: str, logical: str, value: Any) -> Held:
@@ -127,10 +129,10 @@ def _dtensor_held(path: str, logical: str, value: Any) -> Held:
     is refused, not reduced: reducing it is a collective the caller's ranks must all enter, and
     it changes the value the caller holds; the message says how to reduce it first.
 
-    Its copies are the ranks at different coordinates of its Replicate axes, and, when its mesh
-    is a submesh (``mesh["dp"]`` of a ``("dp", "tp")`` mesh), of the root mesh's dimensions the
-    submesh leaves out. The main one is the copy at coordinate 0 of each: on each Replicate axis,
-    and in the submesh that holds the root mesh's first rank."""
+    Its copies on its mesh are the ranks at different coordinates of its Replicate axes; the
+    one at coordinate 0 of each is the main one. A DTensor on a submesh (``mesh["dp"]`` of a
+    ``("dp", "tp")`` mesh) may also be copied on the ranks outside it: ``copies`` picks one of
+    those once every rank's pieces are known."""
     from torch.distributed.tensor import Partial, Replicate, Shard
 
     # torch has no public name for the placement FSDP2 makes over TP.
@@ -167,13 +169,9 @@ def _dtensor_held(path: str, logical: str, value: Any) -> Held:
     main = coords is not None and all(
         coords[dim] == 0 for dim, p in enumerate(placements) if isinstance(p, Replicate)
     )
-    # DeviceMesh has no public name for the mesh a submesh was cut from: ``_get_root_mesh``
-    # (the mesh itself when it is not a submesh) is the one way to know the submesh's copies.
-    root = mesh._get_root_mesh()
-    if main and root is not mesh:
-        main = bool((mesh.mesh == root.mesh.reshape(-1)[0]).any())
     piece = LocalPiece(tuple(offsets), tuple(sizes), value.to_local(), main)
-    return Held(logical, value.dtype, shape, (piece,))
+    copied = mesh.size() < torch.distributed.get_world_size()
+    return Held(logical, value.dtype, shape, (piece,), copied)
 
 
 @functools.lru_cache(maxsize=256)
@@ -210,18 +208,38 @@ def _layout_problem(
 # Take: who covers what.
 
 
+def copies(pieces: Sequence[Sequence[tuple[Any, ...]]]) -> set[str]:
+    """The paths (rank prefix included) of the main pieces that are copies of a piece another
+    rank writes: of each set of main pieces of one tensor at one box, held by several ranks and
+    each ``copied`` (a DTensor on a submesh, copied on the ranks outside it, as a head left out
+    of the TP plan is on each tp rank), all but the lowest rank's. Found here, from every rank's
+    pieces, not from the mesh: the same submesh on other ranks may hold other tensors (a
+    pipeline stage's). ``pieces`` as for ``check_coverage``."""
+    first: dict[tuple[str, tuple[int, ...], tuple[int, ...]], int] = {}
+    found: set[str] = set()
+    for rank, held in enumerate(pieces):
+        for key, _, _, offsets, sizes, main, path, copied in held:
+            box = (key, tuple(offsets), tuple(sizes))
+            if main and copied and math.prod(sizes) and first.setdefault(box, rank) != rank:
+                found.add(path)
+    return found
+
+
 def check_coverage(pieces: Sequence[Sequence[tuple[Any, ...]]]) -> None:
-    """``pieces[rank]`` lists ``(key, dtype, shape, offsets, sizes, main, path)`` for each
-    piece that rank holds. Every rank computes the same verdict: each global tensor has the
-    same dtype and shape everywhere, and its main replicas cover it exactly once.
+    """``pieces[rank]`` lists ``(key, dtype, shape, offsets, sizes, main, path, copied)`` for
+    each piece that rank holds. Every rank computes the same verdict: each global tensor has
+    the same dtype and shape everywhere, and its main replicas, less the ``copies``, cover it
+    exactly once.
 
     Raises:
         SnapshotError: naming the tensor and the ranks at fault.
     """
+    dropped = copies(pieces)
     by_key: dict[str, list[tuple[int, tuple[Any, ...]]]] = {}
     for rank, held in enumerate(pieces):
         for piece in held:
-            by_key.setdefault(piece[0], []).append((rank, piece))
+            if piece[6] not in dropped:
+                by_key.setdefault(piece[0], []).append((rank, piece))
     for key, found in by_key.items():
         _, first = found[0]
         for rank, piece in found:
@@ -397,8 +415,11 @@ class ShardedTensorKind(TensorKind):
         dtype = dtype_name(mine.dtype)
         for piece in mine.pieces:
             sink.out.pieces.append(
-                (mine.key, dtype, mine.shape, piece.offsets, piece.sizes, piece.main, path)
-            )
+                (
+                    mine.key, dtype, mine.shape, piece.offsets, piece.sizes, piece.main, path,
+                    mine.copied,
+                )
+            )  # fmt: skip
             if piece.main:
                 written.append((piece, take_tensor(sink, path, logical, piece.data, False)))
         return ShardDraft(held=mine, written=written)
