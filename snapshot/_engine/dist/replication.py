@@ -207,8 +207,9 @@ class Pending:
         """The ``Decision``, given every rank's ``joined`` digests of ``to_confirm`` (None when
         there is nothing to confirm)."""
         replicated = Replicated(self.replicated)
-        if any(info["pieces"] for info in self.infos):
-            replicated.copies = frozenset(sharded.copies([info["pieces"] for info in self.infos]))
+        pieces = [info.get("pieces", ()) for info in self.infos]
+        if any(pieces):
+            replicated.copies = frozenset(sharded.copies(pieces))
         for i, logical in enumerate(self.to_confirm):
             if digests and len({d[8 * i : 8 * i + 8] for d in digests}) > 1:
                 del replicated[logical]
