@@ -170,7 +170,8 @@ def _dtensor_held(path: str, logical: str, value: Any) -> Held:
         coords[dim] == 0 for dim, p in enumerate(placements) if isinstance(p, Replicate)
     )
     piece = LocalPiece(tuple(offsets), tuple(sizes), value.to_local(), main)
-    copied = mesh.size() < torch.distributed.get_world_size()
+    dist = torch.distributed
+    copied = dist.is_initialized() and mesh.size() < dist.get_world_size()
     return Held(logical, value.dtype, shape, (piece,), copied)
 
 
