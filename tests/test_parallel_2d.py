@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from manifest import ShardedTensorEntry
-from snapshot import Snapshot, StateDict
+from snapshot import Options, Snapshot, StateDict
 from tests.multirank import run_ranks
 
 pytestmark = pytest.mark.slow  # 4 ranks for the take (about 15 s on a quiet machine)
@@ -214,13 +214,15 @@ def _train_and_take(rank: int, world: int, path: str, out: str) -> dict[str, Any
 
 
 def _restore(rank: int, world: int, layout: str, path: str, out: str) -> list[float]:
-    """Restores in ``layout``, checks the full state against the one at the take, and that
-    three more steps go as in the same layout given that full state through torch."""
+    """Restores in ``layout`` (in place, within a memory budget smaller than a tensor), checks
+    the full state against the one at the take, and that three more steps go as in the same
+    layout given that full state through torch."""
     taken = torch.load(os.path.join(out, "taken.pt"))
     model, optim = _build(layout, seed=1)
     app = App(model, optim)
     before = {k: v for k, v in app.state_dict()["model"].items()}
-    Snapshot(path).restore({"app": app})
+    # A budget smaller than the largest tensor (240 bytes): regions are read piece by piece.
+    Snapshot(path).restore({"app": app}, options=Options(memory_budget_bytes=128))
     after = app.state_dict()["model"]
     for k, v in before.items():  # in place: the same local tensors, now filled
         local = v.to_local() if hasattr(v, "to_local") else v

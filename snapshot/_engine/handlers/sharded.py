@@ -86,7 +86,8 @@ class LocalPiece:
 class Held:
     """What a rank holds of one global tensor: its name, dtype and shape, and its pieces (any
     number, none included, for torch's ``ShardedTensor``; else one), and whether ranks outside
-    its mesh may hold copies of them (a DTensor on a submesh: ``copies``)."""
+    its mesh may hold copies of them (a DTensor on a submesh; ``copies`` picks the one
+    written)."""
 
     key: str
     dtype: torch.dtype
