@@ -173,6 +173,61 @@ def test_dtensor_round_trip_into_another_placement(tmp_path):
     assert torch.equal(Snapshot(path).read_object("0/m/w"), G)
 
 
+def _stages(rank: int, world: int, path: str) -> str:
+    """Two pipeline stages on a ("pp", "dp") mesh of 2x1: each rank's DTensors are on its own
+    "dp" submesh; "own" is another tensor on each stage, "shared" the same one on both (a copy
+    of one piece, as a head sharded on mesh["dp"] alone is on each tp rank). Then the take's
+    message for a Partial DTensor."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("pp", "dp"))
+    sub = mesh["dp"]
+    own = distribute_tensor(torch.full((4, 3), float(rank + 1)), sub, [Shard(0)])
+    shared = distribute_tensor(R, sub, [Shard(0)])
+    Snapshot.take(path, {"m": StateDict(**{f"stage{rank}": own, "shared": shared})})
+    own = distribute_tensor(torch.zeros(4, 3), sub, [Shard(0)])
+    shared = distribute_tensor(torch.zeros(8, 5), sub, [Shard(0)])
+    Snapshot(path).restore({"m": StateDict(**{f"stage{rank}": own, "shared": shared})})
+    assert torch.equal(own.to_local(), torch.full((4, 3), float(rank + 1)))
+    assert torch.equal(shared.to_local(), R)
+    partial = DTensor.from_local(torch.ones(3), init_device_mesh("cpu", (world,)), [Partial()])
+    with pytest.raises(SnapshotError) as refused:
+        Snapshot.take(f"{path}-partial", {"m": StateDict(p=partial)})
+    return str(refused.value)
+
+
+def test_dtensors_on_submeshes_are_stored_once_per_piece(tmp_path):
+    # A piece held by several ranks on submeshes is written by the lowest of them; the stages'
+    # own tensors (on the submeshes of the other pp coordinate too) by their rank.
+    path = str(tmp_path / "snap")
+    messages = run_ranks(2, _stages, path)
+    manifest = Snapshot(path).get_manifest()
+    shared = manifest["0/m/shared"]
+    assert isinstance(shared, ShardedTensorEntry) and manifest["1/m/shared"] == shared
+    assert [c.blob.split("/")[0] for s in shared.shards for c in s.chunks] == ["0"]
+    assert sum(c.nbytes for s in shared.shards for c in s.chunks) == R.numel() * 4
+    assert torch.equal(Snapshot(path).read_object("1/m/stage1"), torch.full((4, 3), 2.0))
+    for rank, message in enumerate(messages):
+        assert f"{rank}/m/p: a DTensor with placement P(sum)" in message
+        assert "cannot be stored; reduce it first, e.g. value.redistribute(" in message
+
+
+def test_strided_layouts_are_stored_when_their_pieces_are_boxes():
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    from snapshot._engine.handlers.sharded import _layout_problem
+
+    # FSDP2 over TP (rows split by tp, then by dp within each tp piece): boxes, even uneven.
+    for tp in (2, 4):
+        fsdp_tp = (_StridedShard(0, split_factor=tp), Shard(0))
+        assert _layout_problem((10, 6), (2, tp), fsdp_tp) is None
+    # Rows {0, 2}, {1, 3}, {4, 6}, {5, 7}: not boxes.
+    problem = _layout_problem((8, 3), (2, 2), (Shard(0), _StridedShard(0, split_factor=2)))
+    assert problem is not None and "not one box" in problem
+
+
 def _objects(rank: int, world: int, path: str) -> None:
     own = ShardedObject("cfg", {"rank": rank}, (world,), (rank,))
     shared = ShardedObject("vocab", ["a", "b"], (1,), (0,), replica_id=rank)

@@ -27,7 +27,15 @@ import torch
 from manifest import PrimitiveEntry, TensorEntry
 from snapshot._engine import runtime
 from snapshot._engine.format.serialization import combine, crc32, gather_elements, tensor_memoryview
-from snapshot._engine.handlers.table import Layout, ObjectDraft, Payload, TensorDraft, WholeTensor
+from snapshot._engine.handlers import sharded
+from snapshot._engine.handlers.table import (
+    Layout,
+    ObjectDraft,
+    Payload,
+    ShardDraft,
+    TensorDraft,
+    WholeTensor,
+)
 from snapshot._engine.take.plan import Collected, Placer, Stager
 from snapshot.errors import SnapshotError
 
@@ -167,13 +175,21 @@ def describe(collected: Collected, rank_prefix: str) -> Facts:
     return facts
 
 
+class Replicated(dict[str, Desc]):
+    """The replicated leaves (logical path -> rank 0's ``Desc``, in rank 0's order), and
+    ``copies``: the paths (rank prefix included) of the sharded pieces another rank writes
+    (``sharded.copies``), which ``settle`` drops from this rank's writes."""
+
+    copies: frozenset[str] = frozenset()
+
+
 @dataclasses.dataclass
 class Decision:
     """What the agreements decided: the replicated leaves (logical path -> rank 0's ``Desc``,
     in rank 0's order), their payloads for ``assign_writers``, and each rank's bytes
     of its own once the decision is applied."""
 
-    replicated: dict[str, Desc]
+    replicated: Replicated
     signature: list[tuple[str, int, int, str]]
     local_bytes: list[int]
 
@@ -190,7 +206,10 @@ class Pending:
     def confirm(self, digests: Sequence[bytes] | None) -> Decision:
         """The ``Decision``, given every rank's ``joined`` digests of ``to_confirm`` (None when
         there is nothing to confirm)."""
-        replicated = dict(self.replicated)
+        replicated = Replicated(self.replicated)
+        pieces = [info.get("pieces", ()) for info in self.infos]
+        if any(pieces):
+            replicated.copies = frozenset(sharded.copies(pieces))
         for i, logical in enumerate(self.to_confirm):
             if digests and len({d[8 * i : 8 * i + 8] for d in digests}) > 1:
                 del replicated[logical]
@@ -273,6 +292,7 @@ def settle(
     entries = collected.entries
     extra: list[Payload] = []
     paths: list[str] = []
+    dropped = _drop_copies(entries, getattr(replicated, "copies", frozenset()))
     for path, e in entries.items():
         logical = path[cut:]
         mine = logical in replicated
@@ -295,7 +315,7 @@ def settle(
     own = Placer(rank_prefix, layout, mine=True, stager=stager)
     shared: list[Payload] = []
     own_bytes = 0
-    seen: set[int] = set()
+    seen: set[int] = dropped  # a dropped copy is neither placed nor shared
     for p in itertools.chain(collected.payloads, collected.replicated, extra):
         if id(p) in seen:
             continue
@@ -309,6 +329,34 @@ def settle(
     collected.replicated = shared
     collected.own_bytes = own_bytes
     return own, paths
+
+
+def _drop_copies(entries: Mapping[str, Any], copies: frozenset[str]) -> set[int]:
+    """Empties the ``ShardDraft`` of each of this rank's ``copies`` (its entry lists no shard
+    of its own, as a replica's); returns the ids of the payloads no other leaf shares (tied to
+    the same memory), which are not written."""
+    mine = [entries[p] for p in copies if isinstance(entries.get(p), ShardDraft)]
+    if not mine:
+        return set()
+    dropped: set[int] = set()
+    for draft in mine:
+        for _, t in draft.written:
+            dropped.update(id(p) for p in _payloads(t))
+        draft.written = []
+    for e in entries.values():  # a payload another leaf still needs stays
+        if isinstance(e, ShardDraft):
+            for _, t in e.written:
+                dropped.difference_update(id(p) for p in _payloads(t))
+        elif isinstance(e, (TensorDraft, WholeTensor)):
+            dropped.difference_update(id(p) for p in _payloads(e))
+    return dropped
+
+
+def _payloads(t: Any) -> list[Payload]:
+    """A dense draft's payloads: a ``WholeTensor`` is its own; an entry has none."""
+    if isinstance(t, WholeTensor):
+        return [t]
+    return list(t.payloads) if isinstance(t, TensorDraft) else []
 
 
 def _copy(p: Payload, logical: str, path: str, replicated: bool) -> Payload:

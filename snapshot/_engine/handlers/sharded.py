@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -84,12 +85,15 @@ class LocalPiece:
 @dataclass(frozen=True)
 class Held:
     """What a rank holds of one global tensor: its name, dtype and shape, and its pieces (any
-    number, none included, for torch's ``ShardedTensor``; else one)."""
+    number, none included, for torch's ``ShardedTensor``; else one), and whether ranks outside
+    its mesh may hold copies of them (a DTensor on a submesh; ``copies`` picks the one
+    written)."""
 
     key: str
     dtype: torch.dtype
     shape: tuple[int, ...]
     pieces: tuple[LocalPiece, ...]
+    copied: bool = False  # ranks outside its mesh may hold copies of its main pieces
 
 
 def held(path: str, logical: str, value: Any) -> Held:
@@ -120,43 +124,124 @@ def held(path: str, logical: str, value: Any) -> Held:
 
 
 def _dtensor_held(path: str, logical: str, value: Any) -> Held:
-    """A DTensor's one piece; the copy at coordinate 0 of each Replicate axis is the main one."""
-    from torch.distributed.tensor import Replicate, Shard
+    """A DTensor's one piece. Shard, ``_StridedShard`` (FSDP2 over TP: sharded on the TP mesh
+    dimension first) and Replicate placements are stored as they are, when each rank's piece is
+    one box (``_layout_problem``). A Partial one (each rank holds a term of a sum, not a piece)
+    is refused, not reduced: reducing it is a collective the caller's ranks must all enter, and
+    it changes the value the caller holds; the message says how to reduce it first.
+
+    Its copies on its mesh are the ranks at different coordinates of its Replicate axes; the
+    one at coordinate 0 of each is the main one. A DTensor on a submesh (``mesh["dp"]`` of a
+    ``("dp", "tp")`` mesh) may also be copied on the ranks outside it: ``copies`` picks one of
+    those once every rank's pieces are known."""
+    from torch.distributed.tensor import Partial, Replicate, Shard
+
+    # torch has no public name for the placement FSDP2 makes over TP.
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    mesh, placements = value.device_mesh, tuple(value.placements)
+    shape = tuple(value.shape)
+    for p in placements:
+        if isinstance(p, Partial):
+            raise UnsupportedValueError(
+                f"{path}: a DTensor with placement {p} (Partial: each rank holds a term of a "
+                "sum, not a piece of the tensor) cannot be stored; reduce it first, e.g. "
+                "value.redistribute(placements=[Replicate()] * mesh.ndim) or to Shard "
+                "placements, on every rank, and take that"
+            )
+        if not isinstance(p, (Shard, Replicate, _StridedShard)):
+            raise UnsupportedValueError(
+                f"{path}: a DTensor with placement {p} cannot be stored; only Shard, "
+                "_StridedShard and Replicate placements are (redistribute it to those first)"
+            )
+    strided = any(isinstance(p, _StridedShard) for p in placements)
+    problem = strided and _layout_problem(shape, tuple(mesh.shape), placements)
+    if problem:
+        raise UnsupportedValueError(
+            f"{path}: a DTensor of shape {list(shape)} with placements "
+            f"({', '.join(map(str, placements))}) on a "
+            f"mesh of shape {list(mesh.shape)} cannot be stored or restored in place: {problem}; "
+            "redistribute it to Shard / Replicate placements first"
+        )
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    mesh, placements = value.device_mesh, value.placements
-    for p in placements:
-        if not isinstance(p, (Shard, Replicate)):
-            raise UnsupportedValueError(
-                f"{path}: a DTensor with placement {p} cannot be stored as it is; only Shard and "
-                "Replicate placements are (reduce a Partial one first, e.g. with redistribute)"
-            )
-    shape = tuple(value.shape)
     sizes, offsets = compute_local_shape_and_global_offset(shape, mesh, placements)
     coords = mesh.get_coordinate()
     main = coords is not None and all(
         coords[dim] == 0 for dim, p in enumerate(placements) if isinstance(p, Replicate)
     )
     piece = LocalPiece(tuple(offsets), tuple(sizes), value.to_local(), main)
-    return Held(logical, value.dtype, shape, (piece,))
+    dist = torch.distributed
+    copied = dist.is_initialized() and mesh.size() < dist.get_world_size()
+    return Held(logical, value.dtype, shape, (piece,), copied)
+
+
+@functools.lru_cache(maxsize=256)
+def _layout_problem(
+    shape: tuple[int, ...], mesh_shape: tuple[int, ...], placements: tuple[Any, ...]
+) -> str | None:
+    """None when every rank's piece of a DTensor of this layout (one with a ``_StridedShard``:
+    elements taken with a stride) is one box, as torch's offset of its first element and its
+    local shape say; else why not. The boxes of every mesh coordinate along the sharding
+    dimensions must cover the tensor exactly once: each tensor dimension's index sets partition
+    it, so a piece that is not its box makes two boxes overlap."""
+    # The public ``compute_local_shape_and_global_offset`` answers for this rank only; its
+    # private worker takes any coordinate.
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+
+    axes = [
+        range(1) if isinstance(p, Replicate) else range(n)
+        for p, n in zip(placements, mesh_shape, strict=True)
+    ]
+    boxes = set()
+    for coord in itertools.product(*axes):
+        sizes, offsets = _compute_local_shape_and_global_offset(
+            shape, mesh_shape, list(coord), placements
+        )
+        boxes.add((tuple(offsets), tuple(sizes)))
+    problem = cover_problem(shape, sorted(boxes))
+    if problem is None:
+        return None
+    return f"a rank's local piece is not one box of the tensor ({problem})"
 
 
 # ---------------------------------------------------------------------------------------------
 # Take: who covers what.
 
 
+def copies(pieces: Sequence[Sequence[tuple[Any, ...]]]) -> set[str]:
+    """The paths (rank prefix included) of the main pieces that are copies of a piece another
+    rank writes: of each set of main pieces of one tensor at one box, held by several ranks and
+    each ``copied`` (a DTensor on a submesh, copied on the ranks outside it, as a head left out
+    of the TP plan is on each tp rank), all but the lowest rank's. Found here, from every rank's
+    pieces, not from the mesh: the same submesh on other ranks may hold other tensors (a
+    pipeline stage's). ``pieces`` as for ``check_coverage``."""
+    first: dict[tuple[str, tuple[int, ...], tuple[int, ...]], int] = {}
+    found: set[str] = set()
+    for rank, held in enumerate(pieces):
+        for key, _, _, offsets, sizes, main, path, copied in held:
+            box = (key, tuple(offsets), tuple(sizes))
+            if main and copied and math.prod(sizes) and first.setdefault(box, rank) != rank:
+                found.add(path)
+    return found
+
+
 def check_coverage(pieces: Sequence[Sequence[tuple[Any, ...]]]) -> None:
-    """``pieces[rank]`` lists ``(key, dtype, shape, offsets, sizes, main, path)`` for each
-    piece that rank holds. Every rank computes the same verdict: each global tensor has the
-    same dtype and shape everywhere, and its main replicas cover it exactly once.
+    """``pieces[rank]`` lists ``(key, dtype, shape, offsets, sizes, main, path, copied)`` for
+    each piece that rank holds. Every rank computes the same verdict: each global tensor has
+    the same dtype and shape everywhere, and its main replicas, less the ``copies``, cover it
+    exactly once.
 
     Raises:
         SnapshotError: naming the tensor and the ranks at fault.
     """
+    dropped = copies(pieces)
     by_key: dict[str, list[tuple[int, tuple[Any, ...]]]] = {}
     for rank, held in enumerate(pieces):
         for piece in held:
-            by_key.setdefault(piece[0], []).append((rank, piece))
+            if piece[6] not in dropped:
+                by_key.setdefault(piece[0], []).append((rank, piece))
     for key, found in by_key.items():
         _, first = found[0]
         for rank, piece in found:
@@ -332,8 +417,11 @@ class ShardedTensorKind(TensorKind):
         dtype = dtype_name(mine.dtype)
         for piece in mine.pieces:
             sink.out.pieces.append(
-                (mine.key, dtype, mine.shape, piece.offsets, piece.sizes, piece.main, path)
-            )
+                (
+                    mine.key, dtype, mine.shape, piece.offsets, piece.sizes, piece.main, path,
+                    mine.copied,
+                )
+            )  # fmt: skip
             if piece.main:
                 written.append((piece, take_tensor(sink, path, logical, piece.data, False)))
         return ShardDraft(held=mine, written=written)
