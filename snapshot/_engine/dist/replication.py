@@ -175,23 +175,17 @@ def describe(collected: Collected, rank_prefix: str) -> Facts:
     return facts
 
 
-class Replicated(dict[str, Desc]):
-    """The replicated leaves (logical path -> rank 0's ``Desc``, in rank 0's order), and
-    ``copies``: the paths (rank prefix included) of the sharded pieces another rank writes
-    (``sharded.copies``), which ``settle`` drops from this rank's writes."""
-
-    copies: frozenset[str] = frozenset()
-
-
 @dataclasses.dataclass
 class Decision:
     """What the agreements decided: the replicated leaves (logical path -> rank 0's ``Desc``,
-    in rank 0's order), their payloads for ``assign_writers``, and each rank's bytes
-    of its own once the decision is applied."""
+    in rank 0's order), their payloads for ``assign_writers``, each rank's bytes of its own
+    once the decision is applied, and ``copies``: the paths (rank prefix included) of the
+    sharded pieces another rank writes (``sharded.copies``), which ``settle`` drops."""
 
-    replicated: Replicated
+    replicated: dict[str, Desc]
     signature: list[tuple[str, int, int, str]]
     local_bytes: list[int]
+    copies: frozenset[str] = frozenset()
 
 
 @dataclasses.dataclass
@@ -206,10 +200,9 @@ class Pending:
     def confirm(self, digests: Sequence[bytes] | None) -> Decision:
         """The ``Decision``, given every rank's ``joined`` digests of ``to_confirm`` (None when
         there is nothing to confirm)."""
-        replicated = Replicated(self.replicated)
+        replicated = dict(self.replicated)
         pieces = [info.get("pieces", ()) for info in self.infos]
-        if any(pieces):
-            replicated.copies = frozenset(sharded.copies(pieces))
+        copies = frozenset(sharded.copies(pieces)) if any(pieces) else frozenset()
         for i, logical in enumerate(self.to_confirm):
             if digests and len({d[8 * i : 8 * i + 8] for d in digests}) > 1:
                 del replicated[logical]
@@ -224,7 +217,7 @@ class Pending:
             for i, n in enumerate(desc.sizes)
         ]
         own = [_own_bytes(info, replicated) for info in self.infos]
-        return Decision(replicated, signature, own)
+        return Decision(replicated, signature, own, copies)
 
 
 def decide(where: str, infos: Sequence[Mapping[str, Any]]) -> Pending:
@@ -279,7 +272,7 @@ def _own_bytes(info: Mapping[str, Any], replicated: Mapping[str, Desc]) -> int:
 
 def settle(
     collected: Collected,
-    replicated: Mapping[str, Desc],
+    decision: Decision,
     rank_prefix: str,
     layout: Layout,
     stager: Stager,
@@ -287,12 +280,14 @@ def settle(
     """Marks this rank's leaves replicated or not as decided, places its own payloads (a closed
     ``Placer`` under ``rank_prefix``), and leaves the replicated ones, in order, in
     ``collected.replicated``. Returns the placer and the paths of the replicated leaves. A tied
-    leaf decided otherwise than the leaf it shares payloads with gets payloads of its own."""
+    leaf decided otherwise than the leaf it shares payloads with gets payloads of its own; the
+    pieces of ``decision.copies`` are not written."""
     cut = len(rank_prefix)
     entries = collected.entries
     extra: list[Payload] = []
     paths: list[str] = []
-    dropped = _drop_copies(entries, getattr(replicated, "copies", frozenset()))
+    replicated = decision.replicated
+    dropped = _drop_copies(entries, decision.copies)
     for path, e in entries.items():
         logical = path[cut:]
         mine = logical in replicated

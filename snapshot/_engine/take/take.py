@@ -154,7 +154,7 @@ class TakeJob:
         else:
             writers = replication.assign_writers(decision.signature, decision.local_bytes)
             own, self._shared_paths = replication.settle(
-                self.collected, decision.replicated, f"{coord.rank}/", layout, self.pool
+                self.collected, decision, f"{coord.rank}/", layout, self.pool
             )
             self._facts = None
         self.plan = place(
