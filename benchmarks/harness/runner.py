@@ -216,6 +216,7 @@ def merge_ranks(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
                     "io",
                     "check",
                     "in_place",
+                    "budget_bytes",
                     "error",
                     "traceback",
                 )
