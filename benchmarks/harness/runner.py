@@ -217,6 +217,7 @@ def merge_ranks(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
                     "check",
                     "in_place",
                     "budget_bytes",
+                    "later_seconds",
                     "error",
                     "traceback",
                 )
