@@ -52,6 +52,11 @@ Cases (``--case``):
                   and restored into another sharding: 4 ranks [Shard(1)], 2 ranks, 1 process
                   (plain full tensors), and, saved by 2 ranks, 4 ranks; statesnap against DCP,
                   ratio DCP ÷ statesnap per scenario.
+  parallel-2d     real parallel jobs (an MLP with AdamW, ~64 MiB): FSDP2 x TP on 2x2 restored
+                  at 2x2, 1x2, 2x1, FSDP2 on 2 ranks and 1 rank; HSDP 2x2 -> 2x2, 4, 1; FSDP2
+                  2 -> 2, 4; statesnap against DCP through the same Stateful (get_state_dict /
+                  set_state_dict), first call and later calls, peak RSS per rank, resharded ÷
+                  same-layout restore.
 
 Example: ``python -m benchmarks.bench_io --case main --size 512MiB --reps 1``.
 """

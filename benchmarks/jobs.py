@@ -25,6 +25,12 @@ the job's ``result`` path (stdout and stderr stay free for whatever the librarie
                  group's ranks, or plain full tensors), then time the method's load into them;
                  afterwards check that every target was filled in place and that its local
                  tensor equals this rank's piece of the regenerated global tensor, bitwise.
+``parallel-take`` / ``parallel-restore``
+                 build the job's model and AdamW optimizer on its ``layout`` (FSDP2 x TP, HSDP,
+                 FSDP2, plain; :mod:`benchmarks.methods.parallel`), fill them (take) or zero
+                 them (restore), then time the method's save or load of their Stateful;
+                 afterwards a restore checks every value's full tensor bitwise, and times
+                 ``later_calls`` more restores in the same process (``later_seconds``).
 
 Peak RSS is measured above the RSS right before the timed region (see ``common.PeakRSS``).
 When the job says ``settle_memory`` (the harness's default), the worker (rank 0 of a group)
@@ -91,8 +97,11 @@ from benchmarks.methods import (
     Reader,
     Writer,
     configure_s3,
+    parallel,
     statesnap_path,
 )
+from benchmarks.methods.local import dcp_prepare, ss_prepare
+from benchmarks.methods.parallel import PARALLEL_METHODS, ParallelMethod
 from benchmarks.s3server import process_cpu_seconds
 
 
@@ -476,6 +485,82 @@ def _reshard_restore(job: dict[str, Any], ranks: RankGroup) -> dict[str, Any]:
     }
 
 
+def _parallel_job(job: dict[str, Any]) -> tuple[ParallelMethod, Any, Any, int]:
+    """The job's method (its modules imported), and its model and AdamW optimizer built on the
+    job's layout (see :mod:`benchmarks.methods.parallel`)."""
+    method = PARALLEL_METHODS[job["method"]]
+    if method.name == "statesnap":
+        ss_prepare()
+    else:
+        dcp_prepare()
+    import torch.distributed.checkpoint.state_dict  # noqa: F401  (both methods' Stateful)
+
+    state = job["state"]
+    model, optim = parallel.build(parallel.Layout.parse(state["layout"]), int(state["dim"]))
+    return method, model, optim, int(state["seed"])
+
+
+def _budget(method: ParallelMethod) -> dict[str, Any]:
+    """statesnap's memory budget for a restore started now (its ``Options`` default)."""
+    if method.name != "statesnap":
+        return {}
+    try:
+        from snapshot import Options
+
+        return {"budget_bytes": Options().budget()}
+    except (ImportError, AttributeError):
+        return {}
+
+
+def _parallel_take(job: dict[str, Any], ranks: RankGroup) -> dict[str, Any]:
+    method, model, optim, seed = _parallel_job(job)
+    parallel.fill(model, optim, seed)
+    path = job["path"]
+    os.makedirs(path, exist_ok=True)
+    budget = _budget(method)
+    app = parallel.AppState(model, optim)
+    _, figures = _timed(ranks, lambda: method.save(app, path))
+    return {
+        "ok": True,
+        **figures,
+        **budget,
+        "payload_bytes": parallel.model_bytes(int(job["state"]["dim"])),
+        "disk": tree_size(path) if ranks.rank == 0 else None,
+        "check": {"ok": True, "detail": "n/a (take)"},
+        **ranks.fields(),
+    }
+
+
+def _parallel_restore(job: dict[str, Any], ranks: RankGroup) -> dict[str, Any]:
+    method, model, optim, seed = _parallel_job(job)
+    parallel.zero(model, optim)
+    budget = _budget(method)
+    app = parallel.AppState(model, optim)
+    _, figures = _timed(ranks, lambda: method.load(app, job["path"]))
+    result = parallel.check(model, optim, seed)
+    # Later restores in the same process (its imports and first-call costs paid), each from a
+    # barrier to a barrier, into zeroed values again; the last one is checked too.
+    later = []
+    for _ in range(int(job.get("later_calls", 0))):
+        parallel.zero(model, optim)
+        ranks.barrier()
+        t0 = time.perf_counter()
+        method.load(app, job["path"])
+        ranks.barrier()
+        later.append(time.perf_counter() - t0)
+    if later and result["ok"]:
+        result = parallel.check(model, optim, seed)
+    return {
+        "ok": True,
+        **figures,
+        **budget,
+        "later_seconds": later,
+        "payload_bytes": parallel.model_bytes(int(job["state"]["dim"])),
+        "check": result,
+        **ranks.fields(),
+    }
+
+
 def _train(job: dict[str, Any], ranks: RankGroup) -> dict[str, Any]:
     from benchmarks.train_loop import LoopConfig, run_loop
 
@@ -490,6 +575,8 @@ OPS = {
     "train": _train,
     "reshard-take": _reshard_take,
     "reshard-restore": _reshard_restore,
+    "parallel-take": _parallel_take,
+    "parallel-restore": _parallel_restore,
 }
 
 

@@ -27,6 +27,7 @@ from benchmarks.cases import (
     dist,
     main,
     many_small,
+    parallel_2d,
     read_object,
     reshard,
     restore_memory,
@@ -48,6 +49,7 @@ CASES = {
         checksums,
         s3,
         reshard,
+        parallel_2d,
     )
 }
 

@@ -216,6 +216,8 @@ def merge_ranks(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
                     "io",
                     "check",
                     "in_place",
+                    "budget_bytes",
+                    "later_seconds",
                     "error",
                     "traceback",
                 )
