@@ -8,7 +8,9 @@ import torch
 
 from manifest import ShardedObjectEntry, ShardedTensorEntry
 from snapshot import IncompatibleSnapshotError, Options, Snapshot, SnapshotError, StateDict
+from snapshot._engine.dist.replication import Desc, decide
 from snapshot._engine.handlers.geometry import runs
+from snapshot._engine.take.commit import MANIFEST_NAME
 from snapshot.sharding import (
     LocalNonpersistentObject,
     ShardedObject,
@@ -177,7 +179,8 @@ def _stages(rank: int, world: int, path: str) -> str:
     """Two pipeline stages on a ("pp", "dp") mesh of 2x1: each rank's DTensors are on its own
     "dp" submesh; "own" is another tensor on each stage, "shared" the same one on both (a copy
     of one piece, as a head sharded on mesh["dp"] alone is on each tp rank). Then the take's
-    message for a Partial DTensor."""
+    messages for copies of "shared" that differ (in one element's sign: the CRCs differ) and
+    for a Partial DTensor."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Partial, Shard, distribute_tensor
 
@@ -191,10 +194,16 @@ def _stages(rank: int, world: int, path: str) -> str:
     Snapshot(path).restore({"m": StateDict(**{f"stage{rank}": own, "shared": shared})})
     assert torch.equal(own.to_local(), torch.full((4, 3), float(rank + 1)))
     assert torch.equal(shared.to_local(), R)
+    unequal = R.clone()
+    if rank:
+        unequal[-1, -1] *= -1
+    shared = distribute_tensor(unequal, sub, [Shard(0)])
+    with pytest.raises(SnapshotError) as differ:
+        Snapshot.take(f"{path}-differ", {"m": StateDict(shared=shared, other=own)})
     partial = DTensor.from_local(torch.ones(3), init_device_mesh("cpu", (world,)), [Partial()])
     with pytest.raises(SnapshotError) as refused:
         Snapshot.take(f"{path}-partial", {"m": StateDict(p=partial)})
-    return str(refused.value)
+    return str(differ.value), str(refused.value)
 
 
 def test_dtensors_on_submeshes_are_stored_once_per_piece(tmp_path):
@@ -208,9 +217,41 @@ def test_dtensors_on_submeshes_are_stored_once_per_piece(tmp_path):
     assert [c.blob.split("/")[0] for s in shared.shards for c in s.chunks] == ["0"]
     assert sum(c.nbytes for s in shared.shards for c in s.chunks) == R.numel() * 4
     assert torch.equal(Snapshot(path).read_object("1/m/stage1"), torch.full((4, 3), 2.0))
-    for rank, message in enumerate(messages):
+    for rank, (differ, message) in enumerate(messages):
+        assert differ == messages[0][0]
+        assert (
+            "the copies of DTensor 'm/shared' at [0, 0] size [8, 5] differ: rank 0's is " in differ
+        )
+        assert (
+            "not equal to that of ranks [1]; the copies of a DTensor on a submesh must be "
+            in differ
+        )
+        assert "equal on the ranks outside the submesh" in differ
         assert f"{rank}/m/p: a DTensor with placement P(sum)" in message
         assert "cannot be stored; reduce it first, e.g. value.redistribute(" in message
+    with pytest.raises(SnapshotError):
+        Snapshot(f"{path}-differ")  # nothing was committed
+    assert not (tmp_path / "snap-differ" / MANIFEST_NAME).exists()
+
+
+def test_copies_on_submeshes_are_confirmed_by_their_digests():
+    # Copies whose CRCs match are written once only when their BLAKE2b digests match too, sent
+    # after the replicated leaves' (here "m/r", on both ranks).
+    def info(rank: int, crc: int) -> dict:
+        piece = ("m/w", "float32", (4,), (0,), (4,), True, f"{rank}/m/w", True)
+        t = Desc("float32[4]", (16,), None)
+        return {"marked": {}, "prints": {"m/r": (t, 3)}, "own_bytes": 16, "pieces": [piece],
+                "copied": {"m/w": crc}}  # fmt: skip
+
+    pending = decide("snap", [info(0, 7), info(1, 7)])
+    assert pending.to_confirm == ["m/r"]
+    assert pending.paths(0) == pending.paths(1) == ["m/r", "m/w"]
+    decision = pending.confirm([b"R" * 8 + b"W" * 8, b"R" * 8 + b"W" * 8])
+    assert decision.copies == {"1/m/w"} and list(decision.replicated) == ["m/r"]
+    with pytest.raises(SnapshotError, match=r"'m/w' at \[0\] size \[4\] differ: rank 0's is not"):
+        pending.confirm([b"R" * 8 + b"W" * 8, b"R" * 8 + b"X" * 8])
+    with pytest.raises(SnapshotError, match="equal to that of ranks .1.; the copies of a DTensor"):
+        decide("snap", [info(0, 7), info(1, 8)])
 
 
 def test_strided_layouts_are_stored_when_their_pieces_are_boxes():

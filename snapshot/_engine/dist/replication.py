@@ -10,7 +10,10 @@ weeds out per-rank state; BLAKE2b makes a false match about as likely as a rando
 collision, and the CRC adds certainty for small differences.
 
 A replicated leaf is written by one rank (``assign_writers``) and listed once in the
-manifest, under rank 0's prefix. Only a take across ranks runs any of this.
+manifest, under rank 0's prefix. The copies of a piece of a DTensor on a submesh, held by the
+ranks outside it (``sharded.copies``), are written once, by the lowest of them, when their CRCs
+and then their BLAKE2b digests (at the same agreements) are equal; if not, the take fails. Only
+a take across ranks runs any of this.
 """
 
 from __future__ import annotations
@@ -119,10 +122,13 @@ class Facts:
     """What ``describe`` found, by logical path: ``marked``, the leaves a glob marks replicated;
     ``prints``, each other leaf that may be one value, with its ``Desc`` and a check (a CRC-32
     to confirm, or a final value: a primitive's exact value, ``()`` for an empty tensor, None
-    for a tied leaf); ``sources``, where each leaf with a CRC has its bytes (kept, not sent)."""
+    for a tied leaf); ``copied``, the CRC-32 of each main piece of a DTensor on a submesh,
+    which other ranks may hold copies of; ``sources``, where each leaf or piece with a CRC has
+    its bytes (kept, not sent)."""
 
     marked: dict[str, Desc]
     prints: dict[str, tuple[Desc, Any]]
+    copied: dict[str, int]
     sources: dict[str, Source]
 
 
@@ -131,7 +137,7 @@ def describe(collected: Collected, rank_prefix: str) -> Facts:
     sharded values are not described (each rank writes its own), nor tensors given to a custom
     prepare function (the bytes written are the function's)."""
     cut = len(rank_prefix)
-    facts = Facts({}, {}, {})
+    facts = Facts({}, {}, {}, {})
 
     def add(logical: str, desc: Desc, replicated: bool, check: Any, src: Source | None) -> None:
         if replicated:
@@ -172,6 +178,10 @@ def describe(collected: Collected, rank_prefix: str) -> Facts:
             add(logical, Desc("primitive", (), None), e.replicated, check, None)
         elif isinstance(e, TensorEntry) and not e.chunks:  # an empty tensor, stored inline
             add(logical, Desc(f"{e.dtype}{list(e.shape)}", (), None), e.replicated, (), None)
+        elif isinstance(e, ShardDraft) and e.held.copied:
+            for piece, _ in e.written:  # a DTensor's one piece, when it is a main one
+                facts.copied[logical] = crc_of(piece.data)
+                facts.sources[logical] = piece.data
     return facts
 
 
@@ -188,24 +198,48 @@ class Decision:
     copies: frozenset[str] = frozenset()
 
 
+Box = tuple[str, tuple[int, ...], tuple[int, ...]]
+"""A sharded tensor's key and a box of it: its offsets and sizes."""
+
+
 @dataclasses.dataclass
 class Pending:
     """The first agreement's answer: ``replicated`` holds the leaves of ``to_confirm`` (whose
-    CRCs matched) until ``confirm`` checks their BLAKE2b on every rank."""
+    CRCs matched) until ``confirm`` checks their BLAKE2b on every rank; ``copies``, the
+    holders of each box copied on several ranks (``sharded.copies``, CRCs equal), whose
+    BLAKE2b ``confirm`` checks too."""
 
+    where: str
     replicated: dict[str, Desc]
     to_confirm: list[str]
     infos: Sequence[Mapping[str, Any]]
+    copies: dict[Box, list[tuple[int, str]]]
+
+    def paths(self, rank: int) -> list[str]:
+        """What ``rank`` digests (``joined``), in order: ``to_confirm``, then its copies."""
+        mine = [p for holders in self.copies.values() for r, p in holders if r == rank]
+        return self.to_confirm + [p.partition("/")[2] for p in mine]
 
     def confirm(self, digests: Sequence[bytes] | None) -> Decision:
-        """The ``Decision``, given every rank's ``joined`` digests of ``to_confirm`` (None when
-        there is nothing to confirm)."""
+        """The ``Decision``, given every rank's ``joined`` digests of its ``paths`` (None when
+        there is nothing to confirm).
+
+        Raises:
+            SnapshotError: the copies of a box differ.
+        """
         replicated = dict(self.replicated)
-        pieces = [info.get("pieces", ()) for info in self.infos]
-        copies = frozenset(sharded.copies(pieces)) if any(pieces) else frozenset()
         for i, logical in enumerate(self.to_confirm):
             if digests and len({d[8 * i : 8 * i + 8] for d in digests}) > 1:
                 del replicated[logical]
+        at = [8 * len(self.to_confirm)] * len(self.infos)  # where each rank's copies start
+        for box, holders in self.copies.items():
+            assert digests is not None
+            found = []
+            for rank, _ in holders:
+                found.append(digests[rank][at[rank] : at[rank] + 8])
+                at[rank] += 8
+            _check_copies(self.where, box, holders, found)
+        copies = frozenset(p for holders in self.copies.values() for _, p in holders[1:])
         # A leaf sharing an earlier one's payloads is one value only when that one is.
         for logical in [p for p, d in replicated.items() if d.alias is not None]:
             if replicated[logical].alias not in replicated:
@@ -250,7 +284,31 @@ def decide(where: str, infos: Sequence[Mapping[str, Any]]) -> Pending:
             replicated[logical] = fp[0]
             if type(fp[1]) is int:
                 to_confirm.append(logical)
-    return Pending(replicated, to_confirm, infos)
+    pieces = [info.get("pieces", ()) for info in infos]
+    copies = sharded.copies(pieces) if any(pieces) else {}
+    for box, holders in copies.items():
+        crcs = [infos[rank]["copied"][path.partition("/")[2]] for rank, path in holders]
+        _check_copies(where, box, holders, crcs)
+    return Pending(where, replicated, to_confirm, infos, copies)
+
+
+def _check_copies(where: str, box: Box, holders: list[tuple[int, str]], found: list[Any]) -> None:
+    """Raises unless the copies of a box held by ``holders`` (rank, path) are equal: their
+    CRCs or digests, ``found``, in the same order.
+
+    Raises:
+        SnapshotError: naming the tensor, the box and the ranks whose copies differ.
+    """
+    differ = [rank for (rank, _), f in zip(holders, found, strict=True) if f != found[0]]
+    if differ:
+        (key, offsets, sizes), first = box, holders[0][0]
+        raise SnapshotError(
+            f"snapshot {where}: the copies of DTensor {key!r} at {list(offsets)} size "
+            f"{list(sizes)} differ: rank {first}'s is not equal to that of ranks {differ}; the "
+            "copies of a DTensor on a submesh must be equal on the ranks outside the submesh, "
+            "which store it once (e.g. a module left out of tensor parallelism got different "
+            "updates on different tp ranks); no snapshot was taken"
+        )
 
 
 def _own_bytes(info: Mapping[str, Any], replicated: Mapping[str, Desc]) -> int:

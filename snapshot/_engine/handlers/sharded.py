@@ -210,21 +210,22 @@ def _layout_problem(
 # Take: who covers what.
 
 
-def copies(pieces: Sequence[Sequence[tuple[Any, ...]]]) -> set[str]:
-    """The paths (rank prefix included) of the main pieces that are copies of a piece another
-    rank writes: of each set of main pieces of one tensor at one box, held by several ranks and
-    each ``copied`` (a DTensor on a submesh, copied on the ranks outside it, as a head left out
-    of the TP plan is on each tp rank), all but the lowest rank's. Found here, from every rank's
-    pieces, not from the mesh: the same submesh on other ranks may hold other tensors (a
+def copies(
+    pieces: Sequence[Sequence[tuple[Any, ...]]],
+) -> dict[tuple[str, tuple[int, ...], tuple[int, ...]], list[tuple[int, str]]]:
+    """Each set of main pieces of one tensor at one box held by several ranks, each ``copied``
+    (a DTensor on a submesh, copied on the ranks outside it, as a head left out of the TP plan
+    is on each tp rank): ``(key, offsets, sizes)`` -> the ``(rank, path)`` (rank prefix
+    included) of each copy, lowest rank first. The first is written, once the copies are
+    confirmed equal (``replication.decide``); the others are dropped. Found here, from every
+    rank's pieces, not from the mesh: the same submesh on other ranks may hold other tensors (a
     pipeline stage's). ``pieces`` as for ``check_coverage``."""
-    first: dict[tuple[str, tuple[int, ...], tuple[int, ...]], int] = {}
-    found: set[str] = set()
+    found: dict[tuple[str, tuple[int, ...], tuple[int, ...]], list[tuple[int, str]]] = {}
     for rank, held in enumerate(pieces):
         for key, _, _, offsets, sizes, main, path, copied in held:
-            box = (key, tuple(offsets), tuple(sizes))
-            if main and copied and math.prod(sizes) and first.setdefault(box, rank) != rank:
-                found.add(path)
-    return found
+            if main and copied and math.prod(sizes):
+                found.setdefault((key, tuple(offsets), tuple(sizes)), []).append((rank, path))
+    return {box: holders for box, holders in found.items() if len(holders) > 1}
 
 
 def check_coverage(pieces: Sequence[Sequence[tuple[Any, ...]]]) -> None:
@@ -236,7 +237,7 @@ def check_coverage(pieces: Sequence[Sequence[tuple[Any, ...]]]) -> None:
     Raises:
         SnapshotError: naming the tensor and the ranks at fault.
     """
-    dropped = copies(pieces)
+    dropped = {path for holders in copies(pieces).values() for _, path in holders[1:]}
     by_key: dict[str, list[tuple[int, tuple[Any, ...]]]] = {}
     for rank, held in enumerate(pieces):
         for piece in held:

@@ -256,6 +256,7 @@ class TakeJob:
         if coord.world_size > 1:  # what its leaves are, compared across ranks
             facts = self._facts = replication.describe(self.collected, f"{coord.rank}/")
             info["marked"], info["prints"] = facts.marked, facts.prints
+            info["copied"] = facts.copied
             info["own_bytes"] = self.collected.own_bytes = sum(
                 p.nbytes for p in self.collected.payloads
             )
@@ -281,12 +282,12 @@ class TakeJob:
         if len(infos) == 1:
             return first["path"], first["layout"], None
         pending = replication.decide(first["path"], infos)
-        if not pending.to_confirm:
+        if not pending.to_confirm and not pending.copies:
             return first["path"], first["layout"], pending.confirm(None)
         digests = error = None
         try:
             assert self._facts is not None
-            digests = replication.joined(self._facts.sources, pending.to_confirm)
+            digests = replication.joined(self._facts.sources, pending.paths(self.coordinator.rank))
         except Exception as e:
             error = e
         decision = pending.confirm(self.coordinator.agree("take: digests", digests, error))
