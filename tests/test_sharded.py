@@ -235,23 +235,22 @@ def test_dtensors_on_submeshes_are_stored_once_per_piece(tmp_path):
 
 
 def test_copies_on_submeshes_are_confirmed_by_their_digests():
-    # Copies whose CRCs match are written once only when their BLAKE2b digests match too, sent
-    # after the replicated leaves' (here "m/r", on both ranks).
-    def info(rank: int, crc: int) -> dict:
-        piece = ("m/w", "float32", (4,), (0,), (4,), True, f"{rank}/m/w", True)
+    # Copies are written once only when their BLAKE2b digests match, sent after the replicated
+    # leaves' (here "m/r", on both ranks); a piece no other rank holds ("m/own") is not digested.
+    def info(rank: int) -> dict:
+        copied = ("m/w", "float32", (4,), (0,), (4,), True, f"{rank}/m/w", True)
+        own = ("m/own", "float32", (2,), (rank,), (1,), True, f"{rank}/m/own", True)
         t = Desc("float32[4]", (16,), None)
-        return {"marked": {}, "prints": {"m/r": (t, 3)}, "own_bytes": 16, "pieces": [piece],
-                "copied": {"m/w": crc}}  # fmt: skip
+        return {"marked": {}, "prints": {"m/r": (t, 3)}, "own_bytes": 16,
+                "pieces": [copied, own]}  # fmt: skip
 
-    pending = decide("snap", [info(0, 7), info(1, 7)])
+    pending = decide("snap", [info(0), info(1)])
     assert pending.to_confirm == ["m/r"]
     assert pending.paths(0) == pending.paths(1) == ["m/r", "m/w"]
     decision = pending.confirm([b"R" * 8 + b"W" * 8, b"R" * 8 + b"W" * 8])
     assert decision.copies == {"1/m/w"} and list(decision.replicated) == ["m/r"]
     with pytest.raises(SnapshotError, match=r"'m/w' at \[0\] size \[4\] differ: rank 0's is not"):
         pending.confirm([b"R" * 8 + b"W" * 8, b"R" * 8 + b"X" * 8])
-    with pytest.raises(SnapshotError, match="equal to that of ranks .1.; the copies of a DTensor"):
-        decide("snap", [info(0, 7), info(1, 8)])
 
 
 def test_strided_layouts_are_stored_when_their_pieces_are_boxes():

@@ -11,9 +11,10 @@ collision, and the CRC adds certainty for small differences.
 
 A replicated leaf is written by one rank (``assign_writers``) and listed once in the
 manifest, under rank 0's prefix. The copies of a piece of a DTensor on a submesh, held by the
-ranks outside it (``sharded.copies``), are written once, by the lowest of them, when their CRCs
-and then their BLAKE2b digests (at the same agreements) are equal; if not, the take fails. Only
-a take across ranks runs any of this.
+ranks outside it (``sharded.copies``), are written once, by the lowest of them, when their
+BLAKE2b digests are equal; if not, the take fails. Only the pieces the first agreement finds on
+several ranks are digested: a piece no other rank holds (a pipeline stage's) costs nothing.
+Only a take across ranks runs any of this.
 """
 
 from __future__ import annotations
@@ -122,13 +123,11 @@ class Facts:
     """What ``describe`` found, by logical path: ``marked``, the leaves a glob marks replicated;
     ``prints``, each other leaf that may be one value, with its ``Desc`` and a check (a CRC-32
     to confirm, or a final value: a primitive's exact value, ``()`` for an empty tensor, None
-    for a tied leaf); ``copied``, the CRC-32 of each main piece of a DTensor on a submesh,
-    which other ranks may hold copies of; ``sources``, where each leaf or piece with a CRC has
-    its bytes (kept, not sent)."""
+    for a tied leaf); ``sources``, where each leaf with a CRC, and each main piece of a DTensor
+    on a submesh (which other ranks may hold copies of), has its bytes (kept, not sent)."""
 
     marked: dict[str, Desc]
     prints: dict[str, tuple[Desc, Any]]
-    copied: dict[str, int]
     sources: dict[str, Source]
 
 
@@ -137,7 +136,7 @@ def describe(collected: Collected, rank_prefix: str) -> Facts:
     sharded values are not described (each rank writes its own), nor tensors given to a custom
     prepare function (the bytes written are the function's)."""
     cut = len(rank_prefix)
-    facts = Facts({}, {}, {}, {})
+    facts = Facts({}, {}, {})
 
     def add(logical: str, desc: Desc, replicated: bool, check: Any, src: Source | None) -> None:
         if replicated:
@@ -180,7 +179,6 @@ def describe(collected: Collected, rank_prefix: str) -> Facts:
             add(logical, Desc(f"{e.dtype}{list(e.shape)}", (), None), e.replicated, (), None)
         elif isinstance(e, ShardDraft) and e.held.copied:
             for piece, _ in e.written:  # a DTensor's one piece, when it is a main one
-                facts.copied[logical] = crc_of(piece.data)
                 facts.sources[logical] = piece.data
     return facts
 
@@ -206,8 +204,8 @@ Box = tuple[str, tuple[int, ...], tuple[int, ...]]
 class Pending:
     """The first agreement's answer: ``replicated`` holds the leaves of ``to_confirm`` (whose
     CRCs matched) until ``confirm`` checks their BLAKE2b on every rank; ``copies``, the
-    holders of each box copied on several ranks (``sharded.copies``, CRCs equal), whose
-    BLAKE2b ``confirm`` checks too."""
+    holders of each box copied on several ranks (``sharded.copies``), whose BLAKE2b
+    ``confirm`` compares too."""
 
     where: str
     replicated: dict[str, Desc]
@@ -286,15 +284,12 @@ def decide(where: str, infos: Sequence[Mapping[str, Any]]) -> Pending:
                 to_confirm.append(logical)
     pieces = [info.get("pieces", ()) for info in infos]
     copies = sharded.copies(pieces) if any(pieces) else {}
-    for box, holders in copies.items():
-        crcs = [infos[rank]["copied"][path.partition("/")[2]] for rank, path in holders]
-        _check_copies(where, box, holders, crcs)
     return Pending(where, replicated, to_confirm, infos, copies)
 
 
 def _check_copies(where: str, box: Box, holders: list[tuple[int, str]], found: list[Any]) -> None:
     """Raises unless the copies of a box held by ``holders`` (rank, path) are equal: their
-    CRCs or digests, ``found``, in the same order.
+    digests, ``found``, in the same order.
 
     Raises:
         SnapshotError: naming the tensor, the box and the ranks whose copies differ.

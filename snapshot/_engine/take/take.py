@@ -256,7 +256,6 @@ class TakeJob:
         if coord.world_size > 1:  # what its leaves are, compared across ranks
             facts = self._facts = replication.describe(self.collected, f"{coord.rank}/")
             info["marked"], info["prints"] = facts.marked, facts.prints
-            info["copied"] = facts.copied
             info["own_bytes"] = self.collected.own_bytes = sum(
                 p.nbytes for p in self.collected.payloads
             )
