@@ -164,10 +164,10 @@ def _restore(
                     loader.add_subtree(roots[key], targets, owner=key)
         except Exception as e:
             error = e
-        # Before any byte is read: every rank's outcome, whether it checks first (which decides
-        # the agreements that follow) and what decides whether replicated tensors are shared.
-        value = (verify_first, shared_reads.choice(options, path))
-        flags, choices = zip(*coordinator.agree("restore: checks", value, error), strict=True)
+        # Before any read: each rank's outcome, verify_first and part in the read-once choice.
+        sharing = shared_reads.choice(options, path) if coordinator.world_size > 1 else None
+        agreed = coordinator.agree("restore: checks", (verify_first, sharing), error)
+        flags, choices = zip(*agreed, strict=True)
         if len(set(flags)) > 1:
             raise InvalidArgumentError(
                 f"snapshot {path}: the ranks passed different verify_first values "
