@@ -9,7 +9,7 @@ a broadcast does not beat (``decide``).
 from __future__ import annotations
 
 import socket
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -62,27 +62,28 @@ def decide(once: bool | None, path: str, hosts: list[str]) -> bool:
     return split_url(path)[0] not in ("fs", "file") or len(set(hosts)) > 1
 
 
+def choice(options: Options, path: str) -> tuple[str, bool | None, str]:
+    """This rank's part in ``plan``'s choice (gathered with the restore's checks)."""
+    return (socket.gethostname(), options.read_replicated_once, path)
+
+
 def plan(
     loader: Loader,
     entries: Mapping[str, Entry],
     prefix: str,
-    path: str,
     coordinator: Coordinator,
-    options: Options,
-    error: Exception | None,
+    choices: Sequence[tuple[str, bool | None, str]],
 ) -> Shared | None:
-    """Agrees with the other ranks (collectives of every rank, the first carrying ``error``)
-    on whether replicated tensors are read once (rank 0's option and path decide, with every
-    rank's host), and if so on which rank reads each; drops this rank's reads of the others'.
-    None when every rank reads them (then no rank walks its reads)."""
-    value = (socket.gethostname(), options.read_replicated_once, path)
-    gathered = coordinator.agree("restore: sharing", value=value, error=error)
-    if not decide(gathered[0][1], gathered[0][2], [g[0] for g in gathered]):
+    """Whether replicated tensors are read once, by every rank's ``choice`` (rank 0's option
+    and path decide, with every rank's host); if so, agrees with the other ranks (a
+    collective of every rank) on which rank reads each and drops this rank's reads of the
+    others'. None when every rank reads them (then no rank walks its reads)."""
+    if not decide(choices[0][1], choices[0][2], [c[0] for c in choices]):
         return None
     mine: dict[str, int] = {}
     failed: Exception | None = None
-    loader.materialize()  # the choice below is made, and applied, need by need
     try:
+        loader.materialize()  # the choice below is made, and applied, need by need
         mine = candidates(loader, entries, prefix)
     except Exception as e:  # every rank must still reach the next collective
         failed = e

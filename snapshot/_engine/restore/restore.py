@@ -144,13 +144,6 @@ def _restore(
                 )
         except Exception as e:
             error = e
-    # Whether the ranks check before they write decides which agreements follow.
-    chosen = coordinator.agree("restore: checks", value=verify_first, error=error)
-    if len(set(chosen)) > 1:
-        raise InvalidArgumentError(
-            f"snapshot {path}: the ranks passed different verify_first values "
-            f"({dict(enumerate(chosen))}, by rank); pass the same on every rank"
-        )
     budget = options.budget()
     # Asked to check first, the restore checks every recorded CRC-32, whatever the options.
     verify = bool(options.checksums) or verify_first
@@ -161,28 +154,39 @@ def _restore(
     with contextlib.ExitStack() as stack:
         plugin = None
         try:  # open, then plan
-            plugin = stack.enter_context(open_linked(path, manifest, storage_options, options))
-            for key in keys:
-                targets, factories = planned[key]
-                if factories:
-                    with_factories.add(key)
-                progress.targets[key] = targets
-                loader.add_subtree(roots[key], targets, owner=key)
-            if verify_first:
-                loader.verify_first(plugin, budget)
+            if error is None:
+                plugin = stack.enter_context(open_linked(path, manifest, storage_options, options))
+                for key in keys:
+                    targets, factories = planned[key]
+                    if factories:
+                        with_factories.add(key)
+                    progress.targets[key] = targets
+                    loader.add_subtree(roots[key], targets, owner=key)
         except Exception as e:
             error = e
+        # Before any read: each rank's outcome, verify_first and part in the read-once choice.
+        sharing = shared_reads.choice(options, path) if coordinator.world_size > 1 else None
+        agreed = coordinator.agree("restore: checks", (verify_first, sharing), error)
+        flags, choices = zip(*agreed, strict=True)
+        if len(set(flags)) > 1:
+            raise InvalidArgumentError(
+                f"snapshot {path}: the ranks passed different verify_first values "
+                f"({dict(enumerate(flags))}, by rank); pass the same on every rank"
+            )
+        assert plugin is not None  # opened: every rank's steps so far succeeded
+        if verify_first:  # no rank writes a target until every rank's bytes passed their checks
+            try:
+                loader.verify_first(plugin, budget)
+            except Exception as e:
+                error = e
+            coordinator.agree("restore: verifying", error=error)
         # Replicated tensors read by one rank each and broadcast (a collective of every rank).
         shared = None
         if coordinator.world_size > 1:
-            shared = shared_reads.plan(loader, entries, prefix, path, coordinator, options, error)
-        if verify_first:
-            # No rank writes a target until every rank's bytes have passed their checks.
-            coordinator.agree("restore: verifying", error=error)
+            shared = shared_reads.plan(loader, entries, prefix, coordinator, choices)
         t_plan = time.perf_counter()
         try:  # execute
-            if error is None and plugin is not None:
-                stats = loader.execute(plugin, budget, progress)
+            stats = loader.execute(plugin, budget, progress)
         except Exception as e:
             error = e
     coordinator.agree("restore: reading", error=error)
