@@ -8,7 +8,7 @@ import torch
 
 from manifest import ShardedObjectEntry, ShardedTensorEntry
 from snapshot import IncompatibleSnapshotError, Options, Snapshot, SnapshotError, StateDict
-from snapshot._engine.dist.replication import Desc, decide
+from snapshot._engine.dist.replication import Desc, crc_of, decide, joined
 from snapshot._engine.handlers.geometry import runs
 from snapshot._engine.take.commit import MANIFEST_NAME
 from snapshot.sharding import (
@@ -235,8 +235,8 @@ def test_dtensors_on_submeshes_are_stored_once_per_piece(tmp_path):
 
 
 def test_copies_on_submeshes_are_confirmed_by_their_digests():
-    # Copies are written once only when their BLAKE2b digests match, sent after the replicated
-    # leaves' (here "m/r", on both ranks); a piece no other rank holds ("m/own") is not digested.
+    # Copies are written once only when their CRC-32s match, sent after the replicated leaves'
+    # BLAKE2b (here "m/r", on both ranks); a piece no other rank holds ("m/own") is not read.
     def info(rank: int) -> dict:
         copied = ("m/w", "float32", (4,), (0,), (4,), True, f"{rank}/m/w", True)
         own = ("m/own", "float32", (2,), (rank,), (1,), True, f"{rank}/m/own", True)
@@ -246,7 +246,10 @@ def test_copies_on_submeshes_are_confirmed_by_their_digests():
 
     pending = decide("snap", [info(0), info(1)])
     assert pending.to_confirm == ["m/r"]
-    assert pending.paths(0) == pending.paths(1) == ["m/r", "m/w"]
+    w, r = torch.arange(4.0), torch.ones(4)
+    sent = pending.digests({"m/r": r, "m/w": w}, 0)
+    assert sent == joined({"m/r": r}, ["m/r"]) + crc_of(w).to_bytes(8, "big")
+    assert pending.digests({"m/r": r, "m/w": w}, 1) == sent  # ("m/own" is not asked for)
     decision = pending.confirm([b"R" * 8 + b"W" * 8, b"R" * 8 + b"W" * 8])
     assert decision.copies == {"1/m/w"} and list(decision.replicated) == ["m/r"]
     with pytest.raises(SnapshotError, match=r"'m/w' at \[0\] size \[4\] differ: rank 0's is not"):

@@ -12,7 +12,7 @@ collision, and the CRC adds certainty for small differences.
 A replicated leaf is written by one rank (``assign_writers``) and listed once in the
 manifest, under rank 0's prefix. The copies of a piece of a DTensor on a submesh, held by the
 ranks outside it (``sharded.copies``), are written once, by the lowest of them, when their
-BLAKE2b digests are equal; if not, the take fails. Only the pieces the first agreement finds on
+CRC-32s are equal; if not, the take fails. Only the pieces the first agreement finds on
 several ranks are digested: a piece no other rank holds (a pipeline stage's) costs nothing.
 Only a take across ranks runs any of this.
 """
@@ -204,8 +204,8 @@ Box = tuple[str, tuple[int, ...], tuple[int, ...]]
 class Pending:
     """The first agreement's answer: ``replicated`` holds the leaves of ``to_confirm`` (whose
     CRCs matched) until ``confirm`` checks their BLAKE2b on every rank; ``copies``, the
-    holders of each box copied on several ranks (``sharded.copies``), whose BLAKE2b
-    ``confirm`` compares too."""
+    holders of each box copied on several ranks (``sharded.copies``), whose CRC-32s
+    ``confirm`` compares."""
 
     where: str
     replicated: dict[str, Desc]
@@ -213,14 +213,18 @@ class Pending:
     infos: Sequence[Mapping[str, Any]]
     copies: dict[Box, list[tuple[int, str]]]
 
-    def paths(self, rank: int) -> list[str]:
-        """What ``rank`` digests (``joined``), in order: ``to_confirm``, then its copies."""
+    def digests(self, sources: Mapping[str, Source], rank: int) -> bytes:
+        """What ``rank`` sends, 8 bytes a value: the BLAKE2b of each leaf of ``to_confirm``
+        (``joined``), then the CRC-32 of each of its copies. A CRC suffices there: the copies
+        are known to be of one box, so it only has to catch copies that drifted apart (a
+        training bug), not two values that merely look alike, and it is many times cheaper."""
         mine = [p for holders in self.copies.values() for r, p in holders if r == rank]
-        return self.to_confirm + [p.partition("/")[2] for p in mine]
+        crcs = [crc_of(sources[p.partition("/")[2]]).to_bytes(8, "big") for p in mine]
+        return joined(sources, self.to_confirm) + b"".join(crcs)
 
     def confirm(self, digests: Sequence[bytes] | None) -> Decision:
-        """The ``Decision``, given every rank's ``joined`` digests of its ``paths`` (None when
-        there is nothing to confirm).
+        """The ``Decision``, given every rank's ``digests`` (None when there is nothing to
+        confirm).
 
         Raises:
             SnapshotError: the copies of a box differ.

@@ -286,7 +286,7 @@ class TakeJob:
         digests = error = None
         try:
             assert self._facts is not None
-            digests = replication.joined(self._facts.sources, pending.paths(self.coordinator.rank))
+            digests = pending.digests(self._facts.sources, self.coordinator.rank)
         except Exception as e:
             error = e
         decision = pending.confirm(self.coordinator.agree("take: digests", digests, error))
