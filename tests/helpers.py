@@ -72,3 +72,29 @@ def assert_same(a: Any, b: Any, path: str = "") -> None:
         ), f"{path}: {a!r} != {b!r}"
     else:
         assert a == b, f"{path}: {a!r} != {b!r}"
+
+
+class ModelAndOptimizer:
+    """A model and its optimizer as one Stateful, through torch's ``get_state_dict`` /
+    ``set_state_dict``, as a parallel job writes it (the defaults keep each value a DTensor:
+    each rank's own pieces); ``options``: torch's ``StateDictOptions`` for both calls."""
+
+    def __init__(self, model: torch.nn.Module, optim: torch.optim.Optimizer, options: Any = None):
+        self.model, self.optim, self.options = model, optim, options
+
+    def state_dict(self) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model, optim = get_state_dict(self.model, self.optim, options=self.options)
+        return {"model": model, "optim": optim}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        set_state_dict(
+            self.model,
+            self.optim,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optim"],
+            options=self.options,
+        )

@@ -28,6 +28,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 from manifest import ShardedTensorEntry
 from snapshot import Snapshot
+from tests.helpers import ModelAndOptimizer
 from tests.multirank import run_ranks
 
 pytestmark = pytest.mark.slow  # 4-rank launches (gloo) on the CPU
@@ -59,25 +60,6 @@ def _build(layout: str, seed: int) -> tuple[torch.nn.Module, torch.optim.Optimiz
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
     return model, torch.optim.AdamW(model.parameters(), lr=0.01)
-
-
-class _Train:
-    """Model and optimizer as one Stateful, through ``get_state_dict``/``set_state_dict``."""
-
-    def __init__(self, model: torch.nn.Module, optim: torch.optim.Optimizer) -> None:
-        self.model, self.optim = model, optim
-
-    def state_dict(self) -> dict[str, Any]:
-        model, optim = get_state_dict(self.model, self.optim)
-        return {"model": model, "optim": optim}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        set_state_dict(
-            self.model,
-            self.optim,
-            model_state_dict=state["model"],
-            optim_state_dict=state["optim"],
-        )
 
 
 def _batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -125,7 +107,7 @@ def _restored_and_reference(
     state at the take through torch's own ``set_state_dict``; trains both on. The restored
     full state, and both runs' losses."""
     model, optim = _build(layout, seed=1)
-    Snapshot(path).restore({"train": _Train(model, optim)})
+    Snapshot(path).restore({"train": ModelAndOptimizer(model, optim)})
     restored = _full(model, optim)
     ref_model, ref_optim = _build(layout, seed=2)
     model_sd = {k[len("model/") :]: v for k, v in reference.items() if k.startswith("model/")}
@@ -151,7 +133,7 @@ def _take(rank: int, world: int, path: str, out: str) -> list[float]:
     assert weight.placements == (Replicate(), Shard(0)), weight.placements
     for step in range(STEPS_BEFORE):
         _step(model, optim, step, rank)
-    Snapshot.take(path, {"train": _Train(model, optim)})
+    Snapshot.take(path, {"train": ModelAndOptimizer(model, optim)})
     taken = _full(model, optim)
     _, optim_sd = get_state_dict(model, optim, options=FULL)
     if rank == 0:

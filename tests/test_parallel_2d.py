@@ -27,6 +27,7 @@ import torch
 
 from manifest import ShardedTensorEntry
 from snapshot import Options, Snapshot, StateDict
+from tests.helpers import ModelAndOptimizer
 from tests.multirank import run_ranks
 
 pytestmark = pytest.mark.slow  # 4 ranks for the take (about 15 s on a quiet machine)
@@ -81,31 +82,6 @@ def _build(layout: str, seed: int) -> tuple[torch.nn.Module, torch.optim.Optimiz
         for m in (model.fc1, model.fc2, model.head, model):
             fully_shard(m, mesh=mesh["dp"])
     return model, torch.optim.AdamW(model.parameters(), lr=0.01)
-
-
-class App:
-    """Model and optimizer as one Stateful, through torch's ``get_state_dict`` /
-    ``set_state_dict`` with the options that keep DTensors."""
-
-    def __init__(self, model: torch.nn.Module, optim: torch.optim.Optimizer) -> None:
-        self.model, self.optim = model, optim
-
-    def state_dict(self) -> dict[str, Any]:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
-
-        opts = StateDictOptions(full_state_dict=False)
-        model, optim = get_state_dict(self.model, self.optim, options=opts)
-        return {"model": model, "optim": optim}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        from torch.distributed.checkpoint.state_dict import set_state_dict
-
-        set_state_dict(
-            self.model,
-            self.optim,
-            model_state_dict=state["model"],
-            optim_state_dict=state["optim"],
-        )
 
 
 def _full(model: torch.nn.Module, optim: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
@@ -199,14 +175,14 @@ def _train_and_take(rank: int, world: int, path: str, out: str) -> dict[str, Any
     model, optim = _build("2x2", seed=0)
     for step in range(STEPS_BEFORE):
         _step(model, optim, step)
-    Snapshot.take(path, {"app": App(model, optim)})
+    Snapshot.take(path, {"app": ModelAndOptimizer(model, optim)})
     taken = _full(model, optim)
     if rank == 0:
         torch.save(taken, os.path.join(out, "taken.pt"))
     losses = [_step(model, optim, STEPS_BEFORE + i) for i in range(STEPS_AFTER)]
     # Restored on 2x2, into another initialisation.
     model, optim = _build("2x2", seed=1)
-    Snapshot(path).restore({"app": App(model, optim)})
+    Snapshot(path).restore({"app": ModelAndOptimizer(model, optim)})
     _assert_same(_full(model, optim), taken)
     again = [_step(model, optim, STEPS_BEFORE + i) for i in range(STEPS_AFTER)]
     assert again == losses, (again, losses)
@@ -219,7 +195,7 @@ def _restore(rank: int, world: int, layout: str, path: str, out: str) -> list[fl
     layout given that full state through torch."""
     taken = torch.load(os.path.join(out, "taken.pt"))
     model, optim = _build(layout, seed=1)
-    app = App(model, optim)
+    app = ModelAndOptimizer(model, optim)
     before = {k: v for k, v in app.state_dict()["model"].items()}
     # A budget smaller than the largest tensor (240 bytes): regions are read piece by piece.
     Snapshot(path).restore({"app": app}, options=Options(memory_budget_bytes=128))

@@ -19,12 +19,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
-    get_state_dict,
-    set_state_dict,
 )
 
 from snapshot import Snapshot, StateMismatchError
-from tests.helpers import assert_same
+from tests.helpers import ModelAndOptimizer, assert_same
 from tests.multirank import run_ranks
 
 LAYERS, WIDTH, TAKEN_AT, MORE = 4, 8, 2, 3
@@ -58,29 +56,14 @@ def _batch(step: int) -> torch.Tensor:
     return torch.linspace(-1, 1, 4 * WIDTH).view(4, WIDTH) * (1 + step / 4)
 
 
-class Train:
-    """A stage's (or the whole) model and optimizer as one Stateful, through torch's
-    ``get_state_dict``/``set_state_dict``; ``flat``: the optimizer's state flattened to keys
-    such as ``state.layers.0.weight.exp_avg`` (torchtitan's), else nested by parameter name;
-    ``strict``: torch's check of the model's keys on load."""
+class Train(ModelAndOptimizer):
+    """A stage's (or the whole) model and its AdamW as one Stateful; ``flat``: the optimizer's
+    state flattened to keys such as ``state.layers.0.weight.exp_avg`` (torchtitan's), else
+    nested by parameter name; ``strict``: torch's check of the model's keys on load."""
 
     def __init__(self, model: MLP, flat: bool = True, strict: bool = True) -> None:
-        self.model = model
-        self.optim = torch.optim.AdamW(model.parameters(), lr=0.01)
-        self.options = StateDictOptions(flatten_optimizer_state_dict=flat, strict=strict)
-
-    def state_dict(self) -> dict[str, Any]:
-        model, optim = get_state_dict(self.model, self.optim, options=self.options)
-        return {"model": model, "optim": optim}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        set_state_dict(
-            self.model,
-            self.optim,
-            model_state_dict=state["model"],
-            optim_state_dict=state["optim"],
-            options=self.options,
-        )
+        options = StateDictOptions(flatten_optimizer_state_dict=flat, strict=strict)
+        super().__init__(model, torch.optim.AdamW(model.parameters(), lr=0.01), options)
 
     def copy(self) -> dict[str, Any]:
         return copy.deepcopy(self.state_dict())
