@@ -98,3 +98,15 @@ class ModelAndOptimizer:
             optim_state_dict=state["optim"],
             options=self.options,
         )
+
+
+def train_step(
+    model: torch.nn.Module, optim: torch.optim.Optimizer, batch: tuple[torch.Tensor, torch.Tensor]
+) -> float:
+    """One optimizer step on the mean squared error of ``model(x)`` against ``y``; its loss."""
+    x, y = batch
+    optim.zero_grad()
+    loss = torch.nn.functional.mse_loss(model(x), y)
+    loss.backward()
+    optim.step()
+    return loss.item()

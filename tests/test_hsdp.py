@@ -28,7 +28,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 from manifest import ShardedTensorEntry
 from snapshot import Snapshot
-from tests.helpers import ModelAndOptimizer
+from tests.helpers import ModelAndOptimizer, train_step
 from tests.multirank import run_ranks
 
 pytestmark = pytest.mark.slow  # 4-rank launches (gloo) on the CPU
@@ -68,12 +68,7 @@ def _batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _step(model: torch.nn.Module, optim: torch.optim.Optimizer, step: int, rank: int) -> float:
-    x, y = _batch(step, rank)
-    optim.zero_grad()
-    loss = torch.nn.functional.mse_loss(model(x), y)
-    loss.backward()
-    optim.step()
-    return loss.item()
+    return train_step(model, optim, _batch(step, rank))
 
 
 def _full(model: torch.nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any]:

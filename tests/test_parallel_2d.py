@@ -27,7 +27,7 @@ import torch
 
 from manifest import ShardedTensorEntry
 from snapshot import Options, Snapshot, StateDict
-from tests.helpers import ModelAndOptimizer
+from tests.helpers import ModelAndOptimizer, train_step
 from tests.multirank import run_ranks
 
 pytestmark = pytest.mark.slow  # 4 ranks for the take (about 15 s on a quiet machine)
@@ -125,12 +125,7 @@ def _state_dicts(model: torch.nn.Module, optim: torch.optim.Optimizer, **kw: Any
 
 
 def _step(model: torch.nn.Module, optim: torch.optim.Optimizer, step: int) -> float:
-    x, y = _batch(step)
-    optim.zero_grad()
-    loss = torch.nn.functional.mse_loss(model(x), y)
-    loss.backward()
-    optim.step()
-    return loss.item()
+    return train_step(model, optim, _batch(step))
 
 
 def _assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:

@@ -24,6 +24,7 @@ import torch
 
 from manifest import ShardedTensorEntry
 from snapshot import Snapshot
+from tests.helpers import train_step
 from tests.multirank import run_ranks
 
 pytestmark = pytest.mark.slow  # real processes (gloo); -m 'not slow' skips them
@@ -119,12 +120,7 @@ def _app_state(kind: str, model: torch.nn.Module, optim: torch.optim.Optimizer) 
 
 
 def _step(model: torch.nn.Module, optim: torch.optim.Optimizer, step: int, rank: int) -> float:
-    x, y = _batch(step, rank)
-    optim.zero_grad()
-    loss = torch.nn.functional.mse_loss(model(x), y)
-    loss.backward()
-    optim.step()
-    return loss.item()
+    return train_step(model, optim, _batch(step, rank))
 
 
 def _full(model: torch.nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any]:
