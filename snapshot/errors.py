@@ -1,6 +1,13 @@
-"""The library's errors: one root, ``SnapshotError``, and a few precise kinds below it."""
+"""The library's errors: one root, ``SnapshotError``, and a few precise kinds below it; and
+``a_or_an``, which messages name a type with."""
 
 from __future__ import annotations
+
+
+def a_or_an(name: str) -> str:
+    """``name`` after its indefinite article, as a message names a type: ``"an int"``,
+    ``"a str"``, ``"an OrderedDict"`` (by the first letter: a vowel takes ``an``)."""
+    return f"{'an' if name[:1].lower() in ('a', 'e', 'i', 'o', 'u') else 'a'} {name}"
 
 
 class SnapshotError(Exception):

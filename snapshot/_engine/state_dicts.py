@@ -35,6 +35,7 @@ from snapshot.errors import (
     NotStatefulError,
     StatefulError,
     UnsupportedValueError,
+    a_or_an,
 )
 from snapshot.stateful import RNGState, Stateful
 
@@ -127,7 +128,7 @@ def typed(value: object, kind: type, call: str, name: str, where: str) -> None:
     would read as yes); a manifest path or app_state key a str (its content is the manifest's
     to find)."""
     if not isinstance(value, kind):
-        raise _refused(call, where, f"{name} must be a {kind.__name__}", value)
+        raise _refused(call, where, f"{name} must be {a_or_an(kind.__name__)}", value)
 
 
 def function(value: object, call: str, name: str, where: str) -> Callable[..., Any] | None:
@@ -242,8 +243,10 @@ def check_app_state(app_state: Any, path: str) -> None:
             raise NotStatefulError(f"snapshot {path}: app_state key {key!r} is not a str")
         if not isinstance(value, Stateful):
             raise NotStatefulError(
-                f"snapshot {path}: app_state[{key!r}] is a {type(value).__name__}, which has no "
-                "state_dict() and load_state_dict(); wrap plain values in snapshot.StateDict"
+                f"snapshot {path}: app_state[{key!r}] is {a_or_an(type(value).__name__)}, "
+                "which has no state_dict() and load_state_dict(); pass an object that has both "
+                "(an nn.Module, an optimizer, a class of your own), or wrap plain values in a "
+                f"snapshot.StateDict: app_state[{key!r}] = StateDict(value=...)"
             )
 
 
@@ -533,7 +536,7 @@ def _children(
         return [prefix + escape_key(k) for k in keys]
     if entry.length > len(entries):  # a damaged length: never build or walk that many paths
         raise CorruptSnapshotError(
-            f"{path}: a {entry.type} of {entry.length:,} items, but the manifest holds only "
+            f"{path}: {a_or_an(entry.type)} of {entry.length:,} items, but the manifest holds only "
             f"{len(entries):,} entries"
         )
     return [prefix + str(i) for i in range(entry.length)]

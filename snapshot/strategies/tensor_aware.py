@@ -19,6 +19,7 @@ from snapshot.errors import (
     ShapeMismatchError,
     StateMismatchError,
     UnsupportedValueError,
+    a_or_an,
 )
 
 logger = logging.getLogger(__name__)
@@ -278,8 +279,8 @@ def _check_fits(path: str, placeholder: TensorPlaceholder, tensor: Any) -> None:
     hint = "pass the tensors pop_tensors returned, in the same order"
     if not isinstance(tensor, torch.Tensor):
         raise StateMismatchError(
-            f"{path}: insert_tensors got a {type(tensor).__name__} where a tensor was popped; "
-            + hint
+            f"{path}: insert_tensors got {a_or_an(type(tensor).__name__)} where a tensor was "
+            "popped; " + hint
         )
     if tensor.shape != placeholder.shape:
         raise ShapeMismatchError(

@@ -48,6 +48,7 @@ from snapshot.errors import (
     SnapshotError,
     StateMismatchError,
     UnsupportedValueError,
+    a_or_an,
 )
 from snapshot.sharding.mapping import ShardedTensor
 
@@ -402,8 +403,8 @@ class TensorKind(Kind):
             what += f" ({layout}{' quantized' if target.is_quantized else ''})"
         raise StateMismatchError(
             f"{label}: the snapshot holds a {entry.dtype}{list(entry.shape)} tensor, which "
-            f"obj_out, a {what}, cannot receive in place; pass a dense tensor of that shape, or "
-            "no obj_out"
+            f"obj_out, {a_or_an(what)}, cannot receive in place; pass a dense tensor of that "
+            "shape, or no obj_out"
         )
 
     def allocates(self, entry: Any, target: Any) -> bool:

@@ -49,6 +49,7 @@ from snapshot.errors import (
     StateMismatchError,
     UnsafeSnapshotError,
     UnsupportedValueError,
+    a_or_an,
 )
 
 if TYPE_CHECKING:
@@ -164,7 +165,7 @@ def restore_pickled_tensor(
             what = (
                 f"a {dtype_name(value.dtype)}{list(value.shape)} tensor"
                 if isinstance(value, torch.Tensor)
-                else f"a {type_name(value)}"
+                else a_or_an(type_name(value))
             )
             raise CorruptSnapshotError(
                 f"{path}: the pickle of the piece at {list(piece.offsets)} holds {what}; the "
@@ -229,7 +230,7 @@ class Objects(Kind):
             data = encode_object(value)
         except Exception as e:
             raise UnsupportedValueError(
-                f"{path}: cannot serialize a {type_name(value)}: {type(e).__name__}: {e}"
+                f"{path}: cannot serialize {a_or_an(type_name(value))}: {type(e).__name__}: {e}"
             ) from e
         obj_type = type_name(value)
         check_object(path, obj_type, data, tensor_subclass=isinstance(value, torch.Tensor))
