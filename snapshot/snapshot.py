@@ -22,7 +22,7 @@ from snapshot._engine.restore.restore import restore as restore_app_state
 from snapshot._engine.runtime import gc_paused
 from snapshot._engine.state_dicts import escape_key
 from snapshot._engine.take.take import TakeJob
-from snapshot.errors import EntryNotFoundError
+from snapshot.errors import EntryNotFoundError, SnapshotExistsError
 from snapshot.metadata import SnapshotMetadata
 from snapshot.options import Options, resolve
 from snapshot.pending import PendingSnapshot
@@ -144,7 +144,7 @@ class Snapshot:
                 _custom_tensor_prepare_func, options=options, base=base,
                 user_metadata=user_metadata,
             )  # fmt: skip
-            job.start()
+            _start(job)
             manifest = job.finish()
             taken_at, storage_options = job.path, job.storage_options
             del job
@@ -172,12 +172,14 @@ class Snapshot:
         caller may change its tensors at once. CUDA tensors are copied after the work queued on
         their device's current stream. Errors found while capturing are raised here; those of
         the background work by :meth:`PendingSnapshot.wait`. A ``base`` must be committed.
+        A path that holds a snapshot (or other files) is refused here, before anything is
+        written.
         """
         job, background = take_job(
             "Snapshot.async_take", path, app_state, True, pg, replicated, storage_options,
             _custom_tensor_prepare_func, options=options, base=base, user_metadata=user_metadata,
         )  # fmt: skip
-        job.start()
+        _start(job)
         try:
             queue = runtime.get().queue()
             # The queue's one thread runs the commits in order: each waits for its writes,
@@ -384,3 +386,13 @@ def take_job(
     # The background work agrees on a second gloo group, while the caller's thread uses the
     # first; making it is a collective, run here on every rank at the same point.
     return job, dist.GroupCoordinator(pg, resolved, background=True)
+
+
+def _start(job: TakeJob) -> None:
+    """``job.start()``. A path that holds a snapshot or other files is found there, before
+    anything is written: its error is raised from the caller's call, without the frames that
+    found it (the I/O loop's future, the agreement across ranks), which bury its message."""
+    try:
+        job.start()
+    except SnapshotExistsError as e:  # PathNotEmptyError too
+        raise e.with_traceback(None) from None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import os
 import re
+import traceback
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from snapshot import (
     IncompleteSnapshotError,
     NotStatefulError,
     Options,
+    PathNotEmptyError,
     ShapeMismatchError,
     Snapshot,
     SnapshotError,
@@ -59,6 +61,54 @@ def test_non_stateful_value_names_its_key(tmp_path):
     with pytest.raises(NotStatefulError, match="dict of name"):
         Snapshot.take(str(tmp_path / "s"), [StateDict()])
     assert not (tmp_path / "s").exists()  # nothing was written
+
+
+def test_a_non_stateful_value_is_named_with_its_article_and_what_to_do(tmp_path):
+    for value, named in ((3, "an int"), (object(), "an object"), ("x", "a str")):
+        with pytest.raises(NotStatefulError) as caught:
+            Snapshot.take(str(tmp_path / "s"), {"lr": value})
+        message = str(caught.value)
+        assert f"app_state['lr'] is {named}," in message, message
+        assert "state_dict() and load_state_dict()" in message
+        assert "StateDict" in message
+    assert not (tmp_path / "s").exists()
+
+
+def test_a_or_an_follows_the_first_letter():
+    from snapshot.errors import a_or_an
+
+    assert [a_or_an(n) for n in ("int", "str", "OrderedDict", "Tensor", "")] == [
+        "an int",
+        "a str",
+        "an OrderedDict",
+        "a Tensor",
+        "a ",
+    ]
+
+
+def _refusal(call, path) -> tuple[SnapshotExistsError, int]:
+    """The error ``call`` raises at ``path`` and how many frames its traceback holds."""
+    with pytest.raises(SnapshotExistsError) as caught:
+        call(path, {"a": StateDict(x=torch.ones(3))})
+    return caught.value, len(traceback.extract_tb(caught.value.__traceback__))
+
+
+def test_async_take_refuses_a_taken_or_non_empty_path_from_the_call(tmp_path):
+    """The error is raised by async_take itself, with take's message, through a traceback of
+    the caller's frames and the facade's, not the engine's that found it."""
+    taken, crowded = str(tmp_path / "taken"), tmp_path / "crowded"
+    Snapshot.take(taken, {"a": StateDict(x=1)})
+    crowded.mkdir()
+    (crowded / "notes.txt").write_text("mine")
+    for path, kind in ((taken, SnapshotExistsError), (str(crowded), PathNotEmptyError)):
+        took, took_frames = _refusal(Snapshot.take, path)
+        pending, pending_frames = _refusal(Snapshot.async_take, path)
+        assert type(took) is type(pending) is kind
+        assert str(pending) == str(took) and path in str(pending)
+        assert pending.__cause__ is None and pending.__suppress_context__
+        assert pending_frames <= 4 and took_frames <= 4, (pending_frames, took_frames)
+    assert Snapshot(taken).read_object("0/a/x") == 1
+    assert sorted(os.listdir(crowded)) == ["notes.txt"]
 
 
 def test_take_refuses_an_existing_snapshot(snapshot_url):
