@@ -154,6 +154,31 @@ class Options:
         return 128 * _MIB if store_hint is None else min(128 * _MIB, store_hint)
 
 
+@dataclass(frozen=True, slots=True)
+class Progress:
+    """Where one take or restore stands on this rank: what a ``progress`` callable given to
+    :meth:`Snapshot.take <snapshot.Snapshot.take>`, ``async_take`` or ``restore`` is called
+    with, once before the first byte (nothing done, the totals known) and again each time an
+    item's bytes complete. ``done_bytes`` and ``done_items`` only grow; the last record of an
+    operation that succeeds has them equal to the totals.
+
+    Each rank counts its own bytes: an item is a blob this rank writes (take), or one read of
+    a range of a blob (restore: it may hold several entries, and the bytes between them);
+    bytes another rank reads for this one and broadcasts are not counted.
+    """
+
+    #: ``"take"`` or ``"restore"``.
+    operation: str
+    #: The snapshot's location, as messages name it.
+    path: str
+    #: This process's rank in the operation's process group (0 for a process alone).
+    rank: int
+    done_bytes: int
+    total_bytes: int
+    done_items: int
+    total_items: int
+
+
 def _kind(f: Field[Any]) -> str:
     """A field's type: ``"bool"``, ``"int"`` or ``"float"`` (its annotation, ``"int | None"``)."""
     return str(f.type).split(" ")[0]

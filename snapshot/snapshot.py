@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 import torch.distributed
@@ -13,6 +13,7 @@ import torch.distributed
 from manifest import Entry, Manifest
 from snapshot._engine import runtime, state_dicts
 from snapshot._engine.dist import dist
+from snapshot._engine.dist.dist import Coordinator
 from snapshot._engine.format import serialization as writers
 from snapshot._engine.format.manifest_io import decode_manifest, read_manifest
 from snapshot._engine.io.async_queue import AsyncRequest
@@ -22,13 +23,18 @@ from snapshot._engine.restore.restore import restore as restore_app_state
 from snapshot._engine.runtime import gc_paused
 from snapshot._engine.state_dicts import escape_key
 from snapshot._engine.take.take import TakeJob
-from snapshot.errors import EntryNotFoundError, SnapshotExistsError
+from snapshot.errors import EntryNotFoundError, InvalidArgumentError, SnapshotExistsError
 from snapshot.metadata import SnapshotMetadata
-from snapshot.options import Options, resolve
+from snapshot.options import Options, Progress, resolve
 from snapshot.pending import PendingSnapshot
+
+if TYPE_CHECKING:
+    from snapshot._engine.progress import Reporter
 
 T = TypeVar("T")
 Prepare = Callable[[str, torch.Tensor, bool], torch.Tensor]
+# What ``progress=`` takes: False (no progress), True (a bar, or log lines), or a callable.
+ProgressArg = bool | Callable[[Progress], object]
 
 
 class Snapshot:
@@ -101,6 +107,7 @@ class Snapshot:
         options: Options | None = None,
         base: Snapshot | str | os.PathLike[str] | None = None,
         user_metadata: dict[str, Any] | None = None,
+        progress: ProgressArg = False,
     ) -> Snapshot:
         """Takes a snapshot of ``app_state`` at ``path`` and returns it once committed.
 
@@ -123,6 +130,14 @@ class Snapshot:
                 base's bytes, so the base must stay (else :class:`MissingBaseError`).
             user_metadata: plain data (str keys; None, bool, int, finite float, str, lists and
                 dicts of them) kept in the manifest, read back as ``metadata.user``.
+            progress: False (the default): nothing is reported. True: a bar of the bytes this
+                rank writes, drawn on stderr when it is a terminal (with ``tqdm``, imported
+                then only), else an INFO line of the ``snapshot`` logger each tenth of the
+                bytes. A callable: called with a :class:`~snapshot.options.Progress` record
+                once the writes are planned (nothing done yet; on the calling thread), then
+                each time a blob has been written (on the library's I/O thread, which waits for
+                it: keep it quick). A callable that raises is logged once, as a warning with its
+                traceback, and not called again; the take goes on and commits as without it.
 
         Raises:
             NotStatefulError: an app_state value is not Stateful.
@@ -142,10 +157,14 @@ class Snapshot:
             job, _ = take_job(
                 "Snapshot.take", path, app_state, False, pg, replicated, storage_options,
                 _custom_tensor_prepare_func, options=options, base=base,
-                user_metadata=user_metadata,
+                user_metadata=user_metadata, progress=progress,
             )  # fmt: skip
-            _start(job)
-            manifest = job.finish()
+            try:
+                _start(job)
+                manifest = job.finish()
+            finally:
+                if job.progress is not None:
+                    job.progress.end()
             taken_at, storage_options = job.path, job.storage_options
             del job
         return cls(taken_at, pg, storage_options, _manifest=manifest)
@@ -163,6 +182,7 @@ class Snapshot:
         options: Options | None = None,
         base: Snapshot | str | os.PathLike[str] | None = None,
         user_metadata: dict[str, Any] | None = None,
+        progress: ProgressArg = False,
     ) -> PendingSnapshot:
         """Like :meth:`take`, but returns once the state is captured; writes go on in the
         background.
@@ -173,19 +193,27 @@ class Snapshot:
         their device's current stream. Errors found while capturing are raised here; those of
         the background work by :meth:`PendingSnapshot.wait`. A ``base`` must be committed.
         A path that holds a snapshot (or other files) is refused here, before anything is
-        written.
+        written. ``progress`` is as for :meth:`take`: the writes, and so the reports, go on
+        after the call returns, until the snapshot is committed (or fails).
         """
         job, background = take_job(
             "Snapshot.async_take", path, app_state, True, pg, replicated, storage_options,
             _custom_tensor_prepare_func, options=options, base=base, user_metadata=user_metadata,
+            progress=progress,
         )  # fmt: skip
-        _start(job)
+        try:
+            _start(job)
+        except BaseException:
+            if job.progress is not None:
+                job.progress.end()
+            raise
+        finish = job.finish if job.progress is None else functools.partial(_finish, job)
         try:
             queue = runtime.get().queue()
             # The queue's one thread runs the commits in order: each waits for its writes,
             # agrees with the other ranks, and commits.
             index = queue.schedule_async_request(
-                AsyncRequest(async_fn=job.finish, async_fn_args=(background,))
+                AsyncRequest(async_fn=finish, async_fn_args=(background,))
             )
             taken_at, stored = job.path, job.storage_options
             pending = PendingSnapshot(
@@ -206,6 +234,7 @@ class Snapshot:
         *,
         verify_first: bool = False,
         options: Options | None = None,
+        progress: ProgressArg = False,
     ) -> None:
         """Restores ``app_state`` (the one taken, or a subset of its keys) from the snapshot.
 
@@ -223,6 +252,10 @@ class Snapshot:
                 rank of the group: damage then leaves every key untouched, at the cost of
                 reading the in-place ranges twice. Every rank must pass the same value.
             options: the tunables of this restore (:class:`~snapshot.Options`).
+            progress: as for :meth:`take`, of the bytes this rank reads: the callable is
+                called once the reads are planned, then as each read lands (on the I/O
+                thread); not for the checking pass of ``verify_first``, nor for the bytes
+                another rank reads for this one.
 
         Raises:
             StateMismatchError: a key is not in the snapshot (``strict`` only);
@@ -231,7 +264,8 @@ class Snapshot:
             UnsafeObjectError: an object would need a type that is not allowed to load.
             StatefulError: a ``state_dict()`` or ``load_state_dict()`` raised.
             NotStatefulError: ``app_state`` is not a dict of str -> Stateful.
-            InvalidArgumentError: ``strict`` or ``verify_first`` is not a bool.
+            InvalidArgumentError: ``strict`` or ``verify_first`` is not a bool, or
+                ``progress`` neither a bool nor a callable.
 
         A failed restore says what it changed: its error's ``modified`` maps each key this
         rank wrote before the failure to ``"partially"`` or ``"fully"``, ``untouched`` names
@@ -239,21 +273,28 @@ class Snapshot:
         """
         state_dicts.typed(strict, bool, "Snapshot.restore", "strict", self.path)
         state_dicts.typed(verify_first, bool, "Snapshot.restore", "verify_first", self.path)
+        wanted = _progress(progress, "Snapshot.restore", self.path)
         resolved = resolve(options)
         coordinator = dist.resolve(self.pg, resolved)
-        with gc_paused():
-            # Only a snapshot whose parts a registered strategy reads is restored.
-            writers.check_readable(self._manifest.metadata, self.path)
-            restore_app_state(
-                self._manifest,
-                app_state,
-                path=self.path,
-                coordinator=coordinator,
-                storage_options=self.storage_options,
-                options=resolved,
-                strict=strict,
-                verify_first=verify_first,
-            )
+        reporter = _reporter(wanted, "restore", coordinator)
+        try:
+            with gc_paused():
+                # Only a snapshot whose parts a registered strategy reads is restored.
+                writers.check_readable(self._manifest.metadata, self.path)
+                restore_app_state(
+                    self._manifest,
+                    app_state,
+                    path=self.path,
+                    coordinator=coordinator,
+                    storage_options=self.storage_options,
+                    options=resolved,
+                    strict=strict,
+                    verify_first=verify_first,
+                    reporter=reporter,
+                )
+        finally:
+            if reporter is not None:
+                reporter.end()
 
     def read_object(
         self,
@@ -353,10 +394,12 @@ def take_job(
     base: object = None,
     user_metadata: object = None,
     strategies: dict[str, Any] | None = None,
+    progress: object = False,
 ) -> tuple[TakeJob, Any]:
     """The take job of ``take`` / ``async_take``, its arguments checked before anything is
     written, and (``asynchronous``) the coordinator its commit runs on in the background.
-    ``strategies``: the writers recorded (``writers.recorded()``'s by default)."""
+    ``strategies``: the writers recorded (``writers.recorded()``'s by default); ``progress``:
+    the call's (the job's ``progress`` reports it; the caller ends it)."""
     where = state_dicts.snapshot_path(path, call)
     state_dicts.process_group(pg, call, where)
     state_dicts.function(prepare, call, "_custom_tensor_prepare_func", where)
@@ -366,6 +409,7 @@ def take_job(
         base = base.path
     base_path = None if base is None else state_dicts.snapshot_path(base, call, "base")
     user = state_dicts.user_metadata(user_metadata, call, where)
+    wanted = _progress(progress, call, where)
     resolved = resolve(options)
     coordinator = dist.resolve(pg, resolved)
     job = TakeJob(
@@ -380,6 +424,7 @@ def take_job(
         options=resolved,
         base=base_path,
         user_metadata=user,
+        progress=_reporter(wanted, "take", coordinator),
     )
     if not asynchronous or coordinator.world_size == 1:
         return job, coordinator if asynchronous else None
@@ -396,3 +441,32 @@ def _start(job: TakeJob) -> None:
         job.start()
     except SnapshotExistsError as e:  # PathNotEmptyError too
         raise e.with_traceback(None) from None
+
+
+def _finish(job: TakeJob, coordinator: Any) -> bytes | None:
+    """An async take's ``job.finish``, its progress ended after (a bar closed)."""
+    try:
+        return job.finish(coordinator)
+    finally:
+        assert job.progress is not None
+        job.progress.end()
+
+
+def _progress(progress: object, call: str, where: str) -> ProgressArg:
+    """``progress``, refused unless a bool or a callable."""
+    if isinstance(progress, bool) or callable(progress):
+        return progress
+    raise InvalidArgumentError(
+        f"{call} of {where}: progress must be True, False or a callable taking a "
+        f"snapshot.options.Progress, got {type(progress).__name__}"
+    )
+
+
+def _reporter(progress: ProgressArg, operation: str, coordinator: Coordinator) -> Reporter | None:
+    """The reporter of ``progress``, None when it is False: only then is the progress module
+    imported."""
+    if progress is False:
+        return None
+    from snapshot._engine.progress import Reporter
+
+    return Reporter(operation, progress, coordinator.rank, coordinator.world_size)

@@ -44,6 +44,7 @@ from snapshot.sharding.mapping import LocalNonpersistentObject
 from storage_plugins import StoragePlugin
 
 if TYPE_CHECKING:
+    from snapshot._engine.progress import Reporter
     from snapshot._engine.restore.restore import RestoreProgress
 
 logger = logging.getLogger(__name__)
@@ -251,12 +252,17 @@ class Loader:
     # -- reading ---------------------------------------------------------------------------------
 
     def execute(
-        self, plugin: StoragePlugin, budget_bytes: int, progress: RestoreProgress | None = None
+        self,
+        plugin: StoragePlugin,
+        budget_bytes: int,
+        progress: RestoreProgress | None = None,
+        reporter: Reporter | None = None,
     ) -> IOStats:
-        """Runs the planned reads; ``progress`` records the keys whose targets they write."""
+        """Runs the planned reads; ``progress`` records the keys whose targets they write,
+        ``reporter`` is told the bytes of each read that landed (``progress=`` of the call)."""
         self.plan_deferred()
         with naming_snapshot(self.where):
-            stats = self._execute(plugin, budget_bytes, self.needs, progress)
+            stats = self._execute(plugin, budget_bytes, self.needs, progress, reporter)
         self._land_overlapped()
         return stats
 
@@ -280,6 +286,7 @@ class Loader:
         budget_bytes: int,
         needs: list[Need],
         progress: RestoreProgress | None,
+        reporter: Reporter | None = None,
     ) -> IOStats:
         """Runs ``needs``: merged into scatter reads, read within the budget, each blob read
         then checked against the manifest's length when reads verify."""
@@ -294,6 +301,8 @@ class Loader:
         )
         if progress is not None:
             progress.watch(requests)
+        if reporter is not None:
+            reporter.watch(requests, self.where)
         options, jobs = self.options, self.concurrency
 
         async def read() -> IOStats:

@@ -14,7 +14,7 @@ import functools
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -50,6 +50,9 @@ from snapshot.errors import (
 from snapshot.options import Options
 from snapshot.sharding.mapping import ShardedTensor, ShardedTensorFactory, apply_factory_merges
 
+if TYPE_CHECKING:
+    from snapshot._engine.progress import Reporter
+
 logger = logging.getLogger("snapshot")
 
 
@@ -63,11 +66,14 @@ def restore(
     options: Options,
     strict: bool = True,
     verify_first: bool = False,
+    reporter: Reporter | None = None,
 ) -> None:
     """Loads each app_state value's entries in place, then calls its ``load_state_dict``.
 
     The ranks agree at the end, so that when one fails every rank raises (naming it); the
     error says which of this rank's keys it modified (``RestoreProgress.account``).
+    ``reporter`` is told the bytes of each read of the state as it lands (not the reads of
+    ``verify_first``'s pass).
     """
     progress = RestoreProgress(app_state)
     try:
@@ -84,6 +90,7 @@ def restore(
                     strict=strict,
                     verify_first=verify_first,
                     progress=progress,
+                    reporter=reporter,
                 )
         except RankFailedError:
             raise  # raised by an agreement inside, on every rank alike
@@ -116,6 +123,7 @@ def _restore(
     strict: bool,
     verify_first: bool,
     progress: RestoreProgress,
+    reporter: Reporter | None = None,
 ) -> None:
     check_app_state(app_state, path)
     t0 = time.perf_counter()
@@ -186,7 +194,7 @@ def _restore(
             shared = shared_reads.plan(loader, entries, prefix, coordinator, choices)
         t_plan = time.perf_counter()
         try:  # execute
-            stats = loader.execute(plugin, budget, progress)
+            stats = loader.execute(plugin, budget, progress, reporter)
         except Exception as e:
             error = e
     coordinator.agree("restore: reading", error=error)

@@ -16,7 +16,7 @@ import uuid
 import warnings
 import weakref
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -55,6 +55,9 @@ from snapshot.version import __version__
 from storage_plugins import StoragePlugin
 from storage_plugins.registry import chunk_bytes_hint
 
+if TYPE_CHECKING:
+    from snapshot._engine.progress import Reporter
+
 logger = logging.getLogger("snapshot")
 
 
@@ -91,6 +94,7 @@ class TakeJob:
         strategies: dict[str, list[Any]] | None = None,
         base: str | None = None,
         user_metadata: Mapping[str, Any] | None = None,
+        progress: Reporter | None = None,
     ) -> None:
         check_app_state(app_state, path)
         self.path = path
@@ -110,6 +114,7 @@ class TakeJob:
         self.base = base  # an incremental take's base (a sibling snapshot's path)
         self.reuse: Reuse | None = None
         self.user_metadata = user_metadata
+        self.progress = progress  # reports each blob written (``progress=`` of the call)
         self.plugin: StoragePlugin | None = None
         self.where = path
         self.plan: TakePlan | None = None
@@ -178,8 +183,11 @@ class TakeJob:
                 self.path = path  # rank 0's path wins
                 self.plugin = open_plugin(path, self.storage_options)
                 self.where = plugin_location(self.plugin)
+            plugin = self.plugin
+            if self.progress is not None:
+                plugin = self.progress.counting(plugin, self.plan.writes, self.where)
             self.pipeline = WritePipeline(
-                self.plugin,
+                plugin,
                 budget_bytes=self._budget,
                 max_concurrency=_int(self.options.max_concurrent_io),
                 # Async take holds its writes until everything is staged (``release_writes``),
