@@ -173,9 +173,13 @@ class Progress:
     path: str
     #: This process's rank in the operation's process group (0 for a process alone).
     rank: int
+    #: Bytes this rank has written (take) or read (restore) so far.
     done_bytes: int
+    #: Bytes this rank writes or reads in all.
     total_bytes: int
+    #: Items (blobs written, or reads) complete so far.
     done_items: int
+    #: Items in all.
     total_items: int
 
 

@@ -22,7 +22,8 @@ class PendingSnapshot:
 
     Pending snapshots commit in the order they were taken; the process waits for them at exit.
     One killed outright leaves its snapshot uncommitted, never half-committed. ``opened``
-    turns the committed manifest into the :class:`Snapshot` that ``wait`` returns.
+    turns the committed manifest into the :class:`Snapshot` that ``wait`` returns. A
+    ``progress`` given to ``async_take`` goes on reporting the writes until they end.
     """
 
     def __init__(
