@@ -145,6 +145,7 @@ def test_dropping_an_unfinished_handle_warns(tmp_path, caplog):
     assert Snapshot(str(tmp_path / "s")).get_manifest()  # committed all the same
 
 
+@pytest.mark.slow
 def test_process_exit_waits_for_a_pending_snapshot(tmp_path):
     path = tmp_path / "s"
     script = f"""

@@ -587,6 +587,7 @@ scenario("exit")
 """
 
 
+@pytest.mark.slow
 def test_stopped_takes_leave_no_task_pending_at_exit(tmp_path):
     # Each used to leave the write pipeline's workers waiting on their queue: at exit (or when
     # collected) asyncio reported each as "Task was destroyed but it is pending!".

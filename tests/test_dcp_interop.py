@@ -328,6 +328,7 @@ def _sharded_and_replicated(rank: int, world: int, path: str) -> None:
     assert torch.equal(cols.data, full[:, 3 * rank : 3 * rank + 3])
 
 
+@pytest.mark.slow
 def test_two_ranks_save_shards_and_a_replica_and_load_them_resharded(tmp_path):
     path = str(tmp_path / "ckpt")
     run_ranks(2, _sharded_and_replicated, path)
@@ -361,6 +362,7 @@ def _non_contiguous_blocks(rank: int, world: int, path: str) -> None:
         assert torch.equal(sh.data, full[2 * b : 2 * b + 2])
 
 
+@pytest.mark.slow
 def test_two_ranks_round_trip_several_local_shards_each(tmp_path):
     path = str(tmp_path / "ckpt")
     run_ranks(2, _non_contiguous_blocks, path)

@@ -115,6 +115,7 @@ def damaged(draw, original: bytes) -> bytes:
     return bytes(data)
 
 
+@pytest.mark.slow
 @settings(
     max_examples=300,
     deadline=None,
@@ -166,6 +167,7 @@ def _blobs(path: str) -> list[str]:
     )
 
 
+@pytest.mark.slow
 @settings(
     max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
@@ -350,6 +352,7 @@ def yaml_featured(draw, body: bytes) -> tuple[bytes, list[str]]:
     return text.encode("utf-8", "surrogatepass"), kinds
 
 
+@pytest.mark.slow
 @settings(
     max_examples=300,
     deadline=None,

@@ -22,6 +22,9 @@ from tests.hostile import CASES, Case, build, take_base
 from tests.hostile_probe import OPERATIONS
 from tests.s3server import S3Server
 
+# One fixture builds and probes the whole corpus in subprocesses before the first case runs.
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parent.parent
 # Peak memory an operation may add over the probe's own: the base snapshot is 16 KiB, and every
 # amplifying case claims or would expand to a gigabyte or more.

@@ -607,6 +607,7 @@ def _exercise(root: str) -> tuple[list[Any], bool]:
     return values, intact
 
 
+@pytest.mark.slow
 @settings(
     max_examples=150,
     deadline=None,

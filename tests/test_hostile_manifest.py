@@ -294,6 +294,7 @@ _CHILD = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_a_claim_beyond_the_blob_allocates_nothing(tmp_path):
     """An object that claims 2 GiB over its short blob (once zeroed 2 GiB before the read found
     the blob short), and a tensor of 2**29 float32 elements over a 256-byte blob: refused,

@@ -417,6 +417,7 @@ def test_memory_store():
     assert_same(restored(f"{parent}/s2", state), want)
 
 
+@pytest.mark.slow
 def test_s3(s3_bucket: S3Bucket):
     opts = s3_bucket.storage_options
     state = frozen_state()

@@ -86,6 +86,7 @@ def test_peers_silent_in_the_same_outage_are_named_together(store):
     stop.set()
 
 
+@pytest.mark.slow
 def test_live_peers_are_waited_for_past_the_bound(store):
     stop = threading.Event()
     beat(store, 1, stop)

@@ -259,6 +259,7 @@ def test_incremental_chain_with_retention(root):
             assert all(torch.equal(target["model"][k], wants[step][k]) for k in wants[step])
 
 
+@pytest.mark.slow
 def test_s3(s3_bucket: S3Bucket):
     opts = s3_bucket.storage_options
     root = s3_bucket.url("run")

@@ -518,6 +518,7 @@ def test_a_listing_that_fails_deletes_nothing(tmp_path, caplog):
     assert "deleted nothing this round" in caplog.text
 
 
+@pytest.mark.slow
 def test_on_s3_a_manifest_refused_or_a_listing_failing_deletes_nothing(s3_bucket, caplog):
     """S3 answering 500 for one step's manifest (past the retries), then for the listing of the
     root: the step is kept and not restored as the latest; the round deletes nothing."""

@@ -143,6 +143,7 @@ def _take_stages(rank: int, world: int, flat_path: str, nested_path: str, plain:
     return _pack((taken, losses))
 
 
+@pytest.mark.slow
 def test_two_stages_restore_on_one_rank_and_a_key_no_rank_holds_fails_first(tmp_path):
     flat, nested, plain = (str(tmp_path / name) for name in ("flat", "nested", "plain"))
     taken = run_ranks(2, _take_stages, flat, nested, plain)
@@ -205,6 +206,7 @@ def _restore_stages(rank: int, world: int, path: str, taken: bytes) -> bytes:
     return _pack(losses)
 
 
+@pytest.mark.slow
 def test_one_rank_restores_on_two_stages(tmp_path):
     path = str(tmp_path / "snap")
     train = Train(_model(None, 0))

@@ -93,6 +93,7 @@ def shards(tmp_path_factory) -> str:
     return path
 
 
+@pytest.mark.slow
 def test_a_direct_restore_needs_no_scratch(shards):
     """The control: float32 contiguous targets take the bytes straight in; what memory the
     restore adds is the library's own (threads, manifest, requests)."""
@@ -100,6 +101,7 @@ def test_a_direct_restore_needs_no_scratch(shards):
     assert growth < 4 * _MIB, f"{growth / _MIB:.1f} MiB"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["float64", "strided"])
 def test_converted_sharded_restores_stay_within_the_memory_budget(shards, kind):
     """4 x 32 MiB sharded tensors restored into targets that cannot take raw bytes, with
@@ -111,6 +113,7 @@ def test_converted_sharded_restores_stay_within_the_memory_budget(shards, kind):
     assert growth < _BUDGET + 4 * _MIB, f"{growth / _MIB:.1f} MiB"
 
 
+@pytest.mark.slow
 def test_column_runs_through_tiles_stay_within_the_memory_budget(shards):
     """Column halves of row-sharded tensors, run by run (a run of 8 KiB per row, 16,384 in all)
     into float64 targets: what the restore adds beside the same restore read straight into

@@ -9,6 +9,7 @@ import sys
 from collections import OrderedDict
 
 import numpy as np
+import pytest
 import torch
 from torch import nn
 
@@ -74,6 +75,7 @@ def test_training_resumes_bitwise_identically(snapshot_url):
         assert torch.equal(p, p2), name
 
 
+@pytest.mark.slow
 def test_restore_in_a_fresh_process(tmp_path):
     """The snapshot carries everything: another interpreter resumes to the same losses."""
     path = tmp_path / "snap"
@@ -100,6 +102,7 @@ print(repr([l.item() for l in train(model, optim, sched, extra, 3)]))
     assert take.stdout == restore.stdout and take.stdout.startswith("[")
 
 
+@pytest.mark.slow
 def test_demo_command_succeeds(tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "snapshot", "demo", "--path", str(tmp_path / "demo")],

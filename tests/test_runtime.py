@@ -88,6 +88,7 @@ def test_io_after_shutdown_starts_a_new_loop_and_keeps_no_plugin():
         assert rt.loop() is not first and not rt.keeps_plugins
 
 
+@pytest.mark.slow
 def test_the_exit_hook_waits_for_pending_snapshots_and_closes_kept_plugins_first(tmp_path):
     """One ``atexit`` hook, run before the handlers registered before the library's first use:
     the pending snapshot is committed, and the kept plugin closed, by the time they run."""
@@ -158,6 +159,7 @@ class LateFS(FSStoragePlugin):
         return await super()._run(fn, *args)
 
 
+@pytest.mark.slow
 def test_a_snapshot_pending_at_exit_still_gets_threads_for_its_io(tmp_path):
     """The exit hook runs after ``concurrent.futures`` has shut its thread pools down: the I/O
     that a pending snapshot starts then still runs (the plugin's pool, the default executor)."""
@@ -197,6 +199,7 @@ def test_without_the_strategy_layer_only_the_library_format_is_read(monkeypatch)
         )
 
 
+@pytest.mark.slow
 def test_the_facade_does_not_load_the_strategy_layer():
     code = (
         "import sys, torch, tempfile\n"

@@ -71,6 +71,7 @@ def _restore(rank: int, world: int, path: str, layout: str) -> int:
     return sum(n for blob, _, n in log.reads if blob != "manifest.yaml")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("saved", "restored", "layout"),
     [(4, 2, "rows"), (4, 4, "cols"), (2, 4, "rows"), (2, 2, "cols")],
@@ -88,6 +89,7 @@ def test_resharding_matrix(tmp_path, saved, restored, layout):
     assert read == [region_bytes + R.numel() * 4] * restored
 
 
+@pytest.mark.slow
 def test_one_full_tensor_from_four_shards(tmp_path):
     path = str(tmp_path / "snap")
     run_ranks(4, _take, path)
@@ -164,6 +166,7 @@ def _dtensors(rank: int, world: int, path: str) -> None:
     assert torch.equal(r.to_local(), R)
 
 
+@pytest.mark.slow
 def test_dtensor_round_trip_into_another_placement(tmp_path):
     path = str(tmp_path / "snap")
     run_ranks(4, _dtensors, path)
@@ -206,6 +209,7 @@ def _stages(rank: int, world: int, path: str) -> str:
     return str(differ.value), str(refused.value)
 
 
+@pytest.mark.slow
 def test_dtensors_on_submeshes_are_stored_once_per_piece(tmp_path):
     # A piece held by several ranks on submeshes is written by the lowest of them; the stages'
     # own tensors (on the submeshes of the other pp coordinate too) by their rank.
@@ -399,6 +403,7 @@ def test_the_strategy_api(tmp_path):
     assert list(meta) == ["o/shard_0_1"]
 
 
+@pytest.mark.slow
 def test_a_take_without_dtensors_does_not_import_their_module(tmp_path):
     # Importing torch.distributed.tensor costs about half a second: only states holding
     # DTensors (which imported it already) may pay for it.
@@ -579,6 +584,7 @@ def _torch_sharded_restore(rank: int, world: int, path: str) -> None:
     assert torch.equal(plain["w"], G.double()) and torch.equal(plain["u"], U)
 
 
+@pytest.mark.slow
 def test_torch_sharded_tensors_are_stored_as_pieces_and_restored_into_any_sharding(tmp_path):
     path = str(tmp_path / "snap")
     run_ranks(2, _torch_sharded_take, path)
@@ -630,6 +636,7 @@ def _torch_sharded_refusals(rank: int, world: int, path: str) -> list[str]:
     return messages
 
 
+@pytest.mark.slow
 def test_a_torch_sharded_tensor_never_makes_an_unrestorable_snapshot(tmp_path):
     path = str(tmp_path / "snap")
     messages = run_ranks(2, _torch_sharded_refusals, path)

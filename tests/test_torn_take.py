@@ -203,6 +203,7 @@ def test_memory_take_mutated_meanwhile_restores(sizes: str) -> None:
     run_rounds(lambda r: f"memory://{root}/snap{r}", make, None, options)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sizes", ["small", "large"])
 def test_s3_take_mutated_meanwhile_restores(s3_bucket: S3Bucket, sizes: str) -> None:
     # 5 MiB parts: the large tensors (6 MiB) go up as multipart uploads.
@@ -235,6 +236,7 @@ def test_fsspec_take_mutated_meanwhile_restores(tmp_path, sizes: str) -> None:
 # and the writes are of that copy.
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sizes", ["small", "large"])
 @pytest.mark.parametrize("store", ["fs", "memory"])
 def test_async_take_mutated_meanwhile_restores(tmp_path, store: str, sizes: str) -> None:
