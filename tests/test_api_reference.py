@@ -69,10 +69,8 @@ def _members(cls: type) -> dict[str, Any]:
             continue
         if isinstance(value, (staticmethod, classmethod)):
             value = value.__func__
-        if isinstance(value, property):
-            value = value.fget
-        if inspect.isfunction(value):
-            out[name] = value
+        if inspect.isfunction(value) or isinstance(value, property):
+            out[name] = value  # (a property's docstring is inherited by an override)
     return out
 
 
@@ -85,8 +83,7 @@ def _parameters(fn: Any) -> list[str]:
     return [
         p.name
         for p in signature.parameters.values()
-        if p.name not in ("self", "cls")
-        and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+        if p.name not in ("self", "cls") and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
     ]
 
 
@@ -109,9 +106,9 @@ def _field_docs(cls: type) -> set[str]:
         if not isinstance(node, ast.AnnAssign) or not isinstance(node.target, ast.Name):
             continue
         after = body.body[i + 1] if i + 1 < len(body.body) else None
-        if isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant):
-            found.add(node.target.id)
-        elif lines[node.lineno - 2].strip().startswith("#:"):
+        if (isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant)) or lines[
+            node.lineno - 2
+        ].strip().startswith("#:"):
             found.add(node.target.id)
     return found
 
@@ -147,8 +144,7 @@ def _problems(label: str, obj: Any, owner: type | None = None) -> list[str]:
         missing = [p for p in _parameters(init) if not p.startswith("_") and p not in words]
         if missing:
             return [
-                f"{label}: docstring does not mention constructor parameter(s) "
-                f"{', '.join(missing)}"
+                f"{label}: docstring does not mention constructor parameter(s) {', '.join(missing)}"
             ]
     return []
 
