@@ -455,6 +455,50 @@ def test_floats_and_bytes_decode_exactly():
         assert struct.pack("d", entries[f"0/extra/{key}"].value) == packed
 
 
+def test_primitive_entries_read_as_torchsnapshot_wrote_them(tmp_path):
+    """Code written against torchsnapshot's manifest reads our primitive entries: each one's
+    ``serialized_value``, ``readable`` and ``get_value()`` are what torchsnapshot's entry for
+    that value holds, and ``value_type`` is the type name torchsnapshot records as its
+    ``type``. So for the entries translated from its snapshot, and for a snapshot we take of
+    the same values."""
+    raw = {
+        p: e
+        for p, e in _raw(SINGLE).items()
+        if e["type"] in ("int", "float", "str", "bool", "bytes")
+    }
+    assert {e["type"] for e in raw.values()} == {"int", "float", "str", "bool", "bytes"}
+    extra = _expected()["single"]["extra"]
+    ours = Snapshot.take(str(tmp_path / "ours"), {"extra": StateDict(extra)})
+    for snap in (Snapshot(SINGLE), ours):
+        entries = snap.metadata.manifest
+        for path, theirs in raw.items():
+            if path not in entries and snap is ours:
+                continue  # (the optimizer's entries are in theirs only)
+            entry = entries[path]
+            assert isinstance(entry, PrimitiveEntry) and entry.type == "primitive", path
+            assert entry.value_type == theirs["type"], path
+            assert entry.serialized_value == theirs["serialized_value"], path
+            assert entry.readable == theirs["readable"], path
+            assert entry.replicated == theirs["replicated"], path
+            value, stored = entry.get_value(), _value_at(path)
+            assert type(value) is type(stored) and repr(value) == repr(stored), path
+    assert [p for p in raw if p.startswith("0/extra/") and p in ours.metadata.manifest] == [
+        p for p in raw if p.startswith("0/extra/")
+    ]
+
+
+def _value_at(path: str) -> Any:
+    """The value the fixture stored at ``path`` (``expected.pt``'s)."""
+    value: Any = _expected()["single"]
+    for part in path.split("/")[1:]:
+        part = part.replace("%2F", "/")
+        if isinstance(value, list):
+            value = value[int(part)]
+        else:
+            value = value[part] if part in value else value[int(part)]
+    return value
+
+
 def test_our_manifest_codec_still_refuses_pickled_tensor_entries():
     body = (
         b"format: statesnap\nformat_version: 1\nworld_size: 1\nmetadata: {}\nentries:\n"
