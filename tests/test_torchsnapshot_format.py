@@ -40,6 +40,7 @@ from snapshot.errors import (
     IncompatibleSnapshotError,
     SnapshotExistsError,
     SnapshotNotFoundError,
+    StateMismatchError,
     UnsafeObjectError,
 )
 from tests.helpers import assert_same, seal_manifest
@@ -445,6 +446,23 @@ def test_a_pickle_of_another_shape_than_recorded_is_refused(tmp_path):
     path = _with_manifest(tmp_path, _set("0/extra/z", shape=[3]))
     with pytest.raises(CorruptSnapshotError, match=r"holds a complex64\[2\] tensor"):
         Snapshot(path).read_object("0/extra/z")
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # quantized tensors are deprecated in torch
+def test_a_quantized_tensor_it_pickled_reads_back_and_refuses_a_float_target(tmp_path):
+    """torchsnapshot pickles a quantized tensor (its dtype ``torch.qint8``): ``read_object``
+    gives it back; a restore into a float tensor is refused before anything is read, as
+    torchsnapshot refuses it."""
+    path = _with_manifest(tmp_path, _set("0/extra/z", dtype="torch.qint8"))
+    want = torch.quantize_per_tensor(torch.tensor([0.5, -1.0]), 0.25, 2, torch.qint8)
+    with open(os.path.join(path, "0/extra/z"), "wb") as f:
+        torch.save(want, f)
+    got = Snapshot(path).read_object("0/extra/z")
+    assert got.dtype == torch.qint8 and torch.equal(got.dequantize(), want.dequantize())
+    target = torch.zeros(2)
+    with pytest.raises(StateMismatchError, match=r"0/extra/z: the snapshot holds a quantized "):
+        Snapshot(path).read_object("0/extra/z", obj_out=target)
+    assert torch.equal(target, torch.zeros(2))
 
 
 def test_floats_and_bytes_decode_exactly():
