@@ -4,6 +4,7 @@ entry per line, its checksum line, strict reading); no I/O, no torch."""
 from manifest.codec import (
     MAX_DEPTH,
     EntryFormatter,
+    Manifest,
     check_head,
     dumps,
     dumps_entries,
@@ -25,7 +26,6 @@ from manifest.entries import (
     Entry,
     ListEntry,
     Location,
-    Manifest,
     ManifestChecksumError,
     ManifestDecodeError,
     ObjectEntry,

@@ -10,30 +10,91 @@ paths feed the same strict decoding of every entry (``EntryDecoder``).
 
 from __future__ import annotations
 
-import base64
+import functools
 import json
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import yaml  # type: ignore[import-untyped]
 from isal import isal_zlib
 
 from manifest.entries import (
+    _ENCODERS,
     FORMAT_VERSION,
     MAX_CRC32,
     PLAIN_BLOB,
     TYPES,
+    DictEntry,
     Entry,
     EntryDecoder,
+    ListEntry,
     Location,
-    Manifest,
     ManifestChecksumError,
     ManifestDecodeError,
+    ShardedObjectEntry,
+    ShardedTensorEntry,
     TensorEntry,
+    TupleEntry,
     UnsafeManifestError,
     UnsupportedFormatError,
+    reference_of,
 )
+
+# Entries that are never listed once for every rank (``Manifest.view``).
+_NOT_SHARED = (DictEntry, ListEntry, TupleEntry, ShardedTensorEntry, ShardedObjectEntry)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Manifest:
+    """A whole snapshot's description: logical path -> entry (in the order taken), the number
+    of processes that took it, and free-form ``metadata`` (library version, time taken)."""
+
+    format_version: int = 1  # what the writer needs; FORMAT_VERSION is the newest readable
+    world_size: int = 1
+    entries: dict[str, Entry]
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    def view(self, rank: int) -> dict[str, Entry]:
+        """The entries as rank ``rank`` reads them: every entry, and under ``<rank>/`` also each
+        replicated leaf listed under ``0/`` only (version 3 lists it once). ``entries`` itself
+        when nothing is added; else a new dict, kept per rank."""
+        entries = self.entries
+        if rank == 0 or self.world_size == 1:
+            return entries
+        views: dict[int, dict[str, Entry]] = self.__dict__.setdefault("_views", {})
+        if rank not in views:
+            prefix = f"{rank}/"
+            added = {
+                prefix + p[2:]: e
+                for p, e in entries.items()
+                if e.replicated
+                and p.startswith("0/")
+                and not isinstance(e, _NOT_SHARED)
+                and prefix + p[2:] not in entries
+            }
+            views[rank] = {**entries, **added} if added else entries
+        return views[rank]
+
+    @functools.cached_property
+    def blob_sizes(self) -> dict[str, int]:
+        """The length each blob must have: the end of the last range recorded in it (for a
+        sibling snapshot's blob, the length it must have at least)."""
+        sizes: dict[str, int] = {}
+        for entry in self.entries.values():
+            for loc in entry.locations:
+                end = loc.offset + loc.nbytes
+                if end > sizes.get(loc.blob, -1):
+                    sizes[loc.blob] = end
+        return sizes
+
+    @functools.cached_property
+    def bases(self) -> tuple[str, ...]:
+        """The names of the sibling snapshots whose blobs this one's entries point at, sorted."""
+        refs = (reference_of(blob) for blob in self.blob_sizes)
+        return tuple(sorted({ref[0] for ref in refs if ref is not None}))
+
 
 FORMAT_NAME = "statesnap"
 _ENTRIES_LINE = "entries:"
@@ -82,40 +143,6 @@ def _yaml_printable(text: str) -> str:
     if text.isascii() and "\x7f" not in text:
         return text  # the usual manifest: no such character
     return _NOT_YAML_PRINTABLE.sub(lambda m: f"\\u{ord(m.group()):04x}", text)
-
-
-def _location_to_list(loc: Location) -> list[Any]:
-    if loc.crc32 is None:
-        return [loc.blob, loc.offset, loc.nbytes]
-    return [loc.blob, loc.offset, loc.nbytes, loc.crc32]
-
-
-def _plain_value(value: Any) -> Any:
-    """A primitive's value as written: floats as their ``repr`` in a string (exact, and the same
-    to JSON and YAML readers), bytes as base64."""
-    if isinstance(value, bytes):
-        return base64.b64encode(value).decode("ascii")
-    return repr(value) if isinstance(value, float) else value
-
-
-# How each field of ``TYPES`` is written, from the entry's attribute of that name (the rest
-# are written as they are).
-_ENCODERS: dict[str, Callable[[Any], Any]] = {
-    "shape": list,
-    "keys": list,
-    "chunks": lambda chunks: [_location_to_list(c) for c in chunks],
-    "location": _location_to_list,
-    "view": lambda v: {"base": v.base, "offset": v.offset, "stride": list(v.stride)},
-    "value": _plain_value,
-    "shards": lambda shards: [
-        {
-            "offsets": list(s.offsets),
-            "sizes": list(s.sizes),
-            "chunks": _ENCODERS["chunks"](s.chunks),
-        }
-        for s in shards
-    ],
-}
 
 
 def entry_to_dict(entry: Entry) -> dict[str, Any]:

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import base64
 import binascii
-import functools
 import re
+import struct
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -114,8 +114,9 @@ class TensorView:
 
 @dataclass(slots=True, unsafe_hash=True)
 class TensorEntry(Entry):
-    """A dense tensor, stored as its raw bytes in row-major (C) order: the concatenation of
-    ``chunks``, each of which may live in a different blob.
+    """A dense tensor of ``dtype`` (a torch dtype's name: ``"float32"``) and ``shape``, stored
+    as its raw bytes in row-major (C) order: the concatenation of ``chunks``, each of which may
+    live in a different blob.
 
     ``parameter`` (it was an ``nn.Parameter``), ``requires_grad`` and ``view`` (it shared its
     storage with another entry's tensor) are what ``torch.load`` would give back beyond the
@@ -165,8 +166,9 @@ class Shard:
 class ShardedTensorEntry(Entry):
     """A global tensor stored as shards written by the ranks that held them.
 
-    ``key`` names the global tensor (the same on every rank); ``shape`` is the global shape;
-    ``shards`` cover it exactly once, and every rank's entry lists every shard.
+    ``key`` names the global tensor (the same on every rank); ``dtype`` is its dtype's name,
+    ``shape`` the global shape; ``shards`` cover it exactly once, and every rank's entry lists
+    every shard.
     """
 
     type: ClassVar[str] = "sharded_tensor"
@@ -182,9 +184,10 @@ class ShardedTensorEntry(Entry):
 
 @dataclass(kw_only=True, slots=True, unsafe_hash=True)
 class ObjectEntry(Entry):
-    """A value serialized into a blob. ``serializer``: ``"torch_save"`` (decoded with a
-    restricted unpickler), ``"bytes"`` (a ``bytes`` value) or ``"utf8"`` (a long ``str``);
-    ``obj_type`` is the value's qualified type name, for people reading the manifest."""
+    """A value serialized into the blob range ``location``. ``serializer``: ``"torch_save"``
+    (decoded with a restricted unpickler), ``"bytes"`` (a ``bytes`` value) or ``"utf8"`` (a
+    long ``str``); ``obj_type`` is the value's qualified type name, for people reading the
+    manifest."""
 
     type: ClassVar[str] = "object"
     serializer: str
@@ -198,19 +201,42 @@ class ObjectEntry(Entry):
 
 @dataclass(kw_only=True, slots=True, unsafe_hash=True)
 class PrimitiveEntry(Entry):
-    """An int, float, str, bool, None or bytes value stored in the manifest itself."""
+    """An int, float, str, bool, None or bytes ``value`` stored in the manifest itself. Read
+    as torchsnapshot's ``PrimitiveEntry`` is: ``serialized_value``, ``readable`` and
+    ``get_value()`` are theirs, and ``value_type`` is the type name their ``type`` holds (this
+    ``type`` is the kind of entry, ``"primitive"``, as every entry's is)."""
 
     type: ClassVar[str] = "primitive"
     value: Primitive
 
     @property
     def value_type(self) -> str:
+        """The value's type name: ``int``, ``float``, ``str``, ``bool``, ``bytes`` or ``None``."""
         return type(self.value).__name__ if self.value is not None else "None"
+
+    @property
+    def serialized_value(self) -> str:
+        """As torchsnapshot writes it: base64 of bytes, or of a float's C double (its
+        ``struct.pack("d", value)``); else ``str(value)``."""
+        value = self.value
+        if type(value) is float:
+            value = struct.pack("d", value)
+        return base64.b64encode(value).decode() if type(value) is bytes else str(value)
+
+    @property
+    def readable(self) -> str | None:
+        """``str(value)`` for a float, else None (as torchsnapshot records it)."""
+        return str(self.value) if type(self.value) is float else None
+
+    def get_value(self) -> Primitive:
+        """``value`` (torchsnapshot's way to read it)."""
+        return self.value
 
 
 @dataclass(kw_only=True, slots=True, unsafe_hash=True)
 class DictEntry(Entry):
-    """A dict (or OrderedDict when ``ordered``); children live at ``<path>/<escaped key>``."""
+    """A dict (or OrderedDict when ``ordered``) whose keys are ``keys``, in order; children
+    live at ``<path>/<escaped key>``."""
 
     type: ClassVar[str] = "dict"
     keys: tuple[DictKey, ...]
@@ -235,9 +261,9 @@ class TupleEntry(Entry):
 
 @dataclass(kw_only=True, slots=True, unsafe_hash=True)
 class ShardedObjectEntry(Entry):
-    """One piece of a sharded object, serialized like an ``ObjectEntry``, written once and
-    found by ``key`` (the object's key with its offset in the global grid) by every rank that
-    holds a replica of it."""
+    """One piece of a sharded object, serialized like an ``ObjectEntry`` (``serializer``,
+    ``obj_type``, its bytes at ``location``), written once and found by ``key`` (the object's
+    key with its offset in the global grid) by every rank that holds a replica of it."""
 
     type: ClassVar[str] = "sharded_object"
     key: str
@@ -252,9 +278,10 @@ class ShardedObjectEntry(Entry):
 
 @dataclass(kw_only=True, slots=True, unsafe_hash=True)
 class PickledTensorEntry(Entry):
-    """A dense tensor stored as ``torch.save`` bytes: what torchsnapshot wrote for dtypes it
-    had no raw layout for. Read-only: translated from a torchsnapshot manifest, never written.
-    Each of ``pieces`` is a box of the tensor whose one chunk holds that box's bytes."""
+    """A tensor of ``dtype`` and ``shape`` stored as ``torch.save`` bytes: what torchsnapshot
+    wrote for dtypes it had no raw layout for (quantized ones). Read-only: translated from a
+    torchsnapshot manifest, never written. Each of ``pieces`` is a box of the tensor whose one
+    chunk holds that box's bytes."""
 
     type: ClassVar[str] = "pickled_tensor"
     dtype: str
@@ -266,63 +293,9 @@ class PickledTensorEntry(Entry):
         return tuple(c for p in self.pieces for c in p.chunks)
 
 
-# Entries that are never listed once for every rank (``Manifest.view``).
-_NOT_SHARED = (DictEntry, ListEntry, TupleEntry, ShardedTensorEntry, ShardedObjectEntry)
-
-
 def is_container(entry: Entry) -> bool:
     """Whether ``entry`` has children in the manifest."""
     return isinstance(entry, (DictEntry, ListEntry, TupleEntry))
-
-
-@dataclass(frozen=True, kw_only=True)
-class Manifest:
-    """A whole snapshot's description: logical path -> entry (in the order taken), the number
-    of processes that took it, and free-form ``metadata`` (library version, time taken)."""
-
-    format_version: int = 1  # what the writer needs; FORMAT_VERSION is the newest readable
-    world_size: int = 1
-    entries: dict[str, Entry]
-    metadata: dict[str, Any] = field(default_factory=dict)
-
-    def view(self, rank: int) -> dict[str, Entry]:
-        """The entries as rank ``rank`` reads them: every entry, and under ``<rank>/`` also each
-        replicated leaf listed under ``0/`` only (version 3 lists it once). ``entries`` itself
-        when nothing is added; else a new dict, kept per rank."""
-        entries = self.entries
-        if rank == 0 or self.world_size == 1:
-            return entries
-        views: dict[int, dict[str, Entry]] = self.__dict__.setdefault("_views", {})
-        if rank not in views:
-            prefix = f"{rank}/"
-            added = {
-                prefix + p[2:]: e
-                for p, e in entries.items()
-                if e.replicated
-                and p.startswith("0/")
-                and not isinstance(e, _NOT_SHARED)
-                and prefix + p[2:] not in entries
-            }
-            views[rank] = {**entries, **added} if added else entries
-        return views[rank]
-
-    @functools.cached_property
-    def blob_sizes(self) -> dict[str, int]:
-        """The length each blob must have: the end of the last range recorded in it (for a
-        sibling snapshot's blob, the length it must have at least)."""
-        sizes: dict[str, int] = {}
-        for entry in self.entries.values():
-            for loc in entry.locations:
-                end = loc.offset + loc.nbytes
-                if end > sizes.get(loc.blob, -1):
-                    sizes[loc.blob] = end
-        return sizes
-
-    @functools.cached_property
-    def bases(self) -> tuple[str, ...]:
-        """The names of the sibling snapshots whose blobs this one's entries point at, sorted."""
-        refs = (reference_of(blob) for blob in self.blob_sizes)
-        return tuple(sorted({ref[0] for ref in refs if ref is not None}))
 
 
 # A range in a sibling snapshot's blob is written ``../<name>/<blob>`` (``Location``).
@@ -544,7 +517,7 @@ def _shards(dec: EntryDecoder, value: Any, where: str, got: dict[str, Any]) -> t
 
 
 # How each field an entry's plain data may hold is decoded and checked: ``(decoder, value, the
-# entry's path, the fields decoded before it)``; ``codec._ENCODERS`` writes them.
+# entry's path, the fields decoded before it)``; ``_ENCODERS`` writes them.
 _FIELDS: dict[str, Callable[[EntryDecoder, Any, str, dict[str, Any]], Any]] = {
     **dict.fromkeys(
         ("dtype", "serializer", "obj_type", "key", "value_type"), lambda _, v, at, __: _str(v, at)
@@ -560,6 +533,41 @@ _FIELDS: dict[str, Callable[[EntryDecoder, Any, str, dict[str, Any]], Any]] = {
     "keys": _keys,
     "shards": _shards,
 }
+
+
+def _location_to_list(loc: Location) -> list[Any]:
+    if loc.crc32 is None:
+        return [loc.blob, loc.offset, loc.nbytes]
+    return [loc.blob, loc.offset, loc.nbytes, loc.crc32]
+
+
+def _plain_value(value: Any) -> Any:
+    """A primitive's value as written: floats as their ``repr`` in a string (exact, and the same
+    to JSON and YAML readers), bytes as base64."""
+    if isinstance(value, bytes):
+        return base64.b64encode(value).decode("ascii")
+    return repr(value) if isinstance(value, float) else value
+
+
+# How each field of ``TYPES`` is written, from the entry's attribute of that name (the rest
+# are written as they are).
+_ENCODERS: dict[str, Callable[[Any], Any]] = {
+    "shape": list,
+    "keys": list,
+    "chunks": lambda chunks: [_location_to_list(c) for c in chunks],
+    "location": _location_to_list,
+    "view": lambda v: {"base": v.base, "offset": v.offset, "stride": list(v.stride)},
+    "value": _plain_value,
+    "shards": lambda shards: [
+        {
+            "offsets": list(s.offsets),
+            "sizes": list(s.sizes),
+            "chunks": _ENCODERS["chunks"](s.chunks),
+        }
+        for s in shards
+    ],
+}
+
 
 # What a manifest file may hold (``PickledTensorEntry`` is no such entry), for the decoder and
 # the writer (``codec.entry_to_dict``) alike: each type's class, its required fields, the
@@ -587,4 +595,3 @@ TYPES: dict[str, tuple[Any, dict[str, None], tuple[str, ...], frozenset[str]]] =
         ("sharded_object", ShardedObjectEntry, ("key", "serializer", "obj_type", "location"), ()),
     )
 }
-

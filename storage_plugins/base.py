@@ -30,8 +30,8 @@ class UnsafeBlobError(RefusedBlobError):
 
 
 class BlobTooLargeError(RefusedBlobError):
-    """A blob holds more bytes than a bounded read (``StoragePlugin.read_limited``) allows;
-    ``size`` is its length when the store told it, else None."""
+    """The blob ``where`` holds more bytes than a bounded read (``StoragePlugin.read_limited``)
+    allows, ``limit``; ``size`` is its length when the store told it, else None."""
 
     def __init__(self, where: str, limit: int, size: int | None = None) -> None:
         held = f"{size} bytes" if size is not None else "more bytes"
@@ -75,7 +75,8 @@ class StoragePlugin(abc.ABC):
         caller reuses their memory at once)."""
 
     async def write_if_absent(self, path: str, buffers: Sequence[Buffer]) -> None:
-        """``write``, only if no blob ``path`` exists: ``FileExistsError`` otherwise (the
+        """``write`` of ``buffers``, only if no blob ``path`` exists: ``FileExistsError``
+        otherwise (the
         manifest is written so: of two takes racing at one path only one commits). The default
         asks ``exists`` then writes, which two writers can pass at once; a store that can create
         a blob only if absent in one step (an exclusive link, a conditional put) overrides it.
@@ -136,8 +137,9 @@ class StoragePlugin(abc.ABC):
     async def write_observed(
         self, path: str, buffers: Sequence[Buffer], observe: Callable[[memoryview], None]
     ) -> None:
-        """``write``, with ``observe`` called on consecutive pieces of the blob's bytes, in
-        order, each once (checksums), from any thread but never concurrently with itself.
+        """``write`` of blob ``path``, with ``observe`` called on consecutive pieces of its
+        bytes, in order, each once (checksums), from any thread but never concurrently with
+        itself.
 
         What is observed must be the very bytes stored, even while another thread changes the
         memory of ``buffers``: a plugin observes its own copy, the one it writes. The default
@@ -154,8 +156,9 @@ class StoragePlugin(abc.ABC):
         outs: Sequence[memoryview],
         observe: Callable[[memoryview], None],
     ) -> None:
-        """``readv``, with ``observe`` called on the bytes read, as ``write_observed`` does
-        (the default reads, then observes each buffer)."""
+        """``readv`` of ``path`` from ``offset`` into ``outs``, with ``observe`` called on the
+        bytes read, as ``write_observed`` does (the default reads, then observes each
+        buffer)."""
         await self.readv(path, offset, outs)
         await off_loop(sum(map(len, outs)), _observe_all, outs, observe)
 

@@ -35,7 +35,7 @@ def register_storage_plugin(protocol: str, factory: PluginFactory) -> None:
 
 
 def unregister_storage_plugin(protocol: str) -> None:
-    """Undoes :func:`register_storage_plugin`."""
+    """Undoes ``register_storage_plugin(protocol, ...)`` (nothing when none is registered)."""
     _registered.pop(protocol, None)
 
 
@@ -102,7 +102,13 @@ def resolve_factory(protocol: str) -> tuple[PluginFactory, str]:
 
 
 def url_to_storage_plugin(url: str, storage_options: dict[str, Any] | None = None) -> StoragePlugin:
-    """Builds the plugin for ``url``; call it on the event loop that will use the plugin."""
+    """Builds the plugin for ``url``, passing it ``storage_options`` (for S3, say: credentials,
+    endpoint); call it on the event loop that will use the plugin.
+
+    Raises:
+        ValueError: ``url`` names no protocol that a plugin is registered or installed for.
+        ImportError: the plugin needs a package that is not installed (named, with its extra).
+    """
     protocol, _ = split_url(url)
     factory, _ = resolve_factory(protocol)
     return factory(url, storage_options)

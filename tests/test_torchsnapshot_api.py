@@ -380,3 +380,100 @@ def test_not_stateful_error_is_a_type_error(tmp_path):
     Snapshot.take(path, {"s": StateDict(a=1)})
     with pytest.raises(TypeError, match=rf"snapshot {re.escape(path)}: app_state\['s'\] is a dict"):
         Snapshot(path).restore({"s": {"a": 2}})
+
+
+# -- a _custom_tensor_prepare_func that quantizes ------------------------------------------
+
+
+def per_tensor(path: str, t: torch.Tensor, tracing: bool) -> torch.Tensor:
+    return torch.quantize_per_tensor(t.detach(), 0.02, 3, torch.qint8)
+
+
+def per_channel(path: str, t: torch.Tensor, tracing: bool) -> torch.Tensor:
+    t = t.detach()
+    if t.dim() < 2:  # biases stay as they are
+        return t
+    rows = t.shape[0]
+    scales = torch.linspace(0.01, 0.03, rows, dtype=torch.float64)
+    return torch.quantize_per_channel(
+        t, scales, torch.zeros(rows, dtype=torch.int64), 0, torch.quint8
+    )
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # quantized tensors are deprecated in torch
+@pytest.mark.parametrize("prepare", [per_tensor, per_channel], ids=["per_tensor", "per_channel"])
+@pytest.mark.parametrize("take", ["take", "async_take"])
+def test_a_quantizing_prepare_func_stores_what_it_returns(tmp_path, prepare, take):
+    model = net(0)
+    path = str(tmp_path / "snap")
+    if take == "take":
+        snap = Snapshot.take(path, {"m": model}, _custom_tensor_prepare_func=prepare)
+    else:
+        snap = Snapshot.async_take(path, {"m": model}, _custom_tensor_prepare_func=prepare).wait()
+    snap = Snapshot(path)
+    for key, value in model.state_dict().items():
+        want = prepare(key, value, False)
+        got = snap.read_object(f"0/m/{key}")
+        assert got.dtype == want.dtype and got.is_quantized == want.is_quantized, key
+        if want.is_quantized:  # the values, scales and zero points it returned
+            assert torch.equal(got.dequantize(), want.dequantize()), key
+            assert torch.equal(got.int_repr(), want.int_repr()) and got.qscheme() == want.qscheme()
+            entry = snap.get_manifest()[f"0/m/{key}"]
+            assert (entry.type, entry.serializer, entry.obj_type) == (
+                "object",
+                "torch_save",
+                "torch.Tensor",
+            )
+        else:
+            assert torch.equal(got, want), key
+
+    # Into a quantized tensor of its shape and scheme: filled in place, its scales the stored
+    # ones; of another scheme: requantized to the target's (torchsnapshot's tensor_copy).
+    weight = prepare("0.weight", model[0].weight, False)
+    target = prepare("0.weight", torch.full((3, 4), 9.0), False)
+    assert snap.read_object("0/m/0.weight", obj_out=target) is target
+    assert torch.equal(target.dequantize(), weight.dequantize())
+    other = per_channel if prepare is per_tensor else per_tensor
+    target = other("0.weight", torch.zeros(3, 4), False)
+    want = other("0.weight", weight.dequantize(), False)
+    assert snap.read_object("0/m/0.weight", obj_out=target) is target
+    assert (
+        torch.equal(target.dequantize(), want.dequantize()) and target.qscheme() == want.qscheme()
+    )
+
+    # Into the float model it came from: refused, as torchsnapshot refuses it. The refusal
+    # comes as the object is decoded (a float bias may have been read in place before it, and
+    # the error says so); with verify_first, before anything is written.
+    fresh = net(1)
+    before = {k: v.clone() for k, v in fresh.state_dict().items()}
+    with pytest.raises(StateMismatchError) as info:
+        snap.restore({"m": fresh}, verify_first=True)
+    message = str(info.value)
+    assert "0/m/0.weight" in message and "quantized" in message and "dequantize()" in message
+    assert info.value.untouched == ("m",)
+    assert all(torch.equal(v, before[k]) for k, v in fresh.state_dict().items())
+    with pytest.raises(StateMismatchError, match=r"0/m/\d.weight: the snapshot holds a quantized"):
+        snap.restore({"m": fresh})
+    with pytest.raises(StateMismatchError, match="cannot receive"):
+        snap.read_object("0/m/0.weight", obj_out=torch.zeros(3, 4))
+
+    # Into a state that holds no tensors there: the quantized tensors themselves.
+    state = StateDict()
+    snap.restore({"m": state})
+    assert torch.equal(state["0.weight"].dequantize(), weight.dequantize())
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # quantized tensors are deprecated in torch
+def test_a_prepare_func_must_quantize_alike_when_tracing_and_not(tmp_path):
+    def only_when_tracing(path: str, t: torch.Tensor, tracing: bool) -> torch.Tensor:
+        return per_tensor(path, t, tracing) if tracing else t.detach().half()
+
+    with pytest.raises(
+        SnapshotError,
+        match=r"0/m/0.weight: .*quantized qint8\[3, 4\] tensor when "
+        r"tracing but float16\[3, 4\] when preparing; both calls must agree",
+    ):
+        Snapshot.take(
+            str(tmp_path / "s"), {"m": net(0)}, _custom_tensor_prepare_func=only_when_tracing
+        )
+    assert not os.path.exists(tmp_path / "s") or not os.listdir(tmp_path / "s")

@@ -40,6 +40,7 @@ from snapshot.errors import (
     IncompatibleSnapshotError,
     SnapshotExistsError,
     SnapshotNotFoundError,
+    StateMismatchError,
     UnsafeObjectError,
 )
 from tests.helpers import assert_same, seal_manifest
@@ -447,12 +448,73 @@ def test_a_pickle_of_another_shape_than_recorded_is_refused(tmp_path):
         Snapshot(path).read_object("0/extra/z")
 
 
+@pytest.mark.filterwarnings("ignore::UserWarning")  # quantized tensors are deprecated in torch
+def test_a_quantized_tensor_it_pickled_reads_back_and_refuses_a_float_target(tmp_path):
+    """torchsnapshot pickles a quantized tensor (its dtype ``torch.qint8``): ``read_object``
+    gives it back; a restore into a float tensor is refused before anything is read, as
+    torchsnapshot refuses it."""
+    path = _with_manifest(tmp_path, _set("0/extra/z", dtype="torch.qint8"))
+    want = torch.quantize_per_tensor(torch.tensor([0.5, -1.0]), 0.25, 2, torch.qint8)
+    with open(os.path.join(path, "0/extra/z"), "wb") as f:
+        torch.save(want, f)
+    got = Snapshot(path).read_object("0/extra/z")
+    assert got.dtype == torch.qint8 and torch.equal(got.dequantize(), want.dequantize())
+    target = torch.zeros(2)
+    with pytest.raises(StateMismatchError, match=r"0/extra/z: the snapshot holds a quantized "):
+        Snapshot(path).read_object("0/extra/z", obj_out=target)
+    assert torch.equal(target, torch.zeros(2))
+
+
 def test_floats_and_bytes_decode_exactly():
     entries = Snapshot(SINGLE).get_manifest()
     raw = _raw(SINGLE)
     for key in ("ratio", "nan", "neg_zero", "inf"):
         packed = base64.b64decode(raw[f"0/extra/{key}"]["serialized_value"])
         assert struct.pack("d", entries[f"0/extra/{key}"].value) == packed
+
+
+def test_primitive_entries_read_as_torchsnapshot_wrote_them(tmp_path):
+    """Code written against torchsnapshot's manifest reads our primitive entries: each one's
+    ``serialized_value``, ``readable`` and ``get_value()`` are what torchsnapshot's entry for
+    that value holds, and ``value_type`` is the type name torchsnapshot records as its
+    ``type``. So for the entries translated from its snapshot, and for a snapshot we take of
+    the same values."""
+    raw = {
+        p: e
+        for p, e in _raw(SINGLE).items()
+        if e["type"] in ("int", "float", "str", "bool", "bytes")
+    }
+    assert {e["type"] for e in raw.values()} == {"int", "float", "str", "bool", "bytes"}
+    extra = _expected()["single"]["extra"]
+    ours = Snapshot.take(str(tmp_path / "ours"), {"extra": StateDict(extra)})
+    for snap in (Snapshot(SINGLE), ours):
+        entries = snap.metadata.manifest
+        for path, theirs in raw.items():
+            if path not in entries and snap is ours:
+                continue  # (the optimizer's entries are in theirs only)
+            entry = entries[path]
+            assert isinstance(entry, PrimitiveEntry) and entry.type == "primitive", path
+            assert entry.value_type == theirs["type"], path
+            assert entry.serialized_value == theirs["serialized_value"], path
+            assert entry.readable == theirs["readable"], path
+            assert entry.replicated == theirs["replicated"], path
+            value, stored = entry.get_value(), _value_at(path)
+            assert type(value) is type(stored) and repr(value) == repr(stored), path
+    assert [p for p in raw if p.startswith("0/extra/") and p in ours.metadata.manifest] == [
+        p for p in raw if p.startswith("0/extra/")
+    ]
+
+
+def _value_at(path: str) -> Any:
+    """The value the fixture stored at ``path`` (``expected.pt``'s)."""
+    value: Any = _expected()["single"]
+    for part in path.split("/")[1:]:
+        part = part.replace("%2F", "/")
+        if isinstance(value, list):
+            value = value[int(part)]
+        else:
+            value = value[part] if part in value else value[int(part)]
+    return value
 
 
 def test_our_manifest_codec_still_refuses_pickled_tensor_entries():

@@ -72,7 +72,8 @@ def _int_tuple(value: Any) -> tuple[int, ...]:
 
 @dataclass
 class ShardedTensor(ShardedBase):
-    """The block of a global tensor that this rank holds.
+    """The block ``data`` (of ``dtype``) of the global tensor ``key`` that this rank holds;
+    ``replica_id`` 0 marks the copy that is written when several ranks hold the same block.
 
     ``local_shape`` is ``data``'s shape; ``global_shape`` and ``global_offset`` locate it. The
     first ``prepend_axis_num`` global axes do not exist locally (one layer of a stack of
@@ -162,7 +163,13 @@ class ShardedTensor(ShardedBase):
         """Describes ``data`` as block ``axis_rank_offset`` of ``axis_fragmentations`` equal
         blocks on each global ``axis`` of ``rank_offsets`` (``(axis, axis_rank_offset,
         axis_fragmentations)``); axes not named are whole. On a prepended axis the block is one
-        index. ``init_kwargs`` go to the constructor."""
+        index. ``key``, ``replica_id`` and ``prepend_axis_num`` are the constructor's, as are
+        ``init_kwargs``.
+
+        Raises:
+            ValueError: an axis is out of range or named twice, or an offset is outside its
+                fragmentation.
+        """
         ndim = data.dim() + prepend_axis_num
         local_sizes = (1,) * prepend_axis_num + tuple(data.shape)
         global_shape = list(local_sizes)
@@ -243,8 +250,9 @@ class ShardedTensor(ShardedBase):
 
 @dataclass
 class ShardedObject(ShardedBase):
-    """The piece at ``global_offset`` of a grid of ``global_shape`` pieces of an object,
-    saved whole; ``unique_key`` names it (:meth:`empty_from_unique_key` parses it back)."""
+    """The piece ``data`` at ``global_offset`` of a grid of ``global_shape`` pieces of the
+    object ``key``, saved whole (by the rank whose ``replica_id`` is 0); ``unique_key`` names
+    it (``empty_from_unique_key`` parses it back)."""
 
     key: str
     data: object
@@ -280,7 +288,12 @@ class ShardedObject(ShardedBase):
 
     @classmethod
     def empty_from_unique_key(cls, unique_key: str, replica_id: ReplicaId = 0) -> ShardedObject:
-        """The data-less :class:`ShardedObject` whose :attr:`unique_key` is ``unique_key``."""
+        """The data-less ``ShardedObject`` whose ``unique_key`` is ``unique_key``, of
+        ``replica_id``.
+
+        Raises:
+            ValueError: ``unique_key`` is not of the form ``<key>/shard_<offset>_<shape>``.
+        """
         m = _UNIQUE_KEY.fullmatch(unique_key)
         if m is None:
             raise ValueError(
@@ -316,7 +329,8 @@ class ShardedTensorFactory(ShardedBase):
 
 @dataclass
 class LocalNonpersistentObject:
-    """A value kept on this rank but never saved: a restore unwraps it in its place."""
+    """A value ``obj`` kept on this rank but never saved: a restore unwraps it in its
+    place."""
 
     obj: Any
 

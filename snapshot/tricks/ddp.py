@@ -31,9 +31,12 @@ class DistributedDataParallelAdapter:
         return m.module if isinstance(m, torch.nn.parallel.DistributedDataParallel) else m
 
     def state_dict(self) -> dict[str, Any]:
+        """The plain module's state dict (no ``module.`` prefix)."""
         return self._unwrapped().state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Loads ``state_dict`` into the plain module, dropping DDP's prefix when every key has
+        it (and the module's own keys do not)."""
         module = self._unwrapped()
         # A DDP module's state dict has the prefix on every key. Dropped only then, and only
         # when the module's own keys do not all start with it too (a plain module whose one

@@ -15,10 +15,12 @@ from manifest import TensorEntry, new_tensor_entry
 from snapshot._engine.format.serialization import (
     DTYPES,
     dtype_name,
+    encode_object,
     storage_shortfall,
 )
 from snapshot._engine.handlers.table import (
     Kind,
+    ObjectDraft,
     Payload,
     PrepareFunc,
     ReadPlanner,
@@ -121,6 +123,8 @@ def take_tensor(
             raise _without_memory(path, tensor)
     if prepare is not None:
         traced = call_prepare(prepare, path, logical, tensor, tracing=True)
+        if traced.is_quantized:
+            return _take_quantized(sink, path, logical, tensor, traced, replicated)
         dtype, shape = traced.dtype, tuple(traced.shape)
         del traced
     else:
@@ -200,22 +204,53 @@ def _without_memory(path: str, tensor: torch.Tensor) -> UnsupportedValueError:
     )
 
 
+def _take_quantized(
+    sink: TakeSink,
+    path: str,
+    logical: str,
+    tensor: torch.Tensor,
+    traced: torch.Tensor,
+    replicated: bool,
+) -> ObjectDraft:
+    """The object entry of the quantized tensor ``prepare`` returns (when not ``tracing``): its
+    ``torch.save`` bytes, scales and zero points with them, as torchsnapshot stores one; a
+    restore reads it back whole (``objects.restored``)."""
+    assert sink.prepare is not None
+    out = call_prepare(sink.prepare, path, logical, tensor, tracing=False)
+    if not out.is_quantized or out.dtype != traced.dtype or out.shape != traced.shape:
+        raise UnsupportedValueError(
+            f"{path}: _custom_tensor_prepare_func returned a quantized "
+            f"{dtype_name(traced.dtype)}{list(traced.shape)} tensor when tracing but "
+            f"{dtype_name(out.dtype)}{list(out.shape)} when preparing; both calls must agree"
+        )
+    data = encode_object(out.detach().cpu())
+    payload = Payload(logical, 0, len(data), path, replicated, data=data)
+    sink.emit([payload])
+    return ObjectDraft("torch_save", type_name(out), payload, replicated)
+
+
 def call_prepare(
     prepare: PrepareFunc, path: str, logical: str, tensor: torch.Tensor, *, tracing: bool
 ) -> torch.Tensor:
     """The tensor ``prepare`` returns for a leaf (when planning, ``tracing``; when staging,
-    not), checked to be a dense tensor."""
+    not), checked to be a dense tensor, or a quantized one (stored whole: ``_take_quantized``)."""
     try:
         out = prepare(logical, tensor, tracing)
     except Exception as e:
         raise SnapshotError(
             f"{path}: _custom_tensor_prepare_func raised {type(e).__name__}: {e}"
         ) from e
-    if not is_dense_tensor(out):
+    if not is_dense_tensor(out) and not _is_quantized(out):
         raise UnsupportedValueError(
-            f"{path}: _custom_tensor_prepare_func must return a dense tensor, got {type_name(out)}"
+            f"{path}: _custom_tensor_prepare_func must return a dense or quantized tensor, got "
+            f"{type_name(out)}"
         )
     return out
+
+
+def _is_quantized(value: Any) -> bool:
+    """Whether ``value`` is a plain quantized tensor (``torch.quantize_per_tensor``'s)."""
+    return type(value) is torch.Tensor and value.is_quantized
 
 
 # ==== restore ================================================================================
@@ -279,7 +314,7 @@ def plan_tensor_read(
     return TensorRead(needs=needs, result=target)
 
 
-_QUANTIZED = {torch.qint8, torch.quint8, torch.qint32, torch.quint4x2, torch.quint2x4}
+QUANTIZED = {torch.qint8, torch.quint8, torch.qint32, torch.quint4x2, torch.quint2x4}
 
 
 def direct_address(entry: TensorEntry, target: Any, piece_bytes: int, verify: bool) -> int | None:
@@ -296,7 +331,7 @@ def direct_address(entry: TensorEntry, target: Any, piece_bytes: int, verify: bo
     dtype = DTYPES.get(entry.dtype)
     if (
         dtype is None
-        or dtype in _QUANTIZED  # (so a target of the stored dtype is not quantized)
+        or dtype in QUANTIZED  # (so a target of the stored dtype is not quantized)
         or not 0 < nbytes <= piece_bytes
         or (verify and chunk.crc32 is None)
         or target.dtype is not dtype

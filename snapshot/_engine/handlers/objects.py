@@ -29,7 +29,7 @@ from snapshot._engine.format.serialization import (
     encode_object,
 )
 from snapshot._engine.handlers import geometry
-from snapshot._engine.handlers.dense import DENSE, is_dense_tensor, is_sharded
+from snapshot._engine.handlers.dense import DENSE, QUANTIZED, is_dense_tensor, is_sharded
 from snapshot._engine.handlers.table import (
     Kind,
     ObjectDraft,
@@ -73,6 +73,36 @@ def decode_value(path: str, entry: ObjectEntry | ShardedObjectEntry, data: bytes
         return decode_object(data, path)
     raise CorruptSnapshotError(
         f"{path}: unknown serializer {entry.serializer!r}; known: torch_save, bytes, utf8"
+    )
+
+
+def restored(path: str, entry: ObjectEntry, target: Any, data: bytes) -> Any:
+    """The value an object entry's bytes encode, restored for ``target`` as torchsnapshot
+    restores a quantized tensor (a ``_custom_tensor_prepare_func``'s): into a quantized target
+    of its shape in place (requantized to the target's scheme and dtype where they differ),
+    never into a dense one, whose values it does not hold in that dtype."""
+    value = decode_value(path, entry, data)
+    if not (isinstance(value, torch.Tensor) and value.is_quantized) or target is None:
+        return value
+    if is_dense_tensor(target):
+        raise quantized_refusal(path, dtype_name(value.dtype), value.shape, target)
+    if isinstance(target, torch.Tensor) and target.is_quantized and target.shape == value.shape:
+        if value.qscheme() != target.qscheme() or value.dtype != target.dtype:
+            value = value.dequantize()
+        target.copy_(value)  # (its own quantizer takes the scales: not through a detached alias)
+        return target
+    return value
+
+
+def quantized_refusal(
+    path: str, dtype: str, shape: Any, target: torch.Tensor
+) -> StateMismatchError:
+    """The error of a quantized tensor stored at ``path`` restored into a dense ``target``."""
+    return StateMismatchError(
+        f"{path}: the snapshot holds a quantized {dtype}{list(shape)} tensor, which the "
+        f"{dtype_name(target.dtype)} tensor being restored cannot receive (torchsnapshot refuses "
+        f"it too); read it with read_object({path!r}) and call dequantize(), or restore into "
+        "a quantized tensor of its shape, or a state that holds no tensor there"
     )
 
 
@@ -142,6 +172,8 @@ def restore_pickled_tensor(
     _check_pieces(path, entry, dtype)
     into_target = is_dense_tensor(target)
     dest: torch.Tensor | None = None  # the tensor the pieces are copied into
+    if into_target and dtype in QUANTIZED:  # (before any read)
+        raise quantized_refusal(path, entry.dtype, shape, target)
     if into_target:
         check_target(path, new_tensor_entry(entry.dtype, shape, ()), target, dtype)
         landing.prepare(target)
@@ -244,7 +276,7 @@ class Objects(Kind):
         if isinstance(entry, PickledTensorEntry):
             restore_pickled_tensor(reader, path, entry, target)
         else:
-            decode = functools.partial(decode_value, path, entry)
+            decode = functools.partial(restored, path, entry, target)
             self.read_bytes(reader, path, entry.location, decode)
 
     def archived(self, entry: Any) -> bool:

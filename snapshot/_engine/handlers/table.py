@@ -333,7 +333,19 @@ class Kind(ABC):
     def take(
         self, sink: TakeSink, path: str, logical: str, value: Any, replicated: bool
     ) -> Planned:
-        """The entry (or draft) recorded at ``path``; payloads go to ``sink.emit``."""
+        """The entry (or draft) recorded for ``value``; its payloads go to ``sink.emit``.
+
+        Args:
+            sink: the take being planned: ``emit`` takes payloads, ``prepare`` is the
+                ``_custom_tensor_prepare_func``, ``chunk_bytes`` the chunk size.
+            path: the manifest path (``"0/model/fc.weight"``), for error messages.
+            logical: the path without the rank (what a prepare function is given).
+            value: the value found at ``path``, one this kind ``accepts``.
+            replicated: whether the value is the same on every rank (written once).
+
+        Raises:
+            UnsupportedValueError: the value cannot be stored, saying why.
+        """
 
     @abstractmethod
     def restore(self, reader: ReadPlanner, path: str, entry: Any, target: Any) -> None:
@@ -342,14 +354,16 @@ class Kind(ABC):
         ``done``."""
 
     def restore_all(self, reader: ReadPlanner, leaves: list[tuple[str, Any, Any]]) -> None:
-        """``restore`` of each ``(path, entry, target)``, in order: the loader hands a kind
-        the consecutive leaves it restores at once (a kind may plan them as one batch)."""
+        """``restore`` of each ``(path, entry, target)`` of ``leaves``, in order: the loader
+        hands a kind the consecutive leaves it restores at once (a kind may plan them as one
+        batch on ``reader``)."""
         for path, entry, target in leaves:
             self.restore(reader, path, entry, target)
 
     def check_target(self, label: str, entry: Any, target: Any) -> None:  # noqa: B027
         """Refuses (``StateMismatchError``, naming ``label``), before any read, a ``read_object``
-        target this kind cannot fill in place; by default none is ever filled (it is ignored)."""
+        target this kind cannot fill in place with ``entry``; by default none is ever filled
+        (it is ignored)."""
 
     def allocates(self, entry: Any, target: Any) -> bool:
         """Whether restoring ``entry`` into ``target`` (None: no target) takes memory of the size
@@ -357,7 +371,7 @@ class Kind(ABC):
         return True
 
     def tensor_layout(self, path: str, entry: Any) -> TensorLayout | None:
-        """The entry as one tensor, for export (None: not a tensor)."""
+        """The entry at ``path`` as one tensor, for export (None: not a tensor)."""
         return None
 
     def archived(self, entry: Any) -> bool:
@@ -384,8 +398,9 @@ class Kind(ABC):
         serializer: str = "bytes",
         obj_type: str = "bytes",
     ) -> ObjectDraft:
-        """An object entry whose bytes are ``data`` (recorded with ``serializer``, ``obj_type``),
-        its payload handed to the planner."""
+        """An object entry at ``path`` (``logical`` without the rank) whose bytes are ``data``
+        (recorded with ``serializer``, ``obj_type``; ``replicated`` when every rank holds the
+        same), its payload handed to ``sink``."""
         payload = Payload(logical, 0, len(data), path, replicated, data=data)
         sink.emit([payload])
         return ObjectDraft(serializer, obj_type, payload, replicated)
@@ -393,8 +408,8 @@ class Kind(ABC):
     def read_bytes(
         self, reader: ReadPlanner, path: str, location: Location, done: Callable[[bytes], Any]
     ) -> None:
-        """Reads ``location`` (checked against its CRC-32 when reads verify); the value at
-        ``path`` is then what ``done`` makes of its bytes."""
+        """Plans on ``reader`` the read of ``location`` (checked against its CRC-32 when reads
+        verify); the value at ``path`` is then what ``done`` makes of its bytes."""
         reader.claim()
         reader.add_needs(
             [bytes_need(path, location, reader.objects, done, reader.verify)], into_target=False
