@@ -148,7 +148,8 @@ class Options:
         return max(64 * _MIB, min(default, 4096 * _MIB))
 
     def chunk(self, store_hint: int | None = None) -> int:
-        """Chunk size: the field, else 128 MiB, or the storage plugin's hint when smaller."""
+        """Chunk size: the field, else 128 MiB, or ``store_hint`` (the storage plugin's
+        ``chunk_bytes_hint``) when smaller."""
         if self.chunk_bytes is not None:
             return self.chunk_bytes
         return 128 * _MIB if store_hint is None else min(128 * _MIB, store_hint)

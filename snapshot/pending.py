@@ -24,6 +24,9 @@ class PendingSnapshot:
     One killed outright leaves its snapshot uncommitted, never half-committed. ``opened``
     turns the committed manifest into the :class:`Snapshot` that ``wait`` returns. A
     ``progress`` given to ``async_take`` goes on reporting the writes until they end.
+
+    Made by ``async_take``, not by hand: ``path`` is the snapshot's, ``queue`` the process's
+    queue of pending takes and ``index`` this take's place in it.
     """
 
     def __init__(

@@ -345,7 +345,8 @@ class Snapshot:
     ) -> Any:
         """The state dict stored for ``app_state[key]``, read without an object to load it
         into (tensors are new CPU tensors): this rank's (rank 0's for a rank the snapshot did
-        not have), or rank 0's with ``replicate_from_rank0``.
+        not have), or rank 0's with ``replicate_from_rank0``. ``options``: the tunables of the
+        read (:class:`Options`), as ``read_object`` takes them.
 
         Raises:
             EntryNotFoundError: no state under ``key`` for that rank (the message names the

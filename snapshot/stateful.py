@@ -18,9 +18,13 @@ class Stateful(Protocol):
     """Anything with ``state_dict()`` and ``load_state_dict()``: modules, optimizers, LR
     schedulers, :class:`StateDict`, :class:`RNGState`, and your own classes."""
 
-    def state_dict(self) -> dict[str, Any]: ...
+    def state_dict(self) -> dict[str, Any]:
+        """The object's state: a dict of tensors, primitives, containers and objects."""
+        ...
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Sets the object's state from ``state_dict`` (one ``state_dict()`` returned)."""
+        ...
 
 
 _S = TypeVar("_S", bound=Stateful)
@@ -34,9 +38,11 @@ class StateDict(UserDict):  # type: ignore[type-arg]
     contents are its state, so a restore loads tensors in place, then updates the dict."""
 
     def state_dict(self) -> dict[str, Any]:
+        """The dict's own contents (not a copy): a restore loads tensors into them in place."""
         return self.data
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Updates the dict with ``state_dict``'s items (keys it lacks are kept)."""
         self.data.update(state_dict)
 
 
@@ -47,6 +53,8 @@ class RNGState:
     those drawn after ``take``."""
 
     def state_dict(self) -> dict[str, Any]:
+        """The generators' states (``torch``, ``python``, ``numpy``, ``cuda``), captured
+        without advancing them."""
         version, internal, gauss_next = random.getstate()
         state: dict[str, Any] = {
             "torch": torch.get_rng_state(),
@@ -69,6 +77,7 @@ class RNGState:
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Sets every generator from ``state_dict`` (ours, or torchsnapshot's ``rng_state``)."""
         if "torch" not in state_dict and set(state_dict) == {"rng_state"}:
             # torchsnapshot's RNGState held torch's CPU generator alone, under this name: a
             # snapshot it wrote restores that generator and leaves the others as they are.
