@@ -38,48 +38,48 @@ def _tunable(default: int | None, minimum: int) -> Any:
 @dataclass(frozen=True)
 class Options:
     """Tunables of one call; each ``None`` field is filled in from the environment
-    (``STATESNAP_<FIELD NAME IN CAPITALS>``) when the call starts. See the README's table for
-    what each does."""
+    (``STATESNAP_<FIELD NAME IN CAPITALS>``) when the call starts. docs/storage.md lists
+    the variables."""
 
-    #: Record a CRC-32 of every stored range at take; verify them at restore / read.
     checksums: bool | None = _tunable(1, 0)
-    #: Record a 128-bit digest of each CPU tensor, so the snapshot can be an incremental base.
+    """Record a CRC-32 of every stored range at take; verify them at restore / read."""
     digests: bool | None = _tunable(0, 0)
-    #: Restore each replicated tensor by one rank's read and a broadcast (True), or by every
-    #: rank reading it (False); None: once unless the ranks read a local directory on one host.
+    """Record a 128-bit digest of each CPU tensor, so the snapshot can be an incremental base."""
     read_replicated_once: bool | None = _tunable(None, 0)
-    #: Blob reads/writes in flight at once, per process.
+    """Restore each replicated tensor by one rank's read and a broadcast (True), or by every
+    rank reading it (False); None: once unless the ranks read a local directory on one host."""
     max_concurrent_io: int | None = _tunable(16, 1)
-    #: Staging / scratch memory per take or restore (None: a quarter of the available memory,
-    #: within [64 MiB, 4 GiB]).
+    """Blob reads/writes in flight at once, per process."""
     memory_budget_bytes: int | None = _tunable(None, 1)
-    #: Longest str/bytes value kept in the manifest itself.
+    """Staging / scratch memory per take or restore (None: a quarter of the available memory,
+    within [64 MiB, 4 GiB])."""
     inline_max_bytes: int | None = _tunable(1024, 0)
-    #: Staged bytes handed from the caller's thread to the I/O thread at a time (take).
+    """Longest str/bytes value kept in the manifest itself."""
     write_batch_bytes: int | None = _tunable(_MIB, 1)
-    #: Tensors larger than this are split into chunks (None: 128 MiB, or the store's hint).
+    """Staged bytes handed from the caller's thread to the I/O thread at a time (take)."""
     chunk_bytes: int | None = _tunable(None, 1)
-    #: Payloads up to this size are packed into shared slabs (0: no slabs).
+    """Tensors larger than this are split into chunks (None: 128 MiB, or the store's hint)."""
     slab_threshold_bytes: int | None = _tunable(_MIB, 0)
-    #: Size a slab is filled to.
+    """Payloads up to this size are packed into shared slabs (0: no slabs)."""
     slab_bytes: int | None = _tunable(32 * _MIB, 1)
-    #: Unwanted bytes read through rather than splitting a read.
+    """Size a slab is filled to."""
     read_gap_bytes: int | None = _tunable(64 << 10, 0)
-    #: Largest single read.
+    """Unwanted bytes read through rather than splitting a read."""
     read_request_bytes: int | None = _tunable(32 * _MIB, 1)
-    #: How long a collective waits for a rank that is alive but has not arrived.
+    """Largest single read."""
     collective_timeout_secs: int | None = _tunable(600, 1)
-    #: How long a collective waits for a silent rank (no heartbeat) before RankFailedError.
+    """How long a collective waits for a rank that is alive but has not arrived."""
     rank_timeout_secs: float | None = _tunable(60, 1)
-    #: Retries of a storage call that failed with a transient error.
+    """How long a collective waits for a silent rank (no heartbeat) before RankFailedError."""
     io_retries: int | None = _tunable(4, 0)
-    #: Longest one storage call may take, its retries included.
+    """Retries of a storage call that failed with a transient error."""
     io_timeout_secs: float | None = _tunable(900, 1)
-    #: How long an expensive storage plugin (S3's) stays open after a read operation.
+    """Longest one storage call may take, its retries included."""
     keep_open_secs: float | None = _tunable(10, 0)
-    #: Largest manifest a snapshot is opened with: nothing records the manifest's length, so
-    #: this bounds its reads (1 GiB admits millions of entries).
+    """How long an expensive storage plugin (S3's) stays open after a read operation."""
     max_manifest_bytes: int | None = _tunable(1 << 30, 1)
+    """Largest manifest a snapshot is opened with: nothing records the manifest's length, so
+    this bounds its reads (1 GiB admits millions of entries)."""
 
     def __post_init__(self) -> None:
         for f in fields(self):
