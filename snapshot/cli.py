@@ -199,8 +199,8 @@ def add_commands(sub: argparse._SubParsersAction, common: argparse.ArgumentParse
     p_show.add_argument(
         "--max-chars",
         type=_positive,
-        default=2000,
-        help="cut a string, bytes or repr after this many characters (default 2000)",
+        default=200,
+        help="cut a string, bytes or repr after this many characters (default 200)",
     )
     p_show.add_argument("--full", action="store_true", help="print the whole repr, nothing cut")
     p_verify = command(
