@@ -5,10 +5,13 @@ run as programs in test_cli_program.py."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import random
+import re
 import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -26,10 +29,35 @@ def snap(tmp_path) -> str:
     return _take(str(tmp_path / "snap"))
 
 
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "cli.md"
+_FREE_KEYS = {"rank_bytes", "metrics"}  # objects whose keys are the snapshot's, not the schema's
+
+
+def _undocumented(value: Any, section: str) -> list[str]:
+    """The keys of a JSON document that its section of docs/cli.md does not name."""
+    found = []
+    if isinstance(value, dict):
+        for key, inner in value.items():
+            if not re.search(rf"\b{re.escape(key)}\b", section):
+                found.append(key)
+            if key not in _FREE_KEYS:
+                found += _undocumented(inner, section)
+    elif isinstance(value, list):
+        for inner in value:
+            found += _undocumented(inner, section)
+    return found
+
+
 def _json(capsys, *argv: str, code: int = 0) -> Any:
+    """The JSON document of ``statesnap argv... --json``, its keys checked against the docs."""
     got, out, err = run(capsys, *argv, "--json")
     assert (got, err) == (code, "")
-    return json.loads(out)
+    doc = json.loads(out)
+    text = DOCS.read_text()
+    start = text.index(f"**`{argv[0]} --json`**")
+    section = text[start : text.find("**`", start + 5)]
+    assert not _undocumented(doc, section), argv
+    return doc
 
 
 # ---------------------------------------------------------------------------------------------
@@ -293,3 +321,29 @@ def test_a_damaged_latest_step_is_reported_not_passed_over(capsys, tmp_path):
     _flip(latest, _location(latest, "0/m/w"))
     code, out, _ = run(capsys, "verify", root)
     assert code == 1 and out.startswith("0/m/w: blob ")
+
+
+# ---------------------------------------------------------------------------------------------
+# The docs
+
+
+def test_the_docs_name_every_command_option_and_exit_code():
+    from snapshot import cli
+
+    text = DOCS.read_text()
+    parser = cli._parser()
+    [sub] = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    for name, command in sub.choices.items():
+        heading = f"**`{name} "
+        assert heading in text, name
+        usage = text[text.index(heading) : text.index("**:", text.index(heading))]
+        for action in command._actions:
+            for option in action.option_strings:
+                if option not in ("-h", "--help", "--storage-option"):
+                    assert option in usage, (name, option)
+    for option in ("--storage-option", "-v", "--version"):
+        assert f"`{option}" in text
+    for code in (cli.EXIT_OK, cli.EXIT_PROBLEM, cli.EXIT_ERROR, cli.EXIT_INTERNAL, 130):
+        assert f"| {code} |" in text
+    for command in ("ls", "show", "verify", "du", "diff", "steps"):
+        assert f"**`{command} --json`**" in text
