@@ -132,8 +132,11 @@ class Progress:
         bar = self.bar
         by_bytes = total_bytes > 0
         if bar is None:
-            from tqdm import tqdm  # type: ignore[import-untyped]  # only when a bar is shown
-
+            try:  # imported only when a bar is shown
+                from tqdm import tqdm  # type: ignore[import-untyped]
+            except ImportError:  # a dependency, but the report matters more than its bar
+                self.enabled = False
+                return
             bar = self.bar = tqdm(
                 total=total_bytes if by_bytes else total,
                 desc=self.label,
