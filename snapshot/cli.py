@@ -1,7 +1,9 @@
 """Command line: ``python -m snapshot`` (and the ``statesnap`` console script).
 
-This module parses the arguments, runs the command (``snapshot._engine.tools``; the demo is
-here) and turns an error into one line on stderr and an exit code (:data:`EXIT_CODES`).
+This module parses the arguments, runs the command (``snapshot._engine.tools.cli_commands``,
+the demo ``snapshot._engine.tools.demo``) and turns an error into one line on stderr and an exit
+code (:data:`EXIT_CODES`). It imports nothing heavy: ``--help`` and ``--version`` load no torch,
+and a command loads what it needs when it runs.
 Whatever comes from a snapshot is printed escaped (``snapshot._engine.format.text``): a hostile
 key's control characters must not reach the terminal.
 """
@@ -9,23 +11,19 @@ key's control characters must not reach the terminal.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import logging
 import re
 import sys
-import tempfile
-import time
 import traceback
 from collections.abc import Sequence
 from typing import Any
 
-import torch
-from torch import nn
-
-from snapshot import RNGState, Snapshot, StateDict, __version__
 from snapshot._engine.format.text import printable_message
-from snapshot._engine.tools.cli_commands import add_commands
+from snapshot._engine.tools.output import say
 from snapshot.errors import CorruptSnapshotError, SnapshotError
+from snapshot.version import __version__
 
 EXIT_OK = 0
 EXIT_PROBLEM = 1
@@ -43,85 +41,6 @@ exit codes:
   {EXIT_INTERNAL}    internal error: an exception statesnap did not raise on purpose (a bug)
   {EXIT_INTERRUPTED}  interrupted (Ctrl-C)
 output cut short by a closed pipe (statesnap ls ... | head) keeps the command's code."""
-
-
-# ---------------------------------------------------------------------------------------------
-# demo: train a little, snapshot, restore into fresh objects, and check training continues
-# exactly as it would have without the interruption.
-
-
-def _build(seed: int) -> dict[str, Any]:
-    """A fresh app_state: model, optimizer, LR scheduler, progress and the global RNGs."""
-    torch.manual_seed(seed)
-    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Dropout(0.1), nn.Linear(64, 1))
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
-    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.5)
-    progress = StateDict(step=0, note="statesnap demo")
-    return {
-        "model": model,
-        "optim": optimizer,
-        "sched": scheduler,
-        "progress": progress,
-        "rng": RNGState(),
-    }
-
-
-def _train(state: dict[str, Any], steps: int) -> list[float]:
-    model, optimizer = state["model"], state["optim"]
-    losses = []
-    for _ in range(steps):
-        x = torch.randn(16, 32)  # drawn from the global RNG, which the snapshot restores
-        y = x.sum(dim=1, keepdim=True)
-        loss = nn.functional.mse_loss(model(x), y)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        state["sched"].step()
-        state["progress"]["step"] += 1
-        losses.append(loss.item())
-    return losses
-
-
-def _demo(args: argparse.Namespace) -> int:
-    """Runs the demo with the snapshot at ``--path`` (or in a temporary folder); returns a
-    process exit code."""
-    if not args.path:
-        with tempfile.TemporaryDirectory(prefix="statesnap-demo-") as tmp:
-            args.path = f"{tmp}/snapshot"
-            return _demo(args)
-    path, steps = args.path, args.steps
-    app_state = _build(seed=0)
-    _train(app_state, steps)
-    t0 = time.perf_counter()
-    snapshot = Snapshot.take(path, app_state)
-    took = time.perf_counter() - t0
-    entries = snapshot.get_manifest()
-    size = sum(e.nbytes for e in entries.values())
-    print(f"took snapshot at {path}: {len(entries)} entries, {size} bytes, {took * 1e3:.1f} ms")
-
-    expected = _train(app_state, steps)
-
-    # A fresh process would build everything from scratch; so do we, with another seed.
-    fresh = _build(seed=1)
-    t0 = time.perf_counter()
-    Snapshot(path).restore(fresh)
-    print(
-        f"restored into fresh objects in {(time.perf_counter() - t0) * 1e3:.1f} ms "
-        f"(step {fresh['progress']['step']})"
-    )
-    resumed = _train(fresh, steps)
-
-    for i, (a, b) in enumerate(zip(expected, resumed, strict=True)):
-        print(f"step {steps + i + 1}: uninterrupted loss {a:.6f}   restored loss {b:.6f}")
-    if expected != resumed:
-        print("FAILED: training after restore differs from uninterrupted training")
-        return 1
-    print("OK: training continued bitwise identically after restore")
-    return 0
-
-
-# ---------------------------------------------------------------------------------------------
-# the command line
 
 
 def _storage_option(text: str) -> tuple[tuple[str, ...], Any]:
@@ -205,9 +124,168 @@ def _parser() -> argparse.ArgumentParser:
         "--path", help="where to take the snapshot (default: a temporary directory)"
     )
     p_demo.add_argument("--steps", type=int, default=5, help="training steps before and after")
-    p_demo.set_defaults(func=_demo)
+    p_demo.set_defaults(run="snapshot._engine.tools.demo:demo")
     add_commands(sub, common)
     return parser
+
+
+def _positive(text: str) -> int:
+    try:
+        if int(text) >= 1:
+            return int(text)
+    except ValueError:
+        pass
+    raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+
+
+# Each positional argument's help; its metavar is its name in capitals.
+_POSITIONALS = {
+    "path": "the snapshot (local path or URL)",
+    "snapshot": "the snapshot (local path or URL)",
+    "key": "the entry's logical path, as ls shows it",
+    "path_a": "the first snapshot (A)",
+    "path_b": "the second snapshot (B)",
+    "out": "the folder to write into (made if missing)",
+    "root": "the manager's root (local path or URL)",
+}
+
+
+def add_commands(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
+    """Registers every command but ``demo`` on the command line's sub-parsers (``common``: the
+    options every command takes). A command runs ``run_<name>`` of
+    ``snapshot._engine.tools.cli_commands``, imported only then."""
+
+    def command(
+        name: str, positionals: str, help: str, description: str, json: bool = True
+    ) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, parents=[common], help=help, description=description)
+        for dest in positionals.split():
+            p.add_argument(dest, metavar=dest.upper(), help=_POSITIONALS[dest])
+        if json:
+            p.add_argument(
+                "--json",
+                action="store_true",
+                help="one JSON document on stdout (docs/cli.md gives its keys); no progress bar",
+            )
+        p.set_defaults(run=f"snapshot._engine.tools.cli_commands:run_{name}")
+        return p
+
+    p_ls = command(
+        "ls",
+        "path",
+        "list the entries of a snapshot (from its manifest; reads no blob)",
+        "One row per manifest entry: logical path, kind, dtype (or the type of an object or "
+        "primitive), shape, bytes stored; totals at the end. On a terminal (or with COLUMNS "
+        "set) each line is cut to its width, the cut marked with an ellipsis.",
+    )
+    p_ls.add_argument(
+        "--prefix", metavar="LOGICAL_PATH", help="only this entry and those below it (0/model)"
+    )
+    p_ls.add_argument("--wide", action="store_true", help="never cut lines to the terminal")
+    p_show = command(
+        "show",
+        "path key",
+        "show one entry: a tensor's summary, any other value summarized",
+        "Reads one entry (a container: everything below it) and shows it: for a tensor its "
+        "dtype, shape, min/max/mean where the dtype allows them and its first values; for "
+        "anything else its repr, with long containers, strings and bytes cut (--full: whole).",
+    )
+    p_show.add_argument(
+        "--values",
+        type=_positive,
+        default=8,
+        help="a tensor's elements, or a container's items, to show (default 8)",
+    )
+    p_show.add_argument(
+        "--max-chars",
+        type=_positive,
+        default=200,
+        help="cut a string, bytes or repr after this many characters (default 200)",
+    )
+    p_show.add_argument("--full", action="store_true", help="print the whole repr, nothing cut")
+    p_verify = command(
+        "verify",
+        "path",
+        "read every blob and check sizes and checksums against the manifest",
+        "Reads every blob in pieces of at most 16 MiB and checks its length and every byte "
+        "range's CRC-32 against the manifest, naming each damaged entry. Exit code 0 when all "
+        "is well, 1 on any problem.",
+    )
+    p_du = command(
+        "du",
+        "path",
+        "bytes per app_state key and rank, largest first",
+        "Bytes per top-level key per rank, largest first, with the total. Replicated entries "
+        "count for every rank that restores them, and once in 'stored'.",
+    )
+    p_diff = command(
+        "diff",
+        "path_a path_b",
+        "which entries of two snapshots differ",
+        "Compares two snapshots entry by entry: paths only in one, kind, dtype, shape, "
+        "primitive values, and bytes (through the recorded CRC-32s; entries without them are "
+        "read and compared). Exit code 0 when identical, 1 when they differ.",
+    )
+    for p in (p_verify, p_diff):
+        p.add_argument("--jobs", type=_positive, default=4, help="reads at once (default 4)")
+    p_steps = command(
+        "steps",
+        "root",
+        "list the step folders under a checkpoint manager's root",
+        "One row per step folder (step_<N>) under ROOT: committed, incomplete (a take that "
+        "never finished: its pending marker and blobs), unreadable (a manifest that cannot be "
+        "read: damaged, or of a newer statesnap) or left-alone (a link, another library's or a "
+        "user's folder), its size, the metrics it was saved with, and the bases it needs "
+        "(incremental snapshots).",
+    )
+    for p in (p_ls, p_du, p_steps):
+        p.add_argument("--bytes", action="store_true", help="sizes as exact byte counts")
+    p = command(
+        "prune",
+        "root",
+        "delete the steps a retention policy lets go",
+        "Keeps the union of what each policy keeps (and always the newest committed step, and "
+        "every base a kept step needs); deletes the other committed steps. Never deletes a step "
+        "it cannot read (and, while there is one, no step), a link, or a folder holding files "
+        "no take writes. Run it only while no job is saving under ROOT.",
+        json=False,
+    )
+    p.add_argument("--keep-last", type=int, metavar="N", help="keep the newest N steps")
+    p.add_argument("--keep-every", type=int, metavar="N", help="keep multiples of N")
+    p.add_argument("--keep-best", type=int, metavar="N", help="keep the N best by --metric")
+    p.add_argument("--metric", help="the metric --keep-best ranks by")
+    p.add_argument("--mode", choices=("min", "max"), default="min", help="min: lower is better")
+    p.add_argument(
+        "--incomplete",
+        action="store_true",
+        help="also delete the debris of takes that never finished (pending marker and blobs)",
+    )
+    p.add_argument("--dry-run", action="store_true", help="say what would be deleted")
+    p = command(
+        "export",
+        "snapshot out",
+        "write a snapshot's tensors as safetensors (or torch) files",
+        "Writes the tensors of SNAPSHOT (rank 0's; sharded ones consolidated) into the local "
+        "folder OUT, streamed within the memory budget (STATESNAP_MEMORY_BUDGET_BYTES): "
+        "model.safetensors, or model-0000i-of-0000N.safetensors files with "
+        "model.safetensors.index.json when larger than --max-shard-size. The export is put in "
+        "place only once every file is whole; a folder holding an earlier export is refused "
+        "unless --overwrite. Values that are not tensors are skipped.",
+        json=False,
+    )
+    p.add_argument("--format", choices=("safetensors", "torch"), default="safetensors")
+    p.add_argument("--key", help="only this app_state key, named as its module names them (model)")
+    p.add_argument("--strip-prefix", help="removed from the start of names (module.)")
+    p.add_argument("--dtype", help="cast floating point tensors (bf16, fp16, fp32, fp8)")
+    p.add_argument(
+        "--max-shard-size", default="5GB", help="the largest file (default 5GB; 500MiB...)"
+    )
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace an earlier export in OUT (only the files an export recorded writing, "
+        "once the new one is complete)",
+    )
 
 
 def _exit_code(error: BaseException) -> int:
@@ -240,15 +318,6 @@ def _error_line(error: BaseException) -> str:
     if _exit_code(error) == EXIT_INTERNAL:
         return f"statesnap: internal error: {text} (a bug in statesnap; -v shows the traceback)"
     return f"statesnap: error: {text}"
-
-
-def _say(text: str) -> None:
-    """``text`` as a line on stderr; nothing when stderr is closed too."""
-    try:
-        sys.stderr.write(text + "\n")
-        sys.stderr.flush()
-    except (OSError, ValueError):
-        pass
 
 
 class _PrintableFormatter(logging.Formatter):
@@ -288,14 +357,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         return e.code if isinstance(e.code, int) else (EXIT_OK if e.code is None else EXIT_ERROR)
     _setup_output(args.verbose)
     try:
-        return int(args.func(args))
+        module, _, name = args.run.partition(":")
+        return int(getattr(importlib.import_module(module), name)(args))
     except KeyboardInterrupt:
-        _say("statesnap: interrupted")
+        say("statesnap: interrupted")
         return EXIT_INTERRUPTED
     except Exception as e:
         if args.verbose:  # escaped: its messages may quote a snapshot's keys
-            _say(printable_message("".join(traceback.format_exception(e)).rstrip("\n")))
-        _say(_error_line(e))
+            say(printable_message("".join(traceback.format_exception(e)).rstrip("\n")))
+        say(_error_line(e))
         return _exit_code(e)
 
 

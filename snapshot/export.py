@@ -71,6 +71,7 @@ def export(
     storage_options: dict[str, Any] | None = None,
     options: Options | None = None,
     overwrite: bool = False,
+    progress: Callable[[int, int, int, int], None] | None = None,
 ) -> list[str]:
     """Writes the tensors of ``snapshot`` (rank 0's view) into the local folder ``out_dir``;
     returns the paths of the files written.
@@ -86,6 +87,8 @@ def export(
         options: the memory budget and checksums of the reads.
         overwrite: replace an earlier export in ``out_dir`` (once the new one is complete);
             without it, a folder holding an export is refused.
+        progress: called as ``progress(files_done, files, bytes_done, bytes)`` as the tensors'
+            bytes are written (the command line's progress bar).
 
     The files are staged inside ``out_dir`` and put in place only once all are complete; on
     failure ``out_dir`` is as it was. Other files there are never touched; values that are not
@@ -147,7 +150,7 @@ def export(
         written = stage(
             out,
             overwrite,
-            lambda folder: write_files(plugin, files, folder, format, tile, resolved),
+            lambda folder: write_files(plugin, files, folder, format, tile, resolved, progress),
         )
     skipped_note = f"; {len(skipped)} other values skipped" if skipped else ""
     logger.info(
@@ -385,27 +388,50 @@ def write_files(
     format: str,
     tile_bytes: int,
     options: Options,
+    progress: Callable[[int, int, int, int], None] | None = None,
 ) -> list[str]:
     """Writes the planned files into ``folder``: safetensors ones (``model.safetensors``, or
     ``model-0000i-of-0000N.safetensors``) streamed tile by tile, or ``torch.save`` ones
     (``pytorch_model.bin``...) each made whole in memory, one file at a time; for several, the
-    index as Hugging Face writes it. Returns their names, the index last."""
+    index as Hugging Face writes it. Returns their names, the index last. ``progress`` hears
+    of the files and tensor bytes written."""
     stem, ext = ("model", ".safetensors") if format == "safetensors" else ("pytorch_model", ".bin")
     n = len(files)
     names = (
         [f"{stem}{ext}"] if n == 1 else [f"{stem}-{i + 1:05d}-of-{n:05d}{ext}" for i in range(n)]
     )
+    total = sum(s.out_bytes for g in files for s in g)
+    done = [0, 0]  # files, bytes
+
+    def tick(nbytes: int, finished: int = 0) -> None:
+        done[0] += finished
+        done[1] += nbytes
+        if progress is not None:
+            progress(done[0], n, done[1], total)
+
+    tick(0)
     for name, group in zip(names, files, strict=True):
 
         def fill(f: BinaryIO, group: list[Source] = group) -> None:
             if format == "torch":
-                torch.save({s.name: _read_whole(plugin, s, tile_bytes, options) for s in group}, f)
+                whole = {}
+                for s in group:
+                    whole[s.name] = _read_whole(plugin, s, tile_bytes, options)
+                    tick(s.out_bytes)
+                torch.save(whole, f)
                 return
             f.write(safetensors_header(group))
+
+            def counted(data: memoryview) -> None:
+                f.write(data)
+                tick(data.nbytes)
+
+            write: Callable[[memoryview], object] = f.write if progress is None else counted
             for s in group:
-                stream_tensor(plugin, s, tile_bytes, f.write, options)
+                stream_tensor(plugin, s, tile_bytes, write, options)
 
         write_file(os.path.join(folder, name), fill)
+        tick(0, 1)
     if n == 1:
         return names
     index = {

@@ -22,7 +22,8 @@ import torch
 import manifest as mf
 from manifest import DictEntry, Location, Manifest, TensorEntry
 from snapshot import Options, Snapshot, StateDict
-from snapshot._engine.tools.inspection import PIECE_BYTES, human_bytes, summarize_tensor
+from snapshot._engine.tools.inspection import PIECE_BYTES, summarize_tensor
+from snapshot._engine.tools.output import human_bytes
 from snapshot._engine.tools.verify import verify
 from snapshot.cli import _storage_option, main, storage_options_from
 from storage_plugins import register_storage_plugin, unregister_storage_plugin
@@ -598,9 +599,14 @@ def test_progress_goes_to_a_terminal_only(capsys, snap, monkeypatch):
     code, out, err = run(capsys, "verify", snap)
     assert code == 0
     blobs = len(_manifest(snap).blob_sizes)
-    assert f"\rverify: {blobs}/{blobs} blobs, " in err  # the last update always shows
-    assert err.endswith("\r\x1b[K")  # and the line is cleared before the report
+    # A tqdm bar over the bytes, the blobs counted after it; the last count always shows.
+    assert "\rverify: 100%|" in err and f"{blobs}/{blobs} blobs]" in err
+    last = err.rsplit("\r", 2)
+    assert last[-1] == "" and last[-2].strip() == ""  # and the line is cleared before the report
     assert "verify: OK" in out and "\r" not in out
+    # --json: no bar, even on a terminal.
+    code, out, err = run(capsys, "verify", snap, "--json")
+    assert (code, err) == (0, "") and out.startswith("{")
 
 
 def test_diff_progress_when_it_reads(capsys, tmp_path, monkeypatch):
@@ -611,7 +617,7 @@ def test_diff_progress_when_it_reads(capsys, tmp_path, monkeypatch):
     )
     monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
     code, _, err = run(capsys, "diff", a, b)
-    assert code == 0 and "\rdiff: " in err and " entries, " in err
+    assert code == 0 and "\rdiff: " in err and " entries]" in err
 
 
 # ---------------------------------------------------------------------------------------------

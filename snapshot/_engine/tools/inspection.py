@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import itertools
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple, TypeVar
@@ -129,17 +130,6 @@ class BoxReader:
                     f"the snapshot recorded {loc.crc32:#010x}"
                 )
             self.chunk, self.inner, self.crc = self.chunk + 1, 0, 0
-
-
-_UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB")
-
-
-def human_bytes(n: int) -> str:
-    """``n`` bytes for people: ``"512 B"``, ``"10.0 KiB"``, ``"3.4 GiB"`` (powers of 1024)."""
-    value, unit = float(n), 0
-    while value >= 1024 and unit < len(_UNITS) - 1:
-        value, unit = value / 1024, unit + 1
-    return f"{n} B" if unit == 0 else f"{value:.1f} {_UNITS[unit]}"
 
 
 def format_shape(shape: Sequence[int]) -> str:
@@ -276,13 +266,17 @@ class Usage:
     bases: tuple[str, ...]  # those bases (``Manifest.bases``)
 
 
-def disk_usage(manifest: Manifest) -> Usage:
+def disk_usage(manifest: Manifest, progress: Progress | None = None) -> Usage:
     """Bytes per top-level key per rank, from the manifest alone. A replicated entry's bytes,
     stored once, count in every rank's row (restoring the key there reads them), whether the
     manifest lists it under every rank (before format 3) or once under rank 0;
-    ``stored_bytes`` counts every distinct byte range once."""
+    ``stored_bytes`` counts every distinct byte range once. ``progress(done, total, 0, 0)``
+    hears of the manifest's entries counted, every 4096 of them."""
     counts: dict[tuple[str, str], list[int]] = {}  # (rank, key) -> entries, bytes, replicated
-    for path, entry in _as_every_rank_reads(manifest):
+    total = len(manifest.entries)
+    for i, (path, entry) in enumerate(_as_every_rank_reads(manifest)):
+        if progress is not None and not i % 4096:
+            progress(min(i, total), total, 0, 0)
         rank, _, rest = path.partition("/")
         slot = counts.setdefault((rank, rest.partition("/")[0]), [0, 0, 0])
         slot[0] += 1
@@ -294,6 +288,8 @@ def disk_usage(manifest: Manifest) -> Usage:
     for row in sorted(rows, key=lambda row: _rank_order(row.rank)):
         ranks[row.rank] = ranks.get(row.rank, 0) + row.nbytes
     own, in_bases = _stored_bytes(manifest.entries.values())
+    if progress is not None:
+        progress(total, total, 0, 0)
     return Usage(
         rows=rows,
         entries=sum(r.entries for r in rows),
@@ -457,3 +453,55 @@ def summarize_tensor(t: torch.Tensor, values: int = 8) -> TensorSummary:
         nonfinite=nonfinite,
         values=first,
     )
+
+
+# ---------------------------------------------------------------------------------------------
+# show: values that are not tensors
+
+_SEQUENCES: dict[type, tuple[str, str]] = {
+    list: ("[", "]"),
+    tuple: ("(", ")"),
+    set: ("{", "}"),
+    frozenset: ("{", "}"),
+}
+_DEPTH = 4  # containers nested deeper are shown as their type and length
+
+
+def brief(value: Any, items: int, chars: int, depth: int = 0) -> str:
+    """``repr(value)`` with every container (exactly a list, tuple, set, frozenset or dict)
+    of more than ``items`` items cut after ``items`` (``... (N more)``), every str or bytes
+    cut after ``chars`` characters (``... (N more characters)``), a tensor written as its dtype,
+    shape and first ``items`` values, and any other value's repr cut after ``chars``; equal to
+    ``repr(value)`` when nothing is cut (the RNG states of Python, NumPy and torch, long lists
+    and strings are shown in a line or two)."""
+    kind = type(value)
+    inner = min(chars, 100)  # the characters of an item inside a container
+    if kind in _SEQUENCES or kind is dict:
+        n = len(value)
+        if depth >= _DEPTH and n:
+            return f"<{kind.__name__} of {n:,} items>"
+        if kind is dict:
+            shown = [
+                f"{brief(k, items, inner, depth + 1)}: {brief(v, items, inner, depth + 1)}"
+                for k, v in itertools.islice(value.items(), items)
+            ]
+            opening, closing = "{", "}"
+        else:
+            shown = [brief(v, items, inner, depth + 1) for v in itertools.islice(value, items)]
+            opening, closing = _SEQUENCES[kind]
+            if kind in (set, frozenset) and not n:
+                return f"{kind.__name__}()"
+        if n > items:
+            shown.append(f"... ({n - items:,} more)")
+        text = opening + ", ".join(shown) + ("," if kind is tuple and n == 1 else "") + closing
+        return f"frozenset({text})" if kind is frozenset else text
+    if isinstance(value, torch.Tensor):
+        s = summarize_tensor(value, values=items)
+        first = ", ".join(map(repr, s.values or []))
+        shown_n = len(s.values or [])
+        more = f", ... ({s.numel - shown_n:,} more)" if s.numel > shown_n else ""
+        return f"tensor(dtype={s.dtype}, shape={format_shape(s.shape)}, [{first}{more}])"
+    text = repr(value)
+    if len(text) > chars:
+        return f"{text[:chars]}... ({len(text) - chars:,} more characters)"
+    return text
