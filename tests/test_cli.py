@@ -782,6 +782,7 @@ def test_a_storage_option_the_plugin_refuses_is_exit_2(capsys, snap):
 # As a program
 
 
+@pytest.mark.slow
 def test_python_m_snapshot_ls(snap):
     result = subprocess.run(
         [sys.executable, "-m", "snapshot", "ls", snap],
@@ -795,6 +796,7 @@ def test_python_m_snapshot_ls(snap):
     assert "0/s/ids" in result.stdout and result.stdout.splitlines()[-1].startswith("total: ")
 
 
+@pytest.mark.slow
 def test_the_statesnap_console_script(snap):
     script = os.path.join(os.path.dirname(sys.executable), "statesnap")
     if not os.path.exists(script):
