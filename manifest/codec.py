@@ -148,11 +148,11 @@ def _yaml_printable(text: str) -> str:
 def entry_to_dict(entry: Entry) -> dict[str, Any]:
     """The plain-data form of an entry, as written in the manifest file; optional fields only
     when set."""
-    spec = TYPES.get(entry.type)
+    spec = TYPES.get(entry.tag)
     if spec is None or not isinstance(entry, spec[0]):
         raise TypeError(f"unknown entry class {type(entry).__name__}")
     _, required, optional, _ = spec
-    out: dict[str, Any] = {"type": entry.type}
+    out: dict[str, Any] = {"type": entry.tag}
     for name in required:
         value = getattr(entry, name)
         out[name] = _ENCODERS[name](value) if name in _ENCODERS else value

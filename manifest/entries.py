@@ -84,11 +84,18 @@ new_location = Location  # (its fields positionally: blob, offset, nbytes, crc32
 
 @dataclass(slots=True, unsafe_hash=True)
 class Entry:
-    """Base of every entry; ``type`` tags the kind in the manifest file. ``replicated`` is a
-    keyword argument of every entry, after the fields of its own."""
+    """Base of every entry; ``tag`` names its kind in the manifest file (``tensor``,
+    ``primitive``, ``dict``...). ``replicated`` is a keyword argument of every entry, after the
+    fields of its own."""
 
-    type: ClassVar[str] = ""
+    tag: ClassVar[str] = ""
     replicated: bool = field(default=False, kw_only=True)
+
+    @property
+    def type(self) -> str:
+        """torchsnapshot's name for the entry's type: its ``tag``, but a primitive's value type
+        (``int``, ``str``...), as torchsnapshot's ``PrimitiveEntry.type`` holds."""
+        return self.tag
 
     @property
     def nbytes(self) -> int:
@@ -124,7 +131,7 @@ class TensorEntry(Entry):
     is the hash of its bytes that an incremental take compares to find unchanged tensors.
     """
 
-    type: ClassVar[str] = "tensor"
+    tag: ClassVar[str] = "tensor"
     dtype: str
     shape: tuple[int, ...]
     chunks: tuple[Location, ...]
@@ -171,7 +178,7 @@ class ShardedTensorEntry(Entry):
     every shard.
     """
 
-    type: ClassVar[str] = "sharded_tensor"
+    tag: ClassVar[str] = "sharded_tensor"
     key: str
     dtype: str
     shape: tuple[int, ...]
@@ -189,7 +196,7 @@ class ObjectEntry(Entry):
     long ``str``); ``obj_type`` is the value's qualified type name, for people reading the
     manifest."""
 
-    type: ClassVar[str] = "object"
+    tag: ClassVar[str] = "object"
     serializer: str
     obj_type: str
     location: Location
@@ -202,12 +209,16 @@ class ObjectEntry(Entry):
 @dataclass(kw_only=True, slots=True, unsafe_hash=True)
 class PrimitiveEntry(Entry):
     """An int, float, str, bool, None or bytes ``value`` stored in the manifest itself. Read
-    as torchsnapshot's ``PrimitiveEntry`` is: ``serialized_value``, ``readable`` and
-    ``get_value()`` are theirs, and ``value_type`` is the type name their ``type`` holds (this
-    ``type`` is the kind of entry, ``"primitive"``, as every entry's is)."""
+    as torchsnapshot's ``PrimitiveEntry`` is: ``type`` (the value's type name, also
+    ``value_type``), ``serialized_value``, ``readable`` and ``get_value()`` are theirs."""
 
-    type: ClassVar[str] = "primitive"
+    tag: ClassVar[str] = "primitive"
     value: Primitive
+
+    @property
+    def type(self) -> str:
+        """The value's type name, as torchsnapshot's ``PrimitiveEntry.type``."""
+        return self.value_type
 
     @property
     def value_type(self) -> str:
@@ -238,7 +249,7 @@ class DictEntry(Entry):
     """A dict (or OrderedDict when ``ordered``) whose keys are ``keys``, in order; children
     live at ``<path>/<escaped key>``."""
 
-    type: ClassVar[str] = "dict"
+    tag: ClassVar[str] = "dict"
     keys: tuple[DictKey, ...]
     ordered: bool = False
 
@@ -247,7 +258,7 @@ class DictEntry(Entry):
 class ListEntry(Entry):
     """A list of ``length`` items; children live at ``<path>/0`` ... ``<path>/<length-1>``."""
 
-    type: ClassVar[str] = "list"
+    tag: ClassVar[str] = "list"
     length: int
 
 
@@ -255,7 +266,7 @@ class ListEntry(Entry):
 class TupleEntry(Entry):
     """A tuple of ``length`` items; children live at ``<path>/0`` ...."""
 
-    type: ClassVar[str] = "tuple"
+    tag: ClassVar[str] = "tuple"
     length: int
 
 
@@ -265,7 +276,7 @@ class ShardedObjectEntry(Entry):
     ``obj_type``, its bytes at ``location``), written once and found by ``key`` (the object's
     key with its offset in the global grid) by every rank that holds a replica of it."""
 
-    type: ClassVar[str] = "sharded_object"
+    tag: ClassVar[str] = "sharded_object"
     key: str
     serializer: str
     obj_type: str
@@ -283,7 +294,7 @@ class PickledTensorEntry(Entry):
     torchsnapshot manifest, never written. Each of ``pieces`` is a box of the tensor whose one
     chunk holds that box's bytes."""
 
-    type: ClassVar[str] = "pickled_tensor"
+    tag: ClassVar[str] = "pickled_tensor"
     dtype: str
     shape: tuple[int, ...]
     pieces: tuple[Shard, ...]

@@ -253,7 +253,7 @@ def collect(
         kind = for_entry(entry)
         layout = kind.tensor_layout(path, entry) if kind is not None else None
         if layout is None:
-            if entry.locations or entry.type == "primitive":
+            if entry.locations or entry.tag == "primitive":
                 skipped.append(path)
             continue
         t_dtype = layout.dtype

@@ -475,9 +475,8 @@ def test_floats_and_bytes_decode_exactly():
 
 def test_primitive_entries_read_as_torchsnapshot_wrote_them(tmp_path):
     """Code written against torchsnapshot's manifest reads our primitive entries: each one's
-    ``serialized_value``, ``readable`` and ``get_value()`` are what torchsnapshot's entry for
-    that value holds, and ``value_type`` is the type name torchsnapshot records as its
-    ``type``. So for the entries translated from its snapshot, and for a snapshot we take of
+    ``type``, ``serialized_value``, ``readable`` and ``get_value()`` are what torchsnapshot's
+    entry for that value holds (``type`` the value's type name, also ``value_type``). So for the entries translated from its snapshot, and for a snapshot we take of
     the same values."""
     raw = {
         p: e
@@ -493,8 +492,8 @@ def test_primitive_entries_read_as_torchsnapshot_wrote_them(tmp_path):
             if path not in entries and snap is ours:
                 continue  # (the optimizer's entries are in theirs only)
             entry = entries[path]
-            assert isinstance(entry, PrimitiveEntry) and entry.type == "primitive", path
-            assert entry.value_type == theirs["type"], path
+            assert isinstance(entry, PrimitiveEntry) and entry.tag == "primitive", path
+            assert entry.type == entry.value_type == theirs["type"], path
             assert entry.serialized_value == theirs["serialized_value"], path
             assert entry.readable == theirs["readable"], path
             assert entry.replicated == theirs["replicated"], path

@@ -536,7 +536,7 @@ def _children(
         return [prefix + escape_key(k) for k in keys]
     if entry.length > len(entries):  # a damaged length: never build or walk that many paths
         raise CorruptSnapshotError(
-            f"{path}: {a_or_an(entry.type)} of {entry.length:,} items, but the manifest holds only "
+            f"{path}: {a_or_an(entry.tag)} of {entry.length:,} items, but the manifest holds only "
             f"{len(entries):,} entries"
         )
     return [prefix + str(i) for i in range(entry.length)]

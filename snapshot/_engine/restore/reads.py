@@ -104,7 +104,7 @@ def resolve_view(
     base = entries.get(base_path)
     what = f"{path}: a view of {base_path!r}"
     if type(base) is not TensorEntry:
-        found = "missing from the manifest" if base is None else f"{a_or_an(base.type)} entry"
+        found = "missing from the manifest" if base is None else f"{a_or_an(base.tag)} entry"
         raise CorruptSnapshotError(f"{what}, which is {found}, not a tensor")
     if base.view is not None:
         raise CorruptSnapshotError(

@@ -144,7 +144,7 @@ def _number(value: Any) -> str:
 def run_show(args: argparse.Namespace) -> int:
     path = _open(args)
     key, entry, value = read_entry(path, args.key, args.storage_options)
-    document: dict[str, Any] = {"path": path, "key": key, "kind": entry.type}
+    document: dict[str, Any] = {"path": path, "key": key, "kind": entry.tag}
     name = printable(key)
     lines = []
     if isinstance(value, torch.Tensor):
@@ -182,7 +182,7 @@ def run_show(args: argparse.Namespace) -> int:
         cls = type(value)
         qualified = f"{cls.__module__}.{cls.__name__}"
         type_name = cls.__qualname__ if cls.__module__ == "builtins" else qualified
-        about = [printable(type_name)] if type_name != entry.type else []
+        about = [printable(type_name)] if type_name != entry.tag else []
         length = len(value) if isinstance(value, (dict, list, tuple, set, str, bytes)) else None
         if length is not None:
             about.append(f"length {length:,}")
@@ -190,7 +190,7 @@ def run_show(args: argparse.Namespace) -> int:
             about.append(f"{human_bytes(entry.nbytes)} stored")
         text = repr(value) if args.full else brief(value, args.values, args.max_chars)
         document.update(type=type_name, length=length, nbytes=entry.nbytes, repr=text)
-        lines.append(f"{name}: {printable(entry.type)} ({', '.join(about)})")
+        lines.append(f"{name}: {printable(entry.tag)} ({', '.join(about)})")
         lines.append(printable_message(text))
     if args.json:
         write_json(document)

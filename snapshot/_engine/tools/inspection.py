@@ -223,7 +223,7 @@ def list_entries(manifest: Manifest, prefix: str | None = None) -> Listing:
         rows.append(
             ListRow(
                 path,
-                entry.type,
+                entry.tag,
                 _type_name(entry),
                 shape,
                 entry.nbytes,

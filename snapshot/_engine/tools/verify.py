@@ -446,7 +446,7 @@ def _compare(path: str, a: Entry, other: Entry) -> Difference | bool:
     """A difference seen in the manifests, else whether the bytes must be read to tell
     (False: the entries are the same)."""
     if type(a) is not type(other):
-        return Difference(path, "kind", f"{a.type} -> {other.type}")
+        return Difference(path, "kind", f"{a.tag} -> {other.tag}")
     b: Any = other  # of ``a``'s type
     if isinstance(a, TensorEntry):
         what = []
@@ -545,7 +545,7 @@ def diff(
     for i, (path, a) in enumerate(a_entries.items()):
         b = b_entries.get(path)
         if b is None:
-            found.append((i, Difference(path, "only in A", a.type)))
+            found.append((i, Difference(path, "only in A", a.tag)))
             continue
         outcome = _compare(path, a, b)
         if isinstance(outcome, Difference):
@@ -555,7 +555,7 @@ def diff(
     n = len(a_entries)
     for j, (path, b) in enumerate(b_entries.items()):
         if path not in a_entries:
-            found.append((n + j, Difference(path, "only in B", b.type)))
+            found.append((n + j, Difference(path, "only in B", b.tag)))
     report = DiffReport(path_a, path_b, len(a_entries), len(b_entries), [])
     if to_read:  # the bytes of each ``(index, path, a, b)``, entries of the same size
         size = max(1, min(PIECE_BYTES, max(a.nbytes for _, _, a, _ in to_read)))
