@@ -357,10 +357,7 @@ def test_multi_rank_blocks_run_on_two_ranks(tmp_path):
     from tests.multirank import run_ranks
 
     blocks = [
-        b
-        for doc in DOCS
-        for b in doc.blocks
-        if b.setting == "ranks" and "tests/" not in b.run
+        b for doc in DOCS for b in doc.blocks if b.setting == "ranks" and "tests/" not in b.run
     ]
     assert blocks, "docs/distributed.md's block"
     for b in blocks:
