@@ -40,7 +40,7 @@ _TRANSIENT_CODES = frozenset(
         "BandwidthLimitExceeded",
     }
 )
-_NOT_FOUND_CODES = frozenset({"404", "NoSuchKey", "NotFound", "NoSuchBucket"})
+_NOT_FOUND_CODES = frozenset({"404", "NoSuchKey", "NotFound"})
 # Dropped, refused or timed-out connections and cut-off responses, as botocore and aiohttp
 # report them.
 _CONNECTION_ERRORS = (
@@ -50,6 +50,12 @@ _CONNECTION_ERRORS = (
     aiohttp.ClientConnectionError,
     aiohttp.ClientPayloadError,
 )
+
+
+class BucketNotFoundError(OSError):
+    """The bucket of an ``s3://`` path does not exist. Not a ``FileNotFoundError``: callers
+    that treat a missing object as "nothing there" must not take a missing bucket for an empty
+    one."""
 
 
 class S3StoragePlugin(StoragePlugin):
@@ -110,6 +116,7 @@ class S3StoragePlugin(StoragePlugin):
             if option in getattr(Config, "OPTION_DEFAULTS", ()):
                 config.setdefault(option, "when_required")
         config["s3"] = {"payload_signing_enabled": False, **(config.get("s3") or {})}
+        self._endpoint = options.get("endpoint_url")
         options.setdefault("skip_instance_cache", True)  # a cached instance may be another loop's
         self.fs = s3fs.S3FileSystem(
             asynchronous=True, loop=asyncio.get_running_loop(), config_kwargs=config, **options
@@ -117,6 +124,7 @@ class S3StoragePlugin(StoragePlugin):
         self.fs.retries = 1  # one attempt per call in s3fs: the library retries, with a deadline
         self._slots = asyncio.Semaphore(self._concurrency)
         self._sizes: dict[str, int] = {}  # object lengths seen in ranged reads' answers
+        self._closed = False
 
     # -- naming ----------------------------------------------------------------------------------
 
@@ -141,17 +149,29 @@ class S3StoragePlugin(StoragePlugin):
         body within it)."""
         if path is not None:
             kwargs["Key"] = self._key(path)
+        if self._closed:
+            # A call still under way when an operation failed (a check beside the listing
+            # that found no bucket) must not open a new session that nothing would close.
+            raise OSError(f"s3://{self.bucket}: storage closed")
         try:
             return await self.fs._call_s3(method, Bucket=self.bucket, **kwargs)
         except Exception as e:
             translated = self._translate(e, path or "")
             if translated is e:
                 raise  # keeps the chain (s3fs's OSError caused by botocore's ClientError)
+            if isinstance(translated, BucketNotFoundError):
+                raise translated from None  # botocore's error says no more than this one
             raise translated from e
 
     def _translate(self, error: Exception, path: str) -> Exception:
         status, code = _status_and_code(error)
         where = self.describe(path)
+        if code == "NoSuchBucket":
+            at = f" at {self._endpoint}" if self._endpoint else ""
+            return BucketNotFoundError(
+                f"S3 bucket {self.bucket!r} does not exist{at} (NoSuchBucket): create it "
+                "first, or check the bucket's name"
+            )
         if code in _NOT_FOUND_CODES or status == 404:
             return FileNotFoundError(errno.ENOENT, f"no object {where} ({code or status})")
         if code == "InvalidRange" or status == 416:
@@ -162,6 +182,8 @@ class S3StoragePlugin(StoragePlugin):
         return error
 
     def is_transient(self, error: BaseException) -> bool:
+        if self._closed:
+            return False  # a request cut off by close(): nothing to retry it on
         for e in _chain(error):
             status, code = _status_and_code(e)
             if (status is not None and status >= 500) or code in _TRANSIENT_CODES:
@@ -380,6 +402,7 @@ class S3StoragePlugin(StoragePlugin):
         self._sizes.clear()
 
     async def close(self) -> None:
+        self._closed = True
         creator = getattr(self.fs, "_s3creator", None)
         if creator is None:
             return

@@ -5,6 +5,7 @@ leaves the checkpoint it would replace loadable; ``map_location``; removal; S3; 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import os
 import sys
 from collections.abc import Sequence
@@ -517,3 +518,57 @@ def _rank0_saves(rank: int, world_size: int, root: str) -> list[int]:
 def test_two_ranks_rank0_saves_alone(tmp_path):
     root = str(tmp_path / "last.ckpt")
     assert run_ranks(2, _rank0_saves, root) == [[4], [4]]
+
+
+# ---------------------------------------------------------------------------------------------
+# Each Lightning distribution: `lightning` (the extra's, import name lightning.pytorch) and
+# `pytorch-lightning` (pytorch_lightning); with both installed, the plugins serve a Trainer of
+# either, whichever was imported first.
+
+_EITHER = """
+import sys
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+from snapshot.integrations.lightning import StatesnapCheckpointIO  # before Lightning
+import importlib
+pl = importlib.import_module(sys.argv[1])
+
+class Net(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 1)
+    def training_step(self, batch, index):
+        return torch.nn.functional.mse_loss(self.fc(batch[0]), batch[1])
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+data = DataLoader(TensorDataset(torch.randn(8, 4), torch.randn(8, 1)), batch_size=4)
+def trainer(epochs):
+    return pl.Trainer(max_epochs=epochs, plugins=[StatesnapCheckpointIO()], logger=False,
+                      callbacks=[pl.callbacks.ModelCheckpoint(dirpath="ckpt", save_last=True)],
+                      enable_progress_bar=False, enable_model_summary=False)
+trainer(1).fit(Net(), data)
+resumed = trainer(2)
+resumed.fit(Net(), data, ckpt_path="ckpt/last.ckpt")
+print("resumed at", resumed.global_step)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["lightning.pytorch", "pytorch_lightning"])
+def test_each_lightning_distribution_takes_the_plugin(name, tmp_path):
+    import subprocess
+
+    if importlib.util.find_spec(name.split(".")[0]) is None:
+        pytest.skip(f"{name} is not installed")
+    done = subprocess.run(
+        [sys.executable, "-c", _EITHER, name],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=str(tmp_path),
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.splitlines()[-1] == "resumed at 4", done.stdout
+    assert (tmp_path / "ckpt" / "last.ckpt").is_dir()

@@ -397,7 +397,7 @@ README_PRELUDE = textwrap.dedent(
     import os, signal, torch
     from snapshot import StateDict
     app_state = {"model": StateDict(a=torch.zeros(3), b=torch.zeros(3))}
-    total_steps, val_loss, calls = 1200, 1.0, 0
+    calls = 0
 
     def train_one_step():
         global calls
@@ -406,6 +406,7 @@ README_PRELUDE = textwrap.dedent(
             os.kill(os.getpid(), signal.SIGTERM)  # between two updates of step 700
         app_state["model"]["b"].add_(1)
         calls += 1
+        return 1.0  # the loss
     """
 )
 

@@ -17,7 +17,7 @@ from tests.multirank import run_ranks
 pytestmark = pytest.mark.slow  # real processes (gloo)
 
 README = Path(__file__).resolve().parent.parent / "README.md"
-MARKER = "<!-- tests/test_readme_parallel.py runs this block on 2 ranks -->"
+MARKER = "<!-- run: ranks=2 (tests/test_readme_parallel.py runs this block) -->"
 
 
 def readme_block() -> str:

@@ -516,3 +516,50 @@ def test_listing_pages_past_a_thousand_names(s3_bucket: S3Bucket):
     names = asyncio.run(fill_and_list())
     assert names is not None and len(names) == 1005
     assert {f"step_{i:010d}" for i in range(1003)} | {"blob0", "blob1"} == set(names)
+
+
+def test_a_missing_bucket_is_one_clear_error(s3_server):
+    """A take into a bucket that does not exist, and ``Snapshot(path)`` of one, each raise one
+    ``StorageError`` naming the bucket; nothing else reaches stderr (no retry warnings from the
+    checks still under way when the listing failed, no unclosed HTTP session at exit). The
+    checks are held back at the server so that they are still under way when the take fails."""
+    from tests.s3server import Fault
+
+    missing = "no-such-bucket-here"
+    fault = s3_server.add_fault(
+        Fault(match=lambda r: r.bucket == missing and r.method == "HEAD", status=0, delay=0.3,
+              times=None)
+    )  # fmt: skip
+    script = """
+import json, sys, time
+import torch
+from snapshot import Snapshot, SnapshotError
+url, options = json.loads(sys.argv[1])
+for attempt in (
+    lambda: Snapshot.take(url, {"m": torch.nn.Linear(2, 2)}, storage_options=options),
+    lambda: Snapshot(url, storage_options=options).restore({"m": torch.nn.Linear(2, 2)}),
+):
+    try:
+        attempt()
+    except SnapshotError as e:
+        print(f"{type(e).__name__}: {e}", file=sys.stderr)
+time.sleep(1)  # the held-back checks end meanwhile
+"""
+    url = f"s3://{missing}/run/step-1"
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", script, json.dumps([url, s3_server.storage_options()])],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=str(ROOT),
+        )
+    finally:
+        s3_server.clear_faults()
+    assert done.returncode == 0, done.stderr
+    lines = done.stderr.splitlines()
+    assert len(lines) == 2, done.stderr
+    for line in lines:
+        assert line.startswith("StorageError: "), done.stderr
+        assert f"S3 bucket {missing!r} does not exist" in line, line
+    assert fault.hits >= 3  # the take's checks ran, held back

@@ -213,6 +213,9 @@ class StatesnapCheckpointIO(CheckpointIO):  # type: ignore[misc, valid-type]
         self, storage_options: dict[str, Any] | None = None, *, options: Options | None = None
     ) -> None:
         super().__init__()
+        # The Trainer this plugin is built for is imported by now: with both Lightning
+        # distributions installed, the one imported after this module is registered here.
+        _register_with_the_other()
         self.storage_options = state_dicts.options(
             storage_options, type(self).__name__, "its checkpoints"
         )
@@ -383,7 +386,8 @@ class AsyncStatesnapCheckpointIO(StatesnapCheckpointIO):
 def _register_with_the_other() -> None:
     """With both ``lightning`` and ``pytorch_lightning`` installed, a Trainer of either accepts
     only its own ``CheckpointIO``: the plugins (``lightning.pytorch``'s subclasses) are made
-    virtual subclasses of the other's too, where it is imported already (both are ABCs)."""
+    virtual subclasses of the other's too, where it is imported already (both are ABCs): at
+    this module's import, and again as each plugin is made."""
     for package in ("lightning.pytorch.plugins.io", "pytorch_lightning.plugins.io"):
         module = sys.modules.get(package)
         other = getattr(module, "CheckpointIO", None)
