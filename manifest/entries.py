@@ -22,8 +22,7 @@ class UnsupportedFormatError(ManifestDecodeError):
 
 
 class ManifestChecksumError(ManifestDecodeError):
-    """The manifest's bytes do not have the CRC-32 its last line records, or it has no such
-    line (it was cut short)."""
+    """The manifest's bytes lack the CRC-32 its last line records, or that line (cut short)."""
 
 
 class UnsafeManifestError(ManifestDecodeError):
@@ -93,8 +92,7 @@ class Entry:
 
     @property
     def type(self) -> str:
-        """torchsnapshot's name for the entry's type: its ``tag``, but a primitive's value type
-        (``int``, ``str``...), as torchsnapshot's ``PrimitiveEntry.type`` holds."""
+        """torchsnapshot's name of the entry's type: ``tag`` (a primitive's: its value's)."""
         return self.tag
 
     @property
@@ -216,22 +214,17 @@ class PrimitiveEntry(Entry):
     value: Primitive
 
     @property
-    def type(self) -> str:
-        """The value's type name, as torchsnapshot's ``PrimitiveEntry.type``."""
-        return self.value_type
-
-    @property
     def value_type(self) -> str:
         """The value's type name: ``int``, ``float``, ``str``, ``bool``, ``bytes`` or ``None``."""
         return type(self.value).__name__ if self.value is not None else "None"
+
+    type = value_type  # (torchsnapshot's PrimitiveEntry.type holds that name)
 
     @property
     def serialized_value(self) -> str:
         """As torchsnapshot writes it: base64 of bytes, or of a float's C double (its
         ``struct.pack("d", value)``); else ``str(value)``."""
-        value = self.value
-        if type(value) is float:
-            value = struct.pack("d", value)
+        value = struct.pack("d", self.value) if type(self.value) is float else self.value
         return base64.b64encode(value).decode() if type(value) is bytes else str(value)
 
     @property
@@ -246,8 +239,7 @@ class PrimitiveEntry(Entry):
 
 @dataclass(kw_only=True, slots=True, unsafe_hash=True)
 class DictEntry(Entry):
-    """A dict (or OrderedDict when ``ordered``) whose keys are ``keys``, in order; children
-    live at ``<path>/<escaped key>``."""
+    """A dict (OrderedDict if ``ordered``), ``keys`` in order; children at ``<path>/<key>``."""
 
     tag: ClassVar[str] = "dict"
     keys: tuple[DictKey, ...]

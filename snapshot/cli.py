@@ -175,8 +175,8 @@ def add_commands(sub: argparse._SubParsersAction, common: argparse.ArgumentParse
         "path",
         "list the entries of a snapshot (from its manifest; reads no blob)",
         "One row per manifest entry: logical path, kind, dtype (or the type of an object or "
-        "primitive), shape, bytes stored; totals at the end. On a terminal (or with COLUMNS "
-        "set) each line is cut to its width, the cut marked with an ellipsis.",
+        "primitive), shape, bytes stored; totals at the end. On a terminal "
+        "each line is cut to its width (COLUMNS when set), the cut marked with an ellipsis.",
     )
     p_ls.add_argument(
         "--prefix", metavar="LOGICAL_PATH", help="only this entry and those below it (0/model)"

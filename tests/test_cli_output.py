@@ -209,6 +209,8 @@ def test_ls_cuts_lines_to_the_terminal_width(capsys, snap, monkeypatch):
     _, whole, _ = run(capsys, "ls", snap)  # not a terminal: whole lines
     assert max(map(len, whole.splitlines())) > 40
     monkeypatch.setenv("COLUMNS", "40")
+    assert run(capsys, "ls", snap)[1] == whole  # COLUMNS alone (a test runner's): no cut
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: True)
     code, out, _ = run(capsys, "ls", snap)
     assert code == 0
     lines = out.splitlines()
@@ -222,7 +224,6 @@ def test_ls_cuts_lines_to_the_terminal_width(capsys, snap, monkeypatch):
     assert json.loads(run(capsys, "ls", snap, "--json")[1])["total"]["entries"] > 0
     # A terminal without COLUMNS: its own width.
     monkeypatch.delenv("COLUMNS")
-    monkeypatch.setattr(sys.stdout, "isatty", lambda: True)
     monkeypatch.setattr(
         "shutil.get_terminal_size", lambda fallback=(80, 24): os.terminal_size((30, 24))
     )
