@@ -154,6 +154,10 @@ class Watch:
                     r: f"no heartbeat for {still:.1f} s (process frozen, or its host unreachable)"
                     for r, still in sorted(silent.items())
                 }
+                # This rank leaves on purpose: a slower peer, whose collective fails once this
+                # process has exited, must not count it among the ranks that died.
+                with contextlib.suppress(Exception):
+                    store.set(self.left_key, b"1")
                 raise lost(self.broken, failures)
 
     @staticmethod

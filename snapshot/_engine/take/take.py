@@ -178,7 +178,7 @@ class TakeJob:
                         "one process group take one snapshot, at rank 0's path: it is written "
                         f"at {path!r}, and nothing at {self.path!r}",
                         PathMismatchWarning,
-                        stacklevel=4,  # past _start, start and the take: the caller's line
+                        stacklevel=5,  # past _start, start, snapshot._start, take: the caller
                     )
                 self.path = path  # rank 0's path wins
                 self.plugin = open_plugin(path, self.storage_options)
