@@ -88,13 +88,19 @@ class GroupCoordinator(Coordinator):
             # members alone make it), so disjoint subgroups taking snapshots at once neither
             # hang nor join each other's groups.
             ranks = dist.get_process_group_ranks(group)
-            gloo = dist.new_group(
-                ranks=ranks,
-                backend="gloo",
-                timeout=datetime.timedelta(seconds=timeout),
-                use_local_synchronization=len(ranks) < dist.get_world_size(),
-            )
             watch = liveness.Watch(dist.get_rank(group), ranks, rank_timeout, timeout)
+            # Making the group is a collective too: a peer lost meanwhile is a RankFailedError
+            # naming it, found as any collective's is, not gloo's error or a wait for its timeout.
+            self.step = "the library's process group"
+            gloo = watch.run(
+                lambda: dist.new_group(
+                    ranks=ranks,
+                    backend="gloo",
+                    timeout=datetime.timedelta(seconds=timeout),
+                    use_local_synchronization=len(ranks) < dist.get_world_size(),
+                ),
+                self._lost,
+            )
             cached = rt.gloo_groups[(id(group), background)] = (group, gloo, watch)
         self.group, self.watch = cached[1], cached[2]
         self.watch.set_timeout(rank_timeout)
