@@ -12,6 +12,7 @@ from snapshot.errors import InvalidArgumentError, SnapshotError
 
 if TYPE_CHECKING:
     from snapshot._engine.io.async_queue import AsyncCallsQueue
+    from snapshot._engine.take.guard import StagingGuard
     from snapshot.snapshot import Snapshot
 
 logger = logging.getLogger(__name__)
@@ -35,8 +36,10 @@ class PendingSnapshot:
         queue: AsyncCallsQueue,
         index: int,
         opened: Callable[[Any], Snapshot],
+        guard: StagingGuard | None = None,
     ) -> None:
         self.path = path
+        self._guard = guard  # background staging's (``stage_in_background``)
         self._opened = opened
         self._queue = queue
         self._index = index
@@ -69,15 +72,7 @@ class PendingSnapshot:
             TimeoutError: ``timeout`` seconds passed first; the work goes on.
             InvalidArgumentError: ``timeout`` is not None or a number of seconds >= 0.
         """
-        # A bool is an int to Python, and NaN compares false with everything: both refused.
-        if timeout is not None and (
-            isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout >= 0
-        ):
-            raise InvalidArgumentError(
-                f"PendingSnapshot.wait of {self.path}: timeout must be None or a number of "
-                f"seconds >= 0, got {timeout!r}"
-            )
-
+        self._check_timeout("wait", timeout)
         if self._snapshot is not None:
             return self._snapshot
         try:
@@ -95,6 +90,41 @@ class PendingSnapshot:
         self._finalize_through_me()
         self._snapshot = self._opened(manifest)
         return self._snapshot
+
+    def wait_staged(self, timeout: float | None = None) -> None:
+        """Blocks until every tensor of the state is copied into staging memory: from then on
+        the state may change. Call it before changing in place what no hook of
+        ``stage_in_background`` holds (a :class:`StateDict`'s tensors, an object's state);
+        returns at once otherwise (``async_take`` staged before it returned).
+
+        Raises:
+            SnapshotError: staging failed (``wait`` raises it too); nothing will be committed.
+            TimeoutError: ``timeout`` seconds passed first; staging goes on.
+            InvalidArgumentError: ``timeout`` is not None or a number of seconds >= 0.
+        """
+        self._check_timeout("wait_staged", timeout)
+        guard = self._guard
+        if guard is None:
+            return
+        if not guard.staged.wait(timeout):
+            raise TimeoutError(f"snapshot {self.path} still staging after {timeout} s")
+        e = guard.error
+        if isinstance(e, SnapshotError):
+            raise e
+        if e is not None:
+            raise SnapshotError(
+                f"staging snapshot {self.path} failed: {type(e).__name__}: {e}"
+            ) from e
+
+    def _check_timeout(self, call: str, timeout: object) -> None:
+        # A bool is an int to Python, and NaN compares false with everything: both refused.
+        if timeout is not None and (
+            isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout >= 0
+        ):
+            raise InvalidArgumentError(
+                f"PendingSnapshot.{call} of {self.path}: timeout must be None or a number of "
+                f"seconds >= 0, got {timeout!r}"
+            )
 
     def _finalize_through_me(self) -> None:
         """Finalizes the queue's calls up to this one; earlier failures belong to their own

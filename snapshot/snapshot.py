@@ -183,6 +183,7 @@ class Snapshot:
         base: Snapshot | str | os.PathLike[str] | None = None,
         user_metadata: dict[str, Any] | None = None,
         progress: ProgressArg = False,
+        stage_in_background: bool = False,
     ) -> PendingSnapshot:
         """Like :meth:`take`, but returns once the state is captured; writes go on in the
         background.
@@ -195,18 +196,35 @@ class Snapshot:
         A path that holds a snapshot (or other files) is refused here, before anything is
         written. ``progress`` is as for :meth:`take`: the writes, and so the reports, go on
         after the call returns, until the snapshot is committed (or fails).
+
+        ``stage_in_background=True`` returns before the copies: once the state dicts are
+        captured and planned (the tensors referenced, not copied); a thread of the library's
+        copies them while the caller goes on. Until it is done, hooks hold each optimizer's
+        ``step`` (an app_state value, or an attribute of one) and the ``forward`` of each
+        module with buffers (BatchNorm's running statistics); change any other tensor of the
+        state (a :class:`StateDict`'s, an object's) in place only after
+        :meth:`PendingSnapshot.wait_staged`. The hooks are removed once staging ends, and a
+        staging error is raised by ``wait_staged`` and ``wait``.
         """
+        call = "Snapshot.async_take"
+        state_dicts.typed(stage_in_background, bool, call, "stage_in_background", str(path))
         job, background = take_job(
-            "Snapshot.async_take", path, app_state, True, pg, replicated, storage_options,
+            call, path, app_state, True, pg, replicated, storage_options,
             _custom_tensor_prepare_func, options=options, base=base, user_metadata=user_metadata,
             progress=progress,
         )  # fmt: skip
+        job.held = stage_in_background
         try:
             _start(job)
         except BaseException:
             if job.progress is not None:
                 job.progress.end()
             raise
+        guard = None
+        if stage_in_background:  # imported only then: the plain take's path stays as it is
+            from snapshot._engine.take.guard import StagingGuard
+
+            guard = StagingGuard(app_state)
         finish = job.finish if job.progress is None else functools.partial(_finish, job)
         try:
             queue = runtime.get().queue()
@@ -221,10 +239,14 @@ class Snapshot:
                 queue,
                 index,
                 lambda manifest: cls(taken_at, pg, stored, _manifest=manifest),
+                guard,
             )
         finally:
             # Last: from here the writes compete with the caller for cores and bandwidth.
-            job.release_writes()
+            if guard is None:
+                job.release_writes()
+            else:  # staged, then released, on the guard's thread
+                guard.start(job)
         return pending
 
     def restore(

@@ -126,6 +126,7 @@ class TakeJob:
         self._released = threading.Event()  # set once the caller handed every staged write over
         self._times: dict[str, float] = {}  # when it started; then each step's seconds
         self._budget = 0  # bytes of staging this take may hold, fixed when it captures
+        self.held = False  # set before ``start``: the writes are staged by ``stage_held``
 
     # -- capture, plan, execute ---------------------------------------------------------------
 
@@ -198,11 +199,11 @@ class TakeJob:
             )
             dropped = SnapshotError(f"the take of {self.path} was dropped before it finished")
             weakref.finalize(self, self.pipeline.stop, dropped)  # its writes end with the job
-            for request in self.plan.writes:
+            for request in () if self.held else self.plan.writes:
                 self.pipeline.submit(request)
             if self.pool is None:
                 self.release_writes()
-            else:  # async take: the call returns once every copy has landed
+            elif not self.held:  # async take: the call returns once every copy has landed
                 self.pipeline.ready()
         except Exception as e:
             if coord.world_size == 1:
@@ -308,6 +309,22 @@ class TakeJob:
         return stats
 
     # -- writing and commit -----------------------------------------------------------------
+
+    def stage_held(self) -> BaseException | None:
+        """Stages the writes ``start`` held (``held``) and hands them to the I/O loop, as
+        ``start`` and ``release_writes`` do for an async take, on a thread of the library's;
+        returns the error that stopped staging, kept for ``finish`` to report."""
+        try:
+            if self._error is None and self.pipeline is not None and self.plan is not None:
+                for request in self.plan.writes:
+                    self.pipeline.submit(request)
+                self.pipeline.ready()
+        except BaseException as e:
+            assert self.pipeline is not None
+            self.pipeline.abort(e)
+            self._error = e
+        self.release_writes()
+        return self._error
 
     def release_writes(self) -> None:
         """On the caller's thread, after ``start``: the staged writes go to the I/O loop."""
