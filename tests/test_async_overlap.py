@@ -155,7 +155,9 @@ def test_state_changed_at_once_after_the_call_is_snapshotted_as_it_was(tmp_path,
             str(tmp_path / "s"), app_state, _custom_tensor_prepare_func=gate,
             stage_in_background=True,
         )  # fmt: skip
-        time.sleep(0.1)
+        deadline = time.monotonic() + 30
+        while gate.staging_calls == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert gate.staging_calls == 1  # the call returned before staging was done
         # the holder's Adam; the Sequential holding BatchNorm, and BatchNorm
         assert _hooks(app_state) == len(OPTIMIZERS) + 1 + 2
@@ -238,6 +240,32 @@ def test_a_later_pre_hook_survives_the_guard_removing_its_own(tmp_path):
     assert ran == [True]
     pending.wait(timeout=60)
     assert len(opt._optimizer_step_pre_hooks) == 1 and not opt._optimizer_step_post_hooks
+
+
+def test_two_pending_snapshots_hold_one_step_and_both_keep_their_state(tmp_path):
+    p = torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.SGD([p], lr=0.1, momentum=0.9)
+    p.grad = torch.ones(3)
+    opt.step()
+    first = opt.state_dict()["state"][0]["momentum_buffer"].clone()
+    gates = [Gate(), Gate()]
+    pending = [
+        Snapshot.async_take(
+            str(tmp_path / f"s{i}"),
+            {"opt": opt},
+            _custom_tensor_prepare_func=gate,
+            stage_in_background=True,
+        )
+        for i, gate in enumerate(gates)
+    ]
+    gates[0].open_later(0.1)
+    gates[1].open_later(0.3)
+    opt.step()  # waits for both: the first's hook is removed while the second's still holds
+    assert gates[1].opened.is_set()
+    for i in range(2):
+        got = pending[i].wait(timeout=60).read_object("0/opt/state/0/momentum_buffer")
+        assert torch.equal(got, first)
+    assert not opt._optimizer_step_pre_hooks and not opt._optimizer_step_post_hooks
 
 
 def test_stage_in_background_must_be_a_bool(tmp_path):

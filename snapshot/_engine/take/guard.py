@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import weakref
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
@@ -23,58 +24,47 @@ class StagingGuard:
     module with buffers (an app_state value or an attribute of one, and their submodules that
     hold buffers of their own). ``error``: what stopped staging, once ``staged`` is set.
 
-    ``end`` removes the hooks, except an optimizer's whose step is waiting in it: removing it
-    would change the dict of hooks torch is iterating; that step removes it after it ran."""
+    ``end`` removes the forward hooks (torch runs a copy of the list of them). A step hook is
+    removed by the optimizer's first step that meets it once staging ended, after the step,
+    on the thread that steps: torch iterates the dict of step hooks itself, so removing one
+    from another thread could break a step under way."""
 
     def __init__(self, app_state: Mapping[str, Any]) -> None:
         self.staged = threading.Event()
         self.error: BaseException | None = None
         self._lock = threading.Lock()
-        self._hooks: dict[int, Any] = {}  # id of an optimizer or a module -> its hook's handle
-        self._waiting: set[int] = set()  # optimizers whose step waits in the hook
+        self._steps: dict[int, Any] = {}  # id of an optimizer -> its hook's handle
+        self._forwards: dict[int, Any] = {}  # id of a module -> its hook's handle
         try:
             for value in _reachable(app_state.values()):
-                if id(value) in self._hooks:
-                    continue
-                if isinstance(value, torch.optim.Optimizer):
-                    self._hooks[id(value)] = value.register_step_pre_hook(self._hold_step)
+                if isinstance(value, torch.optim.Optimizer) and id(value) not in self._steps:
+                    self._steps[id(value)] = value.register_step_pre_hook(self._hold_step)
                 elif isinstance(value, torch.nn.Module):
                     for m in value.modules():
                         has = next(m.buffers(recurse=m is value), None) is not None
-                        if has and id(m) not in self._hooks:
-                            self._hooks[id(m)] = m.register_forward_pre_hook(self._hold_forward)
+                        if has and id(m) not in self._forwards:
+                            self._forwards[id(m)] = m.register_forward_pre_hook(self._hold)
         except BaseException as e:
             self.end(e)
             raise
 
-    def _hold_forward(self, module: torch.nn.Module, args: Any) -> None:
+    def _hold(self, module: torch.nn.Module, args: Any) -> None:
         self.staged.wait()
 
     def _hold_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        key = id(optimizer)
-        with self._lock:
-            self._waiting.add(key)
         self.staged.wait()
         with self._lock:
-            self._waiting.discard(key)
-            handle = self._hooks.pop(key, None) if self.staged.is_set() else None
-        if handle is not None:  # ``end`` left it: removed once the step ran
-            after: list[Any] = []
-
-            def remove(*_: Any) -> None:
-                handle.remove()
-                after[0].remove()  # the last post-hook of this step: safe to remove
-
-            after.append(optimizer.register_step_post_hook(remove))
+            handle = self._steps.pop(id(optimizer), None)
+        if handle is not None:
+            _remove_after_step(optimizer, handle)
 
     def end(self, error: BaseException | None) -> None:
         """Staging is over (``error``: what stopped it): the held steps and forwards run."""
         with self._lock:
             self.error = error
             self.staged.set()
-            handles = [h for k, h in self._hooks.items() if k not in self._waiting]
-            self._hooks = {k: h for k, h in self._hooks.items() if k in self._waiting}
-        for handle in handles:
+            forwards, self._forwards = self._forwards, {}
+        for handle in forwards.values():
             handle.remove()
 
     def start(self, job: TakeJob) -> None:
@@ -94,6 +84,26 @@ class StagingGuard:
                 self.end(error)
 
         threading.Thread(target=stage, name="statesnap-staging", daemon=True).start()
+
+
+# Optimizer -> the post-hook that removes, once the step ends, itself and the step hooks after
+# it in the list. All on the stepping thread: removed by the last post-hook of the step
+# (registered during it), the dicts torch iterates are not changed under its iteration.
+_AFTER_STEP: weakref.WeakKeyDictionary[torch.optim.Optimizer, list[Any]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _remove_after_step(optimizer: torch.optim.Optimizer, handle: Any) -> None:
+    handles = _AFTER_STEP.get(optimizer)
+    if handles is None:
+        handles = _AFTER_STEP[optimizer] = [optimizer.register_step_post_hook(_remove)]
+    handles.append(handle)
+
+
+def _remove(optimizer: torch.optim.Optimizer, *_: Any) -> None:
+    for handle in _AFTER_STEP.pop(optimizer, ()):
+        handle.remove()
 
 
 def _reachable(values: Iterable[Any]) -> Iterator[Any]:
