@@ -27,7 +27,8 @@ class PendingSnapshot:
     ``progress`` given to ``async_take`` goes on reporting the writes until they end.
 
     Made by ``async_take``, not by hand: ``path`` is the snapshot's, ``queue`` the process's
-    queue of pending takes and ``index`` this take's place in it.
+    queue of pending takes and ``index`` this take's place in it; ``guard`` the hooks and the
+    event of a take staged in the background (``stage_in_background``), else None.
     """
 
     def __init__(
