@@ -203,8 +203,9 @@ class Snapshot:
         ``step`` (an app_state value, or an attribute of one) and the ``forward`` of each
         module with buffers (BatchNorm's running statistics); change any other tensor of the
         state (a :class:`StateDict`'s, an object's) in place only after
-        :meth:`PendingSnapshot.wait_staged`. The hooks are removed once staging ends, and a
-        staging error is raised by ``wait_staged`` and ``wait``.
+        :meth:`PendingSnapshot.wait_staged`. The hooks are removed once staging ends (an
+        optimizer's by its next step), and a staging error is raised by ``wait_staged`` and
+        ``wait``.
         """
         call = "Snapshot.async_take"
         state_dicts.typed(stage_in_background, bool, call, "stage_in_background", str(path))

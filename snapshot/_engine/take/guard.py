@@ -35,6 +35,7 @@ class StagingGuard:
         self._lock = threading.Lock()
         self._steps: dict[int, Any] = {}  # id of an optimizer -> its hook's handle
         self._forwards: dict[int, Any] = {}  # id of a module -> its hook's handle
+        self._thread: threading.Thread | None = None  # the staging thread, which never waits
         try:
             for value in _reachable(app_state.values()):
                 if isinstance(value, torch.optim.Optimizer) and id(value) not in self._steps:
@@ -48,11 +49,15 @@ class StagingGuard:
             self.end(e)
             raise
 
+    def _wait(self) -> None:
+        if threading.current_thread() is not self._thread:  # a prepare func's forward
+            self.staged.wait()
+
     def _hold(self, module: torch.nn.Module, args: Any) -> None:
-        self.staged.wait()
+        self._wait()
 
     def _hold_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        self.staged.wait()
+        self._wait()
         with self._lock:
             handle = self._steps.pop(id(optimizer), None)
         if handle is not None:
@@ -83,7 +88,8 @@ class StagingGuard:
             finally:
                 self.end(error)
 
-        threading.Thread(target=stage, name="statesnap-staging", daemon=True).start()
+        self._thread = threading.Thread(target=stage, name="statesnap-staging", daemon=True)
+        self._thread.start()
 
 
 # Optimizer -> the post-hook that removes, once the step ends, itself and the step hooks after
