@@ -15,6 +15,7 @@ from snapshot._engine import runtime
 from snapshot._engine.io.staging import process_pool
 from snapshot.options import Options
 from tests.cuda_double import CudaDouble
+from tests.multirank import run_ranks
 
 OPTIMIZERS = {
     "sgd": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
@@ -300,3 +301,48 @@ def test_device_copies_wait_for_the_kernels_queued_at_the_call_only(tmp_path, mo
         assert ("wait", f"cuda:{d}/s1", f"cuda:{d}/default") not in waits
     cuda.synchronize()
     assert torch.equal(cuda.values(state["big"]), final["big"] + 100.0)
+
+
+def _fail_on_rank_1(path: str, t: torch.Tensor, tracing: bool) -> torch.Tensor:
+    if not tracing and torch.distributed.get_rank() == 1:
+        raise ValueError("rank 1 cannot stage")
+    return t
+
+
+def _in_a_group(rank: int, world: int, base: str) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(8, 4)).sum().backward()
+    opt.step()
+    own = StateDict(t=torch.full((100,), float(rank)))
+    app_state = {"model": model, "opt": opt, "own": own}
+    expected = {k: _copy(v.state_dict()) for k, v in app_state.items()}
+    pending = Snapshot.async_take(
+        f"{base}/a", app_state, replicated=["model/**", "opt/**"], stage_in_background=True
+    )
+    model(torch.randn(8, 4)).sum().backward()  # held until staged
+    opt.step()
+    x = torch.ones(2)
+    torch.distributed.all_reduce(x)  # the caller's group is free while staging goes on
+    pending.wait_staged(timeout=120)
+    own["t"].add_(1.0)
+    snap = pending.wait(timeout=120)
+    for key, want in expected.items():
+        _same(snap.get_state_dict_for_key(key), want, key)
+    # A staging error on one rank: every rank raises at wait, and its step ran.
+    failing = Snapshot.async_take(
+        f"{base}/b", app_state, _custom_tensor_prepare_func=_fail_on_rank_1,
+        stage_in_background=True,
+    )  # fmt: skip
+    opt.step()
+    with pytest.raises(SnapshotError, match="rank 1 cannot stage"):
+        failing.wait(timeout=120)
+    assert not any(m._forward_pre_hooks for m in model.modules())
+
+
+@pytest.mark.slow
+def test_background_staging_in_a_group(tmp_path):
+    run_ranks(2, _in_a_group, str(tmp_path))
+    assert (tmp_path / "a" / "manifest.yaml").exists()
+    assert not (tmp_path / "b" / "manifest.yaml").exists()
