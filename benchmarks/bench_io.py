@@ -41,6 +41,9 @@ Cases (``--case``):
                   staging-pool bytes over a series of async takes in one process.
   async-loop      a small MLP trained on CPU: steps/s without snapshots, with a take and with
                   an async_take every N steps.
+  async-training  an MLP and a small transformer (AdamW) trained on CPU, snapshotting with
+                  statesnap's async_take and take and DCP's async_save (thread, process,
+                  DefaultStager): blocking ÷ a plain copy, step time, peak RSS, a series of 50.
   checksums       the 2 GiB state taken and restored by statesnap with and without checksums
                   (STATESNAP_CHECKSUMS=0), and raw: what computing and verifying them costs.
   s3              the state at 128 MiB and 1 GiB taken to and restored from a local S3 server
@@ -119,6 +122,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         type=csv_list,
         help=f"comma-separated writers: {','.join(WRITERS)} (their readers follow); "
         f"async: {','.join(ASYNC_METHODS)}; async-loop: none,take,async_take; "
+        "async-training: none,ss-async,ss-take,dcp-thread,dcp-process,dcp-stager; "
         f"s3: {','.join(S3_WRITERS)}; reshard: {','.join(RESHARD_METHODS)}",
     )
     p.add_argument(

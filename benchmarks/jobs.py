@@ -17,6 +17,10 @@ the job's ``result`` path (stdout and stderr stay free for whatever the librarie
                  memory budget statesnap computed right before each call.
 ``train``        a small MLP trained on CPU, snapshotting every ``interval`` steps in one of the
                  ways of ``benchmarks.train_loop`` (none, take, async_take).
+``async-training``
+                 an MLP or a small transformer trained on CPU with AdamW, snapshotting every
+                 ``interval`` steps with statesnap or one of DCP's async_save modes, or a series
+                 of snapshots in a row (``benchmarks.async_training``).
 ``reshard-take``
                  build this rank's pieces of a ``dtensors`` state as DTensors of the job's
                  ``layout`` (``common.sharded_state``), then time a ``RESHARD_METHODS`` save.
@@ -567,12 +571,19 @@ def _train(job: dict[str, Any], ranks: RankGroup) -> dict[str, Any]:
     return {"ok": True, **run_loop(LoopConfig(**job["loop"]), job["method"], job["path"])}
 
 
+def _async_training(job: dict[str, Any], ranks: RankGroup) -> dict[str, Any]:
+    from benchmarks.async_training import run_job as run_training_job
+
+    return run_training_job(job)
+
+
 OPS = {
     "take": _take,
     "restore": _restore,
     "read-object": _read_object,
     "async": _async,
     "train": _train,
+    "async-training": _async_training,
     "reshard-take": _reshard_take,
     "reshard-restore": _reshard_restore,
     "parallel-take": _parallel_take,

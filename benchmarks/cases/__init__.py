@@ -23,6 +23,7 @@ Every case module has the same small interface:
 from benchmarks.cases import (
     async_loop,
     async_stall,
+    async_training,
     checksums,
     dist,
     main,
@@ -46,6 +47,7 @@ CASES = {
         dist,
         async_stall,
         async_loop,
+        async_training,
         checksums,
         s3,
         reshard,
