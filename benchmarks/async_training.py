@@ -9,6 +9,10 @@ on a fixed pool of random batches. Methods (``METHODS``), all with their librari
 
 ``none``          no snapshots: the reference.
 ``ss-async``      ``Snapshot.async_take(path, app_state)``; ``pending.wait()`` before the next.
+``ss-overlap``    ``Snapshot.async_take(path, app_state, stage_in_background=True)``: the call
+                  returns before staging; the loop waits for ``pending.wait_staged()`` right
+                  before the next ``optimizer.step()`` (where the library's step hook would hold
+                  it), timed as the stager's wait is.
 ``ss-take``       ``Snapshot.take(path, app_state)``: the loop stops for the whole take.
 ``dcp-thread``    ``dcp.async_save(state_dict, checkpoint_id=path)`` (``AsyncCheckpointerType``
                   ``THREAD``, its default; the stager it makes copies the state in the call).
@@ -63,7 +67,7 @@ from torch import nn
 
 from benchmarks.common.system import current_rss, peak_rss, reset_peak_rss, trim_heap
 
-METHODS = ("none", "ss-async", "ss-take", "dcp-thread", "dcp-process", "dcp-stager")
+METHODS = ("none", "ss-async", "ss-overlap", "ss-take", "dcp-thread", "dcp-process", "dcp-stager")
 DCP_METHODS = ("dcp-thread", "dcp-process", "dcp-stager")
 
 
@@ -200,6 +204,16 @@ def _proc_figures(pid: int) -> dict[str, float]:
 
 
 @dataclass
+class _Staged:
+    """A background-staged statesnap snapshot's staging, waited for as DCP's future is."""
+
+    pending: Any
+
+    def result(self) -> None:
+        self.pending.wait_staged()
+
+
+@dataclass
 class _Snapper:
     """Starts, and waits for, the snapshots of one method."""
 
@@ -215,6 +229,11 @@ class _Snapper:
             from snapshot import Snapshot
 
             self.pending = Snapshot.async_take(where, self.app_state)
+        elif self.method == "ss-overlap":
+            from snapshot import Snapshot
+
+            self.pending = Snapshot.async_take(where, self.app_state, stage_in_background=True)
+            self.staging = _Staged(self.pending)
         elif self.method == "ss-take":
             from snapshot import Snapshot
 

@@ -26,6 +26,7 @@ LIBRARY_VARIANTS = False
 LABELS = {
     "none": "no snapshots",
     "ss-async": "statesnap async_take",
+    "ss-overlap": "statesnap async_take, staged in the background",
     "ss-take": "statesnap take",
     "dcp-thread": "DCP async_save, thread",
     "dcp-process": "DCP async_save, process",
