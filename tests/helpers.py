@@ -3,8 +3,16 @@ hand."""
 
 from __future__ import annotations
 
+import fcntl
 import math
+import os
+import pty
+import struct
+import subprocess
+import termios
+import threading
 import zlib
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -110,3 +118,46 @@ def train_step(
     loss.backward()
     optim.step()
     return loss.item()
+
+
+@dataclass
+class OnTerminal:
+    """A command started with its stderr on a pseudo-terminal (``on_terminal``): ``shown``
+    collects what the terminal received, read by ``reader`` until the command closes it."""
+
+    process: subprocess.Popen[str]
+    reader: threading.Thread
+    shown: list[bytes] = field(default_factory=list)
+
+    def finish(self, timeout: float = 240) -> tuple[int, str, str]:
+        """(exit code, stdout, what the terminal showed)."""
+        out, _ = self.process.communicate(timeout=timeout)
+        self.reader.join(timeout=60)
+        return self.process.returncode, out, b"".join(self.shown).decode(errors="replace")
+
+
+def on_terminal(command: list[str], env: dict[str, str], columns: int, **popen: Any) -> OnTerminal:
+    """Starts ``command`` with stdout a pipe and stderr a terminal ``columns`` wide (so that a
+    progress bar draws as it would for a user)."""
+    leader, follower = pty.openpty()
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 24, columns, 0, 0))
+    process = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=follower, text=True, env=env, **popen
+    )
+    os.close(follower)
+    shown: list[bytes] = []
+
+    def read() -> None:
+        while True:
+            try:
+                data = os.read(leader, 4096)
+            except OSError:  # EIO: the command closed its end
+                break
+            if not data:
+                break
+            shown.append(data)
+        os.close(leader)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    return OnTerminal(process, reader, shown)

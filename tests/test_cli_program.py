@@ -11,16 +11,10 @@ checked in process, quickly, in test_cli_output.py and test_cli.py.
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
-import pty
-import struct
 import subprocess
 import sys
-import termios
-import threading
-from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -28,6 +22,7 @@ import torch
 
 from snapshot import CheckpointManager, Snapshot, StateDict
 from snapshot._engine.format.manifest_io import load_manifest
+from tests.helpers import OnTerminal, on_terminal
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HEAVY = ("torch", "numpy", "tqdm", "yaml", "fsspec")
@@ -40,60 +35,28 @@ def _env(**extra: str) -> dict[str, str]:
     return {**env, **extra}
 
 
-@dataclass
-class Run:
-    """A command started: its process, and for a terminal the reader of what it shows."""
-
-    process: subprocess.Popen[str]
-    shown: list[bytes]
-    reader: threading.Thread | None
-
-
-def start(*argv: str, tty: bool = False, env: dict[str, str] | None = None) -> Run:
+def start(*argv: str, tty: bool = False, env: dict[str, str] | None = None) -> Any:
     """``python -m snapshot argv...``, stdout a pipe, stderr a pipe or (``tty``) a terminal of
     100 columns."""
     command = [sys.executable, "-m", "snapshot", *argv]
-    if not tty:
-        process = subprocess.Popen(
-            command,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            cwd=REPO,
-            env=env or _env(),
-        )
-        return Run(process, [], None)
-    master, slave = pty.openpty()
-    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))
-    process = subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=slave, text=True, cwd=REPO, env=env or _env()
+    if tty:
+        return on_terminal(command, env or _env(), 100, cwd=REPO)
+    return subprocess.Popen(
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+        env=env or _env(),
     )
-    os.close(slave)
-    shown: list[bytes] = []
-
-    def read() -> None:
-        while True:
-            try:
-                data = os.read(master, 4096)
-            except OSError:  # EIO: the command closed its end
-                break
-            if not data:
-                break
-            shown.append(data)
-        os.close(master)
-
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
-    return Run(process, shown, reader)
 
 
-def finish(run: Run) -> tuple[int, str, str]:
+def finish(run: Any) -> tuple[int, str, str]:
     """(exit code, stdout, stderr: what the pipe or the terminal got)."""
-    out, err = run.process.communicate(timeout=240)
-    if run.reader is not None:
-        run.reader.join(timeout=60)
-        err = b"".join(run.shown).decode(errors="replace")
-    return run.process.returncode, out, err
+    if isinstance(run, OnTerminal):
+        return run.finish()
+    out, err = run.communicate(timeout=240)
+    return run.returncode, out, err
 
 
 def _imported(stderr: str) -> set[str]:

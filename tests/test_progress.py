@@ -4,16 +4,12 @@ one INFO line per operation, with or without progress."""
 
 from __future__ import annotations
 
-import fcntl
 import itertools
 import logging
 import os
-import pty
 import re
-import struct
 import subprocess
 import sys
-import termios
 import threading
 from pathlib import Path
 
@@ -22,6 +18,7 @@ import torch
 
 from snapshot import InvalidArgumentError, Options, Snapshot, StateDict
 from snapshot.options import Progress
+from tests.helpers import on_terminal
 from tests.multirank import run_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -203,23 +200,9 @@ def _run_child(path: Path, mode: str, tty: bool) -> tuple[str, str]:
         done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, done.stderr
         return done.stdout, done.stderr
-    leader, follower = pty.openpty()
-    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 80, 0, 0))
-    child = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=follower)
-    os.close(follower)
-    drawn = b""
-    while True:
-        try:
-            chunk = os.read(leader, 4096)
-        except OSError:  # EIO: the child closed the terminal
-            break
-        if not chunk:
-            break
-        drawn += chunk
-    os.close(leader)
-    out = child.stdout.read().decode() if child.stdout else ""
-    assert child.wait(timeout=300) == 0, drawn.decode(errors="replace")
-    return out, drawn.decode(errors="replace")
+    code, out, drawn = on_terminal(command, env, 80).finish(timeout=300)
+    assert code == 0, drawn
+    return out, drawn
 
 
 @pytest.mark.slow  # three new interpreters, each importing torch
