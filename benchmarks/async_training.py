@@ -320,17 +320,26 @@ def _profile_text(prof: cProfile.Profile, top: int = 30) -> str:
     return buf.getvalue()
 
 
-def run_training(cfg: TrainConfig, method: str, path: str, profile: bool) -> dict[str, Any]:
-    """One loop with ``method``'s snapshots; timings as a JSON-able dict. ``profile``: cProfile
-    the loop thread's snapshot calls and waits (the profile is the result's ``profile``)."""
-    if method not in METHODS:
-        raise ValueError(f"unknown method {method!r}; known: {', '.join(METHODS)}")
+def _prepared(
+    cfg: TrainConfig, method: str, path: str
+) -> tuple[nn.Module, torch.optim.Optimizer, list[torch.Tensor]]:
+    """The model, optimizer and data of ``cfg`` after its warm-up steps, with ``method``'s
+    library imported (and, for DCP, its one-rank group made) before anything is timed."""
     if method in DCP_METHODS:
         _init_group(path)
     _import_library(method)
     model, optimizer, data = build(cfg)
     for i in range(cfg.warmup):
         _step(model, optimizer, data, i)
+    return model, optimizer, data
+
+
+def run_training(cfg: TrainConfig, method: str, path: str, profile: bool) -> dict[str, Any]:
+    """One loop with ``method``'s snapshots; timings as a JSON-able dict. ``profile``: cProfile
+    the loop thread's snapshot calls and waits (the profile is the result's ``profile``)."""
+    if method not in METHODS:
+        raise ValueError(f"unknown method {method!r}; known: {', '.join(METHODS)}")
+    model, optimizer, data = _prepared(cfg, method, path)
     tensors = state_tensors(model, optimizer)
     state_bytes = sum(t.nbytes for t in tensors)
     copy_s = plain_copy_seconds(tensors)
@@ -413,12 +422,7 @@ def run_series(cfg: TrainConfig, method: str, path: str, count: int) -> dict[str
     for and then deleted (untimed); RSS after each wait, and each one's call and wait."""
     if method not in METHODS or method == "none":
         raise ValueError(f"unknown series method {method!r}")
-    if method in DCP_METHODS:
-        _init_group(path)
-    _import_library(method)
-    model, optimizer, data = build(cfg)
-    for i in range(cfg.warmup):
-        _step(model, optimizer, data, i)
+    model, optimizer, _ = _prepared(cfg, method, path)
     snapper = _Snapper(method, {"model": model, "optim": optimizer})
     gc.collect()
     trim_heap()
