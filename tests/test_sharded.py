@@ -238,9 +238,10 @@ def test_dtensors_on_submeshes_are_stored_once_per_piece(tmp_path):
     assert not (tmp_path / "snap-differ" / MANIFEST_NAME).exists()
 
 
-def test_copies_on_submeshes_are_confirmed_by_their_digests():
-    # Copies are written once only when their CRC-32s match, sent after the replicated leaves'
-    # BLAKE2b (here "m/r", on both ranks); a piece no other rank holds ("m/own") is not read.
+def test_copies_on_submeshes_are_confirmed_by_their_crcs():
+    # Copies are written once, and their CRC-32s compared after writing; the replicated leaves'
+    # BLAKE2b ("m/r", on both ranks) are confirmed before, on their own. A piece no other rank
+    # holds ("m/own") is not read.
     def info(rank: int) -> dict:
         copied = ("m/w", "float32", (4,), (0,), (4,), True, f"{rank}/m/w", True)
         own = ("m/own", "float32", (2,), (rank,), (1,), True, f"{rank}/m/own", True)
@@ -251,13 +252,37 @@ def test_copies_on_submeshes_are_confirmed_by_their_digests():
     pending = decide("snap", [info(0), info(1)])
     assert pending.to_confirm == ["m/r"]
     w, r = torch.arange(4.0), torch.ones(4)
-    sent = pending.digests({"m/r": r, "m/w": w}, 0)
-    assert sent == joined({"m/r": r}, ["m/r"]) + crc_of(w).to_bytes(8, "big")
-    assert pending.digests({"m/r": r, "m/w": w}, 1) == sent  # ("m/own" is not asked for)
-    decision = pending.confirm([b"R" * 8 + b"W" * 8, b"R" * 8 + b"W" * 8])
+    assert pending.digests({"m/r": r, "m/w": w}) == joined({"m/r": r}, ["m/r"])
+    sent = pending.copy_crcs({"m/r": r, "m/w": w}, 0)
+    assert sent == crc_of(w).to_bytes(8, "big")
+    assert pending.copy_crcs({"m/r": r, "m/w": w}, 1) == sent  # ("m/own" is not asked for)
+    decision = pending.confirm([b"R" * 8, b"R" * 8])
     assert decision.copies == {"1/m/w"} and list(decision.replicated) == ["m/r"]
+    pending.check_copies([b"W" * 8, b"W" * 8])
     with pytest.raises(SnapshotError, match=r"'m/w' at \[0\] size \[4\] differ: rank 0's is not"):
-        pending.confirm([b"R" * 8 + b"W" * 8, b"R" * 8 + b"X" * 8])
+        pending.check_copies([b"W" * 8, b"X" * 8])
+
+
+def test_small_values_are_compared_by_their_bytes():
+    # A value of at most 64 bytes (an optimizer's step count) is described by its bytes, final:
+    # nothing left to confirm, so the take makes no agreement for it.
+    from snapshot._engine.dist.replication import describe
+    from snapshot._engine.take.plan import collect
+
+    def facts(step: float, big: torch.Tensor):
+        state = {"step": torch.tensor(step), "big": big}
+        c = collect([("o", state)], rank=0, prepare=None, replicated=[], inline_max_bytes=0,
+                    chunk_bytes=1 << 20, reuse=None)  # fmt: skip
+        f = describe(c, "0/")
+        return {"marked": f.marked, "prints": f.prints, "own_bytes": 0}
+
+    big = torch.arange(100.0)
+    pending = decide("snap", [facts(3.0, big), facts(3.0, big.clone())])
+    assert set(pending.replicated) == {"o/step", "o/big"} and pending.to_confirm == ["o/big"]
+    pending = decide("snap", [facts(3.0, big), facts(-3.0, big)])
+    assert "o/step" not in pending.replicated
+    # -0.0 and 0.0 are equal numbers but different bytes: not one value.
+    assert "o/step" not in decide("snap", [facts(0.0, big), facts(-0.0, big)]).replicated
 
 
 def test_strided_layouts_are_stored_when_their_pieces_are_boxes():

@@ -3,16 +3,19 @@
 A leaf is *replicated* when every rank reaches the same answer from facts gathered from every
 rank: either every rank's ``replicated`` globs match it (then kind, dtype and shape must agree,
 else every rank raises), or its bytes are equal everywhere. For the latter, ``describe`` sends
-each leaf's kind, payload sizes and CRC-32 (a primitive's exact value) with the take's first
-agreement; leaves whose descriptions match on every rank are confirmed by 64 bits of BLAKE2b at
-one more agreement (``Pending.confirm``), run only when there are candidates. The CRC (cheap)
-weeds out per-rank state; BLAKE2b makes a false match about as likely as a random 64-bit
-collision, and the CRC adds certainty for small differences.
+each leaf's kind, payload sizes and CRC-32 (the exact bytes of a primitive or of a value of at
+most ``_EXACT`` bytes, such as an optimizer's step count) with the take's first agreement;
+leaves whose CRCs match on every rank are confirmed by 64 bits of BLAKE2b at one more
+agreement (``Pending.confirm``), run only when there are candidates. The CRC (cheap) weeds out
+per-rank state; BLAKE2b makes a false match about as likely as a random 64-bit collision, and
+the CRC adds certainty for small differences.
 
 A replicated leaf is written by one rank (``assign_writers``) and listed once in the
 manifest, under rank 0's prefix. The copies of a piece of a DTensor on a submesh, held by the
-ranks outside it (``sharded.copies``), are written once, by the lowest of them, when their
-CRC-32s are equal; if not, the take fails. Only the pieces the first agreement finds on
+ranks outside it (``sharded.copies``), are written once, by the lowest of them. Each holder
+computes its copy's CRC-32 before the take returns (``Pending.copy_crcs``) and sends it with the
+agreement after writing, which checks them (``Pending.check_copies``): copies that differ fail
+the take before anything is committed, without an agreement of their own. Only the pieces the first agreement finds on
 several ranks are digested: a piece no other rank holds (a pipeline stage's) costs nothing.
 Only a take across ranks runs any of this.
 """
@@ -49,6 +52,9 @@ _T = TypeVar("_T")
 # ``_THREADS`` threads (BLAKE2b and the CRC drop the GIL), as a hash tree of the pieces'
 # digests: the digest depends on the bytes only, not on how a rank holds them.
 _PIECE = 4 << 20
+# A value of at most this many bytes is described by its bytes themselves, compared exactly,
+# so it needs no BLAKE2b (and no agreement to confirm it).
+_EXACT = 64
 _THREADS = max(1, min(8, os.cpu_count() or 1))
 
 Source = memoryview | torch.Tensor
@@ -144,10 +150,13 @@ def describe(collected: Collected, rank_prefix: str) -> Facts:
             return
         if src is not None:
             try:
-                check = crc_of(src)
+                if sum(desc.sizes) <= _EXACT:  # final: its bytes
+                    check = b"".join(b for b, _ in _map_pieces(src, bytes))
+                else:
+                    check = crc_of(src)
+                    facts.sources[logical] = src
             except RuntimeError:  # unreadable here (no copy kernel): stays the rank's own
                 return
-            facts.sources[logical] = src
         facts.prints[logical] = (desc, check)
 
     for path, e in collected.entries.items():
@@ -205,7 +214,7 @@ class Pending:
     """The first agreement's answer: ``replicated`` holds the leaves of ``to_confirm`` (whose
     CRCs matched) until ``confirm`` checks their BLAKE2b on every rank; ``copies``, the
     holders of each box copied on several ranks (``sharded.copies``), whose CRC-32s
-    ``confirm`` compares."""
+    ``check_copies`` compares once they are written."""
 
     where: str
     replicated: dict[str, Desc]
@@ -213,34 +222,38 @@ class Pending:
     infos: Sequence[Mapping[str, Any]]
     copies: dict[Box, list[tuple[int, str]]]
 
-    def digests(self, sources: Mapping[str, Source], rank: int) -> bytes:
-        """What ``rank`` sends, 8 bytes a value: the BLAKE2b of each leaf of ``to_confirm``
-        (``joined``), then the CRC-32 of each of its copies. A CRC suffices there: the copies
-        are known to be of one box, so it only has to catch copies that drifted apart (a
-        training bug), not two values that merely look alike, and it is many times cheaper."""
-        mine = [p for holders in self.copies.values() for r, p in holders if r == rank]
-        crcs = [crc_of(sources[p.partition("/")[2]]).to_bytes(8, "big") for p in mine]
-        return joined(sources, self.to_confirm) + b"".join(crcs)
+    def digests(self, sources: Mapping[str, Source]) -> bytes:
+        """What a rank sends to confirm ``to_confirm``: the BLAKE2b of each leaf (``joined``)."""
+        return joined(sources, self.to_confirm)
 
-    def confirm(self, digests: Sequence[bytes] | None) -> Decision:
-        """The ``Decision``, given every rank's ``digests`` (None when there is nothing to
-        confirm).
+    def copy_crcs(self, sources: Mapping[str, Source], rank: int) -> bytes:
+        """The CRC-32 of each copy ``rank`` holds, 8 bytes each, in ``copies`` order. A CRC
+        suffices: the copies are known to be of one box, so it only has to catch copies that
+        drifted apart (a training bug), not two values that merely look alike."""
+        mine = [p for holders in self.copies.values() for r, p in holders if r == rank]
+        return b"".join(crc_of(sources[p.partition("/")[2]]).to_bytes(8, "big") for p in mine)
+
+    def check_copies(self, crcs: Sequence[bytes]) -> None:
+        """Compares every rank's ``copy_crcs``.
 
         Raises:
             SnapshotError: the copies of a box differ.
         """
+        at = [0] * len(self.infos)  # where each rank's next CRC starts
+        for box, holders in self.copies.items():
+            found = []
+            for rank, _ in holders:
+                found.append(crcs[rank][at[rank] : at[rank] + 8])
+                at[rank] += 8
+            _check_copies(self.where, box, holders, found)
+
+    def confirm(self, digests: Sequence[bytes] | None) -> Decision:
+        """The ``Decision``, given every rank's ``digests`` (None when there is nothing to
+        confirm)."""
         replicated = dict(self.replicated)
         for i, logical in enumerate(self.to_confirm):
             if digests and len({d[8 * i : 8 * i + 8] for d in digests}) > 1:
                 del replicated[logical]
-        at = [8 * len(self.to_confirm)] * len(self.infos)  # where each rank's copies start
-        for box, holders in self.copies.items():
-            assert digests is not None
-            found = []
-            for rank, _ in holders:
-                found.append(digests[rank][at[rank] : at[rank] + 8])
-                at[rank] += 8
-            _check_copies(self.where, box, holders, found)
         copies = frozenset(p for holders in self.copies.values() for _, p in holders[1:])
         # A leaf sharing an earlier one's payloads is one value only when that one is.
         for logical in [p for p, d in replicated.items() if d.alias is not None]:

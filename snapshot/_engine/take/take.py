@@ -25,7 +25,7 @@ from manifest import ShardedObjectEntry, ShardedTensorEntry, TensorEntry
 from snapshot._engine import state_dicts
 from snapshot._engine.dist import replication
 from snapshot._engine.dist.dist import Coordinator
-from snapshot._engine.dist.replication import Decision, Facts
+from snapshot._engine.dist.replication import Decision, Facts, Pending
 from snapshot._engine.format.torchsnapshot_format import FOREIGN_MARKERS
 from snapshot._engine.handlers import sharded
 from snapshot._engine.handlers.table import Layout, Made, PrepareFunc, merge_entries
@@ -121,6 +121,8 @@ class TakeJob:
         self.pipeline: WritePipeline | None = None
         self._shared_paths: list[str] = []  # the replicated leaves, once agreed across ranks
         self._facts: Facts | None = None  # what this rank said of its leaves, until agreed
+        self._copies: Pending | None = None  # the boxes several ranks hold copies of
+        self._copy_crcs = b""  # the CRC-32s of this rank's copies, checked after writing
         self._error: BaseException | None = None  # met while staging, reported when agreeing
         self._marker_write: asyncio.Future[None] | None = None  # rank 0's pending marker
         self._released = threading.Event()  # set once the caller handed every staged write over
@@ -290,12 +292,18 @@ class TakeJob:
         if len(infos) == 1:
             return first["path"], first["layout"], None
         pending = replication.decide(first["path"], infos)
-        if not pending.to_confirm and not pending.copies:
+        assert self._facts is not None
+        if pending.copies:  # read now, while the copies hold the call's values
+            self._copies = pending
+            try:
+                self._copy_crcs = pending.copy_crcs(self._facts.sources, self.coordinator.rank)
+            except Exception as e:
+                self._error = e  # the others learn of it at the next agreement
+        if not pending.to_confirm:
             return first["path"], first["layout"], pending.confirm(None)
         digests = error = None
         try:
-            assert self._facts is not None
-            digests = pending.digests(self._facts.sources, self.coordinator.rank)
+            digests = pending.digests(self._facts.sources)
         except Exception as e:
             error = e
         decision = pending.confirm(self.coordinator.agree("take: digests", digests, error))
@@ -359,8 +367,11 @@ class TakeJob:
             # Every rank's entries of a replicated value point at the blob one rank wrote: that
             # rank shares the checksums of what it wrote for the others.
             shared = self.plan.shared_checksums(checksums) if error is None else {}
-            for part in coord.agree("take: writing", value=shared, error=error):
+            parts = coord.agree("take: writing", value=(shared, self._copy_crcs), error=error)
+            for part, _ in parts:
                 checksums.update(part)
+            if self._copies is not None:
+                self._copies.check_copies([crcs for _, crcs in parts])
             with gc_paused():
                 entries = self.plan.entries(checksums)
         except BaseException:
