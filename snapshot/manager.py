@@ -57,6 +57,11 @@ class CheckpointManager:
             lists the steps, decides, deletes, and tells the others.
         async_: ``save`` returns once the state is captured (``Snapshot.async_take``); False:
             once it is committed.
+        stage_in_background: with ``async_``, ``save`` returns before the tensors are
+            copied, which happens while training goes on; the optimizers' steps and the
+            forwards of modules with buffers wait for the copies (see
+            ``Snapshot.async_take``), and :meth:`wait_staged` waits for them where state is
+            changed otherwise.
         max_in_flight: how many saves may be writing at once.
         incremental: each save is an incremental take on the newest committed step (waiting
             for the previous save to commit first).
@@ -82,6 +87,7 @@ class CheckpointManager:
         storage_options: dict[str, Any] | None = None,
         pg: Any | None = None,
         async_: bool = True,
+        stage_in_background: bool = False,
         max_in_flight: int = 1,
         incremental: bool = False,
         options: Options | None = None,
@@ -94,6 +100,13 @@ class CheckpointManager:
         self.storage_options = state_dicts.options(storage_options, "CheckpointManager", self.root)
         self.pg = pg
         self.async_ = bool(async_)
+        if type(stage_in_background) is not bool or (stage_in_background and not self.async_):
+            raise InvalidArgumentError(
+                "stage_in_background must be a bool, and True only with async_=True, got "
+                f"{stage_in_background!r} with async_={async_!r}"
+            )
+        self.stage_in_background = stage_in_background
+        self._staging: PendingSnapshot | None = None  # the newest save, while it may stage
         self.max_in_flight = max_in_flight
         self.incremental = bool(incremental)
         self.raise_on_next_save = bool(raise_on_next_save)
@@ -159,15 +172,19 @@ class CheckpointManager:
         t = time.perf_counter()
         self._cleaner.begin(step)  # waits while debris at this step is being deleted
         try:
-            taken = (Snapshot.async_take if self.async_ else Snapshot.take)(
-                path,
-                app_state,
+            common: dict[str, Any] = dict(
                 pg=self.pg,
                 storage_options=self.storage_options,
                 options=options,
                 base=base,
                 user_metadata=user,
             )
+            if self.async_:
+                taken: Any = Snapshot.async_take(
+                    path, app_state, stage_in_background=self.stage_in_background, **common
+                )
+            else:
+                taken = Snapshot.take(path, app_state, **common)
         except BaseException:
             # The take removed what it wrote; what it could not is debris for the cleaner.
             self._cleaner.end(step, failed=True)
@@ -176,6 +193,7 @@ class CheckpointManager:
         done = "captured" if self.async_ else "committed"
         logger.info("save of step %d under %s %s in %.3f s", step, self.root, done, _since(t))
         if isinstance(taken, PendingSnapshot):
+            self._staging = taken
             # Its own thread waits for the commit: the cleaner's thread must not hold it back.
             thread = threading.Thread(
                 target=self._committed,
@@ -256,6 +274,17 @@ class CheckpointManager:
                     return
                 oldest = self._in_flight[0]
             oldest.join()
+
+    def wait_staged(self, timeout: float | None = None) -> None:
+        """With ``stage_in_background``: returns once the newest save has copied the state it
+        was given, so that state no hook guards may change (``PendingSnapshot.wait_staged``);
+        at once otherwise."""
+        self._check_open("wait_staged")
+        if self._staging is not None:
+            try:
+                self._staging.wait_staged(timeout)
+            except SnapshotError:
+                pass  # a failed save: its commit thread records it, for wait() or close()
 
     def wait(self) -> None:
         """Waits for the saves under way and the deletions queued; raises the first error of

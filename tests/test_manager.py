@@ -99,6 +99,37 @@ def test_resume_or_start_fresh(root, async_):
     }
 
 
+def test_saves_staged_in_the_background_hold_the_state_of_the_call(tmp_path):
+    # The optimizer's step right after save waits for the copy (the take's hook); a tensor no
+    # hook guards changes after wait_staged. Each step holds the state it was saved with.
+    torch.manual_seed(0)
+    model = torch.nn.Linear(256, 256)
+    optim = torch.optim.AdamW(model.parameters(), lr=0.01)
+    extra = StateDict(t=torch.zeros(1000))
+    state = {"model": model, "optim": optim, "extra": extra}
+    saved = {}
+    with CheckpointManager(str(tmp_path), stage_in_background=True) as manager:
+        for step in (1, 2, 3):
+            model(torch.randn(8, 256)).square().sum().backward()
+            optim.step()
+            saved[step] = {k: v.clone() for k, v in model.state_dict().items()}
+            manager.save(step, state)
+            optim.step()  # at once: held until the save's copies are made
+            manager.wait_staged(timeout=60)
+            extra["t"].add_(1.0)
+        manager.wait()
+    for step, want in saved.items():
+        target = torch.nn.Linear(256, 256)
+        Snapshot(str(tmp_path / f"step_{step:010d}")).restore({"model": target})
+        for k, v in want.items():
+            assert torch.equal(target.state_dict()[k], v), (step, k)
+        got = StateDict(t=torch.empty(1000))
+        Snapshot(str(tmp_path / f"step_{step:010d}")).restore({"extra": got})
+        assert torch.equal(got["t"], torch.full((1000,), step - 1.0))
+    with pytest.raises(InvalidArgumentError, match="only with async_=True"):
+        CheckpointManager(str(tmp_path), async_=False, stage_in_background=True)
+
+
 def test_bad_arguments(tmp_path):
     for kwargs in ({"keep_best": 2}, {"mode": "lowest"}, {"keep_last": 0}, {"max_in_flight": 0}):
         with pytest.raises(InvalidArgumentError):

@@ -3,7 +3,7 @@ RowwiseParallel on the "tp" dimension of a 2x2 ("dp", "tp") mesh, then ``fully_s
 "dp" (which makes ``_StridedShard`` placements), and a head left out of the TP plan, sharded by
 ``fully_shard`` alone on the "dp" submesh (so identical on both tp ranks). Trained with AdamW a
 couple of steps, taken through torch's ``get_state_dict`` (DTensors kept), and restored on
-2x2, 1x2, 2x1, a 1-D FSDP2 mesh of 2 ranks and 1 rank without parallelism.
+2x2, 4x1, 1x2, 2x1, a 1-D FSDP2 mesh of 2 ranks and 1 rank without parallelism.
 
 Dimensions (6 -> 10 -> 6 -> 3) are not divisible by the mesh sizes: the shards are uneven.
 
@@ -251,7 +251,9 @@ def test_partial_and_strided_layouts_that_are_not_boxes_are_refused(taken):
         assert "redistribute it to Shard / Replicate placements first" in strided
 
 
-@pytest.mark.parametrize(("world", "layout"), [(2, "1x2"), (2, "2x1"), (2, "fsdp"), (1, "plain")])
+@pytest.mark.parametrize(
+    ("world", "layout"), [(4, "4x1"), (2, "1x2"), (2, "2x1"), (2, "fsdp"), (1, "plain")]
+)
 def test_fsdp_tp_restores_on_other_meshes(taken, world, layout):
     losses = run_ranks(world, _restore, layout, taken["path"], taken["root"])
     assert all(lo == losses[0] for lo in losses)

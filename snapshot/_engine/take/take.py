@@ -367,11 +367,11 @@ class TakeJob:
             # Every rank's entries of a replicated value point at the blob one rank wrote: that
             # rank shares the checksums of what it wrote for the others.
             shared = self.plan.shared_checksums(checksums) if error is None else {}
-            parts = coord.agree("take: writing", value=(shared, self._copy_crcs), error=error)
-            for part, _ in parts:
+            written = coord.agree("take: writing", value=(shared, self._copy_crcs), error=error)
+            for part, _ in written:
                 checksums.update(part)
             if self._copies is not None:
-                self._copies.check_copies([crcs for _, crcs in parts])
+                self._copies.check_copies([crcs for _, crcs in written])
             with gc_paused():
                 entries = self.plan.entries(checksums)
         except BaseException:
