@@ -176,8 +176,8 @@ def _init_group(path: str) -> None:
 def _import_library(method: str) -> None:
     """Imports the method's library before anything is timed, as a program does at its start."""
     if method.startswith("ss-"):
-        from snapshot import Snapshot  # noqa: F401  (loads the engine, not only the package)
         import storage_plugins.fs  # noqa: F401
+        from snapshot import Snapshot  # noqa: F401  (loads the engine, not only the package)
     elif method in DCP_METHODS:
         import torch.distributed.checkpoint
         import torch.distributed.checkpoint.staging  # noqa: F401

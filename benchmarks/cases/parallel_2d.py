@@ -7,10 +7,10 @@ DTensors kept; :mod:`benchmarks.methods.parallel`):
 ``hsdp``     HSDP on a 2x2 mesh, restored at 2x2, 1-D FSDP2 on 4 ranks, 1 rank;
 ``fsdp``     FSDP2 on 2 ranks, restored on 2 and on 4.
 
-Each restore is timed as the first call in a fresh process, then ``--later-calls`` times again
-in the same process. The first restore of each job is its same layout: every other restore's
-time is also given ÷ that one's (per round and method). A take or restore that fails is
-reported with its error in the tables; the job's other figures still run."""
+Each take and restore is timed as the first call in a fresh process, then ``--later-calls``
+times again in the same process. The first restore of each job is its same layout: every other
+restore's time is also given ÷ that one's (per round and method). A take or restore that fails
+is reported with its error in the tables; the job's other figures still run."""
 
 from __future__ import annotations
 
@@ -138,6 +138,7 @@ def run_rounds(
                     made.append(path)
                     state = _state(job.saved, dim, seed)
                     job_args = {"op": "parallel-take", "method": v.writer, "state": state.args}
+                    job_args["later_calls"] = later_calls
                     result = runner.job({**job_args, "path": path}, v.env)
                     state.label = f"{job.name}/take"
                     rows.append(make_row(NAME, state, rnd, v, "take", "fsync", v.writer, result))
@@ -215,19 +216,19 @@ def job_tables(rows: Sequence[Row], job: Job, labels: Sequence[str]) -> list[str
         out.append("| " + " | ".join(cells) + " |")
     out += [
         "",
-        "Later restores in the same process (imports and first-call costs paid; each into "
-        "zeroed values, barrier to barrier): the median of the later calls in each round, "
-        "median over rounds (each round in parentheses):",
+        "Later calls in the same process (imports and first-call costs paid; each take into "
+        "a folder of its own, each restore into zeroed values, barrier to barrier): the median "
+        "of the later calls in each round, median over rounds (each round in parentheses):",
         "",
-        "| layout | "
+        "| call | "
         + " | ".join(f"{lb} s" for lb in labels)
         + "".join(f" | {lb} ÷ dcp" for lb in ours if "dcp" in labels)
         + " |",
         "|---|" + "---|" * (len(labels) + (len(ours) if "dcp" in labels else 0)),
     ]
-    for _, state, layout in ops[1:]:
+    for op, state, layout in ops:
         sel = {lb: [r for r in rows if r.state == state and r.label == lb] for lb in labels}
-        cells = [f"`{layout}`"]
+        cells = [f"{op} `{layout}`"]
         for lb in labels:
             per = [_later(r) for r in sel[lb]]
             got = [x for x in per if x is not None]

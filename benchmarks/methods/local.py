@@ -270,8 +270,8 @@ def ss_prepare() -> None:
     # inside the first timed call would count in that call).
     # ``import snapshot`` alone loads none of the engine (its names are imported on first
     # use): ask for ``Snapshot``, which loads what a take and a restore run.
-    from snapshot import Snapshot  # noqa: F401
     import storage_plugins.fs  # noqa: F401
+    from snapshot import Snapshot  # noqa: F401
 
 
 def statesnap_path(path: str) -> str:

@@ -75,8 +75,8 @@ def _s3_url(path: str, name: str) -> str:
 
 def _s3_ss_prepare() -> None:
     _s3_prepare()
-    from snapshot import Snapshot  # noqa: F401  (loads the engine: see ss_prepare)
     import storage_plugins.s3  # noqa: F401
+    from snapshot import Snapshot  # noqa: F401  (loads the engine: see ss_prepare)
 
 
 def _s3_ss_save(spec: StateSpec, state: State, path: str, fsync: bool) -> None:
