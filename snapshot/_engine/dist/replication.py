@@ -12,7 +12,7 @@ the CRC adds certainty for small differences.
 
 A replicated leaf is written by one rank (``assign_writers``) and listed once in the
 manifest, under rank 0's prefix. The copies of a piece of a DTensor on a submesh, held by the
-ranks outside it (``sharded.copies``), are written once, by the lowest of them. Each holder
+ranks outside it (``sharded.copies``), are written once, by one of them (spread as ``assign_writers`` spreads). Each holder
 computes its copy's CRC-32 before the take returns (``Pending.copy_crcs``) and sends it with the
 agreement after writing, which checks them (``Pending.check_copies``): copies that differ fail
 the take before anything is committed, without an agreement of their own. Only the pieces the first agreement finds on

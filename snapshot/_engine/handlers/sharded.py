@@ -130,10 +130,11 @@ def _dtensor_held(path: str, logical: str, value: Any) -> Held:
     is refused, not reduced: reducing it is a collective the caller's ranks must all enter, and
     it changes the value the caller holds; the message says how to reduce it first.
 
-    Its copies on its mesh are the ranks at different coordinates of its Replicate axes; the
-    one at coordinate 0 of each is the main one. A DTensor on a submesh (``mesh["dp"]`` of a
-    ``("dp", "tp")`` mesh) may also be copied on the ranks outside it: ``copies`` picks one of
-    those once every rank's pieces are known."""
+    Its copies are held by the ranks at the other coordinates of its Replicate axes (HSDP's
+    replica groups) and, for a DTensor on a submesh (``mesh["dp"]`` of a ``("dp", "tp")``
+    mesh), by the ranks outside it: every copy is a main piece, ``copied``, and ``copies``
+    picks the one written once every rank's pieces are known, spreading the bytes over the
+    holders."""
     from torch.distributed.tensor import Partial, Replicate, Shard
 
     # torch has no public name for the placement FSDP2 makes over TP.
@@ -166,13 +167,12 @@ def _dtensor_held(path: str, logical: str, value: Any) -> Held:
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     sizes, offsets = compute_local_shape_and_global_offset(shape, mesh, placements)
-    coords = mesh.get_coordinate()
-    main = coords is not None and all(
-        coords[dim] == 0 for dim, p in enumerate(placements) if isinstance(p, Replicate)
-    )
+    main = mesh.get_coordinate() is not None
     piece = LocalPiece(tuple(offsets), tuple(sizes), value.to_local(), main)
     dist = torch.distributed
-    copied = dist.is_initialized() and mesh.size() < dist.get_world_size()
+    copied = any(isinstance(p, Replicate) for p in placements) or (
+        dist.is_initialized() and mesh.size() < dist.get_world_size()
+    )
     return Held(logical, value.dtype, shape, (piece,), copied)
 
 
@@ -215,17 +215,39 @@ def copies(
 ) -> dict[tuple[str, tuple[int, ...], tuple[int, ...]], list[tuple[int, str]]]:
     """Each set of main pieces of one tensor at one box held by several ranks, each ``copied``
     (a DTensor on a submesh, copied on the ranks outside it, as a head left out of the TP plan
-    is on each tp rank): ``(key, offsets, sizes)`` -> the ``(rank, path)`` (rank prefix
-    included) of each copy, lowest rank first. The first is written, once the copies are
-    confirmed equal (``replication.decide``); the others are dropped. Found here, from every
-    rank's pieces, not from the mesh: the same submesh on other ranks may hold other tensors (a
-    pipeline stage's). ``pieces`` as for ``check_coverage``."""
+    is on each tp rank, or HSDP's shards on each replica): ``(key, offsets, sizes)`` -> the
+    ``(rank, path)`` (rank prefix included) of each copy, the one written first; the others
+    are dropped, once the copies are confirmed equal (``replication``). The writer of each box
+    is the holder with the fewest bytes to write so far, largest boxes first (ties to the
+    lower rank), so that the copies' bytes spread over their holders as a take's other
+    replicated bytes do. Found here, from every rank's pieces, not from the mesh: the same
+    submesh on other ranks may hold other tensors (a pipeline stage's). ``pieces`` as for
+    ``check_coverage``; every rank computes the same answer."""
     found: dict[tuple[str, tuple[int, ...], tuple[int, ...]], list[tuple[int, str]]] = {}
+    nbytes: dict[tuple[str, tuple[int, ...], tuple[int, ...]], int] = {}
+    load = [0] * len(pieces)
     for rank, held in enumerate(pieces):
-        for key, _, _, offsets, sizes, main, path, copied in held:
-            if main and copied and math.prod(sizes):
-                found.setdefault((key, tuple(offsets), tuple(sizes)), []).append((rank, path))
-    return {box: holders for box, holders in found.items() if len(holders) > 1}
+        for key, dtype, _, offsets, sizes, main, path, copied in held:
+            if not (main and math.prod(sizes)):
+                continue
+            size = math.prod(sizes) * dtype_from_name(dtype, key).itemsize
+            if copied:
+                box = (key, tuple(offsets), tuple(sizes))
+                found.setdefault(box, []).append((rank, path))
+                nbytes[box] = size
+            else:
+                load[rank] += size
+    shared = {box: holders for box, holders in found.items() if len(holders) > 1}
+    for box, holders in found.items():
+        if len(holders) == 1:
+            load[holders[0][0]] += nbytes[box]
+    for box in sorted(shared, key=lambda b: (-nbytes[b], b)):
+        holders = shared[box]
+        writer = min(holders, key=lambda h: (load[h[0]], h[0]))
+        load[writer[0]] += nbytes[box]
+        holders.remove(writer)
+        holders.insert(0, writer)
+    return shared
 
 
 def check_coverage(pieces: Sequence[Sequence[tuple[Any, ...]]]) -> None:
