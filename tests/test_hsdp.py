@@ -151,6 +151,15 @@ def test_hsdp_restores_on_a_1d_mesh_and_on_one_rank(tmp_path):
     weight = Snapshot(path).get_manifest()["0/train/model/0.weight"]
     assert isinstance(weight, ShardedTensorEntry) and weight.shape == (16, 8)
     assert sorted(s.offsets for s in weight.shards) == [(0, 0), (8, 0)]  # each piece once
+    # Each piece is held by both replica groups; the writes spread over all four ranks.
+    writers = {
+        c.blob.split("/")[0]
+        for e in Snapshot(path).get_manifest().values()
+        if isinstance(e, ShardedTensorEntry)
+        for s in e.shards
+        for c in s.chunks
+    }
+    assert writers == {"0", "1", "2", "3"}
 
     # A 1-D mesh of 4 ranks, and the 2x2 mesh again (in one launch).
     run_ranks(4, _restore, path, out)

@@ -9,6 +9,7 @@ import torch
 from manifest import ShardedObjectEntry, ShardedTensorEntry
 from snapshot import IncompatibleSnapshotError, Options, Snapshot, SnapshotError, StateDict
 from snapshot._engine.dist.replication import Desc, crc_of, decide, joined
+from snapshot._engine.handlers import sharded
 from snapshot._engine.handlers.geometry import runs
 from snapshot._engine.take.commit import MANIFEST_NAME
 from snapshot.sharding import (
@@ -227,10 +228,10 @@ def test_dtensors_on_submeshes_are_stored_once_per_piece(tmp_path):
             "the copies of DTensor 'm/shared' at [0, 0] size [8, 5] differ: rank 0's is " in differ
         )
         assert (
-            "not equal to that of ranks [1]; the copies of a DTensor on a submesh must be "
+            "not equal to that of ranks [1]; the copies of a DTensor's piece (on the ranks "
             in differ
         )
-        assert "equal on the ranks outside the submesh" in differ
+        assert "outside its submesh, or along its Replicate mesh dimensions) must be" in differ
         assert f"{rank}/m/p: a DTensor with placement P(sum)" in message
         assert "cannot be stored; reduce it first, e.g. value.redistribute(" in message
     with pytest.raises(SnapshotError):
@@ -261,6 +262,24 @@ def test_copies_on_submeshes_are_confirmed_by_their_crcs():
     pending.check_copies([b"W" * 8, b"W" * 8])
     with pytest.raises(SnapshotError, match=r"'m/w' at \[0\] size \[4\] differ: rank 0's is not"):
         pending.check_copies([b"W" * 8, b"X" * 8])
+
+
+def test_copies_are_written_by_the_holder_with_the_fewest_bytes_so_far():
+    # Rank 0 holds 40 bytes of its own; the copied boxes (held by both) go largest first to the
+    # rank with the fewest bytes so far, ties to the lower rank.
+    def piece(key: str, n: int, rank: int, copied: bool = True) -> tuple:
+        return (key, "float32", (n,), (0,), (n,), True, f"{rank}/{key}", copied)
+
+    pieces = [
+        [piece("own", 10, 0, copied=False), piece("a", 8, 0), piece("b", 4, 0), piece("c", 4, 0)],
+        [piece("a", 8, 1), piece("b", 4, 1), piece("c", 4, 1)],
+    ]
+    found = sharded.copies(pieces)
+    writers = {box[0]: holders[0][0] for box, holders in found.items()}
+    assert writers == {"a": 1, "b": 1, "c": 0}  # loads 40/0 -> 40/32 -> 40/48 -> 56/48
+    assert [sorted(h) for h in found.values()] == [[(0, "0/a"), (1, "1/a")]] + [
+        [(0, f"0/{k}"), (1, f"1/{k}")] for k in "bc"
+    ]
 
 
 def test_small_values_are_compared_by_their_bytes():

@@ -317,9 +317,10 @@ def _check_copies(where: str, box: Box, holders: list[tuple[int, str]], found: l
         raise SnapshotError(
             f"snapshot {where}: the copies of DTensor {key!r} at {list(offsets)} size "
             f"{list(sizes)} differ: rank {first}'s is not equal to that of ranks {differ}; the "
-            "copies of a DTensor on a submesh must be equal on the ranks outside the submesh, "
-            "which store it once (e.g. a module left out of tensor parallelism got different "
-            "updates on different tp ranks); no snapshot was taken"
+            "copies of a DTensor's piece (on the ranks outside its submesh, or along its "
+            "Replicate mesh dimensions) must be equal, as they are stored once (e.g. a module "
+            "left out of tensor parallelism got different updates on different tp ranks); no "
+            "snapshot was taken"
         )
 
 
