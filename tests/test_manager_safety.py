@@ -143,11 +143,13 @@ def test_a_storage_error_reading_a_manifest_deletes_nothing(tmp_path, caplog):
     saved(root, 1, 2)
     register_storage_plugin("refusing", Refusing)
     try:
-        with caplog.at_level(logging.WARNING, logger="snapshot"):
-            with CheckpointManager(f"refusing://{root}", keep_last=1, async_=False) as m:
-                assert m.steps() == [1]
-                m.save(3, state(3))
-                m.wait()
+        with (
+            caplog.at_level(logging.WARNING, logger="snapshot"),
+            CheckpointManager(f"refusing://{root}", keep_last=1, async_=False) as m,
+        ):
+            assert m.steps() == [1]
+            m.save(3, state(3))
+            m.wait()
     finally:
         unregister_storage_plugin("refusing")
     assert sorted(os.listdir(root)) == [name(1), name(2), name(3)]
@@ -180,11 +182,13 @@ def test_folders_the_manager_did_not_make_are_left_alone(tmp_path, caplog):
     for rel in (PENDING_NAME, "0/1a2b3c4d-s0", "0/1a2b3c4d-1", f"0/.1a2b3c4d-2.{'0' * 12}.tmp"):
         with open(f"{root}/{name(13)}/{rel}", "wb") as f:
             f.write(b"partial")
-    with caplog.at_level(logging.WARNING, logger="snapshot"):
-        with CheckpointManager(root, keep_last=1) as m:
-            assert m.restore(state(-1)) == 1
-            m.save(14, state(14))
-            m.wait()
+    with (
+        caplog.at_level(logging.WARNING, logger="snapshot"),
+        CheckpointManager(root, keep_last=1) as m,
+    ):
+        assert m.restore(state(-1)) == 1
+        m.save(14, state(14))
+        m.wait()
     after = tree(root)
     assert not any(p.startswith(name(13)) for p in after)  # the take's debris went
     assert not any(p.startswith(name(1)) for p in after)  # dropped by keep_last
@@ -207,14 +211,16 @@ def test_a_link_named_like_a_step_is_ignored_never_followed(tmp_path, caplog):
     os.symlink(str(tmp_path / "nothing"), f"{root}/step_6")  # dangling
     os.symlink(elsewhere, f"{root}/step_2")  # beside the folder of step 2: that one is used
     outside = tree(elsewhere)
-    with caplog.at_level(logging.WARNING, logger="snapshot"):
-        with CheckpointManager(root, keep_last=1) as m:
-            assert m.steps() == [1, 2]
-            target = state(-1)
-            assert m.restore(target) == 2 and value_of(target) == 2.0
-            m.save(3, state(3))
-            m.wait()
-            assert m.steps() == [3]
+    with (
+        caplog.at_level(logging.WARNING, logger="snapshot"),
+        CheckpointManager(root, keep_last=1) as m,
+    ):
+        assert m.steps() == [1, 2]
+        target = state(-1)
+        assert m.restore(target) == 2 and value_of(target) == 2.0
+        m.save(3, state(3))
+        m.wait()
+        assert m.steps() == [3]
     for n in (name(5), "step_6", "step_2"):
         assert os.path.islink(f"{root}/{n}")
     assert tree(elsewhere) == outside
