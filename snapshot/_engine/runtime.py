@@ -127,6 +127,9 @@ class Runtime:
         queue = self._queue
         if queue is not None:
             _step("wait for the pending snapshots", lambda: _drain(queue))
+        pool = self.pool
+        if pool is not None:  # after the pending snapshots: their writes hold its blocks
+            _step("release the staging memory", pool.close)
         if self._heartbeat is not None:  # after the pending snapshots: they agree with peers
             _step("stop the heartbeat", self._heartbeat.stopped.set)
         loop = self._loop

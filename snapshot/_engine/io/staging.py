@@ -230,6 +230,13 @@ class StagingPool:
             elif pinned:
                 self._dropped_pinned = True  # still locked in torch's host cache until trim
 
+    def close(self) -> None:
+        """Gives every free block back (pinned ones to the system too): the runtime's shutdown,
+        once the pending snapshots are done. A later async take allocates again."""
+        with self._lock:
+            self.keep_bytes = 0
+        self.trim()
+
     def trim(self) -> None:
         """Drops free blocks, largest first, beyond ``keep_bytes``; empties torch's host cache,
         which keeps dropped pinned blocks locked, if any were dropped since the last trim."""
