@@ -16,8 +16,8 @@ import ctypes
 import functools
 import logging
 import threading
-from concurrent.futures import Future
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
 import torch
