@@ -54,6 +54,7 @@ class Runtime:
         self.pool: StagingPool | None = None  # set by ``staging.process_pool``, under ``lock``
         self._digests: DaemonThreadPool | None = None
         self._copier: DaemonThreadPool | None = None
+        self._stager: DaemonThreadPool | None = None
         self._heartbeat: Heartbeat | None = None
         # Whether plugins may be kept open after an operation (not once shut down: nothing
         # would close them).
@@ -100,6 +101,15 @@ class Runtime:
             if self._copier is None:
                 self._copier = DaemonThreadPool(1, thread_name_prefix="statesnap-stage")
             return self._copier
+
+    def stager(self) -> DaemonThreadPool:
+        """The thread that stages the async takes asked to stage in the background, one after
+        the other (``take/guard.py``): started once, so a call does not wait for a new thread
+        to start."""
+        with self.lock:
+            if self._stager is None:
+                self._stager = DaemonThreadPool(1, thread_name_prefix="statesnap-staging")
+            return self._stager
 
     def digest_pool(self, threads: int) -> DaemonThreadPool:
         """The threads that digest payloads (replication), ``threads`` of them."""
