@@ -139,6 +139,7 @@ class Runtime:
             _step("wait for the pending snapshots", lambda: _drain(queue))
         pool = self.pool
         if pool is not None:  # after the pending snapshots: their writes hold its blocks
+            # Pinned blocks go back through torch's host cache (only a GPU run proves it).
             _step("release the staging memory", pool.close)
         if self._heartbeat is not None:  # after the pending snapshots: they agree with peers
             _step("stop the heartbeat", self._heartbeat.stopped.set)

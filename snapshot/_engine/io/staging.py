@@ -122,6 +122,8 @@ class Lease:
         pool, self._pool = self._pool, None
         if pool is None:
             return
+        if self.copy is not None and self.copy.cancel():  # dropped before its copy started
+            self.copy = self.copy_here = None
         try:
             self.ready()
         except BaseException:
