@@ -346,3 +346,27 @@ def test_background_staging_in_a_group(tmp_path):
     run_ranks(2, _in_a_group, str(tmp_path))
     assert (tmp_path / "a" / "manifest.yaml").exists()
     assert not (tmp_path / "b" / "manifest.yaml").exists()
+
+
+def test_a_forward_run_while_staging_is_not_held_by_its_own_hook(tmp_path):
+    """A prepare function that runs a held module's forward runs on the staging thread, which
+    the hooks never hold (it would wait for itself); the caller's forward is held."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+    x = torch.randn(8, 4)
+    ran_on: list[str] = []
+
+    def prepare(path: str, t: torch.Tensor, tracing: bool) -> torch.Tensor:
+        if not tracing and path.endswith("running_mean"):
+            with torch.no_grad():
+                model.eval()(x)  # would wait for staging to end, were the hook to hold it
+            ran_on.append(threading.current_thread().name)
+        return t
+
+    for i in range(2):  # a second take stages on the same thread
+        pending = Snapshot.async_take(
+            str(tmp_path / f"s{i}"), {"m": model}, _custom_tensor_prepare_func=prepare,
+            stage_in_background=True,
+        )  # fmt: skip
+        pending.wait_staged(timeout=60)
+        pending.wait(timeout=60)
+    assert len(ran_on) == 2 and threading.current_thread().name not in ran_on

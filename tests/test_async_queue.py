@@ -105,14 +105,17 @@ def test_later_async_snapshots_reuse_the_staging_buffers(tmp_path):
     pool.keep_bytes = 0  # no free block left over (each take sets it again)
     pool.trim()
     state = _state(0)
+    before = pool.allocated_bytes  # (what earlier takes of the process allocated)
     allocated = []
-    for i in range(10):
+    for i in range(50):
         for t in state.values():
             t.add_(1)
         Snapshot.async_take(str(tmp_path / f"s{i}"), {"s": state}).wait()
         allocated.append(pool.allocated_bytes)
     assert allocated[0] > 0 and allocated[-1] == allocated[0]  # nothing new after the first
-    out = Snapshot(str(tmp_path / "s9")).read_object("0/s/w3")
+    # Every block back and kept, none more.
+    assert pool.free_bytes == allocated[0] - before and pool.leased_bytes == 0
+    out = Snapshot(str(tmp_path / "s49")).read_object("0/s/w3")
     assert torch.equal(out, state["w3"])
 
 

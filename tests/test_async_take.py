@@ -300,3 +300,28 @@ def test_without_the_copier_thread_the_call_copies_and_hands_over_itself(tmp_pat
     snap = pending.wait(timeout=60)
     for k, v in expected.items():
         assert torch.equal(snap.read_object(f"0/s/{k}"), v), k
+
+
+def test_copies_the_copier_thread_has_not_started_are_made_by_the_call(tmp_path):
+    """The call does not wait for a busy copier thread: the large tensors' copies it has not
+    started are made on the caller's thread, and the snapshot holds the call's values."""
+    busy, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        busy.set()
+        release.wait(60)
+
+    held = runtime.get().copier().submit(hold)
+    try:
+        assert busy.wait(10)
+        state = StateDict({f"big{i}": torch.randn(3 << 20) for i in range(3)})
+        expected = {k: v.clone() for k, v in state.items()}
+        pending = Snapshot.async_take(str(tmp_path / "s"), {"s": state})
+        assert not held.done()  # returned while the copier thread was still held
+        for t in state.values():
+            t.fill_(-1)
+    finally:
+        release.set()
+    snap = pending.wait(timeout=60)
+    for k, v in expected.items():
+        assert torch.equal(snap.read_object(f"0/s/{k}"), v), k

@@ -440,3 +440,20 @@ def test_tensor_aware_copies_fall_back_to_pageable_memory(monkeypatch):
     state.copy_tensors_to_cpu(non_blocking=True)
     assert cuda.calls("copy") == [("copy", 0, "cuda:0/default", "now")]  # synchronous
     assert torch.equal(state.state_dict["a"], a) and not cuda.is_pinned(state.state_dict["a"])
+
+
+def test_the_runtime_shutdown_releases_the_staging_memory(tmp_path, monkeypatch):
+    """The pool keeps its blocks between snapshots, and gives them back (the pinned ones to the
+    system too) when the runtime shuts down."""
+    cuda = CudaDouble(monkeypatch)
+    state = StateDict(d=cuda.tensor(torch.randn(60_000)), h=torch.randn(30_000))
+    with runtime.use() as rt:
+        pending = Snapshot.async_take(str(tmp_path / "s"), {"s": state}, options=BLOBS_IN_1_MIB)
+        pending.wait(timeout=60)
+        pool = rt.pool
+        assert pool is not None and pool.pinned_bytes > 0
+        assert pool.free_bytes == pool.allocated_bytes  # kept for the next snapshot
+        assert cuda.host_cache_emptied == 0
+    assert pool.free_bytes == pool.leased_bytes == 0
+    assert cuda.host_cache_emptied == 1
+    _check_snapshot(str(tmp_path / "s"), {"h": state["h"]})

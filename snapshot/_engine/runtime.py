@@ -54,6 +54,7 @@ class Runtime:
         self.pool: StagingPool | None = None  # set by ``staging.process_pool``, under ``lock``
         self._digests: DaemonThreadPool | None = None
         self._copier: DaemonThreadPool | None = None
+        self._stager: DaemonThreadPool | None = None
         self._heartbeat: Heartbeat | None = None
         # Whether plugins may be kept open after an operation (not once shut down: nothing
         # would close them).
@@ -101,6 +102,15 @@ class Runtime:
                 self._copier = DaemonThreadPool(1, thread_name_prefix="statesnap-stage")
             return self._copier
 
+    def stager(self) -> DaemonThreadPool:
+        """The thread that stages the async takes asked to stage in the background, one after
+        the other (``take/guard.py``): started once, so a call does not wait for a new thread
+        to start."""
+        with self.lock:
+            if self._stager is None:
+                self._stager = DaemonThreadPool(1, thread_name_prefix="statesnap-staging")
+            return self._stager
+
     def digest_pool(self, threads: int) -> DaemonThreadPool:
         """The threads that digest payloads (replication), ``threads`` of them."""
         with self.lock:
@@ -127,6 +137,10 @@ class Runtime:
         queue = self._queue
         if queue is not None:
             _step("wait for the pending snapshots", lambda: _drain(queue))
+        pool = self.pool
+        if pool is not None:  # after the pending snapshots: their writes hold its blocks
+            # Pinned blocks go back through torch's host cache (only a GPU run proves it).
+            _step("release the staging memory", pool.close)
         if self._heartbeat is not None:  # after the pending snapshots: they agree with peers
             _step("stop the heartbeat", self._heartbeat.stopped.set)
         loop = self._loop

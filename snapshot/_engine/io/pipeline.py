@@ -146,8 +146,9 @@ class WritePipeline:
 
     def ready(self) -> None:
         """Waits for the copies into the pooled buffers of what is staged (``Lease.ready``),
-        and raises the error of one that failed."""
-        for _, _, keepalive in self._batch:
+        and raises the error of one that failed. Last first: the copier thread takes them
+        first first, and this thread makes those it has not started (``Lease.ready``)."""
+        for _, _, keepalive in reversed(self._batch):
             ready = getattr(keepalive, "ready", None)
             if ready is not None:
                 ready()

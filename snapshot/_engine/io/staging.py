@@ -16,6 +16,7 @@ import ctypes
 import functools
 import logging
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
@@ -66,7 +67,9 @@ class Lease:
     device's staging stream, ``stream``, or on the copier thread, ``copy``) may be read after
     ``ready``; ``release`` gives the buffer back."""
 
-    __slots__ = ("_block", "_keep", "_pool", "_streams", "copy", "pinned", "tensor", "view")
+    __slots__ = (
+        "_block", "_keep", "_pool", "_streams", "copy", "copy_here", "pinned", "tensor", "view"
+    )  # fmt: skip
 
     def __init__(self, pool: StagingPool, block: torch.Tensor, nbytes: int, pinned: bool) -> None:
         self._pool: StagingPool | None = pool
@@ -79,6 +82,7 @@ class Lease:
         self._streams: dict[int, device.Stream] = {}
         self._keep: list[torch.Tensor] = []
         self.copy: Future[None] | None = None  # on the copier thread, until ``ready``
+        self.copy_here: Callable[[], None] | None = None  # ``copy``'s work, if not started
 
     def stream(self, index: int, reads: torch.Tensor) -> device.Stream:
         """The pool's staging stream of device ``index``, ordered (the first time this lease
@@ -97,10 +101,16 @@ class Lease:
         return stream
 
     def ready(self) -> None:
-        """Waits for every copy into the buffer; raises what the copy raised."""
+        """Waits for every copy into the buffer; raises what the copy raised. A copy the
+        copier thread has not started is made here, on the waiting thread: the two threads
+        share the copies (and the page faults of fresh blocks) instead of one waiting."""
         copy, self.copy = self.copy, None
+        here, self.copy_here = self.copy_here, None
         if copy is not None:
-            copy.result()
+            if here is not None and copy.cancel():
+                here()
+            else:
+                copy.result()
         streams, self._streams = self._streams, {}
         for stream in streams.values():
             device.synchronize(stream)
@@ -112,6 +122,8 @@ class Lease:
         pool, self._pool = self._pool, None
         if pool is None:
             return
+        if self.copy is not None and self.copy.cancel():  # dropped before its copy started
+            self.copy = self.copy_here = None
         try:
             self.ready()
         except BaseException:
@@ -219,6 +231,13 @@ class StagingPool:
                 self.free_bytes += size
             elif pinned:
                 self._dropped_pinned = True  # still locked in torch's host cache until trim
+
+    def close(self) -> None:
+        """Gives every free block back (pinned ones to the system too): the runtime's shutdown,
+        once the pending snapshots are done. A later async take allocates again."""
+        with self._lock:
+            self.keep_bytes = 0
+        self.trim()
 
     def trim(self) -> None:
         """Drops free blocks, largest first, beyond ``keep_bytes``; empties torch's host cache,
@@ -340,6 +359,7 @@ def _fill(
             copy = functools.partial(copy_payload, p, buf, pos)
             try:
                 lease.copy = runtime.get().copier().submit(copy)
+                lease.copy_here = copy
             except RuntimeError:  # the interpreter is shutting down: no new work for threads
                 copy()
         else:  # a large tensor, an object's bytes

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from snapshot._engine import runtime
 from snapshot._engine.handlers.table import Payload
 from snapshot._engine.io import device
 from snapshot._engine.take.take import TakeJob
@@ -35,7 +36,8 @@ class StagingGuard:
         self._lock = threading.Lock()
         self._steps: dict[int, Any] = {}  # id of an optimizer -> its hook's handle
         self._forwards: dict[int, Any] = {}  # id of a module -> its hook's handle
-        self._thread: threading.Thread | None = None  # the staging thread, which never waits
+        # The staging thread, once it runs this take's staging: it never waits.
+        self._thread: threading.Thread | None = None
         try:
             for value in _reachable(app_state.values()):
                 if isinstance(value, torch.optim.Optimizer) and id(value) not in self._steps:
@@ -73,12 +75,14 @@ class StagingGuard:
             handle.remove()
 
     def start(self, job: TakeJob) -> None:
-        """Stages ``job``'s held writes on a thread of its own, then ``end``. CUDA copies are
-        ordered after the kernels queued on the caller's current streams by now."""
+        """Stages ``job``'s held writes on the runtime's staging thread (after the takes
+        queued there before), then ``end``. CUDA copies are ordered after the kernels queued
+        on the caller's current streams by now."""
         collected = job.collected
         streams = caller_streams([*collected.payloads, *collected.replicated])
 
         def stage() -> None:
+            self._thread = threading.current_thread()
             error: BaseException | None = None
             try:
                 with _current(streams):
@@ -88,8 +92,7 @@ class StagingGuard:
             finally:
                 self.end(error)
 
-        self._thread = threading.Thread(target=stage, name="statesnap-staging", daemon=True)
-        self._thread.start()
+        runtime.get().stager().submit(stage)
 
 
 # Optimizer -> the post-hook that removes, once the step ends, itself and the step hooks after

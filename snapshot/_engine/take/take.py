@@ -77,8 +77,7 @@ class TakeJob:
     after capture (rank 0's path and layout; which leaves are one value for all ranks,
     ``replication``), after writing, and after rank 0's commit. A rank that fails still reaches
     the next point, so every rank raises the same error; nothing is committed and each rank
-    deletes what it wrote.
-    """
+    deletes what it wrote."""
 
     def __init__(
         self,
