@@ -32,8 +32,9 @@ from snapshot._engine.dist.dist import RankZero
 from snapshot._engine.dist.dist import resolve as resolve_group
 from snapshot._engine.manager.retention import Cleaner, Policy
 from snapshot._engine.manager.steps import COMMITTED, LEFT, NOT_FOLDERS, StepInfo, Steps, step_name
+from snapshot._engine.manager.tier import Tier
 from snapshot.errors import InvalidArgumentError, SnapshotError, SnapshotExistsError
-from snapshot.options import Options, resolve
+from snapshot.options import MemoryTier, Options, resolve
 from snapshot.pending import PendingSnapshot
 from snapshot.snapshot import Snapshot
 
@@ -67,6 +68,10 @@ class CheckpointManager:
             for the previous save to commit first).
         options: the :class:`~snapshot.Options` of every take and restore.
         raise_on_next_save: raise a background save's error from the next ``save`` too.
+        memory_tier: a :class:`~snapshot.MemoryTier`: every save goes to a folder on each node
+            (copied to peers on other hosts), every ``durable_every``-th one also to ``root``;
+            ``restore`` takes each rank's part from the fastest tier that has it valid
+            (docs/tiers.md). Every rank makes the manager (the tier's groups are made then).
 
     A save that fails in the background does not interrupt training: it is logged, what it
     wrote is deleted, and its error is raised by the next ``wait`` or ``close`` (or ``save``,
@@ -92,6 +97,7 @@ class CheckpointManager:
         incremental: bool = False,
         options: Options | None = None,
         raise_on_next_save: bool = False,
+        memory_tier: MemoryTier | None = None,
     ) -> None:
         self.root = state_dicts.snapshot_path(root, "CheckpointManager", "root")
         self.policy = Policy(keep_last, keep_every_steps, keep_best, metric, mode)
@@ -112,6 +118,11 @@ class CheckpointManager:
         self.raise_on_next_save = bool(raise_on_next_save)
         self.options = resolve(options)
         self._steps = Steps(self.root, self.storage_options, self.options)
+        if not isinstance(memory_tier, MemoryTier | None):
+            raise InvalidArgumentError(
+                f"memory_tier must be a snapshot.MemoryTier, got {type(memory_tier).__name__}"
+            )
+        self._tier = None if memory_tier is None else Tier(memory_tier, self.root, pg, self.options)
         # Rank 0 lists, decides and deletes; every rank gets its answers.
         self._ranks = RankZero(pg, self.options, self.root)
         # The commit threads of the async saves under way, oldest first.
@@ -151,6 +162,12 @@ class CheckpointManager:
                 f"step {step} is not after the newest step under {self.root} ({latest}): steps "
                 "must increase (restore() first to resume, or use another root)"
             )
+        if self._tier is not None:
+            self._tier.save(step, app_state, self._take_part)
+            if not self._tier.durable():
+                self._last_saved = step
+                logger.info("save of step %d to the memory tier of %s", step, self.root)
+                return
         self._refuse_occupied(step)
         # An incremental save's base must be committed.
         self._wait_for_saves(0 if self.incremental else self.max_in_flight - 1)
@@ -244,6 +261,16 @@ class CheckpointManager:
         if self._ranks.rank == 0 and not self._closed:
             self._cleaner.run_round()
 
+    def _take_part(self, path: str, app_state: dict[str, Any], pg: Any) -> None:
+        """The memory tier's take of this rank's part (``pg``: this rank alone)."""
+        Snapshot.take(path, app_state, pg=pg, options=self.options)
+
+    def _restore_part(self, path: str, app_state: dict[str, Any], pg: Any) -> None:
+        """The memory tier's restore of this rank's part, every range checked first."""
+        Snapshot(path, pg=pg, options=self.options).restore(
+            app_state, options=self.options, verify_first=True
+        )
+
     def _refuse_occupied(self, step: int) -> None:
         """Raises ``SnapshotExistsError`` when the last listing found a folder at ``step`` that
         is not a take's debris (a committed step after the one restored, a folder the manager
@@ -277,8 +304,8 @@ class CheckpointManager:
 
     def wait_staged(self, timeout: float | None = None) -> None:
         """With ``stage_in_background``: returns once the newest save has copied the state it
-        was given, so that state no hook guards may change (``PendingSnapshot.wait_staged``);
-        at once otherwise."""
+        was given, so that state no hook guards may change (``PendingSnapshot.wait_staged``,
+        which takes ``timeout`` in seconds the same way); at once otherwise."""
         self._check_open("wait_staged")
         if self._staging is not None:
             try:
@@ -290,6 +317,8 @@ class CheckpointManager:
         """Waits for the saves under way and the deletions queued; raises the first error of
         a save that failed in the background."""
         self._wait_for_saves(0)
+        if self._tier is not None:
+            self._tier.wait()
         self._cleaner.join()
         self._ranks.barrier()
         self._raise_background_error()
@@ -337,6 +366,12 @@ class CheckpointManager:
         """
         self._check_open("restore")
         self._wait_for_saves(0)
+        if self._tier is not None and step is None:
+            return self._restore_tiered(app_state)
+        return self._restore_durable(app_state, step)
+
+    def _restore_durable(self, app_state: dict[str, Any], step: int | None) -> int | None:
+        """``restore`` from the durable root."""
         committed = self.steps()
         if step is None:
             if not committed:
@@ -356,6 +391,46 @@ class CheckpointManager:
         logger.info("restored step %d from %s in %.3f s", step, path, _since(t))
         self._last_saved = max(step, self._last_saved or 0)
         return step
+
+    def _restore_tiered(self, app_state: dict[str, Any]) -> int | None:
+        """``restore`` with the memory tier: the newest step complete in any tier; the tier
+        restores each rank's part it has valid, durable storage the step when a part is
+        missing or bad everywhere in memory."""
+        assert self._tier is not None
+        self._tier.wait()
+        # The durable steps by their manifests' presence (none is read here).
+        durable = set(
+            self._ranks.agreed(
+                lambda: sorted({s for s, _, kind in self._steps._kinds() if kind == "committed"})
+            )
+        )
+        t = time.perf_counter()
+        step, failed = self._tier.restore(app_state, durable, self._restore_part)
+        if step is not None and not failed:
+            logger.info("restored step %d from the memory tier in %.3f s", step, _since(t))
+            self._tier.forget_after(step)
+            self._last_saved = max(step, self._last_saved or 0)
+            return step
+        if step is not None and step not in durable:
+            older = max((s for s in durable if s < step), default=None)
+            logger.warning(
+                "step %d: no valid part of rank(s) %s in any memory tier and none in durable "
+                "storage; restoring %s",
+                step,
+                failed,
+                "nothing" if older is None else f"step {older} from durable storage",
+            )
+            step = older
+        elif step is not None:
+            logger.warning(
+                "step %d: rank(s) %s have no valid part in memory: restoring it from durable "
+                "storage",
+                step,
+                failed,
+            )
+        restored = self._restore_durable(app_state, step)
+        self._tier.forget_after(restored)
+        return restored
 
     def handle_preemption(
         self,
