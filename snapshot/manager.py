@@ -130,6 +130,8 @@ class CheckpointManager:
         # Retention and deletions (rank 0's), and which steps the saves hold.
         self._cleaner = Cleaner(self._steps, self.policy)
         self._last_saved: int | None = None
+        self._durable_saved: int | None = None  # the newest step saved to the root
+        self._final = False  # the final save of a preempted job: to the root too
         self._errors: list[BaseException] = []
         self._lock = threading.Lock()  # guards _in_flight and _errors
         # As rank 0 last listed them (every rank: ``steps``): the folder of each step, and the
@@ -162,12 +164,31 @@ class CheckpointManager:
                 f"step {step} is not after the newest step under {self.root} ({latest}): steps "
                 "must increase (restore() first to resume, or use another root)"
             )
+        tier_error = None
         if self._tier is not None:
-            self._tier.save(step, app_state, self._take_part)
-            if not self._tier.durable():
+            try:
+                self._tier.save(step, app_state, self._take_part)
+            except Exception as e:  # a durable save due still runs: every rank takes part
+                tier_error = e
+            if not self._tier.durable() and not self._final:
                 self._last_saved = step
+                if tier_error is not None:
+                    raise tier_error
                 logger.info("save of step %d to the memory tier of %s", step, self.root)
+                if self._preempt_state is not None:
+                    self.checkpoint_if_preempted(step)
                 return
+        self._save_durable(step, app_state, recorded)
+        if tier_error is not None:
+            raise tier_error
+        if self._preempt_state is not None:
+            # Under handle_preemption(app_state, step_fn): after a signal, the final save.
+            self.checkpoint_if_preempted(step)
+
+    def _save_durable(
+        self, step: int, app_state: dict[str, Any], recorded: dict[str, float]
+    ) -> None:
+        """``save`` to the durable root, once the step is known to be new there."""
         self._refuse_occupied(step)
         # An incremental save's base must be committed.
         self._wait_for_saves(0 if self.incremental else self.max_in_flight - 1)
@@ -225,9 +246,7 @@ class CheckpointManager:
             self._cleaner.end(step)
             if self._ranks.rank == 0:
                 self._cleaner.run_round()
-        if self._preempt_state is not None:
-            # Under handle_preemption(app_state, step_fn): after a signal, the final save.
-            self.checkpoint_if_preempted(step)
+        self._durable_saved = step
 
     def _committed(self, step: int, pending: PendingSnapshot, t0: float) -> None:
         """On a thread of its own: waits for an async save, records its end, then hands
@@ -390,6 +409,7 @@ class CheckpointManager:
         ).restore(app_state, options=self.options)
         logger.info("restored step %d from %s in %.3f s", step, path, _since(t))
         self._last_saved = max(step, self._last_saved or 0)
+        self._durable_saved = step
         return step
 
     def _restore_tiered(self, app_state: dict[str, Any]) -> int | None:
@@ -410,6 +430,8 @@ class CheckpointManager:
             logger.info("restored step %d from the memory tier in %.3f s", step, _since(t))
             self._tier.forget_after(step)
             self._last_saved = max(step, self._last_saved or 0)
+            if step in durable:
+                self._durable_saved = step
             return step
         if step is not None and step not in durable:
             older = max((s for s in durable if s < step), default=None)
@@ -501,7 +523,15 @@ class CheckpointManager:
         try:
             self._wait_for_saves(0)
             last = self._last_saved
-            if last is not None and step <= last:
+            if last is not None and step <= last and self._durable_saved != last and self._tier:
+                # The newest save is in memory only: the root gets it before the exit.
+                logger.warning("preempted: saving step %d under %s before exiting", last, self.root)
+                self.async_, async_ = False, self.async_
+                try:
+                    self._save_durable(last, app_state, {})
+                finally:
+                    self.async_ = async_
+            elif last is not None and step <= last:
                 logger.warning(
                     "preempted: step %d is saved already under %s (the newest saved is %d)",
                     step,
@@ -511,6 +541,7 @@ class CheckpointManager:
             else:
                 logger.warning("preempted: saving step %d under %s before exiting", step, self.root)
                 self.async_, async_ = False, self.async_
+                self._final = True  # to the root too, with a memory tier
                 try:
                     self.save(step, app_state)
                 finally:

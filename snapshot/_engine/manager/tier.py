@@ -139,6 +139,14 @@ class Tier:
                 )
                 self.hosts = self._all_gather(host)
         self.host = host
+        # A tier of another world size on this node is deleted (by the node's first rank, the
+        # others waiting for it): its parts cannot be restored, nor mixed with new ones.
+        if self.rank == min(r for r, h in enumerate(self.hosts) if h == host):
+            if os.path.isdir(self.folder) and not self._check_job():
+                self.forget_after(None)
+                remove(os.path.join(self.folder, "job.json"))
+            self._check_job()
+        self._all_gather(None)
         self.peers = peers_of(self.hosts, config.replicas)
         self.keepers = [
             [r for r in range(self.world) if s in self.peers[r]] for s in range(self.world)
@@ -269,10 +277,6 @@ class Tier:
         path = self.part(step, self.rank)
         error: BaseException | None = None
         try:
-            if not self._check_job():
-                self.forget_after(None)
-                remove(os.path.join(self.folder, "job.json"))
-                self._check_job()
             remove(path)
             take(path, app_state, self.alone)
         except BaseException as e:
