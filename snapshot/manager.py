@@ -577,6 +577,8 @@ class CheckpointManager:
             self._closed = True
             self._drop_handler()
             self._cleaner.stop()
+            if self._tier is not None:
+                self._tier.close()
 
     def __enter__(self) -> CheckpointManager:
         return self

@@ -251,7 +251,9 @@ class Tier:
                 budget,
                 kept[0],
             )
-            remove(os.path.join(self.folder, step_name(kept.pop(0))))
+            dropped = kept.pop(0)
+            self.complete.remove(dropped)
+            remove(os.path.join(self.folder, step_name(dropped)))
         used = self._used_bytes()
         if used > budget:
             logger.warning(
