@@ -13,11 +13,14 @@ more steps, the uninterrupted run. Each case restarts every process and restores
 (d) both hosts wiped: durable restore.
 
 Every case restores step 4 bitwise and trains on with the uninterrupted run's losses. Durable
-storage is a local folder behind a plugin that counts reads (``counting://``).
+storage is a local folder behind a plugin that counts reads (``counting://``). The cases run on
+2 and 4 ranks sharing this machine's network, and on 2 ranks whose hosts are network
+namespaces joined by a bridge (tests/netns.py).
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import shutil
@@ -29,6 +32,7 @@ import torch
 from snapshot import CheckpointManager, MemoryTier, StateDict
 from storage_plugins import register_storage_plugin
 from storage_plugins.fs import FSStoragePlugin
+from tests import netns
 from tests.multirank import run_ranks
 
 pytestmark = pytest.mark.slow  # real processes
@@ -143,12 +147,39 @@ def _part_files(base: str, host: str, rank: int) -> list[str]:
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_memory_tier_restarts(tmp_path, world):
+    _cases(tmp_path, world, run_ranks)
+
+
+def test_memory_tier_restarts_on_a_namespace_network(tmp_path):
+    """The same cases with the two hosts on network namespaces (tests/netns.py): the replicas
+    and the repairs cross the bridge between them."""
+    why = netns.unavailable()
+    if why is not None:
+        pytest.skip(f"no namespace network here: {why}")
+    world = 2
+    with netns.TestNetwork(["a", "b"]) as net:
+        ports = itertools.count(29600)
+
+        def launch(n: int, body: Any, *args: Any, timeout: float) -> list[Any]:
+            return run_ranks(
+                n,
+                body,
+                *args,
+                timeout=timeout,
+                hosts=[net.ns(_host(r, n)) for r in range(n)],
+                init_method=f"tcp://{net.address('a')}:{next(ports)}",
+            )
+
+        _cases(tmp_path, world, launch)
+
+
+def _cases(tmp_path: Any, world: int, launch: Any) -> None:
     root, base = f"counting://{tmp_path / 'durable'}", str(tmp_path / "tier")
-    trained = run_ranks(world, _train, root, base, timeout=300)
+    trained = launch(world, _train, root, base, timeout=300)
     b_ranks = [r for r in range(world) if _host(r, world) == "b"]
 
     def resume() -> list[dict[str, Any]]:
-        out = run_ranks(world, _resume, root, base, timeout=300)
+        out = launch(world, _resume, root, base, timeout=300)
         for rank, got in enumerate(out):
             assert got["step"] == 4 and got["progress"] == 4, (rank, got["step"])
             for key, value in trained[rank]["saved"].items():
