@@ -285,10 +285,9 @@ class CheckpointManager:
         Snapshot.take(path, app_state, pg=pg, options=self.options)
 
     def _restore_part(self, path: str, app_state: dict[str, Any], pg: Any) -> None:
-        """The memory tier's restore of this rank's part, every range checked first."""
-        Snapshot(path, pg=pg, options=self.options).restore(
-            app_state, options=self.options, verify_first=True
-        )
+        """The memory tier's restore of this rank's part: every range checked as it lands
+        (a part that fails is restored again in full from the next source)."""
+        Snapshot(path, pg=pg, options=self.options).restore(app_state, options=self.options)
 
     def _refuse_occupied(self, step: int) -> None:
         """Raises ``SnapshotExistsError`` when the last listing found a folder at ``step`` that
@@ -435,12 +434,18 @@ class CheckpointManager:
             return step
         if step is not None and step not in durable:
             older = max((s for s in durable if s < step), default=None)
+            if older is None:
+                raise SnapshotError(
+                    f"step {step} cannot be restored: the part of rank(s) {failed} is valid in "
+                    f"no memory tier, and {self.root} holds no step to fall back on; app_state "
+                    "may hold values loaded before a check failed"
+                )
             logger.warning(
                 "step %d: no valid part of rank(s) %s in any memory tier and none in durable "
                 "storage; restoring %s",
                 step,
                 failed,
-                "nothing" if older is None else f"step {older} from durable storage",
+                f"step {older} from durable storage",
             )
             step = older
         elif step is not None:

@@ -165,3 +165,20 @@ def test_a_part_sent_by_a_peer_stays_in_its_folder(tmp_path):
     evil = data.replace(b'"0/blob"', b'"../abc"')  # the same length
     with pytest.raises(SnapshotError, match="outside its folder"):
         unpack(evil, str(tmp_path / "copy"))
+
+
+def test_a_damaged_part_with_no_durable_step_is_an_error(tmp_path):
+    root, shm = tmp_path / "root", tmp_path / "shm"
+    tier = MemoryTier(dir=str(shm), durable_every=100)
+    with CheckpointManager(str(root), memory_tier=tier) as manager:
+        manager.save(1, _state(1.0))
+    part = os.path.join(_job(shm, root), "step_0000000001", "0", "0")
+    (blob,) = os.listdir(part)
+    with open(os.path.join(part, blob), "r+b") as f:
+        f.seek(8)
+        f.write(b"\xff")
+    with (
+        CheckpointManager(str(root), memory_tier=tier) as manager,
+        pytest.raises(SnapshotError, match="cannot be restored.*no step to fall back on"),
+    ):
+        manager.restore(_state(-1.0))

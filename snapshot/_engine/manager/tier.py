@@ -114,8 +114,9 @@ class Tier:
         import torch.distributed as dist
 
         self.config = config
-        self.root = root
-        self.folder = os.path.join(os.path.abspath(os.fspath(config.dir)), job_id(root))
+        # A local root by its absolute path: "ckpt" of two jobs in two folders are two roots.
+        self.root = root if "://" in root else os.path.abspath(root)
+        self.folder = os.path.join(os.path.abspath(os.fspath(config.dir)), job_id(self.root))
         self.rank, self.world = 0, 1
         self.alone: Any = None  # this rank's group of one: the takes of its part
         self.group: Any = None  # the tier's gloo group: replicas and restore's agreements
@@ -330,7 +331,8 @@ class Tier:
     ) -> tuple[int | None, list[int]]:
         """Restores the newest step complete in the tier when no durable step is newer:
         each rank's part from its node, else from a peer's replica, each checked by
-        ``restore`` (``verify_first``) before anything is loaded. Returns the step (None:
+        ``restore`` as its bytes land (a part that fails is restored again in full from the
+        next source, overwriting what it loaded). Returns the step (None:
         the tier has no step to restore, nothing was loaded) and the ranks whose part no
         tier could give (the caller restores that step from durable storage)."""
         inventory = self.inventory()
