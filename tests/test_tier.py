@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 
 import pytest
 import torch
@@ -182,3 +183,36 @@ def test_a_damaged_part_with_no_durable_step_is_an_error(tmp_path):
         pytest.raises(SnapshotError, match="cannot be restored.*no step to fall back on"),
     ):
         manager.restore(_state(-1.0))
+
+
+def test_a_preempted_job_saves_its_newest_memory_step_to_the_root(tmp_path):
+    """The newest save went to memory only: the final save puts it in the root."""
+    root, shm = tmp_path / "root", tmp_path / "shm"
+
+    class Ended(Exception):
+        pass
+
+    def ending(signum, frame):  # the handler the manager's replaces, called again at the end
+        raise Ended
+
+    previous = signal.signal(signal.SIGUSR1, ending)
+    try:
+        manager = CheckpointManager(
+            str(root), memory_tier=MemoryTier(dir=str(shm), durable_every=10)
+        )
+        manager.handle_preemption(signals=(signal.SIGUSR1,))
+        state = _state(0.0)
+        for step in (1, 2, 3):
+            state["model"]["w"].fill_(step)
+            manager.save(step, state)
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert manager.preempted
+        with pytest.raises(Ended):
+            manager.checkpoint_if_preempted(3, state)
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+    with CheckpointManager(str(root)) as again:
+        assert again.steps() == [3]
+        target = _state(-1.0)
+        assert again.restore(target) == 3
+    assert torch.equal(target["model"]["w"], torch.full((64,), 3.0))
