@@ -432,29 +432,7 @@ class CheckpointManager:
             if step in durable:
                 self._durable_saved = step
             return step
-        if step is not None and step not in durable:
-            older = max((s for s in durable if s < step), default=None)
-            if older is None:
-                raise SnapshotError(
-                    f"step {step} cannot be restored: the part of rank(s) {failed} is valid in "
-                    f"no memory tier, and {self.root} holds no step to fall back on; app_state "
-                    "may hold values loaded before a check failed"
-                )
-            logger.warning(
-                "step %d: no valid part of rank(s) %s in any memory tier and none in durable "
-                "storage; restoring %s",
-                step,
-                failed,
-                f"step {older} from durable storage",
-            )
-            step = older
-        elif step is not None:
-            logger.warning(
-                "step %d: rank(s) %s have no valid part in memory: restoring it from durable "
-                "storage",
-                step,
-                failed,
-            )
+        step = self._tier.fallback(step, failed, durable)
         restored = self._restore_durable(app_state, step)
         self._tier.forget_after(restored)
         return restored

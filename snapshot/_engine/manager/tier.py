@@ -377,6 +377,40 @@ class Tier:
             statuses = self._all_gather(status)
         return step, [r for r, s in enumerate(statuses) if s is not None]
 
+    def fallback(self, step: int | None, failed: list[int], durable: set[int]) -> int | None:
+        """The durable step to restore after ``restore`` returned ``step`` and ``failed``:
+        that step when the root has it, else the root's newest before it (None: the root's
+        newest, the tier having had no step).
+
+        Raises:
+            SnapshotError: no step of the root to fall back on, after a part failed.
+        """
+        if step is None:
+            return None
+        if step in durable:
+            logger.warning(
+                "step %d: rank(s) %s have no valid part in memory: restoring it from durable "
+                "storage",
+                step,
+                failed,
+            )
+            return step
+        older = max((s for s in durable if s < step), default=None)
+        if older is None:
+            raise SnapshotError(
+                f"step {step} cannot be restored: the part of rank(s) {failed} is valid in no "
+                f"memory tier, and {self.root} holds no step to fall back on; app_state may "
+                "hold values loaded before a check failed"
+            )
+        logger.warning(
+            "step %d: no valid part of rank(s) %s in any memory tier and none in durable "
+            "storage; restoring step %d from durable storage",
+            step,
+            failed,
+            older,
+        )
+        return older
+
     def _source(self, part: int, holders: list[int]) -> int | None:
         """The rank that sends ``part``: one on another host whose node holds it, the part's
         own keeper first (so the senders are spread as the replicas were)."""
