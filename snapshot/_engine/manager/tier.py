@@ -64,9 +64,9 @@ def peers_of(hosts: list[str], replicas: int) -> list[list[int]]:
     return out
 
 
-def pack(folder: str) -> bytes:
+def pack(folder: str) -> bytearray:
     """A part's files as one message: a length-prefixed JSON list of ``[name, size]``, the
-    manifest last, then their bytes in that order."""
+    manifest last, then their bytes in that order (writable: sent as a tensor's memory)."""
     names = sorted(
         os.path.relpath(os.path.join(d, f), folder)
         for d, _, files in os.walk(folder)
@@ -79,14 +79,14 @@ def pack(folder: str) -> bytes:
         with open(os.path.join(folder, name), "rb") as f:
             chunks.append(f.read())
     header = json.dumps([[n, len(c)] for n, c in zip(names, chunks, strict=True)]).encode()
-    return b"".join([struct.pack("<Q", len(header)), header, *chunks])
+    return bytearray().join([struct.pack("<Q", len(header)), header, *chunks])
 
 
-def unpack(data: bytes, folder: str) -> None:
+def unpack(data: bytes | bytearray | memoryview, folder: str) -> None:
     """Writes a ``pack``ed part into ``folder`` (replacing what was there): each file under a
     temporary name renamed into place, the manifest last."""
     (n,) = struct.unpack_from("<Q", data)
-    listed = json.loads(data[8 : 8 + n])
+    listed = json.loads(bytes(data[8 : 8 + n]))
     remove(folder)
     at = 8 + n
     for name, size in listed:
@@ -449,7 +449,9 @@ class Tier:
         dist.all_gather_object(out, value, group=self.group)
         return out
 
-    def _exchange(self, outgoing: dict[int, bytes], incoming: list[int]) -> dict[int, bytes]:
+    def _exchange(
+        self, outgoing: dict[int, bytearray], incoming: list[int]
+    ) -> dict[int, memoryview]:
         """Sends each ``outgoing`` message to its rank and receives one from each rank of
         ``incoming`` (ranks of the manager's group), on the tier's group."""
         if self.group is None:
@@ -460,7 +462,7 @@ class Tier:
         works, held = [], []
         for dst, data in outgoing.items():
             size = torch.tensor([len(data)], dtype=torch.int64)
-            body = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+            body = torch.frombuffer(data, dtype=torch.uint8)
             held += [size, body]
             for t in (size, body):
                 works.append(dist.isend(t, dst=self.global_ranks[dst], group=self.group))
@@ -470,7 +472,7 @@ class Tier:
             dist.recv(size, src=self.global_ranks[src], group=self.group)
             body = torch.empty(int(size[0]), dtype=torch.uint8)
             dist.recv(body, src=self.global_ranks[src], group=self.group)
-            got[src] = body.numpy().tobytes()
+            got[src] = body.numpy().data  # the tensor's memory, no copy
         for w in works:
             if w is not None:
                 w.wait()
