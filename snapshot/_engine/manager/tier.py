@@ -42,6 +42,9 @@ Take = Callable[[str, dict[str, Any], Any], None]
 Restore = Callable[[str, dict[str, Any], Any], None]
 
 
+OTHER = "another layout: "  # a restore status: the target's sharding differs from the part's
+
+
 def job_id(root: str) -> str:
     """The name of a durable root's tier folder: ``statesnap-tier-<16 hex digits>``."""
     return "statesnap-tier-" + hashlib.sha256(root.encode()).hexdigest()[:16]
@@ -280,8 +283,12 @@ class Tier:
         path = self.part(step, self.rank)
         error: BaseException | None = None
         try:
+            from snapshot._engine.manager import tier_parts
+
             remove(path)
-            take(path, app_state, self.alone)
+            wrapped = tier_parts.wrap(app_state, None)  # sharded values as their local pieces
+            take(path, wrapped, self.alone)
+            tier_parts.write_layouts(path, wrapped)
         except BaseException as e:
             error = e
         with self._lock:
@@ -360,7 +367,8 @@ class Tier:
             status = "not in its node's memory"
             logger.warning("rank %d: its part of step %d is %s", self.rank, step, status)
         statuses = self._all_gather(status)
-        need = [r for r, s in enumerate(statuses) if s is not None]
+        # A part whose target is laid out otherwise fits no replica either: durable storage.
+        need = [r for r, s in enumerate(statuses) if s is not None and not s.startswith(OTHER)]
         if need:
             # Each part missing or bad: from a rank on another host whose node holds it.
             source = {r: self._source(r, holders[step][r]) for r in need}
@@ -424,9 +432,24 @@ class Tier:
     ) -> str | None:
         """Restores this rank's part of ``step`` from its node; None when it did, else why
         not (its checks failed before anything was loaded)."""
+        from snapshot._engine.manager import tier_parts
+
+        part = self.part(step, self.rank)
+        wrapped = tier_parts.wrap(app_state, tier_parts.read_layouts(part))
         try:
-            restore(self.part(step, self.rank), app_state, self.alone)
+            restore(part, wrapped, self.alone)
         except SnapshotError as e:
+            other = tier_parts.mismatch(wrapped)
+            if other is not None:
+                logger.warning(
+                    "rank %d: the part of step %d from %s was taken with another layout of "
+                    "its sharded state, so the step comes from durable storage: %s",
+                    self.rank,
+                    step,
+                    source,
+                    other,
+                )
+                return f"{OTHER}{other}"
             logger.warning(
                 "rank %d: the part of step %d from %s failed its check: %s",
                 self.rank,
