@@ -216,3 +216,43 @@ def test_a_preempted_job_saves_its_newest_memory_step_to_the_root(tmp_path):
         target = _state(-1.0)
         assert again.restore(target) == 3
     assert torch.equal(target["model"]["w"], torch.full((64,), 3.0))
+
+
+class _Sharded:
+    """A Stateful holding rank 1's half (rows 4-7) of a global 8x4 tensor as our ShardedTensor,
+    or another half (``offset``); records what its load_state_dict was given."""
+
+    def __init__(self, value: float, offset: int = 1) -> None:
+        from snapshot.sharding import ShardedTensor
+
+        self.data = torch.full((4, 4), value)
+        self.piece = ShardedTensor.from_rank_offsets("w", self.data, (0, offset, 2))
+        self.loaded: dict | None = None
+
+    def state_dict(self) -> dict:
+        return {"w": self.piece, "n": 3}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.loaded = state
+
+
+def test_a_sharded_value_is_kept_as_its_local_piece(tmp_path, caplog):
+    """A part taken alone holds the local piece of our ShardedTensor (which a plain take alone
+    refuses: it does not cover the global tensor) and restores it in place into a target of
+    the same layout; a target holding another block is not restored from memory."""
+    root, shm = str(tmp_path / "root"), str(tmp_path / "shm")
+    tier = MemoryTier(dir=shm, durable_every=2)
+    with CheckpointManager(root, memory_tier=tier) as manager:
+        manager.save(1, {"s": _Sharded(2.0)})
+    target = _Sharded(0.0)
+    with CheckpointManager(root, memory_tier=tier) as manager:
+        assert manager.restore({"s": target}) == 1
+    assert torch.equal(target.data, torch.full((4, 4), 2.0))  # in place, into the piece's data
+    assert target.loaded is not None and target.loaded["n"] == 3
+    assert target.loaded["w"] is target.data  # ours gives back its data, as a plain restore
+    other = _Sharded(0.0, offset=0)
+    with CheckpointManager(root, memory_tier=tier) as manager, caplog.at_level(logging.WARNING):
+        with pytest.raises(SnapshotError, match="holds no step to fall back on"):
+            manager.restore({"s": other})
+    assert "taken with another layout" in caplog.text and "'offset': [4, 0]" in caplog.text
+    assert torch.equal(other.data, torch.zeros(4, 4)) and other.loaded is None
