@@ -1,14 +1,15 @@
 """The checkpoint manager's memory tier with sharded state: FSDP2 (``fully_shard`` on a 1-D
-mesh) with AdamW on 2 ranks on 2 "hosts", saved through the README's Stateful
-(``get_state_dict`` / ``set_state_dict``, DTensors kept).
+mesh) with AdamW on 2 ranks on 2 "hosts", and HSDP (a 2x2 replicate x shard mesh) on 4 ranks,
+2 per host, saved through the README's Stateful (``get_state_dict`` / ``set_state_dict``,
+DTensors kept).
 
 Each rank's part holds its DTensors' local pieces and their layout. A job trains and saves
 steps 1-3 (the third to durable storage too), then records three more steps' losses, the
 uninterrupted run. Each case restarts every process and restores:
 
 (a) memory intact: every part from its node, nothing read from durable storage;
-(b) host b's memory wiped: rank 1's part from its replica on host a, nothing read from durable
-    storage;
+(b) host b's memory wiped: its ranks' parts from their replicas on host a, nothing read from
+    durable storage;
 (c) the model not sharded at restore (another layout): no part is restored from memory, the
     step comes from durable storage, and the logs say why.
 
@@ -36,15 +37,19 @@ from tests.test_tier_ranks import READS, CountingFS, Messages
 pytestmark = pytest.mark.slow  # real processes
 
 
-def _build(sharded: bool, seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+def _build(layout: str, seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     warnings.filterwarnings("ignore", category=UserWarning)
     torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
-    if sharded:
+    if layout != "plain":
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
-        mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),))
+        world = torch.distributed.get_world_size()
+        if layout == "hsdp":  # ranks 0 and 1 (host a) one replica, 2 and 3 (host b) the other
+            mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+        else:
+            mesh = init_device_mesh("cpu", (world,))
         for layer in (model[0], model[2]):
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
@@ -74,15 +79,15 @@ def _full(model: torch.nn.Module, optim: torch.optim.Optimizer) -> dict[str, byt
     return out
 
 
-def _tier(rank: int, base: str) -> MemoryTier:
-    host = "ab"[rank]
+def _tier(rank: int, world: int, base: str) -> MemoryTier:
+    host = "a" if rank < world // 2 else "b"
     return MemoryTier(dir=os.path.join(base, host), host=host, durable_every=3)
 
 
-def _train(rank: int, world: int, root: str, base: str) -> dict[str, Any]:
+def _train(rank: int, world: int, root: str, base: str, layout: str) -> dict[str, Any]:
     register_storage_plugin("counting", CountingFS)
-    model, optim = _build(True, seed=0)
-    with CheckpointManager(root, memory_tier=_tier(rank, base)) as manager:
+    model, optim = _build(layout, seed=0)
+    with CheckpointManager(root, memory_tier=_tier(rank, world, base)) as manager:
         for step in range(1, 4):
             _step(model, optim, step, rank)
             manager.save(step, {"train": ModelAndOptimizer(model, optim)})
@@ -90,14 +95,14 @@ def _train(rank: int, world: int, root: str, base: str) -> dict[str, Any]:
     return {"saved": saved, "losses": [_step(model, optim, s, rank) for s in (4, 5, 6)]}
 
 
-def _resume(rank: int, world: int, root: str, base: str, sharded: bool) -> dict[str, Any]:
+def _resume(rank: int, world: int, root: str, base: str, layout: str) -> dict[str, Any]:
     register_storage_plugin("counting", CountingFS)
     READS.clear()
     messages = Messages()
     logging.getLogger("snapshot").addHandler(messages)
     logging.getLogger("snapshot").setLevel(logging.INFO)
-    model, optim = _build(sharded, seed=1)  # other values: all must come from the restore
-    with CheckpointManager(root, memory_tier=_tier(rank, base)) as manager:
+    model, optim = _build(layout, seed=1)  # other values: all must come from the restore
+    with CheckpointManager(root, memory_tier=_tier(rank, world, base)) as manager:
         step = manager.restore({"train": ModelAndOptimizer(model, optim)})
     reads = list(READS)
     restored = _full(model, optim)
@@ -112,12 +117,14 @@ def _resume(rank: int, world: int, root: str, base: str, sharded: bool) -> dict[
     }
 
 
-def test_fsdp2_state_restarts_from_memory_and_replicas(tmp_path):
+@pytest.mark.parametrize(("layout", "world"), [("fsdp", 2), ("hsdp", 4)])
+def test_fsdp2_state_restarts_from_memory_and_replicas(tmp_path, layout, world):
     root, base = f"counting://{tmp_path / 'durable'}", str(tmp_path / "tier")
-    trained = run_ranks(2, _train, root, base, timeout=300)
+    trained = run_ranks(world, _train, root, base, layout, timeout=300)
 
     def resume(sharded: bool = True) -> list[dict[str, Any]]:
-        out = run_ranks(2, _resume, root, base, sharded, timeout=300)
+        at = layout if sharded else "plain"
+        out = run_ranks(world, _resume, root, base, at, timeout=300)
         for rank, got in enumerate(out):
             assert got["step"] == 3, (rank, got["step"])
             assert got["restored"].keys() == trained[rank]["saved"].keys()
@@ -125,6 +132,8 @@ def test_fsdp2_state_restarts_from_memory_and_replicas(tmp_path):
                 assert got["restored"][key] == value, (rank, key)  # bitwise
             if sharded:
                 assert got["placements"] and all("Shard(dim=0)" in p for p in got["placements"])
+                if layout == "hsdp":
+                    assert all("Replicate()" in p for p in got["placements"])
                 assert got["losses"] == trained[rank]["losses"], rank
         return out
 
@@ -133,11 +142,16 @@ def test_fsdp2_state_restarts_from_memory_and_replicas(tmp_path):
         assert got["reads"] == [], (rank, got["reads"], got["messages"])
         assert f"rank {rank}: step 3 restored from its node's memory" in got["messages"]
 
-    # (b) host b replaced (its memory empty): rank 1's part from the replica on host a.
+    # (b) host b replaced (its memory empty): its ranks' parts from the replicas on host a.
     shutil.rmtree(os.path.join(base, "b"))
     for rank, got in enumerate(resume()):
         assert got["reads"] == [], (rank, got["reads"], got["messages"])
-    assert "rank 1: step 3 restored from the replica of rank 0" in got["messages"]
+        if rank >= world // 2:
+            keeper = rank - world // 2
+            assert (
+                f"rank {rank}: step 3 restored from the replica of rank {keeper}"
+                in (got["messages"])
+            ), got["messages"]
 
     # (c) the model not sharded at restore: another layout, so durable storage.
     for rank, got in enumerate(resume(sharded=False)):
