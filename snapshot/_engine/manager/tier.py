@@ -28,9 +28,11 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
+from snapshot._engine import runtime
+from snapshot._engine.dist import liveness
 from snapshot._engine.manager.steps import step_name, step_of
 from snapshot._engine.take.commit import MANIFEST_NAME
-from snapshot.errors import SnapshotError
+from snapshot.errors import RankFailedError, SnapshotError
 from snapshot.options import MemoryTier, Options
 from storage_plugins.base import DaemonThreadPool
 
@@ -124,6 +126,7 @@ class Tier:
         self.alone: Any = None  # this rank's group of one: the takes of its part
         self.group: Any = None  # the tier's gloo group: replicas and restore's agreements
         self.global_ranks = [0]
+        self.watch: Any = None  # liveness.Watch of the tier's group
         host = config.host if config.host is not None else socket.gethostname()
         self.hosts = [host]
         if dist.is_available() and dist.is_initialized():
@@ -131,11 +134,23 @@ class Tier:
             ranks = dist.get_process_group_ranks(pg if pg is not None else dist.group.WORLD)
             self.global_ranks = list(ranks)
             if self.world > 1:
-                assert options.collective_timeout_secs is not None  # resolved options
-                timeout = datetime.timedelta(seconds=options.collective_timeout_secs)
+                seconds, rank_timeout = options.collective_timeout_secs, options.rank_timeout_secs
+                assert seconds is not None and rank_timeout is not None  # resolved options
+                timeout = datetime.timedelta(seconds=seconds)
                 local = len(ranks) < dist.get_world_size()
-                self.group = dist.new_group(
-                    ranks=ranks, backend="gloo", timeout=timeout, use_local_synchronization=local
+                # Every collective of the tier's runs under a watch of the peers' heartbeats,
+                # as a take's do: a silent peer fails it within rank_timeout_secs, one whose
+                # process ended at once, each a RankFailedError naming the rank.
+                runtime.get().heartbeat(dist.get_rank(), rank_timeout)
+                self.watch = liveness.Watch(self.rank, ranks, rank_timeout, seconds)
+                self.group = self.watch.run(
+                    lambda: dist.new_group(
+                        ranks=ranks,
+                        backend="gloo",
+                        timeout=timeout,
+                        use_local_synchronization=local,
+                    ),
+                    self._lost,
                 )
                 me = dist.get_rank()
                 self.alone = dist.new_group(
@@ -469,8 +484,16 @@ class Tier:
         import torch.distributed as dist
 
         out: list[Any] = [None] * self.world
-        dist.all_gather_object(out, value, group=self.group)
+        self.watch.run(lambda: dist.all_gather_object(out, value, group=self.group), self._lost)
         return out
+
+    def _lost(self, why: str, failures: dict[int, str]) -> RankFailedError:
+        """What a rank raises when it lost contact with its peers in a tier's collective."""
+        return RankFailedError(
+            f"rank {self.rank} of {self.world} lost contact with the other ranks in the memory "
+            f"tier of {self.root}: {why}",
+            failures,
+        )
 
     def _exchange(
         self, outgoing: dict[int, bytearray], incoming: list[int]
@@ -482,21 +505,24 @@ class Tier:
         import torch
         import torch.distributed as dist
 
-        works, held = [], []
-        for dst, data in outgoing.items():
-            size = torch.tensor([len(data)], dtype=torch.int64)
-            body = torch.frombuffer(data, dtype=torch.uint8)
-            held += [size, body]
-            for t in (size, body):
-                works.append(dist.isend(t, dst=self.global_ranks[dst], group=self.group))
-        got = {}
-        for src in incoming:
-            size = torch.empty(1, dtype=torch.int64)
-            dist.recv(size, src=self.global_ranks[src], group=self.group)
-            body = torch.empty(int(size[0]), dtype=torch.uint8)
-            dist.recv(body, src=self.global_ranks[src], group=self.group)
-            got[src] = body.numpy().data  # the tensor's memory, no copy
-        for w in works:
-            if w is not None:
-                w.wait()
-        return got
+        def exchange() -> dict[int, memoryview]:
+            works, held = [], []
+            for dst, data in outgoing.items():
+                size = torch.tensor([len(data)], dtype=torch.int64)
+                body = torch.frombuffer(data, dtype=torch.uint8)
+                held += [size, body]
+                for t in (size, body):
+                    works.append(dist.isend(t, dst=self.global_ranks[dst], group=self.group))
+            got = {}
+            for src in incoming:
+                size = torch.empty(1, dtype=torch.int64)
+                dist.recv(size, src=self.global_ranks[src], group=self.group)
+                body = torch.empty(int(size[0]), dtype=torch.uint8)
+                dist.recv(body, src=self.global_ranks[src], group=self.group)
+                got[src] = body.numpy().data  # the tensor's memory, no copy
+            for w in works:
+                if w is not None:
+                    w.wait()
+            return got
+
+        return self.watch.run(exchange, self._lost)
