@@ -251,8 +251,49 @@ def test_a_sharded_value_is_kept_as_its_local_piece(tmp_path, caplog):
     assert target.loaded is not None and target.loaded["n"] == 3
     assert target.loaded["w"] is target.data  # ours gives back its data, as a plain restore
     other = _Sharded(0.0, offset=0)
-    with CheckpointManager(root, memory_tier=tier) as manager, caplog.at_level(logging.WARNING):
-        with pytest.raises(SnapshotError, match="holds no step to fall back on"):
-            manager.restore({"s": other})
+    with (
+        CheckpointManager(root, memory_tier=tier) as manager,
+        caplog.at_level(logging.WARNING),
+        pytest.raises(SnapshotError, match="holds no step to fall back on"),
+    ):
+        manager.restore({"s": other})
     assert "taken with another layout" in caplog.text and "'offset': [4, 0]" in caplog.text
     assert torch.equal(other.data, torch.zeros(4, 4)) and other.loaded is None
+
+
+class _Factory:
+    """A Stateful whose 4x4 tensor is saved through a ShardedTensorFactory as two blocks of
+    rank 1's half of global 8x4 tensors; records what its load_state_dict was given."""
+
+    def __init__(self, value: float) -> None:
+        self.data = torch.full((4, 4), value)
+        self.loaded: dict | None = None
+
+    def state_dict(self) -> dict:
+        from snapshot.sharding import ShardedTensor, ShardedTensorFactory
+
+        def build(key, data, replica_id, flattened_range):
+            return {
+                "top": ShardedTensor.from_rank_offsets(f"{key}.top", data[:2], (0, 1, 2)),
+                "bottom": ShardedTensor.from_rank_offsets(f"{key}.bottom", data[2:], (0, 1, 2)),
+            }
+
+        def merge(loaded):
+            return torch.cat([loaded["top"], loaded["bottom"]])
+
+        return {"f": ShardedTensorFactory("f", self.data, build, merge)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.loaded = state
+
+
+def test_a_factory_is_built_and_merged_back_in_a_part(tmp_path):
+    root, shm = str(tmp_path / "root"), str(tmp_path / "shm")
+    tier = MemoryTier(dir=shm, durable_every=2)
+    with CheckpointManager(root, memory_tier=tier) as manager:
+        manager.save(1, {"s": _Factory(5.0)})
+    target = _Factory(0.0)
+    with CheckpointManager(root, memory_tier=tier) as manager:
+        assert manager.restore({"s": target}) == 1
+    assert target.loaded is not None
+    assert torch.equal(target.loaded["f"], torch.full((4, 4), 5.0))  # merge_fn's result

@@ -21,7 +21,7 @@ import sys
 from typing import Any
 
 from snapshot.errors import SnapshotError
-from snapshot.sharding.mapping import ShardedTensor
+from snapshot.sharding.mapping import ShardedTensor, ShardedTensorFactory
 from snapshot.stateful import RNGState
 
 LAYOUT_NAME = "tier_layout.json"  # in a part's folder, beside its snapshot, when not empty
@@ -79,7 +79,8 @@ def _describe(value: Any) -> tuple[dict[str, Any], list[Any]] | None:
 
 def _localize(state: Any, path: str, layout: Layout, originals: dict[str, Any]) -> Any:
     """``state`` with each sharded value replaced by its local tensor(s), recorded under its
-    path in ``layout`` (description) and ``originals`` (the value and its local tensors)."""
+    path in ``layout`` (description) and ``originals`` (the value and its local tensors; a
+    ``ShardedTensorFactory``, built here, under ``<path>#factory``)."""
     if isinstance(state, dict):
         out = {k: _localize(v, f"{path}/{k!r}", layout, originals) for k, v in state.items()}
         return out if type(state) is dict else type(state)(out)
@@ -87,6 +88,9 @@ def _localize(state: Any, path: str, layout: Layout, originals: dict[str, Any]) 
         return type(state)(
             _localize(v, f"{path}/{i}", layout, originals) for i, v in enumerate(state)
         )
+    if isinstance(state, ShardedTensorFactory):
+        originals[f"{path}#factory"] = state
+        return _localize(state.build(), path, layout, originals)
     found = _describe(state)
     if found is None:
         return state
@@ -95,9 +99,12 @@ def _localize(state: Any, path: str, layout: Layout, originals: dict[str, Any]) 
     return pieces[0] if found[0]["kind"] != "torch ShardedTensor" else list(pieces)
 
 
-def _rebuild(value: Any, path: str, originals: dict[str, Any]) -> Any:
+def _rebuild(value: Any, path: str, originals: dict[str, Any], built: bool = False) -> Any:
     """The loaded ``value`` with each sharded target put back, its local tensors holding the
-    loaded pieces."""
+    loaded pieces (and what a factory built merged back by its ``merge_fn``)."""
+    factory = None if built else originals.get(f"{path}#factory")
+    if factory is not None:
+        return factory.merge_fn(_rebuild(value, path, originals, built=True))
     if path in originals:
         target, pieces = originals[path]
         loaded = (
