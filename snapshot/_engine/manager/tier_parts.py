@@ -83,10 +83,10 @@ def _localize(state: Any, path: str, layout: Layout, originals: dict[str, Any]) 
     ``ShardedTensorFactory``, built here, under ``<path>#factory``)."""
     if isinstance(state, dict):
         out = {k: _localize(v, f"{path}/{k!r}", layout, originals) for k, v in state.items()}
-        return out if type(state) is dict else type(state)(out)
+        return _same_or_new(state, out)
     if isinstance(state, list | tuple) and type(state) in (list, tuple):
-        return type(state)(
-            _localize(v, f"{path}/{i}", layout, originals) for i, v in enumerate(state)
+        return _same_or_new(
+            state, [_localize(v, f"{path}/{i}", layout, originals) for i, v in enumerate(state)]
         )
     if isinstance(state, ShardedTensorFactory):
         originals[f"{path}#factory"] = state
@@ -121,10 +121,25 @@ def _rebuild(value: Any, path: str, originals: dict[str, Any], built: bool = Fal
         return target.data if isinstance(target, ShardedTensor) else target
     if isinstance(value, dict):
         out = {k: _rebuild(v, f"{path}/{k!r}", originals) for k, v in value.items()}
-        return out if type(value) is dict else type(value)(out)
+        return _same_or_new(value, out)
     if isinstance(value, list | tuple) and type(value) in (list, tuple):
-        return type(value)(_rebuild(v, f"{path}/{i}", originals) for i, v in enumerate(value))
+        return _same_or_new(
+            value, [_rebuild(v, f"{path}/{i}", originals) for i, v in enumerate(value)]
+        )
     return value
+
+
+def _same_or_new(old: Any, new: dict[Any, Any] | list[Any]) -> Any:
+    """``old`` itself when none of its children changed (a state with nothing sharded goes
+    through untouched, a module's ``_metadata`` with it), else ``new`` as ``old``'s type."""
+    olds = old.values() if isinstance(new, dict) else old
+    news = new.values() if isinstance(new, dict) else new
+    if all(a is b for a, b in zip(olds, news, strict=True)):
+        return old
+    out: Any = new if type(new) is type(old) else type(old)(new)
+    if hasattr(old, "_metadata"):  # a module's state dict: its version records go along
+        out._metadata = old._metadata
+    return out
 
 
 class LocalPart:
