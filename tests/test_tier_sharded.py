@@ -159,3 +159,48 @@ def test_fsdp2_state_restarts_from_memory_and_replicas(tmp_path, layout, world):
         text = "\n".join(got["messages"])
         assert f"rank {rank}: the part of step 3 from its node's memory was taken with " in text
         assert "another layout" in text and "DTensor" in text, text
+
+
+class _TorchSharded:
+    """Rows ``4 * rank`` to ``4 * rank + 3`` of a global 8x4 torch ShardedTensor; records what
+    its load_state_dict was given."""
+
+    def __init__(self, value: float) -> None:
+        from torch.distributed._shard.sharded_tensor import Shard, init_from_local_shards
+        from torch.distributed._shard.sharding_spec import ShardMetadata
+
+        rank = torch.distributed.get_rank()
+        local = torch.full((4, 4), value + rank)
+        meta = ShardMetadata([4 * rank, 0], [4, 4], f"rank:{rank}/cpu")
+        self.st = init_from_local_shards([Shard(local, meta)], [8, 4])
+        self.loaded: Any = None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"st": self.st}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.loaded = state
+
+
+def _torch_sharded(rank: int, world: int, root: str, base: str) -> dict[str, Any]:
+    warnings.filterwarnings("ignore")
+    with CheckpointManager(root, memory_tier=_tier(rank, world, base)) as manager:
+        manager.save(1, {"s": _TorchSharded(10.0)})  # memory only: durable_every is 3
+    target = _TorchSharded(0.0)
+    with CheckpointManager(root, memory_tier=_tier(rank, world, base)) as manager:
+        step = manager.restore({"s": target})
+    (shard,) = target.st.local_shards()
+    return {
+        "step": step,
+        "same": target.loaded["st"] is target.st,
+        "local": shard.tensor.tolist(),
+    }
+
+
+def test_torch_sharded_tensor_restarts_from_memory(tmp_path):
+    """Torch's ShardedTensor: each rank's part holds its local shard, restored in place, and
+    load_state_dict gets the ShardedTensor itself (no durable step exists to fall back on)."""
+    out = run_ranks(2, _torch_sharded, str(tmp_path / "root"), str(tmp_path / "tier"))
+    for rank, got in enumerate(out):
+        assert got["step"] == 1 and got["same"], got
+        assert got["local"] == [[10.0 + rank] * 4] * 4, got
