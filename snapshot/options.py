@@ -162,6 +162,9 @@ class MemoryTier:
     peer ranks on other hosts, and every ``durable_every``-th save also goes to the durable
     ``root``. A restore takes the newest step complete across the tiers, each rank's part from
     its node, else a peer's replica, else durable storage, each checked by its CRC-32s first.
+    A part holds each sharded value (DTensor, torch's or statesnap's ShardedTensor) as this
+    rank's local pieces, so it restores only into the same layout at the same world size;
+    another layout restores from ``root``.
     """
 
     dir: str = "/dev/shm/statesnap"
