@@ -6,13 +6,14 @@ On a node, the tier is ``<dir>/statesnap-tier-<job>/`` (``job``: a digest of the
 so another job's tier is never read), holding ``job.json`` (the root and the world size) and
 ``step_<step>/<rank>/``, each a committed single-process snapshot of one rank's state: the
 node's own ranks' parts and the replicas its ranks keep for peers. A part is complete once its
-manifest is there (written last by a replica's copy; by the take, only its layouts follow).
-A part holds sharded values as this rank's local pieces, their layouts beside it in
+manifest is there (written last by a replica's copy; by the take, only its layouts follow). A
+part holds sharded values as this rank's local pieces, their layouts beside it in
 ``tier_layout.json`` (``tier_parts``), and restores only into targets of the same layout (one
-without the file: only state with nothing sharded). The takes and restores themselves are the facade's, handed in by the manager (``take`` and ``restore``
-callables): this module decides where, and moves the bytes between ranks, on a gloo group of
-its own that only its worker thread (saves) or the caller's thread (restore) uses, each
-collective under the peers' heartbeat watch (``liveness.Watch``).
+without the file: only state with nothing sharded). The takes and restores themselves are the
+facade's, handed in by the manager (``take`` and ``restore`` callables): this module decides
+where, and moves the bytes between ranks, on a gloo group of its own that only its worker
+thread (saves) or the caller's thread (restore) uses, each collective under the peers'
+heartbeat watch (``liveness.Watch``).
 """
 
 from __future__ import annotations
