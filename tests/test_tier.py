@@ -297,3 +297,14 @@ def test_a_factory_is_built_and_merged_back_in_a_part(tmp_path):
         assert manager.restore({"s": target}) == 1
     assert target.loaded is not None
     assert torch.equal(target.loaded["f"], torch.full((4, 4), 5.0))  # merge_fn's result
+
+
+def test_a_value_that_is_not_stateful_is_refused_as_by_a_take(tmp_path):
+    from snapshot import NotStatefulError
+
+    tier = MemoryTier(dir=str(tmp_path / "shm"), durable_every=2)
+    with (
+        CheckpointManager(str(tmp_path / "root"), memory_tier=tier) as manager,
+        pytest.raises(NotStatefulError, match=r"app_state\['x'\] is an int"),
+    ):
+        manager.save(1, {"x": 3})

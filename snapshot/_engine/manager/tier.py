@@ -305,7 +305,7 @@ class Tier:
             from snapshot._engine.manager import tier_parts
 
             remove(path)
-            wrapped = tier_parts.wrap(app_state, None)  # sharded values as their local pieces
+            wrapped = tier_parts.wrap(app_state, None, path)  # sharded values as their local pieces
             take(path, wrapped, self.alone)
             tier_parts.write_layouts(path, wrapped)
         except BaseException as e:
@@ -454,7 +454,7 @@ class Tier:
         from snapshot._engine.manager import tier_parts
 
         part = self.part(step, self.rank)
-        wrapped = tier_parts.wrap(app_state, tier_parts.read_layouts(part))
+        wrapped = tier_parts.wrap(app_state, tier_parts.read_layouts(part), part)
         try:
             restore(part, wrapped, self.alone)
         except SnapshotError as e:

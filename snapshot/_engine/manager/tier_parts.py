@@ -20,6 +20,7 @@ import os
 import sys
 from typing import Any
 
+from snapshot._engine.state_dicts import check_app_state
 from snapshot.errors import SnapshotError
 from snapshot.sharding.mapping import ShardedTensor, ShardedTensorFactory
 from snapshot.stateful import RNGState
@@ -173,9 +174,12 @@ def _difference(saved: Layout, target: Layout) -> str:
     return "none"
 
 
-def wrap(app_state: dict[str, Any], layouts: dict[str, Layout] | None) -> dict[str, Any]:
+def wrap(app_state: Any, layouts: dict[str, Layout] | None, path: str) -> dict[str, Any]:
     """``app_state`` with each value (RNGState aside: it holds nothing sharded, and the
-    restore orders it last by its type) a ``LocalPart``; ``layouts``: the part's, at restore."""
+    restore orders it last by its type) a ``LocalPart``; ``layouts``: the part's, at restore.
+    An app_state a take or restore refuses is refused here, as they would (``path``: the
+    part's)."""
+    check_app_state(app_state, path)
     return {
         k: v
         if isinstance(v, RNGState)
