@@ -358,7 +358,8 @@ class Tier:
         """Restores the newest step complete in the tier when no durable step is newer:
         each rank's part from its node, else from a peer's replica, each checked by
         ``restore`` as its bytes land (a part that fails is restored again in full from the
-        next source, overwriting what it loaded). Returns the step (None:
+        next source, overwriting what it loaded; one whose targets are laid out otherwise is
+        tried from no other tier). Returns the step (None:
         the tier has no step to restore, nothing was loaded) and the ranks whose part no
         tier could give (the caller restores that step from durable storage)."""
         inventory = self.inventory()
@@ -449,8 +450,9 @@ class Tier:
     def _try(
         self, step: int, app_state: dict[str, Any], restore: Restore, source: str
     ) -> str | None:
-        """Restores this rank's part of ``step`` from its node; None when it did, else why
-        not (its checks failed before anything was loaded)."""
+        """Restores this rank's part of ``step`` from its node, its sharded values as local
+        pieces into targets of the part's layout; None when it did, else why not (its checks
+        failed, or ``OTHER`` and how the targets are laid out otherwise: nothing was read)."""
         from snapshot._engine.manager import tier_parts
 
         part = self.part(step, self.rank)
