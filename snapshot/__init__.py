@@ -2,7 +2,7 @@
 
 Public API: :class:`Snapshot`, :class:`PendingSnapshot`, :class:`StateDict`, :class:`RNGState`,
 :class:`Stateful`, :class:`Options` (the tunables of one call), :class:`CheckpointManager`
-(step folders, retention, resume), the errors below
+(step folders, retention, resume) with its :class:`MemoryTier`, the errors below
 :class:`SnapshotError` (and :class:`PathMismatchWarning`), and ``__version__``. Sharded state is
 described with :mod:`snapshot.sharding`. A new kind of value is a :class:`Kind` given to
 :func:`register_kind` (a tensor subclass with attributes of its own, say).
@@ -45,7 +45,7 @@ if TYPE_CHECKING:
         UnsupportedValueError,
     )
     from snapshot.manager import CheckpointManager
-    from snapshot.options import Options
+    from snapshot.options import MemoryTier, Options
     from snapshot.pending import PendingSnapshot
     from snapshot.snapshot import Snapshot
     from snapshot.stateful import RNGState, StateDict, Stateful
@@ -57,6 +57,7 @@ _HOMES = {
     "TensorLayout": "snapshot._engine.handlers",
     "register_kind": "snapshot._engine.handlers",
     "CheckpointManager": "snapshot.manager",
+    "MemoryTier": "snapshot.options",
     "Options": "snapshot.options",
     "PendingSnapshot": "snapshot.pending",
     "Snapshot": "snapshot.snapshot",
@@ -100,6 +101,7 @@ __all__ = [
     "IncompleteSnapshotError",
     "InvalidArgumentError",
     "Kind",
+    "MemoryTier",
     "MissingBaseError",
     "NotStatefulError",
     "Options",

@@ -32,8 +32,9 @@ from snapshot._engine.dist.dist import RankZero
 from snapshot._engine.dist.dist import resolve as resolve_group
 from snapshot._engine.manager.retention import Cleaner, Policy
 from snapshot._engine.manager.steps import COMMITTED, LEFT, NOT_FOLDERS, StepInfo, Steps, step_name
+from snapshot._engine.manager.tier import Tier
 from snapshot.errors import InvalidArgumentError, SnapshotError, SnapshotExistsError
-from snapshot.options import Options, resolve
+from snapshot.options import MemoryTier, Options, resolve
 from snapshot.pending import PendingSnapshot
 from snapshot.snapshot import Snapshot
 
@@ -67,6 +68,10 @@ class CheckpointManager:
             for the previous save to commit first).
         options: the :class:`~snapshot.Options` of every take and restore.
         raise_on_next_save: raise a background save's error from the next ``save`` too.
+        memory_tier: a :class:`~snapshot.MemoryTier`: every save goes to a folder on each node
+            (copied to peers on other hosts), every ``durable_every``-th one also to ``root``;
+            ``restore`` takes each rank's part from the fastest tier that has it valid
+            (docs/tiers.md). Every rank makes the manager (the tier's groups are made then).
 
     A save that fails in the background does not interrupt training: it is logged, what it
     wrote is deleted, and its error is raised by the next ``wait`` or ``close`` (or ``save``,
@@ -92,6 +97,7 @@ class CheckpointManager:
         incremental: bool = False,
         options: Options | None = None,
         raise_on_next_save: bool = False,
+        memory_tier: MemoryTier | None = None,
     ) -> None:
         self.root = state_dicts.snapshot_path(root, "CheckpointManager", "root")
         self.policy = Policy(keep_last, keep_every_steps, keep_best, metric, mode)
@@ -112,6 +118,11 @@ class CheckpointManager:
         self.raise_on_next_save = bool(raise_on_next_save)
         self.options = resolve(options)
         self._steps = Steps(self.root, self.storage_options, self.options)
+        if not isinstance(memory_tier, MemoryTier | None):
+            raise InvalidArgumentError(
+                f"memory_tier must be a snapshot.MemoryTier, got {type(memory_tier).__name__}"
+            )
+        self._tier = None if memory_tier is None else Tier(memory_tier, self.root, pg, self.options)
         # Rank 0 lists, decides and deletes; every rank gets its answers.
         self._ranks = RankZero(pg, self.options, self.root)
         # The commit threads of the async saves under way, oldest first.
@@ -119,6 +130,8 @@ class CheckpointManager:
         # Retention and deletions (rank 0's), and which steps the saves hold.
         self._cleaner = Cleaner(self._steps, self.policy)
         self._last_saved: int | None = None
+        self._durable_saved: int | None = None  # the newest step saved to the root
+        self._final = False  # the final save of a preempted job: to the root too
         self._errors: list[BaseException] = []
         self._lock = threading.Lock()  # guards _in_flight and _errors
         # As rank 0 last listed them (every rank: ``steps``): the folder of each step, and the
@@ -151,6 +164,31 @@ class CheckpointManager:
                 f"step {step} is not after the newest step under {self.root} ({latest}): steps "
                 "must increase (restore() first to resume, or use another root)"
             )
+        tier_error = None
+        if self._tier is not None:
+            try:
+                self._tier.save(step, app_state, self._take_part)
+            except Exception as e:  # a durable save due still runs: every rank takes part
+                tier_error = e
+            if not self._tier.durable() and not self._final:
+                self._last_saved = step
+                if tier_error is not None:
+                    raise tier_error
+                logger.info("save of step %d to the memory tier of %s", step, self.root)
+                if self._preempt_state is not None:
+                    self.checkpoint_if_preempted(step)
+                return
+        self._save_durable(step, app_state, recorded)
+        if tier_error is not None:
+            raise tier_error
+        if self._preempt_state is not None:
+            # Under handle_preemption(app_state, step_fn): after a signal, the final save.
+            self.checkpoint_if_preempted(step)
+
+    def _save_durable(
+        self, step: int, app_state: dict[str, Any], recorded: dict[str, float]
+    ) -> None:
+        """``save`` to the durable root, once the step is known to be new there."""
         self._refuse_occupied(step)
         # An incremental save's base must be committed.
         self._wait_for_saves(0 if self.incremental else self.max_in_flight - 1)
@@ -208,9 +246,7 @@ class CheckpointManager:
             self._cleaner.end(step)
             if self._ranks.rank == 0:
                 self._cleaner.run_round()
-        if self._preempt_state is not None:
-            # Under handle_preemption(app_state, step_fn): after a signal, the final save.
-            self.checkpoint_if_preempted(step)
+        self._durable_saved = step
 
     def _committed(self, step: int, pending: PendingSnapshot, t0: float) -> None:
         """On a thread of its own: waits for an async save, records its end, then hands
@@ -243,6 +279,15 @@ class CheckpointManager:
             self._in_flight.remove(threading.current_thread())
         if self._ranks.rank == 0 and not self._closed:
             self._cleaner.run_round()
+
+    def _take_part(self, path: str, app_state: dict[str, Any], pg: Any) -> None:
+        """The memory tier's take of this rank's part (``pg``: this rank alone)."""
+        Snapshot.take(path, app_state, pg=pg, options=self.options)
+
+    def _restore_part(self, path: str, app_state: dict[str, Any], pg: Any) -> None:
+        """The memory tier's restore of this rank's part: every range checked as it lands
+        (a part that fails is restored again in full from the next source)."""
+        Snapshot(path, pg=pg, options=self.options).restore(app_state, options=self.options)
 
     def _refuse_occupied(self, step: int) -> None:
         """Raises ``SnapshotExistsError`` when the last listing found a folder at ``step`` that
@@ -277,8 +322,8 @@ class CheckpointManager:
 
     def wait_staged(self, timeout: float | None = None) -> None:
         """With ``stage_in_background``: returns once the newest save has copied the state it
-        was given, so that state no hook guards may change (``PendingSnapshot.wait_staged``);
-        at once otherwise."""
+        was given, so that state no hook guards may change (``PendingSnapshot.wait_staged``,
+        which takes ``timeout`` in seconds the same way); at once otherwise."""
         self._check_open("wait_staged")
         if self._staging is not None:
             try:
@@ -290,6 +335,8 @@ class CheckpointManager:
         """Waits for the saves under way and the deletions queued; raises the first error of
         a save that failed in the background."""
         self._wait_for_saves(0)
+        if self._tier is not None:
+            self._tier.wait()
         self._cleaner.join()
         self._ranks.barrier()
         self._raise_background_error()
@@ -337,6 +384,12 @@ class CheckpointManager:
         """
         self._check_open("restore")
         self._wait_for_saves(0)
+        if self._tier is not None and step is None:
+            return self._restore_tiered(app_state)
+        return self._restore_durable(app_state, step)
+
+    def _restore_durable(self, app_state: dict[str, Any], step: int | None) -> int | None:
+        """``restore`` from the durable root."""
         committed = self.steps()
         if step is None:
             if not committed:
@@ -355,7 +408,34 @@ class CheckpointManager:
         ).restore(app_state, options=self.options)
         logger.info("restored step %d from %s in %.3f s", step, path, _since(t))
         self._last_saved = max(step, self._last_saved or 0)
+        self._durable_saved = step
         return step
+
+    def _restore_tiered(self, app_state: dict[str, Any]) -> int | None:
+        """``restore`` with the memory tier: the newest step complete in any tier; the tier
+        restores each rank's part it has valid, durable storage the step when a part is
+        missing or bad everywhere in memory."""
+        assert self._tier is not None
+        self._tier.wait()
+        # The durable steps by their manifests' presence (none is read here).
+        durable = set(
+            self._ranks.agreed(
+                lambda: sorted({s for s, _, kind in self._steps._kinds() if kind == "committed"})
+            )
+        )
+        t = time.perf_counter()
+        step, failed = self._tier.restore(app_state, durable, self._restore_part)
+        if step is not None and not failed:
+            logger.info("restored step %d from the memory tier in %.3f s", step, _since(t))
+            self._tier.forget_after(step)
+            self._last_saved = max(step, self._last_saved or 0)
+            if step in durable:
+                self._durable_saved = step
+            return step
+        step = self._tier.fallback(step, failed, durable)
+        restored = self._restore_durable(app_state, step)
+        self._tier.forget_after(restored)
+        return restored
 
     def handle_preemption(
         self,
@@ -426,7 +506,15 @@ class CheckpointManager:
         try:
             self._wait_for_saves(0)
             last = self._last_saved
-            if last is not None and step <= last:
+            if last is not None and step <= last and self._durable_saved != last and self._tier:
+                # The newest save is in memory only: the root gets it before the exit.
+                logger.warning("preempted: saving step %d under %s before exiting", last, self.root)
+                self.async_, async_ = False, self.async_
+                try:
+                    self._save_durable(last, app_state, {})
+                finally:
+                    self.async_ = async_
+            elif last is not None and step <= last:
                 logger.warning(
                     "preempted: step %d is saved already under %s (the newest saved is %d)",
                     step,
@@ -436,6 +524,7 @@ class CheckpointManager:
             else:
                 logger.warning("preempted: saving step %d under %s before exiting", step, self.root)
                 self.async_, async_ = False, self.async_
+                self._final = True  # to the root too, with a memory tier
                 try:
                     self.save(step, app_state)
                 finally:
@@ -471,6 +560,8 @@ class CheckpointManager:
             self._closed = True
             self._drop_handler()
             self._cleaner.stop()
+            if self._tier is not None:
+                self._tier.close()
 
     def __enter__(self) -> CheckpointManager:
         return self

@@ -155,6 +155,54 @@ class Options:
         return 128 * _MIB if store_hint is None else min(128 * _MIB, store_hint)
 
 
+@dataclass(frozen=True)
+class MemoryTier:
+    """A checkpoint manager's memory tier (``CheckpointManager(root, memory_tier=...)``,
+    docs/tiers.md): every save goes to a folder on this node, each rank's part is copied to
+    peer ranks on other hosts, and every ``durable_every``-th save also goes to the durable
+    ``root``. A restore takes the newest step complete across the tiers, each rank's part from
+    its node, else a peer's replica, else durable storage, each checked by its CRC-32s first.
+    A part holds each sharded value (DTensor, torch's or statesnap's ShardedTensor) as this
+    rank's local pieces, so it restores only into the same layout at the same world size;
+    another layout restores from ``root``.
+    """
+
+    dir: str = "/dev/shm/statesnap"
+    """The node-local folder (shared memory by default; a local NVMe path works too). The
+    tier lives in a folder of its own under it, named after the durable root, so another
+    job's tier there is never read."""
+    durable_every: int = 1
+    """Every N-th save of the manager also goes to the durable root (1: every save)."""
+    replicas: int = 1
+    """Peer ranks on other hosts that each keep a copy of a rank's part (0: none)."""
+    keep: int = 1
+    """Complete steps each node keeps in the tier (the newest)."""
+    budget_bytes: int | None = None
+    """Bytes the tier may hold on a node: beyond it the oldest steps are dropped, never the
+    newest complete one (a warning says when that one alone is over). None: no bound."""
+    host: str | None = None
+    """The name of this rank's host (None: ``socket.gethostname()``); ranks with the same
+    name share the node-local folder and replicate to ranks with another."""
+
+    def __post_init__(self) -> None:
+        for name, least in (("durable_every", 1), ("replicas", 0), ("keep", 1)):
+            value = getattr(self, name)
+            if type(value) is not int or value < least:
+                raise InvalidArgumentError(
+                    f"MemoryTier.{name} must be an int >= {least}, got {value!r}"
+                )
+        if self.budget_bytes is not None and (
+            type(self.budget_bytes) is not int or self.budget_bytes < 1
+        ):
+            raise InvalidArgumentError(
+                f"MemoryTier.budget_bytes must be an int >= 1 or None, got {self.budget_bytes!r}"
+            )
+        if not isinstance(self.dir, str | os.PathLike) or not os.fspath(self.dir):
+            raise InvalidArgumentError(f"MemoryTier.dir must be a local folder, got {self.dir!r}")
+        if self.host is not None and (not isinstance(self.host, str) or not self.host):
+            raise InvalidArgumentError(f"MemoryTier.host must be a name or None, got {self.host!r}")
+
+
 @dataclass(frozen=True, slots=True)
 class Progress:
     """Where one take or restore stands on this rank: what a ``progress`` callable given to

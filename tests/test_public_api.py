@@ -26,6 +26,7 @@ SNAPSHOT_ALL = {
     "Stateful",
     "Options",
     "CheckpointManager",
+    "MemoryTier",
     "__version__",
     # New kinds of values (the package docstring)
     "Kind",

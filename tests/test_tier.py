@@ -1,0 +1,310 @@
+"""The checkpoint manager's memory tier in one process: where it keeps steps, what it restores
+from, retention and budget, stale tiers, and the pairing of replicas (across ranks:
+tests/test_tier_ranks.py)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+
+import pytest
+import torch
+
+from snapshot import CheckpointManager, InvalidArgumentError, MemoryTier, StateDict
+from snapshot._engine.manager.tier import job_id, pack, peers_of, unpack
+from snapshot.errors import SnapshotError
+
+
+def _state(value: float) -> dict:
+    return {"model": StateDict(w=torch.full((64,), value)), "progress": StateDict(step=0)}
+
+
+def _job(shm, root) -> str:
+    return os.path.join(shm, job_id(str(root)))
+
+
+def test_pairing_puts_replicas_on_other_hosts():
+    assert peers_of(["a", "a", "b", "b"], 1) == [[2], [3], [0], [1]]
+    assert peers_of(["a", "b", "c"], 2) == [[1, 2], [2, 0], [0, 1]]
+    assert peers_of(["a", "a"], 1) == [[], []]  # one host: no replica elsewhere
+    assert peers_of(["b", "a", "a"], 1) == [[1], [0], [0]]
+    assert peers_of(["a", "b"], 0) == [[], []]
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"durable_every": 0},
+        {"replicas": -1},
+        {"keep": 0},
+        {"budget_bytes": 0},
+        {"dir": ""},
+        {"host": ""},
+        {"keep": 1.5},
+    ],
+)
+def test_bad_settings_are_refused(kwargs):
+    with pytest.raises(InvalidArgumentError, match="MemoryTier"):
+        MemoryTier(**kwargs)
+    with pytest.raises(InvalidArgumentError, match="memory_tier"):
+        CheckpointManager("x", memory_tier={"dir": "/dev/shm"})  # type: ignore[arg-type]
+
+
+def test_saves_go_to_memory_and_every_nth_to_the_root(tmp_path, caplog):
+    root, shm = tmp_path / "root", tmp_path / "shm"
+    tier = MemoryTier(dir=str(shm), durable_every=3, keep=2)
+    state = _state(0.0)
+    with CheckpointManager(str(root), memory_tier=tier) as manager:
+        for step in range(1, 8):
+            state["model"]["w"].fill_(step)
+            state["progress"]["step"] = step
+            manager.save(step, state)
+        manager.wait()
+        assert manager.steps() == [3, 6]  # the durable root: every third save
+    job = _job(shm, root)
+    # The newest two steps in memory, each rank's part a snapshot of its own.
+    assert sorted(n for n in os.listdir(job) if n.startswith("step_")) == [
+        "step_0000000006",
+        "step_0000000007",
+    ]
+    assert os.path.isfile(os.path.join(job, "step_0000000007", "0", "manifest.yaml"))
+    with open(os.path.join(job, "job.json")) as f:
+        assert json.load(f) == {"root": str(root), "world_size": 1}
+    # A restart restores step 7 from memory, newer than the root's newest.
+    target = _state(-1.0)
+    caplog.set_level(logging.INFO, logger="snapshot")
+    with CheckpointManager(str(root), memory_tier=tier) as manager:
+        assert manager.restore(target) == 7
+    assert torch.equal(target["model"]["w"], torch.full((64,), 7.0))
+    assert "rank 0: step 7 restored from its node's memory" in caplog.messages
+
+
+def test_damaged_memory_falls_back_to_the_root(tmp_path, caplog):
+    root, shm = tmp_path / "root", tmp_path / "shm"
+    tier = MemoryTier(dir=str(shm), durable_every=1)
+    with CheckpointManager(str(root), memory_tier=tier) as manager:
+        manager.save(1, _state(1.0))
+    part = os.path.join(_job(shm, root), "step_0000000001", "0", "0")
+    (blob,) = os.listdir(part)
+    with open(os.path.join(part, blob), "r+b") as f:
+        f.seek(8)
+        f.write(b"\xff")
+    caplog.set_level(logging.INFO, logger="snapshot")
+    target = _state(-1.0)
+    with CheckpointManager(str(root), memory_tier=tier) as manager:
+        assert manager.restore(target) == 1
+    assert torch.equal(target["model"]["w"], torch.full((64,), 1.0))
+    text = "\n".join(caplog.messages)
+    assert "from its node's memory failed its check" in text and "checksum mismatch" in text
+    assert "restoring it from durable storage" in text
+
+
+def test_a_damaged_step_only_in_memory_gives_the_roots_newest(tmp_path):
+    root, shm = tmp_path / "root", tmp_path / "shm"
+    tier = MemoryTier(dir=str(shm), durable_every=2, keep=1)
+    with CheckpointManager(str(root), memory_tier=tier) as manager:
+        for step in (1, 2, 3):
+            manager.save(step, _state(float(step)))
+    part = os.path.join(_job(shm, root), "step_0000000003", "0")
+    os.remove(os.path.join(part, "manifest.yaml"))  # step 3 incomplete in memory
+    target = _state(-1.0)
+    with CheckpointManager(str(root), memory_tier=tier) as manager:
+        assert manager.restore(target) == 2
+        # Memory steps after the one restored belong to the run abandoned: gone.
+        assert not os.path.exists(os.path.dirname(part))
+        manager.save(3, _state(3.0))  # the run goes on from step 2
+    assert torch.equal(target["model"]["w"], torch.full((64,), 2.0))
+
+
+def test_another_jobs_or_another_world_sizes_tier_is_not_read(tmp_path):
+    shm = tmp_path / "shm"
+    tier = MemoryTier(dir=str(shm))
+    with CheckpointManager(str(tmp_path / "one"), memory_tier=tier) as manager:
+        manager.save(5, _state(5.0))
+    # Another root: another folder of the tier, never read.
+    with CheckpointManager(str(tmp_path / "two"), memory_tier=tier) as manager:
+        assert manager.restore(_state(0.0)) is None
+    # The same root's tier written at another world size: deleted, not read.
+    job = _job(shm, tmp_path / "one")
+    with open(os.path.join(job, "job.json"), "w") as f:
+        json.dump({"root": str(tmp_path / "one"), "world_size": 4}, f)
+    import shutil
+
+    shutil.rmtree(tmp_path / "one")  # and the root's own copy gone
+    with CheckpointManager(str(tmp_path / "one"), memory_tier=tier) as manager:
+        assert manager.restore(_state(0.0)) is None
+    assert not any(n.startswith("step_") for n in os.listdir(job))
+
+
+def test_budget_drops_the_oldest_never_the_newest_complete(tmp_path, caplog):
+    root, shm = tmp_path / "root", tmp_path / "shm"
+    tier = MemoryTier(dir=str(shm), durable_every=100, keep=3, budget_bytes=1)
+    caplog.set_level(logging.WARNING, logger="snapshot")
+    with CheckpointManager(str(root), memory_tier=tier) as manager:
+        for step in (1, 2, 3):
+            manager.save(step, _state(float(step)))
+    job = _job(shm, root)
+    assert sorted(n for n in os.listdir(job) if n.startswith("step_")) == ["step_0000000003"]
+    assert any("over its budget" in m and "dropped" in m for m in caplog.messages)
+    assert any("as the only one the tier can restore" in m for m in caplog.messages)
+    target = _state(-1.0)
+    with CheckpointManager(str(root), memory_tier=tier) as manager:
+        assert manager.restore(target) == 3
+
+
+def test_a_part_sent_by_a_peer_stays_in_its_folder(tmp_path):
+    part = tmp_path / "part"
+    (part / "0").mkdir(parents=True)
+    (part / "0" / "blob").write_bytes(b"x" * 10)
+    (part / "manifest.yaml").write_text("m")
+    data = pack(str(part))
+    unpack(data, str(tmp_path / "copy"))
+    assert (tmp_path / "copy" / "0" / "blob").read_bytes() == b"x" * 10
+    assert (tmp_path / "copy" / "manifest.yaml").read_text() == "m"
+    evil = data.replace(b'"0/blob"', b'"../abc"')  # the same length
+    with pytest.raises(SnapshotError, match="outside its folder"):
+        unpack(evil, str(tmp_path / "copy"))
+
+
+def test_a_damaged_part_with_no_durable_step_is_an_error(tmp_path):
+    root, shm = tmp_path / "root", tmp_path / "shm"
+    tier = MemoryTier(dir=str(shm), durable_every=100)
+    with CheckpointManager(str(root), memory_tier=tier) as manager:
+        manager.save(1, _state(1.0))
+    part = os.path.join(_job(shm, root), "step_0000000001", "0", "0")
+    (blob,) = os.listdir(part)
+    with open(os.path.join(part, blob), "r+b") as f:
+        f.seek(8)
+        f.write(b"\xff")
+    with (
+        CheckpointManager(str(root), memory_tier=tier) as manager,
+        pytest.raises(SnapshotError, match="cannot be restored.*no step to fall back on"),
+    ):
+        manager.restore(_state(-1.0))
+
+
+def test_a_preempted_job_saves_its_newest_memory_step_to_the_root(tmp_path):
+    """The newest save went to memory only: the final save puts it in the root."""
+    root, shm = tmp_path / "root", tmp_path / "shm"
+
+    class Ended(Exception):
+        pass
+
+    def ending(signum, frame):  # the handler the manager's replaces, called again at the end
+        raise Ended
+
+    previous = signal.signal(signal.SIGUSR1, ending)
+    try:
+        manager = CheckpointManager(
+            str(root), memory_tier=MemoryTier(dir=str(shm), durable_every=10)
+        )
+        manager.handle_preemption(signals=(signal.SIGUSR1,))
+        state = _state(0.0)
+        for step in (1, 2, 3):
+            state["model"]["w"].fill_(step)
+            manager.save(step, state)
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert manager.preempted
+        with pytest.raises(Ended):
+            manager.checkpoint_if_preempted(3, state)
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+    with CheckpointManager(str(root)) as again:
+        assert again.steps() == [3]
+        target = _state(-1.0)
+        assert again.restore(target) == 3
+    assert torch.equal(target["model"]["w"], torch.full((64,), 3.0))
+
+
+class _Sharded:
+    """A Stateful holding rank 1's half (rows 4-7) of a global 8x4 tensor as our ShardedTensor,
+    or another half (``offset``); records what its load_state_dict was given."""
+
+    def __init__(self, value: float, offset: int = 1) -> None:
+        from snapshot.sharding import ShardedTensor
+
+        self.data = torch.full((4, 4), value)
+        self.piece = ShardedTensor.from_rank_offsets("w", self.data, (0, offset, 2))
+        self.loaded: dict | None = None
+
+    def state_dict(self) -> dict:
+        return {"w": self.piece, "n": 3}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.loaded = state
+
+
+def test_a_sharded_value_is_kept_as_its_local_piece(tmp_path, caplog):
+    """A part taken alone holds the local piece of our ShardedTensor (which a plain take alone
+    refuses: it does not cover the global tensor) and restores it in place into a target of
+    the same layout; a target holding another block is not restored from memory."""
+    root, shm = str(tmp_path / "root"), str(tmp_path / "shm")
+    tier = MemoryTier(dir=shm, durable_every=2)
+    with CheckpointManager(root, memory_tier=tier) as manager:
+        manager.save(1, {"s": _Sharded(2.0)})
+    target = _Sharded(0.0)
+    with CheckpointManager(root, memory_tier=tier) as manager:
+        assert manager.restore({"s": target}) == 1
+    assert torch.equal(target.data, torch.full((4, 4), 2.0))  # in place, into the piece's data
+    assert target.loaded is not None and target.loaded["n"] == 3
+    assert target.loaded["w"] is target.data  # ours gives back its data, as a plain restore
+    other = _Sharded(0.0, offset=0)
+    with (
+        CheckpointManager(root, memory_tier=tier) as manager,
+        caplog.at_level(logging.WARNING),
+        pytest.raises(SnapshotError, match="holds no step to fall back on"),
+    ):
+        manager.restore({"s": other})
+    assert "taken with another layout" in caplog.text and "'offset': [4, 0]" in caplog.text
+    assert torch.equal(other.data, torch.zeros(4, 4)) and other.loaded is None
+
+
+class _Factory:
+    """A Stateful whose 4x4 tensor is saved through a ShardedTensorFactory as two blocks of
+    rank 1's half of global 8x4 tensors; records what its load_state_dict was given."""
+
+    def __init__(self, value: float) -> None:
+        self.data = torch.full((4, 4), value)
+        self.loaded: dict | None = None
+
+    def state_dict(self) -> dict:
+        from snapshot.sharding import ShardedTensor, ShardedTensorFactory
+
+        def build(key, data, replica_id, flattened_range):
+            return {
+                "top": ShardedTensor.from_rank_offsets(f"{key}.top", data[:2], (0, 1, 2)),
+                "bottom": ShardedTensor.from_rank_offsets(f"{key}.bottom", data[2:], (0, 1, 2)),
+            }
+
+        def merge(loaded):
+            return torch.cat([loaded["top"], loaded["bottom"]])
+
+        return {"f": ShardedTensorFactory("f", self.data, build, merge)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.loaded = state
+
+
+def test_a_factory_is_built_and_merged_back_in_a_part(tmp_path):
+    root, shm = str(tmp_path / "root"), str(tmp_path / "shm")
+    tier = MemoryTier(dir=shm, durable_every=2)
+    with CheckpointManager(root, memory_tier=tier) as manager:
+        manager.save(1, {"s": _Factory(5.0)})
+    target = _Factory(0.0)
+    with CheckpointManager(root, memory_tier=tier) as manager:
+        assert manager.restore({"s": target}) == 1
+    assert target.loaded is not None
+    assert torch.equal(target.loaded["f"], torch.full((4, 4), 5.0))  # merge_fn's result
+
+
+def test_a_value_that_is_not_stateful_is_refused_as_by_a_take(tmp_path):
+    from snapshot import NotStatefulError
+
+    tier = MemoryTier(dir=str(tmp_path / "shm"), durable_every=2)
+    with (
+        CheckpointManager(str(tmp_path / "root"), memory_tier=tier) as manager,
+        pytest.raises(NotStatefulError, match=r"app_state\['x'\] is an int"),
+    ):
+        manager.save(1, {"x": 3})
