@@ -61,6 +61,8 @@ DCP_METADATA_NAME = ".metadata"
 # Bytes read at the start of each chunk's range to find its storage record: torch.save's
 # archive puts data.pkl (a few hundred bytes for a tensor) and three small records first.
 HEAD_BYTES = 4096
+# The most bytes one coalesced read of chunk heads spans (``_read_coalesced``).
+SPAN_BYTES = 16 << 20
 _MAX_DIMS = 64
 _MAX_NUMEL = 1 << 62
 _MAX_PATH = 100  # levels of a key's path
@@ -258,7 +260,7 @@ def translate_dcp(
         for *_, blob, start, length in ps:
             n = min(length, HEAD_BYTES)
             ranges += [(blob, start, n), (blob, start + length - n, n)]
-    heads = iter(read_ranges(ranges) if ranges else [])
+    heads = iter(_read_coalesced(ranges, read_ranges))
     for logical, fqn, dtype, shape, ps in tensors:
         shards = []
         for offsets, sizes, blob, start, length in ps:
@@ -291,6 +293,38 @@ def with_file_sizes(manifest: Manifest, sizes: dict[str, int]) -> Manifest:
 
 
 _DTYPE_SET = frozenset(DTYPES.values())
+
+
+def _read_coalesced(
+    ranges: list[tuple[str, int, int]],
+    read_ranges: Callable[[list[tuple[str, int, int]]], list[bytes]],
+) -> list[bytes]:
+    """The bytes of each range, read as fewer spans: ranges of one file less than
+    ``HEAD_BYTES`` apart (small chunks written one after another) are read together, so the
+    bytes read stay within a few times those asked for, at most ``SPAN_BYTES`` at once."""
+    order = sorted(range(len(ranges)), key=lambda i: ranges[i][:2])
+    spans: list[list[Any]] = []  # [blob, start, end, [range indexes]]
+    for i in order:
+        blob, start, n = ranges[i]
+        last = spans[-1] if spans else None
+        if (
+            last is not None
+            and last[0] == blob
+            and start <= last[2] + HEAD_BYTES
+            and start + n - last[1] <= SPAN_BYTES
+        ):
+            last[2] = max(last[2], start + n)
+            last[3].append(i)
+        else:
+            spans.append([blob, start, start + n, [i]])
+    got = read_ranges([(blob, start, end - start) for blob, start, end, _ in spans])
+    out: list[bytes] = [b""] * len(ranges)
+    for (_, start, _, members), data in zip(spans, got, strict=True):
+        view = memoryview(data)
+        for i in members:
+            at = ranges[i][1] - start
+            out[i] = bytes(view[at : at + ranges[i][2]])
+    return out
 
 
 def _dims(value: Any) -> bool:
