@@ -53,10 +53,9 @@ from manifest import (
 from manifest import UnsafeManifestError as _UnsafePath
 from snapshot._engine.format.serialization import DTYPES, dtype_name
 from snapshot._engine.format.text import printable_message
+from snapshot._engine.format.torchsnapshot_format import DCP_METADATA_NAME
 from snapshot._engine.state_dicts import escape_key
 from snapshot.errors import CorruptSnapshotError, IncompatibleSnapshotError, UnsafeSnapshotError
-
-DCP_METADATA_NAME = ".metadata"
 
 # Bytes read at the start of each chunk's range to find its storage record: torch.save's
 # archive puts data.pkl (a few hundred bytes for a tensor) and three small records first.
