@@ -164,3 +164,40 @@ def test_dcp_cli(saved: dict[int, tuple[str, str]], tmp_path: Any) -> None:
     want = torch.load(out, weights_only=False)
     print(sorted(exported))
     assert torch.equal(exported["app.model.0.weight"], want["model/0.weight"])
+
+
+def test_dcp_dtypes_views_and_values(tmp_path: Any) -> None:
+    """Several dtypes, an empty tensor, a transposed view (which DCP saves with its strides:
+    read through the safe loader), ints and lists, restored into a StateDict."""
+    import torch.distributed.checkpoint as dcp
+
+    from snapshot import StateDict
+
+    base = torch.randn(6, 5)
+    state = {
+        "bf": torch.randn(3, 4).bfloat16(),
+        "b": torch.tensor([True, False]),
+        "e": torch.zeros(0, 3),
+        "tr": base.t(),
+        "i8": torch.arange(5, dtype=torch.int8),
+        "s": 7,
+        "lst": [1, 2],
+    }
+    path = str(tmp_path / "kinds")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"x": state}, checkpoint_id=path)
+    snap = Snapshot(path)
+    assert isinstance(snap.get_manifest()["0/x/bf"], ShardedTensorEntry)
+    target = StateDict(
+        **{
+            k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else None
+            for k, v in state.items()
+        }
+    )
+    snap.restore({"x": target})
+    for key, value in state.items():
+        if isinstance(value, torch.Tensor):
+            assert target[key].dtype == value.dtype and torch.equal(target[key], value), key
+        else:
+            assert target[key] == value, key

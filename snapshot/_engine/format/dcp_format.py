@@ -45,6 +45,7 @@ from manifest import (
     Location,
     Manifest,
     ObjectEntry,
+    PickledTensorEntry,
     Shard,
     ShardedTensorEntry,
     check_blob_path,
@@ -261,19 +262,32 @@ def translate_dcp(
             ranges += [(blob, start, n), (blob, start + length - n, n)]
     heads = iter(_read_coalesced(ranges, read_ranges))
     for logical, fqn, dtype, shape, ps in tensors:
-        shards = []
+        raw, pickled = [], []
         for offsets, sizes, blob, start, length in ps:
             nbytes = math.prod(sizes) * dtype.itemsize
             head, tail = next(heads), next(heads)
             at = _record(head, tail, length, nbytes, dtype, sizes, f"{source}: {fqn}")
-            shards.append(
-                Shard(offsets=offsets, sizes=sizes, chunks=(Location(blob, start + at, nbytes),))
+            if at is not None:
+                raw.append(
+                    Shard(
+                        offsets=offsets, sizes=sizes, chunks=(Location(blob, start + at, nbytes),)
+                    )
+                )
+            pickled.append(
+                Shard(offsets=offsets, sizes=sizes, chunks=(Location(blob, start, length),))
             )
-        shards.sort(key=lambda s: s.offsets)
-        key = logical.partition("/")[2]
-        tree.entries[logical] = ShardedTensorEntry(
-            key=key, dtype=dtype_name(dtype), shape=shape, shards=tuple(shards)
-        )
+        name = dtype_name(dtype)
+        if len(raw) == len(ps):
+            raw.sort(key=lambda s: s.offsets)
+            key = logical.partition("/")[2]
+            tree.entries[logical] = ShardedTensorEntry(
+                key=key, dtype=name, shape=shape, shards=tuple(raw)
+            )
+        else:  # a chunk DCP saved as a view: each archive decoded whole, by the safe loader
+            pickled.sort(key=lambda s: s.offsets)
+            tree.entries[logical] = PickledTensorEntry(
+                dtype=name, shape=shape, pieces=tuple(pickled)
+            )
     manifest = Manifest(
         format_version=2,
         world_size=1,
@@ -386,10 +400,12 @@ def _record(
     dtype: torch.dtype,
     sizes: tuple[int, ...],
     what: str,
-) -> int:
+) -> int | None:
     """Where, in a chunk's range of ``length`` bytes (``head`` its first, ``tail`` its last),
     its tensor's ``nbytes`` raw bytes start: the archive's one storage record, stored
-    uncompressed, once its pickle is checked to describe that tensor."""
+    uncompressed, once its pickle is checked to describe that tensor. None when the pickle
+    describes a tensor of the chunk's dtype and size that is not those bytes in order (a view
+    DCP saved with its larger storage, or strided)."""
 
     def bad(why: str) -> CorruptSnapshotError:
         return CorruptSnapshotError(printable_message(f"{what}: chunk at {list(sizes)}: {why}"))
@@ -411,32 +427,23 @@ def _record(
         raise
     except Exception as e:  # zipfile's errors, and a read outside the bytes read
         raise bad(f"not a readable torch.save archive: {type(e).__name__}: {e}"[:300]) from None
-    if record.compress_type != zipfile.ZIP_STORED or record.file_size != nbytes:
-        raise bad(f"its storage record holds {record.file_size} bytes; {nbytes} expected")
-    at = record.header_offset
-    local = head[at : at + 30]
-    if len(local) != 30 or local[:4] != b"PK\x03\x04":
-        raise bad("its storage record's header is not in the first bytes read")
-    body = at + 30 + int.from_bytes(local[26:28], "little") + int.from_bytes(local[28:30], "little")
-    if body + nbytes > length:
-        raise bad(f"its storage record ends past the chunk's {length} bytes")
+    if record.compress_type != zipfile.ZIP_STORED:
+        raise bad("its storage record is compressed; DCP stores them plainly")
     try:
         got = _ChunkPickle(io.BytesIO(pickled)).load()
     except UnsafeSnapshotError:
         raise
     except Exception as e:
         raise bad(f"its pickle is not readable: {type(e).__name__}") from None
-    contiguous = tuple(math.prod(sizes[i + 1 :]) for i in range(len(sizes)))
     if (
         type(got) is not tuple
         or len(got) < 5
         or got[0] != "tensor"
         or not (type(got[1]) is tuple and got[1][0] == "persistent")
-        or got[2] != 0
+        or type(got[3]) is not tuple
         or tuple(got[3]) != sizes
-        or (math.prod(sizes) > 1 and tuple(got[4]) != contiguous)
     ):
-        raise bad("its pickle is not one contiguous tensor of the chunk's size at element 0")
+        raise bad("its pickle is not one tensor of the chunk's size")
     pid = got[1][1]
     storage = pid[1] if type(pid) is tuple and len(pid) == 5 else None
     try:
@@ -447,6 +454,20 @@ def _record(
         stored = None
     if stored is not None and stored != dtype:
         raise bad(f"its storage is {storage}, the chunk's dtype {dtype}")
+    contiguous = tuple(math.prod(sizes[i + 1 :]) for i in range(len(sizes)))
+    if (
+        record.file_size != nbytes
+        or got[2] != 0
+        or (math.prod(sizes) > 1 and tuple(got[4]) != contiguous)
+    ):
+        return None  # a view of a larger storage, or strided: read through torch.load
+    at = record.header_offset
+    local = head[at : at + 30]
+    if len(local) != 30 or local[:4] != b"PK\x03\x04":
+        raise bad("its storage record's header is not in the first bytes read")
+    body = at + 30 + int.from_bytes(local[26:28], "little") + int.from_bytes(local[28:30], "little")
+    if body + nbytes > length:
+        raise bad(f"its storage record ends past the chunk's {length} bytes")
     return body
 
 
