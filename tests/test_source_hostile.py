@@ -95,6 +95,18 @@ def test_dcp_chunk_outside_its_file_is_refused(tmp_path: Any) -> None:
         Snapshot(path)
 
 
+def test_dcp_chunks_listed_twice_are_refused(tmp_path: Any) -> None:
+    """A pickle can list one chunk many times by reference, for many tensors: each storage
+    record serves one chunk, so the work stays within the file's bytes."""
+    path = _dcp(tmp_path)
+    meta = _metadata(path)
+    item = meta.state_dict_metadata["app.w"]
+    item.chunks = item.chunks * 100_000
+    _rewrite(path, meta)
+    with pytest.raises(CorruptSnapshotError, match="used twice"):
+        Snapshot(path)
+
+
 def test_dcp_chunk_that_is_not_its_archive_is_refused(tmp_path: Any) -> None:
     path = _dcp(tmp_path)
     meta = _metadata(path)

@@ -212,14 +212,14 @@ def translate_dcp(
             raise corrupt(
                 f"{fqn}: bytes [{start}, {start + length}) of {blob}, which holds {files[blob]}"
             )
-    tree = _Tree(source)
+    tree = _Tree(source, budget=64 * len(data) + (1 << 20))
     tensors: list[tuple[str, str, torch.dtype, tuple[int, ...], list[tuple[Any, ...]]]] = []
     for fqn, item in items.items():
         if type(fqn) is not str:
             raise corrupt(f"a key that is not a string: {type(fqn).__name__}")
         logical = tree.add(fqn, paths.get(fqn) if paths is not None else None)
         if type(item) is BytesStorageMetadata:
-            loc = infos.get((fqn, None)) or infos.get((fqn, ()))
+            loc = infos.pop((fqn, None), None) or infos.pop((fqn, ()), None)
             if loc is None:
                 raise corrupt(f"{fqn}: no storage record for this bytes item")
             tree.entries[logical] = ObjectEntry(
@@ -245,9 +245,12 @@ def translate_dcp(
                     raise corrupt(f"{fqn}: a chunk's offsets and sizes must fit its tensor")
                 if any(o + n > s for o, n, s in zip(offsets, sizes, shape, strict=True)):
                     raise corrupt(f"{fqn}: a chunk at {list(offsets)} exceeds {list(shape)}")
-                loc = infos.get((fqn, tuple(offsets)))
-                if loc is None:
-                    raise corrupt(f"{fqn}: no storage record for the chunk at {list(offsets)}")
+                loc = infos.pop((fqn, tuple(offsets)), None)
+                if loc is None:  # (each record serves one chunk: the work stays within the bytes)
+                    raise corrupt(
+                        f"{fqn}: no storage record, or one used twice, for the chunk at "
+                        f"{list(offsets)}"
+                    )
                 pieces.append((tuple(offsets), tuple(sizes), *loc))
             tensors.append((logical, fqn, dtype, tuple(shape), pieces))
         else:
@@ -474,8 +477,9 @@ def _record(
 class _Tree:
     """Logical paths under ``0/`` and the containers above them, built from key paths."""
 
-    def __init__(self, source: str) -> None:
+    def __init__(self, source: str, budget: int) -> None:
         self.source = source
+        self.budget = budget  # characters of logical paths left to build
         self.entries: dict[str, Entry] = {}
         self.children: dict[str, list[Any]] = {"0": []}
         self.lists: set[str] = set()
@@ -488,6 +492,11 @@ class _Tree:
                 printable_message(f"{self.source}: {fqn}: path {path!r:.200}")
             )
         parent = "0"
+        self.budget -= sum(len(k) for k in path if type(k) is str)
+        if self.budget < 0:  # keys shared by reference in the pickle, used over and over
+            raise CorruptSnapshotError(
+                f"{self.source}: its keys' paths are far longer than the file: refused"
+            )
         for i, key in enumerate(path):
             if type(key) not in (str, int):
                 raise CorruptSnapshotError(
