@@ -90,11 +90,16 @@ def _save(rank: int, world: int, path: str, out: str) -> None:
 
 
 def _restore(rank: int, world: int, cases: list[tuple[str, str]]) -> list[list[str]]:
-    """Restores each ``(dcp dir, reference)`` into a fresh job; the paths that differ."""
+    """Restores each ``(dcp dir, reference)`` into a fresh job (the second within a memory
+    budget of 200 bytes); the paths that differ."""
+    from snapshot import Options
+
     found = []
-    for path, out in cases:
+    for i, (path, out) in enumerate(cases):
         model, optim = _build(seed=1)
-        Snapshot(path).restore({"app": AppState(model, optim)})
+        # The second within a memory budget smaller than one chunk: read through tiles.
+        options = Options(memory_budget_bytes=200) if i else None
+        Snapshot(path).restore({"app": AppState(model, optim)}, options=options)
         got, want = _full(model, optim), torch.load(out, weights_only=False)
         assert got.keys() == want.keys(), (sorted(got), sorted(want))
         bad = []
