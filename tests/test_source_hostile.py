@@ -107,6 +107,24 @@ def test_dcp_chunks_listed_twice_are_refused(tmp_path: Any) -> None:
         Snapshot(path)
 
 
+@pytest.mark.parametrize(
+    "paths, match",
+    [
+        ({"app.w": ("app", "w"), "app.lr": ("app", "w")}, "named twice"),
+        ({"app.w": ("app",), "app.lr": ("app", "lr")}, "inside another value|named twice"),
+        ({"app.w": ("app", 0), "app.lr": ("app", "lr")}, "mixed keys"),
+        ({"app.w": ("app", object), "app.lr": ("app", "lr")}, "global"),
+    ],
+)
+def test_dcp_key_paths_that_collide_are_refused(tmp_path: Any, paths: Any, match: str) -> None:
+    path = _dcp(tmp_path)
+    meta = _metadata(path)
+    meta.planner_data = paths
+    _rewrite(path, meta)
+    with pytest.raises(SnapshotError, match=match):
+        Snapshot(path)
+
+
 def test_dcp_chunk_that_is_not_its_archive_is_refused(tmp_path: Any) -> None:
     path = _dcp(tmp_path)
     meta = _metadata(path)

@@ -483,6 +483,7 @@ class _Tree:
         self.entries: dict[str, Entry] = {}
         self.children: dict[str, list[Any]] = {"0": []}
         self.lists: set[str] = set()
+        self.leaves: set[str] = set()
 
     def add(self, fqn: str, path: Any) -> str:
         if path is None:
@@ -502,7 +503,7 @@ class _Tree:
                 raise CorruptSnapshotError(
                     printable_message(f"{self.source}: {fqn}: key {key!r:.80}")
                 )
-            if parent in self.entries:
+            if parent in self.leaves:
                 raise CorruptSnapshotError(
                     printable_message(f"{self.source}: {fqn} lies inside another value")
                 )
@@ -512,12 +513,15 @@ class _Tree:
             if is_list and parent != "0":
                 self.lists.add(parent)
             child = f"{parent}/{escape_key(key)}"
-            if child not in self.children and child not in self.entries:
-                self.children[parent].append(key)
-                if i < len(path) - 1:
-                    self.children[child] = []
-            elif i == len(path) - 1:
+            last = i == len(path) - 1
+            if child in self.leaves or (last and child in self.children):
                 raise CorruptSnapshotError(printable_message(f"{self.source}: {fqn} named twice"))
+            if child not in self.children:
+                self.children[parent].append(key)
+                if last:
+                    self.leaves.add(child)
+                else:
+                    self.children[child] = []
             parent = child
         return parent
 
