@@ -130,13 +130,13 @@ def read_manifest(
     path: str, storage_options: dict[str, Any] | None, options: Options
 ) -> tuple[Manifest | bytes, str]:
     """The committed manifest at ``path`` (its bytes, checked short of decoding the entries; or
-    a torchsnapshot snapshot's manifest, translated), and the snapshot's location for messages.
+    the translated manifest of a torchsnapshot snapshot, a DCP checkpoint or a safetensors
+    folder), and the snapshot's location for messages.
 
     Raises:
         IncompleteSnapshotError: a take started there and never committed.
-        IncompatibleSnapshotError: ``path`` holds a DCP checkpoint or is a ``torch.save`` file
-            (the message says how to load it), or a torchsnapshot snapshot of a layout this
-            library does not read.
+        IncompatibleSnapshotError: ``path`` is a ``torch.save`` file (the message says how to
+            load it), or another library's checkpoint of a layout this library does not read.
         SnapshotNotFoundError: nothing of the kind is there.
     """
     t0 = time.perf_counter()
@@ -161,16 +161,24 @@ def read_manifest(
                 except (FileNotFoundError, NotADirectoryError):
                     if name == MANIFEST_NAME and await exists(PENDING_NAME):
                         return PENDING_NAME, None
-            return (DCP_METADATA_NAME if await exists(DCP_METADATA_NAME) else ""), None
+            # Other libraries' checkpoints, read-only: DCP's, a safetensors folder.
+            for name in (DCP_METADATA_NAME, _SAFETENSORS_INDEX):
+                try:
+                    return name, await read_unrecorded(plugin, name, where, options)
+                except (FileNotFoundError, NotADirectoryError):
+                    pass
+            return (_SAFETENSORS if await exists(_SAFETENSORS) else ""), None
 
         try:
             name, data = run(fetch())
+            sizes_of = lambda blobs: _blob_sizes(plugin, where, options, blobs)  # noqa: E731
             if name == METADATA_NAME and data is not None:
                 # torchsnapshot's: translated (read-only), the lengths of its pickles' files
                 # asked of the store.
                 with gc_paused():
-                    sizes_of = lambda blobs: _blob_sizes(plugin, where, options, blobs)  # noqa: E731
                     return translate(data, where, sizes_of), where
+            if name in (DCP_METADATA_NAME, _SAFETENSORS_INDEX, _SAFETENSORS):
+                return _foreign(name, data, where, plugin, options, sizes_of), where
         except SnapshotError:
             raise
         except UnsafeBlobError as e:  # a marker, or a link on the way to one
@@ -186,6 +194,72 @@ def read_manifest(
     return data, where
 
 
+_SAFETENSORS = "model.safetensors"
+_SAFETENSORS_INDEX = "model.safetensors.index.json"
+
+
+def _foreign(
+    name: str,
+    data: bytes | None,
+    where: str,
+    plugin: StoragePlugin,
+    options: Options,
+    sizes_of: Callable[[Iterable[str]], dict[str, int]],
+) -> Manifest:
+    """The manifest of a DCP checkpoint (``data``: its ``.metadata``) or a safetensors folder
+    (``data``: its index, or None for one ``model.safetensors``), translated read-only; their
+    modules are imported only here."""
+    read = lambda ranges: _read_ranges(plugin, where, options, ranges)  # noqa: E731
+    t0 = time.perf_counter()
+    with gc_paused():
+        if name == DCP_METADATA_NAME:
+            from snapshot._engine.format.dcp_format import translate_dcp
+
+            assert data is not None
+            manifest = translate_dcp(data, where, sizes_of, read)
+        else:
+            from snapshot._engine.format.safetensors_format import translate_safetensors
+
+            manifest = translate_safetensors(data, where, sizes_of, read)
+    logger.debug(
+        "%s of %s translated: %d entries in %.3f s",
+        name,
+        where,
+        len(manifest.entries),
+        time.perf_counter() - t0,
+    )
+    return manifest
+
+
+def _read_ranges(
+    plugin: StoragePlugin, where: str, options: Options, ranges: list[tuple[str, int, int]]
+) -> list[bytes]:
+    """The bytes of each ``(blob, offset, nbytes)``, at most ``max_concurrent_io`` reads at a
+    time; a range past a blob's end is refused as a damaged checkpoint."""
+    limit = asyncio.Semaphore(options.max_concurrent_io or 1)
+
+    async def one(blob: str, offset: int, nbytes: int) -> bytes:
+        out = bytearray(nbytes)
+        if not nbytes:
+            return b""
+        read = lambda: plugin.read_into(blob, offset, memoryview(out))  # noqa: E731
+        async with limit:
+            try:
+                await call(plugin, "read", blob, where, read, options=options, convert=False)
+            except (FileNotFoundError, NotADirectoryError):
+                raise CorruptSnapshotError(f"{where}: {blob} is missing") from None
+            except (EOFError, ValueError) as e:
+                raise CorruptSnapshotError(
+                    f"{where}: {blob} holds fewer than {offset + nbytes:,} bytes: {e}"
+                ) from None
+        return bytes(out)
+
+    async def every() -> list[bytes]:
+        return list(await asyncio.gather(*(one(*r) for r in ranges)))
+
+    return run(every())
+
+
 def _refuse_other(marker: str, where: str, url: str) -> NoReturn:
     """Raises what the snapshot path ``url`` (``where``) holds instead of a snapshot: an
     incomplete take, another library's checkpoint (with what to load it with), or nothing."""
@@ -194,14 +268,6 @@ def _refuse_other(marker: str, where: str, url: str) -> NoReturn:
             f"{where} holds an incomplete snapshot: a take started there but never "
             "committed (it was interrupted or failed). Its blobs are not usable; "
             "taking a new snapshot at this path replaces them."
-        )
-    if marker == DCP_METADATA_NAME:
-        raise IncompatibleSnapshotError(
-            f"{where} holds a torch.distributed.checkpoint (DCP) checkpoint ({DCP_METADATA_NAME}"
-            "), not a statesnap snapshot: load it with torch.distributed.checkpoint.load("
-            f"state_dict, checkpoint_id={url!r}), or convert it to one torch.save file with "
-            "torch.distributed.checkpoint.format_utils.dcp_to_torch_save"
-            f"({url!r}, 'checkpoint.pt')"
         )
     kind = _single_file(url)
     if kind is not None:

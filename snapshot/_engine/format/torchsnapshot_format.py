@@ -19,8 +19,8 @@ checksums, nor the lengths of pickles' files (``translate`` asks for them). Its 
 Every byte of it is untrusted: each field is checked for type and range, blob paths by the
 manifest's check, and sizes against dtypes and shapes.
 
-A torch.distributed.checkpoint directory is recognized by its marker (``FOREIGN_MARKERS``),
-and refused with what to load it with instead (:mod:`.manifest_io`).
+A torch.distributed.checkpoint directory is recognized by its marker (``FOREIGN_MARKERS``)
+and translated by :mod:`.dcp_format`; a take never writes into it.
 """
 
 from __future__ import annotations
