@@ -78,6 +78,41 @@ def test_shutdown_waits_for_pending_work_ends_tasks_closes_plugins_then_stops_th
     assert runtime.get() is not rt  # the process's own runtime is back
 
 
+class GatedPlugin(MemoryStoragePlugin):
+    """Writes once ``gate`` is set."""
+
+    gate = threading.Event()
+
+    async def write(self, path: str, buffers: Any) -> None:
+        await asyncio.get_running_loop().run_in_executor(None, GatedPlugin.gate.wait, 10)
+        await super().write(path, buffers)
+
+
+def test_a_snapshot_pending_when_a_used_runtime_ends_is_committed_on_its_loop(caplog):
+    """``runtime.use`` drains the pending snapshots while its runtime is still the process's:
+    their last steps run on its I/O loop, not on the previous runtime's."""
+    from storage_plugins import register_storage_plugin, unregister_storage_plugin
+
+    register_storage_plugin("gated", GatedPlugin)
+    GatedPlugin.gate.clear()
+    state = {"s": StateDict(t=torch.arange(10_000))}
+    try:
+        with runtime.use() as rt:
+            # The second waits in the queue for the first, whose writes wait for the gate.
+            pendings = [Snapshot.async_take(f"gated://pending-{i}", state) for i in range(2)]
+            threading.Timer(0.2, GatedPlugin.gate.set).start()
+        assert runtime.get() is not rt
+        assert all(p.done() for p in pendings)
+        assert not [r for r in caplog.records if "could not" in r.getMessage()]
+        for i, pending in enumerate(pendings):
+            snap = pending.wait(timeout=5)  # committed, no error
+            assert snap.path == f"gated://pending-{i}"
+            assert torch.equal(Snapshot(snap.path).read_object("0/s/t"), torch.arange(10_000))
+    finally:
+        GatedPlugin.gate.set()
+        unregister_storage_plugin("gated")
+
+
 def test_io_after_shutdown_starts_a_new_loop_and_keeps_no_plugin():
     """An exit hook of the application's, run after the library's, can still use it."""
     with runtime.use() as rt:
