@@ -157,6 +157,31 @@ def test_the_exit_hook_waits_for_pending_snapshots_and_closes_kept_plugins_first
     assert "Task was destroyed" not in done.stderr
 
 
+def test_a_daemon_thread_pool_starts_no_more_threads_than_jobs_at_once():
+    """Jobs submitted one after the other, each as soon as the last one's result is known (as
+    a plugin's calls from the I/O loop), run on one thread: a thread counts itself free before
+    its job's caller hears back, so the next job is not given a new thread (with a buffer of
+    its own, in the local plugin). Here the next job is submitted by the last one's done
+    callback, which runs on the pool's thread the moment the result is set."""
+    pool = DaemonThreadPool(8, thread_name_prefix="one-at-a-time")
+    left = [20]
+    done = threading.Event()
+
+    def next_job(_: object = None) -> None:
+        if left[0] == 0:
+            done.set()
+            return
+        left[0] -= 1
+        pool.submit(time.sleep, 0).add_done_callback(next_job)
+
+    try:
+        next_job()
+        assert done.wait(10)
+        assert len(pool._daemons.threads) == 1
+    finally:
+        pool.shutdown()
+
+
 def test_a_daemon_thread_pool_is_a_thread_pool_executor():
     pool = DaemonThreadPool(2, thread_name_prefix="t")
     assert isinstance(pool, ThreadPoolExecutor)
