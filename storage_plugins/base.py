@@ -9,7 +9,7 @@ import functools
 import queue
 import threading
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
@@ -17,6 +17,14 @@ from typing import Any, TypeVar
 Buffer = bytes | bytearray | memoryview
 
 _T = TypeVar("_T")
+
+
+class FrozenBuffers(tuple[Buffer, ...]):
+    """Buffers whose memory no thread changes until the write they are handed to returns (an
+    async take's private staged copies). ``write_observed`` may then observe and write them as
+    they are, without a copy of its own; any other sequence of buffers may change meanwhile."""
+
+    __slots__ = ()
 
 
 class RefusedBlobError(OSError):
@@ -145,8 +153,16 @@ class StoragePlugin(abc.ABC):
         memory of ``buffers``: a plugin observes its own copy, the one it writes. The default
         copies the blob's bytes (a ``bytes`` buffer as it is), observes the copy, then writes
         it. ``observe`` may have a ``many(pieces)`` method, the same as calling it on each.
+
+        ``buffers`` given as ``FrozenBuffers`` do not change until the call returns: they may be
+        observed and written as they are (the default observes them, then writes them).
         """
-        data = await off_loop(sum(map(len, buffers)), observed_copy, buffers, observe)
+        nbytes = sum(map(len, buffers))
+        if isinstance(buffers, FrozenBuffers):
+            await off_loop(nbytes, _observe_all, buffers, observe)
+            await self.write(path, buffers)
+            return
+        data = await off_loop(nbytes, observed_copy, buffers, observe)
         await self.write(path, [data])
 
     async def readv_observed(
@@ -236,6 +252,65 @@ def observed_copy(buffers: Sequence[Buffer], observe: Callable[[memoryview], Non
     return data
 
 
+_MAX_IOV = 1024  # Linux's IOV_MAX: buffers per vectored call
+
+
+def move_views(
+    views: list[memoryview],
+    move: Callable[[list[memoryview]], int],
+    limit: int,
+    observe: Callable[[memoryview], None] | None = None,
+) -> None:
+    """Moves ``views`` (non-empty) by calls ``move(batch)`` of at most ``limit`` bytes and
+    ``_MAX_IOV`` buffers, each moving a prefix of ``batch``; ``observe`` (or its ``many``)
+    sees the pieces moved, in order, right after each call."""
+    many = getattr(observe, "many", None)
+    i, skip, pos = 0, 0, 0  # the first view not wholly moved, its bytes moved, bytes moved
+    while i < len(views):
+        batch = [views[i][skip : skip + limit]]
+        size, j = len(batch[0]), i + 1
+        while j < len(views) and len(batch) < _MAX_IOV and size + len(views[j]) <= limit:
+            batch.append(views[j])
+            size += len(views[j])
+            j += 1
+        n = move(batch)
+        if n <= 0:
+            total = sum(map(len, views))
+            raise OSError(errno.EIO, f"a system call moved no bytes at byte {pos} of {total}")
+        pos += n
+        moved = []
+        for piece in batch:
+            k = min(n, len(piece))
+            moved.append(piece[:k])
+            n -= k
+            skip += k
+            if skip == len(views[i]):
+                i, skip = i + 1, 0
+            if n == 0:
+                break
+        if many is not None:
+            many(moved)
+        elif observe is not None:
+            list(map(observe, moved))
+
+
+def fill_buffer(buf: memoryview, views: Sequence[memoryview]) -> Iterator[int]:
+    """Copies the concatenation of ``views`` into ``buf`` one buffer-full at a time, yielding
+    how many bytes it holds (``len(buf)`` but for the last)."""
+    fill = 0
+    for view in views:
+        while len(view):
+            k = min(len(view), len(buf) - fill)
+            buf[fill : fill + k] = view[:k]
+            fill += k
+            view = view[k:]
+            if fill == len(buf):
+                yield fill
+                fill = 0
+    if fill:
+        yield fill
+
+
 def short_read(where: str, end: int, wanted: int) -> EOFError:
     """The error for a read of the blob ``where``, which ends at byte ``end``, of the bytes up
     to ``wanted``."""
@@ -321,10 +396,13 @@ class _Daemons:
 
     def _work(self) -> None:
         while (job := self.jobs.get()) is not None:
-            _run(*job)
+            settle = _run(*job)
             job = None  # the job's arguments go now, not when the next one comes
+            # Counted idle before the caller learns the result: the job it submits next is
+            # this thread's, not a new thread's (a pool would grow to its limit otherwise).
             with self.lock:
                 self.idle += 1
+            settle()
 
     def stop(self, wait: bool = True, cancel_futures: bool = False) -> None:
         """Ends the threads once they have run the jobs queued (cancelled, with
@@ -346,12 +424,16 @@ class _Daemons:
                     thread.join()
 
 
-def _run(future: Future[Any], fn: Callable[[], Any]) -> None:
+def _run(future: Future[Any], fn: Callable[[], Any]) -> Callable[[], None]:
+    """Runs ``fn`` for ``future`` (unless cancelled); what sets the future's outcome."""
     if not future.set_running_or_notify_cancel():
-        return
+        return _nothing
     try:
         result = fn()
     except BaseException as e:
-        future.set_exception(e)
-    else:
-        future.set_result(result)
+        return functools.partial(future.set_exception, e)
+    return functools.partial(future.set_result, result)
+
+
+def _nothing() -> None:
+    pass

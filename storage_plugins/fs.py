@@ -2,12 +2,15 @@
 
 Paths below the root are opened without following links; a blob is written to a temporary file
 renamed into place, by vectored calls, or through an aligned buffer of the writing thread for
-direct I/O and for checksums (which must see the very bytes written)."""
+direct I/O and for checksums (which must see the very bytes written); ``FrozenBuffers`` (memory
+that no thread changes meanwhile) are checksummed and written as they are, with direct I/O from
+their own page-aligned memory (only an unaligned rest through the buffer)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import errno
 import functools
 import logging
@@ -18,12 +21,19 @@ import shutil
 import stat
 import threading
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from itertools import islice
 from typing import Any, TypeVar
 
 from storage_plugins import base
-from storage_plugins.base import BlobTooLargeError, Buffer, StoragePlugin, UnsafeBlobError
+from storage_plugins.base import (
+    BlobTooLargeError,
+    Buffer,
+    StoragePlugin,
+    UnsafeBlobError,
+    fill_buffer,
+    move_views,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +63,6 @@ def _unsafe(where: str, mode: int) -> UnsafeBlobError:
     )
 
 
-_MAX_IOV = 1024  # Linux's IOV_MAX: buffers per vectored call
 _MAX_CALL_BYTES = 0x7FFFF000
 # An observed read moves pieces of at most this many bytes, each observed right after its call.
 _OBSERVED_READ_BYTES = 4 << 20
@@ -63,10 +72,15 @@ _MIN_READ_BYTES = 64 << 10
 # Direct I/O (O_DIRECT, Linux) writes from a page-aligned buffer of each I/O thread, in pieces
 # of ``_DIRECT_PIECE_BYTES``; the last piece is padded to ``_DIRECT_ALIGN`` and the file cut
 # back. The same buffer carries observed writes through the page cache: the one copy of the
-# bytes that no other thread can change while they are checksummed and written.
+# bytes that no other thread can change while they are checksummed and written. The buffer is
+# not needed for ``FrozenBuffers``, nor for the whole pages of page-aligned memory that is
+# written unobserved.
 O_DIRECT: int = getattr(os, "O_DIRECT", 0)
 _DIRECT_ALIGN = 4096
 _DIRECT_PIECE_BYTES = 4 << 20
+# A direct write from the caller's own page-aligned memory (``_write_in_place``) moves at most
+# this many bytes per call: each piece is observed right after its call.
+_DIRECT_CALL_BYTES = 64 << 20
 # Smaller files go through the page cache: a direct write of a few KiB waits on the device.
 _DIRECT_MIN_BYTES = 1 << 20
 _bounce = threading.local()
@@ -109,76 +123,70 @@ def _bounce_buffer() -> memoryview:
     return buf
 
 
-def _move(
-    views: list[memoryview],
-    move: Callable[[list[memoryview]], int],
-    limit: int,
-    observe: Observer | None = None,
-) -> None:
-    """Moves ``views`` (non-empty) by calls ``move(batch)`` of at most ``limit`` bytes and
-    ``_MAX_IOV`` buffers, each moving a prefix of ``batch``; ``observe`` (or its ``many``)
-    sees the pieces moved, in order, right after each call."""
-    many = getattr(observe, "many", None)
-    i, skip, pos = 0, 0, 0  # the first view not wholly moved, its bytes moved, bytes moved
-    while i < len(views):
-        batch = [views[i][skip : skip + limit]]
-        size, j = len(batch[0]), i + 1
-        while j < len(views) and len(batch) < _MAX_IOV and size + len(views[j]) <= limit:
-            batch.append(views[j])
-            size += len(views[j])
-            j += 1
-        n = move(batch)
-        if n <= 0:
-            total = sum(map(len, views))
-            raise OSError(errno.EIO, f"a system call moved no bytes at byte {pos} of {total}")
-        pos += n
-        moved = []
-        for piece in batch:
-            k = min(n, len(piece))
-            moved.append(piece[:k])
-            n -= k
-            skip += k
-            if skip == len(views[i]):
-                i, skip = i + 1, 0
-            if n == 0:
-                break
-        if many is not None:
-            many(moved)
-        elif observe is not None:
-            list(map(observe, moved))
+def _address(view: memoryview) -> int:
+    """Where ``view``'s bytes start; -1 for read-only memory (never written directly)."""
+    try:
+        return ctypes.addressof(ctypes.c_char.from_buffer(view))
+    except (TypeError, ValueError):
+        return -1
 
 
-def _fill(buf: memoryview, views: Sequence[memoryview]) -> Iterator[int]:
-    """Copies the concatenation of ``views`` into ``buf`` one buffer-full at a time, yielding
-    how many bytes it holds (``len(buf)`` but for the last)."""
-    fill = 0
-    for view in views:
-        while len(view):
-            k = min(len(view), len(buf) - fill)
-            buf[fill : fill + k] = view[:k]
-            fill += k
-            view = view[k:]
-            if fill == len(buf):
-                yield fill
-                fill = 0
-    if fill:
-        yield fill
-
-
-def _write_all(fd: int, views: list[memoryview], observe: Observer | None, direct: bool) -> bool:
-    """Writes ``views`` to ``fd`` (at offset 0). Unobserved page-cache writes go from ``views``
-    by vectored calls; the others through this thread's aligned buffer, each buffer-full
-    observed once written (never ``views``, which another thread may change meanwhile). With
-    ``direct`` (``fd`` opened with O_DIRECT) each piece is padded to ``_DIRECT_ALIGN`` and the
-    file cut back; False when the first direct write is refused (EINVAL): nothing is then
-    written or observed."""
-    write = functools.partial(os.writev, fd)
-    if observe is None and not direct:
-        _move(views, write, _MAX_CALL_BYTES)
-        return True
-    buf = _bounce_buffer()
+def _write_in_place(
+    fd: int, views: list[memoryview], observe: Observer | None
+) -> tuple[int, list[memoryview]] | None:
+    """Writes with direct I/O, from ``views`` themselves, the page-aligned whole pages at the
+    start of the file (each piece observed once written): the bytes written and the views left
+    for the aligned buffer; None when the first write is refused (EINVAL: nothing written)."""
     pos = 0
-    for fill in _fill(buf, views):
+    for i, view in enumerate(views):
+        body = len(view) // _DIRECT_ALIGN * _DIRECT_ALIGN
+        if not body or _address(view) % _DIRECT_ALIGN:
+            return pos, views[i:]
+        done = 0
+        while done < body:
+            piece = view[done : min(body, done + _DIRECT_CALL_BYTES)]
+            try:
+                n = os.pwrite(fd, piece, pos)
+            except OSError as e:
+                if pos == 0 and e.errno == errno.EINVAL:
+                    return None
+                raise
+            if n <= 0 or n % _DIRECT_ALIGN:
+                raise OSError(errno.EIO, f"a direct write moved {n} bytes at byte {pos}")
+            if observe is not None:
+                observe(piece[:n])
+            done += n
+            pos += n
+        if body < len(view):
+            return pos, [view[body:], *views[i + 1 :]]
+    return pos, []
+
+
+def _write_all(
+    fd: int, views: list[memoryview], observe: Observer | None, direct: bool, stable: bool
+) -> bool:
+    """Writes ``views`` to ``fd`` (at offset 0). Unobserved page-cache writes, and observed
+    ones of ``stable`` views (no other thread changes them), go from ``views`` by vectored
+    calls. Direct writes go from ``views`` too where they are page-aligned and unobserved or
+    ``stable`` (``_write_in_place``). The rest goes through this thread's aligned buffer, each
+    buffer-full observed once written (never ``views``, which another thread may change
+    meanwhile). With ``direct`` (``fd`` opened with O_DIRECT) each piece is padded to
+    ``_DIRECT_ALIGN`` and the file cut back; False when the first direct write is refused
+    (EINVAL): nothing is then written or observed."""
+    write = functools.partial(os.writev, fd)
+    if not direct and (observe is None or stable):
+        move_views(views, write, _MAX_CALL_BYTES, observe)
+        return True
+    pos = 0
+    if direct and (observe is None or stable):
+        placed = _write_in_place(fd, views, observe)
+        if placed is None:
+            return False
+        pos, views = placed
+        if not views:
+            return True
+    buf = _bounce_buffer()
+    for fill in fill_buffer(buf, views):
         end = -(-fill // _DIRECT_ALIGN) * _DIRECT_ALIGN if direct else fill
         buf[fill:end] = bytes(end - fill)  # no stale memory reaches the disk
         done = 0
@@ -339,16 +347,18 @@ class FSStoragePlugin(StoragePlugin):
         buffers: Sequence[Buffer],
         observe: Observer | None = None,
         exclusive: bool = False,
+        stable: bool = False,
     ) -> None:
         """Writes blob ``path`` through a temporary file renamed into place; ``exclusive``:
-        linked into place instead, which fails (``FileExistsError``) when it exists."""
+        linked into place instead, which fails (``FileExistsError``) when it exists; ``stable``:
+        no other thread changes ``buffers`` meanwhile (``base.FrozenBuffers``)."""
         *dirs, name = path.split("/")
         tmp = f".{name}.{uuid.uuid4().hex[:12]}.tmp"
         views = [memoryview(b).cast("B") for b in buffers if len(b)]
         direct = self._direct and sum(map(len, views)) >= _DIRECT_MIN_BYTES
         parent = self._open_dir(dirs, create=True)
         try:
-            if not self._write_new(parent, tmp, views, observe, direct):
+            if not self._write_new(parent, tmp, views, observe, direct, stable):
                 # Refused: the same file through the cache, and every later one (said once).
                 if self._direct:
                     self._direct = False
@@ -356,7 +366,7 @@ class FSStoragePlugin(StoragePlugin):
                     logger.info("direct I/O refused for %s: %s", self.describe(path), what)
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(tmp, dir_fd=parent)  # some kernels create it, then refuse
-                self._write_new(parent, tmp, views, observe, False)
+                self._write_new(parent, tmp, views, observe, False, stable)
             if exclusive:
                 # A hard link is made only where no entry ``name`` exists, atomically.
                 os.link(tmp, name, src_dir_fd=parent, dst_dir_fd=parent, follow_symlinks=False)
@@ -374,7 +384,13 @@ class FSStoragePlugin(StoragePlugin):
             self._dirty_dirs.add(tuple(dirs))
 
     def _write_new(
-        self, parent: int, tmp: str, views: list[memoryview], observe: Observer | None, direct: bool
+        self,
+        parent: int,
+        tmp: str,
+        views: list[memoryview],
+        observe: Observer | None,
+        direct: bool,
+        stable: bool,
     ) -> bool:
         """Writes the new file ``tmp`` in ``parent`` (then fsyncs it, with fsync), with direct
         I/O when ``direct``; False when the file system refuses direct I/O, at the open or at
@@ -386,7 +402,7 @@ class FSStoragePlugin(StoragePlugin):
                 return False
             raise
         try:
-            if not _write_all(fd, views, observe, direct):
+            if not _write_all(fd, views, observe, direct, stable):
                 return False
             if self._fsync:
                 os.fsync(fd)
@@ -403,7 +419,8 @@ class FSStoragePlugin(StoragePlugin):
     async def write_observed(self, path: str, buffers: Sequence[Buffer], observe: Observer) -> None:
         if type(self).write is not FSStoragePlugin.write:  # a subclass's ``write`` serves
             return await super().write_observed(path, buffers, observe)
-        await self._run(self._write_sync, path, buffers, observe)
+        stable = isinstance(buffers, base.FrozenBuffers)
+        await self._run(self._write_sync, path, buffers, observe, False, stable)
 
     def _read_sync(self, path: str, limit: int | None = None) -> bytes:
         """The whole blob, read to its end (``fstat``'s length may be wrong: a file still
@@ -448,7 +465,7 @@ class FSStoragePlugin(StoragePlugin):
 
         limit = _MAX_CALL_BYTES if observe is None else _OBSERVED_READ_BYTES
         try:
-            _move([o for o in outs if len(o)], read, limit, observe)
+            move_views([o for o in outs if len(o)], read, limit, observe)
         finally:
             os.close(fd)
 

@@ -92,6 +92,16 @@ def test_pool_size_classes_and_reuse():
     assert pool.free_bytes == 98304
 
 
+def test_pool_blocks_start_on_a_page_boundary():
+    """So that the local plugin writes them with direct I/O as they are, without a copy."""
+    pool = StagingPool(keep_bytes=64 << 20, pin=False)
+    leases = [pool.acquire(n) for n in (1, 70_000, 1 << 20, (3 << 20) + 5)]
+    assert all(lease.tensor.data_ptr() % 4096 == 0 for lease in leases)
+    assert pool.allocated_bytes == sum(pool.block_bytes(len(x.view), False) for x in leases)
+    for lease in leases:
+        lease.release()
+
+
 def _state(seed: int) -> StateDict:
     g = torch.Generator().manual_seed(seed)
     return StateDict(

@@ -78,6 +78,41 @@ def test_shutdown_waits_for_pending_work_ends_tasks_closes_plugins_then_stops_th
     assert runtime.get() is not rt  # the process's own runtime is back
 
 
+class GatedPlugin(MemoryStoragePlugin):
+    """Writes once ``gate`` is set."""
+
+    gate = threading.Event()
+
+    async def write(self, path: str, buffers: Any) -> None:
+        await asyncio.get_running_loop().run_in_executor(None, GatedPlugin.gate.wait, 10)
+        await super().write(path, buffers)
+
+
+def test_a_snapshot_pending_when_a_used_runtime_ends_is_committed_on_its_loop(caplog):
+    """``runtime.use`` drains the pending snapshots while its runtime is still the process's:
+    their last steps run on its I/O loop, not on the previous runtime's."""
+    from storage_plugins import register_storage_plugin, unregister_storage_plugin
+
+    register_storage_plugin("gated", GatedPlugin)
+    GatedPlugin.gate.clear()
+    state = {"s": StateDict(t=torch.arange(10_000))}
+    try:
+        with runtime.use() as rt:
+            # The second waits in the queue for the first, whose writes wait for the gate.
+            pendings = [Snapshot.async_take(f"gated://pending-{i}", state) for i in range(2)]
+            threading.Timer(0.2, GatedPlugin.gate.set).start()
+        assert runtime.get() is not rt
+        assert all(p.done() for p in pendings)
+        assert not [r for r in caplog.records if "could not" in r.getMessage()]
+        for i, pending in enumerate(pendings):
+            snap = pending.wait(timeout=5)  # committed, no error
+            assert snap.path == f"gated://pending-{i}"
+            assert torch.equal(Snapshot(snap.path).read_object("0/s/t"), torch.arange(10_000))
+    finally:
+        GatedPlugin.gate.set()
+        unregister_storage_plugin("gated")
+
+
 def test_io_after_shutdown_starts_a_new_loop_and_keeps_no_plugin():
     """An exit hook of the application's, run after the library's, can still use it."""
     with runtime.use() as rt:
@@ -120,6 +155,31 @@ def test_the_exit_hook_waits_for_pending_snapshots_and_closes_kept_plugins_first
     assert int(lines[1].split()[2]) >= 2  # the take's plugin, and the kept one
     assert torch.equal(Snapshot(str(path)).read_object("0/s/t"), torch.arange(100_000))
     assert "Task was destroyed" not in done.stderr
+
+
+def test_a_daemon_thread_pool_starts_no_more_threads_than_jobs_at_once():
+    """Jobs submitted one after the other, each as soon as the last one's result is known (as
+    a plugin's calls from the I/O loop), run on one thread: a thread counts itself free before
+    its job's caller hears back, so the next job is not given a new thread (with a buffer of
+    its own, in the local plugin). Here the next job is submitted by the last one's done
+    callback, which runs on the pool's thread the moment the result is set."""
+    pool = DaemonThreadPool(8, thread_name_prefix="one-at-a-time")
+    left = [20]
+    done = threading.Event()
+
+    def next_job(_: object = None) -> None:
+        if left[0] == 0:
+            done.set()
+            return
+        left[0] -= 1
+        pool.submit(time.sleep, 0).add_done_callback(next_job)
+
+    try:
+        next_job()
+        assert done.wait(10)
+        assert len(pool._daemons.threads) == 1
+    finally:
+        pool.shutdown()
 
 
 def test_a_daemon_thread_pool_is_a_thread_pool_executor():

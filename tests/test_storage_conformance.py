@@ -177,6 +177,20 @@ async def test_observed_writes_and_reads_see_every_byte_once_in_order(plugin):
 
 
 @pytest.mark.asyncio
+async def test_observed_writes_of_frozen_buffers_see_every_byte_once_in_order(plugin):
+    """``FrozenBuffers``: memory that does not change while written; every plugin (those that
+    know nothing of it too) observes and stores the same bytes as from any other buffers."""
+    from storage_plugins.base import FrozenBuffers
+
+    parts = [bytearray(range(256)) * 4096 * 3, bytearray(), bytearray(b"tail"), bytearray(3 << 20)]
+    data = b"".join(parts)
+    seen: list[bytes] = []
+    frozen = FrozenBuffers(memoryview(p) for p in parts)
+    await plugin.write_observed("frozen", frozen, lambda v: seen.append(bytes(v)))
+    assert b"".join(seen) == data and await plugin.read("frozen") == data
+
+
+@pytest.mark.asyncio
 async def test_overwrite_replaces(plugin):
     await plugin.write("o", [b"first version, long"])
     await plugin.write("o", [b"second"])
@@ -458,6 +472,44 @@ def test_fs_direct_writes_every_byte_once_from_aligned_memory(tmp_path, monkeypa
     assert all(addr == 0 and off % 4096 == 0 and n % 4096 == 0 for addr, off, n in calls.pwrites)
     assert [off for _, off, _ in calls.pwrites] == list(range(0, len(calls.pwrites) * 16384, 16384))
     assert sorted(p.name for p in (tmp_path / "d").iterdir()) == ["blob"]
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "O_DIRECT"), reason="O_DIRECT is Linux's")
+@pytest.mark.parametrize("tail", [0, 1, 4095])
+@pytest.mark.parametrize("frozen", [True, False])
+def test_fs_writes_frozen_aligned_buffers_as_they_are(tmp_path, monkeypatch, tail, frozen):
+    """Observed direct writes of ``FrozenBuffers`` go from their own page-aligned memory (only
+    an unaligned tail through the thread's buffer), observed as written; other buffers, which
+    may change meanwhile, are copied into the thread's buffer first, as before."""
+    import mmap
+    import os
+
+    from storage_plugins import fs
+    from storage_plugins.base import FrozenBuffers
+
+    if not _accepts_direct_io(tmp_path):
+        pytest.skip(f"the file system of {tmp_path} refuses O_DIRECT writes")
+    monkeypatch.setattr(fs, "_DIRECT_PIECE_BYTES", 16384)
+    monkeypatch.setattr(fs, "_DIRECT_CALL_BYTES", 32768)
+    monkeypatch.setattr(fs, "_DIRECT_MIN_BYTES", 1)
+    nbytes = 5 * 16384 + tail
+    memory = mmap.mmap(-1, nbytes)
+    memory[:] = os.urandom(nbytes)
+    view = memoryview(memory)
+    buffers = FrozenBuffers((view,)) if frozen else [view]
+    calls = _Syscalls(monkeypatch, fs)
+    seen: list[bytes] = []
+    plugin = fs.FSStoragePlugin(str(tmp_path / "d"), {"fsync": True})
+    asyncio.run(plugin.write_observed("blob", buffers, lambda v: seen.append(bytes(v))))
+    assert (tmp_path / "d" / "blob").read_bytes() == bytes(memory) == b"".join(seen)
+    assert calls.direct_opens() == 1
+    assert all(off % 4096 == 0 and n % 4096 == 0 for _, off, n in calls.pwrites)
+    assert sum(n for _, _, n in calls.pwrites) == -(-nbytes // 4096) * 4096
+    if frozen:  # the aligned part in calls of at most _DIRECT_CALL_BYTES, then the tail
+        assert [n for _, _, n in calls.pwrites] == [32768, 32768, 16384] + ([4096] if tail else [])
+    else:  # a piece of the thread's buffer at a time
+        assert [n for _, _, n in calls.pwrites] == [16384] * 5 + ([4096] if tail else [])
+    del view, buffers
 
 
 class _FakeVirtio:

@@ -211,7 +211,8 @@ def _at_exit() -> None:
 @contextlib.contextmanager
 def use(runtime: Runtime | None = None) -> Iterator[Runtime]:
     """Makes ``runtime`` (a new one by default) the process's for the block, then shuts it down
-    and puts the previous one back: state of its own for a test."""
+    and puts the previous one back: state of its own for a test. It is still the process's while
+    it shuts down: the pending snapshots it waits for finish on its own I/O loop."""
     global _runtime
     runtime = runtime if runtime is not None else Runtime()
     get()  # the exit hook is registered, and there is a previous runtime to put back
@@ -220,9 +221,11 @@ def use(runtime: Runtime | None = None) -> Iterator[Runtime]:
     try:
         yield runtime
     finally:
-        with _runtime_lock:
-            _runtime = previous
-        runtime.shutdown()
+        try:
+            runtime.shutdown()
+        finally:
+            with _runtime_lock:
+                _runtime = previous
 
 
 # ---------------------------------------------------------------------------------------------

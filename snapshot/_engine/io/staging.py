@@ -38,6 +38,7 @@ from snapshot._engine.io import device
 from snapshot._engine.io.pipeline import WriteRequest
 from snapshot._engine.runtime import BudgetShare, ByteBudget
 from snapshot.errors import UnsupportedValueError
+from storage_plugins.base import FrozenBuffers
 
 if TYPE_CHECKING:
     from snapshot.options import Options
@@ -50,6 +51,9 @@ _SMALL_COPY = 1 << 20
 # A host tensor of at least this many bytes, a blob of its own, is copied on the copier thread:
 # each copy is long enough to hide the caller's planning of many small tensors behind it.
 _COPIER_MIN_BYTES = 4 << 20
+# Pooled blocks start on a boundary of this many bytes: what direct I/O needs of the memory it
+# writes from.
+_PAGE = 4096
 
 
 def process_pool(options: Options) -> StagingPool:
@@ -216,7 +220,7 @@ class StagingPool:
                     )
                 pinned, size = False, self.size_class(nbytes)
         if block is None:
-            block = torch.empty(size, dtype=torch.uint8)
+            block = _aligned_empty(size)
         self.allocated_bytes += size
         with self._lock:
             self.leased_bytes += size
@@ -257,6 +261,14 @@ class StagingPool:
         del dropped  # freed outside the lock
         if pinned:  # only a GPU run frees pinned memory for real
             device.empty_host_cache()
+
+
+def _aligned_empty(nbytes: int) -> torch.Tensor:
+    """A new uint8 CPU tensor of ``nbytes`` starting on a page boundary, so that a plugin can
+    write it with direct I/O as it is (the page of slack before it is never touched)."""
+    raw = torch.empty(nbytes + _PAGE, dtype=torch.uint8)
+    skip = -raw.data_ptr() % _PAGE
+    return raw[skip : skip + nbytes]
 
 
 class Slab:
@@ -330,7 +342,9 @@ def stage_slab(slab: Slab, checksums: bool, pool: StagingPool | None = None) -> 
     except BaseException:
         lease.release()
         raise
-    return [lease.view], lease
+    # A private copy that nothing changes until its write ends: written and checksummed as it
+    # is, without a copy of the plugin's.
+    return FrozenBuffers((lease.view,)), lease
 
 
 def _fill(
