@@ -72,8 +72,11 @@ class SigningKey:
 
     algorithm: str
     key_id: str
-    private: Any = None  # cryptography's Ed25519PrivateKey, or the HMAC secret (bytes)
-    public: Any = None  # cryptography's Ed25519PublicKey, or the HMAC secret
+    #: The key that signs: cryptography's Ed25519PrivateKey, or the HMAC secret (None: a
+    #: public key, which only verifies).
+    private: Any = None
+    #: The key that verifies: cryptography's Ed25519PublicKey, or the HMAC secret.
+    public: Any = None
 
     @classmethod
     def hmac(cls, secret: bytes) -> SigningKey:
@@ -247,6 +250,9 @@ def sign(
     there. An incremental snapshot's bases are signed first when unsigned, and verified with
     ``key`` when signed; the statement binds their manifests' and signatures' digests.
 
+    ``storage_options`` go to the storage plugin, as for ``Snapshot``; ``options``: the
+    tunables (:class:`~snapshot.Options`) of the reads and the write.
+
     Returns the statement signed (a dict).
 
     Raises:
@@ -357,7 +363,8 @@ def verify(
     """Checks the signature of the snapshot at ``path`` with ``key`` (see
     :meth:`SigningKey.load`; a public key suffices for Ed25519), then the SHA-256 of its manifest
     and of every blob (each read once, in pieces of ``piece_bytes``), and every base's signature
-    and manifest digest, transitively. Returns the statement verified (a dict).
+    and manifest digest, transitively. ``storage_options`` and ``options`` as for :func:`sign`.
+    Returns the statement verified (a dict).
 
     Raises:
         UnsignedSnapshotError: no signature file (on the snapshot or a base).
