@@ -179,9 +179,13 @@ def _pae(payload_type: str, payload: bytes) -> bytes:
 # Reading what is signed.
 
 
-async def _hash_blob(plugin: Any, blob: str, size: int, piece: int) -> tuple[str, int]:
-    """SHA-256 of blob ``blob``'s bytes [0, size) read in pieces of ``piece``, and the size the
-    store reports (``size`` when it cannot tell)."""
+async def _hash_blob(plugin: Any, blob: str, size: int, piece: int, whole: bool) -> tuple[str, int]:
+    """SHA-256 of blob ``blob``'s bytes [0, size) read in pieces of ``piece`` (``whole``: of
+    every byte the store holds, when it can tell how many), and the size the store reports
+    (``size`` when it cannot tell)."""
+    stored = await plugin.size(blob)
+    if whole and stored is not None:
+        size = int(stored)
     h = hashlib.sha256()
     buf = bytearray(min(piece, max(size, 1)))
     offset = 0
@@ -191,7 +195,6 @@ async def _hash_blob(plugin: Any, blob: str, size: int, piece: int) -> tuple[str
         await plugin.read_into(blob, offset, view)
         await asyncio.to_thread(h.update, view)
         offset += n
-    stored = await plugin.size(blob)
     return h.hexdigest(), size if stored is None else int(stored)
 
 
@@ -201,20 +204,21 @@ def _hash_blobs(
     storage_options: dict[str, Any] | None,
     options: Options,
     piece: int,
+    whole: bool = False,
 ) -> dict[str, tuple[str, int]]:
-    """blob -> (SHA-256, stored size) for ``sizes`` (blob -> bytes to hash), ``JOBS`` at once.
-    A blob that cannot be read raises ``SignatureError`` naming it."""
+    """blob -> (SHA-256, stored size) for ``sizes`` (blob -> bytes to hash; ``whole``: every
+    byte stored), ``JOBS`` at once. A blob that cannot be read raises ``SignatureError``."""
     with open_storage(path, storage_options, options) as plugin:
 
         async def one(sem: asyncio.Semaphore, blob: str, size: int) -> tuple[str, tuple[str, int]]:
             async with sem:
                 try:
-                    return blob, await _hash_blob(plugin, blob, size, piece)
+                    return blob, await _hash_blob(plugin, blob, size, piece, whole)
                 except (OSError, EOFError, ValueError) as e:
                     raise SignatureError(
                         f"snapshot {path}: blob {blob} cannot be read whole ({size:,} bytes "
                         f"signed): {e}",
-                        blob,
+                        f"{path.rstrip('/')}/{blob}",
                     ) from None
 
         async def every() -> list[tuple[str, tuple[str, int]]]:
@@ -310,7 +314,7 @@ def _sign(
                 "signature": {"sha256": hashlib.sha256(base_sig).hexdigest()},
             }
         )
-    hashed = _hash_blobs(path, own, storage_options, options, piece)
+    hashed = _hash_blobs(path, own, storage_options, options, piece, whole=True)
     statement = {
         "_type": STATEMENT_TYPE,
         "subject": [

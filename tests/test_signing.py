@@ -121,6 +121,26 @@ def test_a_flipped_blob_byte_is_refused_naming_the_blob(snap):
     assert isinstance(e.value, CorruptSnapshotError)
 
 
+def test_a_longer_or_missing_blob_is_refused_naming_it(snap):
+    sign(snap, SECRET)
+    blob = Path(snap) / _blobs(snap)[0]
+    data = blob.read_bytes()
+    blob.write_bytes(data + b"\0")
+    with pytest.raises(
+        SignatureError, match=f"holds {len(data) + 1:,} bytes, {len(data):,} were"
+    ) as e:
+        verify(snap, SECRET)
+    assert e.value.file == str(blob)
+    blob.unlink()
+    with pytest.raises(SignatureError, match="cannot be read") as e:
+        verify(snap, SECRET)
+    assert e.value.file == str(blob)
+    target = _state(seed=9.0)
+    with pytest.raises(SignatureError):
+        Snapshot(snap).restore(target, verify_key=SECRET)
+    assert torch.equal(target["m"]["w"], torch.arange(4096.0) + 9.0)
+
+
 def test_a_changed_signature_file_is_refused(snap, ed_keys):
     private, public = ed_keys
     sign(snap, private)
