@@ -5,7 +5,7 @@ deliberate change (a CRC-32 is forged in microseconds). :func:`sign` writes ``ma
 beside the manifest: an in-toto statement (subject: the manifest and its SHA-256; predicate: the
 SHA-256 and size of every blob of the snapshot, and the SHA-256 of each base's manifest and
 signature file for an incremental snapshot) in a DSSE envelope signed with Ed25519 (the optional
-``cryptography`` package: ``pip install statesnap[signing]``) or HMAC-SHA256 (a shared secret),
+``cryptography`` package, the ``signing`` extra) or HMAC-SHA256 (a shared secret),
 in the spirit of the OpenSSF model-signing format. :func:`verify` checks the signature, the
 manifest's digest, every blob's digest (read in pieces through the storage plugin, so any store
 works in bounded memory) and, transitively, every base's signature. docs/signing.md says what it
@@ -157,7 +157,7 @@ def _ed25519() -> Any:
         from cryptography.hazmat.primitives.asymmetric import ed25519
     except ImportError:  # pragma: no cover - the extra is not installed
         raise InvalidArgumentError(
-            "Ed25519 keys need the cryptography package: pip install statesnap[signing]"
+            "Ed25519 keys need the cryptography package (the signing extra of statesnap)"
         ) from None
     return ed25519
 
