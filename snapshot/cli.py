@@ -226,6 +226,28 @@ def add_commands(sub: argparse._SubParsersAction, common: argparse.ArgumentParse
         "primitive values, and bytes (through the recorded CRC-32s; entries without them are "
         "read and compared). Exit code 0 when identical, 1 when they differ.",
     )
+    p_verify.add_argument(
+        "--signature",
+        action="store_true",
+        help="check the snapshot's signature (manifest.sig.json) and the SHA-256 of its "
+        "manifest, every blob and its bases' instead (docs/signing.md); needs --key",
+    )
+    p_verify.add_argument(
+        "--key", metavar="KEYFILE", help="with --signature: a PEM Ed25519 key or an HMAC secret"
+    )
+    p_sign = command(
+        "sign",
+        "path",
+        "sign a snapshot: write manifest.sig.json (SHA-256 of the manifest and every blob)",
+        "Reads the manifest and every blob, hashes them with SHA-256 and writes a detached "
+        "signature beside the manifest (manifest.sig.json, replacing one there), signed with "
+        "--key: a PEM Ed25519 private key, or any other file as an HMAC-SHA256 secret. An "
+        "incremental snapshot's unsigned bases are signed first. `statesnap verify "
+        "--signature` checks it.",
+    )
+    p_sign.add_argument(
+        "--key", metavar="KEYFILE", required=True, help="a PEM Ed25519 private key or HMAC secret"
+    )
     for p in (p_verify, p_diff):
         p.add_argument("--jobs", type=_positive, default=4, help="reads at once (default 4)")
     p_steps = command(

@@ -258,6 +258,7 @@ class Snapshot:
         verify_first: bool = False,
         options: Options | None = None,
         progress: ProgressArg = False,
+        verify_key: Any = None,
     ) -> None:
         """Restores ``app_state`` (the one taken, or a subset of its keys) from the snapshot.
 
@@ -279,6 +280,12 @@ class Snapshot:
                 called once the reads are planned, then as each read lands (on the I/O
                 thread); not for the checking pass of ``verify_first``, nor for the bytes
                 another rank reads for this one.
+            verify_key: a key (:meth:`snapshot.signing.SigningKey.load`: a public Ed25519 key,
+                its PEM file, or the HMAC secret): first checks the snapshot's signature and the
+                SHA-256 of its manifest and every blob (and its bases') with
+                :func:`snapshot.signing.verify`, on every rank, and refuses an unsigned or wrongly
+                signed snapshot with a ``SignatureError`` before anything is written. Every
+                blob is then read twice (once hashed, once restored). None (default): no check.
 
         Raises:
             StateMismatchError: a key is not in the snapshot (``strict`` only);
@@ -298,6 +305,10 @@ class Snapshot:
         state_dicts.typed(verify_first, bool, "Snapshot.restore", "verify_first", self.path)
         wanted = _progress(progress, "Snapshot.restore", self.path)
         resolved = resolve(options)
+        if verify_key is not None:  # refused before any target is touched
+            from snapshot.signing import verify
+
+            verify(self.path, verify_key, storage_options=self.storage_options, options=resolved)
         coordinator = dist.resolve(self.pg, resolved)
         reporter = _reporter(wanted, "restore", coordinator)
         try:

@@ -26,7 +26,12 @@ from typing import Any
 from snapshot._engine.format.manifest_io import load_manifest, sibling_path
 from snapshot._engine.io.storage_calls import open_storage
 from snapshot._engine.runtime import run
-from snapshot._engine.take.commit import MANIFEST_NAME, PENDING_NAME, left_by_a_take
+from snapshot._engine.take.commit import (
+    MANIFEST_NAME,
+    PENDING_NAME,
+    SIGNATURE_NAME,
+    left_by_a_take,
+)
 from snapshot.errors import InvalidArgumentError, SnapshotError, StorageError, UnsafeSnapshotError
 from snapshot.options import Options
 from storage_plugins.fs import FSStoragePlugin
@@ -119,7 +124,7 @@ def _contents(
             manifest = True
         elif kind == "file" and name == PENDING_NAME:
             marker = True
-        elif kind == "file" and _TEMP.fullmatch(name):
+        elif kind == "file" and (_TEMP.fullmatch(name) or name == SIGNATURE_NAME):
             pass
         elif kind == "dir" and _RANK.fullmatch(name):
             blobs = inner(name)

@@ -203,8 +203,85 @@ def run_show(args: argparse.Namespace) -> int:
 # verify
 
 
+def run_sign(args: argparse.Namespace) -> int:
+    from snapshot import signing
+
+    path = _open(args)
+    key = signing.SigningKey.load(args.key)
+    statement = signing.sign(path, key, storage_options=args.storage_options)
+    blobs, bases = statement["predicate"]["blobs"], statement["predicate"]["bases"]
+    if args.json:
+        write_json(
+            {
+                "path": path,
+                "signature": signing.SIGNATURE_NAME,
+                "algorithm": key.algorithm,
+                "keyid": key.key_id,
+                "manifest_sha256": statement["subject"][0]["digest"]["sha256"],
+                "blobs": len(blobs),
+                "bytes": sum(b["size"] for b in blobs),
+                "bases": [b["name"] for b in bases],
+            }
+        )
+        return 0
+    write_lines(
+        [
+            f"sign: signed {printable(path)} with {key.algorithm} key {key.key_id}: "
+            f"{count(len(blobs), 'blob')}, {human_bytes(sum(b['size'] for b in blobs))} hashed"
+            + (f", {count(len(bases), 'base')}" if bases else "")
+        ]
+    )
+    return 0
+
+
+def _verify_signature(args: argparse.Namespace, path: str) -> int:
+    from snapshot import signing
+
+    if not args.key:
+        raise InvalidArgumentError("verify --signature needs --key (the public key or secret)")
+    key = signing.SigningKey.load(args.key)
+    try:
+        statement = signing.verify(path, key, storage_options=args.storage_options)
+    except signing.SignatureError as e:
+        if not args.json:
+            raise
+        problem: dict[str, Any] | None = {"file": e.file, "what": str(e)}
+        unsigned = isinstance(e, signing.UnsignedSnapshotError)
+        blobs: list[Any] = []
+        bases: list[Any] = []
+    else:
+        problem, unsigned = None, False
+        blobs, bases = statement["predicate"]["blobs"], statement["predicate"]["bases"]
+    if args.json:
+        write_json(
+            {
+                "path": path,
+                "ok": problem is None,
+                "signed": not unsigned,
+                "algorithm": key.algorithm,
+                "keyid": key.key_id,
+                "blobs": len(blobs),
+                "bytes": sum(b["size"] for b in blobs),
+                "bases": [b["name"] for b in bases],
+                "problem": problem,
+            }
+        )
+        return 0 if problem is None else 1
+    write_lines(
+        [
+            f"verify: OK: signature of {printable(path)} verified with {key.algorithm} key "
+            f"{key.key_id}; {count(len(blobs), 'blob')}, "
+            f"{human_bytes(sum(b['size'] for b in blobs))} hashed"
+            + (f", {count(len(bases), 'base')} verified" if bases else "")
+        ]
+    )
+    return 0
+
+
 def run_verify(args: argparse.Namespace) -> int:
     path = _open(args)
+    if args.signature:
+        return _verify_signature(args, path)
     progress = Progress("verify", "blobs", quiet=args.json)
     try:
         report = verify(path, args.storage_options, jobs=args.jobs, progress=progress)
