@@ -284,7 +284,8 @@ class Snapshot:
                 its PEM file, or the HMAC secret): first checks the snapshot's signature and the
                 SHA-256 of its manifest and every blob (and its bases') with
                 :func:`snapshot.signing.verify`, on every rank, and refuses an unsigned or wrongly
-                signed snapshot with a ``SignatureError`` before anything is written. Every
+                signed snapshot with a ``SignatureError`` before anything is written (across
+                ranks, a rank that refuses stops every rank: a ``RankFailedError`` naming it). Every
                 blob is then read twice (once hashed, once restored). None (default): no check.
 
         Raises:
@@ -305,11 +306,21 @@ class Snapshot:
         state_dicts.typed(verify_first, bool, "Snapshot.restore", "verify_first", self.path)
         wanted = _progress(progress, "Snapshot.restore", self.path)
         resolved = resolve(options)
+        coordinator = dist.resolve(self.pg, resolved)
         if verify_key is not None:  # refused before any target is touched
             from snapshot.signing import verify
 
-            verify(self.path, verify_key, storage_options=self.storage_options, options=resolved)
-        coordinator = dist.resolve(self.pg, resolved)
+            error = None
+            try:
+                opts = self.storage_options
+                verify(self.path, verify_key, storage_options=opts, options=resolved)
+            except Exception as e:
+                error = e
+            if coordinator.world_size == 1:
+                if error is not None:
+                    raise error
+            else:  # every rank's verdict: one rank refused means every rank stops
+                coordinator.agree("restore: signature", error=error)
         reporter = _reporter(wanted, "restore", coordinator)
         try:
             with gc_paused():

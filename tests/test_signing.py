@@ -289,3 +289,29 @@ def test_sign_and_verify_on_s3(s3_bucket):
     target = _state(seed=3.0)
     Snapshot(url, storage_options=options).restore(target, verify_key=SECRET)
     assert torch.equal(target["m"]["w"], torch.arange(4096.0))
+
+
+def _restore_with_key(rank: int, world: int, path: str) -> str:
+    # Rank 1 holds the wrong secret: its refusal stops rank 0 too, before any target changes.
+    import torch.distributed as dist
+
+    from snapshot import RankFailedError
+
+    target = {"model": StateDict(w=torch.zeros(64, 64))}
+    key = b"the right secret" if rank == 0 else b"a wrong secret"
+    try:
+        Snapshot(path, pg=dist.group.WORLD).restore(target, verify_key=key)
+    except RankFailedError as e:
+        assert torch.equal(target["model"]["w"], torch.zeros(64, 64))
+        return str(e)
+    return "restored"
+
+
+def test_a_rank_that_refuses_the_signature_stops_every_rank(tmp_path):
+    from tests.multirank import run_ranks
+
+    path = str(tmp_path / "s")
+    Snapshot.take(path, {"model": StateDict(w=torch.ones(64, 64))})
+    sign(path, b"the right secret")
+    for message in run_ranks(2, _restore_with_key, path):
+        assert "restore: signature failed on rank(s) [1] of 2" in message
