@@ -52,7 +52,7 @@ from manifest import (
     reference_of,
 )
 from manifest import UnsafeManifestError as _UnsafePath
-from snapshot._engine.format.serialization import DTYPES, dtype_name
+from snapshot._engine.format.serialization import DTYPES, ArchiveEnds, dtype_name
 from snapshot._engine.format.text import printable_message
 from snapshot._engine.format.torchsnapshot_format import DCP_METADATA_NAME
 from snapshot._engine.state_dicts import escape_key
@@ -363,38 +363,6 @@ def _blob(source: str, rel: str) -> str:
     return blob
 
 
-class _Sparse(io.RawIOBase):
-    """A chunk's range of ``length`` bytes of which only ``head`` (its first bytes) and
-    ``tail`` (its last) are known: enough for ``zipfile`` to read the archive's directory (at
-    its end) and its first records. A read elsewhere raises ``EOFError``."""
-
-    def __init__(self, head: bytes, tail: bytes, length: int) -> None:
-        self.head, self.tail, self.length, self.pos = head, tail, length, 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def seek(self, pos: int, whence: int = 0) -> int:
-        self.pos = max(0, {0: pos, 1: self.pos + pos, 2: self.length + pos}[whence])
-        return self.pos
-
-    def tell(self) -> int:
-        return self.pos
-
-    def read(self, n: int = -1) -> bytes:
-        end = self.length if n < 0 else min(self.length, self.pos + n)
-        start, self.pos = self.pos, end
-        if end <= len(self.head):
-            return self.head[start:end]
-        tail_start = self.length - len(self.tail)
-        if start >= tail_start:
-            return self.tail[start - tail_start : end - tail_start]
-        raise EOFError(f"bytes {start}-{end} of the archive were not read")
-
-
 def _record(
     head: bytes,
     tail: bytes,
@@ -414,7 +382,7 @@ def _record(
         return CorruptSnapshotError(printable_message(f"{what}: chunk at {list(sizes)}: {why}"))
 
     try:
-        with zipfile.ZipFile(_Sparse(head, tail, length)) as archive:
+        with zipfile.ZipFile(ArchiveEnds(length, head, tail)) as archive:
             infos = archive.infolist()
             if len(infos) > 64:
                 raise bad(f"an archive of {len(infos)} records")

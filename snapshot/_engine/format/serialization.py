@@ -467,3 +467,46 @@ def check_readable(metadata: Mapping[str, Any], where: str) -> None:
             _check(part, writer[0], writer[1])
         except IncompatibleSnapshotError as e:
             raise IncompatibleSnapshotError(f"snapshot {where}, {part} part: {e}") from None
+
+
+class MissingBytes(EOFError):
+    """A read of bytes an ``ArchiveEnds`` was not given."""
+
+
+class ArchiveEnds(io.RawIOBase):
+    """A seekable file of ``size`` bytes of which only ``head`` (its start) and ``tail`` (its
+    end) are known: enough for ``zipfile`` to list an archive's members (its directory is at
+    the end) and read its first records, without the bytes in between. A read that starts in
+    the head returns what the head holds of it (a short read); one that starts in between
+    raises ``MissingBytes``."""
+
+    def __init__(self, size: int, head: bytes, tail: bytes) -> None:
+        self.size, self.head, self.tail, self.pos = size, head, tail, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.pos, io.SEEK_END: self.size}[whence]
+        self.pos = max(0, base + offset)
+        return self.pos
+
+    def tell(self) -> int:
+        return self.pos
+
+    def readinto(self, out: Any) -> int:
+        start = self.pos
+        end = start + max(0, min(len(out), self.size - start))
+        cut = self.size - len(self.tail)
+        if start >= cut:
+            data = self.tail[start - cut : end - cut]
+        elif start < len(self.head):
+            data = self.head[start:end]
+        else:
+            raise MissingBytes(f"bytes {start}-{end} of the archive were not read")
+        memoryview(out)[: len(data)] = data
+        self.pos = start + len(data)
+        return len(data)

@@ -38,7 +38,7 @@ from manifest import (
     reference_of,
 )
 from snapshot._engine.format.manifest_io import load_manifest, open_linked
-from snapshot._engine.format.serialization import combine, crc32
+from snapshot._engine.format.serialization import ArchiveEnds, MissingBytes, combine, crc32
 from snapshot._engine.handlers import for_entry
 from snapshot._engine.handlers.objects import check_archive
 from snapshot._engine.io.storage_calls import call
@@ -143,43 +143,6 @@ def _is_archive(entry: Any) -> bool:
 ARCHIVE_TAIL = 1 << 20
 
 
-class _Unavailable(Exception):
-    """A read of archive bytes that verify did not keep."""
-
-
-class _ArchiveView(io.RawIOBase):
-    """A seekable file of an archive of ``size`` bytes of which only ``head`` (its start) and
-    ``tail`` (its end) are known: ``zipfile`` reads no more to list the members."""
-
-    def __init__(self, size: int, head: bytes, tail: bytes) -> None:
-        self.size, self.head, self.tail, self.pos = size, head, tail, 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.pos, io.SEEK_END: self.size}[whence]
-        self.pos = max(0, base + offset)
-        return self.pos
-
-    def readinto(self, out: Any) -> int:
-        start = self.pos
-        end = start + max(0, min(len(out), self.size - start))
-        cut = self.size - len(self.tail)
-        if start >= cut:
-            data = self.tail[start - cut : end - cut]
-        elif start < len(self.head):  # a short read: the bytes kept of the start
-            data = self.head[start:end]
-        else:
-            raise _Unavailable
-        memoryview(out)[: len(data)] = data
-        self.pos = start + len(data)
-        return len(data)
-
-
 def _keep_archive(r: _Range, data: memoryview, lo: int, hi: int) -> str | None:
     """Keeps what ``r``'s archive check needs of its bytes ``[lo, hi)`` (``data``); once the
     last of them is read and its CRC-32 matched, returns what the check finds wrong."""
@@ -195,8 +158,8 @@ def _keep_archive(r: _Range, data: memoryview, lo: int, hi: int) -> str | None:
     if r.value != r.crc32:
         return None  # reported as a checksum mismatch
     try:
-        check_archive(io.BufferedReader(_ArchiveView(r.nbytes, head, tail)), r.paths[0])
-    except _Unavailable:
+        check_archive(io.BufferedReader(ArchiveEnds(r.nbytes, head, tail)), r.paths[0])
+    except MissingBytes:
         pass  # a directory larger than the tail kept: a restore still checks it
     except SnapshotError as e:
         return str(e)
