@@ -418,11 +418,7 @@ class CheckpointManager:
         assert self._tier is not None
         self._tier.wait()
         # The durable steps by their manifests' presence (none is read here).
-        durable = set(
-            self._ranks.agreed(
-                lambda: sorted({s for s, _, kind in self._steps._kinds() if kind == "committed"})
-            )
-        )
+        durable = set(self._ranks.agreed(self._steps.committed_steps))
         t = time.perf_counter()
         step, failed = self._tier.restore(app_state, durable, self._restore_part)
         if step is not None and not failed:

@@ -240,6 +240,10 @@ class Steps:
     def path(self, name: str) -> str:
         return join(self.root, name)
 
+    def committed_steps(self) -> list[int]:
+        """The steps whose folders hold a manifest, found by listing (no manifest is read)."""
+        return sorted({step for step, _, kind in self._kinds() if kind == "committed"})
+
     def _kinds(self) -> list[tuple[int, str, str]]:
         """Each step-named entry under the root, its step and what it is: ``"committed"`` (a
         manifest there), ``"folder"`` (none), or why it is no step folder (a link, a file)."""
