@@ -89,6 +89,13 @@ class Manifest:
                     sizes[loc.blob] = end
         return sizes
 
+    def with_blob_sizes(self, sizes: Mapping[str, int]) -> Manifest:
+        """This manifest, with the length each of its blobs must have taken from ``sizes``
+        rather than from its entries: another library's files hold bytes no entry reads (an
+        archive's directory, a header), which are not damage."""
+        self.__dict__["blob_sizes"] = {blob: sizes[blob] for blob in self.blob_sizes}
+        return self
+
     @functools.cached_property
     def bases(self) -> tuple[str, ...]:
         """The names of the sibling snapshots whose blobs this one's entries point at, sorted."""

@@ -297,15 +297,7 @@ def translate_dcp(
         entries=tree.finish(),
         metadata={"library": f"torch.distributed.checkpoint {meta.version!s:.40}", "format": "dcp"},
     )
-    return with_file_sizes(manifest, files)
-
-
-def with_file_sizes(manifest: Manifest, sizes: dict[str, int]) -> Manifest:
-    """``manifest``, its ``blob_sizes`` (the lengths a restore and ``verify`` expect each file
-    to have) set to the files' lengths: another library's files hold bytes no entry reads (an
-    archive's directory, a header), which are not damage."""
-    manifest.__dict__["blob_sizes"] = {blob: sizes[blob] for blob in manifest.blob_sizes}
-    return manifest
+    return manifest.with_blob_sizes(files)
 
 
 _DTYPE_SET = frozenset(DTYPES.values())

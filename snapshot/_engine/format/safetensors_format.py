@@ -21,7 +21,6 @@ import math
 from collections.abc import Callable
 
 from manifest import DictEntry, Entry, Location, Manifest, TensorEntry
-from snapshot._engine.format.dcp_format import with_file_sizes
 from snapshot._engine.format.serialization import DTYPES
 from snapshot._engine.format.text import printable_message
 from snapshot._engine.state_dicts import escape_key
@@ -118,7 +117,7 @@ def translate_safetensors(
         entries=entries,
         metadata={"library": "safetensors", "format": "safetensors"},
     )
-    return with_file_sizes(manifest, sizes)
+    return manifest.with_blob_sizes(sizes)
 
 
 def _weight_map(data: bytes, source: str) -> dict[str, str]:
