@@ -108,6 +108,23 @@ class ModelAndOptimizer:
         )
 
 
+def full_state(model: torch.nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any]:
+    """The whole model and optimizer state of a parallel job (torch's ``full_state_dict``),
+    gathered on every rank: path -> value (tensors cloned)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    options = StateDictOptions(full_state_dict=True)
+    model_sd, optim_sd = get_state_dict(model, optim, options=options)
+    out: dict[str, Any] = {f"model/{k}": v.detach().clone() for k, v in model_sd.items()}
+    for fqn, state in optim_sd["state"].items():
+        for name, value in state.items():
+            out[f"optim/{fqn}/{name}"] = value.detach().clone()
+    for i, group in enumerate(optim_sd["param_groups"]):
+        for name, value in group.items():
+            out[f"optim/param_groups/{i}/{name}"] = value
+    return out
+
+
 def train_step(
     model: torch.nn.Module, optim: torch.optim.Optimizer, batch: tuple[torch.Tensor, torch.Tensor]
 ) -> float:

@@ -28,7 +28,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 from manifest import ShardedTensorEntry
 from snapshot import Snapshot
-from tests.helpers import ModelAndOptimizer, train_step
+from tests.helpers import ModelAndOptimizer, full_state, train_step
 from tests.multirank import run_ranks
 
 pytestmark = pytest.mark.slow  # 4-rank launches (gloo) on the CPU
@@ -71,19 +71,6 @@ def _step(model: torch.nn.Module, optim: torch.optim.Optimizer, step: int, rank:
     return train_step(model, optim, _batch(step, rank))
 
 
-def _full(model: torch.nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any]:
-    """The whole model and optimizer state, gathered (on every rank): path -> value."""
-    model_sd, optim_sd = get_state_dict(model, optim, options=FULL)
-    out: dict[str, Any] = {f"model/{k}": v.detach().clone() for k, v in model_sd.items()}
-    for fqn, state in optim_sd["state"].items():
-        for name, value in state.items():
-            out[f"optim/{fqn}/{name}"] = value.detach().clone()
-    for i, group in enumerate(optim_sd["param_groups"]):
-        for name, value in group.items():
-            out[f"optim/param_groups/{i}/{name}"] = value
-    return out
-
-
 def _assert_same(got: dict[str, Any], want: dict[str, Any]) -> None:
     assert got.keys() == want.keys()
     for key, value in want.items():
@@ -103,7 +90,7 @@ def _restored_and_reference(
     full state, and both runs' losses."""
     model, optim = _build(layout, seed=1)
     Snapshot(path).restore({"train": ModelAndOptimizer(model, optim)})
-    restored = _full(model, optim)
+    restored = full_state(model, optim)
     ref_model, ref_optim = _build(layout, seed=2)
     model_sd = {k[len("model/") :]: v for k, v in reference.items() if k.startswith("model/")}
     optim_sd: dict[str, Any] = {"state": {}, "param_groups": reference["param_groups"]}
@@ -129,7 +116,7 @@ def _take(rank: int, world: int, path: str, out: str) -> list[float]:
     for step in range(STEPS_BEFORE):
         _step(model, optim, step, rank)
     Snapshot.take(path, {"train": ModelAndOptimizer(model, optim)})
-    taken = _full(model, optim)
+    taken = full_state(model, optim)
     _, optim_sd = get_state_dict(model, optim, options=FULL)
     if rank == 0:
         torch.save({**taken, "param_groups": optim_sd["param_groups"]}, out)

@@ -1,6 +1,6 @@
 """torch.distributed.checkpoint (DCP) directories as read-only sources.
 
-``dcp.save`` writes an FSDP2 job's model and AdamW state through the README's ``AppState`` on
+``dcp.save`` writes an FSDP2 job's model and AdamW state through the README's Stateful on
 1 and 2 ranks (gloo on the CPU, tests/multirank.py); ``Snapshot(dir).restore({"app": app})``
 loads it into a fresh FSDP2 job on 1, 2 and 4 ranks, resharded: the full state gathered after
 the restore equals, bitwise, the full state gathered when DCP saved it. The CLI lists, shows,
@@ -15,36 +15,11 @@ from typing import Any
 
 import pytest
 import torch
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_state_dict,
-    set_state_dict,
-)
 
 from manifest import ShardedTensorEntry
 from snapshot import Snapshot
+from tests.helpers import ModelAndOptimizer, full_state
 from tests.multirank import run_ranks
-
-FULL = StateDictOptions(full_state_dict=True)
-
-
-class AppState:
-    """The README's Stateful of an FSDP2 job."""
-
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        self.model, self.optimizer = model, optimizer
-
-    def state_dict(self) -> dict[str, Any]:
-        model, optim = get_state_dict(self.model, self.optimizer)
-        return {"model": model, "optim": optim}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        set_state_dict(
-            self.model,
-            self.optimizer,
-            model_state_dict=state["model"],
-            optim_state_dict=state["optim"],
-        )
 
 
 def _build(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -61,19 +36,6 @@ def _build(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     return model, torch.optim.AdamW(model.parameters(), lr=0.01)
 
 
-def _full(model: torch.nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any]:
-    """The whole model and optimizer state, gathered on every rank: path -> value."""
-    model_sd, optim_sd = get_state_dict(model, optim, options=FULL)
-    out: dict[str, Any] = {f"model/{k}": v.detach().clone() for k, v in model_sd.items()}
-    for fqn, state in optim_sd["state"].items():
-        for name, value in state.items():
-            out[f"optim/{fqn}/{name}"] = value.detach().clone()
-    for i, group in enumerate(optim_sd["param_groups"]):
-        for name, value in group.items():
-            out[f"optim/param_groups/{i}/{name}"] = value
-    return out
-
-
 def _save(rank: int, world: int, path: str, out: str) -> None:
     import torch.distributed.checkpoint as dcp
 
@@ -83,8 +45,8 @@ def _save(rank: int, world: int, path: str, out: str) -> None:
         model(torch.randn(4, 8, generator=g)).square().mean().backward()
         optim.step()
         optim.zero_grad()
-    dcp.save({"app": AppState(model, optim)}, checkpoint_id=path)
-    full = _full(model, optim)
+    dcp.save({"app": ModelAndOptimizer(model, optim)}, checkpoint_id=path)
+    full = full_state(model, optim)
     if rank == 0:
         torch.save(full, out)
 
@@ -99,8 +61,8 @@ def _restore(rank: int, world: int, cases: list[tuple[str, str]]) -> list[list[s
         model, optim = _build(seed=1)
         # The second within a memory budget smaller than one chunk: read through tiles.
         options = Options(memory_budget_bytes=200) if i else None
-        Snapshot(path).restore({"app": AppState(model, optim)}, options=options)
-        got, want = _full(model, optim), torch.load(out, weights_only=False)
+        Snapshot(path).restore({"app": ModelAndOptimizer(model, optim)}, options=options)
+        got, want = full_state(model, optim), torch.load(out, weights_only=False)
         assert got.keys() == want.keys(), (sorted(got), sorted(want))
         bad = []
         for key, value in want.items():
