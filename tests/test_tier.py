@@ -81,16 +81,21 @@ def test_saves_go_to_memory_and_every_nth_to_the_root(tmp_path, caplog):
     assert "rank 0: step 7 restored from its node's memory" in caplog.messages
 
 
-def test_damaged_memory_falls_back_to_the_root(tmp_path, caplog):
-    root, shm = tmp_path / "root", tmp_path / "shm"
-    tier = MemoryTier(dir=str(shm), durable_every=1)
-    with CheckpointManager(str(root), memory_tier=tier) as manager:
-        manager.save(1, _state(1.0))
+def _damage_step_1(shm, root) -> None:
+    """Flips a byte of rank 0's part of step 1 in the node's tier."""
     part = os.path.join(_job(shm, root), "step_0000000001", "0", "0")
     (blob,) = os.listdir(part)
     with open(os.path.join(part, blob), "r+b") as f:
         f.seek(8)
         f.write(b"\xff")
+
+
+def test_damaged_memory_falls_back_to_the_root(tmp_path, caplog):
+    root, shm = tmp_path / "root", tmp_path / "shm"
+    tier = MemoryTier(dir=str(shm), durable_every=1)
+    with CheckpointManager(str(root), memory_tier=tier) as manager:
+        manager.save(1, _state(1.0))
+    _damage_step_1(shm, root)
     caplog.set_level(logging.INFO, logger="snapshot")
     target = _state(-1.0)
     with CheckpointManager(str(root), memory_tier=tier) as manager:
@@ -173,11 +178,7 @@ def test_a_damaged_part_with_no_durable_step_is_an_error(tmp_path):
     tier = MemoryTier(dir=str(shm), durable_every=100)
     with CheckpointManager(str(root), memory_tier=tier) as manager:
         manager.save(1, _state(1.0))
-    part = os.path.join(_job(shm, root), "step_0000000001", "0", "0")
-    (blob,) = os.listdir(part)
-    with open(os.path.join(part, blob), "r+b") as f:
-        f.seek(8)
-        f.write(b"\xff")
+    _damage_step_1(shm, root)
     with (
         CheckpointManager(str(root), memory_tier=tier) as manager,
         pytest.raises(SnapshotError, match="cannot be restored.*no step to fall back on"),
