@@ -30,7 +30,9 @@ from snapshot import Options, Snapshot, StateDict
 from tests.helpers import ModelAndOptimizer, train_step
 from tests.multirank import run_ranks
 
-pytestmark = pytest.mark.slow  # 4 ranks for the take (about 15 s on a quiet machine)
+# 4 ranks for the take (about 15 s on a quiet machine).
+# One xdist worker runs the whole module (--dist loadgroup): its fixture is built once.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("parallel_2d")]
 
 STEPS_BEFORE, STEPS_AFTER = 2, 3
 

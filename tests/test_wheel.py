@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow
+# One xdist worker runs the whole module (--dist loadgroup): its fixture is built once.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("wheel")]
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("snapshot", "storage_plugins", "manifest")
