@@ -1,6 +1,6 @@
 """A take killed with SIGKILL at any moment leaves no snapshot or a complete one, never half.
 
-Each trial runs a 200 MiB take in a child process and kills it at a random moment of the take
+Each trial runs a 100 MiB take in a child process and kills it at a random moment of the take
 (the moments spread over the take's measured duration, commit included). Then: the path holds
 either no committed snapshot (``Snapshot(path)`` raises ``SnapshotNotFoundError``, or its
 subclass ``IncompleteSnapshotError`` when the pending marker was written) or one whose every
@@ -29,8 +29,8 @@ from tests.multirank import PROCESS_CONTEXT
 pytestmark = pytest.mark.slow  # kills real processes; -m 'not slow' skips them
 
 TRIALS = 20
-TENSORS = 50
-NUMEL = 1 << 20  # 50 int32 tensors of 4 MiB: 200 MiB, plus 400 small ones for slabs
+TENSORS = 25
+NUMEL = 1 << 20  # 25 int32 tensors of 4 MiB: 100 MiB, plus 400 small ones for slabs
 
 
 def state() -> StateDict:

@@ -100,8 +100,9 @@ def _cut_when_gated(net: netns.TestNetwork, root: str, b_ranks: list[int]) -> No
     os.replace(os.path.join(root, "cut-at.tmp"), os.path.join(root, "cut-at"))
 
 
-@pytest.mark.parametrize("storage", ["fs", "s3"])
-@pytest.mark.parametrize("world", [2, 4])
+# Two ranks on a shared directory, four (two per host) on S3: each world size and each store
+# once. The watch that names the silent ranks is the same code on both stores.
+@pytest.mark.parametrize(("world", "storage"), [(2, "fs"), (4, "s3")])
 def test_a_host_cut_off_mid_take(can_make_namespaces, tmp_path, world, storage):
     per_host = world // 2
     a_ranks, b_ranks = list(range(per_host)), list(range(per_host, world))
