@@ -169,6 +169,47 @@ class _Cursor:
         self.pos += len(out)
 
 
+class InflatedCheck:
+    """``verify``'s check of a compressed range once decompressed, given its stored bytes in
+    order (``add``): its length and CRC-32 against those its location records (``nbytes``,
+    ``crc32``). Decompresses as the pieces come, holding at most one piece's output."""
+
+    def __init__(self, nbytes: int, crc32: int | None) -> None:
+        self.zstd = zstandard("verifying a snapshot taken with Options.zstd_level")
+        self.nbytes, self.crc32 = nbytes, crc32
+        self.count = self.value = 0
+        self.failed = False
+        self._stream = self.zstd.ZstdDecompressor().stream_writer(self, write_size=_PIECE_BYTES)
+
+    def write(self, data: bytes) -> int:  # (the stream's output)
+        self.value = crc32(data, self.value)
+        self.count += len(data)
+        return len(data)
+
+    def flush(self) -> None:
+        pass
+
+    def add(self, piece: memoryview, last: bool) -> str | None:
+        """Decompresses the next ``piece``; once the ``last`` (and the stored bytes matched
+        their CRC-32), returns what is wrong with the result, if anything."""
+        if not self.failed:
+            try:
+                self._stream.write(piece)
+            except self.zstd.ZstdError as e:
+                self.failed = True
+                return f"cannot be decompressed: {e}"
+        if not last or self.failed:
+            return None
+        if self.count != self.nbytes:
+            return f"decompresses to {self.count:,} bytes, the manifest records {self.nbytes:,}"
+        if self.crc32 is not None and self.value != self.crc32:
+            return (
+                f"checksum mismatch once decompressed: the manifest records crc32 "
+                f"{self.crc32:#010x}, the bytes have {self.value:#010x}"
+            )
+        return None
+
+
 class Inflating(StoragePlugin):
     """Reads through ``inner`` a snapshot whose manifest records compressed ranges (``index``,
     from ``frame_index``): a read of a blob holding any returns the bytes the blob would hold
