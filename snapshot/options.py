@@ -85,8 +85,8 @@ class Options:
     this bounds its reads (1 GiB admits millions of entries)."""
     zstd_level: int | None = _tunable(0, 0, 22)
     """Compress each stored range with zstd at this level, 1 (fastest) to 22 (smallest; 3 is
-    zstd's default); 0: store bytes as they are. Needs the ``zstandard`` package
-    (``pip install 'statesnap[zstd]'``) to take, and to read what it took."""
+    zstd's default); 0: store bytes as they are. Needs the ``zstandard`` package (the ``zstd``
+    extra) to take, and to read what it took."""
 
     def __post_init__(self) -> None:
         for f in fields(self):

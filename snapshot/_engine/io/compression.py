@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from snapshot._engine.io.staging import Slab
 
 # What to install for compression (pyproject.toml's extra).
-EXTRA = "pip install 'statesnap[zstd]'"
+EXTRA = "pip install zstandard (the zstd extra: pip install -e '.[zstd]' from a clone)"
 # A payload of the caller's own memory is compressed from copies of this many bytes at a time,
 # each checksummed as it is compressed: the two see the same bytes while another thread writes.
 _PIECE_BYTES = 1 << 20
