@@ -127,7 +127,7 @@ def frame_index(manifest: Manifest) -> dict[str, _Index]:
         found: dict[str, dict[int, tuple[int, Frame]]] = {}
         for entry in manifest.entries.values():
             for loc in entry.locations:
-                if loc.stored is not None:
+                if loc.stored is not None and loc.nbytes:  # (nothing is read of an empty one)
                     found.setdefault(loc.blob, {})[loc.offset] = (loc.nbytes, loc.stored)
         index = {}
         for blob, spans in found.items():
@@ -140,7 +140,7 @@ def frame_index(manifest: Manifest) -> dict[str, _Index]:
 class _Cursor:
     """A compressed range being decompressed front to back: ``pos`` raw bytes read so far."""
 
-    def __init__(self, zstd: Any, data: bytearray, nbytes: int, where: str) -> None:
+    def __init__(self, zstd: Any, data: memoryview, nbytes: int, where: str) -> None:
         self.zstd = zstd
         self.reader = zstd.ZstdDecompressor().stream_reader(data)
         self.nbytes = nbytes
@@ -229,14 +229,36 @@ class Inflating(StoragePlugin):
         if index is None:
             await self.inner.readv(path, offset, outs)
             return
+        ahead = await self._read_ahead(path, index, offset, offset + sum(map(len, outs)))
         for out in outs:
-            await self._fill(path, index, offset, out)
+            await self._fill(path, index, offset, out, ahead)
             offset += len(out)
+
+    async def _read_ahead(
+        self, path: str, index: _Index, lo: int, hi: int
+    ) -> dict[int, memoryview]:
+        """The stored bytes of the ranges a read of raw ``[lo, hi)`` touches, by raw offset,
+        read at once when it touches several (a merged read of a slab's members: one read, not
+        one per member) that lie together as stored; else nothing."""
+        starts, spans = index
+        first = max(bisect.bisect_right(starts, lo) - 1, 0)
+        touched = [s for s in spans[first : bisect.bisect_left(starts, hi)] if s[0] + s[1] > lo]
+        if len(touched) < 2:
+            return {}
+        begin = min(f.offset for _, _, f in touched)
+        end = max(f.offset + f.nbytes for _, _, f in touched)
+        if end - begin > sum(f.nbytes for _, _, f in touched) + 64 * len(touched):
+            return {}  # not laid out as a take lays them out: each read alone
+        data = memoryview(bytearray(end - begin))
+        await self.inner.read_into(path, begin, data)
+        return {raw: data[f.offset - begin :][: f.nbytes] for raw, _, f in touched}
 
     async def read_into(self, path: str, offset: int, out: memoryview) -> None:
         await self.readv(path, offset, [out])
 
-    async def _fill(self, path: str, index: _Index, pos: int, out: memoryview) -> None:
+    async def _fill(
+        self, path: str, index: _Index, pos: int, out: memoryview, ahead: dict[int, memoryview]
+    ) -> None:
         starts, spans = index
         filled = 0
         while filled < len(out):
@@ -245,7 +267,8 @@ class Inflating(StoragePlugin):
             if i >= 0 and at < spans[i][0] + spans[i][1]:
                 start, nbytes, frame = spans[i]
                 n = min(len(out) - filled, start + nbytes - at)
-                await self._inflate(path, start, nbytes, frame, at - start, out[filled:][:n])
+                piece = out[filled:][:n]
+                await self._inflate(path, start, nbytes, frame, at - start, piece, ahead)
             elif i + 1 < len(starts):  # between two ranges: what a merged read drops
                 n = min(len(out) - filled, starts[i + 1] - at)
                 out[filled : filled + n] = bytes(n)
@@ -256,16 +279,26 @@ class Inflating(StoragePlugin):
             filled += n
 
     async def _inflate(
-        self, path: str, start: int, nbytes: int, frame: Frame, lo: int, out: memoryview
+        self,
+        path: str,
+        start: int,
+        nbytes: int,
+        frame: Frame,
+        lo: int,
+        out: memoryview,
+        ahead: dict[int, memoryview],
     ) -> None:
-        """Bytes ``lo`` on of the range at raw ``start`` into ``out``."""
+        """Bytes ``lo`` on of the range at raw ``start`` into ``out`` (its stored bytes from
+        ``ahead``, if read there)."""
         key = (path, start)
         cursor = self._cursors.pop(key, None)
         if cursor is None or cursor.pos > lo:
             end = frame.offset + frame.nbytes
             where = f"blob {self.describe(path)}, compressed bytes [{frame.offset:,}, {end:,})"
-            data = bytearray(frame.nbytes)
-            await self.inner.read_into(path, frame.offset, memoryview(data))
+            data = ahead.get(start)
+            if data is None:
+                data = memoryview(bytearray(frame.nbytes))
+                await self.inner.read_into(path, frame.offset, data)
             if self.verify and frame.crc32 is not None:
                 got = await off_loop(len(data), crc32, data)
                 if got != frame.crc32:
