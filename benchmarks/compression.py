@@ -58,7 +58,10 @@ def build_states(layers: int, steps: int) -> dict[str, dict[str, Any]]:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
-    config = GPT2Config(n_layer=layers, n_embd=768, n_head=12, vocab_size=16384, n_positions=256)
+    config = GPT2Config(
+        n_layer=layers, n_embd=768, n_head=12, vocab_size=16384, n_positions=256,
+        bos_token_id=0, eos_token_id=0,
+    )  # fmt: skip
     model = GPT2LMHeadModel(config)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-4)
     for _ in range(steps):
