@@ -29,7 +29,7 @@ the statesnap methods also take to and restore from a bucket of moto's S3 server
 
 Reports, per state and method, the ratio stored bytes ÷ raw tensor bytes, take and restore GB/s
 (raw bytes ÷ median seconds), and per-round time ratios against ``dcp zstd``. Prints Markdown;
-``--json`` also writes the raw rounds.
+``--json`` also writes the raw rounds; progress goes to stderr.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ import json
 import os
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -175,7 +176,7 @@ def run(
                 rows[m.name].append({"take": take_s, "restore": restore_s, "stored": nbytes})
                 remove(path)
                 print(f"  {state_name} {m.name} round {rnd + 1}: take {take_s:.3f} s, "
-                      f"restore {restore_s:.3f} s, {nbytes / MIB:.1f} MiB", flush=True)  # fmt: skip
+                      f"restore {restore_s:.3f} s, {nbytes / MIB:.1f} MiB", file=sys.stderr)  # fmt: skip
     return out
 
 
