@@ -175,8 +175,11 @@ def run(
                     raise SystemExit(f"{m.name}: the {state_name} state came back different")
                 rows[m.name].append({"take": take_s, "restore": restore_s, "stored": nbytes})
                 remove(path)
-                print(f"  {state_name} {m.name} round {rnd + 1}: take {take_s:.3f} s, "
-                      f"restore {restore_s:.3f} s, {nbytes / MIB:.1f} MiB", file=sys.stderr)  # fmt: skip
+                print(
+                    f"  {state_name} {m.name} round {rnd + 1}: take {take_s:.3f} s, "
+                    f"restore {restore_s:.3f} s, {nbytes / MIB:.1f} MiB",
+                    file=sys.stderr,
+                )
     return out
 
 
