@@ -26,6 +26,7 @@ from snapshot import (
 )
 from snapshot._engine.tools.verify import diff, verify
 from snapshot.export import export
+from tests.helpers import seal_manifest
 from tests.multirank import run_ranks
 
 pytest.importorskip("zstandard")
@@ -201,6 +202,29 @@ def test_a_flipped_byte_in_a_compressed_blob_is_found(tmp_path):
         Snapshot(str(bare)).read_object("0/m/w")
     assert "damaged" in str(e.value)
     assert not verify(str(bare), None).ok
+
+
+def test_decompressed_bytes_are_checked_too(tmp_path):
+    # A manifest whose stored CRC-32 matches the frame but whose raw CRC-32 does not (what a
+    # frame holding other bytes than those taken would show): restore, read_object and verify
+    # each find it once decompressed.
+    path = tmp_path / "snap"
+    w = _random(torch.float32, 50_000, 3)
+    _take(path, {"w": w})
+    loc = Snapshot(str(path)).get_manifest()["0/m/w"].chunks[0]
+    data = (path / "manifest.yaml").read_bytes()
+    body = data[: data.rindex(b"# crc32")]
+    old = b'%d, ["zstd"' % loc.crc32
+    assert body.count(old) == 1
+    (path / "manifest.yaml").write_bytes(
+        seal_manifest(body.replace(old, b'%d, ["zstd"' % (loc.crc32 ^ 1)))
+    )
+    with pytest.raises(ChecksumError, match="checksum mismatch"):
+        Snapshot(str(path)).restore({"m": StateDict(w=torch.zeros(50_000))})
+    with pytest.raises(ChecksumError):
+        Snapshot(str(path)).read_object("0/m/w")
+    (problem,) = verify(str(path), None).problems
+    assert problem.paths == ("0/m/w",) and "once decompressed" in problem.what
 
 
 def test_ranges_read_in_pieces_and_tiles(tmp_path):
