@@ -5,6 +5,7 @@ manager, incremental takes, signing and sharded tensors across ranks; older read
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -26,6 +27,7 @@ from snapshot import (
     StateDict,
 )
 from snapshot._engine.tools.verify import diff, verify
+from snapshot.cli import main
 from snapshot.export import export
 from tests.helpers import seal_manifest
 from tests.multirank import run_ranks
@@ -370,9 +372,13 @@ def test_incremental_takes_keep_the_base_s_compressed_ranges(tmp_path):
         assert verify(str(later), None).ok
 
 
-def test_export_diff_verify_and_signing(tmp_path, taken):
+def test_export_diff_verify_du_and_signing(tmp_path, taken, capsys):
     path, state = taken
     assert verify(str(path), None).ok
+    assert main(["du", str(path), "--json"]) == 0
+    total = json.loads(capsys.readouterr().out)["total"]
+    blobs = sum(f.stat().st_size for f in (path / "0").iterdir())
+    assert total["stored_bytes"] == blobs < total["nbytes"]  # the bytes stored, compressed
     plain = tmp_path / "plain"
     _take(plain, state, Options(chunk_bytes=1 << 20))
     assert diff(str(path), str(plain), None).identical  # compared by the raw bytes' CRC-32s
