@@ -332,12 +332,16 @@ def test_plain_calls_do_not_import_the_codec(tmp_path):
 
 def test_async_take_and_the_manager(tmp_path):
     state = {"w": _random(torch.bfloat16, 200_000, 3), "step": 7, "b": _random(torch.int64, 9, 4)}
-    pending = Snapshot.async_take(str(tmp_path / "a"), {"m": StateDict(state)}, options=ZSTD)
-    snap = pending.wait()
-    assert snap.get_manifest()["0/m/w"].chunks[0].stored is not None
-    out: dict = {"m": StateDict()}
-    snap.restore(out)
-    _check(dict(out["m"]), state)
+    for background in (False, True):  # staged on the caller's thread, or in the background
+        path = str(tmp_path / f"a{int(background)}")
+        pending = Snapshot.async_take(
+            path, {"m": StateDict(state)}, options=ZSTD, stage_in_background=background
+        )
+        snap = pending.wait()
+        assert snap.get_manifest()["0/m/w"].chunks[0].stored is not None
+        out: dict = {"m": StateDict()}
+        snap.restore(out)
+        _check(dict(out["m"]), state)
     for async_ in (False, True):
         root = tmp_path / f"runs{int(async_)}"
         with CheckpointManager(str(root), options=ZSTD, async_=async_, keep_last=2) as manager:
