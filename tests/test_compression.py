@@ -247,6 +247,20 @@ def test_ranges_read_in_pieces_and_tiles(tmp_path):
     assert _same(got, w)
 
 
+def test_progress_counts_the_raw_bytes(tmp_path):
+    records: list = []
+    state = {"w": _random(torch.float32, 100_000, 6), "s": torch.ones(10)}
+    snap = Snapshot.take(
+        str(tmp_path / "s"), {"m": StateDict(state)}, options=ZSTD, progress=records.append
+    )
+    snap.restore(
+        {"m": StateDict(w=torch.zeros(100_000), s=torch.zeros(10))}, progress=records.append
+    )
+    for op in ("take", "restore"):
+        last = [r for r in records if r.operation == op][-1]
+        assert last.done_bytes == last.total_bytes >= state["w"].nbytes
+
+
 def test_levels_and_invalid_values(tmp_path, monkeypatch):
     w = torch.zeros(100_000)
     sizes = {}
