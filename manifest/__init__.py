@@ -3,21 +3,23 @@ entry per line, its checksum line, strict reading); no I/O, no torch."""
 
 from manifest.codec import (
     MAX_DEPTH,
+    MAX_INT_DIGITS,
+    MAX_NESTING,
     EntryFormatter,
     Manifest,
     check_head,
     dumps,
     dumps_entries,
     entry_to_dict,
+    int_fits,
     load_yaml,
     loads,
     nests_within,
 )
 from manifest.entries import (
+    COMPRESSED_VERSION,
     FORMAT_VERSION,
     INCREMENTAL_VERSION,
-    MAX_INT_DIGITS,
-    MAX_NESTING,
     REFERENCE_PREFIX,
     REPLICATED_ONCE_VERSION,
     SIBLING_NAME,
@@ -40,7 +42,6 @@ from manifest.entries import (
     UnsafeManifestError,
     UnsupportedFormatError,
     check_blob_path,
-    int_fits,
     is_container,
     new_location,
     new_tensor_entry,
@@ -48,6 +49,7 @@ from manifest.entries import (
 )
 
 __all__ = [
+    "COMPRESSED_VERSION",
     "FORMAT_VERSION",
     "INCREMENTAL_VERSION",
     "MAX_DEPTH",

@@ -42,6 +42,22 @@ from manifest.entries import (
     reference_of,
 )
 
+# An int is written in decimal, and Python refuses to read a decimal text of more than
+# ``sys.int_info.default_max_str_digits`` digits: a take refuses larger ints (as values or dict
+# keys) so that it never commits what a restore refuses.
+MAX_INT_DIGITS = 4300
+_INT_BOUND = 10**MAX_INT_DIGITS
+# A take refuses containers nested deeper than this below an app_state key: a restore rebuilds
+# them with one level of recursion each.
+MAX_NESTING = 100
+
+
+def int_fits(value: int) -> bool:
+    """Whether ``value`` is an int every reader can read from a manifest (at most
+    ``MAX_INT_DIGITS`` decimal digits)."""
+    return -_INT_BOUND < value < _INT_BOUND
+
+
 # Entries that are never listed once for every rank (``Manifest.view``).
 _NOT_SHARED = (DictEntry, ListEntry, TupleEntry, ShardedTensorEntry, ShardedObjectEntry)
 
@@ -84,7 +100,8 @@ class Manifest:
         sizes: dict[str, int] = {}
         for entry in self.entries.values():
             for loc in entry.locations:
-                end = loc.offset + loc.nbytes
+                at = loc if loc.stored is None else loc.stored  # (compressed: as stored)
+                end = at.offset + at.nbytes
                 if end > sizes.get(loc.blob, -1):
                     sizes[loc.blob] = end
         return sizes

@@ -10,7 +10,10 @@ import re
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
+
+if TYPE_CHECKING:
+    from manifest.frames import Frame
 
 
 class ManifestDecodeError(ValueError):
@@ -41,26 +44,12 @@ DictKey = str | int | bool | None
 # objects. 3: a replicated leaf taken by several ranks is listed once, under rank 0's prefix
 # (``Manifest.view``). 4: a tensor entry may record ``parameter``, ``requires_grad`` or a
 # ``view``. 5: a range may lie in a sibling snapshot's blob (``reference_of``) and a tensor
-# entry may record a ``digest``.
-FORMAT_VERSION = 5
+# entry may record a ``digest``. 6: a range may be stored compressed (``Location.stored``).
+FORMAT_VERSION = 6
 REPLICATED_ONCE_VERSION = 3
 TENSOR_ATTRS_VERSION = 4
 INCREMENTAL_VERSION = 5
-
-# An int is written in decimal, and Python refuses to read a decimal text of more than
-# ``sys.int_info.default_max_str_digits`` digits: a take refuses larger ints (as values or dict
-# keys) so that it never commits what a restore refuses.
-MAX_INT_DIGITS = 4300
-_INT_BOUND = 10**MAX_INT_DIGITS
-# A take refuses containers nested deeper than this below an app_state key: a restore rebuilds
-# them with one level of recursion each.
-MAX_NESTING = 100
-
-
-def int_fits(value: int) -> bool:
-    """Whether ``value`` is an int every reader can read from a manifest (at most
-    ``MAX_INT_DIGITS`` decimal digits)."""
-    return -_INT_BOUND < value < _INT_BOUND
+COMPRESSED_VERSION = 6
 
 
 @dataclass(slots=True, unsafe_hash=True)
@@ -70,15 +59,18 @@ class Location:
     ``blob`` is relative to the snapshot's root, ``/``-separated; one that starts with
     ``../<name>/`` lies in the sibling snapshot ``<name>`` (``reference_of``). ``crc32`` is the
     CRC-32 of the range's bytes (None when the snapshot was taken without checksums).
+
+    ``stored``: where they lie compressed (``manifest.frames``); the rest then describe them raw.
     """
 
     blob: str
     offset: int
     nbytes: int
     crc32: int | None = None
+    stored: Frame | None = None
 
 
-new_location = Location  # (its fields positionally: blob, offset, nbytes, crc32)
+new_location = Location  # (its fields positionally: blob, offset, nbytes, crc32, stored)
 
 
 @dataclass(slots=True, unsafe_hash=True)
@@ -425,10 +417,11 @@ class EntryDecoder:
         return entry
 
     def location(self, value: Any, where: str) -> Location:
-        if type(value) is not list or len(value) not in (3, 4):
+        longest = 5 if self.version >= COMPRESSED_VERSION else 4
+        if type(value) is not list or not 3 <= len(value) <= longest:
             raise _fail(where, f"expected [blob, offset, nbytes, crc32], got {value!r}")
         blob, offset, nbytes = value[0], value[1], value[2]
-        crc = value[3] if len(value) == 4 else None
+        crc = value[3] if len(value) >= 4 else None
         if (
             type(offset) is not int
             or type(nbytes) is not int
@@ -445,6 +438,11 @@ class EntryDecoder:
                     f"{where}: unsafe blob path {blob!r}: a manifest of format version "
                     f"{self.version} keeps every blob under its root"
                 )
+        if len(value) == 5:  # compressed: the module is imported only for such a manifest
+            from manifest.frames import decode_frame
+
+            stored = decode_frame(value[4], nbytes, where, ManifestDecodeError)
+            return Location(known, offset, nbytes, crc, stored)
         return Location(known, offset, nbytes, crc)
 
     def locations(self, value: Any, where: str, what: str = "chunks") -> tuple[Location, ...]:
@@ -539,6 +537,8 @@ _FIELDS: dict[str, Callable[[EntryDecoder, Any, str, dict[str, Any]], Any]] = {
 
 
 def _location_to_list(loc: Location) -> list[Any]:
+    if (f := loc.stored) is not None:
+        return [loc.blob, loc.offset, loc.nbytes, loc.crc32, [f.codec, f.offset, f.nbytes, f.crc32]]
     if loc.crc32 is None:
         return [loc.blob, loc.offset, loc.nbytes]
     return [loc.blob, loc.offset, loc.nbytes, loc.crc32]

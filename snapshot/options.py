@@ -28,11 +28,14 @@ _MIB = 1 << 20
 OVERRIDES: list[dict[str, int]] = []
 
 
-def _tunable(default: int | None, minimum: int) -> Any:
+def _tunable(default: int | None, minimum: int, maximum: int | None = None) -> Any:
     """A field whose ``None`` is filled in from ``STATESNAP_<FIELD IN CAPITALS>``, else from
-    ``default`` (None: it depends on the moment, ``budget`` / ``chunk``); ``minimum`` bounds
-    both. A ``bool`` field's variable is 0 or 1; a ``float`` field's, whole seconds."""
-    return field(default=None, metadata={"default": default, "minimum": minimum})
+    ``default`` (None: it depends on the moment, ``budget`` / ``chunk``); ``minimum`` (and
+    ``maximum``, if any) bound both. A ``bool`` field's variable is 0 or 1; a ``float``
+    field's, whole seconds."""
+    return field(
+        default=None, metadata={"default": default, "minimum": minimum, "maximum": maximum}
+    )
 
 
 @dataclass(frozen=True)
@@ -80,18 +83,24 @@ class Options:
     max_manifest_bytes: int | None = _tunable(1 << 30, 1)
     """Largest manifest a snapshot is opened with: nothing records the manifest's length, so
     this bounds its reads (1 GiB admits millions of entries)."""
+    zstd_level: int | None = _tunable(0, 0, 22)
+    """Compress each stored range with zstd at this level, 1 (fastest) to 22 (smallest; 3 is
+    zstd's default); 0: store bytes as they are. Needs the ``zstandard`` package (the ``zstd``
+    extra) to take, and to read what it took."""
 
     def __post_init__(self) -> None:
         for f in fields(self):
             value, kind, minimum = getattr(self, f.name), _kind(f), f.metadata["minimum"]
             if value is None:
                 continue
+            maximum = f.metadata["maximum"]
             if kind == "bool":
                 ok, what = type(value) is bool, "a bool"
             else:
                 numeric = (int, float) if kind == "float" else (int,)
-                ok = type(value) in numeric and value >= minimum
+                ok = type(value) in numeric and minimum <= value <= (maximum or value)
                 what = f"{'a number' if kind == 'float' else 'an int'} >= {minimum}"
+                what += f" and <= {maximum}" if maximum is not None else ""
             if not ok:
                 raise InvalidArgumentError(f"Options.{f.name} must be {what}, got {value!r}")
 
@@ -122,9 +131,11 @@ class Options:
                     raise InvalidArgumentError(
                         f"STATESNAP_{name} must be an integer, got {raw!r}"
                     ) from None
-                if value < minimum:
+                maximum = f.metadata["maximum"]
+                if value < minimum or (maximum is not None and value > maximum):
+                    most = f" and <= {maximum}" if maximum is not None else ""
                     raise InvalidArgumentError(
-                        f"STATESNAP_{name} must be >= {minimum}, got {value}"
+                        f"STATESNAP_{name} must be >= {minimum}{most}, got {value}"
                     )
             if value is not None:
                 kind = _kind(f)
@@ -149,10 +160,13 @@ class Options:
 
     def chunk(self, store_hint: int | None = None) -> int:
         """Chunk size: the field, else 128 MiB, or ``store_hint`` (the storage plugin's
-        ``chunk_bytes_hint``) when smaller."""
+        ``chunk_bytes_hint``) when smaller; compressed (``zstd_level``), at most 32 MiB, the
+        default ``read_request_bytes``: a restore then reads each compressed chunk whole, in
+        one request, and decompresses it once."""
         if self.chunk_bytes is not None:
             return self.chunk_bytes
-        return 128 * _MIB if store_hint is None else min(128 * _MIB, store_hint)
+        most = 32 * _MIB if self.zstd_level else 128 * _MIB
+        return most if store_hint is None else min(most, store_hint)
 
 
 @dataclass(frozen=True)

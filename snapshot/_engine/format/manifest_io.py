@@ -400,21 +400,31 @@ def check_bases(
 
 @contextlib.contextmanager
 def open_linked(
-    path: str, manifest: Manifest, storage_options: dict[str, Any] | None, options: Options
+    path: str,
+    manifest: Manifest,
+    storage_options: dict[str, Any] | None,
+    options: Options,
+    *,
+    inflate: bool = True,
 ) -> Iterator[StoragePlugin]:
     """``open_storage`` for reading the snapshot at ``path``: through a ``LinkedStorage``,
-    once its bases pass ``check_bases``, where ``manifest`` points at any."""
+    once its bases pass ``check_bases``, where ``manifest`` points at any; with ``inflate``,
+    ranges stored compressed are read as the blob would hold them uncompressed
+    (``io.compression``, imported only for a manifest of that format version)."""
     if manifest.bases:
         check_bases(path, manifest, storage_options, options)
     with open_storage(path, storage_options, options) as plugin:
-        if not manifest.bases:
-            yield plugin
-            return
-        linked = LinkedStorage(plugin, path, storage_options)
+        linked = LinkedStorage(plugin, path, storage_options) if manifest.bases else None
+        reader: StoragePlugin = plugin if linked is None else linked
+        if inflate and manifest.format_version >= mf.COMPRESSED_VERSION:
+            from snapshot._engine.io.compression import inflating
+
+            reader = inflating(reader, manifest, bool(options.checksums))
         try:
-            yield linked
+            yield reader
         finally:
-            run(linked.close())
+            if linked is not None:
+                run(linked.close())
 
 
 def _routed(name: str) -> Callable[..., Any]:

@@ -27,6 +27,7 @@ from snapshot._engine.restore.reads import Need, allocate
 from storage_plugins import Buffer
 
 if TYPE_CHECKING:
+    from manifest.frames import Frame
     from snapshot._engine.handlers import sharded
     from snapshot._engine.restore.reads import Landing, ScratchPool
     from snapshot._engine.take.incremental import Reuse
@@ -58,12 +59,14 @@ def type_name(value: object) -> str:
 class Layout:
     """Where payloads go: tensors above ``chunk_bytes`` are split into chunks; payloads up to
     ``slab_threshold_bytes`` are packed into slabs of about ``slab_bytes``; the rest get a blob
-    each. ``take_id`` (rank 0's) names the take's blobs apart from any other take's at the path."""
+    each. ``take_id`` (rank 0's) names the take's blobs apart from any other take's at the path.
+    ``zstd_level``: each payload is written compressed at that level (0: as it is)."""
 
     chunk_bytes: int
     slab_threshold_bytes: int
     slab_bytes: int
     checksums: bool = True
+    zstd_level: int = 0
     take_id: str = field(default="", compare=False)
 
 
@@ -75,7 +78,8 @@ class Payload:
     across ranks. The bytes are one of: ``tensor``, a contiguous CPU tensor viewed at
     ``address`` (staged within the same call: its memory cannot have moved); ``data``; elements
     ``start:stop`` of ``source``. Placement sets ``blob`` and ``pos``; staging sets ``crc32`` of
-    a slab's members (the others' are their write's checksums).
+    a slab's members (the others' are their write's checksums); a compressed write sets both
+    ``crc32`` and ``stored``, where its compressed bytes lie (``manifest.frames``).
     """
 
     logical: str
@@ -92,6 +96,7 @@ class Payload:
     blob: str | None = field(default=None, init=False)
     pos: int = field(default=0, init=False)
     crc32: int | None = field(default=None, init=False)
+    stored: Frame | None = field(default=None, init=False)
 
     @property
     def staging_bytes(self) -> int:  # the memory staging allocates for it
@@ -100,7 +105,7 @@ class Payload:
     def location(self, checksums: Mapping[tuple[str, int], int] | None) -> Location:
         """Where placement put the bytes, with their CRC-32 (``crc``)."""
         assert self.blob is not None
-        return new_location(self.blob, self.pos, self.nbytes, crc(self, checksums))
+        return new_location(self.blob, self.pos, self.nbytes, crc(self, checksums), self.stored)
 
 
 def crc(p: Payload, checksums: Mapping[tuple[str, int], int] | None) -> int | None:

@@ -56,6 +56,8 @@ class WriteRequest:
     released then); ``staging_bytes`` is what it allocates, held against the budget until the
     write ends. The plugin computes the CRC-32 of each ``(offset, nbytes)`` of
     ``checksum_ranges`` as it writes, kept in the pipeline's ``checksums`` by ``(blob, offset)``.
+    ``encode``, if set, turns the staged buffers into those written, on a worker thread of the
+    I/O loop, while the write holds its slot (compression).
     """
 
     blob: str
@@ -64,6 +66,7 @@ class WriteRequest:
     stage: Callable[[], tuple[Sequence[Buffer], object]]
     label: str
     checksum_ranges: Sequence[tuple[int, int]] = ()
+    encode: Callable[[Sequence[Buffer]], Sequence[Buffer]] | None = None
 
 
 # A staged write: the request, its buffers, what to keep alive.
@@ -117,6 +120,8 @@ class WritePipeline:
             async with self._slots:
                 if self._error is not None:
                     return
+                if req.encode is not None:
+                    buffers = await asyncio.to_thread(req.encode, buffers)
                 if not ranges:
                     op = functools.partial(plugin.write, req.blob, buffers)
                     await call(plugin, "write", req.blob, req.label, op, options=self._options)

@@ -293,9 +293,12 @@ class Slab:
         return f"{first}{more} (slab {self.blob})"
 
 
-def write_request(slab: Slab, pool: StagingPool | None, checksums: bool) -> WriteRequest:
+def write_request(
+    slab: Slab, pool: StagingPool | None, checksums: bool, zstd_level: int = 0
+) -> WriteRequest:
     """The write of ``slab``, staged from the payloads' own memory or, with ``pool``, copied
-    into one pooled block; with ``checksums``, each member's CRC-32 is recorded."""
+    into one pooled block; with ``checksums``, each member's CRC-32 is recorded; with
+    ``zstd_level``, each member is compressed as it is written (``io.compression``)."""
     if pool is not None:
         stage = functools.partial(stage_slab, slab, checksums and not slab.alone, pool)
         cost = pool.block_bytes(slab.nbytes, slab.from_device)
@@ -304,6 +307,10 @@ def write_request(slab: Slab, pool: StagingPool | None, checksums: bool) -> Writ
         cost = slab.nbytes if slab.members[0].source is not None else 0
     else:
         stage, cost = functools.partial(stage_slab, slab, checksums), slab.nbytes
+    if zstd_level:  # (imported only by a take that compresses)
+        from snapshot._engine.io.compression import compressed_write
+
+        return compressed_write(slab, stage, cost, checksums, zstd_level)
     ranges = ((0, slab.nbytes),) if slab.alone and checksums else ()
     return WriteRequest(slab.blob, slab.nbytes, cost, stage, slab.label(), ranges)
 

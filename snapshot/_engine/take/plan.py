@@ -15,7 +15,15 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from manifest import Entry, EntryFormatter, TensorEntry, TensorView
+import manifest as mf
+from manifest import (
+    Entry,
+    EntryFormatter,
+    ShardedObjectEntry,
+    ShardedTensorEntry,
+    TensorEntry,
+    TensorView,
+)
 from snapshot._engine.handlers import sharded
 from snapshot._engine.handlers.table import (
     ALIGN,
@@ -60,6 +68,7 @@ class Placer:
         self.threshold = layout.slab_threshold_bytes
         self.slab_bytes = layout.slab_bytes
         self.checksums = layout.checksums
+        self.level = layout.zstd_level
         self.mine = mine
         self.stager = stager
         self.writes: list[WriteRequest] = []
@@ -90,13 +99,13 @@ class Placer:
             if self.mine:
                 source.remaining += 1
         if slab.alone and self.mine:
-            self.writes.append(write_request(slab, self.stager, self.checksums))
+            self.writes.append(write_request(slab, self.stager, self.checksums, self.level))
 
     def close(self) -> None:
         """Makes the write of the open slab."""
         slab, self._slab = self._slab, None
         if slab is not None and self.mine:
-            self.writes.append(write_request(slab, self.stager, self.checksums))
+            self.writes.append(write_request(slab, self.stager, self.checksums, self.level))
 
 
 def place(
@@ -128,7 +137,8 @@ def place(
             shared.place(p)
         shared.close()
         writes.extend(shared.writes)
-    return TakePlan(collected, writes, replicated.get(rank, []), layout.checksums)
+    mine = replicated.get(rank, [])
+    return TakePlan(collected, writes, mine, layout.checksums, layout.zstd_level > 0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -273,23 +283,24 @@ def relate(
 class TakePlan:
     """The writes this rank performs, and the drafts of its entries (``collected``), completed
     once the writes have reported their checksums. ``shared``: the replicated payloads this
-    rank writes, whose checksums it shares with every rank (``shared_checksums``)."""
+    rank writes, whose checksums it shares with every rank (``shared_checksums``).
+    ``compressed``: every payload is written compressed (``Payload.stored``)."""
 
     collected: Collected
     writes: list[WriteRequest]
     shared: list[Payload]
     checksums: bool
+    compressed: bool = False
 
-    def shared_checksums(
-        self, checksums: Mapping[tuple[str, int], int]
-    ) -> dict[tuple[str, int], int]:
-        """The CRC-32 of each of ``shared``, by ``(blob, offset)``; empty when the take records
-        none."""
-        out = {}
-        for p in self.shared if self.checksums else ():
-            value = crc(p, checksums)
-            assert p.blob is not None and value is not None
-            out[(p.blob, p.pos)] = value
+    def shared_checksums(self, checksums: Mapping[tuple[str, int], int]) -> dict[Any, Any]:
+        """The CRC-32 of each of ``shared``, by ``(blob, offset)``; compressed, the pair
+        ``(crc32, stored)`` (``crc32`` None without checksums). Empty when the take records
+        neither."""
+        out: dict[Any, Any] = {}
+        for p in self.shared if self.checksums or self.compressed else ():
+            value = crc(p, checksums if self.checksums else None)
+            assert p.blob is not None and (value is not None or not self.checksums)
+            out[(p.blob, p.pos)] = value if p.stored is None else (value, p.stored)
         return out
 
     def entries(self, checksums: Mapping[tuple[str, int], int]) -> dict[str, Made]:
@@ -299,11 +310,16 @@ class TakePlan:
         sums = checksums if self.checksums else None
         line = EntryFormatter().tensor
         c = self.collected
+        compressed = self.compressed
+        for p in c.replicated if compressed else ():  # the others' writes: CRC, compressed range
+            got = checksums.get((p.blob, p.pos))  # type: ignore[arg-type]
+            if type(got) is tuple:
+                p.crc32, p.stored = got
         out: dict[str, Made] = {}
         for path, e in c.entries.items():
-            if isinstance(e, WholeTensor):  # most entries
-                p: Payload = e
-            elif isinstance(e, TensorDraft) and len(e.payloads) == 1:
+            if isinstance(e, WholeTensor) and not compressed:  # most entries
+                p = e
+            elif isinstance(e, TensorDraft) and len(e.payloads) == 1 and not compressed:
                 p = e.payloads[0]
             elif isinstance(e, (Entry, sharded.ObjectReplica)):
                 out[path] = e
@@ -334,3 +350,33 @@ class TakePlan:
                 digest=c.digests.get(path, entry.digest),
             )
         return out
+
+
+def format_version(
+    entries: Mapping[str, Any], *, replicated_once: bool, maybe_compressed: bool
+) -> int:
+    """The lowest format version that holds a manifest's ``entries`` (merged: a tensor in one
+    plain range may be its line, a ``str``): ``replicated_once`` when a replicated leaf is
+    listed once for every rank; ranges stored compressed are looked for only when
+    ``maybe_compressed`` (the take compressed, or reused a base's ranges)."""
+    kinds = set(map(type, entries.values()))
+    tensors = [e for e in entries.values() if type(e) is TensorEntry]
+    if replicated_once:
+        version = mf.REPLICATED_ONCE_VERSION
+    else:
+        version = 2 if ShardedTensorEntry in kinds or ShardedObjectEntry in kinds else 1
+    if any(e.has_attrs for e in tensors):
+        version = mf.TENSOR_ATTRS_VERSION
+        if any(
+            e.digest is not None or any(c.blob.startswith(mf.REFERENCE_PREFIX) for c in e.chunks)
+            for e in tensors
+        ):
+            version = mf.INCREMENTAL_VERSION
+    if maybe_compressed and any(
+        loc.stored is not None
+        for e in entries.values()
+        if isinstance(e, mf.Entry)
+        for loc in e.locations
+    ):
+        version = mf.COMPRESSED_VERSION
+    return version

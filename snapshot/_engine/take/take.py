@@ -21,7 +21,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 import manifest as mf
-from manifest import ShardedObjectEntry, ShardedTensorEntry, TensorEntry
 from snapshot._engine import state_dicts
 from snapshot._engine.dist import replication
 from snapshot._engine.dist.dist import Coordinator
@@ -42,7 +41,7 @@ from snapshot._engine.state_dicts import (
 )
 from snapshot._engine.take.commit import LISTED_NAMES, MANIFEST_NAME, PENDING_NAME, TAKE_DEBRIS
 from snapshot._engine.take.incremental import Reuse
-from snapshot._engine.take.plan import TakePlan, collect, place
+from snapshot._engine.take.plan import TakePlan, collect, format_version, place
 from snapshot.errors import (
     PathMismatchWarning,
     PathNotEmptyError,
@@ -239,6 +238,7 @@ class TakeJob:
             # A slab is staged whole: keep it to a quarter of the budget.
             slab_bytes=max(1, min(_int(opts.slab_bytes), self._budget // 4)),
             checksums=bool(opts.checksums),
+            zstd_level=_int(opts.zstd_level),
             take_id=uuid.uuid4().hex[:8],
         )
         if self.base is not None or opts.digests:
@@ -418,7 +418,6 @@ class TakeJob:
         order), in the lowest format version that holds them."""
         world_size = self.coordinator.world_size
         entries = merge_entries(parts)
-        kinds = set(map(type, entries.values()))
         metadata = {
             "library": f"statesnap {__version__}",
             "torch": str(torch.__version__),
@@ -426,19 +425,10 @@ class TakeJob:
             **({"strategies": self.strategies} if self.strategies else {}),
             **({"user": dict(self.user_metadata)} if self.user_metadata is not None else {}),
         }
-        tensors = [e for e in entries.values() if type(e) is TensorEntry]
-        if self._shared_paths and world_size > 1:
-            version = mf.REPLICATED_ONCE_VERSION
-        else:
-            version = 2 if ShardedTensorEntry in kinds or ShardedObjectEntry in kinds else 1
-        if any(e.has_attrs for e in tensors):
-            version = mf.TENSOR_ATTRS_VERSION
-            if any(
-                e.digest is not None
-                or any(c.blob.startswith(mf.REFERENCE_PREFIX) for c in e.chunks)
-                for e in tensors
-            ):
-                version = mf.INCREMENTAL_VERSION
+        once = bool(self._shared_paths) and world_size > 1
+        # (Ranges stored compressed: written so by this take, or reused from a base's.)
+        framed = self.reuse is not None or (self.plan is not None and self.plan.compressed)
+        version = format_version(entries, replicated_once=once, maybe_compressed=framed)
         return len(entries), mf.dumps_entries(version, world_size, metadata, entries)
 
     def _abandon(self, error: BaseException | None = None) -> None:

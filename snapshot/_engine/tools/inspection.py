@@ -155,8 +155,8 @@ def _shared(entry: Entry) -> bool:
 
 
 def _stored_bytes(entries: Iterable[Entry]) -> tuple[int, int]:
-    """Bytes the blobs hold for ``entries``, each distinct range once: ``(in the snapshot's own
-    blobs, in its bases' blobs)``."""
+    """Bytes the blobs hold for ``entries``, each distinct range once (a compressed one's
+    compressed bytes): ``(in the snapshot's own blobs, in its bases' blobs)``."""
     seen: set[tuple[str, int, int]] = set()
     own = in_bases = 0
     for entry in entries:
@@ -164,10 +164,11 @@ def _stored_bytes(entries: Iterable[Entry]) -> tuple[int, int]:
             key = (loc.blob, loc.offset, loc.nbytes)
             if key not in seen:
                 seen.add(key)
+                n = loc.nbytes if loc.stored is None else loc.stored.nbytes
                 if reference_of(loc.blob) is None:
-                    own += loc.nbytes
+                    own += n
                 else:
-                    in_bases += loc.nbytes
+                    in_bases += n
     return own, in_bases
 
 

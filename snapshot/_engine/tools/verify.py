@@ -106,6 +106,8 @@ class _Range:
     archive: bool = False
     head: bytes = b""
     tail: bytearray = field(default_factory=bytearray)
+    # A compressed range (read as stored): the check of its bytes once decompressed.
+    inflated: Any = None
 
     @property
     def end(self) -> int:
@@ -119,11 +121,16 @@ def _ranges_by_blob(manifest: Manifest) -> dict[str, list[_Range]]:
     for path, entry in manifest.entries.items():
         for loc in entry.locations:
             ranges = found.setdefault(loc.blob, {})
-            key = (loc.offset, loc.nbytes, loc.crc32)
+            at = loc if loc.stored is None else loc.stored  # a compressed range: as stored
+            key = (at.offset, at.nbytes, at.crc32)
             r = ranges.get(key)
             if r is None:
-                archive = loc.crc32 is not None and _is_archive(entry)
-                ranges[key] = _Range(loc.offset, loc.nbytes, loc.crc32, [path], archive=archive)
+                archive = loc.crc32 is not None and _is_archive(entry) and at is loc
+                ranges[key] = _Range(at.offset, at.nbytes, at.crc32, [path], archive=archive)
+                if at is not loc:
+                    from snapshot._engine.io.compression import InflatedCheck
+
+                    ranges[key].inflated = InflatedCheck(loc.nbytes, loc.crc32)
             elif r.paths[-1] != path:
                 r.paths.append(path)
     return {
@@ -234,11 +241,17 @@ async def _check_blob(
             for r in ranges[first:]:
                 if r.offset >= end:
                     break
-                if r.end > pos and r.nbytes and r.crc32 is not None:
-                    lo, hi = max(r.offset, pos), min(r.end, end)
-                    data = piece[lo - pos : hi - pos]
+                if r.end <= pos:
+                    continue
+                lo, hi = max(r.offset, pos), min(r.end, end)
+                data = piece[lo - pos : hi - pos]
+                if r.nbytes and r.crc32 is not None:
                     r.value = crc32(data, r.value)
                     bad = _keep_archive(r, data, lo, hi) if r.archive else None
+                    if bad:
+                        problem(r.offset, r.end, r.paths, bad)
+                if r.inflated is not None:
+                    bad = r.inflated.add(data, hi == r.end and r.value in (r.crc32, None))
                     if bad:
                         problem(r.offset, r.end, r.paths, bad)
             pos = end
@@ -299,7 +312,8 @@ def verify(
     report = VerifyReport(len(manifest.entries), len(by_blob), ranges=n_ranges)
     size = max(1, min(piece_bytes, max(sizes.values(), default=0)))
     items = [(blob, sizes[blob], ranges) for blob, ranges in by_blob.items()]
-    with open_linked(path, manifest, storage_options, options) as plugin:
+    # (As stored: a compressed range is checked before and after decompression, ``_Range``.)
+    with open_linked(path, manifest, storage_options, options, inflate=False) as plugin:
         check = functools.partial(_check_blob, plugin, report, options)
         each(items, jobs, size, sum(sizes.values()), progress, check)
     if manifest.metadata.get("format") == "torchsnapshot":
