@@ -24,6 +24,8 @@ from snapshot import (
     InvalidArgumentError,
     Options,
     Snapshot,
+    SnapshotError,
+    SnapshotNotFoundError,
     StateDict,
 )
 from snapshot._engine.tools.verify import diff, verify
@@ -431,6 +433,9 @@ def _sharded_take(rank: int, world: int, path: str) -> None:
     w = distribute_tensor(full, mesh, [Shard(0)])
     state = StateDict(w=w, r=torch.ones(5), r2=torch.full((9,), 2.0), step=3)
     Snapshot.take(path, {"m": state}, options=ZSTD)
+    # Ranks that ask for different levels are refused alike, before anything is written.
+    with pytest.raises(SnapshotError, match="compression .*STATESNAP_ZSTD_LEVEL"):
+        Snapshot.take(path + "-mixed", {"m": state}, options=Options(zstd_level=rank + 1))
 
 
 def _sharded_restore(rank: int, world: int, path: str) -> bool:
@@ -453,6 +458,8 @@ def _sharded_restore(rank: int, world: int, path: str) -> bool:
 def test_sharded_tensors_across_ranks(tmp_path):
     path = str(tmp_path / "snap")
     run_ranks(2, _sharded_take, path)
+    with pytest.raises(SnapshotNotFoundError):
+        Snapshot(path + "-mixed")
     manifest = Snapshot(path).get_manifest()
     shards = manifest["0/m/w"].shards
     assert len(shards) == 2 and all(c.stored is not None for s in shards for c in s.chunks)

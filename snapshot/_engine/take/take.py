@@ -280,9 +280,9 @@ class TakeJob:
                 raise SnapshotError(
                     f"snapshot {first['path']}: rank {rank} has layout settings "
                     f"{info['layout']} but rank 0 has {first['layout']}; give every rank the "
-                    "same chunk, slab, checksum and memory budget options (Options, or "
-                    "STATESNAP_CHUNK_BYTES / STATESNAP_SLAB_* / STATESNAP_CHECKSUMS / "
-                    "STATESNAP_MEMORY_BUDGET_BYTES)"
+                    "same chunk, slab, checksum, compression and memory budget options "
+                    "(Options, or STATESNAP_CHUNK_BYTES / STATESNAP_SLAB_* / STATESNAP_CHECKSUMS "
+                    "/ STATESNAP_ZSTD_LEVEL / STATESNAP_MEMORY_BUDGET_BYTES)"
                 )
         if any(info["pieces"] for info in infos):
             sharded.check_coverage([info["pieces"] for info in infos])
