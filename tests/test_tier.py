@@ -447,3 +447,39 @@ def test_a_crash_mid_durable_write_leaves_the_previous_step(tmp_path):
         manager.wait()
         assert manager.steps() == [2, 4]
     assert torch.equal(target["model"]["w"], torch.full((64,), 2.0))
+
+
+def test_the_memory_tier_alone(tmp_path):
+    """``MemoryTierStore``: saves to the node's folder, restores the newest complete step (each
+    range checked), None when it holds none, and refuses a step whose part is valid nowhere."""
+    from snapshot import MemoryTierStore
+
+    tier = MemoryTier(dir=str(tmp_path / "shm"), keep=2)
+    state = _state(0.0)
+    with MemoryTierStore("job", tier) as store:
+        assert store.restore(_state(-1.0)) is None
+        for step in (1, 2, 3):
+            state["model"]["w"].fill_(step)
+            state["progress"]["step"] = step
+            store.save(step, state)
+    job = os.path.join(tmp_path / "shm", job_id("memory-tier-store://job"))
+    assert sorted(n for n in os.listdir(job) if n.startswith("step_")) == [
+        "step_0000000002",
+        "step_0000000003",
+    ]
+    target = _state(-1.0)
+    with MemoryTierStore("job", tier) as store:
+        assert store.restore(target) == 3
+    assert torch.equal(target["model"]["w"], torch.full((64,), 3.0))
+    assert target["progress"]["step"] == 3
+    with MemoryTierStore("another job", tier) as store:
+        assert store.restore(_state(-1.0)) is None
+    part = os.path.join(job, "step_0000000003", "0", "0")
+    (blob,) = os.listdir(part)
+    with open(os.path.join(part, blob), "r+b") as f:
+        f.write(b"\xff")
+    with (
+        MemoryTierStore("job", tier) as store,
+        pytest.raises(SnapshotError, match="step 3 cannot be restored"),
+    ):
+        store.restore(_state(-1.0))
