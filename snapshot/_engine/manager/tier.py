@@ -9,11 +9,12 @@ node's own ranks' parts and the replicas its ranks keep for peers. A part is com
 manifest is there (written last by a replica's copy; by the take, only its layouts follow). A
 part holds sharded values as this rank's local pieces, their layouts beside it in
 ``tier_layout.json`` (``tier_parts``), and restores only into targets of the same layout (one
-without the file: only state with nothing sharded). The takes and restores themselves are the
-facade's, handed in by the manager (``take`` and ``restore`` callables): this module decides
-where, and moves the bytes between ranks, on a gloo group of its own that only its worker
-thread (saves) or the caller's thread (restore) uses, each collective under the peers'
-heartbeat watch (``liveness.Watch``).
+without the file: only state with nothing sharded). The takes are the facade's, handed in
+(``take``, and ``write`` for a durable step from the parts, ``tier_durable``); the restores
+are the engine's, as rank 0 alone or as one rank of a durable step (``tier_durable``). This
+module decides where, and moves the bytes between ranks, on a gloo group of its own that only
+its worker thread (saves) or the caller's thread (restore) uses, each collective under the
+peers' heartbeat watch (``liveness.Watch``).
 """
 
 from __future__ import annotations
@@ -451,27 +452,22 @@ class Tier:
                 return step, failed  # targets laid out otherwise: the whole step, resharded
             if self.rank in failed:
                 # This rank's part of the durable step alone; the others keep what they loaded.
+                where, status = "durable storage", None
                 logger.warning(
-                    "rank %d: its part of step %d is valid in no memory: restoring it from "
-                    "durable storage",
+                    "rank %d: its part of step %d is valid in no memory: restoring it from %s",
                     self.rank,
                     step,
+                    where,
                 )
                 try:
-                    path = durable_path(step)
+                    path, rank = durable_path(step), self.rank
                     tier_durable.restore_rank(
-                        path, app_state, self.rank, self.storage_options, self.options
+                        path, app_state, rank, self.storage_options, self.options
                     )
-                    status = None
-                    logger.info("rank %d: step %d restored from durable storage", self.rank, step)
-                except SnapshotError as e:
-                    logger.warning(
-                        "rank %d: its part of step %d from durable storage failed: %s",
-                        self.rank,
-                        step,
-                        e,
-                    )
+                    logger.info("rank %d: step %d restored from %s", self.rank, step, where)
+                except Exception as e:  # every rank must reach the agreement below
                     status = f"{type(e).__name__}: {e}"
+                    logger.warning("rank %d: from %s, step %d: %s", self.rank, where, step, status)
             failed = [r for r, s in enumerate(self._all_gather(status)) if s is not None]
         return step, failed
 
