@@ -1,8 +1,9 @@
 """Restart time of a checkpoint manager with a memory tier: the same state restored from the
 memory tier, from a peer's replica (one host's memory wiped), from a local disk and from S3
 (moto, in a process of its own; the memory tier wiped), and what a save costs the caller: a
-save to memory against a plain copy of the state, and a save that also goes to the durable
-root.
+save to memory against a plain copy of the state, a save that also goes to the durable root
+(written from the memory copy in the background), and the step time of a tiny training loop
+while that durable write runs against the same loop with nothing in the background.
 
     python -m benchmarks.tier_restart [--size 256MiB] [--reps 3]
 
@@ -33,6 +34,7 @@ from benchmarks.s3server import S3Server
 
 WORLD = 2
 SAVES = 4  # steps saved per job; every second one also to the durable root
+LOOP_STEPS = 40  # steps of the tiny loop timed before each save, and after a durable one
 
 
 def _model(rank: int, total: int, fill: float | None = None) -> dict[str, torch.Tensor]:
@@ -40,6 +42,22 @@ def _model(rank: int, total: int, fill: float | None = None) -> dict[str, torch.
     n = max(1, total // (32 << 20))
     model = {f"w{i}": torch.randn(8 << 20, generator=gen) for i in range(n)}
     return model if fill is None else {k: torch.full_like(v, fill) for k, v in model.items()}
+
+
+def _loop(steps: int) -> list[float]:
+    """The seconds of each step of a tiny training loop (a small model's forward, backward and
+    optimizer step), on this process's one thread."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 1))
+    optim = torch.optim.SGD(model.parameters(), lr=0.01)
+    x, out = torch.randn(64, 256), []
+    for _ in range(steps):
+        t = time.perf_counter()
+        optim.zero_grad()
+        model(x).square().mean().backward()
+        optim.step()
+        out.append(time.perf_counter() - t)
+    return out
 
 
 def _rank(rank: int, world: int, store: str, job: dict[str, Any], out: Any) -> None:
@@ -58,19 +76,28 @@ def _rank(rank: int, world: int, store: str, job: dict[str, Any], out: Any) -> N
         opts = job["storage_options"]
         if job["op"] == "save":
             state = {"model": StateDict(**_model(rank, job["size"]))}
-            memory, durable = [], []
+            memory, durable, written = [], [], []
+            quiet, busy = [], []  # a tiny loop's step times: nothing running, a durable write
             with CheckpointManager(job["root"], storage_options=opts, memory_tier=tier) as m:
                 for step in range(1, SAVES + 1):
+                    dist.barrier()
+                    quiet += _loop(LOOP_STEPS)
                     dist.barrier()
                     t = time.perf_counter()
                     m.save(step, state)
                     (durable if step % 2 == 0 else memory).append(time.perf_counter() - t)
+                    if step % 2 == 0:  # the loop runs while the durable write does
+                        busy += _loop(LOOP_STEPS)
                     m.wait()  # each save measured alone
+                    if step % 2 == 0:
+                        written.append(time.perf_counter() - t)
             t = time.perf_counter()
             copy = {k: v.clone() for k, v in state["model"].items()}
             copied = time.perf_counter() - t
             del copy
-            out.put((rank, {"memory": memory, "durable": durable, "copy": [copied]}, True))
+            times = {"memory": memory, "durable": durable, "copy": [copied], "written": written}
+            times.update(quiet=[statistics.median(quiet)], busy=[statistics.median(busy)])
+            out.put((rank, times, True))
             return
         target = {"model": StateDict(**_model(rank, job["size"], fill=0.0))}
         with CheckpointManager(job["root"], storage_options=opts, memory_tier=tier) as m:
@@ -146,7 +173,7 @@ def main() -> None:
             }
             saved, ok = _run({**local, "op": "save"})
             checks.append(ok)
-            for key in ("copy", "memory", "durable"):
+            for key in ("copy", "memory", "durable", "written", "quiet", "busy"):
                 times.setdefault(f"save: {key}", []).append(saved[key])
             _run({**s3, "op": "save"})
             record("restore: memory tier", {**local, "op": "restore"}, "restore")
@@ -170,11 +197,15 @@ def main() -> None:
     labels = {
         "save: copy": "a plain copy of the state (clone)",
         "save: memory": "save, memory tier only (returns after the memory take)",
-        "save: durable": "save, memory tier and durable root (async)",
+        "save: durable": "save, memory tier and durable root (returns after the memory take)",
+        "save: written": "that save until its durable write committed (wait returns)",
+        "save: quiet": "tiny loop step, nothing in the background",
+        "save: busy": "tiny loop step, while the durable write runs",
     }
     for name, ts in times.items():
-        rounds = ", ".join(f"{t:.3f}" for t in ts)
-        print(f"| {labels.get(name, name)} | {statistics.median(ts):.3f} | {rounds} |")
+        digits = 4 if statistics.median(ts) < 0.01 else 3  # a tiny loop's step: milliseconds
+        rounds = ", ".join(f"{t:.{digits}f}" for t in ts)
+        print(f"| {labels.get(name, name)} | {statistics.median(ts):.{digits}f} | {rounds} |")
 
 
 if __name__ == "__main__":

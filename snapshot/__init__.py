@@ -2,7 +2,8 @@
 
 Public API: :class:`Snapshot`, :class:`PendingSnapshot`, :class:`StateDict`, :class:`RNGState`,
 :class:`Stateful`, :class:`Options` (the tunables of one call), :class:`CheckpointManager`
-(step folders, retention, resume) with its :class:`MemoryTier`, the errors below
+(step folders, retention, resume) with its :class:`MemoryTier` (alone:
+:class:`MemoryTierStore`), the errors below
 :class:`SnapshotError` (and :class:`PathMismatchWarning`), and ``__version__``. Sharded state is
 described with :mod:`snapshot.sharding`. A new kind of value is a :class:`Kind` given to
 :func:`register_kind` (a tensor subclass with attributes of its own, say).
@@ -49,6 +50,7 @@ if TYPE_CHECKING:
     from snapshot.pending import PendingSnapshot
     from snapshot.snapshot import Snapshot
     from snapshot.stateful import RNGState, StateDict, Stateful
+    from snapshot.tier_store import MemoryTierStore
 
 # Each public name -> the module defining it (imported on first use, then kept here); the
 # other names of ``__all__`` are the errors, of ``snapshot.errors``.
@@ -58,6 +60,7 @@ _HOMES = {
     "register_kind": "snapshot._engine.handlers",
     "CheckpointManager": "snapshot.manager",
     "MemoryTier": "snapshot.options",
+    "MemoryTierStore": "snapshot.tier_store",
     "Options": "snapshot.options",
     "PendingSnapshot": "snapshot.pending",
     "Snapshot": "snapshot.snapshot",
@@ -102,6 +105,7 @@ __all__ = [
     "InvalidArgumentError",
     "Kind",
     "MemoryTier",
+    "MemoryTierStore",
     "MissingBaseError",
     "NotStatefulError",
     "Options",

@@ -25,11 +25,13 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import Future
 from typing import Any
 
 from snapshot._engine import state_dicts
 from snapshot._engine.dist.dist import RankZero
 from snapshot._engine.dist.dist import resolve as resolve_group
+from snapshot._engine.manager import tier_durable
 from snapshot._engine.manager.retention import Cleaner, Policy
 from snapshot._engine.manager.steps import COMMITTED, LEFT, NOT_FOLDERS, StepInfo, Steps, step_name
 from snapshot._engine.manager.tier import Tier
@@ -122,7 +124,8 @@ class CheckpointManager:
             raise InvalidArgumentError(
                 f"memory_tier must be a snapshot.MemoryTier, got {type(memory_tier).__name__}"
             )
-        self._tier = None if memory_tier is None else Tier(memory_tier, self.root, pg, self.options)
+        tier_args = (self.root, pg, self.options, self.storage_options)
+        self._tier = None if memory_tier is None else Tier(memory_tier, *tier_args)
         # Rank 0 lists, decides and deletes; every rank gets its answers.
         self._ranks = RankZero(pg, self.options, self.root)
         # The commit threads of the async saves under way, oldest first.
@@ -175,10 +178,12 @@ class CheckpointManager:
                 if tier_error is not None:
                     raise tier_error
                 logger.info("save of step %d to the memory tier of %s", step, self.root)
+                if self.raise_on_next_save:
+                    self._raise_background_error()
                 if self._preempt_state is not None:
                     self.checkpoint_if_preempted(step)
                 return
-        self._save_durable(step, app_state, recorded)
+        self._save_durable(step, app_state, recorded, tier_error is None)
         if tier_error is not None:
             raise tier_error
         if self._preempt_state is not None:
@@ -186,9 +191,16 @@ class CheckpointManager:
             self.checkpoint_if_preempted(step)
 
     def _save_durable(
-        self, step: int, app_state: dict[str, Any], recorded: dict[str, float]
+        self, step: int, app_state: dict[str, Any], recorded: dict[str, float], part: bool = True
     ) -> None:
-        """``save`` to the durable root, once the step is known to be new there."""
+        """``save`` to the durable root, once the step is known to be new there. With the
+        memory tier, from its copies when every rank has its part of ``step`` (``part``: this
+        rank's take of it succeeded) holding nothing sharded; else from ``app_state``."""
+        from_memory = False
+        if self._tier is not None:
+            has, sharded = self._tier.has_part(step)
+            flags = resolve_group(self.pg, self.options).all_gather(part and has and not sharded)
+            from_memory = all(flags)
         self._refuse_occupied(step)
         # An incremental save's base must be committed.
         self._wait_for_saves(0 if self.incremental else self.max_in_flight - 1)
@@ -217,8 +229,14 @@ class CheckpointManager:
                 base=base,
                 user_metadata=user,
             )
-            if self.async_:
-                taken: Any = Snapshot.async_take(
+            if from_memory:
+                assert self._tier is not None
+                write = tier_durable.writer(Snapshot, path, app_state, self.options, common)
+                taken: Any = self._tier.write_durable(step, write)
+                if not self.async_:
+                    taken = taken.result()  # committed, or raised
+            elif self.async_:
+                taken = Snapshot.async_take(
                     path, app_state, stage_in_background=self.stage_in_background, **common
                 )
             else:
@@ -230,12 +248,13 @@ class CheckpointManager:
         self._last_saved = step
         done = "captured" if self.async_ else "committed"
         logger.info("save of step %d under %s %s in %.3f s", step, self.root, done, _since(t))
-        if isinstance(taken, PendingSnapshot):
-            self._staging = taken
+        if isinstance(taken, PendingSnapshot | Future):
+            self._staging = taken if isinstance(taken, PendingSnapshot) else None
+            wait = taken.wait if isinstance(taken, PendingSnapshot) else taken.result
             # Its own thread waits for the commit: the cleaner's thread must not hold it back.
             thread = threading.Thread(
                 target=self._committed,
-                args=(step, taken, t),
+                args=(step, wait, t),
                 name=f"statesnap-commit-{step}",
                 daemon=True,
             )
@@ -248,12 +267,12 @@ class CheckpointManager:
                 self._cleaner.run_round()
         self._durable_saved = step
 
-    def _committed(self, step: int, pending: PendingSnapshot, t0: float) -> None:
-        """On a thread of its own: waits for an async save, records its end, then hands
-        retention to the worker (rank 0)."""
+    def _committed(self, step: int, wait: Callable[[], Any], t0: float) -> None:
+        """On a thread of its own: waits for an async save (``wait``), records its end, then
+        hands retention to the worker (rank 0)."""
         error = None
         try:
-            pending.wait()
+            wait()
             logger.info(
                 "save of step %d under %s committed %.3f s after it began",
                 step,
@@ -283,11 +302,6 @@ class CheckpointManager:
     def _take_part(self, path: str, app_state: dict[str, Any], pg: Any) -> None:
         """The memory tier's take of this rank's part (``pg``: this rank alone)."""
         Snapshot.take(path, app_state, pg=pg, options=self.options)
-
-    def _restore_part(self, path: str, app_state: dict[str, Any], pg: Any) -> None:
-        """The memory tier's restore of this rank's part: every range checked as it lands
-        (a part that fails is restored again in full from the next source)."""
-        Snapshot(path, pg=pg, options=self.options).restore(app_state, options=self.options)
 
     def _refuse_occupied(self, step: int) -> None:
         """Raises ``SnapshotExistsError`` when the last listing found a folder at ``step`` that
@@ -420,7 +434,8 @@ class CheckpointManager:
         # The durable steps by their manifests' presence (none is read here).
         durable = set(self._ranks.agreed(self._steps.committed_steps))
         t = time.perf_counter()
-        step, failed = self._tier.restore(app_state, durable, self._restore_part)
+        path = self._steps.path  # a step's folder as the manager names it
+        step, failed = self._tier.restore(app_state, durable, lambda s: path(step_name(s)))
         if step is not None and not failed:
             logger.info("restored step %d from the memory tier in %.3f s", step, _since(t))
             self._tier.forget_after(step)

@@ -27,6 +27,7 @@ SNAPSHOT_ALL = {
     "Options",
     "CheckpointManager",
     "MemoryTier",
+    "MemoryTierStore",
     "__version__",
     # New kinds of values (the package docstring)
     "Kind",

@@ -15,6 +15,7 @@ import torch
 from snapshot import CheckpointManager, InvalidArgumentError, MemoryTier, StateDict
 from snapshot._engine.manager.tier import job_id, pack, peers_of, unpack
 from snapshot.errors import SnapshotError
+from storage_plugins.fs import FSStoragePlugin
 
 
 def _state(value: float) -> dict:
@@ -309,3 +310,176 @@ def test_a_value_that_is_not_stateful_is_refused_as_by_a_take(tmp_path):
         pytest.raises(NotStatefulError, match=r"app_state\['x'\] is an int"),
     ):
         manager.save(1, {"x": 3})
+
+
+class _Counted(StateDict):
+    """A StateDict counting the calls of its ``state_dict()``: the captures of the live state."""
+
+    calls = 0
+
+    def state_dict(self) -> dict:
+        self.calls += 1
+        return super().state_dict()
+
+
+def test_a_durable_step_is_written_from_the_memory_copy(tmp_path):
+    """A durable save captures the live state once (the memory take); the root's step is
+    written from the tier's copy in the background, a snapshot like a take of the state."""
+    from snapshot import RNGState, Snapshot
+
+    root, shm = tmp_path / "root", tmp_path / "shm"
+    tier = MemoryTier(dir=str(shm), durable_every=2)
+    model = torch.nn.Linear(3, 2)
+    state = {"model": model, "extra": _Counted(w=torch.full((64,), 2.0), n=3), "rng": RNGState()}
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    with CheckpointManager(str(root), memory_tier=tier) as manager:
+        manager.save(1, state)
+        manager.save(2, state)  # also durable
+        with torch.no_grad():
+            model.weight.fill_(-1.0)  # the step's copy is in memory: this is not written
+        state["extra"]["w"].fill_(-1.0)
+        manager.wait()
+        assert manager.steps() == [2]
+    assert state["extra"].calls == 2  # one capture per save: nothing taken twice
+    step = Snapshot(str(root / "step_0000000002"))
+    target = {"model": torch.nn.Linear(3, 2), "extra": StateDict(w=torch.zeros(64), n=0)}
+    step.restore(target)  # a plain restore
+    for k, v in saved.items():
+        assert torch.equal(target["model"].state_dict()[k], v), k
+    assert torch.equal(target["extra"]["w"], torch.full((64,), 2.0)) and target["extra"]["n"] == 3
+    # The same entries, kinds and shapes as a take of the live state writes.
+    Snapshot.take(str(tmp_path / "plain"), state)
+    plain = Snapshot(str(tmp_path / "plain")).get_manifest()
+    written = step.get_manifest()
+    assert written.keys() == plain.keys()
+    for path, entry in plain.items():
+        assert written[path].tag == entry.tag, path
+        assert getattr(written[path], "shape", None) == getattr(entry, "shape", None), path
+
+
+class _FailingFS(FSStoragePlugin):
+    """``failing://<folder>``: the local plugin, whose writes to step 4 fail."""
+
+    def __init__(self, url: str, storage_options: dict | None = None) -> None:
+        super().__init__(url.removeprefix("failing://"), storage_options)
+        self.failing = url.rstrip("/").endswith("step_0000000004")
+
+    def _check(self, path: str) -> None:
+        if self.failing and "pending" not in path:
+            raise OSError("disk failed")
+
+    async def write(self, path, buffers) -> None:
+        self._check(path)
+        await super().write(path, buffers)
+
+    async def write_observed(self, path, buffers, observe) -> None:
+        self._check(path)
+        await super().write_observed(path, buffers, observe)
+
+
+def test_a_failed_durable_write_keeps_the_last_good_step(tmp_path):
+    """A durable write that fails in the background raises from wait(), leaves the previous
+    durable step restorable, and the next durable save writes again."""
+    from storage_plugins import register_storage_plugin
+
+    register_storage_plugin("failing", _FailingFS)
+    root, shm = f"failing://{tmp_path / 'root'}", tmp_path / "shm"
+    tier = MemoryTier(dir=str(shm), durable_every=2)
+    with CheckpointManager(root, memory_tier=tier) as manager:
+        for step in (1, 2, 3, 4):
+            manager.save(step, _state(float(step)))
+        with pytest.raises(SnapshotError, match="disk failed"):
+            manager.wait()
+        assert manager.steps() == [2]
+        manager.save(5, _state(5.0))
+        manager.save(6, _state(6.0))
+        manager.wait()
+        assert manager.steps() == [2, 6]
+    import shutil
+
+    shutil.rmtree(shm)
+    target = _state(-1.0)
+    with CheckpointManager(root) as manager:
+        assert manager.restore(target) == 6
+    assert torch.equal(target["model"]["w"], torch.full((64,), 6.0))
+
+
+class _DyingFS(FSStoragePlugin):
+    """``dying://<folder>``: the local plugin; the process ends as step 4's manifest is
+    written, every blob of it written before."""
+
+    def __init__(self, url: str, storage_options: dict | None = None) -> None:
+        super().__init__(url.removeprefix("dying://"), storage_options)
+        self.dying = url.rstrip("/").endswith("step_0000000004")
+
+    async def write_if_absent(self, path, buffers) -> None:
+        if self.dying and path == "manifest.yaml":
+            os._exit(9)
+        await super().write_if_absent(path, buffers)
+
+
+def _killed_mid_write(root: str, shm: str) -> None:
+    from storage_plugins import register_storage_plugin
+
+    register_storage_plugin("dying", _DyingFS)
+    with CheckpointManager(root, memory_tier=MemoryTier(dir=shm, durable_every=2)) as manager:
+        for step in (1, 2, 3, 4):
+            manager.save(step, _state(float(step)))
+    raise AssertionError("the durable write of step 4 did not end the process")
+
+
+@pytest.mark.slow  # a process of its own, killed
+def test_a_crash_mid_durable_write_leaves_the_previous_step(tmp_path):
+    from tests.multirank import PROCESS_CONTEXT
+
+    folder, shm = tmp_path / "root", str(tmp_path / "shm")
+    process = PROCESS_CONTEXT.Process(target=_killed_mid_write, args=(f"dying://{folder}", shm))
+    process.start()
+    process.join(120)
+    assert process.exitcode == 9
+    assert (folder / "step_0000000004").is_dir()  # the write's debris, no manifest
+    assert not (folder / "step_0000000004" / "manifest.yaml").exists()
+    target = _state(-1.0)
+    with CheckpointManager(str(folder)) as manager:
+        assert manager.steps() == [2]
+        assert manager.restore(target) == 2
+        manager.save(4, _state(4.0))  # over the debris
+        manager.wait()
+        assert manager.steps() == [2, 4]
+    assert torch.equal(target["model"]["w"], torch.full((64,), 2.0))
+
+
+def test_the_memory_tier_alone(tmp_path):
+    """``MemoryTierStore``: saves to the node's folder, restores the newest complete step (each
+    range checked), None when it holds none, and refuses a step whose part is valid nowhere."""
+    from snapshot import MemoryTierStore
+
+    tier = MemoryTier(dir=str(tmp_path / "shm"), keep=2)
+    state = _state(0.0)
+    with MemoryTierStore("job", tier) as store:
+        assert store.restore(_state(-1.0)) is None
+        for step in (1, 2, 3):
+            state["model"]["w"].fill_(step)
+            state["progress"]["step"] = step
+            store.save(step, state)
+    job = os.path.join(tmp_path / "shm", job_id("memory-tier-store://job"))
+    assert sorted(n for n in os.listdir(job) if n.startswith("step_")) == [
+        "step_0000000002",
+        "step_0000000003",
+    ]
+    target = _state(-1.0)
+    with MemoryTierStore("job", tier) as store:
+        assert store.restore(target) == 3
+    assert torch.equal(target["model"]["w"], torch.full((64,), 3.0))
+    assert target["progress"]["step"] == 3
+    with MemoryTierStore("another job", tier) as store:
+        assert store.restore(_state(-1.0)) is None
+    part = os.path.join(job, "step_0000000003", "0", "0")
+    (blob,) = os.listdir(part)
+    with open(os.path.join(part, blob), "r+b") as f:
+        f.write(b"\xff")
+    with (
+        MemoryTierStore("job", tier) as store,
+        pytest.raises(SnapshotError, match="step 3 cannot be restored"),
+    ):
+        store.restore(_state(-1.0))

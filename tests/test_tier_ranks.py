@@ -8,14 +8,16 @@ more steps, the uninterrupted run. Each case restarts every process and restores
 (a) memory intact: every part from its node, nothing read from durable storage;
 (b) host b's memory wiped: its ranks' parts from the replicas on host a, still nothing read
     from durable storage;
-(c) host b wiped and a byte of a replica on host a flipped: the check fails before anything
-    is loaded, the step comes from durable storage, and the logs say so;
+(c) host b wiped and a byte of a replica on host a flipped: the check fails, that one part
+    comes from durable storage (only its rank reads it there), the other ranks keep their
+    memory copies, and the logs say so;
 (d) both hosts wiped: durable restore.
 
-Every case restores step 4 bitwise and trains on with the uninterrupted run's losses. Durable
-storage is a local folder behind a plugin that counts reads (``counting://``). The cases run on
-4 ranks sharing this machine's network, and on 2 ranks with the hosts on network namespaces
-joined by a bridge (tests/netns.py).
+Every case restores step 4 bitwise and trains on with the uninterrupted run's losses. The
+durable steps were written from the memory copies in the background; step 4 also restores with
+a plain ``Snapshot.restore`` at another world size. Durable storage is a local folder behind a
+plugin that counts reads (``counting://``). The cases run on 4 ranks sharing this machine's
+network, and on 2 ranks with the hosts on network namespaces joined by a bridge (tests/netns.py).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from typing import Any
 import pytest
 import torch
 
-from snapshot import CheckpointManager, MemoryTier, StateDict
+from snapshot import CheckpointManager, MemoryTier, Snapshot, StateDict
 from storage_plugins import register_storage_plugin
 from storage_plugins.fs import FSStoragePlugin
 from tests import netns
@@ -204,7 +206,7 @@ def _cases(tmp_path: Any, world: int, launch: Any) -> None:
             ), got["messages"]
 
     # (c) host b replaced again, and a byte of a replica on host a flipped: the check fails,
-    # the step comes from durable storage, and the logs say which part and why.
+    # that part alone comes from durable storage, and the logs say which part and why.
     shutil.rmtree(os.path.join(base, "b"))
     victim = b_ranks[0]
     blob = _part_files(base, "a", victim)[0]
@@ -213,13 +215,28 @@ def _cases(tmp_path: Any, world: int, launch: Any) -> None:
         f.seek(0)
         f.write(bytes([first[0] ^ 0x01]))
     out = resume()
-    assert any(r.endswith("manifest.yaml") is False for r in out[victim]["reads"])
+    for rank, got in enumerate(out):
+        if rank != victim:  # the others' parts from memory or a replica: nothing durable read
+            assert got["reads"] == [], (rank, got["reads"])
+    # The victim reads the durable step's manifest and its own blobs (or shared ones) only.
+    reads = out[victim]["reads"]  # paths within the step's folder
+    assert any(r != "manifest.yaml" for r in reads), reads
+    for r in reads:
+        assert r == "manifest.yaml" or r.startswith(f"{victim}/") or "-r" in r, reads
     text = "\n".join(out[victim]["messages"])
     assert f"rank {victim}: the part of step 4 from the replica of rank" in text, text
     assert "checksum mismatch" in text, text
-    assert "restoring it from durable storage" in "\n".join(out[0]["messages"])
+    assert f"rank {victim}: its part of step 4 is valid in no memory: restoring it from " in text
+    assert f"rank {victim}: step 4 restored from durable storage" in text, text
 
     # (d) both hosts' memory gone: durable restore.
     shutil.rmtree(base)
     for rank, got in enumerate(resume()):
         assert got["reads"], rank
+
+    # The durable step, written from the memory copies, is a plain snapshot: this process
+    # alone (another world size) restores rank 0's state from it.
+    model = torch.nn.Linear(4, 2)
+    Snapshot(os.path.join(tmp_path, "durable", "step_0000000004")).restore({"model": model})
+    for key, value in model.state_dict().items():
+        assert value.numpy().tobytes() == trained[0]["saved"][key], key

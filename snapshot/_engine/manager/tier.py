@@ -9,11 +9,12 @@ node's own ranks' parts and the replicas its ranks keep for peers. A part is com
 manifest is there (written last by a replica's copy; by the take, only its layouts follow). A
 part holds sharded values as this rank's local pieces, their layouts beside it in
 ``tier_layout.json`` (``tier_parts``), and restores only into targets of the same layout (one
-without the file: only state with nothing sharded). The takes and restores themselves are the
-facade's, handed in by the manager (``take`` and ``restore`` callables): this module decides
-where, and moves the bytes between ranks, on a gloo group of its own that only its worker
-thread (saves) or the caller's thread (restore) uses, each collective under the peers'
-heartbeat watch (``liveness.Watch``).
+without the file: only state with nothing sharded). The takes are the facade's, handed in
+(``take``, and ``write`` for a durable step from the parts, ``tier_durable``); the restores
+are the engine's, as rank 0 alone or as one rank of a durable step (``tier_durable``). This
+module decides where, and moves the bytes between ranks, on a gloo group of its own that only
+its worker thread (saves) or the caller's thread (restore) uses, each collective under the
+peers' heartbeat watch (``liveness.Watch``).
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ from typing import Any
 
 from snapshot._engine import runtime
 from snapshot._engine.dist import liveness
+from snapshot._engine.dist.dist import resolve as coordinator_for
+from snapshot._engine.manager import tier_durable, tier_parts
 from snapshot._engine.manager.steps import step_name, step_of
 from snapshot._engine.take.commit import MANIFEST_NAME
 from snapshot.errors import RankFailedError, SnapshotError
@@ -42,10 +45,11 @@ from storage_plugins.base import DaemonThreadPool
 
 logger = logging.getLogger("snapshot")
 
-# ``take(path, app_state, pg)`` and ``restore(path, app_state, pg)``: the facade's, with the
-# manager's options; ``pg`` is this rank alone (or None without a process group).
+# ``take(path, app_state, pg)``: the facade's, with the manager's options; ``pg`` is this rank
+# alone (or None without a process group). ``write(part, pg)``: the durable step's group take
+# on ``pg`` of the part at ``part`` read back (``tier_durable``).
 Take = Callable[[str, dict[str, Any], Any], None]
-Restore = Callable[[str, dict[str, Any], Any], None]
+Write = Callable[[str, Any], None]
 
 
 OTHER = "another layout: "  # a restore status: the target's sharding differs from the part's
@@ -119,10 +123,17 @@ def remove(folder: str) -> None:
 class Tier:
     """One rank's view of the memory tier of the manager of ``root`` (see the module)."""
 
-    def __init__(self, config: MemoryTier, root: str, pg: Any | None, options: Options) -> None:
+    def __init__(
+        self,
+        config: MemoryTier,
+        root: str,
+        pg: Any | None,
+        options: Options,
+        storage_options: dict[str, Any] | None = None,
+    ) -> None:
         import torch.distributed as dist
 
-        self.config = config
+        self.config, self.options, self.storage_options = config, options, storage_options
         # A local root by its absolute path: "ckpt" of two jobs in two folders are two roots.
         self.root = root if "://" in root else os.path.abspath(root)
         self.folder = os.path.join(os.path.abspath(os.fspath(config.dir)), job_id(self.root))
@@ -161,6 +172,9 @@ class Tier:
                     ranks=[me], backend="gloo", timeout=timeout, use_local_synchronization=True
                 )
                 self.hosts = self._all_gather(host)
+                # The library's group for the durable takes on the worker, made here: made
+                # there, it could be made in another order than the caller's groups.
+                coordinator_for(self.group, options)
         self.host = host
         # A tier of another world size on this node is deleted (by the node's first rank, the
         # others waiting for it): its parts cannot be restored, nor mixed with new ones.
@@ -302,8 +316,6 @@ class Tier:
         path = self.part(step, self.rank)
         error: BaseException | None = None
         try:
-            from snapshot._engine.manager import tier_parts
-
             remove(path)
             wrapped = tier_parts.wrap(app_state, None, path)  # sharded values as their local pieces
             take(path, wrapped, self.alone)
@@ -314,6 +326,33 @@ class Tier:
             self._last = self._worker.submit(self._replicate, step, error is None)
         if error is not None:
             raise error
+
+    def has_part(self, step: int) -> tuple[bool, bool]:
+        """Whether this rank's part of ``step`` is complete in its node's tier, and whether it
+        holds sharded values (as local pieces, with their layouts)."""
+        path = self.part(step, self.rank)
+        return (
+            os.path.isfile(os.path.join(path, MANIFEST_NAME)),
+            os.path.isfile(os.path.join(path, tier_parts.LAYOUT_NAME)),
+        )
+
+    def write_durable(self, step: int, write: Write) -> Future[None]:
+        """Writes the durable step ``step`` from this rank's part of it, on the worker after
+        the step's replication (``write``, a group take on the tier's group: every rank calls
+        this for the same steps in the same order). Its future holds the take's outcome."""
+        return self._worker.submit(self._durable, step, write)
+
+    def _durable(self, step: int, write: Write) -> None:
+        path = self.part(step, self.rank)
+        # Every rank must reach the take's agreements: one without its part says so first.
+        ok = os.path.isfile(os.path.join(path, MANIFEST_NAME))
+        missing = [r for r, good in enumerate(self._all_gather(ok)) if not good]
+        if missing:
+            raise SnapshotError(
+                f"step {step} was not written to {self.root}: the memory tier has no part of "
+                f"rank(s) {missing} to write it from"
+            )
+        write(path, self.group)
 
     def _replicate(self, step: int, ok: bool) -> None:
         """On the worker: once every rank has its part of ``step``, each sends its part to its
@@ -353,15 +392,19 @@ class Tier:
     # ------------------------------------------------------------------ restores
 
     def restore(
-        self, app_state: dict[str, Any], durable: set[int], restore: Restore
+        self,
+        app_state: dict[str, Any],
+        durable: set[int],
+        durable_path: Callable[[int], str] | None = None,
     ) -> tuple[int | None, list[int]]:
         """Restores the newest step complete in the tier when no durable step is newer:
-        each rank's part from its node, else from a peer's replica, each checked by
-        ``restore`` as its bytes land (a part that fails is restored again in full from the
-        next source, overwriting what it loaded; one whose targets are laid out otherwise is
-        tried from no other tier). Returns the step (None:
-        the tier has no step to restore, nothing was loaded) and the ranks whose part no
-        tier could give (the caller restores that step from durable storage)."""
+        each rank's part from its node, else from a peer's replica, else (when the root holds
+        the step at ``durable_path(step)``) that rank's part of the durable step, each checked as
+        its bytes land (a part that fails is restored again in full from the next source,
+        overwriting what it loaded; the other ranks keep theirs; one whose targets are laid
+        out otherwise is tried from no other source). Returns the step (None: the tier has no
+        step to restore, nothing was loaded) and the ranks whose part no source could give
+        (the caller restores that step, or an older one, from durable storage)."""
         inventory = self.inventory()
         every = self._all_gather(inventory)
         holders: dict[int, dict[int, list[int]]] = {}  # step -> part -> ranks whose node has it
@@ -382,7 +425,7 @@ class Tier:
         step = newest
         status = None
         if self.rank in inventory.get(step, []):
-            status = self._try(step, app_state, restore, "its node's memory")
+            status = self._try(step, app_state, "its node's memory")
         else:
             status = "not in its node's memory"
             logger.warning("rank %d: its part of step %d is %s", self.rank, step, status)
@@ -401,9 +444,32 @@ class Tier:
                     logger.warning("rank %d: step %d has %s", self.rank, step, status)
                 else:
                     unpack(got[mine], self.part(step, self.rank))
-                    status = self._try(step, app_state, restore, f"the replica of rank {mine}")
+                    status = self._try(step, app_state, f"the replica of rank {mine}")
             statuses = self._all_gather(status)
-        return step, [r for r, s in enumerate(statuses) if s is not None]
+        failed = [r for r, s in enumerate(statuses) if s is not None]
+        if failed and durable_path is not None and step in durable:
+            if any(statuses[r].startswith(OTHER) for r in failed):
+                return step, failed  # targets laid out otherwise: the whole step, resharded
+            if self.rank in failed:
+                # This rank's part of the durable step alone; the others keep what they loaded.
+                where, status = "durable storage", None
+                logger.warning(
+                    "rank %d: its part of step %d is valid in no memory: restoring it from %s",
+                    self.rank,
+                    step,
+                    where,
+                )
+                try:
+                    path, rank = durable_path(step), self.rank
+                    tier_durable.restore_rank(
+                        path, app_state, rank, self.storage_options, self.options
+                    )
+                    logger.info("rank %d: step %d restored from %s", self.rank, step, where)
+                except Exception as e:  # every rank must reach the agreement below
+                    status = f"{type(e).__name__}: {e}"
+                    logger.warning("rank %d: from %s, step %d: %s", self.rank, where, step, status)
+            failed = [r for r, s in enumerate(self._all_gather(status)) if s is not None]
+        return step, failed
 
     def fallback(self, step: int | None, failed: list[int], durable: set[int]) -> int | None:
         """The durable step to restore after ``restore`` returned ``step`` and ``failed``:
@@ -447,18 +513,14 @@ class Tier:
         found = keepers or away
         return found[0] if found else None
 
-    def _try(
-        self, step: int, app_state: dict[str, Any], restore: Restore, source: str
-    ) -> str | None:
+    def _try(self, step: int, app_state: dict[str, Any], source: str) -> str | None:
         """Restores this rank's part of ``step`` from its node, its sharded values as local
         pieces into targets of the part's layout; None when it did, else why not (its checks
         failed, or ``OTHER`` and how the targets are laid out otherwise: nothing was read)."""
-        from snapshot._engine.manager import tier_parts
-
         part = self.part(step, self.rank)
         wrapped = tier_parts.wrap(app_state, tier_parts.read_layouts(part), part)
         try:
-            restore(part, wrapped, self.alone)
+            tier_durable.restore_rank(part, wrapped, 0, None, self.options)
         except SnapshotError as e:
             other = tier_parts.mismatch(wrapped)
             if other is not None:
