@@ -26,6 +26,7 @@ import time
 import warnings
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future
+from dataclasses import replace
 from typing import Any
 
 from snapshot._engine import state_dicts
@@ -300,8 +301,9 @@ class CheckpointManager:
             self._cleaner.run_round()
 
     def _take_part(self, path: str, app_state: dict[str, Any], pg: Any) -> None:
-        """The memory tier's take of this rank's part (``pg``: this rank alone)."""
-        Snapshot.take(path, app_state, pg=pg, options=self.options)
+        """The memory tier's take of this rank's part (``pg``: this rank alone), uncompressed:
+        the tier writes at memory speed, and ``zstd_level`` applies to durable steps."""
+        Snapshot.take(path, app_state, pg=pg, options=replace(self.options, zstd_level=0))
 
     def _refuse_occupied(self, step: int) -> None:
         """Raises ``SnapshotExistsError`` when the last listing found a folder at ``step`` that

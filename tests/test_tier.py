@@ -357,6 +357,23 @@ def test_a_durable_step_is_written_from_the_memory_copy(tmp_path):
         assert getattr(written[path], "shape", None) == getattr(entry, "shape", None), path
 
 
+def test_compression_applies_to_durable_steps_not_memory_parts(tmp_path):
+    pytest.importorskip("zstandard")
+    from snapshot import Options, Snapshot
+
+    root, shm = tmp_path / "root", tmp_path / "shm"
+    tier = MemoryTier(dir=str(shm), durable_every=1)
+    with CheckpointManager(str(root), memory_tier=tier, options=Options(zstd_level=3)) as manager:
+        manager.save(1, _state(1.0))
+    stored = {
+        name: {loc.stored is not None for e in Snapshot(str(path)).get_manifest().values()
+               for loc in getattr(e, "chunks", ())}
+        for name, path in [("part", next(shm.rglob("manifest.yaml")).parent),
+                           ("durable", root / "step_0000000001")]
+    }  # fmt: skip
+    assert stored == {"part": {False}, "durable": {True}}
+
+
 class _FailingFS(FSStoragePlugin):
     """``failing://<folder>``: the local plugin, whose writes to step 4 fail."""
 
