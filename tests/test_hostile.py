@@ -23,8 +23,7 @@ from tests.hostile_probe import OPERATIONS
 from tests.s3server import S3Server
 
 # One fixture builds and probes the whole corpus in subprocesses before the first case runs.
-# One xdist worker runs the whole module (--dist loadgroup): its fixture is built once.
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("hostile")]
+pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parent.parent
 # Peak memory an operation may add over the probe's own: the base snapshot is 16 KiB, and every

@@ -30,9 +30,7 @@ from snapshot import Options, Snapshot, StateDict
 from tests.helpers import ModelAndOptimizer, train_step
 from tests.multirank import run_ranks
 
-# 4 ranks for the take (about 15 s on a quiet machine).
-# One xdist worker runs the whole module (--dist loadgroup): its fixture is built once.
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("parallel_2d")]
+pytestmark = pytest.mark.slow  # 4 ranks for the take (about 15 s on a quiet machine)
 
 STEPS_BEFORE, STEPS_AFTER = 2, 3
 

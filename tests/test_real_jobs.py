@@ -27,9 +27,7 @@ from snapshot import Snapshot
 from tests.helpers import train_step
 from tests.multirank import run_ranks
 
-# Real processes (gloo); -m 'not slow' skips them.
-# One xdist worker runs the whole module (--dist loadgroup): its fixture is built once.
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("real_jobs")]
+pytestmark = pytest.mark.slow  # real processes (gloo); -m 'not slow' skips them
 
 STEPS_BEFORE, STEPS_AFTER = 3, 2
 

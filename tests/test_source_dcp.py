@@ -21,9 +21,6 @@ from snapshot import Snapshot
 from tests.helpers import ModelAndOptimizer, full_state
 from tests.multirank import run_ranks
 
-# One xdist worker runs the whole module (--dist loadgroup): its fixture is built once.
-pytestmark = pytest.mark.xdist_group("source_dcp")
-
 
 def _build(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     warnings.filterwarnings("ignore", category=UserWarning)

@@ -18,8 +18,7 @@ from pathlib import Path
 
 import pytest
 
-# One xdist worker runs the whole module (--dist loadgroup): its fixture is built once.
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("wheel")]
+pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("snapshot", "storage_plugins", "manifest")
