@@ -8,6 +8,7 @@ outside the snapshot may come back in a value or a message.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import subprocess
@@ -56,8 +57,22 @@ def _request(case: Case, url: str, options: dict | None) -> dict:
 
 
 @pytest.fixture(scope="module")
-def outcomes(tmp_path_factory, s3_server: S3Server) -> dict:
-    """Every case built on every store it applies to, probed once per module."""
+def outcomes(tmp_path_factory, worker_id: str, s3_server: S3Server) -> dict:
+    """Every case built on every store it applies to, probed once per run: under xdist the
+    first worker to get here probes and leaves the outcomes in the run's shared temporary
+    folder, under a lock the others wait on."""
+    if worker_id == "master":
+        return _probe_all(tmp_path_factory, s3_server)
+    shared = tmp_path_factory.getbasetemp().parent  # one per run, shared by its workers
+    found = shared / "hostile-outcomes.json"
+    with open(shared / "hostile-outcomes.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not found.exists():
+            found.write_text(json.dumps(_probe_all(tmp_path_factory, s3_server)))
+    return json.loads(found.read_text())
+
+
+def _probe_all(tmp_path_factory, s3_server: S3Server) -> dict:
     base = tmp_path_factory.mktemp("hostile") / "base"
     take_base(base)
     bucket = s3_server.new_bucket()
