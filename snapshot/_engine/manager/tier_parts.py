@@ -10,6 +10,9 @@ part was taken with: a target of another layout raises ``LayoutMismatch`` from i
 ``state_dict()``, before anything is read; otherwise the pieces land in the targets' local
 tensors and ``load_state_dict`` gets the values of the types the target's ``state_dict()``
 gave (a DTensor and torch's ShardedTensor themselves, ours its data, as a plain restore does).
+For a durable step written from the part, ``rebuilders`` records at the take how to put each
+DTensor and each of ours back around its piece read back (``rebuilt``): the take of that state
+sees the values the live ``state_dict()`` gave.
 """
 
 from __future__ import annotations
