@@ -196,7 +196,7 @@ class CheckpointManager:
     ) -> None:
         """``save`` to the durable root, once the step is known to be new there. With the
         memory tier, from its copies when every rank has its part of ``step`` (``part``: this
-        rank's take of it succeeded) holding nothing sharded; else from ``app_state``."""
+        rank's take of it succeeded), its sharded values rebuilt; else from ``app_state``."""
         from_memory = False
         if self._tier is not None:
             has, sharded = self._tier.has_part(step)

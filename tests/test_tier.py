@@ -357,6 +357,69 @@ def test_a_durable_step_is_written_from_the_memory_copy(tmp_path):
         assert getattr(written[path], "shape", None) == getattr(entry, "shape", None), path
 
 
+class _Halves:
+    """Both halves (rows 0-3, 4-7) of a global 8x4 tensor as two of our ShardedTensors;
+    counts the calls of its ``state_dict()``."""
+
+    def __init__(self, value: float) -> None:
+        self.data = torch.arange(32.0).reshape(8, 4) + value
+        self.calls = 0
+
+    def state_dict(self) -> dict:
+        from snapshot.sharding import ShardedTensor
+
+        self.calls += 1
+        top, bottom = self.data[:4], self.data[4:]
+        return {
+            "top": ShardedTensor.from_rank_offsets("w", top, (0, 0, 2)),
+            "bottom": ShardedTensor.from_rank_offsets("w", bottom, (0, 1, 2), replica_id=0),
+            "n": 3,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.data = torch.cat([state["top"], state["bottom"]])
+
+
+def test_a_durable_step_of_sharded_state_is_written_from_the_memory_copy(tmp_path):
+    """Our ShardedTensor's pieces are put back as ShardedTensors around the part's local
+    pieces: one capture per save, and the step is the snapshot a take of the state commits."""
+    from snapshot import Snapshot
+
+    root = tmp_path / "root"
+    tier = MemoryTier(dir=str(tmp_path / "shm"), durable_every=1)
+    state = {"s": _Halves(1.0)}
+    saved = state["s"].data.clone()
+    with CheckpointManager(str(root), memory_tier=tier) as manager:
+        manager.save(1, state)
+        state["s"].data.fill_(-1.0)  # the step's copy is in memory: this is not written
+        manager.wait()
+    assert state["s"].calls == 1  # one capture: nothing taken twice
+    step = Snapshot(str(root / "step_0000000001"))
+    target = {"s": _Halves(0.0)}
+    step.restore(target)  # a plain restore
+    assert torch.equal(target["s"].data, saved)
+    state["s"].data.copy_(saved)
+    Snapshot.take(str(tmp_path / "plain"), state)
+    plain = Snapshot(str(tmp_path / "plain")).get_manifest()
+    assert shards(step.get_manifest()) == shards(plain)
+
+
+def shards(manifest: dict) -> dict:
+    """Each entry's kind and shape, and a sharded one's key, dtype and shards: each box and
+    where its bytes lie (the writing rank, offset, length and CRC; blob names are random)."""
+    out = {}
+    for path, entry in manifest.items():
+        out[path] = (entry.tag, getattr(entry, "shape", None))
+        if entry.tag == "sharded_tensor":
+            boxes = [
+                (s.offsets, s.sizes, [(c.blob.split("/")[0], c.offset, c.nbytes, c.crc32)
+                                      for c in s.chunks])
+                for s in entry.shards
+            ]  # fmt: skip
+            out[path] += (entry.key, entry.dtype, boxes)
+    return out
+
+
 def test_compression_applies_to_durable_steps_not_memory_parts(tmp_path):
     pytest.importorskip("zstandard")
     from snapshot import Options, Snapshot

@@ -4,8 +4,12 @@ mesh) with AdamW on 2 ranks on 2 "hosts", and HSDP (a 2x2 replicate x shard mesh
 DTensors kept).
 
 Each rank's part holds its DTensors' local pieces and their layout. A job trains and saves
-steps 1-3 (the third to durable storage too), then records three more steps' losses, the
-uninterrupted run. Each case restarts every process and restores:
+steps 1-3 (the third to durable storage too, written in the background from the memory copy:
+the state is captured once per save), then records three more steps' losses, the
+uninterrupted run. The durable step is the snapshot a take of the live state commits (the
+same entries, boxes and bytes), and a plain restore of it into a fresh model, on the same
+ranks or in one process unsharded, gives the saved state bitwise. Each case restarts every
+process and restores:
 
 (a) memory intact: every part from its node, nothing read from durable storage;
 (b) host b's memory wiped: its ranks' parts from their replicas on host a, nothing read from
@@ -28,10 +32,12 @@ from typing import Any
 import pytest
 import torch
 
-from snapshot import CheckpointManager, MemoryTier
+from snapshot import CheckpointManager, MemoryTier, Snapshot
+from snapshot._engine.manager.steps import step_name
 from storage_plugins import register_storage_plugin
 from tests.helpers import ModelAndOptimizer, train_step
 from tests.multirank import run_ranks
+from tests.test_tier import shards
 from tests.test_tier_ranks import READS, CountingFS, Messages
 
 pytestmark = pytest.mark.slow  # real processes
@@ -84,15 +90,41 @@ def _tier(rank: int, world: int, base: str) -> MemoryTier:
     return MemoryTier(dir=os.path.join(base, host), host=host, durable_every=3)
 
 
+class _Counted(ModelAndOptimizer):
+    """Counts the calls of its ``state_dict()``: the captures of the live state."""
+
+    calls = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        self.calls += 1
+        return super().state_dict()
+
+
 def _train(rank: int, world: int, root: str, base: str, layout: str) -> dict[str, Any]:
     register_storage_plugin("counting", CountingFS)
     model, optim = _build(layout, seed=0)
+    state = {"train": _Counted(model, optim)}
     with CheckpointManager(root, memory_tier=_tier(rank, world, base)) as manager:
         for step in range(1, 4):
             _step(model, optim, step, rank)
-            manager.save(step, {"train": ModelAndOptimizer(model, optim)})
-    saved = _full(model, optim)
-    return {"saved": saved, "losses": [_step(model, optim, s, rank) for s in (4, 5, 6)]}
+            manager.save(step, state)
+        # While step 3 is written in the background: collectives on the training's groups.
+        saved = _full(model, optim)
+        calls = state["train"].calls
+        Snapshot.take(os.path.join(base, "plain"), state)  # of the live state, for comparison
+    durable = Snapshot(f"{root}/{step_name(3)}")
+    fresh = _build(layout, seed=1)
+    durable.restore({"train": ModelAndOptimizer(*fresh)})  # a plain restore, on the same ranks
+    return {
+        "saved": saved,
+        "calls": calls,
+        "durable": _full(*fresh),
+        "shards": (
+            shards(durable.get_manifest()),
+            shards(Snapshot(f"{base}/plain").get_manifest()),
+        ),
+        "losses": [_step(model, optim, s, rank) for s in (4, 5, 6)],
+    }
 
 
 def _resume(rank: int, world: int, root: str, base: str, layout: str) -> dict[str, Any]:
@@ -121,6 +153,18 @@ def _resume(rank: int, world: int, root: str, base: str, layout: str) -> dict[st
 def test_fsdp2_state_restarts_from_memory_and_replicas(tmp_path, layout, world):
     root, base = f"counting://{tmp_path / 'durable'}", str(tmp_path / "tier")
     trained = run_ranks(world, _train, root, base, layout, timeout=300)
+    # The durable step from the memory copy: one capture per save, the live take's snapshot.
+    for rank, got in enumerate(trained):
+        assert got["calls"] == 3, (rank, got["calls"])
+        assert got["durable"] == got["saved"], rank  # bitwise
+        written, plain = got["shards"]
+        assert any(v[0] == "sharded_tensor" for v in plain.values())
+        assert written == plain, rank
+    register_storage_plugin("counting", CountingFS)
+    model, optim = _build("plain", seed=1)  # one process, not sharded
+    Snapshot(f"{root}/{step_name(3)}").restore({"train": ModelAndOptimizer(model, optim)})
+    assert _full(model, optim) == trained[0]["saved"]
+    shutil.rmtree(os.path.join(base, "plain"))
 
     def resume(sharded: bool = True) -> list[dict[str, Any]]:
         at = layout if sharded else "plain"

@@ -46,10 +46,11 @@ from storage_plugins.base import DaemonThreadPool
 logger = logging.getLogger("snapshot")
 
 # ``take(path, app_state, pg)``: the facade's, with the manager's options; ``pg`` is this rank
-# alone (or None without a process group). ``write(part, pg)``: the durable step's group take
-# on ``pg`` of the part at ``part`` read back (``tier_durable``).
+# alone (or None without a process group). ``write(part, pg, sharded)``: the durable step's
+# group take on ``pg`` of the part at ``part`` read back, its sharded values rebuilt by
+# ``sharded`` (``tier_durable``).
 Take = Callable[[str, dict[str, Any], Any], None]
-Write = Callable[[str, Any], None]
+Write = Callable[[str, Any, Any], None]
 
 
 OTHER = "another layout: "  # a restore status: the target's sharding differs from the part's
@@ -142,6 +143,7 @@ class Tier:
         self.group: Any = None  # the tier's gloo group: replicas and restore's agreements
         self.global_ranks = [0]
         self.watch: Any = None  # liveness.Watch of the tier's group
+        self.sharded: dict[int, Any] = {}  # the newest part's tier_parts.rebuilders, by step
         host = config.host if config.host is not None else socket.gethostname()
         self.hosts = [host]
         if dist.is_available() and dist.is_initialized():
@@ -320,6 +322,7 @@ class Tier:
             wrapped = tier_parts.wrap(app_state, None, path)  # sharded values as their local pieces
             take(path, wrapped, self.alone)
             tier_parts.write_layouts(path, wrapped)
+            self.sharded = {step: tier_parts.rebuilders(wrapped)}  # None: not rebuilt from it
         except BaseException as e:
             error = e
         with self._lock:
@@ -329,20 +332,20 @@ class Tier:
 
     def has_part(self, step: int) -> tuple[bool, bool]:
         """Whether this rank's part of ``step`` is complete in its node's tier, and whether it
-        holds sharded values (as local pieces, with their layouts)."""
+        holds sharded values a durable step cannot be written from (``tier_parts.rebuilders``)."""
         path = self.part(step, self.rank)
         return (
             os.path.isfile(os.path.join(path, MANIFEST_NAME)),
-            os.path.isfile(os.path.join(path, tier_parts.LAYOUT_NAME)),
+            self.sharded.get(step) is None,
         )
 
     def write_durable(self, step: int, write: Write) -> Future[None]:
         """Writes the durable step ``step`` from this rank's part of it, on the worker after
         the step's replication (``write``, a group take on the tier's group: every rank calls
         this for the same steps in the same order). Its future holds the take's outcome."""
-        return self._worker.submit(self._durable, step, write)
+        return self._worker.submit(self._durable, step, write, self.sharded.get(step))
 
-    def _durable(self, step: int, write: Write) -> None:
+    def _durable(self, step: int, write: Write, sharded: Any) -> None:
         path = self.part(step, self.rank)
         # Every rank must reach the take's agreements: one without its part says so first.
         ok = os.path.isfile(os.path.join(path, MANIFEST_NAME))
@@ -352,7 +355,7 @@ class Tier:
                 f"step {step} was not written to {self.root}: the memory tier has no part of "
                 f"rank(s) {missing} to write it from"
             )
-        write(path, self.group)
+        write(path, self.group, sharded)
 
     def _replicate(self, step: int, ok: bool) -> None:
         """On the worker: once every rank has its part of ``step``, each sends its part to its

@@ -12,8 +12,14 @@ own commit protocol: pending marker first, the manifest last, written only once 
 writes are durable, nothing of an earlier step touched. Copying the parts' blobs and merging
 their manifests would be the other way; it would have to redo what the take's planner and
 agreements decide (which leaves are one value for all ranks, who writes them, the entries'
-layout), so the take is reused instead. A part that holds sharded values as local pieces
-(``tier_parts``) is not read back this way: such a durable step is taken from the live state.
+layout), so the take is reused instead. A part holds sharded values as local pieces
+(``tier_parts``): what puts each back around its piece read back (a DTensor's mesh,
+placements, global shape and stride; our ShardedTensor's description) is taken at the memory
+save, on the caller's thread, and kept in memory, so the take sees the DTensors the live
+``state_dict()`` gave. A take of a DTensor reads only its local piece and its layout (no
+collective on its mesh's groups, which are the training's). A part holding torch's
+ShardedTensor, or a ``ShardedTensorFactory``'s values, is not rebuilt: such a durable step is
+taken from the live state.
 
 Restoring. ``restore_rank`` restores one rank's view of a committed group snapshot (its own
 entries, the replicated ones, any region of a sharded one) as a process alone, through the
@@ -28,6 +34,7 @@ from typing import Any
 from snapshot._engine.dist.dist import Coordinator
 from snapshot._engine.format import serialization as writers
 from snapshot._engine.format.manifest_io import decode_manifest, read_manifest
+from snapshot._engine.manager import tier_parts
 from snapshot._engine.restore.restore import restore as restore_app_state
 from snapshot.errors import SnapshotError
 from snapshot.options import Options
@@ -66,23 +73,32 @@ def kinds(app_state: Mapping[str, Any]) -> dict[str, bool]:
     return {k: isinstance(v, RNGState) for k, v in app_state.items()}
 
 
-def held(keys: Mapping[str, bool], read: Callable[[str], Any]) -> dict[str, Any]:
+def held(
+    keys: Mapping[str, bool], read: Callable[[str], Any], sharded: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
     """The app_state of ``keys`` (``kinds``) read back from a part: ``read(key)`` gives the
-    state dict the part holds under ``key``."""
-    return {k: (HeldRNG if rng else Held)(read(k)) for k, rng in keys.items()}
+    state dict the part holds under ``key``, its sharded values put back around their local
+    pieces by ``sharded[key]`` (``tier_parts.rebuilders``, taken at the save)."""
+    sharded = sharded or {}
+
+    def state(k: str) -> Any:
+        return tier_parts.rebuilt(read(k), sharded[k]) if k in sharded else read(k)
+
+    return {k: (HeldRNG if rng else Held)(state(k)) for k, rng in keys.items()}
 
 
 def writer(
     facade: Any, path: str, app_state: Mapping[str, Any], options: Options, take: dict[str, Any]
-) -> Callable[[str, Any], None]:
+) -> Callable[[str, Any, Any], None]:
     """The durable write of a step at ``path`` from a part (``Tier.write_durable``'s
     ``write``): the part read back and taken with ``facade.take`` (``Snapshot``'s) and the
-    keyword arguments ``take``, on the group it is given."""
+    keyword arguments ``take``, on the group it is given, its sharded values rebuilt by
+    ``sharded`` (``held``)."""
     keys = kinds(app_state)
 
-    def write(part: str, pg: Any) -> None:
+    def write(part: str, pg: Any, sharded: Mapping[str, Any] | None = None) -> None:
         read = facade(part, options=options).get_state_dict_for_key
-        facade.take(path, held(keys, read), **{**take, "pg": pg})
+        facade.take(path, held(keys, read, sharded), **{**take, "pg": pg})
 
     return write
 

@@ -10,11 +10,15 @@ part was taken with: a target of another layout raises ``LayoutMismatch`` from i
 ``state_dict()``, before anything is read; otherwise the pieces land in the targets' local
 tensors and ``load_state_dict`` gets the values of the types the target's ``state_dict()``
 gave (a DTensor and torch's ShardedTensor themselves, ours its data, as a plain restore does).
+For a durable step written from the part, ``rebuilders`` records at the take how to put each
+DTensor and each of ours back around its piece read back (``rebuilt``): the take of that state
+sees the values the live ``state_dict()`` gave.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import sys
@@ -128,6 +132,54 @@ def _rebuild(value: Any, path: str, originals: dict[str, Any], built: bool = Fal
             value, [_rebuild(v, f"{path}/{i}", originals) for i, v in enumerate(value)]
         )
     return value
+
+
+def _rebuilder(value: Any) -> Any:
+    """How to put ``value`` (a sharded value ``_localize`` replaced) back around its local tensor
+    read back from a part, taken at the save (no data kept); None: not this plainly (torch's
+    ShardedTensor, a factory's values)."""
+    if isinstance(value, ShardedTensor):
+        bare = value.without_data()
+        return lambda local: dataclasses.replace(bare, data=local)
+    dtensor = _type("torch.distributed.tensor", "DTensor")
+    if dtensor is None or not isinstance(value, dtensor):
+        return None
+    # The DTensor's own constructor, not ``from_local``: that moves the piece onto the mesh's
+    # device (an accelerator's memory); a take only reads the piece and the layout, which the
+    # spec gives as the live value had it (mesh, placements, global shape and stride).
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+    meta = TensorMeta(value.shape, value.stride(), value.dtype)
+    spec = DTensorSpec(value.device_mesh, tuple(value.placements), tensor_meta=meta)
+    return lambda local: dtensor(local, spec, requires_grad=False)
+
+
+def rebuilders(wrapped: dict[str, Any]) -> dict[str, dict[str, Any]] | None:
+    """For a part just taken: per app_state key, each sharded value's path and its
+    ``_rebuilder`` (nothing for a key holding none); None when one is not rebuilt plainly."""
+    out: dict[str, dict[str, Any]] = {}
+    for k, v in wrapped.items():
+        if not isinstance(v, LocalPart) or not v.layout:
+            continue
+        found = {p: _rebuilder(v._originals[p][0]) for p in v.layout}
+        factory = any(p.endswith("#factory") for p in v._originals)
+        if factory or any(f is None for f in found.values()):
+            return None
+        out[k] = found
+    return out
+
+
+def rebuilt(state: Any, found: dict[str, Any], path: str = "") -> Any:
+    """``state`` read back from a part with each sharded value at its path in ``found``
+    (``rebuilders``) put back around its local tensor, as the live ``state_dict()`` gave it."""
+    if path in found:
+        return found[path](state)
+    if isinstance(state, dict):
+        out = {k: rebuilt(v, found, f"{path}/{k!r}") for k, v in state.items()}
+        return _same_or_new(state, out)
+    if isinstance(state, list | tuple) and type(state) in (list, tuple):
+        return _same_or_new(state, [rebuilt(v, found, f"{path}/{i}") for i, v in enumerate(state)])
+    return state
 
 
 def _same_or_new(old: Any, new: dict[Any, Any] | list[Any]) -> Any:
