@@ -218,8 +218,10 @@ class _TorchSharded:
         meta = ShardMetadata([4 * rank, 0], [4, 4], f"rank:{rank}/cpu")
         self.st = init_from_local_shards([Shard(local, meta)], [8, 4])
         self.loaded: Any = None
+        self.calls = 0
 
     def state_dict(self) -> dict[str, Any]:
+        self.calls += 1
         return {"st": self.st}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -234,17 +236,29 @@ def _torch_sharded(rank: int, world: int, root: str, base: str) -> dict[str, Any
     with CheckpointManager(root, memory_tier=_tier(rank, world, base)) as manager:
         step = manager.restore({"s": target})
     (shard,) = target.st.local_shards()
+    # Steps 2-4, the manager's third save durable: written from the memory copy, the
+    # ShardedTensor rebuilt around the shard read back, so each save calls state_dict() once.
+    saved = _TorchSharded(20.0)
+    with CheckpointManager(root, memory_tier=_tier(rank, world, base)) as manager:
+        for later in (2, 3, 4):
+            manager.save(later, {"s": saved})
+    durable = _TorchSharded(0.0)
+    Snapshot(os.path.join(root, "step_0000000004")).restore({"s": durable})
     return {
         "step": step,
         "same": target.loaded["st"] is target.st,
         "local": shard.tensor.tolist(),
+        "calls": saved.calls,
+        "durable": durable.st.local_shards()[0].tensor.tolist(),
     }
 
 
 def test_torch_sharded_tensor_restarts_from_memory(tmp_path):
     """Torch's ShardedTensor: each rank's part holds its local shard, restored in place, and
-    load_state_dict gets the ShardedTensor itself (no durable step exists to fall back on)."""
+    load_state_dict gets the ShardedTensor itself (no durable step exists to fall back on); a
+    durable step is written from the memory copy and restores on the same ranks."""
     out = run_ranks(2, _torch_sharded, str(tmp_path / "root"), str(tmp_path / "tier"))
     for rank, got in enumerate(out):
         assert got["step"] == 1 and got["same"], got
         assert got["local"] == [[10.0 + rank] * 4] * 4, got
+        assert got["calls"] == 3 and got["durable"] == [[20.0 + rank] * 4] * 4, got

@@ -17,9 +17,10 @@ layout), so the take is reused instead. A part holds sharded values as local pie
 placements, global shape and stride; our ShardedTensor's description) is taken at the memory
 save, on the caller's thread, and kept in memory, so the take sees the DTensors the live
 ``state_dict()`` gave. A take of a DTensor reads only its local piece and its layout (no
-collective on its mesh's groups, which are the training's). A part holding torch's
-ShardedTensor, or a ``ShardedTensorFactory``'s values, is not rebuilt: such a durable step is
-taken from the live state.
+collective on its mesh's groups, which are the training's); torch's ShardedTensor is put back
+from its shards' and its global metadata. A part holding a ``ShardedTensorFactory``'s values,
+or a torch ShardedTensor placed off the CPU, is not rebuilt: such a durable step is taken from
+the live state.
 
 Restoring. ``restore_rank`` restores one rank's view of a committed group snapshot (its own
 entries, the replicated ones, any region of a sharded one) as a process alone, through the

@@ -11,7 +11,8 @@ part was taken with: a target of another layout raises ``LayoutMismatch`` from i
 tensors and ``load_state_dict`` gets the values of the types the target's ``state_dict()``
 gave (a DTensor and torch's ShardedTensor themselves, ours its data, as a plain restore does).
 For a durable step written from the part, ``rebuilders`` records at the take how to put each
-DTensor and each of ours back around its piece read back (``rebuilt``): the take of that state
+DTensor, torch's ShardedTensor on the CPU and ours back around its pieces read back
+(``rebuilt``): the take of that state
 sees the values the live ``state_dict()`` gave.
 """
 
@@ -136,11 +137,14 @@ def _rebuild(value: Any, path: str, originals: dict[str, Any], built: bool = Fal
 
 def _rebuilder(value: Any) -> Any:
     """How to put ``value`` (a sharded value ``_localize`` replaced) back around its local tensor
-    read back from a part, taken at the save (no data kept); None: not this plainly (torch's
-    ShardedTensor, a factory's values)."""
+    read back from a part, taken at the save (no data kept); None: not this plainly (a factory's
+    values, torch's ShardedTensor placed off the CPU)."""
     if isinstance(value, ShardedTensor):
         bare = value.without_data()
         return lambda local: dataclasses.replace(bare, data=local)
+    torch_sharded = _type("torch.distributed._shard.sharded_tensor.api", "ShardedTensor")
+    if torch_sharded is not None and isinstance(value, torch_sharded):
+        return _torch_rebuilder(value, torch_sharded)
     dtensor = _type("torch.distributed.tensor", "DTensor")
     if dtensor is None or not isinstance(value, dtensor):
         return None
@@ -152,6 +156,22 @@ def _rebuilder(value: Any) -> Any:
     meta = TensorMeta(value.shape, value.stride(), value.dtype)
     spec = DTensorSpec(value.device_mesh, tuple(value.placements), tensor_meta=meta)
     return lambda local: dtensor(local, spec, requires_grad=False)
+
+
+def _torch_rebuilder(value: Any, cls: Any) -> Any:
+    """Torch's ShardedTensor around the local shards' tensors read back (a list): its shards'
+    and its global metadata, through the constructor that checks them against each other and,
+    without RRefs, runs no collective. None when a shard is placed off the CPU: the tensors
+    read back are on the CPU, and moving them is the live take's job."""
+    from torch.distributed._shard.sharded_tensor import Shard
+
+    metas = [s.metadata for s in value.local_shards()]
+    if any(m.placement is None or m.placement.device().type != "cpu" for m in metas):
+        return None
+    whole, pg = value.metadata(), value._process_group
+    return lambda locals_: cls._init_from_local_shards_and_global_metadata(
+        [Shard(t, m) for t, m in zip(locals_, metas, strict=True)], whole, process_group=pg
+    )
 
 
 def rebuilders(wrapped: dict[str, Any]) -> dict[str, dict[str, Any]] | None:
