@@ -9,6 +9,7 @@ store.close()
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 
@@ -16,6 +17,8 @@ from snapshot._engine.manager.tier import Tier
 from snapshot.errors import InvalidArgumentError, SnapshotError
 from snapshot.options import MemoryTier, Options, resolve
 from snapshot.snapshot import Snapshot
+
+logger = logging.getLogger(__name__)
 
 
 class MemoryTierStore:
@@ -55,20 +58,35 @@ class MemoryTierStore:
         self._tier.save(step, app_state, self._take)
 
     def restore(self, app_state: dict[str, Any]) -> int | None:
-        """Restores the newest step that every rank's part is complete for on some node, each
-        part from its node, else from a peer's copy, every range checked; returns the step, or
-        None when the store holds none (nothing is loaded). Steps newer than it are deleted.
+        """Restores the newest step that every rank's part is complete and valid for on some
+        node, each part from its node, else from a peer's copy, every range checked; returns
+        the step, or None when the store holds none (nothing is loaded). A step whose part is
+        valid nowhere is passed over, with a warning, for the next older one. Steps newer than
+        the one restored are deleted.
 
         Raises:
-            SnapshotError: a part of that step is valid nowhere (app_state may hold values
-                loaded before a check failed).
+            SnapshotError: steps were held, but none had every part valid (app_state may hold
+                values loaded before a check failed).
         """
         self._tier.wait()
-        step, failed = self._tier.restore(app_state, set())
-        if step is not None and failed:
+        below, passed = float("inf"), []
+        while True:
+            step, failed = self._tier.restore(app_state, set(), below=below)
+            if step is None or not failed:
+                break
+            logger.warning(
+                "memory tier store %r: step %d has no valid copy of the part of rank(s) %s; "
+                "trying an older step",
+                self.name,
+                step,
+                failed,
+            )
+            below = step
+            passed.append(f"step {step}: rank(s) {failed}")
+        if step is None and passed:
             raise SnapshotError(
-                f"memory tier store {self.name!r}: step {step} cannot be restored, the part of "
-                f"rank(s) {failed} is valid on no node; app_state may hold values loaded "
+                f"memory tier store {self.name!r}: no step can be restored, a part of each is "
+                f"valid on no node ({'; '.join(passed)}); app_state may hold values loaded "
                 "before a check failed"
             )
         if step is not None:

@@ -529,9 +529,10 @@ def test_a_crash_mid_durable_write_leaves_the_previous_step(tmp_path):
     assert torch.equal(target["model"]["w"], torch.full((64,), 2.0))
 
 
-def test_the_memory_tier_alone(tmp_path):
+def test_the_memory_tier_alone(tmp_path, caplog):
     """``MemoryTierStore``: saves to the node's folder, restores the newest complete step (each
-    range checked), None when it holds none, and refuses a step whose part is valid nowhere."""
+    range checked), None when it holds none; a step whose part is valid nowhere is passed over
+    for an older one, and an error when no step is valid."""
     from snapshot import MemoryTierStore
 
     tier = MemoryTier(dir=str(tmp_path / "shm"), keep=2)
@@ -554,12 +555,27 @@ def test_the_memory_tier_alone(tmp_path):
     assert target["progress"]["step"] == 3
     with MemoryTierStore("another job", tier) as store:
         assert store.restore(_state(-1.0)) is None
-    part = os.path.join(job, "step_0000000003", "0", "0")
-    (blob,) = os.listdir(part)
-    with open(os.path.join(part, blob), "r+b") as f:
-        f.write(b"\xff")
+
+    def damage(step: int) -> None:
+        part = os.path.join(job, f"step_{step:010d}", "0", "0")
+        (blob,) = os.listdir(part)
+        with open(os.path.join(part, blob), "r+b") as f:
+            f.write(b"\xff")
+
+    # Step 3 valid nowhere: passed over, with a warning, for step 2.
+    damage(3)
+    target = _state(-1.0)
+    with caplog.at_level(logging.WARNING, logger="snapshot"), MemoryTierStore("job", tier) as store:
+        assert store.restore(target) == 2
+        assert torch.equal(target["model"]["w"], torch.full((64,), 2.0))
+        assert target["progress"]["step"] == 2
+        assert "step 3 has no valid copy of the part of rank(s) [0]" in caplog.text
+        store.save(3, state)  # the job goes on: step 2, restored, stays as one of `keep`
+    # Every step held is damaged: an error, not a fresh start.
+    damage(2)
+    damage(3)
     with (
         MemoryTierStore("job", tier) as store,
-        pytest.raises(SnapshotError, match="step 3 cannot be restored"),
+        pytest.raises(SnapshotError, match=r"no step can be restored.*step 3.*step 2"),
     ):
         store.restore(_state(-1.0))

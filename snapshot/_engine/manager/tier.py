@@ -399,15 +399,16 @@ class Tier:
         app_state: dict[str, Any],
         durable: set[int],
         durable_path: Callable[[int], str] | None = None,
+        below: float = float("inf"),
     ) -> tuple[int | None, list[int]]:
-        """Restores the newest step complete in the tier when no durable step is newer:
-        each rank's part from its node, else from a peer's replica, else (when the root holds
-        the step at ``durable_path(step)``) that rank's part of the durable step, each checked as
-        its bytes land (a part that fails is restored again in full from the next source,
-        overwriting what it loaded; the other ranks keep theirs; one whose targets are laid
-        out otherwise is tried from no other source). Returns the step (None: the tier has no
-        step to restore, nothing was loaded) and the ranks whose part no source could give
-        (the caller restores that step, or an older one, from durable storage)."""
+        """Restores the newest step complete in the tier (older than ``below``) when no durable
+        step is newer: each rank's part from its node, else from a peer's replica, else (when
+        the root holds the step at ``durable_path(step)``) that rank's part of the durable step,
+        each checked as its bytes land (a part that fails is restored again in full from the
+        next source, overwriting what it loaded; the other ranks keep theirs; one whose targets
+        are laid out otherwise is tried from no other source). Returns the step (None: the tier
+        has no step to restore, nothing was loaded) and the ranks whose part no source could
+        give (the caller restores that step, or an older one, from durable storage)."""
         inventory = self.inventory()
         every = self._all_gather(inventory)
         holders: dict[int, dict[int, list[int]]] = {}  # step -> part -> ranks whose node has it
@@ -415,7 +416,7 @@ class Tier:
             for step, parts in found.items():
                 for r in parts:
                     holders.setdefault(step, {}).setdefault(r, []).append(q)
-        complete = [s for s, parts in holders.items() if len(parts) == self.world]
+        complete = [s for s, p in holders.items() if len(p) == self.world and s < below]
         newest = max(complete, default=None)
         newest_durable = max(durable, default=None)
         if newest is None or (newest_durable is not None and newest_durable > newest):
@@ -425,8 +426,8 @@ class Tier:
                 newest_durable,
             )
             return None, []
-        step = newest
-        status = None
+        # Steps restored or older count toward ``keep`` for the saves that follow.
+        step, self.complete = newest, sorted(c for c in complete if c <= newest)
         if self.rank in inventory.get(step, []):
             status = self._try(step, app_state, "its node's memory")
         else:
