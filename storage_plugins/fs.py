@@ -1,7 +1,7 @@
 """Local file-system storage: one file per blob, written through a thread pool.
 
 Paths below the root are opened without following links; a blob is written to a temporary file
-renamed into place, by vectored calls, or through an aligned buffer of the writing thread for
+renamed into place, by vectored calls, or through an aligned buffer lent to the write for
 direct I/O and for checksums (which must see the very bytes written); ``FrozenBuffers`` (memory
 that no thread changes meanwhile) are checksummed and written as they are, with direct I/O from
 their own page-aligned memory (only an unaligned rest through the buffer)."""
@@ -21,7 +21,7 @@ import shutil
 import stat
 import threading
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from itertools import islice
 from typing import Any, TypeVar
 
@@ -46,13 +46,10 @@ _NEW_FILE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 _KINDS = (
-    (stat.S_ISLNK, "a symbolic link"),
-    (stat.S_ISFIFO, "a FIFO"),
-    (stat.S_ISSOCK, "a socket"),
-    (stat.S_ISCHR, "a character device"),
-    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISLNK, "a symbolic link"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
+    (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
     (stat.S_ISDIR, "a directory"),
-)
+)  # fmt: skip
 
 
 def _unsafe(where: str, mode: int) -> UnsafeBlobError:
@@ -69,12 +66,14 @@ _OBSERVED_READ_BYTES = 4 << 20
 # A whole-file read asks for the reported length and one byte more, at least this much.
 _MIN_READ_BYTES = 64 << 10
 
-# Direct I/O (O_DIRECT, Linux) writes from a page-aligned buffer of each I/O thread, in pieces
+# Direct I/O (O_DIRECT, Linux) writes from a page-aligned buffer lent to each write, in pieces
 # of ``_DIRECT_PIECE_BYTES``; the last piece is padded to ``_DIRECT_ALIGN`` and the file cut
 # back. The same buffer carries observed writes through the page cache: the one copy of the
 # bytes that no other thread can change while they are checksummed and written. The buffer is
 # not needed for ``FrozenBuffers``, nor for the whole pages of page-aligned memory that is
-# written unobserved.
+# written unobserved. The buffers are kept for the process (one per write under way at once,
+# at most): a take opens a plugin of its own, and fresh buffers cost every take a page fault
+# per page (benchmarks/results/2026-12-07-parallel-take.md).
 O_DIRECT: int = getattr(os, "O_DIRECT", 0)
 _DIRECT_ALIGN = 4096
 _DIRECT_PIECE_BYTES = 4 << 20
@@ -83,7 +82,8 @@ _DIRECT_PIECE_BYTES = 4 << 20
 _DIRECT_CALL_BYTES = 64 << 20
 # Smaller files go through the page cache: a direct write of a few KiB waits on the device.
 _DIRECT_MIN_BYTES = 1 << 20
-_bounce = threading.local()
+_free_buffers: list[memoryview] = []
+_free_lock = threading.Lock()
 
 # The balloon device (virtio device id 5) and its feature bit for free page reporting.
 _VIRTIO_DEVICES = "/sys/bus/virtio/devices"
@@ -115,12 +115,18 @@ def direct_without_fsync() -> bool:
     return False
 
 
-def _bounce_buffer() -> memoryview:
-    """This thread's page-aligned buffer for direct and observed writes."""
-    buf = getattr(_bounce, "view", None)
-    if buf is None or len(buf) != _DIRECT_PIECE_BYTES:
-        buf = _bounce.view = memoryview(mmap.mmap(-1, _DIRECT_PIECE_BYTES))
-    return buf
+@contextlib.contextmanager
+def _bounce_buffer() -> Iterator[memoryview]:
+    """A page-aligned buffer of ``_DIRECT_PIECE_BYTES``, lent for one write."""
+    with _free_lock:
+        buf = _free_buffers.pop() if _free_buffers else None
+    if buf is None or len(buf) != _DIRECT_PIECE_BYTES:  # (tests make the pieces smaller)
+        buf = memoryview(mmap.mmap(-1, _DIRECT_PIECE_BYTES))
+    try:
+        yield buf
+    finally:
+        with _free_lock:
+            _free_buffers.append(buf)
 
 
 def _address(view: memoryview) -> int:
@@ -168,7 +174,7 @@ def _write_all(
     """Writes ``views`` to ``fd`` (at offset 0). Unobserved page-cache writes, and observed
     ones of ``stable`` views (no other thread changes them), go from ``views`` by vectored
     calls. Direct writes go from ``views`` too where they are page-aligned and unobserved or
-    ``stable`` (``_write_in_place``). The rest goes through this thread's aligned buffer, each
+    ``stable`` (``_write_in_place``). The rest goes through a lent aligned buffer, each
     buffer-full observed once written (never ``views``, which another thread may change
     meanwhile). With ``direct`` (``fd`` opened with O_DIRECT) each piece is padded to
     ``_DIRECT_ALIGN`` and the file cut back; False when the first direct write is refused
@@ -185,26 +191,30 @@ def _write_all(
         pos, views = placed
         if not views:
             return True
-    buf = _bounce_buffer()
-    for fill in fill_buffer(buf, views):
-        end = -(-fill // _DIRECT_ALIGN) * _DIRECT_ALIGN if direct else fill
-        buf[fill:end] = bytes(end - fill)  # no stale memory reaches the disk
-        done = 0
-        while done < end:
-            try:
-                n = os.pwrite(fd, buf[done:end], pos + done) if direct else write([buf[done:end]])
-            except OSError as e:
-                if direct and pos == done == 0 and e.errno == errno.EINVAL:
-                    return False
-                raise
-            if n <= 0:
-                raise OSError(errno.EIO, f"a system call moved no bytes at byte {pos + done}")
-            done += n
-        if observe is not None:
-            observe(buf[:fill])
-        pos += fill
-        if fill < end:
-            os.ftruncate(fd, pos)
+    with _bounce_buffer() as buf:
+        for fill in fill_buffer(buf, views):
+            end = -(-fill // _DIRECT_ALIGN) * _DIRECT_ALIGN if direct else fill
+            buf[fill:end] = bytes(end - fill)  # no stale memory reaches the disk
+            done = 0
+            while done < end:
+                try:
+                    n = (
+                        os.pwrite(fd, buf[done:end], pos + done)
+                        if direct
+                        else write([buf[done:end]])
+                    )
+                except OSError as e:
+                    if direct and pos == done == 0 and e.errno == errno.EINVAL:
+                        return False
+                    raise
+                if n <= 0:
+                    raise OSError(errno.EIO, f"a system call moved no bytes at byte {pos + done}")
+                done += n
+            if observe is not None:
+                observe(buf[:fill])
+            pos += fill
+            if fill < end:
+                os.ftruncate(fd, pos)
     return True
 
 

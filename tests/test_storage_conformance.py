@@ -301,6 +301,31 @@ class _Recorder:
         self.pieces.extend(bytes(v) for v in views)
 
 
+def test_fs_write_buffers_are_kept_for_the_next_plugin(tmp_path, monkeypatch):
+    """A take opens a plugin of its own: the aligned buffers its checksummed writes go through
+    are kept for the next one (fresh ones cost each take a page fault per page), one per write
+    under way at once."""
+    import mmap
+
+    from storage_plugins import fs
+
+    made: list[int] = []
+    real = mmap.mmap
+    monkeypatch.setattr(fs.mmap, "mmap", lambda fd, n: made.append(n) or real(fd, n))
+    monkeypatch.setattr(fs, "_free_buffers", [])
+    parts = [memoryview(os.urandom(5000)), memoryview(os.urandom(70_000))]
+    for n in range(3):
+        plugin = fs.FSStoragePlugin(str(tmp_path), {"fsync": False, "direct_io": False})
+        rec = _Recorder()
+        plugin._write_sync(f"blob{n}", parts, rec)
+        asyncio.run(plugin.close())
+        assert b"".join(rec.pieces) == b"".join(parts) == (tmp_path / f"blob{n}").read_bytes()
+    assert made == [fs._DIRECT_PIECE_BYTES] and len(fs._free_buffers) == 1
+    with fs._bounce_buffer() as a, fs._bounce_buffer() as b:  # two writes at once: two
+        assert a is not b
+    assert len(made) == 2 and len(fs._free_buffers) == 2
+
+
 @pytest.mark.parametrize("bulk", [False, True])
 @pytest.mark.parametrize(
     ("most", "count"), [(1, 30), (7, 300), (4096, 1500), (None, 1500), (50_000, 40), (None, 40)]
@@ -348,7 +373,7 @@ def test_fs_transfers_survive_short_system_calls(tmp_path, monkeypatch, most, co
     observe, rec = observer()
     plugin._write_sync("blob", [memoryview(p) for p in parts], observe)
     assert (tmp_path / "blob").read_bytes() == data
-    # (observed writes go through the thread's buffer, shown a buffer-full at a time)
+    # (observed writes go through a lent buffer, shown a buffer-full at a time)
     assert b"".join(rec.pieces) == data and all(rec.pieces)
     assert calls[0] >= 2  # cut short, or more buffers than one call takes
     outs = [memoryview(bytearray(len(p))) for p in parts]
@@ -479,8 +504,8 @@ def test_fs_direct_writes_every_byte_once_from_aligned_memory(tmp_path, monkeypa
 @pytest.mark.parametrize("frozen", [True, False])
 def test_fs_writes_frozen_aligned_buffers_as_they_are(tmp_path, monkeypatch, tail, frozen):
     """Observed direct writes of ``FrozenBuffers`` go from their own page-aligned memory (only
-    an unaligned tail through the thread's buffer), observed as written; other buffers, which
-    may change meanwhile, are copied into the thread's buffer first, as before."""
+    an unaligned tail through a lent buffer), observed as written; other buffers, which
+    may change meanwhile, are copied into a lent buffer first, as before."""
     import mmap
     import os
 
