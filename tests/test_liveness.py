@@ -66,6 +66,21 @@ def test_a_silent_peer_is_named_after_the_bound_and_the_group_is_broken(store):
     stop.set()
 
 
+def test_collectives_run_on_one_kept_thread_of_the_group(store):
+    """Each collective runs off the calling thread (which watches the heartbeats), on one
+    thread the group keeps: starting a thread per collective cost every take a thread start
+    per agreement."""
+    stop = threading.Event()
+    beat(store, 1, stop)
+    watch = liveness.Watch(0, [0, 1], rank_timeout=1.0, collective_timeout=600)
+    ran_on = {watch.run(threading.get_ident, lost) for _ in range(5)}
+    assert len(ran_on) == 1 and threading.get_ident() not in ran_on
+    assert watch.run(lambda: 42, lost) == 42
+    with pytest.raises(Lost, match="boom"):  # a collective's own error, as gloo's would be
+        watch.run(lambda: (_ for _ in ()).throw(RuntimeError("boom")), lost)
+    stop.set()
+
+
 def test_peers_silent_in_the_same_outage_are_named_together(store):
     """A host cut off stops its ranks' beats at once, but each last beat lands at its own time:
     when the first passes the bound, a peer still for half of it is named with it; a live one

@@ -4,11 +4,11 @@ A peer whose process ended closes its connections, and gloo fails the collective
 frozen peer, or one whose host went silent, closes nothing, and gloo would wait its whole
 (long) timeout. So every process beats a heartbeat (``Heartbeat``: a counter of its own,
 ``statesnap/hb/<global rank>``, in the default group's store), and a rank runs each collective
-on a thread of its own (``Watch.run``) while it reads its peers' counters: a peer whose counter
-has not moved for ``rank_timeout`` seconds of the reader's own clock is lost. The rank then
-raises, leaves the collective behind, and marks the group broken (a later collective could pair
-with the abandoned one). When the collective itself fails, the peers that do not beat within a
-short window are the ones whose process ended.
+on the group's collective thread (``Watch.run``) while it reads its peers' counters: a peer
+whose counter has not moved for ``rank_timeout`` seconds of the reader's own clock is lost. The
+rank then raises, leaves the collective behind, and marks the group broken (a later collective
+could pair with the abandoned one). When the collective itself fails, the peers that do not
+beat within a short window are the ones whose process ended.
 
 The store is read through a clone of its own (a call never queues behind the application's)
 whose timeout is ``rank_timeout``: a store that stops answering fails the wait within the same
@@ -25,6 +25,8 @@ import threading
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
+
+from storage_plugins.base import DaemonThreadPool
 
 logger = logging.getLogger(__name__)
 
@@ -86,8 +88,8 @@ class Heartbeat:
 
 
 class Watch:
-    """The collectives of one gloo group of the library's, each run on a thread of its own
-    while the calling thread watches the peers' heartbeats."""
+    """The collectives of one gloo group of the library's, each run on the group's collective
+    thread while the calling thread watches the peers' heartbeats."""
 
     def __init__(
         self, rank: int, global_ranks: list[int], rank_timeout: float, collective_timeout: float
@@ -101,6 +103,7 @@ class Watch:
         self.rank_timeout = rank_timeout
         self.store = _default_store(rank_timeout)
         self.broken: str | None = None  # why no collective may run on the group any more
+        self._thread: DaemonThreadPool | None = None
 
     def set_timeout(self, rank_timeout: float) -> None:
         if rank_timeout != self.rank_timeout and self.store is not None:
@@ -160,20 +163,14 @@ class Watch:
                     store.set(self.left_key, b"1")
                 raise lost(self.broken, failures)
 
-    @staticmethod
-    def _start(collective: Callable[[], T]) -> concurrent.futures.Future[T]:
-        """``collective()`` running on a daemon thread of its own: one left behind waiting for
-        a silent peer must not keep the process from exiting (a pool's threads are joined)."""
-        future: concurrent.futures.Future[T] = concurrent.futures.Future()
-
-        def run() -> None:
-            try:
-                future.set_result(collective())
-            except BaseException as e:
-                future.set_exception(e)
-
-        threading.Thread(target=run, name="statesnap-collective", daemon=True).start()
-        return future
+    def _start(self, collective: Callable[[], T]) -> concurrent.futures.Future[T]:
+        """``collective()`` running on the group's one daemon thread, made on first use and
+        kept (a thread per collective cost a thread start each time): one left behind waiting
+        for a silent peer must not keep the process from exiting, and once one is left behind
+        the group is broken, so no later collective queues behind it."""
+        if self._thread is None:
+            self._thread = DaemonThreadPool(1, thread_name_prefix="statesnap-collective")
+        return self._thread.submit(collective)
 
     def _silent(self, store: Any, seen: dict[int, tuple[bytes, float]]) -> dict[int, float]:
         """Peer -> seconds its heartbeat has not moved (of this rank's clock, counted from this
