@@ -67,6 +67,7 @@ class Snapshot:
         *,
         options: Options | None = None,
         _manifest: Manifest | bytes | None = None,
+        _committed: bool = False,
     ) -> None:
         self.path = path = state_dicts.snapshot_path(path, "Snapshot")
         state_dicts.process_group(pg, "Snapshot", path)
@@ -78,13 +79,20 @@ class Snapshot:
         # snapshot and goes on never pays for it.
         self._verify_manifest = bool(resolved.checksums) and _manifest is not None
         self._where = path
-        if _manifest is None:
+        self._resolved = resolved
+        if _manifest is None and not _committed:
             _manifest, self._where = read_manifest(path, self.storage_options, resolved)
-        self._decoded: Manifest | bytes = _manifest
+        # None: a take has just committed it (ranks other than 0 hold no copy); read on first
+        # use, so that a rank that goes on training does not read it back.
+        self._decoded: Manifest | bytes | None = _manifest
 
     @property
     def _manifest(self) -> Manifest:
-        """The manifest, decoded on first use."""
+        """The manifest, read (if a take handed none over) and decoded on first use."""
+        if self._decoded is None:
+            self._decoded, self._where = read_manifest(
+                self.path, self.storage_options, self._resolved
+            )
         if isinstance(self._decoded, bytes):
             self._decoded = decode_manifest(
                 self._decoded, self._where, verify=self._verify_manifest
@@ -167,7 +175,7 @@ class Snapshot:
                     job.progress.end()
             taken_at, storage_options = job.path, job.storage_options
             del job
-        return cls(taken_at, pg, storage_options, _manifest=manifest)
+        return cls(taken_at, pg, storage_options, _manifest=manifest, _committed=True)
 
     @classmethod
     def async_take(
@@ -239,7 +247,7 @@ class Snapshot:
                 taken_at,
                 queue,
                 index,
-                lambda manifest: cls(taken_at, pg, stored, _manifest=manifest),
+                lambda manifest: cls(taken_at, pg, stored, _manifest=manifest, _committed=True),
                 guard,
             )
         finally:

@@ -36,13 +36,22 @@ def files_by_rank(path: str) -> dict[str, int]:
 
 
 def _per_rank(rank: int, world: int, path: str) -> list[str]:
+    import snapshot.snapshot as facade
+
+    reads: list[str] = []
+    real_read = facade.read_manifest
+    facade.read_manifest = lambda path, *a: reads.append(path) or real_read(path, *a)
     state = StateDict(rank=rank, t=torch.full((1000,), float(rank)), name=f"rank-{rank}")
     snap = Snapshot.take(path, {"s": state})
+    # Rank 0 keeps the manifest it wrote; the others read it on first use, not in the take.
+    assert reads == []
     out = StateDict(t=torch.zeros(1000))
     Snapshot(path).restore({"s": out})
     assert out["rank"] == rank and out["name"] == f"rank-{rank}"
     assert torch.equal(out["t"], torch.full((1000,), float(rank)))
-    return sorted(snap.get_manifest())
+    entries = sorted(snap.get_manifest())
+    assert len(reads) == (2 if rank else 1)
+    return entries
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])
