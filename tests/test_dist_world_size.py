@@ -325,6 +325,27 @@ def test_digests_depend_on_the_bytes_only():
     assert sent == strong + 2 * strong_of(memoryview(data[:4000]))
 
 
+def test_a_crc_goes_to_the_threads_only_for_many_pieces(monkeypatch):
+    """A CRC runs at memory speed: a value of a few pieces is taken on the caller's thread
+    (handing pieces over cost more than it saved), a large one on the digest threads; the CRC
+    is the same either way."""
+    from snapshot._engine import runtime
+    from snapshot._engine.dist import replication
+
+    monkeypatch.setattr(replication, "_PIECE", 4096)
+    pooled: list[int] = []
+    real = runtime.Runtime.digest_pool
+    monkeypatch.setattr(
+        runtime.Runtime, "digest_pool", lambda self, n: pooled.append(n) or real(self, n)
+    )
+    few = os.urandom(4096 * (replication._CRC_POOL_PIECES - 2) + 5)  # one short of it
+    assert crc_of(memoryview(few)) == zlib.crc32(few) and pooled == []
+    many = os.urandom(4096 * replication._CRC_POOL_PIECES)
+    assert crc_of(memoryview(many)) == zlib.crc32(many) and pooled
+    pooled.clear()
+    assert strong_of(memoryview(few)) and pooled  # BLAKE2b is slower: threads from 2 pieces
+
+
 def test_decide_keeps_ties_alike_and_confirms_matching_crcs():
     def info(marked: dict, prints: dict, own: int = 100) -> dict:
         return {"marked": marked, "prints": prints, "own_bytes": own}
