@@ -24,7 +24,19 @@ OPTIMIZERS = {
     "adagrad": lambda p: torch.optim.Adagrad(p, lr=0.1),
     "rmsprop": lambda p: torch.optim.RMSprop(p, lr=0.01, momentum=0.5),
     "lbfgs": lambda p: torch.optim.LBFGS(p, lr=0.5, history_size=3, max_iter=2),
+    "adadelta": lambda p: torch.optim.Adadelta(p, lr=0.5),
+    "adamax": lambda p: torch.optim.Adamax(p, lr=0.01),
+    "nadam": lambda p: torch.optim.NAdam(p, lr=0.01),
+    "radam": lambda p: torch.optim.RAdam(p, lr=0.01),
+    "asgd": lambda p: torch.optim.ASGD(p, lr=0.01, t0=0),
+    "rprop": lambda p: torch.optim.Rprop(p, lr=0.01),
+    "adafactor": lambda p: torch.optim.Adafactor(p, lr=0.01),
+    "muon": lambda p: torch.optim.Muon([q for q in p if q.dim() == 2], lr=0.01),  # 2-D only
 }
+# Every optimizer of torch.optim whose state a dense step makes (SparseAdam takes sparse
+# gradients only): step counts as tensors, moment buffers, LBFGS's lists, ASGD's eta/mu/ax,
+# Rprop's per-element step sizes, Adafactor's factored row and column variances, Muon's
+# momentum of matrices.
 
 
 class Gate:
