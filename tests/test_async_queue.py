@@ -87,9 +87,28 @@ def test_pool_size_classes_and_reuse():
     again = pool.acquire(90_000)  # same size class: the same memory comes back
     assert again.tensor.data_ptr() == block and pool.allocated_bytes == 98304
     again.release()
-    big = pool.acquire(2 << 20)
-    big.release()  # more than the pool keeps: handed back to the allocator
-    assert pool.free_bytes == 98304
+    big = pool.acquire(2 << 20)  # more than the pool keeps: the free block makes room first
+    assert pool.free_bytes == 0
+    big.release()  # and it is handed back to the allocator
+    assert pool.free_bytes == 0 and pool.leased_bytes == 0
+
+
+def test_a_pool_smaller_than_the_state_stays_within_its_budget():
+    """Blocks leased and free together stay within the budget: a block of a size the free
+    list lacks first drops free blocks of other sizes (the memory bound is the budget, not
+    twice it), and one of a size it holds is reused."""
+    pool = StagingPool(keep_bytes=6 << 20, pin=False)
+    for _ in range(3):  # the same sizes in the same order, as snapshots of one state ask
+        for sizes in ((2 << 20, 4 << 20), (2 << 20, 2 << 20), (4 << 20,), (1 << 20, 3 << 20)):
+            leases = [pool.acquire(n) for n in sizes]
+            assert pool.leased_bytes + pool.free_bytes <= 6 << 20
+            for lease in leases:
+                lease.release()
+            assert pool.free_bytes <= 6 << 20
+    again = pool.allocated_bytes
+    lease = pool.acquire(3 << 20)  # the last size given back: reused
+    assert pool.allocated_bytes == again
+    lease.release()
 
 
 def test_pool_blocks_start_on_a_page_boundary():

@@ -150,9 +150,12 @@ class StagingPool:
     page), within one staging budget for the process (``budget``, charged through ``share``).
 
     Blocks come in size classes of at least 64 KiB: powers of two and 1.5 times them (powers of
-    two only when pinned, as torch rounds pinned allocations); at most ``keep_bytes`` of free
-    blocks are kept. A block is pinned only for copies from a device; when pinning fails, the
-    pool warns once and stages in pageable memory from then on.
+    two only when pinned, as torch rounds pinned allocations). The blocks, leased and free,
+    stay within ``keep_bytes`` (the budget): a new block first drops free blocks of other sizes
+    to make room, so a budget smaller than the state reuses what it can snapshot after snapshot
+    instead of keeping one size and allocating the others anew each time. A block is pinned
+    only for copies from a device; when pinning fails, the pool warns once and stages in
+    pageable memory from then on.
     """
 
     _MIN_BLOCK = 64 * 1024
@@ -201,8 +204,11 @@ class StagingPool:
             if block is not None:
                 self.free_bytes -= size
                 self.leased_bytes += size
+            else:
+                dropped = self._drop_free(self.keep_bytes - self.leased_bytes - size)
         if block is not None:
             return Lease(self, block, nbytes, pinned)
+        del dropped  # freed outside the lock
         if pinned:
             try:  # only a GPU run pins for real
                 block = device.pinned_empty((size,), torch.uint8)
@@ -243,21 +249,26 @@ class StagingPool:
             self.keep_bytes = 0
         self.trim()
 
+    def _drop_free(self, keep: int) -> list[torch.Tensor]:
+        """Under the lock: takes free blocks out, largest first, until at most ``keep`` bytes
+        of them are left; the blocks taken (to free outside the lock)."""
+        dropped: list[torch.Tensor] = []
+        for key in sorted(self._free, key=lambda k: -k[1]):
+            blocks = self._free[key]
+            while blocks and self.free_bytes > max(keep, 0):
+                dropped.append(blocks.pop())
+                self.free_bytes -= key[1]
+                self._dropped_pinned = self._dropped_pinned or key[0]
+            if not blocks:
+                del self._free[key]
+        return dropped
+
     def trim(self) -> None:
         """Drops free blocks, largest first, beyond ``keep_bytes``; empties torch's host cache,
         which keeps dropped pinned blocks locked, if any were dropped since the last trim."""
-        dropped: list[torch.Tensor] = []
         with self._lock:
-            pinned = self._dropped_pinned
-            for key in sorted(self._free, key=lambda k: -k[1]):
-                blocks = self._free[key]
-                while blocks and self.free_bytes > self.keep_bytes:
-                    dropped.append(blocks.pop())
-                    self.free_bytes -= key[1]
-                    pinned = pinned or key[0]
-                if not blocks:
-                    del self._free[key]
-            self._dropped_pinned = False
+            dropped = self._drop_free(self.keep_bytes)
+            pinned, self._dropped_pinned = self._dropped_pinned, False
         del dropped  # freed outside the lock
         if pinned:  # only a GPU run frees pinned memory for real
             device.empty_host_cache()
