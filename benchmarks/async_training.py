@@ -13,6 +13,9 @@ on a fixed pool of random batches. Methods (``METHODS``), all with their librari
                   returns before staging; the loop waits for ``pending.wait_staged()`` right
                   before the next ``optimizer.step()`` (where the library's step hook would hold
                   it), timed as the stager's wait is.
+``ss-overlap-budget`` the same with ``Options(memory_budget_bytes=)`` a quarter of the state:
+                  staging waits for writes to free buffers, so the loop waits longer before the
+                  step, and the host holds a quarter of the state's copy instead of all of it.
 ``ss-take``       ``Snapshot.take(path, app_state)``: the loop stops for the whole take.
 ``dcp-thread``    ``dcp.async_save(state_dict, checkpoint_id=path)`` (``AsyncCheckpointerType``
                   ``THREAD``, its default; the stager it makes copies the state in the call).
@@ -67,7 +70,16 @@ from torch import nn
 
 from benchmarks.common.system import current_rss, peak_rss, reset_peak_rss, trim_heap
 
-METHODS = ("none", "ss-async", "ss-overlap", "ss-take", "dcp-thread", "dcp-process", "dcp-stager")
+METHODS = (
+    "none",
+    "ss-async",
+    "ss-overlap",
+    "ss-overlap-budget",
+    "ss-take",
+    "dcp-thread",
+    "dcp-process",
+    "dcp-stager",
+)
 DCP_METHODS = ("dcp-thread", "dcp-process", "dcp-stager")
 
 
@@ -223,6 +235,7 @@ class _Snapper:
     stager: Any = None
     pending: Any = None
     staging: Any = None
+    budget_bytes: int | None = None  # ``ss-overlap-budget``'s staging budget
     warnings_seen: list[str] = field(default_factory=list)
 
     def start(self, where: str) -> None:
@@ -230,10 +243,13 @@ class _Snapper:
             from snapshot import Snapshot
 
             self.pending = Snapshot.async_take(where, self.app_state)
-        elif self.method == "ss-overlap":
-            from snapshot import Snapshot
+        elif self.method in ("ss-overlap", "ss-overlap-budget"):
+            from snapshot import Options, Snapshot
 
-            self.pending = Snapshot.async_take(where, self.app_state, stage_in_background=True)
+            options = Options(memory_budget_bytes=self.budget_bytes)
+            self.pending = Snapshot.async_take(
+                where, self.app_state, options=options, stage_in_background=True
+            )
             self.staging = _Staged(self.pending)
         elif self.method == "ss-take":
             from snapshot import Snapshot
@@ -346,6 +362,8 @@ def run_training(cfg: TrainConfig, method: str, path: str, profile: bool) -> dic
     copy_s = plain_copy_seconds(tensors)
     del tensors
     snapper = _Snapper(method, {"model": model, "optim": optimizer})
+    if method == "ss-overlap-budget":
+        snapper.budget_bytes = state_bytes // 4
     prof = cProfile.Profile() if profile else None
     snaps: list[_Snap] = []
     step_times: list[float] = []
@@ -424,7 +442,10 @@ def run_series(cfg: TrainConfig, method: str, path: str, count: int) -> dict[str
     if method not in METHODS or method == "none":
         raise ValueError(f"unknown series method {method!r}")
     model, optimizer, _ = _prepared(cfg, method, path)
+    state_bytes = sum(t.nbytes for t in state_tensors(model, optimizer))
     snapper = _Snapper(method, {"model": model, "optim": optimizer})
+    if method == "ss-overlap-budget":
+        snapper.budget_bytes = state_bytes // 4
     gc.collect()
     trim_heap()
     rss_start = current_rss()
@@ -442,7 +463,6 @@ def run_series(cfg: TrainConfig, method: str, path: str, count: int) -> dict[str
         import torch.distributed as dist
 
         dist.destroy_process_group()
-    state_bytes = sum(t.nbytes for t in state_tensors(model, optimizer))
     return {
         "ok": True,
         "rss_start": rss_start,

@@ -27,6 +27,7 @@ LABELS = {
     "none": "no snapshots",
     "ss-async": "statesnap async_take",
     "ss-overlap": "statesnap async_take, staged in the background",
+    "ss-overlap-budget": "statesnap async_take, staged in the background, budget 1/4 state",
     "ss-take": "statesnap take",
     "dcp-thread": "DCP async_save, thread",
     "dcp-process": "DCP async_save, process",
