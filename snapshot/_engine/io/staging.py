@@ -15,6 +15,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
+import mmap
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -51,9 +52,6 @@ _SMALL_COPY = 1 << 20
 # A host tensor of at least this many bytes, a blob of its own, is copied on the copier thread:
 # each copy is long enough to hide the caller's planning of many small tensors behind it.
 _COPIER_MIN_BYTES = 4 << 20
-# Pooled blocks start on a boundary of this many bytes: what direct I/O needs of the memory it
-# writes from.
-_PAGE = 4096
 
 
 def process_pool(options: Options) -> StagingPool:
@@ -275,11 +273,12 @@ class StagingPool:
 
 
 def _aligned_empty(nbytes: int) -> torch.Tensor:
-    """A new uint8 CPU tensor of ``nbytes`` starting on a page boundary, so that a plugin can
-    write it with direct I/O as it is (the page of slack before it is never touched)."""
-    raw = torch.empty(nbytes + _PAGE, dtype=torch.uint8)
-    skip = -raw.data_ptr() % _PAGE
-    return raw[skip : skip + nbytes]
+    """A new uint8 CPU tensor of ``nbytes`` in a mapping of its own: page-aligned, so that a
+    plugin can write it with direct I/O as it is, and handed back to the system when the block
+    is dropped (from the heap, freed blocks stayed in the process: a budget smaller than the
+    state drops and makes blocks snapshot after snapshot). Private: a forked child's writes
+    never reach the parent's blocks."""
+    return torch.frombuffer(mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE), dtype=torch.uint8)
 
 
 class Slab:
