@@ -55,6 +55,7 @@ import contextlib
 import cProfile
 import gc
 import io
+import itertools
 import os
 import pstats
 import shutil
@@ -103,6 +104,10 @@ class TrainConfig:
     seed: int = 0
     data_batches: int = 4
     threads: int = 1
+    # A snapshot only in every other window of ``interval`` steps (from the first step on),
+    # waited for at the window's end: windows with and without one alternate, so that the
+    # machine's own drift falls on both alike (``paired`` in the result).
+    paired: bool = False
 
 
 def build(cfg: TrainConfig) -> tuple[nn.Module, torch.optim.Optimizer, list[torch.Tensor]]:
@@ -382,16 +387,23 @@ def run_training(cfg: TrainConfig, method: str, path: str, profile: bool) -> dic
     rss_start = current_rss()
     cpu0, thread0 = time.process_time(), time.thread_time()
     t_start = time.perf_counter()
+    marks: list[float] = []  # ``paired``: where each window starts (a wait ends the one before)
     for i in range(cfg.steps):
-        if method != "none" and i > 0 and i % cfg.interval == 0:
+        boundary = i % cfg.interval == 0 and (i > 0 or cfg.paired)
+        if boundary and cfg.paired and method == "none":
+            marks.append(time.perf_counter())
+        elif boundary and method != "none":
             if prof is not None:
                 prof.enable()
             waited = snapper.wait()
             if snaps:
                 snaps[-1].blocked_in_wait = waited
             t0 = time.perf_counter()
-            snapper.start(os.path.join(path, f"snap{len(snaps)}"))
-            snaps.append(_Snap(time.perf_counter() - t0, t0))
+            if cfg.paired:
+                marks.append(t0)
+            if not cfg.paired or (i // cfg.interval) % 2 == 0:
+                snapper.start(os.path.join(path, f"snap{len(snaps)}"))
+                snaps.append(_Snap(time.perf_counter() - t0, t0))
             if prof is not None:
                 prof.disable()
         t0 = time.perf_counter()
@@ -409,6 +421,13 @@ def run_training(cfg: TrainConfig, method: str, path: str, profile: bool) -> dic
         if snaps[-1].seen_done is None:
             snaps[-1].seen_done = time.perf_counter() - snaps[-1].started
     seconds = time.perf_counter() - t_start
+    marks.append(t_start + seconds)
+    windows = [b - a for a, b in itertools.pairwise(marks)]
+    paired = {
+        "with": sum(windows[0::2]),
+        "without": sum(windows[1::2]),
+        "windows": windows,
+    }
     cpu_other = (time.process_time() - cpu0) - (time.thread_time() - thread0)
     peak_above = peak_rss() - rss_start
     closed = snapper.close()
@@ -430,6 +449,7 @@ def run_training(cfg: TrainConfig, method: str, path: str, profile: bool) -> dic
         "peak_rss_above_start": peak_above,
         "cpu_other_threads": cpu_other,
         "snapshots": [s.__dict__ for s in snaps],
+        **({"paired": paired} if cfg.paired else {}),
         "warnings": snapper.warnings_seen,
         **closed,
         **({"profile": _profile_text(prof)} if prof is not None else {}),

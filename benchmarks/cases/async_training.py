@@ -73,6 +73,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="async-training: MLP widths of the series' state",
     )
     parser.add_argument(
+        "--paired",
+        action="store_true",
+        help="async-training: a snapshot in every other window of --train-interval steps, so "
+        "that (b) compares windows with and without one in the same loop (use --train-steps "
+        "of many windows, e.g. 200)",
+    )
+    parser.add_argument(
         "--no-profile",
         action="store_true",
         help="async-training: skip the cProfile runs of statesnap's snapshots in the loop",
@@ -81,7 +88,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def configs(args: argparse.Namespace) -> dict[str, TrainConfig]:
     base = TrainConfig(
-        steps=args.train_steps, interval=args.train_interval, seed=args.seed, threads=args.threads
+        steps=args.train_steps,
+        interval=args.train_interval,
+        seed=args.seed,
+        threads=args.threads,
+        paired=args.paired,
     )
     d_model, layers, ff, heads, batch, seq = args.transformer
     out = {
@@ -314,10 +325,17 @@ def table_b(rows: Sequence[Row], methods: Sequence[str]) -> list[str]:
         "snapshot written after s (median)",
         "CPU s of other threads / helper per snapshot",
     ]
+    paired = any("paired" in r.extra for r in rows)
+    if paired:  # windows with a snapshot ÷ those without, alternating in the same loop
+        head.append("paired: windows with ÷ without a snapshot")
     out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
 
     def per_step(r: Row) -> float:
         return float(r.extra["step_mean"])
+
+    def pair_ratio(r: Row) -> float | None:
+        p = r.extra.get("paired")
+        return p["with"] / p["without"] if p and p["without"] else None
 
     ref = _per_round([r for r in rows if r.method == "none"], per_step)
     ref_med = _per_round([r for r in rows if r.method == "none"], lambda r: r.extra["step_median"])
@@ -345,6 +363,11 @@ def table_b(rows: Sequence[Row], methods: Sequence[str]) -> list[str]:
                     fmt_ratio(_ratios(ss, step)) if m != "none" else "",
                     _cell(written) if m != "none" else "",
                     _cell(_per_round(mine, cpu), lambda v: f"{v:.2f}") if m != "none" else "",
+                    *(
+                        [_cell(_per_round(mine, pair_ratio), lambda v: f"{v:.3f}")]
+                        if paired
+                        else []
+                    ),
                 ]
             )
             + " |"
