@@ -117,11 +117,12 @@ def direct_without_fsync() -> bool:
 
 @contextlib.contextmanager
 def _bounce_buffer() -> Iterator[memoryview]:
-    """A page-aligned buffer of ``_DIRECT_PIECE_BYTES``, lent for one write."""
+    """A page-aligned buffer of ``_DIRECT_PIECE_BYTES``, lent for one write; private memory,
+    so that a forked child that keeps the list writes to copies of its own."""
     with _free_lock:
         buf = _free_buffers.pop() if _free_buffers else None
     if buf is None or len(buf) != _DIRECT_PIECE_BYTES:  # (tests make the pieces smaller)
-        buf = memoryview(mmap.mmap(-1, _DIRECT_PIECE_BYTES))
+        buf = memoryview(mmap.mmap(-1, _DIRECT_PIECE_BYTES, flags=mmap.MAP_PRIVATE))
     try:
         yield buf
     finally:
@@ -585,8 +586,7 @@ class FSStoragePlugin(StoragePlugin):
 
     def _sync_dirs(self) -> None:
         dirty, self._dirty_dirs = self._dirty_dirs, set()
-        for parts in sorted(dirty):
-            fd = self._open_dir(parts)
+        for fd in (self._open_dir(parts) for parts in sorted(dirty)):
             try:
                 os.fsync(fd)
             finally:

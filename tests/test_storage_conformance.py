@@ -311,7 +311,7 @@ def test_fs_write_buffers_are_kept_for_the_next_plugin(tmp_path, monkeypatch):
 
     made: list[int] = []
     real = mmap.mmap
-    monkeypatch.setattr(fs.mmap, "mmap", lambda fd, n: made.append(n) or real(fd, n))
+    monkeypatch.setattr(fs.mmap, "mmap", lambda fd, n, **kw: made.append(n) or real(fd, n, **kw))
     monkeypatch.setattr(fs, "_free_buffers", [])
     parts = [memoryview(os.urandom(5000)), memoryview(os.urandom(70_000))]
     for n in range(3):
@@ -324,6 +324,15 @@ def test_fs_write_buffers_are_kept_for_the_next_plugin(tmp_path, monkeypatch):
     with fs._bounce_buffer() as a, fs._bounce_buffer() as b:  # two writes at once: two
         assert a is not b
     assert len(made) == 2 and len(fs._free_buffers) == 2
+    # A forked child that writes through a kept buffer writes to a copy of its own.
+    kept = fs._free_buffers[-1]
+    kept[:4] = b"mine"
+    pid = os.fork()
+    if pid == 0:
+        with fs._bounce_buffer() as buf:
+            buf[:4] = b"fork"
+        os._exit(0)
+    assert os.waitpid(pid, 0)[1] == 0 and bytes(kept[:4]) == b"mine"
 
 
 @pytest.mark.parametrize("bulk", [False, True])

@@ -196,13 +196,14 @@ class StagingPool:
         pinned when ``from_device`` (its copies come from a device) and pinning works."""
         pinned = from_device and self.pin
         size = self.size_class(nbytes, pinned)
+        dropped: list[torch.Tensor] = []
         with self._lock:
             blocks = self._free.get((pinned, size))
             block = blocks.pop() if blocks else None
             if block is not None:
                 self.free_bytes -= size
                 self.leased_bytes += size
-            else:
+            else:  # room for a new block: free blocks of other sizes go first
                 dropped = self._drop_free(self.keep_bytes - self.leased_bytes - size)
         if block is not None:
             return Lease(self, block, nbytes, pinned)
