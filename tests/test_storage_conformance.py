@@ -328,10 +328,14 @@ def test_fs_write_buffers_are_kept_for_the_next_plugin(tmp_path, monkeypatch):
     kept = fs._free_buffers[-1]
     kept[:4] = b"mine"
     pid = os.fork()
-    if pid == 0:
-        with fs._bounce_buffer() as buf:
-            buf[:4] = b"fork"
-        os._exit(0)
+    if pid == 0:  # the child leaves by os._exit whatever happens: never back into pytest
+        code = 1
+        try:
+            with fs._bounce_buffer() as buf:
+                code = 0 if buf is kept else 2  # (the buffer the parent kept, as it was)
+                buf[:4] = b"fork"
+        finally:
+            os._exit(code)
     assert os.waitpid(pid, 0)[1] == 0 and bytes(kept[:4]) == b"mine"
 
 
