@@ -62,8 +62,9 @@ class Options:
     """Staged bytes handed from the caller's thread to the I/O thread at a time (take)."""
     chunk_bytes: int | None = _tunable(None, 1)
     """Tensors larger than this are split into chunks (None: 128 MiB, or the store's hint)."""
-    slab_threshold_bytes: int | None = _tunable(_MIB, 0)
-    """Payloads up to this size are packed into shared slabs (0: no slabs)."""
+    slab_threshold_bytes: int | None = _tunable(None, 0)
+    """Payloads up to this size are packed into shared slabs (0: no slabs; None: 1 MiB for
+    ``take``, 16 MiB for ``async_take``, see ``slab_threshold``)."""
     slab_bytes: int | None = _tunable(32 * _MIB, 1)
     """Size a slab is filled to."""
     read_gap_bytes: int | None = _tunable(64 << 10, 0)
@@ -157,6 +158,18 @@ class Options:
         available = _available_memory_bytes()
         default = 1024 * _MIB if available is None else (available + reclaimable_bytes) // 4
         return max(64 * _MIB, min(default, 4096 * _MIB))
+
+    def slab_threshold(self, copied: bool, slab_bytes: int) -> int:
+        """Largest payload packed into a slab: the field, else 1 MiB for a take that writes
+        payloads from their own memory, and for one that copies every payload into staging
+        buffers anyway (``copied``: async take) 16 MiB, at most ``slab_bytes``. Every blob
+        costs the background writes of an async take a file (or object), a sync and a few
+        hand-overs between threads that take the interpreter lock from the training loop, so
+        such a take writes fewer, larger blobs; a sync take keeps its payloads over 1 MiB in
+        blobs of their own, written from the tensors' memory without a copy."""
+        if self.slab_threshold_bytes is not None:
+            return self.slab_threshold_bytes
+        return min(16 * _MIB, slab_bytes) if copied else _MIB
 
     def chunk(self, store_hint: int | None = None) -> int:
         """Chunk size: the field, else 128 MiB, or ``store_hint`` (the storage plugin's

@@ -167,8 +167,10 @@ def test_writes_start_once_everything_is_staged_unless_the_budget_is_full(
 ):
     """Writes held back while the caller copies (they would compete with its copies); with a
     budget smaller than the state, the first writes start during the call to free it."""
-    # A take's batches; no budget: the default.
-    options = Options(write_batch_bytes=1024 * 1024, memory_budget_bytes=budget)
+    # A take's batches, a blob per tensor; no budget: the default.
+    options = Options(
+        write_batch_bytes=1024 * 1024, memory_budget_bytes=budget, slab_threshold_bytes=1 << 20
+    )
     staged: list[float] = []
     original = TakeJob.start
 
@@ -302,6 +304,37 @@ def test_without_the_copier_thread_the_call_copies_and_hands_over_itself(tmp_pat
         assert torch.equal(snap.read_object(f"0/s/{k}"), v), k
 
 
+def test_a_large_slab_is_copied_and_checksummed_on_the_copier_thread(tmp_path, monkeypatch):
+    """A slab of host tensors of 4 MiB or more goes to the copier thread whole, its members'
+    CRCs with it, while a small one is copied by the call; the snapshot holds the call's
+    values, and its checksums verify."""
+    from snapshot._engine.io import staging
+    from snapshot._engine.tools.verify import verify
+
+    handed: list[int] = []
+    real = staging._on_copier
+
+    def spy(lease, copy):
+        if getattr(copy, "func", None) is staging._fill:
+            handed.append(copy.args[0].nbytes)
+        real(lease, copy)
+
+    monkeypatch.setattr(staging, "_on_copier", spy)
+    medium = {f"m{i}": torch.randn(1 << 20) for i in range(3)}  # 4 MiB each: one slab
+    state = StateDict({**medium, "tiny": torch.arange(5.0)})
+    small = StateDict(a=torch.arange(10.0))
+    expected = {k: v.clone() for k, v in state.items()}
+    pending = Snapshot.async_take(str(tmp_path / "s"), {"s": state, "x": small})
+    for t in state.values():
+        t.fill_(-1)
+    snap = pending.wait(timeout=60)
+    assert len(handed) == 1 and handed[0] >= 12 << 20  # the large slab; not the small one
+    for k, v in expected.items():
+        assert torch.equal(snap.read_object(f"0/s/{k}"), v), k
+    report = verify(str(tmp_path / "s"), None)
+    assert report.ok and report.ranges >= 5, report.problems  # every member's CRC-32
+
+
 def test_copies_the_copier_thread_has_not_started_are_made_by_the_call(tmp_path):
     """The call does not wait for a busy copier thread: the large tensors' copies it has not
     started are made on the caller's thread, and the snapshot holds the call's values."""
@@ -337,7 +370,8 @@ def test_async_take_writes_its_staged_copies_without_the_plugins_copy(tmp_path, 
     used = []
     real = fs._bounce_buffer
     monkeypatch.setattr(fs, "_bounce_buffer", lambda: used.append(1) or real())
-    state = {"s": StateDict(w=torch.randn(1 << 20), b=torch.randn(100))}  # 4 MiB, one blob
+    # 4 MiB and 4 KiB: one slab, a whole number of pages.
+    state = {"s": StateDict(w=torch.randn(1 << 20), b=torch.randn(1024))}
     Snapshot.async_take(str(tmp_path / "async"), state).wait()
     assert used == []
     Snapshot.take(str(tmp_path / "plain"), state)

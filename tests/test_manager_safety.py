@@ -477,7 +477,8 @@ class LeavesBlobs(FSStoragePlugin):
 def test_what_a_failed_save_left_is_deleted_and_the_previous_step_kept(tmp_path):
     root = str(tmp_path / "ckpt")
     register_storage_plugin("leaves", LeavesBlobs)
-    big = {"model": StateDict(a=torch.zeros(1 << 20), b=torch.ones(1 << 20))}  # a blob each
+    # 20 MiB each: a blob each, past the slabs of the manager's async takes.
+    big = {"model": StateDict(a=torch.zeros(5 << 20), b=torch.ones(5 << 20))}
     try:
         with CheckpointManager(f"leaves://{root}", keep_last=1) as m:
             m.save(1, big)

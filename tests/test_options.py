@@ -66,7 +66,28 @@ def test_torchsnapshot_override_blocks_feed_the_options():
         opts = Options.from_env()
         assert opts.chunk_bytes == 5000 and opts.slab_threshold_bytes == 0
         assert opts.slab_bytes == 1
-    assert Options.from_env().slab_threshold_bytes == 1 << 20
+    assert Options.from_env().slab_threshold_bytes is None  # the take's kind decides
+
+
+def test_async_take_packs_larger_payloads_into_slabs_than_take(tmp_path):
+    """By default a take keeps payloads over 1 MiB in blobs of their own (written from the
+    tensors' memory); an async take, which copies every payload anyway, packs those up to
+    16 MiB into slabs (at most a slab's size), and an explicit threshold holds for both."""
+    mib = 1 << 20
+    assert Options().slab_threshold(False, 32 * mib) == mib
+    assert Options().slab_threshold(True, 32 * mib) == 16 * mib
+    assert Options().slab_threshold(True, 8 * mib) == 8 * mib  # a small budget's slabs
+    assert Options(slab_threshold_bytes=4096).slab_threshold(True, 32 * mib) == 4096
+    with override_slab_size_threshold_bytes(0):
+        assert Options.from_env().slab_threshold(True, 32 * mib) == 0
+    state = {"s": StateDict({f"t{i}": torch.full((3 * mib // 4,), float(i)) for i in range(4)})}
+    plain = Snapshot.take(str(tmp_path / "plain"), state)
+    pending = Snapshot.async_take(str(tmp_path / "async"), state)
+    copied = pending.wait()
+    assert len({_blobs(plain, f"0/s/t{i}")[0] for i in range(4)}) == 4  # 3 MiB each
+    assert len({_blobs(copied, f"0/s/t{i}")[0] for i in range(4)}) == 1  # one 12 MiB slab
+    for i in range(4):
+        assert torch.equal(copied.read_object(f"0/s/t{i}"), state["s"][f"t{i}"])
 
 
 def _blobs(snap: Snapshot, path: str) -> list[str]:

@@ -7,7 +7,8 @@ memory (or a gathered copy of a ``TensorSource`` piece) and the plugin checksums
 members are copied into one buffer and checksummed from that copy. With a ``StagingPool`` (async
 take) every write is copied into a pooled buffer (a ``Lease``), so that nothing written later
 reads the application's memory; a large host tensor alone is copied on the runtime's copier
-thread while the caller stages the rest, and ``Lease.ready`` waits for that copy.
+thread while the caller stages the rest, as is a large slab of host memory (with its members'
+CRCs), and ``Lease.ready`` waits for those copies.
 """
 
 from __future__ import annotations
@@ -356,7 +357,12 @@ def stage_slab(slab: Slab, checksums: bool, pool: StagingPool | None = None) -> 
         return [view], buf
     lease = pool.acquire(slab.nbytes, slab.from_device)
     try:
-        _fill(slab, lease.tensor, lease.view, checksums, lease)
+        if slab.alone or slab.nbytes < _COPIER_MIN_BYTES or not _host_only(slab):
+            _fill(slab, lease.tensor, lease.view, checksums, lease)
+        else:  # a large slab of host memory: copied and checksummed on the copier thread
+            _on_copier(
+                lease, functools.partial(_fill, slab, lease.tensor, lease.view, checksums, None)
+            )
     except BaseException:
         lease.release()
         raise
@@ -388,12 +394,7 @@ def _fill(
                 continue
         elif lease is not None and slab.alone and p.nbytes >= _COPIER_MIN_BYTES:
             # Checksummed by the plugin, once the lease is ready.
-            copy = functools.partial(copy_payload, p, buf, pos)
-            try:
-                lease.copy = runtime.get().copier().submit(copy)
-                lease.copy_here = copy
-            except RuntimeError:  # the interpreter is shutting down: no new work for threads
-                copy()
+            _on_copier(lease, functools.partial(copy_payload, p, buf, pos))
         else:  # a large tensor, an object's bytes
             copy_payload(p, buf, pos)
         if checksums:
@@ -403,6 +404,22 @@ def _fill(
         lease.ready()
     for p in late if checksums else ():
         p.crc32 = crc32(view[p.pos : p.pos + p.nbytes])
+
+
+def _host_only(slab: Slab) -> bool:
+    """Whether every member of ``slab`` is a host tensor's memory or bytes (no ``TensorSource``:
+    its gathers share the source's state with the slabs staged on the caller's thread)."""
+    return not slab.from_device and all(p.source is None for p in slab.members)
+
+
+def _on_copier(lease: Lease, copy: Callable[[], None]) -> None:
+    """Hands ``copy`` (into ``lease``'s buffer) to the copier thread; ``Lease.ready`` waits for
+    it, or makes it on the waiting thread if the copier has not started it."""
+    try:
+        lease.copy = runtime.get().copier().submit(copy)
+        lease.copy_here = copy
+    except RuntimeError:  # the interpreter is shutting down: no new work for threads
+        copy()
 
 
 # ---------------------------------------------------------------------------------------------
