@@ -416,8 +416,9 @@ def test_async_take_records_checksums(tmp_path):
 @pytest.mark.parametrize("checksums", [True, False])
 def test_slab_members_are_checksummed_when_staged(pooled, checksums):
     """A slab's staging gives the CRC-32 of each member (views of tensors, a non-contiguous
-    tensor gathered, an object's bytes; copied into a pooled buffer for async take), so its
-    write asks the plugin for none; a blob of its own leaves its CRC to the plugin."""
+    tensor gathered, an object's bytes), so its write asks the plugin for none; copied into a
+    pooled buffer for async take, the write asks the plugin for each member's, as a blob of its
+    own leaves its CRC to the plugin."""
     from snapshot._engine.handlers.table import Layout
     from snapshot._engine.io.staging import StagingPool
     from snapshot._engine.take.plan import collect, place
@@ -451,11 +452,16 @@ def test_slab_members_are_checksummed_when_staged(pooled, checksums):
     buffers, keepalive = slab.stage()
     data = b"".join(bytes(memoryview(b).cast("B")) for b in buffers)
     assert len(data) == slab.nbytes
-    assert not slab.checksum_ranges  # the plugin checksums nothing of a slab
     for m in members:
         assert m.blob == "0/s0"
-        want = zlib.crc32(data[m.pos : m.pos + m.nbytes]) if checksums else None
-        assert m.crc32 == want, m.label
+    if pooled and checksums:  # a pooled copy nothing changes: the plugin checksums each member
+        assert slab.checksum_ranges == tuple(sorted((m.pos, m.nbytes) for m in members))
+        assert all(m.crc32 is None for m in members)
+    else:  # staged from the application's memory: checksummed from the slab's copy
+        assert not slab.checksum_ranges
+        for m in members:
+            want = zlib.crc32(data[m.pos : m.pos + m.nbytes]) if checksums else None
+            assert m.crc32 == want, m.label
     assert single.checksum_ranges == (((0, 8000),) if checksums else ())
     if pooled:
         keepalive.release()

@@ -7,8 +7,8 @@ memory (or a gathered copy of a ``TensorSource`` piece) and the plugin checksums
 members are copied into one buffer and checksummed from that copy. With a ``StagingPool`` (async
 take) every write is copied into a pooled buffer (a ``Lease``), so that nothing written later
 reads the application's memory; a large host tensor alone is copied on the runtime's copier
-thread while the caller stages the rest, as is a large slab of host memory (with its members'
-CRCs), and ``Lease.ready`` waits for those copies.
+thread while the caller stages the rest (in a blob of its own or in a slab), and
+``Lease.ready`` waits for those copies.
 """
 
 from __future__ import annotations
@@ -50,8 +50,9 @@ logger = logging.getLogger(__name__)
 # Up to this size a tensor's bytes are copied by one ``memmove`` (slabs hold thousands, and a
 # torch copy pays its dispatch each time); above it, torch's copy spreads them over its threads.
 _SMALL_COPY = 1 << 20
-# A host tensor of at least this many bytes, a blob of its own, is copied on the copier thread:
-# each copy is long enough to hide the caller's planning of many small tensors behind it.
+# A host tensor of at least this many bytes (in a blob of its own, or in an async take's slab) is
+# copied on the copier thread: each copy is long enough to hide the caller's planning of many
+# small tensors behind it.
 _COPIER_MIN_BYTES = 4 << 20
 
 
@@ -70,9 +71,7 @@ class Lease:
     device's staging stream, ``stream``, or on the copier thread, ``copy``) may be read after
     ``ready``; ``release`` gives the buffer back."""
 
-    __slots__ = (
-        "_block", "_keep", "_pool", "_streams", "copy", "copy_here", "pinned", "tensor", "view"
-    )  # fmt: skip
+    __slots__ = ("_block", "_keep", "_pool", "_streams", "copies", "pinned", "tensor", "view")
 
     def __init__(self, pool: StagingPool, block: torch.Tensor, nbytes: int, pinned: bool) -> None:
         self._pool: StagingPool | None = pool
@@ -84,8 +83,9 @@ class Lease:
         # tensors those copies read (a prepared one may have no other owner).
         self._streams: dict[int, device.Stream] = {}
         self._keep: list[torch.Tensor] = []
-        self.copy: Future[None] | None = None  # on the copier thread, until ``ready``
-        self.copy_here: Callable[[], None] | None = None  # ``copy``'s work, if not started
+        # Until ``ready``: the copies handed to the copier thread, each with its work (made
+        # by the waiting thread if the copier has not started it).
+        self.copies: list[tuple[Future[None], Callable[[], None]]] = []
 
     def stream(self, index: int, reads: torch.Tensor) -> device.Stream:
         """The pool's staging stream of device ``index``, ordered (the first time this lease
@@ -107,10 +107,9 @@ class Lease:
         """Waits for every copy into the buffer; raises what the copy raised. A copy the
         copier thread has not started is made here, on the waiting thread: the two threads
         share the copies (and the page faults of fresh blocks) instead of one waiting."""
-        copy, self.copy = self.copy, None
-        here, self.copy_here = self.copy_here, None
-        if copy is not None:
-            if here is not None and copy.cancel():
+        copies, self.copies = self.copies, []
+        for copy, here in reversed(copies):  # the copier starts from the first
+            if copy.cancel():
                 here()
             else:
                 copy.result()
@@ -125,8 +124,8 @@ class Lease:
         pool, self._pool = self._pool, None
         if pool is None:
             return
-        if self.copy is not None and self.copy.cancel():  # dropped before its copy started
-            self.copy = self.copy_here = None
+        # Dropped: the copies not started are not made.
+        self.copies = [(copy, here) for copy, here in self.copies if not copy.cancel()]
         try:
             self.ready()
         except BaseException:
@@ -309,10 +308,14 @@ def write_request(
     slab: Slab, pool: StagingPool | None, checksums: bool, zstd_level: int = 0
 ) -> WriteRequest:
     """The write of ``slab``, staged from the payloads' own memory or, with ``pool``, copied
-    into one pooled block; with ``checksums``, each member's CRC-32 is recorded; with
-    ``zstd_level``, each member is compressed as it is written (``io.compression``)."""
+    into one pooled block; with ``checksums``, each member's CRC-32 is recorded (from a slab's
+    copy when staged without a pool, else by the plugin as it writes); with ``zstd_level``,
+    each member is compressed as it is written (``io.compression``)."""
     if pool is not None:
-        stage = functools.partial(stage_slab, slab, checksums and not slab.alone, pool)
+        # Uncompressed, the pooled copy is written as it is: the plugin checksums each member
+        # as it writes it, in the background rather than in the caller's staging.
+        member_crcs = checksums and not slab.alone and zstd_level > 0
+        stage = functools.partial(stage_slab, slab, member_crcs, pool)
         cost = pool.block_bytes(slab.nbytes, slab.from_device)
     elif slab.alone:  # a view, or a gathered copy of a source's piece
         stage = functools.partial(stage_payload, slab.members[0])
@@ -323,7 +326,11 @@ def write_request(
         from snapshot._engine.io.compression import compressed_write
 
         return compressed_write(slab, stage, cost, checksums, zstd_level)
-    ranges = ((0, slab.nbytes),) if slab.alone and checksums else ()
+    ranges: tuple[tuple[int, int], ...] = ()
+    if checksums and slab.alone:
+        ranges = ((0, slab.nbytes),)
+    elif checksums and pool is not None:
+        ranges = tuple((p.pos, p.nbytes) for p in slab.members)
     return WriteRequest(slab.blob, slab.nbytes, cost, stage, slab.label(), ranges)
 
 
@@ -357,12 +364,7 @@ def stage_slab(slab: Slab, checksums: bool, pool: StagingPool | None = None) -> 
         return [view], buf
     lease = pool.acquire(slab.nbytes, slab.from_device)
     try:
-        if slab.alone or slab.nbytes < _COPIER_MIN_BYTES or not _host_only(slab):
-            _fill(slab, lease.tensor, lease.view, checksums, lease)
-        else:  # a large slab of host memory: copied and checksummed on the copier thread
-            _on_copier(
-                lease, functools.partial(_fill, slab, lease.tensor, lease.view, checksums, None)
-            )
+        _fill(slab, lease.tensor, lease.view, checksums, lease)
     except BaseException:
         lease.release()
         raise
@@ -392,8 +394,8 @@ def _fill(
             if copy_source(p.source, p.start, p.stop, buf, pos, lease):
                 late.append(p)  # issued from a device: readable after ``ready``
                 continue
-        elif lease is not None and slab.alone and p.nbytes >= _COPIER_MIN_BYTES:
-            # Checksummed by the plugin, once the lease is ready.
+        elif lease is not None and not checksums and p.nbytes >= _COPIER_MIN_BYTES:
+            # Checksummed by the plugin as it writes, once the lease is ready.
             _on_copier(lease, functools.partial(copy_payload, p, buf, pos))
         else:  # a large tensor, an object's bytes
             copy_payload(p, buf, pos)
@@ -406,18 +408,11 @@ def _fill(
         p.crc32 = crc32(view[p.pos : p.pos + p.nbytes])
 
 
-def _host_only(slab: Slab) -> bool:
-    """Whether every member of ``slab`` is a host tensor's memory or bytes (no ``TensorSource``:
-    its gathers share the source's state with the slabs staged on the caller's thread)."""
-    return not slab.from_device and all(p.source is None for p in slab.members)
-
-
 def _on_copier(lease: Lease, copy: Callable[[], None]) -> None:
     """Hands ``copy`` (into ``lease``'s buffer) to the copier thread; ``Lease.ready`` waits for
     it, or makes it on the waiting thread if the copier has not started it."""
     try:
-        lease.copy = runtime.get().copier().submit(copy)
-        lease.copy_here = copy
+        lease.copies.append((runtime.get().copier().submit(copy), copy))
     except RuntimeError:  # the interpreter is shutting down: no new work for threads
         copy()
 
