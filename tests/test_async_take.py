@@ -335,6 +335,33 @@ def test_large_tensors_in_a_slab_are_copied_on_the_copier_thread(tmp_path, monke
     assert report.ok and report.ranges >= 4, report.problems  # every member's CRC-32
 
 
+def test_a_failed_copy_still_waits_for_the_other_copies_into_its_buffer():
+    """A buffer with several copies on the copier thread: one fails, and ``ready`` raises its
+    error only once the others have ended, so the buffer is never given back while a copy
+    still writes into it."""
+    from snapshot._engine.io import staging
+
+    pool = staging.StagingPool(keep_bytes=1 << 20, pin=False)
+    lease = pool.acquire(4096)
+    ended = threading.Event()
+
+    def slow() -> None:
+        time.sleep(0.2)
+        ended.set()
+
+    def fail() -> None:
+        raise RuntimeError("copy failed")
+
+    staging._on_copier(lease, slow)
+    staging._on_copier(lease, fail)
+    with pytest.raises(RuntimeError, match="copy failed"):
+        lease.ready()
+    assert ended.is_set()
+    assert lease.copies == []
+    lease.release()
+    assert pool.leased_bytes == 0
+
+
 def test_copies_the_copier_thread_has_not_started_are_made_by_the_call(tmp_path):
     """The call does not wait for a busy copier thread: the large tensors' copies it has not
     started are made on the caller's thread, and the snapshot holds the call's values."""

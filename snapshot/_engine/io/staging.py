@@ -6,9 +6,9 @@ A placed blob is a ``Slab``: small payloads packed at aligned offsets, or one pa
 memory (or a gathered copy of a ``TensorSource`` piece) and the plugin checksums it; a slab's
 members are copied into one buffer and checksummed from that copy. With a ``StagingPool`` (async
 take) every write is copied into a pooled buffer (a ``Lease``), so that nothing written later
-reads the application's memory; a large host tensor alone is copied on the runtime's copier
-thread while the caller stages the rest (in a blob of its own or in a slab), and
-``Lease.ready`` waits for those copies.
+reads the application's memory; a large host tensor (in a blob of its own or in a slab) is
+copied on the runtime's copier thread while the caller stages the rest, and ``Lease.ready``
+waits for those copies.
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ def process_pool(options: Options) -> StagingPool:
 class Lease:
     """A pooled staging buffer lent to one write: ``tensor``, a 1-d uint8 CPU tensor of the
     requested size (``pinned``: page-locked), and ``view``, its memory. Copies into it (on a
-    device's staging stream, ``stream``, or on the copier thread, ``copy``) may be read after
+    device's staging stream, ``stream``, or on the copier thread, ``copies``) may be read after
     ``ready``; ``release`` gives the buffer back."""
 
     __slots__ = ("_block", "_keep", "_pool", "_streams", "copies", "pinned", "tensor", "view")
@@ -108,15 +108,21 @@ class Lease:
         copier thread has not started is made here, on the waiting thread: the two threads
         share the copies (and the page faults of fresh blocks) instead of one waiting."""
         copies, self.copies = self.copies, []
+        error: BaseException | None = None
         for copy, here in reversed(copies):  # the copier starts from the first
-            if copy.cancel():
-                here()
-            else:
-                copy.result()
+            try:  # every copy ends before this returns, even after one failed
+                if copy.cancel():
+                    here()
+                else:
+                    copy.result()
+            except BaseException as e:
+                error = error or e
         streams, self._streams = self._streams, {}
         for stream in streams.values():
             device.synchronize(stream)
         self._keep = []
+        if error is not None:
+            raise error
 
     def release(self) -> None:
         """Gives the buffer back once the copies into it are done (a block whose wait fails
