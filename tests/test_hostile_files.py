@@ -18,7 +18,6 @@ import socket
 import stat
 import sys
 import threading
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -445,10 +444,8 @@ def test_a_refused_blob_is_not_retried(snap, outside, monkeypatch):
     register_storage_plugin("eager", _Eager)
     monkeypatch.setattr(_Eager, "opened", [])
     try:
-        started = time.perf_counter()
         _refused(lambda: Snapshot(f"eager://{snap}").read_object("0/m/w"), "symbolic link")
-        assert time.perf_counter() - started < 1.0  # no backoff
-        assert _Eager.opened.count(blob) == 1
+        assert _Eager.opened.count(blob) == 1  # asked once: no retry, so no backoff either
     finally:
         unregister_storage_plugin("eager")
 
