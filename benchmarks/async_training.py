@@ -69,7 +69,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from benchmarks.common.system import current_rss, peak_rss, reset_peak_rss, trim_heap
+from benchmarks.common.system import (
+    current_rss,
+    peak_rss,
+    reset_peak_rss,
+    thread_schedstat,
+    trim_heap,
+)
 
 METHODS = (
     "none",
@@ -388,10 +394,12 @@ def run_training(cfg: TrainConfig, method: str, path: str, profile: bool) -> dic
     cpu0, thread0 = time.process_time(), time.thread_time()
     t_start = time.perf_counter()
     marks: list[float] = []  # ``paired``: where each window starts (a wait ends the one before)
+    scheds: list[tuple[float, float] | None] = []  # the loop thread's schedstat at each mark
     for i in range(cfg.steps):
         boundary = i % cfg.interval == 0 and (i > 0 or cfg.paired)
         if boundary and cfg.paired and method == "none":
             marks.append(time.perf_counter())
+            scheds.append(thread_schedstat())
         elif boundary and method != "none":
             if prof is not None:
                 prof.enable()
@@ -401,6 +409,7 @@ def run_training(cfg: TrainConfig, method: str, path: str, profile: bool) -> dic
             t0 = time.perf_counter()
             if cfg.paired:
                 marks.append(t0)
+                scheds.append(thread_schedstat())
             if not cfg.paired or (i // cfg.interval) % 2 == 0:
                 snapper.start(os.path.join(path, f"snap{len(snaps)}"))
                 snaps.append(_Snap(time.perf_counter() - t0, t0))
@@ -422,12 +431,31 @@ def run_training(cfg: TrainConfig, method: str, path: str, profile: bool) -> dic
             snaps[-1].seen_done = time.perf_counter() - snaps[-1].started
     seconds = time.perf_counter() - t_start
     marks.append(t_start + seconds)
+    scheds.append(thread_schedstat())
     windows = [b - a for a, b in itertools.pairwise(marks)]
-    paired = {
+    paired: dict[str, Any] = {
         "with": sum(windows[0::2]),
         "without": sum(windows[1::2]),
         "windows": windows,
     }
+    stats = [x for x in scheds if x is not None]
+    if cfg.paired and len(stats) == len(marks):
+        # Where the loop thread's time went in each kind of window: on a CPU, runnable but
+        # waiting for one (other threads and processes held the cores), and the rest asleep
+        # (waiting for the interpreter lock, a snapshot's wait, I/O).
+        spans = [
+            (w, b[0] - a[0], b[1] - a[1])
+            for w, (a, b) in zip(windows, itertools.pairwise(stats), strict=True)
+        ]
+        for kind, part in (("with", spans[0::2]), ("without", spans[1::2])):
+            on_cpu = sum(x[1] for x in part)
+            waiting = sum(x[2] for x in part)
+            paired[f"{kind}_split"] = {
+                "windows": len(part),
+                "on_cpu": on_cpu,
+                "runqueue": waiting,
+                "asleep": sum(x[0] for x in part) - on_cpu - waiting,
+            }
     cpu_other = (time.process_time() - cpu0) - (time.thread_time() - thread0)
     peak_above = peak_rss() - rss_start
     closed = snapper.close()

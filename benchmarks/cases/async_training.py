@@ -183,6 +183,7 @@ def run(args: argparse.Namespace, runner: Runner) -> CaseResult:
         out += table_a(loops, methods)
         out += ["", "**(b) loop time per step ÷ the loop without snapshots**", ""]
         out += table_b(loops, methods)
+        out += table_b_split(loops, methods)
         out += ["", "**(c) peak RSS above the RSS at the loop's start**", ""]
         out += table_c(loops, methods)
     out += ["", f"### (d) {args.series_count} snapshots in a row in one process", ""]
@@ -372,6 +373,57 @@ def table_b(rows: Sequence[Row], methods: Sequence[str]) -> list[str]:
             )
             + " |"
         )
+    return out
+
+
+def table_b_split(rows: Sequence[Row], methods: Sequence[str]) -> list[str]:
+    """``--paired``: what a window with a snapshot added to the loop thread's time, per window,
+    split by the thread's scheduler statistics into time on a CPU, time runnable but waiting
+    for a core, and time asleep (the interpreter lock, a wait, I/O)."""
+    parts = ("wall", "on_cpu", "runqueue", "asleep")
+
+    def extra(part: str) -> Callable[[Row], float | None]:
+        def ms(r: Row) -> float | None:
+            p = r.extra.get("paired") or {}
+            w, wo = p.get("with_split"), p.get("without_split")
+            if not w or not wo or not w["windows"] or not wo["windows"]:
+                return None
+            if part == "wall":
+                mine, other = p["with"], p["without"]
+            else:
+                mine, other = w[part], wo[part]
+            return (mine / w["windows"] - other / wo["windows"]) * 1000
+
+        return ms
+
+    if not any((r.extra.get("paired") or {}).get("with_split") for r in rows):
+        return []
+    head = [
+        "method",
+        "window without a snapshot, ms",
+        "added: wall ms",
+        "on a CPU",
+        "waiting for a core",
+        "asleep",
+    ]
+    out = [
+        "",
+        "**(b) split: what a window with a snapshot added to the loop thread's time, ms per "
+        "window** (scheduler statistics of the loop thread; positive: the window took longer)",
+        "",
+        "| " + " | ".join(head) + " |",
+        "|" + "---|" * len(head),
+    ]
+
+    def base(r: Row) -> float | None:
+        p = r.extra.get("paired") or {}
+        wo = p.get("without_split")
+        return p["without"] / wo["windows"] * 1000 if wo and wo["windows"] else None
+
+    for m, mine in _by_method(rows, methods):
+        cells = [_cell(_per_round(mine, base), lambda v: f"{v:.0f}")]
+        cells += [_cell(_per_round(mine, extra(part)), lambda v: f"{v:+.1f}") for part in parts]
+        out.append("| " + " | ".join([LABELS[m], *cells]) + " |")
     return out
 
 

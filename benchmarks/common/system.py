@@ -37,6 +37,18 @@ def peak_rss() -> int:
     return _status_kib("VmHWM")
 
 
+def thread_schedstat() -> tuple[float, float] | None:
+    """The calling thread's seconds on a CPU and seconds runnable but waiting for one, from
+    ``/proc/thread-self/schedstat`` (Linux with scheduler statistics); None elsewhere. A
+    thread's wall-clock time is these two plus the time it slept (on a lock, on I/O)."""
+    try:
+        with open("/proc/thread-self/schedstat") as f:
+            on_cpu, waiting, _ = f.read().split()
+    except (OSError, ValueError):
+        return None
+    return int(on_cpu) / 1e9, int(waiting) / 1e9
+
+
 def reset_peak_rss() -> bool:
     """Resets VmHWM to the current RSS (Linux >= 4.0); False when that is not possible."""
     try:
