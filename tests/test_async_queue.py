@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import logging
+import mmap
 import os
 import shutil
 import subprocess
@@ -111,6 +114,40 @@ def test_a_pool_smaller_than_the_state_stays_within_its_budget():
     lease = pool.acquire(3 << 20)  # the last size given back: reused
     assert pool.allocated_bytes == again
     lease.release()
+
+
+def _resident_pages(block: torch.Tensor) -> int:
+    """Pages of ``block``'s memory in RAM, from mincore(2) (Linux); touches none."""
+    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    pages = -(-block.numel() // mmap.PAGESIZE)
+    vec = (ctypes.c_ubyte * pages)()
+    assert libc.mincore(block.data_ptr(), block.numel(), vec) == 0, ctypes.get_errno()
+    return sum(b & 1 for b in vec)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mincore(2) as on Linux")
+def test_reused_blocks_stay_resident_only_as_far_as_their_leases_write():
+    """Three buffers of one size class, asked for in the same order snapshot after snapshot and
+    given back in another order each time (as writes end): each goes back to the block it
+    filled before, so the blocks hold the pages of the three sizes, not three times the
+    largest. Lent last-in-first-out, the 31-page lease took the block of 25 pages and faulted
+    in 6 more."""
+    page = mmap.PAGESIZE
+    sizes = (31 * page, 28 * page, 25 * page)  # one size class: 32 pages
+    assert len({StagingPool.size_class(n) for n in sizes}) == 1
+    pool = StagingPool(keep_bytes=1 << 20, pin=False)
+    blocks: dict[int, torch.Tensor] = {}
+    for order in ((0, 1, 2), (2, 1, 0), (1, 0, 2), (0, 2, 1), (2, 0, 1)):
+        leases = [pool.acquire(n) for n in sizes]
+        for lease in leases:
+            lease.tensor.fill_(7)  # what a copy into it does
+            blocks[lease.tensor.data_ptr()] = lease._block
+        for i in order:
+            leases[i].release()
+        assert len(blocks) == 3  # the same three blocks every time
+        assert sum(_resident_pages(b) for b in blocks.values()) == (31 + 28 + 25)
+    assert pool.written_bytes == sum(sizes)
 
 
 def test_pool_blocks_start_on_a_page_boundary():

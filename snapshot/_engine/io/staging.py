@@ -142,6 +142,7 @@ class Lease:
             )
             with pool._lock:
                 pool.leased_bytes -= self._block.numel()
+                pool._written.pop(self._block.data_ptr(), None)
                 pool._aside.append((self._block, self._keep))
         else:
             pool._give_back(self._block, self.pinned)
@@ -157,7 +158,11 @@ class StagingPool:
     two only when pinned, as torch rounds pinned allocations). The blocks, leased and free,
     stay within ``keep_bytes`` (the budget): a new block first drops free blocks of other sizes
     to make room, so a budget smaller than the state reuses what it can snapshot after snapshot
-    instead of keeping one size and allocating the others anew each time. A block is pinned
+    instead of keeping one size and allocating the others anew each time. A block's memory is
+    resident only as far as a lease has written it, so a free block of a size class goes to the
+    lease it fits best (``_fitting``): the slabs and tensors of one state, staged snapshot after
+    snapshot, each find the block they filled the time before, and no block grows resident up
+    to the largest size its class has held. A block is pinned
     only for copies from a device; when pinning fails, the pool warns once and stages in
     pageable memory from then on.
     """
@@ -170,6 +175,7 @@ class StagingPool:
         self.budget = ByteBudget(keep_bytes)
         self._streams: dict[int, device.Stream] = {}  # by device index: copies from it
         self._free: dict[tuple[bool, int], list[torch.Tensor]] = {}
+        self._written: dict[int, int] = {}  # by block address: the most bytes a lease asked for
         self.free_bytes = 0
         self.leased_bytes = 0
         self._lock = threading.Lock()
@@ -205,10 +211,12 @@ class StagingPool:
         dropped: list[torch.Tensor] = []
         with self._lock:
             blocks = self._free.get((pinned, size))
-            block = blocks.pop() if blocks else None
+            block = blocks.pop(self._fitting(blocks, nbytes)) if blocks else None
             if block is not None:
                 self.free_bytes -= size
                 self.leased_bytes += size
+                ptr = block.data_ptr()
+                self._written[ptr] = max(self._written[ptr], nbytes)
             else:  # room for a new block: free blocks of other sizes go first
                 dropped = self._drop_free(self.keep_bytes - self.leased_bytes - size)
         if block is not None:
@@ -235,7 +243,25 @@ class StagingPool:
         self.allocated_bytes += size
         with self._lock:
             self.leased_bytes += size
+            self._written[block.data_ptr()] = nbytes
         return Lease(self, block, nbytes, pinned)
+
+    def _fitting(self, blocks: list[torch.Tensor], nbytes: int) -> int:
+        """Under the lock: the index in ``blocks`` of the one to lend for ``nbytes``: of those
+        already written that far, the least written; else the most written (the fewest pages
+        to fault in)."""
+        written = [self._written[b.data_ptr()] for b in blocks]
+        enough = [i for i, w in enumerate(written) if w >= nbytes]
+        if enough:
+            return min(enough, key=written.__getitem__)
+        return max(range(len(blocks)), key=written.__getitem__)
+
+    @property
+    def written_bytes(self) -> int:
+        """The bytes of the pool's blocks (free and leased) that leases have written: about
+        what the pool holds resident (for tests and logs)."""
+        with self._lock:
+            return sum(self._written.values())
 
     def _give_back(self, block: torch.Tensor, pinned: bool) -> None:
         size = block.numel()
@@ -244,7 +270,9 @@ class StagingPool:
             if self.free_bytes + size <= self.keep_bytes:
                 self._free.setdefault((pinned, size), []).append(block)
                 self.free_bytes += size
-            elif pinned:
+                return
+            del self._written[block.data_ptr()]
+            if pinned:
                 self._dropped_pinned = True  # still locked in torch's host cache until trim
 
     def close(self) -> None:
@@ -262,6 +290,7 @@ class StagingPool:
             blocks = self._free[key]
             while blocks and self.free_bytes > max(keep, 0):
                 dropped.append(blocks.pop())
+                del self._written[dropped[-1].data_ptr()]
                 self.free_bytes -= key[1]
                 self._dropped_pinned = self._dropped_pinned or key[0]
             if not blocks:
