@@ -43,7 +43,10 @@ optimizer's state into tensors allocated and touched before (median of 3; the de
 freed before the loop). Peak RSS: the kernel's high-water mark, reset after the warm-up steps,
 above the RSS then (model, AdamW state and data resident); DCP's helper process's own peak is
 given apart. CPU: the process's CPU seconds during the loop minus the loop thread's own (what
-background threads burned), plus the helper's.
+background threads burned), plus the helper's. ``paired``: a snapshot starts in every other
+window of ``interval`` steps, and the windows with one and without one are summed apart; with
+each window the loop thread's scheduler statistics (Linux) split its time into time on a CPU,
+time runnable but waiting for a core, and time asleep (the interpreter lock, the waits, I/O).
 
 The ``series`` op: ``series`` snapshots in a row of a small MLP (no training between them),
 each waited for, RSS after each wait.
