@@ -259,7 +259,8 @@ class StagingPool:
     @property
     def written_bytes(self) -> int:
         """The bytes of the pool's blocks (free and leased) that leases have written: about
-        what the pool holds resident (for tests and logs)."""
+        what the pool holds resident, pinned blocks aside, which are resident whole (for tests
+        and logs)."""
         with self._lock:
             return sum(self._written.values())
 
