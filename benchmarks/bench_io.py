@@ -298,10 +298,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.libraries:
         commits = {os.path.realpath(REPO): commit, **other_commits}
         trees = [*_library_lines(args.libraries, commits, runner.imported), ""]
+    # glibc's allocator settings change every method's peak RSS and speed: they go into the
+    # command as they were given, so that a reader can run it again.
+    malloc = [f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("MALLOC_")]
     header = [
         f"### {args.case} — {when}, library commit {commit}",
         "",
-        "Command: `python -m benchmarks.bench_io " + " ".join(argv_used) + "`",
+        "Command: `" + " ".join([*malloc, "python -m benchmarks.bench_io", *argv_used]) + "`",
         "",
         f"Reps: {args.reps} (rounds, methods interleaved; medians, with each round in "
         f"parentheses); statesnap env: {env or 'library defaults'}; wall time "
