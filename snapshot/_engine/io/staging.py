@@ -256,14 +256,6 @@ class StagingPool:
             return min(enough, key=written.__getitem__)
         return max(range(len(blocks)), key=written.__getitem__)
 
-    @property
-    def written_bytes(self) -> int:
-        """The bytes of the pool's blocks (free and leased) that leases have written: about
-        what the pool holds resident, pinned blocks aside, which are resident whole (for tests
-        and logs)."""
-        with self._lock:
-            return sum(self._written.values())
-
     def _give_back(self, block: torch.Tensor, pinned: bool) -> None:
         size = block.numel()
         with self._lock:
