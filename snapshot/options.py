@@ -164,9 +164,9 @@ class Options:
         payloads from their own memory, and for one that copies every payload into staging
         buffers anyway (``copied``: async take) 16 MiB, at most ``slab_bytes``. Every blob
         costs the background writes of an async take a file (or object), a sync and a few
-        hand-overs between threads, whose Python needs the interpreter lock the training loop
-        needs too, so such a take writes fewer, larger blobs; a sync take keeps its payloads
-        over 1 MiB in blobs of their own, written from the tensors' memory without a copy."""
+        hand-overs between threads, CPU time that the training loop competes with for the
+        cores, so such a take writes fewer, larger blobs; a sync take keeps its payloads over
+        1 MiB in blobs of their own, written from the tensors' memory without a copy."""
         if self.slab_threshold_bytes is not None:
             return self.slab_threshold_bytes
         return min(16 * _MIB, slab_bytes) if copied else _MIB
