@@ -524,3 +524,33 @@ def test_a_take_that_fails_while_planning_writes_nothing(recorded, pooled):
     with pytest.raises(SnapshotError, match="cannot prepare zz; a slab written: False"):
         take(url, {"s": state}, _custom_tensor_prepare_func=prepare, options=options)
     assert [f for _, _, files in os.walk(root) for f in files] == []
+
+
+def test_a_store_that_lists_answers_the_path_checks_with_one_listing(
+    tmp_path, monkeypatch, recorded
+):
+    """Local disk lists its folder: the take asks for no marker file one by one, and still
+    refuses a DCP checkpoint's folder. A store that cannot list (``recording://`` forwards no
+    listing) is asked for each marker, and refuses the same folder."""
+    from storage_plugins.fs import FSStoragePlugin
+
+    asked: list[str] = []
+    exists = FSStoragePlugin.exists
+
+    async def counted(self, path):
+        asked.append(path)
+        return await exists(self, path)
+
+    monkeypatch.setattr(FSStoragePlugin, "exists", counted)
+    Snapshot.take(str(tmp_path / "new"), {"a": StateDict(x=1)})
+    markers = {"manifest.yaml", ".metadata", ".snapshot_metadata"}
+    assert not markers & set(asked)
+    dcp = tmp_path / "snap"  # (where ``recorded`` records)
+    dcp.mkdir()
+    (dcp / ".metadata").write_bytes(b"x")
+    for url in (str(dcp), recorded[0]):
+        asked.clear()
+        with pytest.raises(SnapshotExistsError, match=r"torch.distributed.checkpoint"):
+            Snapshot.take(url, {"a": StateDict(x=1)})
+        assert (set(asked) == markers) == url.startswith("recording://"), asked
+    assert os.listdir(dcp) == [".metadata"]

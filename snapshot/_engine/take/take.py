@@ -473,17 +473,19 @@ async def begin(plugin: StoragePlugin, where: str, options: Options) -> asyncio.
     writing the pending marker (which the commit and a failed take's cleanup wait for).
     Raises ``SnapshotExistsError`` or ``PathNotEmptyError``."""
     names = (MANIFEST_NAME, *FOREIGN_MARKERS)
-    checks = [
-        call(plugin, "check", n, where, functools.partial(plugin.exists, n), options=options)
-        for n in names
-    ]
     listing = functools.partial(plugin.list_names, LISTED_NAMES)
-    *found, listed = await asyncio.gather(
-        *checks, call(plugin, "list", "", where, listing, options=options)
-    )
+    listed = await call(plugin, "list", "", where, listing, options=options)
     names_there: list[str] = list(listed) if isinstance(listed, (list, tuple)) else []
-    # The listing ran beside the checks: a take racing this one may have committed between.
-    if found[0] or MANIFEST_NAME in names_there:
+    if isinstance(listed, (list, tuple)) and len(listed) < LISTED_NAMES:
+        # A whole listing (local disk, memory, S3) answers for the marker files: one request.
+        found = [n in names_there for n in names]
+    else:  # a store that cannot list cheaply, or more names than were listed: ask for each
+        checks = [
+            call(plugin, "check", n, where, functools.partial(plugin.exists, n), options=options)
+            for n in names
+        ]
+        found = await asyncio.gather(*checks)
+    if found[0]:
         raise SnapshotExistsError(
             f"{where} already holds a snapshot; take a new one at another path, "
             "or delete this one first"
