@@ -195,7 +195,10 @@ class StoragePlugin(abc.ABC):
         """Up to ``limit`` names of what the root holds at its top level (blobs, and the first
         component of longer paths), ``[]`` when it is empty or absent; None (the default) when
         the store cannot tell with one cheap call. A take asks, to refuse a root that holds
-        anything but what an interrupted take left."""
+        anything but what an interrupted take left; a list of fewer than ``limit`` names is
+        taken as whole (hidden names included) and also answers whether a snapshot's or
+        another library's marker file is there, which a store that cannot list is asked with
+        ``exists``."""
         return None
 
     @abc.abstractmethod

@@ -218,6 +218,20 @@ async def test_delete_all_removes_everything_under_the_root(plugin):
 
 
 @pytest.mark.asyncio
+async def test_a_listing_holds_every_top_level_name_hidden_ones_too(plugin):
+    """A take's path checks rest on it: a list of fewer than ``limit`` names is whole (the
+    marker files are hidden names); None means the store cannot list, and is asked per name."""
+    for blob in (".metadata", "manifest.yaml", "d/1", "d/e/2"):
+        await plugin.write(blob, [b"x"])
+    listed = await plugin.list_names(10)
+    if listed is not None:
+        assert sorted(listed) == [".metadata", "d", "manifest.yaml"]
+        assert len(await plugin.list_names(2)) == 2
+    for blob in (".metadata", "manifest.yaml"):
+        assert await plugin.exists(blob)
+
+
+@pytest.mark.asyncio
 async def test_delete_all_leaves_siblings_alone(tmp_path):
     outside = tmp_path / "outside"
     outside.mkdir()
