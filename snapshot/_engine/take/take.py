@@ -475,8 +475,8 @@ async def begin(plugin: StoragePlugin, where: str, options: Options) -> asyncio.
     names = (MANIFEST_NAME, *FOREIGN_MARKERS)
     listing = functools.partial(plugin.list_names, LISTED_NAMES)
     listed = await call(plugin, "list", "", where, listing, options=options)
-    names_there: list[str] = list(listed) if isinstance(listed, (list, tuple)) else []
-    if isinstance(listed, (list, tuple)) and len(listed) < LISTED_NAMES:
+    names_there = list(listed) if isinstance(listed, (list, tuple)) else None
+    if names_there is not None and len(names_there) < LISTED_NAMES:
         # A whole listing (local disk, memory, S3) answers for the marker files: one request.
         found = [n in names_there for n in names]
     else:  # a store that cannot list cheaply, or more names than were listed: ask for each
@@ -498,7 +498,7 @@ async def begin(plugin: StoragePlugin, where: str, options: Options) -> asyncio.
             )
     # Nor into a directory holding files of its own (stores that list cheaply only: local
     # disk, memory, S3); missing, empty, or holding what an interrupted take left is fine.
-    others = sorted(n for n in names_there if TAKE_DEBRIS.fullmatch(n) is None)
+    others = sorted(n for n in names_there or () if TAKE_DEBRIS.fullmatch(n) is None)
     if others:
         shown = ", ".join(repr(n) for n in others[:5]) + (", ..." if len(others) > 5 else "")
         raise PathNotEmptyError(
