@@ -273,6 +273,32 @@ def test_a_storage_error_on_one_rank_commits_nothing(tmp_path, use_async):
     assert [f for _, _, fs in os.walk(inner) for f in fs] == []  # every rank removed its blobs
 
 
+def _manifest_write_fails(rank: int, world: int, inner: str) -> str:
+    from storage_plugins import register_storage_plugin
+    from tests.plugins import FaultyPlugin, fail_writes
+
+    register_storage_plugin("faulty", FaultyPlugin)
+    fail_writes(inner, errno.EIO, "I/O error", lambda p: p == "manifest.yaml")
+    try:
+        Snapshot.take(f"faulty://{inner}", {"s": StateDict(t=torch.full((100,), rank))})
+    except RankFailedError as e:
+        return f"{sorted(e.failures)} {e}"
+    raise AssertionError("take did not fail")
+
+
+def test_a_commit_that_fails_on_rank_zero_fails_every_rank_and_leaves_nothing(tmp_path):
+    """Rank 0's verdict reaches every rank: its failed manifest write is each rank's error, and
+    each removes its blobs, as no manifest of the take landed."""
+    inner = str(tmp_path / "snap")
+    messages = run_ranks(2, _manifest_write_fails, inner)
+    for message in messages:
+        assert message.startswith("[0] take: commit failed on rank(s) [0] of 2: rank 0: "), message
+        assert "I/O error" in message, message
+    with pytest.raises(SnapshotNotFoundError):
+        Snapshot(inner)
+    assert [f for _, _, fs in os.walk(inner) for f in fs] == []
+
+
 def _storage_opens_on_rank_zero_only(rank: int, world: int, inner: str) -> str:
     from storage_plugins import register_storage_plugin
     from storage_plugins.fs import FSStoragePlugin
@@ -301,18 +327,17 @@ def test_storage_that_cannot_open_on_one_rank_fails_every_rank(tmp_path):
 
 
 def _commit_agreement_lost(rank: int, world: int, path: str) -> str:
-    """Rank 1 loses the group right after rank 0 committed: its last agreement raises."""
+    """Rank 1 loses the group right after rank 0 committed: the verdict never reaches it."""
     from snapshot._engine.dist import dist as coordination
 
     if rank == 1:
-        agree = coordination.GroupCoordinator.agree
 
-        def losing(self, what, value=None, error=None):
-            if what == "take: commit":
+        def losing(self, value):
+            if self.step == "take: commit":
                 raise ConnectionError("the group was lost after the commit")
-            return agree(self, what, value, error)
+            raise AssertionError(f"no other broadcast of an object is expected: {self.step}")
 
-        coordination.GroupCoordinator.agree = losing  # type: ignore[method-assign]
+        coordination.GroupCoordinator.broadcast_object = losing  # type: ignore[method-assign]
     try:
         Snapshot.take(path, {"s": StateDict(t=torch.arange(1000) * (rank + 1))})
     except Exception as e:

@@ -41,6 +41,10 @@ class Coordinator:
     def broadcast(self, tensor: Any, src: int) -> None:
         """Fills ``tensor`` (a CPU tensor) on every rank with rank ``src``'s."""
 
+    def broadcast_object(self, value: Any) -> Any:
+        """Rank 0's ``value`` (any picklable object) on every rank."""
+        return value
+
     def agree(self, what: str, value: Any = None, error: BaseException | None = None) -> list[Any]:
         """All-gathers each rank's outcome of step ``what``; returns every rank's ``value``.
 
@@ -48,20 +52,25 @@ class Coordinator:
             RankFailedError: on every rank when any failed, naming each failed rank and its
                 error (this rank's own chained).
         """
-        # Each rank's result, or the error it met ("TypeName: message").
-        outcome = (value, None) if error is None else (None, f"{type(error).__name__}: {error}")
         self.step = what
-        outcomes = self.all_gather(outcome)
+        outcomes = self.all_gather((value, None if error is None else describe(error)))
         failures = {r: failed for r, (_, failed) in enumerate(outcomes) if failed is not None}
         if failures:
             if self.world_size == 1 and error is not None:
                 raise error
-            detail = "; ".join(f"rank {r}: {msg}" for r, msg in sorted(failures.items()))
-            raise RankFailedError(
-                f"{what} failed on rank(s) {sorted(failures)} of {self.world_size}: {detail}",
-                failures,
-            ) from error
+            raise RankFailedError(self.failed(what, failures), failures) from error
         return [value for value, _ in outcomes]
+
+    def failed(self, what: str, failures: dict[int, str]) -> str:
+        """The message of a ``RankFailedError``: step ``what`` failed on the ranks of
+        ``failures`` (rank -> its error, as ``describe`` gives it)."""
+        detail = "; ".join(f"rank {r}: {msg}" for r, msg in sorted(failures.items()))
+        return f"{what} failed on rank(s) {sorted(failures)} of {self.world_size}: {detail}"
+
+
+def describe(error: BaseException) -> str:
+    """An error as a rank reports it to the others: ``"TypeName: message"``."""
+    return f"{type(error).__name__}: {error}"
 
 
 class GroupCoordinator(Coordinator):
@@ -119,6 +128,14 @@ class GroupCoordinator(Coordinator):
     def broadcast(self, tensor: Any, src: int) -> None:
         root = dist.get_global_rank(self.group, src)
         self.watch.run(lambda: dist.broadcast(tensor, src=root, group=self.group), self._lost)
+
+    def broadcast_object(self, value: Any) -> Any:
+        box = [value]
+        root = dist.get_global_rank(self.group, 0)
+        self.watch.run(
+            lambda: dist.broadcast_object_list(box, src=root, group=self.group), self._lost
+        )
+        return box[0]
 
     def _lost(self, why: str, failures: dict[int, str]) -> RankFailedError:
         """What a rank raises when it lost contact with its peers while it waited."""

@@ -1,15 +1,12 @@
 """A take, step by step: capture the state, plan it (``plan``: no I/O), agree across ranks,
-execute the plan's writes (``pipeline.WritePipeline``), and commit: rank 0 writes a pending
-marker before the first blob (``begin``) and the manifest last, once every blob is durable
-(``commit``); a failed take removes what it wrote (``remove_written``)."""
+execute the plan's writes (``pipeline.WritePipeline``), and commit (the storage side in
+``commit``): rank 0 writes a pending marker before the first blob and the manifest last, once
+every rank wrote and every blob is durable; a failed take removes what it wrote."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import functools
 import logging
-import os
 import threading
 import time
 import uuid
@@ -23,14 +20,13 @@ import torch
 import manifest as mf
 from snapshot._engine import state_dicts
 from snapshot._engine.dist import replication
-from snapshot._engine.dist.dist import Coordinator
+from snapshot._engine.dist.dist import Coordinator, describe
 from snapshot._engine.dist.replication import Decision, Facts, Pending
-from snapshot._engine.format.torchsnapshot_format import FOREIGN_MARKERS
 from snapshot._engine.handlers import sharded
 from snapshot._engine.handlers.table import Layout, Made, PrepareFunc, merge_entries
 from snapshot._engine.io.pipeline import IOStats, WritePipeline, plugin_location
 from snapshot._engine.io.staging import StagingPool
-from snapshot._engine.io.storage_calls import call, open_plugin
+from snapshot._engine.io.storage_calls import open_plugin
 from snapshot._engine.runtime import gc_paused, naming_snapshot, run
 from snapshot._engine.state_dicts import (
     check_app_state,
@@ -39,12 +35,11 @@ from snapshot._engine.state_dicts import (
     ordered_keys,
     state_dict_of,
 )
-from snapshot._engine.take.commit import LISTED_NAMES, MANIFEST_NAME, PENDING_NAME, TAKE_DEBRIS
+from snapshot._engine.take.commit import begin, commit, not_committed, remove_written
 from snapshot._engine.take.incremental import Reuse
 from snapshot._engine.take.plan import TakePlan, collect, format_version, place
 from snapshot.errors import (
     PathMismatchWarning,
-    PathNotEmptyError,
     RankFailedError,
     SnapshotError,
     SnapshotExistsError,
@@ -72,11 +67,11 @@ class TakeJob:
     ``release_writes``; without one the caller must not change its tensors until the take is
     done. ``finish`` (a background thread's, for async take) waits for the writes and commits.
 
-    Across ranks, each rank's outcome is carried by agreement points (``Coordinator.agree``):
-    after capture (rank 0's path and layout; which leaves are one value for all ranks,
-    ``replication``), after writing, and after rank 0's commit. A rank that fails still reaches
-    the next point, so every rank raises the same error; nothing is committed and each rank
-    deletes what it wrote."""
+    Across ranks, each rank's outcome is carried to the others: after capture by agreements
+    (``Coordinator.agree``: rank 0's path and layout; which leaves are one value for all ranks,
+    ``replication``); after writing by one gather to rank 0, which commits only if every rank
+    wrote, and one broadcast of its verdict. A rank that fails still takes part, so every rank
+    raises the same error; nothing is committed and each rank deletes what it wrote."""
 
     def __init__(
         self,
@@ -126,6 +121,11 @@ class TakeJob:
         self._released = threading.Event()  # set once the caller handed every staged write over
         self._times: dict[str, float] = {}  # when it started; then each step's seconds
         self._budget = 0  # bytes of staging this take may hold, fixed when it captures
+        # Rank 0's commit: the manifest, whether its write began (the path may hold it), and
+        # the error that stopped it.
+        self._data: bytes | None = None
+        self._landed = False
+        self._failure: BaseException | None = None
         self.held = False  # set before ``start``: the writes are staged by ``stage_held``
 
     # -- capture, plan, execute ---------------------------------------------------------------
@@ -347,8 +347,8 @@ class TakeJob:
             self._released.set()
 
     def finish(self, coordinator: Coordinator | None = None) -> bytes | None:
-        """Waits for this rank's writes, agrees with the others (through ``coordinator``: async
-        take's is on a group of its own), and commits; the manifest's bytes on rank 0."""
+        """Waits for this rank's writes, then commits with the others (through ``coordinator``:
+        async take's is on a group of its own); the manifest's bytes on rank 0."""
         coord = coordinator or self.coordinator
         assert self.plan is not None  # the plugin may be missing: a rank that could not open it
         stats = None
@@ -363,56 +363,91 @@ class TakeJob:
         if self.pool is not None:
             self.pool.trim()  # this take's blocks are back: unlock pinned memory it dropped
         checksums = self.pipeline.checksums if self.pipeline is not None else {}
-        try:
-            # Every rank's entries of a replicated value point at the blob one rank wrote: that
-            # rank shares the checksums of what it wrote for the others.
-            shared = self.plan.shared_checksums(checksums) if error is None else {}
-            written = coord.agree("take: writing", value=(shared, self._copy_crcs), error=error)
-            for part, _ in written:
-                checksums.update(part)
-            if self._copies is not None:
-                self._copies.check_copies([crcs for _, crcs in written])
-            with gc_paused():
-                entries = self.plan.entries(checksums)
-        except BaseException:
-            self._abandon()
-            raise
-        # From the gather on, rank 0 may commit a manifest that names every rank's blobs: after
-        # a failure a rank removes its blobs only when it knows no manifest of this take landed.
-        data = error = None
-        count = len(entries)
-        may_have_landed = False  # rank 0: from the moment its manifest write begins
-        try:
-            with gc_paused():
-                parts = coord.gather(entries)
-            if parts is not None:  # rank 0: write the manifest of every rank's entries
-                assert self.plugin is not None  # rank 0 opened it before the first agreement
-                try:
-                    with gc_paused():
-                        count, data = self._manifest(parts)
-                    may_have_landed = True
-                    run(commit(self.plugin, data, self.options))
-                except SnapshotExistsError as e:  # another take's manifest holds the path
-                    error, may_have_landed = e, False
-                except Exception as e:
-                    error = e
-                    may_have_landed = not run(_not_committed(self.plugin, data))
-            coord.agree("take: commit", error=error)
-        except BaseException as e:
-            if (coord.rank == 0 and not may_have_landed) or _lost_to_another_take(e):
+        # What this rank tells rank 0: its error, or the checksums of what it wrote for the
+        # others (rank 0's entries of a replicated value point at the blob one rank wrote),
+        # the CRC-32s of its copies, and its entries (rank 0 makes its own once it has the
+        # others' checksums).
+        part = None
+        if error is None:
+            try:
+                with gc_paused():
+                    shared = self.plan.shared_checksums(checksums)
+                    entries = self.plan.entries(checksums) if coord.rank != 0 else {}
+                part = (shared, self._copy_crcs, entries)
+            except Exception as e:
+                error = e
+            except BaseException:
                 self._abandon()
+                raise
+        # One gather and rank 0's verdict: rank 0 commits only when every rank wrote. From the
+        # gather on rank 0 may commit a manifest that names every rank's blobs, so a rank
+        # removes its blobs only when it knows that no manifest of this take landed.
+        coord.step = "take: commit"
+        try:
+            with gc_paused():
+                parts = coord.gather((part, None if error is None else describe(error)))
+            verdict = None if parts is None else self._decide(parts, checksums)
+            message, failures, landed, count = coord.broadcast_object(verdict)
+        except BaseException:
+            if coord.rank == 0 and not self._landed:
+                self._abandon()
+            elif coord.rank == 0:
+                self._leave("failed after its manifest may have been committed")
             else:
-                logger.warning(
-                    "take %s (rank %d) failed after its manifest may have been committed: its "
-                    "blobs are left in place", self.where, coord.rank,
-                )  # fmt: skip
-                if self.plugin is not None:
-                    run(self.plugin.close())
+                self._leave("lost the other ranks before rank 0's verdict (it may have committed)")
             raise
+        if message is not None:
+            if landed:
+                self._leave("failed after its manifest may have been committed")
+            else:
+                self._abandon()
+            cause = error or self._failure  # this rank's own, or rank 0's commit's
+            if coord.world_size == 1 and cause is not None:  # a process alone: as it is
+                raise cause
+            if failures:
+                raise RankFailedError(message, failures) from cause
+            raise SnapshotError(message) from cause
         assert self.plugin is not None and stats is not None  # no error: both are there
         run(self.plugin.close())
         self._log(stats, count)
-        return data
+        return self._data
+
+    def _decide(
+        self, parts: Sequence[tuple[Any, str | None]], checksums: dict[Any, Any]
+    ) -> tuple[str | None, dict[int, str], bool, int]:
+        """Rank 0's verdict on every rank's ``parts``: the error message (None when the
+        snapshot is committed), the failed ranks and their errors, whether a manifest of this
+        take may be at the path, and the number of entries. Commits when every rank wrote."""
+        failures = {r: failed for r, (_, failed) in enumerate(parts) if failed is not None}
+        if failures:
+            return self.coordinator.failed("take: writing", failures), failures, False, 0
+        assert self.plan is not None and self.plugin is not None  # rank 0 opened it first
+        if self._copies is not None:
+            try:
+                self._copies.check_copies([crcs for (_, crcs, _), _ in parts])
+            except SnapshotError as e:  # no rank failed: copies that must be equal differ
+                self._failure = e
+                return str(e), {}, False, 0
+        try:
+            for (shared, _, _), _ in parts:
+                checksums.update(shared)
+            with gc_paused():
+                entries = [self.plan.entries(checksums), *(e for (_, _, e), _ in parts[1:])]
+                count, self._data = self._manifest(entries)
+            self._landed = True
+            run(commit(self.plugin, self._data, self.options))
+        except Exception as e:
+            self._failure = e
+            # Unless the write began and the path may hold it: another take's manifest won
+            # there, or the manifest reads back as not this take's.
+            self._landed = (
+                self._landed
+                and not isinstance(e, SnapshotExistsError)
+                and not run(not_committed(self.plugin, self._data))
+            )
+            failures = {0: describe(e)}
+            return self.coordinator.failed("take: commit", failures), failures, self._landed, 0
+        return None, {}, True, count
 
     def _manifest(self, parts: Sequence[Mapping[str, Made]]) -> tuple[int, bytes]:
         """The number of entries and the manifest of every rank's entries (``parts``, in rank
@@ -431,6 +466,15 @@ class TakeJob:
         framed = self.reuse is not None or (self.plan is not None and self.plan.compressed)
         version = format_version(entries, replicated_once=once, maybe_compressed=framed)
         return len(entries), mf.dumps_entries(version, world_size, metadata, entries)
+
+    def _leave(self, why: str) -> None:
+        """After a failure that may have left a manifest naming this rank's blobs: they stay."""
+        logger.warning(
+            "take %s (rank %d) %s: its blobs are left in place",
+            self.where, self.coordinator.rank, why,
+        )  # fmt: skip
+        if self.plugin is not None:
+            run(self.plugin.close())
 
     def _abandon(self, error: BaseException | None = None) -> None:
         """After a failure: the writes stopped (with ``error``), what this rank wrote removed."""
@@ -461,133 +505,4 @@ class TakeJob:
             "(%.2f GB/s, peak staged %d B), committed by %.3f s",
             self.where, times["plan"], times["staged"], times["written"], stats.gbps,
             stats.peak_budget_bytes, total,
-        )  # fmt: skip
-
-
-# ---------------------------------------------------------------------------------------------
-# The commit protocol.
-
-
-async def begin(plugin: StoragePlugin, where: str, options: Options) -> asyncio.Future[None]:
-    """On rank 0 before any blob: checks that the take may write at its path, and starts
-    writing the pending marker (which the commit and a failed take's cleanup wait for).
-    Raises ``SnapshotExistsError`` or ``PathNotEmptyError``."""
-    names = (MANIFEST_NAME, *FOREIGN_MARKERS)
-    listing = functools.partial(plugin.list_names, LISTED_NAMES)
-    listed = await call(plugin, "list", "", where, listing, options=options)
-    names_there = list(listed) if isinstance(listed, (list, tuple)) else None
-    if names_there is not None and len(names_there) < LISTED_NAMES:
-        # A whole listing (local disk, memory, S3) answers for the marker files: one request.
-        found = [n in names_there for n in names]
-    else:  # a store that cannot list cheaply, or more names than were listed: ask for each
-        checks = [
-            call(plugin, "check", n, where, functools.partial(plugin.exists, n), options=options)
-            for n in names
-        ]
-        found = await asyncio.gather(*checks)
-    if found[0]:
-        raise SnapshotExistsError(
-            f"{where} already holds a snapshot; take a new one at another path, "
-            "or delete this one first"
-        )
-    for name, there in zip(names[1:], found[1:], strict=True):
-        if there:
-            raise SnapshotExistsError(
-                f"{where} holds {FOREIGN_MARKERS[name]} ({name}), which statesnap never "
-                "writes into; take the snapshot at another path"
-            )
-    # Nor into a directory holding files of its own (stores that list cheaply only: local
-    # disk, memory, S3); missing, empty, or holding what an interrupted take left is fine.
-    others = sorted(n for n in names_there or () if TAKE_DEBRIS.fullmatch(n) is None)
-    if others:
-        shown = ", ".join(repr(n) for n in others[:5]) + (", ..." if len(others) > 5 else "")
-        raise PathNotEmptyError(
-            f"{where} is not empty: it holds {shown}, which no snapshot wrote; take the "
-            "snapshot at a new or empty directory, or move those files away first"
-        )
-    marker = f"pid {os.getpid()} started {time.time():.3f}\n".encode()
-    write = functools.partial(plugin.write, PENDING_NAME, [marker])
-    return asyncio.ensure_future(call(plugin, "write", PENDING_NAME, where, write, options=options))
-
-
-async def commit(plugin: StoragePlugin, manifest: bytes, options: Options) -> None:
-    """Makes the snapshot visible: blobs durable, then the manifest, then the manifest durable.
-    A crash at any point leaves either no manifest (an incomplete snapshot) or a complete one.
-    """
-    where = plugin_location(plugin)
-
-    async def lost() -> bool:
-        # Only if no manifest is there: of two takes racing at one path, the first wins.
-        try:
-            await plugin.write_if_absent(MANIFEST_NAME, [manifest])
-        except FileExistsError:
-            # Ours, if an earlier attempt of this call landed but its answer was lost.
-            return await plugin.read(MANIFEST_NAME) != manifest
-        return False
-
-    await call(plugin, "sync", "", where, plugin.sync, options=options)
-    if await call(plugin, "write", MANIFEST_NAME, where, lost, options=options):
-        raise SnapshotExistsError(
-            f"{where}: another take committed a snapshot at this path while this one was "
-            "writing; that snapshot stays as it is, and nothing of this take is committed "
-            "(its blobs are removed)"
-        )
-    await call(plugin, "sync", "", where, plugin.sync, options=options)
-    try:
-        await plugin.delete(PENDING_NAME)
-    except FileNotFoundError:
-        pass
-    except OSError:
-        logger.warning("snapshot %s committed, but its pending marker could not be removed", where)
-
-
-async def _not_committed(plugin: StoragePlugin, manifest: bytes | None) -> bool:
-    """After a failed commit: whether the path surely holds no manifest of this take (read back;
-    an answer lost on its way back may hide a write that landed)."""
-    if manifest is None:
-        return True
-    try:
-        return await plugin.read(MANIFEST_NAME) != manifest
-    except FileNotFoundError:
-        return True
-    except Exception:
-        return False
-
-
-def _lost_to_another_take(error: BaseException) -> bool:
-    """Whether ``error``, raised by the commit's agreement, says that rank 0 found another take's
-    manifest at the path: then no manifest names this take's blobs."""
-    return isinstance(error, RankFailedError) and error.failures.get(0, "").startswith(
-        f"{SnapshotExistsError.__name__}:"
-    )
-
-
-async def remove_written(
-    plugin: StoragePlugin,
-    where: str,
-    blobs: list[str],
-    marker_write: asyncio.Future[None] | None,
-) -> None:
-    """Best effort removal of what a failed take wrote on this rank (``blobs``, and the pending
-    marker when this rank started writing it), then storage closed."""
-    if marker_write is not None:
-        with contextlib.suppress(Exception):
-            await marker_write  # so that it cannot land after its deletion
-        blobs = [*blobs, PENDING_NAME]
-    failed: list[tuple[str, Exception]] = []
-    try:
-        for blob in blobs:  # each on its own: one that cannot be removed leaves the others
-            try:
-                await plugin.delete(blob)
-            except (FileNotFoundError, NotADirectoryError):
-                pass  # never written
-            except Exception as e:
-                failed.append((blob, e))
-    finally:
-        await plugin.close()
-    if failed:
-        blob, error = failed[0]
-        logger.warning(
-            "could not remove %d blob(s) of a failed take at %s; the first, %s: %s: %s",
-            len(failed), where, blob, type(error).__name__, error,
         )  # fmt: skip
