@@ -328,7 +328,7 @@ class Snapshot:
                 if error is not None:
                     raise error
             else:  # every rank's verdict: one rank refused means every rank stops
-                coordinator.agree("restore: signature", error=error)
+                coordinator.agree_outcome("restore: signature", error)
         reporter = _reporter(wanted, "restore", coordinator)
         try:
             with gc_paused():

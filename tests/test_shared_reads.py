@@ -169,63 +169,74 @@ def test_the_environment_sets_it(monkeypatch):
 
 def _agreements(rank: int, world: int, path: str) -> dict[str, tuple]:
     """Takes a small replicated model, then restores it three ways and once failing on rank 1;
-    for each, how many object all-gathers the restore made on this rank and the names of the
-    agreements (and the failure's message and untouched keys)."""
+    for each, how many object all-gathers and flag all-reduces the restore made on this rank
+    and the names of the agreements (and the failure's message and untouched keys)."""
     from snapshot._engine.dist.dist import GroupCoordinator
 
     state = {"model": StateDict(w=torch.arange(64.0)), "own": StateDict(x=torch.full((8,), 1.0))}
     Snapshot.take(path, state, replicated=["model/**"])
-    calls, names = [0], []
-    gather, agree = dist.all_gather_object, GroupCoordinator.agree
+    calls, names = [0, 0], []
+    gather, reduce = dist.all_gather_object, dist.all_reduce
+    agree, outcome = GroupCoordinator.agree, GroupCoordinator.agree_outcome
 
     def counted(*args, **kwargs):
         calls[0] += 1
         return gather(*args, **kwargs)
 
+    def reduced(*args, **kwargs):
+        calls[1] += 1
+        return reduce(*args, **kwargs)
+
     def named(self, what, value=None, error=None):
         names.append(what)
         return agree(self, what, value, error)
 
-    dist.all_gather_object = counted
+    def named_outcome(self, what, error):
+        names.append(what)
+        return outcome(self, what, error)
+
+    dist.all_gather_object, dist.all_reduce = counted, reduced
     GroupCoordinator.agree = named  # type: ignore[method-assign]
+    GroupCoordinator.agree_outcome = named_outcome  # type: ignore[method-assign]
     out = {}
     for case, once, verify_first in (
         ("plain", None, False),
         ("once", True, False),
         ("verify", None, True),
     ):
-        calls[0], names[:] = 0, []
+        calls[:], names[:] = [0, 0], []
         targets = {"model": StateDict(w=torch.zeros(64)), "own": StateDict(x=torch.zeros(8))}
         Snapshot(path).restore(
             targets, options=Options(read_replicated_once=once), verify_first=verify_first
         )
         assert torch.equal(targets["model"]["w"], torch.arange(64.0)), case
-        out[case] = (calls[0], list(names))
+        out[case] = (*calls, list(names))
     # Rank 1's target cannot take the stored tensor: its planning fails, and every rank raises
     # at the checks, before any rank read a byte.
-    calls[0], names[:] = 0, []
+    calls[:], names[:] = [0, 0], []
     targets = {"model": StateDict(w=torch.zeros(64 + rank)), "own": StateDict(x=torch.zeros(8))}
     try:
         Snapshot(path).restore(targets, options=Options(read_replicated_once=True))
     except RankFailedError as e:
-        out["failed"] = (calls[0], list(names), str(e), e.untouched)
+        out["failed"] = (*calls, list(names), str(e), e.untouched)
     return out
 
 
-def test_a_restore_across_ranks_makes_three_agreements(tmp_path):
+def test_a_restore_across_ranks_gathers_objects_once(tmp_path):
     """The checks carry what decides whether replicated tensors are read once: a restore on
-    one host from a local directory makes three object all-gathers; reading once adds the one
-    that lists the shared tensors, verify_first the one after its checks. A rank whose planning
+    one host from a local directory makes three agreements, one object all-gather (the checks)
+    and two that carry no value, each one flag all-reduce; reading once adds the all-gather
+    that lists the shared tensors, verify_first a flag after its checks. A rank whose planning
     fails makes every rank raise at the checks, before any rank read a byte."""
     results = run_ranks(2, _agreements, str(tmp_path / "snap"))
     for out in results:
-        assert out["plain"] == (3, ["restore: checks", "restore: reading", "restore"]), out
+        assert out["plain"] == (1, 2, ["restore: checks", "restore: reading", "restore"]), out
         once = ["restore: checks", "restore: shared tensors", "restore: reading", "restore"]
-        assert out["once"] == (4, once), out
+        assert out["once"] == (2, 2, once), out
         verify = ["restore: checks", "restore: verifying", "restore: reading", "restore"]
-        assert out["verify"] == (4, verify), out
-        calls, names, message, untouched = out["failed"]
-        assert (calls, names) == (1, ["restore: checks"]), out
+        assert out["verify"] == (1, 3, verify), out
+        gathers, reductions, names, message, untouched = out["failed"]
+        assert (gathers, reductions, names) == (1, 0, ["restore: checks"]), out
         assert message.startswith("restore: checks failed on rank(s) [1] of 2: rank 1: "), out
         assert (
             "ShapeMismatchError" in message

@@ -96,7 +96,7 @@ def restore(
             raise  # raised by an agreement inside, on every rank alike
         except Exception as e:
             error = e
-        coordinator.agree("restore", error=error)
+        coordinator.agree_outcome("restore", error)
     except BaseException as e:
         progress.account(e, coordinator.rank, coordinator.world_size)
         raise
@@ -187,7 +187,7 @@ def _restore(
                 loader.verify_first(plugin, budget)
             except Exception as e:
                 error = e
-            coordinator.agree("restore: verifying", error=error)
+            coordinator.agree_outcome("restore: verifying", error)
         # Replicated tensors read by one rank each and broadcast (a collective of every rank).
         shared = None
         if coordinator.world_size > 1:
@@ -197,7 +197,7 @@ def _restore(
             stats = loader.execute(plugin, budget, progress, reporter)
         except Exception as e:
             error = e
-    coordinator.agree("restore: reading", error=error)
+    coordinator.agree_outcome("restore: reading", error)
     t_read = time.perf_counter()
     assert stats is not None
     if shared is not None:
