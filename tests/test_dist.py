@@ -299,6 +299,31 @@ def test_a_commit_that_fails_on_rank_zero_fails_every_rank_and_leaves_nothing(tm
     assert [f for _, _, fs in os.walk(inner) for f in fs] == []
 
 
+def _collectives_of_a_take(rank: int, world: int, path: str) -> dict[str, int]:
+    """How many object collectives of each kind a take made on this rank."""
+    counts = {"all_gather_object": 0, "gather_object": 0, "broadcast_object_list": 0}
+    for name in counts:
+        real = getattr(dist, name)
+
+        def counted(*args, _real=real, _name=name, **kwargs):
+            counts[_name] += 1
+            return _real(*args, **kwargs)
+
+        setattr(dist, name, counted)
+    Snapshot.take(path, {"s": StateDict(t=torch.full((100,), rank))})
+    return counts
+
+
+def test_a_take_across_ranks_commits_with_one_gather_and_one_broadcast(tmp_path):
+    """The capture's agreement is the take's one object all-gather; after the writes, each
+    rank's part goes to rank 0 in one gather and rank 0's verdict comes back in one broadcast."""
+    path = str(tmp_path / "snap")
+    counts = run_ranks(2, _collectives_of_a_take, path)
+    expected = {"all_gather_object": 1, "gather_object": 1, "broadcast_object_list": 1}
+    assert counts == [expected, expected]
+    assert torch.equal(Snapshot(path).read_object("1/s/t"), torch.full((100,), 1))
+
+
 def _storage_opens_on_rank_zero_only(rank: int, world: int, inner: str) -> str:
     from storage_plugins import register_storage_plugin
     from storage_plugins.fs import FSStoragePlugin

@@ -422,13 +422,13 @@ class TakeJob:
         if failures:
             return self.coordinator.failed("take: writing", failures), failures, False, 0
         assert self.plan is not None and self.plugin is not None  # rank 0 opened it first
-        if self._copies is not None:
-            try:
-                self._copies.check_copies([crcs for (_, crcs, _), _ in parts])
-            except SnapshotError as e:  # no rank failed: copies that must be equal differ
-                self._failure = e
-                return str(e), {}, False, 0
-        try:
+        try:  # any error is the verdict: every rank waits for it
+            if self._copies is not None:
+                try:
+                    self._copies.check_copies([crcs for (_, crcs, _), _ in parts])
+                except SnapshotError as e:  # no rank failed: copies that must be equal differ
+                    self._failure = e
+                    return str(e), {}, False, 0
             for (shared, _, _), _ in parts:
                 checksums.update(shared)
             with gc_paused():
