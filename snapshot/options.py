@@ -63,8 +63,8 @@ class Options:
     chunk_bytes: int | None = _tunable(None, 1)
     """Tensors larger than this are split into chunks (None: 128 MiB, or the store's hint)."""
     slab_threshold_bytes: int | None = _tunable(None, 0)
-    """Payloads up to this size are packed into shared slabs (0: no slabs; None: 1 MiB for
-    ``take``, 16 MiB for ``async_take``, see ``slab_threshold``)."""
+    """Payloads up to this size are packed into shared slabs (0: no slabs; None: 16 MiB, at
+    most ``slab_bytes``, see ``slab_threshold``)."""
     slab_bytes: int | None = _tunable(32 * _MIB, 1)
     """Size a slab is filled to."""
     read_gap_bytes: int | None = _tunable(64 << 10, 0)
@@ -159,17 +159,16 @@ class Options:
         default = 1024 * _MIB if available is None else (available + reclaimable_bytes) // 4
         return max(64 * _MIB, min(default, 4096 * _MIB))
 
-    def slab_threshold(self, copied: bool, slab_bytes: int) -> int:
-        """Largest payload packed into a slab: the field, else 1 MiB for a take that writes
-        payloads from their own memory, and for one that copies every payload into staging
-        buffers anyway (``copied``: async take) 16 MiB, at most ``slab_bytes``. Every blob
-        costs the background writes of an async take a file (or object), a sync and a few
-        hand-overs between threads, CPU time that the training loop competes with for the
-        cores, so such a take writes fewer, larger blobs; a sync take keeps its payloads over
-        1 MiB in blobs of their own, written from the tensors' memory without a copy."""
+    def slab_threshold(self, slab_bytes: int) -> int:
+        """Largest payload packed into a slab: the field, else 16 MiB, at most ``slab_bytes``.
+        Every blob costs a take a file (or object) and a sync, and an async take's background
+        writes also hand-overs between threads, CPU time that the training loop competes with
+        for the cores; so payloads up to 16 MiB share blobs. A slab costs no extra copy: a
+        synchronous take writes its members over 1 MiB from their own memory, and an async take
+        copies every payload into staging buffers anyway."""
         if self.slab_threshold_bytes is not None:
             return self.slab_threshold_bytes
-        return min(16 * _MIB, slab_bytes) if copied else _MIB
+        return min(16 * _MIB, slab_bytes)
 
     def chunk(self, store_hint: int | None = None) -> int:
         """Chunk size: the field, else 128 MiB, or ``store_hint`` (the storage plugin's

@@ -69,25 +69,36 @@ def test_torchsnapshot_override_blocks_feed_the_options():
     assert Options.from_env().slab_threshold_bytes is None  # the take's kind decides
 
 
-def test_async_take_packs_larger_payloads_into_slabs_than_take(tmp_path):
-    """By default a take keeps payloads over 1 MiB in blobs of their own (written from the
-    tensors' memory); an async take, which copies every payload anyway, packs those up to
-    16 MiB into slabs (at most a slab's size), and an explicit threshold holds for both."""
+def test_take_and_async_take_pack_payloads_up_to_16_mib_into_slabs(tmp_path):
+    """Both kinds of take pack payloads of up to 16 MiB (at most a slab's size) into slabs: a
+    take writes the members over 1 MiB from the tensors' own memory, an async take copies every
+    payload anyway; an explicit threshold holds for both."""
+    from snapshot._engine.tools.verify import verify
+
     mib = 1 << 20
-    assert Options().slab_threshold(False, 32 * mib) == mib
-    assert Options().slab_threshold(True, 32 * mib) == 16 * mib
-    assert Options().slab_threshold(True, 8 * mib) == 8 * mib  # a small budget's slabs
-    assert Options(slab_threshold_bytes=4096).slab_threshold(True, 32 * mib) == 4096
+    assert Options().slab_threshold(32 * mib) == 16 * mib
+    assert Options().slab_threshold(8 * mib) == 8 * mib  # a small budget's slabs
+    assert Options(slab_threshold_bytes=4096).slab_threshold(32 * mib) == 4096
     with override_slab_size_threshold_bytes(0):
-        assert Options.from_env().slab_threshold(True, 32 * mib) == 0
-    state = {"s": StateDict({f"t{i}": torch.full((3 * mib // 4,), float(i)) for i in range(4)})}
+        assert Options.from_env().slab_threshold(32 * mib) == 0
+    # 3 MiB tensors (viewed in a take) between small ones (copied), and a 20 MiB one alone.
+    values = {f"t{i}": torch.full((3 * mib // 4,), float(i)) for i in range(4)}
+    values |= {f"small{i}": torch.full((100,), float(i)) for i in range(3)}
+    values["big"] = torch.arange(5 * mib, dtype=torch.float32)
+    state = {"s": StateDict(values)}
     plain = Snapshot.take(str(tmp_path / "plain"), state)
     pending = Snapshot.async_take(str(tmp_path / "async"), state)
     copied = pending.wait()
-    assert len({_blobs(plain, f"0/s/t{i}")[0] for i in range(4)}) == 4  # 3 MiB each
-    assert len({_blobs(copied, f"0/s/t{i}")[0] for i in range(4)}) == 1  # one 12 MiB slab
-    for i in range(4):
-        assert torch.equal(copied.read_object(f"0/s/t{i}"), state["s"][f"t{i}"])
+    apart = Snapshot.take(str(tmp_path / "apart"), state, options=Options(slab_threshold_bytes=0))
+    for snap in (plain, copied):
+        assert len({_blobs(snap, f"0/s/{k}")[0] for k in values if k != "big"}) == 1
+        assert _blobs(snap, "0/s/big")[0] not in _blobs(snap, "0/s/t0")
+    assert len({_blobs(apart, f"0/s/{k}")[0] for k in values}) == len(values)
+    for snap in (plain, copied, apart):
+        report = verify(snap.path, None)
+        assert report.ok and report.ranges == len(values), report.problems
+        for k, v in values.items():
+            assert torch.equal(snap.read_object(f"0/s/{k}"), v)
 
 
 def _blobs(snap: Snapshot, path: str) -> list[str]:

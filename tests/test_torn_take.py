@@ -60,12 +60,20 @@ def small_state(count: int = 600) -> dict[str, torch.Tensor]:
 
 
 def large_state(count: int = 8, mib: int = 6) -> dict[str, torch.Tensor]:
-    """Tensors of several MiB: a blob each."""
+    """Tensors of several MiB, each followed by one of 4 KiB: slabs whose large members are
+    written from their own memory and the small ones from a copy (``ALONE``: a blob each)."""
     g = torch.Generator().manual_seed(1)
-    return {
-        f"w{i}": torch.randint(0, 1 << 20, (mib * MIB // 4,), generator=g, dtype=torch.int32)
-        for i in range(count)
-    }
+    state = {}
+    for i in range(count):
+        state[f"w{i}"] = torch.randint(
+            0, 1 << 20, (mib * MIB // 4,), generator=g, dtype=torch.int32
+        )
+        state[f"w{i}b"] = torch.randint(0, 1 << 20, (1024,), generator=g, dtype=torch.int32)
+    return state
+
+
+# Large tensors in blobs of their own.
+ALONE = Options(slab_threshold_bytes=MIB)
 
 
 def take_mutated(
@@ -164,12 +172,13 @@ _FS_MODES = {
 
 
 @pytest.mark.parametrize("mode", list(_FS_MODES))
-@pytest.mark.parametrize("sizes", ["small", "large"])
+@pytest.mark.parametrize("sizes", ["small", "large", "alone"])
 def test_fs_take_mutated_meanwhile_restores(tmp_path, mode: str, sizes: str) -> None:
     if mode == "direct" and not _direct_io_works(str(tmp_path)):
         pytest.skip(f"the file system of {tmp_path} refuses O_DIRECT writes")
     make = small_state if sizes == "small" else large_state
-    run_rounds(lambda r: str(tmp_path / f"snap{r}"), make, _FS_MODES[mode])
+    options = ALONE if sizes == "alone" else None
+    run_rounds(lambda r: str(tmp_path / f"snap{r}"), make, _FS_MODES[mode], options)
 
 
 def test_fs_slabs_written_directly_restore(tmp_path) -> None:
@@ -195,21 +204,22 @@ def test_fs_objects_and_unchunked_blobs_restore(tmp_path) -> None:
 # Other stores.
 
 
-@pytest.mark.parametrize("sizes", ["small", "large", "blobs"])
+@pytest.mark.parametrize("sizes", ["small", "large", "alone", "blobs"])
 def test_memory_take_mutated_meanwhile_restores(sizes: str) -> None:
     root = uuid.uuid4().hex
-    options = Options(slab_threshold_bytes=0) if sizes == "blobs" else None
-    make = {"small": small_state, "large": large_state, "blobs": lambda: small_state(300)}[sizes]
+    options = {"blobs": Options(slab_threshold_bytes=0), "alone": ALONE}.get(sizes)
+    make = {"blobs": lambda: small_state(300), "small": small_state}.get(sizes, large_state)
     run_rounds(lambda r: f"memory://{root}/snap{r}", make, None, options)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sizes", ["small", "large"])
+@pytest.mark.parametrize("sizes", ["small", "large", "alone"])
 def test_s3_take_mutated_meanwhile_restores(s3_bucket: S3Bucket, sizes: str) -> None:
-    # 5 MiB parts: the large tensors (6 MiB) go up as multipart uploads.
+    # 5 MiB parts: the slabs and the large tensors (6 MiB) go up as multipart uploads.
     storage_options = {**s3_bucket.storage_options, "part_bytes": 5 * MIB}
     make = small_state if sizes == "small" else (lambda: large_state(count=4))
-    run_rounds(lambda r: s3_bucket.url(f"snap{r}"), make, storage_options)
+    options = ALONE if sizes == "alone" else None
+    run_rounds(lambda r: s3_bucket.url(f"snap{r}"), make, storage_options, options)
 
 
 def _local_fsspec(root: str, storage_options: dict[str, Any] | None = None) -> Any:

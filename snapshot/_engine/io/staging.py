@@ -3,8 +3,9 @@ runs, just before its blob is written), and async take's staging pool.
 
 A placed blob is a ``Slab``: small payloads packed at aligned offsets, or one payload alone;
 ``write_request`` makes its write. Without a pool, a payload alone is written from a view of its
-memory (or a gathered copy of a ``TensorSource`` piece) and the plugin checksums it; a slab's
-members are copied into one buffer and checksummed from that copy. With a ``StagingPool`` (async
+memory (or a gathered copy of a ``TensorSource`` piece) and the plugin checksums it; so is each
+slab member over 1 MiB, while the smaller ones are copied, run by run, into one buffer and
+checksummed from that copy (a compressed slab is copied whole). With a ``StagingPool`` (async
 take) every write is copied into a pooled buffer (a ``Lease``), so that nothing written later
 reads the application's memory; a large host tensor (in a blob of its own or in a slab) is
 copied on the runtime's copier thread while the caller stages the rest, and ``Lease.ready``
@@ -15,10 +16,11 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import itertools
 import logging
 import mmap
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
@@ -40,7 +42,7 @@ from snapshot._engine.io import device
 from snapshot._engine.io.pipeline import WriteRequest
 from snapshot._engine.runtime import BudgetShare, ByteBudget
 from snapshot.errors import UnsupportedValueError
-from storage_plugins.base import FrozenBuffers
+from storage_plugins.base import Buffer, FrozenBuffers
 
 if TYPE_CHECKING:
     from snapshot.options import Options
@@ -50,6 +52,10 @@ logger = logging.getLogger(__name__)
 # Up to this size a tensor's bytes are copied by one ``memmove`` (slabs hold thousands, and a
 # torch copy pays its dispatch each time); above it, torch's copy spreads them over its threads.
 _SMALL_COPY = 1 << 20
+# A synchronous take copies each run of slab members of up to this size into one buffer (a
+# ``memmove`` per member costs less than a view each through the plugin's calls) and writes the
+# larger members from their own memory, without a copy of the take's.
+_COPIED_MAX = 1 << 20
 # A host tensor of at least this many bytes (in a blob of its own, or in an async take's slab) is
 # copied on the copier thread: each copy is long enough to hide the caller's planning of many
 # small tensors behind it.
@@ -348,8 +354,11 @@ def write_request(
     elif slab.alone:  # a view, or a gathered copy of a source's piece
         stage = functools.partial(stage_payload, slab.members[0])
         cost = slab.nbytes if slab.members[0].source is not None else 0
-    else:
+    elif zstd_level:  # compressed from one copy of the slab
         stage, cost = functools.partial(stage_slab, slab, checksums), slab.nbytes
+    else:
+        stage = functools.partial(stage_in_place, slab, checksums)
+        cost = sum(p.nbytes if p.nbytes <= _COPIED_MAX else p.staging_bytes for p in slab.members)
     if zstd_level:  # (imported only by a take that compresses)
         from snapshot._engine.io.compression import compressed_write
 
@@ -359,6 +368,8 @@ def write_request(
         ranges = ((0, slab.nbytes),)
     elif checksums and pool is not None:
         ranges = tuple((p.pos, p.nbytes) for p in slab.members)
+    elif checksums:  # the members written from their own memory
+        ranges = tuple((p.pos, p.nbytes) for p in slab.members if p.nbytes > _COPIED_MAX)
     return WriteRequest(slab.blob, slab.nbytes, cost, stage, slab.label(), ranges)
 
 
@@ -388,11 +399,11 @@ def stage_slab(slab: Slab, checksums: bool, pool: StagingPool | None = None) -> 
     if pool is None:
         buf = torch.empty(slab.nbytes, dtype=torch.uint8)
         view = tensor_memoryview(buf)
-        _fill(slab, buf, view, checksums, None)
+        _fill(slab.members, buf, view, checksums, None)
         return [view], buf
     lease = pool.acquire(slab.nbytes, slab.from_device)
     try:
-        _fill(slab, lease.tensor, lease.view, checksums, lease)
+        _fill(slab.members, lease.tensor, lease.view, checksums, lease)
     except BaseException:
         lease.release()
         raise
@@ -401,18 +412,53 @@ def stage_slab(slab: Slab, checksums: bool, pool: StagingPool | None = None) -> 
     return FrozenBuffers((lease.view,)), lease
 
 
+def stage_in_place(slab: Slab, checksums: bool) -> Staged:
+    """A synchronous take's slab: each run of members of up to ``_COPIED_MAX`` copied into a
+    new buffer (one ``memmove`` each, checksummed from the copy), larger members as views of
+    their own memory (checksummed by the plugin as it writes them: ``write_request``'s
+    ranges), zeros between them."""
+    buffers: list[Buffer] = []
+    keep: list[object] = []
+    end = 0  # where the buffers so far end in the blob
+    for copied, group in itertools.groupby(slab.members, lambda p: p.nbytes <= _COPIED_MAX):
+        members = list(group)
+        if members[0].pos > end:
+            buffers.append(bytes(members[0].pos - end))
+        end = members[-1].pos + members[-1].nbytes
+        if copied:
+            buf = torch.empty(end - members[0].pos, dtype=torch.uint8)
+            view = tensor_memoryview(buf)
+            _fill(members, buf, view, checksums, None, members[0].pos)
+            buffers.append(view)
+            keep.append(buf)
+            continue
+        for p in members:
+            if p.pos > end:
+                buffers.append(bytes(p.pos - end))
+            views, alive = stage_payload(p)
+            buffers += views
+            keep.append(alive)
+            end = p.pos + p.nbytes
+    return buffers, keep
+
+
 def _fill(
-    slab: Slab, buf: torch.Tensor, view: memoryview, checksums: bool, lease: Lease | None
+    members: Sequence[Payload],
+    buf: torch.Tensor,
+    view: memoryview,
+    checksums: bool,
+    lease: Lease | None,
+    base: int = 0,
 ) -> None:
-    """Copies the members of ``slab`` into ``buf`` (``view``: its bytes), zeros between them;
-    with ``checksums``, sets each member's ``crc32`` from the copy (what is written, even while
-    another thread changes the tensors)."""
+    """Copies ``members`` into ``buf`` (``view``: its bytes), each at its ``pos`` less
+    ``base``, zeros between them; with ``checksums``, sets each member's ``crc32`` from the
+    copy (what is written, even while another thread changes the tensors)."""
     start = buf.data_ptr()
     memmove = ctypes.memmove
     end = 0
     late: list[Payload] = []  # copies from a device, still in flight
-    for p in slab.members:
-        pos = p.pos
+    for p in members:
+        pos = p.pos - base
         if pos > end:
             view[end:pos] = bytes(pos - end)  # the padding
         end = pos + p.nbytes
@@ -433,7 +479,7 @@ def _fill(
         assert lease is not None
         lease.ready()
     for p in late if checksums else ():
-        p.crc32 = crc32(view[p.pos : p.pos + p.nbytes])
+        p.crc32 = crc32(view[p.pos - base : p.pos - base + p.nbytes])
 
 
 def _on_copier(lease: Lease, copy: Callable[[], None]) -> None:

@@ -232,11 +232,11 @@ class TakeJob:
         self._budget = opts.budget(
             self.pool.free_bytes + self.pool.leased_bytes if self.pool is not None else 0
         )
-        # A slab is staged whole: keep it to a quarter of the budget.
+        # An async take's slab is staged whole: keep it to a quarter of the budget.
         slab_bytes = max(1, min(_int(opts.slab_bytes), self._budget // 4))
         layout = Layout(
             chunk_bytes=opts.chunk(chunk_bytes_hint(self.path)),
-            slab_threshold_bytes=opts.slab_threshold(self.pool is not None, slab_bytes),
+            slab_threshold_bytes=opts.slab_threshold(slab_bytes),
             slab_bytes=slab_bytes,
             checksums=bool(opts.checksums),
             zstd_level=_int(opts.zstd_level),
