@@ -421,24 +421,24 @@ def stage_in_place(slab: Slab, checksums: bool) -> Staged:
     keep: list[object] = []
     end = 0  # where the buffers so far end in the blob
     for copied, group in itertools.groupby(slab.members, lambda p: p.nbytes <= _COPIED_MAX):
+        # The small members are copied run by run; each larger one is a run of its own.
         members = list(group)
-        if members[0].pos > end:
-            buffers.append(bytes(members[0].pos - end))
-        end = members[-1].pos + members[-1].nbytes
-        if copied:
-            buf = torch.empty(end - members[0].pos, dtype=torch.uint8)
-            view = tensor_memoryview(buf)
-            _fill(members, buf, view, checksums, None, members[0].pos)
-            buffers.append(view)
-            keep.append(buf)
-            continue
-        for p in members:
-            if p.pos > end:
-                buffers.append(bytes(p.pos - end))
-            views, alive = stage_payload(p)
-            buffers += views
-            keep.append(alive)
-            end = p.pos + p.nbytes
+        runs = [members] if copied else [[p] for p in members]
+        for run in runs:
+            start = run[0].pos
+            if start > end:
+                buffers.append(bytes(start - end))  # the padding
+            end = run[-1].pos + run[-1].nbytes
+            if copied:
+                buf = torch.empty(end - start, dtype=torch.uint8)
+                view = tensor_memoryview(buf)
+                _fill(run, buf, view, checksums, None, start)
+                buffers.append(view)
+                keep.append(buf)
+            else:
+                views, alive = stage_payload(run[0])
+                buffers += views
+                keep.append(alive)
     return buffers, keep
 
 
