@@ -232,7 +232,7 @@ class TakeJob:
         self._budget = opts.budget(
             self.pool.free_bytes + self.pool.leased_bytes if self.pool is not None else 0
         )
-        # An async take's slab is staged whole: keep it to a quarter of the budget.
+        # An async take stages a slab whole (so does a compressed take): a quarter of the budget.
         slab_bytes = max(1, min(_int(opts.slab_bytes), self._budget // 4))
         layout = Layout(
             chunk_bytes=opts.chunk(chunk_bytes_hint(self.path)),
