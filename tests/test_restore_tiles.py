@@ -145,7 +145,7 @@ def _small_state(seed: int) -> dict[str, torch.Tensor]:
 
 
 def _take_small(path: str, values: dict[str, torch.Tensor], options: Options | None = None) -> None:
-    # The default slab threshold (1 MiB), whatever the environment says.
+    # A slab threshold of 1 MiB, whatever the environment says: ``big`` in a blob of its own.
     options = (options or Options()).replace(slab_threshold_bytes=1 << 20)
     state = StateDict({k: v.clone() for k, v in values.items()})
     Snapshot.take(path, {"s": state}, options=options)
