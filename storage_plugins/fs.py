@@ -67,18 +67,16 @@ _OBSERVED_READ_BYTES = 4 << 20
 _MIN_READ_BYTES = 64 << 10
 
 # Direct I/O (O_DIRECT, Linux) writes from a page-aligned buffer lent to each write, in pieces
-# of ``_DIRECT_PIECE_BYTES``; the last piece is padded to ``_DIRECT_ALIGN`` and the file cut
-# back. The same buffer carries observed writes through the page cache: the one copy of the
-# bytes that no other thread can change while they are checksummed and written. The buffer is
-# not needed for ``FrozenBuffers``, nor for the whole pages of page-aligned memory that is
-# written unobserved. The buffers are kept for the process (one per write under way at once,
-# at most): a take opens a plugin of its own, and fresh buffers cost every take a page fault
-# per page (benchmarks/results/2026-12-07-parallel-take.md).
+# of ``_DIRECT_PIECE_BYTES``, the last padded to ``_DIRECT_ALIGN`` and the file cut back. The
+# buffer also carries observed writes through the page cache: the one copy of the bytes that no
+# other thread changes while they are checksummed and written; ``FrozenBuffers`` and the whole
+# pages of page-aligned memory written unobserved need none. The buffers are kept for the
+# process (one per write under way): fresh ones cost every take (a plugin of its own) a page
+# fault per page (benchmarks/results/2026-12-07-parallel-take.md).
 O_DIRECT: int = getattr(os, "O_DIRECT", 0)
 _DIRECT_ALIGN = 4096
 _DIRECT_PIECE_BYTES = 4 << 20
-# A direct write from the caller's own page-aligned memory (``_write_in_place``) moves at most
-# this many bytes per call: each piece is observed right after its call.
+# A direct write from page-aligned memory of the caller's moves at most this many bytes per call.
 _DIRECT_CALL_BYTES = 64 << 20
 # Smaller files go through the page cache: a direct write of a few KiB waits on the device.
 _DIRECT_MIN_BYTES = 1 << 20
@@ -86,9 +84,7 @@ _free_buffers: list[memoryview] = []
 _free_lock = threading.Lock()
 
 # The balloon device (virtio device id 5) and its feature bit for free page reporting.
-_VIRTIO_DEVICES = "/sys/bus/virtio/devices"
-_VIRTIO_ID_BALLOON = 5
-_VIRTIO_BALLOON_F_REPORTING = 5
+_VIRTIO_DEVICES, _VIRTIO_ID_BALLOON, _VIRTIO_BALLOON_F_REPORTING = "/sys/bus/virtio/devices", 5, 5
 
 
 @functools.cache
@@ -236,7 +232,8 @@ class FSStoragePlugin(StoragePlugin):
 
     storage_options:
         fsync (bool, default True): fsync each file after writing it, and (in ``sync()``) every
-            directory a file was renamed into, so a committed snapshot survives a power loss.
+            directory a file was renamed into or a directory made in, so a committed snapshot
+            survives a power loss.
         direct_io (bool or "auto", default "auto"): write files of 1 MiB and more with direct
             I/O (O_DIRECT), past the page cache. "auto" does so when ``fsync`` is on (the bytes
             must reach the device anyway), and without fsync on a VM that hands its free memory
@@ -274,7 +271,7 @@ class FSStoragePlugin(StoragePlugin):
         self._made_above: list[str] = []
         self._making_root = threading.Lock()
         self._made_below: set[str] = set()
-        self._dirty_dirs: set[tuple[str, ...]] = set()
+        self._dirty_dirs: set[str] = set()  # those that gained an entry, for ``sync``
 
     def describe(self, path: str) -> str:
         return os.path.join(self.root, *path.split("/"))
@@ -312,6 +309,7 @@ class FSStoragePlugin(StoragePlugin):
                     with contextlib.suppress(FileExistsError):  # (made by another rank)
                         os.mkdir(folder)
                         self._made_above.append(folder)
+                        self._dirty_dirs.add(os.path.dirname(folder))
             fd = self._openat(None, self._base, _DIR_FLAGS, "")
         try:
             for i, name in enumerate(parts):
@@ -324,6 +322,7 @@ class FSStoragePlugin(StoragePlugin):
                     with contextlib.suppress(FileExistsError):  # (made by another thread)
                         os.mkdir(name, dir_fd=fd)
                         self._made_below.add(path)
+                        self._dirty_dirs.add(os.path.join(self._base, *parts[:i]))
                     child = self._openat(fd, name, _DIR_FLAGS, path)
                 os.close(fd)
                 fd = child
@@ -392,7 +391,7 @@ class FSStoragePlugin(StoragePlugin):
         finally:
             os.close(parent)
         if self._fsync:
-            self._dirty_dirs.add(tuple(dirs))
+            self._dirty_dirs.add(os.path.join(self._base, *dirs))
 
     def _write_new(
         self,
@@ -585,8 +584,9 @@ class FSStoragePlugin(StoragePlugin):
         await self._run(self._delete_sync, path)
 
     def _sync_dirs(self) -> None:
+        """fsyncs each directory a file was renamed into or a directory made in."""
         dirty, self._dirty_dirs = self._dirty_dirs, set()
-        for fd in (self._open_dir(parts) for parts in sorted(dirty)):
+        for fd in (os.open(d, os.O_RDONLY | os.O_DIRECTORY) for d in sorted(dirty)):
             try:
                 os.fsync(fd)
             finally:

@@ -262,6 +262,45 @@ def _write_fails_on_one_rank(rank: int, world: int, inner: str, use_async: bool)
     raise AssertionError("take did not fail")
 
 
+def _fsyncs(rank: int, world: int, path: str, use_async: bool) -> list[tuple[str, bool]]:
+    """Each fsync of this rank's take: the path synced, and whether the manifest was there."""
+    real = os.fsync
+    seen: list[tuple[str, bool]] = []
+    manifest = os.path.join(path, "manifest.yaml")
+
+    def fsync(fd: int) -> None:
+        seen.append((os.readlink(f"/proc/self/fd/{fd}"), os.path.exists(manifest)))
+        real(fd)
+
+    os.fsync = fsync
+    try:
+        state = {"s": StateDict(t=torch.full((300_000,), float(rank)), small=torch.ones(8))}
+        if use_async:
+            Snapshot.async_take(path, state).wait()
+        else:
+            Snapshot.take(path, state)
+    finally:
+        os.fsync = real
+    return seen
+
+
+@pytest.mark.parametrize("use_async", [False, True], ids=["take", "async_take"])
+def test_every_rank_makes_what_it_wrote_durable_before_the_commit(tmp_path, use_async):
+    """Rank 0 commits only once each rank has fsynced the directories it wrote into and made
+    (its own blob directory, the snapshot's, and the folders above it that the take made);
+    rank 0 fsyncs the snapshot's directory again once the manifest is in it."""
+    top = os.path.realpath(tmp_path)
+    path = os.path.join(top, "new", "snap")
+    seen = run_ranks(2, _fsyncs, path, use_async)
+    for rank, calls in enumerate(seen):
+        before = {p for p, committed in calls if not committed}
+        assert {os.path.join(path, str(rank)), path} <= before, (rank, calls)
+    made = {p for calls in seen for p, committed in calls if not committed}
+    assert {top, os.path.dirname(path)} <= made
+    assert (path, True) in seen[0]
+    assert not any(committed for p, committed in seen[1])
+
+
 @pytest.mark.parametrize("use_async", [False, True], ids=["take", "async_take"])
 def test_a_storage_error_on_one_rank_commits_nothing(tmp_path, use_async):
     inner = str(tmp_path / "snap")

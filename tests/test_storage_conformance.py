@@ -300,6 +300,42 @@ async def test_scatter_reads(plugin):
         await plugin.readv("absent", 0, [memoryview(bytearray(1))])
 
 
+@pytest.mark.asyncio
+async def test_fs_sync_makes_new_entries_durable_up_to_the_folders_it_made(tmp_path, monkeypatch):
+    """A power loss after ``sync`` keeps every blob under its name: ``sync`` fsyncs each
+    directory a blob was renamed into or a directory made in, the folders above the root that
+    the plugin made included; with ``fsync=False``, none."""
+    synced: list[str] = []
+    real = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: synced.append(os.readlink(f"/proc/self/fd/{fd}")))
+    top = os.path.realpath(tmp_path)
+    root = os.path.join(top, "new", "snap")
+    plugin = FSStoragePlugin(root)
+    await plugin.write("0/a/blob", [b"x" * 10])
+    await plugin.write("marker", [b"y"])
+    synced.clear()  # the files' own fsyncs
+    await plugin.sync()
+    assert sorted(synced) == sorted(
+        [top, os.path.dirname(root), root, f"{root}/0", f"{root}/0/a"]
+    )
+    synced.clear()
+    await plugin.sync()  # nothing new since
+    assert synced == []
+    await plugin.write("0/a/other", [b"z"])
+    synced.clear()
+    await plugin.sync()
+    assert synced == [f"{root}/0/a"]
+    await plugin.close()
+    monkeypatch.setattr(os, "fsync", real)
+    quiet = FSStoragePlugin(str(tmp_path / "quiet"), {"fsync": False})
+    monkeypatch.setattr(os, "fsync", lambda fd: synced.append("called"))
+    synced.clear()
+    await quiet.write("0/blob", [b"x"])
+    await quiet.sync()
+    assert synced == []
+    await quiet.close()
+
+
 class _Recorder:
     """An observer with the optional bulk method: records every piece shown, either way."""
 

@@ -91,9 +91,9 @@ async def begin(plugin: StoragePlugin, where: str, options: Options) -> asyncio.
 
 
 async def commit(plugin: StoragePlugin, manifest: bytes, options: Options) -> None:
-    """Makes the snapshot visible: blobs durable, then the manifest, then the manifest durable.
-    A crash at any point leaves either no manifest (an incomplete snapshot) or a complete one.
-    """
+    """Makes the snapshot visible once every rank's blobs are durable (each rank synced its
+    own): the manifest, then the manifest durable. A crash at any point leaves either no
+    manifest (an incomplete snapshot) or a complete one."""
     where = plugin_location(plugin)
 
     async def lost() -> bool:
@@ -105,7 +105,6 @@ async def commit(plugin: StoragePlugin, manifest: bytes, options: Options) -> No
             return await plugin.read(MANIFEST_NAME) != manifest
         return False
 
-    await call(plugin, "sync", "", where, plugin.sync, options=options)
     if await call(plugin, "write", MANIFEST_NAME, where, lost, options=options):
         raise SnapshotExistsError(
             f"{where}: another take committed a snapshot at this path while this one was "

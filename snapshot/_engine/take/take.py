@@ -26,7 +26,7 @@ from snapshot._engine.handlers import sharded
 from snapshot._engine.handlers.table import Layout, Made, PrepareFunc, merge_entries
 from snapshot._engine.io.pipeline import IOStats, WritePipeline, plugin_location
 from snapshot._engine.io.staging import StagingPool
-from snapshot._engine.io.storage_calls import open_plugin
+from snapshot._engine.io.storage_calls import call, open_plugin
 from snapshot._engine.runtime import gc_paused, naming_snapshot, run
 from snapshot._engine.state_dicts import (
     check_app_state,
@@ -310,10 +310,15 @@ class TakeJob:
         return first["path"], first["layout"], decision
 
     async def _writes_done(self, pipeline: WritePipeline) -> IOStats:
-        """This rank's writes and its pending marker, done."""
+        """This rank's writes and its pending marker, done and durable: each rank syncs what it
+        wrote (the directories it wrote into or made) before rank 0 may commit, on every rank at
+        once, where rank 0 alone could not reach another host's disk."""
         stats = await pipeline.wait()
         if self._marker_write is not None:
             await self._marker_write
+        assert self.plugin is not None  # the pipeline writes to it
+        plugin = self.plugin
+        await call(plugin, "sync", "", self.where, plugin.sync, options=self.options)
         return stats
 
     # -- writing and commit -----------------------------------------------------------------
