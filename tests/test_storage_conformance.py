@@ -315,9 +315,7 @@ async def test_fs_sync_makes_new_entries_durable_up_to_the_folders_it_made(tmp_p
     await plugin.write("marker", [b"y"])
     synced.clear()  # the files' own fsyncs
     await plugin.sync()
-    assert sorted(synced) == sorted(
-        [top, os.path.dirname(root), root, f"{root}/0", f"{root}/0/a"]
-    )
+    assert sorted(synced) == sorted([top, os.path.dirname(root), root, f"{root}/0", f"{root}/0/a"])
     synced.clear()
     await plugin.sync()  # nothing new since
     assert synced == []

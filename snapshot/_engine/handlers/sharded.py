@@ -164,16 +164,34 @@ def _dtensor_held(path: str, logical: str, value: Any) -> Held:
             f"mesh of shape {list(mesh.shape)} cannot be stored or restored in place: {problem}; "
             "redistribute it to Shard / Replicate placements first"
         )
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    coord = mesh.get_coordinate()
+    if coord is None:  # a rank outside the DTensor's mesh: no piece
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    sizes, offsets = compute_local_shape_and_global_offset(shape, mesh, placements)
-    main = mesh.get_coordinate() is not None
-    piece = LocalPiece(tuple(offsets), tuple(sizes), value.to_local(), main)
+        sizes, offsets = map(tuple, compute_local_shape_and_global_offset(shape, mesh, placements))
+    else:
+        sizes, offsets = _box(shape, tuple(mesh.shape), tuple(coord), placements)
+    piece = LocalPiece(offsets, sizes, value.to_local(), coord is not None)
     dist = torch.distributed
     copied = any(isinstance(p, Replicate) for p in placements) or (
         dist.is_initialized() and mesh.size() < dist.get_world_size()
     )
     return Held(logical, value.dtype, shape, (piece,), copied)
+
+
+@functools.lru_cache(maxsize=1024)
+def _box(
+    shape: tuple[int, ...], mesh_shape: tuple[int, ...], coord: tuple[int, ...], placements: Any
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The sizes and offsets of the piece at mesh coordinate ``coord`` of a DTensor of this
+    layout. Remembered: torch works it out through every mesh dimension on each call, and each
+    take and restore asks again for every DTensor, of layouts that training does not change."""
+    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+
+    sizes, offsets = _compute_local_shape_and_global_offset(
+        shape, mesh_shape, list(coord), placements
+    )
+    return tuple(sizes), tuple(offsets)
 
 
 @functools.lru_cache(maxsize=256)
