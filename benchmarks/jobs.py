@@ -34,7 +34,9 @@ the job's ``result`` path (stdout and stderr stay free for whatever the librarie
                  FSDP2, plain; :mod:`benchmarks.methods.parallel`), fill them (take) or zero
                  them (restore), then time the method's save or load of their Stateful;
                  afterwards a restore checks every value's full tensor bitwise, and times
-                 ``later_calls`` more restores in the same process (``later_seconds``).
+                 ``later_calls`` more restores in the same process (``later_seconds``). A take
+                 with ``paired_with`` (a method) times its later calls alternating with that
+                 method's, in the same processes (``paired_seconds``).
 
 Peak RSS is measured above the RSS right before the timed region (see ``common.PeakRSS``).
 When the job says ``settle_memory`` (the harness's default), the worker (rank 0 of a group)
@@ -493,10 +495,8 @@ def _parallel_job(job: dict[str, Any]) -> tuple[ParallelMethod, Any, Any, int]:
     """The job's method (its modules imported), and its model and AdamW optimizer built on the
     job's layout (see :mod:`benchmarks.methods.parallel`)."""
     method = PARALLEL_METHODS[job["method"]]
-    if method.name == "statesnap":
-        ss_prepare()
-    else:
-        dcp_prepare()
+    for name in {method.name, job.get("paired_with") or method.name}:
+        (ss_prepare if name == "statesnap" else dcp_prepare)()
     import torch.distributed.checkpoint.state_dict  # noqa: F401  (both methods' Stateful)
 
     state = job["state"]
@@ -527,21 +527,27 @@ def _parallel_take(job: dict[str, Any], ranks: RankGroup) -> dict[str, Any]:
     disk = tree_size(path) if ranks.rank == 0 else None
     # Later takes in the same process (its first-call costs paid), each into a folder of its
     # own beside the first, barrier to barrier; removed after, the first one kept to restore.
-    later = []
+    # With ``paired_with``, that method's take follows each one (precedes every other one), so
+    # that both meet the same state of the disk and of the machine.
+    other = job.get("paired_with")
+    series: dict[str, list[float]] = {method.name: [], **({other: []} if other else {})}
     for i in range(int(job.get("later_calls", 0))):
-        again = f"{path}-later-{i}"
-        ranks.barrier()
-        t0 = time.perf_counter()
-        method.save(app, again)
-        ranks.barrier()
-        later.append(time.perf_counter() - t0)
-        if ranks.rank == 0:
-            shutil.rmtree(again, ignore_errors=True)
+        order = list(series) if i % 2 == 0 else list(series)[::-1]
+        for name in order:
+            again = f"{path}-later-{i}-{name}"
+            ranks.barrier()
+            t0 = time.perf_counter()
+            PARALLEL_METHODS[name].save(app, again)
+            ranks.barrier()
+            series[name].append(time.perf_counter() - t0)
+            if ranks.rank == 0:
+                shutil.rmtree(again, ignore_errors=True)
     return {
         "ok": True,
         **figures,
         **budget,
-        "later_seconds": later,
+        "later_seconds": series[method.name],
+        "paired_seconds": series[other] if other else [],
         "payload_bytes": parallel.model_bytes(int(job["state"]["dim"])),
         "disk": disk,
         "check": {"ok": True, "detail": "n/a (take)"},

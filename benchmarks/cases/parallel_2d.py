@@ -102,7 +102,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--later-calls",
         type=int,
         default=3,
-        help="parallel-2d: restores timed again in the same process after the first",
+        help="parallel-2d: takes and restores timed again in the same process after the first",
+    )
+    parser.add_argument(
+        "--paired-takes",
+        action="store_true",
+        help="parallel-2d: each statesnap variant's later takes alternate with DCP's in the "
+        "same processes (a row of their own)",
     )
 
 
@@ -121,12 +127,15 @@ def run_rounds(
     seed: int,
     reps: int,
     later_calls: int,
+    paired: bool = False,
 ) -> list[Row]:
     """Per round and job: each variant takes the job's state on its saved layout into a fresh
     directory; then per restore layout, each variant restores it (variants interleaved); then
-    the files are removed. Rows are labelled ``<job>/<layout>``."""
+    the files are removed. Each round starts with the next variant, so that none always runs
+    first, after the previous job's files were removed. Rows are labelled ``<job>/<layout>``."""
     rows: list[Row] = []
     for rnd in range(reps):
+        variants = [*variants[1:], variants[0]] if rnd else variants
         for job in jobs:
             log(f"round {rnd + 1}/{reps}: {job.name}")
             saved: dict[str, str] = {}
@@ -139,6 +148,8 @@ def run_rounds(
                     state = _state(job.saved, dim, seed)
                     job_args = {"op": "parallel-take", "method": v.writer, "state": state.args}
                     job_args["later_calls"] = later_calls
+                    if paired and v.writer != "dcp":
+                        job_args["paired_with"] = "dcp"
                     result = runner.job({**job_args, "path": path}, v.env)
                     state.label = f"{job.name}/take"
                     rows.append(make_row(NAME, state, rnd, v, "take", "fsync", v.writer, result))
@@ -174,10 +185,11 @@ def _per_rank(rows: Sequence[Row], key: str) -> list[float]:
     return [statistics.median(by_rank[k]) for k in sorted(by_rank)]
 
 
-def _later(row: Row) -> float | None:
-    """A restore's later calls in the same process: the median over calls of the slowest
-    rank's seconds (None: none, or the restore failed)."""
-    ranks = [fig.get("later_seconds") or [] for fig in row.extra.get("ranks", [])]
+def _later(row: Row, key: str = "later_seconds") -> float | None:
+    """A take's or restore's later calls in the same process (``paired_seconds``: DCP's, paired
+    with a take's): the median over calls of the slowest rank's seconds (None: none, or the
+    call failed)."""
+    ranks = [fig.get(key) or [] for fig in row.extra.get("ranks", [])]
     if not row.ok or not ranks or not all(ranks):
         return None
     return statistics.median(max(calls) for calls in zip(*ranks, strict=True))
@@ -242,6 +254,28 @@ def job_tables(rows: Sequence[Row], job: Job, labels: Sequence[str]) -> list[str
                 ]
                 cells.append(fmt_ratio(ratios))
         out.append("| " + " | ".join(cells) + " |")
+    take = f"{job.name}/take"
+    paired = [(lb, [r for r in rows if r.state == take and r.label == lb]) for lb in ours]
+    paired = [(lb, sel) for lb, sel in paired if any(_later(r, "paired_seconds") for r in sel)]
+    if paired:
+        out += [
+            "",
+            "Later takes alternating with DCP's in the same processes (`--paired-takes`; the "
+            "two take turns going first), the median of each round's calls, median over rounds "
+            "(each round in parentheses), and the median of the per-round ratios:",
+            "",
+            "| take | its s | DCP's s, paired | ÷ DCP |",
+            "|---|---|---|---|",
+        ]
+    for lb, sel in paired:
+        pairs = [(_later(r), _later(r, "paired_seconds")) for r in sel]
+        got = [(a, b) for a, b in pairs if a and b]
+        cells = [f"{lb} `{job.saved}`"]
+        for k in (0, 1):
+            rounds = ", ".join(fmt_s(p[k]) for p in got)
+            cells.append(f"{fmt_s(statistics.median(p[k] for p in got))} ({rounds})")
+        cells.append(fmt_ratio([a / b for a, b in got]))
+        out.append("| " + " | ".join(cells) + " |")
     out += [
         "",
         "Peak RSS above the RSS right before the call, per rank (rank 0 first; medians over "
@@ -299,7 +333,9 @@ def run(args: argparse.Namespace, runner: Runner) -> CaseResult:
         Variant(m, m, [m], dict(args.statesnap_env) if m == "statesnap" else {}) for m in methods
     ]
     variants = with_libraries(base, args.libraries)
-    rows = run_rounds(runner, jobs, variants, args.dim, args.seed, args.reps, args.later_calls)
+    rows = run_rounds(
+        runner, jobs, variants, args.dim, args.seed, args.reps, args.later_calls, args.paired_takes
+    )
     labels = [v.label for v in variants]
     out = [
         "",

@@ -218,6 +218,7 @@ def merge_ranks(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
                     "in_place",
                     "budget_bytes",
                     "later_seconds",
+                    "paired_seconds",
                     "error",
                     "traceback",
                 )
