@@ -37,16 +37,17 @@ logger = logging.getLogger(__name__)
 _T = TypeVar("_T")
 
 
-def open_plugin(url: str, storage_options: dict[str, Any] | None) -> StoragePlugin:
+async def make_plugin(url: str, storage_options: dict[str, Any] | None) -> StoragePlugin:
     """The storage plugin for ``url``, built on the I/O loop; the caller closes it."""
-
-    async def make() -> StoragePlugin:
-        return url_to_storage_plugin(url, storage_options)
-
     try:
-        return run(make())
+        return url_to_storage_plugin(url, storage_options)
     except (ValueError, TypeError, ImportError) as e:
         raise StorageError(f"cannot open storage for {url!r}: {e}") from e
+
+
+def open_plugin(url: str, storage_options: dict[str, Any] | None) -> StoragePlugin:
+    """``make_plugin``, from a thread other than the I/O loop's."""
+    return run(make_plugin(url, storage_options))
 
 
 @contextmanager

@@ -26,7 +26,7 @@ from snapshot._engine.handlers import sharded
 from snapshot._engine.handlers.table import Layout, Made, PrepareFunc, merge_entries
 from snapshot._engine.io.pipeline import IOStats, WritePipeline, plugin_location
 from snapshot._engine.io.staging import StagingPool
-from snapshot._engine.io.storage_calls import call, open_plugin
+from snapshot._engine.io.storage_calls import call, make_plugin, open_plugin
 from snapshot._engine.runtime import gc_paused, naming_snapshot, run
 from snapshot._engine.state_dicts import (
     check_app_state,
@@ -245,9 +245,7 @@ class TakeJob:
         if self.base is not None or opts.digests:
             self.reuse = Reuse(self.path, self.base, self.storage_options, opts, coord.rank)
         if coord.rank == 0:
-            self.plugin = open_plugin(self.path, self.storage_options)
-            self.where = plugin_location(self.plugin)
-            self._marker_write = run(begin(self.plugin, self.where, opts))
+            self._marker_write = run(self._begin())
         with naming_snapshot(self.path):
             self.collected = collect(
                 ((escape_key(k), sd) for k, sd in states),
@@ -271,6 +269,12 @@ class TakeJob:
                 p.nbytes for p in self.collected.payloads
             )
         return info
+
+    async def _begin(self) -> asyncio.Future[None]:
+        """Rank 0's storage opened and ``begin`` run there, in one trip to the I/O loop."""
+        self.plugin = await make_plugin(self.path, self.storage_options)
+        self.where = plugin_location(self.plugin)
+        return await begin(self.plugin, self.where, self.options)
 
     def _agree(self, infos: list[dict[str, Any]]) -> tuple[str, Layout, Decision | None]:
         """Rank 0's path and layout, and which leaves are replicated (None for a process alone);
