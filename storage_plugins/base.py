@@ -212,8 +212,9 @@ class StoragePlugin(abc.ABC):
         raise NotImplementedError(f"{type(self).__name__} cannot delete a whole root")
 
     async def sync(self) -> None:  # noqa: B027 - optional hook, most stores are durable on write
-        """Makes every blob written so far durable (called before and after the commit
-        marker); stores durable on ``write`` need not override it."""
+        """Makes every blob written so far durable, under its name (a take calls it on each
+        rank once its blobs are written, and on rank 0 after the manifest); stores durable on
+        ``write`` need not override it."""
 
     async def close(self) -> None:  # noqa: B027 - optional hook, most plugins hold nothing
         """Releases what the plugin holds (sessions, threads). Called once, last."""
