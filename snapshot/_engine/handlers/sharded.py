@@ -183,9 +183,8 @@ def _dtensor_held(path: str, logical: str, value: Any) -> Held:
 def _box(
     shape: tuple[int, ...], mesh_shape: tuple[int, ...], coord: tuple[int, ...], placements: Any
 ) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """The sizes and offsets of the piece at mesh coordinate ``coord`` of a DTensor of this
-    layout. Remembered: torch works it out through every mesh dimension on each call, and each
-    take and restore asks again for every DTensor, of layouts that training does not change."""
+    """The sizes and offsets of the piece at ``coord`` of a DTensor of this layout, remembered:
+    torch works them out on each call, each take and restore asks for every DTensor again."""
     from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 
     sizes, offsets = _compute_local_shape_and_global_offset(
