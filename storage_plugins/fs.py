@@ -586,7 +586,7 @@ class FSStoragePlugin(StoragePlugin):
     def _sync_dirs(self) -> None:
         """fsyncs each directory a file was renamed into or a directory made in."""
         dirty, self._dirty_dirs = self._dirty_dirs, set()
-        for fd in (os.open(d, os.O_RDONLY | os.O_DIRECTORY) for d in sorted(dirty)):
+        for fd in (os.open(d, _DIR_FLAGS) for d in sorted(dirty)):
             try:
                 os.fsync(fd)
             finally:
